@@ -1,0 +1,170 @@
+"""SWATokenToKVPoolAllocator: full-attention and sliding-window slots in step.
+
+Hybrid sliding-window models (Gemma3, GPT-OSS) keep every token's KV in the
+full-attention layers but only the last window in the SWA layers, whose pool
+(``size_swa``) is smaller. Each allocation takes the same number of slots
+from both sub-allocators and records ``full_to_swa_index_mapping[full] = swa``;
+the *full* slot numbers are what requests and the tree cache hold.
+
+* ``free(full)`` releases both halves; ``free_swa(full)`` releases only the
+  SWA half (tokens that slid out of the window) and zeroes the mapping, the
+  full KV staying cached.
+* With ``page_size > 1`` both halves are paged and lay a position out at the
+  same page offset, so a full page corresponds to exactly one SWA page;
+  ``free_swa`` therefore works on whole pages.
+* ``available_size()`` is ambiguous here and raises: use
+  ``full_available_size()`` / ``swa_available_size()``.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+
+from mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
+from mem_cache.integrity import ensure
+
+
+def _make_sub_allocator(size: int, page_size: int, device, need_sort: bool, backend: str, debug):
+    if page_size == 1:
+        return TokenToKVPoolAllocator(size, device=device, need_sort=need_sort, debug=debug)
+    return PagedTokenToKVPoolAllocator(size, page_size, device=device, need_sort=need_sort, backend=backend, debug=debug)
+
+
+class SWATokenToKVPoolAllocator:
+    def __init__(
+        self,
+        size: int,
+        size_swa: int,
+        page_size: int = 1,
+        device="cpu",
+        kvcache=None,
+        need_sort: bool = False,
+        backend: str = "auto",
+        debug=None,
+    ):
+        self.size = size
+        self.size_swa = size_swa
+        self.page_size = page_size
+        self.device = torch.device(device)
+        self.full_attn_allocator = _make_sub_allocator(size, page_size, device, need_sort, backend, debug)
+        self.swa_attn_allocator = _make_sub_allocator(size_swa, page_size, device, need_sort, backend, debug)
+        # indexed by full slot; the trailing entry (index -1) maps last_loc == -1 to -1
+        self.full_to_swa_index_mapping = torch.zeros(size + page_size + 1, dtype=torch.int64, device=self.device)
+        self.full_to_swa_index_mapping[-1] = -1
+        self.kvcache = kvcache
+        if kvcache is not None:
+            kvcache.register_mapping(self.full_to_swa_index_mapping)
+
+    # ---- sizes -------------------------------------------------------------
+    def available_size(self) -> int:
+        raise NotImplementedError("SWA allocator: use full_available_size() or swa_available_size()")
+
+    def full_available_size(self) -> int:
+        return self.full_attn_allocator.available_size()
+
+    def swa_available_size(self) -> int:
+        return self.swa_attn_allocator.available_size()
+
+    # ---- allocation --------------------------------------------------------
+    def _pair(self, alloc_full, alloc_swa) -> Optional[torch.Tensor]:
+        """Run both allocations or neither; record the mapping."""
+        state = self.full_attn_allocator.backup_state()
+        full = alloc_full()
+        if full is None:
+            return None
+        swa = alloc_swa()
+        if swa is None:
+            self.full_attn_allocator.restore_state(state)
+            return None
+        self.full_to_swa_index_mapping[full] = swa
+        return full
+
+    def alloc(self, need_size: int) -> Optional[torch.Tensor]:
+        return self._pair(
+            lambda: self.full_attn_allocator.alloc(need_size),
+            lambda: self.swa_attn_allocator.alloc(need_size),
+        )
+
+    def alloc_extend(self, prefix_lens, seq_lens, last_loc, extend_num_tokens: int, **cpu_lens):
+        swa_last_loc = self.translate_loc_from_full_to_swa(last_loc).to(torch.int64)
+        return self._pair(
+            lambda: self.full_attn_allocator.alloc_extend(prefix_lens, seq_lens, last_loc, extend_num_tokens, **cpu_lens),
+            lambda: self.swa_attn_allocator.alloc_extend(prefix_lens, seq_lens, swa_last_loc, extend_num_tokens, **cpu_lens),
+        )
+
+    def alloc_decode(self, seq_lens, last_loc, **cpu_lens):
+        swa_last_loc = self.translate_loc_from_full_to_swa(last_loc).to(torch.int64)
+        return self._pair(
+            lambda: self.full_attn_allocator.alloc_decode(seq_lens, last_loc, **cpu_lens),
+            lambda: self.swa_attn_allocator.alloc_decode(seq_lens, swa_last_loc, **cpu_lens),
+        )
+
+    def translate_loc_from_full_to_swa(self, full_loc: torch.Tensor) -> torch.Tensor:
+        return self.full_to_swa_index_mapping[full_loc].to(torch.int32)
+
+    # ---- freeing -----------------------------------------------------------
+    def _expand_to_pages(self, full_index: torch.Tensor) -> torch.Tensor:
+        if self.page_size == 1:
+            return full_index
+        pages = torch.unique(full_index.to(torch.int64) // self.page_size)
+        offsets = torch.arange(self.page_size, device=full_index.device)
+        return (pages[:, None] * self.page_size + offsets).reshape(-1)
+
+    def free_swa(self, full_index: torch.Tensor) -> None:
+        """Release the SWA slots of ``full_index`` (whole pages when paged)."""
+        if full_index.numel() == 0:
+            return
+        full_index = self._expand_to_pages(full_index)
+        swa = self.full_to_swa_index_mapping[full_index]
+        self.swa_attn_allocator.free(swa[swa > 0])
+        self.full_to_swa_index_mapping[full_index] = 0
+
+    def free(self, full_index: torch.Tensor) -> None:
+        if full_index.numel() == 0:
+            return
+        self.free_swa(full_index)
+        self.full_attn_allocator.free(full_index)
+
+    def free_group_begin(self) -> None:
+        self.full_attn_allocator.free_group_begin()
+        self.swa_attn_allocator.free_group_begin()
+
+    def free_group_end(self) -> None:
+        self.full_attn_allocator.free_group_end()
+        self.swa_attn_allocator.free_group_end()
+
+    # ---- state -------------------------------------------------------------
+    def backup_state(self) -> List:
+        return [self.full_attn_allocator.backup_state(), self.swa_attn_allocator.backup_state()]
+
+    def restore_state(self, state: List) -> None:
+        """Undo allocations since the backup, including their mapping entries."""
+        self.full_attn_allocator.restore_state(state[0])
+        self.swa_attn_allocator.restore_state(state[1])
+        free_full = self._free_full_slots()
+        self.full_to_swa_index_mapping[free_full.to(self.device)] = 0
+
+    def clear(self) -> None:
+        self.full_attn_allocator.clear()
+        self.swa_attn_allocator.clear()
+        self.full_to_swa_index_mapping.zero_()
+        self.full_to_swa_index_mapping[-1] = -1
+
+    def _free_full_slots(self) -> torch.Tensor:
+        pages = self.full_attn_allocator.free_page_ids()
+        offsets = torch.arange(self.page_size)
+        return (pages[:, None] * self.page_size + offsets).reshape(-1)
+
+    def check_integrity(self, in_use: Optional[torch.Tensor] = None) -> None:
+        """Both sub-allocators are sound; every SWA slot recorded in the mapping
+        is in use in the SWA pool (the mapping is the SWA pool's complete list
+        of used slots, so it must partition the SWA slots with the free list);
+        no free full slot still maps to an SWA slot."""
+        self.full_attn_allocator.check_integrity(in_use)
+        mapping = self.full_to_swa_index_mapping[:-1].cpu()
+        swa_in_use = mapping[mapping > 0]
+        self.swa_attn_allocator.check_integrity(swa_in_use)
+        stale = int((mapping[self._free_full_slots()] != 0).sum())
+        ensure(stale == 0, f"SWA allocator: {stale} free full slots still map to SWA slots")

@@ -1,0 +1,104 @@
+"""The Triton kernels lay out batches exactly as the PyTorch reference does.
+
+On the CPU the kernels run under ``TRITON_INTERPRET=1`` (set by conftest), so
+batches stay small; on CUDA the same cases run compiled (``gpu`` variants).
+"""
+
+import pytest
+import torch
+
+from mem_cache import alloc_kernels
+from mem_cache.alloc_ops import alloc_decode_torch, alloc_extend_torch, get_num_new_pages
+
+PAGE_SIZES = [1, 4, 16, 64]
+
+
+def _random_batch(gen, bs, page_size, shape):
+    """prefix/seq lens for one of the edge-case shapes, and a consistent last_loc."""
+    if shape == "empty_prefix":
+        prefix = torch.zeros(bs, dtype=torch.int64)
+    elif shape == "page_boundary":
+        prefix = torch.randint(0, 4, (bs,), generator=gen) * page_size
+    else:
+        prefix = torch.randint(0, 3 * page_size + 3, (bs,), generator=gen)
+    if shape == "plus_one":
+        extend = torch.ones(bs, dtype=torch.int64)
+    else:
+        extend = torch.randint(1, 2 * page_size + 5, (bs,), generator=gen)
+    seq = prefix + extend
+    # the prefix's last slot sits at the right offset of a page the request owns
+    # (pages 1..bs, distinct per request and never in the free list)
+    owned_page = torch.randperm(bs, generator=gen) + 1
+    last_loc = torch.where(prefix > 0, owned_page * page_size + (prefix - 1) % page_size, -1)
+    return prefix, seq, last_loc
+
+
+def _free_pages(gen, n, first_page=1025):
+    """``n + 8`` distinct free pages in a random order, all >= ``first_page``."""
+    return torch.randperm(4 * n + 64, generator=gen)[: n + 8].to(torch.int64) + first_page
+
+
+def _check_extend(prefix, seq, last_loc, page_size, device):
+    gen = torch.Generator().manual_seed(0)
+    need = get_num_new_pages(seq, page_size, prefix)
+    free = _free_pages(gen, need).to(device)
+    n = int((seq - prefix).sum())
+    args = [t.to(device) for t in (prefix, seq, last_loc)]
+    ref = alloc_extend_torch(*args, free, page_size, n)
+    got = alloc_kernels.alloc_extend_triton(*args, free, page_size, n)
+    assert got.cpu().tolist() == ref.cpu().tolist()
+    assert len(set(ref.tolist())) == n, "slots of one batch are distinct"
+
+
+def _check_decode(seq, last_loc, page_size, device):
+    gen = torch.Generator().manual_seed(1)
+    free = _free_pages(gen, seq.numel()).to(device)
+    ref = alloc_decode_torch(seq.to(device), last_loc.to(device), free, page_size)
+    got = alloc_kernels.alloc_decode_triton(seq.to(device), last_loc.to(device), free, page_size)
+    assert got.cpu().tolist() == ref.cpu().tolist()
+
+
+@pytest.mark.parametrize("page_size", PAGE_SIZES)
+@pytest.mark.parametrize("shape", ["random", "empty_prefix", "page_boundary", "plus_one"])
+@pytest.mark.parametrize("bs", [1, 5])
+def test_extend_kernel_matches_reference(page_size, shape, bs):
+    gen = torch.Generator().manual_seed(page_size * 100 + bs)
+    prefix, seq, last_loc = _random_batch(gen, bs, page_size, shape)
+    _check_extend(prefix, seq, last_loc, page_size, "cpu")
+
+
+@pytest.mark.parametrize("page_size", PAGE_SIZES)
+@pytest.mark.parametrize("bs", [1, 7, 33])
+def test_decode_kernel_matches_reference(page_size, bs):
+    gen = torch.Generator().manual_seed(page_size + bs)
+    prefix, seq, last_loc = _random_batch(gen, bs, page_size, "random")
+    seq = prefix + 1
+    _check_decode(seq, last_loc, page_size, "cpu")
+
+
+def test_extend_kernel_long_request_crosses_blocks():
+    """A request longer than one kernel block (1024 tokens) is laid out whole."""
+    prefix = torch.tensor([3, 0])
+    seq = torch.tensor([3 + 2500, 17])
+    last_loc = torch.tensor([4 * 16 + 2, -1])
+    _check_extend(prefix, seq, last_loc, 16, "cpu")
+
+
+def test_seed_worked_example():
+    """Seed 000 §4.2.1: page_size 4, prefix 6 (last slot 5), extend 7 → the two
+    free slots of page 1, then the whole next free page, then one slot of another."""
+    free = torch.tensor([3, 5, 6], dtype=torch.int64)
+    args = (torch.tensor([6]), torch.tensor([13]), torch.tensor([5]), free, 4, 7)
+    assert alloc_extend_torch(*args).tolist() == [6, 7, 12, 13, 14, 15, 20]
+    assert alloc_kernels.alloc_extend_triton(*args).tolist() == [6, 7, 12, 13, 14, 15, 20]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size", PAGE_SIZES)
+@pytest.mark.parametrize("bs", [1, 64, 1024])
+def test_kernels_match_reference_on_cuda(page_size, bs):
+    gen = torch.Generator().manual_seed(bs)
+    for shape in ["random", "empty_prefix", "page_boundary", "plus_one"]:
+        prefix, seq, last_loc = _random_batch(gen, bs, page_size, shape)
+        _check_extend(prefix, seq, last_loc, page_size, "cuda")
+        _check_decode(prefix + 1, last_loc, page_size, "cuda")
