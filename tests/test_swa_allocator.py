@@ -1,0 +1,69 @@
+"""SWATokenToKVPoolAllocator: both halves move together; free_swa drops only the window's KV."""
+
+import pytest
+import torch
+
+from mem_cache.integrity import IntegrityError
+from mem_cache.swa_allocator import SWATokenToKVPoolAllocator
+
+
+def t(*xs):
+    return torch.tensor(xs, dtype=torch.int64)
+
+
+def test_alloc_maps_full_to_swa_and_free_swa_keeps_full():
+    a = SWATokenToKVPoolAllocator(size=8, size_swa=4)
+    full = a.alloc(3)
+    assert full.tolist() == [1, 2, 3]
+    assert a.translate_loc_from_full_to_swa(full).tolist() == [1, 2, 3]
+    a.free_swa(full[:2])  # the first two tokens slid out of the window
+    assert a.translate_loc_from_full_to_swa(full).tolist() == [0, 0, 3]
+    assert (a.full_available_size(), a.swa_available_size()) == (5, 3)
+    a.check_integrity(full)
+    a.free(full)  # SWA slot 3 and all three full slots come back, once
+    assert (a.full_available_size(), a.swa_available_size()) == (8, 4)
+    a.check_integrity(torch.empty(0, dtype=torch.int64))
+
+
+def test_short_swa_pool_fails_whole_allocation_without_side_effects():
+    a = SWATokenToKVPoolAllocator(size=8, size_swa=2)
+    assert a.alloc(3) is None
+    assert (a.full_available_size(), a.swa_available_size()) == (8, 2)
+    a.check_integrity(torch.empty(0, dtype=torch.int64))
+
+
+def test_available_size_is_ambiguous():
+    with pytest.raises(NotImplementedError, match="full_available_size"):
+        SWATokenToKVPoolAllocator(size=8, size_swa=4).available_size()
+
+
+def test_paged_swa_extend_decode_and_page_granular_free_swa():
+    a = SWATokenToKVPoolAllocator(size=32, size_swa=16, page_size=4)
+    full = a.alloc_extend(t(0), t(6), t(-1), 6)
+    assert full.tolist() == [4, 5, 6, 7, 8, 9]
+    swa = a.translate_loc_from_full_to_swa(full)
+    assert swa.tolist() == [4, 5, 6, 7, 8, 9]
+    nxt = a.alloc_decode(t(7), t(9))  # position 6 continues the page
+    assert nxt.tolist() == [10]
+    assert a.translate_loc_from_full_to_swa(nxt).tolist() == [10]
+    a.free_swa(full[:1])  # frees the whole first SWA page
+    assert a.translate_loc_from_full_to_swa(full).tolist() == [0, 0, 0, 0, 8, 9]
+    assert a.swa_available_size() == 12
+    a.check_integrity(torch.cat([full, nxt]))
+
+
+def test_restore_state_forgets_mappings_of_rolled_back_slots():
+    a = SWATokenToKVPoolAllocator(size=8, size_swa=8)
+    kept = a.alloc(2)
+    state = a.backup_state()
+    a.alloc(3)
+    a.restore_state(state)
+    a.check_integrity(kept)
+
+
+def test_integrity_detects_stale_mapping():
+    a = SWATokenToKVPoolAllocator(size=8, size_swa=8)
+    full = a.alloc(2)
+    a.full_attn_allocator.free(full)  # bypassing the SWA allocator leaks the SWA half
+    with pytest.raises(IntegrityError, match="still map"):
+        a.check_integrity(torch.empty(0, dtype=torch.int64))
