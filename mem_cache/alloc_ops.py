@@ -75,12 +75,12 @@ def alloc_extend_torch(
     old_page_end = (ceil_div(prefix_lens, page_size) * page_size)[req]
     page_start = _exclusive_cumsum(num_new_pages_per_req(prefix_lens, seq_lens, page_size))[req]
 
-    out = last_loc[req] + 1 + j  # part 1
-    fresh = pos >= old_page_end  # parts 2 and 3
-    fresh_pos = pos[fresh]
-    page_ids = free_pages[page_start[fresh] + (fresh_pos - old_page_end[fresh]) // page_size]
-    out[fresh] = page_ids * page_size + fresh_pos % page_size
-    return out
+    fresh = pos >= old_page_end  # parts 2 and 3 take fresh pages; part 1 continues last_loc
+    if free_pages.numel() == 0:
+        return last_loc[req] + 1 + j
+    page_idx = page_start + (pos - old_page_end).clamp_min(0) // page_size
+    page_ids = free_pages[page_idx.clamp_max(free_pages.numel() - 1)]
+    return torch.where(fresh, page_ids * page_size + pos % page_size, last_loc[req] + 1 + j)
 
 
 def alloc_decode_torch(
@@ -89,8 +89,9 @@ def alloc_decode_torch(
     """Slot of the one new token per request: ``last_loc + 1`` unless the token
     (at position ``seq_len - 1``) starts a page, which then takes the next free page."""
     seq_lens = seq_lens.to(torch.int64)
-    out = last_loc.to(torch.int64) + 1
     starts_page = (seq_lens - 1) % page_size == 0
-    page_idx = _exclusive_cumsum(starts_page.to(torch.int64))
-    out[starts_page] = free_pages[page_idx[starts_page]] * page_size
-    return out
+    next_slot = last_loc.to(torch.int64) + 1
+    if free_pages.numel() == 0:
+        return next_slot
+    page_idx = _exclusive_cumsum(starts_page.to(torch.int64)).clamp_max(free_pages.numel() - 1)
+    return torch.where(starts_page, free_pages[page_idx] * page_size, next_slot)
