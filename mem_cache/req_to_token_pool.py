@@ -16,7 +16,7 @@ from mem_cache.integrity import check_unique_in_range, ensure
 Rows = Union[int, Sequence[int], torch.Tensor]
 
 
-def _as_row_list(rows: Rows) -> List[int]:
+def as_row_list(rows: Rows) -> List[int]:
     if isinstance(rows, int):
         return [rows]
     if isinstance(rows, torch.Tensor):
@@ -54,7 +54,7 @@ class ReqToTokenPool:
         return rows
 
     def free(self, rows: Rows) -> None:
-        self.free_slots.extend(_as_row_list(rows))
+        self.free_slots.extend(as_row_list(rows))
 
     def write(self, indices, values) -> None:
         self.req_to_token[indices] = values
