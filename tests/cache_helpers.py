@@ -1,0 +1,71 @@
+"""A minimal request object and pool fixtures for driving the tree caches the
+way the scheduler will: match → allocate → write the row → insert / cache."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, List, Optional
+
+import torch
+
+
+@dataclass
+class FakeReq:
+    """Carries exactly the fields ``CacheableReq`` names."""
+
+    origin_input_ids: List[int]
+    req_pool_idx: int = -1
+    output_ids: List[int] = field(default_factory=list)
+    fill_ids: List[int] = field(default_factory=list)
+    kv_committed_len: int = 0
+    prefix_indices: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
+    last_node: Any = None
+    cache_protected_len: int = 0
+    extra_key: Optional[str] = None
+    priority: int = 0
+
+
+def start_req(cache, req_pool, allocator, req: FakeReq, upto: Optional[int] = None) -> FakeReq:
+    """Match the prompt (its first ``upto`` tokens), lock the match, take a
+    row and slots for the rest, and write the row — a prefill's bookkeeping.
+    Returns the request, or raises if the pool is out of slots."""
+    from mem_cache.radix_key import RadixKey
+
+    tokens = req.origin_input_ids[: upto if upto is not None else len(req.origin_input_ids)]
+    match = cache.match_prefix(RadixKey(tokens, req.extra_key))
+    req.prefix_indices, req.last_node = match.device_indices, match.last_device_node
+    req.cache_protected_len = len(match.device_indices)
+    cache.inc_lock_ref(req.last_node)
+    req.req_pool_idx = req_pool.alloc(1)[0]
+    prefix_len = len(req.prefix_indices)
+    extend(cache, req_pool, allocator, req, prefix_len, tokens)
+    return req
+
+
+def extend(cache, req_pool, allocator, req: FakeReq, prefix_len: int, tokens: List[int]) -> None:
+    """Allocate slots for ``tokens[prefix_len:]`` after ``prefix_len`` and write them."""
+    seq_len = len(tokens)
+    row = req_pool.req_to_token[req.req_pool_idx]
+    last_loc = int(row[prefix_len - 1]) if prefix_len > 0 else -1
+    new = allocator.alloc_extend(
+        torch.tensor([prefix_len]), torch.tensor([seq_len]), torch.tensor([last_loc]), seq_len - prefix_len
+    )
+    if new is None:
+        cache.evict(seq_len - prefix_len + allocator.page_size)
+        new = allocator.alloc_extend(
+            torch.tensor([prefix_len]), torch.tensor([seq_len]), torch.tensor([last_loc]), seq_len - prefix_len
+        )
+    assert new is not None, "test pool too small"
+    row[prefix_len:seq_len] = new.to(torch.int32)
+    req.fill_ids = list(tokens)
+    req.kv_committed_len = seq_len
+
+
+def conservation(allocator, cache, private_slots: int = 0) -> None:
+    """Idle-time accounting: every slot is free, cached, or private to a live request."""
+    total = allocator.num_pages * allocator.page_size
+    got = allocator.available_size() + cache.evictable_size() + cache.protected_size() + private_slots
+    assert got == total, (
+        f"available {allocator.available_size()} + evictable {cache.evictable_size()} + "
+        f"protected {cache.protected_size()} + private {private_slots} != {total}"
+    )
