@@ -1,0 +1,289 @@
+"""KV budget sizing (mem_cache/memory_budget.py) against numbers worked out by hand."""
+
+import pytest
+import torch
+
+from mem_cache.memory_budget import (
+    KVCacheShape,
+    MemoryBudget,
+    ServerMemoryDefaults,
+    cell_size_bytes,
+    default_memory_args,
+    dtype_size,
+    get_device_memory,
+    profile_max_num_tokens,
+)
+
+GiB = 1 << 30
+BF16 = torch.bfloat16
+
+LLAMA3_8B = KVCacheShape(num_attention_layers=32, num_kv_heads=8, head_dim=128)
+DEEPSEEK_V3 = KVCacheShape(num_attention_layers=61, kv_lora_rank=512, qk_rope_head_dim=64)
+# Qwen3-Next-80B-A3B: 48 layers, 12 full attention (2 KV heads x 256), 36 GDN layers.
+# Per GDN layer and slot: temporal 32 v-heads x 128 x 128 fp32 = 2_097_152 B,
+# conv (2*16*128 + 32*128 = 8192 channels) x (kernel 4 - 1) bf16 = 49_152 B;
+# 36 x (2_097_152 + 49_152) = 36 x 2_146_304 = 77_266_944 B per slot.
+MAMBA_SLOT = 77_266_944
+QWEN3_NEXT = KVCacheShape(
+    num_attention_layers=12, num_kv_heads=2, head_dim=256, mamba_state_bytes_per_slot=MAMBA_SLOT
+)
+
+# An 80 GiB device with Llama-3-8B's 8_030_261_248 bf16 params (16_060_522_496 B) loaded.
+TOTAL_80 = 80 * GiB  # 85_899_345_920
+AVAIL_LLAMA = TOTAL_80 - 16_060_522_496  # 69_838_823_424
+# mem_fraction_static 0.9 keeps 10% = 8_589_934_592 B free; rest = 61_248_888_832 B.
+REST_LLAMA = 61_248_888_832
+
+
+def llama_budget(**kw) -> MemoryBudget:
+    return profile_max_num_tokens(LLAMA3_8B, BF16, AVAIL_LLAMA, TOTAL_80, 0.9, **kw)
+
+
+# ---- dtype / cell size -----------------------------------------------------
+
+
+def test_dtype_size():
+    assert dtype_size(torch.bfloat16) == 2
+    assert dtype_size(torch.float16) == 2
+    assert dtype_size(torch.float32) == 4
+    assert dtype_size(torch.float8_e4m3fn) == 1
+    assert dtype_size(torch.float8_e5m2) == 1
+    with pytest.raises(TypeError):
+        dtype_size("bfloat16")
+
+
+def test_llama_cell_size_and_tp_sharding():
+    # 8 heads x (128 + 128) x 32 layers x 2 B = 131_072 B
+    assert cell_size_bytes(LLAMA3_8B, BF16) == 131_072
+    assert cell_size_bytes(LLAMA3_8B, BF16, tp_size=2) == 65_536  # 4 heads per rank
+    assert cell_size_bytes(LLAMA3_8B, BF16, tp_size=8) == 16_384  # 1 head per rank
+    # TP16 with 8 KV heads: each rank keeps a replica of 1 head -> same as TP8.
+    assert cell_size_bytes(LLAMA3_8B, BF16, tp_size=16) == 16_384
+
+
+def test_v_head_dim_defaults_and_differs():
+    assert LLAMA3_8B.v_head_dim == 128
+    shape = KVCacheShape(num_attention_layers=2, num_kv_heads=4, head_dim=192, v_head_dim=128)
+    # 4 x (192 + 128) x 2 layers x 2 B = 5_120 B
+    assert cell_size_bytes(shape, BF16) == 5_120
+
+
+def test_deepseek_mla_cell_size_ignores_tp():
+    # (512 + 64) x 61 layers x 2 B = 70_272 B
+    assert DEEPSEEK_V3.is_mla
+    assert cell_size_bytes(DEEPSEEK_V3, BF16) == 70_272
+    assert cell_size_bytes(DEEPSEEK_V3, BF16, tp_size=8) == 70_272
+
+
+def test_fp8_halves_the_cell():
+    assert cell_size_bytes(LLAMA3_8B, torch.float8_e4m3fn) == 65_536
+    assert cell_size_bytes(DEEPSEEK_V3, torch.float8_e4m3fn) == 35_136
+
+
+def test_hybrid_cell_counts_attention_layers_only():
+    # 2 heads x (256 + 256) x 12 layers x 2 B = 24_576 B
+    assert QWEN3_NEXT.is_hybrid
+    assert cell_size_bytes(QWEN3_NEXT, BF16) == 24_576
+
+
+# ---- token budget ----------------------------------------------------------
+
+
+def test_llama_tokens_page_1():
+    b = llama_budget()
+    # 61_248_888_832 // 131_072 = 467_291 (467_291.9375)
+    assert b.rest_bytes == REST_LLAMA
+    assert b.cell_size == 131_072
+    assert b.max_total_num_tokens == 467_291
+    assert b.kv_bytes == 467_291 * 131_072
+    assert (b.max_mamba_cache_size, b.mamba_bytes) == (0, 0)
+
+
+def test_llama_tokens_page_16_rounds_down():
+    # 467_291 // 16 = 29_205 pages -> 467_280 tokens
+    assert llama_budget(page_size=16).max_total_num_tokens == 467_280
+
+
+def test_llama_tokens_tp():
+    # 61_248_888_832 // 65_536 = 934_583 ; // 16_384 = 3_738_335
+    assert llama_budget(tp_size=2).max_total_num_tokens == 934_583
+    assert llama_budget(tp_size=8).max_total_num_tokens == 3_738_335
+    assert llama_budget(tp_size=16).max_total_num_tokens == 3_738_335
+
+
+def test_max_total_tokens_caps_then_pages():
+    # min(467_291, 1_000) = 1_000 -> // 16 * 16 = 992
+    b = llama_budget(max_total_tokens=1_000, page_size=16)
+    assert b.max_total_num_tokens == 992
+    assert b.kv_bytes == 992 * 131_072
+
+
+def test_deepseek_tokens():
+    # 140 GiB device = 150_323_855_360 B, 60 GiB = 64_424_509_440 B free after weights.
+    # 10% kept = 15_032_385_536 B; rest = 49_392_123_904 B; // 70_272 = 702_870
+    for tp in (1, 8):
+        b = profile_max_num_tokens(DEEPSEEK_V3, BF16, 60 * GiB, 140 * GiB, 0.9, tp_size=tp)
+        assert b.rest_bytes == 49_392_123_904
+        assert b.max_total_num_tokens == 702_870
+
+
+def test_fp8_tokens():
+    # 61_248_888_832 // 65_536 = 934_583
+    b = profile_max_num_tokens(LLAMA3_8B, torch.float8_e5m2, AVAIL_LLAMA, TOTAL_80, 0.9)
+    assert b.max_total_num_tokens == 934_583
+
+
+def test_hybrid_ratio_split():
+    # 80 GiB device, 40 GiB free: rest = 40 GiB - 8 GiB = 34_359_738_368 B.
+    # Mamba share = rest x 0.9 / 1.9 = 16_275_665_542 B -> // 77_266_944 = 210 slots
+    # mamba = 210 x 77_266_944 = 16_226_058_240 B; KV = 18_133_680_128 B // 24_576 = 737_861
+    b = profile_max_num_tokens(QWEN3_NEXT, BF16, 40 * GiB, TOTAL_80, 0.9)
+    assert b.rest_bytes == 34_359_738_368
+    assert b.max_mamba_cache_size == 210
+    assert b.mamba_bytes == 16_226_058_240
+    assert b.max_total_num_tokens == 737_861
+    assert "210 slots" in b.describe()
+
+
+def test_hybrid_explicit_slots():
+    # 100 slots = 7_726_694_400 B; KV = 34_359_738_368 - 7_726_694_400 = 26_633_043_968 B
+    # // 24_576 = 1_083_701 ; page 64: 16_932 pages -> 1_083_648
+    b = profile_max_num_tokens(QWEN3_NEXT, BF16, 40 * GiB, TOTAL_80, 0.9, max_mamba_cache_size=100)
+    assert (b.max_mamba_cache_size, b.mamba_bytes) == (100, 7_726_694_400)
+    assert b.max_total_num_tokens == 1_083_701
+    b64 = profile_max_num_tokens(
+        QWEN3_NEXT, BF16, 40 * GiB, TOTAL_80, 0.9, page_size=64, max_mamba_cache_size=100
+    )
+    assert b64.max_total_num_tokens == 1_083_648
+
+
+def test_describe_is_one_line():
+    line = llama_budget().describe()
+    assert "\n" not in line
+    assert "467291 tokens" in line and "131072 B" in line
+    assert "mamba" not in line
+
+
+# ---- errors ----------------------------------------------------------------
+
+
+def test_rest_not_positive_names_mem_fraction_static():
+    # 30 GiB free but 0.5 keeps 40 GiB of 80 GiB free -> rest < 0
+    with pytest.raises(ValueError, match="mem_fraction_static") as exc:
+        profile_max_num_tokens(LLAMA3_8B, BF16, 30 * GiB, TOTAL_80, 0.5)
+    assert "30.00 GiB" in str(exc.value) and "40.00 GiB" in str(exc.value)
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(num_attention_layers=0, num_kv_heads=8, head_dim=128), "num_attention_layers"),
+        (dict(num_attention_layers=32, num_kv_heads=-1, head_dim=128), "num_kv_heads"),
+        (dict(num_attention_layers=32, num_kv_heads=8), "head_dim"),
+        (dict(num_attention_layers=32, num_kv_heads=8, head_dim=128, v_head_dim=0), "v_head_dim"),
+        (dict(num_attention_layers=61, kv_lora_rank=512), "qk_rope_head_dim"),
+        (dict(num_attention_layers=61, kv_lora_rank=0, qk_rope_head_dim=64), "kv_lora_rank"),
+        (dict(num_attention_layers=4, num_kv_heads=1, head_dim=8, qk_rope_head_dim=64), "qk_rope_head_dim"),
+        (
+            dict(num_attention_layers=4, num_kv_heads=1, head_dim=8, mamba_state_bytes_per_slot=0),
+            "mamba_state_bytes_per_slot",
+        ),
+        (dict(num_attention_layers=2.5, num_kv_heads=1, head_dim=8), "num_attention_layers"),
+    ],
+)
+def test_bad_shape_names_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        KVCacheShape(**kwargs)
+
+
+def test_zero_tokens():
+    # rest = 8 GiB + 100_000 B free - 8 GiB kept = 100_000 B < 131_072 B per token
+    with pytest.raises(ValueError, match="not one page"):
+        profile_max_num_tokens(LLAMA3_8B, BF16, 8 * GiB + 100_000, TOTAL_80, 0.9)
+    # 3 tokens fit (393_216 B) but page_size 4 rounds to 0
+    with pytest.raises(ValueError, match="not one page"):
+        profile_max_num_tokens(LLAMA3_8B, BF16, 8 * GiB + 400_000, TOTAL_80, 0.9, page_size=4)
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="mem_fraction_static"):
+        profile_max_num_tokens(LLAMA3_8B, BF16, AVAIL_LLAMA, TOTAL_80, 1.5)
+    with pytest.raises(ValueError, match="page_size"):
+        llama_budget(page_size=0)
+    with pytest.raises(ValueError, match="tp_size"):
+        llama_budget(tp_size=0)
+    with pytest.raises(ValueError, match="hybrid"):
+        llama_budget(max_mamba_cache_size=4)
+    with pytest.raises(ValueError, match="max_mamba_cache_size"):
+        # 1_000 slots = 77 GB > 32 GiB budget
+        profile_max_num_tokens(QWEN3_NEXT, BF16, 40 * GiB, TOTAL_80, 0.9, max_mamba_cache_size=1_000)
+
+
+# ---- server defaults -------------------------------------------------------
+
+
+def test_defaults_h100_tp1():
+    # 80 GB = 81_920 MB; chunked 8192, graphs 256
+    # reserved = 512 + 8192 x 1.5 + 256 x 2 + 1 x 1 / 8 x 1024 = 512 + 12_288 + 512 + 128 = 13_440
+    # (81_920 - 13_440) / 81_920 = 0.8359375 -> 0.836
+    assert default_memory_args(80) == ServerMemoryDefaults(8192, 256, 13_440, 0.836)
+
+
+def test_defaults_h100_tp8():
+    # graphs 512; reserved = 512 + 12_288 + 1_024 + 8 / 8 x 1024 = 14_848
+    # (81_920 - 14_848) / 81_920 = 0.81875 -> 0.819
+    assert default_memory_args(80, tp_size=8) == ServerMemoryDefaults(8192, 512, 14_848, 0.819)
+
+
+def test_defaults_24gb_card():
+    # 24 GB = 24_576 MB; chunked 2048, graphs 24
+    # reserved = 512 + 3_072 + 48 + 128 = 3_760 ; 20_816 / 24_576 = 0.84700.. -> 0.847
+    assert default_memory_args(24) == ServerMemoryDefaults(2048, 24, 3_760, 0.847)
+
+
+@pytest.mark.parametrize(
+    "gb, tp, chunked, graphs",
+    [(16, 8, 2048, 8), (24, 4, 2048, 80), (40, 1, 4096, 32), (40, 4, 4096, 160),
+     (141, 1, 8192, 256), (141, 8, 8192, 512), (192, 1, 16384, 512)],
+)
+def test_defaults_table_rows(gb, tp, chunked, graphs):
+    d = default_memory_args(gb, tp_size=tp)
+    assert (d.chunked_prefill_size, d.cuda_graph_max_bs) == (chunked, graphs)
+
+
+def test_defaults_cpu_has_no_graphs():
+    # 64 GB host: the 60-90 GB row gives chunked 8192; no CUDA graphs
+    # reserved = 512 + 12_288 + 0 + 128 = 12_928 ; (65_536 - 12_928) / 65_536 = 0.80273.. -> 0.803
+    assert default_memory_args(64, is_cuda=False) == ServerMemoryDefaults(8192, 0, 12_928, 0.803)
+
+
+def test_defaults_overrides():
+    # chunked 2048 overrides 8192: reserved = 512 + 3_072 + 512 + 128 = 4_224
+    # (81_920 - 4_224) / 81_920 = 0.948437.. -> 0.948
+    assert default_memory_args(80, chunked_prefill_size=2048) == ServerMemoryDefaults(2048, 256, 4_224, 0.948)
+    # graphs 0: reserved = 512 + 12_288 + 0 + 128 = 12_928 ; 68_992 / 81_920 = 0.8421.. -> 0.842
+    assert default_memory_args(80, cuda_graph_max_bs=0).mem_fraction_static == 0.842
+    # an explicit fraction is kept as given
+    d = default_memory_args(80, mem_fraction_static=0.7)
+    assert (d.reserved_mem_mb, d.mem_fraction_static) == (13_440, 0.7)
+    # explicit reserved: (81_920 - 8_192) / 81_920 = 0.9
+    assert default_memory_args(80, reserved_mem_mb=8192).mem_fraction_static == 0.9
+    with pytest.raises(TypeError):
+        default_memory_args(80, page_size=16)
+
+
+def test_defaults_tiny_device_rejected():
+    # 2 GB = 2_048 MB < 512 + 3_072 + 16 + 128 reserved
+    with pytest.raises(ValueError, match="reserved"):
+        default_memory_args(2)
+
+
+# ---- device memory ---------------------------------------------------------
+
+
+def test_get_device_memory_cpu():
+    available, total = get_device_memory("cpu")
+    assert 0 < available <= total
+    assert get_device_memory(torch.device("cpu"))[1] == total
+    with pytest.raises(ValueError, match="meta"):
+        get_device_memory("meta")
