@@ -23,6 +23,11 @@ class FakeReq:
     cache_protected_len: int = 0
     extra_key: Optional[str] = None
     priority: int = 0
+    # hybrid (Mamba) models only
+    mamba_pool_idx: Optional[int] = None
+    mamba_next_track_idx: int = 0
+    mamba_last_track_seqlen: Optional[int] = None
+    mamba_branching_seqlen: Optional[int] = None
 
 
 def start_req(cache, req_pool, allocator, req: FakeReq, upto: Optional[int] = None) -> FakeReq:
