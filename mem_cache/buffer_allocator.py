@@ -25,6 +25,12 @@ Contract:
 from __future__ import annotations
 
 import abc
+import math
+import os
+import re
+import tempfile
+import uuid
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Sequence, Tuple
 
@@ -100,3 +106,154 @@ class LocalBufferAllocator(BufferAllocator):
 
     def _allocate(self, name: str, shape: Tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         return torch.zeros(shape, dtype=dtype, device=self.device)
+
+
+def _shm_dir() -> str:
+    configured = os.environ.get("RAYDIX_SHM_DIR")
+    if configured:
+        return configured
+    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
+def _map_file(path: str, shape: Tuple[int, ...], dtype: torch.dtype, nbytes: int) -> torch.Tensor:
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    raw = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+    return raw.view(dtype).view(shape)
+
+
+def cleanup_stale_segments(directory: str | None = None) -> List[str]:
+    """Unlink raydix shared-memory files whose owning process is gone (a
+    SIGKILLed worker cannot run its finalizers). Returns the removed paths."""
+    directory = directory or _shm_dir()
+    removed = []
+    for entry in os.listdir(directory):
+        match = re.match(r"raydix-[A-Za-z0-9_.]+-(\d+)-[0-9a-f]{8}-", entry)
+        if match is None or _pid_alive(int(match.group(1))):
+            continue
+        path = os.path.join(directory, entry)
+        _unlink_all([path])
+        removed.append(path)
+    return removed
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _unlink_all(paths: List[str]) -> None:
+    for path in paths:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+
+class SharedMemoryBufferAllocator(BufferAllocator):
+    """Each buffer is a named POSIX shared-memory file that peers map by path.
+
+    Files are named ``raydix-{prefix}-{pid}-{uid}-{buffer name}`` under
+    ``/dev/shm`` (``RAYDIX_SHM_DIR`` overrides) and are unlinked by
+    :meth:`close`, or when the allocator is garbage-collected or the process
+    exits. ``multiprocessing.shared_memory`` is avoided on purpose: its
+    resource tracker unlinks a segment when an *attaching* process exits.
+    """
+
+    kind = "shm"
+
+    def __init__(self, device: str | torch.device = "cpu", prefix: str | None = None):
+        super().__init__(device)
+        if self.device.type != "cpu":
+            raise ValueError(f"shared-memory buffers live on the CPU, not {self.device}")
+        tag = re.sub(r"[^A-Za-z0-9_.]", "_", prefix or "pool")
+        self._stem = os.path.join(_shm_dir(), f"raydix-{tag}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        self._paths: List[str] = []
+        self._handles: List[BufferHandle] = []
+        self._closed = False
+        self._finalizer = weakref.finalize(self, _unlink_all, self._paths)
+
+    def _allocate(self, name: str, shape: Tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        if self._closed:
+            raise RuntimeError("allocator is closed")
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        path = f"{self._stem}-{re.sub(r'[^A-Za-z0-9_.-]', '_', name)}"
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.ftruncate(fd, nbytes)  # zero-filled
+        finally:
+            os.close(fd)
+        self._paths.append(path)
+        self._handles.append(BufferHandle(name, "shm", shape, dtype_to_str(dtype), nbytes, path))
+        return _map_file(path, shape, dtype, nbytes)
+
+    def export_handles(self) -> List[BufferHandle]:
+        return list(self._handles)
+
+    def close(self) -> None:
+        self._closed = True
+        super().close()
+        self._finalizer()
+
+
+class CudaIpcBufferAllocator(BufferAllocator):
+    """Buffers from a private ``torch.cuda.MemPool``, exported as CUDA IPC handles.
+
+    A private pool keeps the KV segments free of unrelated allocations (an
+    IPC handle maps a whole segment). This process must keep the tensors
+    alive for as long as peers use them.
+    """
+
+    kind = "cuda_ipc"
+
+    def __init__(self, device: str | torch.device = "cuda"):
+        if not torch.cuda.is_available():
+            raise RuntimeError("CudaIpcBufferAllocator needs a CUDA device")
+        device = torch.device(device)
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        super().__init__(device)
+        self.mem_pool = torch.cuda.MemPool()
+
+    def _allocate(self, name: str, shape: Tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        with torch.cuda.use_mem_pool(self.mem_pool, device=self.device):
+            return torch.zeros(shape, dtype=dtype, device=self.device)
+
+    def export_handles(self) -> List[BufferHandle]:
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        return [
+            BufferHandle(name, "cuda_ipc", tuple(t.shape), dtype_to_str(t.dtype), t.numel() * t.element_size(), reduce_tensor(t))
+            for name, t in self._buffers.items()
+        ]
+
+
+def attach_buffers(handles: Sequence[BufferHandle]) -> Dict[str, torch.Tensor]:
+    """Map another process's buffers into this one: ``{name: tensor}`` over the same memory."""
+    out: Dict[str, torch.Tensor] = {}
+    for h in handles:
+        if h.kind == "shm":
+            out[h.name] = _map_file(h.payload, tuple(h.shape), str_to_dtype(h.dtype), h.nbytes)
+        elif h.kind == "cuda_ipc":
+            rebuild, args = h.payload
+            out[h.name] = rebuild(*args)
+        else:
+            raise ValueError(f"buffer {h.name!r} of kind {h.kind!r} cannot be attached from another process")
+    return out
+
+
+def create_buffer_allocator(device: str | torch.device, shareable: bool, prefix: str | None = None) -> BufferAllocator:
+    """Local tensors, or the shareable kind for the device (shm on CPU, CUDA IPC on GPU)."""
+    device = torch.device(device)
+    if not shareable:
+        return LocalBufferAllocator(device)
+    if device.type == "cpu":
+        return SharedMemoryBufferAllocator(device, prefix)
+    if device.type == "cuda":
+        return CudaIpcBufferAllocator(device)
+    raise ValueError(f"no shareable buffer allocator for device type {device.type!r}")

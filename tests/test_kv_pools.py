@@ -191,10 +191,8 @@ def test_overlapping_layer_lists_are_rejected():
 
 # ---- shared memory ---------------------------------------------------------
 def test_mha_pool_on_shared_memory_allocator():
-    shm_cls = getattr(buffer_allocator_module, "SharedMemoryBufferAllocator", None)
-    attach = getattr(buffer_allocator_module, "attach_buffers", None)
-    if shm_cls is None or attach is None:
-        pytest.skip("mem_cache.buffer_allocator has no SharedMemoryBufferAllocator / attach_buffers yet")
+    shm_cls = buffer_allocator_module.SharedMemoryBufferAllocator
+    attach = buffer_allocator_module.attach_buffers
     alloc = shm_cls("cpu")
     try:
         pool = mha(buffer_allocator=alloc)
