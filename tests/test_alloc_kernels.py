@@ -11,6 +11,8 @@ from mem_cache import alloc_kernels
 from mem_cache.alloc_ops import alloc_decode_torch, alloc_extend_torch, get_num_new_pages
 
 PAGE_SIZES = [1, 4, 16, 64]
+# compiled kernels need CUDA tensors; without CUDA the interpreter runs them on CPU tensors
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _random_batch(gen, bs, page_size, shape):
@@ -64,7 +66,7 @@ def _check_decode(seq, last_loc, page_size, device):
 def test_extend_kernel_matches_reference(page_size, shape, bs):
     gen = torch.Generator().manual_seed(page_size * 100 + bs)
     prefix, seq, last_loc = _random_batch(gen, bs, page_size, shape)
-    _check_extend(prefix, seq, last_loc, page_size, "cpu")
+    _check_extend(prefix, seq, last_loc, page_size, DEVICE)
 
 
 @pytest.mark.parametrize("page_size", PAGE_SIZES)
@@ -73,7 +75,7 @@ def test_decode_kernel_matches_reference(page_size, bs):
     gen = torch.Generator().manual_seed(page_size + bs)
     prefix, seq, last_loc = _random_batch(gen, bs, page_size, "random")
     seq = prefix + 1
-    _check_decode(seq, last_loc, page_size, "cpu")
+    _check_decode(seq, last_loc, page_size, DEVICE)
 
 
 def test_extend_kernel_long_request_crosses_blocks():
@@ -81,16 +83,16 @@ def test_extend_kernel_long_request_crosses_blocks():
     prefix = torch.tensor([3, 0])
     seq = torch.tensor([3 + 2500, 17])
     last_loc = torch.tensor([4 * 16 + 2, -1])
-    _check_extend(prefix, seq, last_loc, 16, "cpu")
+    _check_extend(prefix, seq, last_loc, 16, DEVICE)
 
 
 def test_seed_worked_example():
     """Seed 000 §4.2.1: page_size 4, prefix 6 (last slot 5), extend 7 → the two
     free slots of page 1, then the whole next free page, then one slot of another."""
-    free = torch.tensor([3, 5, 6], dtype=torch.int64)
-    args = (torch.tensor([6]), torch.tensor([13]), torch.tensor([5]), free, 4, 7)
-    assert alloc_extend_torch(*args).tolist() == [6, 7, 12, 13, 14, 15, 20]
-    assert alloc_kernels.alloc_extend_triton(*args).tolist() == [6, 7, 12, 13, 14, 15, 20]
+    free = torch.tensor([3, 5, 6], dtype=torch.int64, device=DEVICE)
+    lens = [torch.tensor([x], device=DEVICE) for x in (6, 13, 5)]
+    assert alloc_extend_torch(*lens, free, 4, 7).tolist() == [6, 7, 12, 13, 14, 15, 20]
+    assert alloc_kernels.alloc_extend_triton(*lens, free, 4, 7).tolist() == [6, 7, 12, 13, 14, 15, 20]
 
 
 @pytest.mark.gpu

@@ -16,6 +16,8 @@ from mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAlloca
 from tests.alloc_model import AllocatorModel
 
 NUM_PAGES = 24
+# the Triton machine runs compiled on CUDA, under the interpreter on the CPU
+TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 class AllocatorMachine(RuleBasedStateMachine):
@@ -29,14 +31,18 @@ class AllocatorMachine(RuleBasedStateMachine):
         if ps == 1:
             self.alloc = TokenToKVPoolAllocator(NUM_PAGES, need_sort=self.need_sort, debug=True)
         else:
+            device = TRITON_DEVICE if self.backend == "triton" else "cpu"
             self.alloc = PagedTokenToKVPoolAllocator(
-                NUM_PAGES * ps, ps, need_sort=self.need_sort, backend=self.backend, debug=True
+                NUM_PAGES * ps, ps, device=device, need_sort=self.need_sort, backend=self.backend, debug=True
             )
         self.model = AllocatorModel(NUM_PAGES, ps, paged=ps > 1, need_sort=self.need_sort)
         self.reqs: list[list[int]] = []  # token slots of each live request
         self.raw: list[list[int]] = []  # page-aligned blocks from alloc()
 
     # ---- helpers -----------------------------------------------------------
+    def _t(self, xs):
+        return torch.tensor(xs, dtype=torch.int64, device=self.alloc.device)
+
     def _snapshot(self):
         return self.alloc.free_pages.tolist(), self.alloc.release_pages.tolist()
 
@@ -49,9 +55,9 @@ class AllocatorMachine(RuleBasedStateMachine):
         before = self._snapshot()
         expected = self.model.extend(reqs)
         got = self.alloc.alloc_extend(
-            torch.tensor([r[0] for r in reqs]),
-            torch.tensor([r[1] for r in reqs]),
-            torch.tensor([r[2] for r in reqs]),
+            self._t([r[0] for r in reqs]),
+            self._t([r[1] for r in reqs]),
+            self._t([r[2] for r in reqs]),
             sum(ext for _, ext in items),
         )
         if expected is None:
@@ -85,8 +91,8 @@ class AllocatorMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def decode(self, data):
         idxs = data.draw(st.lists(st.integers(0, len(self.reqs) - 1), min_size=1, unique=True))
-        seq_lens = torch.tensor([len(self.reqs[i]) + 1 for i in idxs])
-        last_loc = torch.tensor([self.reqs[i][-1] for i in idxs])
+        seq_lens = self._t([len(self.reqs[i]) + 1 for i in idxs])
+        last_loc = self._t([self.reqs[i][-1] for i in idxs])
         before = self._snapshot()
         expected = self.model.extend([(len(self.reqs[i]), len(self.reqs[i]) + 1, self.reqs[i][-1]) for i in idxs])
         got = self.alloc.alloc_decode(seq_lens, last_loc)
@@ -105,7 +111,7 @@ class AllocatorMachine(RuleBasedStateMachine):
             self.alloc.free_group_begin()
             self.model.group_begin()
         for i in idxs:
-            self.alloc.free(torch.tensor(self.reqs[i], dtype=torch.int64))
+            self.alloc.free(self._t(self.reqs[i]))
             self.model.give(self.reqs[i])
         if grouped:
             self.alloc.check_integrity(self._in_use(exclude=idxs))
@@ -130,7 +136,7 @@ class AllocatorMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def raw_free(self, data):
         block = self.raw.pop(data.draw(st.integers(0, len(self.raw) - 1)))
-        self.alloc.free(torch.tensor(block, dtype=torch.int64))
+        self.alloc.free(self._t(block))
         self.model.give(block)
 
     @rule(lens=st.lists(st.integers(1, 20), min_size=1, max_size=3))
@@ -138,8 +144,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         state = self.alloc.backup_state()
         before = self._snapshot()
         total = sum(lens)
-        self.alloc.alloc_extend(torch.zeros(len(lens), dtype=torch.int64), torch.tensor(lens),
-                                torch.full((len(lens),), -1), total)
+        self.alloc.alloc_extend(self._t([0] * len(lens)), self._t(lens), self._t([-1] * len(lens)), total)
         self.alloc.restore_state(state)
         assert self._snapshot() == before
 
@@ -147,7 +152,7 @@ class AllocatorMachine(RuleBasedStateMachine):
     def _in_use(self, exclude=()):
         held = [s for i, r in enumerate(self.reqs) if i not in exclude for s in r]
         held += [s for b in self.raw for s in b]
-        return torch.tensor(held, dtype=torch.int64)
+        return self._t(held)
 
     @invariant()
     def matches_model(self):
