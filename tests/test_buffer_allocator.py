@@ -148,3 +148,4 @@ def test_cuda_ipc_peer_reads_and_writes():
     ).split("\n")
     assert out[0] == f"cuda {float(k[:2].float().sum())} {float(k[2].float().sum())}"
     assert torch.all(pool.get_value_buffer(1)[5] == 3.0)
+    torch.cuda.ipc_collect()  # the peer is gone: release what was shared with it
