@@ -9,29 +9,29 @@ into a request for lack of space.
 
 Free-list semantics (shared by both allocators):
 
-* ``free_pages`` (int64) holds slot ids for ``page_size == 1`` and page ids
+* The free list (int64) holds slot ids for ``page_size == 1`` and page ids
   otherwise; allocation takes from the front.
 * Slot 0 / page 0 is the dummy that padded tokens write to: never handed out.
 * ``free_group_begin()`` … ``free_group_end()`` turns every ``free`` in
   between into one ``free`` of the concatenation (one call per decode step).
-* ``need_sort`` (PD disaggregation): frees go to ``release_pages`` and only
-  rejoin ``free_pages``, merged and sorted ascending, when an allocation finds
-  ``free_pages`` too short — so allocations stay contiguous for transfers.
-* ``backup_state()`` / ``restore_state()`` snapshot both lists by reference
-  (every mutation builds a new tensor) and undo all allocations since.
+* ``need_sort`` (PD disaggregation): frees go to a release list and only
+  rejoin the free list, merged and sorted ascending, when an allocation finds
+  it too short — so allocations stay contiguous for transfers.
+* ``backup_state()`` / ``restore_state()`` snapshot the lists by reference
+  (tensors are never mutated in place) and undo all allocations since.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Optional, Tuple, Union
+from typing import List, Optional, Tuple, Union
 
 import torch
 
 from mem_cache.alloc_ops import alloc_decode_torch, alloc_extend_torch, get_num_new_pages
 from mem_cache.integrity import check_unique_in_range, ensure
 
-AllocatorState = Tuple[torch.Tensor, torch.Tensor]
+AllocatorState = Tuple
 ALLOC_BACKENDS = ("auto", "torch", "triton")
 
 
@@ -42,7 +42,15 @@ def _debug_enabled(debug: Optional[bool]) -> bool:
 
 
 class BaseTokenToKVPoolAllocator:
-    """Free-list bookkeeping shared by the token and paged allocators."""
+    """Free-list bookkeeping shared by the token and paged allocators.
+
+    The logical free list is ``head chunks ++ free_pages ++ tail chunks``:
+    frees are kept as small chunks (prepended to ``_head`` by the paged
+    allocator, appended to ``_tail`` by the token allocator) instead of being
+    concatenated into ``free_pages`` at once, so a free costs O(freed), not
+    O(free list). Allocation materialises only the front it takes. With
+    ``need_sort``, frees go to ``_release`` chunks instead.
+    """
 
     def __init__(
         self,
@@ -64,32 +72,47 @@ class BaseTokenToKVPoolAllocator:
         self.kvcache = kvcache
         self.need_sort = need_sort
         self.debug = _debug_enabled(debug)
-        self.is_not_in_free_group = True
-        self.free_group: list = []
         self.clear()
 
     # ---- state -----------------------------------------------------------
     def clear(self) -> None:
         self.free_pages = torch.arange(1, self.num_pages + 1, dtype=torch.int64, device=self.device)
-        self.release_pages = torch.empty((0,), dtype=torch.int64, device=self.device)
+        self._head: List[torch.Tensor] = []
+        self._tail: List[torch.Tensor] = []
+        self._release: List[torch.Tensor] = []
+        self._num_chunked = 0  # pages in _head and _tail
+        self._num_released = 0
         self.is_not_in_free_group = True
-        self.free_group = []
+        self.free_group: list = []
 
     def available_size(self) -> int:
         """Free *token slots* (pages × page_size), released ones included."""
-        return (len(self.free_pages) + len(self.release_pages)) * self.page_size
+        return (len(self.free_pages) + self._num_chunked + self._num_released) * self.page_size
+
+    def free_page_list(self) -> torch.Tensor:
+        """The free list in allocation order (not counting released pages)."""
+        return torch.cat(self._head + [self.free_pages] + self._tail)
+
+    def release_page_list(self) -> torch.Tensor:
+        return torch.cat(self._release) if self._release else self._empty()
+
+    def _empty(self) -> torch.Tensor:
+        return torch.empty((0,), dtype=torch.int64, device=self.device)
 
     def backup_state(self) -> AllocatorState:
-        return (self.free_pages, self.release_pages)
+        return (self.free_pages, tuple(self._head), tuple(self._tail), tuple(self._release),
+                self._num_chunked, self._num_released)
 
     def restore_state(self, state: AllocatorState) -> None:
-        self.free_pages, self.release_pages = state
+        free, head, tail, release, self._num_chunked, self._num_released = state
+        self.free_pages, self._head, self._tail, self._release = free, list(head), list(tail), list(release)
 
     def merge_and_sort_free(self) -> None:
-        if len(self.release_pages) > 0:
-            merged = torch.cat((self.free_pages, self.release_pages))
+        if self._release:
+            merged = torch.cat(self._head + [self.free_pages] + self._tail + self._release)
             self.free_pages, _ = torch.sort(merged)
-            self.release_pages = torch.empty((0,), dtype=torch.int64, device=self.device)
+            self._head, self._tail, self._release = [], [], []
+            self._num_chunked = self._num_released = 0
 
     def free_group_begin(self) -> None:
         self.is_not_in_free_group = False
@@ -102,41 +125,68 @@ class BaseTokenToKVPoolAllocator:
             self.free(torch.cat(pending))
 
     def _ensure_free_pages(self, num_pages: int) -> bool:
-        """Whether ``num_pages`` can be taken from ``free_pages``, merging the
+        """Whether ``num_pages`` can be taken from the free list, merging the
         released pages in first when that makes the difference (a request that
-        fails anyway leaves both lists exactly as they were)."""
-        if num_pages <= len(self.free_pages):
+        fails anyway leaves every list exactly as it was)."""
+        free = len(self.free_pages) + self._num_chunked
+        if num_pages <= free:
             return True
-        if self.need_sort and num_pages <= len(self.free_pages) + len(self.release_pages):
+        if self.need_sort and num_pages <= free + self._num_released:
             self.merge_and_sort_free()
             return True
         return False
+
+    def _front(self, num_pages: int) -> torch.Tensor:
+        """The first ``num_pages`` of the free list, gathered into ``_head[0]``
+        (the list's order is unchanged); the caller has checked availability."""
+        head = torch.cat(self._head) if len(self._head) > 1 else (self._head[0] if self._head else self._empty())
+        rest = num_pages - len(head)
+        if rest > 0:
+            if rest > len(self.free_pages):
+                self.free_pages = torch.cat([self.free_pages] + self._tail)
+                self._tail = []
+            head = torch.cat([head, self.free_pages[:rest]])
+            self.free_pages = self.free_pages[rest:]
+            self._num_chunked = len(head) + sum(len(t) for t in self._tail)
+        self._head = [head] if len(head) else []
+        return head[:num_pages]
+
+    def _drop_front(self, num_pages: int) -> None:
+        """Consume what :meth:`_front` just returned."""
+        if num_pages == 0:
+            return
+        rest = self._head[0][num_pages:]
+        self._head = [rest] if len(rest) else []
+        self._num_chunked -= num_pages
 
     def _take_pages(self, num_pages: int) -> Optional[torch.Tensor]:
         """Pop ``num_pages`` from the front, merging released pages if short."""
         if not self._ensure_free_pages(num_pages):
             return None
-        taken = self.free_pages[:num_pages]
-        self.free_pages = self.free_pages[num_pages:]
+        taken = self._front(num_pages)
+        self._drop_front(num_pages)
         return taken
 
     def _return_pages(self, pages: torch.Tensor, prepend: bool) -> None:
-        target = self.release_pages if self.need_sort else self.free_pages
-        merged = torch.cat((pages, target)) if prepend else torch.cat((target, pages))
         if self.need_sort:
-            self.release_pages = merged
+            self._release.insert(0 if prepend else len(self._release), pages)
+            self._num_released += len(pages)
+        elif prepend:
+            self._head.insert(0, pages)
+            self._num_chunked += len(pages)
         else:
-            self.free_pages = merged
+            self._tail.append(pages)
+            self._num_chunked += len(pages)
 
     # ---- integrity -------------------------------------------------------
     def _pages_of(self, slots: torch.Tensor) -> torch.Tensor:
         return torch.unique(slots.to(torch.int64) // self.page_size)
 
     def free_page_ids(self) -> torch.Tensor:
-        """Every page id that is free or pending in a free group (CPU, int64)."""
-        parts = [self.free_pages.cpu(), self.release_pages.cpu()]
+        """Every page id that is free, released or pending in a free group (CPU, int64)."""
+        parts = [self.free_page_list().cpu(), self.release_page_list().cpu()]
         parts += [self._pages_of(g).cpu() for g in self.free_group]
-        return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
+        return torch.cat(parts)
 
     def check_integrity(self, in_use: Optional[torch.Tensor] = None) -> None:
         """Free lists hold unique pages in ``[1, num_pages]`` (never the dummy page 0).
@@ -249,8 +299,9 @@ class PagedTokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
         num_new_pages = get_num_new_pages(seq_cpu, self.page_size, prefix_cpu)
         if not self._ensure_free_pages(num_new_pages):
             return None
-        out = self._extend_impl(prefix_lens, seq_lens, last_loc, self.free_pages, self.page_size, extend_num_tokens)
-        self.free_pages = self.free_pages[num_new_pages:]
+        pages = self._front(num_new_pages)
+        out = self._extend_impl(prefix_lens, seq_lens, last_loc, pages, self.page_size, extend_num_tokens)
+        self._drop_front(num_new_pages)
         return out
 
     def alloc_decode(
@@ -261,8 +312,9 @@ class PagedTokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
         num_new_pages = get_num_new_pages(seq_cpu, self.page_size)
         if not self._ensure_free_pages(num_new_pages):
             return None
-        out = self._decode_impl(seq_lens, last_loc, self.free_pages, self.page_size)
-        self.free_pages = self.free_pages[num_new_pages:]
+        pages = self._front(num_new_pages)
+        out = self._decode_impl(seq_lens, last_loc, pages, self.page_size)
+        self._drop_front(num_new_pages)
         return out
 
     def free(self, free_index: torch.Tensor) -> None:

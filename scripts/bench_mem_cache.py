@@ -75,7 +75,7 @@ def bench_one(impl: str, device: str, page_size: int, bs: int, min_time: float) 
     prefix, seq, last_loc, num_tokens, prefix_pages = make_batch(bs, page_size, device)
     need_pages = num_tokens // page_size + 2 * bs + prefix_pages + 8
     alloc = PagedTokenToKVPoolAllocator(need_pages * page_size, page_size, device=device, backend=impl)
-    alloc.free_pages = alloc.free_pages[prefix_pages:]  # the prefixes' pages are taken
+    alloc.alloc(prefix_pages * page_size)  # the prefixes' pages (1..prefix_pages) are taken
     dev = [x.to(device) for x in (prefix, seq, last_loc)]
     state = alloc.backup_state()
 

@@ -25,9 +25,9 @@ def test_token_allocator_never_hands_out_slot_zero_and_reuses_fifo():
 def test_short_alloc_returns_none_and_consumes_nothing():
     a = TokenToKVPoolAllocator(4)
     a.alloc(3)
-    before = a.free_pages.clone()
+    before = a.free_page_list().clone()
     assert a.alloc(2) is None
-    assert torch.equal(a.free_pages, before)
+    assert torch.equal(a.free_page_list(), before)
     p = PagedTokenToKVPoolAllocator(16, 4)
     p.alloc(8)
     assert p.alloc_extend(t(0, 0), t(4, 5), t(-1, -1), 9) is None  # needs 3 pages, 2 left
@@ -39,7 +39,7 @@ def test_paged_free_releases_whole_pages_lifo():
     p = PagedTokenToKVPoolAllocator(16, 4)
     assert p.alloc(8).tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
     p.free(t(9, 5))  # any token of a page frees the page; unique, sorted, prepended
-    assert p.free_pages.tolist() == [1, 2, 3, 4]
+    assert p.free_page_list().tolist() == [1, 2, 3, 4]
     with pytest.raises(ValueError, match="multiple of page_size"):
         p.alloc(6)
 
@@ -63,7 +63,7 @@ def test_need_sort_defers_reuse_until_short_then_sorts():
     a = TokenToKVPoolAllocator(6, need_sort=True)
     a.alloc(4)
     a.free(t(3, 1))
-    assert a.release_pages.tolist() == [3, 1]
+    assert a.release_page_list().tolist() == [3, 1]
     assert a.alloc(2).tolist() == [5, 6]  # released slots are not reused yet
     assert a.alloc(2).tolist() == [1, 3]  # short → merge and sort
     p = PagedTokenToKVPoolAllocator(24, 4, need_sort=True)
@@ -79,7 +79,7 @@ def test_backup_restore_undoes_allocations():
     p.alloc_extend(t(0, 0), t(5, 9), t(-1, -1), 14)
     p.alloc_decode(t(6), t(8))
     p.restore_state(state)
-    assert p.free_pages.tolist() == list(range(1, 9))
+    assert p.free_page_list().tolist() == list(range(1, 9))
 
 
 def test_check_integrity_catches_leaks_double_frees_and_dummy_page():

@@ -44,7 +44,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         return torch.tensor(xs, dtype=torch.int64, device=self.alloc.device)
 
     def _snapshot(self):
-        return self.alloc.free_pages.tolist(), self.alloc.release_pages.tolist()
+        return self.alloc.free_page_list().tolist(), self.alloc.release_page_list().tolist()
 
     def _extend(self, items):
         """items: (request index or None for a new request, extend_len)."""
@@ -156,8 +156,8 @@ class AllocatorMachine(RuleBasedStateMachine):
 
     @invariant()
     def matches_model(self):
-        assert self.alloc.free_pages.tolist() == self.model.free
-        assert self.alloc.release_pages.tolist() == self.model.release
+        assert self.alloc.free_page_list().tolist() == self.model.free
+        assert self.alloc.release_page_list().tolist() == self.model.release
         assert self.alloc.available_size() == self.model.available_pages() * self.page_size
 
     @invariant()
