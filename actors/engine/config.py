@@ -1,0 +1,41 @@
+"""The engine's arguments: one validated object; a bad value fails naming the field.
+
+"auto" / None values are resolved in one place (:meth:`EngineConfig.resolve`)
+once the model and device are known.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class EngineConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    model_path: str = Field(description="HF checkpoint directory (config.json + *.safetensors)")
+    tokenizer_path: Optional[str] = Field(None, description="defaults to model_path")
+    device: Literal["cpu", "cuda"] = "cpu"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="auto: the checkpoint's dtype")
+    kv_cache_dtype: Literal["auto", "fp8_e4m3", "fp8_e5m2"] = "auto"
+    page_size: int = Field(1, ge=1, le=256)
+    mem_fraction_static: Optional[float] = Field(None, gt=0.0, lt=1.0, description="None: from device memory")
+    max_total_tokens: Optional[int] = Field(None, gt=0, description="KV pool size in tokens; None: from memory")
+    max_running_requests: Optional[int] = Field(None, gt=0)
+    context_length: Optional[int] = Field(None, gt=0, description="None: the model's max_position_embeddings")
+    chunked_prefill_size: Optional[int] = Field(None, description="tokens per prefill chunk; -1 disables; None: auto")
+    max_prefill_tokens: int = Field(16384, gt=0, description="tokens of one prefill batch")
+    schedule_policy: Literal["fcfs", "lpm"] = "fcfs"
+    attention_backend: Literal["torch", "triton"] = "torch"
+    disable_radix_cache: bool = False
+    radix_eviction_policy: Literal["lru", "lfu", "fifo", "mru", "filo", "priority"] = "lru"
+    mamba_scheduler_strategy: Literal["no_buffer", "extra_buffer"] = "no_buffer"
+    mamba_track_interval: int = Field(256, gt=0)
+    enable_hierarchical_cache: bool = False
+    skip_tokenizer_init: bool = False
+    random_seed: int = 0
+    init_new_token_ratio: float = Field(0.7, gt=0.0, le=1.0)
+    min_new_token_ratio: float = Field(0.1, gt=0.0, le=1.0)
+    new_token_ratio_decay: float = Field(0.001, ge=0.0)
+    enable_kv_events: bool = False

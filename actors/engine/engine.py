@@ -1,0 +1,136 @@
+"""SGLang's offline API over one in-process engine.
+
+    engine = Engine(model_path=DIR, max_total_tokens=4096)
+    out = engine.generate(prompt="hello", sampling_params={"max_new_tokens": 8})
+    outs = engine.generate(input_ids=[[1, 2, 3], [4, 5]], sampling_params={"temperature": 0})
+    engine.shutdown()
+
+Each result: ``text`` (unless ``skip_tokenizer_init``), ``output_ids`` and
+``meta_info`` (``prompt_tokens``, ``completion_tokens``, ``cached_tokens``,
+``finish_reason``, ``ttft``, ``e2e_latency``, and logprobs when asked).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from typing import Any, Dict, List, Optional, Union
+
+import torch
+
+from actors.engine.config import EngineConfig
+from actors.engine.model_runner import ModelRunner
+from actors.engine.req import Req
+from actors.engine.sampling_params import SamplingParams
+from actors.engine.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+def _eos_ids(model_path: str, model_config) -> List[int]:
+    import json
+    import os
+
+    ids = getattr(model_config, "eos_token_id", None)
+    gen_path = os.path.join(model_path, "generation_config.json")
+    if os.path.isfile(gen_path):
+        with open(gen_path) as f:
+            ids = json.load(f).get("eos_token_id", ids)
+    if ids is None:
+        return []
+    return [ids] if isinstance(ids, int) else list(ids)
+
+
+class Engine:
+    def __init__(self, model_path: str, **kwargs):
+        self.config = EngineConfig(model_path=model_path, **kwargs)
+        self.runner = ModelRunner(self.config)
+        self.tokenizer = None
+        if not self.config.skip_tokenizer_init:
+            from transformers import AutoTokenizer
+
+            self.tokenizer = AutoTokenizer.from_pretrained(self.config.tokenizer_path or model_path, local_files_only=True)
+        self.scheduler = Scheduler(self.runner, self.tokenizer)
+        self.eos_token_ids = _eos_ids(model_path, self.runner.model_config)
+        self._rids = itertools.count()
+
+    # ---- requests -----------------------------------------------------------------
+    def _make_req(self, prompt, input_ids, params: Dict[str, Any], rid: Optional[str]) -> Req:
+        sampling = SamplingParams(**(params or {}))
+        if input_ids is None:
+            if self.tokenizer is None:
+                raise ValueError("skip_tokenizer_init=True: pass input_ids, not prompt")
+            input_ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+        if not input_ids:
+            raise ValueError("the prompt is empty")
+        if sampling.stop and self.tokenizer is None:
+            raise ValueError("stop strings need the tokenizer (skip_tokenizer_init=True)")
+        limit = self.runner.context_len
+        if len(input_ids) >= limit:
+            raise ValueError(f"prompt of {len(input_ids)} tokens does not fit the context length {limit}")
+        return Req(rid or f"req-{next(self._rids)}", list(input_ids), sampling, self.eos_token_ids)
+
+    def generate(
+        self,
+        prompt: Union[None, str, List[str]] = None,
+        input_ids: Union[None, List[int], List[List[int]]] = None,
+        sampling_params: Union[None, Dict, List[Dict]] = None,
+        rid: Union[None, str, List[str]] = None,
+    ):
+        """Run one request or a batch to completion; a batch's results keep its order."""
+        batched = isinstance(prompt, list) or (input_ids is not None and input_ids and isinstance(input_ids[0], list))
+        n = len(prompt) if isinstance(prompt, list) else (len(input_ids) if batched else 1)
+        prompts = prompt if isinstance(prompt, list) else [prompt] * n
+        ids = input_ids if batched else [input_ids] * n
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * n
+        rids = rid if isinstance(rid, list) else [rid] * n
+        reqs = [self._make_req(p, i, s, r) for p, i, s, r in zip(prompts, ids, params, rids)]
+        for req in reqs:
+            self.scheduler.add_request(req)
+        while not all(r.finished for r in reqs):
+            self.scheduler.step()
+        results = [self._result(r) for r in reqs]
+        return results if batched else results[0]
+
+    def _result(self, req: Req) -> Dict[str, Any]:
+        meta = {
+            "id": req.rid,
+            "prompt_tokens": len(req.origin_input_ids),
+            "completion_tokens": len(req.output_ids),
+            "cached_tokens": req.cached_tokens,
+            "finish_reason": req.finished_reason,
+            "ttft": (req.first_token_time or req.finished_time) - req.created_time,
+            "e2e_latency": req.finished_time - req.created_time,
+        }
+        if req.sampling_params.return_logprob:
+            meta["output_token_logprobs"] = list(zip(req.output_logprobs, req.output_ids))
+            meta["output_top_logprobs"] = req.output_top_logprobs
+        result = {"output_ids": list(req.output_ids), "meta_info": meta}
+        if self.tokenizer is not None:
+            result["text"] = req.output_text
+        return result
+
+    # ---- health -------------------------------------------------------------------------
+    def check_integrity(self) -> None:
+        """Idle engine: every KV slot is free or cached, no row is held, no lock is left."""
+        sched, runner = self.scheduler, self.runner
+        if sched.has_work():
+            raise RuntimeError("check_integrity needs an idle engine")
+        tree = sched.tree_cache
+        tree.check_integrity()
+        runner.req_to_token_pool.check_integrity(live_rows=[])
+        runner.allocator.check_integrity(in_use=tree.all_values())
+        total = runner.allocator.num_pages * runner.allocator.page_size
+        got = runner.allocator.available_size() + tree.evictable_size() + tree.protected_size()
+        if got != total or tree.protected_size() != 0:
+            raise RuntimeError(f"slot leak: available + evictable + protected = {got} of {total}")
+
+    def flush_cache(self) -> None:
+        """Drop the whole prefix cache (idle engine only)."""
+        self.check_integrity()
+        self.scheduler.tree_cache.evict(self.scheduler.tree_cache.evictable_size())
+
+    def shutdown(self) -> None:
+        self.scheduler.waiting.clear()
+        self.scheduler.running.clear()
+        torch.cuda.empty_cache() if torch.cuda.is_available() else None

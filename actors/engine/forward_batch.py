@@ -1,0 +1,66 @@
+"""What one model forward sees: the batch laid out as flat token arrays.
+
+The scheduler builds a :class:`ForwardBatch` per step. Tokens of all
+requests are concatenated (``input_ids``, ``positions``, ``out_cache_loc``
+have one entry per token); per-request arrays have one entry per request.
+For request ``i`` of an extend batch::
+
+    tokens [extend_start_loc[i], extend_start_loc[i] + extend_seq_lens[i])
+    sit at positions [extend_prefix_lens[i], seq_lens[i]) of its sequence
+
+A decode batch is the special case of one token per request. K/V of every
+forward token are written at ``out_cache_loc``; attention reads a request's
+whole context through its ``req_to_token`` row — never a contiguous copy.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any, List, Optional
+
+import torch
+
+
+class ForwardMode(enum.Enum):
+    EXTEND = "extend"
+    DECODE = "decode"
+
+    @property
+    def is_extend(self) -> bool:
+        return self is ForwardMode.EXTEND
+
+    @property
+    def is_decode(self) -> bool:
+        return self is ForwardMode.DECODE
+
+
+@dataclass
+class ForwardBatch:
+    forward_mode: ForwardMode
+    input_ids: torch.Tensor  # [num_tokens] int64
+    positions: torch.Tensor  # [num_tokens] int64
+    out_cache_loc: torch.Tensor  # [num_tokens] int64 KV slot of each token
+    req_pool_indices: torch.Tensor  # [bs] int64 rows of req_to_token
+    seq_lens: torch.Tensor  # [bs] context length after this forward
+    extend_prefix_lens: torch.Tensor  # [bs] tokens already in the cache
+    extend_seq_lens: torch.Tensor  # [bs] tokens computed now
+    extend_start_loc: torch.Tensor  # [bs] offset of each request's tokens
+    req_to_token_pool: Any
+    token_to_kv_pool: Any
+    attn_backend: Any = None
+    seq_lens_cpu: Optional[List[int]] = None
+    extend_prefix_lens_cpu: Optional[List[int]] = None
+    extend_seq_lens_cpu: Optional[List[int]] = None
+    # hybrid (Mamba) models: per request working slot, and where to save a checkpoint
+    mamba_pool_indices: Optional[torch.Tensor] = None
+    mamba_track_slots: Optional[List[Optional[int]]] = None
+    mamba_track_lens: Optional[List[Optional[int]]] = None
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.seq_lens.numel())
+
+    def last_token_indices(self) -> torch.Tensor:
+        """Index, in the flat token arrays, of each request's last token."""
+        return self.extend_start_loc + self.extend_seq_lens - 1

@@ -1,0 +1,135 @@
+"""Building blocks shared by the model definitions (numerics match HF transformers)."""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+class RMSNorm(nn.Module):
+    """``w * x / rms(x)`` computed in fp32; ``offset`` = 1 for Gemma-style ``(1 + w)`` weights."""
+
+    def __init__(self, dim: int, eps: float = 1e-6, offset: float = 0.0):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim) if offset == 0.0 else torch.zeros(dim))
+        self.eps = eps
+        self.offset = offset
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.offset:
+            return (x32 * (self.offset + self.weight.float())).to(dtype)
+        return self.weight * x32.to(dtype)
+
+
+SUPPORTED_ROPE_TYPES = ("default",)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding over the first ``rotary_dim`` dims of each head
+    (``rotate_half`` convention, as HF Llama)."""
+
+    def __init__(self, rotary_dim: int, base: float, rope_type: str = "default"):
+        super().__init__()
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(f"rope_type={rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+        self.rotary_dim = rotary_dim
+        self.base = base
+        self.register_buffer("inv_freq", self._inv_freq(), persistent=False)
+
+    def _inv_freq(self) -> torch.Tensor:
+        exponents = torch.arange(0, self.rotary_dim, 2, dtype=torch.float, device="cpu") / self.rotary_dim
+        return 1.0 / (self.base**exponents)
+
+    def rebuild_buffers(self) -> None:
+        """Recompute ``inv_freq`` in fp32 on the module's device (after meta init or a dtype cast)."""
+        self.inv_freq = self._inv_freq().to(self.inv_freq.device)
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions[:, None].float() * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``q``: [tokens, heads, head_dim], ``k``: [tokens, kv_heads, head_dim]."""
+        cos, sin = self.cos_sin(positions, q.dtype)
+        return apply_rotary(q, cos, sin, self.rotary_dim), apply_rotary(k, cos, sin, self.rotary_dim)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int) -> torch.Tensor:
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    if rotary_dim == x.shape[-1]:
+        return x * cos + rotate_half(x) * sin
+    rot, rest = x[..., :rotary_dim], x[..., rotary_dim:]
+    return torch.cat((rot * cos + rotate_half(rot) * sin, rest), dim=-1)
+
+
+ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "gelu": F.gelu}
+
+
+def get_activation(name: str):
+    try:
+        return ACTIVATIONS[name]
+    except KeyError:
+        raise ValueError(f"hidden_act={name!r} is not supported; supported: {', '.join(ACTIVATIONS)}") from None
+
+
+class GatedMLP(nn.Module):
+    """``down(act(gate(x)) * up(x))`` with HF parameter names."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str = "silu"):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.act = get_activation(hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class RadixAttention(nn.Module):
+    """Attention over the paged KV cache for one layer.
+
+    Holds no weights: it writes this forward's K/V at ``out_cache_loc`` and
+    asks the batch's attention backend to attend each request's queries to
+    its whole context, read through ``req_to_token``.
+    """
+
+    def __init__(
+        self,
+        layer_id: int,
+        num_heads: int,
+        head_dim: int,
+        num_kv_heads: int,
+        scaling: float,
+        v_head_dim: Optional[int] = None,
+        sliding_window: Optional[int] = None,
+        logit_cap: Optional[float] = None,
+    ):
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_heads = num_heads
+        self.head_dim = head_dim
+        self.num_kv_heads = num_kv_heads
+        self.scaling = scaling
+        self.v_head_dim = v_head_dim or head_dim
+        self.sliding_window = sliding_window
+        self.logit_cap = logit_cap
+
+    def forward(self, q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[torch.Tensor], forward_batch) -> torch.Tensor:
+        """``q`` [tokens, heads, head_dim]; returns [tokens, heads * v_head_dim]."""
+        if k is not None:
+            forward_batch.token_to_kv_pool.set_kv_buffer(self.layer_id, forward_batch.out_cache_loc, k, v)
+        out = forward_batch.attn_backend.forward(q, self, forward_batch)
+        return out.reshape(q.shape[0], self.num_heads * self.v_head_dim)

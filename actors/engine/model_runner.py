@@ -1,0 +1,97 @@
+"""Loads the model, sizes and builds the memory pools, and runs forwards.
+
+Pools are built once, at start-up, from the model's :class:`KVCacheSpec` and
+the memory budget (``mem_cache.memory_budget``): the KV pool holds
+``max_total_num_tokens`` slots, the request table ``max_running_requests``
+rows. Nothing is allocated per request afterwards.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+
+from actors.engine.attention import create_attention_backend
+from actors.engine.config import EngineConfig
+from actors.engine.forward_batch import ForwardBatch
+from actors.engine.model_loader import load_model
+from mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
+from mem_cache.memory_budget import KVCacheShape, get_device_memory, profile_max_num_tokens
+from mem_cache.memory_pool import MHATokenToKVPool
+from mem_cache.req_to_token_pool import ReqToTokenPool
+
+logger = logging.getLogger(__name__)
+
+KV_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.device = torch.device(config.device)
+        torch.manual_seed(config.random_seed)
+        self.model, self.model_config, self.dtype = load_model(config.model_path, config.dtype, config.device)
+        self.kv_dtype = KV_DTYPES.get(config.kv_cache_dtype, self.dtype)
+        self.spec = self.model.kv_cache_spec()
+        self.context_len = config.context_length or self.model_config.max_position_embeddings
+        self.max_total_num_tokens = self._profile_tokens()
+        self.max_running_requests = config.max_running_requests or max(1, min(256, self.max_total_num_tokens // 2))
+        self._init_pools()
+        self.attn_backend = create_attention_backend(config.attention_backend, device=self.device)
+
+    # ---- memory ---------------------------------------------------------------
+    def _kv_shape(self) -> KVCacheShape:
+        return KVCacheShape(
+            num_attention_layers=self.spec.num_layers,
+            num_kv_heads=self.spec.num_kv_heads,
+            head_dim=self.spec.head_dim,
+            v_head_dim=self.spec.v_head_dim,
+        )
+
+    def _profile_tokens(self) -> int:
+        ps = self.config.page_size
+        if self.config.max_total_tokens is not None:
+            return max(ps, self.config.max_total_tokens // ps * ps)
+        available, total = get_device_memory(self.device)
+        fraction = self.config.mem_fraction_static or 0.5
+        budget = profile_max_num_tokens(self._kv_shape(), self.kv_dtype, available, total, fraction, page_size=ps)
+        logger.info("memory budget: %s", budget.describe())
+        return budget.max_total_num_tokens
+
+    def _init_pools(self) -> None:
+        cfg, spec = self.config, self.spec
+        self.req_to_token_pool = ReqToTokenPool(self.max_running_requests, self.context_len + 4, self.device)
+        if spec.kind != "mha":
+            raise ValueError(f"KV cache kind {spec.kind!r} is not served yet")
+        self.token_to_kv_pool = MHATokenToKVPool(
+            self.max_total_num_tokens, cfg.page_size, self.kv_dtype, spec.num_kv_heads, spec.head_dim,
+            spec.num_layers, device=self.device, v_head_dim=spec.v_head_dim,
+        )
+        if cfg.page_size == 1:
+            self.allocator = TokenToKVPoolAllocator(self.max_total_num_tokens, self.device, self.token_to_kv_pool)
+        else:
+            self.allocator = PagedTokenToKVPoolAllocator(
+                self.max_total_num_tokens, cfg.page_size, self.device, self.token_to_kv_pool
+            )
+        logger.info(
+            "KV pool: %d tokens, %d request rows, %.1f MiB",
+            self.max_total_num_tokens, self.max_running_requests, self.token_to_kv_pool.mem_usage_bytes() / 2**20,
+        )
+
+    # ---- forward ----------------------------------------------------------------
+    @torch.inference_mode()
+    def forward(self, forward_batch: ForwardBatch) -> torch.Tensor:
+        """Logits of each request's last token, [bs, vocab] fp32."""
+        forward_batch.req_to_token_pool = self.req_to_token_pool
+        forward_batch.token_to_kv_pool = self.token_to_kv_pool
+        forward_batch.attn_backend = self.attn_backend
+        self.attn_backend.init_forward_metadata(forward_batch)
+        return self.model(forward_batch)
+
+    def tensor(self, values, dtype=torch.int64) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype, device=self.device)
+
+    def empty_kv_slots(self) -> Optional[torch.Tensor]:
+        return torch.empty(0, dtype=torch.int64, device=self.device)

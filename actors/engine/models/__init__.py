@@ -1,0 +1,27 @@
+"""Model definitions, looked up by the checkpoint's ``architectures`` name.
+
+Each model takes the HF config and exposes ``forward(forward_batch) ->
+logits of each request's last token`` ([bs, vocab], fp32) plus
+``kv_cache_spec()``, which tells the model runner which KV pools to build.
+Parameter names follow HF so checkpoints load with ``load_state_dict``.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+# architectures[0] -> (module, class)
+MODEL_REGISTRY = {
+    "LlamaForCausalLM": ("actors.engine.models.llama", "LlamaForCausalLM"),
+    "Qwen2ForCausalLM": ("actors.engine.models.llama", "LlamaForCausalLM"),
+    "Qwen3ForCausalLM": ("actors.engine.models.llama", "LlamaForCausalLM"),
+}
+
+
+def get_model_class(architecture: str):
+    try:
+        module, name = MODEL_REGISTRY[architecture]
+    except KeyError:
+        known = ", ".join(sorted(MODEL_REGISTRY))
+        raise ValueError(f"unsupported architecture {architecture!r}; supported: {known}") from None
+    return getattr(importlib.import_module(module), name)

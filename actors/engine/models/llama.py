@@ -1,0 +1,98 @@
+"""Dense GQA decoders: Llama, Qwen2 (qkv bias), Qwen3 (per-head q/k RMSNorm)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from actors.engine.forward_batch import ForwardBatch
+from actors.engine.layers import GatedMLP, RadixAttention, RMSNorm, RotaryEmbedding
+from actors.engine.models.spec import KVCacheSpec
+
+
+def rope_settings(config):
+    params = getattr(config, "rope_parameters", None) or {}
+    theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+    return float(theta), params.get("rope_type", "default")
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config, layer_id: int):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        bias = getattr(config, "attention_bias", False) or config.model_type == "qwen2"
+        hidden = config.hidden_size
+        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=getattr(config, "attention_bias", False))
+        self.qk_norm = config.model_type == "qwen3"
+        if self.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        theta, rope_type = rope_settings(config)
+        self.rotary = RotaryEmbedding(self.head_dim, theta, rope_type)
+        self.attn = RadixAttention(layer_id, self.num_heads, self.head_dim, self.num_kv_heads, self.head_dim**-0.5)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
+        tokens = x.shape[0]
+        q = self.q_proj(x).view(tokens, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, forward_batch))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config, layer_id: int):
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer_id)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions, x, forward_batch):
+        x = x + self.self_attn(positions, self.input_layernorm(x), forward_batch)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, forward_batch: ForwardBatch) -> torch.Tensor:
+        x = self.embed_tokens(forward_batch.input_ids)
+        for layer in self.layers:
+            x = layer(forward_batch.positions, x, forward_batch)
+        return self.norm(x)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if getattr(config, "tie_word_embeddings", False):
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, forward_batch: ForwardBatch) -> torch.Tensor:
+        hidden = self.model(forward_batch)
+        last = hidden[forward_batch.last_token_indices()]
+        return self.lm_head(last).float()
+
+    def kv_cache_spec(self) -> KVCacheSpec:
+        attn = self.model.layers[0].self_attn
+        return KVCacheSpec(
+            kind="mha",
+            num_layers=self.config.num_hidden_layers,
+            num_kv_heads=attn.num_kv_heads,
+            head_dim=attn.head_dim,
+        )

@@ -1,0 +1,87 @@
+"""A request's state as the scheduler and the tree cache see it.
+
+Token bookkeeping (positions in ``origin_input_ids + output_ids``)::
+
+    [0, len(prefix_indices))      reused from the tree cache (locked at last_node)
+    [0, cache_protected_len)      the tree's own slots: never freed by the request
+    [0, kv_committed_len)         tokens whose KV is in the request's row
+    fill_ids                      what the next extend computes up to (a chunk may stop early)
+
+The last sampled token has no KV until the next decode step computes it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, List, Optional
+
+import torch
+
+from actors.engine.sampling import make_generator
+from actors.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class Req:
+    rid: str
+    origin_input_ids: List[int]
+    sampling_params: SamplingParams
+    eos_token_ids: List[int] = field(default_factory=list)
+    extra_key: Optional[str] = None
+    priority: int = 0
+    output_ids: List[int] = field(default_factory=list)
+    fill_ids: List[int] = field(default_factory=list)
+    prefix_indices: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
+    last_node: Any = None
+    req_pool_idx: Optional[int] = None
+    cache_protected_len: int = 0
+    kv_committed_len: int = 0
+    cached_tokens: int = 0
+    finished_reason: Optional[dict] = None
+    output_text: str = ""
+    output_logprobs: List[float] = field(default_factory=list)
+    output_top_logprobs: List[List[tuple]] = field(default_factory=list)
+    created_time: float = field(default_factory=time.perf_counter)
+    first_token_time: Optional[float] = None
+    finished_time: Optional[float] = None
+    num_retractions: int = 0
+    # hybrid (Mamba) models
+    mamba_pool_idx: Optional[int] = None
+    mamba_next_track_idx: int = 0
+    mamba_last_track_seqlen: Optional[int] = None
+    mamba_branching_seqlen: Optional[int] = None
+
+    def __post_init__(self):
+        self.generator = make_generator(self.sampling_params.seed)
+
+    @property
+    def seqlen(self) -> int:
+        return len(self.origin_input_ids) + len(self.output_ids)
+
+    @property
+    def extend_input_len(self) -> int:
+        return len(self.fill_ids) - len(self.prefix_indices)
+
+    @property
+    def finished(self) -> bool:
+        return self.finished_reason is not None
+
+    def all_ids(self) -> List[int]:
+        return self.origin_input_ids + self.output_ids
+
+    def finish(self, reason: dict) -> None:
+        self.finished_reason = reason
+        self.finished_time = time.perf_counter()
+
+    def reset_for_retract(self) -> None:
+        """Back to waiting: everything is recomputed (prompt and output so far)."""
+        self.prefix_indices = torch.empty(0, dtype=torch.int64)
+        self.last_node = None
+        self.req_pool_idx = None
+        self.cache_protected_len = 0
+        self.kv_committed_len = 0
+        self.fill_ids = []
+        self.mamba_pool_idx = None
+        self.mamba_last_track_seqlen = None
+        self.num_retractions += 1

@@ -1,0 +1,71 @@
+"""From last-token logits to next tokens: penalties, temperature, top-k/p, min-p, seeds.
+
+Penalties are applied to the logits first, as OpenAI / vLLM define them:
+repetition (divide positive, multiply negative logits of tokens seen in the
+prompt or output), frequency (``-= f * count in output``) and presence
+(``-= p`` for tokens in the output). Greedy requests take the argmax of the
+penalised logits; others sample with a per-request generator (seeded when
+the request gives a seed, so the same seed gives the same tokens).
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Tuple
+
+import torch
+
+from actors.engine.sampling_params import SamplingParams
+
+
+def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: List[int], output_ids: List[int]) -> torch.Tensor:
+    """Penalised copy of one request's logits ``[vocab]``."""
+    if not params.has_penalties:
+        return logits
+    logits = logits.clone()
+    vocab = logits.shape[-1]
+    if params.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(prompt_ids) | set(output_ids)), dtype=torch.int64)
+        seen = seen[seen < vocab]
+        vals = logits[seen]
+        logits[seen] = torch.where(vals > 0, vals / params.repetition_penalty, vals * params.repetition_penalty)
+    if output_ids and (params.frequency_penalty or params.presence_penalty):
+        counts = torch.bincount(torch.tensor(output_ids, dtype=torch.int64), minlength=vocab)[:vocab].to(logits.dtype)
+        logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def filter_probs(probs: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Zero out what top-k, top-p and min-p exclude (then renormalise)."""
+    if params.top_k > 0 and params.top_k < probs.shape[-1]:
+        kth = torch.topk(probs, params.top_k).values[-1]
+        probs = torch.where(probs >= kth, probs, torch.zeros_like(probs))
+    if params.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        cumulative = torch.cumsum(sorted_probs, 0)
+        drop = cumulative - sorted_probs > params.top_p * cumulative[-1]
+        sorted_probs[drop] = 0.0
+        probs = torch.zeros_like(probs).scatter(0, order, sorted_probs)
+    if params.min_p > 0.0:
+        probs = torch.where(probs >= params.min_p * probs.max(), probs, torch.zeros_like(probs))
+    return probs / probs.sum()
+
+
+def make_generator(seed: Optional[int]) -> torch.Generator:
+    gen = torch.Generator()
+    if seed is not None:
+        gen.manual_seed(seed)
+    else:
+        gen.seed()
+    return gen
+
+
+def sample_next(
+    logits: torch.Tensor, params: SamplingParams, prompt_ids: List[int], output_ids: List[int], generator: torch.Generator
+) -> Tuple[int, torch.Tensor]:
+    """Next token of one request and the log-softmax it was drawn from (for logprobs)."""
+    logits = apply_penalties(logits.float().cpu(), params, prompt_ids, output_ids)
+    logprobs = torch.log_softmax(logits, dim=-1)
+    if params.is_greedy:
+        return int(torch.argmax(logits)), logprobs
+    probs = filter_probs(torch.softmax(logits / params.temperature, dim=-1), params)
+    return int(torch.multinomial(probs, 1, generator=generator)), logprobs

@@ -1,0 +1,51 @@
+"""Per-request sampling parameters (SGLang's names), validated at the edge."""
+
+from __future__ import annotations
+
+from typing import List, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+class SamplingParams(BaseModel):
+    """A bad value fails naming the field; unknown fields are rejected."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_new_tokens: int = Field(128, ge=0, description="tokens to generate at most")
+    temperature: float = Field(1.0, ge=0.0, description="0 means greedy")
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(-1, description="-1 disables top-k")
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    seed: Optional[int] = Field(None, description="per-request seed: same seed, same samples")
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=2.0)
+    stop: List[str] = Field(default_factory=list, description="stop strings (not included in the text)")
+    stop_token_ids: List[int] = Field(default_factory=list)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    return_logprob: bool = False
+    top_logprobs_num: int = Field(0, ge=0, le=20)
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k(cls, v: int) -> int:
+        if v == 0 or v < -1:
+            raise ValueError("top_k must be -1 (disabled) or >= 1")
+        return v
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop(cls, v: Union[None, str, List[str]]) -> List[str]:
+        if v is None:
+            return []
+        return [v] if isinstance(v, str) else list(v)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.frequency_penalty != 0.0 or self.presence_penalty != 0.0 or self.repetition_penalty != 1.0

@@ -1,0 +1,113 @@
+"""Turning a list of requests into a ForwardBatch, with their KV slots allocated.
+
+``prepare_for_extend`` and ``prepare_for_decode`` allocate the slots for the
+tokens about to be computed (evicting from the tree cache when the pool is
+short) and write them into the requests' ``req_to_token`` rows. They return
+``None`` — having taken nothing — when memory is short even after eviction;
+the scheduler then waits or retracts.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+
+from actors.engine.forward_batch import ForwardBatch, ForwardMode
+from actors.engine.req import Req
+
+
+def _alloc_with_eviction(tree_cache, allocator, alloc_fn, num_tokens: int):
+    out = alloc_fn()
+    if out is None:
+        tree_cache.evict(num_tokens)
+        out = alloc_fn()
+    return out
+
+
+def prepare_for_extend(reqs: List[Req], runner, tree_cache) -> Optional[ForwardBatch]:
+    """Rows for new requests, slots for ``[len(prefix_indices), len(fill_ids))`` of each."""
+    pool, allocator, ps = runner.req_to_token_pool, runner.allocator, runner.config.page_size
+    new = [r for r in reqs if r.req_pool_idx is None]
+    rows = pool.alloc(len(new)) if new else []
+    if rows is None:
+        return None
+    for req, row in zip(new, rows):
+        req.req_pool_idx = row
+        pool.write((row, slice(0, len(req.prefix_indices))), req.prefix_indices.to(torch.int32))
+    prefix_lens = [len(r.prefix_indices) for r in reqs]
+    seq_lens = [len(r.fill_ids) for r in reqs]
+    num_tokens = sum(seq_lens) - sum(prefix_lens)
+    last_loc = [int(pool.req_to_token[r.req_pool_idx, p - 1]) if p > 0 else -1 for r, p in zip(reqs, prefix_lens)]
+    prefix_t, seq_t = torch.tensor(prefix_lens), torch.tensor(seq_lens)
+    out = _alloc_with_eviction(
+        tree_cache, allocator,
+        lambda: allocator.alloc_extend(
+            prefix_t.to(runner.device), seq_t.to(runner.device), runner.tensor(last_loc), num_tokens,
+            prefix_lens_cpu=prefix_t, seq_lens_cpu=seq_t,
+        ),
+        num_tokens + len(reqs) * ps,
+    )
+    if out is None:
+        pool.free([r.req_pool_idx for r in new])
+        for req in new:
+            req.req_pool_idx = None
+        return None
+    input_ids, positions, offset = [], [], 0
+    for req, p, s in zip(reqs, prefix_lens, seq_lens):
+        pool.write((req.req_pool_idx, slice(p, s)), out[offset : offset + s - p].to(torch.int32))
+        input_ids.extend(req.fill_ids[p:s])
+        positions.extend(range(p, s))
+        offset += s - p
+    extend_lens = [s - p for p, s in zip(prefix_lens, seq_lens)]
+    starts = [sum(extend_lens[:i]) for i in range(len(reqs))]
+    return ForwardBatch(
+        forward_mode=ForwardMode.EXTEND,
+        input_ids=runner.tensor(input_ids),
+        positions=runner.tensor(positions),
+        out_cache_loc=out.to(torch.int64),
+        req_pool_indices=runner.tensor([r.req_pool_idx for r in reqs]),
+        seq_lens=runner.tensor(seq_lens),
+        extend_prefix_lens=runner.tensor(prefix_lens),
+        extend_seq_lens=runner.tensor(extend_lens),
+        extend_start_loc=runner.tensor(starts),
+        req_to_token_pool=pool,
+        token_to_kv_pool=runner.token_to_kv_pool,
+        seq_lens_cpu=seq_lens,
+        extend_prefix_lens_cpu=prefix_lens,
+        extend_seq_lens_cpu=extend_lens,
+    )
+
+
+def prepare_for_decode(reqs: List[Req], runner, tree_cache) -> Optional[ForwardBatch]:
+    """One slot per request for its last sampled token, at position ``seqlen - 1``."""
+    pool, allocator = runner.req_to_token_pool, runner.allocator
+    seq_lens = [r.seqlen for r in reqs]
+    last_loc = [int(pool.req_to_token[r.req_pool_idx, s - 2]) for r, s in zip(reqs, seq_lens)]
+    seq_t = torch.tensor(seq_lens)
+    out = _alloc_with_eviction(
+        tree_cache, allocator,
+        lambda: allocator.alloc_decode(seq_t.to(runner.device), runner.tensor(last_loc), seq_lens_cpu=seq_t),
+        len(reqs) * runner.config.page_size,
+    )
+    if out is None:
+        return None
+    for req, s, slot in zip(reqs, seq_lens, out.tolist()):
+        pool.req_to_token[req.req_pool_idx, s - 1] = slot
+    bs = len(reqs)
+    return ForwardBatch(
+        forward_mode=ForwardMode.DECODE,
+        input_ids=runner.tensor([r.output_ids[-1] for r in reqs]),
+        positions=runner.tensor([s - 1 for s in seq_lens]),
+        out_cache_loc=out.to(torch.int64),
+        req_pool_indices=runner.tensor([r.req_pool_idx for r in reqs]),
+        seq_lens=runner.tensor(seq_lens),
+        extend_prefix_lens=runner.tensor([s - 1 for s in seq_lens]),
+        extend_seq_lens=runner.tensor([1] * bs),
+        extend_start_loc=runner.tensor(list(range(bs))),
+        req_to_token_pool=pool,
+        token_to_kv_pool=runner.token_to_kv_pool,
+        seq_lens_cpu=seq_lens,
+        extend_prefix_lens_cpu=[s - 1 for s in seq_lens],
+        extend_seq_lens_cpu=[1] * bs,
+    )

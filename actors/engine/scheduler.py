@@ -1,0 +1,243 @@
+"""Continuous batching: which requests run in the next forward, and what to do after.
+
+One ``step()`` = pick a batch (a prefill batch if any waiting request fits,
+else the running decode batch), run the model, process the results. The
+control path reads top to bottom in :meth:`Scheduler.step`.
+
+Memory rules (seed 000 §10.4): a prefill is admitted only if its tokens plus
+a reserve for the running requests' future decode tokens
+(``remaining max_new_tokens × new_token_ratio``) fit in free + evictable
+slots; a long prompt is cut into ``chunked_prefill_size`` chunks cached with
+``cache_unfinished_req``; when a decode step cannot get its slots even after
+eviction, the most recently admitted requests are retracted to the waiting
+queue (their KV freed, recomputed later) and ``new_token_ratio`` rises.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import List, Optional
+
+from actors.engine.finish import check_finished, stream_text
+from actors.engine.forward_batch import ForwardBatch
+from actors.engine.req import Req
+from actors.engine.sampling import sample_next
+from actors.engine.schedule_batch import prepare_for_decode, prepare_for_extend
+from mem_cache.radix_cache import RadixCache
+from mem_cache.radix_key import RadixKey
+
+logger = logging.getLogger(__name__)
+RETRACT_DECODE_STEPS = 20
+
+
+class Scheduler:
+    def __init__(self, runner, tokenizer=None):
+        self.runner = runner
+        self.config = cfg = runner.config
+        self.tokenizer = tokenizer
+        self.page_size = cfg.page_size
+        self.tree_cache = RadixCache(
+            runner.req_to_token_pool, runner.allocator, page_size=cfg.page_size, disable=cfg.disable_radix_cache,
+            eviction_policy=cfg.radix_eviction_policy, enable_kv_events=cfg.enable_kv_events,
+        )
+        chunk = cfg.chunked_prefill_size if cfg.chunked_prefill_size is not None else 2048
+        self.chunked_prefill_size = None if chunk <= 0 else max(self.page_size, chunk // self.page_size * self.page_size)
+        self.waiting: List[Req] = []
+        self.running: List[Req] = []
+        self.chunked_req: Optional[Req] = None
+        self.new_token_ratio = cfg.init_new_token_ratio
+        self.num_retractions = 0
+        self._aborted: List[Req] = []  # finished while waiting: reported at the next step
+
+    # ---- the loop ---------------------------------------------------------------
+    def step(self) -> List[Req]:
+        """Run one forward; returns the requests that produced output (or finished)."""
+        released = self._release_aborted()
+        batch_reqs, forward_batch = self._next_prefill()
+        if forward_batch is not None:
+            logits = self.runner.forward(forward_batch)
+            return released + self._process_prefill(batch_reqs, logits)
+        if self.running:
+            batch_reqs, forward_batch = self._next_decode()
+            if forward_batch is not None:
+                logits = self.runner.forward(forward_batch)
+                return released + self._process_decode(batch_reqs, logits)
+        return released
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.chunked_req)
+
+    # ---- admission ----------------------------------------------------------------
+    def add_request(self, req: Req) -> None:
+        self.waiting.append(req)
+
+    def _match_prefix(self, req: Req) -> None:
+        req.fill_ids = req.all_ids()
+        key = RadixKey(req.fill_ids[: len(req.fill_ids) - 1], req.extra_key)  # one token is always computed
+        match = self.tree_cache.match_prefix(key)
+        req.prefix_indices, req.last_node = match.device_indices, match.last_device_node
+        req.cache_protected_len = len(req.prefix_indices)
+
+    def _sorted_waiting(self) -> List[Req]:
+        if self.config.schedule_policy == "lpm":
+            for req in self.waiting:
+                self._match_prefix(req)
+            return sorted(self.waiting, key=lambda r: -len(r.prefix_indices))
+        return list(self.waiting)
+
+    def _decode_reserve(self) -> int:
+        remaining = sum(max(r.sampling_params.max_new_tokens - len(r.output_ids), 0) for r in self.running)
+        return int(remaining * self.new_token_ratio)
+
+    def _next_prefill(self):
+        budget_running = self.runner.max_running_requests - len(self.running)
+        if budget_running <= 0 or not (self.waiting or self.chunked_req):
+            return None, None
+        rem_total = self.runner.allocator.available_size() + self.tree_cache.evictable_size() - self._decode_reserve()
+        rem_input, rem_chunk = self.config.max_prefill_tokens, self.chunked_prefill_size
+        picked: List[Req] = []
+        candidates = ([self.chunked_req] if self.chunked_req else []) + self._sorted_waiting()
+        self.chunked_req = None
+        for req in candidates:
+            if len(picked) >= budget_running:
+                break
+            if req.req_pool_idx is None:
+                self._match_prefix(req)
+            else:  # a chunked request continues after its cached chunks
+                req.fill_ids = req.all_ids()
+            extend = req.extend_input_len
+            reserve = int(max(req.sampling_params.max_new_tokens - len(req.output_ids), 0) * self.new_token_ratio)
+            if extend + reserve + self.page_size > rem_total or (picked and extend > rem_input):
+                if req.req_pool_idx is not None:
+                    self.chunked_req = req  # keeps its place at the head
+                break
+            if rem_chunk is not None and extend > rem_chunk:
+                cut = rem_chunk // self.page_size * self.page_size
+                if cut <= 0:
+                    break
+                req.fill_ids = req.fill_ids[: len(req.prefix_indices) + cut]
+                extend = cut
+            if req.req_pool_idx is None:
+                self.tree_cache.inc_lock_ref(req.last_node)
+                if req.num_retractions == 0:
+                    req.cached_tokens = len(req.prefix_indices)
+            picked.append(req)
+            rem_total -= extend + reserve
+            rem_input -= extend
+            if rem_chunk is not None:
+                rem_chunk -= extend
+            if len(req.fill_ids) < req.seqlen:  # chunked: nothing else joins after it
+                break
+        if not picked:
+            return None, None
+        new_reqs = [r for r in picked if r.req_pool_idx is None]
+        forward_batch = prepare_for_extend(picked, self.runner, self.tree_cache)
+        if forward_batch is None:  # short even after eviction: give the locks back, try later
+            for req in new_reqs:
+                self.tree_cache.dec_lock_ref(req.last_node)
+            continuing = [r for r in picked if r not in new_reqs]
+            if continuing:
+                self.chunked_req = continuing[0]
+            return None, None
+        for req in picked:
+            if req in self.waiting:
+                self.waiting.remove(req)
+        return picked, forward_batch
+
+    def _next_decode(self):
+        while self.running:
+            forward_batch = prepare_for_decode(self.running, self.runner, self.tree_cache)
+            if forward_batch is not None:
+                self.new_token_ratio = max(
+                    self.config.min_new_token_ratio, self.new_token_ratio - self.config.new_token_ratio_decay
+                )
+                return list(self.running), forward_batch
+            self._retract_one()
+        return None, None
+
+    def _retract_one(self) -> None:
+        """Retract the most recently admitted request: free its KV, requeue it."""
+        req = self.running.pop()
+        self.tree_cache.cache_finished_req(req, is_insert=False)
+        req.reset_for_retract()
+        self.waiting.insert(0, req)
+        self.num_retractions += 1
+        decoded = sum(len(r.output_ids) for r in self.running)
+        max_new = sum(r.sampling_params.max_new_tokens for r in self.running) or 1
+        self.new_token_ratio = min(1.0, (decoded + RETRACT_DECODE_STEPS * len(self.running)) / max_new)
+        logger.info("retracted request %s (%d retractions so far)", req.rid, self.num_retractions)
+
+    # ---- results ----------------------------------------------------------------------
+    def _sample(self, req: Req, logits_row) -> None:
+        token, logprobs = sample_next(logits_row, req.sampling_params, req.origin_input_ids, req.output_ids, req.generator)
+        req.output_ids.append(token)
+        if req.sampling_params.return_logprob:
+            req.output_logprobs.append(float(logprobs[token]))
+            k = req.sampling_params.top_logprobs_num
+            if k:
+                top = logprobs.topk(k)
+                req.output_top_logprobs.append(list(zip(top.indices.tolist(), top.values.tolist())))
+        stream_text(req, self.tokenizer)
+        check_finished(req, self.tokenizer, self.runner.context_len)
+
+    def _process_prefill(self, reqs: List[Req], logits) -> List[Req]:
+        out: List[Req] = []
+        self.runner.allocator.free_group_begin()
+        for i, req in enumerate(reqs):
+            req.kv_committed_len = len(req.fill_ids)
+            if len(req.fill_ids) < req.seqlen:  # more chunks to go
+                self.tree_cache.cache_unfinished_req(req)
+                self.chunked_req = req
+                continue
+            if req.sampling_params.max_new_tokens == 0:
+                req.finish({"type": "length", "length": 0})
+            else:
+                self._sample(req, logits[i])
+            if req.first_token_time is None:
+                req.first_token_time = time.perf_counter()
+            if req.finished:
+                self.tree_cache.cache_finished_req(req)
+            else:
+                self.tree_cache.cache_unfinished_req(req)
+                self.running.append(req)
+            out.append(req)
+        self.runner.allocator.free_group_end()
+        return out
+
+    def _process_decode(self, reqs: List[Req], logits) -> List[Req]:
+        self.runner.allocator.free_group_begin()
+        for i, req in enumerate(reqs):
+            req.kv_committed_len = req.seqlen
+            self._sample(req, logits[i])
+            if req.finished:
+                self.tree_cache.cache_finished_req(req)
+        self.runner.allocator.free_group_end()
+        self.running = [r for r in self.running if not r.finished]
+        return reqs
+
+    # ---- abort --------------------------------------------------------------------------
+    def abort(self, rid: str) -> bool:
+        for req in self.waiting:
+            if req.rid == rid:
+                self.waiting.remove(req)
+                req.finish({"type": "abort", "message": "aborted"})
+                self._aborted.append(req)
+                return True
+        for req in self.running + ([self.chunked_req] if self.chunked_req else []):
+            if req.rid == rid:
+                req.finish({"type": "abort", "message": "aborted"})
+                return True
+        return False
+
+    def _release_aborted(self) -> List[Req]:
+        released, self._aborted = self._aborted, []
+        for req in [r for r in self.running if r.finished]:
+            self.tree_cache.cache_finished_req(req)
+            released.append(req)
+        self.running = [r for r in self.running if not r.finished]
+        if self.chunked_req is not None and self.chunked_req.finished:
+            req, self.chunked_req = self.chunked_req, None
+            self.tree_cache.cache_finished_req(req, is_insert=False)
+            released.append(req)
+        return released
