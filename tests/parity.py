@@ -1,0 +1,47 @@
+"""The one parity helper: our greedy tokens against HF transformers' ``generate``.
+
+At the first position where the two disagree, HF's logits there must be a
+near-tie (our token's logit within ``tie_tol`` of HF's best); after a tie
+the sequences may legitimately diverge, so comparison stops there.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import List, Sequence
+
+import torch
+
+
+@lru_cache(maxsize=8)
+def hf_model(model_path: str):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, local_files_only=True, dtype=torch.float32)
+    return model.eval()
+
+
+def hf_greedy(model_path: str, prompt: Sequence[int], max_new_tokens: int, eos_token_ids: Sequence[int]):
+    """HF's greedy continuation of ``prompt`` and the logits of every step."""
+    model = hf_model(model_path)
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([list(prompt)]), max_new_tokens=max_new_tokens, do_sample=False,
+            eos_token_id=list(eos_token_ids) or None, pad_token_id=0,
+            output_logits=True, return_dict_in_generate=True,
+        )
+    tokens = out.sequences[0, len(prompt):].tolist()
+    return tokens, [step[0] for step in out.logits]
+
+
+def assert_greedy_parity(model_path: str, prompts: List[List[int]], outputs: List[List[int]], max_new_tokens: int,
+                         eos_token_ids: Sequence[int] = (), tie_tol: float = 1e-4) -> None:
+    for prompt, ours in zip(prompts, outputs):
+        ref, logits = hf_greedy(model_path, prompt, max_new_tokens, eos_token_ids)
+        for i, (a, b) in enumerate(zip(ours, ref)):
+            if a != b:
+                gap = float(logits[i].max() - logits[i][a])
+                assert gap <= tie_tol, f"token {i}: ours {a}, HF {b}, logit gap {gap:.2e} (prompt {prompt[:8]}...)"
+                break
+        else:
+            assert len(ours) == len(ref), f"lengths differ: ours {len(ours)}, HF {len(ref)}"
