@@ -1,0 +1,52 @@
+"""Sampling: seeds reproduce, stop conditions cut where they should, penalties follow their definitions."""
+
+import math
+
+import pytest
+import torch
+
+from actors.engine.sampling import apply_penalties, filter_probs, make_generator, sample_next
+from actors.engine.sampling_params import SamplingParams
+
+
+def test_penalties_change_logits_as_defined():
+    logits = torch.tensor([2.0, -1.0, 0.5, 3.0])
+    p = SamplingParams(repetition_penalty=2.0)
+    out = apply_penalties(logits, p, prompt_ids=[0], output_ids=[1])
+    assert out.tolist() == [1.0, -2.0, 0.5, 3.0]  # seen: positive /2, negative *2; unseen untouched
+    p = SamplingParams(frequency_penalty=0.5, presence_penalty=0.25)
+    out = apply_penalties(logits, p, prompt_ids=[3], output_ids=[2, 2, 0])
+    assert out.tolist() == [2.0 - 0.5 - 0.25, -1.0, 0.5 - 1.0 - 0.25, 3.0]  # prompt tokens not counted
+    assert apply_penalties(logits, SamplingParams(), [0], [1]) is logits
+
+
+def test_top_k_top_p_min_p_filters():
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    assert filter_probs(probs, SamplingParams(top_k=2)).tolist() == pytest.approx([0.625, 0.375, 0, 0])
+    assert filter_probs(probs, SamplingParams(top_p=0.7)).tolist() == pytest.approx([0.625, 0.375, 0, 0])
+    assert filter_probs(probs, SamplingParams(top_p=0.81)).tolist() == pytest.approx([0.5 / 0.95, 0.3 / 0.95, 0.15 / 0.95, 0])
+    assert filter_probs(probs, SamplingParams(min_p=0.5)).tolist() == pytest.approx([0.625, 0.375, 0, 0])
+
+
+def test_seed_makes_sampling_reproducible():
+    logits = torch.randn(300, generator=torch.Generator().manual_seed(0))
+    params = SamplingParams(temperature=1.0, seed=1234)
+
+    def draw(seed_params):
+        gen = make_generator(seed_params.seed)
+        return [sample_next(logits, seed_params, [], [], gen)[0] for _ in range(20)]
+
+    assert draw(params) == draw(params)
+    assert draw(params) != draw(SamplingParams(temperature=1.0, seed=99))
+    greedy, logprobs = sample_next(logits, SamplingParams(temperature=0), [], [], make_generator(None))
+    assert greedy == int(logits.argmax()) and math.isclose(float(logprobs.exp().sum()), 1.0, rel_tol=1e-5)
+
+
+def test_bad_sampling_params_name_the_field():
+    with pytest.raises(ValueError, match="top_k"):
+        SamplingParams(top_k=0)
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=-1)
+    with pytest.raises(ValueError, match="unknown_field"):
+        SamplingParams(unknown_field=1)
+    assert SamplingParams(stop="###").stop == ["###"]
