@@ -78,6 +78,17 @@ def test_lpm_policy(model_dir):
     run(model_dir, prompts(4, 2, 5, shared=system) + prompts(2, 4, 8, seed=2), schedule_policy="lpm", max_total_tokens=4096)
 
 
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_triton_attention_backend(model_dir, page_size):
+    system = prompts(1, 20, 20, seed=4)[0]
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # compiled kernels need CUDA tensors
+    engine, _ = run(model_dir, prompts(2, 3, 8, shared=system), max_new_tokens=4, page_size=page_size,
+                    attention_backend="triton", device=device, max_total_tokens=1024)
+    again = engine.generate(input_ids=prompts(1, 4, 4, seed=8, shared=system), sampling_params={"max_new_tokens": 3, "temperature": 0})
+    assert again[0]["meta_info"]["cached_tokens"] >= 16
+    engine.check_integrity()
+
+
 def test_bad_engine_args_name_the_field(model_dir):
     with pytest.raises(ValueError, match="page_size"):
         Engine(model_path=model_dir, page_size=0)

@@ -14,6 +14,7 @@ import importlib
 # name -> module defining the backend class ``Backend``
 ATTENTION_BACKENDS = {
     "torch": "actors.engine.attention.torch_backend",
+    "triton": "actors.engine.attention.triton_backend",
 }
 
 
