@@ -12,13 +12,16 @@ Each result: ``text`` (unless ``skip_tokenizer_init``), ``output_ids`` and
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
-from typing import Any, Dict, List, Optional, Union
+import threading
+from typing import Any, AsyncIterator, Dict, List, Optional, Union
 
 import torch
 
 from actors.engine.config import EngineConfig
+from actors.engine.engine_loop import EngineLoop
 from actors.engine.model_runner import ModelRunner
 from actors.engine.req import Req
 from actors.engine.sampling_params import SamplingParams
@@ -53,6 +56,7 @@ class Engine:
         self.scheduler = Scheduler(self.runner, self.tokenizer)
         self.eos_token_ids = _eos_ids(model_path, self.runner.model_config)
         self._rids = itertools.count()
+        self.loop = EngineLoop(self.scheduler)
 
     # ---- requests -----------------------------------------------------------------
     def _make_req(self, prompt, input_ids, params: Dict[str, Any], rid: Optional[str]) -> Req:
@@ -85,12 +89,63 @@ class Engine:
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * n
         rids = rid if isinstance(rid, list) else [rid] * n
         reqs = [self._make_req(p, i, s, r) for p, i, s, r in zip(prompts, ids, params, rids)]
+        done = threading.Semaphore(0)
+        errors: List[BaseException] = []
+
+        def on_output(req: Req, error: Optional[BaseException]) -> None:
+            if error is not None:
+                errors.append(error)
+            if req.finished or error is not None:
+                done.release()
+
         for req in reqs:
-            self.scheduler.add_request(req)
-        while not all(r.finished for r in reqs):
-            self.scheduler.step()
+            self.loop.submit(req, on_output)
+        for _ in reqs:
+            done.acquire()
+        if errors:
+            raise errors[0]
         results = [self._result(r) for r in reqs]
         return results if batched else results[0]
+
+    async def async_generate(
+        self,
+        prompt: Optional[str] = None,
+        input_ids: Optional[List[int]] = None,
+        sampling_params: Optional[Dict] = None,
+        rid: Optional[str] = None,
+        stream: bool = False,
+    ):
+        """One request. ``stream=False``: the final result. ``stream=True``: an
+        async iterator of results, one per step that produced tokens (each with
+        the cumulative ``text``/``output_ids``), the last one finished."""
+        req = self._make_req(prompt, input_ids, sampling_params, rid)
+        queue: asyncio.Queue = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+
+        def on_output(r: Req, error: Optional[BaseException]) -> None:
+            loop.call_soon_threadsafe(queue.put_nowait, (self._result(r), r.finished, error))
+
+        self.loop.submit(req, on_output)
+        stream_iter = self._stream(queue)
+        if stream:
+            return stream_iter
+        final = None
+        async for final in stream_iter:
+            pass
+        return final
+
+    async def _stream(self, queue: asyncio.Queue) -> AsyncIterator[Dict[str, Any]]:
+        while True:
+            result, finished, error = await queue.get()
+            if error is not None:
+                raise error
+            yield result
+            if finished:
+                return
+
+    def abort(self, rid: str) -> bool:
+        """Stop a waiting or running request; its caller gets finish_reason "abort"."""
+        return self.loop.abort(rid)
 
     def _result(self, req: Req) -> Dict[str, Any]:
         meta = {
@@ -99,8 +154,8 @@ class Engine:
             "completion_tokens": len(req.output_ids),
             "cached_tokens": req.cached_tokens,
             "finish_reason": req.finished_reason,
-            "ttft": (req.first_token_time or req.finished_time) - req.created_time,
-            "e2e_latency": req.finished_time - req.created_time,
+            "ttft": (req.first_token_time - req.created_time) if req.first_token_time else None,
+            "e2e_latency": (req.finished_time - req.created_time) if req.finished_time else None,
         }
         if req.sampling_params.return_logprob:
             meta["output_token_logprobs"] = list(zip(req.output_logprobs, req.output_ids))
@@ -113,6 +168,9 @@ class Engine:
     # ---- health -------------------------------------------------------------------------
     def check_integrity(self) -> None:
         """Idle engine: every KV slot is free or cached, no row is held, no lock is left."""
+        self.loop.run_exclusive(self._check_integrity)
+
+    def _check_integrity(self) -> None:
         sched, runner = self.scheduler, self.runner
         if sched.has_work():
             raise RuntimeError("check_integrity needs an idle engine")
@@ -127,10 +185,14 @@ class Engine:
 
     def flush_cache(self) -> None:
         """Drop the whole prefix cache (idle engine only)."""
-        self.check_integrity()
-        self.scheduler.tree_cache.evict(self.scheduler.tree_cache.evictable_size())
+
+        def flush():
+            self._check_integrity()
+            self.scheduler.tree_cache.evict(self.scheduler.tree_cache.evictable_size())
+
+        self.loop.run_exclusive(flush)
 
     def shutdown(self) -> None:
-        self.scheduler.waiting.clear()
-        self.scheduler.running.clear()
-        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+        self.loop.stop()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()

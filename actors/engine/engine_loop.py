@@ -1,0 +1,94 @@
+"""The background thread that drives the scheduler, and per-request delivery.
+
+Callers (sync or asyncio) submit requests with a callback; the loop thread
+runs ``scheduler.step()`` while there is work and, after every step, calls
+the callback of each request that produced output. A failure inside a step
+is delivered to every request in flight (nothing waits forever).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Callable, Dict, Optional
+
+from actors.engine.req import Req
+
+logger = logging.getLogger(__name__)
+
+Callback = Callable[[Req, Optional[BaseException]], None]
+
+
+class EngineLoop:
+    def __init__(self, scheduler):
+        self.scheduler = scheduler
+        self._callbacks: Dict[str, Callback] = {}
+        self._cond = threading.Condition()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name="raydix-engine-loop", daemon=True)
+        self._thread.start()
+
+    def submit(self, req: Req, callback: Callback) -> None:
+        with self._cond:
+            if self._stopped:
+                raise RuntimeError("the engine is shut down")
+            if req.rid in self._callbacks:
+                raise ValueError(f"request id {req.rid!r} is already in flight")
+            self._callbacks[req.rid] = callback
+            self.scheduler.add_request(req)
+            self._cond.notify()
+
+    def abort(self, rid: str) -> bool:
+        with self._cond:
+            found = self.scheduler.abort(rid)
+            self._cond.notify()
+            return found
+
+    def run_exclusive(self, fn):
+        """Run ``fn()`` with the loop paused (for idle checks and cache flushes)."""
+        with self._cond:
+            return fn()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stopped and not self.scheduler.has_work():
+                    self._cond.wait()
+                if self._stopped:
+                    return
+                try:
+                    produced = self.scheduler.step()
+                    error = None
+                except BaseException as exc:  # delivered to every caller, then the loop goes on
+                    logger.exception("engine step failed")
+                    produced, error = self._fail_all(), exc
+            for req in produced:
+                self._deliver(req, error)
+
+    def _fail_all(self):
+        """Drop every request in flight, giving back what each holds."""
+        sched = self.scheduler
+        reqs = list(sched.waiting) + list(sched.running) + ([sched.chunked_req] if sched.chunked_req else [])
+        sched.waiting.clear()
+        sched.running.clear()
+        sched.chunked_req = None
+        for req in reqs:
+            if req.req_pool_idx is not None:
+                sched.tree_cache.cache_finished_req(req, is_insert=False)
+            req.finish({"type": "abort", "message": "engine step failed"})
+        return reqs
+
+    def _deliver(self, req: Req, error: Optional[BaseException]) -> None:
+        callback = self._callbacks.get(req.rid)
+        if callback is None:
+            return
+        if req.finished or error is not None:
+            with self._cond:
+                self._callbacks.pop(req.rid, None)
+        callback(req, error)
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify()
+        self._thread.join(timeout=10)

@@ -1,0 +1,87 @@
+"""The offline API around the loop thread: streaming, abort, stop ids, errors."""
+
+import asyncio
+
+import pytest
+import torch
+
+from actors.engine import Engine
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(1)
+    cfg = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
+                      intermediate_size=128, vocab_size=384, max_position_embeddings=256, dtype="float32")
+    path = tmp_path_factory.mktemp("llama")
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    eng = Engine(model_path=str(path), skip_tokenizer_init=True, max_total_tokens=2048)
+    yield eng
+    eng.shutdown()
+
+
+GREEDY = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
+
+
+def test_stream_yields_growing_outputs_ending_in_the_full_result(engine):
+    async def collect():
+        chunks = []
+        async for chunk in await engine.async_generate(input_ids=[5, 6, 7, 8], sampling_params=GREEDY, stream=True):
+            chunks.append(chunk)
+        return chunks
+
+    chunks = asyncio.run(collect())
+    full = engine.generate(input_ids=[5, 6, 7, 8], sampling_params=GREEDY)
+    assert [len(c["output_ids"]) for c in chunks] == list(range(1, 13))
+    assert chunks[-1]["output_ids"] == full["output_ids"]
+    assert chunks[-1]["meta_info"]["finish_reason"] == {"type": "length", "length": 12}
+    engine.check_integrity()
+
+
+def test_concurrent_async_requests(engine):
+    async def many():
+        return await asyncio.gather(*(engine.async_generate(input_ids=[i + 3, 9, 9], sampling_params=GREEDY) for i in range(6)))
+
+    outs = asyncio.run(many())
+    singles = [engine.generate(input_ids=[i + 3, 9, 9], sampling_params=GREEDY) for i in range(6)]
+    assert [o["output_ids"] for o in outs] == [s["output_ids"] for s in singles]
+    engine.check_integrity()
+
+
+def test_stop_token_ids_end_generation_on_that_token(engine):
+    ref = engine.generate(input_ids=[11, 12, 13], sampling_params=GREEDY)["output_ids"]
+    stop = ref[4]
+    out = engine.generate(input_ids=[11, 12, 13], sampling_params={**GREEDY, "stop_token_ids": [stop]})
+    assert out["output_ids"] == ref[: ref.index(stop) + 1]
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+
+
+def test_abort_a_running_request(engine):
+    async def run_and_abort():
+        stream = await engine.async_generate(input_ids=[1, 2, 3], rid="victim", stream=True,
+                                             sampling_params={**GREEDY, "max_new_tokens": 200})
+        seen = []
+        async for chunk in stream:
+            seen.append(chunk)
+            if len(seen) == 3:
+                assert engine.abort("victim")
+        return seen
+
+    seen = asyncio.run(run_and_abort())
+    assert seen[-1]["meta_info"]["finish_reason"]["type"] == "abort"
+    assert len(seen[-1]["output_ids"]) < 200
+    engine.check_integrity()
+
+
+def test_bad_requests_fail_clearly_and_lose_nothing(engine):
+    with pytest.raises(ValueError, match="empty"):
+        engine.generate(input_ids=[])
+    with pytest.raises(ValueError, match="context length"):
+        engine.generate(input_ids=list(range(1, 300)))
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        engine.generate(input_ids=[1], sampling_params={"max_new_tokens": -1})
+    with pytest.raises(ValueError, match="pass input_ids"):
+        engine.generate(prompt="hello")
+    engine.check_integrity()
