@@ -9,7 +9,7 @@ rows. Nothing is allocated per request afterwards.
 from __future__ import annotations
 
 import logging
-from typing import Optional
+import time
 
 import torch
 
@@ -40,6 +40,8 @@ class ModelRunner:
         self.max_running_requests = config.max_running_requests or max(1, min(256, self.max_total_num_tokens // 2))
         self._init_pools()
         self.attn_backend = create_attention_backend(config.attention_backend, device=self.device)
+        self.forward_time = 0.0  # seconds spent in model forwards (for overhead accounting)
+        self.num_forwards = 0
 
     # ---- memory ---------------------------------------------------------------
     def _kv_shape(self) -> KVCacheShape:
@@ -84,14 +86,17 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, forward_batch: ForwardBatch) -> torch.Tensor:
         """Logits of each request's last token, [bs, vocab] fp32."""
+        start = time.perf_counter()
         forward_batch.req_to_token_pool = self.req_to_token_pool
         forward_batch.token_to_kv_pool = self.token_to_kv_pool
         forward_batch.attn_backend = self.attn_backend
         self.attn_backend.init_forward_metadata(forward_batch)
-        return self.model(forward_batch)
+        logits = self.model(forward_batch)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.forward_time += time.perf_counter() - start
+        self.num_forwards += 1
+        return logits
 
     def tensor(self, values, dtype=torch.int64) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype, device=self.device)
-
-    def empty_kv_slots(self) -> Optional[torch.Tensor]:
-        return torch.empty(0, dtype=torch.int64, device=self.device)
