@@ -137,27 +137,42 @@ class BaseTokenToKVPoolAllocator:
         return False
 
     def _front(self, num_pages: int) -> torch.Tensor:
-        """The first ``num_pages`` of the free list, gathered into ``_head[0]``
-        (the list's order is unchanged); the caller has checked availability."""
-        head = torch.cat(self._head) if len(self._head) > 1 else (self._head[0] if self._head else self._empty())
-        rest = num_pages - len(head)
-        if rest > 0:
-            if rest > len(self.free_pages):
-                self.free_pages = torch.cat([self.free_pages] + self._tail)
-                self._tail = []
-            head = torch.cat([head, self.free_pages[:rest]])
-            self.free_pages = self.free_pages[rest:]
-            self._num_chunked = len(head) + sum(len(t) for t in self._tail)
-        self._head = [head] if len(head) else []
-        return head[:num_pages]
+        """The first ``num_pages`` of the free list, not consumed; the caller has
+        checked availability. Costs O(num_pages + number of chunks)."""
+        pieces, need = [], num_pages
+        for chunk in self._head:
+            if need <= 0:
+                break
+            pieces.append(chunk[:need])
+            need -= len(chunk)
+        if need > 0:
+            if need > len(self.free_pages):
+                self._merge_tail()
+            pieces.append(self.free_pages[:need])
+        if len(pieces) == 1:
+            return pieces[0]
+        return torch.cat(pieces) if pieces else self.free_pages[:0]
 
     def _drop_front(self, num_pages: int) -> None:
         """Consume what :meth:`_front` just returned."""
-        if num_pages == 0:
-            return
-        rest = self._head[0][num_pages:]
-        self._head = [rest] if len(rest) else []
-        self._num_chunked -= num_pages
+        need = num_pages
+        while need > 0 and self._head:
+            chunk = self._head[0]
+            taken = min(len(chunk), need)
+            if taken == len(chunk):
+                self._head.pop(0)
+            else:
+                self._head[0] = chunk[taken:]
+            self._num_chunked -= taken
+            need -= taken
+        if need > 0:
+            self.free_pages = self.free_pages[need:]
+
+    def _merge_tail(self) -> None:
+        if self._tail:
+            self._num_chunked -= sum(len(t) for t in self._tail)
+            self.free_pages = torch.cat([self.free_pages] + self._tail)
+            self._tail = []
 
     def _take_pages(self, num_pages: int) -> Optional[torch.Tensor]:
         """Pop ``num_pages`` from the front, merging released pages if short."""
@@ -169,13 +184,10 @@ class BaseTokenToKVPoolAllocator:
 
     def _return_pages(self, pages: torch.Tensor, prepend: bool) -> None:
         if self.need_sort:
-            self._release.insert(0 if prepend else len(self._release), pages)
+            _add_chunk(self._release, pages, prepend)
             self._num_released += len(pages)
-        elif prepend:
-            self._head.insert(0, pages)
-            self._num_chunked += len(pages)
         else:
-            self._tail.append(pages)
+            _add_chunk(self._head if prepend else self._tail, pages, prepend)
             self._num_chunked += len(pages)
 
     # ---- integrity -------------------------------------------------------
@@ -340,6 +352,21 @@ class PagedTokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
         consistent = (last_loc[has_prefix] + 1) % self.page_size == prefix_lens[has_prefix] % self.page_size
         ensure(bool(consistent.all()), "alloc_extend: last_loc + 1 and prefix_len disagree on the page offset")
         ensure(bool((last_loc[~has_prefix] == -1).all()), "alloc_extend: last_loc must be -1 for an empty prefix")
+
+
+def _add_chunk(chunks: List[torch.Tensor], pages: torch.Tensor, prepend: bool) -> None:
+    """Add ``pages`` at the front (``prepend``) or back of ``chunks``, merging
+    neighbours while the new end is at least as large as the next one, so a
+    list of n pages never holds more than O(log n) chunks and each page is
+    copied O(log n) times in all."""
+    if prepend:
+        chunks.insert(0, pages)
+        while len(chunks) >= 2 and len(chunks[0]) >= len(chunks[1]):
+            chunks[0:2] = [torch.cat(chunks[0:2])]
+    else:
+        chunks.append(pages)
+        while len(chunks) >= 2 and len(chunks[-1]) >= len(chunks[-2]):
+            chunks[-2:] = [torch.cat(chunks[-2:])]
 
 
 def _resolve_backend(backend: str, device: torch.device) -> str:
