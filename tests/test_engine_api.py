@@ -85,3 +85,20 @@ def test_bad_requests_fail_clearly_and_lose_nothing(engine):
     with pytest.raises(ValueError, match="pass input_ids"):
         engine.generate(prompt="hello")
     engine.check_integrity()
+
+
+def test_a_failing_forward_fails_its_requests_and_releases_their_memory(engine, monkeypatch):
+    real_forward = engine.runner.forward
+    calls = {"n": 0}
+
+    def flaky(batch):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("injected device error")
+        return real_forward(batch)
+
+    monkeypatch.setattr(engine.runner, "forward", flaky)
+    with pytest.raises(RuntimeError, match="injected device error"):
+        engine.generate(input_ids=[[7, 8, 9], [10, 11]], sampling_params=GREEDY)
+    engine.check_integrity()
+    assert len(engine.generate(input_ids=[7, 8, 9], sampling_params=GREEDY)["output_ids"]) == 12

@@ -73,8 +73,12 @@ class EngineLoop:
         sched.running.clear()
         sched.chunked_req = None
         for req in reqs:
-            if req.req_pool_idx is not None:
-                sched.tree_cache.cache_finished_req(req, is_insert=False)
+            try:
+                if req.req_pool_idx is not None:
+                    req.kv_committed_len = max(req.kv_committed_len, req.kv_allocated_len)  # the forward's slots too
+                    sched.tree_cache.cache_finished_req(req, is_insert=False)
+            except Exception:  # keep releasing the others; the idle check will report a leak
+                logger.exception("could not release request %s", req.rid)
             req.finish({"type": "abort", "message": "engine step failed"})
         return reqs
 

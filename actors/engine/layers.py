@@ -58,7 +58,10 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """``q``: [tokens, heads, head_dim], ``k``: [tokens, kv_heads, head_dim]."""
         cos, sin = self.cos_sin(positions, q.dtype)
-        return apply_rotary(q, cos, sin, self.rotary_dim), apply_rotary(k, cos, sin, self.rotary_dim)
+        return self.apply(q, cos, sin), self.apply(k, cos, sin)
+
+    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return apply_rotary(x, cos, sin, self.rotary_dim)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -72,6 +75,15 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_d
         return x * cos + rotate_half(x) * sin
     rot, rest = x[..., :rotary_dim], x[..., rotary_dim:]
     return torch.cat((rot * cos + rotate_half(rot) * sin, rest), dim=-1)
+
+
+def rotate_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """DeepSeek's layout: pairs ``(x0, x1), (x2, x3), ...`` each rotated by one
+    frequency; the output is de-interleaved (evens' results, then odds')."""
+    half = cos.shape[-1] // 2
+    cos, sin = cos[:, None, :half], sin[:, None, :half]
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
 ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "gelu": F.gelu}

@@ -19,7 +19,7 @@ from actors.engine.forward_batch import ForwardBatch
 from actors.engine.model_loader import load_model
 from mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
 from mem_cache.memory_budget import KVCacheShape, get_device_memory, profile_max_num_tokens
-from mem_cache.memory_pool import MHATokenToKVPool
+from mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
 from mem_cache.req_to_token_pool import ReqToTokenPool
 
 logger = logging.getLogger(__name__)
@@ -45,6 +45,12 @@ class ModelRunner:
 
     # ---- memory ---------------------------------------------------------------
     def _kv_shape(self) -> KVCacheShape:
+        if self.spec.kind == "mla":
+            return KVCacheShape(
+                num_attention_layers=self.spec.num_layers,
+                kv_lora_rank=self.spec.kv_lora_rank,
+                qk_rope_head_dim=self.spec.qk_rope_head_dim,
+            )
         return KVCacheShape(
             num_attention_layers=self.spec.num_layers,
             num_kv_heads=self.spec.num_kv_heads,
@@ -65,12 +71,18 @@ class ModelRunner:
     def _init_pools(self) -> None:
         cfg, spec = self.config, self.spec
         self.req_to_token_pool = ReqToTokenPool(self.max_running_requests, self.context_len + 4, self.device)
-        if spec.kind != "mha":
+        if spec.kind == "mha":
+            self.token_to_kv_pool = MHATokenToKVPool(
+                self.max_total_num_tokens, cfg.page_size, self.kv_dtype, spec.num_kv_heads, spec.head_dim,
+                spec.num_layers, device=self.device, v_head_dim=spec.v_head_dim,
+            )
+        elif spec.kind == "mla":
+            self.token_to_kv_pool = MLATokenToKVPool(
+                self.max_total_num_tokens, cfg.page_size, self.kv_dtype, spec.kv_lora_rank, spec.qk_rope_head_dim,
+                spec.num_layers, device=self.device,
+            )
+        else:
             raise ValueError(f"KV cache kind {spec.kind!r} is not served yet")
-        self.token_to_kv_pool = MHATokenToKVPool(
-            self.max_total_num_tokens, cfg.page_size, self.kv_dtype, spec.num_kv_heads, spec.head_dim,
-            spec.num_layers, device=self.device, v_head_dim=spec.v_head_dim,
-        )
         if cfg.page_size == 1:
             self.allocator = TokenToKVPoolAllocator(self.max_total_num_tokens, self.device, self.token_to_kv_pool)
         else:

@@ -37,6 +37,7 @@ class Req:
     req_pool_idx: Optional[int] = None
     cache_protected_len: int = 0
     kv_committed_len: int = 0
+    kv_allocated_len: int = 0  # slots written into the row (>= committed while a forward is in flight)
     cached_tokens: int = 0
     finished_reason: Optional[dict] = None
     output_text: str = ""
@@ -81,6 +82,7 @@ class Req:
         self.req_pool_idx = None
         self.cache_protected_len = 0
         self.kv_committed_len = 0
+        self.kv_allocated_len = 0
         self.fill_ids = []
         self.mamba_pool_idx = None
         self.mamba_last_track_seqlen = None

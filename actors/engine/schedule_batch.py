@@ -56,6 +56,7 @@ def prepare_for_extend(reqs: List[Req], runner, tree_cache) -> Optional[ForwardB
     input_ids, positions, offset = [], [], 0
     for req, p, s in zip(reqs, prefix_lens, seq_lens):
         pool.write((req.req_pool_idx, slice(p, s)), out[offset : offset + s - p].to(torch.int32))
+        req.kv_allocated_len = s
         input_ids.extend(req.fill_ids[p:s])
         positions.extend(range(p, s))
         offset += s - p
@@ -94,6 +95,7 @@ def prepare_for_decode(reqs: List[Req], runner, tree_cache) -> Optional[ForwardB
         return None
     for req, s, slot in zip(reqs, seq_lens, out.tolist()):
         pool.req_to_token[req.req_pool_idx, s - 1] = slot
+        req.kv_allocated_len = s
     bs = len(reqs)
     return ForwardBatch(
         forward_mode=ForwardMode.DECODE,

@@ -15,6 +15,7 @@ MODEL_REGISTRY = {
     "LlamaForCausalLM": ("actors.engine.models.llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": ("actors.engine.models.llama", "LlamaForCausalLM"),
     "Qwen3ForCausalLM": ("actors.engine.models.llama", "LlamaForCausalLM"),
+    "DeepseekV3ForCausalLM": ("actors.engine.models.deepseek_v3", "DeepseekV3ForCausalLM"),
 }
 
 

@@ -1,0 +1,165 @@
+"""DeepSeek-V3: multi-head latent attention (MLA) and a routed MoE.
+
+The KV cache holds one latent row per token, ``[c ; k_rot]`` (``kv_lora_rank
++ qk_rope_head_dim`` values, MLATokenToKVPool). Attention runs *absorbed*:
+``kv_b_proj``'s key half is folded into the query and its value half applied
+after attention, so MLA becomes multi-query attention with one KV head of
+dim ``kv_lora_rank + rope`` and value dim ``kv_lora_rank`` — the same paged
+backends serve it. For head ``h``::
+
+    q_h · k_h   = q_nope_h · (W_UK_h c) + q_rot_h · k_rot = (W_UK_hᵀ q_nope_h) · c + q_rot_h · k_rot
+    out_h       = W_UV_h (Σ p · c)
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from actors.engine.layers import GatedMLP, RadixAttention, RMSNorm, RotaryEmbedding, rotate_interleaved
+from actors.engine.models.llama import rope_settings
+from actors.engine.models.spec import KVCacheSpec
+
+
+class DeepseekV3Attention(nn.Module):
+    def __init__(self, config, layer_id: int):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.nope_dim, self.rope_dim = config.qk_nope_head_dim, config.qk_rope_head_dim
+        self.v_head_dim, self.kv_lora_rank = config.v_head_dim, config.kv_lora_rank
+        self.interleave = getattr(config, "rope_interleave", True)
+        qk_head_dim = self.nope_dim + self.rope_dim
+        hidden, bias = config.hidden_size, getattr(config, "attention_bias", False)
+        if config.q_lora_rank is None:
+            self.q_proj = nn.Linear(hidden, self.num_heads * qk_head_dim, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(hidden, config.q_lora_rank, bias=bias)
+            self.q_a_layernorm = RMSNorm(config.q_lora_rank, config.rms_norm_eps)
+            self.q_b_proj = nn.Linear(config.q_lora_rank, self.num_heads * qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(hidden, self.kv_lora_rank + self.rope_dim, bias=bias)
+        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, config.rms_norm_eps)
+        self.kv_b_proj = nn.Linear(self.kv_lora_rank, self.num_heads * (self.nope_dim + self.v_head_dim), bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.v_head_dim, hidden, bias=bias)
+        theta, rope_type = rope_settings(config)
+        self.rotary = RotaryEmbedding(self.rope_dim, theta, rope_type)
+        self.attn = RadixAttention(
+            layer_id, self.num_heads, self.kv_lora_rank + self.rope_dim, 1, qk_head_dim**-0.5,
+            v_head_dim=self.kv_lora_rank,
+        )
+
+    def _rope(self, positions, x):
+        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        return rotate_interleaved(x, cos, sin) if self.interleave else self.rotary.apply(x, cos, sin)
+
+    def forward(self, positions, x, forward_batch):
+        tokens = x.shape[0]
+        q = self.q_proj(x) if hasattr(self, "q_proj") else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.view(tokens, self.num_heads, self.nope_dim + self.rope_dim)
+        q_nope, q_rot = q.split([self.nope_dim, self.rope_dim], dim=-1)
+        latent, k_rot = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        latent = self.kv_a_layernorm(latent)
+        q_rot = self._rope(positions, q_rot)
+        k_rot = self._rope(positions, k_rot[:, None, :])
+        w = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_head_dim, self.kv_lora_rank)
+        w_uk, w_uv = w[:, : self.nope_dim], w[:, self.nope_dim :]
+        q_latent = torch.einsum("thd,hdc->thc", q_nope, w_uk)
+        row = torch.cat([latent[:, None, :], k_rot], dim=-1)  # what the cache stores
+        out_latent = self.attn(torch.cat([q_latent, q_rot], dim=-1), row, None, forward_batch)
+        out = torch.einsum("thc,hvc->thv", out_latent.view(tokens, self.num_heads, self.kv_lora_rank), w_uv)
+        return self.o_proj(out.reshape(tokens, -1))
+
+
+class DeepseekV3Gate(nn.Module):
+    """Sigmoid scores + correction bias, group-limited top-k (noaux_tc routing)."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.top_k, self.num_experts = config.num_experts_per_tok, config.n_routed_experts
+        self.n_group, self.topk_group = config.n_group, config.topk_group
+        self.norm_topk_prob, self.scale = config.norm_topk_prob, config.routed_scaling_factor
+        self.weight = nn.Parameter(torch.empty(self.num_experts, config.hidden_size))
+        self.register_buffer("e_score_correction_bias", torch.zeros(self.num_experts))
+
+    def forward(self, x):
+        scores = torch.sigmoid(x.float() @ self.weight.float().t())
+        choice = scores + self.e_score_correction_bias
+        grouped = choice.view(-1, self.n_group, self.num_experts // self.n_group)
+        group_scores = grouped.topk(2, dim=-1).values.sum(-1)
+        keep = torch.zeros_like(group_scores).scatter_(1, group_scores.topk(self.topk_group, dim=-1).indices, 1.0)
+        choice = choice.masked_fill(~keep.bool().repeat_interleave(self.num_experts // self.n_group, 1), float("-inf"))
+        idx = choice.topk(self.top_k, dim=-1).indices
+        weights = scores.gather(1, idx)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return idx, weights * self.scale
+
+
+class DeepseekV3MoE(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.gate = DeepseekV3Gate(config)
+        self.experts = nn.ModuleList(
+            GatedMLP(config.hidden_size, config.moe_intermediate_size, config.hidden_act)
+            for _ in range(config.n_routed_experts)
+        )
+        self.shared_experts = GatedMLP(
+            config.hidden_size, config.moe_intermediate_size * config.n_shared_experts, config.hidden_act
+        )
+
+    def forward(self, x):
+        idx, weights = self.gate(x)
+        out = torch.zeros_like(x)
+        for e in idx.unique().tolist():
+            token, slot = (idx == e).nonzero(as_tuple=True)
+            out.index_add_(0, token, self.experts[e](x[token]) * weights[token, slot, None].to(x.dtype))
+        return out + self.shared_experts(x)
+
+
+class DeepseekV3DecoderLayer(nn.Module):
+    def __init__(self, config, layer_id: int):
+        super().__init__()
+        self.self_attn = DeepseekV3Attention(config, layer_id)
+        if layer_id >= config.first_k_dense_replace:
+            self.mlp = DeepseekV3MoE(config)
+        else:
+            self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions, x, forward_batch):
+        x = x + self.self_attn(positions, self.input_layernorm(x), forward_batch)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DeepseekV3Model(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DeepseekV3DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, forward_batch):
+        x = self.embed_tokens(forward_batch.input_ids)
+        for layer in self.layers:
+            x = layer(forward_batch.positions, x, forward_batch)
+        return self.norm(x)
+
+
+class DeepseekV3ForCausalLM(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        if getattr(config, "rope_parameters", {}).get("rope_type", "default") != "default":
+            raise ValueError("DeepSeek-V3 with rope scaling (yarn) is not served yet: rope_parameters.rope_type")
+        self.config = config
+        self.model = DeepseekV3Model(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def forward(self, forward_batch):
+        hidden = self.model(forward_batch)
+        return self.lm_head(hidden[forward_batch.last_token_indices()]).float()
+
+    def kv_cache_spec(self) -> KVCacheSpec:
+        return KVCacheSpec(
+            kind="mla", num_layers=self.config.num_hidden_layers,
+            kv_lora_rank=self.config.kv_lora_rank, qk_rope_head_dim=self.config.qk_rope_head_dim,
+        )

@@ -1,0 +1,84 @@
+"""The ``raydix`` command line.
+
+    raydix generate [--model-path DIR] [--prompt TEXT] [--max-new-tokens N]
+
+With no ``--model-path`` it serves the built-in tiny model (random weights,
+built once from a config into ``$RAYDIX_HOME/models``; nothing is downloaded).
+The PD-cluster commands join these as the cluster issues land.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+DEFAULT_FAMILY = "llama"
+
+
+def raydix_home() -> Path:
+    return Path(os.environ.get("RAYDIX_HOME", Path.home() / ".cache" / "raydix"))
+
+
+def builtin_model(family: str = DEFAULT_FAMILY, seed: int = 0) -> str:
+    """Path of the built-in tiny checkpoint, built on first use."""
+    from actors.engine.tiny import build_tiny_checkpoint
+
+    path = raydix_home() / "models" / f"tiny-{family}-seed{seed}"
+    if not (path / "config.json").is_file():
+        build_tiny_checkpoint(family, path, seed=seed)
+    return str(path)
+
+
+def cmd_generate(args) -> int:
+    from actors.engine import Engine
+
+    model_path = args.model_path or builtin_model(args.family)
+    engine = Engine(model_path=model_path, device=args.device, max_total_tokens=args.max_total_tokens)
+    try:
+        prompt = args.prompt
+        if not args.raw:
+            messages = [{"role": "user", "content": prompt}]
+            prompt = engine.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        out = engine.generate(prompt=prompt, sampling_params={
+            "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "seed": args.seed,
+        })
+        engine.check_integrity()
+    finally:
+        engine.shutdown()
+    meta = out["meta_info"]
+    print(f"model: {model_path}")
+    print(f"prompt: {args.prompt!r}")
+    print(f"output: {out['text']!r}")
+    print(json.dumps({k: meta[k] for k in ("prompt_tokens", "completion_tokens", "cached_tokens", "finish_reason")}))
+    print(f"ttft {meta['ttft'] * 1000:.1f} ms, end-to-end {meta['e2e_latency'] * 1000:.1f} ms")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="raydix", description="raydix: PD-disaggregated LLM serving on Ray")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="offline generation with one in-process engine")
+    gen.add_argument("--model-path", help="HF checkpoint directory (default: the built-in tiny model)")
+    gen.add_argument("--family", default=DEFAULT_FAMILY, help="family of the built-in tiny model")
+    gen.add_argument("--prompt", default="Tell me about prefix caching.")
+    gen.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+    gen.add_argument("--max-new-tokens", type=int, default=32)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    gen.add_argument("--max-total-tokens", type=int, default=8192)
+    gen.set_defaults(func=cmd_generate)
+    return parser
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
