@@ -1,0 +1,101 @@
+"""Tiny random-weight checkpoints of every served family, built locally.
+
+    python -m actors.engine.tiny --family llama --out DIR --seed 0
+
+The same seed gives byte-identical weights. Each checkpoint is a regular HF
+directory (config.json, model.safetensors, generation_config.json) plus the
+byte-level tokenizer and ChatML template of ``actors.engine.tokenizer``, so
+HF transformers loads it too — it is the parity oracle's input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from pathlib import Path
+from typing import List, Optional, Union
+
+import torch
+
+from actors.engine.tokenizer import BOS_ID, EOS_ID, PAD_ID, TOKENIZER_VOCAB_SIZE, save_tokenizer
+
+FAMILIES = ("llama", "qwen3", "qwen3_next", "deepseek_v3", "gemma3")
+VOCAB_SIZE = TOKENIZER_VOCAB_SIZE  # every id the model can emit decodes to text
+COMMON = dict(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+              max_position_embeddings=4096, bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID,
+              tie_word_embeddings=False, dtype="float32")
+
+
+def tiny_config(family: str):
+    """The HF config of ``family``'s tiny model."""
+    import transformers as tf
+
+    if family == "llama":
+        return tf.LlamaConfig(num_hidden_layers=2, num_key_value_heads=2, **COMMON)
+    if family == "qwen3":
+        return tf.Qwen3Config(num_hidden_layers=2, num_key_value_heads=2, head_dim=16, **COMMON)
+    if family == "deepseek_v3":  # HF DeepseekV3 needs as many KV heads as attention heads
+        return tf.DeepseekV3Config(
+            num_hidden_layers=3, num_key_value_heads=4, moe_intermediate_size=32, n_routed_experts=4,
+            num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1, q_lora_rank=None,
+            kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16, **COMMON,
+        )
+    if family == "gemma3":
+        return tf.Gemma3TextConfig(
+            num_hidden_layers=4, num_key_value_heads=2, head_dim=16, sliding_window=16,
+            layer_types=["sliding_attention"] * 3 + ["full_attention"], **COMMON,
+        )
+    if family == "qwen3_next":
+        return tf.Qwen3NextConfig(
+            num_hidden_layers=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
+            linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
+            num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+            layer_types=["linear_attention"] * 3 + ["full_attention"], **COMMON,
+        )
+    raise ValueError(f"unknown family {family!r}; known: {', '.join(FAMILIES)}")
+
+
+def _init_weights(model: torch.nn.Module, seed: int) -> None:
+    """Deterministic init: matrices ~ N(0, 1/fan_in) (outputs vary token to token,
+    unlike HF's tiny-std default), vectors (norms, biases) keep their defaults."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            if param.dim() >= 2:
+                fan_in = param.shape[-1]
+                param.copy_(torch.randn(param.shape, generator=gen) / math.sqrt(fan_in))
+        for name, buf in sorted(model.named_buffers()):
+            if name.endswith("e_score_correction_bias"):  # exercise DeepSeek's routing correction
+                buf.copy_(torch.randn(buf.shape, generator=gen) * 0.1)
+
+
+def build_tiny_checkpoint(family: str, out_dir: Union[str, Path], seed: int = 0) -> Path:
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    config = tiny_config(family)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    _init_weights(model, seed)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model.generation_config = GenerationConfig(
+        bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID, do_sample=False
+    )
+    model.save_pretrained(out, safe_serialization=True)
+    save_tokenizer(out)
+    return out
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description="build a tiny random-weight checkpoint")
+    parser.add_argument("--family", required=True, choices=FAMILIES)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    path = build_tiny_checkpoint(args.family, args.out, args.seed)
+    print(f"built tiny {args.family} (seed {args.seed}) at {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
