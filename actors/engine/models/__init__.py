@@ -16,6 +16,7 @@ MODEL_REGISTRY = {
     "Qwen2ForCausalLM": ("actors.engine.models.llama", "LlamaForCausalLM"),
     "Qwen3ForCausalLM": ("actors.engine.models.llama", "LlamaForCausalLM"),
     "DeepseekV3ForCausalLM": ("actors.engine.models.deepseek_v3", "DeepseekV3ForCausalLM"),
+    "Gemma3ForCausalLM": ("actors.engine.models.gemma3", "Gemma3ForCausalLM"),
 }
 
 

@@ -1,0 +1,106 @@
+"""Gemma 3 (text): interleaved sliding-window and full attention layers.
+
+Differences from Llama that matter for exact outputs: embeddings scaled by
+``sqrt(hidden)``, ``(1 + w)`` RMSNorms in fp32, per-head q/k norms, a norm
+before and after both the attention and the MLP, attention scaled by
+``query_pre_attn_scalar ** -0.5``, separate RoPE bases for sliding and full
+layers, optional attention and final-logit soft caps.
+
+KV: every layer keeps its KV in one MHA pool for now; sliding layers mask
+keys older than the window (``key_pos > query_pos - sliding_window``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from actors.engine.layers import GatedMLP, RadixAttention, RMSNorm, RotaryEmbedding
+from actors.engine.models.spec import KVCacheSpec
+
+
+def layer_rope(config, layer_type: str):
+    params = config.rope_parameters[layer_type]
+    return float(params["rope_theta"]), params.get("rope_type", "default")
+
+
+class Gemma3Attention(nn.Module):
+    def __init__(self, config, layer_id: int):
+        super().__init__()
+        layer_type = config.layer_types[layer_id]
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            config.num_attention_heads, config.num_key_value_heads, config.head_dim,
+        )
+        hidden, bias = config.hidden_size, config.attention_bias
+        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, offset=1.0)
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, offset=1.0)
+        self.rotary = RotaryEmbedding(self.head_dim, *layer_rope(config, layer_type))
+        window = config.sliding_window if layer_type == "sliding_attention" else None
+        self.attn = RadixAttention(
+            layer_id, self.num_heads, self.head_dim, self.num_kv_heads, config.query_pre_attn_scalar**-0.5,
+            sliding_window=window, logit_cap=config.attn_logit_softcapping,
+        )
+
+    def forward(self, positions, x, forward_batch):
+        tokens = x.shape[0]
+        q = self.q_norm(self.q_proj(x).view(tokens, self.num_heads, self.head_dim))
+        k = self.k_norm(self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim))
+        v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, forward_batch))
+
+
+class Gemma3DecoderLayer(nn.Module):
+    def __init__(self, config, layer_id: int):
+        super().__init__()
+        eps = config.rms_norm_eps
+        self.self_attn = Gemma3Attention(config, layer_id)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_activation)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps, offset=1.0)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, offset=1.0)
+        self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, eps, offset=1.0)
+        self.post_feedforward_layernorm = RMSNorm(config.hidden_size, eps, offset=1.0)
+
+    def forward(self, positions, x, forward_batch):
+        x = x + self.post_attention_layernorm(self.self_attn(positions, self.input_layernorm(x), forward_batch))
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+
+
+class Gemma3TextModel(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_scale = config.hidden_size**0.5
+        self.layers = nn.ModuleList(Gemma3DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, offset=1.0)
+
+    def forward(self, forward_batch):
+        x = self.embed_tokens(forward_batch.input_ids)
+        x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
+        for layer in self.layers:
+            x = layer(forward_batch.positions, x, forward_batch)
+        return self.norm(x)
+
+
+class Gemma3ForCausalLM(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.model = Gemma3TextModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if getattr(config, "tie_word_embeddings", False):
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, forward_batch):
+        hidden = self.model(forward_batch)
+        logits = self.lm_head(hidden[forward_batch.last_token_indices()]).float()
+        cap = self.config.final_logit_softcapping
+        return torch.tanh(logits / cap) * cap if cap else logits
+
+    def kv_cache_spec(self) -> KVCacheSpec:
+        c = self.config
+        return KVCacheSpec(kind="mha", num_layers=c.num_hidden_layers, num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim)
