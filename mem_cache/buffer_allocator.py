@@ -18,8 +18,10 @@ Contract:
 * ``export_handles()`` returns picklable :class:`BufferHandle` objects, one per
   buffer in allocation order. ``attach_buffers(handles)`` (any process on the
   same node) returns ``{name: tensor}`` views of the very same memory.
-* ``close()`` releases what the allocator owns (unlinks shared memory); tensors
-  handed out must not be used after it.
+* ``close()`` releases what the allocator owns (unlinks shared memory) and
+  refuses further allocations; tensors handed out must not be used after it.
+  Views a peer already attached stay valid (an unlinked file lives on while
+  mapped), but no new peer can attach.
 """
 
 from __future__ import annotations
@@ -73,8 +75,12 @@ class BufferAllocator(abc.ABC):
     def __init__(self, device: str | torch.device = "cpu"):
         self.device = torch.device(device)
         self._buffers: Dict[str, torch.Tensor] = {}
+        self._closed = False
 
     def zeros(self, name: str, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        """A zero-filled ``shape``/``dtype`` buffer registered under the unique ``name``."""
+        if self._closed:
+            raise RuntimeError(f"{type(self).__name__} is closed: cannot allocate {name!r}")
         if name in self._buffers:
             raise ValueError(f"buffer {name!r} already allocated by this allocator")
         tensor = self._allocate(name, tuple(int(s) for s in shape), dtype)
@@ -96,6 +102,8 @@ class BufferAllocator(abc.ABC):
         raise NotImplementedError(f"{type(self).__name__} buffers cannot be mapped by another process")
 
     def close(self) -> None:
+        """Forget every buffer and refuse further allocations (idempotent)."""
+        self._closed = True
         self._buffers.clear()
 
 
@@ -116,6 +124,7 @@ def _shm_dir() -> str:
 
 
 def _map_file(path: str, shape: Tuple[int, ...], dtype: torch.dtype, nbytes: int) -> torch.Tensor:
+    """``shape``/``dtype`` view of a shared mapping of the file (0 bytes cannot be mapped)."""
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
     raw = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
@@ -132,7 +141,10 @@ def cleanup_stale_segments(directory: str | None = None) -> List[str]:
         if match is None or _pid_alive(int(match.group(1))):
             continue
         path = os.path.join(directory, entry)
-        _unlink_all([path])
+        try:
+            os.unlink(path)
+        except (FileNotFoundError, PermissionError):  # raced, or another user's file
+            continue
         removed.append(path)
     return removed
 
@@ -147,7 +159,10 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def _unlink_all(paths: List[str]) -> None:
+def _unlink_owned(paths: List[str], owner_pid: int) -> None:
+    """Unlink ``paths`` unless running in a forked child of their owner."""
+    if os.getpid() != owner_pid:
+        return
     for path in paths:
         try:
             os.unlink(path)
@@ -175,20 +190,18 @@ class SharedMemoryBufferAllocator(BufferAllocator):
         self._stem = os.path.join(_shm_dir(), f"raydix-{tag}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
         self._paths: List[str] = []
         self._handles: List[BufferHandle] = []
-        self._closed = False
-        self._finalizer = weakref.finalize(self, _unlink_all, self._paths)
+        # Runs on close(), garbage collection, or interpreter exit (atexit).
+        self._finalizer = weakref.finalize(self, _unlink_owned, self._paths, os.getpid())
 
     def _allocate(self, name: str, shape: Tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        if self._closed:
-            raise RuntimeError("allocator is closed")
-        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        nbytes = math.prod(shape) * dtype.itemsize
         path = f"{self._stem}-{re.sub(r'[^A-Za-z0-9_.-]', '_', name)}"
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        self._paths.append(path)  # owned from now on, even if sizing fails
         try:
             os.ftruncate(fd, nbytes)  # zero-filled
         finally:
             os.close(fd)
-        self._paths.append(path)
         self._handles.append(BufferHandle(name, "shm", shape, dtype_to_str(dtype), nbytes, path))
         return _map_file(path, shape, dtype, nbytes)
 
@@ -196,8 +209,9 @@ class SharedMemoryBufferAllocator(BufferAllocator):
         return list(self._handles)
 
     def close(self) -> None:
-        self._closed = True
+        """Unlink every file; peers' existing mappings survive, new attaches fail."""
         super().close()
+        self._handles.clear()
         self._finalizer()
 
 
@@ -215,6 +229,8 @@ class CudaIpcBufferAllocator(BufferAllocator):
         if not torch.cuda.is_available():
             raise RuntimeError("CudaIpcBufferAllocator needs a CUDA device")
         device = torch.device(device)
+        if device.type != "cuda":
+            raise ValueError(f"CUDA IPC buffers live on a CUDA device, not {device}")
         if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         super().__init__(device)
@@ -225,10 +241,11 @@ class CudaIpcBufferAllocator(BufferAllocator):
             return torch.zeros(shape, dtype=dtype, device=self.device)
 
     def export_handles(self) -> List[BufferHandle]:
+        """One handle per buffer; ``payload`` is ``(rebuild_fn, args)`` from ``reduce_tensor``."""
         from torch.multiprocessing.reductions import reduce_tensor
 
         return [
-            BufferHandle(name, "cuda_ipc", tuple(t.shape), dtype_to_str(t.dtype), t.numel() * t.element_size(), reduce_tensor(t))
+            BufferHandle(name, "cuda_ipc", tuple(t.shape), dtype_to_str(t.dtype), t.nbytes, reduce_tensor(t))
             for name, t in self._buffers.items()
         ]
 
