@@ -135,13 +135,13 @@ class MambaRadixCache(RadixCache):
     def match_prefix(self, key: RadixKey, req=None, cow_mamba: bool = False) -> MambaMatchResult:
         """Longest prefix that ends at a node holding a Mamba state.
 
-        With ``req``, at most ``len(req.origin_input_ids) - 1`` tokens are
-        matched; with ``cow_mamba`` the matched state is copied into the
+        With ``req``, at most ``len(req.fill_ids) - 1`` tokens are matched
+        (``origin_input_ids`` when ``fill_ids`` is empty); with ``cow_mamba`` the matched state is copied into the
         request's own Mamba slot (allocated, evicting states if needed, when
         ``req.mamba_pool_idx`` is None).
         """
         if req is not None:
-            key = key[: max_prefix_match_len(len(req.origin_input_ids))]
+            key = key[: max_prefix_match_len(len(req.fill_ids) or len(req.origin_input_ids))]
         if self.disable or len(key) == 0:
             return MambaMatchResult(self._empty(), self.root_node, self.root_node)
         values, best_len, best_node = self._match_prefix_helper(self._page_align(key))

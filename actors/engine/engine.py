@@ -176,11 +176,19 @@ class Engine:
             raise RuntimeError("check_integrity needs an idle engine")
         tree = sched.tree_cache
         tree.check_integrity()
-        runner.req_to_token_pool.check_integrity(live_rows=[])
+        pool = runner.req_to_token_pool
+        if pool.available_size() != pool.size:
+            raise RuntimeError(f"request-row leak: {pool.size - pool.available_size()} rows held by nobody")
         runner.allocator.check_integrity(in_use=tree.all_values())
+        if sched.hybrid:
+            pool.check_integrity(tree_mamba_slots=tree.all_mamba_values())
+            evictable, protected = tree.full_evictable_size(), tree.full_protected_size()
+        else:
+            pool.check_integrity(live_rows=[])
+            evictable, protected = tree.evictable_size(), tree.protected_size()
         total = runner.allocator.num_pages * runner.allocator.page_size
-        got = runner.allocator.available_size() + tree.evictable_size() + tree.protected_size()
-        if got != total or tree.protected_size() != 0:
+        got = runner.allocator.available_size() + evictable + protected
+        if got != total or protected != 0:
             raise RuntimeError(f"slot leak: available + evictable + protected = {got} of {total}")
 
     def flush_cache(self) -> None:
@@ -188,7 +196,7 @@ class Engine:
 
         def flush():
             self._check_integrity()
-            self.scheduler.tree_cache.evict(self.scheduler.tree_cache.evictable_size())
+            self.scheduler.tree_cache.evict(self.scheduler.evictable_tokens())
 
         self.loop.run_exclusive(flush)
 

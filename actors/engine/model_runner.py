@@ -19,6 +19,7 @@ from actors.engine.forward_batch import ForwardBatch
 from actors.engine.model_loader import load_model
 from mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
 from mem_cache.memory_budget import KVCacheShape, get_device_memory, profile_max_num_tokens
+from mem_cache.mamba_pool import HybridLinearKVPool, HybridReqToTokenPool, MambaPool
 from mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
 from mem_cache.req_to_token_pool import ReqToTokenPool
 
@@ -68,6 +69,24 @@ class ModelRunner:
         logger.info("memory budget: %s", budget.describe())
         return budget.max_total_num_tokens
 
+    def _init_hybrid_pools(self) -> None:
+        """Mamba state slots (working + ping-pong per running request, plus room for the
+        tree's checkpoints), request rows that own them, and KV for the attention layers."""
+        cfg, spec = self.config, self.spec
+        extra = cfg.mamba_scheduler_strategy == "extra_buffer"
+        per_req = 3 if extra else 1
+        self.mamba_pool = MambaPool(
+            self.max_running_requests * per_req + max(16, self.max_running_requests), spec.conv_state_shapes,
+            spec.temporal_state_shape, len(spec.mamba_layer_ids), self.dtype, torch.float32, device=self.device,
+        )
+        self.req_to_token_pool = HybridReqToTokenPool(
+            self.max_running_requests, self.context_len + 4, self.device, self.mamba_pool, spec.mamba_layer_ids, extra,
+        )
+        self.token_to_kv_pool = HybridLinearKVPool(
+            self.max_total_num_tokens, cfg.page_size, self.kv_dtype, spec.num_kv_heads, spec.head_dim,
+            spec.full_attention_layer_ids, self.mamba_pool, device=self.device,
+        )
+
     def _init_pools(self) -> None:
         cfg, spec = self.config, self.spec
         self.req_to_token_pool = ReqToTokenPool(self.max_running_requests, self.context_len + 4, self.device)
@@ -81,6 +100,8 @@ class ModelRunner:
                 self.max_total_num_tokens, cfg.page_size, self.kv_dtype, spec.kv_lora_rank, spec.qk_rope_head_dim,
                 spec.num_layers, device=self.device,
             )
+        elif spec.kind == "hybrid_mamba":
+            self._init_hybrid_pools()
         else:
             raise ValueError(f"KV cache kind {spec.kind!r} is not served yet")
         if cfg.page_size == 1:

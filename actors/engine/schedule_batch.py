@@ -25,15 +25,35 @@ def _alloc_with_eviction(tree_cache, allocator, alloc_fn, num_tokens: int):
     return out
 
 
+def _alloc_rows(pool, reqs: List[Req], tree_cache):
+    """Request rows (and, for hybrid models, Mamba slots: a copy-on-write slot the
+    request already holds is adopted), evicting cached Mamba states when short."""
+    if not hasattr(pool, "mamba_pool"):
+        return pool.alloc(len(reqs))
+    given = [r.mamba_pool_idx for r in reqs]
+    rows = pool.alloc(len(reqs), given)
+    if rows is None:
+        per_req = 3 if pool.enable_mamba_extra_buffer else 1
+        tree_cache.evict_mamba(len(reqs) * per_req)
+        rows = pool.alloc(len(reqs), given)
+    return rows
+
+
+def _mamba_indices(pool, reqs: List[Req], runner):
+    return pool.get_mamba_indices([r.req_pool_idx for r in reqs]) if hasattr(pool, "mamba_pool") else None
+
+
 def prepare_for_extend(reqs: List[Req], runner, tree_cache) -> Optional[ForwardBatch]:
     """Rows for new requests, slots for ``[len(prefix_indices), len(fill_ids))`` of each."""
     pool, allocator, ps = runner.req_to_token_pool, runner.allocator, runner.config.page_size
     new = [r for r in reqs if r.req_pool_idx is None]
-    rows = pool.alloc(len(new)) if new else []
+    rows = _alloc_rows(pool, new, tree_cache) if new else []
     if rows is None:
         return None
     for req, row in zip(new, rows):
         req.req_pool_idx = row
+        if hasattr(pool, "mamba_pool"):
+            req.mamba_pool_idx = int(pool.get_mamba_indices(row)[0])
         pool.write((row, slice(0, len(req.prefix_indices))), req.prefix_indices.to(torch.int32))
     prefix_lens = [len(r.prefix_indices) for r in reqs]
     seq_lens = [len(r.fill_ids) for r in reqs]
@@ -77,6 +97,7 @@ def prepare_for_extend(reqs: List[Req], runner, tree_cache) -> Optional[ForwardB
         seq_lens_cpu=seq_lens,
         extend_prefix_lens_cpu=prefix_lens,
         extend_seq_lens_cpu=extend_lens,
+        mamba_pool_indices=_mamba_indices(pool, reqs, runner),
     )
 
 
@@ -112,4 +133,5 @@ def prepare_for_decode(reqs: List[Req], runner, tree_cache) -> Optional[ForwardB
         seq_lens_cpu=seq_lens,
         extend_prefix_lens_cpu=[s - 1 for s in seq_lens],
         extend_seq_lens_cpu=[1] * bs,
+        mamba_pool_indices=_mamba_indices(pool, reqs, runner),
     )

@@ -19,11 +19,14 @@ import logging
 import time
 from typing import List, Optional
 
+import torch
+
 from actors.engine.finish import check_finished, stream_text
 from actors.engine.forward_batch import ForwardBatch
 from actors.engine.req import Req
 from actors.engine.sampling import sample_next
 from actors.engine.schedule_batch import prepare_for_decode, prepare_for_extend
+from mem_cache.mamba_radix_cache import MambaRadixCache
 from mem_cache.radix_cache import RadixCache
 from mem_cache.radix_key import RadixKey
 
@@ -37,10 +40,17 @@ class Scheduler:
         self.config = cfg = runner.config
         self.tokenizer = tokenizer
         self.page_size = cfg.page_size
-        self.tree_cache = RadixCache(
-            runner.req_to_token_pool, runner.allocator, page_size=cfg.page_size, disable=cfg.disable_radix_cache,
-            eviction_policy=cfg.radix_eviction_policy, enable_kv_events=cfg.enable_kv_events,
-        )
+        self.hybrid = runner.spec.kind == "hybrid_mamba"
+        if self.hybrid:
+            self.tree_cache = MambaRadixCache(
+                runner.req_to_token_pool, runner.allocator, page_size=cfg.page_size, disable=cfg.disable_radix_cache,
+                mamba_scheduler_strategy=cfg.mamba_scheduler_strategy, enable_kv_events=cfg.enable_kv_events,
+            )
+        else:
+            self.tree_cache = RadixCache(
+                runner.req_to_token_pool, runner.allocator, page_size=cfg.page_size, disable=cfg.disable_radix_cache,
+                eviction_policy=cfg.radix_eviction_policy, enable_kv_events=cfg.enable_kv_events,
+            )
         chunk = cfg.chunked_prefill_size if cfg.chunked_prefill_size is not None else 2048
         self.chunked_prefill_size = None if chunk <= 0 else max(self.page_size, chunk // self.page_size * self.page_size)
         self.waiting: List[Req] = []
@@ -72,10 +82,23 @@ class Scheduler:
     def add_request(self, req: Req) -> None:
         self.waiting.append(req)
 
-    def _match_prefix(self, req: Req) -> None:
+    def evictable_tokens(self) -> int:
+        tree = self.tree_cache
+        return tree.full_evictable_size() if self.hybrid else tree.evictable_size()
+
+    def _match_prefix(self, req: Req, admit: bool = False) -> None:
+        """Longest cached prefix of the request's tokens; when ``admit``, a hybrid
+        model's matched Mamba state is copied into the request's own slot."""
         req.fill_ids = req.all_ids()
-        key = RadixKey(req.fill_ids[: len(req.fill_ids) - 1], req.extra_key)  # one token is always computed
-        match = self.tree_cache.match_prefix(key)
+        if self.hybrid:
+            if req.mamba_pool_idx is not None:  # a copy from an earlier attempt may be stale
+                self.runner.mamba_pool.free(torch.tensor([req.mamba_pool_idx]))
+                req.mamba_pool_idx = None
+            key = RadixKey(req.fill_ids, req.extra_key)  # the cache keeps one token to compute
+            match = self.tree_cache.match_prefix(key, req=req, cow_mamba=admit)
+        else:
+            key = RadixKey(req.fill_ids[: len(req.fill_ids) - 1], req.extra_key)  # one token is always computed
+            match = self.tree_cache.match_prefix(key)
         req.prefix_indices, req.last_node = match.device_indices, match.last_device_node
         req.cache_protected_len = len(req.prefix_indices)
 
@@ -94,7 +117,7 @@ class Scheduler:
         budget_running = self.runner.max_running_requests - len(self.running)
         if budget_running <= 0 or not (self.waiting or self.chunked_req):
             return None, None
-        rem_total = self.runner.allocator.available_size() + self.tree_cache.evictable_size() - self._decode_reserve()
+        rem_total = self.runner.allocator.available_size() + self.evictable_tokens() - self._decode_reserve()
         rem_input, rem_chunk = self.config.max_prefill_tokens, self.chunked_prefill_size
         picked: List[Req] = []
         candidates = ([self.chunked_req] if self.chunked_req else []) + self._sorted_waiting()
@@ -103,7 +126,7 @@ class Scheduler:
             if len(picked) >= budget_running:
                 break
             if req.req_pool_idx is None:
-                self._match_prefix(req)
+                self._match_prefix(req, admit=True)
             else:  # a chunked request continues after its cached chunks
                 req.fill_ids = req.all_ids()
             extend = req.extend_input_len
@@ -222,6 +245,9 @@ class Scheduler:
             if req.rid == rid:
                 self.waiting.remove(req)
                 req.finish({"type": "abort", "message": "aborted"})
+                if req.mamba_pool_idx is not None:  # a copy-on-write slot taken at a failed admission
+                    self.runner.mamba_pool.free(torch.tensor([req.mamba_pool_idx]))
+                    req.mamba_pool_idx = None
                 self._aborted.append(req)
                 return True
         for req in self.running + ([self.chunked_req] if self.chunked_req else []):

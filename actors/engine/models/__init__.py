@@ -17,6 +17,7 @@ MODEL_REGISTRY = {
     "Qwen3ForCausalLM": ("actors.engine.models.llama", "LlamaForCausalLM"),
     "DeepseekV3ForCausalLM": ("actors.engine.models.deepseek_v3", "DeepseekV3ForCausalLM"),
     "Gemma3ForCausalLM": ("actors.engine.models.gemma3", "Gemma3ForCausalLM"),
+    "Qwen3NextForCausalLM": ("actors.engine.models.qwen3_next", "Qwen3NextForCausalLM"),
 }
 
 

@@ -1,0 +1,215 @@
+"""Qwen3-Next: gated delta-net (linear attention) layers + gated full attention + MoE.
+
+Linear-attention layers keep, per request, a conv state (the last ``kernel-1``
+inputs of the causal depthwise conv) and a recurrent state ``[v_heads, k_dim,
+v_dim]`` in the request's MambaPool slot; full-attention layers keep paged KV
+in HybridLinearKVPool. A forward reads each request's state, runs its tokens
+through the recurrence and writes the state back, so the slot always holds
+the state after the request's last computed token.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from actors.engine.layers import GatedMLP, RadixAttention, RMSNorm, RotaryEmbedding
+from actors.engine.models.spec import KVCacheSpec
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def gated_delta_recurrence(q, k, v, g, beta, state):
+    """Token-by-token gated delta rule (fp32). q,k: [n, H, K]; v: [n, H, V];
+    g, beta: [n, H]; state: [H, K, V] → (out [n, H, V], new state)."""
+    q = l2norm(q.float()) / (q.shape[-1] ** 0.5)
+    k, v, g, beta = l2norm(k.float()), v.float(), g.float(), beta.float()
+    out = torch.empty_like(v)
+    state = state.float()
+    for t in range(q.shape[0]):
+        state = state * g[t].exp()[:, None, None]
+        delta = (v[t] - (state * k[t][:, :, None]).sum(dim=-2)) * beta[t][:, None]
+        state = state + k[t][:, :, None] * delta[:, None, :]
+        out[t] = (state * q[t][:, :, None]).sum(dim=-2)
+    return out, state
+
+
+class GatedRMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x, gate):
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight * x32.to(dtype) * F.silu(gate.float())).to(dtype)
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, config, layer_id: int):
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_v_heads, self.num_k_heads = config.linear_num_value_heads, config.linear_num_key_heads
+        self.k_dim, self.v_dim = config.linear_key_head_dim, config.linear_value_head_dim
+        self.key_size, self.value_size = self.k_dim * self.num_k_heads, self.v_dim * self.num_v_heads
+        self.kernel = config.linear_conv_kernel_dim
+        self.conv_dim = 2 * self.key_size + self.value_size
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.kernel, groups=self.conv_dim, bias=False,
+                                padding=self.kernel - 1)
+        self.in_proj_qkvz = nn.Linear(config.hidden_size, 2 * self.key_size + 2 * self.value_size, bias=False)
+        self.in_proj_ba = nn.Linear(config.hidden_size, 2 * self.num_v_heads, bias=False)
+        self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
+        self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
+        self.norm = GatedRMSNorm(self.v_dim, config.rms_norm_eps)
+        self.out_proj = nn.Linear(self.value_size, config.hidden_size, bias=False)
+
+    def _split(self, x):
+        """HF's per-key-head interleaved layout → q, k, v, z, b, a."""
+        n, ratio = x.shape[0], self.num_v_heads // self.num_k_heads
+        qkvz = self.in_proj_qkvz(x).view(n, self.num_k_heads, 2 * self.k_dim + 2 * ratio * self.v_dim)
+        q, k, v, z = qkvz.split([self.k_dim, self.k_dim, ratio * self.v_dim, ratio * self.v_dim], dim=-1)
+        b, a = self.in_proj_ba(x).view(n, self.num_k_heads, 2 * ratio).split([ratio, ratio], dim=-1)
+        v, z = v.reshape(n, self.num_v_heads, self.v_dim), z.reshape(n, self.num_v_heads, self.v_dim)
+        return q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1), z, b.reshape(n, -1), a.reshape(n, -1)
+
+    def forward(self, x, forward_batch):
+        pool = forward_batch.req_to_token_pool
+        mamba, m = pool.mamba_pool, pool.mamba_map[self.layer_id]
+        q, k, v, z, b, a = self._split(x)
+        mixed = torch.cat([q, k, v], dim=-1)
+        beta, g = b.sigmoid(), -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        out = torch.empty(x.shape[0], self.num_v_heads, self.v_dim, dtype=x.dtype, device=x.device)
+        weight = self.conv1d.weight.squeeze(1)
+        for i in range(forward_batch.batch_size):
+            start, n = int(forward_batch.extend_start_loc[i]), forward_batch.extend_seq_lens_cpu[i]
+            slot = int(forward_batch.mamba_pool_indices[i])
+            span = slice(start, start + n)
+            window = torch.cat([mamba.conv[0][m, slot].to(x.dtype), mixed[span].t()], dim=-1)  # [C, K-1+n]
+            mamba.conv[0][m, slot] = window[:, -(self.kernel - 1):]
+            conv = F.silu(F.conv1d(window[None], weight[:, None, :], groups=self.conv_dim)[0]).t()  # [n, C]
+            qi, ki, vi = conv.split([self.key_size, self.key_size, self.value_size], dim=-1)
+            ratio = self.num_v_heads // self.num_k_heads
+            qi = qi.reshape(n, self.num_k_heads, self.k_dim).repeat_interleave(ratio, dim=1)
+            ki = ki.reshape(n, self.num_k_heads, self.k_dim).repeat_interleave(ratio, dim=1)
+            o, state = gated_delta_recurrence(qi, ki, vi.reshape(n, self.num_v_heads, self.v_dim), g[span], beta[span],
+                                              mamba.temporal[m, slot])
+            mamba.temporal[m, slot] = state.to(mamba.temporal.dtype)
+            out[span] = o.to(x.dtype)
+        out = self.norm(out.reshape(-1, self.v_dim), z.reshape(-1, self.v_dim)).view(x.shape[0], -1)
+        return self.out_proj(out)
+
+
+class GatedAttention(nn.Module):
+    def __init__(self, config, layer_id: int):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            config.num_attention_heads, config.num_key_value_heads, config.head_dim,
+        )
+        hidden, bias = config.hidden_size, config.attention_bias
+        self.q_proj = nn.Linear(hidden, 2 * self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, offset=1.0)
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, offset=1.0)
+        params = config.rope_parameters
+        factor = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
+        self.rotary = RotaryEmbedding(int(self.head_dim * factor), float(params["rope_theta"]), params.get("rope_type", "default"))
+        self.attn = RadixAttention(layer_id, self.num_heads, self.head_dim, self.num_kv_heads, self.head_dim**-0.5)
+
+    def forward(self, positions, x, forward_batch):
+        n = x.shape[0]
+        q, gate = self.q_proj(x).view(n, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+        q = self.q_norm(q)
+        k = self.k_norm(self.k_proj(x).view(n, self.num_kv_heads, self.head_dim))
+        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary(positions, q, k)
+        out = self.attn(q, k, v, forward_batch) * torch.sigmoid(gate.reshape(n, -1))
+        return self.o_proj(out)
+
+
+class SparseMoeBlock(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.top_k, self.norm_topk_prob = config.num_experts_per_tok, config.norm_topk_prob
+        self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
+        self.experts = nn.ModuleList(GatedMLP(config.hidden_size, config.moe_intermediate_size, config.hidden_act)
+                                     for _ in range(config.num_experts))
+        self.shared_expert = GatedMLP(config.hidden_size, config.shared_expert_intermediate_size, config.hidden_act)
+        self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
+
+    def forward(self, x):
+        probs = torch.softmax(self.gate(x).float(), dim=-1)
+        weights, idx = probs.topk(self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(-1, keepdim=True)
+        weights = weights.to(x.dtype)
+        out = torch.zeros_like(x)
+        for e in idx.unique().tolist():
+            token, slot = (idx == e).nonzero(as_tuple=True)
+            out.index_add_(0, token, self.experts[e](x[token]) * weights[token, slot, None])
+        return out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config, layer_id: int):
+        super().__init__()
+        self.is_linear = config.layer_types[layer_id] == "linear_attention"
+        if self.is_linear:
+            self.linear_attn = GatedDeltaNet(config, layer_id)
+        else:
+            self.self_attn = GatedAttention(config, layer_id)
+        sparse = layer_id not in config.mlp_only_layers and config.num_experts > 0 and (layer_id + 1) % config.decoder_sparse_step == 0
+        self.mlp = SparseMoeBlock(config) if sparse else GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, offset=1.0)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, offset=1.0)
+
+    def forward(self, positions, x, forward_batch):
+        h = self.input_layernorm(x)
+        h = self.linear_attn(h, forward_batch) if self.is_linear else self.self_attn(positions, h, forward_batch)
+        x = x + h
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Qwen3NextModel(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, offset=1.0)
+
+    def forward(self, forward_batch):
+        x = self.embed_tokens(forward_batch.input_ids)
+        for layer in self.layers:
+            x = layer(forward_batch.positions, x, forward_batch)
+        return self.norm(x)
+
+
+class Qwen3NextForCausalLM(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.model = Qwen3NextModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def forward(self, forward_batch):
+        hidden = self.model(forward_batch)
+        return self.lm_head(hidden[forward_batch.last_token_indices()]).float()
+
+    def kv_cache_spec(self) -> KVCacheSpec:
+        c = self.config
+        types = c.layer_types
+        conv_dim = 2 * c.linear_key_head_dim * c.linear_num_key_heads + c.linear_value_head_dim * c.linear_num_value_heads
+        return KVCacheSpec(
+            kind="hybrid_mamba", num_layers=types.count("full_attention"), num_kv_heads=c.num_key_value_heads,
+            head_dim=c.head_dim,
+            full_attention_layer_ids=[i for i, t in enumerate(types) if t == "full_attention"],
+            mamba_layer_ids=[i for i, t in enumerate(types) if t == "linear_attention"],
+            conv_state_shapes=[(conv_dim, c.linear_conv_kernel_dim - 1)],
+            temporal_state_shape=(c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim),
+        )
