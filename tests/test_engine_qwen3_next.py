@@ -54,3 +54,34 @@ def test_retraction_with_mamba_state(model_dir):
     assert_greedy_parity(model_dir, batch, [o["output_ids"] for o in outs], 24, [])
     engine.check_integrity()
     engine.shutdown()
+
+
+def test_hybrid_prefix_cache_branching(model_dir):
+    """SGLang's branching case: 257 "hi" tokens, then 256 of one of three words;
+    extra_buffer, track interval 128, one new token each → cached 0, 0, 256."""
+    engine = Engine(model_path=model_dir, skip_tokenizer_init=True, max_total_tokens=4096,
+                    mamba_scheduler_strategy="extra_buffer", mamba_track_interval=128, chunked_prefill_size=-1)
+    hi, words = 77, (101, 102, 103)
+    cached = []
+    for word in words:
+        out = engine.generate(input_ids=[hi] * 257 + [word] * 256, sampling_params={"max_new_tokens": 1, "temperature": 0})
+        cached.append(out["meta_info"]["cached_tokens"])
+    assert cached == [0, 0, 256]
+    engine.check_integrity()
+    engine.shutdown()
+
+
+def test_extra_buffer_parity_with_chunks_and_decode_checkpoints(model_dir):
+    engine = Engine(model_path=model_dir, skip_tokenizer_init=True, max_total_tokens=4096,
+                    mamba_scheduler_strategy="extra_buffer", mamba_track_interval=64, chunked_prefill_size=64)
+    rng = random.Random(3)
+    system = [rng.randrange(5, 261) for _ in range(150)]
+    first = [system + [rng.randrange(5, 261) for _ in range(20)]]
+    outs = engine.generate(input_ids=first, sampling_params={"max_new_tokens": 40, "temperature": 0, "ignore_eos": True})
+    assert_greedy_parity(model_dir, first, [o["output_ids"] for o in outs], 40, [])
+    second = [system + [rng.randrange(5, 261) for _ in range(10)]]
+    again = engine.generate(input_ids=second, sampling_params=GREEDY)
+    assert again[0]["meta_info"]["cached_tokens"] == 128  # the last 64-aligned checkpoint inside the shared prefix
+    assert_greedy_parity(model_dir, second, [again[0]["output_ids"]], 10, engine.eos_token_ids)
+    engine.check_integrity()
+    engine.shutdown()

@@ -15,6 +15,7 @@ import torch
 
 from actors.engine.forward_batch import ForwardBatch, ForwardMode
 from actors.engine.req import Req
+from mem_cache.mamba_tracking import decode_should_track, prefill_track_seqlen
 
 
 def _alloc_with_eviction(tree_cache, allocator, alloc_fn, num_tokens: int):
@@ -41,6 +42,25 @@ def _alloc_rows(pool, reqs: List[Req], tree_cache):
 
 def _mamba_indices(pool, reqs: List[Req], runner):
     return pool.get_mamba_indices([r.req_pool_idx for r in reqs]) if hasattr(pool, "mamba_pool") else None
+
+
+def _mamba_tracks(pool, reqs: List[Req], track_lens: List[Optional[int]]):
+    """extra_buffer: the ping-pong slot each tracked request's checkpoint goes to.
+
+    The slot is the request's ``mamba_next_track_idx`` one; the index flips and
+    ``mamba_last_track_seqlen`` moves to the tracked length right away (nothing
+    reads them before the forward writes the slot)."""
+    if not getattr(pool, "enable_mamba_extra_buffer", False):
+        return None, None
+    slots = []
+    for req, length in zip(reqs, track_lens):
+        if length is None:
+            slots.append(None)
+            continue
+        slots.append(int(pool.get_mamba_ping_pong_track_buffer(req.req_pool_idx)[0, req.mamba_next_track_idx]))
+        req.mamba_next_track_idx = 1 - req.mamba_next_track_idx
+        req.mamba_last_track_seqlen = length
+    return slots, track_lens
 
 
 def prepare_for_extend(reqs: List[Req], runner, tree_cache) -> Optional[ForwardBatch]:
@@ -82,6 +102,9 @@ def prepare_for_extend(reqs: List[Req], runner, tree_cache) -> Optional[ForwardB
         offset += s - p
     extend_lens = [s - p for p, s in zip(prefix_lens, seq_lens)]
     starts = [sum(extend_lens[:i]) for i in range(len(reqs))]
+    track_slots, track_lens = _mamba_tracks(pool, reqs, [
+        prefill_track_seqlen(p, e, r.mamba_branching_seqlen) for r, p, e in zip(reqs, prefix_lens, extend_lens)
+    ])
     return ForwardBatch(
         forward_mode=ForwardMode.EXTEND,
         input_ids=runner.tensor(input_ids),
@@ -98,6 +121,8 @@ def prepare_for_extend(reqs: List[Req], runner, tree_cache) -> Optional[ForwardB
         extend_prefix_lens_cpu=prefix_lens,
         extend_seq_lens_cpu=extend_lens,
         mamba_pool_indices=_mamba_indices(pool, reqs, runner),
+        mamba_track_slots=track_slots,
+        mamba_track_lens=track_lens,
     )
 
 
@@ -118,6 +143,8 @@ def prepare_for_decode(reqs: List[Req], runner, tree_cache) -> Optional[ForwardB
         pool.req_to_token[req.req_pool_idx, s - 1] = slot
         req.kv_allocated_len = s
     bs = len(reqs)
+    interval = runner.config.mamba_track_interval
+    track_slots, track_lens = _mamba_tracks(pool, reqs, [s if decode_should_track(s, interval) else None for s in seq_lens])
     return ForwardBatch(
         forward_mode=ForwardMode.DECODE,
         input_ids=runner.tensor([r.output_ids[-1] for r in reqs]),
@@ -134,4 +161,6 @@ def prepare_for_decode(reqs: List[Req], runner, tree_cache) -> Optional[ForwardB
         extend_prefix_lens_cpu=[s - 1 for s in seq_lens],
         extend_seq_lens_cpu=[1] * bs,
         mamba_pool_indices=_mamba_indices(pool, reqs, runner),
+        mamba_track_slots=track_slots,
+        mamba_track_lens=track_lens,
     )

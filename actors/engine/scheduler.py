@@ -96,6 +96,7 @@ class Scheduler:
                 req.mamba_pool_idx = None
             key = RadixKey(req.fill_ids, req.extra_key)  # the cache keeps one token to compute
             match = self.tree_cache.match_prefix(key, req=req, cow_mamba=admit)
+            req.mamba_branching_seqlen = match.mamba_branching_seqlen
         else:
             key = RadixKey(req.fill_ids[: len(req.fill_ids) - 1], req.extra_key)  # one token is always computed
             match = self.tree_cache.match_prefix(key)

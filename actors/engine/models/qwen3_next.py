@@ -22,19 +22,30 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
 
-def gated_delta_recurrence(q, k, v, g, beta, state):
+def gated_delta_recurrence(q, k, v, g, beta, state, snapshot_after=None):
     """Token-by-token gated delta rule (fp32). q,k: [n, H, K]; v: [n, H, V];
-    g, beta: [n, H]; state: [H, K, V] → (out [n, H, V], new state)."""
+    g, beta: [n, H]; state: [H, K, V] → (out [n, H, V], new state, the state
+    after token ``snapshot_after`` or None)."""
     q = l2norm(q.float()) / (q.shape[-1] ** 0.5)
     k, v, g, beta = l2norm(k.float()), v.float(), g.float(), beta.float()
     out = torch.empty_like(v)
-    state = state.float()
+    state, snapshot = state.float(), None
     for t in range(q.shape[0]):
         state = state * g[t].exp()[:, None, None]
         delta = (v[t] - (state * k[t][:, :, None]).sum(dim=-2)) * beta[t][:, None]
         state = state + k[t][:, :, None] * delta[:, None, :]
         out[t] = (state * q[t][:, :, None]).sum(dim=-2)
-    return out, state
+        if t == snapshot_after:
+            snapshot = state
+    return out, state, snapshot
+
+
+def _track_index(forward_batch, i: int):
+    """How many of request ``i``'s tokens in this forward precede its checkpoint, or None."""
+    lens = forward_batch.mamba_track_lens
+    if lens is None or lens[i] is None:
+        return None
+    return lens[i] - forward_batch.extend_prefix_lens_cpu[i]
 
 
 class GatedRMSNorm(nn.Module):
@@ -89,16 +100,24 @@ class GatedDeltaNet(nn.Module):
             start, n = int(forward_batch.extend_start_loc[i]), forward_batch.extend_seq_lens_cpu[i]
             slot = int(forward_batch.mamba_pool_indices[i])
             span = slice(start, start + n)
+            # window column j holds the conv input at position prefix - (K-1) + j
             window = torch.cat([mamba.conv[0][m, slot].to(x.dtype), mixed[span].t()], dim=-1)  # [C, K-1+n]
             mamba.conv[0][m, slot] = window[:, -(self.kernel - 1):]
+            track = _track_index(forward_batch, i)
             conv = F.silu(F.conv1d(window[None], weight[:, None, :], groups=self.conv_dim)[0]).t()  # [n, C]
             qi, ki, vi = conv.split([self.key_size, self.key_size, self.value_size], dim=-1)
             ratio = self.num_v_heads // self.num_k_heads
             qi = qi.reshape(n, self.num_k_heads, self.k_dim).repeat_interleave(ratio, dim=1)
             ki = ki.reshape(n, self.num_k_heads, self.k_dim).repeat_interleave(ratio, dim=1)
-            o, state = gated_delta_recurrence(qi, ki, vi.reshape(n, self.num_v_heads, self.v_dim), g[span], beta[span],
-                                              mamba.temporal[m, slot])
+            o, state, snapshot = gated_delta_recurrence(
+                qi, ki, vi.reshape(n, self.num_v_heads, self.v_dim), g[span], beta[span], mamba.temporal[m, slot],
+                snapshot_after=None if track is None else track - 1,
+            )
             mamba.temporal[m, slot] = state.to(mamba.temporal.dtype)
+            if track is not None:  # checkpoint: state and conv inputs after ``track`` of this forward's tokens
+                dst = forward_batch.mamba_track_slots[i]
+                mamba.temporal[m, dst] = snapshot.to(mamba.temporal.dtype)
+                mamba.conv[0][m, dst] = window[:, track : track + self.kernel - 1]
             out[span] = o.to(x.dtype)
         out = self.norm(out.reshape(-1, self.v_dim), z.reshape(-1, self.v_dim)).view(x.shape[0], -1)
         return self.out_proj(out)
