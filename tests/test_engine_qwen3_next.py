@@ -5,6 +5,7 @@ through chunked prefill, prefix hits and retraction; Mamba slots conserved."""
 import random
 
 import pytest
+import torch
 
 from actors.engine import Engine
 from actors.engine.tiny import build_tiny_checkpoint
@@ -71,9 +72,12 @@ def test_hybrid_prefix_cache_branching(model_dir):
     engine.shutdown()
 
 
-def test_extra_buffer_parity_with_chunks_and_decode_checkpoints(model_dir):
-    engine = Engine(model_path=model_dir, skip_tokenizer_init=True, max_total_tokens=4096,
-                    mamba_scheduler_strategy="extra_buffer", mamba_track_interval=64, chunked_prefill_size=64)
+@pytest.mark.parametrize("backend, page_size", [("torch", 1), ("torch", 16), ("triton", 1)])
+def test_extra_buffer_parity_with_chunks_and_decode_checkpoints(model_dir, backend, page_size):
+    device = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
+    engine = Engine(model_path=model_dir, skip_tokenizer_init=True, max_total_tokens=4096, attention_backend=backend,
+                    device=device, page_size=page_size, mamba_scheduler_strategy="extra_buffer",
+                    mamba_track_interval=64, chunked_prefill_size=64)
     rng = random.Random(3)
     system = [rng.randrange(5, 261) for _ in range(150)]
     first = [system + [rng.randrange(5, 261) for _ in range(20)]]
