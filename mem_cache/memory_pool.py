@@ -53,8 +53,13 @@ class KVCache(abc.ABC):
       new tensor) and cast to ``dtype`` first;
     * ``get_*_buffer(layer_id)`` return views in ``dtype`` over the whole layer
       (dummy rows included), never copies;
-    * ``check_integrity()`` raises :class:`IntegrityError` with the numbers.
+    * ``check_integrity()`` raises :class:`IntegrityError` with the numbers;
+    * with a ``layer_transfer_counter`` registered (the hierarchical cache
+      loading KV from host layer by layer), MHA/MLA ``get_*_buffer(layer_id)``
+      first wait until that layer has arrived.
     """
+
+    layer_transfer_counter = None  # anything with ``wait_until(layer_id)``
 
     def __init__(
         self,
@@ -107,7 +112,15 @@ class KVCache(abc.ABC):
         """Bytes of every KV buffer this pool exposes for transfer."""
         return sum(self.get_contiguous_buf_infos()[1])
 
+    def register_layer_transfer_counter(self, counter) -> None:
+        """Make ``get_*_buffer(layer_id)`` call ``counter.wait_until(layer_id)`` first."""
+        self.layer_transfer_counter = counter
+
     # ---- helpers for subclasses -------------------------------------------
+    def _wait_for_layer(self, layer_id: int) -> None:
+        if self.layer_transfer_counter is not None:
+            self.layer_transfer_counter.wait_until(layer_id)
+
     def _local_layer(self, layer_id: int) -> int:
         if not self.start_layer <= layer_id <= self.end_layer:
             raise ValueError(f"layer_id={layer_id} outside this pool's layers [{self.start_layer}, {self.end_layer}]")
@@ -167,9 +180,11 @@ class MHATokenToKVPool(KVCache):
         self._initial_ptrs = self.get_contiguous_buf_infos()[0]
 
     def get_key_buffer(self, layer_id: int) -> torch.Tensor:
+        self._wait_for_layer(layer_id)
         return self._as_dtype(self.k_buffer[self._local_layer(layer_id)])
 
     def get_value_buffer(self, layer_id: int) -> torch.Tensor:
+        self._wait_for_layer(layer_id)
         return self._as_dtype(self.v_buffer[self._local_layer(layer_id)])
 
     def get_kv_buffer(self, layer_id: int) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -230,6 +245,7 @@ class MLATokenToKVPool(KVCache):
         self._initial_ptrs = self.get_contiguous_buf_infos()[0]
 
     def get_key_buffer(self, layer_id: int) -> torch.Tensor:
+        self._wait_for_layer(layer_id)
         return self._as_dtype(self.kv_buffer[self._local_layer(layer_id)])
 
     def get_value_buffer(self, layer_id: int) -> torch.Tensor:

@@ -1,0 +1,106 @@
+"""Copies between the tiers of the hierarchical cache (reference §5).
+
+The tree cache decides *what* moves and *which* slots it uses; the controller
+only copies: device → host (``write``), host → device layer by layer
+(``load``), host ↔ storage (``write_storage`` / ``read_storage``). Here every
+copy is synchronous, which is what the CPU build runs. On CUDA, ``write`` and
+``load`` are where a write stream and a load stream would go, with
+``LayerDoneCounter`` recording one event per layer instead of blocking.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Optional, Sequence
+
+import torch
+
+from mem_cache.hicache_storage import HiCacheStorage
+from mem_cache.integrity import ensure
+from mem_cache.memory_pool import KVCache
+from mem_cache.memory_pool_host import HostKVCache
+
+
+class LayerDoneCounter:
+    """Which layers of the load in flight have reached the device pool.
+
+    The loader calls ``begin()`` before the first layer and ``complete(layer_id)``
+    after each layer, in layer order. A reader's ``wait_until(layer_id)`` returns
+    once that layer is complete — at once when no load is in flight — so the
+    forward pass can read layer 0 while later layers are still copying.
+    """
+
+    def __init__(self, start_layer: int, num_layers: int):
+        self.start_layer = start_layer
+        self.num_layers = num_layers
+        self._cond = threading.Condition()
+        self._num_done = num_layers  # idle: every layer is on the device
+
+    @property
+    def num_done(self) -> int:
+        with self._cond:
+            return self._num_done
+
+    def begin(self) -> None:
+        with self._cond:
+            self._num_done = 0
+
+    def complete(self, layer_id: int) -> None:
+        with self._cond:
+            expected = self.start_layer + self._num_done
+            ensure(layer_id == expected, f"layer {layer_id} completed out of order, expected {expected}")
+            self._num_done += 1
+            self._cond.notify_all()
+
+    def wait_until(self, layer_id: int, timeout: Optional[float] = None) -> None:
+        """Block until ``layer_id`` is loaded; ``TimeoutError`` after ``timeout`` seconds."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._num_done > layer_id - self.start_layer, timeout):
+                raise TimeoutError(f"layer {layer_id} not loaded after {timeout}s ({self._num_done} layers done)")
+
+
+class HiCacheController:
+    """Moves KV between ``device_pool``, ``host_pool`` and an optional ``storage``.
+
+    Construction registers the controller's ``layer_done_counter`` with the
+    device pool, so its ``get_*_buffer(layer_id)`` waits for loads.
+    """
+
+    def __init__(self, device_pool: KVCache, host_pool: HostKVCache, storage: Optional[HiCacheStorage] = None):
+        self.device_pool = device_pool
+        self.host_pool = host_pool
+        self.storage = storage
+        self.layer_done_counter = LayerDoneCounter(device_pool.start_layer, device_pool.layer_num)
+        device_pool.register_layer_transfer_counter(self.layer_done_counter)
+
+    def write(self, host_indices: torch.Tensor, device_indices: torch.Tensor) -> None:
+        """Back up ``device_indices`` into ``host_indices`` (all layers)."""
+        self.host_pool.backup_from_device_all_layer(self.device_pool, host_indices, device_indices)
+
+    def load(self, host_indices: torch.Tensor, device_indices: torch.Tensor) -> None:
+        """Copy ``host_indices`` into ``device_indices``, one layer after another."""
+        counter = self.layer_done_counter
+        counter.begin()
+        for layer_id in range(counter.start_layer, counter.start_layer + counter.num_layers):
+            self.host_pool.load_to_device_per_layer(self.device_pool, host_indices, device_indices, layer_id)
+            counter.complete(layer_id)
+
+    def write_storage(self, keys: Sequence[str], host_indices: torch.Tensor) -> int:
+        """Write the pages of ``host_indices`` (page ``i`` keyed ``keys[i]``) from
+        the first one storage lacks; returns how many of those are stored now."""
+        ps = self.host_pool.page_size
+        first_missing = self.storage.batch_exists(keys)
+        # pages [first_missing, len(keys)): written (one that exists is skipped by the backend)
+        pages = range(first_missing, len(keys))
+        values = [self.host_pool.get_page_bytes(host_indices[i * ps : (i + 1) * ps]) for i in pages]
+        return sum(self.storage.batch_set(keys[first_missing:], values))
+
+    def read_storage(self, keys: Sequence[str], host_indices: torch.Tensor) -> int:
+        """Read pages ``keys`` into ``host_indices`` in order, stopping at the
+        first one that is absent or not one page long; returns pages read."""
+        ps = self.host_pool.page_size
+        for i, data in enumerate(self.storage.batch_get(keys)):
+            if data is None or len(data) != self.host_pool.page_nbytes:
+                return i
+            self.host_pool.set_page_bytes(host_indices[i * ps : (i + 1) * ps], data)
+        return len(keys)

@@ -1,0 +1,278 @@
+"""HiRadixCache: a RadixCache whose nodes can live on device, host and storage
+(seed 000 §6, reference §5).
+
+A node's KV is on the device (``value``: device slots), on the host
+(``host_value``: host slots), or both. Rules the tree keeps:
+
+* a node on the device has its parent on the device (or is under the root);
+  so along any path the device part comes first, then the host-only part;
+* a node with ``value is None`` ("evicted") has ``host_value``; it is never
+  locked (``lock_ref == 0``) and counts in neither ``evictable_size()`` nor
+  ``protected_size()`` — those count device tokens only;
+* ``host_ref_counter > 0`` protects a node's host copy from ``evict_host``
+  while a load or a prefetch uses it;
+* every node has its chained page hashes (``hash_value``): they are the keys
+  of the storage tier.
+
+Write policies say when a device node is copied to the host: on its first
+hit, on its second, or only when it leaves the device. A hit is a
+``match_prefix`` through the node or an ``insert`` that reaches it (the one
+that creates it included) — ``hit_count``, which LFU eviction reads too. The
+backup itself is decided in ``insert``, where fresh KV passes to the tree.
+What ``cache_unfinished_req`` does for a chunked request (insert, re-match)
+counts no hits, as in SGLang: one request is one use, however many chunks.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
+
+import torch
+
+from mem_cache.base_prefix_cache import MatchResult
+from mem_cache.hicache_controller import HiCacheController
+from mem_cache.hicache_storage import HiCacheStorage
+from mem_cache.hiradix_tiers import HostTierMixin
+from mem_cache.integrity import check_unique_in_range, ensure
+from mem_cache.memory_pool import KVCache
+from mem_cache.memory_pool_host import create_host_pool
+from mem_cache.radix_cache import RadixCache, TreeNode
+from mem_cache.radix_key import RadixKey, hash_pages, root_hash
+
+
+@dataclass(frozen=True)
+class WritePolicy:
+    """``hits_to_backup``: back a device node up once it has this many hits
+    (``None``: hits never do); ``backup_on_evict``: back it up when it leaves the device."""
+
+    hits_to_backup: Optional[int]
+    backup_on_evict: bool
+
+
+WRITE_POLICIES = {
+    "write_through": WritePolicy(hits_to_backup=1, backup_on_evict=False),
+    "write_through_selective": WritePolicy(hits_to_backup=2, backup_on_evict=False),
+    "write_back": WritePolicy(hits_to_backup=None, backup_on_evict=True),
+}
+
+
+def get_write_policy(name: str) -> WritePolicy:
+    try:
+        return WRITE_POLICIES[name]
+    except KeyError:
+        known = ", ".join(sorted(WRITE_POLICIES))
+        raise ValueError(f"unknown hicache write policy {name!r}; known: {known}") from None
+
+
+class HiRadixCache(HostTierMixin, RadixCache):
+    """RadixCache over a device KV pool, its host copy and an optional storage backend.
+
+    Beyond :class:`RadixCache`'s contract:
+
+    * ``evict(n)`` frees device slots of device leaves (nodes whose children are
+      all off the device); a node with a host copy stays, with ``value = None``;
+    * ``evict_host(n)`` deletes host-only nodes nobody uses, leaves first;
+    * ``match_prefix`` also reports ``last_host_node`` and ``host_hit_length``;
+    * ``init_load_back`` brings a host-only chain back to the device, all or nothing;
+    * ``prefetch_from_storage(key)`` fetches pages past the host hit into host slots.
+    """
+
+    def __init__(
+        self,
+        req_to_token_pool,
+        token_to_kv_pool_allocator,
+        kv_cache: KVCache,
+        page_size: int = 1,
+        *,
+        host_to_device_ratio: float = 2.0,
+        host_size_gb: float = 0,
+        host_layout: str = "layer_first",
+        write_policy: str = "write_through",
+        load_back_threshold: int = 10,
+        storage_backend: Optional[HiCacheStorage] = None,
+        disable: bool = False,
+        eviction_policy: str = "lru",
+        enable_kv_events: bool = False,
+    ):
+        self.write_policy = get_write_policy(write_policy)
+        self.load_back_threshold = load_back_threshold
+        self.host_pool = create_host_pool(
+            kv_cache, host_to_device_ratio=host_to_device_ratio, host_size_gb=host_size_gb,
+            page_size=page_size, layout=host_layout,
+        )
+        self.cache_controller = HiCacheController(kv_cache, self.host_pool, storage_backend)
+        self._counting_hits = True
+        super().__init__(
+            req_to_token_pool, token_to_kv_pool_allocator, page_size, disable, eviction_policy, enable_kv_events
+        )
+
+    def reset(self) -> None:
+        super().reset()
+        self.host_pool.clear()
+
+    def _add_leaf(self, parent: TreeNode, key: RadixKey, value: torch.Tensor, priority: int, now: int) -> TreeNode:
+        leaf = super()._add_leaf(parent, key, value, priority, now)
+        if not leaf.hash_value:  # RadixCache hashes pages only for KV events; storage keys need them always
+            leaf.hash_value = self._page_hashes(parent, key)
+        return leaf
+
+    def _page_hashes(self, parent: TreeNode, key: RadixKey) -> List[str]:
+        chain_from = parent.hash_value[-1] if parent.hash_value else root_hash(key.extra_key)
+        return hash_pages(key.token_ids, self.page_size, chain_from)
+
+    # ---- match / insert ------------------------------------------------------
+    def match_prefix(self, key: RadixKey) -> MatchResult:
+        """Device slots of the on-device prefix; ``host_hit_length`` tokens after it
+        are on the host, ending at ``last_host_node`` (the deepest node with a
+        host copy on the matched path). May split a node; never locks or allocates."""
+        if self.disable or len(key) == 0:
+            return MatchResult(self._empty(), self.root_node, self.root_node, 0)
+        values, node = self._match_prefix_helper(self._page_align(key))
+        device_values = [v for v in values if v is not None]
+        last_host_node, host_hit_length = node, 0
+        while node.evicted:
+            host_hit_length += len(node.host_value)
+            node = node.parent
+        while not last_host_node.backuped and last_host_node is not self.root_node:
+            last_host_node = last_host_node.parent
+        indices = torch.cat(device_values) if device_values else self._empty()
+        return MatchResult(indices, node, last_host_node, host_hit_length)
+
+    def _match_prefix_helper(self, key: RadixKey) -> Tuple[List[Optional[torch.Tensor]], TreeNode]:
+        """RadixCache's walk (``None`` values for host-only nodes), counting no
+        hits while a chunked request is cached: its re-match is bookkeeping."""
+        now = self._tick()
+        node = self.root_node
+        node.last_access_time = now
+        values: List[Optional[torch.Tensor]] = []
+        while len(key) > 0:
+            child = node.children.get(self.child_key(key))
+            if child is None:
+                break
+            child.last_access_time = now
+            child.hit_count += int(self._counting_hits)
+            matched = self.key_match(child.key, key)
+            if matched < len(child.key):
+                node = self._split_node(child, matched)
+                values.append(node.value)
+                break
+            values.append(child.value)
+            node = child
+            key = key[matched:]
+        return values, node
+
+    def insert(self, key: RadixKey, value: Optional[torch.Tensor] = None, priority: int = 0) -> int:
+        """As RadixCache's; a host-only node on the path adopts the caller's slots
+        (its tokens are not counted as already cached), then the write policy runs."""
+        if self.disable:
+            return 0
+        if len(key) % self.page_size != 0:
+            raise ValueError(f"insert needs a page-aligned key (page_size={self.page_size}), got {len(key)} tokens")
+        if value is None:
+            value = torch.tensor(key.token_ids, dtype=torch.int64)
+        now = self._tick()
+        node, total, path = self.root_node, 0, []
+        node.last_access_time = now
+        while len(key) > 0:
+            child = node.children.get(self.child_key(key))
+            if child is None:
+                break
+            child.last_access_time = now
+            child.priority = max(child.priority, priority)
+            matched = self.key_match(child.key, key)
+            if matched < len(child.key):
+                child = self._split_node(child, matched)
+            if child.evicted:  # the request recomputed KV the tree had only on host
+                child.value = value[:matched]
+                self.evictable_size_ += matched
+            else:
+                total += matched
+            path.append(child)
+            key, value = key[matched:], value[matched:]
+            node = child
+        if len(key) > 0:
+            path.append(self._add_leaf(node, key, value, priority, now))
+        if self._counting_hits:
+            self._count_hits(path)
+        return total
+
+    def cache_unfinished_req(self, req) -> None:
+        self._counting_hits = False
+        try:
+            super().cache_unfinished_req(req)
+        finally:
+            self._counting_hits = True
+
+    def _count_hits(self, path: List[TreeNode]) -> None:
+        threshold = self.write_policy.hits_to_backup
+        for node in path:
+            node.hit_count += 1
+            if threshold is not None and node.hit_count >= threshold and not node.backuped:
+                self._backup(node)
+
+    # ---- device eviction -----------------------------------------------------
+    def evict(self, num_tokens: int) -> int:
+        """Free at least ``num_tokens`` device slots if possible, device leaves in
+        eviction-policy order; returns how many were freed."""
+        if self.disable or num_tokens <= 0:
+            return 0
+        heap = [(self.eviction_key(n), n.id, n) for n in self._iter_nodes() if self._is_device_leaf(n)]
+        heapq.heapify(heap)
+        evicted = 0
+        while evicted < num_tokens and heap:
+            _, _, node = heapq.heappop(heap)
+            evicted += self._evict_device_node(node)
+            parent = node.parent
+            if self._is_device_leaf(parent):
+                heapq.heappush(heap, (self.eviction_key(parent), parent.id, parent))
+        return evicted
+
+    def _is_device_leaf(self, node: TreeNode) -> bool:
+        if node is self.root_node or node.evicted or node.lock_ref > 0:
+            return False
+        return all(child.evicted for child in node.children.values())
+
+    def _evict_device_node(self, node: TreeNode) -> int:
+        """Free ``node``'s device slots: keep it as host-only if it has (or now
+        gets) a host copy, else delete it. Returns the tokens freed (0 if it stays)."""
+        if not node.backuped and (self.write_policy.backup_on_evict or node.children):
+            self._backup(node)  # host-only children need a parent that stays in the tree
+        num_tokens = len(node.value)
+        if node.backuped:
+            self._free(node.value)
+            node.value = None
+            self.evictable_size_ -= num_tokens
+            return num_tokens
+        if node.children:  # no host room: evict_host left only children with a copy in use
+            return 0
+        self._free(node.value)
+        self._delete_leaf(node)
+        return num_tokens
+
+    # ---- inspection ----------------------------------------------------------
+    def all_host_values(self) -> torch.Tensor:
+        """Every host slot the tree holds (for conservation checks)."""
+        values = [n.host_value for n in self._iter_nodes() if n.host_value is not None]
+        return torch.cat(values) if values else torch.empty(0, dtype=torch.int64)
+
+    def check_integrity(self) -> None:
+        """RadixCache's checks, plus: tiers ordered along paths, evicted nodes
+        backed up and unlocked, page hashes present, host slots held exactly once
+        and never free in the host pool."""
+        super().check_integrity()
+        for node in self._iter_nodes():
+            name = repr(node)
+            ensure(len(node.hash_value) == len(node.key) // self.page_size, f"{name} page hashes out of step")
+            ensure(node.host_ref_counter >= 0, f"{name} has a negative host_ref_counter")
+            if node.backuped:
+                ensure(len(node.host_value) == len(node.key), f"{name}: {len(node.host_value)} host slots")
+            if node.evicted:
+                ensure(node.backuped, f"{name} is evicted without a host copy")
+                ensure(node.lock_ref == 0, f"{name} is evicted but locked")
+            else:
+                ensure(not node.parent.evicted, f"{name} is on the device under an evicted parent")
+        held = self.all_host_values()
+        check_unique_in_range("HiRadixCache host slots", held, 0, self.host_pool.size - 1)
+        self.host_pool.check_integrity(in_use=held)

@@ -1,0 +1,177 @@
+"""The host and storage side of :class:`~mem_cache.hiradix_cache.HiRadixCache`.
+
+Split out of ``hiradix_cache.py`` to keep each file to one concern: this mixin
+moves a node's KV between the tiers (backup, load back, storage prefetch) and
+frees host slots; the tree walks (match, insert, device eviction) stay there.
+It relies on the cache's ``root_node``, ``page_size``, ``host_pool``,
+``cache_controller``, ``token_to_kv_pool_allocator``, ``eviction_key``,
+``events``, size counters and tree helpers.
+"""
+
+from __future__ import annotations
+
+import heapq
+from typing import List, Optional, Tuple
+
+import torch
+
+from mem_cache.radix_cache import TreeNode
+from mem_cache.radix_key import RadixKey, hash_pages, root_hash
+
+
+class HostTierMixin:
+    # ---- device → host → storage ---------------------------------------------
+    def _backup(self, node: TreeNode) -> bool:
+        """Copy a device node's KV to new host slots (and its pages to storage).
+        False, with nothing changed, when the host has no room even after ``evict_host``."""
+        host_indices = self._alloc_host(len(node.value))
+        if host_indices is None:
+            return False
+        self.cache_controller.write(host_indices, node.value)
+        node.host_value = host_indices
+        if self.cache_controller.storage is not None:
+            self.cache_controller.write_storage(node.hash_value, host_indices)
+        return True
+
+    def _alloc_host(self, num_tokens: int) -> Optional[torch.Tensor]:
+        indices = self.host_pool.alloc(num_tokens)
+        if indices is None:
+            self.evict_host(num_tokens - self.host_pool.available_size())
+            indices = self.host_pool.alloc(num_tokens)
+        return indices
+
+    # ---- host eviction -------------------------------------------------------
+    def evict_host(self, num_tokens: int) -> int:
+        """Delete host-only nodes nobody uses (``host_ref_counter == 0``), leaves
+        first in eviction-policy order, until ``num_tokens`` host slots are free
+        or none is left; returns how many were freed."""
+        if num_tokens <= 0:
+            return 0
+        heap = [(self.eviction_key(n), n.id, n) for n in self._iter_nodes() if self._is_host_leaf(n)]
+        heapq.heapify(heap)
+        freed = 0
+        while freed < num_tokens and heap:
+            _, _, node = heapq.heappop(heap)
+            freed += len(node.host_value)
+            self._delete_host_node(node)
+            parent = node.parent
+            if self._is_host_leaf(parent):
+                heapq.heappush(heap, (self.eviction_key(parent), parent.id, parent))
+        return freed
+
+    def _is_host_leaf(self, node: TreeNode) -> bool:
+        return node is not self.root_node and node.evicted and not node.children and node.host_ref_counter == 0
+
+    def _delete_host_node(self, node: TreeNode) -> None:
+        self.host_pool.free(node.host_value)
+        del node.parent.children[self.child_key(node.key)]
+        self.events.removed(node.hash_value)
+
+    # ---- storage → host ------------------------------------------------------
+    def prefetch_from_storage(self, key: RadixKey) -> int:
+        """Fetch the pages of ``key`` past its device + host hit from storage into
+        new host slots, as one host-only node, stopping at the first page storage
+        lacks. Returns the tokens fetched; a following ``match_prefix`` reports
+        them in ``host_hit_length``."""
+        storage = self.cache_controller.storage
+        if storage is None or self.disable:
+            return 0
+        key = self._page_align(key)
+        match = self.match_prefix(key)
+        end = match.last_host_node if match.host_hit_length else match.last_device_node
+        matched = len(match.device_indices) + match.host_hit_length
+        # [0, matched) cached on device or host; [matched, len(key)) the candidates
+        rest = key[matched:]
+        chain_from = end.hash_value[-1] if end.hash_value else root_hash(key.extra_key)
+        keys = hash_pages(rest.token_ids, self.page_size, chain_from)
+        num_pages = storage.batch_exists(keys)
+        if num_pages == 0:
+            return 0
+        end.host_ref_counter += 1  # evict_host must not delete the node we attach to
+        try:
+            host_indices = self._alloc_host(num_pages * self.page_size)
+            if host_indices is None:
+                return 0
+            num_pages = self.cache_controller.read_storage(keys[:num_pages], host_indices)
+            num_tokens = num_pages * self.page_size
+            # [0, num_tokens) of host_indices hold fetched pages; the rest go back
+            self.host_pool.free(host_indices[num_tokens:])
+            if num_tokens > 0:
+                self._add_host_leaf(end, rest[:num_tokens], host_indices[:num_tokens], keys[:num_pages])
+        finally:
+            end.host_ref_counter -= 1
+        return num_tokens
+
+    def _add_host_leaf(self, parent: TreeNode, key: RadixKey, host_value: torch.Tensor, hashes: List[str]) -> TreeNode:
+        leaf = TreeNode(key, None, self._tick())
+        leaf.parent, leaf.host_value, leaf.hash_value = parent, host_value, hashes
+        parent.children[self.child_key(key)] = leaf
+        parent_hash = parent.hash_value[-1] if parent.hash_value else None
+        self.events.stored(hashes, parent_hash, key.token_ids, self.page_size, key.extra_key)
+        return leaf
+
+    # ---- load back -----------------------------------------------------------
+    def init_load_back(
+        self, last_host_node: TreeNode, host_hit_length: int, mem_quota: Optional[int] = None
+    ) -> Tuple[torch.Tensor, TreeNode]:
+        """Load the host-only chain ending at ``last_host_node`` (``host_hit_length``
+        tokens, from the same ``match_prefix``) to the device. Returns the device
+        slots now usable after the device prefix and the deepest node on the device."""
+        chain = self._evicted_chain(last_host_node)
+        chain_len = sum(len(n.host_value) for n in chain)
+        if chain_len != host_hit_length:
+            raise ValueError(f"stale match: {host_hit_length} host tokens reported, the tree has {chain_len}")
+        loaded = self.load_back(chain, mem_quota) if chain else None
+        if loaded is not None:
+            return loaded, last_host_node
+        node = last_host_node
+        while node.evicted:
+            node = node.parent
+        return self._empty(), node
+
+    def load_back(self, chain: List[TreeNode], mem_quota: Optional[int] = None) -> Optional[torch.Tensor]:
+        """Copy ``chain`` (host-only nodes, top-down) to fresh device slots, all or
+        nothing: ``None`` if it is under ``load_back_threshold`` tokens, over
+        ``mem_quota``, or the device has no room even after eviction."""
+        num_tokens = sum(len(n.host_value) for n in chain)
+        if num_tokens < self.load_back_threshold:
+            return None
+        ancestor = chain[0].parent
+        delta = self.inc_lock_ref(ancestor)  # keep the device prefix while evicting for room
+        for node in chain:
+            node.host_ref_counter += 1  # and the chain's host copies (write_back eviction may evict_host)
+        try:
+            # the lock took -delta tokens out of what the quota could have evicted
+            if mem_quota is not None and num_tokens > mem_quota + delta:
+                return None
+            device_indices = self._alloc_device(num_tokens)
+            if device_indices is None:
+                return None
+            host_indices = torch.cat([n.host_value for n in chain])
+            self.cache_controller.load(host_indices, device_indices)
+        finally:
+            for node in chain:
+                node.host_ref_counter -= 1
+            self.dec_lock_ref(ancestor)
+        offset = 0
+        for node in chain:
+            # [offset, offset + len(node.key)): this node's share of the new slots
+            node.value = device_indices[offset : offset + len(node.key)]
+            offset += len(node.key)
+        self.evictable_size_ += num_tokens
+        return device_indices
+
+    def _evicted_chain(self, node: TreeNode) -> List[TreeNode]:
+        chain = []
+        while node.evicted:
+            chain.append(node)
+            node = node.parent
+        return chain[::-1]
+
+    def _alloc_device(self, num_tokens: int) -> Optional[torch.Tensor]:
+        allocator = self.token_to_kv_pool_allocator
+        indices = allocator.alloc(num_tokens)
+        if indices is None:
+            self.evict(num_tokens - allocator.available_size())
+            indices = allocator.alloc(num_tokens)
+        return indices
