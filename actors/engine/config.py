@@ -33,6 +33,9 @@ class EngineConfig(BaseModel):
     mamba_scheduler_strategy: Literal["no_buffer", "extra_buffer"] = "no_buffer"
     mamba_track_interval: int = Field(256, gt=0)
     enable_hierarchical_cache: bool = False
+    hicache_ratio: float = Field(2.0, gt=1.0, description="host KV pool size as a multiple of the device pool")
+    hicache_write_policy: Literal["write_through", "write_through_selective", "write_back"] = "write_through"
+    hicache_storage_dir: Optional[str] = Field(None, description="file tier directory (None: host tier only)")
     skip_tokenizer_init: bool = False
     random_seed: int = 0
     init_new_token_ratio: float = Field(0.7, gt=0.0, le=1.0)

@@ -26,6 +26,8 @@ from actors.engine.forward_batch import ForwardBatch
 from actors.engine.req import Req
 from actors.engine.sampling import sample_next
 from actors.engine.schedule_batch import prepare_for_decode, prepare_for_extend
+from mem_cache.hicache_storage import HiCacheFile
+from mem_cache.hiradix_cache import HiRadixCache
 from mem_cache.mamba_radix_cache import MambaRadixCache
 from mem_cache.radix_cache import RadixCache
 from mem_cache.radix_key import RadixKey
@@ -45,6 +47,14 @@ class Scheduler:
             self.tree_cache = MambaRadixCache(
                 runner.req_to_token_pool, runner.allocator, page_size=cfg.page_size, disable=cfg.disable_radix_cache,
                 mamba_scheduler_strategy=cfg.mamba_scheduler_strategy, enable_kv_events=cfg.enable_kv_events,
+            )
+        elif cfg.enable_hierarchical_cache:
+            storage = HiCacheFile(cfg.hicache_storage_dir) if cfg.hicache_storage_dir else None
+            self.tree_cache = HiRadixCache(
+                runner.req_to_token_pool, runner.allocator, runner.token_to_kv_pool, cfg.page_size,
+                host_to_device_ratio=cfg.hicache_ratio, write_policy=cfg.hicache_write_policy, storage_backend=storage,
+                disable=cfg.disable_radix_cache, eviction_policy=cfg.radix_eviction_policy,
+                enable_kv_events=cfg.enable_kv_events,
             )
         else:
             self.tree_cache = RadixCache(
@@ -101,6 +111,10 @@ class Scheduler:
             key = RadixKey(req.fill_ids[: len(req.fill_ids) - 1], req.extra_key)  # one token is always computed
             match = self.tree_cache.match_prefix(key)
         req.prefix_indices, req.last_node = match.device_indices, match.last_device_node
+        if admit and match.host_hit_length > 0:  # bring the host-tier continuation back to the device
+            loaded, node = self.tree_cache.init_load_back(match.last_host_node, match.host_hit_length)
+            if loaded.numel():
+                req.prefix_indices, req.last_node = torch.cat([req.prefix_indices, loaded]), node
         req.cache_protected_len = len(req.prefix_indices)
 
     def _sorted_waiting(self) -> List[Req]:
