@@ -11,7 +11,8 @@ Three layers and the caches above them:
   :class:`SWAKVPool`, :class:`HybridLinearKVPool`, :class:`MambaPool`), whose
   buffers are allocated once, through a :mod:`buffer_allocator` a peer process
   can map;
-* prefix caches: :class:`RadixCache`, :class:`MambaRadixCache`.
+* prefix caches: :class:`RadixCache`, :class:`MambaRadixCache`, and
+  :class:`HiRadixCache` with its host tier (:class:`HostKVCache`) and file tier.
 
 Nothing here knows Ray, HTTP or models.
 """
@@ -25,11 +26,14 @@ from mem_cache.buffer_allocator import (
     attach_buffers,
     create_buffer_allocator,
 )
+from mem_cache.hicache_storage import HiCacheFile
+from mem_cache.hiradix_cache import HiRadixCache
 from mem_cache.integrity import IntegrityError
 from mem_cache.mamba_pool import HybridLinearKVPool, HybridReqToTokenPool, MambaPool
 from mem_cache.mamba_radix_cache import MambaRadixCache
 from mem_cache.memory_budget import KVCacheShape, MemoryBudget, default_memory_args, profile_max_num_tokens
 from mem_cache.memory_pool import KVCache, MHATokenToKVPool, MLATokenToKVPool
+from mem_cache.memory_pool_host import HostKVCache, MHATokenToKVPoolHost, MLATokenToKVPoolHost
 from mem_cache.radix_cache import RadixCache
 from mem_cache.radix_key import RadixKey, hash_pages
 from mem_cache.req_to_token_pool import ReqToTokenPool
@@ -37,7 +41,8 @@ from mem_cache.swa_allocator import SWATokenToKVPoolAllocator
 from mem_cache.swa_memory_pool import SWAKVPool
 
 __all__ = [
-    "BasePrefixCache", "BufferHandle", "HybridLinearKVPool", "HybridReqToTokenPool", "IntegrityError",
+    "BasePrefixCache", "BufferHandle", "HiCacheFile", "HiRadixCache", "HostKVCache", "MHATokenToKVPoolHost",
+    "MLATokenToKVPoolHost", "HybridLinearKVPool", "HybridReqToTokenPool", "IntegrityError",
     "KVCache", "KVCacheShape", "LocalBufferAllocator", "MHATokenToKVPool", "MLATokenToKVPool",
     "MambaPool", "MambaRadixCache", "MatchResult", "MemoryBudget", "PagedTokenToKVPoolAllocator",
     "RadixCache", "RadixKey", "ReqToTokenPool", "SWAKVPool", "SWATokenToKVPoolAllocator",
