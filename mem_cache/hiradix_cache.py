@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import List, Optional
 
 import torch
 
@@ -103,7 +103,6 @@ class HiRadixCache(HostTierMixin, RadixCache):
             page_size=page_size, layout=host_layout,
         )
         self.cache_controller = HiCacheController(kv_cache, self.host_pool, storage_backend)
-        self._counting_hits = True
         super().__init__(
             req_to_token_pool, token_to_kv_pool_allocator, page_size, disable, eviction_policy, enable_kv_events
         )
@@ -140,29 +139,6 @@ class HiRadixCache(HostTierMixin, RadixCache):
         indices = torch.cat(device_values) if device_values else self._empty()
         return MatchResult(indices, node, last_host_node, host_hit_length)
 
-    def _match_prefix_helper(self, key: RadixKey) -> Tuple[List[Optional[torch.Tensor]], TreeNode]:
-        """RadixCache's walk (``None`` values for host-only nodes), counting no
-        hits while a chunked request is cached: its re-match is bookkeeping."""
-        now = self._tick()
-        node = self.root_node
-        node.last_access_time = now
-        values: List[Optional[torch.Tensor]] = []
-        while len(key) > 0:
-            child = node.children.get(self.child_key(key))
-            if child is None:
-                break
-            child.last_access_time = now
-            child.hit_count += int(self._counting_hits)
-            matched = self.key_match(child.key, key)
-            if matched < len(child.key):
-                node = self._split_node(child, matched)
-                values.append(node.value)
-                break
-            values.append(child.value)
-            node = child
-            key = key[matched:]
-        return values, node
-
     def insert(self, key: RadixKey, value: Optional[torch.Tensor] = None, priority: int = 0) -> int:
         """As RadixCache's; a host-only node on the path adopts the caller's slots
         (its tokens are not counted as already cached), then the write policy runs."""
@@ -197,13 +173,6 @@ class HiRadixCache(HostTierMixin, RadixCache):
         if self._counting_hits:
             self._count_hits(path)
         return total
-
-    def cache_unfinished_req(self, req) -> None:
-        self._counting_hits = False
-        try:
-            super().cache_unfinished_req(req)
-        finally:
-            self._counting_hits = True
 
     def _count_hits(self, path: List[TreeNode]) -> None:
         threshold = self.write_policy.hits_to_backup

@@ -30,7 +30,6 @@ from typing import List, NamedTuple, Optional, Tuple
 
 import torch
 
-from mem_cache.base_prefix_cache import MatchResult
 from mem_cache.integrity import check_unique_in_range, ensure
 from mem_cache.lru_list import LRUList
 from mem_cache.mamba_tracking import FLA_CHUNK_SIZE, mamba_branching_seqlen, max_prefix_match_len

@@ -84,6 +84,7 @@ class RadixCache(BasePrefixCache):
         self.eviction_key = get_eviction_policy(eviction_policy)
         self.events = KVEventQueue(enabled=enable_kv_events)
         self.device = getattr(token_to_kv_pool_allocator, "device", torch.device("cpu"))
+        self._counting_hits = True  # off while a chunked request's progress is cached: that is bookkeeping
         self.reset()
 
     # ---- structure -----------------------------------------------------------
@@ -156,7 +157,7 @@ class RadixCache(BasePrefixCache):
             if child is None:
                 break
             child.last_access_time = now
-            child.hit_count += 1
+            child.hit_count += int(self._counting_hits)
             matched = self.key_match(child.key, key)
             if matched < len(child.key):
                 node = self._split_node(child, matched)
@@ -233,6 +234,14 @@ class RadixCache(BasePrefixCache):
         self.dec_lock_ref(req.last_node)
 
     def cache_unfinished_req(self, req: CacheableReq) -> None:
+        """Cache a chunked prefill's progress; its inserts and re-match count no hits."""
+        self._counting_hits = False
+        try:
+            self._cache_unfinished_req(req)
+        finally:
+            self._counting_hits = True
+
+    def _cache_unfinished_req(self, req: CacheableReq) -> None:
         token_ids = req.fill_ids
         kv_indices = self._row(req, len(token_ids))
         if self.disable:

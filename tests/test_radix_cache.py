@@ -1,7 +1,6 @@
 """SGLang-style unit cases for RadixCache, with real pools and exact slot ids."""
 
 import pytest
-import torch
 
 from mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
 from mem_cache.kv_events import AllBlocksCleared, BlockRemoved, BlockStored

@@ -22,7 +22,6 @@ from typing import List, Optional
 import torch
 
 from actors.engine.finish import check_finished, stream_text
-from actors.engine.forward_batch import ForwardBatch
 from actors.engine.req import Req
 from actors.engine.sampling import sample_next
 from actors.engine.schedule_batch import prepare_for_decode, prepare_for_extend
