@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from actors.engine.layers import GatedMLP, RadixAttention, RMSNorm, RotaryEmbedding, rotate_interleaved
+from actors.engine.models.base import CausalLM, DecoderModel
 from actors.engine.models.llama import rope_settings
 from actors.engine.models.spec import KVCacheSpec
 
@@ -131,32 +132,12 @@ class DeepseekV3DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class DeepseekV3Model(nn.Module):
+class DeepseekV3ForCausalLM(CausalLM):
     def __init__(self, config):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DeepseekV3DecoderLayer(config, i) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(self, forward_batch):
-        x = self.embed_tokens(forward_batch.input_ids)
-        for layer in self.layers:
-            x = layer(forward_batch.positions, x, forward_batch)
-        return self.norm(x)
-
-
-class DeepseekV3ForCausalLM(nn.Module):
-    def __init__(self, config):
-        super().__init__()
         if getattr(config, "rope_parameters", {}).get("rope_type", "default") != "default":
             raise ValueError("DeepSeek-V3 with rope scaling (yarn) is not served yet: rope_parameters.rope_type")
-        self.config = config
-        self.model = DeepseekV3Model(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-
-    def forward(self, forward_batch):
-        hidden = self.model(forward_batch)
-        return self.lm_head(hidden[forward_batch.last_token_indices()]).float()
+        norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        super().__init__(config, DecoderModel(config, DeepseekV3DecoderLayer, norm))
 
     def kv_cache_spec(self) -> KVCacheSpec:
         return KVCacheSpec(

@@ -12,10 +12,10 @@ keys older than the window (``key_pos > query_pos - sliding_window``).
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 from actors.engine.layers import GatedMLP, RadixAttention, RMSNorm, RotaryEmbedding
+from actors.engine.models.base import CausalLM, DecoderModel
 from actors.engine.models.spec import KVCacheSpec
 
 
@@ -70,36 +70,11 @@ class Gemma3DecoderLayer(nn.Module):
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
 
-class Gemma3TextModel(nn.Module):
+class Gemma3ForCausalLM(CausalLM):
     def __init__(self, config):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.embed_scale = config.hidden_size**0.5
-        self.layers = nn.ModuleList(Gemma3DecoderLayer(config, i) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, offset=1.0)
-
-    def forward(self, forward_batch):
-        x = self.embed_tokens(forward_batch.input_ids)
-        x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
-        for layer in self.layers:
-            x = layer(forward_batch.positions, x, forward_batch)
-        return self.norm(x)
-
-
-class Gemma3ForCausalLM(nn.Module):
-    def __init__(self, config):
-        super().__init__()
-        self.config = config
-        self.model = Gemma3TextModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        if getattr(config, "tie_word_embeddings", False):
-            self.lm_head.weight = self.model.embed_tokens.weight
-
-    def forward(self, forward_batch):
-        hidden = self.model(forward_batch)
-        logits = self.lm_head(hidden[forward_batch.last_token_indices()]).float()
-        cap = self.config.final_logit_softcapping
-        return torch.tanh(logits / cap) * cap if cap else logits
+        norm = RMSNorm(config.hidden_size, config.rms_norm_eps, offset=1.0)
+        model = DecoderModel(config, Gemma3DecoderLayer, norm, embed_scale=config.hidden_size**0.5)
+        super().__init__(config, model, final_logit_softcap=config.final_logit_softcapping)
 
     def kv_cache_spec(self) -> KVCacheSpec:
         c = self.config

@@ -7,6 +7,7 @@ from torch import nn
 
 from actors.engine.forward_batch import ForwardBatch
 from actors.engine.layers import GatedMLP, RadixAttention, RMSNorm, RotaryEmbedding
+from actors.engine.models.base import CausalLM, DecoderModel
 from actors.engine.models.spec import KVCacheSpec
 
 
@@ -60,33 +61,10 @@ class LlamaDecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class LlamaModel(nn.Module):
+class LlamaForCausalLM(CausalLM):
     def __init__(self, config):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(self, forward_batch: ForwardBatch) -> torch.Tensor:
-        x = self.embed_tokens(forward_batch.input_ids)
-        for layer in self.layers:
-            x = layer(forward_batch.positions, x, forward_batch)
-        return self.norm(x)
-
-
-class LlamaForCausalLM(nn.Module):
-    def __init__(self, config):
-        super().__init__()
-        self.config = config
-        self.model = LlamaModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        if getattr(config, "tie_word_embeddings", False):
-            self.lm_head.weight = self.model.embed_tokens.weight
-
-    def forward(self, forward_batch: ForwardBatch) -> torch.Tensor:
-        hidden = self.model(forward_batch)
-        last = hidden[forward_batch.last_token_indices()]
-        return self.lm_head(last).float()
+        norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        super().__init__(config, DecoderModel(config, LlamaDecoderLayer, norm))
 
     def kv_cache_spec(self) -> KVCacheSpec:
         attn = self.model.layers[0].self_attn

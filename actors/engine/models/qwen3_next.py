@@ -15,6 +15,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from actors.engine.layers import GatedMLP, RadixAttention, RMSNorm, RotaryEmbedding
+from actors.engine.models.base import CausalLM, DecoderModel
 from actors.engine.models.spec import KVCacheSpec
 
 
@@ -195,30 +196,10 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class Qwen3NextModel(nn.Module):
+class Qwen3NextForCausalLM(CausalLM):
     def __init__(self, config):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, offset=1.0)
-
-    def forward(self, forward_batch):
-        x = self.embed_tokens(forward_batch.input_ids)
-        for layer in self.layers:
-            x = layer(forward_batch.positions, x, forward_batch)
-        return self.norm(x)
-
-
-class Qwen3NextForCausalLM(nn.Module):
-    def __init__(self, config):
-        super().__init__()
-        self.config = config
-        self.model = Qwen3NextModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-
-    def forward(self, forward_batch):
-        hidden = self.model(forward_batch)
-        return self.lm_head(hidden[forward_batch.last_token_indices()]).float()
+        norm = RMSNorm(config.hidden_size, config.rms_norm_eps, offset=1.0)
+        super().__init__(config, DecoderModel(config, DecoderLayer, norm))
 
     def kv_cache_spec(self) -> KVCacheSpec:
         c = self.config

@@ -1,0 +1,47 @@
+"""The decoder-only skeleton every model shares (HF parameter names).
+
+``DecoderModel``: ``embed_tokens`` → each layer ``(positions, x, forward_batch)``
+→ ``norm``. ``CausalLM``: ``model`` + ``lm_head``, returning fp32 logits of each
+request's last token (optionally soft-capped).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, config, layer_cls: Callable, norm: nn.Module, embed_scale: Optional[float] = None):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(layer_cls(config, i) for i in range(config.num_hidden_layers))
+        self.norm = norm
+        self.embed_scale = embed_scale
+
+    def forward(self, forward_batch) -> torch.Tensor:
+        x = self.embed_tokens(forward_batch.input_ids)
+        if self.embed_scale is not None:
+            x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
+        for layer in self.layers:
+            x = layer(forward_batch.positions, x, forward_batch)
+        return self.norm(x)
+
+
+class CausalLM(nn.Module):
+    def __init__(self, config, model: DecoderModel, final_logit_softcap: Optional[float] = None):
+        super().__init__()
+        self.config = config
+        self.model = model
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if getattr(config, "tie_word_embeddings", False):
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.final_logit_softcap = final_logit_softcap
+
+    def forward(self, forward_batch) -> torch.Tensor:
+        hidden = self.model(forward_batch)
+        logits = self.lm_head(hidden[forward_batch.last_token_indices()]).float()
+        cap = self.final_logit_softcap
+        return torch.tanh(logits / cap) * cap if cap else logits
