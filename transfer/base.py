@@ -1,0 +1,352 @@
+"""The contract of a KV transfer: states, layouts, the hand-off message, agents.
+
+One request's KV moves from a prefill rank to a decode rank by *push*: the
+decode rank reserves slots and answers with a :class:`KVHandoff` (its slot
+list and layout); the prefill rank, once its forward wrote the KV, copies the
+rows of its source slots into the decode rank's destination slots. Control
+messages (the hand-off, the completion notice) travel between the workers'
+actors; the bytes travel through a backend (shared memory, CUDA IPC,
+``torch.distributed``), never through Ray's object store.
+
+Per rank process there is one :class:`TransferAgent` (it owns the backend's
+connections and the attached peer buffers); per request and rank pair one
+:class:`KVSender` (prefill side) and one :class:`KVReceiver` (decode side).
+Both are polled state machines (:class:`KVPoll`, totally ordered as SGLang's)::
+
+    sender:   Bootstrapping --init(handoff)--> WaitingForInput --send()--> Transferring --> Success
+    receiver: Bootstrapping --send_metadata()--> WaitingForInput --data + notice--> Success
+    any state --timeout / abort / peer failure--> Failed (failure_reason says why)
+
+Head ranges: every head-sharded buffer row holds heads ``[head_start,
+head_start + num_heads)`` of ``total_heads``; a sender copies the
+intersection of its range and the receiver's, so prefill and decode may use
+different TP sizes. Replicated buffers (MLA latent, ``head_axis=None``) are
+copied whole from one chosen source rank; Mamba states need equal head
+ranges on both sides.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import msgpack
+
+HANDOFF_VERSION = 1
+
+
+class KVPoll(enum.IntEnum):
+    Failed = 0
+    Bootstrapping = 1
+    WaitingForInput = 2
+    Transferring = 3
+    Success = 4
+
+
+class TransferError(RuntimeError):
+    """A transfer failed (timeout, abort, dead peer, bad message)."""
+
+
+class LayoutMismatchError(TransferError):
+    """The two sides' KV layouts cannot be matched (dtype, row shape, heads, page size)."""
+
+
+# ---- layouts ------------------------------------------------------------------------
+@dataclass(frozen=True)
+class BufferLayout:
+    """One transferable buffer of a rank's pools.
+
+    ``index`` says what addresses its rows: ``"token"`` (KV slot numbers) or
+    ``"state"`` (Mamba state slots). ``row_shape``/``dtype`` describe one row
+    on *this* rank; ``head_axis`` is the axis of ``row_shape`` that holds
+    heads (``None``: replicated on every rank, e.g. the MLA latent).
+    """
+
+    name: str
+    index: str
+    row_shape: Tuple[int, ...]
+    dtype: str
+    head_axis: Optional[int] = None
+    head_start: int = 0
+    total_heads: int = 0
+
+    @property
+    def num_heads(self) -> int:
+        return self.row_shape[self.head_axis] if self.head_axis is not None else 0
+
+    def to_wire(self) -> list:
+        return [self.name, self.index, list(self.row_shape), self.dtype, self.head_axis, self.head_start, self.total_heads]
+
+    @classmethod
+    def from_wire(cls, raw: Sequence) -> "BufferLayout":
+        name, index, shape, dtype, axis, start, total = raw
+        return cls(name, index, tuple(shape), dtype, axis, start, total)
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    page_size: int
+    buffers: Tuple[BufferLayout, ...]
+
+    def by_name(self) -> Dict[str, BufferLayout]:
+        return {b.name: b for b in self.buffers}
+
+
+def check_compatible(src: KVLayout, dst: KVLayout) -> None:
+    """Raise :class:`LayoutMismatchError` naming the first difference that makes
+    a transfer from ``src`` to ``dst`` impossible."""
+    if src.page_size != dst.page_size:
+        raise LayoutMismatchError(f"page_size differs: prefill {src.page_size}, decode {dst.page_size}")
+    s, d = src.by_name(), dst.by_name()
+    if set(s) != set(d):
+        only_s, only_d = sorted(set(s) - set(d))[:4], sorted(set(d) - set(s))[:4]
+        raise LayoutMismatchError(f"buffers differ: only on prefill {only_s}, only on decode {only_d}")
+    for name, a in s.items():
+        b = d[name]
+        if (a.index, a.dtype, a.head_axis) != (b.index, b.dtype, b.head_axis):
+            raise LayoutMismatchError(
+                f"{name}: prefill (index={a.index}, dtype={a.dtype}, head_axis={a.head_axis}) vs "
+                f"decode (index={b.index}, dtype={b.dtype}, head_axis={b.head_axis})"
+            )
+        if a.head_axis is None:
+            if a.row_shape != b.row_shape:
+                hint = " (Mamba states need the same TP size on prefill and decode)" if a.index == "state" else ""
+                raise LayoutMismatchError(f"{name}: row shape {a.row_shape} vs {b.row_shape}{hint}")
+            continue
+        rest_a = a.row_shape[: a.head_axis] + a.row_shape[a.head_axis + 1 :]
+        rest_b = b.row_shape[: b.head_axis] + b.row_shape[b.head_axis + 1 :]
+        if rest_a != rest_b or a.total_heads != b.total_heads:
+            raise LayoutMismatchError(
+                f"{name}: per-head shape {rest_a} of {a.total_heads} heads vs {rest_b} of {b.total_heads} heads"
+            )
+        if a.index == "state" and (a.head_start, a.num_heads) != (b.head_start, b.num_heads):
+            raise LayoutMismatchError(
+                f"{name}: Mamba state heads [{a.head_start}, +{a.num_heads}) vs [{b.head_start}, +{b.num_heads}):"
+                " hybrid models need the same TP size on prefill and decode"
+            )
+
+
+def head_overlap(src: BufferLayout, dst: BufferLayout) -> Optional[Tuple[int, int]]:
+    """Global head range ``[lo, hi)`` both ranks hold, or ``None``."""
+    lo = max(src.head_start, dst.head_start)
+    hi = min(src.head_start + src.num_heads, dst.head_start + dst.num_heads)
+    return (lo, hi) if lo < hi else None
+
+
+# ---- the hand-off ------------------------------------------------------------------
+@dataclass(frozen=True)
+class KVHandoff:
+    """Decode rank → prefill rank: where one request's KV must land.
+
+    ``dst_slots[i]`` receives the KV of prompt token ``dst_prefix_len + i``
+    (tokens before ``dst_prefix_len`` the decode side already holds).
+    ``endpoint`` is the backend's address of the decode rank's agent.
+    """
+
+    rid: str
+    room: int
+    tp_rank: int
+    tp_size: int
+    layout: KVLayout
+    dst_slots: List[int]
+    dst_state_slot: Optional[int] = None
+    dst_prefix_len: int = 0
+    backend: str = "fake"
+    endpoint: Dict = field(default_factory=dict)
+    version: int = HANDOFF_VERSION
+
+    def to_bytes(self) -> bytes:
+        return msgpack.packb(
+            {
+                "version": self.version, "rid": self.rid, "room": self.room, "tp_rank": self.tp_rank,
+                "tp_size": self.tp_size, "page_size": self.layout.page_size,
+                "buffers": [b.to_wire() for b in self.layout.buffers], "dst_slots": list(self.dst_slots),
+                "dst_state_slot": self.dst_state_slot, "dst_prefix_len": self.dst_prefix_len,
+                "backend": self.backend, "endpoint": self.endpoint,
+            },
+            use_bin_type=True,
+        )
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> "KVHandoff":
+        try:
+            raw = msgpack.unpackb(data, raw=False, strict_map_key=False)
+        except Exception as exc:
+            raise TransferError(f"malformed hand-off message: {exc}") from exc
+        version = raw.get("version") if isinstance(raw, dict) else None
+        if version != HANDOFF_VERSION:
+            raise TransferError(f"hand-off version {version!r}, this build speaks {HANDOFF_VERSION}")
+        try:
+            layout = KVLayout(raw["page_size"], tuple(BufferLayout.from_wire(b) for b in raw["buffers"]))
+            return cls(
+                raw["rid"], raw["room"], raw["tp_rank"], raw["tp_size"], layout, list(raw["dst_slots"]),
+                raw["dst_state_slot"], raw["dst_prefix_len"], raw["backend"], raw["endpoint"], version,
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise TransferError(f"malformed hand-off message: {exc!r}") from exc
+
+
+# ---- the state machines ----------------------------------------------------------------
+class _Polled:
+    """A state with a deadline: ``poll()`` turns an expired wait into Failed."""
+
+    def __init__(self, timeout_s: Optional[float]):
+        self._state = KVPoll.Bootstrapping
+        self._reason: Optional[str] = None
+        self._timeout_s = timeout_s
+        self._since = time.monotonic()
+
+    def _set(self, state: KVPoll) -> None:
+        if self._state != KVPoll.Failed:
+            self._state = state
+            self._since = time.monotonic()
+
+    def fail(self, reason: str) -> None:
+        if self._state not in (KVPoll.Failed, KVPoll.Success):
+            self._state, self._reason = KVPoll.Failed, reason
+
+    def poll(self) -> KVPoll:
+        waiting = self._state in (KVPoll.Bootstrapping, KVPoll.WaitingForInput)
+        if waiting and self._timeout_s is not None and time.monotonic() - self._since > self._timeout_s:
+            self.fail(f"timed out after {self._timeout_s:.1f}s in {self._state.name}")
+        return self._state
+
+    def failure_reason(self) -> Optional[str]:
+        return self._reason
+
+    def abort(self, reason: str = "aborted") -> None:
+        self.fail(reason)
+
+
+class KVSender(_Polled):
+    """Prefill side of one request's transfer to one decode rank.
+
+    ``timeout_s`` bounds Bootstrapping (no hand-off yet) and WaitingForInput
+    (hand-off taken, the forward not done).
+    """
+
+    def __init__(self, agent: "TransferAgent", rid: str, timeout_s: Optional[float] = None):
+        super().__init__(timeout_s)
+        self.agent, self.rid = agent, rid
+        self.handoff: Optional[KVHandoff] = None
+        self.bytes_sent = 0
+
+    def init(self, handoff: KVHandoff) -> None:
+        """Take the decode rank's hand-off (layout checked) → WaitingForInput."""
+        try:
+            check_compatible(self.agent.layout, handoff.layout)
+        except LayoutMismatchError as exc:
+            self.fail(str(exc))
+            raise
+        self.handoff = handoff
+        self._set(KVPoll.WaitingForInput)
+
+    def send(self, src_slots: Sequence[int], src_state_slot: Optional[int] = None) -> None:
+        """Copy the KV of ``src_slots`` (one per token, matching ``dst_slots``) and
+        the Mamba state slot to the decode rank. Failures end in Failed, not raises."""
+        if self.poll() != KVPoll.WaitingForInput:
+            raise TransferError(f"send() in state {self._state.name} for {self.rid}")
+        if len(src_slots) != len(self.handoff.dst_slots):
+            self.fail(f"{len(src_slots)} source slots for {len(self.handoff.dst_slots)} destination slots")
+            return
+        self._set(KVPoll.Transferring)
+        try:
+            self.bytes_sent = self.agent.push(self.handoff, src_slots, src_state_slot)
+        except Exception as exc:  # a dead peer or unmapped buffer: the request fails, the worker lives
+            self.fail(f"{type(exc).__name__}: {exc}")
+            return
+        self._set(KVPoll.Success)
+
+
+class KVReceiver(_Polled):
+    """Decode side of one request's transfer from the prefill worker.
+
+    ``send_metadata`` builds the hand-off (→ WaitingForInput). The sender's
+    completion notice (through the workers' control plane) calls
+    :meth:`mark_done`; the receiver is Success once the notice came and the
+    backend reports the bytes landed (immediate for push backends).
+    """
+
+    def __init__(self, agent: "TransferAgent", rid: str, room: int, timeout_s: Optional[float] = None):
+        super().__init__(timeout_s)
+        self.agent, self.rid, self.room = agent, rid, room
+        self.handoff: Optional[KVHandoff] = None
+
+    def send_metadata(
+        self, dst_slots: Sequence[int], dst_state_slot: Optional[int] = None, dst_prefix_len: int = 0
+    ) -> KVHandoff:
+        self.handoff = KVHandoff(
+            self.rid, self.room, self.agent.tp_rank, self.agent.tp_size, self.agent.layout, [int(s) for s in dst_slots],
+            dst_state_slot, dst_prefix_len, self.agent.backend_name, self.agent.endpoint(),
+        )
+        self.agent.expect(self.handoff)
+        self._set(KVPoll.WaitingForInput)
+        return self.handoff
+
+    def mark_done(self) -> None:
+        if self.poll() != KVPoll.WaitingForInput:
+            return
+        try:
+            self.agent.wait_landed(self.handoff)
+        except Exception as exc:
+            self.fail(f"{type(exc).__name__}: {exc}")
+            return
+        self._set(KVPoll.Success)
+
+
+class TransferAgent(abc.ABC):
+    """One per rank process: this rank's transferable buffers and the backend.
+
+    ``buffers`` maps every name of ``layout.buffers`` to the tensor whose rows
+    are addressed by slot (``[rows, *row_shape]``).
+    """
+
+    backend_name = "abstract"
+
+    def __init__(self, layout: KVLayout, buffers: Dict[str, "object"], tp_rank: int = 0, tp_size: int = 1):
+        missing = [b.name for b in layout.buffers if b.name not in buffers]
+        if missing:
+            raise ValueError(f"layout names buffers this rank does not have: {missing[:4]}")
+        self.layout, self.buffers, self.tp_rank, self.tp_size = layout, buffers, tp_rank, tp_size
+
+    @abc.abstractmethod
+    def endpoint(self) -> Dict:
+        """msgpack-able address peers use to reach this agent's buffers."""
+
+    @abc.abstractmethod
+    def push(self, handoff: KVHandoff, src_slots: Sequence[int], src_state_slot: Optional[int]) -> int:
+        """Prefill side: copy the rows into the hand-off's destination; returns bytes moved."""
+
+    def expect(self, handoff: KVHandoff) -> None:
+        """Decode side: get ready to receive (pull backends post their receives here)."""
+
+    def wait_landed(self, handoff: KVHandoff) -> None:
+        """Decode side: return once the bytes of ``handoff`` are in this rank's buffers."""
+
+    def close(self) -> None:
+        """Drop peer mappings and connections."""
+
+
+_BACKENDS: Dict[str, type] = {}
+
+
+def register_backend(name: str):
+    def wrap(cls):
+        cls.backend_name = name
+        _BACKENDS[name] = cls
+        return cls
+
+    return wrap
+
+
+def create_agent(name: str, layout: KVLayout, buffers: Dict, tp_rank: int = 0, tp_size: int = 1, **kwargs) -> TransferAgent:
+    if name not in _BACKENDS:
+        raise ValueError(f"unknown transfer backend {name!r}; known: {', '.join(sorted(_BACKENDS))}")
+    return _BACKENDS[name](layout, buffers, tp_rank, tp_size, **kwargs)
+
+
+def known_backends() -> List[str]:
+    return sorted(_BACKENDS)

@@ -1,0 +1,56 @@
+"""A rank's transferable buffers, read off its pools.
+
+Every row-addressed tensor of the KV pool (and of the Mamba pool for hybrid
+models) becomes one :class:`~transfer.base.BufferLayout` plus the tensor
+itself, named the same on every rank and worker so that prefill and decode
+agree by name:
+
+* MHA (also a hybrid model's full-attention layers): ``k.{layer}`` and
+  ``v.{layer}``, rows ``[num_kv_heads, head_dim]``, head axis 0, heads
+  ``[kv_head_start, kv_head_start + num_kv_heads)`` of ``total_kv_heads``;
+* MLA: ``kv.{layer}``, rows ``[1, kv_lora_rank + qk_rope_head_dim]``, replicated;
+* Mamba: ``state.{i}.{layer}`` (conv states, then the temporal state), rows
+  are one state slot of one Mamba layer, addressed by state slot.
+
+Layer numbers are positions in the pool (not global model layer ids), which
+both sides share because they serve the same model.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Optional, Tuple
+
+import torch
+
+from mem_cache.buffer_allocator import dtype_to_str
+from mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
+from transfer.base import BufferLayout, KVLayout
+
+
+def _add(entries, tensors, name, tensor, index, head_axis=None, head_start=0, total_heads=0):
+    entries.append(BufferLayout(name, index, tuple(tensor.shape[1:]), dtype_to_str(tensor.dtype), head_axis, head_start, total_heads))
+    tensors[name] = tensor
+
+
+def pool_layout(
+    token_to_kv_pool, kv_head_start: int = 0, total_kv_heads: Optional[int] = None
+) -> Tuple[KVLayout, Dict[str, torch.Tensor]]:
+    """The layout and ``{name: tensor}`` of every transferable buffer of a KV pool."""
+    entries, tensors = [], {}
+    mamba_pool = getattr(token_to_kv_pool, "mamba_pool", None)
+    kv_pool = getattr(token_to_kv_pool, "full_kv_pool", token_to_kv_pool)
+    if isinstance(kv_pool, MHATokenToKVPool):
+        total = total_kv_heads if total_kv_heads is not None else kv_pool.head_num
+        for i, (k, v) in enumerate(zip(kv_pool.k_buffer, kv_pool.v_buffer)):
+            _add(entries, tensors, f"k.{i}", k, "token", 0, kv_head_start, total)
+            _add(entries, tensors, f"v.{i}", v, "token", 0, kv_head_start, total)
+    elif isinstance(kv_pool, MLATokenToKVPool):
+        for i, kv in enumerate(kv_pool.kv_buffer):
+            _add(entries, tensors, f"kv.{i}", kv, "token")
+    else:
+        raise TypeError(f"{type(token_to_kv_pool).__name__} cannot be transferred yet (MHA, MLA and hybrid Mamba pools can)")
+    if mamba_pool is not None:
+        for s, state in enumerate(mamba_pool.states()):
+            for layer in range(mamba_pool.num_mamba_layers):
+                _add(entries, tensors, f"state.{s}.{layer}", state[layer], "state")
+    return KVLayout(kv_pool.page_size, tuple(entries)), tensors
