@@ -1,0 +1,325 @@
+"""The cluster's configuration: one YAML file, typed and validated at load time.
+
+    config = load_config("configs/local_cpu.yaml")
+    config.prefill.tp_size, config.decode.engine.page_size, config.transfer.backend
+    engine_config = config.engine_config("decode")      # an actors.engine EngineConfig
+
+Every model forbids unknown keys and validates ranges; a bad file raises
+:class:`ConfigError`, whose lines name each bad field by its dotted path
+(``prefill.tp_size: Input should be greater than or equal to 1 (got 0)``).
+Engine settings of a worker group (``prefill.engine``, ``decode.engine``) are
+the fields of :class:`actors.engine.config.EngineConfig`, with the same types
+and ranges, less the three the cluster fills in itself (model path, tokenizer
+path, device).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from pathlib import Path
+from typing import Any, Dict, List, Literal, Mapping, Optional, Type, Union
+
+import yaml
+from pydantic import (BaseModel, ConfigDict, Field, SecretStr, ValidationError, ValidationInfo, create_model,
+                      field_validator, model_validator)
+from pydantic_core import PydanticCustomError
+
+from actors.engine.config import EngineConfig
+
+Role = Literal["prefill", "decode"]
+TRANSFER_BACKENDS = ("auto", "shm", "cuda_ipc", "torch_dist", "fake")
+ROUTING_POLICIES = ("cache_aware", "power_of_two", "round_robin", "random")
+# EngineConfig fields the cluster sets from `model` and the group's `device`.
+CLUSTER_OWNED_ENGINE_FIELDS = ("model_path", "tokenizer_path", "device")
+# EngineConfig fields that fix the KV layout: a page moves slot for slot, so both sides agree.
+KV_LAYOUT_FIELDS = ("page_size", "dtype", "kv_cache_dtype")
+
+_STRICT = ConfigDict(extra="forbid", frozen=True)
+
+
+class ConfigError(ValueError):
+    """A config that failed to load; ``errors`` holds one ``path: message`` line per problem."""
+
+    def __init__(self, source: str, errors: List[str]):
+        self.source = source
+        self.errors = list(errors)
+        super().__init__(f"invalid raydix config {source}:\n" + "\n".join(f"  {e}" for e in self.errors))
+
+
+def _invalid(kind: str, text: str) -> PydanticCustomError:
+    """A validation error whose message is ``text`` verbatim (no "Value error, " prefix, no templating)."""
+    return PydanticCustomError(kind, "{text}", {"text": text})
+
+
+class ModelConfig(BaseModel):
+    """What to serve: a local HF checkpoint, or a built-in tiny random-weight model."""
+
+    model_config = _STRICT
+
+    model_path: Optional[str] = Field(None, description="HF checkpoint directory (config.json + *.safetensors)")
+    builtin: Optional[str] = Field(None, description="family of the built-in tiny model (built locally, no download)")
+    seed: int = Field(0, ge=0, description="weight seed of the built-in tiny model")
+    tokenizer_path: Optional[str] = Field(None, description="tokenizer directory; None: the checkpoint's")
+    served_model_name: Optional[str] = Field(None, min_length=1, description="model name in the OpenAI API")
+
+    @field_validator("builtin")
+    @classmethod
+    def _known_family(cls, family: Optional[str]) -> Optional[str]:
+        if family is None:
+            return None
+        from actors.engine.tiny import FAMILIES  # imports torch: only when a builtin is asked for
+
+        if family not in FAMILIES:
+            raise _invalid("unknown_family", f"unknown family {family!r}; known: {', '.join(FAMILIES)}")
+        return family
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "ModelConfig":
+        if (self.model_path is None) == (self.builtin is None):
+            raise _invalid("model_source", "set exactly one of model_path and builtin")
+        return self
+
+    @property
+    def name(self) -> str:
+        """The name clients address the model by."""
+        if self.served_model_name:
+            return self.served_model_name
+        if self.builtin is not None:
+            return f"tiny-{self.builtin}"
+        return Path(self.model_path).name
+
+    def resolve_model_path(self) -> str:
+        """The checkpoint directory; a built-in model is built into ``$RAYDIX_HOME/models`` on first use."""
+        if self.model_path is not None:
+            return os.path.expanduser(self.model_path)
+        from cluster.cli import builtin_model
+
+        return builtin_model(self.builtin, seed=self.seed)
+
+
+def _engine_overrides_model() -> Type[BaseModel]:
+    """EngineConfig's fields less the cluster-owned ones, each with its own type, range and default."""
+    fields = {
+        name: (info.annotation, copy.copy(info))
+        for name, info in EngineConfig.model_fields.items()
+        if name not in CLUSTER_OWNED_ENGINE_FIELDS
+    }
+    return create_model(
+        "EngineOverrides", __config__=_STRICT, __module__=__name__,
+        __doc__="Engine settings of one worker group: the fields of EngineConfig that the YAML may set.",
+        **fields,
+    )
+
+
+EngineOverrides = _engine_overrides_model()
+
+
+class WorkerGroupConfig(BaseModel):
+    """One side of the cluster: ``num_workers`` workers, each a TP group of ``tp_size`` rank actors."""
+
+    model_config = _STRICT
+
+    num_workers: int = Field(1, ge=1, le=1024, description="workers (TP groups) on this side")
+    tp_size: int = Field(1, ge=1, le=64, description="tensor-parallel ranks per worker, one Ray actor each")
+    device: Literal["cpu", "cuda"] = Field("cpu", description="device every rank of this side runs on")
+    num_cpus_per_rank: float = Field(1.0, ge=0.0, le=1024.0, description="Ray CPUs each rank actor reserves")
+    num_gpus_per_rank: Optional[float] = Field(
+        None, ge=0.0, le=1.0, description="Ray GPUs each rank reserves; None: 1 on cuda (a worker takes tp_size "
+        "GPUs), 0 on cpu; a fraction shares a GPU between ranks")
+    engine: EngineOverrides = Field(default_factory=EngineOverrides,
+                                    description="EngineConfig fields for this side's engines")
+
+    @field_validator("num_gpus_per_rank")
+    @classmethod
+    def _gpus_match_device(cls, num_gpus: Optional[float], info: ValidationInfo) -> Optional[float]:
+        device = info.data.get("device")
+        if device == "cpu" and num_gpus:
+            raise _invalid("cpu_with_gpus", "must be 0 when device is cpu")
+        if device == "cuda" and num_gpus == 0:
+            raise _invalid("cuda_without_gpus", "must be > 0 when device is cuda")
+        return num_gpus
+
+    @property
+    def gpus_per_rank(self) -> float:
+        """Ray GPUs one rank reserves, with the device default applied."""
+        if self.num_gpus_per_rank is not None:
+            return self.num_gpus_per_rank
+        return 1.0 if self.device == "cuda" else 0.0
+
+    @property
+    def num_ranks(self) -> int:
+        return self.num_workers * self.tp_size
+
+    def engine_overrides(self) -> Dict[str, Any]:
+        """Only the engine fields the YAML set, so EngineConfig keeps its own defaults for the rest."""
+        return self.engine.model_dump(exclude_unset=True)
+
+    def engine_config(self, model_path: str, tokenizer_path: Optional[str] = None) -> EngineConfig:
+        return EngineConfig(model_path=model_path, tokenizer_path=tokenizer_path, device=self.device,
+                            **self.engine_overrides())
+
+
+class TransferConfig(BaseModel):
+    """Moving KV pages from prefill to decode; the timeouts follow SGLang's disaggregation defaults."""
+
+    model_config = _STRICT
+
+    backend: Literal[TRANSFER_BACKENDS] = Field(
+        "auto", description="auto: picked per worker pair (same node: shm or cuda_ipc; else torch_dist)")
+    bootstrap_timeout_s: float = Field(300.0, gt=0.0, description="prefill waits this long for decode's "
+                                       "destination slots (SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT)")
+    waiting_timeout_s: float = Field(300.0, gt=0.0, description="decode waits this long for the KV pages "
+                                     "(SGLANG_DISAGGREGATION_WAITING_TIMEOUT)")
+    heartbeat_interval_s: float = Field(5.0, gt=0.0, description="decode checks each prefill peer this often")
+    heartbeat_max_failures: int = Field(2, ge=1, description="missed heartbeats that mark a prefill peer dead")
+    num_reserved_decode_tokens: int = Field(
+        512, ge=0, description="KV tokens decode keeps free per running request when it admits a transfer")
+
+
+class ServerConfig(BaseModel):
+    """The OpenAI-compatible HTTP server and its admission control (429 queue full, 408 queue timeout)."""
+
+    model_config = _STRICT
+
+    host: str = Field("127.0.0.1", min_length=1, description="bind address; the loopback default keeps the "
+                      "API private, 0.0.0.0 exposes it (set api_key then)")
+    port: int = Field(8000, ge=1, le=65535, description="HTTP port")
+    api_key: Optional[SecretStr] = Field(None, description="bearer token clients must send; None: no auth")
+    max_concurrent_requests: int = Field(256, ge=1, description="requests in flight at once")
+    max_queue_size: int = Field(1024, ge=0, description="requests waiting for a slot; beyond it: 429")
+    queue_timeout_s: float = Field(60.0, gt=0.0, description="longest wait for a slot; beyond it: 408")
+    max_request_body_bytes: int = Field(4 * 1024 * 1024, ge=1024, description="larger bodies are refused (413)")
+
+
+class RouterConfig(BaseModel):
+    """How the router picks the prefill and decode worker of a request (SGLang router defaults)."""
+
+    model_config = _STRICT
+
+    prefill_policy: Literal[ROUTING_POLICIES] = Field("cache_aware", description="prefill worker choice")
+    decode_policy: Literal[ROUTING_POLICIES] = Field("power_of_two", description="decode worker choice")
+    cache_threshold: float = Field(0.3, ge=0.0, le=1.0, description="cache_aware: least matched fraction of the "
+                                   "prompt that sends a request to the worker caching it")
+    balance_abs_threshold: int = Field(64, ge=0, description="cache_aware: load gap (requests) that switches to "
+                                       "least-loaded routing")
+    balance_rel_threshold: float = Field(1.5, ge=1.0, description="cache_aware: load ratio max/min that switches "
+                                         "to least-loaded routing")
+
+
+class PlacementConfig(BaseModel):
+    """Where rank actors go in a multi-node Ray cluster."""
+
+    model_config = _STRICT
+
+    use_node_resources: bool = Field(False, description="place prefill ranks only on nodes declaring the custom "
+                                     "resource `prefill_resource`, decode ranks on `decode_resource`")
+    prefill_resource: str = Field("prefill", min_length=1, description="custom Ray resource of prefill nodes")
+    decode_resource: str = Field("decode", min_length=1, description="custom Ray resource of decode nodes")
+    resource_per_rank: float = Field(0.001, gt=0.0, le=1.0, description="amount of the custom resource each rank "
+                                     "asks for (nodes declare 1, so many ranks fit on one node)")
+    tp_group_strategy: Literal["STRICT_PACK", "PACK", "SPREAD"] = Field(
+        "STRICT_PACK", description="placement-group strategy of one worker's TP ranks")
+
+
+class ClusterConfig(BaseModel):
+    """A whole PD cluster: the model, both worker groups, transfer, router, HTTP server and placement."""
+
+    model_config = _STRICT
+
+    model: ModelConfig = Field(description="what to serve")
+    prefill: WorkerGroupConfig = Field(description="the prefill workers")
+    decode: WorkerGroupConfig = Field(description="the decode workers")
+    transfer: TransferConfig = Field(default_factory=TransferConfig, description="KV transfer backend and timeouts")
+    server: ServerConfig = Field(default_factory=ServerConfig, description="the HTTP server")
+    router: RouterConfig = Field(default_factory=RouterConfig, description="routing policies")
+    placement: PlacementConfig = Field(default_factory=PlacementConfig, description="node placement")
+
+    @model_validator(mode="after")
+    def _sides_agree(self) -> "ClusterConfig":
+        for name in KV_LAYOUT_FIELDS:
+            ours, theirs = getattr(self.decode.engine, name), getattr(self.prefill.engine, name)
+            if ours != theirs:
+                raise _invalid("kv_layout_mismatch", f"decode.engine.{name}: {ours!r} differs from "
+                               f"prefill.engine.{name} {theirs!r}; KV pages move slot for slot, so both sides "
+                               "must agree")
+        if self.transfer.backend == "cuda_ipc" and "cpu" in (self.prefill.device, self.decode.device):
+            raise _invalid("cuda_ipc_on_cpu", "transfer.backend: cuda_ipc needs device cuda on both sides")
+        return self
+
+    def group(self, role: Role) -> WorkerGroupConfig:
+        return self.prefill if role == "prefill" else self.decode
+
+    def engine_config(self, role: Role, model_path: Optional[str] = None) -> EngineConfig:
+        """The EngineConfig every rank of ``role`` runs; ``model_path`` skips resolving the model again."""
+        path = model_path or self.model.resolve_model_path()
+        return self.group(role).engine_config(path, tokenizer_path=self.model.tokenizer_path)
+
+    def with_updates(self, updates: Mapping[str, Any]) -> "ClusterConfig":
+        """A validated copy with dotted-path fields replaced: ``{"server.port": 9000}`` (strings are coerced)."""
+        data = self.model_dump(exclude_unset=True)
+        for dotted, value in updates.items():
+            node = data
+            *parents, leaf = dotted.split(".")
+            for part in parents:
+                node = node.setdefault(part, {})
+                if not isinstance(node, dict):
+                    raise ConfigError("overrides", [f"{dotted}: {part} is not a section"])
+            node[leaf] = value
+        return parse_config(data, source="overrides")
+
+
+def parse_config(data: Any, source: str = "<dict>") -> ClusterConfig:
+    """Validate an already-parsed mapping; raises :class:`ConfigError` naming every bad field."""
+    if data is None:
+        data = {}
+    if not isinstance(data, Mapping):
+        raise ConfigError(source, [f"the top level must be a mapping, not {type(data).__name__}"])
+    try:
+        return ClusterConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(source, format_validation_error(exc, ClusterConfig)) from None
+
+
+def load_config(path: Union[str, Path]) -> ClusterConfig:
+    """Read and validate a cluster YAML file."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(str(path), [f"cannot read the file: {exc.strerror}"]) from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(str(path), [f"not valid YAML: {exc}"]) from None
+    return parse_config(data, source=str(path))
+
+
+def format_validation_error(exc: ValidationError, root: Type[BaseModel]) -> List[str]:
+    """One ``dotted.path: message`` line per error, with the offending value and, for an unknown key,
+    the keys that section does know."""
+    lines = []
+    for err in exc.errors(include_url=False):
+        path = ".".join(str(part) for part in err["loc"])
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            known = _section_fields(root, err["loc"][:-1])
+            msg = "unknown field" + (f"; known: {', '.join(known)}" if known else "")
+        elif _is_scalar(err.get("input")) and not (isinstance(err["input"], str) and repr(err["input"]) in msg):
+            msg += f" (got {err['input']!r})"
+        lines.append(f"{path}: {msg}" if path else msg)
+    return lines
+
+
+def _is_scalar(value: Any) -> bool:
+    return isinstance(value, (str, int, float, bool))
+
+
+def _section_fields(root: Type[BaseModel], loc) -> List[str]:
+    model = root
+    for part in loc:
+        field = model.model_fields.get(part) if isinstance(part, str) else None
+        if field is None or not (isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)):
+            return []
+        model = field.annotation
+    return list(model.model_fields)

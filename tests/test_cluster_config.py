@@ -1,0 +1,257 @@
+"""The typed cluster config (cluster/config.py) and the YAML files of configs/."""
+
+import copy
+from pathlib import Path
+
+import pytest
+import yaml
+
+from actors.engine.config import EngineConfig
+from cluster.config import (
+    CLUSTER_OWNED_ENGINE_FIELDS,
+    ClusterConfig,
+    ConfigError,
+    EngineOverrides,
+    load_config,
+    parse_config,
+)
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+RAY_CLUSTER_YAML = CONFIGS / "ray_cluster.yaml"
+LAYOUTS = sorted(p for p in CONFIGS.glob("*.yaml") if p != RAY_CLUSTER_YAML)
+
+
+def _base() -> dict:
+    return yaml.safe_load((CONFIGS / "local_cpu.yaml").read_text())
+
+
+def _load_errors(tmp_path, data) -> str:
+    path = tmp_path / "cluster.yaml"
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert str(path) in str(info.value)
+    return str(info.value)
+
+
+# --- configs/ -----------------------------------------------------------------------------
+
+
+def test_the_three_layouts_are_there():
+    assert {p.name for p in LAYOUTS} >= {"local_cpu.yaml", "cpu_2p2d_tp2.yaml", "gpu_example.yaml"}
+
+
+@pytest.mark.parametrize("path", LAYOUTS, ids=lambda p: p.name)
+def test_every_layout_loads_and_yields_engine_configs(path):
+    config = load_config(path)
+    assert isinstance(config, ClusterConfig)
+    for role in ("prefill", "decode"):
+        engine = config.engine_config(role, model_path="/unused")
+        assert isinstance(engine, EngineConfig)
+        assert engine.device == config.group(role).device
+    assert config.prefill.engine.page_size == config.decode.engine.page_size
+
+
+def test_local_cpu_layout():
+    config = load_config(CONFIGS / "local_cpu.yaml")
+    assert config.model.builtin == "llama" and config.model.model_path is None
+    for group in (config.prefill, config.decode):
+        assert (group.num_workers, group.tp_size, group.device, group.gpus_per_rank) == (1, 1, "cpu", 0.0)
+    assert config.transfer.backend == "shm"
+    assert config.server.host == "127.0.0.1"
+
+
+def test_cpu_2p2d_tp2_layout():
+    config = load_config(CONFIGS / "cpu_2p2d_tp2.yaml")
+    assert (config.prefill.num_workers, config.prefill.tp_size) == (2, 1)
+    assert (config.decode.num_workers, config.decode.tp_size) == (2, 2)
+    assert config.prefill.num_ranks + config.decode.num_ranks == 6
+    assert {config.prefill.device, config.decode.device} == {"cpu"}
+    assert config.model.builtin is not None
+
+
+def test_gpu_example_layout():
+    config = load_config(CONFIGS / "gpu_example.yaml")
+    assert config.model.model_path and config.model.builtin is None
+    assert {config.prefill.device, config.decode.device} == {"cuda"}
+    assert config.decode.tp_size == 2 and config.decode.gpus_per_rank == 1.0  # a decode worker takes 2 GPUs
+    assert config.transfer.backend in ("auto", "cuda_ipc")
+    assert config.placement.use_node_resources
+
+
+# --- errors name the field -------------------------------------------------------------------
+
+
+def _set(data: dict, dotted: str, value) -> dict:
+    node = data
+    *parents, leaf = dotted.split(".")
+    for part in parents:
+        node = node.setdefault(part, {})
+    node[leaf] = value
+    return data
+
+
+@pytest.mark.parametrize("dotted, value, expected", [
+    ("prefill.tp_size", 0, "prefill.tp_size: Input should be greater than or equal to 1 (got 0)"),
+    ("decode.num_workers", 0, "decode.num_workers: Input should be greater than or equal to 1"),
+    ("decode.engine.page_sise", 16, "decode.engine.page_sise: unknown field; known: "),
+    ("prefill.engine.model_path", "/x", "prefill.engine.model_path: unknown field"),  # the cluster sets it
+    ("prefill.engine.mem_fraction_static", 1.5, "prefill.engine.mem_fraction_static: Input should be less than 1"),
+    ("decode.engine.attention_backend", "flash", "decode.engine.attention_backend: Input should be 'torch' or"),
+    ("decode.engine.page_size", 32, "decode.engine.page_size: 32 differs from prefill.engine.page_size 16"),
+    ("transfer.backend", "nccl",
+     "transfer.backend: Input should be 'auto', 'shm', 'cuda_ipc', 'torch_dist' or 'fake' (got 'nccl')"),
+    ("transfer.backend", "cuda_ipc", "transfer.backend: cuda_ipc needs device cuda on both sides"),
+    ("transfer.heartbeat_interval_s", 0, "transfer.heartbeat_interval_s: Input should be greater than 0"),
+    ("colocate", True, "colocate: unknown field; known: model, prefill, decode, transfer"),
+    ("server.port", 70000, "server.port: Input should be less than or equal to 65535"),
+    ("router.decode_policy", "least_load", "router.decode_policy: Input should be 'cache_aware'"),
+    ("decode.num_gpus_per_rank", 1, "decode.num_gpus_per_rank: must be 0 when device is cpu"),
+    ("model.model_path", "/ckpt", "model: set exactly one of model_path and builtin"),
+    ("model.builtin", "gpt2", "model.builtin: unknown family 'gpt2'; known: llama"),
+])
+def test_errors_name_the_field(tmp_path, dotted, value, expected):
+    assert expected in _load_errors(tmp_path, _set(_base(), dotted, value))
+
+
+def test_every_error_is_reported(tmp_path):
+    data = _set(_set(_base(), "prefill.tp_size", 0), "server.port", 0)
+    message = _load_errors(tmp_path, data)
+    assert "prefill.tp_size:" in message and "server.port:" in message
+
+
+def test_missing_section_and_bad_files(tmp_path):
+    data = _base()
+    del data["decode"]
+    assert "decode: Field required" in _load_errors(tmp_path, data)
+    assert "top level must be a mapping" in _load_errors(tmp_path, ["not", "a", "mapping"])
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("prefill: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+    with pytest.raises(ConfigError, match="cannot read the file"):
+        load_config(tmp_path / "absent.yaml")
+
+
+def test_cuda_group_takes_one_gpu_per_rank():
+    data = _set(_base(), "decode.device", "cuda")
+    _set(data, "decode.tp_size", 4)
+    config = parse_config(data)
+    assert config.decode.gpus_per_rank == 1.0 and config.prefill.gpus_per_rank == 0.0
+    with pytest.raises(ConfigError, match="decode.num_gpus_per_rank: must be > 0 when device is cuda"):
+        parse_config(_set(data, "decode.num_gpus_per_rank", 0))
+
+
+# --- engine settings ----------------------------------------------------------------------
+
+
+def test_engine_overrides_mirror_engine_config():
+    expected = set(EngineConfig.model_fields) - set(CLUSTER_OWNED_ENGINE_FIELDS)
+    assert set(EngineOverrides.model_fields) == expected
+
+
+def test_engine_config_keeps_engine_defaults_for_unset_fields():
+    config = load_config(CONFIGS / "local_cpu.yaml")
+    assert config.decode.engine_overrides() == {
+        "page_size": 16, "max_total_tokens": 8192, "max_running_requests": 32, "attention_backend": "torch",
+    }
+    engine = config.engine_config("decode", model_path="/ckpt")
+    default = EngineConfig(model_path="/ckpt")
+    assert (engine.model_path, engine.page_size, engine.max_running_requests) == ("/ckpt", 16, 32)
+    assert engine.max_prefill_tokens == default.max_prefill_tokens
+
+
+def test_with_updates_revalidates():
+    config = load_config(CONFIGS / "local_cpu.yaml")
+    updated = config.with_updates({"server.port": "9001", "transfer.waiting_timeout_s": 30})
+    assert (updated.server.port, updated.transfer.waiting_timeout_s) == (9001, 30.0)
+    assert updated.decode.engine_overrides() == config.decode.engine_overrides()
+    assert config.server.port == 8000  # the original is frozen and unchanged
+    with pytest.raises(ConfigError, match="prefill.tp_size: Input should be greater than or equal to 1"):
+        config.with_updates({"prefill.tp_size": 0})
+
+
+def test_api_key_is_not_printed():
+    config = parse_config(_set(_base(), "server.api_key", "s3cret"))
+    assert config.server.api_key.get_secret_value() == "s3cret"
+    assert "s3cret" not in repr(config) and "s3cret" not in str(config.server)
+
+
+# --- the built-in model ----------------------------------------------------------------------
+
+
+def test_builtin_model_resolves_to_a_cached_checkpoint(tmp_path, monkeypatch):
+    monkeypatch.setenv("RAYDIX_HOME", str(tmp_path))
+    config = load_config(CONFIGS / "local_cpu.yaml")
+    path = Path(config.model.resolve_model_path())
+    assert path.is_relative_to(tmp_path) and (path / "config.json").is_file()
+    assert list(path.glob("*.safetensors"))
+    built_at = (path / "config.json").stat().st_mtime_ns
+    assert Path(config.model.resolve_model_path()) == path  # second call reuses the cache
+    assert (path / "config.json").stat().st_mtime_ns == built_at
+    assert config.engine_config("prefill").model_path == str(path)
+    assert config.model.name == "tiny-llama"
+
+
+def test_model_path_resolves_as_given():
+    config = parse_config(_set(_set(_base(), "model", {}), "model.model_path", "~/ckpt"))
+    assert config.model.resolve_model_path() == str(Path("~/ckpt").expanduser())
+    assert config.model.name == "ckpt"
+
+
+# --- configs/ray_cluster.yaml ---------------------------------------------------------------
+
+
+def _ray_cluster() -> dict:
+    return yaml.safe_load(RAY_CLUSTER_YAML.read_text())
+
+
+def _prepared(raw: dict) -> dict:
+    """What `ray up` checks: the config merged with the provider's defaults, then Ray's validation."""
+    from ray.autoscaler._private.util import prepare_config, validate_config
+
+    config = prepare_config(copy.deepcopy(raw))
+    validate_config(config)
+    return config
+
+
+def test_ray_cluster_yaml_passes_ray_validation():
+    config = _prepared(_ray_cluster())
+    node_types = config["available_node_types"]
+    assert config["head_node_type"] in node_types
+    assert node_types["prefill_gpu"]["resources"]["prefill"] >= 1
+    assert node_types["decode_gpu"]["resources"]["decode"] >= 1
+    for name in ("prefill_gpu", "decode_gpu"):
+        assert node_types[name]["resources"]["GPU"] >= 1
+    assert "prefill" not in node_types[config["head_node_type"]]["resources"]
+    assert any("pip install" in cmd and "raydix" in cmd for cmd in config["setup_commands"])
+    assert any("--dashboard-host" in cmd for cmd in config["head_start_ray_commands"])
+
+
+def test_ray_validation_is_not_vacuous():
+    import jsonschema
+
+    raw = _ray_cluster()
+    raw["available_node_types"]["prefill_gpu"]["resourcez"] = {"prefill": 1}
+    with pytest.raises(jsonschema.ValidationError, match="resourcez"):
+        _prepared(raw)
+
+
+def test_ray_cluster_uses_one_auth_mode_on_every_node():
+    config = _ray_cluster()
+    start = config["head_start_ray_commands"] + config["worker_start_ray_commands"]
+    modes = [[part for part in cmd.split() if part.startswith("RAY_AUTH_MODE=")] for cmd in start if "ray start" in cmd]
+    assert len(modes) == 2 and all(len(found) == 1 for found in modes)  # head and workers, set once each
+    assert len({found[0] for found in modes}) == 1
+
+
+def test_gpu_example_fits_the_ray_cluster():
+    layout = load_config(CONFIGS / "gpu_example.yaml")
+    node_types = _ray_cluster()["available_node_types"]
+    for role, node_type in (("prefill", "prefill_gpu"), ("decode", "decode_gpu")):
+        group, node = layout.group(role), node_types[node_type]
+        resource = getattr(layout.placement, f"{role}_resource")
+        assert node["resources"][resource] >= layout.placement.resource_per_rank
+        gpus_per_worker = group.tp_size * group.gpus_per_rank
+        assert gpus_per_worker <= node["resources"]["GPU"]  # one TP group packs on one node
+        assert group.num_workers * gpus_per_worker <= node["max_workers"] * node["resources"]["GPU"]
