@@ -11,7 +11,8 @@ Three layers and the caches above them:
   :class:`SWAKVPool`, :class:`HybridLinearKVPool`, :class:`MambaPool`), whose
   buffers are allocated once, through a :mod:`buffer_allocator` a peer process
   can map;
-* prefix caches: :class:`RadixCache`, :class:`MambaRadixCache`, and
+* prefix caches: :class:`RadixCache`, :class:`MambaRadixCache`,
+  :class:`SWARadixCache` (sliding-window models), and
   :class:`HiRadixCache` with its host tier (:class:`HostKVCache`) and file tier.
 
 Nothing here knows Ray, HTTP or models.
@@ -39,13 +40,14 @@ from mem_cache.radix_key import RadixKey, hash_pages
 from mem_cache.req_to_token_pool import ReqToTokenPool
 from mem_cache.swa_allocator import SWATokenToKVPoolAllocator
 from mem_cache.swa_memory_pool import SWAKVPool
+from mem_cache.swa_radix_cache import SWARadixCache
 
 __all__ = [
     "BasePrefixCache", "BufferHandle", "HiCacheFile", "HiRadixCache", "HostKVCache", "MHATokenToKVPoolHost",
     "MLATokenToKVPoolHost", "HybridLinearKVPool", "HybridReqToTokenPool", "IntegrityError",
     "KVCache", "KVCacheShape", "LocalBufferAllocator", "MHATokenToKVPool", "MLATokenToKVPool",
     "MambaPool", "MambaRadixCache", "MatchResult", "MemoryBudget", "PagedTokenToKVPoolAllocator",
-    "RadixCache", "RadixKey", "ReqToTokenPool", "SWAKVPool", "SWATokenToKVPoolAllocator",
+    "RadixCache", "RadixKey", "ReqToTokenPool", "SWAKVPool", "SWARadixCache", "SWATokenToKVPoolAllocator",
     "SharedMemoryBufferAllocator", "TokenToKVPoolAllocator", "attach_buffers", "create_buffer_allocator",
     "default_memory_args", "hash_pages", "profile_max_num_tokens",
 ]

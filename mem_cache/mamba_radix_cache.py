@@ -34,7 +34,7 @@ from mem_cache.integrity import check_unique_in_range, ensure
 from mem_cache.lru_list import LRUList
 from mem_cache.mamba_tracking import FLA_CHUNK_SIZE, mamba_branching_seqlen, max_prefix_match_len
 from mem_cache.radix_cache import RadixCache, TreeNode
-from mem_cache.radix_key import RadixKey, hash_pages, root_hash
+from mem_cache.radix_key import RadixKey
 
 MAMBA_STRATEGIES = ("no_buffer", "extra_buffer")
 
@@ -237,11 +237,7 @@ class MambaRadixCache(RadixCache):
         parent.children[self.child_key(key)] = leaf
         self.full_lru_list.insert_mru(leaf)
         self.full_evictable_size_ += len(key)
-        if self.events.enabled:
-            parent_hash = parent.hash_value[-1] if parent.hash_value else None
-            chain_from = parent_hash if parent_hash is not None else root_hash(key.extra_key)
-            leaf.hash_value = hash_pages(key.token_ids, self.page_size, chain_from)
-            self.events.stored(leaf.hash_value, parent_hash, key.token_ids, self.page_size, key.extra_key)
+        self._record_stored(parent, leaf)
         return leaf
 
     def _attach_mamba(self, node: MambaTreeNode, mamba_value: torch.Tensor) -> None:

@@ -199,12 +199,18 @@ class RadixCache(BasePrefixCache):
         leaf.parent, leaf.priority = parent, priority
         parent.children[self.child_key(key)] = leaf
         self.evictable_size_ += len(key)
-        if self.events.enabled:
-            parent_hash = parent.hash_value[-1] if parent.hash_value else None
-            chain_from = parent_hash if parent_hash is not None else root_hash(key.extra_key)
-            leaf.hash_value = hash_pages(key.token_ids, self.page_size, chain_from)
-            self.events.stored(leaf.hash_value, parent_hash, key.token_ids, self.page_size, key.extra_key)
+        self._record_stored(parent, leaf)
         return leaf
+
+    def _record_stored(self, parent: TreeNode, node: TreeNode) -> None:
+        """With KV events on: hash ``node``'s pages, chained from its parent's last, and emit BlockStored."""
+        if not self.events.enabled:
+            return
+        key = node.key
+        parent_hash = parent.hash_value[-1] if parent.hash_value else None
+        chain_from = parent_hash if parent_hash is not None else root_hash(key.extra_key)
+        node.hash_value = hash_pages(key.token_ids, self.page_size, chain_from)
+        self.events.stored(node.hash_value, parent_hash, key.token_ids, self.page_size, key.extra_key)
 
     # ---- requests --------------------------------------------------------------
     def _free(self, indices: torch.Tensor) -> None:

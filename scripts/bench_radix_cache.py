@@ -14,6 +14,12 @@ saves one checkpoint per prefill at the position ``prefill_track_seqlen``
 picks (the branching point when its prefix match ran past the deepest
 checkpoint), and only that much is inserted.
 
+``SWARadixCache`` runs it as a sliding-window model (``--sliding-window``,
+Gemma 3's 1024 by default) whose SWA pool holds ``--swa-full-tokens-ratio`` of
+the full pool: allocation evicts the (full, SWA) deficits, SWA eviction
+turns internal nodes into tombstones, and a match is only usable where its
+last window of tokens still has SWA KV. Its pool column is the full pool.
+
     python scripts/bench_radix_cache.py [--num-requests 50000] [--markdown out.md]
 """
 
@@ -38,6 +44,8 @@ from mem_cache.mamba_tracking import prefill_track_seqlen  # noqa: E402
 from mem_cache.radix_cache import RadixCache  # noqa: E402
 from mem_cache.radix_key import RadixKey  # noqa: E402
 from mem_cache.req_to_token_pool import ReqToTokenPool  # noqa: E402
+from mem_cache.swa_allocator import SWATokenToKVPoolAllocator  # noqa: E402
+from mem_cache.swa_radix_cache import SWARadixCache  # noqa: E402
 
 
 def make_trace(num_requests: int, num_prompts: int, prompt_len: int, seed: int = 0) -> List[List[int]]:
@@ -64,6 +72,13 @@ class Stats:
         self.ops[op][1] += time.perf_counter() - start
         return out
 
+    def match(self, cache, key: RadixKey):
+        """Timed ``match_prefix`` counted into the hit rate; returns the match and its length."""
+        m = self.timed("match", cache.match_prefix, key)
+        self.hit_tokens += len(m.device_indices)
+        self.total_tokens += len(key)
+        return m, len(m.device_indices)
+
     def per_second(self, op: str) -> float:
         n, t = self.ops[op]
         return n / t if t else float("nan")
@@ -87,10 +102,7 @@ def run_radix(trace, page_size: int, pool_tokens: int) -> Stats:
     for tokens in trace:
         tokens = tokens[: len(tokens) // page_size * page_size]
         key = RadixKey(tokens)
-        m = stats.timed("match", cache.match_prefix, key)
-        prefix = len(m.device_indices)
-        stats.hit_tokens += prefix
-        stats.total_tokens += len(tokens)
+        m, prefix = stats.match(cache, key)
         cache.inc_lock_ref(m.last_device_node)
         new = alloc_or_evict(cache, alloc, len(tokens) - prefix, stats)
         cache.dec_lock_ref(m.last_device_node)
@@ -112,10 +124,7 @@ def run_mamba(trace, pool_tokens: int, mamba_slots: int) -> Stats:
     stats = Stats()
     for tokens in trace:
         key = RadixKey(tokens)
-        m = stats.timed("match", cache.match_prefix, key)
-        prefix = len(m.device_indices)
-        stats.hit_tokens += prefix
-        stats.total_tokens += len(tokens)
+        m, prefix = stats.match(cache, key)
         track = prefill_track_seqlen(prefix, len(tokens) - prefix, m.mamba_branching_seqlen)
         if track is None:
             continue
@@ -141,11 +150,38 @@ def run_mamba(trace, pool_tokens: int, mamba_slots: int) -> Stats:
     return stats
 
 
+def run_swa(trace, pool_tokens: int, sliding_window: int, swa_full_tokens_ratio: float) -> Stats:
+    alloc = SWATokenToKVPoolAllocator(pool_tokens, int(pool_tokens * swa_full_tokens_ratio))
+    cache = SWARadixCache(ReqToTokenPool(1, 8), alloc, sliding_window_size=sliding_window)
+    stats = Stats()
+
+    def alloc_or_evict_both(need: int):
+        slots = alloc.alloc(need)
+        if slots is None:
+            deficits = (max(0, need - alloc.full_available_size()), max(0, need - alloc.swa_available_size()))
+            stats.timed("evict", cache.evict, *deficits)
+            slots = alloc.alloc(need)
+        return slots
+
+    for tokens in trace:
+        key = RadixKey(tokens)
+        m, prefix = stats.match(cache, key)
+        swa_uuid_for_lock = cache.inc_lock_ref(m.last_device_node)
+        new = alloc_or_evict_both(len(tokens) - prefix)
+        if new is not None:  # the tree frees the duplicates itself
+            stats.timed("insert", cache.insert, key, torch.cat([m.device_indices, new]), prefix)
+        cache.dec_lock_ref(m.last_device_node, swa_uuid_for_lock)
+    cache.check_integrity()
+    return stats
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--num-requests", type=int, default=50000)
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=2000)
+    parser.add_argument("--sliding-window", type=int, default=1024, help="SWARadixCache rows")
+    parser.add_argument("--swa-full-tokens-ratio", type=float, default=0.8, help="SWARadixCache rows")
     parser.add_argument("--markdown", type=Path)
     args = parser.parse_args(argv)
 
@@ -161,10 +197,14 @@ def main(argv=None) -> None:
         ("RadixCache", 16, "pressure", pressure),
         ("MambaRadixCache", 1, "large", large),
         ("MambaRadixCache", 1, "pressure", pressure),
+        ("SWARadixCache", 1, "large", large),
+        ("SWARadixCache", 1, "pressure", pressure),
     ]:
         start = time.perf_counter()
         if cache_name == "RadixCache":
             stats = run_radix(trace, page_size, pool_tokens)
+        elif cache_name == "SWARadixCache":
+            stats = run_swa(trace, pool_tokens, args.sliding_window, args.swa_full_tokens_ratio)
         else:
             stats = run_mamba(trace, pool_tokens, mamba_slots=4 * args.num_prompts if pool_name == "pressure" else len(trace) + 16)
         wall = time.perf_counter() - start

@@ -28,6 +28,9 @@ class FakeReq:
     mamba_next_track_idx: int = 0
     mamba_last_track_seqlen: Optional[int] = None
     mamba_branching_seqlen: Optional[int] = None
+    # sliding-window (SWA) models only
+    swa_evicted_seqlen: int = 0
+    swa_uuid_for_lock: Optional[int] = None
 
 
 def start_req(cache, req_pool, allocator, req: FakeReq, upto: Optional[int] = None) -> FakeReq:
@@ -74,3 +77,12 @@ def conservation(allocator, cache, private_slots: int = 0) -> None:
         f"available {allocator.available_size()} + evictable {cache.evictable_size()} + "
         f"protected {cache.protected_size()} + private {private_slots} != {total}"
     )
+
+
+def machine_case(machine, suffix: str, max_examples: int, steps: int, **attrs):
+    """A hypothesis ``TestCase`` of state machine ``machine`` with class attributes ``attrs``."""
+    from hypothesis import settings
+
+    cls = type(f"{machine.__name__}_{suffix}", (machine,), attrs)
+    cls.TestCase.settings = settings(max_examples=max_examples, stateful_step_count=steps, deadline=None)
+    return cls.TestCase

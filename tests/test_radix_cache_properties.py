@@ -11,14 +11,13 @@ cached — never both, never neither.
 
 import hypothesis.strategies as st
 import torch
-from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
 from mem_cache.radix_cache import RadixCache
 from mem_cache.radix_key import RadixKey
 from mem_cache.req_to_token_pool import ReqToTokenPool
-from tests.cache_helpers import conservation
+from tests.cache_helpers import conservation, machine_case
 
 EXTRA_KEYS = [None, "lora-a", "tenant-b"]
 
@@ -131,11 +130,5 @@ class RadixMachine(RuleBasedStateMachine):
         assert self.cache.protected_size() == len(locked) * self.page_size
 
 
-def _machine(page_size, max_examples):
-    cls = type(f"RadixMachine_ps{page_size}", (RadixMachine,), {"page_size": page_size})
-    cls.TestCase.settings = settings(max_examples=max_examples, stateful_step_count=30, deadline=None)
-    return cls.TestCase
-
-
-TestRadixCachePage1 = _machine(1, 120)
-TestRadixCachePage16 = _machine(16, 60)
+TestRadixCachePage1 = machine_case(RadixMachine, "ps1", 120, 30, page_size=1)
+TestRadixCachePage16 = machine_case(RadixMachine, "ps16", 60, 30, page_size=16)

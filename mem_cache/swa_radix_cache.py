@@ -1,0 +1,443 @@
+"""SWARadixCache: prefix sharing for hybrid sliding-window models (seed 000 §3.4, §4.3).
+
+Gemma3 and GPT-OSS keep every token's KV in their full-attention layers but
+only the last ``sliding_window_size`` tokens' in their sliding-window (SWA)
+layers. A node's ``value`` holds *full* slot numbers, the canonical ids; the
+SWA slot of each is ``allocator.full_to_swa_index_mapping[slot]`` (0: none).
+
+* Tombstones: nodes whose SWA KV is freed, their full KV still cached. SWA
+  eviction tombstones internal nodes; an insert makes the tokens a request
+  slid out of its window tombstones. A leaf is never a tombstone: one that
+  would become one is deleted, and so are tombstone ancestors left as leaves.
+* A prefix ending at P is reusable only if the ``sliding_window_size`` tokens
+  before P all have SWA KV, or no token before P is a tombstone.
+* Two LRU lists: ``full_lru_list`` over every node (full eviction takes
+  leaves), ``swa_lru_list`` over non-tombstone nodes (any node).
+* Locks: ``full_lock_ref`` covers root→node; ``swa_lock_ref`` only the nodes
+  covering the path's last ``sliding_window_size`` tokens. ``full >= swa``.
+* Page size 1 only, as SGLang's SWA radix cache.
+
+Request bookkeeping (positions in the request's row); a request carries
+``swa_evicted_seqlen`` and the ``swa_uuid_for_lock`` of its lock::
+
+    [0, cache_protected_len)                   the tree's slots, matched and locked
+    [cache_protected_len, swa_evicted_seqlen)  the request's; SWA half freed (out of the window)
+    [swa_evicted_seqlen, kv_committed_len)     the request's, full and SWA KV
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from typing import List, NamedTuple, Optional, Tuple
+
+import torch
+
+from mem_cache.base_prefix_cache import MatchResult
+from mem_cache.integrity import check_unique_in_range, ensure
+from mem_cache.lru_list import LRUList
+from mem_cache.radix_cache import RadixCache, TreeNode
+from mem_cache.radix_key import RadixKey
+from mem_cache.swa_allocator import SWATokenToKVPoolAllocator
+
+_swa_uuids = itertools.count(1)
+
+
+class SWATreeNode(TreeNode):
+    __slots__ = ("swa_tombstone", "full_lock_ref", "swa_lock_ref", "swa_uuid", "prev", "next", "swa_prev", "swa_next")
+
+    def __init__(self, key: RadixKey, value: torch.Tensor, swa_tombstone: bool = False):
+        super().__init__(key, value)
+        self.swa_tombstone = swa_tombstone
+        self.full_lock_ref = self.swa_lock_ref = 0
+        self.swa_uuid: Optional[int] = None  # set on the topmost node of a lock's SWA window
+        self.prev = self.next = self.swa_prev = self.swa_next = None
+
+    def __repr__(self) -> str:
+        kind = "tombstone" if self.swa_tombstone else "swa"
+        return f"SWATreeNode(id={self.id}, len={len(self.key)}, {kind}, locks={self.full_lock_ref}/{self.swa_lock_ref})"
+
+
+class SWAEvictResult(NamedTuple):
+    full_num_evicted: int
+    swa_num_evicted: int
+
+
+class SWARadixCache(RadixCache):
+    def __init__(self, req_to_token_pool, token_to_kv_pool_allocator: SWATokenToKVPoolAllocator,
+                 sliding_window_size: int, page_size: int = 1, enable_kv_events: bool = False):
+        if page_size != 1:
+            raise ValueError(f"SWARadixCache needs page_size 1 (tombstones are per token), got {page_size}")
+        if not isinstance(token_to_kv_pool_allocator, SWATokenToKVPoolAllocator):
+            got = type(token_to_kv_pool_allocator).__name__
+            raise TypeError(f"SWARadixCache needs a SWATokenToKVPoolAllocator, got {got}")
+        if sliding_window_size < 1:
+            raise ValueError(f"sliding_window_size must be >= 1, got {sliding_window_size}")
+        self.sliding_window_size = sliding_window_size
+        super().__init__(req_to_token_pool, token_to_kv_pool_allocator, page_size, False, "lru", enable_kv_events)
+
+    # ---- structure -----------------------------------------------------------
+    def reset(self) -> None:
+        self.root_node = SWATreeNode(RadixKey([]), self._empty())
+        self.root_node.full_lock_ref = self.root_node.swa_lock_ref = 1
+        self.full_lru_list = LRUList("prev", "next")
+        self.swa_lru_list = LRUList("swa_prev", "swa_next")
+        self.full_evictable_size_ = self.full_protected_size_ = 0
+        self.swa_evictable_size_ = self.swa_protected_size_ = 0
+        self.events.cleared()
+
+    def evictable_size(self) -> int:
+        raise NotImplementedError("SWARadixCache: use full_evictable_size() or swa_evictable_size()")
+
+    def protected_size(self) -> int:
+        raise NotImplementedError("SWARadixCache: use full_protected_size() or swa_protected_size()")
+
+    def full_evictable_size(self) -> int:
+        return self.full_evictable_size_
+
+    def full_protected_size(self) -> int:
+        return self.full_protected_size_
+
+    def swa_evictable_size(self) -> int:
+        return self.swa_evictable_size_
+
+    def swa_protected_size(self) -> int:
+        return self.swa_protected_size_
+
+    def _split_node(self, child: SWATreeNode, split_len: int) -> SWATreeNode:
+        """``parent → child`` becomes ``parent → upper → child``. ``upper`` copies
+        the tombstone flag and both lock counts and takes ``swa_uuid`` over, so a
+        lock whose SWA window ended at ``child`` now ends at ``upper``."""
+        upper = SWATreeNode(child.key[:split_len], child.value[:split_len], child.swa_tombstone)
+        upper.parent, upper.full_lock_ref, upper.swa_lock_ref = child.parent, child.full_lock_ref, child.swa_lock_ref
+        upper.swa_uuid, child.swa_uuid = child.swa_uuid, None
+        upper.hash_value, child.hash_value = child.hash_value[:split_len], child.hash_value[split_len:]
+        child.key, child.value, child.parent = child.key[split_len:], child.value[split_len:], upper
+        upper.children = {self.child_key(child.key): child}
+        upper.parent.children[self.child_key(upper.key)] = upper
+        self.full_lru_list.insert_after(child, upper)
+        if not upper.swa_tombstone:
+            self.swa_lru_list.insert_after(child, upper)
+        return upper
+
+    def _refresh(self, node: SWATreeNode) -> None:
+        """Make ``node`` and its ancestors the most recently used, in both lists."""
+        self.full_lru_list.reset_node_and_parents_mru(node, self.root_node)
+        self.swa_lru_list.reset_node_and_parents_mru(node, self.root_node)
+
+    # ---- match -------------------------------------------------------------------
+    def match_prefix(self, key: RadixKey) -> MatchResult:
+        """The longest cached prefix of ``key`` that has its SWA window (see the
+        module docstring). May split a node; never changes lock counts."""
+        if len(key) == 0:
+            return MatchResult(self._empty(), self.root_node, self.root_node)
+        values, node = self._match_prefix_helper(key)
+        self._refresh(node)
+        return MatchResult(torch.cat(values) if values else self._empty(), node, node)
+
+    def _match_prefix_helper(self, key: RadixKey) -> Tuple[List[torch.Tensor], SWATreeNode]:
+        """Walk as far as ``key`` matches. ``run`` counts the tokens with SWA
+        since the last tombstone (inf: none above); the usable end is the deepest
+        node boundary with ``run >= window``: just above a tombstone, or the end."""
+        node, values = self.root_node, []
+        run, best_len, best_node = math.inf, 0, node
+        while len(key) > 0:
+            child = node.children.get(self.child_key(key))
+            if child is None:
+                break
+            if child.swa_tombstone:
+                if run >= self.sliding_window_size:
+                    best_len, best_node = len(values), node
+                run = 0
+            matched = self.key_match(child.key, key)
+            partial = matched < len(child.key)
+            node = self._split_node(child, matched) if partial else child
+            values.append(node.value)
+            run += 0 if node.swa_tombstone else len(node.key)
+            if partial:
+                break
+            key = key[matched:]
+        if run >= self.sliding_window_size:
+            best_len, best_node = len(values), node
+        return values[:best_len], best_node
+
+    # ---- insert ------------------------------------------------------------------
+    def insert(self, key: RadixKey, value: torch.Tensor, prev_prefix_len: int = 0, swa_evicted_seqlen: int = 0) -> int:
+        """Insert ``key`` with full slots ``value``; returns how many leading
+        tokens were already cached.
+
+        ``value[:prev_prefix_len]`` are the tree's own slots (the caller matched
+        and locked them); every slot after them passes to the tree, kept in a
+        node or freed, never lost or freed twice. ``value[:swa_evicted_seqlen]``
+        had their SWA halves freed by the caller. Where the tree holds a token:
+
+        * with SWA KV → the tree's slot is kept, the caller's freed;
+        * tombstone, caller without SWA → stays a tombstone, the caller's freed;
+        * tombstone, caller with SWA → revived: the node keeps its full slots
+          (other rows may point at them) and adopts the caller's SWA slots
+          through the mapping; the caller's full slots are freed.
+        """
+        # [0, prev_prefix_len)        the tree's own slots: left alone
+        # [prev_prefix_len, done)     cached already: the caller's copies are freed, or a
+        #                             tombstone adopts their SWA slots (runs are cut at both
+        #                             bounds, so each run is wholly one case)
+        # [done, len)                 new tokens: see _insert_new
+        node, done = self.root_node, 0
+        while len(key) > 0:
+            child = node.children.get(self.child_key(key))
+            if child is None:
+                break
+            matched = self._owned_run(child, done, self.key_match(child.key, key), prev_prefix_len, swa_evicted_seqlen)
+            if matched < len(child.key):
+                child = self._split_node(child, matched)
+            callers = done >= prev_prefix_len
+            if callers and child.swa_tombstone and done >= swa_evicted_seqlen:
+                self._revive(child, value[:matched])
+            elif callers:
+                self._free(value[:matched])
+            node, done = child, done + matched
+            key, value = key[matched:], value[matched:]
+        if len(key) > 0:
+            ensure(done >= prev_prefix_len, f"insert: caller claims {prev_prefix_len} tree tokens, tree holds {done}")
+            node = self._insert_new(node, key, value, done, swa_evicted_seqlen)
+        self._refresh(node)
+        return done
+
+    @staticmethod
+    def _owned_run(child: SWATreeNode, done: int, matched: int, prev_prefix_len: int, swa_evicted_seqlen: int) -> int:
+        """Cut a matched run so that it does not straddle ``prev_prefix_len``
+        nor, in a tombstone, ``swa_evicted_seqlen``."""
+        cuts = (prev_prefix_len, swa_evicted_seqlen) if child.swa_tombstone else (prev_prefix_len,)
+        return min([cut - done for cut in cuts if done < cut < done + matched], default=matched)
+
+    def _revive(self, node: SWATreeNode, incoming: torch.Tensor) -> None:
+        """Tombstone ``node`` takes over the SWA slots of ``incoming``; the
+        caller's full slots are then freed (their mapping is cleared first)."""
+        mapping = self.token_to_kv_pool_allocator.full_to_swa_index_mapping
+        swa = mapping[incoming]
+        ensure(bool((swa > 0).all()), f"insert: the caller's slots for {node} have no SWA KV to revive it with")
+        mapping[node.value] = swa
+        mapping[incoming] = 0
+        self._free(incoming)
+        node.swa_tombstone = False
+        self.swa_lru_list.insert_mru(node)
+        self.swa_evictable_size_ += len(node.key)  # a tombstone holds no SWA lock
+
+    def _insert_new(self, parent: SWATreeNode, key: RadixKey, value: torch.Tensor, start: int, swa_evicted: int):
+        """Hang the uncached tokens ``[start, start + len(key))`` under ``parent``;
+        returns the deepest node."""
+        # [start, start + tomb_len)        SWA freed by the caller → a tombstone node
+        # [start + tomb_len, start + len)  full and SWA KV → a leaf; if empty nothing is
+        #                                  inserted (no tombstone leaf) and all is freed
+        tomb_len = min(max(swa_evicted - start, 0), len(key))
+        if tomb_len == len(key):
+            self._free(value)
+            return parent
+        if tomb_len > 0:
+            parent = self._add_node(parent, key[:tomb_len], value[:tomb_len], swa_tombstone=True)
+        return self._add_node(parent, key[tomb_len:], value[tomb_len:], swa_tombstone=False)
+
+    def _add_node(self, parent: SWATreeNode, key: RadixKey, value: torch.Tensor, swa_tombstone: bool) -> SWATreeNode:
+        node = SWATreeNode(key, value, swa_tombstone)
+        node.parent = parent
+        parent.children[self.child_key(key)] = node
+        self.full_lru_list.insert_mru(node)
+        self.full_evictable_size_ += len(key)
+        if not swa_tombstone:
+            self.swa_lru_list.insert_mru(node)
+            self.swa_evictable_size_ += len(key)
+        self._record_stored(parent, node)
+        return node
+
+    # ---- locks -------------------------------------------------------------------
+    def inc_lock_ref(self, node: SWATreeNode) -> Optional[int]:
+        """Lock the full KV of root→node and the SWA KV of the nodes covering
+        the path's last ``sliding_window_size`` tokens. Returns
+        ``swa_uuid_for_lock``, the id of the topmost swa-locked node (None: the
+        whole path is swa-locked), for :meth:`dec_lock_ref`."""
+        swa_locked, swa_uuid_for_lock = 0, None
+        while node is not self.root_node:
+            self._move_full_lock(node, +1)
+            if swa_locked < self.sliding_window_size:
+                ensure(not node.swa_tombstone, f"inc_lock_ref: {node} lies in the lock's SWA window")
+                self._move_swa_lock(node, +1)
+                swa_locked += len(node.key)
+                if swa_locked >= self.sliding_window_size:
+                    node.swa_uuid = node.swa_uuid or next(_swa_uuids)
+                    swa_uuid_for_lock = node.swa_uuid
+            node = node.parent
+        return swa_uuid_for_lock
+
+    def dec_lock_ref(self, node: SWATreeNode, swa_uuid_for_lock: Optional[int] = None) -> None:
+        """Undo ``inc_lock_ref(node)``, which returned ``swa_uuid_for_lock``."""
+        unlock_swa = True
+        while node is not self.root_node:
+            self._move_full_lock(node, -1)
+            if unlock_swa:
+                self._move_swa_lock(node, -1)
+                unlock_swa = swa_uuid_for_lock is None or node.swa_uuid != swa_uuid_for_lock
+            node = node.parent
+
+    def _move_full_lock(self, node: SWATreeNode, delta: int) -> None:
+        """``full_lock_ref += delta`` (±1); at 0 the tokens move between evictable and protected."""
+        if node.full_lock_ref == (0 if delta > 0 else 1):
+            self.full_evictable_size_ -= delta * len(node.key)
+            self.full_protected_size_ += delta * len(node.key)
+        node.full_lock_ref += delta
+
+    def _move_swa_lock(self, node: SWATreeNode, delta: int) -> None:
+        if node.swa_lock_ref == (0 if delta > 0 else 1):
+            self.swa_evictable_size_ -= delta * len(node.key)
+            self.swa_protected_size_ += delta * len(node.key)
+        node.swa_lock_ref += delta
+
+    # ---- eviction ----------------------------------------------------------------
+    def evict(self, full_num_tokens: int = 0, swa_num_tokens: int = 0) -> SWAEvictResult:
+        """Free at least ``full_num_tokens`` full and ``swa_num_tokens`` SWA slots
+        if that many are unlocked, least recently used first. Full eviction
+        deletes leaves (their SWA goes too); SWA eviction tombstones internal
+        nodes and deletes leaves."""
+        full = swa = 0
+        while full < full_num_tokens:
+            leaf = self.full_lru_list.first_lru(lambda n: not n.children and n.full_lock_ref == 0)
+            if leaf is None:
+                break
+            leaf_full, leaf_swa = self._evict_leaf(leaf)
+            full, swa = full + leaf_full, swa + leaf_swa
+        while swa < swa_num_tokens:
+            node = self.swa_lru_list.first_lru(lambda n: n.swa_lock_ref == 0)
+            if node is None:
+                break
+            if node.children:
+                swa += self._tombstone(node)
+            else:
+                leaf_full, leaf_swa = self._evict_leaf(node)
+                full, swa = full + leaf_full, swa + leaf_swa
+        return SWAEvictResult(full, swa)
+
+    def _tombstone(self, node: SWATreeNode) -> int:
+        self.token_to_kv_pool_allocator.free_swa(node.value)
+        node.swa_tombstone = True
+        self.swa_lru_list.remove(node)
+        self.swa_evictable_size_ -= len(node.key)
+        return len(node.key)
+
+    def _evict_leaf(self, leaf: SWATreeNode) -> Tuple[int, int]:
+        """Delete an unlocked leaf, then each tombstone ancestor that becomes an
+        unlocked leaf; returns the (full, SWA) slots freed."""
+        full = swa = 0
+        node = leaf
+        while True:
+            full, swa = full + len(node.key), swa + (0 if node.swa_tombstone else len(node.key))
+            self._free(node.value)
+            parent = node.parent
+            self._delete_node(node)
+            if parent is self.root_node or parent.children or parent.full_lock_ref or not parent.swa_tombstone:
+                return full, swa
+            node = parent
+
+    def _delete_node(self, node: SWATreeNode) -> None:
+        del node.parent.children[self.child_key(node.key)]
+        self.full_lru_list.remove(node)
+        self.full_evictable_size_ -= len(node.key)
+        if not node.swa_tombstone:
+            self.swa_lru_list.remove(node)
+            self.swa_evictable_size_ -= len(node.key)
+        self.events.removed(node.hash_value)
+
+    # ---- requests ----------------------------------------------------------------
+    def free_swa_out_of_window(self, req) -> int:
+        """Free the SWA slots of a running request's tokens that slid out of its
+        window, advance ``req.swa_evicted_seqlen``, return how many were freed.
+        The scheduler calls it between forwards (e.g. every decode step)."""
+        # [0, cache_protected_len)   the tree's: their SWA is the tree's to evict
+        # [start, end)               slid out of the window → SWA freed now
+        # [end, kv_committed_len)    the last window: kept, so that the sequence,
+        #                            once cached, is matchable to its end
+        start = max(req.swa_evicted_seqlen, req.cache_protected_len)
+        end = max(start, req.kv_committed_len - self.sliding_window_size)
+        self.token_to_kv_pool_allocator.free_swa(self._row(req, end)[start:])
+        req.swa_evicted_seqlen = end
+        return end - start
+
+    def cache_finished_req(self, req, is_insert: bool = True) -> None:
+        """Hand ``[cache_protected_len, kv_committed_len)`` of the row to the tree
+        (:meth:`insert` keeps or frees every slot), free the row, drop the lock."""
+        committed, protected = req.kv_committed_len, req.cache_protected_len
+        kv_indices = self._row(req, committed)
+        if is_insert:
+            key = RadixKey((req.origin_input_ids + req.output_ids)[:committed], req.extra_key)
+            self.insert(key, kv_indices, protected, req.swa_evicted_seqlen)
+        else:
+            self._free(kv_indices[protected:])
+        self.req_to_token_pool.free(req.req_pool_idx)
+        self.dec_lock_ref(req.last_node, req.swa_uuid_for_lock)
+
+    def cache_unfinished_req(self, req) -> None:
+        """Cache the progress ``fill_ids`` (a chunked prefill): insert, rewrite the
+        row with the tree's slots, move the lock to the new end. Needs the last
+        window to have SWA KV, as :meth:`free_swa_out_of_window` leaves it."""
+        # [0, protected)          the tree's slots already
+        # [protected, seq_len)    inserted (kept or freed as duplicates) → the row gets the
+        #                         tree's slots; the lock moves to seq_len (page size 1: no tail)
+        token_ids, protected = req.fill_ids, req.cache_protected_len
+        seq_len = len(token_ids)
+        key = RadixKey(token_ids, req.extra_key)
+        self.insert(key, self._row(req, seq_len), protected, req.swa_evicted_seqlen)
+        match = self.match_prefix(key)
+        new_indices, new_last_node = match.device_indices, match.last_device_node
+        ensure(len(new_indices) == seq_len, f"re-match after insert found {len(new_indices)} of {seq_len} tokens")
+        row = (req.req_pool_idx, slice(protected, seq_len))
+        self.req_to_token_pool.write(row, new_indices[protected:].to(torch.int32))
+        swa_uuid_for_lock = self.inc_lock_ref(new_last_node)
+        self.dec_lock_ref(req.last_node, req.swa_uuid_for_lock)
+        req.prefix_indices, req.cache_protected_len = new_indices, seq_len
+        req.last_node, req.swa_uuid_for_lock = new_last_node, swa_uuid_for_lock
+
+    # ---- inspection --------------------------------------------------------------
+    def check_integrity(self) -> None:
+        """Structure, both LRU lists, no tombstone leaf, lock and size counters,
+        unique slots, and the SWA mapping: > 0 for every slot of a non-tombstone
+        node, 0 for every slot of a tombstone."""
+        nodes = list(self._iter_nodes())
+        counts = dict.fromkeys(("full_evictable", "full_protected", "swa_evictable", "swa_protected"), 0)
+        mapping = self.token_to_kv_pool_allocator.full_to_swa_index_mapping
+        for node in nodes:
+            self._check_swa_node(node)
+            counts["full_protected" if node.full_lock_ref else "full_evictable"] += len(node.key)
+            if not node.swa_tombstone:
+                counts["swa_protected" if node.swa_lock_ref else "swa_evictable"] += len(node.key)
+            has_swa = (mapping[node.value] > 0).tolist()
+            ensure(set(has_swa) == {not node.swa_tombstone}, f"{node}: SWA mapping {mapping[node.value].tolist()}")
+        for name, value in counts.items():
+            held = getattr(self, f"{name}_size_")
+            ensure(held == value, f"{name}_size_={held}, tree has {value}")
+        root_locks = (self.root_node.full_lock_ref, self.root_node.swa_lock_ref)
+        ensure(root_locks == (1, 1), f"root locks are {root_locks}, expected (1, 1)")
+        ensure({n.id for n in nodes} == set(self.full_lru_list.cache), "full LRU list and tree disagree")
+        live = {n.id for n in nodes if not n.swa_tombstone}
+        ensure(live == set(self.swa_lru_list.cache), "SWA LRU list and the non-tombstone nodes disagree")
+        for lru in (self.full_lru_list, self.swa_lru_list):
+            walked = sum(1 for _ in lru.iter_lru())
+            ensure(walked == len(lru), f"LRU list links reach {walked} nodes, its index holds {len(lru)}")
+        allocator = self.token_to_kv_pool_allocator
+        slots = self.all_values().cpu()
+        check_unique_in_range("SWARadixCache slots", slots, 1, allocator.size)
+        both = int(torch.isin(slots, allocator.full_attn_allocator.free_page_ids()).sum())
+        ensure(both == 0, f"SWARadixCache holds {both} full slots the allocator lists as free")
+        swa_slots = mapping[slots.to(mapping.device)].cpu()
+        check_unique_in_range("SWARadixCache SWA slots", swa_slots[swa_slots > 0], 1, allocator.size_swa)
+
+    def _check_swa_node(self, node: SWATreeNode) -> None:
+        ensure(len(node.key) > 0, f"{node} has an empty key")
+        ensure(node.parent.children.get(self.child_key(node.key)) is node, f"{node} is not its parent's child")
+        ensure(len(node.value) == len(node.key), f"{node}: {len(node.value)} slots for {len(node.key)} tokens")
+        ensure(node.children or not node.swa_tombstone, f"{node} is a tombstone leaf")
+        ensure(node.full_lock_ref >= node.swa_lock_ref >= 0, f"{node}: lock counts out of order")
+        ensure(not node.swa_tombstone or node.swa_lock_ref == 0, f"{node}: tombstone with an SWA lock")
+        # every lock swa-locks its own node, and only locks on a leaf reach a leaf
+        ensure(node.children or node.full_lock_ref == node.swa_lock_ref, f"{node}: a leaf's two lock counts differ")
+        child_locks = sum(c.full_lock_ref for c in node.children.values())
+        ensure(node.full_lock_ref >= child_locks, f"{node} full_lock_ref < its children's {child_locks}")
+        if self.events.enabled:
+            ensure(len(node.hash_value) == len(node.key), f"{node} page hashes out of step")
