@@ -1,6 +1,7 @@
 """The ``raydix`` command line.
 
     raydix generate [--model-path DIR] [--prompt TEXT] [--max-new-tokens N]
+    raydix launch --config FILE [--prompt TEXT] [--set KEY=VALUE]   (cluster.launch)
 
 With no ``--model-path`` it serves the built-in tiny model (random weights,
 built once from a config into ``$RAYDIX_HOME/models``; nothing is downloaded).
@@ -72,10 +73,16 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     gen.add_argument("--max-total-tokens", type=int, default=8192)
     gen.set_defaults(func=cmd_generate)
+    sub.add_parser("launch", help="start the PD cluster of a config (see: raydix launch --help)")
     return parser
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["launch"]:  # the PD cluster has its own parser
+        from cluster.launch import main as launch_main
+
+        return launch_main(argv[1:])
     args = build_parser().parse_args(argv)
     return args.func(args)
 

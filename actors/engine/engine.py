@@ -26,6 +26,7 @@ from actors.engine.model_runner import ModelRunner
 from actors.engine.req import Req
 from actors.engine.sampling_params import SamplingParams
 from actors.engine.scheduler import Scheduler
+from actors.engine.tp_worker import LocalTPGroup
 
 logger = logging.getLogger(__name__)
 
@@ -44,10 +45,59 @@ def _eos_ids(model_path: str, model_config) -> List[int]:
     return [ids] if isinstance(ids, int) else list(ids)
 
 
+def request_result(req: Req, with_text: bool = True) -> Dict[str, Any]:
+    """The caller's view of a request: ``output_ids`` (cumulative), ``text`` and ``meta_info``."""
+    meta = {
+        "id": req.rid,
+        "prompt_tokens": len(req.origin_input_ids),
+        "completion_tokens": len(req.output_ids),
+        "cached_tokens": req.cached_tokens,
+        "finish_reason": req.finished_reason,
+        "ttft": (req.first_token_time - req.created_time) if req.first_token_time else None,
+        "e2e_latency": (req.finished_time - req.created_time) if req.finished_time else None,
+    }
+    if req.sampling_params.return_logprob:
+        meta["output_token_logprobs"] = list(zip(req.output_logprobs, req.output_ids))
+        meta["output_top_logprobs"] = req.output_top_logprobs
+    result = {"output_ids": list(req.output_ids), "meta_info": meta}
+    if with_text:
+        result["text"] = req.output_text
+    return result
+
+
+def check_engine_integrity(sched, runner) -> None:
+    """Idle engine: every KV slot is free or cached, no row is held, no lock is left."""
+    if sched.has_work():
+        raise RuntimeError("check_integrity needs an idle engine")
+    tree = sched.tree_cache
+    tree.check_integrity()
+    pool = runner.req_to_token_pool
+    if pool.available_size() != pool.size:
+        raise RuntimeError(f"request-row leak: {pool.size - pool.available_size()} rows held by nobody")
+    runner.allocator.check_integrity(in_use=tree.all_values())
+    if sched.hybrid:
+        pool.check_integrity(tree_mamba_slots=tree.all_mamba_values())
+        evictable, protected = tree.full_evictable_size(), tree.full_protected_size()
+    else:
+        pool.check_integrity(live_rows=[])
+        evictable, protected = tree.evictable_size(), tree.protected_size()
+    total = runner.allocator.num_pages * runner.allocator.page_size
+    got = runner.allocator.available_size() + evictable + protected
+    if got != total or protected != 0:
+        raise RuntimeError(f"slot leak: available + evictable + protected = {got} of {total}")
+
+
+def flush_engine_cache(sched, runner) -> None:
+    """Drop the whole prefix cache (idle engine only)."""
+    check_engine_integrity(sched, runner)
+    sched.tree_cache.evict(sched.evictable_tokens())
+
+
 class Engine:
     def __init__(self, model_path: str, **kwargs):
         self.config = EngineConfig(model_path=model_path, **kwargs)
-        self.runner = ModelRunner(self.config)
+        self.tp_group = LocalTPGroup(self.config) if self.config.tp_size > 1 else None  # follower ranks spawned
+        self.runner = self.tp_group.worker.runner if self.tp_group else ModelRunner(self.config)
         self.tokenizer = None
         if not self.config.skip_tokenizer_init:
             from transformers import AutoTokenizer
@@ -148,22 +198,7 @@ class Engine:
         return self.loop.abort(rid)
 
     def _result(self, req: Req) -> Dict[str, Any]:
-        meta = {
-            "id": req.rid,
-            "prompt_tokens": len(req.origin_input_ids),
-            "completion_tokens": len(req.output_ids),
-            "cached_tokens": req.cached_tokens,
-            "finish_reason": req.finished_reason,
-            "ttft": (req.first_token_time - req.created_time) if req.first_token_time else None,
-            "e2e_latency": (req.finished_time - req.created_time) if req.finished_time else None,
-        }
-        if req.sampling_params.return_logprob:
-            meta["output_token_logprobs"] = list(zip(req.output_logprobs, req.output_ids))
-            meta["output_top_logprobs"] = req.output_top_logprobs
-        result = {"output_ids": list(req.output_ids), "meta_info": meta}
-        if self.tokenizer is not None:
-            result["text"] = req.output_text
-        return result
+        return request_result(req, with_text=self.tokenizer is not None)
 
     # ---- health -------------------------------------------------------------------------
     def check_integrity(self) -> None:
@@ -171,36 +206,18 @@ class Engine:
         self.loop.run_exclusive(self._check_integrity)
 
     def _check_integrity(self) -> None:
-        sched, runner = self.scheduler, self.runner
-        if sched.has_work():
-            raise RuntimeError("check_integrity needs an idle engine")
-        tree = sched.tree_cache
-        tree.check_integrity()
-        pool = runner.req_to_token_pool
-        if pool.available_size() != pool.size:
-            raise RuntimeError(f"request-row leak: {pool.size - pool.available_size()} rows held by nobody")
-        runner.allocator.check_integrity(in_use=tree.all_values())
-        if sched.hybrid:
-            pool.check_integrity(tree_mamba_slots=tree.all_mamba_values())
-            evictable, protected = tree.full_evictable_size(), tree.full_protected_size()
-        else:
-            pool.check_integrity(live_rows=[])
-            evictable, protected = tree.evictable_size(), tree.protected_size()
-        total = runner.allocator.num_pages * runner.allocator.page_size
-        got = runner.allocator.available_size() + evictable + protected
-        if got != total or protected != 0:
-            raise RuntimeError(f"slot leak: available + evictable + protected = {got} of {total}")
+        check_engine_integrity(self.scheduler, self.runner)
+        if self.tp_group is not None:
+            self.tp_group.worker.check_followers()
 
     def flush_cache(self) -> None:
         """Drop the whole prefix cache (idle engine only)."""
 
-        def flush():
-            self._check_integrity()
-            self.scheduler.tree_cache.evict(self.scheduler.evictable_tokens())
-
-        self.loop.run_exclusive(flush)
+        self.loop.run_exclusive(lambda: flush_engine_cache(self.scheduler, self.runner))
 
     def shutdown(self) -> None:
         self.loop.stop()
+        if self.tp_group is not None:
+            self.tp_group.shutdown()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

@@ -16,6 +16,7 @@ from actors.engine.req import Req
 
 logger = logging.getLogger(__name__)
 
+IDLE_POLL_S = 0.002
 Callback = Callable[[Req, Optional[BaseException]], None]
 
 
@@ -25,6 +26,7 @@ class EngineLoop:
         self._callbacks: Dict[str, Callback] = {}
         self._cond = threading.Condition()
         self._stopped = False
+        self._paused = False
         self._thread = threading.Thread(target=self._run, name="raydix-engine-loop", daemon=True)
         self._thread.start()
 
@@ -44,6 +46,16 @@ class EngineLoop:
             self._cond.notify()
             return found
 
+    def pause(self) -> None:
+        """Stop stepping after the current step (SGLang's pause_generation); requests stay queued."""
+        with self._cond:
+            self._paused = True
+
+    def resume(self) -> None:
+        with self._cond:
+            self._paused = False
+            self._cond.notify()
+
     def run_exclusive(self, fn):
         """Run ``fn()`` with the loop paused (for idle checks and cache flushes)."""
         with self._cond:
@@ -52,7 +64,7 @@ class EngineLoop:
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not self._stopped and not self.scheduler.has_work():
+                while not self._stopped and (self._paused or not self.scheduler.has_work()):
                     self._cond.wait()
                 if self._stopped:
                     return
@@ -62,6 +74,9 @@ class EngineLoop:
                 except BaseException as exc:  # delivered to every caller, then the loop goes on
                     logger.exception("engine step failed")
                     produced, error = self._fail_all(), exc
+                if not produced and not getattr(self.scheduler, "progressed", True):
+                    # only waiting on something outside (a KV transfer): don't spin
+                    self._cond.wait(timeout=IDLE_POLL_S)
             for req in produced:
                 self._deliver(req, error)
 
@@ -72,6 +87,8 @@ class EngineLoop:
         sched.waiting.clear()
         sched.running.clear()
         sched.chunked_req = None
+        if hasattr(sched, "fail_all"):  # a disaggregated scheduler's own queues
+            reqs += sched.fail_all("engine step failed")
         for req in reqs:
             try:
                 if req.req_pool_idx is not None:

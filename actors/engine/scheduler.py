@@ -30,6 +30,7 @@ from mem_cache.hiradix_cache import HiRadixCache
 from mem_cache.mamba_radix_cache import MambaRadixCache
 from mem_cache.radix_cache import RadixCache
 from mem_cache.radix_key import RadixKey
+from mem_cache.swa_radix_cache import SWARadixCache
 
 logger = logging.getLogger(__name__)
 RETRACT_DECODE_STEPS = 20
@@ -42,7 +43,16 @@ class Scheduler:
         self.tokenizer = tokenizer
         self.page_size = cfg.page_size
         self.hybrid = runner.spec.kind == "hybrid_mamba"
-        if self.hybrid:
+        self.swa = runner.spec.kind == "swa"
+        if self.swa:
+            for name in ("disable_radix_cache", "enable_hierarchical_cache"):
+                if getattr(cfg, name):
+                    raise ValueError(f"{name}=True is not supported for sliding-window models (KV cache kind 'swa')")
+            self.tree_cache = SWARadixCache(
+                runner.req_to_token_pool, runner.allocator, runner.spec.sliding_window, page_size=cfg.page_size,
+                enable_kv_events=cfg.enable_kv_events,
+            )
+        elif self.hybrid:
             self.tree_cache = MambaRadixCache(
                 runner.req_to_token_pool, runner.allocator, page_size=cfg.page_size, disable=cfg.disable_radix_cache,
                 mamba_scheduler_strategy=cfg.mamba_scheduler_strategy, enable_kv_events=cfg.enable_kv_events,
@@ -85,7 +95,7 @@ class Scheduler:
         return released
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.chunked_req)
+        return bool(self.waiting or self.running or self.chunked_req or self._aborted)
 
     # ---- admission ----------------------------------------------------------------
     def add_request(self, req: Req) -> None:
@@ -93,7 +103,27 @@ class Scheduler:
 
     def evictable_tokens(self) -> int:
         tree = self.tree_cache
-        return tree.full_evictable_size() if self.hybrid else tree.evictable_size()
+        return tree.full_evictable_size() if self.hybrid or self.swa else tree.evictable_size()
+
+    def available_tokens(self) -> int:
+        """Free + evictable KV slots; a sliding-window model is bounded by the smaller of
+        its two pools (every token of a prefill takes a full and an SWA slot)."""
+        alloc, tree = self.runner.allocator, self.tree_cache
+        if self.swa:
+            full = alloc.full_available_size() + tree.full_evictable_size()
+            return min(full, alloc.swa_available_size() + tree.swa_evictable_size())
+        return alloc.available_size() + self.evictable_tokens()
+
+    def _lock(self, req: Req) -> None:
+        swa_uuid_for_lock = self.tree_cache.inc_lock_ref(req.last_node)
+        if self.swa:  # which node ends the lock's SWA window: dec_lock_ref needs it back
+            req.swa_uuid_for_lock = swa_uuid_for_lock
+
+    def _unlock(self, req: Req) -> None:
+        if self.swa:
+            self.tree_cache.dec_lock_ref(req.last_node, req.swa_uuid_for_lock)
+        else:
+            self.tree_cache.dec_lock_ref(req.last_node)
 
     def _match_prefix(self, req: Req, admit: bool = False) -> None:
         """Longest cached prefix of the request's tokens; when ``admit``, a hybrid
@@ -131,7 +161,7 @@ class Scheduler:
         budget_running = self.runner.max_running_requests - len(self.running)
         if budget_running <= 0 or not (self.waiting or self.chunked_req):
             return None, None
-        rem_total = self.runner.allocator.available_size() + self.evictable_tokens() - self._decode_reserve()
+        rem_total = self.available_tokens() - self._decode_reserve()
         rem_input, rem_chunk = self.config.max_prefill_tokens, self.chunked_prefill_size
         picked: List[Req] = []
         candidates = ([self.chunked_req] if self.chunked_req else []) + self._sorted_waiting()
@@ -156,7 +186,7 @@ class Scheduler:
                 req.fill_ids = req.fill_ids[: len(req.prefix_indices) + cut]
                 extend = cut
             if req.req_pool_idx is None:
-                self.tree_cache.inc_lock_ref(req.last_node)
+                self._lock(req)
                 if req.num_retractions == 0:
                     req.cached_tokens = len(req.prefix_indices)
             picked.append(req)
@@ -172,7 +202,7 @@ class Scheduler:
         forward_batch = prepare_for_extend(picked, self.runner, self.tree_cache)
         if forward_batch is None:  # short even after eviction: give the locks back, try later
             for req in new_reqs:
-                self.tree_cache.dec_lock_ref(req.last_node)
+                self._unlock(req)
             continuing = [r for r in picked if r not in new_reqs]
             if continuing:
                 self.chunked_req = continuing[0]
@@ -227,20 +257,24 @@ class Scheduler:
                 self.tree_cache.cache_unfinished_req(req)
                 self.chunked_req = req
                 continue
-            if req.sampling_params.max_new_tokens == 0:
-                req.finish({"type": "length", "length": 0})
-            else:
-                self._sample(req, logits[i])
-            if req.first_token_time is None:
-                req.first_token_time = time.perf_counter()
-            if req.finished:
-                self.tree_cache.cache_finished_req(req)
-            else:
-                self.tree_cache.cache_unfinished_req(req)
-                self.running.append(req)
+            self._prefill_done(req, logits[i])
             out.append(req)
         self.runner.allocator.free_group_end()
         return out
+
+    def _prefill_done(self, req: Req, logits_row) -> None:
+        """A request's whole prompt is in the KV: sample, then cache or keep running."""
+        if req.sampling_params.max_new_tokens == 0:
+            req.finish({"type": "length", "length": 0})
+        else:
+            self._sample(req, logits_row)
+        if req.first_token_time is None:
+            req.first_token_time = time.perf_counter()
+        if req.finished:
+            self.tree_cache.cache_finished_req(req)
+        else:
+            self.tree_cache.cache_unfinished_req(req)
+            self.running.append(req)
 
     def _process_decode(self, reqs: List[Req], logits) -> List[Req]:
         self.runner.allocator.free_group_begin()

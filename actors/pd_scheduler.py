@@ -1,0 +1,314 @@
+"""The engine scheduler in its two disaggregated roles.
+
+Prefill (``PrefillScheduler``): a request arrives with the decode side's
+hand-offs already taken by its senders. It is matched in the prefill
+worker's own radix cache and (chunk by chunk) prefilled as usual; when its
+last chunk is done the first output token is sampled, the KV of prompt tokens
+``[dst_prefix_len, prompt_len)`` (and the Mamba state) is pushed to the
+decode ranks, and only then is the prompt cached in the tree and its lock
+dropped. It never decodes.
+
+Decode (``DecodeScheduler``), queues in the order a request moves (SGLang's
+``DecodePreallocQueue`` → ``DecodeTransferQueue`` → running)::
+
+    prealloc   waiting for a request row and KV slots for its prompt, with a
+               reserve of ``num_reserved_decode_tokens`` counted as taken
+    transfer   slots reserved, hand-off sent; waiting for the completion notice
+               (the first token) and for the bytes to land — or a timeout
+    running    the continuous decode batch; retraction under KV pressure sends a
+               request to ``waiting``, from where it is re-prefilled locally
+
+Slot bookkeeping of a decode request in transfer (positions in its row)::
+
+    [0, prefix_len)             matched in the decode worker's own tree, locked
+    [prefix_len, prompt_len)    its own slots; the prefill side writes them
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Dict, List, Optional
+
+import torch
+
+from actors.engine.finish import check_finished, stream_text
+from actors.engine.req import Req
+from actors.engine.schedule_batch import _alloc_rows, _alloc_with_eviction
+from actors.engine.scheduler import Scheduler
+from transfer.base import KVHandoff, KVPoll, KVReceiver, KVSender, TransferAgent, TransferError
+
+logger = logging.getLogger(__name__)
+
+
+class PDRequestError(RuntimeError):
+    """A disaggregated request failed (transfer, timeout, abort); its slots are freed."""
+
+
+def serves(handoff: KVHandoff, agent: TransferAgent) -> bool:  # noqa: D401
+    """Whether this prefill rank pushes to the hand-off's decode rank: head-sharded
+    layouts pair ranks whose head ranges overlap; replicated ones (MLA) take the
+    KV of decode rank r from prefill rank ``r % tp_size``."""
+    mine = agent.layout.by_name()
+    sharded = [b for b in handoff.layout.buffers if b.head_axis is not None]
+    if not sharded:
+        return handoff.tp_rank % agent.tp_size == agent.tp_rank
+    for b in sharded:
+        m = mine.get(b.name)
+        if m is not None and max(m.head_start, b.head_start) < min(m.head_start + m.num_heads, b.head_start + b.num_heads):
+            return True
+    return False
+
+
+# ---- prefill ----------------------------------------------------------------------------
+class PrefillScheduler(Scheduler):
+    def __init__(self, runner, tokenizer):
+        super().__init__(runner, tokenizer)
+        self.bytes_pushed = 0
+        self.push_time = 0.0
+
+    def step(self) -> List[Req]:
+        out = super().step()
+        self.progressed = True
+        return out
+
+    def _prefill_done(self, req: Req, logits_row) -> None:
+        """Sample the first token, push the KV, then cache the prompt (dropping the lock)."""
+        self._sample(req, logits_row)
+        req.first_token_time = time.perf_counter()
+        req.pd_first_finish = req.finished_reason  # the first token may already end it (EOS, stop, length 1)
+        error = self._push(req)
+        req.pd_error = error
+        req.finished_reason = None
+        req.finish({"type": "prefill_done"} if error is None else {"type": "abort", "message": error})
+        self.tree_cache.cache_finished_req(req)
+
+    def _push(self, req: Req) -> Optional[str]:
+        """Push the prompt's KV (and Mamba state) to every decode rank this rank serves."""
+        start = time.perf_counter()
+        prompt_len = len(req.origin_input_ids)
+        row = self.runner.req_to_token_pool.req_to_token[req.req_pool_idx]
+        for sender in req.pd_senders:
+            src = row[sender.handoff.dst_prefix_len : prompt_len].tolist()
+            sender.send(src, req.mamba_pool_idx)
+            if sender.poll() != KVPoll.Success:
+                return f"KV transfer to decode rank {sender.handoff.tp_rank} failed: {sender.failure_reason()}"
+            self.bytes_pushed += sender.bytes_sent
+        req.pd_transfer_time = time.perf_counter() - start
+        self.push_time += req.pd_transfer_time
+        return None
+
+
+# ---- decode ------------------------------------------------------------------------------
+class DecodeScheduler(Scheduler):
+    """``agents``: this rank's transfer agent per backend name; ``follower_targets``:
+    for each follower rank (1, 2, ...), ``{backend: (layout, endpoint)}``."""
+
+    def __init__(self, runner, tokenizer, agents: Dict[str, TransferAgent], follower_targets: Optional[List[Dict]] = None,
+                 num_reserved_decode_tokens: int = 512, waiting_timeout_s: Optional[float] = 300.0):
+        super().__init__(runner, tokenizer)
+        self.agents = agents
+        self.follower_targets = follower_targets or []
+        self.num_reserved_decode_tokens = num_reserved_decode_tokens
+        self.waiting_timeout_s = waiting_timeout_s
+        self.prealloc: List[Req] = []
+        self.transfer: List[Req] = []
+        self._notices: Dict[str, dict] = {}
+        self.num_transfer_failures = 0
+
+    # ---- queues --------------------------------------------------------------------
+    def add_request(self, req: Req) -> None:
+        req.pd_state = "prealloc"
+        self.prealloc.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.prealloc or self.transfer) or super().has_work()
+
+    def on_transfer_done(self, rid: str, notice: dict) -> bool:
+        """The prefill side's completion notice (first token, its finish state)."""
+        if any(r.rid == rid for r in self.transfer):
+            self._notices[rid] = notice
+            return True
+        return False
+
+    def step(self) -> List[Req]:
+        produced = self._process_prealloc() + self._process_transfers()
+        self.progressed = bool(produced)
+        before = self.runner.num_forwards
+        produced += super().step()
+        self.progressed = self.progressed or self.runner.num_forwards != before or bool(produced)
+        return produced
+
+    def _decode_reserve(self) -> int:
+        reqs = self.running + self.transfer
+        remaining = sum(max(r.sampling_params.max_new_tokens - len(r.output_ids), 0) for r in reqs)
+        return int(remaining * self.new_token_ratio)
+
+    # ---- pre-allocation --------------------------------------------------------------
+    def _process_prealloc(self) -> List[Req]:
+        done: List[Req] = []
+        while self.prealloc:
+            req = self.prealloc[0]
+            if len(self.running) + len(self.transfer) + len(self.waiting) >= self.runner.max_running_requests:
+                break
+            if not self._reserve(req):
+                break
+            self.prealloc.pop(0)
+            self.transfer.append(req)
+            done.append(req)
+        return done
+
+    def _reserve(self, req: Req) -> bool:
+        """Row + slots for the prompt beyond the decode tree's own prefix; False with nothing taken."""
+        prompt_len = len(req.origin_input_ids)
+        if self.hybrid:  # the Mamba state comes whole from prefill: no decode-side prefix
+            req.fill_ids = list(req.origin_input_ids)
+            req.prefix_indices, req.last_node = torch.empty(0, dtype=torch.int64), self.tree_cache.root_node
+        else:
+            self._match_prefix(req)
+        prefix_len = len(req.prefix_indices)
+        need = prompt_len - prefix_len + min(self.num_reserved_decode_tokens, req.sampling_params.max_new_tokens)
+        budget = self.runner.allocator.available_size() + self.evictable_tokens() - self._decode_reserve()
+        if need + self.page_size > budget:
+            return False
+        self.tree_cache.inc_lock_ref(req.last_node)
+        if not self._alloc_prompt(req, prefix_len, prompt_len):
+            self.tree_cache.dec_lock_ref(req.last_node)
+            return False
+        req.cache_protected_len = prefix_len
+        req.kv_allocated_len = prompt_len
+        req.cached_tokens = prefix_len
+        self._make_handoffs(req, prefix_len, prompt_len)
+        req.pd_state = "transfer"
+        return True
+
+    def _alloc_prompt(self, req: Req, prefix_len: int, prompt_len: int) -> bool:
+        runner, pool, allocator = self.runner, self.runner.req_to_token_pool, self.runner.allocator
+        rows = _alloc_rows(pool, [req], self.tree_cache)
+        if rows is None:
+            return False
+        req.req_pool_idx = rows[0]
+        if self.hybrid:
+            req.mamba_pool_idx = int(pool.get_mamba_indices(req.req_pool_idx)[0])
+        pool.write((req.req_pool_idx, slice(0, prefix_len)), req.prefix_indices.to(torch.int32))
+        last_loc = int(pool.req_to_token[req.req_pool_idx, prefix_len - 1]) if prefix_len else -1
+        n = prompt_len - prefix_len
+        prefix_t, seq_t = torch.tensor([prefix_len]), torch.tensor([prompt_len])
+        out = _alloc_with_eviction(
+            self.tree_cache, allocator,
+            lambda: allocator.alloc_extend(
+                prefix_t.to(runner.device), seq_t.to(runner.device), runner.tensor([last_loc]), n,
+                prefix_lens_cpu=prefix_t, seq_lens_cpu=seq_t,
+            ),
+            n + self.page_size,
+        )
+        if out is None:
+            pool.free([req.req_pool_idx])
+            req.req_pool_idx, req.mamba_pool_idx = None, None
+            return False
+        pool.write((req.req_pool_idx, slice(prefix_len, prompt_len)), out.to(torch.int32))
+        return True
+
+    def _make_handoffs(self, req: Req, prefix_len: int, prompt_len: int) -> None:
+        """One hand-off per decode rank: the same slots (every rank allocates alike),
+        each rank's own layout and endpoint."""
+        row = self.runner.req_to_token_pool.req_to_token[req.req_pool_idx]
+        dst = row[prefix_len:prompt_len].tolist()
+        agent = self.agents[req.pd_backend]
+        req.pd_receiver = KVReceiver(agent, req.rid, req.pd_room, timeout_s=self.waiting_timeout_s)
+        own = req.pd_receiver.send_metadata(dst, req.mamba_pool_idx, prefix_len)
+        handoffs = [own]
+        for rank, targets in enumerate(self.follower_targets, start=1):
+            layout, endpoint = targets[req.pd_backend]
+            handoffs.append(KVHandoff(
+                own.rid, own.room, rank, own.tp_size, layout, own.dst_slots, own.dst_state_slot, own.dst_prefix_len,
+                own.backend, endpoint,
+            ))
+        req.pd_handoffs = [h.to_bytes() for h in handoffs]
+
+    # ---- transfers -----------------------------------------------------------------------
+    def _process_transfers(self) -> List[Req]:
+        done: List[Req] = []
+        for req in list(self.transfer):
+            receiver: KVReceiver = req.pd_receiver
+            notice = self._notices.pop(req.rid, None)
+            if notice is not None:
+                receiver.mark_done()
+            state = receiver.poll()
+            if state == KVPoll.Success:
+                self.transfer.remove(req)
+                self._start_decoding(req, notice)
+                done.append(req)
+            elif state == KVPoll.Failed:
+                self.transfer.remove(req)
+                self.num_transfer_failures += 1
+                self._drop(req, f"KV transfer failed: {receiver.failure_reason()}")
+                done.append(req)
+        return done
+
+    def _start_decoding(self, req: Req, notice: dict) -> None:
+        req.kv_committed_len = len(req.origin_input_ids)
+        req.output_ids.append(int(notice["first_token"]))
+        if notice.get("logprob") is not None:
+            req.output_logprobs.append(notice["logprob"])
+            if notice.get("top_logprobs") is not None:
+                req.output_top_logprobs.append([tuple(x) for x in notice["top_logprobs"]])
+        req.first_token_time = time.perf_counter()
+        req.pd_state = "running"
+        stream_text(req, self.tokenizer)
+        check_finished(req, self.tokenizer, self.runner.context_len)
+        if req.finished:
+            self.tree_cache.cache_finished_req(req)
+        else:
+            self.running.append(req)
+
+    def _drop(self, req: Req, message: str) -> None:
+        """End a reserved request: its slots and row go back, its lock is dropped."""
+        if req.req_pool_idx is not None:
+            req.kv_committed_len = req.kv_allocated_len
+            self.tree_cache.cache_finished_req(req, is_insert=False)
+        elif req.mamba_pool_idx is not None:
+            self.runner.mamba_pool.free(torch.tensor([req.mamba_pool_idx]))
+            req.mamba_pool_idx = None
+        req.pd_error = message
+        req.finish({"type": "abort", "message": message})
+
+    # ---- abort ---------------------------------------------------------------------------
+    def abort(self, rid: str, message: str = "aborted") -> bool:
+        for req in self.prealloc:
+            if req.rid == rid:
+                self.prealloc.remove(req)
+                req.pd_error = message
+                req.finish({"type": "abort", "message": message})
+                self._aborted.append(req)
+                return True
+        for req in self.transfer:
+            if req.rid == rid:
+                req.pd_receiver.abort(message)
+                self.transfer.remove(req)
+                self._drop(req, message)
+                self._aborted.append(req)
+                return True
+        return super().abort(rid)
+
+    def fail_all(self, message: str) -> List[Req]:
+        """Every queued request ends with ``message`` (its slots freed)."""
+        out = []
+        for req in self.prealloc:
+            req.pd_error = message
+            req.finish({"type": "abort", "message": message})
+            out.append(req)
+        for req in self.transfer:
+            self._drop(req, message)
+            out.append(req)
+        self.prealloc, self.transfer = [], []
+        return out
+
+
+def raise_for(req: Req) -> None:
+    error = getattr(req, "pd_error", None)
+    if error:
+        raise PDRequestError(error)
+
+
+__all__ = ["PrefillScheduler", "DecodeScheduler", "PDRequestError", "serves", "raise_for", "KVSender", "TransferError"]

@@ -1,0 +1,297 @@
+"""Prefill and decode workers: plain classes that ``cluster/`` turns into Ray actors.
+
+Each hosts one engine (model runner + a disaggregated scheduler + the loop
+thread) and one transfer agent. The path of one request, driven by whoever
+routes it (``cluster.pd.PDClient`` today, the router actor later)::
+
+    handoffs = await decode.reserve(rid, input_ids, sampling_params)   # slots reserved
+    notice   = await prefill.prefill(rid, input_ids, sampling_params, handoffs)  # KV pushed
+    async for out in decode.stream(rid, notice): ...                   # tokens
+
+A failure anywhere ends the request with :class:`PDRequestError` and frees
+what it held on the worker that saw it; the router aborts the other side
+(``decode.abort(rid)``), and the decode side's waiting timeout frees a
+reservation whose notice never comes.
+
+The methods are ``async`` so that a Ray async actor serves many requests at
+once; tests call them in-process with asyncio.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from typing import Any, AsyncIterator, Dict, List, Optional
+
+import transfer.backends  # noqa: F401  (registers the backends)
+from actors.engine.config import EngineConfig
+from actors.engine.engine import _eos_ids, check_engine_integrity, flush_engine_cache, request_result
+from actors.engine.engine_loop import EngineLoop
+from actors.engine.model_runner import ModelRunner
+from actors.engine.req import Req
+from actors.engine.sampling_params import SamplingParams
+from actors.pd_scheduler import DecodeScheduler, PDRequestError, PrefillScheduler, serves
+from mem_cache.buffer_allocator import create_buffer_allocator
+from transfer.base import KVHandoff, KVSender, create_agent
+from transfer.layout import pool_allocators, pool_layout
+
+logger = logging.getLogger(__name__)
+SHAREABLE_BACKENDS = ("shm", "cuda_ipc")
+
+
+def resolve_backends(backend: str, device: str) -> List[str]:
+    """The agents a worker keeps: ``auto`` means the same-node one of its device
+    plus ``torch_dist`` for peers on other nodes (the router picks per pair)."""
+    if backend != "auto":
+        return [backend]
+    return ["cuda_ipc" if device == "cuda" else "shm", "torch_dist"]
+
+
+class _Worker:
+    role = "worker"
+
+    def __init__(self, model_path: str, engine_args: Optional[Dict[str, Any]] = None, backend: str = "shm",
+                 worker_id: Optional[str] = None, tp_rank: int = 0, tp_size: int = 1):
+        self.worker_id = worker_id or f"{self.role}-{random.getrandbits(32):08x}"
+        self.config = EngineConfig(model_path=model_path, **(engine_args or {}))
+        self.backends = resolve_backends(backend, self.config.device)
+        shareable = self.role == "decode" and any(b in SHAREABLE_BACKENDS for b in self.backends)
+        self.buffer_allocator = create_buffer_allocator(self.config.device, shareable, prefix=self.worker_id)
+        self.runner = ModelRunner(self.config, self.buffer_allocator)
+        self.tokenizer = None
+        if not self.config.skip_tokenizer_init:
+            from transformers import AutoTokenizer
+
+            path = self.config.tokenizer_path or model_path
+            self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        self.eos_token_ids = _eos_ids(model_path, self.runner.model_config)
+        spec = self.runner.spec
+        layout, tensors = pool_layout(
+            self.runner.token_to_kv_pool, getattr(spec, "kv_head_start", 0), getattr(spec, "total_kv_heads", None)
+        )
+        allocators = pool_allocators(self.runner.token_to_kv_pool)
+        self.agents = {name: create_agent(name, layout, tensors, tp_rank, tp_size, allocators=allocators)
+                       for name in self.backends}
+        self.draining = False
+
+    def _make_req(self, rid: str, input_ids: List[int], sampling_params: Optional[Dict[str, Any]]) -> Req:
+        params = SamplingParams(**(sampling_params or {}))
+        if not input_ids:
+            raise ValueError("the prompt is empty")
+        if params.max_new_tokens < 1:
+            raise ValueError("max_new_tokens must be >= 1 when prefill and decode are disaggregated")
+        limit = self.runner.context_len
+        if len(input_ids) >= limit:
+            raise ValueError(f"prompt of {len(input_ids)} tokens does not fit the context length {limit}")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need the tokenizer (skip_tokenizer_init=True)")
+        req = Req(rid, list(input_ids), params, self.eos_token_ids)
+        req.pd_error = None
+        return req
+
+    def _submit(self, req: Req):
+        """Submit; returns an asyncio queue of ``(result, finished, error)`` per step."""
+        queue: asyncio.Queue = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        with_text = self.tokenizer is not None
+
+        def on_output(r: Req, error: Optional[BaseException]) -> None:
+            error = error or (PDRequestError(r.pd_error) if r.pd_error else None)
+            snapshot = (self._snapshot(r, with_text), r.finished, error)
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, snapshot)
+            except RuntimeError:  # the caller's event loop is gone: nobody to tell
+                logger.debug("dropping output of %s: its event loop is closed", r.rid)
+
+        self.loop.submit(req, on_output)
+        return queue
+
+    def _snapshot(self, req: Req, with_text: bool) -> Dict[str, Any]:
+        return request_result(req, with_text)
+
+    # ---- health and stats -----------------------------------------------------------
+    def health(self) -> Dict[str, Any]:
+        return {"worker_id": self.worker_id, "role": self.role, "draining": self.draining, "time": time.time()}
+
+    def node_id(self) -> str:
+        """The Ray node this worker runs on ("local" outside Ray)."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id() if ray.is_initialized() else "local"
+
+    def endpoints(self) -> Dict[str, Any]:
+        """``{backend: (layout, endpoint)}`` of this rank (what a peer needs to reach it)."""
+        return {name: (agent.layout, agent.endpoint()) for name, agent in self.agents.items()}
+
+    def load(self) -> Dict[str, Any]:
+        sched, allocator = self.scheduler, self.runner.allocator
+        total = allocator.num_pages * allocator.page_size
+        return {
+            "worker_id": self.worker_id,
+            "waiting": len(sched.waiting),
+            "running": len(sched.running),
+            "free_slots": allocator.available_size() + sched.evictable_tokens(),
+            "total_slots": total,
+            "kv_usage": 1.0 - allocator.available_size() / total,
+        }
+
+    async def drain(self, timeout_s: float = 120.0) -> bool:
+        """Refuse new requests; return once nothing is queued or running (True) or at the timeout."""
+        self.draining = True
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if not self.loop.run_exclusive(self.scheduler.has_work):
+                return True
+            await asyncio.sleep(0.02)
+        return False
+
+    def pause_generation(self) -> None:
+        """Hold the scheduler after its current step (requests stay queued)."""
+        self.loop.pause()
+
+    def continue_generation(self) -> None:
+        self.loop.resume()
+
+    def check_integrity(self) -> None:
+        """Idle worker: every slot free or cached, no row held, no lock left."""
+        self.loop.run_exclusive(lambda: check_engine_integrity(self.scheduler, self.runner))
+
+    def flush_cache(self) -> None:
+        self.loop.run_exclusive(lambda: flush_engine_cache(self.scheduler, self.runner))
+
+    def shutdown(self) -> None:
+        self.loop.stop()
+        for agent in self.agents.values():
+            agent.close()
+        self.buffer_allocator.close()
+
+
+class PrefillWorker(_Worker):
+    """Matches, prefills, samples the first token, pushes the KV; never decodes."""
+
+    role = "prefill"
+
+    def __init__(self, model_path: str, engine_args: Optional[Dict[str, Any]] = None, backend: str = "shm",
+                 worker_id: Optional[str] = None, tp_rank: int = 0, tp_size: int = 1):
+        super().__init__(model_path, engine_args, backend, worker_id, tp_rank, tp_size)
+        self.scheduler = PrefillScheduler(self.runner, self.tokenizer)
+        self.loop = EngineLoop(self.scheduler)
+
+    async def prefill(self, rid: str, input_ids: List[int], sampling_params: Optional[Dict[str, Any]],
+                      handoffs: List[bytes]) -> Dict[str, Any]:
+        """Prefill and push; returns the completion notice the decode side needs."""
+        if self.draining:
+            raise PDRequestError("prefill worker is draining")
+        req = self._make_req(rid, input_ids, sampling_params)
+        req.pd_senders = []
+        for raw in handoffs:
+            handoff = KVHandoff.from_bytes(raw)
+            agent = self.agents.get(handoff.backend)
+            if agent is None:
+                raise PDRequestError(f"hand-off over backend {handoff.backend!r}; this worker has {sorted(self.agents)}")
+            if serves(handoff, agent):
+                sender = KVSender(agent, rid)
+                sender.init(handoff)  # LayoutMismatchError names the difference
+                req.pd_senders.append(sender)
+        if not req.pd_senders:
+            raise PDRequestError("no hand-off for this prefill rank")
+        queue = self._submit(req)
+        while True:
+            result, finished, error = await queue.get()
+            if error is not None:
+                raise error
+            if finished:
+                break
+        return {
+            "rid": rid,
+            "first_token": req.output_ids[0],
+            "logprob": req.output_logprobs[0] if req.output_logprobs else None,
+            "top_logprobs": req.output_top_logprobs[0] if req.output_top_logprobs else None,
+            "first_finish": req.pd_first_finish,
+            "cached_tokens": req.cached_tokens,
+            "prompt_tokens": len(req.origin_input_ids),
+            "transfer_time": getattr(req, "pd_transfer_time", None),
+            "prefill_latency": req.finished_time - req.created_time,
+        }
+
+    def load(self) -> Dict[str, Any]:
+        out = super().load()
+        out["queued_prefill_tokens"] = sum(len(r.origin_input_ids) - len(r.prefix_indices) for r in self.scheduler.waiting)
+        out["bytes_pushed"] = self.scheduler.bytes_pushed
+        return out
+
+
+class DecodeWorker(_Worker):
+    """Reserves slots for a prompt, receives its KV, decodes, streams tokens."""
+
+    role = "decode"
+
+    def __init__(self, model_path: str, engine_args: Optional[Dict[str, Any]] = None, backend: str = "shm",
+                 worker_id: Optional[str] = None, tp_rank: int = 0, tp_size: int = 1,
+                 num_reserved_decode_tokens: int = 512, waiting_timeout_s: float = 300.0,
+                 follower_targets: Optional[List[Dict]] = None):
+        super().__init__(model_path, engine_args, backend, worker_id, tp_rank, tp_size)
+        self.scheduler = DecodeScheduler(
+            self.runner, self.tokenizer, self.agents, follower_targets, num_reserved_decode_tokens, waiting_timeout_s,
+        )
+        self.loop = EngineLoop(self.scheduler)
+        self._queues: Dict[str, asyncio.Queue] = {}
+
+    async def reserve(self, rid: str, input_ids: List[int], sampling_params: Optional[Dict[str, Any]],
+                      backend: Optional[str] = None) -> List[bytes]:
+        """Wait for a request row and KV slots; returns one hand-off per decode rank.
+        ``backend``: how the prefill peer reaches us (default: this worker's first)."""
+        if self.draining:
+            raise PDRequestError("decode worker is draining")
+        backend = backend or self.backends[0]
+        if backend not in self.agents:
+            raise PDRequestError(f"backend {backend!r} not served here; this worker has {sorted(self.agents)}")
+        req = self._make_req(rid, input_ids, sampling_params)
+        req.pd_room = random.getrandbits(63)
+        req.pd_backend = backend
+        queue = self._submit(req)
+        self._queues[rid] = queue
+        result, finished, error = await queue.get()
+        if error is not None:
+            self._queues.pop(rid, None)
+            raise error
+        return result["handoffs"]
+
+    def _snapshot(self, req: Req, with_text: bool) -> Dict[str, Any]:
+        out = request_result(req, with_text)
+        if getattr(req, "pd_state", None) == "transfer":
+            out["handoffs"] = req.pd_handoffs
+        return out
+
+    async def stream(self, rid: str, notice: Dict[str, Any]) -> AsyncIterator[Dict[str, Any]]:
+        """Deliver the prefill side's notice, then yield results until the request ends."""
+        queue = self._queues.get(rid)
+        if queue is None:
+            raise PDRequestError(f"request {rid!r} has no reservation on this decode worker")
+        if not self.loop.run_exclusive(lambda: self.scheduler.on_transfer_done(rid, notice)):
+            self._queues.pop(rid, None)
+            raise PDRequestError(f"request {rid!r} is no longer waiting for its KV (timed out or aborted)")
+        finished = False
+        try:
+            while not finished:
+                result, finished, error = await queue.get()
+                if error is not None:
+                    raise error
+                yield result
+        finally:
+            self._queues.pop(rid, None)
+            if not finished:  # the consumer went away: stop decoding for nobody
+                self.loop.abort(rid)
+
+    async def abort(self, rid: str, message: str = "aborted") -> bool:
+        self._queues.pop(rid, None)
+        return self.loop.run_exclusive(lambda: self.scheduler.abort(rid, message))
+
+    def load(self) -> Dict[str, Any]:
+        out = super().load()
+        out["prealloc"] = len(self.scheduler.prealloc)
+        out["transfer"] = len(self.scheduler.transfer)
+        out["retractions"] = self.scheduler.num_retractions
+        return out

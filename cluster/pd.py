@@ -1,0 +1,262 @@
+"""Bringing up the PD workers as Ray actors, and a driver-side client.
+
+``PDCluster(config).start()`` applies ``ray.remote`` to the plain worker
+classes of ``actors.workers``, places them (by the custom node resources
+``prefill`` / ``decode`` when the config asks), and waits until every one
+answers its health check. ``PDClient`` runs a request through a (prefill,
+decode) pair — picked round-robin here; the router actor takes this job in
+the routing issue::
+
+    reserve on decode → prefill + push on prefill → stream from decode
+
+A failure on either side (an actor died, a transfer failed or timed out)
+ends the request with :class:`PDRequestError` within the configured
+timeouts and tells the other side to free what it holds; a worker that
+misses ``heartbeat_max_failures`` heartbeats in a row leaves the rotation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Dict, List, Optional
+
+import ray
+
+from actors.pd_scheduler import PDRequestError
+from actors.workers import DecodeWorker, PrefillWorker
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class WorkerRef:
+    """A worker actor as the client sees it."""
+
+    worker_id: str
+    role: str
+    handle: Any
+    node_id: str
+    alive: bool = True
+    missed_heartbeats: int = 0
+    inflight: int = 0
+    stats: Dict[str, Any] = field(default_factory=dict)
+
+
+def _actor_options(config, role: str) -> Dict[str, Any]:
+    group = config.group(role)
+    options: Dict[str, Any] = {
+        "num_cpus": group.num_cpus_per_rank,
+        "num_gpus": group.gpus_per_rank,
+        "max_concurrency": 1000,
+        "max_restarts": 0,
+    }
+    placement = config.placement
+    if placement.use_node_resources:
+        resource = placement.prefill_resource if role == "prefill" else placement.decode_resource
+        options["resources"] = {resource: placement.resource_per_rank}
+    return options
+
+
+class PDCluster:
+    """The prefill and decode worker actors of one config."""
+
+    def __init__(self, config, model_path: Optional[str] = None):
+        self.config = config
+        self.model_path = model_path or config.model.resolve_model_path()
+        self.prefill: List[WorkerRef] = []
+        self.decode: List[WorkerRef] = []
+
+    def _start_worker(self, role: str, index: int) -> WorkerRef:
+        cfg = self.config
+        group = cfg.group(role)
+        if group.tp_size != 1:
+            raise NotImplementedError("tp_size > 1 workers are started by cluster.tp (see the TP rank actors)")
+        worker_id = f"{role}-{index}-{uuid.uuid4().hex[:6]}"
+        kwargs = dict(
+            model_path=self.model_path, engine_args=dict(group.engine_overrides(), device=group.device,
+                                                         tokenizer_path=cfg.model.tokenizer_path),
+            backend=cfg.transfer.backend, worker_id=worker_id,
+        )
+        if role == "decode":
+            kwargs.update(num_reserved_decode_tokens=cfg.transfer.num_reserved_decode_tokens,
+                          waiting_timeout_s=cfg.transfer.waiting_timeout_s)
+        cls = PrefillWorker if role == "prefill" else DecodeWorker
+        handle = ray.remote(cls).options(name=worker_id, **_actor_options(cfg, role)).remote(**kwargs)
+        return WorkerRef(worker_id, role, handle, node_id="")
+
+    def start(self, timeout_s: float = 300.0) -> "PDCluster":
+        self.prefill = [self._start_worker("prefill", i) for i in range(self.config.prefill.num_workers)]
+        self.decode = [self._start_worker("decode", i) for i in range(self.config.decode.num_workers)]
+        workers = self.prefill + self.decode
+        nodes = ray.get([w.handle.node_id.remote() for w in workers], timeout=timeout_s)
+        for worker, node in zip(workers, nodes):
+            worker.node_id = node
+        ray.get([w.handle.health.remote() for w in workers], timeout=timeout_s)
+        return self
+
+    def client(self, tokenizer=None) -> "PDClient":
+        t = self.config.transfer
+        return PDClient(self.prefill, self.decode, backend=t.backend, tokenizer=tokenizer, device=self.config.decode.device,
+                        bootstrap_timeout_s=t.bootstrap_timeout_s, waiting_timeout_s=t.waiting_timeout_s,
+                        heartbeat_interval_s=t.heartbeat_interval_s, heartbeat_max_failures=t.heartbeat_max_failures)
+
+    def check_integrity(self) -> None:
+        """Every live worker idle and leak-free (raises the first worker's error)."""
+        ray.get([w.handle.check_integrity.remote() for w in self.prefill + self.decode if w.alive])
+
+    def drain_and_shutdown(self, timeout_s: float = 120.0) -> None:
+        """Refuse new requests, let accepted ones finish (decode after prefill), free the pools."""
+        for side in (self.prefill, self.decode):
+            refs = [w.handle.drain.remote(timeout_s) for w in side if w.alive]
+            for ref in refs:
+                try:
+                    ray.get(ref, timeout=timeout_s + 5)
+                except Exception as exc:  # a dead worker has nothing left to drain
+                    logger.warning("drain: %s", exc)
+        self.shutdown()
+
+    def shutdown(self) -> None:
+        for worker in self.prefill + self.decode:
+            try:
+                ray.get(worker.handle.shutdown.remote(), timeout=30)
+            except Exception:  # already dead: nothing to free
+                pass
+            ray.kill(worker.handle)
+
+
+def select_backend(backend: str, same_node: bool, device: str) -> str:
+    if backend != "auto":
+        return backend
+    if same_node:
+        return "cuda_ipc" if device == "cuda" else "shm"
+    return "torch_dist"
+
+
+class PDClient:
+    """Runs requests through the cluster; one per driver (the router later)."""
+
+    def __init__(self, prefill: List[WorkerRef], decode: List[WorkerRef], backend: str = "shm", tokenizer=None,
+                 device: str = "cpu", bootstrap_timeout_s: float = 300.0, waiting_timeout_s: float = 300.0,
+                 heartbeat_interval_s: float = 5.0, heartbeat_max_failures: int = 2):
+        self.prefill, self.decode = prefill, decode
+        self.backend, self.device, self.tokenizer = backend, device, tokenizer
+        self.bootstrap_timeout_s, self.waiting_timeout_s = bootstrap_timeout_s, waiting_timeout_s
+        self.heartbeat_interval_s, self.heartbeat_max_failures = heartbeat_interval_s, heartbeat_max_failures
+        self._rr = {"prefill": itertools.count(), "decode": itertools.count()}
+        self._heartbeat_task: Optional[asyncio.Task] = None
+        self.draining = False
+        self.inflight = 0
+
+    # ---- choosing workers -----------------------------------------------------------
+    def _pick(self, role: str) -> WorkerRef:
+        pool = [w for w in (self.prefill if role == "prefill" else self.decode) if w.alive]
+        if not pool:
+            raise PDRequestError(f"no live {role} worker")
+        return pool[next(self._rr[role]) % len(pool)]
+
+    def _mark_dead(self, worker: WorkerRef, why: str) -> None:
+        if worker.alive:
+            logger.warning("worker %s leaves the rotation: %s", worker.worker_id, why)
+        worker.alive = False
+
+    # ---- requests ---------------------------------------------------------------------
+    async def generate(self, input_ids: List[int], sampling_params: Optional[Dict[str, Any]] = None,
+                       rid: Optional[str] = None) -> Dict[str, Any]:
+        final = None
+        async for final in self.generate_stream(input_ids, sampling_params, rid):
+            pass
+        return final
+
+    async def generate_stream(self, input_ids: List[int], sampling_params: Optional[Dict[str, Any]] = None,
+                              rid: Optional[str] = None) -> AsyncIterator[Dict[str, Any]]:
+        """Yield cumulative results as the decode worker produces tokens."""
+        if self.draining:
+            raise PDRequestError("the cluster is draining: no new requests")
+        rid = rid or uuid.uuid4().hex
+        prefill, decode = self._pick("prefill"), self._pick("decode")
+        backend = select_backend(self.backend, prefill.node_id == decode.node_id, self.device)
+        prefill.inflight += 1
+        decode.inflight += 1
+        self.inflight += 1
+        start = time.perf_counter()
+        try:
+            handoffs = await self._call(decode, decode.handle.reserve.remote(rid, input_ids, sampling_params, backend),
+                                        self.bootstrap_timeout_s, rid)
+            try:
+                notice = await self._call(prefill, prefill.handle.prefill.remote(rid, input_ids, sampling_params, handoffs),
+                                          self.waiting_timeout_s, rid)
+            except BaseException:
+                await self._abort_quietly(decode, rid)
+                raise
+            gen = decode.handle.stream.options(num_returns="streaming").remote(rid, notice)
+            async for ref in gen:
+                out = await self._call(decode, ref, self.waiting_timeout_s, rid)
+                out["meta_info"]["cached_tokens"] = max(out["meta_info"]["cached_tokens"], notice["cached_tokens"])
+                out["meta_info"]["prefill_worker"] = prefill.worker_id
+                out["meta_info"]["decode_worker"] = decode.worker_id
+                out["meta_info"]["ttft_pd"] = notice["prefill_latency"]
+                out["meta_info"]["e2e_latency_pd"] = time.perf_counter() - start
+                yield out
+        finally:
+            prefill.inflight -= 1
+            decode.inflight -= 1
+            self.inflight -= 1
+
+    async def drain(self, timeout_s: float = 120.0) -> None:
+        """Refuse new requests; return once every accepted one has ended."""
+        self.draining = True
+        deadline = time.monotonic() + timeout_s
+        while self.inflight and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+
+    async def _call(self, worker: WorkerRef, ref, timeout_s: float, rid: str):
+        try:
+            return await asyncio.wait_for(ref, timeout=timeout_s)
+        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as exc:
+            self._mark_dead(worker, type(exc).__name__)
+            raise PDRequestError(f"{worker.role} worker {worker.worker_id} died while serving {rid}") from exc
+        except asyncio.TimeoutError as exc:
+            raise PDRequestError(f"{worker.role} worker {worker.worker_id} did not answer within {timeout_s}s") from exc
+        except ray.exceptions.RayTaskError as exc:
+            cause = exc.as_instanceof_cause()
+            if isinstance(cause, (PDRequestError, ValueError)):
+                raise cause from None
+            raise PDRequestError(f"{worker.role} worker {worker.worker_id}: {exc}") from exc
+
+    async def _abort_quietly(self, worker: WorkerRef, rid: str) -> None:
+        try:
+            await asyncio.wait_for(worker.handle.abort.remote(rid, "the prefill side failed"), timeout=5)
+        except Exception:  # the decode side's waiting timeout frees it if this cannot
+            logger.warning("could not abort %s on %s", rid, worker.worker_id)
+
+    # ---- heartbeats --------------------------------------------------------------------
+    async def heartbeat_once(self) -> None:
+        workers = [w for w in self.prefill + self.decode if w.alive]
+
+        async def ping(w: WorkerRef) -> None:
+            try:
+                w.stats = await asyncio.wait_for(w.handle.load.remote(), timeout=self.heartbeat_interval_s)
+                w.missed_heartbeats = 0
+            except Exception as exc:
+                w.missed_heartbeats += 1
+                if isinstance(exc, ray.exceptions.RayActorError) or w.missed_heartbeats >= self.heartbeat_max_failures:
+                    self._mark_dead(w, f"{w.missed_heartbeats} missed heartbeats ({type(exc).__name__})")
+
+        await asyncio.gather(*(ping(w) for w in workers))
+
+    def start_heartbeats(self) -> None:
+        async def run():
+            while True:
+                await self.heartbeat_once()
+                await asyncio.sleep(self.heartbeat_interval_s)
+
+        self._heartbeat_task = asyncio.get_running_loop().create_task(run())
+
+    def stop_heartbeats(self) -> None:
+        if self._heartbeat_task is not None:
+            self._heartbeat_task.cancel()

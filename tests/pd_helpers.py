@@ -1,0 +1,38 @@
+"""Driving in-process prefill and decode workers the way the router does."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import random
+from typing import Dict, List, Optional
+
+_rids = itertools.count()
+
+
+async def run_pd(prefill, decode, input_ids: List[int], params: Optional[Dict] = None, rid: Optional[str] = None):
+    """reserve → prefill + push → stream; returns (final result, notice, hand-offs)."""
+    rid = rid or f"pd-{next(_rids)}"
+    params = params or {"max_new_tokens": 8, "temperature": 0}
+    handoffs = await decode.reserve(rid, input_ids, params)
+    try:
+        notice = await prefill.prefill(rid, input_ids, params, handoffs)
+    except BaseException:
+        await decode.abort(rid)
+        raise
+    final = None
+    async for final in decode.stream(rid, notice):
+        pass
+    return final, notice, handoffs
+
+
+def run_batch(prefill, decode, batch: List[List[int]], params: Optional[Dict] = None):
+    async def go():
+        return await asyncio.gather(*(run_pd(prefill, decode, ids, params) for ids in batch))
+
+    return asyncio.run(go())
+
+
+def prompts(n: int, lo: int, hi: int, seed: int = 0, shared=(), vocab: int = 250) -> List[List[int]]:
+    rng = random.Random(seed)
+    return [list(shared) + [rng.randrange(3, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]

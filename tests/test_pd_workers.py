@@ -1,0 +1,152 @@
+"""Prefill and decode workers in one process (no Ray), KV moving through shared
+memory: greedy tokens equal HF transformers' for the dense, hybrid (Mamba) and
+MLA families; prefix hits on either side; chunked prefill; decode retraction;
+layout mismatch, timeouts and aborts free everything."""
+
+import asyncio
+import time
+
+import pytest
+
+from actors.engine.tiny import build_tiny_checkpoint
+from actors.pd_scheduler import PDRequestError
+from actors.workers import DecodeWorker, PrefillWorker
+from tests.parity import assert_greedy_parity
+from tests.pd_helpers import prompts, run_batch, run_pd
+from transfer.base import KVHandoff, LayoutMismatchError
+
+GREEDY = {"max_new_tokens": 8, "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pd-models")
+    return {f: str(build_tiny_checkpoint(f, root / f)) for f in ("llama", "qwen3_next", "deepseek_v3")}
+
+
+def make_pair(path, page_size=1, prefill_args=None, decode_args=None, **decode_kwargs):
+    base = dict(max_total_tokens=2048, page_size=page_size, skip_tokenizer_init=True)
+    prefill = PrefillWorker(path, dict(base, **(prefill_args or {})), backend="shm")
+    decode = DecodeWorker(path, dict(base, **(decode_args or {})), backend="shm", **decode_kwargs)
+    return prefill, decode
+
+
+def close(*workers):
+    for w in workers:
+        for _ in range(200):  # an abort is reported at the loop's next step
+            if not w.loop.run_exclusive(w.scheduler.has_work):
+                break
+            time.sleep(0.01)
+        w.check_integrity()
+        w.shutdown()
+
+
+@pytest.mark.parametrize("family,page_size", [("llama", 1), ("llama", 16), ("qwen3_next", 1), ("deepseek_v3", 4)])
+def test_greedy_tokens_equal_hf_through_pd(checkpoints, family, page_size):
+    path = checkpoints[family]
+    prefill, decode = make_pair(path, page_size)
+    batch = prompts(4, 3, 40, seed=1)
+    results = run_batch(prefill, decode, batch, GREEDY)
+    outputs = [r[0]["output_ids"] for r in results]
+    assert_greedy_parity(path, batch, outputs, 8, decode.eos_token_ids)
+    assert prefill.scheduler.bytes_pushed > 0
+    close(prefill, decode)
+
+
+def test_prefix_hits_on_both_sides(checkpoints):
+    """A repeated long prefix is prefilled once (prefill cache) and its KV sent once
+    (the decode worker's own tree covers it the second time)."""
+    path = checkpoints["llama"]
+    prefill, decode = make_pair(path, page_size=4)
+    system = prompts(1, 48, 48, seed=7)[0]
+    first = prompts(1, 5, 5, seed=2, shared=system)
+    run_batch(prefill, decode, first, GREEDY)
+    pushed_before = prefill.scheduler.bytes_pushed
+    second = prompts(2, 4, 9, seed=3, shared=system)
+    results = run_batch(prefill, decode, second, GREEDY)
+    for final, notice, handoffs in results:
+        assert notice["cached_tokens"] >= 48  # prefill side
+        dst_prefix = KVHandoff.from_bytes(handoffs[0]).dst_prefix_len
+        assert dst_prefix >= 48  # decode side: only the tail moved
+        assert final["meta_info"]["cached_tokens"] == dst_prefix
+    per_token = pushed_before / len(first[0])
+    assert prefill.scheduler.bytes_pushed - pushed_before <= per_token * sum(len(p) - 48 for p in second)
+    assert_greedy_parity(path, second, [r[0]["output_ids"] for r in results], 8, decode.eos_token_ids)
+    close(prefill, decode)
+
+
+def test_chunked_prefill_then_transfer(checkpoints):
+    path = checkpoints["qwen3_next"]
+    prefill, decode = make_pair(path, prefill_args={"chunked_prefill_size": 16})
+    batch = prompts(2, 40, 60, seed=4)
+    results = run_batch(prefill, decode, batch, GREEDY)
+    assert_greedy_parity(path, batch, [r[0]["output_ids"] for r in results], 8, decode.eos_token_ids)
+    close(prefill, decode)
+
+
+def test_decode_retracts_under_kv_pressure_and_recomputes(checkpoints):
+    path = checkpoints["llama"]
+    decode_args = {"max_total_tokens": 160, "init_new_token_ratio": 0.02, "min_new_token_ratio": 0.02}
+    prefill, decode = make_pair(path, decode_args=decode_args, num_reserved_decode_tokens=2)
+    batch = prompts(6, 10, 20, seed=5)
+    params = {"max_new_tokens": 24, "temperature": 0}
+    results = run_batch(prefill, decode, batch, params)
+    assert decode.scheduler.num_retractions > 0
+    assert_greedy_parity(path, batch, [r[0]["output_ids"] for r in results], 24, decode.eos_token_ids)
+    close(prefill, decode)
+
+
+def test_layout_mismatch_is_rejected_and_frees_both_sides(checkpoints):
+    path = checkpoints["llama"]
+    prefill, decode = make_pair(path, prefill_args={"page_size": 1}, decode_args={"page_size": 4})
+    with pytest.raises(LayoutMismatchError, match="page_size"):
+        run_batch(prefill, decode, prompts(1, 10, 10), GREEDY)
+    close(prefill, decode)
+
+
+def test_missing_notice_times_out_and_frees_the_reservation(checkpoints):
+    path = checkpoints["llama"]
+    prefill, decode = make_pair(path, waiting_timeout_s=0.3)
+
+    async def go():
+        await decode.reserve("lost", prompts(1, 12, 12)[0], GREEDY)
+        await asyncio.sleep(0.6)
+        with pytest.raises(PDRequestError, match="no longer waiting"):
+            async for _ in decode.stream("lost", {"first_token": 5}):
+                pass
+
+    asyncio.run(go())
+    assert decode.scheduler.num_transfer_failures == 1
+    close(prefill, decode)
+
+
+def test_abort_while_reserved_frees_slots(checkpoints):
+    path = checkpoints["llama"]
+    prefill, decode = make_pair(path)
+
+    async def go():
+        await decode.reserve("gone", prompts(1, 20, 20)[0], GREEDY)
+        assert await decode.abort("gone")
+        for _ in range(100):
+            if not decode.scheduler.has_work():
+                break
+            await asyncio.sleep(0.01)
+        final, _, _ = await run_pd(prefill, decode, prompts(1, 20, 20)[0], GREEDY)
+        assert final["meta_info"]["finish_reason"]["type"] == "length"
+
+    asyncio.run(go())
+    close(prefill, decode)
+
+
+def test_bad_requests_fail_clearly(checkpoints):
+    path = checkpoints["llama"]
+    prefill, decode = make_pair(path)
+
+    async def go():
+        with pytest.raises(ValueError, match="max_new_tokens"):
+            await decode.reserve("zero", [5, 6], {"max_new_tokens": 0})
+        with pytest.raises(ValueError, match="empty"):
+            await decode.reserve("empty", [], GREEDY)
+
+    asyncio.run(go())
+    close(prefill, decode)
