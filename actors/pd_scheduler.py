@@ -72,6 +72,9 @@ class PrefillScheduler(Scheduler):
         self.progressed = True
         return out
 
+    def _request_reserve(self, req: Req) -> int:
+        return 0  # it never decodes: the decode worker reserves for the new tokens
+
     def _prefill_done(self, req: Req, logits_row) -> None:
         """Sample the first token, push the KV, then cache the prompt (dropping the lock)."""
         self._sample(req, logits_row)

@@ -75,6 +75,17 @@ class SWAKVPool(KVCache):
             raise RuntimeError("SWAKVPool: no full→SWA mapping registered (call register_mapping first)")
         return self.full_to_swa_index_mapping[loc].to(torch.int32)
 
+    def translate_layer_loc(self, layer_id: int, loc: torch.Tensor) -> torch.Tensor:
+        """Rows of ``layer_id``'s buffers that hold full slots ``loc`` (any shape,
+        dtype kept): ``loc`` itself for a full layer, the SWA slots for an SWA
+        layer — 0, the zero dummy row, for tokens whose SWA KV is gone (out of
+        every window, so attention masks them). Attention backends read
+        through this; a whole ``req_to_token`` table translates the same way."""
+        _, _, is_swa = self._route(layer_id)
+        return self.translate_loc_from_full_to_swa(loc).to(loc.dtype) if is_swa else loc
+
+    translate_layer_table = translate_layer_loc
+
     def _route(self, layer_id: int) -> Tuple[MHATokenToKVPool, int, bool]:
         if layer_id not in self.layers_mapping:
             raise ValueError(f"layer_id={layer_id} is neither a full-attention nor a sliding-window layer of this pool")

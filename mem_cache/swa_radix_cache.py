@@ -395,6 +395,16 @@ class SWARadixCache(RadixCache):
         req.last_node, req.swa_uuid_for_lock = new_last_node, swa_uuid_for_lock
 
     # ---- inspection --------------------------------------------------------------
+    def check_accounting(self, private_full: int = 0, private_swa: int = 0) -> None:
+        """Every slot of both pools is free, cached (evictable or protected) or private
+        to a running request: ``available + evictable + protected + private == size``
+        for the full pool and for the SWA pool alike."""
+        alloc = self.token_to_kv_pool_allocator
+        full = (alloc.full_available_size(), self.full_evictable_size_, self.full_protected_size_, private_full)
+        swa = (alloc.swa_available_size(), self.swa_evictable_size_, self.swa_protected_size_, private_swa)
+        for name, parts, total in (("full", full, alloc.size), ("SWA", swa, alloc.size_swa)):
+            ensure(sum(parts) == total, f"{name} pool: available + evictable + protected + private = {parts}, size {total}")
+
     def check_integrity(self) -> None:
         """Structure, both LRU lists, no tombstone leaf, lock and size counters,
         unique slots, and the SWA mapping: > 0 for every slot of a non-tombstone

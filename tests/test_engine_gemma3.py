@@ -1,14 +1,24 @@
-"""Gemma 3 (sliding-window + full layers) through the engine: parity with HF
-when prompts and generations run past the window, with chunks and prefix hits."""
+"""Gemma 3 (sliding-window + full layers) through the engine on its real SWA pools:
+parity with HF when prompts and generations run past the window, with chunks,
+prefix hits (the window still there, or slid out), retraction, both backends.
+
+The tiny checkpoint's window is 16 tokens, so 20–50-token sequences exceed it.
+"""
 
 import random
 
+import pydantic
 import pytest
 import torch
 
 from actors.engine import Engine
 from actors.engine.tiny import build_tiny_checkpoint
+from mem_cache.swa_allocator import SWATokenToKVPoolAllocator
+from mem_cache.swa_memory_pool import SWAKVPool
+from mem_cache.swa_radix_cache import SWARadixCache
 from tests.parity import assert_greedy_parity
+
+WINDOW = 16
 
 
 @pytest.fixture(scope="module")
@@ -16,19 +26,100 @@ def model_dir(tmp_path_factory):
     return str(build_tiny_checkpoint("gemma3", tmp_path_factory.mktemp("gemma3") / "m", seed=0))
 
 
-@pytest.mark.parametrize("backend, page_size", [("torch", 1), ("torch", 4), ("triton", 1)])
-def test_gemma3_parity_past_the_window(model_dir, backend, page_size):
+def make_engine(model_dir, backend="torch", **kwargs):
     device = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
+    kwargs.setdefault("max_total_tokens", 2048)
+    return Engine(model_path=model_dir, skip_tokenizer_init=True, attention_backend=backend, device=device, **kwargs)
+
+
+def run_and_check(engine, model_dir, prompts, max_new_tokens):
+    """Generate greedily, hold the tokens against HF's, check the idle engine; returns the results."""
+    params = {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True}
+    outs = engine.generate(input_ids=prompts, sampling_params=params)
+    assert_greedy_parity(model_dir, prompts, [o["output_ids"] for o in outs], max_new_tokens)
+    engine.check_integrity()
+    return outs
+
+
+def tombstones(tree: SWARadixCache):
+    return [n for n in tree._iter_nodes() if n.swa_tombstone]
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=pytest.mark.slow)])  # ~20 s interpreted
+def test_gemma3_parity_on_swa_pools_past_the_window(model_dir, backend):
     rng = random.Random(1)
-    system = [rng.randrange(5, 261) for _ in range(24)]  # longer than the 16-token window
+    system = [rng.randrange(5, 261) for _ in range(24)]  # longer than the window
     batch = [system + [rng.randrange(5, 261) for _ in range(n)] for n in (3, 9)] + [[7, 8, 9]]
-    engine = Engine(model_path=model_dir, skip_tokenizer_init=True, attention_backend=backend, device=device,
-                    page_size=page_size, max_total_tokens=2048, chunked_prefill_size=8)
-    params = {"max_new_tokens": 20, "temperature": 0}
-    outs = engine.generate(input_ids=batch, sampling_params=params)
-    assert_greedy_parity(model_dir, batch, [o["output_ids"] for o in outs], 20, engine.eos_token_ids)
-    again = engine.generate(input_ids=[system + [11, 12]], sampling_params=params)
-    assert again[0]["meta_info"]["cached_tokens"] >= 24 // page_size * page_size
-    assert_greedy_parity(model_dir, [system + [11, 12]], [again[0]["output_ids"]], 20, engine.eos_token_ids)
+    engine = make_engine(model_dir, backend, chunked_prefill_size=8, swa_full_tokens_ratio=0.5)
+    pool, alloc = engine.runner.token_to_kv_pool, engine.runner.allocator
+    assert isinstance(pool, SWAKVPool) and isinstance(alloc, SWATokenToKVPoolAllocator)
+    assert (alloc.size, alloc.size_swa, pool.swa_layer_nums, pool.full_layer_nums) == (2048, 1024, 3, 1)
+    assert isinstance(engine.scheduler.tree_cache, SWARadixCache)
+    run_and_check(engine, model_dir, batch, 20)
+    assert tombstones(engine.scheduler.tree_cache)  # decoded tokens slid out of the window: SWA freed
+    again = run_and_check(engine, model_dir, [system + [11, 12]], 8)
+    assert again[0]["meta_info"]["cached_tokens"] == 24  # the system prompt's window still has SWA KV
+    engine.shutdown()
+
+
+def test_gemma3_prefix_match_stops_where_the_window_slid_out(model_dir):
+    rng = random.Random(2)
+    prompt = [rng.randrange(5, 261) for _ in range(20)]
+    engine = make_engine(model_dir)
+    first = run_and_check(engine, model_dir, [prompt], 30)[0]
+    seq = prompt + first["output_ids"][:29]  # 49 tokens with KV; the last sampled one has none
+    # cached: [0, 20) prompt with SWA, [20, 32) slid out of the window (a tombstone), [32, 49) with SWA
+    tree = engine.scheduler.tree_cache
+    assert [len(n.key) for n in tombstones(tree)] == [49 - 20 - WINDOW - 1]
+    cases = {26: 20, 40: 20, 49: 49}  # matched length → usable prefix: a window of SWA KV before its end
+    prompts = [seq[:n] + [99] for n in cases]
+    outs = run_and_check(engine, model_dir, prompts, 6)
+    assert [o["meta_info"]["cached_tokens"] for o in outs] == list(cases.values())
+    engine.shutdown()
+
+
+def test_gemma3_swa_eviction_tombstones_a_shared_prefix_while_requests_run(model_dir):
+    """Two requests reuse a cached 24-token system prompt. Once their chunks are cached their
+    locks cover only their windows (their own 20-token suffixes), so when decode runs short
+    of SWA slots the system prompt's SWA KV is evicted: it becomes a tombstone. A match
+    through it is usable only where a whole window with SWA KV follows; the next request
+    that computes the system prompt revives it."""
+    rng = random.Random(3)
+    system = [rng.randrange(5, 261) for _ in range(24)]
+    shared = [system + [rng.randrange(5, 261) for _ in range(20)] for _ in range(2)]
+    # 80 SWA slots: 25 cached + 2 × 20 prefilled, then 2 × 16 decode slots do not fit
+    engine = make_engine(model_dir, max_total_tokens=320, swa_full_tokens_ratio=0.25, init_new_token_ratio=0.1)
+    tree = engine.scheduler.tree_cache
+    run_and_check(engine, model_dir, [system + [4]], 1)
+    outs = run_and_check(engine, model_dir, shared, 17)  # 17: no decoded token leaves the window
+    assert [o["meta_info"]["cached_tokens"] for o in outs] == [24, 24]
+    assert engine.scheduler.num_retractions == 0
+    assert [len(n.key) for n in tombstones(tree)] == [24]
+    outs = run_and_check(engine, model_dir, [shared[0] + [5], system + [6, 7]], 4)
+    # a window of 20 tokens with SWA after the tombstone → usable; ending in the tombstone → nothing
+    assert [o["meta_info"]["cached_tokens"] for o in outs] == [44, 0]
+    system_node = tree.root_node.children[system[0]]  # the second request computed it: revived
+    assert len(system_node.key) == 24 and not system_node.swa_tombstone
+    engine.flush_cache()  # full eviction takes the tombstones with their last children
+    assert not tree.root_node.children
     engine.check_integrity()
     engine.shutdown()
+
+
+def test_gemma3_retraction_with_tiny_swa_pools(model_dir):
+    rng = random.Random(4)
+    prompts = [[rng.randrange(5, 261) for _ in range(n)] for n in (18, 22, 26, 20)]
+    engine = make_engine(model_dir, max_total_tokens=120, swa_full_tokens_ratio=0.5, chunked_prefill_size=16,
+                         init_new_token_ratio=0.1)  # admit optimistically: decode runs short
+    run_and_check(engine, model_dir, prompts, 30)
+    assert engine.scheduler.num_retractions > 0
+    engine.shutdown()
+
+
+def test_gemma3_rejects_what_the_swa_cache_cannot_serve(model_dir):
+    with pytest.raises(ValueError, match="page_size=4"):
+        make_engine(model_dir, page_size=4)
+    with pytest.raises(ValueError, match="disable_radix_cache"):
+        make_engine(model_dir, disable_radix_cache=True)
+    with pytest.raises(pydantic.ValidationError, match="swa_full_tokens_ratio"):
+        make_engine(model_dir, swa_full_tokens_ratio=0.0)

@@ -179,6 +179,19 @@ def test_swa_pool_with_swa_allocator_writes_where_the_allocator_mapped():
     pool.check_integrity()
 
 
+def test_swa_pool_translates_attention_reads_per_layer():
+    pool = swa_pool()
+    allocator = SWATokenToKVPoolAllocator(size=8, size_swa=4, kvcache=pool)
+    full = allocator.alloc(3)
+    allocator.free_swa(full[:1])  # slid out of the window: reads the zero dummy row 0
+    swa = allocator.translate_loc_from_full_to_swa(full)
+    table = torch.stack([full, full.flip(0)]).to(torch.int32)
+    assert pool.translate_layer_loc(0, full) is full  # a full layer reads its own slots
+    assert pool.translate_layer_loc(2, full).tolist() == [0] + swa[1:].tolist()
+    translated = pool.translate_layer_table(1, table)
+    assert translated.dtype == torch.int32 and translated.tolist() == [swa.tolist(), swa.flip(0).tolist()]
+
+
 def test_swa_pool_without_mapping_refuses_swa_writes():
     with pytest.raises(RuntimeError, match="register_mapping"):
         swa_pool().set_kv_buffer(1, t(1), ramp(1, 1, 2), ramp(1, 1, 2))

@@ -35,9 +35,7 @@ def check(cache, pool, alloc, reqs=()):
     """Conservation of both pools (running requests' private slots counted) and both integrity checks."""
     private_full = sum(r.kv_committed_len - r.cache_protected_len for r in reqs)
     private_swa = sum(r.kv_committed_len - max(r.cache_protected_len, r.swa_evicted_seqlen) for r in reqs)
-    full = alloc.full_available_size() + cache.full_evictable_size() + cache.full_protected_size() + private_full
-    swa = alloc.swa_available_size() + cache.swa_evictable_size() + cache.swa_protected_size() + private_swa
-    assert (full, swa) == (alloc.size, alloc.size_swa)
+    cache.check_accounting(private_full, private_swa)
     cache.check_integrity()
     private = [row(pool, r, r.cache_protected_len, r.kv_committed_len) for r in reqs]
     alloc.check_integrity(torch.cat([cache.all_values()] + private))
@@ -292,6 +290,16 @@ def test_rejects_what_it_cannot_serve():
         SWARadixCache(pool, TokenToKVPoolAllocator(16), sliding_window_size=4)
     with pytest.raises(NotImplementedError, match="full_evictable_size"):
         make()[0].evictable_size()
+
+
+def test_check_accounting_counts_private_slots():
+    cache, pool, alloc = make()
+    put(cache, alloc, range(6), swa_evicted=2)
+    mine = alloc.alloc(3)
+    alloc.free_swa(mine[:1])
+    cache.check_accounting(private_full=3, private_swa=2)
+    with pytest.raises(IntegrityError, match="SWA pool"):
+        cache.check_accounting(private_full=3, private_swa=3)
 
 
 def test_check_integrity_catches_slots_lost_behind_the_trees_back():

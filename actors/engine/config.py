@@ -32,6 +32,12 @@ class EngineConfig(BaseModel):
     radix_eviction_policy: Literal["lru", "lfu", "fifo", "mru", "filo", "priority"] = "lru"
     mamba_scheduler_strategy: Literal["no_buffer", "extra_buffer"] = "no_buffer"
     mamba_track_interval: int = Field(256, gt=0)
+    swa_full_tokens_ratio: float = Field(
+        0.8, gt=0.0, le=1.0,
+        description="sliding-window models (Gemma 3): slots of the SWA layers' pool as a fraction of the full "
+        "layers' pool (SGLang's --swa-full-tokens-ratio). The SWA pool only needs each running request's last "
+        "window plus the tokens of one prefill, so it can be smaller; it must still hold the longest prefill chunk",
+    )
     enable_hierarchical_cache: bool = False
     hicache_ratio: float = Field(2.0, gt=1.0, description="host KV pool size as a multiple of the device pool")
     hicache_write_policy: Literal["write_through", "write_through_selective", "write_back"] = "write_through"

@@ -75,6 +75,12 @@ def check_engine_integrity(sched, runner) -> None:
     if pool.available_size() != pool.size:
         raise RuntimeError(f"request-row leak: {pool.size - pool.available_size()} rows held by nobody")
     runner.allocator.check_integrity(in_use=tree.all_values())
+    if sched.swa:  # both pools: full and SWA slots each free or cached, none locked
+        pool.check_integrity(live_rows=[])
+        tree.check_accounting()
+        if tree.full_protected_size() or tree.swa_protected_size():
+            raise RuntimeError(f"locks left: {tree.full_protected_size()} full, {tree.swa_protected_size()} SWA tokens")
+        return
     if sched.hybrid:
         pool.check_integrity(tree_mamba_slots=tree.all_mamba_values())
         evictable, protected = tree.full_evictable_size(), tree.full_protected_size()

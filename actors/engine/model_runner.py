@@ -22,6 +22,8 @@ from mem_cache.memory_budget import KVCacheShape, get_device_memory, profile_max
 from mem_cache.mamba_pool import HybridLinearKVPool, HybridReqToTokenPool, MambaPool
 from mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
 from mem_cache.req_to_token_pool import ReqToTokenPool
+from mem_cache.swa_allocator import SWATokenToKVPoolAllocator
+from mem_cache.swa_memory_pool import SWAKVPool
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +89,28 @@ class ModelRunner:
             spec.full_attention_layer_ids, self.mamba_pool, device=self.device,
         )
 
+    def _init_swa_pools(self) -> None:
+        """Sliding-window models: the full layers' KV in ``max_total_num_tokens`` slots, the
+        SWA layers' in ``swa_full_tokens_ratio`` as many (SGLang's split). A budget from
+        device memory was sized as if every layer were full; it is spread over both pools."""
+        cfg, spec = self.config, self.spec
+        if cfg.page_size != 1:
+            raise ValueError(
+                f"page_size={cfg.page_size}: sliding-window models (KV cache kind 'swa', e.g. Gemma 3) are served "
+                "with page_size 1 only: SWARadixCache frees and tombstones SWA KV per token, as SGLang's does"
+            )
+        num_full, num_swa = len(spec.full_attention_layer_ids), len(spec.swa_attention_layer_ids)
+        if cfg.max_total_tokens is None:
+            layer_tokens = self.max_total_num_tokens * (num_full + num_swa)
+            self.max_total_num_tokens = int(layer_tokens / (num_full + cfg.swa_full_tokens_ratio * num_swa))
+        self.swa_max_total_num_tokens = max(1, int(self.max_total_num_tokens * cfg.swa_full_tokens_ratio))
+        self.token_to_kv_pool = SWAKVPool(
+            self.max_total_num_tokens, self.swa_max_total_num_tokens, cfg.page_size, self.kv_dtype, spec.num_kv_heads,
+            spec.head_dim, spec.swa_attention_layer_ids, spec.full_attention_layer_ids, device=self.device,
+            buffer_allocator=getattr(self, "buffer_allocator", None),
+        )
+        logger.info("SWA pool: %d tokens (full pool %d)", self.swa_max_total_num_tokens, self.max_total_num_tokens)
+
     def _init_pools(self) -> None:
         cfg, spec = self.config, self.spec
         self.req_to_token_pool = ReqToTokenPool(self.max_running_requests, self.context_len + 4, self.device)
@@ -102,9 +126,16 @@ class ModelRunner:
             )
         elif spec.kind == "hybrid_mamba":
             self._init_hybrid_pools()
+        elif spec.kind == "swa":
+            self._init_swa_pools()
         else:
             raise ValueError(f"KV cache kind {spec.kind!r} is not served yet")
-        if cfg.page_size == 1:
+        if spec.kind == "swa":
+            self.allocator = SWATokenToKVPoolAllocator(
+                self.max_total_num_tokens, self.swa_max_total_num_tokens, cfg.page_size, self.device,
+                kvcache=self.token_to_kv_pool,
+            )
+        elif cfg.page_size == 1:
             self.allocator = TokenToKVPoolAllocator(self.max_total_num_tokens, self.device, self.token_to_kv_pool)
         else:
             self.allocator = PagedTokenToKVPoolAllocator(

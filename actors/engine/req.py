@@ -52,6 +52,10 @@ class Req:
     mamba_next_track_idx: int = 0
     mamba_last_track_seqlen: Optional[int] = None
     mamba_branching_seqlen: Optional[int] = None
+    # sliding-window models: [cache_protected_len, swa_evicted_seqlen) of the row had their
+    # SWA slots freed (out of the window); swa_uuid_for_lock is what dec_lock_ref needs back
+    swa_evicted_seqlen: int = 0
+    swa_uuid_for_lock: Optional[int] = None
 
     def __post_init__(self):
         self.generator = make_generator(self.sampling_params.seed)
@@ -86,4 +90,6 @@ class Req:
         self.fill_ids = []
         self.mamba_pool_idx = None
         self.mamba_last_track_seqlen = None
+        self.swa_evicted_seqlen = 0
+        self.swa_uuid_for_lock = None
         self.num_retractions += 1

@@ -21,7 +21,11 @@ from mem_cache.mamba_tracking import decode_should_track, prefill_track_seqlen
 def _alloc_with_eviction(tree_cache, allocator, alloc_fn, num_tokens: int):
     out = alloc_fn()
     if out is None:
-        tree_cache.evict(num_tokens)
+        if hasattr(allocator, "swa_available_size"):  # two pools: evict each one's deficit
+            full_deficit = max(0, num_tokens - allocator.full_available_size())
+            tree_cache.evict(full_deficit, max(0, num_tokens - allocator.swa_available_size()))
+        else:
+            tree_cache.evict(num_tokens)
         out = alloc_fn()
     return out
 
@@ -127,8 +131,13 @@ def prepare_for_extend(reqs: List[Req], runner, tree_cache) -> Optional[ForwardB
 
 
 def prepare_for_decode(reqs: List[Req], runner, tree_cache) -> Optional[ForwardBatch]:
-    """One slot per request for its last sampled token, at position ``seqlen - 1``."""
+    """One slot per request for its last sampled token, at position ``seqlen - 1``.
+    Sliding-window models first free the SWA slots of tokens that slid out of the window."""
     pool, allocator = runner.req_to_token_pool, runner.allocator
+    free_swa_out_of_window = getattr(tree_cache, "free_swa_out_of_window", None)
+    if free_swa_out_of_window is not None:
+        for req in reqs:
+            free_swa_out_of_window(req)
     seq_lens = [r.seqlen for r in reqs]
     last_loc = [int(pool.req_to_token[r.req_pool_idx, s - 2]) for r, s in zip(reqs, seq_lens)]
     seq_t = torch.tensor(seq_lens)

@@ -7,7 +7,8 @@ control path reads top to bottom in :meth:`Scheduler.step`.
 Memory rules (seed 000 §10.4): a prefill is admitted only if its tokens plus
 a reserve for the running requests' future decode tokens
 (``remaining max_new_tokens × new_token_ratio``) fit in free + evictable
-slots; a long prompt is cut into ``chunked_prefill_size`` chunks cached with
+slots (for a sliding-window model, the smaller of its full and SWA pools); a
+long prompt is cut into ``chunked_prefill_size`` chunks cached with
 ``cache_unfinished_req``; when a decode step cannot get its slots even after
 eviction, the most recently admitted requests are retracted to the waiting
 queue (their KV freed, recomputed later) and ``new_token_ratio`` rises.
@@ -153,6 +154,10 @@ class Scheduler:
             return sorted(self.waiting, key=lambda r: -len(r.prefix_indices))
         return list(self.waiting)
 
+    def _request_reserve(self, req: Req) -> int:
+        """Slots a newly admitted request is expected to need for its future decode tokens."""
+        return int(max(req.sampling_params.max_new_tokens - len(req.output_ids), 0) * self.new_token_ratio)
+
     def _decode_reserve(self) -> int:
         remaining = sum(max(r.sampling_params.max_new_tokens - len(r.output_ids), 0) for r in self.running)
         return int(remaining * self.new_token_ratio)
@@ -174,7 +179,7 @@ class Scheduler:
             else:  # a chunked request continues after its cached chunks
                 req.fill_ids = req.all_ids()
             extend = req.extend_input_len
-            reserve = int(max(req.sampling_params.max_new_tokens - len(req.output_ids), 0) * self.new_token_ratio)
+            reserve = self._request_reserve(req)
             if extend + reserve + self.page_size > rem_total or (picked and extend > rem_input):
                 if req.req_pool_idx is not None:
                     self.chunked_req = req  # keeps its place at the head

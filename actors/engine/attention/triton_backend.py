@@ -10,19 +10,25 @@ from actors.engine.attention.triton_kernels import paged_attention
 class TritonAttnBackend:
     def __init__(self, **_):
         self.max_extend_len = 0
+        self.batch_rows = self.batch_row_ids = None
 
     def init_forward_metadata(self, forward_batch) -> None:
         self.max_extend_len = max(forward_batch.extend_seq_lens_cpu)
+        self.batch_rows = self.batch_row_ids = None
+        if hasattr(forward_batch.token_to_kv_pool, "translate_layer_table"):
+            # layers with their own slot space (SWA): translate only this batch's rows, once a layer
+            rows = forward_batch.req_to_token_pool.req_to_token[forward_batch.req_pool_indices]
+            self.batch_rows = rows[:, : max(forward_batch.seq_lens_cpu)].contiguous()
+            self.batch_row_ids = torch.arange(len(rows), device=rows.device)
 
     def forward(self, q: torch.Tensor, layer, forward_batch) -> torch.Tensor:
         pool = forward_batch.token_to_kv_pool
-        req_to_token = forward_batch.req_to_token_pool.req_to_token
-        translate = getattr(pool, "translate_layer_table", None)
-        if translate is not None:
-            req_to_token = translate(layer.layer_id, req_to_token)
+        req_to_token, row_ids = forward_batch.req_to_token_pool.req_to_token, forward_batch.req_pool_indices
+        if self.batch_rows is not None:
+            req_to_token, row_ids = pool.translate_layer_table(layer.layer_id, self.batch_rows), self.batch_row_ids
         return paged_attention(
             q.contiguous(), pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id), req_to_token,
-            forward_batch.req_pool_indices, forward_batch.seq_lens, forward_batch.extend_prefix_lens,
+            row_ids, forward_batch.seq_lens, forward_batch.extend_prefix_lens,
             forward_batch.extend_seq_lens, forward_batch.extend_start_loc, self.max_extend_len, layer.scaling,
             layer.sliding_window, layer.logit_cap, layer.v_head_dim,
         )

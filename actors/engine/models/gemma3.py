@@ -6,8 +6,10 @@ before and after both the attention and the MLP, attention scaled by
 ``query_pre_attn_scalar ** -0.5``, separate RoPE bases for sliding and full
 layers, optional attention and final-logit soft caps.
 
-KV: every layer keeps its KV in one MHA pool for now; sliding layers mask
-keys older than the window (``key_pos > query_pos - sliding_window``).
+KV: the spec kind is "swa": the engine keeps the full layers' KV in the full
+half of an ``SWAKVPool`` and the sliding layers' in its smaller SWA half,
+whose slots are freed once tokens slide out of the window; sliding layers
+mask keys older than the window (``key_pos > query_pos - sliding_window``).
 """
 
 from __future__ import annotations
@@ -17,6 +19,16 @@ from torch import nn
 from actors.engine.layers import GatedMLP, RadixAttention, RMSNorm, RotaryEmbedding
 from actors.engine.models.base import CausalLM, DecoderModel
 from actors.engine.models.spec import KVCacheSpec
+
+
+def swa_layers(config) -> dict:
+    """The :class:`KVCacheSpec` fields that split the layers into full and sliding-window ones."""
+    types = config.layer_types
+    return dict(
+        full_attention_layer_ids=[i for i, t in enumerate(types) if t == "full_attention"],
+        swa_attention_layer_ids=[i for i, t in enumerate(types) if t == "sliding_attention"],
+        sliding_window=config.sliding_window,
+    )
 
 
 def layer_rope(config, layer_type: str):
@@ -78,4 +90,4 @@ class Gemma3ForCausalLM(CausalLM):
 
     def kv_cache_spec(self) -> KVCacheSpec:
         c = self.config
-        return KVCacheSpec(kind="mha", num_layers=c.num_hidden_layers, num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim)
+        return KVCacheSpec(kind="swa", num_layers=c.num_hidden_layers, **swa_layers(c), num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim)

@@ -1,0 +1,214 @@
+"""The PD cluster on real Ray actors (one Ray session for the module): tokens
+equal HF transformers' for the dense and hybrid families with a prefill-side
+prefix hit; faults (a decode worker killed during transfer and during decode, a
+prefill worker killed before it sends) end the affected request with an error
+within 10 s while the survivors stay leak-free and keep serving; drain lets
+every accepted request finish."""
+
+import asyncio
+import time
+
+import pytest
+import ray
+
+from actors.pd_scheduler import PDRequestError
+from cluster.config import parse_config
+from cluster.pd import PDClient, PDCluster
+from tests.parity import assert_greedy_parity
+from tests.pd_helpers import prompts
+
+GREEDY = {"max_new_tokens": 8, "temperature": 0}
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray_session():
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=True, namespace="raydix-tests")
+    yield
+    ray.shutdown()
+
+
+def cluster_config(family, num_prefill=1, num_decode=1, page_size=4, **transfer):
+    engine = {"page_size": page_size, "max_total_tokens": 2048, "skip_tokenizer_init": True}
+    group = {"num_cpus_per_rank": 0.5, "engine": engine}
+    return parse_config({
+        "model": {"builtin": family},
+        "prefill": dict(group, num_workers=num_prefill),
+        "decode": dict(group, num_workers=num_decode),
+        "transfer": dict({"backend": "shm", "heartbeat_interval_s": 0.5}, **transfer),
+    })
+
+
+@pytest.fixture(scope="module")
+def raydix_home(tmp_path_factory, monkeypatch_module=None):
+    import os
+
+    home = tmp_path_factory.mktemp("raydix-home")
+    old = os.environ.get("RAYDIX_HOME")
+    os.environ["RAYDIX_HOME"] = str(home)
+    yield home
+    if old is None:
+        os.environ.pop("RAYDIX_HOME", None)
+    else:
+        os.environ["RAYDIX_HOME"] = old
+
+
+@pytest.mark.parametrize("family,page_size", [("llama", 4), ("qwen3_next", 1)])
+def test_tokens_equal_hf_with_a_prefill_prefix_hit(raydix_home, family, page_size):
+    cluster = PDCluster(cluster_config(family, page_size=page_size)).start()
+    client = cluster.client()
+    first = prompts(2, 30, 40, seed=1)
+    second = [p + q for p, q in zip(first, prompts(2, 3, 12, seed=2))]  # a next turn: the whole prompt is a prefix
+
+    async def go(batch):
+        return await asyncio.gather(*(client.generate(ids, GREEDY) for ids in batch))
+
+    outs = asyncio.run(go(first)) + asyncio.run(go(second))
+    assert all(o["meta_info"]["cached_tokens"] > 0 for o in outs[2:])
+    assert_greedy_parity(cluster.model_path, first + second, [o["output_ids"] for o in outs], 8, [2])
+    cluster.check_integrity()
+    cluster.shutdown()
+
+
+@pytest.fixture(scope="module")
+def fault_cluster(raydix_home):
+    cluster = PDCluster(cluster_config("llama", num_prefill=2, num_decode=3, waiting_timeout_s=5.0)).start()
+    yield cluster
+    cluster.shutdown()
+
+
+def _client(cluster, prefill, decode):
+    return PDClient([prefill], [decode], backend="shm", waiting_timeout_s=8.0, bootstrap_timeout_s=8.0)
+
+
+async def _wait_until(predicate, timeout_s=10.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if await predicate():
+            return True
+        await asyncio.sleep(0.05)
+    return False
+
+
+def _survivors_ok(cluster):
+    """Live workers drain to idle, pass their integrity checks, and serve a new request."""
+    alive = [w for w in cluster.prefill + cluster.decode if w.alive]
+
+    async def idle():
+        loads = await asyncio.gather(*(w.handle.load.remote() for w in alive))
+        return all(not (x["waiting"] or x["running"] or x.get("prealloc") or x.get("transfer")) for x in loads)
+
+    assert asyncio.run(_wait_until(idle))
+    cluster.check_integrity()
+    client = PDClient([w for w in cluster.prefill if w.alive], [w for w in cluster.decode if w.alive])
+    out = asyncio.run(client.generate(prompts(1, 10, 10, seed=11)[0], GREEDY))
+    assert out["meta_info"]["finish_reason"]["type"] == "length"
+
+
+def test_prefill_killed_before_it_sends(fault_cluster):
+    cluster = fault_cluster
+    victim, decode = cluster.prefill[0], cluster.decode[0]
+    client = _client(cluster, victim, decode)
+
+    async def go():
+        ray.get(victim.handle.pause_generation.remote())
+        task = asyncio.ensure_future(client.generate(prompts(1, 30, 30, seed=3)[0], GREEDY))
+        assert await _wait_until(lambda: _loaded(victim, "waiting"))
+        start = time.monotonic()
+        ray.kill(victim.handle)
+        with pytest.raises(PDRequestError):
+            await task
+        return time.monotonic() - start
+
+    assert asyncio.run(go()) < 10
+    victim.alive = False
+    _survivors_ok(cluster)
+
+
+def test_decode_killed_during_transfer(fault_cluster):
+    cluster = fault_cluster
+    prefill, victim = cluster.prefill[1], cluster.decode[1]
+    client = _client(cluster, prefill, victim)
+
+    async def go():
+        ray.get(prefill.handle.pause_generation.remote())
+        task = asyncio.ensure_future(client.generate(prompts(1, 30, 30, seed=4)[0], GREEDY))
+        assert await _wait_until(lambda: _loaded(victim, "transfer"))
+        assert await _wait_until(lambda: _loaded(prefill, "waiting"))
+        ray.kill(victim.handle)
+        start = time.monotonic()
+        ray.get(prefill.handle.continue_generation.remote())
+        with pytest.raises(PDRequestError):
+            await task
+        return time.monotonic() - start
+
+    assert asyncio.run(go()) < 10
+    victim.alive = False
+    _survivors_ok(cluster)
+
+
+def test_decode_killed_during_decode(fault_cluster):
+    cluster = fault_cluster
+    prefill, victim = cluster.prefill[1], cluster.decode[2]
+    client = _client(cluster, prefill, victim)
+    params = {"max_new_tokens": 3000, "temperature": 0, "ignore_eos": True}
+
+    async def go():
+        stream = client.generate_stream(prompts(1, 10, 10, seed=5)[0], params)
+        first = await stream.__anext__()
+        assert first["output_ids"]
+        ray.kill(victim.handle)
+        start = time.monotonic()
+        with pytest.raises(PDRequestError):
+            async for _ in stream:
+                pass
+        return time.monotonic() - start
+
+    assert asyncio.run(go()) < 10
+    victim.alive = False
+    _survivors_ok(cluster)
+
+
+async def _loaded(worker, key):
+    return (await worker.handle.load.remote()).get(key, 0) > 0
+
+
+def test_heartbeat_takes_a_dead_worker_out_of_rotation(raydix_home):
+    cluster = PDCluster(cluster_config("llama", num_prefill=1, num_decode=2)).start()
+    client = cluster.client()
+    ray.kill(cluster.decode[0].handle)
+
+    async def go():
+        await client.heartbeat_once()
+        outs = await asyncio.gather(*(client.generate(p, GREEDY) for p in prompts(4, 5, 10, seed=6)))
+        return outs
+
+    outs = asyncio.run(go())
+    assert not cluster.decode[0].alive
+    assert {o["meta_info"]["decode_worker"] for o in outs} == {cluster.decode[1].worker_id}
+    cluster.check_integrity()
+    cluster.shutdown()
+
+
+def test_drain_finishes_every_accepted_request(raydix_home):
+    cluster = PDCluster(cluster_config("llama")).start()
+    client = cluster.client()
+    params = {"max_new_tokens": 40, "temperature": 0, "ignore_eos": True}
+
+    async def go():
+        tasks = [asyncio.ensure_future(client.generate(p, params)) for p in prompts(6, 10, 30, seed=8)]
+        await asyncio.sleep(0.05)
+        drained = asyncio.ensure_future(client.drain(timeout_s=60))
+        await asyncio.sleep(0)
+        with pytest.raises(PDRequestError, match="draining"):
+            await client.generate(prompts(1, 5, 5)[0], GREEDY)
+        outs = await asyncio.gather(*tasks)
+        await drained
+        return outs
+
+    outs = asyncio.run(go())
+    assert all(len(o["output_ids"]) == 40 for o in outs)
+    cluster.check_integrity()
+    cluster.drain_and_shutdown(timeout_s=30)
+    with pytest.raises(Exception):
+        ray.get(cluster.decode[0].handle.health.remote(), timeout=10)
