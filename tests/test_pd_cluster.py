@@ -23,7 +23,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module", autouse=True)
 def ray_session():
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=True, namespace="raydix-tests")
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, namespace="raydix-tests")
     yield
     ray.shutdown()
 
@@ -105,39 +105,20 @@ def _survivors_ok(cluster):
     assert out["meta_info"]["finish_reason"]["type"] == "length"
 
 
-def test_prefill_killed_before_it_sends(fault_cluster):
-    cluster = fault_cluster
-    victim, decode = cluster.prefill[0], cluster.decode[0]
-    client = _client(cluster, victim, decode)
-
-    async def go():
-        ray.get(victim.handle.pause_generation.remote())
-        task = asyncio.ensure_future(client.generate(prompts(1, 30, 30, seed=3)[0], GREEDY))
-        assert await _wait_until(lambda: _loaded(victim, "waiting"))
-        start = time.monotonic()
-        ray.kill(victim.handle)
-        with pytest.raises(PDRequestError):
-            await task
-        return time.monotonic() - start
-
-    assert asyncio.run(go()) < 10
-    victim.alive = False
-    _survivors_ok(cluster)
-
-
-def test_decode_killed_during_transfer(fault_cluster):
-    cluster = fault_cluster
-    prefill, victim = cluster.prefill[1], cluster.decode[1]
-    client = _client(cluster, prefill, victim)
+def _kill_while_prefill_is_held(cluster, prefill, decode, victim, seed):
+    """Hold ``prefill`` with the request queued there (slots reserved on ``decode``),
+    kill ``victim``, let ``prefill`` go on; the request must fail within 10 s."""
+    client = _client(cluster, prefill, decode)
 
     async def go():
         ray.get(prefill.handle.pause_generation.remote())
-        task = asyncio.ensure_future(client.generate(prompts(1, 30, 30, seed=4)[0], GREEDY))
-        assert await _wait_until(lambda: _loaded(victim, "transfer"))
+        task = asyncio.ensure_future(client.generate(prompts(1, 30, 30, seed=seed)[0], GREEDY))
+        assert await _wait_until(lambda: _loaded(decode, "transfer"))
         assert await _wait_until(lambda: _loaded(prefill, "waiting"))
         ray.kill(victim.handle)
         start = time.monotonic()
-        ray.get(prefill.handle.continue_generation.remote())
+        if victim is not prefill:
+            ray.get(prefill.handle.continue_generation.remote())
         with pytest.raises(PDRequestError):
             await task
         return time.monotonic() - start
@@ -145,6 +126,16 @@ def test_decode_killed_during_transfer(fault_cluster):
     assert asyncio.run(go()) < 10
     victim.alive = False
     _survivors_ok(cluster)
+
+
+def test_prefill_killed_before_it_sends(fault_cluster):
+    prefill, decode = fault_cluster.prefill[0], fault_cluster.decode[0]
+    _kill_while_prefill_is_held(fault_cluster, prefill, decode, victim=prefill, seed=3)
+
+
+def test_decode_killed_during_transfer(fault_cluster):
+    prefill, decode = fault_cluster.prefill[1], fault_cluster.decode[1]
+    _kill_while_prefill_is_held(fault_cluster, prefill, decode, victim=decode, seed=4)
 
 
 def test_decode_killed_during_decode(fault_cluster):
