@@ -1,7 +1,37 @@
 """Moving KV pages between workers by slot-index lists.
 
-Will hold the msgpack wire messages, the sender/receiver handshake (a polled
-state machine), and the backends: same-node shared memory / CUDA IPC over the
-buffers of ``mem_cache.buffer_allocator``, and ``torch.distributed`` (NCCL or
-gloo) across nodes, plus a fake backend with the same interface for tests.
+The contract lives in :mod:`transfer.base` (polled sender/receiver state
+machines, the typed versioned hand-off, layouts, agents and their registry);
+:mod:`transfer.layout` reads a rank's transferable buffers off its pools;
+:mod:`transfer.runs` cuts slot lists into runs of consecutive slots;
+:mod:`transfer.plan` decides which heads and rows a push copies; the
+backends (``fake``, ``shm``, ``cuda_ipc``, ``torch_dist``) live in
+:mod:`transfer.backends` and register on import.
 """
+
+from transfer.backends import select_backend
+from transfer.base import (
+    HANDOFF_VERSION,
+    BufferLayout,
+    KVHandoff,
+    KVLayout,
+    KVPoll,
+    KVReceiver,
+    KVSender,
+    LayoutMismatchError,
+    TransferAgent,
+    TransferError,
+    check_compatible,
+    create_agent,
+    known_backends,
+    register_backend,
+)
+from transfer.layout import pool_allocators, pool_layout
+from transfer.runs import group_concurrent_contiguous
+
+__all__ = [
+    "HANDOFF_VERSION", "BufferLayout", "KVHandoff", "KVLayout", "KVPoll", "KVReceiver", "KVSender",
+    "LayoutMismatchError", "TransferAgent", "TransferError", "check_compatible", "create_agent",
+    "group_concurrent_contiguous", "known_backends", "pool_allocators", "pool_layout", "register_backend",
+    "select_backend",
+]

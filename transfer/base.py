@@ -236,6 +236,9 @@ class KVSender(_Polled):
 
     def init(self, handoff: KVHandoff) -> None:
         """Take the decode rank's hand-off (layout checked) → WaitingForInput."""
+        if handoff.backend != self.agent.backend_name:
+            self.fail(f"hand-off is for backend {handoff.backend!r}, this rank's agent is {self.agent.backend_name!r}")
+            raise TransferError(self._reason)
         try:
             check_compatible(self.agent.layout, handoff.layout)
         except LayoutMismatchError as exc:
@@ -286,6 +289,13 @@ class KVReceiver(_Polled):
         self._set(KVPoll.WaitingForInput)
         return self.handoff
 
+    def fail(self, reason: str) -> None:
+        """Failed, and the agent stops waiting for this hand-off's bytes."""
+        pending = self._state not in (KVPoll.Failed, KVPoll.Success)
+        super().fail(reason)
+        if pending and self.handoff is not None:
+            self.agent.cancel(self.handoff)
+
     def mark_done(self) -> None:
         if self.poll() != KVPoll.WaitingForInput:
             return
@@ -306,11 +316,21 @@ class TransferAgent(abc.ABC):
 
     backend_name = "abstract"
 
-    def __init__(self, layout: KVLayout, buffers: Dict[str, "object"], tp_rank: int = 0, tp_size: int = 1):
+    def __init__(
+        self,
+        layout: KVLayout,
+        buffers: Dict[str, "object"],
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        allocators: Sequence["object"] = (),
+    ):
         missing = [b.name for b in layout.buffers if b.name not in buffers]
         if missing:
             raise ValueError(f"layout names buffers this rank does not have: {missing[:4]}")
         self.layout, self.buffers, self.tp_rank, self.tp_size = layout, buffers, tp_rank, tp_size
+        # The BufferAllocators the buffers came from (``transfer.layout.pool_allocators``):
+        # same-node backends export their handles in ``endpoint()``; others ignore them.
+        self.allocators = tuple(allocators)
 
     @abc.abstractmethod
     def endpoint(self) -> Dict:
@@ -325,6 +345,10 @@ class TransferAgent(abc.ABC):
 
     def wait_landed(self, handoff: KVHandoff) -> None:
         """Decode side: return once the bytes of ``handoff`` are in this rank's buffers."""
+
+    def cancel(self, handoff: KVHandoff) -> None:
+        """Decode side: stop waiting for ``handoff`` (its receiver failed); bytes that
+        still arrive for it are dropped. Never raises."""
 
     def close(self) -> None:
         """Drop peer mappings and connections."""

@@ -18,11 +18,11 @@ both sides share because they serve the same model.
 
 from __future__ import annotations
 
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from mem_cache.buffer_allocator import dtype_to_str
+from mem_cache.buffer_allocator import BufferAllocator, dtype_to_str
 from mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
 from transfer.base import BufferLayout, KVLayout
 
@@ -54,3 +54,15 @@ def pool_layout(
             for layer in range(mamba_pool.num_mamba_layers):
                 _add(entries, tensors, f"state.{s}.{layer}", state[layer], "state")
     return KVLayout(kv_pool.page_size, tuple(entries)), tensors
+
+
+def pool_allocators(token_to_kv_pool) -> List[BufferAllocator]:
+    """The distinct buffer allocators behind a pool's transferable buffers (the
+    KV pool's, and the Mamba pool's for hybrid models): what a same-node
+    backend exports in its endpoint (``create_agent(..., allocators=...)``)."""
+    found: List[BufferAllocator] = []
+    for pool in (token_to_kv_pool, getattr(token_to_kv_pool, "mamba_pool", None)):
+        allocator = getattr(pool, "buffer_allocator", None)
+        if allocator is not None and all(allocator is not a for a in found):
+            found.append(allocator)
+    return found

@@ -1,0 +1,360 @@
+"""Transfer: run cutting, the hand-off message, layout checks, the polled state
+machines, and every in-process backend moving exactly the right bytes.
+
+Backends are held against :func:`tests.transfer_helpers.expected_after`, a
+slot-by-slot, head-by-head oracle; whole buffers are compared, so a row the
+push must not touch that changed fails too. Cross-process runs are in
+``test_transfer_backends.py``.
+"""
+
+import subprocess
+import time
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.transfer_helpers import RankSpec, assert_buffers_equal, build_pool, expected_after, request, snapshot
+from transfer import (
+    KVHandoff,
+    KVPoll,
+    KVReceiver,
+    KVSender,
+    LayoutMismatchError,
+    TransferError,
+    check_compatible,
+    create_agent,
+    group_concurrent_contiguous,
+    known_backends,
+    select_backend,
+)
+from transfer.base import HANDOFF_VERSION
+
+
+# ---- run cutting -----------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "src, dst, runs",
+    [
+        ([], [], []),
+        ([5], [9], [(5, 9, 1)]),
+        ([1, 2, 3], [7, 8, 9], [(1, 7, 3)]),
+        ([1, 2, 3, 4], [7, 8, 20, 21], [(1, 7, 2), (3, 20, 2)]),  # dst jumps
+        ([1, 2, 8, 9], [7, 8, 9, 10], [(1, 7, 2), (8, 9, 2)]),  # src jumps
+        ([3, 2, 1], [1, 2, 3], [(3, 1, 1), (2, 2, 1), (1, 3, 1)]),  # descending never merges
+        ([4, 4], [1, 2], [(4, 1, 1), (4, 2, 1)]),
+        (list(range(32, 48)) + list(range(0, 16)), list(range(16, 48)), [(32, 16, 16), (0, 32, 16)]),  # 16-token pages
+    ],
+)
+def test_group_concurrent_contiguous_table(src, dst, runs):
+    got = group_concurrent_contiguous(src, dst)
+    assert got.dtype == np.int64 and got.shape == (len(runs), 3)
+    assert [tuple(r) for r in got.tolist()] == runs
+
+
+def test_group_concurrent_contiguous_accepts_tensors_and_rejects_unequal_lengths():
+    got = group_concurrent_contiguous(torch.tensor([4, 5, 6]), np.array([0, 1, 2]))
+    assert got.tolist() == [[4, 0, 3]]
+    with pytest.raises(ValueError, match="differ in length"):
+        group_concurrent_contiguous([1, 2], [1])
+
+
+def test_runs_are_at_least_a_page_with_page_size_16():
+    rng = np.random.default_rng(3)
+    src, dst = request(rng, 16, 80)
+    runs = group_concurrent_contiguous(src, dst)
+    assert runs[:, 2].min() >= 16 and runs[:, 2].sum() == 80
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 40), st.integers(0, 40)), max_size=60))
+def test_runs_cover_exactly_the_pairs_and_are_maximal(pairs):
+    src = [s for s, _ in pairs]
+    dst = [d for _, d in pairs]
+    runs = group_concurrent_contiguous(src, dst).tolist()
+    expanded = [(s + i, d + i) for s, d, n in runs for i in range(n)]
+    assert expanded == list(zip(src, dst))
+    assert all(n >= 1 for _, _, n in runs)
+    for (s0, d0, n0), (s1, d1, _) in zip(runs, runs[1:]):  # maximal: a cut is always needed
+        assert (s1, d1) != (s0 + n0, d0 + n0)
+
+
+# ---- the hand-off -----------------------------------------------------------------------
+def _handoff(spec=RankSpec("hybrid", 16), **kw) -> KVHandoff:
+    _, layout, _, _ = build_pool(spec)
+    fields = dict(rid="r1", room=2**62 + 5, tp_rank=1, tp_size=2, layout=layout, dst_slots=[16, 17, 18],
+                  dst_state_slot=3, dst_prefix_len=32, backend="shm", endpoint={"agent_id": "a", "views": {"k.0": [0, 5]}})
+    fields.update(kw)
+    return KVHandoff(**fields)
+
+
+def test_handoff_round_trips_through_bytes():
+    h = _handoff()
+    assert KVHandoff.from_bytes(h.to_bytes()) == h
+    cuda_like = _handoff(endpoint={"handles": b"\x80\x04pickled"})
+    assert KVHandoff.from_bytes(cuda_like.to_bytes()).endpoint["handles"] == b"\x80\x04pickled"
+
+
+def test_handoff_version_mismatch_and_malformed_bytes_are_rejected():
+    with pytest.raises(TransferError, match=f"version 99, this build speaks {HANDOFF_VERSION}"):
+        KVHandoff.from_bytes(_handoff(version=99).to_bytes())
+    for bad in (b"\xc1\xc1garbage", b"", b"\x93\x01\x02\x03"):
+        with pytest.raises(TransferError):
+            KVHandoff.from_bytes(bad)
+    import msgpack
+
+    truncated = msgpack.packb({"version": HANDOFF_VERSION, "rid": "x"})
+    with pytest.raises(TransferError, match="malformed"):
+        KVHandoff.from_bytes(truncated)
+
+
+@pytest.mark.parametrize(
+    "other, message",
+    [
+        (RankSpec("mha", 1, dtype="bfloat16"), "dtype=bfloat16"),
+        (RankSpec("mha", 16), "page_size differs: prefill 1, decode 16"),
+        (RankSpec("mha", 1, head_dim=16), r"per-head shape \(8,\) of 4 heads vs \(16,\) of 4 heads"),
+        (RankSpec("mla", 1), "buffers differ"),
+    ],
+)
+def test_layout_mismatch_is_rejected_with_a_clear_message(other, message):
+    _, mine, _, _ = build_pool(RankSpec("mha", 1))
+    _, theirs, _, _ = build_pool(other)
+    with pytest.raises(LayoutMismatchError, match=message):
+        check_compatible(mine, theirs)
+
+
+def test_missing_buffer_and_mamba_tp_mismatch_are_rejected():
+    _, full, _, _ = build_pool(RankSpec("hybrid", 1))
+    fewer = type(full)(full.page_size, tuple(b for b in full.buffers if b.name != "v.1"))
+    with pytest.raises(LayoutMismatchError, match=r"only on prefill \['v.1'\]"):
+        check_compatible(full, fewer)
+    _, tp2, _, _ = build_pool(RankSpec("hybrid", 1, tp_rank=0, tp_size=2))
+    with pytest.raises(LayoutMismatchError, match="Mamba states need the same TP size"):
+        check_compatible(full, tp2)
+
+
+def test_sender_init_fails_on_mismatched_layout_or_backend():
+    _, mine, tensors, _ = build_pool(RankSpec("mha", 1))
+    agent = create_agent("fake", mine, tensors)
+    sender = KVSender(agent, "r")
+    with pytest.raises(LayoutMismatchError):
+        sender.init(_handoff(RankSpec("mha", 16), backend="fake"))
+    assert sender.poll() == KVPoll.Failed and "page_size" in sender.failure_reason()
+    other = KVSender(agent, "r")
+    with pytest.raises(TransferError, match="backend 'shm'"):
+        other.init(_handoff(RankSpec("mha", 1)))
+
+
+# ---- registry and selection ----------------------------------------------------------------
+def test_registry_and_backend_selection():
+    assert {"fake", "shm", "cuda_ipc", "torch_dist"} <= set(known_backends())
+    assert select_backend(True, "cpu") == "shm"
+    assert select_backend(True, "cuda:1") == "cuda_ipc"
+    assert select_backend(False, "cpu") == "torch_dist" == select_backend(False, "cuda")
+    assert select_backend(True, "cpu", override="torch_dist") == "torch_dist"
+    with pytest.raises(ValueError, match="known: cuda_ipc, fake, shm, torch_dist"):
+        select_backend(True, "cpu", override="nixl")
+    _, layout, tensors, _ = build_pool(RankSpec())
+    with pytest.raises(ValueError, match="unknown transfer backend 'nixl'; known:"):
+        create_agent("nixl", layout, tensors)
+
+
+# ---- the state machines -----------------------------------------------------------------------
+@pytest.fixture
+def fake_pair():
+    _, layout, tensors, _ = build_pool(RankSpec())
+    return create_agent("fake", layout, tensors), create_agent("fake", layout, tensors)
+
+
+def test_fake_round_trip_and_send_before_init_raises(fake_pair):
+    prefill, decode = fake_pair
+    sender, receiver = KVSender(prefill, "r"), KVReceiver(decode, "r", 1)
+    assert sender.poll() == receiver.poll() == KVPoll.Bootstrapping
+    with pytest.raises(TransferError, match="send\\(\\) in state Bootstrapping"):
+        sender.send([1, 2])
+    sender.init(receiver.send_metadata([3, 4]))
+    assert sender.poll() == receiver.poll() == KVPoll.WaitingForInput
+    sender.send([1, 2])
+    receiver.mark_done()
+    assert sender.poll() == receiver.poll() == KVPoll.Success
+
+
+@pytest.mark.parametrize("stage", ["Bootstrapping", "WaitingForInput"])
+def test_timeouts_end_in_failed_with_a_reason(fake_pair, stage):
+    prefill, decode = fake_pair
+    sender, receiver = KVSender(prefill, "r", timeout_s=0.02), KVReceiver(decode, "r", 1, timeout_s=0.02)
+    if stage == "WaitingForInput":
+        sender.init(receiver.send_metadata([3]))
+    time.sleep(0.05)
+    for machine in (sender, receiver):
+        assert machine.poll() == KVPoll.Failed
+        assert machine.failure_reason() == f"timed out after 0.0s in {stage}"
+
+
+def test_abort_fails_and_sticks(fake_pair):
+    prefill, decode = fake_pair
+    sender, receiver = KVSender(prefill, "r"), KVReceiver(decode, "r", 1)
+    sender.init(receiver.send_metadata([3]))
+    receiver.abort("client went away")
+    sender.abort()
+    assert (receiver.poll(), receiver.failure_reason()) == (KVPoll.Failed, "client went away")
+    assert (sender.poll(), sender.failure_reason()) == (KVPoll.Failed, "aborted")
+    receiver.mark_done()
+    assert receiver.poll() == KVPoll.Failed
+
+
+def test_slot_count_mismatch_fails_not_raises(fake_pair):
+    prefill, decode = fake_pair
+    sender = KVSender(prefill, "r")
+    sender.init(KVReceiver(decode, "r", 1).send_metadata([3, 4]))
+    sender.send([1])
+    assert sender.poll() == KVPoll.Failed and "1 source slots for 2" in sender.failure_reason()
+
+
+# ---- backends in one process -----------------------------------------------------------------
+def _transfer(backend, kind, page_size, src_tp, dst_tp, seed, prefix_len=3, num_tokens=37):
+    """Every prefill rank pushes to every decode rank; returns per decode rank (actual, expected)."""
+    rng = np.random.default_rng(seed)
+    srcs = [build_pool(RankSpec(kind, page_size, r, src_tp, seed=seed + r)) for r in range(src_tp)]
+    dsts = [build_pool(RankSpec(kind, page_size, r, dst_tp, shared=True, seed=seed + 50 + r)) for r in range(dst_tp)]
+    senders = [create_agent(backend, l, t, r, src_tp) for r, (_, l, t, _) in enumerate(srcs)]
+    receivers = [create_agent(backend, l, t, r, dst_tp, allocators=a) for r, (_, l, t, a) in enumerate(dsts)]
+    try:
+        src_slots, dst_slots = request(rng, page_size, num_tokens, prefix_len)
+        states = (2, 4) if kind == "hybrid" else (None, None)
+        before = [snapshot(t) for _, _, t, _ in dsts]
+        machines = [KVReceiver(agent, "req", 11) for agent in receivers]
+        handoffs = [m.send_metadata(dst_slots, states[1], prefix_len).to_bytes() for m in machines]
+        for agent in senders:
+            for wire in handoffs:
+                sender = KVSender(agent, "req")
+                sender.init(KVHandoff.from_bytes(wire))
+                sender.send(torch.as_tensor(src_slots), states[0])
+                assert sender.poll() == KVPoll.Success, sender.failure_reason()
+        out = []
+        for r, machine in enumerate(machines):
+            machine.mark_done()
+            assert machine.poll() == KVPoll.Success, machine.failure_reason()
+            expected = before[r]
+            for s in range(src_tp):
+                expected = expected_after(
+                    RankSpec(kind, page_size, s, src_tp), srcs[s][1], srcs[s][2], RankSpec(kind, page_size, r, dst_tp),
+                    dsts[r][1], expected, src_slots, dst_slots, *states,
+                )
+            out.append((dsts[r][2], expected))
+        return out
+    finally:
+        for agent in senders + receivers:
+            agent.close()
+
+
+SHM_CASES = [
+    (kind, page_size, src_tp, dst_tp)
+    for kind in ("mha", "mla", "hybrid")
+    for page_size in (1, 16)
+    for src_tp, dst_tp in ((1, 1), (1, 2), (2, 1))
+    if kind != "hybrid" or src_tp == dst_tp
+]
+TORCH_DIST_CASES = [("mha", 16, 1, 1), ("mha", 1, 1, 2), ("mha", 1, 2, 1), ("mla", 16, 2, 1), ("hybrid", 1, 1, 1)]
+
+
+@pytest.mark.parametrize("kind, page_size, src_tp, dst_tp", SHM_CASES)
+def test_shm_moves_exactly_the_right_rows_and_heads(kind, page_size, src_tp, dst_tp):
+    for actual, expected in _transfer("shm", kind, page_size, src_tp, dst_tp, seed=page_size * 7 + src_tp):
+        assert_buffers_equal(actual, expected)
+
+
+@pytest.mark.parametrize("kind, page_size, src_tp, dst_tp", TORCH_DIST_CASES)
+def test_torch_dist_in_process_moves_exactly_the_right_rows_and_heads(kind, page_size, src_tp, dst_tp):
+    for actual, expected in _transfer("torch_dist", kind, page_size, src_tp, dst_tp, seed=page_size + dst_tp):
+        assert_buffers_equal(actual, expected)
+
+
+def test_head_slicing_tp1_to_tp2_lands_each_half_at_local_offset_zero():
+    (rank0, _), (rank1, _) = _transfer("shm", "mha", 1, 1, 2, seed=5, prefix_len=0, num_tokens=4)
+    _, _, src, _ = build_pool(RankSpec("mha", 1, 0, 1, seed=5))
+    src_slots, dst_slots = request(np.random.default_rng(5), 1, 4, 0)
+    k0 = {name: t["k.0"].view(torch.uint8) for name, t in (("d0", rank0), ("d1", rank1), ("s", src))}
+    for s, d in zip(src_slots, dst_slots):  # byte views: random fp16 bytes include NaNs
+        assert torch.equal(k0["d0"][d], k0["s"][s, :2]) and torch.equal(k0["d1"][d], k0["s"][s, 2:])
+
+
+def test_shm_push_to_a_closed_or_dead_peer_fails_not_raises():
+    _, layout, src, _ = build_pool(RankSpec())
+    pool, dlayout, dst, allocators = build_pool(RankSpec(shared=True))
+    prefill, decode = create_agent("shm", layout, src), create_agent("shm", dlayout, dst, allocators=allocators)
+    handoff = KVReceiver(decode, "r", 1).send_metadata([5, 6])
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    ghost = KVHandoff.from_bytes(handoff.to_bytes())
+    ghost.endpoint["pid"] = dead.pid
+    for target in (ghost, None):
+        if target is None:
+            allocators[0].close()  # unlinks the files: no new peer can map them
+            target = handoff
+        sender = KVSender(prefill, "r")
+        sender.init(target)
+        sender.send([1, 2])
+        assert sender.poll() == KVPoll.Failed
+        assert "gone" in sender.failure_reason() or "unlinked" in sender.failure_reason()
+
+
+def test_shm_endpoint_needs_shareable_buffers():
+    _, layout, tensors, allocators = build_pool(RankSpec(shared=False))
+    agent = create_agent("shm", layout, tensors, allocators=allocators)
+    with pytest.raises(TransferError, match="cannot be mapped by another process"):
+        agent.endpoint()
+    with pytest.raises(TransferError, match="not in shareable memory"):
+        create_agent("shm", layout, tensors).endpoint()
+
+
+def test_shm_accepts_handles_instead_of_allocators():
+    _, layout, src, _ = build_pool(RankSpec("hybrid", 16))
+    _, dlayout, dst, allocators = build_pool(RankSpec("hybrid", 16, shared=True, seed=9))
+    handles = [h for a in allocators for h in a.export_handles()]
+    before = snapshot(dst)
+    prefill, decode = create_agent("shm", layout, src), create_agent("shm", dlayout, dst, handles=handles)
+    receiver = KVReceiver(decode, "r", 1)
+    sender = KVSender(prefill, "r")
+    sender.init(receiver.send_metadata(list(range(32, 48)), 1))
+    sender.send(list(range(64, 80)), 0)
+    receiver.mark_done()
+    assert sender.poll() == receiver.poll() == KVPoll.Success
+    expected = expected_after(RankSpec("hybrid", 16), layout, src, RankSpec("hybrid", 16), dlayout, before,
+                              range(64, 80), range(32, 48), 0, 1)
+    assert_buffers_equal(dst, expected)
+
+
+def test_torch_dist_receiver_times_out_and_unreachable_peer_fails():
+    _, layout, tensors, _ = build_pool(RankSpec())
+    decode = create_agent("torch_dist", layout, tensors, timeout_s=0.1)
+    prefill = create_agent("torch_dist", layout, snapshot(tensors), connect_timeout_s=0.3)
+    try:
+        receiver = KVReceiver(decode, "r", 1)
+        handoff = receiver.send_metadata([5, 6])
+        receiver.mark_done()  # the completion notice came, the bytes never did
+        assert receiver.poll() == KVPoll.Failed and "timed out after 0.1s waiting for 4 buffers" in receiver.failure_reason()
+        ghost = KVHandoff.from_bytes(handoff.to_bytes())
+        ghost.endpoint.update(port=1, agent_id="nobody")
+        sender = KVSender(prefill, "r")
+        sender.init(ghost)
+        sender.send([1, 2])
+        assert sender.poll() == KVPoll.Failed and "cannot reach the decode rank" in sender.failure_reason()
+    finally:
+        prefill.close()
+        decode.close()
+
+
+def test_out_of_range_slots_fail_the_push():
+    _, layout, src, _ = build_pool(RankSpec())
+    _, dlayout, dst, allocators = build_pool(RankSpec(shared=True))
+    before = snapshot(dst)
+    prefill, decode = create_agent("shm", layout, src), create_agent("shm", dlayout, dst, allocators=allocators)
+    for dst_slots, src_slots in (([96, 97], [1, 2]), ([1, 2], [-1, 0])):
+        sender = KVSender(prefill, "r")
+        sender.init(KVReceiver(decode, "r", 1).send_metadata(dst_slots))
+        sender.send(src_slots)
+        assert sender.poll() == KVPoll.Failed and "slots span" in sender.failure_reason()
+    assert_buffers_equal(dst, before)

@@ -1,0 +1,148 @@
+"""Backends across two OS processes: one ``spawn``ed peer (shared by the module,
+process start-up is the cost) plays the other rank.
+
+* shm: the peer is the decode rank with pools in POSIX shared memory; this
+  process maps them and writes; then the peer closes its allocator and a
+  push to the unlinked files fails (→ Failed, not an exception);
+* torch_dist (gloo): the peer is the decode rank, then the prefill rank;
+* cuda_ipc: on a GPU only.
+"""
+
+import multiprocessing as mp
+
+import numpy as np
+import pytest
+import torch
+
+from tests.transfer_helpers import RankSpec, assert_buffers_equal, build_pool, expected_after, request, snapshot
+from tests.transfer_peer import serve
+from transfer import KVHandoff, KVPoll, KVReceiver, KVSender, create_agent
+
+
+class PeerProcess:
+    def __init__(self):
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=serve, args=(child,), daemon=True)
+        self.proc.start()
+
+    def __call__(self, name, *args, timeout=60):
+        self.conn.send((name, args))
+        if not self.conn.poll(timeout):
+            raise TimeoutError(f"peer did not answer {name} in {timeout}s")
+        status, value = self.conn.recv()
+        assert status == "ok", value
+        return value
+
+    def stop(self):
+        try:
+            self("stop", timeout=10)
+        finally:
+            self.proc.join(5)
+            if self.proc.is_alive():
+                self.proc.kill()
+
+
+@pytest.fixture(scope="module")
+def peer():
+    p = PeerProcess()
+    yield p
+    p.stop()
+
+
+def _push_to_peer(peer, backend, spec_src, spec_dst, seed):
+    rng = np.random.default_rng(seed)
+    src_slots, dst_slots = request(rng, spec_src.page_size, 45, prefix_len=2)
+    states = (1, 5) if spec_src.kind == "hybrid" else (None, None)
+    wire, before = peer("decode", backend, spec_dst, dst_slots.tolist(), states[1], 2)
+    _, layout, tensors, _ = build_pool(spec_src)
+    agent = create_agent(backend, layout, tensors, spec_src.tp_rank, spec_src.tp_size)
+    try:
+        sender = KVSender(agent, "req")
+        handoff = KVHandoff.from_bytes(wire)
+        sender.init(handoff)
+        sender.send(src_slots, states[0])
+        assert sender.poll() == KVPoll.Success, sender.failure_reason()
+        state, reason, after = peer("land")
+        assert state == KVPoll.Success, reason
+    finally:
+        agent.close()
+    expected = expected_after(spec_src, layout, tensors, spec_dst, handoff.layout, before, src_slots, dst_slots, *states)
+    assert_buffers_equal(after, expected)
+
+
+@pytest.mark.parametrize(
+    "kind, page_size, dst_tp_rank, dst_tp_size",
+    [("mha", 16, 1, 2), ("hybrid", 1, 0, 1), ("mla", 16, 0, 1)],
+)
+def test_shm_across_processes(peer, kind, page_size, dst_tp_rank, dst_tp_size):
+    src = RankSpec(kind, page_size, seed=3)
+    dst = RankSpec(kind, page_size, dst_tp_rank, dst_tp_size, shared=True, seed=4)
+    _push_to_peer(peer, "shm", src, dst, seed=page_size)
+
+
+def test_torch_dist_gloo_across_processes_both_directions(peer):
+    _push_to_peer(peer, "torch_dist", RankSpec("hybrid", 16, seed=1), RankSpec("hybrid", 16, seed=2), seed=8)
+    # Prefill TP 2 → decode TP 1: the peer is prefill rank 1 (heads [2, 4)), this
+    # process both prefill rank 0 (heads [0, 2)) and the decode rank, which lands
+    # only once both halves arrived.
+    specs = [RankSpec("mha", 1, r, 2, seed=6 + r) for r in range(2)]
+    dst_spec = RankSpec("mha", 1, seed=9)
+    _, layout, tensors, _ = build_pool(dst_spec)
+    decode = create_agent("torch_dist", layout, tensors, timeout_s=10)
+    _, src_layout, src_tensors, _ = build_pool(specs[0])
+    prefill = create_agent("torch_dist", src_layout, src_tensors, 0, 2)
+    try:
+        src_slots, dst_slots = request(np.random.default_rng(2), 1, 30)
+        receiver = KVReceiver(decode, "req", 3)
+        before = snapshot(tensors)
+        handoff = receiver.send_metadata(dst_slots)
+        state, reason = peer("prefill", "torch_dist", specs[1], handoff.to_bytes(), src_slots.tolist(), None)
+        assert state == KVPoll.Success, reason
+        sender = KVSender(prefill, "req")
+        sender.init(KVHandoff.from_bytes(handoff.to_bytes()))
+        sender.send(src_slots)
+        receiver.mark_done()
+        assert sender.poll() == receiver.poll() == KVPoll.Success, receiver.failure_reason()
+    finally:
+        prefill.close()
+        decode.close()
+    expected = before
+    for spec in specs:
+        _, src_layout, src_tensors, _ = build_pool(spec)
+        expected = expected_after(spec, src_layout, src_tensors, dst_spec, layout, expected, src_slots, dst_slots, None, None)
+    assert_buffers_equal(tensors, expected)
+
+
+def test_shm_push_after_the_peer_unlinked_its_pools_fails(peer):
+    wire, _ = peer("decode", "shm", RankSpec(shared=True), [7, 8], None, 0)
+    peer("unlink")
+    _, layout, tensors, _ = build_pool(RankSpec())
+    sender = KVSender(create_agent("shm", layout, tensors), "req")
+    sender.init(KVHandoff.from_bytes(wire))
+    sender.send([1, 2])
+    assert sender.poll() == KVPoll.Failed and "unlinked" in sender.failure_reason()
+
+
+@pytest.mark.gpu
+def test_cuda_ipc_in_process():
+    from mem_cache.buffer_allocator import CudaIpcBufferAllocator
+    from mem_cache.memory_pool import MHATokenToKVPool
+    from transfer.layout import pool_allocators, pool_layout
+
+    pools = [
+        MHATokenToKVPool(64, 16, torch.float16, 4, 8, 2, device="cuda", buffer_allocator=CudaIpcBufferAllocator("cuda"))
+        for _ in range(2)
+    ]
+    (src_layout, src), (dst_layout, dst) = pool_layout(pools[0]), pool_layout(pools[1])
+    for t in src.values():
+        t.copy_(torch.randn_like(t, dtype=torch.float16))
+    prefill = create_agent("cuda_ipc", src_layout, src)
+    decode = create_agent("cuda_ipc", dst_layout, dst, allocators=pool_allocators(pools[1]))
+    receiver, sender = KVReceiver(decode, "r", 1), KVSender(prefill, "r")
+    sender.init(KVHandoff.from_bytes(receiver.send_metadata(list(range(32, 48))).to_bytes()))
+    sender.send(list(range(16, 32)))
+    receiver.mark_done()
+    assert sender.poll() == receiver.poll() == KVPoll.Success
+    for name in src:
+        assert torch.equal(dst[name][32:48], src[name][16:32]) and not dst[name][16:32].any()

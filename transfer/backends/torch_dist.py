@@ -1,0 +1,229 @@
+"""Across nodes: a pairwise ``torch.distributed`` process group per (prefill, decode) pair.
+
+No global default group is involved: each decode agent runs a ``TCPStore``
+server (its endpoint: host, port, agent id, and a fresh tag per hand-off);
+a prefill agent's first push to it takes a pair number from the store
+(``store.add``), announces itself under ``hello/{k}`` and both sides build a
+two-rank ``ProcessGroupGloo`` (decode = rank 0) on ``PrefixStore(pair/{k})``.
+The decode agent answers each announcement with a reader thread that
+receives, in order, ``[header_len, payload_len]`` (int64), the msgpack
+header and the payload — so ``expect`` has nothing left to post; it records
+which buffers and heads the hand-off still misses.
+
+A push gathers every planned buffer's rows (one slice copy per run of
+consecutive source slots) into one contiguous uint8 payload and sends it in
+one message. ``wait_landed`` waits (``timeout_s``) until every needed head of
+every needed buffer arrived — from one prefill rank or several when TP sizes
+differ — and scatters the payloads into this rank's buffers, one slice copy
+per run of consecutive destination slots.
+
+CPU tensors over gloo; NCCL would need device tensors and is not wired yet.
+"""
+
+from __future__ import annotations
+
+import datetime
+import itertools
+import os
+import socket
+import threading
+import time
+import uuid
+from typing import Dict, Optional
+
+import msgpack
+import torch
+import torch.distributed as dist
+
+from transfer.backends.landing import Landing, pack_rows
+from transfer.base import KVHandoff, TransferAgent, TransferError, register_backend
+from transfer.plan import plan_copies
+
+_FOREVER = datetime.timedelta(days=365)
+_BYE = -1
+
+
+def default_host() -> str:
+    """This node's outbound address (``RAYDIX_TRANSFER_HOST`` overrides)."""
+    configured = os.environ.get("RAYDIX_TRANSFER_HOST")
+    if configured:
+        return configured
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(("10.255.255.255", 1))  # no packet is sent; picks the routed interface
+            return s.getsockname()[0]
+    except OSError:
+        return "127.0.0.1"
+
+
+class _Link:
+    """Prefill side of one pair: the process group and a lock that keeps a
+    message's three parts together."""
+
+    def __init__(self, store: dist.Store, pg: dist.ProcessGroup):
+        self.store, self.pg, self.lock = store, pg, threading.Lock()
+
+    def send(self, header: bytes, payload: torch.Tensor) -> None:
+        sizes = torch.tensor([len(header), payload.numel()], dtype=torch.int64)
+        with self.lock:
+            self.pg.send([sizes], 0, 0).wait()
+            self.pg.send([torch.frombuffer(bytearray(header), dtype=torch.uint8)], 0, 0).wait()
+            if payload.numel():
+                self.pg.send([payload], 0, 0).wait()
+
+    def bye(self) -> None:
+        with self.lock:
+            self.pg.send([torch.tensor([_BYE, 0], dtype=torch.int64)], 0, 0).wait()
+
+
+@register_backend("torch_dist")
+class TorchDistAgent(TransferAgent):
+    def __init__(
+        self, layout, buffers, tp_rank: int = 0, tp_size: int = 1, allocators=(),
+        host: Optional[str] = None, port: int = 0, timeout_s: float = 30.0, connect_timeout_s: float = 10.0,
+    ):
+        super().__init__(layout, buffers, tp_rank, tp_size, allocators)
+        self.agent_id = uuid.uuid4().hex
+        self.host, self.port = host or default_host(), port
+        self.timeout_s, self.connect_timeout_s = timeout_s, connect_timeout_s
+        self._lock = threading.Condition()
+        self._store: Optional[dist.TCPStore] = None
+        self._tags = itertools.count()
+        self._landing: Dict[str, Landing] = {}
+        self._links: Dict[str, _Link] = {}
+        self._closed = False
+        self._acceptor: Optional[threading.Thread] = None
+
+    # ---- decode side ----------------------------------------------------------------
+    def endpoint(self) -> Dict:
+        with self._lock:
+            if self._store is None:
+                self._store = dist.TCPStore(
+                    "0.0.0.0", self.port, None, True, datetime.timedelta(seconds=self.connect_timeout_s),
+                    wait_for_workers=False,
+                )
+                self.port = self._store.port
+                self._acceptor = threading.Thread(target=self._accept, name="raydix-kv-accept", daemon=True)
+                self._acceptor.start()
+        return {"host": self.host, "port": self.port, "agent_id": self.agent_id, "tag": f"{self.agent_id[:8]}.{next(self._tags)}"}
+
+    def expect(self, handoff: KVHandoff) -> None:
+        landing = Landing(self.layout, handoff)
+        with self._lock:
+            self._landing[handoff.endpoint["tag"]] = landing
+
+    def wait_landed(self, handoff: KVHandoff) -> None:
+        tag = handoff.endpoint["tag"]
+        with self._lock:
+            landing = self._landing.get(tag)
+            if landing is None:
+                raise TransferError(f"no transfer expected under tag {tag} (cancelled or already landed)")
+            done = self._lock.wait_for(lambda: landing.complete() or landing.error, self.timeout_s)
+            self._landing.pop(tag, None)
+        if landing.error:
+            raise TransferError(landing.error)
+        if not done:
+            raise TransferError(f"timed out after {self.timeout_s:.1f}s waiting for {landing.missing()}")
+        landing.scatter(self.buffers)
+
+    def cancel(self, handoff: KVHandoff) -> None:
+        with self._lock:
+            self._landing.pop(handoff.endpoint.get("tag"), None)
+
+    def _accept(self) -> None:
+        """Answer every prefill agent's ``hello/{k}`` with a reader thread. Polls
+        with ``check`` on the server's own store: a blocked ``wait`` would hold
+        the store's connection that the pairs' rendezvous also needs, and extra
+        client connections are what is slow to open. New pairs are rare, so the
+        poll backs off to 50 ms when idle."""
+        store, delay = self._store, 0.001
+        for k in itertools.count(1):
+            key = f"hello/{k}"
+            try:
+                while not store.check([key]):
+                    if self._closed:
+                        return
+                    time.sleep(delay)
+                    delay = min(delay * 2, 0.05)
+                if self._closed or store.get(key) == b"":
+                    return
+            except Exception:  # the store was torn down
+                return
+            delay = 0.001
+            threading.Thread(target=self._serve, args=(store, k), name=f"raydix-kv-recv-{k}", daemon=True).start()
+
+    def _serve(self, store: dist.Store, k: int) -> None:
+        try:
+            pg = dist.ProcessGroupGloo(dist.PrefixStore(f"pair/{k}", store), 0, 2, _FOREVER)
+            while not self._closed:
+                sizes = torch.empty(2, dtype=torch.int64)
+                pg.recv([sizes], 1, 0).wait()
+                header_len, payload_len = sizes.tolist()
+                if header_len == _BYE:
+                    return
+                header = torch.empty(header_len, dtype=torch.uint8)
+                pg.recv([header], 1, 0).wait()
+                payload = torch.empty(payload_len, dtype=torch.uint8)
+                if payload_len:
+                    pg.recv([payload], 1, 0).wait()
+                self._deliver(msgpack.unpackb(header.numpy().tobytes(), raw=False), payload)
+        except Exception:  # the prefill process died: its pending hand-offs time out
+            return
+
+    def _deliver(self, header: Dict, payload: torch.Tensor) -> None:
+        with self._lock:
+            landing = self._landing.get(header["tag"])
+            if landing is None:  # cancelled, or timed out: drop the bytes
+                return
+            landing.add(header, payload)
+            self._lock.notify_all()
+
+    # ---- prefill side ----------------------------------------------------------------
+    def push(self, handoff: KVHandoff, src_slots, src_state_slot: Optional[int]) -> int:
+        ep = handoff.endpoint
+        with_state = src_state_slot is not None and handoff.dst_state_slot is not None
+        copies = plan_copies(self.layout, handoff.layout, self.tp_rank, self.tp_size, handoff.tp_rank, with_state)
+        header, payload = pack_rows(self.layout, self.buffers, copies, src_slots, src_state_slot)
+        if not payload.numel():
+            return 0
+        header["tag"] = ep["tag"]
+        link = self._link(ep)
+        try:
+            link.send(msgpack.packb(header, use_bin_type=True), payload)
+        except Exception as exc:
+            with self._lock:
+                self._links.pop(ep["agent_id"], None)
+            raise TransferError(f"sending to {ep['host']}:{ep['port']} failed: {exc}") from exc
+        return int(payload.numel())
+
+    def _link(self, ep: Dict) -> _Link:
+        with self._lock:
+            link = self._links.get(ep["agent_id"])
+        if link is not None:
+            return link
+        try:
+            store = dist.TCPStore(ep["host"], ep["port"], None, False, datetime.timedelta(seconds=self.connect_timeout_s))
+            k = store.add("peers", 1)
+            store.set(f"hello/{k}", self.agent_id)
+            timeout = datetime.timedelta(seconds=self.timeout_s)
+            pg = dist.ProcessGroupGloo(dist.PrefixStore(f"pair/{k}", store), 1, 2, timeout)
+        except Exception as exc:
+            raise TransferError(f"cannot reach the decode rank at {ep['host']}:{ep['port']}: {str(exc).splitlines()[0]}") from exc
+        link = _Link(store, pg)
+        with self._lock:
+            self._links[ep["agent_id"]] = link
+        return link
+
+    def close(self) -> None:
+        with self._lock:
+            links, self._links = list(self._links.values()), {}
+            self._closed = True
+            store, self._store = self._store, None
+            self._landing.clear()
+        for link in links:
+            try:
+                link.bye()
+            except Exception:
+                pass
+        if self._acceptor is not None:
+            self._acceptor.join(timeout=1.0)

@@ -1,0 +1,146 @@
+"""What one push copies: per buffer, which heads, and which rows.
+
+Every backend moves the same thing; only *how* differs. For one hand-off a
+prefill rank copies, for each buffer of its layout:
+
+* head-sharded buffers (``head_axis`` set): the heads both ranks hold,
+  ``head_overlap(src, dst)``, from the source's local head offset to the
+  destination's (prefill TP 1 → decode TP 2: rank 0 sends heads
+  ``[0, h/2)`` to decode rank 0 and ``[h/2, h)`` to decode rank 1, each at
+  local offset 0);
+* replicated buffers (``head_axis=None``: the MLA latent, Mamba states):
+  whole rows, from exactly one prefill rank per decode rank — the one with
+  ``src_tp_rank == dst_tp_rank % src_tp_size`` (see :func:`sends_replicated`);
+* ``"token"`` buffers: rows ``src_slots[i] → dst_slots[i]``; ``"state"``
+  buffers: row ``src_state_slot → dst_state_slot`` (skipped when either is
+  ``None``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
+
+import numpy as np
+import torch
+
+from transfer.base import KVLayout, TransferError, head_overlap
+from transfer.runs import Slots, group_concurrent_contiguous
+
+
+@dataclass(frozen=True)
+class BufferCopy:
+    """One buffer's share of a push: heads ``[src_head, src_head + num_heads)``
+    of the source rows land at ``[dst_head, ...)`` of the destination rows
+    (``head_axis=None``: whole rows)."""
+
+    name: str
+    index: str
+    head_axis: Optional[int]
+    src_head: int = 0
+    dst_head: int = 0
+    num_heads: int = 0
+
+    def src_view(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self._heads(tensor, self.src_head)
+
+    def dst_view(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self._heads(tensor, self.dst_head)
+
+    def _heads(self, tensor: torch.Tensor, start: int) -> torch.Tensor:
+        if self.head_axis is None:
+            return tensor
+        return tensor.narrow(1 + self.head_axis, start, self.num_heads)
+
+
+def sends_replicated(src_tp_rank: int, src_tp_size: int, dst_tp_rank: int) -> bool:
+    """Whether this prefill rank is the one that copies replicated buffers to ``dst_tp_rank``."""
+    return src_tp_rank == dst_tp_rank % src_tp_size
+
+
+def plan_copies(
+    src: KVLayout, dst: KVLayout, src_tp_rank: int, src_tp_size: int, dst_tp_rank: int, with_state: bool
+) -> List[BufferCopy]:
+    """The buffers (and head ranges) a source rank copies to one destination rank,
+    in the source layout's order. Layouts must have passed ``check_compatible``."""
+    dst_by_name = dst.by_name()
+    replicated = sends_replicated(src_tp_rank, src_tp_size, dst_tp_rank)
+    copies = []
+    for b in src.buffers:
+        d = dst_by_name[b.name]
+        if b.index == "state" and not with_state:
+            continue
+        if b.head_axis is None:
+            if replicated:
+                copies.append(BufferCopy(b.name, b.index, None))
+            continue
+        overlap = head_overlap(b, d)
+        if overlap is not None:
+            lo, hi = overlap
+            copies.append(BufferCopy(b.name, b.index, b.head_axis, lo - b.head_start, lo - d.head_start, hi - lo))
+    return copies
+
+
+def check_slots(what: str, slots: np.ndarray, num_rows: int) -> None:
+    """Raise TransferError unless every slot addresses a row of a ``num_rows`` buffer."""
+    if slots.size and (slots.min() < 0 or slots.max() >= num_rows):
+        raise TransferError(f"{what} slots span [{slots.min()}, {slots.max()}], buffer has {num_rows} rows")
+
+
+def copy_runs(src: torch.Tensor, dst: torch.Tensor, runs: np.ndarray) -> int:
+    """``dst[d:d+n] = src[s:s+n]`` for every run ``(s, d, n)``: one slice copy per
+    run, no temporaries. Returns the bytes copied."""
+    for s, d, n in runs.tolist():
+        dst.narrow(0, d, n).copy_(src.narrow(0, s, n))
+    row_bytes = src[0].numel() * src.element_size() if src.shape[0] else 0
+    return int(runs[:, 2].sum()) * row_bytes if len(runs) else 0
+
+
+@dataclass(frozen=True)
+class RowPlan:
+    """The row runs of one push: token runs and the (at most one) state run."""
+
+    token_runs: np.ndarray
+    state_runs: np.ndarray
+
+    def runs_for(self, copy: BufferCopy) -> np.ndarray:
+        return self.state_runs if copy.index == "state" else self.token_runs
+
+
+def row_plan(
+    src_slots: Slots, dst_slots: Slots, src_state_slot: Optional[int], dst_state_slot: Optional[int]
+) -> RowPlan:
+    token_runs = group_concurrent_contiguous(src_slots, dst_slots)
+    has_state = src_state_slot is not None and dst_state_slot is not None
+    state = [[int(src_state_slot), int(dst_state_slot), 1]] if has_state else []
+    return RowPlan(token_runs, np.asarray(state, dtype=np.int64).reshape(-1, 3))
+
+
+def push_rows(src_buffers, dst_buffers, copies: List[BufferCopy], rows: RowPlan) -> int:
+    """Copy every planned buffer's rows from ``src_buffers`` into ``dst_buffers``
+    (both ``{name: tensor}``, the destination possibly mapped from a peer)."""
+    moved = 0
+    for copy in copies:
+        runs = rows.runs_for(copy)
+        if not len(runs):
+            continue
+        src, dst = src_buffers[copy.name], dst_buffers[copy.name]
+        for col, what, tensor in ((0, "source", src), (1, "destination", dst)):  # first and last row of every run
+            check_slots(f"{copy.name} {what}", np.concatenate([runs[:, col], runs[:, col] + runs[:, 2] - 1]), tensor.shape[0])
+        moved += copy_runs(copy.src_view(src), copy.dst_view(dst), runs)
+    return moved
+
+
+def sliced_row_shape(row_shape: Tuple[int, ...], copy: BufferCopy) -> Tuple[int, ...]:
+    """Shape of one row as ``copy`` moves it (the head axis cut to ``num_heads``)."""
+    if copy.head_axis is None:
+        return tuple(row_shape)
+    shape = list(row_shape)
+    shape[copy.head_axis] = copy.num_heads
+    return tuple(shape)
+
+
+__all__ = [
+    "BufferCopy", "RowPlan", "check_slots", "copy_runs", "plan_copies", "push_rows",
+    "row_plan", "sends_replicated", "sliced_row_shape",
+]
