@@ -119,6 +119,11 @@ def main(argv: Optional[List[str]] = None) -> int:
             async def demo():
                 client = cluster.client()
                 await run_prompts(client, tokenizer, args.prompt, args.max_new_tokens, args.raw)
+                again = await client.generate(render_prompt(tokenizer, args.prompt[0], args.raw),
+                                              {"max_new_tokens": args.max_new_tokens, "temperature": 0.0})
+                meta = again["meta_info"]
+                print(f"the first prompt again: {meta['cached_tokens']} of {meta['prompt_tokens']} prompt tokens "
+                      f"came from the prefix cache, ttft {meta['ttft_pd'] * 1000:.1f} ms")
 
             asyncio.run(demo())
             cluster.check_integrity()
