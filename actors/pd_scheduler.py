@@ -118,6 +118,7 @@ class DecodeScheduler(Scheduler):
         self.transfer: List[Req] = []
         self._notices: Dict[str, dict] = {}
         self.num_transfer_failures = 0
+        self.backend_counts: Dict[str, int] = {}
 
     # ---- queues --------------------------------------------------------------------
     def add_request(self, req: Req) -> None:
@@ -239,6 +240,7 @@ class DecodeScheduler(Scheduler):
                 receiver.mark_done()
             state = receiver.poll()
             if state == KVPoll.Success:
+                self.backend_counts[req.pd_backend] = self.backend_counts.get(req.pd_backend, 0) + 1
                 self.transfer.remove(req)
                 self._start_decoding(req, notice)
                 done.append(req)

@@ -285,6 +285,10 @@ class DecodeWorker(_Worker):
             if not finished:  # the consumer went away: stop decoding for nobody
                 self.loop.abort(rid)
 
+    def backends_used(self) -> Dict[str, int]:
+        """Completed transfers per backend."""
+        return dict(self.scheduler.backend_counts)
+
     async def abort(self, rid: str, message: str = "aborted") -> bool:
         self._queues.pop(rid, None)
         return self.loop.run_exclusive(lambda: self.scheduler.abort(rid, message))

@@ -29,6 +29,7 @@ import ray
 
 from actors.pd_scheduler import PDRequestError
 from actors.workers import DecodeWorker, PrefillWorker
+from transfer import select_backend
 
 logger = logging.getLogger(__name__)
 
@@ -129,14 +130,6 @@ class PDCluster:
             ray.kill(worker.handle)
 
 
-def select_backend(backend: str, same_node: bool, device: str) -> str:
-    if backend != "auto":
-        return backend
-    if same_node:
-        return "cuda_ipc" if device == "cuda" else "shm"
-    return "torch_dist"
-
-
 class PDClient:
     """Runs requests through the cluster; one per driver (the router later)."""
 
@@ -179,7 +172,8 @@ class PDClient:
             raise PDRequestError("the cluster is draining: no new requests")
         rid = rid or uuid.uuid4().hex
         prefill, decode = self._pick("prefill"), self._pick("decode")
-        backend = select_backend(self.backend, prefill.node_id == decode.node_id, self.device)
+        override = None if self.backend == "auto" else self.backend
+        backend = select_backend(prefill.node_id == decode.node_id, self.device, override)
         prefill.inflight += 1
         decode.inflight += 1
         self.inflight += 1
