@@ -106,13 +106,32 @@ def test_gemma3_swa_eviction_tombstones_a_shared_prefix_while_requests_run(model
     engine.shutdown()
 
 
-def test_gemma3_retraction_with_tiny_swa_pools(model_dir):
+def test_gemma3_retraction_when_the_swa_pool_runs_short(model_dir, monkeypatch):
     rng = random.Random(4)
     prompts = [[rng.randrange(5, 261) for _ in range(n)] for n in (18, 22, 26, 20)]
     engine = make_engine(model_dir, max_total_tokens=120, swa_full_tokens_ratio=0.5, chunked_prefill_size=16,
                          init_new_token_ratio=0.1)  # admit optimistically: decode runs short
+    sched, alloc = engine.scheduler, engine.runner.allocator
+    free_at_retraction, retract = [], sched._retract_one
+
+    def recording_retract():
+        free_at_retraction.append((alloc.full_available_size(), alloc.swa_available_size()))
+        retract()
+
+    monkeypatch.setattr(sched, "_retract_one", recording_retract)
     run_and_check(engine, model_dir, prompts, 30)
-    assert engine.scheduler.num_retractions > 0
+    assert sched.num_retractions > 0
+    assert all(swa < len(prompts) <= full for full, swa in free_at_retraction)  # full slots to spare, SWA short
+    engine.shutdown()
+
+
+def test_gemma3_memory_budget_is_spread_over_both_pools(model_dir, monkeypatch):
+    from actors.engine.model_runner import ModelRunner
+
+    monkeypatch.setattr(ModelRunner, "_profile_tokens", lambda self: 1000)  # as if every layer were full
+    engine = make_engine(model_dir, max_total_tokens=None, swa_full_tokens_ratio=0.5)
+    alloc = engine.runner.allocator
+    assert (alloc.size, alloc.size_swa) == (1600, 800)  # 1 full + 3 SWA layers: 1600 + 3 × 800 = 4 × 1000
     engine.shutdown()
 
 
