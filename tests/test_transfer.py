@@ -16,6 +16,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import transfer.plan
 from tests.transfer_helpers import RankSpec, assert_buffers_equal, build_pool, expected_after, request, snapshot
 from transfer import (
     KVHandoff,
@@ -250,6 +251,14 @@ def _transfer(backend, kind, page_size, src_tp, dst_tp, seed, prefix_len=3, num_
             agent.close()
 
 
+@pytest.fixture(params=["slices", "indexed"])
+def copy_path(request, monkeypatch):
+    """Both ways ``copy_runs`` moves rows: a slice copy per run, or one indexed
+    gather/scatter (tiny test rows would otherwise always take the second)."""
+    monkeypatch.setattr(transfer.plan, "SHORT_RUN_BYTES", 0 if request.param == "slices" else 1 << 40)
+    return request.param
+
+
 SHM_CASES = [
     (kind, page_size, src_tp, dst_tp)
     for kind in ("mha", "mla", "hybrid")
@@ -261,13 +270,13 @@ TORCH_DIST_CASES = [("mha", 16, 1, 1), ("mha", 1, 1, 2), ("mha", 1, 2, 1), ("mla
 
 
 @pytest.mark.parametrize("kind, page_size, src_tp, dst_tp", SHM_CASES)
-def test_shm_moves_exactly_the_right_rows_and_heads(kind, page_size, src_tp, dst_tp):
+def test_shm_moves_exactly_the_right_rows_and_heads(kind, page_size, src_tp, dst_tp, copy_path):
     for actual, expected in _transfer("shm", kind, page_size, src_tp, dst_tp, seed=page_size * 7 + src_tp):
         assert_buffers_equal(actual, expected)
 
 
 @pytest.mark.parametrize("kind, page_size, src_tp, dst_tp", TORCH_DIST_CASES)
-def test_torch_dist_in_process_moves_exactly_the_right_rows_and_heads(kind, page_size, src_tp, dst_tp):
+def test_torch_dist_in_process_moves_exactly_the_right_rows_and_heads(kind, page_size, src_tp, dst_tp, copy_path):
     for actual, expected in _transfer("torch_dist", kind, page_size, src_tp, dst_tp, seed=page_size + dst_tp):
         assert_buffers_equal(actual, expected)
 

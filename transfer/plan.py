@@ -87,13 +87,36 @@ def check_slots(what: str, slots: np.ndarray, num_rows: int) -> None:
         raise TransferError(f"{what} slots span [{slots.min()}, {slots.max()}], buffer has {num_rows} rows")
 
 
+# Below this mean run size one slice copy per run costs more in dispatch than
+# it saves (measured on the 2-core CPU box: 2 KiB rows, loop 22 ms vs indexed
+# 9 ms for 4096 one-row runs; even at 16 KiB; the loop wins from 32 KiB on).
+SHORT_RUN_BYTES = 16 * 1024
+
+
+def run_indices(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Every row of the runs ``(starts[i], lengths[i])``, in order, without a Python loop."""
+    offsets = np.cumsum(lengths) - lengths
+    return np.repeat(starts - offsets, lengths) + np.arange(int(lengths.sum()), dtype=np.int64)
+
+
 def copy_runs(src: torch.Tensor, dst: torch.Tensor, runs: np.ndarray) -> int:
-    """``dst[d:d+n] = src[s:s+n]`` for every run ``(s, d, n)``: one slice copy per
-    run, no temporaries. Returns the bytes copied."""
-    for s, d, n in runs.tolist():
-        dst.narrow(0, d, n).copy_(src.narrow(0, s, n))
-    row_bytes = src[0].numel() * src.element_size() if src.shape[0] else 0
-    return int(runs[:, 2].sum()) * row_bytes if len(runs) else 0
+    """``dst[d:d+n] = src[s:s+n]`` for every run ``(s, d, n)``. Returns the bytes copied.
+
+    Runs of at least ``SHORT_RUN_BYTES`` on average move as one slice copy
+    each, with no temporary; many short runs (page size 1, scattered slots)
+    move as one indexed gather + scatter, whose temporary is the moved rows."""
+    if not len(runs):
+        return 0
+    row_bytes = src[0].numel() * src.element_size()
+    num_rows = int(runs[:, 2].sum())
+    if num_rows * row_bytes < len(runs) * SHORT_RUN_BYTES:
+        src_rows = torch.from_numpy(run_indices(runs[:, 0], runs[:, 2])).to(src.device)
+        dst_rows = torch.from_numpy(run_indices(runs[:, 1], runs[:, 2])).to(dst.device)
+        dst.index_copy_(0, dst_rows, src.index_select(0, src_rows))
+    else:
+        for s, d, n in runs.tolist():
+            dst.narrow(0, d, n).copy_(src.narrow(0, s, n))
+    return num_rows * row_bytes
 
 
 @dataclass(frozen=True)
@@ -141,6 +164,6 @@ def sliced_row_shape(row_shape: Tuple[int, ...], copy: BufferCopy) -> Tuple[int,
 
 
 __all__ = [
-    "BufferCopy", "RowPlan", "check_slots", "copy_runs", "plan_copies", "push_rows",
+    "SHORT_RUN_BYTES", "BufferCopy", "RowPlan", "check_slots", "copy_runs", "run_indices", "plan_copies", "push_rows",
     "row_plan", "sends_replicated", "sliced_row_shape",
 ]

@@ -22,6 +22,7 @@ CPU tensors over gloo; NCCL would need device tensors and is not wired yet.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import itertools
 import os
@@ -29,7 +30,8 @@ import socket
 import threading
 import time
 import uuid
-from typing import Dict, Optional
+import weakref
+from typing import Dict, List, Optional
 
 import msgpack
 import torch
@@ -41,6 +43,21 @@ from transfer.plan import plan_copies
 
 _FOREVER = datetime.timedelta(days=365)
 _BYE = -1
+_LIVE: "weakref.WeakSet[TorchDistAgent]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_live_agents() -> None:
+    """Say goodbye on every open pair before the interpreter goes: a pair torn
+    down during finalisation makes the peer's blocked receive throw in a
+    thread that can no longer handle it."""
+    agents = list(_LIVE)
+    for agent in agents:
+        agent.close()
+    deadline = time.monotonic() + 1.0  # readers whose peer is in this process get their goodbye now
+    for agent in agents:
+        for reader in agent._readers:
+            reader.join(timeout=max(0.0, deadline - time.monotonic()))
 
 
 def default_host() -> str:
@@ -93,6 +110,8 @@ class TorchDistAgent(TransferAgent):
         self._links: Dict[str, _Link] = {}
         self._closed = False
         self._acceptor: Optional[threading.Thread] = None
+        self._readers: List[threading.Thread] = []
+        _LIVE.add(self)
 
     # ---- decode side ----------------------------------------------------------------
     def endpoint(self) -> Dict:
@@ -150,7 +169,9 @@ class TorchDistAgent(TransferAgent):
             except Exception:  # the store was torn down
                 return
             delay = 0.001
-            threading.Thread(target=self._serve, args=(store, k), name=f"raydix-kv-recv-{k}", daemon=True).start()
+            reader = threading.Thread(target=self._serve, args=(store, k), name=f"raydix-kv-recv-{k}", daemon=True)
+            self._readers.append(reader)
+            reader.start()
 
     def _serve(self, store: dist.Store, k: int) -> None:
         try:
