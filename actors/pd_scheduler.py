@@ -172,12 +172,12 @@ class DecodeScheduler(Scheduler):
             self._match_prefix(req)
         prefix_len = len(req.prefix_indices)
         need = prompt_len - prefix_len + min(self.num_reserved_decode_tokens, req.sampling_params.max_new_tokens)
-        budget = self.runner.allocator.available_size() + self.evictable_tokens() - self._decode_reserve()
+        budget = self.available_tokens() - self._decode_reserve()
         if need + self.page_size > budget:
             return False
-        self.tree_cache.inc_lock_ref(req.last_node)
+        self._lock(req)
         if not self._alloc_prompt(req, prefix_len, prompt_len):
-            self.tree_cache.dec_lock_ref(req.last_node)
+            self._unlock(req)
             return False
         req.cache_protected_len = prefix_len
         req.kv_allocated_len = prompt_len

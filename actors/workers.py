@@ -132,9 +132,9 @@ class _Worker:
             "worker_id": self.worker_id,
             "waiting": len(sched.waiting),
             "running": len(sched.running),
-            "free_slots": allocator.available_size() + sched.evictable_tokens(),
+            "free_slots": sched.available_tokens(),
             "total_slots": total,
-            "kv_usage": 1.0 - allocator.available_size() / total,
+            "kv_usage": 1.0 - sched.available_tokens() / total,
         }
 
     async def drain(self, timeout_s: float = 120.0) -> bool:
