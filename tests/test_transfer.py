@@ -367,3 +367,46 @@ def test_out_of_range_slots_fail_the_push():
         sender.send(src_slots)
         assert sender.poll() == KVPoll.Failed and "slots span" in sender.failure_reason()
     assert_buffers_equal(dst, before)
+
+
+def test_torch_dist_concurrent_requests_and_cancelled_ones():
+    """Four requests pushed from two threads over one pair land where they belong;
+    bytes for an aborted receiver are dropped and touch nothing."""
+    import threading
+
+    _, layout, src, _ = build_pool(RankSpec("mha", 16))
+    _, dlayout, dst, _ = build_pool(RankSpec("mha", 16, seed=4))
+    before = snapshot(dst)
+    prefill, decode = create_agent("torch_dist", layout, src), create_agent("torch_dist", dlayout, dst, timeout_s=10)
+    try:
+        pages = np.random.default_rng(1).permutation(np.arange(1, 7))
+        jobs = []
+        for i in range(5):  # request i: source page i+1 → destination page pages[i]
+            receiver = KVReceiver(decode, f"r{i}", i)
+            handoff = receiver.send_metadata(range(pages[i] * 16, pages[i] * 16 + 16))
+            jobs.append((receiver, handoff, list(range((i + 1) * 16, (i + 2) * 16))))
+        jobs[4][0].abort("client went away")
+
+        def push(batch):
+            for _, handoff, src_slots in batch:
+                sender = KVSender(prefill, handoff.rid)
+                sender.init(handoff)
+                sender.send(src_slots)
+                assert sender.poll() == KVPoll.Success, sender.failure_reason()
+
+        threads = [threading.Thread(target=push, args=(jobs[i::2],)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        expected = before
+        for receiver, handoff, src_slots in jobs[:4]:
+            receiver.mark_done()
+            assert receiver.poll() == KVPoll.Success, receiver.failure_reason()
+            expected = expected_after(RankSpec("mha", 16), layout, src, RankSpec("mha", 16), dlayout, expected,
+                                      src_slots, handoff.dst_slots, None, None)
+        assert_buffers_equal(dst, expected)
+        assert not decode._landing  # nothing left waiting, the aborted request's bytes included
+    finally:
+        prefill.close()
+        decode.close()

@@ -108,6 +108,7 @@ class TorchDistAgent(TransferAgent):
         self._tags = itertools.count()
         self._landing: Dict[str, Landing] = {}
         self._links: Dict[str, _Link] = {}
+        self._connect_lock = threading.Lock()
         self._closed = False
         self._acceptor: Optional[threading.Thread] = None
         self._readers: List[threading.Thread] = []
@@ -218,10 +219,16 @@ class TorchDistAgent(TransferAgent):
         return int(payload.numel())
 
     def _link(self, ep: Dict) -> _Link:
-        with self._lock:
-            link = self._links.get(ep["agent_id"])
-        if link is not None:
+        with self._connect_lock:  # one pair per peer, even when two requests open it at once
+            with self._lock:
+                link = self._links.get(ep["agent_id"])
+            if link is None:
+                link = self._connect(ep)
+                with self._lock:
+                    self._links[ep["agent_id"]] = link
             return link
+
+    def _connect(self, ep: Dict) -> _Link:
         try:
             store = dist.TCPStore(ep["host"], ep["port"], None, False, datetime.timedelta(seconds=self.connect_timeout_s))
             k = store.add("peers", 1)
@@ -230,16 +237,13 @@ class TorchDistAgent(TransferAgent):
             pg = dist.ProcessGroupGloo(dist.PrefixStore(f"pair/{k}", store), 1, 2, timeout)
         except Exception as exc:
             raise TransferError(f"cannot reach the decode rank at {ep['host']}:{ep['port']}: {str(exc).splitlines()[0]}") from exc
-        link = _Link(store, pg)
-        with self._lock:
-            self._links[ep["agent_id"]] = link
-        return link
+        return _Link(store, pg)
 
     def close(self) -> None:
         with self._lock:
             links, self._links = list(self._links.values()), {}
             self._closed = True
-            store, self._store = self._store, None
+            self._store = None  # the acceptor holds the server until it has seen _closed
             self._landing.clear()
         for link in links:
             try:
