@@ -39,6 +39,11 @@ class MambaPool:
     Slot ``size`` (index ``-1``) is the dummy padded requests use; it is never
     free. ``alloc`` takes from the front of ``free_slots`` and zeroes what it
     hands out; ``free`` appends.
+
+    ``op_log``, when a list, records every state write made outside a model
+    forward (``("zero", slots)`` at alloc, ``("copy", src, dst)``) so that a
+    pool on another TP rank, holding other heads of the same slots, can
+    ``replay`` them in order.
     """
 
     def __init__(
@@ -64,6 +69,7 @@ class MambaPool:
         states = [self.buffer_allocator.zeros(*spec) for spec in self.state_specs]
         self.conv: List[torch.Tensor] = states[:-1]
         self.temporal: torch.Tensor = states[-1]
+        self.op_log: Optional[List[Tuple]] = None
         self.clear()
 
     def states(self) -> List[torch.Tensor]:
@@ -80,9 +86,14 @@ class MambaPool:
         if need_size > self.available_size():
             return None
         slots, self.free_slots = self.free_slots[:need_size], self.free_slots[need_size:]
+        self._zero(slots)
+        return slots
+
+    def _zero(self, slots: torch.Tensor) -> None:
         for state in self.states():
             state[:, slots] = 0
-        return slots
+        if self.op_log is not None:
+            self.op_log.append(("zero", slots.cpu()))
 
     def free(self, slots: Slots) -> None:
         self.free_slots = torch.cat([self.free_slots, _as_slot_tensor(slots, self.device)])
@@ -92,6 +103,18 @@ class MambaPool:
         src_t, dst_t = _as_slot_tensor(src, self.device), _as_slot_tensor(dst, self.device)
         for state in self.states():
             state[:, dst_t] = state[:, src_t]
+        if self.op_log is not None:
+            self.op_log.append(("copy", src_t.cpu(), dst_t.cpu()))
+
+    def replay(self, ops: List[Tuple]) -> None:
+        """Apply another rank's recorded ``op_log`` entries to these states, in order."""
+        for op in ops:
+            if op[0] == "zero":
+                self._zero(op[1].to(self.device))
+            elif op[0] == "copy":
+                self.copy_from(op[1], op[2])
+            else:
+                raise ValueError(f"unknown Mamba state op {op[0]!r}")
 
     def fork_from(self, src: Slots) -> Optional[torch.Tensor]:
         """A fresh slot holding a copy of slot ``src``, or ``None`` if none is free."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class EngineConfig(BaseModel):
@@ -48,3 +48,11 @@ class EngineConfig(BaseModel):
     min_new_token_ratio: float = Field(0.1, gt=0.0, le=1.0)
     new_token_ratio_decay: float = Field(0.001, ge=0.0)
     enable_kv_events: bool = False
+    tp_size: int = Field(1, ge=1, le=64, description="tensor-parallel ranks (one process each); every rank holds "
+                         "1/tp_size of the attention heads, MLP and expert intermediate dims")
+
+    @model_validator(mode="after")
+    def _tp_supported(self) -> "EngineConfig":
+        if self.tp_size > 1 and self.enable_hierarchical_cache:
+            raise ValueError("tp_size > 1 does not support enable_hierarchical_cache yet (each rank's host pool)")
+        return self

@@ -8,6 +8,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from actors.engine.parallel import SINGLE, ColumnParallelLinear, RowParallelLinear, TPGroup
+
 
 class RMSNorm(nn.Module):
     """``w * x / rms(x)`` computed in fp32; ``offset`` = 1 for Gemma-style ``(1 + w)`` weights."""
@@ -97,13 +99,18 @@ def get_activation(name: str):
 
 
 class GatedMLP(nn.Module):
-    """``down(act(gate(x)) * up(x))`` with HF parameter names."""
+    """``down(act(gate(x)) * up(x))`` with HF parameter names.
 
-    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str = "silu"):
+    Under TP, gate/up are column parallel and down row parallel over the
+    intermediate dim (``field`` names it in a sharding error); ``reduce=False``
+    returns this rank's partial sum (an MoE reduces all its experts at once)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str = "silu", tp: TPGroup = SINGLE,
+                 reduce: bool = True, field: str = "intermediate_size"):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_proj = ColumnParallelLinear.split(hidden_size, intermediate_size, tp, field)
+        self.up_proj = ColumnParallelLinear.split(hidden_size, intermediate_size, tp, field)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, tp, field, reduce=reduce)
         self.act = get_activation(hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

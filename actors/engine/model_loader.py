@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import glob
 import os
-from typing import Tuple
+from typing import List, Optional, Tuple
 
 import torch
-from safetensors.torch import load_file
+from safetensors import safe_open
 from transformers import AutoConfig
 
 from actors.engine.models import get_model_class
+from actors.engine.parallel import SINGLE, ParamShard, TPGroup
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -28,22 +29,26 @@ def resolve_dtype(config, dtype: str) -> torch.dtype:
     return name if isinstance(name, torch.dtype) else DTYPES.get(str(name).removeprefix("torch."), torch.float32)
 
 
-def load_model(model_path: str, dtype: str, device: str) -> Tuple[torch.nn.Module, object, torch.dtype]:
-    """Model in eval mode on ``device`` with every checkpoint tensor loaded."""
-    config = load_config(model_path)
+def build_model(config, tp: TPGroup = SINGLE) -> torch.nn.Module:
+    """The model's modules on the meta device (no memory): checks that ``tp``
+    can shard it — a head or intermediate count it does not divide raises
+    ValueError naming the config field."""
     architecture = (getattr(config, "architectures", None) or ["?"])[0]
     model_cls = get_model_class(architecture)
-    torch_dtype = resolve_dtype(config, dtype)
     with torch.device("meta"):
-        model = model_cls(config)
-    model = model.to_empty(device=device)
-    state = {}
+        return model_cls(config, tp=tp)
+
+
+def load_model(model_path: str, dtype: str, device: str, tp: TPGroup = SINGLE) -> Tuple[torch.nn.Module, object, torch.dtype]:
+    """Model in eval mode on ``device`` with every checkpoint tensor loaded
+    (under TP, only this rank's shard of each is read)."""
+    config = load_config(model_path)
+    torch_dtype = resolve_dtype(config, dtype)
+    model = build_model(config, tp).to_empty(device=device)
     files = sorted(glob.glob(os.path.join(model_path, "*.safetensors")))
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {model_path!r}")
-    for path in files:
-        state.update(load_file(path, device=str(device)))
-    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing, unexpected = load_weights(model, files)
     if getattr(config, "tie_word_embeddings", False):
         missing = [m for m in missing if m != "lm_head.weight"]
         model.lm_head.weight = model.model.embed_tokens.weight
@@ -52,6 +57,38 @@ def load_model(model_path: str, dtype: str, device: str) -> Tuple[torch.nn.Modul
     model = model.to(torch_dtype).eval()
     reinit_buffers(model)
     return model, config, torch_dtype
+
+
+def _read(f, name: str, shard: Optional[ParamShard]) -> torch.Tensor:
+    """The whole tensor, or only the rows / columns of ``shard`` (read lazily)."""
+    if shard is None:
+        return f.get_tensor(name)
+    dim, ranges = shard
+    view = f.get_slice(name)
+    parts = [view[r.start : r.stop] if dim == 0 else view[:, r.start : r.stop] for r in ranges]
+    return torch.cat(parts, dim=dim)
+
+
+def load_weights(model: torch.nn.Module, files: List[str]) -> Tuple[List[str], List[str]]:
+    """Copy every checkpoint tensor into the model (by HF name); returns the
+    (missing, unexpected) names."""
+    targets = model.state_dict(keep_vars=True)
+    loaded, unexpected = set(), []
+    for path in files:
+        with safe_open(path, framework="pt", device="cpu") as f:
+            for name in f.keys():
+                if name not in targets:
+                    unexpected.append(name)
+                    continue
+                module_name, _, param_name = name.rpartition(".")
+                shard = getattr(model.get_submodule(module_name), "param_shards", {}).get(param_name)
+                tensor, target = _read(f, name, shard), targets[name]
+                if tensor.shape != target.shape:
+                    raise ValueError(f"{name}: checkpoint shard {tuple(tensor.shape)} != model {tuple(target.shape)}")
+                with torch.no_grad():
+                    target.copy_(tensor)
+                loaded.add(name)
+    return [n for n in targets if n not in loaded], unexpected
 
 
 def reinit_buffers(model: torch.nn.Module) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Callable, Optional
 
 import torch
 
@@ -17,6 +18,7 @@ from actors.engine.attention import create_attention_backend
 from actors.engine.config import EngineConfig
 from actors.engine.forward_batch import ForwardBatch
 from actors.engine.model_loader import load_model
+from actors.engine.parallel import SINGLE, TPGroup
 from mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
 from mem_cache.memory_budget import KVCacheShape, get_device_memory, profile_max_num_tokens
 from mem_cache.mamba_pool import HybridLinearKVPool, HybridReqToTokenPool, MambaPool
@@ -31,18 +33,22 @@ KV_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, tp: TPGroup = SINGLE):
+        """``tp``: this rank's TP group; the model holds (and the pools are sized
+        for) this rank's shard, every rank's pools have the same slot counts."""
         self.config = config
+        self.tp = tp
         self.device = torch.device(config.device)
         torch.manual_seed(config.random_seed)
-        self.model, self.model_config, self.dtype = load_model(config.model_path, config.dtype, config.device)
+        self.model, self.model_config, self.dtype = load_model(config.model_path, config.dtype, config.device, tp)
         self.kv_dtype = KV_DTYPES.get(config.kv_cache_dtype, self.dtype)
         self.spec = self.model.kv_cache_spec()
         self.context_len = config.context_length or self.model_config.max_position_embeddings
-        self.max_total_num_tokens = self._profile_tokens()
+        self.max_total_num_tokens = tp.all_min(self._profile_tokens())  # the same slots on every rank
         self.max_running_requests = config.max_running_requests or max(1, min(256, self.max_total_num_tokens // 2))
         self._init_pools()
         self.attn_backend = create_attention_backend(config.attention_backend, device=self.device)
+        self.batch_sender: Optional[Callable[[ForwardBatch], None]] = None  # TP rank 0: batch → the other ranks
         self.forward_time = 0.0  # seconds spent in model forwards (for overhead accounting)
         self.num_forwards = 0
 
@@ -151,6 +157,8 @@ class ModelRunner:
     def forward(self, forward_batch: ForwardBatch) -> torch.Tensor:
         """Logits of each request's last token, [bs, vocab] fp32."""
         start = time.perf_counter()
+        if self.batch_sender is not None:
+            self.batch_sender(forward_batch)
         forward_batch.req_to_token_pool = self.req_to_token_pool
         forward_batch.token_to_kv_pool = self.token_to_kv_pool
         forward_batch.attn_backend = self.attn_backend

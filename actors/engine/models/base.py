@@ -1,8 +1,10 @@
 """The decoder-only skeleton every model shares (HF parameter names).
 
 ``DecoderModel``: ``embed_tokens`` → each layer ``(positions, x, forward_batch)``
-→ ``norm``. ``CausalLM``: ``model`` + ``lm_head``, returning fp32 logits of each
-request's last token (optionally soft-capped).
+→ ``norm``; layers are built as ``layer_cls(config, layer_id, tp)``.
+``CausalLM``: ``model`` + ``lm_head``, returning fp32 logits of each request's
+last token (optionally soft-capped). Under TP the embedding and ``lm_head``
+are replicated: every rank's logits are the whole vocabulary.
 """
 
 from __future__ import annotations
@@ -12,13 +14,18 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
+from actors.engine.models.spec import KVCacheSpec
+from actors.engine.parallel import SINGLE, TPGroup
+
 
 class DecoderModel(nn.Module):
-    def __init__(self, config, layer_cls: Callable, norm: nn.Module, embed_scale: Optional[float] = None):
+    def __init__(self, config, layer_cls: Callable, norm: nn.Module, embed_scale: Optional[float] = None,
+                 tp: TPGroup = SINGLE):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(layer_cls(config, i) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(layer_cls(config, i, tp) for i in range(config.num_hidden_layers))
         self.norm = norm
+        self.tp = tp
         self.embed_scale = embed_scale
 
     def forward(self, forward_batch) -> torch.Tensor:
@@ -39,6 +46,10 @@ class CausalLM(nn.Module):
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.final_logit_softcap = final_logit_softcap
+
+    def make_spec(self, **fields) -> KVCacheSpec:
+        """This rank's :class:`KVCacheSpec` (its TP place filled in)."""
+        return KVCacheSpec(tp_rank=self.model.tp.rank, tp_size=self.model.tp.size, **fields)
 
     def forward(self, forward_batch) -> torch.Tensor:
         hidden = self.model(forward_batch)

@@ -20,27 +20,34 @@ from actors.engine.layers import GatedMLP, RadixAttention, RMSNorm, RotaryEmbedd
 from actors.engine.models.base import CausalLM, DecoderModel
 from actors.engine.models.llama import rope_settings
 from actors.engine.models.spec import KVCacheSpec
+from actors.engine.parallel import SINGLE, ColumnParallelLinear, RowParallelLinear, TPGroup, head_ranges
 
 
 class DeepseekV3Attention(nn.Module):
-    def __init__(self, config, layer_id: int):
+    """Under TP each rank holds its attention heads' slices of ``q(_b)_proj``,
+    ``kv_b_proj`` and ``o_proj``; the latent projections (and so the cached
+    latent rows) are replicated."""
+
+    def __init__(self, config, layer_id: int, tp: TPGroup = SINGLE):
         super().__init__()
-        self.num_heads = config.num_attention_heads
+        heads = tp.split(config.num_attention_heads, "num_attention_heads")
+        self.num_heads = len(heads)  # this rank's
         self.nope_dim, self.rope_dim = config.qk_nope_head_dim, config.qk_rope_head_dim
         self.v_head_dim, self.kv_lora_rank = config.v_head_dim, config.kv_lora_rank
         self.interleave = getattr(config, "rope_interleave", True)
         qk_head_dim = self.nope_dim + self.rope_dim
         hidden, bias = config.hidden_size, getattr(config, "attention_bias", False)
         if config.q_lora_rank is None:
-            self.q_proj = nn.Linear(hidden, self.num_heads * qk_head_dim, bias=False)
+            self.q_proj = ColumnParallelLinear(hidden, head_ranges(heads, qk_head_dim))
         else:
             self.q_a_proj = nn.Linear(hidden, config.q_lora_rank, bias=bias)
             self.q_a_layernorm = RMSNorm(config.q_lora_rank, config.rms_norm_eps)
-            self.q_b_proj = nn.Linear(config.q_lora_rank, self.num_heads * qk_head_dim, bias=False)
+            self.q_b_proj = ColumnParallelLinear(config.q_lora_rank, head_ranges(heads, qk_head_dim))
         self.kv_a_proj_with_mqa = nn.Linear(hidden, self.kv_lora_rank + self.rope_dim, bias=bias)
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, config.rms_norm_eps)
-        self.kv_b_proj = nn.Linear(self.kv_lora_rank, self.num_heads * (self.nope_dim + self.v_head_dim), bias=False)
-        self.o_proj = nn.Linear(self.num_heads * self.v_head_dim, hidden, bias=bias)
+        self.kv_b_proj = ColumnParallelLinear(self.kv_lora_rank, head_ranges(heads, self.nope_dim + self.v_head_dim))
+        self.o_proj = RowParallelLinear(config.num_attention_heads * self.v_head_dim, hidden, tp, "num_attention_heads",
+                                        bias=bias)
         theta, rope_type = rope_settings(config)
         self.rotary = RotaryEmbedding(self.rope_dim, theta, rope_type)
         self.attn = RadixAttention(
@@ -96,15 +103,22 @@ class DeepseekV3Gate(nn.Module):
 
 
 class DeepseekV3MoE(nn.Module):
-    def __init__(self, config):
+    """Under TP every expert's intermediate dim is split over the ranks (each
+    rank runs every routed expert on its slice); the routed and shared partial
+    sums are reduced with one all-reduce."""
+
+    def __init__(self, config, tp: TPGroup = SINGLE):
         super().__init__()
+        self.tp = tp
         self.gate = DeepseekV3Gate(config)
+        field = "moe_intermediate_size"
         self.experts = nn.ModuleList(
-            GatedMLP(config.hidden_size, config.moe_intermediate_size, config.hidden_act)
+            GatedMLP(config.hidden_size, config.moe_intermediate_size, config.hidden_act, tp, reduce=False, field=field)
             for _ in range(config.n_routed_experts)
         )
         self.shared_experts = GatedMLP(
-            config.hidden_size, config.moe_intermediate_size * config.n_shared_experts, config.hidden_act
+            config.hidden_size, config.moe_intermediate_size * config.n_shared_experts, config.hidden_act, tp,
+            reduce=False, field=field,
         )
 
     def forward(self, x):
@@ -113,17 +127,17 @@ class DeepseekV3MoE(nn.Module):
         for e in idx.unique().tolist():
             token, slot = (idx == e).nonzero(as_tuple=True)
             out.index_add_(0, token, self.experts[e](x[token]) * weights[token, slot, None].to(x.dtype))
-        return out + self.shared_experts(x)
+        return self.tp.all_reduce(out + self.shared_experts(x))
 
 
 class DeepseekV3DecoderLayer(nn.Module):
-    def __init__(self, config, layer_id: int):
+    def __init__(self, config, layer_id: int, tp: TPGroup = SINGLE):
         super().__init__()
-        self.self_attn = DeepseekV3Attention(config, layer_id)
+        self.self_attn = DeepseekV3Attention(config, layer_id, tp)
         if layer_id >= config.first_k_dense_replace:
-            self.mlp = DeepseekV3MoE(config)
+            self.mlp = DeepseekV3MoE(config, tp)
         else:
-            self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
+            self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -133,14 +147,14 @@ class DeepseekV3DecoderLayer(nn.Module):
 
 
 class DeepseekV3ForCausalLM(CausalLM):
-    def __init__(self, config):
+    def __init__(self, config, tp: TPGroup = SINGLE):
         if getattr(config, "rope_parameters", {}).get("rope_type", "default") != "default":
             raise ValueError("DeepSeek-V3 with rope scaling (yarn) is not served yet: rope_parameters.rope_type")
         norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        super().__init__(config, DecoderModel(config, DeepseekV3DecoderLayer, norm))
+        super().__init__(config, DecoderModel(config, DeepseekV3DecoderLayer, norm, tp=tp))
 
     def kv_cache_spec(self) -> KVCacheSpec:
-        return KVCacheSpec(
+        return self.make_spec(
             kind="mla", num_layers=self.config.num_hidden_layers,
             kv_lora_rank=self.config.kv_lora_rank, qk_rope_head_dim=self.config.qk_rope_head_dim,
         )

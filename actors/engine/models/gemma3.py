@@ -19,6 +19,7 @@ from torch import nn
 from actors.engine.layers import GatedMLP, RadixAttention, RMSNorm, RotaryEmbedding
 from actors.engine.models.base import CausalLM, DecoderModel
 from actors.engine.models.spec import KVCacheSpec
+from actors.engine.parallel import SINGLE, ColumnParallelLinear, RowParallelLinear, TPGroup, attention_heads, head_ranges
 
 
 def swa_layers(config) -> dict:
@@ -37,17 +38,18 @@ def layer_rope(config, layer_type: str):
 
 
 class Gemma3Attention(nn.Module):
-    def __init__(self, config, layer_id: int):
+    def __init__(self, config, layer_id: int, tp: TPGroup = SINGLE):
         super().__init__()
         layer_type = config.layer_types[layer_id]
-        self.num_heads, self.num_kv_heads, self.head_dim = (
-            config.num_attention_heads, config.num_key_value_heads, config.head_dim,
-        )
+        self.head_dim = config.head_dim
+        self.heads = attention_heads(tp, config.num_attention_heads, config.num_key_value_heads)
+        self.num_heads, self.num_kv_heads = len(self.heads.q), len(self.heads.kv)  # this rank's
         hidden, bias = config.hidden_size, config.attention_bias
-        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
+        self.q_proj = ColumnParallelLinear(hidden, head_ranges(self.heads.q, self.head_dim), bias=bias)
+        self.k_proj = ColumnParallelLinear(hidden, head_ranges(self.heads.kv, self.head_dim), bias=bias)
+        self.v_proj = ColumnParallelLinear(hidden, head_ranges(self.heads.kv, self.head_dim), bias=bias)
+        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, hidden, tp, "num_attention_heads",
+                                        bias=bias)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, offset=1.0)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, offset=1.0)
         self.rotary = RotaryEmbedding(self.head_dim, *layer_rope(config, layer_type))
@@ -67,11 +69,11 @@ class Gemma3Attention(nn.Module):
 
 
 class Gemma3DecoderLayer(nn.Module):
-    def __init__(self, config, layer_id: int):
+    def __init__(self, config, layer_id: int, tp: TPGroup = SINGLE):
         super().__init__()
         eps = config.rms_norm_eps
-        self.self_attn = Gemma3Attention(config, layer_id)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_activation)
+        self.self_attn = Gemma3Attention(config, layer_id, tp)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_activation, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, eps, offset=1.0)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, offset=1.0)
         self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, eps, offset=1.0)
@@ -83,11 +85,12 @@ class Gemma3DecoderLayer(nn.Module):
 
 
 class Gemma3ForCausalLM(CausalLM):
-    def __init__(self, config):
+    def __init__(self, config, tp: TPGroup = SINGLE):
         norm = RMSNorm(config.hidden_size, config.rms_norm_eps, offset=1.0)
-        model = DecoderModel(config, Gemma3DecoderLayer, norm, embed_scale=config.hidden_size**0.5)
+        model = DecoderModel(config, Gemma3DecoderLayer, norm, embed_scale=config.hidden_size**0.5, tp=tp)
         super().__init__(config, model, final_logit_softcap=config.final_logit_softcapping)
 
     def kv_cache_spec(self) -> KVCacheSpec:
-        c = self.config
-        return KVCacheSpec(kind="swa", num_layers=c.num_hidden_layers, **swa_layers(c), num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim)
+        c, heads = self.config, self.model.layers[0].self_attn.heads
+        return self.make_spec(kind="swa", num_layers=c.num_hidden_layers, **swa_layers(c), num_kv_heads=len(heads.kv),
+                              head_dim=c.head_dim, kv_head_start=heads.kv.start, total_kv_heads=heads.total_kv)

@@ -9,6 +9,7 @@ from actors.engine.forward_batch import ForwardBatch
 from actors.engine.layers import GatedMLP, RadixAttention, RMSNorm, RotaryEmbedding
 from actors.engine.models.base import CausalLM, DecoderModel
 from actors.engine.models.spec import KVCacheSpec
+from actors.engine.parallel import SINGLE, ColumnParallelLinear, RowParallelLinear, TPGroup, attention_heads, head_ranges
 
 
 def rope_settings(config):
@@ -18,17 +19,19 @@ def rope_settings(config):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config, layer_id: int):
+    def __init__(self, config, layer_id: int, tp: TPGroup = SINGLE):
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        num_heads = config.num_attention_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+        self.heads = attention_heads(tp, num_heads, config.num_key_value_heads)
+        self.num_heads, self.num_kv_heads = len(self.heads.q), len(self.heads.kv)  # this rank's
         bias = getattr(config, "attention_bias", False) or config.model_type == "qwen2"
         hidden = config.hidden_size
-        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=getattr(config, "attention_bias", False))
+        self.q_proj = ColumnParallelLinear(hidden, head_ranges(self.heads.q, self.head_dim), bias=bias)
+        self.k_proj = ColumnParallelLinear(hidden, head_ranges(self.heads.kv, self.head_dim), bias=bias)
+        self.v_proj = ColumnParallelLinear(hidden, head_ranges(self.heads.kv, self.head_dim), bias=bias)
+        self.o_proj = RowParallelLinear(num_heads * self.head_dim, hidden, tp, "num_attention_heads",
+                                        bias=getattr(config, "attention_bias", False))
         self.qk_norm = config.model_type == "qwen3"
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -49,10 +52,10 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, layer_id: int):
+    def __init__(self, config, layer_id: int, tp: TPGroup = SINGLE):
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_id)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
+        self.self_attn = LlamaAttention(config, layer_id, tp)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -62,15 +65,17 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(CausalLM):
-    def __init__(self, config):
+    def __init__(self, config, tp: TPGroup = SINGLE):
         norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        super().__init__(config, DecoderModel(config, LlamaDecoderLayer, norm))
+        super().__init__(config, DecoderModel(config, LlamaDecoderLayer, norm, tp=tp))
 
     def kv_cache_spec(self) -> KVCacheSpec:
         attn = self.model.layers[0].self_attn
-        return KVCacheSpec(
+        return self.make_spec(
             kind="mha",
             num_layers=self.config.num_hidden_layers,
             num_kv_heads=attn.num_kv_heads,
             head_dim=attn.head_dim,
+            kv_head_start=attn.heads.kv.start,
+            total_kv_heads=attn.heads.total_kv,
         )

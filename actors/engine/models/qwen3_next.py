@@ -17,6 +17,9 @@ from torch.nn import functional as F
 from actors.engine.layers import GatedMLP, RadixAttention, RMSNorm, RotaryEmbedding
 from actors.engine.models.base import CausalLM, DecoderModel
 from actors.engine.models.spec import KVCacheSpec
+from actors.engine.parallel import (
+    SINGLE, ColumnParallelLinear, RowParallelLinear, TPGroup, attention_heads, head_ranges, shard_param, shard_ranges,
+)
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -63,22 +66,34 @@ class GatedRMSNorm(nn.Module):
 
 
 class GatedDeltaNet(nn.Module):
-    def __init__(self, config, layer_id: int):
+    """Under TP each rank holds a share of the key heads (and their value heads):
+    its rows of the per-key-head ``in_proj_qkvz`` / ``in_proj_ba`` blocks, its
+    q, k and v conv channels, its heads' state; ``out_proj`` is row parallel."""
+
+    def __init__(self, config, layer_id: int, tp: TPGroup = SINGLE):
         super().__init__()
         self.layer_id = layer_id
-        self.num_v_heads, self.num_k_heads = config.linear_num_value_heads, config.linear_num_key_heads
+        self.k_heads = tp.split(config.linear_num_key_heads, "linear_num_key_heads")
+        ratio = config.linear_num_value_heads // config.linear_num_key_heads
+        v_heads = range(self.k_heads.start * ratio, self.k_heads.stop * ratio)
+        self.num_v_heads, self.num_k_heads = len(v_heads), len(self.k_heads)  # this rank's
         self.k_dim, self.v_dim = config.linear_key_head_dim, config.linear_value_head_dim
         self.key_size, self.value_size = self.k_dim * self.num_k_heads, self.v_dim * self.num_v_heads
         self.kernel = config.linear_conv_kernel_dim
         self.conv_dim = 2 * self.key_size + self.value_size
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.kernel, groups=self.conv_dim, bias=False,
                                 padding=self.kernel - 1)
-        self.in_proj_qkvz = nn.Linear(config.hidden_size, 2 * self.key_size + 2 * self.value_size, bias=False)
-        self.in_proj_ba = nn.Linear(config.hidden_size, 2 * self.num_v_heads, bias=False)
+        total_key, total_value = self.k_dim * config.linear_num_key_heads, self.v_dim * config.linear_num_value_heads
+        shard_param(self.conv1d, "weight", 0, shard_ranges([total_key, total_key, total_value], tp, "linear_num_key_heads"))
+        hidden = config.hidden_size
+        self.in_proj_qkvz = ColumnParallelLinear(hidden, head_ranges(self.k_heads, 2 * self.k_dim + 2 * ratio * self.v_dim))
+        self.in_proj_ba = ColumnParallelLinear(hidden, head_ranges(self.k_heads, 2 * ratio))
         self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
         self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
+        shard_param(self, "dt_bias", 0, [v_heads])
+        shard_param(self, "A_log", 0, [v_heads])
         self.norm = GatedRMSNorm(self.v_dim, config.rms_norm_eps)
-        self.out_proj = nn.Linear(self.value_size, config.hidden_size, bias=False)
+        self.out_proj = RowParallelLinear(total_value, hidden, tp, "linear_num_key_heads")
 
     def _split(self, x):
         """HF's per-key-head interleaved layout → q, k, v, z, b, a."""
@@ -125,16 +140,17 @@ class GatedDeltaNet(nn.Module):
 
 
 class GatedAttention(nn.Module):
-    def __init__(self, config, layer_id: int):
+    def __init__(self, config, layer_id: int, tp: TPGroup = SINGLE):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = (
-            config.num_attention_heads, config.num_key_value_heads, config.head_dim,
-        )
+        self.head_dim = config.head_dim
+        self.heads = attention_heads(tp, config.num_attention_heads, config.num_key_value_heads)
+        self.num_heads, self.num_kv_heads = len(self.heads.q), len(self.heads.kv)  # this rank's
         hidden, bias = config.hidden_size, config.attention_bias
-        self.q_proj = nn.Linear(hidden, 2 * self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
+        self.q_proj = ColumnParallelLinear(hidden, head_ranges(self.heads.q, 2 * self.head_dim), bias=bias)  # [q_h; gate_h]
+        self.k_proj = ColumnParallelLinear(hidden, head_ranges(self.heads.kv, self.head_dim), bias=bias)
+        self.v_proj = ColumnParallelLinear(hidden, head_ranges(self.heads.kv, self.head_dim), bias=bias)
+        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, hidden, tp, "num_attention_heads",
+                                        bias=bias)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, offset=1.0)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, offset=1.0)
         params = config.rope_parameters
@@ -154,13 +170,21 @@ class GatedAttention(nn.Module):
 
 
 class SparseMoeBlock(nn.Module):
-    def __init__(self, config):
+    """Under TP every expert's intermediate dim is split over the ranks; one
+    all-reduce sums the routed and the gated shared partial outputs."""
+
+    def __init__(self, config, tp: TPGroup = SINGLE):
         super().__init__()
+        self.tp = tp
         self.top_k, self.norm_topk_prob = config.num_experts_per_tok, config.norm_topk_prob
         self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
-        self.experts = nn.ModuleList(GatedMLP(config.hidden_size, config.moe_intermediate_size, config.hidden_act)
-                                     for _ in range(config.num_experts))
-        self.shared_expert = GatedMLP(config.hidden_size, config.shared_expert_intermediate_size, config.hidden_act)
+        hidden, act = config.hidden_size, config.hidden_act
+        self.experts = nn.ModuleList(
+            GatedMLP(hidden, config.moe_intermediate_size, act, tp, reduce=False, field="moe_intermediate_size")
+            for _ in range(config.num_experts)
+        )
+        self.shared_expert = GatedMLP(hidden, config.shared_expert_intermediate_size, act, tp, reduce=False,
+                                      field="shared_expert_intermediate_size")
         self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
 
     def forward(self, x):
@@ -173,19 +197,22 @@ class SparseMoeBlock(nn.Module):
         for e in idx.unique().tolist():
             token, slot = (idx == e).nonzero(as_tuple=True)
             out.index_add_(0, token, self.experts[e](x[token]) * weights[token, slot, None])
-        return out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return self.tp.all_reduce(out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config, layer_id: int):
+    def __init__(self, config, layer_id: int, tp: TPGroup = SINGLE):
         super().__init__()
         self.is_linear = config.layer_types[layer_id] == "linear_attention"
         if self.is_linear:
-            self.linear_attn = GatedDeltaNet(config, layer_id)
+            self.linear_attn = GatedDeltaNet(config, layer_id, tp)
         else:
-            self.self_attn = GatedAttention(config, layer_id)
+            self.self_attn = GatedAttention(config, layer_id, tp)
         sparse = layer_id not in config.mlp_only_layers and config.num_experts > 0 and (layer_id + 1) % config.decoder_sparse_step == 0
-        self.mlp = SparseMoeBlock(config) if sparse else GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
+        if sparse:
+            self.mlp = SparseMoeBlock(config, tp)
+        else:
+            self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, offset=1.0)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, offset=1.0)
 
@@ -197,19 +224,23 @@ class DecoderLayer(nn.Module):
 
 
 class Qwen3NextForCausalLM(CausalLM):
-    def __init__(self, config):
+    def __init__(self, config, tp: TPGroup = SINGLE):
         norm = RMSNorm(config.hidden_size, config.rms_norm_eps, offset=1.0)
-        super().__init__(config, DecoderModel(config, DecoderLayer, norm))
+        super().__init__(config, DecoderModel(config, DecoderLayer, norm, tp=tp))
 
     def kv_cache_spec(self) -> KVCacheSpec:
+        """This rank's share: its KV heads, its linear-attention heads' conv and temporal state."""
         c = self.config
         types = c.layer_types
-        conv_dim = 2 * c.linear_key_head_dim * c.linear_num_key_heads + c.linear_value_head_dim * c.linear_num_value_heads
-        return KVCacheSpec(
-            kind="hybrid_mamba", num_layers=types.count("full_attention"), num_kv_heads=c.num_key_value_heads,
-            head_dim=c.head_dim,
+        layers = self.model.layers
+        attn = next(layer.self_attn for layer in layers if not layer.is_linear)
+        delta = next(layer.linear_attn for layer in layers if layer.is_linear)
+        return self.make_spec(
+            kind="hybrid_mamba", num_layers=types.count("full_attention"), num_kv_heads=attn.num_kv_heads,
+            head_dim=c.head_dim, kv_head_start=attn.heads.kv.start, total_kv_heads=attn.heads.total_kv,
             full_attention_layer_ids=[i for i, t in enumerate(types) if t == "full_attention"],
             mamba_layer_ids=[i for i, t in enumerate(types) if t == "linear_attention"],
-            conv_state_shapes=[(conv_dim, c.linear_conv_kernel_dim - 1)],
-            temporal_state_shape=(c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim),
+            conv_state_shapes=[(delta.conv_dim, c.linear_conv_kernel_dim - 1)],
+            temporal_state_shape=(delta.num_v_heads, c.linear_key_head_dim, c.linear_value_head_dim),
+            mamba_head_start=delta.k_heads.start, total_mamba_heads=c.linear_num_key_heads,
         )

@@ -1,0 +1,199 @@
+"""Tensor parallelism: the rank's group and the sharded linear layers.
+
+A TP group of ``size`` ranks splits every attention / MLP / MoE layer the
+Megatron way: the first linear of a pair is *column parallel* (each rank
+computes its own slice of the output features — its heads, its part of the
+intermediate dim; no communication), the second *row parallel* (each rank
+multiplies its slice of the input features, then one all-reduce sums the
+partial outputs). Embeddings, norms and ``lm_head`` are replicated, so the
+logits of rank 0 are the whole vocabulary, computed as with TP 1.
+
+Weights are sharded when loaded: a module names, in ``param_shards``, which
+rows (dim 0) or columns (dim 1) of each full checkpoint tensor it holds, as
+a list of ranges cut out in order and concatenated; ``model_loader`` reads
+only those slices from the safetensors files.
+
+With ``size == 1`` (:data:`SINGLE`) every collective is a no-op and every
+layer holds the whole tensor, so the models have one code path.
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+# a rank's slice of a checkpoint tensor: (dim, ranges of that dim, concatenated in order)
+ParamShard = Tuple[int, List[range]]
+
+# followers block on the control group while the engine is idle: no practical timeout there
+CONTROL_TIMEOUT = datetime.timedelta(days=365)
+# the group's start-up rendezvous and every collective inside a forward
+DEVICE_TIMEOUT = datetime.timedelta(minutes=10)
+
+
+@dataclass(frozen=True)
+class TPGroup:
+    """This rank's place in its tensor-parallel group.
+
+    ``group`` carries the device collectives of the forward (NCCL on CUDA,
+    gloo on CPU); ``cpu_group`` (gloo) carries the control messages: the
+    broadcast batches, the start-up agreement on pool sizes.
+    """
+
+    rank: int = 0
+    size: int = 1
+    group: Any = None
+    cpu_group: Any = None
+
+    @property
+    def is_leader(self) -> bool:
+        return self.rank == 0
+
+    # ---- collectives -----------------------------------------------------------------
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum of ``x`` over the ranks, in place (no-op with one rank)."""
+        if self.size > 1:
+            torch.distributed.all_reduce(x, group=self.group)
+        return x
+
+    def all_min(self, value: int) -> int:
+        """The smallest ``value`` over the ranks (every rank gets it)."""
+        if self.size == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.int64)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN, group=self.cpu_group)
+        return int(t)
+
+    def broadcast_object(self, obj: Any = None) -> Any:
+        """Rank 0's ``obj`` on every rank (pickled over the control group)."""
+        box = [obj if self.is_leader else None]
+        torch.distributed.broadcast_object_list(box, src=self._global(0), group=self.cpu_group)
+        return box[0]
+
+    def gather_objects(self, obj: Any) -> Optional[List[Any]]:
+        """Every rank's ``obj`` on rank 0 (in rank order); ``None`` elsewhere."""
+        if self.size == 1:
+            return [obj]
+        out = [None] * self.size if self.is_leader else None
+        torch.distributed.gather_object(obj, out, dst=self._global(0), group=self.cpu_group)
+        return out
+
+    def _global(self, group_rank: int) -> int:
+        return torch.distributed.get_global_rank(self.cpu_group, group_rank) if self.cpu_group is not None else group_rank
+
+    # ---- sharding ------------------------------------------------------------------------
+    def split(self, total: int, field: str) -> range:
+        """This rank's even share of ``total`` units; ``field`` names the config value in the error."""
+        if total % self.size:
+            raise ValueError(f"tp_size={self.size} must divide {field}={total}")
+        n = total // self.size
+        return range(self.rank * n, (self.rank + 1) * n)
+
+    def kv_heads(self, num_kv_heads: int, field: str = "num_key_value_heads") -> range:
+        """This rank's KV heads. With at least as many heads as ranks they are split
+        evenly; with fewer (GQA, ``tp_size > num_kv_heads``) every rank keeps a
+        replica of the one head its query heads read, as SGLang does."""
+        if self.size <= num_kv_heads:
+            return self.split(num_kv_heads, field)
+        if self.size % num_kv_heads:
+            raise ValueError(f"tp_size={self.size} must divide or be a multiple of {field}={num_kv_heads}")
+        head = self.rank // (self.size // num_kv_heads)
+        return range(head, head + 1)
+
+
+SINGLE = TPGroup()
+
+
+def init_tp_group(rank: int, size: int, init_method: str, device: torch.device,
+                  timeout: datetime.timedelta = DEVICE_TIMEOUT) -> TPGroup:
+    """Join the TP group of ``size`` processes (this process's default
+    ``torch.distributed`` group): NCCL for CUDA tensors, gloo otherwise, plus a
+    gloo control group for pickled messages."""
+    if size == 1:
+        return SINGLE
+    dist = torch.distributed
+    backend = "nccl" if torch.device(device).type == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size, timeout=timeout)
+    cpu_group = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+    return TPGroup(rank, size, dist.group.WORLD, cpu_group)
+
+
+def shard_ranges(sizes: Sequence[int], tp: TPGroup, field: str) -> List[range]:
+    """An output dim made of consecutive segments of ``sizes`` (e.g. a conv's q | k | v
+    channels), each split evenly: this rank's range in every segment, in order."""
+    ranges, offset = [], 0
+    for size in sizes:
+        part = tp.split(size, field)
+        ranges.append(range(offset + part.start, offset + part.stop))
+        offset += size
+    return ranges
+
+
+def head_ranges(heads: range, head_dim: int) -> List[range]:
+    """The rows of heads ``heads`` in a ``[num_heads * head_dim, ...]`` weight."""
+    return [range(heads.start * head_dim, heads.stop * head_dim)]
+
+
+@dataclass(frozen=True)
+class AttentionHeads:
+    """This rank's query heads and KV heads (of ``total_kv`` in the model)."""
+
+    q: range
+    kv: range
+    total_kv: int
+
+
+def attention_heads(tp: TPGroup, num_heads: int, num_kv_heads: int) -> AttentionHeads:
+    """Query heads split evenly; KV heads split or replicated (:meth:`TPGroup.kv_heads`).
+    Rank r's query heads read exactly rank r's KV heads."""
+    return AttentionHeads(tp.split(num_heads, "num_attention_heads"), tp.kv_heads(num_kv_heads), num_kv_heads)
+
+
+def shard_param(module: nn.Module, name: str, dim: int, ranges: Sequence[range]) -> None:
+    """Declare that ``module.<name>`` holds only ``ranges`` of dim ``dim`` of the checkpoint tensor."""
+    shards: Dict[str, ParamShard] = module.__dict__.setdefault("param_shards", {})
+    shards[name] = (dim, list(ranges))
+
+
+class ColumnParallelLinear(nn.Linear):
+    """Holds the output rows ``ranges`` of the full weight (and bias); no communication."""
+
+    def __init__(self, in_features: int, ranges: Sequence[range], bias: bool = False):
+        super().__init__(in_features, sum(len(r) for r in ranges), bias=bias)
+        shard_param(self, "weight", 0, ranges)
+        if bias:
+            shard_param(self, "bias", 0, ranges)
+
+    @classmethod
+    def split(cls, in_features: int, out_features: int, tp: TPGroup, field: str, bias: bool = False):
+        """Output features split evenly over the ranks."""
+        return cls(in_features, shard_ranges([out_features], tp, field), bias)
+
+
+class RowParallelLinear(nn.Linear):
+    """Holds an even slice of the input features; sums the partial outputs with
+    one all-reduce (``reduce=False`` leaves the sum to the caller, who then
+    reduces several partial results at once — the MoE does). The bias is added
+    once, after the sum (or by rank 0 only when not reducing)."""
+
+    def __init__(self, in_features: int, out_features: int, tp: TPGroup, field: str,
+                 bias: bool = False, reduce: bool = True):
+        part = tp.split(in_features, field)
+        super().__init__(len(part), out_features, bias=bias)
+        shard_param(self, "weight", 1, [part])
+        self.tp, self.reduce = tp, reduce
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return super().forward(x)
+        y = F.linear(x, self.weight)
+        if self.reduce:
+            y = self.tp.all_reduce(y)
+        if self.bias is not None and (self.reduce or self.tp.is_leader):
+            y = y + self.bias
+        return y

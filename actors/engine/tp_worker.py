@@ -1,0 +1,246 @@
+"""Tensor-parallel execution: rank 0 schedules, every rank computes its shard.
+
+A worker with ``tp_size = N`` is N processes joined by one torch.distributed
+group (:func:`actors.engine.parallel.init_tp_group`). Rank 0 hosts the
+Scheduler; each ForwardBatch it runs is first broadcast to the other ranks
+(the *followers*), which run the same ``ModelRunner.forward`` on their
+shards — the all-reduces inside the layers keep them in step. Only rank 0
+samples.
+
+Every rank's pools have the same slot counts; only rank 0 allocates, so the
+slot numbers a batch carries (``out_cache_loc``, request rows, Mamba slots,
+track slots) mean the same on every rank. What else the forward reads is
+kept equal like this:
+
+* index tables (``req_to_token`` and, with an SWA allocator, its
+  full→SWA slot map): rank 0 keeps a copy of what the followers hold and
+  sends the entries that differ with each batch, whoever wrote them
+  (prefill, decode, the tree cache re-pointing a row at cached slots);
+* Mamba state written outside a forward (zeroed at alloc, copied at a
+  copy-on-write prefix match or a checkpoint fork): rank 0's MambaPool logs
+  those ops and the followers replay them, in order, before the forward.
+
+Hosting (the Ray rank actors do the same as :class:`LocalTPGroup`)::
+
+    # rank 0
+    worker = TPModelWorker(config, 0, "tcp://host:port")
+    scheduler = Scheduler(worker.runner, tokenizer)  # runner.forward drives the followers
+    ...
+    worker.shutdown()                                # every follower_loop returns
+    # rank r > 0: a long-running call
+    TPModelWorker(config, r, "tcp://host:port").follower_loop()
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from actors.engine.config import EngineConfig
+from actors.engine.forward_batch import ForwardBatch
+from actors.engine.model_loader import build_model, load_config
+from actors.engine.model_runner import ModelRunner
+from actors.engine.models.spec import KVCacheSpec
+from actors.engine.parallel import TPGroup, init_tp_group
+
+logger = logging.getLogger(__name__)
+
+STOP, CHECK = "stop", "check"  # control messages besides a BatchMessage
+LOCAL_FIELDS = ("req_to_token_pool", "token_to_kv_pool", "attn_backend")  # each rank fills in its own
+
+
+@dataclass
+class BatchMessage:
+    """One forward for the followers: what to apply first, then the batch (CPU tensors)."""
+
+    table_updates: List[Tuple[str, torch.Tensor, torch.Tensor]]  # (table, flat index, values)
+    mamba_ops: List[Tuple]
+    fields: Dict[str, Any]
+
+    @classmethod
+    def pack(cls, batch: ForwardBatch, table_updates, mamba_ops) -> "BatchMessage":
+        fields = {}
+        for f in dataclasses.fields(batch):
+            if f.name not in LOCAL_FIELDS:
+                value = getattr(batch, f.name)
+                fields[f.name] = value.cpu() if isinstance(value, torch.Tensor) else value
+        return cls(table_updates, mamba_ops, fields)
+
+    def forward_batch(self, device: torch.device) -> ForwardBatch:
+        fields = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in self.fields.items()}
+        return ForwardBatch(**fields, req_to_token_pool=None, token_to_kv_pool=None)
+
+
+def index_tables(runner: ModelRunner) -> Dict[str, torch.Tensor]:
+    """The slot-index tables a forward reads, by name."""
+    tables = {"req_to_token": runner.req_to_token_pool.req_to_token}
+    mapping = getattr(runner.allocator, "full_to_swa_index_mapping", None)
+    if mapping is not None:
+        tables["full_to_swa_index_mapping"] = mapping
+    return tables
+
+
+def table_digest(tables: Dict[str, torch.Tensor]) -> Dict[str, str]:
+    return {name: hashlib.sha1(t.cpu().numpy().tobytes()).hexdigest() for name, t in tables.items()}
+
+
+class TableMirror:
+    """Rank 0's copy of the followers' index tables: ``updates()`` are the
+    entries that changed since the last call (and marks them sent)."""
+
+    def __init__(self, tables: Dict[str, torch.Tensor]):
+        self.tables = tables
+        self.sent = {name: t.clone() for name, t in tables.items()}
+
+    def updates(self) -> List[Tuple[str, torch.Tensor, torch.Tensor]]:
+        out = []
+        for name, table in self.tables.items():
+            flat, sent = table.reshape(-1), self.sent[name].view(-1)
+            index = (flat != sent).nonzero().squeeze(1)
+            if index.numel():
+                values = flat[index]
+                sent[index] = values
+                out.append((name, index.cpu(), values.cpu()))
+        return out
+
+
+def apply_table_updates(tables: Dict[str, torch.Tensor], updates) -> None:
+    for name, index, values in updates:
+        table = tables[name]
+        table.view(-1)[index.to(table.device)] = values.to(table.device)
+
+
+class TPModelWorker:
+    """One rank: its model shard and pools (``runner``). Rank 0's
+    ``runner.forward`` broadcasts each batch before running it; ranks > 0 call
+    :meth:`follower_loop`. With ``tp_size == 1`` it is a plain ModelRunner host."""
+
+    def __init__(self, config: EngineConfig, tp_rank: int, dist_init_method: Optional[str] = None,
+                 gpu_id: Optional[int] = None, **runner_kwargs):
+        if not 0 <= tp_rank < config.tp_size:
+            raise ValueError(f"tp_rank={tp_rank} is outside [0, tp_size={config.tp_size})")
+        if config.tp_size > 1 and not dist_init_method:
+            raise ValueError("tp_size > 1 needs dist_init_method (e.g. tcp://host:port)")
+        if config.device == "cuda":
+            torch.cuda.set_device(gpu_id if gpu_id is not None else tp_rank % torch.cuda.device_count())
+        self.tp: TPGroup = init_tp_group(tp_rank, config.tp_size, dist_init_method, torch.device(config.device))
+        self.runner = ModelRunner(config, tp=self.tp, **runner_kwargs)
+        self.tables = index_tables(self.runner)
+        self._mamba_pool = getattr(self.runner, "mamba_pool", None)
+        self._stopped = False
+        if self.tp.size > 1 and self.tp.is_leader:
+            self._mirror = TableMirror(self.tables)
+            if self._mamba_pool is not None:
+                self._mamba_pool.op_log = []
+            self.runner.batch_sender = self._send_batch
+
+    # ---- rank 0 ------------------------------------------------------------------------
+    def _send_batch(self, batch: ForwardBatch) -> None:
+        ops: List[Tuple] = []
+        if self._mamba_pool is not None:
+            ops, self._mamba_pool.op_log = self._mamba_pool.op_log, []
+        self.tp.broadcast_object(BatchMessage.pack(batch, self._mirror.updates(), ops))
+
+    def check_followers(self) -> List[KVCacheSpec]:
+        """Rank 0, engine idle: every follower's index tables equal what rank 0
+        sent them. Returns every rank's KVCacheSpec, in rank order."""
+        if self.tp.size == 1:
+            return [self.runner.spec]
+        self.tp.broadcast_object(CHECK)
+        replies = self.tp.gather_objects(None)
+        expected = table_digest(self._mirror.sent)
+        for rank, (digest, _) in enumerate(replies[1:], start=1):
+            if digest != expected:
+                bad = sorted(k for k in expected if digest.get(k) != expected[k])
+                raise RuntimeError(f"TP rank {rank}: index tables {bad} differ from rank 0's")
+        return [self.runner.spec] + [spec for _, spec in replies[1:]]
+
+    def shutdown(self) -> None:
+        """Rank 0: end the followers' loops, then leave the group (idempotent)."""
+        if self._stopped:
+            return
+        self._stopped = True
+        if self.tp.size > 1:
+            self.tp.broadcast_object(STOP)
+            torch.distributed.destroy_process_group()
+
+    # ---- ranks > 0 ----------------------------------------------------------------------
+    def follower_loop(self) -> None:
+        """Run rank 0's batches until it shuts down, then leave the group."""
+        if self.tp.is_leader:
+            raise RuntimeError("follower_loop runs on ranks > 0; rank 0 drives them through runner.forward")
+        device = self.runner.device
+        while True:
+            msg = self.tp.broadcast_object()
+            if msg == STOP:
+                break
+            if msg == CHECK:
+                self.tp.gather_objects((table_digest(self.tables), self.runner.spec))
+                continue
+            apply_table_updates(self.tables, msg.table_updates)
+            if msg.mamba_ops:
+                self._mamba_pool.replay(msg.mamba_ops)
+            self.runner.forward(msg.forward_batch(device))
+        self._stopped = True
+        torch.distributed.destroy_process_group()
+
+
+def check_tp_shardable(config: EngineConfig) -> None:
+    """Fail before starting any rank when ``tp_size`` cannot shard the model
+    (the error names the config field it must divide)."""
+    build_model(load_config(config.model_path), TPGroup(rank=0, size=config.tp_size))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _follower_main(config: Dict[str, Any], tp_rank: int, dist_init_method: str) -> None:
+    config = EngineConfig(**config)
+    if config.device == "cpu":  # the ranks share this machine's cores
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.tp_size))
+    TPModelWorker(config, tp_rank, dist_init_method).follower_loop()
+
+
+class LocalTPGroup:
+    """Every rank of one TP group on this machine: rank 0 in this process (its
+    ``worker``), the followers as spawned processes, joined over a free
+    localhost TCP port (gloo on CPU, NCCL with one GPU per rank on CUDA)."""
+
+    def __init__(self, config: EngineConfig):
+        check_tp_shardable(config)
+        init_method = f"tcp://127.0.0.1:{free_port()}"
+        ctx = torch.multiprocessing.get_context("spawn")
+        self.processes = [
+            ctx.Process(target=_follower_main, args=(config.model_dump(), rank, init_method), daemon=True,
+                        name=f"raydix-tp-rank-{rank}")
+            for rank in range(1, config.tp_size)
+        ]
+        for p in self.processes:
+            p.start()
+        try:
+            self.worker = TPModelWorker(config, 0, init_method)
+        except BaseException:
+            self._stop_processes(timeout=0)
+            raise
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        self.worker.shutdown()
+        self._stop_processes(timeout)
+
+    def _stop_processes(self, timeout: float) -> None:
+        for p in self.processes:
+            p.join(timeout)
+            if p.is_alive():
+                logger.warning("TP follower %s did not stop; terminating it", p.name)
+                p.terminate()
+                p.join()

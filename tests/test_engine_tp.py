@@ -1,0 +1,161 @@
+"""Tensor parallelism: TP=2 engines (a spawned follower rank, gloo on CPU) give
+the same greedy tokens as TP=1 and HF, through a batch, chunked prefill and a
+prefix-cache hit; each rank holds its share of the KV heads (MLA: the whole
+latent; Qwen3-Next: its linear-attention heads' state); a tp_size that cannot
+shard the model fails naming the config field."""
+
+import random
+
+import pytest
+import torch
+
+from actors.engine import Engine
+from actors.engine.config import EngineConfig
+from actors.engine.model_loader import build_model
+from actors.engine.parallel import TPGroup
+from actors.engine.tiny import build_tiny_checkpoint, tiny_config
+from actors.engine.tp_worker import TableMirror, apply_table_updates
+from mem_cache.mamba_pool import MambaPool
+from tests.parity import assert_greedy_parity
+
+GREEDY = {"max_new_tokens": 8, "temperature": 0}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
+                 "qwen3_next": "Qwen3NextForCausalLM"}
+CASES = {  # Qwen3-Next: copy-on-write and checkpoint forks (no_buffer); ping-pong track slots (extra_buffer)
+    "llama": ("llama", {"chunked_prefill_size": 32}),
+    "deepseek_v3": ("deepseek_v3", {"chunked_prefill_size": 32}),
+    "qwen3_next": ("qwen3_next", {"chunked_prefill_size": 32}),
+    "qwen3_next_extra_buffer": ("qwen3_next", {"chunked_prefill_size": -1, "mamba_scheduler_strategy": "extra_buffer",
+                                               "mamba_track_interval": 8}),
+}
+
+
+def prompts():
+    rng = random.Random(0)
+    system = [rng.randrange(5, 261) for _ in range(40)]
+    batch = [system + [rng.randrange(5, 261) for _ in range(n)] for n in (5, 12, 30)]
+    return batch, [batch[2] + [9, 10, 11]]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tp")
+    return {family: str(build_tiny_checkpoint(family, root / family, seed=0)) for family in ARCHITECTURES}
+
+
+def run(model_dir, tp_size, **args):
+    """Outputs of a batch then of a prefix hit, the cached counts, every rank's spec, rank 0's pools."""
+    batch, follow = prompts()
+    engine = Engine(model_path=model_dir, skip_tokenizer_init=True, max_total_tokens=2048, tp_size=tp_size, **args)
+    try:
+        first = engine.generate(input_ids=batch, sampling_params=GREEDY)
+        second = engine.generate(input_ids=follow, sampling_params=GREEDY)
+        engine.check_integrity()  # with TP also: the follower's index tables are what rank 0 sent
+        specs = engine.tp_group.worker.check_followers() if engine.tp_group else [engine.runner.spec]
+        outputs = [o["output_ids"] for o in first + second]
+        cached = [o["meta_info"]["cached_tokens"] for o in second]
+        return outputs, cached, specs, engine.runner, engine.eos_token_ids
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_tp2_tokens_equal_tp1_and_hf(checkpoints, case):
+    family, args = CASES[case]
+    model_dir = checkpoints[family]
+    ref_outputs, ref_cached, _, _, _ = run(model_dir, 1, **args)
+    outputs, cached, specs, runner, eos = run(model_dir, 2, **args)
+    assert outputs == ref_outputs
+    assert cached == ref_cached and cached[0] >= 32
+    batch, follow = prompts()
+    assert_greedy_parity(model_dir, batch + follow, outputs, GREEDY["max_new_tokens"], eos)
+    assert [(s.tp_rank, s.tp_size) for s in specs] == [(0, 2), (1, 2)]
+    check_rank_shapes(family, specs, runner)
+
+
+def check_rank_shapes(family, specs, runner):
+    config = tiny_config(family)
+    if family == "deepseek_v3":  # the latent row is replicated: every rank caches all of it
+        row = config.kv_lora_rank + config.qk_rope_head_dim
+        assert runner.token_to_kv_pool.kv_buffer[0].shape[-1] == row
+        assert all(s.kv_lora_rank == config.kv_lora_rank and s.total_kv_heads == 0 for s in specs)
+        return
+    heads = config.num_key_value_heads
+    assert [(s.kv_head_start, s.num_kv_heads, s.total_kv_heads) for s in specs] == [(0, heads // 2, heads),
+                                                                                    (heads // 2, heads // 2, heads)]
+    pool = getattr(runner.token_to_kv_pool, "full_kv_pool", runner.token_to_kv_pool)
+    assert pool.k_buffer[0].shape[1:] == (heads // 2, specs[0].head_dim)
+    if family == "qwen3_next":
+        mamba = runner.mamba_pool
+        assert mamba.temporal.shape[2:] == (config.linear_num_value_heads // 2, config.linear_key_head_dim,
+                                            config.linear_value_head_dim)
+        conv_dim = 2 * config.linear_key_head_dim * config.linear_num_key_heads + (
+            config.linear_value_head_dim * config.linear_num_value_heads)
+        assert mamba.conv[0].shape[2] == conv_dim // 2
+        assert [(s.mamba_head_start, s.total_mamba_heads) for s in specs] == [(0, 2), (1, 2)]
+
+
+def meta_model(family, tp_size, rank=0):
+    config = tiny_config(family)
+    config.architectures = [ARCHITECTURES[family]]
+    return build_model(config, TPGroup(rank=rank, size=tp_size))
+
+
+@pytest.mark.parametrize("family, tp_size, field", [
+    ("llama", 3, "num_attention_heads"),
+    ("qwen3_next", 4, "linear_num_key_heads"),
+    ("deepseek_v3", 8, "num_attention_heads"),
+])
+def test_tp_size_that_cannot_shard_names_the_field(family, tp_size, field):
+    with pytest.raises(ValueError, match=f"tp_size={tp_size} must divide {field}="):
+        meta_model(family, tp_size)
+
+
+def test_engine_rejects_bad_tp_size_before_starting_ranks(checkpoints):
+    with pytest.raises(ValueError, match="num_attention_heads=4"):
+        Engine(model_path=checkpoints["llama"], skip_tokenizer_init=True, max_total_tokens=256, tp_size=3)
+    with pytest.raises(ValueError, match="tp_size"):
+        EngineConfig(model_path="x", tp_size=0)
+    with pytest.raises(ValueError, match="enable_hierarchical_cache"):
+        EngineConfig(model_path="x", tp_size=2, enable_hierarchical_cache=True)
+
+
+def test_more_ranks_than_kv_heads_replicate_them():
+    """llama: 2 KV heads on 4 ranks — ranks 0,1 hold head 0, ranks 2,3 head 1 (as SGLang)."""
+    specs = [meta_model("llama", 4, rank).kv_cache_spec() for rank in range(4)]
+    assert [(s.kv_head_start, s.num_kv_heads, s.total_kv_heads) for s in specs] == [(0, 1, 2), (0, 1, 2),
+                                                                                    (1, 1, 2), (1, 1, 2)]
+    attn = meta_model("llama", 4, 3).model.layers[0].self_attn
+    assert attn.q_proj.param_shards["weight"][1] == [range(48, 64)]  # query head 3 reads KV head 1
+    assert attn.k_proj.param_shards["weight"][1] == [range(16, 32)]
+
+
+def test_table_mirror_sends_only_changed_entries():
+    leader, follower = torch.zeros(4, 8, dtype=torch.int32), torch.zeros(4, 8, dtype=torch.int32)
+    mirror = TableMirror({"req_to_token": leader})
+    leader[1, :3] = torch.tensor([5, 6, 7], dtype=torch.int32)
+    leader[3, 7] = 9
+    updates = mirror.updates()
+    assert [u[1].tolist() for u in updates] == [[8, 9, 10, 31]]
+    apply_table_updates({"req_to_token": follower}, updates)
+    assert torch.equal(leader, follower)
+    leader[1, 1] = 4  # a row re-pointed at cached slots
+    apply_table_updates({"req_to_token": follower}, mirror.updates())
+    assert torch.equal(leader, follower) and mirror.updates() == []
+
+
+def test_mamba_state_ops_replay_on_another_rank():
+    def pool():
+        return MambaPool(4, [(3, 2)], (2, 2, 2), 1, torch.float32, torch.float32)
+
+    leader, follower = pool(), pool()
+    for p in (leader, follower):  # the forward writes both ranks' states alike
+        p.temporal[0, 2] = 1.0
+        p.temporal[0, 3] = 2.0
+    leader.op_log = []
+    first = leader.alloc(1)  # zeroes slot 0
+    leader.copy_from(3, first)  # copy-on-write
+    leader.fork_from(2)  # a checkpoint fork: alloc (zero) + copy
+    follower.replay(leader.op_log)
+    assert [op[0] for op in leader.op_log] == ["zero", "copy", "zero", "copy"]
+    assert torch.equal(leader.temporal, follower.temporal) and torch.equal(leader.conv[0], follower.conv[0])
