@@ -20,6 +20,7 @@ once; tests call them in-process with asyncio.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import logging
 import random
 import time
@@ -34,11 +35,13 @@ from actors.engine.req import Req
 from actors.engine.sampling_params import SamplingParams
 from actors.pd_scheduler import DecodeScheduler, PDRequestError, PrefillScheduler, serves
 from mem_cache.buffer_allocator import create_buffer_allocator
+from mem_cache.kv_events import KVEventBatch, PageHashSnapshot
 from transfer.base import KVHandoff, KVSender, create_agent
 from transfer.layout import pool_allocators, pool_layout
 
 logger = logging.getLogger(__name__)
 SHAREABLE_BACKENDS = ("shm", "cuda_ipc")
+KV_EVENT_LOG_SIZE = 65536  # events a worker keeps for routers to pull; one further behind resyncs
 
 
 def resolve_backends(backend: str, device: str) -> List[str]:
@@ -55,7 +58,9 @@ class _Worker:
     def __init__(self, model_path: str, engine_args: Optional[Dict[str, Any]] = None, backend: str = "shm",
                  worker_id: Optional[str] = None, tp_rank: int = 0, tp_size: int = 1):
         self.worker_id = worker_id or f"{self.role}-{random.getrandbits(32):08x}"
-        self.config = EngineConfig(model_path=model_path, **(engine_args or {}))
+        # a prefill worker publishes KV events by default: the router's prefix index follows them
+        engine_args = {"enable_kv_events": self.role == "prefill", **(engine_args or {})}
+        self.config = EngineConfig(model_path=model_path, **engine_args)
         self.backends = resolve_backends(backend, self.config.device)
         shareable = self.role == "decode" and any(b in SHAREABLE_BACKENDS for b in self.backends)
         self.buffer_allocator = create_buffer_allocator(self.config.device, shareable, prefix=self.worker_id)
@@ -147,6 +152,41 @@ class _Worker:
             await asyncio.sleep(0.02)
         return False
 
+    # ---- KV events for the router's prefix index -------------------------------------------
+    def _init_kv_log(self) -> None:
+        self._kv_log: List[Any] = []  # drained events, ids increasing; bounded like the cache's own queue
+        self.scheduler.tree_cache.events.max_pending = KV_EVENT_LOG_SIZE
+
+    def _drain_kv_events(self) -> int:
+        """Move the tree cache's new events into the log (loop paused); returns the newest event id."""
+        events = self.scheduler.tree_cache.events
+        self._kv_log.extend(events.take())
+        if len(self._kv_log) > 2 * KV_EVENT_LOG_SIZE:
+            del self._kv_log[: len(self._kv_log) - KV_EVENT_LOG_SIZE]
+        return events.next_id
+
+    async def kv_events(self, since_id: int = 0, max_events: int = 4096) -> KVEventBatch:
+        """The tree cache's events after ``since_id``, oldest first, at most ``max_events``. A first id
+        past ``since_id + 1``, or no events with ``last_id != since_id``, means the caller missed some."""
+        def take() -> KVEventBatch:
+            newest = self._drain_kv_events()
+            start = bisect.bisect_right(self._kv_log, since_id, key=lambda e: e.event_id)
+            batch = self._kv_log[start : start + max_events]
+            return KVEventBatch(batch, batch[-1].event_id if batch else newest)
+
+        return await asyncio.to_thread(self.loop.run_exclusive, take)
+
+    async def cached_page_hashes(self) -> PageHashSnapshot:
+        """Every page this worker's tree holds, one hash chain per node, as of event ``last_id``
+        (what a restarted router rebuilds its index from)."""
+        def snapshot() -> PageHashSnapshot:
+            newest = self._drain_kv_events()
+            cache = self.scheduler.tree_cache
+            chains = cache.stored_page_hashes() if cache.events.enabled else []
+            return PageHashSnapshot(chains, newest, self.config.page_size)
+
+        return await asyncio.to_thread(self.loop.run_exclusive, snapshot)
+
     def pause_generation(self) -> None:
         """Hold the scheduler after its current step (requests stay queued)."""
         self.loop.pause()
@@ -178,6 +218,7 @@ class PrefillWorker(_Worker):
         super().__init__(model_path, engine_args, backend, worker_id, tp_rank, tp_size)
         self.scheduler = PrefillScheduler(self.runner, self.tokenizer)
         self.loop = EngineLoop(self.scheduler)
+        self._init_kv_log()
 
     async def prefill(self, rid: str, input_ids: List[int], sampling_params: Optional[Dict[str, Any]],
                       handoffs: List[bytes]) -> Dict[str, Any]:
@@ -237,6 +278,7 @@ class DecodeWorker(_Worker):
             self.runner, self.tokenizer, self.agents, follower_targets, num_reserved_decode_tokens, waiting_timeout_s,
         )
         self.loop = EngineLoop(self.scheduler)
+        self._init_kv_log()
         self._queues: Dict[str, asyncio.Queue] = {}
 
     async def reserve(self, rid: str, input_ids: List[int], sampling_params: Optional[Dict[str, Any]],

@@ -201,10 +201,17 @@ class RouterConfig(BaseModel):
     decode_policy: Literal[ROUTING_POLICIES] = Field("power_of_two", description="decode worker choice")
     cache_threshold: float = Field(0.3, ge=0.0, le=1.0, description="cache_aware: least matched fraction of the "
                                    "prompt that sends a request to the worker caching it")
-    balance_abs_threshold: int = Field(64, ge=0, description="cache_aware: load gap (requests) that switches to "
-                                       "least-loaded routing")
-    balance_rel_threshold: float = Field(1.5, ge=1.0, description="cache_aware: load ratio max/min that switches "
-                                         "to least-loaded routing")
+    balance_abs_threshold: int = Field(64, ge=0, description="cache_aware guard, per request: a worker more than "
+                                       "this many in-flight requests above the least loaded one ...")
+    balance_rel_threshold: float = Field(1.5, ge=1.0, description="... and above this many times its load is "
+                                         "skipped for the request (its cache match notwithstanding)")
+    uncached_token_weight: float = Field(2.0, ge=0.0, description="cache_aware prefill cost w × uncached prompt "
+                                         "tokens + queued prefill tokens: the weight w (0: load only)")
+    approx_ttl_s: float = Field(30.0, gt=0.0, description="how long a routing decision counts as cached pages on "
+                                "its prefill worker unless KV events confirm them first")
+    event_interval_s: float = Field(0.05, gt=0.0, description="how often the router pulls KV events from the "
+                                    "prefill workers")
+    max_events_per_pull: int = Field(4096, ge=1, description="KV events one pull takes from a worker")
 
 
 class PlacementConfig(BaseModel):

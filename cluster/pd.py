@@ -4,8 +4,10 @@
 classes of ``actors.workers``, places them (by the custom node resources
 ``prefill`` / ``decode`` when the config asks), and waits until every one
 answers its health check. ``PDClient`` runs a request through a (prefill,
-decode) pair — picked round-robin here; the router actor takes this job in
-the routing issue::
+decode) pair — picked by a router (``start_router``: an ``actors.router.Router``
+actor, by cached prefix and load) when the client is given one, round-robin
+otherwise::
+
 
     reserve on decode → prefill + push on prefill → stream from decode
 
@@ -28,6 +30,8 @@ from typing import Any, AsyncIterator, Dict, List, Optional
 import ray
 
 from actors.pd_scheduler import PDRequestError
+from actors.router import Router, call_method
+from actors.routing_policies import RouterSettings
 from actors.workers import DecodeWorker, PrefillWorker
 from transfer import select_backend
 
@@ -100,9 +104,24 @@ class PDCluster:
         ray.get([w.handle.health.remote() for w in workers], timeout=timeout_s)
         return self
 
-    def client(self, tokenizer=None) -> "PDClient":
+    def start_router(self, name: Optional[str] = None, detached: bool = False, timeout_s: float = 120.0, **overrides):
+        """A :class:`actors.router.Router` actor over this cluster's live workers, its event pulls and
+        heartbeats running. ``detached`` outlives the driver; a new one (after a restart) indexes
+        what the workers hold as they join it. ``overrides``: RouterSettings fields."""
+        options: Dict[str, Any] = {"num_cpus": 0, "max_concurrency": 1000, "max_restarts": 0}
+        if name:
+            options["name"] = name
+        if detached:
+            options["lifetime"] = "detached"
+        handle = ray.remote(Router).options(**options).remote(router_settings(self.config, **overrides))
+        ray.get([handle.add_worker.remote(w.worker_id, w.role, w.handle, w.node_id)
+                 for w in self.prefill + self.decode if w.alive], timeout=timeout_s)
+        ray.get(handle.start.remote(), timeout=timeout_s)
+        return handle
+
+    def client(self, tokenizer=None, router=None) -> "PDClient":
         t = self.config.transfer
-        return PDClient(self.prefill, self.decode, backend=t.backend, tokenizer=tokenizer, device=self.config.decode.device,
+        return PDClient(self.prefill, self.decode, backend=t.backend, tokenizer=tokenizer, device=self.config.decode.device, router=router,
                         bootstrap_timeout_s=t.bootstrap_timeout_s, waiting_timeout_s=t.waiting_timeout_s,
                         heartbeat_interval_s=t.heartbeat_interval_s, heartbeat_max_failures=t.heartbeat_max_failures)
 
@@ -130,13 +149,22 @@ class PDCluster:
             ray.kill(worker.handle)
 
 
+def router_settings(config, **overrides) -> RouterSettings:
+    """The router's settings from a cluster config (the page size is the workers')."""
+    fields = config.router.model_dump()
+    fields.update(page_size=config.prefill.engine.page_size, heartbeat_interval_s=config.transfer.heartbeat_interval_s,
+                  heartbeat_max_failures=config.transfer.heartbeat_max_failures, **overrides)
+    return RouterSettings(**fields)
+
+
 class PDClient:
     """Runs requests through the cluster; one per driver (the router later)."""
 
     def __init__(self, prefill: List[WorkerRef], decode: List[WorkerRef], backend: str = "shm", tokenizer=None,
                  device: str = "cpu", bootstrap_timeout_s: float = 300.0, waiting_timeout_s: float = 300.0,
-                 heartbeat_interval_s: float = 5.0, heartbeat_max_failures: int = 2):
+                 heartbeat_interval_s: float = 5.0, heartbeat_max_failures: int = 2, router=None):
         self.prefill, self.decode = prefill, decode
+        self.router = router  # anything with async route(rid, input_ids) / release(rid, role=None); None: round-robin
         self.backend, self.device, self.tokenizer = backend, device, tokenizer
         self.bootstrap_timeout_s, self.waiting_timeout_s = bootstrap_timeout_s, waiting_timeout_s
         self.heartbeat_interval_s, self.heartbeat_max_failures = heartbeat_interval_s, heartbeat_max_failures
@@ -151,6 +179,29 @@ class PDClient:
         if not pool:
             raise PDRequestError(f"no live {role} worker")
         return pool[next(self._rr[role]) % len(pool)]
+
+    async def _pick_pair(self, rid: str, input_ids: List[int]):
+        """(prefill, decode) for a request: the router's decision, or round-robin without one."""
+        if self.router is None:
+            return self._pick("prefill"), self._pick("decode")
+        try:
+            decision = await call_method(self.router, "route", rid, input_ids)
+        except Exception as exc:
+            raise PDRequestError(f"the router could not place {rid}: {exc}") from exc
+        refs = {w.worker_id: w for w in self.prefill + self.decode}
+        prefill, decode = refs.get(decision.prefill_id), refs.get(decision.decode_id)
+        if prefill is None or decode is None:
+            await self._release(rid)
+            raise PDRequestError(f"the router chose a worker this client does not know: {decision}")
+        return prefill, decode
+
+    async def _release(self, rid: str, role: Optional[str] = None) -> None:
+        if self.router is None:
+            return
+        try:
+            await call_method(self.router, "release", rid, role)
+        except Exception as exc:  # the router is gone: a new one counts load afresh
+            logger.warning("router release of %s failed: %s", rid, exc)
 
     def _mark_dead(self, worker: WorkerRef, why: str) -> None:
         if worker.alive:
@@ -171,7 +222,7 @@ class PDClient:
         if self.draining:
             raise PDRequestError("the cluster is draining: no new requests")
         rid = rid or uuid.uuid4().hex
-        prefill, decode = self._pick("prefill"), self._pick("decode")
+        prefill, decode = await self._pick_pair(rid, input_ids)
         override = None if self.backend == "auto" else self.backend
         backend = select_backend(prefill.node_id == decode.node_id, self.device, override)
         prefill.inflight += 1
@@ -187,11 +238,13 @@ class PDClient:
             except BaseException:
                 await self._abort_quietly(decode, rid)
                 raise
+            await self._release(rid, "prefill")
             gen = decode.handle.stream.options(num_returns="streaming").remote(rid, notice)
             async for ref in gen:
                 out = await self._call(decode, ref, self.waiting_timeout_s, rid)
                 out["meta_info"]["cached_tokens"] = max(out["meta_info"]["cached_tokens"], notice["cached_tokens"])
                 out["meta_info"]["prefill_worker"] = prefill.worker_id
+                out["meta_info"]["prefill_cached_tokens"] = notice["cached_tokens"]
                 out["meta_info"]["decode_worker"] = decode.worker_id
                 out["meta_info"]["ttft_pd"] = notice["prefill_latency"]
                 out["meta_info"]["e2e_latency_pd"] = time.perf_counter() - start
@@ -200,6 +253,7 @@ class PDClient:
             prefill.inflight -= 1
             decode.inflight -= 1
             self.inflight -= 1
+            await self._release(rid)
 
     async def drain(self, timeout_s: float = 120.0) -> None:
         """Refuse new requests; return once every accepted one has ended."""

@@ -337,6 +337,10 @@ class RadixCache(BasePrefixCache):
     def take_events(self):
         return self.events.take()
 
+    def stored_page_hashes(self) -> List[List[str]]:
+        """Each node's chained page hashes: the pages BlockStored announced and no BlockRemoved took back."""
+        return [list(node.hash_value) for node in self._iter_nodes() if node.hash_value]
+
     def check_integrity(self) -> None:
         """Structure, lock counts, size counters, slot ownership and page hashes."""
         evictable = protected = 0

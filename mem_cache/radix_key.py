@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import hashlib
 import struct
+import sys
+from array import array
+from functools import lru_cache
 from typing import List, Optional, Sequence
 
 
@@ -42,6 +45,7 @@ class RadixKey:
         return f"RadixKey({head}{more}, len={len(self)}, extra_key={self.extra_key!r})"
 
 
+@lru_cache(maxsize=1024)
 def root_hash(extra_key: Optional[str] = None) -> str:
     """The hash a sequence's first page chains from."""
     return hashlib.sha256(b"raydix-root:" + (extra_key or "").encode()).hexdigest()
@@ -53,13 +57,28 @@ def hash_page(token_ids: Sequence[int], parent_hash: str) -> str:
     return digest.hexdigest()
 
 
+def _le_words(token_ids: Sequence[int]) -> bytes:
+    """The ids as 4-byte little-endian words, each taken mod 2^32 (``hash_page``'s packing)."""
+    try:
+        words = array("I", token_ids)  # every id already fits an unsigned 32-bit word: no masking
+    except (OverflowError, TypeError):
+        words = None
+    if words is None or words.itemsize != 4:
+        return struct.pack(f"<{len(token_ids)}I", *(t & 0xFFFFFFFF for t in token_ids))
+    if sys.byteorder == "big":
+        words.byteswap()
+    return words.tobytes()
+
+
 def hash_pages(
     token_ids: Sequence[int], page_size: int, parent_hash: Optional[str] = None, extra_key: Optional[str] = None
 ) -> List[str]:
-    """Chained hashes of every *whole* page of ``token_ids``."""
-    prev = parent_hash if parent_hash is not None else root_hash(extra_key)
-    hashes = []
-    for start in range(0, len(token_ids) - page_size + 1, page_size):
-        prev = hash_page(token_ids[start : start + page_size], prev)
-        hashes.append(prev)
+    """Chained hashes of every *whole* page of ``token_ids``: ``hash_page`` page after page, with
+    the ids packed once and the chain carried as bytes (the router hashes every prompt with it)."""
+    prev = bytes.fromhex(parent_hash if parent_hash is not None else root_hash(extra_key))
+    data = _le_words(token_ids[: len(token_ids) - len(token_ids) % page_size])
+    step, sha, hashes = 4 * page_size, hashlib.sha256, []
+    for start in range(0, len(data), step):
+        prev = sha(prev + data[start : start + step]).digest()
+        hashes.append(prev.hex())
     return hashes

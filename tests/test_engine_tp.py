@@ -1,6 +1,6 @@
 """Tensor parallelism: TP=2 engines (a spawned follower rank, gloo on CPU) give
-the same greedy tokens as TP=1 and HF, through a batch, chunked prefill and a
-prefix-cache hit; each rank holds its share of the KV heads (MLA: the whole
+the same greedy tokens as TP=1 and HF — Llama, DeepSeek-V3, Gemma 3 and
+Qwen3-Next — through a batch, chunked prefill and a prefix-cache hit; each rank holds its share of the KV heads (MLA: the whole
 latent; Qwen3-Next: its linear-attention heads' state); a tp_size that cannot
 shard the model fails naming the config field."""
 
@@ -20,10 +20,11 @@ from tests.parity import assert_greedy_parity
 
 GREEDY = {"max_new_tokens": 8, "temperature": 0}
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
-                 "qwen3_next": "Qwen3NextForCausalLM"}
+                 "qwen3_next": "Qwen3NextForCausalLM", "gemma3": "Gemma3ForCausalLM"}
 CASES = {  # Qwen3-Next: copy-on-write and checkpoint forks (no_buffer); ping-pong track slots (extra_buffer)
     "llama": ("llama", {"chunked_prefill_size": 32}),
     "deepseek_v3": ("deepseek_v3", {"chunked_prefill_size": 32}),
+    "gemma3": ("gemma3", {"chunked_prefill_size": 32}),  # SWA pools: the full→SWA slot map is mirrored too
     "qwen3_next": ("qwen3_next", {"chunked_prefill_size": 32}),
     "qwen3_next_extra_buffer": ("qwen3_next", {"chunked_prefill_size": -1, "mamba_scheduler_strategy": "extra_buffer",
                                                "mamba_track_interval": 8}),
@@ -51,7 +52,11 @@ def run(model_dir, tp_size, **args):
         first = engine.generate(input_ids=batch, sampling_params=GREEDY)
         second = engine.generate(input_ids=follow, sampling_params=GREEDY)
         engine.check_integrity()  # with TP also: the follower's index tables are what rank 0 sent
-        specs = engine.tp_group.worker.check_followers() if engine.tp_group else [engine.runner.spec]
+        specs = [engine.runner.spec]
+        if engine.tp_group:
+            worker = engine.tp_group.worker
+            engine.loop.run_exclusive(worker.sync)  # the tree's last row writes, without a forward
+            specs = engine.loop.run_exclusive(worker.check_followers)
         outputs = [o["output_ids"] for o in first + second]
         cached = [o["meta_info"]["cached_tokens"] for o in second]
         return outputs, cached, specs, engine.runner, engine.eos_token_ids

@@ -22,13 +22,13 @@ kept equal like this:
 
 Hosting (the Ray rank actors do the same as :class:`LocalTPGroup`)::
 
-    # rank 0
-    worker = TPModelWorker(config, 0, "tcp://host:port")
+    # rank 0 (init = tp_init_method(its node's IP), handed to the other ranks)
+    worker = TPModelWorker(config, 0, init)
     scheduler = Scheduler(worker.runner, tokenizer)  # runner.forward drives the followers
     ...
     worker.shutdown()                                # every follower_loop returns
-    # rank r > 0: a long-running call
-    TPModelWorker(config, r, "tcp://host:port").follower_loop()
+    # rank r > 0: a long-running call (a Ray actor: a threaded or async actor's method)
+    TPModelWorker(config, r, init).follower_loop()
 """
 
 from __future__ import annotations
@@ -58,11 +58,12 @@ LOCAL_FIELDS = ("req_to_token_pool", "token_to_kv_pool", "attn_backend")  # each
 
 @dataclass
 class BatchMessage:
-    """One forward for the followers: what to apply first, then the batch (CPU tensors)."""
+    """What the followers apply, then the batch to run (CPU tensors; ``None``
+    for a :meth:`TPModelWorker.sync` without a forward)."""
 
     table_updates: List[Tuple[str, torch.Tensor, torch.Tensor]]  # (table, flat index, values)
     mamba_ops: List[Tuple]
-    fields: Dict[str, Any]
+    fields: Optional[Dict[str, Any]]
 
     @classmethod
     def pack(cls, batch: ForwardBatch, table_updates, mamba_ops) -> "BatchMessage":
@@ -142,11 +143,20 @@ class TPModelWorker:
             self.runner.batch_sender = self._send_batch
 
     # ---- rank 0 ------------------------------------------------------------------------
-    def _send_batch(self, batch: ForwardBatch) -> None:
+    def _send_batch(self, batch: Optional[ForwardBatch]) -> None:
         ops: List[Tuple] = []
         if self._mamba_pool is not None:
             ops, self._mamba_pool.op_log = self._mamba_pool.op_log, []
-        self.tp.broadcast_object(BatchMessage.pack(batch, self._mirror.updates(), ops))
+        updates = self._mirror.updates()
+        self.tp.broadcast_object(BatchMessage.pack(batch, updates, ops) if batch else BatchMessage(updates, ops, None))
+
+    def sync(self) -> None:
+        """Rank 0: bring the followers' index tables and Mamba states up to date
+        now, without a forward. Call it before anything writes slots out of band
+        on every rank (a KV transfer into freshly allocated Mamba slots: their
+        zeroing must not be replayed after the transfer's write)."""
+        if self.tp.size > 1:
+            self._send_batch(None)
 
     def check_followers(self) -> List[KVCacheSpec]:
         """Rank 0, engine idle: every follower's index tables equal what rank 0
@@ -187,7 +197,8 @@ class TPModelWorker:
             apply_table_updates(self.tables, msg.table_updates)
             if msg.mamba_ops:
                 self._mamba_pool.replay(msg.mamba_ops)
-            self.runner.forward(msg.forward_batch(device))
+            if msg.fields is not None:
+                self.runner.forward(msg.forward_batch(device))
         self._stopped = True
         torch.distributed.destroy_process_group()
 
@@ -198,10 +209,12 @@ def check_tp_shardable(config: EngineConfig) -> None:
     build_model(load_config(config.model_path), TPGroup(rank=0, size=config.tp_size))
 
 
-def free_port() -> int:
+def tp_init_method(host: str = "127.0.0.1") -> str:
+    """A ``tcp://host:port`` rendezvous for a new TP group (a free port on ``host``,
+    which must be rank 0's address: rank 0 listens there)."""
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        s.bind((host, 0))
+        return f"tcp://{host}:{s.getsockname()[1]}"
 
 
 def _follower_main(config: Dict[str, Any], tp_rank: int, dist_init_method: str) -> None:
@@ -218,7 +231,7 @@ class LocalTPGroup:
 
     def __init__(self, config: EngineConfig):
         check_tp_shardable(config)
-        init_method = f"tcp://127.0.0.1:{free_port()}"
+        init_method = tp_init_method()
         ctx = torch.multiprocessing.get_context("spawn")
         self.processes = [
             ctx.Process(target=_follower_main, args=(config.model_dump(), rank, init_method), daemon=True,

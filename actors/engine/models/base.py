@@ -4,7 +4,8 @@
 → ``norm``; layers are built as ``layer_cls(config, layer_id, tp)``.
 ``CausalLM``: ``model`` + ``lm_head``, returning fp32 logits of each request's
 last token (optionally soft-capped). Under TP the embedding and ``lm_head``
-are replicated: every rank's logits are the whole vocabulary.
+are replicated and rank 0's logits are the whole vocabulary (the other
+ranks return an empty tensor: they never sample).
 """
 
 from __future__ import annotations
@@ -53,6 +54,8 @@ class CausalLM(nn.Module):
 
     def forward(self, forward_batch) -> torch.Tensor:
         hidden = self.model(forward_batch)
+        if not self.model.tp.is_leader:  # TP: only rank 0 samples; the other ranks' forward ends here
+            return hidden.new_empty(0)
         logits = self.lm_head(hidden[forward_batch.last_token_indices()]).float()
         cap = self.final_logit_softcap
         return torch.tanh(logits / cap) * cap if cap else logits

@@ -1,0 +1,269 @@
+"""The router: picks the (prefill, decode) pair of every request by cached prefix and load.
+
+A plain class; ``cluster.pd`` makes it a Ray actor (``PDCluster.start_router``)
+and ``PDClient`` asks it for every request::
+
+    decision = await router.route(rid, input_ids)     # RouteDecision(prefill_id, decode_id, ...)
+    ...prefill on decision.prefill_id...
+    await router.release(rid, "prefill")              # its prefill is done: no longer prefill load
+    ...decode on decision.decode_id...
+    await router.release(rid)                         # the request ended (however)
+
+State: the :class:`~actors.prefix_index.PrefixIndex` over the prefill workers,
+fed by their KV events (pulled every ``event_interval_s``; a gap in the event
+ids resyncs that worker from a snapshot of its tree) and by the router's own
+decisions; per worker the load it dispatched and the worker's last ``load()``
+report (heartbeat every ``heartbeat_interval_s``: ``heartbeat_max_failures``
+misses in a row, or a dead actor, take the worker out of rotation and drop its
+index entries). The prefix is the request's whole token sequence — for chat the
+rendered conversation — hashed once per request with the workers' own page
+hash (``mem_cache.radix_key.hash_pages``). The cost function and the imbalance
+guard are :class:`~actors.routing_policies.CacheAware`'s.
+
+A new router (after a restart) calls :meth:`rebuild_from_workers` — ``add_worker``
+does it per worker — and routes with affinity again at once.
+
+Worker handles are Ray actor handles or in-process objects (tests): each call
+goes through :func:`call_method`. All methods run on one event loop: no locks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence
+
+from actors.prefix_index import PrefixIndex, page_keys
+from actors.routing_policies import RouteRequest, RouterSettings, WorkerState, create_policy
+from mem_cache.radix_key import hash_pages
+
+logger = logging.getLogger(__name__)
+ROLES = ("prefill", "decode")
+
+
+class NoWorkerError(RuntimeError):
+    """No live worker of a role to send a request to."""
+
+
+class RouteDecision(NamedTuple):
+    prefill_id: str
+    decode_id: str
+    matched_tokens: int  # prompt tokens the index says the prefill worker holds
+    policy: str  # the prefill policy
+    reason: str = ""  # the policy's why: "hit", "miss", "guard", "rr", ...
+
+
+@dataclass
+class _Dispatch:
+    prefill_id: str
+    decode_id: str
+    uncached_tokens: int
+    prompt_tokens: int
+    prefill_open: bool = True
+    decode_open: bool = True
+
+
+async def call_method(target: Any, method: str, *args: Any) -> Any:
+    """``target.method(*args)`` on a Ray actor handle (``.remote``) or a plain object, awaited."""
+    fn = getattr(target, method)
+    remote = getattr(fn, "remote", None)
+    result = remote(*args) if remote is not None else fn(*args)
+    return await result if inspect.isawaitable(result) else result
+
+
+def _actor_died(exc: BaseException) -> bool:
+    try:
+        from ray.exceptions import RayActorError
+    except ImportError:  # pragma: no cover - ray is a dependency
+        return False
+    return isinstance(exc, RayActorError)
+
+
+class Router:
+    def __init__(self, settings: Optional[RouterSettings] = None, clock: Callable[[], float] = time.monotonic):
+        self.settings = s = settings or RouterSettings()
+        self.index = PrefixIndex(s.approx_ttl_s, clock)
+        self.policies = {"prefill": create_policy(s.prefill_policy, s, s.seed),
+                         "decode": create_policy(s.decode_policy, s, s.seed + 1)}
+        self.workers: Dict[str, WorkerState] = {}
+        self._requests: Dict[str, _Dispatch] = {}
+        self._tasks: List[asyncio.Task] = []
+        self.counters = dict(routed=0, prompt_tokens=0, matched_tokens=0, events=0, resyncs=0, dead=0)
+
+    # ---- workers ---------------------------------------------------------------------------
+    async def add_worker(self, worker_id: str, role: str, handle: Any, node_id: str = "") -> None:
+        """Put a worker into rotation; a prefill worker's pages are indexed from its snapshot first."""
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, not {role!r}")
+        worker = WorkerState(worker_id, role, handle, node_id)
+        if role == "prefill":
+            self.index.add_worker(worker_id)
+            try:
+                await self._resync(worker)
+            except BaseException:
+                self.index.remove_worker(worker_id)
+                raise
+        self.workers[worker_id] = worker
+
+    async def remove_worker(self, worker_id: str) -> bool:
+        """Out of rotation and out of the index; its requests in flight go on where they are."""
+        worker = self.workers.pop(worker_id, None)
+        if worker is None:
+            return False
+        worker.alive = False
+        self.index.remove_worker(worker_id)
+        return True
+
+    def list_workers(self) -> List[Dict[str, Any]]:
+        return [dict(worker_id=w.worker_id, role=w.role, node_id=w.node_id, alive=w.alive, inflight=w.inflight,
+                     pending_prefill_tokens=w.pending_prefill_tokens, cached_pages=self.index.num_pages(w.worker_id),
+                     missed_heartbeats=w.missed_heartbeats, report=dict(w.report))
+                for w in self.workers.values()]
+
+    def _live(self, role: str) -> List[WorkerState]:
+        return [w for w in self.workers.values() if w.role == role and w.alive]
+
+    def _mark_dead(self, worker: WorkerState, why: str) -> None:
+        if worker.alive:
+            logger.warning("router: worker %s leaves the rotation: %s", worker.worker_id, why)
+            self.counters["dead"] += 1
+        worker.alive = False
+        self.index.remove_worker(worker.worker_id)
+
+    # ---- requests --------------------------------------------------------------------------
+    async def route(self, rid: str, input_ids: Sequence[int], extra_key: Optional[str] = None) -> RouteDecision:
+        """Pick the pair for a request and count its load on both from now on."""
+        if rid in self._requests:
+            raise ValueError(f"request {rid!r} is already routed")
+        prefill_pool, decode_pool = self._live("prefill"), self._live("decode")
+        for role, pool in zip(ROLES, (prefill_pool, decode_pool)):
+            if not pool:
+                raise NoWorkerError(f"no live {role} worker")
+        keys = page_keys(hash_pages(input_ids, self.settings.page_size, extra_key=extra_key))
+        for w in prefill_pool:
+            w.cached_pages = self.index.num_pages(w.worker_id)
+        req = RouteRequest(rid, len(input_ids), self.settings.page_size, self.index.match(keys))
+        prefill, reason = self.policies["prefill"].select("prefill", prefill_pool, req)
+        decode, _ = self.policies["decode"].select("decode", decode_pool, req)
+        matched = req.matched_tokens(prefill.worker_id)
+        self.index.record(prefill.worker_id, keys)
+        uncached = len(input_ids) - matched
+        prefill.inflight += 1
+        prefill.pending_prefill_tokens += uncached
+        decode.inflight += 1
+        decode.dispatched_tokens += len(input_ids)
+        self._requests[rid] = _Dispatch(prefill.worker_id, decode.worker_id, uncached, len(input_ids))
+        c = self.counters
+        c["routed"], c["prompt_tokens"], c["matched_tokens"] = c["routed"] + 1, c["prompt_tokens"] + len(input_ids), \
+            c["matched_tokens"] + matched
+        return RouteDecision(prefill.worker_id, decode.worker_id, matched, self.settings.prefill_policy, reason)
+
+    async def release(self, rid: str, role: Optional[str] = None) -> None:
+        """The request no longer loads ``role``'s worker (None: either; the request is over)."""
+        d = self._requests.get(rid)
+        if d is None:
+            return
+        if role in (None, "prefill") and d.prefill_open:
+            d.prefill_open = False
+            worker = self.workers.get(d.prefill_id)
+            if worker is not None:
+                worker.inflight -= 1
+                worker.pending_prefill_tokens -= d.uncached_tokens
+        if role in (None, "decode") and d.decode_open:
+            d.decode_open = False
+            worker = self.workers.get(d.decode_id)
+            if worker is not None:
+                worker.inflight -= 1
+        if not (d.prefill_open or d.decode_open):
+            del self._requests[rid]
+
+    def stats(self) -> Dict[str, Any]:
+        c = dict(self.counters)
+        c["predicted_hit_rate"] = c["matched_tokens"] / c["prompt_tokens"] if c["prompt_tokens"] else 0.0
+        c.update(indexed_pages=len(self.index), approx_entries=self.index.num_approx(), inflight=len(self._requests))
+        return c
+
+    # ---- the index: KV events and snapshots ------------------------------------------------
+    async def rebuild_from_workers(self) -> int:
+        """Re-index every live prefill worker from its snapshot; returns the pages indexed."""
+        await asyncio.gather(*(self._resync(w) for w in self._live("prefill")))
+        return len(self.index)
+
+    async def _resync(self, worker: WorkerState) -> None:
+        snap = await asyncio.wait_for(call_method(worker.handle, "cached_page_hashes"), self.settings.call_timeout_s)
+        if snap.page_size != self.settings.page_size:
+            raise ValueError(f"worker {worker.worker_id} has page_size {snap.page_size}; the router hashes pages "
+                             f"of {self.settings.page_size}")
+        self.index.replace(worker.worker_id, snap.chains)
+        worker.event_cursor = snap.last_id
+        self.counters["resyncs"] += 1
+
+    async def pull_events(self) -> int:
+        """One pull of KV events from every live prefill worker; returns the events applied."""
+        pool = self._live("prefill")
+        results = await asyncio.gather(*(self._pull(w) for w in pool), return_exceptions=True)
+        for worker, result in zip(pool, results):
+            if isinstance(result, BaseException):
+                logger.debug("router: events of %s: %r", worker.worker_id, result)
+        return sum(r for r in results if isinstance(r, int))
+
+    async def _pull(self, worker: WorkerState) -> int:
+        applied, s = 0, self.settings
+        while True:
+            cursor = worker.event_cursor
+            events, last_id = await asyncio.wait_for(
+                call_method(worker.handle, "kv_events", cursor, s.max_events_per_pull), s.call_timeout_s)
+            if not worker.alive or self.workers.get(worker.worker_id) is not worker or worker.event_cursor != cursor:
+                return applied  # removed, or resynced, meanwhile
+            if (events and events[0].event_id != cursor + 1) or (not events and last_id != cursor):
+                await self._resync(worker)  # missed events (the worker's log moved on, or it restarted)
+                return applied
+            for event in events:
+                self.index.apply(worker.worker_id, event)
+            worker.event_cursor = last_id
+            applied += len(events)
+            self.counters["events"] += len(events)
+            if len(events) < s.max_events_per_pull:
+                return applied
+
+    # ---- liveness ----------------------------------------------------------------------------
+    async def heartbeat_once(self) -> None:
+        """Ask every live worker for its load; a dead actor, or too many misses, leaves the rotation."""
+        s = self.settings
+
+        async def ping(worker: WorkerState) -> None:
+            try:
+                report = await asyncio.wait_for(call_method(worker.handle, "load"), s.heartbeat_interval_s)
+            except Exception as exc:
+                worker.missed_heartbeats += 1
+                if _actor_died(exc) or worker.missed_heartbeats >= s.heartbeat_max_failures:
+                    self._mark_dead(worker, f"{worker.missed_heartbeats} missed heartbeats ({type(exc).__name__})")
+                return
+            worker.report, worker.dispatched_tokens, worker.missed_heartbeats = report, 0, 0
+
+        await asyncio.gather(*(ping(w) for w in self.workers.values() if w.alive))
+
+    async def start(self) -> None:
+        """Start pulling events and heartbeats in the background (on the running event loop)."""
+        if self._tasks:
+            return
+        loop, s = asyncio.get_running_loop(), self.settings
+        self._tasks = [loop.create_task(self._every(s.event_interval_s, self.pull_events)),
+                       loop.create_task(self._every(s.heartbeat_interval_s, self.heartbeat_once))]
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
+
+    async def _every(self, interval_s: float, fn: Callable) -> None:
+        while True:
+            try:
+                await fn()
+            except Exception:
+                logger.exception("router: %s failed", getattr(fn, "__name__", fn))
+            await asyncio.sleep(interval_s)

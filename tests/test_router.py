@@ -1,0 +1,270 @@
+"""The router in-process (no Ray): the prefix index against a brute-force oracle, the policy
+registry, the prefill cost and the per-request imbalance guard, dispatch-time load, bursts
+before any event, KV events and snapshots from real tree caches, a restarted router, and a
+worker that stops answering heartbeats."""
+
+import asyncio
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from actors.prefix_index import PrefixIndex, page_keys
+from actors.router import NoWorkerError, Router
+from actors.routing_policies import (CacheAware, RouteRequest, RouterSettings, WorkerState, create_policy,
+                                     known_policies)
+from mem_cache.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from mem_cache.radix_key import hash_pages
+from tests.router_helpers import FakeDecode, FakePrefill, group_prompts
+
+PS = 4
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def stored(event_id, tokens, page_size=PS):
+    return BlockStored(event_id, hash_pages(tokens, page_size), None, list(tokens), page_size)
+
+
+# ---- the index ------------------------------------------------------------------------------
+def test_index_follows_stored_removed_and_cleared():
+    index = PrefixIndex()
+    index.add_worker("a")
+    index.add_worker("b")
+    seq = list(range(10, 30))  # 5 pages
+    keys = page_keys(hash_pages(seq, PS))
+    index.apply("a", stored(1, seq))
+    index.apply("b", stored(1, seq[:8]))
+    assert index.match(keys) == {"a": 5, "b": 2}
+    index.apply("a", BlockRemoved(2, hash_pages(seq, PS)[3:]))
+    assert index.match(keys) == {"a": 3, "b": 2}
+    index.apply("b", AllBlocksCleared(2))
+    assert index.match(keys) == {"a": 3}
+    assert index.match(page_keys(hash_pages([99] + seq[1:], PS))) == {}  # chained: page 0 differs, nothing
+    index.remove_worker("a")
+    assert index.match(keys) == {} and len(index) == 0
+
+
+def test_approximate_entries_expire_and_yield_to_events():
+    clock = Clock()
+    index = PrefixIndex(approx_ttl_s=10.0, clock=clock)
+    index.add_worker("a")
+    seq = list(range(40))
+    keys = page_keys(hash_pages(seq, PS))
+    index.record("a", keys)
+    assert index.match(keys) == {"a": 10} and index.num_pages("a") == 0
+    index.apply("a", stored(1, seq[:16]))  # confirms 4 pages: they are exact now
+    assert index.num_approx() == 6 and index.num_pages("a") == 4
+    clock.now = 10.0
+    assert index.match(keys) == {"a": 4}  # the unconfirmed rest lapsed
+    assert index.num_approx() == 0
+
+
+def _oracle(held, query_hashes):
+    out = {}
+    for worker, pages in held.items():
+        n = 0
+        while n < len(query_hashes) and query_hashes[n] in pages:
+            n += 1
+        if n:
+            out[worker] = n
+    return out
+
+
+_ops = st.lists(st.tuples(st.sampled_from(["store", "remove", "clear"]), st.integers(0, 2), st.integers(0, 3),
+                          st.integers(1, 6), st.integers(0, 6)), max_size=30)
+
+
+@settings(max_examples=150, deadline=None)
+@given(ops=_ops, query=st.tuples(st.integers(0, 3), st.integers(0, 6)))
+def test_matched_length_equals_brute_force_oracle(ops, query):
+    """Per worker: the longest run of the query's page hashes all among the hashes it stored and
+    did not remove — whatever order events came in, gaps included."""
+    base = [[(s * 7 + i) % 11 for i in range(6 * PS)] for s in range(4)]  # 4 sequences, some pages shared
+    index, held = PrefixIndex(), {w: set() for w in "abc"}
+    for w in "abc":
+        index.add_worker(w)
+    for event_id, (kind, w, s, pages, start) in enumerate(ops, 1):
+        worker = "abc"[w]
+        hashes = hash_pages(base[s][: pages * PS], PS)[min(start, pages - 1):]
+        if kind == "store":
+            index.apply(worker, BlockStored(event_id, hashes, None, [], PS))
+            held[worker] |= set(hashes)
+        elif kind == "remove":
+            index.apply(worker, BlockRemoved(event_id, hashes))
+            held[worker] -= set(hashes)
+        else:
+            index.apply(worker, AllBlocksCleared(event_id))
+            held[worker].clear()
+    seq, pages = query
+    query_hashes = hash_pages(base[seq][: max(pages, 1) * PS], PS)
+    assert index.match(page_keys(query_hashes)) == _oracle(held, query_hashes)
+
+
+# ---- policies ----------------------------------------------------------------------------------
+def test_unknown_policy_names_the_known_ones():
+    with pytest.raises(ValueError, match="known: cache_aware, power_of_two, random, round_robin"):
+        create_policy("least_regret", RouterSettings())
+    assert known_policies() == ["cache_aware", "power_of_two", "random", "round_robin"]
+
+
+def _workers(*loads, role="prefill"):
+    return [WorkerState(f"w{i}", role, None, inflight=load, pending_prefill_tokens=10 * load)
+            for i, load in enumerate(loads)]
+
+
+def test_prefill_cost_trades_uncached_tokens_against_queued_ones():
+    policy = CacheAware(RouterSettings(page_size=16, uncached_token_weight=2.0))
+    workers = _workers(3, 0)  # queued prefill tokens: w0 30, w1 0
+    req = RouteRequest("r", 160, 16, {"w0": 8})  # w0 holds 128 tokens
+    assert policy.select("prefill", workers, req) == (workers[0], "hit")  # 2·32 + 30 < 2·160
+    workers[0].pending_prefill_tokens = 400  # 2·32 + 400 > 2·160 + 0: recomputing is cheaper
+    assert policy.select("prefill", workers, req) == (workers[1], "miss")
+
+
+def test_imbalance_guard_is_per_request():
+    """w0 is overloaded: the request whose prefix w0 holds goes elsewhere, the one whose prefix
+    w2 holds keeps its affinity although the fleet as a whole is imbalanced."""
+    s = RouterSettings(page_size=16, balance_abs_threshold=4, balance_rel_threshold=1.5)
+    policy = CacheAware(s)
+    workers = _workers(10, 0, 2)
+    for w in workers:
+        w.pending_prefill_tokens = 0
+    assert policy.select("prefill", workers, RouteRequest("a", 160, 16, {"w0": 10})) == (workers[1], "guard")
+    assert policy.select("prefill", workers, RouteRequest("b", 160, 16, {"w2": 10})) == (workers[2], "hit")
+
+
+def test_decode_choice_by_free_slots_and_running_requests():
+    policy = create_policy("cache_aware", RouterSettings())
+    workers = _workers(2, 1, 1, role="decode")
+    for w, free in zip(workers, (5000, 100, 3000)):
+        w.report = {"free_slots": free}
+    assert policy.select("decode", workers, RouteRequest("r", 500, 1, {})).worker is workers[2]  # w1 lacks room
+    p2 = create_policy("power_of_two", RouterSettings(), seed=3)
+    assert {p2.select("decode", workers, RouteRequest("r", 10, 1, {})).worker.worker_id for _ in range(20)} <= {
+        "w1", "w2"}  # the busier w0 can lose every draw
+    rr = create_policy("round_robin", RouterSettings())
+    assert [rr.select("decode", workers, None).worker.worker_id for _ in range(4)] == ["w0", "w1", "w2", "w0"]
+
+
+# ---- the router over in-process workers -----------------------------------------------------------
+def make_router(prefills, decodes, **kw):
+    router = Router(RouterSettings(page_size=PS, heartbeat_max_failures=2, **kw))
+
+    async def add():
+        for w in prefills + decodes:
+            await router.add_worker(w.worker_id, w.role, w)
+
+    asyncio.run(add())
+    return router
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_load_counts_from_dispatch_and_release_takes_it_back():
+    p, d = [FakePrefill("p0", PS), FakePrefill("p1", PS)], [FakeDecode("d0")]
+    router = make_router(p, d)
+    first = run(router.route("r1", list(range(64))))
+    state = router.workers[first.prefill_id]
+    assert (state.inflight, state.pending_prefill_tokens, router.workers["d0"].inflight) == (1, 64, 1)
+    run(router.release("r1", "prefill"))
+    assert (state.inflight, state.pending_prefill_tokens, router.workers["d0"].inflight) == (0, 0, 1)
+    run(router.release("r1"))
+    assert router.workers["d0"].inflight == 0 and router.stats()["inflight"] == 0
+    run(router.route("r2", [1, 2, 3, 4]))
+    with pytest.raises(ValueError, match="already routed"):
+        run(router.route("r2", [1, 2, 3, 4]))
+
+
+def test_a_burst_of_similar_requests_follows_the_first_before_any_event():
+    p, d = [FakePrefill(f"p{i}", PS) for i in range(3)], [FakeDecode("d0")]
+    router = make_router(p, d)
+    groups = group_prompts(3, 5, prefix_len=64, suffix_len=8, seed=1)
+    placed = {}
+    for g, group in enumerate(groups):
+        for i, ids in enumerate(group):
+            placed.setdefault(g, set()).add(run(router.route(f"{g}-{i}", ids)).prefill_id)
+    assert all(len(ws) == 1 for ws in placed.values())  # each group on one worker ...
+    assert len(set.union(*placed.values())) == 3  # ... and the three groups spread over three workers
+
+
+def test_events_and_a_restarted_router_route_to_the_worker_holding_the_prefix():
+    p, d = [FakePrefill(f"p{i}", PS) for i in range(2)], [FakeDecode("d0")]
+    router = make_router(p, d)
+    workers = {w.worker_id: w for w in p}
+    groups = group_prompts(4, 4, prefix_len=48, suffix_len=6, seed=2)
+    home = {}
+    for g, group in enumerate(groups):
+        for i, ids in enumerate(group):
+            decision = run(router.route(f"{g}-{i}", ids))
+            workers[decision.prefill_id].serve(ids)
+            run(router.release(f"{g}-{i}"))
+            home.setdefault(g, decision.prefill_id)
+    assert run(router.pull_events()) > 0
+    assert router.index.num_approx() == 0  # every recorded page was confirmed by an event
+    fresh = make_router(p, d)  # a restart: the new router knows nothing but what the workers report
+    assert len(fresh.index) == len(router.index) > 0
+    for g, group in enumerate(groups):
+        decision = run(fresh.route(f"again-{g}", group[0][:48] + [7, 7, 7, 7]))
+        assert decision.prefill_id == home[g] and decision.matched_tokens == 48 and decision.reason == "hit"
+
+
+def test_an_event_gap_resyncs_from_a_snapshot():
+    p, d = [FakePrefill("p0", PS)], [FakeDecode("d0")]
+    router = make_router(p, d)
+    p[0].serve(list(range(32)))
+    p[0]._drain_kv_events()
+    p[0]._kv_log.clear()  # the worker's log moved on past what the router has seen
+    p[0].serve(list(range(100, 132)))
+    resyncs = router.counters["resyncs"]
+    run(router.pull_events())
+    assert router.counters["resyncs"] == resyncs + 1
+    assert router.index.match(page_keys(hash_pages(list(range(32)), PS))) == {"p0": 8}
+
+
+def test_a_silent_worker_leaves_the_rotation_and_the_index():
+    p, d = [FakePrefill("p0", PS), FakePrefill("p1", PS)], [FakeDecode("d0")]
+    router = make_router(p, d)
+    ids = list(range(40))
+    p[0].serve(ids)
+    run(router.pull_events())
+    p[0].failing = True
+    run(router.heartbeat_once())
+    assert router.workers["p0"].alive  # one miss is not enough
+    run(router.heartbeat_once())
+    assert not router.workers["p0"].alive and router.index.num_pages("p0") == 0
+    assert run(router.route("r", ids)).prefill_id == "p1"
+    assert run(router.remove_worker("p1")) and [w["worker_id"] for w in router.list_workers()] == ["p0", "d0"]
+    with pytest.raises(NoWorkerError, match="no live prefill worker"):
+        run(router.route("r2", ids))
+    run(router.add_worker("p2", "prefill", FakePrefill("p2", PS)))
+    assert run(router.route("r3", ids)).prefill_id == "p2"
+
+
+def test_page_size_mismatch_is_refused():
+    router = Router(RouterSettings(page_size=16))
+    with pytest.raises(ValueError, match="page_size 4"):
+        run(router.add_worker("p0", "prefill", FakePrefill("p0", 4)))
+    assert router.list_workers() == [] and router.index.workers() == []
+
+
+@settings(max_examples=100, deadline=None)
+@given(ids=st.lists(st.integers(-2**40, 2**40) | st.integers(0, 300), max_size=40), page_size=st.sampled_from([1, 3, 16]),
+       extra=st.none() | st.text(max_size=3))
+def test_hash_pages_is_hash_page_chained(ids, page_size, extra):
+    """The router and the workers share hash_pages; its fast path must equal the per-page definition."""
+    from mem_cache.radix_key import hash_page, root_hash
+
+    prev, expected = root_hash(extra), []
+    for start in range(0, len(ids) - page_size + 1, page_size):
+        prev = hash_page(ids[start:start + page_size], prev)
+        expected.append(prev)
+    assert hash_pages(ids, page_size, extra_key=extra) == expected
