@@ -254,6 +254,7 @@ class PrefillWorker(_Worker):
             "cached_tokens": req.cached_tokens,
             "prompt_tokens": len(req.origin_input_ids),
             "transfer_time": getattr(req, "pd_transfer_time", None),
+            "transfer_bytes": sum(sender.bytes_sent for sender in req.pd_senders),
             "prefill_latency": req.finished_time - req.created_time,
         }
 

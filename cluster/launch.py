@@ -1,23 +1,23 @@
 """Start (or join) a Ray cluster and bring the PD workers of a config up.
 
-    python -m cluster.launch --config configs/local_cpu.yaml               # serve until Ctrl-C / SIGTERM
-    python -m cluster.launch --config configs/local_cpu.yaml --prompt "Hi"  # send requests, then drain and exit
+    python -m cluster.launch --config configs/local_cpu.yaml               # serve HTTP until Ctrl-C / SIGTERM
+    python -m cluster.launch --config configs/local_cpu.yaml --prompt "Hi"  # requests through HTTP, drain, exit
     raydix launch --config ...                                               # the same, as a console script
 
 ``RAY_ADDRESS`` joins an existing cluster (``ray job submit`` sets it);
-otherwise a local Ray instance is started. Ctrl-C / SIGTERM drains: new
-requests are refused, in-flight transfers and decodes finish, then the
-workers free their pools and exit.
+otherwise a local Ray instance is started. Serving, the OpenAI-compatible
+app of ``cluster.server`` listens on ``server.host:server.port``; with
+``--prompt`` it listens on a free loopback port and the prompts go through
+it with the openai client. Ctrl-C / SIGTERM drains: new requests are
+refused, in-flight transfers and decodes finish, then the workers free
+their pools and exit.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
-import json
 import logging
 import os
-import signal
 import sys
 import time
 from typing import Dict, List, Optional
@@ -53,42 +53,6 @@ def load_tokenizer(config, model_path: str):
     return AutoTokenizer.from_pretrained(config.model.tokenizer_path or model_path, local_files_only=True)
 
 
-def render_prompt(tokenizer, prompt: str, raw: bool = False) -> List[int]:
-    if raw:
-        return tokenizer.encode(prompt, add_special_tokens=False)
-    messages = [{"role": "user", "content": prompt}]
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return tokenizer.encode(text, add_special_tokens=False)
-
-
-async def run_prompts(client, tokenizer, prompts: List[str], max_new_tokens: int, raw: bool) -> List[dict]:
-    params = {"max_new_tokens": max_new_tokens, "temperature": 0.0}
-    outs = await asyncio.gather(*(client.generate(render_prompt(tokenizer, p, raw), params) for p in prompts))
-    for prompt, out in zip(prompts, outs):
-        meta = out["meta_info"]
-        print(f"prompt: {prompt!r}")
-        print(f"output: {out.get('text', out['output_ids'])!r}")
-        keys = ("prompt_tokens", "completion_tokens", "cached_tokens", "finish_reason", "prefill_worker", "decode_worker")
-        print("  " + json.dumps({k: meta.get(k) for k in keys}))
-        print(f"  ttft (prefill + transfer) {meta['ttft_pd'] * 1000:.1f} ms, end-to-end {meta['e2e_latency_pd'] * 1000:.1f} ms")
-    return outs
-
-
-def serve_until_signal(cluster) -> None:
-    stop = {"now": False}
-
-    def handler(signum, frame):
-        logger.info("signal %s: draining", signum)
-        stop["now"] = True
-
-    signal.signal(signal.SIGINT, handler)
-    signal.signal(signal.SIGTERM, handler)
-    print(f"serving: {len(cluster.prefill)} prefill + {len(cluster.decode)} decode workers; Ctrl-C drains and stops",
-          flush=True)
-    while not stop["now"]:
-        time.sleep(0.5)
-
-
 def main(argv: Optional[List[str]] = None) -> int:
     from cluster.config import load_config
     from cluster.pd import PDCluster
@@ -101,6 +65,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--raw", action="store_true", help="send prompts as is, without the chat template")
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--num-cpus", type=int, default=None, help="CPUs of a local Ray instance")
+    parser.add_argument("--port", type=int, default=None,
+                        help="HTTP port (default: server.port; with --prompt, any free port)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
@@ -113,23 +79,22 @@ def main(argv: Optional[List[str]] = None) -> int:
     cluster = PDCluster(config, model_path).start()
     print(f"cluster up in {time.perf_counter() - started:.1f}s: model {config.model.name} ({model_path})", flush=True)
     try:
-        if args.prompt:
-            tokenizer = load_tokenizer(config, model_path)
+        tokenizer = load_tokenizer(config, model_path)
+        if args.prompt:  # through HTTP with the openai client, then drain and exit
+            from cluster.demo import run_http_demo
 
-            async def demo():
-                client = cluster.client()
-                await run_prompts(client, tokenizer, args.prompt, args.max_new_tokens, args.raw)
-                again = await client.generate(render_prompt(tokenizer, args.prompt[0], args.raw),
-                                              {"max_new_tokens": args.max_new_tokens, "temperature": 0.0})
-                meta = again["meta_info"]
-                print(f"the first prompt again: {meta['cached_tokens']} of {meta['prompt_tokens']} prompt tokens "
-                      f"came from the prefix cache, ttft {meta['ttft_pd'] * 1000:.1f} ms")
-
-            asyncio.run(demo())
+            run_http_demo(cluster, tokenizer, config, args.prompt, args.max_new_tokens, args.raw, args.port)
             cluster.check_integrity()
             print("workers idle, integrity checks passed")
         else:
-            serve_until_signal(cluster)
+            from cluster.http_server import serve_forever
+            from cluster.server import build_app
+
+            port = args.port or config.server.port
+            print(f"serving {config.model.name!r} on http://{config.server.host}:{port}/v1 "
+                  f"({len(cluster.prefill)} prefill + {len(cluster.decode)} decode workers); "
+                  "Ctrl-C / SIGTERM drains and stops", flush=True)
+            serve_forever(build_app(cluster, tokenizer, config), config.server.host, port)
     finally:
         cluster.drain_and_shutdown()
     return 0

@@ -104,6 +104,32 @@ class PDCluster:
         ray.get([w.handle.health.remote() for w in workers], timeout=timeout_s)
         return self
 
+    def add_worker(self, role: str, timeout_s: float = 300.0) -> WorkerRef:
+        """Start one more ``role`` worker; it joins the rotation (the lists clients share) once healthy."""
+        side = self.prefill if role == "prefill" else self.decode
+        worker = self._start_worker(role, len(side))
+        try:
+            worker.node_id = ray.get(worker.handle.node_id.remote(), timeout=timeout_s)
+            ray.get(worker.handle.health.remote(), timeout=timeout_s)
+        except Exception:
+            ray.kill(worker.handle)
+            raise
+        side.append(worker)
+        return worker
+
+    def remove_worker(self, worker_id: str, timeout_s: float = 120.0) -> WorkerRef:
+        """Take a worker out of the rotation, let its accepted requests finish, free its pools, stop it."""
+        worker = next(w for w in self.prefill + self.decode if w.worker_id == worker_id)
+        worker.alive = False  # no new requests from here on
+        try:
+            ray.get(worker.handle.drain.remote(timeout_s), timeout=timeout_s + 5)
+            ray.get(worker.handle.shutdown.remote(), timeout=30)
+        except Exception as exc:  # already dead: nothing to drain or free
+            logger.warning("remove %s: %s", worker_id, exc)
+        ray.kill(worker.handle)
+        (self.prefill if worker.role == "prefill" else self.decode).remove(worker)
+        return worker
+
     def start_router(self, name: Optional[str] = None, detached: bool = False, timeout_s: float = 120.0, **overrides):
         """A :class:`actors.router.Router` actor over this cluster's live workers, its event pulls and
         heartbeats running. ``detached`` outlives the driver; a new one (after a restart) indexes
@@ -247,6 +273,8 @@ class PDClient:
                 out["meta_info"]["prefill_cached_tokens"] = notice["cached_tokens"]
                 out["meta_info"]["decode_worker"] = decode.worker_id
                 out["meta_info"]["ttft_pd"] = notice["prefill_latency"]
+                out["meta_info"]["transfer_time"] = notice.get("transfer_time")
+                out["meta_info"]["transfer_bytes"] = notice.get("transfer_bytes")
                 out["meta_info"]["e2e_latency_pd"] = time.perf_counter() - start
                 yield out
         finally:

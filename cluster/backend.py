@@ -1,0 +1,190 @@
+"""What the HTTP server needs from the cluster, as one small interface.
+
+:class:`ServingBackend` is the whole contract of ``cluster.server``: run a
+request (``generate_stream``, cumulative results as ``PDClient`` yields them,
+raising ``PDRequestError`` on a worker failure and ``ValueError`` on a request
+the workers refuse), list / add / remove workers, health, flush, drain.
+:class:`PDBackend` implements it over a ``PDCluster`` (worker management
+included) or a bare ``PDClient`` (whatever routes its requests: round-robin
+today, the router actor later — the server does not care).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from typing import Any, AsyncIterator, Dict, List, Optional, Protocol
+
+from actors.pd_scheduler import PDRequestError
+
+
+class ServingBackend(Protocol):
+    model_name: str
+    context_len: int
+
+    @property
+    def draining(self) -> bool: ...
+
+    def generate_stream(self, input_ids: List[int], sampling_params: Dict[str, Any],
+                        rid: str) -> AsyncIterator[Dict[str, Any]]: ...
+
+    def routing_policy(self, role: str) -> str: ...
+
+    def workers(self) -> List[Dict[str, Any]]: ...
+
+    async def refresh_loads(self) -> None: ...
+
+    async def health(self) -> Dict[str, Any]: ...
+
+    async def flush_cache(self) -> None: ...
+
+    async def add_worker(self, role: str) -> Dict[str, Any]: ...
+
+    async def remove_worker(self, worker_id: str) -> Dict[str, Any]: ...
+
+    async def drain(self, timeout_s: float) -> None: ...
+
+    def start(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+
+class UnknownWorkerError(KeyError):
+    """No worker with that id."""
+
+
+def model_context_len(model_path: str, configured: Optional[int] = None) -> int:
+    """The context length the workers enforce: the engine's ``context_length`` or the
+    checkpoint's ``max_position_embeddings``."""
+    if configured:
+        return configured
+    with open(os.path.join(model_path, "config.json")) as f:
+        return int(json.load(f)["max_position_embeddings"])
+
+
+class PDBackend:
+    """``ServingBackend`` over a ``PDCluster`` and the ``PDClient`` that routes its requests."""
+
+    def __init__(self, client, cluster=None, model_name: str = "default", context_len: int = 4096,
+                 health_timeout_s: float = 5.0):
+        self.client, self.cluster = client, cluster
+        self.model_name, self.context_len = model_name, context_len
+        self.health_timeout_s = health_timeout_s
+        self.owned_router = None
+
+    @classmethod
+    def from_cluster(cls, cluster, tokenizer=None, client=None, use_router: bool = True) -> "PDBackend":
+        """``client``: one already made (``cluster.client(router=...)``); otherwise a new one, routed by a
+        router actor of the cluster's ``router`` config when the cluster can start one."""
+        router = None
+        if client is None:
+            router = cluster.start_router() if use_router and hasattr(cluster, "start_router") else None
+            client = cluster.client(tokenizer, router=router) if router is not None else cluster.client(tokenizer)
+        cfg = cluster.config
+        backend = cls(client, cluster, cfg.model.name,
+                      model_context_len(cluster.model_path, getattr(cfg.decode.engine, "context_length", None)))
+        backend.owned_router = router
+        return backend
+
+    # ---- requests ---------------------------------------------------------------------
+    @property
+    def draining(self) -> bool:
+        return bool(self.client.draining)
+
+    def generate_stream(self, input_ids, sampling_params, rid):
+        return self.client.generate_stream(input_ids, sampling_params, rid)
+
+    def routing_policy(self, role: str) -> str:
+        """The policy that picks ``role`` workers: the router's when the client has one."""
+        router = getattr(self.client, "router", None)
+        if router is None or self.cluster is None:
+            return "round_robin"
+        return getattr(self.cluster.config.router, f"{role}_policy")
+
+    async def drain(self, timeout_s: float = 120.0) -> None:
+        await self.client.drain(timeout_s)
+
+    def start(self) -> None:
+        self.client.start_heartbeats()
+
+    def stop(self) -> None:
+        self.client.stop_heartbeats()
+        if self.owned_router is not None:  # started for this backend: it goes with it
+            import ray
+
+            ray.kill(self.owned_router)
+            self.owned_router = None
+
+    async def _tell_router(self, method: str, *args) -> None:
+        router = getattr(self.client, "router", None)
+        if router is not None:
+            from actors.router import call_method
+
+            await call_method(router, method, *args)
+
+    # ---- workers ----------------------------------------------------------------------
+    def _all(self):
+        return list(self.client.prefill) + list(self.client.decode)
+
+    def workers(self) -> List[Dict[str, Any]]:
+        """Workers in the rotation: id, role, node, alive, load (the last heartbeat's stats)."""
+        return [{"id": w.worker_id, "role": w.role, "node": w.node_id, "alive": w.alive, "inflight": w.inflight,
+                 "load": dict(w.stats)} for w in self._all() if w.alive]
+
+    async def refresh_loads(self) -> None:
+        await self.client.heartbeat_once()
+
+    async def health(self) -> Dict[str, Any]:
+        """Ready when every worker in the rotation answers, with at least one per role, and not draining."""
+        live = [w for w in self._all() if w.alive]
+
+        async def ping(w) -> bool:
+            try:
+                await asyncio.wait_for(w.handle.health.remote(), timeout=self.health_timeout_s)
+                return True
+            except Exception:  # dead or hung: not ready
+                return False
+
+        answers = await asyncio.gather(*(ping(w) for w in live))
+        status = {w.worker_id: ok for w, ok in zip(live, answers)}
+        roles = {w.role for w in live}
+        ready = all(answers) and roles == {"prefill", "decode"} and not self.draining
+        return {"ready": ready, "draining": self.draining, "workers": status}
+
+    async def flush_cache(self) -> None:
+        live = [w for w in self._all() if w.alive]
+        try:
+            await asyncio.gather(*(w.handle.flush_cache.remote() for w in live))
+        except Exception as exc:  # a busy engine refuses to flush
+            raise RuntimeError(f"cache not flushed: {getattr(exc, 'cause', None) or exc}") from None
+
+    async def add_worker(self, role: str) -> Dict[str, Any]:
+        if self.cluster is None:
+            raise NotImplementedError("this server was given a client, not a cluster: it cannot start workers")
+        worker = await asyncio.to_thread(self.cluster.add_worker, role)
+        await self._tell_router("add_worker", worker.worker_id, worker.role, worker.handle, worker.node_id)
+        return {"id": worker.worker_id, "role": worker.role, "node": worker.node_id, "alive": worker.alive}
+
+    async def remove_worker(self, worker_id: str) -> Dict[str, Any]:
+        if self.cluster is None:
+            raise NotImplementedError("this server was given a client, not a cluster: it cannot stop workers")
+        if not any(w.worker_id == worker_id for w in self._all()):
+            raise UnknownWorkerError(worker_id)
+        await self._tell_router("remove_worker", worker_id)  # no new requests, then drain
+        worker = await asyncio.to_thread(self.cluster.remove_worker, worker_id)
+        return {"id": worker.worker_id, "role": worker.role, "removed": True}
+
+
+def as_backend(target, tokenizer=None, client=None) -> ServingBackend:
+    """A ``PDCluster`` (with ``client``, or a new one), a ``PDClient`` or a ready ``ServingBackend``."""
+    if hasattr(target, "generate_stream") and hasattr(target, "workers") and callable(target.workers):
+        return target
+    if hasattr(target, "client") and hasattr(target, "config"):  # a PDCluster
+        return PDBackend.from_cluster(target, tokenizer, client)
+    if hasattr(target, "generate_stream"):  # a PDClient
+        return PDBackend(target)
+    raise TypeError(f"cannot serve a {type(target).__name__}: give a PDCluster, a PDClient or a ServingBackend")
+
+
+__all__ = ["PDBackend", "PDRequestError", "ServingBackend", "UnknownWorkerError", "as_backend", "model_context_len"]

@@ -1,0 +1,127 @@
+"""Prometheus metrics of one HTTP server (a registry per app, so two apps in one
+process never share counters).
+
+Per request (observed by the server as it streams): TTFT over both legs
+(arrival → first token out: admission queue, prefill, KV transfer, first
+decode step), the prefill leg alone, TPOT, inter-token latency, end-to-end
+latency, tokens (prompt / generated / cache hits), the KV transfer's latency,
+bytes and bandwidth, and which worker each routing policy picked. Per worker
+(refreshed at scrape time from the workers' own load reports): KV usage, queue
+lengths (prefill waiting; decode prealloc / transfer / running / retracted),
+requests in flight, retractions.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+PREFIX = "raydix"
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 30.0, 60.0)
+TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5)
+BANDWIDTH_BUCKETS = tuple(10.0 ** e for e in range(5, 12))  # 100 kB/s … 100 GB/s
+QUEUES = {"prefill": ("waiting", "running"), "decode": ("prealloc", "transfer", "running", "waiting")}
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str):
+        self.registry = CollectorRegistry()
+        self.model_name = model_name
+        r, m = self.registry, ["model"]
+        self.requests = Counter(f"{PREFIX}_requests", "HTTP requests by endpoint and status code",
+                                ["endpoint", "status"], registry=r)
+        self.finished = Counter(f"{PREFIX}_requests_finished", "generation requests ended, by finish reason",
+                                m + ["finish_reason"], registry=r)
+        self.ttft = Histogram(f"{PREFIX}_time_to_first_token_seconds", "arrival to first token out, both PD legs",
+                              m, buckets=LATENCY_BUCKETS, registry=r)
+        self.prefill_leg = Histogram(f"{PREFIX}_prefill_leg_seconds", "prefill worker: queue, prefill and KV push",
+                                     m, buckets=LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram(f"{PREFIX}_time_per_output_token_seconds", "(e2e - ttft) / (tokens - 1)",
+                              m, buckets=TOKEN_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram(f"{PREFIX}_inter_token_latency_seconds", "gap between streamed chunks per token",
+                             m, buckets=TOKEN_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram(f"{PREFIX}_e2e_request_latency_seconds", "arrival to last token", m,
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.prompt_tokens = Counter(f"{PREFIX}_prompt_tokens", "prompt tokens", m, registry=r)
+        self.generation_tokens = Counter(f"{PREFIX}_generation_tokens", "generated tokens", m, registry=r)
+        self.cached_tokens = Counter(f"{PREFIX}_cached_tokens", "prompt tokens served from a prefix cache "
+                                     "(cache hit tokens)", m, registry=r)
+        self.transfer_latency = Histogram(f"{PREFIX}_kv_transfer_seconds", "KV push of one request, prefill → decode",
+                                          m, buckets=TOKEN_LATENCY_BUCKETS + (5.0, 10.0), registry=r)
+        self.transfer_bytes = Counter(f"{PREFIX}_kv_transfer_bytes", "KV bytes pushed prefill → decode", m,
+                                      registry=r)
+        self.transfer_bandwidth = Histogram(f"{PREFIX}_kv_transfer_bandwidth_bytes_per_second",
+                                            "bytes / push time of one request", m, buckets=BANDWIDTH_BUCKETS,
+                                            registry=r)
+        self.routing = Counter(f"{PREFIX}_routing_decisions", "worker picked per request, by role and policy",
+                               ["role", "policy", "worker"], registry=r)
+        self.server_running = Gauge(f"{PREFIX}_server_requests_running", "requests holding an admission slot",
+                                    registry=r)
+        self.server_queued = Gauge(f"{PREFIX}_server_requests_queued", "requests waiting for an admission slot",
+                                   registry=r)
+        w = ["worker", "role"]
+        self.worker_up = Gauge(f"{PREFIX}_worker_up", "1 while the worker is in the rotation", w, registry=r)
+        self.kv_usage = Gauge(f"{PREFIX}_worker_kv_cache_usage_ratio", "KV slots in use / total", w, registry=r)
+        self.queue_len = Gauge(f"{PREFIX}_worker_queue_requests", "requests per worker queue", w + ["queue"],
+                               registry=r)
+        self.inflight = Gauge(f"{PREFIX}_worker_inflight_requests", "requests routed to the worker, not yet ended",
+                              w, registry=r)
+        self.retractions = Gauge(f"{PREFIX}_worker_retractions", "decode retractions so far (KV pressure)", w,
+                                 registry=r)
+        self.pushed_bytes = Gauge(f"{PREFIX}_worker_kv_bytes_pushed", "KV bytes a prefill worker pushed so far", w,
+                                  registry=r)
+
+    def observe_request(self, meta: Dict[str, Any], arrival: float, first_token: float, end: float,
+                        policies: Dict[str, str]) -> None:
+        """One finished generation (one choice), from its last ``meta_info`` and the server's clock."""
+        m = self.model_name
+        tokens = meta.get("completion_tokens") or 0
+        self.finished.labels(m, (meta.get("finish_reason") or {}).get("type", "unknown")).inc()
+        self.prompt_tokens.labels(m).inc(meta.get("prompt_tokens") or 0)
+        self.generation_tokens.labels(m).inc(tokens)
+        self.cached_tokens.labels(m).inc(meta.get("cached_tokens") or 0)
+        self.ttft.labels(m).observe(first_token - arrival)
+        self.e2e.labels(m).observe(end - arrival)
+        if tokens > 1:
+            self.tpot.labels(m).observe((end - first_token) / (tokens - 1))
+        if meta.get("ttft_pd") is not None:
+            self.prefill_leg.labels(m).observe(meta["ttft_pd"])
+        seconds, nbytes = meta.get("transfer_time"), meta.get("transfer_bytes")
+        if seconds is not None:
+            self.transfer_latency.labels(m).observe(seconds)
+        if nbytes:
+            self.transfer_bytes.labels(m).inc(nbytes)
+            if seconds:
+                self.transfer_bandwidth.labels(m).observe(nbytes / seconds)
+        for role in ("prefill", "decode"):
+            worker = meta.get(f"{role}_worker")
+            if worker:
+                self.routing.labels(role, policies[role], worker).inc()
+
+    def observe_itl(self, seconds: float, tokens: int) -> None:
+        if tokens > 0:
+            per_token = seconds / tokens
+            for _ in range(tokens):
+                self.itl.labels(self.model_name).observe(per_token)
+
+    def set_workers(self, workers: List[Dict[str, Any]], running: int, queued: int) -> None:
+        """Per-worker gauges from a fresh ``backend.workers()``; workers that left drop their series."""
+        for gauge in (self.worker_up, self.kv_usage, self.queue_len, self.inflight, self.retractions,
+                      self.pushed_bytes):
+            gauge.clear()
+        self.server_running.set(running)
+        self.server_queued.set(queued)
+        for w in workers:
+            key, load = (w["id"], w["role"]), w.get("load") or {}
+            self.worker_up.labels(*key).set(1 if w["alive"] else 0)
+            self.inflight.labels(*key).set(w.get("inflight", 0))
+            if "kv_usage" in load:
+                self.kv_usage.labels(*key).set(load["kv_usage"])
+            for queue in QUEUES.get(w["role"], ()):
+                if queue in load:
+                    self.queue_len.labels(*key, queue).set(load[queue])
+            if "retractions" in load:
+                self.retractions.labels(*key).set(load["retractions"])
+            if "bytes_pushed" in load:
+                self.pushed_bytes.labels(*key).set(load["bytes_pushed"])

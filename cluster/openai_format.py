@@ -1,0 +1,161 @@
+"""OpenAI response shapes: completion / chat, whole responses and SSE chunks.
+
+A formatter follows one HTTP request (all its choices): ``chunks(event)`` gives
+the SSE chunks of one step (``chunks(None)`` the closing ones: the usage chunk
+when ``stream_options.include_usage``), ``response(events)`` the whole
+non-streaming body. Usage counts the prompt once, completion tokens over every
+choice, and ``prompt_tokens_details.cached_tokens`` as the most prompt tokens
+any choice found in a prefix cache.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Dict, List, Optional
+
+from cluster.streaming import ChoiceEvent, finish_reason
+
+
+class _Formatter:
+    object_name = chunk_object = ""
+
+    def __init__(self, req, prompt_ids: List[int], tokenizer, response_id: str):
+        self.req, self.prompt_ids, self.tokenizer, self.id = req, prompt_ids, tokenizer, response_id
+        self.created = int(time.time())
+        self.meta: Dict[int, Dict[str, Any]] = {}
+        self.num_logprobs: Dict[int, int] = {}
+
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id]) if self.tokenizer is not None else str(token_id)
+
+    def _new_logprobs(self, event: ChoiceEvent, final: bool = False):
+        """``[(token_id, logprob, [(id, logprob), ...]), ...]`` not yet sent for this choice."""
+        meta = event.result["meta_info"]
+        pairs = meta.get("output_token_logprobs")
+        if pairs is None:
+            return None
+        tops = meta.get("output_top_logprobs") or []
+        start = 0 if final else self.num_logprobs.get(event.index, 0)
+        self.num_logprobs[event.index] = len(pairs)
+        return [(tid, lp, tops[i] if i < len(tops) else []) for i, (lp, tid) in enumerate(pairs) if i >= start]
+
+    def usage(self) -> Dict[str, Any]:
+        metas = list(self.meta.values())
+        completion = sum(m.get("completion_tokens", 0) for m in metas)
+        cached = max((m.get("cached_tokens", 0) for m in metas), default=0)
+        prompt = len(self.prompt_ids)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": min(cached, prompt)}}
+
+    def _head(self, obj: str) -> Dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.req.model}
+
+    def chunks(self, event: Optional[ChoiceEvent]) -> List[Dict[str, Any]]:
+        if event is None:
+            if self.req.include_usage:
+                return [dict(self._head(self.chunk_object), choices=[], usage=self.usage())]
+            return []
+        self.meta[event.index] = event.result["meta_info"]
+        out = []
+        if event.first:
+            out += self._opening(event.index)
+        reason = finish_reason(event.result) if event.finished else None
+        logprobs = self._new_logprobs(event)
+        if event.delta or reason or logprobs:
+            choice = dict(self._choice_delta(event.delta, logprobs, event.index), finish_reason=reason)
+            chunk = dict(self._head(self.chunk_object), choices=[choice])
+            if self.req.include_usage:
+                chunk["usage"] = None
+            out.append(chunk)
+        return out
+
+    def response(self, events: List[ChoiceEvent]) -> Dict[str, Any]:
+        texts: Dict[int, str] = {}
+        last: Dict[int, ChoiceEvent] = {}
+        for event in events:
+            texts[event.index] = texts.get(event.index, "") + event.delta
+            last[event.index] = event
+            self.meta[event.index] = event.result["meta_info"]
+        choices = []
+        for index in sorted(last):
+            event = last[index]
+            logprobs = self._new_logprobs(event, final=True)
+            choice = self._choice_whole(texts[index], logprobs, index)
+            choices.append(dict(choice, finish_reason=finish_reason(event.result)))
+        return dict(self._head(self.object_name), choices=choices, usage=self.usage())
+
+    # per shape
+    def _opening(self, index: int) -> List[Dict[str, Any]]:
+        return []
+
+    def _choice_delta(self, text, logprobs, index) -> Dict[str, Any]:
+        raise NotImplementedError
+
+    def _choice_whole(self, text, logprobs, index) -> Dict[str, Any]:
+        raise NotImplementedError
+
+
+class CompletionFormatter(_Formatter):
+    object_name = chunk_object = "text_completion"
+
+    def __init__(self, req, prompt_ids, tokenizer, response_id):
+        super().__init__(req, prompt_ids, tokenizer, response_id)
+        self.offsets: Dict[int, int] = {}
+        self.echo = ""
+        if req.echo:
+            self.echo = req.prompt if isinstance(req.prompt, str) else tokenizer.decode(prompt_ids)
+
+    def _legacy_logprobs(self, entries, index: int):
+        if entries is None:
+            return None
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        offset = self.offsets.get(index, len(self.echo))
+        for tid, lp, top in entries:
+            token = self._token_text(tid)
+            out["tokens"].append(token)
+            out["token_logprobs"].append(lp)
+            out["top_logprobs"].append({self._token_text(t): v for t, v in top} if self.req.logprobs else None)
+            out["text_offset"].append(offset)
+            offset += len(token)
+        self.offsets[index] = offset
+        return out
+
+    def _opening(self, index):
+        if not self.echo:
+            return []
+        return [dict(self._head(self.chunk_object), choices=[{"index": index, "text": self.echo, "logprobs": None,
+                                                              "finish_reason": None}])]
+
+    def _choice_delta(self, text, logprobs, index):
+        return {"index": index, "text": text, "logprobs": self._legacy_logprobs(logprobs, index)}
+
+    def _choice_whole(self, text, logprobs, index):
+        return {"index": index, "text": self.echo + text, "logprobs": self._legacy_logprobs(logprobs, index)}
+
+
+class ChatFormatter(_Formatter):
+    object_name, chunk_object = "chat.completion", "chat.completion.chunk"
+
+    def _entry(self, tid: int, lp: float) -> Dict[str, Any]:
+        token = self._token_text(tid)
+        return {"token": token, "logprob": lp, "bytes": list(token.encode("utf-8"))}
+
+    def _chat_logprobs(self, entries):
+        if entries is None:
+            return None
+        return {"content": [dict(self._entry(tid, lp), top_logprobs=[self._entry(t, v) for t, v in top])
+                            for tid, lp, top in entries], "refusal": None}
+
+    def _opening(self, index):
+        chunk = dict(self._head(self.chunk_object), choices=[
+            {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}])
+        if self.req.include_usage:
+            chunk["usage"] = None
+        return [chunk]
+
+    def _choice_delta(self, text, logprobs, index):
+        return {"index": index, "delta": {"content": text} if text else {}, "logprobs": self._chat_logprobs(logprobs)}
+
+    def _choice_whole(self, text, logprobs, index):
+        return {"index": index, "message": {"role": "assistant", "content": text},
+                "logprobs": self._chat_logprobs(logprobs)}

@@ -1,0 +1,156 @@
+"""The generation endpoints: /v1/completions, /v1/chat/completions (OpenAI) and
+/generate (SGLang), streaming (SSE) or not, over a :class:`ServingBackend`.
+
+A request is admitted (a slot, or 429 / 408), tokenized (chat: the tokenizer's
+chat template), checked against the context length, then run as ``n``
+requests, one per choice. A streaming response is returned only once the
+first token is out, so an early failure still gets its own status code; a
+failure after that ends the stream with an OpenAI-style error event and
+``data: [DONE]``.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Dict, List, Optional
+
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import ValidationError
+
+from actors.engine.sampling_params import SamplingParams
+from cluster.api_errors import APIError
+from cluster.openai_format import ChatFormatter, CompletionFormatter
+from cluster.openai_protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest, describe_validation_error
+from cluster.streaming import DONE, ChoiceEvent, TextDelta, run_choices, sse
+
+
+class GenerationService:
+    def __init__(self, backend, tokenizer, metrics, admission):
+        self.backend, self.tokenizer, self.metrics, self.admission = backend, tokenizer, metrics, admission
+
+    # ---- shared steps -----------------------------------------------------------------
+    def check_model(self, model: str) -> None:
+        if model != self.backend.model_name:
+            raise APIError(404, f"The model '{model}' does not exist; this server serves "
+                           f"'{self.backend.model_name}'", "not_found_error", "model", "model_not_found")
+
+    def encode(self, text: str, param: str) -> List[int]:
+        if self.tokenizer is None:
+            raise APIError(400, f"{param}: text needs a tokenizer; this server has none (send token ids)",
+                           param=param)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def chat_prompt(self, req: ChatCompletionRequest) -> List[int]:
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise APIError(400, "messages: the tokenizer has no chat template", param="messages")
+        try:
+            messages = [dict(m.model_dump(exclude_none=True), content=m.text()) for m in req.messages]
+        except ValueError as exc:
+            raise APIError(400, f"messages: {exc}", param="messages") from None
+        final = req.continue_final_message and messages[-1]["role"] == "assistant"
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=not final,
+                                                  continue_final_message=final)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def max_new_tokens(self, prompt_len: int, requested: Optional[int], param: str) -> int:
+        limit = self.backend.context_len
+        if prompt_len >= limit or (requested and prompt_len + requested > limit):
+            asked = f"{prompt_len + (requested or 0)} tokens ({prompt_len} in the {param}"
+            asked += f", {requested} in the completion)" if requested else ")"
+            raise APIError(400, f"This model's maximum context length is {limit} tokens. However, you requested "
+                           f"{asked}. Please reduce the length of the {param}.", param=param,
+                           code="context_length_exceeded")
+        return requested or (limit - prompt_len)
+
+    async def _admit(self) -> None:
+        if self.backend.draining:
+            raise APIError(503, "the server is draining: no new requests", "service_unavailable", code="draining")
+        await self.admission.acquire()
+
+    def _streams(self, input_ids: List[int], params: Dict[str, Any], n: int, rid: str, arrival: float):
+        policies = {role: self.backend.routing_policy(role) for role in ("prefill", "decode")}
+
+        def on_done(result, first_time):
+            self.metrics.observe_request(result["meta_info"], arrival, first_time or time.perf_counter(),
+                                         time.perf_counter(), policies)
+
+        rids = [rid] if n == 1 else [f"{rid}-{i}" for i in range(n)]
+        streams = [self.backend.generate_stream(list(input_ids), dict(params), r) for r in rids]
+        texts = [TextDelta(self.tokenizer, params.get("stop") or (), params.get("skip_special_tokens", True))
+                 for _ in rids]
+        return run_choices(streams, texts, on_done)
+
+    async def _run(self, input_ids, params, n, rid, arrival, stream_fn, final_fn):
+        """Admit, run the choices, and answer with JSON (``final_fn``) or SSE (``stream_fn``)."""
+        await self._admit()
+        events = self._streams(input_ids, params, n, rid, arrival)
+        try:
+            first = await events.__anext__()
+        except BaseException:
+            await events.aclose()
+            self.admission.release()
+            raise
+        if stream_fn is None:
+            try:
+                collected = [first] + [e async for e in events]
+            finally:
+                self.admission.release()
+            return JSONResponse(final_fn(collected))
+        return StreamingResponse(self._sse(first, events, stream_fn), media_type="text/event-stream")
+
+    async def _sse(self, first: ChoiceEvent, events, stream_fn):
+        last_time = time.perf_counter()
+        try:
+            for chunk in stream_fn(first):
+                yield sse(chunk)
+            async for event in events:
+                now = time.perf_counter()
+                self.metrics.observe_itl(now - last_time, event.new_tokens)
+                last_time = now
+                for chunk in stream_fn(event):
+                    yield sse(chunk)
+            for chunk in stream_fn(None):
+                yield sse(chunk)
+        except Exception as exc:  # a worker failed mid-stream: tell the client, then end the stream
+            yield sse(APIError.from_exception(exc).body())
+        finally:
+            await events.aclose()
+            self.admission.release()
+        yield DONE
+
+    # ---- endpoints ----------------------------------------------------------------------
+    async def completions(self, req: CompletionRequest, arrival: float):
+        self.check_model(req.model)
+        ids = self.encode(req.prompt, "prompt") if isinstance(req.prompt, str) else list(req.prompt)
+        params = req.to_sampling_params(self.max_new_tokens(len(ids), req.max_tokens, "prompt"))
+        fmt = CompletionFormatter(req, ids, self.tokenizer, f"cmpl-{uuid.uuid4().hex}")
+        return await self._run(ids, params, req.n, req.rid or fmt.id, arrival,
+                               fmt.chunks if req.stream else None, fmt.response)
+
+    async def chat(self, req: ChatCompletionRequest, arrival: float):
+        self.check_model(req.model)
+        ids = self.chat_prompt(req)
+        params = req.to_sampling_params(self.max_new_tokens(len(ids), req.requested_max_tokens, "messages"))
+        fmt = ChatFormatter(req, ids, self.tokenizer, f"chatcmpl-{uuid.uuid4().hex}")
+        return await self._run(ids, params, req.n, req.rid or fmt.id, arrival,
+                               fmt.chunks if req.stream else None, fmt.response)
+
+    async def generate(self, req: GenerateRequest, arrival: float):
+        ids = self.encode(req.text, "text") if req.text is not None else list(req.input_ids)
+        params = dict(req.sampling_params)
+        if req.return_logprob:
+            params.update(return_logprob=True, top_logprobs_num=req.top_logprobs_num)
+        try:
+            params = SamplingParams(**params).model_dump()
+        except ValidationError as exc:
+            message, param = describe_validation_error(exc)
+            raise APIError(400, f"sampling_params.{message}", param=f"sampling_params.{param}") from None
+        params["max_new_tokens"] = self.max_new_tokens(len(ids), params["max_new_tokens"], "input")
+        rid = req.rid or uuid.uuid4().hex
+
+        def native(event: Optional[ChoiceEvent]):
+            return [] if event is None else [event.result]
+
+        return await self._run(ids, params, 1, rid, arrival, native if req.stream else None,
+                               lambda events: events[-1].result)

@@ -1,0 +1,242 @@
+"""The HTTP server: an OpenAI-compatible and SGLang-native FastAPI app over the PD cluster.
+
+    app = build_app(cluster, tokenizer, config)    # a PDCluster, a PDClient or a ServingBackend
+    uvicorn.run(app, host=config.server.host, port=config.server.port)
+
+==========================  =======================================================
+POST /v1/completions        OpenAI completions (stream, n, stop, logprobs, seed, ...)
+POST /v1/chat/completions   OpenAI chat completions (the tokenizer's chat template)
+GET  /v1/models             the served model
+POST /generate              SGLang native: text or input_ids, sampling_params, stream
+GET  /health                200 when every worker in the rotation answers, else 503
+GET  /metrics               Prometheus text format (see cluster.metrics)
+GET  /workers               id, role, node, alive, load of each worker in the rotation
+POST /workers               {"role": "prefill" | "decode"}: start one more worker
+DELETE /workers/{id}        drain a worker, free its pools, stop it
+POST /flush_cache           drop every worker's prefix cache (idle cluster only)
+==========================  =======================================================
+
+Errors are OpenAI-style bodies (see ``cluster.api_errors``). With
+``server.api_key`` set, every route but /health and /metrics needs
+``Authorization: Bearer <key>``. Bodies over ``server.max_request_body_bytes``
+get 413 before they are read to the end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import time
+from contextlib import asynccontextmanager
+from typing import Any, Optional, Type
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from cluster.admission import Admission
+from cluster.api_errors import APIError
+from cluster.backend import ServingBackend, UnknownWorkerError, as_backend
+from cluster.metrics import ServerMetrics
+from cluster.openai_protocol import (AddWorkerRequest, ChatCompletionRequest, CompletionRequest, GenerateRequest,
+                                     describe_validation_error)
+from cluster.openai_serving import GenerationService
+
+OPEN_PATHS = ("/health", "/metrics")
+METRICS_REFRESH_TIMEOUT_S = 2.0
+
+
+class _Guard:
+    """ASGI middleware: bearer-token check, body size limit, and the request counter."""
+
+    def __init__(self, app, api_key: Optional[str], max_body: int, metrics: ServerMetrics):
+        self.app, self.api_key, self.max_body, self.metrics = app, api_key, max_body, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope["path"]
+        endpoint = path if not path.startswith("/workers/") else "/workers/{id}"
+        status = {"code": 500}
+
+        async def counted_send(message):
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        try:
+            error = self._refuse(scope)
+            if error is not None:
+                return await error.response()(scope, receive, counted_send)
+            await self.app(scope, self._limited(receive), counted_send)
+        finally:
+            self.metrics.requests.labels(endpoint, str(status["code"])).inc()
+
+    def _refuse(self, scope) -> Optional[APIError]:
+        headers = dict(scope["headers"])
+        length = headers.get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_body:
+            return APIError(413, f"request body of {int(length)} bytes exceeds the limit of {self.max_body}",
+                            code="body_too_large")
+        if self.api_key and scope["path"] not in OPEN_PATHS:
+            scheme, _, token = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip(), self.api_key):
+                return APIError(401, "invalid or missing API key (send Authorization: Bearer <key>)",
+                                "authentication_error", code="invalid_api_key")
+        return None
+
+    def _limited(self, receive):
+        seen = {"bytes": 0}
+
+        async def limited():
+            message = await receive()
+            if message["type"] == "http.request":
+                seen["bytes"] += len(message.get("body", b""))
+                if seen["bytes"] > self.max_body:
+                    raise APIError(413, f"request body exceeds the limit of {self.max_body} bytes",
+                                   code="body_too_large")
+            return message
+
+        return limited
+
+
+async def parse_body(request: Request, model: Type[BaseModel]) -> BaseModel:
+    """The JSON body as ``model``; 400 naming the bad field (or saying the JSON is malformed)."""
+    raw = await request.body()
+    try:
+        data = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise APIError(400, f"malformed JSON body: {exc}", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise APIError(400, f"the body must be a JSON object, not {type(data).__name__}", code="invalid_json")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        message, param = describe_validation_error(exc)
+        raise APIError(400, message, param=param) from None
+
+
+def _server_config(config):
+    """A ClusterConfig's ``server`` section, a ServerConfig, or the defaults."""
+    from cluster.config import ServerConfig
+
+    if config is None:
+        return ServerConfig()
+    return getattr(config, "server", config)
+
+
+def build_app(cluster_or_client: Any, tokenizer=None, config=None, client=None,
+              drain_timeout_s: float = 120.0) -> FastAPI:
+    """The FastAPI app over a ``PDCluster`` / ``PDClient`` / ``ServingBackend``; ``config``: the
+    ClusterConfig (or its ServerConfig); ``client``: the PDClient to run a cluster's requests through
+    (default: a new one, with a router actor when the cluster can start one). Heartbeats run while
+    the app is up; shutdown drains."""
+    server = _server_config(config)
+    backend: ServingBackend = as_backend(cluster_or_client, tokenizer, client)
+    metrics = ServerMetrics(backend.model_name)
+    admission = Admission(server.max_concurrent_requests, server.max_queue_size, server.queue_timeout_s)
+    service = GenerationService(backend, tokenizer, metrics, admission)
+
+    @asynccontextmanager
+    async def lifespan(app):
+        backend.start()
+        try:
+            yield
+        finally:
+            await backend.drain(drain_timeout_s)
+            backend.stop()
+
+    app = FastAPI(title="raydix", lifespan=lifespan)
+    app.state.backend, app.state.metrics, app.state.admission = backend, metrics, admission
+    api_key = server.api_key.get_secret_value() if server.api_key is not None else None
+
+    @app.exception_handler(APIError)
+    async def _api_error(request, exc: APIError):
+        return exc.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request, exc):
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", kind).response()
+
+    @app.exception_handler(Exception)
+    async def _any_error(request, exc):
+        return APIError.from_exception(exc).response()
+
+    async def _call(coro):
+        try:
+            return await coro
+        except APIError:
+            raise
+        except Exception as exc:  # mapped to its status; the server keeps serving
+            raise APIError.from_exception(exc) from None
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        arrival = time.perf_counter()
+        return await _call(service.completions(await parse_body(request, CompletionRequest), arrival))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        arrival = time.perf_counter()
+        return await _call(service.chat(await parse_body(request, ChatCompletionRequest), arrival))
+
+    @app.post("/generate")
+    async def generate(request: Request):
+        arrival = time.perf_counter()
+        return await _call(service.generate(await parse_body(request, GenerateRequest), arrival))
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": backend.model_name, "object": "model", "created": 0,
+                                            "owned_by": "raydix", "max_model_len": backend.context_len}]}
+
+    @app.get("/health")
+    async def health():
+        status = await backend.health()
+        return JSONResponse(status, status_code=200 if status["ready"] else 503)
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        try:
+            await asyncio.wait_for(backend.refresh_loads(), timeout=METRICS_REFRESH_TIMEOUT_S)
+        except asyncio.TimeoutError:  # serve the last loads rather than hang a scrape
+            pass
+        metrics.set_workers(backend.workers(), admission.running, admission.waiting)
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/workers")
+    async def list_workers():
+        return {"workers": backend.workers(), "policies": {r: backend.routing_policy(r) for r in ("prefill", "decode")}}
+
+    @app.post("/workers")
+    async def add_worker(request: Request):
+        req = await parse_body(request, AddWorkerRequest)
+        try:
+            return await backend.add_worker(req.role)
+        except NotImplementedError as exc:
+            raise APIError(501, str(exc), "server_error", code="not_supported") from None
+
+    @app.delete("/workers/{worker_id}")
+    async def remove_worker(worker_id: str):
+        try:
+            return await backend.remove_worker(worker_id)
+        except UnknownWorkerError:
+            raise APIError(404, f"no worker {worker_id!r} in the rotation", "not_found_error", "worker_id",
+                           "worker_not_found") from None
+        except NotImplementedError as exc:
+            raise APIError(501, str(exc), "server_error", code="not_supported") from None
+
+    @app.post("/flush_cache")
+    async def flush_cache():
+        try:
+            await backend.flush_cache()
+        except RuntimeError as exc:
+            raise APIError(409, str(exc), code="busy") from None
+        return {"flushed": True}
+
+    app.add_middleware(_Guard, api_key=api_key, max_body=server.max_request_body_bytes, metrics=metrics)
+    return app

@@ -1,0 +1,123 @@
+"""Turning the cluster's cumulative results into what a client receives.
+
+* :class:`TextDelta` — the new text of each step. A step's text is the whole
+  output so far; what was already sent is never taken back, so a trailing
+  ``\\ufffd`` (half a UTF-8 character) and a tail that may still grow into a
+  stop string are held until the next step or the end.
+* :func:`run_choices` — n requests (one per choice, rid ``{rid}-{i}``) merged
+  into one stream of :class:`ChoiceEvent`; the first failure ends it.
+* :func:`sse` — ``data: {json}\\n\\n`` lines, ``data: [DONE]`` last.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Callable, Dict, List, Optional, Sequence
+
+from actors.pd_scheduler import PDRequestError
+
+
+class TextDelta:
+    def __init__(self, tokenizer, stop: Sequence[str] = (), skip_special_tokens: bool = True):
+        self.tokenizer, self.stop, self.skip = tokenizer, list(stop), skip_special_tokens
+        self.sent = ""
+
+    def text_of(self, result: Dict[str, Any]) -> str:
+        if "text" in result:
+            return result["text"]
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(result["output_ids"], skip_special_tokens=self.skip)
+
+    def update(self, result: Dict[str, Any], finished: bool) -> str:
+        text = self.text_of(result)
+        if not text.startswith(self.sent):  # a stop string was cut off after we held it back: nothing new
+            return ""
+        ready = len(text) if finished else len(text) - self._held(text)
+        delta = text[len(self.sent):ready] if ready > len(self.sent) else ""
+        self.sent += delta
+        return delta
+
+    def _held(self, text: str) -> int:
+        held = len(text) - len(text.rstrip("\ufffd"))
+        for stop in self.stop:  # the longest tail that is a proper prefix of a stop string
+            for k in range(min(len(stop) - 1, len(text)), held, -1):
+                if text.endswith(stop[:k]):
+                    held = k
+                    break
+        return held
+
+
+@dataclass
+class ChoiceEvent:
+    """One step of choice ``index``: its cumulative result and the step's new text / token count."""
+
+    index: int
+    result: Dict[str, Any]
+    delta: str
+    new_tokens: int
+    finished: bool
+    first: bool
+
+
+def finish_reason(result: Dict[str, Any]) -> Optional[str]:
+    reason = result["meta_info"].get("finish_reason")
+    if reason is None:
+        return None
+    if reason.get("type") == "abort":
+        raise PDRequestError(reason.get("message") or "the request was aborted")
+    return reason.get("type")
+
+
+async def _one_choice(index: int, stream: AsyncIterator[Dict[str, Any]], text: TextDelta,
+                      queue: asyncio.Queue, on_done: Callable) -> None:
+    arrival_seen, previous, num_tokens = False, None, 0
+    first_time = None
+    try:
+        async for result in stream:
+            previous = result
+            finished = finish_reason(result) is not None
+            tokens = len(result["output_ids"]) - num_tokens
+            num_tokens = len(result["output_ids"])
+            if first_time is None:
+                first_time = time.perf_counter()
+            await queue.put(ChoiceEvent(index, result, text.update(result, finished), tokens, finished,
+                                        not arrival_seen))
+            arrival_seen = True
+        if previous is None or finish_reason(previous) is None:
+            raise PDRequestError("the stream ended before the request finished")
+        on_done(previous, first_time)
+        await queue.put(None)
+    except BaseException as exc:  # noqa: BLE001 — handed to the consumer, which re-raises
+        await queue.put(exc)
+
+
+async def run_choices(streams: List[AsyncIterator[Dict[str, Any]]], texts: List[TextDelta],
+                      on_done: Callable) -> AsyncIterator[ChoiceEvent]:
+    """Merge the choices' streams; raises the first choice error after cancelling the rest."""
+    queue: asyncio.Queue = asyncio.Queue()
+    tasks = [asyncio.ensure_future(_one_choice(i, s, t, queue, on_done)) for i, (s, t) in enumerate(zip(streams, texts))]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def sse(payload: Any) -> str:
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+DONE = sse("[DONE]")

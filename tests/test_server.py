@@ -1,0 +1,272 @@
+"""The HTTP server over a PD cluster on Ray (one Ray session and one server for the
+module), driven by the official openai client: completions and chat, streaming
+and not, greedy tokens equal to the in-process engine's, cached_tokens on a
+repeated prefix, n / stop / logprobs, SGLang's /generate; every error status
+followed by a successful request; /metrics parses and moves; 64 concurrent
+streams against a decode pool too small for them all finish (retraction) and
+leave nothing behind."""
+
+import asyncio
+import json
+import threading
+
+import httpx
+import openai
+import pytest
+import ray
+from prometheus_client.parser import text_string_to_metric_families
+
+from cluster.http_server import BackgroundServer
+from cluster.server import build_app
+from tests.server_helpers import client, http  # noqa: F401 (fixtures)
+from tests.server_helpers import API_KEY, raydix_home, server_config, served_cluster, wait_idle, wait_until
+
+pytestmark = pytest.mark.slow
+MODEL = "tiny-llama"
+# a decode pool too small for 64 requests at once: admission waits, running requests retract
+SMALL_DECODE = {"max_total_tokens": 512, "max_running_requests": 64, "init_new_token_ratio": 0.02,
+                "min_new_token_ratio": 0.02}
+SERVER = {"max_concurrent_requests": 64, "max_queue_size": 64}
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    config = server_config(decode_engine=SMALL_DECODE, server=SERVER, num_reserved_decode_tokens=4)
+    with raydix_home(tmp_path_factory.mktemp("raydix-home")), served_cluster(config) as (cluster, server, app):
+        yield cluster, server, app
+
+
+def ok(client, **kw):
+    """A request that must succeed (after each error case)."""
+    out = client.completions.create(model=MODEL, prompt="ok", max_tokens=2, temperature=0, **kw)
+    assert out.choices[0].finish_reason in ("length", "stop")
+    return out
+
+
+def test_models_and_health(client, http):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    health = http.get("/health")
+    assert health.status_code == 200 and health.json()["ready"]
+
+
+def test_greedy_tokens_equal_the_engines(served, client, http):
+    from actors.engine import Engine
+
+    cluster = served[0]
+    prompt_ids = [[10 + (i * 7) % 200 for i in range(30)], [50 + (i * 3) % 100 for i in range(17)]]
+    engine = Engine(model_path=cluster.model_path, page_size=4, max_total_tokens=2048, attention_backend="torch")
+    try:
+        want = [engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 12, "temperature": 0})
+                for ids in prompt_ids]
+    finally:
+        engine.shutdown()
+    for ids, ref in zip(prompt_ids, want):
+        native = http.post("/generate", json={"input_ids": ids, "sampling_params": {"max_new_tokens": 12,
+                                                                                    "temperature": 0}}).json()
+        assert native["output_ids"] == ref["output_ids"]
+        completion = client.completions.create(model=MODEL, prompt=ids, max_tokens=12, temperature=0)
+        assert completion.choices[0].text == ref["text"]
+        streamed = client.completions.create(model=MODEL, prompt=ids, max_tokens=12, temperature=0, stream=True)
+        assert "".join(c.choices[0].text for c in streamed if c.choices) == ref["text"]
+
+
+def test_chat_streaming_matches_non_streaming_and_reports_cached_tokens(client):
+    system = "You are a terse assistant who answers questions about radix trees and KV caches. " * 3
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": "What is a page?"}]
+    whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0)
+    assert whole.object == "chat.completion" and whole.choices[0].message.role == "assistant"
+    assert whole.usage.completion_tokens == 10 and whole.choices[0].finish_reason == "length"
+
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0, stream=True,
+                                            stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    usage = chunks[-1].usage
+    assert usage.prompt_tokens == whole.usage.prompt_tokens
+    # the same system prompt, another question: the shared prefix comes from a cache
+    messages[1]["content"] = "And a radix tree?"
+    again = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0)
+    assert again.usage.prompt_tokens_details.cached_tokens >= len(system) - 8
+    assert usage.prompt_tokens_details.cached_tokens >= len(system)
+
+
+def test_n_stop_seed_and_logprobs(client):
+    base = client.completions.create(model=MODEL, prompt="abc", max_tokens=8, temperature=0).choices[0].text
+    two = client.completions.create(model=MODEL, prompt="abc", max_tokens=8, temperature=0, n=2)
+    assert [c.index for c in two.choices] == [0, 1] and {c.text for c in two.choices} == {base}
+    assert two.usage.completion_tokens == 16
+    stop = next(ch for ch in base[3:] if ch.isprintable() and ch != "\ufffd")
+    cut = client.completions.create(model=MODEL, prompt="abc", max_tokens=8, temperature=0, stop=[stop])
+    assert cut.choices[0].finish_reason == "stop" and cut.choices[0].text == base[:base.index(stop)]
+
+    seeded = [client.completions.create(model=MODEL, prompt="abc", max_tokens=8, temperature=1.0, seed=7)
+              .choices[0].text for _ in range(2)]
+    assert seeded[0] == seeded[1]
+
+    lp = client.completions.create(model=MODEL, prompt="abc", max_tokens=5, temperature=0, logprobs=2)
+    logprobs = lp.choices[0].logprobs
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == 5
+    assert all(len(top) <= 2 for top in logprobs.top_logprobs) and all(x <= 0 for x in logprobs.token_logprobs)
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                          temperature=0, logprobs=True, top_logprobs=3)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 4 and all(len(c.top_logprobs) == 3 for c in content)
+    streamed = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], n=2,
+                                              max_tokens=4, temperature=0, stream=True)
+    texts = {0: "", 1: ""}
+    for chunk in streamed:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+    assert texts[0] == texts[1]
+
+
+def test_generate_native_text_and_stream(http):
+    out = http.post("/generate", json={"text": "The radix tree", "sampling_params": {"max_new_tokens": 6,
+                                                                                   "temperature": 0}}).json()
+    assert len(out["output_ids"]) == 6 and out["meta_info"]["finish_reason"]["type"] == "length"
+    assert {"prompt_tokens", "completion_tokens", "cached_tokens"} <= set(out["meta_info"])
+    with http.stream("POST", "/generate", json={"text": "The radix tree", "stream": True,
+                                                "sampling_params": {"max_new_tokens": 6, "temperature": 0}}) as r:
+        lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    last = json.loads(lines[-2][len("data: "):])
+    assert last["output_ids"] == out["output_ids"] and last["meta_info"]["cached_tokens"] > 0
+
+
+def _error(call):
+    with pytest.raises(openai.APIStatusError) as info:
+        call()
+    return info.value
+
+
+def test_every_error_status_then_success(served, client, http):
+    cluster, server, app = served
+    # malformed JSON / bad field / unknown field: 400 naming the field
+    r = http.post("/v1/completions", content=b'{"model": "tiny-llama", "prompt": ', headers={"Content-Type": "application/json"})
+    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+    ok(client)
+    err = _error(lambda: client.completions.create(model=MODEL, prompt="x", temperature=5))
+    assert err.status_code == 400 and err.body["param"] == "temperature" and "temperature" in err.body["message"]
+    ok(client)
+    r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                                                "max_tokenz": 3})
+    assert r.status_code == 400 and "max_tokenz" in r.json()["error"]["message"]
+    r = http.post("/generate", json={"text": "x", "sampling_params": {"top_k": 0}})
+    assert r.status_code == 400 and "sampling_params.top_k" in r.json()["error"]["message"]
+    ok(client)
+    # prompt longer than the context (512)
+    err = _error(lambda: client.completions.create(model=MODEL, prompt="y" * 600, max_tokens=2))
+    assert err.status_code == 400 and err.body["code"] == "context_length_exceeded"
+    ok(client)
+    # unknown model
+    err = _error(lambda: client.completions.create(model="gpt-5", prompt="x", max_tokens=2))
+    assert isinstance(err, openai.NotFoundError) and err.body["code"] == "model_not_found"
+    ok(client)
+    # API key
+    bad = openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0)
+    assert isinstance(_error(lambda: bad.models.list()), openai.AuthenticationError)
+    assert httpx.get(server.url + "/v1/models").status_code == 401
+    ok(client)
+    # body size limit
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": "z" * (5 * 1024 * 1024)})
+    assert r.status_code == 413
+    ok(client)
+    # drain: 503, then back
+    backend = app.state.backend
+    backend.client.draining = True
+    try:
+        err = _error(lambda: client.completions.create(model=MODEL, prompt="x", max_tokens=2))
+        assert err.status_code == 503
+        assert http.get("/health").status_code == 503
+    finally:
+        backend.client.draining = False
+    ok(client)
+    assert http.post("/flush_cache").json() == {"flushed": True}
+    ok(client)
+
+
+def test_queue_full_429_and_queue_timeout_408(served):
+    cluster, _, _ = served
+    config = server_config(server={"max_concurrent_requests": 1, "max_queue_size": 1, "queue_timeout_s": 1.0})
+    app = build_app(cluster, served[2].state.backend.client.tokenizer, config)
+    decode = cluster.decode[0]
+    with BackgroundServer(app, "127.0.0.1", 0) as small:
+        client = openai.OpenAI(base_url=small.url + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
+        ray.get(decode.handle.pause_generation.remote())
+        held = {}
+        holder = threading.Thread(target=lambda: held.setdefault("out", ok(client)))
+        try:
+            holder.start()
+            assert wait_until(lambda: app.state.admission.running == 1)
+            queued = {}
+            waiter = threading.Thread(target=lambda: queued.setdefault(
+                "err", _error(lambda: client.completions.create(model=MODEL, prompt="q", max_tokens=2))))
+            waiter.start()
+            assert wait_until(lambda: app.state.admission.waiting == 1)
+            full = _error(lambda: client.completions.create(model=MODEL, prompt="f", max_tokens=2))
+            assert isinstance(full, openai.RateLimitError) and full.body["code"] == "queue_full"
+            waiter.join(10)
+            assert queued["err"].status_code == 408
+        finally:
+            ray.get(decode.handle.continue_generation.remote())
+        holder.join(30)
+        assert "out" in held
+        ok(client)
+
+
+def _samples(http):
+    text = http.get("/metrics").text
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def _total(samples, name, **labels):
+    return sum(v for (n, ls), v in samples.items() if n == name and all(dict(ls).get(k) == x for k, x in labels.items()))
+
+
+def test_metrics_parse_and_move(client, http):
+    before = _samples(http)
+    ok(client)
+    client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "m"}], max_tokens=3,
+                                   temperature=0, stream=True).response.read()
+    after = _samples(http)
+    assert _total(after, "raydix_requests_total", endpoint="/v1/completions", status="200") == \
+        _total(before, "raydix_requests_total", endpoint="/v1/completions", status="200") + 1
+    for name in ("raydix_generation_tokens_total", "raydix_prompt_tokens_total",
+                 "raydix_time_to_first_token_seconds_count", "raydix_e2e_request_latency_seconds_count",
+                 "raydix_prefill_leg_seconds_count", "raydix_kv_transfer_seconds_count",
+                 "raydix_kv_transfer_bytes_total", "raydix_routing_decisions_total"):
+        assert _total(after, name) > _total(before, name), name
+    assert _total(after, "raydix_time_per_output_token_seconds_count") > 0
+    assert _total(after, "raydix_cached_tokens_total") > 0
+    roles = {dict(ls)["role"] for (n, ls), _ in after.items() if n == "raydix_worker_kv_cache_usage_ratio"}
+    assert roles == {"prefill", "decode"}
+    queues = {dict(ls)["queue"] for (n, ls), _ in after.items() if n == "raydix_worker_queue_requests"}
+    assert {"waiting", "prealloc", "transfer", "running"} <= queues
+
+
+def test_64_concurrent_streams_on_a_small_decode_pool_all_finish(served, http):
+    cluster, server, _ = served
+    decode = cluster.decode[0]
+    before = ray.get(decode.handle.load.remote())["retractions"]
+
+    async def one(client, i):
+        stream = await client.completions.create(model=MODEL, prompt=f"request {i}: " + "x" * (i % 9), max_tokens=16,
+                                                 temperature=0, stream=True, extra_body={"ignore_eos": True})
+        text, reason = "", None
+        async for chunk in stream:
+            text += chunk.choices[0].text
+            reason = chunk.choices[0].finish_reason or reason
+        return reason
+
+    async def go():
+        async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0,
+                                      timeout=120) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(64)))
+
+    assert asyncio.run(go()) == ["length"] * 64
+    assert ray.get(decode.handle.load.remote())["retractions"] > before
+    wait_idle(cluster)
+    assert http.get("/v1/models").status_code == 200
