@@ -135,6 +135,26 @@ def test_more_ranks_than_kv_heads_replicate_them():
     assert attn.k_proj.param_shards["weight"][1] == [range(16, 32)]
 
 
+@pytest.mark.slow
+def test_tp4_with_replicated_kv_heads_equals_tp1(checkpoints):
+    """llama's 2 KV heads on 4 ranks (3 spawned followers): each rank one query head and a KV replica."""
+    batch, follow = prompts()
+    outputs = {}
+    for tp_size in (1, 4):
+        engine = Engine(model_path=checkpoints["llama"], skip_tokenizer_init=True, max_total_tokens=1024,
+                        tp_size=tp_size)
+        try:
+            outs = engine.generate(input_ids=batch + follow, sampling_params=GREEDY)
+            outputs[tp_size] = [o["output_ids"] for o in outs]
+            engine.check_integrity()
+            if engine.tp_group:
+                specs = engine.loop.run_exclusive(engine.tp_group.worker.check_followers)
+                assert [s.kv_head_start for s in specs] == [0, 0, 1, 1]
+        finally:
+            engine.shutdown()
+    assert outputs[4] == outputs[1]
+
+
 def test_table_mirror_sends_only_changed_entries():
     leader, follower = torch.zeros(4, 8, dtype=torch.int32), torch.zeros(4, 8, dtype=torch.int32)
     mirror = TableMirror({"req_to_token": leader})

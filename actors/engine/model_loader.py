@@ -39,7 +39,9 @@ def build_model(config, tp: TPGroup = SINGLE) -> torch.nn.Module:
         return model_cls(config, tp=tp)
 
 
-def load_model(model_path: str, dtype: str, device: str, tp: TPGroup = SINGLE) -> Tuple[torch.nn.Module, object, torch.dtype]:
+def load_model(
+    model_path: str, dtype: str, device: str, tp: TPGroup = SINGLE
+) -> Tuple[torch.nn.Module, object, torch.dtype]:
     """Model in eval mode on ``device`` with every checkpoint tensor loaded
     (under TP, only this rank's shard of each is read)."""
     config = load_config(model_path)

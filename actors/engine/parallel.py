@@ -84,7 +84,9 @@ class TPGroup:
         return out
 
     def _global(self, group_rank: int) -> int:
-        return torch.distributed.get_global_rank(self.cpu_group, group_rank) if self.cpu_group is not None else group_rank
+        if self.cpu_group is None:
+            return group_rank
+        return torch.distributed.get_global_rank(self.cpu_group, group_rank)
 
     # ---- sharding ------------------------------------------------------------------------
     def split(self, total: int, field: str) -> range:

@@ -84,9 +84,11 @@ class GatedDeltaNet(nn.Module):
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.kernel, groups=self.conv_dim, bias=False,
                                 padding=self.kernel - 1)
         total_key, total_value = self.k_dim * config.linear_num_key_heads, self.v_dim * config.linear_num_value_heads
-        shard_param(self.conv1d, "weight", 0, shard_ranges([total_key, total_key, total_value], tp, "linear_num_key_heads"))
+        conv_channels = shard_ranges([total_key, total_key, total_value], tp, "linear_num_key_heads")  # q | k | v
+        shard_param(self.conv1d, "weight", 0, conv_channels)
         hidden = config.hidden_size
-        self.in_proj_qkvz = ColumnParallelLinear(hidden, head_ranges(self.k_heads, 2 * self.k_dim + 2 * ratio * self.v_dim))
+        qkvz_per_head = 2 * self.k_dim + 2 * ratio * self.v_dim
+        self.in_proj_qkvz = ColumnParallelLinear(hidden, head_ranges(self.k_heads, qkvz_per_head))
         self.in_proj_ba = ColumnParallelLinear(hidden, head_ranges(self.k_heads, 2 * ratio))
         self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
         self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
@@ -146,7 +148,8 @@ class GatedAttention(nn.Module):
         self.heads = attention_heads(tp, config.num_attention_heads, config.num_key_value_heads)
         self.num_heads, self.num_kv_heads = len(self.heads.q), len(self.heads.kv)  # this rank's
         hidden, bias = config.hidden_size, config.attention_bias
-        self.q_proj = ColumnParallelLinear(hidden, head_ranges(self.heads.q, 2 * self.head_dim), bias=bias)  # [q_h; gate_h]
+        # per head [q_h; gate_h]
+        self.q_proj = ColumnParallelLinear(hidden, head_ranges(self.heads.q, 2 * self.head_dim), bias=bias)
         self.k_proj = ColumnParallelLinear(hidden, head_ranges(self.heads.kv, self.head_dim), bias=bias)
         self.v_proj = ColumnParallelLinear(hidden, head_ranges(self.heads.kv, self.head_dim), bias=bias)
         self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, hidden, tp, "num_attention_heads",
