@@ -36,7 +36,9 @@ from actors.engine.finish import check_finished, stream_text
 from actors.engine.req import Req
 from actors.engine.schedule_batch import _alloc_rows, _alloc_with_eviction
 from actors.engine.scheduler import Scheduler
-from transfer.base import KVHandoff, KVPoll, KVReceiver, KVSender, TransferAgent, TransferError
+from actors.engine.tp_worker import FollowerError
+from actors.rank import push_handoffs
+from transfer.base import KVPoll, KVReceiver, KVSender, TransferAgent, TransferError
 
 logger = logging.getLogger(__name__)
 
@@ -45,25 +47,14 @@ class PDRequestError(RuntimeError):
     """A disaggregated request failed (transfer, timeout, abort); its slots are freed."""
 
 
-def serves(handoff: KVHandoff, agent: TransferAgent) -> bool:  # noqa: D401
-    """Whether this prefill rank pushes to the hand-off's decode rank: head-sharded
-    layouts pair ranks whose head ranges overlap; replicated ones (MLA) take the
-    KV of decode rank r from prefill rank ``r % tp_size``."""
-    mine = agent.layout.by_name()
-    sharded = [b for b in handoff.layout.buffers if b.head_axis is not None]
-    if not sharded:
-        return handoff.tp_rank % agent.tp_size == agent.tp_rank
-    for b in sharded:
-        m = mine.get(b.name)
-        if m is not None and max(m.head_start, b.head_start) < min(m.head_start + m.num_heads, b.head_start + b.num_heads):
-            return True
-    return False
-
-
 # ---- prefill ----------------------------------------------------------------------------
 class PrefillScheduler(Scheduler):
-    def __init__(self, runner, tokenizer):
+    """``agents``: rank 0's transfer agent per backend; ``tp_worker``: the rank-0
+    :class:`~actors.engine.tp_worker.TPModelWorker` whose followers push their share."""
+
+    def __init__(self, runner, tokenizer, agents: Dict[str, TransferAgent], tp_worker=None):
         super().__init__(runner, tokenizer)
+        self.agents, self.tp_worker = agents, tp_worker
         self.bytes_pushed = 0
         self.push_time = 0.0
 
@@ -87,31 +78,36 @@ class PrefillScheduler(Scheduler):
         self.tree_cache.cache_finished_req(req)
 
     def _push(self, req: Req) -> Optional[str]:
-        """Push the prompt's KV (and Mamba state) to every decode rank this rank serves."""
+        """Push the prompt's KV (and Mamba state) from every rank to the decode ranks."""
         start = time.perf_counter()
         prompt_len = len(req.origin_input_ids)
-        row = self.runner.req_to_token_pool.req_to_token[req.req_pool_idx]
-        for sender in req.pd_senders:
-            src = row[sender.handoff.dst_prefix_len : prompt_len].tolist()
-            sender.send(src, req.mamba_pool_idx)
-            if sender.poll() != KVPoll.Success:
-                return f"KV transfer to decode rank {sender.handoff.tp_rank} failed: {sender.failure_reason()}"
-            self.bytes_pushed += sender.bytes_sent
+        src_row = self.runner.req_to_token_pool.req_to_token[req.req_pool_idx, :prompt_len].tolist()
+        moved, error = push_handoffs(self.agents, req.rid, req.pd_handoffs, src_row, req.mamba_pool_idx)
+        if error is None and self.tp_worker is not None:
+            for reply in self.tp_worker.call_followers("push", (req.rid, req.pd_handoffs, src_row, req.mamba_pool_idx)):
+                if isinstance(reply, FollowerError):
+                    error = reply.message
+                    break
+                moved += reply[0]
+                error = error or reply[1]
+        req.pd_transfer_bytes = moved
+        self.bytes_pushed += moved
         req.pd_transfer_time = time.perf_counter() - start
         self.push_time += req.pd_transfer_time
-        return None
+        return error
 
 
 # ---- decode ------------------------------------------------------------------------------
 class DecodeScheduler(Scheduler):
-    """``agents``: this rank's transfer agent per backend name; ``follower_targets``:
-    for each follower rank (1, 2, ...), ``{backend: (layout, endpoint)}``."""
+    """``agents``: rank 0's transfer agent per backend name; ``tp_worker``: the
+    rank-0 TPModelWorker, whose followers build their own hand-offs ("expect")
+    and confirm their bytes landed ("land")."""
 
-    def __init__(self, runner, tokenizer, agents: Dict[str, TransferAgent], follower_targets: Optional[List[Dict]] = None,
+    def __init__(self, runner, tokenizer, agents: Dict[str, TransferAgent], tp_worker=None,
                  num_reserved_decode_tokens: int = 512, waiting_timeout_s: Optional[float] = 300.0):
         super().__init__(runner, tokenizer)
-        self.agents = agents
-        self.follower_targets = follower_targets or []
+        self.agents, self.tp_worker = agents, tp_worker
+        self.has_followers = tp_worker is not None and tp_worker.tp.size > 1
         self.num_reserved_decode_tokens = num_reserved_decode_tokens
         self.waiting_timeout_s = waiting_timeout_s
         self.prealloc: List[Req] = []
@@ -158,7 +154,8 @@ class DecodeScheduler(Scheduler):
             if not self._reserve(req):
                 break
             self.prealloc.pop(0)
-            self.transfer.append(req)
+            if not req.finished:
+                self.transfer.append(req)
             done.append(req)
         return done
 
@@ -182,8 +179,11 @@ class DecodeScheduler(Scheduler):
         req.cache_protected_len = prefix_len
         req.kv_allocated_len = prompt_len
         req.cached_tokens = prefix_len
-        self._make_handoffs(req, prefix_len, prompt_len)
         req.pd_state = "transfer"
+        try:
+            self._make_handoffs(req, prefix_len, prompt_len)
+        except TransferError as exc:  # a follower could not take it: the request fails, the slots go back
+            self._drop(req, f"could not set up the KV transfer: {exc}")
         return True
 
     def _alloc_prompt(self, req: Req, prefix_len: int, prompt_len: int) -> bool:
@@ -215,20 +215,19 @@ class DecodeScheduler(Scheduler):
 
     def _make_handoffs(self, req: Req, prefix_len: int, prompt_len: int) -> None:
         """One hand-off per decode rank: the same slots (every rank allocates alike),
-        each rank's own layout and endpoint."""
+        each rank's own layout, endpoint and receiver."""
         row = self.runner.req_to_token_pool.req_to_token[req.req_pool_idx]
         dst = row[prefix_len:prompt_len].tolist()
         agent = self.agents[req.pd_backend]
         req.pd_receiver = KVReceiver(agent, req.rid, req.pd_room, timeout_s=self.waiting_timeout_s)
-        own = req.pd_receiver.send_metadata(dst, req.mamba_pool_idx, prefix_len)
-        handoffs = [own]
-        for rank, targets in enumerate(self.follower_targets, start=1):
-            layout, endpoint = targets[req.pd_backend]
-            handoffs.append(KVHandoff(
-                own.rid, own.room, rank, own.tp_size, layout, own.dst_slots, own.dst_state_slot, own.dst_prefix_len,
-                own.backend, endpoint,
-            ))
-        req.pd_handoffs = [h.to_bytes() for h in handoffs]
+        handoffs = [req.pd_receiver.send_metadata(dst, req.mamba_pool_idx, prefix_len).to_bytes()]
+        if self.has_followers:
+            payload = (req.rid, req.pd_room, req.pd_backend, dst, req.mamba_pool_idx, prefix_len)
+            for reply in self.tp_worker.call_followers("expect", payload):
+                if isinstance(reply, FollowerError):
+                    raise TransferError(reply.message)
+                handoffs.append(reply)
+        req.pd_handoffs = handoffs
 
     # ---- transfers -----------------------------------------------------------------------
     def _process_transfers(self) -> List[Req]:
@@ -238,6 +237,8 @@ class DecodeScheduler(Scheduler):
             notice = self._notices.pop(req.rid, None)
             if notice is not None:
                 receiver.mark_done()
+                if self.has_followers and receiver.poll() == KVPoll.Success:
+                    self._land_on_followers(req)
             state = receiver.poll()
             if state == KVPoll.Success:
                 self.backend_counts[req.pd_backend] = self.backend_counts.get(req.pd_backend, 0) + 1
@@ -250,6 +251,13 @@ class DecodeScheduler(Scheduler):
                 self._drop(req, f"KV transfer failed: {receiver.failure_reason()}")
                 done.append(req)
         return done
+
+    def _land_on_followers(self, req: Req) -> None:
+        for reply in self.tp_worker.call_followers("land", req.rid):
+            error = reply.message if isinstance(reply, FollowerError) else reply
+            if error:
+                req.pd_receiver.fail(error)
+                return
 
     def _start_decoding(self, req: Req, notice: dict) -> None:
         req.kv_committed_len = len(req.origin_input_ids)
@@ -269,6 +277,10 @@ class DecodeScheduler(Scheduler):
 
     def _drop(self, req: Req, message: str) -> None:
         """End a reserved request: its slots and row go back, its lock is dropped."""
+        if getattr(req, "pd_receiver", None) is not None:
+            req.pd_receiver.abort(message)
+            if self.has_followers:
+                self.tp_worker.call_followers("cancel", req.rid)
         if req.req_pool_idx is not None:
             req.kv_committed_len = req.kv_allocated_len
             self.tree_cache.cache_finished_req(req, is_insert=False)
@@ -316,4 +328,4 @@ def raise_for(req: Req) -> None:
         raise PDRequestError(error)
 
 
-__all__ = ["PrefillScheduler", "DecodeScheduler", "PDRequestError", "serves", "raise_for", "KVSender", "TransferError"]
+__all__ = ["PrefillScheduler", "DecodeScheduler", "PDRequestError", "raise_for", "KVSender", "TransferError"]

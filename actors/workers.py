@@ -1,7 +1,8 @@
 """Prefill and decode workers: plain classes that ``cluster/`` turns into Ray actors.
 
 Each hosts one engine (model runner + a disaggregated scheduler + the loop
-thread) and one transfer agent. The path of one request, driven by whoever
+thread) and its transfer agents, as rank 0 of its TP group (``actors.rank``:
+the followers are ``TPFollower`` actors). The path of one request, driven by whoever
 routes it (``cluster.pd.PDClient`` today, the router actor later)::
 
     handoffs = await decode.reserve(rid, input_ids, sampling_params)   # slots reserved
@@ -26,45 +27,34 @@ import random
 import time
 from typing import Any, AsyncIterator, Dict, List, Optional
 
-import transfer.backends  # noqa: F401  (registers the backends)
 from actors.engine.config import EngineConfig
 from actors.engine.engine import _eos_ids, check_engine_integrity, flush_engine_cache, request_result
 from actors.engine.engine_loop import EngineLoop
-from actors.engine.model_runner import ModelRunner
 from actors.engine.req import Req
 from actors.engine.sampling_params import SamplingParams
-from actors.pd_scheduler import DecodeScheduler, PDRequestError, PrefillScheduler, serves
-from mem_cache.buffer_allocator import create_buffer_allocator
+from actors.pd_scheduler import DecodeScheduler, PDRequestError, PrefillScheduler
+from actors.rank import RankHost
 from mem_cache.kv_events import KVEventBatch, PageHashSnapshot
-from transfer.base import KVHandoff, KVSender, create_agent
-from transfer.layout import pool_allocators, pool_layout
+from transfer.base import KVHandoff, check_compatible
 
 logger = logging.getLogger(__name__)
-SHAREABLE_BACKENDS = ("shm", "cuda_ipc")
 KV_EVENT_LOG_SIZE = 65536  # events a worker keeps for routers to pull; one further behind resyncs
-
-
-def resolve_backends(backend: str, device: str) -> List[str]:
-    """The agents a worker keeps: ``auto`` means the same-node one of its device
-    plus ``torch_dist`` for peers on other nodes (the router picks per pair)."""
-    if backend != "auto":
-        return [backend]
-    return ["cuda_ipc" if device == "cuda" else "shm", "torch_dist"]
 
 
 class _Worker:
     role = "worker"
 
     def __init__(self, model_path: str, engine_args: Optional[Dict[str, Any]] = None, backend: str = "shm",
-                 worker_id: Optional[str] = None, tp_rank: int = 0, tp_size: int = 1):
+                 worker_id: Optional[str] = None, dist_init_method: Optional[str] = None):
+        """``engine_args["tp_size"] > 1``: this is rank 0; the followers (TPFollower
+        actors) join the group at ``dist_init_method`` while this constructor waits."""
         self.worker_id = worker_id or f"{self.role}-{random.getrandbits(32):08x}"
         # a prefill worker publishes KV events by default: the router's prefix index follows them
         engine_args = {"enable_kv_events": self.role == "prefill", **(engine_args or {})}
         self.config = EngineConfig(model_path=model_path, **engine_args)
-        self.backends = resolve_backends(backend, self.config.device)
-        shareable = self.role == "decode" and any(b in SHAREABLE_BACKENDS for b in self.backends)
-        self.buffer_allocator = create_buffer_allocator(self.config.device, shareable, prefix=self.worker_id)
-        self.runner = ModelRunner(self.config, self.buffer_allocator)
+        self.rank = RankHost(self.role, self.config, backend, self.worker_id, 0, dist_init_method)
+        self.backends, self.agents, self.runner = self.rank.backends, self.rank.agents, self.rank.runner
+        self.tp_worker = self.rank.tp_worker
         self.tokenizer = None
         if not self.config.skip_tokenizer_init:
             from transformers import AutoTokenizer
@@ -72,13 +62,6 @@ class _Worker:
             path = self.config.tokenizer_path or model_path
             self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         self.eos_token_ids = _eos_ids(model_path, self.runner.model_config)
-        spec = self.runner.spec
-        layout, tensors = pool_layout(
-            self.runner.token_to_kv_pool, getattr(spec, "kv_head_start", 0), getattr(spec, "total_kv_heads", None)
-        )
-        allocators = pool_allocators(self.runner.token_to_kv_pool)
-        self.agents = {name: create_agent(name, layout, tensors, tp_rank, tp_size, allocators=allocators)
-                       for name in self.backends}
         self.draining = False
 
     def _make_req(self, rid: str, input_ids: List[int], sampling_params: Optional[Dict[str, Any]]) -> Req:
@@ -125,10 +108,6 @@ class _Worker:
         import ray
 
         return ray.get_runtime_context().get_node_id() if ray.is_initialized() else "local"
-
-    def endpoints(self) -> Dict[str, Any]:
-        """``{backend: (layout, endpoint)}`` of this rank (what a peer needs to reach it)."""
-        return {name: (agent.layout, agent.endpoint()) for name, agent in self.agents.items()}
 
     def load(self) -> Dict[str, Any]:
         sched, allocator = self.scheduler, self.runner.allocator
@@ -195,17 +174,22 @@ class _Worker:
         self.loop.resume()
 
     def check_integrity(self) -> None:
-        """Idle worker: every slot free or cached, no row held, no lock left."""
-        self.loop.run_exclusive(lambda: check_engine_integrity(self.scheduler, self.runner))
+        """Idle worker: every slot free or cached, no row held, no lock left, and every
+        TP follower's index tables equal rank 0's."""
+        def check():
+            check_engine_integrity(self.scheduler, self.runner)
+            self.tp_worker.check_followers()
+
+        self.loop.run_exclusive(check)
 
     def flush_cache(self) -> None:
         self.loop.run_exclusive(lambda: flush_engine_cache(self.scheduler, self.runner))
 
     def shutdown(self) -> None:
+        """Stop the loop, release the followers (their loops return), free the pools."""
         self.loop.stop()
-        for agent in self.agents.values():
-            agent.close()
-        self.buffer_allocator.close()
+        self.tp_worker.shutdown()
+        self.rank.close()
 
 
 class PrefillWorker(_Worker):
@@ -214,9 +198,9 @@ class PrefillWorker(_Worker):
     role = "prefill"
 
     def __init__(self, model_path: str, engine_args: Optional[Dict[str, Any]] = None, backend: str = "shm",
-                 worker_id: Optional[str] = None, tp_rank: int = 0, tp_size: int = 1):
-        super().__init__(model_path, engine_args, backend, worker_id, tp_rank, tp_size)
-        self.scheduler = PrefillScheduler(self.runner, self.tokenizer)
+                 worker_id: Optional[str] = None, dist_init_method: Optional[str] = None):
+        super().__init__(model_path, engine_args, backend, worker_id, dist_init_method)
+        self.scheduler = PrefillScheduler(self.runner, self.tokenizer, self.agents, self.tp_worker)
         self.loop = EngineLoop(self.scheduler)
         self._init_kv_log()
 
@@ -226,18 +210,13 @@ class PrefillWorker(_Worker):
         if self.draining:
             raise PDRequestError("prefill worker is draining")
         req = self._make_req(rid, input_ids, sampling_params)
-        req.pd_senders = []
-        for raw in handoffs:
+        for raw in handoffs:  # reject what cannot be served before any work is done
             handoff = KVHandoff.from_bytes(raw)
             agent = self.agents.get(handoff.backend)
             if agent is None:
                 raise PDRequestError(f"hand-off over backend {handoff.backend!r}; this worker has {sorted(self.agents)}")
-            if serves(handoff, agent):
-                sender = KVSender(agent, rid)
-                sender.init(handoff)  # LayoutMismatchError names the difference
-                req.pd_senders.append(sender)
-        if not req.pd_senders:
-            raise PDRequestError("no hand-off for this prefill rank")
+            check_compatible(agent.layout, handoff.layout)  # LayoutMismatchError names the difference
+        req.pd_handoffs = list(handoffs)
         queue = self._submit(req)
         while True:
             result, finished, error = await queue.get()
@@ -254,7 +233,7 @@ class PrefillWorker(_Worker):
             "cached_tokens": req.cached_tokens,
             "prompt_tokens": len(req.origin_input_ids),
             "transfer_time": getattr(req, "pd_transfer_time", None),
-            "transfer_bytes": sum(sender.bytes_sent for sender in req.pd_senders),
+            "transfer_bytes": getattr(req, "pd_transfer_bytes", 0),
             "prefill_latency": req.finished_time - req.created_time,
         }
 
@@ -271,12 +250,11 @@ class DecodeWorker(_Worker):
     role = "decode"
 
     def __init__(self, model_path: str, engine_args: Optional[Dict[str, Any]] = None, backend: str = "shm",
-                 worker_id: Optional[str] = None, tp_rank: int = 0, tp_size: int = 1,
-                 num_reserved_decode_tokens: int = 512, waiting_timeout_s: float = 300.0,
-                 follower_targets: Optional[List[Dict]] = None):
-        super().__init__(model_path, engine_args, backend, worker_id, tp_rank, tp_size)
+                 worker_id: Optional[str] = None, dist_init_method: Optional[str] = None,
+                 num_reserved_decode_tokens: int = 512, waiting_timeout_s: float = 300.0):
+        super().__init__(model_path, engine_args, backend, worker_id, dist_init_method)
         self.scheduler = DecodeScheduler(
-            self.runner, self.tokenizer, self.agents, follower_targets, num_reserved_decode_tokens, waiting_timeout_s,
+            self.runner, self.tokenizer, self.agents, self.tp_worker, num_reserved_decode_tokens, waiting_timeout_s,
         )
         self.loop = EngineLoop(self.scheduler)
         self._init_kv_log()

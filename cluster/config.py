@@ -31,7 +31,7 @@ Role = Literal["prefill", "decode"]
 TRANSFER_BACKENDS = ("auto", "shm", "cuda_ipc", "torch_dist", "fake")
 ROUTING_POLICIES = ("cache_aware", "power_of_two", "round_robin", "random")
 # EngineConfig fields the cluster sets from `model` and the group's `device`.
-CLUSTER_OWNED_ENGINE_FIELDS = ("model_path", "tokenizer_path", "device")
+CLUSTER_OWNED_ENGINE_FIELDS = ("model_path", "tokenizer_path", "device", "tp_size")
 # EngineConfig fields that fix the KV layout: a page moves slot for slot, so both sides agree.
 KV_LAYOUT_FIELDS = ("page_size", "dtype", "kv_cache_dtype")
 
@@ -157,7 +157,7 @@ class WorkerGroupConfig(BaseModel):
 
     def engine_config(self, model_path: str, tokenizer_path: Optional[str] = None) -> EngineConfig:
         return EngineConfig(model_path=model_path, tokenizer_path=tokenizer_path, device=self.device,
-                            **self.engine_overrides())
+                            tp_size=self.tp_size, **self.engine_overrides())
 
 
 class TransferConfig(BaseModel):

@@ -8,7 +8,6 @@ decode) pair — picked by a router (``start_router``: an ``actors.router.Router
 actor, by cached prefix and load) when the client is given one, round-robin
 otherwise::
 
-
     reserve on decode → prefill + push on prefill → stream from decode
 
 A failure on either side (an actor died, a transfer failed or timed out)
@@ -28,8 +27,13 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Dict, List, Optional
 
 import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from actors.engine.config import EngineConfig
+from actors.engine.tp_worker import check_tp_shardable, tp_init_method
 from actors.pd_scheduler import PDRequestError
+from actors.rank import TPFollower
 from actors.router import Router, call_method
 from actors.routing_policies import RouterSettings
 from actors.workers import DecodeWorker, PrefillWorker
@@ -50,6 +54,41 @@ class WorkerRef:
     missed_heartbeats: int = 0
     inflight: int = 0
     stats: Dict[str, Any] = field(default_factory=dict)
+    followers: List[Any] = field(default_factory=list)  # TP ranks > 0
+    placement_group: Any = None
+
+
+def _tp_placement_group(options: Dict[str, Any], tp_size: int, strategy: str):
+    """One bundle per rank (what each rank actor asks for), packed as configured."""
+    bundle = {"CPU": max(options["num_cpus"], 0.01)}
+    if options.get("num_gpus"):
+        bundle["GPU"] = options["num_gpus"]
+    bundle.update(options.get("resources", {}))
+    pg = placement_group([dict(bundle) for _ in range(tp_size)], strategy=strategy)
+    ray.get(pg.ready(), timeout=300)
+    return pg
+
+
+def _in_bundle(pg, index: int) -> PlacementGroupSchedulingStrategy:
+    return PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=index)
+
+
+@ray.remote(num_cpus=0)
+def _rendezvous() -> str:
+    """A free ``tcp://ip:port`` on this node (run in rank 0's bundle): the TP group meets there."""
+    return tp_init_method(ray.util.get_node_ip_address())
+
+
+def stop_worker(worker: WorkerRef) -> None:
+    """Free a worker's pools (rank 0 releases its followers), then end its actors."""
+    try:
+        ray.get(worker.handle.shutdown.remote(), timeout=30)
+    except Exception:  # already dead: nothing to free
+        pass
+    for handle in [worker.handle] + worker.followers:
+        ray.kill(handle)
+    if worker.placement_group is not None:
+        remove_placement_group(worker.placement_group)
 
 
 def _actor_options(config, role: str) -> Dict[str, Any]:
@@ -77,22 +116,35 @@ class PDCluster:
         self.decode: List[WorkerRef] = []
 
     def _start_worker(self, role: str, index: int) -> WorkerRef:
+        """Rank 0 (the worker actor) and, for ``tp_size > 1``, its follower rank actors,
+        packed into one placement group and joined at a rendezvous on rank 0's node."""
         cfg = self.config
         group = cfg.group(role)
-        if group.tp_size != 1:
-            raise NotImplementedError("tp_size > 1 workers are started by cluster.tp (see the TP rank actors)")
         worker_id = f"{role}-{index}-{uuid.uuid4().hex[:6]}"
-        kwargs = dict(
-            model_path=self.model_path, engine_args=dict(group.engine_overrides(), device=group.device,
-                                                         tokenizer_path=cfg.model.tokenizer_path),
-            backend=cfg.transfer.backend, worker_id=worker_id,
-        )
+        engine_args = dict(group.engine_overrides(), device=group.device, tokenizer_path=cfg.model.tokenizer_path,
+                           tp_size=group.tp_size)  # the group's TP size (the YAML cannot set the engine's)
+        options = _actor_options(cfg, role)
+        placement, dist_init_method = None, None
+        if group.tp_size > 1:
+            check_tp_shardable(EngineConfig(model_path=self.model_path, **engine_args))
+            placement = _tp_placement_group(options, group.tp_size, cfg.placement.tp_group_strategy)
+            dist_init_method = ray.get(_rendezvous.options(scheduling_strategy=_in_bundle(placement, 0)).remote())
+        kwargs = dict(model_path=self.model_path, engine_args=engine_args, backend=cfg.transfer.backend,
+                      worker_id=worker_id, dist_init_method=dist_init_method)
         if role == "decode":
             kwargs.update(num_reserved_decode_tokens=cfg.transfer.num_reserved_decode_tokens,
                           waiting_timeout_s=cfg.transfer.waiting_timeout_s)
         cls = PrefillWorker if role == "prefill" else DecodeWorker
-        handle = ray.remote(cls).options(name=worker_id, **_actor_options(cfg, role)).remote(**kwargs)
-        return WorkerRef(worker_id, role, handle, node_id="")
+        rank_options = dict(options, scheduling_strategy=_in_bundle(placement, 0)) if placement else options
+        handle = ray.remote(cls).options(name=worker_id, **rank_options).remote(**kwargs)
+        followers = [
+            ray.remote(TPFollower).options(name=f"{worker_id}-rank{rank}", **dict(
+                options, max_concurrency=4, scheduling_strategy=_in_bundle(placement, rank))).remote(
+                role, self.model_path, engine_args, cfg.transfer.backend, worker_id, rank, dist_init_method,
+                cfg.transfer.waiting_timeout_s)
+            for rank in range(1, group.tp_size)
+        ]
+        return WorkerRef(worker_id, role, handle, node_id="", followers=followers, placement_group=placement)
 
     def start(self, timeout_s: float = 300.0) -> "PDCluster":
         self.prefill = [self._start_worker("prefill", i) for i in range(self.config.prefill.num_workers)]
@@ -123,10 +175,9 @@ class PDCluster:
         worker.alive = False  # no new requests from here on
         try:
             ray.get(worker.handle.drain.remote(timeout_s), timeout=timeout_s + 5)
-            ray.get(worker.handle.shutdown.remote(), timeout=30)
-        except Exception as exc:  # already dead: nothing to drain or free
+        except Exception as exc:  # already dead: nothing to drain
             logger.warning("remove %s: %s", worker_id, exc)
-        ray.kill(worker.handle)
+        stop_worker(worker)
         (self.prefill if worker.role == "prefill" else self.decode).remove(worker)
         return worker
 
@@ -168,11 +219,7 @@ class PDCluster:
 
     def shutdown(self) -> None:
         for worker in self.prefill + self.decode:
-            try:
-                ray.get(worker.handle.shutdown.remote(), timeout=30)
-            except Exception:  # already dead: nothing to free
-                pass
-            ray.kill(worker.handle)
+            stop_worker(worker)
 
 
 def router_settings(config, **overrides) -> RouterSettings:
@@ -222,10 +269,15 @@ class PDClient:
         return prefill, decode
 
     async def _release(self, rid: str, role: Optional[str] = None) -> None:
+        """Tell the router; a router actor's answer is not waited for (release is idempotent)."""
         if self.router is None:
             return
+        remote = getattr(self.router.release, "remote", None)
         try:
-            await call_method(self.router, "release", rid, role)
+            if remote is not None:
+                remote(rid, role)  # submitted now, runs whether or not anyone awaits it
+            else:
+                await self.router.release(rid, role)
         except Exception as exc:  # the router is gone: a new one counts load afresh
             logger.warning("router release of %s failed: %s", rid, exc)
 

@@ -20,6 +20,7 @@ from actors.engine.forward_batch import ForwardBatch
 from actors.engine.model_loader import load_model
 from actors.engine.parallel import SINGLE, TPGroup
 from mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
+from mem_cache.buffer_allocator import BufferAllocator
 from mem_cache.memory_budget import KVCacheShape, get_device_memory, profile_max_num_tokens
 from mem_cache.mamba_pool import HybridLinearKVPool, HybridReqToTokenPool, MambaPool
 from mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
@@ -33,10 +34,13 @@ KV_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, tp: TPGroup = SINGLE):
-        """``tp``: this rank's TP group; the model holds (and the pools are sized
+    def __init__(self, config: EngineConfig, buffer_allocator: Optional[BufferAllocator] = None, tp: TPGroup = SINGLE):
+        """``buffer_allocator``: where the KV and Mamba pools' buffers come from
+        (a shareable one when a peer process writes them: the PD decode side).
+        ``tp``: this rank's TP group; the model holds (and the pools are sized
         for) this rank's shard, every rank's pools have the same slot counts."""
         self.config = config
+        self.buffer_allocator = buffer_allocator
         self.tp = tp
         self.device = torch.device(config.device)
         torch.manual_seed(config.random_seed)
@@ -86,13 +90,14 @@ class ModelRunner:
         self.mamba_pool = MambaPool(
             self.max_running_requests * per_req + max(16, self.max_running_requests), spec.conv_state_shapes,
             spec.temporal_state_shape, len(spec.mamba_layer_ids), self.dtype, torch.float32, device=self.device,
+            buffer_allocator=self.buffer_allocator,
         )
         self.req_to_token_pool = HybridReqToTokenPool(
             self.max_running_requests, self.context_len + 4, self.device, self.mamba_pool, spec.mamba_layer_ids, extra,
         )
         self.token_to_kv_pool = HybridLinearKVPool(
             self.max_total_num_tokens, cfg.page_size, self.kv_dtype, spec.num_kv_heads, spec.head_dim,
-            spec.full_attention_layer_ids, self.mamba_pool, device=self.device,
+            spec.full_attention_layer_ids, self.mamba_pool, device=self.device, buffer_allocator=self.buffer_allocator,
         )
 
     def _init_swa_pools(self) -> None:
@@ -123,12 +128,12 @@ class ModelRunner:
         if spec.kind == "mha":
             self.token_to_kv_pool = MHATokenToKVPool(
                 self.max_total_num_tokens, cfg.page_size, self.kv_dtype, spec.num_kv_heads, spec.head_dim,
-                spec.num_layers, device=self.device, v_head_dim=spec.v_head_dim,
+                spec.num_layers, device=self.device, v_head_dim=spec.v_head_dim, buffer_allocator=self.buffer_allocator,
             )
         elif spec.kind == "mla":
             self.token_to_kv_pool = MLATokenToKVPool(
                 self.max_total_num_tokens, cfg.page_size, self.kv_dtype, spec.kv_lora_rank, spec.qk_rope_head_dim,
-                spec.num_layers, device=self.device,
+                spec.num_layers, device=self.device, buffer_allocator=self.buffer_allocator,
             )
         elif spec.kind == "hybrid_mamba":
             self._init_hybrid_pools()

@@ -39,7 +39,7 @@ import logging
 import os
 import socket
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -52,8 +52,15 @@ from actors.engine.parallel import TPGroup, init_tp_group
 
 logger = logging.getLogger(__name__)
 
-STOP, CHECK = "stop", "check"  # control messages besides a BatchMessage
+STOP, CHECK, CALL = "stop", "check", "call"  # control messages besides a BatchMessage
 LOCAL_FIELDS = ("req_to_token_pool", "token_to_kv_pool", "attn_backend")  # each rank fills in its own
+
+
+@dataclass
+class FollowerError:
+    """A follower's handler failed; ``message`` says where and why."""
+
+    message: str
 
 
 @dataclass
@@ -136,6 +143,8 @@ class TPModelWorker:
         self.tables = index_tables(self.runner)
         self._mamba_pool = getattr(self.runner, "mamba_pool", None)
         self._stopped = False
+        # follower side of call_followers(): name -> fn(payload) -> reply (picklable)
+        self.handlers: Dict[str, Callable[[Any], Any]] = {}
         if self.tp.size > 1 and self.tp.is_leader:
             self._mirror = TableMirror(self.tables)
             if self._mamba_pool is not None:
@@ -157,6 +166,25 @@ class TPModelWorker:
         zeroing must not be replayed after the transfer's write)."""
         if self.tp.size > 1:
             self._send_batch(None)
+
+    def call_followers(self, name: str, payload: Any) -> List[Any]:
+        """Rank 0: run ``handlers[name](payload)`` on every follower, in step with
+        the batches already sent (a KV push after the forward that wrote it);
+        returns their replies in rank order. A handler that raises replies with
+        a :class:`FollowerError`, which is returned, not raised."""
+        if self.tp.size == 1:
+            return []
+        self.sync()  # pending table entries and Mamba ops land before the call acts on those slots
+        self.tp.broadcast_object((CALL, name, payload))
+        return self.tp.gather_objects(None)[1:]
+
+    def _answer_call(self, name: str, payload: Any) -> None:
+        try:
+            reply = self.handlers[name](payload)
+        except Exception as exc:  # the leader decides what a failure means
+            logger.exception("TP rank %d: call %r failed", self.tp.rank, name)
+            reply = FollowerError(f"rank {self.tp.rank}: {type(exc).__name__}: {exc}")
+        self.tp.gather_objects(reply)
 
     def check_followers(self) -> List[KVCacheSpec]:
         """Rank 0, engine idle: every follower's index tables equal what rank 0
@@ -193,6 +221,9 @@ class TPModelWorker:
                 break
             if msg == CHECK:
                 self.tp.gather_objects((table_digest(self.tables), self.runner.spec))
+                continue
+            if isinstance(msg, tuple) and msg[0] == CALL:
+                self._answer_call(msg[1], msg[2])
                 continue
             apply_table_updates(self.tables, msg.table_updates)
             if msg.mamba_ops:

@@ -1,0 +1,166 @@
+"""One TP rank of a worker: its model shard, its pools, its transfer agents.
+
+Rank 0 of a worker (the ``PrefillWorker`` / ``DecodeWorker`` actor) schedules;
+ranks > 0 are :class:`TPFollower` actors that run the batches rank 0
+broadcasts (``actors.engine.tp_worker``) and answer the calls that move this
+rank's share of a request's KV, in step with those batches:
+
+    prefill follower  "push"    push its heads to the decode ranks it serves
+    decode follower   "expect"  reserve-time: a receiver on its own agent; its hand-off
+                      "land"    notice-time: wait until the bytes are in its pools
+                      "cancel"  the request failed or was aborted
+
+Every rank of a worker allocates the same slot numbers (only rank 0 allocates
+and the tables are mirrored), so one slot list serves every rank.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import transfer.backends  # noqa: F401  (registers the backends)
+from actors.engine.config import EngineConfig
+from actors.engine.tp_worker import TPModelWorker
+from mem_cache.buffer_allocator import create_buffer_allocator
+from transfer.base import KVHandoff, KVPoll, KVReceiver, KVSender, TransferAgent, TransferError, create_agent
+from transfer.layout import pool_allocators, pool_layout
+
+logger = logging.getLogger(__name__)
+SHAREABLE_BACKENDS = ("shm", "cuda_ipc")
+
+
+def resolve_backends(backend: str, device: str) -> List[str]:
+    """The agents a worker keeps: ``auto`` means the same-node one of its device
+    plus ``torch_dist`` for peers on other nodes (the router picks per pair)."""
+    if backend != "auto":
+        return [backend]
+    return ["cuda_ipc" if device == "cuda" else "shm", "torch_dist"]
+
+
+def serves(handoff: KVHandoff, agent: TransferAgent) -> bool:
+    """Whether this prefill rank pushes to the hand-off's decode rank: head-sharded
+    layouts pair ranks whose head ranges overlap; replicated ones (MLA) take the
+    KV of decode rank r from prefill rank ``r % tp_size``."""
+    mine = agent.layout.by_name()
+    sharded = [b for b in handoff.layout.buffers if b.head_axis is not None]
+    if not sharded:
+        return handoff.tp_rank % agent.tp_size == agent.tp_rank
+    for b in sharded:
+        m = mine.get(b.name)
+        if m is not None and max(m.head_start, b.head_start) < min(m.head_start + m.num_heads, b.head_start + b.num_heads):
+            return True
+    return False
+
+
+def push_handoffs(agents: Dict[str, TransferAgent], rid: str, handoffs: Sequence[bytes], src_row: Sequence[int],
+                  src_state_slot: Optional[int]) -> Tuple[int, Optional[str]]:
+    """Push prompt tokens ``[handoff.dst_prefix_len, len(src_row))`` to every decode
+    rank this rank serves; returns (bytes moved, error or None)."""
+    moved = 0
+    for raw in handoffs:
+        handoff = KVHandoff.from_bytes(raw)
+        agent = agents.get(handoff.backend)
+        if agent is None:
+            return moved, f"hand-off over backend {handoff.backend!r}; this rank has {sorted(agents)}"
+        if not serves(handoff, agent):
+            continue
+        sender = KVSender(agent, rid)
+        try:
+            sender.init(handoff)
+        except TransferError as exc:
+            return moved, str(exc)
+        sender.send(list(src_row[handoff.dst_prefix_len :]), src_state_slot)
+        if sender.poll() != KVPoll.Success:
+            return moved, f"KV transfer to decode rank {handoff.tp_rank} failed: {sender.failure_reason()}"
+        moved += sender.bytes_sent
+    return moved, None
+
+
+class RankHost:
+    """The model shard, pools and transfer agents of one rank."""
+
+    def __init__(self, role: str, config: EngineConfig, backend: str, worker_id: str, tp_rank: int = 0,
+                 dist_init_method: Optional[str] = None):
+        self.role, self.worker_id, self.tp_rank = role, worker_id, tp_rank
+        self.backends = resolve_backends(backend, config.device)
+        shareable = role == "decode" and any(b in SHAREABLE_BACKENDS for b in self.backends)
+        prefix = f"{worker_id}-r{tp_rank}"
+        self.buffer_allocator = create_buffer_allocator(config.device, shareable, prefix=prefix)
+        self.tp_worker = TPModelWorker(config, tp_rank, dist_init_method, buffer_allocator=self.buffer_allocator)
+        self.runner = self.tp_worker.runner
+        spec = self.runner.spec
+        layout, tensors = pool_layout(
+            self.runner.token_to_kv_pool, getattr(spec, "kv_head_start", 0), getattr(spec, "total_kv_heads", None)
+        )
+        allocators = pool_allocators(self.runner.token_to_kv_pool)
+        self.agents = {name: create_agent(name, layout, tensors, tp_rank, config.tp_size, allocators=allocators)
+                       for name in self.backends}
+
+    def endpoints(self) -> Dict[str, Any]:
+        """``{backend: (layout, endpoint)}`` of this rank (what a peer needs to reach it)."""
+        return {name: (agent.layout, agent.endpoint()) for name, agent in self.agents.items()}
+
+    def close(self) -> None:
+        for agent in self.agents.values():
+            agent.close()
+        self.buffer_allocator.close()
+
+
+class TPFollower:
+    """A rank > 0 of a prefill or decode worker (a Ray actor of its own)."""
+
+    def __init__(self, role: str, model_path: str, engine_args: Dict[str, Any], backend: str, worker_id: str,
+                 tp_rank: int, dist_init_method: str, waiting_timeout_s: float = 300.0):
+        config = EngineConfig(model_path=model_path, **engine_args)
+        self.host = RankHost(role, config, backend, worker_id, tp_rank, dist_init_method)
+        self.waiting_timeout_s = waiting_timeout_s
+        self._receivers: Dict[str, KVReceiver] = {}
+        handlers = self.host.tp_worker.handlers
+        handlers.update(push=self._push, expect=self._expect, land=self._land, cancel=self._cancel)
+        self._thread = threading.Thread(target=self._run, name=f"raydix-tp-follower-{tp_rank}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self.host.tp_worker.follower_loop()
+        except Exception:  # rank 0 died: the group is gone; the actor is killed with its worker
+            logger.exception("TP follower %d of %s stopped", self.host.tp_rank, self.host.worker_id)
+
+    def ready(self) -> int:
+        return self.host.tp_rank
+
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    # ---- prefill ranks ------------------------------------------------------------------
+    def _push(self, payload) -> Tuple[int, Optional[str]]:
+        rid, handoffs, src_row, state_slot = payload
+        return push_handoffs(self.host.agents, rid, handoffs, src_row, state_slot)
+
+    # ---- decode ranks ---------------------------------------------------------------------
+    def _expect(self, payload) -> bytes:
+        rid, room, backend, dst_slots, dst_state_slot, dst_prefix_len = payload
+        receiver = KVReceiver(self.host.agents[backend], rid, room, timeout_s=self.waiting_timeout_s)
+        handoff = receiver.send_metadata(dst_slots, dst_state_slot, dst_prefix_len)
+        self._receivers[rid] = receiver
+        return handoff.to_bytes()
+
+    def _land(self, rid: str) -> Optional[str]:
+        receiver = self._receivers.pop(rid, None)
+        if receiver is None:
+            return f"rank {self.host.tp_rank}: no transfer expected for {rid}"
+        receiver.mark_done()
+        if receiver.poll() != KVPoll.Success:
+            return f"rank {self.host.tp_rank}: {receiver.failure_reason()}"
+        return None
+
+    def _cancel(self, rid: str) -> None:
+        receiver = self._receivers.pop(rid, None)
+        if receiver is not None:
+            receiver.abort("cancelled by rank 0")
+
+    def shutdown(self) -> None:
+        self._thread.join(timeout=30)
+        self.host.close()
