@@ -25,6 +25,21 @@ from cluster.openai_protocol import ChatCompletionRequest, CompletionRequest, Ge
 from cluster.streaming import DONE, ChoiceEvent, TextDelta, run_choices, sse
 
 
+class _SSEResponse(StreamingResponse):
+    """An SSE response that runs ``on_close`` however it ends: finished, failed, or the client
+    gone before the body started (a generator that never started never reaches its ``finally``)."""
+
+    def __init__(self, body, on_close):
+        super().__init__(body, media_type="text/event-stream")
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._on_close()
+
+
 class GenerationService:
     def __init__(self, backend, tokenizer, metrics, admission):
         self.backend, self.tokenizer, self.metrics, self.admission = backend, tokenizer, metrics, admission
@@ -97,7 +112,16 @@ class GenerationService:
             finally:
                 self.admission.release()
             return JSONResponse(final_fn(collected))
-        return StreamingResponse(self._sse(first, events, stream_fn), media_type="text/event-stream")
+        closed = False
+
+        async def close():  # once, however the response ends
+            nonlocal closed
+            if not closed:
+                closed = True
+                await events.aclose()
+                self.admission.release()
+
+        return _SSEResponse(self._sse(first, events, stream_fn), close)
 
     async def _sse(self, first: ChoiceEvent, events, stream_fn):
         last_time = time.perf_counter()
@@ -115,8 +139,7 @@ class GenerationService:
         except Exception as exc:  # a worker failed mid-stream: tell the client, then end the stream
             yield sse(APIError.from_exception(exc).body())
         finally:
-            await events.aclose()
-            self.admission.release()
+            await events.aclose()  # the other choices stop too
         yield DONE
 
     # ---- endpoints ----------------------------------------------------------------------

@@ -74,22 +74,19 @@ def finish_reason(result: Dict[str, Any]) -> Optional[str]:
 
 async def _one_choice(index: int, stream: AsyncIterator[Dict[str, Any]], text: TextDelta,
                       queue: asyncio.Queue, on_done: Callable) -> None:
-    arrival_seen, previous, num_tokens = False, None, 0
-    first_time = None
+    """Feed one choice's events into ``queue``; then ``None`` (done) or the exception that ended it."""
+    last, first_time, num_tokens = None, None, 0
     try:
         async for result in stream:
-            previous = result
             finished = finish_reason(result) is not None
-            tokens = len(result["output_ids"]) - num_tokens
-            num_tokens = len(result["output_ids"])
-            if first_time is None:
-                first_time = time.perf_counter()
-            await queue.put(ChoiceEvent(index, result, text.update(result, finished), tokens, finished,
-                                        not arrival_seen))
-            arrival_seen = True
-        if previous is None or finish_reason(previous) is None:
+            new_tokens, num_tokens = len(result["output_ids"]) - num_tokens, len(result["output_ids"])
+            event = ChoiceEvent(index, result, text.update(result, finished), new_tokens, finished,
+                                first=last is None)
+            first_time, last = first_time or time.perf_counter(), result
+            await queue.put(event)
+        if last is None or finish_reason(last) is None:
             raise PDRequestError("the stream ended before the request finished")
-        on_done(previous, first_time)
+        on_done(last, first_time)
         await queue.put(None)
     except BaseException as exc:  # noqa: BLE001 — handed to the consumer, which re-raises
         await queue.put(exc)

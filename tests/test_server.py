@@ -270,3 +270,13 @@ def test_64_concurrent_streams_on_a_small_decode_pool_all_finish(served, http):
     assert ray.get(decode.handle.load.remote())["retractions"] > before
     wait_idle(cluster)
     assert http.get("/v1/models").status_code == 200
+
+
+def test_a_client_gone_mid_stream_frees_its_slot_and_its_request(served, http):
+    cluster, server, app = served
+    body = {"model": MODEL, "prompt": "going away", "max_tokens": 400, "stream": True, "ignore_eos": True}
+    with http.stream("POST", "/v1/completions", json=body) as r:
+        assert next(r.iter_lines()).startswith("data: ")
+    assert wait_until(lambda: app.state.admission.running == 0, 10)
+    wait_idle(cluster)
+    assert http.get("/health").status_code == 200
