@@ -16,7 +16,9 @@ workers holding it:
 
 Keys are the first 64 bits of the hex hash as an int: a third of the memory of
 the string, and a collision needs ~2^32 pages. Matching is one dict lookup per
-page and bit operations over all workers at once.
+page and bit operations over all workers at once. Nothing per page is an object
+the garbage collector tracks (ints only; approximate entries expire one
+decision at a time), so a large index adds nothing to the collector's passes.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from __future__ import annotations
 import time
 from collections import deque
 from typing import Callable, Deque, Dict, Iterable, List, Sequence, Set, Tuple
+
+BIT_SHIFT = 16  # an approximate entry is ``key << BIT_SHIFT | bit``: one int, up to 65,536 workers
 
 from mem_cache.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
@@ -41,14 +45,16 @@ class PrefixIndex:
         self._ids: Dict[int, str] = {}
         self._exact: Dict[int, int] = {}  # page key → mask of workers
         self._approx: Dict[int, int] = {}
-        self._deadlines: Dict[Tuple[int, int], float] = {}  # (key, bit) → when the approximate entry lapses
-        self._expiry: Deque[Tuple[float, int, int]] = deque()  # (deadline, key, bit), oldest first
+        self._deadlines: Dict[int, float] = {}  # key << BIT_SHIFT | bit → when the approximate entry lapses
+        self._expiry: Deque[Tuple[float, int, List[int]]] = deque()  # (deadline, bit, keys) per decision
         self._pages: Dict[int, Set[int]] = {}  # bit → its exact keys
 
     # ---- workers -------------------------------------------------------------------
     def add_worker(self, worker_id: str) -> None:
         if worker_id in self._bits:
             return
+        if len(self._bits) >= 1 << BIT_SHIFT:
+            raise ValueError(f"the index holds at most {1 << BIT_SHIFT} workers")
         bit = next(b for b in range(len(self._bits) + 1) if b not in self._ids)
         self._bits[worker_id], self._ids[bit] = bit, worker_id
         self._pages[bit] = set()
@@ -95,15 +101,16 @@ class PrefixIndex:
     def clear(self, worker_id: str) -> None:
         bit = self._bits[worker_id]
         self._remove(bit, list(self._pages[bit]))
-        for key, b in [kb for kb in self._deadlines if kb[1] == bit]:
-            self._drop_approx(key, b)
+        mask = (1 << BIT_SHIFT) - 1
+        for entry in [e for e in self._deadlines if e & mask == bit]:
+            self._drop_approx(entry >> BIT_SHIFT, bit)
 
     def _store(self, bit: int, keys: List[int]) -> None:
         flag, exact, pages = 1 << bit, self._exact, self._pages[bit]
         for key in keys:
             exact[key] = exact.get(key, 0) | flag
             pages.add(key)
-            if (key, bit) in self._deadlines:  # confirmed: the approximate entry is superseded
+            if key << BIT_SHIFT | bit in self._deadlines:  # confirmed: the approximate entry is superseded
                 self._drop_approx(key, bit)
 
     def _remove(self, bit: int, keys: List[int]) -> None:
@@ -115,7 +122,7 @@ class PrefixIndex:
             else:
                 exact.pop(key, None)
             pages.discard(key)
-            if (key, bit) in self._deadlines:
+            if key << BIT_SHIFT | bit in self._deadlines:
                 self._drop_approx(key, bit)
 
     # ---- approximate entries ---------------------------------------------------------------
@@ -125,25 +132,26 @@ class PrefixIndex:
         bit = self._bits[worker_id]
         flag = 1 << bit
         deadline = self.clock() + self.approx_ttl_s
-        exact, approx = self._exact, self._approx
-        for key in keys:
-            if exact.get(key, 0) & flag:
-                continue
+        exact, approx, deadlines = self._exact, self._approx, self._deadlines
+        recorded = [key for key in keys if not exact.get(key, 0) & flag]
+        for key in recorded:
             approx[key] = approx.get(key, 0) | flag
-            self._deadlines[(key, bit)] = deadline
-            self._expiry.append((deadline, key, bit))
+            deadlines[key << BIT_SHIFT | bit] = deadline
+        if recorded:
+            self._expiry.append((deadline, bit, recorded))
         self.expire()
 
     def expire(self) -> None:
         now = self.clock()
         expiry = self._expiry
         while expiry and expiry[0][0] <= now:
-            deadline, key, bit = expiry.popleft()
-            if self._deadlines.get((key, bit)) == deadline:  # not renewed nor superseded since
-                self._drop_approx(key, bit)
+            deadline, bit, keys = expiry.popleft()
+            for key in keys:
+                if self._deadlines.get(key << BIT_SHIFT | bit) == deadline:  # not renewed nor superseded since
+                    self._drop_approx(key, bit)
 
     def _drop_approx(self, key: int, bit: int) -> None:
-        del self._deadlines[(key, bit)]
+        del self._deadlines[key << BIT_SHIFT | bit]
         mask = self._approx.get(key, 0) & ~(1 << bit)
         if mask:
             self._approx[key] = mask

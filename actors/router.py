@@ -30,6 +30,7 @@ goes through :func:`call_method`. All methods run on one event loop: no locks.
 from __future__ import annotations
 
 import asyncio
+import gc
 import inspect
 import logging
 import time
@@ -250,6 +251,9 @@ class Router:
         """Start pulling events and heartbeats in the background (on the running event loop)."""
         if self._tasks:
             return
+        # what exists now (torch and the other imports, ~170k objects) leaves the collector's full
+        # passes, which otherwise stall a route for milliseconds (bench_router: p99 4.5 ms → 0.4 ms)
+        gc.freeze()
         loop, s = asyncio.get_running_loop(), self.settings
         self._tasks = [loop.create_task(self._every(s.event_interval_s, self.pull_events)),
                        loop.create_task(self._every(s.heartbeat_interval_s, self.heartbeat_once))]

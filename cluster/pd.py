@@ -268,16 +268,17 @@ class PDClient:
             raise PDRequestError(f"the router chose a worker this client does not know: {decision}")
         return prefill, decode
 
-    async def _release(self, rid: str, role: Optional[str] = None) -> None:
-        """Tell the router; a router actor's answer is not waited for (release is idempotent)."""
+    async def _release(self, rid: str, role: Optional[str] = None, wait: bool = True) -> None:
+        """Tell the router; ``wait=False`` does not wait for a router actor's answer (release is
+        idempotent, and a later full release covers a lost partial one)."""
         if self.router is None:
             return
         remote = getattr(self.router.release, "remote", None)
         try:
-            if remote is not None:
-                remote(rid, role)  # submitted now, runs whether or not anyone awaits it
+            if remote is not None and not wait:
+                remote(rid, role)  # submitted now; off the path to the first token
             else:
-                await self.router.release(rid, role)
+                await call_method(self.router, "release", rid, role)
         except Exception as exc:  # the router is gone: a new one counts load afresh
             logger.warning("router release of %s failed: %s", rid, exc)
 
@@ -316,7 +317,7 @@ class PDClient:
             except BaseException:
                 await self._abort_quietly(decode, rid)
                 raise
-            await self._release(rid, "prefill")
+            await self._release(rid, "prefill", wait=False)
             gen = decode.handle.stream.options(num_returns="streaming").remote(rid, notice)
             async for ref in gen:
                 out = await self._call(decode, ref, self.waiting_timeout_s, rid)

@@ -19,15 +19,19 @@ Times per request, p50 / p99 over ``--requests``:
   recording the decision; its parts below it (hash, match) timed alone;
 * route (round_robin): the same call with a blind policy — the index work is
   the same (every decision reports the tokens its worker holds), only the
-  policy differs.
+  policy differs;
+* with ``--ray``: the same router as a Ray actor with the same index, called
+  from the driver (``route.remote`` then ``release.remote``, one request at a
+  time): the decision plus the actor round trips.
 
-    python scripts/bench_router.py [--requests 2000] [--index-seqs 4000] [--page-size 16] [--markdown out.md]
+    python scripts/bench_router.py [--requests 2000] [--index-seqs 4000] [--page-size 16] [--ray] [--markdown out.md]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import random
 import statistics
 import sys
@@ -40,8 +44,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from actors.prefix_index import page_keys  # noqa: E402
 from actors.router import Router  # noqa: E402
-from actors.routing_policies import RouterSettings  # noqa: E402
-from mem_cache.kv_events import BlockStored  # noqa: E402
+from actors.routing_policies import RouterSettings, WorkerState  # noqa: E402
+from mem_cache.kv_events import BlockStored, KVEventBatch  # noqa: E402
 from mem_cache.radix_key import hash_pages  # noqa: E402
 
 NUM_PREFILL, NUM_DECODE = 16, 4
@@ -49,10 +53,16 @@ WORDS = "the of and to in is that for it as with was on be by at this are from o
 
 
 class Stub:
-    """A worker the router never needs to call during ``route``."""
+    """A worker the router never needs to call during ``route``; idle to its heartbeats and pulls."""
 
     def __init__(self, role: str):
         self.role = role
+
+    def load(self):
+        return {}
+
+    def kv_events(self, since_id: int, max_events: int):
+        return KVEventBatch([], since_id)
 
 
 def text(rng: random.Random, num_chars: int) -> str:
@@ -94,25 +104,21 @@ def fill_index(router: Router, rng: random.Random, prompts: Sequence[List[int]],
 
 def make_router(policy: str, page_size: int) -> Router:
     router = Router(RouterSettings(page_size=page_size, prefill_policy=policy, decode_policy=policy))
-
-    async def add():
-        for i in range(NUM_PREFILL):
-            router.index.add_worker(f"prefill-{i}")  # registered directly: stubs have no snapshot to give
-            router.workers[f"prefill-{i}"] = _state(f"prefill-{i}", "prefill")
-        for i in range(NUM_DECODE):
-            await router.add_worker(f"decode-{i}", "decode", Stub("decode"))
-
-    asyncio.run(add())
+    _register(router)
     return router
 
 
-def _state(worker_id: str, role: str):
-    from actors.routing_policies import WorkerState
-
-    return WorkerState(worker_id, role, Stub(role))
+def _register(router: Router) -> None:
+    """Stand-in workers, registered directly: they have no snapshot to give ``add_worker``."""
+    for i in range(NUM_PREFILL):
+        router.index.add_worker(f"prefill-{i}")
+        router.workers[f"prefill-{i}"] = WorkerState(f"prefill-{i}", "prefill", Stub("prefill"))
+    for i in range(NUM_DECODE):
+        router.workers[f"decode-{i}"] = WorkerState(f"decode-{i}", "decode", Stub("decode"))
 
 
 def timed(fn: Callable, items: Sequence) -> List[float]:
+    gc.freeze()  # as Router.start() does: what exists so far leaves the collector's full passes
     out = []
     for item in items:
         start = time.perf_counter()
@@ -122,6 +128,8 @@ def timed(fn: Callable, items: Sequence) -> List[float]:
 
 
 def route_times(router: Router, prompts: Sequence[List[int]]) -> List[float]:
+    gc.freeze()
+
     async def go():
         times = []
         for i, ids in enumerate(prompts):
@@ -132,6 +140,34 @@ def route_times(router: Router, prompts: Sequence[List[int]]) -> List[float]:
         return times
 
     return asyncio.run(go())
+
+
+class BenchRouter(Router):
+    """The router as an actor, its index filled in place (stand-in workers cannot give snapshots)."""
+
+    async def setup(self, args: argparse.Namespace, system_ids: List[List[int]]) -> int:
+        _register(self)
+        fill_index(self, random.Random(args.seed), system_ids, args)
+        return len(self.index)
+
+
+def ray_route_times(args: argparse.Namespace, prompts: Sequence[List[int]], system_ids) -> List[float]:
+    import ray
+
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        actor = ray.remote(BenchRouter).options(num_cpus=0).remote(RouterSettings(page_size=args.page_size))
+        ray.get(actor.setup.remote(args, system_ids))
+        ray.get(actor.start.remote())  # its loops run (on idle stand-ins), as in a cluster
+        times = []
+        for i, ids in enumerate(prompts):
+            start = time.perf_counter()
+            ray.get(actor.route.remote(f"r{i}", ids))
+            ray.get(actor.release.remote(f"r{i}"))
+            times.append(time.perf_counter() - start)
+        return times
+    finally:
+        ray.shutdown()
 
 
 def pct(values: List[float], q: float) -> float:
@@ -147,6 +183,7 @@ def main(argv=None) -> int:
     parser.add_argument("--index-len", type=int, default=1024)
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--ray", action="store_true", help="also time the router as a Ray actor")
     parser.add_argument("--markdown", type=str, default=None, help="append the table to this file")
     args = parser.parse_args(argv)
     rng = random.Random(args.seed)
@@ -174,6 +211,11 @@ def main(argv=None) -> int:
     t_route = route_times(aware, prompts)
     t_rr = route_times(make_router("round_robin", args.page_size), prompts)
     stats = aware.stats()
+    rows = [("tokenise (encode)", t_tok), ("render + tokenise", t_render),
+            ("route + release (cache_aware)", t_route), ("  of which: hash pages + keys", t_hash),
+            ("  of which: index match", t_match), ("route + release (round_robin)", t_rr)]
+    if args.ray:
+        rows.append(("route + release through a Ray actor (cache_aware)", ray_route_times(args, prompts, system_ids)))
 
     tokens = statistics.mean(len(p) for p in prompts)
     entries = sum(aware.index.num_pages(w) for w in aware.index.workers())
@@ -186,9 +228,7 @@ def main(argv=None) -> int:
         "| step | p50 µs | p99 µs | per 1k tokens p50 µs |",
         "|---|---:|---:|---:|",
     ]
-    for name, values in [("tokenise (encode)", t_tok), ("render + tokenise", t_render),
-                         ("route + release (cache_aware)", t_route), ("  of which: hash pages + keys", t_hash),
-                         ("  of which: index match", t_match), ("route + release (round_robin)", t_rr)]:
+    for name, values in rows:
         p50, p99 = pct(values, 50) * 1e6, pct(values, 99) * 1e6
         lines.append(f"| {name} | {p50:,.1f} | {p99:,.1f} | {p50 / tokens * 1000:,.1f} |")
     table = "\n".join(lines)

@@ -26,7 +26,7 @@ def cluster(tmp_path_factory):
 
     old = os.environ.get("RAYDIX_HOME")
     os.environ["RAYDIX_HOME"] = str(tmp_path_factory.mktemp("raydix-home"))
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, namespace="raydix-router-tests")
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, namespace="raydix-router-tests")
     engine = {"page_size": PAGE, "max_total_tokens": 4096, "skip_tokenizer_init": True}
     group = {"num_cpus_per_rank": 0.5, "engine": engine}
     config = parse_config({
