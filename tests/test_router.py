@@ -268,3 +268,12 @@ def test_hash_pages_is_hash_page_chained(ids, page_size, extra):
         prev = hash_page(ids[start:start + page_size], prev)
         expected.append(prev)
     assert hash_pages(ids, page_size, extra_key=extra) == expected
+
+
+def test_an_undrained_event_queue_stays_bounded_and_the_gap_shows_in_the_ids():
+    from mem_cache.kv_events import KVEventQueue
+
+    queue = KVEventQueue(enabled=True, max_pending=8)
+    for i in range(20):
+        queue.removed([f"{i:064x}"])
+    assert [e.event_id for e in queue.take()] == [16, 17, 18, 19, 20]  # the older half went, twice
