@@ -44,7 +44,7 @@ def init_ray(num_cpus: Optional[int] = None) -> None:
     if address:
         ray.init(address=address, namespace="raydix")
     else:
-        ray.init(num_cpus=num_cpus, namespace="raydix", include_dashboard=False, log_to_driver=False)
+        ray.init(address="local", num_cpus=num_cpus, namespace="raydix", include_dashboard=False, log_to_driver=False)
 
 
 def load_tokenizer(config, model_path: str):

@@ -23,7 +23,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module", autouse=True)
 def ray_session():
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, namespace="raydix-tests")
+    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False, namespace="raydix-tests")
     yield
     ray.shutdown()
 

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module", autouse=True)
 def ray_session(tmp_path_factory):
     home = tmp_path_factory.mktemp("raydix-home")
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, namespace="raydix-tp",
+    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False, namespace="raydix-tp",
              runtime_env={"env_vars": {"RAYDIX_HOME": str(home)}})
     yield home
     ray.shutdown()

@@ -150,3 +150,18 @@ def test_bad_requests_fail_clearly(checkpoints):
 
     asyncio.run(go())
     close(prefill, decode)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["llama", "qwen3_next"])
+def test_pd_on_cuda_with_cuda_ipc_pools(checkpoints, family):
+    """The CUDA path: decode pools from a private MemPool exported over CUDA IPC,
+    compiled Triton attention; tokens still equal HF's (HF on the CPU)."""
+    path = checkpoints[family]
+    args = dict(max_total_tokens=2048, page_size=1, skip_tokenizer_init=True, device="cuda", attention_backend="triton")
+    prefill = PrefillWorker(path, args, backend="cuda_ipc")
+    decode = DecodeWorker(path, args, backend="cuda_ipc")
+    batch = prompts(4, 3, 40, seed=1)
+    results = run_batch(prefill, decode, batch, GREEDY)
+    assert_greedy_parity(path, batch, [r[0]["output_ids"] for r in results], 8, decode.eos_token_ids)
+    close(prefill, decode)
