@@ -25,6 +25,15 @@ from cluster.openai_protocol import ChatCompletionRequest, CompletionRequest, Ge
 from cluster.streaming import DONE, ChoiceEvent, TextDelta, run_choices, sse
 
 
+def validated(params: Dict[str, Any], prefix: str = "") -> Dict[str, Any]:
+    """The engine's sampling params, checked here: a bad one is a 400 naming it (``prefix`` + field)."""
+    try:
+        return SamplingParams(**params).model_dump()
+    except ValidationError as exc:
+        message, param = describe_validation_error(exc)
+        raise APIError(400, prefix + message, param=prefix + param if param else None) from None
+
+
 class _SSEResponse(StreamingResponse):
     """An SSE response that runs ``on_close`` however it ends: finished, failed, or the client
     gone before the body started (a generator that never started never reaches its ``finally``)."""
@@ -146,7 +155,7 @@ class GenerationService:
     async def completions(self, req: CompletionRequest, arrival: float):
         self.check_model(req.model)
         ids = self.encode(req.prompt, "prompt") if isinstance(req.prompt, str) else list(req.prompt)
-        params = req.to_sampling_params(self.max_new_tokens(len(ids), req.max_tokens, "prompt"))
+        params = validated(req.to_sampling_params(self.max_new_tokens(len(ids), req.max_tokens, "prompt")))
         fmt = CompletionFormatter(req, ids, self.tokenizer, f"cmpl-{uuid.uuid4().hex}")
         return await self._run(ids, params, req.n, req.rid or fmt.id, arrival,
                                fmt.chunks if req.stream else None, fmt.response)
@@ -154,7 +163,8 @@ class GenerationService:
     async def chat(self, req: ChatCompletionRequest, arrival: float):
         self.check_model(req.model)
         ids = self.chat_prompt(req)
-        params = req.to_sampling_params(self.max_new_tokens(len(ids), req.requested_max_tokens, "messages"))
+        params = validated(req.to_sampling_params(self.max_new_tokens(len(ids), req.requested_max_tokens,
+                                                                      "messages")))
         fmt = ChatFormatter(req, ids, self.tokenizer, f"chatcmpl-{uuid.uuid4().hex}")
         return await self._run(ids, params, req.n, req.rid or fmt.id, arrival,
                                fmt.chunks if req.stream else None, fmt.response)
@@ -164,11 +174,7 @@ class GenerationService:
         params = dict(req.sampling_params)
         if req.return_logprob:
             params.update(return_logprob=True, top_logprobs_num=req.top_logprobs_num)
-        try:
-            params = SamplingParams(**params).model_dump()
-        except ValidationError as exc:
-            message, param = describe_validation_error(exc)
-            raise APIError(400, f"sampling_params.{message}", param=f"sampling_params.{param}") from None
+        params = validated(params, prefix="sampling_params.")
         params["max_new_tokens"] = self.max_new_tokens(len(ids), params["max_new_tokens"], "input")
         rid = req.rid or uuid.uuid4().hex
 

@@ -46,6 +46,8 @@ from cluster.openai_protocol import (AddWorkerRequest, ChatCompletionRequest, Co
 from cluster.openai_serving import GenerationService
 
 OPEN_PATHS = ("/health", "/metrics")
+ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/generate", "/health", "/metrics", "/workers",
+          "/flush_cache")  # request counter labels; anything else counts as "other"
 METRICS_REFRESH_TIMEOUT_S = 2.0
 
 
@@ -59,7 +61,7 @@ class _Guard:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         path = scope["path"]
-        endpoint = path if not path.startswith("/workers/") else "/workers/{id}"
+        endpoint = "/workers/{id}" if path.startswith("/workers/") else path if path in ROUTES else "other"
         status = {"code": 500}
 
         async def counted_send(message):
@@ -82,8 +84,8 @@ class _Guard:
             return APIError(413, f"request body of {int(length)} bytes exceeds the limit of {self.max_body}",
                             code="body_too_large")
         if self.api_key and scope["path"] not in OPEN_PATHS:
-            scheme, _, token = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip(), self.api_key):
+            scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.api_key.encode()):
                 return APIError(401, "invalid or missing API key (send Authorization: Bearer <key>)",
                                 "authentication_error", code="invalid_api_key")
         return None

@@ -96,7 +96,8 @@ async def run_choices(streams: List[AsyncIterator[Dict[str, Any]]], texts: List[
                       on_done: Callable) -> AsyncIterator[ChoiceEvent]:
     """Merge the choices' streams; raises the first choice error after cancelling the rest."""
     queue: asyncio.Queue = asyncio.Queue()
-    tasks = [asyncio.ensure_future(_one_choice(i, s, t, queue, on_done)) for i, (s, t) in enumerate(zip(streams, texts))]
+    tasks = [asyncio.ensure_future(_one_choice(i, stream, text, queue, on_done))
+             for i, (stream, text) in enumerate(zip(streams, texts))]
     remaining = len(tasks)
     try:
         while remaining:

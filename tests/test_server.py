@@ -144,7 +144,8 @@ def _error(call):
 def test_every_error_status_then_success(served, client, http):
     cluster, server, app = served
     # malformed JSON / bad field / unknown field: 400 naming the field
-    r = http.post("/v1/completions", content=b'{"model": "tiny-llama", "prompt": ', headers={"Content-Type": "application/json"})
+    r = http.post("/v1/completions", content=b'{"model": "tiny-llama", "prompt": ',
+                  headers={"Content-Type": "application/json"})
     assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
     ok(client)
     err = _error(lambda: client.completions.create(model=MODEL, prompt="x", temperature=5))
@@ -223,7 +224,8 @@ def _samples(http):
 
 
 def _total(samples, name, **labels):
-    return sum(v for (n, ls), v in samples.items() if n == name and all(dict(ls).get(k) == x for k, x in labels.items()))
+    return sum(v for (n, ls), v in samples.items()
+               if n == name and all(dict(ls).get(k) == x for k, x in labels.items()))
 
 
 def test_metrics_parse_and_move(client, http):

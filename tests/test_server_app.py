@@ -1,0 +1,173 @@
+"""The HTTP app over a scripted backend (no Ray, fast): text deltas never take back
+what was sent, admission refuses and times out, a failure before the first token
+gets its own status and one after it an error event then ``data: [DONE]``, n
+streamed choices merge, and validation errors name their field."""
+
+import asyncio
+import json
+
+import httpx
+import openai
+import pytest
+
+from actors.pd_scheduler import PDRequestError
+from cluster.admission import Admission, QueueFullError, QueueTimeoutError
+from cluster.config import ServerConfig
+from cluster.http_server import BackgroundServer
+from cluster.server import build_app
+from cluster.streaming import TextDelta
+
+
+class ScriptedBackend:
+    """Answers every request with tokens 0, 1, 2, ... as letters a, b, c, ...; ``fail_at``: raise
+    PDRequestError instead of yielding that many tokens."""
+
+    model_name, context_len, draining = "scripted", 64, False
+
+    def __init__(self):
+        self.fail_at = None
+
+    async def generate_stream(self, input_ids, sampling_params, rid):
+        n = sampling_params["max_new_tokens"]
+        for i in range(1, n + 1):
+            if self.fail_at is not None and i > self.fail_at:
+                raise PDRequestError("decode worker d-0 died while serving " + rid)
+            await asyncio.sleep(0)
+            done = {"type": "length", "length": i} if i == n else None
+            yield {"output_ids": list(range(i)), "text": "abcdefghijklmnop"[:i],
+                   "meta_info": {"prompt_tokens": len(input_ids), "completion_tokens": i, "cached_tokens": 2,
+                                 "finish_reason": done, "prefill_worker": "p-0", "decode_worker": "d-0"}}
+
+    def routing_policy(self, role):
+        return "round_robin"
+
+    def workers(self):
+        return [{"id": "p-0", "role": "prefill", "node": "n", "alive": True, "inflight": 0, "load": {"waiting": 1}}]
+
+    async def refresh_loads(self):
+        pass
+
+    async def health(self):
+        return {"ready": True, "draining": False, "workers": {"p-0": True}}
+
+    async def flush_cache(self):
+        pass
+
+    async def add_worker(self, role):
+        raise NotImplementedError("scripted backend")
+
+    async def remove_worker(self, worker_id):
+        raise NotImplementedError("scripted backend")
+
+    async def drain(self, timeout_s):
+        pass
+
+    def start(self):
+        pass
+
+    def stop(self):
+        pass
+
+
+@pytest.fixture(scope="module")
+def served():
+    backend = ScriptedBackend()
+    with BackgroundServer(build_app(backend, None, ServerConfig()), "127.0.0.1", 0) as server:
+        yield backend, server
+
+
+@pytest.fixture
+def backend(served):
+    served[0].fail_at = None
+    return served[0]
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    return openai.OpenAI(base_url=served[1].url + "/v1", api_key="none", max_retries=0, timeout=30)
+
+
+def test_text_delta_never_takes_back_what_was_sent():
+    delta = TextDelta(None, stop=["STOP"])
+    assert delta.update({"text": "ab\ufffd"}, False) == "ab"
+    assert delta.update({"text": "abé ST"}, False) == "é "  # "ST" may grow into "STOP": held
+    assert delta.update({"text": "abé STA"}, False) == "STA"
+    assert delta.update({"text": "abé STA"}, True) == ""
+    cut = TextDelta(None, stop=["xy"])
+    assert cut.update({"text": "ax"}, False) == "a"
+    assert cut.update({"text": "a"}, True) == ""  # the stop string was cut off: nothing new
+    assert cut.sent == "a"
+
+
+def test_admission_refuses_when_full_and_times_out():
+    async def go():
+        admission = Admission(max_concurrent=1, max_queue_size=1, queue_timeout_s=0.2)
+        await admission.acquire()
+        waiter = asyncio.ensure_future(admission.acquire())
+        await asyncio.sleep(0.01)
+        with pytest.raises(QueueFullError):
+            await admission.acquire()
+        with pytest.raises(QueueTimeoutError):
+            await waiter
+        admission.release()
+        async with admission.slot():
+            assert admission.running == 1
+        assert (admission.running, admission.waiting) == (0, 0)
+
+    asyncio.run(go())
+
+
+def test_failure_before_the_first_token_gets_a_500(backend, client):
+    backend.fail_at = 0
+    for stream in (False, True):
+        with pytest.raises(openai.InternalServerError) as info:
+            client.completions.create(model="scripted", prompt=[1, 2], max_tokens=4, stream=stream)
+        assert info.value.body["code"] == "worker_failure" and "d-0" in info.value.body["message"]
+
+
+def test_failure_mid_stream_sends_an_error_event_then_done(served, backend, client):
+    backend.fail_at = 3
+    body = {"model": "scripted", "prompt": [1, 2], "max_tokens": 8, "stream": True}
+    with httpx.stream("POST", served[1].url + "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        events = [line[len("data: "):] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert error["type"] == "server_error" and "died" in error["message"]
+    assert "".join(json.loads(e)["choices"][0]["text"] for e in events[:-2]) == "abc"
+    with pytest.raises(openai.APIError):
+        list(client.chat.completions.create(model="scripted", messages=[{"role": "user", "content": "x"}],
+                                            max_tokens=8, stream=True))
+
+
+def test_n_streamed_choices_merge(backend, client):
+    texts = {}
+    for chunk in client.completions.create(model="scripted", prompt=[1, 2, 3], max_tokens=5, n=3, stream=True,
+                                           stream_options={"include_usage": True}):
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + choice.text
+        usage = chunk.usage
+    assert texts == {0: "abcde", 1: "abcde", 2: "abcde"}
+    assert (usage.completion_tokens, usage.prompt_tokens_details.cached_tokens) == (15, 2)
+
+
+@pytest.mark.parametrize("body,field", [
+    ({"model": "scripted", "prompt": [1], "top_k": 0}, "top_k"),
+    ({"model": "scripted", "prompt": [1], "n": 0}, "n"),
+    ({"model": "scripted"}, "prompt"),
+    ({"model": "scripted", "prompt": [1], "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ({"model": "scripted", "prompt": [1], "stream_options": {"include_usage": True}}, "stream_options"),
+])
+def test_validation_errors_name_the_field(served, body, field):
+    r = httpx.post(served[1].url + "/v1/completions", json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == field, r.json()
+    assert field in r.json()["error"]["message"]
+
+
+def test_routes_without_a_cluster(served, client):
+    url = served[1].url
+    assert httpx.post(url + "/workers", json={"role": "decode"}).status_code == 501
+    missing = httpx.get(url + "/nope")
+    assert missing.status_code == 404 and missing.json()["error"]["type"] == "not_found_error"
+    assert "/nope" not in httpx.get(url + "/metrics").text  # unknown paths share the label "other"
+    assert client.completions.create(model="scripted", prompt=[1], max_tokens=2).choices[0].text == "ab"
