@@ -31,7 +31,7 @@ class ServingBackend(Protocol):
 
     def routing_policy(self, role: str) -> str: ...
 
-    def workers(self) -> List[Dict[str, Any]]: ...
+    def workers(self, include_dead: bool = False) -> List[Dict[str, Any]]: ...
 
     async def refresh_loads(self) -> None: ...
 
@@ -127,10 +127,11 @@ class PDBackend:
     def _all(self):
         return list(self.client.prefill) + list(self.client.decode)
 
-    def workers(self) -> List[Dict[str, Any]]:
-        """Workers in the rotation: id, role, node, alive, load (the last heartbeat's stats)."""
+    def workers(self, include_dead: bool = False) -> List[Dict[str, Any]]:
+        """Workers in the rotation (and those that left it by dying, with ``include_dead``): id, role,
+        node, alive, load (the last heartbeat's stats)."""
         return [{"id": w.worker_id, "role": w.role, "node": w.node_id, "alive": w.alive, "inflight": w.inflight,
-                 "load": dict(w.stats)} for w in self._all() if w.alive]
+                 "load": dict(w.stats)} for w in self._all() if w.alive or include_dead]
 
     async def refresh_loads(self) -> None:
         await self.client.heartbeat_once()

@@ -11,6 +11,7 @@ POST /generate              SGLang native: text or input_ids, sampling_params, s
 GET  /health                200 when every worker in the rotation answers, else 503
 GET  /metrics               Prometheus text format (see cluster.metrics)
 GET  /workers               id, role, node, alive, load of each worker in the rotation
+                            (``?include_dead=true``: also those that died, to DELETE them)
 POST /workers               {"role": "prefill" | "decode"}: start one more worker
 DELETE /workers/{id}        drain a worker, free its pools, stop it
 POST /flush_cache           drop every worker's prefix cache (idle cluster only)
@@ -211,8 +212,9 @@ def build_app(cluster_or_client: Any, tokenizer=None, config=None, client=None,
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/workers")
-    async def list_workers():
-        return {"workers": backend.workers(), "policies": {r: backend.routing_policy(r) for r in ("prefill", "decode")}}
+    async def list_workers(include_dead: bool = False):
+        return {"workers": backend.workers(include_dead),
+                "policies": {role: backend.routing_policy(role) for role in ("prefill", "decode")}}
 
     @app.post("/workers")
     async def add_worker(request: Request):

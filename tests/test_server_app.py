@@ -41,7 +41,7 @@ class ScriptedBackend:
     def routing_policy(self, role):
         return "round_robin"
 
-    def workers(self):
+    def workers(self, include_dead=False):
         return [{"id": "p-0", "role": "prefill", "node": "n", "alive": True, "inflight": 0, "load": {"waiting": 1}}]
 
     async def refresh_loads(self):

@@ -72,6 +72,9 @@ def test_decode_killed_mid_stream(served, client, http):
     assert all("worker" in r[1] for r in errors)
     assert sorted(r[1] for r in results.values() if r[0] == "done") == ["length"] * (4 - on_victim)
     assert wait_until(lambda: victim.worker_id not in worker_ids(http), 10)
+    dead = [w for w in http.get("/workers", params={"include_dead": "true"}).json()["workers"] if not w["alive"]]
+    assert [w["id"] for w in dead] == [victim.worker_id]
+    assert http.delete(f"/workers/{victim.worker_id}").status_code == 200  # a dead one is cleared out
     ok(client)
 
 
