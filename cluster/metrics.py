@@ -47,6 +47,9 @@ class ServerMetrics:
         self.generation_tokens = Counter(f"{PREFIX}_generation_tokens", "generated tokens", m, registry=r)
         self.cached_tokens = Counter(f"{PREFIX}_cached_tokens", "prompt tokens served from a prefix cache "
                                      "(cache hit tokens)", m, registry=r)
+        self.prefill_cached_tokens = Counter(f"{PREFIX}_prefill_cached_tokens", "prompt tokens the prefill worker "
+                                             "found in its own prefix cache (what prefix-aware routing wins)", m,
+                                             registry=r)
         self.transfer_latency = Histogram(f"{PREFIX}_kv_transfer_seconds", "KV push of one request, prefill → decode",
                                           m, buckets=TOKEN_LATENCY_BUCKETS + (5.0, 10.0), registry=r)
         self.transfer_bytes = Counter(f"{PREFIX}_kv_transfer_bytes", "KV bytes pushed prefill → decode", m,
@@ -81,6 +84,7 @@ class ServerMetrics:
         self.prompt_tokens.labels(m).inc(meta.get("prompt_tokens") or 0)
         self.generation_tokens.labels(m).inc(tokens)
         self.cached_tokens.labels(m).inc(meta.get("cached_tokens") or 0)
+        self.prefill_cached_tokens.labels(m).inc(meta.get("prefill_cached_tokens") or 0)
         self.ttft.labels(m).observe(first_token - arrival)
         self.e2e.labels(m).observe(end - arrival)
         if tokens > 1:

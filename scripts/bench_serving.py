@@ -14,8 +14,9 @@ Workloads: ``random`` (completions, random text and lengths), ``shared-prefix``
 shuffled), ``multi-turn`` (chat: ``--num-conversations`` conversations of
 ``--num-turns`` turns, each turn sent after the previous answer with the whole
 history). Arrivals are Poisson at ``--request-rate`` (inf: all at once),
-capped at ``--max-concurrency`` in flight. Per-worker load comes from the
-server's ``raydix_routing_decisions_total`` (raydix only; other servers skip it).
+capped at ``--max-concurrency`` in flight. Per-worker load and the prefill hit ratio
+(prompt tokens the prefill worker had cached, which is what prefix-aware routing wins)
+come from raydix's /metrics; other servers skip them.
 Each ``--launch`` run sets ``router.prefill_policy`` (``--policies``); the
 policies run is recorded from the server's metrics labels, so a policy the
 server does not use shows up as such.
@@ -143,7 +144,7 @@ async def run_workload(args, base_url: str, convs: List[List[Turn]]) -> Dict:
                 results.append(await send(client, model, turn, history))
             bar.update(1)
 
-    before = scrape_routing(base_url, args.api_key)
+    before = scrape_metrics(base_url, args.api_key)
     start = time.perf_counter()
     tasks = []
     for conv in convs:
@@ -154,25 +155,29 @@ async def run_workload(args, base_url: str, convs: List[List[Turn]]) -> Dict:
     duration = time.perf_counter() - start
     bar.close()
     await client.close()
-    after = scrape_routing(base_url, args.api_key)
-    return summarize(results, duration, diff_routing(before, after))
+    after = scrape_metrics(base_url, args.api_key)
+    return summarize(results, duration, diff_metrics(before, after))
 
 
-def scrape_routing(base_url: str, api_key: Optional[str]) -> Dict:
-    """``{(role, policy, worker): requests}`` from raydix's /metrics; {} from other servers."""
+def scrape_metrics(base_url: str, api_key: Optional[str]) -> Dict:
+    """From raydix's /metrics: ``{(role, policy, worker): requests}`` routed, and the prompt and
+    prefill-cached token counters; {} from other servers."""
     from prometheus_client.parser import text_string_to_metric_families
 
     try:
         body = httpx.get(base_url + "/metrics", timeout=10,
                          headers={"Authorization": f"Bearer {api_key}"} if api_key else None).text
-        return {(s.labels["role"], s.labels["policy"], s.labels["worker"]): s.value
-                for fam in text_string_to_metric_families(body) for s in fam.samples
-                if s.name == "raydix_routing_decisions_total"}
+        samples = [s for fam in text_string_to_metric_families(body) for s in fam.samples]
     except Exception:  # not raydix, or no metrics: no per-worker load
         return {}
+    out = {(s.labels["role"], s.labels["policy"], s.labels["worker"]): s.value
+           for s in samples if s.name == "raydix_routing_decisions_total"}
+    for name in ("raydix_prompt_tokens_total", "raydix_prefill_cached_tokens_total"):
+        out[name] = sum(s.value for s in samples if s.name == name)
+    return out
 
 
-def diff_routing(before: Dict, after: Dict) -> Dict:
+def diff_metrics(before: Dict, after: Dict) -> Dict:
     return {k: after[k] - before.get(k, 0.0) for k in after if after[k] - before.get(k, 0.0) > 0}
 
 
@@ -180,22 +185,26 @@ def pct(values: List[float], q: float) -> float:
     return float(np.percentile(values, q)) * 1000 if values else float("nan")
 
 
-def summarize(results: List[Result], duration: float, routing: Dict) -> Dict:
+def summarize(results: List[Result], duration: float, server: Dict) -> Dict:
     good = [r for r in results if r.ok]
     ttft, e2e = [r.ttft for r in good], [r.e2e for r in good]
     tpot = [(r.e2e - r.ttft) / (r.completion_tokens - 1) for r in good if r.completion_tokens > 1]
     itl = [x for r in good for x in r.itl]
     prompt = sum(r.prompt_tokens for r in good)
+    routing = {k: n for k, n in server.items() if isinstance(k, tuple)}
     load: Dict[str, Dict[str, float]] = {}
     for (role, policy, worker), n in routing.items():
         load.setdefault(role, {})[worker] = n
     policies = sorted({f"{role}={policy}" for role, policy, _ in routing})
+    server_prompt = server.get("raydix_prompt_tokens_total", 0.0)
     out = {
         "requests": len(results), "failed": len(results) - len(good), "duration_s": duration,
         "request_throughput": len(good) / duration,
         "output_throughput": sum(r.completion_tokens for r in good) / duration,
         "total_throughput": (prompt + sum(r.completion_tokens for r in good)) / duration,
         "cached_token_ratio": sum(r.cached_tokens for r in good) / prompt if prompt else 0.0,
+        "prefill_hit_ratio": (server.get("raydix_prefill_cached_tokens_total", 0.0) / server_prompt
+                              if server_prompt else None),
         "policies_seen": policies, "worker_load": load,
         "load_skew": {role: max(w.values()) / max(1.0, min(w.values())) if len(w) > 1 else 1.0
                       for role, w in load.items()},
@@ -217,7 +226,9 @@ def report(label: str, s: Dict) -> None:
     for name in ("ttft", "tpot", "itl", "e2e"):
         m = s[f"{name}_ms"]
         print(f"{name.upper():>5} ms: mean {m['mean']:8.1f}  p50 {m['p50']:8.1f}  p99 {m['p99']:8.1f}")
-    print(f"cached-token ratio: {s['cached_token_ratio']:.3f}")
+    hit = s["prefill_hit_ratio"]
+    print(f"cached-token ratio: {s['cached_token_ratio']:.3f} (usage); prefill hit ratio: "
+          f"{'n/a' if hit is None else f'{hit:.3f}'} (server metrics)")
     for role, workers in sorted(s["worker_load"].items()):
         loads = ", ".join(f"{w}: {int(n)}" for w, n in sorted(workers.items()))
         print(f"{role} load (requests): {loads}  (max/min {s['load_skew'][role]:.2f})")
@@ -285,8 +296,10 @@ def plot(summaries: Dict[str, Dict], path: str) -> None:
     axes[1].legend()
     axes[2].bar(x, [summaries[lb]["output_throughput"] for lb in labels])
     axes[2].set(xticks=x, xticklabels=labels, ylabel="output tok/s", title="throughput")
-    axes[3].bar(x, [summaries[lb]["cached_token_ratio"] for lb in labels])
-    axes[3].set(xticks=x, xticklabels=labels, ylim=(0, 1), title="cached-token ratio")
+    axes[3].bar(x - 0.2, [summaries[lb]["cached_token_ratio"] for lb in labels], 0.4, label="cached (usage)")
+    axes[3].bar(x + 0.2, [summaries[lb]["prefill_hit_ratio"] or 0.0 for lb in labels], 0.4, label="prefill hit")
+    axes[3].set(xticks=x, xticklabels=labels, ylim=(0, 1), title="prefix cache")
+    axes[3].legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     print(f"plot written to {path}")
@@ -356,7 +369,8 @@ def main(argv=None) -> int:
                 server.stop()
     if len(summaries) > 1:
         print("\n" + " | ".join(f"{lb}: TTFT p50 {s['ttft_ms']['p50']:.0f} ms, {s['output_throughput']:.0f} tok/s, "
-                                f"cached {s['cached_token_ratio']:.2f}" for lb, s in summaries.items()))
+                                f"cached {s['cached_token_ratio']:.2f}, prefill hit {s['prefill_hit_ratio'] or 0:.2f}"
+                                for lb, s in summaries.items()))
     if args.plot:
         plot(summaries, args.plot)
     return 0

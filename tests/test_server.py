@@ -231,11 +231,13 @@ def _total(samples, name, **labels):
 def test_metrics_parse_and_move(client, http):
     before = _samples(http)
     ok(client)
+    for _ in range(2):  # the second one finds the prompt in the prefill worker's cache
+        client.completions.create(model=MODEL, prompt="metrics " * 8, max_tokens=2, temperature=0)
     client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "m"}], max_tokens=3,
                                    temperature=0, stream=True).response.read()
     after = _samples(http)
     assert _total(after, "raydix_requests_total", endpoint="/v1/completions", status="200") == \
-        _total(before, "raydix_requests_total", endpoint="/v1/completions", status="200") + 1
+        _total(before, "raydix_requests_total", endpoint="/v1/completions", status="200") + 3
     for name in ("raydix_generation_tokens_total", "raydix_prompt_tokens_total",
                  "raydix_time_to_first_token_seconds_count", "raydix_e2e_request_latency_seconds_count",
                  "raydix_prefill_leg_seconds_count", "raydix_kv_transfer_seconds_count",
@@ -243,6 +245,7 @@ def test_metrics_parse_and_move(client, http):
         assert _total(after, name) > _total(before, name), name
     assert _total(after, "raydix_time_per_output_token_seconds_count") > 0
     assert _total(after, "raydix_cached_tokens_total") > 0
+    assert _total(after, "raydix_prefill_cached_tokens_total") > _total(before, "raydix_prefill_cached_tokens_total")
     roles = {dict(ls)["role"] for (n, ls), _ in after.items() if n == "raydix_worker_kv_cache_usage_ratio"}
     assert roles == {"prefill", "decode"}
     queues = {dict(ls)["queue"] for (n, ls), _ in after.items() if n == "raydix_worker_queue_requests"}
