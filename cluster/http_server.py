@@ -7,6 +7,7 @@ thread (the ``--prompt`` demo, tests, benchmarks).
 
 from __future__ import annotations
 
+import signal
 import threading
 import time
 from typing import Optional
@@ -20,8 +21,18 @@ def uvicorn_config(app, host: str, port: int, log_level: str = "warning") -> uvi
 
 
 def serve_forever(app, host: str, port: int, log_level: str = "info") -> None:
-    """Serve until SIGINT / SIGTERM; uvicorn then stops accepting and the app's lifespan drains."""
-    uvicorn.Server(uvicorn_config(app, host, port, log_level)).run()
+    """Serve until SIGINT / SIGTERM; uvicorn then stops accepting and the app's lifespan drains,
+    and this returns (so the caller can drain and stop the workers)."""
+    # uvicorn re-raises the signal it caught to the handler it found; with the defaults that
+    # would kill the process (SIGTERM) or raise KeyboardInterrupt before the workers are freed.
+    caught: list = []
+    previous = {sig: signal.signal(sig, lambda signum, frame: caught.append(signum))
+                for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        uvicorn.Server(uvicorn_config(app, host, port, log_level)).run()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 class BackgroundServer:
