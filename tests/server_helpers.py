@@ -48,7 +48,7 @@ def raydix_home(path):
 @contextmanager
 def served_cluster(config):
     """``(cluster, server, app)``: the cluster's workers up, the app listening on a free loopback port."""
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, namespace="raydix-tests")
+    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False, namespace="raydix-tests")
     cluster = PDCluster(config).start()
     tokenizer = load_tokenizer(config, cluster.model_path)
     app = build_app(cluster, tokenizer, config)
