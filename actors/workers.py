@@ -3,7 +3,7 @@
 Each hosts one engine (model runner + a disaggregated scheduler + the loop
 thread) and its transfer agents, as rank 0 of its TP group (``actors.rank``:
 the followers are ``TPFollower`` actors). The path of one request, driven by whoever
-routes it (``cluster.pd.PDClient`` today, the router actor later)::
+routes it (``cluster.pd_client.PDClient``, its pair picked by the router actor)::
 
     handoffs = await decode.reserve(rid, input_ids, sampling_params)   # slots reserved
     notice   = await prefill.prefill(rid, input_ids, sampling_params, handoffs)  # KV pushed

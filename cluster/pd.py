@@ -1,30 +1,18 @@
-"""Bringing up the PD workers as Ray actors, and a driver-side client.
+"""Bringing up the PD workers as Ray actors.
 
 ``PDCluster(config).start()`` applies ``ray.remote`` to the plain worker
 classes of ``actors.workers``, places them (by the custom node resources
-``prefill`` / ``decode`` when the config asks), and waits until every one
-answers its health check. ``PDClient`` runs a request through a (prefill,
-decode) pair — picked by a router (``start_router``: an ``actors.router.Router``
-actor, by cached prefix and load) when the client is given one, round-robin
-otherwise::
-
-    reserve on decode → prefill + push on prefill → stream from decode
-
-A failure on either side (an actor died, a transfer failed or timed out)
-ends the request with :class:`PDRequestError` within the configured
-timeouts and tells the other side to free what it holds; a worker that
-misses ``heartbeat_max_failures`` heartbeats in a row leaves the rotation.
+``prefill`` / ``decode`` when the config asks; a TP group's ranks packed in
+one placement group), and waits until every one answers its health check.
+``cluster.client()`` gives the driver-side :class:`~cluster.pd_client.PDClient`
+and ``start_router()`` the router actor that picks its pairs.
 """
 
 from __future__ import annotations
 
-import asyncio
-import itertools
 import logging
-import time
 import uuid
-from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
@@ -32,30 +20,15 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from actors.engine.config import EngineConfig
 from actors.engine.tp_worker import check_tp_shardable, tp_init_method
-from actors.pd_scheduler import PDRequestError
 from actors.rank import TPFollower
-from actors.router import Router, call_method
+from actors.router import Router
 from actors.routing_policies import RouterSettings
 from actors.workers import DecodeWorker, PrefillWorker
-from transfer import select_backend
+from cluster.pd_client import PDClient, WorkerRef
+
+__all__ = ["PDCluster", "PDClient", "WorkerRef", "router_settings", "stop_worker"]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class WorkerRef:
-    """A worker actor as the client sees it."""
-
-    worker_id: str
-    role: str
-    handle: Any
-    node_id: str
-    alive: bool = True
-    missed_heartbeats: int = 0
-    inflight: int = 0
-    stats: Dict[str, Any] = field(default_factory=dict)
-    followers: List[Any] = field(default_factory=list)  # TP ranks > 0
-    placement_group: Any = None
 
 
 def _tp_placement_group(options: Dict[str, Any], tp_size: int, strategy: str):
@@ -228,164 +201,3 @@ def router_settings(config, **overrides) -> RouterSettings:
     fields.update(page_size=config.prefill.engine.page_size, heartbeat_interval_s=config.transfer.heartbeat_interval_s,
                   heartbeat_max_failures=config.transfer.heartbeat_max_failures, **overrides)
     return RouterSettings(**fields)
-
-
-class PDClient:
-    """Runs requests through the cluster; one per driver (the router later)."""
-
-    def __init__(self, prefill: List[WorkerRef], decode: List[WorkerRef], backend: str = "shm", tokenizer=None,
-                 device: str = "cpu", bootstrap_timeout_s: float = 300.0, waiting_timeout_s: float = 300.0,
-                 heartbeat_interval_s: float = 5.0, heartbeat_max_failures: int = 2, router=None):
-        self.prefill, self.decode = prefill, decode
-        self.router = router  # anything with async route(rid, input_ids) / release(rid, role=None); None: round-robin
-        self.backend, self.device, self.tokenizer = backend, device, tokenizer
-        self.bootstrap_timeout_s, self.waiting_timeout_s = bootstrap_timeout_s, waiting_timeout_s
-        self.heartbeat_interval_s, self.heartbeat_max_failures = heartbeat_interval_s, heartbeat_max_failures
-        self._rr = {"prefill": itertools.count(), "decode": itertools.count()}
-        self._heartbeat_task: Optional[asyncio.Task] = None
-        self.draining = False
-        self.inflight = 0
-
-    # ---- choosing workers -----------------------------------------------------------
-    def _pick(self, role: str) -> WorkerRef:
-        pool = [w for w in (self.prefill if role == "prefill" else self.decode) if w.alive]
-        if not pool:
-            raise PDRequestError(f"no live {role} worker")
-        return pool[next(self._rr[role]) % len(pool)]
-
-    async def _pick_pair(self, rid: str, input_ids: List[int]):
-        """(prefill, decode) for a request: the router's decision, or round-robin without one."""
-        if self.router is None:
-            return self._pick("prefill"), self._pick("decode")
-        try:
-            decision = await call_method(self.router, "route", rid, input_ids)
-        except Exception as exc:
-            raise PDRequestError(f"the router could not place {rid}: {exc}") from exc
-        refs = {w.worker_id: w for w in self.prefill + self.decode}
-        prefill, decode = refs.get(decision.prefill_id), refs.get(decision.decode_id)
-        if prefill is None or decode is None:
-            await self._release(rid)
-            raise PDRequestError(f"the router chose a worker this client does not know: {decision}")
-        return prefill, decode
-
-    async def _release(self, rid: str, role: Optional[str] = None, wait: bool = True) -> None:
-        """Tell the router; ``wait=False`` does not wait for a router actor's answer (release is
-        idempotent, and a later full release covers a lost partial one)."""
-        if self.router is None:
-            return
-        remote = getattr(self.router.release, "remote", None)
-        try:
-            if remote is not None and not wait:
-                remote(rid, role)  # submitted now; off the path to the first token
-            else:
-                await call_method(self.router, "release", rid, role)
-        except Exception as exc:  # the router is gone: a new one counts load afresh
-            logger.warning("router release of %s failed: %s", rid, exc)
-
-    def _mark_dead(self, worker: WorkerRef, why: str) -> None:
-        if worker.alive:
-            logger.warning("worker %s leaves the rotation: %s", worker.worker_id, why)
-        worker.alive = False
-
-    # ---- requests ---------------------------------------------------------------------
-    async def generate(self, input_ids: List[int], sampling_params: Optional[Dict[str, Any]] = None,
-                       rid: Optional[str] = None) -> Dict[str, Any]:
-        final = None
-        async for final in self.generate_stream(input_ids, sampling_params, rid):
-            pass
-        return final
-
-    async def generate_stream(self, input_ids: List[int], sampling_params: Optional[Dict[str, Any]] = None,
-                              rid: Optional[str] = None) -> AsyncIterator[Dict[str, Any]]:
-        """Yield cumulative results as the decode worker produces tokens."""
-        if self.draining:
-            raise PDRequestError("the cluster is draining: no new requests")
-        rid = rid or uuid.uuid4().hex
-        prefill, decode = await self._pick_pair(rid, input_ids)
-        override = None if self.backend == "auto" else self.backend
-        backend = select_backend(prefill.node_id == decode.node_id, self.device, override)
-        prefill.inflight += 1
-        decode.inflight += 1
-        self.inflight += 1
-        start = time.perf_counter()
-        try:
-            handoffs = await self._call(decode, decode.handle.reserve.remote(rid, input_ids, sampling_params, backend),
-                                        self.bootstrap_timeout_s, rid)
-            try:
-                notice = await self._call(prefill, prefill.handle.prefill.remote(rid, input_ids, sampling_params, handoffs),
-                                          self.waiting_timeout_s, rid)
-            except BaseException:
-                await self._abort_quietly(decode, rid)
-                raise
-            await self._release(rid, "prefill", wait=False)
-            gen = decode.handle.stream.options(num_returns="streaming").remote(rid, notice)
-            async for ref in gen:
-                out = await self._call(decode, ref, self.waiting_timeout_s, rid)
-                out["meta_info"]["cached_tokens"] = max(out["meta_info"]["cached_tokens"], notice["cached_tokens"])
-                out["meta_info"]["prefill_worker"] = prefill.worker_id
-                out["meta_info"]["prefill_cached_tokens"] = notice["cached_tokens"]
-                out["meta_info"]["decode_worker"] = decode.worker_id
-                out["meta_info"]["ttft_pd"] = notice["prefill_latency"]
-                out["meta_info"]["transfer_time"] = notice.get("transfer_time")
-                out["meta_info"]["transfer_bytes"] = notice.get("transfer_bytes")
-                out["meta_info"]["e2e_latency_pd"] = time.perf_counter() - start
-                yield out
-        finally:
-            prefill.inflight -= 1
-            decode.inflight -= 1
-            self.inflight -= 1
-            await self._release(rid)
-
-    async def drain(self, timeout_s: float = 120.0) -> None:
-        """Refuse new requests; return once every accepted one has ended."""
-        self.draining = True
-        deadline = time.monotonic() + timeout_s
-        while self.inflight and time.monotonic() < deadline:
-            await asyncio.sleep(0.02)
-
-    async def _call(self, worker: WorkerRef, ref, timeout_s: float, rid: str):
-        try:
-            return await asyncio.wait_for(ref, timeout=timeout_s)
-        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as exc:
-            self._mark_dead(worker, type(exc).__name__)
-            raise PDRequestError(f"{worker.role} worker {worker.worker_id} died while serving {rid}") from exc
-        except asyncio.TimeoutError as exc:
-            raise PDRequestError(f"{worker.role} worker {worker.worker_id} did not answer within {timeout_s}s") from exc
-        except ray.exceptions.RayTaskError as exc:
-            cause = exc.as_instanceof_cause()
-            if isinstance(cause, (PDRequestError, ValueError)):
-                raise cause from None
-            raise PDRequestError(f"{worker.role} worker {worker.worker_id}: {exc}") from exc
-
-    async def _abort_quietly(self, worker: WorkerRef, rid: str) -> None:
-        try:
-            await asyncio.wait_for(worker.handle.abort.remote(rid, "the prefill side failed"), timeout=5)
-        except Exception:  # the decode side's waiting timeout frees it if this cannot
-            logger.warning("could not abort %s on %s", rid, worker.worker_id)
-
-    # ---- heartbeats --------------------------------------------------------------------
-    async def heartbeat_once(self) -> None:
-        workers = [w for w in self.prefill + self.decode if w.alive]
-
-        async def ping(w: WorkerRef) -> None:
-            try:
-                w.stats = await asyncio.wait_for(w.handle.load.remote(), timeout=self.heartbeat_interval_s)
-                w.missed_heartbeats = 0
-            except Exception as exc:
-                w.missed_heartbeats += 1
-                if isinstance(exc, ray.exceptions.RayActorError) or w.missed_heartbeats >= self.heartbeat_max_failures:
-                    self._mark_dead(w, f"{w.missed_heartbeats} missed heartbeats ({type(exc).__name__})")
-
-        await asyncio.gather(*(ping(w) for w in workers))
-
-    def start_heartbeats(self) -> None:
-        async def run():
-            while True:
-                await self.heartbeat_once()
-                await asyncio.sleep(self.heartbeat_interval_s)
-
-        self._heartbeat_task = asyncio.get_running_loop().create_task(run())
-
-    def stop_heartbeats(self) -> None:
-        if self._heartbeat_task is not None:
-            self._heartbeat_task.cancel()
