@@ -31,17 +31,23 @@ def two_node_ray(tmp_path_factory):
     cluster.shutdown()
 
 
-def test_cross_node_pair_uses_torch_dist_and_matches_hf(two_node_ray, monkeypatch):
-    monkeypatch.setenv("RAYDIX_HOME", str(two_node_ray))
+def _cross_node_config(decode_tp: int):
     engine = {"page_size": 4, "max_total_tokens": 2048, "skip_tokenizer_init": True}
-    config = parse_config({
+    return parse_config({
         "model": {"builtin": "llama"},
         "prefill": {"num_cpus_per_rank": 0.5, "engine": engine},
-        "decode": {"num_cpus_per_rank": 0.5, "engine": engine},
+        "decode": {"num_cpus_per_rank": 0.5, "tp_size": decode_tp, "engine": engine},
         "transfer": {"backend": "auto"},
         "placement": {"use_node_resources": True},
     })
-    cluster = PDCluster(config).start()
+
+
+@pytest.mark.parametrize("decode_tp", [1, 2])
+def test_cross_node_pair_uses_torch_dist_and_matches_hf(two_node_ray, monkeypatch, decode_tp):
+    """decode_tp 2: each decode rank receives its half of the heads over its own
+    gloo pair (the follower's expect/land calls)."""
+    monkeypatch.setenv("RAYDIX_HOME", str(two_node_ray))
+    cluster = PDCluster(_cross_node_config(decode_tp)).start()
     prefill, decode = cluster.prefill[0], cluster.decode[0]
     assert prefill.node_id != decode.node_id
     client = cluster.client()
