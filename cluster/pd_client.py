@@ -187,6 +187,11 @@ class PDClient:
         async def ping(w: WorkerRef) -> None:
             try:
                 w.stats = await asyncio.wait_for(w.handle.load.remote(), timeout=self.heartbeat_interval_s)
+                if w.followers:  # a TP worker is only as alive as its every rank
+                    ranks = await asyncio.wait_for(asyncio.gather(*(f.alive.remote() for f in w.followers)),
+                                                   timeout=self.heartbeat_interval_s)
+                    if not all(ranks):
+                        raise ray.exceptions.RayActorError("a TP follower's loop has stopped")
                 w.missed_heartbeats = 0
             except Exception as exc:
                 w.missed_heartbeats += 1

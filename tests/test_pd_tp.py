@@ -51,6 +51,15 @@ def test_two_prefill_two_decode_with_decode_tp2(ray_session, monkeypatch):
     assert {o["meta_info"]["decode_worker"] for o in outs} == {w.worker_id for w in cluster.decode}
     assert_greedy_parity(cluster.model_path, batch, [o["output_ids"] for o in outs], 8, [2])
     cluster.check_integrity()  # includes every follower's index tables
+
+    # one rank of a TP worker dies: the heartbeat takes the whole worker out of rotation
+    broken, healthy = cluster.decode
+    ray.kill(broken.followers[0])
+    client = cluster.client()
+    asyncio.run(client.heartbeat_once())
+    assert not broken.alive and healthy.alive
+    outs = asyncio.run(asyncio.wait_for(client.generate(batch[0], GREEDY), timeout=60))
+    assert outs["meta_info"]["decode_worker"] == healthy.worker_id
     cluster.shutdown()
 
 
