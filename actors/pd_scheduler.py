@@ -47,6 +47,21 @@ class PDRequestError(RuntimeError):
     """A disaggregated request failed (transfer, timeout, abort); its slots are freed."""
 
 
+class WorkerBrokenError(RuntimeError):
+    """The worker can no longer serve (one of its TP ranks is gone): treat it as dead."""
+
+
+def is_worker_death(exc: BaseException) -> bool:
+    """A dead actor, or a worker that reports itself broken (also through a RayTaskError)."""
+    try:
+        from ray.exceptions import RayActorError, RayTaskError
+    except ImportError:  # pragma: no cover - ray is a dependency
+        return isinstance(exc, WorkerBrokenError)
+    if isinstance(exc, RayTaskError):
+        exc = exc.as_instanceof_cause()
+    return isinstance(exc, (RayActorError, WorkerBrokenError))
+
+
 # ---- prefill ----------------------------------------------------------------------------
 class PrefillScheduler(Scheduler):
     """``agents``: rank 0's transfer agent per backend; ``tp_worker``: the rank-0

@@ -76,11 +76,9 @@ async def call_method(target: Any, method: str, *args: Any) -> Any:
 
 
 def _actor_died(exc: BaseException) -> bool:
-    try:
-        from ray.exceptions import RayActorError
-    except ImportError:  # pragma: no cover - ray is a dependency
-        return False
-    return isinstance(exc, RayActorError)
+    from actors.pd_scheduler import is_worker_death
+
+    return is_worker_death(exc)
 
 
 class Router:

@@ -32,7 +32,7 @@ from actors.engine.engine import _eos_ids, check_engine_integrity, flush_engine_
 from actors.engine.engine_loop import EngineLoop
 from actors.engine.req import Req
 from actors.engine.sampling_params import SamplingParams
-from actors.pd_scheduler import DecodeScheduler, PDRequestError, PrefillScheduler
+from actors.pd_scheduler import DecodeScheduler, PDRequestError, PrefillScheduler, WorkerBrokenError
 from actors.rank import RankHost
 from mem_cache.kv_events import KVEventBatch, PageHashSnapshot
 from transfer.base import KVHandoff, check_compatible
@@ -63,6 +63,7 @@ class _Worker:
             self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         self.eos_token_ids = _eos_ids(model_path, self.runner.model_config)
         self.draining = False
+        self.broken: Optional[str] = None  # why this worker can no longer serve (a TP rank died)
 
     def _make_req(self, rid: str, input_ids: List[int], sampling_params: Optional[Dict[str, Any]]) -> Req:
         params = SamplingParams(**(sampling_params or {}))
@@ -101,7 +102,28 @@ class _Worker:
 
     # ---- health and stats -----------------------------------------------------------
     def health(self) -> Dict[str, Any]:
+        self._raise_if_broken()
         return {"worker_id": self.worker_id, "role": self.role, "draining": self.draining, "time": time.time()}
+
+    def _raise_if_broken(self) -> None:
+        if self.broken:
+            raise WorkerBrokenError(f"{self.worker_id} is broken: {self.broken}")
+
+    async def watch_followers(self, followers: List[Any], interval_s: float = 1.0) -> str:
+        """Runs (on the actor's event loop) until a TP follower rank is gone; from then on
+        ``health()`` and ``load()`` fail, so heartbeats take this worker out of rotation."""
+        while not self.broken:
+            try:
+                ranks = await asyncio.wait_for(asyncio.gather(*(f.alive.remote() for f in followers)),
+                                               timeout=max(5.0, 5 * interval_s))
+                if not all(ranks):
+                    self.broken = "a TP follower's loop has stopped"
+            except Exception as exc:  # the follower actor died or does not answer
+                self.broken = f"a TP follower is gone ({type(exc).__name__})"
+            if not self.broken:
+                await asyncio.sleep(interval_s)
+        logger.error("%s: %s", self.worker_id, self.broken)
+        return self.broken
 
     def node_id(self) -> str:
         """The Ray node this worker runs on ("local" outside Ray)."""
@@ -110,6 +132,7 @@ class _Worker:
         return ray.get_runtime_context().get_node_id() if ray.is_initialized() else "local"
 
     def load(self) -> Dict[str, Any]:
+        self._raise_if_broken()
         sched, allocator = self.scheduler, self.runner.allocator
         total = allocator.num_pages * allocator.page_size
         return {

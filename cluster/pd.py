@@ -52,6 +52,12 @@ def _rendezvous() -> str:
     return tp_init_method(ray.util.get_node_ip_address())
 
 
+def _watch_followers(worker: WorkerRef) -> None:
+    """Rank 0 watches its TP followers for the worker's life (a call that ends when one is gone)."""
+    if worker.followers:
+        worker.watcher = worker.handle.watch_followers.remote(worker.followers)
+
+
 def stop_worker(worker: WorkerRef) -> None:
     """Free a worker's pools (rank 0 releases its followers), then end its actors."""
     try:
@@ -127,6 +133,8 @@ class PDCluster:
         for worker, node in zip(workers, nodes):
             worker.node_id = node
         ray.get([w.handle.health.remote() for w in workers], timeout=timeout_s)
+        for worker in workers:
+            _watch_followers(worker)
         return self
 
     def add_worker(self, role: str, timeout_s: float = 300.0) -> WorkerRef:
@@ -137,8 +145,9 @@ class PDCluster:
             worker.node_id = ray.get(worker.handle.node_id.remote(), timeout=timeout_s)
             ray.get(worker.handle.health.remote(), timeout=timeout_s)
         except Exception:
-            ray.kill(worker.handle)
+            stop_worker(worker)
             raise
+        _watch_followers(worker)
         side.append(worker)
         return worker
 

@@ -23,7 +23,7 @@ from typing import Any, AsyncIterator, Dict, List, Optional
 
 import ray
 
-from actors.pd_scheduler import PDRequestError
+from actors.pd_scheduler import PDRequestError, is_worker_death
 from actors.router import call_method
 from transfer import select_backend
 
@@ -43,6 +43,7 @@ class WorkerRef:
     inflight: int = 0
     stats: Dict[str, Any] = field(default_factory=dict)
     followers: List[Any] = field(default_factory=list)  # TP ranks > 0
+    watcher: Any = None  # rank 0's watch over its followers (an ObjectRef that resolves when one is gone)
     placement_group: Any = None
 
 
@@ -186,16 +187,12 @@ class PDClient:
 
         async def ping(w: WorkerRef) -> None:
             try:
+                # a TP worker's rank 0 watches its followers: load() fails once one is gone
                 w.stats = await asyncio.wait_for(w.handle.load.remote(), timeout=self.heartbeat_interval_s)
-                if w.followers:  # a TP worker is only as alive as its every rank
-                    ranks = await asyncio.wait_for(asyncio.gather(*(f.alive.remote() for f in w.followers)),
-                                                   timeout=self.heartbeat_interval_s)
-                    if not all(ranks):
-                        raise ray.exceptions.RayActorError("a TP follower's loop has stopped")
                 w.missed_heartbeats = 0
             except Exception as exc:
                 w.missed_heartbeats += 1
-                if isinstance(exc, ray.exceptions.RayActorError) or w.missed_heartbeats >= self.heartbeat_max_failures:
+                if is_worker_death(exc) or w.missed_heartbeats >= self.heartbeat_max_failures:
                     self._mark_dead(w, f"{w.missed_heartbeats} missed heartbeats ({type(exc).__name__})")
 
         await asyncio.gather(*(ping(w) for w in workers))

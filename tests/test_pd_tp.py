@@ -55,6 +55,9 @@ def test_two_prefill_two_decode_with_decode_tp2(ray_session, monkeypatch):
     # one rank of a TP worker dies: the heartbeat takes the whole worker out of rotation
     broken, healthy = cluster.decode
     ray.kill(broken.followers[0])
+    assert "follower" in ray.get(broken.watcher, timeout=30)  # rank 0 now reports itself broken
+    with pytest.raises(ray.exceptions.RayTaskError, match="broken"):
+        ray.get(broken.handle.load.remote())
     client = cluster.client()
     asyncio.run(client.heartbeat_once())
     assert not broken.alive and healthy.alive
