@@ -97,14 +97,19 @@ class PrefillScheduler(Scheduler):
         start = time.perf_counter()
         prompt_len = len(req.origin_input_ids)
         src_row = self.runner.req_to_token_pool.req_to_token[req.req_pool_idx, :prompt_len].tolist()
-        moved, error = push_handoffs(self.agents, req.rid, req.pd_handoffs, src_row, req.mamba_pool_idx)
-        if error is None and self.tp_worker is not None:
-            for reply in self.tp_worker.call_followers("push", (req.rid, req.pd_handoffs, src_row, req.mamba_pool_idx)):
-                if isinstance(reply, FollowerError):
-                    error = reply.message
-                    break
-                moved += reply[0]
-                error = error or reply[1]
+        try:
+            moved, error = push_handoffs(self.agents, req.rid, req.pd_handoffs, src_row, req.mamba_pool_idx)
+            if error is None and self.tp_worker is not None:
+                payload = (req.rid, req.pd_handoffs, src_row, req.mamba_pool_idx)
+                for reply in self.tp_worker.call_followers("push", payload):
+                    if isinstance(reply, FollowerError):
+                        error = reply.message
+                        break
+                    moved += reply[0]
+                    error = error or reply[1]
+        except Exception as exc:  # a bad hand-off or a broken TP group fails this request, not the worker
+            logger.exception("pushing the KV of %s failed", req.rid)
+            moved, error = 0, f"KV push failed: {type(exc).__name__}: {exc}"
         req.pd_transfer_bytes = moved
         self.bytes_pushed += moved
         req.pd_transfer_time = time.perf_counter() - start
@@ -129,6 +134,9 @@ class DecodeScheduler(Scheduler):
         self.transfer: List[Req] = []
         self._notices: Dict[str, dict] = {}
         self.num_transfer_failures = 0
+        # (release time, request): dropped reservations a late push could still write
+        self.quarantine: List = []
+        self.quarantine_grace_s = min(10.0, waiting_timeout_s or 10.0)
         self.backend_counts: Dict[str, int] = {}
 
     # ---- queues --------------------------------------------------------------------
@@ -137,7 +145,7 @@ class DecodeScheduler(Scheduler):
         self.prealloc.append(req)
 
     def has_work(self) -> bool:
-        return bool(self.prealloc or self.transfer) or super().has_work()
+        return bool(self.prealloc or self.transfer or self.quarantine) or super().has_work()
 
     def on_transfer_done(self, rid: str, notice: dict) -> bool:
         """The prefill side's completion notice (first token, its finish state)."""
@@ -147,6 +155,7 @@ class DecodeScheduler(Scheduler):
         return False
 
     def step(self) -> List[Req]:
+        self._release_quarantine()
         produced = self._process_prealloc() + self._process_transfers()
         self.progressed = bool(produced)
         before = self.runner.num_forwards
@@ -194,11 +203,13 @@ class DecodeScheduler(Scheduler):
         req.cache_protected_len = prefix_len
         req.kv_allocated_len = prompt_len
         req.cached_tokens = prefix_len
-        req.pd_state = "transfer"
         try:
             self._make_handoffs(req, prefix_len, prompt_len)
-        except TransferError as exc:  # a follower could not take it: the request fails, the slots go back
-            self._drop(req, f"could not set up the KV transfer: {exc}")
+        except Exception as exc:  # no hand-off went out: nobody can write these slots, free them now
+            logger.exception("could not set up the KV transfer of %s", req.rid)
+            self._drop(req, f"could not set up the KV transfer: {exc}", safe=True)
+            return True
+        req.pd_state = "transfer"
         return True
 
     def _alloc_prompt(self, req: Req, prefix_len: int, prompt_len: int) -> bool:
@@ -263,7 +274,7 @@ class DecodeScheduler(Scheduler):
             elif state == KVPoll.Failed:
                 self.transfer.remove(req)
                 self.num_transfer_failures += 1
-                self._drop(req, f"KV transfer failed: {receiver.failure_reason()}")
+                self._drop(req, f"KV transfer failed: {receiver.failure_reason()}", safe=False)
                 done.append(req)
         return done
 
@@ -290,23 +301,47 @@ class DecodeScheduler(Scheduler):
         else:
             self.running.append(req)
 
-    def _drop(self, req: Req, message: str) -> None:
-        """End a reserved request: its slots and row go back, its lock is dropped."""
-        if getattr(req, "pd_receiver", None) is not None:
-            req.pd_receiver.abort(message)
+    def _drop(self, req: Req, message: str, safe: bool) -> None:
+        """End a reserved request. ``safe``: no prefill rank can write its slots any more
+        (nothing was handed off, the prefill side confirmed, or it is dead), so they go
+        back now; otherwise they stay quarantined until the hand-off's deadline plus a
+        grace period has passed — a late push must never land in another request's KV."""
+        self._notices.pop(req.rid, None)
+        receiver = getattr(req, "pd_receiver", None)
+        if receiver is not None:
+            receiver.abort(message)
             if self.has_followers:
                 self.tp_worker.call_followers("cancel", req.rid)
+        req.pd_error = message
+        req.finish({"type": "abort", "message": message})
+        deadline = receiver.handoff.deadline if receiver is not None and receiver.handoff is not None else None
+        if safe or deadline is None:
+            self._release(req)
+        else:
+            self.quarantine.append((deadline + self.quarantine_grace_s, req))
+
+    def _release(self, req: Req) -> None:
         if req.req_pool_idx is not None:
             req.kv_committed_len = req.kv_allocated_len
             self.tree_cache.cache_finished_req(req, is_insert=False)
+            req.req_pool_idx = None
         elif req.mamba_pool_idx is not None:
             self.runner.mamba_pool.free(torch.tensor([req.mamba_pool_idx]))
-            req.mamba_pool_idx = None
-        req.pd_error = message
-        req.finish({"type": "abort", "message": message})
+        req.mamba_pool_idx = None
+
+    def _release_quarantine(self, force: bool = False) -> None:
+        now = time.time()
+        keep = []
+        for release_at, req in self.quarantine:
+            if force or now >= release_at:
+                self._release(req)
+            else:
+                keep.append((release_at, req))
+        self.quarantine = keep
 
     # ---- abort ---------------------------------------------------------------------------
-    def abort(self, rid: str, message: str = "aborted") -> bool:
+    def abort(self, rid: str, message: str = "aborted", safe: bool = False) -> bool:
+        """``safe``: the caller knows no prefill rank will write this request's slots."""
         for req in self.prealloc:
             if req.rid == rid:
                 self.prealloc.remove(req)
@@ -316,9 +351,8 @@ class DecodeScheduler(Scheduler):
                 return True
         for req in self.transfer:
             if req.rid == rid:
-                req.pd_receiver.abort(message)
                 self.transfer.remove(req)
-                self._drop(req, message)
+                self._drop(req, message, safe=safe)
                 self._aborted.append(req)
                 return True
         return super().abort(rid)
@@ -331,7 +365,7 @@ class DecodeScheduler(Scheduler):
             req.finish({"type": "abort", "message": message})
             out.append(req)
         for req in self.transfer:
-            self._drop(req, message)
+            self._drop(req, message, safe=False)
             out.append(req)
         self.prealloc, self.transfer = [], []
         return out

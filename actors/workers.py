@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import collections
 import logging
 import random
 import time
@@ -38,6 +39,7 @@ from mem_cache.kv_events import KVEventBatch, PageHashSnapshot
 from transfer.base import KVHandoff, check_compatible
 
 logger = logging.getLogger(__name__)
+CANCELLED_RIDS_KEPT = 65536  # aborted request ids a prefill worker remembers (refusing late arrivals)
 KV_EVENT_LOG_SIZE = 65536  # events a worker keeps for routers to pull; one further behind resyncs
 
 
@@ -74,6 +76,11 @@ class _Worker:
         limit = self.runner.context_len
         if len(input_ids) >= limit:
             raise ValueError(f"prompt of {len(input_ids)} tokens does not fit the context length {limit}")
+        allocator = self.runner.allocator
+        pool_slots = allocator.num_pages * allocator.page_size
+        if len(input_ids) + 2 * allocator.page_size > pool_slots:  # it could never be admitted: don't queue it
+            raise ValueError(f"prompt of {len(input_ids)} tokens does not fit the {self.role} worker's KV pool "
+                             f"of {pool_slots} slots")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need the tokenizer (skip_tokenizer_init=True)")
         req = Req(rid, list(input_ids), params, self.eos_token_ids)
@@ -91,6 +98,8 @@ class _Worker:
             snapshot = (self._snapshot(r, with_text), r.finished, error)
             try:
                 loop.call_soon_threadsafe(queue.put_nowait, snapshot)
+                if r.finished:
+                    loop.call_soon_threadsafe(self._finished, r.rid)
             except RuntimeError:  # the caller's event loop is gone: nobody to tell
                 logger.debug("dropping output of %s: its event loop is closed", r.rid)
 
@@ -99,6 +108,9 @@ class _Worker:
 
     def _snapshot(self, req: Req, with_text: bool) -> Dict[str, Any]:
         return request_result(req, with_text)
+
+    def _finished(self, rid: str) -> None:
+        """On the actor's event loop, once ``rid`` has ended."""
 
     # ---- health and stats -----------------------------------------------------------
     def health(self) -> Dict[str, Any]:
@@ -224,6 +236,7 @@ class PrefillWorker(_Worker):
                  worker_id: Optional[str] = None, dist_init_method: Optional[str] = None):
         super().__init__(model_path, engine_args, backend, worker_id, dist_init_method)
         self.scheduler = PrefillScheduler(self.runner, self.tokenizer, self.agents, self.tp_worker)
+        self._cancelled: "collections.OrderedDict[str, None]" = collections.OrderedDict()  # aborted rids
         self.loop = EngineLoop(self.scheduler)
         self._init_kv_log()
 
@@ -232,6 +245,8 @@ class PrefillWorker(_Worker):
         """Prefill and push; returns the completion notice the decode side needs."""
         if self.draining:
             raise PDRequestError("prefill worker is draining")
+        if rid in self._cancelled:
+            raise PDRequestError(f"request {rid!r} was aborted before its prefill started")
         req = self._make_req(rid, input_ids, sampling_params)
         for raw in handoffs:  # reject what cannot be served before any work is done
             handoff = KVHandoff.from_bytes(raw)
@@ -260,6 +275,14 @@ class PrefillWorker(_Worker):
             "prefill_latency": req.finished_time - req.created_time,
         }
 
+    async def abort(self, rid: str, message: str = "aborted") -> bool:
+        """After this returns no rank of this worker will push ``rid``'s KV: it was never
+        here, already pushed, or is dropped now (a call arriving later is refused)."""
+        self._cancelled[rid] = None
+        while len(self._cancelled) > CANCELLED_RIDS_KEPT:
+            self._cancelled.popitem(last=False)
+        return self.loop.run_exclusive(lambda: self.scheduler.abort(rid))
+
     def load(self) -> Dict[str, Any]:
         out = super().load()
         out["queued_prefill_tokens"] = sum(len(r.origin_input_ids) - len(r.prefix_indices) for r in self.scheduler.waiting)
@@ -282,6 +305,7 @@ class DecodeWorker(_Worker):
         self.loop = EngineLoop(self.scheduler)
         self._init_kv_log()
         self._queues: Dict[str, asyncio.Queue] = {}
+        self._streaming: set = set()  # rids whose stream() is reading their queue
 
     async def reserve(self, rid: str, input_ids: List[int], sampling_params: Optional[Dict[str, Any]],
                       backend: Optional[str] = None) -> List[bytes]:
@@ -297,7 +321,11 @@ class DecodeWorker(_Worker):
         req.pd_backend = backend
         queue = self._submit(req)
         self._queues[rid] = queue
-        result, finished, error = await queue.get()
+        try:
+            result, finished, error = await queue.get()
+        except asyncio.CancelledError:  # the caller gave up while we waited for room
+            await self.abort(rid, "the caller cancelled the reservation", safe=True)
+            raise
         if error is not None:
             self._queues.pop(rid, None)
             raise error
@@ -309,15 +337,21 @@ class DecodeWorker(_Worker):
             out["handoffs"] = req.pd_handoffs
         return out
 
+    def _finished(self, rid: str) -> None:
+        if rid not in self._streaming:  # ended before anyone streamed it (timeout, abort): forget it
+            self._queues.pop(rid, None)
+
     async def stream(self, rid: str, notice: Dict[str, Any]) -> AsyncIterator[Dict[str, Any]]:
         """Deliver the prefill side's notice, then yield results until the request ends."""
         queue = self._queues.get(rid)
         if queue is None:
-            raise PDRequestError(f"request {rid!r} has no reservation on this decode worker")
+            raise PDRequestError(f"request {rid!r} has no reservation on this decode worker (never made, "
+                                 "timed out or aborted)")
         if not self.loop.run_exclusive(lambda: self.scheduler.on_transfer_done(rid, notice)):
             self._queues.pop(rid, None)
             raise PDRequestError(f"request {rid!r} is no longer waiting for its KV (timed out or aborted)")
         finished = False
+        self._streaming.add(rid)
         try:
             while not finished:
                 result, finished, error = await queue.get()
@@ -325,6 +359,7 @@ class DecodeWorker(_Worker):
                     raise error
                 yield result
         finally:
+            self._streaming.discard(rid)
             self._queues.pop(rid, None)
             if not finished:  # the consumer went away: stop decoding for nobody
                 self.loop.abort(rid)
@@ -333,9 +368,11 @@ class DecodeWorker(_Worker):
         """Completed transfers per backend."""
         return dict(self.scheduler.backend_counts)
 
-    async def abort(self, rid: str, message: str = "aborted") -> bool:
+    async def abort(self, rid: str, message: str = "aborted", safe: bool = False) -> bool:
+        """End ``rid`` here. ``safe``: the prefill side confirmed it will not push (or is
+        dead), so reserved slots go back at once; otherwise they wait out the hand-off's deadline."""
         self._queues.pop(rid, None)
-        return self.loop.run_exclusive(lambda: self.scheduler.abort(rid, message))
+        return self.loop.run_exclusive(lambda: self.scheduler.abort(rid, message, safe))
 
     def load(self) -> Dict[str, Any]:
         out = super().load()

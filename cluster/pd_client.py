@@ -126,14 +126,21 @@ class PDClient:
         decode.inflight += 1
         self.inflight += 1
         start = time.perf_counter()
+        finished = False
         try:
-            handoffs = await self._call(decode, decode.handle.reserve.remote(rid, input_ids, sampling_params, backend),
-                                        self.bootstrap_timeout_s, rid)
+            try:
+                handoffs = await self._call(
+                    decode, decode.handle.reserve.remote(rid, input_ids, sampling_params, backend),
+                    self.bootstrap_timeout_s, rid)
+            except BaseException:  # no prefill has its hand-offs: the slots can go back at once
+                await self._abort_quietly(decode, rid, safe=True)
+                raise
             try:
                 notice = await self._call(prefill, prefill.handle.prefill.remote(rid, input_ids, sampling_params, handoffs),
                                           self.waiting_timeout_s, rid)
             except BaseException:
-                await self._abort_quietly(decode, rid)
+                safe = await self._stop_prefill(prefill, rid)
+                await self._abort_quietly(decode, rid, safe=safe)
                 raise
             await self._release(rid, "prefill", wait=False)
             gen = decode.handle.stream.options(num_returns="streaming").remote(rid, notice)
@@ -147,11 +154,14 @@ class PDClient:
                 out["meta_info"]["transfer_time"] = notice.get("transfer_time")
                 out["meta_info"]["transfer_bytes"] = notice.get("transfer_bytes")
                 out["meta_info"]["e2e_latency_pd"] = time.perf_counter() - start
+                finished = out["meta_info"]["finish_reason"] is not None
                 yield out
         finally:
             prefill.inflight -= 1
             decode.inflight -= 1
             self.inflight -= 1
+            if not finished and decode.alive:  # the caller went away or a call failed: stop decoding for nobody
+                decode.handle.abort.remote(rid, "the client went away", True)
             await self._release(rid)
 
     async def drain(self, timeout_s: float = 120.0) -> None:
@@ -175,9 +185,23 @@ class PDClient:
                 raise cause from None
             raise PDRequestError(f"{worker.role} worker {worker.worker_id}: {exc}") from exc
 
-    async def _abort_quietly(self, worker: WorkerRef, rid: str) -> None:
+    async def _stop_prefill(self, prefill: WorkerRef, rid: str) -> bool:
+        """Make sure ``prefill`` will not push ``rid``'s KV; True when that is certain."""
+        if not prefill.alive:
+            return True  # a dead process writes nothing
         try:
-            await asyncio.wait_for(worker.handle.abort.remote(rid, "the prefill side failed"), timeout=5)
+            await asyncio.wait_for(prefill.handle.abort.remote(rid), timeout=5)
+            return True
+        except Exception as exc:
+            if isinstance(exc, ray.exceptions.RayActorError):
+                return True
+            logger.warning("could not stop the prefill of %s on %s: %s", rid, prefill.worker_id, exc)
+            return False
+
+    async def _abort_quietly(self, worker: WorkerRef, rid: str, safe: bool) -> None:
+        """End ``rid`` on the decode worker; ``safe``: no prefill can still write its slots."""
+        try:
+            await asyncio.wait_for(worker.handle.abort.remote(rid, "the prefill side failed", safe), timeout=5)
         except Exception:  # the decode side's waiting timeout frees it if this cannot
             logger.warning("could not abort %s on %s", rid, worker.worker_id)
 

@@ -17,8 +17,9 @@ async def run_pd(prefill, decode, input_ids: List[int], params: Optional[Dict] =
     handoffs = await decode.reserve(rid, input_ids, params)
     try:
         notice = await prefill.prefill(rid, input_ids, params, handoffs)
-    except BaseException:
-        await decode.abort(rid)
+    except BaseException:  # as the client does: make sure no push comes, then free the slots at once
+        await prefill.abort(rid)
+        await decode.abort(rid, safe=True)
         raise
     final = None
     async for final in decode.stream(rid, notice):

@@ -33,7 +33,7 @@ def make_pair(path, page_size=1, prefill_args=None, decode_args=None, **decode_k
 
 def close(*workers):
     for w in workers:
-        for _ in range(200):  # an abort is reported at the loop's next step
+        for _ in range(500):  # an abort is reported at the loop's next step; a quarantine ends later
             if not w.loop.run_exclusive(w.scheduler.has_work):
                 break
             time.sleep(0.01)
@@ -111,7 +111,7 @@ def test_missing_notice_times_out_and_frees_the_reservation(checkpoints):
     async def go():
         await decode.reserve("lost", prompts(1, 12, 12)[0], GREEDY)
         await asyncio.sleep(0.6)
-        with pytest.raises(PDRequestError, match="no longer waiting"):
+        with pytest.raises(PDRequestError, match="timed out or aborted"):
             async for _ in decode.stream("lost", {"first_token": 5}):
                 pass
 
@@ -126,13 +126,71 @@ def test_abort_while_reserved_frees_slots(checkpoints):
 
     async def go():
         await decode.reserve("gone", prompts(1, 20, 20)[0], GREEDY)
-        assert await decode.abort("gone")
+        assert await decode.abort("gone", safe=True)  # no prefill has its hand-offs
         for _ in range(100):
             if not decode.scheduler.has_work():
                 break
             await asyncio.sleep(0.01)
         final, _, _ = await run_pd(prefill, decode, prompts(1, 20, 20)[0], GREEDY)
         assert final["meta_info"]["finish_reason"]["type"] == "length"
+
+    asyncio.run(go())
+    close(prefill, decode)
+
+
+def test_an_unconfirmed_abort_quarantines_the_slots_and_a_late_push_is_refused(checkpoints):
+    """Dropped while a prefill may still push: the slots stay out of circulation until the
+    hand-off's deadline (plus grace) has passed, and a push after the deadline is refused,
+    so a late write can never land in another request's KV."""
+    path = checkpoints["llama"]
+    prefill, decode = make_pair(path, waiting_timeout_s=0.5)
+    ids = prompts(1, 20, 20, seed=9)[0]
+
+    async def go():
+        total = decode.load()["total_slots"]
+        handoffs = await decode.reserve("late", ids, GREEDY)
+        held = decode.load()["free_slots"]
+        assert held <= total - len(ids)
+        assert await decode.abort("late")  # not safe: the prefill side has not confirmed
+        assert decode.load()["free_slots"] == held  # quarantined, not free
+        await asyncio.sleep(0.6)  # past the hand-off's deadline
+        with pytest.raises(PDRequestError, match="deadline"):
+            await prefill.prefill("late", ids, GREEDY, handoffs)
+        for _ in range(200):
+            if decode.load()["free_slots"] == total:
+                break
+            await asyncio.sleep(0.01)
+        assert decode.load()["free_slots"] == total
+
+    asyncio.run(go())
+    close(prefill, decode)
+
+
+def _fail_next_forward(worker):
+    real = worker.runner.forward
+
+    def boom(batch):
+        worker.runner.forward = real
+        raise RuntimeError("injected forward failure")
+
+    worker.runner.forward = boom
+
+
+@pytest.mark.parametrize("side", ["prefill", "decode"])
+def test_a_failed_forward_ends_its_requests_with_an_error_and_leaks_nothing(checkpoints, side):
+    """The batch being run is in no queue while it runs; a failure must still find,
+    release and answer every request of it (nothing hangs, nothing is freed twice)."""
+    path = checkpoints["llama"]
+    prefill, decode = make_pair(path, waiting_timeout_s=0.5)  # dropped reservations leave quarantine soon
+    batch = prompts(3, 5, 20, seed=12)
+
+    async def go():
+        _fail_next_forward(prefill if side == "prefill" else decode)
+        results = await asyncio.wait_for(
+            asyncio.gather(*(run_pd(prefill, decode, ids, GREEDY) for ids in batch), return_exceptions=True), 60)
+        assert any(isinstance(r, Exception) and "injected" in str(r) for r in results)
+        final, _, _ = await run_pd(prefill, decode, batch[0], GREEDY)  # both workers still serve
+        assert len(final["output_ids"]) == 8
 
     asyncio.run(go())
     close(prefill, decode)
@@ -147,6 +205,8 @@ def test_bad_requests_fail_clearly(checkpoints):
             await decode.reserve("zero", [5, 6], {"max_new_tokens": 0})
         with pytest.raises(ValueError, match="empty"):
             await decode.reserve("empty", [], GREEDY)
+        with pytest.raises(ValueError, match="KV pool"):  # could never be admitted: refused, not queued forever
+            await decode.reserve("huge", list(range(3, 2050)), GREEDY)
 
     asyncio.run(go())
     close(prefill, decode)

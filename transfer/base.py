@@ -35,7 +35,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import msgpack
 
-HANDOFF_VERSION = 1
+HANDOFF_VERSION = 2
 
 
 class KVPoll(enum.IntEnum):
@@ -144,6 +144,10 @@ class KVHandoff:
     ``dst_slots[i]`` receives the KV of prompt token ``dst_prefix_len + i``
     (tokens before ``dst_prefix_len`` the decode side already holds).
     ``endpoint`` is the backend's address of the decode rank's agent.
+    ``deadline`` (epoch seconds, ``None``: none) is when the decode side stops
+    waiting: a sender must not start writing after it, because from then on
+    the destination slots may be given to another request (same-node push
+    backends share one clock; pull backends drop late bytes anyway).
     """
 
     rid: str
@@ -156,6 +160,7 @@ class KVHandoff:
     dst_prefix_len: int = 0
     backend: str = "fake"
     endpoint: Dict = field(default_factory=dict)
+    deadline: Optional[float] = None
     version: int = HANDOFF_VERSION
 
     def to_bytes(self) -> bytes:
@@ -165,7 +170,7 @@ class KVHandoff:
                 "tp_size": self.tp_size, "page_size": self.layout.page_size,
                 "buffers": [b.to_wire() for b in self.layout.buffers], "dst_slots": list(self.dst_slots),
                 "dst_state_slot": self.dst_state_slot, "dst_prefix_len": self.dst_prefix_len,
-                "backend": self.backend, "endpoint": self.endpoint,
+                "backend": self.backend, "endpoint": self.endpoint, "deadline": self.deadline,
             },
             use_bin_type=True,
         )
@@ -183,7 +188,8 @@ class KVHandoff:
             layout = KVLayout(raw["page_size"], tuple(BufferLayout.from_wire(b) for b in raw["buffers"]))
             return cls(
                 raw["rid"], raw["room"], raw["tp_rank"], raw["tp_size"], layout, list(raw["dst_slots"]),
-                raw["dst_state_slot"], raw["dst_prefix_len"], raw["backend"], raw["endpoint"], version,
+                raw["dst_state_slot"], raw["dst_prefix_len"], raw["backend"], raw["endpoint"], raw["deadline"],
+                version,
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise TransferError(f"malformed hand-off message: {exc!r}") from exc
@@ -252,6 +258,10 @@ class KVSender(_Polled):
         the Mamba state slot to the decode rank. Failures end in Failed, not raises."""
         if self.poll() != KVPoll.WaitingForInput:
             raise TransferError(f"send() in state {self._state.name} for {self.rid}")
+        deadline = self.handoff.deadline
+        if deadline is not None and time.time() > deadline:
+            self.fail(f"the decode side's deadline passed {time.time() - deadline:.1f}s ago: its slots may be reused")
+            return
         if len(src_slots) != len(self.handoff.dst_slots):
             self.fail(f"{len(src_slots)} source slots for {len(self.handoff.dst_slots)} destination slots")
             return
@@ -281,9 +291,10 @@ class KVReceiver(_Polled):
     def send_metadata(
         self, dst_slots: Sequence[int], dst_state_slot: Optional[int] = None, dst_prefix_len: int = 0
     ) -> KVHandoff:
+        deadline = None if self._timeout_s is None else time.time() + self._timeout_s
         self.handoff = KVHandoff(
             self.rid, self.room, self.agent.tp_rank, self.agent.tp_size, self.agent.layout, [int(s) for s in dst_slots],
-            dst_state_slot, dst_prefix_len, self.agent.backend_name, self.agent.endpoint(),
+            dst_state_slot, dst_prefix_len, self.agent.backend_name, self.agent.endpoint(), deadline,
         )
         self.agent.expect(self.handoff)
         self._set(KVPoll.WaitingForInput)

@@ -81,19 +81,26 @@ class EngineLoop:
                 self._deliver(req, error)
 
     def _fail_all(self):
-        """Drop every request in flight, giving back what each holds."""
+        """Drop every request in flight, giving back what each holds. A request already
+        finished was released by whoever finished it; it is only told."""
         sched = self.scheduler
-        reqs = list(sched.waiting) + list(sched.running) + ([sched.chunked_req] if sched.chunked_req else [])
+        queued = list(sched.waiting) + list(sched.running) + ([sched.chunked_req] if sched.chunked_req else [])
+        queued += list(getattr(sched, "in_flight", []))
         sched.waiting.clear()
         sched.running.clear()
         sched.chunked_req = None
-        if hasattr(sched, "fail_all"):  # a disaggregated scheduler's own queues
-            reqs += sched.fail_all("engine step failed")
+        sched.in_flight = []
+        if hasattr(sched, "fail_all"):  # a disaggregated scheduler's own queues (released there)
+            queued += sched.fail_all("engine step failed")
+        reqs = list({id(r): r for r in queued}.values())
         for req in reqs:
+            if req.finished:
+                continue
             try:
                 if req.req_pool_idx is not None:
                     req.kv_committed_len = max(req.kv_committed_len, req.kv_allocated_len)  # the forward's slots too
                     sched.tree_cache.cache_finished_req(req, is_insert=False)
+                    req.req_pool_idx = None
             except Exception:  # keep releasing the others; the idle check will report a leak
                 logger.exception("could not release request %s", req.rid)
             req.finish({"type": "abort", "message": "engine step failed"})
@@ -106,7 +113,10 @@ class EngineLoop:
         if req.finished or error is not None:
             with self._cond:
                 self._callbacks.pop(req.rid, None)
-        callback(req, error)
+        try:
+            callback(req, error)
+        except Exception:  # a caller's bug must not stop the loop every other request needs
+            logger.exception("output callback of %s failed", req.rid)
 
     def stop(self) -> None:
         with self._cond:

@@ -79,6 +79,7 @@ class Scheduler:
         self.new_token_ratio = cfg.init_new_token_ratio
         self.num_retractions = 0
         self._aborted: List[Req] = []  # finished while waiting: reported at the next step
+        self.in_flight: List[Req] = []  # the prefill batch being run and processed
 
     # ---- the loop ---------------------------------------------------------------
     def step(self) -> List[Req]:
@@ -86,8 +87,11 @@ class Scheduler:
         released = self._release_aborted()
         batch_reqs, forward_batch = self._next_prefill()
         if forward_batch is not None:
+            self.in_flight = batch_reqs  # out of every queue until processed: a failure must still find them
             logits = self.runner.forward(forward_batch)
-            return released + self._process_prefill(batch_reqs, logits)
+            out = released + self._process_prefill(batch_reqs, logits)
+            self.in_flight = []
+            return out
         if self.running:
             batch_reqs, forward_batch = self._next_decode()
             if forward_batch is not None:
