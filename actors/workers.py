@@ -317,6 +317,11 @@ class DecodeWorker(_Worker):
         if backend not in self.agents:
             raise PDRequestError(f"backend {backend!r} not served here; this worker has {sorted(self.agents)}")
         req = self._make_req(rid, input_ids, sampling_params)
+        sched, allocator = self.scheduler, self.runner.allocator
+        need = len(input_ids) + min(sched.num_reserved_decode_tokens, req.sampling_params.max_new_tokens)
+        if need + allocator.page_size > allocator.num_pages * allocator.page_size:  # could never be reserved
+            raise ValueError(f"prompt of {len(input_ids)} tokens plus {need - len(input_ids)} reserved for new tokens "
+                             f"does not fit the decode worker's KV pool of {allocator.num_pages * allocator.page_size} slots")
         req.pd_room = random.getrandbits(63)
         req.pd_backend = backend
         queue = self._submit(req)
