@@ -288,6 +288,8 @@ class DecodeScheduler(Scheduler):
     def _start_decoding(self, req: Req, notice: dict) -> None:
         req.kv_committed_len = len(req.origin_input_ids)
         req.output_ids.append(int(notice["first_token"]))
+        if notice.get("generator_state"):
+            req.generator.set_state(torch.frombuffer(bytearray(notice["generator_state"]), dtype=torch.uint8))
         if notice.get("logprob") is not None:
             req.output_logprobs.append(notice["logprob"])
             if notice.get("top_logprobs") is not None:

@@ -268,6 +268,10 @@ class PrefillWorker(_Worker):
             "logprob": req.output_logprobs[0] if req.output_logprobs else None,
             "top_logprobs": req.output_top_logprobs[0] if req.output_top_logprobs else None,
             "first_finish": req.pd_first_finish,
+            # a seeded request's generator goes on where the first draw left it, so its samples equal
+            # a single engine's
+            "generator_state": (req.generator.get_state().numpy().tobytes()
+                                if req.sampling_params.seed is not None else None),
             "cached_tokens": req.cached_tokens,
             "prompt_tokens": len(req.origin_input_ids),
             "transfer_time": getattr(req, "pd_transfer_time", None),

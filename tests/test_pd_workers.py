@@ -53,6 +53,24 @@ def test_greedy_tokens_equal_hf_through_pd(checkpoints, family, page_size):
     close(prefill, decode)
 
 
+def test_seeded_sampling_through_pd_equals_a_single_engine(checkpoints):
+    """The decode side's generator continues from the prefill's first draw."""
+    from actors.engine import Engine
+
+    path = checkpoints["llama"]
+    params = {"max_new_tokens": 12, "temperature": 1.0, "top_p": 0.9, "seed": 1234}
+    ids = prompts(1, 20, 20, seed=13)[0]
+    prefill, decode = make_pair(path)
+    (final, _, _), = run_batch(prefill, decode, [ids], params)
+    engine = Engine(model_path=path, max_total_tokens=2048, skip_tokenizer_init=True)
+    try:
+        expected = engine.generate(input_ids=ids, sampling_params=params)["output_ids"]
+    finally:
+        engine.shutdown()
+    assert final["output_ids"] == expected
+    close(prefill, decode)
+
+
 def test_prefix_hits_on_both_sides(checkpoints):
     """A repeated long prefix is prefilled once (prefill cache) and its KV sent once
     (the decode worker's own tree covers it the second time)."""
