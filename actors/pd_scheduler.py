@@ -38,7 +38,7 @@ from actors.engine.schedule_batch import _alloc_rows, _alloc_with_eviction
 from actors.engine.scheduler import Scheduler
 from actors.engine.tp_worker import FollowerError
 from actors.rank import push_handoffs
-from transfer.base import KVPoll, KVReceiver, KVSender, TransferAgent, TransferError
+from transfer.base import KVPoll, KVReceiver, TransferAgent, TransferError
 
 logger = logging.getLogger(__name__)
 
@@ -373,10 +373,4 @@ class DecodeScheduler(Scheduler):
         return out
 
 
-def raise_for(req: Req) -> None:
-    error = getattr(req, "pd_error", None)
-    if error:
-        raise PDRequestError(error)
-
-
-__all__ = ["PrefillScheduler", "DecodeScheduler", "PDRequestError", "raise_for", "KVSender", "TransferError"]
+__all__ = ["PrefillScheduler", "DecodeScheduler", "PDRequestError", "WorkerBrokenError", "is_worker_death"]
