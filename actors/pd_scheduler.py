@@ -257,33 +257,41 @@ class DecodeScheduler(Scheduler):
 
     # ---- transfers -----------------------------------------------------------------------
     def _process_transfers(self) -> List[Req]:
+        """Poll every transfer (never blocking on bytes in flight); the followers are
+        asked to land their shares once rank 0's landed."""
         done: List[Req] = []
         for req in list(self.transfer):
             receiver: KVReceiver = req.pd_receiver
             notice = self._notices.pop(req.rid, None)
             if notice is not None:
+                req.pd_notice = notice
                 receiver.mark_done()
-                if self.has_followers and receiver.poll() == KVPoll.Success:
-                    self._land_on_followers(req)
             state = receiver.poll()
+            error = None
             if state == KVPoll.Success:
+                error = self._land_on_followers(req) if self.has_followers else None
+            elif state == KVPoll.Failed:
+                error = receiver.failure_reason()
+            if state == KVPoll.Success and error is None:
                 self.backend_counts[req.pd_backend] = self.backend_counts.get(req.pd_backend, 0) + 1
                 self.transfer.remove(req)
-                self._start_decoding(req, notice)
+                self._start_decoding(req, req.pd_notice)
                 done.append(req)
-            elif state == KVPoll.Failed:
+            elif error is not None:
                 self.transfer.remove(req)
                 self.num_transfer_failures += 1
-                self._drop(req, f"KV transfer failed: {receiver.failure_reason()}", safe=False)
+                # after the notice every prefill rank has finished pushing: nothing can write these slots
+                self._drop(req, f"KV transfer failed: {error}", safe=getattr(req, "pd_notice", None) is not None)
                 done.append(req)
         return done
 
-    def _land_on_followers(self, req: Req) -> None:
+    def _land_on_followers(self, req: Req) -> Optional[str]:
+        """The first follower's error, or None once every rank holds its share."""
         for reply in self.tp_worker.call_followers("land", req.rid):
             error = reply.message if isinstance(reply, FollowerError) else reply
             if error:
-                req.pd_receiver.fail(error)
-                return
+                return error
+        return None
 
     def _start_decoding(self, req: Req, notice: dict) -> None:
         req.kv_committed_len = len(req.origin_input_ids)

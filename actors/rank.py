@@ -7,7 +7,7 @@ rank's share of a request's KV, in step with those batches:
 
     prefill follower  "push"    push its heads to the decode ranks it serves
     decode follower   "expect"  reserve-time: a receiver on its own agent; its hand-off
-                      "land"    notice-time: wait until the bytes are in its pools
+                      "land"    after rank 0's share landed: wait until its own bytes are in its pools
                       "cancel"  the request failed or was aborted
 
 Every rank of a worker allocates the same slot numbers (only rank 0 allocates
@@ -152,7 +152,7 @@ class TPFollower:
         if receiver is None:
             return f"rank {self.host.tp_rank}: no transfer expected for {rid}"
         receiver.mark_done()
-        if receiver.poll() != KVPoll.Success:
+        if receiver.wait() != KVPoll.Success:  # rank 0's share landed: this rank's is normally here too
             return f"rank {self.host.tp_rank}: {receiver.failure_reason()}"
         return None
 

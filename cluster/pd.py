@@ -11,6 +11,7 @@ and ``start_router()`` the router actor that picks its pairs.
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 from typing import Any, Dict, List, Optional
 
@@ -26,7 +27,7 @@ from actors.routing_policies import RouterSettings
 from actors.workers import DecodeWorker, PrefillWorker
 from cluster.pd_client import PDClient, WorkerRef
 
-__all__ = ["PDCluster", "PDClient", "WorkerRef", "router_settings", "stop_worker"]
+__all__ = ["PDCluster", "PDClient", "WorkerRef", "WorkerStartError", "router_settings", "stop_worker"]
 
 logger = logging.getLogger(__name__)
 
@@ -52,18 +53,63 @@ def _rendezvous() -> str:
     return tp_init_method(ray.util.get_node_ip_address())
 
 
+class WorkerStartError(RuntimeError):
+    """A worker (one of its TP ranks) failed to start or did not start in time."""
+
+
+def _cause(exc: BaseException) -> str:
+    """``Type: message`` of what ended an actor (the last line of Ray's wrapping)."""
+    if isinstance(exc, ray.exceptions.RayTaskError):
+        exc = exc.as_instanceof_cause()
+    text = str(exc).strip()
+    lines = [line for line in text.splitlines() if line.strip()]
+    return f"{type(exc).__name__}: {lines[-1] if lines else text}"
+
+
+def _await_started(workers: List[WorkerRef], timeout_s: float) -> None:
+    """Wait until every rank of every worker is constructed, failing fast.
+
+    Each rank is watched on its own: a follower whose actor dies while starting
+    (a bad shard, no memory, an import error) ends start-up at once, naming it,
+    instead of leaving rank 0 blocked in the TP rendezvous until its timeout.
+    Sets each worker's ``node_id`` (rank 0's node).
+    """
+    pending = {}
+    for worker in workers:
+        pending[worker.handle.node_id.remote()] = (worker, 0)
+        for rank, follower in enumerate(worker.followers, start=1):
+            pending[follower.ready.remote()] = (worker, rank)
+    deadline = time.monotonic() + timeout_s
+    while pending:
+        done, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+        if not done:
+            late = sorted({f"{w.worker_id} rank {r}" for w, r in pending.values()})
+            raise WorkerStartError(f"not started after {timeout_s:.0f}s: {', '.join(late[:6])}")
+        worker, rank = pending.pop(done[0])
+        try:
+            value = ray.get(done[0])
+        except Exception as exc:
+            raise WorkerStartError(f"{worker.worker_id} rank {rank} failed to start: {_cause(exc)}") from exc
+        if rank == 0:
+            worker.node_id = value
+
+
 def _watch_followers(worker: WorkerRef) -> None:
     """Rank 0 watches its TP followers for the worker's life (a call that ends when one is gone)."""
     if worker.followers:
         worker.watcher = worker.handle.watch_followers.remote(worker.followers)
 
 
-def stop_worker(worker: WorkerRef) -> None:
-    """Free a worker's pools (rank 0 releases its followers), then end its actors."""
-    try:
-        ray.get(worker.handle.shutdown.remote(), timeout=30)
-    except Exception:  # already dead: nothing to free
-        pass
+def stop_worker(worker: WorkerRef, graceful: bool = True) -> None:
+    """Free a worker's pools (rank 0 releases its followers), then end its actors.
+    ``graceful=False`` only kills them (a worker that never finished starting
+    cannot answer; the next worker started on its node unlinks its shared-memory
+    segments as stale)."""
+    if graceful:
+        try:
+            ray.get(worker.handle.shutdown.remote(), timeout=30)
+        except Exception:  # already dead: nothing to free
+            pass
     for handle in [worker.handle] + worker.followers:
         ray.kill(handle)
     if worker.placement_group is not None:
@@ -87,6 +133,8 @@ def _actor_options(config, role: str) -> Dict[str, Any]:
 
 class PDCluster:
     """The prefill and decode worker actors of one config."""
+
+    follower_cls = TPFollower  # the actor class of TP ranks > 0
 
     def __init__(self, config, model_path: Optional[str] = None):
         self.config = config
@@ -117,7 +165,7 @@ class PDCluster:
         rank_options = dict(options, scheduling_strategy=_in_bundle(placement, 0)) if placement else options
         handle = ray.remote(cls).options(name=worker_id, **rank_options).remote(**kwargs)
         followers = [
-            ray.remote(TPFollower).options(name=f"{worker_id}-rank{rank}", **dict(
+            ray.remote(self.follower_cls).options(name=f"{worker_id}-rank{rank}", **dict(
                 options, max_concurrency=4, scheduling_strategy=_in_bundle(placement, rank))).remote(
                 role, self.model_path, engine_args, cfg.transfer.backend, worker_id, rank, dist_init_method,
                 cfg.transfer.waiting_timeout_s)
@@ -126,14 +174,23 @@ class PDCluster:
         return WorkerRef(worker_id, role, handle, node_id="", followers=followers, placement_group=placement)
 
     def start(self, timeout_s: float = 300.0) -> "PDCluster":
-        self.prefill = [self._start_worker("prefill", i) for i in range(self.config.prefill.num_workers)]
-        self.decode = [self._start_worker("decode", i) for i in range(self.config.decode.num_workers)]
-        workers = self.prefill + self.decode
-        nodes = ray.get([w.handle.node_id.remote() for w in workers], timeout=timeout_s)
-        for worker, node in zip(workers, nodes):
-            worker.node_id = node
-        ray.get([w.handle.health.remote() for w in workers], timeout=timeout_s)
-        for worker in workers:
+        """Start every worker and wait until all are healthy; if one fails, stop
+        them all (pools freed, placement groups removed) and raise
+        :class:`WorkerStartError` naming it."""
+        try:
+            for role in ("prefill", "decode"):
+                side = self.prefill if role == "prefill" else self.decode
+                for i in range(self.config.group(role).num_workers):
+                    side.append(self._start_worker(role, i))
+            workers = self.prefill + self.decode
+            _await_started(workers, timeout_s)
+            ray.get([w.handle.health.remote() for w in workers], timeout=timeout_s)
+        except Exception:
+            for worker in self.prefill + self.decode:
+                stop_worker(worker, graceful=False)
+            self.prefill, self.decode = [], []
+            raise
+        for worker in self.prefill + self.decode:
             _watch_followers(worker)
         return self
 
@@ -142,10 +199,10 @@ class PDCluster:
         side = self.prefill if role == "prefill" else self.decode
         worker = self._start_worker(role, len(side))
         try:
-            worker.node_id = ray.get(worker.handle.node_id.remote(), timeout=timeout_s)
+            _await_started([worker], timeout_s)
             ray.get(worker.handle.health.remote(), timeout=timeout_s)
         except Exception:
-            stop_worker(worker)
+            stop_worker(worker, graceful=False)
             raise
         _watch_followers(worker)
         side.append(worker)

@@ -27,6 +27,7 @@ Contract:
 from __future__ import annotations
 
 import abc
+import logging
 import math
 import os
 import re
@@ -37,6 +38,8 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Sequence, Tuple
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -270,6 +273,10 @@ def create_buffer_allocator(device: str | torch.device, shareable: bool, prefix:
     if not shareable:
         return LocalBufferAllocator(device)
     if device.type == "cpu":
+        # a worker SIGKILLed on this node (a crash, a failed start) left its pools behind
+        removed = cleanup_stale_segments()
+        if removed:
+            logger.info("removed %d shared-memory segments of dead processes", len(removed))
         return SharedMemoryBufferAllocator(device, prefix)
     if device.type == "cuda":
         return CudaIpcBufferAllocator(device)

@@ -101,7 +101,7 @@ def decode_rank(conn, pool_tokens: int) -> None:
             conn.send(receiver.send_metadata(dst).to_bytes())
         elif cmd == "land":
             receiver.mark_done()
-            conn.send((int(receiver.poll()), receiver.failure_reason()))
+            conn.send((int(receiver.wait()), receiver.failure_reason()))
 
 
 class Remote:

@@ -172,6 +172,18 @@ def test_stale_segments_of_dead_processes_are_cleaned(tmp_path):
     assert mine.exists() and other.exists()
 
 
+def test_a_new_shareable_allocator_reclaims_segments_of_dead_workers(tmp_path, monkeypatch):
+    """A SIGKILLed worker cannot unlink its pools; the next worker on the node does."""
+    monkeypatch.setenv("RAYDIX_SHM_DIR", str(tmp_path))
+    dead = tmp_path / "raydix-decode_0_1a2b3c_r0-999999999-0123abcd-full.k_buffer.0"
+    dead.write_bytes(b"x" * 64)
+    alloc = create_buffer_allocator("cpu", shareable=True, prefix="decode-1-r0")
+    alloc.zeros("k", (4,), torch.float32)
+    assert not dead.exists()
+    assert [p.name for p in tmp_path.iterdir()] and all(str(os.getpid()) in p.name for p in tmp_path.iterdir())
+    alloc.close()
+
+
 def test_local_buffers_cannot_be_exported():
     alloc = LocalBufferAllocator("cpu")
     alloc.zeros("a", (2,), torch.float32)

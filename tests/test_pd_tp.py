@@ -6,13 +6,15 @@ Tokens equal HF transformers'; a hybrid model whose Mamba states cannot be
 sliced across different TP sizes is refused with a clear error, leaking nothing."""
 
 import asyncio
+import time
 
 import pytest
 import ray
 
 from actors.pd_scheduler import PDRequestError
 from cluster.config import load_config, parse_config
-from cluster.pd import PDCluster
+from actors.rank import TPFollower
+from cluster.pd import PDCluster, WorkerStartError
 from tests.parity import assert_greedy_parity
 from tests.pd_helpers import prompts
 from transfer.base import LayoutMismatchError
@@ -91,5 +93,55 @@ def test_hybrid_with_different_tp_sizes_is_refused_cleanly(ray_session, monkeypa
     cluster = PDCluster(_config("qwen3_next", 1, 2, 1)).start()
     with pytest.raises((LayoutMismatchError, PDRequestError), match="same TP size"):
         _generate_all(cluster, prompts(1, 10, 10, seed=3))
+    cluster.check_integrity()
+    cluster.shutdown()
+
+
+class _FollowerWithoutShard(TPFollower):
+    """A TP rank whose start fails (as a missing shard or an OOM would)."""
+
+    def __init__(self, *args, **kwargs):
+        raise RuntimeError("rank shard could not be loaded")
+
+
+class _FollowerLosingOneTransfer(TPFollower):
+    """A decode rank whose share of the first request never lands."""
+
+    def _land(self, rid):
+        if getattr(self, "_lost_one", False):
+            return super()._land(rid)
+        self._lost_one = True
+        self._cancel(rid)
+        return "injected: rank 1 lost its share"
+
+
+def test_rank_failures_at_start_up_and_at_landing(ray_session, monkeypatch):
+    """Rank 0 would sit in the TP rendezvous until its 10-minute timeout; start-up
+    instead ends as soon as the follower's actor dies, naming it, and leaves no
+    placement group behind. Then a follower that reports its bytes did not land
+    fails that request (it used to start decoding without that rank's KV)."""
+    monkeypatch.setenv("RAYDIX_HOME", str(ray_session))
+    cluster = PDCluster(_config("qwen3", 1, 2, 4))
+    cluster.follower_cls = _FollowerWithoutShard
+    began = time.monotonic()
+    with pytest.raises(WorkerStartError, match=r"decode-0-\w+ rank 1 failed to start: .*rank shard could not be loaded"):
+        cluster.start()
+    assert time.monotonic() - began < 60
+    assert cluster.prefill == [] and cluster.decode == []
+    deadline = time.monotonic() + 10
+    while any(pg["state"] != "REMOVED" for pg in ray.util.placement_group_table().values()):
+        assert time.monotonic() < deadline, ray.util.placement_group_table()
+        time.sleep(0.2)
+
+    # a good cluster starts afterwards; there a follower's share of one request fails to land
+    cluster = PDCluster(_config("qwen3", 1, 2, 4))
+    cluster.follower_cls = _FollowerLosingOneTransfer
+    cluster.start()
+    batch = prompts(2, 5, 10, seed=4)
+    with pytest.raises(PDRequestError, match="injected: rank 1 lost its share"):
+        _generate_all(cluster, batch[:1])
+    cluster.check_integrity()  # the notice had come, so the slots are free at once (no quarantine)
+    outs = _generate_all(cluster, batch)
+    assert_greedy_parity(cluster.model_path, batch, [o["output_ids"] for o in outs], 8, [2])
     cluster.check_integrity()
     cluster.shutdown()

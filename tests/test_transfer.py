@@ -237,7 +237,7 @@ def _transfer(backend, kind, page_size, src_tp, dst_tp, seed, prefix_len=3, num_
         out = []
         for r, machine in enumerate(machines):
             machine.mark_done()
-            assert machine.poll() == KVPoll.Success, machine.failure_reason()
+            assert machine.wait() == KVPoll.Success, machine.failure_reason()
             expected = before[r]
             for s in range(src_tp):
                 expected = expected_after(
@@ -338,19 +338,50 @@ def test_shm_accepts_handles_instead_of_allocators():
 
 def test_torch_dist_receiver_times_out_and_unreachable_peer_fails():
     _, layout, tensors, _ = build_pool(RankSpec())
-    decode = create_agent("torch_dist", layout, tensors, timeout_s=0.1)
+    decode = create_agent("torch_dist", layout, tensors)
     prefill = create_agent("torch_dist", layout, snapshot(tensors), connect_timeout_s=0.3)
     try:
-        receiver = KVReceiver(decode, "r", 1)
+        receiver = KVReceiver(decode, "r", 1, land_timeout_s=0.1)
         handoff = receiver.send_metadata([5, 6])
+        began = time.monotonic()
         receiver.mark_done()  # the completion notice came, the bytes never did
-        assert receiver.poll() == KVPoll.Failed and "timed out after 0.1s waiting for 4 buffers" in receiver.failure_reason()
+        assert receiver.poll() == KVPoll.Transferring  # polling does not block the caller
+        assert time.monotonic() - began < 0.05
+        assert receiver.wait() == KVPoll.Failed
+        assert "timed out 0.1s after the completion notice waiting for 4 buffers" in receiver.failure_reason()
         ghost = KVHandoff.from_bytes(handoff.to_bytes())
         ghost.endpoint.update(port=1, agent_id="nobody")
         sender = KVSender(prefill, "r")
         sender.init(ghost)
         sender.send([1, 2])
         assert sender.poll() == KVPoll.Failed and "cannot reach the decode rank" in sender.failure_reason()
+    finally:
+        prefill.close()
+        decode.close()
+
+
+def test_torch_dist_notice_before_the_bytes_polls_without_blocking():
+    """A completion notice can overtake its bytes: the receiver then reports
+    Transferring (the decode loop goes on) and lands them once they arrive."""
+    _, layout, src, _ = build_pool(RankSpec("mha", 16))
+    _, dlayout, dst, _ = build_pool(RankSpec("mha", 16, seed=3))
+    before = snapshot(dst)
+    prefill, decode = create_agent("torch_dist", layout, src), create_agent("torch_dist", dlayout, dst)
+    try:
+        receiver = KVReceiver(decode, "r", 1)
+        handoff = receiver.send_metadata(range(32, 48))
+        receiver.mark_done()
+        for _ in range(3):
+            assert receiver.poll() == KVPoll.Transferring
+        assert_buffers_equal(dst, before)  # nothing written while in flight
+        sender = KVSender(prefill, "r")
+        sender.init(KVHandoff.from_bytes(handoff.to_bytes()))
+        sender.send(list(range(16, 32)))
+        assert sender.poll() == KVPoll.Success and receiver.wait() == KVPoll.Success, receiver.failure_reason()
+        expected = expected_after(RankSpec("mha", 16), layout, src, RankSpec("mha", 16), dlayout, before,
+                                  range(16, 32), range(32, 48), None, None)
+        assert_buffers_equal(dst, expected)
+        assert not decode._landing
     finally:
         prefill.close()
         decode.close()
@@ -402,7 +433,7 @@ def test_torch_dist_concurrent_requests_and_cancelled_ones():
         expected = before
         for receiver, handoff, src_slots in jobs[:4]:
             receiver.mark_done()
-            assert receiver.poll() == KVPoll.Success, receiver.failure_reason()
+            assert receiver.wait() == KVPoll.Success, receiver.failure_reason()
             expected = expected_after(RankSpec("mha", 16), layout, src, RankSpec("mha", 16), dlayout, expected,
                                       src_slots, handoff.dst_slots, None, None)
         assert_buffers_equal(dst, expected)

@@ -103,7 +103,7 @@ def test_torch_dist_gloo_across_processes_both_directions(peer):
         sender.init(KVHandoff.from_bytes(handoff.to_bytes()))
         sender.send(src_slots)
         receiver.mark_done()
-        assert sender.poll() == receiver.poll() == KVPoll.Success, receiver.failure_reason()
+        assert sender.poll() == receiver.wait() == KVPoll.Success, receiver.failure_reason()
     finally:
         prefill.close()
         decode.close()
@@ -146,3 +146,33 @@ def test_cuda_ipc_in_process():
     assert sender.poll() == receiver.poll() == KVPoll.Success
     for name in src:
         assert torch.equal(dst[name][32:48], src[name][16:32]) and not dst[name][16:32].any()
+
+
+@pytest.mark.gpu
+def test_torch_dist_between_cuda_pools_stages_through_host():
+    """The cross-node backend with device pools: rows gathered device→host, sent
+    over gloo, scattered host→device, exactly into the destination slots."""
+    from mem_cache.memory_pool import MHATokenToKVPool
+    from transfer.layout import pool_layout
+
+    pools = [MHATokenToKVPool(128, 16, torch.bfloat16, 4, 8, 2, device="cuda") for _ in range(2)]
+    (src_layout, src), (dst_layout, dst) = pool_layout(pools[0]), pool_layout(pools[1])
+    for t in src.values():
+        t.copy_(torch.randn_like(t, dtype=torch.bfloat16))
+    rng = np.random.default_rng(4)
+    src_slots = (rng.permutation(7)[:3, None] * 16 + 16 + np.arange(16)).ravel().tolist()
+    dst_slots = (rng.permutation(7)[:3, None] * 16 + 16 + np.arange(16)).ravel().tolist()
+    prefill, decode = create_agent("torch_dist", src_layout, src), create_agent("torch_dist", dst_layout, dst)
+    try:
+        receiver, sender = KVReceiver(decode, "r", 1), KVSender(prefill, "r")
+        sender.init(KVHandoff.from_bytes(receiver.send_metadata(dst_slots).to_bytes()))
+        sender.send(src_slots)
+        receiver.mark_done()
+        assert sender.poll() == receiver.wait() == KVPoll.Success, receiver.failure_reason()
+    finally:
+        prefill.close()
+        decode.close()
+    for name in src:
+        untouched = sorted(set(range(dst[name].shape[0])) - set(dst_slots))
+        assert torch.equal(dst[name][dst_slots], src[name][src_slots])
+        assert not dst[name][untouched].any()

@@ -29,7 +29,7 @@ class Peer:
     def land(self):
         """Completion notice: wait for the bytes; returns (state, reason, buffers)."""
         self.receiver.mark_done()
-        return int(self.receiver.poll()), self.receiver.failure_reason(), snapshot(self.pools[-1][1])
+        return int(self.receiver.wait()), self.receiver.failure_reason(), snapshot(self.pools[-1][1])
 
     def prefill(self, backend, spec, handoff_bytes, src_slots, src_state):
         """Build a prefill rank and push; returns (state, reason)."""

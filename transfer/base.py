@@ -14,8 +14,13 @@ connections and the attached peer buffers); per request and rank pair one
 Both are polled state machines (:class:`KVPoll`, totally ordered as SGLang's)::
 
     sender:   Bootstrapping --init(handoff)--> WaitingForInput --send()--> Transferring --> Success
-    receiver: Bootstrapping --send_metadata()--> WaitingForInput --data + notice--> Success
+    receiver: Bootstrapping --send_metadata()--> WaitingForInput --mark_done()--> Transferring --landed--> Success
     any state --timeout / abort / peer failure--> Failed (failure_reason says why)
+
+A receiver never blocks its caller: after the completion notice
+(``mark_done``) each ``poll`` asks the agent whether the bytes are in this
+rank's buffers (push backends: at once; message backends: once the last part
+arrived), so a decode loop keeps decoding while a transfer finishes.
 
 Head ranges: every head-sharded buffer row holds heads ``[head_start,
 head_start + num_heads)`` of ``total_heads``; a sender copies the
@@ -279,13 +284,16 @@ class KVReceiver(_Polled):
 
     ``send_metadata`` builds the hand-off (→ WaitingForInput). The sender's
     completion notice (through the workers' control plane) calls
-    :meth:`mark_done`; the receiver is Success once the notice came and the
-    backend reports the bytes landed (immediate for push backends).
+    :meth:`mark_done` (→ Transferring); ``poll`` turns Success once the agent
+    reports the bytes landed, or Failed if they have not ``land_timeout_s``
+    after the notice.
     """
 
-    def __init__(self, agent: "TransferAgent", rid: str, room: int, timeout_s: Optional[float] = None):
+    def __init__(self, agent: "TransferAgent", rid: str, room: int, timeout_s: Optional[float] = None,
+                 land_timeout_s: float = 30.0):
         super().__init__(timeout_s)
         self.agent, self.rid, self.room = agent, rid, room
+        self.land_timeout_s = land_timeout_s
         self.handoff: Optional[KVHandoff] = None
 
     def send_metadata(
@@ -308,14 +316,34 @@ class KVReceiver(_Polled):
             self.agent.cancel(self.handoff)
 
     def mark_done(self) -> None:
-        if self.poll() != KVPoll.WaitingForInput:
-            return
+        """The prefill side says every rank pushed: from now on wait only for the bytes."""
+        if self.poll() == KVPoll.WaitingForInput:
+            self._set(KVPoll.Transferring)
+            self.poll()
+
+    def poll(self) -> KVPoll:
+        state = super().poll()
+        if state != KVPoll.Transferring:
+            return state
         try:
-            self.agent.wait_landed(self.handoff)
+            landed = self.agent.landed(self.handoff)
         except Exception as exc:
             self.fail(f"{type(exc).__name__}: {exc}")
-            return
-        self._set(KVPoll.Success)
+            return self._state
+        if landed:
+            self._set(KVPoll.Success)
+        elif time.monotonic() - self._since > self.land_timeout_s:
+            self.fail(f"timed out {self.land_timeout_s:.1f}s after the completion notice waiting for "
+                      f"{self.agent.missing(self.handoff)}")
+        return self._state
+
+    def wait(self, interval_s: float = 0.0005) -> KVPoll:
+        """Poll until the transfer is no longer in flight (for callers with nothing else to do)."""
+        while True:
+            state = self.poll()
+            if state != KVPoll.Transferring:
+                return state
+            time.sleep(interval_s)
 
 
 class TransferAgent(abc.ABC):
@@ -354,8 +382,15 @@ class TransferAgent(abc.ABC):
     def expect(self, handoff: KVHandoff) -> None:
         """Decode side: get ready to receive (pull backends post their receives here)."""
 
-    def wait_landed(self, handoff: KVHandoff) -> None:
-        """Decode side: return once the bytes of ``handoff`` are in this rank's buffers."""
+    def landed(self, handoff: KVHandoff) -> bool:
+        """Decode side, after the completion notice, never blocking: whether the bytes
+        of ``handoff`` are in this rank's buffers (push backends: always). Raises
+        TransferError when they cannot arrive any more."""
+        return True
+
+    def missing(self, handoff: KVHandoff) -> str:
+        """What ``handoff`` still waits for, in words (for timeout messages)."""
+        return "the bytes"
 
     def cancel(self, handoff: KVHandoff) -> None:
         """Decode side: stop waiting for ``handoff`` (its receiver failed); bytes that

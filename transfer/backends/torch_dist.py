@@ -12,10 +12,10 @@ which buffers and heads the hand-off still misses.
 
 A push gathers every planned buffer's rows (one slice copy per run of
 consecutive source slots) into one contiguous uint8 payload and sends it in
-one message. ``wait_landed`` waits (``timeout_s``) until every needed head of
-every needed buffer arrived — from one prefill rank or several when TP sizes
-differ — and scatters the payloads into this rank's buffers, one slice copy
-per run of consecutive destination slots.
+one message. ``landed`` (polled by the receiver, never blocking) is true once
+every needed head of every needed buffer arrived — from one prefill rank or
+several when TP sizes differ — and then scatters the payloads into this
+rank's buffers, one slice copy per run of consecutive destination slots.
 
 CPU tensors over gloo; NCCL would need device tensors and is not wired yet.
 """
@@ -132,19 +132,25 @@ class TorchDistAgent(TransferAgent):
         with self._lock:
             self._landing[handoff.endpoint["tag"]] = landing
 
-    def wait_landed(self, handoff: KVHandoff) -> None:
+    def landed(self, handoff: KVHandoff) -> bool:
         tag = handoff.endpoint["tag"]
         with self._lock:
             landing = self._landing.get(tag)
             if landing is None:
                 raise TransferError(f"no transfer expected under tag {tag} (cancelled or already landed)")
-            done = self._lock.wait_for(lambda: landing.complete() or landing.error, self.timeout_s)
+            if landing.error:
+                self._landing.pop(tag, None)
+                raise TransferError(landing.error)
+            if not landing.complete():
+                return False
             self._landing.pop(tag, None)
-        if landing.error:
-            raise TransferError(landing.error)
-        if not done:
-            raise TransferError(f"timed out after {self.timeout_s:.1f}s waiting for {landing.missing()}")
         landing.scatter(self.buffers)
+        return True
+
+    def missing(self, handoff: KVHandoff) -> str:
+        with self._lock:
+            landing = self._landing.get(handoff.endpoint.get("tag"))
+            return landing.missing() if landing is not None else "nothing (no longer expected)"
 
     def cancel(self, handoff: KVHandoff) -> None:
         with self._lock:
