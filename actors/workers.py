@@ -40,6 +40,7 @@ from transfer.base import KVHandoff, check_compatible
 
 logger = logging.getLogger(__name__)
 CANCELLED_RIDS_KEPT = 65536  # aborted request ids a prefill worker remembers (refusing late arrivals)
+ENDED_EARLY_KEPT = 4096  # decode: requests that ended before their stream() came, kept to tell it why
 KV_EVENT_LOG_SIZE = 65536  # events a worker keeps for routers to pull; one further behind resyncs
 
 
@@ -310,6 +311,8 @@ class DecodeWorker(_Worker):
         self._init_kv_log()
         self._queues: Dict[str, asyncio.Queue] = {}
         self._streaming: set = set()  # rids whose stream() is reading their queue
+        # rid -> queue of a request that ended (failed transfer, timeout) before its stream() came
+        self._ended_early: "collections.OrderedDict[str, asyncio.Queue]" = collections.OrderedDict()
 
     async def reserve(self, rid: str, input_ids: List[int], sampling_params: Optional[Dict[str, Any]],
                       backend: Optional[str] = None) -> List[bytes]:
@@ -347,18 +350,44 @@ class DecodeWorker(_Worker):
         return out
 
     def _finished(self, rid: str) -> None:
-        if rid not in self._streaming:  # ended before anyone streamed it (timeout, abort): forget it
-            self._queues.pop(rid, None)
+        if rid in self._streaming:
+            return
+        queue = self._queues.pop(rid, None)
+        if queue is not None:  # ended before its stream() came: keep its last word for it
+            self._ended_early[rid] = queue
+            while len(self._ended_early) > ENDED_EARLY_KEPT:
+                self._ended_early.popitem(last=False)
+
+    @staticmethod
+    def _ended_error(rid: str, error: Optional[BaseException], what: str) -> PDRequestError:
+        if isinstance(error, PDRequestError):
+            return error
+        return PDRequestError(f"request {rid!r} {what}{f': {error}' if error else ''}")
 
     async def stream(self, rid: str, notice: Dict[str, Any]) -> AsyncIterator[Dict[str, Any]]:
-        """Deliver the prefill side's notice, then yield results until the request ends."""
+        """Deliver the prefill side's notice, then yield results until the request ends.
+        A request that already ended (its transfer failed or timed out) raises why."""
         queue = self._queues.get(rid)
         if queue is None:
-            raise PDRequestError(f"request {rid!r} has no reservation on this decode worker (never made, "
-                                 "timed out or aborted)")
+            ended, error = self._ended_early.pop(rid, None), None
+            while ended is not None and not ended.empty():
+                error = ended.get_nowait()[2] or error
+            raise self._ended_error(rid, error, "has no reservation on this decode worker (never made, timed out "
+                                               "or aborted)")
         if not self.loop.run_exclusive(lambda: self.scheduler.on_transfer_done(rid, notice)):
+            # it ended in the scheduler just now: its last output, with the reason, is on its way
+            error = None
+            try:
+                while True:
+                    _, done, step_error = await asyncio.wait_for(queue.get(), timeout=5.0)
+                    error = step_error or error
+                    if done:
+                        break
+            except asyncio.TimeoutError:
+                pass
             self._queues.pop(rid, None)
-            raise PDRequestError(f"request {rid!r} is no longer waiting for its KV (timed out or aborted)")
+            self._ended_early.pop(rid, None)
+            raise self._ended_error(rid, error, "is no longer waiting for its KV (timed out or aborted)")
         finished = False
         self._streaming.add(rid)
         try:

@@ -34,6 +34,8 @@ from __future__ import annotations
 
 import abc
 import enum
+import os
+import random
 import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -41,6 +43,10 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import msgpack
 
 HANDOFF_VERSION = 2
+# Fault injection for tests (SGLang's DISAGGREGATION_TEST_FAILURE_PROB): each poll of a
+# transfer still in flight fails it with this probability.
+FAILURE_PROB_ENV = "RAYDIX_TEST_TRANSFER_FAILURE_PROB"
+_fault_rng = random.Random()
 
 
 class KVPoll(enum.IntEnum):
@@ -223,6 +229,10 @@ class _Polled:
         waiting = self._state in (KVPoll.Bootstrapping, KVPoll.WaitingForInput)
         if waiting and self._timeout_s is not None and time.monotonic() - self._since > self._timeout_s:
             self.fail(f"timed out after {self._timeout_s:.1f}s in {self._state.name}")
+        if self._state not in (KVPoll.Failed, KVPoll.Success):
+            prob = float(os.environ.get(FAILURE_PROB_ENV) or 0.0)
+            if prob and _fault_rng.random() < prob:
+                self.fail(f"injected failure in {self._state.name} ({FAILURE_PROB_ENV}={prob})")
         return self._state
 
     def failure_reason(self) -> Optional[str]:
@@ -261,8 +271,11 @@ class KVSender(_Polled):
     def send(self, src_slots: Sequence[int], src_state_slot: Optional[int] = None) -> None:
         """Copy the KV of ``src_slots`` (one per token, matching ``dst_slots``) and
         the Mamba state slot to the decode rank. Failures end in Failed, not raises."""
-        if self.poll() != KVPoll.WaitingForInput:
-            raise TransferError(f"send() in state {self._state.name} for {self.rid}")
+        state = self.poll()
+        if state == KVPoll.Failed:  # timed out or aborted meanwhile: the reason is recorded
+            return
+        if state != KVPoll.WaitingForInput:
+            raise TransferError(f"send() in state {state.name} for {self.rid}")
         deadline = self.handoff.deadline
         if deadline is not None and time.time() > deadline:
             self.fail(f"the decode side's deadline passed {time.time() - deadline:.1f}s ago: its slots may be reused")
