@@ -348,7 +348,7 @@ class SWARadixCache(RadixCache):
     # ---- requests ----------------------------------------------------------------
     def window_start(self, seq_len: int) -> int:
         """First position whose SWA KV a sequence of ``seq_len`` tokens keeps: its
-        last ``sliding_window_size`` tokens, what the next token attends to."""
+        last ``sliding_window_size`` tokens (the next token attends to all but the first)."""
         return max(0, seq_len - self.sliding_window_size)
 
     def free_swa_out_of_window(self, req, seq_len: Optional[int] = None) -> int:

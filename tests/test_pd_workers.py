@@ -11,6 +11,7 @@ import torch
 
 from actors.engine.tiny import build_tiny_checkpoint
 from actors.pd_scheduler import PDRequestError
+from actors.rank import push_handoffs
 from actors.workers import DecodeWorker, PrefillWorker
 from tests.parity import assert_greedy_parity
 from tests.pd_helpers import prompts, run_batch, run_pd
@@ -139,20 +140,23 @@ def test_gemma3_through_pd_equals_a_single_engine_past_the_window(checkpoints, b
 def test_gemma3_prefix_hits_on_both_sides(checkpoints):
     """A follow-up turn (the first request's prompt and answer, then new tokens): the prefill
     side matches the first prompt; the decode side, whose tree kept the answer's last window,
-    matches prompt + answer, so only the new tail moves, full and SWA layers alike."""
+    matches prompt + answer, so only the new tail moves, full and SWA layers alike. The first
+    prompt plus a short tail: the window reaches into the prefill side's cached prefix, while
+    the decode side, where that prefix slid out of the window, matches nothing."""
     path = checkpoints["gemma3"]
     prefill, decode = make_pair(path)
     first = prompts(1, 40, 40, seed=23)[0]
     (final, _, _), = run_batch(prefill, decode, [first], PAST_WINDOW)
     turn = first + final["output_ids"][:-1]  # the answer's tokens that have KV
-    second = [turn + prompts(1, 5, 5, seed=24)[0], turn + prompts(1, 20, 20, seed=25)[0]]
+    second = [turn + prompts(1, 5, 5, seed=24)[0], turn + prompts(1, 20, 20, seed=25)[0],
+              first + prompts(1, 5, 5, seed=26)[0]]
     results = run_batch(prefill, decode, second, PAST_WINDOW)
-    for prompt, (final, notice, handoffs) in zip(second, results):
+    for prompt, decode_hit, (final, notice, handoffs) in zip(second, [len(turn), len(turn), 0], results):
         assert notice["cached_tokens"] == len(first)  # prefill side
         handoff = KVHandoff.from_bytes(handoffs[0])
-        assert handoff.dst_prefix_len == len(turn) == final["meta_info"]["cached_tokens"]  # decode side
-        assert len(handoff.dst_swa_slots) == min(WINDOW, len(prompt) - len(turn))
-        assert notice["transfer_bytes"] == expected_push_bytes(prefill, len(prompt), len(turn))
+        assert handoff.dst_prefix_len == decode_hit == final["meta_info"]["cached_tokens"]  # decode side
+        assert len(handoff.dst_swa_slots) == min(WINDOW, len(prompt) - decode_hit)
+        assert notice["transfer_bytes"] == expected_push_bytes(prefill, len(prompt), decode_hit)
     assert_greedy_parity(path, second, [r[0]["output_ids"] for r in results], 24)
     close(prefill, decode)
 
@@ -185,6 +189,22 @@ def test_gemma3_reservation_holds_the_window_only_and_aborts_free_both_pools(che
                 break
             await asyncio.sleep(0.01)
         assert free() == (full, swa)
+
+    asyncio.run(go())
+    close(prefill, decode)
+
+
+def test_a_window_without_swa_kv_is_not_pushed(checkpoints):
+    """SWA slot 0 is the padding row: a source window with a gap fails the push, never sends it."""
+    path = checkpoints["gemma3"]
+    prefill, decode = make_pair(path)
+
+    async def go():
+        handoffs = await decode.reserve("gap", prompts(1, 20, 20)[0], GREEDY)
+        src_row = list(range(1, 21))
+        moved, error = push_handoffs(prefill.agents, "gap", handoffs, src_row, None, [0] + list(range(1, WINDOW)))
+        assert moved == 0 and "asks for the SWA KV of 16 tokens; this rank has it for 15" in error
+        assert await decode.abort("gap", safe=True)
 
     asyncio.run(go())
     close(prefill, decode)
