@@ -74,10 +74,11 @@ def push_handoffs(agents: Dict[str, TransferAgent], rid: str, handoffs: Sequence
         except TransferError as exc:
             return moved, str(exc)
         num_swa = len(handoff.dst_swa_slots)
-        swa = list(src_swa[len(src_swa) - num_swa :])
-        if num_swa > len(src_swa) or 0 in swa:  # SWA slot 0 is the padding row: that token's SWA KV is gone
+        swa = list(src_swa)[-num_swa:] if num_swa else []
+        if len(swa) < num_swa or 0 in swa:  # SWA slot 0 is the padding row: that token's SWA KV is gone
             held = sum(1 for s in src_swa if s > 0)
-            return moved, f"decode rank {handoff.tp_rank} asks for the SWA KV of {num_swa} tokens; this rank has it for {held}"
+            return moved, (f"decode rank {handoff.tp_rank} asks for the SWA KV of {num_swa} tokens; "
+                           f"this rank has it for {held}")
         sender.send(list(src_row[handoff.dst_prefix_len :]), src_state_slot, swa)
         if sender.poll() != KVPoll.Success:
             return moved, f"KV transfer to decode rank {handoff.tp_rank} failed: {sender.failure_reason()}"
