@@ -138,26 +138,31 @@ def test_gemma3_through_pd_equals_a_single_engine_past_the_window(checkpoints, b
 
 
 def test_gemma3_prefix_hits_on_both_sides(checkpoints):
-    """A follow-up turn (the first request's prompt and answer, then new tokens): the prefill
-    side matches the first prompt; the decode side, whose tree kept the answer's last window,
+    """Follow-up turns (the first request's prompt and answer, then new tokens): the prefill
+    side matches what it prefilled; the decode side, whose tree kept the answer's last window,
     matches prompt + answer, so only the new tail moves, full and SWA layers alike. The first
     prompt plus a short tail: the window reaches into the prefill side's cached prefix, while
-    the decode side, where that prefix slid out of the window, matches nothing."""
+    on the decode side that prefix slid out of the window and nothing matches."""
     path = checkpoints["gemma3"]
     prefill, decode = make_pair(path)
     first = prompts(1, 40, 40, seed=23)[0]
     (final, _, _), = run_batch(prefill, decode, [first], PAST_WINDOW)
     turn = first + final["output_ids"][:-1]  # the answer's tokens that have KV
-    second = [turn + prompts(1, 5, 5, seed=24)[0], turn + prompts(1, 20, 20, seed=25)[0],
-              first + prompts(1, 5, 5, seed=26)[0]]
-    results = run_batch(prefill, decode, second, PAST_WINDOW)
-    for prompt, decode_hit, (final, notice, handoffs) in zip(second, [len(turn), len(turn), 0], results):
-        assert notice["cached_tokens"] == len(first)  # prefill side
+    cases = [  # (prompt, prefill hit, decode hit), one after the other
+        (turn + prompts(1, 5, 5, seed=24)[0], len(first), len(turn)),
+        (first + prompts(1, 5, 5, seed=26)[0], len(first), 0),
+        (turn + prompts(1, 20, 20, seed=25)[0], len(turn), len(turn)),  # the prefill side cached turn 1
+    ]
+    outputs = []
+    for prompt, prefill_hit, decode_hit in cases:
+        (final, notice, handoffs), = run_batch(prefill, decode, [prompt], PAST_WINDOW)
+        assert notice["cached_tokens"] == prefill_hit
         handoff = KVHandoff.from_bytes(handoffs[0])
-        assert handoff.dst_prefix_len == decode_hit == final["meta_info"]["cached_tokens"]  # decode side
+        assert handoff.dst_prefix_len == decode_hit == final["meta_info"]["cached_tokens"]
         assert len(handoff.dst_swa_slots) == min(WINDOW, len(prompt) - decode_hit)
         assert notice["transfer_bytes"] == expected_push_bytes(prefill, len(prompt), decode_hit)
-    assert_greedy_parity(path, second, [r[0]["output_ids"] for r in results], 24)
+        outputs.append(final["output_ids"])
+    assert_greedy_parity(path, [c[0] for c in cases], outputs, 24)
     close(prefill, decode)
 
 
