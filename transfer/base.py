@@ -62,9 +62,9 @@ class BufferLayout:
 
     ``index`` says what addresses its rows: ``"token"`` (KV slot numbers),
     ``"swa"`` (SWA slot numbers: sliding-window layers) or ``"state"`` (Mamba
-    state slots). ``row_shape``/``dtype`` describe one row
-    on *this* rank; ``head_axis`` is the axis of ``row_shape`` that holds
-    heads (``None``: replicated on every rank, e.g. the MLA latent).
+    state slots). ``row_shape``/``dtype`` describe one row on *this* rank;
+    ``head_axis`` is the axis of ``row_shape`` that holds heads (``None``:
+    replicated on every rank, e.g. the MLA latent).
     """
 
     name: str

@@ -59,7 +59,8 @@ def pool_layout(
         for i, kv in enumerate(kv_pool.kv_buffer):
             _add(entries, tensors, f"kv.{i}", kv, "token")
     else:
-        raise TypeError(f"{type(token_to_kv_pool).__name__} cannot be transferred yet (MHA, MLA, SWA and hybrid Mamba pools can)")
+        kind = type(token_to_kv_pool).__name__
+        raise TypeError(f"{kind} cannot be transferred yet (MHA, MLA, SWA and hybrid Mamba pools can)")
     if mamba_pool is not None:
         for s, state in enumerate(mamba_pool.states()):
             for layer in range(mamba_pool.num_mamba_layers):
