@@ -4,9 +4,10 @@ Prefill (``PrefillScheduler``): a request arrives with the decode side's
 hand-offs already taken by its senders. It is matched in the prefill
 worker's own radix cache and (chunk by chunk) prefilled as usual; when its
 last chunk is done the first output token is sampled, the KV of prompt tokens
-``[dst_prefix_len, prompt_len)`` (and the Mamba state) is pushed to the
-decode ranks, and only then is the prompt cached in the tree and its lock
-dropped. It never decodes.
+``[dst_prefix_len, prompt_len)`` (and the Mamba state; for sliding-window
+layers only the tokens of the last window) is pushed to the decode ranks,
+and only then is the prompt cached in the tree and its lock dropped. It
+never decodes.
 
 Decode (``DecodeScheduler``), queues in the order a request moves (SGLang's
 ``DecodePreallocQueue`` → ``DecodeTransferQueue`` → running)::
@@ -22,6 +23,12 @@ Slot bookkeeping of a decode request in transfer (positions in its row)::
 
     [0, prefix_len)             matched in the decode worker's own tree, locked
     [prefix_len, prompt_len)    its own slots; the prefill side writes them
+
+A sliding-window model's reservation takes full and SWA slots for
+``[prefix_len, prompt_len)`` and frees the SWA half of the tokens already
+outside the window at the prompt's end at once (``swa_evicted_seqlen``, as
+the engine frees them after a prefill); the hand-off names the SWA slots of
+the rest, ``[max(prefix_len, window_start), prompt_len)``.
 """
 
 from __future__ import annotations
@@ -92,15 +99,24 @@ class PrefillScheduler(Scheduler):
         req.finish({"type": "prefill_done"} if error is None else {"type": "abort", "message": error})
         self.tree_cache.cache_finished_req(req)
 
+    def _window_swa_slots(self, row: torch.Tensor) -> List[int]:
+        """SWA slots of the prompt's last window (``row``: its full slots); read before
+        the prompt is cached, as the tree may tombstone them from then on."""
+        if not self.swa:
+            return []
+        window = row[self.tree_cache.window_start(len(row)) :]
+        return self.runner.allocator.translate_loc_from_full_to_swa(window).tolist()
+
     def _push(self, req: Req) -> Optional[str]:
-        """Push the prompt's KV (and Mamba state) from every rank to the decode ranks."""
+        """Push the prompt's KV (the window's SWA KV, the Mamba state) from every rank to the decode ranks."""
         start = time.perf_counter()
         prompt_len = len(req.origin_input_ids)
-        src_row = self.runner.req_to_token_pool.req_to_token[req.req_pool_idx, :prompt_len].tolist()
+        row = self.runner.req_to_token_pool.req_to_token[req.req_pool_idx, :prompt_len]
+        src_row, src_swa = row.tolist(), self._window_swa_slots(row)
         try:
-            moved, error = push_handoffs(self.agents, req.rid, req.pd_handoffs, src_row, req.mamba_pool_idx)
+            moved, error = push_handoffs(self.agents, req.rid, req.pd_handoffs, src_row, req.mamba_pool_idx, src_swa)
             if error is None and self.tp_worker is not None:
-                payload = (req.rid, req.pd_handoffs, src_row, req.mamba_pool_idx)
+                payload = (req.rid, req.pd_handoffs, src_row, req.mamba_pool_idx, src_swa)
                 for reply in self.tp_worker.call_followers("push", payload):
                     if isinstance(reply, FollowerError):
                         error = reply.message
@@ -203,6 +219,8 @@ class DecodeScheduler(Scheduler):
         req.cache_protected_len = prefix_len
         req.kv_allocated_len = prompt_len
         req.cached_tokens = prefix_len
+        if self.swa:  # what the engine frees after a prefill: the SWA KV outside the prompt's last window
+            self.tree_cache.free_swa_out_of_window(req, seq_len=prompt_len)
         try:
             self._make_handoffs(req, prefix_len, prompt_len)
         except Exception as exc:  # no hand-off went out: nobody can write these slots, free them now
@@ -244,11 +262,15 @@ class DecodeScheduler(Scheduler):
         each rank's own layout, endpoint and receiver."""
         row = self.runner.req_to_token_pool.req_to_token[req.req_pool_idx]
         dst = row[prefix_len:prompt_len].tolist()
+        dst_swa = []
+        if self.swa:  # [swa_evicted_seqlen, prompt_len): the window's tokens this side does not hold
+            window = row[req.swa_evicted_seqlen : prompt_len]
+            dst_swa = self.runner.allocator.translate_loc_from_full_to_swa(window).tolist()
         agent = self.agents[req.pd_backend]
         req.pd_receiver = KVReceiver(agent, req.rid, req.pd_room, timeout_s=self.waiting_timeout_s)
-        handoffs = [req.pd_receiver.send_metadata(dst, req.mamba_pool_idx, prefix_len).to_bytes()]
+        handoffs = [req.pd_receiver.send_metadata(dst, req.mamba_pool_idx, prefix_len, dst_swa).to_bytes()]
         if self.has_followers:
-            payload = (req.rid, req.pd_room, req.pd_backend, dst, req.mamba_pool_idx, prefix_len)
+            payload = (req.rid, req.pd_room, req.pd_backend, dst, req.mamba_pool_idx, prefix_len, dst_swa)
             for reply in self.tp_worker.call_followers("expect", payload):
                 if isinstance(reply, FollowerError):
                     raise TransferError(reply.message)

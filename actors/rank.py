@@ -55,9 +55,11 @@ def serves(handoff: KVHandoff, agent: TransferAgent) -> bool:
 
 
 def push_handoffs(agents: Dict[str, TransferAgent], rid: str, handoffs: Sequence[bytes], src_row: Sequence[int],
-                  src_state_slot: Optional[int]) -> Tuple[int, Optional[str]]:
+                  src_state_slot: Optional[int], src_swa: Sequence[int] = ()) -> Tuple[int, Optional[str]]:
     """Push prompt tokens ``[handoff.dst_prefix_len, len(src_row))`` to every decode
-    rank this rank serves; returns (bytes moved, error or None)."""
+    rank this rank serves; returns (bytes moved, error or None). ``src_swa``: the
+    SWA slots of the prompt's last tokens (aligned to its end, as ``dst_swa_slots``),
+    at least as many as a hand-off asks for."""
     moved = 0
     for raw in handoffs:
         handoff = KVHandoff.from_bytes(raw)
@@ -71,7 +73,13 @@ def push_handoffs(agents: Dict[str, TransferAgent], rid: str, handoffs: Sequence
             sender.init(handoff)
         except TransferError as exc:
             return moved, str(exc)
-        sender.send(list(src_row[handoff.dst_prefix_len :]), src_state_slot)
+        num_swa = len(handoff.dst_swa_slots)
+        swa = list(src_swa)[-num_swa:] if num_swa else []
+        if len(swa) < num_swa or 0 in swa:  # SWA slot 0 is the padding row: that token's SWA KV is gone
+            held = sum(1 for s in src_swa if s > 0)
+            return moved, (f"decode rank {handoff.tp_rank} asks for the SWA KV of {num_swa} tokens; "
+                           f"this rank has it for {held}")
+        sender.send(list(src_row[handoff.dst_prefix_len :]), src_state_slot, swa)
         if sender.poll() != KVPoll.Success:
             return moved, f"KV transfer to decode rank {handoff.tp_rank} failed: {sender.failure_reason()}"
         moved += sender.bytes_sent
@@ -136,14 +144,14 @@ class TPFollower:
 
     # ---- prefill ranks ------------------------------------------------------------------
     def _push(self, payload) -> Tuple[int, Optional[str]]:
-        rid, handoffs, src_row, state_slot = payload
-        return push_handoffs(self.host.agents, rid, handoffs, src_row, state_slot)
+        rid, handoffs, src_row, state_slot, src_swa = payload
+        return push_handoffs(self.host.agents, rid, handoffs, src_row, state_slot, src_swa)
 
     # ---- decode ranks ---------------------------------------------------------------------
     def _expect(self, payload) -> bytes:
-        rid, room, backend, dst_slots, dst_state_slot, dst_prefix_len = payload
+        rid, room, backend, dst_slots, dst_state_slot, dst_prefix_len, dst_swa_slots = payload
         receiver = KVReceiver(self.host.agents[backend], rid, room, timeout_s=self.waiting_timeout_s)
-        handoff = receiver.send_metadata(dst_slots, dst_state_slot, dst_prefix_len)
+        handoff = receiver.send_metadata(dst_slots, dst_state_slot, dst_prefix_len, dst_swa_slots)
         self._receivers[rid] = receiver
         return handoff.to_bytes()
 

@@ -77,9 +77,8 @@ class _Worker:
         limit = self.runner.context_len
         if len(input_ids) >= limit:
             raise ValueError(f"prompt of {len(input_ids)} tokens does not fit the context length {limit}")
-        allocator = self.runner.allocator
-        pool_slots = allocator.num_pages * allocator.page_size
-        if len(input_ids) + 2 * allocator.page_size > pool_slots:  # it could never be admitted: don't queue it
+        page_size, pool_slots = self.config.page_size, self.scheduler.total_tokens()
+        if len(input_ids) + 2 * page_size > pool_slots:  # it could never be admitted: don't queue it
             raise ValueError(f"prompt of {len(input_ids)} tokens does not fit the {self.role} worker's KV pool "
                              f"of {pool_slots} slots")
         if params.stop and self.tokenizer is None:
@@ -146,8 +145,8 @@ class _Worker:
 
     def load(self) -> Dict[str, Any]:
         self._raise_if_broken()
-        sched, allocator = self.scheduler, self.runner.allocator
-        total = allocator.num_pages * allocator.page_size
+        sched = self.scheduler
+        total = sched.total_tokens()
         return {
             "worker_id": self.worker_id,
             "waiting": len(sched.waiting),
@@ -324,11 +323,11 @@ class DecodeWorker(_Worker):
         if backend not in self.agents:
             raise PDRequestError(f"backend {backend!r} not served here; this worker has {sorted(self.agents)}")
         req = self._make_req(rid, input_ids, sampling_params)
-        sched, allocator = self.scheduler, self.runner.allocator
+        sched = self.scheduler
         need = len(input_ids) + min(sched.num_reserved_decode_tokens, req.sampling_params.max_new_tokens)
-        if need + allocator.page_size > allocator.num_pages * allocator.page_size:  # could never be reserved
+        if need + self.config.page_size > sched.total_tokens():  # could never be reserved
             raise ValueError(f"prompt of {len(input_ids)} tokens plus {need - len(input_ids)} reserved for new tokens "
-                             f"does not fit the decode worker's KV pool of {allocator.num_pages * allocator.page_size} slots")
+                             f"does not fit the decode worker's KV pool of {sched.total_tokens()} slots")
         req.pd_room = random.getrandbits(63)
         req.pd_backend = backend
         queue = self._submit(req)

@@ -145,3 +145,16 @@ def test_rank_failures_at_start_up_and_at_landing(ray_session, monkeypatch):
     assert_greedy_parity(cluster.model_path, batch, [o["output_ids"] for o in outs], 8, [2])
     cluster.check_integrity()
     cluster.shutdown()
+
+
+def test_gemma3_prefill_tp1_to_decode_tp2(ray_session, monkeypatch):
+    """Sliding-window layers are head-sharded like the full ones: each decode rank takes its
+    half of both, the window's SWA rows landing in the SWA slots rank 0 reserved (its follower
+    learns them in the "expect" call and mirrors rank 0's full→SWA map)."""
+    monkeypatch.setenv("RAYDIX_HOME", str(ray_session))
+    cluster = PDCluster(_config("gemma3", 1, 2, 1)).start()
+    batch = prompts(3, 20, 40, seed=4)  # past the 16-token window
+    outs = _generate_all(cluster, batch)
+    assert_greedy_parity(cluster.model_path, batch, [o["output_ids"] for o in outs], 8, [2])
+    cluster.check_integrity()
+    cluster.shutdown()

@@ -1,15 +1,17 @@
 """Prefill and decode workers in one process (no Ray), KV moving through shared
-memory: greedy tokens equal HF transformers' for the dense, hybrid (Mamba) and
-MLA families; prefix hits on either side; chunked prefill; decode retraction;
-layout mismatch, timeouts and aborts free everything."""
+memory: greedy tokens equal HF transformers' for the dense, hybrid (Mamba),
+MLA and sliding-window (Gemma 3) families; prefix hits on either side; chunked
+prefill; decode retraction; layout mismatch, timeouts and aborts free everything."""
 
 import asyncio
 import time
 
 import pytest
+import torch
 
 from actors.engine.tiny import build_tiny_checkpoint
 from actors.pd_scheduler import PDRequestError
+from actors.rank import push_handoffs
 from actors.workers import DecodeWorker, PrefillWorker
 from tests.parity import assert_greedy_parity
 from tests.pd_helpers import prompts, run_batch, run_pd
@@ -21,13 +23,13 @@ GREEDY = {"max_new_tokens": 8, "temperature": 0}
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("pd-models")
-    return {f: str(build_tiny_checkpoint(f, root / f)) for f in ("llama", "qwen3_next", "deepseek_v3")}
+    return {f: str(build_tiny_checkpoint(f, root / f)) for f in ("llama", "qwen3_next", "deepseek_v3", "gemma3")}
 
 
-def make_pair(path, page_size=1, prefill_args=None, decode_args=None, **decode_kwargs):
+def make_pair(path, page_size=1, prefill_args=None, decode_args=None, backend="shm", **decode_kwargs):
     base = dict(max_total_tokens=2048, page_size=page_size, skip_tokenizer_init=True)
-    prefill = PrefillWorker(path, dict(base, **(prefill_args or {})), backend="shm")
-    decode = DecodeWorker(path, dict(base, **(decode_args or {})), backend="shm", **decode_kwargs)
+    prefill = PrefillWorker(path, dict(base, **(prefill_args or {})), backend=backend)
+    decode = DecodeWorker(path, dict(base, **(decode_args or {})), backend=backend, **decode_kwargs)
     return prefill, decode
 
 
@@ -93,6 +95,126 @@ def test_prefix_hits_on_both_sides(checkpoints):
     close(prefill, decode)
 
 
+# ---- sliding-window layers (Gemma 3): only the window moves -------------------------------------
+WINDOW = 16  # the tiny Gemma 3's sliding window
+PAST_WINDOW = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
+
+
+def row_bytes(worker):
+    """Bytes one token's KV takes in the full-attention and in the sliding-window layers."""
+    agent = next(iter(worker.agents.values()))
+    per_index = {"token": 0, "swa": 0}
+    for b in agent.layout.buffers:
+        t = agent.buffers[b.name]
+        per_index[b.index] += t[0].numel() * t.element_size()
+    return per_index["token"], per_index["swa"]
+
+
+def expected_push_bytes(worker, prompt_len, dst_prefix_len):
+    """``[dst_prefix_len, prompt_len)`` of the full layers; of the SWA layers only what of it is in the window."""
+    full, swa = row_bytes(worker)
+    return (prompt_len - dst_prefix_len) * full + min(WINDOW, prompt_len - dst_prefix_len) * swa
+
+
+@pytest.mark.parametrize("backend", ["shm", "torch_dist"])
+def test_gemma3_through_pd_equals_a_single_engine_past_the_window(checkpoints, backend):
+    """Prompts longer than the window (prefilled in chunks) and generations past it: the tokens
+    equal a single engine's and HF's, and per request exactly the window's SWA KV moved."""
+    from actors.engine import Engine
+
+    path = checkpoints["gemma3"]
+    prefill, decode = make_pair(path, prefill_args={"chunked_prefill_size": 8}, backend=backend)
+    batch = prompts(3, 20, 40, seed=21) + prompts(1, 5, 5, seed=22)  # and one shorter than the window
+    results = run_batch(prefill, decode, batch, PAST_WINDOW)
+    outputs = [r[0]["output_ids"] for r in results]
+    engine = Engine(model_path=path, max_total_tokens=2048, skip_tokenizer_init=True)
+    try:
+        assert outputs == [o["output_ids"] for o in engine.generate(input_ids=batch, sampling_params=PAST_WINDOW)]
+    finally:
+        engine.shutdown()
+    assert_greedy_parity(path, batch, outputs, 24)
+    assert [r[1]["transfer_bytes"] for r in results] == [expected_push_bytes(prefill, len(p), 0) for p in batch]
+    close(prefill, decode)
+
+
+def test_gemma3_prefix_hits_on_both_sides(checkpoints):
+    """Follow-up turns (the first request's prompt and answer, then new tokens): the prefill
+    side matches what it prefilled; the decode side, whose tree kept the answer's last window,
+    matches prompt + answer, so only the new tail moves, full and SWA layers alike. The first
+    prompt plus a short tail: the window reaches into the prefill side's cached prefix, while
+    on the decode side that prefix slid out of the window and nothing matches."""
+    path = checkpoints["gemma3"]
+    prefill, decode = make_pair(path)
+    first = prompts(1, 40, 40, seed=23)[0]
+    (final, _, _), = run_batch(prefill, decode, [first], PAST_WINDOW)
+    turn = first + final["output_ids"][:-1]  # the answer's tokens that have KV
+    cases = [  # (prompt, prefill hit, decode hit), one after the other
+        (turn + prompts(1, 5, 5, seed=24)[0], len(first), len(turn)),
+        (first + prompts(1, 5, 5, seed=26)[0], len(first), 0),
+        (turn + prompts(1, 20, 20, seed=25)[0], len(turn), len(turn)),  # the prefill side cached turn 1
+    ]
+    outputs = []
+    for prompt, prefill_hit, decode_hit in cases:
+        (final, notice, handoffs), = run_batch(prefill, decode, [prompt], PAST_WINDOW)
+        assert notice["cached_tokens"] == prefill_hit
+        handoff = KVHandoff.from_bytes(handoffs[0])
+        assert handoff.dst_prefix_len == decode_hit == final["meta_info"]["cached_tokens"]
+        assert len(handoff.dst_swa_slots) == min(WINDOW, len(prompt) - decode_hit)
+        assert notice["transfer_bytes"] == expected_push_bytes(prefill, len(prompt), decode_hit)
+        outputs.append(final["output_ids"])
+    assert_greedy_parity(path, [c[0] for c in cases], outputs, 24)
+    close(prefill, decode)
+
+
+def test_gemma3_reservation_holds_the_window_only_and_aborts_free_both_pools(checkpoints):
+    """A reservation takes full slots for the prompt but keeps SWA slots for its last window
+    only, and names exactly those in the hand-off; a safe abort frees both pools at once, an
+    unconfirmed one after its quarantine."""
+    path = checkpoints["gemma3"]
+    prefill, decode = make_pair(path, waiting_timeout_s=0.3)
+    alloc = decode.runner.allocator
+    ids = prompts(2, 40, 40, seed=26)
+
+    def free():
+        return decode.loop.run_exclusive(lambda: (alloc.full_available_size(), alloc.swa_available_size()))
+
+    async def go():
+        full, swa = free()
+        handoff = KVHandoff.from_bytes((await decode.reserve("a", ids[0], GREEDY))[0])
+        assert free() == (full - 40, swa - WINDOW)
+        mapping = alloc.full_to_swa_index_mapping
+        dst = torch.tensor(handoff.dst_slots)
+        assert mapping[dst[-WINDOW:]].tolist() == handoff.dst_swa_slots and not mapping[dst[:-WINDOW]].any()
+        await decode.reserve("b", ids[1], GREEDY)
+        assert await decode.abort("a", safe=True)
+        assert free() == (full - 40, swa - WINDOW)
+        assert await decode.abort("b")  # quarantined until its deadline has passed
+        for _ in range(300):
+            if free() == (full, swa):
+                break
+            await asyncio.sleep(0.01)
+        assert free() == (full, swa)
+
+    asyncio.run(go())
+    close(prefill, decode)
+
+
+def test_a_window_without_swa_kv_is_not_pushed(checkpoints):
+    """SWA slot 0 is the padding row: a source window with a gap fails the push, never sends it."""
+    path = checkpoints["gemma3"]
+    prefill, decode = make_pair(path)
+
+    async def go():
+        handoffs = await decode.reserve("gap", prompts(1, 20, 20)[0], GREEDY)
+        src_row = list(range(1, 21))
+        moved, error = push_handoffs(prefill.agents, "gap", handoffs, src_row, None, [0] + list(range(1, WINDOW)))
+        assert moved == 0 and "asks for the SWA KV of 16 tokens; this rank has it for 15" in error
+        assert await decode.abort("gap", safe=True)
+
+    asyncio.run(go())
+    close(prefill, decode)
+
+
 def test_chunked_prefill_then_transfer(checkpoints):
     path = checkpoints["qwen3_next"]
     prefill, decode = make_pair(path, prefill_args={"chunked_prefill_size": 16})
@@ -102,8 +224,9 @@ def test_chunked_prefill_then_transfer(checkpoints):
     close(prefill, decode)
 
 
-def test_decode_retracts_under_kv_pressure_and_recomputes(checkpoints):
-    path = checkpoints["llama"]
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_decode_retracts_under_kv_pressure_and_recomputes(checkpoints, family):
+    path = checkpoints[family]
     decode_args = {"max_total_tokens": 160, "init_new_token_ratio": 0.02, "min_new_token_ratio": 0.02}
     prefill, decode = make_pair(path, decode_args=decode_args, num_reserved_decode_tokens=2)
     batch = prompts(6, 10, 20, seed=5)
@@ -232,7 +355,7 @@ def test_bad_requests_fail_clearly(checkpoints):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("family", ["llama", "qwen3_next"])
+@pytest.mark.parametrize("family", ["llama", "qwen3_next", "gemma3"])
 def test_pd_on_cuda_with_cuda_ipc_pools(checkpoints, family):
     """The CUDA path: decode pools from a private MemPool exported over CUDA IPC,
     compiled Triton attention; tokens still equal HF's (HF on the CPU)."""

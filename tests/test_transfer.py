@@ -17,7 +17,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import transfer.plan
-from tests.transfer_helpers import RankSpec, assert_buffers_equal, build_pool, expected_after, request, snapshot
+from tests.transfer_helpers import (
+    SWA_SIZE,
+    RankSpec,
+    assert_buffers_equal,
+    build_pool,
+    expected_after,
+    request,
+    snapshot,
+    swa_window,
+)
 from transfer import (
     KVHandoff,
     KVPoll,
@@ -93,6 +102,8 @@ def _handoff(spec=RankSpec("hybrid", 16), **kw) -> KVHandoff:
 def test_handoff_round_trips_through_bytes():
     h = _handoff()
     assert KVHandoff.from_bytes(h.to_bytes()) == h
+    swa = _handoff(RankSpec("swa"), dst_state_slot=None, dst_swa_slots=[9, 3, 4])
+    assert KVHandoff.from_bytes(swa.to_bytes()) == swa
     cuda_like = _handoff(endpoint={"handles": b"\x80\x04pickled"})
     assert KVHandoff.from_bytes(cuda_like.to_bytes()).endpoint["handles"] == b"\x80\x04pickled"
 
@@ -110,6 +121,19 @@ def test_handoff_version_mismatch_and_malformed_bytes_are_rejected():
         KVHandoff.from_bytes(truncated)
 
 
+def test_a_hand_off_from_before_swa_slots_is_rejected():
+    """Version 2 had no ``dst_swa_slots``: read as version 3, a sliding-window model's
+    window would silently not move."""
+    import msgpack
+
+    raw = msgpack.unpackb(_handoff().to_bytes())
+    del raw["dst_swa_slots"]
+    raw["version"] = 2
+    assert HANDOFF_VERSION == 3
+    with pytest.raises(TransferError, match="hand-off version 2, this build speaks 3"):
+        KVHandoff.from_bytes(msgpack.packb(raw))
+
+
 @pytest.mark.parametrize(
     "other, message",
     [
@@ -124,6 +148,28 @@ def test_layout_mismatch_is_rejected_with_a_clear_message(other, message):
     _, theirs, _, _ = build_pool(other)
     with pytest.raises(LayoutMismatchError, match=message):
         check_compatible(mine, theirs)
+
+
+def test_swa_pool_layout_names_its_sliding_window_layers_apart():
+    pool, layout, tensors, _ = build_pool(RankSpec("swa", tp_rank=1, tp_size=2))
+    by_name = layout.by_name()
+    assert sorted(by_name) == ["k.0", "swa_k.0", "swa_k.1", "swa_v.0", "swa_v.1", "v.0"]
+    assert {by_name[n].index for n in ("k.0", "v.0")} == {"token"}
+    for name in ("swa_k.0", "swa_v.1"):
+        b = by_name[name]
+        assert (b.index, b.head_axis, b.head_start, b.num_heads, b.total_heads) == ("swa", 0, 2, 2, 4)
+        assert tensors[name].shape[0] == SWA_SIZE + 1  # rows are SWA slots
+    assert tensors["swa_k.1"] is pool.swa_kv_pool.k_buffer[1] and tensors["k.0"] is pool.full_kv_pool.k_buffer[0]
+
+
+def test_swa_layout_mismatch_is_rejected():
+    _, mine, _, _ = build_pool(RankSpec("swa", swa_layers=(0, 2)))
+    _, theirs, _, _ = build_pool(RankSpec("swa", swa_layers=(0, 1, 2)))
+    with pytest.raises(LayoutMismatchError, match="split into sliding-window and full-attention layers differs"):
+        check_compatible(mine, theirs)
+    _, dense, _, _ = build_pool(RankSpec("mha"))  # a dense model's k.1/v.1 are not a sliding-window model's
+    with pytest.raises(LayoutMismatchError, match=r"only on prefill \['swa_k.0'"):
+        check_compatible(mine, dense)
 
 
 def test_missing_buffer_and_mamba_tp_mismatch_are_rejected():
@@ -212,11 +258,16 @@ def test_slot_count_mismatch_fails_not_raises(fake_pair):
     sender.init(KVReceiver(decode, "r", 1).send_metadata([3, 4]))
     sender.send([1])
     assert sender.poll() == KVPoll.Failed and "1 source slots for 2" in sender.failure_reason()
+    swa = KVSender(prefill, "r")
+    swa.init(KVReceiver(decode, "r", 1).send_metadata([3, 4], dst_swa_slots=[7, 8]))
+    swa.send([1, 2], None, [5])
+    assert swa.poll() == KVPoll.Failed and "1 source SWA slots for 2 destination SWA slots" in swa.failure_reason()
 
 
 # ---- backends in one process -----------------------------------------------------------------
-def _transfer(backend, kind, page_size, src_tp, dst_tp, seed, prefix_len=3, num_tokens=37):
-    """Every prefill rank pushes to every decode rank; returns per decode rank (actual, expected)."""
+def _transfer(backend, kind, page_size, src_tp, dst_tp, seed, prefix_len=3, num_tokens=37, window=16):
+    """Every prefill rank pushes to every decode rank; returns per decode rank (actual, expected).
+    ``kind="swa"``: the sliding-window layers take ``window`` random SWA slots."""
     rng = np.random.default_rng(seed)
     srcs = [build_pool(RankSpec(kind, page_size, r, src_tp, seed=seed + r)) for r in range(src_tp)]
     dsts = [build_pool(RankSpec(kind, page_size, r, dst_tp, shared=True, seed=seed + 50 + r)) for r in range(dst_tp)]
@@ -225,14 +276,15 @@ def _transfer(backend, kind, page_size, src_tp, dst_tp, seed, prefix_len=3, num_
     try:
         src_slots, dst_slots = request(rng, page_size, num_tokens, prefix_len)
         states = (2, 4) if kind == "hybrid" else (None, None)
+        src_swa, dst_swa = swa_window(rng, window) if kind == "swa" else ((), ())
         before = [snapshot(t) for _, _, t, _ in dsts]
         machines = [KVReceiver(agent, "req", 11) for agent in receivers]
-        handoffs = [m.send_metadata(dst_slots, states[1], prefix_len).to_bytes() for m in machines]
+        handoffs = [m.send_metadata(dst_slots, states[1], prefix_len, dst_swa).to_bytes() for m in machines]
         for agent in senders:
             for wire in handoffs:
                 sender = KVSender(agent, "req")
                 sender.init(KVHandoff.from_bytes(wire))
-                sender.send(torch.as_tensor(src_slots), states[0])
+                sender.send(torch.as_tensor(src_slots), states[0], src_swa)
                 assert sender.poll() == KVPoll.Success, sender.failure_reason()
         out = []
         for r, machine in enumerate(machines):
@@ -242,7 +294,7 @@ def _transfer(backend, kind, page_size, src_tp, dst_tp, seed, prefix_len=3, num_
             for s in range(src_tp):
                 expected = expected_after(
                     RankSpec(kind, page_size, s, src_tp), srcs[s][1], srcs[s][2], RankSpec(kind, page_size, r, dst_tp),
-                    dsts[r][1], expected, src_slots, dst_slots, *states,
+                    dsts[r][1], expected, src_slots, dst_slots, *states, src_swa, dst_swa,
                 )
             out.append((dsts[r][2], expected))
         return out
@@ -261,12 +313,14 @@ def copy_path(request, monkeypatch):
 
 SHM_CASES = [
     (kind, page_size, src_tp, dst_tp)
-    for kind in ("mha", "mla", "hybrid")
+    for kind in ("mha", "mla", "hybrid", "swa")
     for page_size in (1, 16)
     for src_tp, dst_tp in ((1, 1), (1, 2), (2, 1))
-    if kind != "hybrid" or src_tp == dst_tp
+    if (kind != "hybrid" or src_tp == dst_tp) and (kind != "swa" or page_size == 1)  # SWA caches are per token
 ]
-TORCH_DIST_CASES = [("mha", 16, 1, 1), ("mha", 1, 1, 2), ("mha", 1, 2, 1), ("mla", 16, 2, 1), ("hybrid", 1, 1, 1)]
+TORCH_DIST_CASES = [
+    ("mha", 16, 1, 1), ("mha", 1, 1, 2), ("mha", 1, 2, 1), ("mla", 16, 2, 1), ("hybrid", 1, 1, 1), ("swa", 1, 1, 2),
+]
 
 
 @pytest.mark.parametrize("kind, page_size, src_tp, dst_tp", SHM_CASES)

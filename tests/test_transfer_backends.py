@@ -14,7 +14,15 @@ import numpy as np
 import pytest
 import torch
 
-from tests.transfer_helpers import RankSpec, assert_buffers_equal, build_pool, expected_after, request, snapshot
+from tests.transfer_helpers import (
+    RankSpec,
+    assert_buffers_equal,
+    build_pool,
+    expected_after,
+    request,
+    snapshot,
+    swa_window,
+)
 from tests.transfer_peer import serve
 from transfer import KVHandoff, KVPoll, KVReceiver, KVSender, create_agent
 
@@ -54,26 +62,28 @@ def _push_to_peer(peer, backend, spec_src, spec_dst, seed):
     rng = np.random.default_rng(seed)
     src_slots, dst_slots = request(rng, spec_src.page_size, 45, prefix_len=2)
     states = (1, 5) if spec_src.kind == "hybrid" else (None, None)
-    wire, before = peer("decode", backend, spec_dst, dst_slots.tolist(), states[1], 2)
+    src_swa, dst_swa = (a.tolist() for a in swa_window(rng, 16)) if spec_src.kind == "swa" else ((), ())
+    wire, before = peer("decode", backend, spec_dst, dst_slots.tolist(), states[1], 2, dst_swa)
     _, layout, tensors, _ = build_pool(spec_src)
     agent = create_agent(backend, layout, tensors, spec_src.tp_rank, spec_src.tp_size)
     try:
         sender = KVSender(agent, "req")
         handoff = KVHandoff.from_bytes(wire)
         sender.init(handoff)
-        sender.send(src_slots, states[0])
+        sender.send(src_slots, states[0], src_swa)
         assert sender.poll() == KVPoll.Success, sender.failure_reason()
         state, reason, after = peer("land")
         assert state == KVPoll.Success, reason
     finally:
         agent.close()
-    expected = expected_after(spec_src, layout, tensors, spec_dst, handoff.layout, before, src_slots, dst_slots, *states)
+    expected = expected_after(spec_src, layout, tensors, spec_dst, handoff.layout, before, src_slots, dst_slots, *states,
+                              src_swa, dst_swa)
     assert_buffers_equal(after, expected)
 
 
 @pytest.mark.parametrize(
     "kind, page_size, dst_tp_rank, dst_tp_size",
-    [("mha", 16, 1, 2), ("hybrid", 1, 0, 1), ("mla", 16, 0, 1)],
+    [("mha", 16, 1, 2), ("hybrid", 1, 0, 1), ("mla", 16, 0, 1), ("swa", 1, 0, 2)],
 )
 def test_shm_across_processes(peer, kind, page_size, dst_tp_rank, dst_tp_size):
     src = RankSpec(kind, page_size, seed=3)
@@ -83,6 +93,7 @@ def test_shm_across_processes(peer, kind, page_size, dst_tp_rank, dst_tp_size):
 
 def test_torch_dist_gloo_across_processes_both_directions(peer):
     _push_to_peer(peer, "torch_dist", RankSpec("hybrid", 16, seed=1), RankSpec("hybrid", 16, seed=2), seed=8)
+    _push_to_peer(peer, "torch_dist", RankSpec("swa", 1, seed=3), RankSpec("swa", 1, seed=4), seed=9)
     # Prefill TP 2 → decode TP 1: the peer is prefill rank 1 (heads [2, 4)), this
     # process both prefill rank 0 (heads [0, 2)) and the decode rank, which lands
     # only once both halves arrived.

@@ -10,7 +10,7 @@ backends are held against).
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Dict, Optional, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -18,17 +18,20 @@ import torch
 from mem_cache.buffer_allocator import LocalBufferAllocator, SharedMemoryBufferAllocator
 from mem_cache.mamba_pool import HybridLinearKVPool, MambaPool
 from mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
+from mem_cache.swa_memory_pool import SWAKVPool
 from transfer.layout import pool_allocators, pool_layout
 from transfer.plan import plan_copies
 
 SIZE = 96  # slots per pool (plus one page of dummy rows)
+SWA_SIZE = 40  # slots of a sliding-window pool's SWA half
 HEADS, HEAD_DIM, LAYERS = 4, 8, 2
 STATE_SLOTS = 6
 
 
 @dataclass(frozen=True)
 class RankSpec:
-    """One rank's pools: ``kind`` is "mha", "mla" or "hybrid"."""
+    """One rank's pools: ``kind`` is "mha", "mla", "hybrid" or "swa" (3 layers,
+    ``swa_layers`` of them sliding-window)."""
 
     kind: str = "mha"
     page_size: int = 1
@@ -38,6 +41,7 @@ class RankSpec:
     shared: bool = False
     seed: int = 0
     head_dim: int = HEAD_DIM
+    swa_layers: Tuple[int, ...] = (0, 2)
 
     def at(self, **changes) -> "RankSpec":
         return replace(self, **changes)
@@ -59,6 +63,10 @@ def build_pool(spec: RankSpec):
             buffer_allocator=alloc,
         )
         pool = HybridLinearKVPool(SIZE, spec.page_size, dtype, heads, spec.head_dim, [1, 3], mamba, buffer_allocator=alloc)
+    elif spec.kind == "swa":
+        full = [i for i in range(3) if i not in spec.swa_layers]
+        pool = SWAKVPool(SIZE, SWA_SIZE, spec.page_size, dtype, heads, spec.head_dim, spec.swa_layers, full,
+                         buffer_allocator=alloc)
     else:
         raise ValueError(spec.kind)
     layout, tensors = pool_layout(pool, kv_head_start=start, total_kv_heads=HEADS)
@@ -85,12 +93,15 @@ def snapshot(tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
 def expected_after(
     src_spec: RankSpec, src_layout, src: Dict[str, torch.Tensor], dst_spec: RankSpec, dst_layout,
     dst_before: Dict[str, torch.Tensor], src_slots, dst_slots, src_state: Optional[int], dst_state: Optional[int],
+    src_swa: Sequence[int] = (), dst_swa: Sequence[int] = (),
 ) -> Dict[str, torch.Tensor]:
     """The destination buffers after the push, row by row and head by head."""
     out = snapshot(dst_before)
     with_state = src_state is not None and dst_state is not None
+    pairs_by_index = {"token": list(zip(src_slots, dst_slots)), "swa": list(zip(src_swa, dst_swa)),
+                      "state": [(src_state, dst_state)]}
     for copy in plan_copies(src_layout, dst_layout, src_spec.tp_rank, src_spec.tp_size, dst_spec.tp_rank, with_state):
-        pairs = [(src_state, dst_state)] if copy.index == "state" else list(zip(src_slots, dst_slots))
+        pairs = pairs_by_index[copy.index]
         for s, d in pairs:
             if copy.head_axis is None:
                 out[copy.name][int(d)] = src[copy.name][int(s)]
@@ -108,6 +119,12 @@ def assert_buffers_equal(actual: Dict[str, torch.Tensor], expected: Dict[str, to
         a, e = actual[name].view(torch.uint8), expected[name].view(torch.uint8)
         bad = (a != e).reshape(a.shape[0], -1).any(dim=1).nonzero().flatten().tolist()
         assert not bad, f"{name}: rows {bad[:8]} differ"
+
+
+def swa_window(rng: np.random.Generator, num_tokens: int) -> Tuple[np.ndarray, np.ndarray]:
+    """Random source and destination SWA slots (distinct, real rows) of a window of ``num_tokens``."""
+    src, dst = (rng.choice(np.arange(1, SWA_SIZE + 1), num_tokens, replace=False) for _ in range(2))
+    return src, dst
 
 
 def request(rng: np.random.Generator, page_size: int, num_tokens: int, prefix_len: int = 0) -> Tuple[np.ndarray, np.ndarray]:

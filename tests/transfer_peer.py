@@ -18,25 +18,25 @@ class Peer:
     def __init__(self):
         self.pools, self.agents, self.receiver = [], [], None
 
-    def decode(self, backend, spec, dst_slots, dst_state, prefix_len, timeout_s=None):
+    def decode(self, backend, spec, dst_slots, dst_state, prefix_len, dst_swa=(), timeout_s=None):
         """Build a decode rank; returns the hand-off bytes and the buffers before."""
         pool, layout, tensors, allocators = build_pool(spec)
         self.pools.append((pool, tensors, allocators))
         agent = self._agent(backend, layout, tensors, spec, allocators)
         self.receiver = KVReceiver(agent, "req", 1, timeout_s)
-        return self.receiver.send_metadata(dst_slots, dst_state, prefix_len).to_bytes(), snapshot(tensors)
+        return self.receiver.send_metadata(dst_slots, dst_state, prefix_len, dst_swa).to_bytes(), snapshot(tensors)
 
     def land(self):
         """Completion notice: wait for the bytes; returns (state, reason, buffers)."""
         self.receiver.mark_done()
         return int(self.receiver.wait()), self.receiver.failure_reason(), snapshot(self.pools[-1][1])
 
-    def prefill(self, backend, spec, handoff_bytes, src_slots, src_state):
+    def prefill(self, backend, spec, handoff_bytes, src_slots, src_state, src_swa=()):
         """Build a prefill rank and push; returns (state, reason)."""
         _, layout, tensors, _ = build_pool(spec)
         sender = KVSender(self._agent(backend, layout, tensors, spec, ()), "req")
         sender.init(KVHandoff.from_bytes(handoff_bytes))
-        sender.send(src_slots, src_state)
+        sender.send(src_slots, src_state, src_swa)
         return int(sender.poll()), sender.failure_reason()
 
     def unlink(self):

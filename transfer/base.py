@@ -27,7 +27,8 @@ head_start + num_heads)`` of ``total_heads``; a sender copies the
 intersection of its range and the receiver's, so prefill and decode may use
 different TP sizes. Replicated buffers (MLA latent, ``head_axis=None``) are
 copied whole from one chosen source rank; Mamba states need equal head
-ranges on both sides.
+ranges on both sides. Sliding-window layers (``"swa"`` buffers) move only
+the prompt's last window, between SWA slot lists of their own.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import msgpack
 
-HANDOFF_VERSION = 2
+HANDOFF_VERSION = 3
 # Fault injection for tests (SGLang's DISAGGREGATION_TEST_FAILURE_PROB): each poll of a
 # transfer still in flight fails it with this probability.
 FAILURE_PROB_ENV = "RAYDIX_TEST_TRANSFER_FAILURE_PROB"
@@ -70,10 +71,11 @@ class LayoutMismatchError(TransferError):
 class BufferLayout:
     """One transferable buffer of a rank's pools.
 
-    ``index`` says what addresses its rows: ``"token"`` (KV slot numbers) or
-    ``"state"`` (Mamba state slots). ``row_shape``/``dtype`` describe one row
-    on *this* rank; ``head_axis`` is the axis of ``row_shape`` that holds
-    heads (``None``: replicated on every rank, e.g. the MLA latent).
+    ``index`` says what addresses its rows: ``"token"`` (KV slot numbers),
+    ``"swa"`` (SWA slot numbers: sliding-window layers) or ``"state"`` (Mamba
+    state slots). ``row_shape``/``dtype`` describe one row on *this* rank;
+    ``head_axis`` is the axis of ``row_shape`` that holds heads (``None``:
+    replicated on every rank, e.g. the MLA latent).
     """
 
     name: str
@@ -114,7 +116,9 @@ def check_compatible(src: KVLayout, dst: KVLayout) -> None:
     s, d = src.by_name(), dst.by_name()
     if set(s) != set(d):
         only_s, only_d = sorted(set(s) - set(d))[:4], sorted(set(d) - set(s))[:4]
-        raise LayoutMismatchError(f"buffers differ: only on prefill {only_s}, only on decode {only_d}")
+        swa = any(b.index == "swa" for b in src.buffers + dst.buffers)
+        hint = " (the split into sliding-window and full-attention layers differs)" if swa else ""
+        raise LayoutMismatchError(f"buffers differ: only on prefill {only_s}, only on decode {only_d}{hint}")
     for name, a in s.items():
         b = d[name]
         if (a.index, a.dtype, a.head_axis) != (b.index, b.dtype, b.head_axis):
@@ -154,6 +158,10 @@ class KVHandoff:
 
     ``dst_slots[i]`` receives the KV of prompt token ``dst_prefix_len + i``
     (tokens before ``dst_prefix_len`` the decode side already holds).
+    ``dst_swa_slots[j]`` receives the sliding-window layers' KV of prompt token
+    ``prompt_len - len(dst_swa_slots) + j``: the list is aligned to the end of
+    the prompt and covers the tokens still inside the window there, less those
+    the decode side holds (empty for models without sliding-window layers).
     ``endpoint`` is the backend's address of the decode rank's agent.
     ``deadline`` (epoch seconds, ``None``: none) is when the decode side stops
     waiting: a sender must not start writing after it, because from then on
@@ -172,6 +180,7 @@ class KVHandoff:
     backend: str = "fake"
     endpoint: Dict = field(default_factory=dict)
     deadline: Optional[float] = None
+    dst_swa_slots: List[int] = field(default_factory=list)
     version: int = HANDOFF_VERSION
 
     def to_bytes(self) -> bytes:
@@ -182,6 +191,7 @@ class KVHandoff:
                 "buffers": [b.to_wire() for b in self.layout.buffers], "dst_slots": list(self.dst_slots),
                 "dst_state_slot": self.dst_state_slot, "dst_prefix_len": self.dst_prefix_len,
                 "backend": self.backend, "endpoint": self.endpoint, "deadline": self.deadline,
+                "dst_swa_slots": list(self.dst_swa_slots),
             },
             use_bin_type=True,
         )
@@ -200,7 +210,7 @@ class KVHandoff:
             return cls(
                 raw["rid"], raw["room"], raw["tp_rank"], raw["tp_size"], layout, list(raw["dst_slots"]),
                 raw["dst_state_slot"], raw["dst_prefix_len"], raw["backend"], raw["endpoint"], raw["deadline"],
-                version,
+                list(raw["dst_swa_slots"]), version,
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise TransferError(f"malformed hand-off message: {exc!r}") from exc
@@ -268,9 +278,12 @@ class KVSender(_Polled):
         self.handoff = handoff
         self._set(KVPoll.WaitingForInput)
 
-    def send(self, src_slots: Sequence[int], src_state_slot: Optional[int] = None) -> None:
-        """Copy the KV of ``src_slots`` (one per token, matching ``dst_slots``) and
-        the Mamba state slot to the decode rank. Failures end in Failed, not raises."""
+    def send(
+        self, src_slots: Sequence[int], src_state_slot: Optional[int] = None, src_swa_slots: Sequence[int] = ()
+    ) -> None:
+        """Copy the KV of ``src_slots`` (one per token, matching ``dst_slots``), the
+        Mamba state slot and the SWA slots (matching ``dst_swa_slots``) to the
+        decode rank. Failures end in Failed, not raises."""
         state = self.poll()
         if state == KVPoll.Failed:  # timed out or aborted meanwhile: the reason is recorded
             return
@@ -283,9 +296,12 @@ class KVSender(_Polled):
         if len(src_slots) != len(self.handoff.dst_slots):
             self.fail(f"{len(src_slots)} source slots for {len(self.handoff.dst_slots)} destination slots")
             return
+        if len(src_swa_slots) != len(self.handoff.dst_swa_slots):
+            self.fail(f"{len(src_swa_slots)} source SWA slots for {len(self.handoff.dst_swa_slots)} destination SWA slots")
+            return
         self._set(KVPoll.Transferring)
         try:
-            self.bytes_sent = self.agent.push(self.handoff, src_slots, src_state_slot)
+            self.bytes_sent = self.agent.push(self.handoff, src_slots, src_state_slot, src_swa_slots)
         except Exception as exc:  # a dead peer or unmapped buffer: the request fails, the worker lives
             self.fail(f"{type(exc).__name__}: {exc}")
             return
@@ -310,12 +326,14 @@ class KVReceiver(_Polled):
         self.handoff: Optional[KVHandoff] = None
 
     def send_metadata(
-        self, dst_slots: Sequence[int], dst_state_slot: Optional[int] = None, dst_prefix_len: int = 0
+        self, dst_slots: Sequence[int], dst_state_slot: Optional[int] = None, dst_prefix_len: int = 0,
+        dst_swa_slots: Sequence[int] = (),
     ) -> KVHandoff:
         deadline = None if self._timeout_s is None else time.time() + self._timeout_s
         self.handoff = KVHandoff(
             self.rid, self.room, self.agent.tp_rank, self.agent.tp_size, self.agent.layout, [int(s) for s in dst_slots],
             dst_state_slot, dst_prefix_len, self.agent.backend_name, self.agent.endpoint(), deadline,
+            [int(s) for s in dst_swa_slots],
         )
         self.agent.expect(self.handoff)
         self._set(KVPoll.WaitingForInput)
@@ -389,7 +407,9 @@ class TransferAgent(abc.ABC):
         """msgpack-able address peers use to reach this agent's buffers."""
 
     @abc.abstractmethod
-    def push(self, handoff: KVHandoff, src_slots: Sequence[int], src_state_slot: Optional[int]) -> int:
+    def push(
+        self, handoff: KVHandoff, src_slots: Sequence[int], src_state_slot: Optional[int], src_swa_slots: Sequence[int]
+    ) -> int:
         """Prefill side: copy the rows into the hand-off's destination; returns bytes moved."""
 
     def expect(self, handoff: KVHandoff) -> None:

@@ -11,9 +11,10 @@ prefill rank copies, for each buffer of its layout:
 * replicated buffers (``head_axis=None``: the MLA latent, Mamba states):
   whole rows, from exactly one prefill rank per decode rank — the one with
   ``src_tp_rank == dst_tp_rank % src_tp_size`` (see :func:`sends_replicated`);
-* ``"token"`` buffers: rows ``src_slots[i] → dst_slots[i]``; ``"state"``
-  buffers: row ``src_state_slot → dst_state_slot`` (skipped when either is
-  ``None``).
+* ``"token"`` buffers: rows ``src_slots[i] → dst_slots[i]``; ``"swa"``
+  buffers: rows ``src_swa_slots[j] → dst_swa_slots[j]`` (the window only);
+  ``"state"`` buffers: row ``src_state_slot → dst_state_slot`` (skipped when
+  either is ``None``).
 """
 
 from __future__ import annotations
@@ -121,22 +122,28 @@ def copy_runs(src: torch.Tensor, dst: torch.Tensor, runs: np.ndarray) -> int:
 
 @dataclass(frozen=True)
 class RowPlan:
-    """The row runs of one push: token runs and the (at most one) state run."""
+    """The row runs of one push, per index kind: token runs, SWA runs and the
+    (at most one) state run."""
 
     token_runs: np.ndarray
+    swa_runs: np.ndarray
     state_runs: np.ndarray
 
     def runs_for(self, copy: BufferCopy) -> np.ndarray:
-        return self.state_runs if copy.index == "state" else self.token_runs
+        if copy.index == "state":
+            return self.state_runs
+        return self.swa_runs if copy.index == "swa" else self.token_runs
 
 
 def row_plan(
-    src_slots: Slots, dst_slots: Slots, src_state_slot: Optional[int], dst_state_slot: Optional[int]
+    src_slots: Slots, dst_slots: Slots, src_state_slot: Optional[int], dst_state_slot: Optional[int],
+    src_swa_slots: Slots = (), dst_swa_slots: Slots = (),
 ) -> RowPlan:
     token_runs = group_concurrent_contiguous(src_slots, dst_slots)
+    swa_runs = group_concurrent_contiguous(src_swa_slots, dst_swa_slots)
     has_state = src_state_slot is not None and dst_state_slot is not None
     state = [[int(src_state_slot), int(dst_state_slot), 1]] if has_state else []
-    return RowPlan(token_runs, np.asarray(state, dtype=np.int64).reshape(-1, 3))
+    return RowPlan(token_runs, swa_runs, np.asarray(state, dtype=np.int64).reshape(-1, 3))
 
 
 def push_rows(src_buffers, dst_buffers, copies: List[BufferCopy], rows: RowPlan) -> int:

@@ -119,6 +119,13 @@ class Scheduler:
             return min(full, alloc.swa_available_size() + tree.swa_evictable_size())
         return alloc.available_size() + self.evictable_tokens()
 
+    def total_tokens(self) -> int:
+        """KV slots of the pool; a sliding-window model's, the smaller of its two pools."""
+        alloc = self.runner.allocator
+        if self.swa:
+            return min(alloc.size, alloc.size_swa)
+        return alloc.num_pages * alloc.page_size
+
     def _lock(self, req: Req) -> None:
         swa_uuid_for_lock = self.tree_cache.inc_lock_ref(req.last_node)
         if self.swa:  # which node ends the lock's SWA window: dec_lock_ref needs it back

@@ -17,5 +17,7 @@ class FakeAgent(TransferAgent):
     def endpoint(self) -> Dict:
         return {}
 
-    def push(self, handoff: KVHandoff, src_slots: Sequence[int], src_state_slot: Optional[int]) -> int:
+    def push(
+        self, handoff: KVHandoff, src_slots: Sequence[int], src_state_slot: Optional[int], src_swa_slots: Sequence[int]
+    ) -> int:
         return 0

@@ -4,8 +4,9 @@ For backends that move bytes as messages (``torch_dist``), not as direct
 writes: the sender gathers every planned buffer's rows into one contiguous
 uint8 payload (:func:`pack_rows`); the receiver tracks which heads of which
 buffers a hand-off still misses (:class:`Landing`) and scatters the payloads
-once everything arrived. Header entries are
-``[name, dst_head, num_heads, offset, nbytes]``, offsets 16-byte aligned.
+once everything arrived. The header counts the token and SWA rows; its
+entries are ``[name, dst_head, num_heads, offset, nbytes]``, offsets 16-byte
+aligned.
 """
 
 from __future__ import annotations
@@ -27,15 +28,16 @@ def _row_bytes(view: torch.Tensor) -> int:
 
 
 def pack_rows(
-    layout: KVLayout, buffers: Dict[str, torch.Tensor], copies: List[BufferCopy], src_slots, src_state_slot: Optional[int]
+    layout: KVLayout, buffers: Dict[str, torch.Tensor], copies: List[BufferCopy], src_slots,
+    src_state_slot: Optional[int], src_swa_slots=(),
 ) -> Tuple[Dict, torch.Tensor]:
     """``(header, payload)`` holding the rows of ``copies``: one slice copy per
     run of consecutive source slots into the payload."""
-    token_slots = as_slot_array(src_slots)
+    token_slots, swa_slots = as_slot_array(src_slots), as_slot_array(src_swa_slots)
     state_slots = as_slot_array([] if src_state_slot is None else [src_state_slot])
     planned, offset = [], 0
     for copy in copies:
-        slots = state_slots if copy.index == "state" else token_slots
+        slots = {"token": token_slots, "swa": swa_slots, "state": state_slots}[copy.index]
         if not slots.size:
             continue
         src = copy.src_view(buffers[copy.name])
@@ -49,7 +51,7 @@ def pack_rows(
         stage = payload.narrow(0, offset, nbytes).view(src.dtype).view(slots.size, *src.shape[1:])
         copy_runs(src, stage, slot_runs(slots))
         entries.append([copy.name, copy.dst_head, copy.num_heads, offset, nbytes])
-    return {"rows": int(token_slots.size), "copies": entries}, payload
+    return {"rows": int(token_slots.size), "swa_rows": int(swa_slots.size), "copies": entries}, payload
 
 
 class Landing:
@@ -59,6 +61,7 @@ class Landing:
     def __init__(self, layout: KVLayout, handoff: KVHandoff):
         self.layout = layout.by_name()
         self.token_slots = as_slot_array(handoff.dst_slots)
+        self.swa_slots = as_slot_array(handoff.dst_swa_slots)
         self.state_slots = as_slot_array([] if handoff.dst_state_slot is None else [handoff.dst_state_slot])
         self.need: Dict[str, np.ndarray] = {}
         for b in layout.buffers:
@@ -68,11 +71,16 @@ class Landing:
         self.error: Optional[str] = None
 
     def _slots(self, index: str) -> np.ndarray:
-        return self.state_slots if index == "state" else self.token_slots
+        if index == "state":
+            return self.state_slots
+        return self.swa_slots if index == "swa" else self.token_slots
 
     def add(self, header: Dict, payload: torch.Tensor) -> None:
         if header["rows"] != self.token_slots.size:
             self.error = f"prefill sent {header['rows']} token rows for {self.token_slots.size} destination slots"
+            return
+        if header["swa_rows"] != self.swa_slots.size:
+            self.error = f"prefill sent {header['swa_rows']} SWA rows for {self.swa_slots.size} destination SWA slots"
             return
         for name, dst_head, num_heads, _, _ in header["copies"]:
             if name not in self.need:

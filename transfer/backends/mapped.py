@@ -125,11 +125,13 @@ class MappedPeerAgent(TransferAgent):
         """Inverse of ``_encode_handles``."""
 
     # ---- prefill side ----------------------------------------------------------------
-    def push(self, handoff: KVHandoff, src_slots, src_state_slot: Optional[int]) -> int:
+    def push(self, handoff: KVHandoff, src_slots, src_state_slot: Optional[int], src_swa_slots) -> int:
         dst = self._peer(handoff.endpoint)
         with_state = src_state_slot is not None and handoff.dst_state_slot is not None
         copies = plan_copies(self.layout, handoff.layout, self.tp_rank, self.tp_size, handoff.tp_rank, with_state)
-        rows = row_plan(src_slots, handoff.dst_slots, src_state_slot, handoff.dst_state_slot)
+        rows = row_plan(
+            src_slots, handoff.dst_slots, src_state_slot, handoff.dst_state_slot, src_swa_slots, handoff.dst_swa_slots
+        )
         moved = push_rows(self.buffers, dst, copies, rows)
         self._sync()
         return moved

@@ -207,11 +207,11 @@ class TorchDistAgent(TransferAgent):
             self._lock.notify_all()
 
     # ---- prefill side ----------------------------------------------------------------
-    def push(self, handoff: KVHandoff, src_slots, src_state_slot: Optional[int]) -> int:
+    def push(self, handoff: KVHandoff, src_slots, src_state_slot: Optional[int], src_swa_slots) -> int:
         ep = handoff.endpoint
         with_state = src_state_slot is not None and handoff.dst_state_slot is not None
         copies = plan_copies(self.layout, handoff.layout, self.tp_rank, self.tp_size, handoff.tp_rank, with_state)
-        header, payload = pack_rows(self.layout, self.buffers, copies, src_slots, src_state_slot)
+        header, payload = pack_rows(self.layout, self.buffers, copies, src_slots, src_state_slot, src_swa_slots)
         if not payload.numel():
             return 0
         header["tag"] = ep["tag"]
