@@ -27,8 +27,9 @@ GREEDY = {"max_new_tokens": MAX_NEW, "temperature": 0}
 
 
 @pytest.fixture(scope="module")
-def llama(tmp_path_factory):
-    return str(build_tiny_checkpoint("llama", tmp_path_factory.mktemp("pd-chaos") / "llama"))
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pd-chaos")
+    return {f: str(build_tiny_checkpoint(f, root / f)) for f in ("llama", "gemma3")}
 
 
 async def _client(prefill, decode, rid, ids, walk_away_after):
@@ -54,12 +55,14 @@ async def _wait_idle(worker, timeout_s):
     raise AssertionError(f"{type(worker).__name__} still busy after {timeout_s}s")
 
 
-@pytest.mark.parametrize("backend", ["shm", "torch_dist"])
-def test_random_transfer_failures_and_walkaways_lose_nothing(llama, backend, monkeypatch):
+@pytest.mark.parametrize("family,backend", [("llama", "shm"), ("llama", "torch_dist"), ("gemma3", "shm")])
+def test_random_transfer_failures_and_walkaways_lose_nothing(checkpoints, family, backend, monkeypatch):
+    """(Gemma 3: sliding-window layers, so both the full and the SWA pool are checked.)"""
+    path = checkpoints[family]
     base = dict(max_total_tokens=2048, skip_tokenizer_init=True, chunked_prefill_size=32)
-    prefill = PrefillWorker(llama, base, backend=backend)
+    prefill = PrefillWorker(path, base, backend=backend)
     decode = DecodeWorker(
-        llama, dict(base, max_total_tokens=400, init_new_token_ratio=0.05, min_new_token_ratio=0.05),
+        path, dict(base, max_total_tokens=400, init_new_token_ratio=0.05, min_new_token_ratio=0.05),
         backend=backend, num_reserved_decode_tokens=2, waiting_timeout_s=1.0,
     )
     rng = random.Random(7)
@@ -67,7 +70,7 @@ def test_random_transfer_failures_and_walkaways_lose_nothing(llama, backend, mon
     batch = prompts(14, 4, 40, seed=71) + prompts(14, 4, 30, seed=72, shared=shared)
     rng.shuffle(batch)
     walkaways = [rng.choice([None] * 6 + [0.0, 0.05, 0.3]) for _ in batch]
-    monkeypatch.setattr(transfer.base, "_fault_rng", random.Random(backend))
+    monkeypatch.setattr(transfer.base, "_fault_rng", random.Random(family + backend))
 
     async def go():
         monkeypatch.setenv(FAILURE_PROB_ENV, "0.04")
@@ -98,7 +101,7 @@ def test_random_transfer_failures_and_walkaways_lose_nothing(llama, backend, mon
         assert finished
         assert decode.scheduler.num_retractions > 0 or decode.scheduler.num_transfer_failures > 0
         finished += [(ids, r[0]["output_ids"]) for ids, r in zip(batch[:4], after)]
-        assert_greedy_parity(llama, [f[0] for f in finished], [f[1] for f in finished], MAX_NEW, decode.eos_token_ids)
+        assert_greedy_parity(path, [f[0] for f in finished], [f[1] for f in finished], MAX_NEW, decode.eos_token_ids)
         prefill.check_integrity()
         decode.check_integrity()
     finally:
