@@ -9,8 +9,9 @@ and ``PDClient`` asks it for every request::
     ...decode on decision.decode_id...
     await router.release(rid)                         # the request ended (however)
 
-State: the :class:`~actors.prefix_index.PrefixIndex` over the prefill workers,
-fed by their KV events (pulled every ``event_interval_s``; a gap in the event
+State: the :class:`~actors.prefix_index.PrefixIndex` over the workers of both
+roles (a decode worker's radix cache holds the conversations it decoded: a
+request routed back to it moves only the uncached tail's KV), fed by their KV events (pulled every ``event_interval_s``; a gap in the event
 ids resyncs that worker from a snapshot of its tree) and by the router's own
 decisions; per worker the load it dispatched and the worker's last ``load()``
 report (heartbeat every ``heartbeat_interval_s``: ``heartbeat_max_failures``
@@ -55,6 +56,7 @@ class RouteDecision(NamedTuple):
     matched_tokens: int  # prompt tokens the index says the prefill worker holds
     policy: str  # the prefill policy
     reason: str = ""  # the policy's why: "hit", "miss", "guard", "rr", ...
+    decode_matched_tokens: int = 0  # prompt tokens the index says the decode worker holds
 
 
 @dataclass
@@ -90,21 +92,21 @@ class Router:
         self.workers: Dict[str, WorkerState] = {}
         self._requests: Dict[str, _Dispatch] = {}
         self._tasks: List[asyncio.Task] = []
-        self.counters = dict(routed=0, prompt_tokens=0, matched_tokens=0, events=0, resyncs=0, dead=0)
+        self.counters = dict(routed=0, prompt_tokens=0, matched_tokens=0, decode_matched_tokens=0, events=0, resyncs=0,
+                             dead=0)
 
     # ---- workers ---------------------------------------------------------------------------
     async def add_worker(self, worker_id: str, role: str, handle: Any, node_id: str = "") -> None:
-        """Put a worker into rotation; a prefill worker's pages are indexed from its snapshot first."""
+        """Put a worker into rotation, its pages indexed from its snapshot first."""
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, not {role!r}")
         worker = WorkerState(worker_id, role, handle, node_id)
-        if role == "prefill":
-            self.index.add_worker(worker_id)
-            try:
-                await self._resync(worker)
-            except BaseException:
-                self.index.remove_worker(worker_id)
-                raise
+        self.index.add_worker(worker_id)
+        try:
+            await self._resync(worker)
+        except BaseException:
+            self.index.remove_worker(worker_id)
+            raise
         self.workers[worker_id] = worker
 
     async def remove_worker(self, worker_id: str) -> bool:
@@ -142,13 +144,14 @@ class Router:
             if not pool:
                 raise NoWorkerError(f"no live {role} worker")
         keys = page_keys(hash_pages(input_ids, self.settings.page_size, extra_key=extra_key))
-        for w in prefill_pool:
+        for w in prefill_pool + decode_pool:
             w.cached_pages = self.index.num_pages(w.worker_id)
         req = RouteRequest(rid, len(input_ids), self.settings.page_size, self.index.match(keys))
         prefill, reason = self.policies["prefill"].select("prefill", prefill_pool, req)
         decode, _ = self.policies["decode"].select("decode", decode_pool, req)
-        matched = req.matched_tokens(prefill.worker_id)
+        matched, decode_matched = req.matched_tokens(prefill.worker_id), req.matched_tokens(decode.worker_id)
         self.index.record(prefill.worker_id, keys)
+        self.index.record(decode.worker_id, keys)  # it caches the prompt too once the request ends
         uncached = len(input_ids) - matched
         prefill.inflight += 1
         prefill.pending_prefill_tokens += uncached
@@ -156,9 +159,11 @@ class Router:
         decode.dispatched_tokens += len(input_ids)
         self._requests[rid] = _Dispatch(prefill.worker_id, decode.worker_id, uncached, len(input_ids))
         c = self.counters
-        c["routed"], c["prompt_tokens"], c["matched_tokens"] = c["routed"] + 1, c["prompt_tokens"] + len(input_ids), \
-            c["matched_tokens"] + matched
-        return RouteDecision(prefill.worker_id, decode.worker_id, matched, self.settings.prefill_policy, reason)
+        c["routed"], c["prompt_tokens"] = c["routed"] + 1, c["prompt_tokens"] + len(input_ids)
+        c["matched_tokens"], c["decode_matched_tokens"] = c["matched_tokens"] + matched, \
+            c["decode_matched_tokens"] + decode_matched
+        return RouteDecision(prefill.worker_id, decode.worker_id, matched, self.settings.prefill_policy, reason,
+                             decode_matched)
 
     async def release(self, rid: str, role: Optional[str] = None) -> None:
         """The request no longer loads ``role``'s worker (None: either; the request is over)."""
@@ -182,13 +187,14 @@ class Router:
     def stats(self) -> Dict[str, Any]:
         c = dict(self.counters)
         c["predicted_hit_rate"] = c["matched_tokens"] / c["prompt_tokens"] if c["prompt_tokens"] else 0.0
+        c["predicted_decode_hit_rate"] = c["decode_matched_tokens"] / c["prompt_tokens"] if c["prompt_tokens"] else 0.0
         c.update(indexed_pages=len(self.index), approx_entries=self.index.num_approx(), inflight=len(self._requests))
         return c
 
     # ---- the index: KV events and snapshots ------------------------------------------------
     async def rebuild_from_workers(self) -> int:
-        """Re-index every live prefill worker from its snapshot; returns the pages indexed."""
-        await asyncio.gather(*(self._resync(w) for w in self._live("prefill")))
+        """Re-index every live worker from its snapshot; returns the pages indexed."""
+        await asyncio.gather(*(self._resync(w) for w in self.workers.values() if w.alive))
         return len(self.index)
 
     async def _resync(self, worker: WorkerState) -> None:
@@ -201,8 +207,8 @@ class Router:
         self.counters["resyncs"] += 1
 
     async def pull_events(self) -> int:
-        """One pull of KV events from every live prefill worker; returns the events applied."""
-        pool = self._live("prefill")
+        """One pull of KV events from every live worker; returns the events applied."""
+        pool = [w for w in self.workers.values() if w.alive]
         results = await asyncio.gather(*(self._pull(w) for w in pool), return_exceptions=True)
         for worker, result in zip(pool, results):
             if isinstance(result, BaseException):

@@ -8,8 +8,10 @@ of known ones:
 
 * ``cache_aware`` — prefill: the lowest cost
   ``w × uncached prompt tokens + queued prefill tokens``; decode: a worker with
-  room for the prompt, then the fewest requests, then the most free KV slots.
-  Both under the per-request imbalance guard (see :class:`CacheAware`).
+  room for the prompt; among those within ``decode_affinity_slack`` requests of
+  the least loaded, the one holding the longest prefix (its decode-side radix
+  cache: only the rest of the KV moves), then the fewest requests, then the most
+  free KV slots. Both under the per-request imbalance guard (see :class:`CacheAware`).
 * ``round_robin``, ``random`` — blind to cache and load.
 * ``power_of_two`` — two workers drawn at random, the less loaded one.
 """
@@ -33,6 +35,7 @@ class RouterSettings:
     cache_threshold: float = 0.3  # a match below this fraction of the prompt counts as none
     balance_abs_threshold: int = 64  # guard: a worker this many requests above the least loaded ...
     balance_rel_threshold: float = 1.5  # ... and this many times its load is skipped
+    decode_affinity_slack: int = 4  # decode: a prefix hit counts on workers at most this many requests above the least loaded
     approx_ttl_s: float = 30.0  # life of an index entry made from the router's own decision
     event_interval_s: float = 0.05  # how often KV events are pulled from the prefill workers
     max_events_per_pull: int = 4096
@@ -177,6 +180,13 @@ class CacheAware(RoutingPolicy):
     candidate. A request whose best worker is not overloaded keeps its affinity however skewed the
     rest of the fleet is; one whose best worker is overloaded goes to the cheapest of the others,
     which still counts their cached pages (reason ``"guard"``).
+
+    Decode: a worker with room for the prompt's uncached part; among those at most
+    ``decode_affinity_slack`` requests above the least loaded, the one holding the longest
+    counted prefix in its own radix cache (the turns of one conversation return to the worker
+    that decoded the previous one, and only the new tail's KV moves); then the fewest requests,
+    then the most free slots. The slack bounds how uneven the decode batches may get for a hit:
+    a hit saves a transfer and KV slots, not decode compute.
     """
 
     def __init__(self, settings: RouterSettings, seed: int = 0):
@@ -192,7 +202,8 @@ class CacheAware(RoutingPolicy):
     def select(self, role: str, workers: Sequence[WorkerState], req: RouteRequest) -> Choice:
         turn, n = next(self._turn), len(workers)
         cost = self._prefill_cost if role == "prefill" else self._decode_cost
-        keys = [cost(w, req) + (w.load(), w.cached_pages, (i - turn) % n) for i, w in enumerate(workers)]
+        least = min(w.load() for w in workers)
+        keys = [cost(w, req, least) + (w.load(), w.cached_pages, (i - turn) % n) for i, w in enumerate(workers)]
         best = min(range(n), key=keys.__getitem__)
         overloaded = self._overloaded(workers)
         if not overloaded[best]:
@@ -204,16 +215,18 @@ class CacheAware(RoutingPolicy):
         matched = req.matched_tokens(worker.worker_id)
         return matched if matched >= self.settings.cache_threshold * req.prompt_tokens else 0
 
-    def _prefill_cost(self, worker: WorkerState, req: RouteRequest) -> Tuple:
+    def _prefill_cost(self, worker: WorkerState, req: RouteRequest, least_load: int) -> Tuple:
         uncached = req.prompt_tokens - self._counted_match(worker, req)
         return (self.settings.uncached_token_weight * uncached + worker.queued_prefill_tokens(),)
 
-    def _decode_cost(self, worker: WorkerState, req: RouteRequest) -> Tuple:
+    def _decode_cost(self, worker: WorkerState, req: RouteRequest, least_load: int) -> Tuple:
+        """Room first; then a prefix hit, only where the load is within the slack
+        (decode batches stay even: the hit saves moving KV, not compute); then load."""
         free = worker.free_slots()
-        fits = free is None or free >= req.prompt_tokens
-        return (not fits, worker.load(), -(free or 0))
+        fits = free is None or free >= req.prompt_tokens - req.matched_tokens(worker.worker_id)
+        within_slack = worker.load() <= least_load + self.settings.decode_affinity_slack
+        hit = self._counted_match(worker, req) if within_slack else 0
+        return (not fits, -hit, worker.load(), -(free or 0))
 
     def _reason(self, role: str, worker: WorkerState, req: RouteRequest) -> str:
-        if role != "prefill":
-            return "load"
-        return "hit" if self._counted_match(worker, req) > 0 else "miss"
+        return "hit" if self._counted_match(worker, req) > 0 else ("miss" if role == "prefill" else "load")

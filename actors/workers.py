@@ -52,8 +52,9 @@ class _Worker:
         """``engine_args["tp_size"] > 1``: this is rank 0; the followers (TPFollower
         actors) join the group at ``dist_init_method`` while this constructor waits."""
         self.worker_id = worker_id or f"{self.role}-{random.getrandbits(32):08x}"
-        # a prefill worker publishes KV events by default: the router's prefix index follows them
-        engine_args = {"enable_kv_events": self.role == "prefill", **(engine_args or {})}
+        # workers publish KV events by default: the router's prefix index follows them (a decode
+        # worker's tree holds the conversations it decoded, where their next turns fit best)
+        engine_args = {"enable_kv_events": True, **(engine_args or {})}
         self.config = EngineConfig(model_path=model_path, **engine_args)
         self.rank = RankHost(self.role, self.config, backend, self.worker_id, 0, dist_init_method)
         self.backends, self.agents, self.runner = self.rank.backends, self.rank.agents, self.rank.runner

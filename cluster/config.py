@@ -198,7 +198,9 @@ class RouterConfig(BaseModel):
     model_config = _STRICT
 
     prefill_policy: Literal[ROUTING_POLICIES] = Field("cache_aware", description="prefill worker choice")
-    decode_policy: Literal[ROUTING_POLICIES] = Field("power_of_two", description="decode worker choice")
+    decode_policy: Literal[ROUTING_POLICIES] = Field("cache_aware", description="decode worker choice (cache_aware: "
+                                                     "room, then the worker holding the conversation within "
+                                                     "decode_affinity_slack, then the least loaded)")
     cache_threshold: float = Field(0.3, ge=0.0, le=1.0, description="cache_aware: least matched fraction of the "
                                    "prompt that sends a request to the worker caching it")
     balance_abs_threshold: int = Field(64, ge=0, description="cache_aware guard, per request: a worker more than "
@@ -207,10 +209,13 @@ class RouterConfig(BaseModel):
                                          "skipped for the request (its cache match notwithstanding)")
     uncached_token_weight: float = Field(2.0, ge=0.0, description="cache_aware prefill cost w × uncached prompt "
                                          "tokens + queued prefill tokens: the weight w (0: load only)")
+    decode_affinity_slack: int = Field(4, ge=0, description="cache_aware decode: a worker holding the prompt's "
+                                       "prefix is preferred while at most this many requests busier than the "
+                                       "least loaded decode worker")
     approx_ttl_s: float = Field(30.0, gt=0.0, description="how long a routing decision counts as cached pages on "
-                                "its prefill worker unless KV events confirm them first")
+                                "its workers unless KV events confirm them first")
     event_interval_s: float = Field(0.05, gt=0.0, description="how often the router pulls KV events from the "
-                                    "prefill workers")
+                                    "workers")
     max_events_per_pull: int = Field(4096, ge=1, description="KV events one pull takes from a worker")
 
 

@@ -50,6 +50,9 @@ class ServerMetrics:
         self.prefill_cached_tokens = Counter(f"{PREFIX}_prefill_cached_tokens", "prompt tokens the prefill worker "
                                              "found in its own prefix cache (what prefix-aware routing wins)", m,
                                              registry=r)
+        self.decode_cached_tokens = Counter(f"{PREFIX}_decode_cached_tokens", "prompt tokens the decode worker "
+                                            "already held (their KV did not move; what decode affinity wins)", m,
+                                            registry=r)
         self.transfer_latency = Histogram(f"{PREFIX}_kv_transfer_seconds", "KV push of one request, prefill → decode",
                                           m, buckets=TOKEN_LATENCY_BUCKETS + (5.0, 10.0), registry=r)
         self.transfer_bytes = Counter(f"{PREFIX}_kv_transfer_bytes", "KV bytes pushed prefill → decode", m,
@@ -85,6 +88,7 @@ class ServerMetrics:
         self.generation_tokens.labels(m).inc(tokens)
         self.cached_tokens.labels(m).inc(meta.get("cached_tokens") or 0)
         self.prefill_cached_tokens.labels(m).inc(meta.get("prefill_cached_tokens") or 0)
+        self.decode_cached_tokens.labels(m).inc(meta.get("decode_cached_tokens") or 0)
         self.ttft.labels(m).observe(first_token - arrival)
         self.e2e.labels(m).observe(end - arrival)
         if tokens > 1:

@@ -146,6 +146,7 @@ class PDClient:
             gen = decode.handle.stream.options(num_returns="streaming").remote(rid, notice)
             async for ref in gen:
                 out = await self._call(decode, ref, self.waiting_timeout_s, rid)
+                out["meta_info"]["decode_cached_tokens"] = out["meta_info"]["cached_tokens"]  # their KV did not move
                 out["meta_info"]["cached_tokens"] = max(out["meta_info"]["cached_tokens"], notice["cached_tokens"])
                 out["meta_info"]["prefill_worker"] = prefill.worker_id
                 out["meta_info"]["prefill_cached_tokens"] = notice["cached_tokens"]

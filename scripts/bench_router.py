@@ -114,6 +114,7 @@ def _register(router: Router) -> None:
         router.index.add_worker(f"prefill-{i}")
         router.workers[f"prefill-{i}"] = WorkerState(f"prefill-{i}", "prefill", Stub("prefill"))
     for i in range(NUM_DECODE):
+        router.index.add_worker(f"decode-{i}")
         router.workers[f"decode-{i}"] = WorkerState(f"decode-{i}", "decode", Stub("decode"))
 
 

@@ -14,10 +14,11 @@ Workloads: ``random`` (completions, random text and lengths), ``shared-prefix``
 shuffled), ``multi-turn`` (chat: ``--num-conversations`` conversations of
 ``--num-turns`` turns, each turn sent after the previous answer with the whole
 history). Arrivals are Poisson at ``--request-rate`` (inf: all at once),
-capped at ``--max-concurrency`` in flight. Per-worker load and the prefill hit ratio
+capped at ``--max-concurrency`` in flight. Per-worker load, the prefill hit ratio
 (prompt tokens the prefill worker had cached, which is what prefix-aware routing wins)
-come from raydix's /metrics; other servers skip them.
-Each ``--launch`` run sets ``router.prefill_policy`` (``--policies``); the
+and the decode hit ratio (prompt tokens the decode worker already held: their KV did not
+move) come from raydix's /metrics; other servers skip them.
+Each ``--launch`` run sets ``router.prefill_policy`` and ``router.decode_policy`` (``--policies``); the
 policies run is recorded from the server's metrics labels, so a policy the
 server does not use shows up as such.
 """
@@ -171,7 +172,8 @@ def scrape_metrics(base_url: str, api_key: Optional[str]) -> Dict:
         return {}
     out = {(s.labels["role"], s.labels["policy"], s.labels["worker"]): s.value
            for s in samples if s.name == "raydix_routing_decisions_total"}
-    for name in ("raydix_prompt_tokens_total", "raydix_prefill_cached_tokens_total"):
+    for name in ("raydix_prompt_tokens_total", "raydix_prefill_cached_tokens_total",
+                 "raydix_decode_cached_tokens_total"):
         out[name] = sum(s.value for s in samples if s.name == name)
     return out
 
@@ -204,6 +206,8 @@ def summarize(results: List[Result], duration: float, server: Dict) -> Dict:
         "cached_token_ratio": sum(r.cached_tokens for r in good) / prompt if prompt else 0.0,
         "prefill_hit_ratio": (server.get("raydix_prefill_cached_tokens_total", 0.0) / server_prompt
                               if server_prompt else None),
+        "decode_hit_ratio": (server.get("raydix_decode_cached_tokens_total", 0.0) / server_prompt
+                             if server_prompt else None),
         "policies_seen": policies, "worker_load": load,
         "load_skew": {role: max(w.values()) / max(1.0, min(w.values())) if len(w) > 1 else 1.0
                       for role, w in load.items()},
@@ -225,9 +229,10 @@ def report(label: str, s: Dict) -> None:
     for name in ("ttft", "tpot", "itl", "e2e"):
         m = s[f"{name}_ms"]
         print(f"{name.upper():>5} ms: mean {m['mean']:8.1f}  p50 {m['p50']:8.1f}  p99 {m['p99']:8.1f}")
-    hit = s["prefill_hit_ratio"]
+    hit, dhit = s["prefill_hit_ratio"], s["decode_hit_ratio"]
     print(f"cached-token ratio: {s['cached_token_ratio']:.3f} (usage); prefill hit ratio: "
-          f"{'n/a' if hit is None else f'{hit:.3f}'} (server metrics)")
+          f"{'n/a' if hit is None else f'{hit:.3f}'}, decode hit ratio: {'n/a' if dhit is None else f'{dhit:.3f}'} "
+          "(server metrics)")
     for role, workers in sorted(s["worker_load"].items()):
         loads = ", ".join(f"{w}: {int(n)}" for w, n in sorted(workers.items()))
         print(f"{role} load (requests): {loads}  (max/min {s['load_skew'][role]:.2f})")
@@ -240,7 +245,8 @@ def parse_args(argv=None):
     target = p.add_argument_group("target")
     target.add_argument("--base-url", help="a running OpenAI-compatible server, e.g. http://127.0.0.1:8000")
     target.add_argument("--launch", metavar="CONFIG", help="launch raydix with this config (once per policy)")
-    target.add_argument("--policies", default="", help="comma-separated router.prefill_policy values (--launch)")
+    target.add_argument("--policies", default="", help="comma-separated routing policies, each run with it as "
+                        "router.prefill_policy and router.decode_policy (--launch)")
     target.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override (--launch)")
     target.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
     target.add_argument("--model", help="default: the first of /v1/models")
@@ -299,7 +305,8 @@ def main(argv=None) -> int:
                 server.stop()
     if len(summaries) > 1:
         print("\n" + " | ".join(f"{lb}: TTFT p50 {s['ttft_ms']['p50']:.0f} ms, {s['output_throughput']:.0f} tok/s, "
-                                f"cached {s['cached_token_ratio']:.2f}, prefill hit {s['prefill_hit_ratio'] or 0:.2f}"
+                                f"cached {s['cached_token_ratio']:.2f}, prefill hit {s['prefill_hit_ratio'] or 0:.2f}, "
+                                f"decode hit {s['decode_hit_ratio'] or 0:.2f}"
                                 for lb, s in summaries.items()))
     if args.plot:
         plot(summaries, args.plot)

@@ -26,7 +26,7 @@ class LaunchedServer:
     def __init__(self, config: str, policy: Optional[str], overrides: List[str], log_path: str, timeout_s: float):
         self.port = free_port()
         cmd = [sys.executable, "-m", "cluster.launch", "--config", config, "--port", str(self.port)]
-        for item in overrides + ([f"router.prefill_policy={policy}"] if policy else []):
+        for item in overrides + ([f"router.prefill_policy={policy}", f"router.decode_policy={policy}"] if policy else []):
             cmd += ["--set", item]
         self.log = open(log_path, "w")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)

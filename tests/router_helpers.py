@@ -1,8 +1,8 @@
 """In-process stand-ins for the workers a router talks to (no Ray, no model).
 
-``FakePrefill`` holds a real ``RadixCache`` with KV events on and serves
-``kv_events`` / ``cached_page_hashes`` with the real worker's methods, so the
-router sees exactly the events and snapshots a prefill worker sends.
+``FakePrefill`` (and ``FakeDecode``) holds a real ``RadixCache`` with KV events
+on and serves ``kv_events`` / ``cached_page_hashes`` with the real worker's
+methods, so the router sees exactly the events and snapshots a worker sends.
 """
 
 from __future__ import annotations
@@ -68,18 +68,14 @@ class FakePrefill:
         return dict(self.reported, worker_id=self.worker_id)
 
 
-class FakeDecode:
+class FakeDecode(FakePrefill):
+    """A decode worker reduced to its tree cache (``serve``: it cached a finished request)."""
+
     role = "decode"
 
-    def __init__(self, worker_id: str, free_slots: int = 100_000):
-        self.worker_id = worker_id
-        self.failing = False
-        self.reported: Dict[str, Any] = {"waiting": 0, "running": 0, "free_slots": free_slots, "total_slots": free_slots}
-
-    def load(self) -> Dict[str, Any]:
-        if self.failing:
-            raise ConnectionError("no answer")
-        return dict(self.reported, worker_id=self.worker_id)
+    def __init__(self, worker_id: str, page_size: int, free_slots: int = 100_000):
+        super().__init__(worker_id, page_size)
+        self.reported = {"waiting": 0, "running": 0, "free_slots": free_slots, "total_slots": free_slots}
 
 
 def group_prompts(num_groups: int, per_group: int, prefix_len: int, suffix_len: int, seed: int = 0,

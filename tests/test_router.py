@@ -4,6 +4,7 @@ before any event, KV events and snapshots from real tree caches, a restarted rou
 worker that stops answering heartbeats."""
 
 import asyncio
+import collections
 
 import pytest
 from hypothesis import given, settings
@@ -153,6 +154,24 @@ def test_decode_choice_by_free_slots_and_running_requests():
     assert [rr.select("decode", workers, None).worker.worker_id for _ in range(4)] == ["w0", "w1", "w2", "w0"]
 
 
+def test_decode_affinity_holds_within_the_load_slack_only():
+    """A decode worker holding the conversation wins while it is at most ``decode_affinity_slack``
+    requests busier than the least loaded; the hit also lowers the room the prompt needs there."""
+    policy = CacheAware(RouterSettings(page_size=16, decode_affinity_slack=2))
+    workers = _workers(3, 1, role="decode")
+    for w in workers:
+        w.report = {"free_slots": 10_000}
+    req = RouteRequest("r", 320, 16, {"w0": 18})  # w0 holds 288 of 320 tokens
+    assert policy.select("decode", workers, req) == (workers[0], "hit")
+    workers[0].inflight = 4  # 3 above the least loaded: a hit saves a transfer, not decode compute
+    assert policy.select("decode", workers, req) == (workers[1], "load")
+    workers[0].inflight = 3
+    workers[0].report = {"free_slots": 40}  # room for the 32 uncached tokens, not for all 320
+    workers[1].report = {"free_slots": 300}
+    assert policy.select("decode", workers, req) == (workers[0], "hit")
+    assert policy.select("decode", workers, RouteRequest("r", 320, 16, {"w0": 2})) == (workers[1], "load")
+
+
 # ---- the router over in-process workers -----------------------------------------------------------
 def make_router(prefills, decodes, **kw):
     router = Router(RouterSettings(page_size=PS, heartbeat_max_failures=2, **kw))
@@ -170,7 +189,7 @@ def run(coro):
 
 
 def test_load_counts_from_dispatch_and_release_takes_it_back():
-    p, d = [FakePrefill("p0", PS), FakePrefill("p1", PS)], [FakeDecode("d0")]
+    p, d = [FakePrefill("p0", PS), FakePrefill("p1", PS)], [FakeDecode("d0", PS)]
     router = make_router(p, d)
     first = run(router.route("r1", list(range(64))))
     state = router.workers[first.prefill_id]
@@ -185,7 +204,7 @@ def test_load_counts_from_dispatch_and_release_takes_it_back():
 
 
 def test_a_burst_of_similar_requests_follows_the_first_before_any_event():
-    p, d = [FakePrefill(f"p{i}", PS) for i in range(3)], [FakeDecode("d0")]
+    p, d = [FakePrefill(f"p{i}", PS) for i in range(3)], [FakeDecode("d0", PS)]
     router = make_router(p, d)
     groups = group_prompts(3, 5, prefix_len=64, suffix_len=8, seed=1)
     placed = {}
@@ -197,7 +216,7 @@ def test_a_burst_of_similar_requests_follows_the_first_before_any_event():
 
 
 def test_events_and_a_restarted_router_route_to_the_worker_holding_the_prefix():
-    p, d = [FakePrefill(f"p{i}", PS) for i in range(2)], [FakeDecode("d0")]
+    p, d = [FakePrefill(f"p{i}", PS) for i in range(2)], [FakeDecode("d0", PS)]
     router = make_router(p, d)
     workers = {w.worker_id: w for w in p}
     groups = group_prompts(4, 4, prefix_len=48, suffix_len=6, seed=2)
@@ -206,6 +225,7 @@ def test_events_and_a_restarted_router_route_to_the_worker_holding_the_prefix():
         for i, ids in enumerate(group):
             decision = run(router.route(f"{g}-{i}", ids))
             workers[decision.prefill_id].serve(ids)
+            d[0].serve(ids)  # the decode worker caches it when it ends
             run(router.release(f"{g}-{i}"))
             home.setdefault(g, decision.prefill_id)
     assert run(router.pull_events()) > 0
@@ -218,7 +238,7 @@ def test_events_and_a_restarted_router_route_to_the_worker_holding_the_prefix():
 
 
 def test_an_event_gap_resyncs_from_a_snapshot():
-    p, d = [FakePrefill("p0", PS)], [FakeDecode("d0")]
+    p, d = [FakePrefill("p0", PS)], [FakeDecode("d0", PS)]
     router = make_router(p, d)
     p[0].serve(list(range(32)))
     p[0]._drain_kv_events()
@@ -231,7 +251,7 @@ def test_an_event_gap_resyncs_from_a_snapshot():
 
 
 def test_a_silent_worker_leaves_the_rotation_and_the_index():
-    p, d = [FakePrefill("p0", PS), FakePrefill("p1", PS)], [FakeDecode("d0")]
+    p, d = [FakePrefill("p0", PS), FakePrefill("p1", PS)], [FakeDecode("d0", PS)]
     router = make_router(p, d)
     ids = list(range(40))
     p[0].serve(ids)
@@ -277,3 +297,25 @@ def test_an_undrained_event_queue_stays_bounded_and_the_gap_shows_in_the_ids():
     for i in range(20):
         queue.removed([f"{i:064x}"])
     assert [e.event_id for e in queue.take()] == [16, 17, 18, 19, 20]  # the older half went, twice
+
+
+def test_a_conversation_returns_to_the_decode_worker_that_holds_it():
+    """Turn 2 of each conversation goes to the decode worker that decoded (and cached) turn 1,
+    so only the new tail's KV moves; the conversations themselves spread over the decode workers."""
+    p, d = [FakePrefill("p0", PS)], [FakeDecode(f"d{i}", PS) for i in range(3)]
+    router = make_router(p, d)
+    decoders = {w.worker_id: w for w in d}
+    first_turns = [ids for group in group_prompts(6, 1, prefix_len=40, suffix_len=0, seed=5) for ids in group]
+    home = {}
+    for c, ids in enumerate(first_turns):
+        decision = run(router.route(f"c{c}-t1", ids))
+        home[c] = decision.decode_id
+        decoders[decision.decode_id].serve(ids + [9, 9, 9, 9])  # prompt and answer cached when it ends
+        run(router.release(f"c{c}-t1"))
+    assert sorted(collections.Counter(home.values()).values()) == [2, 2, 2]
+    run(router.pull_events())
+    for c, ids in enumerate(first_turns):
+        decision = run(router.route(f"c{c}-t2", ids + [9, 9, 9, 9] + [5, 6, 7, 8]))
+        assert (decision.decode_id, decision.decode_matched_tokens) == (home[c], 44)
+        run(router.release(f"c{c}-t2"))
+    assert router.stats()["predicted_decode_hit_rate"] > 0.4

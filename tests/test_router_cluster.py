@@ -1,7 +1,8 @@
-"""The router actor over real workers on Ray (2 prefill + 1 decode of the tiny llama, one Ray
+"""The router actor over real workers on Ray (2 prefill + 2 decode of the tiny llama, one Ray
 session): groups of requests sharing long prefixes land on the worker holding their prefix, the
-hit rate is near a single cache's and the load is even; round-robin on the same workload hits
-measurably less; a new router rebuilt from the workers routes with affinity at once; a killed
+hit rate is near a single cache's and the load is even — on the prefill side and, through the
+decode workers' own radix caches, on the decode side (the prefix's KV does not move again);
+round-robin on the same workload hits measurably less; a new router rebuilt from the workers routes with affinity at once; a killed
 prefill worker leaves the rotation and the index by heartbeat."""
 
 import asyncio
@@ -31,7 +32,7 @@ def cluster(tmp_path_factory):
     group = {"num_cpus_per_rank": 0.5, "engine": engine}
     config = parse_config({
         "model": {"builtin": "llama"},
-        "prefill": dict(group, num_workers=2), "decode": dict(group, num_workers=1),
+        "prefill": dict(group, num_workers=2), "decode": dict(group, num_workers=2),
         "transfer": {"backend": "shm", "heartbeat_interval_s": 0.5},
         "router": {"decode_policy": "cache_aware", "event_interval_s": 0.02},
     })
@@ -62,8 +63,8 @@ def run_rounds(client, groups, seed):
     return results
 
 
-def hit_rate(results):
-    return sum(m["prefill_cached_tokens"] for _, m in results) / sum(m["prompt_tokens"] for _, m in results)
+def hit_rate(results, side="prefill"):
+    return sum(m[f"{side}_cached_tokens"] for _, m in results) / sum(m["prompt_tokens"] for _, m in results)
 
 
 def oracle_hit_rate(groups):
@@ -86,6 +87,13 @@ def test_affinity_hit_rate_balance_restart_and_a_dead_worker(cluster):
     assert max(per_worker) <= 1.5 * min(per_worker), per_worker  # and the groups are spread evenly
     oracle, aware_hit = oracle_hit_rate(groups), hit_rate(aware)
     assert aware_hit >= 0.95 * oracle, (aware_hit, oracle)
+    decode_homes = {}
+    for g, meta in aware:
+        decode_homes.setdefault(g, set()).add(meta["decode_worker"])
+    assert all(len(h) == 1 for h in decode_homes.values()), decode_homes  # a group's turns return to its decoder
+    assert len(set.union(*decode_homes.values())) == 2  # and the groups use both decode workers
+    aware_decode_hit = hit_rate(aware, "decode")
+    assert aware_decode_hit >= 0.95 * oracle, (aware_decode_hit, oracle)
     stats = ray.get(router.stats.remote())
     assert stats["routed"] == GROUPS * PER_GROUP and stats["inflight"] == 0
 
@@ -108,6 +116,7 @@ def test_affinity_hit_rate_balance_restart_and_a_dead_worker(cluster):
     ray.get([w.handle.flush_cache.remote() for w in cluster.prefill + cluster.decode])
     blind = run_rounds(cluster.client(), groups, seed=1)
     assert hit_rate(blind) <= aware_hit - 0.1, (hit_rate(blind), aware_hit)
+    assert hit_rate(blind, "decode") <= aware_decode_hit - 0.1, (hit_rate(blind, "decode"), aware_decode_hit)
 
     # a prefill worker dies: out of rotation and out of the index by heartbeat
     victim, survivor = cluster.prefill
@@ -124,5 +133,6 @@ def test_affinity_hit_rate_balance_restart_and_a_dead_worker(cluster):
     assert {d.prefill_id for d in decisions} == {survivor.worker_id}
     ray.get([router.release.remote(f"after-{g}") for g in range(GROUPS)])
     ray.get([w.handle.check_integrity.remote() for w in (survivor, *cluster.decode)])
-    print(f"hit rate: cache_aware {aware_hit:.3f}, round_robin {hit_rate(blind):.3f}, oracle {oracle:.3f}; "
+    print(f"hit rate: cache_aware {aware_hit:.3f} (decode {aware_decode_hit:.3f}), round_robin {hit_rate(blind):.3f} "
+          f"(decode {hit_rate(blind, 'decode'):.3f}), oracle {oracle:.3f}; "
           f"requests per prefill worker {per_worker}; {time.perf_counter() - started:.1f}s")
