@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# The GPU checks of a session that is lent a device machine (see README, "Tests"), in two steps:
+#
+#   scripts/gpu_session.sh wheels   # here: the wheels the device image lacks, into .gpu_wheels/
+#   scripts/gpu_session.sh run      # on the device (its python3 holds a CUDA torch; nothing can
+#                                   # be fetched there): `run` with carry [".gpu_wheels"]
+#
+# `run` installs the carried wheels into a private site dir (the image's torch and triton are
+# kept), prints what it runs on, runs every `gpu`-marked test and then the CUDA parity and PD
+# tests, and `scripts/bench_transfer.py` with the cuda_ipc backend; logs and the benchmark's
+# table and plot go to $OUT (or ./gpu_out). Record the figures in docs/benchmarks.md.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+WHEELS=.gpu_wheels
+
+case "${1:-}" in
+wheels)
+    # pydantic (EngineConfig) and the transformers the parity tests pin; the image has the rest
+    # of what the in-process tests import (torch, triton, numpy, msgpack, tokenizers, safetensors,
+    # hypothesis, pytest). The Ray/HTTP tests are not GPU tests and stay on the CPU machine.
+    "${PYTHON:-python3}" -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 -d "$WHEELS" "pydantic>=2.5,<3" &&
+    "${PYTHON:-python3}" -m pip download -q --no-deps --only-binary=:all: -d "$WHEELS" "transformers==5.23.0" &&
+    du -sh "$WHEELS"  # ignored by git (.gitignore), so `run` must carry it
+    ;;
+run)
+    OUT=${OUT:-gpu_out}
+    SITE=/tmp/raydix-site
+    mkdir -p "$OUT" "$SITE"
+    python3 -m pip install -q --no-index --no-deps --target "$SITE" "$WHEELS"/*.whl || exit 1
+    export PYTHONPATH="$SITE:$PWD"
+    python3 - <<'EOF' | tee "$OUT/device.txt"
+import torch, triton, transformers, pydantic
+print("torch", torch.__version__, "cuda", torch.version.cuda, "triton", triton.__version__,
+      "transformers", transformers.__version__, "pydantic", pydantic.__version__)
+print(torch.cuda.get_device_name(0), f"{torch.cuda.get_device_properties(0).total_memory / 2**30:.0f} GiB")
+EOF
+    status=0
+    python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts="-ra" 2>&1 | tee "$OUT/pytest_gpu.txt" | tail -25
+    [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+    # the same PD and transfer code paths with CUDA present (their CPU halves run too)
+    python3 -m pytest -q -p no:cacheprovider -o addopts="-ra" tests/test_pd_workers.py tests/test_transfer.py \
+        tests/test_transfer_backends.py 2>&1 | tee "$OUT/pytest_pd.txt" | tail -8
+    [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+    python3 scripts/bench_transfer.py --plot "$OUT/bench_transfer.png" \
+        2>&1 | tee "$OUT/bench_transfer.txt" | tail -30
+    exit $status
+    ;;
+*)
+    echo "usage: $0 wheels|run" >&2
+    exit 2
+    ;;
+esac
