@@ -11,7 +11,7 @@ import torch
 
 from actors.engine.tiny import build_tiny_checkpoint
 from actors.pd_scheduler import PDRequestError
-from actors.rank import push_handoffs
+from actors.kv_push import KVPusher, PushChunk
 from actors.workers import DecodeWorker, PrefillWorker
 from tests.parity import assert_greedy_parity
 from tests.pd_helpers import prompts, run_batch, run_pd
@@ -206,9 +206,10 @@ def test_a_window_without_swa_kv_is_not_pushed(checkpoints):
 
     async def go():
         handoffs = await decode.reserve("gap", prompts(1, 20, 20)[0], GREEDY)
-        src_row = list(range(1, 21))
-        moved, error = push_handoffs(prefill.agents, "gap", handoffs, src_row, None, [0] + list(range(1, WINDOW)))
-        assert moved == 0 and "asks for the SWA KV of 16 tokens; this rank has it for 15" in error
+        pusher = KVPusher(prefill.agents, asynchronous=False)
+        pusher.submit([PushChunk("gap", 0, list(range(1, 21)), True, None, [0] + list(range(1, WINDOW)), handoffs)])
+        (result,) = pusher.take_finished()
+        assert result.moved == 0 and "asks for the SWA KV of 16 tokens; this rank has it for 15" in result.error
         assert await decode.abort("gap", safe=True)
 
     asyncio.run(go())
