@@ -1,13 +1,21 @@
 """The engine scheduler in its two disaggregated roles.
 
-Prefill (``PrefillScheduler``): a request arrives with the decode side's
-hand-offs already taken by its senders. It is matched in the prefill
-worker's own radix cache and (chunk by chunk) prefilled as usual; when its
-last chunk is done the first output token is sampled, the KV of prompt tokens
-``[dst_prefix_len, prompt_len)`` (and the Mamba state; for sliding-window
-layers only the tokens of the last window) is pushed to the decode ranks,
-and only then is the prompt cached in the tree and its lock dropped. It
-never decodes.
+Prefill (``PrefillScheduler``), queues in SGLang's order (bootstrap → waiting
+→ inflight): a request arrives with the decode side's hand-offs. It is
+matched in the prefill worker's own radix cache and (chunk by chunk)
+prefilled as usual; after each chunk's forward every rank's
+:class:`~actors.kv_push.KVPusher` is handed the chunk's new prompt rows
+(whole pages) and copies those past each decode rank's ``dst_prefix_len`` on
+its transfer thread while the next batch runs. After the last chunk the
+first output token is sampled and the rest goes — the remaining rows, the
+Mamba state, and for sliding-window layers the SWA KV of the last window
+only. The request then waits in ``inflight`` (row, slots and tree lock
+held) until every rank's push ended; only then is the completion notice (or
+the error) sent and the prompt cached in the tree. It never decodes::
+
+    chunk k done   cache_unfinished_req, then push rows [sent_upto, chunk_end) of it
+    last chunk     sample; push [sent_upto, prompt_len) + state + window → inflight
+    inflight       every rank done → finish (notice or error), cache_finished_req
 
 Decode (``DecodeScheduler``), queues in the order a request moves (SGLang's
 ``DecodePreallocQueue`` → ``DecodeTransferQueue`` → running)::
@@ -94,7 +102,8 @@ class PrefillScheduler(Scheduler):
 
     def step(self) -> List[Req]:
         before = self.runner.num_forwards
-        out = super().step()
+        out = self._process_inflight()  # pushes that ended since: their notices don't wait for this forward
+        out += super().step()
         self._flush_pushes()
         out += self._process_inflight()
         self.progressed = bool(out) or self.runner.num_forwards != before
