@@ -141,10 +141,6 @@ class KVPusher:
             while self._running in gone:
                 self._cond.wait()
 
-    def busy(self) -> bool:
-        with self._cond:
-            return bool(self._jobs)
-
     def close(self) -> None:
         self.cancel()
         with self._cond:
