@@ -5,7 +5,11 @@ ranks > 0 are :class:`TPFollower` actors that run the batches rank 0
 broadcasts (``actors.engine.tp_worker``) and answer the calls that move this
 rank's share of a request's KV, in step with those batches:
 
-    prefill follower  "push"    push its heads to the decode ranks it serves
+    prefill follower  "push"         queue the step's chunks on its KVPusher (its heads, to the
+                                     decode ranks it serves; copied on its transfer thread);
+                                     replies with the requests its pusher finished since
+                      "push_status"  only that reply (rank 0 asks while it waits on a follower)
+                      "cancel_push"  stop pushing a request (or all); returns once none is copied
     decode follower   "expect"  reserve-time: a receiver on its own agent; its hand-off
                       "land"    after rank 0's share landed: wait until its own bytes are in its pools
                       "cancel"  the request failed or was aborted
@@ -18,13 +22,14 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional
 
 import transfer.backends  # noqa: F401  (registers the backends)
 from actors.engine.config import EngineConfig
 from actors.engine.tp_worker import TPModelWorker
+from actors.kv_push import KVPusher, PushChunk, PushResult
 from mem_cache.buffer_allocator import create_buffer_allocator
-from transfer.base import KVHandoff, KVPoll, KVReceiver, KVSender, TransferAgent, TransferError, create_agent
+from transfer.base import KVPoll, KVReceiver, create_agent
 from transfer.layout import pool_allocators, pool_layout
 
 logger = logging.getLogger(__name__)
@@ -37,53 +42,6 @@ def resolve_backends(backend: str, device: str) -> List[str]:
     if backend != "auto":
         return [backend]
     return ["cuda_ipc" if device == "cuda" else "shm", "torch_dist"]
-
-
-def serves(handoff: KVHandoff, agent: TransferAgent) -> bool:
-    """Whether this prefill rank pushes to the hand-off's decode rank: head-sharded
-    layouts pair ranks whose head ranges overlap; replicated ones (MLA) take the
-    KV of decode rank r from prefill rank ``r % tp_size``."""
-    mine = agent.layout.by_name()
-    sharded = [b for b in handoff.layout.buffers if b.head_axis is not None]
-    if not sharded:
-        return handoff.tp_rank % agent.tp_size == agent.tp_rank
-    for b in sharded:
-        m = mine.get(b.name)
-        if m is not None and max(m.head_start, b.head_start) < min(m.head_start + m.num_heads, b.head_start + b.num_heads):
-            return True
-    return False
-
-
-def push_handoffs(agents: Dict[str, TransferAgent], rid: str, handoffs: Sequence[bytes], src_row: Sequence[int],
-                  src_state_slot: Optional[int], src_swa: Sequence[int] = ()) -> Tuple[int, Optional[str]]:
-    """Push prompt tokens ``[handoff.dst_prefix_len, len(src_row))`` to every decode
-    rank this rank serves; returns (bytes moved, error or None). ``src_swa``: the
-    SWA slots of the prompt's last tokens (aligned to its end, as ``dst_swa_slots``),
-    at least as many as a hand-off asks for."""
-    moved = 0
-    for raw in handoffs:
-        handoff = KVHandoff.from_bytes(raw)
-        agent = agents.get(handoff.backend)
-        if agent is None:
-            return moved, f"hand-off over backend {handoff.backend!r}; this rank has {sorted(agents)}"
-        if not serves(handoff, agent):
-            continue
-        sender = KVSender(agent, rid)
-        try:
-            sender.init(handoff)
-        except TransferError as exc:
-            return moved, str(exc)
-        num_swa = len(handoff.dst_swa_slots)
-        swa = list(src_swa)[-num_swa:] if num_swa else []
-        if len(swa) < num_swa or 0 in swa:  # SWA slot 0 is the padding row: that token's SWA KV is gone
-            held = sum(1 for s in src_swa if s > 0)
-            return moved, (f"decode rank {handoff.tp_rank} asks for the SWA KV of {num_swa} tokens; "
-                           f"this rank has it for {held}")
-        sender.send(list(src_row[handoff.dst_prefix_len :]), src_state_slot, swa)
-        if sender.poll() != KVPoll.Success:
-            return moved, f"KV transfer to decode rank {handoff.tp_rank} failed: {sender.failure_reason()}"
-        moved += sender.bytes_sent
-    return moved, None
 
 
 class RankHost:
@@ -105,12 +63,16 @@ class RankHost:
         allocators = pool_allocators(self.runner.token_to_kv_pool)
         self.agents = {name: create_agent(name, layout, tensors, tp_rank, config.tp_size, allocators=allocators)
                        for name in self.backends}
+        self.pusher = (KVPusher(self.agents, config.disaggregation_async_push, f"raydix-kv-push-{tp_rank}")
+                       if role == "prefill" else None)
 
     def endpoints(self) -> Dict[str, Any]:
         """``{backend: (layout, endpoint)}`` of this rank (what a peer needs to reach it)."""
         return {name: (agent.layout, agent.endpoint()) for name, agent in self.agents.items()}
 
     def close(self) -> None:
+        if self.pusher is not None:
+            self.pusher.close()
         for agent in self.agents.values():
             agent.close()
         self.buffer_allocator.close()
@@ -126,7 +88,8 @@ class TPFollower:
         self.waiting_timeout_s = waiting_timeout_s
         self._receivers: Dict[str, KVReceiver] = {}
         handlers = self.host.tp_worker.handlers
-        handlers.update(push=self._push, expect=self._expect, land=self._land, cancel=self._cancel)
+        handlers.update(push=self._push, push_status=self._push_status, cancel_push=self._cancel_push,
+                        expect=self._expect, land=self._land, cancel=self._cancel)
         self._thread = threading.Thread(target=self._run, name=f"raydix-tp-follower-{tp_rank}", daemon=True)
         self._thread.start()
 
@@ -143,9 +106,15 @@ class TPFollower:
         return self._thread.is_alive()
 
     # ---- prefill ranks ------------------------------------------------------------------
-    def _push(self, payload) -> Tuple[int, Optional[str]]:
-        rid, handoffs, src_row, state_slot, src_swa = payload
-        return push_handoffs(self.host.agents, rid, handoffs, src_row, state_slot, src_swa)
+    def _push(self, chunks: List[PushChunk]) -> List[PushResult]:
+        self.host.pusher.submit(chunks)
+        return self.host.pusher.take_finished()
+
+    def _push_status(self, _) -> List[PushResult]:
+        return self.host.pusher.take_finished()
+
+    def _cancel_push(self, rid: Optional[str]) -> None:
+        self.host.pusher.cancel(rid)
 
     # ---- decode ranks ---------------------------------------------------------------------
     def _expect(self, payload) -> bytes:

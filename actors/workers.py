@@ -236,7 +236,7 @@ class PrefillWorker(_Worker):
     def __init__(self, model_path: str, engine_args: Optional[Dict[str, Any]] = None, backend: str = "shm",
                  worker_id: Optional[str] = None, dist_init_method: Optional[str] = None):
         super().__init__(model_path, engine_args, backend, worker_id, dist_init_method)
-        self.scheduler = PrefillScheduler(self.runner, self.tokenizer, self.agents, self.tp_worker)
+        self.scheduler = PrefillScheduler(self.runner, self.tokenizer, self.agents, self.rank.pusher, self.tp_worker)
         self._cancelled: "collections.OrderedDict[str, None]" = collections.OrderedDict()  # aborted rids
         self.loop = EngineLoop(self.scheduler)
         self._init_kv_log()
@@ -282,7 +282,8 @@ class PrefillWorker(_Worker):
 
     async def abort(self, rid: str, message: str = "aborted") -> bool:
         """After this returns no rank of this worker will push ``rid``'s KV: it was never
-        here, already pushed, or is dropped now (a call arriving later is refused)."""
+        here, already pushed, or is dropped now — a chunk copy in progress on any rank is
+        waited for, queued ones are dropped (a call arriving later is refused)."""
         self._cancelled[rid] = None
         while len(self._cancelled) > CANCELLED_RIDS_KEPT:
             self._cancelled.popitem(last=False)
@@ -292,6 +293,7 @@ class PrefillWorker(_Worker):
         out = super().load()
         out["queued_prefill_tokens"] = sum(len(r.origin_input_ids) - len(r.prefix_indices) for r in self.scheduler.waiting)
         out["bytes_pushed"] = self.scheduler.bytes_pushed
+        out["inflight"] = len(self.scheduler.inflight)
         return out
 
 

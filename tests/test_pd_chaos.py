@@ -1,7 +1,8 @@
 """Prefill and decode workers (in one process) under injected faults.
 
-Many concurrent requests — shared prefixes, a decode pool small enough to make
-reservations wait and running requests retract — while transfers fail at
+Many concurrent requests — shared prefixes, prompts prefilled and pushed in
+chunks, a decode pool small enough to make reservations wait and running
+requests retract — while transfers (any chunk of them) fail at
 random (``RAYDIX_TEST_TRANSFER_FAILURE_PROB``, as SGLang's
 ``DISAGGREGATION_TEST_FAILURE_PROB``) and clients walk away at random moments.
 Every request must end: with exactly the tokens a single engine gives, or with
@@ -59,7 +60,7 @@ async def _wait_idle(worker, timeout_s):
 def test_random_transfer_failures_and_walkaways_lose_nothing(checkpoints, family, backend, monkeypatch):
     """(Gemma 3: sliding-window layers, so both the full and the SWA pool are checked.)"""
     path = checkpoints[family]
-    base = dict(max_total_tokens=2048, skip_tokenizer_init=True, chunked_prefill_size=32)
+    base = dict(max_total_tokens=2048, skip_tokenizer_init=True, chunked_prefill_size=16)
     prefill = PrefillWorker(path, base, backend=backend)
     decode = DecodeWorker(
         path, dict(base, max_total_tokens=400, init_new_token_ratio=0.05, min_new_token_ratio=0.05),
@@ -100,6 +101,7 @@ def test_random_transfer_failures_and_walkaways_lose_nothing(checkpoints, family
         assert any("injected failure" in e for e in errors), errors
         assert finished
         assert decode.scheduler.num_retractions > 0 or decode.scheduler.num_transfer_failures > 0
+        assert prefill.rank.pusher.num_chunks > len(batch)  # long prompts moved in several chunks
         finished += [(ids, r[0]["output_ids"]) for ids, r in zip(batch[:4], after)]
         assert_greedy_parity(path, [f[0] for f in finished], [f[1] for f in finished], MAX_NEW, decode.eos_token_ids)
         prefill.check_integrity()

@@ -68,22 +68,25 @@ def test_two_prefill_two_decode_with_decode_tp2(ray_session, monkeypatch):
     cluster.shutdown()
 
 
-def _config(family, prefill_tp, decode_tp, page_size):
+def _config(family, prefill_tp, decode_tp, page_size, **prefill_engine):
     engine = {"page_size": page_size, "max_total_tokens": 2048, "skip_tokenizer_init": True}
     return parse_config({
         "model": {"builtin": family},
-        "prefill": {"tp_size": prefill_tp, "num_cpus_per_rank": 0.5, "engine": engine},
+        "prefill": {"tp_size": prefill_tp, "num_cpus_per_rank": 0.5, "engine": {**engine, **prefill_engine}},
         "decode": {"tp_size": decode_tp, "num_cpus_per_rank": 0.5, "engine": engine},
         "transfer": {"backend": "shm"},
     })
 
 
 def test_prefill_tp2_to_decode_tp1(ray_session, monkeypatch):
+    """With 8-token chunks: both prefill ranks push each chunk's half of the heads from
+    their own transfer threads; the one decode rank lands every part of both halves."""
     monkeypatch.setenv("RAYDIX_HOME", str(ray_session))
-    cluster = PDCluster(_config("qwen3", 2, 1, 4)).start()
-    batch = prompts(3, 5, 30, seed=2)
+    cluster = PDCluster(_config("qwen3", 2, 1, 4, chunked_prefill_size=8)).start()
+    batch = prompts(3, 5, 30, seed=2) + prompts(2, 40, 50, seed=3)
     outs = _generate_all(cluster, batch)
     assert_greedy_parity(cluster.model_path, batch, [o["output_ids"] for o in outs], 8, [2])
+    assert all(o["meta_info"]["transfer_bytes"] for o in outs)
     cluster.check_integrity()
     cluster.shutdown()
 

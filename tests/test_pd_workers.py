@@ -11,7 +11,7 @@ import torch
 
 from actors.engine.tiny import build_tiny_checkpoint
 from actors.pd_scheduler import PDRequestError
-from actors.rank import push_handoffs
+from actors.kv_push import KVPusher, PushChunk
 from actors.workers import DecodeWorker, PrefillWorker
 from tests.parity import assert_greedy_parity
 from tests.pd_helpers import prompts, run_batch, run_pd
@@ -206,9 +206,10 @@ def test_a_window_without_swa_kv_is_not_pushed(checkpoints):
 
     async def go():
         handoffs = await decode.reserve("gap", prompts(1, 20, 20)[0], GREEDY)
-        src_row = list(range(1, 21))
-        moved, error = push_handoffs(prefill.agents, "gap", handoffs, src_row, None, [0] + list(range(1, WINDOW)))
-        assert moved == 0 and "asks for the SWA KV of 16 tokens; this rank has it for 15" in error
+        pusher = KVPusher(prefill.agents, asynchronous=False)
+        pusher.submit([PushChunk("gap", 0, list(range(1, 21)), True, None, [0] + list(range(1, WINDOW)), handoffs)])
+        (result,) = pusher.take_finished()
+        assert result.moved == 0 and "asks for the SWA KV of 16 tokens; this rank has it for 15" in result.error
         assert await decode.abort("gap", safe=True)
 
     asyncio.run(go())
@@ -366,4 +367,122 @@ def test_pd_on_cuda_with_cuda_ipc_pools(checkpoints, family):
     batch = prompts(4, 3, 40, seed=1)
     results = run_batch(prefill, decode, batch, GREEDY)
     assert_greedy_parity(path, batch, [r[0]["output_ids"] for r in results], 8, decode.eos_token_ids)
+    close(prefill, decode)
+
+
+# ---- chunk-wise pushes, overlapped with the next forward -------------------------------------------
+CHUNK = 16
+
+
+@pytest.mark.parametrize("backend", ["shm", "torch_dist"])
+@pytest.mark.parametrize("family", ["llama", "qwen3_next", "gemma3"])
+def test_chunked_prefill_pushes_every_chunk_and_tokens_equal_a_single_engine(checkpoints, family, backend):
+    """One push per prefill chunk (the Mamba state and the SWA window with the last), the
+    bytes of exactly the prompt, and the tokens a single engine and HF give."""
+    from actors.engine import Engine
+
+    path = checkpoints[family]
+    prefill, decode = make_pair(path, prefill_args={"chunked_prefill_size": CHUNK}, backend=backend)
+    batch = prompts(3, 33, 60, seed=31)
+    params = PAST_WINDOW if family == "gemma3" else GREEDY
+    results = [run_batch(prefill, decode, [ids], params)[0] for ids in batch]  # one at a time: exact chunk counts
+    assert prefill.rank.pusher.num_chunks == sum(-(-len(ids) // CHUNK) for ids in batch)
+    outputs = [r[0]["output_ids"] for r in results]
+    engine = Engine(model_path=path, max_total_tokens=2048, skip_tokenizer_init=True)
+    try:
+        assert outputs == [o["output_ids"] for o in engine.generate(input_ids=batch, sampling_params=params)]
+    finally:
+        engine.shutdown()
+    assert_greedy_parity(path, batch, outputs, params["max_new_tokens"], () if family == "gemma3" else decode.eos_token_ids)
+    if family != "qwen3_next":  # (there the Mamba state's bytes come on top)
+        expected = [expected_push_bytes(prefill, len(p), 0) if family == "gemma3" else len(p) * row_bytes(prefill)[0]
+                    for p in batch]
+        assert [r[1]["transfer_bytes"] for r in results] == expected
+    close(prefill, decode)
+
+
+def _slow_push(worker, hold):
+    """Wrap the worker's shm agent's push: ``hold(kwargs)`` runs before each copy; returns
+    the monotonic times at which copies ended."""
+    agent = worker.agents["shm"]
+    real, ended = agent.push, []
+
+    def push(handoff, src_slots, src_state_slot, src_swa_slots, offset=0):
+        hold(dict(handoff=handoff, num_rows=len(src_slots), offset=offset))
+        moved = real(handoff, src_slots, src_state_slot, src_swa_slots, offset)
+        ended.append(time.monotonic())
+        return moved
+
+    agent.push = push
+    return ended
+
+
+@pytest.mark.parametrize("asynchronous", [True, False])
+def test_the_next_chunk_is_computed_while_the_previous_one_is_pushed(checkpoints, asynchronous):
+    """The first chunk's push waits (up to 3 s) for the loop to run another forward: with the
+    asynchronous push it does at once; with the synchronous one the loop is stuck in the push."""
+    path = checkpoints["llama"]
+    args = {"chunked_prefill_size": CHUNK, "disaggregation_async_push": asynchronous}
+    prefill, decode = make_pair(path, prefill_args=args)
+    overlapped = []
+
+    def hold(_):
+        if not overlapped:
+            seen = prefill.runner.num_forwards
+            deadline = time.monotonic() + 3.0
+            while prefill.runner.num_forwards == seen and time.monotonic() < deadline:
+                time.sleep(0.005)
+            overlapped.append(prefill.runner.num_forwards > seen)
+
+    _slow_push(prefill, hold)
+    ids = prompts(1, 60, 60, seed=41)[0]
+    (final, notice, _), = run_batch(prefill, decode, [ids], GREEDY)
+    assert overlapped == [asynchronous]
+    assert_greedy_parity(path, [ids], [final["output_ids"]], 8, decode.eos_token_ids)
+    # the notice's transfer time is what the prefill did not hide: the last chunk's push only
+    assert notice["transfer_time"] < notice["prefill_latency"]
+    close(prefill, decode)
+
+
+@pytest.mark.parametrize("when", ["chunk", "inflight"])
+def test_abort_during_a_chunk_push_waits_for_it_and_nothing_lands_later(checkpoints, when):
+    """``abort`` while a chunk of a request (``chunk``: one of its first; ``inflight``: its
+    last, the request waiting in ``inflight``) is being copied: it returns once that copy
+    ended, no later chunk is copied, the decode slots keep what they held, and after the
+    decode side frees the reservation at once (safe) both workers are whole."""
+    path = checkpoints["llama"]
+    prefill, decode = make_pair(path, prefill_args={"chunked_prefill_size": CHUNK})
+    ids = prompts(1, 60, 60, seed=43)[0]
+    started = asyncio.Event()
+    loop_ref = []
+
+    def hold(call):
+        last = call["offset"] + call["num_rows"] == len(call["handoff"].dst_slots)
+        if last == (when == "inflight"):
+            loop_ref[0].call_soon_threadsafe(started.set)
+            time.sleep(0.5)
+
+    ended = _slow_push(prefill, hold)
+
+    async def go():
+        loop_ref.append(asyncio.get_running_loop())
+        handoffs = await decode.reserve("cut", ids, GREEDY)
+        dst = KVHandoff.from_bytes(handoffs[0]).dst_slots
+        task = asyncio.ensure_future(prefill.prefill("cut", ids, GREEDY, handoffs))
+        await asyncio.wait_for(started.wait(), 30)
+        if when == "inflight":
+            assert [r.rid for r in prefill.scheduler.inflight] == ["cut"]
+        assert await prefill.abort("cut")
+        aborted_at = time.monotonic()
+        k = decode.runner.token_to_kv_pool.k_buffer[0]
+        snapshot = k[dst].clone()
+        with pytest.raises(PDRequestError, match="aborted"):
+            await task
+        await asyncio.sleep(0.8)
+        assert ended and all(t <= aborted_at for t in ended)
+        assert len(ended) == (1 if when == "chunk" else -(-len(ids) // CHUNK))
+        assert torch.equal(k[dst], snapshot)
+        assert await decode.abort("cut", safe=True)
+
+    asyncio.run(go())
     close(prefill, decode)

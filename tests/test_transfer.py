@@ -121,16 +121,19 @@ def test_handoff_version_mismatch_and_malformed_bytes_are_rejected():
         KVHandoff.from_bytes(truncated)
 
 
-def test_a_hand_off_from_before_swa_slots_is_rejected():
-    """Version 2 had no ``dst_swa_slots``: read as version 3, a sliding-window model's
-    window would silently not move."""
+def test_hand_offs_from_before_swa_slots_and_chunked_pushes_are_rejected():
+    """Version 2 had no ``dst_swa_slots`` (a sliding-window model's window would silently
+    not move); a version 3 peer expects one message per hand-off (it would reject chunks)."""
     import msgpack
 
+    assert HANDOFF_VERSION == 4
     raw = msgpack.unpackb(_handoff().to_bytes())
+    raw["version"] = 3
+    with pytest.raises(TransferError, match="hand-off version 3, this build speaks 4"):
+        KVHandoff.from_bytes(msgpack.packb(raw))
     del raw["dst_swa_slots"]
     raw["version"] = 2
-    assert HANDOFF_VERSION == 3
-    with pytest.raises(TransferError, match="hand-off version 2, this build speaks 3"):
+    with pytest.raises(TransferError, match="hand-off version 2, this build speaks 4"):
         KVHandoff.from_bytes(msgpack.packb(raw))
 
 
@@ -265,9 +268,10 @@ def test_slot_count_mismatch_fails_not_raises(fake_pair):
 
 
 # ---- backends in one process -----------------------------------------------------------------
-def _transfer(backend, kind, page_size, src_tp, dst_tp, seed, prefix_len=3, num_tokens=37, window=16):
+def _transfer(backend, kind, page_size, src_tp, dst_tp, seed, prefix_len=3, num_tokens=37, window=16, num_chunks=1):
     """Every prefill rank pushes to every decode rank; returns per decode rank (actual, expected).
-    ``kind="swa"``: the sliding-window layers take ``window`` random SWA slots."""
+    ``kind="swa"``: the sliding-window layers take ``window`` random SWA slots. ``num_chunks``:
+    the rows go in that many chunks cut at random (the state and SWA rows with the last)."""
     rng = np.random.default_rng(seed)
     srcs = [build_pool(RankSpec(kind, page_size, r, src_tp, seed=seed + r)) for r in range(src_tp)]
     dsts = [build_pool(RankSpec(kind, page_size, r, dst_tp, shared=True, seed=seed + 50 + r)) for r in range(dst_tp)]
@@ -280,12 +284,17 @@ def _transfer(backend, kind, page_size, src_tp, dst_tp, seed, prefix_len=3, num_
         before = [snapshot(t) for _, _, t, _ in dsts]
         machines = [KVReceiver(agent, "req", 11) for agent in receivers]
         handoffs = [m.send_metadata(dst_slots, states[1], prefix_len, dst_swa).to_bytes() for m in machines]
+        num_rows = len(src_slots)
+        cuts = [0, *sorted(rng.choice(np.arange(1, num_rows), num_chunks - 1, replace=False).tolist()), num_rows]
         for agent in senders:
             for wire in handoffs:
                 sender = KVSender(agent, "req")
                 sender.init(KVHandoff.from_bytes(wire))
-                sender.send(torch.as_tensor(src_slots), states[0], src_swa)
-                assert sender.poll() == KVPoll.Success, sender.failure_reason()
+                for lo, hi in zip(cuts, cuts[1:]):
+                    last = hi == num_rows
+                    sender.send_chunk(torch.as_tensor(src_slots[lo:hi]), lo, last, states[0] if last else None,
+                                      src_swa if last else ())
+                    assert sender.poll() == (KVPoll.Success if last else KVPoll.Transferring), sender.failure_reason()
         out = []
         for r, machine in enumerate(machines):
             machine.mark_done()
@@ -333,6 +342,100 @@ def test_shm_moves_exactly_the_right_rows_and_heads(kind, page_size, src_tp, dst
 def test_torch_dist_in_process_moves_exactly_the_right_rows_and_heads(kind, page_size, src_tp, dst_tp, copy_path):
     for actual, expected in _transfer("torch_dist", kind, page_size, src_tp, dst_tp, seed=page_size + dst_tp):
         assert_buffers_equal(actual, expected)
+
+
+CHUNKED_CASES = [("mha", 1, 1, 2), ("mha", 16, 2, 1), ("mla", 4, 1, 1), ("hybrid", 1, 1, 1), ("swa", 1, 2, 1)]
+
+
+@pytest.mark.parametrize("backend", ["shm", "torch_dist"])
+@pytest.mark.parametrize("kind, page_size, src_tp, dst_tp", CHUNKED_CASES)
+def test_chunked_pushes_land_exactly_like_one(backend, kind, page_size, src_tp, dst_tp):
+    """A hand-off's rows in four chunks (state and SWA rows with the last) land the very
+    bytes one push would, from every prefill rank to every decode rank."""
+    for actual, expected in _transfer(backend, kind, page_size, src_tp, dst_tp, seed=3 * page_size + src_tp, num_chunks=4):
+        assert_buffers_equal(actual, expected)
+
+
+def test_chunks_out_of_order_or_past_the_end_fail_and_write_nothing(fake_pair):
+    prefill, decode = fake_pair
+    for chunks, message in (
+        ([([1, 2], 1, False)], "at row 1 (chunk; 0 rows filled before)"),
+        ([([1], 0, False), ([2, 3, 4], 1, True)], "3 source slots for 3 destination slots at row 1"),
+        ([([1], 0, False), ([2], 1, True)], "at row 1 (last chunk; 1 rows filled before)"),
+    ):
+        sender = KVSender(prefill, "r")
+        sender.init(KVReceiver(decode, "r", 1).send_metadata([7, 8, 9]))
+        for slots, offset, last in chunks:
+            sender.send_chunk(slots, offset, last)
+        assert sender.poll() == KVPoll.Failed and message in sender.failure_reason()
+    sender = KVSender(prefill, "r")
+    sender.init(KVReceiver(decode, "r", 1).send_metadata([7, 8], dst_state_slot=2))
+    sender.send_chunk([1], 0, False, src_state_slot=3)
+    assert sender.poll() == KVPoll.Failed and "with the last chunk only" in sender.failure_reason()
+
+
+def _landing_messages(rng, kind="mha", num_tokens=21, num_pieces=4, seed=0):
+    """Prefill ranks → one decode rank (two ranks sharing the heads; hybrid: one, as Mamba
+    states need equal TP): each rank's rows cut into ``num_pieces`` random ranges, one message
+    each (state rows with one of them). Returns the decode layout, its buffers, the hand-off,
+    the messages (rank by rank) and the expected buffers after."""
+    from transfer.backends.landing import pack_rows
+
+    src_tp = 1 if kind == "hybrid" else 2
+    srcs = [build_pool(RankSpec(kind, 1, r, src_tp, seed=seed + r)) for r in range(src_tp)]
+    _, dlayout, dst, _ = build_pool(RankSpec(kind, 1, 0, 1, seed=seed + 9))
+    src_slots, dst_slots = request(rng, 1, num_tokens)
+    state = (2, 4) if kind == "hybrid" else (None, None)
+    handoff = KVHandoff("r", 1, 0, 1, dlayout, dst_slots.tolist(), state[1])
+    messages, expected = [], snapshot(dst)
+    for r, (_, layout, tensors, _) in enumerate(srcs):
+        copies = transfer.plan.plan_copies(layout, dlayout, r, src_tp, 0, state[0] is not None)
+        cuts = [0, *sorted(rng.choice(np.arange(1, num_tokens), num_pieces - 1, replace=False).tolist()), num_tokens]
+        for i, (lo, hi) in enumerate(zip(cuts, cuts[1:])):
+            with_state = i == num_pieces - 1
+            mine = [c for c in copies if c.index != "state" or with_state]
+            messages.append(pack_rows(layout, tensors, mine, src_slots[lo:hi], state[0] if with_state else None, (), lo))
+        expected = expected_after(RankSpec(kind, 1, r, src_tp), layout, tensors, RankSpec(kind, 1, 0, 1), dlayout,
+                                  expected, src_slots, dst_slots, *state)
+    return dlayout, dst, handoff, messages, expected
+
+
+@settings(max_examples=15, deadline=None)
+@given(seed=st.integers(0, 10_000), num_pieces=st.integers(1, 5), kind=st.sampled_from(["mha", "hybrid"]))
+def test_landing_of_partial_row_ranges_in_any_order_completes_exactly_at_the_last(seed, num_pieces, kind):
+    from transfer.backends.landing import Landing
+
+    rng = np.random.default_rng(seed)
+    layout, dst, handoff, messages, expected = _landing_messages(rng, kind, num_pieces=num_pieces, seed=seed % 97)
+    landing = Landing(layout, handoff)
+    for i in rng.permutation(len(messages)):
+        assert not landing.complete()
+        landing.add(*messages[i])
+        assert landing.error is None, landing.error
+    assert landing.complete()
+    landing.scatter(dst)
+    assert_buffers_equal(dst, expected)
+
+
+def test_landing_rejects_a_duplicate_or_overlapping_range_and_rows_past_the_end():
+    from transfer.backends.landing import Landing
+
+    rng = np.random.default_rng(4)
+    layout, _, handoff, messages, _ = _landing_messages(rng, num_tokens=12, num_pieces=3)
+    for bad, message in (
+        (messages[1], "twice"),  # the same message again
+        ({**messages[1][0], "ranges": {**messages[1][0]["ranges"], "token": [0, 12]}}, "twice"),  # overlapping
+        ({**messages[1][0], "ranges": {**messages[1][0]["ranges"], "token": [10, 3]}}, "token rows [10, 13) for 12"),
+    ):
+        header, payload = bad if isinstance(bad, tuple) else (bad, messages[1][1])
+        landing = Landing(layout, handoff)
+        landing.add(*messages[1])
+        landing.add(header, payload)
+        assert message in landing.error and not landing.complete()
+    landing = Landing(layout, handoff)  # a head range of the other rank's does not clash
+    landing.add(*messages[1])
+    landing.add(*messages[4])
+    assert landing.error is None
 
 
 def test_head_slicing_tp1_to_tp2_lands_each_half_at_local_offset_zero():

@@ -13,9 +13,15 @@ connections and the attached peer buffers); per request and rank pair one
 :class:`KVSender` (prefill side) and one :class:`KVReceiver` (decode side).
 Both are polled state machines (:class:`KVPoll`, totally ordered as SGLang's)::
 
-    sender:   Bootstrapping --init(handoff)--> WaitingForInput --send()--> Transferring --> Success
+    sender:   Bootstrapping --init(handoff)--> WaitingForInput --send_chunk()--> Transferring
+                  --send_chunk(..., is_last=True)--> Success
     receiver: Bootstrapping --send_metadata()--> WaitingForInput --mark_done()--> Transferring --landed--> Success
     any state --timeout / abort / peer failure--> Failed (failure_reason says why)
+
+With chunked prefill a sender pushes a request's rows in several chunks as
+they are computed (SGLang's ``TransferKVChunk``): each chunk names the
+destination rows it fills (``offset``), in order; the last one also carries
+the Mamba state and the sliding-window rows. ``send()`` is the one-chunk case.
 
 A receiver never blocks its caller: after the completion notice
 (``mark_done``) each ``poll`` asks the agent whether the bytes are in this
@@ -43,7 +49,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import msgpack
 
-HANDOFF_VERSION = 3
+# 4: a hand-off's rows may arrive in several pushes (row ranges in the pushed header)
+HANDOFF_VERSION = 4
 # Fault injection for tests (SGLang's DISAGGREGATION_TEST_FAILURE_PROB): each poll of a
 # transfer still in flight fails it with this probability.
 FAILURE_PROB_ENV = "RAYDIX_TEST_TRANSFER_FAILURE_PROB"
@@ -256,7 +263,8 @@ class KVSender(_Polled):
     """Prefill side of one request's transfer to one decode rank.
 
     ``timeout_s`` bounds Bootstrapping (no hand-off yet) and WaitingForInput
-    (hand-off taken, the forward not done).
+    (hand-off taken, the first chunk not computed); between chunks the
+    hand-off's deadline bounds it.
     """
 
     def __init__(self, agent: "TransferAgent", rid: str, timeout_s: Optional[float] = None):
@@ -264,6 +272,7 @@ class KVSender(_Polled):
         self.agent, self.rid = agent, rid
         self.handoff: Optional[KVHandoff] = None
         self.bytes_sent = 0
+        self.rows_sent = 0  # destination rows the chunks so far filled
 
     def init(self, handoff: KVHandoff) -> None:
         """Take the decode rank's hand-off (layout checked) → WaitingForInput."""
@@ -281,31 +290,51 @@ class KVSender(_Polled):
     def send(
         self, src_slots: Sequence[int], src_state_slot: Optional[int] = None, src_swa_slots: Sequence[int] = ()
     ) -> None:
-        """Copy the KV of ``src_slots`` (one per token, matching ``dst_slots``), the
-        Mamba state slot and the SWA slots (matching ``dst_swa_slots``) to the
-        decode rank. Failures end in Failed, not raises."""
+        """Copy all of the request's KV in one chunk: see :meth:`send_chunk`."""
+        self.send_chunk(src_slots, 0, True, src_state_slot, src_swa_slots)
+
+    def send_chunk(
+        self, src_slots: Sequence[int], offset: int = 0, is_last: bool = True, src_state_slot: Optional[int] = None,
+        src_swa_slots: Sequence[int] = (),
+    ) -> None:
+        """Copy the KV of ``src_slots`` into ``dst_slots[offset : offset + len(src_slots)]``.
+
+        Chunks go in order, each starting where the previous one ended; the
+        last (``is_last``) ends at the end of ``dst_slots`` and alone carries
+        the Mamba state slot and the SWA slots (matching ``dst_swa_slots``),
+        which only then hold their final values. The hand-off's deadline is
+        checked before every chunk. Failures end in Failed, not raises.
+        """
         state = self.poll()
         if state == KVPoll.Failed:  # timed out or aborted meanwhile: the reason is recorded
             return
-        if state != KVPoll.WaitingForInput:
+        if state not in (KVPoll.WaitingForInput, KVPoll.Transferring):
             raise TransferError(f"send() in state {state.name} for {self.rid}")
         deadline = self.handoff.deadline
         if deadline is not None and time.time() > deadline:
             self.fail(f"the decode side's deadline passed {time.time() - deadline:.1f}s ago: its slots may be reused")
             return
-        if len(src_slots) != len(self.handoff.dst_slots):
-            self.fail(f"{len(src_slots)} source slots for {len(self.handoff.dst_slots)} destination slots")
+        end, num_dst = offset + len(src_slots), len(self.handoff.dst_slots)
+        if offset != self.rows_sent or end > num_dst or (is_last and end != num_dst):
+            what = "last chunk" if is_last else "chunk"
+            self.fail(f"{len(src_slots)} source slots for {num_dst} destination slots at row {offset} "
+                      f"({what}; {self.rows_sent} rows filled before)")
             return
-        if len(src_swa_slots) != len(self.handoff.dst_swa_slots):
+        if not is_last and (src_state_slot is not None or len(src_swa_slots)):
+            self.fail("the Mamba state and the SWA rows go with the last chunk only")
+            return
+        if is_last and len(src_swa_slots) != len(self.handoff.dst_swa_slots):
             self.fail(f"{len(src_swa_slots)} source SWA slots for {len(self.handoff.dst_swa_slots)} destination SWA slots")
             return
         self._set(KVPoll.Transferring)
         try:
-            self.bytes_sent = self.agent.push(self.handoff, src_slots, src_state_slot, src_swa_slots)
+            self.bytes_sent += self.agent.push(self.handoff, src_slots, src_state_slot, src_swa_slots, offset)
         except Exception as exc:  # a dead peer or unmapped buffer: the request fails, the worker lives
             self.fail(f"{type(exc).__name__}: {exc}")
             return
-        self._set(KVPoll.Success)
+        self.rows_sent = end
+        if is_last:
+            self._set(KVPoll.Success)
 
 
 class KVReceiver(_Polled):
@@ -408,16 +437,19 @@ class TransferAgent(abc.ABC):
 
     @abc.abstractmethod
     def push(
-        self, handoff: KVHandoff, src_slots: Sequence[int], src_state_slot: Optional[int], src_swa_slots: Sequence[int]
+        self, handoff: KVHandoff, src_slots: Sequence[int], src_state_slot: Optional[int], src_swa_slots: Sequence[int],
+        offset: int = 0,
     ) -> int:
-        """Prefill side: copy the rows into the hand-off's destination; returns bytes moved."""
+        """Prefill side: copy row ``src_slots[i]`` into ``handoff.dst_slots[offset + i]`` (and
+        the state and SWA rows, whole); returns bytes moved. One hand-off may take several
+        pushes of disjoint row ranges; only the one with the state and SWA rows has them."""
 
     def expect(self, handoff: KVHandoff) -> None:
         """Decode side: get ready to receive (pull backends post their receives here)."""
 
     def landed(self, handoff: KVHandoff) -> bool:
         """Decode side, after the completion notice, never blocking: whether the bytes
-        of ``handoff`` are in this rank's buffers (push backends: always). Raises
+        of ``handoff`` (every part of them) are in this rank's buffers (push backends: always). Raises
         TransferError when they cannot arrive any more."""
         return True
 

@@ -48,6 +48,10 @@ class EngineConfig(BaseModel):
     min_new_token_ratio: float = Field(0.1, gt=0.0, le=1.0)
     new_token_ratio_decay: float = Field(0.001, ge=0.0)
     enable_kv_events: bool = False
+    disaggregation_async_push: bool = Field(
+        True, description="prefill worker of a disaggregated pair: push each chunk's KV on a transfer thread while "
+        "the next batch runs (False: push inside the engine loop, which waits for it)",
+    )
     tp_size: int = Field(1, ge=1, le=64, description="tensor-parallel ranks (one process each); every rank holds "
                          "1/tp_size of the attention heads, MLP and expert intermediate dims")
 

@@ -9,8 +9,9 @@ function that opens the IPC handle: only accept hand-offs from your own
 cluster's control plane. The exporting process cannot open its own handles,
 so a push to an agent of the same process uses that agent's tensors directly.
 
-Every push ends with a device synchronize so the bytes have landed when the
-sender reports Success. Importable and registered without CUDA; using it
+Every push ends by synchronizing the stream it copied on (the prefill
+rank's transfer thread has a stream of its own, so the next forward goes on)
+so the bytes have landed when the sender reports the chunk done. Importable and registered without CUDA; using it
 needs a GPU.
 """
 
@@ -54,4 +55,4 @@ class CudaIpcAgent(MappedPeerAgent):
     def _sync(self) -> None:
         devices = {t.device for t in self.buffers.values() if t.is_cuda}
         for device in devices:
-            torch.cuda.synchronize(device)
+            torch.cuda.current_stream(device).synchronize()

@@ -18,6 +18,7 @@ class FakeAgent(TransferAgent):
         return {}
 
     def push(
-        self, handoff: KVHandoff, src_slots: Sequence[int], src_state_slot: Optional[int], src_swa_slots: Sequence[int]
+        self, handoff: KVHandoff, src_slots: Sequence[int], src_state_slot: Optional[int], src_swa_slots: Sequence[int],
+        offset: int = 0,
     ) -> int:
         return 0

@@ -1,19 +1,20 @@
 """Packing rows into one message and landing them on the other side.
 
 For backends that move bytes as messages (``torch_dist``), not as direct
-writes: the sender gathers every planned buffer's rows into one contiguous
-uint8 payload (:func:`pack_rows`); the receiver tracks which heads of which
+writes: the sender gathers every planned buffer's rows of one push (a
+prefill chunk, or the whole prompt) into one contiguous uint8 payload
+(:func:`pack_rows`); the receiver tracks which heads of which rows of which
 buffers a hand-off still misses (:class:`Landing`) and scatters the payloads
-once everything arrived. The header counts the token and SWA rows; its
-entries are ``[name, dst_head, num_heads, offset, nbytes]``, offsets 16-byte
-aligned.
+once everything arrived. The header's ``ranges`` give, per row index
+(``token``, ``swa``, ``state``), the destination rows ``[offset, offset +
+count)`` the message fills; its ``copies`` are ``[name, dst_head, num_heads,
+offset, nbytes]``, payload offsets 16-byte aligned.
 """
 
 from __future__ import annotations
 
 from typing import Dict, List, Optional, Tuple
 
-import numpy as np
 import torch
 
 from transfer.base import KVHandoff, KVLayout
@@ -29,12 +30,15 @@ def _row_bytes(view: torch.Tensor) -> int:
 
 def pack_rows(
     layout: KVLayout, buffers: Dict[str, torch.Tensor], copies: List[BufferCopy], src_slots,
-    src_state_slot: Optional[int], src_swa_slots=(),
+    src_state_slot: Optional[int], src_swa_slots=(), offset: int = 0,
 ) -> Tuple[Dict, torch.Tensor]:
     """``(header, payload)`` holding the rows of ``copies``: one slice copy per
-    run of consecutive source slots into the payload."""
+    run of consecutive source slots into the payload. ``src_slots`` fill the
+    hand-off's token rows from ``offset`` on; state and SWA rows go whole."""
     token_slots, swa_slots = as_slot_array(src_slots), as_slot_array(src_swa_slots)
     state_slots = as_slot_array([] if src_state_slot is None else [src_state_slot])
+    ranges = {"token": [offset, int(token_slots.size)], "swa": [0, int(swa_slots.size)],
+              "state": [0, int(state_slots.size)]}
     planned, offset = [], 0
     for copy in copies:
         slots = {"token": token_slots, "swa": swa_slots, "state": state_slots}[copy.index]
@@ -51,65 +55,93 @@ def pack_rows(
         stage = payload.narrow(0, offset, nbytes).view(src.dtype).view(slots.size, *src.shape[1:])
         copy_runs(src, stage, slot_runs(slots))
         entries.append([copy.name, copy.dst_head, copy.num_heads, offset, nbytes])
-    return {"rows": int(token_slots.size), "swa_rows": int(swa_slots.size), "copies": entries}, payload
+    return {"ranges": ranges, "copies": entries}, payload
 
 
 class Landing:
-    """Decode side of one hand-off: coverage per buffer (a flag per local head,
-    one flag for replicated buffers) and the payloads that arrived."""
+    """Decode side of one hand-off: the payloads that arrived and what they cover.
+
+    A message fills, for each buffer it names, a rectangle of heads × rows
+    (heads ``[dst_head, dst_head + num_heads)`` of this rank's, or the one
+    "head" of a replicated buffer; rows from the header's range for the
+    buffer's index). Rectangles of one buffer must not overlap — a part sent
+    twice is an error, not a retry — so the hand-off is complete exactly when
+    the cells received equal the cells needed (local heads × destination
+    rows, summed over the buffers that have rows).
+    """
 
     def __init__(self, layout: KVLayout, handoff: KVHandoff):
         self.layout = layout.by_name()
-        self.token_slots = as_slot_array(handoff.dst_slots)
-        self.swa_slots = as_slot_array(handoff.dst_swa_slots)
-        self.state_slots = as_slot_array([] if handoff.dst_state_slot is None else [handoff.dst_state_slot])
-        self.need: Dict[str, np.ndarray] = {}
+        self.slots = {
+            "token": as_slot_array(handoff.dst_slots), "swa": as_slot_array(handoff.dst_swa_slots),
+            "state": as_slot_array([] if handoff.dst_state_slot is None else [handoff.dst_state_slot]),
+        }
+        self.cells_missing: Dict[str, int] = {}  # buffer -> heads × rows not yet received
+        self.pieces: Dict[str, List[Tuple[int, int, int, int]]] = {}  # buffer -> (head lo, hi, row lo, hi) received
         for b in layout.buffers:
-            if self._slots(b.index).size:
-                self.need[b.name] = np.zeros(b.num_heads if b.head_axis is not None else 1, dtype=bool)
-        self.parts: List[Tuple[list, torch.Tensor]] = []
+            rows = self.slots[b.index].size
+            if rows:
+                self.cells_missing[b.name] = self._heads(b) * rows
+                self.pieces[b.name] = []
+        self.num_missing = sum(self.cells_missing.values())
+        self.parts: List[Tuple[Dict, list, torch.Tensor]] = []
         self.error: Optional[str] = None
 
-    def _slots(self, index: str) -> np.ndarray:
-        if index == "state":
-            return self.state_slots
-        return self.swa_slots if index == "swa" else self.token_slots
+    @staticmethod
+    def _heads(b) -> int:
+        return b.num_heads if b.head_axis is not None else 1
 
     def add(self, header: Dict, payload: torch.Tensor) -> None:
-        if header["rows"] != self.token_slots.size:
-            self.error = f"prefill sent {header['rows']} token rows for {self.token_slots.size} destination slots"
-            return
-        if header["swa_rows"] != self.swa_slots.size:
-            self.error = f"prefill sent {header['swa_rows']} SWA rows for {self.swa_slots.size} destination SWA slots"
-            return
+        """Record one message; a bad one sets ``error`` (the hand-off then fails)."""
+        ranges = header["ranges"]
+        for index, (offset, count) in ranges.items():
+            if index not in self.slots:
+                self.error = f"prefill sent rows of an unknown index {index!r}"
+                return
+            total = self.slots[index].size
+            if offset < 0 or count < 0 or offset + count > total:
+                self.error = f"prefill sent {index} rows [{offset}, {offset + count}) for {total} destination slots"
+                return
         for name, dst_head, num_heads, _, _ in header["copies"]:
-            if name not in self.need:
+            if name not in self.cells_missing:
                 self.error = f"prefill sent buffer {name!r}, which this hand-off does not take"
                 return
             b = self.layout[name]
-            if b.head_axis is None:
-                self.need[name][:] = True
-            else:
-                self.need[name][dst_head : dst_head + num_heads] = True
-        self.parts.append((header["copies"], payload))
+            offset, count = ranges[b.index]
+            heads = (0, 1) if b.head_axis is None else (dst_head, dst_head + num_heads)
+            if heads[0] < 0 or heads[1] > self._heads(b) or heads[0] >= heads[1]:
+                self.error = f"prefill sent heads [{heads[0]}, {heads[1]}) of {name!r}, which has {self._heads(b)} here"
+                return
+            piece = (heads[0], heads[1], offset, offset + count)
+            for lo, hi, r_lo, r_hi in self.pieces[name]:
+                if lo < piece[1] and piece[0] < hi and r_lo < piece[3] and piece[2] < r_hi:
+                    self.error = (f"prefill sent heads [{piece[0]}, {piece[1]}) × rows [{piece[2]}, {piece[3]}) of "
+                                  f"{name!r} twice (overlapping heads [{lo}, {hi}) × rows [{r_lo}, {r_hi}))")
+                    return
+            self.pieces[name].append(piece)
+            cells = (piece[1] - piece[0]) * count
+            self.cells_missing[name] -= cells
+            self.num_missing -= cells
+        self.parts.append((ranges, header["copies"], payload))
 
     def complete(self) -> bool:
-        return all(flags.all() for flags in self.need.values())
+        return self.error is None and self.num_missing == 0
 
     def missing(self) -> str:
-        names = [name for name, flags in self.need.items() if not flags.all()]
+        names = [name for name, cells in self.cells_missing.items() if cells]
         return f"{len(names)} buffers ({', '.join(names[:4])}{', ...' if len(names) > 4 else ''})"
 
     def scatter(self, buffers: Dict[str, torch.Tensor]) -> int:
         """Write every payload into ``buffers``: one slice copy per run of
         consecutive destination slots. Returns the bytes written."""
         moved = 0
-        for entries, payload in self.parts:
+        for ranges, entries, payload in self.parts:
             for name, dst_head, num_heads, offset, nbytes in entries:
                 b = self.layout[name]
                 copy = BufferCopy(name, b.index, b.head_axis, 0, dst_head, num_heads)
                 dst = copy.dst_view(buffers[name])
-                slots = self._slots(b.index)
+                row, count = ranges[b.index]
+                slots = self.slots[b.index][row : row + count]
                 check_slots(f"{name} destination", slots, dst.shape[0])
                 if nbytes != slots.size * _row_bytes(dst):
                     raise ValueError(f"{name}: {nbytes} bytes for {slots.size} rows of {tuple(dst.shape[1:])}")

@@ -7,8 +7,9 @@ carries the allocators' buffer handles plus, for every layout buffer, where it
 sits inside one of them (handle number, element offset, shape, strides: a
 Mamba ``state.{s}.{layer}`` is one layer's view of a bigger allocator
 buffer). A prefill agent maps a peer's handles once (cached by ``agent_id``)
-and then every push is one slice ``copy_`` per run of consecutive slots per
-buffer, source rows to destination rows — no temporaries, no Ray object store.
+and then every push (one chunk of a request's rows, or all of them) is one
+slice ``copy_`` per run of consecutive slots per buffer, source rows to
+destination rows — no temporaries, no Ray object store.
 
 Subclasses say how handles travel (``_encode_handles``/``_decode_handles``)
 and how to tell that the peer is gone (``_check_peer``).
@@ -125,13 +126,13 @@ class MappedPeerAgent(TransferAgent):
         """Inverse of ``_encode_handles``."""
 
     # ---- prefill side ----------------------------------------------------------------
-    def push(self, handoff: KVHandoff, src_slots, src_state_slot: Optional[int], src_swa_slots) -> int:
+    def push(self, handoff: KVHandoff, src_slots, src_state_slot: Optional[int], src_swa_slots, offset: int = 0) -> int:
         dst = self._peer(handoff.endpoint)
         with_state = src_state_slot is not None and handoff.dst_state_slot is not None
         copies = plan_copies(self.layout, handoff.layout, self.tp_rank, self.tp_size, handoff.tp_rank, with_state)
-        rows = row_plan(
-            src_slots, handoff.dst_slots, src_state_slot, handoff.dst_state_slot, src_swa_slots, handoff.dst_swa_slots
-        )
+        dst_slots = handoff.dst_slots[offset : offset + len(src_slots)]
+        dst_swa = handoff.dst_swa_slots if len(src_swa_slots) else []
+        rows = row_plan(src_slots, dst_slots, src_state_slot, handoff.dst_state_slot, src_swa_slots, dst_swa)
         moved = push_rows(self.buffers, dst, copies, rows)
         self._sync()
         return moved

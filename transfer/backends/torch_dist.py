@@ -12,10 +12,13 @@ which buffers and heads the hand-off still misses.
 
 A push gathers every planned buffer's rows (one slice copy per run of
 consecutive source slots) into one contiguous uint8 payload and sends it in
-one message. ``landed`` (polled by the receiver, never blocking) is true once
-every needed head of every needed buffer arrived — from one prefill rank or
-several when TP sizes differ — and then scatters the payloads into this
-rank's buffers, one slice copy per run of consecutive destination slots.
+one message; with chunked prefill a hand-off takes one message per chunk
+(and per prefill rank when TP sizes differ), each naming its row range.
+``landed`` (polled by the receiver, never blocking) is true once every
+needed head of every needed row of every needed buffer arrived, and then
+scatters the payloads into this rank's buffers, one slice copy per run of
+consecutive destination slots — on the decode loop's thread, so bytes for a
+request that was cancelled meanwhile never touch slots given to another.
 
 CPU tensors over gloo; NCCL would need device tensors and is not wired yet.
 """
@@ -207,11 +210,11 @@ class TorchDistAgent(TransferAgent):
             self._lock.notify_all()
 
     # ---- prefill side ----------------------------------------------------------------
-    def push(self, handoff: KVHandoff, src_slots, src_state_slot: Optional[int], src_swa_slots) -> int:
+    def push(self, handoff: KVHandoff, src_slots, src_state_slot: Optional[int], src_swa_slots, offset: int = 0) -> int:
         ep = handoff.endpoint
         with_state = src_state_slot is not None and handoff.dst_state_slot is not None
         copies = plan_copies(self.layout, handoff.layout, self.tp_rank, self.tp_size, handoff.tp_rank, with_state)
-        header, payload = pack_rows(self.layout, self.buffers, copies, src_slots, src_state_slot, src_swa_slots)
+        header, payload = pack_rows(self.layout, self.buffers, copies, src_slots, src_state_slot, src_swa_slots, offset)
         if not payload.numel():
             return 0
         header["tag"] = ep["tag"]

@@ -1,0 +1,244 @@
+"""A prefill rank's KV pushes, run off the engine loop (SGLang's inflight queue).
+
+After each prefill forward the scheduler hands every rank the new prompt rows
+of the requests in the batch as :class:`PushChunk` s; the rank's
+:class:`KVPusher` copies them to the decode ranks it serves on a transfer
+thread of its own while the next batch runs. Per request the chunks go in
+order through one :class:`~transfer.base.KVSender` per decode rank; the
+Mamba state and the sliding-window rows go with the last chunk. A request is
+done on a rank when its last chunk was pushed (or skipped after an earlier
+chunk failed): :meth:`KVPusher.take_finished` reports it once.
+
+Ordering: a chunk may only read KV its forward already wrote. On the CPU the
+forward has returned when ``submit`` is called; on CUDA ``submit`` records an
+event on the compute stream and the transfer thread's own stream waits for it
+before copying, so the copies overlap the next forward but never precede the
+one that wrote their rows.
+
+``cancel(rid)`` drops the request's queued chunks, fails its senders and waits
+for a copy of it already running to end: once it returns this rank writes
+nothing more for ``rid``, so the decode side may reuse the slots at once.
+With ``asynchronous=False`` chunks are pushed inside ``submit`` (the loop
+stalls for them: the behaviour before overlap, kept for comparison).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import Deque, Dict, List, NamedTuple, Optional, Sequence, Tuple
+
+import torch
+
+from transfer.base import KVHandoff, KVPoll, KVSender, TransferAgent
+
+logger = logging.getLogger(__name__)
+
+
+class PushChunk(NamedTuple):
+    """Prompt tokens ``[start, start + len(src_slots))`` of request ``rid``, their KV
+    now written at ``src_slots``. ``handoffs`` come with a request's first chunk;
+    ``state_slot`` and ``src_swa`` (the SWA slots of the prompt's last tokens,
+    aligned to its end as ``dst_swa_slots``) with its last."""
+
+    rid: str
+    start: int
+    src_slots: List[int]
+    is_last: bool
+    state_slot: Optional[int] = None
+    src_swa: Sequence[int] = ()
+    handoffs: Optional[List[bytes]] = None
+
+
+class PushResult(NamedTuple):
+    """One rank's share of a request, done: bytes it moved, and why it failed (or None)."""
+
+    rid: str
+    moved: int
+    error: Optional[str]
+
+
+@dataclass
+class _Job:
+    senders: List[Tuple[KVHandoff, KVSender]] = field(default_factory=list)
+    moved: int = 0
+    error: Optional[str] = None
+    cancelled: bool = False
+
+
+def serves(handoff: KVHandoff, agent: TransferAgent) -> bool:
+    """Whether this prefill rank pushes to the hand-off's decode rank: head-sharded
+    layouts pair ranks whose head ranges overlap; replicated ones (MLA) take the
+    KV of decode rank r from prefill rank ``r % tp_size``."""
+    mine = agent.layout.by_name()
+    sharded = [b for b in handoff.layout.buffers if b.head_axis is not None]
+    if not sharded:
+        return handoff.tp_rank % agent.tp_size == agent.tp_rank
+    for b in sharded:
+        m = mine.get(b.name)
+        if m is not None and max(m.head_start, b.head_start) < min(m.head_start + m.num_heads, b.head_start + b.num_heads):
+            return True
+    return False
+
+
+class KVPusher:
+    """One per prefill rank: its agents, the chunks queued, the requests in progress."""
+
+    def __init__(self, agents: Dict[str, TransferAgent], asynchronous: bool = True, name: str = "raydix-kv-push"):
+        self.agents, self.asynchronous, self.name = agents, asynchronous, name
+        tensors = [t for agent in agents.values() for t in agent.buffers.values()]
+        self.device = tensors[0].device if tensors else torch.device("cpu")
+        self._cond = threading.Condition()
+        self._queue: Deque[Tuple[PushChunk, Optional[torch.cuda.Event]]] = collections.deque()
+        self._jobs: Dict[str, _Job] = {}
+        self._finished: List[PushResult] = []
+        self._running: Optional[str] = None  # rid whose chunk the transfer thread copies now
+        self._closed = False
+        self._thread: Optional[threading.Thread] = None
+        self.num_chunks = 0  # chunks that moved rows to at least one decode rank
+
+    # ---- the engine loop's side ------------------------------------------------------
+    def submit(self, chunks: Sequence[PushChunk]) -> None:
+        """Queue ``chunks`` (a request's first one opens it); their forward has been issued."""
+        event = None
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+        with self._cond:
+            for chunk in chunks:
+                if chunk.handoffs is not None:
+                    self._jobs[chunk.rid] = _Job()
+                if chunk.rid in self._jobs:  # a cancelled request's late chunks are dropped
+                    self._queue.append((chunk, event))
+            if self.asynchronous:
+                self._start()
+                self._cond.notify_all()
+        if not self.asynchronous:
+            while self._run_one(block=False):
+                pass
+
+    def take_finished(self) -> List[PushResult]:
+        """Requests whose share on this rank ended since the last call."""
+        with self._cond:
+            out, self._finished = self._finished, []
+        return out
+
+    def cancel(self, rid: Optional[str] = None) -> None:
+        """Stop pushing ``rid`` (None: every request); returns once no copy of it runs."""
+        with self._cond:
+            rids = list(self._jobs) if rid is None else [rid]
+            for r in rids:
+                job = self._jobs.pop(r, None)
+                if job is not None:
+                    job.cancelled = True
+                    for _, sender in job.senders:
+                        sender.abort("aborted")
+            gone = set(rids)
+            self._queue = collections.deque(item for item in self._queue if item[0].rid not in gone)
+            self._finished = [r for r in self._finished if r.rid not in gone]
+            while self._running in gone:
+                self._cond.wait()
+
+    def close(self) -> None:
+        self.cancel()
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    # ---- the transfer thread ----------------------------------------------------------
+    def _start(self) -> None:
+        if self._thread is None and not self._closed:
+            self._thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
+            self._thread.start()
+
+    def _loop(self) -> None:
+        if self.device.type == "cuda":  # a stream of its own: the copies overlap the forward
+            torch.cuda.set_device(self.device)
+            with torch.cuda.stream(torch.cuda.Stream(self.device)):
+                while self._run_one(block=True):
+                    pass
+        else:
+            while self._run_one(block=True):
+                pass
+
+    def _run_one(self, block: bool) -> bool:
+        """Push the next queued chunk; False when closed (or, not blocking, when none is queued)."""
+        with self._cond:
+            while not self._queue:
+                if self._closed or not block:
+                    return False
+                self._cond.wait()
+            chunk, event = self._queue.popleft()
+            job = self._jobs.get(chunk.rid)
+            if job is None:
+                return True
+            self._running = chunk.rid
+        try:
+            if chunk.handoffs is not None:
+                self._open(job, chunk)
+            if job.error is None:
+                if event is not None:
+                    torch.cuda.current_stream(self.device).wait_event(event)
+                self._push(job, chunk)
+        except Exception as exc:  # a bug or a broken agent fails this request, not the rank
+            logger.exception("pushing the KV of %s failed", chunk.rid)
+            job.error = job.error or f"KV push failed: {type(exc).__name__}: {exc}"
+        finally:
+            with self._cond:
+                self._running = None
+                if chunk.is_last and self._jobs.get(chunk.rid) is job:
+                    del self._jobs[chunk.rid]
+                    self._finished.append(PushResult(chunk.rid, job.moved, job.error))
+                self._cond.notify_all()
+        return True
+
+    def _open(self, job: _Job, chunk: PushChunk) -> None:
+        """A sender per decode rank this rank serves."""
+        for raw in chunk.handoffs:
+            handoff = KVHandoff.from_bytes(raw)
+            agent = self.agents.get(handoff.backend)
+            if agent is None:
+                job.error = f"hand-off over backend {handoff.backend!r}; this rank has {sorted(self.agents)}"
+                return
+            if not serves(handoff, agent):
+                continue
+            sender = KVSender(agent, chunk.rid)
+            sender.init(handoff)  # a layout mismatch raises: the request fails
+            job.senders.append((handoff, sender))
+
+    def _push(self, job: _Job, chunk: PushChunk) -> None:
+        """The chunk's rows past each decode rank's own prefix; with the last, the state and window."""
+        end = chunk.start + len(chunk.src_slots)
+        pushed = False
+        for handoff, sender in job.senders:
+            if job.cancelled:
+                return
+            lo = max(chunk.start, handoff.dst_prefix_len)
+            swa: Sequence[int] = []
+            if chunk.is_last:
+                num_swa = len(handoff.dst_swa_slots)
+                swa = list(chunk.src_swa)[-num_swa:] if num_swa else []
+                if len(swa) < num_swa or 0 in swa:  # SWA slot 0 is the padding row: that token's SWA KV is gone
+                    held = sum(1 for s in chunk.src_swa if s > 0)
+                    job.error = (f"decode rank {handoff.tp_rank} asks for the SWA KV of {num_swa} tokens; "
+                                 f"this rank has it for {held}")
+                    return
+            elif lo >= end:
+                continue
+            before = sender.bytes_sent
+            sender.send_chunk(chunk.src_slots[lo - chunk.start :], lo - handoff.dst_prefix_len, chunk.is_last,
+                              chunk.state_slot if chunk.is_last else None, swa)
+            job.moved += sender.bytes_sent - before
+            if sender.poll() == KVPoll.Failed:
+                job.error = f"KV transfer to decode rank {handoff.tp_rank} failed: {sender.failure_reason()}"
+                return
+            pushed = True
+        if pushed:
+            self.num_chunks += 1
+
+
+__all__ = ["KVPusher", "PushChunk", "PushResult", "serves"]
