@@ -7,7 +7,8 @@ thread of its own while the next batch runs. Per request the chunks go in
 order through one :class:`~transfer.base.KVSender` per decode rank; the
 Mamba state and the sliding-window rows go with the last chunk. A request is
 done on a rank when its last chunk was pushed (or skipped after an earlier
-chunk failed): :meth:`KVPusher.take_finished` reports it once.
+chunk failed): :meth:`KVPusher.take_finished` reports it once, or — when set —
+the ``on_finished`` hook is called with it on the transfer thread.
 
 Ordering: a chunk may only read KV its forward already wrote. On the CPU the
 forward has returned when ``submit`` is called; on CUDA ``submit`` records an
@@ -28,7 +29,7 @@ import collections
 import logging
 import threading
 from dataclasses import dataclass, field
-from typing import Deque, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Callable, Deque, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -98,6 +99,9 @@ class KVPusher:
         self._closed = False
         self._thread: Optional[threading.Thread] = None
         self.num_chunks = 0  # chunks that moved rows to at least one decode rank
+        # called on the transfer thread when a request's share ends, instead of queueing it
+        # for take_finished (the scheduler's early notice, TP 1)
+        self.on_finished: Optional[Callable[[PushResult], None]] = None
 
     # ---- the engine loop's side ------------------------------------------------------
     def submit(self, chunks: Sequence[PushChunk]) -> None:
@@ -188,11 +192,20 @@ class KVPusher:
             logger.exception("pushing the KV of %s failed", chunk.rid)
             job.error = job.error or f"KV push failed: {type(exc).__name__}: {exc}"
         finally:
+            result = None
             with self._cond:
-                self._running = None
                 if chunk.is_last and self._jobs.get(chunk.rid) is job:
                     del self._jobs[chunk.rid]
-                    self._finished.append(PushResult(chunk.rid, job.moved, job.error))
+                    result = PushResult(chunk.rid, job.moved, job.error)
+                    if self.on_finished is None:
+                        self._finished.append(result)
+            if result is not None and self.on_finished is not None:
+                try:  # still "running": a cancel of this request waits until it is told
+                    self.on_finished(result)
+                except Exception:
+                    logger.exception("the push-finished hook failed for %s", chunk.rid)
+            with self._cond:
+                self._running = None
                 self._cond.notify_all()
         return True
 

@@ -1,21 +1,5 @@
-"""The engine scheduler in its two disaggregated roles.
-
-Prefill (``PrefillScheduler``), queues in SGLang's order (bootstrap → waiting
-→ inflight): a request arrives with the decode side's hand-offs. It is
-matched in the prefill worker's own radix cache and (chunk by chunk)
-prefilled as usual; after each chunk's forward every rank's
-:class:`~actors.kv_push.KVPusher` is handed the chunk's new prompt rows
-(whole pages) and copies those past each decode rank's ``dst_prefix_len`` on
-its transfer thread while the next batch runs. After the last chunk the
-first output token is sampled and the rest goes — the remaining rows, the
-Mamba state, and for sliding-window layers the SWA KV of the last window
-only. The request then waits in ``inflight`` (row, slots and tree lock
-held) until every rank's push ended; only then is the completion notice (or
-the error) sent and the prompt cached in the tree. It never decodes::
-
-    chunk k done   cache_unfinished_req, then push rows [sent_upto, chunk_end) of it
-    last chunk     sample; push [sent_upto, prompt_len) + state + window → inflight
-    inflight       every rank done → finish (notice or error), cache_finished_req
+"""The engine scheduler in its two disaggregated roles: decode here, prefill in
+``actors.pd_prefill``.
 
 Decode (``DecodeScheduler``), queues in the order a request moves (SGLang's
 ``DecodePreallocQueue`` → ``DecodeTransferQueue`` → running)::
@@ -52,7 +36,6 @@ from actors.engine.req import Req
 from actors.engine.schedule_batch import _alloc_rows, _alloc_with_eviction
 from actors.engine.scheduler import Scheduler
 from actors.engine.tp_worker import FollowerError
-from actors.kv_push import KVPusher, PushChunk, PushResult
 from transfer.base import KVPoll, KVReceiver, TransferAgent, TransferError
 
 logger = logging.getLogger(__name__)
@@ -75,177 +58,6 @@ def is_worker_death(exc: BaseException) -> bool:
     if isinstance(exc, RayTaskError):
         exc = exc.as_instanceof_cause()
     return isinstance(exc, (RayActorError, WorkerBrokenError))
-
-
-# ---- prefill ----------------------------------------------------------------------------
-class PrefillScheduler(Scheduler):
-    """``agents``: rank 0's transfer agents; ``pusher``: rank 0's KVPusher; ``tp_worker``:
-    the rank-0 :class:`~actors.engine.tp_worker.TPModelWorker` whose followers push their share.
-
-    Every rank pushes each chunk itself; rank 0 tracks per request the ranks still
-    pushing (``req.pd_pending``). Requests with an open push (``_pushing``) are the
-    chunked one and those in ``inflight``.
-    """
-
-    def __init__(self, runner, tokenizer, agents: Dict[str, TransferAgent], pusher: KVPusher, tp_worker=None):
-        super().__init__(runner, tokenizer)
-        self.agents, self.pusher, self.tp_worker = agents, pusher, tp_worker
-        self.tp_size = tp_worker.tp.size if tp_worker is not None else 1
-        self.inflight: List[Req] = []  # prefill done, the push still running on some rank
-        self._pushing: Dict[str, Req] = {}
-        self._outbox: List[PushChunk] = []  # this step's chunks, submitted after its forward
-        self.bytes_pushed = 0
-        self.push_time = 0.0
-
-    def has_work(self) -> bool:
-        return bool(self.inflight) or super().has_work()
-
-    def step(self) -> List[Req]:
-        before = self.runner.num_forwards
-        out = self._process_inflight()  # pushes that ended since: their notices don't wait for this forward
-        out += super().step()
-        self._flush_pushes()
-        out += self._process_inflight()
-        self.progressed = bool(out) or self.runner.num_forwards != before
-        return out
-
-    def _request_reserve(self, req: Req) -> int:
-        return 0  # it never decodes: the decode worker reserves for the new tokens
-
-    # ---- chunks ------------------------------------------------------------------------
-    def _process_prefill(self, reqs: List[Req], logits) -> List[Req]:
-        out = super()._process_prefill(reqs, logits)
-        req = self.chunked_req  # more chunks to go; its rows read after cache_unfinished_req re-pointed them
-        if req is not None and any(r is req for r in reqs):
-            ready = len(req.fill_ids) // self.page_size * self.page_size  # whole pages, as SGLang
-            self._queue_push(req, ready, is_last=False)
-        return out
-
-    def _prefill_done(self, req: Req, logits_row) -> None:
-        """Sample the first token and queue the last chunk; the request waits in
-        ``inflight`` (row, slots and lock held) until every rank has pushed."""
-        self._sample(req, logits_row)
-        req.first_token_time = time.perf_counter()
-        req.pd_first_finish = req.finished_reason  # the first token may already end it (EOS, stop, length 1)
-        req.finished_reason = None
-        self._queue_push(req, len(req.origin_input_ids), is_last=True)
-        req.pd_last_chunk_time = time.perf_counter()
-        self.inflight.append(req)
-
-    def _queue_push(self, req: Req, end: int, is_last: bool) -> None:
-        """Prompt tokens ``[req.pd_sent_upto, end)`` for every rank (and with the last
-        chunk the Mamba state slot and the window's SWA slots)."""
-        start = getattr(req, "pd_sent_upto", 0)
-        if end <= start and not is_last:
-            return
-        row = self.runner.req_to_token_pool.req_to_token[req.req_pool_idx, :end]
-        first = req.rid not in self._pushing
-        if first:
-            self._pushing[req.rid] = req
-            req.pd_pending, req.pd_transfer_bytes, req.pd_error = set(range(self.tp_size)), 0, None
-        self._outbox.append(PushChunk(
-            req.rid, start, row[start:].tolist(), is_last, req.mamba_pool_idx if is_last else None,
-            self._window_swa_slots(row) if is_last else [], list(req.pd_handoffs) if first else None,
-        ))
-        req.pd_sent_upto = end
-
-    def _window_swa_slots(self, row: torch.Tensor) -> List[int]:
-        """SWA slots of the prompt's last window (``row``: its full slots); read before
-        the prompt is cached, as the tree may tombstone them from then on."""
-        if not self.swa:
-            return []
-        window = row[self.tree_cache.window_start(len(row)) :]
-        return self.runner.allocator.translate_loc_from_full_to_swa(window).tolist()
-
-    def _flush_pushes(self) -> None:
-        """Hand this step's chunks to every rank: rank 0's pusher, then one call to the
-        followers, whose reply says which requests they finished; with no chunks, the
-        followers are asked only while a request in ``inflight`` waits on one of them."""
-        chunks, self._outbox = self._outbox, []
-        if chunks:
-            self.pusher.submit(chunks)
-        if self.tp_size == 1:
-            return
-        if chunks:
-            name, rids = "push", {c.rid for c in chunks}
-        elif any(len(req.pd_pending - {0}) for req in self.inflight):
-            name, rids = "push_status", {req.rid for req in self.inflight}
-        else:
-            return
-        try:
-            replies = self.tp_worker.call_followers(name, chunks or None)
-        except Exception as exc:  # a broken TP group: its ranks copy nothing more
-            logger.exception("asking the TP followers to push failed")
-            replies = [FollowerError(f"{type(exc).__name__}: {exc}")] * (self.tp_size - 1)
-        for rank, reply in enumerate(replies, start=1):
-            if isinstance(reply, FollowerError):  # its handler raised before queueing anything
-                for rid in rids:
-                    self._settle(rank, PushResult(rid, 0, f"KV push failed: {reply.message}"))
-                continue
-            for result in reply:
-                self._settle(rank, result)
-
-    def _settle(self, rank: int, result: PushResult) -> None:
-        req = self._pushing.get(result.rid)
-        if req is None or rank not in req.pd_pending:  # cancelled meanwhile
-            return
-        req.pd_pending.discard(rank)
-        req.pd_transfer_bytes += result.moved
-        req.pd_error = req.pd_error or result.error
-
-    # ---- inflight --------------------------------------------------------------------
-    def _process_inflight(self) -> List[Req]:
-        """Finish the requests every rank has pushed: notice (or error), then cache the prompt."""
-        for result in self.pusher.take_finished():
-            self._settle(0, result)
-        done = [req for req in self.inflight if not req.pd_pending]
-        for req in done:
-            self.inflight.remove(req)
-            del self._pushing[req.rid]
-            req.pd_transfer_time = time.perf_counter() - req.pd_last_chunk_time  # the part prefill did not hide
-            self.push_time += req.pd_transfer_time
-            self.bytes_pushed += req.pd_transfer_bytes
-            error = req.pd_error
-            req.finish({"type": "prefill_done"} if error is None else {"type": "abort", "message": error})
-            self.tree_cache.cache_finished_req(req)
-        return done
-
-    def _cancel_pushes(self, rid: Optional[str]) -> None:
-        """No rank copies ``rid``'s KV (None: anyone's) once this returns."""
-        self.pusher.cancel(rid)
-        if self.tp_size > 1:
-            try:
-                self.tp_worker.call_followers("cancel_push", rid)
-            except Exception:  # a broken TP group: its ranks copy nothing more
-                logger.exception("cancelling the pushes of %s on the TP followers failed", rid)
-        for r in [rid] if rid is not None else list(self._pushing):
-            self._pushing.pop(r, None)
-
-    def abort(self, rid: str) -> bool:
-        """Stop every rank pushing ``rid`` (waiting for a copy in progress), then end it:
-        from ``inflight`` it ends here (its complete prompt cached), otherwise as the
-        engine ends it."""
-        if rid in self._pushing:
-            self._cancel_pushes(rid)
-        req = next((r for r in self.inflight if r.rid == rid), None)
-        if req is not None:
-            self.inflight.remove(req)
-            req.pd_error = "aborted"
-            req.finish({"type": "abort", "message": "aborted"})
-            self.tree_cache.cache_finished_req(req)
-            self._aborted.append(req)
-            return True
-        req = next((r for r in self.waiting + [self.chunked_req] if r is not None and r.rid == rid), None)
-        if req is not None:
-            req.pd_error = "aborted"
-        return super().abort(rid)
-
-    def fail_all(self, message: str) -> List[Req]:
-        """The engine step failed: stop every push; the loop releases what they held."""
-        self._cancel_pushes(None)
-        self._outbox = []
-        out, self.inflight = self.inflight, []
-        return out
 
 
 # ---- decode ------------------------------------------------------------------------------
@@ -518,4 +330,4 @@ class DecodeScheduler(Scheduler):
         return out
 
 
-__all__ = ["PrefillScheduler", "DecodeScheduler", "PDRequestError", "WorkerBrokenError", "is_worker_death"]
+__all__ = ["DecodeScheduler", "PDRequestError", "WorkerBrokenError", "is_worker_death"]

@@ -33,7 +33,8 @@ from actors.engine.engine import _eos_ids, check_engine_integrity, flush_engine_
 from actors.engine.engine_loop import EngineLoop
 from actors.engine.req import Req
 from actors.engine.sampling_params import SamplingParams
-from actors.pd_scheduler import DecodeScheduler, PDRequestError, PrefillScheduler, WorkerBrokenError
+from actors.pd_prefill import PrefillScheduler
+from actors.pd_scheduler import DecodeScheduler, PDRequestError, WorkerBrokenError
 from actors.rank import RankHost
 from mem_cache.kv_events import KVEventBatch, PageHashSnapshot
 from transfer.base import KVHandoff, check_compatible
@@ -239,6 +240,7 @@ class PrefillWorker(_Worker):
         self.scheduler = PrefillScheduler(self.runner, self.tokenizer, self.agents, self.rank.pusher, self.tp_worker)
         self._cancelled: "collections.OrderedDict[str, None]" = collections.OrderedDict()  # aborted rids
         self.loop = EngineLoop(self.scheduler)
+        self.scheduler.enable_early_notice(self.loop.deliver_now)
         self._init_kv_log()
 
     async def prefill(self, rid: str, input_ids: List[int], sampling_params: Optional[Dict[str, Any]],

@@ -18,7 +18,13 @@ push time a request still waited for after its last chunk ("exposed"), and
 the bytes moved. Forward passes use ``--threads`` torch threads (default 1:
 the transfer thread gets the other core of a 2-core machine).
 
+``--link-gbps`` also runs each setting over an emulated slower link: after
+every push the prefill rank's agent sleeps for the bytes' time on a link of
+that many Gbit/s (a sleep releases the GIL, as a socket send does), standing
+in for a cross-node network that a loopback on one machine cannot show.
+
     python scripts/bench_pd_overlap.py [--num-prompts 8] [--prompt-len 1024] [--chunk 256] [--backends shm torch_dist]
+                                       [--link-gbps 0 1]
 """
 
 from __future__ import annotations
@@ -61,12 +67,27 @@ async def _one(prefill, decode, rid: str, ids: List[int], start: float) -> Dict[
             "bytes": notice["transfer_bytes"]}
 
 
-def run(path: str, backend: str, asynchronous: bool, batch: List[List[int]], chunk: int) -> Dict[str, float]:
+def emulate_link(agent, gbps: float) -> None:
+    """After each push, wait for its bytes' time on a ``gbps`` Gbit/s link."""
+    real = agent.push
+
+    def push(*args, **kwargs):
+        moved = real(*args, **kwargs)
+        time.sleep(moved * 8 / (gbps * 1e9))
+        return moved
+
+    agent.push = push
+
+
+def run(path: str, backend: str, asynchronous: bool, batch: List[List[int]], chunk: int,
+        link_gbps: float = 0.0) -> Dict[str, float]:
     pool = sum(len(ids) for ids in batch) + 4096
     base = dict(max_total_tokens=pool, skip_tokenizer_init=True, context_length=8192)
     prefill = PrefillWorker(path, dict(base, chunked_prefill_size=chunk, disaggregation_async_push=asynchronous),
                             backend=backend)
     decode = DecodeWorker(path, base, backend=backend)
+    if link_gbps:
+        emulate_link(prefill.agents[backend], link_gbps)
 
     async def go():
         await _one(prefill, decode, "warm-up", batch[0][:chunk * 2], time.perf_counter())
@@ -98,6 +119,8 @@ def main(argv=None) -> int:
     parser.add_argument("--backends", nargs="+", default=["shm", "torch_dist"])
     parser.add_argument("--repeat", type=int, default=2, help="runs per setting; the best throughput is kept")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--link-gbps", type=float, nargs="+", default=[0.0],
+                        help="emulated link speeds to run over (0: the backend as it is)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     rng = random.Random(0)
@@ -105,10 +128,12 @@ def main(argv=None) -> int:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         build_model(tmp)
-        for backend in args.backends:
-            for asynchronous in (False, True):
-                runs = [run(tmp, backend, asynchronous, batch, args.chunk) for _ in range(args.repeat)]
-                rows.append((backend, "async" if asynchronous else "sync", max(runs, key=lambda r: r["tok_s"])))
+        for gbps in args.link_gbps:
+            for backend in args.backends:
+                for asynchronous in (False, True):
+                    runs = [run(tmp, backend, asynchronous, batch, args.chunk, gbps) for _ in range(args.repeat)]
+                    label = backend + (f" + {gbps:g} Gbit/s link" if gbps else "")
+                    rows.append((label, "async" if asynchronous else "sync", max(runs, key=lambda r: r["tok_s"])))
     print(f"{args.num_prompts} prompts × {args.prompt_len} tokens, {args.chunk}-token chunks, 1 output token, "
           f"{args.threads} torch thread(s)")
     print("| backend | push | prefill tok/s | TTFT mean ms | TTFT p90 ms | exposed push ms | MiB moved |")

@@ -444,6 +444,44 @@ def test_the_next_chunk_is_computed_while_the_previous_one_is_pushed(checkpoints
     close(prefill, decode)
 
 
+def test_a_finished_push_sends_its_notice_while_the_next_forward_runs(checkpoints):
+    """TP 1: the transfer thread that ends a request's push sends its completion notice at
+    once; it does not wait for the loop to finish the forward it has started meanwhile (here
+    a slow one: another request's next chunk)."""
+    path = checkpoints["llama"]
+    prefill, decode = make_pair(path, prefill_args={"chunked_prefill_size": CHUNK})
+    real, spans = prefill.runner.forward, []
+
+    def slow_forward(batch):
+        start = time.monotonic()
+        out = real(batch)
+        time.sleep(0.4)
+        spans.append((start, time.monotonic()))
+        return out
+
+    prefill.runner.forward = slow_forward
+    short, long = prompts(1, 6, 6, seed=51)[0], prompts(1, 90, 90, seed=52)[0]
+
+    async def go():
+        first = await decode.reserve("short", short, GREEDY)
+        second = await decode.reserve("long", long, GREEDY)
+        arrived = {}
+
+        async def prefill_one(rid, ids, handoffs):
+            notice = await prefill.prefill(rid, ids, GREEDY, handoffs)
+            arrived[rid] = time.monotonic()
+            finals = [out async for out in decode.stream(rid, notice)]
+            return finals[-1]["output_ids"]
+
+        outs = await asyncio.gather(prefill_one("short", short, first), prefill_one("long", long, second))
+        return arrived, outs
+
+    arrived, outs = asyncio.run(go())
+    assert any(start < arrived["short"] < end for start, end in spans), (arrived, spans)  # mid-forward
+    assert_greedy_parity(path, [short, long], outs, 8, decode.eos_token_ids)
+    close(prefill, decode)
+
+
 @pytest.mark.parametrize("when", ["chunk", "inflight"])
 def test_abort_during_a_chunk_push_waits_for_it_and_nothing_lands_later(checkpoints, when):
     """``abort`` while a chunk of a request (``chunk``: one of its first; ``inflight``: its

@@ -24,6 +24,7 @@ class EngineLoop:
     def __init__(self, scheduler):
         self.scheduler = scheduler
         self._callbacks: Dict[str, Callback] = {}
+        self._callbacks_lock = threading.Lock()  # not the loop's: deliver_now must not wait for a step
         self._cond = threading.Condition()
         self._stopped = False
         self._paused = False
@@ -34,9 +35,10 @@ class EngineLoop:
         with self._cond:
             if self._stopped:
                 raise RuntimeError("the engine is shut down")
-            if req.rid in self._callbacks:
-                raise ValueError(f"request id {req.rid!r} is already in flight")
-            self._callbacks[req.rid] = callback
+            with self._callbacks_lock:
+                if req.rid in self._callbacks:
+                    raise ValueError(f"request id {req.rid!r} is already in flight")
+                self._callbacks[req.rid] = callback
             self.scheduler.add_request(req)
             self._cond.notify()
 
@@ -106,13 +108,20 @@ class EngineLoop:
             req.finish({"type": "abort", "message": "engine step failed"})
         return reqs
 
+    def deliver_now(self, req: Req) -> None:
+        """Deliver ``req``'s output from another thread, without waiting for the step in
+        progress (a prefill's completion notice once its KV push ended on the transfer
+        thread). A finished request is delivered once: the loop's own delivery after
+        the step finds nobody left to tell."""
+        self._deliver(req, None)
+
     def _deliver(self, req: Req, error: Optional[BaseException]) -> None:
-        callback = self._callbacks.get(req.rid)
+        with self._callbacks_lock:
+            callback = self._callbacks.get(req.rid)
+            if callback is not None and (req.finished or error is not None):
+                del self._callbacks[req.rid]
         if callback is None:
             return
-        if req.finished or error is not None:
-            with self._cond:
-                self._callbacks.pop(req.rid, None)
         try:
             callback(req, error)
         except Exception:  # a caller's bug must not stop the loop every other request needs
