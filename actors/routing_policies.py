@@ -9,7 +9,8 @@ of known ones:
 * ``cache_aware`` — prefill: the lowest cost
   ``w × uncached prompt tokens + queued prefill tokens``; decode: a worker with
   room for the prompt; among those within ``decode_affinity_slack`` requests of
-  the least loaded, the one holding the longest prefix (its decode-side radix
+  the least loaded, the one holding the longest prefix (of at least
+  ``decode_affinity_min_tokens``) (its decode-side radix
   cache: only the rest of the KV moves), then the fewest requests, then the most
   free KV slots. Both under the per-request imbalance guard (see :class:`CacheAware`).
 * ``round_robin``, ``random`` — blind to cache and load.
@@ -36,6 +37,7 @@ class RouterSettings:
     balance_abs_threshold: int = 64  # guard: a worker this many requests above the least loaded ...
     balance_rel_threshold: float = 1.5  # ... and this many times its load is skipped
     decode_affinity_slack: int = 4  # decode: a prefix hit counts on workers at most this many requests above the least loaded
+    decode_affinity_min_tokens: int = 64  # ... and only from this many matched tokens (a chat header saves nothing)
     approx_ttl_s: float = 30.0  # life of an index entry made from the router's own decision
     event_interval_s: float = 0.05  # how often KV events are pulled from the prefill workers
     max_events_per_pull: int = 4096
@@ -186,7 +188,9 @@ class CacheAware(RoutingPolicy):
     counted prefix in its own radix cache (the turns of one conversation return to the worker
     that decoded the previous one, and only the new tail's KV moves); then the fewest requests,
     then the most free slots. The slack bounds how uneven the decode batches may get for a hit:
-    a hit saves a transfer and KV slots, not decode compute.
+    a hit saves a transfer and KV slots, not decode compute; a hit shorter than
+    ``decode_affinity_min_tokens`` (say a chat template's header, which every worker holds
+    anyway) saves too little to bend the balance at all.
     """
 
     def __init__(self, settings: RouterSettings, seed: int = 0):
@@ -224,8 +228,10 @@ class CacheAware(RoutingPolicy):
         (decode batches stay even: the hit saves moving KV, not compute); then load."""
         free = worker.free_slots()
         fits = free is None or free >= req.prompt_tokens - req.matched_tokens(worker.worker_id)
-        within_slack = worker.load() <= least_load + self.settings.decode_affinity_slack
-        hit = self._counted_match(worker, req) if within_slack else 0
+        s = self.settings
+        hit = self._counted_match(worker, req)
+        if hit < s.decode_affinity_min_tokens or worker.load() > least_load + s.decode_affinity_slack:
+            hit = 0
         return (not fits, -hit, worker.load(), -(free or 0))
 
     def _reason(self, role: str, worker: WorkerState, req: RouteRequest) -> str:

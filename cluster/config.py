@@ -212,6 +212,9 @@ class RouterConfig(BaseModel):
     decode_affinity_slack: int = Field(4, ge=0, description="cache_aware decode: a worker holding the prompt's "
                                        "prefix is preferred while at most this many requests busier than the "
                                        "least loaded decode worker")
+    decode_affinity_min_tokens: int = Field(64, ge=0, description="cache_aware decode: the fewest matched prompt "
+                                            "tokens that count as a hit (shorter ones, such as a chat header, "
+                                            "save too little to bend load balance)")
     approx_ttl_s: float = Field(30.0, gt=0.0, description="how long a routing decision counts as cached pages on "
                                 "its workers unless KV events confirm them first")
     event_interval_s: float = Field(0.05, gt=0.0, description="how often the router pulls KV events from the "

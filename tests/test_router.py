@@ -170,6 +170,10 @@ def test_decode_affinity_holds_within_the_load_slack_only():
     workers[1].report = {"free_slots": 300}
     assert policy.select("decode", workers, req) == (workers[0], "hit")
     assert policy.select("decode", workers, RouteRequest("r", 320, 16, {"w0": 2})) == (workers[1], "load")
+    # a short shared header (every conversation's chat template) is no reason to pile up
+    workers[0].inflight, workers[0].report = 2, {"free_slots": 10_000}
+    assert policy.select("decode", workers, RouteRequest("r", 60, 16, {"w0": 3})) == (workers[1], "load")
+    assert policy.select("decode", workers, RouteRequest("r", 90, 16, {"w0": 5})) == (workers[0], "hit")
 
 
 # ---- the router over in-process workers -----------------------------------------------------------
