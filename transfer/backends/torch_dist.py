@@ -20,7 +20,10 @@ scatters the payloads into this rank's buffers, one slice copy per run of
 consecutive destination slots — on the decode loop's thread, so bytes for a
 request that was cancelled meanwhile never touch slots given to another.
 
-CPU tensors over gloo; NCCL would need device tensors and is not wired yet.
+Payloads are host tensors over gloo: device pools are gathered into host
+memory and scattered back (a gpu test covers CUDA pools). A device-to-device
+path (NCCL pairs, RDMA) is not here: a pair of NCCL ranks needs two GPUs,
+which no machine this project is tested on has.
 """
 
 from __future__ import annotations
