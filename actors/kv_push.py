@@ -109,7 +109,7 @@ class KVPusher:
         event = None
         if self.device.type == "cuda":
             event = torch.cuda.Event()
-            event.record()
+            event.record(torch.cuda.current_stream(self.device))  # the pools' device, whatever the thread's current one
         with self._cond:
             for chunk in chunks:
                 if chunk.handoffs is not None:

@@ -96,11 +96,14 @@ class _Worker:
         with_text = self.tokenizer is not None
 
         def on_output(r: Req, error: Optional[BaseException]) -> None:
+            # ``finished`` before the error: a prefill's transfer thread may finish ``r`` meanwhile,
+            # setting ``pd_error`` first; read the other way round a failed push looks like success
+            finished = r.finished
             error = error or (PDRequestError(r.pd_error) if r.pd_error else None)
-            snapshot = (self._snapshot(r, with_text), r.finished, error)
+            snapshot = (self._snapshot(r, with_text), finished, error)
             try:
                 loop.call_soon_threadsafe(queue.put_nowait, snapshot)
-                if r.finished:
+                if finished:
                     loop.call_soon_threadsafe(self._finished, r.rid)
             except RuntimeError:  # the caller's event loop is gone: nobody to tell
                 logger.debug("dropping output of %s: its event loop is closed", r.rid)

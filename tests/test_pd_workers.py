@@ -524,3 +524,49 @@ def test_abort_during_a_chunk_push_waits_for_it_and_nothing_lands_later(checkpoi
 
     asyncio.run(go())
     close(prefill, decode)
+
+
+def test_a_push_that_fails_while_the_loop_delivers_the_request_is_reported_as_failed(checkpoints):
+    """TP 1: the loop hands the prefill its (unfinished) output after the last chunk's
+    forward while the transfer thread ends that chunk's push with an error. The
+    loop's delivery must not read "no error" before and "finished" after the
+    transfer thread finished the request: that is a success notice for KV that never
+    arrived, and the decode side would decode garbage."""
+    import threading
+
+    path = checkpoints["llama"]
+    prefill, decode = make_pair(path)
+    ids = prompts(1, 12, 12, seed=61)[0]
+    entered = threading.Event()
+    real_snapshot = prefill._snapshot
+
+    def snapshot(req, with_text):
+        name = threading.current_thread().name
+        if name == "raydix-engine-loop" and not req.finished:
+            entered.set()  # the loop is delivering: now let the push fail
+            deadline = time.monotonic() + 3.0
+            while not req.finished and time.monotonic() < deadline:
+                time.sleep(0.001)
+        elif name.startswith("raydix-kv-push"):
+            time.sleep(0.3)  # the loop's delivery reaches the caller first
+        return real_snapshot(req, with_text)
+
+    def hold(_):
+        entered.wait(3.0)
+        raise RuntimeError("link down")
+
+    prefill._snapshot = snapshot
+    _slow_push(prefill, hold)
+
+    async def go():
+        handoffs = await decode.reserve("torn", ids, GREEDY)
+        try:
+            with pytest.raises(PDRequestError, match="link down"):
+                await prefill.prefill("torn", ids, GREEDY, handoffs)
+        finally:
+            await prefill.abort("torn")
+            await decode.abort("torn", safe=True)
+
+    asyncio.run(go())
+    assert entered.is_set()
+    close(prefill, decode)

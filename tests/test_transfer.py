@@ -557,6 +557,25 @@ def test_out_of_range_slots_fail_the_push():
     assert_buffers_equal(dst, before)
 
 
+def test_a_push_that_fails_midway_still_waits_for_the_copies_it_issued():
+    """The token rows are copied, then the state slot is out of range: the sender fails,
+    and the failure must not be reported before the copies already issued ended (on CUDA
+    they run asynchronously on the transfer thread's stream; the decode side frees and
+    reuses the slots of a failed push at once)."""
+    _, layout, src, _ = build_pool(RankSpec("hybrid"))
+    _, dlayout, dst, allocators = build_pool(RankSpec("hybrid", shared=True))
+    prefill, decode = create_agent("shm", layout, src), create_agent("shm", dlayout, dst, allocators=allocators)
+    synced = []
+    prefill._sync = lambda: synced.append(True)
+    sender = KVSender(prefill, "r")
+    sender.init(KVReceiver(decode, "r", 1).send_metadata([3, 4], dst_state_slot=999))
+    sender.send([1, 2], src_state_slot=1)
+    assert sender.poll() == KVPoll.Failed and "slots span" in sender.failure_reason()
+    assert synced  # the copies of the token rows were waited for
+    prefill.close()
+    decode.close()
+
+
 def test_torch_dist_concurrent_requests_and_cancelled_ones():
     """Four requests pushed from two threads over one pair land where they belong;
     bytes for an aborted receiver are dropped and touch nothing."""

@@ -133,9 +133,10 @@ class MappedPeerAgent(TransferAgent):
         dst_slots = handoff.dst_slots[offset : offset + len(src_slots)]
         dst_swa = handoff.dst_swa_slots if len(src_swa_slots) else []
         rows = row_plan(src_slots, dst_slots, src_state_slot, handoff.dst_state_slot, src_swa_slots, dst_swa)
-        moved = push_rows(self.buffers, dst, copies, rows)
-        self._sync()
-        return moved
+        try:
+            return push_rows(self.buffers, dst, copies, rows)
+        finally:  # also when a later buffer fails: the copies already issued end before the caller hears
+            self._sync()
 
     def _sync(self) -> None:
         """Make the copies visible to the peer before ``push`` returns."""
