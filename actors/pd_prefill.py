@@ -194,6 +194,11 @@ class PrefillScheduler(Scheduler):
             self._settle(0, result)
         with self._push_lock:
             done = [req for req in self.inflight if not req.pd_pending]
+        if self.tp_size > 1:  # a rank settled by an error (its handler failed) may still be copying:
+            for req in done:  # stop it before the error notice lets the decode side free the slots
+                if req.pd_error is not None:
+                    self._cancel_pushes(req.rid)
+        with self._push_lock:
             for req in done:
                 self.inflight.remove(req)
                 self._pushing.pop(req.rid, None)

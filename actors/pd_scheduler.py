@@ -300,7 +300,14 @@ class DecodeScheduler(Scheduler):
 
     # ---- abort ---------------------------------------------------------------------------
     def abort(self, rid: str, message: str = "aborted", safe: bool = False) -> bool:
-        """``safe``: the caller knows no prefill rank will write this request's slots."""
+        """``safe``: the caller knows no prefill rank will write this request's slots
+        (then a reservation already dropped into quarantine goes back at once too)."""
+        if safe:
+            for i, (_, req) in enumerate(self.quarantine):
+                if req.rid == rid:
+                    del self.quarantine[i]
+                    self._release(req)
+                    return True
         for req in self.prealloc:
             if req.rid == rid:
                 self.prealloc.remove(req)

@@ -305,6 +305,13 @@ def test_an_unconfirmed_abort_quarantines_the_slots_and_a_late_push_is_refused(c
             await asyncio.sleep(0.01)
         assert decode.load()["free_slots"] == total
 
+        # once the caller knows the prefill side is done with it, a quarantined reservation goes back at once
+        await decode.reserve("late-2", ids, GREEDY)
+        assert await decode.abort("late-2")
+        assert decode.load()["free_slots"] < total
+        assert await decode.abort("late-2", safe=True)
+        assert decode.load()["free_slots"] == total
+
     asyncio.run(go())
     close(prefill, decode)
 
