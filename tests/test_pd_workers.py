@@ -468,6 +468,14 @@ def test_a_finished_push_sends_its_notice_while_the_next_forward_runs(checkpoint
 
     prefill.runner.forward = slow_forward
     short, long = prompts(1, 6, 6, seed=51)[0], prompts(1, 90, 90, seed=52)[0]
+    short_pushed = []
+
+    def hold(call):  # each push ends well inside the forward running meanwhile
+        time.sleep(0.1)
+        if len(call["handoff"].dst_slots) == len(short):
+            short_pushed.append(time.monotonic())
+
+    _slow_push(prefill, hold)
 
     async def go():
         first = await decode.reserve("short", short, GREEDY)
@@ -484,7 +492,9 @@ def test_a_finished_push_sends_its_notice_while_the_next_forward_runs(checkpoint
         return arrived, outs
 
     arrived, outs = asyncio.run(go())
-    assert any(start < arrived["short"] < end for start, end in spans), (arrived, spans)  # mid-forward
+    running = [(start, end) for start, end in spans if start <= short_pushed[0] <= end]
+    assert running, (short_pushed, spans)
+    assert arrived["short"] < running[0][1], (arrived, short_pushed, spans)  # before that forward ended
     assert_greedy_parity(path, [short, long], outs, 8, decode.eos_token_ids)
     close(prefill, decode)
 
