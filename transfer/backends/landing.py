@@ -13,6 +13,7 @@ offset, nbytes]``, payload offsets 16-byte aligned.
 
 from __future__ import annotations
 
+import bisect
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -58,6 +59,17 @@ def pack_rows(
     return {"ranges": ranges, "copies": entries}, payload
 
 
+def _overlapping(received: List[Tuple[int, int]], rows: Tuple[int, int]) -> Optional[Tuple[int, int]]:
+    """The range of ``received`` (sorted, disjoint) that ``rows`` overlaps, if any: only
+    the neighbours of its insertion point can (O(log n) per message, not O(n))."""
+    i = bisect.bisect_left(received, rows)
+    if i < len(received) and received[i][0] < rows[1]:
+        return received[i]
+    if i > 0 and received[i - 1][1] > rows[0]:
+        return received[i - 1]
+    return None
+
+
 class Landing:
     """Decode side of one hand-off: the payloads that arrived and what they cover.
 
@@ -77,12 +89,13 @@ class Landing:
             "state": as_slot_array([] if handoff.dst_state_slot is None else [handoff.dst_state_slot]),
         }
         self.cells_missing: Dict[str, int] = {}  # buffer -> heads × rows not yet received
-        self.pieces: Dict[str, List[Tuple[int, int, int, int]]] = {}  # buffer -> (head lo, hi, row lo, hi) received
+        # buffer -> (head lo, head hi) -> the row ranges received for those heads, sorted and disjoint
+        self.pieces: Dict[str, Dict[Tuple[int, int], List[Tuple[int, int]]]] = {}
         for b in layout.buffers:
             rows = self.slots[b.index].size
             if rows:
                 self.cells_missing[b.name] = self._heads(b) * rows
-                self.pieces[b.name] = []
+                self.pieces[b.name] = {}
         self.num_missing = sum(self.cells_missing.values())
         self.parts: List[Tuple[Dict, list, torch.Tensor]] = []
         self.error: Optional[str] = None
@@ -112,14 +125,16 @@ class Landing:
             if heads[0] < 0 or heads[1] > self._heads(b) or heads[0] >= heads[1]:
                 self.error = f"prefill sent heads [{heads[0]}, {heads[1]}) of {name!r}, which has {self._heads(b)} here"
                 return
-            piece = (heads[0], heads[1], offset, offset + count)
-            for lo, hi, r_lo, r_hi in self.pieces[name]:
-                if lo < piece[1] and piece[0] < hi and r_lo < piece[3] and piece[2] < r_hi:
-                    self.error = (f"prefill sent heads [{piece[0]}, {piece[1]}) × rows [{piece[2]}, {piece[3]}) of "
-                                  f"{name!r} twice (overlapping heads [{lo}, {hi}) × rows [{r_lo}, {r_hi}))")
+            rows = (offset, offset + count)
+            by_heads = self.pieces[name]
+            for (lo, hi), received in by_heads.items():  # a few head ranges (one per prefill rank)
+                clash = _overlapping(received, rows) if lo < heads[1] and heads[0] < hi else None
+                if clash is not None:
+                    self.error = (f"prefill sent heads [{heads[0]}, {heads[1]}) × rows [{rows[0]}, {rows[1]}) of "
+                                  f"{name!r} twice (overlapping heads [{lo}, {hi}) × rows [{clash[0]}, {clash[1]}))")
                     return
-            self.pieces[name].append(piece)
-            cells = (piece[1] - piece[0]) * count
+            bisect.insort(by_heads.setdefault(heads, []), rows)
+            cells = (heads[1] - heads[0]) * count
             self.cells_missing[name] -= cells
             self.num_missing -= cells
         self.parts.append((ranges, header["copies"], payload))
