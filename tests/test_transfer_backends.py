@@ -19,6 +19,7 @@ from tests.transfer_helpers import (
     assert_buffers_equal,
     build_pool,
     expected_after,
+    push_one,
     request,
     snapshot,
     swa_window,
@@ -150,11 +151,7 @@ def test_cuda_ipc_in_process():
         t.copy_(torch.randn_like(t, dtype=torch.float16))
     prefill = create_agent("cuda_ipc", src_layout, src)
     decode = create_agent("cuda_ipc", dst_layout, dst, allocators=pool_allocators(pools[1]))
-    receiver, sender = KVReceiver(decode, "r", 1), KVSender(prefill, "r")
-    sender.init(KVHandoff.from_bytes(receiver.send_metadata(list(range(32, 48))).to_bytes()))
-    sender.send(list(range(16, 32)))
-    receiver.mark_done()
-    assert sender.poll() == receiver.poll() == KVPoll.Success
+    push_one(prefill, decode, range(16, 32), range(32, 48))
     for name in src:
         assert torch.equal(dst[name][32:48], src[name][16:32]) and not dst[name][16:32].any()
 
@@ -175,11 +172,7 @@ def test_torch_dist_between_cuda_pools_stages_through_host():
     dst_slots = (rng.permutation(7)[:3, None] * 16 + 16 + np.arange(16)).ravel().tolist()
     prefill, decode = create_agent("torch_dist", src_layout, src), create_agent("torch_dist", dst_layout, dst)
     try:
-        receiver, sender = KVReceiver(decode, "r", 1), KVSender(prefill, "r")
-        sender.init(KVHandoff.from_bytes(receiver.send_metadata(dst_slots).to_bytes()))
-        sender.send(src_slots)
-        receiver.mark_done()
-        assert sender.poll() == receiver.wait() == KVPoll.Success, receiver.failure_reason()
+        push_one(prefill, decode, src_slots, dst_slots)
     finally:
         prefill.close()
         decode.close()

@@ -19,6 +19,7 @@ from mem_cache.buffer_allocator import LocalBufferAllocator, SharedMemoryBufferA
 from mem_cache.mamba_pool import HybridLinearKVPool, MambaPool
 from mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
 from mem_cache.swa_memory_pool import SWAKVPool
+from transfer.base import KVHandoff, KVPoll, KVReceiver, KVSender
 from transfer.layout import pool_allocators, pool_layout
 from transfer.plan import plan_copies
 
@@ -133,3 +134,12 @@ def request(rng: np.random.Generator, page_size: int, num_tokens: int, prefix_le
     dst = slot_lists(rng, page_size, num_tokens)
     return src[prefix_len:], dst[prefix_len:]
 
+
+def push_one(prefill, decode, src_slots, dst_slots, rid: str = "r") -> None:
+    """One request from agent ``prefill`` to agent ``decode``: hand-off (through its wire
+    form), push, completion notice, landing; both ends must succeed."""
+    receiver, sender = KVReceiver(decode, rid, 1), KVSender(prefill, rid)
+    sender.init(KVHandoff.from_bytes(receiver.send_metadata(list(dst_slots)).to_bytes()))
+    sender.send(list(src_slots))
+    receiver.mark_done()
+    assert sender.poll() == receiver.wait() == KVPoll.Success, receiver.failure_reason() or sender.failure_reason()

@@ -111,8 +111,9 @@ class EngineLoop:
     def deliver_now(self, req: Req) -> None:
         """Deliver ``req``'s output from another thread, without waiting for the step in
         progress (a prefill's completion notice once its KV push ended on the transfer
-        thread). A finished request is delivered once: the loop's own delivery after
-        the step finds nobody left to tell."""
+        thread). Its callback is dropped here; a delivery the loop had already begun
+        for the same request may also see it finished, and then says the same (readers
+        stop at the first finished output)."""
         self._deliver(req, None)
 
     def _deliver(self, req: Req, error: Optional[BaseException]) -> None:
