@@ -206,9 +206,12 @@ class DecodeScheduler(Scheduler):
 
     # ---- transfers -----------------------------------------------------------------------
     def _process_transfers(self) -> List[Req]:
-        """Poll every transfer (never blocking on bytes in flight); the followers are
-        asked to land their shares once rank 0's landed."""
+        """Poll every transfer, never blocking on bytes in flight. A request whose share
+        landed on rank 0 waits for the followers' shares: one "land" call per step asks
+        about all of them (a follower's own receiver times out ``land_timeout_s`` after
+        its first question, as rank 0's does after the notice)."""
         done: List[Req] = []
+        landed: List[Req] = []  # rank 0's share is in its pools
         for req in list(self.transfer):
             receiver: KVReceiver = req.pd_receiver
             notice = self._notices.pop(req.rid, None)
@@ -216,31 +219,44 @@ class DecodeScheduler(Scheduler):
                 req.pd_notice = notice
                 receiver.mark_done()
             state = receiver.poll()
-            error = None
             if state == KVPoll.Success:
-                error = self._land_on_followers(req) if self.has_followers else None
+                landed.append(req)
             elif state == KVPoll.Failed:
-                error = receiver.failure_reason()
-            if state == KVPoll.Success and error is None:
+                self._transfer_failed(req, receiver.failure_reason())
+                done.append(req)
+        errors = self._land_on_followers(landed) if self.has_followers and landed else {}
+        for req in landed:
+            if req.rid in errors:
+                if errors[req.rid] is None:
+                    continue  # a follower's share is still on its way
+                self._transfer_failed(req, errors[req.rid])
+            else:
                 self.backend_counts[req.pd_backend] = self.backend_counts.get(req.pd_backend, 0) + 1
                 self.transfer.remove(req)
                 self._start_decoding(req, req.pd_notice)
-                done.append(req)
-            elif error is not None:
-                self.transfer.remove(req)
-                self.num_transfer_failures += 1
-                # after the notice every prefill rank has finished pushing: nothing can write these slots
-                self._drop(req, f"KV transfer failed: {error}", safe=getattr(req, "pd_notice", None) is not None)
-                done.append(req)
+            done.append(req)
         return done
 
-    def _land_on_followers(self, req: Req) -> Optional[str]:
-        """The first follower's error, or None once every rank holds its share."""
-        for reply in self.tp_worker.call_followers("land", req.rid):
-            error = reply.message if isinstance(reply, FollowerError) else reply
-            if error:
-                return error
-        return None
+    def _transfer_failed(self, req: Req, error: str) -> None:
+        self.transfer.remove(req)
+        self.num_transfer_failures += 1
+        # after the notice every prefill rank has finished pushing: nothing can write these slots
+        self._drop(req, f"KV transfer failed: {error}", safe=getattr(req, "pd_notice", None) is not None)
+
+    def _land_on_followers(self, reqs: List[Req]) -> Dict[str, Optional[str]]:
+        """``{rid: error}`` for the requests a follower failed, ``{rid: None}`` for those
+        some follower is still receiving; absent: every rank holds its share."""
+        out: Dict[str, Optional[str]] = {}
+        rids = [req.rid for req in reqs]
+        for reply in self.tp_worker.call_followers("land", rids):
+            if isinstance(reply, FollowerError):  # its handler raised: none of its shares is known
+                return {rid: reply.message for rid in rids}
+            for rid in rids:
+                if rid not in reply:
+                    out.setdefault(rid, None)
+                elif reply[rid] is not None:
+                    out[rid] = reply[rid]
+        return out
 
     def _start_decoding(self, req: Req, notice: dict) -> None:
         req.kv_committed_len = len(req.origin_input_ids)

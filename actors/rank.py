@@ -11,7 +11,9 @@ rank's share of a request's KV, in step with those batches:
                       "push_status"  only that reply (rank 0 asks while it waits on a follower)
                       "cancel_push"  stop pushing a request (or all); returns once none is copied
     decode follower   "expect"  reserve-time: a receiver on its own agent; its hand-off
-                      "land"    after rank 0's share landed: wait until its own bytes are in its pools
+                      "land"    after rank 0's share landed: which of the named requests' shares are in
+                                this rank's pools (never blocking; a share still on its way is
+                                left out of the reply and asked about at rank 0's next step)
                       "cancel"  the request failed or was aborted
 
 Every rank of a worker allocates the same slot numbers (only rank 0 allocates
@@ -87,6 +89,7 @@ class TPFollower:
         self.host = RankHost(role, config, backend, worker_id, tp_rank, dist_init_method)
         self.waiting_timeout_s = waiting_timeout_s
         self._receivers: Dict[str, KVReceiver] = {}
+        self._landed: set = set()  # shares reported landed that rank 0 may still ask about
         handlers = self.host.tp_worker.handlers
         handlers.update(push=self._push, push_status=self._push_status, cancel_push=self._cancel_push,
                         expect=self._expect, land=self._land, cancel=self._cancel)
@@ -124,16 +127,34 @@ class TPFollower:
         self._receivers[rid] = receiver
         return handoff.to_bytes()
 
-    def _land(self, rid: str) -> Optional[str]:
-        receiver = self._receivers.pop(rid, None)
-        if receiver is None:
-            return f"rank {self.host.tp_rank}: no transfer expected for {rid}"
-        receiver.mark_done()
-        if receiver.wait() != KVPoll.Success:  # rank 0's share landed: this rank's is normally here too
-            return f"rank {self.host.tp_rank}: {receiver.failure_reason()}"
-        return None
+    def _land(self, rids: List[str]) -> Dict[str, Optional[str]]:
+        """``{rid: None (landed) or the error}`` for the requests whose share is no longer in
+        flight; the others are left out. Rank 0 asks, at each step, about every request
+        whose own share landed until every rank has answered it, so a share this rank
+        reported landed is remembered (``_landed``) only while rank 0 still asks."""
+        self._landed &= set(rids)
+        reply: Dict[str, Optional[str]] = {}
+        for rid in rids:
+            if rid in self._landed:
+                reply[rid] = None
+                continue
+            receiver = self._receivers.get(rid)
+            if receiver is None:
+                reply[rid] = f"rank {self.host.tp_rank}: no transfer expected for {rid}"
+                continue
+            receiver.mark_done()  # rank 0's share landed: the prefill side's notice came
+            state = receiver.poll()
+            if state == KVPoll.Success:
+                del self._receivers[rid]
+                self._landed.add(rid)
+                reply[rid] = None
+            elif state == KVPoll.Failed:
+                del self._receivers[rid]
+                reply[rid] = f"rank {self.host.tp_rank}: {receiver.failure_reason()}"
+        return reply
 
     def _cancel(self, rid: str) -> None:
+        self._landed.discard(rid)
         receiver = self._receivers.pop(rid, None)
         if receiver is not None:
             receiver.abort("cancelled by rank 0")

@@ -108,21 +108,31 @@ class _FollowerWithoutShard(TPFollower):
 
 
 class _FollowerLosingOneTransfer(TPFollower):
-    """A decode rank whose share of the first request never lands."""
+    """A decode rank whose share of the first request never lands and whose share of the
+    second arrives ``LATE_S`` after rank 0's (its agent says the bytes are not there yet)."""
 
-    def _land(self, rid):
-        if getattr(self, "_lost_one", False):
-            return super()._land(rid)
-        self._lost_one = True
-        self._cancel(rid)
-        return "injected: rank 1 lost its share"
+    LATE_S = 3.0
+
+    def _land(self, rids):
+        if not getattr(self, "_lost_one", False):
+            self._lost_one = True
+            self._cancel(rids[0])
+            return {rids[0]: "injected: rank 1 lost its share"}
+        if not hasattr(self, "_late"):
+            self._late = (rids[0], time.monotonic() + self.LATE_S)
+            for agent in self.host.agents.values():
+                landed = agent.landed
+                agent.landed = lambda handoff, landed=landed: (
+                    landed(handoff) and (handoff.rid != self._late[0] or time.monotonic() >= self._late[1]))
+        return super()._land(rids)
 
 
 def test_rank_failures_at_start_up_and_at_landing(ray_session, monkeypatch):
     """Rank 0 would sit in the TP rendezvous until its 10-minute timeout; start-up
     instead ends as soon as the follower's actor dies, naming it, and leaves no
     placement group behind. Then a follower that reports its bytes did not land
-    fails that request (it used to start decoding without that rank's KV)."""
+    fails that request (it used to start decoding without that rank's KV), and one
+    whose bytes are late holds up only their request."""
     monkeypatch.setenv("RAYDIX_HOME", str(ray_session))
     cluster = PDCluster(_config("qwen3", 1, 2, 4))
     cluster.follower_cls = _FollowerWithoutShard
@@ -144,8 +154,23 @@ def test_rank_failures_at_start_up_and_at_landing(ray_session, monkeypatch):
     with pytest.raises(PDRequestError, match="injected: rank 1 lost its share"):
         _generate_all(cluster, batch[:1])
     cluster.check_integrity()  # the notice had come, so the slots are free at once (no quarantine)
-    outs = _generate_all(cluster, batch)
+
+    # the follower's share of the next request is late: rank 0 decodes the other one meanwhile
+    # (its loop used to wait for that share, so both ended together)
+    client, ended = cluster.client(), {}
+
+    async def timed(i):
+        out = await client.generate(batch[i], GREEDY)
+        ended[i] = time.monotonic()
+        return out
+
+    async def go():
+        return await asyncio.gather(*(timed(i) for i in range(len(batch))))
+
+    outs = asyncio.run(go())
     assert_greedy_parity(cluster.model_path, batch, [o["output_ids"] for o in outs], 8, [2])
+    first, last = sorted(ended.values())
+    assert last - first > _FollowerLosingOneTransfer.LATE_S / 2, ended
     cluster.check_integrity()
     cluster.shutdown()
 
