@@ -86,6 +86,13 @@ class PrefillScheduler(Scheduler):
     def _request_reserve(self, req: Req) -> int:
         return 0  # it never decodes: the decode worker reserves for the new tokens
 
+    def check_request(self, req: Req) -> None:
+        """Only the prompt must fit here: the output is the decode worker's (which holds
+        ``max_new_tokens`` to its own pool)."""
+        max_new = req.sampling_params.max_new_tokens
+        super().check_request(req)
+        req.sampling_params.max_new_tokens = max_new
+
     # ---- chunks ------------------------------------------------------------------------
     def _process_prefill(self, reqs: List[Req], logits) -> List[Req]:
         out = super()._process_prefill(reqs, logits)

@@ -16,11 +16,12 @@ Slot bookkeeping of a decode request in transfer (positions in its row)::
     [0, prefix_len)             matched in the decode worker's own tree, locked
     [prefix_len, prompt_len)    its own slots; the prefill side writes them
 
-A sliding-window model's reservation takes full and SWA slots for
-``[prefix_len, prompt_len)`` and frees the SWA half of the tokens already
-outside the window at the prompt's end at once (``swa_evicted_seqlen``, as
-the engine frees them after a prefill); the hand-off names the SWA slots of
-the rest, ``[max(prefix_len, window_start), prompt_len)``.
+A sliding-window model's reservation takes full slots for
+``[prefix_len, prompt_len)`` but SWA slots only for
+``[max(prefix_len, window_start), prompt_len)``: the tokens before are outside
+the window at the prompt's end (``swa_evicted_seqlen``; the engine frees their
+SWA half right after a prefill), so a prompt longer than the SWA pool fits.
+The hand-off names the SWA slots of that window.
 """
 
 from __future__ import annotations
@@ -106,10 +107,8 @@ class DecodeScheduler(Scheduler):
         self.progressed = self.progressed or self.runner.num_forwards != before or bool(produced)
         return produced
 
-    def _decode_reserve(self) -> int:
-        reqs = self.running + self.transfer
-        remaining = sum(max(r.sampling_params.max_new_tokens - len(r.output_ids), 0) for r in reqs)
-        return int(remaining * self.new_token_ratio)
+    def _decoding_reqs(self) -> List[Req]:
+        return self.running + self.transfer
 
     # ---- pre-allocation --------------------------------------------------------------
     def _process_prealloc(self) -> List[Req]:
@@ -135,9 +134,7 @@ class DecodeScheduler(Scheduler):
         else:
             self._match_prefix(req)
         prefix_len = len(req.prefix_indices)
-        need = prompt_len - prefix_len + min(self.num_reserved_decode_tokens, req.sampling_params.max_new_tokens)
-        budget = self.available_tokens() - self._decode_reserve()
-        if need + self.page_size > budget:
+        if not self._fits(req, prefix_len, prompt_len):
             return False
         self._lock(req)
         if not self._alloc_prompt(req, prefix_len, prompt_len):
@@ -146,8 +143,8 @@ class DecodeScheduler(Scheduler):
         req.cache_protected_len = prefix_len
         req.kv_allocated_len = prompt_len
         req.cached_tokens = prefix_len
-        if self.swa:  # what the engine frees after a prefill: the SWA KV outside the prompt's last window
-            self.tree_cache.free_swa_out_of_window(req, seq_len=prompt_len)
+        if self.swa:  # [prefix_len, split) took no SWA slots (see _alloc_swa_prompt)
+            req.swa_evicted_seqlen = self._swa_split(prefix_len, prompt_len)
         try:
             self._make_handoffs(req, prefix_len, prompt_len)
         except Exception as exc:  # no hand-off went out: nobody can write these slots, free them now
@@ -156,6 +153,40 @@ class DecodeScheduler(Scheduler):
             return True
         req.pd_state = "transfer"
         return True
+
+    def _fits(self, req: Req, prefix_len: int, prompt_len: int) -> bool:
+        """Room for the uncached prompt plus the request's decode reserve, after what the
+        running and transferring requests will still need. A sliding-window model needs
+        SWA slots only for the part of the prompt in its last window."""
+        reserve = min(self.num_reserved_decode_tokens, req.sampling_params.max_new_tokens)
+        full, swa = self._prefill_room()
+        if prompt_len - prefix_len + reserve + self.page_size > full:
+            return False
+        window = prompt_len - self._swa_split(prefix_len, prompt_len) if self.swa else 0
+        return swa is None or window + self._swa_reserve(reserve) + self.page_size <= swa
+
+    def _swa_split(self, prefix_len: int, prompt_len: int) -> int:
+        """Where the uncached prompt's last window begins: the tokens before it are out of
+        the window already (the engine frees their SWA KV right after a prefill)."""
+        return max(prefix_len, self.tree_cache.window_start(prompt_len))
+
+    def _alloc_swa_prompt(self, prefix_len: int, prompt_len: int) -> Optional[torch.Tensor]:
+        """Full slots for ``[prefix_len, prompt_len)``, SWA slots for its last window only —
+        a prompt longer than the SWA pool fits, and no cached SWA KV is evicted for tokens
+        whose SWA half would be freed at once. (Sliding-window pools are not paged.)"""
+        alloc, tree = self.runner.allocator, self.tree_cache
+        split = self._swa_split(prefix_len, prompt_len)
+        full_need, swa_need = prompt_len - prefix_len, prompt_len - split
+        if full_need > alloc.full_available_size() or swa_need > alloc.swa_available_size():
+            tree.evict(max(0, full_need - alloc.full_available_size()), max(0, swa_need - alloc.swa_available_size()))
+        outside = alloc.alloc_without_swa(split - prefix_len)
+        if outside is None:
+            return None
+        window = alloc.alloc(swa_need)
+        if window is None:
+            alloc.free(outside)
+            return None
+        return torch.cat([outside, window])
 
     def _alloc_prompt(self, req: Req, prefix_len: int, prompt_len: int) -> bool:
         runner, pool, allocator = self.runner, self.runner.req_to_token_pool, self.runner.allocator
@@ -169,7 +200,7 @@ class DecodeScheduler(Scheduler):
         last_loc = int(pool.req_to_token[req.req_pool_idx, prefix_len - 1]) if prefix_len else -1
         n = prompt_len - prefix_len
         prefix_t, seq_t = torch.tensor([prefix_len]), torch.tensor([prompt_len])
-        out = _alloc_with_eviction(
+        out = self._alloc_swa_prompt(prefix_len, prompt_len) if self.swa else _alloc_with_eviction(
             self.tree_cache, allocator,
             lambda: allocator.alloc_extend(
                 prefix_t.to(runner.device), seq_t.to(runner.device), runner.tensor([last_loc]), n,
@@ -270,7 +301,7 @@ class DecodeScheduler(Scheduler):
         req.first_token_time = time.perf_counter()
         req.pd_state = "running"
         stream_text(req, self.tokenizer)
-        check_finished(req, self.tokenizer, self.runner.context_len)
+        check_finished(req, self.tokenizer, self.context_len)
         if req.finished:
             self.tree_cache.cache_finished_req(req)
         else:

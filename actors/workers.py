@@ -76,16 +76,10 @@ class _Worker:
             raise ValueError("the prompt is empty")
         if params.max_new_tokens < 1:
             raise ValueError("max_new_tokens must be >= 1 when prefill and decode are disaggregated")
-        limit = self.runner.context_len
-        if len(input_ids) >= limit:
-            raise ValueError(f"prompt of {len(input_ids)} tokens does not fit the context length {limit}")
-        page_size, pool_slots = self.config.page_size, self.scheduler.total_tokens()
-        if len(input_ids) + 2 * page_size > pool_slots:  # it could never be admitted: don't queue it
-            raise ValueError(f"prompt of {len(input_ids)} tokens does not fit the {self.role} worker's KV pool "
-                             f"of {pool_slots} slots")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need the tokenizer (skip_tokenizer_init=True)")
         req = Req(rid, list(input_ids), params, self.eos_token_ids)
+        self.scheduler.check_request(req)  # never queued if it could never be admitted
         req.pd_error = None
         return req
 
@@ -159,6 +153,7 @@ class _Worker:
             "free_slots": sched.available_tokens(),
             "total_slots": total,
             "kv_usage": 1.0 - sched.available_tokens() / total,
+            "context_len": sched.context_len,
         }
 
     async def drain(self, timeout_s: float = 120.0) -> bool:
@@ -331,11 +326,6 @@ class DecodeWorker(_Worker):
         if backend not in self.agents:
             raise PDRequestError(f"backend {backend!r} not served here; this worker has {sorted(self.agents)}")
         req = self._make_req(rid, input_ids, sampling_params)
-        sched = self.scheduler
-        need = len(input_ids) + min(sched.num_reserved_decode_tokens, req.sampling_params.max_new_tokens)
-        if need + self.config.page_size > sched.total_tokens():  # could never be reserved
-            raise ValueError(f"prompt of {len(input_ids)} tokens plus {need - len(input_ids)} reserved for new tokens "
-                             f"does not fit the decode worker's KV pool of {sched.total_tokens()} slots")
         req.pd_room = random.getrandbits(63)
         req.pd_backend = backend
         queue = self._submit(req)

@@ -82,8 +82,10 @@ class PDBackend:
             router = cluster.start_router() if use_router and hasattr(cluster, "start_router") else None
             client = cluster.client(tokenizer, router=router) if router is not None else cluster.client(tokenizer)
         cfg = cluster.config
-        backend = cls(client, cluster, cfg.model.name,
-                      model_context_len(cluster.model_path, getattr(cfg.decode.engine, "context_length", None)))
+        context_len = model_context_len(cluster.model_path, getattr(cfg.decode.engine, "context_length", None))
+        if hasattr(cluster, "context_len"):  # what the workers' pools hold for one request
+            context_len = min(context_len, cluster.context_len())
+        backend = cls(client, cluster, cfg.model.name, context_len)
         backend.owned_router = router
         return backend
 

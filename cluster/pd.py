@@ -241,6 +241,12 @@ class PDCluster:
                         bootstrap_timeout_s=t.bootstrap_timeout_s, waiting_timeout_s=t.waiting_timeout_s,
                         heartbeat_interval_s=t.heartbeat_interval_s, heartbeat_max_failures=t.heartbeat_max_failures)
 
+    def context_len(self, timeout_s: float = 60.0) -> int:
+        """The longest request (prompt + output) every worker takes: the model's context,
+        or less where a worker's KV pool holds less for one request."""
+        loads = ray.get([w.handle.load.remote() for w in self.prefill + self.decode if w.alive], timeout=timeout_s)
+        return min(load["context_len"] for load in loads)
+
     def check_integrity(self) -> None:
         """Every live worker idle and leak-free (raises the first worker's error)."""
         ray.get([w.handle.check_integrity.remote() for w in self.prefill + self.decode if w.alive])

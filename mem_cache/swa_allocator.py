@@ -87,6 +87,12 @@ class SWATokenToKVPoolAllocator:
             lambda: self.swa_attn_allocator.alloc(need_size),
         )
 
+    def alloc_without_swa(self, need_size: int) -> Optional[torch.Tensor]:
+        """Full slots with no SWA half: for tokens already outside every window when their
+        KV arrives (a PD decode reservation's prompt before its last window). They map to
+        no SWA slot, as tokens whose SWA half was freed do."""
+        return self.full_attn_allocator.alloc(need_size)
+
     def alloc_extend(self, prefix_lens, seq_lens, last_loc, extend_num_tokens: int, **cpu_lens):
         swa_last_loc = self.translate_loc_from_full_to_swa(last_loc).to(torch.int64)
         return self._pair(

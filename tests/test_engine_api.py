@@ -87,6 +87,30 @@ def test_bad_requests_fail_clearly_and_lose_nothing(engine):
     engine.check_integrity()
 
 
+def test_a_request_is_held_to_what_the_kv_pool_holds(engine):
+    """A 128-slot pool under a 256-token context: a request may be 127 tokens long. Asking for
+    1000 new tokens ends at that length with the big engine's tokens (such a request used to
+    wait forever for a reservation no pool could give); a longer prompt is refused clearly."""
+    small = Engine(model_path=engine.runner.config.model_path, skip_tokenizer_init=True, max_total_tokens=128)
+    try:
+        assert small.scheduler.context_len == 127 < small.runner.context_len
+        prompt = [(7 * i) % 380 + 3 for i in range(100)]
+
+        async def bounded():
+            return await asyncio.wait_for(small.async_generate(
+                input_ids=prompt, sampling_params={"temperature": 0, "max_new_tokens": 1000, "ignore_eos": True}), 60)
+
+        out = asyncio.run(bounded())
+        assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 27}
+        want = engine.generate(input_ids=prompt, sampling_params={"temperature": 0, "max_new_tokens": 27, "ignore_eos": True})
+        assert out["output_ids"] == want["output_ids"]
+        with pytest.raises(ValueError, match="context length 127 .*KV pool"):
+            small.generate(input_ids=prompt + prompt[:27])
+        small.check_integrity()
+    finally:
+        small.shutdown()
+
+
 def test_a_failing_forward_fails_its_requests_and_releases_their_memory(engine, monkeypatch):
     real_forward = engine.runner.forward
     calls = {"n": 0}

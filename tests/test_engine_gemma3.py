@@ -62,6 +62,25 @@ def test_gemma3_parity_on_swa_pools_past_the_window(model_dir, backend):
     engine.shutdown()
 
 
+def test_gemma3_prompts_longer_than_the_swa_pool(model_dir):
+    """The SWA pool holds prefill chunks plus windows, not the prompt: prompts of 150-200
+    tokens through a 128-slot SWA pool in 32-token chunks (earlier chunks' SWA KV is evicted
+    from the tree as the prompt goes on) give HF's tokens; they used to wait forever. Without
+    chunks a request is held to what the SWA pool holds besides a window (longer: a clear error)."""
+    rng = random.Random(3)
+    batch = [[rng.randrange(5, 261) for _ in range(n)] for n in (150, 200)]
+    engine = make_engine(model_dir, max_total_tokens=512, swa_full_tokens_ratio=0.25, chunked_prefill_size=32)
+    assert engine.runner.allocator.size_swa == 128 and engine.scheduler.context_len == 511
+    run_and_check(engine, model_dir, batch, 12)
+    engine.shutdown()
+    engine = make_engine(model_dir, max_total_tokens=512, swa_full_tokens_ratio=0.25, chunked_prefill_size=-1)
+    assert engine.scheduler.context_len == 128 - WINDOW - 1
+    with pytest.raises(ValueError, match="context length 111 .*KV pool"):
+        engine.generate(input_ids=batch[0])
+    run_and_check(engine, model_dir, [batch[0][:100]], 11)  # held to the 111 tokens
+    engine.shutdown()
+
+
 def test_gemma3_prefix_match_stops_where_the_window_slid_out(model_dir):
     rng = random.Random(2)
     prompt = [rng.randrange(5, 261) for _ in range(20)]
@@ -109,7 +128,7 @@ def test_gemma3_swa_eviction_tombstones_a_shared_prefix_while_requests_run(model
 def test_gemma3_retraction_when_the_swa_pool_runs_short(model_dir, monkeypatch):
     rng = random.Random(4)
     prompts = [[rng.randrange(5, 261) for _ in range(n)] for n in (18, 22, 26, 20)]
-    engine = make_engine(model_dir, max_total_tokens=120, swa_full_tokens_ratio=0.5, chunked_prefill_size=16,
+    engine = make_engine(model_dir, max_total_tokens=120, swa_full_tokens_ratio=0.5, chunked_prefill_size=8,
                          init_new_token_ratio=0.1)  # admit optimistically: decode runs short
     sched, alloc = engine.scheduler, engine.runner.allocator
     free_at_retraction, retract = [], sched._retract_one

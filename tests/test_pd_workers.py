@@ -199,6 +199,33 @@ def test_gemma3_reservation_holds_the_window_only_and_aborts_free_both_pools(che
     close(prefill, decode)
 
 
+def test_gemma3_prompt_longer_than_the_decode_swa_pool(checkpoints):
+    """The decode side's SWA pool (128 slots) is smaller than the prompts (150-200 tokens): the
+    reservation takes SWA slots for the last window only, so they are served (they were
+    refused), with a single engine's tokens; the decode tree's cached SWA KV is not evicted
+    for tokens outside the window."""
+    from actors.engine import Engine
+
+    path = checkpoints["gemma3"]
+    prefill, decode = make_pair(path, decode_args={"max_total_tokens": 512, "swa_full_tokens_ratio": 0.25,
+                                                   "chunked_prefill_size": 32})
+    alloc = decode.runner.allocator
+    assert alloc.size_swa == 128 and decode.scheduler.context_len == 511
+    warm = prompts(1, 30, 30, seed=27)
+    run_batch(prefill, decode, warm, GREEDY)
+    cached_swa = decode.loop.run_exclusive(decode.scheduler.tree_cache.swa_evictable_size)
+    assert cached_swa > 0
+    batch = prompts(2, 150, 200, seed=28)
+    outputs = [r[0]["output_ids"] for r in run_batch(prefill, decode, batch, PAST_WINDOW)]
+    assert decode.loop.run_exclusive(decode.scheduler.tree_cache.swa_evictable_size) >= cached_swa
+    engine = Engine(model_path=path, max_total_tokens=2048, skip_tokenizer_init=True)
+    try:
+        assert outputs == [o["output_ids"] for o in engine.generate(input_ids=batch, sampling_params=PAST_WINDOW)]
+    finally:
+        engine.shutdown()
+    close(prefill, decode)
+
+
 def test_a_window_without_swa_kv_is_not_pushed(checkpoints):
     """SWA slot 0 is the padding row: a source window with a gap fails the push, never sends it."""
     path = checkpoints["gemma3"]

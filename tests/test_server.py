@@ -43,8 +43,10 @@ def ok(client, **kw):
     return out
 
 
-def test_models_and_health(client, http):
+def test_models_and_health(served, client, http):
     assert [m.id for m in client.models.list().data] == [MODEL]
+    # the decode pool (512 slots) holds less than the 512-token context for one request: that is the limit
+    assert http.get("/v1/models").json()["data"][0]["max_model_len"] == served[0].context_len() < 512
     health = http.get("/health")
     assert health.status_code == 200 and health.json()["ready"]
 

@@ -36,7 +36,8 @@ class EngineConfig(BaseModel):
         0.8, gt=0.0, le=1.0,
         description="sliding-window models (Gemma 3): slots of the SWA layers' pool as a fraction of the full "
         "layers' pool (SGLang's --swa-full-tokens-ratio). The SWA pool only needs each running request's last "
-        "window plus the tokens of one prefill, so it can be smaller; it must still hold the longest prefill chunk",
+        "window plus the tokens of one prefill chunk, so it can be smaller: with room for two chunks and two windows "
+        "it serves prompts up to the full pool's size; otherwise a request is held to the SWA pool less a window",
     )
     enable_hierarchical_cache: bool = False
     hicache_ratio: float = Field(2.0, gt=1.0, description="host KV pool size as a multiple of the device pool")

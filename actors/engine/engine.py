@@ -125,10 +125,9 @@ class Engine:
             raise ValueError("the prompt is empty")
         if sampling.stop and self.tokenizer is None:
             raise ValueError("stop strings need the tokenizer (skip_tokenizer_init=True)")
-        limit = self.runner.context_len
-        if len(input_ids) >= limit:
-            raise ValueError(f"prompt of {len(input_ids)} tokens does not fit the context length {limit}")
-        return Req(rid or f"req-{next(self._rids)}", list(input_ids), sampling, self.eos_token_ids)
+        req = Req(rid or f"req-{next(self._rids)}", list(input_ids), sampling, self.eos_token_ids)
+        self.scheduler.check_request(req)
+        return req
 
     def generate(
         self,

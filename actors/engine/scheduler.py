@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -73,6 +73,10 @@ class Scheduler:
             )
         chunk = cfg.chunked_prefill_size if cfg.chunked_prefill_size is not None else 2048
         self.chunked_prefill_size = None if chunk <= 0 else max(self.page_size, chunk // self.page_size * self.page_size)
+        self.context_len = min(runner.context_len, self._max_request_len())
+        if self.context_len < runner.context_len:
+            logger.warning("requests are held to %d tokens (prompt + output), what the KV pool holds for one "
+                           "request; the model's context is %d", self.context_len, runner.context_len)
         self.waiting: List[Req] = []
         self.running: List[Req] = []
         self.chunked_req: Optional[Req] = None
@@ -80,6 +84,34 @@ class Scheduler:
         self.num_retractions = 0
         self._aborted: List[Req] = []  # finished while waiting: reported at the next step
         self.in_flight: List[Req] = []  # the prefill batch being run and processed
+
+    def _max_request_len(self) -> int:
+        """Tokens (prompt + output) one request can hold in the empty pools, less a page
+        of slack for the admission check (SGLang's ``max_req_len``): a request held to it
+        is admitted once the requests before it are done. A sliding-window model's SWA
+        pool needs to hold a prefill chunk, not the prompt, if it has room for two chunks
+        and two windows (a chunked request's lock holds the SWA KV of the tree nodes
+        covering its last window — whole nodes, up to a chunk and a window — and the next
+        chunk comes on top, with up to a window of decode reserve); otherwise the whole
+        prompt (a retracted request's too) must fit it besides a window."""
+        alloc, page = self.runner.allocator, self.page_size
+        if not self.swa:
+            return self.total_tokens() - page
+        window, chunk = self.tree_cache.sliding_window_size, self.chunked_prefill_size
+        if chunk is not None and 2 * (chunk + window) + page <= alloc.size_swa:
+            return alloc.size - page
+        return min(alloc.size, alloc.size_swa - window) - page
+
+    def check_request(self, req: Req) -> None:
+        """Refuse a prompt longer than a request may be (ValueError); hold ``max_new_tokens``
+        to what fits after it, as the context length would end it anyway — a reservation
+        for more could never be granted."""
+        if len(req.origin_input_ids) >= self.context_len:
+            held = "" if self.context_len == self.runner.context_len else " (what this worker's KV pool holds)"
+            raise ValueError(f"prompt of {len(req.origin_input_ids)} tokens does not fit the context length "
+                             f"{self.context_len}{held}")
+        params = req.sampling_params
+        params.max_new_tokens = min(params.max_new_tokens, self.context_len - len(req.origin_input_ids))
 
     # ---- the loop ---------------------------------------------------------------
     def step(self) -> List[Req]:
@@ -165,19 +197,41 @@ class Scheduler:
             return sorted(self.waiting, key=lambda r: -len(r.prefix_indices))
         return list(self.waiting)
 
+    def _prefill_room(self) -> Tuple[int, Optional[int]]:
+        """Slots new prefills may take after the running requests' decode reserve: of the
+        full pool, and of the SWA pool (None without sliding-window layers). Every token of
+        a prefill chunk takes an SWA slot, but the tokens of earlier chunks that slid out
+        of the window are the tree's to evict, so the SWA pool bounds a chunk, not a prompt."""
+        reserve = self._decode_reserve()
+        if not self.swa:
+            return self.available_tokens() - reserve, None
+        alloc, tree = self.runner.allocator, self.tree_cache
+        full = alloc.full_available_size() + tree.full_evictable_size() - reserve
+        swa = alloc.swa_available_size() + tree.swa_evictable_size() - self._swa_reserve(reserve, len(self._decoding_reqs()))
+        return full, swa
+
+    def _swa_reserve(self, reserve: int, num_reqs: int = 1) -> int:
+        """SWA slots of ``reserve`` decode tokens of ``num_reqs`` requests: past its window
+        each new token of a request frees one."""
+        return min(reserve, self.tree_cache.sliding_window_size * num_reqs) if self.swa else reserve
+
     def _request_reserve(self, req: Req) -> int:
         """Slots a newly admitted request is expected to need for its future decode tokens."""
         return int(max(req.sampling_params.max_new_tokens - len(req.output_ids), 0) * self.new_token_ratio)
 
+    def _decoding_reqs(self) -> List[Req]:
+        """The requests whose future decode tokens are reserved for."""
+        return self.running
+
     def _decode_reserve(self) -> int:
-        remaining = sum(max(r.sampling_params.max_new_tokens - len(r.output_ids), 0) for r in self.running)
+        remaining = sum(max(r.sampling_params.max_new_tokens - len(r.output_ids), 0) for r in self._decoding_reqs())
         return int(remaining * self.new_token_ratio)
 
     def _next_prefill(self):
         budget_running = self.runner.max_running_requests - len(self.running)
         if budget_running <= 0 or not (self.waiting or self.chunked_req):
             return None, None
-        rem_total = self.available_tokens() - self._decode_reserve()
+        rem_total, rem_swa = self._prefill_room()
         rem_input, rem_chunk = self.config.max_prefill_tokens, self.chunked_prefill_size
         picked: List[Req] = []
         candidates = ([self.chunked_req] if self.chunked_req else []) + self._sorted_waiting()
@@ -191,22 +245,26 @@ class Scheduler:
                 req.fill_ids = req.all_ids()
             extend = req.extend_input_len
             reserve = self._request_reserve(req)
-            if extend + reserve + self.page_size > rem_total or (picked and extend > rem_input):
+            chunk = extend if rem_chunk is None else min(extend, rem_chunk // self.page_size * self.page_size)
+            swa_need = chunk + self._swa_reserve(reserve) + self.page_size
+            if (extend + reserve + self.page_size > rem_total or (rem_swa is not None and swa_need > rem_swa)
+                    or (picked and extend > rem_input)):
                 if req.req_pool_idx is not None:
                     self.chunked_req = req  # keeps its place at the head
                 break
-            if rem_chunk is not None and extend > rem_chunk:
-                cut = rem_chunk // self.page_size * self.page_size
-                if cut <= 0:
+            if chunk < extend:
+                if chunk <= 0:
                     break
-                req.fill_ids = req.fill_ids[: len(req.prefix_indices) + cut]
-                extend = cut
+                req.fill_ids = req.fill_ids[: len(req.prefix_indices) + chunk]
+                extend = chunk
             if req.req_pool_idx is None:
                 self._lock(req)
                 if req.num_retractions == 0:
                     req.cached_tokens = len(req.prefix_indices)
             picked.append(req)
             rem_total -= extend + reserve
+            if rem_swa is not None:
+                rem_swa -= swa_need - self.page_size
             rem_input -= extend
             if rem_chunk is not None:
                 rem_chunk -= extend
@@ -262,7 +320,7 @@ class Scheduler:
                 top = logprobs.topk(k)
                 req.output_top_logprobs.append(list(zip(top.indices.tolist(), top.values.tolist())))
         stream_text(req, self.tokenizer)
-        check_finished(req, self.tokenizer, self.runner.context_len)
+        check_finished(req, self.tokenizer, self.context_len)
 
     def _process_prefill(self, reqs: List[Req], logits) -> List[Req]:
         out: List[Req] = []
