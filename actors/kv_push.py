@@ -8,7 +8,8 @@ order through one :class:`~transfer.base.KVSender` per decode rank; the
 Mamba state and the sliding-window rows go with the last chunk. A request is
 done on a rank when its last chunk was pushed (or skipped after an earlier
 chunk failed): :meth:`KVPusher.take_finished` reports it once, or — when set —
-the ``on_finished`` hook is called with it on the transfer thread.
+the ``on_finished`` hook is called with it on the transfer thread (a hook that
+raises leaves it to ``take_finished``).
 
 Ordering: a chunk may only read KV its forward already wrote. On the CPU the
 forward has returned when ``submit`` is called; on CUDA ``submit`` records an
@@ -100,7 +101,7 @@ class KVPusher:
         self._thread: Optional[threading.Thread] = None
         self.num_chunks = 0  # chunks that moved rows to at least one decode rank
         # called on the transfer thread when a request's share ends, instead of queueing it
-        # for take_finished (the scheduler's early notice, TP 1)
+        # for take_finished (rank 0: the scheduler's early notice; a TP follower: its report to rank 0)
         self.on_finished: Optional[Callable[[PushResult], None]] = None
 
     # ---- the engine loop's side ------------------------------------------------------
@@ -141,9 +142,9 @@ class KVPusher:
                         sender.abort("aborted")
             gone = set(rids)
             self._queue = collections.deque(item for item in self._queue if item[0].rid not in gone)
-            self._finished = [r for r in self._finished if r.rid not in gone]
             while self._running in gone:
                 self._cond.wait()
+            self._finished = [r for r in self._finished if r.rid not in gone]  # (a failed hook's, too)
 
     def close(self) -> None:
         self.cancel()
@@ -192,22 +193,29 @@ class KVPusher:
             logger.exception("pushing the KV of %s failed", chunk.rid)
             job.error = job.error or f"KV push failed: {type(exc).__name__}: {exc}"
         finally:
-            result = None
             with self._cond:
-                if chunk.is_last and self._jobs.get(chunk.rid) is job:
+                ended = chunk.is_last and self._jobs.get(chunk.rid) is job
+                if ended:
                     del self._jobs[chunk.rid]
-                    result = PushResult(chunk.rid, job.moved, job.error)
-                    if self.on_finished is None:
-                        self._finished.append(result)
-            if result is not None and self.on_finished is not None:
-                try:  # still "running": a cancel of this request waits until it is told
-                    self.on_finished(result)
-                except Exception:
-                    logger.exception("the push-finished hook failed for %s", chunk.rid)
+            if ended:
+                self._report(PushResult(chunk.rid, job.moved, job.error))
             with self._cond:
                 self._running = None
                 self._cond.notify_all()
         return True
+
+    def _report(self, result: PushResult) -> None:
+        """Tell ``on_finished`` (the request still "running": a cancel of it waits until it
+        is told), or queue it for take_finished — also when the hook raised."""
+        hook = self.on_finished
+        if hook is not None:
+            try:
+                hook(result)
+                return
+            except Exception:  # (a TP follower whose rank 0 is gone) the transfer thread goes on
+                logger.exception("the push-finished hook failed for %s; take_finished reports it", result.rid)
+        with self._cond:
+            self._finished.append(result)
 
     def _open(self, job: _Job, chunk: PushChunk) -> None:
         """A sender per decode rank this rank serves."""

@@ -17,11 +17,17 @@ the error) sent and the prompt cached in the tree. It never decodes::
     last chunk     sample; push [sent_upto, prompt_len) + state + window → inflight
     inflight       every rank done → finish (notice or error), cache_finished_req
 
-With one rank (TP 1) the notice does not wait for the loop: the transfer
-thread that ends a request's push sends it (:meth:`PrefillScheduler.enable_early_notice`),
-while the forward of the next batch is still running; the loop caches the
-prompt and drops the lock at its next step. With TP > 1 rank 0 learns at its
-steps that the followers' pushes ended, so the notice follows the next forward.
+With the asynchronous push the notice does not wait for the loop
+(:meth:`PrefillScheduler.enable_early_notice`): whichever thread reports the
+last rank's push of a request sends it, while the forward of the next batch
+is still running — rank 0's transfer thread, or with TP > 1 the rank-0
+actor's thread that takes a follower's report (each follower's transfer
+thread sends one to rank 0 as its share of a request ends:
+:meth:`PrefillScheduler.on_pushed`). The loop caches the prompt and drops
+the lock at its next step. With TP > 1 a push that failed waits for the
+loop, which stops every rank's pushes of it before the error notice; and a
+follower's report that could not be sent comes in the reply to the loop's
+next call to it instead (``push`` / ``push_status``).
 """
 
 from __future__ import annotations
@@ -49,7 +55,7 @@ class PrefillScheduler(Scheduler):
     Every rank pushes each chunk itself; rank 0 tracks per request the ranks still
     pushing (``req.pd_pending``). Requests with an open push (``_pushing``) are the
     chunked one and those in ``inflight``. ``_push_lock`` guards those (and each request's
-    push state) against the transfer thread's early notice.
+    push state) against the threads that report pushes (:meth:`on_pushed`).
     """
 
     def __init__(self, runner, tokenizer, agents: Dict[str, TransferAgent], pusher: KVPusher, tp_worker=None):
@@ -68,11 +74,13 @@ class PrefillScheduler(Scheduler):
         return bool(self.inflight) or super().has_work()
 
     def enable_early_notice(self, deliver: Callable[[Req], None]) -> None:
-        """TP 1 with the asynchronous push: ``deliver(req)`` (thread-safe) is called on the
-        transfer thread as soon as a request's push ended, with the request finished."""
-        if self.tp_size == 1 and self.pusher.asynchronous:
+        """With the asynchronous push: ``deliver(req)`` (thread-safe) is called, with the
+        request finished, as soon as every rank's push of it ended — by :meth:`on_pushed`,
+        on the thread that reports the last rank (rank 0's pusher reports its own rank;
+        the followers' reports are the caller's to pass on)."""
+        if self.pusher.asynchronous:
             self._deliver_early = deliver
-            self.pusher.on_finished = self._on_pushed
+            self.pusher.on_finished = lambda result: self.on_pushed(0, [result])
 
     def step(self) -> List[Req]:
         before = self.runner.num_forwards
@@ -142,8 +150,9 @@ class PrefillScheduler(Scheduler):
 
     def _flush_pushes(self) -> None:
         """Hand this step's chunks to every rank: rank 0's pusher, then one call to the
-        followers, whose reply says which requests they finished; with no chunks, the
-        followers are asked only while a request in ``inflight`` waits on one of them."""
+        followers, whose reply says which requests they finished (those they could not
+        report early); with no chunks, the followers are asked only while a request in
+        ``inflight`` waits on one of them."""
         chunks, self._outbox = self._outbox, []
         if chunks:
             self.pusher.submit(chunks)
@@ -179,15 +188,28 @@ class PrefillScheduler(Scheduler):
             req.pd_error = req.pd_error or result.error
             return req
 
-    def _on_pushed(self, result: PushResult) -> None:
-        """Transfer thread (TP 1): the request's push ended — finish it and send its notice
-        now, not after the forward in progress; the loop caches it at its next step."""
+    def on_pushed(self, rank: int, results: List[PushResult]) -> None:
+        """Any thread: rank ``rank``'s share of these requests ended. One that no rank still
+        pushes is finished and its notice sent now, not after the forward in progress (the
+        loop caches it at its next step); with TP > 1 an error waits for the loop, which
+        first stops the pushes of a rank settled by a failed call. A result already
+        settled, or for a request no longer pushed, is ignored."""
+        done = []
         with self._push_lock:
-            req = self._settle(0, result)
-            if req is None or req.pd_pending or not any(r is req for r in self.inflight):
-                return
-            self._finish_push(req)
-        self._deliver_early(req)
+            for result in results:
+                req = self._settle(rank, result)
+                if req is not None and self._notice_now(req):
+                    self._finish_push(req)
+                    done.append(req)
+        for req in done:
+            self._deliver_early(req)
+
+    def _notice_now(self, req: Req) -> bool:
+        """Under ``_push_lock``: no rank pushes ``req`` any more and it waits in ``inflight``
+        (not an error with TP > 1: a rank settled by a failed call may still be copying)."""
+        if self._deliver_early is None or req.pd_pending or not any(r is req for r in self.inflight):
+            return False
+        return req.pd_error is None or self.tp_size == 1
 
     def _finish_push(self, req: Req) -> None:
         req.pd_transfer_time = time.perf_counter() - req.pd_last_chunk_time  # the part prefill did not hide

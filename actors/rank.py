@@ -8,6 +8,7 @@ rank's share of a request's KV, in step with those batches:
     prefill follower  "push"         queue the step's chunks on its KVPusher (its heads, to the
                                      decode ranks it serves; copied on its transfer thread);
                                      replies with the requests its pusher finished since
+                                     (not reported early, below)
                       "push_status"  only that reply (rank 0 asks while it waits on a follower)
                       "cancel_push"  stop pushing a request (or all); returns once none is copied
     decode follower   "expect"  reserve-time: a receiver on its own agent; its hand-off
@@ -15,6 +16,13 @@ rank's share of a request's KV, in step with those batches:
                                 this rank's pools (never blocking; a share still on its way is
                                 left out of the reply and asked about at rank 0's next step)
                       "cancel"  the request failed or was aborted
+
+With the asynchronous push a prefill follower's finished requests do not wait for
+rank 0's next call: as the follower's share of a request ends, its transfer thread
+reports it to rank 0 at once (``report_pushed(rank, [PushResult])``: the rank-0
+actor's ``followers_pushed``, which runs beside its engine loop), and rank 0 sends the
+completion notice as soon as every rank's share ended, while its forward in progress
+still runs. A report that could not be sent (the hook raised) comes in a reply instead.
 
 Every rank of a worker allocates the same slot numbers (only rank 0 allocates
 and the tables are mirrored), so one slot list serves every rank.
@@ -24,7 +32,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import transfer.backends  # noqa: F401  (registers the backends)
 from actors.engine.config import EngineConfig
@@ -84,9 +92,15 @@ class TPFollower:
     """A rank > 0 of a prefill or decode worker (a Ray actor of its own)."""
 
     def __init__(self, role: str, model_path: str, engine_args: Dict[str, Any], backend: str, worker_id: str,
-                 tp_rank: int, dist_init_method: str, waiting_timeout_s: float = 300.0):
+                 tp_rank: int, dist_init_method: str, waiting_timeout_s: float = 300.0,
+                 report_pushed: Optional[Callable[[int, List[PushResult]], Any]] = None):
+        """``report_pushed`` (prefill): how this rank's transfer thread tells rank 0 that its
+        share of requests ended (not waited on; see the module docstring)."""
         config = EngineConfig(model_path=model_path, **engine_args)
         self.host = RankHost(role, config, backend, worker_id, tp_rank, dist_init_method)
+        pusher = self.host.pusher
+        if report_pushed is not None and pusher is not None and pusher.asynchronous:
+            pusher.on_finished = lambda result: report_pushed(tp_rank, [result])
         self.waiting_timeout_s = waiting_timeout_s
         self._receivers: Dict[str, KVReceiver] = {}
         self._landed: set = set()  # shares reported landed that rank 0 may still ask about

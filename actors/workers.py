@@ -33,6 +33,7 @@ from actors.engine.engine import _eos_ids, check_engine_integrity, flush_engine_
 from actors.engine.engine_loop import EngineLoop
 from actors.engine.req import Req
 from actors.engine.sampling_params import SamplingParams
+from actors.kv_push import PushResult
 from actors.pd_prefill import PrefillScheduler
 from actors.pd_scheduler import DecodeScheduler, PDRequestError, WorkerBrokenError
 from actors.rank import RankHost
@@ -279,6 +280,12 @@ class PrefillWorker(_Worker):
             "transfer_bytes": getattr(req, "pd_transfer_bytes", 0),
             "prefill_latency": req.finished_time - req.created_time,
         }
+
+    def followers_pushed(self, rank: int, results: List[PushResult]) -> None:
+        """TP follower ``rank``'s transfer thread: its share of these requests ended. The
+        notice of one that every rank has pushed goes out now (on this thread), not after
+        the forward the engine loop is running."""
+        self.scheduler.on_pushed(rank, results)
 
     async def abort(self, rid: str, message: str = "aborted") -> bool:
         """After this returns no rank of this worker will push ``rid``'s KV: it was never

@@ -10,6 +10,7 @@ and ``start_router()`` the router actor that picks its pairs.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 import uuid
@@ -94,6 +95,12 @@ def _await_started(workers: List[WorkerRef], timeout_s: float) -> None:
             worker.node_id = value
 
 
+def _report_pushed(leader, rank: int, results) -> None:
+    """A prefill follower's transfer thread tells rank 0 that its share of ``results`` ended
+    (``PrefillWorker.followers_pushed``; not waited on: the thread goes on to the next chunk)."""
+    leader.followers_pushed.remote(rank, results)
+
+
 def _watch_followers(worker: WorkerRef) -> None:
     """Rank 0 watches its TP followers for the worker's life (a call that ends when one is gone)."""
     if worker.followers:
@@ -164,11 +171,12 @@ class PDCluster:
         cls = PrefillWorker if role == "prefill" else DecodeWorker
         rank_options = dict(options, scheduling_strategy=_in_bundle(placement, 0)) if placement else options
         handle = ray.remote(cls).options(name=worker_id, **rank_options).remote(**kwargs)
+        report_pushed = functools.partial(_report_pushed, handle) if role == "prefill" else None
         followers = [
             ray.remote(self.follower_cls).options(name=f"{worker_id}-rank{rank}", **dict(
                 options, max_concurrency=4, scheduling_strategy=_in_bundle(placement, rank))).remote(
                 role, self.model_path, engine_args, cfg.transfer.backend, worker_id, rank, dist_init_method,
-                cfg.transfer.waiting_timeout_s)
+                cfg.transfer.waiting_timeout_s, report_pushed)
             for rank in range(1, group.tp_size)
         ]
         return WorkerRef(worker_id, role, handle, node_id="", followers=followers, placement_group=placement)

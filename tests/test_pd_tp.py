@@ -1,7 +1,9 @@
 """Tensor-parallel workers in the PD cluster (Ray actors, gloo between ranks):
 the 2P + 2D layout of configs/cpu_2p2d_tp2.yaml (decode TP 2, prefill TP 1:
 each decode rank receives its half of the KV heads by head slicing), and
-prefill TP 2 → decode TP 1 (one decode rank gathers both prefill halves).
+prefill TP 2 → decode TP 1 (one decode rank gathers both prefill halves; the
+completion notice goes out as soon as the follower's push ends, during rank 0's
+next forward).
 Tokens equal HF transformers'; a hybrid model whose Mamba states cannot be
 sliced across different TP sizes is refused with a clear error, leaking nothing."""
 
@@ -78,17 +80,96 @@ def _config(family, prefill_tp, decode_tp, page_size, **prefill_engine):
     })
 
 
+class _SlowableFollower(TPFollower):
+    """A prefill rank whose forwards (and so rank 0's: it waits in their all-reduces) and
+    pushes can be slowed; it records when each forward ran and when each push ended."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.slow(0.0, 0.0)
+        runner, agent = self.host.runner, self.host.agents["shm"]
+        real_forward, real_push = runner.forward, agent.push
+
+        def forward(batch):
+            span = [time.monotonic(), None]
+            self.forwards.append(span)
+            time.sleep(self.forward_s)
+            out = real_forward(batch)
+            span[1] = time.monotonic()
+            return out
+
+        def push(handoff, *args, **kwargs):
+            time.sleep(self.push_s)
+            moved = real_push(handoff, *args, **kwargs)
+            self.pushes.append((len(handoff.dst_slots), time.monotonic()))
+            return moved
+
+        runner.forward, agent.push = forward, push
+
+    def slow(self, forward_s, push_s):
+        self.forward_s, self.push_s = forward_s, push_s
+        self.forwards, self.pushes = [], []  # [start, end]; (decode slots of the request, end)
+
+    def timings(self):
+        return [tuple(span) for span in self.forwards], list(self.pushes)
+
+
 def test_prefill_tp2_to_decode_tp1(ray_session, monkeypatch):
     """With 8-token chunks: both prefill ranks push each chunk's half of the heads from
-    their own transfer threads; the one decode rank lands every part of both halves."""
+    their own transfer threads; the one decode rank lands every part of both halves.
+    Then the completion notice does not wait for rank 0's forward in progress."""
     monkeypatch.setenv("RAYDIX_HOME", str(ray_session))
-    cluster = PDCluster(_config("qwen3", 2, 1, 4, chunked_prefill_size=8)).start()
+    cluster = PDCluster(_config("qwen3", 2, 1, 4, chunked_prefill_size=8))
+    cluster.follower_cls = _SlowableFollower
+    cluster.start()
     batch = prompts(3, 5, 30, seed=2) + prompts(2, 40, 50, seed=3)
     outs = _generate_all(cluster, batch)
     assert_greedy_parity(cluster.model_path, batch, [o["output_ids"] for o in outs], 8, [2])
     assert all(o["meta_info"]["transfer_bytes"] for o in outs)
     cluster.check_integrity()
+    _check_notice_comes_while_the_next_forward_runs(cluster)
     cluster.shutdown()
+
+
+def _check_notice_comes_while_the_next_forward_runs(cluster):
+    """Prefill TP 2: when the follower's push of a request ends during rank 0's next forward
+    (another request's chunk; slowed here), the follower's transfer thread reports it to rank 0
+    at once, and the completion notice arrives before that forward ends (it used to wait for
+    the forward, rank 0 learning of the push in the reply of its next call to the follower)."""
+    prefill, decode = cluster.prefill[0], cluster.decode[0]
+    follower = prefill.followers[0]
+    short, long = prompts(1, 6, 6, seed=51)[0], prompts(1, 24, 24, seed=52)[0]
+    ray.get(follower.slow.remote(0.4, 0.1))  # each push ends well inside the forward running meanwhile
+
+    async def notice_then_tokens(rid, ids, handoffs, arrived):
+        notice = await prefill.handle.prefill.remote(rid, ids, GREEDY, handoffs)
+        arrived[rid] = time.monotonic()
+        final = None
+        async for ref in decode.handle.stream.options(num_returns="streaming").remote(rid, notice):
+            final = await ref
+        return final["output_ids"]
+
+    async def go():
+        handoffs = [await decode.handle.reserve.remote(rid, ids, GREEDY, "shm")
+                    for rid, ids in (("early-short", short), ("early-long", long))]
+        arrived = {}
+        first = asyncio.ensure_future(notice_then_tokens("early-short", short, handoffs[0], arrived))
+        while not (await follower.timings.remote())[0]:  # the short one's forward runs: the long one
+            await asyncio.sleep(0.01)                      # comes after it, chunk by chunk
+        second = asyncio.ensure_future(notice_then_tokens("early-long", long, handoffs[1], arrived))
+        return arrived, await asyncio.gather(first, second)
+
+    try:
+        arrived, outs = asyncio.run(go())
+        forwards, pushes = ray.get(follower.timings.remote())
+    finally:
+        ray.get(follower.slow.remote(0.0, 0.0))
+    short_pushed = [end for num_slots, end in pushes if num_slots == len(short)]
+    running = [(start, end) for start, end in forwards if start <= short_pushed[0] <= end]
+    assert running, (short_pushed, forwards)
+    assert arrived["early-short"] < running[0][1], (arrived, short_pushed, forwards)  # before that forward ended
+    assert_greedy_parity(cluster.model_path, [short, long], outs, 8, [2])
+    cluster.check_integrity()
 
 
 def test_hybrid_with_different_tp_sizes_is_refused_cleanly(ray_session, monkeypatch):

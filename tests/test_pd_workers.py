@@ -526,6 +526,33 @@ def test_a_finished_push_sends_its_notice_while_the_next_forward_runs(checkpoint
     close(prefill, decode)
 
 
+def test_a_push_report_that_fails_is_left_to_the_loop(checkpoints):
+    """The transfer thread's report that a request's push ended raises (as a TP follower's
+    does with its rank 0 unreachable): the thread goes on, and the loop's next step collects
+    the result (it was lost: the request waited in ``inflight`` for good)."""
+    path = checkpoints["llama"]
+    prefill, decode = make_pair(path)
+    pusher = prefill.rank.pusher
+    report, failed = pusher.on_finished, []
+
+    def flaky(result):
+        if not failed:
+            failed.append(result.rid)
+            raise ConnectionError("rank 0 is gone")
+        report(result)
+
+    pusher.on_finished = flaky
+    batch = prompts(2, 5, 20, seed=71)
+
+    async def go():
+        return [await asyncio.wait_for(run_pd(prefill, decode, ids, GREEDY), 30) for ids in batch]
+
+    outs = [final["output_ids"] for final, _, _ in asyncio.run(go())]
+    assert len(failed) == 1
+    assert_greedy_parity(path, batch, outs, 8, decode.eos_token_ids)
+    close(prefill, decode)
+
+
 @pytest.mark.parametrize("when", ["chunk", "inflight"])
 def test_abort_during_a_chunk_push_waits_for_it_and_nothing_lands_later(checkpoints, when):
     """``abort`` while a chunk of a request (``chunk``: one of its first; ``inflight``: its
