@@ -27,6 +27,7 @@ Contract:
 from __future__ import annotations
 
 import abc
+import fcntl
 import logging
 import math
 import os
@@ -134,52 +135,81 @@ def _map_file(path: str, shape: Tuple[int, ...], dtype: torch.dtype, nbytes: int
     return raw.view(dtype).view(shape)
 
 
+_STEM = re.compile(r"^(raydix-[A-Za-z0-9_.]+-\d+-[0-9a-f]{8})(?:-|\.lock$)")
+
+
 def cleanup_stale_segments(directory: str | None = None) -> List[str]:
-    """Unlink raydix shared-memory files whose owning process is gone (a
-    SIGKILLed worker cannot run its finalizers). Returns the removed paths."""
+    """Unlink raydix shared-memory files whose owner is gone (a SIGKILLed worker cannot
+    run its finalizers). Returns the removed paths.
+
+    An owner holds a shared ``flock`` on its ``{stem}.lock`` file for as long as it
+    lives (the kernel drops it when the process dies, however it dies), so a stem whose
+    lock file can be locked exclusively, or has none, is stale. Unlike a PID check this
+    holds where ``/dev/shm`` is shared by processes of different PID namespaces
+    (containers of one pod)."""
     directory = directory or _shm_dir()
-    removed = []
+    stems: Dict[str, List[str]] = {}
     for entry in os.listdir(directory):
-        match = re.match(r"raydix-[A-Za-z0-9_.]+-(\d+)-[0-9a-f]{8}-", entry)
-        if match is None or _pid_alive(int(match.group(1))):
-            continue
-        path = os.path.join(directory, entry)
+        match = _STEM.match(entry)
+        if match is not None:
+            stems.setdefault(match.group(1), []).append(os.path.join(directory, entry))
+    removed = []
+    for stem, paths in stems.items():
+        lock_path = os.path.join(directory, stem + ".lock")
         try:
-            os.unlink(path)
-        except (FileNotFoundError, PermissionError):  # raced, or another user's file
+            fd = os.open(lock_path, os.O_RDWR)
+        except FileNotFoundError:
+            fd = None  # the owner (which makes its lock first and removes it last) is gone
+        except PermissionError:  # another user's files
             continue
-        removed.append(path)
+        try:
+            if fd is not None:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    continue  # the owner is alive
+            for path in sorted(paths, key=lambda p: p == lock_path):  # the lock file last
+                try:
+                    os.unlink(path)
+                except (FileNotFoundError, PermissionError):  # raced, or another user's file
+                    continue
+                removed.append(path)
+        finally:
+            if fd is not None:
+                os.close(fd)
     return removed
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+def _owner_lock(stem: str) -> int:
+    """Create ``{stem}.lock`` holding a shared flock (made under another name, then renamed:
+    a cleanup never sees it unlocked); returns its descriptor, to keep open while owning."""
+    tmp = f"{stem}.lock.{os.getpid()}.tmp"
+    fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_SH)
+    os.rename(tmp, stem + ".lock")
+    return fd
 
 
-def _unlink_owned(paths: List[str], owner_pid: int) -> None:
-    """Unlink ``paths`` unless running in a forked child of their owner."""
+def _unlink_owned(paths: List[str], lock_path: str, lock_fd: int, owner_pid: int) -> None:
+    """Unlink ``paths``, then the owner's lock, unless running in a forked child of their owner."""
     if os.getpid() != owner_pid:
         return
-    for path in paths:
+    for path in paths + [lock_path]:
         try:
             os.unlink(path)
         except FileNotFoundError:
             pass
+    os.close(lock_fd)
 
 
 class SharedMemoryBufferAllocator(BufferAllocator):
     """Each buffer is a named POSIX shared-memory file that peers map by path.
 
     Files are named ``raydix-{prefix}-{pid}-{uid}-{buffer name}`` under
-    ``/dev/shm`` (``RAYDIX_SHM_DIR`` overrides) and are unlinked by
-    :meth:`close`, or when the allocator is garbage-collected or the process
-    exits. ``multiprocessing.shared_memory`` is avoided on purpose: its
+    ``/dev/shm`` (``RAYDIX_SHM_DIR`` overrides), next to the owner's
+    ``raydix-{prefix}-{pid}-{uid}.lock``, and are unlinked by :meth:`close`, or
+    when the allocator is garbage-collected or the process exits; a process
+    that is killed leaves them to :func:`cleanup_stale_segments`. ``multiprocessing.shared_memory`` is avoided on purpose: its
     resource tracker unlinks a segment when an *attaching* process exits.
     """
 
@@ -193,8 +223,10 @@ class SharedMemoryBufferAllocator(BufferAllocator):
         self._stem = os.path.join(_shm_dir(), f"raydix-{tag}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
         self._paths: List[str] = []
         self._handles: List[BufferHandle] = []
+        lock_fd = _owner_lock(self._stem)  # held while this process lives (cleanup_stale_segments)
         # Runs on close(), garbage collection, or interpreter exit (atexit).
-        self._finalizer = weakref.finalize(self, _unlink_owned, self._paths, os.getpid())
+        self._finalizer = weakref.finalize(self, _unlink_owned, self._paths, self._stem + ".lock", lock_fd,
+                                           os.getpid())
 
     def _allocate(self, name: str, shape: Tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         nbytes = math.prod(shape) * dtype.itemsize

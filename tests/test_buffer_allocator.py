@@ -162,14 +162,37 @@ def test_owner_exit_without_close_leaves_nothing():
     assert os.path.isabs(path) and not os.path.exists(path)
 
 
-def test_stale_segments_of_dead_processes_are_cleaned(tmp_path):
-    dead = tmp_path / "raydix-pool-999999999-0123abcd-k_buffer.0"
-    mine = tmp_path / f"raydix-pool-{os.getpid()}-0123abcd-k_buffer.0"
+def test_stale_segments_are_those_whose_owner_lock_is_free(tmp_path):
+    """Liveness is the owner's flock, not its PID: a live owner whose PID this process cannot
+    see (another PID namespace sharing /dev/shm) keeps its files; an owner killed with
+    SIGKILL, or files with no lock file, are removed; other files are left alone."""
+    import fcntl
+
+    held = tmp_path / "raydix-pool-999999999-0123abcd"  # an owner PID this namespace does not have
+    fd = os.open(str(held) + ".lock", os.O_CREAT | os.O_RDWR)
+    fcntl.flock(fd, fcntl.LOCK_SH)
+    orphan = tmp_path / "raydix-pool-1-4567abcd-k_buffer.0"  # no lock file
     other = tmp_path / "unrelated-file"
-    for p in (dead, mine, other):
+    for p in (tmp_path / (held.name + "-k_buffer.0"), orphan, other):
         p.write_bytes(b"x")
-    assert cleanup_stale_segments(str(tmp_path)) == [str(dead)]
-    assert mine.exists() and other.exists()
+    killed = subprocess.run([sys.executable, "-c", textwrap.dedent(f"""
+        import os, signal, torch
+        os.environ["RAYDIX_SHM_DIR"] = {str(tmp_path)!r}
+        from mem_cache.buffer_allocator import SharedMemoryBufferAllocator
+        alloc = SharedMemoryBufferAllocator("cpu", prefix="decode-0")
+        alloc.zeros("k_buffer.0", (8,), torch.float32)
+        os.kill(os.getpid(), signal.SIGKILL)  # no finalizer runs
+        """)], env={**os.environ, "PYTHONPATH": os.getcwd()})
+    assert killed.returncode == -9
+    left_by_killed = sorted(str(p) for p in tmp_path.glob("raydix-decode_0-*"))
+    assert len(left_by_killed) == 2  # its segment and its lock
+    try:
+        assert sorted(cleanup_stale_segments(str(tmp_path))) == sorted([str(orphan)] + left_by_killed)
+        assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+            [held.name + ".lock", held.name + "-k_buffer.0", "unrelated-file"])
+    finally:
+        os.close(fd)
+    assert sorted(cleanup_stale_segments(str(tmp_path))) == [str(held) + "-k_buffer.0", str(held) + ".lock"]
 
 
 def test_a_new_shareable_allocator_reclaims_segments_of_dead_workers(tmp_path, monkeypatch):
@@ -181,7 +204,9 @@ def test_a_new_shareable_allocator_reclaims_segments_of_dead_workers(tmp_path, m
     alloc.zeros("k", (4,), torch.float32)
     assert not dead.exists()
     assert [p.name for p in tmp_path.iterdir()] and all(str(os.getpid()) in p.name for p in tmp_path.iterdir())
+    assert cleanup_stale_segments(str(tmp_path)) == []  # its owner is alive
     alloc.close()
+    assert list(tmp_path.iterdir()) == []  # segments and lock file
 
 
 def test_local_buffers_cannot_be_exported():
