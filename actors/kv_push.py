@@ -2,8 +2,9 @@
 
 After each prefill forward the scheduler hands every rank the new prompt rows
 of the requests in the batch as :class:`PushChunk` s; the rank's
-:class:`KVPusher` copies them to the decode ranks it serves on a transfer
-thread of its own while the next batch runs. Per request the chunks go in
+:class:`KVPusher` copies them to the decode ranks it serves on its transfer
+threads while the next batch runs — one per lane, a decode worker's pushes
+always on the same lane, so a slow destination does not hold up the others. Per request the chunks go in
 order through one :class:`~transfer.base.KVSender` per decode rank; the
 Mamba state and the sliding-window rows go with the last chunk. A request is
 done on a rank when its last chunk was pushed (or skipped after an earlier
@@ -52,6 +53,7 @@ class PushChunk(NamedTuple):
     state_slot: Optional[int] = None
     src_swa: Sequence[int] = ()
     handoffs: Optional[List[bytes]] = None
+    dest: str = ""  # the decode worker pushed to (its lane; chunks of a request share it)
 
 
 class PushResult(NamedTuple):
@@ -64,10 +66,21 @@ class PushResult(NamedTuple):
 
 @dataclass
 class _Job:
+    lane: "_Lane"
     senders: List[Tuple[KVHandoff, KVSender]] = field(default_factory=list)
     moved: int = 0
     error: Optional[str] = None
     cancelled: bool = False
+
+
+@dataclass
+class _Lane:
+    """A transfer thread and its queue; the destinations it serves never wait on another lane's."""
+
+    index: int
+    queue: Deque[Tuple[PushChunk, Optional["torch.cuda.Event"]]] = field(default_factory=collections.deque)
+    running: Optional[str] = None  # rid whose chunk this lane's thread copies now
+    thread: Optional[threading.Thread] = None
 
 
 def serves(handoff: KVHandoff, agent: TransferAgent) -> bool:
@@ -86,19 +99,24 @@ def serves(handoff: KVHandoff, agent: TransferAgent) -> bool:
 
 
 class KVPusher:
-    """One per prefill rank: its agents, the chunks queued, the requests in progress."""
+    """One per prefill rank: its agents, the chunks queued, the requests in progress.
 
-    def __init__(self, agents: Dict[str, TransferAgent], asynchronous: bool = True, name: str = "raydix-kv-push"):
+    Chunks queue on ``num_lanes`` lanes, each with its own transfer thread; a decode
+    worker is given a lane the first time it is pushed to (round robin), so a slow
+    destination (a link across nodes, a large prompt) holds up only the destinations that
+    share its lane — as SGLang shards its transfer queues by destination."""
+
+    def __init__(self, agents: Dict[str, TransferAgent], asynchronous: bool = True, name: str = "raydix-kv-push",
+                 num_lanes: int = 4):
         self.agents, self.asynchronous, self.name = agents, asynchronous, name
         tensors = [t for agent in agents.values() for t in agent.buffers.values()]
         self.device = tensors[0].device if tensors else torch.device("cpu")
         self._cond = threading.Condition()
-        self._queue: Deque[Tuple[PushChunk, Optional[torch.cuda.Event]]] = collections.deque()
+        self._lanes = [_Lane(i) for i in range(max(1, num_lanes))]
+        self._lane_of: Dict[str, _Lane] = {}  # destination → its lane
         self._jobs: Dict[str, _Job] = {}
         self._finished: List[PushResult] = []
-        self._running: Optional[str] = None  # rid whose chunk the transfer thread copies now
         self._closed = False
-        self._thread: Optional[threading.Thread] = None
         self.num_chunks = 0  # chunks that moved rows to at least one decode rank
         # called on the transfer thread when a request's share ends, instead of queueing it
         # for take_finished (rank 0: the scheduler's early notice; a TP follower: its report to rank 0)
@@ -114,15 +132,23 @@ class KVPusher:
         with self._cond:
             for chunk in chunks:
                 if chunk.handoffs is not None:
-                    self._jobs[chunk.rid] = _Job()
-                if chunk.rid in self._jobs:  # a cancelled request's late chunks are dropped
-                    self._queue.append((chunk, event))
-            if self.asynchronous:
-                self._start()
-                self._cond.notify_all()
+                    self._jobs[chunk.rid] = _Job(self._lane_for(chunk.dest))
+                job = self._jobs.get(chunk.rid)
+                if job is not None:  # a cancelled request's late chunks are dropped
+                    job.lane.queue.append((chunk, event))
+                    if self.asynchronous:
+                        self._start(job.lane)
+            self._cond.notify_all()
         if not self.asynchronous:
-            while self._run_one(block=False):
-                pass
+            for lane in self._lanes:
+                while self._run_one(lane, block=False):
+                    pass
+
+    def _lane_for(self, dest: str) -> _Lane:
+        lane = self._lane_of.get(dest)
+        if lane is None:
+            lane = self._lane_of[dest] = self._lanes[len(self._lane_of) % len(self._lanes)]
+        return lane
 
     def take_finished(self) -> List[PushResult]:
         """Requests whose share on this rank ended since the last call."""
@@ -141,8 +167,9 @@ class KVPusher:
                     for _, sender in job.senders:
                         sender.abort("aborted")
             gone = set(rids)
-            self._queue = collections.deque(item for item in self._queue if item[0].rid not in gone)
-            while self._running in gone:
+            for lane in self._lanes:
+                lane.queue = collections.deque(item for item in lane.queue if item[0].rid not in gone)
+            while any(lane.running in gone for lane in self._lanes):
                 self._cond.wait()
             self._finished = [r for r in self._finished if r.rid not in gone]  # (a failed hook's, too)
 
@@ -151,37 +178,39 @@ class KVPusher:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
-        if self._thread is not None:
-            self._thread.join(timeout=10)
+        for lane in self._lanes:
+            if lane.thread is not None:
+                lane.thread.join(timeout=10)
 
-    # ---- the transfer thread ----------------------------------------------------------
-    def _start(self) -> None:
-        if self._thread is None and not self._closed:
-            self._thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
-            self._thread.start()
+    # ---- the transfer threads ---------------------------------------------------------
+    def _start(self, lane: _Lane) -> None:
+        if lane.thread is None and not self._closed:
+            lane.thread = threading.Thread(target=self._loop, args=(lane,), name=f"{self.name}-{lane.index}",
+                                           daemon=True)
+            lane.thread.start()
 
-    def _loop(self) -> None:
+    def _loop(self, lane: _Lane) -> None:
         if self.device.type == "cuda":  # a stream of its own: the copies overlap the forward
             torch.cuda.set_device(self.device)
             with torch.cuda.stream(torch.cuda.Stream(self.device)):
-                while self._run_one(block=True):
+                while self._run_one(lane, block=True):
                     pass
         else:
-            while self._run_one(block=True):
+            while self._run_one(lane, block=True):
                 pass
 
-    def _run_one(self, block: bool) -> bool:
-        """Push the next queued chunk; False when closed (or, not blocking, when none is queued)."""
+    def _run_one(self, lane: _Lane, block: bool) -> bool:
+        """Push the lane's next queued chunk; False when closed (or, not blocking, when none is queued)."""
         with self._cond:
-            while not self._queue:
+            while not lane.queue:
                 if self._closed or not block:
                     return False
                 self._cond.wait()
-            chunk, event = self._queue.popleft()
+            chunk, event = lane.queue.popleft()
             job = self._jobs.get(chunk.rid)
             if job is None:
                 return True
-            self._running = chunk.rid
+            lane.running = chunk.rid
         try:
             if chunk.handoffs is not None:
                 self._open(job, chunk)
@@ -200,7 +229,7 @@ class KVPusher:
             if ended:
                 self._report(PushResult(chunk.rid, job.moved, job.error))
             with self._cond:
-                self._running = None
+                lane.running = None
                 self._cond.notify_all()
         return True
 

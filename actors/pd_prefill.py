@@ -137,6 +137,7 @@ class PrefillScheduler(Scheduler):
         self._outbox.append(PushChunk(
             req.rid, start, row[start:].tolist(), is_last, req.mamba_pool_idx if is_last else None,
             self._window_swa_slots(row) if is_last else [], list(req.pd_handoffs) if first else None,
+            getattr(req, "pd_dest", ""),
         ))
         req.pd_sent_upto = end
 

@@ -250,12 +250,14 @@ class PrefillWorker(_Worker):
         if rid in self._cancelled:
             raise PDRequestError(f"request {rid!r} was aborted before its prefill started")
         req = self._make_req(rid, input_ids, sampling_params)
-        for raw in handoffs:  # reject what cannot be served before any work is done
+        for i, raw in enumerate(handoffs):  # reject what cannot be served before any work is done
             handoff = KVHandoff.from_bytes(raw)
             agent = self.agents.get(handoff.backend)
             if agent is None:
                 raise PDRequestError(f"hand-off over backend {handoff.backend!r}; this worker has {sorted(self.agents)}")
             check_compatible(agent.layout, handoff.layout)  # LayoutMismatchError names the difference
+            if i == 0:  # the decode worker (its rank 0's agent): the lane its pushes take
+                req.pd_dest = f"{handoff.backend}/{handoff.endpoint.get('agent_id', '')}"
         req.pd_handoffs = list(handoffs)
         queue = self._submit(req)
         while True:

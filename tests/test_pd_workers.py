@@ -553,6 +553,43 @@ def test_a_push_report_that_fails_is_left_to_the_loop(checkpoints):
     close(prefill, decode)
 
 
+def test_a_slow_decode_worker_holds_up_only_its_own_pushes(checkpoints):
+    """Pushes to a decode worker whose link is slow (1 s per copy here) run on their own
+    lane: a request to another decode worker, submitted just after, ends its prefill first
+    and with its own tokens (one transfer thread used to queue it behind the slow push)."""
+    path = checkpoints["llama"]
+    prefill, slow = make_pair(path)
+    fast = DecodeWorker(path, dict(max_total_tokens=2048, page_size=1, skip_tokenizer_init=True), backend="shm")
+    agent = prefill.agents["shm"]
+    real_push, slow_id = agent.push, slow.agents["shm"].endpoint()["agent_id"]
+
+    def push(handoff, *args, **kwargs):
+        if handoff.endpoint["agent_id"] == slow_id:
+            time.sleep(1.0)
+        return real_push(handoff, *args, **kwargs)
+
+    agent.push = push
+    batch, pushed = prompts(2, 10, 20, seed=81), {}
+
+    async def timed(decode, ids, name, delay):
+        await asyncio.sleep(delay)
+        handoffs = await decode.reserve(name, ids, GREEDY)
+        notice = await asyncio.wait_for(prefill.prefill(name, ids, GREEDY, handoffs), 30)
+        pushed[name] = time.monotonic()
+        final = None
+        async for final in decode.stream(name, notice):
+            pass
+        return final["output_ids"]
+
+    async def go():
+        return await asyncio.gather(timed(slow, batch[0], "slow", 0), timed(fast, batch[1], "fast", 0.3))
+
+    outs = asyncio.run(go())
+    assert pushed["fast"] < pushed["slow"] - 0.3, pushed
+    assert_greedy_parity(path, batch, outs, 8, slow.eos_token_ids)
+    close(prefill, slow, fast)
+
+
 @pytest.mark.parametrize("when", ["chunk", "inflight"])
 def test_abort_during_a_chunk_push_waits_for_it_and_nothing_lands_later(checkpoints, when):
     """``abort`` while a chunk of a request (``chunk``: one of its first; ``inflight``: its
