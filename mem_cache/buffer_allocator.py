@@ -159,7 +159,11 @@ def cleanup_stale_segments(directory: str | None = None) -> List[str]:
         try:
             fd = os.open(lock_path, os.O_RDWR)
         except FileNotFoundError:
-            fd = None  # the owner (which makes its lock first and removes it last) is gone
+            # no lock: a dead owner that had unlinked it already, or one without lock files
+            # (an older raydix on this node, as in a rolling upgrade): judged by its PID
+            if _pid_alive(int(stem.rsplit("-", 2)[1])):
+                continue
+            fd = None
         except PermissionError:  # another user's files
             continue
         try:
@@ -178,6 +182,16 @@ def cleanup_stale_segments(directory: str | None = None) -> List[str]:
             if fd is not None:
                 os.close(fd)
     return removed
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _owner_lock(stem: str) -> int:

@@ -165,15 +165,17 @@ def test_owner_exit_without_close_leaves_nothing():
 def test_stale_segments_are_those_whose_owner_lock_is_free(tmp_path):
     """Liveness is the owner's flock, not its PID: a live owner whose PID this process cannot
     see (another PID namespace sharing /dev/shm) keeps its files; an owner killed with
-    SIGKILL, or files with no lock file, are removed; other files are left alone."""
+    SIGKILL loses them. Files with no lock file (an owner from before lock files, as in a
+    rolling upgrade) are judged by their PID; other files are left alone."""
     import fcntl
 
     held = tmp_path / "raydix-pool-999999999-0123abcd"  # an owner PID this namespace does not have
     fd = os.open(str(held) + ".lock", os.O_CREAT | os.O_RDWR)
     fcntl.flock(fd, fcntl.LOCK_SH)
-    orphan = tmp_path / "raydix-pool-1-4567abcd-k_buffer.0"  # no lock file
+    orphan = tmp_path / "raydix-pool-999999999-4567abcd-k_buffer.0"  # no lock file, its PID gone
+    legacy = tmp_path / f"raydix-pool-{os.getpid()}-89abcdef-k_buffer.0"  # no lock file, its owner alive
     other = tmp_path / "unrelated-file"
-    for p in (tmp_path / (held.name + "-k_buffer.0"), orphan, other):
+    for p in (tmp_path / (held.name + "-k_buffer.0"), orphan, legacy, other):
         p.write_bytes(b"x")
     killed = subprocess.run([sys.executable, "-c", textwrap.dedent(f"""
         import os, signal, torch
@@ -189,7 +191,7 @@ def test_stale_segments_are_those_whose_owner_lock_is_free(tmp_path):
     try:
         assert sorted(cleanup_stale_segments(str(tmp_path))) == sorted([str(orphan)] + left_by_killed)
         assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
-            [held.name + ".lock", held.name + "-k_buffer.0", "unrelated-file"])
+            [held.name + ".lock", held.name + "-k_buffer.0", legacy.name, "unrelated-file"])
     finally:
         os.close(fd)
     assert sorted(cleanup_stale_segments(str(tmp_path))) == [str(held) + "-k_buffer.0", str(held) + ".lock"]
