@@ -22,6 +22,13 @@ A sliding-window model's reservation takes full slots for
 the window at the prompt's end (``swa_evicted_seqlen``; the engine frees their
 SWA half right after a prefill), so a prompt longer than the SWA pool fits.
 The hand-off names the SWA slots of that window.
+
+A hybrid (Mamba) model's prefix is matched for its attention KV only
+(``MambaRadixCache.match_kv_prefix``) and locked KV-only: the prefill side
+pushes the prompt's final Mamba state whole into the request's own slot, so
+no cached state is read here, and the prefix may reach past the deepest
+state the tree holds (a tombstone). The finished request inserts its own
+state at its end, as in the engine.
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ from actors.engine.req import Req
 from actors.engine.schedule_batch import _alloc_rows, _alloc_with_eviction
 from actors.engine.scheduler import Scheduler
 from actors.engine.tp_worker import FollowerError
+from mem_cache.radix_key import RadixKey
 from transfer.base import KVPoll, KVReceiver, TransferAgent, TransferError
 
 logger = logging.getLogger(__name__)
@@ -128,11 +136,7 @@ class DecodeScheduler(Scheduler):
     def _reserve(self, req: Req) -> bool:
         """Row + slots for the prompt beyond the decode tree's own prefix; False with nothing taken."""
         prompt_len = len(req.origin_input_ids)
-        if self.hybrid:  # the Mamba state comes whole from prefill: no decode-side prefix
-            req.fill_ids = list(req.origin_input_ids)
-            req.prefix_indices, req.last_node = torch.empty(0, dtype=torch.int64), self.tree_cache.root_node
-        else:
-            self._match_prefix(req)
+        self._match_reserved_prefix(req)
         prefix_len = len(req.prefix_indices)
         if not self._fits(req, prefix_len, prompt_len):
             return False
@@ -153,6 +157,17 @@ class DecodeScheduler(Scheduler):
             return True
         req.pd_state = "transfer"
         return True
+
+    def _match_reserved_prefix(self, req: Req) -> None:
+        """The decode tree's prefix of the prompt; a hybrid model's for the attention KV
+        only (its Mamba state comes from the prefill side), under a KV-only lock."""
+        if not self.hybrid:
+            self._match_prefix(req)
+            return
+        req.fill_ids = req.all_ids()
+        match = self.tree_cache.match_kv_prefix(RadixKey(req.fill_ids, req.extra_key), req=req)
+        req.prefix_indices, req.last_node = match.device_indices, match.last_device_node
+        req.cache_protected_len, req.kv_only_lock = len(req.prefix_indices), True
 
     def _fits(self, req: Req, prefix_len: int, prompt_len: int) -> bool:
         """Room for the uncached prompt plus the request's decode reserve, after what the

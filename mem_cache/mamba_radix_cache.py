@@ -6,13 +6,21 @@ A prefix is reusable only up to the deepest node on its path that holds a
 state, because a recurrent state cannot be rebuilt from KV.
 
 * Tombstones: nodes with KV but no state. A split's upper half is one (a
-  state cannot be split); ``evict_mamba`` makes internal nodes tombstones. A
-  leaf is never a tombstone: one that would become one is deleted, its KV
-  freed, and so are tombstone ancestors that become childless leaves.
+  state cannot be split); ``evict_mamba`` makes internal nodes tombstones. An
+  unlocked leaf is never a tombstone: one that would become one is deleted, its
+  KV freed, and so are tombstone ancestors that become childless leaves. A
+  tombstone a KV-only lock holds may be left a leaf by evictions below it; it
+  goes when its last lock does (``dec_lock_ref``).
 * Two LRU lists: ``full_lru_list`` over every node (KV eviction, leaves
   first) and ``mamba_lru_list`` over nodes holding a state.
 * Locks: ``full_lock_ref`` covers a node and its ancestors (their KV);
   ``mamba_lock_ref`` covers only the locked node's state. ``full >= mamba``.
+  A KV-only lock (``kv_only=True``) takes no state lock: it is for a request
+  that brings its own state for the whole prefix (a decode-side reservation:
+  the prefill side pushes it) and reads only the KV of ``match_kv_prefix``,
+  which may end at a tombstone. ``dec_lock_ref`` must be told the same
+  ``kv_only`` (``req.kv_only_lock``): a tombstone revived meanwhile may hold
+  another request's state lock.
 * The tree's states are never modified in place: a request that reuses one
   gets a copy in its own slot (copy-on-write in ``match_prefix``).
 
@@ -139,11 +147,10 @@ class MambaRadixCache(RadixCache):
         request's own Mamba slot (allocated, evicting states if needed, when
         ``req.mamba_pool_idx`` is None).
         """
-        if req is not None:
-            key = key[: max_prefix_match_len(len(req.fill_ids) or len(req.origin_input_ids))]
+        key = self._match_key(key, req)
         if self.disable or len(key) == 0:
             return MambaMatchResult(self._empty(), self.root_node, self.root_node)
-        values, best_len, best_node = self._match_prefix_helper(self._page_align(key))
+        values, best_len, best_node, _ = self._match_prefix_helper(key)
         full_len = sum(len(v) for v in values)
         mamba_values = values[:best_len]
         mamba_len = sum(len(v) for v in mamba_values)
@@ -153,7 +160,31 @@ class MambaRadixCache(RadixCache):
         indices = torch.cat(mamba_values) if mamba_values else self._empty()
         return MambaMatchResult(indices, best_node, best_node, 0, branching)
 
-    def _match_prefix_helper(self, key: RadixKey) -> Tuple[List[torch.Tensor], int, MambaTreeNode]:
+    def match_kv_prefix(self, key: RadixKey, req=None) -> MambaMatchResult:
+        """Longest prefix whose KV is cached, whether or not a state ends it: for a
+        request that gets its state for the whole key from elsewhere (a decode-side
+        reservation: the prefill side pushes the prompt's final state) and reads only the
+        prefix's attention KV. ``last_device_node`` may be a tombstone; lock it with
+        ``inc_lock_ref(node, kv_only=True)``. Like ``match_prefix`` (``req``: one token
+        short of the prompt) it may split a node and never changes locks; it refreshes
+        the path's KV recency, not any state's."""
+        key = self._match_key(key, req)
+        if self.disable or len(key) == 0:
+            return MambaMatchResult(self._empty(), self.root_node, self.root_node)
+        values, _, _, node = self._match_prefix_helper(key, kv_only=True)
+        return MambaMatchResult(torch.cat(values) if values else self._empty(), node, node)
+
+    def _match_key(self, key: RadixKey, req) -> RadixKey:
+        if req is not None:
+            key = key[: max_prefix_match_len(len(req.fill_ids) or len(req.origin_input_ids))]
+        return self._page_align(key)
+
+    def _match_prefix_helper(
+        self, key: RadixKey, kv_only: bool = False
+    ) -> Tuple[List[torch.Tensor], int, MambaTreeNode, MambaTreeNode]:
+        """Walk ``key``: the matched nodes' values, how many of them reach the deepest
+        state (and its node), and the deepest matched node. Refreshes the recency of the
+        path to the deepest state, or with ``kv_only`` to the deepest node."""
         node, values = self.root_node, []
         best_len, best_node = 0, self.root_node
         while len(key) > 0:
@@ -170,14 +201,14 @@ class MambaRadixCache(RadixCache):
             if node.mamba_value is not None:
                 best_len, best_node = len(values), node
         now = self._tick()
-        walk = best_node
+        walk = end = node if kv_only else best_node
         while walk is not self.root_node:
             walk.last_access_time, walk.hit_count = now, walk.hit_count + 1
             walk = walk.parent
-        self.full_lru_list.reset_node_and_parents_mru(best_node, self.root_node)
-        if best_node.mamba_value is not None:
+        self.full_lru_list.reset_node_and_parents_mru(end, self.root_node)
+        if not kv_only and best_node.mamba_value is not None:
             self.mamba_lru_list.reset_node_mru(best_node)
-        return values, best_len, best_node
+        return values, best_len, best_node, node
 
     def _copy_on_write(self, req, node: MambaTreeNode) -> None:
         if req.mamba_pool_idx is None:
@@ -249,12 +280,12 @@ class MambaRadixCache(RadixCache):
             self.mamba_protected_size_ += 1
 
     # ---- locks -------------------------------------------------------------------
-    def inc_lock_ref(self, node: MambaTreeNode) -> int:
-        """Lock ``node``'s state and the KV of root→node; returns the change of
-        ``full_evictable_size()``."""
+    def inc_lock_ref(self, node: MambaTreeNode, kv_only: bool = False) -> int:
+        """Lock ``node``'s state (not with ``kv_only``) and the KV of root→node; returns
+        the change of ``full_evictable_size()``."""
         if node is self.root_node:
             return 0
-        if node.mamba_value is not None:
+        if node.mamba_value is not None and not kv_only:
             if node.mamba_lock_ref == 0:
                 self.mamba_evictable_size_ -= 1
                 self.mamba_protected_size_ += 1
@@ -269,15 +300,19 @@ class MambaRadixCache(RadixCache):
             node = node.parent
         return delta
 
-    def dec_lock_ref(self, node: MambaTreeNode) -> int:
+    def dec_lock_ref(self, node: MambaTreeNode, kv_only: bool = False) -> int:
+        """Undo ``inc_lock_ref(node, kv_only)``. A tombstone left a leaf (by evictions
+        below it while it was locked) is deleted with its last lock, and so are the
+        tombstone ancestors that become unlocked leaves; returns the change of
+        ``full_evictable_size()``."""
         if node is self.root_node:
             return 0
-        if node.mamba_value is not None and node.mamba_lock_ref > 0:
+        if node.mamba_value is not None and node.mamba_lock_ref > 0 and not kv_only:
             if node.mamba_lock_ref == 1:
                 self.mamba_evictable_size_ += 1
                 self.mamba_protected_size_ -= 1
             node.mamba_lock_ref -= 1
-        delta = 0
+        delta, end = 0, node
         while node is not self.root_node:
             if node.full_lock_ref == 1:
                 self.full_evictable_size_ += len(node.key)
@@ -285,6 +320,8 @@ class MambaRadixCache(RadixCache):
                 delta += len(node.key)
             node.full_lock_ref -= 1
             node = node.parent
+        if end.mamba_value is None and not end.children and end.full_lock_ref == 0:
+            delta -= self._evict_leaf(end)
         return delta
 
     # ---- eviction ----------------------------------------------------------------
@@ -363,7 +400,7 @@ class MambaRadixCache(RadixCache):
             self._free(kv_indices[cache_len:])
             tree_owns_state = not mamba_exist
         self._free_req_row(req, tree_owns_state)
-        self.dec_lock_ref(req.last_node)
+        self.dec_lock_ref(req.last_node, kv_only=req.kv_only_lock)
 
     def _tracked_slot(self, req) -> torch.Tensor:
         """The ping-pong slot holding the last checkpoint (the one not written next)."""
@@ -408,9 +445,9 @@ class MambaRadixCache(RadixCache):
         ensure(len(new_indices) == cache_len, f"re-match after insert found {len(new_indices)} of {cache_len} tokens")
         self.req_to_token_pool.write((req.req_pool_idx, slice(protected, cache_len)), new_indices[protected:].to(torch.int32))
         self.inc_lock_ref(new_last_node)
-        self.dec_lock_ref(req.last_node)
+        self.dec_lock_ref(req.last_node, kv_only=req.kv_only_lock)
         req.prefix_indices = torch.cat([new_indices, kv_indices[cache_len:]])
-        req.cache_protected_len, req.last_node = cache_len, new_last_node
+        req.cache_protected_len, req.last_node, req.kv_only_lock = cache_len, new_last_node, False
         if self.extra_buffer:
             req.mamba_last_track_seqlen = None
 
@@ -420,7 +457,7 @@ class MambaRadixCache(RadixCache):
         return torch.cat(states) if states else self._empty()
 
     def check_integrity(self) -> None:
-        """Tree structure, both LRU lists, no tombstone leaf, lock and size counters."""
+        """Tree structure, both LRU lists, no unlocked tombstone leaf, lock and size counters."""
         nodes = list(self._iter_nodes())
         counts = {"full_evictable": 0, "full_protected": 0, "mamba_evictable": 0, "mamba_protected": 0}
         for node in nodes:
@@ -443,7 +480,7 @@ class MambaRadixCache(RadixCache):
         ensure(len(node.key) > 0 and len(node.key) % self.page_size == 0, f"{node}: bad key length")
         ensure(node.parent.children.get(self.child_key(node.key)) is node, f"{node} is not its parent's child")
         ensure(len(node.value) == len(node.key), f"{node}: {len(node.value)} slots for {len(node.key)} tokens")
-        ensure(node.children or node.mamba_value is not None, f"{node} is a tombstone leaf")
+        ensure(node.children or node.mamba_value is not None or node.full_lock_ref, f"{node} is an unlocked tombstone leaf")
         ensure(node.full_lock_ref >= node.mamba_lock_ref >= 0, f"{node}: lock counts out of order")
         ensure(node.mamba_value is not None or node.mamba_lock_ref == 0, f"{node}: tombstone with a Mamba lock")
         child_locks = sum(c.full_lock_ref for c in node.children.values())

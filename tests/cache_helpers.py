@@ -28,6 +28,7 @@ class FakeReq:
     mamba_next_track_idx: int = 0
     mamba_last_track_seqlen: Optional[int] = None
     mamba_branching_seqlen: Optional[int] = None
+    kv_only_lock: bool = False
     # sliding-window (SWA) models only
     swa_evicted_seqlen: int = 0
     swa_uuid_for_lock: Optional[int] = None

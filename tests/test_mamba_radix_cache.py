@@ -149,6 +149,82 @@ def test_match_stops_one_token_short_of_the_prompt():
     assert max_prefix_match_len(64) == 63 and max_prefix_match_len(0) == 0
 
 
+# ---- KV-only matches and locks (a decode-side reservation: the state comes from prefill) ----------
+def test_kv_only_match_reaches_past_the_deepest_state_and_locks_no_state():
+    cache, pool, alloc, mamba = make()
+    kv = insert_checkpoint(cache, alloc, mamba, TOKENS[:100], torch.empty(0, dtype=torch.int64))
+    key = RadixKey(TOKENS[:60] + [999])
+    assert len(cache.match_prefix(key).device_indices) == 0  # no state at 60
+    m = cache.match_kv_prefix(key)
+    node = m.last_device_node
+    assert m.device_indices.tolist() == kv[:60].tolist() and node.is_tombstone and len(node.key) == 60
+    assert len(cache.match_kv_prefix(RadixKey(TOKENS[:100]), req=FakeReq(TOKENS[:100])).device_indices) == 99
+    cache.inc_lock_ref(node, kv_only=True)
+    assert (cache.full_protected_size(), cache.mamba_protected_size()) == (60, 0)
+    cache.check_integrity()
+    cache.dec_lock_ref(node, kv_only=True)
+    conservation(cache, alloc, pool)
+
+
+def test_a_kv_only_lock_on_a_revived_tombstone_leaves_its_state_lock_alone():
+    """The tombstone a KV-only lock holds gets a state (an insert ending there) and another
+    request's state lock: dropping the KV-only lock must not drop that state lock."""
+    cache, pool, alloc, mamba = make()
+    kv = insert_checkpoint(cache, alloc, mamba, TOKENS[:100], torch.empty(0, dtype=torch.int64))
+    node = cache.match_kv_prefix(RadixKey(TOKENS[:60] + [999])).last_device_node
+    cache.inc_lock_ref(node, kv_only=True)
+    insert_checkpoint(cache, alloc, mamba, TOKENS[:60], kv[:60])  # revives the tombstone
+    assert cache.match_prefix(RadixKey(TOKENS[:61])).last_device_node is node and not node.is_tombstone
+    cache.inc_lock_ref(node)
+    cache.dec_lock_ref(node, kv_only=True)
+    assert (node.full_lock_ref, node.mamba_lock_ref, cache.mamba_protected_size()) == (1, 1, 1)
+    assert cache.evict_mamba(2) == 1 and not node.is_tombstone  # only the state at 100 could go
+    cache.dec_lock_ref(node)
+    conservation(cache, alloc, pool)
+
+
+def test_a_locked_tombstone_left_a_leaf_goes_with_its_lock():
+    """Evicting everything takes the leaf below a KV-only locked tombstone, not the
+    tombstone (a locked tombstone leaf is allowed); unlocking deletes it."""
+    cache, pool, alloc, mamba = make()
+    insert_checkpoint(cache, alloc, mamba, TOKENS[:100], torch.empty(0, dtype=torch.int64))
+    node = cache.match_kv_prefix(RadixKey(TOKENS[:60] + [999])).last_device_node
+    cache.inc_lock_ref(node, kv_only=True)
+    assert cache.evict(1000) == 40
+    assert node.is_tombstone and not node.children and cache.full_protected_size() == 60
+    cache.check_integrity()
+    assert alloc.available_size() == 1024 - 60 and mamba.available_size() == 16
+    assert cache.dec_lock_ref(node, kv_only=True) == 0  # made evictable, then deleted
+    assert not cache.root_node.children and alloc.available_size() == 1024
+    conservation(cache, alloc, pool)
+
+
+@pytest.mark.parametrize("is_insert", [True, False])
+def test_decode_reservation_flow_with_a_kv_only_prefix(is_insert):
+    """Match KV only, lock KV only, take a row and slots past the prefix, receive the
+    prompt's final state into the request's own slot, decode, finish: the request inserts
+    its state at its end (or, not inserting, frees its own slots); no lock is left."""
+    cache, pool, alloc, mamba = make()
+    kv = insert_checkpoint(cache, alloc, mamba, TOKENS[:100], torch.empty(0, dtype=torch.int64))
+    req = FakeReq(TOKENS[:60] + TOKENS[200:230], fill_ids=TOKENS[:60] + TOKENS[200:230], kv_only_lock=True)
+    m = cache.match_kv_prefix(RadixKey(req.fill_ids), req=req)
+    req.prefix_indices, req.last_node, req.cache_protected_len = m.device_indices, m.last_device_node, 60
+    cache.inc_lock_ref(req.last_node, kv_only=True)
+    req.req_pool_idx = pool.alloc(1, [None])[0]
+    req.mamba_pool_idx = int(pool.get_mamba_indices(req.req_pool_idx)[0])
+    own = alloc.alloc(31)  # the prompt's 30 new tokens and one decoded
+    pool.req_to_token[req.req_pool_idx, :91] = torch.cat([kv[:60], own]).to(torch.int32)
+    write_state(mamba, req.mamba_pool_idx, 91)  # pushed at 90 tokens, one decode step on
+    req.output_ids, req.kv_committed_len = [1, 2], 91
+    cache.cache_finished_req(req, is_insert=is_insert)
+    assert cache.full_protected_size() == 0 and cache.mamba_protected_size() == 0
+    m = cache.match_prefix(RadixKey(req.origin_input_ids + req.output_ids))
+    assert len(m.device_indices) == (91 if is_insert else 0)
+    if is_insert:
+        assert read_state(mamba, m.last_device_node.mamba_value) == state_of(91)
+    conservation(cache, alloc, pool)
+
+
 def start(cache, pool, alloc, mamba, req):
     """Match (with copy-on-write), take a row and KV for the rest, like prefill."""
     m = cache.match_prefix(RadixKey(req.origin_input_ids), req=req, cow_mamba=True)

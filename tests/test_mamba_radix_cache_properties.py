@@ -1,10 +1,12 @@
-"""Random insert / match / copy-on-write / lock / evict / evict_mamba workloads
-on MambaRadixCache against a brute-force oracle of cached pages and checkpoints.
+"""Random insert / match / copy-on-write / lock / KV-only lock / evict / evict_mamba
+workloads on MambaRadixCache against a brute-force oracle of cached pages and
+checkpoints.
 
 After every step: the match equals the oracle's (the deepest checkpoint within
-the cached prefix), no checkpoint outlives its KV, no cached sequence ends in
-a tombstone, locks protect KV and states, and KV slots and Mamba slots are
-each exactly free or held.
+the cached prefix; a KV-only match, the whole cached prefix), no checkpoint
+outlives its KV, no cached sequence ends in a tombstone but where a KV-only lock
+holds it, locks protect KV and states, and KV slots and Mamba slots are each
+exactly free or held.
 """
 
 import hypothesis.strategies as st
@@ -37,12 +39,14 @@ class MambaOracle(Oracle):
     def drop_freed_states(self, freed):
         self.states = {p: s for p, s in self.states.items() if s not in freed}
 
-    def consistent(self):
+    def consistent(self, kv_locked=()):
+        """``kv_locked``: the keys KV-only locks end at (a tombstone may end there)."""
         for (extra, prefix) in self.states:
             assert (extra, prefix) in self.pages, "a checkpoint outlived its KV"
         extended = {(e, p[: -self.ps]) for (e, p) in self.pages}
         for key in self.pages:
-            assert key in extended or key in self.states, f"cached sequence ending in a tombstone: {key}"
+            ok = key in extended or key in self.states or key in kv_locked
+            assert ok, f"cached sequence ending in an unlocked tombstone: {key}"
 
 
 class MambaMachine(RuleBasedStateMachine):
@@ -58,7 +62,8 @@ class MambaMachine(RuleBasedStateMachine):
         self.alloc = TokenToKVPoolAllocator(size) if ps == 1 else PagedTokenToKVPoolAllocator(size, ps)
         self.cache = MambaRadixCache(self.pool, self.alloc, page_size=ps, mamba_scheduler_strategy=self.strategy)
         self.oracle = MambaOracle(ps)
-        self.locks = []  # (node, matched tokens, extra)
+        self.locks = []  # (node, matched tokens)
+        self.kv_locks = []  # (node, matched tokens): KV-only locks, as a decode reservation takes
 
     def _tokens(self, data, max_pages=6):
         ps = self.page_size
@@ -88,7 +93,17 @@ class MambaMachine(RuleBasedStateMachine):
     @rule(data=st.data(), extra=st.sampled_from([None, "x"]))
     def insert(self, data, extra):
         seq = self._tokens(data)
-        seq = seq[: len(seq) // self.page_size * self.page_size]
+        self._insert(seq[: len(seq) // self.page_size * self.page_size], extra)
+
+    @precondition(lambda self: self.kv_locks)
+    @rule(data=st.data())
+    def insert_and_lock_where_a_kv_lock_ends(self, data):
+        """Revive the tombstone a KV-only lock may hold, and take a state lock there."""
+        tokens = data.draw(st.sampled_from(self.kv_locks))[1]
+        self._insert(tokens, None)
+        self._lock(tokens)
+
+    def _insert(self, seq, extra):
         self._check_match(seq, extra)
         cached = torch.tensor(self.oracle.kv_match(seq, extra), dtype=torch.int64)
         new = self.alloc.alloc(len(seq) - len(cached))
@@ -130,7 +145,9 @@ class MambaMachine(RuleBasedStateMachine):
 
     @rule(data=st.data())
     def lock(self, data):
-        tokens = self._tokens(data)
+        self._lock(self._tokens(data))
+
+    def _lock(self, tokens):
         m = self._check_match(tokens)
         if m.device_indices.numel():
             self.cache.inc_lock_ref(m.last_device_node)
@@ -142,6 +159,32 @@ class MambaMachine(RuleBasedStateMachine):
         node, _ = self.locks.pop(data.draw(st.integers(0, len(self.locks) - 1)))
         self.cache.dec_lock_ref(node)
 
+    @rule(data=st.data())
+    def kv_lock(self, data):
+        tokens = self._tokens(data)
+        m = self.cache.match_kv_prefix(RadixKey(tokens))
+        assert m.device_indices.tolist() == self.oracle.kv_match(tokens, None)
+        if m.device_indices.numel():
+            self.cache.inc_lock_ref(m.last_device_node, kv_only=True)
+            self.kv_locks.append((m.last_device_node, tokens[: m.device_indices.numel()]))
+
+    @precondition(lambda self: self.kv_locks)
+    @rule(data=st.data())
+    def kv_unlock(self, data):
+        """A tombstone left a leaf under the lock goes with it: its KV only, no state."""
+        node, _ = self.kv_locks.pop(data.draw(st.integers(0, len(self.kv_locks) - 1)))
+        kv_before, states_before = self._free_kv(), self._free_states()
+        self.cache.dec_lock_ref(node, kv_only=True)
+        held = self._locked_kv()
+        freed_kv, freed_states = self._forget_freed(kv_before, states_before)
+        assert not freed_states and not freed_kv & held, "an unlock freed a state or locked KV"
+
+    def _locked_kv(self):
+        slots = set()
+        for _, tokens in self.locks + self.kv_locks:
+            slots |= set(self.oracle.kv_match(tokens, None))
+        return slots
+
     @rule(n=st.integers(1, 12), mamba_only=st.booleans())
     def evict(self, n, mamba_only):
         kv_before, states_before = self._free_kv(), self._free_states()
@@ -149,10 +192,10 @@ class MambaMachine(RuleBasedStateMachine):
             self.cache.evict_mamba(n)
         else:
             self.cache.evict(n)
-        locked = [(node, set(self.oracle.match(tokens, None))) for node, tokens in self.locks]
+        held = self._locked_kv()
         freed_kv, freed_states = self._forget_freed(kv_before, states_before)
-        for node, slots in locked:
-            assert not slots & freed_kv, "locked KV evicted"
+        assert not held & freed_kv, "locked KV evicted"
+        for node, _ in self.locks:
             assert int(node.mamba_value) not in freed_states, "locked state evicted"
 
     @rule()
@@ -165,7 +208,7 @@ class MambaMachine(RuleBasedStateMachine):
 
     @invariant()
     def accounting(self):
-        self.oracle.consistent()
+        self.oracle.consistent({(None, tuple(tokens)) for _, tokens in self.kv_locks})
         self.cache.check_integrity()
         c, a = self.cache, self.alloc
         assert a.available_size() + c.full_evictable_size() + c.full_protected_size() == a.num_pages * a.page_size

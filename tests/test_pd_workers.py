@@ -1,6 +1,7 @@
 """Prefill and decode workers in one process (no Ray), KV moving through shared
 memory: greedy tokens equal HF transformers' for the dense, hybrid (Mamba),
-MLA and sliding-window (Gemma 3) families; prefix hits on either side; chunked
+MLA and sliding-window (Gemma 3) families; prefix hits on either side (a hybrid
+model's decode side reuses its attention KV, the state moves whole); chunked
 prefill; decode retraction; layout mismatch, timeouts and aborts free everything."""
 
 import asyncio
@@ -101,18 +102,19 @@ PAST_WINDOW = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
 
 
 def row_bytes(worker):
-    """Bytes one token's KV takes in the full-attention and in the sliding-window layers."""
+    """Bytes one token's KV takes in the full-attention and in the sliding-window layers,
+    and one Mamba state slot takes in every Mamba layer."""
     agent = next(iter(worker.agents.values()))
-    per_index = {"token": 0, "swa": 0}
+    per_index = {"token": 0, "swa": 0, "state": 0}
     for b in agent.layout.buffers:
         t = agent.buffers[b.name]
         per_index[b.index] += t[0].numel() * t.element_size()
-    return per_index["token"], per_index["swa"]
+    return per_index["token"], per_index["swa"], per_index["state"]
 
 
 def expected_push_bytes(worker, prompt_len, dst_prefix_len):
     """``[dst_prefix_len, prompt_len)`` of the full layers; of the SWA layers only what of it is in the window."""
-    full, swa = row_bytes(worker)
+    full, swa, _ = row_bytes(worker)
     return (prompt_len - dst_prefix_len) * full + min(WINDOW, prompt_len - dst_prefix_len) * swa
 
 
@@ -249,6 +251,104 @@ def test_chunked_prefill_then_transfer(checkpoints):
     batch = prompts(2, 40, 60, seed=4)
     results = run_batch(prefill, decode, batch, GREEDY)
     assert_greedy_parity(path, batch, [r[0]["output_ids"] for r in results], 8, decode.eos_token_ids)
+    close(prefill, decode)
+
+
+# ---- hybrid (Mamba): the decode side reuses its attention KV, the state comes whole --------------
+def _first_turn(prefill, decode, seed, answer_len=8):
+    """A 40-token prompt and its answer; returns (prompt, answer)."""
+    first = prompts(1, 40, 40, seed=seed)[0]
+    (final, _, _), = run_batch(prefill, decode, [first], PAST_WINDOW | {"max_new_tokens": answer_len})
+    return first, final["output_ids"]
+
+
+EXTRA_BUFFER = {"mamba_scheduler_strategy": "extra_buffer", "mamba_track_interval": 64}
+
+
+@pytest.mark.parametrize("page_size,args,answer_len", [(1, {}, 16), (16, EXTRA_BUFFER, 40)])
+def test_qwen3_next_follow_up_turns_push_only_past_the_decode_side_prefix(checkpoints, page_size, args, answer_len):
+    """Follow-up turns of a hybrid model: the decode side matches its tree for the attention
+    KV only (the Mamba state still comes whole from the prefill side, into the request's own
+    slot), so only the rows past its prefix move, plus the state; the match reaches past the
+    deepest state its tree holds (an edited answer ends inside turn 1's node, where no state
+    is). Turn 1 is cached up to its end (no_buffer) or to its last decode checkpoint, at 64
+    (extra_buffer). Tokens equal a single engine's and HF's."""
+    from actors.engine import Engine
+
+    path = checkpoints["qwen3_next"]
+    prefill, decode = make_pair(path, page_size, prefill_args=args, decode_args=args)
+    first, answer = _first_turn(prefill, decode, seed=61, answer_len=answer_len)
+    turn = first + answer[:-1]  # the answer's tokens that have KV
+    cached = len(turn) if page_size == 1 else 64
+    cases = [  # (prompt, decode hit), one after the other
+        (turn + prompts(1, 5, 5, seed=62)[0], cached),
+        (first + answer[:12] + prompts(1, 6, 6, seed=63)[0], 52 // page_size * page_size),  # no state there
+        (turn + prompts(1, 7, 7, seed=64)[0], cached),  # below the split the edit made
+    ]
+    token, _, state = row_bytes(prefill)
+    outputs = []
+    for prompt, decode_hit in cases:
+        (final, notice, handoffs), = run_batch(prefill, decode, [prompt], GREEDY)
+        handoff = KVHandoff.from_bytes(handoffs[0])
+        assert handoff.dst_prefix_len == decode_hit == final["meta_info"]["cached_tokens"]
+        assert handoff.dst_state_slot is not None and len(handoff.dst_slots) == len(prompt) - decode_hit
+        assert notice["transfer_bytes"] == (len(prompt) - decode_hit) * token + state
+        outputs.append(final["output_ids"])
+    batch = [c[0] for c in cases]
+    engine = Engine(model_path=path, max_total_tokens=2048, skip_tokenizer_init=True)
+    try:
+        assert outputs == [o["output_ids"] for o in engine.generate(input_ids=batch, sampling_params=GREEDY)]
+    finally:
+        engine.shutdown()
+    assert_greedy_parity(path, batch, outputs, 8, decode.eos_token_ids)
+    close(prefill, decode)
+
+
+def test_qwen3_next_decode_prefix_lock_outlives_eviction_and_an_abort_frees_it(checkpoints):
+    """A reservation's KV-only lock ends at a tombstone (no state there): evicting the whole
+    decode tree takes turn 1's leaf below it but not the locked prefix, left a tombstone
+    leaf (the tree's invariants still hold); the abort drops the lock, and the tombstone
+    goes with it — nothing stays held."""
+    path = checkpoints["qwen3_next"]
+    prefill, decode = make_pair(path)
+    first, answer = _first_turn(prefill, decode, seed=65)
+    edited = first + answer[:3] + prompts(1, 6, 6, seed=66)[0]
+    tree = decode.scheduler.tree_cache
+
+    def evict_all():
+        tree.evict(tree.full_evictable_size())
+        tree.check_integrity()
+        return tree.full_evictable_size(), tree.full_protected_size(), len(tree.all_mamba_values())
+
+    async def go():
+        handoff = KVHandoff.from_bytes((await decode.reserve("edited", edited, GREEDY))[0])
+        assert handoff.dst_prefix_len == len(first) + 3
+        assert decode.loop.run_exclusive(evict_all) == (0, len(first) + 3, 0)
+        assert await decode.abort("edited", safe=True)
+
+    asyncio.run(go())
+    for _ in range(100):
+        if not decode.loop.run_exclusive(decode.scheduler.has_work):
+            break
+        time.sleep(0.01)
+    assert decode.loop.run_exclusive(lambda: (tree.full_evictable_size(), tree.full_protected_size())) == (0, 0)
+    assert decode.load()["free_slots"] == decode.load()["total_slots"]
+    close(prefill, decode)
+
+
+def test_qwen3_next_decode_retracts_requests_holding_a_decode_side_prefix(checkpoints):
+    """Follow-ups that share a conversation's first 40 tokens hold them KV-only on the decode
+    side; under KV pressure some are retracted (lock dropped, state and slots freed) and
+    re-prefilled locally from the deepest cached state: tokens still equal HF's."""
+    path = checkpoints["qwen3_next"]
+    decode_args = {"max_total_tokens": 160, "init_new_token_ratio": 0.02, "min_new_token_ratio": 0.02}
+    prefill, decode = make_pair(path, decode_args=decode_args, num_reserved_decode_tokens=2)
+    first, _ = _first_turn(prefill, decode, seed=67)
+    batch = prompts(6, 5, 10, seed=68, shared=first)
+    results = run_batch(prefill, decode, batch, PAST_WINDOW)
+    assert all(KVHandoff.from_bytes(r[2][0]).dst_prefix_len >= len(first) for r in results)
+    assert decode.scheduler.num_retractions > 0
+    assert_greedy_parity(path, batch, [r[0]["output_ids"] for r in results], 24)
     close(prefill, decode)
 
 

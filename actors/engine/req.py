@@ -52,6 +52,7 @@ class Req:
     mamba_next_track_idx: int = 0
     mamba_last_track_seqlen: Optional[int] = None
     mamba_branching_seqlen: Optional[int] = None
+    kv_only_lock: bool = False  # the lock at last_node holds its path's KV, no state (a decode reservation's)
     # sliding-window models: [cache_protected_len, swa_evicted_seqlen) of the row had their
     # SWA slots freed (out of the window); swa_uuid_for_lock is what dec_lock_ref needs back
     swa_evicted_seqlen: int = 0
@@ -90,6 +91,7 @@ class Req:
         self.fill_ids = []
         self.mamba_pool_idx = None
         self.mamba_last_track_seqlen = None
+        self.kv_only_lock = False
         self.swa_evicted_seqlen = 0
         self.swa_uuid_for_lock = None
         self.num_retractions += 1

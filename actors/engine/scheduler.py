@@ -159,13 +159,18 @@ class Scheduler:
         return alloc.num_pages * alloc.page_size
 
     def _lock(self, req: Req) -> None:
-        swa_uuid_for_lock = self.tree_cache.inc_lock_ref(req.last_node)
         if self.swa:  # which node ends the lock's SWA window: dec_lock_ref needs it back
-            req.swa_uuid_for_lock = swa_uuid_for_lock
+            req.swa_uuid_for_lock = self.tree_cache.inc_lock_ref(req.last_node)
+        elif self.hybrid:  # a KV-only lock takes no state lock: dec_lock_ref must know
+            self.tree_cache.inc_lock_ref(req.last_node, kv_only=req.kv_only_lock)
+        else:
+            self.tree_cache.inc_lock_ref(req.last_node)
 
     def _unlock(self, req: Req) -> None:
         if self.swa:
             self.tree_cache.dec_lock_ref(req.last_node, req.swa_uuid_for_lock)
+        elif self.hybrid:
+            self.tree_cache.dec_lock_ref(req.last_node, kv_only=req.kv_only_lock)
         else:
             self.tree_cache.dec_lock_ref(req.last_node)
 
