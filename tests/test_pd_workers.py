@@ -677,3 +677,32 @@ def test_a_decode_follower_answers_a_reused_request_id_from_its_own_bytes():
     agent.arrived.add(2)
     assert follower._land(["again"]) == {"again": None}
     assert follower._receivers == {}
+
+
+def test_a_request_id_used_again_at_once_keeps_its_own_reservation(checkpoints):
+    """A request's end is told on the caller's event loop in two calls from the engine thread:
+    its last output, then that it ended (``_finished``). When a new request with the same id
+    (a client's own rid) reserved in between, that late word took the new request's queue
+    for its own: the new stream() failed with "no reservation", its slots held until the
+    waiting timeout. The engine thread is held between the two calls here."""
+    path = checkpoints["llama"]
+    prefill, decode = make_pair(path)
+    ids = prompts(1, 12, 12, seed=71)[0]
+
+    async def go():
+        loop = asyncio.get_running_loop()
+        schedule = loop.call_soon_threadsafe
+
+        def held(callback, *args):
+            if getattr(callback, "__name__", "") == "_finished":
+                time.sleep(0.3)  # the engine thread is preempted after handing over the last output
+            return schedule(callback, *args)
+
+        loop.call_soon_threadsafe = held
+        outs = [(await run_pd(prefill, decode, ids, GREEDY, rid="again"))[0] for _ in range(2)]
+        await asyncio.sleep(0.5)  # the late words have come
+        return outs
+
+    first, second = asyncio.run(go())
+    assert first["output_ids"] == second["output_ids"] and len(first["output_ids"]) == 8
+    close(prefill, decode)
