@@ -139,6 +139,7 @@ class TPFollower:
         receiver = KVReceiver(self.host.agents[backend], rid, room, timeout_s=self.waiting_timeout_s)
         handoff = receiver.send_metadata(dst_slots, dst_state_slot, dst_prefix_len, dst_swa_slots)
         self._receivers[rid] = receiver
+        self._landed.discard(rid)  # an id used again: an earlier request's share is not this one's
         return handoff.to_bytes()
 
     def _land(self, rids: List[str]) -> Dict[str, Optional[str]]:

@@ -98,8 +98,8 @@ class _Worker:
             snapshot = (self._snapshot(r, with_text), finished, error)
             try:
                 loop.call_soon_threadsafe(queue.put_nowait, snapshot)
-                if finished:
-                    loop.call_soon_threadsafe(self._finished, r.rid)
+                if finished:  # (another call: the queue names the request, whose id may come again meanwhile)
+                    loop.call_soon_threadsafe(self._finished, r.rid, queue)
             except RuntimeError:  # the caller's event loop is gone: nobody to tell
                 logger.debug("dropping output of %s: its event loop is closed", r.rid)
 
@@ -109,8 +109,8 @@ class _Worker:
     def _snapshot(self, req: Req, with_text: bool) -> Dict[str, Any]:
         return request_result(req, with_text)
 
-    def _finished(self, rid: str) -> None:
-        """On the actor's event loop, once ``rid`` has ended."""
+    def _finished(self, rid: str, queue: asyncio.Queue) -> None:
+        """On the actor's event loop, once the request ``rid`` whose outputs go to ``queue`` has ended."""
 
     # ---- health and stats -----------------------------------------------------------
     def health(self) -> Dict[str, Any]:
@@ -355,14 +355,13 @@ class DecodeWorker(_Worker):
             out["handoffs"] = req.pd_handoffs
         return out
 
-    def _finished(self, rid: str) -> None:
-        if rid in self._streaming:
-            return
-        queue = self._queues.pop(rid, None)
-        if queue is not None:  # ended before its stream() came: keep its last word for it
-            self._ended_early[rid] = queue
-            while len(self._ended_early) > ENDED_EARLY_KEPT:
-                self._ended_early.popitem(last=False)
+    def _finished(self, rid: str, queue: asyncio.Queue) -> None:
+        if rid in self._streaming or self._queues.get(rid) is not queue:
+            return  # its stream() reads it, or it is gone (a new request may have the id now)
+        del self._queues[rid]  # ended before its stream() came: keep its last word for it
+        self._ended_early[rid] = queue
+        while len(self._ended_early) > ENDED_EARLY_KEPT:
+            self._ended_early.popitem(last=False)
 
     @staticmethod
     def _ended_error(rid: str, error: Optional[BaseException], what: str) -> PDRequestError:
@@ -404,7 +403,8 @@ class DecodeWorker(_Worker):
                 yield result
         finally:
             self._streaming.discard(rid)
-            self._queues.pop(rid, None)
+            if self._queues.get(rid) is queue:  # (a new request with this id may have reserved already)
+                del self._queues[rid]
             if not finished:  # the consumer went away: stop decoding for nobody
                 self.loop.abort(rid)
 

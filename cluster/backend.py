@@ -21,7 +21,8 @@ from actors.pd_scheduler import PDRequestError
 
 class ServingBackend(Protocol):
     model_name: str
-    context_len: int
+    context_len: int  # the longest request, prompt + output
+    max_prompt_len: int  # the longest prompt (a prefill worker's pool may hold less than context_len)
 
     @property
     def draining(self) -> bool: ...
@@ -67,9 +68,10 @@ class PDBackend:
     """``ServingBackend`` over a ``PDCluster`` and the ``PDClient`` that routes its requests."""
 
     def __init__(self, client, cluster=None, model_name: str = "default", context_len: int = 4096,
-                 health_timeout_s: float = 5.0):
+                 health_timeout_s: float = 5.0, max_prompt_len: Optional[int] = None):
         self.client, self.cluster = client, cluster
         self.model_name, self.context_len = model_name, context_len
+        self.max_prompt_len = context_len - 1 if max_prompt_len is None else min(max_prompt_len, context_len - 1)
         self.health_timeout_s = health_timeout_s
         self.owned_router = None
 
@@ -83,9 +85,10 @@ class PDBackend:
             client = cluster.client(tokenizer, router=router) if router is not None else cluster.client(tokenizer)
         cfg = cluster.config
         context_len = model_context_len(cluster.model_path, getattr(cfg.decode.engine, "context_length", None))
-        if hasattr(cluster, "context_len"):  # what the workers' pools hold for one request
-            context_len = min(context_len, cluster.context_len())
-        backend = cls(client, cluster, cfg.model.name, context_len)
+        max_prompt_len = None
+        if hasattr(cluster, "context_len"):  # what the workers' pools hold for one request (prefill: its prompt)
+            context_len, max_prompt_len = min(context_len, cluster.context_len()), cluster.max_prompt_len()
+        backend = cls(client, cluster, cfg.model.name, context_len, max_prompt_len=max_prompt_len)
         backend.owned_router = router
         return backend
 

@@ -78,12 +78,13 @@ class GenerationService:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def max_new_tokens(self, prompt_len: int, requested: Optional[int], param: str) -> int:
-        limit = self.backend.context_len
-        if prompt_len >= limit or (requested and prompt_len + requested > limit):
+        limit, prompt_limit = self.backend.context_len, self.backend.max_prompt_len
+        if prompt_len > prompt_limit or (requested and prompt_len + requested > limit):
             asked = f"{prompt_len + (requested or 0)} tokens ({prompt_len} in the {param}"
             asked += f", {requested} in the completion)" if requested else ")"
-            raise APIError(400, f"This model's maximum context length is {limit} tokens. However, you requested "
-                           f"{asked}. Please reduce the length of the {param}.", param=param,
+            held = f" and a {param} of at most {prompt_limit} tokens" if prompt_limit < limit - 1 else ""
+            raise APIError(400, f"This model's maximum context length is {limit} tokens{held}. However, you "
+                           f"requested {asked}. Please reduce the length of the {param}.", param=param,
                            code="context_length_exceeded")
         return requested or (limit - prompt_len)
 

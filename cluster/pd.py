@@ -250,10 +250,18 @@ class PDCluster:
                         heartbeat_interval_s=t.heartbeat_interval_s, heartbeat_max_failures=t.heartbeat_max_failures)
 
     def context_len(self, timeout_s: float = 60.0) -> int:
-        """The longest request (prompt + output) every worker takes: the model's context,
-        or less where a worker's KV pool holds less for one request."""
-        loads = ray.get([w.handle.load.remote() for w in self.prefill + self.decode if w.alive], timeout=timeout_s)
-        return min(load["context_len"] for load in loads)
+        """The longest request (prompt + output) every decode worker takes: the model's context,
+        or less where a decode worker's KV pool holds less for one request. A prefill worker
+        holds the prompt only: its pool bounds :meth:`max_prompt_len`, not this."""
+        return min(load["context_len"] for load in self._loads(self.decode, timeout_s))
+
+    def max_prompt_len(self, timeout_s: float = 60.0) -> int:
+        """The longest prompt every worker takes (shorter than each one's context length)."""
+        return min(load["context_len"] for load in self._loads(self.prefill + self.decode, timeout_s)) - 1
+
+    @staticmethod
+    def _loads(workers: List[WorkerRef], timeout_s: float) -> List[Dict[str, Any]]:
+        return ray.get([w.handle.load.remote() for w in workers if w.alive], timeout=timeout_s)
 
     def check_integrity(self) -> None:
         """Every live worker idle and leak-free (raises the first worker's error)."""

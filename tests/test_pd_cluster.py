@@ -209,3 +209,25 @@ def test_drain_finishes_every_accepted_request(raydix_home):
             break
         assert time.monotonic() < deadline, "the decode actor still answers after shutdown"
         time.sleep(0.1)
+
+
+def test_a_small_prefill_pool_holds_prompts_not_outputs(raydix_home):
+    """A prefill worker holds a request's prompt only, so its KV pool (128 slots here) bounds
+    the prompt, not prompt + output: the cluster takes what the decode worker's pool holds
+    for one request, and the server's limits say so (they used to hold every request to the
+    prefill pool — a 100-token prompt asking for 200 tokens was refused, yet it is served)."""
+    from cluster.backend import PDBackend
+
+    config = cluster_config("llama").with_updates({"prefill.engine.max_total_tokens": 128})
+    cluster = PDCluster(config).start()
+    decode_len = ray.get(cluster.decode[0].handle.load.remote())["context_len"]
+    assert cluster.context_len() == decode_len == 2048 - 4  # a page of slack
+    assert cluster.max_prompt_len() == 128 - 4 - 1
+    backend = PDBackend.from_cluster(cluster, client=cluster.client())
+    assert (backend.context_len, backend.max_prompt_len) == (decode_len, 123)
+    prompt = prompts(1, 100, 100, seed=9)[0]
+    params = {"max_new_tokens": 200, "temperature": 0, "ignore_eos": True}
+    out = asyncio.run(asyncio.wait_for(cluster.client().generate(prompt, params), 60))
+    assert len(out["output_ids"]) == 200
+    cluster.check_integrity()
+    cluster.shutdown()

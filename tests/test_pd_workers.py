@@ -778,3 +778,68 @@ def test_a_push_that_fails_while_the_loop_delivers_the_request_is_reported_as_fa
     asyncio.run(go())
     assert entered.is_set()
     close(prefill, decode)
+
+
+def test_a_decode_follower_answers_a_reused_request_id_from_its_own_bytes():
+    """Decode TP: a follower remembers the shares it reported landed while rank 0 may still
+    ask about them. A later request with the same id (a client's own id, sent again) must be
+    answered from its own receiver: it was answered "landed" from the memory of the first
+    one, before its bytes came (rank 0 then decoded without this rank's KV), and its
+    receiver stayed behind for good."""
+    from types import SimpleNamespace
+
+    from actors.rank import TPFollower
+    from tests.transfer_helpers import RankSpec, build_pool
+    from transfer.backends.fake import FakeAgent
+
+    class GatedAgent(FakeAgent):  # a hand-off's bytes are in once the test says so (by room)
+        arrived: set = set()
+
+        def landed(self, handoff):
+            return handoff.room in self.arrived
+
+    _, layout, tensors, _ = build_pool(RankSpec(tp_rank=1, tp_size=2))
+    agent = GatedAgent(layout, tensors, 1, 2)
+    follower = TPFollower.__new__(TPFollower)  # its decode handlers only: no model, no TP group
+    follower.host, follower.waiting_timeout_s = SimpleNamespace(tp_rank=1, agents={"fake": agent}), 30.0
+    follower._receivers, follower._landed = {}, set()
+
+    follower._expect(("again", 1, "fake", [3, 4], None, 0, []))
+    assert follower._land(["again"]) == {}  # still on its way
+    agent.arrived.add(1)
+    assert follower._land(["again"]) == {"again": None} == follower._land(["again"])  # asked until all answer
+    # rank 0 decodes it; no other request lands meanwhile, so nothing asks about it again
+    follower._expect(("again", 2, "fake", [5, 6], None, 0, []))
+    assert follower._land(["again"]) == {}  # the new request's bytes are not here yet
+    agent.arrived.add(2)
+    assert follower._land(["again"]) == {"again": None}
+    assert follower._receivers == {}
+
+
+def test_a_request_id_used_again_at_once_keeps_its_own_reservation(checkpoints):
+    """A request's end is told on the caller's event loop in two calls from the engine thread:
+    its last output, then that it ended (``_finished``). When a new request with the same id
+    (a client's own rid) reserved in between, that late word took the new request's queue
+    for its own: the new stream() failed with "no reservation", its slots held until the
+    waiting timeout. The engine thread is held between the two calls here."""
+    path = checkpoints["llama"]
+    prefill, decode = make_pair(path)
+    ids = prompts(1, 12, 12, seed=71)[0]
+
+    async def go():
+        loop = asyncio.get_running_loop()
+        schedule = loop.call_soon_threadsafe
+
+        def held(callback, *args):
+            if getattr(callback, "__name__", "") == "_finished":
+                time.sleep(0.3)  # the engine thread is preempted after handing over the last output
+            return schedule(callback, *args)
+
+        loop.call_soon_threadsafe = held
+        outs = [(await run_pd(prefill, decode, ids, GREEDY, rid="again"))[0] for _ in range(2)]
+        await asyncio.sleep(0.5)  # the late words have come
+        return outs
+
+    first, second = asyncio.run(go())
+    assert first["output_ids"] == second["output_ids"] and len(first["output_ids"]) == 8
+    close(prefill, decode)

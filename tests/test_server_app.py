@@ -26,6 +26,7 @@ class ScriptedBackend:
 
     def __init__(self):
         self.fail_at = None
+        self.max_prompt_len = 63
 
     async def generate_stream(self, input_ids, sampling_params, rid):
         n = sampling_params["max_new_tokens"]
@@ -78,7 +79,7 @@ def served():
 
 @pytest.fixture
 def backend(served):
-    served[0].fail_at = None
+    served[0].fail_at, served[0].max_prompt_len = None, 63
     return served[0]
 
 
@@ -115,6 +116,18 @@ def test_admission_refuses_when_full_and_times_out():
         assert (admission.running, admission.waiting) == (0, 0)
 
     asyncio.run(go())
+
+
+def test_prompt_and_request_limits_are_held_apart(backend, client):
+    """A prefill pool smaller than the decode one bounds the prompt only: a short prompt may
+    ask for what the context leaves; a longer prompt is refused."""
+    backend.max_prompt_len = 10
+    out = client.completions.create(model="scripted", prompt=list(range(10)), max_tokens=50)
+    assert out.usage.completion_tokens == 50
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="scripted", prompt=list(range(11)), max_tokens=2)
+    assert info.value.body["code"] == "context_length_exceeded"
+    assert "a prompt of at most 10 tokens" in info.value.body["message"]
 
 
 def test_failure_before_the_first_token_gets_a_500(backend, client):
