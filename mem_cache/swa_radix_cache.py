@@ -351,17 +351,15 @@ class SWARadixCache(RadixCache):
         last ``sliding_window_size`` tokens (the next token attends to all but the first)."""
         return max(0, seq_len - self.sliding_window_size)
 
-    def free_swa_out_of_window(self, req, seq_len: Optional[int] = None) -> int:
+    def free_swa_out_of_window(self, req) -> int:
         """Free the SWA slots of a running request's tokens that slid out of its
         window, advance ``req.swa_evicted_seqlen``, return how many were freed.
-        The scheduler calls it between forwards (e.g. every decode step).
-        ``seq_len`` (default ``req.kv_committed_len``): the tokens whose KV is
-        there or on its way (PD decode: the prompt, at reservation)."""
+        The scheduler calls it between forwards (e.g. every decode step)."""
         # [0, cache_protected_len)   the tree's: their SWA is the tree's to evict
         # [start, end)               slid out of the window → SWA freed now
         # [end, seq_len)             the last window: kept, so that the sequence,
         #                            once cached, is matchable to its end
-        seq_len = req.kv_committed_len if seq_len is None else seq_len
+        seq_len = req.kv_committed_len
         start = max(req.swa_evicted_seqlen, req.cache_protected_len)
         end = max(start, self.window_start(seq_len))
         self.token_to_kv_pool_allocator.free_swa(self._row(req, end)[start:])
