@@ -18,9 +18,12 @@ event on the compute stream and the transfer thread's own stream waits for it
 before copying, so the copies overlap the next forward but never precede the
 one that wrote their rows.
 
-``cancel(rid)`` drops the request's queued chunks, fails its senders and waits
-for a copy of it already running to end: once it returns this rank writes
-nothing more for ``rid``, so the decode side may reuse the slots at once.
+Pushes are keyed by a push id (the request id and the attempt, ``"{rid}#{n}"``),
+never by the request id alone: a late report of an earlier attempt (an engine
+step failed, the client retried under the same id) cannot settle the new one.
+``cancel(push_id)`` drops the push's queued chunks, fails its senders and
+waits for a copy of it already running to end: once it returns this rank
+writes nothing more for it, so the decode side may reuse the slots at once.
 With ``asynchronous=False`` chunks are pushed inside ``submit`` (the loop
 stalls for them: the behaviour before overlap, kept for comparison).
 """
@@ -41,12 +44,12 @@ logger = logging.getLogger(__name__)
 
 
 class PushChunk(NamedTuple):
-    """Prompt tokens ``[start, start + len(src_slots))`` of request ``rid``, their KV
+    """Prompt tokens ``[start, start + len(src_slots))`` of push ``push_id``, their KV
     now written at ``src_slots``. ``handoffs`` come with a request's first chunk;
     ``state_slot`` and ``src_swa`` (the SWA slots of the prompt's last tokens,
     aligned to its end as ``dst_swa_slots``) with its last."""
 
-    rid: str
+    push_id: str
     start: int
     src_slots: List[int]
     is_last: bool
@@ -57,9 +60,9 @@ class PushChunk(NamedTuple):
 
 
 class PushResult(NamedTuple):
-    """One rank's share of a request, done: bytes it moved, and why it failed (or None)."""
+    """One rank's share of a push, done: bytes it moved, and why it failed (or None)."""
 
-    rid: str
+    push_id: str
     moved: int
     error: Optional[str]
 
@@ -79,7 +82,7 @@ class _Lane:
 
     index: int
     queue: Deque[Tuple[PushChunk, Optional["torch.cuda.Event"]]] = field(default_factory=collections.deque)
-    running: Optional[str] = None  # rid whose chunk this lane's thread copies now
+    running: Optional[str] = None  # push whose chunk this lane's thread copies now
     thread: Optional[threading.Thread] = None
 
 
@@ -132,8 +135,8 @@ class KVPusher:
         with self._cond:
             for chunk in chunks:
                 if chunk.handoffs is not None:
-                    self._jobs[chunk.rid] = _Job(self._lane_for(chunk.dest))
-                job = self._jobs.get(chunk.rid)
+                    self._jobs[chunk.push_id] = _Job(self._lane_for(chunk.dest))
+                job = self._jobs.get(chunk.push_id)
                 if job is not None:  # a cancelled request's late chunks are dropped
                     job.lane.queue.append((chunk, event))
                     if self.asynchronous:
@@ -156,22 +159,22 @@ class KVPusher:
             out, self._finished = self._finished, []
         return out
 
-    def cancel(self, rid: Optional[str] = None) -> None:
-        """Stop pushing ``rid`` (None: every request); returns once no copy of it runs."""
+    def cancel(self, push_id: Optional[str] = None) -> None:
+        """Stop push ``push_id`` (None: every push); returns once no copy of it runs."""
         with self._cond:
-            rids = list(self._jobs) if rid is None else [rid]
-            for r in rids:
+            ids = list(self._jobs) if push_id is None else [push_id]
+            for r in ids:
                 job = self._jobs.pop(r, None)
                 if job is not None:
                     job.cancelled = True
                     for _, sender in job.senders:
                         sender.abort("aborted")
-            gone = set(rids)
+            gone = set(ids)
             for lane in self._lanes:
-                lane.queue = collections.deque(item for item in lane.queue if item[0].rid not in gone)
+                lane.queue = collections.deque(item for item in lane.queue if item[0].push_id not in gone)
             while any(lane.running in gone for lane in self._lanes):
                 self._cond.wait()
-            self._finished = [r for r in self._finished if r.rid not in gone]  # (a failed hook's, too)
+            self._finished = [r for r in self._finished if r.push_id not in gone]  # (a failed hook's, too)
 
     def close(self) -> None:
         self.cancel()
@@ -207,10 +210,10 @@ class KVPusher:
                     return False
                 self._cond.wait()
             chunk, event = lane.queue.popleft()
-            job = self._jobs.get(chunk.rid)
+            job = self._jobs.get(chunk.push_id)
             if job is None:
                 return True
-            lane.running = chunk.rid
+            lane.running = chunk.push_id
         try:
             if chunk.handoffs is not None:
                 self._open(job, chunk)
@@ -219,15 +222,15 @@ class KVPusher:
                     torch.cuda.current_stream(self.device).wait_event(event)
                 self._push(job, chunk)
         except Exception as exc:  # a bug or a broken agent fails this request, not the rank
-            logger.exception("pushing the KV of %s failed", chunk.rid)
+            logger.exception("pushing the KV of %s failed", chunk.push_id)
             job.error = job.error or f"KV push failed: {type(exc).__name__}: {exc}"
         finally:
             with self._cond:
-                ended = chunk.is_last and self._jobs.get(chunk.rid) is job
+                ended = chunk.is_last and self._jobs.get(chunk.push_id) is job
                 if ended:
-                    del self._jobs[chunk.rid]
+                    del self._jobs[chunk.push_id]
             if ended:
-                self._report(PushResult(chunk.rid, job.moved, job.error))
+                self._report(PushResult(chunk.push_id, job.moved, job.error))
             with self._cond:
                 lane.running = None
                 self._cond.notify_all()
@@ -242,7 +245,7 @@ class KVPusher:
                 hook(result)
                 return
             except Exception:  # (a TP follower whose rank 0 is gone) the transfer thread goes on
-                logger.exception("the push-finished hook failed for %s; take_finished reports it", result.rid)
+                logger.exception("the push-finished hook failed for %s; take_finished reports it", result.push_id)
         with self._cond:
             self._finished.append(result)
 
@@ -256,7 +259,7 @@ class KVPusher:
                 return
             if not serves(handoff, agent):
                 continue
-            sender = KVSender(agent, chunk.rid)
+            sender = KVSender(agent, handoff.rid)
             sender.init(handoff)  # a layout mismatch raises: the request fails
             job.senders.append((handoff, sender))
 

@@ -32,6 +32,7 @@ next call to it instead (``push`` / ``push_status``).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -63,7 +64,8 @@ class PrefillScheduler(Scheduler):
         self.agents, self.pusher, self.tp_worker = agents, pusher, tp_worker
         self.tp_size = tp_worker.tp.size if tp_worker is not None else 1
         self.inflight: List[Req] = []  # prefill done, the push still running on some rank
-        self._pushing: Dict[str, Req] = {}
+        self._pushing: Dict[str, Req] = {}  # by push id (rid and attempt: see actors.kv_push)
+        self._push_serial = itertools.count()
         self._outbox: List[PushChunk] = []  # this step's chunks, submitted after its forward
         self._push_lock = threading.RLock()
         self._deliver_early: Optional[Callable[[Req], None]] = None
@@ -129,13 +131,14 @@ class PrefillScheduler(Scheduler):
         if end <= start and not is_last:
             return
         row = self.runner.req_to_token_pool.req_to_token[req.req_pool_idx, :end]
-        first = req.rid not in self._pushing
+        first = getattr(req, "pd_push_id", None) is None
         if first:
             with self._push_lock:
-                self._pushing[req.rid] = req
+                req.pd_push_id = f"{req.rid}#{next(self._push_serial)}"
+                self._pushing[req.pd_push_id] = req
                 req.pd_pending, req.pd_transfer_bytes, req.pd_error = set(range(self.tp_size)), 0, None
         self._outbox.append(PushChunk(
-            req.rid, start, row[start:].tolist(), is_last, req.mamba_pool_idx if is_last else None,
+            req.pd_push_id, start, row[start:].tolist(), is_last, req.mamba_pool_idx if is_last else None,
             self._window_swa_slots(row) if is_last else [], list(req.pd_handoffs) if first else None,
             getattr(req, "pd_dest", ""),
         ))
@@ -160,9 +163,9 @@ class PrefillScheduler(Scheduler):
         if self.tp_size == 1:
             return
         if chunks:
-            name, rids = "push", {c.rid for c in chunks}
+            name, push_ids = "push", {c.push_id for c in chunks}
         elif any(len(req.pd_pending - {0}) for req in self.inflight):
-            name, rids = "push_status", {req.rid for req in self.inflight}
+            name, push_ids = "push_status", {req.pd_push_id for req in self.inflight}
         else:
             return
         try:
@@ -172,8 +175,8 @@ class PrefillScheduler(Scheduler):
             replies = [FollowerError(f"{type(exc).__name__}: {exc}")] * (self.tp_size - 1)
         for rank, reply in enumerate(replies, start=1):
             if isinstance(reply, FollowerError):  # its handler raised before queueing anything
-                for rid in rids:
-                    self._settle(rank, PushResult(rid, 0, f"KV push failed: {reply.message}"))
+                for push_id in push_ids:
+                    self._settle(rank, PushResult(push_id, 0, f"KV push failed: {reply.message}"))
                 continue
             for result in reply:
                 self._settle(rank, result)
@@ -181,7 +184,7 @@ class PrefillScheduler(Scheduler):
     def _settle(self, rank: int, result: PushResult) -> Optional[Req]:
         """Rank ``rank`` is done with the request; returns it (None: cancelled meanwhile)."""
         with self._push_lock:
-            req = self._pushing.get(result.rid)
+            req = self._pushing.get(result.push_id)
             if req is None or rank not in req.pd_pending:
                 return None
             req.pd_pending.discard(rank)
@@ -227,11 +230,11 @@ class PrefillScheduler(Scheduler):
         if self.tp_size > 1:  # a rank settled by an error (its handler failed) may still be copying:
             for req in done:  # stop it before the error notice lets the decode side free the slots
                 if req.pd_error is not None:
-                    self._cancel_pushes(req.rid)
+                    self._cancel_pushes(req.pd_push_id)
         with self._push_lock:
             for req in done:
                 self.inflight.remove(req)
-                self._pushing.pop(req.rid, None)
+                self._pushing.pop(req.pd_push_id, None)
                 if not req.finished:  # (finished: the transfer thread sent its notice already)
                     self._finish_push(req)
                 self.push_time += req.pd_transfer_time
@@ -240,24 +243,26 @@ class PrefillScheduler(Scheduler):
             self.tree_cache.cache_finished_req(req)
         return done
 
-    def _cancel_pushes(self, rid: Optional[str]) -> None:
-        """No rank copies ``rid``'s KV (None: anyone's) once this returns."""
-        self.pusher.cancel(rid)
+    def _cancel_pushes(self, push_id: Optional[str]) -> None:
+        """No rank copies the KV of push ``push_id`` (None: any) once this returns."""
+        self.pusher.cancel(push_id)
         if self.tp_size > 1:
             try:
-                self.tp_worker.call_followers("cancel_push", rid)
+                self.tp_worker.call_followers("cancel_push", push_id)
             except Exception:  # a broken TP group: its ranks copy nothing more
-                logger.exception("cancelling the pushes of %s on the TP followers failed", rid)
+                logger.exception("cancelling push %s on the TP followers failed", push_id)
         with self._push_lock:
-            for r in [rid] if rid is not None else list(self._pushing):
+            for r in [push_id] if push_id is not None else list(self._pushing):
                 self._pushing.pop(r, None)
 
     def abort(self, rid: str) -> bool:
         """Stop every rank pushing ``rid`` (waiting for a copy in progress), then end it:
         from ``inflight`` it ends here (its complete prompt cached), otherwise as the
         engine ends it."""
-        if rid in self._pushing:
-            self._cancel_pushes(rid)  # (not under _push_lock: it waits for the transfer thread)
+        with self._push_lock:
+            push_id = next((k for k, r in self._pushing.items() if r.rid == rid), None)
+        if push_id is not None:
+            self._cancel_pushes(push_id)  # (not under _push_lock: it waits for the transfer thread)
         req = next((r for r in self.inflight if r.rid == rid), None)
         if req is not None and req.finished:  # its notice went out: nothing to abort; cached next step
             return False

@@ -130,8 +130,8 @@ class TPFollower:
     def _push_status(self, _) -> List[PushResult]:
         return self.host.pusher.take_finished()
 
-    def _cancel_push(self, rid: Optional[str]) -> None:
-        self.host.pusher.cancel(rid)
+    def _cancel_push(self, push_id: Optional[str]) -> None:
+        self.host.pusher.cancel(push_id)
 
     # ---- decode ranks ---------------------------------------------------------------------
     def _expect(self, payload) -> bytes:

@@ -12,7 +12,7 @@ import torch
 
 from actors.engine.tiny import build_tiny_checkpoint
 from actors.pd_scheduler import PDRequestError
-from actors.kv_push import KVPusher, PushChunk
+from actors.kv_push import KVPusher, PushChunk, PushResult
 from actors.workers import DecodeWorker, PrefillWorker
 from tests.parity import assert_greedy_parity
 from tests.pd_helpers import prompts, run_batch, run_pd
@@ -637,7 +637,7 @@ def test_a_push_report_that_fails_is_left_to_the_loop(checkpoints):
 
     def flaky(result):
         if not failed:
-            failed.append(result.rid)
+            failed.append(result.push_id)
             raise ConnectionError("rank 0 is gone")
         report(result)
 
@@ -650,6 +650,44 @@ def test_a_push_report_that_fails_is_left_to_the_loop(checkpoints):
     outs = [final["output_ids"] for final, _, _ in asyncio.run(go())]
     assert len(failed) == 1
     assert_greedy_parity(path, batch, outs, 8, decode.eos_token_ids)
+    close(prefill, decode)
+
+
+def test_a_late_report_of_an_earlier_attempt_does_not_settle_a_retry(checkpoints):
+    """A push report reaches rank 0 late (a TP follower's goes as a Ray message) while the
+    client already retries under the same request id: the report names the earlier attempt's
+    push and is ignored. Keyed by request id it settled the retry, whose notice then went out
+    before its bytes were copied."""
+    path = checkpoints["llama"]
+    prefill, decode = make_pair(path)
+    pusher = prefill.rank.pusher
+    report, reported = pusher.on_finished, []
+
+    def record(result):
+        reported.append(result.push_id)
+        report(result)
+
+    pusher.on_finished = record
+    slow, copied = [], _slow_push(prefill, lambda call: time.sleep(0.5) if slow else None)
+    ids = prompts(1, 12, 12, seed=81)[0]
+
+    async def go():
+        await run_pd(prefill, decode, ids, GREEDY, rid="again")  # the earlier attempt
+        slow.append(True)
+        handoffs = await decode.reserve("again", ids, GREEDY)
+        task = asyncio.ensure_future(prefill.prefill("again", ids, GREEDY, handoffs))
+        while not any(r.rid == "again" for r in list(prefill.scheduler.inflight)):
+            await asyncio.sleep(0.01)  # the retry's push is running (0.5 s per copy)
+        prefill.scheduler.on_pushed(0, [PushResult(reported[0], 0, None)])  # the late report
+        notice = await asyncio.wait_for(task, 30)
+        noticed = time.monotonic()
+        finals = [out async for out in decode.stream("again", notice)]
+        return noticed, finals[-1]["output_ids"]
+
+    noticed, out = asyncio.run(go())
+    assert len(reported) == 2 and reported[0] != reported[1]
+    assert noticed >= copied[-1]  # the retry's notice came after its own copy
+    assert_greedy_parity(path, [ids], [out], 8, decode.eos_token_ids)
     close(prefill, decode)
 
 
