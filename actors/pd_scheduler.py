@@ -162,7 +162,7 @@ class DecodeScheduler(Scheduler):
         """The decode tree's prefix of the prompt; a hybrid model's for the attention KV
         only (its Mamba state comes from the prefill side), under a KV-only lock."""
         if not self.hybrid:
-            self._match_prefix(req)
+            self._match_prefix(req, admit=True)  # with a host tier, its part of the prefix is loaded back
             return
         req.fill_ids = req.all_ids()
         match = self.tree_cache.match_kv_prefix(RadixKey(req.fill_ids, req.extra_key), req=req)

@@ -5,6 +5,7 @@ model's decode side reuses its attention KV, the state moves whole); chunked
 prefill; decode retraction; layout mismatch, timeouts and aborts free everything."""
 
 import asyncio
+import random
 import time
 
 import pytest
@@ -14,6 +15,7 @@ from actors.engine.tiny import build_tiny_checkpoint
 from actors.pd_scheduler import PDRequestError
 from actors.kv_push import KVPusher, PushChunk, PushResult
 from actors.workers import DecodeWorker, PrefillWorker
+from mem_cache.radix_key import RadixKey
 from tests.parity import assert_greedy_parity
 from tests.pd_helpers import prompts, run_batch, run_pd
 from transfer.base import KVHandoff, LayoutMismatchError
@@ -260,6 +262,61 @@ def _first_turn(prefill, decode, seed, answer_len=8):
     first = prompts(1, 40, 40, seed=seed)[0]
     (final, _, _), = run_batch(prefill, decode, [first], PAST_WINDOW | {"max_new_tokens": answer_len})
     return first, final["output_ids"]
+
+
+def test_prefill_side_host_cache_reloads_an_evicted_prefix_and_pushes_it(checkpoints):
+    """A prefill worker with the hierarchical cache (as SGLang's PD prefill servers often
+    run): a system prompt pushed out of its small device pool comes back from host memory,
+    is pushed from the reloaded slots, and the tokens still equal HF's."""
+    path = checkpoints["llama"]
+    prefill, decode = make_pair(path, page_size=4, prefill_args={
+        "max_total_tokens": 256, "enable_hierarchical_cache": True, "hicache_ratio": 4.0})
+    rng = random.Random(5)
+    system = [rng.randrange(5, 250) for _ in range(96)]
+    others = prompts(3, 120, 120, seed=91)
+    follow = system + [rng.randrange(5, 250) for _ in range(5)]
+
+    async def go():
+        await run_pd(prefill, decode, system + [7, 8, 9, 10], GREEDY)
+        for ids in others:  # the 256-slot device pool cannot keep the system prompt meanwhile
+            await run_pd(prefill, decode, ids, GREEDY)
+        match = prefill.loop.run_exclusive(lambda: prefill.scheduler.tree_cache.match_prefix(RadixKey(system)))
+        assert len(match.device_indices) < 96 and match.host_hit_length > 0
+        return await run_pd(prefill, decode, follow, GREEDY)
+
+    final, notice, _ = asyncio.run(go())
+    assert notice["cached_tokens"] >= 96
+    assert_greedy_parity(path, [follow], [final["output_ids"]], 8, decode.eos_token_ids)
+    close(prefill, decode)
+
+
+def test_decode_side_host_cache_reloads_a_conversation_so_only_the_new_turn_moves(checkpoints):
+    """A decode worker with the hierarchical cache: the earlier turn it cached was pushed
+    out of its small device pool to host memory; the follow-up's reservation loads it back
+    and asks the prefill side only for the rows past it (before, a host hit was ignored and
+    the whole prompt moved again)."""
+    path = checkpoints["llama"]
+    hicache = {"max_total_tokens": 256, "enable_hierarchical_cache": True, "hicache_ratio": 4.0}
+    prefill, decode = make_pair(path, page_size=4, prefill_args={"max_total_tokens": 1024}, decode_args=hicache)
+    rng = random.Random(6)
+    first = [rng.randrange(5, 250) for _ in range(96)]
+
+    async def go():
+        final, _, _ = await run_pd(prefill, decode, first, GREEDY)
+        turn = first + final["output_ids"] + [rng.randrange(5, 250) for _ in range(5)]
+        prefill.flush_cache()  # the prefill side computes it all
+        for ids in prompts(3, 120, 120, seed=92):  # the 256-slot decode pool cannot keep the first turn
+            await run_pd(prefill, decode, ids, GREEDY)
+        match = decode.loop.run_exclusive(lambda: decode.scheduler.tree_cache.match_prefix(RadixKey(first)))
+        assert len(match.device_indices) < 96 and match.host_hit_length > 0
+        return turn, await run_pd(prefill, decode, turn, GREEDY)
+
+    turn, (final, notice, handoffs) = asyncio.run(go())
+    (handoff,) = [KVHandoff.from_bytes(h) for h in handoffs]
+    assert handoff.dst_prefix_len >= 96 and len(handoff.dst_slots) == len(turn) - handoff.dst_prefix_len
+    assert final["meta_info"]["cached_tokens"] >= 96
+    assert_greedy_parity(path, [turn], [final["output_ids"]], 8, decode.eos_token_ids)
+    close(prefill, decode)
 
 
 EXTRA_BUFFER = {"mamba_scheduler_strategy": "extra_buffer", "mamba_track_interval": 64}
