@@ -58,7 +58,9 @@ class RankHost:
     """The model shard, pools and transfer agents of one rank."""
 
     def __init__(self, role: str, config: EngineConfig, backend: str, worker_id: str, tp_rank: int = 0,
-                 dist_init_method: Optional[str] = None):
+                 dist_init_method: Optional[str] = None, agent_options: Optional[Dict[str, Dict[str, Any]]] = None):
+        """``agent_options``: extra ``create_agent`` keywords per backend name
+        (``TransferConfig.agent_options``)."""
         self.role, self.worker_id, self.tp_rank = role, worker_id, tp_rank
         self.backends = resolve_backends(backend, config.device)
         shareable = role == "decode" and any(b in SHAREABLE_BACKENDS for b in self.backends)
@@ -71,7 +73,9 @@ class RankHost:
             self.runner.token_to_kv_pool, getattr(spec, "kv_head_start", 0), getattr(spec, "total_kv_heads", None)
         )
         allocators = pool_allocators(self.runner.token_to_kv_pool)
-        self.agents = {name: create_agent(name, layout, tensors, tp_rank, config.tp_size, allocators=allocators)
+        options = agent_options or {}
+        self.agents = {name: create_agent(name, layout, tensors, tp_rank, config.tp_size, allocators=allocators,
+                                          **options.get(name, {}))
                        for name in self.backends}
         self.pusher = (KVPusher(self.agents, config.disaggregation_async_push, f"raydix-kv-push-{tp_rank}")
                        if role == "prefill" else None)
@@ -93,11 +97,12 @@ class TPFollower:
 
     def __init__(self, role: str, model_path: str, engine_args: Dict[str, Any], backend: str, worker_id: str,
                  tp_rank: int, dist_init_method: str, waiting_timeout_s: float = 300.0,
-                 report_pushed: Optional[Callable[[int, List[PushResult]], Any]] = None):
+                 report_pushed: Optional[Callable[[int, List[PushResult]], Any]] = None,
+                 agent_options: Optional[Dict[str, Dict[str, Any]]] = None):
         """``report_pushed`` (prefill): how this rank's transfer thread tells rank 0 that its
         share of requests ended (not waited on; see the module docstring)."""
         config = EngineConfig(model_path=model_path, **engine_args)
-        self.host = RankHost(role, config, backend, worker_id, tp_rank, dist_init_method)
+        self.host = RankHost(role, config, backend, worker_id, tp_rank, dist_init_method, agent_options)
         pusher = self.host.pusher
         if report_pushed is not None and pusher is not None and pusher.asynchronous:
             pusher.on_finished = lambda result: report_pushed(tp_rank, [result])

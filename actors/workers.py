@@ -50,15 +50,17 @@ class _Worker:
     role = "worker"
 
     def __init__(self, model_path: str, engine_args: Optional[Dict[str, Any]] = None, backend: str = "shm",
-                 worker_id: Optional[str] = None, dist_init_method: Optional[str] = None):
+                 worker_id: Optional[str] = None, dist_init_method: Optional[str] = None,
+                 agent_options: Optional[Dict[str, Dict[str, Any]]] = None):
         """``engine_args["tp_size"] > 1``: this is rank 0; the followers (TPFollower
-        actors) join the group at ``dist_init_method`` while this constructor waits."""
+        actors) join the group at ``dist_init_method`` while this constructor waits.
+        ``agent_options``: extra transfer-agent keywords per backend name."""
         self.worker_id = worker_id or f"{self.role}-{random.getrandbits(32):08x}"
         # workers publish KV events by default: the router's prefix index follows them (a decode
         # worker's tree holds the conversations it decoded, where their next turns fit best)
         engine_args = {"enable_kv_events": True, **(engine_args or {})}
         self.config = EngineConfig(model_path=model_path, **engine_args)
-        self.rank = RankHost(self.role, self.config, backend, self.worker_id, 0, dist_init_method)
+        self.rank = RankHost(self.role, self.config, backend, self.worker_id, 0, dist_init_method, agent_options)
         self.backends, self.agents, self.runner = self.rank.backends, self.rank.agents, self.rank.runner
         self.tp_worker = self.rank.tp_worker
         self.tokenizer = None
@@ -234,8 +236,9 @@ class PrefillWorker(_Worker):
     role = "prefill"
 
     def __init__(self, model_path: str, engine_args: Optional[Dict[str, Any]] = None, backend: str = "shm",
-                 worker_id: Optional[str] = None, dist_init_method: Optional[str] = None):
-        super().__init__(model_path, engine_args, backend, worker_id, dist_init_method)
+                 worker_id: Optional[str] = None, dist_init_method: Optional[str] = None,
+                 agent_options: Optional[Dict[str, Dict[str, Any]]] = None):
+        super().__init__(model_path, engine_args, backend, worker_id, dist_init_method, agent_options)
         self.scheduler = PrefillScheduler(self.runner, self.tokenizer, self.agents, self.rank.pusher, self.tp_worker)
         self._cancelled: "collections.OrderedDict[str, None]" = collections.OrderedDict()  # aborted rids
         self.loop = EngineLoop(self.scheduler)
@@ -313,8 +316,9 @@ class DecodeWorker(_Worker):
 
     def __init__(self, model_path: str, engine_args: Optional[Dict[str, Any]] = None, backend: str = "shm",
                  worker_id: Optional[str] = None, dist_init_method: Optional[str] = None,
-                 num_reserved_decode_tokens: int = 512, waiting_timeout_s: float = 300.0):
-        super().__init__(model_path, engine_args, backend, worker_id, dist_init_method)
+                 num_reserved_decode_tokens: int = 512, waiting_timeout_s: float = 300.0,
+                 agent_options: Optional[Dict[str, Dict[str, Any]]] = None):
+        super().__init__(model_path, engine_args, backend, worker_id, dist_init_method, agent_options)
         self.scheduler = DecodeScheduler(
             self.runner, self.tokenizer, self.agents, self.tp_worker, num_reserved_decode_tokens, waiting_timeout_s,
         )

@@ -29,6 +29,7 @@ from actors.engine.config import EngineConfig
 
 Role = Literal["prefill", "decode"]
 TRANSFER_BACKENDS = ("auto", "shm", "cuda_ipc", "torch_dist", "fake")
+DATA_TRANSPORTS = ("auto", "gloo", "nccl")  # transfer.backends.dist_data's (that module imports torch)
 ROUTING_POLICIES = ("cache_aware", "power_of_two", "round_robin", "random")
 # EngineConfig fields the cluster sets from `model` and the group's `device`.
 CLUSTER_OWNED_ENGINE_FIELDS = ("model_path", "tokenizer_path", "device", "tp_size")
@@ -167,6 +168,9 @@ class TransferConfig(BaseModel):
 
     backend: Literal[TRANSFER_BACKENDS] = Field(
         "auto", description="auto: picked per worker pair (same node: shm or cuda_ipc; else torch_dist)")
+    data_transport: Literal[DATA_TRANSPORTS] = Field(
+        "auto", description="torch_dist payloads: nccl (device to device) when both sides' pools are on CUDA, "
+        "else gloo (host-staged); gloo: always gloo; nccl: NCCL or the transfer fails (needs cuda on both sides)")
     bootstrap_timeout_s: float = Field(300.0, gt=0.0, description="prefill waits this long for decode's "
                                        "destination slots (SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT)")
     waiting_timeout_s: float = Field(300.0, gt=0.0, description="decode waits this long for the KV pages "
@@ -175,6 +179,10 @@ class TransferConfig(BaseModel):
     heartbeat_max_failures: int = Field(2, ge=1, description="missed heartbeats that mark a prefill peer dead")
     num_reserved_decode_tokens: int = Field(
         512, ge=0, description="KV tokens decode keeps free per running request when it admits a transfer")
+
+    def agent_options(self) -> Dict[str, Dict[str, Any]]:
+        """Keyword arguments of each backend's agent (``create_agent``), by backend name."""
+        return {"torch_dist": {"data_transport": self.data_transport}}
 
 
 class ServerConfig(BaseModel):
@@ -260,6 +268,8 @@ class ClusterConfig(BaseModel):
                                "must agree")
         if self.transfer.backend == "cuda_ipc" and "cpu" in (self.prefill.device, self.decode.device):
             raise _invalid("cuda_ipc_on_cpu", "transfer.backend: cuda_ipc needs device cuda on both sides")
+        if self.transfer.data_transport == "nccl" and "cpu" in (self.prefill.device, self.decode.device):
+            raise _invalid("nccl_on_cpu", "transfer.data_transport: nccl needs device cuda on both sides")
         return self
 
     def group(self, role: Role) -> WorkerGroupConfig:

@@ -163,8 +163,9 @@ class PDCluster:
             check_tp_shardable(EngineConfig(model_path=self.model_path, **engine_args))
             placement = _tp_placement_group(options, group.tp_size, cfg.placement.tp_group_strategy)
             dist_init_method = ray.get(_rendezvous.options(scheduling_strategy=_in_bundle(placement, 0)).remote())
+        agent_options = cfg.transfer.agent_options()
         kwargs = dict(model_path=self.model_path, engine_args=engine_args, backend=cfg.transfer.backend,
-                      worker_id=worker_id, dist_init_method=dist_init_method)
+                      worker_id=worker_id, dist_init_method=dist_init_method, agent_options=agent_options)
         if role == "decode":
             kwargs.update(num_reserved_decode_tokens=cfg.transfer.num_reserved_decode_tokens,
                           waiting_timeout_s=cfg.transfer.waiting_timeout_s)
@@ -176,7 +177,7 @@ class PDCluster:
             ray.remote(self.follower_cls).options(name=f"{worker_id}-rank{rank}", **dict(
                 options, max_concurrency=4, scheduling_strategy=_in_bundle(placement, rank))).remote(
                 role, self.model_path, engine_args, cfg.transfer.backend, worker_id, rank, dist_init_method,
-                cfg.transfer.waiting_timeout_s, report_pushed)
+                cfg.transfer.waiting_timeout_s, report_pushed, agent_options)
             for rank in range(1, group.tp_size)
         ]
         return WorkerRef(worker_id, role, handle, node_id="", followers=followers, placement_group=placement)

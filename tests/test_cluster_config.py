@@ -12,6 +12,7 @@ from cluster.config import (
     ClusterConfig,
     ConfigError,
     EngineOverrides,
+    TransferConfig,
     load_config,
     parse_config,
 )
@@ -102,6 +103,8 @@ def _set(data: dict, dotted: str, value) -> dict:
     ("transfer.backend", "nccl",
      "transfer.backend: Input should be 'auto', 'shm', 'cuda_ipc', 'torch_dist' or 'fake' (got 'nccl')"),
     ("transfer.backend", "cuda_ipc", "transfer.backend: cuda_ipc needs device cuda on both sides"),
+    ("transfer.data_transport", "rdma", "transfer.data_transport: Input should be 'auto', 'gloo' or 'nccl' (got 'rdma')"),
+    ("transfer.data_transport", "nccl", "transfer.data_transport: nccl needs device cuda on both sides"),
     ("transfer.heartbeat_interval_s", 0, "transfer.heartbeat_interval_s: Input should be greater than 0"),
     ("colocate", True, "colocate: unknown field; known: model, prefill, decode, transfer"),
     ("server.port", 70000, "server.port: Input should be less than or equal to 65535"),
@@ -112,6 +115,15 @@ def _set(data: dict, dotted: str, value) -> dict:
 ])
 def test_errors_name_the_field(tmp_path, dotted, value, expected):
     assert expected in _load_errors(tmp_path, _set(_base(), dotted, value))
+
+
+def test_data_transport_reaches_the_torch_dist_agents():
+    from transfer.backends.dist_data import DATA_TRANSPORTS
+
+    assert parse_config(_base()).transfer.agent_options() == {"torch_dist": {"data_transport": "auto"}}
+    config = parse_config(_set(_base(), "transfer.data_transport", "gloo"))
+    assert config.transfer.agent_options() == {"torch_dist": {"data_transport": "gloo"}}
+    assert TransferConfig.model_fields["data_transport"].annotation.__args__ == DATA_TRANSPORTS
 
 
 def test_every_error_is_reported(tmp_path):

@@ -46,6 +46,13 @@ def close(*workers):
         w.shutdown()
 
 
+def test_torch_dist_forced_nccl_on_a_cpu_worker_fails_at_creation(checkpoints):
+    """Agent options reach the worker's agents: NCCL demanded of CPU pools is refused at once, not at a push."""
+    with pytest.raises(ValueError, match="data_transport='nccl' needs NCCL between CUDA pools: the pools are on cpu"):
+        PrefillWorker(checkpoints["llama"], dict(max_total_tokens=256, skip_tokenizer_init=True), backend="torch_dist",
+                      agent_options={"torch_dist": {"data_transport": "nccl"}})
+
+
 @pytest.mark.parametrize("family,page_size", [("llama", 1), ("llama", 16), ("qwen3_next", 1), ("deepseek_v3", 4)])
 def test_greedy_tokens_equal_hf_through_pd(checkpoints, family, page_size):
     path = checkpoints[family]

@@ -5,6 +5,8 @@ process start-up is the cost) plays the other rank.
   process maps them and writes; then the peer closes its allocator and a
   push to the unlinked files fails (→ Failed, not an exception);
 * torch_dist (gloo): the peer is the decode rank, then the prefill rank;
+* torch_dist (NCCL data path): this process is the prefill rank on cuda:0,
+  the peer the decode rank on cuda:1 (two GPUs: NCCL refuses two ranks on one);
 * cuda_ipc: on a GPU only.
 """
 
@@ -180,3 +182,50 @@ def test_torch_dist_between_cuda_pools_stages_through_host():
         untouched = sorted(set(range(dst[name].shape[0])) - set(dst_slots))
         assert torch.equal(dst[name][dst_slots], src[name][src_slots])
         assert not dst[name][untouched].any()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2,
+                    reason="the NCCL data path needs two CUDA devices (NCCL refuses two ranks on one GPU)")
+@pytest.mark.parametrize("kind, page_size", [("mha", 1), ("mha", 16), ("hybrid", 16)])
+def test_torch_dist_nccl_between_two_gpus_keeps_the_payload_on_device(peer, monkeypatch, kind, page_size):
+    """Prefill pools on cuda:0 here, decode pools on cuda:1 in the peer, both in mode
+    nccl: two chunks of random slots land byte-exact, every payload was gathered on
+    the device, and both ends of the pair record NCCL as its data transport."""
+    import transfer.backends.torch_dist as torch_dist
+
+    payload_devices, pack_rows = [], torch_dist.pack_rows
+
+    def recording_pack_rows(*args, **kwargs):
+        header, payload = pack_rows(*args, **kwargs)
+        payload_devices.append(str(payload.device))
+        return header, payload
+
+    monkeypatch.setattr(torch_dist, "pack_rows", recording_pack_rows)
+    src_spec = RankSpec(kind, page_size, seed=11, device="cuda:0")
+    dst_spec = RankSpec(kind, page_size, seed=12, device="cuda:1")
+    src_slots, dst_slots = request(np.random.default_rng(page_size), page_size, 45, prefix_len=2)
+    states = (1, 5) if kind == "hybrid" else (None, None)
+    wire, before = peer("decode", "torch_dist", dst_spec, dst_slots.tolist(), states[1], 2, (), None,
+                        {"data_transport": "nccl"})
+    handoff = KVHandoff.from_bytes(wire)
+    assert handoff.endpoint["data"] == "nccl"
+    _, layout, tensors, _ = build_pool(src_spec)
+    agent = create_agent("torch_dist", layout, tensors, data_transport="nccl")
+    try:
+        sender = KVSender(agent, "req")
+        sender.init(handoff)
+        sender.send_chunk(src_slots[:20].tolist(), 0, False)
+        sender.send_chunk(src_slots[20:].tolist(), 20, True, states[0])
+        assert sender.poll() == KVPoll.Success, sender.failure_reason()
+        state, reason, after = peer("land")
+        assert state == KVPoll.Success, reason
+        assert agent.link_transports == {handoff.endpoint["agent_id"]: "nccl"}
+        assert {agent.agent_id: "nccl"} in peer("link_transports")
+    finally:
+        agent.close()
+    assert payload_devices == ["cuda:0", "cuda:0"]
+    _, _, host_src, _ = build_pool(src_spec.at(device="cpu"))  # the same seeded bytes
+    expected = expected_after(src_spec, layout, host_src, dst_spec, handoff.layout, before, src_slots, dst_slots,
+                              *states)
+    assert_buffers_equal(after, expected)

@@ -32,7 +32,7 @@ STATE_SLOTS = 6
 @dataclass(frozen=True)
 class RankSpec:
     """One rank's pools: ``kind`` is "mha", "mla", "hybrid" or "swa" (3 layers,
-    ``swa_layers`` of them sliding-window)."""
+    ``swa_layers`` of them sliding-window), on ``device`` (``shared``: CPU only)."""
 
     kind: str = "mha"
     page_size: int = 1
@@ -43,6 +43,7 @@ class RankSpec:
     seed: int = 0
     head_dim: int = HEAD_DIM
     swa_layers: Tuple[int, ...] = (0, 2)
+    device: str = "cpu"
 
     def at(self, **changes) -> "RankSpec":
         return replace(self, **changes)
@@ -50,23 +51,24 @@ class RankSpec:
 
 def build_pool(spec: RankSpec):
     """``(pool, layout, tensors, allocators)`` for ``spec``, every byte seeded-random."""
-    alloc = SharedMemoryBufferAllocator(prefix=f"t{spec.tp_rank}") if spec.shared else LocalBufferAllocator()
-    dtype = getattr(torch, spec.dtype)
+    alloc = SharedMemoryBufferAllocator(prefix=f"t{spec.tp_rank}") if spec.shared else LocalBufferAllocator(spec.device)
+    dtype, device = getattr(torch, spec.dtype), spec.device
     heads = HEADS // spec.tp_size
     start = spec.tp_rank * heads
     if spec.kind == "mha":
-        pool = MHATokenToKVPool(SIZE, spec.page_size, dtype, heads, spec.head_dim, LAYERS, buffer_allocator=alloc)
+        pool = MHATokenToKVPool(SIZE, spec.page_size, dtype, heads, spec.head_dim, LAYERS, device, buffer_allocator=alloc)
     elif spec.kind == "mla":
-        pool = MLATokenToKVPool(SIZE, spec.page_size, dtype, 12, 4, LAYERS, buffer_allocator=alloc)
+        pool = MLATokenToKVPool(SIZE, spec.page_size, dtype, 12, 4, LAYERS, device, buffer_allocator=alloc)
     elif spec.kind == "hybrid":
         mamba = MambaPool(
-            STATE_SLOTS, [(3, 4 // spec.tp_size)], (2 // spec.tp_size, 3, 4), 2, dtype, torch.float32,
+            STATE_SLOTS, [(3, 4 // spec.tp_size)], (2 // spec.tp_size, 3, 4), 2, dtype, torch.float32, device,
             buffer_allocator=alloc,
         )
-        pool = HybridLinearKVPool(SIZE, spec.page_size, dtype, heads, spec.head_dim, [1, 3], mamba, buffer_allocator=alloc)
+        pool = HybridLinearKVPool(SIZE, spec.page_size, dtype, heads, spec.head_dim, [1, 3], mamba, device,
+                                  buffer_allocator=alloc)
     elif spec.kind == "swa":
         full = [i for i in range(3) if i not in spec.swa_layers]
-        pool = SWAKVPool(SIZE, SWA_SIZE, spec.page_size, dtype, heads, spec.head_dim, spec.swa_layers, full,
+        pool = SWAKVPool(SIZE, SWA_SIZE, spec.page_size, dtype, heads, spec.head_dim, spec.swa_layers, full, device,
                          buffer_allocator=alloc)
     else:
         raise ValueError(spec.kind)

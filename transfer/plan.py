@@ -113,7 +113,7 @@ def copy_runs(src: torch.Tensor, dst: torch.Tensor, runs: np.ndarray) -> int:
     if num_rows * row_bytes < len(runs) * SHORT_RUN_BYTES:
         src_rows = torch.from_numpy(run_indices(runs[:, 0], runs[:, 2])).to(src.device)
         dst_rows = torch.from_numpy(run_indices(runs[:, 1], runs[:, 2])).to(dst.device)
-        dst.index_copy_(0, dst_rows, src.index_select(0, src_rows))
+        dst.index_copy_(0, dst_rows, src.index_select(0, src_rows).to(dst.device))  # host-staged: one device hop
     else:
         for s, d, n in runs.tolist():
             dst.narrow(0, d, n).copy_(src.narrow(0, s, n))

@@ -3,7 +3,8 @@
 * ``fake`` — moves nothing (warm-up, scheduling tests);
 * ``shm`` — same node, CPU: writes into the decode rank's shared-memory pools;
 * ``cuda_ipc`` — same node, CUDA: writes into the decode rank's IPC-mapped pools;
-* ``torch_dist`` — across nodes: a pairwise gloo process group per rank pair.
+* ``torch_dist`` — across nodes: a pairwise gloo process group per rank pair (headers, and
+  host-staged payloads), plus a pairwise NCCL group for payloads when both pools are on CUDA.
 """
 
 from typing import Optional

@@ -9,6 +9,12 @@ once everything arrived. The header's ``ranges`` give, per row index
 (``token``, ``swa``, ``state``), the destination rows ``[offset, offset +
 count)`` the message fills; its ``copies`` are ``[name, dst_head, num_heads,
 offset, nbytes]``, payload offsets 16-byte aligned.
+
+Payloads live on the host (``pack_rows``' default) or on the pools' CUDA
+device (the NCCL data path): a device payload must be complete on the
+device before :meth:`Landing.add` takes it; :meth:`Landing.scatter` copies
+on the calling thread's current stream and marks the payload used there,
+so its memory is not handed out again before those copies ran.
 """
 
 from __future__ import annotations
@@ -31,11 +37,12 @@ def _row_bytes(view: torch.Tensor) -> int:
 
 def pack_rows(
     layout: KVLayout, buffers: Dict[str, torch.Tensor], copies: List[BufferCopy], src_slots,
-    src_state_slot: Optional[int], src_swa_slots=(), offset: int = 0,
+    src_state_slot: Optional[int], src_swa_slots=(), offset: int = 0, device="cpu",
 ) -> Tuple[Dict, torch.Tensor]:
     """``(header, payload)`` holding the rows of ``copies``: one slice copy per
-    run of consecutive source slots into the payload. ``src_slots`` fill the
-    hand-off's token rows from ``offset`` on; state and SWA rows go whole."""
+    run of consecutive source slots into the payload, a uint8 tensor on
+    ``device`` (gathered on that device's current stream). ``src_slots`` fill
+    the hand-off's token rows from ``offset`` on; state and SWA rows go whole."""
     token_slots, swa_slots = as_slot_array(src_slots), as_slot_array(src_swa_slots)
     state_slots = as_slot_array([] if src_state_slot is None else [src_state_slot])
     ranges = {"token": [offset, int(token_slots.size)], "swa": [0, int(swa_slots.size)],
@@ -50,7 +57,7 @@ def pack_rows(
         nbytes = slots.size * _row_bytes(src)
         planned.append((copy, src, slots, offset, nbytes))
         offset += -(-nbytes // _ALIGN) * _ALIGN
-    payload = torch.empty(offset, dtype=torch.uint8)
+    payload = torch.empty(offset, dtype=torch.uint8, device=device)
     entries = []
     for copy, src, slots, offset, nbytes in planned:
         stage = payload.narrow(0, offset, nbytes).view(src.dtype).view(slots.size, *src.shape[1:])
@@ -151,6 +158,8 @@ class Landing:
         consecutive destination slots. Returns the bytes written."""
         moved = 0
         for ranges, entries, payload in self.parts:
+            if payload.is_cuda:  # freed after this returns: not reused before the copies below ran
+                payload.record_stream(torch.cuda.current_stream(payload.device))
             for name, dst_head, num_heads, offset, nbytes in entries:
                 b = self.layout[name]
                 copy = BufferCopy(name, b.index, b.head_axis, 0, dst_head, num_heads)

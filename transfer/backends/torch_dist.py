@@ -3,12 +3,16 @@
 No global default group is involved: each decode agent runs a ``TCPStore``
 server (its endpoint: host, port, agent id, and a fresh tag per hand-off);
 a prefill agent's first push to it takes a pair number from the store
-(``store.add``), announces itself under ``hello/{k}`` and both sides build a
-two-rank ``ProcessGroupGloo`` (decode = rank 0) on ``PrefixStore(pair/{k})``.
-The decode agent answers each announcement with a reader thread that
-receives, in order, ``[header_len, payload_len]`` (int64), the msgpack
-header and the payload — so ``expect`` has nothing left to post; it records
-which buffers and heads the hand-off still misses.
+(``store.add``), announces itself under ``hello/{k}`` (its agent id and the
+data transport it picked) and both sides build a two-rank
+``ProcessGroupGloo`` (decode = rank 0) on ``PrefixStore(pair/{k})`` and the
+pair's data channel (:mod:`transfer.backends.dist_data`: the gloo group
+itself, or a two-rank ``ProcessGroupNCCL`` on ``pair/{k}/nccl`` when both
+sides' pools are on CUDA). The decode agent answers each announcement with
+a reader thread that receives, in order, ``[header_len, payload_len]``
+(int64) and the msgpack header over gloo, then exactly ``payload_len``
+payload bytes over the data channel — so ``expect`` has nothing left to
+post; it records which buffers and heads the hand-off still misses.
 
 A push gathers every planned buffer's rows (one slice copy per run of
 consecutive source slots) into one contiguous uint8 payload and sends it in
@@ -20,10 +24,18 @@ scatters the payloads into this rank's buffers, one slice copy per run of
 consecutive destination slots — on the decode loop's thread, so bytes for a
 request that was cancelled meanwhile never touch slots given to another.
 
-Payloads are host tensors over gloo: device pools are gathered into host
-memory and scattered back (a gpu test covers CUDA pools). A device-to-device
-path (NCCL pairs, RDMA) is not here: a pair of NCCL ranks needs two GPUs,
-which no machine this project is tested on has.
+Payloads over gloo are host tensors (CUDA pools are gathered into host
+memory and scattered back); over NCCL they stay on the pools' device: the
+gather, the send, the receive and the scatter all run there. The endpoint
+advertises ``"data": "nccl" | "gloo"``; agent option ``data_transport``
+(``auto`` | ``gloo`` | ``nccl``) and the rules are in ``dist_data``;
+``link_transports`` records, per peer agent, what a pair uses. The CPU
+suite runs gloo between CPU pools (in-process and across processes) and the
+transport negotiation; gpu tests cover CUDA pools staged through host (one
+GPU) and the NCCL path (two GPUs: NCCL refuses two ranks on one device, so
+a pair of ranks sharing a GPU must use ``data_transport: gloo`` or
+``cuda_ipc``); the NCCL test has not yet run on a machine with two GPUs.
+RDMA is not here.
 """
 
 from __future__ import annotations
@@ -43,6 +55,7 @@ import msgpack
 import torch
 import torch.distributed as dist
 
+from transfer.backends.dist_data import choose_data_transport, nccl_device, open_data_channel
 from transfer.backends.landing import Landing, pack_rows
 from transfer.base import KVHandoff, TransferAgent, TransferError, register_backend
 from transfer.plan import plan_copies
@@ -80,19 +93,18 @@ def default_host() -> str:
 
 
 class _Link:
-    """Prefill side of one pair: the process group and a lock that keeps a
-    message's three parts together."""
+    """Prefill side of one pair: the gloo group (control), the data channel and
+    a lock that keeps a message's three parts together."""
 
-    def __init__(self, store: dist.Store, pg: dist.ProcessGroup):
-        self.store, self.pg, self.lock = store, pg, threading.Lock()
+    def __init__(self, store: dist.Store, pg: dist.ProcessGroup, data):
+        self.store, self.pg, self.data, self.lock = store, pg, data, threading.Lock()
 
     def send(self, header: bytes, payload: torch.Tensor) -> None:
         sizes = torch.tensor([len(header), payload.numel()], dtype=torch.int64)
         with self.lock:
             self.pg.send([sizes], 0, 0).wait()
             self.pg.send([torch.frombuffer(bytearray(header), dtype=torch.uint8)], 0, 0).wait()
-            if payload.numel():
-                self.pg.send([payload], 0, 0).wait()
+            self.data.send(payload)  # returns once the payload left (and may be freed)
 
     def bye(self) -> None:
         with self.lock:
@@ -104,8 +116,12 @@ class TorchDistAgent(TransferAgent):
     def __init__(
         self, layout, buffers, tp_rank: int = 0, tp_size: int = 1, allocators=(),
         host: Optional[str] = None, port: int = 0, timeout_s: float = 30.0, connect_timeout_s: float = 10.0,
+        data_transport: str = "auto",
     ):
         super().__init__(layout, buffers, tp_rank, tp_size, allocators)
+        self.data_transport = data_transport
+        self._nccl_device = nccl_device(data_transport, buffers)  # None: payloads go over gloo only
+        self.link_transports: Dict[str, str] = {}  # peer agent id -> "gloo" | "nccl", both sides
         self.agent_id = uuid.uuid4().hex
         self.host, self.port = host or default_host(), port
         self.timeout_s, self.connect_timeout_s = timeout_s, connect_timeout_s
@@ -131,7 +147,8 @@ class TorchDistAgent(TransferAgent):
                 self.port = self._store.port
                 self._acceptor = threading.Thread(target=self._accept, name="raydix-kv-accept", daemon=True)
                 self._acceptor.start()
-        return {"host": self.host, "port": self.port, "agent_id": self.agent_id, "tag": f"{self.agent_id[:8]}.{next(self._tags)}"}
+        return {"host": self.host, "port": self.port, "agent_id": self.agent_id,
+                "tag": f"{self.agent_id[:8]}.{next(self._tags)}", "data": "gloo" if self._nccl_device is None else "nccl"}
 
     def expect(self, handoff: KVHandoff) -> None:
         landing = Landing(self.layout, handoff)
@@ -177,18 +194,24 @@ class TorchDistAgent(TransferAgent):
                         return
                     time.sleep(delay)
                     delay = min(delay * 2, 0.05)
-                if self._closed or store.get(key) == b"":
+                hello = store.get(key)
+                if self._closed or hello == b"":
                     return
             except Exception:  # the store was torn down
                 return
             delay = 0.001
-            reader = threading.Thread(target=self._serve, args=(store, k), name=f"raydix-kv-recv-{k}", daemon=True)
+            reader = threading.Thread(target=self._serve, args=(store, k, hello), name=f"raydix-kv-recv-{k}", daemon=True)
             self._readers.append(reader)
             reader.start()
 
-    def _serve(self, store: dist.Store, k: int) -> None:
+    def _serve(self, store: dist.Store, k: int, hello: bytes) -> None:
+        data = None
         try:
+            peer = msgpack.unpackb(hello, raw=False)
             pg = dist.ProcessGroupGloo(dist.PrefixStore(f"pair/{k}", store), 0, 2, _FOREVER)
+            data = open_data_channel(peer["data"], pg, store, k, 0, self._nccl_device, self.timeout_s)
+            with self._lock:
+                self.link_transports[peer["agent_id"]] = data.transport
             while not self._closed:
                 sizes = torch.empty(2, dtype=torch.int64)
                 pg.recv([sizes], 1, 0).wait()
@@ -197,12 +220,13 @@ class TorchDistAgent(TransferAgent):
                     return
                 header = torch.empty(header_len, dtype=torch.uint8)
                 pg.recv([header], 1, 0).wait()
-                payload = torch.empty(payload_len, dtype=torch.uint8)
-                if payload_len:
-                    pg.recv([payload], 1, 0).wait()
+                payload = data.recv(payload_len)  # on the device once it returns (NCCL)
                 self._deliver(msgpack.unpackb(header.numpy().tobytes(), raw=False), payload)
         except Exception:  # the prefill process died: its pending hand-offs time out
             return
+        finally:
+            if data is not None:
+                data.close()
 
     def _deliver(self, header: Dict, payload: torch.Tensor) -> None:
         with self._lock:
@@ -217,39 +241,45 @@ class TorchDistAgent(TransferAgent):
         ep = handoff.endpoint
         with_state = src_state_slot is not None and handoff.dst_state_slot is not None
         copies = plan_copies(self.layout, handoff.layout, self.tp_rank, self.tp_size, handoff.tp_rank, with_state)
-        header, payload = pack_rows(self.layout, self.buffers, copies, src_slots, src_state_slot, src_swa_slots, offset)
+        transport = choose_data_transport(self.data_transport, self._nccl_device is not None, ep.get("data", "gloo"))
+        device = self._nccl_device if transport == "nccl" else "cpu"
+        header, payload = pack_rows(self.layout, self.buffers, copies, src_slots, src_state_slot, src_swa_slots, offset,
+                                    device=device)
         if not payload.numel():
             return 0
         header["tag"] = ep["tag"]
-        link = self._link(ep)
+        link = self._link(ep, transport)
         try:
             link.send(msgpack.packb(header, use_bin_type=True), payload)
         except Exception as exc:
             with self._lock:
                 self._links.pop(ep["agent_id"], None)
+            link.data.close()
             raise TransferError(f"sending to {ep['host']}:{ep['port']} failed: {exc}") from exc
         return int(payload.numel())
 
-    def _link(self, ep: Dict) -> _Link:
+    def _link(self, ep: Dict, transport: str) -> _Link:
         with self._connect_lock:  # one pair per peer, even when two requests open it at once
             with self._lock:
                 link = self._links.get(ep["agent_id"])
             if link is None:
-                link = self._connect(ep)
+                link = self._connect(ep, transport)
                 with self._lock:
                     self._links[ep["agent_id"]] = link
+                    self.link_transports[ep["agent_id"]] = transport
             return link
 
-    def _connect(self, ep: Dict) -> _Link:
+    def _connect(self, ep: Dict, transport: str) -> _Link:
         try:
             store = dist.TCPStore(ep["host"], ep["port"], None, False, datetime.timedelta(seconds=self.connect_timeout_s))
             k = store.add("peers", 1)
-            store.set(f"hello/{k}", self.agent_id)
+            store.set(f"hello/{k}", msgpack.packb({"agent_id": self.agent_id, "data": transport}, use_bin_type=True))
             timeout = datetime.timedelta(seconds=self.timeout_s)
             pg = dist.ProcessGroupGloo(dist.PrefixStore(f"pair/{k}", store), 1, 2, timeout)
+            data = open_data_channel(transport, pg, store, k, 1, self._nccl_device, self.timeout_s)
         except Exception as exc:
             raise TransferError(f"cannot reach the decode rank at {ep['host']}:{ep['port']}: {str(exc).splitlines()[0]}") from exc
-        return _Link(store, pg)
+        return _Link(store, pg, data)
 
     def close(self) -> None:
         with self._lock:
@@ -262,5 +292,6 @@ class TorchDistAgent(TransferAgent):
                 link.bye()
             except Exception:
                 pass
+            link.data.close()
         if self._acceptor is not None:
             self._acceptor.join(timeout=1.0)
