@@ -1,21 +1,40 @@
 """Request bodies of the HTTP API (OpenAI's and SGLang's names), validated at the edge.
 
 Every model rejects unknown fields, so a typo fails with a 400 that names it
-instead of being ignored. ``to_sampling_params`` maps an OpenAI request onto
-the engine's :class:`~actors.engine.sampling_params.SamplingParams` names;
-SGLang's extra sampling fields (``top_k``, ``min_p``, ``repetition_penalty``,
-``ignore_eos``, ``stop_token_ids``, ``skip_special_tokens``) are accepted at
-the top level, as SGLang and vLLM accept them (the openai client's
-``extra_body``).
+instead of being ignored (vLLM ignores them with a warning; a silently ignored
+``max_tokenz`` costs more than a 400). OpenAI fields the server does not
+implement (``tools``, ``logit_bias``, structured ``response_format``) fail with
+a 400 that says so, unless they ask for nothing (``tools: []``, ``tool_choice:
+"none"``, ``response_format: {"type": "text"}``); fields that never change the
+output (``metadata``, ``store``, ``service_tier``, ``parallel_tool_calls``) are
+accepted and ignored. As in OpenAI's spec and vLLM, ``null`` means "the
+default" for any optional parameter.
+
+``to_sampling_params`` maps an OpenAI request onto the engine's
+:class:`~actors.engine.sampling_params.SamplingParams` names; SGLang's extra
+sampling fields (``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``,
+``stop_token_ids``, ``skip_special_tokens``) and vLLM's chat-template fields
+(``add_generation_prompt``, ``continue_final_message``,
+``chat_template_kwargs``) are accepted at the top level, as SGLang and vLLM
+accept them (the openai client's ``extra_body``).
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Literal, Optional, Union
+from typing import Any, Dict, List, Literal, Optional, Union, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 _FORBID = ConfigDict(extra="forbid")
+
+
+def _unsupported(field: str, what: str) -> ValueError:
+    """A model-level error naming ``field`` first (see :func:`describe_validation_error`)."""
+    return ValueError(f"{field}: {what} is not supported by this server")
+
+
+def _nullable(field) -> bool:
+    return field.annotation is type(None) or type(None) in get_args(field.annotation)
 
 
 class StreamOptions(BaseModel):
@@ -29,7 +48,7 @@ class _OpenAISampling(BaseModel):
 
     model_config = _FORBID
 
-    model: str = Field(min_length=1)
+    model: Optional[str] = Field(None, min_length=1, description="None: the served model (as in vLLM and SGLang)")
     n: int = Field(1, ge=1, le=64, description="choices; each runs as its own request")
     max_tokens: Optional[int] = Field(None, ge=1, description="None: up to the context length")
     temperature: float = Field(1.0, ge=0.0, le=2.0)
@@ -49,6 +68,23 @@ class _OpenAISampling(BaseModel):
     stop_token_ids: List[int] = Field(default_factory=list)
     skip_special_tokens: bool = True
     rid: Optional[str] = Field(None, description="request id (choice i runs as rid-i when n > 1)")
+    logit_bias: Optional[Dict[str, float]] = Field(None, description="only empty: not implemented")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data):
+        """``"temperature": null`` is the default temperature; a field whose default is None
+        (``max_tokens``: up to the context) keeps its None."""
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {k: v for k, v in data.items() if v is not None or k not in fields or _nullable(fields[k])}
+
+    @model_validator(mode="after")
+    def _no_logit_bias(self):
+        if self.logit_bias:
+            raise _unsupported("logit_bias", "biasing logits")
+        return self
 
     @field_validator("stop")
     @classmethod
@@ -121,8 +157,19 @@ class CompletionRequest(_OpenAISampling):
             raise ValueError("best_of: only best_of == n is supported")
         return self
 
+    @model_validator(mode="after")
+    def _echo_logprobs(self):
+        if self.echo and self.logprobs is not None:
+            raise ValueError("echo: with logprobs it asks for prompt logprobs, which this server does not compute; "
+                             "send echo or logprobs, not both")
+        return self
+
     def _top_logprobs_num(self) -> Optional[int]:
         return self.logprobs
+
+
+RESERVED_TEMPLATE_KWARGS = {"conversation", "messages", "tokenize", "add_generation_prompt", "continue_final_message",
+                            "return_dict", "chat_template", "tools", "documents"}
 
 
 class ChatMessage(BaseModel):
@@ -149,13 +196,58 @@ class ChatCompletionRequest(_OpenAISampling):
     logprobs: bool = False
     top_logprobs: Optional[int] = Field(None, ge=0, le=20)
     max_completion_tokens: Optional[int] = Field(None, ge=1)
-    continue_final_message: bool = False
+    continue_final_message: bool = Field(False, description="continue the last (assistant) message, not answer it")
+    add_generation_prompt: Optional[bool] = Field(None, description="None: true unless continue_final_message")
+    chat_template_kwargs: Dict[str, Any] = Field(default_factory=dict, description="extra template variables")
+    # OpenAI fields: accepted when they ask for nothing this server does not do
+    tools: Optional[List[Dict[str, Any]]] = None
+    tool_choice: Optional[Union[str, Dict[str, Any]]] = None
+    response_format: Optional[Dict[str, Any]] = None
+    parallel_tool_calls: Optional[bool] = None
+    metadata: Optional[Dict[str, str]] = None
+    store: Optional[bool] = None
+    service_tier: Optional[str] = None
+
+    @model_validator(mode="after")
+    def _plain_text_only(self):
+        if self.tools:
+            raise _unsupported("tools", "tool calling")
+        if self.tool_choice not in (None, "none", "auto"):
+            raise _unsupported("tool_choice", f"tool calling ({self.tool_choice!r})")
+        if self.response_format is not None and self.response_format.get("type") != "text":
+            raise _unsupported("response_format", f"structured output ({self.response_format.get('type')!r})")
+        return self
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _free_names(cls, v):
+        taken = sorted(set(v) & RESERVED_TEMPLATE_KWARGS)
+        if taken:
+            raise ValueError(f"{', '.join(taken)}: set by the request's own fields, not here")
+        return v
 
     @model_validator(mode="after")
     def _logprobs(self):
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs: needs logprobs set to true")
         return self
+
+    @model_validator(mode="after")
+    def _continue_final(self):
+        if not self.continue_final_message:
+            return self
+        if self.add_generation_prompt:
+            raise ValueError("add_generation_prompt: cannot be true with continue_final_message (the final "
+                             "message is continued, not answered)")
+        if self.messages[-1].role != "assistant":
+            raise ValueError("continue_final_message: the last message must be the assistant's")
+        return self
+
+    @property
+    def generation_prompt(self) -> bool:
+        if self.add_generation_prompt is None:
+            return not self.continue_final_message
+        return self.add_generation_prompt
 
     def _top_logprobs_num(self) -> Optional[int]:
         return (self.top_logprobs or 0) if self.logprobs else None
@@ -195,10 +287,12 @@ class AddWorkerRequest(BaseModel):
     role: Literal["prefill", "decode"]
 
 
-def describe_validation_error(exc: ValidationError) -> tuple:
-    """``(message, param)``: the first bad field by its dotted path, with pydantic's reason."""
-    err = exc.errors(include_url=False)[0]
-    loc = [str(p) for p in err["loc"] if not str(p).startswith(("function-", "union["))]
+def describe_validation_error(exc, skip: int = 0) -> tuple:
+    """``(message, param)``: the first bad field by its dotted path, with pydantic's reason. ``exc``:
+    pydantic's ValidationError, or FastAPI's RequestValidationError with ``skip=1`` (its paths start
+    with where the value was: query, path)."""
+    err = exc.errors()[0]
+    loc = [str(p) for p in err["loc"][skip:] if not str(p).startswith(("function-", "union["))]
     # Union members add their own names to the path; keep the field name before them.
     param = ".".join(p for p in loc if not (p.startswith("list[") or p in ("str", "int")))
     msg = err["msg"].removeprefix("Value error, ")

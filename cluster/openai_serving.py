@@ -16,6 +16,7 @@ import uuid
 from typing import Any, Dict, List, Optional
 
 from fastapi.responses import JSONResponse, StreamingResponse
+from jinja2 import TemplateError
 from pydantic import ValidationError
 
 from actors.engine.sampling_params import SamplingParams
@@ -54,10 +55,12 @@ class GenerationService:
         self.backend, self.tokenizer, self.metrics, self.admission = backend, tokenizer, metrics, admission
 
     # ---- shared steps -----------------------------------------------------------------
-    def check_model(self, model: str) -> None:
-        if model != self.backend.model_name:
+    def check_model(self, model: Optional[str]) -> str:
+        """The served model's name; 404 for another one (a request naming none is for the served one)."""
+        if model is not None and model != self.backend.model_name:
             raise APIError(404, f"The model '{model}' does not exist; this server serves "
                            f"'{self.backend.model_name}'", "not_found_error", "model", "model_not_found")
+        return self.backend.model_name
 
     def encode(self, text: str, param: str) -> List[int]:
         if self.tokenizer is None:
@@ -66,15 +69,19 @@ class GenerationService:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def chat_prompt(self, req: ChatCompletionRequest) -> List[int]:
-        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+        template = getattr(self.tokenizer, "chat_template", None) if self.tokenizer is not None else None
+        if not template:
             raise APIError(400, "messages: the tokenizer has no chat template", param="messages")
+        # OpenAI's developer role is its system role; a template that knows no "developer" gets "system"
+        developer = "developer" if "developer" in str(template) else "system"
         try:
-            messages = [dict(m.model_dump(exclude_none=True), content=m.text()) for m in req.messages]
-        except ValueError as exc:
+            messages = [dict(m.model_dump(exclude_none=True), content=m.text(),
+                             role=developer if m.role == "developer" else m.role) for m in req.messages]
+            text = self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=req.generation_prompt,
+                continue_final_message=req.continue_final_message, **req.chat_template_kwargs)
+        except (ValueError, TemplateError) as exc:  # a part type we do not take; the template refused
             raise APIError(400, f"messages: {exc}", param="messages") from None
-        final = req.continue_final_message and messages[-1]["role"] == "assistant"
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=not final,
-                                                  continue_final_message=final)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def max_new_tokens(self, prompt_len: int, requested: Optional[int], param: str) -> int:
@@ -101,7 +108,9 @@ class GenerationService:
                                          time.perf_counter(), policies)
 
         rids = [rid] if n == 1 else [f"{rid}-{i}" for i in range(n)]
-        streams = [self.backend.generate_stream(list(input_ids), dict(params), r) for r in rids]
+        seed = params.get("seed")  # choice i samples with seed + i, as in vLLM: n choices, not n copies
+        seeds = [None if seed is None else seed + i for i in range(n)]
+        streams = [self.backend.generate_stream(list(input_ids), dict(params, seed=s), r) for s, r in zip(seeds, rids)]
         texts = [TextDelta(self.tokenizer, params.get("stop") or (), params.get("skip_special_tokens", True))
                  for _ in rids]
         return run_choices(streams, texts, on_done)
@@ -154,7 +163,7 @@ class GenerationService:
 
     # ---- endpoints ----------------------------------------------------------------------
     async def completions(self, req: CompletionRequest, arrival: float):
-        self.check_model(req.model)
+        req = req.model_copy(update={"model": self.check_model(req.model)})
         ids = self.encode(req.prompt, "prompt") if isinstance(req.prompt, str) else list(req.prompt)
         params = validated(req.to_sampling_params(self.max_new_tokens(len(ids), req.max_tokens, "prompt")))
         fmt = CompletionFormatter(req, ids, self.tokenizer, f"cmpl-{uuid.uuid4().hex}")
@@ -162,7 +171,7 @@ class GenerationService:
                                fmt.chunks if req.stream else None, fmt.response)
 
     async def chat(self, req: ChatCompletionRequest, arrival: float):
-        self.check_model(req.model)
+        req = req.model_copy(update={"model": self.check_model(req.model)})
         ids = self.chat_prompt(req)
         params = validated(req.to_sampling_params(self.max_new_tokens(len(ids), req.requested_max_tokens,
                                                                       "messages")))

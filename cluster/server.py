@@ -7,6 +7,7 @@
 POST /v1/completions        OpenAI completions (stream, n, stop, logprobs, seed, ...)
 POST /v1/chat/completions   OpenAI chat completions (the tokenizer's chat template)
 GET  /v1/models             the served model
+GET  /v1/models/{id}        the served model's card (404 for any other id)
 POST /generate              SGLang native: text or input_ids, sampling_params, stream
 GET  /health                200 when every worker in the rotation answers, else 503
 GET  /metrics               Prometheus text format (see cluster.metrics)
@@ -33,6 +34,7 @@ from contextlib import asynccontextmanager
 from typing import Any, Optional, Type
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
@@ -49,6 +51,7 @@ from cluster.openai_serving import GenerationService
 OPEN_PATHS = ("/health", "/metrics")
 ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/generate", "/health", "/metrics", "/workers",
           "/flush_cache")  # request counter labels; anything else counts as "other"
+ID_ROUTES = (("/workers/", "/workers/{id}"), ("/v1/models/", "/v1/models/{id}"))
 METRICS_REFRESH_TIMEOUT_S = 2.0
 
 
@@ -62,7 +65,8 @@ class _Guard:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         path = scope["path"]
-        endpoint = "/workers/{id}" if path.startswith("/workers/") else path if path in ROUTES else "other"
+        endpoint = path if path in ROUTES else next((route for prefix, route in ID_ROUTES if path.startswith(prefix)),
+                                                    "other")
         status = {"code": 500}
 
         async def counted_send(message):
@@ -160,6 +164,11 @@ def build_app(cluster_or_client: Any, tokenizer=None, config=None, client=None,
     async def _api_error(request, exc: APIError):
         return exc.response()
 
+    @app.exception_handler(RequestValidationError)
+    async def _invalid_params(request, exc: RequestValidationError):  # a query / path parameter
+        message, param = describe_validation_error(exc, skip=1)
+        return APIError(400, message, param=param).response()
+
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request, exc):
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
@@ -192,10 +201,18 @@ def build_app(cluster_or_client: Any, tokenizer=None, config=None, client=None,
         arrival = time.perf_counter()
         return await _call(service.generate(await parse_body(request, GenerateRequest), arrival))
 
+    def model_card():
+        return {"id": backend.model_name, "object": "model", "created": 0, "owned_by": "raydix",
+                "max_model_len": backend.context_len}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": backend.model_name, "object": "model", "created": 0,
-                                            "owned_by": "raydix", "max_model_len": backend.context_len}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model:path}")
+    async def retrieve_model(model: str):
+        service.check_model(model)
+        return model_card()
 
     @app.get("/health")
     async def health():

@@ -16,13 +16,14 @@ from cluster.config import ServerConfig
 from cluster.http_server import BackgroundServer
 from cluster.server import build_app
 from cluster.streaming import TextDelta
+from tests.backend_stubs import StubBackend
 
 
-class ScriptedBackend:
+class ScriptedBackend(StubBackend):
     """Answers every request with tokens 0, 1, 2, ... as letters a, b, c, ...; ``fail_at``: raise
     PDRequestError instead of yielding that many tokens."""
 
-    model_name, context_len, draining = "scripted", 64, False
+    model_name, context_len = "scripted", 64
 
     def __init__(self):
         self.fail_at = None
@@ -38,36 +39,6 @@ class ScriptedBackend:
             yield {"output_ids": list(range(i)), "text": "abcdefghijklmnop"[:i],
                    "meta_info": {"prompt_tokens": len(input_ids), "completion_tokens": i, "cached_tokens": 2,
                                  "finish_reason": done, "prefill_worker": "p-0", "decode_worker": "d-0"}}
-
-    def routing_policy(self, role):
-        return "round_robin"
-
-    def workers(self, include_dead=False):
-        return [{"id": "p-0", "role": "prefill", "node": "n", "alive": True, "inflight": 0, "load": {"waiting": 1}}]
-
-    async def refresh_loads(self):
-        pass
-
-    async def health(self):
-        return {"ready": True, "draining": False, "workers": {"p-0": True}}
-
-    async def flush_cache(self):
-        pass
-
-    async def add_worker(self, role):
-        raise NotImplementedError("scripted backend")
-
-    async def remove_worker(self, worker_id):
-        raise NotImplementedError("scripted backend")
-
-    async def drain(self, timeout_s):
-        pass
-
-    def start(self):
-        pass
-
-    def stop(self):
-        pass
 
 
 @pytest.fixture(scope="module")
@@ -175,6 +146,13 @@ def test_validation_errors_name_the_field(served, body, field):
     r = httpx.post(served[1].url + "/v1/completions", json=body)
     assert r.status_code == 400 and r.json()["error"]["param"] == field, r.json()
     assert field in r.json()["error"]["message"]
+
+
+def test_query_validation_errors_are_openai_400s(served):
+    r = httpx.get(served[1].url + "/workers", params={"include_dead": "maybe"})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "include_dead" and "include_dead" in error["message"]
 
 
 def test_routes_without_a_cluster(served, client):

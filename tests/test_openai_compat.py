@@ -1,0 +1,204 @@
+"""What a vLLM / SGLang user's client sends and expects, against the HTTP app over an
+in-process engine (the tiny llama, no Ray): explicit nulls, seeded choices, top
+logprobs, echo with logprobs, vLLM's chat-template fields, OpenAI fields the
+server does not implement, the ``developer`` role and template errors,
+``GET /v1/models/{id}``, and a request that names no model."""
+
+import httpx
+import openai
+import pytest
+from transformers import AutoTokenizer
+
+from actors.engine import Engine
+from actors.engine.tiny import build_tiny_checkpoint
+from cluster.config import ServerConfig
+from cluster.http_server import BackgroundServer
+from cluster.server import build_app
+from tests.backend_stubs import StubBackend
+
+MODEL = "tiny"
+# a template as strict as many real ones: an unknown role raises; a chat_template_kwargs flag reaches it
+STRICT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('unexpected role ' + message['role']) }}{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
+    "{% if enable_thinking is defined and not enable_thinking %}{{ '<think></think>' }}{% endif %}{% endif %}"
+)
+
+
+class EngineBackend(StubBackend):
+    """The ServingBackend contract over one in-process Engine (what the PD cluster yields, minus Ray)."""
+
+    model_name = MODEL
+
+    def __init__(self, engine: Engine, context_len: int):
+        self.engine, self.context_len, self.max_prompt_len = engine, context_len, context_len - 1
+
+    async def generate_stream(self, input_ids, sampling_params, rid):
+        async for result in await self.engine.async_generate(input_ids=input_ids, sampling_params=sampling_params,
+                                                             rid=rid, stream=True):
+            yield result
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    path = build_tiny_checkpoint("llama", tmp_path_factory.mktemp("tiny-llama"), seed=0)
+    engine = Engine(model_path=str(path), page_size=4, max_total_tokens=2048, attention_backend="torch",
+                    context_length=256)
+    tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    tokenizer.chat_template = STRICT_TEMPLATE
+    try:
+        with BackgroundServer(build_app(EngineBackend(engine, 256), tokenizer, ServerConfig()), "127.0.0.1",
+                              0) as server:
+            yield server
+    finally:
+        engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    return openai.OpenAI(base_url=served.url + "/v1", api_key="none", max_retries=0, timeout=60)
+
+
+def post(served, path, body):
+    return httpx.post(served.url + path, json=body, timeout=60)
+
+
+def chat_body(**fields):
+    return dict({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+                 "temperature": 0}, **fields)
+
+
+def bad_request(call) -> dict:
+    with pytest.raises(openai.BadRequestError) as info:
+        call()
+    return info.value.body
+
+
+def test_explicit_nulls_mean_unset(served):
+    """OpenAI marks its optional parameters nullable and vLLM accepts ``null`` as "the default"."""
+    nulls = {"n": None, "top_p": None, "presence_penalty": None, "frequency_penalty": None, "stream": None,
+             "seed": None, "stop": None, "user": None}
+    want = post(served, "/v1/chat/completions", chat_body()).json()["choices"][0]["message"]["content"]
+    r = post(served, "/v1/chat/completions", chat_body(logprobs=None, top_logprobs=None, **nulls))
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] == want
+    r = post(served, "/v1/completions", dict({"model": MODEL, "prompt": "hi", "max_tokens": 3, "echo": None,
+                                              "logprobs": None, "best_of": None, "suffix": None,
+                                              "temperature": None}, **nulls))
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 3
+
+
+def test_seeded_choices_differ_from_each_other_and_repeat(client):
+    """vLLM seeds choice i with ``seed + i``: n seeded choices are n samples, and the request repeats.
+    A choice is told apart by its logprobs (the tiny model's texts are mostly U+FFFD), equal up to
+    the float noise of another batch composition."""
+    def samples(n):
+        out = client.completions.create(model=MODEL, prompt="seeded", max_tokens=8, temperature=1.0, seed=11, n=n,
+                                        logprobs=0, extra_body={"ignore_eos": True})
+        return [(c.text, c.logprobs.token_logprobs) for c in out.choices]
+
+    def same(a, b):
+        return a[0] == b[0] and a[1] == pytest.approx(b[1], abs=1e-3)
+
+    first = samples(3)
+    assert not any(same(first[i], first[j]) for i, j in ((0, 1), (0, 2), (1, 2))), first
+    assert all(same(a, b) for a, b in zip(samples(3), first))
+    assert same(samples(1)[0], first[0])  # choice 0 is the n == 1 request
+
+
+def test_greedy_tokens_hold_the_best_of_their_top_logprobs(client):
+    """Tokens whose texts collide (byte pieces decode to U+FFFD) keep their best value, so a greedy
+    token's logprob is the max of its position's top_logprobs."""
+    out = client.completions.create(model=MODEL, prompt="The cat", max_tokens=24, temperature=0, logprobs=5,
+                                    extra_body={"ignore_eos": True})
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == 24
+    for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert top[token] == pytest.approx(value) and max(top.values()) == pytest.approx(value), (token, top)
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "The cat"}],
+                                          max_tokens=8, temperature=0, logprobs=True, top_logprobs=5)
+    for entry in chat.choices[0].logprobs.content:
+        assert max(t.logprob for t in entry.top_logprobs) == pytest.approx(entry.logprob)
+
+
+def test_echo_with_logprobs_is_refused_not_answered_without_prompt_logprobs(client):
+    for stream in (False, True):
+        body = bad_request(lambda: client.completions.create(model=MODEL, prompt="abc", max_tokens=2, echo=True,
+                                                             logprobs=1, stream=stream))
+        assert body["param"] == "echo" and "prompt logprobs" in body["message"]
+    echoed = client.completions.create(model=MODEL, prompt="abc", max_tokens=2, echo=True, temperature=0)
+    assert echoed.choices[0].text.startswith("abc")
+
+
+def test_vllm_chat_template_fields(served, client):
+    """``add_generation_prompt``, ``chat_template_kwargs`` and ``continue_final_message`` as vLLM takes them."""
+    def prompt_tokens(**fields):
+        r = post(served, "/v1/chat/completions", chat_body(max_tokens=1, **fields))
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens"]
+
+    default = prompt_tokens()
+    assert prompt_tokens(add_generation_prompt=True) == default
+    assert prompt_tokens(add_generation_prompt=False) < default
+    assert prompt_tokens(chat_template_kwargs={"enable_thinking": False}) > default
+    assert prompt_tokens(chat_template_kwargs={"enable_thinking": True}) == default
+    partial = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Once upon"}]
+    vllm_style = prompt_tokens(messages=partial, continue_final_message=True, add_generation_prompt=False)
+    assert prompt_tokens(messages=partial, continue_final_message=True) == vllm_style
+    r = post(served, "/v1/chat/completions", chat_body(messages=partial, continue_final_message=True,
+                                                       add_generation_prompt=True))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "add_generation_prompt", r.text
+    r = post(served, "/v1/chat/completions", chat_body(continue_final_message=True))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message", r.text
+
+
+@pytest.mark.parametrize("fields,param", [
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"logit_bias": {"5": 10}}, "logit_bias"),
+])
+def test_openai_fields_the_server_does_not_implement_say_so(served, fields, param):
+    r = post(served, "/v1/chat/completions", chat_body(**fields))
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["param"] == param and "not supported" in error["message"], r.text
+
+
+def test_openai_fields_with_no_effect_are_accepted(served):
+    no_ops = {"tools": [], "tool_choice": "none", "response_format": {"type": "text"}, "logit_bias": {},
+              "parallel_tool_calls": False, "metadata": {"team": "a"}, "store": False, "service_tier": "auto"}
+    r = post(served, "/v1/chat/completions", chat_body(**no_ops))
+    assert r.status_code == 200, r.text
+    r = post(served, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2, "logit_bias": {}})
+    assert r.status_code == 200, r.text
+    r = post(served, "/v1/chat/completions", chat_body(max_tokenz=3))  # a typo still fails
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokenz"
+
+
+def test_developer_role_is_a_system_message_and_template_errors_are_400(client):
+    def reply(role):
+        return client.chat.completions.create(
+            model=MODEL, max_tokens=6, temperature=0,
+            messages=[{"role": role, "content": "be brief"}, {"role": "user", "content": "hi"}]).choices[0]
+
+    assert reply("developer").message.content == reply("system").message.content
+    body = bad_request(lambda: reply("tool"))
+    assert body["param"] == "messages" and "unexpected role tool" in body["message"]
+
+
+def test_models_retrieve(client):
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-5")
+
+
+def test_a_request_without_model_is_for_the_served_model(served):
+    """vLLM and SGLang serve a request that names no model with the one they serve."""
+    for path, body in (("/v1/completions", {"prompt": "hi", "max_tokens": 2}),
+                       ("/v1/chat/completions", chat_body(model=None))):
+        r = post(served, path, {k: v for k, v in body.items() if k != "model"})
+        assert r.status_code == 200 and r.json()["model"] == MODEL, r.text
