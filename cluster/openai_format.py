@@ -3,9 +3,11 @@
 A formatter follows one HTTP request (all its choices): ``chunks(event)`` gives
 the SSE chunks of one step (``chunks(None)`` the closing ones: the usage chunk
 when ``stream_options.include_usage``), ``response(events)`` the whole
-non-streaming body. Usage counts the prompt once, completion tokens over every
-choice, and ``prompt_tokens_details.cached_tokens`` as the most prompt tokens
-any choice found in a prefix cache.
+non-streaming body. ``prompts`` are the request's prompts (one for chat; a
+/v1/completions batch may have several): choice ``index`` samples prompt
+``index // n``. Usage counts each prompt once, completion tokens over every
+choice, and ``prompt_tokens_details.cached_tokens`` per prompt as the most
+tokens any of its choices found in a prefix cache.
 """
 
 from __future__ import annotations
@@ -19,8 +21,8 @@ from cluster.streaming import ChoiceEvent, finish_reason
 class _Formatter:
     object_name = chunk_object = ""
 
-    def __init__(self, req, prompt_ids: List[int], tokenizer, response_id: str):
-        self.req, self.prompt_ids, self.tokenizer, self.id = req, prompt_ids, tokenizer, response_id
+    def __init__(self, req, prompts: List[List[int]], tokenizer, response_id: str):
+        self.req, self.prompts, self.tokenizer, self.id = req, prompts, tokenizer, response_id
         self.created = int(time.time())
         self.meta: Dict[int, Dict[str, Any]] = {}
         self.num_logprobs: Dict[int, int] = {}
@@ -40,12 +42,14 @@ class _Formatter:
         return [(tid, lp, tops[i] if i < len(tops) else []) for i, (lp, tid) in enumerate(pairs) if i >= start]
 
     def usage(self) -> Dict[str, Any]:
-        metas = list(self.meta.values())
-        completion = sum(m.get("completion_tokens", 0) for m in metas)
-        cached = max((m.get("cached_tokens", 0) for m in metas), default=0)
-        prompt = len(self.prompt_ids)
+        n = self.req.n
+        completion = sum(m.get("completion_tokens", 0) for m in self.meta.values())
+        prompt = sum(len(ids) for ids in self.prompts)
+        cached = sum(min(len(ids), max((self.meta[i].get("cached_tokens", 0) for i in range(p * n, (p + 1) * n)
+                                        if i in self.meta), default=0))
+                     for p, ids in enumerate(self.prompts))
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": min(cached, prompt)}}
+                "prompt_tokens_details": {"cached_tokens": cached}}
 
     def _head(self, obj: str) -> Dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.req.model}
@@ -98,18 +102,21 @@ class _Formatter:
 class CompletionFormatter(_Formatter):
     object_name = chunk_object = "text_completion"
 
-    def __init__(self, req, prompt_ids, tokenizer, response_id):
-        super().__init__(req, prompt_ids, tokenizer, response_id)
+    def __init__(self, req, prompts, tokenizer, response_id):
+        super().__init__(req, prompts, tokenizer, response_id)
         self.offsets: Dict[int, int] = {}
-        self.echo = ""
+        self.echoes = [""] * len(prompts)  # per prompt
         if req.echo:
-            self.echo = req.prompt if isinstance(req.prompt, str) else tokenizer.decode(prompt_ids)
+            self.echoes = [p if isinstance(p, str) else tokenizer.decode(ids) for p, ids in zip(req.prompts, prompts)]
+
+    def _echo(self, index: int) -> str:
+        return self.echoes[index // self.req.n]
 
     def _legacy_logprobs(self, entries, index: int):
         if entries is None:
             return None
         out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        offset = self.offsets.get(index, len(self.echo))
+        offset = self.offsets.get(index, len(self._echo(index)))
         for tid, lp, top in entries:
             token = self._token_text(tid)
             out["tokens"].append(token)
@@ -130,16 +137,17 @@ class CompletionFormatter(_Formatter):
         return out
 
     def _opening(self, index):
-        if not self.echo:
+        echo = self._echo(index)
+        if not echo:
             return []
-        return [dict(self._head(self.chunk_object), choices=[{"index": index, "text": self.echo, "logprobs": None,
+        return [dict(self._head(self.chunk_object), choices=[{"index": index, "text": echo, "logprobs": None,
                                                               "finish_reason": None}])]
 
     def _choice_delta(self, text, logprobs, index):
         return {"index": index, "text": text, "logprobs": self._legacy_logprobs(logprobs, index)}
 
     def _choice_whole(self, text, logprobs, index):
-        return {"index": index, "text": self.echo + text, "logprobs": self._legacy_logprobs(logprobs, index)}
+        return {"index": index, "text": self._echo(index) + text, "logprobs": self._legacy_logprobs(logprobs, index)}
 
 
 class ChatFormatter(_Formatter):

@@ -26,6 +26,8 @@ from typing import Any, Dict, List, Literal, Optional, Union, get_args
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 _FORBID = ConfigDict(extra="forbid")
+MAX_PROMPTS = 64  # prompts in one /v1/completions batch
+MAX_CHOICES = 128  # prompts × n: the sequences one HTTP request may start
 
 
 def _unsupported(field: str, what: str) -> ValueError:
@@ -135,14 +137,23 @@ class CompletionRequest(_OpenAISampling):
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, v):
-        if isinstance(v, list) and v and isinstance(v[0], (list, str)):
-            if len(v) != 1:
-                raise ValueError("one prompt per request (send a batch as separate requests)")
-            v = v[0]
-        if not v:
-            raise ValueError("the prompt is empty")
+    def _prompts(cls, v):
+        batch = v if isinstance(v, list) and v and isinstance(v[0], (list, str)) else [v]
+        if len(batch) > MAX_PROMPTS:
+            raise ValueError(f"at most {MAX_PROMPTS} prompts per request; got {len(batch)}")
+        for i, one in enumerate(batch):
+            if not one:
+                raise ValueError("the prompt is empty" if len(batch) == 1 else f"prompt {i} is empty")
+            if isinstance(one, list) and not all(isinstance(t, int) for t in one):
+                raise ValueError(f"prompt {i}: a list prompt is token ids (ints)")
         return v
+
+    @property
+    def prompts(self) -> List[Union[str, List[int]]]:
+        """The batch: one string or token-id list per prompt. Its choices are numbered
+        ``prompt × n + sample``, as in vLLM."""
+        v = self.prompt
+        return list(v) if isinstance(v, list) and v and isinstance(v[0], (list, str)) else [v]
 
     @field_validator("suffix")
     @classmethod
@@ -155,6 +166,13 @@ class CompletionRequest(_OpenAISampling):
     def _best_of(self):
         if self.best_of not in (None, self.n):
             raise ValueError("best_of: only best_of == n is supported")
+        return self
+
+    @model_validator(mode="after")
+    def _num_choices(self):
+        if len(self.prompts) * self.n > MAX_CHOICES:
+            raise ValueError(f"n: {len(self.prompts)} prompts × n = {self.n} asks for {len(self.prompts) * self.n} "
+                             f"sequences; at most {MAX_CHOICES} per request")
         return self
 
     @model_validator(mode="after")

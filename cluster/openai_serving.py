@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from fastapi.responses import JSONResponse, StreamingResponse
 from jinja2 import TemplateError
@@ -100,25 +100,32 @@ class GenerationService:
             raise APIError(503, "the server is draining: no new requests", "service_unavailable", code="draining")
         await self.admission.acquire()
 
-    def _streams(self, input_ids: List[int], params: Dict[str, Any], n: int, rid: str, arrival: float):
+    def _streams(self, batch: List[Tuple[List[int], Dict[str, Any]]], n: int, rid: str, arrival: float):
+        """One request per choice: prompt ``p``'s sample ``i`` is choice ``p × n + i``, rid
+        ``{rid}-{choice}`` (``rid`` itself for a lone choice), seeded ``seed + i`` as in vLLM
+        (n samples, not n copies; a prompt's choice 0 equals its n = 1 answer)."""
         policies = {role: self.backend.routing_policy(role) for role in ("prefill", "decode")}
 
         def on_done(result, first_time):
             self.metrics.observe_request(result["meta_info"], arrival, first_time or time.perf_counter(),
                                          time.perf_counter(), policies)
 
-        rids = [rid] if n == 1 else [f"{rid}-{i}" for i in range(n)]
-        seed = params.get("seed")  # choice i samples with seed + i, as in vLLM: n choices, not n copies
-        seeds = [None if seed is None else seed + i for i in range(n)]
-        streams = [self.backend.generate_stream(list(input_ids), dict(params, seed=s), r) for s, r in zip(seeds, rids)]
-        texts = [TextDelta(self.tokenizer, params.get("stop") or (), params.get("skip_special_tokens", True))
-                 for _ in rids]
+        lone = len(batch) * n == 1
+        streams, texts = [], []
+        for p, (input_ids, params) in enumerate(batch):
+            seed = params.get("seed")
+            for i in range(n):
+                choice_rid = rid if lone else f"{rid}-{p * n + i}"
+                choice_params = dict(params, seed=None if seed is None else seed + i)
+                streams.append(self.backend.generate_stream(list(input_ids), choice_params, choice_rid))
+                texts.append(TextDelta(self.tokenizer, params.get("stop") or (), params.get("skip_special_tokens", True)))
         return run_choices(streams, texts, on_done)
 
-    async def _run(self, input_ids, params, n, rid, arrival, stream_fn, final_fn):
-        """Admit, run the choices, and answer with JSON (``final_fn``) or SSE (``stream_fn``)."""
+    async def _run(self, batch, n, rid, arrival, stream_fn, final_fn):
+        """Admit, run the choices of ``batch`` (``[(input_ids, params)]``, one per prompt), and
+        answer with JSON (``final_fn``) or SSE (``stream_fn``)."""
         await self._admit()
-        events = self._streams(input_ids, params, n, rid, arrival)
+        events = self._streams(batch, n, rid, arrival)
         try:
             first = await events.__anext__()
         except BaseException:
@@ -164,19 +171,21 @@ class GenerationService:
     # ---- endpoints ----------------------------------------------------------------------
     async def completions(self, req: CompletionRequest, arrival: float):
         req = req.model_copy(update={"model": self.check_model(req.model)})
-        ids = self.encode(req.prompt, "prompt") if isinstance(req.prompt, str) else list(req.prompt)
-        params = validated(req.to_sampling_params(self.max_new_tokens(len(ids), req.max_tokens, "prompt")))
-        fmt = CompletionFormatter(req, ids, self.tokenizer, f"cmpl-{uuid.uuid4().hex}")
-        return await self._run(ids, params, req.n, req.rid or fmt.id, arrival,
-                               fmt.chunks if req.stream else None, fmt.response)
+        batch = []
+        for prompt in req.prompts:
+            ids = self.encode(prompt, "prompt") if isinstance(prompt, str) else list(prompt)
+            batch.append((ids, validated(req.to_sampling_params(self.max_new_tokens(len(ids), req.max_tokens, "prompt")))))
+        fmt = CompletionFormatter(req, [ids for ids, _ in batch], self.tokenizer, f"cmpl-{uuid.uuid4().hex}")
+        return await self._run(batch, req.n, req.rid or fmt.id, arrival, fmt.chunks if req.stream else None,
+                               fmt.response)
 
     async def chat(self, req: ChatCompletionRequest, arrival: float):
         req = req.model_copy(update={"model": self.check_model(req.model)})
         ids = self.chat_prompt(req)
         params = validated(req.to_sampling_params(self.max_new_tokens(len(ids), req.requested_max_tokens,
                                                                       "messages")))
-        fmt = ChatFormatter(req, ids, self.tokenizer, f"chatcmpl-{uuid.uuid4().hex}")
-        return await self._run(ids, params, req.n, req.rid or fmt.id, arrival,
+        fmt = ChatFormatter(req, [ids], self.tokenizer, f"chatcmpl-{uuid.uuid4().hex}")
+        return await self._run([(ids, params)], req.n, req.rid or fmt.id, arrival,
                                fmt.chunks if req.stream else None, fmt.response)
 
     async def generate(self, req: GenerateRequest, arrival: float):
@@ -191,5 +200,5 @@ class GenerationService:
         def native(event: Optional[ChoiceEvent]):
             return [] if event is None else [event.result]
 
-        return await self._run(ids, params, 1, rid, arrival, native if req.stream else None,
+        return await self._run([(ids, params)], 1, rid, arrival, native if req.stream else None,
                                lambda events: events[-1].result)

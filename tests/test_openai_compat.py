@@ -202,3 +202,36 @@ def test_a_request_without_model_is_for_the_served_model(served):
                        ("/v1/chat/completions", chat_body(model=None))):
         r = post(served, path, {k: v for k, v in body.items() if k != "model"})
         assert r.status_code == 200 and r.json()["model"] == MODEL, r.text
+
+
+def test_a_batch_of_prompts_answers_each_as_vllm_numbers_them(client):
+    """``prompt`` as a list of strings or of token-id lists (lm-eval and other batch clients send
+    those): choice ``p × n + i`` is prompt p's sample i; each equals the prompt sent alone; usage
+    counts every prompt once; streamed chunks carry the same indices; echo is per prompt."""
+    prompts = ["The cat sat", "A radix tree is", "Hello"]
+    alone = [client.completions.create(model=MODEL, prompt=p, max_tokens=6, temperature=0,
+                                       extra_body={"ignore_eos": True}) for p in prompts]
+    out = client.completions.create(model=MODEL, prompt=prompts, max_tokens=6, temperature=0, n=2, echo=True,
+                                    extra_body={"ignore_eos": True})
+    assert [c.index for c in out.choices] == list(range(6))
+    for c in out.choices:
+        p = c.index // 2
+        assert c.text == prompts[p] + alone[p].choices[0].text
+    assert out.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+    assert out.usage.completion_tokens == 6 * 6
+    ids = [[11, 12, 13, 14], [40, 41, 42]]
+    by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=4, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    assert by_ids.usage.prompt_tokens == 7 and len(by_ids.choices) == 2
+    streamed: dict = {}
+    for chunk in client.completions.create(model=MODEL, prompt=ids, max_tokens=4, temperature=0, stream=True,
+                                           extra_body={"ignore_eos": True}):
+        for c in chunk.choices:
+            streamed[c.index] = streamed.get(c.index, "") + c.text
+    assert streamed == {c.index: c.text for c in by_ids.choices}
+    body = bad_request(lambda: client.completions.create(model=MODEL, prompt=["x"] * 65, max_tokens=1))
+    assert body["param"] == "prompt" and "at most 64 prompts" in body["message"]
+    body = bad_request(lambda: client.completions.create(model=MODEL, prompt=["x"] * 3, max_tokens=1, n=64))
+    assert body["param"] == "n" and "at most 128" in body["message"]
+    body = bad_request(lambda: client.completions.create(model=MODEL, prompt=["ok", ""], max_tokens=1))
+    assert "prompt 1 is empty" in body["message"]
