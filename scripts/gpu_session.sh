@@ -5,10 +5,12 @@
 #   scripts/gpu_session.sh run      # on the device (its python3 holds a CUDA torch; nothing can
 #                                   # be fetched there): `run` with carry [".gpu_wheels"]
 #
-# `run` installs the carried wheels into a private site dir (the image's torch and triton are
-# kept), prints what it runs on, runs every `gpu`-marked test and then the CUDA parity and PD
-# tests, and `scripts/bench_transfer.py` with the cuda_ipc backend; logs and the benchmark's
-# table and plot go to $OUT (or ./gpu_out). Record the figures in docs/benchmarks.md.
+# `run` installs the carried wheels into a private site dir (the image's CUDA torch and triton
+# are kept: they are not the pinned versions, device.txt says which ran), prints what it runs
+# on, runs every `gpu`-marked test, then the tests that take CUDA when it is there (Triton
+# attention and allocator kernels compiled, engine parity, pinned host pools) and the PD and
+# transfer tests, and `scripts/bench_transfer.py` with the cuda_ipc backend; logs and the
+# benchmark's table and plot go to $OUT (or ./gpu_out). Record the figures in docs/benchmarks.md.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 WHEELS=.gpu_wheels
@@ -36,9 +38,20 @@ print("torch", torch.__version__, "cuda", torch.version.cuda, "triton", triton._
 print(torch.cuda.get_device_name(0), f"{torch.cuda.get_device_properties(0).total_memory / 2**30:.0f} GiB")
 EOF
     status=0
-    python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts="-ra" 2>&1 | tee "$OUT/pytest_gpu.txt" | tail -25
+    # Only the files that hold `gpu` tests: collecting all of tests/ stops at the Ray, FastAPI and
+    # OpenAI-client tests (the image has none of them) before a single test has run.
+    gpu_files=$(grep -l "mark\.gpu" tests/test_*.py)
+    python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts="-ra" $gpu_files 2>&1 \
+        | tee "$OUT/pytest_gpu.txt" | tail -25
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-    # the same PD and transfer code paths with CUDA present (their CPU halves run too)
+    # CUDA branches the gpu marker does not reach: these pick cuda when it is there (compiled
+    # Triton kernels, engine parity on cuda, pinned host pools); then the PD and transfer code
+    # paths with CUDA present (their CPU halves run too)
+    python3 -m pytest -q -p no:cacheprovider -o addopts="-ra" tests/test_attention_backends.py \
+        tests/test_alloc_kernels.py tests/test_allocator_properties.py tests/test_hicache.py \
+        tests/test_engine_dense.py tests/test_engine_mla.py tests/test_engine_gemma3.py \
+        tests/test_engine_qwen3_next.py -k "triton or not engine" 2>&1 | tee "$OUT/pytest_cuda.txt" | tail -8
+    [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
     python3 -m pytest -q -p no:cacheprovider -o addopts="-ra" tests/test_pd_workers.py tests/test_transfer.py \
         tests/test_transfer_backends.py 2>&1 | tee "$OUT/pytest_pd.txt" | tail -8
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1

@@ -243,7 +243,7 @@ def test_cuda_ipc_without_cuda_raises():
 
 def assert_in_private_pool(alloc, outsider: torch.Tensor) -> None:
     """Every buffer, and not ``outsider``, lies in a segment of ``alloc.mem_pool``."""
-    segments = alloc.mem_pool.snapshot(include_traces=False)
+    segments = alloc.mem_pool.snapshot()  # no include_traces=: the device image's older torch lacks it
     spans = [(s["address"], s["address"] + s["total_size"]) for s in segments]
 
     def inside(t: torch.Tensor) -> bool:

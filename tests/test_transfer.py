@@ -332,6 +332,16 @@ TORCH_DIST_CASES = [
 ]
 
 
+def test_copy_runs_lands_host_rows_on_another_device(copy_path):
+    """A host-staged payload scattered into a device pool (gloo between CUDA pools): the
+    indices and the gathered rows must reach the destination's device. The meta device
+    stands in for CUDA: it checks devices, not bytes."""
+    src = torch.randn(16, 2, 4)
+    dst = torch.empty(16, 2, 4, device="meta")
+    runs = np.array([[1, 3, 2], [8, 9, 1]])
+    assert transfer.plan.copy_runs(src.narrow(1, 0, 1), dst.narrow(1, 1, 1), runs) == 3 * 4 * src.element_size()
+
+
 @pytest.mark.parametrize("kind, page_size, src_tp, dst_tp", SHM_CASES)
 def test_shm_moves_exactly_the_right_rows_and_heads(kind, page_size, src_tp, dst_tp, copy_path):
     for actual, expected in _transfer("shm", kind, page_size, src_tp, dst_tp, seed=page_size * 7 + src_tp):

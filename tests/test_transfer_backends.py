@@ -7,7 +7,7 @@ process start-up is the cost) plays the other rank.
 * torch_dist (gloo): the peer is the decode rank, then the prefill rank;
 * torch_dist (NCCL data path): this process is the prefill rank on cuda:0,
   the peer the decode rank on cuda:1 (two GPUs: NCCL refuses two ranks on one);
-* cuda_ipc: on a GPU only.
+* cuda_ipc: on a GPU only; the peer is the decode rank, as with shm.
 """
 
 import multiprocessing as mp
@@ -156,6 +156,21 @@ def test_cuda_ipc_in_process():
     push_one(prefill, decode, range(16, 32), range(32, 48))
     for name in src:
         assert torch.equal(dst[name][32:48], src[name][16:32]) and not dst[name][16:32].any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "kind, page_size, dst_tp_rank, dst_tp_size",
+    [("mha", 16, 1, 2), ("hybrid", 1, 0, 1), ("mla", 16, 0, 1), ("swa", 1, 0, 2)],
+)
+def test_cuda_ipc_across_processes(peer, kind, page_size, dst_tp_rank, dst_tp_size):
+    """As in a PD deployment (a process per rank): the peer's decode pools come from its
+    CUDA IPC MemPool, this process opens the pickled handles (another process: no
+    shortcut to its tensors) and writes; Mamba layer states and SWA buffers land
+    through their views into the bigger allocations."""
+    src = RankSpec(kind, page_size, seed=3, device="cuda")
+    dst = RankSpec(kind, page_size, dst_tp_rank, dst_tp_size, shared=True, seed=4, device="cuda")
+    _push_to_peer(peer, "cuda_ipc", src, dst, seed=page_size)
 
 
 @pytest.mark.gpu

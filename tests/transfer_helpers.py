@@ -15,7 +15,7 @@ from typing import Dict, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from mem_cache.buffer_allocator import LocalBufferAllocator, SharedMemoryBufferAllocator
+from mem_cache.buffer_allocator import LocalBufferAllocator, SharedMemoryBufferAllocator, create_buffer_allocator
 from mem_cache.mamba_pool import HybridLinearKVPool, MambaPool
 from mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
 from mem_cache.swa_memory_pool import SWAKVPool
@@ -32,7 +32,8 @@ STATE_SLOTS = 6
 @dataclass(frozen=True)
 class RankSpec:
     """One rank's pools: ``kind`` is "mha", "mla", "hybrid" or "swa" (3 layers,
-    ``swa_layers`` of them sliding-window), on ``device`` (``shared``: CPU only)."""
+    ``swa_layers`` of them sliding-window), on ``device`` (``shared``: in POSIX shared
+    memory on the CPU, from a CUDA IPC-exportable MemPool on CUDA)."""
 
     kind: str = "mha"
     page_size: int = 1
@@ -51,7 +52,10 @@ class RankSpec:
 
 def build_pool(spec: RankSpec):
     """``(pool, layout, tensors, allocators)`` for ``spec``, every byte seeded-random."""
-    alloc = SharedMemoryBufferAllocator(prefix=f"t{spec.tp_rank}") if spec.shared else LocalBufferAllocator(spec.device)
+    if spec.shared and spec.device != "cpu":
+        alloc = create_buffer_allocator(spec.device, shareable=True)
+    else:
+        alloc = SharedMemoryBufferAllocator(prefix=f"t{spec.tp_rank}") if spec.shared else LocalBufferAllocator(spec.device)
     dtype, device = getattr(torch, spec.dtype), spec.device
     heads = HEADS // spec.tp_size
     start = spec.tp_rank * heads

@@ -169,8 +169,8 @@ class ModelRunner:
         forward_batch.attn_backend = self.attn_backend
         self.attn_backend.init_forward_metadata(forward_batch)
         logits = self.model(forward_batch)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        if self.device.type == "cuda":  # this stream only: a device-wide sync would also wait for the KV
+            torch.cuda.current_stream(self.device).synchronize()  # pushes on their own streams (kv_push)
         self.forward_time += time.perf_counter() - start
         self.num_forwards += 1
         return logits
