@@ -287,3 +287,32 @@ def test_get_device_memory_cpu():
     assert get_device_memory(torch.device("cpu"))[1] == total
     with pytest.raises(ValueError, match="meta"):
         get_device_memory("meta")
+
+
+@pytest.mark.parametrize("family,strategy", [("llama", "no_buffer"), ("qwen3_next", "no_buffer"),
+                                             ("qwen3_next", "extra_buffer")])
+def test_pools_sized_from_device_memory_fit_the_budget(tmp_path, monkeypatch, family, strategy):
+    """With no ``max_total_tokens`` the runner sizes its pools from device memory: every pool
+    it allocates (a hybrid model's Mamba slots included) fits ``mem_fraction_static``'s share.
+    The Mamba pool used to come on top of a KV pool that had taken the whole budget (a real
+    Qwen3-Next would ask tens of GiB beyond it)."""
+    from actors.engine.config import EngineConfig
+    from actors.engine.model_runner import ModelRunner
+    from actors.engine.tiny import build_tiny_checkpoint
+    import actors.engine.model_runner as model_runner
+
+    available, total, fraction = 48 * 2**20, 64 * 2**20, 0.5  # 16 MiB for the pools
+    monkeypatch.setattr(model_runner, "get_device_memory", lambda device: (available, total))
+    path = build_tiny_checkpoint(family, tmp_path / family)
+    extra = {"mamba_scheduler_strategy": strategy} if family == "qwen3_next" else {}
+    runner = ModelRunner(EngineConfig(model_path=str(path), mem_fraction_static=fraction, max_running_requests=64,
+                                      **extra))
+    pool, page = runner.token_to_kv_pool, runner.config.page_size
+    cell = pool.mem_usage_bytes() // (runner.max_total_num_tokens + page)  # (+ the padding page of dummy slots)
+    used = runner.max_total_num_tokens * cell
+    if family == "qwen3_next":
+        mamba = runner.mamba_pool
+        assert mamba.size == runner._num_mamba_slots(64)
+        used += mamba.size * (mamba.mem_usage_bytes() // (mamba.size + 1))  # (+ its dummy slot)
+    budget = available - round(total * (1 - fraction))
+    assert budget * 0.9 < used <= budget

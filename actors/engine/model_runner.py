@@ -8,7 +8,9 @@ rows. Nothing is allocated per request afterwards.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import math
 import time
 from typing import Callable, Optional
 
@@ -30,6 +32,7 @@ from mem_cache.swa_memory_pool import SWAKVPool
 
 logger = logging.getLogger(__name__)
 
+MAX_RUNNING_DEFAULT = 256  # request rows when max_running_requests is not set (fewer if the KV pool is small)
 KV_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
 
@@ -49,7 +52,8 @@ class ModelRunner:
         self.spec = self.model.kv_cache_spec()
         self.context_len = config.context_length or self.model_config.max_position_embeddings
         self.max_total_num_tokens = tp.all_min(self._profile_tokens())  # the same slots on every rank
-        self.max_running_requests = config.max_running_requests or max(1, min(256, self.max_total_num_tokens // 2))
+        self.max_running_requests = config.max_running_requests or max(1, min(MAX_RUNNING_DEFAULT,
+                                                                              self.max_total_num_tokens // 2))
         self._init_pools()
         self.attn_backend = create_attention_backend(config.attention_backend, device=self.device)
         self.batch_sender: Optional[Callable[[ForwardBatch], None]] = None  # TP rank 0: batch → the other ranks
@@ -77,18 +81,37 @@ class ModelRunner:
             return max(ps, self.config.max_total_tokens // ps * ps)
         available, total = get_device_memory(self.device)
         fraction = self.config.mem_fraction_static or 0.5
-        budget = profile_max_num_tokens(self._kv_shape(), self.kv_dtype, available, total, fraction, page_size=ps)
+        shape, mamba_slots = self._kv_shape(), None
+        if self.spec.kind == "hybrid_mamba":  # KV for the full-attention layers only; the Mamba pool comes first
+            mamba_slots = self._num_mamba_slots(self.config.max_running_requests or MAX_RUNNING_DEFAULT)
+            shape = dataclasses.replace(shape, num_attention_layers=len(self.spec.full_attention_layer_ids),
+                                        mamba_state_bytes_per_slot=self._mamba_slot_bytes())
+        budget = profile_max_num_tokens(shape, self.kv_dtype, available, total, fraction, page_size=ps,
+                                        max_mamba_cache_size=mamba_slots)
         logger.info("memory budget: %s", budget.describe())
         return budget.max_total_num_tokens
+
+    def _num_mamba_slots(self, max_running_requests: int) -> int:
+        """Working (+ two ping-pong with extra_buffer) slots per running request, plus room
+        for the tree's checkpoints."""
+        per_req = 3 if self.config.mamba_scheduler_strategy == "extra_buffer" else 1
+        return max_running_requests * per_req + max(16, max_running_requests)
+
+    def _mamba_slot_bytes(self) -> int:
+        """One Mamba slot over every Mamba layer: conv states in the model dtype, the
+        temporal (SSM) state in fp32 — as :class:`MambaPool` allocates them."""
+        spec = self.spec
+        conv = sum(math.prod(s) for s in spec.conv_state_shapes) * self.dtype.itemsize
+        temporal = math.prod(spec.temporal_state_shape) * torch.float32.itemsize
+        return len(spec.mamba_layer_ids) * (conv + temporal)
 
     def _init_hybrid_pools(self) -> None:
         """Mamba state slots (working + ping-pong per running request, plus room for the
         tree's checkpoints), request rows that own them, and KV for the attention layers."""
         cfg, spec = self.config, self.spec
         extra = cfg.mamba_scheduler_strategy == "extra_buffer"
-        per_req = 3 if extra else 1
         self.mamba_pool = MambaPool(
-            self.max_running_requests * per_req + max(16, self.max_running_requests), spec.conv_state_shapes,
+            self._num_mamba_slots(self.max_running_requests), spec.conv_state_shapes,
             spec.temporal_state_shape, len(spec.mamba_layer_ids), self.dtype, torch.float32, device=self.device,
             buffer_allocator=self.buffer_allocator,
         )
