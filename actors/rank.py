@@ -31,8 +31,11 @@ and the tables are mirrored), so one slot list serves every rank.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from typing import Any, Callable, Dict, List, Optional
+
+import torch
 
 import transfer.backends  # noqa: F401  (registers the backends)
 from actors.engine.config import EngineConfig
@@ -44,6 +47,36 @@ from transfer.layout import pool_allocators, pool_layout
 
 logger = logging.getLogger(__name__)
 SHAREABLE_BACKENDS = ("shm", "cuda_ipc")
+
+
+# Set on CUDA rank actors (cluster.pd): Ray then leaves CUDA_VISIBLE_DEVICES alone, so every
+# process on a node numbers its GPUs alike, and a CUDA IPC handle exported by a decode rank on
+# one GPU opens in a prefill rank on another (with only its own GPU visible, as Ray makes it by
+# default, the handle's device index means a different GPU, or none, in the peer).
+NOSET_CUDA_VISIBLE_DEVICES = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
+
+
+def assigned_gpu_index(gpu_ids: Optional[List[Any]] = None) -> Optional[int]:
+    """This rank's CUDA device index when Ray left CUDA_VISIBLE_DEVICES alone: the
+    position of the GPU Ray assigned it (``gpu_ids``, default ``ray.get_gpu_ids()``)
+    among the visible ones. None when Ray isolated the process (its one GPU is
+    ``cuda:0``) or assigned no GPU."""
+    if os.environ.get(NOSET_CUDA_VISIBLE_DEVICES) != "1":
+        return None
+    if gpu_ids is None:
+        import ray
+
+        gpu_ids = ray.get_gpu_ids() if ray.is_initialized() else []
+    if not gpu_ids:
+        return None
+    gpu = str(gpu_ids[0])
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if not visible:
+        return int(gpu)
+    entries = [v.strip() for v in visible.split(",")]
+    if gpu not in entries:
+        raise RuntimeError(f"Ray assigned GPU {gpu}, which CUDA_VISIBLE_DEVICES={visible!r} does not show")
+    return entries.index(gpu)
 
 
 def resolve_backends(backend: str, device: str) -> List[str]:
@@ -65,8 +98,12 @@ class RankHost:
         self.backends = resolve_backends(backend, config.device)
         shareable = role == "decode" and any(b in SHAREABLE_BACKENDS for b in self.backends)
         prefix = f"{worker_id}-r{tp_rank}"
+        gpu = assigned_gpu_index() if config.device == "cuda" else None
+        if gpu is not None:  # before the pools: the shareable allocator takes the current device
+            torch.cuda.set_device(gpu)
         self.buffer_allocator = create_buffer_allocator(config.device, shareable, prefix=prefix)
-        self.tp_worker = TPModelWorker(config, tp_rank, dist_init_method, buffer_allocator=self.buffer_allocator)
+        self.tp_worker = TPModelWorker(config, tp_rank, dist_init_method, gpu_id=gpu,
+                                       buffer_allocator=self.buffer_allocator)
         self.runner = self.tp_worker.runner
         spec = self.runner.spec
         layout, tensors = pool_layout(

@@ -22,7 +22,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from actors.engine.config import EngineConfig
 from actors.engine.tp_worker import check_tp_shardable, tp_init_method
-from actors.rank import TPFollower
+from actors.rank import NOSET_CUDA_VISIBLE_DEVICES, TPFollower
 from actors.router import Router
 from actors.routing_policies import RouterSettings
 from actors.workers import DecodeWorker, PrefillWorker
@@ -131,6 +131,8 @@ def _actor_options(config, role: str) -> Dict[str, Any]:
         "max_concurrency": 1000,
         "max_restarts": 0,
     }
+    if group.device == "cuda":  # every GPU of the node visible to each rank: CUDA IPC across GPUs
+        options["runtime_env"] = {"env_vars": {NOSET_CUDA_VISIBLE_DEVICES: "1"}}  # (actors.rank)
     placement = config.placement
     if placement.use_node_resources:
         resource = placement.prefill_resource if role == "prefill" else placement.decode_resource

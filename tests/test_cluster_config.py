@@ -267,3 +267,26 @@ def test_gpu_example_fits_the_ray_cluster():
         gpus_per_worker = group.tp_size * group.gpus_per_rank
         assert gpus_per_worker <= node["resources"]["GPU"]  # one TP group packs on one node
         assert group.num_workers * gpus_per_worker <= node["max_workers"] * node["resources"]["GPU"]
+
+
+def test_cuda_ranks_see_every_gpu_of_their_node_and_pick_their_own(monkeypatch):
+    """CUDA rank actors start with Ray's NOSET flag (every GPU of the node visible, numbered
+    alike in every process, so a decode rank's CUDA IPC handles open in a prefill rank on
+    another GPU) and take the GPU Ray assigned them by its position among the visible ones."""
+    from actors.rank import NOSET_CUDA_VISIBLE_DEVICES, assigned_gpu_index
+    from cluster.pd import _actor_options
+
+    gpu = load_config(CONFIGS / "gpu_example.yaml")
+    for role in ("prefill", "decode"):
+        assert _actor_options(gpu, role)["runtime_env"] == {"env_vars": {NOSET_CUDA_VISIBLE_DEVICES: "1"}}
+    assert "runtime_env" not in _actor_options(load_config(CONFIGS / "local_cpu.yaml"), "decode")
+
+    monkeypatch.delenv(NOSET_CUDA_VISIBLE_DEVICES, raising=False)
+    assert assigned_gpu_index(["3"]) is None  # Ray isolated the process: its GPU is cuda:0
+    monkeypatch.setenv(NOSET_CUDA_VISIBLE_DEVICES, "1")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert assigned_gpu_index(["3"]) == 3 and assigned_gpu_index([]) is None
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")  # the node itself shows a subset
+    assert assigned_gpu_index(["6"]) == 2
+    with pytest.raises(RuntimeError, match="Ray assigned GPU 1, which CUDA_VISIBLE_DEVICES='4,5,6,7' does not show"):
+        assigned_gpu_index(["1"])
