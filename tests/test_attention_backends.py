@@ -61,3 +61,34 @@ def test_triton_matches_torch(prefix, extend, window, cap):
 def test_unknown_backend_lists_known_ones():
     with pytest.raises(ValueError, match="torch, triton"):
         create_attention_backend("flashinfer")
+
+
+def _reference(q, k, v, slots, prefix, sm_scale):
+    """One request: queries at positions ``prefix + j`` over keys ``slots[: prefix + j + 1]``."""
+    keys, values = k[slots, 0].float(), v[slots, 0].float()
+    scores = torch.einsum("thd,sd->ths", q.float(), keys) * sm_scale
+    pos = torch.arange(len(slots), device=q.device)
+    visible = pos[None, :] <= (prefix + torch.arange(q.shape[0], device=q.device))[:, None]
+    scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
+    return torch.einsum("ths,sd->thd", scores.softmax(-1), values)
+
+
+@pytest.mark.parametrize("head_dim,v_dim", [(128, 128), (256, 256), (576, 512)])
+def test_triton_kernel_at_real_head_sizes(head_dim, v_dim):
+    """Llama's 128, Gemma 3's 256 and DeepSeek's MLA (576-wide latent + rope keys, 512-wide
+    values read from the same rows): on a GPU this is the launch configuration the tiny test
+    models never reach (tiles that must fit shared memory)."""
+    from actors.engine.attention.triton_kernels import paged_attention
+
+    gen = torch.Generator().manual_seed(head_dim)
+    prefix, extend, heads = 10, 20, 2
+    kv = torch.randn(64, 1, head_dim, generator=gen).to(DEVICE)
+    v = kv[..., :v_dim] if v_dim != head_dim else torch.randn(64, 1, v_dim, generator=gen).to(DEVICE)
+    slots = (torch.randperm(63, generator=gen)[: prefix + extend] + 1).to(DEVICE)
+    table = torch.zeros(1, 64, dtype=torch.int32, device=DEVICE)
+    table[0, : prefix + extend] = slots.to(torch.int32)
+    q = torch.randn(extend, heads, head_dim, generator=gen).to(DEVICE)
+    t = lambda xs: torch.tensor(xs, dtype=torch.int64, device=DEVICE)  # noqa: E731
+    out = paged_attention(q, kv, v, table, t([0]), t([prefix + extend]), t([prefix]), t([extend]), t([0]), extend,
+                          head_dim**-0.5, v_head_dim=v_dim)
+    torch.testing.assert_close(out, _reference(q, kv, v, slots, prefix, head_dim**-0.5), atol=1e-4, rtol=1e-4)

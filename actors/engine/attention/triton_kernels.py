@@ -88,7 +88,8 @@ def paged_attention(
     dv = v_head_dim or v_buffer.shape[-1]
     out = q.new_empty(num_tokens, num_heads, dv)
     block_m = 16
-    block_n = 16 if q.device.type == "cpu" else 64
+    block_d, block_dv = max(16, triton.next_power_of_2(head_dim)), max(16, triton.next_power_of_2(dv))
+    block_n, launch = _launch_config(q.device.type, max(block_d, block_dv))
     grid = (seq_lens.numel(), num_heads, triton.cdiv(max_extend_len, block_m))
     _paged_attention_kernel[grid](
         q, k_buffer, v_buffer, out, req_to_token, req_pool_indices, seq_lens, prefix_lens, extend_lens, start_loc,
@@ -96,7 +97,19 @@ def paged_attention(
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
         out.stride(0), out.stride(1), req_to_token.stride(0),
         GROUP=num_heads // k_buffer.shape[1], D=head_dim, DV=dv,
-        BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_DV=max(16, triton.next_power_of_2(dv)),
-        BLOCK_M=block_m, BLOCK_N=block_n, USE_WINDOW=bool(sliding_window), USE_CAP=bool(logit_cap),
+        BLOCK_D=block_d, BLOCK_DV=block_dv,
+        BLOCK_M=block_m, BLOCK_N=block_n, USE_WINDOW=bool(sliding_window), USE_CAP=bool(logit_cap), **launch,
     )
     return out
+
+
+def _launch_config(device_type: str, block_d: int):
+    """``(BLOCK_N, launch options)``. On a GPU the K / V tiles (fp32, ``BLOCK_N × BLOCK_D``) are
+    held to 16K elements, so wide heads — Gemma 3's 256, MLA's 576-wide latent + rope — do not
+    outgrow shared memory and registers; those also get more warps and no software pipelining
+    (each stage would hold another tile). The interpreter (CPU) takes small tiles: ≈1 ms a program."""
+    if device_type == "cpu":
+        return 16, {}
+    block_n = max(16, min(64, 16384 // block_d))
+    wide = block_d >= 512
+    return block_n, {"num_warps": 8 if wide else 4, "num_stages": 1 if wide else 2}
