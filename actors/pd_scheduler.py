@@ -149,6 +149,8 @@ class DecodeScheduler(Scheduler):
         req.cached_tokens = prefix_len
         if self.swa:  # [prefix_len, split) took no SWA slots (see _alloc_swa_prompt)
             req.swa_evicted_seqlen = self._swa_split(prefix_len, prompt_len)
+        if self.hybrid and self.runner.device.type == "cuda":  # the state slot's zeroing is done before
+            torch.cuda.current_stream(self.runner.device).synchronize()  # the prefill side may write it
         try:
             self._make_handoffs(req, prefix_len, prompt_len)
         except Exception as exc:  # no hand-off went out: nobody can write these slots, free them now

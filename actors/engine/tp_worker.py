@@ -228,6 +228,8 @@ class TPModelWorker:
             apply_table_updates(self.tables, msg.table_updates)
             if msg.mamba_ops:
                 self._mamba_pool.replay(msg.mamba_ops)
+                if msg.fields is None and device.type == "cuda":  # a sync() before out-of-band writes (a
+                    torch.cuda.current_stream(device).synchronize()  # KV push into fresh slots): zeroed first
             if msg.fields is not None:
                 self.runner.forward(msg.forward_batch(device))
         self._stopped = True
