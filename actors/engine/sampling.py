@@ -10,7 +10,7 @@ the request gives a seed, so the same seed gives the same tokens).
 
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -61,11 +61,23 @@ def make_generator(seed: Optional[int]) -> torch.Generator:
 
 def sample_next(
     logits: torch.Tensor, params: SamplingParams, prompt_ids: List[int], output_ids: List[int], generator: torch.Generator
-) -> Tuple[int, torch.Tensor]:
-    """Next token of one request and the log-softmax it was drawn from (for logprobs)."""
+) -> Tuple[int, Optional[torch.Tensor]]:
+    """Next token of one request and, when it asks for logprobs, the log-softmax it was drawn from."""
     logits = apply_penalties(logits.float().cpu(), params, prompt_ids, output_ids)
-    logprobs = torch.log_softmax(logits, dim=-1)
+    logprobs = torch.log_softmax(logits, dim=-1) if params.return_logprob else None
     if params.is_greedy:
         return int(torch.argmax(logits)), logprobs
     probs = filter_probs(torch.softmax(logits / params.temperature, dim=-1), params)
     return int(torch.multinomial(probs, 1, generator=generator)), logprobs
+
+
+def plain_greedy_tokens(logits: torch.Tensor, params: Sequence[SamplingParams]) -> Dict[int, int]:
+    """``{row: token}`` for the rows of a batch's logits ``[bs, vocab]`` that need nothing but
+    an argmax (greedy, no penalties, no logprobs): one argmax over those rows on the logits'
+    device and one transfer of their tokens, not a row at a time through host memory. The
+    other rows are :func:`sample_next`'s."""
+    rows = [i for i, p in enumerate(params) if p.is_greedy and not p.has_penalties and not p.return_logprob]
+    if not rows:
+        return {}
+    picked = logits if len(rows) == len(params) else logits[torch.tensor(rows, device=logits.device)]
+    return dict(zip(rows, torch.argmax(picked, dim=-1).tolist()))

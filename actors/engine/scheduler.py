@@ -24,7 +24,7 @@ import torch
 
 from actors.engine.finish import check_finished, stream_text
 from actors.engine.req import Req
-from actors.engine.sampling import sample_next
+from actors.engine.sampling import plain_greedy_tokens, sample_next
 from actors.engine.schedule_batch import prepare_for_decode, prepare_for_extend
 from mem_cache.hicache_storage import HiCacheFile
 from mem_cache.hiradix_cache import HiRadixCache
@@ -315,8 +315,13 @@ class Scheduler:
         logger.info("retracted request %s (%d retractions so far)", req.rid, self.num_retractions)
 
     # ---- results ----------------------------------------------------------------------
-    def _sample(self, req: Req, logits_row) -> None:
-        token, logprobs = sample_next(logits_row, req.sampling_params, req.origin_input_ids, req.output_ids, req.generator)
+    def _sample(self, req: Req, logits_row, token: Optional[int] = None) -> None:
+        """Sample ``req``'s next token from its logits row (``token``: already picked by
+        the batch's argmax) and see whether it finished."""
+        logprobs = None
+        if token is None:
+            token, logprobs = sample_next(logits_row, req.sampling_params, req.origin_input_ids, req.output_ids,
+                                          req.generator)
         req.output_ids.append(token)
         if req.sampling_params.return_logprob:
             req.output_logprobs.append(float(logprobs[token]))
@@ -357,9 +362,10 @@ class Scheduler:
 
     def _process_decode(self, reqs: List[Req], logits) -> List[Req]:
         self.runner.allocator.free_group_begin()
+        greedy = plain_greedy_tokens(logits, [r.sampling_params for r in reqs])
         for i, req in enumerate(reqs):
             req.kv_committed_len = req.seqlen
-            self._sample(req, logits[i])
+            self._sample(req, logits[i], greedy.get(i))
             if req.finished:
                 self.tree_cache.cache_finished_req(req)
         self.runner.allocator.free_group_end()
