@@ -67,6 +67,16 @@ def _mamba_tracks(pool, reqs: List[Req], track_lens: List[Optional[int]]):
     return slots, track_lens
 
 
+def _last_locs(pool, reqs: List[Req], lens: torch.Tensor, rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The slot of each request's token at ``lens - 1`` (-1 where ``lens`` is 0), int64 on the
+    table's device: one gather, not a read (a device sync on CUDA) per request."""
+    table = pool.req_to_token
+    if rows is None:
+        rows = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64, device=table.device)
+    lens = lens.to(table.device, torch.int64)
+    return torch.where(lens > 0, table[rows, (lens - 1).clamp(min=0)].to(torch.int64), -1)
+
+
 def prepare_for_extend(reqs: List[Req], runner, tree_cache) -> Optional[ForwardBatch]:
     """Rows for new requests, slots for ``[len(prefix_indices), len(fill_ids))`` of each."""
     pool, allocator, ps = runner.req_to_token_pool, runner.allocator, runner.config.page_size
@@ -82,12 +92,12 @@ def prepare_for_extend(reqs: List[Req], runner, tree_cache) -> Optional[ForwardB
     prefix_lens = [len(r.prefix_indices) for r in reqs]
     seq_lens = [len(r.fill_ids) for r in reqs]
     num_tokens = sum(seq_lens) - sum(prefix_lens)
-    last_loc = [int(pool.req_to_token[r.req_pool_idx, p - 1]) if p > 0 else -1 for r, p in zip(reqs, prefix_lens)]
     prefix_t, seq_t = torch.tensor(prefix_lens), torch.tensor(seq_lens)
+    last_loc = _last_locs(pool, reqs, prefix_t).to(runner.device)
     out = _alloc_with_eviction(
         tree_cache, allocator,
         lambda: allocator.alloc_extend(
-            prefix_t.to(runner.device), seq_t.to(runner.device), runner.tensor(last_loc), num_tokens,
+            prefix_t.to(runner.device), seq_t.to(runner.device), last_loc, num_tokens,
             prefix_lens_cpu=prefix_t, seq_lens_cpu=seq_t,
         ),
         num_tokens + len(reqs) * ps,
@@ -139,17 +149,21 @@ def prepare_for_decode(reqs: List[Req], runner, tree_cache) -> Optional[ForwardB
         for req in reqs:
             free_swa_out_of_window(req)
     seq_lens = [r.seqlen for r in reqs]
-    last_loc = [int(pool.req_to_token[r.req_pool_idx, s - 2]) for r, s in zip(reqs, seq_lens)]
     seq_t = torch.tensor(seq_lens)
+    # the batch's table cells as index tensors: one gather and one scatter on the table's device,
+    # not a read (a device sync on CUDA) and a write per request
+    rows = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64, device=pool.req_to_token.device)
+    cols = seq_t.to(pool.req_to_token.device, torch.int64) - 1
+    last_loc = _last_locs(pool, reqs, seq_t - 1, rows).to(runner.device)
     out = _alloc_with_eviction(
         tree_cache, allocator,
-        lambda: allocator.alloc_decode(seq_t.to(runner.device), runner.tensor(last_loc), seq_lens_cpu=seq_t),
+        lambda: allocator.alloc_decode(seq_t.to(runner.device), last_loc, seq_lens_cpu=seq_t),
         len(reqs) * runner.config.page_size,
     )
     if out is None:
         return None
-    for req, s, slot in zip(reqs, seq_lens, out.tolist()):
-        pool.req_to_token[req.req_pool_idx, s - 1] = slot
+    pool.req_to_token[rows, cols] = out.to(pool.req_to_token.device, pool.req_to_token.dtype)
+    for req, s in zip(reqs, seq_lens):
         req.kv_allocated_len = s
     bs = len(reqs)
     interval = runner.config.mamba_track_interval
