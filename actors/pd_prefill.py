@@ -255,17 +255,21 @@ class PrefillScheduler(Scheduler):
             for r in [push_id] if push_id is not None else list(self._pushing):
                 self._pushing.pop(r, None)
 
-    def abort(self, rid: str) -> bool:
+    def abort(self, rid: str, room: Optional[int] = None) -> bool:
         """Stop every rank pushing ``rid`` (waiting for a copy in progress), then end it:
         from ``inflight`` it ends here (its complete prompt cached), otherwise as the
-        engine ends it."""
+        engine ends it. ``room``: only the attempt whose hand-offs have that room. A
+        request that finished already (its notice went out; it is cached at the next
+        step) is not the one meant: the id may name a new request by now."""
+
+        def meant(r: Optional[Req]) -> bool:
+            return r is not None and r.rid == rid and not r.finished and room in (None, getattr(r, "pd_room", None))
+
         with self._push_lock:
-            push_id = next((k for k, r in self._pushing.items() if r.rid == rid), None)
+            push_id = next((k for k, r in self._pushing.items() if meant(r)), None)
         if push_id is not None:
             self._cancel_pushes(push_id)  # (not under _push_lock: it waits for the transfer thread)
-        req = next((r for r in self.inflight if r.rid == rid), None)
-        if req is not None and req.finished:  # its notice went out: nothing to abort; cached next step
-            return False
+        req = next((r for r in self.inflight if meant(r)), None)
         if req is not None:
             with self._push_lock:
                 self.inflight.remove(req)
@@ -274,10 +278,11 @@ class PrefillScheduler(Scheduler):
             self.tree_cache.cache_finished_req(req)
             self._aborted.append(req)
             return True
-        req = next((r for r in self.waiting + [self.chunked_req] if r is not None and r.rid == rid), None)
-        if req is not None:
-            req.pd_error = "aborted"
-        return super().abort(rid)
+        req = next((r for r in self.waiting + [self.chunked_req] if meant(r)), None)
+        if req is None:
+            return False
+        req.pd_error = "aborted"
+        return super().abort(rid)  # (the one unfinished request under rid: the engine loop allows no other)
 
     def fail_all(self, message: str) -> List[Req]:
         """The engine step failed: stop every push; the loop releases what they held

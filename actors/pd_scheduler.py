@@ -365,13 +365,21 @@ class DecodeScheduler(Scheduler):
     # ---- abort ---------------------------------------------------------------------------
     def abort(self, rid: str, message: str = "aborted", safe: bool = False) -> bool:
         """``safe``: the caller knows no prefill rank will write this request's slots
-        (then a reservation already dropped into quarantine goes back at once too)."""
+        (then a reservation already dropped into quarantine goes back at once too).
+        The request in flight under ``rid`` comes first: a quarantined one of the same
+        id is an earlier request (the client sent the id again), whose late push may
+        still come — it goes back on a safe abort only when no request holds the id."""
+        if self._abort_live(rid, message, safe):
+            return True
         if safe:
             for i, (_, req) in enumerate(self.quarantine):
                 if req.rid == rid:
                     del self.quarantine[i]
                     self._release(req)
                     return True
+        return False
+
+    def _abort_live(self, rid: str, message: str, safe: bool) -> bool:
         for req in self.prealloc:
             if req.rid == rid:
                 self.prealloc.remove(req)

@@ -26,7 +26,7 @@ import collections
 import logging
 import random
 import time
-from typing import Any, AsyncIterator, Dict, List, Optional
+from typing import Any, AsyncIterator, Dict, List, Optional, Tuple
 
 from actors.engine.config import EngineConfig
 from actors.engine.engine import _eos_ids, check_engine_integrity, flush_engine_cache, request_result
@@ -240,7 +240,8 @@ class PrefillWorker(_Worker):
                  agent_options: Optional[Dict[str, Dict[str, Any]]] = None):
         super().__init__(model_path, engine_args, backend, worker_id, dist_init_method, agent_options)
         self.scheduler = PrefillScheduler(self.runner, self.tokenizer, self.agents, self.rank.pusher, self.tp_worker)
-        self._cancelled: "collections.OrderedDict[str, None]" = collections.OrderedDict()  # aborted rids
+        # aborted (rid, room) attempts, (rid, None): every attempt under the id
+        self._cancelled: "collections.OrderedDict[Tuple[str, Optional[int]], None]" = collections.OrderedDict()
         self.loop = EngineLoop(self.scheduler)
         self.scheduler.enable_early_notice(self.loop.deliver_now)
         self._init_kv_log()
@@ -250,18 +251,19 @@ class PrefillWorker(_Worker):
         """Prefill and push; returns the completion notice the decode side needs."""
         if self.draining:
             raise PDRequestError("prefill worker is draining")
-        if rid in self._cancelled:
+        parsed = [KVHandoff.from_bytes(raw) for raw in handoffs]
+        room = parsed[0].room if parsed else None  # the attempt: its decode reservation's room
+        if (rid, None) in self._cancelled or (rid, room) in self._cancelled:
             raise PDRequestError(f"request {rid!r} was aborted before its prefill started")
         req = self._make_req(rid, input_ids, sampling_params)
-        for i, raw in enumerate(handoffs):  # reject what cannot be served before any work is done
-            handoff = KVHandoff.from_bytes(raw)
+        for handoff in parsed:  # reject what cannot be served before any work is done
             agent = self.agents.get(handoff.backend)
             if agent is None:
                 raise PDRequestError(f"hand-off over backend {handoff.backend!r}; this worker has {sorted(self.agents)}")
             check_compatible(agent.layout, handoff.layout)  # LayoutMismatchError names the difference
-            if i == 0:  # the decode worker (its rank 0's agent): the lane its pushes take
-                req.pd_dest = f"{handoff.backend}/{handoff.endpoint.get('agent_id', '')}"
-        req.pd_handoffs = list(handoffs)
+        if parsed:  # the decode worker (its rank 0's agent): the lane its pushes take
+            req.pd_dest = f"{parsed[0].backend}/{parsed[0].endpoint.get('agent_id', '')}"
+        req.pd_handoffs, req.pd_room = list(handoffs), room
         queue = self._submit(req)
         while True:
             result, finished, error = await queue.get()
@@ -292,14 +294,17 @@ class PrefillWorker(_Worker):
         the forward the engine loop is running."""
         self.scheduler.on_pushed(rank, results)
 
-    async def abort(self, rid: str, message: str = "aborted") -> bool:
+    async def abort(self, rid: str, message: str = "aborted", room: Optional[int] = None) -> bool:
         """After this returns no rank of this worker will push ``rid``'s KV: it was never
         here, already pushed, or is dropped now — a chunk copy in progress on any rank is
-        waited for, queued ones are dropped (a call arriving later is refused)."""
-        self._cancelled[rid] = None
+        waited for, queued ones are dropped (a call arriving later is refused).
+        ``room`` (its hand-offs' room) names the attempt: later calls are refused for
+        that attempt only, so the client may send the id again with a new reservation.
+        Without it every later call under ``rid`` is refused."""
+        self._cancelled[(rid, room)] = None
         while len(self._cancelled) > CANCELLED_RIDS_KEPT:
             self._cancelled.popitem(last=False)
-        return self.loop.run_exclusive(lambda: self.scheduler.abort(rid))
+        return self.loop.run_exclusive(lambda: self.scheduler.abort(rid, room))
 
     def load(self) -> Dict[str, Any]:
         out = super().load()

@@ -26,6 +26,7 @@ import ray
 from actors.pd_scheduler import PDRequestError, is_worker_death
 from actors.router import call_method
 from transfer import select_backend
+from transfer.base import KVHandoff
 
 logger = logging.getLogger(__name__)
 
@@ -139,7 +140,7 @@ class PDClient:
                 notice = await self._call(prefill, prefill.handle.prefill.remote(rid, input_ids, sampling_params, handoffs),
                                           self.waiting_timeout_s, rid)
             except BaseException:
-                safe = await self._stop_prefill(prefill, rid)
+                safe = await self._stop_prefill(prefill, rid, KVHandoff.from_bytes(handoffs[0]).room)
                 await self._abort_quietly(decode, rid, safe=safe)
                 raise
             await self._release(rid, "prefill", wait=False)
@@ -186,12 +187,13 @@ class PDClient:
                 raise cause from None
             raise PDRequestError(f"{worker.role} worker {worker.worker_id}: {exc}") from exc
 
-    async def _stop_prefill(self, prefill: WorkerRef, rid: str) -> bool:
-        """Make sure ``prefill`` will not push ``rid``'s KV; True when that is certain."""
+    async def _stop_prefill(self, prefill: WorkerRef, rid: str, room: int) -> bool:
+        """Make sure ``prefill`` will not push the KV of ``rid``'s attempt ``room`` (its
+        hand-offs' room; the client may send the id again); True when that is certain."""
         if not prefill.alive:
             return True  # a dead process writes nothing
         try:
-            await asyncio.wait_for(prefill.handle.abort.remote(rid), timeout=5)
+            await asyncio.wait_for(prefill.handle.abort.remote(rid, "aborted", room), timeout=5)
             return True
         except Exception as exc:
             if isinstance(exc, ray.exceptions.RayActorError):

@@ -24,9 +24,12 @@ def hf_model(model_path: str):
 def hf_greedy(model_path: str, prompt: Sequence[int], max_new_tokens: int, eos_token_ids: Sequence[int]):
     """HF's greedy continuation of ``prompt`` and the logits of every step."""
     model = hf_model(model_path)
+    input_ids = torch.tensor([list(prompt)])
     with torch.no_grad():
         out = model.generate(
-            torch.tensor([list(prompt)]), max_new_tokens=max_new_tokens, do_sample=False,
+            # every position is real: without a mask HF infers one that hides the prompt's pad-id tokens
+            # (a follow-up turn holds the model's earlier answer, which may contain it)
+            input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens, do_sample=False,
             eos_token_id=list(eos_token_ids) or None, pad_token_id=0,
             output_logits=True, return_dict_in_generate=True,
         )

@@ -7,18 +7,24 @@ import itertools
 import random
 from typing import Dict, List, Optional
 
+from transfer.base import KVHandoff
+
 _rids = itertools.count()
 
 
-async def run_pd(prefill, decode, input_ids: List[int], params: Optional[Dict] = None, rid: Optional[str] = None):
-    """reserve → prefill + push → stream; returns (final result, notice, hand-offs)."""
+async def run_pd(prefill, decode, input_ids: List[int], params: Optional[Dict] = None, rid: Optional[str] = None,
+                 attempt: Optional[Dict] = None):
+    """reserve → prefill + push → stream; returns (final result, notice, hand-offs).
+    ``attempt`` gets the hand-offs' ``room`` once reserved (what a client that walks away knows)."""
     rid = rid or f"pd-{next(_rids)}"
     params = params or {"max_new_tokens": 8, "temperature": 0}
     handoffs = await decode.reserve(rid, input_ids, params)
+    if attempt is not None:
+        attempt["room"] = KVHandoff.from_bytes(handoffs[0]).room
     try:
         notice = await prefill.prefill(rid, input_ids, params, handoffs)
     except BaseException:  # as the client does: make sure no push comes, then free the slots at once
-        await prefill.abort(rid)
+        await prefill.abort(rid, room=KVHandoff.from_bytes(handoffs[0]).room)
         await decode.abort(rid, safe=True)
         raise
     final = None

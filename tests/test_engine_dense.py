@@ -94,3 +94,17 @@ def test_bad_engine_args_name_the_field(model_dir):
         Engine(model_path=model_dir, page_size=0)
     with pytest.raises(ValueError, match="schedule_policy"):
         Engine(model_path=model_dir, schedule_policy="random")
+
+
+def test_the_hf_reference_sees_a_pad_id_inside_the_prompt(model_dir):
+    """The oracle itself: a follow-up turn holds the model's earlier answer, which may contain
+    the pad id (0). HF's generate, given no attention mask, made one that hid those tokens, so
+    its reference was another prompt's (hybrid-model conversations failed parity on it)."""
+    from tests.parity import hf_greedy, hf_model
+
+    prompt = prompts(1, 20, 20, seed=9)[0]
+    prompt[7] = 0
+    _, logits = hf_greedy(model_dir, prompt, 1, ())
+    with torch.no_grad():
+        expected = hf_model(model_dir)(torch.tensor([prompt])).logits[0, -1]
+    torch.testing.assert_close(logits[0], expected)

@@ -945,3 +945,64 @@ def test_a_request_id_used_again_at_once_keeps_its_own_reservation(checkpoints):
     first, second = asyncio.run(go())
     assert first["output_ids"] == second["output_ids"] and len(first["output_ids"]) == 8
     close(prefill, decode)
+
+
+def test_a_request_id_sent_again_right_after_an_abort_is_served(checkpoints):
+    """An abort ends a request at once, but the loop reports it at its next step. The same id
+    sent again meanwhile (a client retrying) was refused as "already in flight" on either side,
+    and the prefill side refused every later call under the id, not only the aborted attempt's
+    (a late call with that attempt's hand-offs still is). Both loops are held to keep the window open."""
+    path = checkpoints["llama"]
+    prefill, decode = make_pair(path)
+    ids = prompts(1, 12, 12, seed=72)[0]
+
+    async def go():
+        handoffs = await decode.reserve("again", ids, GREEDY)
+        prefill.loop.pause()
+        decode.loop.pause()
+        first = asyncio.ensure_future(prefill.prefill("again", ids, GREEDY, handoffs))
+        await asyncio.sleep(0)
+        assert await prefill.abort("again", room=KVHandoff.from_bytes(handoffs[0]).room)
+        assert await decode.abort("again", safe=True)
+        reserve = asyncio.ensure_future(decode.reserve("again", ids, GREEDY))
+        await asyncio.sleep(0)
+        decode.loop.resume()
+        handoffs_2 = await reserve
+        with pytest.raises(PDRequestError, match="aborted before its prefill started"):
+            await prefill.prefill("again", ids, GREEDY, handoffs)  # the aborted attempt, come late
+        second = asyncio.ensure_future(prefill.prefill("again", ids, GREEDY, handoffs_2))
+        await asyncio.sleep(0)
+        prefill.loop.resume()
+        with pytest.raises(PDRequestError, match="aborted"):
+            await first
+        return [out async for out in decode.stream("again", await second)][-1]
+
+    final = asyncio.run(go())
+    assert len(final["output_ids"]) == 8
+    assert_greedy_parity(path, [ids], [final["output_ids"]], 8, decode.eos_token_ids)
+    close(prefill, decode)
+
+
+def test_a_safe_abort_ends_the_live_request_not_a_quarantined_one_of_the_same_id(checkpoints):
+    """A reservation dropped unconfirmed stays quarantined (its push may still come). When the
+    client sends its id again, a safe abort is about the new request: it released the old,
+    quarantined slots early and left the new reservation held until its waiting timeout."""
+    path = checkpoints["llama"]
+    prefill, decode = make_pair(path, waiting_timeout_s=5.0)
+    ids = prompts(1, 20, 20, seed=73)[0]
+
+    async def go():
+        total = decode.load()["total_slots"]
+        await decode.reserve("same", ids, GREEDY)
+        assert await decode.abort("same")  # unconfirmed: quarantined
+        held = decode.load()["free_slots"]
+        await decode.reserve("same", ids, GREEDY)  # the id sent again
+        assert await decode.abort("same", safe=True)
+        assert decode.load()["transfer"] == 0  # the new reservation went back, the old one stays
+        assert decode.load()["free_slots"] == held
+        assert [req.rid for _, req in decode.scheduler.quarantine] == ["same"]
+        assert await decode.abort("same", safe=True)  # no request holds the id: now the quarantined one
+        assert decode.load()["free_slots"] == total
+
+    asyncio.run(go())
+    close(prefill, decode)

@@ -4,13 +4,19 @@ Callers (sync or asyncio) submit requests with a callback; the loop thread
 runs ``scheduler.step()`` while there is work and, after every step, calls
 the callback of each request that produced output. A failure inside a step
 is delivered to every request in flight (nothing waits forever).
+
+A request id names one unfinished request at a time. Once a request has
+finished — an abort finishes it at once, its last word is delivered at the
+loop's next step — its id may be submitted again (a client retrying under its
+own id): callbacks belong to request objects, so the old request's last word
+still goes to its own caller, never to the new request's.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, Optional, Tuple
 
 from actors.engine.req import Req
 
@@ -23,7 +29,8 @@ Callback = Callable[[Req, Optional[BaseException]], None]
 class EngineLoop:
     def __init__(self, scheduler):
         self.scheduler = scheduler
-        self._callbacks: Dict[str, Callback] = {}
+        self._callbacks: Dict[int, Tuple[Req, Callback]] = {}  # by id(req), the request kept alive here
+        self._by_rid: Dict[str, Req] = {}  # the request last submitted under each id, until delivered finished
         self._callbacks_lock = threading.Lock()  # not the loop's: deliver_now must not wait for a step
         self._cond = threading.Condition()
         self._stopped = False
@@ -36,9 +43,11 @@ class EngineLoop:
             if self._stopped:
                 raise RuntimeError("the engine is shut down")
             with self._callbacks_lock:
-                if req.rid in self._callbacks:
+                old = self._by_rid.get(req.rid)
+                if old is not None and not old.finished:
                     raise ValueError(f"request id {req.rid!r} is already in flight")
-                self._callbacks[req.rid] = callback
+                self._callbacks[id(req)] = (req, callback)
+                self._by_rid[req.rid] = req
             self.scheduler.add_request(req)
             self._cond.notify()
 
@@ -118,11 +127,14 @@ class EngineLoop:
 
     def _deliver(self, req: Req, error: Optional[BaseException]) -> None:
         with self._callbacks_lock:
-            callback = self._callbacks.get(req.rid)
-            if callback is not None and (req.finished or error is not None):
-                del self._callbacks[req.rid]
-        if callback is None:
-            return
+            entry = self._callbacks.get(id(req))
+            if entry is None:
+                return
+            callback = entry[1]
+            if req.finished or error is not None:
+                del self._callbacks[id(req)]
+                if self._by_rid.get(req.rid) is req:
+                    del self._by_rid[req.rid]
         try:
             callback(req, error)
         except Exception:  # a caller's bug must not stop the loop every other request needs

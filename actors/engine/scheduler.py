@@ -384,7 +384,7 @@ class Scheduler:
                 self._aborted.append(req)
                 return True
         for req in self.running + ([self.chunked_req] if self.chunked_req else []):
-            if req.rid == rid:
+            if req.rid == rid and not req.finished:  # (a finished one: ended already, its id maybe reused)
                 req.finish({"type": "abort", "message": "aborted"})
                 return True
         return False
