@@ -35,6 +35,11 @@ def _unsupported(field: str, what: str) -> ValueError:
     return ValueError(f"{field}: {what} is not supported by this server")
 
 
+def _as_batch(prompt) -> list:
+    """A /v1/completions ``prompt`` as its batch: one string or token-id list per prompt."""
+    return list(prompt) if isinstance(prompt, list) and prompt and isinstance(prompt[0], (list, str)) else [prompt]
+
+
 def _nullable(field) -> bool:
     return field.annotation is type(None) or type(None) in get_args(field.annotation)
 
@@ -126,7 +131,8 @@ class _OpenAISampling(BaseModel):
 
 
 class CompletionRequest(_OpenAISampling):
-    """POST /v1/completions. ``prompt``: a string, or a list of token ids."""
+    """POST /v1/completions. ``prompt``: a string or a list of token ids, or a batch
+    (a list of either) of at most ``MAX_PROMPTS``."""
 
     prompt: Union[str, List[int], List[str], List[List[int]]]
     max_tokens: Optional[int] = Field(16, ge=1)
@@ -138,7 +144,7 @@ class CompletionRequest(_OpenAISampling):
     @field_validator("prompt")
     @classmethod
     def _prompts(cls, v):
-        batch = v if isinstance(v, list) and v and isinstance(v[0], (list, str)) else [v]
+        batch = _as_batch(v)
         if len(batch) > MAX_PROMPTS:
             raise ValueError(f"at most {MAX_PROMPTS} prompts per request; got {len(batch)}")
         for i, one in enumerate(batch):
@@ -152,8 +158,7 @@ class CompletionRequest(_OpenAISampling):
     def prompts(self) -> List[Union[str, List[int]]]:
         """The batch: one string or token-id list per prompt. Its choices are numbered
         ``prompt × n + sample``, as in vLLM."""
-        v = self.prompt
-        return list(v) if isinstance(v, list) and v and isinstance(v[0], (list, str)) else [v]
+        return _as_batch(self.prompt)
 
     @field_validator("suffix")
     @classmethod
