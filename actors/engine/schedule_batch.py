@@ -67,12 +67,15 @@ def _mamba_tracks(pool, reqs: List[Req], track_lens: List[Optional[int]]):
     return slots, track_lens
 
 
-def _last_locs(pool, reqs: List[Req], lens: torch.Tensor, rows: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """The slot of each request's token at ``lens - 1`` (-1 where ``lens`` is 0), int64 on the
-    table's device: one gather, not a read (a device sync on CUDA) per request."""
+def _table_rows(pool, reqs: List[Req]) -> torch.Tensor:
+    """The requests' rows of ``req_to_token``, int64 on the table's device."""
+    return torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64, device=pool.req_to_token.device)
+
+
+def _last_locs(pool, rows: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+    """The slot at column ``lens - 1`` of each table row ``rows`` (-1 where ``lens`` is 0), int64
+    on the table's device: one gather, not a read (a device sync on CUDA) per request."""
     table = pool.req_to_token
-    if rows is None:
-        rows = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64, device=table.device)
     lens = lens.to(table.device, torch.int64)
     return torch.where(lens > 0, table[rows, (lens - 1).clamp(min=0)].to(torch.int64), -1)
 
@@ -93,7 +96,7 @@ def prepare_for_extend(reqs: List[Req], runner, tree_cache) -> Optional[ForwardB
     seq_lens = [len(r.fill_ids) for r in reqs]
     num_tokens = sum(seq_lens) - sum(prefix_lens)
     prefix_t, seq_t = torch.tensor(prefix_lens), torch.tensor(seq_lens)
-    last_loc = _last_locs(pool, reqs, prefix_t).to(runner.device)
+    last_loc = _last_locs(pool, _table_rows(pool, reqs), prefix_t).to(runner.device)
     out = _alloc_with_eviction(
         tree_cache, allocator,
         lambda: allocator.alloc_extend(
@@ -152,9 +155,9 @@ def prepare_for_decode(reqs: List[Req], runner, tree_cache) -> Optional[ForwardB
     seq_t = torch.tensor(seq_lens)
     # the batch's table cells as index tensors: one gather and one scatter on the table's device,
     # not a read (a device sync on CUDA) and a write per request
-    rows = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64, device=pool.req_to_token.device)
+    rows = _table_rows(pool, reqs)
     cols = seq_t.to(pool.req_to_token.device, torch.int64) - 1
-    last_loc = _last_locs(pool, reqs, seq_t - 1, rows).to(runner.device)
+    last_loc = _last_locs(pool, rows, cols).to(runner.device)
     out = _alloc_with_eviction(
         tree_cache, allocator,
         lambda: allocator.alloc_decode(seq_t.to(runner.device), last_loc, seq_lens_cpu=seq_t),
