@@ -100,8 +100,9 @@ class DecodeScheduler(Scheduler):
         return bool(self.prealloc or self.transfer or self.quarantine) or super().has_work()
 
     def on_transfer_done(self, rid: str, notice: dict) -> bool:
-        """The prefill side's completion notice (first token, its finish state)."""
-        if any(r.rid == rid for r in self.transfer):
+        """The prefill side's completion notice (first token, its finish state), for the
+        attempt whose hand-offs carried the notice's ``room``."""
+        if any(r.rid == rid and notice.get("room") in (None, r.pd_room) for r in self.transfer):
             self._notices[rid] = notice
             return True
         return False
@@ -363,37 +364,45 @@ class DecodeScheduler(Scheduler):
         self.quarantine = keep
 
     # ---- abort ---------------------------------------------------------------------------
-    def abort(self, rid: str, message: str = "aborted", safe: bool = False) -> bool:
+    def abort(self, rid: str, message: str = "aborted", safe: bool = False, room: Optional[int] = None) -> bool:
         """``safe``: the caller knows no prefill rank will write this request's slots
         (then a reservation already dropped into quarantine goes back at once too).
-        The request in flight under ``rid`` comes first: a quarantined one of the same
-        id is an earlier request (the client sent the id again), whose late push may
-        still come — it goes back on a safe abort only when no request holds the id."""
-        if self._abort_live(rid, message, safe):
+        ``room``: only the attempt reserved with that room. Without it, the request in
+        flight under ``rid`` comes first: a quarantined one of the same id is an earlier
+        request (the client sent the id again), whose late push may still come — it goes
+        back on a safe abort only when no request holds the id."""
+
+        def meant(req: Req) -> bool:
+            return req.rid == rid and room in (None, getattr(req, "pd_room", None))
+
+        if self._abort_live(meant, message, safe):
             return True
         if safe:
             for i, (_, req) in enumerate(self.quarantine):
-                if req.rid == rid:
+                if meant(req):
                     del self.quarantine[i]
                     self._release(req)
                     return True
         return False
 
-    def _abort_live(self, rid: str, message: str, safe: bool) -> bool:
+    def _abort_live(self, meant, message: str, safe: bool) -> bool:
         for req in self.prealloc:
-            if req.rid == rid:
+            if meant(req):
                 self.prealloc.remove(req)
                 req.pd_error = message
                 req.finish({"type": "abort", "message": message})
                 self._aborted.append(req)
                 return True
         for req in self.transfer:
-            if req.rid == rid:
+            if meant(req):
                 self.transfer.remove(req)
                 self._drop(req, message, safe=safe)
                 self._aborted.append(req)
                 return True
-        return super().abort(rid)
+        # decoding, or retracted to ``waiting``: the one unfinished request under the id (the engine loop allows no other)
+        candidates = self.running + self.waiting + ([self.chunked_req] if self.chunked_req else [])
+        live = next((r for r in candidates if not r.finished and meant(r)), None)
+        return live is not None and super().abort(live.rid)
 
     def fail_all(self, message: str) -> List[Req]:
         """Every queued request ends with ``message`` (its slots freed)."""

@@ -273,6 +273,7 @@ class PrefillWorker(_Worker):
                 break
         return {
             "rid": rid,
+            "room": room,  # the attempt: the decode side takes the notice for its reservation only
             "first_token": req.output_ids[0],
             "logprob": req.output_logprobs[0] if req.output_logprobs else None,
             "top_logprobs": req.output_top_logprobs[0] if req.output_top_logprobs else None,
@@ -335,23 +336,27 @@ class DecodeWorker(_Worker):
         self._ended_early: "collections.OrderedDict[str, asyncio.Queue]" = collections.OrderedDict()
 
     async def reserve(self, rid: str, input_ids: List[int], sampling_params: Optional[Dict[str, Any]],
-                      backend: Optional[str] = None) -> List[bytes]:
+                      backend: Optional[str] = None, room: Optional[int] = None) -> List[bytes]:
         """Wait for a request row and KV slots; returns one hand-off per decode rank.
-        ``backend``: how the prefill peer reaches us (default: this worker's first)."""
+        ``backend``: how the prefill peer reaches us (default: this worker's first).
+        ``room`` names this attempt (SGLang's bootstrap room; default: a random one): the
+        caller that picked it can abort this attempt and no other under the same id."""
         if self.draining:
             raise PDRequestError("decode worker is draining")
         backend = backend or self.backends[0]
         if backend not in self.agents:
             raise PDRequestError(f"backend {backend!r} not served here; this worker has {sorted(self.agents)}")
+        if room is not None and not (isinstance(room, int) and 0 <= room < 2**63):
+            raise ValueError(f"room must be an integer in [0, 2**63), got {room!r}")
         req = self._make_req(rid, input_ids, sampling_params)
-        req.pd_room = random.getrandbits(63)
+        req.pd_room = random.getrandbits(63) if room is None else room
         req.pd_backend = backend
         queue = self._submit(req)
         self._queues[rid] = queue
         try:
             result, finished, error = await queue.get()
         except asyncio.CancelledError:  # the caller gave up while we waited for room
-            await self.abort(rid, "the caller cancelled the reservation", safe=True)
+            await self.abort(rid, "the caller cancelled the reservation", safe=True, room=req.pd_room)
             raise
         if error is not None:
             self._queues.pop(rid, None)
@@ -421,11 +426,13 @@ class DecodeWorker(_Worker):
         """Completed transfers per backend."""
         return dict(self.scheduler.backend_counts)
 
-    async def abort(self, rid: str, message: str = "aborted", safe: bool = False) -> bool:
+    async def abort(self, rid: str, message: str = "aborted", safe: bool = False, room: Optional[int] = None) -> bool:
         """End ``rid`` here. ``safe``: the prefill side confirmed it will not push (or is
-        dead), so reserved slots go back at once; otherwise they wait out the hand-off's deadline."""
-        self._queues.pop(rid, None)
-        return self.loop.run_exclusive(lambda: self.scheduler.abort(rid, message, safe))
+        dead), so reserved slots go back at once; otherwise they wait out the hand-off's deadline.
+        ``room``: only the attempt reserved with that room — a late abort of an earlier
+        attempt, or of a refused duplicate, leaves the request now under the id alone.
+        The request's last word (the abort) goes to whoever waits on it, as any ending does."""
+        return self.loop.run_exclusive(lambda: self.scheduler.abort(rid, message, safe, room))
 
     def load(self) -> Dict[str, Any]:
         out = super().load()

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import random
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -26,7 +27,6 @@ import ray
 from actors.pd_scheduler import PDRequestError, is_worker_death
 from actors.router import call_method
 from transfer import select_backend
-from transfer.base import KVHandoff
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +64,7 @@ class PDClient:
         self._heartbeat_task: Optional[asyncio.Task] = None
         self.draining = False
         self.inflight = 0
+        self._live_rids: set = set()  # ids of the requests in flight through this client
 
     # ---- choosing workers -----------------------------------------------------------
     def _pick(self, role: str) -> WorkerRef:
@@ -120,7 +121,15 @@ class PDClient:
         if self.draining:
             raise PDRequestError("the cluster is draining: no new requests")
         rid = rid or uuid.uuid4().hex
-        prefill, decode = await self._pick_pair(rid, input_ids)
+        if rid in self._live_rids:  # (as SGLang and vLLM refuse one): the workers and router key state by it
+            raise ValueError(f"request id {rid!r} is already in flight")
+        self._live_rids.add(rid)
+        try:
+            prefill, decode = await self._pick_pair(rid, input_ids)
+        except BaseException:
+            self._live_rids.discard(rid)
+            raise
+        room = random.getrandbits(63)  # this attempt: every abort below names it, never a later one under rid
         override = None if self.backend == "auto" else self.backend
         backend = select_backend(prefill.node_id == decode.node_id, self.device, override)
         prefill.inflight += 1
@@ -131,17 +140,17 @@ class PDClient:
         try:
             try:
                 handoffs = await self._call(
-                    decode, decode.handle.reserve.remote(rid, input_ids, sampling_params, backend),
+                    decode, decode.handle.reserve.remote(rid, input_ids, sampling_params, backend, room),
                     self.bootstrap_timeout_s, rid)
             except BaseException:  # no prefill has its hand-offs: the slots can go back at once
-                await self._abort_quietly(decode, rid, safe=True)
+                await self._abort_quietly(decode, rid, room, safe=True)
                 raise
             try:
                 notice = await self._call(prefill, prefill.handle.prefill.remote(rid, input_ids, sampling_params, handoffs),
                                           self.waiting_timeout_s, rid)
             except BaseException:
-                safe = await self._stop_prefill(prefill, rid, KVHandoff.from_bytes(handoffs[0]).room)
-                await self._abort_quietly(decode, rid, safe=safe)
+                safe = await self._stop_prefill(prefill, rid, room)
+                await self._abort_quietly(decode, rid, room, safe=safe)
                 raise
             await self._release(rid, "prefill", wait=False)
             gen = decode.handle.stream.options(num_returns="streaming").remote(rid, notice)
@@ -163,8 +172,11 @@ class PDClient:
             decode.inflight -= 1
             self.inflight -= 1
             if not finished and decode.alive:  # the caller went away or a call failed: stop decoding for nobody
-                decode.handle.abort.remote(rid, "the client went away", True)
-            await self._release(rid)
+                decode.handle.abort.remote(rid, "the client went away", True, room)
+            try:
+                await self._release(rid)  # (before the id is free again: a new request under it routes afresh)
+            finally:
+                self._live_rids.discard(rid)
 
     async def drain(self, timeout_s: float = 120.0) -> None:
         """Refuse new requests; return once every accepted one has ended."""
@@ -201,10 +213,10 @@ class PDClient:
             logger.warning("could not stop the prefill of %s on %s: %s", rid, prefill.worker_id, exc)
             return False
 
-    async def _abort_quietly(self, worker: WorkerRef, rid: str, safe: bool) -> None:
-        """End ``rid`` on the decode worker; ``safe``: no prefill can still write its slots."""
+    async def _abort_quietly(self, worker: WorkerRef, rid: str, room: int, safe: bool) -> None:
+        """End ``rid``'s attempt ``room`` on the decode worker; ``safe``: no prefill can still write its slots."""
         try:
-            await asyncio.wait_for(worker.handle.abort.remote(rid, "the prefill side failed", safe), timeout=5)
+            await asyncio.wait_for(worker.handle.abort.remote(rid, "the prefill side failed", safe, room), timeout=5)
         except Exception:  # the decode side's waiting timeout frees it if this cannot
             logger.warning("could not abort %s on %s", rid, worker.worker_id)
 

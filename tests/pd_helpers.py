@@ -15,17 +15,20 @@ _rids = itertools.count()
 async def run_pd(prefill, decode, input_ids: List[int], params: Optional[Dict] = None, rid: Optional[str] = None,
                  attempt: Optional[Dict] = None):
     """reserve → prefill + push → stream; returns (final result, notice, hand-offs).
-    ``attempt`` gets the hand-offs' ``room`` once reserved (what a client that walks away knows)."""
+    As ``cluster.pd_client`` does, the attempt's room is picked here and every abort names
+    it; ``attempt`` gets it first (what a client that walks away knows)."""
     rid = rid or f"pd-{next(_rids)}"
     params = params or {"max_new_tokens": 8, "temperature": 0}
-    handoffs = await decode.reserve(rid, input_ids, params)
+    room = random.getrandbits(63)
     if attempt is not None:
-        attempt["room"] = KVHandoff.from_bytes(handoffs[0]).room
+        attempt["room"] = room
+    handoffs = await decode.reserve(rid, input_ids, params, room=room)
+    assert KVHandoff.from_bytes(handoffs[0]).room == room
     try:
         notice = await prefill.prefill(rid, input_ids, params, handoffs)
     except BaseException:  # as the client does: make sure no push comes, then free the slots at once
-        await prefill.abort(rid, room=KVHandoff.from_bytes(handoffs[0]).room)
-        await decode.abort(rid, safe=True)
+        await prefill.abort(rid, room=room)
+        await decode.abort(rid, safe=True, room=room)
         raise
     final = None
     async for final in decode.stream(rid, notice):

@@ -74,8 +74,8 @@ class Outcome:
 
 async def _client(prefill, decode, rid, ids, walk_away_after):
     """One request as the HTTP layer drives it; a client that goes away mid-way
-    aborts both sides (not knowing whether a push is still coming) — on the prefill
-    side its attempt only once it has one (the id may be sent again)."""
+    aborts both sides (not knowing whether a push is still coming), naming its attempt's
+    room (the id may be sent again)."""
     attempt = {}
     task = asyncio.ensure_future(run_pd(prefill, decode, ids, GREEDY, rid=rid, attempt=attempt))
     if walk_away_after is None:
@@ -84,9 +84,9 @@ async def _client(prefill, decode, rid, ids, walk_away_after):
     if done:
         return task.result()
     task.cancel()
-    if "room" in attempt:  # (before it, no prefill was asked)
+    if "room" in attempt:  # (otherwise it never started: nothing was asked of either side)
         await prefill.abort(rid, room=attempt["room"])
-    await decode.abort(rid)
+        await decode.abort(rid, room=attempt["room"])
     raise asyncio.CancelledError()
 
 

@@ -160,6 +160,29 @@ def test_decode_killed_during_decode(fault_cluster):
     _survivors_ok(cluster)
 
 
+def test_a_request_id_in_flight_is_refused_and_the_first_request_is_served(fault_cluster):
+    """The workers and the router key a request's state by its id: a second request under an id
+    in flight is a 400-class error (as in SGLang and vLLM) that touches nothing of the first;
+    once the first has ended, the id may be used again."""
+    cluster = fault_cluster
+    client = PDClient([w for w in cluster.prefill if w.alive], [w for w in cluster.decode if w.alive])
+    params = {"max_new_tokens": 40, "temperature": 0, "ignore_eos": True}
+    ids = prompts(1, 12, 12, seed=12)[0]
+
+    async def go():
+        stream = client.generate_stream(ids, params, rid="dup")
+        outs = [await stream.__anext__()]
+        with pytest.raises(ValueError, match="already in flight"):
+            await client.generate(ids, params, rid="dup")
+        outs += [out async for out in stream]
+        again = await client.generate(ids, params, rid="dup")
+        return outs[-1], again
+
+    first, again = asyncio.run(go())
+    assert len(first["output_ids"]) == 40 and first["output_ids"] == again["output_ids"]
+    _survivors_ok(cluster)
+
+
 async def _loaded(worker, key):
     return (await worker.handle.load.remote()).get(key, 0) > 0
 

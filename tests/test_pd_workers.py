@@ -1006,3 +1006,61 @@ def test_a_safe_abort_ends_the_live_request_not_a_quarantined_one_of_the_same_id
 
     asyncio.run(go())
     close(prefill, decode)
+
+
+def test_a_refused_duplicate_and_its_abort_leave_the_request_in_flight_alone(checkpoints):
+    """A second reservation under an id in flight is refused. The client then aborts what it
+    asked for — safely, as nothing was handed off — and by id alone that abort ended the
+    first request and freed slots its prefill was about to write. Named by room, it touches
+    only its own attempt: the first request's KV lands and its tokens are right."""
+    path = checkpoints["llama"]
+    prefill, decode = make_pair(path)
+    ids = prompts(1, 20, 20, seed=74)[0]
+
+    async def go():
+        handoffs = await decode.reserve("dup", ids, GREEDY, room=1)
+        with pytest.raises(ValueError, match="already in flight"):
+            await decode.reserve("dup", ids, GREEDY, room=2)
+        assert not await decode.abort("dup", "the prefill side failed", safe=True, room=2)
+        assert decode.load()["transfer"] == 1
+        # a notice is the attempt's own too
+        assert not decode.loop.run_exclusive(lambda: decode.scheduler.on_transfer_done("dup", {"room": 2}))
+        notice = await prefill.prefill("dup", ids, GREEDY, handoffs)
+        assert notice["room"] == 1
+        return [out async for out in decode.stream("dup", notice)][-1]
+
+    final = asyncio.run(go())
+    assert_greedy_parity(path, [ids], [final["output_ids"]], 8, decode.eos_token_ids)
+    close(prefill, decode)
+
+
+def test_a_late_abort_of_an_earlier_attempt_leaves_the_retry_alone(checkpoints):
+    """Attempt 1 is dropped unconfirmed (quarantined); the client retries under the same id.
+    Aborts naming attempt 1's room release its quarantine once the prefill side is known to
+    be done, and never reach attempt 2 — reserved, transferring, or decoding."""
+    path = checkpoints["llama"]
+    prefill, decode = make_pair(path, waiting_timeout_s=5.0)
+    ids = prompts(1, 20, 20, seed=75)[0]
+    params = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
+
+    async def go():
+        await decode.reserve("retry", ids, params, room=11)
+        assert await decode.abort("retry", room=11)  # unconfirmed: quarantined
+        handoffs = await decode.reserve("retry", ids, params, room=12)
+        both_held = decode.load()["free_slots"]
+        assert not await decode.abort("retry", room=11)  # not safe: nothing of attempt 1 can go yet
+        assert await decode.abort("retry", safe=True, room=11)  # attempt 1's quarantine goes back
+        assert decode.load()["transfer"] == 1 and not decode.scheduler.quarantine
+        assert decode.load()["free_slots"] == both_held + len(ids)
+        notice = await prefill.prefill("retry", ids, params, handoffs)
+        outs = []
+        async for out in decode.stream("retry", notice):
+            if not outs:  # decoding now: attempt 1's abort, come late again, is not about it
+                assert not await decode.abort("retry", "the client went away", safe=True, room=11)
+            outs.append(out)
+        return outs[-1]
+
+    final = asyncio.run(go())
+    assert final["meta_info"]["finish_reason"]["type"] == "length" and len(final["output_ids"]) == 8
+    assert_greedy_parity(path, [ids], [final["output_ids"]], 8, [])
+    close(prefill, decode)
