@@ -11,7 +11,7 @@ copy is synchronous, which is what the CPU build runs. On CUDA, ``write`` and
 from __future__ import annotations
 
 import threading
-from typing import Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
@@ -64,6 +64,12 @@ class HiCacheController:
 
     Construction registers the controller's ``layer_done_counter`` with the
     device pool, so its ``get_*_buffer(layer_id)`` waits for loads.
+
+    ``op_log``, when a list, records every device ↔ host copy as
+    ``("write" | "load", host_indices, device_indices)`` (CPU tensors), in
+    order: a tensor-parallel rank 0 sends them to the other ranks, whose
+    controllers :meth:`replay` them on their own head shards before the next
+    forward (the tree, and so the choice of slots, lives on rank 0 only).
     """
 
     def __init__(self, device_pool: KVCache, host_pool: HostKVCache, storage: Optional[HiCacheStorage] = None):
@@ -72,13 +78,34 @@ class HiCacheController:
         self.storage = storage
         self.layer_done_counter = LayerDoneCounter(device_pool.start_layer, device_pool.layer_num)
         device_pool.register_layer_transfer_counter(self.layer_done_counter)
+        self.op_log: Optional[List[Tuple[str, torch.Tensor, torch.Tensor]]] = None
 
     def write(self, host_indices: torch.Tensor, device_indices: torch.Tensor) -> None:
         """Back up ``device_indices`` into ``host_indices`` (all layers)."""
         self.host_pool.backup_from_device_all_layer(self.device_pool, host_indices, device_indices)
+        self._log("write", host_indices, device_indices)
 
     def load(self, host_indices: torch.Tensor, device_indices: torch.Tensor) -> None:
         """Copy ``host_indices`` into ``device_indices``, one layer after another."""
+        self._load(host_indices, device_indices)
+        self._log("load", host_indices, device_indices)
+
+    def _log(self, op: str, host_indices: torch.Tensor, device_indices: torch.Tensor) -> None:
+        if self.op_log is not None:
+            self.op_log.append((op, host_indices.cpu(), device_indices.cpu()))
+
+    def replay(self, ops: Sequence[Tuple[str, torch.Tensor, torch.Tensor]]) -> None:
+        """Apply another rank's ``op_log`` entries, in order, to this rank's pools."""
+        device = self.device_pool.device
+        for op, host_indices, device_indices in ops:
+            if op == "write":
+                self.write(host_indices, device_indices.to(device))
+            elif op == "load":
+                self.load(host_indices, device_indices.to(device))
+            else:
+                raise ValueError(f"unknown host-tier op {op!r}")
+
+    def _load(self, host_indices: torch.Tensor, device_indices: torch.Tensor) -> None:
         counter = self.layer_done_counter
         counter.begin()
         for layer_id in range(counter.start_layer, counter.start_layer + counter.num_layers):

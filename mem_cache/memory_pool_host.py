@@ -280,6 +280,12 @@ class MLATokenToKVPoolHost(HostKVCache):
 HOST_POOLS = {MHATokenToKVPool: MHATokenToKVPoolHost, MLATokenToKVPool: MLATokenToKVPoolHost}
 
 
+def host_pool_args(config) -> dict:
+    """``create_host_pool`` keywords from an engine config: the same on every TP rank, so
+    every rank's host pool has the slots rank 0's tree hands out."""
+    return {"host_to_device_ratio": config.hicache_ratio, "page_size": config.page_size}
+
+
 def create_host_pool(device_pool: KVCache, **kwargs) -> HostKVCache:
     """The host pool class that mirrors ``device_pool``'s type."""
     for device_type, host_type in HOST_POOLS.items():

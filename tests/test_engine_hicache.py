@@ -40,3 +40,11 @@ def test_prefix_reloaded_from_host_after_device_eviction(model_dir, policy, tmp_
     assert_greedy_parity(model_dir, follow, [out[0]["output_ids"]], 8, [])
     engine.check_integrity()
     engine.shutdown()
+
+
+def test_a_hybrid_model_refuses_the_host_tier_clearly(tmp_path):
+    """The host tier holds attention KV, not Mamba states: asking for it on a hybrid model is an
+    error naming the option (it was ignored silently before)."""
+    path = str(build_tiny_checkpoint("qwen3_next", tmp_path / "m"))
+    with pytest.raises(ValueError, match="enable_hierarchical_cache=True is not supported for hybrid"):
+        Engine(model_path=path, skip_tokenizer_init=True, max_total_tokens=256, enable_hierarchical_cache=True)

@@ -16,6 +16,7 @@ from actors.engine.parallel import TPGroup
 from actors.engine.tiny import build_tiny_checkpoint, tiny_config
 from actors.engine.tp_worker import TableMirror, apply_table_updates
 from mem_cache.mamba_pool import MambaPool
+from mem_cache.radix_key import RadixKey
 from tests.parity import assert_greedy_parity
 
 GREEDY = {"max_new_tokens": 8, "temperature": 0}
@@ -121,8 +122,43 @@ def test_engine_rejects_bad_tp_size_before_starting_ranks(checkpoints):
         Engine(model_path=checkpoints["llama"], skip_tokenizer_init=True, max_total_tokens=256, tp_size=3)
     with pytest.raises(ValueError, match="tp_size"):
         EngineConfig(model_path="x", tp_size=0)
-    with pytest.raises(ValueError, match="enable_hierarchical_cache"):
-        EngineConfig(model_path="x", tp_size=2, enable_hierarchical_cache=True)
+    with pytest.raises(ValueError, match="hicache_storage_dir"):
+        EngineConfig(model_path="x", tp_size=2, enable_hierarchical_cache=True, hicache_storage_dir="/tmp/kv")
+    EngineConfig(model_path="x", tp_size=2, enable_hierarchical_cache=True)  # the host tier alone is fine
+
+
+def run_host_tier(model_dir, tp_size, policy):
+    """A system prompt cached, pushed out of a 256-slot device pool by other prompts (to the
+    host tier), then matched again: outputs, the follow-up's cached tokens, how much of the
+    system prompt was left on the device before it."""
+    greedy = dict(GREEDY, ignore_eos=True)
+    engine = Engine(model_path=model_dir, skip_tokenizer_init=True, max_total_tokens=256, page_size=4,
+                    tp_size=tp_size, enable_hierarchical_cache=True, hicache_write_policy=policy, hicache_ratio=4.0)
+    try:
+        rng = random.Random(5)
+        system = [rng.randrange(5, 261) for _ in range(96)]
+        batch = [[system + [rng.randrange(5, 261) for _ in range(4)]]]
+        batch += [[[rng.randrange(5, 261) for _ in range(120)]] for _ in range(3)]
+        batch += [[system + [rng.randrange(5, 261) for _ in range(5)]]]
+        outs = [engine.generate(input_ids=b, sampling_params=greedy)[0] for b in batch[:4]]
+        on_device = len(engine.scheduler.tree_cache.match_prefix(RadixKey(system)).device_indices)
+        outs.append(engine.generate(input_ids=batch[4], sampling_params=greedy)[0])
+        engine.check_integrity()
+        return [b[0] for b in batch], [o["output_ids"] for o in outs], outs[4]["meta_info"]["cached_tokens"], on_device
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("family, policy", [("llama", "write_through"), ("llama", "write_back"),
+                                            ("deepseek_v3", "write_through")])
+def test_tp2_host_tier_reloads_a_prefix_on_every_rank(checkpoints, family, policy):
+    """Every rank keeps its head shard's host copy: rank 0's backups and load-backs are replayed
+    on the follower, so a prefix that comes back from host memory attends with every head."""
+    model_dir = checkpoints[family]
+    prompts_, outputs, cached, on_device = run_host_tier(model_dir, 2, policy)
+    assert on_device < 96 and cached >= 96  # it left the device and came back from the host tier
+    assert outputs == run_host_tier(model_dir, 1, policy)[1]
+    assert_greedy_parity(model_dir, prompts_, outputs, GREEDY["max_new_tokens"], [])
 
 
 def test_more_ranks_than_kv_heads_replicate_them():

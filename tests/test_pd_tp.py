@@ -8,6 +8,7 @@ Tokens equal HF transformers'; a hybrid model whose Mamba states cannot be
 sliced across different TP sizes is refused with a clear error, leaking nothing."""
 
 import asyncio
+import random
 import time
 
 import pytest
@@ -265,5 +266,34 @@ def test_gemma3_prefill_tp1_to_decode_tp2(ray_session, monkeypatch):
     batch = prompts(3, 20, 40, seed=4)  # past the 16-token window
     outs = _generate_all(cluster, batch)
     assert_greedy_parity(cluster.model_path, batch, [o["output_ids"] for o in outs], 8, [2])
+    cluster.check_integrity()
+    cluster.shutdown()
+
+
+def test_host_tier_on_tp2_workers_of_both_sides(ray_session, monkeypatch):
+    """Prefill TP 2 → decode TP 2, each with the hierarchical cache: a conversation's first turn
+    leaves both small device pools for host memory, and its next turn comes back from there on
+    every rank — the prefill side reloads instead of recomputing, the decode side reloads so only
+    the new rows move — with tokens still equal to HF's."""
+    monkeypatch.setenv("RAYDIX_HOME", str(ray_session))
+    engine = {"page_size": 4, "max_total_tokens": 256, "skip_tokenizer_init": True,
+              "enable_hierarchical_cache": True, "hicache_ratio": 4.0}
+    side = {"tp_size": 2, "num_cpus_per_rank": 0.5, "engine": engine}
+    cluster = PDCluster(parse_config({"model": {"builtin": "llama"}, "prefill": side, "decode": side,
+                                      "transfer": {"backend": "shm"}})).start()
+    client = cluster.client()
+    rng = random.Random(7)
+    first = [rng.randrange(5, 250) for _ in range(96)]
+
+    async def go():
+        answer = await client.generate(first, GREEDY)
+        turn = first + answer["output_ids"] + [rng.randrange(5, 250) for _ in range(5)]
+        for ids in prompts(3, 120, 120, seed=93):  # neither 256-slot device pool keeps the first turn
+            await client.generate(ids, GREEDY)
+        return answer, turn, await client.generate(turn, GREEDY)
+
+    answer, turn, out = asyncio.run(go())
+    assert out["meta_info"]["prefill_cached_tokens"] >= 96 and out["meta_info"]["decode_cached_tokens"] >= 96
+    assert_greedy_parity(cluster.model_path, [first, turn], [answer["output_ids"], out["output_ids"]], 8, [2])
     cluster.check_integrity()
     cluster.shutdown()

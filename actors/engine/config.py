@@ -58,6 +58,7 @@ class EngineConfig(BaseModel):
 
     @model_validator(mode="after")
     def _tp_supported(self) -> "EngineConfig":
-        if self.tp_size > 1 and self.enable_hierarchical_cache:
-            raise ValueError("tp_size > 1 does not support enable_hierarchical_cache yet (each rank's host pool)")
+        if self.tp_size > 1 and self.enable_hierarchical_cache and self.hicache_storage_dir:
+            raise ValueError("tp_size > 1 does not support hicache_storage_dir yet (the file tier would need each "
+                             "rank's pages under its own keys); the host tier works with any tp_size")
         return self

@@ -12,7 +12,7 @@ import dataclasses
 import logging
 import math
 import time
-from typing import Callable, Optional
+from typing import Callable, List, Optional, Tuple
 
 import torch
 
@@ -57,6 +57,7 @@ class ModelRunner:
         self._init_pools()
         self.attn_backend = create_attention_backend(config.attention_backend, device=self.device)
         self.batch_sender: Optional[Callable[[ForwardBatch], None]] = None  # TP rank 0: batch → the other ranks
+        self.host_op_log: Optional[List[Tuple]] = None  # TP rank 0: host-tier copies the other ranks replay
         self.forward_time = 0.0  # seconds spent in model forwards (for overhead accounting)
         self.num_forwards = 0
 

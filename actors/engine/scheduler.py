@@ -54,6 +54,9 @@ class Scheduler:
                 enable_kv_events=cfg.enable_kv_events,
             )
         elif self.hybrid:
+            if cfg.enable_hierarchical_cache:
+                raise ValueError("enable_hierarchical_cache=True is not supported for hybrid models (KV cache kind "
+                                 "'hybrid_mamba'): the host tier holds attention KV, not Mamba states")
             self.tree_cache = MambaRadixCache(
                 runner.req_to_token_pool, runner.allocator, page_size=cfg.page_size, disable=cfg.disable_radix_cache,
                 mamba_scheduler_strategy=cfg.mamba_scheduler_strategy, enable_kv_events=cfg.enable_kv_events,
@@ -66,6 +69,7 @@ class Scheduler:
                 disable=cfg.disable_radix_cache, eviction_policy=cfg.radix_eviction_policy,
                 enable_kv_events=cfg.enable_kv_events,
             )
+            self.tree_cache.cache_controller.op_log = runner.host_op_log  # TP rank 0: what the other ranks replay
         else:
             self.tree_cache = RadixCache(
                 runner.req_to_token_pool, runner.allocator, page_size=cfg.page_size, disable=cfg.disable_radix_cache,

@@ -18,7 +18,12 @@ kept equal like this:
   (prefill, decode, the tree cache re-pointing a row at cached slots);
 * Mamba state written outside a forward (zeroed at alloc, copied at a
   copy-on-write prefix match or a checkpoint fork): rank 0's MambaPool logs
-  those ops and the followers replay them, in order, before the forward.
+  those ops and the followers replay them, in order, before the forward;
+* the host tier of the hierarchical cache: every rank keeps a host pool of
+  its own head shard, with the same slot count; rank 0's tree picks the host
+  and device slots, its HiCacheController logs each backup and load-back
+  (``runner.host_op_log``) and the followers replay them, in order, before
+  the forward (and before any out-of-band write: :meth:`TPModelWorker.sync`).
 
 Hosting (the Ray rank actors do the same as :class:`LocalTPGroup`)::
 
@@ -49,6 +54,8 @@ from actors.engine.model_loader import build_model, load_config
 from actors.engine.model_runner import ModelRunner
 from actors.engine.models.spec import KVCacheSpec
 from actors.engine.parallel import TPGroup, init_tp_group
+from mem_cache.hicache_controller import HiCacheController
+from mem_cache.memory_pool_host import create_host_pool, host_pool_args
 
 logger = logging.getLogger(__name__)
 
@@ -71,15 +78,16 @@ class BatchMessage:
     table_updates: List[Tuple[str, torch.Tensor, torch.Tensor]]  # (table, flat index, values)
     mamba_ops: List[Tuple]
     fields: Optional[Dict[str, Any]]
+    host_ops: List[Tuple] = dataclasses.field(default_factory=list)  # host-tier copies (HiCacheController)
 
     @classmethod
-    def pack(cls, batch: ForwardBatch, table_updates, mamba_ops) -> "BatchMessage":
+    def pack(cls, batch: ForwardBatch, table_updates, mamba_ops, host_ops=()) -> "BatchMessage":
         fields = {}
         for f in dataclasses.fields(batch):
             if f.name not in LOCAL_FIELDS:
                 value = getattr(batch, f.name)
                 fields[f.name] = value.cpu() if isinstance(value, torch.Tensor) else value
-        return cls(table_updates, mamba_ops, fields)
+        return cls(table_updates, mamba_ops, fields, list(host_ops))
 
     def forward_batch(self, device: torch.device) -> ForwardBatch:
         fields = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in self.fields.items()}
@@ -142,6 +150,7 @@ class TPModelWorker:
         self.runner = ModelRunner(config, tp=self.tp, **runner_kwargs)
         self.tables = index_tables(self.runner)
         self._mamba_pool = getattr(self.runner, "mamba_pool", None)
+        self._host_tier: Optional[HiCacheController] = None  # a follower's replayer of rank 0's host-tier copies
         self._stopped = False
         # follower side of call_followers(): name -> fn(payload) -> reply (picklable)
         self.handlers: Dict[str, Callable[[Any], Any]] = {}
@@ -149,15 +158,25 @@ class TPModelWorker:
             self._mirror = TableMirror(self.tables)
             if self._mamba_pool is not None:
                 self._mamba_pool.op_log = []
+            if config.enable_hierarchical_cache:
+                self.runner.host_op_log = []  # the scheduler's HiCacheController logs into it
             self.runner.batch_sender = self._send_batch
+        elif self.tp.size > 1 and config.enable_hierarchical_cache:
+            pool = self.runner.token_to_kv_pool
+            self._host_tier = HiCacheController(pool, create_host_pool(pool, **host_pool_args(config)))
 
     # ---- rank 0 ------------------------------------------------------------------------
     def _send_batch(self, batch: Optional[ForwardBatch]) -> None:
         ops: List[Tuple] = []
         if self._mamba_pool is not None:
             ops, self._mamba_pool.op_log = self._mamba_pool.op_log, []
+        host_ops: List[Tuple] = []
+        if self.runner.host_op_log:  # (emptied in place: the controller holds the list)
+            host_ops = list(self.runner.host_op_log)
+            self.runner.host_op_log.clear()
         updates = self._mirror.updates()
-        self.tp.broadcast_object(BatchMessage.pack(batch, updates, ops) if batch else BatchMessage(updates, ops, None))
+        self.tp.broadcast_object(BatchMessage.pack(batch, updates, ops, host_ops) if batch
+                                 else BatchMessage(updates, ops, None, host_ops))
 
     def sync(self) -> None:
         """Rank 0: bring the followers' index tables and Mamba states up to date
@@ -226,6 +245,8 @@ class TPModelWorker:
                 self._answer_call(msg[1], msg[2])
                 continue
             apply_table_updates(self.tables, msg.table_updates)
+            if msg.host_ops:
+                self._host_tier.replay(msg.host_ops)
             if msg.mamba_ops:
                 self._mamba_pool.replay(msg.mamba_ops)
                 if msg.fields is None and device.type == "cuda":  # a sync() before out-of-band writes (a
