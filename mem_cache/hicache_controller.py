@@ -11,7 +11,7 @@ copy is synchronous, which is what the CPU build runs. On CUDA, ``write`` and
 from __future__ import annotations
 
 import threading
-from typing import List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -65,43 +65,56 @@ class HiCacheController:
     Construction registers the controller's ``layer_done_counter`` with the
     device pool, so its ``get_*_buffer(layer_id)`` waits for loads.
 
-    ``op_log``, when a list, records every device ↔ host copy as
-    ``("write" | "load", host_indices, device_indices)`` (CPU tensors), in
-    order: a tensor-parallel rank 0 sends them to the other ranks, whose
-    controllers :meth:`replay` them on their own head shards before the next
-    forward (the tree, and so the choice of slots, lives on rank 0 only).
+    ``op_log``, when a list, records every copy between the tiers, in order:
+    ``("write" | "load", host_indices, device_indices)`` and
+    ``("write_storage" | "read_storage", keys, host_indices)`` (CPU tensors).
+    A tensor-parallel rank 0 sends them to the other ranks, whose controllers
+    :meth:`replay` them on their own head shards (and their own storage)
+    before the next forward: the tree, and so the choice of slots and pages,
+    lives on rank 0 only. ``peers_exist`` (rank 0 with TP > 1) asks the other
+    ranks how many leading pages their storage holds, so a page is fetched
+    only when every rank can read its share (:meth:`storage_exists`).
     """
 
-    def __init__(self, device_pool: KVCache, host_pool: HostKVCache, storage: Optional[HiCacheStorage] = None):
+    def __init__(self, device_pool: KVCache, host_pool: HostKVCache, storage: Optional[HiCacheStorage] = None,
+                 peers_exist: Optional[Callable[[List[str]], List[int]]] = None):
         self.device_pool = device_pool
         self.host_pool = host_pool
         self.storage = storage
+        self.peers_exist = peers_exist
         self.layer_done_counter = LayerDoneCounter(device_pool.start_layer, device_pool.layer_num)
         device_pool.register_layer_transfer_counter(self.layer_done_counter)
-        self.op_log: Optional[List[Tuple[str, torch.Tensor, torch.Tensor]]] = None
+        self.op_log: Optional[List[Tuple[str, Any, torch.Tensor]]] = None
 
     def write(self, host_indices: torch.Tensor, device_indices: torch.Tensor) -> None:
         """Back up ``device_indices`` into ``host_indices`` (all layers)."""
         self.host_pool.backup_from_device_all_layer(self.device_pool, host_indices, device_indices)
-        self._log("write", host_indices, device_indices)
+        self._log("write", host_indices, device_indices.cpu())
 
     def load(self, host_indices: torch.Tensor, device_indices: torch.Tensor) -> None:
         """Copy ``host_indices`` into ``device_indices``, one layer after another."""
         self._load(host_indices, device_indices)
-        self._log("load", host_indices, device_indices)
+        self._log("load", host_indices, device_indices.cpu())
 
-    def _log(self, op: str, host_indices: torch.Tensor, device_indices: torch.Tensor) -> None:
+    def _log(self, op: str, host_indices: torch.Tensor, other: Any) -> None:
         if self.op_log is not None:
-            self.op_log.append((op, host_indices.cpu(), device_indices.cpu()))
+            self.op_log.append((op, host_indices.cpu(), other))
 
-    def replay(self, ops: Sequence[Tuple[str, torch.Tensor, torch.Tensor]]) -> None:
-        """Apply another rank's ``op_log`` entries, in order, to this rank's pools."""
+    def replay(self, ops: Sequence[Tuple[str, torch.Tensor, Any]]) -> None:
+        """Apply another rank's ``op_log`` entries, in order, to this rank's pools. A page
+        the other rank read from storage that this rank's storage cannot give is an error:
+        this rank's share of it would be missing."""
         device = self.device_pool.device
-        for op, host_indices, device_indices in ops:
+        for op, host_indices, other in ops:
             if op == "write":
-                self.write(host_indices, device_indices.to(device))
+                self.write(host_indices, other.to(device))
             elif op == "load":
-                self.load(host_indices, device_indices.to(device))
+                self.load(host_indices, other.to(device))
+            elif op == "write_storage":
+                self.write_storage(other, host_indices)
+            elif op == "read_storage":
+                if self.read_storage(other, host_indices) != len(other):
+                    raise RuntimeError(f"storage lacks pages another TP rank read ({len(other)} from {other[0]})")
             else:
                 raise ValueError(f"unknown host-tier op {op!r}")
 
@@ -116,18 +129,30 @@ class HiCacheController:
         """Write the pages of ``host_indices`` (page ``i`` keyed ``keys[i]``) from
         the first one storage lacks; returns how many of those are stored now."""
         ps = self.host_pool.page_size
+        self._log("write_storage", host_indices, list(keys))
         first_missing = self.storage.batch_exists(keys)
         # pages [first_missing, len(keys)): written (one that exists is skipped by the backend)
         pages = range(first_missing, len(keys))
         values = [self.host_pool.get_page_bytes(host_indices[i * ps : (i + 1) * ps]) for i in pages]
         return sum(self.storage.batch_set(keys[first_missing:], values))
 
+    def storage_exists(self, keys: Sequence[str]) -> int:
+        """Leading pages of ``keys`` that storage holds — on every rank, with ``peers_exist``."""
+        count = self.storage.batch_exists(keys)
+        if count and self.peers_exist is not None:
+            count = min([count] + [n if isinstance(n, int) else 0 for n in self.peers_exist(list(keys[:count]))])
+        return count
+
     def read_storage(self, keys: Sequence[str], host_indices: torch.Tensor) -> int:
         """Read pages ``keys`` into ``host_indices`` in order, stopping at the
         first one that is absent or not one page long; returns pages read."""
         ps = self.host_pool.page_size
+        count = len(keys)
         for i, data in enumerate(self.storage.batch_get(keys)):
             if data is None or len(data) != self.host_pool.page_nbytes:
-                return i
+                count = i
+                break
             self.host_pool.set_page_bytes(host_indices[i * ps : (i + 1) * ps], data)
-        return len(keys)
+        if count:
+            self._log("read_storage", host_indices[: count * ps], list(keys[:count]))
+        return count

@@ -47,7 +47,8 @@ class HiCacheFile(HiCacheStorage):
 
     A write goes to a temporary file in the same directory, then ``os.replace``
     renames it into place, so readers see a page whole or not at all. Keys carry
-    only token content: give each (model, KV layout, TP rank) its own directory.
+    only token content: give each (model, KV layout) its own directory; the
+    engine puts each TP rank in a folder of its own (:func:`rank_storage_dir`).
     """
 
     def __init__(self, directory: Union[str, os.PathLike]):
@@ -94,6 +95,12 @@ class HiCacheFile(HiCacheStorage):
         except OSError:
             Path(tmp).unlink(missing_ok=True)
             return False
+
+
+def rank_storage_dir(directory: Union[str, os.PathLike], tp_rank: int, tp_size: int) -> Path:
+    """Where one TP rank keeps its pages: each holds only its head shard's KV, so with
+    ``tp_size > 1`` every rank has a folder of its own (``tp{size}-rank{rank}``)."""
+    return Path(directory) if tp_size == 1 else Path(directory) / f"tp{tp_size}-rank{tp_rank}"
 
 
 STORAGE_BACKENDS: Dict[str, Callable[..., HiCacheStorage]] = {"file": HiCacheFile}

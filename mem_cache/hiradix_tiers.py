@@ -84,7 +84,7 @@ class HostTierMixin:
         rest = key[matched:]
         chain_from = end.hash_value[-1] if end.hash_value else root_hash(key.extra_key)
         keys = hash_pages(rest.token_ids, self.page_size, chain_from)
-        num_pages = storage.batch_exists(keys)
+        num_pages = self.cache_controller.storage_exists(keys)  # (with TP: on every rank)
         if num_pages == 0:
             return 0
         end.host_ref_counter += 1  # evict_host must not delete the node we attach to

@@ -48,3 +48,21 @@ def test_a_hybrid_model_refuses_the_host_tier_clearly(tmp_path):
     path = str(build_tiny_checkpoint("qwen3_next", tmp_path / "m"))
     with pytest.raises(ValueError, match="enable_hierarchical_cache=True is not supported for hybrid"):
         Engine(model_path=path, skip_tokenizer_init=True, max_total_tokens=256, enable_hierarchical_cache=True)
+
+
+def test_a_new_engine_gets_a_prefix_from_the_file_tier(model_dir, tmp_path):
+    """The file tier outlives the engine: a new engine on the same folder, its device and host
+    tiers empty, fetches a prompt's cached pages at admission and computes only the rest."""
+    args = dict(model_path=model_dir, skip_tokenizer_init=True, max_total_tokens=256, page_size=4,
+                enable_hierarchical_cache=True, hicache_ratio=4.0, hicache_storage_dir=str(tmp_path / "kv-files"))
+    rng = random.Random(3)
+    system = tokens(rng, 96)
+    prompts_ = [system + tokens(rng, 4), system + tokens(rng, 5)]
+    outs = []
+    for prompt in prompts_:
+        engine = Engine(**args)
+        outs.append(engine.generate(input_ids=[prompt], sampling_params=GREEDY)[0])
+        engine.check_integrity()
+        engine.shutdown()
+    assert outs[0]["meta_info"]["cached_tokens"] == 0 and outs[1]["meta_info"]["cached_tokens"] >= 96
+    assert_greedy_parity(model_dir, prompts_, [o["output_ids"] for o in outs], 8, [])

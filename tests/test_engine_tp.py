@@ -16,7 +16,7 @@ from actors.engine.parallel import TPGroup
 from actors.engine.tiny import build_tiny_checkpoint, tiny_config
 from actors.engine.tp_worker import TableMirror, apply_table_updates
 from mem_cache.mamba_pool import MambaPool
-from mem_cache.radix_key import RadixKey
+from mem_cache.radix_key import RadixKey, hash_pages, root_hash
 from tests.parity import assert_greedy_parity
 
 GREEDY = {"max_new_tokens": 8, "temperature": 0}
@@ -122,9 +122,6 @@ def test_engine_rejects_bad_tp_size_before_starting_ranks(checkpoints):
         Engine(model_path=checkpoints["llama"], skip_tokenizer_init=True, max_total_tokens=256, tp_size=3)
     with pytest.raises(ValueError, match="tp_size"):
         EngineConfig(model_path="x", tp_size=0)
-    with pytest.raises(ValueError, match="hicache_storage_dir"):
-        EngineConfig(model_path="x", tp_size=2, enable_hierarchical_cache=True, hicache_storage_dir="/tmp/kv")
-    EngineConfig(model_path="x", tp_size=2, enable_hierarchical_cache=True)  # the host tier alone is fine
 
 
 def run_host_tier(model_dir, tp_size, policy):
@@ -220,3 +217,42 @@ def test_mamba_state_ops_replay_on_another_rank():
     follower.replay(leader.op_log)
     assert [op[0] for op in leader.op_log] == ["zero", "copy", "zero", "copy"]
     assert torch.equal(leader.temporal, follower.temporal) and torch.equal(leader.conv[0], follower.conv[0])
+
+
+def test_tp2_file_tier_serves_a_new_engine_from_every_rank_s_pages(checkpoints, tmp_path):
+    """With a file tier each rank writes its own shard's pages into its own folder. A new TP 2
+    engine on the same folder fetches a prefix from them on every rank; when one rank lacks a
+    page, rank 0 fetches only the pages before it (it asks the other ranks first), so no rank
+    attends over KV it does not have."""
+    model_dir = checkpoints["llama"]
+    storage = tmp_path / "kv-files"
+    args = dict(model_path=model_dir, skip_tokenizer_init=True, max_total_tokens=256, page_size=4, tp_size=2,
+                enable_hierarchical_cache=True, hicache_ratio=4.0, hicache_storage_dir=str(storage))
+    greedy = dict(GREEDY, ignore_eos=True)
+    rng = random.Random(8)
+    system = [rng.randrange(5, 261) for _ in range(96)]
+    first, follow = system + [rng.randrange(5, 261) for _ in range(4)], system + [rng.randrange(5, 261) for _ in range(5)]
+
+    def serve(prompt):
+        engine = Engine(**args)
+        try:
+            out = engine.generate(input_ids=[prompt], sampling_params=greedy)[0]
+            engine.check_integrity()
+            return out
+        finally:
+            engine.shutdown()
+
+    answers = [serve(first)]
+    rank_dirs = sorted(p.name for p in storage.iterdir())
+    assert rank_dirs == ["tp2-rank0", "tp2-rank1"]
+    pages = [{f.name for f in (storage / d).glob("*.bin")} for d in rank_dirs]
+    assert pages[0] == pages[1] and len(pages[0]) >= 24
+    answers.append(serve(follow))  # a fresh engine: device and host tiers are empty
+    assert answers[1]["meta_info"]["cached_tokens"] >= 96
+
+    keys = hash_pages(system, 4, root_hash(None))
+    (storage / "tp2-rank1" / f"{keys[10]}.bin").unlink()  # rank 1 lost its share of page 10
+    answers.append(serve(follow))
+    assert answers[2]["meta_info"]["cached_tokens"] == 40  # pages 0-9, which every rank has
+    assert answers[2]["output_ids"] == answers[1]["output_ids"]
+    assert_greedy_parity(model_dir, [first, follow], [a["output_ids"] for a in answers[:2]], 8, [])

@@ -270,14 +270,15 @@ def test_gemma3_prefill_tp1_to_decode_tp2(ray_session, monkeypatch):
     cluster.shutdown()
 
 
-def test_host_tier_on_tp2_workers_of_both_sides(ray_session, monkeypatch):
+def test_host_tier_on_tp2_workers_of_both_sides(ray_session, monkeypatch, tmp_path):
     """Prefill TP 2 → decode TP 2, each with the hierarchical cache: a conversation's first turn
     leaves both small device pools for host memory, and its next turn comes back from there on
     every rank — the prefill side reloads instead of recomputing, the decode side reloads so only
-    the new rows move — with tokens still equal to HF's."""
+    the new rows move — with tokens still equal to HF's. Both sides share one file tier, in
+    which every rank of either keeps its own shard's pages."""
     monkeypatch.setenv("RAYDIX_HOME", str(ray_session))
     engine = {"page_size": 4, "max_total_tokens": 256, "skip_tokenizer_init": True,
-              "enable_hierarchical_cache": True, "hicache_ratio": 4.0}
+              "enable_hierarchical_cache": True, "hicache_ratio": 4.0, "hicache_storage_dir": str(tmp_path)}
     side = {"tp_size": 2, "num_cpus_per_rank": 0.5, "engine": engine}
     cluster = PDCluster(parse_config({"model": {"builtin": "llama"}, "prefill": side, "decode": side,
                                       "transfer": {"backend": "shm"}})).start()
@@ -297,3 +298,5 @@ def test_host_tier_on_tp2_workers_of_both_sides(ray_session, monkeypatch):
     assert_greedy_parity(cluster.model_path, [first, turn], [answer["output_ids"], out["output_ids"]], 8, [2])
     cluster.check_integrity()
     cluster.shutdown()
+    pages = [{f.name for f in (tmp_path / f"tp2-rank{r}").glob("*.bin")} for r in (0, 1)]
+    assert pages[0] == pages[1] and len(pages[0]) >= (len(turn) - 5) // 4

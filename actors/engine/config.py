@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field
 
 
 class EngineConfig(BaseModel):
@@ -42,7 +42,8 @@ class EngineConfig(BaseModel):
     enable_hierarchical_cache: bool = False
     hicache_ratio: float = Field(2.0, gt=1.0, description="host KV pool size as a multiple of the device pool")
     hicache_write_policy: Literal["write_through", "write_through_selective", "write_back"] = "write_through"
-    hicache_storage_dir: Optional[str] = Field(None, description="file tier directory (None: host tier only)")
+    hicache_storage_dir: Optional[str] = Field(None, description="file tier directory (None: host tier only); with "
+                                               "tp_size > 1 each rank keeps its pages in tp{size}-rank{rank} under it")
     skip_tokenizer_init: bool = False
     random_seed: int = 0
     init_new_token_ratio: float = Field(0.7, gt=0.0, le=1.0)
@@ -55,10 +56,3 @@ class EngineConfig(BaseModel):
     )
     tp_size: int = Field(1, ge=1, le=64, description="tensor-parallel ranks (one process each); every rank holds "
                          "1/tp_size of the attention heads, MLP and expert intermediate dims")
-
-    @model_validator(mode="after")
-    def _tp_supported(self) -> "EngineConfig":
-        if self.tp_size > 1 and self.enable_hierarchical_cache and self.hicache_storage_dir:
-            raise ValueError("tp_size > 1 does not support hicache_storage_dir yet (the file tier would need each "
-                             "rank's pages under its own keys); the host tier works with any tp_size")
-        return self

@@ -58,6 +58,8 @@ class ModelRunner:
         self.attn_backend = create_attention_backend(config.attention_backend, device=self.device)
         self.batch_sender: Optional[Callable[[ForwardBatch], None]] = None  # TP rank 0: batch → the other ranks
         self.host_op_log: Optional[List[Tuple]] = None  # TP rank 0: host-tier copies the other ranks replay
+        # TP rank 0 with a file tier: how many leading pages of these keys each other rank's storage holds
+        self.storage_peers_exist: Optional[Callable[[List[str]], List[int]]] = None
         self.forward_time = 0.0  # seconds spent in model forwards (for overhead accounting)
         self.num_forwards = 0
 

@@ -26,7 +26,7 @@ from actors.engine.finish import check_finished, stream_text
 from actors.engine.req import Req
 from actors.engine.sampling import plain_greedy_tokens, sample_next
 from actors.engine.schedule_batch import prepare_for_decode, prepare_for_extend
-from mem_cache.hicache_storage import HiCacheFile
+from mem_cache.hicache_storage import HiCacheFile, rank_storage_dir
 from mem_cache.hiradix_cache import HiRadixCache
 from mem_cache.mamba_radix_cache import MambaRadixCache
 from mem_cache.radix_cache import RadixCache
@@ -45,6 +45,7 @@ class Scheduler:
         self.page_size = cfg.page_size
         self.hybrid = runner.spec.kind == "hybrid_mamba"
         self.swa = runner.spec.kind == "swa"
+        self.file_tier = False  # a HiRadixCache with storage: admission prefetches from it
         if self.swa:
             for name in ("disable_radix_cache", "enable_hierarchical_cache"):
                 if getattr(cfg, name):
@@ -62,14 +63,18 @@ class Scheduler:
                 mamba_scheduler_strategy=cfg.mamba_scheduler_strategy, enable_kv_events=cfg.enable_kv_events,
             )
         elif cfg.enable_hierarchical_cache:
-            storage = HiCacheFile(cfg.hicache_storage_dir) if cfg.hicache_storage_dir else None
+            storage = None
+            if cfg.hicache_storage_dir:
+                storage = HiCacheFile(rank_storage_dir(cfg.hicache_storage_dir, runner.tp.rank, runner.tp.size))
+                self.file_tier = True
             self.tree_cache = HiRadixCache(
                 runner.req_to_token_pool, runner.allocator, runner.token_to_kv_pool, cfg.page_size,
                 host_to_device_ratio=cfg.hicache_ratio, write_policy=cfg.hicache_write_policy, storage_backend=storage,
                 disable=cfg.disable_radix_cache, eviction_policy=cfg.radix_eviction_policy,
                 enable_kv_events=cfg.enable_kv_events,
             )
-            self.tree_cache.cache_controller.op_log = runner.host_op_log  # TP rank 0: what the other ranks replay
+            controller = self.tree_cache.cache_controller  # TP rank 0: what the other ranks replay, and ask
+            controller.op_log, controller.peers_exist = runner.host_op_log, runner.storage_peers_exist
         else:
             self.tree_cache = RadixCache(
                 runner.req_to_token_pool, runner.allocator, page_size=cfg.page_size, disable=cfg.disable_radix_cache,
@@ -191,6 +196,8 @@ class Scheduler:
             req.mamba_branching_seqlen = match.mamba_branching_seqlen
         else:
             key = RadixKey(req.fill_ids[: len(req.fill_ids) - 1], req.extra_key)  # one token is always computed
+            if admit and self.file_tier:  # pages past the host hit come from the file tier first
+                self.tree_cache.prefetch_from_storage(key)
             match = self.tree_cache.match_prefix(key)
         req.prefix_indices, req.last_node = match.device_indices, match.last_device_node
         if admit and match.host_hit_length > 0:  # bring the host-tier continuation back to the device

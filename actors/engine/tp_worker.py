@@ -23,7 +23,9 @@ kept equal like this:
   its own head shard, with the same slot count; rank 0's tree picks the host
   and device slots, its HiCacheController logs each backup and load-back
   (``runner.host_op_log``) and the followers replay them, in order, before
-  the forward (and before any out-of-band write: :meth:`TPModelWorker.sync`).
+  the forward (and before any out-of-band write: :meth:`TPModelWorker.sync`);
+  with a file tier each rank writes and reads its own pages, in its own
+  folder, and rank 0 fetches a page only when every rank's storage has it.
 
 Hosting (the Ray rank actors do the same as :class:`LocalTPGroup`)::
 
@@ -55,6 +57,7 @@ from actors.engine.model_runner import ModelRunner
 from actors.engine.models.spec import KVCacheSpec
 from actors.engine.parallel import TPGroup, init_tp_group
 from mem_cache.hicache_controller import HiCacheController
+from mem_cache.hicache_storage import HiCacheFile, rank_storage_dir
 from mem_cache.memory_pool_host import create_host_pool, host_pool_args
 
 logger = logging.getLogger(__name__)
@@ -160,10 +163,16 @@ class TPModelWorker:
                 self._mamba_pool.op_log = []
             if config.enable_hierarchical_cache:
                 self.runner.host_op_log = []  # the scheduler's HiCacheController logs into it
+                if config.hicache_storage_dir:
+                    self.runner.storage_peers_exist = lambda keys: self.call_followers("storage_exists", keys)
             self.runner.batch_sender = self._send_batch
         elif self.tp.size > 1 and config.enable_hierarchical_cache:
             pool = self.runner.token_to_kv_pool
-            self._host_tier = HiCacheController(pool, create_host_pool(pool, **host_pool_args(config)))
+            storage = None
+            if config.hicache_storage_dir:
+                storage = HiCacheFile(rank_storage_dir(config.hicache_storage_dir, self.tp.rank, self.tp.size))
+                self.handlers["storage_exists"] = storage.batch_exists
+            self._host_tier = HiCacheController(pool, create_host_pool(pool, **host_pool_args(config)), storage)
 
     # ---- rank 0 ------------------------------------------------------------------------
     def _send_batch(self, batch: Optional[ForwardBatch]) -> None:
@@ -225,6 +234,7 @@ class TPModelWorker:
             return
         self._stopped = True
         if self.tp.size > 1:
+            self.sync()  # what the followers have not replayed yet (their share of the last pages stored)
             self.tp.broadcast_object(STOP)
             torch.distributed.destroy_process_group()
 
