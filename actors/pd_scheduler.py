@@ -99,6 +99,12 @@ class DecodeScheduler(Scheduler):
     def has_work(self) -> bool:
         return bool(self.prealloc or self.transfer or self.quarantine) or super().has_work()
 
+    def live_room(self, rid: str) -> Optional[int]:
+        """The room of the unfinished request under ``rid`` (None: there is none)."""
+        queued = self.prealloc + self.transfer + self.running + self.waiting
+        live = next((r for r in queued + [self.chunked_req] if r is not None and r.rid == rid and not r.finished), None)
+        return getattr(live, "pd_room", None)
+
     def on_transfer_done(self, rid: str, notice: dict) -> bool:
         """The prefill side's completion notice (first token, its finish state), for the
         attempt whose hand-offs carried the notice's ``room``."""
@@ -139,10 +145,8 @@ class DecodeScheduler(Scheduler):
         prompt_len = len(req.origin_input_ids)
         self._match_reserved_prefix(req)
         prefix_len = len(req.prefix_indices)
-        if not self._fits(req, prefix_len, prompt_len):
-            return False
-        self._lock(req)
-        if not self._alloc_prompt(req, prefix_len, prompt_len):
+        self._lock(req)  # first: the room it leaves is what the prompt can have (its prefix is not evictable)
+        if not self._fits(req, prefix_len, prompt_len) or not self._alloc_prompt(req, prefix_len, prompt_len):
             self._unlock(req)
             return False
         req.cache_protected_len = prefix_len

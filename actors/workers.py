@@ -386,6 +386,9 @@ class DecodeWorker(_Worker):
     async def stream(self, rid: str, notice: Dict[str, Any]) -> AsyncIterator[Dict[str, Any]]:
         """Deliver the prefill side's notice, then yield results until the request ends.
         A request that already ended (its transfer failed or timed out) raises why."""
+        room, live = notice.get("room"), self.loop.run_exclusive(lambda: self.scheduler.live_room(rid))
+        if None not in (room, live) and room != live:  # a stale notice: the request under the id now is not its
+            raise PDRequestError(f"the notice for {rid!r} is from another attempt than the one reserved here")
         queue = self._queues.get(rid)
         if queue is None:
             ended, error = self._ended_early.pop(rid, None), None
@@ -419,8 +422,9 @@ class DecodeWorker(_Worker):
             self._streaming.discard(rid)
             if self._queues.get(rid) is queue:  # (a new request with this id may have reserved already)
                 del self._queues[rid]
-            if not finished:  # the consumer went away: stop decoding for nobody
-                self.loop.abort(rid)
+            if not finished:  # the consumer went away: stop decoding for nobody (this attempt: the id may be
+                # in use again by now); after the notice no prefill rank writes its slots
+                self.loop.abort(rid, "the client went away", True, notice.get("room"))
 
     def backends_used(self) -> Dict[str, int]:
         """Completed transfers per backend."""

@@ -136,19 +136,21 @@ class PDClient:
         decode.inflight += 1
         self.inflight += 1
         start = time.perf_counter()
-        finished = False
+        finished = decode_told = False  # decode_told: the decode side was told how to end this attempt
         try:
             try:
                 handoffs = await self._call(
                     decode, decode.handle.reserve.remote(rid, input_ids, sampling_params, backend, room),
                     self.bootstrap_timeout_s, rid)
             except BaseException:  # no prefill has its hand-offs: the slots can go back at once
+                decode_told = True
                 await self._abort_quietly(decode, rid, room, safe=True)
                 raise
             try:
                 notice = await self._call(prefill, prefill.handle.prefill.remote(rid, input_ids, sampling_params, handoffs),
                                           self.waiting_timeout_s, rid)
             except BaseException:
+                decode_told = True  # (an unconfirmed stop quarantines the slots: nothing below may free them)
                 safe = await self._stop_prefill(prefill, rid, room)
                 await self._abort_quietly(decode, rid, room, safe=safe)
                 raise
@@ -171,8 +173,8 @@ class PDClient:
             prefill.inflight -= 1
             decode.inflight -= 1
             self.inflight -= 1
-            if not finished and decode.alive:  # the caller went away or a call failed: stop decoding for nobody
-                decode.handle.abort.remote(rid, "the client went away", True, room)
+            if not (finished or decode_told) and decode.alive:  # after the notice: the caller went away or a
+                decode.handle.abort.remote(rid, "the client went away", True, room)  # call failed; nothing can push
             try:
                 await self._release(rid)  # (before the id is free again: a new request under it routes afresh)
             finally:

@@ -67,21 +67,22 @@ class HiCacheController:
 
     ``op_log``, when a list, records every copy between the tiers, in order:
     ``("write" | "load", host_indices, device_indices)`` and
-    ``("write_storage" | "read_storage", keys, host_indices)`` (CPU tensors).
-    A tensor-parallel rank 0 sends them to the other ranks, whose controllers
-    :meth:`replay` them on their own head shards (and their own storage)
-    before the next forward: the tree, and so the choice of slots and pages,
-    lives on rank 0 only. ``peers_exist`` (rank 0 with TP > 1) asks the other
-    ranks how many leading pages their storage holds, so a page is fetched
-    only when every rank can read its share (:meth:`storage_exists`).
+    ``("write_storage", host_indices, keys)`` (CPU tensors). A tensor-parallel
+    rank 0 sends them to the other ranks, whose controllers :meth:`replay`
+    them on their own head shards (and their own storage) before the next
+    forward: the tree, and so the choice of slots and pages, lives on rank 0
+    only. Reads from storage are not replayed but asked for: ``peers_read``
+    (rank 0 with TP > 1) has every other rank read the same pages into the
+    same host slots and answer how many it read, and :meth:`read_storage`
+    keeps the pages every rank has.
     """
 
     def __init__(self, device_pool: KVCache, host_pool: HostKVCache, storage: Optional[HiCacheStorage] = None,
-                 peers_exist: Optional[Callable[[List[str]], List[int]]] = None):
+                 peers_read: Optional[Callable[[List[str], torch.Tensor], List[Any]]] = None):
         self.device_pool = device_pool
         self.host_pool = host_pool
         self.storage = storage
-        self.peers_exist = peers_exist
+        self.peers_read = peers_read
         self.layer_done_counter = LayerDoneCounter(device_pool.start_layer, device_pool.layer_num)
         device_pool.register_layer_transfer_counter(self.layer_done_counter)
         self.op_log: Optional[List[Tuple[str, Any, torch.Tensor]]] = None
@@ -101,9 +102,7 @@ class HiCacheController:
             self.op_log.append((op, host_indices.cpu(), other))
 
     def replay(self, ops: Sequence[Tuple[str, torch.Tensor, Any]]) -> None:
-        """Apply another rank's ``op_log`` entries, in order, to this rank's pools. A page
-        the other rank read from storage that this rank's storage cannot give is an error:
-        this rank's share of it would be missing."""
+        """Apply another rank's ``op_log`` entries, in order, to this rank's pools."""
         device = self.device_pool.device
         for op, host_indices, other in ops:
             if op == "write":
@@ -112,9 +111,6 @@ class HiCacheController:
                 self.load(host_indices, other.to(device))
             elif op == "write_storage":
                 self.write_storage(other, host_indices)
-            elif op == "read_storage":
-                if self.read_storage(other, host_indices) != len(other):
-                    raise RuntimeError(f"storage lacks pages another TP rank read ({len(other)} from {other[0]})")
             else:
                 raise ValueError(f"unknown host-tier op {op!r}")
 
@@ -136,16 +132,10 @@ class HiCacheController:
         values = [self.host_pool.get_page_bytes(host_indices[i * ps : (i + 1) * ps]) for i in pages]
         return sum(self.storage.batch_set(keys[first_missing:], values))
 
-    def storage_exists(self, keys: Sequence[str]) -> int:
-        """Leading pages of ``keys`` that storage holds — on every rank, with ``peers_exist``."""
-        count = self.storage.batch_exists(keys)
-        if count and self.peers_exist is not None:
-            count = min([count] + [n if isinstance(n, int) else 0 for n in self.peers_exist(list(keys[:count]))])
-        return count
-
     def read_storage(self, keys: Sequence[str], host_indices: torch.Tensor) -> int:
         """Read pages ``keys`` into ``host_indices`` in order, stopping at the
-        first one that is absent or not one page long; returns pages read."""
+        first one that is absent or not one page long; returns pages read —
+        with ``peers_read``, the leading pages every rank read."""
         ps = self.host_pool.page_size
         count = len(keys)
         for i, data in enumerate(self.storage.batch_get(keys)):
@@ -153,6 +143,7 @@ class HiCacheController:
                 count = i
                 break
             self.host_pool.set_page_bytes(host_indices[i * ps : (i + 1) * ps], data)
-        if count:
-            self._log("read_storage", host_indices[: count * ps], list(keys[:count]))
+        if count and self.peers_read is not None:  # a rank that failed to answer read nothing
+            replies = self.peers_read(list(keys[:count]), host_indices[: count * ps].cpu())
+            count = min([count] + [n if isinstance(n, int) else 0 for n in replies])
         return count

@@ -79,7 +79,7 @@ class HiCacheFile(HiCacheStorage):
     def _read(self, key: str) -> Optional[bytes]:
         try:
             return self._path(key).read_bytes()
-        except FileNotFoundError:
+        except OSError:  # absent, or unreadable: either way not a page this tier can give
             return None
 
     def _write(self, key: str, value: bytes) -> bool:

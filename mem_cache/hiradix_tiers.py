@@ -84,7 +84,7 @@ class HostTierMixin:
         rest = key[matched:]
         chain_from = end.hash_value[-1] if end.hash_value else root_hash(key.extra_key)
         keys = hash_pages(rest.token_ids, self.page_size, chain_from)
-        num_pages = self.cache_controller.storage_exists(keys)  # (with TP: on every rank)
+        num_pages = storage.batch_exists(keys)
         if num_pages == 0:
             return 0
         end.host_ref_counter += 1  # evict_host must not delete the node we attach to
@@ -92,7 +92,11 @@ class HostTierMixin:
             host_indices = self._alloc_host(num_pages * self.page_size)
             if host_indices is None:
                 return 0
-            num_pages = self.cache_controller.read_storage(keys[:num_pages], host_indices)
+            try:
+                num_pages = self.cache_controller.read_storage(keys[:num_pages], host_indices)
+            except BaseException:
+                self.host_pool.free(host_indices)
+                raise
             num_tokens = num_pages * self.page_size
             # [0, num_tokens) of host_indices hold fetched pages; the rest go back
             self.host_pool.free(host_indices[num_tokens:])

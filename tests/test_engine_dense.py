@@ -2,6 +2,7 @@
 every path (batching, prefix hits, chunked prefill, retraction, paging)."""
 
 import random
+import threading
 
 import pytest
 import torch
@@ -108,3 +109,26 @@ def test_the_hf_reference_sees_a_pad_id_inside_the_prompt(model_dir):
     with torch.no_grad():
         expected = hf_model(model_dir)(torch.tensor([prompt])).logits[0, -1]
     torch.testing.assert_close(logits[0], expected)
+
+
+def test_next_turns_whose_locked_prefixes_leave_too_little_room_are_admitted_in_turn(model_dir):
+    """Four conversations' next turns arrive together. Their cached first turns count as
+    evictable room when the batch is planned, but admitting a turn locks its prefix: the
+    scheduler picked all four, the allocation failed, the locks went back — and the same
+    plan was made at every step, forever. Room taken by each lock now counts at once."""
+    engine = Engine(model_path=model_dir, skip_tokenizer_init=True, max_total_tokens=256, page_size=4,
+                    chunked_prefill_size=-1)
+    params = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
+    first = prompts(4, 32, 32, seed=21)
+    answers = engine.generate(input_ids=first, sampling_params=params)
+    follow = [p + a["output_ids"] + q for p, a, q in zip(first, answers, prompts(4, 32, 32, seed=22))]
+    done = []
+    worker = threading.Thread(target=lambda: done.append(engine.generate(input_ids=follow, sampling_params=params)),
+                              daemon=True)
+    worker.start()
+    worker.join(timeout=60)
+    assert done, "the next turns were never admitted"
+    assert all(o["meta_info"]["cached_tokens"] >= 32 for o in done[0][:1])
+    assert_greedy_parity(model_dir, follow, [o["output_ids"] for o in done[0]], 8, [])
+    engine.check_integrity()
+    engine.shutdown()

@@ -3,7 +3,7 @@ host → file → host → device unchanged, also through a cold cache."""
 
 import pytest
 
-from mem_cache.hicache_storage import HiCacheFile, create_storage_backend
+from mem_cache.hicache_storage import HiCacheFile, create_storage_backend, rank_storage_dir
 from mem_cache.kv_events import BlockStored
 from mem_cache.radix_key import hash_pages
 from tests.hicache_helpers import K, cached, check, make, node_of, read_kv, same, scramble
@@ -21,6 +21,14 @@ def test_file_backend_contract(tmp_path):
         store.batch_get(["../etc/passwd"])
     with pytest.raises(ValueError, match="known: file"):
         create_storage_backend("s3")
+    (tmp_path / f"{keys[2]}.bin").mkdir()  # a page that cannot be read (here: a folder) is absent, no error
+    assert store.batch_get(keys[2:]) == [None]
+
+
+def test_rank_storage_dir_gives_each_tp_rank_its_own_folder(tmp_path):
+    assert rank_storage_dir(tmp_path, 0, 1) == tmp_path
+    assert [rank_storage_dir(tmp_path, r, 2).name for r in (0, 1)] == ["tp2-rank0", "tp2-rank1"]
+    assert rank_storage_dir(tmp_path, 0, 2) != rank_storage_dir(tmp_path, 0, 4)  # other shards, other pages
 
 
 @pytest.mark.parametrize("policy", ["write_through", "write_back"])

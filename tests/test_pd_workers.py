@@ -1064,3 +1064,72 @@ def test_a_late_abort_of_an_earlier_attempt_leaves_the_retry_alone(checkpoints):
     assert final["meta_info"]["finish_reason"]["type"] == "length" and len(final["output_ids"]) == 8
     assert_greedy_parity(path, [ids], [final["output_ids"]], 8, [])
     close(prefill, decode)
+
+
+def test_an_old_stream_closed_late_and_a_stale_notice_leave_the_retry_alone(checkpoints):
+    """Attempt 1 streams; its consumer stops reading, the client aborts it and retries under the
+    same id. When attempt 1's stream is finally closed its clean-up abort named only the id and
+    ended attempt 2; a stale notice of attempt 1 took attempt 2's outputs for 5 s, then its queue."""
+    path = checkpoints["llama"]
+    prefill, decode = make_pair(path)
+    ids = prompts(1, 16, 16, seed=76)[0]
+    long = {"max_new_tokens": 64, "temperature": 0, "ignore_eos": True}
+
+    async def go():
+        notice_1 = await prefill.prefill("s", ids, long, await decode.reserve("s", ids, long, room=1))
+        stream_1 = decode.stream("s", notice_1)
+        await stream_1.__anext__()
+        assert await decode.abort("s", "the client went away", safe=True, room=1)
+        handoffs_2 = await decode.reserve("s", ids, GREEDY, room=2)
+        await stream_1.aclose()
+        with pytest.raises(PDRequestError, match="another attempt"):
+            await decode.stream("s", notice_1).__anext__()
+        assert decode.load()["transfer"] == 1  # attempt 2, untouched
+        notice_2 = await prefill.prefill("s", ids, GREEDY, handoffs_2)
+        return [out async for out in decode.stream("s", notice_2)][-1]
+
+    final = asyncio.run(go())
+    assert len(final["output_ids"]) == 8
+    assert_greedy_parity(path, [ids], [final["output_ids"]], 8, decode.eos_token_ids)
+    close(prefill, decode)
+
+
+class _LocalActor:
+    """A worker object behind a Ray-like handle (``handle.method.remote(...)`` → awaitable)."""
+
+    def __init__(self, worker):
+        self._worker = worker
+
+    def __getattr__(self, name):
+        method = getattr(self._worker, name)
+        return type("Method", (), {"remote": staticmethod(lambda *args: asyncio.ensure_future(method(*args)))})()
+
+
+def test_the_client_keeps_a_reservation_quarantined_when_the_prefill_stop_is_unconfirmed(checkpoints):
+    """The prefill call fails and the client cannot confirm the prefill side stopped: it aborts
+    the decode reservation unsafely (quarantined: a late push may still come). Its clean-up on
+    the way out then sent a second, safe abort for the same attempt, which freed the slots."""
+    from cluster.pd_client import PDClient, WorkerRef
+
+    path = checkpoints["llama"]
+    prefill, decode = make_pair(path, waiting_timeout_s=1.0)
+
+    async def refuse(*args):
+        raise PDRequestError("prefill failed")
+
+    async def unreachable(*args):
+        raise RuntimeError("the abort could not be delivered")
+
+    prefill.prefill, prefill.abort = refuse, unreachable
+    client = PDClient([WorkerRef("p", "prefill", _LocalActor(prefill), "n")],
+                      [WorkerRef("d", "decode", _LocalActor(decode), "n")], backend="shm")
+
+    async def go():
+        total = decode.load()["total_slots"]
+        with pytest.raises(PDRequestError, match="prefill failed"):
+            await client.generate(prompts(1, 20, 20, seed=77)[0], GREEDY, rid="q")
+        await asyncio.sleep(0.2)  # anything the client left running has run
+        assert len(decode.scheduler.quarantine) == 1 and decode.load()["free_slots"] < total
+
+    asyncio.run(go())
+    close(prefill, decode)

@@ -18,6 +18,8 @@ import logging
 import threading
 from typing import Callable, Dict, Optional, Tuple
 
+import torch
+
 from actors.engine.req import Req
 
 logger = logging.getLogger(__name__)
@@ -51,9 +53,10 @@ class EngineLoop:
             self.scheduler.add_request(req)
             self._cond.notify()
 
-    def abort(self, rid: str) -> bool:
+    def abort(self, rid: str, *args, **kwargs) -> bool:
+        """``scheduler.abort(rid, *args, **kwargs)`` (a disaggregated scheduler's take more), then wake the loop."""
         with self._cond:
-            found = self.scheduler.abort(rid)
+            found = self.scheduler.abort(rid, *args, **kwargs)
             self._cond.notify()
             return found
 
@@ -73,6 +76,9 @@ class EngineLoop:
             return fn()
 
     def _run(self) -> None:
+        device = getattr(getattr(self.scheduler, "runner", None), "device", None)
+        if device is not None and device.type == "cuda":  # kernels and streams of this thread: the runner's GPU
+            torch.cuda.set_device(device)
         while True:
             with self._cond:
                 while not self._stopped and (self._paused or not self.scheduler.has_work()):

@@ -36,6 +36,16 @@ MAX_RUNNING_DEFAULT = 256  # request rows when max_running_requests is not set (
 KV_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
 
+def resolve_device(name: str) -> torch.device:
+    """``name`` as a device with its index: a bare ``cuda`` is the GPU current in the calling
+    thread, and the engine's other threads (its loop, a TP follower's) would take GPU 0 — with
+    every GPU of a node visible to every rank, not the one this rank was given."""
+    device = torch.device(name)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, buffer_allocator: Optional[BufferAllocator] = None, tp: TPGroup = SINGLE):
         """``buffer_allocator``: where the KV and Mamba pools' buffers come from
@@ -45,7 +55,7 @@ class ModelRunner:
         self.config = config
         self.buffer_allocator = buffer_allocator
         self.tp = tp
-        self.device = torch.device(config.device)
+        self.device = resolve_device(config.device)
         torch.manual_seed(config.random_seed)
         self.model, self.model_config, self.dtype = load_model(config.model_path, config.dtype, config.device, tp)
         self.kv_dtype = KV_DTYPES.get(config.kv_cache_dtype, self.dtype)
@@ -58,8 +68,8 @@ class ModelRunner:
         self.attn_backend = create_attention_backend(config.attention_backend, device=self.device)
         self.batch_sender: Optional[Callable[[ForwardBatch], None]] = None  # TP rank 0: batch → the other ranks
         self.host_op_log: Optional[List[Tuple]] = None  # TP rank 0: host-tier copies the other ranks replay
-        # TP rank 0 with a file tier: how many leading pages of these keys each other rank's storage holds
-        self.storage_peers_exist: Optional[Callable[[List[str]], List[int]]] = None
+        # TP rank 0 with a file tier: the other ranks read these pages into these host slots, answer how many
+        self.storage_peers_read: Optional[Callable[[List[str], torch.Tensor], List]] = None
         self.forward_time = 0.0  # seconds spent in model forwards (for overhead accounting)
         self.num_forwards = 0
 

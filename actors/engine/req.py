@@ -39,6 +39,7 @@ class Req:
     kv_committed_len: int = 0
     kv_allocated_len: int = 0  # slots written into the row (>= committed while a forward is in flight)
     cached_tokens: int = 0
+    storage_checked_len: int = 0  # the file tier was asked for this many leading tokens (asked once per length)
     finished_reason: Optional[dict] = None
     output_text: str = ""
     output_logprobs: List[float] = field(default_factory=list)

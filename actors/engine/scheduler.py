@@ -74,7 +74,7 @@ class Scheduler:
                 enable_kv_events=cfg.enable_kv_events,
             )
             controller = self.tree_cache.cache_controller  # TP rank 0: what the other ranks replay, and ask
-            controller.op_log, controller.peers_exist = runner.host_op_log, runner.storage_peers_exist
+            controller.op_log, controller.peers_read = runner.host_op_log, runner.storage_peers_read
         else:
             self.tree_cache = RadixCache(
                 runner.req_to_token_pool, runner.allocator, page_size=cfg.page_size, disable=cfg.disable_radix_cache,
@@ -196,8 +196,9 @@ class Scheduler:
             req.mamba_branching_seqlen = match.mamba_branching_seqlen
         else:
             key = RadixKey(req.fill_ids[: len(req.fill_ids) - 1], req.extra_key)  # one token is always computed
-            if admit and self.file_tier:  # pages past the host hit come from the file tier first
-                self.tree_cache.prefetch_from_storage(key)
+            if admit and self.file_tier and len(key) > req.storage_checked_len:  # pages past the host hit
+                self.tree_cache.prefetch_from_storage(key)  # come from the file tier first (asked once, not
+                req.storage_checked_len = len(key)          # at every step the request waits for room)
             match = self.tree_cache.match_prefix(key)
         req.prefix_indices, req.last_node = match.device_indices, match.last_device_node
         if admit and match.host_hit_length > 0:  # bring the host-tier continuation back to the device
@@ -213,18 +214,23 @@ class Scheduler:
             return sorted(self.waiting, key=lambda r: -len(r.prefix_indices))
         return list(self.waiting)
 
+    def _free_room(self) -> Tuple[int, Optional[int]]:
+        """Free + evictable slots of the full pool and of the SWA pool (None without one)."""
+        if not self.swa:
+            return self.available_tokens(), None
+        alloc, tree = self.runner.allocator, self.tree_cache
+        return alloc.full_available_size() + tree.full_evictable_size(), alloc.swa_available_size() + tree.swa_evictable_size()
+
     def _prefill_room(self) -> Tuple[int, Optional[int]]:
         """Slots new prefills may take after the running requests' decode reserve: of the
         full pool, and of the SWA pool (None without sliding-window layers). Every token of
         a prefill chunk takes an SWA slot, but the tokens of earlier chunks that slid out
         of the window are the tree's to evict, so the SWA pool bounds a chunk, not a prompt."""
         reserve = self._decode_reserve()
-        if not self.swa:
-            return self.available_tokens() - reserve, None
-        alloc, tree = self.runner.allocator, self.tree_cache
-        full = alloc.full_available_size() + tree.full_evictable_size() - reserve
-        swa = alloc.swa_available_size() + tree.swa_evictable_size() - self._swa_reserve(reserve, len(self._decoding_reqs()))
-        return full, swa
+        full, swa = self._free_room()
+        if swa is None:
+            return full - reserve, None
+        return full - reserve, swa - self._swa_reserve(reserve, len(self._decoding_reqs()))
 
     def _swa_reserve(self, reserve: int, num_reqs: int = 1) -> int:
         """SWA slots of ``reserve`` decode tokens of ``num_reqs`` requests: past its window
@@ -255,28 +261,39 @@ class Scheduler:
         for req in candidates:
             if len(picked) >= budget_running:
                 break
-            if req.req_pool_idx is None:
+            new_req = req.req_pool_idx is None
+            if new_req:
                 self._match_prefix(req, admit=True)
+                # locking its prefix takes what of it was evictable out of the room (SGLang's PrefillAdder
+                # reads the room after each lock): counted as room, every step planned the same batch
+                # that could not be allocated, forever
+                before = self._free_room()
+                self._lock(req)
+                after = self._free_room()
+                rem_total -= before[0] - after[0]
+                if rem_swa is not None:
+                    rem_swa -= before[1] - after[1]
             else:  # a chunked request continues after its cached chunks
                 req.fill_ids = req.all_ids()
             extend = req.extend_input_len
             reserve = self._request_reserve(req)
             chunk = extend if rem_chunk is None else min(extend, rem_chunk // self.page_size * self.page_size)
             swa_need = chunk + self._swa_reserve(reserve) + self.page_size
-            if (extend + reserve + self.page_size > rem_total or (rem_swa is not None and swa_need > rem_swa)
-                    or (picked and extend > rem_input)):
-                if req.req_pool_idx is not None:
+            fits = not (extend + reserve + self.page_size > rem_total or (rem_swa is not None and swa_need > rem_swa)
+                        or (picked and extend > rem_input))
+            if chunk < extend and chunk <= 0:
+                fits = False
+            if not fits:
+                if new_req:
+                    self._unlock(req)
+                else:
                     self.chunked_req = req  # keeps its place at the head
                 break
             if chunk < extend:
-                if chunk <= 0:
-                    break
                 req.fill_ids = req.fill_ids[: len(req.prefix_indices) + chunk]
                 extend = chunk
-            if req.req_pool_idx is None:
-                self._lock(req)
-                if req.num_retractions == 0:
-                    req.cached_tokens = len(req.prefix_indices)
+            if new_req and req.num_retractions == 0:
+                req.cached_tokens = len(req.prefix_indices)
             picked.append(req)
             rem_total -= extend + reserve
             if rem_swa is not None:

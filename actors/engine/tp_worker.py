@@ -24,8 +24,9 @@ kept equal like this:
   and device slots, its HiCacheController logs each backup and load-back
   (``runner.host_op_log``) and the followers replay them, in order, before
   the forward (and before any out-of-band write: :meth:`TPModelWorker.sync`);
-  with a file tier each rank writes and reads its own pages, in its own
-  folder, and rank 0 fetches a page only when every rank's storage has it.
+  with a file tier each rank writes its own pages, in its own folder, and
+  a fetch from files keeps only the pages every rank read (rank 0 asks the
+  others to read them with a call).
 
 Hosting (the Ray rank actors do the same as :class:`LocalTPGroup`)::
 
@@ -164,15 +165,15 @@ class TPModelWorker:
             if config.enable_hierarchical_cache:
                 self.runner.host_op_log = []  # the scheduler's HiCacheController logs into it
                 if config.hicache_storage_dir:
-                    self.runner.storage_peers_exist = lambda keys: self.call_followers("storage_exists", keys)
+                    self.runner.storage_peers_read = lambda keys, host: self.call_followers("storage_read", (keys, host))
             self.runner.batch_sender = self._send_batch
         elif self.tp.size > 1 and config.enable_hierarchical_cache:
             pool = self.runner.token_to_kv_pool
             storage = None
             if config.hicache_storage_dir:
                 storage = HiCacheFile(rank_storage_dir(config.hicache_storage_dir, self.tp.rank, self.tp.size))
-                self.handlers["storage_exists"] = storage.batch_exists
             self._host_tier = HiCacheController(pool, create_host_pool(pool, **host_pool_args(config)), storage)
+            self.handlers["storage_read"] = lambda payload: self._host_tier.read_storage(*payload)
 
     # ---- rank 0 ------------------------------------------------------------------------
     def _send_batch(self, batch: Optional[ForwardBatch]) -> None:
@@ -234,9 +235,11 @@ class TPModelWorker:
             return
         self._stopped = True
         if self.tp.size > 1:
-            self.sync()  # what the followers have not replayed yet (their share of the last pages stored)
-            self.tp.broadcast_object(STOP)
-            torch.distributed.destroy_process_group()
+            try:
+                self.sync()  # what the followers have not replayed yet (their share of the last pages stored)
+                self.tp.broadcast_object(STOP)
+            finally:  # (a broken group: the followers' next collective fails instead of waiting for STOP)
+                torch.distributed.destroy_process_group()
 
     # ---- ranks > 0 ----------------------------------------------------------------------
     def follower_loop(self) -> None:
@@ -244,6 +247,8 @@ class TPModelWorker:
         if self.tp.is_leader:
             raise RuntimeError("follower_loop runs on ranks > 0; rank 0 drives them through runner.forward")
         device = self.runner.device
+        if device.type == "cuda":  # (a follower's loop may run on a thread of its own: a Ray rank actor's)
+            torch.cuda.set_device(device)
         while True:
             msg = self.tp.broadcast_object()
             if msg == STOP:
@@ -259,8 +264,9 @@ class TPModelWorker:
                 self._host_tier.replay(msg.host_ops)
             if msg.mamba_ops:
                 self._mamba_pool.replay(msg.mamba_ops)
-                if msg.fields is None and device.type == "cuda":  # a sync() before out-of-band writes (a
-                    torch.cuda.current_stream(device).synchronize()  # KV push into fresh slots): zeroed first
+            if (msg.host_ops or msg.mamba_ops) and msg.fields is None and device.type == "cuda":
+                # a sync() before out-of-band writes (a KV push into fresh slots): states zeroed, KV loaded first
+                torch.cuda.current_stream(device).synchronize()
             if msg.fields is not None:
                 self.runner.forward(msg.forward_batch(device))
         self._stopped = True
