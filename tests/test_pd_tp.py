@@ -280,7 +280,10 @@ def test_host_tier_on_tp2_workers_of_both_sides(ray_session, monkeypatch, tmp_pa
     engine = {"page_size": 4, "max_total_tokens": 256, "skip_tokenizer_init": True,
               "enable_hierarchical_cache": True, "hicache_ratio": 4.0, "hicache_storage_dir": str(tmp_path)}
     side = {"tp_size": 2, "num_cpus_per_rank": 0.5, "engine": engine}
-    cluster = PDCluster(parse_config({"model": {"builtin": "llama"}, "prefill": side, "decode": side,
+    # decode: write_back — a prefix backed up as it is evicted, its slots then reserved for a new prompt
+    # whose KV the prefill ranks write straight into the followers (the backups land on them first)
+    decode = dict(side, engine=dict(engine, hicache_write_policy="write_back"))
+    cluster = PDCluster(parse_config({"model": {"builtin": "llama"}, "prefill": side, "decode": decode,
                                       "transfer": {"backend": "shm"}})).start()
     client = cluster.client()
     rng = random.Random(7)
