@@ -106,9 +106,9 @@ def prepare_for_extend(reqs: List[Req], runner, tree_cache) -> Optional[ForwardB
         num_tokens + len(reqs) * ps,
     )
     if out is None:
-        pool.free([r.req_pool_idx for r in new])
+        pool.free([r.req_pool_idx for r in new])  # (a hybrid pool frees each row's Mamba slot with it)
         for req in new:
-            req.req_pool_idx = None
+            req.req_pool_idx, req.mamba_pool_idx = None, None
         return None
     input_ids, positions, offset = [], [], 0
     for req, p, s in zip(reqs, prefix_lens, seq_lens):

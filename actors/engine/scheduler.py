@@ -214,6 +214,12 @@ class Scheduler:
             return sorted(self.waiting, key=lambda r: -len(r.prefix_indices))
         return list(self.waiting)
 
+    def _paged(self, req: Req, num_tokens: int) -> int:
+        """Slots the allocator takes for ``num_tokens`` after the request's prefix: whole pages
+        (counted as tokens, a batch of short prompts was planned that could never be allocated)."""
+        ps, start = self.page_size, len(req.prefix_indices)
+        return (-(-(start + num_tokens) // ps) + (-start // ps)) * ps  # (ceil(end / ps) - ceil(start / ps)) pages
+
     def _free_room(self) -> Tuple[int, Optional[int]]:
         """Free + evictable slots of the full pool and of the SWA pool (None without one)."""
         if not self.swa:
@@ -279,8 +285,8 @@ class Scheduler:
             reserve = self._request_reserve(req)
             chunk = extend if rem_chunk is None else min(extend, rem_chunk // self.page_size * self.page_size)
             swa_need = chunk + self._swa_reserve(reserve) + self.page_size
-            fits = not (extend + reserve + self.page_size > rem_total or (rem_swa is not None and swa_need > rem_swa)
-                        or (picked and extend > rem_input))
+            fits = not (self._paged(req, extend) + reserve + self.page_size > rem_total
+                        or (rem_swa is not None and swa_need > rem_swa) or (picked and extend > rem_input))
             if chunk < extend and chunk <= 0:
                 fits = False
             if not fits:
@@ -295,7 +301,7 @@ class Scheduler:
             if new_req and req.num_retractions == 0:
                 req.cached_tokens = len(req.prefix_indices)
             picked.append(req)
-            rem_total -= extend + reserve
+            rem_total -= self._paged(req, extend) + reserve
             if rem_swa is not None:
                 rem_swa -= swa_need - self.page_size
             rem_input -= extend
@@ -307,6 +313,11 @@ class Scheduler:
             return None, None
         new_reqs = [r for r in picked if r.req_pool_idx is None]
         forward_batch = prepare_for_extend(picked, self.runner, self.tree_cache)
+        while forward_batch is None and len(picked) > 1:  # the plan overestimated the room: shorter, now (the
+            dropped = picked.pop()  # same plan at the next step would fail again); a continuing chunk is first
+            self._unlock(dropped)
+            new_reqs.remove(dropped)
+            forward_batch = prepare_for_extend(picked, self.runner, self.tree_cache)
         if forward_batch is None:  # short even after eviction: give the locks back, try later
             for req in new_reqs:
                 self._unlock(req)
