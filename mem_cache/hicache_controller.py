@@ -77,28 +77,32 @@ class HiCacheController:
     keeps the pages every rank has.
     """
 
-    def __init__(self, device_pool: KVCache, host_pool: HostKVCache, storage: Optional[HiCacheStorage] = None,
-                 peers_read: Optional[Callable[[List[str], torch.Tensor], List[Any]]] = None):
+    def __init__(self, device_pool: KVCache, host_pool: HostKVCache, storage: Optional[HiCacheStorage] = None):
         self.device_pool = device_pool
         self.host_pool = host_pool
         self.storage = storage
-        self.peers_read = peers_read
         self.layer_done_counter = LayerDoneCounter(device_pool.start_layer, device_pool.layer_num)
         device_pool.register_layer_transfer_counter(self.layer_done_counter)
-        self.op_log: Optional[List[Tuple[str, Any, torch.Tensor]]] = None
+        self.op_log: Optional[List[Tuple[str, torch.Tensor, Any]]] = None
+        self.peers_read: Optional[Callable[[List[str], torch.Tensor], List[Any]]] = None
 
     def write(self, host_indices: torch.Tensor, device_indices: torch.Tensor) -> None:
         """Back up ``device_indices`` into ``host_indices`` (all layers)."""
         self.host_pool.backup_from_device_all_layer(self.device_pool, host_indices, device_indices)
-        self._log("write", host_indices, device_indices.cpu())
+        self._log("write", host_indices, device_indices)
 
     def load(self, host_indices: torch.Tensor, device_indices: torch.Tensor) -> None:
         """Copy ``host_indices`` into ``device_indices``, one layer after another."""
-        self._load(host_indices, device_indices)
-        self._log("load", host_indices, device_indices.cpu())
+        counter = self.layer_done_counter
+        counter.begin()
+        for layer_id in range(counter.start_layer, counter.start_layer + counter.num_layers):
+            self.host_pool.load_to_device_per_layer(self.device_pool, host_indices, device_indices, layer_id)
+            counter.complete(layer_id)
+        self._log("load", host_indices, device_indices)
 
     def _log(self, op: str, host_indices: torch.Tensor, other: Any) -> None:
-        if self.op_log is not None:
+        if self.op_log is not None:  # (only then: a device tensor's copy to the host waits for the device)
+            other = other.cpu() if isinstance(other, torch.Tensor) else other
             self.op_log.append((op, host_indices.cpu(), other))
 
     def replay(self, ops: Sequence[Tuple[str, torch.Tensor, Any]]) -> None:
@@ -113,13 +117,6 @@ class HiCacheController:
                 self.write_storage(other, host_indices)
             else:
                 raise ValueError(f"unknown host-tier op {op!r}")
-
-    def _load(self, host_indices: torch.Tensor, device_indices: torch.Tensor) -> None:
-        counter = self.layer_done_counter
-        counter.begin()
-        for layer_id in range(counter.start_layer, counter.start_layer + counter.num_layers):
-            self.host_pool.load_to_device_per_layer(self.device_pool, host_indices, device_indices, layer_id)
-            counter.complete(layer_id)
 
     def write_storage(self, keys: Sequence[str], host_indices: torch.Tensor) -> int:
         """Write the pages of ``host_indices`` (page ``i`` keyed ``keys[i]``) from
