@@ -99,11 +99,14 @@ class DecodeScheduler(Scheduler):
     def has_work(self) -> bool:
         return bool(self.prealloc or self.transfer or self.quarantine) or super().has_work()
 
+    def _live(self, rid: str) -> Optional[Req]:
+        """The unfinished request under ``rid``, wherever it is (the engine loop allows one)."""
+        queued = self.prealloc + self.transfer + self.running + self.waiting
+        return next((r for r in queued + [self.chunked_req] if r is not None and r.rid == rid and not r.finished), None)
+
     def live_room(self, rid: str) -> Optional[int]:
         """The room of the unfinished request under ``rid`` (None: there is none)."""
-        queued = self.prealloc + self.transfer + self.running + self.waiting
-        live = next((r for r in queued + [self.chunked_req] if r is not None and r.rid == rid and not r.finished), None)
-        return getattr(live, "pd_room", None)
+        return getattr(self._live(rid), "pd_room", None)
 
     def on_transfer_done(self, rid: str, notice: dict) -> bool:
         """The prefill side's completion notice (first token, its finish state), for the
@@ -379,7 +382,9 @@ class DecodeScheduler(Scheduler):
         def meant(req: Req) -> bool:
             return req.rid == rid and room in (None, getattr(req, "pd_room", None))
 
-        if self._abort_live(meant, message, safe):
+        live = self._live(rid)
+        if live is not None and meant(live):
+            self._abort_live(live, message, safe)
             return True
         if safe:
             for i, (_, req) in enumerate(self.quarantine):
@@ -389,24 +394,18 @@ class DecodeScheduler(Scheduler):
                     return True
         return False
 
-    def _abort_live(self, meant, message: str, safe: bool) -> bool:
-        for req in self.prealloc:
-            if meant(req):
-                self.prealloc.remove(req)
-                req.pd_error = message
-                req.finish({"type": "abort", "message": message})
-                self._aborted.append(req)
-                return True
-        for req in self.transfer:
-            if meant(req):
-                self.transfer.remove(req)
-                self._drop(req, message, safe=safe)
-                self._aborted.append(req)
-                return True
-        # decoding, or retracted to ``waiting``: the one unfinished request under the id (the engine loop allows no other)
-        candidates = self.running + self.waiting + ([self.chunked_req] if self.chunked_req else [])
-        live = next((r for r in candidates if not r.finished and meant(r)), None)
-        return live is not None and super().abort(live.rid)
+    def _abort_live(self, req: Req, message: str, safe: bool) -> None:
+        if req in self.prealloc:
+            self.prealloc.remove(req)
+            req.pd_error = message
+            req.finish({"type": "abort", "message": message})
+            self._aborted.append(req)
+        elif req in self.transfer:
+            self.transfer.remove(req)
+            self._drop(req, message, safe=safe)
+            self._aborted.append(req)
+        else:  # decoding, or retracted to ``waiting``
+            super().abort(req.rid)
 
     def fail_all(self, message: str) -> List[Req]:
         """Every queued request ends with ``message`` (its slots freed)."""
