@@ -18,7 +18,7 @@ loaded from host memory and fetched from files, tokens prefilled, TTFT mean / p9
 turns after the first, and the wall time of the rounds after the first. Every mode's answers
 must equal the radix-only mode's (checked). Prints a table; ``--markdown`` appends it to a file.
 
-    python scripts/bench_hicache.py [--conversations 8] [--turns 4] [--device-tokens 4096]
+    python scripts/bench_hicache.py [--conversations 8] [--turns 4] [--device-tokens 4096] [--device cuda]
 """
 
 from __future__ import annotations
@@ -71,7 +71,8 @@ def run_mode(model_dir: str, args, engine_args: Dict, fresh_each_round: bool) ->
         if engine is None or fresh_each_round:
             if engine is not None:
                 engine.shutdown()
-            engine = Engine(model_path=model_dir, skip_tokenizer_init=True, attention_backend="torch", **engine_args)
+            engine = Engine(model_path=model_dir, skip_tokenizer_init=True, device=args.device,
+                            attention_backend=args.attention_backend, **engine_args)
             count_tier_traffic(engine, totals)
         prompts = [h + [rng.randrange(3, 2048) for _ in range(args.user_tokens)] for h in histories]
         start = time.perf_counter()
@@ -102,8 +103,11 @@ def main() -> None:
     parser.add_argument("--device-tokens", type=int, default=4096)
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--attention-backend", default=None, help="default: triton on cuda, torch on cpu")
     parser.add_argument("--markdown", type=Path)
     args = parser.parse_args()
+    args.attention_backend = args.attention_backend or ("triton" if args.device == "cuda" else "torch")
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = str(Path(tmp) / "model")
@@ -126,8 +130,8 @@ def main() -> None:
 
     lines = [
         f"{args.conversations} conversations × {args.turns} turns of {args.user_tokens} new tokens + "
-        f"{args.output_tokens} out, device pool {args.device_tokens} tokens, page {args.page_size}; "
-        "rounds after the first:",
+        f"{args.output_tokens} out, device pool {args.device_tokens} tokens, page {args.page_size}, "
+        f"{args.device} ({args.attention_backend} attention); rounds after the first:",
         "",
         "| mode | prompt tok | cached | from host | from files | prefilled | TTFT mean ms | TTFT p90 ms | wall s |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|",

@@ -9,8 +9,9 @@
 # are kept: they are not the pinned versions, device.txt says which ran), prints what it runs
 # on, runs every `gpu`-marked test, then the tests that take CUDA when it is there (Triton
 # attention and allocator kernels compiled, engine parity, pinned host pools) and the PD and
-# transfer tests, and `scripts/bench_transfer.py` with the cuda_ipc backend; logs and the
-# benchmark's table and plot go to $OUT (or ./gpu_out). Record the figures in docs/benchmarks.md.
+# transfer tests, `scripts/bench_transfer.py` with the cuda_ipc backend and `scripts/bench_hicache.py`
+# on cuda; logs and the benchmarks' tables and plot go to $OUT (or ./gpu_out). Record the figures
+# in docs/benchmarks.md.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 WHEELS=.gpu_wheels
@@ -57,6 +58,7 @@ EOF
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
     python3 scripts/bench_transfer.py --plot "$OUT/bench_transfer.png" \
         2>&1 | tee "$OUT/bench_transfer.txt" | tail -30
+    python3 scripts/bench_hicache.py --device cuda 2>&1 | tee "$OUT/bench_hicache.txt" | tail -12
     exit $status
     ;;
 *)
