@@ -167,11 +167,15 @@ def run_chaos(path: str, case: Case, monkeypatch):
         prefill.check_integrity()
         decode.check_integrity()
         after = await asyncio.gather(*(run_pd(prefill, decode, ids, GREEDY) for ids in batch[:4]))
-        return [o for run in runs for o in run], after
+        # and one next turn with no faults: which turns of the chaos finished depends on the machine's
+        # speed (a fault is drawn per poll), this one reaches the decode side's cache on any machine
+        follow = batch[0] + after[0][0]["output_ids"] + [5, 6, 7]
+        after.append(await run_pd(prefill, decode, follow, GREEDY))
+        return [o for run in runs for o in run], after, batch[:4] + [follow]
 
     try:
-        outcomes, after = asyncio.run(go())
-        outcomes += [Outcome(ids, r, None) for ids, r in zip(batch[:4], after)]
+        outcomes, after, after_prompts = asyncio.run(go())
+        outcomes += [Outcome(ids, r, None) for ids, r in zip(after_prompts, after)]
         finished, errors = [], []
         for o in outcomes:
             if isinstance(o.result, asyncio.CancelledError):
