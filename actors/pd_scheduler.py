@@ -149,7 +149,12 @@ class DecodeScheduler(Scheduler):
         self._match_reserved_prefix(req)
         prefix_len = len(req.prefix_indices)
         self._lock(req)  # first: the room it leaves is what the prompt can have (its prefix is not evictable)
-        if not self._fits(req, prefix_len, prompt_len) or not self._alloc_prompt(req, prefix_len, prompt_len):
+        if not self._fits(req, prefix_len, prompt_len):  # (a host-tier part of the prefix counts as new slots)
+            self._unlock(req)
+            return False
+        self._load_host_prefix(req)  # taken: the host-tier part comes back (only now, see the engine's)
+        prefix_len = len(req.prefix_indices)
+        if not self._alloc_prompt(req, prefix_len, prompt_len):
             self._unlock(req)
             return False
         req.cache_protected_len = prefix_len
@@ -172,7 +177,7 @@ class DecodeScheduler(Scheduler):
         """The decode tree's prefix of the prompt; a hybrid model's for the attention KV
         only (its Mamba state comes from the prefill side), under a KV-only lock."""
         if not self.hybrid:
-            self._match_prefix(req, admit=True)  # with a host tier, its part of the prefix is loaded back
+            self._match_prefix(req, admit=True)  # with a host tier, its part of the prefix is loaded back once taken
             return
         req.fill_ids = req.all_ids()
         match = self.tree_cache.match_kv_prefix(RadixKey(req.fill_ids, req.extra_key), req=req)

@@ -84,11 +84,14 @@ class HiCacheController:
         self.layer_done_counter = LayerDoneCounter(device_pool.start_layer, device_pool.layer_num)
         device_pool.register_layer_transfer_counter(self.layer_done_counter)
         self.op_log: Optional[List[Tuple[str, torch.Tensor, Any]]] = None
+        self.written_tokens = 0  # device → host, and host → device, since start (SGLang's hicache metrics)
+        self.loaded_tokens = 0
         self.peers_read: Optional[Callable[[List[str], torch.Tensor], List[Any]]] = None
 
     def write(self, host_indices: torch.Tensor, device_indices: torch.Tensor) -> None:
         """Back up ``device_indices`` into ``host_indices`` (all layers)."""
         self.host_pool.backup_from_device_all_layer(self.device_pool, host_indices, device_indices)
+        self.written_tokens += len(host_indices)
         self._log("write", host_indices, device_indices)
 
     def load(self, host_indices: torch.Tensor, device_indices: torch.Tensor) -> None:
@@ -98,6 +101,7 @@ class HiCacheController:
         for layer_id in range(counter.start_layer, counter.start_layer + counter.num_layers):
             self.host_pool.load_to_device_per_layer(self.device_pool, host_indices, device_indices, layer_id)
             counter.complete(layer_id)
+        self.loaded_tokens += len(host_indices)
         self._log("load", host_indices, device_indices)
 
     def _log(self, op: str, host_indices: torch.Tensor, other: Any) -> None:

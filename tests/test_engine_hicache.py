@@ -6,6 +6,12 @@ import random
 import pytest
 
 from actors.engine import Engine
+from actors.engine.config import EngineConfig
+from actors.engine.engine import check_engine_integrity
+from actors.engine.model_runner import ModelRunner
+from actors.engine.req import Req
+from actors.engine.sampling_params import SamplingParams
+from actors.engine.scheduler import Scheduler
 from actors.engine.tiny import build_tiny_checkpoint
 from mem_cache.radix_key import RadixKey
 from tests.parity import assert_greedy_parity
@@ -66,3 +72,48 @@ def test_a_new_engine_gets_a_prefix_from_the_file_tier(model_dir, tmp_path):
         engine.shutdown()
     assert outs[0]["meta_info"]["cached_tokens"] == 0 and outs[1]["meta_info"]["cached_tokens"] >= 96
     assert_greedy_parity(model_dir, prompts_, [o["output_ids"] for o in outs], 8, [])
+
+
+def test_a_waiting_request_has_its_host_prefix_loaded_only_once_taken(model_dir):
+    """A request whose prefix is on the host, held back because the running request's decode
+    reserve leaves no room, has nothing loaded while it waits (loaded first, the prefix took
+    device slots for a request not taken, and the running decode evicted it again); once taken,
+    the prefix comes back once and its tokens count as cached."""
+    config = EngineConfig(model_path=model_dir, skip_tokenizer_init=True, max_total_tokens=256, page_size=4,
+                          enable_hierarchical_cache=True, hicache_ratio=4.0)
+    sched = Scheduler(ModelRunner(config))
+    controller = sched.tree_cache.cache_controller
+    rng = random.Random(5)
+    system = tokens(rng, 96)
+
+    def run(prompt, max_new, rid):
+        req = Req(rid, prompt, SamplingParams(max_new_tokens=max_new, temperature=0, ignore_eos=True))
+        sched.add_request(req)
+        return req
+
+    def drain():
+        while sched.has_work():
+            sched.step()
+
+    run(system + tokens(rng, 4), 8, "first")
+    drain()
+    for i in range(3):  # the system prompt leaves the device for the host
+        run(tokens(rng, 120), 8, f"filler{i}")
+        drain()
+    assert len(sched.tree_cache.match_prefix(RadixKey(system)).device_indices) < 96
+    long = run(tokens(rng, 120), 100, "long")
+    sched.step()
+    assert long in sched.running
+    follow = run(system + tokens(rng, 5), 8, "follow")
+    loads_before, waited = controller.loaded_tokens, 0
+    while follow in sched.waiting:
+        sched.step()
+        waited += 1
+        if follow in sched.waiting:
+            assert controller.loaded_tokens == loads_before, f"loaded while waiting, step {waited}"
+        sched.tree_cache.check_integrity()
+    assert waited > 10 and long.finished  # it did wait for the long request's reserve
+    drain()
+    assert controller.loaded_tokens - loads_before >= 96 - 4 and follow.cached_tokens >= 96 - 4
+    assert_greedy_parity(model_dir, [follow.origin_input_ids], [follow.output_ids], 8, [])
+    check_engine_integrity(sched, sched.runner)

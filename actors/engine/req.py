@@ -39,6 +39,10 @@ class Req:
     kv_committed_len: int = 0
     kv_allocated_len: int = 0  # slots written into the row (>= committed while a forward is in flight)
     cached_tokens: int = 0
+    # with a host tier: [len(prefix_indices), + host_hit_length) is on the host, ending at last_host_node
+    # (loaded back once the request is taken)
+    host_hit_length: int = 0
+    last_host_node: Any = None
     storage_checked_len: int = 0  # the file tier was asked for this many leading tokens (asked once per length)
     finished_reason: Optional[dict] = None
     output_text: str = ""

@@ -201,11 +201,27 @@ class Scheduler:
                 req.storage_checked_len = len(key)          # at every step the request waits for room)
             match = self.tree_cache.match_prefix(key)
         req.prefix_indices, req.last_node = match.device_indices, match.last_device_node
-        if admit and match.host_hit_length > 0:  # bring the host-tier continuation back to the device
-            loaded, node = self.tree_cache.init_load_back(match.last_host_node, match.host_hit_length)
-            if loaded.numel():
-                req.prefix_indices, req.last_node = torch.cat([req.prefix_indices, loaded]), node
+        req.host_hit_length, req.last_host_node = match.host_hit_length, match.last_host_node
         req.cache_protected_len = len(req.prefix_indices)
+
+    def _load_host_prefix(self, req: Req) -> int:
+        """Bring the host-tier continuation of a taken request's locked device prefix back to
+        the device and move its lock to the deepest loaded node; returns the room it took.
+        Only once the request is taken (SGLang's PrefillAdder loads after its fit check): loaded
+        before, a request that then waited for room had its prefix loaded, evicted by the
+        running requests' decode and loaded again at every step."""
+        if not req.host_hit_length:
+            return 0
+        before = self._free_room()[0]
+        loaded, node = self.tree_cache.init_load_back(req.last_host_node, req.host_hit_length)
+        req.host_hit_length, req.last_host_node = 0, None
+        if loaded.numel():
+            old = req.last_node
+            req.prefix_indices, req.last_node = torch.cat([req.prefix_indices, loaded]), node
+            self._lock(req)  # the new path first: the old one stays locked all along
+            self.tree_cache.dec_lock_ref(old)  # (a host tier means a plain tree: no SWA or state locks)
+            req.cache_protected_len = len(req.prefix_indices)
+        return before - self._free_room()[0]
 
     def _sorted_waiting(self) -> List[Req]:
         if self.config.schedule_policy == "lpm":
@@ -295,6 +311,10 @@ class Scheduler:
                 else:
                     self.chunked_req = req  # keeps its place at the head
                 break
+            if new_req and req.host_hit_length:  # its fit counted the host part as new slots: they are now
+                rem_total -= self._load_host_prefix(req)
+                extend = req.extend_input_len
+                chunk = extend if rem_chunk is None else min(extend, rem_chunk // self.page_size * self.page_size)
             if chunk < extend:
                 req.fill_ids = req.fill_ids[: len(req.prefix_indices) + chunk]
                 extend = chunk
