@@ -152,7 +152,9 @@ class DecodeScheduler(Scheduler):
         if not self._fits(req, prefix_len, prompt_len):  # (a host-tier part of the prefix counts as new slots)
             self._unlock(req)
             return False
-        self._load_host_prefix(req)  # taken: the host-tier part comes back (only now, see the engine's)
+        self._load_host_prefix(req)  # taken: the host-tier part comes back (only now, see the engine's),
+        if self.host_tier:  # at once: no forward of this request's to overlap it with
+            self.tree_cache.loading_check()
         prefix_len = len(req.prefix_indices)
         if not self._alloc_prompt(req, prefix_len, prompt_len):
             self._unlock(req)

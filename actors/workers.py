@@ -226,6 +226,7 @@ class _Worker:
     def shutdown(self) -> None:
         """Stop the loop, release the followers (their loops return), free the pools."""
         self.loop.stop()
+        self.scheduler.close()
         self.tp_worker.shutdown()
         self.rank.close()
 

@@ -2,15 +2,22 @@
 
 The tree cache decides *what* moves and *which* slots it uses; the controller
 only copies: device → host (``write``), host → device layer by layer
-(``load``), host ↔ storage (``write_storage`` / ``read_storage``). Here every
-copy is synchronous, which is what the CPU build runs. On CUDA, ``write`` and
-``load`` are where a write stream and a load stream would go, with
-``LayerDoneCounter`` recording one event per layer instead of blocking.
+(``load``), host ↔ storage (``write_storage`` / ``read_storage``).
+
+Loads overlap the forward that needs them (SGLang's layer-wise load): the tree
+queues them (``queue_load``) while the batch is scheduled, ``start_loading``
+merges the queue into one transfer just before the forward, and the device
+pool's ``get_*_buffer(layer)`` waits for that layer only. On CUDA the copies
+go on a load stream, one event per layer, and the compute stream waits on the
+event (the host never blocks); on CPU a loader thread copies layer after layer
+while the forward runs. ``wait_loading`` ends the transfer (after the forward).
+Writes, ``load`` and the storage copies are synchronous.
 """
 
 from __future__ import annotations
 
 import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
@@ -27,7 +34,10 @@ class LayerDoneCounter:
     The loader calls ``begin()`` before the first layer and ``complete(layer_id)``
     after each layer, in layer order. A reader's ``wait_until(layer_id)`` returns
     once that layer is complete — at once when no load is in flight — so the
-    forward pass can read layer 0 while later layers are still copying.
+    forward pass can read layer 0 while later layers are still copying. A CUDA
+    loader passes the event recorded after the layer's copies on its stream:
+    the reader's current stream waits for it (the host does not). ``fail(exc)``
+    ends a load that cannot finish: readers get an error, not a hang.
     """
 
     def __init__(self, start_layer: int, num_layers: int):
@@ -35,6 +45,8 @@ class LayerDoneCounter:
         self.num_layers = num_layers
         self._cond = threading.Condition()
         self._num_done = num_layers  # idle: every layer is on the device
+        self._events: List[Any] = []  # CUDA: per completed layer, the event its copies recorded
+        self._error: Optional[BaseException] = None
 
     @property
     def num_done(self) -> int:
@@ -43,20 +55,38 @@ class LayerDoneCounter:
 
     def begin(self) -> None:
         with self._cond:
-            self._num_done = 0
+            self._num_done, self._events, self._error = 0, [], None
 
-    def complete(self, layer_id: int) -> None:
+    def complete(self, layer_id: int, event: Any = None) -> None:
         with self._cond:
             expected = self.start_layer + self._num_done
             ensure(layer_id == expected, f"layer {layer_id} completed out of order, expected {expected}")
+            self._events.append(event)
             self._num_done += 1
+            self._cond.notify_all()
+
+    def end(self) -> None:
+        """No load in flight any more (after a failed one too): readers go straight through."""
+        with self._cond:
+            self._num_done, self._events, self._error = self.num_layers, [], None
+            self._cond.notify_all()
+
+    def fail(self, error: BaseException) -> None:
+        with self._cond:
+            self._error = error
             self._cond.notify_all()
 
     def wait_until(self, layer_id: int, timeout: Optional[float] = None) -> None:
         """Block until ``layer_id`` is loaded; ``TimeoutError`` after ``timeout`` seconds."""
+        index = layer_id - self.start_layer
         with self._cond:
-            if not self._cond.wait_for(lambda: self._num_done > layer_id - self.start_layer, timeout):
+            if not self._cond.wait_for(lambda: self._num_done > index or self._error is not None, timeout):
                 raise TimeoutError(f"layer {layer_id} not loaded after {timeout}s ({self._num_done} layers done)")
+            if self._num_done <= index:
+                raise RuntimeError(f"loading layer {layer_id} from the host tier failed: {self._error!r}")
+            event = self._events[index] if 0 <= index < len(self._events) else None
+        if event is not None:  # ordered on the device: this stream's next kernels wait for the layer's copies
+            event.wait()  # (the current stream of this thread's device)
 
 
 class HiCacheController:
@@ -77,12 +107,25 @@ class HiCacheController:
     keeps the pages every rank has.
     """
 
-    def __init__(self, device_pool: KVCache, host_pool: HostKVCache, storage: Optional[HiCacheStorage] = None):
+    def __init__(
+        self,
+        device_pool: KVCache,
+        host_pool: HostKVCache,
+        storage: Optional[HiCacheStorage] = None,
+        overlap_load: bool = True,
+    ):
         self.device_pool = device_pool
         self.host_pool = host_pool
         self.storage = storage
         self.layer_done_counter = LayerDoneCounter(device_pool.start_layer, device_pool.layer_num)
         device_pool.register_layer_transfer_counter(self.layer_done_counter)
+        # queue_load → start_loading → wait_loading (without overlap, queue_load copies at once)
+        self.overlap_load = overlap_load
+        self._queued: List[Tuple[torch.Tensor, torch.Tensor]] = []
+        self._loading: Optional[Future] = None  # CPU: the loader thread's transfer in flight
+        self._load_done: Any = None  # CUDA: the event after the last layer's copies
+        self._load_stream: Any = None
+        self._loader: Optional[ThreadPoolExecutor] = None
         self.op_log: Optional[List[Tuple[str, torch.Tensor, Any]]] = None
         self.written_tokens = 0  # device → host, and host → device, since start (SGLang's hicache metrics)
         self.loaded_tokens = 0
@@ -95,7 +138,8 @@ class HiCacheController:
         self._log("write", host_indices, device_indices)
 
     def load(self, host_indices: torch.Tensor, device_indices: torch.Tensor) -> None:
-        """Copy ``host_indices`` into ``device_indices``, one layer after another."""
+        """Copy ``host_indices`` into ``device_indices``, one layer after another, now."""
+        self.wait_loading()
         counter = self.layer_done_counter
         counter.begin()
         for layer_id in range(counter.start_layer, counter.start_layer + counter.num_layers):
@@ -104,19 +148,107 @@ class HiCacheController:
         self.loaded_tokens += len(host_indices)
         self._log("load", host_indices, device_indices)
 
+    # ---- overlapped loads ---------------------------------------------------------
+    def queue_load(self, host_indices: torch.Tensor, device_indices: torch.Tensor) -> None:
+        """Load ``host_indices`` into ``device_indices`` with the next :meth:`start_loading`
+        (at once without ``overlap_load``). Until :meth:`wait_loading` returns, the caller
+        keeps both slot sets from being freed."""
+        if not self.overlap_load:
+            self.load(host_indices, device_indices)
+            return
+        self._queued.append((host_indices, device_indices))
+        self._log("load", host_indices, device_indices)
+
+    @property
+    def load_pending(self) -> bool:
+        """Loads queued or in flight."""
+        return bool(self._queued) or self._loading is not None or self._load_done is not None
+
+    def start_loading(self) -> None:
+        """Start the queued loads as one layer-wise transfer; the device pool's readers
+        wait per layer. An earlier transfer still in flight ends first."""
+        if not self._queued:
+            return
+        self.wait_loading()
+        host = torch.cat([h for h, _ in self._queued])
+        device = torch.cat([d for _, d in self._queued])
+        self._queued = []
+        self.loaded_tokens += len(host)
+        counter = self.layer_done_counter
+        counter.begin()
+        if device.device.type == "cuda":
+            self._start_cuda_load(host, device)
+            return
+        if self._loader is None:
+            self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hicache-load")
+        self._loading = self._loader.submit(self._load_layers, host, device)
+
+    def _load_layers(self, host: torch.Tensor, device: torch.Tensor) -> None:
+        counter = self.layer_done_counter
+        try:
+            for layer_id in range(counter.start_layer, counter.start_layer + counter.num_layers):
+                self.host_pool.load_to_device_per_layer(self.device_pool, host, device, layer_id)
+                counter.complete(layer_id)
+        except BaseException as exc:
+            counter.fail(exc)
+            raise
+
+    def _start_cuda_load(self, host: torch.Tensor, device: torch.Tensor) -> None:
+        counter, dev = self.layer_done_counter, device.device
+        if self._load_stream is None:
+            self._load_stream = torch.cuda.Stream(dev)
+        stream = self._load_stream
+        stream.wait_stream(torch.cuda.current_stream(dev))  # the slots' earlier users are done with them
+        device.record_stream(stream)  # (freed by this thread meanwhile, its memory waits for the copies)
+        try:
+            with torch.cuda.stream(stream):
+                for layer_id in range(counter.start_layer, counter.start_layer + counter.num_layers):
+                    self.host_pool.load_to_device_per_layer(self.device_pool, host, device, layer_id)
+                    event = torch.cuda.Event()
+                    event.record(stream)
+                    counter.complete(layer_id, event)
+        except BaseException as exc:
+            counter.fail(exc)
+            raise
+        self._load_done = event
+
+    def wait_loading(self) -> None:
+        """Block until the transfer in flight has reached the device (raises its error)."""
+        loading, done = self._loading, self._load_done
+        self._loading = self._load_done = None
+        try:
+            if loading is not None:
+                loading.result()
+            if done is not None:
+                done.synchronize()
+        finally:
+            if loading is not None or done is not None:
+                self.layer_done_counter.end()
+
+    def close(self) -> None:
+        """End any transfer and the loader thread."""
+        try:
+            self.start_loading()
+            self.wait_loading()
+        finally:
+            if self._loader is not None:
+                self._loader.shutdown(wait=True)
+                self._loader = None
+
     def _log(self, op: str, host_indices: torch.Tensor, other: Any) -> None:
         if self.op_log is not None:  # (only then: a device tensor's copy to the host waits for the device)
             other = other.cpu() if isinstance(other, torch.Tensor) else other
             self.op_log.append((op, host_indices.cpu(), other))
 
     def replay(self, ops: Sequence[Tuple[str, torch.Tensor, Any]]) -> None:
-        """Apply another rank's ``op_log`` entries, in order, to this rank's pools."""
+        """Apply another rank's ``op_log`` entries, in order, to this rank's pools (its loads
+        are queued: :meth:`start_loading` them before the forward, as rank 0 does)."""
         device = self.device_pool.device
         for op, host_indices, other in ops:
             if op == "write":
                 self.write(host_indices, other.to(device))
-            elif op == "load":
-                self.load(host_indices, other.to(device))
+            elif op == "load":  # started by the caller's start_loading, as on rank 0
+                self.queue_load(host_indices, other.to(device))
             elif op == "write_storage":
                 self.write_storage(other, host_indices)
             else:

@@ -76,6 +76,8 @@ class HiRadixCache(HostTierMixin, RadixCache):
     * ``evict_host(n)`` deletes host-only nodes nobody uses, leaves first;
     * ``match_prefix`` also reports ``last_host_node`` and ``host_hit_length``;
     * ``init_load_back`` brings a host-only chain back to the device, all or nothing;
+      with ``overlap_load`` the copy is queued: ``ready_to_load_host_cache()``
+      starts it before the forward, ``loading_check()`` ends it after;
     * ``prefetch_from_storage(key)`` fetches pages past the host hit into host slots.
     """
 
@@ -92,6 +94,7 @@ class HiRadixCache(HostTierMixin, RadixCache):
         write_policy: str = "write_through",
         load_back_threshold: int = 10,
         storage_backend: Optional[HiCacheStorage] = None,
+        overlap_load: bool = False,
         disable: bool = False,
         eviction_policy: str = "lru",
         enable_kv_events: bool = False,
@@ -102,12 +105,14 @@ class HiRadixCache(HostTierMixin, RadixCache):
             kv_cache, host_to_device_ratio=host_to_device_ratio, host_size_gb=host_size_gb,
             page_size=page_size, layout=host_layout,
         )
-        self.cache_controller = HiCacheController(kv_cache, self.host_pool, storage_backend)
+        self.cache_controller = HiCacheController(kv_cache, self.host_pool, storage_backend, overlap_load)
+        self._loading_nodes: List[TreeNode] = []  # loaded back, their copy not ended: host copies held
         super().__init__(
             req_to_token_pool, token_to_kv_pool_allocator, page_size, disable, eviction_policy, enable_kv_events
         )
 
     def reset(self) -> None:
+        self.loading_check()
         super().reset()
         self.host_pool.clear()
 
@@ -187,6 +192,8 @@ class HiRadixCache(HostTierMixin, RadixCache):
         eviction-policy order; returns how many were freed."""
         if self.disable or num_tokens <= 0:
             return 0
+        if any(n.lock_ref == 0 for n in self._loading_nodes):  # a load may still write slots about to be
+            self.loading_check()  # freed (its request was not taken after all); a taken one's are locked
         heap = [(self.eviction_key(n), n.id, n) for n in self._iter_nodes() if self._is_device_leaf(n)]
         heapq.heapify(heap)
         evicted = 0
@@ -242,6 +249,12 @@ class HiRadixCache(HostTierMixin, RadixCache):
                 ensure(node.lock_ref == 0, f"{name} is evicted but locked")
             else:
                 ensure(not node.parent.evicted, f"{name} is on the device under an evicted parent")
+        loading = {}
+        for node in self._loading_nodes:
+            loading[node.id] = loading.get(node.id, 0) + 1
+        for node in self._iter_nodes():  # between calls only loads in flight hold host copies
+            ensure(node.host_ref_counter == loading.get(node.id, 0),
+                   f"{node!r} holds {node.host_ref_counter} host refs, {loading.get(node.id, 0)} loads in flight")
         held = self.all_host_values()
         check_unique_in_range("HiRadixCache host slots", held, 0, self.host_pool.size - 1)
         self.host_pool.check_integrity(in_use=held)

@@ -11,12 +11,15 @@ It relies on the cache's ``root_node``, ``page_size``, ``host_pool``,
 from __future__ import annotations
 
 import heapq
+import logging
 from typing import List, Optional, Tuple
 
 import torch
 
 from mem_cache.radix_cache import TreeNode
 from mem_cache.radix_key import RadixKey, hash_pages, root_hash
+
+logger = logging.getLogger(__name__)
 
 
 class HostTierMixin:
@@ -152,7 +155,11 @@ class HostTierMixin:
             if device_indices is None:
                 return None
             host_indices = torch.cat([n.host_value for n in chain])
-            self.cache_controller.load(host_indices, device_indices)
+            self.cache_controller.queue_load(host_indices, device_indices)
+            if self.cache_controller.load_pending:  # the host copies stay in use until loading_check
+                for node in chain:
+                    node.host_ref_counter += 1
+                self._loading_nodes.extend(chain)
         finally:
             for node in chain:
                 node.host_ref_counter -= 1
@@ -164,6 +171,29 @@ class HostTierMixin:
             offset += len(node.key)
         self.evictable_size_ += num_tokens
         return device_indices
+
+    def ready_to_load_host_cache(self) -> None:
+        """Start the loads queued by ``load_back`` (just before the forward that reads them)."""
+        self.cache_controller.start_loading()
+
+    def loading_check(self) -> None:
+        """End the loads (started or not) and give their host copies back to ``evict_host``.
+        After this, no copy writes device slots the tree may free."""
+        controller = self.cache_controller
+        if not (controller.load_pending or self._loading_nodes):
+            return
+        try:
+            controller.start_loading()
+            controller.wait_loading()
+        except Exception:  # the forward reading it failed; the tree's slots must not keep what did not land:
+            logger.exception("loading KV from the host tier failed; copying it again before going on")
+            for node in self._loading_nodes:  # (still held: their host copies are intact)
+                controller.load(node.host_value, node.value)
+            raise
+        finally:
+            for node in self._loading_nodes:
+                node.host_ref_counter -= 1
+            self._loading_nodes = []
 
     def _evicted_chain(self, node: TreeNode) -> List[TreeNode]:
         chain = []

@@ -8,7 +8,8 @@ its prefix is evicted from the device. Modes:
 
 * ``radix only``: evicted means recomputed;
 * ``host tier (write_through | write_back)``: the prefix is loaded back from host memory
-  (``hicache_ratio`` × the device pool);
+  (``hicache_ratio`` × the device pool), layer by layer while the forward runs; ``load
+  before the forward`` turns that overlap off (``hicache_overlap_load=False``);
 * ``file tier, fresh engine each round``: a new engine per round, its device and host tiers
   empty; the prefix comes from the files earlier rounds wrote (a restart, or another worker
   sharing the folder).
@@ -46,7 +47,7 @@ def count_tier_traffic(engine: Engine, totals: Dict[str, int]) -> None:
     controller = getattr(engine.scheduler.tree_cache, "cache_controller", None)
     if controller is None:
         return
-    load, read = controller.load, controller.read_storage
+    load, read = controller.queue_load, controller.read_storage
 
     def counted_load(host_indices, device_indices):
         totals["host"] += len(device_indices)
@@ -57,7 +58,7 @@ def count_tier_traffic(engine: Engine, totals: Dict[str, int]) -> None:
         totals["files"] += pages * controller.host_pool.page_size
         return pages
 
-    controller.load, controller.read_storage = counted_load, counted_read
+    controller.queue_load, controller.read_storage = counted_load, counted_read
 
 
 def run_mode(model_dir: str, args, engine_args: Dict, fresh_each_round: bool) -> Dict:
@@ -117,6 +118,8 @@ def main() -> None:
         modes = [
             ("radix only", base, False),
             ("host tier, write_through", dict(hicache, hicache_write_policy="write_through"), False),
+            ("host tier, write_through, load before the forward",
+             dict(hicache, hicache_write_policy="write_through", hicache_overlap_load=False), False),
             ("host tier, write_back", dict(hicache, hicache_write_policy="write_back"), False),
             ("file tier, fresh engine each round", dict(hicache, hicache_storage_dir=str(Path(tmp) / "kv")), True),
         ]

@@ -28,11 +28,12 @@ def tokens(rng, n):
     return [rng.randrange(5, 261) for _ in range(n)]
 
 
-@pytest.mark.parametrize("policy", ["write_through", "write_back"])
-def test_prefix_reloaded_from_host_after_device_eviction(model_dir, policy, tmp_path):
+@pytest.mark.parametrize("policy, overlap", [("write_through", True), ("write_back", True), ("write_through", False)])
+def test_prefix_reloaded_from_host_after_device_eviction(model_dir, policy, overlap, tmp_path):
+    """(``overlap``: the load copies layer by layer while the forward reading it runs)"""
     engine = Engine(model_path=model_dir, skip_tokenizer_init=True, max_total_tokens=256, page_size=4,
                     enable_hierarchical_cache=True, hicache_write_policy=policy, hicache_ratio=4.0,
-                    hicache_storage_dir=str(tmp_path / "kv-files"))
+                    hicache_storage_dir=str(tmp_path / "kv-files"), hicache_overlap_load=overlap)
     rng = random.Random(0)
     system = tokens(rng, 96)
     first = [system + tokens(rng, 4)]
@@ -41,8 +42,11 @@ def test_prefix_reloaded_from_host_after_device_eviction(model_dir, policy, tmp_
         engine.generate(input_ids=[tokens(rng, 120)], sampling_params=GREEDY)
     assert len(engine.scheduler.tree_cache.match_prefix(RadixKey(system)).device_indices) < 96
     follow = [system + tokens(rng, 5)]
+    controller = engine.scheduler.tree_cache.cache_controller
+    loads = controller.loaded_tokens
     out = engine.generate(input_ids=follow, sampling_params=GREEDY)
-    assert out[0]["meta_info"]["cached_tokens"] >= 96
+    assert out[0]["meta_info"]["cached_tokens"] >= 96 and controller.loaded_tokens > loads
+    assert (controller._loader is not None) == overlap  # the loader thread copied it, or the scheduler did
     assert_greedy_parity(model_dir, follow, [out[0]["output_ids"]], 8, [])
     engine.check_integrity()
     engine.shutdown()

@@ -326,3 +326,128 @@ def test_device_pool_reads_layer_0_while_later_layers_are_loading():
     assert torch.equal(got[0].view(torch.uint8), want[5])
     alloc.free(dst)
     check(cache, alloc)
+
+
+# ---- overlapped loads ----------------------------------------------------------------
+def gated_loads(cache, first_free_layers=1):
+    """Make the host pool's per-layer load wait at layers >= ``first_free_layers`` until the
+    returned event is set; returns (gate, layers copied so far)."""
+    gate, copied = threading.Event(), []
+    load_layer = cache.host_pool.load_to_device_per_layer
+
+    def slow(device_pool, host, device, layer_id):
+        if layer_id >= first_free_layers:
+            assert gate.wait(10), "the gate was never opened"
+        load_layer(device_pool, host, device, layer_id)
+        copied.append(layer_id)
+
+    cache.host_pool.load_to_device_per_layer = slow
+    return gate, copied
+
+
+def evicted_prefix(cache, alloc, tokens):
+    _, want = cached(cache, alloc, tokens)
+    assert cache.evict(len(tokens)) == len(tokens)
+    scramble(cache.cache_controller.device_pool)
+    m = cache.match_prefix(K(tokens))
+    return m, want
+
+
+def test_overlapped_load_waits_for_the_forward_and_reads_each_layer_as_it_lands():
+    """With ``overlap_load`` a load back is queued (nothing copied), starts with
+    ``ready_to_load_host_cache`` and is read layer by layer: layer 0 while the later layers are
+    still held back; a reader of the last layer waits for it. The host copies stay held until
+    ``loading_check``."""
+    cache, alloc, kv = make(overlap_load=True)
+    tokens = list(range(1, 17))
+    m, want = evicted_prefix(cache, alloc, tokens)
+    loaded, node = cache.init_load_back(m.last_host_node, m.host_hit_length)
+    assert loaded.numel() == 16 and node.host_ref_counter == 1
+    cache.check_integrity()  # a load in flight holds exactly one host ref per node
+    gate, copied = gated_loads(cache)
+    assert copied == [] and cache.cache_controller.load_pending
+    cache.ready_to_load_host_cache()
+    key0 = kv.get_key_buffer(0)[loaded].view(torch.uint8)  # layer 0 landed; 1 and 2 wait at the gate
+    assert torch.equal(key0, want[0]) and copied == [0]
+    got, done = [], threading.Event()
+    reader = threading.Thread(target=lambda: (got.append(kv.get_value_buffer(2)[loaded].clone()), done.set()),
+                              daemon=True)
+    reader.start()
+    assert not done.wait(0.05)
+    gate.set()
+    assert done.wait(10)
+    assert torch.equal(got[0].view(torch.uint8), want[5])
+    cache.loading_check()
+    assert copied == [0, 1, 2] and node.host_ref_counter == 0 and not cache.cache_controller.load_pending
+    assert same(read_kv(kv, loaded), want) and cache.cache_controller.loaded_tokens == 16
+    check(cache, alloc)
+
+
+def test_evicting_a_loaded_node_nobody_locked_ends_its_load_first():
+    """A node loaded back for a request that was then not taken (its lock given back) may be
+    evicted: its queued copy must land before the slots go back to the allocator, or it would
+    write into slots handed to someone else."""
+    cache, alloc, kv = make(overlap_load=True)
+    tokens = list(range(1, 17))
+    m, want = evicted_prefix(cache, alloc, tokens)
+    loaded, node = cache.init_load_back(m.last_host_node, m.host_hit_length)
+    assert cache.cache_controller.load_pending
+    assert cache.evict(16) == 16  # ended the load, then evicted (the node has its host copy: it stays)
+    assert not cache.cache_controller.load_pending and node.evicted and node.host_ref_counter == 0
+    again = cache.match_prefix(K(tokens))
+    loaded, _ = cache.init_load_back(again.last_host_node, again.host_hit_length)
+    cache.inc_lock_ref(node)  # taken this time: its load stays in flight across an eviction
+    cached(cache, alloc, list(range(40, 56)))
+    assert cache.evict(16) == 16 and cache.cache_controller.load_pending
+    cache.ready_to_load_host_cache()
+    cache.loading_check()
+    assert same(read_kv(kv, loaded), want)
+    cache.dec_lock_ref(node)
+    check(cache, alloc)
+
+
+def test_a_failed_layer_copy_fails_its_readers_then_the_tree_copies_it_again():
+    """A layer copy that fails on the loader fails the forward reading it (no hang); ending the
+    load re-raises after copying the nodes again in the caller's thread, so the tree never keeps
+    device slots that hold what did not land, and the next reader goes straight through."""
+    cache, alloc, kv = make(overlap_load=True)
+    m, want = evicted_prefix(cache, alloc, list(range(1, 17)))
+    loaded, _ = cache.init_load_back(m.last_host_node, m.host_hit_length)
+    load_layer = cache.host_pool.load_to_device_per_layer
+
+    def broken_once(device_pool, host, device, layer_id):
+        cache.host_pool.load_to_device_per_layer = load_layer
+        raise OSError("host memory unreadable")
+
+    cache.host_pool.load_to_device_per_layer = broken_once
+    cache.ready_to_load_host_cache()
+    with pytest.raises(RuntimeError, match="loading layer 0 from the host tier failed"):
+        kv.get_key_buffer(0)
+    with pytest.raises(OSError, match="unreadable"):
+        cache.loading_check()
+    assert same(read_kv(kv, loaded), want) and not cache.cache_controller.load_pending
+    check(cache, alloc)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_overlapped_load_orders_the_reading_stream_after_each_layer():
+    """On CUDA the copies go on the controller's load stream, one event per layer, and a
+    reader's stream waits on the event of the layer it reads: the bytes it sees are the host
+    copy's, with no host-side wait in between."""
+    from mem_cache.hicache_controller import HiCacheController
+
+    kv = MHATokenToKVPool(64, 1, torch.float32, head_num=2, head_dim=3, layer_num=LAYERS, device="cuda")
+    controller = HiCacheController(kv, MHATokenToKVPoolHost(kv, host_to_device_ratio=2.0), overlap_load=True)
+    src = torch.arange(16, device="cuda")
+    write_random(kv, src)
+    want = read_kv(kv, src)
+    host_slots = controller.host_pool.alloc(16)
+    controller.write(host_slots, src)
+    dst = torch.arange(32, 48, device="cuda")
+    controller.queue_load(host_slots, dst)
+    controller.start_loading()
+    got = read_kv(kv, dst)  # queued behind each layer's event on this thread's stream
+    controller.wait_loading()
+    assert same(got, want) and not controller.load_pending
+    controller.close()

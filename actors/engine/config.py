@@ -44,6 +44,9 @@ class EngineConfig(BaseModel):
     hicache_write_policy: Literal["write_through", "write_through_selective", "write_back"] = "write_through"
     hicache_storage_dir: Optional[str] = Field(None, description="file tier directory (None: host tier only); with "
                                                "tp_size > 1 each rank keeps its pages in tp{size}-rank{rank} under it")
+    hicache_overlap_load: bool = Field(True, description="load host-tier KV layer by layer while the forward that "
+                                       "reads it runs (a load stream on CUDA, a loader thread on CPU); False: "
+                                       "load before the forward")
     skip_tokenizer_init: bool = False
     random_seed: int = 0
     init_new_token_ratio: float = Field(0.7, gt=0.0, le=1.0)

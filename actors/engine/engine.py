@@ -222,6 +222,7 @@ class Engine:
 
     def shutdown(self) -> None:
         self.loop.stop()
+        self.scheduler.close()
         if self.tp_group is not None:
             self.tp_group.shutdown()
         if torch.cuda.is_available():

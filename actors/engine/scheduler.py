@@ -46,6 +46,7 @@ class Scheduler:
         self.hybrid = runner.spec.kind == "hybrid_mamba"
         self.swa = runner.spec.kind == "swa"
         self.file_tier = False  # a HiRadixCache with storage: admission prefetches from it
+        self.host_tier = False  # a HiRadixCache: its loads start before a forward and end after it
         if self.swa:
             for name in ("disable_radix_cache", "enable_hierarchical_cache"):
                 if getattr(cfg, name):
@@ -71,8 +72,9 @@ class Scheduler:
                 runner.req_to_token_pool, runner.allocator, runner.token_to_kv_pool, cfg.page_size,
                 host_to_device_ratio=cfg.hicache_ratio, write_policy=cfg.hicache_write_policy, storage_backend=storage,
                 disable=cfg.disable_radix_cache, eviction_policy=cfg.radix_eviction_policy,
-                enable_kv_events=cfg.enable_kv_events,
+                enable_kv_events=cfg.enable_kv_events, overlap_load=cfg.hicache_overlap_load,
             )
+            self.host_tier = True
             controller = self.tree_cache.cache_controller  # TP rank 0: what the other ranks replay, and ask
             controller.op_log, controller.peers_read = runner.host_op_log, runner.storage_peers_read
         else:
@@ -129,16 +131,35 @@ class Scheduler:
         batch_reqs, forward_batch = self._next_prefill()
         if forward_batch is not None:
             self.in_flight = batch_reqs  # out of every queue until processed: a failure must still find them
-            logits = self.runner.forward(forward_batch)
+            logits = self._forward(forward_batch)
             out = released + self._process_prefill(batch_reqs, logits)
             self.in_flight = []
             return out
+        if self.host_tier:  # loads of a batch that was not run end now
+            self.tree_cache.loading_check()
         if self.running:
             batch_reqs, forward_batch = self._next_decode()
             if forward_batch is not None:
-                logits = self.runner.forward(forward_batch)
+                logits = self._forward(forward_batch)
                 return released + self._process_decode(batch_reqs, logits)
         return released
+
+    def _forward(self, forward_batch):
+        """The runner's forward; the host-tier loads the batch needs copy while it runs
+        (its attention reads a layer once that layer's copy is done)."""
+        if not self.host_tier:
+            return self.runner.forward(forward_batch)
+        self.tree_cache.ready_to_load_host_cache()
+        try:
+            return self.runner.forward(forward_batch)
+        finally:
+            self.tree_cache.loading_check()
+
+    def close(self) -> None:
+        """End the host tier's loads and its loader thread (after the loop stopped)."""
+        if self.host_tier:
+            self.tree_cache.loading_check()
+            self.tree_cache.cache_controller.close()
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.chunked_req or self._aborted)

@@ -172,7 +172,8 @@ class TPModelWorker:
             storage = None
             if config.hicache_storage_dir:
                 storage = HiCacheFile(rank_storage_dir(config.hicache_storage_dir, self.tp.rank, self.tp.size))
-            self._host_tier = HiCacheController(pool, create_host_pool(pool, **host_pool_args(config)), storage)
+            self._host_tier = HiCacheController(pool, create_host_pool(pool, **host_pool_args(config)), storage,
+                                                overlap_load=config.hicache_overlap_load)
             self.handlers["storage_read"] = lambda payload: self._host_tier.read_storage(*payload)
 
     # ---- rank 0 ------------------------------------------------------------------------
@@ -262,14 +263,23 @@ class TPModelWorker:
             apply_table_updates(self.tables, msg.table_updates)
             if msg.host_ops:
                 self._host_tier.replay(msg.host_ops)
+                self._host_tier.start_loading()  # its loads copy while the forward runs, as on rank 0
             if msg.mamba_ops:
                 self._mamba_pool.replay(msg.mamba_ops)
+            if msg.host_ops and msg.fields is None:
+                self._host_tier.wait_loading()
             if (msg.host_ops or msg.mamba_ops) and msg.fields is None and device.type == "cuda":
                 # a sync() before out-of-band writes (a KV push into fresh slots): states zeroed, KV loaded first
                 torch.cuda.current_stream(device).synchronize()
             if msg.fields is not None:
-                self.runner.forward(msg.forward_batch(device))
+                try:
+                    self.runner.forward(msg.forward_batch(device))
+                finally:
+                    if self._host_tier is not None:
+                        self._host_tier.wait_loading()
         self._stopped = True
+        if self._host_tier is not None:
+            self._host_tier.close()
         torch.distributed.destroy_process_group()
 
 
