@@ -11,11 +11,14 @@ pool's ``get_*_buffer(layer)`` waits for that layer only. On CUDA the copies
 go on a load stream, one event per layer, and the compute stream waits on the
 event (the host never blocks); on CPU a loader thread copies layer after layer
 while the forward runs. ``wait_loading`` ends the transfer (after the forward).
-Writes, ``load`` and the storage copies are synchronous.
+Writes to storage are queued for a storage thread (``async_storage_writes``)
+with the pages' bytes taken at once; ``write``, ``load`` and storage reads are
+synchronous.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, List, Optional, Sequence, Tuple
@@ -26,6 +29,8 @@ from mem_cache.hicache_storage import HiCacheStorage
 from mem_cache.integrity import ensure
 from mem_cache.memory_pool import KVCache
 from mem_cache.memory_pool_host import HostKVCache
+
+logger = logging.getLogger(__name__)
 
 
 class LayerDoneCounter:
@@ -113,6 +118,8 @@ class HiCacheController:
         host_pool: HostKVCache,
         storage: Optional[HiCacheStorage] = None,
         overlap_load: bool = True,
+        async_storage_writes: bool = False,
+        max_pending_writes: int = 64,
     ):
         self.device_pool = device_pool
         self.host_pool = host_pool
@@ -126,6 +133,11 @@ class HiCacheController:
         self._load_done: Any = None  # CUDA: the event after the last layer's copies
         self._load_stream: Any = None
         self._loader: Optional[ThreadPoolExecutor] = None
+        self.async_storage_writes = async_storage_writes
+        self.max_pending_writes = max_pending_writes
+        self.stored_pages = 0  # pages this controller wrote to storage (not counting those it found there)
+        self._storage_io: Optional[ThreadPoolExecutor] = None
+        self._storage_writes: List[Future] = []
         self.op_log: Optional[List[Tuple[str, torch.Tensor, Any]]] = None
         self.written_tokens = 0  # device → host, and host → device, since start (SGLang's hicache metrics)
         self.loaded_tokens = 0
@@ -226,14 +238,16 @@ class HiCacheController:
                 self.layer_done_counter.end()
 
     def close(self) -> None:
-        """End any transfer and the loader thread."""
+        """End any transfer and storage write, and their threads."""
         try:
             self.start_loading()
             self.wait_loading()
         finally:
-            if self._loader is not None:
-                self._loader.shutdown(wait=True)
-                self._loader = None
+            self.flush_storage()
+            for pool in (self._loader, self._storage_io):
+                if pool is not None:
+                    pool.shutdown(wait=True)
+            self._loader = self._storage_io = None
 
     def _log(self, op: str, host_indices: torch.Tensor, other: Any) -> None:
         if self.op_log is not None:  # (only then: a device tensor's copy to the host waits for the device)
@@ -254,16 +268,51 @@ class HiCacheController:
             else:
                 raise ValueError(f"unknown host-tier op {op!r}")
 
-    def write_storage(self, keys: Sequence[str], host_indices: torch.Tensor) -> int:
+    def write_storage(self, keys: Sequence[str], host_indices: torch.Tensor) -> Optional[int]:
         """Write the pages of ``host_indices`` (page ``i`` keyed ``keys[i]``) from
-        the first one storage lacks; returns how many of those are stored now."""
+        the first one storage lacks; returns how many of those are stored now. With
+        ``async_storage_writes`` the pages' bytes are taken now (the host slots are free
+        to change once this returns) and the storage thread writes them (returns None;
+        :meth:`flush_storage` waits). At most ``max_pending_writes`` batches wait: the
+        next one waits for the oldest, so a slow backend slows backups down instead of
+        holding ever more page copies."""
         ps = self.host_pool.page_size
         self._log("write_storage", host_indices, list(keys))
-        first_missing = self.storage.batch_exists(keys)
-        # pages [first_missing, len(keys)): written (one that exists is skipped by the backend)
-        pages = range(first_missing, len(keys))
-        values = [self.host_pool.get_page_bytes(host_indices[i * ps : (i + 1) * ps]) for i in pages]
-        return sum(self.storage.batch_set(keys[first_missing:], values))
+        if not self.async_storage_writes:
+            first_missing = self.storage.batch_exists(keys)
+            # pages [first_missing, len(keys)): written (one that exists is skipped by the backend)
+            pages = range(first_missing, len(keys))
+            values = [self.host_pool.get_page_bytes(host_indices[i * ps : (i + 1) * ps]) for i in pages]
+            return self._count_stored(self.storage.batch_set(keys[first_missing:], values))
+        values = [self.host_pool.get_page_bytes(host_indices[i * ps : (i + 1) * ps]) for i in range(len(keys))]
+        self._storage_writes = [f for f in self._storage_writes if not f.done()]
+        while len(self._storage_writes) >= self.max_pending_writes:
+            self._storage_writes.pop(0).result()
+        if self._storage_io is None:
+            self._storage_io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hicache-storage")
+        self._storage_writes.append(self._storage_io.submit(self._store, list(keys), values))
+        return None
+
+    def _store(self, keys: List[str], values: List[bytes]) -> int:
+        """(The storage thread) the pages storage lacks, from the first; a failure loses the
+        pages, which later reads find absent."""
+        try:
+            first_missing = self.storage.batch_exists(keys)
+            return self._count_stored(self.storage.batch_set(keys[first_missing:], values[first_missing:]))
+        except Exception:
+            logger.exception("writing %d pages to the storage tier failed", len(keys))
+            return 0
+
+    def _count_stored(self, results: List[bool]) -> int:
+        stored = sum(results)
+        self.stored_pages += stored
+        return stored
+
+    def flush_storage(self) -> None:
+        """Wait until every queued storage write has ended."""
+        pending, self._storage_writes = self._storage_writes, []
+        for future in pending:
+            future.result()
 
     def read_storage(self, keys: Sequence[str], host_indices: torch.Tensor) -> int:
         """Read pages ``keys`` into ``host_indices`` in order, stopping at the

@@ -77,7 +77,8 @@ class HiRadixCache(HostTierMixin, RadixCache):
     * ``match_prefix`` also reports ``last_host_node`` and ``host_hit_length``;
     * ``init_load_back`` brings a host-only chain back to the device, all or nothing;
       with ``overlap_load`` the copy is queued: ``ready_to_load_host_cache()``
-      starts it before the forward, ``loading_check()`` ends it after;
+      starts it before the forward, ``loading_check()`` ends it after; with
+      ``async_storage_writes`` a storage thread writes the pages of backups;
     * ``prefetch_from_storage(key)`` fetches pages past the host hit into host slots.
     """
 
@@ -95,6 +96,7 @@ class HiRadixCache(HostTierMixin, RadixCache):
         load_back_threshold: int = 10,
         storage_backend: Optional[HiCacheStorage] = None,
         overlap_load: bool = False,
+        async_storage_writes: bool = False,
         disable: bool = False,
         eviction_policy: str = "lru",
         enable_kv_events: bool = False,
@@ -105,7 +107,9 @@ class HiRadixCache(HostTierMixin, RadixCache):
             kv_cache, host_to_device_ratio=host_to_device_ratio, host_size_gb=host_size_gb,
             page_size=page_size, layout=host_layout,
         )
-        self.cache_controller = HiCacheController(kv_cache, self.host_pool, storage_backend, overlap_load)
+        self.cache_controller = HiCacheController(
+            kv_cache, self.host_pool, storage_backend, overlap_load, async_storage_writes=async_storage_writes
+        )
         self._loading_nodes: List[TreeNode] = []  # loaded back, their copy not ended: host copies held
         super().__init__(
             req_to_token_pool, token_to_kv_pool_allocator, page_size, disable, eviction_policy, enable_kv_events

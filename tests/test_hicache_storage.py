@@ -1,6 +1,8 @@
 """The storage tier: the file backend's contract, and KV that goes device →
 host → file → host → device unchanged, also through a cold cache."""
 
+import threading
+
 import pytest
 
 from mem_cache.hicache_storage import HiCacheFile, create_storage_backend, rank_storage_dir
@@ -87,4 +89,66 @@ def test_prefetch_under_device_only_node_backs_it_up_on_eviction(tmp_path):
     assert cache.take_events() == [BlockStored(3, hash_pages(tokens, 4)[2:], head.hash_value[-1], tokens[8:], 4)]
     assert cache.evict(8) == 8  # head is a device leaf with a host-only child: backed up, kept
     assert head.value is None and head.backuped and cache.match_prefix(K(tokens)).host_hit_length == 16
+    check(cache, alloc)
+
+
+class GatedFile(HiCacheFile):
+    """A file backend whose writes wait for ``gate`` (a slow remote store)."""
+
+    def __init__(self, directory):
+        super().__init__(directory)
+        self.gate, self.started = threading.Event(), threading.Event()
+
+    def batch_set(self, keys, values):
+        self.started.set()
+        assert self.gate.wait(10), "the gate was never opened"
+        return super().batch_set(keys, values)
+
+
+def test_async_storage_writes_take_the_bytes_at_once_and_write_them_off_the_caller(tmp_path):
+    """With ``async_storage_writes`` a backup returns while the store is still writing; the
+    host slots may change at once (the bytes were taken), the pages land as they were, and
+    ``flush_storage`` waits for them. With ``max_pending_writes=1`` the next backup waits
+    for the one before (a slow store slows backups instead of piling up page copies)."""
+    store = GatedFile(tmp_path)
+    cache, alloc, kv = make(page_size=4, storage_backend=store, async_storage_writes=True)
+    controller = cache.cache_controller
+    controller.max_pending_writes = 1
+    tokens = list(range(200, 216))
+    _, want = cached(cache, alloc, tokens)  # write_through: backed up, storage write queued
+    assert store.started.wait(10) and list(tmp_path.glob("*.bin")) == []
+    cache.host_pool.kv_buffer.fill_(7)  # the store has its own copy of the bytes
+    second = threading.Thread(target=lambda: cached(cache, alloc, list(range(300, 308)), seed=1), daemon=True)
+    second.start()
+    second.join(0.1)
+    assert second.is_alive()  # the second backup waits for the first write (max_pending_writes=1)
+    store.gate.set()
+    second.join(10)
+    controller.flush_storage()
+    assert controller.stored_pages == 6 and len(list(tmp_path.glob("*.bin"))) == 6
+    cold, cold_alloc, cold_kv = make(page_size=4, storage_backend=HiCacheFile(tmp_path))
+    assert cold.prefetch_from_storage(K(tokens)) == 16
+    m = cold.match_prefix(K(tokens))
+    loaded, _ = cold.init_load_back(m.last_host_node, m.host_hit_length)
+    assert same(read_kv(cold_kv, loaded), want)
+    check(cold, cold_alloc)
+    controller.close()
+
+
+def test_a_failed_async_storage_write_loses_its_pages_not_the_engine(tmp_path, caplog):
+    class Broken(HiCacheFile):
+        def batch_set(self, keys, values):
+            raise OSError("disk full")
+
+    cache, alloc, kv = make(page_size=4, storage_backend=Broken(tmp_path), async_storage_writes=True)
+    tokens = list(range(200, 216))
+    cached(cache, alloc, tokens)
+    cache.cache_controller.flush_storage()
+    assert "writing 4 pages to the storage tier failed" in caplog.text
+    assert cache.cache_controller.stored_pages == 0
+    cold, _, _ = make(page_size=4, storage_backend=HiCacheFile(tmp_path))
+    assert cold.prefetch_from_storage(K(tokens)) == 0  # nothing landed, and nothing half-written
+    check(cache, alloc)
+    cached(cache, alloc, list(range(300, 308)))  # the cache goes on backing up
+    cache.cache_controller.flush_storage()
     check(cache, alloc)

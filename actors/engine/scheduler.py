@@ -73,6 +73,7 @@ class Scheduler:
                 host_to_device_ratio=cfg.hicache_ratio, write_policy=cfg.hicache_write_policy, storage_backend=storage,
                 disable=cfg.disable_radix_cache, eviction_policy=cfg.radix_eviction_policy,
                 enable_kv_events=cfg.enable_kv_events, overlap_load=cfg.hicache_overlap_load,
+                async_storage_writes=True,  # the file tier is written off the loop (shutdown waits for it)
             )
             self.host_tier = True
             controller = self.tree_cache.cache_controller  # TP rank 0: what the other ranks replay, and ask

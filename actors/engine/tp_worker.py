@@ -173,7 +173,7 @@ class TPModelWorker:
             if config.hicache_storage_dir:
                 storage = HiCacheFile(rank_storage_dir(config.hicache_storage_dir, self.tp.rank, self.tp.size))
             self._host_tier = HiCacheController(pool, create_host_pool(pool, **host_pool_args(config)), storage,
-                                                overlap_load=config.hicache_overlap_load)
+                                                overlap_load=config.hicache_overlap_load, async_storage_writes=True)
             self.handlers["storage_read"] = lambda payload: self._host_tier.read_storage(*payload)
 
     # ---- rank 0 ------------------------------------------------------------------------
