@@ -226,9 +226,11 @@ class _Worker:
     def shutdown(self) -> None:
         """Stop the loop, release the followers (their loops return), free the pools."""
         self.loop.stop()
-        self.scheduler.close()
-        self.tp_worker.shutdown()
-        self.rank.close()
+        try:
+            self.scheduler.close()
+        finally:
+            self.tp_worker.shutdown()
+            self.rank.close()
 
 
 class PrefillWorker(_Worker):

@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
@@ -94,6 +96,24 @@ class LayerDoneCounter:
             event.wait()  # (the current stream of this thread's device)
 
 
+@dataclass(eq=False)
+class PrefetchOp:
+    """One prefetch from storage: ``key[:matched]`` was cached when it began; pages
+    ``keys`` (the next ones, which storage had) are read into ``host_indices`` in
+    order by the storage thread; ``pages_read`` counts those done. ``cancel`` stops
+    it before the next page; ``done`` is set when it stops."""
+
+    key: Any  # RadixKey of the cached part and the pages fetched
+    matched: int
+    keys: List[str]
+    host_indices: torch.Tensor
+    pages_read: int = 0
+    ended: bool = False  # finished or cancelled by the tree: its host slots are the tree's or freed
+    cancel: threading.Event = field(default_factory=threading.Event)
+    done: threading.Event = field(default_factory=threading.Event)
+    started_at: float = field(default_factory=time.monotonic)
+
+
 class HiCacheController:
     """Moves KV between ``device_pool``, ``host_pool`` and an optional ``storage``.
 
@@ -129,14 +149,18 @@ class HiCacheController:
         # queue_load → start_loading → wait_loading (without overlap, queue_load copies at once)
         self.overlap_load = overlap_load
         self._queued: List[Tuple[torch.Tensor, torch.Tensor]] = []
-        self._loading: Optional[Future] = None  # CPU: the loader thread's transfer in flight
-        self._load_done: Any = None  # CUDA: the event after the last layer's copies
+        # the transfer in flight: its host and device slots, and "future" (CPU: the loader thread's),
+        # "done" + "staging" (CUDA: the last layer's event, the pinned buffers read), or "error"
+        self._transfer: Optional[dict] = None
         self._load_stream: Any = None
         self._loader: Optional[ThreadPoolExecutor] = None
         self.async_storage_writes = async_storage_writes
         self.max_pending_writes = max_pending_writes
         self.stored_pages = 0  # pages this controller wrote to storage (not counting those it found there)
+        self.prefetched_pages = 0  # pages its prefetches read from storage
+        self.read_pages = 0  # pages its synchronous reads (read_storage) read
         self._storage_io: Optional[ThreadPoolExecutor] = None
+        self._prefetch_io: Optional[ThreadPoolExecutor] = None
         self._storage_writes: List[Future] = []
         self.op_log: Optional[List[Tuple[str, torch.Tensor, Any]]] = None
         self.written_tokens = 0  # device → host, and host → device, since start (SGLang's hicache metrics)
@@ -152,13 +176,19 @@ class HiCacheController:
     def load(self, host_indices: torch.Tensor, device_indices: torch.Tensor) -> None:
         """Copy ``host_indices`` into ``device_indices``, one layer after another, now."""
         self.wait_loading()
-        counter = self.layer_done_counter
-        counter.begin()
-        for layer_id in range(counter.start_layer, counter.start_layer + counter.num_layers):
-            self.host_pool.load_to_device_per_layer(self.device_pool, host_indices, device_indices, layer_id)
-            counter.complete(layer_id)
+        self._copy_now(host_indices, device_indices)
         self.loaded_tokens += len(host_indices)
         self._log("load", host_indices, device_indices)
+
+    def _copy_now(self, host_indices: torch.Tensor, device_indices: torch.Tensor) -> None:
+        counter = self.layer_done_counter
+        counter.begin()
+        try:
+            for layer_id in range(counter.start_layer, counter.start_layer + counter.num_layers):
+                self.host_pool.load_to_device_per_layer(self.device_pool, host_indices, device_indices, layer_id)
+                counter.complete(layer_id)
+        finally:
+            counter.end()  # (after a failure too: readers must not wait for a copy nobody makes)
 
     # ---- overlapped loads ---------------------------------------------------------
     def queue_load(self, host_indices: torch.Tensor, device_indices: torch.Tensor) -> None:
@@ -174,11 +204,12 @@ class HiCacheController:
     @property
     def load_pending(self) -> bool:
         """Loads queued or in flight."""
-        return bool(self._queued) or self._loading is not None or self._load_done is not None
+        return bool(self._queued) or self._transfer is not None
 
     def start_loading(self) -> None:
         """Start the queued loads as one layer-wise transfer; the device pool's readers
-        wait per layer. An earlier transfer still in flight ends first."""
+        wait per layer. An earlier transfer still in flight ends first. A transfer that
+        cannot start fails its readers, and :meth:`wait_loading` raises it."""
         if not self._queued:
             return
         self.wait_loading()
@@ -186,14 +217,18 @@ class HiCacheController:
         device = torch.cat([d for _, d in self._queued])
         self._queued = []
         self.loaded_tokens += len(host)
-        counter = self.layer_done_counter
-        counter.begin()
-        if device.device.type == "cuda":
-            self._start_cuda_load(host, device)
-            return
-        if self._loader is None:
-            self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hicache-load")
-        self._loading = self._loader.submit(self._load_layers, host, device)
+        self._transfer = {"host": host, "device": device}
+        self.layer_done_counter.begin()
+        try:
+            if device.device.type == "cuda":
+                self._transfer["done"], self._transfer["staging"] = self._start_cuda_load(host, device)
+            else:
+                if self._loader is None:
+                    self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hicache-load")
+                self._transfer["future"] = self._loader.submit(self._load_layers, host, device)
+        except BaseException as exc:
+            self.layer_done_counter.fail(exc)
+            self._transfer["error"] = exc
 
     def _load_layers(self, host: torch.Tensor, device: torch.Tensor) -> None:
         counter = self.layer_done_counter
@@ -205,37 +240,47 @@ class HiCacheController:
             counter.fail(exc)
             raise
 
-    def _start_cuda_load(self, host: torch.Tensor, device: torch.Tensor) -> None:
+    def _start_cuda_load(self, host: torch.Tensor, device: torch.Tensor) -> Tuple[Any, List[torch.Tensor]]:
+        """Enqueue every layer's copy on the load stream, recording one event per layer;
+        returns the last event and the pinned staging buffers the copies read (kept until
+        the transfer ends). The host only gathers into pinned memory: the copies are async."""
         counter, dev = self.layer_done_counter, device.device
         if self._load_stream is None:
             self._load_stream = torch.cuda.Stream(dev)
         stream = self._load_stream
         stream.wait_stream(torch.cuda.current_stream(dev))  # the slots' earlier users are done with them
         device.record_stream(stream)  # (freed by this thread meanwhile, its memory waits for the copies)
-        try:
-            with torch.cuda.stream(stream):
-                for layer_id in range(counter.start_layer, counter.start_layer + counter.num_layers):
-                    self.host_pool.load_to_device_per_layer(self.device_pool, host, device, layer_id)
-                    event = torch.cuda.Event()
-                    event.record(stream)
-                    counter.complete(layer_id, event)
-        except BaseException as exc:
-            counter.fail(exc)
-            raise
-        self._load_done = event
+        staging: List[torch.Tensor] = []
+        with torch.cuda.stream(stream):
+            for layer_id in range(counter.start_layer, counter.start_layer + counter.num_layers):
+                staging += self.host_pool.load_to_device_per_layer(
+                    self.device_pool, host, device, layer_id, non_blocking=True
+                )
+                event = torch.cuda.Event()
+                event.record(stream)
+                counter.complete(layer_id, event)
+        return event, staging
 
     def wait_loading(self) -> None:
-        """Block until the transfer in flight has reached the device (raises its error)."""
-        loading, done = self._loading, self._load_done
-        self._loading = self._load_done = None
+        """Block until the transfer in flight has reached the device. If it failed, its
+        loads are copied again here, synchronously (the forward that read them failed;
+        the slots must not keep what did not land), and the error is raised."""
+        transfer, self._transfer = self._transfer, None
+        if transfer is None:
+            return
         try:
-            if loading is not None:
-                loading.result()
-            if done is not None:
-                done.synchronize()
-        finally:
-            if loading is not None or done is not None:
-                self.layer_done_counter.end()
+            if "error" in transfer:
+                raise transfer["error"]
+            if "future" in transfer:
+                transfer["future"].result()
+            if "done" in transfer:
+                transfer["done"].synchronize()
+        except BaseException:
+            self.layer_done_counter.end()
+            logger.exception("loading KV from the host tier failed; copying it again before going on")
+            self._copy_now(transfer["host"], transfer["device"])
+            raise
+        self.layer_done_counter.end()
 
     def close(self) -> None:
         """End any transfer and storage write, and their threads."""
@@ -244,10 +289,18 @@ class HiCacheController:
             self.wait_loading()
         finally:
             self.flush_storage()
-            for pool in (self._loader, self._storage_io):
+            for pool in (self._loader, self._storage_io, self._prefetch_io):
                 if pool is not None:
                     pool.shutdown(wait=True)
-            self._loader = self._storage_io = None
+            self._loader = self._storage_io = self._prefetch_io = None
+
+    def log_load_sync(self) -> None:
+        """Log that every load logged so far has ended here: a replaying rank ends its own
+        at the same point of the op sequence. (Ended outside a forward — a request not
+        taken after all — its slots may be freed and reused before the next forward; a
+        rank that ran it alongside that forward would write over the new KV.)"""
+        if self.op_log is not None and self.op_log and self.op_log[-1][0] != "load_sync":
+            self.op_log.append(("load_sync", torch.empty(0, dtype=torch.int64), None))
 
     def _log(self, op: str, host_indices: torch.Tensor, other: Any) -> None:
         if self.op_log is not None:  # (only then: a device tensor's copy to the host waits for the device)
@@ -263,6 +316,9 @@ class HiCacheController:
                 self.write(host_indices, other.to(device))
             elif op == "load":  # started by the caller's start_loading, as on rank 0
                 self.queue_load(host_indices, other.to(device))
+            elif op == "load_sync":
+                self.start_loading()
+                self.wait_loading()
             elif op == "write_storage":
                 self.write_storage(other, host_indices)
             else:
@@ -314,6 +370,46 @@ class HiCacheController:
         for future in pending:
             future.result()
 
+    # ---- prefetch off the loop ------------------------------------------------------
+    PREFETCH_BATCH_PAGES = 8  # pages per storage read: a cancel waits for at most one batch
+
+    def start_prefetch(self, op: PrefetchOp) -> None:
+        """Read ``op``'s pages on the prefetch thread, in the order started."""
+        if self._prefetch_io is None:  # (not the writes' thread: a prefetch ended early must not wait for them)
+            self._prefetch_io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hicache-prefetch")
+        self._prefetch_io.submit(self._prefetch_pages, op)
+
+    def _prefetch_pages(self, op: PrefetchOp) -> None:
+        ps, step = self.host_pool.page_size, self.PREFETCH_BATCH_PAGES
+        try:
+            for first in range(0, len(op.keys), step):
+                if op.cancel.is_set():
+                    return
+                for i, data in enumerate(self.storage.batch_get(op.keys[first : first + step]), start=first):
+                    if data is None or len(data) != self.host_pool.page_nbytes:
+                        return
+                    self.host_pool.set_page_bytes(op.host_indices[i * ps : (i + 1) * ps], data)
+                    op.pages_read = i + 1
+        except Exception:  # what was read stays usable; the rest counts as absent
+            logger.exception("prefetching %d pages from the storage tier failed", len(op.keys))
+        finally:
+            op.done.set()
+
+    def end_prefetch(self, op: PrefetchOp, wait: bool) -> int:
+        """Stop ``op`` (or let it read every page, ``wait``) and return the leading pages
+        it read that every TP rank has too (``peers_read``: the other ranks read those
+        pages now, into the same host slots)."""
+        if not wait:
+            op.cancel.set()
+        op.done.wait()
+        count = op.pages_read
+        self.prefetched_pages += count
+        if count and self.peers_read is not None:  # a rank that failed to answer read nothing
+            ps = self.host_pool.page_size
+            replies = self.peers_read(list(op.keys[:count]), op.host_indices[: count * ps].cpu())
+            count = min([count] + [n if isinstance(n, int) else 0 for n in replies])
+        return count
+
     def read_storage(self, keys: Sequence[str], host_indices: torch.Tensor) -> int:
         """Read pages ``keys`` into ``host_indices`` in order, stopping at the
         first one that is absent or not one page long; returns pages read —
@@ -325,6 +421,7 @@ class HiCacheController:
                 count = i
                 break
             self.host_pool.set_page_bytes(host_indices[i * ps : (i + 1) * ps], data)
+        self.read_pages += count
         if count and self.peers_read is not None:  # a rank that failed to answer read nothing
             replies = self.peers_read(list(keys[:count]), host_indices[: count * ps].cpu())
             count = min([count] + [n if isinstance(n, int) else 0 for n in replies])

@@ -32,7 +32,7 @@ from typing import List, Optional
 import torch
 
 from mem_cache.base_prefix_cache import MatchResult
-from mem_cache.hicache_controller import HiCacheController
+from mem_cache.hicache_controller import HiCacheController, PrefetchOp
 from mem_cache.hicache_storage import HiCacheStorage
 from mem_cache.hiradix_tiers import HostTierMixin
 from mem_cache.integrity import check_unique_in_range, ensure
@@ -79,7 +79,9 @@ class HiRadixCache(HostTierMixin, RadixCache):
       with ``overlap_load`` the copy is queued: ``ready_to_load_host_cache()``
       starts it before the forward, ``loading_check()`` ends it after; with
       ``async_storage_writes`` a storage thread writes the pages of backups;
-    * ``prefetch_from_storage(key)`` fetches pages past the host hit into host slots.
+    * ``prefetch_from_storage(key)`` fetches pages past the host hit into host slots;
+      ``start_prefetch(key)`` does it on the storage thread, ``finish_prefetch(op)``
+      ends it and puts what was read in the tree.
     """
 
     def __init__(
@@ -111,12 +113,14 @@ class HiRadixCache(HostTierMixin, RadixCache):
             kv_cache, self.host_pool, storage_backend, overlap_load, async_storage_writes=async_storage_writes
         )
         self._loading_nodes: List[TreeNode] = []  # loaded back, their copy not ended: host copies held
+        self.prefetch_ops: List[PrefetchOp] = []  # started, not finished: each owns its host slots
         super().__init__(
             req_to_token_pool, token_to_kv_pool_allocator, page_size, disable, eviction_policy, enable_kv_events
         )
 
     def reset(self) -> None:
         self.loading_check()
+        self.cancel_prefetches()
         super().reset()
         self.host_pool.clear()
 
@@ -259,6 +263,6 @@ class HiRadixCache(HostTierMixin, RadixCache):
         for node in self._iter_nodes():  # between calls only loads in flight hold host copies
             ensure(node.host_ref_counter == loading.get(node.id, 0),
                    f"{node!r} holds {node.host_ref_counter} host refs, {loading.get(node.id, 0)} loads in flight")
-        held = self.all_host_values()
-        check_unique_in_range("HiRadixCache host slots", held, 0, self.host_pool.size - 1)
+        held = torch.cat([self.all_host_values()] + [op.host_indices for op in self.prefetch_ops])
+        check_unique_in_range("HiRadixCache host slots (and prefetches')", held, 0, self.host_pool.size - 1)
         self.host_pool.check_integrity(in_use=held)

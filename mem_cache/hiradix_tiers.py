@@ -11,15 +11,13 @@ It relies on the cache's ``root_node``, ``page_size``, ``host_pool``,
 from __future__ import annotations
 
 import heapq
-import logging
 from typing import List, Optional, Tuple
 
 import torch
 
+from mem_cache.hicache_controller import PrefetchOp
 from mem_cache.radix_cache import TreeNode
 from mem_cache.radix_key import RadixKey, hash_pages, root_hash
-
-logger = logging.getLogger(__name__)
 
 
 class HostTierMixin:
@@ -109,6 +107,81 @@ class HostTierMixin:
             end.host_ref_counter -= 1
         return num_tokens
 
+    # ---- storage → host, off the loop ---------------------------------------------
+    def start_prefetch(self, key: RadixKey) -> Optional[PrefetchOp]:
+        """Begin fetching the pages of ``key`` past its device + host hit that storage
+        has, into new host slots, on the storage thread (SGLang's prefetch at a
+        request's arrival). Nothing enters the tree until :meth:`finish_prefetch`;
+        the op owns its host slots until then. None when there is nothing to fetch."""
+        controller = self.cache_controller
+        if controller.storage is None or self.disable:
+            return None
+        key = self._page_align(key)
+        match = self.match_prefix(key)
+        end = match.last_host_node if match.host_hit_length else match.last_device_node
+        matched = len(match.device_indices) + match.host_hit_length
+        rest = key[matched:]
+        chain_from = end.hash_value[-1] if end.hash_value else root_hash(key.extra_key)
+        keys = hash_pages(rest.token_ids, self.page_size, chain_from)
+        num_pages = controller.storage.batch_exists(keys)
+        if num_pages == 0:
+            return None
+        host_indices = self._alloc_host(num_pages * self.page_size)
+        if host_indices is None:
+            return None
+        op = PrefetchOp(key[: matched + num_pages * self.page_size], matched, keys[:num_pages], host_indices)
+        controller.start_prefetch(op)
+        self.prefetch_ops.append(op)
+        return op
+
+    def finish_prefetch(self, op: PrefetchOp, wait: bool = False) -> int:
+        """End ``op`` — at once, keeping the pages read so far (``wait=False``), or once
+        every page is read — and put the pages read under what the tree holds of the key
+        now (the tree went on meanwhile: pages it already has, or whose parent path it
+        lost, are given back). Returns the tokens added to the host tier."""
+        if op.ended:
+            return 0
+        op.ended = True
+        self.prefetch_ops.remove(op)
+        pages = self.cache_controller.end_prefetch(op, wait)
+        ps = self.page_size
+        fetched = op.matched + pages * ps  # [0, fetched) of op.key: cached before, or read now
+        self._counting_hits = False
+        try:
+            _, node = self._match_prefix_helper(op.key[:fetched])
+        finally:
+            self._counting_hits = True
+        depth = self._depth(node)
+        added = 0
+        if op.matched <= depth < fetched:  # [depth, fetched) is new, under a path the tree still has
+            start = depth - op.matched
+            hashes = op.keys[start // ps : pages]
+            self._add_host_leaf(node, op.key[depth:fetched], op.host_indices[start : pages * ps], hashes)
+            added = fetched - depth
+            keep = (start, pages * ps)
+        else:
+            keep = (0, 0)
+        # host slots the tree did not take: [0, keep[0]) and [keep[1], end)
+        unused = torch.cat([op.host_indices[: keep[0]], op.host_indices[keep[1] :]])
+        if unused.numel():
+            self.host_pool.free(unused)
+        return added
+
+    def cancel_prefetches(self) -> None:
+        """End every prefetch in flight, keeping nothing (a reset)."""
+        for op in list(self.prefetch_ops):
+            op.ended = True
+            self.prefetch_ops.remove(op)
+            self.cache_controller.end_prefetch(op, wait=False)
+            self.host_pool.free(op.host_indices)
+
+    def _depth(self, node: TreeNode) -> int:
+        depth = 0
+        while node is not self.root_node:
+            depth += len(node.key)
+            node = node.parent
+        return depth
+
     def _add_host_leaf(self, parent: TreeNode, key: RadixKey, host_value: torch.Tensor, hashes: List[str]) -> TreeNode:
         leaf = TreeNode(key, None, self._tick())
         leaf.parent, leaf.host_value, leaf.hash_value = parent, host_value, hashes
@@ -182,15 +255,11 @@ class HostTierMixin:
         controller = self.cache_controller
         if not (controller.load_pending or self._loading_nodes):
             return
-        try:
+        try:  # (a failed transfer is copied again by wait_loading before it raises: the slots hold the KV)
             controller.start_loading()
             controller.wait_loading()
-        except Exception:  # the forward reading it failed; the tree's slots must not keep what did not land:
-            logger.exception("loading KV from the host tier failed; copying it again before going on")
-            for node in self._loading_nodes:  # (still held: their host copies are intact)
-                controller.load(node.host_value, node.value)
-            raise
         finally:
+            controller.log_load_sync()
             for node in self._loading_nodes:
                 node.host_ref_counter -= 1
             self._loading_nodes = []

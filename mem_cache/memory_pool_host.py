@@ -157,14 +157,31 @@ class HostKVCache(abc.ABC):
                 host[host_indices] = device[device_indices].to(host.device)
 
     def load_to_device_per_layer(
-        self, device_pool: KVCache, host_indices: torch.Tensor, device_indices: torch.Tensor, layer_id: int
-    ) -> None:
-        """Copy ``host_indices`` → ``device_indices`` in one layer (a global layer id)."""
+        self,
+        device_pool: KVCache,
+        host_indices: torch.Tensor,
+        device_indices: torch.Tensor,
+        layer_id: int,
+        non_blocking: bool = False,
+    ) -> List[torch.Tensor]:
+        """Copy ``host_indices`` → ``device_indices`` in one layer (a global layer id).
+        ``non_blocking`` on CUDA: the rows are gathered into pinned buffers and copied
+        asynchronously on the current stream; the buffers are returned, to be kept until
+        that stream has run the copies. (Gathered into pageable memory, the copy to the
+        device would block the host.)"""
         local = layer_id - self.start_layer
         if not 0 <= local < self.layer_num:
             raise ValueError(f"layer_id={layer_id} outside [{self.start_layer}, {self.start_layer + self.layer_num})")
+        staging = []
         for host, device in zip(self._host_views(local), self._device_buffers(device_pool, local)):
-            device[device_indices] = host[host_indices].to(device.device)
+            if non_blocking and device.is_cuda:
+                rows = torch.empty((len(host_indices),) + tuple(host.shape[1:]), dtype=host.dtype, pin_memory=True)
+                torch.index_select(host, 0, host_indices.to("cpu", torch.int64), out=rows)
+                device[device_indices] = rows.to(device.device, non_blocking=True)
+                staging.append(rows)
+            else:
+                device[device_indices] = host[host_indices].to(device.device)
+        return staging
 
     def get_page_bytes(self, host_indices: torch.Tensor) -> bytes:
         """The KV of ``host_indices`` (one page) over every layer, as bytes."""

@@ -43,22 +43,14 @@ from bench_offline import build_model  # noqa: E402
 
 
 def count_tier_traffic(engine: Engine, totals: Dict[str, int]) -> None:
-    """Count the tokens the engine's HiCacheController loads from host and reads from files."""
+    """Add the tokens the engine's HiCacheController loaded from host memory and read from
+    files (prefetches and synchronous reads) to ``totals``."""
     controller = getattr(engine.scheduler.tree_cache, "cache_controller", None)
     if controller is None:
         return
-    load, read = controller.queue_load, controller.read_storage
-
-    def counted_load(host_indices, device_indices):
-        totals["host"] += len(device_indices)
-        return load(host_indices, device_indices)
-
-    def counted_read(keys, host_indices):
-        pages = read(keys, host_indices)
-        totals["files"] += pages * controller.host_pool.page_size
-        return pages
-
-    controller.queue_load, controller.read_storage = counted_load, counted_read
+    ps = controller.host_pool.page_size
+    totals["host"] += controller.loaded_tokens
+    totals["files"] += (controller.prefetched_pages + controller.read_pages) * ps
 
 
 def run_mode(model_dir: str, args, engine_args: Dict, fresh_each_round: bool) -> Dict:
@@ -71,10 +63,10 @@ def run_mode(model_dir: str, args, engine_args: Dict, fresh_each_round: bool) ->
     for turn in range(args.turns):
         if engine is None or fresh_each_round:
             if engine is not None:
+                count_tier_traffic(engine, totals)
                 engine.shutdown()
             engine = Engine(model_path=model_dir, skip_tokenizer_init=True, device=args.device,
                             attention_backend=args.attention_backend, **engine_args)
-            count_tier_traffic(engine, totals)
         prompts = [h + [rng.randrange(3, 2048) for _ in range(args.user_tokens)] for h in histories]
         start = time.perf_counter()
         outs = engine.generate(input_ids=prompts, sampling_params=params)
@@ -86,6 +78,7 @@ def run_mode(model_dir: str, args, engine_args: Dict, fresh_each_round: bool) ->
         answers.append([o["output_ids"] for o in outs])
         histories = [p + o["output_ids"] for p, o in zip(prompts, outs)]
     engine.check_integrity()
+    count_tier_traffic(engine, totals)
     engine.shutdown()
     ttfts.sort()
     return {

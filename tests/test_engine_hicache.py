@@ -2,6 +2,7 @@
 pool to host memory (and files) come back, and outputs still equal HF's."""
 
 import random
+import time
 
 import pytest
 
@@ -13,6 +14,7 @@ from actors.engine.req import Req
 from actors.engine.sampling_params import SamplingParams
 from actors.engine.scheduler import Scheduler
 from actors.engine.tiny import build_tiny_checkpoint
+from mem_cache.hicache_storage import HiCacheFile
 from mem_cache.radix_key import RadixKey
 from tests.parity import assert_greedy_parity
 
@@ -121,3 +123,57 @@ def test_a_waiting_request_has_its_host_prefix_loaded_only_once_taken(model_dir)
     assert controller.loaded_tokens - loads_before >= 96 - 4 and follow.cached_tokens >= 96 - 4
     assert_greedy_parity(model_dir, [follow.origin_input_ids], [follow.output_ids], 8, [])
     check_engine_integrity(sched, sched.runner)
+    sched.close()
+
+
+class SlowFiles(HiCacheFile):
+    """The file tier with ``delay`` seconds per read batch (a remote store)."""
+
+    def __init__(self, directory, delay):
+        super().__init__(directory)
+        self.delay = delay
+
+    def batch_get(self, keys):
+        time.sleep(self.delay)
+        return super().batch_get(keys)
+
+
+@pytest.mark.parametrize("policy", ["best_effort", "wait_complete", "timeout"])
+def test_storage_prefetch_policies_decide_when_a_request_stops_waiting_for_its_pages(model_dir, tmp_path, policy):
+    """The file tier reads a request's pages from its arrival on, 8 pages per read, 0.3 s a read
+    here. best_effort admits it at once with what has arrived; wait_complete holds it (the
+    requests behind it go first) until every page has; timeout holds it up to the timeout,
+    then takes what has arrived. Tokens equal HF's either way."""
+    args = dict(model_path=model_dir, skip_tokenizer_init=True, max_total_tokens=256, page_size=4,
+                enable_hierarchical_cache=True, hicache_ratio=4.0, hicache_storage_dir=str(tmp_path / "kv-files"))
+    rng = random.Random(7)
+    system = tokens(rng, 96)  # 24 pages: 3 reads
+    writer = Engine(**args)
+    writer.generate(input_ids=[system + tokens(rng, 4)], sampling_params=GREEDY)
+    writer.shutdown()  # (waits for its storage writes)
+    config = EngineConfig(**args, hicache_storage_prefetch_policy=policy, hicache_storage_prefetch_timeout_s=0.3)
+    sched = Scheduler(ModelRunner(config))
+    sched.tree_cache.cache_controller.storage = SlowFiles(tmp_path / "kv-files", delay=0.3)
+    follow = Req("follow", system + tokens(rng, 5), SamplingParams(**GREEDY))
+    other = Req("other", tokens(rng, 20), SamplingParams(**GREEDY))
+    start = time.monotonic()
+    sched.add_request(follow)
+    sched.add_request(other)
+    stalled = False  # a step that ran nothing only because of the prefetch: the engine loop sleeps, not spins
+    while follow in sched.waiting:
+        sched.step()
+        stalled |= sched.stalled
+    admitted_after = time.monotonic() - start
+    while sched.has_work():
+        sched.step()
+    if policy == "wait_complete":
+        assert follow.cached_tokens >= 96 and admitted_after >= 0.9 and other.first_token_time < follow.first_token_time
+        assert stalled and other.finished  # (8 tokens take less than 0.9 s)
+    elif policy == "timeout":
+        assert 0 < follow.cached_tokens < 96 and admitted_after >= 0.3
+    else:
+        assert follow.cached_tokens < 96 and admitted_after < 0.9 and not stalled
+    assert_greedy_parity(model_dir, [follow.origin_input_ids, other.origin_input_ids],
+                         [follow.output_ids, other.output_ids], 8, [])
+    check_engine_integrity(sched, sched.runner)
+    sched.close()

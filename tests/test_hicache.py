@@ -2,6 +2,7 @@
 back and the per-layer load counter — exact slots, real pools, bytes compared."""
 
 import threading
+import time
 
 import pytest
 import torch
@@ -450,4 +451,115 @@ def test_cuda_overlapped_load_orders_the_reading_stream_after_each_layer():
     got = read_kv(kv, dst)  # queued behind each layer's event on this thread's stream
     controller.wait_loading()
     assert same(got, want) and not controller.load_pending
+    controller.close()
+
+
+def test_a_failed_load_copied_again_covers_a_node_split_meanwhile():
+    """The copy again after a failure covers the transfer's slots, not the loading nodes: a
+    later request of the same batch that split a loading node leaves no part behind."""
+    cache, alloc, kv = make(overlap_load=True)
+    tokens = list(range(1, 17))
+    m, want = evicted_prefix(cache, alloc, tokens)
+    loaded, node = cache.init_load_back(m.last_host_node, m.host_hit_length)
+    cache.match_prefix(K(tokens[:12] + [99, 98]))  # splits the loading node at 12
+    assert len(node.key) == 4
+    load_layer = cache.host_pool.load_to_device_per_layer
+
+    def broken_once(*args, **kwargs):
+        cache.host_pool.load_to_device_per_layer = load_layer
+        raise OSError("host memory unreadable")
+
+    cache.host_pool.load_to_device_per_layer = broken_once
+    cache.ready_to_load_host_cache()
+    with pytest.raises(OSError):
+        cache.loading_check()
+    assert same(read_kv(kv, loaded), want)
+    check(cache, alloc)
+
+
+def test_a_load_that_fails_again_raises_and_leaves_no_reader_waiting():
+    cache, alloc, kv = make(overlap_load=True)
+    m, _ = evicted_prefix(cache, alloc, list(range(1, 17)))
+    cache.init_load_back(m.last_host_node, m.host_hit_length)
+
+    def broken(*args, **kwargs):
+        raise OSError("host memory unreadable")
+
+    cache.host_pool.load_to_device_per_layer = broken
+    cache.ready_to_load_host_cache()
+    with pytest.raises(OSError):
+        cache.loading_check()
+    counter = cache.cache_controller.layer_done_counter
+    assert counter.num_done == LAYERS  # idle: the next forward reads straight through
+    kv.get_key_buffer(LAYERS - 1)
+
+
+def test_a_tp_follower_ends_a_load_rank_0_ended_outside_a_forward_before_its_next_forward():
+    """Rank 0 loaded slots for a request it then did not take, ended the load, freed the slots
+    and gave them to the next forward's new tokens. The follower must end that load where rank 0
+    did in the op sequence (``load_sync``); run alongside the next forward, its copy (slow here)
+    would land after the new KV and overwrite it."""
+    from mem_cache.hicache_controller import HiCacheController
+
+    pools = []
+    for _ in range(2):  # rank 0 and a follower: same slots, each its own pools
+        kv = device_pool(size=32)
+        pools.append((kv, HiCacheController(kv, MHATokenToKVPoolHost(kv, 2.0, page_size=1), overlap_load=True)))
+    (kv0, rank0), (kv1, follower) = pools
+    rank0.op_log = []
+    host, dst = torch.arange(8), torch.arange(16, 24)
+    for kv, controller in pools:
+        write_random(kv, torch.arange(8), seed=1)
+        controller.host_pool.backup_from_device_all_layer(kv, host, torch.arange(8))
+    load_layer = follower.host_pool.load_to_device_per_layer
+
+    def slow(*args, **kwargs):
+        time.sleep(0.05)
+        return load_layer(*args, **kwargs)
+
+    follower.host_pool.load_to_device_per_layer = slow
+    rank0.queue_load(host, dst)  # the request's prefix...
+    rank0.start_loading()
+    rank0.wait_loading()  # ...loaded, the request not taken: ended outside a forward
+    rank0.log_load_sync()
+    ops, rank0.op_log = list(rank0.op_log), []
+    assert [op for op, _, _ in ops] == ["load", "load_sync"]
+    new_kv = []
+    for kv, controller in pools:  # the next forward's new tokens get the freed slots
+        if controller is follower:
+            controller.replay(ops)
+            controller.start_loading()
+        write_random(kv, dst, seed=2)
+        new_kv.append(read_kv(kv, dst))
+        controller.wait_loading()
+    assert same(read_kv(kv1, dst), new_kv[0]) and same(read_kv(kv0, dst), new_kv[0])
+    for _, controller in pools:
+        controller.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_start_loading_returns_before_the_copies_run():
+    """The host only gathers into pinned buffers and enqueues: with the load stream held busy,
+    ``start_loading`` still returns at once (a copy from pageable memory would wait for it)."""
+    from mem_cache.hicache_controller import HiCacheController
+
+    kv = MHATokenToKVPool(4096, 1, torch.float32, head_num=2, head_dim=3, layer_num=LAYERS, device="cuda")
+    controller = HiCacheController(kv, MHATokenToKVPoolHost(kv, host_to_device_ratio=2.0), overlap_load=True)
+    src = torch.arange(1024, device="cuda")
+    write_random(kv, src)
+    want = read_kv(kv, src)
+    host_slots = controller.host_pool.alloc(1024)
+    controller.write(host_slots, src)
+    controller._load_stream = torch.cuda.Stream()
+    with torch.cuda.stream(controller._load_stream):
+        torch.cuda._sleep(2_000_000_000)  # about a second of GPU time
+    start = time.perf_counter()
+    dst = torch.arange(2048, 3072, device="cuda")
+    controller.queue_load(host_slots, dst)
+    controller.start_loading()
+    assert time.perf_counter() - start < 0.3
+    got = read_kv(kv, dst)
+    controller.wait_loading()
+    assert same(got, want)
     controller.close()

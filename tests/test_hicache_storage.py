@@ -2,6 +2,7 @@
 host → file → host → device unchanged, also through a cold cache."""
 
 import threading
+import time
 
 import pytest
 
@@ -152,3 +153,93 @@ def test_a_failed_async_storage_write_loses_its_pages_not_the_engine(tmp_path, c
     cached(cache, alloc, list(range(300, 308)))  # the cache goes on backing up
     cache.cache_controller.flush_storage()
     check(cache, alloc)
+
+
+# ---- prefetch off the loop ---------------------------------------------------------------
+class SlowReads(HiCacheFile):
+    """A file backend whose reads after the first ``free_batches`` wait for ``gate``."""
+
+    def __init__(self, directory, free_batches=0):
+        super().__init__(directory)
+        self.gate, self.reads, self.free_batches = threading.Event(), 0, free_batches
+
+    def batch_get(self, keys):
+        self.reads += 1
+        if self.reads > self.free_batches:
+            assert self.gate.wait(10), "the gate was never opened"
+        return super().batch_get(keys)
+
+
+def stored(tmp_path, tokens, page_size=4):
+    """Write ``tokens``' pages to files through a cache that is then dropped; returns their KV."""
+    old, old_alloc, _ = make(page_size=page_size, size=128, storage_backend=HiCacheFile(tmp_path))
+    _, want = cached(old, old_alloc, tokens)
+    return want
+
+
+def test_prefetch_reads_on_the_storage_thread_and_enters_the_tree_when_finished(tmp_path):
+    tokens = list(range(300, 372))  # 18 pages: 3 batches of 8 (the last short)
+    want = stored(tmp_path, tokens)
+    store = SlowReads(tmp_path)
+    cold, alloc, kv = make(page_size=4, size=128, storage_backend=store)
+    op = cold.start_prefetch(K(tokens))
+    assert op is not None and len(op.keys) == 18 and cold.prefetch_ops == [op]
+    assert cold.match_prefix(K(tokens)).host_hit_length == 0  # nothing in the tree while it reads
+    cold.check_integrity()  # its host slots count as held
+    store.gate.set()
+    assert cold.finish_prefetch(op, wait=True) == 72 and cold.prefetch_ops == [] and op.pages_read == 18
+    m = cold.match_prefix(K(tokens))
+    assert m.host_hit_length == 72
+    loaded, _ = cold.init_load_back(m.last_host_node, m.host_hit_length)
+    assert same(read_kv(kv, loaded), want)
+    assert cold.finish_prefetch(op) == 0  # ended once
+    check(cold, alloc)
+
+
+def test_a_prefetch_ended_early_keeps_the_pages_it_read_and_frees_the_rest(tmp_path):
+    tokens = list(range(300, 372))
+    want = stored(tmp_path, tokens)
+    store = SlowReads(tmp_path, free_batches=1)  # the first 8 pages come at once, the rest wait
+    cold, alloc, kv = make(page_size=4, size=128, storage_backend=store)
+    op = cold.start_prefetch(K(tokens))
+    deadline = time.monotonic() + 10
+    while op.pages_read < 8 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    ender = threading.Thread(target=lambda: cold.finish_prefetch(op), daemon=True)
+    ender.start()  # cancels: the thread stops after the batch it is in (held at the gate), waits for it
+    ender.join(0.05)
+    assert ender.is_alive()
+    store.gate.set()
+    ender.join(10)
+    m = cold.match_prefix(K(tokens))  # the batch in flight when it was ended lands; the third is never read
+    assert m.host_hit_length == 64 and op.pages_read == 16 and store.reads == 2
+    loaded, _ = cold.init_load_back(m.last_host_node, m.host_hit_length)
+    assert same(read_kv(kv, loaded), [rows[:64] for rows in want])
+    check(cold, alloc)
+
+
+def test_a_prefetch_gives_back_what_the_tree_got_meanwhile_or_lost_the_path_to(tmp_path):
+    """While the pages are read the tree goes on: a request computed the first pages (the
+    prefetch's copies of those are given back, the rest hang under them), or the cached
+    prefix the prefetch was to extend was dropped (nothing can hang there: all given back)."""
+    head, tail = list(range(300, 316)), list(range(316, 348))
+    stored(tmp_path, head + tail)
+    store = SlowReads(tmp_path)
+    cache, alloc, kv = make(page_size=4, size=128, storage_backend=store)
+    op = cache.start_prefetch(K(head + tail))
+    cached(cache, alloc, head + tail[:8])  # computed meanwhile: head and 2 pages of tail
+    store.gate.set()
+    assert cache.finish_prefetch(op, wait=True) == 24
+    m = cache.match_prefix(K(head + tail))
+    assert (m.device_indices.numel(), m.host_hit_length) == (24, 24)
+    check(cache, alloc)
+
+    cache2, alloc2, _ = make(page_size=4, size=128, storage_backend=HiCacheFile(tmp_path))
+    cached(cache2, alloc2, head)
+    op = cache2.start_prefetch(K(head + tail))
+    assert op.matched == 16
+    cache2.evict(16)
+    cache2.evict_host(16)  # the head is gone from both tiers
+    assert cache2.finish_prefetch(op, wait=True) == 0
+    assert cache2.match_prefix(K(head + tail)).host_hit_length == 0
+    check(cache2, alloc2)

@@ -70,6 +70,9 @@ def check_engine_integrity(sched, runner) -> None:
     if sched.has_work():
         raise RuntimeError("check_integrity needs an idle engine")
     tree = sched.tree_cache
+    sched.end_orphan_prefetches()  # (their requests are gone: what they read goes to the host tier)
+    if getattr(tree, "prefetch_ops", None) or getattr(tree, "_loading_nodes", None):
+        raise RuntimeError("host-tier loads or storage prefetches left in flight by an idle engine")
     tree.check_integrity()
     pool = runner.req_to_token_pool
     if pool.available_size() != pool.size:
@@ -222,8 +225,10 @@ class Engine:
 
     def shutdown(self) -> None:
         self.loop.stop()
-        self.scheduler.close()
-        if self.tp_group is not None:
-            self.tp_group.shutdown()
+        try:
+            self.scheduler.close()
+        finally:
+            if self.tp_group is not None:
+                self.tp_group.shutdown()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

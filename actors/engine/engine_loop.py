@@ -91,8 +91,9 @@ class EngineLoop:
                 except BaseException as exc:  # delivered to every caller, then the loop goes on
                     logger.exception("engine step failed")
                     produced, error = self._fail_all(), exc
-                if not produced and not getattr(self.scheduler, "progressed", True):
-                    # only waiting on something outside (a KV transfer): don't spin
+                if not produced and (not getattr(self.scheduler, "progressed", True)
+                                     or getattr(self.scheduler, "stalled", False)):
+                    # only waiting on something outside (a KV transfer, a storage read): don't spin
                     self._cond.wait(timeout=IDLE_POLL_S)
             for req in produced:
                 self._deliver(req, error)

@@ -43,6 +43,7 @@ class Req:
     # (loaded back once the request is taken)
     host_hit_length: int = 0
     last_host_node: Any = None
+    prefetch_op: Any = None  # the file tier's fetch of its pages, from its arrival to its admission
     storage_checked_len: int = 0  # the file tier was asked for this many leading tokens (asked once per length)
     finished_reason: Optional[dict] = None
     output_text: str = ""

@@ -96,6 +96,8 @@ class Scheduler:
         self.num_retractions = 0
         self._aborted: List[Req] = []  # finished while waiting: reported at the next step
         self.in_flight: List[Req] = []  # the prefill batch being run and processed
+        self._prefetch_blocked = False  # the last admission skipped a request whose prefetch is not ready
+        self.stalled = False  # the last step ran nothing only because of that
 
     def _max_request_len(self) -> int:
         """Tokens (prompt + output) one request can hold in the empty pools, less a page
@@ -129,6 +131,8 @@ class Scheduler:
     def step(self) -> List[Req]:
         """Run one forward; returns the requests that produced output (or finished)."""
         released = self._release_aborted()
+        self.end_orphan_prefetches()
+        self.stalled = False
         batch_reqs, forward_batch = self._next_prefill()
         if forward_batch is not None:
             self.in_flight = batch_reqs  # out of every queue until processed: a failure must still find them
@@ -143,6 +147,7 @@ class Scheduler:
             if forward_batch is not None:
                 logits = self._forward(forward_batch)
                 return released + self._process_decode(batch_reqs, logits)
+        self.stalled = self._prefetch_blocked and not released  # waits on storage reads: the loop may sleep
         return released
 
     def _forward(self, forward_batch):
@@ -150,8 +155,8 @@ class Scheduler:
         (its attention reads a layer once that layer's copy is done)."""
         if not self.host_tier:
             return self.runner.forward(forward_batch)
-        self.tree_cache.ready_to_load_host_cache()
         try:
+            self.tree_cache.ready_to_load_host_cache()
             return self.runner.forward(forward_batch)
         finally:
             self.tree_cache.loading_check()
@@ -160,6 +165,7 @@ class Scheduler:
         """End the host tier's loads and its loader thread (after the loop stopped)."""
         if self.host_tier:
             self.tree_cache.loading_check()
+            self.tree_cache.cancel_prefetches()
             self.tree_cache.cache_controller.close()
 
     def has_work(self) -> bool:
@@ -168,6 +174,28 @@ class Scheduler:
     # ---- admission ----------------------------------------------------------------
     def add_request(self, req: Req) -> None:
         self.waiting.append(req)
+        if self.file_tier:  # its pages come from storage while it waits (SGLang prefetches at arrival)
+            key = RadixKey(req.all_ids()[:-1], req.extra_key)
+            req.prefetch_op, req.storage_checked_len = self.tree_cache.start_prefetch(key), len(key)
+
+    def _prefetch_ready(self, req: Req) -> bool:
+        """Whether admission may end the request's prefetch now (the policy's call)."""
+        op, policy = req.prefetch_op, self.config.hicache_storage_prefetch_policy
+        if policy == "best_effort" or op.done.is_set():
+            return True
+        if policy == "timeout":
+            return time.monotonic() - op.started_at >= self.config.hicache_storage_prefetch_timeout_s
+        return False
+
+    def end_orphan_prefetches(self) -> None:
+        """End the prefetches whose request left the queue (aborted, failed): what they read
+        stays in the host tier."""
+        ops = getattr(self.tree_cache, "prefetch_ops", None)
+        if not ops:
+            return
+        live = {id(r.prefetch_op) for r in self.waiting if r.prefetch_op is not None}
+        for op in [op for op in ops if id(op) not in live]:
+            self.tree_cache.finish_prefetch(op)
 
     def evictable_tokens(self) -> int:
         tree = self.tree_cache
@@ -302,10 +330,17 @@ class Scheduler:
         picked: List[Req] = []
         candidates = ([self.chunked_req] if self.chunked_req else []) + self._sorted_waiting()
         self.chunked_req = None
+        self._prefetch_blocked = False
         for req in candidates:
             if len(picked) >= budget_running:
                 break
             new_req = req.req_pool_idx is None
+            if new_req and req.prefetch_op is not None:
+                if not self._prefetch_ready(req):
+                    self._prefetch_blocked = True  # the next in line may go first
+                    continue
+                self.tree_cache.finish_prefetch(req.prefetch_op)
+                req.prefetch_op = None
             if new_req:
                 self._match_prefix(req, admit=True)
                 # locking its prefix takes what of it was evictable out of the room (SGLang's PrefillAdder
