@@ -69,16 +69,20 @@ class HostTierMixin:
         self.events.removed(node.hash_value)
 
     # ---- storage → host ------------------------------------------------------
-    def prefetch_from_storage(self, key: RadixKey) -> int:
-        """Fetch the pages of ``key`` past its device + host hit from storage into
-        new host slots, as one host-only node, stopping at the first page storage
-        lacks. Returns the tokens fetched; a following ``match_prefix`` reports
-        them in ``host_hit_length``."""
+    def _storage_candidates(self, key: RadixKey):
+        """Where ``key``'s device + host hit ends and which pages after it storage has:
+        ``(key page-aligned, end node, matched tokens, key[matched:], their page keys,
+        leading pages storage has)``; None without storage or when it has none. (The
+        lookup counts no hit: it is not a use of the prefix.)"""
         storage = self.cache_controller.storage
         if storage is None or self.disable:
-            return 0
+            return None
         key = self._page_align(key)
-        match = self.match_prefix(key)
+        self._counting_hits = False
+        try:
+            match = self.match_prefix(key)
+        finally:
+            self._counting_hits = True
         end = match.last_host_node if match.host_hit_length else match.last_device_node
         matched = len(match.device_indices) + match.host_hit_length
         # [0, matched) cached on device or host; [matched, len(key)) the candidates
@@ -86,8 +90,17 @@ class HostTierMixin:
         chain_from = end.hash_value[-1] if end.hash_value else root_hash(key.extra_key)
         keys = hash_pages(rest.token_ids, self.page_size, chain_from)
         num_pages = storage.batch_exists(keys)
-        if num_pages == 0:
+        return (key, end, matched, rest, keys, num_pages) if num_pages else None
+
+    def prefetch_from_storage(self, key: RadixKey) -> int:
+        """Fetch the pages of ``key`` past its device + host hit from storage into
+        new host slots, as one host-only node, stopping at the first page storage
+        lacks. Returns the tokens fetched; a following ``match_prefix`` reports
+        them in ``host_hit_length``."""
+        found = self._storage_candidates(key)
+        if found is None:
             return 0
+        _, end, matched, rest, keys, num_pages = found
         end.host_ref_counter += 1  # evict_host must not delete the node we attach to
         try:
             host_indices = self._alloc_host(num_pages * self.page_size)
@@ -113,24 +126,15 @@ class HostTierMixin:
         has, into new host slots, on the storage thread (SGLang's prefetch at a
         request's arrival). Nothing enters the tree until :meth:`finish_prefetch`;
         the op owns its host slots until then. None when there is nothing to fetch."""
-        controller = self.cache_controller
-        if controller.storage is None or self.disable:
+        found = self._storage_candidates(key)
+        if found is None:
             return None
-        key = self._page_align(key)
-        match = self.match_prefix(key)
-        end = match.last_host_node if match.host_hit_length else match.last_device_node
-        matched = len(match.device_indices) + match.host_hit_length
-        rest = key[matched:]
-        chain_from = end.hash_value[-1] if end.hash_value else root_hash(key.extra_key)
-        keys = hash_pages(rest.token_ids, self.page_size, chain_from)
-        num_pages = controller.storage.batch_exists(keys)
-        if num_pages == 0:
-            return None
+        key, _, matched, _, keys, num_pages = found
         host_indices = self._alloc_host(num_pages * self.page_size)
         if host_indices is None:
             return None
         op = PrefetchOp(key[: matched + num_pages * self.page_size], matched, keys[:num_pages], host_indices)
-        controller.start_prefetch(op)
+        self.cache_controller.start_prefetch(op)
         self.prefetch_ops.append(op)
         return op
 

@@ -430,21 +430,27 @@ def test_a_failed_layer_copy_fails_its_readers_then_the_tree_copies_it_again():
     check(cache, alloc)
 
 
+def cuda_backed_up(size, n):
+    """A CUDA device pool of ``size`` slots whose slots [0, n) hold random KV, backed up to
+    host slots by an overlapping controller: (pool, controller, host slots, their KV)."""
+    from mem_cache.hicache_controller import HiCacheController
+
+    kv = MHATokenToKVPool(size, 1, torch.float32, head_num=2, head_dim=3, layer_num=LAYERS, device="cuda")
+    controller = HiCacheController(kv, MHATokenToKVPoolHost(kv, host_to_device_ratio=2.0), overlap_load=True)
+    src = torch.arange(n, device="cuda")
+    write_random(kv, src)
+    host_slots = controller.host_pool.alloc(n)
+    controller.write(host_slots, src)
+    return kv, controller, host_slots, read_kv(kv, src)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_overlapped_load_orders_the_reading_stream_after_each_layer():
     """On CUDA the copies go on the controller's load stream, one event per layer, and a
     reader's stream waits on the event of the layer it reads: the bytes it sees are the host
     copy's, with no host-side wait in between."""
-    from mem_cache.hicache_controller import HiCacheController
-
-    kv = MHATokenToKVPool(64, 1, torch.float32, head_num=2, head_dim=3, layer_num=LAYERS, device="cuda")
-    controller = HiCacheController(kv, MHATokenToKVPoolHost(kv, host_to_device_ratio=2.0), overlap_load=True)
-    src = torch.arange(16, device="cuda")
-    write_random(kv, src)
-    want = read_kv(kv, src)
-    host_slots = controller.host_pool.alloc(16)
-    controller.write(host_slots, src)
+    kv, controller, host_slots, want = cuda_backed_up(64, 16)
     dst = torch.arange(32, 48, device="cuda")
     controller.queue_load(host_slots, dst)
     controller.start_loading()
@@ -542,15 +548,7 @@ def test_a_tp_follower_ends_a_load_rank_0_ended_outside_a_forward_before_its_nex
 def test_cuda_start_loading_returns_before_the_copies_run():
     """The host only gathers into pinned buffers and enqueues: with the load stream held busy,
     ``start_loading`` still returns at once (a copy from pageable memory would wait for it)."""
-    from mem_cache.hicache_controller import HiCacheController
-
-    kv = MHATokenToKVPool(4096, 1, torch.float32, head_num=2, head_dim=3, layer_num=LAYERS, device="cuda")
-    controller = HiCacheController(kv, MHATokenToKVPoolHost(kv, host_to_device_ratio=2.0), overlap_load=True)
-    src = torch.arange(1024, device="cuda")
-    write_random(kv, src)
-    want = read_kv(kv, src)
-    host_slots = controller.host_pool.alloc(1024)
-    controller.write(host_slots, src)
+    kv, controller, host_slots, want = cuda_backed_up(4096, 1024)
     controller._load_stream = torch.cuda.Stream()
     with torch.cuda.stream(controller._load_stream):
         torch.cuda._sleep(2_000_000_000)  # about a second of GPU time
