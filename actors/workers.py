@@ -157,6 +157,7 @@ class _Worker:
             "total_slots": total,
             "kv_usage": 1.0 - sched.available_tokens() / total,
             "context_len": sched.context_len,
+            **({"hicache": hicache_stats(sched.tree_cache.cache_controller)} if sched.host_tier else {}),
         }
 
     async def drain(self, timeout_s: float = 120.0) -> bool:
@@ -231,6 +232,18 @@ class _Worker:
         finally:
             self.tp_worker.shutdown()
             self.rank.close()
+
+
+def hicache_stats(controller) -> Dict[str, float]:
+    """What the hierarchical cache holds and has moved so far (cumulative counts)."""
+    host = controller.host_pool
+    return {
+        "host_usage": 1.0 - host.available_size() / host.size,
+        "device_to_host_tokens": controller.written_tokens,
+        "host_to_device_tokens": controller.loaded_tokens,
+        "host_to_storage_pages": controller.stored_pages,
+        "storage_to_host_pages": controller.prefetched_pages + controller.read_pages,
+    }
 
 
 class PrefillWorker(_Worker):

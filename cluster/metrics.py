@@ -8,7 +8,8 @@ latency, tokens (prompt / generated / cache hits), the KV transfer's latency,
 bytes and bandwidth, and which worker each routing policy picked. Per worker
 (refreshed at scrape time from the workers' own load reports): KV usage, queue
 lengths (prefill waiting; decode prealloc / transfer / running / retracted),
-requests in flight, retractions.
+requests in flight, retractions, and with the hierarchical cache its host usage
+and the tokens / pages moved between its tiers.
 """
 
 from __future__ import annotations
@@ -77,6 +78,12 @@ class ServerMetrics:
                                  registry=r)
         self.pushed_bytes = Gauge(f"{PREFIX}_worker_kv_bytes_pushed", "KV bytes a prefill worker pushed so far", w,
                                   registry=r)
+        self.host_kv_usage = Gauge(f"{PREFIX}_worker_host_kv_cache_usage_ratio",
+                                   "hierarchical cache: host KV slots in use / total", w, registry=r)
+        self.hicache_tokens = Gauge(f"{PREFIX}_worker_hicache_tokens", "hierarchical cache: tokens copied between "
+                                    "device and host so far (backups, load backs)", w + ["direction"], registry=r)
+        self.hicache_pages = Gauge(f"{PREFIX}_worker_hicache_storage_pages", "hierarchical cache: pages written to "
+                                   "and read from the storage tier so far", w + ["direction"], registry=r)
 
     def observe_request(self, meta: Dict[str, Any], arrival: float, first_token: float, end: float,
                         policies: Dict[str, str]) -> None:
@@ -116,7 +123,7 @@ class ServerMetrics:
     def set_workers(self, workers: List[Dict[str, Any]], running: int, queued: int) -> None:
         """Per-worker gauges from a fresh ``backend.workers()``; workers that left drop their series."""
         for gauge in (self.worker_up, self.kv_usage, self.queue_len, self.inflight, self.retractions,
-                      self.pushed_bytes):
+                      self.pushed_bytes, self.host_kv_usage, self.hicache_tokens, self.hicache_pages):
             gauge.clear()
         self.server_running.set(running)
         self.server_queued.set(queued)
@@ -133,3 +140,10 @@ class ServerMetrics:
                 self.retractions.labels(*key).set(load["retractions"])
             if "bytes_pushed" in load:
                 self.pushed_bytes.labels(*key).set(load["bytes_pushed"])
+            hicache = load.get("hicache")
+            if hicache:
+                self.host_kv_usage.labels(*key).set(hicache["host_usage"])
+                for direction in ("device_to_host", "host_to_device"):
+                    self.hicache_tokens.labels(*key, direction).set(hicache[f"{direction}_tokens"])
+                for direction in ("host_to_storage", "storage_to_host"):
+                    self.hicache_pages.labels(*key, direction).set(hicache[f"{direction}_pages"])

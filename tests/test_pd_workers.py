@@ -291,9 +291,14 @@ def test_prefill_side_host_cache_reloads_an_evicted_prefix_and_pushes_it(checkpo
         assert len(match.device_indices) < 96 and match.host_hit_length > 0
         return await run_pd(prefill, decode, follow, GREEDY)
 
+    before = prefill.load()["hicache"]
     final, notice, _ = asyncio.run(go())
     assert notice["cached_tokens"] >= 96
     assert_greedy_parity(path, [follow], [final["output_ids"]], 8, decode.eos_token_ids)
+    stats = prefill.load()["hicache"]  # (for /metrics: raydix_worker_hicache_tokens and host usage)
+    assert before["host_to_device_tokens"] == 0 and stats["host_to_device_tokens"] >= 96
+    assert stats["device_to_host_tokens"] >= stats["host_to_device_tokens"] and 0 < stats["host_usage"] <= 1
+    assert "hicache" not in decode.load()
     close(prefill, decode)
 
 

@@ -162,3 +162,31 @@ def test_routes_without_a_cluster(served, client):
     assert missing.status_code == 404 and missing.json()["error"]["type"] == "not_found_error"
     assert "/nope" not in httpx.get(url + "/metrics").text  # unknown paths share the label "other"
     assert client.completions.create(model="scripted", prompt=[1], max_tokens=2).choices[0].text == "ab"
+
+
+def test_worker_gauges_carry_the_hierarchical_cache_and_drop_workers_that_left():
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from cluster.metrics import ServerMetrics
+
+    def samples(metrics):
+        text = generate_latest(metrics.registry).decode()
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for family in text_string_to_metric_families(text) for s in family.samples}
+
+    metrics = ServerMetrics("m")
+    hicache = {"host_usage": 0.25, "device_to_host_tokens": 960, "host_to_device_tokens": 96,
+               "host_to_storage_pages": 24, "storage_to_host_pages": 8}
+    workers = [{"id": "p0", "role": "prefill", "alive": True, "load": {"kv_usage": 0.5, "hicache": hicache}},
+               {"id": "d0", "role": "decode", "alive": True, "load": {"kv_usage": 0.1}}]
+    metrics.set_workers(workers, running=1, queued=0)
+    got = samples(metrics)
+    p0 = (("role", "prefill"), ("worker", "p0"))
+    assert got[("raydix_worker_host_kv_cache_usage_ratio", p0)] == 0.25
+    assert got[("raydix_worker_hicache_tokens", (("direction", "host_to_device"),) + p0)] == 96
+    assert got[("raydix_worker_hicache_tokens", (("direction", "device_to_host"),) + p0)] == 960
+    assert got[("raydix_worker_hicache_storage_pages", (("direction", "storage_to_host"),) + p0)] == 8
+    assert not any(n.startswith("raydix_worker_hicache") and dict(ls)["worker"] == "d0" for n, ls in got)
+    metrics.set_workers(workers[1:], running=0, queued=0)
+    assert not any(n.startswith("raydix_worker_hicache") for n, _ in samples(metrics))
