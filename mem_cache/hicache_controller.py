@@ -98,19 +98,24 @@ class LayerDoneCounter:
 
 @dataclass(eq=False)
 class PrefetchOp:
-    """One prefetch from storage: ``key[:matched]`` was cached when it began; pages
-    ``keys`` (the next ones, which storage had) are read into ``host_indices`` in
-    order by the storage thread; ``pages_read`` counts those done. ``cancel`` stops
-    it before the next page; ``done`` is set when it stops."""
+    """One prefetch from storage: ``key[:matched]`` was cached when it began (ending at
+    node ``end``); pages ``keys`` (the next ones, which storage had) are read into
+    ``host_indices`` in order by the prefetch thread; ``pages_read`` counts those
+    done. ``state``: queued → running → done (or queued → done when ended before the
+    thread reached it); ``cancel`` stops a running one before its next batch."""
 
     key: Any  # RadixKey of the cached part and the pages fetched
     matched: int
     keys: List[str]
     host_indices: torch.Tensor
+    end: Any = None  # the tree node it extends (host-ref'd while it runs)
+    op_id: int = 0
     pages_read: int = 0
+    state: str = "queued"
     ended: bool = False  # finished or cancelled by the tree: its host slots are the tree's or freed
     cancel: threading.Event = field(default_factory=threading.Event)
     done: threading.Event = field(default_factory=threading.Event)
+    lock: threading.Lock = field(default_factory=threading.Lock)
     started_at: float = field(default_factory=time.monotonic)
 
 
@@ -166,6 +171,9 @@ class HiCacheController:
         self.written_tokens = 0  # device → host, and host → device, since start (SGLang's hicache metrics)
         self.loaded_tokens = 0
         self.peers_read: Optional[Callable[[List[str], torch.Tensor], List[Any]]] = None
+        # TP rank 0: ("prefetch_start" | "prefetch_end", payload) → every other rank's reply
+        self.peers_prefetch: Optional[Callable[[str, Any], List[Any]]] = None
+        self._peer_prefetches: dict = {}  # another rank's side: op id → its own prefetch of the same pages
 
     def write(self, host_indices: torch.Tensor, device_indices: torch.Tensor) -> None:
         """Back up ``device_indices`` into ``host_indices`` (all layers)."""
@@ -278,6 +286,8 @@ class HiCacheController:
         except BaseException:
             self.layer_done_counter.end()
             logger.exception("loading KV from the host tier failed; copying it again before going on")
+            if self._load_stream is not None:  # copies it did enqueue land first, not over the new ones
+                self._load_stream.synchronize()
             self._copy_now(transfer["host"], transfer["device"])
             raise
         self.layer_done_counter.end()
@@ -374,12 +384,20 @@ class HiCacheController:
     PREFETCH_BATCH_PAGES = 8  # pages per storage read: a cancel waits for at most one batch
 
     def start_prefetch(self, op: PrefetchOp) -> None:
-        """Read ``op``'s pages on the prefetch thread, in the order started."""
+        """Read ``op``'s pages on the prefetch thread, in the order started; with
+        ``peers_prefetch`` (TP rank 0) every other rank starts reading the same pages
+        into the same host slots now too."""
         if self._prefetch_io is None:  # (not the writes' thread: a prefetch ended early must not wait for them)
             self._prefetch_io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hicache-prefetch")
         self._prefetch_io.submit(self._prefetch_pages, op)
+        if self.peers_prefetch is not None:
+            self.peers_prefetch("prefetch_start", (op.op_id, list(op.keys), op.host_indices.cpu()))
 
     def _prefetch_pages(self, op: PrefetchOp) -> None:
+        with op.lock:
+            if op.state != "queued":  # ended before the thread got to it
+                return
+            op.state = "running"
         ps, step = self.host_pool.page_size, self.PREFETCH_BATCH_PAGES
         try:
             for first in range(0, len(op.keys), step):
@@ -393,22 +411,46 @@ class HiCacheController:
         except Exception:  # what was read stays usable; the rest counts as absent
             logger.exception("prefetching %d pages from the storage tier failed", len(op.keys))
         finally:
+            with op.lock:
+                op.state = "done"
             op.done.set()
 
-    def end_prefetch(self, op: PrefetchOp, wait: bool) -> int:
+    def end_prefetch(self, op: PrefetchOp, wait: bool, keep: bool = True) -> int:
         """Stop ``op`` (or let it read every page, ``wait``) and return the leading pages
-        it read that every TP rank has too (``peers_read``: the other ranks read those
-        pages now, into the same host slots)."""
+        it read that every TP rank has too (0 without ``keep``: a cancel, which asks the
+        other ranks nothing and ignores their failures). One the thread has not reached
+        ends at once; a running one ends after the batch it is reading."""
         if not wait:
             op.cancel.set()
+        with op.lock:
+            if op.state == "queued" and not wait:
+                op.state = "done"
+                op.done.set()
         op.done.wait()
-        count = op.pages_read
+        count = op.pages_read if keep else 0
+        if self.peers_prefetch is not None:
+            try:
+                replies = self.peers_prefetch("prefetch_end", (op.op_id, wait))
+            except Exception:
+                if keep:
+                    raise
+                logger.exception("ending a prefetch on the other TP ranks failed")
+                replies = []
+            count = min([count] + [n if isinstance(n, int) else 0 for n in replies])  # (a failed rank: 0)
         self.prefetched_pages += count
-        if count and self.peers_read is not None:  # a rank that failed to answer read nothing
-            ps = self.host_pool.page_size
-            replies = self.peers_read(list(op.keys[:count]), op.host_indices[: count * ps].cpu())
-            count = min([count] + [n if isinstance(n, int) else 0 for n in replies])
         return count
+
+    # the other ranks' side of peers_prefetch: their own thread reads the same pages
+    def peer_prefetch_start(self, payload) -> None:
+        op_id, keys, host_indices = payload
+        op = PrefetchOp(None, 0, keys, host_indices, op_id=op_id)
+        self._peer_prefetches[op_id] = op
+        self.start_prefetch(op)
+
+    def peer_prefetch_end(self, payload) -> int:
+        op_id, wait = payload
+        op = self._peer_prefetches.pop(op_id, None)
+        return 0 if op is None else self.end_prefetch(op, wait)
 
     def read_storage(self, keys: Sequence[str], host_indices: torch.Tensor) -> int:
         """Read pages ``keys`` into ``host_indices`` in order, stopping at the

@@ -114,6 +114,8 @@ class HiRadixCache(HostTierMixin, RadixCache):
         )
         self._loading_nodes: List[TreeNode] = []  # loaded back, their copy not ended: host copies held
         self.prefetch_ops: List[PrefetchOp] = []  # started, not finished: each owns its host slots
+        self._prefetch_ids = 0
+        self.prefetch_capacity = 0.5  # of the host pool, that the prefetches in flight may hold together
         super().__init__(
             req_to_token_pool, token_to_kv_pool_allocator, page_size, disable, eviction_policy, enable_kv_events
         )
@@ -257,12 +259,13 @@ class HiRadixCache(HostTierMixin, RadixCache):
                 ensure(node.lock_ref == 0, f"{name} is evicted but locked")
             else:
                 ensure(not node.parent.evicted, f"{name} is on the device under an evicted parent")
-        loading = {}
-        for node in self._loading_nodes:
-            loading[node.id] = loading.get(node.id, 0) + 1
-        for node in self._iter_nodes():  # between calls only loads in flight hold host copies
-            ensure(node.host_ref_counter == loading.get(node.id, 0),
-                   f"{node!r} holds {node.host_ref_counter} host refs, {loading.get(node.id, 0)} loads in flight")
+        refs = {}
+        for node in self._loading_nodes + [op.end for op in self.prefetch_ops]:
+            refs[node.id] = refs.get(node.id, 0) + 1
+        for node in self._iter_nodes():  # between calls only loads and prefetches in flight hold host refs
+            ensure(node.host_ref_counter == refs.get(node.id, 0),
+                   f"{node!r} holds {node.host_ref_counter} host refs, {refs.get(node.id, 0)} loads and "
+                   f"prefetches in flight")
         held = torch.cat([self.all_host_values()] + [op.host_indices for op in self.prefetch_ops])
         check_unique_in_range("HiRadixCache host slots (and prefetches')", held, 0, self.host_pool.size - 1)
         self.host_pool.check_integrity(in_use=held)

@@ -11,6 +11,7 @@ It relies on the cache's ``root_node``, ``page_size``, ``host_pool``,
 from __future__ import annotations
 
 import heapq
+import logging
 from typing import List, Optional, Tuple
 
 import torch
@@ -18,6 +19,8 @@ import torch
 from mem_cache.hicache_controller import PrefetchOp
 from mem_cache.radix_cache import TreeNode
 from mem_cache.radix_key import RadixKey, hash_pages, root_hash
+
+logger = logging.getLogger(__name__)
 
 
 class HostTierMixin:
@@ -89,7 +92,11 @@ class HostTierMixin:
         rest = key[matched:]
         chain_from = end.hash_value[-1] if end.hash_value else root_hash(key.extra_key)
         keys = hash_pages(rest.token_ids, self.page_size, chain_from)
-        num_pages = storage.batch_exists(keys)
+        try:
+            num_pages = storage.batch_exists(keys)
+        except Exception:  # a storage failure costs the hit, not the request
+            logger.exception("asking the storage tier for %d pages failed", len(keys))
+            return None
         return (key, end, matched, rest, keys, num_pages) if num_pages else None
 
     def prefetch_from_storage(self, key: RadixKey) -> int:
@@ -123,19 +130,35 @@ class HostTierMixin:
     # ---- storage → host, off the loop ---------------------------------------------
     def start_prefetch(self, key: RadixKey) -> Optional[PrefetchOp]:
         """Begin fetching the pages of ``key`` past its device + host hit that storage
-        has, into new host slots, on the storage thread (SGLang's prefetch at a
+        has, into new host slots, on the prefetch thread (SGLang's prefetch at a
         request's arrival). Nothing enters the tree until :meth:`finish_prefetch`;
-        the op owns its host slots until then. None when there is nothing to fetch."""
+        the op owns its host slots until then, and holds a host ref on the node it
+        extends (``evict_host`` keeps it). None when storage has nothing past the hit
+        or cannot be asked (an error: logged), or the prefetches in flight already hold
+        ``prefetch_capacity`` of the host pool."""
         found = self._storage_candidates(key)
         if found is None:
             return None
-        key, _, matched, _, keys, num_pages = found
+        key, end, matched, _, keys, num_pages = found
+        held = sum(len(op.host_indices) for op in self.prefetch_ops)
+        limit = int(self.host_pool.size * self.prefetch_capacity)
+        num_pages = min(num_pages, max(0, limit - held) // self.page_size)
+        if num_pages == 0:
+            return None
+        end.host_ref_counter += 1  # from now until finish: its own allocation may evict_host too
         host_indices = self._alloc_host(num_pages * self.page_size)
         if host_indices is None:
+            end.host_ref_counter -= 1
             return None
-        op = PrefetchOp(key[: matched + num_pages * self.page_size], matched, keys[:num_pages], host_indices)
-        self.cache_controller.start_prefetch(op)
+        self._prefetch_ids += 1
+        op = PrefetchOp(key[: matched + num_pages * self.page_size], matched, keys[:num_pages], host_indices,
+                        end=end, op_id=self._prefetch_ids)
         self.prefetch_ops.append(op)
+        try:
+            self.cache_controller.start_prefetch(op)
+        except BaseException:
+            self._drop_prefetch(op)
+            raise
         return op
 
     def finish_prefetch(self, op: PrefetchOp, wait: bool = False) -> int:
@@ -145,9 +168,12 @@ class HostTierMixin:
         lost, are given back). Returns the tokens added to the host tier."""
         if op.ended:
             return 0
-        op.ended = True
-        self.prefetch_ops.remove(op)
-        pages = self.cache_controller.end_prefetch(op, wait)
+        try:
+            pages = self.cache_controller.end_prefetch(op, wait)
+        except BaseException:  # (the other TP ranks could not answer) nothing of it is kept
+            self._drop_prefetch(op)
+            raise
+        self._release_prefetch(op)
         ps = self.page_size
         fetched = op.matched + pages * ps  # [0, fetched) of op.key: cached before, or read now
         self._counting_hits = False
@@ -172,12 +198,30 @@ class HostTierMixin:
         return added
 
     def cancel_prefetches(self) -> None:
-        """End every prefetch in flight, keeping nothing (a reset)."""
+        """End every prefetch in flight, keeping nothing (a reset, a shutdown)."""
         for op in list(self.prefetch_ops):
-            op.ended = True
-            self.prefetch_ops.remove(op)
-            self.cache_controller.end_prefetch(op, wait=False)
-            self.host_pool.free(op.host_indices)
+            try:
+                self.cache_controller.end_prefetch(op, wait=False, keep=False)
+            finally:
+                self._drop_prefetch(op)
+
+    def _release_prefetch(self, op: PrefetchOp) -> None:
+        """``op`` is over: out of the list, its node's host ref given back."""
+        op.ended = True
+        self.prefetch_ops.remove(op)
+        op.end.host_ref_counter -= 1
+
+    def _drop_prefetch(self, op: PrefetchOp) -> None:
+        """``op`` is over and keeps nothing: its host slots go back too (once its thread
+        has stopped writing them)."""
+        op.cancel.set()
+        with op.lock:
+            if op.state == "queued":
+                op.state = "done"
+                op.done.set()
+        op.done.wait()
+        self._release_prefetch(op)
+        self.host_pool.free(op.host_indices)
 
     def _depth(self, node: TreeNode) -> int:
         depth = 0

@@ -177,3 +177,26 @@ def test_storage_prefetch_policies_decide_when_a_request_stops_waiting_for_its_p
                          [follow.output_ids, other.output_ids], 8, [])
     check_engine_integrity(sched, sched.runner)
     sched.close()
+
+
+def test_a_request_that_got_no_prefetch_at_arrival_still_gets_its_pages_at_admission(model_dir, tmp_path):
+    """No prefetch started when it arrived (here the prefetches' share of the host pool is 0;
+    also: no host room, storage not reachable): admission asks storage itself, synchronously."""
+    args = dict(model_path=model_dir, skip_tokenizer_init=True, max_total_tokens=256, page_size=4,
+                enable_hierarchical_cache=True, hicache_ratio=4.0, hicache_storage_dir=str(tmp_path / "kv-files"))
+    rng = random.Random(8)
+    system = tokens(rng, 96)
+    writer = Engine(**args)
+    writer.generate(input_ids=[system + tokens(rng, 4)], sampling_params=GREEDY)
+    writer.shutdown()
+    sched = Scheduler(ModelRunner(EngineConfig(**args)))
+    sched.tree_cache.prefetch_capacity = 0.0
+    follow = Req("follow", system + tokens(rng, 5), SamplingParams(**GREEDY))
+    sched.add_request(follow)
+    assert follow.prefetch_op is None and follow.storage_checked_len == 0
+    while sched.has_work():
+        sched.step()
+    assert follow.cached_tokens >= 96 and sched.tree_cache.cache_controller.read_pages >= 24
+    assert_greedy_parity(model_dir, [follow.origin_input_ids], [follow.output_ids], 8, [])
+    check_engine_integrity(sched, sched.runner)
+    sched.close()

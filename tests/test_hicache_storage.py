@@ -220,8 +220,9 @@ def test_a_prefetch_ended_early_keeps_the_pages_it_read_and_frees_the_rest(tmp_p
 
 def test_a_prefetch_gives_back_what_the_tree_got_meanwhile_or_lost_the_path_to(tmp_path):
     """While the pages are read the tree goes on: a request computed the first pages (the
-    prefetch's copies of those are given back, the rest hang under them), or the cached
-    prefix the prefetch was to extend was dropped (nothing can hang there: all given back)."""
+    prefetch's copies of those are given back, the rest hang under them). The cached prefix
+    the prefetch extends may leave the device, but not the host: the op holds a host ref on
+    it (before, the op's own host allocation could evict it, and every page read was lost)."""
     head, tail = list(range(300, 316)), list(range(316, 348))
     stored(tmp_path, head + tail)
     store = SlowReads(tmp_path)
@@ -238,8 +239,62 @@ def test_a_prefetch_gives_back_what_the_tree_got_meanwhile_or_lost_the_path_to(t
     cached(cache2, alloc2, head)
     op = cache2.start_prefetch(K(head + tail))
     assert op.matched == 16
-    cache2.evict(16)
-    cache2.evict_host(16)  # the head is gone from both tiers
-    assert cache2.finish_prefetch(op, wait=True) == 0
-    assert cache2.match_prefix(K(head + tail)).host_hit_length == 0
+    assert cache2.evict(16) == 16 and cache2.evict_host(16) == 0  # off the device; kept on the host
+    cache2.check_integrity()  # (the op's host ref is accounted for)
+    assert cache2.finish_prefetch(op, wait=True) == 32
+    assert cache2.match_prefix(K(head + tail)).host_hit_length == 48
+    assert cache2.evict_host(48) == 48  # the ref went with the op
     check(cache2, alloc2)
+
+
+def test_ending_a_prefetch_the_thread_has_not_reached_does_not_wait_for_the_ones_before(tmp_path):
+    """One thread reads the prefetches in arrival order; ending a later one (its request was
+    aborted, or admitted first under lpm) returns at once with nothing, it does not wait
+    for the earlier ones to read all their pages."""
+    a, b = list(range(300, 332)), list(range(400, 432))
+    stored(tmp_path, a)
+    stored(tmp_path, b)
+    store = SlowReads(tmp_path)
+    cache, alloc, _ = make(page_size=4, size=128, storage_backend=store)
+    op_a, op_b = cache.start_prefetch(K(a)), cache.start_prefetch(K(b))
+    start = time.monotonic()
+    assert cache.finish_prefetch(op_b) == 0 and time.monotonic() - start < 1.0
+    assert op_b.state == "done" and op_a.state in ("queued", "running")
+    store.gate.set()
+    assert cache.finish_prefetch(op_a, wait=True) == 32
+    check(cache, alloc)
+
+
+def test_prefetch_failures_cost_the_hit_and_leak_nothing(tmp_path, caplog):
+    """Storage that cannot be asked: no prefetch (logged), no error for the request. Other TP
+    ranks that cannot answer when a prefetch ends: its host slots go back, the error is raised.
+    Prefetches in flight hold at most ``prefetch_capacity`` of the host pool."""
+    tokens = list(range(300, 332))
+    stored(tmp_path, tokens)
+
+    class Unreachable(HiCacheFile):
+        def batch_exists(self, keys):
+            raise PermissionError("storage unreachable")
+
+    cache, alloc, _ = make(page_size=4, size=128, storage_backend=Unreachable(tmp_path))
+    assert cache.start_prefetch(K(tokens)) is None and cache.prefetch_from_storage(K(tokens)) == 0
+    assert "asking the storage tier for 8 pages failed" in caplog.text
+
+    cache, alloc, _ = make(page_size=4, size=128, storage_backend=HiCacheFile(tmp_path))
+    op = cache.start_prefetch(K(tokens))
+
+    def broken_peers(name, payload):
+        raise RuntimeError("TP group gone")
+
+    cache.cache_controller.peers_prefetch = broken_peers
+    with pytest.raises(RuntimeError, match="TP group gone"):
+        cache.finish_prefetch(op, wait=True)
+    assert cache.prefetch_ops == [] and op.end.host_ref_counter == 0
+    cache.cache_controller.peers_prefetch = None
+    check(cache, alloc)
+
+    cache.prefetch_capacity = 16 / cache.host_pool.size  # room for 4 of the 8 pages
+    op = cache.start_prefetch(K(tokens))
+    assert len(op.keys) == 4 and cache.start_prefetch(K(tokens)) is None
+    assert cache.finish_prefetch(op, wait=True) == 16
+    check(cache, alloc)

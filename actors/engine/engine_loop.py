@@ -110,6 +110,10 @@ class EngineLoop:
         sched.in_flight = []
         if hasattr(sched, "fail_all"):  # a disaggregated scheduler's own queues (released there)
             queued += sched.fail_all("engine step failed")
+        try:
+            sched.end_orphan_prefetches()  # theirs were waiting requests
+        except Exception:
+            logger.exception("could not end the prefetches of the failed requests")
         reqs = list({id(r): r for r in queued}.values())
         for req in reqs:
             if req.finished:

@@ -12,7 +12,7 @@ import dataclasses
 import logging
 import math
 import time
-from typing import Callable, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 
@@ -70,6 +70,7 @@ class ModelRunner:
         self.host_op_log: Optional[List[Tuple]] = None  # TP rank 0: host-tier copies the other ranks replay
         # TP rank 0 with a file tier: the other ranks read these pages into these host slots, answer how many
         self.storage_peers_read: Optional[Callable[[List[str], torch.Tensor], List]] = None
+        self.storage_peers_prefetch: Optional[Callable[[str, Any], List]] = None  # ... and prefetch them alike
         self.forward_time = 0.0  # seconds spent in model forwards (for overhead accounting)
         self.num_forwards = 0
 

@@ -78,6 +78,7 @@ class Scheduler:
             self.host_tier = True
             controller = self.tree_cache.cache_controller  # TP rank 0: what the other ranks replay, and ask
             controller.op_log, controller.peers_read = runner.host_op_log, runner.storage_peers_read
+            controller.peers_prefetch = runner.storage_peers_prefetch
         else:
             self.tree_cache = RadixCache(
                 runner.req_to_token_pool, runner.allocator, page_size=cfg.page_size, disable=cfg.disable_radix_cache,
@@ -164,19 +165,23 @@ class Scheduler:
     def close(self) -> None:
         """End the host tier's loads and its loader thread (after the loop stopped)."""
         if self.host_tier:
-            self.tree_cache.loading_check()
-            self.tree_cache.cancel_prefetches()
-            self.tree_cache.cache_controller.close()
+            try:
+                self.tree_cache.loading_check()
+                self.tree_cache.cancel_prefetches()
+            finally:
+                self.tree_cache.cache_controller.close()
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.chunked_req or self._aborted)
 
     # ---- admission ----------------------------------------------------------------
     def add_request(self, req: Req) -> None:
-        self.waiting.append(req)
         if self.file_tier:  # its pages come from storage while it waits (SGLang prefetches at arrival)
             key = RadixKey(req.all_ids()[:-1], req.extra_key)
-            req.prefetch_op, req.storage_checked_len = self.tree_cache.start_prefetch(key), len(key)
+            req.prefetch_op = self.tree_cache.start_prefetch(key)
+            if req.prefetch_op is not None:  # (else admission asks storage again, synchronously)
+                req.storage_checked_len = len(key)
+        self.waiting.append(req)
 
     def _prefetch_ready(self, req: Req) -> bool:
         """Whether admission may end the request's prefetch now (the policy's call)."""
@@ -322,6 +327,7 @@ class Scheduler:
         return int(remaining * self.new_token_ratio)
 
     def _next_prefill(self):
+        self._prefetch_blocked = False
         budget_running = self.runner.max_running_requests - len(self.running)
         if budget_running <= 0 or not (self.waiting or self.chunked_req):
             return None, None
@@ -330,7 +336,6 @@ class Scheduler:
         picked: List[Req] = []
         candidates = ([self.chunked_req] if self.chunked_req else []) + self._sorted_waiting()
         self.chunked_req = None
-        self._prefetch_blocked = False
         for req in candidates:
             if len(picked) >= budget_running:
                 break

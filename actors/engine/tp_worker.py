@@ -166,6 +166,7 @@ class TPModelWorker:
                 self.runner.host_op_log = []  # the scheduler's HiCacheController logs into it
                 if config.hicache_storage_dir:
                     self.runner.storage_peers_read = lambda keys, host: self.call_followers("storage_read", (keys, host))
+                    self.runner.storage_peers_prefetch = self.call_followers
             self.runner.batch_sender = self._send_batch
         elif self.tp.size > 1 and config.enable_hierarchical_cache:
             pool = self.runner.token_to_kv_pool
@@ -175,6 +176,8 @@ class TPModelWorker:
             self._host_tier = HiCacheController(pool, create_host_pool(pool, **host_pool_args(config)), storage,
                                                 overlap_load=config.hicache_overlap_load, async_storage_writes=True)
             self.handlers["storage_read"] = lambda payload: self._host_tier.read_storage(*payload)
+            self.handlers["prefetch_start"] = self._host_tier.peer_prefetch_start
+            self.handlers["prefetch_end"] = self._host_tier.peer_prefetch_end
 
     # ---- rank 0 ------------------------------------------------------------------------
     def _send_batch(self, batch: Optional[ForwardBatch]) -> None:
