@@ -126,3 +126,24 @@ def test_a_failing_forward_fails_its_requests_and_releases_their_memory(engine, 
         engine.generate(input_ids=[[7, 8, 9], [10, 11]], sampling_params=GREEDY)
     engine.check_integrity()
     assert len(engine.generate(input_ids=[7, 8, 9], sampling_params=GREEDY)["output_ids"]) == 12
+
+
+def test_a_failure_while_planning_a_batch_unlocks_the_prefixes_it_locked(engine, monkeypatch):
+    """Admission locks each new request's cached prefix before it plans the batch; if planning
+    raises after that (here: making the forward batch), the requests have no row yet, so the
+    loop's failure path cannot release them: the plan gives their locks back itself."""
+    import actors.engine.scheduler as scheduler_module
+
+    prefix = list(range(20, 60))
+    engine.generate(input_ids=[prefix + [1, 2]], sampling_params=GREEDY)  # the prefix is cached now
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected planning error")
+
+    monkeypatch.setattr(scheduler_module, "prepare_for_extend", broken)
+    with pytest.raises(RuntimeError, match="injected planning error"):
+        engine.generate(input_ids=[prefix + [3, 4], prefix + [5, 6]], sampling_params=GREEDY)
+    monkeypatch.undo()
+    engine.check_integrity()  # (a lock left on the prefix: protected tokens, "slot leak")
+    out = engine.generate(input_ids=prefix + [3, 4], sampling_params=GREEDY)
+    assert out["meta_info"]["cached_tokens"] >= 40 and len(out["output_ids"]) == 12

@@ -327,6 +327,27 @@ class Scheduler:
         return int(remaining * self.new_token_ratio)
 
     def _next_prefill(self):
+        """The next prefill batch and its forward batch (None, None: none can run now). If
+        planning raises, the requests it locked and gave no row are unlocked first (they stay
+        queued: the engine loop's failure path finds no row to release them by)."""
+        self._plan_locks: List[Req] = []
+        try:
+            return self._plan_prefill()
+        except BaseException:
+            for req in self._plan_locks:
+                if req.req_pool_idx is None:
+                    self._unlock(req)
+            raise
+
+    def _lock_planned(self, req: Req) -> None:
+        self._lock(req)
+        self._plan_locks.append(req)
+
+    def _unlock_planned(self, req: Req) -> None:
+        self._unlock(req)
+        self._plan_locks.remove(req)
+
+    def _plan_prefill(self):
         self._prefetch_blocked = False
         budget_running = self.runner.max_running_requests - len(self.running)
         if budget_running <= 0 or not (self.waiting or self.chunked_req):
@@ -352,7 +373,7 @@ class Scheduler:
                 # reads the room after each lock): counted as room, every step planned the same batch
                 # that could not be allocated, forever
                 before = self._free_room()
-                self._lock(req)
+                self._lock_planned(req)
                 after = self._free_room()
                 rem_total -= before[0] - after[0]
                 if rem_swa is not None:
@@ -369,7 +390,7 @@ class Scheduler:
                 fits = False
             if not fits:
                 if new_req:
-                    self._unlock(req)
+                    self._unlock_planned(req)
                 else:
                     self.chunked_req = req  # keeps its place at the head
                 break
@@ -397,12 +418,12 @@ class Scheduler:
         forward_batch = prepare_for_extend(picked, self.runner, self.tree_cache)
         while forward_batch is None and len(picked) > 1:  # the plan overestimated the room: shorter, now (the
             dropped = picked.pop()  # same plan at the next step would fail again); a continuing chunk is first
-            self._unlock(dropped)
+            self._unlock_planned(dropped)
             new_reqs.remove(dropped)
             forward_batch = prepare_for_extend(picked, self.runner, self.tree_cache)
         if forward_batch is None:  # short even after eviction: give the locks back, try later
             for req in new_reqs:
-                self._unlock(req)
+                self._unlock_planned(req)
             continuing = [r for r in picked if r not in new_reqs]
             if continuing:
                 self.chunked_req = continuing[0]
