@@ -110,6 +110,7 @@ class PrefetchOp:
     host_indices: torch.Tensor
     end: Any = None  # the tree node it extends (host-ref'd while it runs)
     op_id: int = 0
+    asked_len: int = 0  # leading tokens of the request's key storage has answered for (no need to ask again)
     pages_read: int = 0
     state: str = "queued"
     ended: bool = False  # finished or cancelled by the tree: its host slots are the tree's or freed
@@ -287,7 +288,10 @@ class HiCacheController:
             self.layer_done_counter.end()
             logger.exception("loading KV from the host tier failed; copying it again before going on")
             if self._load_stream is not None:  # copies it did enqueue land first, not over the new ones
-                self._load_stream.synchronize()
+                try:
+                    self._load_stream.synchronize()
+                except Exception:
+                    logger.exception("the load stream failed too")
             self._copy_now(transfer["host"], transfer["device"])
             raise
         self.layer_done_counter.end()
@@ -417,9 +421,10 @@ class HiCacheController:
 
     def end_prefetch(self, op: PrefetchOp, wait: bool, keep: bool = True) -> int:
         """Stop ``op`` (or let it read every page, ``wait``) and return the leading pages
-        it read that every TP rank has too (0 without ``keep``: a cancel, which asks the
-        other ranks nothing and ignores their failures). One the thread has not reached
-        ends at once; a running one ends after the batch it is reading."""
+        it read that every TP rank has too (0 without ``keep``: a cancel, which still stops
+        the other ranks' reads — they must not write slots freed next — but ignores their
+        failures). One the thread has not reached ends at once; a running one ends after the
+        batch it is reading. Once this rank has read every page, the others may finish too."""
         if not wait:
             op.cancel.set()
         with op.lock:
@@ -429,8 +434,9 @@ class HiCacheController:
         op.done.wait()
         count = op.pages_read if keep else 0
         if self.peers_prefetch is not None:
+            peers_wait = wait or (keep and op.pages_read == len(op.keys))  # (not cut short for a slower rank)
             try:
-                replies = self.peers_prefetch("prefetch_end", (op.op_id, wait))
+                replies = self.peers_prefetch("prefetch_end", (op.op_id, peers_wait))
             except Exception:
                 if keep:
                     raise

@@ -223,15 +223,16 @@ class HiRadixCache(HostTierMixin, RadixCache):
     def _evict_device_node(self, node: TreeNode) -> int:
         """Free ``node``'s device slots: keep it as host-only if it has (or now
         gets) a host copy, else delete it. Returns the tokens freed (0 if it stays)."""
-        if not node.backuped and (self.write_policy.backup_on_evict or node.children):
-            self._backup(node)  # host-only children need a parent that stays in the tree
+        held = node.children or node.host_ref_counter > 0  # host-only children, or a prefetch extending it,
+        if not node.backuped and (self.write_policy.backup_on_evict or held):  # need it to stay in the tree
+            self._backup(node)
         num_tokens = len(node.value)
         if node.backuped:
             self._free(node.value)
             node.value = None
             self.evictable_size_ -= num_tokens
             return num_tokens
-        if node.children:  # no host room: evict_host left only children with a copy in use
+        if held:  # no host room: evict_host left only children (or the node) in use
             return 0
         self._free(node.value)
         self._delete_leaf(node)

@@ -142,7 +142,10 @@ class HostTierMixin:
         key, end, matched, _, keys, num_pages = found
         held = sum(len(op.host_indices) for op in self.prefetch_ops)
         limit = int(self.host_pool.size * self.prefetch_capacity)
-        num_pages = min(num_pages, max(0, limit - held) // self.page_size)
+        room = max(0, limit - held) // self.page_size
+        # what storage was asked about: all of key, unless the cap leaves pages it has for later
+        asked = len(key) if num_pages <= room else matched + room * self.page_size
+        num_pages = min(num_pages, room)
         if num_pages == 0:
             return None
         end.host_ref_counter += 1  # from now until finish: its own allocation may evict_host too
@@ -152,7 +155,7 @@ class HostTierMixin:
             return None
         self._prefetch_ids += 1
         op = PrefetchOp(key[: matched + num_pages * self.page_size], matched, keys[:num_pages], host_indices,
-                        end=end, op_id=self._prefetch_ids)
+                        end=end, op_id=self._prefetch_ids, asked_len=asked)
         self.prefetch_ops.append(op)
         try:
             self.cache_controller.start_prefetch(op)

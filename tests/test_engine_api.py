@@ -147,3 +147,29 @@ def test_a_failure_while_planning_a_batch_unlocks_the_prefixes_it_locked(engine,
     engine.check_integrity()  # (a lock left on the prefix: protected tokens, "slot leak")
     out = engine.generate(input_ids=prefix + [3, 4], sampling_params=GREEDY)
     assert out["meta_info"]["cached_tokens"] >= 40 and len(out["output_ids"]) == 12
+
+
+def test_a_failure_while_planning_fails_a_chunked_request_in_progress_too(engine, monkeypatch):
+    """A chunked prefill in progress sits in no queue while the next batch is planned; a failure
+    then must still end it (and give its row back), not lose it."""
+    import actors.engine.scheduler as scheduler_module
+
+    chunked = Engine(model_path=engine.config.model_path, skip_tokenizer_init=True, max_total_tokens=512,
+                     chunked_prefill_size=32)
+    try:
+        real, calls = scheduler_module.prepare_for_extend, {"n": 0}
+
+        def second_chunk_fails(*args, **kwargs):
+            calls["n"] += 1
+            if calls["n"] == 2:
+                raise RuntimeError("injected planning error")
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(scheduler_module, "prepare_for_extend", second_chunk_fails)
+        with pytest.raises(RuntimeError, match="injected planning error"):
+            chunked.generate(input_ids=list(range(10, 110)), sampling_params=GREEDY)  # 100 tokens: 4 chunks
+        monkeypatch.undo()
+        chunked.check_integrity()  # (lost, it held its row: "request-row leak")
+        assert len(chunked.generate(input_ids=list(range(10, 110)), sampling_params=GREEDY)["output_ids"]) == 12
+    finally:
+        chunked.shutdown()

@@ -218,7 +218,7 @@ def test_a_prefetch_ended_early_keeps_the_pages_it_read_and_frees_the_rest(tmp_p
     check(cold, alloc)
 
 
-def test_a_prefetch_gives_back_what_the_tree_got_meanwhile_or_lost_the_path_to(tmp_path):
+def test_a_prefetch_gives_back_what_the_tree_got_meanwhile_and_keeps_the_node_it_extends(tmp_path):
     """While the pages are read the tree goes on: a request computed the first pages (the
     prefetch's copies of those are given back, the rest hang under them). The cached prefix
     the prefetch extends may leave the device, but not the host: the op holds a host ref on
@@ -245,6 +245,17 @@ def test_a_prefetch_gives_back_what_the_tree_got_meanwhile_or_lost_the_path_to(t
     assert cache2.match_prefix(K(head + tail)).host_hit_length == 48
     assert cache2.evict_host(48) == 48  # the ref went with the op
     check(cache2, alloc2)
+
+    # a device node with no host copy yet (selective: one hit is not enough) leaves the device
+    # through a backup while a prefetch extends it, not deleted
+    cache3, alloc3, _ = make(page_size=4, size=128, storage_backend=HiCacheFile(tmp_path),
+                             write_policy="write_through_selective")
+    cached(cache3, alloc3, head)
+    op = cache3.start_prefetch(K(head + tail))
+    assert not op.end.backuped and cache3.evict(16) == 16 and op.end.backuped
+    assert cache3.finish_prefetch(op, wait=True) == 32
+    assert cache3.match_prefix(K(head + tail)).host_hit_length == 48
+    check(cache3, alloc3)
 
 
 def test_ending_a_prefetch_the_thread_has_not_reached_does_not_wait_for_the_ones_before(tmp_path):

@@ -178,9 +178,13 @@ class Scheduler:
     def add_request(self, req: Req) -> None:
         if self.file_tier:  # its pages come from storage while it waits (SGLang prefetches at arrival)
             key = RadixKey(req.all_ids()[:-1], req.extra_key)
-            req.prefetch_op = self.tree_cache.start_prefetch(key)
-            if req.prefetch_op is not None:  # (else admission asks storage again, synchronously)
-                req.storage_checked_len = len(key)
+            try:
+                req.prefetch_op = self.tree_cache.start_prefetch(key)
+            except Exception:  # (the other TP ranks could not be asked) it costs the hit, not the request
+                logger.exception("could not start the storage prefetch of %s", req.rid)
+                req.prefetch_op = None
+            if req.prefetch_op is not None:  # what it covers; admission asks storage for the rest itself
+                req.storage_checked_len = req.prefetch_op.asked_len
         self.waiting.append(req)
 
     def _prefetch_ready(self, req: Req) -> bool:
@@ -331,12 +335,15 @@ class Scheduler:
         planning raises, the requests it locked and gave no row are unlocked first (they stay
         queued: the engine loop's failure path finds no row to release them by)."""
         self._plan_locks: List[Req] = []
+        continuing = self.chunked_req  # (the plan takes it off its slot: it is in no other queue)
         try:
             return self._plan_prefill()
         except BaseException:
             for req in self._plan_locks:
                 if req.req_pool_idx is None:
                     self._unlock(req)
+            if continuing is not None and self.chunked_req is None:
+                self.chunked_req = continuing  # where the failure path releases it
             raise
 
     def _lock_planned(self, req: Req) -> None:
