@@ -11,6 +11,11 @@ pool's ``get_*_buffer(layer)`` waits for that layer only. On CUDA the copies
 go on a load stream, one event per layer, and the compute stream waits on the
 event (the host never blocks); on CPU a loader thread copies layer after layer
 while the forward runs. ``wait_loading`` ends the transfer (after the forward).
+Backups overlap the loop too (SGLang's write stream; ``overlap_write``):
+``start_write`` returns at once and the copy runs on a writer thread — on CUDA
+it is enqueued on a write stream that first waits for the compute stream,
+into pinned buffers the thread puts in place once the copies ran. The caller
+keeps the device slots from being freed until the write's future is done.
 Writes to storage are queued for a storage thread (``async_storage_writes``)
 with the pages' bytes taken at once; ``write``, ``load`` and storage reads are
 synchronous.
@@ -120,6 +125,18 @@ class PrefetchOp:
     started_at: float = field(default_factory=time.monotonic)
 
 
+@dataclass(eq=False)
+class WriteInFlight:
+    """A tree node's backup started off the loop: its copy (``future``) to ``host_indices``
+    and the page keys it had then (the pages go to storage once the copy is done; a split
+    meanwhile does not change which pages those slots hold)."""
+
+    node: Any
+    future: Future
+    keys: List[str]
+    host_indices: torch.Tensor
+
+
 class HiCacheController:
     """Moves KV between ``device_pool``, ``host_pool`` and an optional ``storage``.
 
@@ -127,8 +144,10 @@ class HiCacheController:
     device pool, so its ``get_*_buffer(layer_id)`` waits for loads.
 
     ``op_log``, when a list, records every copy between the tiers, in order:
-    ``("write" | "load", host_indices, device_indices)`` and
-    ``("write_storage", host_indices, keys)`` (CPU tensors). A tensor-parallel
+    ``("write" | "write_async" | "load", host_indices, device_indices)``,
+    ``("write_storage", host_indices, keys)`` (CPU tensors) and the points where
+    the asynchronous copies so far have ended (``"load_sync"``, ``"write_sync"``:
+    see :meth:`log_load_sync`, :meth:`log_write_sync`). A tensor-parallel
     rank 0 sends them to the other ranks, whose controllers :meth:`replay`
     them on their own head shards (and their own storage) before the next
     forward: the tree, and so the choice of slots and pages, lives on rank 0
@@ -146,6 +165,7 @@ class HiCacheController:
         overlap_load: bool = True,
         async_storage_writes: bool = False,
         max_pending_writes: int = 64,
+        overlap_write: bool = False,
     ):
         self.device_pool = device_pool
         self.host_pool = host_pool
@@ -160,6 +180,11 @@ class HiCacheController:
         self._transfer: Optional[dict] = None
         self._load_stream: Any = None
         self._loader: Optional[ThreadPoolExecutor] = None
+        # start_write → (the writer thread) → the future done; finish_writes waits for all
+        self.overlap_write = overlap_write
+        self._writes: List[Future] = []
+        self._write_stream: Any = None
+        self._writer: Optional[ThreadPoolExecutor] = None
         self.async_storage_writes = async_storage_writes
         self.max_pending_writes = max_pending_writes
         self.stored_pages = 0  # pages this controller wrote to storage (not counting those it found there)
@@ -181,6 +206,70 @@ class HiCacheController:
         self.host_pool.backup_from_device_all_layer(self.device_pool, host_indices, device_indices)
         self.written_tokens += len(host_indices)
         self._log("write", host_indices, device_indices)
+
+    def start_write(self, host_indices: torch.Tensor, device_indices: torch.Tensor) -> Future:
+        """Back up ``device_indices`` into ``host_indices`` off the loop; the future is done
+        once the host slots hold the KV (its ``result()`` raises a failed copy). Until then
+        the caller keeps the device slots from being freed (their KV is read meanwhile) and
+        nothing reads the host slots. Without ``overlap_write`` the copy is made now."""
+        future: Future = Future()
+        if not self.overlap_write:
+            self.write(host_indices, device_indices)
+            future.set_result(None)
+            return future
+        if self._writer is None:
+            self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hicache-write")
+        if device_indices.device.type == "cuda":
+            done, staged = self._start_cuda_write(device_indices)
+            future = self._writer.submit(self._store_staged, done, host_indices, staged)
+        else:
+            pool = self.host_pool
+            future = self._writer.submit(pool.backup_from_device_all_layer, self.device_pool, host_indices,
+                                         device_indices)
+        self._writes = [f for f in self._writes if not f.done()] + [future]
+        self.written_tokens += len(host_indices)
+        self._log("write_async", host_indices, device_indices)
+        return future
+
+    def _start_cuda_write(self, device_indices: torch.Tensor) -> Tuple[Any, List[torch.Tensor]]:
+        """Enqueue the gather of every layer's rows into pinned buffers on the write stream,
+        after what the compute stream has queued (the forward that wrote the KV); returns the
+        event that ends them and the buffers."""
+        dev = device_indices.device
+        if self._write_stream is None:
+            self._write_stream = torch.cuda.Stream(dev)
+        stream = self._write_stream
+        stream.wait_stream(torch.cuda.current_stream(dev))
+        device_indices.record_stream(stream)
+        with torch.cuda.stream(stream):
+            staged = self.host_pool.stage_from_device(self.device_pool, device_indices)
+            done = torch.cuda.Event()
+            done.record(stream)
+        return done, staged
+
+    def _store_staged(self, done: Any, host_indices: torch.Tensor, staged: List[torch.Tensor]) -> None:
+        done.synchronize()
+        self.host_pool.store_staged(host_indices, staged)
+
+    @property
+    def writes_pending(self) -> bool:
+        return any(not f.done() for f in self._writes)
+
+    def finish_writes(self) -> None:
+        """Wait for every write started; a failed one is logged (its starter sees the
+        failure in its own future)."""
+        pending, self._writes = self._writes, []
+        for future in pending:
+            try:
+                future.result()
+            except Exception:
+                logger.exception("backing KV up to the host tier failed")
+
+    def log_write_sync(self) -> None:
+        """Log that the writes logged so far may have ended here: a replaying rank ends its
+        own at the same point, before the device slots they read can be freed and reused."""
+        if self.op_log is not None and self.op_log and self.op_log[-1][0] != "write_sync":
+            self.op_log.append(("write_sync", torch.empty(0, dtype=torch.int64), None))
 
     def load(self, host_indices: torch.Tensor, device_indices: torch.Tensor) -> None:
         """Copy ``host_indices`` into ``device_indices``, one layer after another, now."""
@@ -297,16 +386,17 @@ class HiCacheController:
         self.layer_done_counter.end()
 
     def close(self) -> None:
-        """End any transfer and storage write, and their threads."""
+        """End any transfer, backup and storage write, and their threads."""
         try:
             self.start_loading()
             self.wait_loading()
         finally:
+            self.finish_writes()
             self.flush_storage()
-            for pool in (self._loader, self._storage_io, self._prefetch_io):
+            for pool in (self._loader, self._writer, self._storage_io, self._prefetch_io):
                 if pool is not None:
                     pool.shutdown(wait=True)
-            self._loader = self._storage_io = self._prefetch_io = None
+            self._loader = self._writer = self._storage_io = self._prefetch_io = None
 
     def log_load_sync(self) -> None:
         """Log that every load logged so far has ended here: a replaying rank ends its own
@@ -328,6 +418,10 @@ class HiCacheController:
         for op, host_indices, other in ops:
             if op == "write":
                 self.write(host_indices, other.to(device))
+            elif op == "write_async":
+                self.start_write(host_indices, other.to(device))
+            elif op == "write_sync":
+                self.finish_writes()
             elif op == "load":  # started by the caller's start_loading, as on rank 0
                 self.queue_load(host_indices, other.to(device))
             elif op == "load_sync":

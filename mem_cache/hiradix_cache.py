@@ -32,7 +32,7 @@ from typing import List, Optional
 import torch
 
 from mem_cache.base_prefix_cache import MatchResult
-from mem_cache.hicache_controller import HiCacheController, PrefetchOp
+from mem_cache.hicache_controller import HiCacheController, PrefetchOp, WriteInFlight
 from mem_cache.hicache_storage import HiCacheStorage
 from mem_cache.hiradix_tiers import HostTierMixin
 from mem_cache.integrity import check_unique_in_range, ensure
@@ -79,6 +79,10 @@ class HiRadixCache(HostTierMixin, RadixCache):
       with ``overlap_load`` the copy is queued: ``ready_to_load_host_cache()``
       starts it before the forward, ``loading_check()`` ends it after; with
       ``async_storage_writes`` a storage thread writes the pages of backups;
+    * with ``overlap_write`` a write-through backup (a hit) copies off the loop,
+      its node locked meanwhile: ``writing_check()`` ends the copies done (the
+      scheduler calls it every step; ``evict`` waits for them when it needs
+      their slots); a backup on eviction is copied at once (its slots are freed next);
     * ``prefetch_from_storage(key)`` fetches pages past the host hit into host slots;
       ``start_prefetch(key)`` does it on the storage thread, ``finish_prefetch(op)``
       ends it and puts what was read in the tree.
@@ -98,6 +102,7 @@ class HiRadixCache(HostTierMixin, RadixCache):
         load_back_threshold: int = 10,
         storage_backend: Optional[HiCacheStorage] = None,
         overlap_load: bool = False,
+        overlap_write: bool = False,
         async_storage_writes: bool = False,
         disable: bool = False,
         eviction_policy: str = "lru",
@@ -110,8 +115,10 @@ class HiRadixCache(HostTierMixin, RadixCache):
             page_size=page_size, layout=host_layout,
         )
         self.cache_controller = HiCacheController(
-            kv_cache, self.host_pool, storage_backend, overlap_load, async_storage_writes=async_storage_writes
+            kv_cache, self.host_pool, storage_backend, overlap_load, async_storage_writes=async_storage_writes,
+            overlap_write=overlap_write,
         )
+        self._writing: List[WriteInFlight] = []  # backups in flight, in the order started: each locks its node
         self._loading_nodes: List[TreeNode] = []  # loaded back, their copy not ended: host copies held
         self.prefetch_ops: List[PrefetchOp] = []  # started, not finished: each owns its host slots
         self._prefetch_ids = 0
@@ -121,6 +128,7 @@ class HiRadixCache(HostTierMixin, RadixCache):
         )
 
     def reset(self) -> None:
+        self.writing_check(wait=True)
         self.loading_check()
         self.cancel_prefetches()
         super().reset()
@@ -194,7 +202,7 @@ class HiRadixCache(HostTierMixin, RadixCache):
         for node in path:
             node.hit_count += 1
             if threshold is not None and node.hit_count >= threshold and not node.backuped:
-                self._backup(node)
+                self._backup(node, now=False)
 
     # ---- device eviction -----------------------------------------------------
     def evict(self, num_tokens: int) -> int:
@@ -202,6 +210,8 @@ class HiRadixCache(HostTierMixin, RadixCache):
         eviction-policy order; returns how many were freed."""
         if self.disable or num_tokens <= 0:
             return 0
+        if self._writing:  # backups done give their nodes back; short of room, wait for the rest
+            self.writing_check(wait=self.evictable_size_ < num_tokens)
         if any(n.lock_ref == 0 for n in self._loading_nodes):  # a load may still write slots about to be
             self.loading_check()  # freed (its request was not taken after all); a taken one's are locked
         heap = [(self.eviction_key(n), n.id, n) for n in self._iter_nodes() if self._is_device_leaf(n)]
@@ -260,6 +270,9 @@ class HiRadixCache(HostTierMixin, RadixCache):
                 ensure(node.lock_ref == 0, f"{name} is evicted but locked")
             else:
                 ensure(not node.parent.evicted, f"{name} is on the device under an evicted parent")
+        for write in self._writing:
+            ensure(not write.node.evicted and write.node.lock_ref > 0 and write.node.host_value is not None,
+                   f"{write.node!r} is being backed up but is off the device, unlocked or without host slots")
         refs = {}
         for node in self._loading_nodes + [op.end for op in self.prefetch_ops]:
             refs[node.id] = refs.get(node.id, 0) + 1

@@ -16,7 +16,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from mem_cache.hicache_controller import PrefetchOp
+from mem_cache.hicache_controller import PrefetchOp, WriteInFlight
 from mem_cache.radix_cache import TreeNode
 from mem_cache.radix_key import RadixKey, hash_pages, root_hash
 
@@ -25,17 +25,75 @@ logger = logging.getLogger(__name__)
 
 class HostTierMixin:
     # ---- device → host → storage ---------------------------------------------
-    def _backup(self, node: TreeNode) -> bool:
+    def _backup(self, node: TreeNode, now: bool = True) -> bool:
         """Copy a device node's KV to new host slots (and its pages to storage).
-        False, with nothing changed, when the host has no room even after ``evict_host``."""
+        False, with nothing changed, when the host has no room even after ``evict_host``.
+        Not ``now``, with ``overlap_write``, the copy runs off the loop: the node has its
+        host slots at once, and a lock keeps its device slots until :meth:`writing_check`
+        sees the copy done (then its pages go to storage)."""
         host_indices = self._alloc_host(len(node.value))
         if host_indices is None:
             return False
-        self.cache_controller.write(host_indices, node.value)
         node.host_value = host_indices
-        if self.cache_controller.storage is not None:
-            self.cache_controller.write_storage(node.hash_value, host_indices)
+        controller = self.cache_controller
+        if now or not controller.overlap_write:
+            controller.write(host_indices, node.value)
+            self._write_storage(node.hash_value, host_indices)
+            return True
+        self.inc_lock_ref(node)
+        self._writing.append(WriteInFlight(node, controller.start_write(host_indices, node.value),
+                                           list(node.hash_value), host_indices))
         return True
+
+    def _write_storage(self, keys: List[str], host_indices: torch.Tensor) -> None:
+        if self.cache_controller.storage is not None:
+            self.cache_controller.write_storage(keys, host_indices)
+
+    @property
+    def writes_pending(self) -> bool:
+        """Backups started and not yet seen done by :meth:`writing_check`."""
+        return bool(self._writing)
+
+    def writing_size(self) -> int:
+        """Device tokens that only backups in flight lock: evictable once those end (room an
+        admission may count on; ``evict`` waits for the backups when it needs them)."""
+        write_locks = {}  # node id -> [node, locks of backups in flight through it]
+        for write in self._writing:
+            node = write.node
+            while node is not self.root_node:
+                write_locks.setdefault(node.id, [node, 0])[1] += 1
+                node = node.parent
+        return sum(len(node.key) for node, locks in write_locks.values() if node.lock_ref == locks)
+
+    def writing_check(self, wait: bool = False) -> int:
+        """End the backups whose copy is done (``wait``: all of them), in the order started:
+        their nodes' locks go, their pages go to storage. A failed copy leaves its nodes
+        without a host copy (the pieces of a node split meanwhile too; a later hit backs
+        them up again). Returns how many ended."""
+        ended = []
+        while self._writing and (wait or self._writing[0].future.done()):
+            ended.append(self._writing.pop(0))
+        if ended:  # the other TP ranks end theirs here too: before the pages go to storage (each rank
+            self.cache_controller.log_write_sync()  # stores its own host copy) and the slots are freed
+        for write in ended:
+            try:
+                write.future.result()
+            except Exception:
+                logger.exception("backing up %d tokens to the host tier failed", len(write.host_indices))
+                self._drop_host_copy(write)
+            else:
+                self._write_storage(write.keys, write.host_indices)
+            finally:
+                self.dec_lock_ref(write.node)
+        return len(ended)
+
+    def _drop_host_copy(self, write: WriteInFlight) -> None:
+        node = write.node
+        while node is not self.root_node and node.host_value is not None \
+                and bool(torch.isin(node.host_value, write.host_indices).all()):
+            node.host_value = None
+            node = node.parent
+        self.host_pool.free(write.host_indices)
 
     def _alloc_host(self, num_tokens: int) -> Optional[torch.Tensor]:
         indices = self.host_pool.alloc(num_tokens)

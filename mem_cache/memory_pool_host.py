@@ -156,6 +156,24 @@ class HostKVCache(abc.ABC):
             for host, device in zip(self._host_views(layer), self._device_buffers(device_pool, layer)):
                 host[host_indices] = device[device_indices].to(host.device)
 
+    def stage_from_device(self, device_pool: KVCache, device_indices: torch.Tensor) -> List[torch.Tensor]:
+        """Start copying ``device_indices`` of every layer (a CUDA pool) into new pinned
+        buffers, asynchronously on the current stream; returns the buffers, which hold the
+        rows once that stream has run the copies (:meth:`store_staged` puts them in place)."""
+        staged = []
+        for layer in range(self.layer_num):
+            for host, device in zip(self._host_views(layer), self._device_buffers(device_pool, layer)):
+                rows = torch.empty((len(device_indices),) + tuple(host.shape[1:]), dtype=host.dtype, pin_memory=True)
+                rows.copy_(device[device_indices], non_blocking=True)
+                staged.append(rows)
+        return staged
+
+    def store_staged(self, host_indices: torch.Tensor, staged: List[torch.Tensor]) -> None:
+        """Put :meth:`stage_from_device`'s buffers (their copies done) into ``host_indices``."""
+        views = [view for layer in range(self.layer_num) for view in self._host_views(layer)]
+        for host, rows in zip(views, staged, strict=True):
+            host[host_indices] = rows
+
     def load_to_device_per_layer(
         self,
         device_pool: KVCache,

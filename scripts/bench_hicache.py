@@ -8,8 +8,9 @@ its prefix is evicted from the device. Modes:
 
 * ``radix only``: evicted means recomputed;
 * ``host tier (write_through | write_back)``: the prefix is loaded back from host memory
-  (``hicache_ratio`` × the device pool), layer by layer while the forward runs; ``load
-  before the forward`` turns that overlap off (``hicache_overlap_load=False``);
+  (``hicache_ratio`` × the device pool), layer by layer while the forward runs, and backups
+  copy off the loop; ``copies in the loop`` turns both overlaps off
+  (``hicache_overlap_load=False``, ``hicache_overlap_write=False``);
 * ``file tier, fresh engine each round``: a new engine per round, its device and host tiers
   empty; the prefix comes from the files earlier rounds wrote (a restart, or another worker
   sharing the folder).
@@ -111,8 +112,9 @@ def main() -> None:
         modes = [
             ("radix only", base, False),
             ("host tier, write_through", dict(hicache, hicache_write_policy="write_through"), False),
-            ("host tier, write_through, load before the forward",
-             dict(hicache, hicache_write_policy="write_through", hicache_overlap_load=False), False),
+            ("host tier, write_through, copies in the loop",
+             dict(hicache, hicache_write_policy="write_through", hicache_overlap_load=False,
+                  hicache_overlap_write=False), False),
             ("host tier, write_back", dict(hicache, hicache_write_policy="write_back"), False),
             ("file tier, fresh engine each round", dict(hicache, hicache_storage_dir=str(Path(tmp) / "kv")), True),
         ]

@@ -2,6 +2,7 @@
 pool to host memory (and files) come back, and outputs still equal HF's."""
 
 import random
+import threading
 import time
 
 import pytest
@@ -32,10 +33,12 @@ def tokens(rng, n):
 
 @pytest.mark.parametrize("policy, overlap", [("write_through", True), ("write_back", True), ("write_through", False)])
 def test_prefix_reloaded_from_host_after_device_eviction(model_dir, policy, overlap, tmp_path):
-    """(``overlap``: the load copies layer by layer while the forward reading it runs)"""
+    """(``overlap``: the load copies layer by layer while the forward reading it runs, and
+    backups copy on the writer thread)"""
     engine = Engine(model_path=model_dir, skip_tokenizer_init=True, max_total_tokens=256, page_size=4,
                     enable_hierarchical_cache=True, hicache_write_policy=policy, hicache_ratio=4.0,
-                    hicache_storage_dir=str(tmp_path / "kv-files"), hicache_overlap_load=overlap)
+                    hicache_storage_dir=str(tmp_path / "kv-files"), hicache_overlap_load=overlap,
+                    hicache_overlap_write=overlap)
     rng = random.Random(0)
     system = tokens(rng, 96)
     first = [system + tokens(rng, 4)]
@@ -49,6 +52,7 @@ def test_prefix_reloaded_from_host_after_device_eviction(model_dir, policy, over
     out = engine.generate(input_ids=follow, sampling_params=GREEDY)
     assert out[0]["meta_info"]["cached_tokens"] >= 96 and controller.loaded_tokens > loads
     assert (controller._loader is not None) == overlap  # the loader thread copied it, or the scheduler did
+    assert (controller._writer is not None) == (overlap and policy == "write_through")  # (write_back: at eviction)
     assert_greedy_parity(model_dir, follow, [out[0]["output_ids"]], 8, [])
     engine.check_integrity()
     engine.shutdown()
@@ -123,6 +127,40 @@ def test_a_waiting_request_has_its_host_prefix_loaded_only_once_taken(model_dir)
     assert controller.loaded_tokens - loads_before >= 96 - 4 and follow.cached_tokens >= 96 - 4
     assert_greedy_parity(model_dir, [follow.origin_input_ids], [follow.output_ids], 8, [])
     check_engine_integrity(sched, sched.runner)
+    sched.close()
+
+
+def test_a_backup_in_flight_does_not_hold_back_the_request_that_needs_its_slots(model_dir):
+    """A finished request's backup to the host is still copying (held at a gate here) when a
+    request arrives that needs the slots its prefix holds: the admission counts them as room,
+    and the allocation waits for the copy instead of the request waiting steps for it."""
+    config = EngineConfig(model_path=model_dir, skip_tokenizer_init=True, max_total_tokens=256, page_size=4,
+                          enable_hierarchical_cache=True, hicache_ratio=4.0)
+    sched = Scheduler(ModelRunner(config))
+    tree, rng = sched.tree_cache, random.Random(7)
+    host = tree.cache_controller.host_pool
+    backup, gate = host.backup_from_device_all_layer, threading.Event()
+
+    def gated(*args, **kwargs):
+        assert gate.wait(10)
+        backup(*args, **kwargs)
+
+    host.backup_from_device_all_layer = gated
+    first = Req("first", tokens(rng, 200), SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True))
+    sched.add_request(first)
+    while sched.has_work():
+        sched.step()
+    assert tree.writes_pending and tree.evictable_size() < 100 <= tree.writing_size()
+    second = Req("second", tokens(rng, 200), SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True))
+    sched.add_request(second)
+    threading.Timer(0.2, gate.set).start()
+    sched.step()
+    assert second not in sched.waiting and gate.is_set()  # admitted at once, once the copy was done
+    while sched.has_work():
+        sched.step()
+    assert_greedy_parity(model_dir, [second.origin_input_ids], [second.output_ids], 4, [])
+    check_engine_integrity(sched, sched.runner)
+    assert tree.match_prefix(RadixKey(first.origin_input_ids[:200])).host_hit_length >= 196  # its copy landed
     sched.close()
 
 

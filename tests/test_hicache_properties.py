@@ -1,6 +1,7 @@
 """Random workloads on a small HiRadixCache: requests (match → load back →
 allocate → insert), device eviction and host eviction, under every write
-policy. After every step the tree passes ``check_integrity``, device and host
+policy, with backups copied at once or off the loop (``overlap_write``). After
+every step the tree passes ``check_integrity``, device and host
 slots are conserved, and every node on the device holds the KV of exactly its
 tokens: token ``t`` at position ``p`` is written as ``1000 * t + p``, so a
 slot mix-up anywhere (split, backup, load back, adoption) shows."""
@@ -17,6 +18,7 @@ OPS = st.one_of(
     st.tuples(st.just("request"), st.integers(0, 3)),  # a prompt, by index: prompts repeat
     st.tuples(st.just("evict"), st.integers(1, 16)),
     st.tuples(st.just("evict_host"), st.integers(1, 16)),
+    st.tuples(st.just("writing_check"), st.booleans()),  # (with overlap_write) end the backups done, or all
 )
 
 
@@ -71,19 +73,23 @@ def check_device_kv(cache, kv):
     page_size=st.sampled_from([1, 2]),
     policy=st.sampled_from(sorted(WRITE_POLICIES)),
     host_ratio=st.sampled_from([1.25, 2.0]),  # a 20-slot host runs full, a 32-slot one rarely
+    overlap_write=st.booleans(),
     prompts=PROMPTS,
     ops=st.lists(OPS, max_size=25),
 )
-def test_random_workload_keeps_kv_and_accounting(page_size, policy, host_ratio, prompts, ops):
+def test_random_workload_keeps_kv_and_accounting(page_size, policy, host_ratio, overlap_write, prompts, ops):
     cache, alloc, kv = make(
-        page_size, size=16, write_policy=policy, host_to_device_ratio=host_ratio, load_back_threshold=2
+        page_size, size=16, write_policy=policy, host_to_device_ratio=host_ratio, load_back_threshold=2,
+        overlap_write=overlap_write,
     )
     for op, arg in ops:
         if op == "request":
             run_request(cache, alloc, kv, prompts[arg % len(prompts)])
         elif op == "evict":
             cache.evict(arg)
-        else:
+        elif op == "evict_host":
             cache.evict_host(arg)
+        else:
+            cache.writing_check(wait=arg)
         check(cache, alloc)
         check_device_kv(cache, kv)

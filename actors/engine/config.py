@@ -53,6 +53,9 @@ class EngineConfig(BaseModel):
     hicache_overlap_load: bool = Field(True, description="load host-tier KV layer by layer while the forward that "
                                        "reads it runs (a load stream on CUDA, a loader thread on CPU); False: "
                                        "load before the forward")
+    hicache_overlap_write: bool = Field(True, description="back up a write-through hit to the host tier off the "
+                                        "loop (a write stream on CUDA, a writer thread on CPU), its prefix locked "
+                                        "until the copy is done; False: copy at once")
     skip_tokenizer_init: bool = False
     random_seed: int = 0
     init_new_token_ratio: float = Field(0.7, gt=0.0, le=1.0)

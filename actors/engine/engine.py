@@ -70,6 +70,8 @@ def check_engine_integrity(sched, runner) -> None:
     if sched.has_work():
         raise RuntimeError("check_integrity needs an idle engine")
     tree = sched.tree_cache
+    if getattr(tree, "writes_pending", False):  # backups in flight hold their prefixes: end them
+        tree.writing_check(wait=True)
     sched.end_orphan_prefetches()  # (their requests are gone: what they read goes to the host tier)
     if getattr(tree, "prefetch_ops", None) or getattr(tree, "_loading_nodes", None):
         raise RuntimeError("host-tier loads or storage prefetches left in flight by an idle engine")

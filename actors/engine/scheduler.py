@@ -73,6 +73,7 @@ class Scheduler:
                 host_to_device_ratio=cfg.hicache_ratio, write_policy=cfg.hicache_write_policy, storage_backend=storage,
                 disable=cfg.disable_radix_cache, eviction_policy=cfg.radix_eviction_policy,
                 enable_kv_events=cfg.enable_kv_events, overlap_load=cfg.hicache_overlap_load,
+                overlap_write=cfg.hicache_overlap_write,
                 async_storage_writes=True,  # the file tier is written off the loop (shutdown waits for it)
             )
             self.host_tier = True
@@ -133,6 +134,8 @@ class Scheduler:
         """Run one forward; returns the requests that produced output (or finished)."""
         released = self._release_aborted()
         self.end_orphan_prefetches()
+        if self.host_tier:  # backups done: their prefixes are evictable again
+            self.tree_cache.writing_check()
         self.stalled = False
         batch_reqs, forward_batch = self._next_prefill()
         if forward_batch is not None:
@@ -148,7 +151,8 @@ class Scheduler:
             if forward_batch is not None:
                 logits = self._forward(forward_batch)
                 return released + self._process_decode(batch_reqs, logits)
-        self.stalled = self._prefetch_blocked and not released  # waits on storage reads: the loop may sleep
+        # waits on storage reads, or on backups to give their slots back: the loop may sleep
+        self.stalled = (self._prefetch_blocked or (self.host_tier and self.tree_cache.writes_pending)) and not released
         return released
 
     def _forward(self, forward_batch):
@@ -166,6 +170,7 @@ class Scheduler:
         """End the host tier's loads and its loader thread (after the loop stopped)."""
         if self.host_tier:
             try:
+                self.tree_cache.writing_check(wait=True)
                 self.tree_cache.loading_check()
                 self.tree_cache.cancel_prefetches()
             finally:
@@ -207,8 +212,12 @@ class Scheduler:
             self.tree_cache.finish_prefetch(op)
 
     def evictable_tokens(self) -> int:
+        """Cached KV slots eviction can free (with the host tier, also those only backups in
+        flight lock: eviction waits for them)."""
         tree = self.tree_cache
-        return tree.full_evictable_size() if self.hybrid or self.swa else tree.evictable_size()
+        if self.hybrid or self.swa:
+            return tree.full_evictable_size()
+        return tree.evictable_size() + (tree.writing_size() if self.host_tier and tree.writes_pending else 0)
 
     def available_tokens(self) -> int:
         """Free + evictable KV slots; a sliding-window model is bounded by the smaller of

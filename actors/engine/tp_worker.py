@@ -174,7 +174,8 @@ class TPModelWorker:
             if config.hicache_storage_dir:
                 storage = HiCacheFile(rank_storage_dir(config.hicache_storage_dir, self.tp.rank, self.tp.size))
             self._host_tier = HiCacheController(pool, create_host_pool(pool, **host_pool_args(config)), storage,
-                                                overlap_load=config.hicache_overlap_load, async_storage_writes=True)
+                                                overlap_load=config.hicache_overlap_load, async_storage_writes=True,
+                                                overlap_write=config.hicache_overlap_write)
             self.handlers["storage_read"] = lambda payload: self._host_tier.read_storage(*payload)
             self.handlers["prefetch_start"] = self._host_tier.peer_prefetch_start
             self.handlers["prefetch_end"] = self._host_tier.peer_prefetch_end
