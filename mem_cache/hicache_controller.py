@@ -185,6 +185,7 @@ class HiCacheController:
         self._writes: List[Future] = []
         self._write_stream: Any = None
         self._writer: Optional[ThreadPoolExecutor] = None
+        self._write_sync_due = False  # a write_async was logged since the last write_sync
         self.async_storage_writes = async_storage_writes
         self.max_pending_writes = max_pending_writes
         self.stored_pages = 0  # pages this controller wrote to storage (not counting those it found there)
@@ -217,8 +218,10 @@ class HiCacheController:
             self.write(host_indices, device_indices)
             future.set_result(None)
             return future
-        if self._writer is None:
-            self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hicache-write")
+        if self._writer is None:  # (on CUDA the thread works on the pool's GPU, not the default one)
+            dev = device_indices.device
+            init = (lambda: torch.cuda.set_device(dev)) if dev.type == "cuda" else None
+            self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hicache-write", initializer=init)
         if device_indices.device.type == "cuda":
             done, staged = self._start_cuda_write(device_indices)
             future = self._writer.submit(self._store_staged, done, host_indices, staged)
@@ -226,9 +229,11 @@ class HiCacheController:
             pool = self.host_pool
             future = self._writer.submit(pool.backup_from_device_all_layer, self.device_pool, host_indices,
                                          device_indices)
-        self._writes = [f for f in self._writes if not f.done()] + [future]
+        # (a failed one stays for finish_writes to report)
+        self._writes = [f for f in self._writes if not f.done() or f.exception() is not None] + [future]
         self.written_tokens += len(host_indices)
         self._log("write_async", host_indices, device_indices)
+        self._write_sync_due = self.op_log is not None
         return future
 
     def _start_cuda_write(self, device_indices: torch.Tensor) -> Tuple[Any, List[torch.Tensor]]:
@@ -243,7 +248,7 @@ class HiCacheController:
         device_indices.record_stream(stream)
         with torch.cuda.stream(stream):
             staged = self.host_pool.stage_from_device(self.device_pool, device_indices)
-            done = torch.cuda.Event()
+            done = torch.cuda.Event(blocking=True)  # (the writer thread sleeps on it instead of spinning)
             done.record(stream)
         return done, staged
 
@@ -255,21 +260,27 @@ class HiCacheController:
     def writes_pending(self) -> bool:
         return any(not f.done() for f in self._writes)
 
-    def finish_writes(self) -> None:
-        """Wait for every write started; a failed one is logged (its starter sees the
-        failure in its own future)."""
+    def finish_writes(self, raise_errors: bool = False) -> None:
+        """Wait for every write started. A failed one is logged, and with ``raise_errors``
+        the first failure is raised once all have ended (a replaying rank: its host copy is
+        not what rank 0's tree takes it for, so it must not go on as if it were)."""
         pending, self._writes = self._writes, []
+        error = None
         for future in pending:
             try:
                 future.result()
-            except Exception:
+            except Exception as exc:
                 logger.exception("backing KV up to the host tier failed")
+                error = error or exc
+        if error is not None and raise_errors:
+            raise error
 
     def log_write_sync(self) -> None:
         """Log that the writes logged so far may have ended here: a replaying rank ends its
         own at the same point, before the device slots they read can be freed and reused."""
-        if self.op_log is not None and self.op_log and self.op_log[-1][0] != "write_sync":
-            self.op_log.append(("write_sync", torch.empty(0, dtype=torch.int64), None))
+        if self.op_log is not None and self._write_sync_due:  # (the log may have been sent since the
+            self.op_log.append(("write_sync", torch.empty(0, dtype=torch.int64), None))  # write_async)
+            self._write_sync_due = False
 
     def load(self, host_indices: torch.Tensor, device_indices: torch.Tensor) -> None:
         """Copy ``host_indices`` into ``device_indices``, one layer after another, now."""
@@ -421,7 +432,7 @@ class HiCacheController:
             elif op == "write_async":
                 self.start_write(host_indices, other.to(device))
             elif op == "write_sync":
-                self.finish_writes()
+                self.finish_writes(raise_errors=True)
             elif op == "load":  # started by the caller's start_loading, as on rank 0
                 self.queue_load(host_indices, other.to(device))
             elif op == "load_sync":

@@ -24,6 +24,7 @@ logger = logging.getLogger(__name__)
 
 
 class HostTierMixin:
+    MAX_WRITES_IN_FLIGHT = 64  # backups off the loop at once; the next waits for the oldest
     # ---- device → host → storage ---------------------------------------------
     def _backup(self, node: TreeNode, now: bool = True) -> bool:
         """Copy a device node's KV to new host slots (and its pages to storage).
@@ -31,18 +32,31 @@ class HostTierMixin:
         Not ``now``, with ``overlap_write``, the copy runs off the loop: the node has its
         host slots at once, and a lock keeps its device slots until :meth:`writing_check`
         sees the copy done (then its pages go to storage)."""
+        controller = self.cache_controller
+        if not now and controller.overlap_write and len(self._writing) >= self.MAX_WRITES_IN_FLIGHT:
+            self._writing[0].future.exception()  # (waits) the oldest ends first: what waits stays bounded
+            self.writing_check()
         host_indices = self._alloc_host(len(node.value))
         if host_indices is None:
             return False
-        node.host_value = host_indices
-        controller = self.cache_controller
         if now or not controller.overlap_write:
-            controller.write(host_indices, node.value)
+            try:
+                controller.write(host_indices, node.value)
+            except BaseException:
+                self.host_pool.free(host_indices)
+                raise
+            node.host_value = host_indices
             self._write_storage(node.hash_value, host_indices)
             return True
+        try:
+            future = controller.start_write(host_indices, node.value)
+        except Exception:  # (a CUDA allocation, say) it costs the backup, not the request
+            logger.exception("could not start backing up %d tokens to the host tier", len(host_indices))
+            self.host_pool.free(host_indices)
+            return False
+        node.host_value = host_indices
         self.inc_lock_ref(node)
-        self._writing.append(WriteInFlight(node, controller.start_write(host_indices, node.value),
-                                           list(node.hash_value), host_indices))
+        self._writing.append(WriteInFlight(node, future, list(node.hash_value), host_indices))
         return True
 
     def _write_storage(self, keys: List[str], host_indices: torch.Tensor) -> None:
@@ -75,16 +89,21 @@ class HostTierMixin:
             ended.append(self._writing.pop(0))
         if ended:  # the other TP ranks end theirs here too: before the pages go to storage (each rank
             self.cache_controller.log_write_sync()  # stores its own host copy) and the slots are freed
+        error = None
         for write in ended:
             try:
-                write.future.result()
-            except Exception:
-                logger.exception("backing up %d tokens to the host tier failed", len(write.host_indices))
-                self._drop_host_copy(write)
-            else:
-                self._write_storage(write.keys, write.host_indices)
+                if write.future.exception() is None:
+                    self._write_storage(write.keys, write.host_indices)
+                else:
+                    logger.error("backing up %d tokens to the host tier failed: %r", len(write.host_indices),
+                                 write.future.exception())
+                    self._drop_host_copy(write)
+            except Exception as exc:  # (a synchronous storage write) the other writes still end
+                error = error or exc
             finally:
                 self.dec_lock_ref(write.node)
+        if error is not None:
+            raise error
         return len(ended)
 
     def _drop_host_copy(self, write: WriteInFlight) -> None:

@@ -256,3 +256,131 @@ def test_cuda_start_write_returns_before_the_copies_run_and_reads_the_kv_queued_
     future.result()
     assert same(host_copy(controller, host_slots, torch.arange(2048, 3072, device="cuda")), want)
     controller.close()
+
+
+def rank0_and_follower(page_size=1, storage_dirs=None):
+    """A TP rank 0 tree (its controller logging ops) and a follower's controller whose copies
+    wait at the returned gate: (cache, alloc, kv0, follower, kv1, gate)."""
+    storage = [HiCacheFile(d) for d in storage_dirs] if storage_dirs else [None, None]
+    cache, alloc, kv0 = make(page_size=page_size, size=32, overlap_write=True, storage_backend=storage[0])
+    cache.cache_controller.op_log = []
+    kv1 = device_pool(size=32, page_size=page_size)
+    follower = HiCacheController(kv1, MHATokenToKVPoolHost(kv1, 2.0, page_size=page_size), storage[1],
+                                 async_storage_writes=True, overlap_write=True)
+    gate, _, _ = gated_backups(follower)
+    return cache, alloc, kv0, follower, kv1, gate
+
+
+def sent(controller):
+    """Rank 0's op log as a batch carries it (emptied in place, as TPModelWorker._send_batch does)."""
+    ops = list(controller.op_log)
+    controller.op_log.clear()
+    return ops
+
+
+def test_a_follower_ends_its_copy_even_when_rank_0_sent_its_log_since_the_copy_began():
+    """The backup began in step N; forward N+1 carried ``write_async`` (the log emptied); rank 0
+    ended the copy at step N+2 with nothing else logged, evicted the prefix and gave its slots to
+    forward N+2. That forward's message must still carry ``write_sync``: the follower's copy
+    (slower) would back up the new KV."""
+    cache, alloc, kv0, follower, kv1, gate = rank0_and_follower()
+    tokens, slots = list(range(1, 17)), alloc.alloc(16)
+    for kv in (kv0, kv1):  # forward N wrote the prompt's KV on every rank
+        write_random(kv, slots, seed=1)
+    old = read_kv(kv1, slots)
+    cache.insert(K(tokens), slots)
+    alloc.alloc(alloc.available_size())  # the rest of the pool: held by running requests
+    host_slots = node_of(cache, tokens).host_value.clone()
+    follower.replay(sent(cache.cache_controller))  # forward N+1
+    cache.writing_check(wait=True)
+    assert cache.evict(16) == 16 and sorted(alloc.alloc(16).tolist()) == sorted(slots.tolist())
+    ops = sent(cache.cache_controller)
+    assert [op for op, _, _ in ops] == ["write_sync"]
+    threading.Timer(0.2, gate.set).start()
+    follower.replay(ops)  # forward N+2's message...
+    for kv in (kv0, kv1):  # ...then the forward writes the new request's KV into the reused slots
+        write_random(kv, slots, seed=2)
+    assert same(host_copy(follower, host_slots, torch.arange(16, 32)), old)
+    follower.close()
+
+
+def test_a_follower_stores_its_pages_only_once_its_copy_filled_them(tmp_path):
+    cache, alloc, kv0, follower, kv1, gate = rank0_and_follower(4, [tmp_path / "r0", tmp_path / "r1"])
+    tokens, slots = list(range(100, 116)), alloc.alloc(16)
+    for kv in (kv0, kv1):
+        write_random(kv, slots, seed=1)
+    cache.insert(K(tokens), slots)
+    host_slots = node_of(cache, tokens).host_value.clone()
+    follower.replay(sent(cache.cache_controller))  # write_async
+    cache.writing_check(wait=True)  # rank 0: done, its pages to storage
+    ops = sent(cache.cache_controller)
+    assert [op for op, _, _ in ops] == ["write_sync", "write_storage"]
+    threading.Timer(0.2, gate.set).start()
+    follower.replay(ops)
+    follower.flush_storage()
+    page = hash_pages(tokens, 4)[0]
+    stored = [(tmp_path / rank / f"{page}.bin").read_bytes() for rank in ("r0", "r1")]
+    assert stored[1] == stored[0] == follower.host_pool.get_page_bytes(host_slots[:4])  # (same KV on both)
+    follower.close()
+
+
+def test_a_followers_failed_copy_stops_it_at_the_next_write_sync():
+    """A follower whose copy failed holds host slots rank 0's tree takes for a backup: it must
+    not go on as if it did (as a synchronous copy that failed, it leaves its loop)."""
+    kv = device_pool(size=32)
+    follower = HiCacheController(kv, MHATokenToKVPoolHost(kv, 2.0, page_size=1), overlap_write=True)
+    backup = follower.host_pool.backup_from_device_all_layer
+
+    def broken(*args, **kwargs):
+        follower.host_pool.backup_from_device_all_layer = backup
+        raise OSError("host memory unwritable")
+
+    follower.host_pool.backup_from_device_all_layer = broken
+    follower.replay([("write_async", torch.arange(8), torch.arange(1, 9))])
+    follower._writes[0].exception(timeout=10)  # failed before the next copy starts
+    with pytest.raises(OSError, match="unwritable"):
+        follower.replay([("write_async", torch.arange(8, 16), torch.arange(1, 9)),
+                         ("write_sync", torch.empty(0, dtype=torch.int64), None)])
+    follower.close()
+
+
+def test_a_backup_that_cannot_start_costs_the_backup_not_the_request():
+    cache, alloc, _ = make(overlap_write=True)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("CUDA out of memory")
+
+    cache.cache_controller.start_write = broken
+    tokens, slots = list(range(1, 17)), alloc.alloc(16)
+    cache.insert(K(tokens), slots)
+    node = node_of(cache, tokens)
+    assert not cache.writes_pending and node.lock_ref == 0 and not node.backuped
+    check(cache, alloc)
+
+
+class FullDisk(HiCacheFile):
+    def batch_set(self, keys, values):
+        raise OSError("No space left on device")
+
+
+def test_a_raising_storage_write_still_ends_every_other_backup(tmp_path):
+    cache, alloc, _ = make(page_size=4, size=64, overlap_write=True, storage_backend=FullDisk(tmp_path))
+    a, b = list(range(100, 116)), list(range(200, 216))
+    cached(cache, alloc, a)
+    cached(cache, alloc, b)
+    with pytest.raises(OSError):
+        cache.writing_check(wait=True)
+    assert not cache.writes_pending and node_of(cache, a).lock_ref == node_of(cache, b).lock_ref == 0
+    check(cache, alloc)
+
+
+def test_backups_in_flight_are_bounded_the_next_waits_for_the_oldest():
+    cache, alloc, _ = make(size=32, overlap_write=True)
+    cache.MAX_WRITES_IN_FLIGHT = 1
+    gate, _, done = gated_backups(cache)
+    cached(cache, alloc, list(range(1, 9)))
+    threading.Timer(0.2, gate.set).start()
+    cached(cache, alloc, list(range(40, 48)))  # waited for the first copy, ended it, then began
+    assert done[:1] == [1] and len(cache._writing) == 1
+    cache.writing_check(wait=True)
+    check(cache, alloc)
