@@ -155,8 +155,13 @@ class TPFollower:
     def _run(self) -> None:
         try:
             self.host.tp_worker.follower_loop()
-        except Exception:  # rank 0 died: the group is gone; the actor is killed with its worker
+        except BaseException:  # rank 0 died (the group is gone), or this rank failed (a forward raised)
             logger.exception("TP follower %d of %s stopped", self.host.tp_rank, self.host.worker_id)
+            # The process goes with its loop: its exit closes the group's connections, so rank 0's
+            # collective in flight fails now (gloo: the peer closed) instead of at its 10-minute
+            # timeout, and the worker's watch sees this rank gone. (Left alive, the process would keep
+            # them open: nothing else would end the wait.)
+            os._exit(1)
 
     def ready(self) -> int:
         return self.host.tp_rank

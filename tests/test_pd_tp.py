@@ -209,12 +209,33 @@ class _FollowerLosingOneTransfer(TPFollower):
         return super()._land(rids)
 
 
+class _FollowerFailingOnDemand(_FollowerLosingOneTransfer):
+    """... and whose next forward raises once asked to (as a failed host-tier load or an OOM would)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        runner, self._fail = self.host.runner, False
+        real_forward = runner.forward
+
+        def forward(batch):
+            if self._fail:
+                raise RuntimeError("injected: this rank's forward failed")
+            return real_forward(batch)
+
+        runner.forward = forward
+
+    def fail_next_forward(self) -> None:
+        self._fail = True
+
+
 def test_rank_failures_at_start_up_and_at_landing(ray_session, monkeypatch):
     """Rank 0 would sit in the TP rendezvous until its 10-minute timeout; start-up
     instead ends as soon as the follower's actor dies, naming it, and leaves no
     placement group behind. Then a follower that reports its bytes did not land
     fails that request (it used to start decoding without that rank's KV), and one
-    whose bytes are late holds up only their request."""
+    whose bytes are late holds up only their request. Last, a follower whose forward
+    fails takes its process down: rank 0's all-reduce ends at once (not at its 10-minute
+    timeout), the request with an error, and the worker leaves the rotation."""
     monkeypatch.setenv("RAYDIX_HOME", str(ray_session))
     cluster = PDCluster(_config("qwen3", 1, 2, 4))
     cluster.follower_cls = _FollowerWithoutShard
@@ -230,7 +251,7 @@ def test_rank_failures_at_start_up_and_at_landing(ray_session, monkeypatch):
 
     # a good cluster starts afterwards; there a follower's share of one request fails to land
     cluster = PDCluster(_config("qwen3", 1, 2, 4))
-    cluster.follower_cls = _FollowerLosingOneTransfer
+    cluster.follower_cls = _FollowerFailingOnDemand
     cluster.start()
     batch = prompts(2, 5, 10, seed=4)
     with pytest.raises(PDRequestError, match="injected: rank 1 lost its share"):
@@ -254,6 +275,24 @@ def test_rank_failures_at_start_up_and_at_landing(ray_session, monkeypatch):
     first, last = sorted(ended.values())
     assert last - first > _FollowerLosingOneTransfer.LATE_S / 2, ended
     cluster.check_integrity()
+
+    decode = cluster.decode[0]
+    ray.get(decode.followers[0].fail_next_forward.remote())
+    began = time.monotonic()
+    with pytest.raises(PDRequestError) as failed:
+        _generate_all(cluster, batch[:1])
+    assert time.monotonic() - began < 30, failed.value
+    with pytest.raises(ray.exceptions.RayActorError):  # (its process went with its loop)
+        ray.get(decode.followers[0].alive.remote())
+    deadline = time.monotonic() + 15
+    while True:  # the worker's watch of its ranks marks it broken: health fails from then on
+        try:
+            ray.get(decode.handle.health.remote())
+        except Exception as exc:
+            assert "broken" in str(exc), exc
+            break
+        assert time.monotonic() < deadline, "the worker never noticed its rank was gone"
+        time.sleep(0.2)
     cluster.shutdown()
 
 
