@@ -210,8 +210,10 @@ class HiRadixCache(HostTierMixin, RadixCache):
         eviction-policy order; returns how many were freed."""
         if self.disable or num_tokens <= 0:
             return 0
-        if self._writing:  # backups done give their nodes back; short of room, wait for the rest
-            self.writing_check(wait=self.evictable_size_ < num_tokens)
+        self.writing_check()  # backups done give their nodes back; short of room, wait for more, oldest first
+        while self._writing and self.evictable_size_ < num_tokens:
+            self._writing[0].future.exception()  # (waits; a failed copy is writing_check's to handle)
+            self.writing_check()
         if any(n.lock_ref == 0 for n in self._loading_nodes):  # a load may still write slots about to be
             self.loading_check()  # freed (its request was not taken after all); a taken one's are locked
         heap = [(self.eviction_key(n), n.id, n) for n in self._iter_nodes() if self._is_device_leaf(n)]

@@ -87,8 +87,8 @@ def test_evict_waits_for_the_backups_whose_slots_it_needs():
     threading.Timer(0.2, gate.set).start()
     begun = time.perf_counter()
     assert cache.evict(16) == 16  # waited for the copies, then evicted an unlocked leaf
-    assert time.perf_counter() - begun >= 0.15
-    assert not cache.writes_pending and alloc.available_size() == 16
+    assert time.perf_counter() - begun >= 0.15 and alloc.available_size() == 16
+    cache.writing_check(wait=True)
     check(cache, alloc)
     evicted = [n for n in cache._iter_nodes() if n.evicted]
     assert [n.key.token_ids for n in evicted] == [a]  # the older prefix, kept as host-only: its copy landed
@@ -382,5 +382,28 @@ def test_backups_in_flight_are_bounded_the_next_waits_for_the_oldest():
     threading.Timer(0.2, gate.set).start()
     cached(cache, alloc, list(range(40, 48)))  # waited for the first copy, ended it, then began
     assert done[:1] == [1] and len(cache._writing) == 1
+    cache.writing_check(wait=True)
+    check(cache, alloc)
+
+
+def test_evict_waits_only_for_the_backups_it_needs_oldest_first():
+    cache, alloc, _ = make(size=32, overlap_write=True)
+    host = cache.host_pool
+    backup, gates, calls = host.backup_from_device_all_layer, [threading.Event(), threading.Event()], []
+
+    def gated(*args, **kwargs):  # (the writer thread runs the copies in order: one gate each)
+        gate = gates[len(calls)]
+        calls.append(1)
+        assert gate.wait(10)
+        backup(*args, **kwargs)
+
+    host.backup_from_device_all_layer = gated
+    a, b = list(range(1, 17)), list(range(40, 56))
+    cached(cache, alloc, a)
+    cached(cache, alloc, b)
+    threading.Timer(0.1, gates[0].set).start()  # a's copy ends soon; b's waits for the test
+    assert cache.evict(16) == 16  # only a's copy was needed
+    assert len(cache._writing) == 1 and node_of(cache, b).lock_ref == 1 and node_of(cache, a).evicted
+    gates[1].set()
     cache.writing_check(wait=True)
     check(cache, alloc)
