@@ -256,10 +256,6 @@ class HiCacheController:
         done.synchronize()
         self.host_pool.store_staged(host_indices, staged)
 
-    @property
-    def writes_pending(self) -> bool:
-        return any(not f.done() for f in self._writes)
-
     def finish_writes(self, raise_errors: bool = False) -> None:
         """Wait for every write started. A failed one is logged, and with ``raise_errors``
         the first failure is raised once all have ended (a replaying rank: its host copy is

@@ -212,8 +212,7 @@ class HiRadixCache(HostTierMixin, RadixCache):
             return 0
         self.writing_check()  # backups done give their nodes back; short of room, wait for more, oldest first
         while self._writing and self.evictable_size_ < num_tokens:
-            self._writing[0].future.exception()  # (waits; a failed copy is writing_check's to handle)
-            self.writing_check()
+            self._end_oldest_write()
         if any(n.lock_ref == 0 for n in self._loading_nodes):  # a load may still write slots about to be
             self.loading_check()  # freed (its request was not taken after all); a taken one's are locked
         heap = [(self.eviction_key(n), n.id, n) for n in self._iter_nodes() if self._is_device_leaf(n)]

@@ -34,8 +34,7 @@ class HostTierMixin:
         sees the copy done (then its pages go to storage)."""
         controller = self.cache_controller
         if not now and controller.overlap_write and len(self._writing) >= self.MAX_WRITES_IN_FLIGHT:
-            self._writing[0].future.exception()  # (waits) the oldest ends first: what waits stays bounded
-            self.writing_check()
+            self._end_oldest_write()  # what waits stays bounded
         host_indices = self._alloc_host(len(node.value))
         if host_indices is None:
             return False
@@ -79,6 +78,11 @@ class HostTierMixin:
                 node = node.parent
         return sum(len(node.key) for node, locks in write_locks.values() if node.lock_ref == locks)
 
+    def _end_oldest_write(self) -> None:
+        """Wait for the oldest backup in flight, then end every one done."""
+        self._writing[0].future.exception()  # (waits; a failed copy is writing_check's to handle)
+        self.writing_check()
+
     def writing_check(self, wait: bool = False) -> int:
         """End the backups whose copy is done (``wait``: all of them), in the order started:
         their nodes' locks go, their pages go to storage. A failed copy leaves its nodes
@@ -92,11 +96,11 @@ class HostTierMixin:
         error = None
         for write in ended:
             try:
-                if write.future.exception() is None:
+                failure = write.future.exception()
+                if failure is None:
                     self._write_storage(write.keys, write.host_indices)
                 else:
-                    logger.error("backing up %d tokens to the host tier failed: %r", len(write.host_indices),
-                                 write.future.exception())
+                    logger.error("backing up %d tokens to the host tier failed: %r", len(write.host_indices), failure)
                     self._drop_host_copy(write)
             except Exception as exc:  # (a synchronous storage write) the other writes still end
                 error = error or exc

@@ -217,7 +217,7 @@ class Scheduler:
         tree = self.tree_cache
         if self.hybrid or self.swa:
             return tree.full_evictable_size()
-        return tree.evictable_size() + (tree.writing_size() if self.host_tier and tree.writes_pending else 0)
+        return tree.evictable_size() + (tree.writing_size() if self.host_tier else 0)
 
     def available_tokens(self) -> int:
         """Free + evictable KV slots; a sliding-window model is bounded by the smaller of
