@@ -23,6 +23,7 @@ class ServingBackend(Protocol):
     model_name: str
     context_len: int  # the longest request, prompt + output
     max_prompt_len: int  # the longest prompt (a prefill worker's pool may hold less than context_len)
+    vocab_size: Optional[int]  # token ids are 0..vocab_size - 1 (None: unknown here; the workers check)
 
     @property
     def draining(self) -> bool: ...
@@ -64,13 +65,22 @@ def model_context_len(model_path: str, configured: Optional[int] = None) -> int:
         return int(json.load(f)["max_position_embeddings"])
 
 
+def model_vocab_size(model_path: str) -> Optional[int]:
+    """The checkpoint's ``vocab_size`` (its text model's, for a composite config); None if it has none."""
+    with open(os.path.join(model_path, "config.json")) as f:
+        config = json.load(f)
+    size = config.get("vocab_size", (config.get("text_config") or {}).get("vocab_size"))
+    return int(size) if size is not None else None
+
+
 class PDBackend:
     """``ServingBackend`` over a ``PDCluster`` and the ``PDClient`` that routes its requests."""
 
     def __init__(self, client, cluster=None, model_name: str = "default", context_len: int = 4096,
-                 health_timeout_s: float = 5.0, max_prompt_len: Optional[int] = None):
+                 health_timeout_s: float = 5.0, max_prompt_len: Optional[int] = None,
+                 vocab_size: Optional[int] = None):
         self.client, self.cluster = client, cluster
-        self.model_name, self.context_len = model_name, context_len
+        self.model_name, self.context_len, self.vocab_size = model_name, context_len, vocab_size
         self.max_prompt_len = context_len - 1 if max_prompt_len is None else min(max_prompt_len, context_len - 1)
         self.health_timeout_s = health_timeout_s
         self.owned_router = None
@@ -88,7 +98,8 @@ class PDBackend:
         max_prompt_len = None
         if hasattr(cluster, "context_len"):  # what the workers' pools hold for one request (prefill: its prompt)
             context_len, max_prompt_len = min(context_len, cluster.context_len()), cluster.max_prompt_len()
-        backend = cls(client, cluster, cfg.model.name, context_len, max_prompt_len=max_prompt_len)
+        backend = cls(client, cluster, cfg.model.name, context_len, max_prompt_len=max_prompt_len,
+                      vocab_size=model_vocab_size(cluster.model_path))
         backend.owned_router = router
         return backend
 
@@ -193,4 +204,5 @@ def as_backend(target, tokenizer=None, client=None) -> ServingBackend:
     raise TypeError(f"cannot serve a {type(target).__name__}: give a PDCluster, a PDClient or a ServingBackend")
 
 
-__all__ = ["PDBackend", "PDRequestError", "ServingBackend", "UnknownWorkerError", "as_backend", "model_context_len"]
+__all__ = ["PDBackend", "PDRequestError", "ServingBackend", "UnknownWorkerError", "as_backend", "model_context_len",
+           "model_vocab_size"]

@@ -140,6 +140,7 @@ class CompletionRequest(_OpenAISampling):
     echo: bool = False
     suffix: Optional[str] = None
     best_of: Optional[int] = None
+    add_special_tokens: bool = Field(True, description="vLLM's: text prompts get the tokenizer's BOS (and the like)")
 
     @field_validator("prompt")
     @classmethod
@@ -222,6 +223,8 @@ class ChatCompletionRequest(_OpenAISampling):
     continue_final_message: bool = Field(False, description="continue the last (assistant) message, not answer it")
     add_generation_prompt: Optional[bool] = Field(None, description="None: true unless continue_final_message")
     chat_template_kwargs: Dict[str, Any] = Field(default_factory=dict, description="extra template variables")
+    add_special_tokens: bool = Field(False, description="vLLM's: add the tokenizer's special tokens on top of "
+                                     "what the template wrote (off: the template writes BOS)")
     # OpenAI fields: accepted when they ask for nothing this server does not do
     tools: Optional[List[Dict[str, Any]]] = None
     tool_choice: Optional[Union[str, Dict[str, Any]]] = None

@@ -62,11 +62,23 @@ class GenerationService:
                            f"'{self.backend.model_name}'", "not_found_error", "model", "model_not_found")
         return self.backend.model_name
 
-    def encode(self, text: str, param: str) -> List[int]:
+    def encode(self, text: str, param: str, add_special_tokens: bool = True) -> List[int]:
+        """A text prompt's token ids, with the tokenizer's special tokens (a Llama prompt starts with
+        BOS) as vLLM's completions and SGLang's /generate encode it; a chat template writes its own."""
         if self.tokenizer is None:
             raise APIError(400, f"{param}: text needs a tokenizer; this server has none (send token ids)",
                            param=param)
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def token_ids(self, ids: List[int], param: str) -> List[int]:
+        """Token ids as sent; 400 for one outside the model's vocabulary (it would fail the whole
+        batch its request ran in, on CUDA with a device-side assert)."""
+        vocab = getattr(self.backend, "vocab_size", None)
+        bad = next((t for t in ids if t < 0 or (vocab is not None and t >= vocab)), None)
+        if bad is not None:
+            bound = f"0..{vocab - 1}" if vocab is not None else "non-negative"
+            raise APIError(400, f"{param}: token id {bad} is out of the vocabulary (ids are {bound})", param=param)
+        return list(ids)
 
     def chat_prompt(self, req: ChatCompletionRequest) -> List[int]:
         template = getattr(self.tokenizer, "chat_template", None) if self.tokenizer is not None else None
@@ -82,7 +94,7 @@ class GenerationService:
                 continue_final_message=req.continue_final_message, **req.chat_template_kwargs)
         except (ValueError, TemplateError) as exc:  # a part type we do not take; the template refused
             raise APIError(400, f"messages: {exc}", param="messages") from None
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return self.tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
 
     def max_new_tokens(self, prompt_len: int, requested: Optional[int], param: str) -> int:
         limit, prompt_limit = self.backend.context_len, self.backend.max_prompt_len
@@ -93,7 +105,7 @@ class GenerationService:
             raise APIError(400, f"This model's maximum context length is {limit} tokens{held}. However, you "
                            f"requested {asked}. Please reduce the length of the {param}.", param=param,
                            code="context_length_exceeded")
-        return requested or (limit - prompt_len)
+        return requested if requested is not None else limit - prompt_len
 
     async def _admit(self) -> None:
         if self.backend.draining:
@@ -135,7 +147,8 @@ class GenerationService:
         if stream_fn is None:
             try:
                 collected = [first] + [e async for e in events]
-            finally:
+            finally:  # done, failed, or cancelled (the client went away): the other choices stop too
+                await events.aclose()
                 self.admission.release()
             return JSONResponse(final_fn(collected))
         closed = False
@@ -173,7 +186,8 @@ class GenerationService:
         req = req.model_copy(update={"model": self.check_model(req.model)})
         batch = []
         for prompt in req.prompts:
-            ids = self.encode(prompt, "prompt") if isinstance(prompt, str) else list(prompt)
+            ids = (self.encode(prompt, "prompt", req.add_special_tokens) if isinstance(prompt, str)
+                   else self.token_ids(prompt, "prompt"))
             batch.append((ids, validated(req.to_sampling_params(self.max_new_tokens(len(ids), req.max_tokens, "prompt")))))
         fmt = CompletionFormatter(req, [ids for ids, _ in batch], self.tokenizer, f"cmpl-{uuid.uuid4().hex}")
         return await self._run(batch, req.n, req.rid or fmt.id, arrival, fmt.chunks if req.stream else None,
@@ -189,7 +203,7 @@ class GenerationService:
                                fmt.chunks if req.stream else None, fmt.response)
 
     async def generate(self, req: GenerateRequest, arrival: float):
-        ids = self.encode(req.text, "text") if req.text is not None else list(req.input_ids)
+        ids = self.encode(req.text, "text") if req.text is not None else self.token_ids(req.input_ids, "input_ids")
         params = dict(req.sampling_params)
         if req.return_logprob:
             params.update(return_logprob=True, top_logprobs_num=req.top_logprobs_num)

@@ -126,6 +126,34 @@ async def parse_body(request: Request, model: Type[BaseModel]) -> BaseModel:
         raise APIError(400, message, param=param) from None
 
 
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client gone before its answer: what the request counter shows
+
+
+async def _until_disconnected(request: Request) -> None:
+    """Returns when the client disconnects (the body has been read: nothing else can come)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def cancel_on_disconnect(request: Request, handler) -> Any:
+    """Await ``handler`` (a coroutine) unless the client disconnects first: then cancel it, so a
+    request whose client gave up (a timeout, a retry) is aborted on its workers and gives back its
+    admission slot instead of generating to the end (vLLM's ``with_cancellation``). Watches until
+    the handler answers; a streamed answer then watches for itself."""
+    task = asyncio.ensure_future(handler)
+    watcher = asyncio.ensure_future(_until_disconnected(request))
+    try:
+        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+    finally:  # also when this endpoint is cancelled itself (server shutdown)
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)  # its cleanup: abort, slot back
+    if task.cancelled():
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+    return task.result()
+
+
 def _server_config(config):
     """A ClusterConfig's ``server`` section, a ServerConfig, or the defaults."""
     from cluster.config import ServerConfig
@@ -189,17 +217,20 @@ def build_app(cluster_or_client: Any, tokenizer=None, config=None, client=None,
     @app.post("/v1/completions")
     async def completions(request: Request):
         arrival = time.perf_counter()
-        return await _call(service.completions(await parse_body(request, CompletionRequest), arrival))
+        body = await parse_body(request, CompletionRequest)
+        return await _call(cancel_on_disconnect(request, service.completions(body, arrival)))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         arrival = time.perf_counter()
-        return await _call(service.chat(await parse_body(request, ChatCompletionRequest), arrival))
+        body = await parse_body(request, ChatCompletionRequest)
+        return await _call(cancel_on_disconnect(request, service.chat(body, arrival)))
 
     @app.post("/generate")
     async def generate(request: Request):
         arrival = time.perf_counter()
-        return await _call(service.generate(await parse_body(request, GenerateRequest), arrival))
+        body = await parse_body(request, GenerateRequest)
+        return await _call(cancel_on_disconnect(request, service.generate(body, arrival)))
 
     def model_card():
         return {"id": backend.model_name, "object": "model", "created": 0, "owned_by": "raydix",

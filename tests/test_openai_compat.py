@@ -2,7 +2,11 @@
 in-process engine (the tiny llama, no Ray): explicit nulls, seeded choices, top
 logprobs, echo with logprobs, vLLM's chat-template fields, OpenAI fields the
 server does not implement, the ``developer`` role and template errors,
-``GET /v1/models/{id}``, and a request that names no model."""
+``GET /v1/models/{id}``, a request that names no model, and a prompt token outside the
+vocabulary."""
+
+import threading
+import time
 
 import httpx
 import openai
@@ -43,18 +47,21 @@ class EngineBackend(StubBackend):
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
+def engine(tmp_path_factory):
     path = build_tiny_checkpoint("llama", tmp_path_factory.mktemp("tiny-llama"), seed=0)
     engine = Engine(model_path=str(path), page_size=4, max_total_tokens=2048, attention_backend="torch",
                     context_length=256)
-    tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def served(engine):
+    tokenizer = AutoTokenizer.from_pretrained(engine.config.model_path, local_files_only=True)
     tokenizer.chat_template = STRICT_TEMPLATE
-    try:
-        with BackgroundServer(build_app(EngineBackend(engine, 256), tokenizer, ServerConfig()), "127.0.0.1",
-                              0) as server:
-            yield server
-    finally:
-        engine.shutdown()
+    with BackgroundServer(build_app(EngineBackend(engine, 256), tokenizer, ServerConfig()), "127.0.0.1",
+                          0) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")
@@ -235,3 +242,33 @@ def test_a_batch_of_prompts_answers_each_as_vllm_numbers_them(client):
     assert body["param"] == "n" and "at most 128" in body["message"]
     body = bad_request(lambda: client.completions.create(model=MODEL, prompt=["ok", ""], max_tokens=1))
     assert "prompt 1 is empty" in body["message"]
+
+
+def test_a_token_id_outside_the_vocabulary_fails_its_own_request_not_its_batch(engine, served):
+    """The workers refuse such a prompt when it arrives (the HTTP layer does too where it knows the
+    vocabulary; this backend does not say): it never joins a batch, whose forward it would fail
+    with every request in it."""
+    results = {}
+
+    def send(name, prompt):
+        results[name] = post(served, "/v1/completions", {"prompt": prompt, "max_tokens": 4, "temperature": 0})
+
+    engine.loop.pause()  # the good request waits in the queue while the bad one arrives
+    try:
+        threads = [threading.Thread(target=send, args=(name, prompt))
+                   for name, prompt in (("good", [10, 11, 12]), ("too big", [10, 10 ** 6]), ("negative", [-1]))]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 30
+        while (len(results) < 2 or not engine.scheduler.waiting) and time.monotonic() < deadline:
+            time.sleep(0.02)  # the two bad ones answer at once, paused or not
+        assert len(results) == 2 and len(engine.scheduler.waiting) == 1
+    finally:
+        engine.loop.resume()
+    for t in threads:
+        t.join(60)
+    for name in ("too big", "negative"):
+        assert results[name].status_code == 400, results[name].text
+        assert "out of the vocabulary" in results[name].json()["error"]["message"]
+    assert results["good"].status_code == 200, results["good"].text
+    engine.check_integrity()

@@ -5,6 +5,7 @@ streamed choices merge, and validation errors name their field."""
 
 import asyncio
 import json
+import time
 
 import httpx
 import openai
@@ -19,38 +20,56 @@ from cluster.streaming import TextDelta
 from tests.backend_stubs import StubBackend
 
 
-class ScriptedBackend(StubBackend):
-    """Answers every request with tokens 0, 1, 2, ... as letters a, b, c, ...; ``fail_at``: raise
-    PDRequestError instead of yielding that many tokens."""
+def wait_for(predicate, timeout_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
 
-    model_name, context_len = "scripted", 64
+
+class ScriptedBackend(StubBackend):
+    """Answers every request with tokens 0, 1, 2, ... as letters a, b, c, ..., ``delay_s`` apart;
+    ``fail_at``: raise PDRequestError instead of yielding that many tokens. ``calls`` records the
+    prompts and params it was given, ``closed`` the rids whose stream ended (done or aborted)."""
+
+    model_name, context_len, vocab_size = "scripted", 64, 1000
 
     def __init__(self):
-        self.fail_at = None
+        self.fail_at, self.delay_s = None, 0.0
         self.max_prompt_len = 63
+        self.calls, self.closed = [], []
 
     async def generate_stream(self, input_ids, sampling_params, rid):
+        self.calls.append((list(input_ids), dict(sampling_params)))
         n = sampling_params["max_new_tokens"]
-        for i in range(1, n + 1):
-            if self.fail_at is not None and i > self.fail_at:
-                raise PDRequestError("decode worker d-0 died while serving " + rid)
-            await asyncio.sleep(0)
-            done = {"type": "length", "length": i} if i == n else None
-            yield {"output_ids": list(range(i)), "text": "abcdefghijklmnop"[:i],
-                   "meta_info": {"prompt_tokens": len(input_ids), "completion_tokens": i, "cached_tokens": 2,
-                                 "finish_reason": done, "prefill_worker": "p-0", "decode_worker": "d-0"}}
+        try:
+            for i in range(1 if n else 0, n + 1):
+                if self.fail_at is not None and i > self.fail_at:
+                    raise PDRequestError("decode worker d-0 died while serving " + rid)
+                await asyncio.sleep(self.delay_s)
+                done = {"type": "length", "length": i} if i == n else None
+                yield {"output_ids": list(range(i)), "text": "abcdefghijklmnop"[:i],
+                       "meta_info": {"prompt_tokens": len(input_ids), "completion_tokens": i, "cached_tokens": 2,
+                                     "finish_reason": done, "prefill_worker": "p-0", "decode_worker": "d-0"}}
+        finally:
+            self.closed.append(rid)
 
 
 @pytest.fixture(scope="module")
 def served():
     backend = ScriptedBackend()
-    with BackgroundServer(build_app(backend, None, ServerConfig()), "127.0.0.1", 0) as server:
-        yield backend, server
+    app = build_app(backend, None, ServerConfig())
+    with BackgroundServer(app, "127.0.0.1", 0) as server:
+        yield backend, server, app
 
 
 @pytest.fixture
 def backend(served):
-    served[0].fail_at, served[0].max_prompt_len = None, 63
+    served[0].fail_at, served[0].max_prompt_len, served[0].delay_s = None, 63, 0.0
+    served[0].calls.clear()
+    served[0].closed.clear()
     return served[0]
 
 
@@ -190,3 +209,81 @@ def test_worker_gauges_carry_the_hierarchical_cache_and_drop_workers_that_left()
     assert not any(n.startswith("raydix_worker_hicache") and dict(ls)["worker"] == "d0" for n, ls in got)
     metrics.set_workers(workers[1:], running=0, queued=0)
     assert not any(n.startswith("raydix_worker_hicache") for n, _ in samples(metrics))
+
+
+def test_token_ids_outside_the_vocabulary_are_400s_naming_the_field(served, backend):
+    """vLLM refuses them; sent on, one would fail the whole batch it ran in (on CUDA with a
+    device-side assert). The workers refuse them too (tests/test_openai_compat.py)."""
+    url = served[1].url
+    for path, body, field in [("/v1/completions", {"prompt": [1, 1000], "max_tokens": 2}, "prompt"),
+                              ("/v1/completions", {"prompt": [[1], [-1]], "max_tokens": 2}, "prompt"),
+                              ("/generate", {"input_ids": [-1, 2], "sampling_params": {"max_new_tokens": 2}},
+                               "input_ids")]:
+        r = httpx.post(url + path, json=body)
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == field and "out of the vocabulary" in r.json()["error"]["message"]
+    assert backend.calls == []  # refused before any worker saw them
+    assert httpx.post(url + "/v1/completions", json={"prompt": [0, 999], "max_tokens": 1}).status_code == 200
+
+
+def test_generate_max_new_tokens_zero_generates_nothing(served, backend):
+    """SGLang's /generate: 0 new tokens is a prefill only (not "up to the context", as a falsy 0 made it)."""
+    r = httpx.post(served[1].url + "/generate", json={"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 0}})
+    assert r.status_code == 200, r.text
+    assert backend.calls[-1][1]["max_new_tokens"] == 0 and r.json()["output_ids"] == []
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/completions", {"prompt": [1, 2], "max_tokens": 60}),
+    ("/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 60}}),
+    ("/v1/completions", {"prompt": [1, 2], "max_tokens": 60, "stream": True}),
+])
+def test_a_client_gone_before_its_answer_aborts_its_request(served, backend, path, body):
+    """A client that times out (and retries) must not leave its request generating to the end,
+    holding its admission slot and its KV: as vLLM's ``with_cancellation``, the request is aborted
+    on the workers as soon as the client disconnects, streamed or not, before its first token or
+    after."""
+    _, server, app = served
+    backend.delay_s = 1.0  # a token a second: the first at 1 s, the last at 40 s or more
+    try:
+        # gone before the first token; a non-streamed request also once it generates (a streamed
+        # one is watched by its response from then on; its next chunk comes too soon to time out)
+        for timeout_s in (0.5,) if body.get("stream") else (0.5, 1.5):
+            backend.closed.clear()
+            with pytest.raises(httpx.ReadTimeout):
+                httpx.post(server.url + path, json=body, timeout=timeout_s)
+            assert wait_for(lambda: backend.closed, timeout_s=3.0), "the request is still generating"
+            assert wait_for(lambda: app.state.admission.running == 0, timeout_s=3.0)
+    finally:
+        backend.delay_s = 0.0
+        wait_for(lambda: app.state.admission.running == 0, timeout_s=15.0)
+
+
+def test_text_prompts_get_the_tokenizers_special_tokens_and_chat_prompts_the_templates():
+    """vLLM's completions and SGLang's /generate encode a text prompt with the tokenizer's special
+    tokens (a Llama prompt starts with BOS); a chat template writes its own, so chat adds none
+    (vLLM's ``add_special_tokens`` overrides either)."""
+    from tokenizers.processors import TemplateProcessing
+    from transformers import PreTrainedTokenizerFast
+
+    from actors.engine.tokenizer import BOS, BOS_ID, EOS, PAD, build_byte_tokenizer
+
+    raw = build_byte_tokenizer()  # the built-in byte tokenizer, adding BOS as Llama's does
+    raw.post_processor = TemplateProcessing(single=f"{BOS} $A", special_tokens=[(BOS, BOS_ID)])
+    tok = PreTrainedTokenizerFast(tokenizer_object=raw, bos_token=BOS, eos_token=EOS, pad_token=PAD)
+    tok.chat_template = "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    plain = tok.encode("Hi", add_special_tokens=False)
+    backend = ScriptedBackend()
+    with BackgroundServer(build_app(backend, tok, ServerConfig()), "127.0.0.1", 0) as server:
+        for path, body, want in [
+            ("/v1/completions", {"prompt": "Hi", "max_tokens": 1}, [BOS_ID] + plain),
+            ("/v1/completions", {"prompt": "Hi", "max_tokens": 1, "add_special_tokens": False}, plain),
+            ("/generate", {"text": "Hi", "sampling_params": {"max_new_tokens": 1}}, [BOS_ID] + plain),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1},
+             [BOS_ID] + plain),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1,
+                                      "add_special_tokens": True}, [BOS_ID, BOS_ID] + plain),
+        ]:
+            r = httpx.post(server.url + path, json=body)
+            assert r.status_code == 200, r.text
+            assert backend.calls[-1][0] == want, (path, body)

@@ -125,7 +125,7 @@ class Engine:
         if input_ids is None:
             if self.tokenizer is None:
                 raise ValueError("skip_tokenizer_init=True: pass input_ids, not prompt")
-            input_ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+            input_ids = self.tokenizer.encode(prompt)  # with BOS where the tokenizer adds it, as SGLang's
         if not input_ids:
             raise ValueError("the prompt is empty")
         if sampling.stop and self.tokenizer is None:

@@ -119,13 +119,17 @@ class Scheduler:
         return min(alloc.size, alloc.size_swa - window) - page
 
     def check_request(self, req: Req) -> None:
-        """Refuse a prompt longer than a request may be (ValueError); hold ``max_new_tokens``
-        to what fits after it, as the context length would end it anyway — a reservation
-        for more could never be granted."""
+        """Refuse a prompt longer than a request may be, or holding a token id outside the
+        vocabulary (ValueError); hold ``max_new_tokens`` to what fits after it, as the context
+        length would end it anyway — a reservation for more could never be granted."""
         if len(req.origin_input_ids) >= self.context_len:
             held = "" if self.context_len == self.runner.context_len else " (what this worker's KV pool holds)"
             raise ValueError(f"prompt of {len(req.origin_input_ids)} tokens does not fit the context length "
                              f"{self.context_len}{held}")
+        vocab, ids = self.runner.model_config.vocab_size, req.origin_input_ids
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:  # it would fail the whole batch (on CUDA: a device-side assert)
+            raise ValueError(f"token id {bad} in the prompt is out of the vocabulary (ids are 0..{vocab - 1})")
         params = req.sampling_params
         params.max_new_tokens = min(params.max_new_tokens, self.context_len - len(req.origin_input_ids))
 
