@@ -14,6 +14,8 @@ from __future__ import annotations
 import asyncio
 from contextlib import asynccontextmanager
 
+from cluster.aio import wait_for
+
 
 class QueueFullError(RuntimeError):
     """Every slot is taken and the queue is full."""
@@ -36,7 +38,8 @@ class Admission:
                                  f"(max_queue_size {self.max_queue_size}); retry later")
         self.waiting += 1
         try:
-            await asyncio.wait_for(self._slots.acquire(), timeout=self.queue_timeout_s)
+            # (a slot that came as the caller was cancelled goes back: asyncio.wait_for would keep it)
+            await wait_for(self._slots.acquire(), self.queue_timeout_s, on_lost=lambda _: self._slots.release())
         except asyncio.TimeoutError:
             raise QueueTimeoutError(f"no request slot came free within {self.queue_timeout_s}s") from None
         finally:

@@ -40,13 +40,14 @@ def cmd_generate(args) -> int:
     model_path = args.model_path or builtin_model(args.family)
     engine = Engine(model_path=model_path, device=args.device, max_total_tokens=args.max_total_tokens)
     try:
-        prompt = args.prompt
-        if not args.raw:
-            messages = [{"role": "user", "content": prompt}]
-            prompt = engine.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        out = engine.generate(prompt=prompt, sampling_params={
-            "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "seed": args.seed,
-        })
+        params = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "seed": args.seed}
+        if args.raw:  # the text as a prompt: with the tokenizer's special tokens (BOS), as SGLang encodes it
+            out = engine.generate(prompt=args.prompt, sampling_params=params)
+        else:  # the template writes its own special tokens: none added on top (vLLM's chat)
+            messages = [{"role": "user", "content": args.prompt}]
+            text = engine.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            ids = engine.tokenizer.encode(text, add_special_tokens=False)
+            out = engine.generate(input_ids=ids, sampling_params=params)
         engine.check_integrity()
     finally:
         engine.shutdown()

@@ -26,6 +26,7 @@ import ray
 
 from actors.pd_scheduler import PDRequestError, is_worker_death
 from actors.router import call_method
+from cluster.aio import wait_for
 from transfer import select_backend
 
 logger = logging.getLogger(__name__)
@@ -65,6 +66,7 @@ class PDClient:
         self.draining = False
         self.inflight = 0
         self._live_rids: set = set()  # ids of the requests in flight through this client
+        self._unreleased: set = set()  # ids of requests given up while routed, until their route is released
 
     # ---- choosing workers -----------------------------------------------------------
     def _pick(self, role: str) -> WorkerRef:
@@ -77,8 +79,13 @@ class PDClient:
         """(prefill, decode) for a request: the router's decision, or round-robin without one."""
         if self.router is None:
             return self._pick("prefill"), self._pick("decode")
+        routing = asyncio.ensure_future(call_method(self.router, "route", rid, input_ids))
         try:
-            decision = await call_method(self.router, "route", rid, input_ids)
+            decision = await asyncio.shield(routing)
+        except asyncio.CancelledError:  # the caller left (its client did), the router places it all the same:
+            self._unreleased.add(rid)  # its route is released once made; until then its id is not free
+            routing.add_done_callback(lambda _: asyncio.ensure_future(self._forget_route(rid)))
+            raise
         except Exception as exc:
             raise PDRequestError(f"the router could not place {rid}: {exc}") from exc
         refs = {w.worker_id: w for w in self.prefill + self.decode}
@@ -87,6 +94,13 @@ class PDClient:
             await self._release(rid)
             raise PDRequestError(f"the router chose a worker this client does not know: {decision}")
         return prefill, decode
+
+    async def _forget_route(self, rid: str) -> None:
+        """Release the route of a request given up while the router placed it."""
+        try:
+            await self._release(rid)
+        finally:
+            self._unreleased.discard(rid)
 
     async def _release(self, rid: str, role: Optional[str] = None, wait: bool = True) -> None:
         """Tell the router; ``wait=False`` does not wait for a router actor's answer (release is
@@ -120,8 +134,12 @@ class PDClient:
         """Yield cumulative results as the decode worker produces tokens."""
         if self.draining:
             raise PDRequestError("the cluster is draining: no new requests")
+        if (sampling_params or {}).get("max_new_tokens", 1) < 1:  # refused here, before a worker is chosen
+            raise ValueError("max_new_tokens must be >= 1 when prefill and decode are disaggregated (the decode "
+                             "worker's first token is the prefill's)")
         rid = rid or uuid.uuid4().hex
-        if rid in self._live_rids:  # (as SGLang and vLLM refuse one): the workers and router key state by it
+        # (as SGLang and vLLM refuse one): the workers and the router key state by it
+        if rid in self._live_rids or rid in self._unreleased:
             raise ValueError(f"request id {rid!r} is already in flight")
         self._live_rids.add(rid)
         try:
@@ -189,7 +207,7 @@ class PDClient:
 
     async def _call(self, worker: WorkerRef, ref, timeout_s: float, rid: str):
         try:
-            return await asyncio.wait_for(ref, timeout=timeout_s)
+            return await wait_for(ref, timeout_s)  # (a client gone as a token came: not decoded to the end)
         except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as exc:
             self._mark_dead(worker, type(exc).__name__)
             raise PDRequestError(f"{worker.role} worker {worker.worker_id} died while serving {rid}") from exc

@@ -272,3 +272,30 @@ def test_a_token_id_outside_the_vocabulary_fails_its_own_request_not_its_batch(e
         assert "out of the vocabulary" in results[name].json()["error"]["message"]
     assert results["good"].status_code == 200, results["good"].text
     engine.check_integrity()
+
+
+def test_the_cli_chat_prompt_gets_one_bos_not_two(tmp_path, capsys):
+    """``raydix generate`` with a Llama-style checkpoint (its tokenizer adds BOS, its template
+    writes ``{{ bos_token }}``): the rendered template is the prompt, one BOS, none added on
+    top (vLLM's and SGLang's chat paths)."""
+    import json as json_
+
+    from tokenizers.processors import TemplateProcessing
+    from transformers import PreTrainedTokenizerFast
+
+    from actors.engine.tokenizer import BOS, BOS_ID, EOS, PAD, build_byte_tokenizer
+    from cluster.cli import main
+
+    path = build_tiny_checkpoint("llama", tmp_path / "llama", seed=0)
+    raw = build_byte_tokenizer()
+    raw.post_processor = TemplateProcessing(single=f"{BOS} $A", special_tokens=[(BOS, BOS_ID)])
+    tok = PreTrainedTokenizerFast(tokenizer_object=raw, bos_token=BOS, eos_token=EOS, pad_token=PAD)
+    tok.chat_template = "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    tok.save_pretrained(str(path))
+    messages = [{"role": "user", "content": "Hi"}]
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    want = len(tok.encode(text, add_special_tokens=False))  # BOS, "H", "i": as the template wrote it
+    assert main(["generate", "--model-path", str(path), "--prompt", "Hi", "--max-new-tokens", "1",
+                 "--max-total-tokens", "512"]) == 0
+    meta = json_.loads(next(line for line in capsys.readouterr().out.splitlines() if line.startswith("{")))
+    assert meta["prompt_tokens"] == want, f"{meta['prompt_tokens']} prompt tokens, the template wrote {want}"

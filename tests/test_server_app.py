@@ -287,3 +287,165 @@ def test_text_prompts_get_the_tokenizers_special_tokens_and_chat_prompts_the_tem
             r = httpx.post(server.url + path, json=body)
             assert r.status_code == 200, r.text
             assert backend.calls[-1][0] == want, (path, body)
+
+
+def test_a_client_gone_while_queued_is_not_served_when_a_slot_frees_at_that_moment():
+    """The client disconnects while its request waits for an admission slot, in the same instant
+    as the request ahead of it ends (under load clients time out in the queue while slots free
+    all the time): it is not admitted and served for nobody (``asyncio.wait_for`` before Python
+    3.12 would keep the slot it got and swallow the cancellation); the slot goes to the next."""
+    from cluster.metrics import ServerMetrics
+    from cluster.openai_protocol import GenerateRequest
+    from cluster.openai_serving import GenerationService
+    from cluster.server import cancel_on_disconnect
+
+    backend = ScriptedBackend()
+    backend.delay_s = 0.01
+    admission = Admission(1, 10, 30.0)
+    service = GenerationService(backend, None, ServerMetrics(backend.model_name), admission)
+
+    class GoneClient:  # what cancel_on_disconnect reads of a Request
+        def __init__(self):
+            self.gone = asyncio.Event()
+
+        async def receive(self):
+            await self.gone.wait()
+            return {"type": "http.disconnect"}
+
+    async def go():
+        await admission.acquire()  # the request ahead holds the only slot
+        client = GoneClient()
+        body = GenerateRequest.model_validate({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 40}})
+        answer = asyncio.ensure_future(cancel_on_disconnect(client, service.generate(body, time.perf_counter())))
+        await asyncio.sleep(0.1)  # queued: waiting on the semaphore
+        assert admission.waiting == 1
+        client.gone.set()  # the client gives up while queued ...
+        admission.release()  # ... as the request ahead of it ends
+        started = time.monotonic()
+        response = await asyncio.wait_for(answer, 10)
+        return response.status_code, len(backend.calls), round(time.monotonic() - started, 1)
+
+    status, calls, waited = asyncio.run(go())
+    assert (status, calls) == (499, 0), f"served for nobody: status {status}, {calls} backend call(s), {waited}s"
+
+
+class _RayLike:
+    """``handle.method.remote(*args)`` as a Ray actor call: it runs to its end on the actor
+    whoever awaits it (cancelling the awaiting task does not cancel the call)."""
+
+    def __init__(self, obj):
+        self._obj = obj
+
+    def __getattr__(self, name):
+        method = getattr(self._obj, name)
+        return type("Method", (), {"remote": staticmethod(
+            lambda *args: asyncio.shield(asyncio.ensure_future(method(*args))))})()
+
+
+def test_a_client_gone_while_its_request_is_routed_leaves_no_route_behind():
+    """The PD backend with a router actor: the client disconnects while the router places its
+    request. The router completes the route all the same (cancelling the await does not cancel
+    an actor call), and the client releases it once made: no request id left routed (a retry
+    under it would be refused) and no worker load counted for nobody."""
+    from types import SimpleNamespace
+
+    from cluster.backend import PDBackend
+    from cluster.pd_client import PDClient, WorkerRef
+
+    class Router:
+        def __init__(self):
+            self.routed = {}
+
+        async def route(self, rid, input_ids):
+            await asyncio.sleep(0.5)  # the actor's queue, the network
+            if rid in self.routed:
+                raise ValueError(f"request {rid!r} is already routed")
+            self.routed[rid] = ("p", "d")
+            return SimpleNamespace(prefill_id="p", decode_id="d")
+
+        async def release(self, rid, role=None):
+            if role is None:
+                self.routed.pop(rid, None)
+
+    class Worker:
+        async def load(self):
+            return {}
+
+        async def reserve(self, *args):
+            raise PDRequestError("stub decode worker: no reservations")
+
+        async def abort(self, *args):
+            return True
+
+    router = Router()
+    client = PDClient([WorkerRef("p", "prefill", _RayLike(Worker()), "n")],
+                      [WorkerRef("d", "decode", _RayLike(Worker()), "n")], router=_RayLike(router))
+    backend = PDBackend(client, model_name="pd", context_len=64)
+    with BackgroundServer(build_app(backend, None, ServerConfig()), "127.0.0.1", 0) as server:
+        with pytest.raises(httpx.ReadTimeout):  # the client gives up while its request is routed
+            httpx.post(server.url + "/generate", json={"input_ids": [1, 2], "rid": "retry-me",
+                                                       "sampling_params": {"max_new_tokens": 4}}, timeout=0.2)
+        time.sleep(1.0)  # the route call ends on the router
+        assert router.routed == {}, f"still routed after its client left: {router.routed}"
+
+
+class _LocalWorker:
+    """An in-process worker behind a Ray-like handle: ``.remote`` calls, and
+    ``.options(num_returns="streaming").remote`` for an async generator (refs to await)."""
+
+    def __init__(self, worker):
+        self._worker = worker
+
+    def __getattr__(self, name):
+        method = getattr(self._worker, name)
+
+        def call(*args):
+            out = method(*args)
+            if asyncio.iscoroutine(out):
+                return asyncio.ensure_future(out)
+            done = asyncio.get_running_loop().create_future()
+            done.set_result(out)
+            return done
+
+        def streaming(*args):
+            async def refs():
+                async for item in method(*args):
+                    ref = asyncio.get_running_loop().create_future()
+                    ref.set_result(item)
+                    yield ref
+            return refs()
+
+        handle = type("Method", (), {})()
+        handle.remote = call
+        handle.options = lambda **kwargs: type("Streaming", (), {"remote": staticmethod(streaming)})()
+        return handle
+
+
+def test_generate_max_new_tokens_zero_is_a_clear_400_on_the_pd_backend(tmp_path):
+    """Over the PD serving path (in-process workers behind Ray-like handles): 0 new tokens
+    cannot be served disaggregated (the first token is the prefill's), and is refused with a
+    clear 400 before any worker is chosen, as vLLM refuses ``max_tokens`` 0."""
+    from actors.engine.tiny import build_tiny_checkpoint
+    from actors.workers import DecodeWorker, PrefillWorker
+    from cluster.backend import PDBackend
+    from cluster.pd_client import PDClient, WorkerRef
+
+    path = str(build_tiny_checkpoint("llama", tmp_path / "llama"))
+    base = dict(max_total_tokens=512, page_size=1, skip_tokenizer_init=True)
+    prefill, decode = PrefillWorker(path, dict(base)), DecodeWorker(path, dict(base))
+    client = PDClient([WorkerRef("p", "prefill", _LocalWorker(prefill), "n")],
+                      [WorkerRef("d", "decode", _LocalWorker(decode), "n")], backend="shm")
+    try:
+        with BackgroundServer(build_app(PDBackend(client, model_name="pd", context_len=256), None, ServerConfig()),
+                              "127.0.0.1", 0) as server:
+            ok = httpx.post(server.url + "/generate", json={"input_ids": [5, 6, 7], "sampling_params": {
+                "max_new_tokens": 2, "temperature": 0}}, timeout=60)
+            assert ok.status_code == 200 and len(ok.json()["output_ids"]) == 2, ok.text  # the PD path serves
+            r = httpx.post(server.url + "/generate", json={"input_ids": [5, 6, 7], "sampling_params": {
+                "max_new_tokens": 0}}, timeout=60)
+            assert r.status_code == 400 and "max_new_tokens must be >= 1" in r.json()["error"]["message"], r.text
+        prefill.check_integrity()
+        decode.check_integrity()
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
