@@ -140,8 +140,11 @@ class CompletionFormatter(_Formatter):
         echo = self._echo(index)
         if not echo:
             return []
-        return [dict(self._head(self.chunk_object), choices=[{"index": index, "text": echo, "logprobs": None,
-                                                              "finish_reason": None}])]
+        chunk = dict(self._head(self.chunk_object), choices=[{"index": index, "text": echo, "logprobs": None,
+                                                               "finish_reason": None}])
+        if self.req.include_usage:  # every chunk but the last has "usage": null
+            chunk["usage"] = None
+        return [chunk]
 
     def _choice_delta(self, text, logprobs, index):
         return {"index": index, "text": text, "logprobs": self._legacy_logprobs(logprobs, index)}

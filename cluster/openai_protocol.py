@@ -44,16 +44,27 @@ def _nullable(field) -> bool:
     return field.annotation is type(None) or type(None) in get_args(field.annotation)
 
 
-class StreamOptions(BaseModel):
+class _NullIsDefault(BaseModel):
+    """``"temperature": null`` is the default temperature; a field whose default is None
+    (``max_tokens``: up to the context) keeps its None."""
+
     model_config = _FORBID
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data):
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {k: v for k, v in data.items() if v is not None or k not in fields or _nullable(fields[k])}
+
+
+class StreamOptions(_NullIsDefault):
     include_usage: bool = False
 
 
-class _OpenAISampling(BaseModel):
+class _OpenAISampling(_NullIsDefault):
     """The sampling fields completions and chat share."""
-
-    model_config = _FORBID
 
     model: Optional[str] = Field(None, min_length=1, description="None: the served model (as in vLLM and SGLang)")
     n: int = Field(1, ge=1, le=64, description="choices; each runs as its own request")
@@ -76,16 +87,6 @@ class _OpenAISampling(BaseModel):
     skip_special_tokens: bool = True
     rid: Optional[str] = Field(None, description="request id (choice i runs as rid-i when n > 1)")
     logit_bias: Optional[Dict[str, float]] = Field(None, description="only empty: not implemented")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _null_is_default(cls, data):
-        """``"temperature": null`` is the default temperature; a field whose default is None
-        (``max_tokens``: up to the context) keeps its None."""
-        if not isinstance(data, dict):
-            return data
-        fields = cls.model_fields
-        return {k: v for k, v in data.items() if v is not None or k not in fields or _nullable(fields[k])}
 
     @model_validator(mode="after")
     def _no_logit_bias(self):

@@ -5,6 +5,7 @@ server does not implement, the ``developer`` role and template errors,
 ``GET /v1/models/{id}``, a request that names no model, and a prompt token outside the
 vocabulary."""
 
+import json
 import threading
 import time
 
@@ -97,6 +98,25 @@ def test_explicit_nulls_mean_unset(served):
                                               "temperature": None}, **nulls))
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["completion_tokens"] == 3
+    r = post(served, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2, "stream": True,
+                                         "stream_options": {"include_usage": None}})
+    assert r.status_code == 200, r.text
+    assert all("usage" not in e for e in sse_events(r))  # null: the default (no usage)
+
+
+def sse_events(response) -> list:
+    return [json.loads(line[len("data: "):]) for line in response.text.splitlines() if line.startswith("data: {")]
+
+
+def test_with_include_usage_every_chunk_but_the_last_has_usage_null(served):
+    """OpenAI's stream_options.include_usage: each chunk carries ``"usage": null``, the echo's
+    opening one too, and a last chunk with no choices carries the usage."""
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 3, "stream": True, "echo": True, "temperature": 0,
+            "ignore_eos": True, "stream_options": {"include_usage": True}}
+    events = sse_events(post(served, "/v1/completions", body))
+    assert events[0]["choices"][0]["text"] == "hi"  # the echo opens the stream
+    assert all("usage" in e and e["usage"] is None for e in events[:-1]), events
+    assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 3
 
 
 def test_seeded_choices_differ_from_each_other_and_repeat(client):
