@@ -102,14 +102,22 @@ class EngineLoop:
         """Drop every request in flight, giving back what each holds. A request already
         finished was released by whoever finished it; it is only told."""
         sched = self.scheduler
-        queued = list(sched.waiting) + list(sched.running) + ([sched.chunked_req] if sched.chunked_req else [])
+        queued = []
+        try:  # requests aborted since the last step began: finished, still holding what they had
+            queued += sched._release_aborted()
+        except Exception:
+            logger.exception("could not release the aborted requests")
+        queued += list(sched.waiting) + list(sched.running) + ([sched.chunked_req] if sched.chunked_req else [])
         queued += list(getattr(sched, "in_flight", []))
         sched.waiting.clear()
         sched.running.clear()
         sched.chunked_req = None
         sched.in_flight = []
         if hasattr(sched, "fail_all"):  # a disaggregated scheduler's own queues (released there)
-            queued += sched.fail_all("engine step failed")
+            try:
+                queued += sched.fail_all("engine step failed")
+            except Exception:  # never the loop's end: its requests would wait forever
+                logger.exception("could not fail the disaggregated queues")
         try:
             sched.end_orphan_prefetches()  # theirs were waiting requests
         except Exception:

@@ -133,6 +133,13 @@ class Scheduler:
     def step(self) -> List[Req]:
         """Run one forward; returns the requests that produced output (or finished)."""
         released = self._release_aborted()
+        try:
+            return released + self._run_batch(bool(released))
+        except BaseException:  # released already: the loop's failure path only tells them
+            self._aborted[:0] = released
+            raise
+
+    def _run_batch(self, released: bool) -> List[Req]:
         self.end_orphan_prefetches()
         if self.host_tier:  # backups done: their prefixes are evictable again
             self.tree_cache.writing_check()
@@ -141,7 +148,7 @@ class Scheduler:
         if forward_batch is not None:
             self.in_flight = batch_reqs  # out of every queue until processed: a failure must still find them
             logits = self._forward(forward_batch)
-            out = released + self._process_prefill(batch_reqs, logits)
+            out = self._process_prefill(batch_reqs, logits)
             self.in_flight = []
             return out
         if self.host_tier:  # loads of a batch that was not run end now
@@ -150,10 +157,10 @@ class Scheduler:
             batch_reqs, forward_batch = self._next_decode()
             if forward_batch is not None:
                 logits = self._forward(forward_batch)
-                return released + self._process_decode(batch_reqs, logits)
+                return self._process_decode(batch_reqs, logits)
         # waits on storage reads, or on backups to give their slots back: the loop may sleep
         self.stalled = (self._prefetch_blocked or (self.host_tier and self.tree_cache.writes_pending)) and not released
-        return released
+        return []
 
     def _forward(self, forward_batch):
         """The runner's forward; the host-tier loads the batch needs copy while it runs
