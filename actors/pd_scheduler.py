@@ -117,11 +117,13 @@ class DecodeScheduler(Scheduler):
         return False
 
     def step(self) -> List[Req]:
-        self._release_quarantine()
-        produced = self._process_prealloc() + self._process_transfers()
-        self.progressed = bool(produced)
-        before = self.runner.num_forwards
+        produced: List[Req] = []
         try:
+            self._release_quarantine()
+            produced += self._process_prealloc()
+            produced += self._process_transfers()
+            self.progressed = bool(produced)
+            before = self.runner.num_forwards
             produced += super().step()
         except BaseException:  # those that ended here (released) are told by the loop's failure path
             self._aborted[:0] = [r for r in produced if r.finished]
@@ -137,18 +139,23 @@ class DecodeScheduler(Scheduler):
         """Reserve for the queue's head while it fits. Not while a retracted request waits
         (``waiting`` holds nothing else here): it was decoding before any of these arrived,
         and the room that frees is its first (SGLang's decode resumes its retracted queue
-        before it pre-allocates); the engine's prefill re-admits it."""
+        before it pre-allocates); the engine's prefill re-admits it, in chunks as the
+        ``chunked_req`` (on this side only a retracted request prefills)."""
         done: List[Req] = []
-        while self.prealloc and not self.waiting:
-            req = self.prealloc[0]
-            if len(self.running) + len(self.transfer) >= self.runner.max_running_requests:
-                break
-            if not self._reserve(req):
-                break
-            self.prealloc.pop(0)
-            if not req.finished:
-                self.transfer.append(req)
-            done.append(req)
+        try:
+            while self.prealloc and not self.waiting and self.chunked_req is None:
+                req = self.prealloc[0]
+                if len(self.running) + len(self.transfer) >= self.runner.max_running_requests:
+                    break
+                if not self._reserve(req):
+                    break
+                self.prealloc.pop(0)
+                if not req.finished:
+                    self.transfer.append(req)
+                done.append(req)
+        except BaseException:  # those dropped before the failure are released: only told
+            self._aborted += [r for r in done if r.finished]
+            raise
         return done
 
     def _reserve(self, req: Req) -> bool:
@@ -297,6 +304,14 @@ class DecodeScheduler(Scheduler):
         about all of them (a follower's own receiver times out ``land_timeout_s`` after
         its first question, as rank 0's does after the notice)."""
         done: List[Req] = []
+        try:
+            self._poll_transfers(done)
+        except BaseException:  # those that ended before the failure are released: only told
+            self._aborted += [r for r in done if r.finished]
+            raise
+        return done
+
+    def _poll_transfers(self, done: List[Req]) -> None:
         landed: List[Req] = []  # rank 0's share is in its pools
         for req in list(self.transfer):
             receiver: KVReceiver = req.pd_receiver
@@ -327,7 +342,6 @@ class DecodeScheduler(Scheduler):
                         self.running.remove(req)
                     self._drop(req, f"bad completion notice from the prefill side: {exc!r}", safe=True)
             done.append(req)
-        return done
 
     def _transfer_failed(self, req: Req, error: str) -> None:
         self.transfer.remove(req)

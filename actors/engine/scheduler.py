@@ -500,15 +500,17 @@ class Scheduler:
     def _process_prefill(self, reqs: List[Req], logits) -> List[Req]:
         out: List[Req] = []
         self.runner.allocator.free_group_begin()
-        for i, req in enumerate(reqs):
-            req.kv_committed_len = len(req.fill_ids)
-            if len(req.fill_ids) < req.seqlen:  # more chunks to go
-                self.tree_cache.cache_unfinished_req(req)
-                self.chunked_req = req
-                continue
-            self._prefill_done(req, logits[i])
-            out.append(req)
-        self.runner.allocator.free_group_end()
+        try:  # (failing, the batch is still ``in_flight``: the loop's failure path finds it)
+            for i, req in enumerate(reqs):
+                req.kv_committed_len = len(req.fill_ids)
+                if len(req.fill_ids) < req.seqlen:  # more chunks to go
+                    self.tree_cache.cache_unfinished_req(req)
+                    self.chunked_req = req
+                    continue
+                self._prefill_done(req, logits[i])
+                out.append(req)
+        finally:  # the group's frees happen even if a request failed: a failure path's frees are not parked
+            self.runner.allocator.free_group_end()
         return out
 
     def _prefill_done(self, req: Req, logits_row) -> None:
@@ -527,14 +529,19 @@ class Scheduler:
 
     def _process_decode(self, reqs: List[Req], logits) -> List[Req]:
         self.runner.allocator.free_group_begin()
-        greedy = plain_greedy_tokens(logits, [r.sampling_params for r in reqs])
-        for i, req in enumerate(reqs):
-            req.kv_committed_len = req.seqlen
-            self._sample(req, logits[i], greedy.get(i))
-            if req.finished:
-                self.tree_cache.cache_finished_req(req)
-        self.runner.allocator.free_group_end()
-        self.running = [r for r in self.running if not r.finished]
+        try:
+            greedy = plain_greedy_tokens(logits, [r.sampling_params for r in reqs])
+            for i, req in enumerate(reqs):
+                req.kv_committed_len = req.seqlen
+                self._sample(req, logits[i], greedy.get(i))
+                if req.finished:
+                    self.tree_cache.cache_finished_req(req)
+        except BaseException:  # those that finished before the failure are released: only told
+            self._aborted += [r for r in reqs if r.finished]
+            raise
+        finally:  # a finished request never stays in ``running``, where it would count as an abort
+            self.runner.allocator.free_group_end()
+            self.running = [r for r in self.running if not r.finished]
         return reqs
 
     # ---- abort --------------------------------------------------------------------------
