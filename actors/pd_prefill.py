@@ -86,10 +86,15 @@ class PrefillScheduler(Scheduler):
 
     def step(self) -> List[Req]:
         before = self.runner.num_forwards
-        out = self._process_inflight()  # pushes that ended since: their notices don't wait for this forward
-        out += super().step()
-        self._flush_pushes()
-        out += self._process_inflight()
+        out: List[Req] = []
+        try:
+            out += self._process_inflight()  # pushes that ended since: their notices don't wait for this forward
+            out += super().step()
+            self._flush_pushes()
+            out += self._process_inflight()
+        except BaseException:  # those that ended here (released) are told by the loop's failure path
+            self._aborted[:0] = [r for r in out if r.finished]
+            raise
         self.progressed = bool(out) or self.runner.num_forwards != before
         return out
 

@@ -117,11 +117,17 @@ class DecodeScheduler(Scheduler):
         return False
 
     def step(self) -> List[Req]:
-        self._release_quarantine()
-        produced = self._process_prealloc() + self._process_transfers()
-        self.progressed = bool(produced)
-        before = self.runner.num_forwards
-        produced += super().step()
+        produced: List[Req] = []
+        try:
+            self._release_quarantine()
+            produced += self._process_prealloc()
+            produced += self._process_transfers()
+            self.progressed = bool(produced)
+            before = self.runner.num_forwards
+            produced += super().step()
+        except BaseException:  # those that ended here (released) are told by the loop's failure path
+            self._aborted[:0] = [r for r in produced if r.finished]
+            raise
         self.progressed = self.progressed or self.runner.num_forwards != before or bool(produced)
         return produced
 
@@ -130,17 +136,26 @@ class DecodeScheduler(Scheduler):
 
     # ---- pre-allocation --------------------------------------------------------------
     def _process_prealloc(self) -> List[Req]:
+        """Reserve for the queue's head while it fits. Not while a retracted request waits
+        (``waiting`` holds nothing else here): it was decoding before any of these arrived,
+        and the room that frees is its first (SGLang's decode resumes its retracted queue
+        before it pre-allocates); the engine's prefill re-admits it, in chunks as the
+        ``chunked_req`` (on this side only a retracted request prefills)."""
         done: List[Req] = []
-        while self.prealloc:
-            req = self.prealloc[0]
-            if len(self.running) + len(self.transfer) + len(self.waiting) >= self.runner.max_running_requests:
-                break
-            if not self._reserve(req):
-                break
-            self.prealloc.pop(0)
-            if not req.finished:
-                self.transfer.append(req)
-            done.append(req)
+        try:
+            while self.prealloc and not self.waiting and self.chunked_req is None:
+                req = self.prealloc[0]
+                if len(self.running) + len(self.transfer) >= self.runner.max_running_requests:
+                    break
+                if not self._reserve(req):
+                    break
+                self.prealloc.pop(0)
+                if not req.finished:
+                    self.transfer.append(req)
+                done.append(req)
+        except BaseException:  # those dropped before the failure are released: only told
+            self._aborted += [r for r in done if r.finished]
+            raise
         return done
 
     def _reserve(self, req: Req) -> bool:
@@ -149,14 +164,18 @@ class DecodeScheduler(Scheduler):
         self._match_reserved_prefix(req)
         prefix_len = len(req.prefix_indices)
         self._lock(req)  # first: the room it leaves is what the prompt can have (its prefix is not evictable)
-        if not self._fits(req, prefix_len, prompt_len):  # (a host-tier part of the prefix counts as new slots)
+        try:  # a failure below (a host-tier load, the allocator) gives back the lock and the row with it
+            taken = self._fits(req, prefix_len, prompt_len)  # (a host-tier part of the prefix counts as new slots)
+            if taken:
+                self._load_host_prefix(req)  # taken: the host-tier part comes back (only now, see the engine's),
+                if self.host_tier:  # at once: no forward of this request's to overlap it with
+                    self.tree_cache.loading_check()
+                prefix_len = len(req.prefix_indices)
+                taken = self._alloc_prompt(req, prefix_len, prompt_len)
+        except BaseException:
             self._unlock(req)
-            return False
-        self._load_host_prefix(req)  # taken: the host-tier part comes back (only now, see the engine's),
-        if self.host_tier:  # at once: no forward of this request's to overlap it with
-            self.tree_cache.loading_check()
-        prefix_len = len(req.prefix_indices)
-        if not self._alloc_prompt(req, prefix_len, prompt_len):
+            raise
+        if not taken:
             self._unlock(req)
             return False
         req.cache_protected_len = prefix_len
@@ -226,26 +245,37 @@ class DecodeScheduler(Scheduler):
         if rows is None:
             return False
         req.req_pool_idx = rows[0]
-        if self.hybrid:
-            req.mamba_pool_idx = int(pool.get_mamba_indices(req.req_pool_idx)[0])
-        pool.write((req.req_pool_idx, slice(0, prefix_len)), req.prefix_indices.to(torch.int32))
-        last_loc = int(pool.req_to_token[req.req_pool_idx, prefix_len - 1]) if prefix_len else -1
-        n = prompt_len - prefix_len
-        prefix_t, seq_t = torch.tensor([prefix_len]), torch.tensor([prompt_len])
-        out = self._alloc_swa_prompt(prefix_len, prompt_len) if self.swa else _alloc_with_eviction(
-            self.tree_cache, allocator,
-            lambda: allocator.alloc_extend(
-                prefix_t.to(runner.device), seq_t.to(runner.device), runner.tensor([last_loc]), n,
-                prefix_lens_cpu=prefix_t, seq_lens_cpu=seq_t,
-            ),
-            n + self.page_size,
-        )
-        if out is None:
-            pool.free([req.req_pool_idx])
-            req.req_pool_idx, req.mamba_pool_idx = None, None
-            return False
-        pool.write((req.req_pool_idx, slice(prefix_len, prompt_len)), out.to(torch.int32))
+        out = None
+        try:
+            if self.hybrid:
+                req.mamba_pool_idx = int(pool.get_mamba_indices(req.req_pool_idx)[0])
+            pool.write((req.req_pool_idx, slice(0, prefix_len)), req.prefix_indices.to(torch.int32))
+            last_loc = int(pool.req_to_token[req.req_pool_idx, prefix_len - 1]) if prefix_len else -1
+            n = prompt_len - prefix_len
+            prefix_t, seq_t = torch.tensor([prefix_len]), torch.tensor([prompt_len])
+            out = self._alloc_swa_prompt(prefix_len, prompt_len) if self.swa else _alloc_with_eviction(
+                self.tree_cache, allocator,
+                lambda: allocator.alloc_extend(
+                    prefix_t.to(runner.device), seq_t.to(runner.device), runner.tensor([last_loc]), n,
+                    prefix_lens_cpu=prefix_t, seq_lens_cpu=seq_t,
+                ),
+                n + self.page_size,
+            )
+            if out is None:
+                self._free_row(req)
+                return False
+            pool.write((req.req_pool_idx, slice(prefix_len, prompt_len)), out.to(torch.int32))
+        except BaseException:
+            if out is not None:
+                allocator.free(out)
+            self._free_row(req)
+            raise
         return True
+
+    def _free_row(self, req: Req) -> None:
+        """The row of a reservation not taken, with its Mamba slot."""
+        self.runner.req_to_token_pool.free([req.req_pool_idx])
+        req.req_pool_idx, req.mamba_pool_idx = None, None
 
     def _make_handoffs(self, req: Req, prefix_len: int, prompt_len: int) -> None:
         """One hand-off per decode rank: the same slots (every rank allocates alike),
@@ -274,6 +304,14 @@ class DecodeScheduler(Scheduler):
         about all of them (a follower's own receiver times out ``land_timeout_s`` after
         its first question, as rank 0's does after the notice)."""
         done: List[Req] = []
+        try:
+            self._poll_transfers(done)
+        except BaseException:  # those that ended before the failure are released: only told
+            self._aborted += [r for r in done if r.finished]
+            raise
+        return done
+
+    def _poll_transfers(self, done: List[Req]) -> None:
         landed: List[Req] = []  # rank 0's share is in its pools
         for req in list(self.transfer):
             receiver: KVReceiver = req.pd_receiver
@@ -296,9 +334,14 @@ class DecodeScheduler(Scheduler):
             else:
                 self.backend_counts[req.pd_backend] = self.backend_counts.get(req.pd_backend, 0) + 1
                 self.transfer.remove(req)
-                self._start_decoding(req, req.pd_notice)
+                try:
+                    self._start_decoding(req, req.pd_notice)
+                except Exception as exc:  # a notice it cannot take fails this request, not the step
+                    logger.exception("could not start decoding %s", req.rid)
+                    if req in self.running:
+                        self.running.remove(req)
+                    self._drop(req, f"bad completion notice from the prefill side: {exc!r}", safe=True)
             done.append(req)
-        return done
 
     def _transfer_failed(self, req: Req, error: str) -> None:
         self.transfer.remove(req)
@@ -349,7 +392,10 @@ class DecodeScheduler(Scheduler):
         if receiver is not None:
             receiver.abort(message)
             if self.has_followers:
-                self.tp_worker.call_followers("cancel", req.rid)
+                try:
+                    self.tp_worker.call_followers("cancel", req.rid)
+                except Exception:  # a broken TP group: its ranks take nothing more
+                    logger.exception("cancelling %s on the TP followers failed", req.rid)
         req.pd_error = message
         req.finish({"type": "abort", "message": message})
         deadline = receiver.handoff.deadline if receiver is not None and receiver.handoff is not None else None

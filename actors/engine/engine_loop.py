@@ -85,31 +85,44 @@ class EngineLoop:
                     self._cond.wait()
                 if self._stopped:
                     return
+                failed = set()
                 try:
                     produced = self.scheduler.step()
                     error = None
                 except BaseException as exc:  # delivered to every caller, then the loop goes on
                     logger.exception("engine step failed")
-                    produced, error = self._fail_all(), exc
+                    produced, failed, error = *self._fail_all(), exc
                 if not produced and (not getattr(self.scheduler, "progressed", True)
                                      or getattr(self.scheduler, "stalled", False)):
                     # only waiting on something outside (a KV transfer, a storage read): don't spin
                     self._cond.wait(timeout=IDLE_POLL_S)
-            for req in produced:
-                self._deliver(req, error)
+            for req in produced:  # the step's error goes to those it failed; the others ended their own way
+                self._deliver(req, error if id(req) in failed else None)
 
     def _fail_all(self):
-        """Drop every request in flight, giving back what each holds. A request already
-        finished was released by whoever finished it; it is only told."""
+        """Drop every request in flight, giving back what each holds; returns them all and
+        the ids of those failed here. A request already finished (aborted, or done before
+        the step failed) was released by whoever finished it; it is only told."""
         sched = self.scheduler
-        queued = list(sched.waiting) + list(sched.running) + ([sched.chunked_req] if sched.chunked_req else [])
+        queued = []
+        try:  # requests aborted since the last step began: finished, still holding what they had
+            queued += sched._release_aborted()
+        except Exception:
+            logger.exception("could not release the aborted requests")
+        queued += list(sched.waiting) + list(sched.running) + ([sched.chunked_req] if sched.chunked_req else [])
         queued += list(getattr(sched, "in_flight", []))
         sched.waiting.clear()
         sched.running.clear()
         sched.chunked_req = None
         sched.in_flight = []
+        failed = set()
         if hasattr(sched, "fail_all"):  # a disaggregated scheduler's own queues (released there)
-            queued += sched.fail_all("engine step failed")
+            try:
+                dropped = sched.fail_all("engine step failed")
+                failed.update(id(r) for r in dropped)
+                queued += dropped
+            except Exception:  # never the loop's end: its requests would wait forever
+                logger.exception("could not fail the disaggregated queues")
         try:
             sched.end_orphan_prefetches()  # theirs were waiting requests
         except Exception:
@@ -118,6 +131,7 @@ class EngineLoop:
         for req in reqs:
             if req.finished:
                 continue
+            failed.add(id(req))
             try:
                 if req.req_pool_idx is not None:
                     req.kv_committed_len = max(req.kv_committed_len, req.kv_allocated_len)  # the forward's slots too
@@ -129,7 +143,7 @@ class EngineLoop:
             except Exception:  # keep releasing the others; the idle check will report a leak
                 logger.exception("could not release request %s", req.rid)
             req.finish({"type": "abort", "message": "engine step failed"})
-        return reqs
+        return reqs, failed
 
     def deliver_now(self, req: Req) -> None:
         """Deliver ``req``'s output from another thread, without waiting for the step in

@@ -137,6 +137,13 @@ class Scheduler:
     def step(self) -> List[Req]:
         """Run one forward; returns the requests that produced output (or finished)."""
         released = self._release_aborted()
+        try:
+            return released + self._run_batch(bool(released))
+        except BaseException:  # released already: the loop's failure path only tells them
+            self._aborted[:0] = released
+            raise
+
+    def _run_batch(self, released: bool) -> List[Req]:
         self.end_orphan_prefetches()
         if self.host_tier:  # backups done: their prefixes are evictable again
             self.tree_cache.writing_check()
@@ -145,7 +152,7 @@ class Scheduler:
         if forward_batch is not None:
             self.in_flight = batch_reqs  # out of every queue until processed: a failure must still find them
             logits = self._forward(forward_batch)
-            out = released + self._process_prefill(batch_reqs, logits)
+            out = self._process_prefill(batch_reqs, logits)
             self.in_flight = []
             return out
         if self.host_tier:  # loads of a batch that was not run end now
@@ -154,10 +161,10 @@ class Scheduler:
             batch_reqs, forward_batch = self._next_decode()
             if forward_batch is not None:
                 logits = self._forward(forward_batch)
-                return released + self._process_decode(batch_reqs, logits)
+                return self._process_decode(batch_reqs, logits)
         # waits on storage reads, or on backups to give their slots back: the loop may sleep
         self.stalled = (self._prefetch_blocked or (self.host_tier and self.tree_cache.writes_pending)) and not released
-        return released
+        return []
 
     def _forward(self, forward_batch):
         """The runner's forward; the host-tier loads the batch needs copy while it runs
@@ -497,15 +504,17 @@ class Scheduler:
     def _process_prefill(self, reqs: List[Req], logits) -> List[Req]:
         out: List[Req] = []
         self.runner.allocator.free_group_begin()
-        for i, req in enumerate(reqs):
-            req.kv_committed_len = len(req.fill_ids)
-            if len(req.fill_ids) < req.seqlen:  # more chunks to go
-                self.tree_cache.cache_unfinished_req(req)
-                self.chunked_req = req
-                continue
-            self._prefill_done(req, logits[i])
-            out.append(req)
-        self.runner.allocator.free_group_end()
+        try:  # (failing, the batch is still ``in_flight``: the loop's failure path finds it)
+            for i, req in enumerate(reqs):
+                req.kv_committed_len = len(req.fill_ids)
+                if len(req.fill_ids) < req.seqlen:  # more chunks to go
+                    self.tree_cache.cache_unfinished_req(req)
+                    self.chunked_req = req
+                    continue
+                self._prefill_done(req, logits[i])
+                out.append(req)
+        finally:  # the group's frees happen even if a request failed: a failure path's frees are not parked
+            self.runner.allocator.free_group_end()
         return out
 
     def _prefill_done(self, req: Req, logits_row) -> None:
@@ -524,14 +533,19 @@ class Scheduler:
 
     def _process_decode(self, reqs: List[Req], logits) -> List[Req]:
         self.runner.allocator.free_group_begin()
-        greedy = plain_greedy_tokens(logits, [r.sampling_params for r in reqs])
-        for i, req in enumerate(reqs):
-            req.kv_committed_len = req.seqlen
-            self._sample(req, logits[i], greedy.get(i))
-            if req.finished:
-                self.tree_cache.cache_finished_req(req)
-        self.runner.allocator.free_group_end()
-        self.running = [r for r in self.running if not r.finished]
+        try:
+            greedy = plain_greedy_tokens(logits, [r.sampling_params for r in reqs])
+            for i, req in enumerate(reqs):
+                req.kv_committed_len = req.seqlen
+                self._sample(req, logits[i], greedy.get(i))
+                if req.finished:
+                    self.tree_cache.cache_finished_req(req)
+        except BaseException:  # those that finished before the failure are released: only told
+            self._aborted += [r for r in reqs if r.finished]
+            raise
+        finally:  # a finished request never stays in ``running``, where it would count as an abort
+            self.runner.allocator.free_group_end()
+            self.running = [r for r in self.running if not r.finished]
         return reqs
 
     # ---- abort --------------------------------------------------------------------------

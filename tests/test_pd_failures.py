@@ -1,0 +1,388 @@
+"""Failures inside a PD worker's step end the requests they touch and leak nothing
+(in-process workers, no Ray): a completion notice the decode side cannot take, a
+failure while reserving, a request aborted just before a failed step, a broken decode
+TP group; and a retracted decode request is not overtaken by new reservations."""
+
+import asyncio
+import time
+
+import pytest
+
+from actors.engine.tiny import build_tiny_checkpoint
+from actors.pd_scheduler import PDRequestError
+from actors.workers import DecodeWorker, PrefillWorker
+from tests.pd_helpers import prompts, run_pd
+
+GREEDY = {"max_new_tokens": 8, "temperature": 0}
+LONG = {"max_new_tokens": 200, "temperature": 0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pd-failures")
+    return {f: str(build_tiny_checkpoint(f, root / f)) for f in ("llama",)}
+
+
+def make_pair(path, page_size=1, prefill_args=None, decode_args=None, **decode_kwargs):
+    base = dict(max_total_tokens=2048, page_size=page_size, skip_tokenizer_init=True)
+    prefill = PrefillWorker(path, dict(base, **(prefill_args or {})))
+    decode = DecodeWorker(path, dict(base, **(decode_args or {})), **decode_kwargs)
+    return prefill, decode
+
+
+def wait_idle(worker, timeout_s=5.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and worker.loop.run_exclusive(worker.scheduler.has_work):
+        time.sleep(0.01)
+
+
+def leaks(*workers):
+    """What ``check_integrity`` says of each worker once idle (None: whole); shuts them down."""
+    out = []
+    for w in workers:
+        wait_idle(w)
+        try:
+            w.check_integrity()
+            out.append(None)
+        except Exception as exc:  # noqa: BLE001
+            out.append(f"{type(exc).__name__}: {exc}")
+    for w in workers:
+        w.shutdown()
+    return out
+
+
+# ---- 1. a notice that _start_decoding cannot take -------------------------------------------------
+@pytest.mark.parametrize("bad", ["no_first_token", "bad_generator_state"])
+def test_a_notice_the_decode_side_cannot_take_fails_its_request_only_and_leaks_nothing(checkpoints, bad):
+    """A landed request whose notice cannot be taken (no first token, a generator state that
+    does not fit) fails alone, with a clear error, its row and slots back; a request decoding
+    beside it goes on."""
+    path = checkpoints["llama"]
+    prefill, decode = make_pair(path)
+    ids, other = prompts(2, 20, 20, seed=3)
+    params = dict(GREEDY, seed=5) if bad == "bad_generator_state" else GREEDY
+
+    async def go():
+        running = asyncio.ensure_future(run_pd(prefill, decode, other, LONG))  # an innocent bystander
+        while not decode.loop.run_exclusive(lambda: bool(decode.scheduler.running)):
+            await asyncio.sleep(0.01)
+        handoffs = await decode.reserve("bad", ids, params)
+        notice = await prefill.prefill("bad", ids, params, handoffs)
+        if bad == "no_first_token":
+            notice.pop("first_token")
+        else:
+            notice["generator_state"] = b"\x00" * 8
+        try:
+            await asyncio.wait_for(decode.stream("bad", notice).__anext__(), 5)
+            answer = "accepted"
+        except asyncio.TimeoutError:
+            answer = "no answer (hangs)"
+        except PDRequestError:
+            answer = "refused"
+        try:
+            final, _, _ = await asyncio.wait_for(running, 60)
+            bystander = len(final["output_ids"])
+        except Exception as exc:  # noqa: BLE001
+            bystander = f"{type(exc).__name__}: {exc}"
+        return answer, bystander
+
+    answer, bystander = asyncio.run(go())
+    state = leaks(prefill, decode)
+    assert (answer, bystander, state) == ("refused", LONG["max_new_tokens"], [None, None])
+
+
+# ---- 2. a failure while reserving ------------------------------------------------------------------
+def test_a_failure_while_reserving_gives_back_the_row_and_the_prefix_lock(checkpoints):
+    """A failure while reserving (here the allocator's) gives back the row and the lock on the
+    decode tree's prefix it had taken: nothing is held by nobody afterwards."""
+    path = checkpoints["llama"]
+    prefill, decode = make_pair(path)
+    shared = prompts(1, 40, 40, seed=4)[0]
+    alloc = decode.runner.allocator
+    real = alloc.alloc_extend
+
+    def broken(*args, **kwargs):
+        alloc.alloc_extend = real
+        raise RuntimeError("injected allocation error")
+
+    async def go():
+        await run_pd(prefill, decode, shared + [5, 6, 7], GREEDY)  # the decode tree holds the prefix now
+        alloc.alloc_extend = broken
+        with pytest.raises(Exception, match="injected allocation error|engine step failed"):
+            await decode.reserve("r", shared + [8, 9], GREEDY)
+
+    asyncio.run(go())
+    wait_idle(decode)
+    pool, tree = decode.runner.req_to_token_pool, decode.scheduler.tree_cache
+    held = decode.loop.run_exclusive(lambda: (pool.size - pool.available_size(), tree.protected_size()))
+    state = leaks(prefill, decode)
+    assert (held, state) == ((0, 0), [None, None])  # (rows held, tokens locked) by nobody
+
+
+# ---- 3. an aborted running request when the next step fails ----------------------------------------
+def test_a_running_request_aborted_just_before_a_failed_step_is_released(checkpoints):
+    """An abort marks a running request finished; its row and slots go back at the next step.
+    If that step fails before the engine's part (here in the decode side's own phases), the
+    failure path still gives them back."""
+    path = checkpoints["llama"]
+    prefill, decode = make_pair(path)
+    ids = prompts(1, 20, 20, seed=5)[0]
+    sched = decode.scheduler
+    real = sched._release_quarantine
+
+    def broken(*args, **kwargs):
+        sched._release_quarantine = real
+        raise RuntimeError("injected step error")
+
+    async def go():
+        attempt = {}
+        task = asyncio.ensure_future(run_pd(prefill, decode, ids, LONG, rid="a", attempt=attempt))
+        while not decode.loop.run_exclusive(lambda: bool(sched.running)):
+            await asyncio.sleep(0.01)
+        decode.loop.pause()
+        await asyncio.sleep(0.05)  # the step in progress ends
+        assert await decode.abort("a", "the client went away", safe=True, room=attempt["room"])
+        sched._release_quarantine = broken  # the next step fails before the engine's own part
+        decode.loop.resume()
+        final, _, _ = await asyncio.wait_for(task, 10)  # told of its abort, as after any step
+        assert final["meta_info"]["finish_reason"]["type"] == "abort"
+
+    asyncio.run(go())
+    assert leaks(prefill, decode) == [None, None]
+
+
+# ---- 4. pre-allocation overtakes retracted requests ------------------------------------------------
+def test_a_retracted_request_is_not_starved_by_new_reservations(checkpoints):
+    """A decode request retracted under KV pressure waits to be re-prefilled locally. It was
+    decoding before any reservation queued since, so the room that frees is its first (as
+    SGLang's decode resumes its retracted queue before it pre-allocates): under a steady
+    stream of new requests it still comes back."""
+    path = checkpoints["llama"]
+    decode_args = {"max_total_tokens": 128, "init_new_token_ratio": 0.02, "min_new_token_ratio": 0.02}
+    prefill, decode = make_pair(path, decode_args=decode_args, num_reserved_decode_tokens=2)
+    sched = decode.scheduler
+    first = prompts(1, 30, 30, seed=6)[0]
+    big = prompts(4, 100, 100, seed=7)
+    short = {"max_new_tokens": 4, "temperature": 0}
+
+    def in_waiting():
+        return decode.loop.run_exclusive(lambda: [r.rid for r in sched.waiting])
+
+    async def go():
+        task = asyncio.ensure_future(run_pd(prefill, decode, first, {"max_new_tokens": 60, "temperature": 0,
+                                                                     "ignore_eos": True}, rid="A"))
+        while not decode.loop.run_exclusive(lambda: any(len(r.output_ids) >= 3 for r in sched.running)):
+            await asyncio.sleep(0.005)
+        decode.loop.pause()
+        await asyncio.sleep(0.05)
+        decode.loop.run_exclusive(sched._retract_one)  # as KV pressure does
+        assert in_waiting() == ["A"]
+        held = [asyncio.ensure_future(decode.reserve("n0", big[0], short))]
+        decode.loop.resume()
+        await asyncio.wait_for(held[0], 10)
+        history = []
+        for i in range(1, 4):  # one newcomer queued (no room), then the one holding the room goes away
+            held.append(asyncio.ensure_future(decode.reserve(f"n{i}", big[i], short)))
+            await asyncio.sleep(0.05)
+            assert await decode.abort(f"n{i - 1}", safe=True)
+            await asyncio.wait_for(held[i], 10)
+            await asyncio.sleep(0.05)
+            history.append("A" in in_waiting())
+        assert await decode.abort("n3", safe=True)
+        await asyncio.wait_for(task, 60)  # it runs once nobody overtakes it
+        return history
+
+    history = asyncio.run(go())
+    state = leaks(prefill, decode)
+    assert state == [None, None]
+    assert history == [False, False, False], f"A still waiting after each newcomer: {history}"
+
+
+# ---- 5. a broken decode TP group kills the engine loop -------------------------------------------
+def test_a_broken_decode_tp_group_fails_the_requests_instead_of_killing_the_loop(checkpoints):
+    """Decode TP > 1 with a follower rank gone: the step's call to the followers fails, and so
+    does the failure path's ("cancel"); the loop must survive it and fail the request at once,
+    not leave every request on the worker waiting for its client's timeout. (A stub TP worker
+    stands for the broken group: in-process, no Ray.)"""
+    path = checkpoints["llama"]
+    prefill, decode = make_pair(path)
+    sched = decode.scheduler
+    ids = prompts(1, 20, 20, seed=8)[0]
+
+    class GoneFollowers:
+        def call_followers(self, name, payload):
+            raise RuntimeError(f"{name}: connection closed by peer")
+
+    async def go():
+        handoffs = await decode.reserve("t", ids, GREEDY)
+        notice = await prefill.prefill("t", ids, GREEDY, handoffs)
+
+        def break_group():  # rank 0's own share landed; the followers are asked next
+            sched.has_followers, sched.tp_worker = True, GoneFollowers()
+
+        decode.loop.run_exclusive(break_group)
+        start = time.monotonic()
+        try:
+            await asyncio.wait_for(decode.stream("t", notice).__anext__(), 5)
+            answer = "answered"
+        except Exception:  # noqa: BLE001 - an error is the right answer, if it comes at once
+            answer = "failed"
+        return answer if time.monotonic() - start < 4 else "no answer within 4 s"
+
+    answer = asyncio.run(go())
+    alive = decode.loop._thread.is_alive()
+    sched.has_followers = False  # (to shut down)
+    prefill.shutdown()
+    decode.shutdown()
+    assert (answer, alive) == ("failed", True)
+
+
+# ---- failures inside a batch and a step ----------------------------------------------------------
+def test_a_request_finished_earlier_in_a_failed_decode_batch_is_not_released_twice(checkpoints):
+    """Decode batch [x, y]: x's last token is sampled (x finishes, its row and slots go back at
+    once), then sampling y raises. x is told it finished; y fails; nothing is given back twice
+    (a slot on the free list twice would let two later requests share KV)."""
+    path = checkpoints["llama"]
+    prefill, decode = make_pair(path)
+    sched = decode.scheduler
+    ids_x, ids_y = prompts(2, 20, 20, seed=11)
+    real = sched._sample
+    seen = {}
+
+    def sample(req, *args, **kwargs):
+        if req.rid == "y" and seen.get("x_done") == decode.runner.num_forwards:
+            sched._sample = real
+            raise RuntimeError("injected sampling error")
+        real(req, *args, **kwargs)
+        if req.rid == "x" and req.finished:
+            seen["x_done"] = decode.runner.num_forwards  # x ended in this batch
+
+    async def go():
+        x = asyncio.ensure_future(run_pd(prefill, decode, ids_x, {"max_new_tokens": 30, "temperature": 0,
+                                                                   "ignore_eos": True}, rid="x"))
+        while not decode.loop.run_exclusive(lambda: any(r.rid == "x" for r in sched.running)):
+            await asyncio.sleep(0.005)
+        y = asyncio.ensure_future(run_pd(prefill, decode, ids_y, LONG, rid="y"))
+        while not decode.loop.run_exclusive(lambda: any(r.rid == "y" for r in sched.running)):
+            await asyncio.sleep(0.005)
+        decode.loop.run_exclusive(lambda: setattr(sched, "_sample", sample))
+        await asyncio.gather(x, y, return_exceptions=True)
+        return decode.loop.run_exclusive(lambda: [r.rid for r in sched.running])
+
+    running = asyncio.run(go())
+    assert running == [] and "x_done" in seen
+    assert leaks(prefill, decode) == [None, None]
+
+
+def test_a_failure_inside_a_decode_batch_gives_back_what_its_requests_held(checkpoints):
+    """Sampling raises inside a decode batch, between the allocator's free_group_begin and
+    free_group_end: the group still ends, so the failure path's frees (the request's row and
+    slots) are made, not parked in a group the next step's begin would drop."""
+    path = checkpoints["llama"]
+    prefill, decode = make_pair(path)
+    sched = decode.scheduler
+    ids = prompts(1, 20, 20, seed=12)[0]
+    real = sched._sample
+
+    def sample(req, *args, **kwargs):
+        sched._sample = real
+        raise RuntimeError("injected sampling error")
+
+    async def go():
+        task = asyncio.ensure_future(run_pd(prefill, decode, ids, LONG, rid="y"))
+        while not decode.loop.run_exclusive(lambda: any(r.rid == "y" for r in sched.running)):
+            await asyncio.sleep(0.005)
+        decode.loop.run_exclusive(lambda: setattr(sched, "_sample", sample))
+        with pytest.raises(Exception):
+            await asyncio.wait_for(task, 10)
+        await run_pd(prefill, decode, ids, GREEDY)  # the next request: its decode steps begin new free groups
+
+    asyncio.run(go())
+    assert leaks(prefill, decode) == [None, None]
+
+
+def test_a_reservation_that_ended_earlier_in_a_failed_step_is_told(checkpoints):
+    """A broken decode TP group: in one step the reservation of "a" fails (its followers cannot
+    be asked to "expect": it is dropped, finished and released), then "t"'s landing asks the
+    followers and raises. "a" is in no queue any more, yet its caller is told."""
+    path = checkpoints["llama"]
+    prefill, decode = make_pair(path)
+    sched = decode.scheduler
+    ids, other = prompts(2, 20, 20, seed=13)
+
+    class GoneFollowers:
+        def call_followers(self, name, payload):
+            raise RuntimeError(f"{name}: connection closed by peer")
+
+    async def go():
+        handoffs = await decode.reserve("t", ids, GREEDY)
+        notice = await prefill.prefill("t", ids, GREEDY, handoffs)
+        decode.loop.pause()
+        await asyncio.sleep(0.05)  # the step in progress ends
+
+        def break_group():
+            sched.has_followers, sched.tp_worker = True, GoneFollowers()
+
+        decode.loop.run_exclusive(break_group)
+        reserving = asyncio.ensure_future(decode.reserve("a", other, GREEDY))
+        streaming = asyncio.ensure_future(decode.stream("t", notice).__anext__())
+        await asyncio.sleep(0.05)  # "a" queued for a reservation, "t"'s notice in: one step takes both
+        decode.loop.resume()
+        try:
+            await asyncio.wait_for(reserving, 5)
+            answer = "reserved"
+        except asyncio.TimeoutError:
+            answer = "no answer (hangs)"
+        except Exception:  # noqa: BLE001 - failing is the right answer
+            answer = "failed"
+        await asyncio.gather(asyncio.wait_for(streaming, 5), return_exceptions=True)
+        return answer
+
+    answer = asyncio.run(go())
+    sched.has_followers = False  # (to shut down)
+    prefill.shutdown()
+    decode.shutdown()
+    assert answer == "failed"
+
+
+def test_a_retracted_request_re_prefilled_in_chunks_is_not_starved_by_new_reservations(checkpoints):
+    """As above, with the retracted request re-prefilled in chunks: after its first chunk it is
+    the scheduler's ``chunked_req``, no longer in ``waiting``, and still no reservation takes
+    the room its next chunks need."""
+    path = checkpoints["llama"]
+    decode_args = {"max_total_tokens": 128, "init_new_token_ratio": 0.02, "min_new_token_ratio": 0.02,
+                   "chunked_prefill_size": 8}
+    prefill, decode = make_pair(path, decode_args=decode_args, num_reserved_decode_tokens=2)
+    sched = decode.scheduler
+    first = prompts(1, 30, 30, seed=6)[0]
+    big = prompts(4, 100, 100, seed=7)
+    short = {"max_new_tokens": 4, "temperature": 0}
+
+    def back(task):  # A re-prefilled: decoding again (or done)
+        return task.done() or decode.loop.run_exclusive(lambda: any(r.rid == "A" for r in sched.running))
+
+    async def go():
+        task = asyncio.ensure_future(run_pd(prefill, decode, first, {"max_new_tokens": 60, "temperature": 0,
+                                                                     "ignore_eos": True}, rid="A"))
+        while not decode.loop.run_exclusive(lambda: any(len(r.output_ids) >= 3 for r in sched.running)):
+            await asyncio.sleep(0.005)
+        decode.loop.pause()
+        await asyncio.sleep(0.05)
+        decode.loop.run_exclusive(sched._retract_one)  # as KV pressure does
+        held = [asyncio.ensure_future(decode.reserve("n0", big[0], short))]
+        decode.loop.resume()
+        await asyncio.wait_for(held[0], 10)
+        history = [back(task)]
+        for i in range(1, 4):  # one newcomer queued, then the one holding the room goes away
+            held.append(asyncio.ensure_future(decode.reserve(f"n{i}", big[i], short)))
+            await asyncio.sleep(0.05)
+            assert await decode.abort(f"n{i - 1}", safe=True)
+            await asyncio.wait_for(held[i], 10)
+            history.append(back(task))
+        assert await decode.abort("n3", safe=True)
+        await asyncio.wait_for(task, 60)
+        return history
+
+    history = asyncio.run(go())
+    assert leaks(prefill, decode) == [None, None]
+    assert history == [True] * 4, f"A re-admitted before each newcomer's reservation: {history}"
