@@ -244,8 +244,12 @@ class PrefillScheduler(Scheduler):
                     self._finish_push(req)
                 self.push_time += req.pd_transfer_time
                 self.bytes_pushed += req.pd_transfer_bytes
-        for req in done:
-            self.tree_cache.cache_finished_req(req)
+        try:
+            for req in done:
+                self.tree_cache.cache_finished_req(req)
+        except BaseException:  # out of ``inflight`` and finished: the loop's failure path tells them
+            self._aborted += done
+            raise
         return done
 
     def _cancel_pushes(self, push_id: Optional[str]) -> None:

@@ -67,6 +67,7 @@ class PDClient:
         self.inflight = 0
         self._live_rids: set = set()  # ids of the requests in flight through this client
         self._unreleased: set = set()  # ids of requests given up while routed, until their route is released
+        self._tasks: set = set()
 
     # ---- choosing workers -----------------------------------------------------------
     def _pick(self, role: str) -> WorkerRef:
@@ -84,7 +85,7 @@ class PDClient:
             decision = await asyncio.shield(routing)
         except asyncio.CancelledError:  # the caller left (its client did), the router places it all the same:
             self._unreleased.add(rid)  # its route is released once made; until then its id is not free
-            routing.add_done_callback(lambda _: asyncio.ensure_future(self._forget_route(rid)))
+            routing.add_done_callback(lambda _: self._background(self._forget_route(rid)))
             raise
         except Exception as exc:
             raise PDRequestError(f"the router could not place {rid}: {exc}") from exc
@@ -94,6 +95,12 @@ class PDClient:
             await self._release(rid)
             raise PDRequestError(f"the router chose a worker this client does not know: {decision}")
         return prefill, decode
+
+    def _background(self, coro) -> None:
+        """Run ``coro`` on its own, referenced until done (a task nobody holds may be collected)."""
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def _forget_route(self, rid: str) -> None:
         """Release the route of a request given up while the router placed it."""
@@ -135,8 +142,8 @@ class PDClient:
         if self.draining:
             raise PDRequestError("the cluster is draining: no new requests")
         if (sampling_params or {}).get("max_new_tokens", 1) < 1:  # refused here, before a worker is chosen
-            raise ValueError("max_new_tokens must be >= 1 when prefill and decode are disaggregated (the decode "
-                             "worker's first token is the prefill's)")
+            raise ValueError("max_new_tokens (max_tokens) must be >= 1 when prefill and decode are disaggregated "
+                             "(the first token is the prefill's)")
         rid = rid or uuid.uuid4().hex
         # (as SGLang and vLLM refuse one): the workers and the router key state by it
         if rid in self._live_rids or rid in self._unreleased:
@@ -149,7 +156,14 @@ class PDClient:
             raise
         room = random.getrandbits(63)  # this attempt: every abort below names it, never a later one under rid
         override = None if self.backend == "auto" else self.backend
-        backend = select_backend(prefill.node_id == decode.node_id, self.device, override)
+        try:
+            backend = select_backend(prefill.node_id == decode.node_id, self.device, override)
+        except BaseException:  # (a backend the pair cannot use): nothing asked of either side yet
+            try:
+                await self._release(rid)
+            finally:
+                self._live_rids.discard(rid)
+            raise
         prefill.inflight += 1
         decode.inflight += 1
         self.inflight += 1

@@ -386,3 +386,150 @@ def test_a_retracted_request_re_prefilled_in_chunks_is_not_starved_by_new_reserv
     history = asyncio.run(go())
     assert leaks(prefill, decode) == [None, None]
     assert history == [True] * 4, f"A re-admitted before each newcomer's reservation: {history}"
+
+
+# ---- a retracted request that cannot come back; failures releasing aborted requests --------------
+def test_a_retracted_request_that_can_never_come_back_does_not_stop_new_reservations(checkpoints):
+    """Pages of 8, a 64-slot decode pool (requests held to 56 tokens). R is retracted while S
+    decodes, which raises the new-token ratio to about 1: R's page-rounded re-prefill plus its
+    full decode reserve plus a page of slack exceed even the empty pool. With nothing else
+    running its reserve protects nobody, so it is capped and R comes back; new reservations,
+    held while R waits, are made again."""
+    path = checkpoints["llama"]
+    decode_args = {"max_total_tokens": 64, "init_new_token_ratio": 0.02, "min_new_token_ratio": 0.02}
+    prefill, decode = make_pair(path, page_size=8, decode_args=decode_args, num_reserved_decode_tokens=2)
+    sched = decode.scheduler
+    s_ids, r_ids, n_ids = prompts(1, 9, 9, seed=21)[0], prompts(1, 17, 17, seed=22)[0], prompts(1, 5, 5, seed=23)[0]
+    s_params = {"max_new_tokens": 20, "temperature": 0, "ignore_eos": True}
+
+    def running(rid):
+        return decode.loop.run_exclusive(lambda: any(r.rid == rid for r in sched.running))
+
+    async def consume(rid, notice):
+        final = None
+        async for final in decode.stream(rid, notice):
+            pass
+        return final
+
+    async def go():
+        hs = await decode.reserve("S", s_ids, s_params)
+        hr = await decode.reserve("R", r_ids, LONG)
+        ns = await prefill.prefill("S", s_ids, s_params, hs)
+        nr = await prefill.prefill("R", r_ids, LONG, hr)
+        s_task = asyncio.ensure_future(consume("S", ns))
+        while not running("S"):
+            await asyncio.sleep(0.002)
+        r_task = asyncio.ensure_future(consume("R", nr))
+        while not running("R"):
+            await asyncio.sleep(0.002)
+        decode.loop.pause()
+        await asyncio.sleep(0.05)
+
+        def retract():
+            assert [r.rid for r in sched.running] == ["S", "R"]  # S decoding: the ratio goes up
+            req = sched.running[-1]
+            sched._retract_one()  # as KV pressure does
+            return len(req.origin_input_ids) + len(req.output_ids)
+
+        fill = decode.loop.run_exclusive(retract)
+        decode.loop.resume()
+        await asyncio.wait_for(s_task, 30)
+        await asyncio.sleep(0.2)
+        state = decode.loop.run_exclusive(lambda: ([r.rid for r in sched.waiting], round(sched.new_token_ratio, 3),
+                                                   sched.available_tokens()))
+        try:
+            await asyncio.wait_for(decode.reserve("N", n_ids, {"max_new_tokens": 4, "temperature": 0}), 5)
+            outcome = "reserved"
+        except asyncio.TimeoutError:
+            outcome = "never reserved"
+        await decode.abort("R", "test over", safe=True)
+        await asyncio.gather(r_task, return_exceptions=True)
+        await decode.abort("N", "test over", safe=True)
+        return outcome, fill, state
+
+    outcome, fill, state = asyncio.run(go())
+    prefill.shutdown()
+    decode.shutdown()
+    assert outcome == "reserved", (f"a newcomer is never reserved on an empty decode pool: R (fill {fill}) waits "
+                                   f"forever; waiting, ratio, free slots = {state}")
+
+
+def test_a_failure_releasing_one_aborted_request_does_not_release_the_others_twice(checkpoints):
+    """Two running requests aborted before a step; giving back the second one's KV fails (once).
+    The first is given back once, the second by the failure path: nothing twice, nothing lost."""
+    path = checkpoints["llama"]
+    prefill, decode = make_pair(path)
+    sched = decode.scheduler
+    a_ids, b_ids = prompts(2, 20, 20, seed=31)
+
+    async def go():
+        attempts = {"a": {}, "b": {}}
+        tasks = [asyncio.ensure_future(run_pd(prefill, decode, ids, LONG, rid=rid, attempt=attempts[rid]))
+                 for rid, ids in (("a", a_ids), ("b", b_ids))]
+        while not decode.loop.run_exclusive(lambda: {r.rid for r in sched.running} == {"a", "b"}):
+            await asyncio.sleep(0.005)
+        decode.loop.pause()
+        await asyncio.sleep(0.05)  # the step in progress ends
+        tree = sched.tree_cache
+        real = tree.cache_finished_req
+
+        def once(req, *args, **kwargs):
+            if req.rid == "b":
+                del tree.cache_finished_req
+                raise RuntimeError("injected release error")
+            return real(req, *args, **kwargs)
+
+        for rid in ("a", "b"):
+            assert await decode.abort(rid, "the client went away", safe=True, room=attempts[rid]["room"])
+        tree.cache_finished_req = once
+        decode.loop.resume()
+        await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 10)
+
+    asyncio.run(go())
+    assert leaks(prefill, decode) == [None, None]
+
+
+def test_a_request_aborted_while_queued_is_told_when_releasing_another_aborted_one_fails(checkpoints):
+    """C's reservation is queued and aborted, B (running) is aborted too; the next step fails
+    giving back B. C, in no queue any more, is still told (its reserve() fails at once)."""
+    path = checkpoints["llama"]
+    prefill, decode = make_pair(path)
+    sched = decode.scheduler
+    b_ids, c_ids = prompts(2, 20, 20, seed=32)
+
+    async def go():
+        attempt = {}
+        b = asyncio.ensure_future(run_pd(prefill, decode, b_ids, LONG, rid="b", attempt=attempt))
+        while not decode.loop.run_exclusive(lambda: any(r.rid == "b" for r in sched.running)):
+            await asyncio.sleep(0.005)
+        decode.loop.pause()
+        await asyncio.sleep(0.05)  # the step in progress ends
+        c = asyncio.ensure_future(decode.reserve("c", c_ids, GREEDY, room=7))
+        await asyncio.sleep(0.05)  # queued for a reservation (the loop is paused)
+        tree = sched.tree_cache
+        real = tree.cache_finished_req
+
+        def once(req, *args, **kwargs):
+            if req.rid == "b":
+                del tree.cache_finished_req
+                raise RuntimeError("injected release error")
+            return real(req, *args, **kwargs)
+
+        assert await decode.abort("c", "the client went away", safe=True, room=7)
+        assert await decode.abort("b", "the client went away", safe=True, room=attempt["room"])
+        tree.cache_finished_req = once
+        decode.loop.resume()
+        try:
+            await asyncio.wait_for(c, 5)
+            answer = "reserved"
+        except asyncio.TimeoutError:
+            answer = "never told"
+        except Exception:  # noqa: BLE001 - the abort, the right answer
+            answer = "failed"
+        await asyncio.wait_for(asyncio.gather(b, return_exceptions=True), 10)
+        return answer
+
+    answer = asyncio.run(go())
+    prefill.shutdown()
+    decode.shutdown()
+    assert answer == "failed"

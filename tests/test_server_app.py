@@ -443,7 +443,7 @@ def test_generate_max_new_tokens_zero_is_a_clear_400_on_the_pd_backend(tmp_path)
             assert ok.status_code == 200 and len(ok.json()["output_ids"]) == 2, ok.text  # the PD path serves
             r = httpx.post(server.url + "/generate", json={"input_ids": [5, 6, 7], "sampling_params": {
                 "max_new_tokens": 0}}, timeout=60)
-            assert r.status_code == 400 and "max_new_tokens must be >= 1" in r.json()["error"]["message"], r.text
+            assert r.status_code == 400 and "max_new_tokens (max_tokens) must be >= 1" in r.json()["error"]["message"], r.text
         prefill.check_integrity()
         decode.check_integrity()
     finally:

@@ -25,6 +25,7 @@ from actors.engine.req import Req
 logger = logging.getLogger(__name__)
 
 IDLE_POLL_S = 0.002
+STEP_FAILED = "engine step failed"  # what a request failed by a step's failure ends with
 Callback = Callable[[Req, Optional[BaseException]], None]
 
 
@@ -118,8 +119,8 @@ class EngineLoop:
         failed = set()
         if hasattr(sched, "fail_all"):  # a disaggregated scheduler's own queues (released there)
             try:
-                dropped = sched.fail_all("engine step failed")
-                failed.update(id(r) for r in dropped)
+                dropped = sched.fail_all(STEP_FAILED)
+                failed.update(id(r) for r in dropped if (r.finished_reason or {}).get("message") == STEP_FAILED)
                 queued += dropped
             except Exception:  # never the loop's end: its requests would wait forever
                 logger.exception("could not fail the disaggregated queues")
@@ -142,7 +143,7 @@ class EngineLoop:
                     req.mamba_pool_idx = None
             except Exception:  # keep releasing the others; the idle check will report a leak
                 logger.exception("could not release request %s", req.rid)
-            req.finish({"type": "abort", "message": "engine step failed"})
+            req.finish({"type": "abort", "message": STEP_FAILED})
         return reqs, failed
 
     def deliver_now(self, req: Req) -> None:

@@ -409,6 +409,10 @@ class Scheduler:
                 req.fill_ids = req.all_ids()
             extend = req.extend_input_len
             reserve = self._request_reserve(req)
+            if not picked and not self._decoding_reqs():  # its decode reserve would protect nobody: capped to
+                # what the pool leaves, a request held to ``_max_request_len`` always comes in (with the ratio
+                # near 1 after a retraction, its page-rounded prompt and reserve could exceed an empty pool)
+                reserve = max(0, min(reserve, rem_total - self._paged(req, extend) - self.page_size))
             chunk = extend if rem_chunk is None else min(extend, rem_chunk // self.page_size * self.page_size)
             swa_need = chunk + self._swa_reserve(reserve) + self.page_size
             fits = not (self._paged(req, extend) + reserve + self.page_size > rem_total
@@ -566,13 +570,21 @@ class Scheduler:
         return False
 
     def _release_aborted(self) -> List[Req]:
+        """The requests aborted since the last step, to tell: those queued were released by
+        ``abort``; a running (or chunked) one is released here. Failing, nothing is lost: a
+        request leaves ``running`` only once released (a retry does the rest, nothing twice)
+        and every one released stays to be told."""
         released, self._aborted = self._aborted, []
-        for req in [r for r in self.running if r.finished]:
-            self.tree_cache.cache_finished_req(req)
-            released.append(req)
-        self.running = [r for r in self.running if not r.finished]
-        if self.chunked_req is not None and self.chunked_req.finished:
-            req, self.chunked_req = self.chunked_req, None
-            self.tree_cache.cache_finished_req(req, is_insert=False)
-            released.append(req)
+        try:
+            for req in [r for r in self.running if r.finished]:
+                self.tree_cache.cache_finished_req(req)
+                self.running.remove(req)
+                released.append(req)
+            if self.chunked_req is not None and self.chunked_req.finished:
+                self.tree_cache.cache_finished_req(self.chunked_req, is_insert=False)
+                released.append(self.chunked_req)
+                self.chunked_req = None
+        except BaseException:
+            self._aborted[:0] = released
+            raise
         return released
