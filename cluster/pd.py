@@ -11,7 +11,9 @@ and ``start_router()`` the router actor that picks its pairs.
 from __future__ import annotations
 
 import functools
+import json
 import logging
+import os
 import time
 import uuid
 from typing import Any, Dict, List, Optional
@@ -140,6 +142,20 @@ def _actor_options(config, role: str) -> Dict[str, Any]:
     return options
 
 
+def check_pd_layout(model_path: str, prefill_tp: int, decode_tp: int) -> None:
+    """Refuse, before any actor starts, a layout no KV hand-off could serve: a hybrid (Mamba)
+    model's state moves whole from each prefill rank to the decode rank of the same index, so
+    both sides need the same TP size (the hand-off would refuse every request)."""
+    if prefill_tp == decode_tp:
+        return
+    with open(os.path.join(model_path, "config.json")) as f:
+        config = json.load(f)
+    layer_types = config.get("layer_types") or (config.get("text_config") or {}).get("layer_types") or []
+    if "linear_attention" in layer_types:
+        raise ValueError(f"decode.tp_size: a hybrid (Mamba) model needs the same TP size on prefill and decode "
+                         f"(prefill.tp_size={prefill_tp}, decode.tp_size={decode_tp})")
+
+
 class PDCluster:
     """The prefill and decode worker actors of one config."""
 
@@ -188,6 +204,7 @@ class PDCluster:
         """Start every worker and wait until all are healthy; if one fails, stop
         them all (pools freed, placement groups removed) and raise
         :class:`WorkerStartError` naming it."""
+        check_pd_layout(self.model_path, self.config.prefill.tp_size, self.config.decode.tp_size)
         try:
             for role in ("prefill", "decode"):
                 side = self.prefill if role == "prefill" else self.decode

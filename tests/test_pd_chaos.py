@@ -63,6 +63,7 @@ class Case:
     failure_prob: float = 0.04  # per poll of a transfer in flight: a slower model polls more per transfer
     waiting_timeout_s: float = 1.0  # the decode side's; a dropped reservation's quarantine lasts as long again
     seed: int = 7
+    clients: int = field(default=14, repr=False)  # per half of the batch (not in the repr that seeds the faults)
 
 
 @dataclass
@@ -151,8 +152,8 @@ def run_chaos(path: str, case: Case, monkeypatch):
     loads = {w.role: _count_load_backs(w) for w in (prefill, decode) if hasattr(w.scheduler.tree_cache, "init_load_back")}
     rng = random.Random(case.seed)
     shared = prompts(1, 24, 24, seed=case.seed * 10)[0]
-    batch = prompts(14, *case.first_len, seed=case.seed * 10 + 1)
-    batch += prompts(14, *case.shared_len, seed=case.seed * 10 + 2, shared=shared)
+    batch = prompts(case.clients, *case.first_len, seed=case.seed * 10 + 1)
+    batch += prompts(case.clients, *case.shared_len, seed=case.seed * 10 + 2, shared=shared)
     rng.shuffle(batch)
     monkeypatch.setattr(transfer.base, "_fault_rng", random.Random(repr(case)))
 
@@ -214,10 +215,10 @@ def test_mla_under_chaos(checkpoints, monkeypatch):
 
 HYBRID_CASES = {
     "no_buffer": Case("qwen3_next", turns=3, retry=True, decode_tokens=600, failure_prob=0.005,
-                      waiting_timeout_s=3.0),
+                      waiting_timeout_s=3.0, clients=10),
     "extra_buffer": Case("qwen3_next", page_size=16, prefill_args=EXTRA_BUFFER, decode_args=EXTRA_BUFFER,
                          turns=3, first_len=(54, 62), shared_len=(30, 38), retry=True, decode_tokens=1024, failure_prob=0.005,
-                         waiting_timeout_s=3.0),
+                         waiting_timeout_s=3.0, clients=10),
 }
 
 

@@ -42,12 +42,12 @@ def _cross_node_config(decode_tp: int):
     })
 
 
-@pytest.mark.parametrize("decode_tp", [1, 2])
-def test_cross_node_pair_uses_torch_dist_and_matches_hf(two_node_ray, monkeypatch, decode_tp):
-    """decode_tp 2: each decode rank receives its half of the heads over its own
-    gloo pair (the follower's expect/land calls)."""
+def test_cross_node_pair_uses_torch_dist_and_matches_hf(two_node_ray, monkeypatch):
+    """Prefill TP 1 → decode TP 2 on another node: each decode rank receives its half of the
+    heads over its own gloo pair (rank 0 as a TP 1 worker would, the follower through its
+    expect/land calls). (torch_dist between TP 1 workers: tests/test_pd_workers.py, in-process.)"""
     monkeypatch.setenv("RAYDIX_HOME", str(two_node_ray))
-    cluster = PDCluster(_cross_node_config(decode_tp)).start()
+    cluster = PDCluster(_cross_node_config(2)).start()
     prefill, decode = cluster.prefill[0], cluster.decode[0]
     assert prefill.node_id != decode.node_id
     client = cluster.client()

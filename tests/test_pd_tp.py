@@ -20,7 +20,6 @@ from actors.rank import TPFollower
 from cluster.pd import PDCluster, WorkerStartError
 from tests.parity import assert_greedy_parity
 from tests.pd_helpers import prompts
-from transfer.base import LayoutMismatchError
 
 GREEDY = {"max_new_tokens": 8, "temperature": 0}
 pytestmark = pytest.mark.slow
@@ -173,13 +172,16 @@ def _check_notice_comes_while_the_next_forward_runs(cluster):
     cluster.check_integrity()
 
 
-def test_hybrid_with_different_tp_sizes_is_refused_cleanly(ray_session, monkeypatch):
+def test_hybrid_with_different_tp_sizes_is_refused_before_any_actor_starts(ray_session, monkeypatch):
+    """A hybrid model's state moves whole between ranks of the same index: prefill TP 1 → decode
+    TP 2 could serve no request (the hand-off refuses it, tests/test_transfer.py), so the cluster
+    refuses to start, naming the field, with no actor or placement group made."""
     monkeypatch.setenv("RAYDIX_HOME", str(ray_session))
-    cluster = PDCluster(_config("qwen3_next", 1, 2, 1)).start()
-    with pytest.raises((LayoutMismatchError, PDRequestError), match="same TP size"):
-        _generate_all(cluster, prompts(1, 10, 10, seed=3))
-    cluster.check_integrity()
-    cluster.shutdown()
+    groups = len(ray.util.placement_group_table())
+    cluster = PDCluster(_config("qwen3_next", 1, 2, 1))
+    with pytest.raises(ValueError, match=r"decode.tp_size: a hybrid \(Mamba\) model needs the same TP size"):
+        cluster.start()
+    assert cluster.prefill == [] and cluster.decode == [] and len(ray.util.placement_group_table()) == groups
 
 
 class _FollowerWithoutShard(TPFollower):
