@@ -59,13 +59,17 @@ class WorkerBrokenError(RuntimeError):
 
 
 def is_worker_death(exc: BaseException) -> bool:
-    """A dead actor, or a worker that reports itself broken (also through a RayTaskError)."""
+    """A dead actor, or a worker that reports itself broken (also through a RayTaskError). An
+    actor only *unavailable* (Ray's ActorUnavailableError, a RayActorError: "may be available
+    later", a network blip) is not dead: heartbeats decide."""
     try:
-        from ray.exceptions import RayActorError, RayTaskError
+        from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
     except ImportError:  # pragma: no cover - ray is a dependency
         return isinstance(exc, WorkerBrokenError)
     if isinstance(exc, RayTaskError):
         exc = exc.as_instanceof_cause()
+    if isinstance(exc, ActorUnavailableError):
+        return False
     return isinstance(exc, (RayActorError, WorkerBrokenError))
 
 

@@ -67,6 +67,7 @@ class _Dispatch:
     prompt_tokens: int
     prefill_open: bool = True
     decode_open: bool = True
+    routed_at: float = 0.0
 
 
 async def call_method(target: Any, method: str, *args: Any) -> Any:
@@ -100,13 +101,21 @@ class Router:
         """Put a worker into rotation, its pages indexed from its snapshot first."""
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, not {role!r}")
+        known = self.workers.get(worker_id)  # registered again (a retry, a new handle): what it had stays
+        if known is not None and known.alive and known.handle is handle:
+            return
         worker = WorkerState(worker_id, role, handle, node_id)
-        self.index.add_worker(worker_id)
+        added = known is None or not known.alive  # (in the index: a worker in rotation)
+        if added:
+            self.index.add_worker(worker_id)
         try:
             await self._resync(worker)
-        except BaseException:
-            self.index.remove_worker(worker_id)
+        except BaseException:  # a worker already in rotation stays as it was
+            if added:
+                self.index.remove_worker(worker_id)
             raise
+        if known is not None:  # what was routed to it still counts
+            worker.inflight, worker.pending_prefill_tokens = known.inflight, known.pending_prefill_tokens
         self.workers[worker_id] = worker
 
     async def remove_worker(self, worker_id: str) -> bool:
@@ -127,11 +136,14 @@ class Router:
     def _live(self, role: str) -> List[WorkerState]:
         return [w for w in self.workers.values() if w.role == role and w.alive]
 
-    def _mark_dead(self, worker: WorkerState, why: str) -> None:
+    def _mark_dead(self, worker: WorkerState, why: str, died: bool = False) -> None:
+        """Out of the rotation and the index: for good if ``died`` (its actor is gone), else until it
+        answers a heartbeat again (a long step, a pause: its pages are indexed afresh then)."""
         if worker.alive:
             logger.warning("router: worker %s leaves the rotation: %s", worker.worker_id, why)
             self.counters["dead"] += 1
         worker.alive = False
+        worker.dead = worker.dead or died
         self.index.remove_worker(worker.worker_id)
 
     # ---- requests --------------------------------------------------------------------------
@@ -157,7 +169,8 @@ class Router:
         prefill.pending_prefill_tokens += uncached
         decode.inflight += 1
         decode.dispatched_tokens += len(input_ids)
-        self._requests[rid] = _Dispatch(prefill.worker_id, decode.worker_id, uncached, len(input_ids))
+        self._requests[rid] = _Dispatch(prefill.worker_id, decode.worker_id, uncached, len(input_ids),
+                                        routed_at=self.index.clock())
         c = self.counters
         c["routed"], c["prompt_tokens"] = c["routed"] + 1, c["prompt_tokens"] + len(input_ids)
         c["matched_tokens"], c["decode_matched_tokens"] = c["matched_tokens"] + matched, \
@@ -167,6 +180,9 @@ class Router:
 
     async def release(self, rid: str, role: Optional[str] = None) -> None:
         """The request no longer loads ``role``'s worker (None: either; the request is over)."""
+        self.release_now(rid, role)
+
+    def release_now(self, rid: str, role: Optional[str] = None) -> None:
         d = self._requests.get(rid)
         if d is None:
             return
@@ -213,6 +229,8 @@ class Router:
         for worker, result in zip(pool, results):
             if isinstance(result, BaseException):
                 logger.debug("router: events of %s: %r", worker.worker_id, result)
+                if _actor_died(result):  # no need to wait for a heartbeat: it would be chosen meanwhile
+                    self._mark_dead(worker, f"its actor died ({type(result).__name__})", died=True)
         return sum(r for r in results if isinstance(r, int))
 
     async def _pull(self, worker: WorkerState) -> int:
@@ -223,7 +241,8 @@ class Router:
                 call_method(worker.handle, "kv_events", cursor, s.max_events_per_pull), s.call_timeout_s)
             if not worker.alive or self.workers.get(worker.worker_id) is not worker or worker.event_cursor != cursor:
                 return applied  # removed, or resynced, meanwhile
-            if (events and events[0].event_id != cursor + 1) or (not events and last_id != cursor):
+            holes = events and (events[0].event_id != cursor + 1 or events[-1].event_id != cursor + len(events))
+            if holes or (not events and last_id != cursor):
                 await self._resync(worker)  # missed events (the worker's log moved on, or it restarted)
                 return applied
             for event in events:
@@ -244,12 +263,32 @@ class Router:
                 report = await asyncio.wait_for(call_method(worker.handle, "load"), s.heartbeat_interval_s)
             except Exception as exc:
                 worker.missed_heartbeats += 1
-                if _actor_died(exc) or worker.missed_heartbeats >= s.heartbeat_max_failures:
-                    self._mark_dead(worker, f"{worker.missed_heartbeats} missed heartbeats ({type(exc).__name__})")
+                died = _actor_died(exc)
+                if died or worker.missed_heartbeats >= s.heartbeat_max_failures:
+                    self._mark_dead(worker, f"{worker.missed_heartbeats} missed heartbeats ({type(exc).__name__})",
+                                    died=died)
                 return
+            if not worker.alive:  # it answers again: back in the rotation once its pages are indexed afresh
+                try:
+                    self.index.add_worker(worker.worker_id)
+                    await self._resync(worker)
+                except Exception as exc:
+                    self.index.remove_worker(worker.worker_id)
+                    logger.warning("router: worker %s answers but its snapshot failed: %r", worker.worker_id, exc)
+                    return
+                logger.warning("router: worker %s is back in the rotation", worker.worker_id)
+                worker.alive = True
             worker.report, worker.dispatched_tokens, worker.missed_heartbeats = report, 0, 0
 
-        await asyncio.gather(*(ping(w) for w in self.workers.values() if w.alive))
+        self._expire_routes()
+        await asyncio.gather(*(ping(w) for w in self.workers.values() if not w.dead))
+
+    def _expire_routes(self) -> None:
+        """Routes never released (a client that died, a release lost) stop counting as load."""
+        cutoff = self.index.clock() - self.settings.route_ttl_s
+        for rid in [rid for rid, d in self._requests.items() if d.routed_at <= cutoff]:
+            logger.warning("router: request %s was never released; it stops counting as load", rid)
+            self.release_now(rid)
 
     async def start(self) -> None:
         """Start pulling events and heartbeats in the background (on the running event loop)."""

@@ -44,6 +44,7 @@ class RouterSettings:
     heartbeat_interval_s: float = 5.0
     heartbeat_max_failures: int = 2
     call_timeout_s: float = 5.0  # a worker call of the router's own (events, load, snapshot)
+    route_ttl_s: float = 3600.0  # a route never released (its client died) stops counting as load after this
     seed: int = 0
 
 
@@ -58,6 +59,7 @@ class WorkerState:
     handle: Any
     node_id: str = ""
     alive: bool = True
+    dead: bool = False  # its actor is gone (not alive for good; one only missing heartbeats may come back)
     missed_heartbeats: int = 0
     inflight: int = 0  # requests this router sent here and not released for this role
     pending_prefill_tokens: int = 0  # prefill: uncached prompt tokens sent here, not yet prefilled

@@ -228,6 +228,8 @@ class RouterConfig(BaseModel):
     event_interval_s: float = Field(0.05, gt=0.0, description="how often the router pulls KV events from the "
                                     "workers")
     max_events_per_pull: int = Field(4096, ge=1, description="KV events one pull takes from a worker")
+    route_ttl_s: float = Field(3600.0, gt=0.0, description="a request routed and never released (its client died, "
+                               "the release was lost) stops counting as its workers' load after this")
 
 
 class PlacementConfig(BaseModel):

@@ -222,7 +222,9 @@ class PDClient:
     async def _call(self, worker: WorkerRef, ref, timeout_s: float, rid: str):
         try:
             return await wait_for(ref, timeout_s)  # (a client gone as a token came: not decoded to the end)
-        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as exc:
+        except ray.exceptions.ActorUnavailableError as exc:  # maybe back later (a blip): heartbeats decide
+            raise PDRequestError(f"{worker.role} worker {worker.worker_id} was unavailable while serving {rid}") from exc
+        except ray.exceptions.RayActorError as exc:
             self._mark_dead(worker, type(exc).__name__)
             raise PDRequestError(f"{worker.role} worker {worker.worker_id} died while serving {rid}") from exc
         except asyncio.TimeoutError as exc:

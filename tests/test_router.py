@@ -323,3 +323,112 @@ def test_a_conversation_returns_to_the_decode_worker_that_holds_it():
         assert (decision.decode_id, decision.decode_matched_tokens) == (home[c], 44)
         run(router.release(f"c{c}-t2"))
     assert router.stats()["predicted_decode_hit_rate"] > 0.4
+
+
+# ---- liveness, leaked routes, re-registration, event holes -----------------------------------------
+def _dies(worker, exc_factory):
+    """``worker``'s actor is gone: every call the router makes raises ``exc_factory()``."""
+    def fail(*args, **kwargs):
+        raise exc_factory()
+
+    worker.kv_events = worker.cached_page_hashes = worker.load = fail
+
+
+def test_a_worker_dead_to_event_pulls_is_not_chosen():
+    """An event pull (every 50 ms) that finds the worker's actor dead takes it out of the
+    rotation and the index at once, not at the next heartbeat (5 s), during which every request
+    of the prefix it held would go to it and fail."""
+    from ray.exceptions import ActorDiedError
+
+    p, d = [FakePrefill("p0", PS), FakePrefill("p1", PS)], [FakeDecode("d0", PS)]
+    router = make_router(p, d)
+    ids = list(range(40))
+    p[0].serve(ids)
+    run(router.pull_events())
+    _dies(p[0], ActorDiedError)
+    run(router.pull_events())  # the pull saw the actor die
+    assert run(router.route("r", ids)).prefill_id == "p1"
+
+
+def test_a_transiently_unavailable_worker_is_not_dropped_at_the_first_miss():
+    """Ray's ActorUnavailableError ("temporarily unavailable but may be available later") is a
+    RayActorError but no death: one blip is one missed heartbeat of ``heartbeat_max_failures``."""
+    from ray.exceptions import ActorUnavailableError
+
+    p, d = [FakePrefill("p0", PS), FakePrefill("p1", PS)], [FakeDecode("d0", PS)]
+    router = make_router(p, d)
+    _dies(p[0], lambda: ActorUnavailableError("network blip", None))
+    run(router.heartbeat_once())
+    assert router.workers["p0"].alive  # one miss of heartbeat_max_failures=2
+
+
+def test_a_worker_that_answers_again_returns_to_the_rotation():
+    """Missed heartbeats (a long step, a GC pause) take a worker out of the rotation until it
+    answers again (a circuit breaker, as SGLang's router has); then its pages are indexed afresh."""
+    p, d = [FakePrefill("p0", PS), FakePrefill("p1", PS)], [FakeDecode("d0", PS)]
+    router = make_router(p, d)
+    p[0].failing = True
+    run(router.heartbeat_once())
+    run(router.heartbeat_once())
+    assert not router.workers["p0"].alive
+    p[0].failing = False
+    for _ in range(3):
+        run(router.heartbeat_once())
+    assert router.workers["p0"].alive
+
+
+def test_a_route_never_released_does_not_load_its_worker_forever():
+    """A client that dies (or whose release is lost) never releases its route; load counts the
+    larger of the router's own count and the worker's report, so without an end the worker would
+    look busy for good. A route stops counting after ``route_ttl_s``."""
+    clock = Clock()
+    p, d = [FakePrefill("p0", PS), FakePrefill("p1", PS)], [FakeDecode("d0", PS)]
+    router = Router(RouterSettings(page_size=PS), clock=clock)
+    for w in p + d:
+        run(router.add_worker(w.worker_id, w.role, w))
+    for i in range(10):
+        run(router.route(f"lost-{i}", [1000 + i] * 8))  # routed; the client died; never released
+    clock.now += 3600.0  # an hour on, the workers have long reported being idle
+    run(router.heartbeat_once())
+    assert [router.workers[w].load() for w in ("p0", "p1", "d0")] == [0, 0, 0]
+    assert router.stats()["inflight"] == 0
+
+
+def test_re_adding_a_worker_keeps_its_dispatched_load():
+    """A worker registered again (a retried registration) keeps the load routed to it: its
+    releases then bring the counts to 0, not below."""
+    p, d = [FakePrefill("p0", PS)], [FakeDecode("d0", PS)]
+    router = make_router(p, d)
+    run(router.route("r1", list(range(64))))
+    run(router.add_worker("p0", "prefill", p[0]))  # registered again (a retried registration)
+    assert router.workers["p0"].inflight == 1
+    run(router.release("r1"))
+    assert (router.workers["p0"].inflight, router.workers["p0"].pending_prefill_tokens) == (0, 0)
+
+
+def test_a_failed_re_add_leaves_the_worker_in_the_index():
+    """A re-registration whose snapshot fails (here a page size that does not match) leaves the
+    worker in rotation as it was, still in the index."""
+    p, d = [FakePrefill("p0", PS)], [FakeDecode("d0", PS)]
+    router = make_router(p, d)
+    with pytest.raises(ValueError, match="page_size 8"):
+        run(router.add_worker("p0", "prefill", FakePrefill("p0", 8)))
+    assert router.workers["p0"].alive
+    assert run(router.route("r1", list(range(16)))).prefill_id == "p0"
+
+
+def test_a_hole_inside_an_event_batch_resyncs():
+    """A worker's event queue drops its oldest events when it overflows; when another consumer
+    had drained the events before the hole, a batch starts at the cursor yet misses events in
+    its middle: the router sees the hole and re-indexes the worker from its snapshot."""
+    p, d = [FakePrefill("p0", PS)], [FakeDecode("d0", PS)]
+    router = make_router(p, d)
+    run(router.pull_events())
+    p[0].serve(list(range(100, 108)))
+    p[0]._drain_kv_events()  # another router's pull moved this event into the log
+    p[0].cache.events.max_pending = 4
+    for s in range(10):  # 10 stores: the queue keeps only the newest
+        p[0].serve([200 + s] * 8)
+    run(router.pull_events())
+    held = {h for chain in p[0].cache.stored_page_hashes() for h in chain}
+    assert router.index.num_pages("p0") == len(held)
