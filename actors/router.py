@@ -139,12 +139,15 @@ class Router:
     def _mark_dead(self, worker: WorkerState, why: str, died: bool = False) -> None:
         """Out of the rotation and the index: for good if ``died`` (its actor is gone), else until it
         answers a heartbeat again (a long step, a pause: its pages are indexed afresh then)."""
+        if self.workers.get(worker.worker_id) is not worker:  # removed or replaced meanwhile: not its index
+            worker.alive = False
+            return
         if worker.alive:
             logger.warning("router: worker %s leaves the rotation: %s", worker.worker_id, why)
             self.counters["dead"] += 1
+            self.index.remove_worker(worker.worker_id)
         worker.alive = False
         worker.dead = worker.dead or died
-        self.index.remove_worker(worker.worker_id)
 
     # ---- requests --------------------------------------------------------------------------
     async def route(self, rid: str, input_ids: Sequence[int], extra_key: Optional[str] = None) -> RouteDecision:
@@ -269,12 +272,18 @@ class Router:
                                     died=died)
                 return
             if not worker.alive:  # it answers again: back in the rotation once its pages are indexed afresh
+                if self.workers.get(worker.worker_id) is not worker or worker.dead:
+                    return  # removed or replaced while the heartbeat was out
                 try:
                     self.index.add_worker(worker.worker_id)
                     await self._resync(worker)
                 except Exception as exc:
                     self.index.remove_worker(worker.worker_id)
                     logger.warning("router: worker %s answers but its snapshot failed: %r", worker.worker_id, exc)
+                    return
+                if self.workers.get(worker.worker_id) is not worker or worker.dead:  # ... or while it resynced
+                    if self.workers.get(worker.worker_id) is None:
+                        self.index.remove_worker(worker.worker_id)
                     return
                 logger.warning("router: worker %s is back in the rotation", worker.worker_id)
                 worker.alive = True

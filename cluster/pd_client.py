@@ -40,7 +40,9 @@ class WorkerRef:
     role: str
     handle: Any
     node_id: str
-    alive: bool = True
+    alive: bool = True  # in the rotation
+    dead: bool = False  # its actor is gone: it writes nothing more (out of the rotation for good)
+    suspended: bool = False  # out of the rotation for missed heartbeats: back when it answers again
     missed_heartbeats: int = 0
     inflight: int = 0
     stats: Dict[str, Any] = field(default_factory=dict)
@@ -123,10 +125,17 @@ class PDClient:
         except Exception as exc:  # the router is gone: a new one counts load afresh
             logger.warning("router release of %s failed: %s", rid, exc)
 
-    def _mark_dead(self, worker: WorkerRef, why: str) -> None:
+    def _mark_dead(self, worker: WorkerRef, why: str, died: bool = True) -> None:
+        """Out of the rotation: for good if ``died`` (its actor is gone), else until it answers a
+        heartbeat again (a long step or a pause; it may still be pushing, so it is never taken
+        for a process that writes nothing)."""
         if worker.alive:
             logger.warning("worker %s leaves the rotation: %s", worker.worker_id, why)
         worker.alive = False
+        if died:
+            worker.dead, worker.suspended = True, False
+        elif not worker.dead:
+            worker.suspended = True
 
     # ---- requests ---------------------------------------------------------------------
     async def generate(self, input_ids: List[int], sampling_params: Optional[Dict[str, Any]] = None,
@@ -205,7 +214,7 @@ class PDClient:
             prefill.inflight -= 1
             decode.inflight -= 1
             self.inflight -= 1
-            if not (finished or decode_told) and decode.alive:  # after the notice: the caller went away or a
+            if not (finished or decode_told) and not decode.dead:  # after the notice: the caller went away or a
                 decode.handle.abort.remote(rid, "the client went away", True, room)  # call failed; nothing can push
             try:
                 await self._release(rid)  # (before the id is free again: a new request under it routes afresh)
@@ -238,13 +247,14 @@ class PDClient:
     async def _stop_prefill(self, prefill: WorkerRef, rid: str, room: int) -> bool:
         """Make sure ``prefill`` will not push the KV of ``rid``'s attempt ``room`` (its
         hand-offs' room; the client may send the id again); True when that is certain."""
-        if not prefill.alive:
-            return True  # a dead process writes nothing
+        if prefill.dead:
+            return True  # a dead process writes nothing (one only out of the rotation may)
         try:
             await asyncio.wait_for(prefill.handle.abort.remote(rid, "aborted", room), timeout=5)
             return True
         except Exception as exc:
-            if isinstance(exc, ray.exceptions.RayActorError):
+            if is_worker_death(exc):  # (not one only unavailable for a moment: it may come back and push)
+                self._mark_dead(prefill, type(exc).__name__)
                 return True
             logger.warning("could not stop the prefill of %s on %s: %s", rid, prefill.worker_id, exc)
             return False
@@ -258,7 +268,7 @@ class PDClient:
 
     # ---- heartbeats --------------------------------------------------------------------
     async def heartbeat_once(self) -> None:
-        workers = [w for w in self.prefill + self.decode if w.alive]
+        workers = [w for w in self.prefill + self.decode if w.alive or w.suspended]
 
         async def ping(w: WorkerRef) -> None:
             try:
@@ -267,8 +277,13 @@ class PDClient:
                 w.missed_heartbeats = 0
             except Exception as exc:
                 w.missed_heartbeats += 1
-                if is_worker_death(exc) or w.missed_heartbeats >= self.heartbeat_max_failures:
-                    self._mark_dead(w, f"{w.missed_heartbeats} missed heartbeats ({type(exc).__name__})")
+                died = is_worker_death(exc)
+                if died or w.missed_heartbeats >= self.heartbeat_max_failures:
+                    self._mark_dead(w, f"{w.missed_heartbeats} missed heartbeats ({type(exc).__name__})", died=died)
+                return
+            if w.suspended and not w.dead:  # it answers again: back in the rotation
+                logger.warning("worker %s is back in the rotation", w.worker_id)
+                w.alive, w.suspended = True, False
 
         await asyncio.gather(*(ping(w) for w in workers))
 

@@ -432,3 +432,135 @@ def test_a_hole_inside_an_event_batch_resyncs():
     run(router.pull_events())
     held = {h for chain in p[0].cache.stored_page_hashes() for h in chain}
     assert router.index.num_pages("p0") == len(held)
+
+
+# ---- races of liveness with removal and replacement; the client's view of a worker -------------------
+class _GatedPrefill(FakePrefill):
+    """A FakePrefill whose next ``load`` / ``kv_events`` waits for ``gate`` (an answer in flight)."""
+
+    def __init__(self, worker_id, page_size):
+        super().__init__(worker_id, page_size)
+        self.gate_load = self.gate_events = None
+        self.events_raise = None
+
+    async def load(self):
+        if self.gate_load is not None:
+            await self.gate_load.wait()
+        return FakePrefill.load(self)
+
+    async def kv_events(self, since_id=0, max_events=4096):
+        if self.gate_events is not None:
+            await self.gate_events.wait()
+            if self.events_raise is not None:
+                raise self.events_raise()
+        return await FakePrefill.kv_events(self, since_id, max_events)
+
+
+async def _settle():
+    for _ in range(20):
+        await asyncio.sleep(0)
+
+
+def test_a_worker_removed_while_its_heartbeat_is_in_flight_stays_out_of_the_index():
+    """A worker removed while a heartbeat to it is out: its answer does not bring it back into
+    the rotation or the index (it is no longer the router's)."""
+    p0 = _GatedPrefill("p0", PS)
+    p, d = [p0, FakePrefill("p1", PS)], [FakeDecode("d0", PS)]
+    router = make_router(p, d)
+    p0.serve(list(range(40)))
+
+    async def scenario():
+        p0.gate_load = asyncio.Event()
+        beat = asyncio.ensure_future(router.heartbeat_once())
+        await _settle()  # p0's load() is in flight
+        assert await router.remove_worker("p0")
+        p0.gate_load.set()
+        await beat
+
+    run(scenario())
+    assert "p0" not in router.workers
+    assert "p0" not in router.index.workers() and router.index.num_pages("p0") == 0
+
+
+def test_a_stale_pull_that_finds_the_old_actor_dead_does_not_unindex_its_replacement():
+    """A worker registered again under its id (a new actor) while a pull to the old actor is out:
+    that pull finding the old actor dead leaves the new registration, and its index, alone."""
+    from ray.exceptions import ActorDiedError
+
+    old = _GatedPrefill("p0", PS)
+    router = make_router([old], [FakeDecode("d0", PS)])
+
+    async def scenario():
+        old.gate_events, old.events_raise = asyncio.Event(), ActorDiedError
+        pull = asyncio.ensure_future(router.pull_events())
+        await _settle()  # the pull of the old actor is in flight
+        await router.add_worker("p0", "prefill", FakePrefill("p0", PS))  # its new actor registers
+        old.gate_events.set()  # the old actor's pull fails: it died
+        await pull
+        assert router.workers["p0"].alive
+        assert "p0" in router.index.workers()
+        return await router.route("r", list(range(16)))
+
+    assert run(scenario()).prefill_id == "p0"
+
+
+class _Remote:
+    def __init__(self, fn):
+        self.fn = fn
+
+    def remote(self, *args):
+        async def call():
+            result = self.fn(*args)
+            return await result if asyncio.iscoroutine(result) else result
+        return call()
+
+
+class _ClientHandle:
+    """What a PDClient calls on a worker: ``load`` and ``abort`` of a FakePrefill, with ``.remote``."""
+
+    def __init__(self, worker, abort_exc=None):
+        self.worker, self.aborts, self.abort_exc = worker, [], abort_exc
+        self.load = _Remote(lambda: worker.load())
+        self.abort = _Remote(self._abort)
+
+    def _abort(self, *args):
+        if self.abort_exc is not None:
+            raise self.abort_exc()
+        self.aborts.append(args)
+
+
+def test_a_worker_the_router_takes_back_is_not_dead_to_the_client():
+    """A worker out of the rotation for missed heartbeats, not dead, is no process that writes
+    nothing: the client still stops its prefill (an abort) before the decode side may free the
+    slots, and takes it back into its own rotation once it answers."""
+    from cluster.pd_client import PDClient, WorkerRef
+
+    p0 = FakePrefill("p0", PS)
+    p, d = [p0, FakePrefill("p1", PS)], [FakeDecode("d0", PS)]
+    router = make_router(p, d)
+    refs = [WorkerRef(w.worker_id, w.role, _ClientHandle(w), "n") for w in p + d]
+    client = PDClient(refs[:2], refs[2:], router=router, heartbeat_max_failures=2)
+    p0.failing = True
+    for _ in range(2):  # a long pause: both the router and the client drop it
+        run(router.heartbeat_once())
+        run(client.heartbeat_once())
+    p0.failing = False
+    for _ in range(2):
+        run(router.heartbeat_once())
+        run(client.heartbeat_once())
+    assert router.workers["p0"].alive  # the router routes to it again
+    run(client._stop_prefill(refs[0], "r", 1))  # a request on it fails (its client left during prefill)
+    assert refs[0].handle.aborts, "the live prefill worker was never told to stop"
+
+
+def test_stop_prefill_does_not_take_an_unavailable_prefill_for_dead():
+    """An abort that meets ActorUnavailableError (a blip: the actor may come back and push) is
+    no certainty that the prefill writes nothing."""
+    from ray.exceptions import ActorUnavailableError
+
+    from cluster.pd_client import PDClient, WorkerRef
+
+    p0 = FakePrefill("p0", PS)
+    ref = WorkerRef("p0", "prefill", _ClientHandle(p0, abort_exc=lambda: ActorUnavailableError("blip", None)), "n")
+    client = PDClient([ref], [])
+    assert run(client._stop_prefill(ref, "r", 1)) is False
