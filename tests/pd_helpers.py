@@ -46,3 +46,13 @@ def run_batch(prefill, decode, batch: List[List[int]], params: Optional[Dict] = 
 def prompts(n: int, lo: int, hi: int, seed: int = 0, shared=(), vocab: int = 250) -> List[List[int]]:
     rng = random.Random(seed)
     return [list(shared) + [rng.randrange(3, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def make_pair(path, page_size=1, prefill_args=None, decode_args=None, backend="shm", **decode_kwargs):
+    """A prefill and a decode worker in this process (no Ray) over the tiny checkpoint at ``path``."""
+    from actors.workers import DecodeWorker, PrefillWorker
+
+    base = dict(max_total_tokens=2048, page_size=page_size, skip_tokenizer_init=True)
+    prefill = PrefillWorker(path, dict(base, **(prefill_args or {})), backend=backend)
+    decode = DecodeWorker(path, dict(base, **(decode_args or {})), backend=backend, **decode_kwargs)
+    return prefill, decode

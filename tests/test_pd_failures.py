@@ -10,8 +10,7 @@ import pytest
 
 from actors.engine.tiny import build_tiny_checkpoint
 from actors.pd_scheduler import PDRequestError
-from actors.workers import DecodeWorker, PrefillWorker
-from tests.pd_helpers import prompts, run_pd
+from tests.pd_helpers import make_pair, prompts, run_pd
 
 GREEDY = {"max_new_tokens": 8, "temperature": 0}
 LONG = {"max_new_tokens": 200, "temperature": 0, "ignore_eos": True}
@@ -21,13 +20,6 @@ LONG = {"max_new_tokens": 200, "temperature": 0, "ignore_eos": True}
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("pd-failures")
     return {f: str(build_tiny_checkpoint(f, root / f)) for f in ("llama",)}
-
-
-def make_pair(path, page_size=1, prefill_args=None, decode_args=None, **decode_kwargs):
-    base = dict(max_total_tokens=2048, page_size=page_size, skip_tokenizer_init=True)
-    prefill = PrefillWorker(path, dict(base, **(prefill_args or {})))
-    decode = DecodeWorker(path, dict(base, **(decode_args or {})), **decode_kwargs)
-    return prefill, decode
 
 
 def wait_idle(worker, timeout_s=5.0):

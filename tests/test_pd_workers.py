@@ -17,7 +17,7 @@ from actors.kv_push import KVPusher, PushChunk, PushResult
 from actors.workers import DecodeWorker, PrefillWorker
 from mem_cache.radix_key import RadixKey
 from tests.parity import assert_greedy_parity
-from tests.pd_helpers import prompts, run_batch, run_pd
+from tests.pd_helpers import make_pair, prompts, run_batch, run_pd
 from transfer.base import KVHandoff, LayoutMismatchError
 
 GREEDY = {"max_new_tokens": 8, "temperature": 0}
@@ -27,13 +27,6 @@ GREEDY = {"max_new_tokens": 8, "temperature": 0}
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("pd-models")
     return {f: str(build_tiny_checkpoint(f, root / f)) for f in ("llama", "qwen3_next", "deepseek_v3", "gemma3")}
-
-
-def make_pair(path, page_size=1, prefill_args=None, decode_args=None, backend="shm", **decode_kwargs):
-    base = dict(max_total_tokens=2048, page_size=page_size, skip_tokenizer_init=True)
-    prefill = PrefillWorker(path, dict(base, **(prefill_args or {})), backend=backend)
-    decode = DecodeWorker(path, dict(base, **(decode_args or {})), backend=backend, **decode_kwargs)
-    return prefill, decode
 
 
 def close(*workers):

@@ -18,15 +18,7 @@ from cluster.http_server import BackgroundServer
 from cluster.server import build_app
 from cluster.streaming import TextDelta
 from tests.backend_stubs import StubBackend
-
-
-def wait_for(predicate, timeout_s: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
+from tests.server_helpers import wait_until
 
 
 class ScriptedBackend(StubBackend):
@@ -252,11 +244,11 @@ def test_a_client_gone_before_its_answer_aborts_its_request(served, backend, pat
             backend.closed.clear()
             with pytest.raises(httpx.ReadTimeout):
                 httpx.post(server.url + path, json=body, timeout=timeout_s)
-            assert wait_for(lambda: backend.closed, timeout_s=3.0), "the request is still generating"
-            assert wait_for(lambda: app.state.admission.running == 0, timeout_s=3.0)
+            assert wait_until(lambda: backend.closed, timeout_s=3.0), "the request is still generating"
+            assert wait_until(lambda: app.state.admission.running == 0, timeout_s=3.0)
     finally:
         backend.delay_s = 0.0
-        wait_for(lambda: app.state.admission.running == 0, timeout_s=15.0)
+        wait_until(lambda: app.state.admission.running == 0, timeout_s=15.0)
 
 
 def test_text_prompts_get_the_tokenizers_special_tokens_and_chat_prompts_the_templates():
