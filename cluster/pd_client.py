@@ -281,7 +281,7 @@ class PDClient:
                 if died or w.missed_heartbeats >= self.heartbeat_max_failures:
                     self._mark_dead(w, f"{w.missed_heartbeats} missed heartbeats ({type(exc).__name__})", died=died)
                 return
-            if w.suspended and not w.dead:  # it answers again: back in the rotation
+            if w.suspended:  # it answers again (never a dead one): back in the rotation
                 logger.warning("worker %s is back in the rotation", w.worker_id)
                 w.alive, w.suspended = True, False
 

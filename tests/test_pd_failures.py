@@ -43,6 +43,26 @@ def leaks(*workers):
     return out
 
 
+class _GoneFollowers:
+    """A decode TP group whose follower ranks are gone (in-process, no Ray)."""
+
+    def call_followers(self, name, payload):
+        raise RuntimeError(f"{name}: connection closed by peer")
+
+
+def _fail_releasing_once(tree, rid):
+    """The next release of ``rid``'s KV into ``tree`` raises; later ones work."""
+    real = tree.cache_finished_req
+
+    def once(req, *args, **kwargs):
+        if req.rid == rid:
+            del tree.cache_finished_req
+            raise RuntimeError("injected release error")
+        return real(req, *args, **kwargs)
+
+    tree.cache_finished_req = once
+
+
 # ---- 1. a notice that _start_decoding cannot take -------------------------------------------------
 @pytest.mark.parametrize("bad", ["no_first_token", "bad_generator_state"])
 def test_a_notice_the_decode_side_cannot_take_fails_its_request_only_and_leaks_nothing(checkpoints, bad):
@@ -143,54 +163,7 @@ def test_a_running_request_aborted_just_before_a_failed_step_is_released(checkpo
     assert leaks(prefill, decode) == [None, None]
 
 
-# ---- 4. pre-allocation overtakes retracted requests ------------------------------------------------
-def test_a_retracted_request_is_not_starved_by_new_reservations(checkpoints):
-    """A decode request retracted under KV pressure waits to be re-prefilled locally. It was
-    decoding before any reservation queued since, so the room that frees is its first (as
-    SGLang's decode resumes its retracted queue before it pre-allocates): under a steady
-    stream of new requests it still comes back."""
-    path = checkpoints["llama"]
-    decode_args = {"max_total_tokens": 128, "init_new_token_ratio": 0.02, "min_new_token_ratio": 0.02}
-    prefill, decode = make_pair(path, decode_args=decode_args, num_reserved_decode_tokens=2)
-    sched = decode.scheduler
-    first = prompts(1, 30, 30, seed=6)[0]
-    big = prompts(4, 100, 100, seed=7)
-    short = {"max_new_tokens": 4, "temperature": 0}
-
-    def in_waiting():
-        return decode.loop.run_exclusive(lambda: [r.rid for r in sched.waiting])
-
-    async def go():
-        task = asyncio.ensure_future(run_pd(prefill, decode, first, {"max_new_tokens": 60, "temperature": 0,
-                                                                     "ignore_eos": True}, rid="A"))
-        while not decode.loop.run_exclusive(lambda: any(len(r.output_ids) >= 3 for r in sched.running)):
-            await asyncio.sleep(0.005)
-        decode.loop.pause()
-        await asyncio.sleep(0.05)
-        decode.loop.run_exclusive(sched._retract_one)  # as KV pressure does
-        assert in_waiting() == ["A"]
-        held = [asyncio.ensure_future(decode.reserve("n0", big[0], short))]
-        decode.loop.resume()
-        await asyncio.wait_for(held[0], 10)
-        history = []
-        for i in range(1, 4):  # one newcomer queued (no room), then the one holding the room goes away
-            held.append(asyncio.ensure_future(decode.reserve(f"n{i}", big[i], short)))
-            await asyncio.sleep(0.05)
-            assert await decode.abort(f"n{i - 1}", safe=True)
-            await asyncio.wait_for(held[i], 10)
-            await asyncio.sleep(0.05)
-            history.append("A" in in_waiting())
-        assert await decode.abort("n3", safe=True)
-        await asyncio.wait_for(task, 60)  # it runs once nobody overtakes it
-        return history
-
-    history = asyncio.run(go())
-    state = leaks(prefill, decode)
-    assert state == [None, None]
-    assert history == [False, False, False], f"A still waiting after each newcomer: {history}"
-
-
-# ---- 5. a broken decode TP group kills the engine loop -------------------------------------------
+# ---- 4. a broken decode TP group ------------------------------------------------------------------
 def test_a_broken_decode_tp_group_fails_the_requests_instead_of_killing_the_loop(checkpoints):
     """Decode TP > 1 with a follower rank gone: the step's call to the followers fails, and so
     does the failure path's ("cancel"); the loop must survive it and fail the request at once,
@@ -201,16 +174,12 @@ def test_a_broken_decode_tp_group_fails_the_requests_instead_of_killing_the_loop
     sched = decode.scheduler
     ids = prompts(1, 20, 20, seed=8)[0]
 
-    class GoneFollowers:
-        def call_followers(self, name, payload):
-            raise RuntimeError(f"{name}: connection closed by peer")
-
     async def go():
         handoffs = await decode.reserve("t", ids, GREEDY)
         notice = await prefill.prefill("t", ids, GREEDY, handoffs)
 
         def break_group():  # rank 0's own share landed; the followers are asked next
-            sched.has_followers, sched.tp_worker = True, GoneFollowers()
+            sched.has_followers, sched.tp_worker = True, _GoneFollowers()
 
         decode.loop.run_exclusive(break_group)
         start = time.monotonic()
@@ -229,7 +198,7 @@ def test_a_broken_decode_tp_group_fails_the_requests_instead_of_killing_the_loop
     assert (answer, alive) == ("failed", True)
 
 
-# ---- failures inside a batch and a step ----------------------------------------------------------
+# ---- failures inside a batch and a step; retracted requests before reservations ---------------
 def test_a_request_finished_earlier_in_a_failed_decode_batch_is_not_released_twice(checkpoints):
     """Decode batch [x, y]: x's last token is sampled (x finishes, its row and slots go back at
     once), then sampling y raises. x is told it finished; y fails; nothing is given back twice
@@ -302,10 +271,6 @@ def test_a_reservation_that_ended_earlier_in_a_failed_step_is_told(checkpoints):
     sched = decode.scheduler
     ids, other = prompts(2, 20, 20, seed=13)
 
-    class GoneFollowers:
-        def call_followers(self, name, payload):
-            raise RuntimeError(f"{name}: connection closed by peer")
-
     async def go():
         handoffs = await decode.reserve("t", ids, GREEDY)
         notice = await prefill.prefill("t", ids, GREEDY, handoffs)
@@ -313,7 +278,7 @@ def test_a_reservation_that_ended_earlier_in_a_failed_step_is_told(checkpoints):
         await asyncio.sleep(0.05)  # the step in progress ends
 
         def break_group():
-            sched.has_followers, sched.tp_worker = True, GoneFollowers()
+            sched.has_followers, sched.tp_worker = True, _GoneFollowers()
 
         decode.loop.run_exclusive(break_group)
         reserving = asyncio.ensure_future(decode.reserve("a", other, GREEDY))
@@ -337,13 +302,17 @@ def test_a_reservation_that_ended_earlier_in_a_failed_step_is_told(checkpoints):
     assert answer == "failed"
 
 
-def test_a_retracted_request_re_prefilled_in_chunks_is_not_starved_by_new_reservations(checkpoints):
-    """As above, with the retracted request re-prefilled in chunks: after its first chunk it is
-    the scheduler's ``chunked_req``, no longer in ``waiting``, and still no reservation takes
-    the room its next chunks need."""
+@pytest.mark.parametrize("chunk", [None, 8])
+def test_a_retracted_request_is_not_starved_by_new_reservations(checkpoints, chunk):
+    """A decode request retracted under KV pressure waits to be re-prefilled locally. It was
+    decoding before any reservation queued since, so the room that frees is its first (as
+    SGLang's decode resumes its retracted queue before it pre-allocates): under a steady
+    stream of new requests it comes back. Re-prefilled in chunks (``chunk``), after its first
+    chunk it is the scheduler's ``chunked_req``, no longer in ``waiting``, and still no
+    reservation takes the room its next chunks need."""
     path = checkpoints["llama"]
     decode_args = {"max_total_tokens": 128, "init_new_token_ratio": 0.02, "min_new_token_ratio": 0.02,
-                   "chunked_prefill_size": 8}
+                   "chunked_prefill_size": chunk}
     prefill, decode = make_pair(path, decode_args=decode_args, num_reserved_decode_tokens=2)
     sched = decode.scheduler
     first = prompts(1, 30, 30, seed=6)[0]
@@ -462,18 +431,9 @@ def test_a_failure_releasing_one_aborted_request_does_not_release_the_others_twi
             await asyncio.sleep(0.005)
         decode.loop.pause()
         await asyncio.sleep(0.05)  # the step in progress ends
-        tree = sched.tree_cache
-        real = tree.cache_finished_req
-
-        def once(req, *args, **kwargs):
-            if req.rid == "b":
-                del tree.cache_finished_req
-                raise RuntimeError("injected release error")
-            return real(req, *args, **kwargs)
-
         for rid in ("a", "b"):
             assert await decode.abort(rid, "the client went away", safe=True, room=attempts[rid]["room"])
-        tree.cache_finished_req = once
+        _fail_releasing_once(sched.tree_cache, "b")
         decode.loop.resume()
         await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 10)
 
@@ -498,18 +458,9 @@ def test_a_request_aborted_while_queued_is_told_when_releasing_another_aborted_o
         await asyncio.sleep(0.05)  # the step in progress ends
         c = asyncio.ensure_future(decode.reserve("c", c_ids, GREEDY, room=7))
         await asyncio.sleep(0.05)  # queued for a reservation (the loop is paused)
-        tree = sched.tree_cache
-        real = tree.cache_finished_req
-
-        def once(req, *args, **kwargs):
-            if req.rid == "b":
-                del tree.cache_finished_req
-                raise RuntimeError("injected release error")
-            return real(req, *args, **kwargs)
-
         assert await decode.abort("c", "the client went away", safe=True, room=7)
         assert await decode.abort("b", "the client went away", safe=True, room=attempt["room"])
-        tree.cache_finished_req = once
+        _fail_releasing_once(sched.tree_cache, "b")
         decode.loop.resume()
         try:
             await asyncio.wait_for(c, 5)
