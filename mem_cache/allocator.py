@@ -194,10 +194,19 @@ class BaseTokenToKVPoolAllocator:
     def _pages_of(self, slots: torch.Tensor) -> torch.Tensor:
         return torch.unique(slots.to(torch.int64) // self.page_size)
 
+    def _freed_pages(self, free_index: torch.Tensor) -> torch.Tensor:
+        """The page ids ``free(free_index)`` returns to the free list, as it returns them."""
+        raise NotImplementedError
+
     def free_page_ids(self) -> torch.Tensor:
-        """Every page id that is free, released or pending in a free group (CPU, int64)."""
+        """Every page id that is free, released or pending in a free group (CPU, int64).
+
+        Pending frees count as ``free_group_end`` will free them: as one ``free`` of their
+        concatenation (two pending frees of slots of one page are one free of the page).
+        """
         parts = [self.free_page_list().cpu(), self.release_page_list().cpu()]
-        parts += [self._pages_of(g).cpu() for g in self.free_group]
+        if self.free_group:
+            parts.append(self._freed_pages(torch.cat([g.to("cpu", torch.int64) for g in self.free_group])))
         return torch.cat(parts)
 
     def check_integrity(self, in_use: Optional[torch.Tensor] = None) -> None:
@@ -212,6 +221,10 @@ class BaseTokenToKVPoolAllocator:
         check_unique_in_range(f"{name} free pages", free, 1, self.num_pages, forbidden=0)
         if in_use is None:
             return
+        # a slot held twice (by the tree and a request, say) would be freed twice later,
+        # yet its page counts once either way: check the slots themselves first
+        first, last = self.page_size, (self.num_pages + 1) * self.page_size - 1
+        check_unique_in_range(f"{name} slots in use", in_use, first, last)
         used = self._pages_of(in_use.cpu())
         check_unique_in_range(f"{name} pages in use", used, 1, self.num_pages, forbidden=0)
         overlap = int(torch.isin(used, free).sum())
@@ -238,6 +251,9 @@ class TokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
     def alloc_decode(self, seq_lens, last_loc, **_cpu_lens):
         return self.alloc(seq_lens.numel())
 
+    def _freed_pages(self, free_index: torch.Tensor) -> torch.Tensor:
+        return free_index.to(torch.int64)  # appended as given: a slot twice is there twice
+
     def free(self, free_index: torch.Tensor) -> None:
         if free_index.numel() == 0:
             return
@@ -248,7 +264,7 @@ class TokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
             check_unique_in_range("freed slots", free_index, 1, self.size)
             already = int(torch.isin(free_index.to(torch.int64).cpu(), self.free_page_ids()).sum())
             ensure(already == 0, f"double free of {already} slots")
-        self._return_pages(free_index.to(torch.int64), prepend=False)
+        self._return_pages(self._freed_pages(free_index), prepend=False)
 
 
 class PagedTokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
@@ -335,12 +351,15 @@ class PagedTokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
         if not self.is_not_in_free_group:
             self.free_group.append(free_index)
             return
-        pages = self._pages_of(free_index)
+        pages = self._freed_pages(free_index)
         if self.debug:
             check_unique_in_range("freed pages", pages, 1, self.num_pages, forbidden=0)
             already = int(torch.isin(pages.cpu(), self.free_page_ids()).sum())
             ensure(already == 0, f"double free of {already} pages")
         self._return_pages(pages, prepend=True)
+
+    def _freed_pages(self, free_index: torch.Tensor) -> torch.Tensor:
+        return self._pages_of(free_index)  # unique and sorted, prepended
 
     def _check_extend_args(self, prefix_lens, seq_lens, last_loc, extend_num_tokens: int) -> None:
         ensure(bool((seq_lens > prefix_lens).all()), "alloc_extend: every seq_len must exceed its prefix_len")

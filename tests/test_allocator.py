@@ -131,3 +131,39 @@ def test_req_to_token_pool_rows():
         pool.check_integrity()
     pool.clear()
     pool.check_integrity(live_rows=[])
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_check_integrity_catches_a_slot_held_twice(page_size):
+    """Two holders of one slot (the tree and a request, say) free it twice later; the page
+    count alone cannot see it, as the slot's page is in use either way."""
+    a = PagedTokenToKVPoolAllocator(8 * page_size, page_size) if page_size > 1 else TokenToKVPoolAllocator(8)
+    held = a.alloc(8 * page_size)
+    a.check_integrity(held)
+    with pytest.raises(IntegrityError, match="slots in use: 1 duplicate"):
+        a.check_integrity(torch.cat([held, held[-1:]]))
+
+
+def test_pending_frees_of_one_page_in_two_calls_are_not_a_double_free():
+    """``free_group_end`` frees the union of the group's pages: two frees of slots of one
+    page inside a group are one free of that page, so integrity must not flag them."""
+    p = PagedTokenToKVPoolAllocator(16, 4)
+    x = p.alloc(4)
+    p.free_group_begin()
+    p.free(x[:2])
+    p.free(x[2:])
+    p.check_integrity(torch.empty(0, dtype=torch.int64))
+    p.free_group_end()
+    assert p.free_page_list().tolist() == [1, 2, 3, 4]
+    p.check_integrity(torch.empty(0, dtype=torch.int64))
+
+
+def test_a_slot_freed_twice_inside_a_group_is_found_before_the_group_ends():
+    """With one-slot pages ``free_group_end`` appends every pending slot as given: one
+    slot twice in a pending free is a double free that integrity must see already."""
+    a = TokenToKVPoolAllocator(4)
+    x = a.alloc(2)
+    a.free_group_begin()
+    a.free(torch.cat([x, x[:1]]))
+    with pytest.raises(IntegrityError, match="duplicate"):
+        a.check_integrity(torch.empty(0, dtype=torch.int64))
