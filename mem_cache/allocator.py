@@ -13,7 +13,8 @@ Free-list semantics (shared by both allocators):
   otherwise; allocation takes from the front.
 * Slot 0 / page 0 is the dummy that padded tokens write to: never handed out.
 * ``free_group_begin()`` … ``free_group_end()`` turns every ``free`` in
-  between into one ``free`` of the concatenation (one call per decode step).
+  between into one ``free`` of the concatenation (one call per decode step);
+  groups nest, and the outermost end frees.
 * ``need_sort`` (PD disaggregation): frees go to a release list and only
   rejoin the free list, merged and sorted ascending, when an allocation finds
   it too short — so allocations stay contiguous for transfers.
@@ -84,6 +85,7 @@ class BaseTokenToKVPoolAllocator:
         self._num_released = 0
         self.is_not_in_free_group = True
         self.free_group: list = []
+        self._free_group_depth = 0
 
     def available_size(self) -> int:
         """Free *token slots* (pages × page_size), released ones included."""
@@ -115,10 +117,19 @@ class BaseTokenToKVPoolAllocator:
             self._num_chunked = self._num_released = 0
 
     def free_group_begin(self) -> None:
+        """Open a group; one opened while another is open nests in it (its frees stay
+        pending until the outermost ``free_group_end``, none is dropped)."""
+        self._free_group_depth += 1
         self.is_not_in_free_group = False
-        self.free_group = []
 
     def free_group_end(self) -> None:
+        """Close a group; closing the outermost one frees everything pending at once.
+        Without an open group this does nothing."""
+        if self._free_group_depth == 0:
+            return
+        self._free_group_depth -= 1
+        if self._free_group_depth:
+            return
         self.is_not_in_free_group = True
         pending, self.free_group = self.free_group, []
         if pending:

@@ -167,3 +167,20 @@ def test_a_slot_freed_twice_inside_a_group_is_found_before_the_group_ends():
     a.free(torch.cat([x, x[:1]]))
     with pytest.raises(IntegrityError, match="duplicate"):
         a.check_integrity(torch.empty(0, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_a_nested_free_group_keeps_the_open_groups_frees(page_size):
+    """A ``free_group_begin`` while a group is open used to reset the pending list: the
+    frees made before it were dropped (a leak). Groups nest; the outermost end frees."""
+    a = PagedTokenToKVPoolAllocator(8 * page_size, page_size) if page_size > 1 else TokenToKVPoolAllocator(8)
+    x, y = a.alloc(page_size), a.alloc(page_size)
+    a.free_group_begin()
+    a.free(x)
+    a.free_group_begin()
+    a.free(y)
+    a.free_group_end()
+    assert a.available_size() == 6 * page_size  # the outer group is still open
+    a.free_group_end()
+    assert a.available_size() == 8 * page_size
+    a.check_integrity(torch.empty(0, dtype=torch.int64))
