@@ -24,22 +24,15 @@ Free-list semantics (shared by both allocators):
 
 from __future__ import annotations
 
-import os
 from typing import List, Optional, Tuple, Union
 
 import torch
 
 from mem_cache.alloc_ops import alloc_decode_torch, alloc_extend_torch, get_num_new_pages
-from mem_cache.integrity import check_unique_in_range, ensure
+from mem_cache.integrity import check_unique_in_range, debug_enabled, ensure
 
 AllocatorState = Tuple
 ALLOC_BACKENDS = ("auto", "torch", "triton")
-
-
-def _debug_enabled(debug: Optional[bool]) -> bool:
-    if debug is not None:
-        return debug
-    return os.environ.get("RAYDIX_DEBUG_MEMORY_POOL", "0") not in ("", "0", "false", "False")
 
 
 class BaseTokenToKVPoolAllocator:
@@ -72,7 +65,7 @@ class BaseTokenToKVPoolAllocator:
         self.device = torch.device(device)
         self.kvcache = kvcache
         self.need_sort = need_sort
-        self.debug = _debug_enabled(debug)
+        self.debug = debug_enabled(debug)
         self.clear()
 
     # ---- state -----------------------------------------------------------

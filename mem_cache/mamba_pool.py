@@ -20,7 +20,7 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 import torch
 
 from mem_cache.buffer_allocator import BufferAllocator, LocalBufferAllocator
-from mem_cache.integrity import check_unique_in_range, ensure
+from mem_cache.integrity import check_not_free, check_unique_in_range, debug_enabled, ensure
 from mem_cache.memory_pool import BufInfos, KVCache, MHATokenToKVPool, Scale, check_buffer
 from mem_cache.req_to_token_pool import ReqToTokenPool, Rows, as_row_list
 
@@ -56,6 +56,7 @@ class MambaPool:
         temporal_dtype: torch.dtype,
         device: Union[str, torch.device] = "cpu",
         buffer_allocator: Optional[BufferAllocator] = None,
+        debug: Optional[bool] = None,
     ):
         if size <= 0 or num_mamba_layers <= 0:
             raise ValueError(f"MambaPool needs size > 0 and num_mamba_layers > 0, got {size=}, {num_mamba_layers=}")
@@ -70,6 +71,7 @@ class MambaPool:
         self.conv: List[torch.Tensor] = states[:-1]
         self.temporal: torch.Tensor = states[-1]
         self.op_log: Optional[List[Tuple]] = None
+        self.debug = debug_enabled(debug)
         self.clear()
 
     def states(self) -> List[torch.Tensor]:
@@ -96,7 +98,13 @@ class MambaPool:
             self.op_log.append(("zero", slots.cpu()))
 
     def free(self, slots: Slots) -> None:
-        self.free_slots = torch.cat([self.free_slots, _as_slot_tensor(slots, self.device)])
+        """Return ``slots``; in debug mode (``debug=True`` or ``RAYDIX_DEBUG_MEMORY_POOL``) a
+        slot freed twice, or the dummy slot, raises ``IntegrityError``."""
+        freed = _as_slot_tensor(slots, self.device)
+        if self.debug:
+            check_unique_in_range("freed Mamba slots", freed, 0, self.size - 1)
+            check_not_free("Mamba slots", freed, self.free_slots)
+        self.free_slots = torch.cat([self.free_slots, freed])
 
     def copy_from(self, src: Slots, dst: Slots) -> None:
         """Every layer's state of slots ``src`` into slots ``dst``."""
@@ -169,8 +177,9 @@ class HybridReqToTokenPool(ReqToTokenPool):
         mamba_pool: MambaPool,
         mamba_layer_ids: Sequence[int],
         enable_mamba_extra_buffer: bool = False,
+        debug: Optional[bool] = None,
     ):
-        super().__init__(size, max_context_len, device)
+        super().__init__(size, max_context_len, device, debug)
         if len(mamba_layer_ids) != mamba_pool.num_mamba_layers:
             raise ValueError(f"{len(mamba_layer_ids)} mamba layer ids for a pool of {mamba_pool.num_mamba_layers} layers")
         self.mamba_pool = mamba_pool

@@ -11,7 +11,7 @@ from typing import Iterable, List, Optional, Sequence, Union
 
 import torch
 
-from mem_cache.integrity import check_unique_in_range, ensure
+from mem_cache.integrity import check_not_free, check_unique_in_range, debug_enabled, ensure
 
 Rows = Union[int, Sequence[int], torch.Tensor]
 
@@ -30,11 +30,14 @@ class ReqToTokenPool:
     * ``alloc(n)`` → ``n`` row numbers, or ``None`` when fewer than ``n`` are
       free (nothing is taken then).
     * ``free(rows)`` returns rows; the table contents are not cleared (the next
-      owner overwrites what it uses).
+      owner overwrites what it uses). In debug mode (``debug=True`` or
+      ``RAYDIX_DEBUG_MEMORY_POOL``) a row freed twice raises ``IntegrityError``.
     * ``write(indices, values)`` is ``req_to_token[indices] = values``.
     """
 
-    def __init__(self, size: int, max_context_len: int, device: Union[str, torch.device] = "cpu"):
+    def __init__(
+        self, size: int, max_context_len: int, device: Union[str, torch.device] = "cpu", debug: Optional[bool] = None
+    ):
         if size <= 0 or max_context_len <= 0:
             raise ValueError(f"ReqToTokenPool needs size > 0 and max_context_len > 0, got {size=}, {max_context_len=}")
         self.size = size
@@ -42,6 +45,7 @@ class ReqToTokenPool:
         self.device = torch.device(device)
         self.req_to_token = torch.zeros((size, max_context_len), dtype=torch.int32, device=self.device)
         self.free_slots: List[int] = list(range(size))
+        self.debug = debug_enabled(debug)
 
     def available_size(self) -> int:
         return len(self.free_slots)
@@ -54,7 +58,12 @@ class ReqToTokenPool:
         return rows
 
     def free(self, rows: Rows) -> None:
-        self.free_slots.extend(as_row_list(rows))
+        row_list = as_row_list(rows)
+        if self.debug:
+            freed = torch.tensor(row_list, dtype=torch.int64)
+            check_unique_in_range("freed rows", freed, 0, self.size - 1)
+            check_not_free("rows", freed, torch.tensor(self.free_slots, dtype=torch.int64))
+        self.free_slots.extend(row_list)
 
     def write(self, indices, values) -> None:
         self.req_to_token[indices] = values

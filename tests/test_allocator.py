@@ -184,3 +184,15 @@ def test_a_nested_free_group_keeps_the_open_groups_frees(page_size):
     a.free_group_end()
     assert a.available_size() == 8 * page_size
     a.check_integrity(torch.empty(0, dtype=torch.int64))
+
+
+def test_req_to_token_pool_debug_mode_rejects_a_row_freed_twice():
+    pool = ReqToTokenPool(3, 8, debug=True)
+    rows = pool.alloc(2)
+    pool.free(rows[0])
+    with pytest.raises(IntegrityError, match="double free of 1 rows"):
+        pool.free(rows)
+    with pytest.raises(IntegrityError, match="duplicate"):
+        pool.free([rows[1], rows[1]])
+    assert pool.available_size() == 2
+    pool.check_integrity(live_rows=[rows[1]])

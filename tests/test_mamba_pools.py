@@ -288,3 +288,22 @@ HybridPoolMachine.TestCase.settings = settings(max_examples=40, stateful_step_co
 HybridPoolExtraBufferMachine.TestCase.settings = settings(max_examples=40, stateful_step_count=30, deadline=None)
 TestHybridPool = HybridPoolMachine.TestCase
 TestHybridPoolExtraBuffer = HybridPoolExtraBufferMachine.TestCase
+
+
+def test_debug_mode_rejects_a_mamba_slot_or_a_row_freed_twice():
+    """A slot or row freed twice is handed to two owners later; debug mode refuses it."""
+    pool = MambaPool(4, [(2, 3)], (2, 2), 2, torch.float32, torch.float32, debug=True)
+    x = pool.alloc(2)
+    pool.free(x[:1])
+    with pytest.raises(IntegrityError, match="double free of 1 Mamba slots"):
+        pool.free(x)
+    with pytest.raises(IntegrityError, match="allowed"):
+        pool.free(t(4))  # the dummy slot
+    assert pool.available_size() == 3  # nothing taken back by the refused frees
+    rows = HybridReqToTokenPool(2, 8, "cpu", MambaPool(4, [(2, 3)], (2, 2), 2, torch.float32, torch.float32),
+                                mamba_layer_ids=[0, 1], debug=True)
+    r = rows.alloc(1)
+    rows.free(r, free_mamba_cache=False)
+    with pytest.raises(IntegrityError, match="double free of 1 rows"):
+        rows.free(r, free_mamba_cache=False)
+    assert rows.available_size() == 2
