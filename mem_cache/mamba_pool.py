@@ -95,7 +95,7 @@ class MambaPool:
         for state in self.states():
             state[:, slots] = 0
         if self.op_log is not None:
-            self.op_log.append(("zero", slots.cpu()))
+            self.op_log.append(("zero", slots.to("cpu", copy=True)))
 
     def free(self, slots: Slots) -> None:
         """Return ``slots``; in debug mode (``debug=True`` or ``RAYDIX_DEBUG_MEMORY_POOL``) a
@@ -112,7 +112,8 @@ class MambaPool:
         for state in self.states():
             state[:, dst_t] = state[:, src_t]
         if self.op_log is not None:
-            self.op_log.append(("copy", src_t.cpu(), dst_t.cpu()))
+            # copies: ``as_tensor`` keeps the caller's tensor, which it may reuse before replay
+            self.op_log.append(("copy", src_t.to("cpu", copy=True), dst_t.to("cpu", copy=True)))
 
     def replay(self, ops: List[Tuple]) -> None:
         """Apply another rank's recorded ``op_log`` entries to these states, in order."""

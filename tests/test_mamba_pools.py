@@ -307,3 +307,21 @@ def test_debug_mode_rejects_a_mamba_slot_or_a_row_freed_twice():
     with pytest.raises(IntegrityError, match="double free of 1 rows"):
         rows.free(r, free_mamba_cache=False)
     assert rows.available_size() == 2
+
+
+def test_op_log_replays_the_copy_made_not_what_its_index_tensors_hold_later():
+    """A follower TP rank replays rank 0's ``op_log`` a step later: the logged copy must
+    name the slots of the copy that was made, even if the caller reuses its index tensor."""
+    leader, follower = mamba(size=3), mamba(size=3)
+    leader.op_log = []
+    slots = leader.alloc(3)
+    for pool in (leader, follower):
+        fill(pool, 0, 1.0)
+        fill(pool, 1, 2.0)
+    src, dst = t(0), t(2)
+    leader.copy_from(src, dst)
+    src[0] = 1  # the caller's buffer, reused after the call
+    follower.replay(leader.op_log[1:])  # (the alloc's zeroing is the first entry)
+    assert slots.tolist() == [0, 1, 2]
+    for a, b in zip(leader.states(), follower.states()):
+        assert torch.equal(a, b)
