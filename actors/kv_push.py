@@ -38,7 +38,8 @@ from typing import Callable, Deque, Dict, List, NamedTuple, Optional, Sequence, 
 
 import torch
 
-from transfer.base import KVHandoff, KVPoll, KVSender, TransferAgent
+from transfer.base import KVHandoff, KVPoll, KVSender, TransferAgent, head_overlap
+from transfer.plan import sends_heads
 
 logger = logging.getLogger(__name__)
 
@@ -88,15 +89,18 @@ class _Lane:
 
 def serves(handoff: KVHandoff, agent: TransferAgent) -> bool:
     """Whether this prefill rank pushes to the hand-off's decode rank: head-sharded
-    layouts pair ranks whose head ranges overlap; replicated ones (MLA) take the
-    KV of decode rank r from prefill rank ``r % tp_size``."""
+    layouts pair ranks whose head ranges overlap (of the ranks holding a replica of
+    the same heads, only the one :func:`~transfer.plan.sends_heads` picks); replicated
+    ones (MLA) take the KV of decode rank r from prefill rank ``r % tp_size``."""
     mine = agent.layout.by_name()
     sharded = [b for b in handoff.layout.buffers if b.head_axis is not None]
     if not sharded:
         return handoff.tp_rank % agent.tp_size == agent.tp_rank
     for b in sharded:
         m = mine.get(b.name)
-        if m is not None and max(m.head_start, b.head_start) < min(m.head_start + m.num_heads, b.head_start + b.num_heads):
+        if m is None or m.head_axis is None or not sends_heads(m, agent.tp_rank, agent.tp_size, handoff.tp_rank):
+            continue
+        if head_overlap(m, b) is not None:
             return True
     return False
 

@@ -627,3 +627,66 @@ def test_torch_dist_concurrent_requests_and_cancelled_ones():
     finally:
         prefill.close()
         decode.close()
+
+
+# ---- KV heads replicated across ranks (tp_size > num_kv_heads) ---------------------------------
+def _replicated_heads_rank(tp_rank: int, tp_size: int, total_kv_heads: int = 2, seed: int = 0):
+    """A rank of a model with ``total_kv_heads`` KV heads at TP ``tp_size``: split when
+    ``tp_size <= total_kv_heads``, else every rank keeps one replicated head
+    (``TPGroup.kv_heads``). Returns ``(layout, tensors)``."""
+    from dataclasses import replace
+
+    from transfer.base import KVLayout
+
+    per_rank = max(1, total_kv_heads // tp_size)
+    start = tp_rank * per_rank if tp_size <= total_kv_heads else tp_rank // (tp_size // total_kv_heads)
+    # build_pool cuts HEADS=4 heads; pick the TP size that gives ``per_rank`` of them
+    _, layout, tensors, _ = build_pool(RankSpec("mha", 1, 0, 4 // per_rank, seed=seed))
+    buffers = tuple(replace(b, head_start=start, total_heads=total_kv_heads) for b in layout.buffers)
+    return KVLayout(layout.page_size, buffers), tensors
+
+
+@pytest.mark.parametrize("src_tp, dst_tp", [(4, 1), (4, 2), (4, 4), (2, 4), (1, 4), (2, 1)])
+def test_replicated_kv_heads_are_sent_by_exactly_one_prefill_rank(src_tp, dst_tp):
+    """With ``tp_size > num_kv_heads`` several prefill ranks hold the same head; every
+    head a decode rank holds must come from exactly one of them (torch_dist's landing
+    rejects a head × row rectangle sent twice, and two ranks writing the same rows
+    through shm race). ``serves`` must pick the same ranks."""
+    from actors.kv_push import serves
+    from transfer.plan import plan_copies
+
+    srcs = [_replicated_heads_rank(r, src_tp) for r in range(src_tp)]
+    for d in range(dst_tp):
+        dlayout, _ = _replicated_heads_rank(d, dst_tp)
+        handoff = KVHandoff("r", 1, d, dst_tp, dlayout, [1], backend="fake")
+        for name in ("k.0", "v.1"):
+            dst_b = dlayout.by_name()[name]
+            sent = []
+            for r, (layout, tensors) in enumerate(srcs):
+                copies = [c for c in plan_copies(layout, dlayout, r, src_tp, d, False) if c.name == name]
+                sent += [c.dst_head + h for c in copies for h in range(c.num_heads)]
+                agent = create_agent("fake", layout, tensors, r, src_tp)
+                assert serves(handoff, agent) == bool(copies), (r, d)
+            assert sorted(sent) == list(range(dst_b.num_heads)), f"decode rank {d}: local heads sent {sorted(sent)}"
+
+
+def test_replicated_kv_heads_land_over_torch_dist_messages():
+    """Prefill TP 4 → decode TP 1 of a 2-KV-head model: the messages of every prefill
+    rank it serves complete the decode rank's landing, none rejected as sent twice."""
+    from actors.kv_push import serves
+    from transfer.backends.landing import Landing, pack_rows
+    from transfer.plan import plan_copies
+
+    rng = np.random.default_rng(8)
+    src_slots, dst_slots = request(rng, 1, 9)
+    dlayout, dst = _replicated_heads_rank(0, 1, seed=50)
+    handoff = KVHandoff("r", 1, 0, 1, dlayout, dst_slots.tolist(), backend="fake")
+    landing = Landing(dlayout, handoff)
+    for r in range(4):
+        layout, tensors = _replicated_heads_rank(r, 4, seed=r)
+        if not serves(handoff, create_agent("fake", layout, tensors, r, 4)):
+            continue
+        copies = plan_copies(layout, dlayout, r, 4, 0, False)
+        landing.add(*pack_rows(layout, tensors, copies, src_slots, None))
+        assert landing.error is None, landing.error
+    assert landing.complete()

@@ -11,6 +11,9 @@ prefill rank copies, for each buffer of its layout:
 * replicated buffers (``head_axis=None``: the MLA latent, Mamba states):
   whole rows, from exactly one prefill rank per decode rank — the one with
   ``src_tp_rank == dst_tp_rank % src_tp_size`` (see :func:`sends_replicated`);
+* KV heads replicated across ranks (``tp_size > num_kv_heads``: several
+  prefill ranks hold the same head): only one replica of each head is sent
+  to a decode rank (see :func:`sends_heads`);
 * ``"token"`` buffers: rows ``src_slots[i] → dst_slots[i]``; ``"swa"``
   buffers: rows ``src_swa_slots[j] → dst_swa_slots[j]`` (the window only);
   ``"state"`` buffers: row ``src_state_slot → dst_state_slot`` (skipped when
@@ -25,7 +28,7 @@ from typing import List, Optional, Tuple
 import numpy as np
 import torch
 
-from transfer.base import KVLayout, TransferError, head_overlap
+from transfer.base import BufferLayout, KVLayout, TransferError, head_overlap
 from transfer.runs import Slots, group_concurrent_contiguous
 
 
@@ -59,6 +62,22 @@ def sends_replicated(src_tp_rank: int, src_tp_size: int, dst_tp_rank: int) -> bo
     return src_tp_rank == dst_tp_rank % src_tp_size
 
 
+def head_replicas(b: BufferLayout, tp_size: int) -> int:
+    """How many of ``tp_size`` ranks hold the same heads of head-sharded buffer ``b``
+    (1 unless ``tp_size > total_heads``: then every rank keeps one replicated head)."""
+    if b.head_axis is None or not b.total_heads or not b.num_heads:
+        return 1
+    return max(1, tp_size * b.num_heads // b.total_heads)
+
+
+def sends_heads(b: BufferLayout, src_tp_rank: int, src_tp_size: int, dst_tp_rank: int) -> bool:
+    """Whether this prefill rank's replica of its heads of ``b`` is the one sent to
+    ``dst_tp_rank``: of the ``r`` ranks holding a head, the one with ``src_tp_rank % r
+    == dst_tp_rank % r`` (exactly one per head, spread over the replicas)."""
+    replicas = head_replicas(b, src_tp_size)
+    return src_tp_rank % replicas == dst_tp_rank % replicas
+
+
 def plan_copies(
     src: KVLayout, dst: KVLayout, src_tp_rank: int, src_tp_size: int, dst_tp_rank: int, with_state: bool
 ) -> List[BufferCopy]:
@@ -75,7 +94,7 @@ def plan_copies(
             if replicated:
                 copies.append(BufferCopy(b.name, b.index, None))
             continue
-        overlap = head_overlap(b, d)
+        overlap = head_overlap(b, d) if sends_heads(b, src_tp_rank, src_tp_size, dst_tp_rank) else None
         if overlap is not None:
             lo, hi = overlap
             copies.append(BufferCopy(b.name, b.index, b.head_axis, lo - b.head_start, lo - d.head_start, hi - lo))
@@ -172,5 +191,5 @@ def sliced_row_shape(row_shape: Tuple[int, ...], copy: BufferCopy) -> Tuple[int,
 
 __all__ = [
     "SHORT_RUN_BYTES", "BufferCopy", "RowPlan", "check_slots", "copy_runs", "run_indices", "plan_copies", "push_rows",
-    "row_plan", "sends_replicated", "sliced_row_shape",
+    "row_plan", "head_replicas", "sends_heads", "sends_replicated", "sliced_row_shape",
 ]
