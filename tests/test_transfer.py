@@ -25,6 +25,7 @@ from tests.transfer_helpers import (
     expected_after,
     request,
     snapshot,
+    push_one,
     swa_window,
 )
 from transfer import (
@@ -690,3 +691,37 @@ def test_replicated_kv_heads_land_over_torch_dist_messages():
         landing.add(*pack_rows(layout, tensors, copies, src_slots, None))
         assert landing.error is None, landing.error
     assert landing.complete()
+
+
+def test_shm_drops_the_mapping_of_a_decode_process_that_is_gone():
+    """A prefill agent maps each decode rank's shared memory once. When that process
+    dies its mapping must go (it pins the dead pools' memory: unlinked files live on
+    while mapped): at the first push that finds it gone, and when a new peer (its
+    replacement) is mapped even if nothing is pushed to the dead one again."""
+    _, layout, src, _ = build_pool(RankSpec())
+    _, dlayout, dst, allocators = build_pool(RankSpec(shared=True))
+    prefill, decode = create_agent("shm", layout, src), create_agent("shm", dlayout, dst, allocators=allocators)
+    try:
+        wire = KVReceiver(decode, "r", 1).send_metadata([5, 6]).to_bytes()
+        for sweep in (False, True):
+            child = subprocess.Popen(["sleep", "30"])
+            ghost = KVHandoff.from_bytes(wire)  # the same files, as if a decode process of pid ``child`` exported them
+            ghost.endpoint.update(pid=child.pid, agent_id=f"ghost-{sweep}")
+            sender = KVSender(prefill, "r")
+            sender.init(ghost)
+            sender.send([1, 2])
+            assert sender.poll() == KVPoll.Success, sender.failure_reason()
+            assert f"ghost-{sweep}" in prefill._peers
+            child.kill()
+            child.wait()
+            if sweep:  # a push to another (live) peer maps it and forgets the dead one
+                push_one(prefill, decode, [3, 4], [7, 8])
+            else:
+                sender = KVSender(prefill, "r")
+                sender.init(ghost)
+                sender.send([1, 2])
+                assert sender.poll() == KVPoll.Failed and "is gone" in sender.failure_reason()
+            assert f"ghost-{sweep}" not in prefill._peers
+    finally:
+        prefill.close()
+        decode.close()

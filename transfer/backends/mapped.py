@@ -67,6 +67,17 @@ def locate_buffers(
     return views
 
 
+def _process_alive(pid: int) -> bool:
+    """Whether process ``pid`` (of this node) exists."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
 class MappedPeerAgent(TransferAgent):
     """Base of the same-node backends (``shm``, ``cuda_ipc``)."""
 
@@ -85,6 +96,7 @@ class MappedPeerAgent(TransferAgent):
         self.agent_id = uuid.uuid4().hex
         self._endpoint: Optional[Dict] = None
         self._peers: Dict[str, Dict[str, torch.Tensor]] = {}
+        self._peer_pids: Dict[str, int] = {}  # agent id -> its process, to unmap peers that died
         self._lock = threading.Lock()
         _LOCAL_AGENTS[self.agent_id] = self
 
@@ -142,15 +154,12 @@ class MappedPeerAgent(TransferAgent):
         """Make the copies visible to the peer before ``push`` returns."""
 
     def _check_peer(self, ep: Dict) -> None:
-        """Raise TransferError if the peer agent is gone."""
+        """Raise TransferError if the peer agent is gone (its mapping, if any, is dropped)."""
         if ep.get("host") != socket.gethostname():
             raise TransferError(f"{self.backend_name} needs both ranks on one node: peer is on {ep.get('host')!r}")
-        try:
-            os.kill(int(ep["pid"]), 0)
-        except ProcessLookupError:
-            raise TransferError(f"decode process {ep['pid']} is gone") from None
-        except PermissionError:
-            pass
+        if not _process_alive(int(ep["pid"])):
+            self.forget_peer(ep["agent_id"])
+            raise TransferError(f"decode process {ep['pid']} is gone")
 
     def _peer(self, ep: Dict) -> Dict[str, torch.Tensor]:
         """The peer's buffers mapped into this process (cached per agent id)."""
@@ -162,8 +171,14 @@ class MappedPeerAgent(TransferAgent):
         with self._lock:
             mapped = self._peers.get(agent_id)
             if mapped is None:
+                # a new peer (often a dead one's replacement): unmap those whose process is gone,
+                # as nothing may push to them again to find out (their mappings pin the memory)
+                for gone in [a for a, pid in self._peer_pids.items() if not _process_alive(pid)]:
+                    self._peers.pop(gone, None)
+                    self._peer_pids.pop(gone, None)
                 mapped = self._map_peer(ep)
                 self._peers[agent_id] = mapped
+                self._peer_pids[agent_id] = int(ep["pid"])
         return mapped
 
     def _map_peer(self, ep: Dict) -> Dict[str, torch.Tensor]:
@@ -183,8 +198,10 @@ class MappedPeerAgent(TransferAgent):
     def forget_peer(self, agent_id: str) -> None:
         with self._lock:
             self._peers.pop(agent_id, None)
+            self._peer_pids.pop(agent_id, None)
 
     def close(self) -> None:
         with self._lock:
             self._peers.clear()
+            self._peer_pids.clear()
         _LOCAL_AGENTS.pop(self.agent_id, None)
