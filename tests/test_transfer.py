@@ -139,6 +139,40 @@ def test_hand_offs_from_before_swa_slots_and_chunked_pushes_are_rejected():
 
 
 @pytest.mark.parametrize(
+    "field, value",
+    [
+        ("dst_slots", [16.7, 17.2, 18.9]),  # the run cutter would truncate them to other slots
+        ("dst_slots", "abc"),
+        ("dst_slots", [16, -1, 18]),
+        ("dst_swa_slots", [True]),
+        ("dst_state_slot", 1.5),
+        ("dst_prefix_len", -3),
+        ("tp_rank", None),
+        ("tp_rank", 2),  # of tp_size 2
+        ("room", "2"),
+        ("rid", 7),
+        ("page_size", 0),
+        ("endpoint", None),
+        ("deadline", "soon"),
+        ("backend", ["shm"]),
+        ("buffers", [["k.0", "token", [4, 8], "float16", 3, 0, 4]]),  # head axis past the row's axes
+        ("buffers", [["k.0", "tokens", [4, 8], "float16", 0, 0, 4]]),  # unknown index
+        ("buffers", [["k.0", "token", [4, -8], "float16", 0, 0, 4]]),
+        ("buffers", [["k.0", "token", [4, 8], "float16", 0, 2, 4]]),  # heads [2, 6) of 4
+    ],
+)
+def test_handoff_fields_of_the_wrong_type_or_range_are_rejected(field, value):
+    """A hand-off is checked field by field when it is read: a wrong type or an
+    impossible value must not surface later as wrong slots or a stray exception."""
+    import msgpack
+
+    raw = msgpack.unpackb(_handoff().to_bytes())
+    raw[field] = value
+    with pytest.raises(TransferError, match=f"malformed hand-off message: .*{field}"):
+        KVHandoff.from_bytes(msgpack.packb(raw))
+
+
+@pytest.mark.parametrize(
     "other, message",
     [
         (RankSpec("mha", 1, dtype="bfloat16"), "dtype=bfloat16"),

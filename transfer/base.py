@@ -213,6 +213,7 @@ class KVHandoff:
         if version != HANDOFF_VERSION:
             raise TransferError(f"hand-off version {version!r}, this build speaks {HANDOFF_VERSION}")
         try:
+            _check_wire(raw)
             layout = KVLayout(raw["page_size"], tuple(BufferLayout.from_wire(b) for b in raw["buffers"]))
             return cls(
                 raw["rid"], raw["room"], raw["tp_rank"], raw["tp_size"], layout, list(raw["dst_slots"]),
@@ -221,6 +222,62 @@ class KVHandoff:
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise TransferError(f"malformed hand-off message: {exc!r}") from exc
+
+
+INDEX_KINDS = ("token", "swa", "state")
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _check_wire(raw: Dict) -> None:
+    """Raise ValueError naming the first field of a hand-off map (version checked)
+    whose type or value is impossible: slots are non-negative ints (a float would be
+    truncated to another slot by the run cutter), ranks lie inside the TP size, every
+    buffer's head axis and head range fit its row."""
+
+    def bad(name: str, why: str):
+        raise ValueError(f"{name} {why}: {raw.get(name)!r}"[:200])
+
+    def slot_list(name: str) -> None:
+        v = raw[name]
+        if not isinstance(v, list) or not all(_is_int(x) and x >= 0 for x in v):
+            bad(name, "is not a list of non-negative ints")
+
+    for name in ("rid", "backend"):
+        if not isinstance(raw[name], str):
+            bad(name, "is not a string")
+    for name, low in (("room", None), ("tp_size", 1), ("tp_rank", 0), ("page_size", 1), ("dst_prefix_len", 0)):
+        if not _is_int(raw[name]) or (low is not None and raw[name] < low):
+            bad(name, "is not an int" if low is None else f"is not an int >= {low}")
+    if raw["tp_rank"] >= raw["tp_size"]:
+        bad("tp_rank", f"is not below tp_size {raw['tp_size']}")
+    slot_list("dst_slots")
+    slot_list("dst_swa_slots")
+    if raw["dst_state_slot"] is not None and not (_is_int(raw["dst_state_slot"]) and raw["dst_state_slot"] >= 0):
+        bad("dst_state_slot", "is neither None nor a non-negative int")
+    if not isinstance(raw["endpoint"], dict):
+        bad("endpoint", "is not a map")
+    deadline = raw["deadline"]
+    if deadline is not None and (not isinstance(deadline, (int, float)) or isinstance(deadline, bool)):
+        bad("deadline", "is neither None nor a number")
+    buffers = raw["buffers"]
+    if not isinstance(buffers, list):
+        bad("buffers", "is not a list")
+    for b in buffers:
+        if not isinstance(b, list) or len(b) != 7:
+            bad("buffers", f"entry {b!r} is not [name, index, shape, dtype, head_axis, head_start, total_heads]")
+        name, index, shape, dtype, axis, start, total = b
+        ok = (
+            isinstance(name, str) and index in INDEX_KINDS and isinstance(dtype, str)
+            and isinstance(shape, list) and all(_is_int(n) and n >= 0 for n in shape)
+            and _is_int(start) and _is_int(total) and start >= 0 and total >= 0
+            and (axis is None or (_is_int(axis) and 0 <= axis < len(shape)
+                                  and (not total or start + shape[axis] <= total)))  # its heads fit the model's
+        )
+        if not ok:
+            bad("buffers", f"entry {b!r} is not a valid buffer layout")
 
 
 # ---- the state machines ----------------------------------------------------------------
