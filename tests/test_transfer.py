@@ -278,6 +278,21 @@ def test_timeouts_end_in_failed_with_a_reason(fake_pair, stage):
         assert machine.failure_reason() == f"timed out after 0.0s in {stage}"
 
 
+def test_a_sender_waiting_between_chunks_fails_at_the_decode_deadline(fake_pair):
+    """Between chunks (Transferring) no timeout_s applies: the hand-off's deadline bounds
+    the wait, so a sender whose next chunk never comes must poll Failed once it passed
+    (from then on the decode side may give the slots to another request)."""
+    prefill, decode = fake_pair
+    for chunks in (0, 1):
+        sender = KVSender(prefill, "r")
+        sender.init(KVReceiver(decode, "r", 1, timeout_s=0.03).send_metadata([3, 4]))
+        if chunks:
+            sender.send_chunk([1], 0, False)
+        assert sender.poll() == (KVPoll.Transferring if chunks else KVPoll.WaitingForInput)
+        time.sleep(0.05)
+        assert sender.poll() == KVPoll.Failed and "deadline passed" in sender.failure_reason()
+
+
 def test_abort_fails_and_sticks(fake_pair):
     prefill, decode = fake_pair
     sender, receiver = KVSender(prefill, "r"), KVReceiver(decode, "r", 1)

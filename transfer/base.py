@@ -362,15 +362,11 @@ class KVSender(_Polled):
         which only then hold their final values. The hand-off's deadline is
         checked before every chunk. Failures end in Failed, not raises.
         """
-        state = self.poll()
+        state = self.poll()  # (a passed deadline fails it here)
         if state == KVPoll.Failed:  # timed out or aborted meanwhile: the reason is recorded
             return
         if state not in (KVPoll.WaitingForInput, KVPoll.Transferring):
             raise TransferError(f"send() in state {state.name} for {self.rid}")
-        deadline = self.handoff.deadline
-        if deadline is not None and time.time() > deadline:
-            self.fail(f"the decode side's deadline passed {time.time() - deadline:.1f}s ago: its slots may be reused")
-            return
         end, num_dst = offset + len(src_slots), len(self.handoff.dst_slots)
         if offset != self.rows_sent or end > num_dst or (is_last and end != num_dst):
             what = "last chunk" if is_last else "chunk"
@@ -392,6 +388,16 @@ class KVSender(_Polled):
         self.rows_sent = end
         if is_last:
             self._set(KVPoll.Success)
+
+    def poll(self) -> KVPoll:
+        """Also Failed once the hand-off's deadline passed while waiting for a chunk
+        (WaitingForInput, or Transferring between chunks)."""
+        state = super().poll()
+        if state in (KVPoll.WaitingForInput, KVPoll.Transferring) and self.handoff is not None:
+            deadline = self.handoff.deadline
+            if deadline is not None and time.time() > deadline:
+                self.fail(f"the decode side's deadline passed {time.time() - deadline:.1f}s ago: its slots may be reused")
+        return self._state
 
 
 class KVReceiver(_Polled):
