@@ -604,6 +604,31 @@ def test_torch_dist_notice_before_the_bytes_polls_without_blocking():
         decode.close()
 
 
+@pytest.mark.parametrize("backend", ["shm", "torch_dist"])
+def test_a_mamba_state_on_one_side_only_fails_the_last_chunk(backend):
+    """A hybrid model's last chunk must carry the state exactly when the decode side
+    reserved a state slot: without one shm reported Success over the decode slot's stale
+    state and torch_dist waited for it until the landing timed out; a state the decode
+    side has no slot for was skipped by shm but made torch_dist's landing fail."""
+    _, layout, src, _ = build_pool(RankSpec("hybrid"))
+    _, dlayout, dst, allocators = build_pool(RankSpec("hybrid", shared=True, seed=3))
+    before = snapshot(dst)
+    prefill = create_agent(backend, layout, src)
+    decode = create_agent(backend, dlayout, dst, allocators=allocators)
+    try:
+        for src_state, dst_state in ((None, 2), (1, None)):
+            receiver = KVReceiver(decode, "r", 1, land_timeout_s=0.2)
+            sender = KVSender(prefill, "r")
+            sender.init(KVHandoff.from_bytes(receiver.send_metadata([3, 4], dst_state_slot=dst_state).to_bytes()))
+            sender.send([1, 2], src_state_slot=src_state)
+            assert sender.poll() == KVPoll.Failed and "Mamba state" in sender.failure_reason()
+            receiver.abort("the prefill side failed")
+        assert_buffers_equal(dst, before)
+    finally:
+        prefill.close()
+        decode.close()
+
+
 def test_out_of_range_slots_fail_the_push():
     _, layout, src, _ = build_pool(RankSpec())
     _, dlayout, dst, allocators = build_pool(RankSpec(shared=True))

@@ -379,6 +379,12 @@ class KVSender(_Polled):
         if is_last and len(src_swa_slots) != len(self.handoff.dst_swa_slots):
             self.fail(f"{len(src_swa_slots)} source SWA slots for {len(self.handoff.dst_swa_slots)} destination SWA slots")
             return
+        dst_state = self.handoff.dst_state_slot
+        has_state = any(b.index == "state" for b in self.handoff.layout.buffers)
+        if is_last and has_state and (src_state_slot is None) != (dst_state is None):
+            self.fail(f"the Mamba state goes from source state slot {src_state_slot} to destination state slot "
+                      f"{dst_state}: both sides need one")
+            return
         self._set(KVPoll.Transferring)
         try:
             self.bytes_sent += self.agent.push(self.handoff, src_slots, src_state_slot, src_swa_slots, offset)
