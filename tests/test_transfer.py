@@ -799,3 +799,33 @@ def test_shm_drops_the_mapping_of_a_decode_process_that_is_gone():
     finally:
         prefill.close()
         decode.close()
+
+
+def test_torch_dist_a_bad_message_fails_its_hand_off_and_the_pair_serves_on():
+    """A message the decode side cannot take (here a copy entry of the wrong arity) fails
+    the hand-off it names; the pair's reader must go on serving the next messages (it
+    used to die on it: every later transfer over the pair timed out)."""
+    import msgpack
+
+    _, layout, src, _ = build_pool(RankSpec("mha", 16))
+    _, dlayout, dst, _ = build_pool(RankSpec("mha", 16, seed=3))
+    before = snapshot(dst)
+    prefill = create_agent("torch_dist", layout, src, timeout_s=2)
+    decode = create_agent("torch_dist", dlayout, dst, timeout_s=2)
+    try:
+        victim = KVReceiver(decode, "bad", 1, land_timeout_s=5)
+        handoff = victim.send_metadata(range(32, 48))
+        link = prefill._link(handoff.endpoint, "gloo")
+        header = {"ranges": {"token": [0, 16], "swa": [0, 0], "state": [0, 0]}, "copies": [["k.0", 0]],
+                  "tag": handoff.endpoint["tag"]}
+        link.send(msgpack.packb(header), torch.zeros(64, dtype=torch.uint8))
+        link.send(b"\xc1 not msgpack", torch.zeros(8, dtype=torch.uint8))  # no tag to fail: dropped
+        victim.mark_done()
+        assert victim.wait() == KVPoll.Failed and "malformed message" in victim.failure_reason()
+        push_one(prefill, decode, range(16, 32), range(48, 64))
+        expected = expected_after(RankSpec("mha", 16), layout, src, RankSpec("mha", 16), dlayout, before,
+                                  range(16, 32), range(48, 64), None, None)
+        assert_buffers_equal(dst, expected)
+    finally:
+        prefill.close()
+        decode.close()

@@ -43,6 +43,7 @@ from __future__ import annotations
 import atexit
 import datetime
 import itertools
+import logging
 import os
 import socket
 import threading
@@ -59,6 +60,8 @@ from transfer.backends.dist_data import choose_data_transport, nccl_device, open
 from transfer.backends.landing import Landing, pack_rows
 from transfer.base import KVHandoff, TransferAgent, TransferError, register_backend
 from transfer.plan import plan_copies
+
+logger = logging.getLogger(__name__)
 
 _FOREVER = datetime.timedelta(days=365)
 _BYE = -1
@@ -221,19 +224,32 @@ class TorchDistAgent(TransferAgent):
                 header = torch.empty(header_len, dtype=torch.uint8)
                 pg.recv([header], 1, 0).wait()
                 payload = data.recv(payload_len)  # on the device once it returns (NCCL)
-                self._deliver(msgpack.unpackb(header.numpy().tobytes(), raw=False), payload)
-        except Exception:  # the prefill process died: its pending hand-offs time out
+                self._deliver(header.numpy().tobytes(), payload)  # (a bad message fails its hand-off only)
+        except Exception:  # the pair broke (the prefill process died): its pending hand-offs time out
+            logger.info("KV pair %d of agent %s closed", k, self.agent_id[:8], exc_info=True)
             return
         finally:
             if data is not None:
                 data.close()
 
-    def _deliver(self, header: Dict, payload: torch.Tensor) -> None:
+    def _deliver(self, raw_header: bytes, payload: torch.Tensor) -> None:
+        """Hand one message to its landing. Never raises: the message framing is intact,
+        so a message this side cannot take fails its hand-off (or, naming none, is
+        dropped) and the pair's reader goes on."""
+        try:
+            header = msgpack.unpackb(raw_header, raw=False)
+            tag = header["tag"]
+        except Exception as exc:
+            logger.warning("dropped a KV message without a readable tag (%s: %s)", type(exc).__name__, exc)
+            return
         with self._lock:
-            landing = self._landing.get(header["tag"])
+            landing = self._landing.get(tag) if isinstance(tag, str) else None
             if landing is None:  # cancelled, or timed out: drop the bytes
                 return
-            landing.add(header, payload)
+            try:
+                landing.add(header, payload)
+            except Exception as exc:
+                landing.error = landing.error or f"malformed message from the prefill side: {type(exc).__name__}: {exc}"
             self._lock.notify_all()
 
     # ---- prefill side ----------------------------------------------------------------
