@@ -473,8 +473,20 @@ class MambaRadixCache(RadixCache):
         for lru in (self.full_lru_list, self.mamba_lru_list):
             walked = sum(1 for _ in lru.iter_lru())
             ensure(walked == len(lru), f"LRU list links reach {walked} nodes, its index holds {len(lru)}")
-        check_unique_in_range("MambaRadixCache slots", self.all_values().cpu(), self.page_size, 2**62)
-        check_unique_in_range("MambaRadixCache states", self.all_mamba_values().cpu(), 0, self.mamba_pool.size - 1)
+        root_locks = (self.root_node.full_lock_ref, self.root_node.mamba_lock_ref)
+        ensure(root_locks == (1, 1), f"root locks are {root_locks}, expected (1, 1)")
+        slots = self.all_values().cpu()
+        check_unique_in_range("MambaRadixCache slots", slots, self.page_size, 2**62)
+        allocator = self.token_to_kv_pool_allocator
+        free_pages = allocator.free_page_ids() if hasattr(allocator, "free_page_ids") else None
+        if free_pages is not None and slots.numel():
+            both = int(torch.isin(torch.unique(slots // self.page_size), free_pages).sum())
+            ensure(both == 0, f"MambaRadixCache holds slots in {both} pages the allocator lists as free")
+        states = self.all_mamba_values().cpu()
+        check_unique_in_range("MambaRadixCache states", states, 0, self.mamba_pool.size - 1)
+        if states.numel():
+            both = int(torch.isin(states, self.mamba_pool.free_slots.cpu()).sum())
+            ensure(both == 0, f"MambaRadixCache holds {both} states the Mamba pool lists as free")
 
     def _check_mamba_node(self, node: MambaTreeNode) -> None:
         ensure(len(node.key) > 0 and len(node.key) % self.page_size == 0, f"{node}: bad key length")

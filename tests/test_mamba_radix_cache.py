@@ -331,3 +331,25 @@ def test_unknown_strategy_and_paged_no_buffer_rejected():
     pool = HybridReqToTokenPool(2, 64, "cpu", mamba, [1, 3])
     with pytest.raises(ValueError, match="page_size 1"):
         MambaRadixCache(pool, TokenToKVPoolAllocator(64), page_size=4)
+
+
+def test_check_integrity_catches_kv_slots_and_states_freed_behind_the_trees_back():
+    """A KV slot the tree holds listed free by the allocator, or a state it holds listed
+    free by the Mamba pool, is corruption (a later alloc hands it out twice)."""
+    from mem_cache.integrity import IntegrityError
+
+    cache, _, alloc, mamba = make()
+    kv = insert_checkpoint(cache, alloc, mamba, TOKENS[:8], torch.empty(0, dtype=torch.int64))
+    cache.check_integrity()
+    alloc.free(kv[3:4])
+    with pytest.raises(IntegrityError, match="free"):
+        cache.check_integrity()
+    cache, _, alloc, mamba = make()
+    insert_checkpoint(cache, alloc, mamba, TOKENS[:8], torch.empty(0, dtype=torch.int64))
+    mamba.free(cache.all_mamba_values())
+    with pytest.raises(IntegrityError, match="free"):
+        cache.check_integrity()
+    cache, _, alloc, mamba = make()
+    cache.root_node.full_lock_ref = 0  # the root would be evictable
+    with pytest.raises(IntegrityError, match="root"):
+        cache.check_integrity()
