@@ -259,6 +259,7 @@ class MambaRadixCache(RadixCache):
             mamba_exist = False
         else:
             mamba_exist = True
+            self.mamba_lru_list.reset_node_mru(node)  # the insert reused this state: it is the most recent
         self.full_lru_list.reset_node_and_parents_mru(node, self.root_node)
         return total, mamba_exist
 

@@ -353,3 +353,18 @@ def test_check_integrity_catches_kv_slots_and_states_freed_behind_the_trees_back
     cache.root_node.full_lock_ref = 0  # the root would be evictable
     with pytest.raises(IntegrityError, match="root"):
         cache.check_integrity()
+
+
+def test_reinserting_an_existing_checkpoint_makes_it_the_most_recent_state():
+    """An insert that reaches a node already holding a state uses that state: it must
+    be refreshed in the Mamba LRU list too, or the state evicted next is the one just used."""
+    cache, _, alloc, mamba = make()
+    kv_a = insert_checkpoint(cache, alloc, mamba, TOKENS[:8], torch.empty(0, dtype=torch.int64))
+    insert_checkpoint(cache, alloc, mamba, list(range(60, 68)), torch.empty(0, dtype=torch.int64))
+    slot = mamba.alloc(1)
+    assert cache.insert(RadixKey(TOKENS[:8]), kv_a.clone(), slot) == (8, True)
+    mamba.free(slot)  # the caller keeps its state when one existed
+    assert cache.evict_mamba(1) == 1
+    assert cache.match_prefix(RadixKey(TOKENS[:8])).device_indices.tolist() == kv_a.tolist()
+    assert len(cache.match_prefix(RadixKey(list(range(60, 68)))).device_indices) == 0
+    cache.check_integrity()
