@@ -389,7 +389,7 @@ class MambaRadixCache(RadixCache):
             state_slot = self._tracked_slot(req)
         else:
             cache_len, state_slot = committed, torch.tensor([req.mamba_pool_idx])
-        cache_len -= cache_len % self.page_size
+        cache_len = self._checkpoint_len(cache_len)
         tree_owns_state = False
         if self.disable or not is_insert or cache_len <= protected:
             self._free(kv_indices[protected:])
@@ -402,6 +402,11 @@ class MambaRadixCache(RadixCache):
             tree_owns_state = not mamba_exist
         self._free_req_row(req, tree_owns_state)
         self.dec_lock_ref(req.last_node, kv_only=req.kv_only_lock)
+
+    def _checkpoint_len(self, seq_len: int) -> int:
+        """The tokens a state after ``seq_len`` tokens can be cached with: all of them, or none
+        (0) when they end inside a page — a shorter key would get a state it does not match."""
+        return 0 if seq_len % self.page_size else seq_len
 
     def _tracked_slot(self, req) -> torch.Tensor:
         """The ping-pong slot holding the last checkpoint (the one not written next)."""
@@ -425,7 +430,7 @@ class MambaRadixCache(RadixCache):
             cache_len, source = req.mamba_last_track_seqlen or 0, self._tracked_slot(req)
         else:
             cache_len, source = len(token_ids), torch.tensor([req.mamba_pool_idx])
-        cache_len -= cache_len % self.page_size
+        cache_len = self._checkpoint_len(cache_len)
         protected = req.cache_protected_len
         if self.disable or cache_len <= protected:
             req.prefix_indices = kv_indices

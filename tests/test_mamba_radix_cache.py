@@ -8,7 +8,7 @@ tree caches and what a request gets back can be checked exactly.
 import pytest
 import torch
 
-from mem_cache.allocator import TokenToKVPoolAllocator
+from mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
 from mem_cache.mamba_pool import HybridReqToTokenPool, MambaPool
 from mem_cache.mamba_radix_cache import MambaRadixCache
 from mem_cache.mamba_tracking import (
@@ -60,7 +60,7 @@ def build_192_256_320(cache, alloc, mamba):
 
 
 def conservation(cache, alloc, pool, private_kv=0):
-    total = alloc.num_pages
+    total = alloc.num_pages * alloc.page_size
     got = alloc.available_size() + cache.full_evictable_size() + cache.full_protected_size() + private_kv
     assert got == total
     cache.check_integrity()
@@ -274,6 +274,24 @@ def test_finished_request_flow_and_reuse(strategy):
     cache.cache_finished_req(b)
     conservation(cache, alloc, pool)
     assert cache.full_protected_size() == 0 and cache.mamba_protected_size() == 0
+
+
+def test_a_checkpoint_that_ends_inside_a_page_is_not_cached():
+    """extra_buffer, page 4: a checkpoint after 130 tokens cached at the page boundary 128 would
+    give later requests a state that is not 128's. Nothing is cached; every slot goes back."""
+    mamba = MambaPool(16, [(3, 4)], (2, 2, 2), 2, torch.float32, torch.float32)
+    pool = HybridReqToTokenPool(6, 512, "cpu", mamba, [1, 3], enable_mamba_extra_buffer=True)
+    alloc = PagedTokenToKVPoolAllocator(1024, 4)
+    cache = MambaRadixCache(pool, alloc, page_size=4, mamba_scheduler_strategy="extra_buffer")
+    req = FakeReq(TOKENS[:152])
+    start(cache, pool, alloc, mamba, req)
+    forward(mamba, pool, req, 0, 152, True)
+    assert req.mamba_last_track_seqlen == 128
+    req.mamba_last_track_seqlen = 130  # as a decode checkpoint at an interval that is not a page multiple
+    req.output_ids, req.kv_committed_len = [1], 152
+    cache.cache_finished_req(req)
+    assert cache.full_evictable_size() == 0 and len(cache.all_mamba_values()) == 0
+    conservation(cache, alloc, pool)
 
 
 @pytest.mark.parametrize("strategy", ["no_buffer", "extra_buffer"])

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class EngineConfig(BaseModel):
@@ -68,3 +68,11 @@ class EngineConfig(BaseModel):
     )
     tp_size: int = Field(1, ge=1, le=64, description="tensor-parallel ranks (one process each); every rank holds "
                          "1/tp_size of the attention heads, MLP and expert intermediate dims")
+
+    @model_validator(mode="after")
+    def _check_mamba_tracking(self) -> "EngineConfig":
+        if self.mamba_scheduler_strategy == "extra_buffer" and self.mamba_track_interval % self.page_size:
+            raise ValueError(f"mamba_track_interval ({self.mamba_track_interval}) must be a multiple of page_size "
+                             f"({self.page_size}) with mamba_scheduler_strategy extra_buffer: a decode checkpoint is "
+                             "cached at a page boundary")
+        return self
