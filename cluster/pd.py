@@ -42,7 +42,11 @@ def _tp_placement_group(options: Dict[str, Any], tp_size: int, strategy: str):
         bundle["GPU"] = options["num_gpus"]
     bundle.update(options.get("resources", {}))
     pg = placement_group([dict(bundle) for _ in range(tp_size)], strategy=strategy)
-    ray.get(pg.ready(), timeout=300)
+    try:
+        ray.get(pg.ready(), timeout=300)
+    except BaseException:  # left pending, it would take the resources once they appear, for no actor
+        remove_placement_group(pg)
+        raise
     return pg
 
 
@@ -176,28 +180,34 @@ class PDCluster:
         engine_args = dict(group.engine_overrides(), device=group.device, tokenizer_path=cfg.model.tokenizer_path,
                            tp_size=group.tp_size)  # the group's TP size (the YAML cannot set the engine's)
         options = _actor_options(cfg, role)
-        placement, dist_init_method = None, None
-        if group.tp_size > 1:
-            check_tp_shardable(EngineConfig(model_path=self.model_path, **engine_args))
-            placement = _tp_placement_group(options, group.tp_size, cfg.placement.tp_group_strategy)
-            dist_init_method = ray.get(_rendezvous.options(scheduling_strategy=_in_bundle(placement, 0)).remote())
-        agent_options = cfg.transfer.agent_options()
-        kwargs = dict(model_path=self.model_path, engine_args=engine_args, backend=cfg.transfer.backend,
-                      worker_id=worker_id, dist_init_method=dist_init_method, agent_options=agent_options)
-        if role == "decode":
-            kwargs.update(num_reserved_decode_tokens=cfg.transfer.num_reserved_decode_tokens,
-                          waiting_timeout_s=cfg.transfer.waiting_timeout_s)
-        cls = PrefillWorker if role == "prefill" else DecodeWorker
-        rank_options = dict(options, scheduling_strategy=_in_bundle(placement, 0)) if placement else options
-        handle = ray.remote(cls).options(name=worker_id, **rank_options).remote(**kwargs)
-        report_pushed = functools.partial(_report_pushed, handle) if role == "prefill" else None
-        followers = [
-            ray.remote(self.follower_cls).options(name=f"{worker_id}-rank{rank}", **dict(
-                options, max_concurrency=4, scheduling_strategy=_in_bundle(placement, rank))).remote(
-                role, self.model_path, engine_args, cfg.transfer.backend, worker_id, rank, dist_init_method,
-                cfg.transfer.waiting_timeout_s, report_pushed, agent_options)
-            for rank in range(1, group.tp_size)
-        ]
+        placement, dist_init_method, handles = None, None, []
+        try:
+            if group.tp_size > 1:
+                check_tp_shardable(EngineConfig(model_path=self.model_path, **engine_args))
+                placement = _tp_placement_group(options, group.tp_size, cfg.placement.tp_group_strategy)
+                dist_init_method = ray.get(_rendezvous.options(scheduling_strategy=_in_bundle(placement, 0)).remote())
+            agent_options = cfg.transfer.agent_options()
+            kwargs = dict(model_path=self.model_path, engine_args=engine_args, backend=cfg.transfer.backend,
+                          worker_id=worker_id, dist_init_method=dist_init_method, agent_options=agent_options)
+            if role == "decode":
+                kwargs.update(num_reserved_decode_tokens=cfg.transfer.num_reserved_decode_tokens,
+                              waiting_timeout_s=cfg.transfer.waiting_timeout_s)
+            cls = PrefillWorker if role == "prefill" else DecodeWorker
+            rank_options = dict(options, scheduling_strategy=_in_bundle(placement, 0)) if placement else options
+            handles.append(ray.remote(cls).options(name=worker_id, **rank_options).remote(**kwargs))
+            report_pushed = functools.partial(_report_pushed, handles[0]) if role == "prefill" else None
+            for rank in range(1, group.tp_size):
+                handles.append(ray.remote(self.follower_cls).options(name=f"{worker_id}-rank{rank}", **dict(
+                    options, max_concurrency=4, scheduling_strategy=_in_bundle(placement, rank))).remote(
+                    role, self.model_path, engine_args, cfg.transfer.backend, worker_id, rank, dist_init_method,
+                    cfg.transfer.waiting_timeout_s, report_pushed, agent_options))
+        except BaseException:  # half a worker: nobody else knows of its actors and placement group
+            for started in handles:
+                ray.kill(started)
+            if placement is not None:
+                remove_placement_group(placement)
+            raise
+        handle, followers = handles[0], handles[1:]
         return WorkerRef(worker_id, role, handle, node_id="", followers=followers, placement_group=placement)
 
     def start(self, timeout_s: float = 300.0) -> "PDCluster":
@@ -213,7 +223,7 @@ class PDCluster:
             workers = self.prefill + self.decode
             _await_started(workers, timeout_s)
             ray.get([w.handle.health.remote() for w in workers], timeout=timeout_s)
-        except Exception:
+        except BaseException:  # (Ctrl-C too: a driver that lives on would keep them)
             for worker in self.prefill + self.decode:
                 stop_worker(worker, graceful=False)
             self.prefill, self.decode = [], []
@@ -229,7 +239,7 @@ class PDCluster:
         try:
             _await_started([worker], timeout_s)
             ray.get(worker.handle.health.remote(), timeout=timeout_s)
-        except Exception:
+        except BaseException:
             stop_worker(worker, graceful=False)
             raise
         _watch_followers(worker)

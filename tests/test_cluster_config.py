@@ -290,3 +290,140 @@ def test_cuda_ranks_see_every_gpu_of_their_node_and_pick_their_own(monkeypatch):
     assert assigned_gpu_index(["6"]) == 2
     with pytest.raises(RuntimeError, match="Ray assigned GPU 1, which CUDA_VISIBLE_DEVICES='4,5,6,7' does not show"):
         assigned_gpu_index(["1"])
+
+
+# --- starting workers: what a failed start leaves behind (Ray faked, nothing started) ---------
+
+
+class _FakeRay:
+    """The Ray calls ``cluster.pd`` makes to start workers, recorded: ``pg_ready`` False makes a
+    placement group never ready (``ray.get`` of it times out); ``fail_class`` makes creating that
+    actor class raise."""
+
+    def __init__(self):
+        self.pg_ready, self.fail_class = True, None
+        self.pgs, self.removed, self.actors, self.killed = [], [], [], []
+
+    def placement_group(self, bundles, strategy):
+        pg = ("pg", len(self.pgs))
+        self.pgs.append(pg)
+        return _Ready(pg)
+
+    def get(self, ref, timeout=None):
+        import ray
+
+        if isinstance(ref, tuple) and ref[0] == "ready":
+            if not self.pg_ready:
+                raise ray.exceptions.GetTimeoutError("placement group not ready")
+            return True
+        return [None] * len(ref) if isinstance(ref, list) else "tcp://127.0.0.1:1"
+
+    def remote(self, cls):
+        fake = self
+
+        class Options:
+            def options(self, **options):
+                return self
+
+            def remote(self, *args, **kwargs):
+                if cls is None:  # the rendezvous task
+                    return ("rendezvous",)
+                if cls is fake.fail_class:
+                    raise RuntimeError(f"cannot create {cls.__name__}")
+                handle = _FakeHandle(cls.__name__)
+                fake.actors.append(handle)
+                return handle
+
+        return Options()
+
+
+class _Ready:
+    def __init__(self, pg):
+        self.pg = pg
+
+    def ready(self):
+        return ("ready", self.pg)
+
+
+class _FakeHandle:
+    def __init__(self, name):
+        self.name = name
+
+    def __getattr__(self, method):
+        class Method:
+            @staticmethod
+            def remote(*args):
+                return (method, args)
+
+        return Method()
+
+
+@pytest.fixture
+def fake_ray(monkeypatch):
+    import ray
+
+    import cluster.pd as pd
+
+    fake = _FakeRay()
+    monkeypatch.setattr(pd, "placement_group", fake.placement_group)
+    monkeypatch.setattr(pd, "remove_placement_group", lambda pg: fake.removed.append(pg.pg))
+    monkeypatch.setattr(pd, "check_tp_shardable", lambda config: None)
+    monkeypatch.setattr(pd, "_in_bundle", lambda pg, index: None)
+    monkeypatch.setattr(pd, "_rendezvous", fake.remote(None))
+    monkeypatch.setattr(ray, "get", fake.get)
+    monkeypatch.setattr(ray, "remote", fake.remote)
+    monkeypatch.setattr(ray, "kill", lambda handle: fake.killed.append(handle))
+    return fake
+
+
+def _tp2_cluster():
+    from cluster.pd import PDCluster
+
+    config = parse_config(_set(_set(_base(), "prefill.tp_size", 2), "decode.tp_size", 2))
+    return PDCluster(config, model_path="/nonexistent")
+
+
+def test_a_placement_group_that_never_fits_is_removed(fake_ray):
+    """Asking for more than the cluster has (say GPUs it lacks): the TP group's placement group
+    never becomes ready; start fails, and the pending group goes (left, it would take those
+    resources the moment they appear, for no actor)."""
+    fake_ray.pg_ready = False
+    cluster = _tp2_cluster()
+    with pytest.raises(Exception):
+        cluster.start()
+    assert fake_ray.pgs and sorted(fake_ray.removed) == sorted(fake_ray.pgs)
+    with pytest.raises(Exception):
+        cluster.add_worker("decode")
+    assert sorted(fake_ray.removed) == sorted(fake_ray.pgs)
+    assert (cluster.prefill, cluster.decode) == ([], [])
+
+
+def test_a_worker_whose_follower_cannot_be_created_leaves_nothing(fake_ray):
+    """Rank 0 is created, creating rank 1 raises: rank 0's actor is killed and the group removed."""
+    from cluster.pd import PDCluster
+
+    fake_ray.fail_class = PDCluster.follower_cls
+    cluster = _tp2_cluster()
+    with pytest.raises(RuntimeError, match="cannot create"):
+        cluster.start()
+    assert fake_ray.actors and fake_ray.killed == fake_ray.actors
+    assert fake_ray.pgs and fake_ray.removed == fake_ray.pgs
+
+
+def test_an_interrupted_start_stops_every_worker_started(fake_ray, monkeypatch):
+    """Ctrl-C (or any BaseException) while waiting for the workers: they are stopped all the same."""
+    import cluster.pd as pd
+
+    def interrupted(workers, timeout_s):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(pd, "_await_started", interrupted)
+    cluster = _tp2_cluster()
+    with pytest.raises(KeyboardInterrupt):
+        cluster.start()
+    assert len(fake_ray.actors) == 4 and sorted(fake_ray.killed, key=id) == sorted(fake_ray.actors, key=id)
+    assert len(fake_ray.pgs) == 2 and sorted(fake_ray.removed) == sorted(fake_ray.pgs)
+    assert (cluster.prefill, cluster.decode) == ([], [])
+    with pytest.raises(KeyboardInterrupt):
+        cluster.add_worker("prefill")
+    assert len(fake_ray.actors) == 6 and len(fake_ray.killed) == 6 and len(fake_ray.removed) == 3
