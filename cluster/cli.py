@@ -13,7 +13,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 from typing import List, Optional
 
@@ -25,12 +27,29 @@ def raydix_home() -> Path:
 
 
 def builtin_model(family: str = DEFAULT_FAMILY, seed: int = 0) -> str:
-    """Path of the built-in tiny checkpoint, built on first use."""
-    from actors.engine.tiny import build_tiny_checkpoint
+    """Path of the built-in tiny checkpoint, built on first use.
+
+    It is built in a scratch directory beside its place and renamed into it whole, so a
+    build that was stopped halfway (config.json written, weights not) is never taken for
+    the checkpoint, and two processes building it at once never read a half-written one."""
+    from actors.engine import tiny
 
     path = raydix_home() / "models" / f"tiny-{family}-seed{seed}"
-    if not (path / "config.json").is_file():
-        build_tiny_checkpoint(family, path, seed=seed)
+    if (path / "config.json").is_file() and any(path.glob("*.safetensors")):
+        return str(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
+    try:
+        tiny.build_tiny_checkpoint(family, scratch, seed=seed)
+        if path.exists() and not any(path.glob("*.safetensors")):  # left by a build that stopped halfway
+            shutil.rmtree(path, ignore_errors=True)
+        try:
+            os.rename(scratch, path)
+        except OSError:  # another process built it meanwhile: theirs stays
+            if not (path / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
     return str(path)
 
 

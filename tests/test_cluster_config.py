@@ -205,6 +205,32 @@ def test_builtin_model_resolves_to_a_cached_checkpoint(tmp_path, monkeypatch):
     assert config.model.name == "tiny-llama"
 
 
+def test_an_interrupted_build_of_the_builtin_model_is_not_taken_for_a_checkpoint(tmp_path, monkeypatch):
+    """The first run is stopped (Ctrl-C, a full disk) while it writes the tiny checkpoint: the
+    next run builds it again instead of serving a directory with a config.json and no weights."""
+    import actors.engine.tiny as tiny
+    from cluster.cli import builtin_model
+
+    monkeypatch.setenv("RAYDIX_HOME", str(tmp_path))
+
+    def build(family, out_dir, seed=0, stop=False):
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.json").write_text("{}")  # save_pretrained writes the config first
+        if stop:
+            raise KeyboardInterrupt
+        (out / "model.safetensors").write_text("weights")
+        return out
+
+    monkeypatch.setattr(tiny, "build_tiny_checkpoint", lambda *a, **kw: build(*a, stop=True, **kw))
+    with pytest.raises(KeyboardInterrupt):
+        builtin_model("llama")
+    monkeypatch.setattr(tiny, "build_tiny_checkpoint", build)
+    path = Path(builtin_model("llama"))
+    assert (path / "model.safetensors").is_file()
+    assert [p.name for p in path.parent.iterdir()] == [path.name]  # nothing half-built left beside it
+
+
 def test_model_path_resolves_as_given():
     config = parse_config(_set(_set(_base(), "model", {}), "model.model_path", "~/ckpt"))
     assert config.model.resolve_model_path() == str(Path("~/ckpt").expanduser())
