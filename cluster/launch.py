@@ -25,13 +25,19 @@ from typing import Dict, List, Optional
 logger = logging.getLogger("raydix.launch")
 
 
-def parse_overrides(pairs: List[str]) -> Dict[str, str]:
-    out = {}
+YAML_NULLS = ("", "~", "null", "Null", "NULL")
+
+
+def parse_overrides(pairs: List[str]) -> Dict[str, Optional[str]]:
+    """``--set key=value`` pairs by dotted key. A value is what ``key: value`` means in the YAML as
+    far as null goes (``null``, ``~`` or nothing clears an optional field); any other value stays a
+    string, for the field's own type to parse (``"9000"`` a port, ``"123"`` still a name)."""
+    out: Dict[str, Optional[str]] = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep:
             raise SystemExit(f"--set expects key=value, got {pair!r}")
-        out[key] = value
+        out[key.strip()] = None if value.strip() in YAML_NULLS else value
     return out
 
 
@@ -60,7 +66,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="raydix launch", description="start the PD workers of a cluster config")
     parser.add_argument("--config", required=True, help="cluster YAML (see configs/)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a config field by dotted path, e.g. --set decode.num_workers=2")
+                        help="override a config field by dotted path, e.g. --set decode.num_workers=2 "
+                        "(null clears an optional one)")
     parser.add_argument("--prompt", action="append", default=[], help="send this prompt (repeatable), then exit")
     parser.add_argument("--raw", action="store_true", help="send prompts as is, without the chat template")
     parser.add_argument("--max-new-tokens", type=int, default=32)

@@ -183,6 +183,24 @@ def test_with_updates_revalidates():
         config.with_updates({"prefill.tp_size": 0})
 
 
+def test_set_overrides_take_null_as_in_the_yaml():
+    """``--set key=value`` means ``key: value`` in the file: ``null`` (or ``~``, or nothing) clears an
+    optional field, so the model source can switch and a pool sized in the file can go back to
+    being sized from memory; other values stay strings for the field's own type to parse."""
+    from cluster.launch import parse_overrides
+
+    config = load_config(CONFIGS / "local_cpu.yaml")
+    updated = config.with_updates(parse_overrides(
+        ["model.builtin=null", "model.model_path=/ckpt", "decode.engine.max_total_tokens=~",
+         "prefill.engine.max_total_tokens=", "server.port=9000", "decode.num_cpus_per_rank=0.25",
+         "prefill.engine.disable_radix_cache=true", "model.served_model_name=123", "server.api_key=a=b"]))
+    assert (updated.model.builtin, updated.model.model_path, updated.model.name) == (None, "/ckpt", "123")
+    assert updated.decode.engine.max_total_tokens is None and updated.prefill.engine.max_total_tokens is None
+    assert (updated.server.port, updated.decode.num_cpus_per_rank) == (9000, 0.25)
+    assert updated.prefill.engine.disable_radix_cache is True
+    assert updated.server.api_key.get_secret_value() == "a=b"
+
+
 def test_api_key_is_not_printed():
     config = parse_config(_set(_base(), "server.api_key", "s3cret"))
     assert config.server.api_key.get_secret_value() == "s3cret"
