@@ -140,6 +140,7 @@ class GenerationService:
         events = self._streams(batch, n, rid, arrival)
         try:
             first = await events.__anext__()
+            first_time = time.perf_counter()
         except BaseException:
             await events.aclose()
             self.admission.release()
@@ -160,17 +161,18 @@ class GenerationService:
                 await events.aclose()
                 self.admission.release()
 
-        return _SSEResponse(self._sse(first, events, stream_fn), close)
+        return _SSEResponse(self._sse(first, first_time, events, stream_fn), close)
 
-    async def _sse(self, first: ChoiceEvent, events, stream_fn):
-        last_time = time.perf_counter()
+    async def _sse(self, first: ChoiceEvent, first_time: float, events, stream_fn):
+        last_time = {first.index: first_time}  # per choice: n choices' chunks interleave
         try:
             for chunk in stream_fn(first):
                 yield sse(chunk)
             async for event in events:
                 now = time.perf_counter()
-                self.metrics.observe_itl(now - last_time, event.new_tokens)
-                last_time = now
+                if not event.first:  # (a choice's first token is its time to first token)
+                    self.metrics.observe_itl(now - last_time[event.index], event.new_tokens)
+                last_time[event.index] = now
                 for chunk in stream_fn(event):
                     yield sse(chunk)
             for chunk in stream_fn(None):

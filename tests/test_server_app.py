@@ -203,6 +203,36 @@ def test_worker_gauges_carry_the_hierarchical_cache_and_drop_workers_that_left()
     assert not any(n.startswith("raydix_worker_hicache") for n, _ in samples(metrics))
 
 
+def test_inter_token_latency_is_timed_per_choice():
+    """n streamed choices decode side by side, a token each every 50 ms: each choice's gaps are
+    ~50 ms, never the ~0 between one choice's chunk and the next choice's (vLLM times ITL per
+    sequence), and a choice's first token is its TTFT, not an inter-token gap."""
+    from cluster.metrics import ServerMetrics
+    from cluster.openai_protocol import CompletionRequest
+    from cluster.openai_serving import GenerationService
+
+    backend = ScriptedBackend()
+    backend.delay_s = 0.05
+    metrics = ServerMetrics(backend.model_name)
+    service = GenerationService(backend, None, metrics, Admission(4, 4, 30.0))
+
+    async def go():
+        body = CompletionRequest.model_validate({"model": "scripted", "prompt": [1, 2], "max_tokens": 6, "n": 2,
+                                                 "stream": True})
+        response = await service.completions(body, time.perf_counter())
+        try:
+            return [chunk async for chunk in response.body_iterator]
+        finally:
+            await response._on_close()
+
+    chunks = asyncio.run(go())
+    assert chunks[-1] == "data: [DONE]\n\n"
+    itl = {"model": "scripted"}
+    assert metrics.registry.get_sample_value("raydix_inter_token_latency_seconds_count", itl) == 2 * 5
+    fast = metrics.registry.get_sample_value("raydix_inter_token_latency_seconds_bucket", dict(itl, le="0.025"))
+    assert fast == 0, "gaps between two choices' chunks timed as inter-token latency"
+
+
 def test_token_ids_outside_the_vocabulary_are_400s_naming_the_field(served, backend):
     """vLLM refuses them; sent on, one would fail the whole batch it ran in (on CUDA with a
     device-side assert). The workers refuse them too (tests/test_openai_compat.py)."""
