@@ -121,7 +121,8 @@ class ServerMetrics:
                 self.itl.labels(self.model_name).observe(per_token)
 
     def set_workers(self, workers: List[Dict[str, Any]], running: int, queued: int) -> None:
-        """Per-worker gauges from a fresh ``backend.workers()``; workers that left drop their series."""
+        """Per-worker gauges from a fresh ``backend.workers(include_dead=True)``: a worker out of the
+        rotation is ``worker_up`` 0 and nothing else; workers that left drop their series."""
         for gauge in (self.worker_up, self.kv_usage, self.queue_len, self.inflight, self.retractions,
                       self.pushed_bytes, self.host_kv_usage, self.hicache_tokens, self.hicache_pages):
             gauge.clear()
@@ -130,6 +131,8 @@ class ServerMetrics:
         for w in workers:
             key, load = (w["id"], w["role"]), w.get("load") or {}
             self.worker_up.labels(*key).set(1 if w["alive"] else 0)
+            if not w["alive"]:  # its last load report is stale: only its being down is exported
+                continue
             self.inflight.labels(*key).set(w.get("inflight", 0))
             if "kv_usage" in load:
                 self.kv_usage.labels(*key).set(load["kv_usage"])

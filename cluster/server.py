@@ -256,7 +256,8 @@ def build_app(cluster_or_client: Any, tokenizer=None, config=None, client=None,
             await asyncio.wait_for(backend.refresh_loads(), timeout=METRICS_REFRESH_TIMEOUT_S)
         except asyncio.TimeoutError:  # serve the last loads rather than hang a scrape
             pass
-        metrics.set_workers(backend.workers(), admission.running, admission.waiting)
+        # (workers out of the rotation too: they scrape as raydix_worker_up 0 until removed)
+        metrics.set_workers(backend.workers(include_dead=True), admission.running, admission.waiting)
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/workers")

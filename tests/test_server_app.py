@@ -233,6 +233,32 @@ def test_inter_token_latency_is_timed_per_choice():
     assert fast == 0, "gaps between two choices' chunks timed as inter-token latency"
 
 
+def test_a_worker_out_of_the_rotation_scrapes_as_down():
+    """A worker that died (or missed its heartbeats) shows ``raydix_worker_up 0`` until it is
+    removed, so an alert on ``== 0`` fires; its last load is not exported as if current."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    class OneDown(ScriptedBackend):
+        def workers(self, include_dead=False):
+            up = {"id": "d-0", "role": "decode", "node": "n", "alive": True, "inflight": 0, "load": {"running": 1}}
+            down = {"id": "d-1", "role": "decode", "node": "n", "alive": False, "inflight": 0,
+                    "load": {"running": 7, "kv_usage": 0.9}}
+            return [up, down] if include_dead else [up]
+
+    app = build_app(OneDown(), None, ServerConfig())
+
+    async def scrape():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://app") as http:
+            return (await http.get("/metrics")).text
+
+    samples = {(s.name, s.labels.get("worker"), s.labels.get("queue")): s.value
+               for family in text_string_to_metric_families(asyncio.run(scrape())) for s in family.samples}
+    assert samples[("raydix_worker_up", "d-0", None)] == 1
+    assert samples[("raydix_worker_up", "d-1", None)] == 0
+    assert samples[("raydix_worker_queue_requests", "d-0", "running")] == 1
+    assert not any(worker == "d-1" for name, worker, _ in samples if name != "raydix_worker_up")
+
+
 def test_token_ids_outside_the_vocabulary_are_400s_naming_the_field(served, backend):
     """vLLM refuses them; sent on, one would fail the whole batch it ran in (on CUDA with a
     device-side assert). The workers refuse them too (tests/test_openai_compat.py)."""
