@@ -25,11 +25,16 @@ def serve_forever(app, host: str, port: int, log_level: str = "info") -> None:
     and this returns (so the caller can drain and stop the workers)."""
     # uvicorn re-raises the signal it caught to the handler it found; with the defaults that
     # would kill the process (SIGTERM) or raise KeyboardInterrupt before the workers are freed.
-    caught: list = []
-    previous = {sig: signal.signal(sig, lambda signum, frame: caught.append(signum))
-                for sig in (signal.SIGINT, signal.SIGTERM)}
+    # Ours also stops the server: a signal that comes before uvicorn installs its own handlers
+    # (while the event loop starts) must not be swallowed.
+    server = uvicorn.Server(uvicorn_config(app, host, port, log_level))
+
+    def stop(signum, frame) -> None:
+        server.should_exit = True
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        uvicorn.Server(uvicorn_config(app, host, port, log_level)).run()
+        server.run()
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

@@ -259,6 +259,30 @@ def test_a_worker_out_of_the_rotation_scrapes_as_down():
     assert not any(worker == "d-1" for name, worker, _ in samples if name != "raydix_worker_up")
 
 
+def test_a_sigterm_just_before_uvicorn_listens_for_it_still_stops_the_server(monkeypatch):
+    """serve_forever's own handlers are in place from before uvicorn installs its handlers until
+    after it restores them: a SIGTERM in that window (the event loop starting) stops the server,
+    not a swallowed signal and a server that then serves on."""
+    import signal
+
+    import uvicorn
+
+    from cluster.http_server import serve_forever
+
+    seen = []
+
+    def run(server, sockets=None):  # the signal lands before uvicorn's capture_signals
+        signal.raise_signal(signal.SIGTERM)
+        time.sleep(0.01)  # (the Python-level handler runs here)
+        seen.append(server.should_exit)
+
+    monkeypatch.setattr(uvicorn.Server, "run", run)
+    before = signal.getsignal(signal.SIGTERM)
+    serve_forever(build_app(ScriptedBackend(), None, ServerConfig()), "127.0.0.1", 0)
+    assert seen == [True], "the SIGTERM was swallowed: uvicorn would serve on"
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
 def test_token_ids_outside_the_vocabulary_are_400s_naming_the_field(served, backend):
     """vLLM refuses them; sent on, one would fail the whole batch it ran in (on CUDA with a
     device-side assert). The workers refuse them too (tests/test_openai_compat.py)."""
