@@ -189,7 +189,10 @@ class PDBackend:
         if not any(w.worker_id == worker_id for w in self._all()):
             raise UnknownWorkerError(worker_id)
         await self._tell_router("remove_worker", worker_id)  # no new requests, then drain
-        worker = await asyncio.to_thread(self.cluster.remove_worker, worker_id)
+        try:
+            worker = await asyncio.to_thread(self.cluster.remove_worker, worker_id)
+        except KeyError:  # removed (or being removed) by another call meanwhile
+            raise UnknownWorkerError(worker_id) from None
         return {"id": worker.worker_id, "role": worker.role, "removed": True}
 
 

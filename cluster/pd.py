@@ -170,6 +170,7 @@ class PDCluster:
         self.model_path = model_path or config.model.resolve_model_path()
         self.prefill: List[WorkerRef] = []
         self.decode: List[WorkerRef] = []
+        self._removing: set = set()  # ids of the workers remove_worker is draining
 
     def _start_worker(self, role: str, index: int) -> WorkerRef:
         """Rank 0 (the worker actor) and, for ``tp_size > 1``, its follower rank actors,
@@ -247,15 +248,22 @@ class PDCluster:
         return worker
 
     def remove_worker(self, worker_id: str, timeout_s: float = 120.0) -> WorkerRef:
-        """Take a worker out of the rotation, let its accepted requests finish, free its pools, stop it."""
-        worker = next(w for w in self.prefill + self.decode if w.worker_id == worker_id)
-        worker.alive = False  # no new requests from here on
+        """Take a worker out of the rotation, let its accepted requests finish, free its pools, stop it.
+        KeyError for an id that is not there, or whose removal is already under way."""
+        worker = next((w for w in self.prefill + self.decode if w.worker_id == worker_id), None)
+        if worker is None or worker_id in self._removing:
+            raise KeyError(worker_id)
+        self._removing.add(worker_id)
         try:
-            ray.get(worker.handle.drain.remote(timeout_s), timeout=timeout_s + 5)
-        except Exception as exc:  # already dead: nothing to drain
-            logger.warning("remove %s: %s", worker_id, exc)
-        stop_worker(worker)
-        (self.prefill if worker.role == "prefill" else self.decode).remove(worker)
+            worker.alive = False  # no new requests from here on
+            try:
+                ray.get(worker.handle.drain.remote(timeout_s), timeout=timeout_s + 5)
+            except Exception as exc:  # already dead: nothing to drain
+                logger.warning("remove %s: %s", worker_id, exc)
+            stop_worker(worker)
+            (self.prefill if worker.role == "prefill" else self.decode).remove(worker)
+        finally:
+            self._removing.discard(worker_id)
         return worker
 
     def start_router(self, name: Optional[str] = None, detached: bool = False, timeout_s: float = 120.0, **overrides):

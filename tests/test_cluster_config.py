@@ -471,3 +471,31 @@ def test_an_interrupted_start_stops_every_worker_started(fake_ray, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         cluster.add_worker("prefill")
     assert len(fake_ray.actors) == 6 and len(fake_ray.killed) == 6 and len(fake_ray.removed) == 3
+
+
+def test_removing_a_worker_twice_at_once_is_a_missing_worker_the_second_time(fake_ray):
+    """DELETE /workers/{id} retried while the first call drains the worker (drains take up to two
+    minutes; clients time out and retry): the second call finds no such worker (KeyError: a 404)
+    instead of draining it again and failing on the list (a 500), and an unknown id is a KeyError
+    too (StopIteration cannot cross asyncio.to_thread: it became a TypeError)."""
+    from cluster.pd import PDCluster, WorkerRef
+
+    cluster = PDCluster(parse_config(_base()), model_path="/nonexistent")
+    worker = WorkerRef("decode-0-abc", "decode", _FakeHandle("DecodeWorker"), node_id="n")
+    cluster.decode.append(worker)
+    again = []
+    drain = fake_ray.get
+
+    def get(ref, timeout=None):
+        if isinstance(ref, tuple) and ref[0] == "drain" and not again:
+            with pytest.raises(KeyError):
+                again.append(cluster.remove_worker("decode-0-abc"))
+        return drain(ref, timeout)
+
+    import ray
+
+    ray.get = get  # (fake_ray restores the real one)
+    assert cluster.remove_worker("decode-0-abc") is worker
+    assert cluster.decode == [] and fake_ray.killed == [worker.handle]
+    with pytest.raises(KeyError):
+        cluster.remove_worker("decode-0-abc")
