@@ -127,7 +127,7 @@ class WorkerGroupConfig(BaseModel):
     num_cpus_per_rank: float = Field(1.0, ge=0.0, le=1024.0, description="Ray CPUs each rank actor reserves")
     num_gpus_per_rank: Optional[float] = Field(
         None, ge=0.0, le=1.0, description="Ray GPUs each rank reserves; None: 1 on cuda (a worker takes tp_size "
-        "GPUs), 0 on cpu; a fraction shares a GPU between ranks")
+        "GPUs), 0 on cpu; a fraction shares a GPU between ranks (their engine.max_total_tokens must be set)")
     engine: EngineOverrides = Field(default_factory=EngineOverrides,
                                     description="EngineConfig fields for this side's engines")
 
@@ -268,6 +268,14 @@ class ClusterConfig(BaseModel):
                 raise _invalid("kv_layout_mismatch", f"decode.engine.{name}: {ours!r} differs from "
                                f"prefill.engine.{name} {theirs!r}; KV pages move slot for slot, so both sides "
                                "must agree")
+        for role in ("prefill", "decode"):
+            group = self.group(role)
+            if group.device == "cuda" and group.gpus_per_rank < 1.0 and group.engine.max_total_tokens is None:
+                # (each rank sizes its pool by mem_fraction_static of the whole GPU's free memory:
+                # a second rank on the GPU finds none left)
+                raise _invalid("shared_gpu_pool", f"{role}.engine.max_total_tokens: must be set when "
+                               f"{role}.num_gpus_per_rank < 1 (got {group.gpus_per_rank}): ranks sharing a GPU "
+                               "need their KV pool sized explicitly")
         if self.transfer.backend == "cuda_ipc" and "cpu" in (self.prefill.device, self.decode.device):
             raise _invalid("cuda_ipc_on_cpu", "transfer.backend: cuda_ipc needs device cuda on both sides")
         if self.transfer.data_transport == "nccl" and "cpu" in (self.prefill.device, self.decode.device):

@@ -154,6 +154,21 @@ def test_cuda_group_takes_one_gpu_per_rank():
         parse_config(_set(data, "decode.num_gpus_per_rank", 0))
 
 
+def test_ranks_sharing_a_gpu_need_an_explicit_kv_pool():
+    """A fraction of a GPU per rank lets Ray put two ranks on one GPU; each sizes its KV pool from
+    the device's free memory (mem_fraction_static of the whole GPU), so the second finds none left
+    and fails to start. Refused at load, naming the field that makes sharing work."""
+    data = _set(_set(_base(), "decode.device", "cuda"), "decode.num_gpus_per_rank", 0.5)
+    _set(data, "decode.engine", {"page_size": 16})
+    with pytest.raises(ConfigError, match=r"decode.engine.max_total_tokens: must be set when "
+                                          r"decode.num_gpus_per_rank < 1 \(got 0.5\)"):
+        parse_config(data)
+    _set(data, "decode.engine.max_total_tokens", 4096)
+    assert parse_config(data).decode.gpus_per_rank == 0.5
+    whole = parse_config(_set(_set(_base(), "prefill.device", "cuda"), "prefill.engine", {"page_size": 16}))
+    assert whole.prefill.gpus_per_rank == 1.0 and whole.prefill.engine.max_total_tokens is None
+
+
 # --- engine settings ----------------------------------------------------------------------
 
 
