@@ -40,6 +40,7 @@ def builtin_model(family: str = DEFAULT_FAMILY, seed: int = 0) -> str:
     path.parent.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
     try:
+        scratch.chmod(0o755)  # (mkdtemp's 0700 would follow it into place)
         tiny.build_tiny_checkpoint(family, scratch, seed=seed)
         if path.exists() and not any(path.glob("*.safetensors")):  # left by a build that stopped halfway
             shutil.rmtree(path, ignore_errors=True)
