@@ -15,9 +15,12 @@ from typing import Optional
 import uvicorn
 
 
+GRACEFUL_SHUTDOWN_S = 120.0  # open requests finish for as long as the app's drain waits (build_app's drain_timeout_s)
+
+
 def uvicorn_config(app, host: str, port: int, log_level: str = "warning") -> uvicorn.Config:
     return uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
-                          timeout_graceful_shutdown=60, access_log=False)
+                          timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, access_log=False)
 
 
 def serve_forever(app, host: str, port: int, log_level: str = "info") -> None:

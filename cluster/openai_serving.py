@@ -137,20 +137,19 @@ class GenerationService:
         """Admit, run the choices of ``batch`` (``[(input_ids, params)]``, one per prompt), and
         answer with JSON (``final_fn``) or SSE (``stream_fn``)."""
         await self._admit()
-        events = self._streams(batch, n, rid, arrival)
+        events = None
         try:
+            events = self._streams(batch, n, rid, arrival)
             first = await events.__anext__()
             first_time = time.perf_counter()
         except BaseException:
-            await events.aclose()
-            self.admission.release()
+            await self._close(events)
             raise
         if stream_fn is None:
             try:
                 collected = [first] + [e async for e in events]
             finally:  # done, failed, or cancelled (the client went away): the other choices stop too
-                await events.aclose()
-                self.admission.release()
+                await self._close(events)
             return JSONResponse(final_fn(collected))
         closed = False
 
@@ -158,10 +157,18 @@ class GenerationService:
             nonlocal closed
             if not closed:
                 closed = True
-                await events.aclose()
-                self.admission.release()
+                await self._close(events)
 
         return _SSEResponse(self._sse(first, first_time, events, stream_fn), close)
+
+    async def _close(self, events) -> None:
+        """Stop the choices and give the admission slot back, even if the stop is cancelled
+        (a second cancel, at the server's shutdown timeout)."""
+        try:
+            if events is not None:
+                await events.aclose()
+        finally:
+            self.admission.release()
 
     async def _sse(self, first: ChoiceEvent, first_time: float, events, stream_fn):
         last_time = {first.index: first_time}  # per choice: n choices' chunks interleave

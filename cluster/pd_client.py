@@ -222,10 +222,11 @@ class PDClient:
                 self._live_rids.discard(rid)
 
     async def drain(self, timeout_s: float = 120.0) -> None:
-        """Refuse new requests; return once every accepted one has ended."""
+        """Refuse new requests; return once every accepted one has ended (those the router is
+        still placing included)."""
         self.draining = True
         deadline = time.monotonic() + timeout_s
-        while self.inflight and time.monotonic() < deadline:
+        while self._live_rids and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
 
     async def _call(self, worker: WorkerRef, ref, timeout_s: float, rid: str):

@@ -564,3 +564,33 @@ def test_stop_prefill_does_not_take_an_unavailable_prefill_for_dead():
     ref = WorkerRef("p0", "prefill", _ClientHandle(p0, abort_exc=lambda: ActorUnavailableError("blip", None)), "n")
     client = PDClient([ref], [])
     assert run(client._stop_prefill(ref, "r", 1)) is False
+
+
+def test_drain_waits_for_a_request_the_router_is_still_placing():
+    """An accepted request still being routed is in flight: drain waits for it (it counted only
+    requests with a pair, so the workers could stop under it)."""
+    from cluster.pd_client import PDClient, PDRequestError
+
+    async def scenario():
+        placed = asyncio.Event()
+
+        class SlowRouter:
+            async def route(self, rid, input_ids):
+                await placed.wait()
+                raise NoWorkerError("no live decode worker")
+
+            async def release(self, rid, role=None):
+                return None
+
+        client = PDClient([], [], router=SlowRouter())
+        request = asyncio.ensure_future(client.generate([1, 2, 3]))
+        await asyncio.sleep(0.01)
+        drain = asyncio.ensure_future(client.drain(timeout_s=5.0))
+        await asyncio.sleep(0.1)
+        assert not drain.done(), "drain returned while a request was being routed"
+        placed.set()
+        with pytest.raises(PDRequestError, match="could not place"):
+            await request
+        await asyncio.wait_for(drain, 1.0)
+
+    run(scenario())

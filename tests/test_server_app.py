@@ -100,6 +100,34 @@ def test_admission_refuses_when_full_and_times_out():
     asyncio.run(go())
 
 
+def test_a_cancelled_stop_still_gives_the_admission_slot_back():
+    """Stopping a request's choices (their aborts) can itself be cancelled: at the server's
+    shutdown timeout the task is cancelled again. The admission slot still comes back."""
+    from cluster.openai_serving import GenerationService
+
+    async def go():
+        admission = Admission(max_concurrent=1, max_queue_size=1, queue_timeout_s=0.2)
+        service = GenerationService(None, None, None, admission)
+        await admission.acquire()
+
+        async def choices():
+            try:
+                yield 1
+            finally:
+                await asyncio.sleep(10)  # the aborts on the workers take a while
+
+        events = choices()
+        await events.__anext__()
+        closing = asyncio.ensure_future(service._close(events))
+        await asyncio.sleep(0.01)
+        closing.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await closing
+        assert admission.running == 0
+
+    asyncio.run(go())
+
+
 def test_prompt_and_request_limits_are_held_apart(backend, client):
     """A prefill pool smaller than the decode one bounds the prompt only: a short prompt may
     ask for what the context leaves; a longer prompt is refused."""
