@@ -44,6 +44,7 @@ from actors.engine.req import Req
 from actors.engine.schedule_batch import _alloc_rows, _alloc_with_eviction
 from actors.engine.scheduler import Scheduler
 from actors.engine.tp_worker import FollowerError
+from mem_cache.kv_events import ReuseRule
 from mem_cache.radix_key import RadixKey
 from transfer.base import KVPoll, KVReceiver, TransferAgent, TransferError
 
@@ -197,6 +198,10 @@ class DecodeScheduler(Scheduler):
             return True
         req.pd_state = "transfer"
         return True
+
+    def reuse_rule(self) -> ReuseRule:
+        """A hybrid model's reservation reads the attention KV of any cached prefix."""
+        return ReuseRule() if self.hybrid else super().reuse_rule()
 
     def _match_reserved_prefix(self, req: Req) -> None:
         """The decode tree's prefix of the prompt; a hybrid model's for the attention KV

@@ -14,6 +14,13 @@ workers holding it:
   ``exact``) or ``approx_ttl_s`` passes. So a burst of similar requests follows
   the first one before any event has come back.
 
+A worker whose cache reuses a prefix only at some pages (``mem_cache.kv_events``'s
+reuse rules) has its match cut back to the deepest page it can reuse from: for
+``state`` (a hybrid model's prefill) the deepest page marked by StateStored — the
+router's own decisions mark the last page of the prompt sent, approximately, as
+the worker caches its final state there; for ``window`` (sliding-window
+attention) the deepest page with no WindowLost page among its last ``window``.
+
 Keys are the first 64 bits of the hex hash as an int: a third of the memory of
 the string, and a collision needs ~2^32 pages. Matching is one dict lookup per
 page and bit operations over all workers at once. Nothing per page is an object
@@ -27,9 +34,11 @@ import time
 from collections import deque
 from typing import Callable, Deque, Dict, Iterable, List, Sequence, Set, Tuple
 
-BIT_SHIFT = 16  # an approximate entry is ``key << BIT_SHIFT | bit``: one int, up to 65,536 workers
+from mem_cache.kv_events import (REUSE_RULES, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, StateRemoved,
+                                 StateStored, WindowLost, WindowRestored)
 
-from mem_cache.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+BIT_SHIFT = 16  # an approximate entry is ``key << BIT_SHIFT | bit``: one int, up to 65,536 workers
+STATE_SALT = 0x5A17E5A17E5A17E5  # ``key ^ STATE_SALT``: the approximate "a state is cached after page key"
 
 
 def page_keys(page_hashes: Iterable[str]) -> List[int]:
@@ -48,6 +57,11 @@ class PrefixIndex:
         self._deadlines: Dict[int, float] = {}  # key << BIT_SHIFT | bit → when the approximate entry lapses
         self._expiry: Deque[Tuple[float, int, List[int]]] = deque()  # (deadline, bit, keys) per decision
         self._pages: Dict[int, Set[int]] = {}  # bit → its exact keys
+        self._state: Dict[int, int] = {}  # page key → mask of workers with a state cached after it
+        self._lost: Dict[int, int] = {}  # page key → mask of workers whose window KV of it is gone
+        self._marks: Dict[int, Set[int]] = {}  # bit → its keys in _state or _lost
+        self._state_mask = 0  # workers under the ``state`` rule
+        self._windows: Dict[int, int] = {}  # bit → window in pages, for workers under the ``window`` rule
 
     # ---- workers -------------------------------------------------------------------
     def add_worker(self, worker_id: str) -> None:
@@ -57,15 +71,31 @@ class PrefixIndex:
             raise ValueError(f"the index holds at most {1 << BIT_SHIFT} workers")
         bit = next(b for b in range(len(self._bits) + 1) if b not in self._ids)
         self._bits[worker_id], self._ids[bit] = bit, worker_id
-        self._pages[bit] = set()
+        self._pages[bit], self._marks[bit] = set(), set()
 
     def remove_worker(self, worker_id: str) -> None:
         """Forget the worker and every entry it had."""
         if worker_id not in self._bits:
             return
         self.clear(worker_id)
+        self.set_rule(worker_id, "prefix")
         bit = self._bits.pop(worker_id)
-        del self._ids[bit], self._pages[bit]
+        del self._ids[bit], self._pages[bit], self._marks[bit]
+
+    def set_rule(self, worker_id: str, kind: str, window_pages: int = 0) -> None:
+        """Where the worker reuses a prefix up to (see the module docstring); ``window_pages``
+        for ``window``."""
+        if kind not in REUSE_RULES:
+            raise ValueError(f"unknown reuse rule {kind!r}; known: {', '.join(REUSE_RULES)}")
+        if kind == "window" and window_pages < 1:
+            raise ValueError(f"the window rule needs a window of at least one page, got {window_pages}")
+        bit = self._bits[worker_id]
+        self._state_mask &= ~(1 << bit)
+        self._windows.pop(bit, None)
+        if kind == "state":
+            self._state_mask |= 1 << bit
+        elif kind == "window":
+            self._windows[bit] = window_pages
 
     def workers(self) -> List[str]:
         return list(self._bits)
@@ -88,30 +118,47 @@ class PrefixIndex:
             self._remove(bit, page_keys(event.block_hashes))
         elif isinstance(event, AllBlocksCleared):
             self.clear(worker_id)
+        elif isinstance(event, StateStored):
+            self._mark(self._state, bit, page_keys(event.block_hashes))
+        elif isinstance(event, WindowLost):
+            self._mark(self._lost, bit, page_keys(event.block_hashes))
+        elif isinstance(event, (StateRemoved, WindowRestored)):
+            self._unmark(self._state if isinstance(event, StateRemoved) else self._lost, bit,
+                         page_keys(event.block_hashes))
         else:
             raise TypeError(f"not a KV event: {event!r}")
 
-    def replace(self, worker_id: str, chains: Iterable[Sequence[str]]) -> None:
-        """The worker holds exactly ``chains`` now (a snapshot): drop what it had, store these."""
+    def replace(self, worker_id: str, chains: Iterable[Sequence[str]], state_pages: Sequence[str] = (),
+                lost_pages: Sequence[str] = ()) -> None:
+        """The worker holds exactly ``chains`` now (a snapshot), with these pages marked
+        StateStored and WindowLost: drop what it had, store these."""
         self.clear(worker_id)
         bit = self._bits[worker_id]
         for chain in chains:
             self._store(bit, page_keys(chain))
+        self._mark(self._state, bit, page_keys(state_pages))
+        self._mark(self._lost, bit, page_keys(lost_pages))
 
     def clear(self, worker_id: str) -> None:
         bit = self._bits[worker_id]
         self._remove(bit, list(self._pages[bit]))
+        marks = list(self._marks[bit])
+        self._unmark(self._state, bit, marks)
+        self._unmark(self._lost, bit, marks)
         mask = (1 << BIT_SHIFT) - 1
         for entry in [e for e in self._deadlines if e & mask == bit]:
             self._drop_approx(entry >> BIT_SHIFT, bit)
 
     def _store(self, bit: int, keys: List[int]) -> None:
         flag, exact, pages = 1 << bit, self._exact, self._pages[bit]
+        stated = self._state_mask & flag
         for key in keys:
             exact[key] = exact.get(key, 0) | flag
             pages.add(key)
             if key << BIT_SHIFT | bit in self._deadlines:  # confirmed: the approximate entry is superseded
                 self._drop_approx(key, bit)
+            if stated and (key ^ STATE_SALT) << BIT_SHIFT | bit in self._deadlines:  # ... a state there is
+                self._drop_approx(key ^ STATE_SALT, bit)  # StateStored's to tell
 
     def _remove(self, bit: int, keys: List[int]) -> None:
         flag, exact, pages = 1 << bit, self._exact, self._pages[bit]
@@ -124,6 +171,29 @@ class PrefixIndex:
             pages.discard(key)
             if key << BIT_SHIFT | bit in self._deadlines:
                 self._drop_approx(key, bit)
+        if self._marks[bit]:
+            self._unmark(self._state, bit, keys)
+            self._unmark(self._lost, bit, keys)
+
+    def _mark(self, marks: Dict[int, int], bit: int, keys: Iterable[int]) -> None:
+        flag, mine = 1 << bit, self._marks[bit]
+        for key in keys:
+            marks[key] = marks.get(key, 0) | flag
+            mine.add(key)
+
+    def _unmark(self, marks: Dict[int, int], bit: int, keys: Iterable[int]) -> None:
+        """Take ``bit`` off these keys in ``marks``; a key leaves ``_marks[bit]`` once in neither dict."""
+        flag, mine, other = 1 << bit, self._marks[bit], self._lost if marks is self._state else self._state
+        for key in keys:
+            mask = marks.get(key, 0)
+            if not mask & flag:
+                continue
+            if mask & ~flag:
+                marks[key] = mask & ~flag
+            else:
+                del marks[key]
+            if not other.get(key, 0) & flag:
+                mine.discard(key)
 
     # ---- approximate entries ---------------------------------------------------------------
     def record(self, worker_id: str, keys: Sequence[int]) -> None:
@@ -134,6 +204,8 @@ class PrefixIndex:
         deadline = self.clock() + self.approx_ttl_s
         exact, approx, deadlines = self._exact, self._approx, self._deadlines
         recorded = [key for key in keys if not exact.get(key, 0) & flag]
+        if self._state_mask & flag and keys and not self._state.get(keys[-1], 0) & flag:
+            recorded.append(keys[-1] ^ STATE_SALT)  # it caches the prompt's final state
         for key in recorded:
             approx[key] = approx.get(key, 0) | flag
             deadlines[key << BIT_SHIFT | bit] = deadline
@@ -170,6 +242,8 @@ class PrefixIndex:
             return {}
         exact, approx = self._exact, self._approx
         alive = exact.get(keys[0], 0) | approx.get(keys[0], 0)
+        if alive & self._state_mask or any(alive >> bit & 1 for bit in self._windows):
+            return self._match_ruled(keys, alive)
         matched: Dict[str, int] = {}
         depth = 1
         while alive and depth < len(keys):
@@ -181,6 +255,57 @@ class PrefixIndex:
                 alive &= mask
             depth += 1
         self._credit(matched, alive, depth)
+        return matched
+
+    def _match_ruled(self, keys: Sequence[int], alive: int) -> Dict[str, int]:
+        """:meth:`match` for a run that workers under a reuse rule share: each such worker's
+        match ends at the deepest page its rule allows."""
+        exact, approx, state, lost, windows = self._exact, self._approx, self._state, self._lost, self._windows
+        state_bits = alive & self._state_mask
+        window_bits = sum(1 << bit for bit in windows if alive >> bit & 1)
+        ends: Dict[int, int] = {}  # bit → deepest reusable page count so far (window: before its last lost page)
+        lost_at: Dict[int, int] = {}  # window bit → page count up to its last lost page
+        matched: Dict[str, int] = {}
+
+        def credit(mask: int, depth: int) -> None:
+            while mask:
+                low = mask & -mask
+                bit = low.bit_length() - 1
+                mask ^= low
+                if state_bits & low:
+                    depth_ok = ends.get(bit, 0)
+                elif window_bits & low and bit in lost_at and depth - lost_at[bit] < windows[bit]:
+                    depth_ok = ends.get(bit, 0)
+                else:
+                    depth_ok = depth
+                if depth_ok:
+                    matched[self._ids[bit]] = depth_ok
+
+        depth = 0
+        while alive and depth < len(keys):
+            key = keys[depth]
+            if depth:
+                mask = exact.get(key, 0) | approx.get(key, 0)
+                if alive & ~mask:
+                    credit(alive & ~mask, depth)
+                    alive &= mask
+                    if not alive:
+                        break
+            depth += 1
+            ended = (state.get(key, 0) | approx.get(key ^ STATE_SALT, 0)) & alive & state_bits
+            while ended:
+                low = ended & -ended
+                ends[low.bit_length() - 1] = depth
+                ended ^= low
+            gone = lost.get(key, 0) & alive & window_bits
+            while gone:
+                low = gone & -gone
+                bit = low.bit_length() - 1
+                gone ^= low
+                if bit not in lost_at or depth - 1 - lost_at[bit] >= windows[bit]:
+                    ends[bit] = depth - 1
+                lost_at[bit] = depth
+        credit(alive, depth)
         return matched
 
     def _credit(self, matched: Dict[str, int], mask: int, depth: int) -> None:

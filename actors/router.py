@@ -221,7 +221,9 @@ class Router:
         if snap.page_size != self.settings.page_size:
             raise ValueError(f"worker {worker.worker_id} has page_size {snap.page_size}; the router hashes pages "
                              f"of {self.settings.page_size}")
-        self.index.replace(worker.worker_id, snap.chains)
+        rule = snap.rule  # the window in tokens → pages, as the index walks pages
+        self.index.set_rule(worker.worker_id, rule.kind, -(-rule.window // self.settings.page_size))
+        self.index.replace(worker.worker_id, snap.chains, snap.state_pages, snap.lost_pages)
         worker.event_cursor = snap.last_id
         self.counters["resyncs"] += 1
 

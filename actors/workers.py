@@ -200,8 +200,10 @@ class _Worker:
         def snapshot() -> PageHashSnapshot:
             newest = self._drain_kv_events()
             cache = self.scheduler.tree_cache
-            chains = cache.stored_page_hashes() if cache.events.enabled else []
-            return PageHashSnapshot(chains, newest, self.config.page_size)
+            if not cache.events.enabled:
+                return PageHashSnapshot([], newest, self.config.page_size, self.scheduler.reuse_rule())
+            return PageHashSnapshot(cache.stored_page_hashes(), newest, self.config.page_size,
+                                    self.scheduler.reuse_rule(), *cache.marked_page_hashes())
 
         return await asyncio.to_thread(self.loop.run_exclusive, snapshot)
 

@@ -3,6 +3,17 @@
 Every event carries a monotonic ``event_id`` (per cache) so a consumer can
 detect a gap and ask for a resync. Blocks are pages, named by their chained
 hash (``mem_cache.radix_key.hash_pages``).
+
+A plain radix cache can reuse any cached prefix. Two caches cannot, and say where
+a reused prefix may end (their :class:`ReuseRule`):
+
+* ``state`` (``MambaRadixCache``'s prefill): only at a page after which a recurrent
+  state is cached — :class:`StateStored` / :class:`StateRemoved` name those pages;
+* ``window`` (``SWARadixCache``): only at a page whose last ``window`` tokens all hold
+  sliding-window KV — :class:`WindowLost` / :class:`WindowRestored` name the pages
+  that lose it (tombstones) or get it back.
+
+A page's BlockRemoved drops its marks too.
 """
 
 from __future__ import annotations
@@ -32,7 +43,46 @@ class AllBlocksCleared:
     event_id: int
 
 
-KVEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared]
+@dataclass(frozen=True)
+class StateStored:
+    """A recurrent (Mamba) state is cached after each of these pages."""
+
+    event_id: int
+    block_hashes: List[str]
+
+
+@dataclass(frozen=True)
+class StateRemoved:
+    event_id: int
+    block_hashes: List[str]
+
+
+@dataclass(frozen=True)
+class WindowLost:
+    """These pages' sliding-window KV is gone (tombstones): no reused prefix ends within a
+    window after them."""
+
+    event_id: int
+    block_hashes: List[str]
+
+
+@dataclass(frozen=True)
+class WindowRestored:
+    event_id: int
+    block_hashes: List[str]
+
+
+KVEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared, StateStored, StateRemoved, WindowLost, WindowRestored]
+
+REUSE_RULES = ("prefix", "state", "window")
+
+
+class ReuseRule(NamedTuple):
+    """Where a prefix a cache holds may be reused up to: ``prefix`` anywhere, ``state`` only at a
+    page with a cached state, ``window`` only where the last ``window`` tokens have sliding-window KV."""
+
+    kind: str = "prefix"
+    window: int = 0  # tokens, for ``window``
 
 
 class KVEventBatch(NamedTuple):
@@ -44,11 +94,16 @@ class KVEventBatch(NamedTuple):
 
 
 class PageHashSnapshot(NamedTuple):
-    """Every page a cache holds, as of event ``last_id``: one chain of page hashes per tree node."""
+    """Every page a cache holds, as of event ``last_id``: one chain of page hashes per tree node;
+    with its reuse rule and the pages marked for it (``state_pages``: StateStored, ``lost_pages``:
+    WindowLost)."""
 
     chains: List[List[str]]
     last_id: int
     page_size: int
+    rule: ReuseRule = ReuseRule()
+    state_pages: List[str] = []
+    lost_pages: List[str] = []
 
 
 @dataclass
@@ -71,6 +126,11 @@ class KVEventQueue:
     def cleared(self):
         if self.enabled:
             self._push(AllBlocksCleared(self._id()))
+
+    def marked(self, kind, hashes: List[str]):
+        """``kind``: StateStored, StateRemoved, WindowLost or WindowRestored."""
+        if self.enabled and hashes:
+            self._push(kind(self._id(), hashes))
 
     def _push(self, event: KVEvent) -> None:
         self.pending.append(event)

@@ -39,6 +39,7 @@ from typing import List, NamedTuple, Optional, Tuple
 import torch
 
 from mem_cache.integrity import check_unique_in_range, ensure
+from mem_cache.kv_events import ReuseRule, StateRemoved, StateStored
 from mem_cache.lru_list import LRUList
 from mem_cache.mamba_tracking import FLA_CHUNK_SIZE, mamba_branching_seqlen, max_prefix_match_len
 from mem_cache.radix_cache import RadixCache, TreeNode
@@ -275,6 +276,7 @@ class MambaRadixCache(RadixCache):
     def _attach_mamba(self, node: MambaTreeNode, mamba_value: torch.Tensor) -> None:
         node.mamba_value = mamba_value.reshape(1).to(torch.int64)
         self.mamba_lru_list.insert_mru(node)
+        self.events.marked(StateStored, node.hash_value[-1:])  # a split keeps it: the lower half ends there
         if node.mamba_lock_ref == 0:
             self.mamba_evictable_size_ += 1
         else:
@@ -358,6 +360,7 @@ class MambaRadixCache(RadixCache):
         self.mamba_pool.free(node.mamba_value)
         node.mamba_value = None
         self.mamba_lru_list.remove(node)
+        self.events.marked(StateRemoved, node.hash_value[-1:])
         self.mamba_evictable_size_ -= 1
 
     def _evict_leaf(self, leaf: MambaTreeNode) -> int:
@@ -458,6 +461,13 @@ class MambaRadixCache(RadixCache):
             req.mamba_last_track_seqlen = None
 
     # ---- inspection ----------------------------------------------------------------
+    def reuse_rule(self) -> ReuseRule:
+        """A prefix is reused up to a cached state (``match_prefix``; ``match_kv_prefix`` reads any)."""
+        return ReuseRule("state")
+
+    def marked_page_hashes(self) -> Tuple[List[str], List[str]]:
+        return [n.hash_value[-1] for n in self._iter_nodes() if n.mamba_value is not None and n.hash_value], []
+
     def all_mamba_values(self) -> torch.Tensor:
         states = [n.mamba_value for n in self._iter_nodes() if n.mamba_value is not None]
         return torch.cat(states) if states else self._empty()

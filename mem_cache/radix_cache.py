@@ -28,7 +28,7 @@ import torch
 from mem_cache.base_prefix_cache import BasePrefixCache, CacheableReq, MatchResult
 from mem_cache.evict_policy import get_eviction_policy
 from mem_cache.integrity import check_unique_in_range, ensure
-from mem_cache.kv_events import KVEventQueue
+from mem_cache.kv_events import KVEventQueue, ReuseRule
 from mem_cache.radix_key import RadixKey, hash_pages, root_hash
 
 _node_ids = itertools.count()
@@ -340,6 +340,14 @@ class RadixCache(BasePrefixCache):
     def stored_page_hashes(self) -> List[List[str]]:
         """Each node's chained page hashes: the pages BlockStored announced and no BlockRemoved took back."""
         return [list(node.hash_value) for node in self._iter_nodes() if node.hash_value]
+
+    def reuse_rule(self) -> ReuseRule:
+        """Where a prefix this cache holds may be reused up to (``kv_events``): anywhere."""
+        return ReuseRule()
+
+    def marked_page_hashes(self) -> Tuple[List[str], List[str]]:
+        """The pages StateStored and WindowLost marked and nothing took back: ``(state, lost)``."""
+        return [], []
 
     def check_integrity(self) -> None:
         """Structure, lock counts, size counters, slot ownership and page hashes."""

@@ -35,6 +35,7 @@ import torch
 
 from mem_cache.base_prefix_cache import MatchResult
 from mem_cache.integrity import check_unique_in_range, ensure
+from mem_cache.kv_events import ReuseRule, WindowLost, WindowRestored
 from mem_cache.lru_list import LRUList
 from mem_cache.radix_cache import RadixCache, TreeNode
 from mem_cache.radix_key import RadixKey
@@ -221,6 +222,7 @@ class SWARadixCache(RadixCache):
         self._free(incoming)
         node.swa_tombstone = False
         self.swa_lru_list.insert_mru(node)
+        self.events.marked(WindowRestored, node.hash_value)
         self.swa_evictable_size_ += len(node.key)  # a tombstone holds no SWA lock
 
     def _insert_new(self, parent: SWATreeNode, key: RadixKey, value: torch.Tensor, start: int, swa_evicted: int):
@@ -247,6 +249,8 @@ class SWARadixCache(RadixCache):
             self.swa_lru_list.insert_mru(node)
             self.swa_evictable_size_ += len(key)
         self._record_stored(parent, node)
+        if swa_tombstone:
+            self.events.marked(WindowLost, node.hash_value)
         return node
 
     # ---- locks -------------------------------------------------------------------
@@ -319,6 +323,7 @@ class SWARadixCache(RadixCache):
         self.token_to_kv_pool_allocator.free_swa(node.value)
         node.swa_tombstone = True
         self.swa_lru_list.remove(node)
+        self.events.marked(WindowLost, node.hash_value)
         self.swa_evictable_size_ -= len(node.key)
         return len(node.key)
 
@@ -401,6 +406,12 @@ class SWARadixCache(RadixCache):
         req.last_node, req.swa_uuid_for_lock = new_last_node, swa_uuid_for_lock
 
     # ---- inspection --------------------------------------------------------------
+    def reuse_rule(self) -> ReuseRule:
+        return ReuseRule("window", self.sliding_window_size)
+
+    def marked_page_hashes(self) -> Tuple[List[str], List[str]]:
+        return [], [h for n in self._iter_nodes() if n.swa_tombstone for h in n.hash_value]
+
     def check_accounting(self, private_full: int = 0, private_swa: int = 0) -> None:
         """Every slot of both pools is free, cached (evictable or protected) or private
         to a running request: ``available + evictable + protected + private == size``

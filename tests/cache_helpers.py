@@ -8,6 +8,9 @@ from typing import Any, List, Optional
 
 import torch
 
+from actors.prefix_index import PrefixIndex, page_keys
+from mem_cache.radix_key import hash_pages
+
 
 @dataclass
 class FakeReq:
@@ -87,3 +90,35 @@ def machine_case(machine, suffix: str, max_examples: int, steps: int, **attrs):
     cls = type(f"{machine.__name__}_{suffix}", (machine,), attrs)
     cls.TestCase.settings = settings(max_examples=max_examples, stateful_step_count=steps, deadline=None)
     return cls.TestCase
+
+
+class IndexMirror:
+    """The router's prefix index for one worker, fed by ``cache``'s KV events: its match must be the
+    cache's own (``check``), and an index rebuilt from the cache's snapshot the same (``check_snapshot``)."""
+
+    def __init__(self, cache, page_size: int):
+        self.cache, self.page_size = cache, page_size
+        self.index = self._new_index()
+
+    def _new_index(self) -> PrefixIndex:
+        index = PrefixIndex()
+        index.add_worker("w")
+        rule = self.cache.reuse_rule()
+        index.set_rule("w", rule.kind, -(-rule.window // self.page_size))
+        return index
+
+    def _sync(self) -> None:
+        for event in self.cache.take_events():
+            self.index.apply("w", event)
+
+    def check(self, tokens, extra, matched_tokens: int) -> None:
+        self._sync()
+        pages = self.index.match(page_keys(hash_pages(tokens, self.page_size, extra_key=extra))).get("w", 0)
+        assert pages * self.page_size == matched_tokens, f"the index says {pages} pages, the cache {matched_tokens} tokens"
+
+    def check_snapshot(self) -> None:
+        self._sync()
+        fresh = self._new_index()
+        fresh.replace("w", self.cache.stored_page_hashes(), *self.cache.marked_page_hashes())
+        for name in ("_exact", "_state", "_lost", "_marks"):
+            assert getattr(fresh, name) == getattr(self.index, name), f"snapshot and events disagree on {name}"

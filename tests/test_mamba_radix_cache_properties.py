@@ -2,6 +2,9 @@
 workloads on MambaRadixCache against a brute-force oracle of cached pages and
 checkpoints.
 
+The router's prefix index, fed by the cache's KV events, predicts every match
+(StateStored / StateRemoved mark where a reused prefix may end).
+
 After every step: the match equals the oracle's (the deepest checkpoint within
 the cached prefix; a KV-only match, the whole cached prefix), no checkpoint
 outlives its KV, no cached sequence ends in a tombstone but where a KV-only lock
@@ -18,7 +21,7 @@ from mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAlloca
 from mem_cache.mamba_pool import HybridReqToTokenPool, MambaPool
 from mem_cache.mamba_radix_cache import MambaRadixCache
 from mem_cache.radix_key import RadixKey
-from tests.cache_helpers import FakeReq
+from tests.cache_helpers import FakeReq, IndexMirror
 from tests.test_radix_cache_properties import Oracle
 
 
@@ -60,7 +63,9 @@ class MambaMachine(RuleBasedStateMachine):
         self.pool = HybridReqToTokenPool(2, 8, "cpu", self.mamba, [0])
         size = 40 * ps
         self.alloc = TokenToKVPoolAllocator(size) if ps == 1 else PagedTokenToKVPoolAllocator(size, ps)
-        self.cache = MambaRadixCache(self.pool, self.alloc, page_size=ps, mamba_scheduler_strategy=self.strategy)
+        self.cache = MambaRadixCache(self.pool, self.alloc, page_size=ps, mamba_scheduler_strategy=self.strategy,
+                                     enable_kv_events=True)
+        self.mirror = IndexMirror(self.cache, ps)  # the router's view of this prefill worker
         self.oracle = MambaOracle(ps)
         self.locks = []  # (node, matched tokens)
         self.kv_locks = []  # (node, matched tokens): KV-only locks, as a decode reservation takes
@@ -81,6 +86,8 @@ class MambaMachine(RuleBasedStateMachine):
         m = self.cache.match_prefix(RadixKey(tokens, extra), req=req, cow_mamba=req is not None)
         considered = tokens[: len(tokens) - 1] if req is not None else tokens  # one token is always computed
         assert m.device_indices.tolist() == self.oracle.match(considered, extra)
+        if req is None:
+            self.mirror.check(tokens, extra, m.device_indices.numel())
         return m
 
     def _forget_freed(self, kv_before, states_before):
@@ -215,6 +222,7 @@ class MambaMachine(RuleBasedStateMachine):
         a.check_integrity(c.all_values())
         self.pool.check_integrity(tree_mamba_slots=c.all_mamba_values())
         assert c.mamba_protected_size() == len({id(n) for n, _ in self.locks})
+        self.mirror.check_snapshot()
 
 
 def _machine(page_size, strategy, max_examples):

@@ -13,12 +13,12 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from mem_cache.allocator import TokenToKVPoolAllocator
 from mem_cache.integrity import IntegrityError
-from mem_cache.kv_events import BlockRemoved, BlockStored
+from mem_cache.kv_events import BlockRemoved, BlockStored, WindowLost
 from mem_cache.radix_key import RadixKey
 from mem_cache.req_to_token_pool import ReqToTokenPool
 from mem_cache.swa_allocator import SWATokenToKVPoolAllocator
 from mem_cache.swa_radix_cache import SWARadixCache, SWAEvictResult
-from tests.cache_helpers import FakeReq, machine_case
+from tests.cache_helpers import FakeReq, IndexMirror, machine_case
 
 
 def make(window=4, size=32, size_swa=16, events=False):
@@ -276,7 +276,8 @@ def test_kv_events_follow_nodes():
     cache, pool, alloc = make(events=True)
     put(cache, alloc, range(6), swa_evicted=2)
     stored = cache.take_events()
-    assert [(type(e), len(e.block_hashes)) for e in stored[1:]] == [(BlockStored, 2), (BlockStored, 4)]
+    assert [(type(e), len(e.block_hashes)) for e in stored[1:]] == [(BlockStored, 2), (WindowLost, 2), (BlockStored, 4)]
+    assert stored[2].block_hashes == stored[1].block_hashes  # the tombstone: its SWA KV slid out of the window
     cache.evict(full_num_tokens=1)
     assert [type(e) for e in cache.take_events()] == [BlockRemoved, BlockRemoved]
     check(cache, pool, alloc)
@@ -370,8 +371,9 @@ class SWAMachine(RuleBasedStateMachine):
         super().__init__()
         self.alloc = SWATokenToKVPoolAllocator(40, 24, debug=True)
         self.pool = ReqToTokenPool(2, 32)
-        self.cache = SWARadixCache(self.pool, self.alloc, sliding_window_size=self.window)
+        self.cache = SWARadixCache(self.pool, self.alloc, sliding_window_size=self.window, enable_kv_events=True)
         self.oracle = SWAOracle(self.window)
+        self.mirror = IndexMirror(self.cache, 1)  # the router's view: WindowLost / WindowRestored mark tombstones
         self.locks = []  # (node, swa_uuid_for_lock, tokens, slots)
 
     def _tokens(self, data):
@@ -384,6 +386,7 @@ class SWAMachine(RuleBasedStateMachine):
     def _check_match(self, tokens, extra=None):
         m = self.cache.match_prefix(RadixKey(tokens, extra))
         assert m.device_indices.tolist() == self.oracle.match(tokens, extra)
+        self.mirror.check(tokens, extra, m.device_indices.numel())
         return m
 
     def _evict(self, full_num, swa_num, live_locks):
@@ -483,6 +486,7 @@ class SWAMachine(RuleBasedStateMachine):
         mapping = self.alloc.full_to_swa_index_mapping
         assert {s for s in self.oracle.slots.values() if int(mapping[s]) > 0} == self.oracle.swa
         assert self.cache.full_protected_size() == len({s for lock in self.locks for s in lock[3]})
+        self.mirror.check_snapshot()
 
 
 TestSWARadixCacheWindow3 = machine_case(SWAMachine, "w3", 60, 25, window=3)

@@ -28,6 +28,7 @@ from actors.engine.sampling import plain_greedy_tokens, sample_next
 from actors.engine.schedule_batch import prepare_for_decode, prepare_for_extend
 from mem_cache.hicache_storage import HiCacheFile, rank_storage_dir
 from mem_cache.hiradix_cache import HiRadixCache
+from mem_cache.kv_events import ReuseRule
 from mem_cache.mamba_radix_cache import MambaRadixCache
 from mem_cache.radix_cache import RadixCache
 from mem_cache.radix_key import RadixKey
@@ -261,6 +262,10 @@ class Scheduler:
             self.tree_cache.dec_lock_ref(req.last_node, kv_only=req.kv_only_lock)
         else:
             self.tree_cache.dec_lock_ref(req.last_node)
+
+    def reuse_rule(self) -> ReuseRule:
+        """Where this scheduler reuses a cached prefix up to (for the router's index)."""
+        return self.tree_cache.reuse_rule()
 
     def _match_prefix(self, req: Req, admit: bool = False) -> None:
         """Longest cached prefix of the request's tokens; when ``admit``, a hybrid
