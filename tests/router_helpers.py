@@ -31,6 +31,9 @@ class _Scheduler:
     def __init__(self, cache):
         self.tree_cache = cache
 
+    def reuse_rule(self):
+        return self.tree_cache.reuse_rule()
+
 
 class _Config:
     def __init__(self, page_size):
@@ -46,9 +49,10 @@ class FakePrefill:
     kv_events = _Worker.kv_events
     cached_page_hashes = _Worker.cached_page_hashes
 
-    def __init__(self, worker_id: str, page_size: int):
+    def __init__(self, worker_id: str, page_size: int, cache=None):
+        """``cache``: a tree cache with KV events on (a RadixCache without KV slots by default)."""
         self.worker_id = worker_id
-        self.cache = RadixCache(None, _NullAllocator(), page_size=page_size, enable_kv_events=True)
+        self.cache = cache or RadixCache(None, _NullAllocator(), page_size=page_size, enable_kv_events=True)
         self.scheduler, self.loop, self.config = _Scheduler(self.cache), _InlineLoop(), _Config(page_size)
         self._init_kv_log()
         self.failing = False

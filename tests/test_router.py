@@ -434,6 +434,46 @@ def test_a_hole_inside_an_event_batch_resyncs():
     assert router.index.num_pages("p0") == len(held)
 
 
+def test_a_hybrid_prefill_worker_is_credited_only_up_to_a_cached_state():
+    """A Mamba prefill worker reuses a prefix only up to a cached recurrent state. Worker a cached
+    system prompt S + question q as one node (a state after q only), worker b cached S alone. For
+    S + the first half of q + something else, a holds more pages but could reuse none; b can
+    reuse S: the router sends it to b as a hit. Then a caches a state at the end of S too (a split
+    and an insert there): it is credited S, from its events."""
+    import torch
+
+    from mem_cache.allocator import TokenToKVPoolAllocator
+    from mem_cache.mamba_pool import HybridReqToTokenPool, MambaPool
+    from mem_cache.mamba_radix_cache import MambaRadixCache
+    from mem_cache.radix_key import RadixKey
+
+    def hybrid_prefill(worker_id):
+        mamba = MambaPool(4, [(2, 2)], (2,), 1, torch.float32, torch.float32)
+        alloc = TokenToKVPoolAllocator(256)
+        cache = MambaRadixCache(HybridReqToTokenPool(2, 64, "cpu", mamba, [0]), alloc, enable_kv_events=True)
+        worker = FakePrefill(worker_id, 1, cache)
+        worker.put = lambda tokens: cache.insert(RadixKey(tokens), alloc.alloc(len(tokens)), mamba.alloc(1))
+        return worker
+
+    system, question = list(range(100, 132)), list(range(200, 216))
+    a, b = hybrid_prefill("a"), hybrid_prefill("b")
+    a.put(system + question)
+    b.put(system)
+    router = Router(RouterSettings(page_size=1, cache_threshold=0.1))
+    run(router.add_worker("a", "prefill", a))
+    run(router.add_worker("b", "prefill", b))
+    run(router.add_worker("d", "decode", FakeDecode("d", 1)))
+    prompt = system + question[:8] + [7] * 8
+    assert router.index.match(page_keys(hash_pages(prompt, 1))) == {"b": 32}  # a: no state within its 40
+    decision = run(router.route("r1", prompt))
+    assert (decision.prefill_id, decision.matched_tokens, decision.reason) == ("b", 32, "hit")
+    run(router.release("r1"))
+    a.put(system)  # a state after S now too (the node is split: S is no longer a tombstone)
+    run(router.pull_events())
+    # b and d hold the routed prompt approximately now (b with its final state, as it will cache it)
+    assert router.index.match(page_keys(hash_pages(prompt, 1))) == {"a": 32, "b": 48, "d": 48}
+
+
 # ---- races of liveness with removal and replacement; the client's view of a worker -------------------
 class _GatedPrefill(FakePrefill):
     """A FakePrefill whose next ``load`` / ``kv_events`` waits for ``gate`` (an answer in flight)."""
