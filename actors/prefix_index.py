@@ -16,9 +16,9 @@ workers holding it:
 
 A worker whose cache reuses a prefix only at some pages (``mem_cache.kv_events``'s
 reuse rules) has its match cut back to the deepest page it can reuse from: for
-``state`` (a hybrid model's prefill) the deepest page marked by StateStored — the
-router's own decisions mark the last page of the prompt sent, approximately, as
-the worker caches its final state there; for ``window`` (sliding-window
+``state`` (a hybrid model's prefill) the deepest page marked by StateStored — with
+``prompt_state`` (the worker caches a prompt's final state at its end) the
+router's own decisions mark the last page of the prompt sent, approximately; for ``window`` (sliding-window
 attention) the deepest page with no WindowLost page among its last ``window``.
 
 Keys are the first 64 bits of the hex hash as an int: a third of the memory of
@@ -61,6 +61,8 @@ class PrefixIndex:
         self._lost: Dict[int, int] = {}  # page key → mask of workers whose window KV of it is gone
         self._marks: Dict[int, Set[int]] = {}  # bit → its keys in _state or _lost
         self._state_mask = 0  # workers under the ``state`` rule
+        self._prompt_state_mask = 0  # ... of which cache a prompt's final state at its end
+        self._ruled_mask = 0  # workers under any rule but ``prefix``
         self._windows: Dict[int, int] = {}  # bit → window in pages, for workers under the ``window`` rule
 
     # ---- workers -------------------------------------------------------------------
@@ -82,20 +84,26 @@ class PrefixIndex:
         bit = self._bits.pop(worker_id)
         del self._ids[bit], self._pages[bit], self._marks[bit]
 
-    def set_rule(self, worker_id: str, kind: str, window_pages: int = 0) -> None:
+    def set_rule(self, worker_id: str, kind: str, window_pages: int = 0, prompt_state: bool = False) -> None:
         """Where the worker reuses a prefix up to (see the module docstring); ``window_pages``
-        for ``window``."""
+        for ``window``, ``prompt_state`` for ``state``."""
         if kind not in REUSE_RULES:
             raise ValueError(f"unknown reuse rule {kind!r}; known: {', '.join(REUSE_RULES)}")
         if kind == "window" and window_pages < 1:
             raise ValueError(f"the window rule needs a window of at least one page, got {window_pages}")
         bit = self._bits[worker_id]
-        self._state_mask &= ~(1 << bit)
+        flag = 1 << bit
+        self._state_mask &= ~flag
+        self._prompt_state_mask &= ~flag
+        self._ruled_mask &= ~flag
         self._windows.pop(bit, None)
         if kind == "state":
-            self._state_mask |= 1 << bit
+            self._state_mask |= flag
+            self._prompt_state_mask |= flag if prompt_state else 0
         elif kind == "window":
             self._windows[bit] = window_pages
+        if kind != "prefix":
+            self._ruled_mask |= flag
 
     def workers(self) -> List[str]:
         return list(self._bits)
@@ -118,13 +126,19 @@ class PrefixIndex:
             self._remove(bit, page_keys(event.block_hashes))
         elif isinstance(event, AllBlocksCleared):
             self.clear(worker_id)
-        elif isinstance(event, StateStored):
-            self._mark(self._state, bit, page_keys(event.block_hashes))
+        elif isinstance(event, (StateStored, StateRemoved)):  # (either way what the router guessed is moot)
+            keys = page_keys(event.block_hashes)
+            for key in keys:
+                if (key ^ STATE_SALT) << BIT_SHIFT | bit in self._deadlines:
+                    self._drop_approx(key ^ STATE_SALT, bit)
+            if isinstance(event, StateStored):
+                self._mark(self._state, bit, keys)
+            else:
+                self._unmark(self._state, bit, keys)
         elif isinstance(event, WindowLost):
             self._mark(self._lost, bit, page_keys(event.block_hashes))
-        elif isinstance(event, (StateRemoved, WindowRestored)):
-            self._unmark(self._state if isinstance(event, StateRemoved) else self._lost, bit,
-                         page_keys(event.block_hashes))
+        elif isinstance(event, WindowRestored):
+            self._unmark(self._lost, bit, page_keys(event.block_hashes))
         else:
             raise TypeError(f"not a KV event: {event!r}")
 
@@ -151,7 +165,7 @@ class PrefixIndex:
 
     def _store(self, bit: int, keys: List[int]) -> None:
         flag, exact, pages = 1 << bit, self._exact, self._pages[bit]
-        stated = self._state_mask & flag
+        stated = self._prompt_state_mask & flag
         for key in keys:
             exact[key] = exact.get(key, 0) | flag
             pages.add(key)
@@ -204,7 +218,7 @@ class PrefixIndex:
         deadline = self.clock() + self.approx_ttl_s
         exact, approx, deadlines = self._exact, self._approx, self._deadlines
         recorded = [key for key in keys if not exact.get(key, 0) & flag]
-        if self._state_mask & flag and keys and not self._state.get(keys[-1], 0) & flag:
+        if self._prompt_state_mask & flag and keys and not self._state.get(keys[-1], 0) & flag:
             recorded.append(keys[-1] ^ STATE_SALT)  # it caches the prompt's final state
         for key in recorded:
             approx[key] = approx.get(key, 0) | flag
@@ -242,7 +256,7 @@ class PrefixIndex:
             return {}
         exact, approx = self._exact, self._approx
         alive = exact.get(keys[0], 0) | approx.get(keys[0], 0)
-        if alive & self._state_mask or any(alive >> bit & 1 for bit in self._windows):
+        if alive & self._ruled_mask:
             return self._match_ruled(keys, alive)
         matched: Dict[str, int] = {}
         depth = 1

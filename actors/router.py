@@ -161,7 +161,8 @@ class Router:
         keys = page_keys(hash_pages(input_ids, self.settings.page_size, extra_key=extra_key))
         for w in prefill_pool + decode_pool:
             w.cached_pages = self.index.num_pages(w.worker_id)
-        req = RouteRequest(rid, len(input_ids), self.settings.page_size, self.index.match(keys))
+        reusable = (len(input_ids) - 1) // self.settings.page_size  # a worker computes the last token at least
+        req = RouteRequest(rid, len(input_ids), self.settings.page_size, self.index.match(keys[:reusable]))
         prefill, reason = self.policies["prefill"].select("prefill", prefill_pool, req)
         decode, _ = self.policies["decode"].select("decode", decode_pool, req)
         matched, decode_matched = req.matched_tokens(prefill.worker_id), req.matched_tokens(decode.worker_id)
@@ -222,7 +223,7 @@ class Router:
             raise ValueError(f"worker {worker.worker_id} has page_size {snap.page_size}; the router hashes pages "
                              f"of {self.settings.page_size}")
         rule = snap.rule  # the window in tokens → pages, as the index walks pages
-        self.index.set_rule(worker.worker_id, rule.kind, -(-rule.window // self.settings.page_size))
+        self.index.set_rule(worker.worker_id, rule.kind, -(-rule.window // self.settings.page_size), rule.prompt_state)
         self.index.replace(worker.worker_id, snap.chains, snap.state_pages, snap.lost_pages)
         worker.event_cursor = snap.last_id
         self.counters["resyncs"] += 1

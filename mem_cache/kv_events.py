@@ -83,6 +83,7 @@ class ReuseRule(NamedTuple):
 
     kind: str = "prefix"
     window: int = 0  # tokens, for ``window``
+    prompt_state: bool = False  # ``state``: a prompt's final state is cached at its end (not at a chunk boundary)
 
 
 class KVEventBatch(NamedTuple):

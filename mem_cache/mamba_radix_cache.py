@@ -463,7 +463,7 @@ class MambaRadixCache(RadixCache):
     # ---- inspection ----------------------------------------------------------------
     def reuse_rule(self) -> ReuseRule:
         """A prefix is reused up to a cached state (``match_prefix``; ``match_kv_prefix`` reads any)."""
-        return ReuseRule("state")
+        return ReuseRule("state", prompt_state=not self.extra_buffer)
 
     def marked_page_hashes(self) -> Tuple[List[str], List[str]]:
         return [n.hash_value[-1] for n in self._iter_nodes() if n.mamba_value is not None and n.hash_value], []

@@ -104,7 +104,7 @@ class IndexMirror:
         index = PrefixIndex()
         index.add_worker("w")
         rule = self.cache.reuse_rule()
-        index.set_rule("w", rule.kind, -(-rule.window // self.page_size))
+        index.set_rule("w", rule.kind, -(-rule.window // self.page_size), rule.prompt_state)
         return index
 
     def _sync(self) -> None:

@@ -77,8 +77,8 @@ class FakeDecode(FakePrefill):
 
     role = "decode"
 
-    def __init__(self, worker_id: str, page_size: int, free_slots: int = 100_000):
-        super().__init__(worker_id, page_size)
+    def __init__(self, worker_id: str, page_size: int, free_slots: int = 100_000, cache=None):
+        super().__init__(worker_id, page_size, cache)
         self.reported = {"waiting": 0, "running": 0, "free_slots": free_slots, "total_slots": free_slots}
 
 

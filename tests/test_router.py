@@ -14,7 +14,7 @@ from actors.prefix_index import PrefixIndex, page_keys
 from actors.router import NoWorkerError, Router
 from actors.routing_policies import (CacheAware, RouteRequest, RouterSettings, WorkerState, create_policy,
                                      known_policies)
-from mem_cache.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from mem_cache.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, StateRemoved, StateStored
 from mem_cache.radix_key import hash_pages
 from tests.router_helpers import FakeDecode, FakePrefill, group_prompts
 
@@ -434,12 +434,8 @@ def test_a_hole_inside_an_event_batch_resyncs():
     assert router.index.num_pages("p0") == len(held)
 
 
-def test_a_hybrid_prefill_worker_is_credited_only_up_to_a_cached_state():
-    """A Mamba prefill worker reuses a prefix only up to a cached recurrent state. Worker a cached
-    system prompt S + question q as one node (a state after q only), worker b cached S alone. For
-    S + the first half of q + something else, a holds more pages but could reuse none; b can
-    reuse S: the router sends it to b as a hit. Then a caches a state at the end of S too (a split
-    and an insert there): it is credited S, from its events."""
+def _hybrid_cache(strategy="no_buffer"):
+    """A MambaRadixCache with KV events on, and ``put(tokens)``: cache them with a state at their end."""
     import torch
 
     from mem_cache.allocator import TokenToKVPoolAllocator
@@ -447,31 +443,100 @@ def test_a_hybrid_prefill_worker_is_credited_only_up_to_a_cached_state():
     from mem_cache.mamba_radix_cache import MambaRadixCache
     from mem_cache.radix_key import RadixKey
 
-    def hybrid_prefill(worker_id):
-        mamba = MambaPool(4, [(2, 2)], (2,), 1, torch.float32, torch.float32)
-        alloc = TokenToKVPoolAllocator(256)
-        cache = MambaRadixCache(HybridReqToTokenPool(2, 64, "cpu", mamba, [0]), alloc, enable_kv_events=True)
-        worker = FakePrefill(worker_id, 1, cache)
-        worker.put = lambda tokens: cache.insert(RadixKey(tokens), alloc.alloc(len(tokens)), mamba.alloc(1))
-        return worker
+    mamba = MambaPool(4, [(2, 2)], (2,), 1, torch.float32, torch.float32)
+    alloc = TokenToKVPoolAllocator(512)
+    cache = MambaRadixCache(HybridReqToTokenPool(2, 256, "cpu", mamba, [0]), alloc, enable_kv_events=True,
+                            mamba_scheduler_strategy=strategy)
+    return cache, lambda tokens: cache.insert(RadixKey(tokens), alloc.alloc(len(tokens)), mamba.alloc(1))
 
+
+def _rule_index(kind="state", **kw):
+    index = PrefixIndex(approx_ttl_s=30.0)
+    index.add_worker("a")
+    index.set_rule("a", kind, **kw)
+    return index
+
+
+def test_a_hybrid_prefill_worker_is_credited_only_up_to_a_cached_state():
+    """A Mamba prefill worker reuses a prefix only up to a cached recurrent state. Worker a cached
+    system prompt S + question q as one node (a state after q only), worker b cached S alone. For
+    S + the first half of q + something else, a holds more pages but could reuse none; b can
+    reuse S: the router sends it to b as a hit. Then a caches a state at the end of S too (a split
+    and an insert there): it is credited S, from its events."""
     system, question = list(range(100, 132)), list(range(200, 216))
-    a, b = hybrid_prefill("a"), hybrid_prefill("b")
-    a.put(system + question)
-    b.put(system)
+    (a_cache, a_put), (b_cache, b_put) = _hybrid_cache(), _hybrid_cache()
+    a_put(system + question)
+    b_put(system)
     router = Router(RouterSettings(page_size=1, cache_threshold=0.1))
-    run(router.add_worker("a", "prefill", a))
-    run(router.add_worker("b", "prefill", b))
+    run(router.add_worker("a", "prefill", FakePrefill("a", 1, a_cache)))
+    run(router.add_worker("b", "prefill", FakePrefill("b", 1, b_cache)))
     run(router.add_worker("d", "decode", FakeDecode("d", 1)))
     prompt = system + question[:8] + [7] * 8
     assert router.index.match(page_keys(hash_pages(prompt, 1))) == {"b": 32}  # a: no state within its 40
     decision = run(router.route("r1", prompt))
     assert (decision.prefill_id, decision.matched_tokens, decision.reason) == ("b", 32, "hit")
     run(router.release("r1"))
-    a.put(system)  # a state after S now too (the node is split: S is no longer a tombstone)
+    a_put(system)  # a state after S now too (the node is split: S is no longer a tombstone)
     run(router.pull_events())
     # b and d hold the routed prompt approximately now (b with its final state, as it will cache it)
     assert router.index.match(page_keys(hash_pages(prompt, 1))) == {"a": 32, "b": 48, "d": 48}
+
+
+def test_a_repeated_prompt_is_credited_what_its_match_of_all_but_the_last_token_reuses():
+    """Every worker computes a prompt's last token at least: a hybrid prefill worker that cached
+    prompt P with its final state (at P's end) reuses nothing of P again, and a sliding-window
+    decode worker whose cached P has only its last window of SWA KV reuses nothing either. The
+    router matches P less its last token: a is credited 0 and b, with a state after 16 tokens,
+    16; the decode worker 0."""
+    from mem_cache.radix_key import RadixKey
+    from mem_cache.req_to_token_pool import ReqToTokenPool
+    from mem_cache.swa_allocator import SWATokenToKVPoolAllocator
+    from mem_cache.swa_radix_cache import SWARadixCache
+
+    prompt = list(range(100, 132))
+    (a_cache, a_put), (b_cache, b_put) = _hybrid_cache(), _hybrid_cache()
+    a_put(prompt)
+    b_put(prompt[:16])
+    alloc = SWATokenToKVPoolAllocator(64, 48)
+    swa = SWARadixCache(ReqToTokenPool(2, 64), alloc, sliding_window_size=4, enable_kv_events=True)
+    slots = alloc.alloc(len(prompt))
+    alloc.free_swa(slots[:28])  # slid out of the window: tombstones but for the last 4 tokens
+    swa.insert(RadixKey(prompt), slots, 0, 28)
+    router = Router(RouterSettings(page_size=1, cache_threshold=0.1, decode_affinity_min_tokens=1))
+    run(router.add_worker("a", "prefill", FakePrefill("a", 1, a_cache)))
+    run(router.add_worker("b", "prefill", FakePrefill("b", 1, b_cache)))
+    run(router.add_worker("d", "decode", FakeDecode("d", 1, cache=swa)))
+    decision = run(router.route("r1", prompt))
+    assert (decision.prefill_id, decision.matched_tokens, decision.decode_matched_tokens) == ("b", 16, 0)
+
+
+def test_approximate_states_only_where_the_worker_caches_a_prompts_final_state():
+    """``prompt_state`` (no_buffer): a routed prompt counts as cached with its final state until
+    events say otherwise, so a longer prompt routed right after is a hit. An extra_buffer worker
+    checkpoints at chunk boundaries instead: no state is assumed at the end."""
+    prompt = list(range(1000, 1100))
+    keys, longer = page_keys(hash_pages(prompt, 1)), page_keys(hash_pages(prompt + [7] * 20, 1))
+    guessing, chunked = _rule_index(prompt_state=True), _rule_index(prompt_state=False)
+    for index in (guessing, chunked):
+        index.record("a", keys)
+    assert guessing.match(longer) == {"a": 100} and chunked.match(longer) == {}
+
+
+def test_a_workers_state_events_overrule_the_approximate_state():
+    """The prompt's pages were cached already (a tombstone at its end), so routing it records only
+    an approximate state there and no BlockStored will come. The worker's StateStored and then
+    StateRemoved (evict_mamba) for that page are what counts from then on."""
+    prompt = list(range(100, 132))
+    hashes = hash_pages(prompt, 1)
+    keys, longer = page_keys(hashes), page_keys(hash_pages(prompt + [1, 2, 3], 1))
+    index = _rule_index(prompt_state=True)
+    index.apply("a", BlockStored(1, hashes, None, prompt, 1))
+    index.apply("a", StateStored(2, hashes[15:16]))  # a state after 16 tokens only
+    index.record("a", keys)
+    assert index.match(longer) == {"a": 32}
+    index.apply("a", StateStored(3, hashes[-1:]))
+    index.apply("a", StateRemoved(4, hashes[-1:]))
+    assert index.match(longer) == {"a": 16}
 
 
 # ---- races of liveness with removal and replacement; the client's view of a worker -------------------
