@@ -8,21 +8,55 @@ latency, tokens (prompt / generated / cache hits), the KV transfer's latency,
 bytes and bandwidth, and which worker each routing policy picked. Per worker
 (refreshed at scrape time from the workers' own load reports): KV usage, queue
 lengths (prefill waiting; decode prealloc / transfer / running / retracted),
-requests in flight, retractions, and with the hierarchical cache its host usage
-and the tokens / pages moved between its tiers.
+requests in flight, and with the hierarchical cache its host usage; and, as
+counters (``_total``: they only grow, so ``rate()`` applies), retractions, KV
+bytes pushed and the hierarchical cache's tokens / pages moved between its tiers.
+A worker that left drops its series, routing decisions included.
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, List
+from typing import Any, Dict, Iterator, List
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
 
 PREFIX = "raydix"
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 30.0, 60.0)
 TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5)
 BANDWIDTH_BUCKETS = tuple(10.0 ** e for e in range(5, 12))  # 100 kB/s … 100 GB/s
 QUEUES = {"prefill": ("waiting", "running"), "decode": ("prealloc", "transfer", "running", "waiting")}
+
+
+class _WorkerCounters:
+    """The workers' own running totals, exported as counters at scrape time from the last
+    ``set_workers`` (a worker's counter is its process's: it is read, never incremented here)."""
+
+    FAMILIES = (  # name, help, extra label, [(label value, path in the load report)]
+        ("worker_retractions", "decode retractions (KV pressure)", None, [(None, ("retractions",))]),
+        ("worker_kv_bytes_pushed", "KV bytes a prefill worker pushed", None, [(None, ("bytes_pushed",))]),
+        ("worker_hicache_tokens", "hierarchical cache: tokens copied between device and host (backups, load "
+         "backs)", "direction", [(d, ("hicache", f"{d}_tokens")) for d in ("device_to_host", "host_to_device")]),
+        ("worker_hicache_storage_pages", "hierarchical cache: pages written to and read from the storage tier",
+         "direction", [(d, ("hicache", f"{d}_pages")) for d in ("host_to_storage", "storage_to_host")]),
+    )
+
+    def __init__(self):
+        self.workers: List[Dict[str, Any]] = []
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        for name, doc, extra, values in self.FAMILIES:
+            family = CounterMetricFamily(f"{PREFIX}_{name}", doc, labels=["worker", "role"] + ([extra] if extra else []))
+            for w in self.workers:
+                if not w["alive"]:
+                    continue
+                for label, path in values:
+                    value = w.get("load") or {}
+                    for part in path:
+                        value = value.get(part) if isinstance(value, dict) else None
+                    if value is not None:
+                        family.add_metric([w["id"], w["role"]] + ([label] if extra else []), value)
+            yield family
 
 
 class ServerMetrics:
@@ -74,16 +108,11 @@ class ServerMetrics:
                                registry=r)
         self.inflight = Gauge(f"{PREFIX}_worker_inflight_requests", "requests routed to the worker, not yet ended",
                               w, registry=r)
-        self.retractions = Gauge(f"{PREFIX}_worker_retractions", "decode retractions so far (KV pressure)", w,
-                                 registry=r)
-        self.pushed_bytes = Gauge(f"{PREFIX}_worker_kv_bytes_pushed", "KV bytes a prefill worker pushed so far", w,
-                                  registry=r)
         self.host_kv_usage = Gauge(f"{PREFIX}_worker_host_kv_cache_usage_ratio",
                                    "hierarchical cache: host KV slots in use / total", w, registry=r)
-        self.hicache_tokens = Gauge(f"{PREFIX}_worker_hicache_tokens", "hierarchical cache: tokens copied between "
-                                    "device and host so far (backups, load backs)", w + ["direction"], registry=r)
-        self.hicache_pages = Gauge(f"{PREFIX}_worker_hicache_storage_pages", "hierarchical cache: pages written to "
-                                   "and read from the storage tier so far", w + ["direction"], registry=r)
+        self.worker_counters = _WorkerCounters()
+        r.register(self.worker_counters)
+        self._routed: set = set()  # label values of the routing counter's series
 
     def observe_request(self, meta: Dict[str, Any], arrival: float, first_token: float, end: float,
                         policies: Dict[str, str]) -> None:
@@ -113,6 +142,7 @@ class ServerMetrics:
             worker = meta.get(f"{role}_worker")
             if worker:
                 self.routing.labels(role, policies[role], worker).inc()
+                self._routed.add((role, policies[role], worker))
 
     def observe_itl(self, seconds: float, tokens: int) -> None:
         if tokens > 0:
@@ -122,10 +152,15 @@ class ServerMetrics:
 
     def set_workers(self, workers: List[Dict[str, Any]], running: int, queued: int) -> None:
         """Per-worker gauges from a fresh ``backend.workers(include_dead=True)``: a worker out of the
-        rotation is ``worker_up`` 0 and nothing else; workers that left drop their series."""
-        for gauge in (self.worker_up, self.kv_usage, self.queue_len, self.inflight, self.retractions,
-                      self.pushed_bytes, self.host_kv_usage, self.hicache_tokens, self.hicache_pages):
+        rotation is ``worker_up`` 0 and nothing else; workers that left drop their series (the routing
+        counter's too: worker ids are not reused, so those would only pile up)."""
+        for gauge in (self.worker_up, self.kv_usage, self.queue_len, self.inflight, self.host_kv_usage):
             gauge.clear()
+        self.worker_counters.workers = workers
+        known = {w["id"] for w in workers}
+        for labels in [labels for labels in self._routed if labels[2] not in known]:
+            self.routing.remove(*labels)
+            self._routed.discard(labels)
         self.server_running.set(running)
         self.server_queued.set(queued)
         for w in workers:
@@ -139,14 +174,6 @@ class ServerMetrics:
             for queue in QUEUES.get(w["role"], ()):
                 if queue in load:
                     self.queue_len.labels(*key, queue).set(load[queue])
-            if "retractions" in load:
-                self.retractions.labels(*key).set(load["retractions"])
-            if "bytes_pushed" in load:
-                self.pushed_bytes.labels(*key).set(load["bytes_pushed"])
             hicache = load.get("hicache")
             if hicache:
                 self.host_kv_usage.labels(*key).set(hicache["host_usage"])
-                for direction in ("device_to_host", "host_to_device"):
-                    self.hicache_tokens.labels(*key, direction).set(hicache[f"{direction}_tokens"])
-                for direction in ("host_to_storage", "storage_to_host"):
-                    self.hicache_pages.labels(*key, direction).set(hicache[f"{direction}_pages"])

@@ -203,7 +203,7 @@ def test_routes_without_a_cluster(served, client):
     assert client.completions.create(model="scripted", prompt=[1], max_tokens=2).choices[0].text == "ab"
 
 
-def test_worker_gauges_carry_the_hierarchical_cache_and_drop_workers_that_left():
+def test_worker_metrics_carry_the_hierarchical_cache_and_drop_workers_that_left():
     from prometheus_client import generate_latest
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -218,17 +218,27 @@ def test_worker_gauges_carry_the_hierarchical_cache_and_drop_workers_that_left()
     hicache = {"host_usage": 0.25, "device_to_host_tokens": 960, "host_to_device_tokens": 96,
                "host_to_storage_pages": 24, "storage_to_host_pages": 8}
     workers = [{"id": "p0", "role": "prefill", "alive": True, "load": {"kv_usage": 0.5, "hicache": hicache}},
-               {"id": "d0", "role": "decode", "alive": True, "load": {"kv_usage": 0.1}}]
+               {"id": "d0", "role": "decode", "alive": True, "load": {"kv_usage": 0.1, "retractions": 3}}]
     metrics.set_workers(workers, running=1, queued=0)
     got = samples(metrics)
     p0 = (("role", "prefill"), ("worker", "p0"))
     assert got[("raydix_worker_host_kv_cache_usage_ratio", p0)] == 0.25
-    assert got[("raydix_worker_hicache_tokens", (("direction", "host_to_device"),) + p0)] == 96
-    assert got[("raydix_worker_hicache_tokens", (("direction", "device_to_host"),) + p0)] == 960
-    assert got[("raydix_worker_hicache_storage_pages", (("direction", "storage_to_host"),) + p0)] == 8
+    assert got[("raydix_worker_hicache_tokens_total", (("direction", "host_to_device"),) + p0)] == 96
+    assert got[("raydix_worker_hicache_tokens_total", (("direction", "device_to_host"),) + p0)] == 960
+    assert got[("raydix_worker_hicache_storage_pages_total", (("direction", "storage_to_host"),) + p0)] == 8
+    assert got[("raydix_worker_retractions_total", (("role", "decode"), ("worker", "d0")))] == 3
     assert not any(n.startswith("raydix_worker_hicache") and dict(ls)["worker"] == "d0" for n, ls in got)
+    text = generate_latest(metrics.registry).decode()  # running totals are counters: rate() applies
+    assert "# TYPE raydix_worker_retractions_total counter" in text and "# TYPE raydix_worker_hicache_tokens_total counter" in text
+    metrics.observe_request({"prefill_worker": "p0", "decode_worker": "d0"}, 0.0, 0.1, 0.2,
+                            {"prefill": "cache_aware", "decode": "cache_aware"})
+    assert samples(metrics)[("raydix_routing_decisions_total",
+                             (("policy", "cache_aware"), ("role", "prefill"), ("worker", "p0")))] == 1
     metrics.set_workers(workers[1:], running=0, queued=0)
-    assert not any(n.startswith("raydix_worker_hicache") for n, _ in samples(metrics))
+    got = samples(metrics)
+    assert not any(n.startswith("raydix_worker_hicache") for n, _ in got)
+    routed = {dict(ls)["worker"] for n, ls in got if n == "raydix_routing_decisions_total"}
+    assert routed == {"d0"}  # the routing series of a worker that left go with it
 
 
 def test_inter_token_latency_is_timed_per_choice():
