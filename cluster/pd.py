@@ -178,13 +178,11 @@ class PDCluster:
         cfg = self.config
         group = cfg.group(role)
         worker_id = f"{role}-{index}-{uuid.uuid4().hex[:6]}"
-        engine_args = dict(group.engine_overrides(), device=group.device, tokenizer_path=cfg.model.tokenizer_path,
-                           tp_size=group.tp_size)  # the group's TP size (the YAML cannot set the engine's)
+        engine_args = self._engine_args(role)
         options = _actor_options(cfg, role)
         placement, dist_init_method, handles = None, None, []
         try:
             if group.tp_size > 1:
-                check_tp_shardable(EngineConfig(model_path=self.model_path, **engine_args))
                 placement = _tp_placement_group(options, group.tp_size, cfg.placement.tp_group_strategy)
                 dist_init_method = ray.get(_rendezvous.options(scheduling_strategy=_in_bundle(placement, 0)).remote())
             agent_options = cfg.transfer.agent_options()
@@ -211,11 +209,24 @@ class PDCluster:
         handle, followers = handles[0], handles[1:]
         return WorkerRef(worker_id, role, handle, node_id="", followers=followers, placement_group=placement)
 
+    def _engine_args(self, role: str) -> Dict[str, Any]:
+        group = self.config.group(role)
+        return dict(group.engine_overrides(), device=group.device, tokenizer_path=self.config.model.tokenizer_path,
+                    tp_size=group.tp_size)  # the group's TP size (the YAML cannot set the engine's)
+
+    def check_layout(self, roles=("prefill", "decode")) -> None:
+        """Refuse, before any actor starts, TP sizes that cannot shard the model (the error names
+        the field) or that no KV hand-off could serve."""
+        for role in roles:
+            if self.config.group(role).tp_size > 1:
+                check_tp_shardable(EngineConfig(model_path=self.model_path, **self._engine_args(role)))
+        check_pd_layout(self.model_path, self.config.prefill.tp_size, self.config.decode.tp_size)
+
     def start(self, timeout_s: float = 300.0) -> "PDCluster":
         """Start every worker and wait until all are healthy; if one fails, stop
         them all (pools freed, placement groups removed) and raise
         :class:`WorkerStartError` naming it."""
-        check_pd_layout(self.model_path, self.config.prefill.tp_size, self.config.decode.tp_size)
+        self.check_layout()
         try:
             for role in ("prefill", "decode"):
                 side = self.prefill if role == "prefill" else self.decode
@@ -236,6 +247,7 @@ class PDCluster:
     def add_worker(self, role: str, timeout_s: float = 300.0) -> WorkerRef:
         """Start one more ``role`` worker; it joins the rotation (the lists clients share) once healthy."""
         side = self.prefill if role == "prefill" else self.decode
+        self.check_layout((role,))
         worker = self._start_worker(role, len(side))
         try:
             _await_started([worker], timeout_s)

@@ -457,6 +457,23 @@ def test_a_placement_group_that_never_fits_is_removed(fake_ray):
     assert (cluster.prefill, cluster.decode) == ([], [])
 
 
+def test_a_tp_size_that_cannot_shard_the_model_fails_before_any_actor_starts(fake_ray, monkeypatch):
+    """Both sides' TP sizes are checked first: a decode TP size that does not divide the model's
+    heads used to be found only once every prefill worker had started."""
+    import cluster.pd as pd
+    from cluster.pd import PDCluster
+
+    def shardable(config):
+        if config.tp_size == 4:
+            raise ValueError("tp_size 4 must divide num_key_value_heads 2")
+
+    monkeypatch.setattr(pd, "check_tp_shardable", shardable)
+    config = parse_config(_set(_set(_base(), "prefill.tp_size", 2), "decode.tp_size", 4))
+    with pytest.raises(ValueError, match="must divide"):
+        PDCluster(config, model_path="/nonexistent").start()
+    assert (fake_ray.actors, fake_ray.pgs) == ([], [])
+
+
 def test_a_worker_whose_follower_cannot_be_created_leaves_nothing(fake_ray):
     """Rank 0 is created, creating rank 1 raises: rank 0's actor is killed and the group removed."""
     from cluster.pd import PDCluster
