@@ -68,3 +68,44 @@ def test_bad_sampling_params_name_the_field():
     with pytest.raises(ValueError, match="unknown_field"):
         SamplingParams(unknown_field=1)
     assert SamplingParams(stop="###").stop == ["###"]
+
+
+def test_logprobs_are_the_raw_models_not_the_penalised_ones():
+    """OpenAI / vLLM: a token's logprob is that of the model's own distribution (log-softmax of
+    the raw logits), whatever penalties and temperature did to the choice."""
+    logits = torch.tensor([3.0, 2.0, 1.0, -1.0])
+    raw = torch.log_softmax(logits, dim=-1)
+    for params in (SamplingParams(temperature=0, return_logprob=True, repetition_penalty=2.0),
+                   SamplingParams(temperature=0, return_logprob=True, frequency_penalty=2.0, presence_penalty=2.0),
+                   SamplingParams(temperature=0.5, return_logprob=True, presence_penalty=1.5, seed=3)):
+        token, logprobs = sample_next(logits, params, [0], [0, 0], make_generator(params.seed))
+        assert torch.allclose(logprobs, raw)
+    # the penalised choice is still the penalised argmax (token 1), with its raw logprob
+    token, logprobs = sample_next(logits, SamplingParams(temperature=0, return_logprob=True, frequency_penalty=2.0),
+                                  [], [0], make_generator(None))
+    assert token == 1 and math.isclose(float(logprobs[token]), float(raw[1]), rel_tol=1e-6)
+
+
+def test_top_k_keeps_exactly_k_tokens_even_when_probabilities_tie():
+    probs = torch.tensor([0.4, 0.2, 0.2, 0.2])
+    kept = filter_probs(probs, SamplingParams(top_k=2))
+    assert int((kept > 0).sum()) == 2 and kept[0] == pytest.approx(0.4 / 0.6)
+    assert float(kept.sum()) == pytest.approx(1.0)
+
+
+def test_an_empty_stop_string_is_refused():
+    """Every text contains "": it would end every request at its first token with no text."""
+    with pytest.raises(ValueError, match="stop"):
+        SamplingParams(stop=[""])
+    with pytest.raises(ValueError, match="stop"):
+        SamplingParams(stop="")
+
+
+def test_a_near_zero_temperature_is_greedy_not_a_failed_step():
+    """logits / 1e-40 overflow to inf (NaN probabilities: multinomial raises, failing every request
+    of the batch); below SGLang's epsilon a temperature means greedy."""
+    logits = torch.tensor([3.0, 2.0, 1.0, -1.0, 2.5])
+    for temperature in (1e-40, 1e-7):
+        params = SamplingParams(temperature=temperature, seed=0)
+        assert params.is_greedy
+        assert sample_next(logits, params, [], [], make_generator(0))[0] == 0

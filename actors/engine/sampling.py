@@ -6,6 +6,10 @@ prompt or output), frequency (``-= f * count in output``) and presence
 (``-= p`` for tokens in the output). Greedy requests take the argmax of the
 penalised logits; others sample with a per-request generator (seeded when
 the request gives a seed, so the same seed gives the same tokens).
+
+Logprobs are those of the model's own distribution (log-softmax of the raw
+logits), as OpenAI and vLLM (``logprobs_mode="raw_logprobs"``) report them:
+penalties, temperature and the filters shape the choice, not its logprob.
 """
 
 from __future__ import annotations
@@ -36,9 +40,9 @@ def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: Li
 
 def filter_probs(probs: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Zero out what top-k, top-p and min-p exclude (then renormalise)."""
-    if params.top_k > 0 and params.top_k < probs.shape[-1]:
-        kth = torch.topk(probs, params.top_k).values[-1]
-        probs = torch.where(probs >= kth, probs, torch.zeros_like(probs))
+    if params.top_k > 0 and params.top_k < probs.shape[-1]:  # exactly k, ties or not (a threshold keeps every tie)
+        keep = torch.zeros_like(probs, dtype=torch.bool).scatter_(0, torch.topk(probs, params.top_k).indices, True)
+        probs = torch.where(keep, probs, torch.zeros_like(probs))
     if params.top_p < 1.0:
         sorted_probs, order = torch.sort(probs, descending=True)
         cumulative = torch.cumsum(sorted_probs, 0)
@@ -62,9 +66,11 @@ def make_generator(seed: Optional[int]) -> torch.Generator:
 def sample_next(
     logits: torch.Tensor, params: SamplingParams, prompt_ids: List[int], output_ids: List[int], generator: torch.Generator
 ) -> Tuple[int, Optional[torch.Tensor]]:
-    """Next token of one request and, when it asks for logprobs, the log-softmax it was drawn from."""
-    logits = apply_penalties(logits.float().cpu(), params, prompt_ids, output_ids)
+    """Next token of one request and, when it asks for logprobs, the log-softmax of its raw logits
+    (before penalties and temperature)."""
+    logits = logits.float().cpu()
     logprobs = torch.log_softmax(logits, dim=-1) if params.return_logprob else None
+    logits = apply_penalties(logits, params, prompt_ids, output_ids)
     if params.is_greedy:
         return int(torch.argmax(logits)), logprobs
     probs = filter_probs(torch.softmax(logits / params.temperature, dim=-1), params)

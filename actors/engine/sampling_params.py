@@ -6,6 +6,8 @@ from typing import List, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+SAMPLING_EPS = 1e-6  # a temperature below this is greedy (SGLang's): dividing by it overflows the logits
+
 
 class SamplingParams(BaseModel):
     """A bad value fails naming the field; unknown fields are rejected."""
@@ -40,11 +42,14 @@ class SamplingParams(BaseModel):
     def _stop(cls, v: Union[None, str, List[str]]) -> List[str]:
         if v is None:
             return []
-        return [v] if isinstance(v, str) else list(v)
+        stops = [v] if isinstance(v, str) else list(v)
+        if any(isinstance(s, str) and not s for s in stops):  # every text contains "": it would end at once
+            raise ValueError("stop strings must not be empty")
+        return stops
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.temperature < SAMPLING_EPS or self.top_k == 1
 
     @property
     def has_penalties(self) -> bool:
