@@ -34,6 +34,18 @@ def test_stop_string_cuts_the_text_before_it(engine):
     engine.check_integrity()
 
 
+def test_a_stop_token_id_ends_the_output_ids_but_not_the_text(engine):
+    params = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
+    full = engine.generate(prompt="stop tokens", sampling_params=params)
+    decode = engine.tokenizer.decode
+    first = {t: i for i, t in reversed(list(enumerate(full["output_ids"])))}  # where each token first comes
+    stop = next(t for t, i in first.items() if i >= 2 and decode([t]).isprintable() and decode([t]).strip())
+    out = engine.generate(prompt="stop tokens", sampling_params={**params, "stop_token_ids": [stop]})
+    ids = full["output_ids"][: full["output_ids"].index(stop) + 1]
+    assert out["output_ids"] == ids and out["text"] == decode(ids[:-1])
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+
+
 def test_seeds_make_sampling_reproducible(engine):
     def sample(seed):
         params = {"temperature": 1.0, "top_p": 0.9, "max_new_tokens": 16, "seed": seed, "ignore_eos": True}

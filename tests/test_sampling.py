@@ -109,3 +109,64 @@ def test_a_near_zero_temperature_is_greedy_not_a_failed_step():
         params = SamplingParams(temperature=temperature, seed=0)
         assert params.is_greedy
         assert sample_next(logits, params, [], [], make_generator(0))[0] == 0
+
+
+def _byte_tokenizer():
+    from transformers import PreTrainedTokenizerFast
+
+    from actors.engine.tokenizer import BOS, EOS, PAD, build_byte_tokenizer
+
+    return PreTrainedTokenizerFast(tokenizer_object=build_byte_tokenizer(), bos_token=BOS, eos_token=EOS, pad_token=PAD)
+
+
+def _generate(req, tokenizer, tokens, context_len=1000):
+    from actors.engine.finish import check_finished, stream_text
+
+    for token in tokens:
+        req.output_ids.append(token)
+        stream_text(req, tokenizer)
+        check_finished(req, tokenizer, context_len)
+        if req.finished:
+            break
+
+
+def test_a_matched_stop_token_is_kept_in_output_ids_but_not_in_the_text():
+    """SGLang trims the matched stop token before detokenizing, vLLM cuts its text: a stop
+    token id (or EOS shown with skip_special_tokens=False) never ends up in the text."""
+    from actors.engine.req import Req
+    from actors.engine.tokenizer import EOS_ID
+
+    tok = _byte_tokenizer()
+    ids = [5 + b for b in b"hello!"]
+    req = Req("r", [5 + ord("q")], SamplingParams(stop_token_ids=[5 + ord("!")]), eos_token_ids=[EOS_ID])
+    _generate(req, tok, ids)
+    assert req.finished_reason == {"type": "stop", "matched": 5 + ord("!")}
+    assert req.output_ids == ids and req.output_text == "hello"
+    req = Req("r", [5 + ord("q")], SamplingParams(skip_special_tokens=False), eos_token_ids=[EOS_ID])
+    _generate(req, tok, [5 + ord("h"), 5 + ord("i"), EOS_ID])
+    assert req.finished_reason == {"type": "stop", "matched": EOS_ID} and req.output_text == "hi"
+
+
+def test_output_text_keeps_the_leading_space_the_prompt_context_gives_it():
+    """A SentencePiece-style tokenizer drops the leading space of the first token it decodes:
+    decoded on their own the output tokens '▁fox' read 'fox', not the ' fox' that follows the
+    prompt. The text is the difference of decoding with and without them after the prompt's tail
+    (SGLang's surr_offset / read_offset)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from actors.engine.req import Req
+
+    vocab = {"<unk>": 0, "</s>": 1, "▁The": 2, "▁quick": 3, "▁fox": 4, "▁jumps": 5}
+    sp = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    sp.pre_tokenizer, sp.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
+    tok = PreTrainedTokenizerFast(tokenizer_object=sp, eos_token="</s>", unk_token="<unk>")
+    req = Req("r", [2, 3], SamplingParams(stop=[" ju"]), eos_token_ids=[1])
+    _generate(req, tok, [4])
+    assert req.output_text == " fox" and not req.finished
+    _generate(req, tok, [5])  # the stop string spans the boundary of two tokens' text
+    assert req.output_text == " fox" and req.finished_reason == {"type": "stop", "matched": " ju"}
+    # byte-level text is unchanged, a character split over two tokens included
+    req = Req("r", [5 + ord("a")], SamplingParams(max_new_tokens=3))
+    _generate(req, _byte_tokenizer(), [5 + b for b in "é!".encode()], context_len=1000)
+    assert req.output_text == "é!" and req.finished_reason == {"type": "length", "length": 3}
