@@ -72,6 +72,9 @@ def test_retraction_when_the_pool_is_small(model_dir):
                        max_running_requests=6, chunked_prefill_size=-1)
     assert engine.scheduler.num_retractions > 0
     assert all(o["meta_info"]["completion_tokens"] == 40 or o["meta_info"]["finish_reason"]["type"] == "stop" for o in outs)
+    # idle again, the ratio a retraction raised goes back to its start (SGLang's idle self-check): left
+    # high, it decays 0.001 a decode step and every later admission over-reserves for hundreds of steps
+    assert engine.scheduler.new_token_ratio == engine.config.init_new_token_ratio
 
 
 def test_lpm_policy(model_dir):

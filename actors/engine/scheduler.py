@@ -139,10 +139,13 @@ class Scheduler:
         """Run one forward; returns the requests that produced output (or finished)."""
         released = self._release_aborted()
         try:
-            return released + self._run_batch(bool(released))
+            out = released + self._run_batch(bool(released))
         except BaseException:  # released already: the loop's failure path only tells them
             self._aborted[:0] = released
             raise
+        if not self.has_work():  # idle: the ratio a retraction raised starts over (SGLang's idle self-check)
+            self.new_token_ratio = self.config.init_new_token_ratio
+        return out
 
     def _run_batch(self, released: bool) -> List[Req]:
         self.end_orphan_prefetches()
