@@ -17,20 +17,29 @@ import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Dict, List, Optional, Sequence
 
+from actors.engine.finish import decode_after
 from actors.pd_scheduler import PDRequestError
 
 
 class TextDelta:
-    def __init__(self, tokenizer, stop: Sequence[str] = (), skip_special_tokens: bool = True):
+    def __init__(self, tokenizer, stop: Sequence[str] = (), skip_special_tokens: bool = True,
+                 prompt_ids: Sequence[int] = ()):
         self.tokenizer, self.stop, self.skip = tokenizer, list(stop), skip_special_tokens
+        self.prompt_ids = prompt_ids  # the text is decoded after them (workers without a tokenizer)
         self.sent = ""
 
     def text_of(self, result: Dict[str, Any]) -> str:
+        """The worker's text, or (workers that skip the tokenizer) the output decoded here as the
+        engine does: after the prompt's tail, a matched stop token left out."""
         if "text" in result:
             return result["text"]
         if self.tokenizer is None:
             return ""
-        return self.tokenizer.decode(result["output_ids"], skip_special_tokens=self.skip)
+        ids = result["output_ids"]
+        matched = (result.get("meta_info", {}).get("finish_reason") or {}).get("matched")
+        if isinstance(matched, int) and ids and ids[-1] == matched:
+            ids = ids[:-1]
+        return decode_after(self.tokenizer, self.prompt_ids, ids, self.skip)
 
     def update(self, result: Dict[str, Any], finished: bool) -> str:
         text = self.text_of(result)

@@ -147,20 +147,25 @@ def test_a_matched_stop_token_is_kept_in_output_ids_but_not_in_the_text():
     assert req.finished_reason == {"type": "stop", "matched": EOS_ID} and req.output_text == "hi"
 
 
+def _metaspace_tokenizer():
+    """A SentencePiece-style (Metaspace) word-level tokenizer: ids 2..5 are ▁The ▁quick ▁fox ▁jumps."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "</s>": 1, "▁The": 2, "▁quick": 3, "▁fox": 4, "▁jumps": 5}
+    sp = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    sp.pre_tokenizer, sp.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
+    return PreTrainedTokenizerFast(tokenizer_object=sp, eos_token="</s>", unk_token="<unk>")
+
+
 def test_output_text_keeps_the_leading_space_the_prompt_context_gives_it():
     """A SentencePiece-style tokenizer drops the leading space of the first token it decodes:
     decoded on their own the output tokens '▁fox' read 'fox', not the ' fox' that follows the
     prompt. The text is the difference of decoding with and without them after the prompt's tail
     (SGLang's surr_offset / read_offset)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
     from actors.engine.req import Req
 
-    vocab = {"<unk>": 0, "</s>": 1, "▁The": 2, "▁quick": 3, "▁fox": 4, "▁jumps": 5}
-    sp = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    sp.pre_tokenizer, sp.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
-    tok = PreTrainedTokenizerFast(tokenizer_object=sp, eos_token="</s>", unk_token="<unk>")
+    tok = _metaspace_tokenizer()
     req = Req("r", [2, 3], SamplingParams(stop=[" ju"]), eos_token_ids=[1])
     _generate(req, tok, [4])
     assert req.output_text == " fox" and not req.finished
@@ -170,3 +175,17 @@ def test_output_text_keeps_the_leading_space_the_prompt_context_gives_it():
     req = Req("r", [5 + ord("a")], SamplingParams(max_new_tokens=3))
     _generate(req, _byte_tokenizer(), [5 + b for b in "é!".encode()], context_len=1000)
     assert req.output_text == "é!" and req.finished_reason == {"type": "length", "length": 3}
+
+
+def test_the_server_decodes_like_the_engine_for_workers_without_a_tokenizer():
+    """Workers that skip the tokenizer send ids only: the server's text is the engine's — after
+    the prompt's tail (' fox', not 'fox'), a matched stop token left out."""
+    from cluster.streaming import TextDelta
+
+    tok = _metaspace_tokenizer()
+    delta = TextDelta(tok, prompt_ids=[2, 3])
+    assert delta.update({"output_ids": [4], "meta_info": {"finish_reason": None}}, False) == " fox"
+    end = {"output_ids": [4, 5, 1], "meta_info": {"finish_reason": {"type": "stop", "matched": 1}}}
+    assert delta.update(end, True) == " jumps" and delta.sent == " fox jumps"
+    kept = TextDelta(tok, skip_special_tokens=False, prompt_ids=[2, 3])  # the stop token's text too is left out
+    assert kept.update(end, True) == " fox jumps"

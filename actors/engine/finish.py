@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 from actors.engine.req import Req
 
@@ -12,19 +12,23 @@ from actors.engine.req import Req
 DETOKENIZE_CONTEXT = 5
 
 
-def output_text(req: Req, tokenizer, num_tokens: Optional[int] = None) -> str:
-    """The text of the first ``num_tokens`` output tokens (all by default), as it reads after the
-    prompt: ``decode(tail + output) - decode(tail)`` for the prompt's last few tokens (the output
-    decoded on its own where the tail's text is not a prefix of it, e.g. a split UTF-8 character)."""
-    skip = req.sampling_params.skip_special_tokens
-    ids = req.output_ids if num_tokens is None else req.output_ids[:num_tokens]
-    context = req.origin_input_ids[-DETOKENIZE_CONTEXT:]
+def decode_after(tokenizer, prompt_ids: Sequence[int], ids: Sequence[int], skip_special_tokens: bool) -> str:
+    """The text of output ``ids`` as it reads after the prompt: ``decode(tail + ids) - decode(tail)``
+    for the prompt's last few tokens (``ids`` decoded on their own where the tail's text is not a
+    prefix of that, e.g. a split UTF-8 character)."""
+    context = list(prompt_ids[-DETOKENIZE_CONTEXT:])
     if context and ids:
-        head = tokenizer.decode(context, skip_special_tokens=skip)
-        full = tokenizer.decode(context + ids, skip_special_tokens=skip)
+        head = tokenizer.decode(context, skip_special_tokens=skip_special_tokens)
+        full = tokenizer.decode(context + list(ids), skip_special_tokens=skip_special_tokens)
         if full.startswith(head) and not head.endswith("\ufffd"):
             return full[len(head):]
-    return tokenizer.decode(ids, skip_special_tokens=skip)
+    return tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+
+def output_text(req: Req, tokenizer, num_tokens: Optional[int] = None) -> str:
+    """The text of the first ``num_tokens`` output tokens (all by default), after the prompt."""
+    ids = req.output_ids if num_tokens is None else req.output_ids[:num_tokens]
+    return decode_after(tokenizer, req.origin_input_ids, ids, req.sampling_params.skip_special_tokens)
 
 
 def stream_text(req: Req, tokenizer) -> None:
