@@ -14,6 +14,19 @@ a reader thread that receives, in order, ``[header_len, payload_len]``
 payload bytes over the data channel — so ``expect`` has nothing left to
 post; it records which buffers and heads the hand-off still misses.
 
+Setup and teardown (as Mooncake's and SGLang's bootstrap: every wait bounded,
+a failed setup fails only what needs it). The decode side watches every pair
+number taken, not one after the other: a hello not there ``connect_timeout_s``
+after its number was taken is given up (``compare_set`` writes a marker the
+late prefill then reads, so it fails at once). Both sides build the pair's
+group within ``timeout_s``; only the reader's wait for the *next* message is
+unbounded (a pair may idle for hours; a peer that dies closes its sockets,
+which ends the wait). One slow or unreachable decode agent holds up only the
+pushes to itself (a connect lock per peer). When a pair ends (goodbye, broken)
+its reader deletes its ``hello/{k}`` and ``pair/{k}/...`` store keys.
+Not handled: a peer host that vanishes without closing its sockets leaves
+that pair's reader waiting (no heartbeat yet).
+
 A push gathers every planned buffer's rows (one slice copy per run of
 consecutive source slots) into one contiguous uint8 payload and sends it in
 one message; with chunked prefill a hand-off takes one message per chunk
@@ -63,8 +76,9 @@ from transfer.plan import plan_copies
 
 logger = logging.getLogger(__name__)
 
-_FOREVER = datetime.timedelta(days=365)
+_IDLE = datetime.timedelta(days=365)  # a reader's wait for a pair's next message (see the docstring)
 _BYE = -1
+_GAVE_UP = b"\x00gave up"  # hello/{k} as the decode side leaves it when no hello came in time
 _LIVE: "weakref.WeakSet[TorchDistAgent]" = weakref.WeakSet()
 
 
@@ -133,7 +147,7 @@ class TorchDistAgent(TransferAgent):
         self._tags = itertools.count()
         self._landing: Dict[str, Landing] = {}
         self._links: Dict[str, _Link] = {}
-        self._connect_lock = threading.Lock()
+        self._opening: Dict[str, List] = {}  # peer agent id -> [its connect lock, pushes using it]
         self._closed = False
         self._acceptor: Optional[threading.Thread] = None
         self._readers: List[threading.Thread] = []
@@ -187,37 +201,62 @@ class TorchDistAgent(TransferAgent):
         with ``check`` on the server's own store: a blocked ``wait`` would hold
         the store's connection that the pairs' rendezvous also needs, and extra
         client connections are what is slow to open. New pairs are rare, so the
-        poll backs off to 50 ms when idle."""
+        poll backs off to 50 ms when idle. Every pair number taken is watched
+        at once, so a prefill that died before its hello holds up no other."""
         store, delay = self._store, 0.001
-        for k in itertools.count(1):
-            key = f"hello/{k}"
+        waiting: Dict[int, float] = {}  # pair numbers taken without a hello yet -> when seen taken
+        seen = 0
+        while not self._closed:
             try:
-                while not store.check([key]):
-                    if self._closed:
-                        return
-                    time.sleep(delay)
-                    delay = min(delay * 2, 0.05)
-                hello = store.get(key)
-                if self._closed or hello == b"":
-                    return
+                now, taken = time.monotonic(), store.add("peers", 0)
+                busy = taken > seen
+                waiting.update((k, now) for k in range(seen + 1, taken + 1))
+                seen = max(seen, taken)
+                for k, since in list(waiting.items()):
+                    hello = self._hello(store, k, now - since > self.connect_timeout_s)
+                    if hello is not None:
+                        busy = True
+                        del waiting[k]
+                        self._start_reader(store, k, hello)
             except Exception:  # the store was torn down
                 return
-            delay = 0.001
-            reader = threading.Thread(target=self._serve, args=(store, k, hello), name=f"raydix-kv-recv-{k}", daemon=True)
-            self._readers.append(reader)
-            reader.start()
+            delay = 0.001 if busy else min(delay * 2, 0.005 if waiting else 0.05)
+            time.sleep(delay)
+
+    def _hello(self, store: dist.Store, k: int, expired: bool) -> Optional[bytes]:
+        """Pair ``k``'s hello, ``_GAVE_UP`` once ``expired`` (the prefill side reads the
+        marker and fails), or None: still waiting."""
+        key = f"hello/{k}"
+        if store.check([key]):
+            return store.get(key)
+        if not expired:
+            return None
+        hello = store.compare_set(key, b"", _GAVE_UP)  # the hello, if it came just now
+        if hello == _GAVE_UP:
+            logger.warning("KV pair %d of agent %s: no hello %.1fs after the prefill side took its number; given up",
+                           k, self.agent_id[:8], self.connect_timeout_s)
+        return hello
+
+    def _start_reader(self, store: dist.Store, k: int, hello: bytes) -> None:
+        if hello == _GAVE_UP or self._closed:
+            return
+        reader = threading.Thread(target=self._serve, args=(store, k, hello), name=f"raydix-kv-recv-{k}", daemon=True)
+        with self._lock:  # (finished readers go: the list holds the live ones, for the exit hook)
+            self._readers = [t for t in self._readers if t.is_alive()] + [reader]
+        reader.start()
 
     def _serve(self, store: dist.Store, k: int, hello: bytes) -> None:
         data = None
         try:
             peer = msgpack.unpackb(hello, raw=False)
-            pg = dist.ProcessGroupGloo(dist.PrefixStore(f"pair/{k}", store), 0, 2, _FOREVER)
+            timeout = datetime.timedelta(seconds=self.timeout_s)  # the setup's waits, and a message's later parts
+            pg = dist.ProcessGroupGloo(dist.PrefixStore(f"pair/{k}", store), 0, 2, timeout)
             data = open_data_channel(peer["data"], pg, store, k, 0, self._nccl_device, self.timeout_s)
             with self._lock:
                 self.link_transports[peer["agent_id"]] = data.transport
             while not self._closed:
                 sizes = torch.empty(2, dtype=torch.int64)
-                pg.recv([sizes], 1, 0).wait()
+                pg.recv([sizes], 1, 0).wait(_IDLE)
                 header_len, payload_len = sizes.tolist()
                 if header_len == _BYE:
                     return
@@ -231,6 +270,7 @@ class TorchDistAgent(TransferAgent):
         finally:
             if data is not None:
                 data.close()
+            _forget_pair(store, k)
 
     def _deliver(self, raw_header: bytes, payload: torch.Tensor) -> None:
         """Hand one message to its landing. Never raises: the message framing is intact,
@@ -275,21 +315,38 @@ class TorchDistAgent(TransferAgent):
         return int(payload.numel())
 
     def _link(self, ep: Dict, transport: str) -> _Link:
-        with self._connect_lock:  # one pair per peer, even when two requests open it at once
-            with self._lock:
-                link = self._links.get(ep["agent_id"])
-            if link is None:
-                link = self._connect(ep, transport)
+        """The pair with ``ep``'s agent, opened once even when two pushes need it at
+        once; opening it holds up only the pushes to that agent."""
+        peer = ep["agent_id"]
+        with self._lock:
+            link = self._links.get(peer)
+            if link is not None:
+                return link
+            opening = self._opening.setdefault(peer, [threading.Lock(), 0])
+            opening[1] += 1
+        try:
+            with opening[0]:
                 with self._lock:
-                    self._links[ep["agent_id"]] = link
-                    self.link_transports[ep["agent_id"]] = transport
-            return link
+                    link = self._links.get(peer)
+                if link is None:
+                    link = self._connect(ep, transport)
+                    with self._lock:
+                        self._links[peer] = link
+                        self.link_transports[peer] = transport
+                return link
+        finally:
+            with self._lock:
+                opening[1] -= 1
+                if not opening[1]:
+                    del self._opening[peer]
 
     def _connect(self, ep: Dict, transport: str) -> _Link:
         try:
             store = dist.TCPStore(ep["host"], ep["port"], None, False, datetime.timedelta(seconds=self.connect_timeout_s))
             k = store.add("peers", 1)
-            store.set(f"hello/{k}", msgpack.packb({"agent_id": self.agent_id, "data": transport}, use_bin_type=True))
+            hello = msgpack.packb({"agent_id": self.agent_id, "data": transport}, use_bin_type=True)
+            if store.compare_set(f"hello/{k}", b"", hello) != hello:  # the decode side's _GAVE_UP
+                raise TransferError(f"it gave up on pair {k}: the hello came after its connect_timeout_s")
             timeout = datetime.timedelta(seconds=self.timeout_s)
             pg = dist.ProcessGroupGloo(dist.PrefixStore(f"pair/{k}", store), 1, 2, timeout)
             data = open_data_channel(transport, pg, store, k, 1, self._nccl_device, self.timeout_s)
@@ -311,3 +368,14 @@ class TorchDistAgent(TransferAgent):
             link.data.close()
         if self._acceptor is not None:
             self._acceptor.join(timeout=1.0)
+
+
+def _forget_pair(store: dist.Store, k: int) -> None:
+    """Delete pair ``k``'s keys (its hello, its groups' rendezvous) from the decode
+    agent's store: the store holds the live pairs' keys only."""
+    try:
+        for key in store.list_keys():
+            if key == f"hello/{k}" or key.startswith(f"pair/{k}/"):
+                store.delete_key(key)
+    except Exception:  # the store is gone with its agent
+        pass
