@@ -305,6 +305,42 @@ def test_abort_fails_and_sticks(fake_pair):
     assert receiver.poll() == KVPoll.Failed
 
 
+def test_an_abort_from_another_thread_is_never_half_overwritten_by_success(fake_pair):
+    """KVPusher.cancel aborts a sender on the engine loop's thread while its transfer
+    thread finishes the last chunk. An abort landing between ``_set``'s look at the state
+    and its write was overwritten: Success, with failure reason "aborted". Either order
+    is fine; a mix of both is not. (The interleaving is forced: the last look at the
+    state, from ``_set(Success)``, runs the abort on another thread first.)"""
+    import threading
+
+    class RacySender(KVSender):
+        race = False
+
+        @property
+        def _state(self):
+            state = self.__dict__["_st"]
+            if self.race and state == KVPoll.Transferring and threading.current_thread() is threading.main_thread():
+                self.race = False
+                aborter = threading.Thread(target=self.abort, args=("aborted",))
+                aborter.start()
+                aborter.join(0.2)  # (blocked for good only if the state machine is locked)
+                self.aborter = aborter
+            return state
+
+        @_state.setter
+        def _state(self, state):
+            self.__dict__["_st"] = state
+
+    prefill, decode = fake_pair
+    sender = RacySender(prefill, "r")
+    sender.init(KVReceiver(decode, "r", 1).send_metadata([3]))
+    sender.race = True
+    sender.send([1])
+    sender.aborter.join()
+    outcome = (sender.poll(), sender.failure_reason())
+    assert outcome in ((KVPoll.Success, None), (KVPoll.Failed, "aborted")), outcome
+
+
 def test_slot_count_mismatch_fails_not_raises(fake_pair):
     prefill, decode = fake_pair
     sender = KVSender(prefill, "r")

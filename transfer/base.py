@@ -43,6 +43,7 @@ import abc
 import enum
 import os
 import random
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -282,22 +283,29 @@ def _check_wire(raw: Dict) -> None:
 
 # ---- the state machines ----------------------------------------------------------------
 class _Polled:
-    """A state with a deadline: ``poll()`` turns an expired wait into Failed."""
+    """A state with a deadline: ``poll()`` turns an expired wait into Failed.
+
+    Failed and Success are final, also when another thread aborts (``KVPusher.cancel``
+    aborts a sender its transfer thread may be finishing): each change looks at the
+    state and writes it under one lock."""
 
     def __init__(self, timeout_s: Optional[float]):
         self._state = KVPoll.Bootstrapping
         self._reason: Optional[str] = None
         self._timeout_s = timeout_s
         self._since = time.monotonic()
+        self._change = threading.Lock()
 
     def _set(self, state: KVPoll) -> None:
-        if self._state != KVPoll.Failed:
-            self._state = state
-            self._since = time.monotonic()
+        with self._change:
+            if self._state != KVPoll.Failed:
+                self._state = state
+                self._since = time.monotonic()
 
     def fail(self, reason: str) -> None:
-        if self._state not in (KVPoll.Failed, KVPoll.Success):
-            self._state, self._reason = KVPoll.Failed, reason
+        with self._change:
+            if self._state not in (KVPoll.Failed, KVPoll.Success):
+                self._state, self._reason = KVPoll.Failed, reason
 
     def poll(self) -> KVPoll:
         waiting = self._state in (KVPoll.Bootstrapping, KVPoll.WaitingForInput)
