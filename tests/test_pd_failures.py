@@ -476,3 +476,50 @@ def test_a_request_aborted_while_queued_is_told_when_releasing_another_aborted_o
     prefill.shutdown()
     decode.shutdown()
     assert answer == "failed"
+
+
+# ---- 8. a decode follower's receivers --------------------------------------------------------------
+def test_rank_0_ends_a_follower_receiver_before_it_expects_the_same_id_again(checkpoints):
+    """A follower's ``_expect`` replaces ``_receivers[rid]`` without aborting the one there:
+    harmless only if rank 0 never asks again for an id whose earlier receiver is live. It
+    does not: every end of a reservation (abort, safe or not; landing) cancels or lands
+    the followers' shares first. (A stub TP group forwards rank 0's calls to a follower's
+    decode handlers over a fake agent: in-process, no Ray.)"""
+    from types import SimpleNamespace
+
+    from actors.rank import TPFollower
+    from tests.transfer_helpers import RankSpec, build_pool
+    from transfer.backends.fake import FakeAgent
+
+    _, layout, tensors, _ = build_pool(RankSpec(tp_rank=1, tp_size=2))
+    follower = TPFollower.__new__(TPFollower)  # its decode handlers only
+    follower.host = SimpleNamespace(tp_rank=1, agents={"shm": FakeAgent(layout, tensors, 1, 2)})
+    follower.waiting_timeout_s, follower._receivers, follower._landed = 30.0, {}, set()
+    expects, overwritten = [], []
+
+    class Group:
+        def call_followers(self, name, payload):
+            if name == "expect":
+                expects.append(payload[0])
+                if payload[0] in follower._receivers:
+                    overwritten.append(payload[0])
+            reply = getattr(follower, f"_{name}")(payload)
+            return [] if name == "expect" else [reply]  # (no push for its share: the fake agent has it at once)
+
+    prefill, decode = make_pair(checkpoints["llama"])
+    sched = decode.scheduler
+    decode.loop.run_exclusive(lambda: setattr(sched, "tp_worker", Group()) or setattr(sched, "has_followers", True))
+    ids = prompts(1, 20, 20, seed=3)[0]
+
+    async def go():
+        for safe in (False, True):
+            await decode.reserve("x", ids, GREEDY, room=7 + safe)
+            await decode.abort("x", safe=safe, room=7 + safe)
+        await run_pd(prefill, decode, ids, GREEDY, rid="x")
+        await run_pd(prefill, decode, ids, GREEDY, rid="x")
+
+    asyncio.run(go())
+    decode.loop.run_exclusive(lambda: setattr(sched, "has_followers", False))  # (to shut down)
+    prefill.shutdown()
+    decode.shutdown()  # (the unsafe abort's slots are still quarantined: no integrity check)
+    assert expects == ["x"] * 4 and overwritten == [] and follower._receivers == {}
