@@ -3,6 +3,8 @@
 import math
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 
 from actors.engine.sampling import apply_penalties, filter_probs, make_generator, plain_greedy_tokens, sample_next
@@ -189,3 +191,33 @@ def test_the_server_decodes_like_the_engine_for_workers_without_a_tokenizer():
     assert delta.update(end, True) == " jumps" and delta.sent == " fox jumps"
     kept = TextDelta(tok, skip_special_tokens=False, prompt_ids=[2, 3])  # the stop token's text too is left out
     assert kept.update(end, True) == " fox jumps"
+
+
+def _byte_ids(pieces):
+    """Byte-level ids (5 + byte) of text pieces; an int piece is a special token id (0-4)."""
+    return [t for p in pieces for t in ([p] if isinstance(p, int) else [5 + b for b in p.encode()])]
+
+
+_pieces = st.lists(st.one_of(st.text(alphabet="aZ é€😀\n", max_size=3), st.integers(0, 4)), max_size=10)
+
+
+@settings(max_examples=80, deadline=None)
+@given(prompt=_pieces, output=_pieces.filter(bool), cut=st.integers(0, 3), skip=st.booleans(),
+       metaspace=st.booleans())
+def test_incremental_text_equals_decoding_the_whole_output_after_the_prompt(prompt, output, cut, skip, metaspace):
+    """After every step the text decoded a few tokens at a time is the whole output decoded after
+    the prompt's tail: byte-level ids whose characters (up to 4 bytes) are split over tokens, a
+    prompt that ends inside one (``cut`` bytes dropped from its end), special tokens skipped or
+    not, and a SentencePiece-style decoder that drops a leading space."""
+    from actors.engine.finish import IncrementalText, decode_after
+
+    tok = _metaspace_tokenizer() if metaspace else _byte_tokenizer()
+    prompt, output = _byte_ids(prompt), _byte_ids(output)
+    prompt = prompt[: max(len(prompt) - cut, 0)]
+    if metaspace:
+        prompt, output = [t % 6 for t in prompt], [t % 6 for t in output]
+    if not output:
+        return
+    text = IncrementalText(tok, prompt, skip)
+    for n in range(1, len(output) + 1):
+        assert text.update(tok, output, n) == decode_after(tok, prompt, output[:n], skip)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import List, Sequence
 
 from actors.engine.req import Req
 
@@ -25,16 +25,52 @@ def decode_after(tokenizer, prompt_ids: Sequence[int], ids: Sequence[int], skip_
     return tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
 
-def output_text(req: Req, tokenizer, num_tokens: Optional[int] = None) -> str:
-    """The text of the first ``num_tokens`` output tokens (all by default), after the prompt."""
-    ids = req.output_ids if num_tokens is None else req.output_ids[:num_tokens]
-    return decode_after(tokenizer, req.origin_input_ids, ids, req.sampling_params.skip_special_tokens)
+class IncrementalText:
+    """A request's output text (:func:`decode_after` of its output), decoded a few tokens per step
+    (SGLang's surr / read offsets), never the whole output: ``[surr, read)`` are the tokens before
+    the last confirmed text (context for the next ones), ``[read, end)`` the new ones. Confirmed
+    text never changes; new tokens that end in half a UTF-8 character stay pending."""
+
+    def __init__(self, tokenizer, prompt_ids: Sequence[int], skip_special_tokens: bool):
+        self.skip = skip_special_tokens
+        context = list(prompt_ids[-DETOKENIZE_CONTEXT:])
+        if context and tokenizer.decode(context, skip_special_tokens=self.skip).endswith("\ufffd"):
+            context = []  # the prompt ends inside a character: the output is decoded on its own
+        self.context = context
+        self.surr, self.read = 0, len(context)  # positions in context + output
+        self.text = ""  # confirmed
+
+    def _ids(self, output_ids: List[int], start: int, end: int) -> List[int]:
+        c = len(self.context)
+        return self.context[start:end] + output_ids[max(start - c, 0):max(end - c, 0)]
+
+    def update(self, tokenizer, output_ids: List[int], num_tokens: int) -> str:
+        """The text of ``output_ids[:num_tokens]`` (``num_tokens`` never below the last call's)."""
+        end = len(self.context) + num_tokens
+        surr_text = tokenizer.decode(self._ids(output_ids, self.surr, self.read), skip_special_tokens=self.skip)
+        new_text = tokenizer.decode(self._ids(output_ids, self.surr, end), skip_special_tokens=self.skip)
+        pending = new_text[len(surr_text):]
+        if pending and not new_text.endswith("\ufffd"):
+            self.text += pending
+            self.surr, self.read = self.read, end
+            return self.text
+        return self.text + pending
+
+
+def _ends_on_stop_token(req: Req) -> bool:
+    last, params = req.output_ids[-1], req.sampling_params
+    return last in params.stop_token_ids or (not params.ignore_eos and last in req.eos_token_ids)
 
 
 def stream_text(req: Req, tokenizer) -> None:
-    """Refresh ``req.output_text`` (nothing without a tokenizer)."""
-    if tokenizer is not None:
-        req.output_text = output_text(req, tokenizer)
+    """Refresh ``req.output_text`` (nothing without a tokenizer): the output after the prompt, a
+    last token that stops the request left out (SGLang and vLLM trim it from the text)."""
+    if tokenizer is None or not req.output_ids:
+        return
+    if req.detokenizer is None:
+        req.detokenizer = IncrementalText(tokenizer, req.origin_input_ids, req.sampling_params.skip_special_tokens)
+    num_tokens = len(req.output_ids) - (1 if _ends_on_stop_token(req) else 0)
+    req.output_text = req.detokenizer.update(tokenizer, req.output_ids, num_tokens)
 
 
 def check_finished(req: Req, tokenizer, context_len: int) -> None:
@@ -42,11 +78,8 @@ def check_finished(req: Req, tokenizer, context_len: int) -> None:
     and vLLM trim it); a stop string → "stop" (text cut before it); ``max_new_tokens`` or the
     context length → "length"."""
     params = req.sampling_params
-    last = req.output_ids[-1]
-    if last in params.stop_token_ids or (not params.ignore_eos and last in req.eos_token_ids):
-        if tokenizer is not None:
-            req.output_text = output_text(req, tokenizer, len(req.output_ids) - 1)
-        req.finish({"type": "stop", "matched": last})
+    if _ends_on_stop_token(req):  # (stream_text left it out of the text)
+        req.finish({"type": "stop", "matched": req.output_ids[-1]})
         return
     if params.stop and tokenizer is not None:
         hits = [(req.output_text.find(s), s) for s in params.stop if s in req.output_text]

@@ -47,6 +47,7 @@ class Req:
     storage_checked_len: int = 0  # the file tier was asked for this many leading tokens (asked once per length)
     finished_reason: Optional[dict] = None
     output_text: str = ""
+    detokenizer: Any = None  # its IncrementalText (actors.engine.finish), from the first token on
     output_logprobs: List[float] = field(default_factory=list)
     output_top_logprobs: List[List[tuple]] = field(default_factory=list)
     created_time: float = field(default_factory=time.perf_counter)
