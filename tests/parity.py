@@ -8,7 +8,7 @@ the sequences may legitimately diverge, so comparison stops there.
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 import torch
 
@@ -38,10 +38,18 @@ def hf_greedy(model_path: str, prompt: Sequence[int], max_new_tokens: int, eos_t
 
 
 def assert_greedy_parity(model_path: str, prompts: List[List[int]], outputs: List[List[int]], max_new_tokens: int,
-                         eos_token_ids: Sequence[int] = (), tie_tol: float = 1e-4) -> None:
-    for prompt, ours in zip(prompts, outputs):
+                         eos_token_ids: Sequence[int] = (), tie_tol: float = 1e-4,
+                         logprobs: Optional[List[List[float]]] = None, logprob_tol: float = 1e-3) -> None:
+    """``logprobs``: our log-probability of each output token (``return_logprob``); when
+    given, each must also equal HF's, up to the first divergence — a field that shifts
+    every logit a little fails here even where the argmax survives."""
+    for n, (prompt, ours) in enumerate(zip(prompts, outputs)):
         ref, logits = hf_greedy(model_path, prompt, max_new_tokens, eos_token_ids)
         for i, (a, b) in enumerate(zip(ours, ref)):
+            if logprobs is not None:
+                want = float(torch.log_softmax(logits[i].float(), dim=-1)[a])
+                assert abs(logprobs[n][i] - want) <= logprob_tol, (
+                    f"token {i}: our logprob {logprobs[n][i]:.5f}, HF {want:.5f} (prompt {prompt[:8]}...)")
             if a != b:
                 gap = float(logits[i].max() - logits[i][a])
                 assert gap <= tie_tol, f"token {i}: ours {a}, HF {b}, logit gap {gap:.2e} (prompt {prompt[:8]}...)"

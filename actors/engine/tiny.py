@@ -26,53 +26,61 @@ COMMON = dict(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_
               tie_word_embeddings=False, dtype="float32")
 
 
-def tiny_config(family: str):
-    """The HF config of ``family``'s tiny model."""
+def tiny_config(family: str, **overrides):
+    """The HF config of ``family``'s tiny model; ``overrides`` replace or add config fields
+    (a test's variant of the family: rope scaling, biases, sliding windows...)."""
     import transformers as tf
 
     if family == "llama":
-        return tf.LlamaConfig(num_hidden_layers=2, num_key_value_heads=2, **COMMON)
+        return tf.LlamaConfig(**{**COMMON, "num_hidden_layers": 2, "num_key_value_heads": 2, **overrides})
     if family == "qwen3":
-        return tf.Qwen3Config(num_hidden_layers=2, num_key_value_heads=2, head_dim=16, **COMMON)
+        return tf.Qwen3Config(**{**COMMON, "num_hidden_layers": 2, "num_key_value_heads": 2, "head_dim": 16,
+                                 **overrides})
     if family == "deepseek_v3":  # HF DeepseekV3 needs as many KV heads as attention heads
-        return tf.DeepseekV3Config(
-            num_hidden_layers=3, num_key_value_heads=4, moe_intermediate_size=32, n_routed_experts=4,
-            num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1, q_lora_rank=None,
-            kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16, **COMMON,
-        )
+        return tf.DeepseekV3Config(**{
+            **COMMON, "num_hidden_layers": 3, "num_key_value_heads": 4, "moe_intermediate_size": 32,
+            "n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1,
+            "first_k_dense_replace": 1, "q_lora_rank": None, "kv_lora_rank": 32, "qk_rope_head_dim": 16,
+            "qk_nope_head_dim": 16, "v_head_dim": 16, **overrides,
+        })
     if family == "gemma3":
-        return tf.Gemma3TextConfig(
-            num_hidden_layers=4, num_key_value_heads=2, head_dim=16, sliding_window=16,
-            layer_types=["sliding_attention"] * 3 + ["full_attention"], **COMMON,
-        )
+        return tf.Gemma3TextConfig(**{
+            **COMMON, "num_hidden_layers": 4, "num_key_value_heads": 2, "head_dim": 16, "sliding_window": 16,
+            "layer_types": ["sliding_attention"] * 3 + ["full_attention"], **overrides,
+        })
     if family == "qwen3_next":
-        return tf.Qwen3NextConfig(
-            num_hidden_layers=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
-            linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
-            num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
-            layer_types=["linear_attention"] * 3 + ["full_attention"], **COMMON,
-        )
+        return tf.Qwen3NextConfig(**{
+            **COMMON, "num_hidden_layers": 4, "num_key_value_heads": 2, "head_dim": 16, "linear_num_key_heads": 2,
+            "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
+            "linear_conv_kernel_dim": 4, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 32, "layer_types": ["linear_attention"] * 3 + ["full_attention"],
+            **overrides,
+        })
     raise ValueError(f"unknown family {family!r}; known: {', '.join(FAMILIES)}")
 
 
 def _init_weights(model: torch.nn.Module, seed: int) -> None:
     """Deterministic init: matrices ~ N(0, 1/fan_in) (outputs vary token to token,
-    unlike HF's tiny-std default), vectors (norms, biases) keep their defaults."""
+    unlike HF's tiny-std default), biases ~ N(0, 0.1²) (HF's zeros would hide them),
+    other vectors (norms) keep their defaults."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in sorted(model.named_parameters()):
             if param.dim() >= 2:
                 fan_in = param.shape[-1]
                 param.copy_(torch.randn(param.shape, generator=gen) / math.sqrt(fan_in))
+            elif name.endswith(".bias"):
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.1)
         for name, buf in sorted(model.named_buffers()):
             if name.endswith("e_score_correction_bias"):  # exercise DeepSeek's routing correction
                 buf.copy_(torch.randn(buf.shape, generator=gen) * 0.1)
 
 
-def build_tiny_checkpoint(family: str, out_dir: Union[str, Path], seed: int = 0) -> Path:
+def build_tiny_checkpoint(family: str, out_dir: Union[str, Path], seed: int = 0, **overrides) -> Path:
+    """``overrides``: config fields of a variant (see :func:`tiny_config`)."""
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    config = tiny_config(family)
+    config = tiny_config(family, **overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
     _init_weights(model, seed)

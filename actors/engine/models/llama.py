@@ -18,6 +18,19 @@ def rope_settings(config):
     return float(theta), params.get("rope_type", "default")
 
 
+def layer_window(config, layer_id: int):
+    """The sliding window of layer ``layer_id`` (Qwen2/Qwen3 ``use_sliding_window``: HF's
+    ``layer_types`` marks the layers from ``max_window_layers`` on), or None for full attention.
+    Every layer's KV stays in the pool; a sliding layer only masks keys out of its window."""
+    layer_types = getattr(config, "layer_types", None)
+    kind = layer_types[layer_id] if layer_types else "full_attention"
+    if kind == "full_attention":
+        return None
+    if kind == "sliding_attention":
+        return config.sliding_window
+    raise ValueError(f"layer_types[{layer_id}]={kind!r} is not supported for {config.model_type}")
+
+
 class LlamaAttention(nn.Module):
     def __init__(self, config, layer_id: int, tp: TPGroup = SINGLE):
         super().__init__()
@@ -38,7 +51,8 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         theta, rope_type = rope_settings(config)
         self.rotary = RotaryEmbedding(self.head_dim, theta, rope_type)
-        self.attn = RadixAttention(layer_id, self.num_heads, self.head_dim, self.num_kv_heads, self.head_dim**-0.5)
+        self.attn = RadixAttention(layer_id, self.num_heads, self.head_dim, self.num_kv_heads, self.head_dim**-0.5,
+                                   sliding_window=layer_window(config, layer_id))
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
         tokens = x.shape[0]
