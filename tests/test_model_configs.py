@@ -45,3 +45,37 @@ def test_config_variant_matches_hf(case, tmp_path):
     batch = prompts()
     outputs, logprobs = generate(model_dir, batch)
     assert_greedy_parity(model_dir, batch, outputs, MAX_NEW, logprobs=logprobs)
+
+
+def test_deepseek_routing_bias_stays_fp32_in_a_bf16_model(tmp_path):
+    """HF keeps ``e_score_correction_bias`` in fp32 whatever the dtype: the experts a token is
+    routed to are chosen on ``sigmoid + bias``, where bf16 rounding of the bias reorders close
+    scores. Biases bf16 cannot hold (0.3 + 1e-3·k) make the choice depend on it."""
+    from transformers import AutoModelForCausalLM
+    from safetensors.torch import load_file, save_file
+
+    from actors.engine.model_loader import load_model
+
+    path = build_tiny_checkpoint("deepseek_v3", tmp_path / "m", seed=0)
+    tensors = load_file(path / "model.safetensors")
+    gen = torch.Generator().manual_seed(1)
+    for name in tensors:
+        if name.endswith("e_score_correction_bias"):
+            tensors[name] = 0.3 + 1e-3 * torch.randperm(tensors[name].numel(), generator=gen).float()
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+
+    ours, _, dtype = load_model(str(path), "bfloat16", "cpu")
+    hf = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.bfloat16).eval()
+    assert dtype == torch.bfloat16
+    # small inputs: every sigmoid score near 0.5, so the bias's last digits pick the experts
+    x = (torch.randn(64, hf.config.hidden_size, generator=gen) * 0.01).to(torch.bfloat16)
+    for layer_id in range(hf.config.first_k_dense_replace, hf.config.num_hidden_layers):
+        gate = ours.model.layers[layer_id].mlp.gate
+        bias = tensors[f"model.layers.{layer_id}.mlp.gate.e_score_correction_bias"]
+        assert gate.e_score_correction_bias.dtype == torch.float32
+        assert torch.equal(gate.e_score_correction_bias, bias)
+        with torch.no_grad():
+            idx, weights = gate(x)
+            _, hf_weights, hf_idx = hf.model.layers[layer_id].mlp.gate(x)
+        assert torch.equal(idx.sort(-1).values, hf_idx.sort(-1).values)
+        torch.testing.assert_close(weights.gather(1, idx.argsort(-1)), hf_weights.gather(1, hf_idx.argsort(-1)))

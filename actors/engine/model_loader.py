@@ -56,7 +56,7 @@ def load_model(
         model.lm_head.weight = model.model.embed_tokens.weight
     if missing or unexpected:
         raise ValueError(f"checkpoint/model mismatch: missing {missing[:8]}, unexpected {unexpected[:8]}")
-    model = model.to(torch_dtype).eval()
+    model = cast_model(model, torch_dtype).eval()
     reinit_buffers(model)
     return model, config, torch_dtype
 
@@ -91,6 +91,18 @@ def load_weights(model: torch.nn.Module, files: List[str]) -> Tuple[List[str], L
                     target.copy_(tensor)
                 loaded.add(name)
     return [n for n in targets if n not in loaded], unexpected
+
+
+def cast_model(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """``model`` in ``dtype``, except the buffers its class names in ``fp32_buffers``: HF
+    keeps those in fp32 whatever the model dtype (DeepSeek's routing bias), and so must we."""
+    keep = set(getattr(model, "fp32_buffers", ()))
+    kept = {name: buf.float() for name, buf in model.named_buffers() if name.rpartition(".")[2] in keep}
+    model = model.to(dtype)
+    for name, buf in kept.items():
+        module_name, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(module_name), attr, buf)
+    return model
 
 
 def reinit_buffers(model: torch.nn.Module) -> None:

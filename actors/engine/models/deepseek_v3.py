@@ -147,6 +147,8 @@ class DeepseekV3DecoderLayer(nn.Module):
 
 
 class DeepseekV3ForCausalLM(CausalLM):
+    fp32_buffers = ("e_score_correction_bias",)  # as HF's _keep_in_fp32_modules_strict
+
     def __init__(self, config, tp: TPGroup = SINGLE):
         if getattr(config, "rope_parameters", {}).get("rope_type", "default") != "default":
             raise ValueError("DeepSeek-V3 with rope scaling (yarn) is not served yet: rope_parameters.rope_type")
