@@ -79,3 +79,22 @@ def test_deepseek_routing_bias_stays_fp32_in_a_bf16_model(tmp_path):
             _, hf_weights, hf_idx = hf.model.layers[layer_id].mlp.gate(x)
         assert torch.equal(idx.sort(-1).values, hf_idx.sort(-1).values)
         torch.testing.assert_close(weights.gather(1, idx.argsort(-1)), hf_weights.gather(1, hf_idx.argsort(-1)))
+
+
+@pytest.mark.parametrize("family, overrides", [("deepseek_v3", {}), ("qwen3_next", {"num_experts_per_tok": 3})])
+def test_bf16_moe_block_equals_hf_bit_for_bit(family, overrides, tmp_path):
+    """In bf16 the MoE output depends on where it rounds: HF weights each expert's output
+    (DeepSeek: by fp32 routing weights) and sums the top-k in fp32, rounding once."""
+    from transformers import AutoModelForCausalLM
+
+    from actors.engine.model_loader import load_model
+
+    path = build_tiny_checkpoint(family, tmp_path / family, seed=0, **overrides)
+    ours, config, _ = load_model(str(path), "bfloat16", "cpu")
+    hf = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.bfloat16).eval()
+    x = torch.randn(64, config.hidden_size, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    moe_layers = [i for i, layer in enumerate(ours.model.layers) if hasattr(layer.mlp, "gate")]
+    assert moe_layers
+    with torch.no_grad():
+        for i in moe_layers:
+            assert torch.equal(ours.model.layers[i].mlp(x), hf.model.layers[i].mlp(x[None])[0]), f"layer {i}"

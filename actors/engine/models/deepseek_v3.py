@@ -123,11 +123,12 @@ class DeepseekV3MoE(nn.Module):
 
     def forward(self, x):
         idx, weights = self.gate(x)
-        out = torch.zeros_like(x)
+        # weighted by the fp32 routing weights and summed in fp32, cast once (as HF's experts)
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         for e in idx.unique().tolist():
             token, slot = (idx == e).nonzero(as_tuple=True)
-            out.index_add_(0, token, self.experts[e](x[token]) * weights[token, slot, None].to(x.dtype))
-        return self.tp.all_reduce(out + self.shared_experts(x))
+            out.index_add_(0, token, self.experts[e](x[token]) * weights[token, slot, None])
+        return self.tp.all_reduce(out.to(x.dtype) + self.shared_experts(x))
 
 
 class DeepseekV3DecoderLayer(nn.Module):

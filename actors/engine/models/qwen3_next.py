@@ -196,11 +196,13 @@ class SparseMoeBlock(nn.Module):
         if self.norm_topk_prob:
             weights = weights / weights.sum(-1, keepdim=True)
         weights = weights.to(x.dtype)
-        out = torch.zeros_like(x)
+        # each weighted expert output rounded to x's dtype, their sum taken in fp32 and cast once (as HF's experts)
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         for e in idx.unique().tolist():
             token, slot = (idx == e).nonzero(as_tuple=True)
-            out.index_add_(0, token, self.experts[e](x[token]) * weights[token, slot, None])
-        return self.tp.all_reduce(out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x))
+            out.index_add_(0, token, (self.experts[e](x[token]) * weights[token, slot, None]).float())
+        shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return self.tp.all_reduce(out.to(x.dtype) + shared)
 
 
 class DecoderLayer(nn.Module):
