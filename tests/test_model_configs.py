@@ -98,3 +98,29 @@ def test_bf16_moe_block_equals_hf_bit_for_bit(family, overrides, tmp_path):
     with torch.no_grad():
         for i in moe_layers:
             assert torch.equal(ours.model.layers[i].mlp(x), hf.model.layers[i].mlp(x[None])[0]), f"layer {i}"
+
+
+@pytest.mark.parametrize("family, extra", [
+    ("deepseek_v3", {"model.layers.3.eh_proj.weight": (64, 128), "model.layers.3.enorm.weight": (64,)}),  # MTP layer
+    ("qwen3_next", {"mtp.fc.weight": (64, 128), "mtp.layers.0.input_layernorm.weight": (64,)}),
+    ("llama", {"model.layers.0.self_attn.rotary_emb.inv_freq": (8,)}),  # older checkpoints saved the buffer
+])
+def test_weights_hf_ignores_load_and_a_stray_name_still_fails(family, extra, tmp_path):
+    """Real checkpoints carry tensors HF skips when loading — multi-token-prediction layers
+    (DeepSeek-V3's layer ``num_hidden_layers``, Qwen3-Next's ``mtp.*``), saved ``inv_freq``
+    buffers; they must not stop the load. Any other unknown name still does."""
+    from safetensors.torch import load_file, save_file
+
+    from actors.engine.model_loader import load_model
+
+    path = build_tiny_checkpoint(family, tmp_path / family, seed=0)
+    tensors = load_file(path / "model.safetensors")
+    tensors.update({name: torch.ones(shape) for name, shape in extra.items()})
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    model, _, _ = load_model(str(path), "auto", "cpu")
+    assert torch.equal(model.lm_head.weight, tensors["lm_head.weight"])
+
+    tensors["model.layers.0.mystery.weight"] = torch.ones(2)
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="mystery"):
+        load_model(str(path), "auto", "cpu")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import glob
 import os
+import re
 from typing import List, Optional, Tuple
 
 import torch
@@ -51,6 +52,7 @@ def load_model(
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {model_path!r}")
     missing, unexpected = load_weights(model, files)
+    unexpected = [name for name in unexpected if not ignored_weight(model, name)]
     if getattr(config, "tie_word_embeddings", False):
         missing = [m for m in missing if m != "lm_head.weight"]
         model.lm_head.weight = model.model.embed_tokens.weight
@@ -59,6 +61,18 @@ def load_model(
     model = cast_model(model, torch_dtype).eval()
     reinit_buffers(model)
     return model, config, torch_dtype
+
+
+# tensors of a checkpoint that no served model computes with (HF skips them too)
+IGNORED_WEIGHTS = (re.compile(r"(^|\.)rotary_emb\.inv_freq$"),)  # older checkpoints saved the buffer
+
+
+def ignored_weight(model: torch.nn.Module, name: str) -> bool:
+    """Whether ``name`` is a checkpoint tensor to skip: a saved ``inv_freq``, or one the
+    model class skips by its ``ignored_weight(name)`` (multi-token-prediction layers)."""
+    if any(p.search(name) for p in IGNORED_WEIGHTS):
+        return True
+    return bool(getattr(model, "ignored_weight", lambda _: False)(name))
 
 
 def _read(f, name: str, shard: Optional[ParamShard]) -> torch.Tensor:

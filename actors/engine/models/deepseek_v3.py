@@ -156,6 +156,11 @@ class DeepseekV3ForCausalLM(CausalLM):
         norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         super().__init__(config, DecoderModel(config, DeepseekV3DecoderLayer, norm, tp=tp))
 
+    def ignored_weight(self, name: str) -> bool:
+        """The multi-token-prediction layers, saved as layers ``num_hidden_layers`` on (speculative decoding only)."""
+        first_mtp, mtp = self.config.num_hidden_layers, getattr(self.config, "num_mtp_layers", 0) or 0
+        return any(name.startswith(f"model.layers.{i}.") for i in range(first_mtp, first_mtp + mtp))
+
     def kv_cache_spec(self) -> KVCacheSpec:
         return self.make_spec(
             kind="mla", num_layers=self.config.num_hidden_layers,

@@ -233,6 +233,10 @@ class Qwen3NextForCausalLM(CausalLM):
         norm = RMSNorm(config.hidden_size, config.rms_norm_eps, offset=1.0)
         super().__init__(config, DecoderModel(config, DecoderLayer, norm, tp=tp))
 
+    def ignored_weight(self, name: str) -> bool:
+        """The multi-token-prediction module ``mtp.*`` (speculative decoding only)."""
+        return name.startswith("mtp.")
+
     def kv_cache_spec(self) -> KVCacheSpec:
         """This rank's share: its KV heads, its linear-attention heads' conv and temporal state."""
         c = self.config
