@@ -18,6 +18,14 @@ MAX_NEW = 6
 CASES = {
     # Qwen2/Qwen3 with use_sliding_window: layers from max_window_layers on attend a window
     "qwen3_sliding_window": ("qwen3", dict(use_sliding_window=True, sliding_window=8, max_window_layers=1)),
+    # RoPE scaling: Llama 3.x's frequency-band rescaling (all three bands at head_dim 16), linear interpolation
+    "llama_rope_llama3": ("llama", dict(rope_parameters=dict(
+        rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+        original_max_position_embeddings=64))),
+    "qwen3_rope_linear": ("qwen3", dict(rope_parameters=dict(rope_type="linear", rope_theta=10000.0, factor=4.0))),
+    "gemma3_rope_linear_on_full_layers": ("gemma3", dict(rope_parameters={  # Gemma 3 4B+
+        "sliding_attention": dict(rope_type="default", rope_theta=10000.0),
+        "full_attention": dict(rope_type="linear", rope_theta=1000000.0, factor=8.0)})),
 }
 
 
@@ -124,3 +132,18 @@ def test_weights_hf_ignores_load_and_a_stray_name_still_fails(family, extra, tmp
     save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ValueError, match="mystery"):
         load_model(str(path), "auto", "cpu")
+
+
+@pytest.mark.parametrize("family, rope", [
+    ("llama", dict(rope_type="dynamic", rope_theta=10000.0, factor=2.0)),
+    ("qwen3", dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=1024)),
+    ("deepseek_v3", dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=1024)),
+])
+def test_rope_types_not_served_are_refused_naming_the_field(family, rope):
+    from actors.engine.model_loader import build_model
+    from actors.engine.tiny import tiny_config
+
+    config = tiny_config(family, rope_parameters=rope)
+    config.architectures = [type(config).__name__.replace("Config", "ForCausalLM")]
+    with pytest.raises(ValueError, match=r"rope_parameters\.rope_type"):
+        build_model(config)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Optional, Tuple
 
 import torch
@@ -29,24 +30,37 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(dtype)
 
 
-SUPPORTED_ROPE_TYPES = ("default",)
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
 class RotaryEmbedding(nn.Module):
     """Rotary position embedding over the first ``rotary_dim`` dims of each head
-    (``rotate_half`` convention, as HF Llama)."""
+    (``rotate_half`` convention, as HF Llama).
 
-    def __init__(self, rotary_dim: int, base: float, rope_type: str = "default"):
+    ``scaling``: the config's RoPE parameters (``rope_parameters``), read for
+    ``rope_type`` "linear" (positions divided by ``factor``) and "llama3" (Llama 3.1's
+    rescaling of the low-frequency band by ``factor``, the middle band interpolated);
+    any other type is refused."""
+
+    def __init__(self, rotary_dim: int, base: float, rope_type: str = "default", scaling: Optional[dict] = None):
         super().__init__()
         if rope_type not in SUPPORTED_ROPE_TYPES:
-            raise ValueError(f"rope_type={rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+            raise ValueError(f"rope_parameters.rope_type={rope_type!r} is not supported; supported: "
+                             f"{', '.join(SUPPORTED_ROPE_TYPES)}")
         self.rotary_dim = rotary_dim
         self.base = base
+        self.rope_type = rope_type
+        self.scaling = dict(scaling or {})
         self.register_buffer("inv_freq", self._inv_freq(), persistent=False)
 
     def _inv_freq(self) -> torch.Tensor:
         exponents = torch.arange(0, self.rotary_dim, 2, dtype=torch.float, device="cpu") / self.rotary_dim
-        return 1.0 / (self.base**exponents)
+        inv_freq = 1.0 / (self.base**exponents)
+        if self.rope_type == "linear":
+            return inv_freq / self.scaling["factor"]
+        if self.rope_type == "llama3":
+            return llama3_inv_freq(inv_freq, self.scaling)
+        return inv_freq
 
     def rebuild_buffers(self) -> None:
         """Recompute ``inv_freq`` in fp32 on the module's device (after meta init or a dtype cast)."""
@@ -64,6 +78,20 @@ class RotaryEmbedding(nn.Module):
 
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         return apply_rotary(x, cos, sin, self.rotary_dim)
+
+
+def llama3_inv_freq(inv_freq: torch.Tensor, params: dict) -> torch.Tensor:
+    """Llama 3.1's RoPE rescaling. With ``L = original_max_position_embeddings``, a frequency
+    whose wavelength is under ``L / high_freq_factor`` is kept, over ``L / low_freq_factor``
+    divided by ``factor``; between the two it is blended, with weight
+    ``s = (L / wavelength - low_freq_factor) / (high_freq_factor - low_freq_factor)`` on the kept one."""
+    factor, low, high = params["factor"], params["low_freq_factor"], params["high_freq_factor"]
+    context = params["original_max_position_embeddings"]
+    wavelength = 2 * math.pi / inv_freq
+    s = (context / wavelength - low) / (high - low)
+    blended = (1 - s) * inv_freq / factor + s * inv_freq
+    out = torch.where(wavelength > context / low, inv_freq / factor, blended)
+    return torch.where(wavelength < context / high, inv_freq, out)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -48,8 +48,8 @@ class DeepseekV3Attention(nn.Module):
         self.kv_b_proj = ColumnParallelLinear(self.kv_lora_rank, head_ranges(heads, self.nope_dim + self.v_head_dim))
         self.o_proj = RowParallelLinear(config.num_attention_heads * self.v_head_dim, hidden, tp, "num_attention_heads",
                                         bias=bias)
-        theta, rope_type = rope_settings(config)
-        self.rotary = RotaryEmbedding(self.rope_dim, theta, rope_type)
+        theta, _, _ = rope_settings(config)  # any other rope_type is refused by DeepseekV3ForCausalLM
+        self.rotary = RotaryEmbedding(self.rope_dim, theta)
         self.attn = RadixAttention(
             layer_id, self.num_heads, self.kv_lora_rank + self.rope_dim, 1, qk_head_dim**-0.5,
             v_head_dim=self.kv_lora_rank,

@@ -34,7 +34,7 @@ def swa_layers(config) -> dict:
 
 def layer_rope(config, layer_type: str):
     params = config.rope_parameters[layer_type]
-    return float(params["rope_theta"]), params.get("rope_type", "default")
+    return float(params["rope_theta"]), params.get("rope_type", "default"), params
 
 
 class Gemma3Attention(nn.Module):

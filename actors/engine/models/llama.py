@@ -13,9 +13,10 @@ from actors.engine.parallel import SINGLE, ColumnParallelLinear, RowParallelLine
 
 
 def rope_settings(config):
+    """``(theta, rope_type, params)`` of the config's RoPE (``params``: its ``rope_parameters``)."""
     params = getattr(config, "rope_parameters", None) or {}
     theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
-    return float(theta), params.get("rope_type", "default")
+    return float(theta), params.get("rope_type", "default"), params
 
 
 def layer_window(config, layer_id: int):
@@ -49,8 +50,7 @@ class LlamaAttention(nn.Module):
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-        theta, rope_type = rope_settings(config)
-        self.rotary = RotaryEmbedding(self.head_dim, theta, rope_type)
+        self.rotary = RotaryEmbedding(self.head_dim, *rope_settings(config))
         self.attn = RadixAttention(layer_id, self.num_heads, self.head_dim, self.num_kv_heads, self.head_dim**-0.5,
                                    sliding_window=layer_window(config, layer_id))
 

@@ -158,7 +158,8 @@ class GatedAttention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, offset=1.0)
         params = config.rope_parameters
         factor = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
-        self.rotary = RotaryEmbedding(int(self.head_dim * factor), float(params["rope_theta"]), params.get("rope_type", "default"))
+        self.rotary = RotaryEmbedding(int(self.head_dim * factor), float(params["rope_theta"]),
+                                      params.get("rope_type", "default"), params)
         self.attn = RadixAttention(layer_id, self.num_heads, self.head_dim, self.num_kv_heads, self.head_dim**-0.5)
 
     def forward(self, positions, x, forward_batch):
