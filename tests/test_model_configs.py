@@ -18,6 +18,9 @@ MAX_NEW = 6
 CASES = {
     # Qwen2/Qwen3 with use_sliding_window: layers from max_window_layers on attend a window
     "qwen3_sliding_window": ("qwen3", dict(use_sliding_window=True, sliding_window=8, max_window_layers=1)),
+    # biases on q/k/v/o and on gate/up/down (random in tiny checkpoints)
+    "llama_attention_and_mlp_bias": ("llama", dict(attention_bias=True, mlp_bias=True)),
+    "qwen3_attention_bias": ("qwen3", dict(attention_bias=True)),
     # RoPE scaling: Llama 3.x's frequency-band rescaling (all three bands at head_dim 16), linear interpolation
     "llama_rope_llama3": ("llama", dict(rope_parameters=dict(
         rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
@@ -134,16 +137,21 @@ def test_weights_hf_ignores_load_and_a_stray_name_still_fails(family, extra, tmp
         load_model(str(path), "auto", "cpu")
 
 
-@pytest.mark.parametrize("family, rope", [
-    ("llama", dict(rope_type="dynamic", rope_theta=10000.0, factor=2.0)),
-    ("qwen3", dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=1024)),
-    ("deepseek_v3", dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=1024)),
+YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=1024)
+
+
+@pytest.mark.parametrize("family, overrides, field", [
+    ("llama", dict(rope_parameters=dict(rope_type="dynamic", rope_theta=10000.0, factor=2.0)), "rope_type"),
+    ("qwen3", dict(rope_parameters=YARN), "rope_type"),
+    ("deepseek_v3", dict(rope_parameters=YARN), "rope_type"),
+    ("gemma3", dict(use_bidirectional_attention=True), "use_bidirectional_attention"),
 ])
-def test_rope_types_not_served_are_refused_naming_the_field(family, rope):
+def test_fields_not_served_are_refused_naming_them(family, overrides, field):
+    """Refused while the model is built, before any weight is read."""
     from actors.engine.model_loader import build_model
     from actors.engine.tiny import tiny_config
 
-    config = tiny_config(family, rope_parameters=rope)
-    config.architectures = [type(config).__name__.replace("Config", "ForCausalLM")]
-    with pytest.raises(ValueError, match=r"rope_parameters\.rope_type"):
+    config = tiny_config(family, **overrides)
+    config.architectures = [type(config).__name__.replace("TextConfig", "ForCausalLM").replace("Config", "ForCausalLM")]
+    with pytest.raises(ValueError, match=field):
         build_model(config)

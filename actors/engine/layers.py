@@ -127,18 +127,18 @@ def get_activation(name: str):
 
 
 class GatedMLP(nn.Module):
-    """``down(act(gate(x)) * up(x))`` with HF parameter names.
+    """``down(act(gate(x)) * up(x))`` with HF parameter names (``bias``: Llama's ``mlp_bias``).
 
     Under TP, gate/up are column parallel and down row parallel over the
     intermediate dim (``field`` names it in a sharding error); ``reduce=False``
     returns this rank's partial sum (an MoE reduces all its experts at once)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str = "silu", tp: TPGroup = SINGLE,
-                 reduce: bool = True, field: str = "intermediate_size"):
+                 reduce: bool = True, field: str = "intermediate_size", bias: bool = False):
         super().__init__()
-        self.gate_proj = ColumnParallelLinear.split(hidden_size, intermediate_size, tp, field)
-        self.up_proj = ColumnParallelLinear.split(hidden_size, intermediate_size, tp, field)
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, tp, field, reduce=reduce)
+        self.gate_proj = ColumnParallelLinear.split(hidden_size, intermediate_size, tp, field, bias=bias)
+        self.up_proj = ColumnParallelLinear.split(hidden_size, intermediate_size, tp, field, bias=bias)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, tp, field, bias=bias, reduce=reduce)
         self.act = get_activation(hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -86,6 +86,9 @@ class Gemma3DecoderLayer(nn.Module):
 
 class Gemma3ForCausalLM(CausalLM):
     def __init__(self, config, tp: TPGroup = SINGLE):
+        if getattr(config, "use_bidirectional_attention", False):  # HF lets sliding layers see ahead in the window
+            raise ValueError("Gemma 3 with use_bidirectional_attention=True (an encoder) is not served: "
+                             "generation here is causal")
         norm = RMSNorm(config.hidden_size, config.rms_norm_eps, offset=1.0)
         model = DecoderModel(config, Gemma3DecoderLayer, norm, embed_scale=config.hidden_size**0.5, tp=tp)
         super().__init__(config, model, final_logit_softcap=config.final_logit_softcapping)

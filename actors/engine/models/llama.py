@@ -69,7 +69,8 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, config, layer_id: int, tp: TPGroup = SINGLE):
         super().__init__()
         self.self_attn = LlamaAttention(config, layer_id, tp)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act, tp)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act, tp,
+                            bias=getattr(config, "mlp_bias", False))
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
