@@ -14,6 +14,9 @@ from tests.parity import assert_greedy_parity
 
 MAX_NEW = 6
 
+YARN_DEEPSEEK = dict(rope_type="yarn", rope_theta=100.0, factor=40.0, original_max_position_embeddings=32,
+                    beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=0.8)
+
 # case id -> (family, config overrides)
 CASES = {
     # Qwen2/Qwen3 with use_sliding_window: layers from max_window_layers on attend a window
@@ -29,6 +32,27 @@ CASES = {
     "gemma3_rope_linear_on_full_layers": ("gemma3", dict(rope_parameters={  # Gemma 3 4B+
         "sliding_attention": dict(rope_type="default", rope_theta=10000.0),
         "full_attention": dict(rope_type="linear", rope_theta=1000000.0, factor=8.0)})),
+    # YaRN. At head_dim 16, base 100 and original_max_position_embeddings 32 (prompts run past it)
+    # the bands are: kept, two blended, five interpolated; cos/sin scaled by attention_factor.
+    "qwen3_rope_yarn": ("qwen3", dict(max_position_embeddings=128, rope_parameters=dict(
+        rope_type="yarn", rope_theta=100.0, factor=4.0, original_max_position_embeddings=32))),
+    # the legacy rope_scaling spelling, every optional field: a wider, untruncated ramp, attention_factor given
+    "llama_rope_yarn_untruncated": ("llama", dict(max_position_embeddings=128, rope_theta=100.0, rope_scaling=dict(
+        rope_type="yarn", factor=4.0, original_max_position_embeddings=32, beta_fast=8, beta_slow=0.5,
+        truncate=False, attention_factor=1.25))),
+    # DeepSeek: cos/sin scaled by mscale(mscale) / mscale(mscale_all_dim), the softmax by mscale(mscale_all_dim)²
+    "deepseek_v3_rope_yarn_mscale": ("deepseek_v3", dict(max_position_embeddings=1280, rope_parameters=YARN_DEEPSEEK)),
+    "deepseek_v3_rope_yarn_mscale_not_interleaved": ("deepseek_v3", dict(
+        max_position_embeddings=1280, rope_parameters=YARN_DEEPSEEK, rope_interleave=False)),
+    # partial rotary: the ramp is over the rotary dims (4 of 16) only
+    "qwen3_next_rope_yarn_partial_rotary": ("qwen3_next", dict(max_position_embeddings=128, rope_parameters=dict(
+        rope_type="yarn", rope_theta=100.0, factor=4.0, original_max_position_embeddings=32,
+        partial_rotary_factor=0.25))),
+    # Gemma 3's legacy fields: rope_scaling applies to the full layers, sliding ones keep rope_local_base_freq
+    # unscaled; HF ignores a per-layer truncate (it reads the top level of rope_parameters)
+    "gemma3_rope_yarn_on_full_layers": ("gemma3", dict(
+        max_position_embeddings=128, rope_theta=100.0, rope_local_base_freq=10000.0, rope_scaling=dict(
+            rope_type="yarn", factor=4.0, original_max_position_embeddings=32, truncate=False))),
 }
 
 
@@ -137,13 +161,16 @@ def test_weights_hf_ignores_load_and_a_stray_name_still_fails(family, extra, tmp
         load_model(str(path), "auto", "cpu")
 
 
-YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=1024)
+LONGROPE = dict(rope_type="longrope", rope_theta=10000.0, short_factor=[1.0] * 8, long_factor=[4.0] * 8,
+                original_max_position_embeddings=1024)
 
 
 @pytest.mark.parametrize("family, overrides, field", [
     ("llama", dict(rope_parameters=dict(rope_type="dynamic", rope_theta=10000.0, factor=2.0)), "rope_type"),
-    ("qwen3", dict(rope_parameters=YARN), "rope_type"),
-    ("deepseek_v3", dict(rope_parameters=YARN), "rope_type"),
+    ("qwen3", dict(rope_parameters=LONGROPE), "rope_type"),
+    ("deepseek_v3", dict(rope_parameters=dict(rope_type="dynamic", rope_theta=10000.0, factor=2.0)), "rope_type"),
+    ("llama", dict(rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=None,  # HF: max_pos / original
+                                        original_max_position_embeddings=1024)), "rope_parameters.factor"),
     ("gemma3", dict(use_bidirectional_attention=True), "use_bidirectional_attention"),
 ])
 def test_fields_not_served_are_refused_naming_them(family, overrides, field):

@@ -30,7 +30,7 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(dtype)
 
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 class RotaryEmbedding(nn.Module):
@@ -38,9 +38,10 @@ class RotaryEmbedding(nn.Module):
     (``rotate_half`` convention, as HF Llama).
 
     ``scaling``: the config's RoPE parameters (``rope_parameters``), read for
-    ``rope_type`` "linear" (positions divided by ``factor``) and "llama3" (Llama 3.1's
-    rescaling of the low-frequency band by ``factor``, the middle band interpolated);
-    any other type is refused."""
+    ``rope_type`` "linear" (positions divided by ``factor``), "llama3" (Llama 3.1's
+    rescaling of the low-frequency band by ``factor``, the middle band interpolated) and
+    "yarn" (see :func:`yarn_inv_freq`; cos and sin are also multiplied by its
+    ``attention_factor``); any other type is refused."""
 
     def __init__(self, rotary_dim: int, base: float, rope_type: str = "default", scaling: Optional[dict] = None):
         super().__init__()
@@ -51,25 +52,29 @@ class RotaryEmbedding(nn.Module):
         self.base = base
         self.rope_type = rope_type
         self.scaling = dict(scaling or {})
-        self.register_buffer("inv_freq", self._inv_freq(), persistent=False)
+        inv_freq, self.attention_factor = self._inv_freq()
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
 
-    def _inv_freq(self) -> torch.Tensor:
-        exponents = torch.arange(0, self.rotary_dim, 2, dtype=torch.float, device="cpu") / self.rotary_dim
-        inv_freq = 1.0 / (self.base**exponents)
+    def _inv_freq(self) -> Tuple[torch.Tensor, float]:
+        """``(inv_freq, attention_factor)``: fp32 on the CPU; the factor scales cos and sin."""
+        if self.rope_type == "yarn":
+            return yarn_inv_freq(self.rotary_dim, self.base, self.scaling)
+        inv_freq = 1.0 / band_periods(self.rotary_dim, self.base)
         if self.rope_type == "linear":
-            return inv_freq / self.scaling["factor"]
+            return inv_freq / self.scaling["factor"], 1.0
         if self.rope_type == "llama3":
-            return llama3_inv_freq(inv_freq, self.scaling)
-        return inv_freq
+            return llama3_inv_freq(inv_freq, self.scaling), 1.0
+        return inv_freq, 1.0
 
     def rebuild_buffers(self) -> None:
         """Recompute ``inv_freq`` in fp32 on the module's device (after meta init or a dtype cast)."""
-        self.inv_freq = self._inv_freq().to(self.inv_freq.device)
+        self.inv_freq = self._inv_freq()[0].to(self.inv_freq.device)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
         freqs = positions[:, None].float() * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        # scaled in fp32, then cast (as HF); a factor of 1.0 changes nothing
+        return (emb.cos() * self.attention_factor).to(dtype), (emb.sin() * self.attention_factor).to(dtype)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """``q``: [tokens, heads, head_dim], ``k``: [tokens, kv_heads, head_dim]."""
@@ -92,6 +97,61 @@ def llama3_inv_freq(inv_freq: torch.Tensor, params: dict) -> torch.Tensor:
     blended = (1 - s) * inv_freq / factor + s * inv_freq
     out = torch.where(wavelength > context / low, inv_freq / factor, blended)
     return torch.where(wavelength < context / high, inv_freq, out)
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction for a context stretched ``factor`` times: ``1 + 0.1·mscale·ln(factor)``
+    (1 when ``factor`` <= 1)."""
+    return 1.0 if factor <= 1 else 1.0 + 0.1 * mscale * math.log(factor)
+
+
+def yarn_attention_factor(params: dict) -> float:
+    """The factor YaRN multiplies cos and sin by: ``attention_factor`` when given; else, with both
+    DeepSeek's ``mscale`` and ``mscale_all_dim`` set (non-zero), ``yarn_mscale(factor, mscale) /
+    yarn_mscale(factor, mscale_all_dim)``; else ``yarn_mscale(factor)``."""
+    if params.get("attention_factor") is not None:
+        return params["attention_factor"]
+    factor, mscale, mscale_all_dim = params["factor"], params.get("mscale"), params.get("mscale_all_dim")
+    if mscale and mscale_all_dim:
+        return float(yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim))
+    return yarn_mscale(factor)
+
+
+def band_periods(dim: int, base: float) -> torch.Tensor:
+    """``base ** (2i / dim)`` for ``i`` < ``dim / 2``, fp32 on the CPU (RoPE's inverse frequencies, inverted)."""
+    return base ** (torch.arange(0, dim, 2, dtype=torch.float, device="cpu") / dim)
+
+
+def yarn_inv_freq(dim: int, base: float, params: dict) -> Tuple[torch.Tensor, float]:
+    """YaRN (arXiv 2309.00071): ``(inv_freq, attention_factor)``.
+
+    A band that turns more than ``beta_fast`` (default 32) times within
+    ``L = original_max_position_embeddings`` positions keeps its frequency ("extrapolation"),
+    one that turns fewer than ``beta_slow`` (default 1) times is divided by ``factor``
+    ("interpolation"). The two turn counts map to fractional band indices
+    ``dim · ln(L / (2π·turns)) / (2 ln base)`` — floored and ceiled unless ``truncate`` is false,
+    clipped to ``[0, dim - 1]`` — and between them the interpolated share rises linearly
+    over the band index ``i``."""
+    if params.get("factor") is None:  # HF would derive it from max_position_embeddings (unseen here)
+        raise ValueError("rope_parameters.factor is required for rope_type 'yarn'")
+    factor, context = params["factor"], params["original_max_position_embeddings"]
+    beta_fast, beta_slow = params.get("beta_fast") or 32, params.get("beta_slow") or 1
+
+    def band(turns: float) -> float:
+        return dim * math.log(context / (turns * 2 * math.pi)) / (2 * math.log(base))
+
+    start, end = band(beta_fast), band(beta_slow)
+    if params.get("truncate", True):
+        start, end = math.floor(start), math.ceil(end)
+    start, end = max(start, 0), min(end, dim - 1)
+    if start == end:
+        end += 0.001  # an empty ramp would divide by zero
+    periods = band_periods(dim, base)
+    index = torch.arange(dim // 2, dtype=torch.float32, device="cpu")
+    interpolated_share = ((index - start) / (end - start)).clamp(0, 1)
+    kept_share = 1 - interpolated_share  # spelled as HF's blend, so the fp32 rounding is the same
+    inv_freq = (1.0 / (factor * periods)) * (1 - kept_share) + (1.0 / periods) * kept_share
+    return inv_freq, yarn_attention_factor(params)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

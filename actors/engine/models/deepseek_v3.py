@@ -16,11 +16,22 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from actors.engine.layers import GatedMLP, RadixAttention, RMSNorm, RotaryEmbedding, rotate_interleaved
+from actors.engine.layers import GatedMLP, RadixAttention, RMSNorm, RotaryEmbedding, rotate_interleaved, yarn_mscale
 from actors.engine.models.base import CausalLM, DecoderModel
 from actors.engine.models.llama import rope_settings
 from actors.engine.models.spec import KVCacheSpec
 from actors.engine.parallel import SINGLE, ColumnParallelLinear, RowParallelLinear, TPGroup, head_ranges
+
+
+def softmax_scale(config, qk_head_dim: int) -> float:
+    """``qk_head_dim ** -0.5``, times ``yarn_mscale(factor, mscale_all_dim) ** 2`` when the RoPE is
+    scaled (any ``rope_type`` but "default", as HF) and ``mscale_all_dim`` is set (non-zero)."""
+    params = getattr(config, "rope_parameters", None) or {}
+    scale = qk_head_dim**-0.5
+    if params.get("rope_type", "default") != "default" and params.get("mscale_all_dim"):
+        mscale = yarn_mscale(params["factor"], params["mscale_all_dim"])
+        scale = scale * mscale * mscale
+    return scale
 
 
 class DeepseekV3Attention(nn.Module):
@@ -48,10 +59,9 @@ class DeepseekV3Attention(nn.Module):
         self.kv_b_proj = ColumnParallelLinear(self.kv_lora_rank, head_ranges(heads, self.nope_dim + self.v_head_dim))
         self.o_proj = RowParallelLinear(config.num_attention_heads * self.v_head_dim, hidden, tp, "num_attention_heads",
                                         bias=bias)
-        theta, _, _ = rope_settings(config)  # any other rope_type is refused by DeepseekV3ForCausalLM
-        self.rotary = RotaryEmbedding(self.rope_dim, theta)
+        self.rotary = RotaryEmbedding(self.rope_dim, *rope_settings(config))  # both layouts use its cos/sin
         self.attn = RadixAttention(
-            layer_id, self.num_heads, self.kv_lora_rank + self.rope_dim, 1, qk_head_dim**-0.5,
+            layer_id, self.num_heads, self.kv_lora_rank + self.rope_dim, 1, softmax_scale(config, qk_head_dim),
             v_head_dim=self.kv_lora_rank,
         )
 
@@ -151,8 +161,6 @@ class DeepseekV3ForCausalLM(CausalLM):
     fp32_buffers = ("e_score_correction_bias",)  # as HF's _keep_in_fp32_modules_strict
 
     def __init__(self, config, tp: TPGroup = SINGLE):
-        if getattr(config, "rope_parameters", {}).get("rope_type", "default") != "default":
-            raise ValueError("DeepSeek-V3 with rope scaling (yarn) is not served yet: rope_parameters.rope_type")
         norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         super().__init__(config, DecoderModel(config, DeepseekV3DecoderLayer, norm, tp=tp))
 

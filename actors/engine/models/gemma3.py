@@ -33,7 +33,10 @@ def swa_layers(config) -> dict:
 
 
 def layer_rope(config, layer_type: str):
-    params = config.rope_parameters[layer_type]
+    """``(theta, rope_type, params)`` of ``layer_type``'s RoPE: its own ``rope_parameters`` entry
+    (sliding layers: the local base, unscaled). A per-layer yarn ``truncate`` is dropped: HF reads
+    ``truncate`` from the top level of ``rope_parameters`` only, so it always truncates here."""
+    params = {k: v for k, v in config.rope_parameters[layer_type].items() if k != "truncate"}
     return float(params["rope_theta"]), params.get("rope_type", "default"), params
 
 
