@@ -25,7 +25,7 @@ from pydantic import (BaseModel, ConfigDict, Field, SecretStr, ValidationError, 
                       field_validator, model_validator)
 from pydantic_core import PydanticCustomError
 
-from actors.engine.config import EngineConfig
+from actors.engine.config import EngineConfig, mamba_tracking_error
 
 Role = Literal["prefill", "decode"]
 TRANSFER_BACKENDS = ("auto", "shm", "cuda_ipc", "torch_dist", "fake")
@@ -270,6 +270,9 @@ class ClusterConfig(BaseModel):
                                "must agree")
         for role in ("prefill", "decode"):
             group = self.group(role)
+            error = mamba_tracking_error(group.engine)  # (EngineConfig's own check: found here, not in every actor)
+            if error:
+                raise _invalid("mamba_track_interval", f"{role}.engine.mamba_track_interval: {error}")
             if group.device == "cuda" and group.gpus_per_rank < 1.0 and group.engine.max_total_tokens is None:
                 # (each rank sizes its pool by mem_fraction_static of the whole GPU's free memory:
                 # a second rank on the GPU finds none left)

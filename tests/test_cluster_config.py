@@ -169,6 +169,18 @@ def test_ranks_sharing_a_gpu_need_an_explicit_kv_pool():
     assert whole.prefill.gpus_per_rank == 1.0 and whole.prefill.engine.max_total_tokens is None
 
 
+def test_a_mamba_track_interval_that_is_not_a_page_multiple_is_refused_at_load():
+    """EngineConfig refuses extra_buffer with a mamba_track_interval that is not a multiple of
+    page_size; the YAML's engine section must too, naming the field, rather than pass and have
+    every worker actor fail to build its engine once the cluster starts."""
+    data = _set(_base(), "decode.engine.mamba_scheduler_strategy", "extra_buffer")
+    _set(data, "decode.engine.mamba_track_interval", 24)  # page_size 16 in local_cpu.yaml
+    with pytest.raises(ConfigError, match=r"decode.engine.mamba_track_interval: .*multiple of page_size"):
+        parse_config(data)
+    _set(data, "decode.engine.mamba_track_interval", 32)
+    assert parse_config(data).decode.engine.mamba_track_interval == 32
+
+
 # --- engine settings ----------------------------------------------------------------------
 
 

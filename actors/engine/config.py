@@ -71,8 +71,17 @@ class EngineConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check_mamba_tracking(self) -> "EngineConfig":
-        if self.mamba_scheduler_strategy == "extra_buffer" and self.mamba_track_interval % self.page_size:
-            raise ValueError(f"mamba_track_interval ({self.mamba_track_interval}) must be a multiple of page_size "
-                             f"({self.page_size}) with mamba_scheduler_strategy extra_buffer: a decode checkpoint is "
-                             "cached at a page boundary")
+        error = mamba_tracking_error(self)
+        if error:
+            raise ValueError(error)
         return self
+
+
+def mamba_tracking_error(config) -> Optional[str]:
+    """Why ``config``'s (an EngineConfig or a cluster group's engine section) Mamba tracking cannot
+    work, or None."""
+    if config.mamba_scheduler_strategy == "extra_buffer" and config.mamba_track_interval % config.page_size:
+        return (f"mamba_track_interval ({config.mamba_track_interval}) must be a multiple of page_size "
+                f"({config.page_size}) with mamba_scheduler_strategy extra_buffer: a decode checkpoint is "
+                "cached at a page boundary")
+    return None
