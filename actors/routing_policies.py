@@ -45,6 +45,7 @@ class RouterSettings:
     heartbeat_max_failures: int = 2
     call_timeout_s: float = 5.0  # a worker call of the router's own (events, load, snapshot)
     route_ttl_s: float = 3600.0  # a route never released (its client died) stops counting as load after this
+    client_timeout_s: float = 30.0  # the clients' wait for route / release (cluster.pd_client.PDClient)
     seed: int = 0
 
 

@@ -230,6 +230,8 @@ class RouterConfig(BaseModel):
     max_events_per_pull: int = Field(4096, ge=1, description="KV events one pull takes from a worker")
     route_ttl_s: float = Field(3600.0, gt=0.0, description="a request routed and never released (its client died, "
                                "the release was lost) stops counting as its workers' load after this")
+    client_timeout_s: float = Field(30.0, gt=0.0, description="longest a request waits for the router to place it "
+                                    "(then it fails) or to take its release (then route_ttl_s covers it)")
 
 
 class PlacementConfig(BaseModel):

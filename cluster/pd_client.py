@@ -57,9 +57,11 @@ class PDClient:
 
     def __init__(self, prefill: List[WorkerRef], decode: List[WorkerRef], backend: str = "shm", tokenizer=None,
                  device: str = "cpu", bootstrap_timeout_s: float = 300.0, waiting_timeout_s: float = 300.0,
-                 heartbeat_interval_s: float = 5.0, heartbeat_max_failures: int = 2, router=None):
+                 heartbeat_interval_s: float = 5.0, heartbeat_max_failures: int = 2, router=None,
+                 router_timeout_s: float = 30.0):
         self.prefill, self.decode = prefill, decode
         self.router = router  # anything with async route(rid, input_ids) / release(rid, role=None); None: round-robin
+        self.router_timeout_s = router_timeout_s  # a route or release the router does not answer in time
         self.backend, self.device, self.tokenizer = backend, device, tokenizer
         self.bootstrap_timeout_s, self.waiting_timeout_s = bootstrap_timeout_s, waiting_timeout_s
         self.heartbeat_interval_s, self.heartbeat_max_failures = heartbeat_interval_s, heartbeat_max_failures
@@ -84,10 +86,12 @@ class PDClient:
             return self._pick("prefill"), self._pick("decode")
         routing = asyncio.ensure_future(call_method(self.router, "route", rid, input_ids))
         try:
-            decision = await asyncio.shield(routing)
-        except asyncio.CancelledError:  # the caller left (its client did), the router places it all the same:
-            self._unreleased.add(rid)  # its route is released once made; until then its id is not free
-            routing.add_done_callback(lambda _: self._background(self._forget_route(rid)))
+            decision = await wait_for(asyncio.shield(routing), self.router_timeout_s)
+        except (asyncio.CancelledError, asyncio.TimeoutError) as exc:  # the caller left (its client did) or
+            self._unreleased.add(rid)  # the router is slow: it places it all the same; its route is released
+            routing.add_done_callback(lambda _: self._background(self._forget_route(rid)))  # once made, its id
+            if isinstance(exc, asyncio.TimeoutError):  # not free until then
+                raise PDRequestError(f"the router did not place {rid} within {self.router_timeout_s}s") from None
             raise
         except Exception as exc:
             raise PDRequestError(f"the router could not place {rid}: {exc}") from exc
@@ -121,8 +125,8 @@ class PDClient:
             if remote is not None and not wait:
                 remote(rid, role)  # submitted now; off the path to the first token
             else:
-                await call_method(self.router, "release", rid, role)
-        except Exception as exc:  # the router is gone: a new one counts load afresh
+                await wait_for(call_method(self.router, "release", rid, role), self.router_timeout_s)
+        except Exception as exc:  # the router is gone (a new one counts load afresh) or hung (route_ttl_s)
             logger.warning("router release of %s failed: %s", rid, exc)
 
     def _mark_dead(self, worker: WorkerRef, why: str, died: bool = True) -> None:

@@ -699,3 +699,31 @@ def test_drain_waits_for_a_request_the_router_is_still_placing():
         await asyncio.wait_for(drain, 1.0)
 
     run(scenario())
+
+
+def test_a_router_that_does_not_answer_fails_the_request_in_time_and_its_route_is_released():
+    """A hung router: the request fails after ``router_timeout_s`` instead of waiting for its
+    client's timeout, and the route, once the router makes it, is released (its id free again)."""
+    from cluster.pd_client import PDClient, PDRequestError
+
+    async def scenario():
+        placed, released = asyncio.Event(), []
+
+        class SlowRouter:
+            async def route(self, rid, input_ids):
+                await placed.wait()
+                return None  # (a decision; never looked at: the request is gone)
+
+            async def release(self, rid, role=None):
+                released.append(rid)
+
+        client = PDClient([], [], router=SlowRouter(), router_timeout_s=0.1)
+        with pytest.raises(PDRequestError, match="did not place"):
+            await asyncio.wait_for(client.generate([1, 2, 3], rid="r1"), 5.0)
+        assert "r1" in client._unreleased and not released
+        placed.set()
+        for _ in range(50):
+            await asyncio.sleep(0.01)
+        assert released == ["r1"] and not client._unreleased
+
+    run(scenario())
