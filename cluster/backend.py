@@ -191,7 +191,7 @@ class PDBackend:
         await self._tell_router("remove_worker", worker_id)  # no new requests, then drain
         try:
             worker = await asyncio.to_thread(self.cluster.remove_worker, worker_id)
-        except KeyError:  # removed (or being removed) by another call meanwhile
+        except UnknownWorkerError:  # removed (or being removed) by another call meanwhile
             raise UnknownWorkerError(worker_id) from None
         return {"id": worker.worker_id, "role": worker.role, "removed": True}
 

@@ -28,6 +28,7 @@ from actors.rank import NOSET_CUDA_VISIBLE_DEVICES, TPFollower
 from actors.router import Router
 from actors.routing_policies import RouterSettings
 from actors.workers import DecodeWorker, PrefillWorker
+from cluster.backend import UnknownWorkerError
 from cluster.pd_client import PDClient, WorkerRef
 
 __all__ = ["PDCluster", "PDClient", "WorkerRef", "WorkerStartError", "router_settings", "stop_worker"]
@@ -261,10 +262,10 @@ class PDCluster:
 
     def remove_worker(self, worker_id: str, timeout_s: float = 120.0) -> WorkerRef:
         """Take a worker out of the rotation, let its accepted requests finish, free its pools, stop it.
-        KeyError for an id that is not there, or whose removal is already under way."""
+        ``UnknownWorkerError`` (a KeyError) for an id that is not there, or whose removal is already under way."""
         worker = next((w for w in self.prefill + self.decode if w.worker_id == worker_id), None)
         if worker is None or worker_id in self._removing:
-            raise KeyError(worker_id)
+            raise UnknownWorkerError(worker_id)
         self._removing.add(worker_id)
         try:
             worker.alive = False  # no new requests from here on

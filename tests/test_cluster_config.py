@@ -522,6 +522,7 @@ def test_removing_a_worker_twice_at_once_is_a_missing_worker_the_second_time(fak
     minutes; clients time out and retry): the second call finds no such worker (KeyError: a 404)
     instead of draining it again and failing on the list (a 500), and an unknown id is a KeyError
     too (StopIteration cannot cross asyncio.to_thread: it became a TypeError)."""
+    from cluster.backend import UnknownWorkerError
     from cluster.pd import PDCluster, WorkerRef
 
     cluster = PDCluster(parse_config(_base()), model_path="/nonexistent")
@@ -532,7 +533,7 @@ def test_removing_a_worker_twice_at_once_is_a_missing_worker_the_second_time(fak
 
     def get(ref, timeout=None):
         if isinstance(ref, tuple) and ref[0] == "drain" and not again:
-            with pytest.raises(KeyError):
+            with pytest.raises(UnknownWorkerError):
                 again.append(cluster.remove_worker("decode-0-abc"))
         return drain(ref, timeout)
 
@@ -541,5 +542,5 @@ def test_removing_a_worker_twice_at_once_is_a_missing_worker_the_second_time(fak
     ray.get = get  # (fake_ray restores the real one)
     assert cluster.remove_worker("decode-0-abc") is worker
     assert cluster.decode == [] and fake_ray.killed == [worker.handle]
-    with pytest.raises(KeyError):
+    with pytest.raises(UnknownWorkerError):
         cluster.remove_worker("decode-0-abc")
