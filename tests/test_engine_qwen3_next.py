@@ -72,7 +72,9 @@ def test_hybrid_prefix_cache_branching(model_dir):
     engine.shutdown()
 
 
-@pytest.mark.parametrize("backend, page_size", [("torch", 1), ("torch", 16), ("triton", 1)])
+# triton on the GPU only: its attention layers are the dense model's, whose Triton path the CPU runs
+# interpreted in test_engine_dense (and ~25 s here)
+@pytest.mark.parametrize("backend, page_size", [("torch", 1), ("torch", 16), pytest.param("triton", 1, marks=pytest.mark.gpu)])
 def test_extra_buffer_parity_with_chunks_and_decode_checkpoints(model_dir, backend, page_size):
     device = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
     engine = Engine(model_path=model_dir, skip_tokenizer_init=True, max_total_tokens=4096, attention_backend=backend,
