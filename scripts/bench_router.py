@@ -24,7 +24,13 @@ Times per request, p50 / p99 over ``--requests``:
   from the driver (``route.remote`` then ``release.remote``, one request at a
   time): the decision plus the actor round trips.
 
-    python scripts/bench_router.py [--requests 2000] [--index-seqs 4000] [--page-size 16] [--ray] [--markdown out.md]
+With ``--reuse-rule state`` the prefill workers are hybrid (Mamba) ones: a state is cached after
+each system prompt and halfway through and at the end of each cached sequence (StateStored), and
+their matches take the ruled path; with ``--reuse-rule window`` they are sliding-window ones
+(``--window`` pages) whose cached sequences lost the window KV of their first half (WindowLost).
+
+    python scripts/bench_router.py [--requests 2000] [--index-seqs 4000] [--page-size 16] [--ray]
+                                   [--reuse-rule prefix|state|window] [--window 4] [--markdown out.md]
 """
 
 from __future__ import annotations
@@ -45,7 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from actors.prefix_index import page_keys  # noqa: E402
 from actors.router import Router  # noqa: E402
 from actors.routing_policies import RouterSettings, WorkerState  # noqa: E402
-from mem_cache.kv_events import BlockStored, KVEventBatch  # noqa: E402
+from mem_cache.kv_events import BlockStored, KVEventBatch, StateStored, WindowLost  # noqa: E402
 from mem_cache.radix_key import hash_pages  # noqa: E402
 
 NUM_PREFILL, NUM_DECODE = 16, 4
@@ -88,18 +94,28 @@ def tokenizer_of_tiny_model(tmp: str):
 def fill_index(router: Router, rng: random.Random, prompts: Sequence[List[int]], args) -> None:
     """Cached sequences on random workers, through ``PrefixIndex.apply`` (the event path)."""
     ids = [f"prefill-{i}" for i in range(NUM_PREFILL)]
+    for worker in ids:
+        router.index.set_rule(worker, args.reuse_rule, args.window, prompt_state=True)
     event_id = 0
+
+    def store(worker, hashes, states, lost):
+        nonlocal event_id
+        event_id += 1
+        router.index.apply(worker, BlockStored(event_id, hashes, None, [], args.page_size))
+        if args.reuse_rule == "state":
+            router.index.apply(worker, StateStored(event_id, states))
+        elif args.reuse_rule == "window" and lost:
+            router.index.apply(worker, WindowLost(event_id, lost))
+
     for _ in range(args.index_seqs):
         seq = [rng.randrange(5, 261) for _ in range(args.index_len)]
         hashes = hash_pages(seq, args.page_size)
         for worker in rng.sample(ids, rng.randint(1, 3)):
-            event_id += 1
-            router.index.apply(worker, BlockStored(event_id, hashes, None, [], args.page_size))
+            store(worker, hashes, [hashes[len(hashes) // 2], hashes[-1]], hashes[: len(hashes) // 2])
     for system in prompts:
         hashes = hash_pages(system, args.page_size)
         for worker in rng.sample(ids, rng.randint(1, 2)):
-            event_id += 1
-            router.index.apply(worker, BlockStored(event_id, hashes, None, [], args.page_size))
+            store(worker, hashes, hashes[-1:], [])
 
 
 def make_router(policy: str, page_size: int) -> Router:
@@ -185,6 +201,9 @@ def main(argv=None) -> int:
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--ray", action="store_true", help="also time the router as a Ray actor")
+    parser.add_argument("--reuse-rule", choices=["prefix", "state", "window"], default="prefix",
+                        help="the prefill workers' reuse rule (state: hybrid; window: sliding-window)")
+    parser.add_argument("--window", type=int, default=4, help="the window rule's window, in pages")
     parser.add_argument("--markdown", type=str, default=None, help="append the table to this file")
     args = parser.parse_args(argv)
     rng = random.Random(args.seed)
@@ -221,7 +240,7 @@ def main(argv=None) -> int:
     tokens = statistics.mean(len(p) for p in prompts)
     entries = sum(aware.index.num_pages(w) for w in aware.index.workers())
     lines = [
-        f"{NUM_PREFILL} prefill + {NUM_DECODE} decode workers; index: {len(aware.index):,} distinct pages, "
+        f"{NUM_PREFILL} {args.reuse_rule}-rule prefill + {NUM_DECODE} decode workers; index: {len(aware.index):,} distinct pages, "
         f"{entries:,} (page, worker) entries, filled in {fill_s:.1f}s; page size {args.page_size}; "
         f"{args.requests} requests of {tokens:,.0f} tokens on average; predicted hit rate "
         f"{stats['predicted_hit_rate']:.1%}",
