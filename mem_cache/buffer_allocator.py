@@ -161,7 +161,7 @@ def cleanup_stale_segments(directory: str | None = None) -> List[str]:
         except FileNotFoundError:
             # no lock: a dead owner that had unlinked it already, or one without lock files
             # (an older raydix on this node, as in a rolling upgrade): judged by its PID
-            if _pid_alive(int(stem.rsplit("-", 2)[1])):
+            if pid_alive(int(stem.rsplit("-", 2)[1])):
                 continue
             fd = None
         except PermissionError:  # another user's files
@@ -184,7 +184,8 @@ def cleanup_stale_segments(directory: str | None = None) -> List[str]:
     return removed
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` (of this node) exists."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

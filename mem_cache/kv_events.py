@@ -44,32 +44,28 @@ class AllBlocksCleared:
 
 
 @dataclass(frozen=True)
-class StateStored:
+class PageMark:
+    """The base of the events that mark pages for a reuse rule (each kind its own subclass)."""
+
+    event_id: int
+    block_hashes: List[str]
+
+
+class StateStored(PageMark):
     """A recurrent (Mamba) state is cached after each of these pages."""
 
-    event_id: int
-    block_hashes: List[str]
+
+class StateRemoved(PageMark):
+    """The states after these pages are gone (evicted)."""
 
 
-@dataclass(frozen=True)
-class StateRemoved:
-    event_id: int
-    block_hashes: List[str]
-
-
-@dataclass(frozen=True)
-class WindowLost:
+class WindowLost(PageMark):
     """These pages' sliding-window KV is gone (tombstones): no reused prefix ends within a
     window after them."""
 
-    event_id: int
-    block_hashes: List[str]
 
-
-@dataclass(frozen=True)
-class WindowRestored:
-    event_id: int
-    block_hashes: List[str]
+class WindowRestored(PageMark):
+    """These pages have their sliding-window KV again (a tombstone revived)."""
 
 
 KVEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared, StateStored, StateRemoved, WindowLost, WindowRestored]

@@ -27,7 +27,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from mem_cache.buffer_allocator import BufferHandle, attach_buffers, dtype_to_str
+from mem_cache.buffer_allocator import BufferHandle, attach_buffers, dtype_to_str, pid_alive
 from transfer.base import KVHandoff, TransferAgent, TransferError
 from transfer.plan import plan_copies, push_rows, row_plan
 
@@ -65,17 +65,6 @@ def locate_buffers(
             raise TransferError(f"buffer {name!r} is a {t.dtype} view of the {h.dtype} allocation {h.name!r}")
         views[name] = [i, t.storage_offset() - offset, list(t.shape), list(t.stride())]
     return views
-
-
-def _process_alive(pid: int) -> bool:
-    """Whether process ``pid`` (of this node) exists."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    return True
 
 
 class MappedPeerAgent(TransferAgent):
@@ -157,7 +146,7 @@ class MappedPeerAgent(TransferAgent):
         """Raise TransferError if the peer agent is gone (its mapping, if any, is dropped)."""
         if ep.get("host") != socket.gethostname():
             raise TransferError(f"{self.backend_name} needs both ranks on one node: peer is on {ep.get('host')!r}")
-        if not _process_alive(int(ep["pid"])):
+        if not pid_alive(int(ep["pid"])):
             self.forget_peer(ep["agent_id"])
             raise TransferError(f"decode process {ep['pid']} is gone")
 
@@ -173,7 +162,7 @@ class MappedPeerAgent(TransferAgent):
             if mapped is None:
                 # a new peer (often a dead one's replacement): unmap those whose process is gone,
                 # as nothing may push to them again to find out (their mappings pin the memory)
-                for gone in [a for a, pid in self._peer_pids.items() if not _process_alive(pid)]:
+                for gone in [a for a, pid in self._peer_pids.items() if not pid_alive(pid)]:
                     self._peers.pop(gone, None)
                     self._peer_pids.pop(gone, None)
                 mapped = self._map_peer(ep)
