@@ -214,24 +214,29 @@ def test_a_request_finished_earlier_in_a_failed_decode_batch_is_not_released_twi
         if req.rid == "y" and seen.get("x_done") == decode.runner.num_forwards:
             sched._sample = real
             raise RuntimeError("injected sampling error")
+        if req.rid == "x":  # x's last token is this one (x joined first, so it is sampled before y)
+            req.sampling_params.max_new_tokens = len(req.output_ids) + 1
         real(req, *args, **kwargs)
         if req.rid == "x" and req.finished:
             seen["x_done"] = decode.runner.num_forwards  # x ended in this batch
 
     async def go():
-        x = asyncio.ensure_future(run_pd(prefill, decode, ids_x, {"max_new_tokens": 30, "temperature": 0,
-                                                                   "ignore_eos": True}, rid="x"))
+        # both run long: x is ended by the hook, in a batch that holds y (a fixed length could
+        # end x before y joins on a slow host)
+        x = asyncio.ensure_future(run_pd(prefill, decode, ids_x, LONG, rid="x"))
         while not decode.loop.run_exclusive(lambda: any(r.rid == "x" for r in sched.running)):
             await asyncio.sleep(0.005)
         y = asyncio.ensure_future(run_pd(prefill, decode, ids_y, LONG, rid="y"))
         while not decode.loop.run_exclusive(lambda: any(r.rid == "y" for r in sched.running)):
             await asyncio.sleep(0.005)
         decode.loop.run_exclusive(lambda: setattr(sched, "_sample", sample))
-        await asyncio.gather(x, y, return_exceptions=True)
-        return decode.loop.run_exclusive(lambda: [r.rid for r in sched.running])
+        results = await asyncio.gather(x, y, return_exceptions=True)
+        return results, decode.loop.run_exclusive(lambda: [r.rid for r in sched.running])
 
-    running = asyncio.run(go())
+    (x_result, y_result), running = asyncio.run(go())
     assert running == [] and "x_done" in seen
+    assert x_result[0]["meta_info"]["finish_reason"]["type"] == "length"  # x is told it finished
+    assert isinstance(y_result, Exception) and "injected sampling error" in str(y_result)
     assert leaks(prefill, decode) == [None, None]
 
 
