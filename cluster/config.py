@@ -175,14 +175,17 @@ class TransferConfig(BaseModel):
                                        "destination slots (SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT)")
     waiting_timeout_s: float = Field(300.0, gt=0.0, description="decode waits this long for the KV pages "
                                      "(SGLANG_DISAGGREGATION_WAITING_TIMEOUT)")
-    heartbeat_interval_s: float = Field(5.0, gt=0.0, description="decode checks each prefill peer this often")
-    heartbeat_max_failures: int = Field(2, ge=1, description="missed heartbeats that mark a prefill peer dead")
+    heartbeat_interval_s: float = Field(5.0, gt=0.0, description="workers are checked this often; torch_dist "
+                                        "pairs send a keepalive when idle this long")
+    heartbeat_max_failures: int = Field(2, ge=1, description="missed heartbeats that mark a worker dead; a torch_dist "
+                                        "pair silent for one interval more is closed")
     num_reserved_decode_tokens: int = Field(
         512, ge=0, description="KV tokens decode keeps free per running request when it admits a transfer")
 
     def agent_options(self) -> Dict[str, Dict[str, Any]]:
         """Keyword arguments of each backend's agent (``create_agent``), by backend name."""
-        return {"torch_dist": {"data_transport": self.data_transport}}
+        return {"torch_dist": {"data_transport": self.data_transport, "keepalive_s": self.heartbeat_interval_s,
+                               "keepalive_misses": self.heartbeat_max_failures + 1}}
 
 
 class ServerConfig(BaseModel):

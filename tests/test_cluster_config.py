@@ -117,12 +117,13 @@ def test_errors_name_the_field(tmp_path, dotted, value, expected):
     assert expected in _load_errors(tmp_path, _set(_base(), dotted, value))
 
 
-def test_data_transport_reaches_the_torch_dist_agents():
+def test_data_transport_and_keepalives_reach_the_torch_dist_agents():
     from transfer.backends.dist_data import DATA_TRANSPORTS
 
-    assert parse_config(_base()).transfer.agent_options() == {"torch_dist": {"data_transport": "auto"}}
-    config = parse_config(_set(_base(), "transfer.data_transport", "gloo"))
-    assert config.transfer.agent_options() == {"torch_dist": {"data_transport": "gloo"}}
+    defaults = {"data_transport": "auto", "keepalive_s": 5.0, "keepalive_misses": 3}
+    assert parse_config(_base()).transfer.agent_options() == {"torch_dist": defaults}
+    config = parse_config(_set(_set(_base(), "transfer.data_transport", "gloo"), "transfer.heartbeat_interval_s", 2))
+    assert config.transfer.agent_options() == {"torch_dist": dict(defaults, data_transport="gloo", keepalive_s=2)}
     assert TransferConfig.model_fields["data_transport"].annotation.__args__ == DATA_TRANSPORTS
 
 

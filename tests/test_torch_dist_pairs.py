@@ -14,6 +14,7 @@ import time
 
 import msgpack
 import pytest
+import torch
 import torch.distributed as dist
 
 import transfer.backends.torch_dist as torch_dist
@@ -167,3 +168,37 @@ def test_an_unreachable_decode_agent_holds_up_only_pushes_to_itself(agents):
     finally:
         thread.join()
     assert stuck.poll() == KVPoll.Failed and "cannot reach the decode rank" in stuck.failure_reason()
+
+
+def test_a_silent_peer_is_given_up_after_its_keepalives_stop(agents, monkeypatch):
+    """A prefill host that vanishes without closing its sockets (power loss, a partition)
+    used to leave the decode side's reader waiting for good. The prefill agent sends a
+    keepalive on an idle link; the reader gives a pair up once they stop, and the prefill
+    side's next push opens a fresh pair."""
+    decode = agents(seed=2, timeout_s=2, keepalive_misses=2)
+    prefill = agents(seed=1, timeout_s=2, keepalive_s=0.1)
+    push_one(prefill, decode, [3, 4], [7, 8])
+    time.sleep(0.6)  # three times the silence the reader allows: the keepalives hold the pair open
+    assert len(_readers(decode)) == 1
+    monkeypatch.setattr(torch_dist._Link, "keepalive", lambda link, idle_s: None)  # the host goes silent
+    assert _eventually(lambda: not _readers(decode), 2.0)
+    assert _eventually(lambda: decode._store.list_keys() == ["peers"]), decode._store.list_keys()
+    monkeypatch.undo()
+    assert _eventually(lambda: not prefill._links, 2.0)  # its keepalive on the closed pair failed: dropped
+    push_one(prefill, decode, [5, 6], [9, 10], rid="later")
+    assert len(_readers(decode)) == 1
+
+
+def test_a_peer_without_keepalives_keeps_an_unbounded_wait(agents):
+    """A hello that names no keepalive interval (an agent that sends none) keeps the old
+    unbounded wait, rather than closing a healthy idle pair."""
+    decode = agents(seed=2, timeout_s=0.5, keepalive_s=0.05, keepalive_misses=1)
+    ep = decode.endpoint()
+    store = dist.TCPStore(ep["host"], ep["port"], None, False, datetime.timedelta(seconds=2))
+    k = store.add("peers", 1)
+    store.set(f"hello/{k}", msgpack.packb({"agent_id": "old", "data": "gloo"}))
+    pg = dist.ProcessGroupGloo(dist.PrefixStore(f"pair/{k}", store), 1, 2, datetime.timedelta(seconds=2))
+    time.sleep(0.5)
+    assert len(_readers(decode)) == 1
+    pg.send([torch.tensor([torch_dist._BYE, 0], dtype=torch.int64)], 0, 0).wait()
+    assert _eventually(lambda: not _readers(decode))

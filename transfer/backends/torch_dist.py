@@ -19,13 +19,18 @@ a failed setup fails only what needs it). The decode side watches every pair
 number taken, not one after the other: a hello not there ``connect_timeout_s``
 after its number was taken is given up (``compare_set`` writes a marker the
 late prefill then reads, so it fails at once). Both sides build the pair's
-group within ``timeout_s``; only the reader's wait for the *next* message is
-unbounded (a pair may idle for hours; a peer that dies closes its sockets,
-which ends the wait). One slow or unreachable decode agent holds up only the
-pushes to itself (a connect lock per peer). When a pair ends (goodbye, broken)
-its reader deletes its ``hello/{k}`` and ``pair/{k}/...`` store keys.
-Not handled: a peer host that vanishes without closing its sockets leaves
-that pair's reader waiting (no heartbeat yet).
+group within ``timeout_s``. A pair may idle for hours, so the reader's wait for
+the *next* message is bounded by keepalives instead: the prefill agent sends a
+header-less message (``[0, 0]``) on every link idle for ``keepalive_s`` (its
+hello names that interval), and the reader gives the pair up after
+``keepalive_misses`` intervals without a message — a peer host that vanished
+without closing its sockets (power loss, a partition) no longer leaves the
+reader waiting; a peer process that died closes its sockets, which ends the
+wait at once. A keepalive that cannot be sent drops the prefill side's link, so
+the next push opens a fresh pair. One slow or unreachable decode agent holds up
+only the pushes to itself (a connect lock per peer). When a pair ends
+(goodbye, broken, silent) its reader deletes its ``hello/{k}`` and
+``pair/{k}/...`` store keys.
 
 A push gathers every planned buffer's rows (one slice copy per run of
 consecutive source slots) into one contiguous uint8 payload and sends it in
@@ -76,8 +81,9 @@ from transfer.plan import plan_copies
 
 logger = logging.getLogger(__name__)
 
-_IDLE = datetime.timedelta(days=365)  # a reader's wait for a pair's next message (see the docstring)
+_IDLE = datetime.timedelta(days=365)  # a reader's wait for the next message of a peer that sends no keepalives
 _BYE = -1
+_KEEPALIVE = 0  # header length of a keepalive (a real header is never empty)
 _GAVE_UP = b"\x00gave up"  # hello/{k} as the decode side leaves it when no hello came in time
 _LIVE: "weakref.WeakSet[TorchDistAgent]" = weakref.WeakSet()
 
@@ -115,6 +121,7 @@ class _Link:
 
     def __init__(self, store: dist.Store, pg: dist.ProcessGroup, data):
         self.store, self.pg, self.data, self.lock = store, pg, data, threading.Lock()
+        self.last_sent = time.monotonic()
 
     def send(self, header: bytes, payload: torch.Tensor) -> None:
         sizes = torch.tensor([len(header), payload.numel()], dtype=torch.int64)
@@ -122,6 +129,19 @@ class _Link:
             self.pg.send([sizes], 0, 0).wait()
             self.pg.send([torch.frombuffer(bytearray(header), dtype=torch.uint8)], 0, 0).wait()
             self.data.send(payload)  # returns once the payload left (and may be freed)
+            self.last_sent = time.monotonic()
+
+    def keepalive(self, idle_s: float) -> None:
+        """Send a keepalive if nothing went out for ``idle_s``; a push in progress is traffic
+        enough (its lock is not waited for)."""
+        if not self.lock.acquire(blocking=False):
+            return
+        try:
+            if time.monotonic() - self.last_sent >= idle_s:
+                self.pg.send([torch.tensor([_KEEPALIVE, 0], dtype=torch.int64)], 0, 0).wait()
+                self.last_sent = time.monotonic()
+        finally:
+            self.lock.release()
 
     def bye(self) -> None:
         with self.lock:
@@ -133,9 +153,12 @@ class TorchDistAgent(TransferAgent):
     def __init__(
         self, layout, buffers, tp_rank: int = 0, tp_size: int = 1, allocators=(),
         host: Optional[str] = None, port: int = 0, timeout_s: float = 30.0, connect_timeout_s: float = 10.0,
-        data_transport: str = "auto",
+        data_transport: str = "auto", keepalive_s: float = 5.0, keepalive_misses: int = 3,
     ):
         super().__init__(layout, buffers, tp_rank, tp_size, allocators)
+        if keepalive_s <= 0 or keepalive_misses < 1:
+            raise ValueError(f"keepalive_s must be > 0 and keepalive_misses >= 1; got {keepalive_s}, {keepalive_misses}")
+        self.keepalive_s, self.keepalive_misses = keepalive_s, keepalive_misses
         self.data_transport = data_transport
         self._nccl_device = nccl_device(data_transport, buffers)  # None: payloads go over gloo only
         self.link_transports: Dict[str, str] = {}  # peer agent id -> "gloo" | "nccl", both sides
@@ -151,6 +174,7 @@ class TorchDistAgent(TransferAgent):
         self._closed = False
         self._acceptor: Optional[threading.Thread] = None
         self._readers: List[threading.Thread] = []
+        self._keepalives: Optional[threading.Thread] = None
         _LIVE.add(self)
 
     # ---- decode side ----------------------------------------------------------------
@@ -254,12 +278,23 @@ class TorchDistAgent(TransferAgent):
             data = open_data_channel(peer["data"], pg, store, k, 0, self._nccl_device, self.timeout_s)
             with self._lock:
                 self.link_transports[peer["agent_id"]] = data.transport
+            silence = peer.get("keepalive_s")
+            idle = _IDLE if not silence else datetime.timedelta(seconds=silence * self.keepalive_misses)
             while not self._closed:
                 sizes = torch.empty(2, dtype=torch.int64)
-                pg.recv([sizes], 1, 0).wait(_IDLE)
+                try:
+                    pg.recv([sizes], 1, 0).wait(idle)
+                except Exception:
+                    if idle is not _IDLE and not self._closed:
+                        logger.warning("KV pair %d of agent %s: no message and no keepalive from prefill agent %s "
+                                       "in %.1fs; pair closed", k, self.agent_id[:8], peer["agent_id"][:8],
+                                       idle.total_seconds())
+                    raise
                 header_len, payload_len = sizes.tolist()
                 if header_len == _BYE:
                     return
+                if header_len == _KEEPALIVE:
+                    continue
                 header = torch.empty(header_len, dtype=torch.uint8)
                 pg.recv([header], 1, 0).wait()
                 payload = data.recv(payload_len)  # on the device once it returns (NCCL)
@@ -308,9 +343,7 @@ class TorchDistAgent(TransferAgent):
         try:
             link.send(msgpack.packb(header, use_bin_type=True), payload)
         except Exception as exc:
-            with self._lock:
-                self._links.pop(ep["agent_id"], None)
-            link.data.close()
+            self._drop_link(ep["agent_id"], link, exc)
             raise TransferError(f"sending to {ep['host']}:{ep['port']} failed: {exc}") from exc
         return int(payload.numel())
 
@@ -333,6 +366,10 @@ class TorchDistAgent(TransferAgent):
                     with self._lock:
                         self._links[peer] = link
                         self.link_transports[peer] = transport
+                        if self._keepalives is None:
+                            self._keepalives = threading.Thread(target=self._keep_alive, name="raydix-kv-keepalive",
+                                                                daemon=True)
+                            self._keepalives.start()
                 return link
         finally:
             with self._lock:
@@ -344,7 +381,8 @@ class TorchDistAgent(TransferAgent):
         try:
             store = dist.TCPStore(ep["host"], ep["port"], None, False, datetime.timedelta(seconds=self.connect_timeout_s))
             k = store.add("peers", 1)
-            hello = msgpack.packb({"agent_id": self.agent_id, "data": transport}, use_bin_type=True)
+            hello = msgpack.packb({"agent_id": self.agent_id, "data": transport, "keepalive_s": self.keepalive_s},
+                                  use_bin_type=True)
             if store.compare_set(f"hello/{k}", b"", hello) != hello:  # the decode side's _GAVE_UP
                 raise TransferError(f"it gave up on pair {k}: the hello came after its connect_timeout_s")
             timeout = datetime.timedelta(seconds=self.timeout_s)
@@ -354,10 +392,36 @@ class TorchDistAgent(TransferAgent):
             raise TransferError(f"cannot reach the decode rank at {ep['host']}:{ep['port']}: {str(exc).splitlines()[0]}") from exc
         return _Link(store, pg, data)
 
+    def _keep_alive(self) -> None:
+        """Every ``keepalive_s / 2``: a keepalive on each link idle for ``keepalive_s``. A link
+        whose keepalive fails (its decode side gave the pair up, or is gone) is dropped, so
+        the next push to that agent opens a fresh pair instead of failing on this one."""
+        with self._lock:
+            while not self._closed:
+                self._lock.wait(self.keepalive_s / 2)
+                links = list(self._links.items())
+                self._lock.release()
+                try:
+                    for peer, link in links:
+                        try:
+                            link.keepalive(self.keepalive_s)
+                        except Exception as exc:
+                            self._drop_link(peer, link, f"keepalive failed: {exc}")
+                finally:
+                    self._lock.acquire()
+
+    def _drop_link(self, peer: str, link: _Link, why: str) -> None:
+        with self._lock:
+            if self._links.get(peer) is link:
+                del self._links[peer]
+        logger.info("KV link to agent %s dropped (%s)", peer[:8], str(why).splitlines()[0])
+        link.data.close()
+
     def close(self) -> None:
         with self._lock:
             links, self._links = list(self._links.values()), {}
             self._closed = True
+            self._lock.notify_all()
             self._store = None  # the acceptor holds the server until it has seen _closed
             self._landing.clear()
         for link in links:
@@ -366,8 +430,9 @@ class TorchDistAgent(TransferAgent):
             except Exception:
                 pass
             link.data.close()
-        if self._acceptor is not None:
-            self._acceptor.join(timeout=1.0)
+        for thread in (self._acceptor, self._keepalives):
+            if thread is not None:
+                thread.join(timeout=1.0)
 
 
 def _forget_pair(store: dist.Store, k: int) -> None:
