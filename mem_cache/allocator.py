@@ -295,6 +295,9 @@ class PagedTokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
         if self.backend == "triton":
             from mem_cache import alloc_kernels
 
+            error = alloc_kernels.triton_device_error(self.device, "the allocator's backend='triton'")
+            if error:
+                raise ValueError(error)
             self._extend_impl = alloc_kernels.alloc_extend_triton
             self._decode_impl = alloc_kernels.alloc_decode_triton
         else:

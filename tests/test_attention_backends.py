@@ -63,6 +63,21 @@ def test_unknown_backend_lists_known_ones():
         create_attention_backend("flashinfer")
 
 
+def test_triton_on_the_cpu_without_its_interpreter_is_refused_at_build(monkeypatch):
+    """Without ``TRITON_INTERPRET=1`` a Triton kernel on the CPU failed at its first launch,
+    deep in a forward, with Triton's "0 active drivers"; now the backend (attention or the
+    paged allocator's) refuses to be built, naming the fix."""
+    from mem_cache.allocator import PagedTokenToKVPoolAllocator
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="attention_backend='triton'.*TRITON_INTERPRET=1"):
+        create_attention_backend("triton", device=torch.device("cpu"))
+    with pytest.raises(ValueError, match="backend='triton'.*TRITON_INTERPRET=1"):
+        PagedTokenToKVPoolAllocator(64, 4, device="cpu", backend="triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert create_attention_backend("triton", device=torch.device("cpu")) is not None
+
+
 def _reference(q, k, v, slots, prefix, sm_scale):
     """One request: queries at positions ``prefix + j`` over keys ``slots[: prefix + j + 1]``."""
     keys, values = k[slots, 0].float(), v[slots, 0].float()

@@ -98,7 +98,7 @@ def _set(data: dict, dotted: str, value) -> dict:
     ("decode.engine.page_sise", 16, "decode.engine.page_sise: unknown field; known: "),
     ("prefill.engine.model_path", "/x", "prefill.engine.model_path: unknown field"),  # the cluster sets it
     ("prefill.engine.mem_fraction_static", 1.5, "prefill.engine.mem_fraction_static: Input should be less than 1"),
-    ("decode.engine.attention_backend", "flash", "decode.engine.attention_backend: Input should be 'torch' or"),
+    ("decode.engine.attention_backend", "flash", "decode.engine.attention_backend: Input should be 'auto', 'torch' or"),
     ("decode.engine.page_size", 32, "decode.engine.page_size: 32 differs from prefill.engine.page_size 16"),
     ("transfer.backend", "nccl",
      "transfer.backend: Input should be 'auto', 'shm', 'cuda_ipc', 'torch_dist' or 'fake' (got 'nccl')"),

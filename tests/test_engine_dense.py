@@ -93,6 +93,17 @@ def test_triton_attention_backend(model_dir, page_size):
     engine.check_integrity()
 
 
+def test_the_auto_attention_backend_is_torch_on_the_cpu(model_dir):
+    """``auto`` (the default) takes triton on CUDA, where the torch backend would build each
+    layer's full score matrix, and torch on the CPU, where Triton runs interpreted."""
+    engine = Engine(model_path=model_dir, skip_tokenizer_init=True, max_total_tokens=256)
+    try:
+        assert engine.config.attention_backend == "auto"
+        assert type(engine.runner.attn_backend).__module__.endswith("torch_backend")
+    finally:
+        engine.shutdown()
+
+
 def test_bad_engine_args_name_the_field(model_dir):
     with pytest.raises(ValueError, match="page_size"):
         Engine(model_path=model_dir, page_size=0)

@@ -1,7 +1,7 @@
 """The engine's arguments: one validated object; a bad value fails naming the field.
 
-"auto" / None values are resolved in one place (:meth:`EngineConfig.resolve`)
-once the model and device are known.
+"auto" / None values are resolved where the model and device are known (the
+model runner and the scheduler).
 """
 
 from __future__ import annotations
@@ -27,7 +27,9 @@ class EngineConfig(BaseModel):
     chunked_prefill_size: Optional[int] = Field(None, description="tokens per prefill chunk; -1 disables; None: auto")
     max_prefill_tokens: int = Field(16384, gt=0, description="tokens of one prefill batch")
     schedule_policy: Literal["fcfs", "lpm"] = "fcfs"
-    attention_backend: Literal["torch", "triton"] = "torch"
+    attention_backend: Literal["auto", "torch", "triton"] = Field(
+        "auto", description="auto: triton on CUDA (the torch backend materialises each layer's full score "
+        "matrix), torch on the CPU (where Triton runs interpreted)")
     disable_radix_cache: bool = False
     radix_eviction_policy: Literal["lru", "lfu", "fifo", "mru", "filo", "priority"] = "lru"
     mamba_scheduler_strategy: Literal["no_buffer", "extra_buffer"] = "no_buffer"

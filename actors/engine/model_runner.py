@@ -65,7 +65,10 @@ class ModelRunner:
         self.max_running_requests = config.max_running_requests or max(1, min(MAX_RUNNING_DEFAULT,
                                                                               self.max_total_num_tokens // 2))
         self._init_pools()
-        self.attn_backend = create_attention_backend(config.attention_backend, device=self.device)
+        attention = config.attention_backend
+        if attention == "auto":
+            attention = "triton" if self.device.type == "cuda" else "torch"
+        self.attn_backend = create_attention_backend(attention, device=self.device)
         self.batch_sender: Optional[Callable[[ForwardBatch], None]] = None  # TP rank 0: batch → the other ranks
         self.host_op_log: Optional[List[Tuple]] = None  # TP rank 0: host-tier copies the other ranks replay
         # TP rank 0 with a file tier: the other ranks read these pages into these host slots, answer how many

@@ -5,10 +5,14 @@ from __future__ import annotations
 import torch
 
 from actors.engine.attention.triton_kernels import paged_attention
+from mem_cache.alloc_kernels import triton_device_error
 
 
 class TritonAttnBackend:
-    def __init__(self, **_):
+    def __init__(self, device=None, **_):
+        error = triton_device_error(torch.device(device or "cpu"), "attention_backend='triton'")
+        if error:
+            raise ValueError(error)
         self.max_extend_len = 0
         self.batch_rows = self.batch_row_ids = None
 
