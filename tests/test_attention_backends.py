@@ -15,16 +15,16 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 def make_batch(prefix, extend, heads=4, kv_heads=2, head_dim=16, seed=0):
     gen = torch.Generator().manual_seed(seed)
-    pool = MHATokenToKVPool(256, 1, torch.float32, kv_heads, head_dim, 1, device=DEVICE)
-    rows = ReqToTokenPool(4, 128, DEVICE)
+    pool = MHATokenToKVPool(512, 1, torch.float32, kv_heads, head_dim, 1, device=DEVICE)
+    rows = ReqToTokenPool(4, 256, DEVICE)
     seq = [p + e for p, e in zip(prefix, extend)]
-    slots = (torch.randperm(255, generator=gen)[: sum(seq)] + 1).tolist()
+    slots = (torch.randperm(511, generator=gen)[: sum(seq)] + 1).tolist()
     offset = 0
     for i, s in enumerate(seq):
         rows.req_to_token[i, :s] = torch.tensor(slots[offset : offset + s], dtype=torch.int32)
         offset += s
-    pool.k_buffer[0].copy_(torch.randn(257, kv_heads, head_dim, generator=gen))  # size + page_size rows
-    pool.v_buffer[0].copy_(torch.randn(257, kv_heads, head_dim, generator=gen))
+    pool.k_buffer[0].copy_(torch.randn(513, kv_heads, head_dim, generator=gen))  # size + page_size rows
+    pool.v_buffer[0].copy_(torch.randn(513, kv_heads, head_dim, generator=gen))
     t = lambda xs: torch.tensor(xs, dtype=torch.int64, device=DEVICE)  # noqa: E731
     starts = [sum(extend[:i]) for i in range(len(extend))]
     mode = ForwardMode.DECODE if all(e == 1 for e in extend) else ForwardMode.EXTEND
@@ -44,6 +44,9 @@ def make_batch(prefix, extend, heads=4, kv_heads=2, head_dim=16, seed=0):
         ([12, 40, 1], [1, 1, 1], None, None),  # decode
         ([0, 30], [25, 2], 8, None),  # sliding window
         ([3], [18], None, 3.0),  # soft cap
+        # a window far past the first 64-slot block (the kernel starts each query block's walk at its
+        # first query's window), for extend (two 16-row query blocks) and decode, soft-capped
+        ([190, 80], [20, 1], 8, 2.0),
     ],
 )
 def test_triton_matches_torch(prefix, extend, window, cap):
