@@ -121,15 +121,17 @@ class CompletionFormatter(_Formatter):
             token = self._token_text(tid)
             out["tokens"].append(token)
             out["token_logprobs"].append(lp)
-            out["top_logprobs"].append(self._top_dict(top) if self.req.logprobs else None)
+            out["top_logprobs"].append(self._top_dict([(tid, lp)] + list(top)))
             out["text_offset"].append(offset)
             offset += len(token)
         self.offsets[index] = offset
         return out
 
     def _top_dict(self, top) -> Dict[str, float]:
-        """``{text: logprob}``; tokens whose texts collide (byte pieces all decode to U+FFFD) keep
-        the best value, so a greedy token's logprob stays the max of its alternatives."""
+        """``{text: logprob}`` of the sampled token and the top ``logprobs`` alternatives (OpenAI's
+        legacy format: up to ``logprobs + 1`` entries, the sampled token always among them; a
+        dict, never null, for ``logprobs`` 0 too). Tokens whose texts collide (byte pieces all
+        decode to U+FFFD) keep the best value, so a greedy token's logprob stays the max."""
         out: Dict[str, float] = {}
         for token_id, value in top:
             text = self._token_text(token_id)

@@ -152,6 +152,23 @@ def test_greedy_tokens_hold_the_best_of_their_top_logprobs(client):
         assert max(t.logprob for t in entry.top_logprobs) == pytest.approx(entry.logprob)
 
 
+def test_completion_top_logprobs_always_hold_the_sampled_token(served):
+    """OpenAI's legacy logprobs: up to ``logprobs + 1`` entries a position, the sampled token always
+    among them, so ``logprobs: 0`` gives ``{token: logprob}`` (not null, which the openai client's
+    ``Logprobs`` type refuses) and a sampled token outside the top N is still listed."""
+    from openai.types import Completion
+
+    for num in (0, 1):
+        r = post(served, "/v1/completions", {"prompt": "The cat", "max_tokens": 6, "temperature": 1.0, "seed": 3,
+                                             "logprobs": num, "ignore_eos": True})
+        lp = Completion.model_validate(r.json()).choices[0].logprobs
+        assert len(lp.top_logprobs) == 6
+        for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+            assert token in top and top[token] >= value and len(top) <= num + 1, (num, token, value, top)
+            if num == 0:
+                assert top == {token: value}
+
+
 def test_echo_with_logprobs_is_refused_not_answered_without_prompt_logprobs(client):
     for stream in (False, True):
         body = bad_request(lambda: client.completions.create(model=MODEL, prompt="abc", max_tokens=2, echo=True,
