@@ -194,6 +194,8 @@ class GenerationService:
     # ---- endpoints ----------------------------------------------------------------------
     async def completions(self, req: CompletionRequest, arrival: float):
         req = req.model_copy(update={"model": self.check_model(req.model)})
+        if req.echo and self.tokenizer is None:  # (a text prompt already needs one)
+            raise APIError(400, "echo: the prompt's text needs a tokenizer; this server has none", param="echo")
         batch = []
         for prompt in req.prompts:
             ids = (self.encode(prompt, "prompt", req.add_special_tokens) if isinstance(prompt, str)

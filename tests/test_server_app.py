@@ -336,6 +336,14 @@ def test_token_ids_outside_the_vocabulary_are_400s_naming_the_field(served, back
     assert httpx.post(url + "/v1/completions", json={"prompt": [0, 999], "max_tokens": 1}).status_code == 200
 
 
+def test_echo_without_a_tokenizer_is_a_400_naming_it(served, backend):
+    """A server without a tokenizer cannot write a token-id prompt's text: echo is refused up
+    front (it was a 500 from decoding with no tokenizer)."""
+    r = httpx.post(served[1].url + "/v1/completions", json={"prompt": [1, 2], "max_tokens": 2, "echo": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "echo", r.text
+    assert backend.calls == []
+
+
 def test_generate_max_new_tokens_zero_generates_nothing(served, backend):
     """SGLang's /generate: 0 new tokens is a prefill only (not "up to the context", as a falsy 0 made it)."""
     r = httpx.post(served[1].url + "/generate", json={"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 0}})
