@@ -204,13 +204,15 @@ class ChatMessage(BaseModel):
     content: Union[str, List[Dict[str, Any]], None] = None
 
     def text(self) -> str:
+        """The content as one string: text parts one per line, as vLLM joins them for a template
+        that takes string content (``"Hello"`` and ``"world"`` are not ``"Helloworld"``)."""
         if isinstance(self.content, list):
             parts = []
             for part in self.content:
                 if part.get("type") != "text":
                     raise ValueError(f"content part type {part.get('type')!r} is not supported (text only)")
                 parts.append(part.get("text", ""))
-            return "".join(parts)
+            return "\n".join(parts)
         return self.content or ""
 
 

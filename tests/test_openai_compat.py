@@ -200,6 +200,18 @@ def test_vllm_chat_template_fields(served, client):
     assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message", r.text
 
 
+def test_content_parts_read_as_lines(served):
+    """A message's text parts reach a string-content template one per line, as vLLM joins them
+    (SGLang with a space): never run together into one word."""
+    def answer(content):
+        r = post(served, "/v1/chat/completions", chat_body(messages=[{"role": "user", "content": content}]))
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens"], r.json()["choices"][0]["message"]["content"]
+
+    parts = [{"type": "text", "text": "Hello"}, {"type": "text", "text": "world"}]
+    assert answer(parts) == answer("Hello\nworld")
+
+
 @pytest.mark.parametrize("fields,param", [
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
     ({"tool_choice": "required"}, "tool_choice"),
