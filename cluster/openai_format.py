@@ -54,6 +54,20 @@ class _Formatter:
     def _head(self, obj: str) -> Dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.req.model}
 
+    def _chunk(self, choice: Dict[str, Any], opening: bool = False) -> Dict[str, Any]:
+        """An SSE chunk of one choice. With include_usage it has ``"usage": null`` (the usage comes
+        in a last chunk of its own), or with ``continuous_usage_stats`` its choice's usage so far
+        (as vLLM: the prompt's tokens and the choice's; none yet in an opening chunk)."""
+        chunk = dict(self._head(self.chunk_object), choices=[choice])
+        if self.req.include_usage:
+            chunk["usage"] = self._choice_usage(choice["index"], opening) if self.req.continuous_usage else None
+        return chunk
+
+    def _choice_usage(self, index: int, opening: bool) -> Dict[str, int]:
+        prompt = len(self.prompts[index // self.req.n])
+        completion = 0 if opening else self.meta[index].get("completion_tokens", 0)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
     def chunks(self, event: Optional[ChoiceEvent]) -> List[Dict[str, Any]]:
         if event is None:
             if self.req.include_usage:
@@ -66,11 +80,7 @@ class _Formatter:
         reason = finish_reason(event.result) if event.finished else None
         logprobs = self._new_logprobs(event)
         if event.delta or reason or logprobs:
-            choice = dict(self._choice_delta(event.delta, logprobs, event.index), finish_reason=reason)
-            chunk = dict(self._head(self.chunk_object), choices=[choice])
-            if self.req.include_usage:
-                chunk["usage"] = None
-            out.append(chunk)
+            out.append(self._chunk(dict(self._choice_delta(event.delta, logprobs, event.index), finish_reason=reason)))
         return out
 
     def response(self, events: List[ChoiceEvent]) -> Dict[str, Any]:
@@ -142,11 +152,7 @@ class CompletionFormatter(_Formatter):
         echo = self._echo(index)
         if not echo:
             return []
-        chunk = dict(self._head(self.chunk_object), choices=[{"index": index, "text": echo, "logprobs": None,
-                                                               "finish_reason": None}])
-        if self.req.include_usage:  # every chunk but the last has "usage": null
-            chunk["usage"] = None
-        return [chunk]
+        return [self._chunk({"index": index, "text": echo, "logprobs": None, "finish_reason": None}, opening=True)]
 
     def _choice_delta(self, text, logprobs, index):
         return {"index": index, "text": text, "logprobs": self._legacy_logprobs(logprobs, index)}
@@ -169,11 +175,8 @@ class ChatFormatter(_Formatter):
                             for tid, lp, top in entries], "refusal": None}
 
     def _opening(self, index):
-        chunk = dict(self._head(self.chunk_object), choices=[
-            {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}])
-        if self.req.include_usage:
-            chunk["usage"] = None
-        return [chunk]
+        return [self._chunk({"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                             "finish_reason": None}, opening=True)]
 
     def _choice_delta(self, text, logprobs, index):
         return {"index": index, "delta": {"content": text} if text else {}, "logprobs": self._chat_logprobs(logprobs)}

@@ -61,6 +61,8 @@ class _NullIsDefault(BaseModel):
 
 class StreamOptions(_NullIsDefault):
     include_usage: bool = False
+    continuous_usage_stats: bool = Field(False, description="vLLM's: with include_usage, every chunk carries "
+                                         "its choice's usage so far")
 
 
 class _OpenAISampling(_NullIsDefault):
@@ -129,6 +131,11 @@ class _OpenAISampling(_NullIsDefault):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """vLLM's ``continuous_usage_stats``: only with ``include_usage`` (the last chunk still sums it up)."""
+        return self.include_usage and self.stream_options.continuous_usage_stats
 
 
 class CompletionRequest(_OpenAISampling):

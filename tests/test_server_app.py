@@ -174,6 +174,20 @@ def test_n_streamed_choices_merge(backend, client):
     assert (usage.completion_tokens, usage.prompt_tokens_details.cached_tokens) == (15, 2)
 
 
+def test_continuous_usage_stats_give_each_chunk_its_choices_usage_so_far(client):
+    """vLLM's ``stream_options.continuous_usage_stats``: every chunk carries its choice's usage so
+    far (the scripted backend writes a letter a token), and the last chunk the request's total."""
+    sent, last = {}, None
+    for chunk in client.completions.create(model="scripted", prompt=[1, 2, 3], max_tokens=4, n=2, stream=True,
+                                           stream_options={"include_usage": True, "continuous_usage_stats": True}):
+        for choice in chunk.choices:
+            sent[choice.index] = sent.get(choice.index, "") + choice.text
+            assert chunk.usage.prompt_tokens == 3 and chunk.usage.completion_tokens == len(sent[choice.index])
+            assert chunk.usage.total_tokens == 3 + len(sent[choice.index])
+        last = chunk
+    assert last.choices == [] and (last.usage.prompt_tokens, last.usage.completion_tokens) == (3, 8)
+
+
 @pytest.mark.parametrize("body,field", [
     ({"model": "scripted", "prompt": [1], "top_k": 0}, "top_k"),
     ({"model": "scripted", "prompt": [1], "n": 0}, "n"),
