@@ -73,7 +73,8 @@ class _OpenAISampling(_NullIsDefault):
     max_tokens: Optional[int] = Field(None, ge=1, description="None: up to the context length")
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    seed: Optional[int] = None
+    seed: Optional[int] = Field(None, ge=-2 ** 63, le=2 ** 63 - 1, description="an int64, as vLLM's (choice i "
+                                "runs seeded seed + i, which a torch generator still takes)")
     stop: Optional[Union[str, List[str]]] = None
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)

@@ -358,6 +358,22 @@ def test_echo_without_a_tokenizer_is_a_400_naming_it(served, backend):
     assert backend.calls == []
 
 
+def test_a_seed_outside_int64_is_a_400_naming_it(served, backend):
+    """vLLM bounds ``seed`` to an int64; a larger one reached the workers' torch generator, which
+    refused it with "Overflow when unpacking long long" and no param. The largest int64 still
+    seeds every choice (``seed + i``)."""
+    from actors.engine.sampling import make_generator
+
+    url = served[1].url + "/v1/completions"
+    for seed in (2 ** 64, -2 ** 63 - 1):
+        r = httpx.post(url, json={"prompt": [1], "max_tokens": 1, "seed": seed})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "seed", r.text
+    assert backend.calls == []
+    assert httpx.post(url, json={"prompt": [1], "max_tokens": 1, "seed": 2 ** 63 - 1, "n": 2}).status_code == 200
+    for _, params in backend.calls:
+        make_generator(params["seed"])
+
+
 def test_generate_max_new_tokens_zero_generates_nothing(served, backend):
     """SGLang's /generate: 0 new tokens is a prefill only (not "up to the context", as a falsy 0 made it)."""
     r = httpx.post(served[1].url + "/generate", json={"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 0}})
