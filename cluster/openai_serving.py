@@ -97,13 +97,16 @@ class GenerationService:
         return self.tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
 
     def max_new_tokens(self, prompt_len: int, requested: Optional[int], param: str) -> int:
+        """``requested`` (None: what the context leaves); 400 ``context_length_exceeded`` in OpenAI's
+        words when the prompt or the prompt and the completion do not fit."""
         limit, prompt_limit = self.backend.context_len, self.backend.max_prompt_len
         if prompt_len > prompt_limit or (requested and prompt_len + requested > limit):
             asked = f"{prompt_len + (requested or 0)} tokens ({prompt_len} in the {param}"
             asked += f", {requested} in the completion)" if requested else ")"
             held = f" and a {param} of at most {prompt_limit} tokens" if prompt_limit < limit - 1 else ""
+            shorten = f"{param} or completion" if requested else param  # (max_tokens alone may be the cause)
             raise APIError(400, f"This model's maximum context length is {limit} tokens{held}. However, you "
-                           f"requested {asked}. Please reduce the length of the {param}.", param=param,
+                           f"requested {asked}. Please reduce the length of the {shorten}.", param=param,
                            code="context_length_exceeded")
         return requested if requested is not None else limit - prompt_len
 

@@ -138,6 +138,10 @@ def test_prompt_and_request_limits_are_held_apart(backend, client):
         client.completions.create(model="scripted", prompt=list(range(11)), max_tokens=2)
     assert info.value.body["code"] == "context_length_exceeded"
     assert "a prompt of at most 10 tokens" in info.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as info:  # a short prompt, too many completion tokens
+        client.completions.create(model="scripted", prompt=[1, 2], max_tokens=63)
+    message = info.value.body["message"]  # OpenAI's words: not "reduce the prompt" (2 tokens) alone
+    assert "(2 in the prompt, 63 in the completion)" in message and message.endswith("prompt or completion.")
 
 
 def test_failure_before_the_first_token_gets_a_500(backend, client):
