@@ -221,3 +221,11 @@ def test_incremental_text_equals_decoding_the_whole_output_after_the_prompt(prom
     text = IncrementalText(tok, prompt, skip)
     for n in range(1, len(output) + 1):
         assert text.update(tok, output, n) == decode_after(tok, prompt, output[:n], skip)
+
+
+def test_a_seed_outside_int64_names_the_field():
+    """A seed past int64 reached the torch generator: "Overflow when unpacking long long"."""
+    with pytest.raises(ValueError, match="seed"):
+        SamplingParams(seed=2 ** 64)
+    assert make_generator(SamplingParams(seed=-2 ** 63).seed).initial_seed() == 2 ** 63  # (torch's uint64 view)
+    assert make_generator(SamplingParams(seed=2 ** 63 + 3).seed).initial_seed() == 2 ** 63 + 3  # int64 max + choice 4

@@ -19,7 +19,8 @@ class SamplingParams(BaseModel):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(-1, description="-1 disables top-k")
     min_p: float = Field(0.0, ge=0.0, le=1.0)
-    seed: Optional[int] = Field(None, description="per-request seed: same seed, same samples")
+    seed: Optional[int] = Field(None, ge=-2 ** 63, le=2 ** 64 - 1, description="per-request seed, what a torch "
+                                "generator takes (the API's int64 seed plus a choice's index fits): same seed, same samples")
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(1.0, gt=0.0, le=2.0)
