@@ -9,8 +9,9 @@ Every model forbids unknown keys and validates ranges; a bad file raises
 (``prefill.tp_size: Input should be greater than or equal to 1 (got 0)``).
 Engine settings of a worker group (``prefill.engine``, ``decode.engine``) are
 the fields of :class:`actors.engine.config.EngineConfig`, with the same types
-and ranges, less the three the cluster fills in itself (model path, tokenizer
-path, device).
+and ranges, less the four the cluster fills in itself (model path, tokenizer
+path, device, and tp_size: the group's own). A section left empty in the YAML
+(``transfer:`` with every key commented out) keeps its defaults.
 """
 
 from __future__ import annotations
@@ -51,6 +52,17 @@ class ConfigError(ValueError):
 def _invalid(kind: str, text: str) -> PydanticCustomError:
     """A validation error whose message is ``text`` verbatim (no "Value error, " prefix, no templating)."""
     return PydanticCustomError(kind, "{text}", {"text": text})
+
+
+def _empty_sections_as_defaults(model: Type[BaseModel], data: Any) -> Any:
+    """``data`` with its null sub-sections as empty ones: YAML reads ``transfer:`` with nothing (or
+    only comments) under it as null, which means "the defaults" there, not "not a mapping"."""
+    if not isinstance(data, Mapping):
+        return data
+    empty = [name for name, field in model.model_fields.items()
+             if data.get(name, ...) is None and isinstance(field.annotation, type)
+             and issubclass(field.annotation, BaseModel)]
+    return {**data, **{name: {} for name in empty}} if empty else data
 
 
 class ModelConfig(BaseModel):
@@ -130,6 +142,11 @@ class WorkerGroupConfig(BaseModel):
         "GPUs), 0 on cpu; a fraction shares a GPU between ranks (their engine.max_total_tokens must be set)")
     engine: EngineOverrides = Field(default_factory=EngineOverrides,
                                     description="EngineConfig fields for this side's engines")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _empty_engine_section(cls, data: Any) -> Any:
+        return _empty_sections_as_defaults(cls, data)
 
     @field_validator("num_gpus_per_rank")
     @classmethod
@@ -264,6 +281,11 @@ class ClusterConfig(BaseModel):
     server: ServerConfig = Field(default_factory=ServerConfig, description="the HTTP server")
     router: RouterConfig = Field(default_factory=RouterConfig, description="routing policies")
     placement: PlacementConfig = Field(default_factory=PlacementConfig, description="node placement")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _empty_sections(cls, data: Any) -> Any:
+        return _empty_sections_as_defaults(cls, data)
 
     @model_validator(mode="after")
     def _sides_agree(self) -> "ClusterConfig":

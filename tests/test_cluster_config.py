@@ -53,6 +53,26 @@ def test_every_layout_loads_and_yields_engine_configs(path):
     assert config.prefill.engine.page_size == config.decode.engine.page_size
 
 
+def test_the_layout_example_of_configs_readme_loads():
+    """The annotated example in configs/README.md is a file one can start from: its sections whose
+    keys are all comments (YAML: null) keep their defaults, as an empty engine section does."""
+    text = (CONFIGS / "README.md").read_text()
+    example = text.split("```yaml\n", 1)[1].split("```", 1)[0]
+    data = yaml.safe_load(example)
+    assert data["transfer"] is None and data["placement"] is None  # (what makes this test bite)
+    config = parse_config(data, source="configs/README.md")
+    assert config.transfer == TransferConfig() and config.server.port == 8000
+    assert config.decode.engine.page_size == config.prefill.engine.page_size == 16
+    assert parse_config({**data, "decode": {"engine": None}, "prefill": None}).prefill.engine.page_size == 1
+    assert "server: Input should be a valid dictionary" in _load_errors_of({**data, "server": "8000"})
+
+
+def _load_errors_of(data) -> str:
+    with pytest.raises(ConfigError) as info:
+        parse_config(data)
+    return str(info.value)
+
+
 def test_local_cpu_layout():
     config = load_config(CONFIGS / "local_cpu.yaml")
     assert config.model.builtin == "llama" and config.model.model_path is None
