@@ -4,8 +4,8 @@
     raydix launch --config FILE [--prompt TEXT] [--set KEY=VALUE]   (cluster.launch)
 
 With no ``--model-path`` it serves the built-in tiny model (random weights,
-built once from a config into ``$RAYDIX_HOME/models``; nothing is downloaded).
-The PD-cluster commands join these as the cluster issues land.
+built once from a config into ``$RAYDIX_HOME/models``, ``~/.cache/raydix/models``
+by default; nothing is downloaded).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import List, Optional
 
 DEFAULT_FAMILY = "llama"
+FAMILIES = ("llama", "qwen3", "qwen3_next", "deepseek_v3", "gemma3")  # actors.engine.tiny's (that imports torch)
 
 
 def raydix_home() -> Path:
@@ -58,7 +59,10 @@ def cmd_generate(args) -> int:
     from actors.engine import Engine
 
     model_path = args.model_path or builtin_model(args.family)
-    engine = Engine(model_path=model_path, device=args.device, max_total_tokens=args.max_total_tokens)
+    try:
+        engine = Engine(model_path=model_path, device=args.device, max_total_tokens=args.max_total_tokens)
+    except ValueError as exc:  # a bad setting (pydantic's ValidationError is one), or cuda without CUDA
+        raise SystemExit(f"raydix generate: {exc}") from None
     try:
         params = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "seed": args.seed}
         if args.raw:  # the text as a prompt: with the tokenizer's special tokens (BOS), as SGLang encodes it
@@ -85,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="offline generation with one in-process engine")
     gen.add_argument("--model-path", help="HF checkpoint directory (default: the built-in tiny model)")
-    gen.add_argument("--family", default=DEFAULT_FAMILY, help="family of the built-in tiny model")
+    gen.add_argument("--family", default=DEFAULT_FAMILY, choices=FAMILIES, help="family of the built-in tiny model")
     gen.add_argument("--prompt", default="Tell me about prefix caching.")
     gen.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     gen.add_argument("--max-new-tokens", type=int, default=32)

@@ -21,7 +21,7 @@ from actors.engine.tokenizer import BOS, EOS, PAD, build_byte_tokenizer
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[500, 2000, 8000])
     args = parser.parse_args()
     tok = PreTrainedTokenizerFast(tokenizer_object=build_byte_tokenizer(), bos_token=BOS, eos_token=EOS, pad_token=PAD)

@@ -98,10 +98,12 @@ def main() -> None:
     parser.add_argument("--device-tokens", type=int, default=4096)
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--attention-backend", default=None, help="default: triton on cuda, torch on cpu")
     parser.add_argument("--markdown", type=Path)
     args = parser.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: CUDA is not available here (use --device cpu, or a GPU machine)")
     args.attention_backend = args.attention_backend or ("triton" if args.device == "cuda" else "torch")
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -72,11 +72,13 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--num-prompts", type=int, default=32)
     parser.add_argument("--output-len", type=int, default=32)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--attention-backend", default=None, help="default: triton on cuda, torch on cpu")
-    parser.add_argument("--plot", type=Path, default=Path("bench_offline.png"))
+    parser.add_argument("--plot", type=Path, default=Path("bench_offline.png"), help="bar chart (PNG) path")
     parser.add_argument("--markdown", type=Path)
     args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: CUDA is not available here (use --device cpu, or a GPU machine)")
     backend = args.attention_backend or ("triton" if args.device == "cuda" else "torch")
 
     from transformers import AutoModelForCausalLM

@@ -236,7 +236,7 @@ def plot(rows: List[Dict], path: str) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=4096, help="tokens moved per push")
     parser.add_argument("--pool-tokens", type=int, default=16384, help="slots per pool")
     parser.add_argument("--page-sizes", type=int, nargs="+", default=[1, 16, 64])

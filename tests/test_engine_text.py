@@ -60,3 +60,20 @@ def test_cli_generate_prints_the_result(tmp_path, monkeypatch, capsys):
     assert cli_main(["generate", "--prompt", "hi", "--max-new-tokens", "4"]) == 0
     out = capsys.readouterr().out
     assert "tiny-llama-seed0" in out and '"completion_tokens": 4' in out
+
+
+def test_cli_generate_refuses_a_bad_setting_without_a_traceback(tmp_path, monkeypatch, capsys):
+    """An unknown family is an argparse error listing the known ones; --device cuda on a host
+    without CUDA exits with the reason (it raised torch's assertion from deep in the engine)."""
+    import torch
+
+    from actors.engine.tiny import FAMILIES
+    from cluster.cli import FAMILIES as CLI_FAMILIES
+
+    assert CLI_FAMILIES == FAMILIES
+    with pytest.raises(SystemExit) as exit_:
+        cli_main(["generate", "--family", "llama2"])
+    assert exit_.value.code == 2 and "invalid choice: 'llama2'" in capsys.readouterr().err
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit, match="raydix generate: device 'cuda': CUDA is not available"):
+        cli_main(["generate", "--model-path", str(tmp_path), "--device", "cuda"])

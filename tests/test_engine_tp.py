@@ -263,7 +263,19 @@ def test_a_cuda_device_is_pinned_to_the_gpu_current_at_construction(monkeypatch)
     """A bare "cuda" means the GPU current in the calling thread; the engine loop and a Ray
     follower's loop run on threads of their own, where it would be GPU 0. The runner's device
     names the index it was built on (every GPU of a node is visible to every rank actor)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
     assert resolve_device("cuda") == torch.device("cuda", 3)
     assert resolve_device("cuda:1") == torch.device("cuda", 1)
+    assert resolve_device("cpu") == torch.device("cpu")
+
+
+def test_a_cuda_device_without_cuda_is_refused_naming_the_fix(monkeypatch):
+    """`raydix generate --device cuda`, a script's --device cuda or an engine config on a host
+    without CUDA: a ValueError that says so, not torch's assertion from deep in its lazy init."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="CUDA is not available here.*use device 'cpu'"):
+        resolve_device("cuda")
+    with pytest.raises(ValueError, match="CUDA is not available"):
+        resolve_device("cuda:1")
     assert resolve_device("cpu") == torch.device("cpu")

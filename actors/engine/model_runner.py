@@ -41,6 +41,10 @@ def resolve_device(name: str) -> torch.device:
     thread, and the engine's other threads (its loop, a TP follower's) would take GPU 0 — with
     every GPU of a node visible to every rank, not the one this rank was given."""
     device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        why = "this torch is built without CUDA" if torch.version.cuda is None else "no GPU is visible"
+        raise ValueError(f"device {name!r}: CUDA is not available here ({why}; torch {torch.__version__}); "
+                         "use device 'cpu'")
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     return device
