@@ -360,7 +360,11 @@ class HostTierMixin:
             if device_indices is None:
                 return None
             host_indices = torch.cat([n.host_value for n in chain])
-            self.cache_controller.queue_load(host_indices, device_indices)
+            try:
+                self.cache_controller.queue_load(host_indices, device_indices)
+            except BaseException:  # (a copy made at once failed) the chain stays on the host, its slots go back
+                self._free(device_indices)
+                raise
             if self.cache_controller.load_pending:  # the host copies stay in use until loading_check
                 for node in chain:
                     node.host_ref_counter += 1

@@ -483,6 +483,27 @@ def test_a_failed_load_copied_again_covers_a_node_split_meanwhile():
     check(cache, alloc)
 
 
+def test_a_failed_copy_made_at_once_gives_the_device_slots_back_and_keeps_the_host_copy():
+    """Without ``overlap_load`` the load back copies at once: failing, it takes no device slot
+    (they went back) and the chain stays host-only, to be loaded by the next hit."""
+    cache, alloc, kv = make(overlap_load=False)
+    m, want = evicted_prefix(cache, alloc, list(range(1, 17)))
+    load_layer = cache.host_pool.load_to_device_per_layer
+
+    def broken_once(*args, **kwargs):
+        cache.host_pool.load_to_device_per_layer = load_layer
+        raise OSError("host memory unreadable")
+
+    cache.host_pool.load_to_device_per_layer = broken_once
+    with pytest.raises(OSError):
+        cache.init_load_back(m.last_host_node, m.host_hit_length)
+    assert m.last_host_node.evicted and alloc.available_size() == 32
+    check(cache, alloc)
+    loaded, _ = cache.init_load_back(m.last_host_node, m.host_hit_length)
+    assert same(read_kv(kv, loaded), want)
+    check(cache, alloc)
+
+
 def test_a_load_that_fails_again_raises_and_leaves_no_reader_waiting():
     cache, alloc, kv = make(overlap_load=True)
     m, _ = evicted_prefix(cache, alloc, list(range(1, 17)))
