@@ -562,14 +562,20 @@ class HiCacheController:
     def read_storage(self, keys: Sequence[str], host_indices: torch.Tensor) -> int:
         """Read pages ``keys`` into ``host_indices`` in order, stopping at the
         first one that is absent or not one page long; returns pages read —
-        with ``peers_read``, the leading pages every rank read."""
+        with ``peers_read``, the leading pages every rank read. A read that raises
+        reads nothing (logged): a storage failure costs the hit, not the request."""
         ps = self.host_pool.page_size
-        count = len(keys)
-        for i, data in enumerate(self.storage.batch_get(keys)):
+        try:
+            values = self.storage.batch_get(keys)
+        except Exception:
+            logger.exception("reading %d pages from the storage tier failed", len(keys))
+            values = []
+        count = 0
+        for i, data in enumerate(values[: len(keys)]):
             if data is None or len(data) != self.host_pool.page_nbytes:
-                count = i
                 break
             self.host_pool.set_page_bytes(host_indices[i * ps : (i + 1) * ps], data)
+            count = i + 1
         self.read_pages += count
         if count and self.peers_read is not None:  # a rank that failed to answer read nothing
             replies = self.peers_read(list(keys[:count]), host_indices[: count * ps].cpu())

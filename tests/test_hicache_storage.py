@@ -304,6 +304,20 @@ def test_prefetch_failures_cost_the_hit_and_leak_nothing(tmp_path, caplog):
     cache.cache_controller.peers_prefetch = None
     check(cache, alloc)
 
+    class FailingReads(HiCacheFile):  # its first read raises, its second answers for 2 of the pages asked
+        def batch_get(self, keys):
+            self.reads = getattr(self, "reads", 0) + 1
+            if self.reads == 1:
+                raise ConnectionError("storage went away")
+            return super().batch_get(keys)[:2]
+
+    cache, alloc, _ = make(page_size=4, size=128, storage_backend=FailingReads(tmp_path))
+    assert cache.prefetch_from_storage(K(tokens)) == 0 and "reading 8 pages from the storage tier failed" in caplog.text
+    check(cache, alloc)
+    assert cache.prefetch_from_storage(K(tokens)) == 8 and cache.match_prefix(K(tokens)).host_hit_length == 8
+    check(cache, alloc)
+
+    cache, alloc, _ = make(page_size=4, size=128, storage_backend=HiCacheFile(tmp_path))
     cache.prefetch_capacity = 16 / cache.host_pool.size  # room for 4 of the 8 pages
     op = cache.start_prefetch(K(tokens))
     assert len(op.keys) == 4 and cache.start_prefetch(K(tokens)) is None
