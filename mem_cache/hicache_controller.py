@@ -508,11 +508,14 @@ class HiCacheController:
             for first in range(0, len(op.keys), step):
                 if op.cancel.is_set():
                     return
-                for i, data in enumerate(self.storage.batch_get(op.keys[first : first + step]), start=first):
+                batch = op.keys[first : first + step]
+                for i, data in enumerate(self.storage.batch_get(batch)[: len(batch)], start=first):
                     if data is None or len(data) != self.host_pool.page_nbytes:
                         return
                     self.host_pool.set_page_bytes(op.host_indices[i * ps : (i + 1) * ps], data)
                     op.pages_read = i + 1
+                if op.pages_read < first + len(batch):  # pages it got no answer for: absent, and those after
+                    return
         except Exception:  # what was read stays usable; the rest counts as absent
             logger.exception("prefetching %d pages from the storage tier failed", len(op.keys))
         finally:

@@ -323,3 +323,23 @@ def test_prefetch_failures_cost_the_hit_and_leak_nothing(tmp_path, caplog):
     assert len(op.keys) == 4 and cache.start_prefetch(K(tokens)) is None
     assert cache.finish_prefetch(op, wait=True) == 16
     check(cache, alloc)
+
+
+def test_a_prefetch_keeps_only_the_pages_before_the_first_one_storage_gave_no_answer_for(tmp_path):
+    """A backend that answers a batch read for fewer pages than asked: the pages after the
+    last answered one count as absent (read, the next batches' pages would have hidden the
+    unread ones behind them: host slots never written, taken as fetched)."""
+    tokens = list(range(300, 372))  # 18 pages: batches of 8
+    want = stored(tmp_path, tokens)
+
+    class ShortAnswers(HiCacheFile):
+        def batch_get(self, keys):
+            return super().batch_get(keys)[:5]
+
+    cold, alloc, kv = make(page_size=4, size=128, storage_backend=ShortAnswers(tmp_path))
+    op = cold.start_prefetch(K(tokens))
+    assert cold.finish_prefetch(op, wait=True) == 20 and op.pages_read == 5
+    m = cold.match_prefix(K(tokens))
+    loaded, _ = cold.init_load_back(m.last_host_node, m.host_hit_length)
+    assert same(read_kv(kv, loaded), [part[:20] for part in want])
+    check(cold, alloc)
