@@ -55,6 +55,11 @@ def test_prefix_reloaded_from_host_after_device_eviction(model_dir, policy, over
     assert (controller._writer is not None) == (overlap and policy == "write_through")  # (write_back: at eviction)
     assert_greedy_parity(model_dir, follow, [out[0]["output_ids"]], 8, [])
     engine.check_integrity()
+    engine.flush_cache()  # the host tier's copies go too: nothing left to load back
+    tree = engine.scheduler.tree_cache
+    assert tree.match_prefix(RadixKey(system)).host_hit_length == 0 == tree.evictable_size()
+    assert tree.host_pool.available_size() == tree.host_pool.size
+    engine.check_integrity()
     engine.shutdown()
 
 

@@ -99,9 +99,14 @@ def check_engine_integrity(sched, runner) -> None:
 
 
 def flush_engine_cache(sched, runner) -> None:
-    """Drop the whole prefix cache (idle engine only)."""
+    """Drop the whole prefix cache (idle engine only): with a host tier its copies too, as
+    SGLang's flush (evicted from the device, a prefix would stay on the host, loaded back
+    by the next request); a file tier keeps its pages."""
     check_engine_integrity(sched, runner)
-    sched.tree_cache.evict(sched.evictable_tokens())
+    tree = sched.tree_cache
+    tree.evict(sched.evictable_tokens())
+    if sched.host_tier:
+        tree.evict_host(tree.host_pool.size)
 
 
 class Engine:
