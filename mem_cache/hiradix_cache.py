@@ -257,8 +257,8 @@ class HiRadixCache(HostTierMixin, RadixCache):
 
     def check_integrity(self) -> None:
         """RadixCache's checks, plus: tiers ordered along paths, evicted nodes
-        backed up and unlocked, page hashes present, host slots held exactly once
-        and never free in the host pool."""
+        backed up and unlocked, nodes being loaded or backed up on the device, page
+        hashes present, host slots held exactly once and never free in the host pool."""
         super().check_integrity()
         for node in self._iter_nodes():
             name = repr(node)
@@ -271,6 +271,10 @@ class HiRadixCache(HostTierMixin, RadixCache):
                 ensure(node.lock_ref == 0, f"{name} is evicted but locked")
             else:
                 ensure(not node.parent.evicted, f"{name} is on the device under an evicted parent")
+        for node in self._loading_nodes:  # (its load writes the slots it holds: freed, they could be reused)
+            ensure(not node.evicted, f"{node!r} is being loaded back but is off the device")
+        ensure(bool(self._loading_nodes) or not self.cache_controller.load_pending,
+               "host-tier loads pending that no loading node holds the slots of")
         for write in self._writing:
             ensure(not write.node.evicted and write.node.lock_ref > 0 and write.node.host_value is not None,
                    f"{write.node!r} is being backed up but is off the device, unlocked or without host slots")

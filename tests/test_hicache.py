@@ -407,6 +407,23 @@ def test_evicting_a_loaded_node_nobody_locked_ends_its_load_first():
     check(cache, alloc)
 
 
+def test_check_integrity_sees_a_load_whose_slots_no_node_holds():
+    """A load still to land whose node left the device (its slots freed, to be reused) or
+    that no loading node holds any more: both are reported, not taken for a quiet tree."""
+    cache, alloc, _ = make(overlap_load=True)
+    m, _ = evicted_prefix(cache, alloc, list(range(1, 17)))
+    _, node = cache.init_load_back(m.last_host_node, m.host_hit_length)
+    cache.check_integrity()
+    cache.evictable_size_ -= len(node.value)  # evicted behind the load's back
+    cache._free(node.value)
+    node.value = None
+    with pytest.raises(IntegrityError, match="being loaded back but is off the device"):
+        cache.check_integrity()
+    cache._loading_nodes, node.host_ref_counter = [], 0  # or let go of while its copy is pending
+    with pytest.raises(IntegrityError, match="loads pending that no loading node holds"):
+        cache.check_integrity()
+
+
 def test_a_failed_layer_copy_fails_its_readers_then_the_tree_copies_it_again():
     """A layer copy that fails on the loader fails the forward reading it (no hang); ending the
     load re-raises after copying the nodes again in the caller's thread, so the tree never keeps
