@@ -36,16 +36,37 @@ __all__ = ["PDCluster", "PDClient", "WorkerRef", "WorkerStartError", "router_set
 logger = logging.getLogger(__name__)
 
 
-def _tp_placement_group(options: Dict[str, Any], tp_size: int, strategy: str):
-    """One bundle per rank (what each rank actor asks for), packed as configured."""
+def _rank_bundle(options: Dict[str, Any]) -> Dict[str, float]:
+    """What one rank actor asks of its node."""
     bundle = {"CPU": max(options["num_cpus"], 0.01)}
     if options.get("num_gpus"):
         bundle["GPU"] = options["num_gpus"]
     bundle.update(options.get("resources", {}))
+    return bundle
+
+
+def _shortfall(asks: Dict[str, float]) -> str:
+    """The resources of ``asks`` (totals) the cluster does not have in all, as text ("" if none:
+    then only resources in use hold a start up). An autoscaler adds nodes on demand, so a
+    shortfall is waited out, not refused."""
+    total = ray.cluster_resources()
+    return ", ".join(f"{name} {need:g} (the cluster has {total.get(name, 0):g})"
+                     for name, need in sorted(asks.items()) if total.get(name, 0) < need)
+
+
+def _tp_placement_group(options: Dict[str, Any], tp_size: int, strategy: str, worker_id: str, timeout_s: float,
+                        lacks: str = ""):
+    """One bundle per rank (what each rank actor asks for), packed as configured. ``lacks``:
+    what the cluster lacked at the start (named if the group never fits)."""
+    bundle = _rank_bundle(options)
     pg = placement_group([dict(bundle) for _ in range(tp_size)], strategy=strategy)
     try:
-        ray.get(pg.ready(), timeout=300)
-    except BaseException:  # left pending, it would take the resources once they appear, for no actor
+        ray.get(pg.ready(), timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        remove_placement_group(pg)  # left pending, it would take the resources once they appear, for no actor
+        raise WorkerStartError(f"{worker_id}: no room for its {tp_size} ranks ({bundle} each, {strategy}) after "
+                               f"{timeout_s:.0f}s" + (f"; the cluster lacks {lacks}" if lacks else "")) from None
+    except BaseException:
         remove_placement_group(pg)
         raise
     return pg
@@ -74,13 +95,14 @@ def _cause(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {lines[-1] if lines else text}"
 
 
-def _await_started(workers: List[WorkerRef], timeout_s: float) -> None:
+def _await_started(workers: List[WorkerRef], timeout_s: float, lacks: str = "") -> None:
     """Wait until every rank of every worker is constructed, failing fast.
 
     Each rank is watched on its own: a follower whose actor dies while starting
     (a bad shard, no memory, an import error) ends start-up at once, naming it,
     instead of leaving rank 0 blocked in the TP rendezvous until its timeout.
-    Sets each worker's ``node_id`` (rank 0's node).
+    Sets each worker's ``node_id`` (rank 0's node). ``lacks``: what the cluster lacked for
+    them at the start (named if they time out).
     """
     pending = {}
     for worker in workers:
@@ -92,7 +114,8 @@ def _await_started(workers: List[WorkerRef], timeout_s: float) -> None:
         done, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
         if not done:
             late = sorted({f"{w.worker_id} rank {r}" for w, r in pending.values()})
-            raise WorkerStartError(f"not started after {timeout_s:.0f}s: {', '.join(late[:6])}")
+            raise WorkerStartError(f"not started after {timeout_s:.0f}s: {', '.join(late[:6])}"
+                                   + (f"; the cluster lacks {lacks}" if lacks else ""))
         worker, rank = pending.pop(done[0])
         try:
             value = ray.get(done[0])
@@ -173,9 +196,10 @@ class PDCluster:
         self.decode: List[WorkerRef] = []
         self._removing: set = set()  # ids of the workers remove_worker is draining
 
-    def _start_worker(self, role: str, index: int) -> WorkerRef:
+    def _start_worker(self, role: str, index: int, deadline: float, lacks: str = "") -> WorkerRef:
         """Rank 0 (the worker actor) and, for ``tp_size > 1``, its follower rank actors,
-        packed into one placement group and joined at a rendezvous on rank 0's node."""
+        packed into one placement group (ready by ``deadline``, a monotonic time) and
+        joined at a rendezvous on rank 0's node. ``lacks``: see :meth:`_lacks`."""
         cfg = self.config
         group = cfg.group(role)
         worker_id = f"{role}-{index}-{uuid.uuid4().hex[:6]}"
@@ -184,7 +208,8 @@ class PDCluster:
         placement, dist_init_method, handles = None, None, []
         try:
             if group.tp_size > 1:
-                placement = _tp_placement_group(options, group.tp_size, cfg.placement.tp_group_strategy)
+                placement = _tp_placement_group(options, group.tp_size, cfg.placement.tp_group_strategy, worker_id,
+                                                max(0.0, deadline - time.monotonic()), lacks)
                 dist_init_method = ray.get(_rendezvous.options(scheduling_strategy=_in_bundle(placement, 0)).remote())
             agent_options = cfg.transfer.agent_options()
             kwargs = dict(model_path=self.model_path, engine_args=engine_args, backend=cfg.transfer.backend,
@@ -210,6 +235,20 @@ class PDCluster:
         handle, followers = handles[0], handles[1:]
         return WorkerRef(worker_id, role, handle, node_id="", followers=followers, placement_group=placement)
 
+    def _lacks(self, workers: Dict[str, int], timeout_s: float) -> str:
+        """What the cluster lacks in all for ``workers`` (count per role) next to what runs
+        already, warned of at once: a start that can only wait for an autoscaler says so."""
+        asks: Dict[str, float] = {}
+        for role, side in (("prefill", self.prefill), ("decode", self.decode)):
+            ranks = self.config.group(role).tp_size * (len(side) + workers.get(role, 0))  # (running ones hold theirs)
+            for name, need in _rank_bundle(_actor_options(self.config, role)).items():
+                asks[name] = asks.get(name, 0) + need * ranks
+        lacks = _shortfall(asks)
+        if lacks:
+            logger.warning("the workers ask for more than this Ray cluster has: %s; waiting up to %.0fs for "
+                           "nodes that have it (an autoscaler adds them on demand)", lacks, timeout_s)
+        return lacks
+
     def _engine_args(self, role: str) -> Dict[str, Any]:
         group = self.config.group(role)
         return dict(group.engine_overrides(), device=group.device, tokenizer_path=self.config.model.tokenizer_path,
@@ -228,13 +267,15 @@ class PDCluster:
         them all (pools freed, placement groups removed) and raise
         :class:`WorkerStartError` naming it."""
         self.check_layout()
+        deadline = time.monotonic() + timeout_s
+        lacks = self._lacks({role: self.config.group(role).num_workers for role in ("prefill", "decode")}, timeout_s)
         try:
             for role in ("prefill", "decode"):
                 side = self.prefill if role == "prefill" else self.decode
                 for i in range(self.config.group(role).num_workers):
-                    side.append(self._start_worker(role, i))
+                    side.append(self._start_worker(role, i, deadline, lacks))
             workers = self.prefill + self.decode
-            _await_started(workers, timeout_s)
+            _await_started(workers, max(0.0, deadline - time.monotonic()), lacks)
             ray.get([w.handle.health.remote() for w in workers], timeout=timeout_s)
         except BaseException:  # (Ctrl-C too: a driver that lives on would keep them)
             for worker in self.prefill + self.decode:
@@ -249,9 +290,11 @@ class PDCluster:
         """Start one more ``role`` worker; it joins the rotation (the lists clients share) once healthy."""
         side = self.prefill if role == "prefill" else self.decode
         self.check_layout((role,))
-        worker = self._start_worker(role, len(side))
+        deadline = time.monotonic() + timeout_s
+        lacks = self._lacks({role: 1}, timeout_s)
+        worker = self._start_worker(role, len(side), deadline, lacks)
         try:
-            _await_started([worker], timeout_s)
+            _await_started([worker], max(0.0, deadline - time.monotonic()), lacks)
             ray.get(worker.handle.health.remote(), timeout=timeout_s)
         except BaseException:
             stop_worker(worker, graceful=False)

@@ -394,6 +394,7 @@ class _FakeRay:
 
     def __init__(self):
         self.pg_ready, self.fail_class = True, None
+        self.resources = {"CPU": 64.0, "memory": 1e11}  # ray.cluster_resources()
         self.pgs, self.removed, self.actors, self.killed = [], [], [], []
 
     def placement_group(self, bundles, strategy):
@@ -465,6 +466,7 @@ def fake_ray(monkeypatch):
     monkeypatch.setattr(ray, "get", fake.get)
     monkeypatch.setattr(ray, "remote", fake.remote)
     monkeypatch.setattr(ray, "kill", lambda handle: fake.killed.append(handle))
+    monkeypatch.setattr(ray, "cluster_resources", lambda: dict(fake.resources))
     return fake
 
 
@@ -475,16 +477,23 @@ def _tp2_cluster():
     return PDCluster(config, model_path="/nonexistent")
 
 
-def test_a_placement_group_that_never_fits_is_removed(fake_ray):
+def test_a_placement_group_that_never_fits_is_removed(fake_ray, caplog):
     """Asking for more than the cluster has (say GPUs it lacks): the TP group's placement group
     never becomes ready; start fails, and the pending group goes (left, it would take those
-    resources the moment they appear, for no actor)."""
+    resources the moment they appear, for no actor). What the cluster lacks is warned of at
+    once (the start waits it out, for an autoscaler) and named in the error; the wait used
+    to be silent for 300 s and end in a bare GetTimeoutError."""
+    from cluster.pd import WorkerStartError
+
     fake_ray.pg_ready = False
+    fake_ray.resources = {"CPU": 1.0}
     cluster = _tp2_cluster()
-    with pytest.raises(Exception):
-        cluster.start()
+    with caplog.at_level("WARNING", logger="cluster.pd"):
+        with pytest.raises(WorkerStartError, match=r"prefill-0-\w+: no room for its 2 ranks .*the cluster lacks CPU"):
+            cluster.start(timeout_s=5)
+    assert "waiting up to 5s" in caplog.text and "(the cluster has 1)" in caplog.text
     assert fake_ray.pgs and sorted(fake_ray.removed) == sorted(fake_ray.pgs)
-    with pytest.raises(Exception):
+    with pytest.raises(WorkerStartError):
         cluster.add_worker("decode")
     assert sorted(fake_ray.removed) == sorted(fake_ray.pgs)
     assert (cluster.prefill, cluster.decode) == ([], [])
@@ -523,7 +532,7 @@ def test_an_interrupted_start_stops_every_worker_started(fake_ray, monkeypatch):
     """Ctrl-C (or any BaseException) while waiting for the workers: they are stopped all the same."""
     import cluster.pd as pd
 
-    def interrupted(workers, timeout_s):
+    def interrupted(workers, timeout_s, lacks=""):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(pd, "_await_started", interrupted)
