@@ -120,8 +120,9 @@ class _Worker:
         return {"worker_id": self.worker_id, "role": self.role, "draining": self.draining, "time": time.time()}
 
     def _raise_if_broken(self) -> None:
-        if self.broken:
-            raise WorkerBrokenError(f"{self.worker_id} is broken: {self.broken}")
+        broken = self.broken or self.tp_worker.broken  # (the latter: rank 0 tore its TP group down)
+        if broken:
+            raise WorkerBrokenError(f"{self.worker_id} is broken: {broken}")
 
     async def watch_followers(self, followers: List[Any], interval_s: float = 1.0) -> str:
         """Runs (on the actor's event loop) until a TP follower rank is gone; from then on

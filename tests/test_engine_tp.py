@@ -4,18 +4,22 @@ Qwen3-Next — through a batch, chunked prefill and a prefix-cache hit; each ran
 latent; Qwen3-Next: its linear-attention heads' state); a tp_size that cannot
 shard the model fails naming the config field."""
 
+import dataclasses
 import random
+from typing import List
 
 import pytest
 import torch
 
 from actors.engine import Engine
+from actors.engine import tp_worker
 from actors.engine.config import EngineConfig
+from actors.engine.forward_batch import ForwardBatch, ForwardMode
 from actors.engine.model_loader import build_model
 from actors.engine.model_runner import resolve_device
 from actors.engine.parallel import TPGroup
 from actors.engine.tiny import build_tiny_checkpoint, tiny_config
-from actors.engine.tp_worker import TableMirror, apply_table_updates
+from actors.engine.tp_worker import LocalTPGroup, TableMirror, TPGroupBrokenError, TPModelWorker, apply_table_updates
 from mem_cache.mamba_pool import MambaPool
 from mem_cache.radix_key import RadixKey, hash_pages, root_hash
 from tests.parity import assert_greedy_parity
@@ -279,3 +283,93 @@ def test_a_cuda_device_without_cuda_is_refused_naming_the_fix(monkeypatch):
     with pytest.raises(ValueError, match="CUDA is not available"):
         resolve_device("cuda:1")
     assert resolve_device("cpu") == torch.device("cpu")
+
+
+@dataclasses.dataclass(frozen=True)
+class RecordingGroup(TPGroup):
+    """Rank 0 of 2 in this process: messages are recorded, not sent; sums are this rank's own."""
+
+    sent: List = dataclasses.field(default_factory=list)
+
+    def all_reduce(self, x):
+        return x
+
+    def all_min(self, value):
+        return value
+
+    def broadcast_object(self, obj=None):
+        self.sent.append(obj)
+        return obj
+
+    def gather_objects(self, obj):
+        return [obj, None]
+
+
+def one_token_batch():
+    zero, one = torch.zeros(1, dtype=torch.int64), torch.ones(1, dtype=torch.int64)
+    return ForwardBatch(ForwardMode.DECODE, zero, zero, zero, zero, one, zero, one, zero, None, None,
+                        seq_lens_cpu=[1], extend_prefix_lens_cpu=[0], extend_seq_lens_cpu=[1])
+
+
+def test_a_forward_failing_on_rank_0_after_its_batch_went_out_breaks_the_group(checkpoints, monkeypatch):
+    """The follower ran the batch up to an all-reduce rank 0 will never join; a next batch would
+    pair its sums with the wrong ones. Rank 0 sends nothing more: later exchanges fail at once."""
+    group = RecordingGroup(rank=0, size=2)
+    destroyed = []
+    monkeypatch.setattr(tp_worker, "init_tp_group", lambda *args, **kwargs: group)
+    monkeypatch.setattr(torch.distributed, "destroy_process_group", lambda: destroyed.append(True))
+    config = EngineConfig(model_path=checkpoints["llama"], skip_tokenizer_init=True, max_total_tokens=64, tp_size=2)
+    worker = TPModelWorker(config, 0, "tcp://127.0.0.1:1")
+    worker.runner.forward(one_token_batch())
+    assert len(group.sent) == 1 and worker.broken is None
+
+    def fail(*args):
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(worker.runner.model.model.layers[1], "forward", fail)
+    with pytest.raises(RuntimeError, match="injected"):
+        worker.runner.forward(one_token_batch())  # sent, then failed between two all-reduces
+    assert len(group.sent) == 2 and "injected" in worker.broken and destroyed == [True]
+    monkeypatch.undo()
+    for exchange in (lambda: worker.runner.forward(one_token_batch()), worker.sync,
+                     lambda: worker.call_followers("push", None), worker.check_followers):
+        with pytest.raises(TPGroupBrokenError, match="injected"):
+            exchange()
+    worker.shutdown()  # no STOP: nobody listens for it
+    assert len(group.sent) == 2 and destroyed == [True]
+
+
+def test_a_broken_local_group_terminates_its_followers_at_once():
+    class Follower:
+        name, joins, terminated = "rank-1", [], False
+
+        def join(self, timeout=None):
+            self.joins.append(timeout)
+
+        def is_alive(self):
+            return not self.terminated
+
+        def terminate(self):
+            self.terminated = True
+
+    group = LocalTPGroup.__new__(LocalTPGroup)  # (its ranks: a worker whose group broke, one follower)
+    group.worker = type("Worker", (), {"broken": "a forward failed", "shutdown": lambda self: None})()
+    group.processes = [Follower()]
+    group.shutdown()
+    assert group.processes[0].joins[0] == 0 and group.processes[0].terminated
+
+
+def test_a_worker_whose_tp_group_broke_fails_its_health_check():
+    """The heartbeat then takes it out of rotation, as when a follower dies."""
+    from types import SimpleNamespace
+
+    from actors.pd_scheduler import WorkerBrokenError
+    from actors.workers import PrefillWorker
+
+    worker = PrefillWorker.__new__(PrefillWorker)  # (only what health() reads)
+    worker.worker_id, worker.role, worker.draining, worker.broken = "prefill-0", "prefill", False, None
+    worker.tp_worker = SimpleNamespace(broken=None)
+    assert worker.health()["worker_id"] == "prefill-0"
+    worker.tp_worker.broken = "a forward failed (RuntimeError: injected)"
+    with pytest.raises(WorkerBrokenError, match="injected"):
+        worker.health()

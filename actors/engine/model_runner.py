@@ -8,11 +8,12 @@ rows. Nothing is allocated per request afterwards.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
 import time
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, ContextManager, List, Optional, Tuple
 
 import torch
 
@@ -50,6 +51,10 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
+def _no_followers(forward_batch: ForwardBatch) -> ContextManager:
+    return contextlib.nullcontext()
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, buffer_allocator: Optional[BufferAllocator] = None, tp: TPGroup = SINGLE):
         """``buffer_allocator``: where the KV and Mamba pools' buffers come from
@@ -73,7 +78,8 @@ class ModelRunner:
         if attention == "auto":
             attention = "triton" if self.device.type == "cuda" else "torch"
         self.attn_backend = create_attention_backend(attention, device=self.device)
-        self.batch_sender: Optional[Callable[[ForwardBatch], None]] = None  # TP rank 0: batch → the other ranks
+        # TP rank 0: sends the batch to the other ranks, around a forward in step with theirs
+        self.tp_step: Callable[[ForwardBatch], ContextManager] = _no_followers
         self.host_op_log: Optional[List[Tuple]] = None  # TP rank 0: host-tier copies the other ranks replay
         # TP rank 0 with a file tier: the other ranks read these pages into these host slots, answer how many
         self.storage_peers_read: Optional[Callable[[List[str], torch.Tensor], List]] = None
@@ -206,15 +212,14 @@ class ModelRunner:
     def forward(self, forward_batch: ForwardBatch) -> torch.Tensor:
         """Logits of each request's last token, [bs, vocab] fp32."""
         start = time.perf_counter()
-        if self.batch_sender is not None:
-            self.batch_sender(forward_batch)
-        forward_batch.req_to_token_pool = self.req_to_token_pool
-        forward_batch.token_to_kv_pool = self.token_to_kv_pool
-        forward_batch.attn_backend = self.attn_backend
-        self.attn_backend.init_forward_metadata(forward_batch)
-        logits = self.model(forward_batch)
-        if self.device.type == "cuda":  # this stream only: a device-wide sync would also wait for the KV
-            torch.cuda.current_stream(self.device).synchronize()  # pushes on their own streams (kv_push)
+        with self.tp_step(forward_batch):
+            forward_batch.req_to_token_pool = self.req_to_token_pool
+            forward_batch.token_to_kv_pool = self.token_to_kv_pool
+            forward_batch.attn_backend = self.attn_backend
+            self.attn_backend.init_forward_metadata(forward_batch)
+            logits = self.model(forward_batch)
+            if self.device.type == "cuda":  # this stream only: a device-wide sync would also wait for the KV
+                torch.cuda.current_stream(self.device).synchronize()  # pushes on their own streams (kv_push)
         self.forward_time += time.perf_counter() - start
         self.num_forwards += 1
         return logits

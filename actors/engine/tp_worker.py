@@ -41,13 +41,14 @@ Hosting (the Ray rank actors do the same as :class:`LocalTPGroup`)::
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import logging
 import os
 import socket
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -65,6 +66,10 @@ logger = logging.getLogger(__name__)
 
 STOP, CHECK, CALL = "stop", "check", "call"  # control messages besides a BatchMessage
 LOCAL_FIELDS = ("req_to_token_pool", "token_to_kv_pool", "attn_backend")  # each rank fills in its own
+
+
+class TPGroupBrokenError(RuntimeError):
+    """Rank 0 can no longer drive its followers: an earlier exchange with them failed midway."""
 
 
 @dataclass
@@ -156,6 +161,7 @@ class TPModelWorker:
         self._mamba_pool = getattr(self.runner, "mamba_pool", None)
         self._host_tier: Optional[HiCacheController] = None  # a follower's replayer of rank 0's host-tier copies
         self._stopped = False
+        self.broken: Optional[str] = None  # rank 0: why the group was torn down (see _exchange)
         # follower side of call_followers(): name -> fn(payload) -> reply (picklable)
         self.handlers: Dict[str, Callable[[Any], Any]] = {}
         if self.tp.size > 1 and self.tp.is_leader:
@@ -167,7 +173,7 @@ class TPModelWorker:
                 if config.hicache_storage_dir:
                     self.runner.storage_peers_read = lambda keys, host: self.call_followers("storage_read", (keys, host))
                     self.runner.storage_peers_prefetch = self.call_followers
-            self.runner.batch_sender = self._send_batch
+            self.runner.tp_step = self._step
         elif self.tp.size > 1 and config.enable_hierarchical_cache:
             pool = self.runner.token_to_kv_pool
             storage = None
@@ -181,6 +187,40 @@ class TPModelWorker:
             self.handlers["prefetch_end"] = self._host_tier.peer_prefetch_end
 
     # ---- rank 0 ------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _exchange(self, what: str) -> Iterator[None]:
+        """Rank 0: one exchange with the followers (a message, or a forward in step with
+        theirs). One that fails midway leaves the ranks at different points of their
+        collectives: a follower may wait in an all-reduce this rank never joins, and would
+        pair it with one of this rank's next batch (silently wrong sums). So this rank joins
+        no collective again: every later exchange raises :class:`TPGroupBrokenError` at once,
+        and the process group is destroyed (another may be made in this process). A follower
+        left waiting fails at the group's timeout, or as soon as this process ends."""
+        if self.broken is not None:
+            raise TPGroupBrokenError(f"TP group of rank 0 is broken: {self.broken}")
+        try:
+            yield
+        except BaseException as exc:
+            self._break(f"{what} failed ({type(exc).__name__}: {exc})")
+            raise
+
+    def _break(self, reason: str) -> None:
+        if self.broken is not None:
+            return
+        self.broken = reason
+        logger.error("TP rank 0: %s; the TP group is broken: no further batch runs", reason)
+        try:
+            torch.distributed.destroy_process_group()
+        except Exception:
+            logger.exception("TP rank 0: could not destroy the process group")
+
+    @contextlib.contextmanager
+    def _step(self, batch: ForwardBatch) -> Iterator[None]:
+        """``runner.tp_step``: the batch to the followers, then this rank's forward."""
+        with self._exchange("a forward"):
+            self._send_batch(batch)
+            yield
+
     def _send_batch(self, batch: Optional[ForwardBatch]) -> None:
         ops: List[Tuple] = []
         if self._mamba_pool is not None:
@@ -199,7 +239,8 @@ class TPModelWorker:
         on every rank (a KV transfer into freshly allocated Mamba slots: their
         zeroing must not be replayed after the transfer's write)."""
         if self.tp.size > 1:
-            self._send_batch(None)
+            with self._exchange("a sync"):
+                self._send_batch(None)
 
     def call_followers(self, name: str, payload: Any) -> List[Any]:
         """Rank 0: run ``handlers[name](payload)`` on every follower, in step with
@@ -209,8 +250,9 @@ class TPModelWorker:
         if self.tp.size == 1:
             return []
         self.sync()  # pending table entries and Mamba ops land before the call acts on those slots
-        self.tp.broadcast_object((CALL, name, payload))
-        return self.tp.gather_objects(None)[1:]
+        with self._exchange(f"call {name!r}"):
+            self.tp.broadcast_object((CALL, name, payload))
+            return self.tp.gather_objects(None)[1:]
 
     def _answer_call(self, name: str, payload: Any) -> None:
         try:
@@ -225,8 +267,9 @@ class TPModelWorker:
         sent them. Returns every rank's KVCacheSpec, in rank order."""
         if self.tp.size == 1:
             return [self.runner.spec]
-        self.tp.broadcast_object(CHECK)
-        replies = self.tp.gather_objects(None)
+        with self._exchange("a check"):
+            self.tp.broadcast_object(CHECK)
+            replies = self.tp.gather_objects(None)
         expected = table_digest(self._mirror.sent)
         for rank, (digest, _) in enumerate(replies[1:], start=1):
             if digest != expected:
@@ -235,16 +278,18 @@ class TPModelWorker:
         return [self.runner.spec] + [spec for _, spec in replies[1:]]
 
     def shutdown(self) -> None:
-        """Rank 0: end the followers' loops, then leave the group (idempotent)."""
+        """Rank 0: end the followers' loops, then leave the group (idempotent; a broken
+        group is gone already)."""
         if self._stopped:
             return
         self._stopped = True
-        if self.tp.size > 1:
+        if self.tp.size > 1 and self.broken is None:
             try:
                 self.sync()  # what the followers have not replayed yet (their share of the last pages stored)
                 self.tp.broadcast_object(STOP)
             finally:  # (a broken group: the followers' next collective fails instead of waiting for STOP)
-                torch.distributed.destroy_process_group()
+                if self.broken is None:  # (a failed sync tore it down)
+                    torch.distributed.destroy_process_group()
 
     # ---- ranks > 0 ----------------------------------------------------------------------
     def follower_loop(self) -> None:
@@ -331,8 +376,10 @@ class LocalTPGroup:
             raise
 
     def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop every rank. The followers of a broken group get no STOP (they may wait in a
+        collective rank 0 left): they are terminated at once."""
         self.worker.shutdown()
-        self._stop_processes(timeout)
+        self._stop_processes(0 if self.worker.broken else timeout)
 
     def _stop_processes(self, timeout: float) -> None:
         for p in self.processes:
