@@ -6,6 +6,7 @@ shard the model fails naming the config field."""
 
 import dataclasses
 import random
+from types import SimpleNamespace
 from typing import List
 
 import pytest
@@ -361,8 +362,6 @@ def test_a_broken_local_group_terminates_its_followers_at_once():
 
 def test_a_worker_whose_tp_group_broke_fails_its_health_check():
     """The heartbeat then takes it out of rotation, as when a follower dies."""
-    from types import SimpleNamespace
-
     from actors.pd_scheduler import WorkerBrokenError
     from actors.workers import PrefillWorker
 
@@ -373,3 +372,24 @@ def test_a_worker_whose_tp_group_broke_fails_its_health_check():
     worker.tp_worker.broken = "a forward failed (RuntimeError: injected)"
     with pytest.raises(WorkerBrokenError, match="injected"):
         worker.health()
+
+
+def test_an_engine_that_fails_to_start_releases_its_tp_group(checkpoints, monkeypatch):
+    """Its followers stop and this process leaves the group: an engine made next (the caller
+    fixed the tokenizer path) can start one of its own."""
+    from actors.engine import engine as engine_module
+
+    groups = []
+
+    class Group:  # the started ranks (their runner is never used: the tokenizer fails first)
+        def __init__(self, config):
+            self.worker, self.stopped = SimpleNamespace(runner=None), False
+            groups.append(self)
+
+        def shutdown(self):
+            self.stopped = True
+
+    monkeypatch.setattr(engine_module, "LocalTPGroup", Group)
+    with pytest.raises(OSError):
+        Engine(model_path=checkpoints["llama"], max_total_tokens=256, tp_size=2, tokenizer_path="/no/such/tokenizer")
+    assert [g.stopped for g in groups] == [True]

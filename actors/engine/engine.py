@@ -113,14 +113,20 @@ class Engine:
     def __init__(self, model_path: str, **kwargs):
         self.config = EngineConfig(model_path=model_path, **kwargs)
         self.tp_group = LocalTPGroup(self.config) if self.config.tp_size > 1 else None  # follower ranks spawned
-        self.runner = self.tp_group.worker.runner if self.tp_group else ModelRunner(self.config)
-        self.tokenizer = None
-        if not self.config.skip_tokenizer_init:
-            from transformers import AutoTokenizer
+        try:
+            self.runner = self.tp_group.worker.runner if self.tp_group else ModelRunner(self.config)
+            self.tokenizer = None
+            if not self.config.skip_tokenizer_init:
+                from transformers import AutoTokenizer
 
-            self.tokenizer = AutoTokenizer.from_pretrained(self.config.tokenizer_path or model_path, local_files_only=True)
-        self.scheduler = Scheduler(self.runner, self.tokenizer)
-        self.eos_token_ids = _eos_ids(model_path, self.runner.model_config)
+                self.tokenizer = AutoTokenizer.from_pretrained(self.config.tokenizer_path or model_path,
+                                                               local_files_only=True)
+            self.scheduler = Scheduler(self.runner, self.tokenizer)
+            self.eos_token_ids = _eos_ids(model_path, self.runner.model_config)
+        except BaseException:  # the followers stop and this process leaves the group (a new engine may join one)
+            if self.tp_group is not None:
+                self.tp_group.shutdown()
+            raise
         self._rids = itertools.count()
         self.loop = EngineLoop(self.scheduler)
 
