@@ -156,6 +156,15 @@ class TPModelWorker:
         if config.device == "cuda":
             torch.cuda.set_device(gpu_id if gpu_id is not None else tp_rank % torch.cuda.device_count())
         self.tp: TPGroup = init_tp_group(tp_rank, config.tp_size, dist_init_method, torch.device(config.device))
+        try:
+            self._init_rank(config, runner_kwargs)
+        except BaseException:  # leave the group: a worker made next in this process (a fixed config) makes its own
+            if self.tp.size > 1:
+                torch.distributed.destroy_process_group()
+            raise
+
+    def _init_rank(self, config: EngineConfig, runner_kwargs: Dict[str, Any]) -> None:
+        """This rank's shard and pools, and its side of the exchanges with the other ranks."""
         self.runner = ModelRunner(config, tp=self.tp, **runner_kwargs)
         self.tables = index_tables(self.runner)
         self._mamba_pool = getattr(self.runner, "mamba_pool", None)
