@@ -354,6 +354,8 @@ def test_a_rank_that_fails_to_start_leaves_its_group(checkpoints, monkeypatch):
 
 
 def test_a_broken_local_group_terminates_its_followers_at_once():
+    """Not 30 s of waiting for a STOP that never came, nor followers left running."""
+
     class Follower:
         name, joins, terminated = "rank-1", [], False
 
@@ -366,10 +368,17 @@ def test_a_broken_local_group_terminates_its_followers_at_once():
         def terminate(self):
             self.terminated = True
 
-    group = LocalTPGroup.__new__(LocalTPGroup)  # (its ranks: a worker whose group broke, one follower)
-    group.worker = type("Worker", (), {"broken": "a forward failed", "shutdown": lambda self: None})()
-    group.processes = [Follower()]
-    group.shutdown()
+    class Worker:  # rank 0: a follower died while the engine was idle; the STOP cannot go out
+        broken = None
+
+        def shutdown(self):
+            self.broken = "a sync failed (RuntimeError: Connection closed by peer)"
+            raise RuntimeError("Connection closed by peer")
+
+    group = LocalTPGroup.__new__(LocalTPGroup)  # (its ranks: that worker and one live follower)
+    group.worker, group.processes = Worker(), [Follower()]
+    with pytest.raises(RuntimeError, match="closed"):
+        group.shutdown()
     assert group.processes[0].joins[0] == 0 and group.processes[0].terminated
 
 

@@ -386,9 +386,11 @@ class LocalTPGroup:
 
     def shutdown(self, timeout: float = 30.0) -> None:
         """Stop every rank. The followers of a broken group get no STOP (they may wait in a
-        collective rank 0 left): they are terminated at once."""
-        self.worker.shutdown()
-        self._stop_processes(0 if self.worker.broken else timeout)
+        collective rank 0 left): they are terminated at once, as when the STOP cannot be sent."""
+        try:
+            self.worker.shutdown()
+        finally:
+            self._stop_processes(0 if self.worker.broken else timeout)
 
     def _stop_processes(self, timeout: float) -> None:
         for p in self.processes:
