@@ -2,7 +2,10 @@
 the same greedy tokens as TP=1 and HF — Llama, DeepSeek-V3, Gemma 3 and
 Qwen3-Next — through a batch, chunked prefill and a prefix-cache hit; each rank holds its share of the KV heads (MLA: the whole
 latent; Qwen3-Next: its linear-attention heads' state); a tp_size that cannot
-shard the model fails naming the config field."""
+shard the model fails naming the config field. Row-parallel biases, tied embeddings
+and KV heads replicated over TP 4 run with the ranks as threads (tests.tp_helpers).
+A failure midway through an exchange with the followers breaks the group: rank 0
+joins no collective again (it would pair with the wrong batch's)."""
 
 import dataclasses
 import random
@@ -24,6 +27,7 @@ from actors.engine.tp_worker import LocalTPGroup, TableMirror, TPGroupBrokenErro
 from mem_cache.mamba_pool import MambaPool
 from mem_cache.radix_key import RadixKey, hash_pages, root_hash
 from tests.parity import assert_greedy_parity
+from tests.tp_helpers import thread_ranks
 
 GREEDY = {"max_new_tokens": 8, "temperature": 0}
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
@@ -174,24 +178,29 @@ def test_more_ranks_than_kv_heads_replicate_them():
     assert attn.k_proj.param_shards["weight"][1] == [range(16, 32)]
 
 
-@pytest.mark.slow
-def test_tp4_with_replicated_kv_heads_equals_tp1(checkpoints):
-    """llama's 2 KV heads on 4 ranks (3 spawned followers): each rank one query head and a KV replica."""
+def test_row_parallel_biases_tied_embeddings_and_replicated_kv_heads_equal_tp1(monkeypatch, tmp_path):
+    """llama with q/k/v/o and MLP biases (a row-parallel bias is added once, after the sum) and
+    tied embeddings: TP 2 splits its 2 KV heads, TP 4 replicates them (one query head and a KV
+    replica per rank). The ranks are threads of this process (tests.tp_helpers)."""
+    thread_ranks(monkeypatch)
+    path = build_tiny_checkpoint("llama", tmp_path / "llama", seed=1, attention_bias=True, mlp_bias=True,
+                                 tie_word_embeddings=True)
     batch, follow = prompts()
-    outputs = {}
-    for tp_size in (1, 4):
-        engine = Engine(model_path=checkpoints["llama"], skip_tokenizer_init=True, max_total_tokens=1024,
-                        tp_size=tp_size)
+    outputs, kv_starts = {}, {}
+    for tp_size in (1, 2, 4):
+        engine = Engine(model_path=str(path), skip_tokenizer_init=True, max_total_tokens=1024, tp_size=tp_size,
+                        chunked_prefill_size=32)
         try:
             outs = engine.generate(input_ids=batch + follow, sampling_params=GREEDY)
             outputs[tp_size] = [o["output_ids"] for o in outs]
             engine.check_integrity()
             if engine.tp_group:
                 specs = engine.loop.run_exclusive(engine.tp_group.worker.check_followers)
-                assert [s.kv_head_start for s in specs] == [0, 0, 1, 1]
+                kv_starts[tp_size] = [s.kv_head_start for s in specs]
         finally:
             engine.shutdown()
-    assert outputs[4] == outputs[1]
+    assert outputs[2] == outputs[1] and outputs[4] == outputs[1]
+    assert kv_starts == {2: [0, 1], 4: [0, 0, 1, 1]}
 
 
 def test_table_mirror_sends_only_changed_entries():

@@ -1,0 +1,113 @@
+"""Tensor parallelism inside one process: every rank of an Engine's TP group is a thread.
+
+:func:`thread_ranks` (with pytest's ``monkeypatch``) makes each ``Engine(tp_size=N)`` of
+the test start :class:`ThreadTPGroup` instead of spawning processes: rank 0 is the
+caller's thread, ranks > 0 run ``follower_loop`` on threads of their own, and the
+collectives are exchanged through a barrier (:class:`ThreadGroup`). The ranks run the
+same TPModelWorker code — sharded loading, the broadcast batches, op replay, the
+all-reduces in every row-parallel layer — in a second, not in process start-ups.
+(The spawned gloo group itself is tested by ``test_engine_tp``'s TP 2 engines.)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import threading
+from typing import Any, Dict, List
+
+import torch
+
+from actors.engine import engine as engine_module
+from actors.engine import tp_worker
+from actors.engine.parallel import TPGroup
+
+BARRIER_TIMEOUT_S = 120.0
+_hubs: Dict[str, "Hub"] = {}  # by the group's init method
+_ids = itertools.count()
+
+
+class Hub:
+    """Where one group's ranks meet: each puts its value in, every rank reads them all."""
+
+    def __init__(self, size: int):
+        self.barrier = threading.Barrier(size, timeout=BARRIER_TIMEOUT_S)
+        self.slots: List[Any] = [None] * size
+
+    def exchange(self, rank: int, value: Any) -> List[Any]:
+        self.slots[rank] = value
+        self.barrier.wait()
+        out = list(self.slots)
+        self.barrier.wait()  # (nobody writes the next exchange's values before all have read these)
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class ThreadGroup(TPGroup):
+    """A rank whose collectives go through ``hub``; sums are taken in rank order on every rank."""
+
+    hub: Any = None
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        parts = self.hub.exchange(self.rank, x.clone())
+        x.copy_(torch.stack(parts).sum(0))
+        return x
+
+    def all_min(self, value: int) -> int:
+        return min(self.hub.exchange(self.rank, value))
+
+    def broadcast_object(self, obj: Any = None) -> Any:
+        return self.hub.exchange(self.rank, obj)[0]
+
+    def gather_objects(self, obj: Any):
+        replies = self.hub.exchange(self.rank, obj)
+        return replies if self.is_leader else None
+
+
+def _init_tp_group(rank: int, size: int, init_method: str, device, timeout=None) -> TPGroup:
+    return ThreadGroup(rank, size, hub=_hubs[init_method])
+
+
+def _leave_group() -> None:
+    """(``destroy_process_group``) nothing to leave."""
+
+
+class ThreadTPGroup:
+    """:class:`~actors.engine.tp_worker.LocalTPGroup`'s interface, every rank a thread."""
+
+    def __init__(self, config):
+        tp_worker.check_tp_shardable(config)
+        self.init_method = init_method = f"thread://{next(_ids)}"
+        _hubs[init_method] = self.hub = Hub(config.tp_size)
+        self.followers: List[tp_worker.TPModelWorker] = []
+        self.threads = [threading.Thread(target=self._follow, args=(config, rank, init_method), daemon=True,
+                                         name=f"raydix-tp-thread-{rank}") for rank in range(1, config.tp_size)]
+        for thread in self.threads:
+            thread.start()
+        self.worker = tp_worker.TPModelWorker(config, 0, init_method)
+
+    def _follow(self, config, rank: int, init_method: str) -> None:
+        try:
+            worker = tp_worker.TPModelWorker(config, rank, init_method)
+            self.followers.append(worker)
+            worker.follower_loop()
+        except BaseException:
+            self.hub.barrier.abort()  # the other ranks' collectives fail now, as a peer process's exit does
+            raise
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        try:
+            self.worker.shutdown()
+        finally:
+            if self.worker.broken:
+                self.hub.barrier.abort()
+            for thread in self.threads:
+                thread.join(timeout)
+            _hubs.pop(self.init_method, None)
+
+
+def thread_ranks(monkeypatch) -> None:
+    """Engines made from now on in the test run their TP ranks as threads."""
+    monkeypatch.setattr(engine_module, "LocalTPGroup", ThreadTPGroup)
+    monkeypatch.setattr(tp_worker, "init_tp_group", _init_tp_group)
+    monkeypatch.setattr(torch.distributed, "destroy_process_group", _leave_group)
