@@ -180,6 +180,7 @@ class HiCacheController:
         self._transfer: Optional[dict] = None
         self._load_stream: Any = None
         self._loader: Optional[ThreadPoolExecutor] = None
+        self._lost_loads: List[torch.Tensor] = []  # device slots of failed loads copied again in vain
         # start_write → (the writer thread) → the future done; finish_writes waits for all
         self.overlap_write = overlap_write
         self._writes: List[Future] = []
@@ -369,7 +370,8 @@ class HiCacheController:
     def wait_loading(self) -> None:
         """Block until the transfer in flight has reached the device. If it failed, its
         loads are copied again here, synchronously (the forward that read them failed;
-        the slots must not keep what did not land), and the error is raised."""
+        the slots must not keep what did not land), and the error is raised. If the copy
+        again fails too, its device slots hold no KV: :meth:`take_lost_loads` names them."""
         transfer, self._transfer = self._transfer, None
         if transfer is None:
             return
@@ -388,9 +390,19 @@ class HiCacheController:
                     self._load_stream.synchronize()
                 except Exception:
                     logger.exception("the load stream failed too")
-            self._copy_now(transfer["host"], transfer["device"])
+            try:
+                self._copy_now(transfer["host"], transfer["device"])
+            except BaseException:
+                self._lost_loads.append(transfer["device"])
+                raise
             raise
         self.layer_done_counter.end()
+
+    def take_lost_loads(self) -> Optional[torch.Tensor]:
+        """The device slots of the loads that failed twice (see :meth:`wait_loading`) since
+        the last call, or None; whoever holds them must not read them as KV."""
+        lost, self._lost_loads = self._lost_loads, []
+        return torch.cat(lost) if lost else None
 
     def close(self) -> None:
         """End any transfer, backup and storage write, and their threads."""

@@ -79,6 +79,9 @@ class HiRadixCache(HostTierMixin, RadixCache):
       with ``overlap_load`` the copy is queued: ``ready_to_load_host_cache()``
       starts it before the forward, ``loading_check()`` ends it after; with
       ``async_storage_writes`` a storage thread writes the pages of backups;
+      a load that fails, and fails again when copied again, leaves its nodes' device
+      slots without KV: no match finds them, and they leave the device (host copy kept)
+      at their last ``dec_lock_ref`` — at once when nobody locks them;
     * with ``overlap_write`` a write-through backup (a hit) copies off the loop,
       its node locked meanwhile: ``writing_check()`` ends the copies done (the
       scheduler calls it every step; ``evict`` waits for them when it needs
@@ -120,6 +123,7 @@ class HiRadixCache(HostTierMixin, RadixCache):
         )
         self._writing: List[WriteInFlight] = []  # backups in flight, in the order started: each locks its node
         self._loading_nodes: List[TreeNode] = []  # loaded back, their copy not ended: host copies held
+        self._lost_slots: Optional[torch.Tensor] = None  # device slots loads failed to fill, still locked
         self.prefetch_ops: List[PrefetchOp] = []  # started, not finished: each owns its host slots
         self._prefetch_ids = 0
         self.prefetch_capacity = 0.5  # of the host pool, that the prefetches in flight may hold together
@@ -133,6 +137,7 @@ class HiRadixCache(HostTierMixin, RadixCache):
         self.cancel_prefetches()
         super().reset()
         self.host_pool.clear()
+        self._lost_slots = None
 
     def _add_leaf(self, parent: TreeNode, key: RadixKey, value: torch.Tensor, priority: int, now: int) -> TreeNode:
         leaf = super()._add_leaf(parent, key, value, priority, now)
@@ -152,6 +157,8 @@ class HiRadixCache(HostTierMixin, RadixCache):
         if self.disable or len(key) == 0:
             return MatchResult(self._empty(), self.root_node, self.root_node, 0)
         values, node = self._match_prefix_helper(self._page_align(key))
+        if self._lost_slots is not None:
+            values, node = self._cut_before_lost(values, node)
         device_values = [v for v in values if v is not None]
         last_host_node, host_hit_length = node, 0
         while node.evicted:
@@ -161,6 +168,18 @@ class HiRadixCache(HostTierMixin, RadixCache):
             last_host_node = last_host_node.parent
         indices = torch.cat(device_values) if device_values else self._empty()
         return MatchResult(indices, node, last_host_node, host_hit_length)
+
+    def _cut_before_lost(self, values: List[Optional[torch.Tensor]], node: TreeNode):
+        """A match's ``(values, node)`` up to the first node of its path that holds lost slots."""
+        path = []  # root (excluded) → node: one entry per value
+        while node is not self.root_node:
+            path.append(node)
+            node = node.parent
+        path.reverse()
+        for i, each in enumerate(path):
+            if self._holds_lost_slots(each):
+                return values[:i], each.parent
+        return values, path[-1] if path else self.root_node
 
     def insert(self, key: RadixKey, value: Optional[torch.Tensor] = None, priority: int = 0) -> int:
         """As RadixCache's; a host-only node on the path adopts the caller's slots
@@ -203,6 +222,13 @@ class HiRadixCache(HostTierMixin, RadixCache):
             node.hit_count += 1
             if threshold is not None and node.hit_count >= threshold and not node.backuped:
                 self._backup(node, now=False)
+
+    def dec_lock_ref(self, node: TreeNode) -> int:
+        """As RadixCache's; a node holding lost slots leaves the device at its last unlock."""
+        delta = super().dec_lock_ref(node)
+        if self._lost_slots is not None:
+            self._drop_lost_loads()
+        return delta
 
     # ---- device eviction -----------------------------------------------------
     def evict(self, num_tokens: int) -> int:
@@ -271,6 +297,9 @@ class HiRadixCache(HostTierMixin, RadixCache):
                 ensure(node.lock_ref == 0, f"{name} is evicted but locked")
             else:
                 ensure(not node.parent.evicted, f"{name} is on the device under an evicted parent")
+        for node in self._iter_nodes():  # (unlocked, it would have left the device)
+            ensure(not self._holds_lost_slots(node) or node.lock_ref > 0,
+                   f"{node!r} holds device slots a failed load left without KV, and nobody locks it")
         for node in self._loading_nodes:  # (its load writes the slots it holds: freed, they could be reused)
             ensure(not node.evicted, f"{node!r} is being loaded back but is off the device")
         ensure(bool(self._loading_nodes) or not self.cache_controller.load_pending,

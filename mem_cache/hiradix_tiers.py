@@ -386,19 +386,54 @@ class HostTierMixin:
         self.cache_controller.start_loading()
 
     def loading_check(self) -> None:
-        """End the loads (started or not) and give their host copies back to ``evict_host``.
-        After this, no copy writes device slots the tree may free."""
+        """End the loads — the transfer in flight, then the queued ones, even when the first
+        fails — and give their host copies back to ``evict_host``. After this, no copy writes
+        device slots the tree may free. A failed transfer is copied again before the error is
+        raised; if that fails too, the nodes holding its slots leave the device (see
+        :meth:`_drop_lost_loads`)."""
         controller = self.cache_controller
         if not (controller.load_pending or self._loading_nodes):
             return
-        try:  # (a failed transfer is copied again by wait_loading before it raises: the slots hold the KV)
-            controller.start_loading()
-            controller.wait_loading()
+        try:
+            try:
+                controller.wait_loading()  # the transfer in flight (raising, it has ended all the same)
+            finally:
+                controller.start_loading()  # the queued loads: their host refs go below, so they end too
+                controller.wait_loading()
         finally:
             controller.log_load_sync()
             for node in self._loading_nodes:
                 node.host_ref_counter -= 1
             self._loading_nodes = []
+            lost = controller.take_lost_loads()
+            if lost is not None:
+                self._lost_slots = lost if self._lost_slots is None else torch.cat([self._lost_slots, lost])
+                self._drop_lost_loads()
+
+    def _drop_lost_loads(self) -> None:
+        """Take the unlocked nodes that hold lost slots (a load that failed twice left them
+        without KV) off the device, with the device nodes under them, deepest first: a node
+        with a host copy stays host-only, for the next hit to load again. The lost slots of
+        nodes still locked stay lost (no match finds them) until their last unlock."""
+        lost = [n for n in self._iter_nodes() if self._holds_lost_slots(n)]
+        for node in lost:
+            if node.lock_ref == 0 and not node.evicted:  # (under an earlier one: gone with it)
+                self._evict_device_subtree(node)
+        kept = [n.value for n in self._iter_nodes() if self._holds_lost_slots(n)]  # (those still locked)
+        self._lost_slots = torch.cat(kept) if kept else None
+
+    def _holds_lost_slots(self, node: TreeNode) -> bool:
+        lost = self._lost_slots
+        return lost is not None and not node.evicted and bool(torch.isin(node.value, lost).any())
+
+    def _evict_device_subtree(self, node: TreeNode) -> None:
+        """``node`` and the device nodes under it (unlocked, as ``node`` is) leave the device."""
+        order, stack = [], [node]
+        while stack:
+            order.append(stack.pop())
+            stack.extend(child for child in order[-1].children.values() if not child.evicted)
+        for each in reversed(order):  # children before their parent
+            self._evict_device_node(each)
 
     def _evicted_chain(self, node: TreeNode) -> List[TreeNode]:
         chain = []

@@ -17,6 +17,7 @@ from actors.engine.scheduler import Scheduler
 from actors.engine.tiny import build_tiny_checkpoint
 from mem_cache.hicache_storage import HiCacheFile
 from mem_cache.radix_key import RadixKey
+from tests.hicache_helpers import scramble
 from tests.parity import assert_greedy_parity
 
 GREEDY = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
@@ -243,3 +244,33 @@ def test_a_request_that_got_no_prefetch_at_arrival_still_gets_its_pages_at_admis
     assert_greedy_parity(model_dir, [follow.origin_input_ids], [follow.output_ids], 8, [])
     check_engine_integrity(sched, sched.runner)
     sched.close()
+
+
+def test_a_request_whose_prefix_fails_to_load_twice_fails_and_the_next_one_loads_it_again(model_dir):
+    """The host → device copy of a request's prefix fails, and so does the copy again: the
+    request fails (its step does), and the slots that hold no KV are no hit for the next
+    request with that prefix — its prefix comes from the host again and its tokens equal HF's."""
+    engine = Engine(model_path=model_dir, skip_tokenizer_init=True, max_total_tokens=256, page_size=4,
+                    enable_hierarchical_cache=True, hicache_ratio=4.0, hicache_overlap_load=True)
+    rng, tree = random.Random(9), engine.scheduler.tree_cache
+    system = tokens(rng, 96)
+    engine.generate(input_ids=[system + tokens(rng, 4)], sampling_params=GREEDY)
+    engine.loop.run_exclusive(lambda: tree.evict(256))
+    scramble(tree.cache_controller.device_pool)  # what a slot holds if no copy lands in it
+    host = tree.cache_controller.host_pool
+    load_layer = host.load_to_device_per_layer
+
+    def broken(*args, **kwargs):
+        raise OSError("host memory unreadable")
+
+    host.load_to_device_per_layer = broken
+    follow = [system + tokens(rng, 5)]
+    with pytest.raises(OSError, match="unreadable"):
+        engine.generate(input_ids=follow, sampling_params=GREEDY)
+    host.load_to_device_per_layer = load_layer
+    engine.check_integrity()
+    out = engine.generate(input_ids=follow, sampling_params=GREEDY)
+    assert out[0]["meta_info"]["cached_tokens"] >= 96
+    assert_greedy_parity(model_dir, follow, [out[0]["output_ids"]], 8, [])
+    engine.check_integrity()
+    engine.shutdown()

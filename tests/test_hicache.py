@@ -599,3 +599,104 @@ def test_cuda_start_loading_returns_before_the_copies_run():
     controller.wait_loading()
     assert same(got, want)
     controller.close()
+
+
+@pytest.mark.parametrize("taken", [True, False])
+def test_a_load_that_fails_twice_leaves_the_device_and_the_next_hit_loads_it_again(taken):
+    """The copy fails and so does the copy again: the slots hold no KV. No match finds them
+    while the request that needed them (``taken``) still locks the node; they go back once it
+    lets go (at once when nobody locks it), and the node keeps its host copy: the next hit
+    loads it again."""
+    cache, alloc, kv = make(overlap_load=True)
+    tokens = list(range(1, 17))
+    m, want = evicted_prefix(cache, alloc, tokens)
+    _, node = cache.init_load_back(m.last_host_node, m.host_hit_length)
+    if taken:
+        cache.inc_lock_ref(node)
+    load_layer = cache.host_pool.load_to_device_per_layer
+
+    def broken(*args, **kwargs):
+        raise OSError("host memory unreadable")
+
+    cache.host_pool.load_to_device_per_layer = broken
+    cache.ready_to_load_host_cache()
+    with pytest.raises(OSError):
+        cache.loading_check()
+    cache.host_pool.load_to_device_per_layer = load_layer
+    if taken:
+        again = cache.match_prefix(K(tokens))
+        assert again.device_indices.numel() == 0 and again.host_hit_length == 0
+        cache.dec_lock_ref(node)
+    assert node.evicted and node.backuped and alloc.available_size() == 32
+    check(cache, alloc)
+    again = cache.match_prefix(K(tokens))
+    assert again.host_hit_length == 16
+    loaded, _ = cache.init_load_back(again.last_host_node, again.host_hit_length)
+    cache.ready_to_load_host_cache()
+    cache.loading_check()
+    assert same(read_kv(kv, loaded), want)
+    check(cache, alloc)
+
+
+def test_a_failed_transfer_in_flight_still_ends_the_loads_queued_behind_it():
+    """A load queued while an earlier transfer is in flight: that transfer failing while
+    ``loading_check`` ends it must not leave the queued load pending once its nodes' host
+    copies are given back (they could be evicted, and its slots freed, before it copies)."""
+    cache, alloc, kv = make(overlap_load=True, size=64)
+    first, second = list(range(1, 17)), list(range(101, 117))
+    _, want_first = cached(cache, alloc, first)
+    _, want = cached(cache, alloc, second, seed=1)
+    assert cache.evict(32) == 32
+    scramble(kv)
+    m, m2 = cache.match_prefix(K(first)), cache.match_prefix(K(second))
+    loaded, _ = cache.init_load_back(m.last_host_node, m.host_hit_length)
+    load_layer = cache.host_pool.load_to_device_per_layer
+
+    def broken_once(*args, **kwargs):
+        cache.host_pool.load_to_device_per_layer = load_layer
+        raise OSError("host memory unreadable")
+
+    cache.host_pool.load_to_device_per_layer = broken_once
+    cache.ready_to_load_host_cache()
+    loaded2, node2 = cache.init_load_back(m2.last_host_node, m2.host_hit_length)
+    with pytest.raises(OSError):
+        cache.loading_check()
+    assert not cache.cache_controller.load_pending and node2.host_ref_counter == 0
+    assert same(read_kv(kv, loaded), want_first) and same(read_kv(kv, loaded2), want)
+    check(cache, alloc)
+
+
+def test_a_lost_load_takes_what_was_loaded_under_it_off_the_device_too():
+    """A transfer in flight that fails twice, with a load queued behind it of the prefix's
+    continuation: that one lands, but its node sits under lost ones, so it leaves the device
+    with them (no device node under a host-only one); both keep their host copies."""
+    cache, alloc, kv = make(overlap_load=True, size=64)
+    tokens = list(range(1, 33))
+    _, want = cached(cache, alloc, tokens)
+    assert cache.evict(32) == 32
+    scramble(kv)
+    m = cache.match_prefix(K(tokens[:16]))  # (splits the node)
+    cache.init_load_back(m.last_host_node, m.host_hit_length)
+    load_layer, calls = cache.host_pool.load_to_device_per_layer, []
+
+    def broken_twice(*args, **kwargs):  # the transfer, then the copy again
+        calls.append(1)
+        if len(calls) == 2:
+            cache.host_pool.load_to_device_per_layer = load_layer
+        raise OSError("host memory unreadable")
+
+    cache.host_pool.load_to_device_per_layer = broken_twice
+    cache.ready_to_load_host_cache()
+    m = cache.match_prefix(K(tokens))
+    assert len(m.device_indices) == 16 and m.host_hit_length == 16
+    _, below = cache.init_load_back(m.last_host_node, m.host_hit_length)
+    with pytest.raises(OSError):
+        cache.loading_check()
+    assert below.evicted and alloc.available_size() == 64
+    check(cache, alloc)
+    m = cache.match_prefix(K(tokens))
+    assert m.host_hit_length == 32
+    loaded, _ = cache.init_load_back(m.last_host_node, m.host_hit_length)
+    cache.loading_check()
+    assert same(read_kv(kv, loaded), want)
+    check(cache, alloc)
