@@ -5,11 +5,16 @@ from __future__ import annotations
 import asyncio
 import itertools
 import random
-from typing import Dict, List, Optional
+import threading
+import time
+from typing import Callable, Dict, List, Optional
 
 from transfer.base import KVHandoff
 
 _rids = itertools.count()
+# a request the test ends itself (an abort, a hook), never by its length: however slow the host,
+# it is still decoding when the test acts on it
+ENDLESS = {"max_new_tokens": 1500, "temperature": 0, "ignore_eos": True}
 
 
 async def run_pd(prefill, decode, input_ids: List[int], params: Optional[Dict] = None, rid: Optional[str] = None,
@@ -56,3 +61,31 @@ def make_pair(path, page_size=1, prefill_args=None, decode_args=None, backend="s
     prefill = PrefillWorker(path, dict(base, **(prefill_args or {})), backend=backend)
     decode = DecodeWorker(path, dict(base, **(decode_args or {})), backend=backend, **decode_kwargs)
     return prefill, decode
+
+
+async def until(predicate: Callable[[], bool], timeout_s: float = 30.0, what: str = "the condition") -> None:
+    """Poll ``predicate`` until it holds; fail after ``timeout_s`` (a test never hangs)."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} did not come within {timeout_s}s")
+        await asyncio.sleep(0.002)
+
+
+def pause_once(worker, predicate: Callable[[], bool]) -> threading.Event:
+    """Pause ``worker``'s loop right after the first step at whose end ``predicate()`` holds
+    (asked on the loop thread, so no step runs between the check and the pause: a request
+    seen decoding there is still decoding, whatever its length and the host's speed).
+    Returns the event set then; ``worker.loop.resume()`` goes on."""
+    sched, paused = worker.scheduler, threading.Event()
+    step = sched.step
+
+    def step_then_check():
+        out = step()
+        if not paused.is_set() and predicate():
+            worker.loop.pause()  # (the loop holds its condition: re-entrant)
+            paused.set()
+        return out
+
+    sched.step = step_then_check
+    return paused

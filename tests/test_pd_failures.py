@@ -10,7 +10,7 @@ import pytest
 
 from actors.engine.tiny import build_tiny_checkpoint
 from actors.pd_scheduler import PDRequestError
-from tests.pd_helpers import make_pair, prompts, run_pd
+from tests.pd_helpers import ENDLESS, make_pair, pause_once, prompts, run_pd, until
 
 GREEDY = {"max_new_tokens": 8, "temperature": 0}
 LONG = {"max_new_tokens": 200, "temperature": 0, "ignore_eos": True}
@@ -76,8 +76,7 @@ def test_a_notice_the_decode_side_cannot_take_fails_its_request_only_and_leaks_n
 
     async def go():
         running = asyncio.ensure_future(run_pd(prefill, decode, other, LONG))  # an innocent bystander
-        while not decode.loop.run_exclusive(lambda: bool(decode.scheduler.running)):
-            await asyncio.sleep(0.01)
+        await until(lambda: decode.loop.run_exclusive(lambda: bool(decode.scheduler.running)), what="the bystander")
         handoffs = await decode.reserve("bad", ids, params)
         notice = await prefill.prefill("bad", ids, params, handoffs)
         if bad == "no_first_token":
@@ -148,11 +147,9 @@ def test_a_running_request_aborted_just_before_a_failed_step_is_released(checkpo
 
     async def go():
         attempt = {}
+        paused = pause_once(decode, lambda: bool(sched.running))  # "a" decoding, the loop held between steps
         task = asyncio.ensure_future(run_pd(prefill, decode, ids, LONG, rid="a", attempt=attempt))
-        while not decode.loop.run_exclusive(lambda: bool(sched.running)):
-            await asyncio.sleep(0.01)
-        decode.loop.pause()
-        await asyncio.sleep(0.05)  # the step in progress ends
+        await until(paused.is_set, what="a decoding")
         assert await decode.abort("a", "the client went away", safe=True, room=attempt["room"])
         sched._release_quarantine = broken  # the next step fails before the engine's own part
         decode.loop.resume()
@@ -220,16 +217,20 @@ def test_a_request_finished_earlier_in_a_failed_decode_batch_is_not_released_twi
         if req.rid == "x" and req.finished:
             seen["x_done"] = decode.runner.num_forwards  # x ended in this batch
 
+    def hook_once_y_decodes():  # (on the loop's lock: no step between the check and the hook)
+        if not any(r.rid == "y" for r in sched.running):
+            return False
+        sched._sample = sample
+        return True
+
     async def go():
-        # both run long: x is ended by the hook, in a batch that holds y (a fixed length could
-        # end x before y joins on a slow host)
-        x = asyncio.ensure_future(run_pd(prefill, decode, ids_x, LONG, rid="x"))
-        while not decode.loop.run_exclusive(lambda: any(r.rid == "x" for r in sched.running)):
-            await asyncio.sleep(0.005)
+        # x is ended by the hook only, in a batch that holds y (a fixed length could end x
+        # before y joins on a slow host)
+        x = asyncio.ensure_future(run_pd(prefill, decode, ids_x, ENDLESS, rid="x"))
+        await until(lambda: decode.loop.run_exclusive(lambda: any(r.rid == "x" for r in sched.running)),
+                    what="x decoding")
         y = asyncio.ensure_future(run_pd(prefill, decode, ids_y, LONG, rid="y"))
-        while not decode.loop.run_exclusive(lambda: any(r.rid == "y" for r in sched.running)):
-            await asyncio.sleep(0.005)
-        decode.loop.run_exclusive(lambda: setattr(sched, "_sample", sample))
+        await until(lambda: decode.loop.run_exclusive(hook_once_y_decodes), what="y decoding")
         results = await asyncio.gather(x, y, return_exceptions=True)
         return results, decode.loop.run_exclusive(lambda: [r.rid for r in sched.running])
 
@@ -254,11 +255,15 @@ def test_a_failure_inside_a_decode_batch_gives_back_what_its_requests_held(check
         sched._sample = real
         raise RuntimeError("injected sampling error")
 
+    def hook_once_y_decodes():  # (on the loop's lock: y cannot end between the check and the hook)
+        if not any(r.rid == "y" for r in sched.running):
+            return False
+        sched._sample = sample
+        return True
+
     async def go():
         task = asyncio.ensure_future(run_pd(prefill, decode, ids, LONG, rid="y"))
-        while not decode.loop.run_exclusive(lambda: any(r.rid == "y" for r in sched.running)):
-            await asyncio.sleep(0.005)
-        decode.loop.run_exclusive(lambda: setattr(sched, "_sample", sample))
+        await until(lambda: decode.loop.run_exclusive(hook_once_y_decodes), what="y decoding")
         with pytest.raises(Exception):
             await asyncio.wait_for(task, 10)
         await run_pd(prefill, decode, ids, GREEDY)  # the next request: its decode steps begin new free groups
@@ -328,12 +333,11 @@ def test_a_retracted_request_is_not_starved_by_new_reservations(checkpoints, chu
         return task.done() or decode.loop.run_exclusive(lambda: any(r.rid == "A" for r in sched.running))
 
     async def go():
+        # the loop holds A after its third token (60 would all be out before a slow host's poll saw three)
+        paused = pause_once(decode, lambda: any(len(r.output_ids) >= 3 for r in sched.running))
         task = asyncio.ensure_future(run_pd(prefill, decode, first, {"max_new_tokens": 60, "temperature": 0,
                                                                      "ignore_eos": True}, rid="A"))
-        while not decode.loop.run_exclusive(lambda: any(len(r.output_ids) >= 3 for r in sched.running)):
-            await asyncio.sleep(0.005)
-        decode.loop.pause()
-        await asyncio.sleep(0.05)
+        await until(paused.is_set, what="A's third token")
         decode.loop.run_exclusive(sched._retract_one)  # as KV pressure does
         held = [asyncio.ensure_future(decode.reserve("n0", big[0], short))]
         decode.loop.resume()
@@ -382,14 +386,15 @@ def test_a_retracted_request_that_can_never_come_back_does_not_stop_new_reservat
         hr = await decode.reserve("R", r_ids, LONG)
         ns = await prefill.prefill("S", s_ids, s_params, hs)
         nr = await prefill.prefill("R", r_ids, LONG, hr)
-        s_task = asyncio.ensure_future(consume("S", ns))
-        while not running("S"):
-            await asyncio.sleep(0.002)
-        r_task = asyncio.ensure_future(consume("R", nr))
-        while not running("R"):
-            await asyncio.sleep(0.002)
+        # both notices in while the loop is held: S and R start decoding in one step, and the loop
+        # stops right after it (S, 20 tokens, could end before R joined on a slow host)
         decode.loop.pause()
-        await asyncio.sleep(0.05)
+        paused = pause_once(decode, lambda: running("S") and running("R"))
+        s_task = asyncio.ensure_future(consume("S", ns))
+        r_task = asyncio.ensure_future(consume("R", nr))
+        await until(lambda: decode.loop.run_exclusive(lambda: {"S", "R"} <= set(sched._notices)), what="both notices")
+        decode.loop.resume()
+        await until(paused.is_set, what="S and R decoding")
 
         def retract():
             assert [r.rid for r in sched.running] == ["S", "R"]  # S decoding: the ratio goes up
@@ -430,12 +435,10 @@ def test_a_failure_releasing_one_aborted_request_does_not_release_the_others_twi
 
     async def go():
         attempts = {"a": {}, "b": {}}
-        tasks = [asyncio.ensure_future(run_pd(prefill, decode, ids, LONG, rid=rid, attempt=attempts[rid]))
+        paused = pause_once(decode, lambda: {r.rid for r in sched.running} == {"a", "b"})
+        tasks = [asyncio.ensure_future(run_pd(prefill, decode, ids, ENDLESS, rid=rid, attempt=attempts[rid]))
                  for rid, ids in (("a", a_ids), ("b", b_ids))]
-        while not decode.loop.run_exclusive(lambda: {r.rid for r in sched.running} == {"a", "b"}):
-            await asyncio.sleep(0.005)
-        decode.loop.pause()
-        await asyncio.sleep(0.05)  # the step in progress ends
+        await until(paused.is_set, what="a and b decoding")
         for rid in ("a", "b"):
             assert await decode.abort(rid, "the client went away", safe=True, room=attempts[rid]["room"])
         _fail_releasing_once(sched.tree_cache, "b")
@@ -456,11 +459,9 @@ def test_a_request_aborted_while_queued_is_told_when_releasing_another_aborted_o
 
     async def go():
         attempt = {}
+        paused = pause_once(decode, lambda: any(r.rid == "b" for r in sched.running))
         b = asyncio.ensure_future(run_pd(prefill, decode, b_ids, LONG, rid="b", attempt=attempt))
-        while not decode.loop.run_exclusive(lambda: any(r.rid == "b" for r in sched.running)):
-            await asyncio.sleep(0.005)
-        decode.loop.pause()
-        await asyncio.sleep(0.05)  # the step in progress ends
+        await until(paused.is_set, what="b decoding")
         c = asyncio.ensure_future(decode.reserve("c", c_ids, GREEDY, room=7))
         await asyncio.sleep(0.05)  # queued for a reservation (the loop is paused)
         assert await decode.abort("c", "the client went away", safe=True, room=7)
