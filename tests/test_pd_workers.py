@@ -6,6 +6,7 @@ prefill; decode retraction; layout mismatch, timeouts and aborts free everything
 
 import asyncio
 import random
+import threading
 import time
 
 import pytest
@@ -17,7 +18,7 @@ from actors.kv_push import KVPusher, PushChunk, PushResult
 from actors.workers import DecodeWorker, PrefillWorker
 from mem_cache.radix_key import RadixKey
 from tests.parity import assert_greedy_parity
-from tests.pd_helpers import make_pair, prompts, run_batch, run_pd
+from tests.pd_helpers import make_pair, pause_once, prompts, run_batch, run_pd, until
 from transfer.base import KVHandoff, LayoutMismatchError
 
 GREEDY = {"max_new_tokens": 8, "temperature": 0}
@@ -441,7 +442,7 @@ def test_missing_notice_times_out_and_frees_the_reservation(checkpoints):
 
     async def go():
         await decode.reserve("lost", prompts(1, 12, 12)[0], GREEDY)
-        await asyncio.sleep(0.6)
+        await until(lambda: decode.scheduler.num_transfer_failures == 1, what="the reservation's timeout")
         # the stream that comes too late is told why the request ended, not just that it did
         with pytest.raises(PDRequestError, match=r"KV transfer failed: timed out after 0.3s in WaitingForInput"):
             async for _ in decode.stream("lost", {"first_token": 5}):
@@ -730,23 +731,34 @@ def test_a_late_report_of_an_earlier_attempt_does_not_settle_a_retry(checkpoints
         report(result)
 
     pusher.on_finished = record
-    slow, copied = [], _slow_push(prefill, lambda call: time.sleep(0.5) if slow else None)
+    retry, copying, gate = [], threading.Event(), threading.Event()
+
+    def hold(call):  # the retry's copy runs until the late report has come
+        if retry:
+            copying.set()
+            assert gate.wait(30), "the gate was never opened"
+
+    copied = _slow_push(prefill, hold)
     ids = prompts(1, 12, 12, seed=81)[0]
 
     async def go():
         await run_pd(prefill, decode, ids, GREEDY, rid="again")  # the earlier attempt
-        slow.append(True)
+        retry.append(True)
         handoffs = await decode.reserve("again", ids, GREEDY)
         task = asyncio.ensure_future(prefill.prefill("again", ids, GREEDY, handoffs))
-        while not any(r.rid == "again" for r in list(prefill.scheduler.inflight)):
-            await asyncio.sleep(0.01)  # the retry's push is running (0.5 s per copy)
+        await until(copying.is_set, what="the retry's push")
+        assert any(r.rid == "again" for r in list(prefill.scheduler.inflight))  # (its last chunk is being copied)
         prefill.scheduler.on_pushed(0, [PushResult(reported[0], 0, None)])  # the late report
+        await asyncio.sleep(0.05)  # a notice it let out would be here now
+        early = task.done()
+        gate.set()
         notice = await asyncio.wait_for(task, 30)
         noticed = time.monotonic()
         finals = [out async for out in decode.stream("again", notice)]
-        return noticed, finals[-1]["output_ids"]
+        return early, noticed, finals[-1]["output_ids"]
 
-    noticed, out = asyncio.run(go())
+    early, noticed, out = asyncio.run(go())
+    assert not early, "the late report settled the retry while its copy was still running"
     assert len(reported) == 2 and reported[0] != reported[1]
     assert noticed >= copied[-1]  # the retry's notice came after its own copy
     assert_greedy_parity(path, [ids], [out], 8, decode.eos_token_ids)
@@ -754,38 +766,44 @@ def test_a_late_report_of_an_earlier_attempt_does_not_settle_a_retry(checkpoints
 
 
 def test_a_slow_decode_worker_holds_up_only_its_own_pushes(checkpoints):
-    """Pushes to a decode worker whose link is slow (1 s per copy here) run on their own
-    lane: a request to another decode worker, submitted just after, ends its prefill first
-    and with its own tokens (one transfer thread used to queue it behind the slow push)."""
+    """Pushes to a decode worker whose link is slow (here a copy that lasts until the other
+    request's notice came, 10 s at most) run on their own lane: a request to another decode
+    worker, submitted while the slow copy runs, ends its prefill first and with its own tokens
+    (one transfer thread used to queue it behind the slow push)."""
     path = checkpoints["llama"]
     prefill, slow = make_pair(path)
     fast = DecodeWorker(path, dict(max_total_tokens=2048, page_size=1, skip_tokenizer_init=True), backend="shm")
     agent = prefill.agents["shm"]
     real_push, slow_id = agent.push, slow.agents["shm"].endpoint()["agent_id"]
+    slow_copying, fast_pushed = threading.Event(), threading.Event()
 
     def push(handoff, *args, **kwargs):
         if handoff.endpoint["agent_id"] == slow_id:
-            time.sleep(1.0)
+            slow_copying.set()
+            fast_pushed.wait(10)
         return real_push(handoff, *args, **kwargs)
 
     agent.push = push
     batch, pushed = prompts(2, 10, 20, seed=81), {}
 
-    async def timed(decode, ids, name, delay):
-        await asyncio.sleep(delay)
+    async def timed(decode, ids, name, after=None):
+        if after is not None:
+            await until(after.is_set, what="the slow copy")
         handoffs = await decode.reserve(name, ids, GREEDY)
         notice = await asyncio.wait_for(prefill.prefill(name, ids, GREEDY, handoffs), 30)
         pushed[name] = time.monotonic()
+        if decode is fast:
+            fast_pushed.set()
         final = None
         async for final in decode.stream(name, notice):
             pass
         return final["output_ids"]
 
     async def go():
-        return await asyncio.gather(timed(slow, batch[0], "slow", 0), timed(fast, batch[1], "fast", 0.3))
+        return await asyncio.gather(timed(slow, batch[0], "slow"), timed(fast, batch[1], "fast", after=slow_copying))
 
     outs = asyncio.run(go())
-    assert pushed["fast"] < pushed["slow"] - 0.3, pushed
+    assert pushed["fast"] < pushed["slow"], pushed
     assert_greedy_parity(path, batch, outs, 8, slow.eos_token_ids)
     close(prefill, slow, fast)
 
@@ -802,11 +820,14 @@ def test_abort_during_a_chunk_push_waits_for_it_and_nothing_lands_later(checkpoi
     started = asyncio.Event()
     loop_ref = []
 
-    def hold(call):
+    def hold(call):  # the copy lasts until the abort has begun, and a while longer: abort must wait for it
         last = call["offset"] + call["num_rows"] == len(call["handoff"].dst_slots)
         if last == (when == "inflight"):
             loop_ref[0].call_soon_threadsafe(started.set)
-            time.sleep(0.5)
+            deadline = time.monotonic() + 10
+            while ("cut", None) not in prefill._cancelled and time.monotonic() < deadline:
+                time.sleep(0.002)
+            time.sleep(0.1)
 
     ended = _slow_push(prefill, hold)
 
@@ -1074,10 +1095,13 @@ def test_an_old_stream_closed_late_and_a_stale_notice_leave_the_retry_alone(chec
     long = {"max_new_tokens": 64, "temperature": 0, "ignore_eos": True}
 
     async def go():
+        paused = pause_once(decode, lambda: any(r.rid == "s" for r in decode.scheduler.running))
         notice_1 = await prefill.prefill("s", ids, long, await decode.reserve("s", ids, long, room=1))
         stream_1 = decode.stream("s", notice_1)
         await stream_1.__anext__()
+        await until(paused.is_set, what="attempt 1 decoding")  # (its 64 tokens could all be out by now)
         assert await decode.abort("s", "the client went away", safe=True, room=1)
+        decode.loop.resume()
         handoffs_2 = await decode.reserve("s", ids, GREEDY, room=2)
         await stream_1.aclose()
         with pytest.raises(PDRequestError, match="another attempt"):
