@@ -16,6 +16,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import transfer.base
 import transfer.plan
 from tests.transfer_helpers import (
     SWA_SIZE,
@@ -278,18 +279,35 @@ def test_timeouts_end_in_failed_with_a_reason(fake_pair, stage):
         assert machine.failure_reason() == f"timed out after 0.0s in {stage}"
 
 
-def test_a_sender_waiting_between_chunks_fails_at_the_decode_deadline(fake_pair):
+class _Clock:
+    """The transfer state machines' clock, moved by the test: a deadline passes when the
+    test says so, not when a slow host gets round to polling (30 ms is a GC pause)."""
+
+    def __init__(self):
+        self.now = time.time()
+
+    def time(self) -> float:
+        return self.now
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+def test_a_sender_waiting_between_chunks_fails_at_the_decode_deadline(fake_pair, monkeypatch):
     """Between chunks (Transferring) no timeout_s applies: the hand-off's deadline bounds
     the wait, so a sender whose next chunk never comes must poll Failed once it passed
     (from then on the decode side may give the slots to another request)."""
     prefill, decode = fake_pair
+    clock = _Clock()
+    monkeypatch.setattr(transfer.base, "time", clock)
     for chunks in (0, 1):
         sender = KVSender(prefill, "r")
         sender.init(KVReceiver(decode, "r", 1, timeout_s=0.03).send_metadata([3, 4]))
         if chunks:
             sender.send_chunk([1], 0, False)
+        clock.now += 0.02
         assert sender.poll() == (KVPoll.Transferring if chunks else KVPoll.WaitingForInput)
-        time.sleep(0.05)
+        clock.now += 0.02
         assert sender.poll() == KVPoll.Failed and "deadline passed" in sender.failure_reason()
 
 
@@ -594,14 +612,14 @@ def test_torch_dist_receiver_times_out_and_unreachable_peer_fails():
     decode = create_agent("torch_dist", layout, tensors)
     prefill = create_agent("torch_dist", layout, snapshot(tensors), connect_timeout_s=0.3)
     try:
-        receiver = KVReceiver(decode, "r", 1, land_timeout_s=0.1)
+        receiver = KVReceiver(decode, "r", 1, land_timeout_s=0.4)  # (a slow host's pause fits in its half)
         handoff = receiver.send_metadata([5, 6])
         began = time.monotonic()
         receiver.mark_done()  # the completion notice came, the bytes never did
         assert receiver.poll() == KVPoll.Transferring  # polling does not block the caller
-        assert time.monotonic() - began < 0.05
+        assert time.monotonic() - began < 0.2
         assert receiver.wait() == KVPoll.Failed
-        assert "timed out 0.1s after the completion notice waiting for 4 buffers" in receiver.failure_reason()
+        assert "timed out 0.4s after the completion notice waiting for 4 buffers" in receiver.failure_reason()
         ghost = KVHandoff.from_bytes(handoff.to_bytes())
         ghost.endpoint.update(port=1, agent_id="nobody")
         sender = KVSender(prefill, "r")
