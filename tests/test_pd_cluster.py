@@ -118,6 +118,7 @@ def _kill_while_prefill_is_held(cluster, prefill, decode, victim, seed):
         ray.kill(victim.handle)
         start = time.monotonic()
         if victim is not prefill:
+            _wait_dead(victim.handle)  # (it could still take the notice and serve the request for a moment)
             ray.get(prefill.handle.continue_generation.remote())
         with pytest.raises(PDRequestError):
             await task
@@ -187,10 +188,24 @@ async def _loaded(worker, key):
     return (await worker.handle.load.remote()).get(key, 0) > 0
 
 
+def _wait_dead(handle, timeout_s=10.0):
+    """Until the actor stops answering: ``ray.kill`` returns once the GCS has it, while the
+    process may still answer a call for a moment."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            ray.get(handle.health.remote(), timeout=2)
+        except Exception:
+            return
+        assert time.monotonic() < deadline, "the actor still answers after ray.kill"
+        time.sleep(0.1)
+
+
 def test_heartbeat_takes_a_dead_worker_out_of_rotation(raydix_home):
     cluster = PDCluster(cluster_config("llama", num_prefill=1, num_decode=2)).start()
     client = cluster.client()
     ray.kill(cluster.decode[0].handle)
+    _wait_dead(cluster.decode[0].handle)  # (a heartbeat it still answers would keep it in the rotation)
 
     async def go():
         await client.heartbeat_once()
@@ -224,14 +239,7 @@ def test_drain_finishes_every_accepted_request(raydix_home):
     assert all(len(o["output_ids"]) == 40 for o in outs)
     cluster.check_integrity()
     cluster.drain_and_shutdown(timeout_s=30)
-    deadline = time.monotonic() + 10  # ray.kill takes effect asynchronously
-    while True:
-        try:
-            ray.get(cluster.decode[0].handle.health.remote(), timeout=2)
-        except Exception:
-            break
-        assert time.monotonic() < deadline, "the decode actor still answers after shutdown"
-        time.sleep(0.1)
+    _wait_dead(cluster.decode[0].handle)
 
 
 def test_a_small_prefill_pool_holds_prompts_not_outputs(raydix_home):
