@@ -643,34 +643,52 @@ def test_the_next_chunk_is_computed_while_the_previous_one_is_pushed(checkpoints
 
 def test_a_finished_push_sends_its_notice_while_the_next_forward_runs(checkpoints):
     """TP 1: the transfer thread that ends a request's push sends its completion notice at
-    once; it does not wait for the loop to finish the forward it has started meanwhile (here
-    a slow one: another request's next chunk)."""
+    once; it does not wait for the loop to finish the forward it has started meanwhile
+    (another request's next chunk; here it lasts until that notice came, 5 s at most)."""
     path = checkpoints["llama"]
     prefill, decode = make_pair(path, prefill_args={"chunked_prefill_size": CHUNK})
-    real, spans = prefill.runner.forward, []
+    real, spans, arrived = prefill.runner.forward, [], {}
+    lock, state = threading.Lock(), {"forward_start": None, "short_copying": False}
 
     def slow_forward(batch):
-        start = time.monotonic()
+        with lock:
+            state["forward_start"] = start = time.monotonic()
         out = real(batch)
-        time.sleep(0.4)
-        spans.append((start, time.monotonic()))
+        with lock:  # the short request's copy began during this forward: it lasts until that notice came
+            hold_on = state["short_copying"]
+            if not hold_on:
+                state["forward_start"] = None
+                spans.append((start, time.monotonic()))
+        if hold_on:
+            deadline = time.monotonic() + 5.0
+            while "short" not in arrived and time.monotonic() < deadline:
+                time.sleep(0.002)
+            with lock:
+                state["forward_start"] = None
+                spans.append((start, time.monotonic()))
         return out
 
     prefill.runner.forward = slow_forward
     short, long = prompts(1, 6, 6, seed=51)[0], prompts(1, 90, 90, seed=52)[0]
     short_pushed = []
 
-    def hold(call):  # each push ends well inside the forward running meanwhile
-        time.sleep(0.1)
-        if len(call["handoff"].dst_slots) == len(short):
-            short_pushed.append(time.monotonic())
+    def hold(call):  # the short request's copy runs inside a forward of the long one's chunks
+        if len(call["handoff"].dst_slots) != len(short):
+            return
+        deadline = time.monotonic() + 10.0
+        while time.monotonic() < deadline:
+            with lock:
+                if state["forward_start"] is not None:
+                    state["short_copying"] = True
+                    short_pushed.append(time.monotonic())
+                    return
+            time.sleep(0.002)
 
     _slow_push(prefill, hold)
 
     async def go():
         first = await decode.reserve("short", short, GREEDY)
         second = await decode.reserve("long", long, GREEDY)
-        arrived = {}
 
         async def prefill_one(rid, ids, handoffs):
             notice = await prefill.prefill(rid, ids, GREEDY, handoffs)
@@ -678,11 +696,10 @@ def test_a_finished_push_sends_its_notice_while_the_next_forward_runs(checkpoint
             finals = [out async for out in decode.stream(rid, notice)]
             return finals[-1]["output_ids"]
 
-        outs = await asyncio.gather(prefill_one("short", short, first), prefill_one("long", long, second))
-        return arrived, outs
+        return await asyncio.gather(prefill_one("short", short, first), prefill_one("long", long, second))
 
-    arrived, outs = asyncio.run(go())
-    running = [(start, end) for start, end in spans if start <= short_pushed[0] <= end]
+    outs = asyncio.run(go())
+    running = [(start, end) for start, end in spans if short_pushed and start <= short_pushed[0] <= end]
     assert running, (short_pushed, spans)
     assert arrived["short"] < running[0][1], (arrived, short_pushed, spans)  # before that forward ended
     assert_greedy_parity(path, [short, long], outs, 8, decode.eos_token_ids)
