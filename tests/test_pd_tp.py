@@ -9,6 +9,7 @@ sliced across different TP sizes is refused with a clear error, leaking nothing.
 
 import asyncio
 import random
+import threading
 import time
 
 import pytest
@@ -81,34 +82,43 @@ def _config(family, prefill_tp, decode_tp, page_size, **prefill_engine):
 
 
 class _SlowableFollower(TPFollower):
-    """A prefill rank whose forwards (and so rank 0's: it waits in their all-reduces) and
-    pushes can be slowed; it records when each forward ran and when each push ended."""
+    """A prefill rank whose forwards (and so rank 0's: it waits in their all-reduces) can be
+    held; it records when each forward ran and when each push ended. Held for a request of
+    ``short_len`` slots (``hold``): every forward after the next one waits (5 s at most) until
+    ``notice_came``, and that request's push begins only while such a forward runs."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.slow(0.0, 0.0)
+        self.hold(None)
         runner, agent = self.host.runner, self.host.agents["shm"]
         real_forward, real_push = runner.forward, agent.push
 
         def forward(batch):
             span = [time.monotonic(), None]
             self.forwards.append(span)
-            time.sleep(self.forward_s)
+            if self.short_len is not None and len(self.forwards) > 1:
+                self._notice.wait(5.0)
             out = real_forward(batch)
             span[1] = time.monotonic()
             return out
 
         def push(handoff, *args, **kwargs):
-            time.sleep(self.push_s)
+            if len(handoff.dst_slots) == self.short_len:  # inside a held forward
+                deadline = time.monotonic() + 10.0
+                while not (len(self.forwards) > 1 and self.forwards[-1][1] is None) and time.monotonic() < deadline:
+                    time.sleep(0.002)
             moved = real_push(handoff, *args, **kwargs)
             self.pushes.append((len(handoff.dst_slots), time.monotonic()))
             return moved
 
         runner.forward, agent.push = forward, push
 
-    def slow(self, forward_s, push_s):
-        self.forward_s, self.push_s = forward_s, push_s
+    def hold(self, short_len):
+        self.short_len, self._notice = short_len, threading.Event()
         self.forwards, self.pushes = [], []  # [start, end]; (decode slots of the request, end)
+
+    def notice_came(self):
+        self._notice.set()
 
     def timings(self):
         return [tuple(span) for span in self.forwards], list(self.pushes)
@@ -133,17 +143,20 @@ def test_prefill_tp2_to_decode_tp1(ray_session, monkeypatch):
 
 def _check_notice_comes_while_the_next_forward_runs(cluster):
     """Prefill TP 2: when the follower's push of a request ends during rank 0's next forward
-    (another request's chunk; slowed here), the follower's transfer thread reports it to rank 0
-    at once, and the completion notice arrives before that forward ends (it used to wait for
-    the forward, rank 0 learning of the push in the reply of its next call to the follower)."""
+    (another request's chunk; held here until the notice came, 5 s at most), the follower's
+    transfer thread reports it to rank 0 at once, and the completion notice arrives before
+    that forward ends (it used to wait for the forward, rank 0 learning of the push in the
+    reply of its next call to the follower)."""
     prefill, decode = cluster.prefill[0], cluster.decode[0]
     follower = prefill.followers[0]
     short, long = prompts(1, 6, 6, seed=51)[0], prompts(1, 24, 24, seed=52)[0]
-    ray.get(follower.slow.remote(0.4, 0.1))  # each push ends well inside the forward running meanwhile
+    ray.get(follower.hold.remote(len(short)))
 
     async def notice_then_tokens(rid, ids, handoffs, arrived):
         notice = await prefill.handle.prefill.remote(rid, ids, GREEDY, handoffs)
         arrived[rid] = time.monotonic()
+        if rid == "early-short":
+            await follower.notice_came.remote()
         final = None
         async for ref in decode.handle.stream.options(num_returns="streaming").remote(rid, notice):
             final = await ref
@@ -163,7 +176,7 @@ def _check_notice_comes_while_the_next_forward_runs(cluster):
         arrived, outs = asyncio.run(go())
         forwards, pushes = ray.get(follower.timings.remote())
     finally:
-        ray.get(follower.slow.remote(0.0, 0.0))
+        ray.get(follower.hold.remote(None))
     short_pushed = [end for num_slots, end in pushes if num_slots == len(short)]
     running = [(start, end) for start, end in forwards if start <= short_pushed[0] <= end]
     assert running, (short_pushed, forwards)
