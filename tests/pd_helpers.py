@@ -84,6 +84,7 @@ def pause_once(worker, predicate: Callable[[], bool]) -> threading.Event:
         out = step()
         if not paused.is_set() and predicate():
             worker.loop.pause()  # (the loop holds its condition: re-entrant)
+            sched.step = step
             paused.set()
         return out
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from actors.engine import Engine
+from tests.pd_helpers import pause_once
 
 
 @pytest.fixture(scope="module")
@@ -59,14 +60,19 @@ def test_stop_token_ids_end_generation_on_that_token(engine):
 
 
 def test_abort_a_running_request(engine):
+    # the loop holds the victim after its third token (200 could all be out before a slow host's reader saw three)
+    paused = pause_once(engine, lambda: any(len(r.output_ids) >= 3 for r in engine.scheduler.running))
+
     async def run_and_abort():
         stream = await engine.async_generate(input_ids=[1, 2, 3], rid="victim", stream=True,
                                              sampling_params={**GREEDY, "max_new_tokens": 200})
-        seen = []
+        seen, aborted = [], False
         async for chunk in stream:
             seen.append(chunk)
-            if len(seen) == 3:
+            if paused.is_set() and not aborted:  # held: still running
                 assert engine.abort("victim")
+                aborted = True
+                engine.loop.resume()
         return seen
 
     seen = asyncio.run(run_and_abort())
