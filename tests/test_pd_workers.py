@@ -190,10 +190,11 @@ def test_gemma3_reservation_holds_the_window_only_and_aborts_free_both_pools(che
         mapping = alloc.full_to_swa_index_mapping
         dst = torch.tensor(handoff.dst_slots)
         assert mapping[dst[-WINDOW:]].tolist() == handoff.dst_swa_slots and not mapping[dst[:-WINDOW]].any()
-        await decode.reserve("b", ids[1], GREEDY)
         assert await decode.abort("a", safe=True)
+        assert free() == (full, swa)
+        await decode.reserve("b", ids[1], GREEDY)
+        assert await decode.abort("b")  # at once (its 0.3 s timeout would drop it): quarantined until its deadline
         assert free() == (full - 40, swa - WINDOW)
-        assert await decode.abort("b")  # quarantined until its deadline has passed
         for _ in range(300):
             if free() == (full, swa):
                 break
