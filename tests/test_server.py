@@ -192,7 +192,7 @@ def test_every_error_status_then_success(served, client, http):
 
 def test_queue_full_429_and_queue_timeout_408(served):
     cluster, _, _ = served
-    config = server_config(server={"max_concurrent_requests": 1, "max_queue_size": 1, "queue_timeout_s": 1.0})
+    config = server_config(server={"max_concurrent_requests": 1, "max_queue_size": 1, "queue_timeout_s": 2.5})
     app = build_app(cluster, served[2].state.backend.client.tokenizer, config)
     decode = cluster.decode[0]
     with BackgroundServer(app, "127.0.0.1", 0) as small:
