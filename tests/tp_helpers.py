@@ -5,7 +5,7 @@ the test start :class:`ThreadTPGroup` instead of spawning processes: rank 0 is t
 caller's thread, ranks > 0 run ``follower_loop`` on threads of their own, and the
 collectives are exchanged through a barrier (:class:`ThreadGroup`). The ranks run the
 same TPModelWorker code — sharded loading, the broadcast batches, op replay, the
-all-reduces in every row-parallel layer — in a second, not in process start-ups.
+all-reduces in every row-parallel layer and the embedding, the logits' all-gather — in a second, not in process start-ups.
 (The spawned gloo group itself is tested by ``test_engine_tp``'s TP 2 engines.)
 """
 
@@ -52,6 +52,9 @@ class ThreadGroup(TPGroup):
         parts = self.hub.exchange(self.rank, x.clone())
         x.copy_(torch.stack(parts).sum(0))
         return x
+
+    def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        return torch.cat(self.hub.exchange(self.rank, x.clone()), dim=dim)
 
     def all_min(self, value: int) -> int:
         return min(self.hub.exchange(self.rank, value))

@@ -76,13 +76,25 @@ def ignored_weight(model: torch.nn.Module, name: str) -> bool:
 
 
 def _read(f, name: str, shard: Optional[ParamShard]) -> torch.Tensor:
-    """The whole tensor, or only the rows / columns of ``shard`` (read lazily)."""
+    """The whole tensor, or only the rows / columns of ``shard`` (read lazily; with
+    ``zero_fill``, zeros for the part of a range past the tensor's end)."""
     if shard is None:
         return f.get_tensor(name)
-    dim, ranges = shard
     view = f.get_slice(name)
-    parts = [view[r.start : r.stop] if dim == 0 else view[:, r.start : r.stop] for r in ranges]
-    return torch.cat(parts, dim=dim)
+    return torch.cat([_read_range(view, shard, r) for r in shard.ranges], dim=shard.dim)
+
+
+def _read_range(view, shard: ParamShard, r: range) -> torch.Tensor:
+    dim, stop = shard.dim, r.stop
+    if shard.zero_fill:  # [start, stop) read, [stop, r.stop) the vocabulary's padding
+        stop = min(r.stop, view.get_shape()[dim])
+    start = min(r.start, stop)
+    part = view[start:stop] if dim == 0 else view[:, start:stop]
+    if stop - start == len(r):
+        return part
+    pad = list(part.shape)
+    pad[dim] = len(r) - (stop - start)
+    return torch.cat([part, part.new_zeros(pad)], dim=dim)
 
 
 def load_weights(model: torch.nn.Module, files: List[str]) -> Tuple[List[str], List[str]]:

@@ -5,30 +5,54 @@ Megatron way: the first linear of a pair is *column parallel* (each rank
 computes its own slice of the output features — its heads, its part of the
 intermediate dim; no communication), the second *row parallel* (each rank
 multiplies its slice of the input features, then one all-reduce sums the
-partial outputs). Embeddings, norms and ``lm_head`` are replicated, so the
-logits of rank 0 are the whole vocabulary, computed as with TP 1.
+partial outputs). Norms are replicated.
+
+The embedding and ``lm_head`` are split by vocabulary, as SGLang's
+``VocabParallelEmbedding`` / ``ParallelLMHead``: the vocabulary is padded up
+to a multiple of ``VOCAB_PADDING × size`` (:func:`padded_vocab_size`) and
+each rank holds one contiguous range of its rows (:meth:`TPGroup.vocab_shard`;
+rows past the real vocabulary are zeros, and a rank may hold only those). A
+lookup reads the ids in the rank's range (the others give zeros) and one
+all-reduce sums them; ``lm_head`` computes the rank's range of logits and one
+all-gather gives every rank the whole padded vocabulary, cut back to
+``vocab_size``. The all-reduce adds only zeros to a token's row and the
+all-gather only concatenates: the split itself changes no value. Tied
+embeddings share the one sharded weight.
 
 Weights are sharded when loaded: a module names, in ``param_shards``, which
 rows (dim 0) or columns (dim 1) of each full checkpoint tensor it holds, as
-a list of ranges cut out in order and concatenated; ``model_loader`` reads
+a list of ranges cut out in order and concatenated (a vocabulary shard's
+range may run past the tensor's end: zeros there); ``model_loader`` reads
 only those slices from the safetensors files.
 
 With ``size == 1`` (:data:`SINGLE`) every collective is a no-op and every
-layer holds the whole tensor, so the models have one code path.
+layer holds the whole tensor (the vocabulary is not padded), so the models
+have one code path.
 """
 
 from __future__ import annotations
 
 import datetime
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-# a rank's slice of a checkpoint tensor: (dim, ranges of that dim, concatenated in order)
-ParamShard = Tuple[int, List[range]]
+# SGLang's DEFAULT_VOCAB_PADDING_SIZE: under TP each rank's share of the vocabulary is a multiple of it
+VOCAB_PADDING = 64
+
+
+class ParamShard(NamedTuple):
+    """A rank's slice of a checkpoint tensor: ``ranges`` of dim ``dim``, cut out in order and
+    concatenated. ``zero_fill``: the ranges may run past the tensor's end (a vocabulary padded
+    to split evenly); what lies there is zeros. Otherwise a range must lie inside the tensor."""
+
+    dim: int
+    ranges: List[range]
+    zero_fill: bool = False
+
 
 # followers block on the control group while the engine is idle: no practical timeout there
 CONTROL_TIMEOUT = datetime.timedelta(days=365)
@@ -60,6 +84,15 @@ class TPGroup:
         if self.size > 1:
             torch.distributed.all_reduce(x, group=self.group)
         return x
+
+    def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """Every rank's ``x`` (all of one shape), concatenated along ``dim`` in rank order,
+        on every rank (``x`` itself with one rank)."""
+        if self.size == 1:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        torch.distributed.all_gather(parts, x.contiguous(), group=self.group)
+        return torch.cat(parts, dim=dim)
 
     def all_min(self, value: int) -> int:
         """The smallest ``value`` over the ranks (every rank gets it)."""
@@ -96,6 +129,12 @@ class TPGroup:
         n = total // self.size
         return range(self.rank * n, (self.rank + 1) * n)
 
+    def vocab_shard(self, vocab_size: int) -> range:
+        """This rank's rows of the vocabulary padded to :func:`padded_vocab_size`; the
+        part at or past ``vocab_size`` (possibly all of it) is padding."""
+        n = padded_vocab_size(vocab_size, self.size) // self.size
+        return range(self.rank * n, (self.rank + 1) * n)
+
     def kv_heads(self, num_kv_heads: int, field: str = "num_key_value_heads") -> range:
         """This rank's KV heads. With at least as many heads as ranks they are split
         evenly; with fewer (GQA, ``tp_size > num_kv_heads``) every rank keeps a
@@ -109,6 +148,15 @@ class TPGroup:
 
 
 SINGLE = TPGroup()
+
+
+def padded_vocab_size(vocab_size: int, tp_size: int) -> int:
+    """``vocab_size`` rounded up to a multiple of ``VOCAB_PADDING * tp_size`` (SGLang's
+    padding: every rank gets an equal, aligned share); unpadded with one rank."""
+    if tp_size == 1:
+        return vocab_size
+    multiple = VOCAB_PADDING * tp_size
+    return -(-vocab_size // multiple) * multiple
 
 
 def init_tp_group(rank: int, size: int, init_method: str, device: torch.device,
@@ -156,10 +204,11 @@ def attention_heads(tp: TPGroup, num_heads: int, num_kv_heads: int) -> Attention
     return AttentionHeads(tp.split(num_heads, "num_attention_heads"), tp.kv_heads(num_kv_heads), num_kv_heads)
 
 
-def shard_param(module: nn.Module, name: str, dim: int, ranges: Sequence[range]) -> None:
-    """Declare that ``module.<name>`` holds only ``ranges`` of dim ``dim`` of the checkpoint tensor."""
+def shard_param(module: nn.Module, name: str, dim: int, ranges: Sequence[range], zero_fill: bool = False) -> None:
+    """Declare that ``module.<name>`` holds only ``ranges`` of dim ``dim`` of the checkpoint
+    tensor (``zero_fill``: see :class:`ParamShard`)."""
     shards: Dict[str, ParamShard] = module.__dict__.setdefault("param_shards", {})
-    shards[name] = (dim, list(ranges))
+    shards[name] = ParamShard(dim, list(ranges), zero_fill)
 
 
 class ColumnParallelLinear(nn.Linear):
@@ -199,3 +248,40 @@ class RowParallelLinear(nn.Linear):
         if self.bias is not None and (self.reduce or self.tp.is_leader):
             y = y + self.bias
         return y
+
+
+class VocabParallelEmbedding(nn.Embedding):
+    """Holds rows ``tp.vocab_shard(vocab_size)`` of the embedding (zeros past ``vocab_size``).
+    A lookup reads the ids in that range, zeros the other tokens' rows, and one all-reduce
+    sums the ranks' rows: every id lies in exactly one rank's range, so each token gets its
+    row bit for bit."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TPGroup):
+        self.shard = tp.vocab_shard(vocab_size)
+        super().__init__(len(self.shard), hidden_size)
+        shard_param(self, "weight", 0, [self.shard], zero_fill=True)
+        self.tp = tp
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return super().forward(ids)
+        local = ids - self.shard.start
+        outside = (local < 0) | (local >= len(self.shard))
+        x = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return self.tp.all_reduce(x.masked_fill_(outside.unsqueeze(-1), 0))
+
+
+class ParallelLMHead(nn.Linear):
+    """Holds the same rows of ``lm_head`` as :class:`VocabParallelEmbedding` (so a tied
+    pair shares one weight); each rank computes the logits of its vocabulary range and one
+    all-gather gives every rank all of them, padding cut off: ``[..., vocab_size]``."""
+
+    def __init__(self, hidden_size: int, vocab_size: int, tp: TPGroup):
+        self.shard = tp.vocab_shard(vocab_size)
+        super().__init__(hidden_size, len(self.shard), bias=False)
+        shard_param(self, "weight", 0, [self.shard], zero_fill=True)
+        self.tp, self.vocab_size = tp, vocab_size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.tp.all_gather(super().forward(x), dim=-1)
+        return logits[..., : self.vocab_size]

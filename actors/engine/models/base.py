@@ -3,9 +3,11 @@
 ``DecoderModel``: ``embed_tokens`` → each layer ``(positions, x, forward_batch)``
 → ``norm``; layers are built as ``layer_cls(config, layer_id, tp)``.
 ``CausalLM``: ``model`` + ``lm_head``, returning fp32 logits of each request's
-last token (optionally soft-capped). Under TP the embedding and ``lm_head``
-are replicated and rank 0's logits are the whole vocabulary (the other
-ranks return an empty tensor: they never sample).
+last token (optionally soft-capped, after the vocabulary is whole). Under TP
+the embedding and ``lm_head`` are split by vocabulary (``parallel``'s
+``VocabParallelEmbedding`` / ``ParallelLMHead``): every rank computes its
+range of the logits and joins their all-gather; rank 0 returns the whole
+vocabulary, the other ranks an empty tensor (they never sample).
 """
 
 from __future__ import annotations
@@ -16,14 +18,14 @@ import torch
 from torch import nn
 
 from actors.engine.models.spec import KVCacheSpec
-from actors.engine.parallel import SINGLE, TPGroup
+from actors.engine.parallel import SINGLE, ParallelLMHead, TPGroup, VocabParallelEmbedding
 
 
 class DecoderModel(nn.Module):
     def __init__(self, config, layer_cls: Callable, norm: nn.Module, embed_scale: Optional[float] = None,
                  tp: TPGroup = SINGLE):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         self.layers = nn.ModuleList(layer_cls(config, i, tp) for i in range(config.num_hidden_layers))
         self.norm = norm
         self.tp = tp
@@ -31,7 +33,7 @@ class DecoderModel(nn.Module):
 
     def forward(self, forward_batch) -> torch.Tensor:
         x = self.embed_tokens(forward_batch.input_ids)
-        if self.embed_scale is not None:
+        if self.embed_scale is not None:  # the normalizer in the model's dtype, as HF's (Gemma 3)
             x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
         for layer in self.layers:
             x = layer(forward_batch.positions, x, forward_batch)
@@ -43,7 +45,7 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = model
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, model.tp)
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.final_logit_softcap = final_logit_softcap
@@ -54,8 +56,9 @@ class CausalLM(nn.Module):
 
     def forward(self, forward_batch) -> torch.Tensor:
         hidden = self.model(forward_batch)
+        logits = self.lm_head(hidden[forward_batch.last_token_indices()])  # every rank: one all-gather
         if not self.model.tp.is_leader:  # TP: only rank 0 samples; the other ranks' forward ends here
-            return hidden.new_empty(0)
-        logits = self.lm_head(hidden[forward_batch.last_token_indices()]).float()
+            return logits.new_empty(0)
+        logits = logits.float()
         cap = self.final_logit_softcap
         return torch.tanh(logits / cap) * cap if cap else logits
