@@ -193,7 +193,7 @@ class TransferConfig(BaseModel):
     waiting_timeout_s: float = Field(300.0, gt=0.0, description="decode waits this long for the KV pages "
                                      "(SGLANG_DISAGGREGATION_WAITING_TIMEOUT)")
     heartbeat_interval_s: float = Field(5.0, gt=0.0, description="workers are checked this often; torch_dist "
-                                        "pairs send a keepalive when idle this long")
+                                        "pairs send a message at least this often")
     heartbeat_max_failures: int = Field(2, ge=1, description="missed heartbeats that mark a worker dead; a torch_dist "
                                         "pair silent for one interval more is closed")
     num_reserved_decode_tokens: int = Field(

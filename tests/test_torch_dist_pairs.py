@@ -202,3 +202,18 @@ def test_a_peer_without_keepalives_keeps_an_unbounded_wait(agents):
     assert len(_readers(decode)) == 1
     pg.send([torch.tensor([torch_dist._BYE, 0], dtype=torch.int64)], 0, 0).wait()
     assert _eventually(lambda: not _readers(decode))
+
+
+def test_an_idle_pair_stays_open_with_one_interval_of_silence_allowed(agents):
+    """The keepalive thread looked every ``keepalive_s / 2`` for links idle ``keepalive_s``: a
+    keepalive went out up to 1.5 intervals after the last message, past what a reader with
+    ``keepalive_misses=1`` allows, so it closed healthy idle pairs. Each interval now holds
+    one message."""
+    decode = agents(seed=2, timeout_s=2, keepalive_misses=1)
+    prefill = agents(seed=1, timeout_s=2, keepalive_s=0.4)
+    push_one(prefill, decode, [3, 4], [7, 8])
+    link = next(iter(prefill._links.values()))
+    time.sleep(1.0)  # two and a half intervals of idling
+    assert len(_readers(decode)) == 1 and list(prefill._links.values()) == [link]
+    push_one(prefill, decode, [5, 6], [9, 10], rid="later")
+    assert list(prefill._links.values()) == [link]

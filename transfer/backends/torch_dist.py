@@ -21,8 +21,8 @@ after its number was taken is given up (``compare_set`` writes a marker the
 late prefill then reads, so it fails at once). Both sides build the pair's
 group within ``timeout_s``. A pair may idle for hours, so the reader's wait for
 the *next* message is bounded by keepalives instead: the prefill agent sends a
-header-less message (``[0, 0]``) on every link idle for ``keepalive_s`` (its
-hello names that interval), and the reader gives the pair up after
+header-less message (``[0, 0]``) on every idle link at least once every
+``keepalive_s`` (its hello names that interval), and the reader gives the pair up after
 ``keepalive_misses`` intervals without a message — a peer host that vanished
 without closing its sockets (power loss, a partition) no longer leaves the
 reader waiting; a peer process that died closes its sockets, which ends the
@@ -393,18 +393,21 @@ class TorchDistAgent(TransferAgent):
         return _Link(store, pg, data)
 
     def _keep_alive(self) -> None:
-        """Every ``keepalive_s / 2``: a keepalive on each link idle for ``keepalive_s``. A link
+        """Every ``keepalive_s / 4``: a keepalive on each link idle for ``keepalive_s / 2``, so
+        a message goes out at most ``3/4 keepalive_s`` after the last: every interval holds one
+        (a reader allowing one silent interval, ``keepalive_misses=1``, closed healthy pairs
+        when the check was every ``keepalive_s / 2`` for links idle ``keepalive_s``). A link
         whose keepalive fails (its decode side gave the pair up, or is gone) is dropped, so
         the next push to that agent opens a fresh pair instead of failing on this one."""
         with self._lock:
             while not self._closed:
-                self._lock.wait(self.keepalive_s / 2)
+                self._lock.wait(self.keepalive_s / 4)
                 links = list(self._links.items())
                 self._lock.release()
                 try:
                     for peer, link in links:
                         try:
-                            link.keepalive(self.keepalive_s)
+                            link.keepalive(self.keepalive_s / 2)
                         except Exception as exc:
                             self._drop_link(peer, link, f"keepalive failed: {exc}")
                 finally:
