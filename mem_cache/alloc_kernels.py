@@ -9,12 +9,12 @@ set before this module is imported: ``triton.jit`` reads it at decoration).
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
+from triton import knobs
 
 EXTEND_BLOCK = 1024
 MAX_DECODE_BATCH = 1 << 20
@@ -23,7 +23,7 @@ MAX_DECODE_BATCH = 1 << 20
 def triton_device_error(device: torch.device, what: str) -> Optional[str]:
     """Why ``what`` (Triton kernels) cannot run on ``device``, or None. On the CPU Triton has
     no driver: a launch fails with "0 active drivers" unless the interpreter is on."""
-    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+    if device.type == "cpu" and not knobs.runtime.interpret:  # (TRITON_INTERPRET as Triton reads it: 1, true, on..)
         return (f"{what} runs Triton kernels, which on the CPU run only under Triton's interpreter: set "
                 f"TRITON_INTERPRET=1 before the process starts, or use the torch backend")
     return None

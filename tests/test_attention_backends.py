@@ -81,6 +81,14 @@ def test_triton_on_the_cpu_without_its_interpreter_is_refused_at_build(monkeypat
     assert create_attention_backend("triton", device=torch.device("cpu")) is not None
 
 
+@pytest.mark.parametrize("value", ["true", "on", "yes"])
+def test_triton_interpret_spelled_as_triton_reads_it_is_taken(monkeypatch, value):
+    """Triton turns its interpreter on for ``TRITON_INTERPRET`` 1, true, on or yes (any case);
+    the build check took only "1" and refused a CPU setup that runs."""
+    monkeypatch.setenv("TRITON_INTERPRET", value)
+    assert create_attention_backend("triton", device=torch.device("cpu")) is not None
+
+
 def _reference(q, k, v, slots, prefix, sm_scale):
     """One request: queries at positions ``prefix + j`` over keys ``slots[: prefix + j + 1]``."""
     keys, values = k[slots, 0].float(), v[slots, 0].float()
