@@ -125,7 +125,10 @@ class Engine:
             self.eos_token_ids = _eos_ids(model_path, self.runner.model_config)
         except BaseException:  # the followers stop and this process leaves the group (a new engine may join one)
             if self.tp_group is not None:
-                self.tp_group.shutdown()
+                try:
+                    self.tp_group.shutdown()
+                except Exception:  # (the start's own error is the one to raise)
+                    logger.exception("shutting the TP group down after a failed start failed too")
             raise
         self._rids = itertools.count()
         self.loop = EngineLoop(self.scheduler)

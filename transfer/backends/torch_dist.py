@@ -418,7 +418,8 @@ class TorchDistAgent(TransferAgent):
             if self._links.get(peer) is link:
                 del self._links[peer]
         logger.info("KV link to agent %s dropped (%s)", peer[:8], str(why).splitlines()[0])
-        link.data.close()
+        with link.lock:  # not under a push that took the link before it was dropped (NCCL: an abort)
+            link.data.close()
 
     def close(self) -> None:
         with self._lock:
