@@ -150,11 +150,13 @@ class Router:
         worker.dead = worker.dead or died
 
     # ---- requests --------------------------------------------------------------------------
-    async def route(self, rid: str, input_ids: Sequence[int], extra_key: Optional[str] = None) -> RouteDecision:
-        """Pick the pair for a request and count its load on both from now on."""
+    async def route(self, rid: str, input_ids: Sequence[int], extra_key: Optional[str] = None,
+                    exclude: Sequence[str] = ()) -> RouteDecision:
+        """Pick the pair for a request and count its load on both from now on; never a worker in
+        ``exclude`` (a retry's: those that died or were unavailable under its earlier attempts)."""
         if rid in self._requests:
             raise ValueError(f"request {rid!r} is already routed")
-        prefill_pool, decode_pool = self._live("prefill"), self._live("decode")
+        prefill_pool, decode_pool = ([w for w in self._live(role) if w.worker_id not in exclude] for role in ROLES)
         for role, pool in zip(ROLES, (prefill_pool, decode_pool)):
             if not pool:
                 raise NoWorkerError(f"no live {role} worker")

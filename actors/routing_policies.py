@@ -46,6 +46,7 @@ class RouterSettings:
     call_timeout_s: float = 5.0  # a worker call of the router's own (events, load, snapshot)
     route_ttl_s: float = 3600.0  # a route never released (its client died) stops counting as load after this
     client_timeout_s: float = 30.0  # the clients' wait for route / release (cluster.pd_client.PDClient)
+    max_retries: int = 2  # the clients' retries of a request whose worker died before its first output
     seed: int = 0
 
 

@@ -111,6 +111,11 @@ class PDBackend:
     def generate_stream(self, input_ids, sampling_params, rid):
         return self.client.generate_stream(input_ids, sampling_params, rid)
 
+    @property
+    def num_retries(self) -> int:
+        """Requests the client sent to a new pair after a worker of theirs died (its running total)."""
+        return getattr(self.client, "num_retries", 0)
+
     def routing_policy(self, role: str) -> str:
         """The policy that picks ``role`` workers: the router's when the client has one."""
         router = getattr(self.client, "router", None)

@@ -252,6 +252,9 @@ class RouterConfig(BaseModel):
                                "the release was lost) stops counting as its workers' load after this")
     client_timeout_s: float = Field(30.0, gt=0.0, description="longest a request waits for the router to place it "
                                     "(then it fails) or to take its release (then route_ttl_s covers it)")
+    max_retries: int = Field(2, ge=0, description="new (prefill, decode) pairs a request tries when a worker of its "
+                             "pair died or was unavailable before its first output (never after it, nor on a "
+                             "timeout or bad input); 0: no retries")
 
 
 class PlacementConfig(BaseModel):

@@ -11,6 +11,8 @@ lengths (prefill waiting; decode prealloc / transfer / running / retracted),
 requests in flight, and with the hierarchical cache its host usage; and, as
 counters (``_total``: they only grow, so ``rate()`` applies), retractions, KV
 bytes pushed and the hierarchical cache's tokens / pages moved between its tiers.
+The client's retries (a request sent to a new pair after a worker of its pair
+died) count in ``raydix_request_retries_total``.
 A worker that left drops its series, routing decisions included.
 """
 
@@ -57,6 +59,16 @@ class _WorkerCounters:
                     if value is not None:
                         family.add_metric([w["id"], w["role"]] + ([label] if extra else []), value)
             yield family
+
+
+class _ReadCounter:
+    """A counter kept elsewhere (the client's), exported at scrape time from its last ``value``."""
+
+    def __init__(self, name: str, doc: str):
+        self.name, self.doc, self.value = name, doc, 0
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        yield CounterMetricFamily(self.name, self.doc, value=self.value)
 
 
 class ServerMetrics:
@@ -112,6 +124,10 @@ class ServerMetrics:
                                    "hierarchical cache: host KV slots in use / total", w, registry=r)
         self.worker_counters = _WorkerCounters()
         r.register(self.worker_counters)
+        self.request_retries = _ReadCounter(f"{PREFIX}_request_retries", "requests sent to a new (prefill, decode) "
+                                            "pair after a worker of theirs died or was unavailable before their "
+                                            "first output")
+        r.register(self.request_retries)
         self._routed: set = set()  # label values of the routing counter's series
 
     def observe_request(self, meta: Dict[str, Any], arrival: float, first_token: float, end: float,
@@ -149,6 +165,10 @@ class ServerMetrics:
             per_token = seconds / tokens
             for _ in range(tokens):
                 self.itl.labels(self.model_name).observe(per_token)
+
+    def set_retries(self, retries: int) -> None:
+        """The client's running total of retries (read at scrape time)."""
+        self.request_retries.value = retries
 
     def set_workers(self, workers: List[Dict[str, Any]], running: int, queued: int) -> None:
         """Per-worker gauges from a fresh ``backend.workers(include_dead=True)``: a worker out of the

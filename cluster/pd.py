@@ -342,7 +342,8 @@ class PDCluster:
         return PDClient(self.prefill, self.decode, backend=t.backend, tokenizer=tokenizer, device=self.config.decode.device, router=router,
                         bootstrap_timeout_s=t.bootstrap_timeout_s, waiting_timeout_s=t.waiting_timeout_s,
                         heartbeat_interval_s=t.heartbeat_interval_s, heartbeat_max_failures=t.heartbeat_max_failures,
-                        router_timeout_s=self.config.router.client_timeout_s)
+                        router_timeout_s=self.config.router.client_timeout_s,
+                        max_retries=self.config.router.max_retries)
 
     def context_len(self, timeout_s: float = 60.0) -> int:
         """The longest request (prompt + output) every decode worker takes: the model's context,

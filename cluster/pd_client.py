@@ -6,9 +6,15 @@ load) when the client has one, round-robin otherwise; then::
     reserve on decode → prefill + push on prefill → stream from decode
 
 A failure on either side (an actor died, a transfer failed or timed out)
-ends the request with :class:`PDRequestError` within the configured
-timeouts and tells the other side to free what it holds; a worker that
-misses ``heartbeat_max_failures`` heartbeats in a row leaves the rotation.
+ends the attempt within the configured timeouts and tells the other side to
+free what it holds; a worker that misses ``heartbeat_max_failures``
+heartbeats in a row leaves the rotation. An attempt whose prefill or decode
+worker died or was unavailable (:class:`WorkerLostError`) before anything
+was yielded to the caller is retried on a new pair without that worker, up
+to ``max_retries`` times after a short backoff (as SGLang's router and Ray
+Serve retry a request whose worker died under it); any other failure — a
+timeout, bad input, a cancelled caller, a draining cluster — or one after
+the first output ends the request with :class:`PDRequestError`.
 """
 
 from __future__ import annotations
@@ -20,7 +26,8 @@ import random
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Dict, List, Optional
+from contextlib import aclosing
+from typing import Any, AsyncIterator, Dict, List, Optional, Set
 
 import ray
 
@@ -30,6 +37,7 @@ from cluster.aio import wait_for
 from transfer import select_backend
 
 logger = logging.getLogger(__name__)
+RETRY_BACKOFF_MAX_S = 1.0  # the longest pause before a retry (the backoff doubles from retry_backoff_s)
 
 
 @dataclass
@@ -51,6 +59,14 @@ class WorkerRef:
     placement_group: Any = None
 
 
+class WorkerLostError(PDRequestError):
+    """A call to ``worker`` failed because its actor died (``died``) or was unavailable: the
+    request may go to another worker if nothing of it was delivered yet."""
+
+    def __init__(self, message: str, worker: WorkerRef, died: bool):
+        super().__init__(message)
+        self.worker, self.died = worker, died
+
 
 class PDClient:
     """Runs requests through the cluster; one per driver (the router later)."""
@@ -58,10 +74,13 @@ class PDClient:
     def __init__(self, prefill: List[WorkerRef], decode: List[WorkerRef], backend: str = "shm", tokenizer=None,
                  device: str = "cpu", bootstrap_timeout_s: float = 300.0, waiting_timeout_s: float = 300.0,
                  heartbeat_interval_s: float = 5.0, heartbeat_max_failures: int = 2, router=None,
-                 router_timeout_s: float = 30.0):
+                 router_timeout_s: float = 30.0, max_retries: int = 2, retry_backoff_s: float = 0.05):
         self.prefill, self.decode = prefill, decode
         self.router = router  # anything with async route(rid, input_ids) / release(rid, role=None); None: round-robin
         self.router_timeout_s = router_timeout_s  # a route or release the router does not answer in time
+        self.max_retries = max_retries  # new pairs a request may try after its worker died or was unavailable
+        self.retry_backoff_s = retry_backoff_s  # the pause before the first retry (doubled per retry)
+        self.num_retries = 0  # retries made (every request)
         self.backend, self.device, self.tokenizer = backend, device, tokenizer
         self.bootstrap_timeout_s, self.waiting_timeout_s = bootstrap_timeout_s, waiting_timeout_s
         self.heartbeat_interval_s, self.heartbeat_max_failures = heartbeat_interval_s, heartbeat_max_failures
@@ -74,17 +93,23 @@ class PDClient:
         self._tasks: set = set()
 
     # ---- choosing workers -----------------------------------------------------------
-    def _pick(self, role: str) -> WorkerRef:
-        pool = [w for w in (self.prefill if role == "prefill" else self.decode) if w.alive]
+    def _candidates(self, role: str, exclude: Set[str] = frozenset()) -> List[WorkerRef]:
+        return [w for w in (self.prefill if role == "prefill" else self.decode)
+                if w.alive and w.worker_id not in exclude]
+
+    def _pick(self, role: str, exclude: Set[str] = frozenset()) -> WorkerRef:
+        pool = self._candidates(role, exclude)
         if not pool:
             raise PDRequestError(f"no live {role} worker")
         return pool[next(self._rr[role]) % len(pool)]
 
-    async def _pick_pair(self, rid: str, input_ids: List[int]):
-        """(prefill, decode) for a request: the router's decision, or round-robin without one."""
+    async def _pick_pair(self, rid: str, input_ids: List[int], exclude: Set[str] = frozenset()):
+        """(prefill, decode) for a request: the router's decision, or round-robin without one;
+        never a worker in ``exclude`` (those that failed an earlier attempt of the request)."""
         if self.router is None:
-            return self._pick("prefill"), self._pick("decode")
-        routing = asyncio.ensure_future(call_method(self.router, "route", rid, input_ids))
+            return self._pick("prefill", exclude), self._pick("decode", exclude)
+        args = (rid, input_ids) + ((None, sorted(exclude)) if exclude else ())  # (extra_key, exclude)
+        routing = asyncio.ensure_future(call_method(self.router, "route", *args))
         try:
             decision = await wait_for(asyncio.shield(routing), self.router_timeout_s)
         except (asyncio.CancelledError, asyncio.TimeoutError) as exc:  # the caller left (its client did) or
@@ -161,21 +186,50 @@ class PDClient:
         # (as SGLang and vLLM refuse one): the workers and the router key state by it
         if rid in self._live_rids or rid in self._unreleased:
             raise ValueError(f"request id {rid!r} is already in flight")
-        self._live_rids.add(rid)
+        self._live_rids.add(rid)  # live across its attempts: freed once the last one has cleaned up
         try:
-            prefill, decode = await self._pick_pair(rid, input_ids)
-        except BaseException:
+            failed: Set[str] = set()  # workers that died or were unavailable under this request
+            for retry in itertools.count():
+                delivered = False
+                try:
+                    async with aclosing(self._attempt(rid, input_ids, sampling_params, failed)) as outs:
+                        async for out in outs:
+                            delivered = True
+                            yield out
+                    return
+                except WorkerLostError as exc:
+                    failed.add(exc.worker.worker_id)
+                    if delivered or not self._may_retry(retry, failed):
+                        raise
+                    self.num_retries += 1
+                    logger.warning("retrying %s on a new pair (retry %d of %d): %s worker %s %s", rid, retry + 1,
+                                   self.max_retries, exc.worker.role, exc.worker.worker_id,
+                                   "died" if exc.died else "was unavailable")
+                    await asyncio.sleep(min(self.retry_backoff_s * 2 ** retry, RETRY_BACKOFF_MAX_S))
+                    if self.draining:
+                        raise
+        finally:
             self._live_rids.discard(rid)
-            raise
+
+    def _may_retry(self, retry: int, failed: Set[str]) -> bool:
+        """Whether a request whose attempt lost a worker (nothing delivered) goes to a new pair:
+        retries left, the cluster not draining, and a live worker of each role outside ``failed``
+        (those that failed it; else the error stands as it is)."""
+        if retry >= self.max_retries or self.draining:
+            return False
+        return all(self._candidates(role, failed) for role in ("prefill", "decode"))
+
+    async def _attempt(self, rid: str, input_ids: List[int], sampling_params: Optional[Dict[str, Any]],
+                       exclude: Set[str]) -> AsyncIterator[Dict[str, Any]]:
+        """One attempt of ``rid`` on a pair outside ``exclude``; on its way out (however) it
+        leaves nothing on either worker and releases its route."""
+        prefill, decode = await self._pick_pair(rid, input_ids, exclude)
         room = random.getrandbits(63)  # this attempt: every abort below names it, never a later one under rid
         override = None if self.backend == "auto" else self.backend
         try:
             backend = select_backend(prefill.node_id == decode.node_id, self.device, override)
         except BaseException:  # (a backend the pair cannot use): nothing asked of either side yet
-            try:
-                await self._release(rid)
-            finally:
-                self._live_rids.discard(rid)
+            await self._release(rid)
             raise
         prefill.inflight += 1
         decode.inflight += 1
@@ -220,10 +274,8 @@ class PDClient:
             self.inflight -= 1
             if not (finished or decode_told) and not decode.dead:  # after the notice: the caller went away or a
                 decode.handle.abort.remote(rid, "the client went away", True, room)  # call failed; nothing can push
-            try:
-                await self._release(rid)  # (before the id is free again: a new request under it routes afresh)
-            finally:
-                self._live_rids.discard(rid)
+            # (before the id is free again or routed anew: a new request or attempt under it routes afresh)
+            await self._release(rid)
 
     async def drain(self, timeout_s: float = 120.0) -> None:
         """Refuse new requests; return once every accepted one has ended (those the router is
@@ -237,10 +289,12 @@ class PDClient:
         try:
             return await wait_for(ref, timeout_s)  # (a client gone as a token came: not decoded to the end)
         except ray.exceptions.ActorUnavailableError as exc:  # maybe back later (a blip): heartbeats decide
-            raise PDRequestError(f"{worker.role} worker {worker.worker_id} was unavailable while serving {rid}") from exc
+            raise WorkerLostError(f"{worker.role} worker {worker.worker_id} was unavailable while serving {rid}",
+                                  worker, died=False) from exc
         except ray.exceptions.RayActorError as exc:
             self._mark_dead(worker, type(exc).__name__)
-            raise PDRequestError(f"{worker.role} worker {worker.worker_id} died while serving {rid}") from exc
+            raise WorkerLostError(f"{worker.role} worker {worker.worker_id} died while serving {rid}",
+                                  worker, died=True) from exc
         except asyncio.TimeoutError as exc:
             raise PDRequestError(f"{worker.role} worker {worker.worker_id} did not answer within {timeout_s}s") from exc
         except ray.exceptions.RayTaskError as exc:

@@ -258,6 +258,7 @@ def build_app(cluster_or_client: Any, tokenizer=None, config=None, client=None,
             pass
         # (workers out of the rotation too: they scrape as raydix_worker_up 0 until removed)
         metrics.set_workers(backend.workers(include_dead=True), admission.running, admission.waiting)
+        metrics.set_retries(getattr(backend, "num_retries", 0))  # (a backend without a PD client has none)
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/workers")

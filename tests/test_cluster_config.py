@@ -574,3 +574,16 @@ def test_removing_a_worker_twice_at_once_is_a_missing_worker_the_second_time(fak
     assert cluster.decode == [] and fake_ray.killed == [worker.handle]
     with pytest.raises(UnknownWorkerError):
         cluster.remove_worker("decode-0-abc")
+
+
+def test_router_max_retries_reaches_the_client_and_the_router_settings():
+    from cluster.pd import PDCluster, router_settings
+
+    data = _base()
+    data["router"] = dict(data.get("router") or {}, max_retries=0)
+    config = parse_config(data)
+    assert PDCluster(config, model_path="/nonexistent").client().max_retries == 0
+    assert router_settings(config).max_retries == 0
+    assert PDCluster(parse_config(_base()), model_path="/nonexistent").client().max_retries == 2
+    with pytest.raises(ConfigError):
+        parse_config(dict(data, router={"max_retries": -1}))

@@ -2,8 +2,9 @@
 equal HF transformers' for the dense and hybrid families with a prefill-side
 prefix hit; faults (a decode worker killed during transfer and during decode, a
 prefill worker killed before it sends) end the affected request with an error
-within 10 s while the survivors stay leak-free and keep serving; drain lets
-every accepted request finish."""
+within 10 s while the survivors stay leak-free and keep serving (a request sent to
+a dead worker with another one to go to is retried there); drain lets every
+accepted request finish."""
 
 import asyncio
 import time
@@ -130,8 +131,18 @@ def _kill_while_prefill_is_held(cluster, prefill, decode, victim, seed):
 
 
 def test_prefill_killed_before_it_sends(fault_cluster):
+    """(The client has no other prefill worker: the error stands.) A client that has not yet
+    seen the worker die sends it a request: the request is retried on the other prefill worker,
+    on the same decode worker under the same id, and served."""
+    from cluster.pd_client import WorkerRef
+
     prefill, decode = fault_cluster.prefill[0], fault_cluster.decode[0]
     _kill_while_prefill_is_held(fault_cluster, prefill, decode, victim=prefill, seed=3)
+    unaware = WorkerRef(prefill.worker_id, "prefill", prefill.handle, prefill.node_id)  # alive to this client
+    client = PDClient([unaware, fault_cluster.prefill[1]], [decode], backend="shm", retry_backoff_s=0.001)
+    out = asyncio.run(client.generate(prompts(1, 10, 10, seed=12)[0], GREEDY, rid="retried"))
+    assert out["meta_info"]["finish_reason"]["type"] == "length" and client.num_retries == 1
+    assert out["meta_info"]["prefill_worker"] == fault_cluster.prefill[1].worker_id and unaware.dead
 
 
 def test_decode_killed_during_transfer(fault_cluster):

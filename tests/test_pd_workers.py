@@ -1135,14 +1135,22 @@ def test_an_old_stream_closed_late_and_a_stale_notice_leave_the_retry_alone(chec
 
 
 class _LocalActor:
-    """A worker object behind a Ray-like handle (``handle.method.remote(...)`` → awaitable)."""
+    """A worker object behind a Ray-like handle (``handle.method.remote(...)`` → awaitable;
+    ``.options(num_returns="streaming").remote(...)``: an async generator's items as awaitables)."""
 
     def __init__(self, worker):
         self._worker = worker
 
     def __getattr__(self, name):
         method = getattr(self._worker, name)
-        return type("Method", (), {"remote": staticmethod(lambda *args: asyncio.ensure_future(method(*args)))})()
+
+        async def refs(*args):
+            async for item in method(*args):
+                yield asyncio.sleep(0, item)
+
+        streaming = type("Streaming", (), {"remote": staticmethod(refs)})()
+        return type("Method", (), {"remote": staticmethod(lambda *args: asyncio.ensure_future(method(*args))),
+                                   "options": staticmethod(lambda **_: streaming)})()
 
 
 def test_the_client_keeps_a_reservation_quarantined_when_the_prefill_stop_is_unconfirmed(checkpoints):
@@ -1172,4 +1180,41 @@ def test_the_client_keeps_a_reservation_quarantined_when_the_prefill_stop_is_unc
         assert len(decode.scheduler.quarantine) == 1 and decode.load()["free_slots"] < total
 
     asyncio.run(go())
+    close(prefill, decode)
+
+
+def test_a_retry_under_the_same_id_on_the_same_decode_worker_is_served_beside_the_quarantined_attempt(checkpoints):
+    """The first prefill worker is unavailable (its call and its abort fail: it may still push),
+    so the client quarantines the first reservation and retries on the other prefill worker,
+    with the same decode worker and request id: the retry (a new room) is accepted there and
+    decodes as the same request run cleanly does, the first attempt's slots kept aside."""
+    from ray.exceptions import ActorUnavailableError
+
+    from cluster.pd_client import PDClient, WorkerRef
+
+    path = checkpoints["llama"]
+    prefill, decode = make_pair(path)
+
+    class Unavailable:
+        async def prefill(self, *args):
+            raise ActorUnavailableError("blip", None)
+
+        abort = prefill
+
+    client = PDClient([WorkerRef("p0", "prefill", _LocalActor(Unavailable()), "n"),
+                       WorkerRef("p1", "prefill", _LocalActor(prefill), "n")],
+                      [WorkerRef("d", "decode", _LocalActor(decode), "n")], backend="shm", retry_backoff_s=0.001)
+    ids = prompts(1, 20, 20, seed=78)[0]
+
+    async def go():
+        final = await client.generate(ids, GREEDY, rid="same")
+        [(_, first)] = decode.scheduler.quarantine
+        assert first.rid == "same" and first.finished
+        clean, _, _ = await run_pd(prefill, decode, ids, GREEDY)
+        return final, clean
+
+    final, clean = asyncio.run(go())
+    assert client.num_retries == 1 and final["meta_info"]["prefill_worker"] == "p1"
+    assert final["output_ids"] == clean["output_ids"] and len(final["output_ids"]) == 8
+    decode.loop.run_exclusive(lambda: decode.scheduler._release_quarantine(force=True))  # (its deadline: 300 s)
     close(prefill, decode)

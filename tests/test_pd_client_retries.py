@@ -1,0 +1,261 @@
+"""PDClient retries (in-process, no Ray, no model): a request whose prefill or decode worker
+died or was unavailable before its first output goes to a new pair, its route released and
+made anew, its first attempt ended on the workers; nothing else is retried."""
+
+import asyncio
+from typing import Any, Dict, List, Optional
+
+import pytest
+from ray.exceptions import ActorDiedError, ActorUnavailableError
+
+from actors.pd_scheduler import PDRequestError
+from actors.router import NoWorkerError, Router
+from actors.routing_policies import RouterSettings
+from cluster.pd_client import PDClient, WorkerRef
+from tests.router_helpers import FakeDecode, FakePrefill
+
+PS = 4
+PARAMS = {"max_new_tokens": 3}
+
+
+class Faults:
+    """What the next calls of a method raise, whichever worker takes them (the first worker the
+    router picks fails, wherever its policy sends the request)."""
+
+    def __init__(self, **queued):
+        self.queued: Dict[str, List[Any]] = {m: list(e) for m, e in queued.items()}
+        self.hit: List["Worker"] = []  # the workers whose calls failed, in order
+
+    def take(self, method: str):
+        queue = self.queued.get(method)
+        return queue.pop(0) if queue else None
+
+
+class Worker:
+    """A prefill or decode worker behind a Ray-like handle; records its calls as (method, rid, room)."""
+
+    def __init__(self, worker_id: str, role: str, faults: Faults, tokens: int = 3):
+        self.worker_id, self.role, self.faults, self.tokens = worker_id, role, faults, tokens
+        self.calls: List[tuple] = []
+
+    def _fail(self, method: str) -> None:
+        fault = self.faults.take(method)
+        if callable(fault) and not isinstance(fault, type):
+            fault = fault(self)
+        if fault is not None:
+            self.faults.hit.append(self)
+            raise fault
+
+    async def reserve(self, rid, input_ids, params, backend, room):
+        self.calls.append(("reserve", rid, room))
+        self._fail("reserve")
+        return [room]  # (a real hand-off carries its room to the prefill side)
+
+    async def prefill(self, rid, input_ids, params, handoffs):
+        self.calls.append(("prefill", rid, handoffs[0]))
+        self._fail("prefill")
+        return {"room": handoffs[0], "cached_tokens": 0, "prefill_latency": 0.0}
+
+    async def stream(self, rid, notice):
+        self.calls.append(("stream", rid, notice["room"]))
+        for i in range(self.tokens):
+            self._fail(f"stream{i}")
+            last = i == self.tokens - 1
+            yield {"output_ids": list(range(i + 1)), "meta_info": {
+                "cached_tokens": 0, "finish_reason": {"type": "length"} if last else None}}
+
+    async def abort(self, rid, message, *rest):
+        self.calls.append(("abort", rid, rest[-1], rest[0] if self.role == "decode" else None))
+        fault = self.faults.take(f"{self.role}_abort")  # (an abort that fails ends no attempt)
+        if fault is not None:
+            raise fault
+
+    def rooms(self, method: str) -> List[int]:
+        return [c[2] for c in self.calls if c[0] == method]
+
+
+class _Method:
+    def __init__(self, fn):
+        self.fn = fn
+
+    def remote(self, *args):
+        return asyncio.ensure_future(self.fn(*args))
+
+    def options(self, **_):
+        fn = self.fn
+
+        class Streaming:
+            @staticmethod
+            def remote(*args):
+                async def refs():
+                    outs = fn(*args)
+                    while True:  # each ref raises what the generator raised, as Ray's do
+                        ref = asyncio.ensure_future(outs.__anext__())
+                        try:
+                            await ref
+                        except StopAsyncIteration:
+                            return
+                        except BaseException:
+                            yield ref
+                            return
+                        yield ref
+                return refs()
+        return Streaming()
+
+
+class _Handle:
+    def __init__(self, worker: Worker):
+        self._worker = worker
+
+    def __getattr__(self, name):
+        return _Method(getattr(self._worker, name))
+
+
+def cluster(num_prefill: int, num_decode: int, faults: Faults, with_router: bool = True, **client_args):
+    """(client, router, prefill workers, decode workers): the client routed by a real Router."""
+    prefill = [Worker(f"p{i}", "prefill", faults) for i in range(num_prefill)]
+    decode = [Worker(f"d{i}", "decode", faults) for i in range(num_decode)]
+    router = None
+    if with_router:
+        router = Router(RouterSettings(page_size=PS))
+        stand_ins = [FakePrefill(w.worker_id, PS) for w in prefill] + [FakeDecode(w.worker_id, PS) for w in decode]
+
+        async def add():
+            for w in stand_ins:
+                await router.add_worker(w.worker_id, w.role, w)
+
+        asyncio.run(add())
+    refs = [WorkerRef(w.worker_id, w.role, _Handle(w), "n") for w in prefill + decode]
+    client = PDClient(refs[:num_prefill], refs[num_prefill:], router=router, retry_backoff_s=0.001, **client_args)
+    return client, router, prefill, decode
+
+
+async def collect(client: PDClient, rid: str = "r", outs: Optional[list] = None) -> list:
+    outs = [] if outs is None else outs
+    async for out in client.generate_stream([1, 2, 3, 4, 5, 6, 7, 8, 9], PARAMS, rid):
+        outs.append(out)
+    return outs
+
+
+def assert_clean(client: PDClient, router: Optional[Router]) -> None:
+    assert not client._live_rids and client.inflight == 0
+    assert all(w.inflight == 0 for w in client.prefill + client.decode)
+    if router is not None:  # every attempt's route released, none counted as load
+        assert not router._requests and all(w.inflight == 0 for w in router.workers.values())
+
+
+@pytest.mark.parametrize("fault", ["prefill died", "prefill unavailable", "decode died at reserve",
+                                   "decode unavailable before its first token"])
+@pytest.mark.parametrize("with_router", [True, False], ids=["router", "round_robin"])
+def test_a_request_whose_worker_was_lost_before_its_first_output_goes_to_a_new_pair(fault, with_router):
+    method, exc = {"prefill died": ("prefill", ActorDiedError()),
+                   "prefill unavailable": ("prefill", ActorUnavailableError("blip", None)),
+                   "decode died at reserve": ("reserve", ActorDiedError()),
+                   "decode unavailable before its first token": ("stream0", ActorUnavailableError("blip", None)),
+                   }[fault]
+    faults = Faults(**{method: [exc]})
+    if fault == "prefill unavailable":  # its abort does not get through either
+        faults.queued["prefill_abort"] = [ActorUnavailableError("blip", None)]
+    client, router, prefill, decode = cluster(2, 2, faults, with_router)
+    outs = asyncio.run(collect(client))
+    assert [len(o["output_ids"]) for o in outs] == [1, 2, 3]  # the whole answer, once, from the second pair
+    assert client.num_retries == 1
+    [lost] = faults.hit
+    role = lost.role
+    assert outs[-1]["meta_info"][f"{role}_worker"] != lost.worker_id
+    ref = next(r for r in client.prefill + client.decode if r.worker_id == lost.worker_id)
+    assert ref.dead == isinstance(exc, ActorDiedError)  # one only unavailable is left to heartbeats
+    reserves = [(w.worker_id, room) for w in decode for room in w.rooms("reserve")]
+    assert len(reserves) == 2 and reserves[0][1] != reserves[1][1]  # a fresh room for the retry
+    first_room = reserves[0][1]
+    first_decode = next(w for w in decode if first_room in w.rooms("reserve"))
+    if role == "prefill":  # the first attempt's reservation was ended (by its room) before the retry
+        aborts = [c for c in first_decode.calls if c[0] == "abort"]
+        assert aborts and aborts[0][2] == first_room
+        # a dead prefill writes nothing: freed at once; one unavailable may still push: quarantined
+        assert aborts[0][3] is isinstance(exc, ActorDiedError)
+    assert_clean(client, router)
+
+
+def test_the_retry_on_the_same_decode_worker_follows_the_end_of_the_first_attempt():
+    """One decode worker, the prefill died: the retry reserves there again under the same id,
+    only after the first attempt's reservation (its room) was aborted."""
+    client, router, prefill, decode = cluster(2, 1, Faults(prefill=[ActorDiedError()]))
+    outs = asyncio.run(collect(client, rid="same"))
+    assert outs[-1]["meta_info"]["finish_reason"] is not None
+    kinds = [(c[0], c[2]) for c in decode[0].calls]
+    first, second = decode[0].rooms("reserve")
+    assert kinds[:3] == [("reserve", first), ("abort", first), ("reserve", second)], kinds
+    assert {c[1] for c in decode[0].calls} == {"same"}
+    assert_clean(client, router)
+
+
+@pytest.mark.parametrize("case", ["after the first output", "timeout", "bad input", "max_retries 0",
+                                  "no other worker", "draining", "retries exhausted"])
+def test_what_is_not_retried(case):
+    num_prefill, args, faults = 2, {}, None
+    if case == "after the first output":  # tokens already streamed: a retry would repeat them
+        faults = Faults(stream1=[ActorDiedError()])
+    elif case == "timeout":  # the wait was long already: a retry would double it
+        async def hang(*_):
+            await asyncio.sleep(10)
+        faults, args = Faults(), {"waiting_timeout_s": 0.05}
+    elif case == "bad input":
+        faults = Faults(reserve=[ValueError("the prompt is empty")])
+    elif case == "max_retries 0":
+        faults, args = Faults(prefill=[ActorDiedError()]), {"max_retries": 0}
+    elif case == "no other worker":
+        faults, num_prefill = Faults(prefill=[ActorDiedError()]), 1
+    elif case == "draining":
+        client_box = []
+
+        def drain_then_die(worker):
+            client_box[0].draining = True
+            return ActorDiedError()
+        faults = Faults(prefill=[drain_then_die])
+    else:  # every prefill worker dies in turn: two retries, then the error stands
+        faults, num_prefill = Faults(prefill=[ActorDiedError()] * 3), 3
+    client, router, prefill, decode = cluster(num_prefill, 2, faults, **args)
+    if case == "timeout":
+        for w in prefill:
+            w.prefill = hang
+    if case == "draining":
+        client_box.append(client)
+    outs: list = []
+    error = ValueError if case == "bad input" else PDRequestError
+    with pytest.raises(error):
+        asyncio.run(collect(client, outs=outs))
+    attempts = sum(len(w.rooms("reserve")) for w in decode)
+    assert (attempts, client.num_retries) == ((3, 2) if case == "retries exhausted" else (1, 0))
+    assert len(outs) == (1 if case == "after the first output" else 0)
+    assert_clean(client, router)
+
+
+def test_the_router_never_routes_a_retry_to_an_excluded_worker():
+    router = Router(RouterSettings(page_size=PS))
+    workers = [FakePrefill("p0", PS), FakePrefill("p1", PS), FakeDecode("d0", PS)]
+
+    async def go():
+        for w in workers:
+            await router.add_worker(w.worker_id, w.role, w)
+        for i in range(4):
+            decision = await router.route(f"r{i}", list(range(16)), None, ["p0"])
+            assert decision.prefill_id == "p1"
+            await router.release(f"r{i}")
+        with pytest.raises(NoWorkerError, match="no live decode"):
+            await router.route("x", list(range(16)), None, ["d0"])
+
+    asyncio.run(go())
+
+
+def test_retries_are_counted_in_the_metrics():
+    from prometheus_client import generate_latest
+
+    from cluster.backend import PDBackend
+    from cluster.metrics import ServerMetrics
+
+    client, router, _, _ = cluster(2, 1, Faults(prefill=[ActorDiedError()]))
+    asyncio.run(collect(client))
+    metrics = ServerMetrics("m")
+    metrics.set_retries(PDBackend(client).num_retries)
+    assert "raydix_request_retries_total 1.0" in generate_latest(metrics.registry).decode()
