@@ -248,10 +248,13 @@ class PDClient:
             try:
                 notice = await self._call(prefill, prefill.handle.prefill.remote(rid, input_ids, sampling_params, handoffs),
                                           self.waiting_timeout_s, rid)
-            except BaseException:
+            except BaseException as exc:
                 decode_told = True  # (an unconfirmed stop quarantines the slots: nothing below may free them)
                 safe = await self._stop_prefill(prefill, rid, room)
-                await self._abort_quietly(decode, rid, room, safe=safe)
+                decode_died = await self._abort_quietly(decode, rid, room, safe=safe)
+                if decode_died and _failed_push(exc):  # the push failed because its decode worker died
+                    raise WorkerLostError(f"decode worker {decode.worker_id} died while {rid}'s KV moved to it "
+                                          f"({exc})", decode, died=True) from exc
                 raise
             await self._release(rid, "prefill", wait=False)
             gen = decode.handle.stream.options(num_returns="streaming").remote(rid, notice)
@@ -318,12 +321,17 @@ class PDClient:
             logger.warning("could not stop the prefill of %s on %s: %s", rid, prefill.worker_id, exc)
             return False
 
-    async def _abort_quietly(self, worker: WorkerRef, rid: str, room: int, safe: bool) -> None:
-        """End ``rid``'s attempt ``room`` on the decode worker; ``safe``: no prefill can still write its slots."""
+    async def _abort_quietly(self, worker: WorkerRef, rid: str, room: int, safe: bool) -> bool:
+        """End ``rid``'s attempt ``room`` on the decode worker; ``safe``: no prefill can still write
+        its slots. True when the worker turned out dead (it is marked so)."""
         try:
             await asyncio.wait_for(worker.handle.abort.remote(rid, "the prefill side failed", safe, room), timeout=5)
-        except Exception:  # the decode side's waiting timeout frees it if this cannot
+        except Exception as exc:  # the decode side's waiting timeout frees it if this cannot
+            if is_worker_death(exc):
+                self._mark_dead(worker, type(exc).__name__)
+                return True
             logger.warning("could not abort %s on %s", rid, worker.worker_id)
+        return False
 
     # ---- heartbeats --------------------------------------------------------------------
     async def heartbeat_once(self) -> None:
@@ -357,3 +365,11 @@ class PDClient:
     def stop_heartbeats(self) -> None:
         if self._heartbeat_task is not None:
             self._heartbeat_task.cancel()
+
+
+def _failed_push(exc: BaseException) -> bool:
+    """A prefill call that failed on the transfer (its error came back from the worker), not
+    on a timeout of the call, bad input or a lost prefill worker: the decode side's death is
+    then the likely cause."""
+    return (isinstance(exc, PDRequestError) and not isinstance(exc, WorkerLostError)
+            and not isinstance(exc.__cause__, asyncio.TimeoutError))

@@ -177,6 +177,27 @@ def test_a_request_whose_worker_was_lost_before_its_first_output_goes_to_a_new_p
     assert_clean(client, router)
 
 
+@pytest.mark.parametrize("decode_abort", ["died", "timed out"])
+def test_a_push_that_failed_because_its_decode_worker_died_goes_to_a_new_pair(decode_abort):
+    """The decode worker died while the prefill pushed to it: the prefill call fails with a
+    transfer error, not a worker death; the decode side found dead when it is told to abort
+    makes it one (retried). A decode worker alive but slow to answer leaves the error as is."""
+    abort_error = ActorDiedError() if decode_abort == "died" else asyncio.TimeoutError()
+    faults = Faults(prefill=[PDRequestError("the KV transfer of r failed: connection reset")],
+                    decode_abort=[abort_error])
+    client, router, prefill, decode = cluster(2, 2, faults)
+    if decode_abort == "timed out":
+        with pytest.raises(PDRequestError, match="connection reset"):
+            asyncio.run(collect(client))
+        assert client.num_retries == 0 and not any(w.dead for w in client.decode)
+    else:
+        outs = asyncio.run(collect(client))
+        assert [len(o["output_ids"]) for o in outs] == [1, 2, 3] and client.num_retries == 1
+        dead = [w.worker_id for w in client.decode if w.dead]
+        assert len(dead) == 1 and outs[-1]["meta_info"]["decode_worker"] != dead[0]
+    assert_clean(client, router)
+
+
 def test_the_retry_on_the_same_decode_worker_follows_the_end_of_the_first_attempt():
     """One decode worker, the prefill died: the retry reserves there again under the same id,
     only after the first attempt's reservation (its room) was aborted."""
