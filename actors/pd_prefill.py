@@ -238,17 +238,20 @@ class PrefillScheduler(Scheduler):
                     self._cancel_pushes(req.pd_push_id)
         with self._push_lock:
             for req in done:
-                self.inflight.remove(req)
                 self._pushing.pop(req.pd_push_id, None)
                 if not req.finished:  # (finished: the transfer thread sent its notice already)
                     self._finish_push(req)
                 self.push_time += req.pd_transfer_time
                 self.bytes_pushed += req.pd_transfer_bytes
-        try:
+        cached = []
+        try:  # each leaves ``inflight`` once cached: failing, the rest stay there, finished, for fail_all
             for req in done:
                 self.tree_cache.cache_finished_req(req)
-        except BaseException:  # out of ``inflight`` and finished: the loop's failure path tells them
-            self._aborted += done
+                with self._push_lock:
+                    self.inflight.remove(req)
+                cached.append(req)
+        except BaseException:  # those cached are in no queue now: the loop's failure path only tells them
+            self._aborted += cached
             raise
         return done
 
@@ -302,7 +305,10 @@ class PrefillScheduler(Scheduler):
             out, self.inflight = self.inflight, []
         for req in out:
             if req.finished:
-                self.tree_cache.cache_finished_req(req)
+                try:
+                    self.tree_cache.cache_finished_req(req)
+                except Exception:  # keep releasing the others (and return them all: each is told)
+                    logger.exception("could not release request %s", req.rid)
         return out
 
 

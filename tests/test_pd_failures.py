@@ -529,3 +529,90 @@ def test_rank_0_ends_a_follower_receiver_before_it_expects_the_same_id_again(che
     prefill.shutdown()
     decode.shutdown()  # (the unsafe abort's slots are still quarantined: no integrity check)
     assert expects == ["x"] * 4 and overwritten == [] and follower._receivers == {}
+
+
+# ---- 9. prefill: a failure caching one pushed request --------------------------------------------
+def test_a_failure_caching_one_pushed_prefill_request_does_not_leak_the_others(checkpoints):
+    """a and b end their pushes (notices out) before the prefill loop's next step caches them;
+    caching a fails (once). b, finished too, was out of ``inflight`` already and no failure
+    path released it: its row, slots and prefix lock leaked. Both go back now."""
+    path = checkpoints["llama"]
+    prefill, decode = make_pair(path)
+    sched = prefill.scheduler
+    a_ids, b_ids = prompts(2, 20, 20, seed=33)
+
+    async def go():
+        prefill.loop.pause()  # both admitted in one step
+        tasks = [asyncio.ensure_future(run_pd(prefill, decode, ids, GREEDY, rid=rid))
+                 for rid, ids in (("a", a_ids), ("b", b_ids))]
+        await until(lambda: len(prefill.loop.run_exclusive(lambda: list(sched.waiting))) == 2, what="a and b queued")
+        paused = pause_once(prefill, lambda: len(sched.inflight) == 2)
+        prefill.loop.resume()
+        await until(paused.is_set, what="a and b pushing")
+        await until(lambda: all(r.finished for r in list(sched.inflight)), what="both notices")
+        _fail_releasing_once(sched.tree_cache, "a")
+        prefill.loop.resume()
+        return await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 10)
+
+    results = asyncio.run(go())
+    assert [len(r[0]["output_ids"]) for r in results] == [8, 8], results
+    assert leaks(prefill, decode) == [None, None]
+
+
+def test_a_failure_caching_a_pushed_request_in_fail_all_still_tells_the_others(checkpoints):
+    """Two pushed requests are cached at one step (the second one's report reached the loop,
+    not the early notice); caching the first fails, and fails again in the failure path's
+    fail_all. The second must still be released and told: the exception left fail_all before
+    it, and its caller waited forever."""
+    path = checkpoints["llama"]
+    prefill, decode = make_pair(path)
+    sched, pusher = prefill.scheduler, prefill.rank.pusher
+    batch = prompts(2, 20, 20, seed=34)
+    report, state = pusher.on_finished, {"first": None, "left_to_loop": [], "reported": []}
+
+    def report_later(result):  # (one lane: in ``inflight`` order) the second one's result waits for the loop
+        if state["reported"]:
+            state["left_to_loop"].append(result.push_id)
+            raise ConnectionError("report lost")
+        state["reported"].append(result.push_id)
+        report(result)
+
+    real_cache = sched.tree_cache.cache_finished_req
+
+    def failing(req, *args, **kwargs):
+        if req.rid == state["first"]:
+            raise RuntimeError("injected release error")
+        return real_cache(req, *args, **kwargs)
+
+    async def go():
+        prefill.loop.pause()  # both admitted in one step
+        tasks = [asyncio.ensure_future(run_pd(prefill, decode, ids, GREEDY, rid=rid))
+                 for rid, ids in zip(("a", "b"), batch)]
+        await until(lambda: len(prefill.loop.run_exclusive(lambda: list(sched.waiting))) == 2, what="a and b queued")
+        paused = pause_once(prefill, lambda: len(sched.inflight) == 2)
+        pusher.on_finished = report_later
+
+        def first_rid():
+            state["first"] = sched.inflight[0].rid
+            return state["first"]
+
+        prefill.loop.resume()
+        await until(paused.is_set, what="a and b pushing")
+        first = prefill.loop.run_exclusive(first_rid)
+        await until(lambda: len(pusher._finished) == 1 and sched.inflight[0].finished, what="both pushes")
+        sched.tree_cache.cache_finished_req = failing
+        prefill.loop.resume()
+        other = tasks[1] if first == "a" else tasks[0]
+        try:
+            final, _, _ = await asyncio.wait_for(asyncio.shield(other), 5)
+            answer = len(final["output_ids"])
+        except asyncio.TimeoutError:
+            answer = "never told"
+        del sched.tree_cache.cache_finished_req
+        await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 10)
+        return answer
+
+    answer = asyncio.run(go())
+    prefill.shutdown()  # (the first one's row is lost to the failed releases: no integrity check)
+    decode.shutdown()
+    assert answer == 8, answer
