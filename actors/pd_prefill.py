@@ -287,8 +287,10 @@ class PrefillScheduler(Scheduler):
                 self.inflight.remove(req)
             req.pd_error = "aborted"
             req.finish({"type": "abort", "message": "aborted"})
-            self.tree_cache.cache_finished_req(req)
-            self._aborted.append(req)
+            try:
+                self.tree_cache.cache_finished_req(req)
+            finally:  # told even if caching it failed (finished and in no queue, it was never answered)
+                self._aborted.append(req)
             return True
         req = next((r for r in self.waiting + [self.chunked_req] if meant(r)), None)
         if req is None:

@@ -826,6 +826,58 @@ def test_a_slow_decode_worker_holds_up_only_its_own_pushes(checkpoints):
     close(prefill, slow, fast)
 
 
+
+def test_an_aborted_inflight_request_whose_caching_fails_is_still_told(checkpoints):
+    """``abort`` of a request waiting in ``inflight`` finishes it, then caches its prompt; when
+    caching raised, the request was finished and in no queue: its ``prefill()`` caller was
+    never answered. It is told it was aborted however its caching went."""
+    path = checkpoints["llama"]
+    prefill, decode = make_pair(path, prefill_args={"chunked_prefill_size": CHUNK})
+    ids = prompts(1, 60, 60, seed=44)[0]
+    sched, started, loop_ref = prefill.scheduler, asyncio.Event(), []
+
+    def hold(call):  # the last chunk's copy waits for the abort: the request sits in inflight
+        if call["offset"] + call["num_rows"] == len(call["handoff"].dst_slots):
+            loop_ref[0].call_soon_threadsafe(started.set)
+            deadline = time.monotonic() + 10
+            while ("lost", None) not in prefill._cancelled and time.monotonic() < deadline:
+                time.sleep(0.002)
+
+    _slow_push(prefill, hold)
+    real = sched.tree_cache.cache_finished_req
+
+    def failing(req, *args, **kwargs):
+        if req.rid == "lost":
+            raise RuntimeError("injected release error")
+        return real(req, *args, **kwargs)
+
+    async def go():
+        loop_ref.append(asyncio.get_running_loop())
+        handoffs = await decode.reserve("lost", ids, GREEDY)
+        task = asyncio.ensure_future(prefill.prefill("lost", ids, GREEDY, handoffs))
+        await asyncio.wait_for(started.wait(), 30)
+        sched.tree_cache.cache_finished_req = failing
+        try:
+            await prefill.abort("lost")
+        except RuntimeError:
+            pass  # (the abort's own caller may hear of the failure)
+        finally:
+            del sched.tree_cache.cache_finished_req
+        try:
+            await asyncio.wait_for(task, 5)
+            answer = "answered"
+        except PDRequestError as exc:
+            answer = "told" if "aborted" in str(exc) else str(exc)
+        except asyncio.TimeoutError:
+            answer = "never told"
+        assert await decode.abort("lost", safe=True)
+        return answer
+
+    assert asyncio.run(go()) == "told"
+    prefill.shutdown()
+    close(decode)
+
+
 @pytest.mark.parametrize("when", ["chunk", "inflight"])
 def test_abort_during_a_chunk_push_waits_for_it_and_nothing_lands_later(checkpoints, when):
     """``abort`` while a chunk of a request (``chunk``: one of its first; ``inflight``: its
