@@ -329,6 +329,20 @@ def test_device_pool_reads_layer_0_while_later_layers_are_loading():
     check(cache, alloc)
 
 
+def break_loads(cache, times=None):
+    """The next ``times`` per-layer loads from the host pool raise (every one if None); after
+    them the real load is back."""
+    load_layer, calls = cache.host_pool.load_to_device_per_layer, []
+
+    def broken(*args, **kwargs):
+        calls.append(1)
+        if times is not None and len(calls) == times:
+            cache.host_pool.load_to_device_per_layer = load_layer
+        raise OSError("host memory unreadable")
+
+    cache.host_pool.load_to_device_per_layer = broken
+
+
 # ---- overlapped loads ----------------------------------------------------------------
 def gated_loads(cache, first_free_layers=1):
     """Make the host pool's per-layer load wait at layers >= ``first_free_layers`` until the
@@ -431,13 +445,7 @@ def test_a_failed_layer_copy_fails_its_readers_then_the_tree_copies_it_again():
     cache, alloc, kv = make(overlap_load=True)
     m, want = evicted_prefix(cache, alloc, list(range(1, 17)))
     loaded, _ = cache.init_load_back(m.last_host_node, m.host_hit_length)
-    load_layer = cache.host_pool.load_to_device_per_layer
-
-    def broken_once(device_pool, host, device, layer_id):
-        cache.host_pool.load_to_device_per_layer = load_layer
-        raise OSError("host memory unreadable")
-
-    cache.host_pool.load_to_device_per_layer = broken_once
+    break_loads(cache, times=1)
     cache.ready_to_load_host_cache()
     with pytest.raises(RuntimeError, match="loading layer 0 from the host tier failed"):
         kv.get_key_buffer(0)
@@ -486,13 +494,7 @@ def test_a_failed_load_copied_again_covers_a_node_split_meanwhile():
     loaded, node = cache.init_load_back(m.last_host_node, m.host_hit_length)
     cache.match_prefix(K(tokens[:12] + [99, 98]))  # splits the loading node at 12
     assert len(node.key) == 4
-    load_layer = cache.host_pool.load_to_device_per_layer
-
-    def broken_once(*args, **kwargs):
-        cache.host_pool.load_to_device_per_layer = load_layer
-        raise OSError("host memory unreadable")
-
-    cache.host_pool.load_to_device_per_layer = broken_once
+    break_loads(cache, times=1)
     cache.ready_to_load_host_cache()
     with pytest.raises(OSError):
         cache.loading_check()
@@ -505,13 +507,7 @@ def test_a_failed_copy_made_at_once_gives_the_device_slots_back_and_keeps_the_ho
     (they went back) and the chain stays host-only, to be loaded by the next hit."""
     cache, alloc, kv = make(overlap_load=False)
     m, want = evicted_prefix(cache, alloc, list(range(1, 17)))
-    load_layer = cache.host_pool.load_to_device_per_layer
-
-    def broken_once(*args, **kwargs):
-        cache.host_pool.load_to_device_per_layer = load_layer
-        raise OSError("host memory unreadable")
-
-    cache.host_pool.load_to_device_per_layer = broken_once
+    break_loads(cache, times=1)
     with pytest.raises(OSError):
         cache.init_load_back(m.last_host_node, m.host_hit_length)
     assert m.last_host_node.evicted and alloc.available_size() == 32
@@ -525,11 +521,7 @@ def test_a_load_that_fails_again_raises_and_leaves_no_reader_waiting():
     cache, alloc, kv = make(overlap_load=True)
     m, _ = evicted_prefix(cache, alloc, list(range(1, 17)))
     cache.init_load_back(m.last_host_node, m.host_hit_length)
-
-    def broken(*args, **kwargs):
-        raise OSError("host memory unreadable")
-
-    cache.host_pool.load_to_device_per_layer = broken
+    break_loads(cache)
     cache.ready_to_load_host_cache()
     with pytest.raises(OSError):
         cache.loading_check()
@@ -614,11 +606,7 @@ def test_a_load_that_fails_twice_leaves_the_device_and_the_next_hit_loads_it_aga
     if taken:
         cache.inc_lock_ref(node)
     load_layer = cache.host_pool.load_to_device_per_layer
-
-    def broken(*args, **kwargs):
-        raise OSError("host memory unreadable")
-
-    cache.host_pool.load_to_device_per_layer = broken
+    break_loads(cache)
     cache.ready_to_load_host_cache()
     with pytest.raises(OSError):
         cache.loading_check()
@@ -650,13 +638,7 @@ def test_a_failed_transfer_in_flight_still_ends_the_loads_queued_behind_it():
     scramble(kv)
     m, m2 = cache.match_prefix(K(first)), cache.match_prefix(K(second))
     loaded, _ = cache.init_load_back(m.last_host_node, m.host_hit_length)
-    load_layer = cache.host_pool.load_to_device_per_layer
-
-    def broken_once(*args, **kwargs):
-        cache.host_pool.load_to_device_per_layer = load_layer
-        raise OSError("host memory unreadable")
-
-    cache.host_pool.load_to_device_per_layer = broken_once
+    break_loads(cache, times=1)
     cache.ready_to_load_host_cache()
     loaded2, node2 = cache.init_load_back(m2.last_host_node, m2.host_hit_length)
     with pytest.raises(OSError):
@@ -677,15 +659,7 @@ def test_a_lost_load_takes_what_was_loaded_under_it_off_the_device_too():
     scramble(kv)
     m = cache.match_prefix(K(tokens[:16]))  # (splits the node)
     cache.init_load_back(m.last_host_node, m.host_hit_length)
-    load_layer, calls = cache.host_pool.load_to_device_per_layer, []
-
-    def broken_twice(*args, **kwargs):  # the transfer, then the copy again
-        calls.append(1)
-        if len(calls) == 2:
-            cache.host_pool.load_to_device_per_layer = load_layer
-        raise OSError("host memory unreadable")
-
-    cache.host_pool.load_to_device_per_layer = broken_twice
+    break_loads(cache, times=2)  # the transfer, then the copy again
     cache.ready_to_load_host_cache()
     m = cache.match_prefix(K(tokens))
     assert len(m.device_indices) == 16 and m.host_hit_length == 16
