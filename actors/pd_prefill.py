@@ -16,6 +16,7 @@ the error) sent and the prompt cached in the tree. It never decodes::
     chunk k done   cache_unfinished_req, then push rows [sent_upto, chunk_end) of it
     last chunk     sample; push [sent_upto, prompt_len) + state + window → inflight
     inflight       every rank done → finish (notice or error), cache_finished_req
+                   (a rank silent past waiting_timeout_s: its pushes stopped, finished with the error)
 
 With the asynchronous push the notice does not wait for the loop
 (:meth:`PrefillScheduler.enable_early_notice`): whichever thread reports the
@@ -56,12 +57,18 @@ class PrefillScheduler(Scheduler):
     Every rank pushes each chunk itself; rank 0 tracks per request the ranks still
     pushing (``req.pd_pending``). Requests with an open push (``_pushing``) are the
     chunked one and those in ``inflight``. ``_push_lock`` guards those (and each request's
-    push state) against the threads that report pushes (:meth:`on_pushed`).
+    push state) against the threads that report pushes (:meth:`on_pushed`). A request
+    waits in ``inflight`` at most ``waiting_timeout_s`` (the decode side's wait for its KV,
+    which began before its prefill): a rank whose report never came by then fails it
+    (:meth:`_expire_inflight`).
     """
 
-    def __init__(self, runner, tokenizer, agents: Dict[str, TransferAgent], pusher: KVPusher, tp_worker=None):
+    def __init__(self, runner, tokenizer, agents: Dict[str, TransferAgent], pusher: KVPusher, tp_worker=None,
+                 waiting_timeout_s: Optional[float] = 300.0):
         super().__init__(runner, tokenizer)
         self.agents, self.pusher, self.tp_worker = agents, pusher, tp_worker
+        self.waiting_timeout_s = waiting_timeout_s  # longest wait in ``inflight`` (None: no limit)
+        self.clock: Callable[[], float] = time.monotonic  # what that wait is measured by
         self.tp_size = tp_worker.tp.size if tp_worker is not None else 1
         self.inflight: List[Req] = []  # prefill done, the push still running on some rank
         self._pushing: Dict[str, Req] = {}  # by push id (rid and attempt: see actors.kv_push)
@@ -127,6 +134,8 @@ class PrefillScheduler(Scheduler):
         with self._push_lock:
             self._queue_push(req, len(req.origin_input_ids), is_last=True)
             req.pd_last_chunk_time = time.perf_counter()
+            timeout = self.waiting_timeout_s
+            req.pd_inflight_deadline = None if timeout is None else self.clock() + timeout
             self.inflight.append(req)
 
     def _queue_push(self, req: Req, end: int, is_last: bool) -> None:
@@ -231,11 +240,12 @@ class PrefillScheduler(Scheduler):
         for result in self.pusher.take_finished():
             self._settle(0, result)
         with self._push_lock:
+            expired = self._expire_inflight()
             done = [req for req in self.inflight if not req.pd_pending]
-        if self.tp_size > 1:  # a rank settled by an error (its handler failed) may still be copying:
-            for req in done:  # stop it before the error notice lets the decode side free the slots
-                if req.pd_error is not None:
-                    self._cancel_pushes(req.pd_push_id)
+        for req in done:  # a rank settled by an error (its handler failed, or it timed out) may still be
+            # copying: stop it before the error notice lets the decode side free the slots
+            if req.pd_error is not None and (self.tp_size > 1 or any(r is req for r in expired)):
+                self._cancel_pushes(req.pd_push_id)
         with self._push_lock:
             for req in done:
                 self._pushing.pop(req.pd_push_id, None)
@@ -254,6 +264,24 @@ class PrefillScheduler(Scheduler):
             self._aborted += cached
             raise
         return done
+
+    def _expire_inflight(self) -> List[Req]:
+        """Under ``_push_lock``: the requests in ``inflight`` past their deadline whose push
+        some rank has not reported yet (a TP follower's report lost on its way, its transfer
+        thread gone) — failed: those ranks are settled with the timeout as the error, so a
+        late report of theirs is ignored, and the request ends as a failed push does (every
+        rank's pushes of it stopped, then the error notice and its release)."""
+        if self.waiting_timeout_s is None or not self.inflight:
+            return []
+        now, expired = self.clock(), []
+        for req in self.inflight:
+            if req.pd_pending and now >= req.pd_inflight_deadline:
+                ranks, req.pd_pending = sorted(req.pd_pending), set()
+                req.pd_error = req.pd_error or (f"KV push timed out: TP rank(s) {ranks} did not report the end "
+                                                f"of their push within {self.waiting_timeout_s}s")
+                logger.error("request %s: %s", req.rid, req.pd_error)
+                expired.append(req)
+        return expired
 
     def _cancel_pushes(self, push_id: Optional[str]) -> None:
         """No rank copies the KV of push ``push_id`` (None: any) once this returns."""

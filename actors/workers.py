@@ -256,9 +256,12 @@ class PrefillWorker(_Worker):
 
     def __init__(self, model_path: str, engine_args: Optional[Dict[str, Any]] = None, backend: str = "shm",
                  worker_id: Optional[str] = None, dist_init_method: Optional[str] = None,
-                 agent_options: Optional[Dict[str, Dict[str, Any]]] = None):
+                 agent_options: Optional[Dict[str, Dict[str, Any]]] = None, waiting_timeout_s: Optional[float] = 300.0):
+        """``waiting_timeout_s`` (``TransferConfig.waiting_timeout_s``, the decode side's wait for the
+        KV): a prefilled request whose push some rank has not reported ended by then fails."""
         super().__init__(model_path, engine_args, backend, worker_id, dist_init_method, agent_options)
-        self.scheduler = PrefillScheduler(self.runner, self.tokenizer, self.agents, self.rank.pusher, self.tp_worker)
+        self.scheduler = PrefillScheduler(self.runner, self.tokenizer, self.agents, self.rank.pusher, self.tp_worker,
+                                          waiting_timeout_s)
         # aborted (rid, room) attempts, (rid, None): every attempt under the id
         self._cancelled: "collections.OrderedDict[Tuple[str, Optional[int]], None]" = collections.OrderedDict()
         self.loop = EngineLoop(self.scheduler)

@@ -191,7 +191,8 @@ class TransferConfig(BaseModel):
     bootstrap_timeout_s: float = Field(300.0, gt=0.0, description="prefill waits this long for decode's "
                                        "destination slots (SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT)")
     waiting_timeout_s: float = Field(300.0, gt=0.0, description="decode waits this long for the KV pages "
-                                     "(SGLANG_DISAGGREGATION_WAITING_TIMEOUT)")
+                                     "(SGLANG_DISAGGREGATION_WAITING_TIMEOUT); a prefilled request whose push a "
+                                     "prefill TP rank has not reported ended by then fails")
     heartbeat_interval_s: float = Field(5.0, gt=0.0, description="workers are checked this often; torch_dist "
                                         "pairs send a message at least this often")
     heartbeat_max_failures: int = Field(2, ge=1, description="missed heartbeats that mark a worker dead; a torch_dist "

@@ -213,10 +213,10 @@ class PDCluster:
                 dist_init_method = ray.get(_rendezvous.options(scheduling_strategy=_in_bundle(placement, 0)).remote())
             agent_options = cfg.transfer.agent_options()
             kwargs = dict(model_path=self.model_path, engine_args=engine_args, backend=cfg.transfer.backend,
-                          worker_id=worker_id, dist_init_method=dist_init_method, agent_options=agent_options)
+                          worker_id=worker_id, dist_init_method=dist_init_method, agent_options=agent_options,
+                          waiting_timeout_s=cfg.transfer.waiting_timeout_s)  # (prefill: its longest inflight wait)
             if role == "decode":
-                kwargs.update(num_reserved_decode_tokens=cfg.transfer.num_reserved_decode_tokens,
-                              waiting_timeout_s=cfg.transfer.waiting_timeout_s)
+                kwargs.update(num_reserved_decode_tokens=cfg.transfer.num_reserved_decode_tokens)
             cls = PrefillWorker if role == "prefill" else DecodeWorker
             rank_options = dict(options, scheduling_strategy=_in_bundle(placement, 0)) if placement else options
             handles.append(ray.remote(cls).options(name=worker_id, **rank_options).remote(**kwargs))

@@ -616,3 +616,72 @@ def test_a_failure_caching_a_pushed_request_in_fail_all_still_tells_the_others(c
     prefill.shutdown()  # (the first one's row is lost to the failed releases: no integrity check)
     decode.shutdown()
     assert answer == 8, answer
+
+
+# ---- 10. prefill: a rank's push report that never comes --------------------------------------------
+@pytest.mark.parametrize("tp_size, how", [(2, "report_lost"), (2, "thread_gone"), (1, "thread_gone")])
+def test_a_push_never_reported_fails_its_request_at_the_waiting_timeout(checkpoints, monkeypatch, tp_size, how):
+    """A rank never reports that its share of a request's push ended: a TP follower's report
+    is lost on its way to rank 0 (a Ray message whose call failed there: the follower's hook
+    returned, so no later reply brings it), or the rank's transfer thread is gone (its chunks
+    queued for good). The request waited in ``inflight`` for good, its row and slots locked and
+    its caller never answered; at ``waiting_timeout_s`` (measured here by a clock the test
+    moves) it fails with the timeout, every rank's push of it stopped (nothing queued is
+    pushed later into slots the decode side has freed), released once; a late report is then
+    ignored, and the worker serves the next request. (TP ranks as threads: tests.tp_helpers.)"""
+    from actors.kv_push import PushResult
+    from actors.workers import DecodeWorker, PrefillWorker
+    from tests.tp_helpers import pd_worker_tp2, thread_ranks
+
+    path, lost = checkpoints["llama"], []
+
+    def report(worker, rank, results):
+        if how == "report_lost" and not lost:
+            lost.append(results[0])  # (the Ray call's failure is rank 0's: the follower goes on)
+            return
+        worker.followers_pushed(rank, results)
+
+    base = dict(max_total_tokens=512, skip_tokenizer_init=True)
+    if tp_size == 2:
+        thread_ranks(monkeypatch)
+        prefill, follower = pd_worker_tp2(PrefillWorker, path, base, report, waiting_timeout_s=60.0)
+    else:
+        prefill, follower = PrefillWorker(path, base, backend="shm", waiting_timeout_s=60.0), None
+    decode = DecodeWorker(path, base, backend="shm")
+    sched, now, silent = prefill.scheduler, [0.0], tp_size - 1
+    pusher = (follower.host if follower else prefill.rank).pusher  # the silent rank's
+    if how == "thread_gone":
+        pusher._start = lambda lane: None
+    sched.clock = lambda: now[0]
+    ids = prompts(1, 20, 20, seed=41)[0]
+
+    def waits_on_the_silent_rank():
+        return [r.pd_pending for r in list(sched.inflight)] == [{silent}] and (lost or how != "report_lost")
+
+    async def go():
+        task = asyncio.ensure_future(run_pd(prefill, decode, ids, GREEDY, rid="lost"))
+        await until(waits_on_the_silent_rank, what="the other ranks' shares pushed, the silent one's not reported")
+        push_id = sched.inflight[0].pd_push_id
+        await asyncio.sleep(0.05)
+        waited = not task.done()
+        now[0] += 60.0
+        try:
+            await asyncio.wait_for(task, 10)
+            answer = "served"
+        except asyncio.TimeoutError:
+            answer = "never answered"
+        except PDRequestError as exc:
+            answer = str(exc)
+        left = (dict(pusher._jobs), [item for lane in pusher._lanes for item in lane.queue])
+        pusher.__dict__.pop("_start", None)  # (the transfer thread back)
+        prefill.followers_pushed(silent, [PushResult(push_id, 0, None)])  # the late report: settles nothing
+        final, _, _ = await asyncio.wait_for(run_pd(prefill, decode, ids, GREEDY), 30)
+        return waited, answer, left, len(final["output_ids"])
+
+    waited, answer, left, served = asyncio.run(go())
+    state = leaks(prefill, decode)  # (with TP 2, the follower's index tables too)
+    if follower is not None:
+        follower.shutdown()
+    assert waited
+    assert f"KV push timed out: TP rank(s) [{silent}] did not report" in answer, answer
+    assert (left, served, state) == (({}, []), 8, [None, None])

@@ -7,12 +7,15 @@ collectives are exchanged through a barrier (:class:`ThreadGroup`). The ranks ru
 same TPModelWorker code — sharded loading, the broadcast batches, op replay, the
 all-reduces in every row-parallel layer and the embedding, the logits' all-gather — in a second, not in process start-ups.
 (The spawned gloo group itself is tested by ``test_engine_tp``'s TP 2 engines.)
+:func:`pd_worker_tp2` makes a TP 2 PD worker the same way: its follower rank a
+``TPFollower`` whose loop runs on a thread.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
+import random
 import threading
 from typing import Any, Dict, List
 
@@ -20,7 +23,8 @@ import torch
 
 from actors.engine import engine as engine_module
 from actors.engine import tp_worker
-from actors.engine.parallel import TPGroup
+from actors.engine.parallel import SINGLE, TPGroup
+from actors.rank import TPFollower
 
 BARRIER_TIMEOUT_S = 120.0
 _hubs: Dict[str, "Hub"] = {}  # by the group's init method
@@ -68,7 +72,7 @@ class ThreadGroup(TPGroup):
 
 
 def _init_tp_group(rank: int, size: int, init_method: str, device, timeout=None) -> TPGroup:
-    return ThreadGroup(rank, size, hub=_hubs[init_method])
+    return ThreadGroup(rank, size, hub=_hubs[init_method]) if size > 1 else SINGLE
 
 
 def _leave_group() -> None:
@@ -114,3 +118,46 @@ def thread_ranks(monkeypatch) -> None:
     monkeypatch.setattr(engine_module, "LocalTPGroup", ThreadTPGroup)
     monkeypatch.setattr(tp_worker, "init_tp_group", _init_tp_group)
     monkeypatch.setattr(torch.distributed, "destroy_process_group", _leave_group)
+
+
+class ThreadFollower(TPFollower):
+    """A TP follower rank (the Ray actor's class) whose loop runs on a thread of this process:
+    its loop failing breaks the group's barrier, as the rank actor's exit closes its
+    connections, instead of ending the process."""
+
+    def _run(self) -> None:
+        try:
+            self.host.tp_worker.follower_loop()
+        except BaseException:
+            self.host.tp_worker.tp.hub.barrier.abort()
+            raise
+
+
+def pd_worker_tp2(cls, path: str, engine_args: Dict[str, Any], report=None, **kwargs):
+    """A TP 2 ``PrefillWorker`` or ``DecodeWorker`` (``cls``) in this process over shared
+    memory: rank 0 is the worker, rank 1 a TPFollower on threads (:func:`thread_ranks` first).
+    ``report(worker, rank, results)``: how a prefill follower's transfer thread reaches rank 0
+    (default: ``worker.followers_pushed``, as the Ray message does). Returns (worker, follower);
+    ``worker.shutdown()`` then ``follower.shutdown()`` stop them."""
+    init = f"thread://{next(_ids)}"
+    _hubs[init] = hub = Hub(2)
+    worker_id, args, made = f"{cls.role}-tp2-{random.getrandbits(32):08x}", dict(engine_args, tp_size=2), {}
+    report = report or (lambda worker, rank, results: worker.followers_pushed(rank, results))
+
+    def follow() -> None:
+        try:
+            made["follower"] = ThreadFollower(
+                cls.role, path, args, "shm", worker_id, 1, init,
+                report_pushed=lambda rank, results: report(made["worker"], rank, results))
+        except BaseException:
+            hub.barrier.abort()  # rank 0's start fails now, not at the barrier's timeout
+            raise
+
+    thread = threading.Thread(target=follow, name="raydix-tp-follower-start", daemon=True)
+    thread.start()
+    try:
+        made["worker"] = cls(path, args, "shm", worker_id, init, **kwargs)
+    finally:
+        thread.join(BARRIER_TIMEOUT_S)
+        _hubs.pop(init, None)  # (the ranks hold their hub)
+    return made["worker"], made["follower"]
