@@ -1,7 +1,9 @@
 """Failures inside a PD worker's step end the requests they touch and leak nothing
 (in-process workers, no Ray): a completion notice the decode side cannot take, a
 failure while reserving, a request aborted just before a failed step, a broken decode
-TP group; and a retracted decode request is not overtaken by new reservations."""
+TP group; a retracted decode request is not overtaken by new reservations; and a
+prefilled request whose push some rank (a TP follower: tests.tp_helpers) never reports
+fails at the waiting timeout."""
 
 import asyncio
 import time
