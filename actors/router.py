@@ -9,6 +9,12 @@ and ``PDClient`` asks it for every request::
     ...decode on decision.decode_id...
     await router.release(rid)                         # the request ended (however)
 
+A retry of the request (its worker died) is routed as attempt 1, 2, ...: a route is
+keyed by the request id and its attempt, a release names both, and routing a later
+attempt drops what is left of the earlier one's route (that attempt is over: its release
+was lost), so a lost release neither refuses the retry nor loads a worker until
+``route_ttl_s``, and a late one ends nothing of the retry's route.
+
 State: the :class:`~actors.prefix_index.PrefixIndex` over the workers of both
 roles (a decode worker's radix cache holds the conversations it decoded: a
 request routed back to it moves only the uncached tail's KV), fed by their KV events (pulled every ``event_interval_s``; a gap in the event
@@ -68,6 +74,7 @@ class _Dispatch:
     prefill_open: bool = True
     decode_open: bool = True
     routed_at: float = 0.0
+    attempt: int = 0  # the request's attempt (0, then a retry's number)
 
 
 async def call_method(target: Any, method: str, *args: Any) -> Any:
@@ -151,11 +158,18 @@ class Router:
 
     # ---- requests --------------------------------------------------------------------------
     async def route(self, rid: str, input_ids: Sequence[int], extra_key: Optional[str] = None,
-                    exclude: Sequence[str] = ()) -> RouteDecision:
-        """Pick the pair for a request and count its load on both from now on; never a worker in
-        ``exclude`` (a retry's: those that died or were unavailable under its earlier attempts)."""
-        if rid in self._requests:
+                    exclude: Sequence[str] = (), attempt: int = 0) -> RouteDecision:
+        """Pick the pair for attempt ``attempt`` of a request and count its load on both from now
+        on; never a worker in ``exclude`` (a retry's: those that died or were unavailable under its
+        earlier attempts). The route of an earlier attempt still open is released first (that
+        attempt ended; its release was lost); one of this attempt or a later one: a duplicate id."""
+        routed = self._requests.get(rid)
+        if routed is not None and routed.attempt >= attempt:
             raise ValueError(f"request {rid!r} is already routed")
+        if routed is not None:
+            logger.warning("router: attempt %d of %s was never released; attempt %d replaces it", routed.attempt,
+                           rid, attempt)
+            self.release_now(rid, None, routed.attempt)
         prefill_pool, decode_pool = ([w for w in self._live(role) if w.worker_id not in exclude] for role in ROLES)
         for role, pool in zip(ROLES, (prefill_pool, decode_pool)):
             if not pool:
@@ -176,7 +190,7 @@ class Router:
         decode.inflight += 1
         decode.dispatched_tokens += len(input_ids)
         self._requests[rid] = _Dispatch(prefill.worker_id, decode.worker_id, uncached, len(input_ids),
-                                        routed_at=self.index.clock())
+                                        routed_at=self.index.clock(), attempt=attempt)
         c = self.counters
         c["routed"], c["prompt_tokens"] = c["routed"] + 1, c["prompt_tokens"] + len(input_ids)
         c["matched_tokens"], c["decode_matched_tokens"] = c["matched_tokens"] + matched, \
@@ -184,13 +198,15 @@ class Router:
         return RouteDecision(prefill.worker_id, decode.worker_id, matched, self.settings.prefill_policy, reason,
                              decode_matched)
 
-    async def release(self, rid: str, role: Optional[str] = None) -> None:
-        """The request no longer loads ``role``'s worker (None: either; the request is over)."""
-        self.release_now(rid, role)
+    async def release(self, rid: str, role: Optional[str] = None, attempt: Optional[int] = None) -> None:
+        """Attempt ``attempt`` of the request (None: whichever is routed) no longer loads ``role``'s
+        worker (None: either; the attempt is over). Idempotent; a no-op for a route not open (never
+        made, expired, or replaced by a later attempt's)."""
+        self.release_now(rid, role, attempt)
 
-    def release_now(self, rid: str, role: Optional[str] = None) -> None:
+    def release_now(self, rid: str, role: Optional[str] = None, attempt: Optional[int] = None) -> None:
         d = self._requests.get(rid)
-        if d is None:
+        if d is None or (attempt is not None and d.attempt != attempt):
             return
         if role in (None, "prefill") and d.prefill_open:
             d.prefill_open = False

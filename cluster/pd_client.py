@@ -76,7 +76,9 @@ class PDClient:
                  heartbeat_interval_s: float = 5.0, heartbeat_max_failures: int = 2, router=None,
                  router_timeout_s: float = 30.0, max_retries: int = 2, retry_backoff_s: float = 0.05):
         self.prefill, self.decode = prefill, decode
-        self.router = router  # anything with async route(rid, input_ids) / release(rid, role=None); None: round-robin
+        # anything with async route(rid, input_ids[, extra_key, exclude, attempt]) and
+        # release(rid, role=None, attempt=None), as actors.router.Router; None: round-robin
+        self.router = router
         self.router_timeout_s = router_timeout_s  # a route or release the router does not answer in time
         self.max_retries = max_retries  # new pairs a request may try after its worker died or was unavailable
         self.retry_backoff_s = retry_backoff_s  # the pause before the first retry (doubled per retry)
@@ -103,19 +105,20 @@ class PDClient:
             raise PDRequestError(f"no live {role} worker")
         return pool[next(self._rr[role]) % len(pool)]
 
-    async def _pick_pair(self, rid: str, input_ids: List[int], exclude: Set[str] = frozenset()):
-        """(prefill, decode) for a request: the router's decision, or round-robin without one;
-        never a worker in ``exclude`` (those that failed an earlier attempt of the request)."""
+    async def _pick_pair(self, rid: str, input_ids: List[int], exclude: Set[str] = frozenset(), attempt: int = 0):
+        """(prefill, decode) for attempt ``attempt`` of a request: the router's decision, or
+        round-robin without one; never a worker in ``exclude`` (those that failed an earlier
+        attempt of the request)."""
         if self.router is None:
             return self._pick("prefill", exclude), self._pick("decode", exclude)
-        args = (rid, input_ids) + ((None, sorted(exclude)) if exclude else ())  # (extra_key, exclude)
+        args = (rid, input_ids) + ((None, sorted(exclude), attempt) if exclude or attempt else ())
         routing = asyncio.ensure_future(call_method(self.router, "route", *args))
         try:
             decision = await wait_for(asyncio.shield(routing), self.router_timeout_s)
         except (asyncio.CancelledError, asyncio.TimeoutError) as exc:  # the caller left (its client did) or
             self._unreleased.add(rid)  # the router is slow: it places it all the same; its route is released
-            routing.add_done_callback(lambda _: self._background(self._forget_route(rid)))  # once made, its id
-            if isinstance(exc, asyncio.TimeoutError):  # not free until then
+            routing.add_done_callback(lambda _: self._background(self._forget_route(rid, attempt)))  # once made,
+            if isinstance(exc, asyncio.TimeoutError):  # its id not free until then
                 raise PDRequestError(f"the router did not place {rid} within {self.router_timeout_s}s") from None
             raise
         except Exception as exc:
@@ -123,7 +126,7 @@ class PDClient:
         refs = {w.worker_id: w for w in self.prefill + self.decode}
         prefill, decode = refs.get(decision.prefill_id), refs.get(decision.decode_id)
         if prefill is None or decode is None:
-            await self._release(rid)
+            await self._release(rid, attempt=attempt)
             raise PDRequestError(f"the router chose a worker this client does not know: {decision}")
         return prefill, decode
 
@@ -133,24 +136,25 @@ class PDClient:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _forget_route(self, rid: str) -> None:
+    async def _forget_route(self, rid: str, attempt: int) -> None:
         """Release the route of a request given up while the router placed it."""
         try:
-            await self._release(rid)
+            await self._release(rid, attempt=attempt)
         finally:
             self._unreleased.discard(rid)
 
-    async def _release(self, rid: str, role: Optional[str] = None, wait: bool = True) -> None:
-        """Tell the router; ``wait=False`` does not wait for a router actor's answer (release is
-        idempotent, and a later full release covers a lost partial one)."""
+    async def _release(self, rid: str, role: Optional[str] = None, wait: bool = True, attempt: int = 0) -> None:
+        """Tell the router attempt ``attempt`` of ``rid`` is done with ``role`` (None: both);
+        ``wait=False`` does not wait for a router actor's answer (release is idempotent, and a
+        later full release covers a lost partial one; routing a retry, a lost full one)."""
         if self.router is None:
             return
         remote = getattr(self.router.release, "remote", None)
         try:
             if remote is not None and not wait:
-                remote(rid, role)  # submitted now; off the path to the first token
+                remote(rid, role, attempt)  # submitted now; off the path to the first token
             else:
-                await wait_for(call_method(self.router, "release", rid, role), self.router_timeout_s)
+                await wait_for(call_method(self.router, "release", rid, role, attempt), self.router_timeout_s)
         except Exception as exc:  # the router is gone (a new one counts load afresh) or hung (route_ttl_s)
             logger.warning("router release of %s failed: %s", rid, exc)
 
@@ -192,7 +196,7 @@ class PDClient:
             for retry in itertools.count():
                 delivered = False
                 try:
-                    async with aclosing(self._attempt(rid, input_ids, sampling_params, failed)) as outs:
+                    async with aclosing(self._attempt(rid, input_ids, sampling_params, failed, retry)) as outs:
                         async for out in outs:
                             delivered = True
                             yield out
@@ -220,16 +224,16 @@ class PDClient:
         return all(self._candidates(role, failed) for role in ("prefill", "decode"))
 
     async def _attempt(self, rid: str, input_ids: List[int], sampling_params: Optional[Dict[str, Any]],
-                       exclude: Set[str]) -> AsyncIterator[Dict[str, Any]]:
-        """One attempt of ``rid`` on a pair outside ``exclude``; on its way out (however) it
-        leaves nothing on either worker and releases its route."""
-        prefill, decode = await self._pick_pair(rid, input_ids, exclude)
+                       exclude: Set[str], attempt: int = 0) -> AsyncIterator[Dict[str, Any]]:
+        """Attempt ``attempt`` of ``rid`` on a pair outside ``exclude``; on its way out (however)
+        it leaves nothing on either worker and releases its route."""
+        prefill, decode = await self._pick_pair(rid, input_ids, exclude, attempt)
         room = random.getrandbits(63)  # this attempt: every abort below names it, never a later one under rid
         override = None if self.backend == "auto" else self.backend
         try:
             backend = select_backend(prefill.node_id == decode.node_id, self.device, override)
         except BaseException:  # (a backend the pair cannot use): nothing asked of either side yet
-            await self._release(rid)
+            await self._release(rid, attempt=attempt)
             raise
         prefill.inflight += 1
         decode.inflight += 1
@@ -256,7 +260,7 @@ class PDClient:
                     raise WorkerLostError(f"decode worker {decode.worker_id} died while {rid}'s KV moved to it "
                                           f"({exc})", decode, died=True) from exc
                 raise
-            await self._release(rid, "prefill", wait=False)
+            await self._release(rid, "prefill", wait=False, attempt=attempt)
             gen = decode.handle.stream.options(num_returns="streaming").remote(rid, notice)
             async for ref in gen:
                 out = await self._call(decode, ref, self.waiting_timeout_s, rid)
@@ -278,7 +282,7 @@ class PDClient:
             if not (finished or decode_told) and not decode.dead:  # after the notice: the caller went away or a
                 decode.handle.abort.remote(rid, "the client went away", True, room)  # call failed; nothing can push
             # (before the id is free again or routed anew: a new request or attempt under it routes afresh)
-            await self._release(rid)
+            await self._release(rid, attempt=attempt)
 
     async def drain(self, timeout_s: float = 120.0) -> None:
         """Refuse new requests; return once every accepted one has ended (those the router is

@@ -280,3 +280,57 @@ def test_retries_are_counted_in_the_metrics():
     metrics = ServerMetrics("m")
     metrics.set_retries(PDBackend(client).num_retries)
     assert "raydix_request_retries_total 1.0" in generate_latest(metrics.registry).decode()
+
+
+class LosingRouter:
+    """A real Router whose first ``lost`` releases fail without reaching it: each raises (the
+    router actor was unavailable) or hangs past the client's router timeout."""
+
+    def __init__(self, router: Router, lost: int, how: str):
+        self.router, self.lost, self.how = router, lost, how
+
+    async def route(self, *args):
+        return await self.router.route(*args)
+
+    async def release(self, *args):
+        if self.lost:
+            self.lost -= 1
+            if self.how == "raised":
+                raise ActorUnavailableError("router blip", None)
+            await asyncio.sleep(10)
+        await self.router.release(*args)
+
+
+@pytest.mark.parametrize("how", ["raised", "timed out"])
+def test_a_retry_whose_first_route_release_was_lost_still_goes_ahead(how):
+    """The release of the first attempt's route never reached the router: the retry is routed
+    all the same (not refused as 'already routed'), and that stale route stops counting as load."""
+    client, router, prefill, decode = cluster(2, 2, Faults(prefill=[ActorDiedError()]), router_timeout_s=0.05)
+    client.router = LosingRouter(router, 1, how)
+    outs = asyncio.run(collect(client))
+    assert [len(o["output_ids"]) for o in outs] == [1, 2, 3] and client.num_retries == 1
+    assert_clean(client, router)
+
+
+def test_a_late_release_of_an_earlier_attempt_leaves_the_retry_routed():
+    """Routes are keyed by request id and attempt: the first attempt's release that arrives
+    after the retry was routed ends nothing of the retry's route."""
+    router = Router(RouterSettings(page_size=PS))
+    workers = [FakePrefill("p0", PS), FakePrefill("p1", PS), FakeDecode("d0", PS)]
+
+    async def go():
+        for w in workers:
+            await router.add_worker(w.worker_id, w.role, w)
+        first = await router.route("r", list(range(16)))
+        with pytest.raises(ValueError, match="already routed"):  # the same attempt twice: a duplicate id
+            await router.route("r", list(range(16)))
+        retry = await router.route("r", list(range(16)), None, [first.prefill_id], 1)
+        load = {w.worker_id: w.inflight for w in router.workers.values()}
+        assert load == {first.prefill_id: 0, retry.prefill_id: 1, "d0": 1}  # the first route stopped counting
+        await router.release("r", None, 0)  # the first attempt's release, late
+        assert {w.worker_id: w.inflight for w in router.workers.values()} == load
+        await router.release("r", "prefill", 1)
+        await router.release("r", None, 1)
+        assert not router._requests and all(w.inflight == 0 for w in router.workers.values())
+
+    asyncio.run(go())

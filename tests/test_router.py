@@ -684,7 +684,7 @@ def test_drain_waits_for_a_request_the_router_is_still_placing():
                 await placed.wait()
                 raise NoWorkerError("no live decode worker")
 
-            async def release(self, rid, role=None):
+            async def release(self, rid, role=None, attempt=None):
                 return None
 
         client = PDClient([], [], router=SlowRouter())
@@ -714,7 +714,7 @@ def test_a_router_that_does_not_answer_fails_the_request_in_time_and_its_route_i
                 await placed.wait()
                 return None  # (a decision; never looked at: the request is gone)
 
-            async def release(self, rid, role=None):
+            async def release(self, rid, role=None, attempt=None):
                 released.append(rid)
 
         client = PDClient([], [], router=SlowRouter(), router_timeout_s=0.1)

@@ -516,7 +516,7 @@ def test_a_client_gone_while_its_request_is_routed_leaves_no_route_behind():
             self.made.append(rid)
             return SimpleNamespace(prefill_id="p", decode_id="d")
 
-        async def release(self, rid, role=None):
+        async def release(self, rid, role=None, attempt=None):
             if role is None:
                 self.routed.pop(rid, None)
 
