@@ -25,6 +25,8 @@ from typing import Any, Dict, List, Literal, Optional, Union, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from actors.engine.sampling_params import TOP_K_DISABLED, check_top_k
+
 _FORBID = ConfigDict(extra="forbid")
 MAX_PROMPTS = 64  # prompts in one /v1/completions batch
 MAX_CHOICES = 128  # prompts × n: the sequences one HTTP request may start
@@ -82,7 +84,7 @@ class _OpenAISampling(_NullIsDefault):
     stream_options: Optional[StreamOptions] = None
     user: Optional[str] = None
     # SGLang / vLLM extras
-    top_k: int = -1
+    top_k: int = Field(TOP_K_DISABLED, description="-1 or 0 (vLLM's): disabled, all tokens")
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     repetition_penalty: float = Field(1.0, gt=0.0, le=2.0)
     ignore_eos: bool = False
@@ -96,6 +98,11 @@ class _OpenAISampling(_NullIsDefault):
         if self.logit_bias:
             raise _unsupported("logit_bias", "biasing logits")
         return self
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k(cls, v: int) -> int:
+        return check_top_k(v)
 
     @field_validator("stop")
     @classmethod

@@ -25,6 +25,10 @@ def test_penalties_change_logits_as_defined():
 def test_top_k_top_p_min_p_filters():
     probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
     assert filter_probs(probs, SamplingParams(top_k=2)).tolist() == pytest.approx([0.625, 0.375, 0, 0])
+    for disabled in (0, -1):  # vLLM's two ways to say "all tokens"
+        params = SamplingParams(top_k=disabled)
+        assert params.top_k == -1 and not params.is_greedy
+        assert filter_probs(probs, params).tolist() == pytest.approx(probs.tolist())
     assert filter_probs(probs, SamplingParams(top_p=0.7)).tolist() == pytest.approx([0.625, 0.375, 0, 0])
     assert filter_probs(probs, SamplingParams(top_p=0.81)).tolist() == pytest.approx([0.5 / 0.95, 0.3 / 0.95, 0.15 / 0.95, 0])
     assert filter_probs(probs, SamplingParams(min_p=0.5)).tolist() == pytest.approx([0.625, 0.375, 0, 0])
@@ -63,8 +67,8 @@ def test_plain_greedy_rows_take_one_batched_argmax_and_the_rest_are_left_to_samp
 
 
 def test_bad_sampling_params_name_the_field():
-    with pytest.raises(ValueError, match="top_k"):
-        SamplingParams(top_k=0)
+    with pytest.raises(ValueError, match="top_k\n.*or -1 or 0 to disable top-k"):
+        SamplingParams(top_k=-2)
     with pytest.raises(ValueError, match="temperature"):
         SamplingParams(temperature=-1)
     with pytest.raises(ValueError, match="unknown_field"):

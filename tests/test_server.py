@@ -156,7 +156,7 @@ def test_every_error_status_then_success(served, client, http):
     r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "x"}],
                                                 "max_tokenz": 3})
     assert r.status_code == 400 and "max_tokenz" in r.json()["error"]["message"]
-    r = http.post("/generate", json={"text": "x", "sampling_params": {"top_k": 0}})
+    r = http.post("/generate", json={"text": "x", "sampling_params": {"top_k": -2}})
     assert r.status_code == 400 and "sampling_params.top_k" in r.json()["error"]["message"]
     ok(client)
     # prompt longer than the context (512)

@@ -193,7 +193,7 @@ def test_continuous_usage_stats_give_each_chunk_its_choices_usage_so_far(client)
 
 
 @pytest.mark.parametrize("body,field", [
-    ({"model": "scripted", "prompt": [1], "top_k": 0}, "top_k"),
+    ({"model": "scripted", "prompt": [1], "top_k": -2}, "top_k"),
     ({"model": "scripted", "prompt": [1], "n": 0}, "n"),
     ({"model": "scripted"}, "prompt"),
     ({"model": "scripted", "prompt": [1], "stop": ["a", "b", "c", "d", "e"]}, "stop"),
@@ -203,6 +203,25 @@ def test_validation_errors_name_the_field(served, body, field):
     r = httpx.post(served[1].url + "/v1/completions", json=body)
     assert r.status_code == 400 and r.json()["error"]["param"] == field, r.json()
     assert field in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/completions", {"prompt": [1], "max_tokens": 2}),
+    ("/generate", {"input_ids": [1], "sampling_params": {"max_new_tokens": 2}}),
+])
+def test_top_k_0_is_disabled_as_in_vllm(served, backend, path, body):
+    """vLLM reads ``top_k`` 0 (and -1) as "all tokens": accepted, and the engine gets its -1
+    (chat shares the completions' sampling fields; this server has no chat template)."""
+    from cluster.openai_protocol import ChatCompletionRequest
+
+    chat = {"model": "scripted", "messages": [{"role": "user", "content": "x"}], "top_k": 0}
+    assert ChatCompletionRequest.model_validate(chat).to_sampling_params(2)["top_k"] == -1
+    for top_k in (0, -1):
+        sent = dict(body, sampling_params=dict(body["sampling_params"], top_k=top_k)) if path == "/generate" \
+            else dict(body, model="scripted", top_k=top_k)
+        r = httpx.post(served[1].url + path, json=sent)
+        assert r.status_code == 200, r.text
+        assert backend.calls[-1][1]["top_k"] == -1
 
 
 def test_query_validation_errors_are_openai_400s(served):

@@ -7,6 +7,17 @@ from typing import List, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 SAMPLING_EPS = 1e-6  # a temperature below this is greedy (SGLang's): dividing by it overflows the logits
+TOP_K_DISABLED = -1  # top_k of every token (the API's 0, as vLLM reads it, becomes this)
+
+
+def check_top_k(top_k: int) -> int:
+    """``top_k`` as the engine takes it: >= 1, or :data:`TOP_K_DISABLED`. -1 and 0 both disable
+    it (all tokens), as in vLLM; any other value below 1 is an error."""
+    if top_k == 0:
+        return TOP_K_DISABLED
+    if top_k < -1:
+        raise ValueError(f"must be >= 1, or -1 or 0 to disable top-k (all tokens), not {top_k}")
+    return top_k
 
 
 class SamplingParams(BaseModel):
@@ -17,7 +28,7 @@ class SamplingParams(BaseModel):
     max_new_tokens: int = Field(128, ge=0, description="tokens to generate at most")
     temperature: float = Field(1.0, ge=0.0, description="0 means greedy")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(-1, description="-1 disables top-k")
+    top_k: int = Field(TOP_K_DISABLED, description="-1 disables top-k (0 is taken as -1)")
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     seed: Optional[int] = Field(None, ge=-2 ** 63, le=2 ** 64 - 1, description="per-request seed, what a torch "
                                 "generator takes (the API's int64 seed plus a choice's index fits): same seed, same samples")
@@ -34,9 +45,7 @@ class SamplingParams(BaseModel):
     @field_validator("top_k")
     @classmethod
     def _top_k(cls, v: int) -> int:
-        if v == 0 or v < -1:
-            raise ValueError("top_k must be -1 (disabled) or >= 1")
-        return v
+        return check_top_k(v)
 
     @field_validator("stop", mode="before")
     @classmethod
