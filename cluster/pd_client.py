@@ -254,7 +254,12 @@ class PDClient:
                                           self.waiting_timeout_s, rid)
             except BaseException as exc:
                 decode_told = True  # (an unconfirmed stop quarantines the slots: nothing below may free them)
-                safe = await self._stop_prefill(prefill, rid, room)
+                try:
+                    safe = await self._stop_prefill(prefill, rid, room)
+                except BaseException:  # cancelled meanwhile (the client left): the decode side is told
+                    if not decode.dead:  # all the same, the prefill not known stopped
+                        decode.handle.abort.remote(rid, "the client went away", False, room)
+                    raise
                 decode_died = await self._abort_quietly(decode, rid, room, safe=safe)
                 if decode_died and _failed_push(exc):  # the push failed because its decode worker died
                     raise WorkerLostError(f"decode worker {decode.worker_id} died while {rid}'s KV moved to it "

@@ -334,3 +334,32 @@ def test_a_late_release_of_an_earlier_attempt_leaves_the_retry_routed():
         assert not router._requests and all(w.inflight == 0 for w in router.workers.values())
 
     asyncio.run(go())
+
+
+def test_a_client_gone_while_the_lost_prefill_is_stopped_still_ends_the_decode_reservation():
+    """The prefill worker was unavailable and does not answer its abort either; the client leaves
+    meanwhile. The decode side is told all the same (by the attempt's room, quarantined: that
+    prefill may still push) instead of holding the slots until its own waiting timeout."""
+    client, router, prefill, decode = cluster(2, 2, Faults(prefill=[ActorUnavailableError("blip", None)]))
+    stopping = asyncio.Event()
+
+    async def unanswered(*_):
+        stopping.set()
+        await asyncio.sleep(10)
+
+    for w in prefill:
+        w.abort = unanswered
+
+    async def go():
+        request = asyncio.ensure_future(collect(client))
+        await stopping.wait()
+        request.cancel()  # the client went away
+        with pytest.raises(asyncio.CancelledError):
+            await request
+        await asyncio.sleep(0)  # (what was sent without waiting arrives)
+
+    asyncio.run(go())
+    [reserved] = [w for w in decode if w.rooms("reserve")]
+    assert [c for c in reserved.calls if c[0] == "abort"] == [("abort", "r", reserved.rooms("reserve")[0], False)]
+    assert client.num_retries == 0
+    assert_clean(client, router)
