@@ -117,8 +117,8 @@ class PDClient:
             decision = await wait_for(asyncio.shield(routing), self.router_timeout_s)
         except (asyncio.CancelledError, asyncio.TimeoutError) as exc:  # the caller left (its client did) or
             self._unreleased.add(rid)  # the router is slow: it places it all the same; its route is released
-            routing.add_done_callback(lambda _: self._background(self._forget_route(rid, attempt)))  # once made,
-            if isinstance(exc, asyncio.TimeoutError):  # its id not free until then
+            routing.add_done_callback(lambda done: self._on_late_route(done, rid, attempt))  # once made, its id
+            if isinstance(exc, asyncio.TimeoutError):  # not free until then
                 raise PDRequestError(f"the router did not place {rid} within {self.router_timeout_s}s") from None
             raise
         except Exception as exc:
@@ -135,6 +135,15 @@ class PDClient:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    def _on_late_route(self, routing: asyncio.Future, rid: str, attempt: int) -> None:
+        """The router answered a request given up while it placed it: a route it made is
+        released; one it refused (say the id was already routed, by another client) is not
+        this client's to release."""
+        if routing.cancelled() or routing.exception() is not None:
+            self._unreleased.discard(rid)
+        else:
+            self._background(self._forget_route(rid, attempt))
 
     async def _forget_route(self, rid: str, attempt: int) -> None:
         """Release the route of a request given up while the router placed it."""

@@ -727,3 +727,32 @@ def test_a_router_that_does_not_answer_fails_the_request_in_time_and_its_route_i
         assert released == ["r1"] and not client._unreleased
 
     run(scenario())
+
+
+def test_a_route_refused_after_its_request_was_given_up_releases_nothing():
+    """The router refuses, late, a route its client gave up on (the id is routed already,
+    by another client): the client must not release it — that would end the other
+    request's route and its workers' load."""
+    from cluster.pd_client import PDClient, PDRequestError
+
+    async def scenario():
+        placed, released = asyncio.Event(), []
+
+        class RefusingRouter:
+            async def route(self, rid, input_ids):
+                await placed.wait()
+                raise ValueError(f"request {rid!r} is already routed")
+
+            async def release(self, rid, role=None, attempt=None):
+                released.append(rid)
+
+        client = PDClient([], [], router=RefusingRouter(), router_timeout_s=0.1)
+        with pytest.raises(PDRequestError, match="did not place"):
+            await asyncio.wait_for(client.generate([1, 2, 3], rid="r1"), 5.0)
+        assert "r1" in client._unreleased
+        placed.set()
+        for _ in range(20):
+            await asyncio.sleep(0.01)
+        assert not released and not client._unreleased
+
+    run(scenario())
