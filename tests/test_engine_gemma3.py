@@ -161,3 +161,32 @@ def test_gemma3_rejects_what_the_swa_cache_cannot_serve(model_dir):
         make_engine(model_dir, disable_radix_cache=True)
     with pytest.raises(pydantic.ValidationError, match="swa_full_tokens_ratio"):
         make_engine(model_dir, swa_full_tokens_ratio=0.0)
+
+
+def test_gemma3_final_soft_cap_runs_in_the_model_dtype(model_dir, monkeypatch):
+    """bf16: the capped logits are HF's bit for bit — ``tanh(logits / cap) * cap`` rounded
+    in bf16, then cast to fp32 for the sampler (capping after the cast differs in the low bits).
+    Both models get the same final hidden states; only ``lm_head`` and the cap run."""
+    from types import SimpleNamespace
+
+    from transformers import AutoModelForCausalLM
+    from transformers.modeling_outputs import BaseModelOutputWithPast
+
+    from actors.engine.model_loader import load_model
+
+    cap = 2.0
+    ours, config, _ = load_model(model_dir, "bfloat16", "cpu")
+    ours.final_logit_softcap = cap
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, dtype=torch.bfloat16,
+                                              final_logit_softcapping=cap).eval()
+    gen = torch.Generator().manual_seed(0)
+    hidden = (4 * torch.randn(3, config.hidden_size, generator=gen)).to(torch.bfloat16)
+    monkeypatch.setattr(ours.model, "forward", lambda forward_batch: hidden)
+    monkeypatch.setattr(hf.model, "forward", lambda **kw: BaseModelOutputWithPast(last_hidden_state=hidden[None]))
+    with torch.no_grad():
+        got = ours(SimpleNamespace(last_token_indices=lambda: torch.arange(3)))
+        want = hf(input_ids=torch.zeros(1, 3, dtype=torch.long)).logits[0]
+        fp32_capped = torch.tanh(ours.lm_head(hidden).float() / cap) * cap
+    assert got.dtype == torch.float32 and want.dtype == torch.bfloat16
+    assert torch.equal(got, want.float())
+    assert not torch.equal(got, fp32_capped)  # (the two orders differ on these logits)

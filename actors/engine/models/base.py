@@ -3,7 +3,8 @@
 ``DecoderModel``: ``embed_tokens`` → each layer ``(positions, x, forward_batch)``
 → ``norm``; layers are built as ``layer_cls(config, layer_id, tp)``.
 ``CausalLM``: ``model`` + ``lm_head``, returning fp32 logits of each request's
-last token (optionally soft-capped, after the vocabulary is whole). Under TP
+last token (optionally soft-capped, after the vocabulary is whole, in the
+model's dtype before the cast). Under TP
 the embedding and ``lm_head`` are split by vocabulary (``parallel``'s
 ``VocabParallelEmbedding`` / ``ParallelLMHead``): every rank computes its
 range of the logits and joins their all-gather; rank 0 returns the whole
@@ -59,6 +60,7 @@ class CausalLM(nn.Module):
         logits = self.lm_head(hidden[forward_batch.last_token_indices()])  # every rank: one all-gather
         if not self.model.tp.is_leader:  # TP: only rank 0 samples; the other ranks' forward ends here
             return logits.new_empty(0)
-        logits = logits.float()
         cap = self.final_logit_softcap
-        return torch.tanh(logits / cap) * cap if cap else logits
+        if cap:  # in the model's dtype, as HF's Gemma and vLLM's logits processor; sampling is in fp32
+            logits = torch.tanh(logits / cap) * cap
+        return logits.float()
