@@ -23,7 +23,7 @@ from actors.engine.model_loader import build_model
 from actors.engine.model_runner import resolve_device
 from actors.engine.parallel import TPGroup
 from actors.engine.tiny import build_tiny_checkpoint, tiny_config
-from actors.engine.tp_worker import LocalTPGroup, TableMirror, TPGroupBrokenError, TPModelWorker, apply_table_updates
+from actors.engine.tp_worker import LocalTPGroup, TPGroupBrokenError, TPModelWorker
 from mem_cache.mamba_pool import MambaPool
 from mem_cache.radix_key import RadixKey, hash_pages, root_hash
 from tests.parity import assert_greedy_parity
@@ -66,7 +66,7 @@ def run(model_dir, tp_size, **args):
         specs = [engine.runner.spec]
         if engine.tp_group:
             worker = engine.tp_group.worker
-            engine.loop.run_exclusive(worker.sync)  # the tree's last row writes, without a forward
+            engine.loop.run_exclusive(worker.sync)  # pending Mamba ops and host-tier copies, without a forward
             specs = engine.loop.run_exclusive(worker.check_followers)
         outputs = [o["output_ids"] for o in first + second]
         cached = [o["meta_info"]["cached_tokens"] for o in second]
@@ -203,18 +203,33 @@ def test_row_parallel_biases_tied_embeddings_and_replicated_kv_heads_equal_tp1(m
     assert kv_starts == {2: [0, 1], 4: [0, 0, 1, 1]}
 
 
-def test_table_mirror_sends_only_changed_entries():
-    leader, follower = torch.zeros(4, 8, dtype=torch.int32), torch.zeros(4, 8, dtype=torch.int32)
-    mirror = TableMirror({"req_to_token": leader})
-    leader[1, :3] = torch.tensor([5, 6, 7], dtype=torch.int32)
-    leader[3, 7] = 9
-    updates = mirror.updates()
-    assert [u[1].tolist() for u in updates] == [[8, 9, 10, 31]]
-    apply_table_updates({"req_to_token": follower}, updates)
-    assert torch.equal(leader, follower)
-    leader[1, 1] = 4  # a row re-pointed at cached slots
-    apply_table_updates({"req_to_token": follower}, mirror.updates())
-    assert torch.equal(leader, follower) and mirror.updates() == []
+def test_tp2_follower_attends_over_the_same_slots_as_rank_0(checkpoints, monkeypatch):
+    """Gemma 3 (SWA: full slots translated through the mirrored map), chunked prefill, a
+    prefix hit, rows and slots reused: the follower's attention reads, layer by layer, the
+    very KV slots rank 0 reads — no stale row or map entry. The ranks are threads."""
+    from actors.engine.attention import torch_backend
+
+    thread_ranks(monkeypatch)
+    reads = {}  # by rank (its pool): the slots each layer's attention read
+
+    def recording(forward_batch, i, layer):
+        slots = context_kv_slots(forward_batch, i, layer)
+        reads.setdefault(id(forward_batch.token_to_kv_pool), []).append(slots.tolist())
+        return slots
+
+    context_kv_slots = torch_backend.context_kv_slots
+    monkeypatch.setattr(torch_backend, "context_kv_slots", recording)
+    batch, follow = prompts()
+    engine = Engine(model_path=checkpoints["gemma3"], skip_tokenizer_init=True, max_total_tokens=256, tp_size=2,
+                    chunked_prefill_size=32)
+    try:
+        engine.generate(input_ids=batch, sampling_params=GREEDY)
+        # decoding past the window: SWA slots slid out are freed (their map entries zeroed)
+        engine.generate(input_ids=batch[:1] + follow, sampling_params={**GREEDY, "max_new_tokens": 24})
+    finally:
+        engine.shutdown()
+    leader, follower = reads.values()
+    assert len(leader) > 100 and leader == follower
 
 
 def test_mamba_state_ops_replay_on_another_rank():

@@ -14,8 +14,10 @@ kept equal like this:
 
 * index tables (``req_to_token`` and, with an SWA allocator, its
   full→SWA slot map): rank 0 keeps a copy of what the followers hold and
-  sends the entries that differ with each batch, whoever wrote them
-  (prefill, decode, the tree cache re-pointing a row at cached slots);
+  sends, with each batch, the entries that batch reads (its rows, the slots
+  they name) that differ, whoever wrote them (prefill, decode, the tree
+  cache re-pointing a row at cached slots) — entries no batch reads are not
+  kept up to date (:class:`TableMirror`);
 * Mamba state written outside a forward (zeroed at alloc, copied at a
   copy-on-write prefix match or a checkpoint fork): rank 0's MambaPool logs
   those ops and the followers replay them, in order, before the forward;
@@ -117,23 +119,55 @@ def table_digest(tables: Dict[str, torch.Tensor]) -> Dict[str, str]:
 
 
 class TableMirror:
-    """Rank 0's copy of the followers' index tables: ``updates()`` are the
-    entries that changed since the last call (and marks them sent)."""
+    """Rank 0's copy of the followers' index tables. ``updates(batch)`` are the entries
+    the batch's forward reads that differ from what the followers hold (and marks them
+    sent): the ``req_to_token`` cells ``[0, max seq_len)`` of the batch's rows, and the
+    full→SWA map at every slot those cells and ``out_cache_loc`` name. That is all a
+    follower reads of them (attention reads its requests' rows up to their lengths, SWA
+    layers translate those slots, KV writes translate ``out_cache_loc``; transfers and
+    host-tier copies get their slots from rank 0), so the cost follows the batch's
+    context, not the tables' size (a batch that reads most of the table compares all of
+    it: one pass is cheaper than gathering its rows). Other entries may stay stale on the
+    followers until a batch reads them; ``sent`` is exactly what the followers hold."""
 
     def __init__(self, tables: Dict[str, torch.Tensor]):
         self.tables = tables
         self.sent = {name: t.clone() for name, t in tables.items()}
 
-    def updates(self) -> List[Tuple[str, torch.Tensor, torch.Tensor]]:
-        out = []
-        for name, table in self.tables.items():
-            flat, sent = table.reshape(-1), self.sent[name].view(-1)
-            index = (flat != sent).nonzero().squeeze(1)
-            if index.numel():
-                values = flat[index]
-                sent[index] = values
-                out.append((name, index.cpu(), values.cpu()))
+    def updates(self, batch: Optional[ForwardBatch]) -> List[Tuple[str, torch.Tensor, torch.Tensor]]:
+        """``None`` (a sync without a forward): nothing reads the tables, nothing is sent."""
+        if batch is None:
+            return []
+        table, sent = self.tables["req_to_token"], self.sent["req_to_token"]
+        rows = batch.req_pool_indices.to(table.device, torch.int64)
+        width = max(batch.seq_lens_cpu) if batch.seq_lens_cpu is not None else int(batch.seq_lens.max())
+        out: List[Tuple[str, torch.Tensor, torch.Tensor]] = []
+        if 2 * rows.numel() * width > table.numel():  # most of the table: one pass over it beats gathering it
+            for name in self.tables:
+                self._diff(name, None, out)
+            return out
+        cells = table[:, :width].index_select(0, rows)
+        i, j = (cells != sent[:, :width].index_select(0, rows)).nonzero(as_tuple=True)
+        if i.numel():
+            values = cells[i, j]
+            sent[rows[i], j] = values
+            out.append(("req_to_token", (rows[i] * table.shape[1] + j).cpu(), values.cpu()))
+        if "full_to_swa_index_mapping" in self.tables:
+            slots = torch.cat([cells.reshape(-1).to(torch.int64), batch.out_cache_loc.to(table.device, torch.int64)])
+            self._diff("full_to_swa_index_mapping", slots, out)
         return out
+
+    def _diff(self, name: str, index: Optional[torch.Tensor], out: List) -> None:
+        """Append the entries of table ``name`` at flat ``index`` (None: all) that differ from ``sent``."""
+        flat, sent = self.tables[name].view(-1), self.sent[name].view(-1)
+        if index is None:
+            changed = (flat != sent).nonzero().squeeze(1)
+        else:
+            changed = index[flat[index] != sent[index]].unique()  # (shared prefixes name a slot more than once)
+        if changed.numel():
+            values = flat[changed]
+            sent[changed] = values
+            out.append((name, changed.cpu(), values.cpu()))
 
 
 def apply_table_updates(tables: Dict[str, torch.Tensor], updates) -> None:
@@ -238,15 +272,16 @@ class TPModelWorker:
         if self.runner.host_op_log:  # (emptied in place: the controller holds the list)
             host_ops = list(self.runner.host_op_log)
             self.runner.host_op_log.clear()
-        updates = self._mirror.updates()
+        updates = self._mirror.updates(batch)
         self.tp.broadcast_object(BatchMessage.pack(batch, updates, ops, host_ops) if batch
                                  else BatchMessage(updates, ops, None, host_ops))
 
     def sync(self) -> None:
-        """Rank 0: bring the followers' index tables and Mamba states up to date
-        now, without a forward. Call it before anything writes slots out of band
-        on every rank (a KV transfer into freshly allocated Mamba slots: their
-        zeroing must not be replayed after the transfer's write)."""
+        """Rank 0: bring the followers' Mamba states and host-tier copies up to date
+        now, without a forward (index table entries go with the batch that reads
+        them). Call it before anything writes slots out of band on every rank (a KV
+        transfer into freshly allocated Mamba slots: their zeroing must not be
+        replayed after the transfer's write)."""
         if self.tp.size > 1:
             with self._exchange("a sync"):
                 self._send_batch(None)
@@ -258,7 +293,7 @@ class TPModelWorker:
         a :class:`FollowerError`, which is returned, not raised."""
         if self.tp.size == 1:
             return []
-        self.sync()  # pending table entries and Mamba ops land before the call acts on those slots
+        self.sync()  # pending Mamba ops and host-tier copies land before the call acts on those slots
         with self._exchange(f"call {name!r}"):
             self.tp.broadcast_object((CALL, name, payload))
             return self.tp.gather_objects(None)[1:]
