@@ -332,25 +332,19 @@ class DecodeScheduler(Scheduler):
             if state == KVPoll.Success:
                 landed.append(req)
             elif state == KVPoll.Failed:
+                done.append(req)  # (first, here and below: told even if giving back its slots fails)
                 self._transfer_failed(req, receiver.failure_reason())
-                done.append(req)
         errors = self._land_on_followers(landed) if self.has_followers and landed else {}
         for req in landed:
+            if req.rid in errors and errors[req.rid] is None:
+                continue  # a follower's share is still on its way
+            done.append(req)
             if req.rid in errors:
-                if errors[req.rid] is None:
-                    continue  # a follower's share is still on its way
                 self._transfer_failed(req, errors[req.rid])
             else:
                 self.backend_counts[req.pd_backend] = self.backend_counts.get(req.pd_backend, 0) + 1
                 self.transfer.remove(req)
-                try:
-                    self._start_decoding(req, req.pd_notice)
-                except Exception as exc:  # a notice it cannot take fails this request, not the step
-                    logger.exception("could not start decoding %s", req.rid)
-                    if req in self.running:
-                        self.running.remove(req)
-                    self._drop(req, f"bad completion notice from the prefill side: {exc!r}", safe=True)
-            done.append(req)
+                self._start_decoding(req)
 
     def _transfer_failed(self, req: Req, error: str) -> None:
         self.transfer.remove(req)
@@ -373,7 +367,24 @@ class DecodeScheduler(Scheduler):
                     out[rid] = reply[rid]
         return out
 
-    def _start_decoding(self, req: Req, notice: dict) -> None:
+    def _start_decoding(self, req: Req) -> None:
+        """Take the notice, then join the running batch — or, ended by its first token, be
+        cached. A notice it cannot take fails this request alone (dropped: its row and slots go
+        back). A failure caching it is the engine's own and fails the step, as in a decode batch;
+        it is never retried as a drop's release: its frees may have been made."""
+        try:
+            self._take_notice(req, req.pd_notice)
+        except Exception as exc:  # a notice it cannot take fails this request, not the step
+            logger.exception("could not start decoding %s", req.rid)
+            self._drop(req, f"bad completion notice from the prefill side: {exc!r}", safe=True)
+            return
+        if req.finished:
+            self.tree_cache.cache_finished_req(req)
+        else:
+            self.running.append(req)
+
+    def _take_notice(self, req: Req, notice: dict) -> None:
+        """The first token and the sampler's state from the prefill side; whether it ended."""
         req.kv_committed_len = len(req.origin_input_ids)
         req.output_ids.append(int(notice["first_token"]))
         if notice.get("generator_state"):
@@ -386,10 +397,6 @@ class DecodeScheduler(Scheduler):
         req.pd_state = "running"
         stream_text(req, self.tokenizer)
         check_finished(req, self.tokenizer, self.context_len)
-        if req.finished:
-            self.tree_cache.cache_finished_req(req)
-        else:
-            self.running.append(req)
 
     def _drop(self, req: Req, message: str, safe: bool) -> None:
         """End a reserved request. ``safe``: no prefill rank can write its slots any more
@@ -414,13 +421,17 @@ class DecodeScheduler(Scheduler):
             self.quarantine.append((deadline + self.quarantine_grace_s, req))
 
     def _release(self, req: Req) -> None:
-        if req.req_pool_idx is not None:
-            req.kv_committed_len = req.kv_allocated_len
-            self.tree_cache.cache_finished_req(req, is_insert=False)
-            req.req_pool_idx = None
-        elif req.mamba_pool_idx is not None:
-            self.runner.mamba_pool.free(torch.tensor([req.mamba_pool_idx]))
-        req.mamba_pool_idx = None
+        """Give back the row (its slots, its prefix lock) or the lone Mamba slot of ``req``, at
+        most once: a release that fails partway is not tried again — its frees may have been
+        made, and a row or slot freed twice could go to two requests at once."""
+        try:
+            if req.req_pool_idx is not None:
+                req.kv_committed_len = req.kv_allocated_len
+                self.tree_cache.cache_finished_req(req, is_insert=False)
+            elif req.mamba_pool_idx is not None:
+                self.runner.mamba_pool.free(torch.tensor([req.mamba_pool_idx]))
+        finally:
+            req.req_pool_idx, req.mamba_pool_idx = None, None
 
     def _release_quarantine(self, force: bool = False) -> None:
         now = time.time()
@@ -464,23 +475,28 @@ class DecodeScheduler(Scheduler):
             self._aborted.append(req)
         elif req in self.transfer:
             self.transfer.remove(req)
-            self._drop(req, message, safe=safe)
-            self._aborted.append(req)
+            try:
+                self._drop(req, message, safe=safe)
+            finally:  # told even if giving back its slots failed (finished, in no queue)
+                self._aborted.append(req)
         else:  # decoding, or retracted to ``waiting``
             super().abort(req.rid)
 
     def fail_all(self, message: str) -> List[Req]:
-        """Every queued request ends with ``message`` (its slots freed)."""
-        out = []
-        for req in self.prealloc:
+        """Every queued request ends with ``message`` and is returned, to be told; a reservation's
+        slots go back or into quarantine (see ``_drop``). The queues are emptied first, and a
+        failure giving back one request's slots ends no other's."""
+        prealloc, transfer = self.prealloc, self.transfer
+        self.prealloc, self.transfer = [], []
+        for req in prealloc:
             req.pd_error = message
             req.finish({"type": "abort", "message": message})
-            out.append(req)
-        for req in self.transfer:
-            self._drop(req, message, safe=False)
-            out.append(req)
-        self.prealloc, self.transfer = [], []
-        return out
+        for req in transfer:
+            try:
+                self._drop(req, message, safe=False)
+            except Exception:  # finished already: told, never released again (the idle check sees a leak)
+                logger.exception("could not release request %s", req.rid)
+        return prealloc + transfer
 
 
 __all__ = ["DecodeScheduler", "PDRequestError", "WorkerBrokenError", "is_worker_death"]

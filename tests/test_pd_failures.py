@@ -687,3 +687,141 @@ def test_a_push_never_reported_fails_its_request_at_the_waiting_timeout(checkpoi
     assert waited
     assert f"KV push timed out: TP rank(s) [{silent}] did not report" in answer, answer
     assert (left, served, state) == (({}, []), 8, [None, None])
+
+# ---- 10. decode: a release that fails partway -----------------------------------------------------
+def _fail_after_releasing_once(tree, rid):
+    """The next release of ``rid``'s KV into ``tree`` frees all it holds, then raises (a
+    release failing partway); later ones work. Releasing it again frees it twice."""
+    real = tree.cache_finished_req
+
+    def once(req, *args, **kwargs):
+        real(req, *args, **kwargs)
+        if req.rid == rid:
+            del tree.cache_finished_req
+            raise RuntimeError("injected error after the release")
+
+    tree.cache_finished_req = once
+
+
+async def _first_answer(decode, rid, notice, timeout_s=3.0):
+    """What ``rid``'s stream says first: the finish reason of its result, or that it failed."""
+    try:
+        result = await asyncio.wait_for(decode.stream(rid, notice).__anext__(), timeout_s)
+        return result["meta_info"]["finish_reason"]["type"]
+    except asyncio.TimeoutError:
+        return "never told"
+    except PDRequestError:
+        return "failed"
+
+
+def test_caching_a_request_ended_by_its_first_token_fails_the_step_not_the_notice(checkpoints):
+    """The notice's first token ends a landed request, which is cached at once; that caching
+    fails partway (its frees made). An internal failure, not a bad notice: the step fails and
+    the request is told its own end — not dropped as a bad notice, whose release freed its
+    row and slots a second time."""
+    prefill, decode = make_pair(checkpoints["llama"])
+    ids = prompts(1, 20, 20, seed=41)[0]
+    one = {"max_new_tokens": 1, "temperature": 0, "ignore_eos": True}
+
+    async def go():
+        notice = await prefill.prefill("x", ids, one, await decode.reserve("x", ids, one))
+        decode.loop.run_exclusive(lambda: _fail_after_releasing_once(decode.scheduler.tree_cache, "x"))
+        return await _first_answer(decode, "x", notice)
+
+    answer = asyncio.run(go())
+    assert (answer, leaks(prefill, decode)) == ("length", [None, None])
+
+
+def test_a_transfer_failing_after_its_notice_is_told_when_giving_back_its_slots_fails(checkpoints):
+    """After the notice the bytes cannot land (the agent raises): the transfer fails and its
+    slots go back at once, which fails partway. The request, out of ``transfer`` by then, is
+    still told — it was not among those the failed step's path tells, and its stream waited
+    forever."""
+    prefill, decode = make_pair(checkpoints["llama"])
+    agent, tree = decode.scheduler.agents["shm"], decode.scheduler.tree_cache
+    ids = prompts(1, 20, 20, seed=42)[0]
+
+    def cannot_land(handoff):
+        raise ConnectionError("injected landing error")
+
+    def break_landing():
+        agent.landed = cannot_land
+        _fail_after_releasing_once(tree, "x")
+
+    async def go():
+        notice = await prefill.prefill("x", ids, GREEDY, await decode.reserve("x", ids, GREEDY))
+        decode.loop.run_exclusive(break_landing)
+        return await _first_answer(decode, "x", notice)
+
+    answer = asyncio.run(go())
+    del agent.landed
+    assert (answer, leaks(prefill, decode)) == ("failed", [None, None])
+
+
+def test_a_reservation_aborted_in_transfer_is_told_when_giving_back_its_slots_fails(checkpoints):
+    """A safe abort of a reservation waiting for its KV gives its slots back at once, which
+    fails partway (the abort's caller hears of it). The request, finished and in no queue, is
+    still told of its abort (before, its stream waited in vain for an answer)."""
+    prefill, decode = make_pair(checkpoints["llama"])
+    ids = prompts(1, 20, 20, seed=43)[0]
+
+    async def go():
+        await decode.reserve("x", ids, GREEDY, room=7)
+        decode.loop.run_exclusive(lambda: _fail_after_releasing_once(decode.scheduler.tree_cache, "x"))
+        with pytest.raises(RuntimeError, match="injected error after the release"):
+            await decode.abort("x", "the client went away", safe=True, room=7)
+        return await _first_answer(decode, "x", {"room": 7})
+
+    answer = asyncio.run(go())
+    assert (answer, leaks(prefill, decode)) == ("failed", [None, None])
+
+
+def test_a_failed_step_ends_every_queued_reservation_when_giving_back_one_fails(checkpoints):
+    """No hand-off deadline (``waiting_timeout_s=None``): a failed step gives back the
+    reservations in transfer at once. Giving back x fails partway. y is still given back, z
+    (queued for a reservation) is still ended, each told; x is not given back again. (The
+    exception left both queues as they were: x was freed a second time as a failed transfer,
+    z reserved slots though finished, which nobody gave back.)"""
+    prefill, decode = make_pair(checkpoints["llama"], waiting_timeout_s=None)
+    sched = decode.scheduler
+    batch = prompts(3, 20, 20, seed=44)
+
+    def broken_step():
+        del sched._release_quarantine
+        raise RuntimeError("injected step error")
+
+    async def go():
+        for rid, ids in zip("xy", batch):
+            await decode.reserve(rid, ids, GREEDY, room=7)
+        decode.loop.pause()
+        z = asyncio.ensure_future(decode.reserve("z", batch[2], GREEDY))
+        await until(lambda: decode.loop.run_exclusive(lambda: bool(sched.prealloc)), what="z queued")
+
+        def break_step():
+            _fail_after_releasing_once(sched.tree_cache, "x")
+            sched._release_quarantine = broken_step
+
+        decode.loop.run_exclusive(break_step)
+        decode.loop.resume()
+        try:
+            await asyncio.wait_for(z, 3)
+            answers = ["reserved"]
+        except asyncio.TimeoutError:
+            answers = ["never told"]
+        except Exception:  # noqa: BLE001 - the step's error, the right answer
+            answers = ["failed"]
+        return answers + [await _first_answer(decode, rid, {"room": 7}) for rid in "xy"]
+
+    answers = asyncio.run(go())
+    assert (answers, leaks(prefill, decode)) == (["failed"] * 3, [None, None])
+
+
+def test_a_quarantined_reservation_whose_release_fails_partway_is_not_released_again(checkpoints):
+    """A reservation that timed out waits in quarantine until its hand-off's deadline plus a
+    grace period; giving it back then fails partway (its frees made) and fails the step. The
+    next step does not give it back again: a row and slots freed twice could go to two
+    requests at once."""
+    prefill, decode = make_pair(checkpoints["llama"], waiting_timeout_s=0.1)
+    decode.loop.run_exclusive(lambda: _fail_after_releasing_once(decode.scheduler.tree_cache, "x"))
+    asyncio.run(decode.reserve("x", prompts(1, 20, 20, seed=45)[0], GREEDY))  # (no push comes: it times out)
+    assert leaks(prefill, decode) == [None, None]
