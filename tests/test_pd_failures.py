@@ -825,3 +825,42 @@ def test_a_quarantined_reservation_whose_release_fails_partway_is_not_released_a
     decode.loop.run_exclusive(lambda: _fail_after_releasing_once(decode.scheduler.tree_cache, "x"))
     asyncio.run(decode.reserve("x", prompts(1, 20, 20, seed=45)[0], GREEDY))  # (no push comes: it times out)
     assert leaks(prefill, decode) == [None, None]
+
+
+def test_a_retraction_whose_release_fails_partway_still_tells_the_request(checkpoints):
+    """KV pressure retracts a decoding request; giving back its KV fails partway and fails the
+    step. The request is requeued all the same, holding nothing, so the failed step's path
+    tells it (it was out of ``running`` and in no other queue: its stream waited forever)."""
+    import actors.engine.scheduler as engine_scheduler
+
+    prefill, decode = make_pair(checkpoints["llama"])
+    sched, real = decode.scheduler, engine_scheduler.prepare_for_decode
+    ids = prompts(1, 20, 20, seed=46)[0]
+
+    def no_room_once(*args, **kwargs):  # the decode batch does not fit: its last request is retracted
+        engine_scheduler.prepare_for_decode = real
+        return None
+
+    def squeeze():
+        _fail_after_releasing_once(sched.tree_cache, "x")
+        engine_scheduler.prepare_for_decode = no_room_once
+
+    async def go():
+        paused = pause_once(decode, lambda: any(r.rid == "x" for r in sched.running))
+        task = asyncio.ensure_future(run_pd(prefill, decode, ids, ENDLESS, rid="x"))
+        await until(paused.is_set, what="x decoding")
+        decode.loop.run_exclusive(squeeze)
+        decode.loop.resume()
+        try:
+            await asyncio.wait_for(task, 3)
+            return "finished"
+        except asyncio.TimeoutError:
+            return "never told"
+        except Exception:  # noqa: BLE001 - the step's error, the right answer
+            return "failed"
+
+    try:
+        answer = asyncio.run(go())
+    finally:
+        engine_scheduler.prepare_for_decode = real
+    assert (answer, leaks(prefill, decode)) == ("failed", [None, None])

@@ -484,11 +484,14 @@ class Scheduler:
         return None, None
 
     def _retract_one(self) -> None:
-        """Retract the most recently admitted request: free its KV, requeue it."""
+        """Retract the most recently admitted request: free its KV, requeue it — even if freeing
+        fails partway (it holds nothing then: not freed again, it is where a failure path finds it)."""
         req = self.running.pop()
-        self.tree_cache.cache_finished_req(req, is_insert=False)
-        req.reset_for_retract()
-        self.waiting.insert(0, req)
+        try:
+            self.tree_cache.cache_finished_req(req, is_insert=False)
+        finally:
+            req.reset_for_retract()
+            self.waiting.insert(0, req)
         self.num_retractions += 1
         decoded = sum(len(r.output_ids) for r in self.running)
         max_new = sum(r.sampling_params.max_new_tokens for r in self.running) or 1
