@@ -688,7 +688,7 @@ def test_a_push_never_reported_fails_its_request_at_the_waiting_timeout(checkpoi
     assert f"KV push timed out: TP rank(s) [{silent}] did not report" in answer, answer
     assert (left, served, state) == (({}, []), 8, [None, None])
 
-# ---- 10. decode: a release that fails partway -----------------------------------------------------
+# ---- 11. decode: a release that fails partway -----------------------------------------------------
 def _fail_after_releasing_once(tree, rid):
     """The next release of ``rid``'s KV into ``tree`` frees all it holds, then raises (a
     release failing partway); later ones work. Releasing it again frees it twice."""
