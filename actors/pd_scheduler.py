@@ -484,16 +484,18 @@ class DecodeScheduler(Scheduler):
 
     def fail_all(self, message: str) -> List[Req]:
         """Every queued request ends with ``message`` and is returned, to be told; a reservation's
-        slots go back or into quarantine (see ``_drop``). The queues are emptied first, and a
+        slots go back (its completion notice came: no rank writes them any more) or into
+        quarantine (see ``_drop``). The queues are emptied first, and a
         failure giving back one request's slots ends no other's."""
         prealloc, transfer = self.prealloc, self.transfer
         self.prealloc, self.transfer = [], []
         for req in prealloc:
             req.pd_error = message
             req.finish({"type": "abort", "message": message})
-        for req in transfer:
+        for req in transfer:  # with its notice taken or waiting, every prefill rank has ended its push
+            notified = getattr(req, "pd_notice", None) is not None or req.rid in self._notices
             try:
-                self._drop(req, message, safe=False)
+                self._drop(req, message, safe=notified)
             except Exception:  # finished already: told, never released again (the idle check sees a leak)
                 logger.exception("could not release request %s", req.rid)
         return prealloc + transfer

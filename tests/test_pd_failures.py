@@ -864,3 +864,28 @@ def test_a_retraction_whose_release_fails_partway_still_tells_the_request(checkp
     finally:
         engine_scheduler.prepare_for_decode = real
     assert (answer, leaks(prefill, decode)) == ("failed", [None, None])
+
+
+def test_a_failed_step_gives_back_at_once_a_reservation_whose_notice_came(checkpoints):
+    """A failed step ends the reservations in transfer. x's completion notice came (every
+    prefill rank ended its push: nothing writes its slots any more), so they go back at once;
+    y's did not, so its slots wait in quarantine for its hand-off's deadline (x's waited there
+    too, some 310 s by default, a pool's worth of slots held for nothing after a bad step)."""
+    prefill, decode = make_pair(checkpoints["llama"])
+    sched = decode.scheduler
+    x_ids, y_ids = prompts(2, 20, 20, seed=47)
+
+    async def go():
+        for rid, ids in (("x", x_ids), ("y", y_ids)):
+            await decode.reserve(rid, ids, GREEDY, room=7)
+        decode.loop.pause()
+        noticed = sched.on_transfer_done("x", {"room": 7, "first_token": 5})
+        ended = [r.rid for r in sched.fail_all("injected step error")]
+        held = [r.rid for _, r in sched.quarantine]
+        decode.loop.resume()
+        return noticed, ended, held
+
+    noticed, ended, held = asyncio.run(go())
+    assert (noticed, sorted(ended), held) == (True, ["x", "y"], ["y"])
+    decode.loop.run_exclusive(lambda: sched.abort("y", safe=True))  # (the prefill side confirmed y's stop)
+    assert leaks(prefill, decode) == [None, None]
