@@ -28,7 +28,7 @@ import pytest
 from actors.engine.tiny import build_tiny_checkpoint
 from actors.pd_scheduler import PDRequestError
 from actors.workers import DecodeWorker, PrefillWorker
-import transfer.base
+import transfer.states
 from tests.parity import assert_greedy_parity
 from tests.pd_helpers import prompts, run_pd
 from transfer.base import FAILURE_PROB_ENV, KVHandoff
@@ -155,7 +155,7 @@ def run_chaos(path: str, case: Case, monkeypatch):
     batch = prompts(case.clients, *case.first_len, seed=case.seed * 10 + 1)
     batch += prompts(case.clients, *case.shared_len, seed=case.seed * 10 + 2, shared=shared)
     rng.shuffle(batch)
-    monkeypatch.setattr(transfer.base, "_fault_rng", random.Random(repr(case)))
+    monkeypatch.setattr(transfer.states, "_fault_rng", random.Random(repr(case)))
 
     async def go():
         monkeypatch.setenv(FAILURE_PROB_ENV, str(case.failure_prob))

@@ -16,7 +16,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import transfer.base
+import transfer.states
 import transfer.plan
 from tests.transfer_helpers import (
     SWA_SIZE,
@@ -299,7 +299,7 @@ def test_a_sender_waiting_between_chunks_fails_at_the_decode_deadline(fake_pair,
     (from then on the decode side may give the slots to another request)."""
     prefill, decode = fake_pair
     clock = _Clock()
-    monkeypatch.setattr(transfer.base, "time", clock)
+    monkeypatch.setattr(transfer.states, "time", clock)
     for chunks in (0, 1):
         sender = KVSender(prefill, "r")
         sender.init(KVReceiver(decode, "r", 1, timeout_s=0.03).send_metadata([3, 4]))

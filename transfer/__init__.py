@@ -1,7 +1,9 @@
 """Moving KV pages between workers by slot-index lists.
 
-The contract lives in :mod:`transfer.base` (polled sender/receiver state
-machines, the typed versioned hand-off, layouts, agents and their registry);
+The contract is imported from :mod:`transfer.base` (agents and their
+registry there; the typed versioned hand-off, layouts and errors in
+:mod:`transfer.handoff`; the polled sender/receiver state machines in
+:mod:`transfer.states`);
 :mod:`transfer.layout` reads a rank's transferable buffers off its pools;
 :mod:`transfer.runs` cuts slot lists into runs of consecutive slots;
 :mod:`transfer.plan` decides which heads and rows a push copies; the
