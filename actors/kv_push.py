@@ -24,6 +24,9 @@ step failed, the client retried under the same id) cannot settle the new one.
 ``cancel(push_id)`` drops the push's queued chunks, fails its senders and
 waits for a copy of it already running to end: once it returns this rank
 writes nothing more for it, so the decode side may reuse the slots at once.
+A lane whose transfer thread died (a ``BaseException`` escaped a push: ``SystemExit``,
+``CancelledError``) gets a new one at the next ``submit`` or ``take_finished``; the
+requests still open on it fail with what killed it, instead of waiting out the timeout.
 With ``asynchronous=False`` chunks are pushed inside ``submit`` (the loop
 stalls for them: the behaviour before overlap, kept for comparison).
 """
@@ -85,6 +88,7 @@ class _Lane:
     queue: Deque[Tuple[PushChunk, Optional["torch.cuda.Event"]]] = field(default_factory=collections.deque)
     running: Optional[str] = None  # push whose chunk this lane's thread copies now
     thread: Optional[threading.Thread] = None
+    death: Optional[BaseException] = None  # what ended its last thread, if one died
 
 
 def serves(handoff: KVHandoff, agent: TransferAgent) -> bool:
@@ -137,6 +141,8 @@ class KVPusher:
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(self.device))  # the pools' device, whatever the thread's current one
         with self._cond:
+            if self.asynchronous:
+                self._revive()
             for chunk in chunks:
                 if chunk.handoffs is not None:
                     self._jobs[chunk.push_id] = _Job(self._lane_for(chunk.dest))
@@ -158,8 +164,10 @@ class KVPusher:
         return lane
 
     def take_finished(self) -> List[PushResult]:
-        """Requests whose share on this rank ended since the last call."""
+        """Requests whose share on this rank ended since the last call (a lane whose
+        transfer thread died is restarted here too, its requests failed)."""
         with self._cond:
+            self._revive()
             out, self._finished = self._finished, []
         return out
 
@@ -191,20 +199,47 @@ class KVPusher:
 
     # ---- the transfer threads ---------------------------------------------------------
     def _start(self, lane: _Lane) -> None:
-        if lane.thread is None and not self._closed:
-            lane.thread = threading.Thread(target=self._loop, args=(lane,), name=f"{self.name}-{lane.index}",
-                                           daemon=True)
-            lane.thread.start()
+        """(Under the lock) give the lane a transfer thread if it has none or its thread died."""
+        if self._closed or (lane.thread is not None and lane.thread.is_alive()):
+            return
+        if lane.thread is not None:
+            self._fail_lane(lane)
+        lane.thread = threading.Thread(target=self._loop, args=(lane,), name=f"{self.name}-{lane.index}",
+                                       daemon=True)
+        lane.thread.start()
+
+    def _revive(self) -> None:
+        """(Under the lock) restart every lane with work whose transfer thread died; left
+        dead, the chunks queued on it would never be pushed and their requests fail only
+        at the prefill side's waiting timeout."""
+        for lane in self._lanes:
+            dead = lane.thread is not None and not lane.thread.is_alive()
+            if dead and (lane.queue or any(job.lane is lane for job in self._jobs.values())):
+                self._start(lane)
+
+    def _fail_lane(self, lane: _Lane) -> None:
+        """(Under the lock) every request still open on the lane fails with what killed its
+        thread: their queued chunks are skipped, the last one reports the error."""
+        death = lane.death
+        why = f"{type(death).__name__}: {death}" if death is not None else "no exception"
+        for push_id, job in self._jobs.items():
+            if job.lane is lane and job.error is None:
+                job.error = f"the KV transfer thread {self.name}-{lane.index} died ({why})"
+                logger.error("failing push %s: %s", push_id, job.error)
 
     def _loop(self, lane: _Lane) -> None:
-        if self.device.type == "cuda":  # a stream of its own: the copies overlap the forward
-            torch.cuda.set_device(self.device)
-            with torch.cuda.stream(torch.cuda.Stream(self.device)):
+        try:
+            if self.device.type == "cuda":  # a stream of its own: the copies overlap the forward
+                torch.cuda.set_device(self.device)
+                with torch.cuda.stream(torch.cuda.Stream(self.device)):
+                    while self._run_one(lane, block=True):
+                        pass
+            else:
                 while self._run_one(lane, block=True):
                     pass
-        else:
-            while self._run_one(lane, block=True):
-                pass
+        except BaseException as exc:  # (SystemExit, CancelledError, ...) the next submit or take_finished restarts it
+            lane.death = exc
+            logger.exception("the KV transfer thread %s-%d died", self.name, lane.index)
 
     def _run_one(self, lane: _Lane, block: bool) -> bool:
         """Push the lane's next queued chunk; False when closed (or, not blocking, when none is queued)."""
@@ -225,9 +260,11 @@ class KVPusher:
                 if event is not None:
                     torch.cuda.current_stream(self.device).wait_event(event)
                 self._push(job, chunk)
-        except Exception as exc:  # a bug or a broken agent fails this request, not the rank
-            logger.exception("pushing the KV of %s failed", chunk.push_id)
+        except BaseException as exc:  # a bug or a broken agent fails this request, not the rank
             job.error = job.error or f"KV push failed: {type(exc).__name__}: {exc}"
+            if not isinstance(exc, Exception):  # the thread ends (its last chunk reports the failure, not success)
+                raise
+            logger.exception("pushing the KV of %s failed", chunk.push_id)
         finally:
             with self._cond:
                 ended = chunk.is_last and self._jobs.get(chunk.push_id) is job
