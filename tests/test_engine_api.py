@@ -59,6 +59,30 @@ def test_stop_token_ids_end_generation_on_that_token(engine):
     assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
 
 
+def test_logit_bias_forces_tokens_and_min_new_tokens_holds_off_eos_and_stop_token_ids(engine):
+    """One batch: a +100 bias forces its token at every step; a plain row beside it is unchanged;
+    with ``min_new_tokens`` 4 the stop token greedy emits first and EOS — both biased up to win
+    every step — are masked for the first 4 tokens (prefill's and decode's), then the stop token
+    ends it at once."""
+    ids = [11, 12, 13]
+    ref = engine.generate(input_ids=ids, sampling_params=GREEDY)["output_ids"]
+    stop, eos = ref[0], engine.eos_token_ids[0]
+    forced = 40 if 40 not in ref[:6] else 41
+    held = {**GREEDY, "ignore_eos": False, "stop_token_ids": [stop], "min_new_tokens": 4,
+            "logit_bias": {str(stop): 100, str(eos): 90}}
+    outs = engine.generate(input_ids=[ids, ids, ids], sampling_params=[
+        {**GREEDY, "max_new_tokens": 6, "logit_bias": {str(forced): 100}}, {**GREEDY, "max_new_tokens": 6}, held])
+    assert outs[0]["output_ids"] == [forced] * 6 and outs[1]["output_ids"] == ref[:6]
+    held_ids = outs[2]["output_ids"]
+    assert len(held_ids) == 5 and not {stop, eos} & set(held_ids[:4]) and held_ids[4] == stop, held_ids
+    assert outs[2]["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    alone = engine.generate(input_ids=ids, sampling_params={**GREEDY, "stop_token_ids": [stop]})
+    assert alone["output_ids"] == [stop]  # without min_new_tokens the first token ends it
+    with pytest.raises(ValueError, match="logit_bias: token id 384 is out of the vocabulary"):
+        engine.generate(input_ids=ids, sampling_params={**GREEDY, "logit_bias": {"384": 1}})
+    engine.check_integrity()
+
+
 def test_abort_a_running_request(engine):
     # the loop holds the victim after its third token (200 could all be out before a slow host's reader saw three)
     paused = pause_once(engine, lambda: any(len(r.output_ids) >= 3 for r in engine.scheduler.running))

@@ -77,6 +77,26 @@ def test_seeded_sampling_through_pd_equals_a_single_engine(checkpoints):
     close(prefill, decode)
 
 
+def test_logit_bias_and_min_new_tokens_hold_on_both_sides(checkpoints):
+    """The first token is the prefill worker's, the rest the decode worker's: both apply the bias,
+    and ``min_new_tokens`` counts the tokens of both (the stop token, biased to win every step, is
+    masked for the first three — one prefill's, two decode's — and ends the fourth)."""
+    prefill, decode = make_pair(checkpoints["llama"])
+    forced = {"max_new_tokens": 4, "temperature": 0, "logit_bias": {"40": 100}}
+    held = {"max_new_tokens": 8, "temperature": 0, "stop_token_ids": [50], "min_new_tokens": 3,
+            "logit_bias": {"50": 100}}
+
+    async def go():
+        return await asyncio.gather(*(run_pd(prefill, decode, [5, 6, 7], params) for params in (forced, held)))
+
+    (forced_out, forced_notice, _), (held_out, held_notice, _) = asyncio.run(go())
+    assert forced_notice["first_token"] == 40 and forced_out["output_ids"] == [40] * 4
+    assert held_notice["first_token"] != 50
+    assert len(held_out["output_ids"]) == 4 and 50 not in held_out["output_ids"][:3], held_out["output_ids"]
+    assert held_out["meta_info"]["finish_reason"] == {"type": "stop", "matched": 50}
+    close(prefill, decode)
+
+
 def test_prefix_hits_on_both_sides(checkpoints):
     """A repeated long prefix is prefilled once (prefill cache) and its KV sent once
     (the decode worker's own tree covers it the second time)."""

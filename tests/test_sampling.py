@@ -233,3 +233,97 @@ def test_a_seed_outside_int64_names_the_field():
         SamplingParams(seed=2 ** 64)
     assert make_generator(SamplingParams(seed=-2 ** 63).seed).initial_seed() == 2 ** 63  # (torch's uint64 view)
     assert make_generator(SamplingParams(seed=2 ** 63 + 3).seed).initial_seed() == 2 ** 63 + 3  # int64 max + choice 4
+
+
+# ---- logit_bias and min_new_tokens (vLLM's min_tokens) ---------------------------------------------
+def _biased_and_masked(row: torch.Tensor, params: SamplingParams, masked) -> torch.Tensor:
+    """The brute-force reference of one row: each bias added, then each masked id in the vocabulary -inf."""
+    row = row.clone().float()
+    for token, bias in (params.logit_bias or {}).items():
+        if token < row.shape[0]:
+            row[token] += bias
+    for token in masked:
+        if 0 <= token < row.shape[0]:
+            row[token] = float("-inf")
+    return row
+
+
+def test_logit_adjustments_equal_a_per_row_reference_and_greedy_takes_the_biased_token():
+    from actors.engine.sampling import logit_adjustments
+
+    vocab = 50
+    logits = torch.randn(5, vocab, generator=torch.Generator().manual_seed(5))
+    params = [SamplingParams(temperature=0, logit_bias={"7": 100.0, 3: -2.5, 60: 5.0}),  # 60: past the vocabulary
+              SamplingParams(temperature=0),
+              SamplingParams(temperature=0, min_new_tokens=2, stop_token_ids=[4, 99], logit_bias={4: 100.0}),
+              SamplingParams(temperature=0, return_logprob=True, logit_bias={11: 100.0}),
+              SamplingParams(temperature=0.7, seed=3, logit_bias={13: 100.0}, min_new_tokens=1)]
+    masked = [p.masked_token_ids(1, eos_token_ids=[2]) for p in params]
+    assert masked == [[], [], [2, 4, 99], [], []]  # row 4 has its one token: nothing is masked any more
+    assert logit_adjustments([SamplingParams(), SamplingParams(min_new_tokens=1)], [[], []], vocab) is None
+    adjust = logit_adjustments(params, masked, vocab)
+    reference = torch.stack([_biased_and_masked(logits[i], p, m) for i, (p, m) in enumerate(zip(params, masked))])
+    assert torch.equal(logits + adjust, reference)
+    # row 2: its stop token and EOS are masked although token 4 got +100: the argmax is another one
+    greedy = plain_greedy_tokens(logits, params, adjust)
+    assert greedy == {0: 7, 1: int(logits[1].argmax()), 2: int(reference[2].argmax())}
+    assert greedy[2] not in (2, 4)
+    for row in range(len(params)):
+        token, logprobs = sample_next(logits[row], params[row], [1], [1], make_generator(params[row].seed), adjust[row])
+        assert token == {0: 7, 1: greedy[1], 2: greedy[2], 3: 11, 4: 13}[row]
+    _, logprobs = sample_next(logits[3], params[3], [1], [1], make_generator(None), adjust[3])
+    assert torch.allclose(logprobs, torch.log_softmax(logits[3], dim=-1))  # the raw model's, not the biased
+
+
+def test_logit_bias_comes_before_the_penalties_as_in_vllm():
+    """vLLM applies logit_bias (and the min-tokens mask) before the penalties: with token 1 seen,
+    (-1 + 4.5) / 2 = 1.75 loses to 2.0; the penalty first (-1 * 2 + 4.5 = 2.5) would win."""
+    from actors.engine.sampling import logit_adjustments
+
+    logits = torch.tensor([2.0, -1.0, 0.0])
+    params = SamplingParams(temperature=0, repetition_penalty=2.0, logit_bias={1: 4.5})
+    adjust = logit_adjustments([params], [[]], 3)
+    assert sample_next(logits, params, [1], [], make_generator(None), adjust[0])[0] == 0
+    assert sample_next(logits, params.model_copy(update={"repetition_penalty": 1.0}), [1], [],
+                       make_generator(None), adjust[0])[0] == 1
+
+
+def test_a_sampled_row_never_draws_a_masked_token():
+    from actors.engine.sampling import logit_adjustments
+
+    logits = torch.zeros(6)  # uniform: every token as likely
+    params = SamplingParams(temperature=1.0, seed=0, min_new_tokens=3, stop_token_ids=[1, 2])
+    gen = make_generator(0)
+    draws = set()
+    for _ in range(60):
+        adjust = logit_adjustments([params], [params.masked_token_ids(0, [5])], 6)
+        draws.add(sample_next(logits, params, [], [], gen, adjust[0])[0])
+    assert draws == {0, 3, 4}
+
+
+def test_min_new_tokens_holds_off_stop_strings_in_the_text_of_its_first_tokens():
+    """vLLM (min_tokens): a stop string is looked for only in the text of the tokens after the
+    first ``min_new_tokens`` (one may begin inside that text and end after it); an earlier one
+    never ends the output, then or later."""
+    from actors.engine.req import Req
+
+    tok = _byte_tokenizer()
+    ids = _byte_ids(["hello there"])
+    for min_new, stop, text in [(0, "e", "h"), (5, "e", "hello th"), (4, "lo ", "hel"), (2, "he", "hello t")]:
+        req = Req("r", _byte_ids(["q"]), SamplingParams(stop=[stop], min_new_tokens=min_new, max_new_tokens=40))
+        _generate(req, tok, ids)
+        assert req.finished_reason == {"type": "stop", "matched": stop} and req.output_text == text, (min_new, stop)
+
+
+def test_bad_logit_bias_and_min_new_tokens_name_the_field():
+    assert SamplingParams(logit_bias={"42": 1, 7: -100}).logit_bias == {42: 1.0, 7: -100.0}  # JSON's string ids
+    assert SamplingParams(logit_bias={}).logit_bias is None
+    for bias, reason in [({"x": 1}, "'x' is not an integer"), ({5.5: 1}, "5.5 is not an integer"),
+                         ({"-1": 1}, "-1 is negative"), ({"5": 100.5}, r"in \[-100, 100\]"),
+                         ({"5": float("nan")}, r"in \[-100, 100\]")]:
+        with pytest.raises(ValueError, match=f"logit_bias\n.*{reason}"):
+            SamplingParams(logit_bias=bias)
+    with pytest.raises(ValueError, match="min_new_tokens: 5 is more than max_new_tokens"):
+        SamplingParams(min_new_tokens=5, max_new_tokens=4)
+    with pytest.raises(ValueError, match="min_new_tokens"):
+        SamplingParams(min_new_tokens=-1)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import List, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 from actors.engine.req import Req
 
@@ -71,20 +71,35 @@ def stream_text(req: Req, tokenizer) -> None:
         req.detokenizer = IncrementalText(tokenizer, req.origin_input_ids, req.sampling_params.skip_special_tokens)
     num_tokens = len(req.output_ids) - (1 if _ends_on_stop_token(req) else 0)
     req.output_text = req.detokenizer.update(tokenizer, req.output_ids, num_tokens)
+    if len(req.output_ids) <= req.sampling_params.min_new_tokens:
+        req.min_tokens_text_len = len(req.output_text)
+
+
+def _first_stop_string(req: Req) -> Optional[Tuple[int, str]]:
+    """``(position, stop string)`` of the first stop string in the output text that ends past the
+    text of its first ``min_new_tokens`` tokens (vLLM: a stop string is looked for only in the
+    text of later tokens, or one that begins before and ends there); None if there is none."""
+    hits = []
+    for stop in req.sampling_params.stop:
+        pos = req.output_text.find(stop, max(req.min_tokens_text_len - len(stop) + 1, 0))
+        if pos >= 0:
+            hits.append((pos, stop))
+    return min(hits) if hits else None
 
 
 def check_finished(req: Req, tokenizer, context_len: int) -> None:
     """Stop token or EOS → "stop" (matched id; kept in ``output_ids``, not in the text, as SGLang
-    and vLLM trim it); a stop string → "stop" (text cut before it); ``max_new_tokens`` or the
-    context length → "length"."""
+    and vLLM trim it); a stop string → "stop" (text cut before it), none before ``min_new_tokens``
+    tokens (the sampler masks EOS and stop tokens until then); ``max_new_tokens`` or the context
+    length → "length"."""
     params = req.sampling_params
     if _ends_on_stop_token(req):  # (stream_text left it out of the text)
         req.finish({"type": "stop", "matched": req.output_ids[-1]})
         return
     if params.stop and tokenizer is not None:
-        hits = [(req.output_text.find(s), s) for s in params.stop if s in req.output_text]
-        if hits:
-            pos, matched = min(hits)
+        hit = _first_stop_string(req)
+        if hit is not None:
+            pos, matched = hit
             req.output_text = req.output_text[:pos]
             req.finish({"type": "stop", "matched": matched})
             return

@@ -47,6 +47,7 @@ class Req:
     storage_checked_len: int = 0  # the file tier was asked for this many leading tokens (asked once per length)
     finished_reason: Optional[dict] = None
     output_text: str = ""
+    min_tokens_text_len: int = 0  # the text of the first min_new_tokens output tokens: no stop string ends in it
     detokenizer: Any = None  # its IncrementalText (actors.engine.finish), from the first token on
     output_logprobs: List[float] = field(default_factory=list)
     output_top_logprobs: List[List[tuple]] = field(default_factory=list)

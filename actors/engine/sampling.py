@@ -1,15 +1,22 @@
-"""From last-token logits to next tokens: penalties, temperature, top-k/p, min-p, seeds.
+"""From last-token logits to next tokens: logit bias, min-tokens masks, penalties,
+temperature, top-k/p, min-p, seeds.
 
-Penalties are applied to the logits first, as OpenAI / vLLM define them:
-repetition (divide positive, multiply negative logits of tokens seen in the
-prompt or output), frequency (``-= f * count in output``) and presence
-(``-= p`` for tokens in the output). Greedy requests take the argmax of the
-penalised logits; others sample with a per-request generator (seeded when
-the request gives a seed, so the same seed gives the same tokens).
+In vLLM's order: first the additive adjustments of :func:`logit_adjustments` —
+``logit_bias`` and, while a request has fewer than ``min_new_tokens`` tokens,
+``-inf`` at EOS and its ``stop_token_ids`` — built for a batch as one dense
+``[bs, vocab]`` tensor, and only when some row has either. Then the penalties,
+as OpenAI / vLLM define them: repetition (divide positive, multiply negative
+logits of tokens seen in the prompt or output), frequency (``-= f * count in
+output``) and presence (``-= p`` for tokens in the output). Greedy requests
+take the argmax of the adjusted, penalised logits; others are divided by the
+temperature, filtered by top-k, top-p and min-p, and sampled with a
+per-request generator (seeded when the request gives a seed, so the same seed
+gives the same tokens).
 
 Logprobs are those of the model's own distribution (log-softmax of the raw
 logits), as OpenAI and vLLM (``logprobs_mode="raw_logprobs"``) report them:
-penalties, temperature and the filters shape the choice, not its logprob.
+bias, masks, penalties, temperature and the filters shape the choice, not its
+logprob.
 """
 
 from __future__ import annotations
@@ -38,6 +45,28 @@ def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: Li
     return logits
 
 
+def logit_adjustments(params: Sequence[SamplingParams], masked_ids: Sequence[Sequence[int]], vocab: int,
+                      device="cpu") -> Optional[torch.Tensor]:
+    """What to add to a batch's logits ``[bs, vocab]`` before anything else: row ``i`` gets
+    ``params[i].logit_bias`` and ``-inf`` at ``masked_ids[i]`` (its
+    :meth:`~SamplingParams.masked_token_ids`); ids outside ``vocab`` are never sampled and
+    are skipped. None when no row has a bias or a mask (nothing is built)."""
+    if not any(p.logit_bias for p in params) and not any(masked_ids):
+        return None
+    biased = [(i, token, bias) for i, p in enumerate(params) for token, bias in (p.logit_bias or {}).items()
+              if token < vocab]
+    masked = [(i, token) for i, ids in enumerate(masked_ids) for token in ids if 0 <= token < vocab]
+    adjust = torch.zeros(len(params), vocab, dtype=torch.float32, device=device)
+    if biased:
+        rows, cols, vals = zip(*biased)
+        adjust[torch.tensor(rows, device=device), torch.tensor(cols, device=device)] = torch.tensor(
+            vals, dtype=torch.float32, device=device)
+    if masked:  # after the bias: a masked token stays -inf whatever its bias
+        rows, cols = zip(*masked)
+        adjust[torch.tensor(rows, device=device), torch.tensor(cols, device=device)] = float("-inf")
+    return adjust
+
+
 def filter_probs(probs: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Zero out what top-k, top-p and min-p exclude (then renormalise)."""
     if params.top_k > 0 and params.top_k < probs.shape[-1]:  # exactly k, ties or not (a threshold keeps every tie)
@@ -64,12 +93,15 @@ def make_generator(seed: Optional[int]) -> torch.Generator:
 
 
 def sample_next(
-    logits: torch.Tensor, params: SamplingParams, prompt_ids: List[int], output_ids: List[int], generator: torch.Generator
+    logits: torch.Tensor, params: SamplingParams, prompt_ids: List[int], output_ids: List[int], generator: torch.Generator,
+    adjust: Optional[torch.Tensor] = None,
 ) -> Tuple[int, Optional[torch.Tensor]]:
     """Next token of one request and, when it asks for logprobs, the log-softmax of its raw logits
-    (before penalties and temperature)."""
+    (before ``adjust`` — its row of :func:`logit_adjustments` —, penalties and temperature)."""
     logits = logits.float().cpu()
     logprobs = torch.log_softmax(logits, dim=-1) if params.return_logprob else None
+    if adjust is not None:
+        logits = logits + adjust.cpu()
     logits = apply_penalties(logits, params, prompt_ids, output_ids)
     if params.is_greedy:
         return int(torch.argmax(logits)), logprobs
@@ -77,13 +109,17 @@ def sample_next(
     return int(torch.multinomial(probs, 1, generator=generator)), logprobs
 
 
-def plain_greedy_tokens(logits: torch.Tensor, params: Sequence[SamplingParams]) -> Dict[int, int]:
+def plain_greedy_tokens(logits: torch.Tensor, params: Sequence[SamplingParams],
+                        adjust: Optional[torch.Tensor] = None) -> Dict[int, int]:
     """``{row: token}`` for the rows of a batch's logits ``[bs, vocab]`` that need nothing but
-    an argmax (greedy, no penalties, no logprobs): one argmax over those rows on the logits'
-    device and one transfer of their tokens, not a row at a time through host memory. The
-    other rows are :func:`sample_next`'s."""
+    an argmax (greedy, no penalties, no logprobs) of the logits plus ``adjust`` (the batch's
+    :func:`logit_adjustments`, on the logits' device): one argmax over those rows on the
+    logits' device and one transfer of their tokens, not a row at a time through host
+    memory. The other rows are :func:`sample_next`'s."""
     rows = [i for i, p in enumerate(params) if p.is_greedy and not p.has_penalties and not p.return_logprob]
     if not rows:
         return {}
+    if adjust is not None:
+        logits = logits.float() + adjust
     picked = logits if len(rows) == len(params) else logits[torch.tensor(rows, device=logits.device)]
     return dict(zip(rows, torch.argmax(picked, dim=-1).tolist()))

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
-from typing import List, Optional, Union
+import math
+import re
+from typing import Dict, List, Optional, Sequence, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 SAMPLING_EPS = 1e-6  # a temperature below this is greedy (SGLang's): dividing by it overflows the logits
 TOP_K_DISABLED = -1  # top_k of every token (the API's 0, as vLLM reads it, becomes this)
+MAX_LOGIT_BIAS = 100.0  # a logit_bias value is in [-100, 100] (OpenAI's range)
 
 
 def check_top_k(top_k: int) -> int:
@@ -20,12 +23,23 @@ def check_top_k(top_k: int) -> int:
     return top_k
 
 
+def _token_id(token) -> int:
+    """A ``logit_bias`` key as a token id: an int, or a string of one (not a float, not a bool)."""
+    if isinstance(token, int) and not isinstance(token, bool):
+        return token
+    if isinstance(token, str) and re.fullmatch(r"\s*[+-]?[0-9]+\s*", token):
+        return int(token)
+    raise ValueError(f"token id {token!r} is not an integer")
+
+
 class SamplingParams(BaseModel):
     """A bad value fails naming the field; unknown fields are rejected."""
 
     model_config = ConfigDict(extra="forbid")
 
     max_new_tokens: int = Field(128, ge=0, description="tokens to generate at most")
+    min_new_tokens: int = Field(0, ge=0, description="tokens to generate at least (vLLM's min_tokens): until "
+                                "then EOS and stop_token_ids are masked and no stop string ends the output")
     temperature: float = Field(1.0, ge=0.0, description="0 means greedy")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(TOP_K_DISABLED, description="-1 disables top-k (0 is taken as -1)")
@@ -41,6 +55,9 @@ class SamplingParams(BaseModel):
     skip_special_tokens: bool = True
     return_logprob: bool = False
     top_logprobs_num: int = Field(0, ge=0, le=20)
+    logit_bias: Optional[Dict[int, float]] = Field(None, description="{token id: bias in [-100, 100]} added to "
+                                                   "the logits before sampling (ids are checked against the "
+                                                   "vocabulary where the request is admitted)")
 
     @field_validator("top_k")
     @classmethod
@@ -57,6 +74,31 @@ class SamplingParams(BaseModel):
             raise ValueError("stop strings must not be empty")
         return stops
 
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _logit_bias_ids(cls, v):
+        """Token ids as ints: JSON's keys are strings ("42"), as OpenAI's ``logit_bias`` sends them."""
+        if not isinstance(v, dict):
+            return v
+        return {_token_id(token): bias for token, bias in v.items()}
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, v: Optional[Dict[int, float]]) -> Optional[Dict[int, float]]:
+        for token, bias in (v or {}).items():
+            if token < 0:
+                raise ValueError(f"token id {token} is negative")
+            if not (math.isfinite(bias) and abs(bias) <= MAX_LOGIT_BIAS):
+                raise ValueError(f"the bias of token {token} is {bias}: it must be in [-100, 100]")
+        return v or None
+
+    @model_validator(mode="after")
+    def _min_new_tokens(self):
+        if self.min_new_tokens > self.max_new_tokens:
+            raise ValueError(f"min_new_tokens: {self.min_new_tokens} is more than max_new_tokens "
+                             f"({self.max_new_tokens})")
+        return self
+
     @property
     def is_greedy(self) -> bool:
         return self.temperature < SAMPLING_EPS or self.top_k == 1
@@ -64,3 +106,11 @@ class SamplingParams(BaseModel):
     @property
     def has_penalties(self) -> bool:
         return self.frequency_penalty != 0.0 or self.presence_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    def masked_token_ids(self, num_generated: int, eos_token_ids: Sequence[int]) -> List[int]:
+        """The ids the next token may not be: EOS and ``stop_token_ids`` while fewer than
+        ``min_new_tokens`` are generated (``num_generated``), as vLLM's and SGLang's min-tokens
+        masks (EOS even with ``ignore_eos``); none after."""
+        if num_generated >= self.min_new_tokens:
+            return []
+        return sorted(set(eos_token_ids) | set(self.stop_token_ids))

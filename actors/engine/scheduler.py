@@ -24,7 +24,7 @@ import torch
 
 from actors.engine.finish import check_finished, stream_text
 from actors.engine.req import Req
-from actors.engine.sampling import plain_greedy_tokens, sample_next
+from actors.engine.sampling import logit_adjustments, plain_greedy_tokens, sample_next
 from actors.engine.schedule_batch import prepare_for_decode, prepare_for_extend
 from mem_cache.hicache_storage import HiCacheFile, rank_storage_dir
 from mem_cache.hiradix_cache import HiRadixCache
@@ -120,9 +120,9 @@ class Scheduler:
         return min(alloc.size, alloc.size_swa - window) - page
 
     def check_request(self, req: Req) -> None:
-        """Refuse a prompt longer than a request may be, or holding a token id outside the
-        vocabulary (ValueError); hold ``max_new_tokens`` to what fits after it, as the context
-        length would end it anyway — a reservation for more could never be granted."""
+        """Refuse a prompt longer than a request may be, or a token id outside the vocabulary in
+        the prompt or ``logit_bias`` (ValueError); hold ``max_new_tokens`` to what fits after it,
+        as the context length would end it anyway — a reservation for more could never be granted."""
         if len(req.origin_input_ids) >= self.context_len:
             held = "" if self.context_len == self.runner.context_len else " (what this worker's KV pool holds)"
             raise ValueError(f"prompt of {len(req.origin_input_ids)} tokens does not fit the context length "
@@ -132,6 +132,9 @@ class Scheduler:
         if bad is not None:  # it would fail the whole batch (on CUDA: a device-side assert)
             raise ValueError(f"token id {bad} in the prompt is out of the vocabulary (ids are 0..{vocab - 1})")
         params = req.sampling_params
+        bad = next((t for t in params.logit_bias or {} if t >= vocab), None)
+        if bad is not None:
+            raise ValueError(f"logit_bias: token id {bad} is out of the vocabulary (ids are 0..{vocab - 1})")
         params.max_new_tokens = min(params.max_new_tokens, self.context_len - len(req.origin_input_ids))
 
     # ---- the loop ---------------------------------------------------------------
@@ -499,13 +502,17 @@ class Scheduler:
         logger.info("retracted request %s (%d retractions so far)", req.rid, self.num_retractions)
 
     # ---- results ----------------------------------------------------------------------
-    def _sample(self, req: Req, logits_row, token: Optional[int] = None) -> None:
+    def _sample(self, req: Req, logits_row, token: Optional[int] = None, adjust=None) -> None:
         """Sample ``req``'s next token from its logits row (``token``: already picked by
-        the batch's argmax) and see whether it finished."""
+        the batch's argmax; ``adjust``: its row of the batch's :meth:`_logit_adjustments`,
+        built here for a row sampled on its own) and see whether it finished."""
         logprobs = None
         if token is None:
+            if adjust is None:
+                own = self._logit_adjustments([req], logits_row[None])
+                adjust = None if own is None else own[0]
             token, logprobs = sample_next(logits_row, req.sampling_params, req.origin_input_ids, req.output_ids,
-                                          req.generator)
+                                          req.generator, adjust)
         req.output_ids.append(token)
         if req.sampling_params.return_logprob:
             req.output_logprobs.append(float(logprobs[token]))
@@ -515,6 +522,13 @@ class Scheduler:
                 req.output_top_logprobs.append(list(zip(top.indices.tolist(), top.values.tolist())))
         stream_text(req, self.tokenizer)
         check_finished(req, self.tokenizer, self.context_len)
+
+    @staticmethod
+    def _logit_adjustments(reqs: List[Req], logits):
+        """What ``reqs``' logit_bias and min_new_tokens masks add to their logits rows ``[bs, vocab]``
+        (:func:`~actors.engine.sampling.logit_adjustments`, on the logits' device); None if nothing."""
+        masked = [r.sampling_params.masked_token_ids(len(r.output_ids), r.eos_token_ids) for r in reqs]
+        return logit_adjustments([r.sampling_params for r in reqs], masked, logits.shape[-1], logits.device)
 
     def _process_prefill(self, reqs: List[Req], logits) -> List[Req]:
         out: List[Req] = []
@@ -549,10 +563,11 @@ class Scheduler:
     def _process_decode(self, reqs: List[Req], logits) -> List[Req]:
         self.runner.allocator.free_group_begin()
         try:
-            greedy = plain_greedy_tokens(logits, [r.sampling_params for r in reqs])
+            adjust = self._logit_adjustments(reqs, logits)
+            greedy = plain_greedy_tokens(logits, [r.sampling_params for r in reqs], adjust)
             for i, req in enumerate(reqs):
                 req.kv_committed_len = req.seqlen
-                self._sample(req, logits[i], greedy.get(i))
+                self._sample(req, logits[i], greedy.get(i), None if adjust is None else adjust[i])
                 if req.finished:
                     self.tree_cache.cache_finished_req(req)
         except BaseException:  # those that finished before the failure are released: only told
