@@ -3,9 +3,9 @@
 Every model rejects unknown fields, so a typo fails with a 400 that names it
 instead of being ignored (vLLM ignores them with a warning; a silently ignored
 ``max_tokenz`` costs more than a 400). OpenAI fields the server does not
-implement (``tools``, ``logit_bias``, structured ``response_format``) fail with
-a 400 that says so, unless they ask for nothing (``tools: []``, ``tool_choice:
-"none"``, ``response_format: {"type": "text"}``); fields that never change the
+implement (``tools``, structured ``response_format``) fail with a 400 that
+says so, unless they ask for nothing (``tools: []``, ``tool_choice: "none"``,
+``response_format: {"type": "text"}``); fields that never change the
 output (``metadata``, ``store``, ``service_tier``, ``parallel_tool_calls``) are
 accepted and ignored. As in OpenAI's spec and vLLM, ``null`` means "the
 default" for any optional parameter.
@@ -13,7 +13,8 @@ default" for any optional parameter.
 ``to_sampling_params`` maps an OpenAI request onto the engine's
 :class:`~actors.engine.sampling_params.SamplingParams` names; SGLang's extra
 sampling fields (``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``,
-``stop_token_ids``, ``skip_special_tokens``) and vLLM's chat-template fields
+``stop_token_ids``, ``skip_special_tokens``), vLLM's ``min_tokens`` (SGLang's
+``min_new_tokens``) and vLLM's chat-template fields
 (``add_generation_prompt``, ``continue_final_message``,
 ``chat_template_kwargs``) are accepted at the top level, as SGLang and vLLM
 accept them (the openai client's ``extra_body``).
@@ -91,13 +92,10 @@ class _OpenAISampling(_NullIsDefault):
     stop_token_ids: List[int] = Field(default_factory=list)
     skip_special_tokens: bool = True
     rid: Optional[str] = Field(None, description="request id (choice i runs as rid-i when n > 1)")
-    logit_bias: Optional[Dict[str, float]] = Field(None, description="only empty: not implemented")
-
-    @model_validator(mode="after")
-    def _no_logit_bias(self):
-        if self.logit_bias:
-            raise _unsupported("logit_bias", "biasing logits")
-        return self
+    min_tokens: int = Field(0, ge=0, description="vLLM's: tokens to generate at least (EOS, stop_token_ids and "
+                            "stop strings end nothing before)")
+    logit_bias: Optional[Dict[str, float]] = Field(None, description="{token id: bias in [-100, 100]} added to the "
+                                                   "logits before sampling")
 
     @field_validator("top_k")
     @classmethod
@@ -129,7 +127,7 @@ class _OpenAISampling(_NullIsDefault):
             min_p=self.min_p, seed=self.seed, frequency_penalty=self.frequency_penalty,
             presence_penalty=self.presence_penalty, repetition_penalty=self.repetition_penalty, stop=self.stop,
             stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
-            skip_special_tokens=self.skip_special_tokens,
+            skip_special_tokens=self.skip_special_tokens, min_new_tokens=self.min_tokens, logit_bias=self.logit_bias,
         )
         top = self._top_logprobs_num()
         if top is not None:

@@ -110,6 +110,21 @@ class GenerationService:
                            code="context_length_exceeded")
         return requested if requested is not None else limit - prompt_len
 
+    def openai_params(self, req, prompt_len: int, requested: Optional[int], param: str) -> Dict[str, Any]:
+        """The engine's sampling params of an OpenAI request: 400 for a prompt or completion that does
+        not fit (:meth:`max_new_tokens`), a ``min_tokens`` above the completion's length, or a
+        ``logit_bias`` id outside the vocabulary."""
+        max_new = self.max_new_tokens(prompt_len, requested, param)
+        if req.min_tokens > max_new:
+            limit = "max_tokens" if requested is not None else "the tokens the context leaves after the prompt"
+            raise APIError(400, f"min_tokens: {req.min_tokens} is more than {limit} ({max_new})", param="min_tokens")
+        return self.checked_bias(validated(req.to_sampling_params(max_new)), "logit_bias")
+
+    def checked_bias(self, params: Dict[str, Any], param: str) -> Dict[str, Any]:
+        """``params`` (validated); 400 naming a ``logit_bias`` token id outside the vocabulary."""
+        self.token_ids(list(params.get("logit_bias") or ()), param)
+        return params
+
     async def _admit(self) -> None:
         if self.backend.draining:
             raise APIError(503, "the server is draining: no new requests", "service_unavailable", code="draining")
@@ -203,7 +218,7 @@ class GenerationService:
         for prompt in req.prompts:
             ids = (self.encode(prompt, "prompt", req.add_special_tokens) if isinstance(prompt, str)
                    else self.token_ids(prompt, "prompt"))
-            batch.append((ids, validated(req.to_sampling_params(self.max_new_tokens(len(ids), req.max_tokens, "prompt")))))
+            batch.append((ids, self.openai_params(req, len(ids), req.max_tokens, "prompt")))
         fmt = CompletionFormatter(req, [ids for ids, _ in batch], self.tokenizer, f"cmpl-{uuid.uuid4().hex}")
         return await self._run(batch, req.n, req.rid or fmt.id, arrival, fmt.chunks if req.stream else None,
                                fmt.response)
@@ -211,8 +226,7 @@ class GenerationService:
     async def chat(self, req: ChatCompletionRequest, arrival: float):
         req = req.model_copy(update={"model": self.check_model(req.model)})
         ids = self.chat_prompt(req)
-        params = validated(req.to_sampling_params(self.max_new_tokens(len(ids), req.requested_max_tokens,
-                                                                      "messages")))
+        params = self.openai_params(req, len(ids), req.requested_max_tokens, "messages")
         fmt = ChatFormatter(req, [ids], self.tokenizer, f"chatcmpl-{uuid.uuid4().hex}")
         return await self._run([(ids, params)], req.n, req.rid or fmt.id, arrival,
                                fmt.chunks if req.stream else None, fmt.response)
@@ -222,7 +236,7 @@ class GenerationService:
         params = dict(req.sampling_params)
         if req.return_logprob:
             params.update(return_logprob=True, top_logprobs_num=req.top_logprobs_num)
-        params = validated(params, prefix="sampling_params.")
+        params = self.checked_bias(validated(params, prefix="sampling_params."), "sampling_params.logit_bias")
         params["max_new_tokens"] = self.max_new_tokens(len(ids), params["max_new_tokens"], "input")
         rid = req.rid or uuid.uuid4().hex
 

@@ -1,9 +1,9 @@
 """What a vLLM / SGLang user's client sends and expects, against the HTTP app over an
 in-process engine (the tiny llama, no Ray): explicit nulls, seeded choices, top
-logprobs, echo with logprobs, vLLM's chat-template fields, OpenAI fields the
-server does not implement, the ``developer`` role and template errors,
-``GET /v1/models/{id}``, a request that names no model, and a prompt token outside the
-vocabulary."""
+logprobs, echo with logprobs, vLLM's chat-template fields, logit_bias and
+min_tokens, OpenAI fields the server does not implement, the ``developer`` role
+and template errors, ``GET /v1/models/{id}``, a request that names no model, and
+a prompt token outside the vocabulary."""
 
 import json
 import threading
@@ -216,7 +216,6 @@ def test_content_parts_read_as_lines(served):
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"response_format": {"type": "json_object"}}, "response_format"),
-    ({"logit_bias": {"5": 10}}, "logit_bias"),
 ])
 def test_openai_fields_the_server_does_not_implement_say_so(served, fields, param):
     r = post(served, "/v1/chat/completions", chat_body(**fields))
@@ -233,6 +232,23 @@ def test_openai_fields_with_no_effect_are_accepted(served):
     assert r.status_code == 200, r.text
     r = post(served, "/v1/chat/completions", chat_body(max_tokenz=3))  # a typo still fails
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokenz"
+
+
+def test_logit_bias_forces_a_token_and_min_tokens_holds_off_a_stop_string(client):
+    """vLLM's ``logit_bias`` (+100 on the byte 'z') makes every token a 'z'; with ``min_tokens``
+    the stop string "z" ends nothing in the first 3 tokens' text, then the 4th ends it (vLLM)."""
+    z = {str(5 + ord("z")): 100}
+
+    def complete(**fields):
+        choice = client.completions.create(model=MODEL, prompt="hi", max_tokens=6, temperature=0,
+                                           **{"logit_bias": z, **fields}).choices[0]
+        return choice.text, choice.finish_reason
+
+    assert complete() == ("zzzzzz", "length")
+    assert complete(stop="z") == ("", "stop")
+    assert complete(stop="z", extra_body={"min_tokens": 3}) == ("zzz", "stop")
+    body = bad_request(lambda: complete(logit_bias={"100000": 1}))  # the worker refuses it (no vocab_size here)
+    assert "logit_bias: token id 100000 is out of the vocabulary" in body["message"]
 
 
 def test_developer_role_is_a_system_message_and_template_errors_are_400(client):

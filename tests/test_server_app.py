@@ -198,6 +198,9 @@ def test_continuous_usage_stats_give_each_chunk_its_choices_usage_so_far(client)
     ({"model": "scripted"}, "prompt"),
     ({"model": "scripted", "prompt": [1], "stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ({"model": "scripted", "prompt": [1], "stream_options": {"include_usage": True}}, "stream_options"),
+    ({"model": "scripted", "prompt": [1], "logit_bias": {"x": 1}}, "logit_bias"),
+    ({"model": "scripted", "prompt": [1], "logit_bias": {"5": 100.5}}, "logit_bias"),
+    ({"model": "scripted", "prompt": [1], "min_tokens": -1}, "min_tokens"),
 ])
 def test_validation_errors_name_the_field(served, body, field):
     r = httpx.post(served[1].url + "/v1/completions", json=body)
@@ -371,6 +374,43 @@ def test_token_ids_outside_the_vocabulary_are_400s_naming_the_field(served, back
         assert r.json()["error"]["param"] == field and "out of the vocabulary" in r.json()["error"]["message"]
     assert backend.calls == []  # refused before any worker saw them
     assert httpx.post(url + "/v1/completions", json={"prompt": [0, 999], "max_tokens": 1}).status_code == 200
+
+
+def test_logit_bias_and_min_tokens_reach_the_workers_in_the_engines_names(served, backend, client):
+    """vLLM's ``logit_bias`` (string ids) and ``min_tokens`` on /v1/completions and chat, SGLang's
+    ``min_new_tokens`` and ``logit_bias`` in /generate's sampling_params: the workers get int ids
+    and ``min_new_tokens``. An id outside the vocabulary, or more ``min_tokens`` than ``max_tokens``
+    (or than the context leaves), is a 400 naming the field before any worker sees it."""
+    from cluster.openai_protocol import ChatCompletionRequest
+
+    chat = {"model": "scripted", "messages": [{"role": "user", "content": "x"}], "min_tokens": 2,
+            "logit_bias": {"7": -3}}
+    assert {k: v for k, v in ChatCompletionRequest.model_validate(chat).to_sampling_params(4).items()
+            if k in ("min_new_tokens", "logit_bias")} == {"min_new_tokens": 2, "logit_bias": {"7": -3}}
+    url = served[1].url
+    for path, body, param, says in [
+        ("/v1/completions", {"prompt": [1], "max_tokens": 4, "logit_bias": {"7": 1, "1000": 2}}, "logit_bias",
+         "token id 1000 is out of the vocabulary"),
+        ("/v1/completions", {"prompt": [1], "max_tokens": 4, "min_tokens": 5}, "min_tokens",
+         "min_tokens: 5 is more than max_tokens (4)"),
+        ("/v1/completions", {"prompt": [1], "max_tokens": None, "min_tokens": 64}, "min_tokens", "context leaves"),
+        ("/generate", {"input_ids": [1], "sampling_params": {"logit_bias": {"1000": 2}}}, "sampling_params.logit_bias",
+         "token id 1000 is out of the vocabulary"),
+        ("/generate", {"input_ids": [1], "sampling_params": {"max_new_tokens": 2, "min_new_tokens": 3}},
+         "sampling_params.min_new_tokens", "more than max_new_tokens"),
+    ]:
+        r = httpx.post(url + path, json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+        assert says in r.json()["error"]["message"], r.text
+    assert backend.calls == []
+    client.completions.create(model="scripted", prompt=[1], max_tokens=3, logit_bias={"7": 5, "999": -100},
+                              extra_body={"min_tokens": 2})
+    r = httpx.post(url + "/generate", json={"input_ids": [1], "sampling_params": {
+        "max_new_tokens": 3, "min_new_tokens": 3, "logit_bias": {"7": 5}}})
+    assert r.status_code == 200, r.text
+    (_, openai_params), (_, native_params) = backend.calls
+    assert openai_params["min_new_tokens"] == 2 and openai_params["logit_bias"] == {7: 5.0, 999: -100.0}
+    assert native_params["min_new_tokens"] == 3 and native_params["logit_bias"] == {7: 5.0}
 
 
 def test_echo_without_a_tokenizer_is_a_400_naming_it(served, backend):
