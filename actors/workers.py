@@ -147,11 +147,15 @@ class _Worker:
         return ray.get_runtime_context().get_node_id() if ray.is_initialized() else "local"
 
     def load(self) -> Dict[str, Any]:
+        """Queue lengths and KV usage for heartbeats, and ``rids``: the id of every request this
+        worker holds in any state (the router drops a route neither of its workers holds: its
+        release was lost)."""
         self._raise_if_broken()
         sched = self.scheduler
         total = sched.total_tokens()
         return {
             "worker_id": self.worker_id,
+            "rids": self.loop.held_rids(),
             "waiting": len(sched.waiting),
             "running": len(sched.running),
             "free_slots": sched.available_tokens(),

@@ -164,7 +164,8 @@ class PDClient:
                 remote(rid, role, attempt)  # submitted now; off the path to the first token
             else:
                 await wait_for(call_method(self.router, "release", rid, role, attempt), self.router_timeout_s)
-        except Exception as exc:  # the router is gone (a new one counts load afresh) or hung (route_ttl_s)
+        except Exception as exc:  # the router is gone (a new one counts load afresh) or hung: it drops the
+            # route once neither worker holds the request (route_grace_s), route_ttl_s at the latest
             logger.warning("router release of %s failed: %s", rid, exc)
 
     def _mark_dead(self, worker: WorkerRef, why: str, died: bool = True) -> None:
@@ -358,7 +359,9 @@ class PDClient:
         async def ping(w: WorkerRef) -> None:
             try:
                 # a TP worker's rank 0 watches its followers: load() fails once one is gone
-                w.stats = await asyncio.wait_for(w.handle.load.remote(), timeout=self.heartbeat_interval_s)
+                report = await asyncio.wait_for(w.handle.load.remote(), timeout=self.heartbeat_interval_s)
+                # (the ids of the requests it holds are for the router's reconciliation; not in /workers)
+                w.stats = {k: v for k, v in report.items() if k != "rids"}
                 w.missed_heartbeats = 0
             except Exception as exc:
                 w.missed_heartbeats += 1

@@ -492,6 +492,33 @@ def test_abort_while_reserved_frees_slots(checkpoints):
     close(prefill, decode)
 
 
+def test_load_names_the_requests_each_worker_holds(checkpoints):
+    """What the router reconciles its routes against (a lost release): the decode worker's
+    ``load()`` names the request from its reservation on, the prefill worker's while it is
+    queued there (its loop paused), and neither once it ended."""
+    path = checkpoints["llama"]
+    prefill, decode = make_pair(path)
+    ids = prompts(1, 12, 12, seed=5)[0]
+
+    async def go():
+        handoffs = await decode.reserve("held", ids, GREEDY)
+        assert (prefill.load()["rids"], decode.load()["rids"]) == ([], ["held"])
+        prefill.pause_generation()
+        prefilling = asyncio.ensure_future(prefill.prefill("held", ids, GREEDY, handoffs))
+        await until(lambda: prefill.load()["waiting"] == 1, what="the prefill queued")
+        assert (prefill.load()["rids"], decode.load()["rids"]) == (["held"], ["held"])
+        prefill.continue_generation()
+        notice = await prefilling
+        assert (prefill.load()["rids"], decode.load()["rids"]) == ([], ["held"])
+        async for final in decode.stream("held", notice):
+            pass
+        assert final["meta_info"]["finish_reason"] is not None
+        assert (prefill.load()["rids"], decode.load()["rids"]) == ([], [])
+
+    asyncio.run(go())
+    close(prefill, decode)
+
+
 def test_an_unconfirmed_abort_quarantines_the_slots_and_a_late_push_is_refused(checkpoints):
     """Dropped while a prefill may still push: the slots stay out of circulation until the
     hand-off's deadline (plus grace) has passed, and a push after the deadline is refused,

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -70,6 +70,13 @@ class EngineLoop:
         with self._cond:
             self._paused = False
             self._cond.notify()
+
+    def held_rids(self) -> List[str]:
+        """The ids of the requests submitted and not yet delivered finished — queued, running,
+        waiting on a KV transfer or on its push, whatever the scheduler's state — without waiting
+        for the step in progress (what a worker's load report tells the router it holds)."""
+        with self._callbacks_lock:
+            return list(self._by_rid)
 
     def run_exclusive(self, fn):
         """Run ``fn()`` with the loop paused (for idle checks and cache flushes)."""
