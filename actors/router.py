@@ -15,6 +15,18 @@ attempt drops what is left of the earlier one's route (that attempt is over: its
 was lost), so a lost release neither refuses the retry nor loads a worker until
 ``route_ttl_s``, and a late one ends nothing of the retry's route.
 
+A lost final release (the call timed out or the router was unavailable; ``PDClient`` only
+logs it) is reconciled against the workers, which know what they hold: every ``load()``
+report names the requests the worker holds in any state (``rids``), and a route open longer
+than ``route_grace_s`` whose request neither of its workers holds in two heartbeat rounds in
+a row is dropped (``stats()["reconciled"]``): its load and its id are free again after the
+grace and two or three heartbeats, not an hour. The grace (30 s, six heartbeats) covers
+routing → the client's reserve landing on the decode worker, which holds the request from then
+until it ends (two actor calls, milliseconds; calls queued at a decode actor at its
+``max_concurrency`` queue its ``load()`` too, and a heartbeat not answered tells nothing).
+A worker that names no ids (the tests' fakes), misses a round or left the router keeps its
+routes; ``route_ttl_s`` is the last resort (``stats()["expired"]``).
+
 State: the :class:`~actors.prefix_index.PrefixIndex` over the workers of both
 roles (a decode worker's radix cache holds the conversations it decoded: a
 request routed back to it moves only the uncached tail's KV), fed by their KV events (pulled every ``event_interval_s``; a gap in the event
@@ -75,6 +87,7 @@ class _Dispatch:
     decode_open: bool = True
     routed_at: float = 0.0
     attempt: int = 0  # the request's attempt (0, then a retry's number)
+    unheld: int = 0  # heartbeat rounds in a row, past the grace, in which neither worker held it
 
 
 async def call_method(target: Any, method: str, *args: Any) -> Any:
@@ -83,6 +96,11 @@ async def call_method(target: Any, method: str, *args: Any) -> Any:
     remote = getattr(fn, "remote", None)
     result = remote(*args) if remote is not None else fn(*args)
     return await result if inspect.isawaitable(result) else result
+
+
+def _without_rids(report: Dict[str, Any]) -> Dict[str, Any]:
+    """A load report as kept and listed: the ids of the requests held are the reconciliation's."""
+    return {k: v for k, v in report.items() if k != "rids"} if "rids" in report else report
 
 
 def _actor_died(exc: BaseException) -> bool:
@@ -100,8 +118,10 @@ class Router:
         self.workers: Dict[str, WorkerState] = {}
         self._requests: Dict[str, _Dispatch] = {}
         self._tasks: List[asyncio.Task] = []
+        self._heartbeat_round = 0
+        # reconciled: routes dropped as held by neither worker; expired: dropped after route_ttl_s
         self.counters = dict(routed=0, prompt_tokens=0, matched_tokens=0, decode_matched_tokens=0, events=0, resyncs=0,
-                             dead=0)
+                             dead=0, reconciled=0, expired=0)
 
     # ---- workers ---------------------------------------------------------------------------
     async def add_worker(self, worker_id: str, role: str, handle: Any, node_id: str = "") -> None:
@@ -279,8 +299,11 @@ class Router:
 
     # ---- liveness ----------------------------------------------------------------------------
     async def heartbeat_once(self) -> None:
-        """Ask every live worker for its load; a dead actor, or too many misses, leaves the rotation."""
+        """Ask every live worker for its load; a dead actor, or too many misses, leaves the rotation.
+        Then the routes whose release was lost are dropped (:meth:`_reconcile_routes`)."""
         s = self.settings
+        self._heartbeat_round += 1
+        heartbeat_round, asked_at = self._heartbeat_round, self.index.clock()
 
         async def ping(worker: WorkerState) -> None:
             try:
@@ -308,17 +331,54 @@ class Router:
                     return
                 logger.warning("router: worker %s is back in the rotation", worker.worker_id)
                 worker.alive = True
-            worker.report, worker.dispatched_tokens, worker.missed_heartbeats = report, 0, 0
+            worker.report, worker.dispatched_tokens, worker.missed_heartbeats = _without_rids(report), 0, 0
+            held = report.get("rids")
+            worker.held_rids, worker.held_round = (None if held is None else frozenset(held)), heartbeat_round
 
         self._expire_routes()
         await asyncio.gather(*(ping(w) for w in self.workers.values() if not w.dead))
+        self._reconcile_routes(heartbeat_round, asked_at)
+
+    def _reconcile_routes(self, heartbeat_round: int, asked_at: float) -> None:
+        """Drop the routes whose release was lost: made more than ``route_grace_s`` before this
+        round asked for the reports (the request had time to reach its workers) and held by
+        neither worker in this round's reports and the previous round's (a report taken as the
+        request arrived cannot drop it). A side already released is not asked (its prefill ended).
+        A worker that did not answer this round, names no ids (``rids``) or left the router may
+        hold it: the route waits, ``route_ttl_s`` at most."""
+        cutoff = asked_at - self.settings.route_grace_s
+        for rid, d in list(self._requests.items()):
+            if d.routed_at > cutoff:
+                continue
+            open_sides = [w for w, is_open in ((d.prefill_id, d.prefill_open), (d.decode_id, d.decode_open)) if is_open]
+            if any(self._may_hold(worker_id, rid, heartbeat_round) for worker_id in open_sides):
+                d.unheld = 0
+                continue
+            d.unheld += 1
+            if d.unheld >= 2:
+                logger.warning("router: neither %s nor %s holds request %s (attempt %d): its release was lost; it "
+                               "stops counting as load", d.prefill_id, d.decode_id, rid, d.attempt)
+                self.release_now(rid, None, d.attempt)
+                self.counters["reconciled"] += 1
+
+    def _may_hold(self, worker_id: str, rid: str, heartbeat_round: int) -> bool:
+        """Whether worker ``worker_id`` may hold request ``rid`` as of round ``heartbeat_round``'s
+        reports (ids, not attempts: an earlier attempt still there under the id counts)."""
+        worker = self.workers.get(worker_id)
+        if worker is None:  # removed: its requests go on there, unseen
+            return True
+        if worker.dead:  # its actor is gone: it holds nothing
+            return False
+        return worker.held_round != heartbeat_round or worker.held_rids is None or rid in worker.held_rids
 
     def _expire_routes(self) -> None:
-        """Routes never released (a client that died, a release lost) stop counting as load."""
+        """Routes never released stop counting as load after ``route_ttl_s``: the last resort for
+        those reconciliation cannot end (a worker that names no ids, or left the router)."""
         cutoff = self.index.clock() - self.settings.route_ttl_s
         for rid in [rid for rid, d in self._requests.items() if d.routed_at <= cutoff]:
             logger.warning("router: request %s was never released; it stops counting as load", rid)
             self.release_now(rid)
+            self.counters["expired"] += 1
 
     async def start(self) -> None:
         """Start pulling events and heartbeats in the background (on the running event loop)."""

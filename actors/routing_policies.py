@@ -22,7 +22,7 @@ from __future__ import annotations
 import itertools
 import random
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, Type
+from typing import Any, Callable, Dict, FrozenSet, List, NamedTuple, Optional, Sequence, Tuple, Type
 
 
 @dataclass(frozen=True)
@@ -45,9 +45,16 @@ class RouterSettings:
     heartbeat_max_failures: int = 2
     call_timeout_s: float = 5.0  # a worker call of the router's own (events, load, snapshot)
     route_ttl_s: float = 3600.0  # a route never released (its client died) stops counting as load after this
+    # a route open this long that neither of its workers holds in two heartbeats in a row is dropped (its
+    # release was lost); it covers route() → the client's first call landing on the decode worker
+    route_grace_s: float = 30.0
     client_timeout_s: float = 30.0  # the clients' wait for route / release (cluster.pd_client.PDClient)
     max_retries: int = 2  # the clients' retries of a request whose worker died before its first output
     seed: int = 0
+
+    def __post_init__(self):
+        if not self.route_grace_s > 0:  # (0 would drop a route before its client's first call lands)
+            raise ValueError(f"route_grace_s must be > 0, got {self.route_grace_s!r}")
 
 
 @dataclass
@@ -68,7 +75,9 @@ class WorkerState:
     dispatched_tokens: int = 0  # decode: prompt tokens sent here since the last report
     cached_pages: int = 0  # prefill: pages the index says it holds
     event_cursor: int = 0  # prefill: the last KV event id applied
-    report: Dict[str, Any] = field(default_factory=dict)  # the last load()
+    report: Dict[str, Any] = field(default_factory=dict)  # the last load(), its ``rids`` left out
+    held_rids: Optional[FrozenSet[str]] = None  # the requests the last load() said it holds (None: it names none)
+    held_round: int = -1  # the router's heartbeat round that load() answered
 
     def load(self) -> int:
         """Requests queued or running here."""

@@ -251,8 +251,11 @@ class RouterConfig(BaseModel):
     max_events_per_pull: int = Field(4096, ge=1, description="KV events one pull takes from a worker")
     route_ttl_s: float = Field(3600.0, gt=0.0, description="a request routed and never released (its client died, "
                                "the release was lost) stops counting as its workers' load after this")
+    route_grace_s: float = Field(30.0, gt=0.0, description="a route open this long whose request neither of its "
+                                 "workers reports holding in two heartbeats in a row is dropped (its release was "
+                                 "lost); covers the gap between routing and the request reaching its decode worker")
     client_timeout_s: float = Field(30.0, gt=0.0, description="longest a request waits for the router to place it "
-                                    "(then it fails) or to take its release (then route_ttl_s covers it)")
+                                    "(then it fails) or to take its release (then route_grace_s covers it)")
     max_retries: int = Field(2, ge=0, description="new (prefill, decode) pairs a request tries when a worker of its "
                              "pair died or was unavailable before its first output (never after it, nor on a "
                              "timeout or bad input); 0: no retries")

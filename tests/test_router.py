@@ -1,7 +1,8 @@
 """The router in-process (no Ray): the prefix index against a brute-force oracle, the policy
 registry, the prefill cost and the per-request imbalance guard, dispatch-time load, bursts
-before any event, KV events and snapshots from real tree caches, a restarted router, and a
-worker that stops answering heartbeats."""
+before any event, KV events and snapshots from real tree caches, a restarted router, a
+worker that stops answering heartbeats, and routes whose release was lost reconciled against
+the workers' reports."""
 
 import asyncio
 import collections
@@ -392,6 +393,125 @@ def test_a_route_never_released_does_not_load_its_worker_forever():
     run(router.heartbeat_once())
     assert [router.workers[w].load() for w in ("p0", "p1", "d0")] == [0, 0, 0]
     assert router.stats()["inflight"] == 0
+
+
+def _reconciling(clock, holds=(), **kw):
+    """A router over p0, p1 and d0 whose load reports name the ids in ``holds`` (None: no ids)."""
+    p, d = [FakePrefill("p0", PS), FakePrefill("p1", PS)], [FakeDecode("d0", PS)]
+    router = Router(RouterSettings(page_size=PS, route_grace_s=30.0, **kw), clock=clock)
+    for w in p + d:
+        run(router.add_worker(w.worker_id, w.role, w))
+        if holds is not None:
+            w.reported["rids"] = list(holds)
+    return router, {w.worker_id: w for w in p + d}
+
+
+def test_a_lost_release_is_reconciled_once_neither_worker_holds_the_request():
+    """The client's final release was lost (the router call timed out): the route is dropped
+    once neither worker holds the request in two heartbeats in a row past the grace — its load
+    is gone and its id may be routed again — not after ``route_ttl_s``."""
+    clock = Clock()
+    router, workers = _reconciling(clock)
+    first = run(router.route("r1", list(range(16))))
+    clock.now = 31.0
+    run(router.heartbeat_once())  # one report without it: it may have arrived since
+    assert router.stats()["inflight"] == 1 and router.workers["d0"].inflight == 1
+    run(router.heartbeat_once())
+    assert router.stats()["inflight"] == 0 and router.stats()["reconciled"] == 1
+    assert (router.workers[first.prefill_id].inflight, router.workers[first.prefill_id].pending_prefill_tokens,
+            router.workers["d0"].inflight) == (0, 0, 0)
+    assert all("rids" not in w["report"] for w in router.list_workers())  # (the ids are the reconciliation's)
+    run(router.route("r1", list(range(16))))  # the same id again: no longer "already routed"
+
+
+def test_a_missed_report_restarts_the_count():
+    """Two reports in a row: a round whose decode report did not come tells nothing."""
+    clock = Clock()
+    router, workers = _reconciling(clock)
+    run(router.route("r1", list(range(16))))
+    clock.now = 31.0
+    run(router.heartbeat_once())
+    workers["d0"].failing = True  # one miss of heartbeat_max_failures=2: still in rotation
+    run(router.heartbeat_once())
+    workers["d0"].failing = False
+    run(router.heartbeat_once())
+    assert router.stats()["inflight"] == 1
+    run(router.heartbeat_once())
+    assert router.stats()["inflight"] == 0
+
+
+def test_a_worker_whose_actor_died_holds_nothing():
+    """Its decode worker died under the request and the client's release was lost: the dead actor
+    sends no report, but holds nothing either; the prefill worker's reports settle the route."""
+    from ray.exceptions import ActorDiedError
+
+    clock = Clock()
+    router, workers = _reconciling(clock)
+    run(router.route("r1", list(range(16))))
+    _dies(workers["d0"], ActorDiedError)
+    clock.now = 31.0
+    run(router.heartbeat_once())
+    assert router.workers["d0"].dead and router.stats()["inflight"] == 1
+    run(router.heartbeat_once())
+    assert router.stats()["inflight"] == 0 and router.stats()["reconciled"] == 1
+
+
+def test_a_request_its_decode_worker_holds_is_never_dropped():
+    """Decoding (or waiting for its KV) long after its prefill was released: the decode worker's
+    reports name it, so its route stays however old (below ``route_ttl_s``). Its prefill worker,
+    released, is not asked (here it has left the router, which cannot see what it holds)."""
+    clock = Clock()
+    router, workers = _reconciling(clock)
+    first = run(router.route("r1", list(range(16))))
+    run(router.release("r1", "prefill"))
+    run(router.remove_worker(first.prefill_id))
+    workers["d0"].reported["rids"] = ["other", "r1"]
+    for _ in range(5):
+        clock.now += 600.0
+        run(router.heartbeat_once())
+    assert router.stats()["inflight"] == 1 and router.workers["d0"].inflight == 1
+    assert router.stats()["reconciled"] == 0
+    workers["d0"].reported["rids"] = ["other"]  # it ended; the final release was lost
+    run(router.heartbeat_once())
+    run(router.heartbeat_once())
+    assert router.stats()["inflight"] == 0 and router.workers["d0"].inflight == 0
+
+
+def test_a_route_younger_than_the_grace_is_not_dropped():
+    """Between routing and the client's reserve landing on the decode worker no worker holds the
+    request: reports taken within the grace count for nothing, so a single one past it drops nothing."""
+    clock = Clock()
+    router, _ = _reconciling(clock)
+    run(router.route("r1", list(range(16))))
+    for now in (5.0, 15.0, 29.0):
+        clock.now = now
+        run(router.heartbeat_once())
+    clock.now = 31.0
+    run(router.heartbeat_once())
+    assert router.stats()["inflight"] == 1 and router.stats()["reconciled"] == 0
+
+
+@pytest.mark.parametrize("ids_from", ["none", "prefill_only"])
+def test_a_report_without_ids_changes_nothing(ids_from):
+    """A worker whose report names no ids (these fakes, an older worker) may hold anything: its
+    routes last until ``route_ttl_s``."""
+    clock = Clock()
+    router, workers = _reconciling(clock, holds=None)
+    if ids_from == "prefill_only":
+        workers["p0"].reported["rids"] = workers["p1"].reported["rids"] = []
+    run(router.route("r1", list(range(16))))
+    for _ in range(4):
+        clock.now += 600.0
+        run(router.heartbeat_once())
+    assert router.stats()["inflight"] == 1 and router.stats()["reconciled"] == 0
+    clock.now = 3600.0
+    run(router.heartbeat_once())
+    assert router.stats()["inflight"] == 0 and router.stats()["expired"] == 1
+
+
+def test_route_grace_must_be_positive():
+    with pytest.raises(ValueError, match="route_grace_s must be > 0"):
+        RouterSettings(route_grace_s=0.0)
 
 
 def test_re_adding_a_worker_keeps_its_dispatched_load():
