@@ -9,8 +9,9 @@ state, because a recurrent state cannot be rebuilt from KV.
   state cannot be split); ``evict_mamba`` makes internal nodes tombstones. An
   unlocked leaf is never a tombstone: one that would become one is deleted, its
   KV freed, and so are tombstone ancestors that become childless leaves. A
-  tombstone a KV-only lock holds may be left a leaf by evictions below it; it
-  goes when its last lock does (``dec_lock_ref``).
+  tombstone a KV-only lock holds may be left a leaf (by evictions below it, or
+  ``evict_mamba`` taking its state: the lock holds none); it goes when its last
+  lock does (``dec_lock_ref``).
 * Two LRU lists: ``full_lru_list`` over every node (KV eviction, leaves
   first) and ``mamba_lru_list`` over nodes holding a state.
 * Locks: ``full_lock_ref`` covers a node and its ancestors (their KV);
@@ -340,16 +341,15 @@ class MambaRadixCache(RadixCache):
         return evicted
 
     def evict_mamba(self, num_states: int) -> int:
-        """Free ``num_states`` Mamba states, least recently used first: an
-        internal node becomes a tombstone, a leaf is evicted whole."""
+        """Free ``num_states`` Mamba states, least recently used first: an internal
+        node becomes a tombstone, an unlocked leaf is evicted whole, and a leaf only
+        KV-only locks hold becomes a tombstone (it goes with its last lock)."""
         freed = 0
         while freed < num_states:
-            node = self.mamba_lru_list.first_lru(
-                lambda n: n.mamba_lock_ref == 0 and (n.children or n.full_lock_ref == 0)
-            )
+            node = self.mamba_lru_list.first_lru(lambda n: n.mamba_lock_ref == 0)
             if node is None:
                 break
-            if node.children:
+            if node.children or node.full_lock_ref:
                 self._drop_mamba(node)
             else:
                 self._evict_leaf(node)

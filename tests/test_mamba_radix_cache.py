@@ -183,6 +183,25 @@ def test_a_kv_only_lock_on_a_revived_tombstone_leaves_its_state_lock_alone():
     conservation(cache, alloc, pool)
 
 
+def test_evict_mamba_frees_the_state_of_a_kv_only_locked_leaf():
+    """A KV-only lock holds KV, not the state at its node: a leaf's state it holds counts as
+    evictable and ``evict_mamba`` frees it, leaving a locked tombstone leaf that goes with the
+    lock (the state was pinned until the reservation finished, and the pool could run dry)."""
+    cache, pool, alloc, mamba = make(mamba_size=4)
+    insert_checkpoint(cache, alloc, mamba, TOKENS[:100], torch.empty(0, dtype=torch.int64))
+    node = cache.match_kv_prefix(RadixKey(TOKENS[:100] + [999])).last_device_node
+    assert not node.is_tombstone and not node.children
+    cache.inc_lock_ref(node, kv_only=True)
+    assert (cache.mamba_evictable_size(), cache.mamba_protected_size()) == (1, 0)
+    assert cache.evict_mamba(1) == 1 and node.is_tombstone and mamba.available_size() == 4
+    assert cache.mamba_evictable_size() == 0 and cache.full_protected_size() == 100
+    cache.check_integrity()
+    assert len(cache.match_prefix(RadixKey(TOKENS[:101])).device_indices) == 0
+    cache.dec_lock_ref(node, kv_only=True)
+    assert not cache.root_node.children and alloc.available_size() == 1024
+    conservation(cache, alloc, pool)
+
+
 def test_a_locked_tombstone_left_a_leaf_goes_with_its_lock():
     """Evicting everything takes the leaf below a KV-only locked tombstone, not the
     tombstone (a locked tombstone leaf is allowed); unlocking deletes it."""
