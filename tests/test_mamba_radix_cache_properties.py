@@ -1,6 +1,6 @@
 """Random insert / match / copy-on-write / lock / KV-only lock / evict / evict_mamba
 workloads on MambaRadixCache against a brute-force oracle of cached pages and
-checkpoints.
+checkpoints (``test_mamba_radix_cache_requests`` adds running requests).
 
 The router's prefix index, fed by the cache's KV events, predicts every match
 (StateStored / StateRemoved mark where a reused prefix may end).
@@ -8,8 +8,9 @@ The router's prefix index, fed by the cache's KV events, predicts every match
 After every step: the match equals the oracle's (the deepest checkpoint within
 the cached prefix; a KV-only match, the whole cached prefix), no checkpoint
 outlives its KV, no cached sequence ends in a tombstone but where a KV-only lock
-holds it, locks protect KV and states, and KV slots and Mamba slots are each
-exactly free or held.
+holds it, locks protect KV and states, every checkpoint holds the state after
+exactly its prefix (``state_code``), and KV slots and Mamba slots are each exactly
+free or held. At the end, unlocked and evicted, everything is free.
 """
 
 import hypothesis.strategies as st
@@ -18,6 +19,7 @@ from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
+from mem_cache.integrity import IntegrityError
 from mem_cache.mamba_pool import HybridReqToTokenPool, MambaPool
 from mem_cache.mamba_radix_cache import MambaRadixCache
 from mem_cache.radix_key import RadixKey
@@ -52,19 +54,31 @@ class MambaOracle(Oracle):
             assert ok, f"cached sequence ending in an unlocked tombstone: {key}"
 
 
+def state_code(extra, tokens) -> float:
+    """What a state after ``tokens`` holds in these tests (exact in float32): a checkpoint
+    cached for a prefix must hold that prefix's code, and a copy-on-write copy the same."""
+    h = 7 if extra is None else 11
+    for t in tokens:
+        h = (h * 31 + t + 1) % 1_000_003
+    return float(h)
+
+
 class MambaMachine(RuleBasedStateMachine):
     page_size = 1
     strategy = "no_buffer"
+    num_states, context_len, chunk = 6, 8, 64
 
     def __init__(self):
         super().__init__()
         ps = self.page_size
-        self.mamba = MambaPool(6, [(2, 2)], (2,), 1, torch.float32, torch.float32)
-        self.pool = HybridReqToTokenPool(2, 8, "cpu", self.mamba, [0])
+        self.mamba = MambaPool(self.num_states, [(2, 2)], (2,), 1, torch.float32, torch.float32)
+        self.pool = HybridReqToTokenPool(
+            2, self.context_len, "cpu", self.mamba, [0], enable_mamba_extra_buffer=self.strategy == "extra_buffer"
+        )
         size = 40 * ps
         self.alloc = TokenToKVPoolAllocator(size) if ps == 1 else PagedTokenToKVPoolAllocator(size, ps)
         self.cache = MambaRadixCache(self.pool, self.alloc, page_size=ps, mamba_scheduler_strategy=self.strategy,
-                                     enable_kv_events=True)
+                                     enable_kv_events=True, chunk_size=self.chunk)
         self.mirror = IndexMirror(self.cache, ps)  # the router's view of this prefill worker
         self.oracle = MambaOracle(ps)
         self.locks = []  # (node, matched tokens)
@@ -81,6 +95,13 @@ class MambaMachine(RuleBasedStateMachine):
 
     def _free_states(self):
         return set(self.mamba.free_slots.tolist())
+
+    def _write_state(self, slot, extra, tokens):
+        for state in self.mamba.states():
+            state[:, int(slot)] = state_code(extra, tokens)
+
+    def _read_state(self, slot):
+        return float(self.mamba.temporal[0, int(slot)].flatten()[0])
 
     def _check_match(self, tokens, extra=None, req=None):
         m = self.cache.match_prefix(RadixKey(tokens, extra), req=req, cow_mamba=req is not None)
@@ -121,6 +142,7 @@ class MambaMachine(RuleBasedStateMachine):
                     (self.alloc if x is new else self.mamba).free(x)
             return
         value = torch.cat([cached, new])
+        self._write_state(state, extra, seq)
         had_state = (extra, tuple(seq)) in self.oracle.states
         prefix_len, mamba_exist = self.cache.insert(RadixKey(seq, extra), value, state)
         assert prefix_len == len(cached) and mamba_exist == had_state
@@ -138,17 +160,32 @@ class MambaMachine(RuleBasedStateMachine):
     def copy_on_write(self, data):
         tokens = self._tokens(data) + [0]
         req = FakeReq(tokens)
-        expected = self.oracle.match(tokens[:-1], None)
+        m = self._cow_match(req)
+        if m is not None and m.device_indices.numel():
+            self.mamba.free(torch.tensor([req.mamba_pool_idx]))
+
+    def _cow_match(self, req):
+        """``match_prefix`` of the request's prompt with copy-on-write, checked; None when every
+        state is held (by locks, running requests) and the copy has no slot: that raises."""
+        tokens = req.origin_input_ids
+        expected = self.oracle.match(tokens[: len(tokens) - 1], None)
         kv_before, states_before = self._free_kv(), self._free_states()
-        m = self.cache.match_prefix(RadixKey(tokens), req=req, cow_mamba=True)
+        try:
+            m = self.cache.match_prefix(RadixKey(tokens), req=req, cow_mamba=True)
+        except IntegrityError as exc:
+            assert "Mamba pool exhausted" in str(exc) and not self.mamba.available_size()
+            m = None
         self._forget_freed(kv_before, states_before)  # a state may have been evicted to make room ...
         if req.mamba_pool_idx is not None:  # ... and its slot handed straight to the request
             self.oracle.drop_freed_states({req.mamba_pool_idx})
+        if m is None:
+            return None
         assert m.device_indices.tolist() == expected
         if m.device_indices.numel():
             src = int(m.last_device_node.mamba_value)
             assert torch.equal(self.mamba.temporal[:, req.mamba_pool_idx], self.mamba.temporal[:, src])
-            self.mamba.free(torch.tensor([req.mamba_pool_idx]))
+            assert self._read_state(req.mamba_pool_idx) == state_code(None, tokens[: len(expected)])
+        return m
 
     @rule(data=st.data())
     def lock(self, data):
@@ -186,9 +223,20 @@ class MambaMachine(RuleBasedStateMachine):
         freed_kv, freed_states = self._forget_freed(kv_before, states_before)
         assert not freed_states and not freed_kv & held, "an unlock freed a state or locked KV"
 
+    def _state_locks(self):
+        """(node, tokens) of every lock that holds a state: the rules' own (and running requests')."""
+        return self.locks
+
+    def _kv_only_locks(self):
+        return self.kv_locks
+
+    def _private_kv(self):
+        """KV slots running requests hold as their own (none here)."""
+        return torch.empty(0, dtype=torch.int64)
+
     def _locked_kv(self):
         slots = set()
-        for _, tokens in self.locks + self.kv_locks:
+        for _, tokens in self._state_locks() + self._kv_only_locks():
             slots |= set(self.oracle.kv_match(tokens, None))
         return slots
 
@@ -202,7 +250,7 @@ class MambaMachine(RuleBasedStateMachine):
         held = self._locked_kv()
         freed_kv, freed_states = self._forget_freed(kv_before, states_before)
         assert not held & freed_kv, "locked KV evicted"
-        for node, _ in self.locks:
+        for node, _ in self._state_locks():
             assert int(node.mamba_value) not in freed_states, "locked state evicted"
 
     @rule()
@@ -215,14 +263,36 @@ class MambaMachine(RuleBasedStateMachine):
 
     @invariant()
     def accounting(self):
-        self.oracle.consistent({(None, tuple(tokens)) for _, tokens in self.kv_locks})
+        self.oracle.consistent({(None, tuple(tokens)) for _, tokens in self._kv_only_locks()})
         self.cache.check_integrity()
         c, a = self.cache, self.alloc
-        assert a.available_size() + c.full_evictable_size() + c.full_protected_size() == a.num_pages * a.page_size
-        a.check_integrity(c.all_values())
+        private = self._private_kv()
+        private_pages = len(set((private // a.page_size).tolist())) * a.page_size
+        held = c.full_evictable_size() + c.full_protected_size() + private_pages
+        assert a.available_size() + held == a.num_pages * a.page_size
+        a.check_integrity(torch.cat([c.all_values(), private]))
         self.pool.check_integrity(tree_mamba_slots=c.all_mamba_values())
-        assert c.mamba_protected_size() == len({id(n) for n, _ in self.locks})
+        assert c.mamba_protected_size() == len({id(n) for n, _ in self._state_locks()})
         self.mirror.check_snapshot()
+        for node in c._iter_nodes():  # every checkpoint holds the state after exactly its prefix
+            if node.mamba_value is not None:
+                path, up = [], node
+                while up is not c.root_node:
+                    path[:0], up = up.key.token_ids, up.parent
+                assert self._read_state(node.mamba_value) == state_code(node.key.extra_key, path)
+
+    def teardown(self):
+        """Unlocked and evicted, the tree gives every KV slot and Mamba state back."""
+        for node, _ in self.locks:
+            self.cache.dec_lock_ref(node)
+        for node, _ in self.kv_locks:
+            self.cache.dec_lock_ref(node, kv_only=True)
+        self.cache.evict_mamba(10**6)
+        self.cache.evict(10**6)
+        self.cache.check_integrity()
+        assert not self.cache.root_node.children
+        assert self.alloc.available_size() == self.alloc.num_pages * self.alloc.page_size
+        assert self.mamba.available_size() == self.mamba.size
 
 
 def _machine(page_size, strategy, max_examples):

@@ -366,11 +366,12 @@ class SWAOracle:
 
 class SWAMachine(RuleBasedStateMachine):
     window = 3
+    num_rows = 2
 
     def __init__(self):
         super().__init__()
         self.alloc = SWATokenToKVPoolAllocator(40, 24, debug=True)
-        self.pool = ReqToTokenPool(2, 32)
+        self.pool = ReqToTokenPool(self.num_rows, 32)
         self.cache = SWARadixCache(self.pool, self.alloc, sliding_window_size=self.window, enable_kv_events=True)
         self.oracle = SWAOracle(self.window)
         self.mirror = IndexMirror(self.cache, 1)  # the router's view: WindowLost / WindowRestored mark tombstones
@@ -440,11 +441,11 @@ class SWAMachine(RuleBasedStateMachine):
 
     @rule(n=st.integers(1, 12))
     def evict_full(self, n):
-        self._evict(n, 0, self.locks)
+        self._evict(n, 0, self._live_locks())
 
     @rule(n=st.integers(1, 12))
     def evict_swa(self, n):
-        self._evict(0, n, self.locks)
+        self._evict(0, n, self._live_locks())
 
     @rule(data=st.data(), num_decode=st.integers(0, 6), cache_at=st.integers(-1, 6), evict_swa=st.integers(0, 8))
     def serve(self, data, num_decode, cache_at, evict_swa):
@@ -464,14 +465,21 @@ class SWAMachine(RuleBasedStateMachine):
             if step == len(outputs) or min(self.alloc.full_available_size(), self.alloc.swa_available_size()) == 0:
                 break
             decode(self.cache, self.pool, self.alloc, req, outputs[step])
-        check(self.cache, self.pool, self.alloc, [req])
+        check(self.cache, self.pool, self.alloc, [req] + self._running())
         protected = req.cache_protected_len
         locked = (prompt + req.output_ids)[:protected]
         own_lock = (req.last_node, req.swa_uuid_for_lock, locked, row(self.pool, req, 0, protected).tolist())
-        self._evict(0, evict_swa, self.locks + [own_lock])
-        check(self.cache, self.pool, self.alloc, [req])
+        self._evict(0, evict_swa, self._live_locks() + [own_lock])
+        check(self.cache, self.pool, self.alloc, [req] + self._running())
         self._mirror_insert(req, req.kv_committed_len)
         self.cache.cache_finished_req(req)
+
+    def _live_locks(self):
+        """(node, swa_uuid_for_lock, tokens, slots) of every lock held: the rules' (and running requests')."""
+        return self.locks
+
+    def _running(self):
+        return []
 
     def _mirror_insert(self, req, seq_len):
         tokens = (req.origin_input_ids + req.output_ids)[:seq_len]
@@ -481,12 +489,22 @@ class SWAMachine(RuleBasedStateMachine):
     @invariant()
     def accounting(self):
         self.oracle.check_shape()
-        check(self.cache, self.pool, self.alloc)
+        check(self.cache, self.pool, self.alloc, self._running())
         assert sorted(self.cache.all_values().tolist()) == sorted(self.oracle.slots.values())
         mapping = self.alloc.full_to_swa_index_mapping
         assert {s for s in self.oracle.slots.values() if int(mapping[s]) > 0} == self.oracle.swa
-        assert self.cache.full_protected_size() == len({s for lock in self.locks for s in lock[3]})
+        assert self.cache.full_protected_size() == len({s for lock in self._live_locks() for s in lock[3]})
         self.mirror.check_snapshot()
+
+    def teardown(self):
+        """Unlocked and evicted, the tree gives every full and SWA slot back."""
+        for node, uuid, _, _ in self.locks:
+            self.cache.dec_lock_ref(node, uuid)
+        self.cache.evict(10**6, 10**6)
+        check(self.cache, self.pool, self.alloc)
+        assert not self.cache.root_node.children
+        alloc = self.alloc
+        assert (alloc.full_available_size(), alloc.swa_available_size()) == (alloc.size, alloc.size_swa)
 
 
 TestSWARadixCacheWindow3 = machine_case(SWAMachine, "w3", 60, 25, window=3)
