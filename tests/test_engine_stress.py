@@ -1,15 +1,18 @@
 """The engine under memory pressure it must work its way through: conversations whose
 next turns arrive together, each with a cached history, in a pool too small for all of
 them at once (prefixes locked while others wait, eviction, retraction, chunked prefill,
-the host tier). Every round must finish — a scheduler that plans what it cannot allocate
-repeats the plan forever — with tokens equal to HF's and nothing leaked."""
+the host tier), and a random mix of requests arriving and aborted over time. Every round
+must finish — a scheduler that plans what it cannot allocate repeats the plan forever — with
+tokens equal to HF's and nothing leaked."""
 
 import random
+import string
 import threading
 
 import pytest
 
 from actors.engine import Engine
+from actors.engine.finish import decode_after
 from actors.engine.tiny import VOCAB_SIZE, build_tiny_checkpoint
 from tests.parity import assert_greedy_parity
 
@@ -112,5 +115,116 @@ def test_a_failed_batch_gives_back_a_copied_mamba_state_once(checkpoints, monkey
         req = engine.loop.run_exclusive(fail_to_allocate)
         assert req.mamba_pool_idx is None and req.req_pool_idx is None
         engine.check_integrity()  # every Mamba slot free once
+    finally:
+        engine.shutdown()
+
+
+STOP_CHARS = string.ascii_letters + string.digits  # the byte-level model emits any byte: some stop it
+
+
+def random_mix(rng, n):
+    """``n`` greedy requests: prompts sharing three prefixes (some exact repeats, some one
+    token, some long), ``max_new_tokens`` from 0 up, some with stop strings, stop ids or
+    logprobs; each with the step it arrives at and, for a fifth, the step it is aborted at."""
+    prefixes = [[rng.randrange(5, VOCAB_SIZE) for _ in range(rng.randint(4, 24))] for _ in range(3)]
+    specs = []
+    for _ in range(n):
+        head = rng.choice(prefixes)[: rng.randint(0, 24)] if rng.random() < 0.8 else []
+        prompt = head + [rng.randrange(5, VOCAB_SIZE) for _ in range(rng.randint(1, 20))]
+        if specs and rng.random() < 0.15:
+            prompt = list(rng.choice(specs)[0])
+        prompt = prompt[:1] if rng.random() < 0.1 else prompt
+        params = {"temperature": 0, "max_new_tokens": rng.choice([0, 1, 2, 5, 8, 12, 16, 24]),
+                  "ignore_eos": rng.random() < 0.7, "return_logprob": rng.random() < 0.2}
+        kind = rng.random()
+        if kind < 0.25:
+            params["stop"] = rng.sample(STOP_CHARS, rng.randint(4, 8))
+        elif kind < 0.4:
+            params["stop_token_ids"] = [rng.randrange(5, VOCAB_SIZE) for _ in range(8)]
+        arrive = rng.randint(0, 12)
+        specs.append((prompt, params, arrive, arrive + rng.randint(0, 15) if rng.random() < 0.25 else None))
+    return specs
+
+
+def drive(engine, specs, max_steps=1000):
+    """Step the scheduler by hand (the loop paused): each request arrives and is aborted at
+    its step. Returns the requests and the tokens eviction freed once all are done."""
+    sched, reqs, evicted = engine.scheduler, [None] * len(specs), [0]
+    evict = sched.tree_cache.evict
+
+    def counted_evict(*args, **kwargs):
+        freed = evict(*args, **kwargs)
+        evicted[0] += freed
+        return freed
+
+    def run():
+        for step in range(max_steps):
+            for i, (prompt, params, arrive, abort) in enumerate(specs):
+                if step == arrive:
+                    reqs[i] = engine._make_req(None, prompt, params, f"r{i}")
+                    sched.add_request(reqs[i])
+                if step == abort:
+                    sched.abort(f"r{i}")
+            if step > max(s[2] for s in specs) and not sched.has_work():
+                return
+            sched.step()
+        raise AssertionError(f"requests still queued after {max_steps} steps: the scheduler is stuck")
+
+    sched.tree_cache.evict = counted_evict
+    engine.loop.pause()
+    try:
+        engine.loop.run_exclusive(run)
+    finally:
+        engine.loop.resume()
+        del sched.tree_cache.evict
+    return reqs, evicted[0]
+
+
+def check_ending(engine, req, prompt, params, aborted):
+    """The request ended as its parameters say, at the first token that could end it."""
+    out, reason, tokenizer = req.output_ids, req.finished_reason, engine.tokenizer
+    stop_ids = set(params.get("stop_token_ids", [])) | (set() if params["ignore_eos"] else set(engine.eos_token_ids))
+    assert not stop_ids.intersection(out[:-1]), f"{req.rid} went past a stop token: {out}"
+    if reason["type"] == "abort":
+        assert aborted, f"{req.rid} was not aborted: {reason}"
+    elif reason["type"] == "length":
+        assert len(out) == min(params["max_new_tokens"], engine.scheduler.context_len - len(prompt))
+    elif isinstance(reason["matched"], int):
+        assert out[-1] == reason["matched"] and out[-1] in stop_ids
+    else:
+        text_before = decode_after(tokenizer, prompt, out[:-1], True)
+        assert reason["matched"] in decode_after(tokenizer, prompt, out, True)
+        assert not any(s in text_before for s in params["stop"]), f"{req.rid} went past a stop string"
+    if params["return_logprob"]:
+        assert len(req.output_logprobs) == len(out)
+
+
+@pytest.mark.parametrize("page_size, seed", [(1, 42), (4, 30)])  # a stop string / aborts while chunked, each retracting
+def test_a_random_mix_under_memory_pressure_is_served_as_each_request_alone(checkpoints, page_size, seed):
+    """Requests sharing prefixes arrive over time at a pool far too small for them (chunked
+    prefill, prefix hits, eviction, retraction with a low decode reserve), some aborted while
+    waiting, prefilling or decoding: each ends as its parameters say with HF's greedy tokens
+    (and logprobs), and once idle nothing is held — every slot is free after a flush. (To hunt,
+    run ``random_mix`` and ``drive`` over many seeds, pools, policies and model families.)"""
+    model_dir = checkpoints["llama"]
+    engine = Engine(model_path=model_dir, page_size=page_size, max_total_tokens=72,
+                    chunked_prefill_size=8, init_new_token_ratio=0.2)
+    try:
+        rng = random.Random(seed)
+        specs = random_mix(rng, 14)
+        reqs, evicted = drive(engine, specs)
+        assert engine.scheduler.num_retractions and evicted  # the mix did strain the pool
+        for (prompt, params, _, abort), req in zip(specs, reqs):
+            check_ending(engine, req, prompt, params, abort is not None)
+            if not req.output_ids:
+                continue
+            logprobs = [req.output_logprobs] if params["return_logprob"] else None
+            stop_ids = params.get("stop_token_ids", []) + ([] if params["ignore_eos"] else engine.eos_token_ids)
+            assert_greedy_parity(model_dir, [prompt], [req.output_ids], len(req.output_ids), stop_ids,
+                                 logprobs=logprobs)
+        engine.flush_cache()  # (checks integrity first)
+        engine.check_integrity()
+        alloc = engine.runner.allocator
+        assert alloc.available_size() == alloc.num_pages * page_size and engine.scheduler.evictable_tokens() == 0
     finally:
         engine.shutdown()
