@@ -25,8 +25,13 @@ step failed, the client retried under the same id) cannot settle the new one.
 waits for a copy of it already running to end: once it returns this rank
 writes nothing more for it, so the decode side may reuse the slots at once.
 A lane whose transfer thread died (a ``BaseException`` escaped a push: ``SystemExit``,
-``CancelledError``) gets a new one at the next ``submit`` or ``take_finished``; the
-requests still open on it fail with what killed it, instead of waiting out the timeout.
+``CancelledError``; or its set-up raised: the CUDA device is gone) is seen at the next
+``submit`` or ``take_finished``: the requests open on it fail at once with what killed it
+(instead of waiting out the timeout), and it gets a new thread — at once the first time,
+then after a backoff doubling from ``restart_backoff_s``. Its thread dying again after
+``max_restarts`` restarts in a row (no chunk pushed in between) leaves the lane *broken*: every push on it,
+open or later, fails at once naming the cause, and :attr:`KVPusher.broken` says so (the
+worker's ``health()`` and ``load()`` raise with it, so heartbeats take the worker out of rotation).
 With ``asynchronous=False`` chunks are pushed inside ``submit`` (the loop
 stalls for them: the behaviour before overlap, kept for comparison).
 """
@@ -34,10 +39,12 @@ stalls for them: the behaviour before overlap, kept for comparison).
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
-from typing import Callable, Deque, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Callable, ContextManager, Deque, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -89,6 +96,10 @@ class _Lane:
     running: Optional[str] = None  # push whose chunk this lane's thread copies now
     thread: Optional[threading.Thread] = None
     death: Optional[BaseException] = None  # what ended its last thread, if one died
+    reaped: Optional[threading.Thread] = None  # the last dead thread whose death was handled
+    deaths: int = 0  # threads that died in a row, none having pushed a chunk
+    retry_at: float = 0.0  # (monotonic) no new thread before this
+    broken: Optional[str] = None  # why it gets no thread any more: its pushes fail at once
 
 
 def serves(handoff: KVHandoff, agent: TransferAgent) -> bool:
@@ -118,8 +129,9 @@ class KVPusher:
     share its lane — as SGLang shards its transfer queues by destination."""
 
     def __init__(self, agents: Dict[str, TransferAgent], asynchronous: bool = True, name: str = "raydix-kv-push",
-                 num_lanes: int = 4):
+                 num_lanes: int = 4, max_restarts: int = 3, restart_backoff_s: float = 0.05):
         self.agents, self.asynchronous, self.name = agents, asynchronous, name
+        self.max_restarts, self.restart_backoff_s = max_restarts, restart_backoff_s
         tensors = [t for agent in agents.values() for t in agent.buffers.values()]
         self.device = tensors[0].device if tensors else torch.device("cpu")
         self._cond = threading.Condition()
@@ -145,7 +157,11 @@ class KVPusher:
                 self._revive()
             for chunk in chunks:
                 if chunk.handoffs is not None:
-                    self._jobs[chunk.push_id] = _Job(self._lane_for(chunk.dest))
+                    lane = self._lane_for(chunk.dest)
+                    if lane.broken is not None:  # fails now; its later chunks find no job and are dropped
+                        self._finished.append(PushResult(chunk.push_id, 0, self._lane_error(lane)))
+                        continue
+                    self._jobs[chunk.push_id] = _Job(lane)
                 job = self._jobs.get(chunk.push_id)
                 if job is not None:  # a cancelled request's late chunks are dropped
                     job.lane.queue.append((chunk, event))
@@ -163,9 +179,19 @@ class KVPusher:
             lane = self._lane_of[dest] = self._lanes[len(self._lane_of) % len(self._lanes)]
         return lane
 
+    @property
+    def broken(self) -> Optional[str]:
+        """Why some lane is broken (its thread kept dying), or None: the rank cannot push to
+        the destinations on that lane any more."""
+        with self._cond:
+            return next((self._lane_error(lane) for lane in self._lanes if lane.broken is not None), None)
+
+    def _lane_error(self, lane: _Lane) -> str:
+        return f"the KV transfer lane {self.name}-{lane.index} is broken: {lane.broken}"
+
     def take_finished(self) -> List[PushResult]:
         """Requests whose share on this rank ended since the last call (a lane whose
-        transfer thread died is restarted here too, its requests failed)."""
+        transfer thread died is seen here too: its requests failed, a new thread started)."""
         with self._cond:
             self._revive()
             out, self._finished = self._finished, []
@@ -199,46 +225,72 @@ class KVPusher:
 
     # ---- the transfer threads ---------------------------------------------------------
     def _start(self, lane: _Lane) -> None:
-        """(Under the lock) give the lane a transfer thread if it has none or its thread died."""
-        if self._closed or (lane.thread is not None and lane.thread.is_alive()):
+        """(Under the lock) give the lane a transfer thread if it has none, unless it is
+        broken or its dead thread's backoff has not passed (``_revive`` starts it then)."""
+        if self._closed or lane.broken is not None or (lane.thread is not None and lane.thread.is_alive()):
             return
-        if lane.thread is not None:
-            self._fail_lane(lane)
+        if lane.thread is not None and (lane.thread is not lane.reaped or time.monotonic() < lane.retry_at):
+            return
         lane.thread = threading.Thread(target=self._loop, args=(lane,), name=f"{self.name}-{lane.index}",
                                        daemon=True)
-        lane.thread.start()
+        try:
+            lane.thread.start()
+        except RuntimeError as exc:  # (no thread can be started) a death like any other
+            lane.death = exc
 
     def _revive(self) -> None:
-        """(Under the lock) restart every lane with work whose transfer thread died; left
-        dead, the chunks queued on it would never be pushed and their requests fail only
-        at the prefill side's waiting timeout."""
+        """(Under the lock) handle every lane whose transfer thread died: its open requests
+        fail now (left, its queued chunks would never be pushed and their requests fail only
+        at the prefill side's waiting timeout); it gets a new thread once its backoff passed
+        and it has work, or is marked broken after ``max_restarts`` deaths in a row."""
         for lane in self._lanes:
-            dead = lane.thread is not None and not lane.thread.is_alive()
-            if dead and (lane.queue or any(job.lane is lane for job in self._jobs.values())):
+            if lane.thread is None or lane.thread.is_alive() or lane.broken is not None:
+                continue
+            if lane.thread is not lane.reaped:
+                lane.reaped, lane.deaths = lane.thread, lane.deaths + 1
+                self._fail_lane(lane)
+                if lane.deaths > self.max_restarts:
+                    lane.broken = f"its transfer thread died {lane.deaths} times in a row ({self._death(lane)})"
+                    logger.error("%s", self._lane_error(lane))
+                    continue
+                lane.retry_at = time.monotonic() + (self.restart_backoff_s * 2 ** (lane.deaths - 2)
+                                                    if lane.deaths > 1 else 0.0)
+            if lane.queue:
                 self._start(lane)
 
-    def _fail_lane(self, lane: _Lane) -> None:
-        """(Under the lock) every request still open on the lane fails with what killed its
-        thread: their queued chunks are skipped, the last one reports the error."""
+    @staticmethod
+    def _death(lane: _Lane) -> str:
         death = lane.death
-        why = f"{type(death).__name__}: {death}" if death is not None else "no exception"
-        for push_id, job in self._jobs.items():
-            if job.lane is lane and job.error is None:
-                job.error = f"the KV transfer thread {self.name}-{lane.index} died ({why})"
-                logger.error("failing push %s: %s", push_id, job.error)
+        return f"{type(death).__name__}: {death}" if death is not None else "no exception"
+
+    def _fail_lane(self, lane: _Lane) -> None:
+        """(Under the lock) every request still open on the lane fails now with what killed
+        its thread: reported for ``take_finished``, its queued chunks dropped."""
+        error = f"the KV transfer thread {self.name}-{lane.index} died ({self._death(lane)})"
+        failed = {push_id: job for push_id, job in self._jobs.items() if job.lane is lane}
+        for push_id, job in failed.items():
+            del self._jobs[push_id]
+            job.error = job.error or error
+            logger.error("failing push %s: %s", push_id, job.error)
+            self._finished.append(PushResult(push_id, job.moved, job.error))
+        lane.queue = collections.deque(item for item in lane.queue if item[0].push_id not in failed)
+
+    def _lane_setup(self) -> ContextManager:
+        """On a new transfer thread, before its first chunk: the context it pushes in (on
+        CUDA its own stream: the copies overlap the forward). Raising, the thread dies."""
+        if self.device.type != "cuda":
+            return contextlib.nullcontext()
+        torch.cuda.set_device(self.device)
+        return torch.cuda.stream(torch.cuda.Stream(self.device))
 
     def _loop(self, lane: _Lane) -> None:
         try:
-            if self.device.type == "cuda":  # a stream of its own: the copies overlap the forward
-                torch.cuda.set_device(self.device)
-                with torch.cuda.stream(torch.cuda.Stream(self.device)):
-                    while self._run_one(lane, block=True):
-                        pass
-            else:
+            with self._lane_setup():
                 while self._run_one(lane, block=True):
                     pass
         except BaseException as exc:  # (SystemExit, CancelledError, ...) the next submit or take_finished restarts it
-            lane.death = exc
+            with self._cond:
+                lane.death = exc
             logger.exception("the KV transfer thread %s-%d died", self.name, lane.index)
 
     def _run_one(self, lane: _Lane, block: bool) -> bool:
@@ -253,6 +305,7 @@ class KVPusher:
             if job is None:
                 return True
             lane.running = chunk.push_id
+        died = False
         try:
             if chunk.handoffs is not None:
                 self._open(job, chunk)
@@ -263,6 +316,7 @@ class KVPusher:
         except BaseException as exc:  # a bug or a broken agent fails this request, not the rank
             job.error = job.error or f"KV push failed: {type(exc).__name__}: {exc}"
             if not isinstance(exc, Exception):  # the thread ends (its last chunk reports the failure, not success)
+                died = True
                 raise
             logger.exception("pushing the KV of %s failed", chunk.push_id)
         finally:
@@ -274,6 +328,8 @@ class KVPusher:
                 self._report(PushResult(chunk.push_id, job.moved, job.error))
             with self._cond:
                 lane.running = None
+                if not died:  # a thread that pushes: the deaths before it were not in a row
+                    lane.deaths = 0
                 self._cond.notify_all()
         return True
 

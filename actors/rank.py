@@ -167,7 +167,9 @@ class TPFollower:
         return self.host.tp_rank
 
     def alive(self) -> bool:
-        return self._thread.is_alive()
+        """Its loop runs and (prefill) no transfer lane of its is broken."""
+        pusher = self.host.pusher
+        return self._thread.is_alive() and not (pusher is not None and pusher.broken)
 
     # ---- prefill ranks ------------------------------------------------------------------
     def _push(self, chunks: List[PushChunk]) -> List[PushResult]:

@@ -120,7 +120,8 @@ class _Worker:
         return {"worker_id": self.worker_id, "role": self.role, "draining": self.draining, "time": time.time()}
 
     def _raise_if_broken(self) -> None:
-        broken = self.broken or self.tp_worker.broken  # (the latter: rank 0 tore its TP group down)
+        pusher = self.rank.pusher  # (a prefill worker's: a transfer lane whose thread kept dying)
+        broken = self.broken or self.tp_worker.broken or (pusher.broken if pusher is not None else None)
         if broken:
             raise WorkerBrokenError(f"{self.worker_id} is broken: {broken}")
 
@@ -132,7 +133,7 @@ class _Worker:
                 ranks = await asyncio.wait_for(asyncio.gather(*(f.alive.remote() for f in followers)),
                                                timeout=max(5.0, 5 * interval_s))
                 if not all(ranks):
-                    self.broken = "a TP follower's loop has stopped"
+                    self.broken = "a TP follower's loop has stopped (or its KV transfer lane is broken)"
             except Exception as exc:  # the follower actor died or does not answer
                 self.broken = f"a TP follower is gone ({type(exc).__name__})"
             if not self.broken:

@@ -57,3 +57,76 @@ def test_a_lane_whose_thread_died_is_restarted_and_its_open_requests_fail():
     assert "ThreadKilled: the backend's event loop went away" in (results["dies#1"].error or ""), results
     assert f"transfer thread {name}-0 died (ThreadKilled" in (results["behind#1"].error or ""), results
     assert (results["after#1"].error, results["after#1"].moved, pushed) == (None, 8, ["after"])
+
+
+class DeviceGone(RuntimeError):
+    """What a transfer thread's set-up raises when its CUDA device is gone."""
+
+
+def test_a_lane_whose_thread_dies_at_start_up_restarts_with_backoff_then_is_broken_and_fails_pushes_at_once():
+    """The lane's set-up raises on every new thread. Each death fails the pushes open on the
+    lane at once; the lane is restarted a bounded number of times with a growing backoff (it
+    was restarted at every submit/take_finished, died again, and its requests ended only at the
+    waiting timeout); then it is broken: a later push fails inside ``submit`` without a new
+    thread, naming the cause, and ``broken`` (what the worker's health check raises with) says why."""
+    _, layout, tensors, _ = build_pool(RankSpec())
+    prefill, decode = create_agent("fake", layout, tensors), create_agent("fake", layout, tensors)
+    name, backoff = "test-setup-dies", 0.02
+    pusher = KVPusher({"fake": prefill}, name=name, num_lanes=1, max_restarts=3, restart_backoff_s=backoff)
+    starts = []
+
+    def setup():
+        starts.append(time.monotonic())
+        raise DeviceGone("CUDA error: no CUDA-capable device is detected")
+
+    pusher._lane_setup = setup
+
+    def submit(rid):
+        handoffs = [KVReceiver(decode, rid, 1).send_metadata([3, 4]).to_bytes()]
+        pusher.submit([PushChunk(f"{rid}#1", 0, [1, 2], True, handoffs=handoffs, dest="d")])
+
+    results = {}
+    for i in range(4):  # each push's thread dies before pushing it: the push fails, not waits
+        submit(f"r{i}")
+        results.update(_collect(pusher, 1, timeout_s=2.0))
+        assert f"r{i}#1" in results, (i, results, len(starts))
+    assert len(starts) == 4, starts  # the first start and 3 restarts, no more
+    gaps = [b - a for a, b in zip(starts, starts[1:])]
+    assert gaps[1] >= backoff and gaps[2] >= 2 * backoff, gaps
+    for r in results.values():
+        assert f"transfer thread {name}-0 died (DeviceGone: CUDA error" in (r.error or ""), r
+    assert pusher.broken is not None and "DeviceGone: CUDA error: no CUDA-capable device" in pusher.broken
+    submit("later")
+    later = pusher.take_finished()  # at once: no thread is started for it
+    assert [(r.push_id, r.moved) for r in later] == [("later#1", 0)], later
+    assert later[0].error == pusher.broken and f"lane {name}-0 is broken" in later[0].error, later
+    time.sleep(4 * backoff)
+    assert pusher.take_finished() == [] and len(starts) == 4, starts
+    pusher.close()
+
+
+def test_a_prefill_worker_whose_push_lane_is_broken_fails_its_health_check_and_load():
+    """Heartbeats (``load``) and health checks must take the worker out of rotation, and a TP
+    follower with a broken lane reports itself not alive to rank 0's watch."""
+    import pytest
+    from types import SimpleNamespace
+
+    from actors.pd_scheduler import WorkerBrokenError
+    from actors.rank import TPFollower
+    from actors.workers import PrefillWorker
+
+    pusher = SimpleNamespace(broken="the KV transfer lane raydix-kv-push-0-2 is broken: device gone")
+    worker = object.__new__(PrefillWorker)
+    worker.worker_id, worker.broken, worker.draining = "prefill-x", None, False
+    worker.tp_worker, worker.rank = SimpleNamespace(broken=None), SimpleNamespace(pusher=pusher)
+    for call in (worker.health, worker.load):
+        with pytest.raises(WorkerBrokenError, match="lane raydix-kv-push-0-2 is broken: device gone"):
+            call()
+    pusher.broken = None
+    assert worker.health()["worker_id"] == "prefill-x"
+    follower = object.__new__(TPFollower)
+    follower._thread = SimpleNamespace(is_alive=lambda: True)
+    follower.host = SimpleNamespace(pusher=pusher)
+    assert follower.alive()
+    pusher.broken = "the KV transfer lane raydix-kv-push-1-0 is broken: device gone"
+    assert not follower.alive()
