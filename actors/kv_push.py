@@ -220,7 +220,7 @@ class KVPusher:
             self._closed = True
             self._cond.notify_all()
         for lane in self._lanes:
-            if lane.thread is not None:
+            if lane.thread is not None and lane.thread.ident is not None:  # (one whose start failed never ran)
                 lane.thread.join(timeout=10)
 
     # ---- the transfer threads ---------------------------------------------------------

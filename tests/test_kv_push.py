@@ -130,3 +130,25 @@ def test_a_prefill_worker_whose_push_lane_is_broken_fails_its_health_check_and_l
     assert follower.alive()
     pusher.broken = "the KV transfer lane raydix-kv-push-1-0 is broken: device gone"
     assert not follower.alive()
+
+
+def test_a_transfer_thread_that_cannot_be_started_fails_its_pushes_and_close_still_works(monkeypatch):
+    """``Thread.start`` raising (the process is out of threads) counts as a death: the push fails
+    at the next ``take_finished``, the lane ends broken, and ``close`` does not trip over the
+    thread that never ran (joining it raised)."""
+    import actors.kv_push as kv_push
+
+    class Unstartable(threading.Thread):
+        def start(self):
+            raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(kv_push.threading, "Thread", Unstartable)
+    _, layout, tensors, _ = build_pool(RankSpec())
+    prefill, decode = create_agent("fake", layout, tensors), create_agent("fake", layout, tensors)
+    pusher = KVPusher({"fake": prefill}, name="test-no-threads", num_lanes=1, max_restarts=0)
+    handoffs = [KVReceiver(decode, "r", 1).send_metadata([3]).to_bytes()]
+    pusher.submit([PushChunk("r#1", 0, [1], True, handoffs=handoffs, dest="d")])
+    results = pusher.take_finished()
+    assert [r.push_id for r in results] == ["r#1"] and "can't start new thread" in results[0].error, results
+    assert "can't start new thread" in (pusher.broken or "")
+    pusher.close()
