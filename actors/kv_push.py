@@ -29,9 +29,10 @@ A lane whose transfer thread died (a ``BaseException`` escaped a push: ``SystemE
 ``submit`` or ``take_finished``: the requests open on it fail at once with what killed it
 (instead of waiting out the timeout), and it gets a new thread — at once the first time,
 then after a backoff doubling from ``restart_backoff_s``. Its thread dying again after
-``max_restarts`` restarts in a row (no chunk pushed in between) leaves the lane *broken*: every push on it,
-open or later, fails at once naming the cause, and :attr:`KVPusher.broken` says so (the
-worker's ``health()`` and ``load()`` raise with it, so heartbeats take the worker out of rotation).
+``max_restarts`` restarts in a row (no chunk pushed in between) leaves the lane *broken*:
+every push on it, open or later, fails at once naming the cause, and
+:attr:`KVPusher.broken` says so (the worker's ``health()`` and ``load()`` raise with it,
+so heartbeats take the worker out of rotation).
 With ``asynchronous=False`` chunks are pushed inside ``submit`` (the loop
 stalls for them: the behaviour before overlap, kept for comparison).
 """
@@ -244,8 +245,8 @@ class KVPusher:
         at the prefill side's waiting timeout); it gets a new thread once its backoff passed
         and it has work, or is marked broken after ``max_restarts`` deaths in a row."""
         for lane in self._lanes:
-            if lane.thread is None or lane.thread.is_alive() or lane.broken is not None:
-                continue
+            if self._closed or lane.thread is None or lane.thread.is_alive() or lane.broken is not None:
+                continue  # (closed: its threads ended as they should)
             if lane.thread is not lane.reaped:
                 lane.reaped, lane.deaths = lane.thread, lane.deaths + 1
                 self._fail_lane(lane)
