@@ -131,13 +131,13 @@ def test_gemma3_retraction_when_the_swa_pool_runs_short(model_dir, monkeypatch):
     engine = make_engine(model_dir, max_total_tokens=120, swa_full_tokens_ratio=0.5, chunked_prefill_size=8,
                          init_new_token_ratio=0.1)  # admit optimistically: decode runs short
     sched, alloc = engine.scheduler, engine.runner.allocator
-    free_at_retraction, retract = [], sched._retract_one
+    free_at_retraction, retract = [], sched._retract_decode
 
     def recording_retract():
         free_at_retraction.append((alloc.full_available_size(), alloc.swa_available_size()))
-        retract()
+        return retract()
 
-    monkeypatch.setattr(sched, "_retract_one", recording_retract)
+    monkeypatch.setattr(sched, "_retract_decode", recording_retract)
     run_and_check(engine, model_dir, prompts, 30)
     assert sched.num_retractions > 0
     assert all(swa < len(prompts) <= full for full, swa in free_at_retraction)  # full slots to spare, SWA short

@@ -228,3 +228,55 @@ def test_a_random_mix_under_memory_pressure_is_served_as_each_request_alone(chec
         assert alloc.available_size() == alloc.num_pages * page_size and engine.scheduler.evictable_tokens() == 0
     finally:
         engine.shutdown()
+
+
+def test_retraction_frees_room_for_the_next_decode_steps_at_once(checkpoints):
+    """Six requests admitted optimistically (a low decode reserve) outgrow a 128-slot pool of
+    4-token pages. A decode step that does not fit retracts — fewest output tokens first, then
+    the longest prompt (SGLang's ``retract_decode``) — until the rest have room for
+    ``RETRACT_DECODE_STEPS`` more steps each: the next retraction comes no sooner than that
+    (one at a time, it came every few steps). Tokens equal HF's; once flushed, nothing is held."""
+    from actors.engine.scheduler import RETRACT_DECODE_STEPS
+
+    model_dir = checkpoints["llama"]
+    engine = Engine(model_path=model_dir, skip_tokenizer_init=True, page_size=4, max_total_tokens=128,
+                    init_new_token_ratio=0.05, chunked_prefill_size=-1)
+    sched, rng, out_len = engine.scheduler, random.Random(1), 40
+    prompts = [[rng.randrange(5, VOCAB_SIZE) for _ in range(rng.randint(6, 20))] for _ in range(6)]
+
+    def run():
+        reqs = [engine._make_req(None, p, {"max_new_tokens": out_len, "temperature": 0, "ignore_eos": True}, f"r{i}")
+                for i, p in enumerate(prompts)]
+        for req in reqs:
+            sched.add_request(req)
+        rounds = []  # (step, the running batch before it, those it retracted)
+        for step in range(400):
+            if not sched.has_work():
+                return reqs, rounds
+            before = list(sched.running)
+            sched.step()
+            retracted = [r for r in before if any(r is w for w in sched.waiting)]
+            if retracted:
+                rounds.append((step, before, retracted))
+        raise AssertionError("the requests did not finish in 400 steps")
+
+    engine.loop.pause()
+    try:
+        reqs, rounds = engine.loop.run_exclusive(run)
+    finally:
+        engine.loop.resume()
+    try:
+        assert rounds and sched.num_retractions > len(rounds)  # some round retracted several at once
+        for step, before, retracted in rounds:
+            by_rule = sorted(before, key=lambda r: (len(r.output_ids), -len(r.origin_input_ids)))
+            assert {r.rid for r in retracted} == {r.rid for r in by_rule[: len(retracted)]}
+        steps = [step for step, _, _ in rounds]
+        assert all(b - a >= RETRACT_DECODE_STEPS for a, b in zip(steps, steps[1:])), f"retracted at steps {steps}"
+        assert_greedy_parity(model_dir, prompts, [r.output_ids for r in reqs], out_len, [])
+        engine.flush_cache()
+        engine.check_integrity()
+        alloc = engine.runner.allocator
+        rows = engine.runner.req_to_token_pool
+        assert alloc.available_size() == alloc.num_pages * 4 and rows.available_size() == rows.size
+    finally:
+        engine.shutdown()

@@ -340,7 +340,7 @@ def test_a_retracted_request_is_not_starved_by_new_reservations(checkpoints, chu
         task = asyncio.ensure_future(run_pd(prefill, decode, first, {"max_new_tokens": 60, "temperature": 0,
                                                                      "ignore_eos": True}, rid="A"))
         await until(paused.is_set, what="A's third token")
-        decode.loop.run_exclusive(sched._retract_one)  # as KV pressure does
+        decode.loop.run_exclusive(lambda: sched._retract(sched.running[-1]))  # as KV pressure does
         held = [asyncio.ensure_future(decode.reserve("n0", big[0], short))]
         decode.loop.resume()
         await asyncio.wait_for(held[0], 10)
@@ -401,7 +401,7 @@ def test_a_retracted_request_that_can_never_come_back_does_not_stop_new_reservat
         def retract():
             assert [r.rid for r in sched.running] == ["S", "R"]  # S decoding: the ratio goes up
             req = sched.running[-1]
-            sched._retract_one()  # as KV pressure does
+            assert sched._retract_decode() == [req]  # as KV pressure does (the longer prompt goes)
             return len(req.origin_input_ids) + len(req.output_ids)
 
         fill = decode.loop.run_exclusive(retract)

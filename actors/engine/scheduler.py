@@ -10,8 +10,9 @@ a reserve for the running requests' future decode tokens
 slots (for a sliding-window model, the smaller of its full and SWA pools); a
 long prompt is cut into ``chunked_prefill_size`` chunks cached with
 ``cache_unfinished_req``; when a decode step cannot get its slots even after
-eviction, the most recently admitted requests are retracted to the waiting
-queue (their KV freed, recomputed later) and ``new_token_ratio`` rises.
+eviction, requests are retracted to the waiting queue (their KV freed,
+recomputed later) until the rest have room for ``RETRACT_DECODE_STEPS`` more
+steps, and ``new_token_ratio`` is estimated anew (SGLang's ``retract_decode``).
 """
 
 from __future__ import annotations
@@ -273,17 +274,19 @@ class Scheduler:
         """Where this scheduler reuses a cached prefix up to (for the router's index)."""
         return self.tree_cache.reuse_rule()
 
-    def _match_prefix(self, req: Req, admit: bool = False) -> None:
+    def _match_prefix(self, req: Req, admit: bool = False) -> bool:
         """Longest cached prefix of the request's tokens; when ``admit``, a hybrid
-        model's matched Mamba state is copied into the request's own slot."""
+        model's matched Mamba state is copied into the request's own slot. False: no
+        Mamba slot for that copy, every one is held (a logical OOM: the request waits)."""
         req.fill_ids = req.all_ids()
+        copied = True
         if self.hybrid:
             if req.mamba_pool_idx is not None:  # a copy from an earlier attempt may be stale
                 self.runner.mamba_pool.free(torch.tensor([req.mamba_pool_idx]))
                 req.mamba_pool_idx = None
             key = RadixKey(req.fill_ids, req.extra_key)  # the cache keeps one token to compute
             match = self.tree_cache.match_prefix(key, req=req, cow_mamba=admit)
-            req.mamba_branching_seqlen = match.mamba_branching_seqlen
+            req.mamba_branching_seqlen, copied = match.mamba_branching_seqlen, not match.mamba_cow_failed
         else:
             key = RadixKey(req.fill_ids[: len(req.fill_ids) - 1], req.extra_key)  # one token is always computed
             if admit and self.file_tier and len(key) > req.storage_checked_len:  # pages past the host hit
@@ -293,6 +296,7 @@ class Scheduler:
         req.prefix_indices, req.last_node = match.device_indices, match.last_device_node
         req.host_hit_length, req.last_host_node = match.host_hit_length, match.last_host_node
         req.cache_protected_len = len(req.prefix_indices)
+        return copied
 
     def _load_host_prefix(self, req: Req) -> int:
         """Bring the host-tier continuation of a taken request's locked device prefix back to
@@ -323,7 +327,11 @@ class Scheduler:
     def _paged(self, req: Req, num_tokens: int) -> int:
         """Slots the allocator takes for ``num_tokens`` after the request's prefix: whole pages
         (counted as tokens, a batch of short prompts was planned that could never be allocated)."""
-        ps, start = self.page_size, len(req.prefix_indices)
+        return self._paged_after(len(req.prefix_indices), num_tokens)
+
+    def _paged_after(self, start: int, num_tokens: int) -> int:
+        """Slots of the whole pages ``num_tokens`` tokens after ``start`` in a row take."""
+        ps = self.page_size
         return (-(-(start + num_tokens) // ps) + (-start // ps)) * ps  # (ceil(end / ps) - ceil(start / ps)) pages
 
     def _free_room(self) -> Tuple[int, Optional[int]]:
@@ -406,7 +414,8 @@ class Scheduler:
                 self.tree_cache.finish_prefetch(req.prefetch_op)
                 req.prefetch_op = None
             if new_req:
-                self._match_prefix(req, admit=True)
+                if not self._match_prefix(req, admit=True):  # no Mamba slot for its state's copy: all are
+                    break  # held (running requests', locked nodes'); it keeps its place (SGLang: a failed alloc)
                 # locking its prefix takes what of it was evictable out of the room (SGLang's PrefillAdder
                 # reads the room after each lock): counted as room, every step planned the same batch
                 # that could not be allocated, forever
@@ -476,30 +485,66 @@ class Scheduler:
         return picked, forward_batch
 
     def _next_decode(self):
+        """The running batch's decode step. When its slots cannot be had even after eviction,
+        requests are retracted (:meth:`_retract_decode`) and the smaller batch is tried again."""
+        retracted = False
         while self.running:
             forward_batch = prepare_for_decode(self.running, self.runner, self.tree_cache)
             if forward_batch is not None:
-                self.new_token_ratio = max(
-                    self.config.min_new_token_ratio, self.new_token_ratio - self.config.new_token_ratio_decay
-                )
+                if not retracted:  # (a retraction set the ratio from the requests it left)
+                    self.new_token_ratio = max(
+                        self.config.min_new_token_ratio, self.new_token_ratio - self.config.new_token_ratio_decay
+                    )
                 return list(self.running), forward_batch
-            self._retract_one()
+            self._retract_decode()
+            retracted = True
         return None, None
 
-    def _retract_one(self) -> None:
-        """Retract the most recently admitted request: free its KV, requeue it — even if freeing
-        fails partway (it holds nothing then: not freed again, it is where a failure path finds it)."""
-        req = self.running.pop()
+    def _retract_decode(self) -> List[Req]:
+        """SGLang's ``retract_decode``: retract running requests — fewest output tokens first
+        (the least work lost), then the longest prompt (the most room won) — at least one, then
+        more until the rest have room for their next ``RETRACT_DECODE_STEPS`` decode steps, so
+        the next steps do not retract again (or until one is left). ``new_token_ratio`` is then
+        estimated from those left. The retracted go to the head of ``waiting`` in the order they
+        ran in; returns them."""
+        ran_in = {id(r): i for i, r in enumerate(self.running)}
+        retracted: List[Req] = []
+        for req in sorted(self.running, key=lambda r: (len(r.output_ids), -len(r.origin_input_ids))):
+            if retracted and (len(self.running) <= 1 or self._decode_steps_fit(self.running)):
+                break
+            retracted.append(req)
+            self._retract(req)
+        self.waiting[: len(retracted)] = sorted(self.waiting[: len(retracted)], key=lambda r: ran_in[id(r)])
+        decoded = sum(len(r.output_ids) for r in self.running)
+        max_new = sum(r.sampling_params.max_new_tokens for r in self.running) or 1
+        self.new_token_ratio = min(1.0, (decoded + RETRACT_DECODE_STEPS * len(self.running)) / max_new)
+        logger.info("retracted %d request(s) %s (%d retractions so far)", len(retracted),
+                    [r.rid for r in retracted], self.num_retractions)
+        return retracted
+
+    def _decode_steps_fit(self, reqs: List[Req]) -> bool:
+        """Whether free + evictable slots hold the KV of each request's next ``RETRACT_DECODE_STEPS``
+        decode tokens (fewer if it has fewer to go), in whole pages; for a sliding-window model
+        also its SWA pool, where past its window a request frees a slot for each new one."""
+        full_need = swa_need = 0
+        for req in reqs:
+            steps = max(1, min(RETRACT_DECODE_STEPS, req.sampling_params.max_new_tokens - len(req.output_ids)))
+            full_need += self._paged_after(req.seqlen - 1, steps)  # (the last sampled token has no KV yet)
+            swa_need += self._swa_reserve(steps)
+        full, swa = self._free_room()
+        return full_need <= full and (swa is None or swa_need <= swa)
+
+    def _retract(self, req: Req) -> None:
+        """Retract a running request: free its KV, requeue it at the head of ``waiting`` — even
+        if freeing fails partway (it holds nothing then: not freed again, it is where a failure
+        path finds it)."""
+        self.running.remove(req)
         try:
             self.tree_cache.cache_finished_req(req, is_insert=False)
         finally:
             req.reset_for_retract()
             self.waiting.insert(0, req)
         self.num_retractions += 1
-        decoded = sum(len(r.output_ids) for r in self.running)
-        max_new = sum(r.sampling_params.max_new_tokens for r in self.running) or 1
-        self.new_token_ratio = min(1.0, (decoded + RETRACT_DECODE_STEPS * len(self.running)) / max_new)
-        logger.info("retracted request %s (%d retractions so far)", req.rid, self.num_retractions)
 
     # ---- results ----------------------------------------------------------------------
     def _sample(self, req: Req, logits_row, token: Optional[int] = None, adjust=None) -> None:
