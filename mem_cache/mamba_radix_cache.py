@@ -74,6 +74,7 @@ class MambaMatchResult(NamedTuple):
     last_host_node: MambaTreeNode
     host_hit_length: int = 0
     mamba_branching_seqlen: Optional[int] = None
+    mamba_cow_failed: bool = False  # the matched state could not be copied: no Mamba slot (a logical OOM)
 
 
 class MambaRadixCache(RadixCache):
@@ -147,7 +148,10 @@ class MambaRadixCache(RadixCache):
         With ``req``, at most ``len(req.fill_ids) - 1`` tokens are matched
         (``origin_input_ids`` when ``fill_ids`` is empty); with ``cow_mamba`` the matched state is copied into the
         request's own Mamba slot (allocated, evicting states if needed, when
-        ``req.mamba_pool_idx`` is None).
+        ``req.mamba_pool_idx`` is None). When every state is held (running requests' slots,
+        locked nodes) no slot can be had: a logical OOM — nothing is copied or taken,
+        ``req.mamba_pool_idx`` stays None and the result's ``mamba_cow_failed`` is set; the
+        request cannot run on this match now (the scheduler leaves it waiting).
         """
         key = self._match_key(key, req)
         if self.disable or len(key) == 0:
@@ -157,10 +161,11 @@ class MambaRadixCache(RadixCache):
         mamba_values = values[:best_len]
         mamba_len = sum(len(v) for v in mamba_values)
         branching = mamba_branching_seqlen(full_len, mamba_len, self.chunk_size) if self.extra_buffer else None
+        cow_failed = False
         if cow_mamba and req is not None and best_node.mamba_value is not None:
-            self._copy_on_write(req, best_node)
+            cow_failed = not self._copy_on_write(req, best_node)
         indices = torch.cat(mamba_values) if mamba_values else self._empty()
-        return MambaMatchResult(indices, best_node, best_node, 0, branching)
+        return MambaMatchResult(indices, best_node, best_node, 0, branching, cow_failed)
 
     def match_kv_prefix(self, key: RadixKey, req=None) -> MambaMatchResult:
         """Longest prefix whose KV is cached, whether or not a state ends it: for a
@@ -212,17 +217,23 @@ class MambaRadixCache(RadixCache):
             self.mamba_lru_list.reset_node_mru(best_node)
         return values, best_len, best_node, node
 
-    def _copy_on_write(self, req, node: MambaTreeNode) -> None:
+    def _copy_on_write(self, req, node: MambaTreeNode) -> bool:
+        """Copy ``node``'s state into the request's slot (one allocated if it has none);
+        False, with nothing taken, when no slot is free even after evicting every unlocked state."""
         if req.mamba_pool_idx is None:
             slot = self.mamba_pool.alloc(1)
             if slot is None:
                 self.inc_lock_ref(node)  # keep the source state while making room
-                self.evict_mamba(1)
+                try:
+                    self.evict_mamba(1)
+                finally:
+                    self.dec_lock_ref(node)
                 slot = self.mamba_pool.alloc(1)
-                self.dec_lock_ref(node)
-            ensure(slot is not None, "Mamba pool exhausted even after evicting every unlocked state")
+            if slot is None:
+                return False
             req.mamba_pool_idx = int(slot[0])
         self.mamba_pool.copy_from(node.mamba_value, torch.tensor([req.mamba_pool_idx]))
+        return True
 
     # ---- insert ----------------------------------------------------------------
     def insert(self, key: RadixKey, value=None, mamba_value: Optional[torch.Tensor] = None, priority: int = 0):

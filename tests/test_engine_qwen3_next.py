@@ -91,3 +91,24 @@ def test_extra_buffer_parity_with_chunks_and_decode_checkpoints(model_dir, backe
     assert_greedy_parity(model_dir, second, [again[0]["output_ids"]], 10, engine.eos_token_ids)
     engine.check_integrity()
     engine.shutdown()
+
+
+def test_copy_on_write_waits_while_every_mamba_state_is_held(model_dir, monkeypatch):
+    """Two Mamba slots. A and B arrive together, both extending a cached conversation: A's copy
+    of its state takes the free slot and A's lock holds the source, so B's copy finds no slot
+    even after eviction. A logical OOM (it raised, failing the step): B waits, then comes in
+    once A is done, reusing the prefix, with HF's tokens; nothing leaks."""
+    from actors.engine.model_runner import ModelRunner
+
+    monkeypatch.setattr(ModelRunner, "_num_mamba_slots", lambda self, max_running_requests: 2)
+    engine = Engine(model_path=model_dir, skip_tokenizer_init=True, max_total_tokens=512, max_running_requests=2)
+    try:
+        first = prompts(4, (20,))
+        engine.generate(input_ids=first, sampling_params=GREEDY)
+        both = [first[0] + [7, 8], first[0] + [9, 10, 11]]
+        outs = engine.generate(input_ids=both, sampling_params=GREEDY)
+        assert [o["meta_info"]["cached_tokens"] for o in outs] == [20, 20]
+        assert_greedy_parity(model_dir, both, [o["output_ids"] for o in outs], 10, engine.eos_token_ids)
+        engine.check_integrity()
+    finally:
+        engine.shutdown()

@@ -140,6 +140,28 @@ def test_copy_on_write_evicts_a_state_when_the_pool_is_full():
     assert len(cache.all_mamba_values()) == 2
 
 
+
+def test_copy_on_write_with_every_state_held_is_a_logical_oom():
+    """Every slot held — one by a running request, the rest by the tree under locks: the copy
+    has no slot even after eviction. A logical OOM (it raised): the match comes back flagged,
+    nothing copied or taken, no lock left; once a state is unlocked the copy is made."""
+    cache, pool, alloc, mamba = make(mamba_size=3)
+    build_192_256_320(cache, alloc, mamba)
+    cache.evict_mamba(1)  # the LRU state (192's) makes room for a running request's own state
+    running = mamba.alloc(1)
+    leaf = cache.match_prefix(RadixKey(TOKENS[:321])).last_device_node
+    cache.inc_lock_ref(leaf)  # the 320 state locked; the 256 one, the copy's source, is locked while it evicts
+    req = FakeReq(TOKENS[:300])
+    m = cache.match_prefix(RadixKey(req.origin_input_ids), req=req, cow_mamba=True)
+    assert m.mamba_cow_failed and req.mamba_pool_idx is None and len(m.device_indices) == 256
+    assert (mamba.available_size(), cache.mamba_protected_size(), cache.mamba_evictable_size()) == (0, 1, 1)
+    mamba.free(running)
+    m = cache.match_prefix(RadixKey(req.origin_input_ids), req=req, cow_mamba=True)
+    assert not m.mamba_cow_failed and read_state(mamba, req.mamba_pool_idx) == state_of(256)
+    cache.dec_lock_ref(leaf)
+    mamba.free(torch.tensor([req.mamba_pool_idx]))
+    conservation(cache, alloc, pool)
+
 def test_match_stops_one_token_short_of_the_prompt():
     cache, pool, alloc, mamba = make()
     insert_checkpoint(cache, alloc, mamba, TOKENS[:64], torch.empty(0, dtype=torch.int64))

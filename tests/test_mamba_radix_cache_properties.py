@@ -19,7 +19,6 @@ from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
-from mem_cache.integrity import IntegrityError
 from mem_cache.mamba_pool import HybridReqToTokenPool, MambaPool
 from mem_cache.mamba_radix_cache import MambaRadixCache
 from mem_cache.radix_key import RadixKey
@@ -166,14 +165,14 @@ class MambaMachine(RuleBasedStateMachine):
 
     def _cow_match(self, req):
         """``match_prefix`` of the request's prompt with copy-on-write, checked; None when every
-        state is held (by locks, running requests) and the copy has no slot: that raises."""
+        state is held (by locks, running requests) and the copy has no slot: a logical OOM that
+        takes nothing (it raised)."""
         tokens = req.origin_input_ids
         expected = self.oracle.match(tokens[: len(tokens) - 1], None)
         kv_before, states_before = self._free_kv(), self._free_states()
-        try:
-            m = self.cache.match_prefix(RadixKey(tokens), req=req, cow_mamba=True)
-        except IntegrityError as exc:
-            assert "Mamba pool exhausted" in str(exc) and not self.mamba.available_size()
+        m = self.cache.match_prefix(RadixKey(tokens), req=req, cow_mamba=True)
+        if m.mamba_cow_failed:
+            assert req.mamba_pool_idx is None and not self.mamba.available_size()
             m = None
         self._forget_freed(kv_before, states_before)  # a state may have been evicted to make room ...
         if req.mamba_pool_idx is not None:  # ... and its slot handed straight to the request
