@@ -162,7 +162,7 @@ def test_a_failure_while_planning_a_batch_unlocks_the_prefixes_it_locked(engine,
     """Admission locks each new request's cached prefix before it plans the batch; if planning
     raises after that (here: making the forward batch), the requests have no row yet, so the
     loop's failure path cannot release them: the plan gives their locks back itself."""
-    import actors.engine.scheduler as scheduler_module
+    import actors.engine.schedule_policy as scheduler_module
 
     prefix = list(range(20, 60))
     engine.generate(input_ids=[prefix + [1, 2]], sampling_params=GREEDY)  # the prefix is cached now
@@ -182,7 +182,7 @@ def test_a_failure_while_planning_a_batch_unlocks_the_prefixes_it_locked(engine,
 def test_a_failure_while_planning_fails_a_chunked_request_in_progress_too(engine, monkeypatch):
     """A chunked prefill in progress sits in no queue while the next batch is planned; a failure
     then must still end it (and give its row back), not lose it."""
-    import actors.engine.scheduler as scheduler_module
+    import actors.engine.schedule_policy as scheduler_module
 
     chunked = Engine(model_path=engine.config.model_path, skip_tokenizer_init=True, max_total_tokens=512,
                      chunked_prefill_size=32)

@@ -236,7 +236,7 @@ def test_retraction_frees_room_for_the_next_decode_steps_at_once(checkpoints):
     the longest prompt (SGLang's ``retract_decode``) — until the rest have room for
     ``RETRACT_DECODE_STEPS`` more steps each: the next retraction comes no sooner than that
     (one at a time, it came every few steps). Tokens equal HF's; once flushed, nothing is held."""
-    from actors.engine.scheduler import RETRACT_DECODE_STEPS
+    from actors.engine.schedule_batch import RETRACT_DECODE_STEPS
 
     model_dir = checkpoints["llama"]
     engine = Engine(model_path=model_dir, skip_tokenizer_init=True, page_size=4, max_total_tokens=128,

@@ -831,7 +831,7 @@ def test_a_retraction_whose_release_fails_partway_still_tells_the_request(checkp
     """KV pressure retracts a decoding request; giving back its KV fails partway and fails the
     step. The request is requeued all the same, holding nothing, so the failed step's path
     tells it (it was out of ``running`` and in no other queue: its stream waited forever)."""
-    import actors.engine.scheduler as engine_scheduler
+    import actors.engine.schedule_batch as engine_scheduler
 
     prefill, decode = make_pair(checkpoints["llama"])
     sched, real = decode.scheduler, engine_scheduler.prepare_for_decode

@@ -5,10 +5,16 @@ tokens about to be computed (evicting from the tree cache when the pool is
 short) and write them into the requests' ``req_to_token`` rows. They return
 ``None`` — having taken nothing — when memory is short even after eviction;
 the scheduler then waits or retracts.
+
+:class:`DecodeRetractionMixin` (mixed into the engine's
+:class:`~actors.engine.scheduler.Scheduler`) makes the running batch's decode
+step, retracting requests when its slots cannot be had (SGLang's
+``ScheduleBatch.retract_decode``).
 """
 
 from __future__ import annotations
 
+import logging
 from typing import List, Optional
 
 import torch
@@ -16,6 +22,9 @@ import torch
 from actors.engine.forward_batch import ForwardBatch, ForwardMode
 from actors.engine.req import Req
 from mem_cache.mamba_tracking import decode_should_track, prefill_track_seqlen
+
+logger = logging.getLogger(__name__)
+RETRACT_DECODE_STEPS = 20  # the decode steps a retraction leaves the rest of the batch room for (SGLang's)
 
 
 def _alloc_with_eviction(tree_cache, allocator, alloc_fn, num_tokens: int):
@@ -190,3 +199,71 @@ def prepare_for_decode(reqs: List[Req], runner, tree_cache) -> Optional[ForwardB
         mamba_track_slots=track_slots,
         mamba_track_lens=track_lens,
     )
+
+
+class DecodeRetractionMixin:
+    """The decode step of the scheduler's ``running`` batch. Reads the scheduler's ``runner``,
+    ``config``, ``tree_cache``, ``waiting``, ``new_token_ratio`` and its room accounting
+    (``_free_room``, ``_paged_after``, ``_swa_reserve``: :mod:`actors.engine.schedule_policy`)."""
+
+    def _next_decode(self):
+        """The running batch's decode step. When its slots cannot be had even after eviction,
+        requests are retracted (:meth:`_retract_decode`) and the smaller batch is tried again."""
+        retracted = False
+        while self.running:
+            forward_batch = prepare_for_decode(self.running, self.runner, self.tree_cache)
+            if forward_batch is not None:
+                if not retracted:  # (a retraction set the ratio from the requests it left)
+                    self.new_token_ratio = max(
+                        self.config.min_new_token_ratio, self.new_token_ratio - self.config.new_token_ratio_decay
+                    )
+                return list(self.running), forward_batch
+            self._retract_decode()
+            retracted = True
+        return None, None
+
+    def _retract_decode(self) -> List[Req]:
+        """SGLang's ``retract_decode``: retract running requests — fewest output tokens first
+        (the least work lost), then the longest prompt (the most room won) — at least one, then
+        more until the rest have room for their next ``RETRACT_DECODE_STEPS`` decode steps, so
+        the next steps do not retract again (or until one is left). ``new_token_ratio`` is then
+        estimated from those left. The retracted go to the head of ``waiting`` in the order they
+        ran in; returns them."""
+        ran_in = {id(r): i for i, r in enumerate(self.running)}
+        retracted: List[Req] = []
+        for req in sorted(self.running, key=lambda r: (len(r.output_ids), -len(r.origin_input_ids))):
+            if retracted and (len(self.running) <= 1 or self._decode_steps_fit(self.running)):
+                break
+            retracted.append(req)
+            self._retract(req)
+        self.waiting[: len(retracted)] = sorted(self.waiting[: len(retracted)], key=lambda r: ran_in[id(r)])
+        decoded = sum(len(r.output_ids) for r in self.running)
+        max_new = sum(r.sampling_params.max_new_tokens for r in self.running) or 1
+        self.new_token_ratio = min(1.0, (decoded + RETRACT_DECODE_STEPS * len(self.running)) / max_new)
+        logger.info("retracted %d request(s) %s (%d retractions so far)", len(retracted),
+                    [r.rid for r in retracted], self.num_retractions)
+        return retracted
+
+    def _decode_steps_fit(self, reqs: List[Req]) -> bool:
+        """Whether free + evictable slots hold the KV of each request's next ``RETRACT_DECODE_STEPS``
+        decode tokens (fewer if it has fewer to go), in whole pages; for a sliding-window model
+        also its SWA pool, where past its window a request frees a slot for each new one."""
+        full_need = swa_need = 0
+        for req in reqs:
+            steps = max(1, min(RETRACT_DECODE_STEPS, req.sampling_params.max_new_tokens - len(req.output_ids)))
+            full_need += self._paged_after(req.seqlen - 1, steps)  # (the last sampled token has no KV yet)
+            swa_need += self._swa_reserve(steps)
+        full, swa = self._free_room()
+        return full_need <= full and (swa is None or swa_need <= swa)
+
+    def _retract(self, req: Req) -> None:
+        """Retract a running request: free its KV, requeue it at the head of ``waiting`` — even
+        if freeing fails partway (it holds nothing then: not freed again, it is where a failure
+        path finds it)."""
+        self.running.remove(req)
+        try:
+            self.tree_cache.cache_finished_req(req, is_insert=False)
+        finally:
+            req.reset_for_retract()
+            self.waiting.insert(0, req)
+        self.num_retractions += 1

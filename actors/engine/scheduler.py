@@ -13,33 +13,37 @@ long prompt is cut into ``chunked_prefill_size`` chunks cached with
 eviction, requests are retracted to the waiting queue (their KV freed,
 recomputed later) until the rest have room for ``RETRACT_DECODE_STEPS`` more
 steps, and ``new_token_ratio`` is estimated anew (SGLang's ``retract_decode``).
+
+Where the parts live (SGLang's split): admission and prefill planning in
+:mod:`actors.engine.schedule_policy` (:class:`PrefillAdmissionMixin`), the
+decode step and retraction beside the batch preparation in
+:mod:`actors.engine.schedule_batch` (:class:`DecodeRetractionMixin`); the loop,
+the results and aborts here.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import List, Optional, Tuple
+from typing import List, Optional
 
 import torch
 
 from actors.engine.finish import check_finished, stream_text
 from actors.engine.req import Req
 from actors.engine.sampling import logit_adjustments, plain_greedy_tokens, sample_next
-from actors.engine.schedule_batch import prepare_for_decode, prepare_for_extend
+from actors.engine.schedule_batch import DecodeRetractionMixin
+from actors.engine.schedule_policy import PrefillAdmissionMixin
 from mem_cache.hicache_storage import HiCacheFile, rank_storage_dir
 from mem_cache.hiradix_cache import HiRadixCache
-from mem_cache.kv_events import ReuseRule
 from mem_cache.mamba_radix_cache import MambaRadixCache
 from mem_cache.radix_cache import RadixCache
-from mem_cache.radix_key import RadixKey
 from mem_cache.swa_radix_cache import SWARadixCache
 
 logger = logging.getLogger(__name__)
-RETRACT_DECODE_STEPS = 20
 
 
-class Scheduler:
+class Scheduler(PrefillAdmissionMixin, DecodeRetractionMixin):
     def __init__(self, runner, tokenizer=None):
         self.runner = runner
         self.config = cfg = runner.config
@@ -197,354 +201,6 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.chunked_req or self._aborted)
-
-    # ---- admission ----------------------------------------------------------------
-    def add_request(self, req: Req) -> None:
-        if self.file_tier:  # its pages come from storage while it waits (SGLang prefetches at arrival)
-            key = RadixKey(req.all_ids()[:-1], req.extra_key)
-            try:
-                req.prefetch_op = self.tree_cache.start_prefetch(key)
-            except Exception:  # (the other TP ranks could not be asked) it costs the hit, not the request
-                logger.exception("could not start the storage prefetch of %s", req.rid)
-                req.prefetch_op = None
-            if req.prefetch_op is not None:  # what it covers; admission asks storage for the rest itself
-                req.storage_checked_len = req.prefetch_op.asked_len
-        self.waiting.append(req)
-
-    def _prefetch_ready(self, req: Req) -> bool:
-        """Whether admission may end the request's prefetch now (the policy's call)."""
-        op, policy = req.prefetch_op, self.config.hicache_storage_prefetch_policy
-        if policy == "best_effort" or op.done.is_set():
-            return True
-        if policy == "timeout":
-            return time.monotonic() - op.started_at >= self.config.hicache_storage_prefetch_timeout_s
-        return False
-
-    def end_orphan_prefetches(self) -> None:
-        """End the prefetches whose request left the queue (aborted, failed): what they read
-        stays in the host tier."""
-        ops = getattr(self.tree_cache, "prefetch_ops", None)
-        if not ops:
-            return
-        live = {id(r.prefetch_op) for r in self.waiting if r.prefetch_op is not None}
-        for op in [op for op in ops if id(op) not in live]:
-            self.tree_cache.finish_prefetch(op)
-
-    def evictable_tokens(self) -> int:
-        """Cached KV slots eviction can free (with the host tier, also those only backups in
-        flight lock: eviction waits for them)."""
-        tree = self.tree_cache
-        if self.hybrid or self.swa:
-            return tree.full_evictable_size()
-        return tree.evictable_size() + (tree.writing_size() if self.host_tier else 0)
-
-    def available_tokens(self) -> int:
-        """Free + evictable KV slots; a sliding-window model is bounded by the smaller of
-        its two pools (every token of a prefill takes a full and an SWA slot)."""
-        alloc, tree = self.runner.allocator, self.tree_cache
-        if self.swa:
-            full = alloc.full_available_size() + tree.full_evictable_size()
-            return min(full, alloc.swa_available_size() + tree.swa_evictable_size())
-        return alloc.available_size() + self.evictable_tokens()
-
-    def total_tokens(self) -> int:
-        """KV slots of the pool; a sliding-window model's, the smaller of its two pools."""
-        alloc = self.runner.allocator
-        if self.swa:
-            return min(alloc.size, alloc.size_swa)
-        return alloc.num_pages * alloc.page_size
-
-    def _lock(self, req: Req) -> None:
-        if self.swa:  # which node ends the lock's SWA window: dec_lock_ref needs it back
-            req.swa_uuid_for_lock = self.tree_cache.inc_lock_ref(req.last_node)
-        elif self.hybrid:  # a KV-only lock takes no state lock: dec_lock_ref must know
-            self.tree_cache.inc_lock_ref(req.last_node, kv_only=req.kv_only_lock)
-        else:
-            self.tree_cache.inc_lock_ref(req.last_node)
-
-    def _unlock(self, req: Req) -> None:
-        if self.swa:
-            self.tree_cache.dec_lock_ref(req.last_node, req.swa_uuid_for_lock)
-        elif self.hybrid:
-            self.tree_cache.dec_lock_ref(req.last_node, kv_only=req.kv_only_lock)
-        else:
-            self.tree_cache.dec_lock_ref(req.last_node)
-
-    def reuse_rule(self) -> ReuseRule:
-        """Where this scheduler reuses a cached prefix up to (for the router's index)."""
-        return self.tree_cache.reuse_rule()
-
-    def _match_prefix(self, req: Req, admit: bool = False) -> bool:
-        """Longest cached prefix of the request's tokens; when ``admit``, a hybrid
-        model's matched Mamba state is copied into the request's own slot. False: no
-        Mamba slot for that copy, every one is held (a logical OOM: the request waits)."""
-        req.fill_ids = req.all_ids()
-        copied = True
-        if self.hybrid:
-            if req.mamba_pool_idx is not None:  # a copy from an earlier attempt may be stale
-                self.runner.mamba_pool.free(torch.tensor([req.mamba_pool_idx]))
-                req.mamba_pool_idx = None
-            key = RadixKey(req.fill_ids, req.extra_key)  # the cache keeps one token to compute
-            match = self.tree_cache.match_prefix(key, req=req, cow_mamba=admit)
-            req.mamba_branching_seqlen, copied = match.mamba_branching_seqlen, not match.mamba_cow_failed
-        else:
-            key = RadixKey(req.fill_ids[: len(req.fill_ids) - 1], req.extra_key)  # one token is always computed
-            if admit and self.file_tier and len(key) > req.storage_checked_len:  # pages past the host hit
-                self.tree_cache.prefetch_from_storage(key)  # come from the file tier first (asked once, not
-                req.storage_checked_len = len(key)          # at every step the request waits for room)
-            match = self.tree_cache.match_prefix(key)
-        req.prefix_indices, req.last_node = match.device_indices, match.last_device_node
-        req.host_hit_length, req.last_host_node = match.host_hit_length, match.last_host_node
-        req.cache_protected_len = len(req.prefix_indices)
-        return copied
-
-    def _load_host_prefix(self, req: Req) -> int:
-        """Bring the host-tier continuation of a taken request's locked device prefix back to
-        the device and move its lock to the deepest loaded node; returns the room it took.
-        Only once the request is taken (SGLang's PrefillAdder loads after its fit check): loaded
-        before, a request that then waited for room had its prefix loaded, evicted by the
-        running requests' decode and loaded again at every step."""
-        if not req.host_hit_length:
-            return 0
-        before = self._free_room()[0]
-        loaded, node = self.tree_cache.init_load_back(req.last_host_node, req.host_hit_length)
-        req.host_hit_length, req.last_host_node = 0, None
-        if loaded.numel():
-            old = req.last_node
-            req.prefix_indices, req.last_node = torch.cat([req.prefix_indices, loaded]), node
-            self._lock(req)  # the new path first: the old one stays locked all along
-            self.tree_cache.dec_lock_ref(old)  # (a host tier means a plain tree: no SWA or state locks)
-            req.cache_protected_len = len(req.prefix_indices)
-        return before - self._free_room()[0]
-
-    def _sorted_waiting(self) -> List[Req]:
-        if self.config.schedule_policy == "lpm":
-            for req in self.waiting:
-                self._match_prefix(req)
-            return sorted(self.waiting, key=lambda r: -len(r.prefix_indices))
-        return list(self.waiting)
-
-    def _paged(self, req: Req, num_tokens: int) -> int:
-        """Slots the allocator takes for ``num_tokens`` after the request's prefix: whole pages
-        (counted as tokens, a batch of short prompts was planned that could never be allocated)."""
-        return self._paged_after(len(req.prefix_indices), num_tokens)
-
-    def _paged_after(self, start: int, num_tokens: int) -> int:
-        """Slots of the whole pages ``num_tokens`` tokens after ``start`` in a row take."""
-        ps = self.page_size
-        return (-(-(start + num_tokens) // ps) + (-start // ps)) * ps  # (ceil(end / ps) - ceil(start / ps)) pages
-
-    def _free_room(self) -> Tuple[int, Optional[int]]:
-        """Free + evictable slots of the full pool and of the SWA pool (None without one)."""
-        if not self.swa:
-            return self.available_tokens(), None
-        alloc, tree = self.runner.allocator, self.tree_cache
-        return alloc.full_available_size() + tree.full_evictable_size(), alloc.swa_available_size() + tree.swa_evictable_size()
-
-    def _prefill_room(self) -> Tuple[int, Optional[int]]:
-        """Slots new prefills may take after the running requests' decode reserve: of the
-        full pool, and of the SWA pool (None without sliding-window layers). Every token of
-        a prefill chunk takes an SWA slot, but the tokens of earlier chunks that slid out
-        of the window are the tree's to evict, so the SWA pool bounds a chunk, not a prompt."""
-        reserve = self._decode_reserve()
-        full, swa = self._free_room()
-        if swa is None:
-            return full - reserve, None
-        return full - reserve, swa - self._swa_reserve(reserve, len(self._decoding_reqs()))
-
-    def _swa_reserve(self, reserve: int, num_reqs: int = 1) -> int:
-        """SWA slots of ``reserve`` decode tokens of ``num_reqs`` requests: past its window
-        each new token of a request frees one."""
-        return min(reserve, self.tree_cache.sliding_window_size * num_reqs) if self.swa else reserve
-
-    def _request_reserve(self, req: Req) -> int:
-        """Slots a newly admitted request is expected to need for its future decode tokens."""
-        return int(max(req.sampling_params.max_new_tokens - len(req.output_ids), 0) * self.new_token_ratio)
-
-    def _decoding_reqs(self) -> List[Req]:
-        """The requests whose future decode tokens are reserved for."""
-        return self.running
-
-    def _decode_reserve(self) -> int:
-        remaining = sum(max(r.sampling_params.max_new_tokens - len(r.output_ids), 0) for r in self._decoding_reqs())
-        return int(remaining * self.new_token_ratio)
-
-    def _next_prefill(self):
-        """The next prefill batch and its forward batch (None, None: none can run now). If
-        planning raises, the requests it locked and gave no row are unlocked first (they stay
-        queued: the engine loop's failure path finds no row to release them by)."""
-        self._plan_locks: List[Req] = []
-        continuing = self.chunked_req  # (the plan takes it off its slot: it is in no other queue)
-        try:
-            return self._plan_prefill()
-        except BaseException:
-            for req in self._plan_locks:
-                if req.req_pool_idx is None:
-                    self._unlock(req)
-            if continuing is not None and self.chunked_req is None:
-                self.chunked_req = continuing  # where the failure path releases it
-            raise
-
-    def _lock_planned(self, req: Req) -> None:
-        self._lock(req)
-        self._plan_locks.append(req)
-
-    def _unlock_planned(self, req: Req) -> None:
-        self._unlock(req)
-        self._plan_locks.remove(req)
-
-    def _plan_prefill(self):
-        self._prefetch_blocked = False
-        budget_running = self.runner.max_running_requests - len(self.running)
-        if budget_running <= 0 or not (self.waiting or self.chunked_req):
-            return None, None
-        rem_total, rem_swa = self._prefill_room()
-        rem_input, rem_chunk = self.config.max_prefill_tokens, self.chunked_prefill_size
-        picked: List[Req] = []
-        candidates = ([self.chunked_req] if self.chunked_req else []) + self._sorted_waiting()
-        self.chunked_req = None
-        for req in candidates:
-            if len(picked) >= budget_running:
-                break
-            new_req = req.req_pool_idx is None
-            if new_req and req.prefetch_op is not None:
-                if not self._prefetch_ready(req):
-                    self._prefetch_blocked = True  # the next in line may go first
-                    continue
-                self.tree_cache.finish_prefetch(req.prefetch_op)
-                req.prefetch_op = None
-            if new_req:
-                if not self._match_prefix(req, admit=True):  # no Mamba slot for its state's copy: all are
-                    break  # held (running requests', locked nodes'); it keeps its place (SGLang: a failed alloc)
-                # locking its prefix takes what of it was evictable out of the room (SGLang's PrefillAdder
-                # reads the room after each lock): counted as room, every step planned the same batch
-                # that could not be allocated, forever
-                before = self._free_room()
-                self._lock_planned(req)
-                after = self._free_room()
-                rem_total -= before[0] - after[0]
-                if rem_swa is not None:
-                    rem_swa -= before[1] - after[1]
-            else:  # a chunked request continues after its cached chunks
-                req.fill_ids = req.all_ids()
-            extend = req.extend_input_len
-            reserve = self._request_reserve(req)
-            if not picked and not self._decoding_reqs():  # its decode reserve would protect nobody: capped to
-                # what the pool leaves, a request held to ``_max_request_len`` always comes in (with the ratio
-                # near 1 after a retraction, its page-rounded prompt and reserve could exceed an empty pool)
-                reserve = max(0, min(reserve, rem_total - self._paged(req, extend) - self.page_size))
-            chunk = extend if rem_chunk is None else min(extend, rem_chunk // self.page_size * self.page_size)
-            swa_need = chunk + self._swa_reserve(reserve) + self.page_size
-            fits = not (self._paged(req, extend) + reserve + self.page_size > rem_total
-                        or (rem_swa is not None and swa_need > rem_swa) or (picked and extend > rem_input))
-            if chunk < extend and chunk <= 0:
-                fits = False
-            if not fits:
-                if new_req:
-                    self._unlock_planned(req)
-                else:
-                    self.chunked_req = req  # keeps its place at the head
-                break
-            if new_req and req.host_hit_length:  # its fit counted the host part as new slots: they are now
-                rem_total -= self._load_host_prefix(req)
-                extend = req.extend_input_len
-                chunk = extend if rem_chunk is None else min(extend, rem_chunk // self.page_size * self.page_size)
-            if chunk < extend:
-                req.fill_ids = req.fill_ids[: len(req.prefix_indices) + chunk]
-                extend = chunk
-            if new_req and req.num_retractions == 0:
-                req.cached_tokens = len(req.prefix_indices)
-            picked.append(req)
-            rem_total -= self._paged(req, extend) + reserve
-            if rem_swa is not None:
-                rem_swa -= swa_need - self.page_size
-            rem_input -= extend
-            if rem_chunk is not None:
-                rem_chunk -= extend
-            if len(req.fill_ids) < req.seqlen:  # chunked: nothing else joins after it
-                break
-        if not picked:
-            return None, None
-        new_reqs = [r for r in picked if r.req_pool_idx is None]
-        forward_batch = prepare_for_extend(picked, self.runner, self.tree_cache)
-        while forward_batch is None and len(picked) > 1:  # the plan overestimated the room: shorter, now (the
-            dropped = picked.pop()  # same plan at the next step would fail again); a continuing chunk is first
-            self._unlock_planned(dropped)
-            new_reqs.remove(dropped)
-            forward_batch = prepare_for_extend(picked, self.runner, self.tree_cache)
-        if forward_batch is None:  # short even after eviction: give the locks back, try later
-            for req in new_reqs:
-                self._unlock_planned(req)
-            continuing = [r for r in picked if r not in new_reqs]
-            if continuing:
-                self.chunked_req = continuing[0]
-            return None, None
-        for req in picked:
-            if req in self.waiting:
-                self.waiting.remove(req)
-        return picked, forward_batch
-
-    def _next_decode(self):
-        """The running batch's decode step. When its slots cannot be had even after eviction,
-        requests are retracted (:meth:`_retract_decode`) and the smaller batch is tried again."""
-        retracted = False
-        while self.running:
-            forward_batch = prepare_for_decode(self.running, self.runner, self.tree_cache)
-            if forward_batch is not None:
-                if not retracted:  # (a retraction set the ratio from the requests it left)
-                    self.new_token_ratio = max(
-                        self.config.min_new_token_ratio, self.new_token_ratio - self.config.new_token_ratio_decay
-                    )
-                return list(self.running), forward_batch
-            self._retract_decode()
-            retracted = True
-        return None, None
-
-    def _retract_decode(self) -> List[Req]:
-        """SGLang's ``retract_decode``: retract running requests — fewest output tokens first
-        (the least work lost), then the longest prompt (the most room won) — at least one, then
-        more until the rest have room for their next ``RETRACT_DECODE_STEPS`` decode steps, so
-        the next steps do not retract again (or until one is left). ``new_token_ratio`` is then
-        estimated from those left. The retracted go to the head of ``waiting`` in the order they
-        ran in; returns them."""
-        ran_in = {id(r): i for i, r in enumerate(self.running)}
-        retracted: List[Req] = []
-        for req in sorted(self.running, key=lambda r: (len(r.output_ids), -len(r.origin_input_ids))):
-            if retracted and (len(self.running) <= 1 or self._decode_steps_fit(self.running)):
-                break
-            retracted.append(req)
-            self._retract(req)
-        self.waiting[: len(retracted)] = sorted(self.waiting[: len(retracted)], key=lambda r: ran_in[id(r)])
-        decoded = sum(len(r.output_ids) for r in self.running)
-        max_new = sum(r.sampling_params.max_new_tokens for r in self.running) or 1
-        self.new_token_ratio = min(1.0, (decoded + RETRACT_DECODE_STEPS * len(self.running)) / max_new)
-        logger.info("retracted %d request(s) %s (%d retractions so far)", len(retracted),
-                    [r.rid for r in retracted], self.num_retractions)
-        return retracted
-
-    def _decode_steps_fit(self, reqs: List[Req]) -> bool:
-        """Whether free + evictable slots hold the KV of each request's next ``RETRACT_DECODE_STEPS``
-        decode tokens (fewer if it has fewer to go), in whole pages; for a sliding-window model
-        also its SWA pool, where past its window a request frees a slot for each new one."""
-        full_need = swa_need = 0
-        for req in reqs:
-            steps = max(1, min(RETRACT_DECODE_STEPS, req.sampling_params.max_new_tokens - len(req.output_ids)))
-            full_need += self._paged_after(req.seqlen - 1, steps)  # (the last sampled token has no KV yet)
-            swa_need += self._swa_reserve(steps)
-        full, swa = self._free_room()
-        return full_need <= full and (swa is None or swa_need <= swa)
-
-    def _retract(self, req: Req) -> None:
-        """Retract a running request: free its KV, requeue it at the head of ``waiting`` — even
-        if freeing fails partway (it holds nothing then: not freed again, it is where a failure
-        path finds it)."""
-        self.running.remove(req)
-        try:
-            self.tree_cache.cache_finished_req(req, is_insert=False)
-        finally:
-            req.reset_for_retract()
-            self.waiting.insert(0, req)
-        self.num_retractions += 1
 
     # ---- results ----------------------------------------------------------------------
     def _sample(self, req: Req, logits_row, token: Optional[int] = None, adjust=None) -> None:
