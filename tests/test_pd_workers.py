@@ -436,6 +436,25 @@ def test_qwen3_next_decode_retracts_requests_holding_a_decode_side_prefix(checkp
     close(prefill, decode)
 
 
+def test_qwen3_next_prefill_copy_on_write_waits_while_inflight_requests_hold_every_state(checkpoints, monkeypatch):
+    """A prefill worker with two Mamba slots: A and B extend a cached prompt together. A's copy
+    of its state takes the free slot and A holds it (and its lock on the source) in ``inflight``
+    until its push ends, so B's copy finds no slot even after eviction: a logical OOM (it raised,
+    failing both). B waits, comes in after A and reuses the prefix; tokens equal HF's."""
+    from actors.engine.model_runner import ModelRunner
+
+    real = ModelRunner._num_mamba_slots
+    monkeypatch.setattr(ModelRunner, "_num_mamba_slots", lambda self, n: 2 if n == 2 else real(self, n))  # prefill's
+    prefill, decode = make_pair(checkpoints["qwen3_next"], prefill_args={"max_running_requests": 2})
+    monkeypatch.undo()
+    first = prompts(1, 20, 20, seed=69)[0]
+    run_batch(prefill, decode, [first], GREEDY)
+    batch = [first + [7, 8], first + [9, 10, 11]]
+    results = run_batch(prefill, decode, batch, GREEDY)
+    assert all(r[0]["meta_info"]["cached_tokens"] >= 20 for r in results)
+    assert_greedy_parity(checkpoints["qwen3_next"], batch, [r[0]["output_ids"] for r in results], 8)
+    close(prefill, decode)
+
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 def test_decode_retracts_under_kv_pressure_and_recomputes(checkpoints, family):
     path = checkpoints[family]
