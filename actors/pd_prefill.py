@@ -235,6 +235,9 @@ class PrefillScheduler(Scheduler):
         req.finish({"type": "prefill_done"} if error is None else {"type": "abort", "message": error})
 
     # ---- inflight --------------------------------------------------------------------
+    def _rows_held_elsewhere(self) -> int:
+        return len(self.inflight)  # (their rows stay held until every rank's push ended)
+
     def _process_inflight(self) -> List[Req]:
         """Finish the requests every rank has pushed: notice (or error), then cache the prompt."""
         for result in self.pusher.take_finished():

@@ -163,6 +163,9 @@ class DecodeScheduler(Scheduler):
             raise
         return done
 
+    def _rows_held_elsewhere(self) -> int:
+        return len(self.transfer) + len(self.quarantine)  # reserved, their KV moving or maybe still landing
+
     def _reserve(self, req: Req) -> bool:
         """Row + slots for the prompt beyond the decode tree's own prefix; False with nothing taken."""
         prompt_len = len(req.origin_input_ids)

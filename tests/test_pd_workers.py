@@ -455,6 +455,7 @@ def test_qwen3_next_prefill_copy_on_write_waits_while_inflight_requests_hold_eve
     assert_greedy_parity(checkpoints["qwen3_next"], batch, [r[0]["output_ids"] for r in results], 8)
     close(prefill, decode)
 
+
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 def test_decode_retracts_under_kv_pressure_and_recomputes(checkpoints, family):
     path = checkpoints[family]
@@ -1335,4 +1336,50 @@ def test_a_retry_under_the_same_id_on_the_same_decode_worker_is_served_beside_th
     assert client.num_retries == 1 and final["meta_info"]["prefill_worker"] == "p1"
     assert final["output_ids"] == clean["output_ids"] and len(final["output_ids"]) == 8
     decode.loop.run_exclusive(lambda: decode.scheduler._release_quarantine(force=True))  # (its deadline: 300 s)
+    close(prefill, decode)
+
+
+def test_prefill_plans_only_the_rows_its_inflight_requests_leave(checkpoints, monkeypatch):
+    """A prefill worker's requests waiting in ``inflight`` hold their rows: with two rows and
+    A's push held, B and C arriving are planned one at a time (the plan took both, then the
+    row allocation failed — for hybrid models after evicting cached Mamba states for nothing
+    — and the batch was cut down). All three still end with HF's tokens."""
+    import actors.engine.schedule_policy as schedule_policy
+
+    path = checkpoints["llama"]
+    prefill, decode = make_pair(path, prefill_args={"max_running_requests": 2})
+    sched, release, loop_ref, started = prefill.scheduler, threading.Event(), [], asyncio.Event()
+    batch = prompts(3, 12, 12, seed=71)
+
+    def hold(call):  # A's copy waits until B and C were planned
+        if call["handoff"].rid == "a" and not release.is_set():
+            loop_ref[0].call_soon_threadsafe(started.set)
+            release.wait(10)
+
+    _slow_push(prefill, hold)
+    planned, real = [], schedule_policy.prepare_for_extend
+
+    def spy(reqs, *args, **kwargs):
+        planned.append((len([r for r in reqs if r.req_pool_idx is None]), len(sched.inflight), len(sched.running)))
+        return real(reqs, *args, **kwargs)
+
+    monkeypatch.setattr(schedule_policy, "prepare_for_extend", spy)
+
+    async def one(rid, ids):
+        return (await run_pd(prefill, decode, ids, GREEDY, rid=rid))[0]
+
+    async def go():
+        loop_ref.append(asyncio.get_running_loop())
+        first = asyncio.ensure_future(one("a", batch[0]))
+        await asyncio.wait_for(started.wait(), 30)
+        rest = [asyncio.ensure_future(one(rid, ids)) for rid, ids in zip("bc", batch[1:])]
+        await until(lambda: len(sched.inflight) == 2 and any(r.rid == "c" for r in list(sched.waiting)),
+                    what="A and B inflight, C waiting")
+        await asyncio.sleep(0.3)  # (steps that could plan C)
+        release.set()
+        return await asyncio.gather(first, *rest)
+
+    results = asyncio.run(go())
+    assert all(new + inflight <= 2 for new, inflight, _ in planned), planned
+    assert_greedy_parity(path, batch, [r["output_ids"] for r in results], GREEDY["max_new_tokens"])
     close(prefill, decode)

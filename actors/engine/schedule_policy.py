@@ -229,9 +229,14 @@ class PrefillAdmissionMixin:
         self._unlock(req)
         self._plan_locks.remove(req)
 
+    def _rows_held_elsewhere(self) -> int:
+        """Request rows held by requests outside ``running`` and ``chunked_req`` (a PD worker's
+        requests whose KV is still moving): the prefill plan's row budget leaves them out."""
+        return 0
+
     def _plan_prefill(self):
         self._prefetch_blocked = False
-        budget_running = self.runner.max_running_requests - len(self.running)
+        budget_running = self.runner.max_running_requests - len(self.running) - self._rows_held_elsewhere()
         if budget_running <= 0 or not (self.waiting or self.chunked_req):
             return None, None
         rem_total, rem_swa = self._prefill_room()
