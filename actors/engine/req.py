@@ -51,6 +51,7 @@ class Req:
     detokenizer: Any = None  # its IncrementalText (actors.engine.finish), from the first token on
     output_logprobs: List[float] = field(default_factory=list)
     output_top_logprobs: List[List[tuple]] = field(default_factory=list)
+    logit_state: Any = None  # its sparse bias, masks and seen tokens (sparse_logits.LogitState), once sampled
     created_time: float = field(default_factory=time.perf_counter)
     first_token_time: Optional[float] = None
     finished_time: Optional[float] = None

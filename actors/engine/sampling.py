@@ -1,17 +1,19 @@
 """From last-token logits to next tokens: logit bias, min-tokens masks, penalties,
 temperature, top-k/p, min-p, seeds.
 
-In vLLM's order: first the additive adjustments of :func:`logit_adjustments` —
-``logit_bias`` and, while a request has fewer than ``min_new_tokens`` tokens,
-``-inf`` at EOS and its ``stop_token_ids`` — built for a batch as one dense
-``[bs, vocab]`` tensor, and only when some row has either. Then the penalties,
-as OpenAI / vLLM define them: repetition (divide positive, multiply negative
-logits of tokens seen in the prompt or output), frequency (``-= f * count in
-output``) and presence (``-= p`` for tokens in the output). Greedy requests
-take the argmax of the adjusted, penalised logits; others are divided by the
-temperature, filtered by top-k, top-p and min-p, and sampled with a
-per-request generator (seeded when the request gives a seed, so the same seed
-gives the same tokens).
+In vLLM's order: first the additive adjustments — ``logit_bias`` and, while a request has
+fewer than ``min_new_tokens`` tokens, ``-inf`` at EOS and its ``stop_token_ids`` —, then the
+penalties, as OpenAI / vLLM define them: repetition (divide positive, multiply negative
+logits of tokens seen in the prompt or output), frequency (``-= f * count in output``) and
+presence (``-= p`` for tokens in the output). Greedy requests take the argmax of the
+adjusted, penalised logits; others are divided by the temperature, filtered by top-k, top-p
+and min-p, and sampled with a per-request generator (seeded when the request gives a seed,
+so the same seed gives the same tokens).
+
+:func:`logit_adjustments` and :func:`apply_penalties` are the plain definitions (one dense
+``[bs, vocab]`` tensor, one row's sets rebuilt): :func:`sample_next` takes them for a row on
+its own. A batch takes :func:`~actors.engine.sparse_logits.adjust_logits` (the same values,
+written sparsely from per-request state) and :func:`pick_tokens`.
 
 Logprobs are those of the model's own distribution (log-softmax of the raw
 logits), as OpenAI and vLLM (``logprobs_mode="raw_logprobs"``) report them:
@@ -92,6 +94,15 @@ def make_generator(seed: Optional[int]) -> torch.Generator:
     return gen
 
 
+def draw_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
+    """Next token from one row of adjusted, penalised float32 logits ``[vocab]`` on the CPU:
+    the argmax if greedy, else a draw after temperature, top-k, top-p and min-p."""
+    if params.is_greedy:
+        return int(torch.argmax(logits))
+    probs = filter_probs(torch.softmax(logits / params.temperature, dim=-1), params)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
 def sample_next(
     logits: torch.Tensor, params: SamplingParams, prompt_ids: List[int], output_ids: List[int], generator: torch.Generator,
     adjust: Optional[torch.Tensor] = None,
@@ -103,23 +114,45 @@ def sample_next(
     if adjust is not None:
         logits = logits + adjust.cpu()
     logits = apply_penalties(logits, params, prompt_ids, output_ids)
-    if params.is_greedy:
-        return int(torch.argmax(logits)), logprobs
-    probs = filter_probs(torch.softmax(logits / params.temperature, dim=-1), params)
-    return int(torch.multinomial(probs, 1, generator=generator)), logprobs
+    return draw_token(logits, params, generator), logprobs
 
 
 def plain_greedy_tokens(logits: torch.Tensor, params: Sequence[SamplingParams],
-                        adjust: Optional[torch.Tensor] = None) -> Dict[int, int]:
+                        adjust: Optional[torch.Tensor] = None, penalised: bool = False) -> Dict[int, int]:
     """``{row: token}`` for the rows of a batch's logits ``[bs, vocab]`` that need nothing but
     an argmax (greedy, no penalties, no logprobs) of the logits plus ``adjust`` (the batch's
     :func:`logit_adjustments`, on the logits' device): one argmax over those rows on the
     logits' device and one transfer of their tokens, not a row at a time through host
-    memory. The other rows are :func:`sample_next`'s."""
-    rows = [i for i, p in enumerate(params) if p.is_greedy and not p.has_penalties and not p.return_logprob]
+    memory. ``penalised``: the logits are already adjusted and penalised
+    (:func:`~actors.engine.sparse_logits.adjust_logits`), so greedy rows with penalties are
+    taken too. The other rows are :func:`sample_next`'s."""
+    rows = [i for i, p in enumerate(params)
+            if p.is_greedy and (penalised or not p.has_penalties) and not p.return_logprob]
     if not rows:
         return {}
     if adjust is not None:
         logits = logits.float() + adjust
     picked = logits if len(rows) == len(params) else logits[torch.tensor(rows, device=logits.device)]
     return dict(zip(rows, torch.argmax(picked, dim=-1).tolist()))
+
+
+def pick_tokens(logits: torch.Tensor, adjusted: torch.Tensor, params: Sequence[SamplingParams],
+                generators: Sequence[torch.Generator]) -> List[Tuple[int, Optional[torch.Tensor]]]:
+    """Each row's next token and, when its request asks for logprobs, the log-softmax of its raw
+    ``logits`` row (on the CPU) — what :func:`sample_next` gives row by row, where ``adjusted``
+    is the batch's :func:`~actors.engine.sparse_logits.adjust_logits`. The plain greedy rows
+    take one argmax; the others' rows reach the host in one transfer (raw rows only for
+    logprobs) and are drawn one by one with their own generators."""
+    picked: Dict[int, Tuple[int, Optional[torch.Tensor]]] = {
+        row: (token, None) for row, token in plain_greedy_tokens(adjusted, params, penalised=True).items()}
+    rest = [i for i in range(len(params)) if i not in picked]
+    if rest:
+        index = torch.tensor(rest, device=logits.device)
+        rows = adjusted[index].float().cpu()
+        with_logprobs = [i for i in rest if params[i].return_logprob]
+        raw = {} if not with_logprobs else dict(zip(with_logprobs, logits[
+            torch.tensor(with_logprobs, device=logits.device)].float().cpu()))
+        for row, adjusted_row in zip(rest, rows):
+            logprobs = torch.log_softmax(raw[row], dim=-1) if row in raw else None
+            picked[row] = (draw_token(adjusted_row, params[row], generators[row]), logprobs)
+    return [picked[i] for i in range(len(params))]

@@ -31,7 +31,8 @@ import torch
 
 from actors.engine.finish import check_finished, stream_text
 from actors.engine.req import Req
-from actors.engine.sampling import logit_adjustments, plain_greedy_tokens, sample_next
+from actors.engine.sampling import pick_tokens
+from actors.engine.sparse_logits import LogitState, adjust_logits
 from actors.engine.schedule_batch import DecodeRetractionMixin
 from actors.engine.schedule_policy import PrefillAdmissionMixin
 from mem_cache.hicache_storage import HiCacheFile, rank_storage_dir
@@ -203,17 +204,11 @@ class Scheduler(PrefillAdmissionMixin, DecodeRetractionMixin):
         return bool(self.waiting or self.running or self.chunked_req or self._aborted)
 
     # ---- results ----------------------------------------------------------------------
-    def _sample(self, req: Req, logits_row, token: Optional[int] = None, adjust=None) -> None:
-        """Sample ``req``'s next token from its logits row (``token``: already picked by
-        the batch's argmax; ``adjust``: its row of the batch's :meth:`_logit_adjustments`,
-        built here for a row sampled on its own) and see whether it finished."""
-        logprobs = None
+    def _sample(self, req: Req, logits_row, token: Optional[int] = None, logprobs=None) -> None:
+        """Append ``req``'s next token (``token``, with ``logprobs``: already picked by the batch's
+        :meth:`_pick_tokens`; else picked here from its logits row) and see whether it finished."""
         if token is None:
-            if adjust is None:
-                own = self._logit_adjustments([req], logits_row[None])
-                adjust = None if own is None else own[0]
-            token, logprobs = sample_next(logits_row, req.sampling_params, req.origin_input_ids, req.output_ids,
-                                          req.generator, adjust)
+            token, logprobs = self._pick_tokens([req], logits_row[None])[0]
         req.output_ids.append(token)
         if req.sampling_params.return_logprob:
             req.output_logprobs.append(float(logprobs[token]))
@@ -225,11 +220,24 @@ class Scheduler(PrefillAdmissionMixin, DecodeRetractionMixin):
         check_finished(req, self.tokenizer, self.context_len)
 
     @staticmethod
-    def _logit_adjustments(reqs: List[Req], logits):
-        """What ``reqs``' logit_bias and min_new_tokens masks add to their logits rows ``[bs, vocab]``
-        (:func:`~actors.engine.sampling.logit_adjustments`, on the logits' device); None if nothing."""
-        masked = [r.sampling_params.masked_token_ids(len(r.output_ids), r.eos_token_ids) for r in reqs]
-        return logit_adjustments([r.sampling_params for r in reqs], masked, logits.shape[-1], logits.device)
+    def _pick_tokens(reqs: List[Req], logits) -> List[Tuple[int, Optional[torch.Tensor]]]:
+        """Each request's next token and raw logprobs from its logits row ``[bs, vocab]``
+        (:func:`~actors.engine.sampling.pick_tokens` after
+        :func:`~actors.engine.sparse_logits.adjust_logits`): a request's bias, masks and seen
+        tokens are kept with it (``req.logit_state``) and take only its new tokens each step."""
+        vocab = logits.shape[-1]
+        states = []
+        for req in reqs:
+            state = req.logit_state
+            if state is None or state.vocab != vocab or state.params is not req.sampling_params:
+                needed = LogitState.needed(req.sampling_params)
+                state = req.logit_state = LogitState(
+                    req.sampling_params, req.origin_input_ids, req.eos_token_ids, vocab) if needed else None
+            if state is not None:
+                state.sync(req.output_ids)
+            states.append(state)
+        adjusted = adjust_logits(logits, states)
+        return pick_tokens(logits, adjusted, [r.sampling_params for r in reqs], [r.generator for r in reqs])
 
     def _process_prefill(self, reqs: List[Req], logits) -> List[Req]:
         out: List[Req] = []
@@ -264,11 +272,10 @@ class Scheduler(PrefillAdmissionMixin, DecodeRetractionMixin):
     def _process_decode(self, reqs: List[Req], logits) -> List[Req]:
         self.runner.allocator.free_group_begin()
         try:
-            adjust = self._logit_adjustments(reqs, logits)
-            greedy = plain_greedy_tokens(logits, [r.sampling_params for r in reqs], adjust)
+            picked = self._pick_tokens(reqs, logits)
             for i, req in enumerate(reqs):
                 req.kv_committed_len = req.seqlen
-                self._sample(req, logits[i], greedy.get(i), None if adjust is None else adjust[i])
+                self._sample(req, logits[i], *picked[i])
                 if req.finished:
                     self.tree_cache.cache_finished_req(req)
         except BaseException:  # those that finished before the failure are released: only told

@@ -1,0 +1,180 @@
+"""A batch's logit bias, min-tokens masks and penalties as sparse writes, not dense tensors.
+
+What :func:`~actors.engine.sampling.logit_adjustments` and
+:func:`~actors.engine.sampling.apply_penalties` define (the dense references), done as vLLM
+and SGLang do it: each request's ``(token, value)`` pairs are built once, when it first needs
+them (:class:`LogitState`, kept with the request), and its tokens seen so far grow by the new
+tokens only (:class:`TokenCounts`); a step gathers the rows' pairs into ``(row, token, value)``
+triples and writes them with ``index_put_``. A step's cost grows with the number of biased,
+masked and seen tokens — never with ``batch x vocab`` and never with the prompt's length —,
+and a batch with none of these leaves its logits alone.
+
+Same order and values as the references, bit for bit on every adjusted token: ``logit_bias``
+added, then ``-inf`` at EOS and ``stop_token_ids`` while a request has fewer than
+``min_new_tokens`` tokens, then repetition (divide positive, multiply negative logits of the
+prompt's and output's tokens), then frequency and presence (``-= f * count + p`` on the
+output's tokens).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Iterable, List, Optional, Sequence
+
+import numpy as np
+import torch
+
+from actors.engine.sampling_params import SamplingParams
+
+
+class TokenCounts:
+    """Distinct token ids in the order first added, each with how often it was added.
+    ``ids`` and ``counts`` are views of buffers that grow by doubling: adding a token costs
+    O(1) amortised, whatever was added before."""
+
+    def __init__(self, tokens: Iterable[int] = ()):
+        self._slots: dict = {}
+        self._ids = np.empty(16, dtype=np.int64)
+        self._counts = np.zeros(16, dtype=np.float32)  # (exact: counts stay far below 2 ** 24)
+        self.add(tokens)
+
+    def __len__(self) -> int:
+        return len(self._slots)
+
+    def add(self, tokens: Iterable[int]) -> None:
+        for token, count in Counter(tokens).items():
+            slot = self._slots.get(token)
+            if slot is None:
+                slot = self._slots[token] = len(self._slots)
+                if slot == len(self._ids):
+                    self._ids = np.concatenate([self._ids, np.empty_like(self._ids)])
+                    self._counts = np.concatenate([self._counts, np.zeros_like(self._counts)])
+                self._ids[slot] = token
+            self._counts[slot] += count
+
+    @property
+    def ids(self) -> torch.Tensor:
+        """``[len(self)]`` int64 (shares the buffer: read it before the next :meth:`add`)."""
+        return torch.from_numpy(self._ids[:len(self._slots)])
+
+    @property
+    def counts(self) -> torch.Tensor:
+        """``[len(self)]`` float32, the counts of :attr:`ids`."""
+        return torch.from_numpy(self._counts[:len(self._slots)])
+
+
+class LogitState:
+    """One request's sparse adjustments for a vocabulary of ``vocab`` ids (ids outside it are
+    never sampled and are left out): its ``logit_bias`` pairs, its min-tokens mask ids (EOS and
+    ``stop_token_ids``), and, when it has penalties, the tokens of its prompt and output
+    (repetition) and its output's counts (frequency, presence). :meth:`sync` takes the output's
+    new tokens; an output that shrank is recounted."""
+
+    def __init__(self, params: SamplingParams, prompt_ids: Sequence[int], eos_token_ids: Sequence[int], vocab: int):
+        self.params, self.vocab = params, vocab
+        bias = [(t, b) for t, b in (params.logit_bias or {}).items() if t < vocab]
+        self.bias_ids = torch.tensor([t for t, _ in bias], dtype=torch.int64)
+        self.bias_values = torch.tensor([b for _, b in bias], dtype=torch.float32)
+        masked = params.masked_token_ids(0, eos_token_ids) if params.min_new_tokens else []
+        self.mask_ids = torch.tensor([t for t in masked if 0 <= t < vocab], dtype=torch.int64)
+        self._prompt_ids = prompt_ids
+        self.seen: Optional[TokenCounts] = None  # prompt and output: repetition
+        self.output: Optional[TokenCounts] = None  # output only: frequency and presence
+        self.num_generated = 0
+        self._recount([])
+
+    @staticmethod
+    def needed(params: SamplingParams) -> bool:
+        """Whether a request with ``params`` has anything to adjust (else it needs no state)."""
+        return bool(params.logit_bias) or params.min_new_tokens > 0 or params.has_penalties
+
+    def _recount(self, output_ids: Sequence[int]) -> None:
+        p = self.params
+        if p.repetition_penalty != 1.0:
+            self.seen = TokenCounts(t for t in self._prompt_ids if 0 <= t < self.vocab)
+            self.seen.add(t for t in output_ids if 0 <= t < self.vocab)
+        if p.frequency_penalty or p.presence_penalty:
+            self.output = TokenCounts(t for t in output_ids if 0 <= t < self.vocab)
+        self.num_generated = len(output_ids)
+
+    def sync(self, output_ids: Sequence[int]) -> None:
+        """Take the tokens of ``output_ids`` past those taken before (O(new tokens))."""
+        if len(output_ids) < self.num_generated:
+            self._recount(output_ids)
+            return
+        new = [t for t in output_ids[self.num_generated:] if 0 <= t < self.vocab]
+        for counts in (self.seen, self.output):
+            if counts is not None and new:
+                counts.add(new)
+        self.num_generated = len(output_ids)
+
+    @property
+    def masked(self) -> bool:
+        """Whether the min-tokens mask holds for the next token."""
+        return self.num_generated < self.params.min_new_tokens
+
+
+class _Triples:
+    """``(row, token, value)`` triples gathered from the rows of a batch, then as tensors."""
+
+    def __init__(self):
+        self.rows: List[int] = []
+        self.lens: List[int] = []
+        self.ids: List[torch.Tensor] = []
+        self.values: List[torch.Tensor] = []
+
+    def add(self, row: int, ids: torch.Tensor, values: Optional[torch.Tensor] = None) -> None:
+        if len(ids):
+            self.rows.append(row)
+            self.lens.append(len(ids))
+            self.ids.append(ids)
+            if values is not None:
+                self.values.append(values)
+
+    def index(self, device):
+        """``(rows, ids)`` on ``device``: the advanced index of every triple."""
+        rows = torch.repeat_interleave(torch.tensor(self.rows), torch.tensor(self.lens))
+        return rows.to(device), torch.cat(self.ids).to(device)
+
+    def per_row(self, values: List[float], device) -> torch.Tensor:
+        """One float32 value per row (``values``, in :meth:`add`'s order), repeated per triple."""
+        return torch.repeat_interleave(torch.tensor(values, dtype=torch.float32),
+                                       torch.tensor(self.lens)).to(device)
+
+
+def adjust_logits(logits: torch.Tensor, states: Sequence[Optional[LogitState]]) -> torch.Tensor:
+    """The batch's logits ``[bs, vocab]`` after its rows' bias, masks and penalties (``states[i]``
+    for row ``i``, synced to its output; None: nothing): a float32 copy with only the listed
+    tokens written, or ``logits`` itself when no row adjusts anything."""
+    bias, masks, seen, output = _Triples(), _Triples(), _Triples(), _Triples()
+    rep, freq, pres = [], [], []
+    for row, state in enumerate(states):
+        if state is None:
+            continue
+        bias.add(row, state.bias_ids, state.bias_values)
+        if state.masked:
+            masks.add(row, state.mask_ids)
+        if state.seen is not None and len(state.seen):
+            seen.add(row, state.seen.ids)
+            rep.append(state.params.repetition_penalty)
+        if state.output is not None and len(state.output):
+            output.add(row, state.output.ids, state.output.counts)
+            freq.append(state.params.frequency_penalty)
+            pres.append(state.params.presence_penalty)
+    if not (bias.rows or masks.rows or seen.rows or output.rows):
+        return logits
+    out = logits.to(torch.float32, copy=True)
+    device = out.device
+    if bias.rows:
+        out.index_put_(bias.index(device), torch.cat(bias.values).to(device), accumulate=True)
+    if masks.rows:  # after the bias: a masked token stays -inf whatever its bias
+        out.index_put_(masks.index(device), torch.tensor(float("-inf"), device=device))
+    if seen.rows:
+        index = seen.index(device)
+        vals, penalty = out[index], seen.per_row(rep, device)
+        out[index] = torch.where(vals > 0, vals / penalty, vals * penalty)
+    if output.rows:
+        index = output.index(device)
+        counts = torch.cat(output.values).to(device)
+        out[index] -= output.per_row(freq, device) * counts + output.per_row(pres, device)
+    return out
