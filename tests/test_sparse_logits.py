@@ -91,7 +91,7 @@ def test_pick_tokens_gives_what_sample_next_gives_row_by_row():
     for state, out in zip(states, outputs):
         if state is not None:
             state.sync(out)
-    picked = pick_tokens(logits, adjust_logits(logits, states), params, [make_generator(p.seed) for p in params])
+    picked = pick_tokens(logits.clone(), params, [make_generator(p.seed) for p in params], states)
     masked = [p.masked_token_ids(len(out), EOS) for p, out in zip(params, outputs)]
     adjust = logit_adjustments(params, masked, vocab)
     for row, p in enumerate(params):
@@ -108,5 +108,5 @@ def test_pick_tokens_gives_what_sample_next_gives_row_by_row():
 def test_pick_tokens_of_a_single_plain_row_takes_the_raw_argmax(rows):
     logits = torch.randn(len(rows), VOCAB)
     params = [SamplingParams(temperature=0)] * len(rows)
-    picked = pick_tokens(logits, adjust_logits(logits, [None] * len(rows)), params, [make_generator(0)] * len(rows))
+    picked = pick_tokens(logits, params, [make_generator(0)] * len(rows), [None] * len(rows))
     assert [t for t, _ in picked] == logits.argmax(-1).tolist()

@@ -28,6 +28,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from actors.engine.sampling_params import SamplingParams
+from actors.engine.sparse_logits import LogitState, adjust_logits
 
 
 def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: List[int], output_ids: List[int]) -> torch.Tensor:
@@ -136,22 +137,24 @@ def plain_greedy_tokens(logits: torch.Tensor, params: Sequence[SamplingParams],
     return dict(zip(rows, torch.argmax(picked, dim=-1).tolist()))
 
 
-def pick_tokens(logits: torch.Tensor, adjusted: torch.Tensor, params: Sequence[SamplingParams],
-                generators: Sequence[torch.Generator]) -> List[Tuple[int, Optional[torch.Tensor]]]:
+def pick_tokens(logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator],
+                states: Sequence[Optional[LogitState]]) -> List[Tuple[int, Optional[torch.Tensor]]]:
     """Each row's next token and, when its request asks for logprobs, the log-softmax of its raw
-    ``logits`` row (on the CPU) — what :func:`sample_next` gives row by row, where ``adjusted``
-    is the batch's :func:`~actors.engine.sparse_logits.adjust_logits`. The plain greedy rows
-    take one argmax; the others' rows reach the host in one transfer (raw rows only for
-    logprobs) and are drawn one by one with their own generators."""
+    ``logits`` row (on the CPU) — what :func:`sample_next` gives row by row —, with ``states``
+    the rows' :class:`~actors.engine.sparse_logits.LogitState` (synced; None: nothing to adjust).
+    ``logits`` are the step's own: float32 ones are adjusted in place
+    (:func:`~actors.engine.sparse_logits.adjust_logits`), once the logprob rows' raw values are
+    copied out. The plain greedy rows take one argmax; the others' rows reach the host in one
+    transfer and are drawn one by one with their own generators."""
+    with_logprobs = [i for i, p in enumerate(params) if p.return_logprob]
+    raw = {} if not with_logprobs else dict(zip(with_logprobs, logits[
+        torch.tensor(with_logprobs, device=logits.device)].float().cpu()))
+    adjusted = adjust_logits(logits, states, in_place=True)
     picked: Dict[int, Tuple[int, Optional[torch.Tensor]]] = {
         row: (token, None) for row, token in plain_greedy_tokens(adjusted, params, penalised=True).items()}
     rest = [i for i in range(len(params)) if i not in picked]
     if rest:
-        index = torch.tensor(rest, device=logits.device)
-        rows = adjusted[index].float().cpu()
-        with_logprobs = [i for i in rest if params[i].return_logprob]
-        raw = {} if not with_logprobs else dict(zip(with_logprobs, logits[
-            torch.tensor(with_logprobs, device=logits.device)].float().cpu()))
+        rows = adjusted[torch.tensor(rest, device=logits.device)].float().cpu()
         for row, adjusted_row in zip(rest, rows):
             logprobs = torch.log_softmax(raw[row], dim=-1) if row in raw else None
             picked[row] = (draw_token(adjusted_row, params[row], generators[row]), logprobs)

@@ -32,7 +32,7 @@ import torch
 from actors.engine.finish import check_finished, stream_text
 from actors.engine.req import Req
 from actors.engine.sampling import pick_tokens
-from actors.engine.sparse_logits import LogitState, adjust_logits
+from actors.engine.sparse_logits import LogitState
 from actors.engine.schedule_batch import DecodeRetractionMixin
 from actors.engine.schedule_policy import PrefillAdmissionMixin
 from mem_cache.hicache_storage import HiCacheFile, rank_storage_dir
@@ -221,10 +221,10 @@ class Scheduler(PrefillAdmissionMixin, DecodeRetractionMixin):
 
     @staticmethod
     def _pick_tokens(reqs: List[Req], logits) -> List[Tuple[int, Optional[torch.Tensor]]]:
-        """Each request's next token and raw logprobs from its logits row ``[bs, vocab]``
-        (:func:`~actors.engine.sampling.pick_tokens` after
-        :func:`~actors.engine.sparse_logits.adjust_logits`): a request's bias, masks and seen
-        tokens are kept with it (``req.logit_state``) and take only its new tokens each step."""
+        """Each request's next token and raw logprobs from its row of the step's ``logits``
+        ``[bs, vocab]`` (:func:`~actors.engine.sampling.pick_tokens`, which adjusts them in
+        place): a request's bias, masks and seen tokens are kept with it (``req.logit_state``)
+        and take only its new tokens each step."""
         vocab = logits.shape[-1]
         states = []
         for req in reqs:
@@ -236,8 +236,7 @@ class Scheduler(PrefillAdmissionMixin, DecodeRetractionMixin):
             if state is not None:
                 state.sync(req.output_ids)
             states.append(state)
-        adjusted = adjust_logits(logits, states)
-        return pick_tokens(logits, adjusted, [r.sampling_params for r in reqs], [r.generator for r in reqs])
+        return pick_tokens(logits, [r.sampling_params for r in reqs], [r.generator for r in reqs], states)
 
     def _process_prefill(self, reqs: List[Req], logits) -> List[Req]:
         out: List[Req] = []

@@ -142,10 +142,13 @@ class _Triples:
                                        torch.tensor(self.lens)).to(device)
 
 
-def adjust_logits(logits: torch.Tensor, states: Sequence[Optional[LogitState]]) -> torch.Tensor:
+@torch.inference_mode()  # (a forward's logits are inference tensors: written in place only in this mode)
+def adjust_logits(logits: torch.Tensor, states: Sequence[Optional[LogitState]], in_place: bool = False) -> torch.Tensor:
     """The batch's logits ``[bs, vocab]`` after its rows' bias, masks and penalties (``states[i]``
-    for row ``i``, synced to its output; None: nothing): a float32 copy with only the listed
-    tokens written, or ``logits`` itself when no row adjusts anything."""
+    for row ``i``, synced to its output; None: nothing), with only the listed tokens written:
+    into ``logits`` themselves when ``in_place`` and they are float32 (no dense copy, as vLLM's
+    logits processors), else into a float32 copy; ``logits`` untouched when no row adjusts
+    anything."""
     bias, masks, seen, output = _Triples(), _Triples(), _Triples(), _Triples()
     rep, freq, pres = [], [], []
     for row, state in enumerate(states):
@@ -163,7 +166,7 @@ def adjust_logits(logits: torch.Tensor, states: Sequence[Optional[LogitState]]) 
             pres.append(state.params.presence_penalty)
     if not (bias.rows or masks.rows or seen.rows or output.rows):
         return logits
-    out = logits.to(torch.float32, copy=True)
+    out = logits if in_place and logits.dtype == torch.float32 else logits.to(torch.float32, copy=True)
     device = out.device
     if bias.rows:
         out.index_put_(bias.index(device), torch.cat(bias.values).to(device), accumulate=True)

@@ -1,0 +1,119 @@
+"""One decode step's sampling, the dense way it was done and the sparse way it is done now.
+
+"dense": what the scheduler did before — a ``[bs, vocab]`` float32 adjustment tensor
+(:func:`~actors.engine.sampling.logit_adjustments`) whenever a row has a ``logit_bias`` or a
+min-tokens mask, one batched argmax for plain greedy rows, and every penalised row through
+:func:`~actors.engine.sampling.sample_next` on its own (its prompt's and output's id sets and a
+vocab-sized count rebuilt each step). "sparse": the scheduler's
+:meth:`~actors.engine.scheduler.Scheduler._pick_tokens` — per-request state synced with the new
+token, ``(row, token, value)`` triples written with ``index_put_``, then
+:func:`~actors.engine.sampling.pick_tokens`.
+
+Every request is greedy (temperature 0), so the table shows the adjustments' cost, not the
+draws' (top-k/p sorts are the same work either way). Each step appends one token to every
+output first, as decoding does. Modes: ``none``; ``penalties`` (frequency 0.5, presence 0.3,
+repetition 1.1; 1,024-token prompts, outputs from 128 tokens); ``logit_bias`` (32 ids a
+request); ``min_tokens`` (EOS and 4 stop ids masked). The sparse step adjusts the float32
+logits in place, as the scheduler does a step's own: their values drift from step to step,
+not the work.
+
+    python scripts/bench_sampling.py [--device cpu] [--batches 1 32 256] [--vocabs 32000 152000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Callable, List
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from actors.engine.req import Req  # noqa: E402
+from actors.engine.sampling import logit_adjustments, plain_greedy_tokens, sample_next  # noqa: E402
+from actors.engine.sampling_params import SamplingParams  # noqa: E402
+from actors.engine.scheduler import Scheduler  # noqa: E402
+
+EOS = [2]
+MODES = ("none", "penalties", "logit_bias", "min_tokens")
+
+
+def make_reqs(mode: str, batch: int, vocab: int, rng: random.Random) -> List[Req]:
+    params = {
+        "none": lambda: SamplingParams(temperature=0, max_new_tokens=4096),
+        "penalties": lambda: SamplingParams(temperature=0, max_new_tokens=4096, frequency_penalty=0.5,
+                                            presence_penalty=0.3, repetition_penalty=1.1),
+        "logit_bias": lambda: SamplingParams(temperature=0, max_new_tokens=4096,
+                                             logit_bias={rng.randrange(vocab): 2.0 for _ in range(32)}),
+        "min_tokens": lambda: SamplingParams(temperature=0, max_new_tokens=4096, min_new_tokens=4096,
+                                             stop_token_ids=[rng.randrange(vocab) for _ in range(4)]),
+    }[mode]
+    reqs = []
+    for i in range(batch):
+        req = Req(f"r{i}", [rng.randrange(vocab) for _ in range(1024)], params(), eos_token_ids=EOS)
+        req.output_ids = [rng.randrange(vocab) for _ in range(128)]
+        reqs.append(req)
+    return reqs
+
+
+def dense_step(reqs: List[Req], logits: torch.Tensor) -> List[int]:
+    """The scheduler's decode picks before the sparse path."""
+    params = [r.sampling_params for r in reqs]
+    masked = [p.masked_token_ids(len(r.output_ids), r.eos_token_ids) for p, r in zip(params, reqs)]
+    adjust = logit_adjustments(params, masked, logits.shape[-1], logits.device)
+    greedy = plain_greedy_tokens(logits, params, adjust)
+    return [greedy[i] if i in greedy else sample_next(logits[i], r.sampling_params, r.origin_input_ids, r.output_ids,
+                                                      r.generator, None if adjust is None else adjust[i])[0]
+            for i, r in enumerate(reqs)]
+
+
+def sparse_step(reqs: List[Req], logits: torch.Tensor) -> List[int]:
+    return [token for token, _ in Scheduler._pick_tokens(reqs, logits)]
+
+
+def time_step(step: Callable, reqs: List[Req], logits: torch.Tensor, min_s: float) -> float:
+    """Mean seconds of one step (each after every output grew by a token), over at least ``min_s``."""
+    def one() -> None:
+        for r in reqs:
+            r.output_ids.append(7)
+        step(reqs, logits)
+        if logits.is_cuda:
+            torch.cuda.synchronize()
+
+    one()  # warm: the sparse states are built here, as at a request's first step
+    n, start = 0, time.perf_counter()
+    while n < 3 or time.perf_counter() - start < min_s:
+        one()
+        n += 1
+    return (time.perf_counter() - start) / n
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 32, 256])
+    parser.add_argument("--vocabs", type=int, nargs="+", default=[32000, 152000])
+    parser.add_argument("--min-s", type=float, default=0.15, help="time each cell for at least this long")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    print("| vocab | batch | mode | dense ms/step | sparse ms/step | speed-up |")
+    print("|---:|---:|---|---:|---:|---:|")
+    for vocab in args.vocabs:
+        for batch in args.batches:
+            logits = torch.randn(batch, vocab, device=args.device)  # fp32, as the model returns them
+            for mode in MODES:
+                times = []
+                for step in (dense_step, sparse_step):
+                    reqs = make_reqs(mode, batch, vocab, random.Random(batch))
+                    times.append(time_step(step, reqs, logits, args.min_s))
+                dense, sparse = times
+                print(f"| {vocab:,} | {batch} | {mode} | {dense * 1e3:,.2f} | {sparse * 1e3:,.2f} | "
+                      f"{dense / sparse:,.1f}× |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
