@@ -53,14 +53,14 @@ class TokenCounts:
             self._counts[slot] += count
 
     @property
-    def ids(self) -> torch.Tensor:
-        """``[len(self)]`` int64 (shares the buffer: read it before the next :meth:`add`)."""
-        return torch.from_numpy(self._ids[:len(self._slots)])
+    def ids(self) -> np.ndarray:
+        """``[len(self)]`` int64 (a view of the buffer: read it before the next :meth:`add`)."""
+        return self._ids[:len(self._slots)]
 
     @property
-    def counts(self) -> torch.Tensor:
+    def counts(self) -> np.ndarray:
         """``[len(self)]`` float32, the counts of :attr:`ids`."""
-        return torch.from_numpy(self._counts[:len(self._slots)])
+        return self._counts[:len(self._slots)]
 
 
 class LogitState:
@@ -73,10 +73,10 @@ class LogitState:
     def __init__(self, params: SamplingParams, prompt_ids: Sequence[int], eos_token_ids: Sequence[int], vocab: int):
         self.params, self.vocab = params, vocab
         bias = [(t, b) for t, b in (params.logit_bias or {}).items() if t < vocab]
-        self.bias_ids = torch.tensor([t for t, _ in bias], dtype=torch.int64)
-        self.bias_values = torch.tensor([b for _, b in bias], dtype=torch.float32)
+        self.bias_ids = np.array([t for t, _ in bias], dtype=np.int64)
+        self.bias_values = np.array([b for _, b in bias], dtype=np.float32)
         masked = params.masked_token_ids(0, eos_token_ids) if params.min_new_tokens else []
-        self.mask_ids = torch.tensor([t for t in masked if 0 <= t < vocab], dtype=torch.int64)
+        self.mask_ids = np.array([t for t in masked if 0 <= t < vocab], dtype=np.int64)
         self._prompt_ids = prompt_ids
         self.seen: Optional[TokenCounts] = None  # prompt and output: repetition
         self.output: Optional[TokenCounts] = None  # output only: frequency and presence
@@ -115,15 +115,16 @@ class LogitState:
 
 
 class _Triples:
-    """``(row, token, value)`` triples gathered from the rows of a batch, then as tensors."""
+    """``(row, token, value)`` triples gathered from the rows of a batch (host arrays), then as
+    tensors on the logits' device (one copy each)."""
 
     def __init__(self):
         self.rows: List[int] = []
         self.lens: List[int] = []
-        self.ids: List[torch.Tensor] = []
-        self.values: List[torch.Tensor] = []
+        self.ids: List[np.ndarray] = []
+        self.values: List[np.ndarray] = []
 
-    def add(self, row: int, ids: torch.Tensor, values: Optional[torch.Tensor] = None) -> None:
+    def add(self, row: int, ids: np.ndarray, values: Optional[np.ndarray] = None) -> None:
         if len(ids):
             self.rows.append(row)
             self.lens.append(len(ids))
@@ -133,16 +134,18 @@ class _Triples:
 
     def index(self, device):
         """``(rows, ids)`` on ``device``: the advanced index of every triple."""
-        rows = torch.repeat_interleave(torch.tensor(self.rows), torch.tensor(self.lens))
-        return rows.to(device), torch.cat(self.ids).to(device)
+        rows = np.repeat(np.array(self.rows, dtype=np.int64), self.lens)
+        return torch.from_numpy(rows).to(device), torch.from_numpy(np.concatenate(self.ids)).to(device)
+
+    def value(self, device) -> torch.Tensor:
+        """The values given to :meth:`add`, one per triple."""
+        return torch.from_numpy(np.concatenate(self.values)).to(device)
 
     def per_row(self, values: List[float], device) -> torch.Tensor:
         """One float32 value per row (``values``, in :meth:`add`'s order), repeated per triple."""
-        return torch.repeat_interleave(torch.tensor(values, dtype=torch.float32),
-                                       torch.tensor(self.lens)).to(device)
+        return torch.from_numpy(np.repeat(np.array(values, dtype=np.float32), self.lens)).to(device)
 
 
-@torch.inference_mode()  # (a forward's logits are inference tensors: written in place only in this mode)
 def adjust_logits(logits: torch.Tensor, states: Sequence[Optional[LogitState]], in_place: bool = False) -> torch.Tensor:
     """The batch's logits ``[bs, vocab]`` after its rows' bias, masks and penalties (``states[i]``
     for row ``i``, synced to its output; None: nothing), with only the listed tokens written:
@@ -166,10 +169,17 @@ def adjust_logits(logits: torch.Tensor, states: Sequence[Optional[LogitState]], 
             pres.append(state.params.presence_penalty)
     if not (bias.rows or masks.rows or seen.rows or output.rows):
         return logits
-    out = logits if in_place and logits.dtype == torch.float32 else logits.to(torch.float32, copy=True)
+    with torch.inference_mode():  # (a forward's logits are inference tensors: written in place only so)
+        return _write(logits if in_place and logits.dtype == torch.float32 else logits.to(torch.float32, copy=True),
+                      bias, masks, seen, output, rep, freq, pres)
+
+
+def _write(out: torch.Tensor, bias: _Triples, masks: _Triples, seen: _Triples, output: _Triples,
+           rep: List[float], freq: List[float], pres: List[float]) -> torch.Tensor:
+    """:func:`adjust_logits`'s writes into ``out``, in the references' order."""
     device = out.device
     if bias.rows:
-        out.index_put_(bias.index(device), torch.cat(bias.values).to(device), accumulate=True)
+        out.index_put_(bias.index(device), bias.value(device), accumulate=True)
     if masks.rows:  # after the bias: a masked token stays -inf whatever its bias
         out.index_put_(masks.index(device), torch.tensor(float("-inf"), device=device))
     if seen.rows:
@@ -178,6 +188,6 @@ def adjust_logits(logits: torch.Tensor, states: Sequence[Optional[LogitState]], 
         out[index] = torch.where(vals > 0, vals / penalty, vals * penalty)
     if output.rows:
         index = output.index(device)
-        counts = torch.cat(output.values).to(device)
+        counts = output.value(device)
         out[index] -= output.per_row(freq, device) * counts + output.per_row(pres, device)
     return out
