@@ -13,19 +13,26 @@ A retry of the request (its worker died) is routed as attempt 1, 2, ...: a route
 keyed by the request id and its attempt, a release names both, and routing a later
 attempt drops what is left of the earlier one's route (that attempt is over: its release
 was lost), so a lost release neither refuses the retry nor loads a worker until
-``route_ttl_s``, and a late one ends nothing of the retry's route.
+``route_ttl_s``, and a late one ends nothing of the retry's route. Each route also has a
+bootstrap room of its own (``RouteDecision.room``, SGLang's ``bootstrap_room``, picked here
+as SGLang's PD router does): the client reserves and aborts the attempt on the workers by it
+and names it in its releases, so a late release of an earlier request under the same id ends
+nothing of a later one's route.
 
 A lost final release (the call timed out or the router was unavailable; ``PDClient`` only
 logs it) is reconciled against the workers, which know what they hold: every ``load()``
-report names the requests the worker holds in any state (``rids``), and a route open longer
-than ``route_grace_s`` whose request neither of its workers holds in two heartbeat rounds in
+report names the requests the worker holds in any state (``rids``) and their rooms (``rooms``:
+the attempt each is), and a route open longer than ``route_grace_s`` whose attempt neither of
+its workers holds in two heartbeat rounds in
 a row is dropped (``stats()["reconciled"]``): its load and its id are free again after the
 grace and two or three heartbeats, not an hour. The grace (30 s, six heartbeats) covers
 routing → the client's reserve landing on the decode worker, which holds the request from then
 until it ends (two actor calls, milliseconds; calls queued at a decode actor at its
 ``max_concurrency`` queue its ``load()`` too, and a heartbeat not answered tells nothing).
-A worker that names no ids (the tests' fakes), misses a round or left the router keeps its
-routes; ``route_ttl_s`` is the last resort (``stats()["expired"]``).
+A worker that names no ids (the tests' fakes) or misses a round keeps its routes; ``route_ttl_s``
+is the last resort (``stats()["expired"]``). A worker removed from the router or whose actor
+died ends its routes' sides at once (``stats()["ended_with_worker"]`` counts the routes that
+ended so).
 
 State: the :class:`~actors.prefix_index.PrefixIndex` over the workers of both
 roles (a decode worker's radix cache holds the conversations it decoded: a
@@ -52,6 +59,7 @@ import asyncio
 import gc
 import inspect
 import logging
+import secrets
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence
@@ -75,6 +83,7 @@ class RouteDecision(NamedTuple):
     policy: str  # the prefill policy
     reason: str = ""  # the policy's why: "hit", "miss", "guard", "rr", ...
     decode_matched_tokens: int = 0  # prompt tokens the index says the decode worker holds
+    room: Optional[int] = None  # this attempt's bootstrap room: the client's reserve, abort and release name it
 
 
 @dataclass
@@ -87,6 +96,7 @@ class _Dispatch:
     decode_open: bool = True
     routed_at: float = 0.0
     attempt: int = 0  # the request's attempt (0, then a retry's number)
+    room: Optional[int] = None  # the attempt's bootstrap room (the workers name it with the id they hold)
     unheld: int = 0  # heartbeat rounds in a row, past the grace, in which neither worker held it
 
 
@@ -98,9 +108,12 @@ async def call_method(target: Any, method: str, *args: Any) -> Any:
     return await result if inspect.isawaitable(result) else result
 
 
+HELD_KEYS = ("rids", "rooms")  # a load report's ids (and rooms) of the requests held: the reconciliation's
+
+
 def _without_rids(report: Dict[str, Any]) -> Dict[str, Any]:
-    """A load report as kept and listed: the ids of the requests held are the reconciliation's."""
-    return {k: v for k, v in report.items() if k != "rids"} if "rids" in report else report
+    """A load report as kept and listed: the requests held are the reconciliation's."""
+    return {k: v for k, v in report.items() if k not in HELD_KEYS} if "rids" in report else report
 
 
 def _actor_died(exc: BaseException) -> bool:
@@ -119,9 +132,10 @@ class Router:
         self._requests: Dict[str, _Dispatch] = {}
         self._tasks: List[asyncio.Task] = []
         self._heartbeat_round = 0
-        # reconciled: routes dropped as held by neither worker; expired: dropped after route_ttl_s
+        # reconciled: routes dropped as held by neither worker; expired: dropped after route_ttl_s;
+        # ended_with_worker: routes whose last open side's worker was removed or died
         self.counters = dict(routed=0, prompt_tokens=0, matched_tokens=0, decode_matched_tokens=0, events=0, resyncs=0,
-                             dead=0, reconciled=0, expired=0)
+                             dead=0, reconciled=0, expired=0, ended_with_worker=0)
 
     # ---- workers ---------------------------------------------------------------------------
     async def add_worker(self, worker_id: str, role: str, handle: Any, node_id: str = "") -> None:
@@ -146,13 +160,29 @@ class Router:
         self.workers[worker_id] = worker
 
     async def remove_worker(self, worker_id: str) -> bool:
-        """Out of rotation and out of the index; its requests in flight go on where they are."""
+        """Out of rotation and out of the index; its requests in flight go on where they are, but
+        the router forgets them (as SGLang's router drops a removed worker's state): their routes'
+        sides on it end now (:meth:`_end_routes_of`)."""
         worker = self.workers.pop(worker_id, None)
         if worker is None:
             return False
         worker.alive = False
         self.index.remove_worker(worker_id)
+        self._end_routes_of(worker_id)
         return True
+
+    def _end_routes_of(self, worker_id: str) -> None:
+        """End every open route side on ``worker_id`` (removed, or its actor died): it loads nothing
+        the router counts, a worker registered again under the id starts from no load (a release
+        would take it below zero), and a route with no other side open ends — its id may be routed
+        again at once. One whose other side is open waits for that side's release or reconciliation."""
+        for rid, d in list(self._requests.items()):
+            for role, side_id, is_open in (("prefill", d.prefill_id, d.prefill_open),
+                                           ("decode", d.decode_id, d.decode_open)):
+                if is_open and side_id == worker_id:
+                    self.release_now(rid, role, d.attempt, d.room)
+            if rid not in self._requests:
+                self.counters["ended_with_worker"] += 1
 
     def list_workers(self) -> List[Dict[str, Any]]:
         return [dict(worker_id=w.worker_id, role=w.role, node_id=w.node_id, alive=w.alive, inflight=w.inflight,
@@ -174,7 +204,9 @@ class Router:
             self.counters["dead"] += 1
             self.index.remove_worker(worker.worker_id)
         worker.alive = False
-        worker.dead = worker.dead or died
+        if died and not worker.dead:  # a dead actor holds nothing: its routes' sides end
+            worker.dead = True
+            self._end_routes_of(worker.worker_id)
 
     # ---- requests --------------------------------------------------------------------------
     async def route(self, rid: str, input_ids: Sequence[int], extra_key: Optional[str] = None,
@@ -182,7 +214,10 @@ class Router:
         """Pick the pair for attempt ``attempt`` of a request and count its load on both from now
         on; never a worker in ``exclude`` (a retry's: those that died or were unavailable under its
         earlier attempts). The route of an earlier attempt still open is released first (that
-        attempt ended; its release was lost); one of this attempt or a later one: a duplicate id."""
+        attempt ended; its release was lost); one of this attempt or a later one: a duplicate id.
+        The decision names the attempt's bootstrap room (as SGLang's PD router picks it): the
+        workers report the room of each request they hold, so a route is judged by its attempt,
+        and a release naming the room ends this route only."""
         routed = self._requests.get(rid)
         if routed is not None and routed.attempt >= attempt:
             raise ValueError(f"request {rid!r} is already routed")
@@ -209,24 +244,29 @@ class Router:
         prefill.pending_prefill_tokens += uncached
         decode.inflight += 1
         decode.dispatched_tokens += len(input_ids)
+        room = secrets.randbits(63)  # (not the seeded generator: a restarted router must not repeat rooms)
         self._requests[rid] = _Dispatch(prefill.worker_id, decode.worker_id, uncached, len(input_ids),
-                                        routed_at=self.index.clock(), attempt=attempt)
+                                        routed_at=self.index.clock(), attempt=attempt, room=room)
         c = self.counters
         c["routed"], c["prompt_tokens"] = c["routed"] + 1, c["prompt_tokens"] + len(input_ids)
         c["matched_tokens"], c["decode_matched_tokens"] = c["matched_tokens"] + matched, \
             c["decode_matched_tokens"] + decode_matched
         return RouteDecision(prefill.worker_id, decode.worker_id, matched, self.settings.prefill_policy, reason,
-                             decode_matched)
+                             decode_matched, room)
 
-    async def release(self, rid: str, role: Optional[str] = None, attempt: Optional[int] = None) -> None:
+    async def release(self, rid: str, role: Optional[str] = None, attempt: Optional[int] = None,
+                      room: Optional[int] = None) -> None:
         """Attempt ``attempt`` of the request (None: whichever is routed) no longer loads ``role``'s
-        worker (None: either; the attempt is over). Idempotent; a no-op for a route not open (never
-        made, expired, or replaced by a later attempt's)."""
-        self.release_now(rid, role, attempt)
+        worker (None: either; the attempt is over). ``room`` (the decision's): only that route — a
+        late release of an earlier request under the id, routed again since, ends nothing of the
+        new one. Idempotent; a no-op for a route not open (never made, expired, ended with its
+        workers, or replaced by a later attempt's)."""
+        self.release_now(rid, role, attempt, room)
 
-    def release_now(self, rid: str, role: Optional[str] = None, attempt: Optional[int] = None) -> None:
+    def release_now(self, rid: str, role: Optional[str] = None, attempt: Optional[int] = None,
+                    room: Optional[int] = None) -> None:
         d = self._requests.get(rid)
-        if d is None or (attempt is not None and d.attempt != attempt):
+        if d is None or (attempt is not None and d.attempt != attempt) or (room is not None and d.room != room):
             return
         if role in (None, "prefill") and d.prefill_open:
             d.prefill_open = False
@@ -332,8 +372,9 @@ class Router:
                 logger.warning("router: worker %s is back in the rotation", worker.worker_id)
                 worker.alive = True
             worker.report, worker.dispatched_tokens, worker.missed_heartbeats = _without_rids(report), 0, 0
-            held = report.get("rids")
+            held, rooms = report.get("rids"), report.get("rooms")
             worker.held_rids, worker.held_round = (None if held is None else frozenset(held)), heartbeat_round
+            worker.held_rooms = dict(rooms) if held is not None and rooms else {}
 
         self._expire_routes()
         await asyncio.gather(*(ping(w) for w in self.workers.values() if not w.dead))
@@ -344,36 +385,42 @@ class Router:
         round asked for the reports (the request had time to reach its workers) and held by
         neither worker in this round's reports and the previous round's (a report taken as the
         request arrived cannot drop it). A side already released is not asked (its prefill ended).
-        A worker that did not answer this round, names no ids (``rids``) or left the router may
-        hold it: the route waits, ``route_ttl_s`` at most."""
+        A worker that did not answer this round or names no ids (``rids``) may hold it: the route
+        waits, ``route_ttl_s`` at most."""
         cutoff = asked_at - self.settings.route_grace_s
         for rid, d in list(self._requests.items()):
             if d.routed_at > cutoff:
                 continue
             open_sides = [w for w, is_open in ((d.prefill_id, d.prefill_open), (d.decode_id, d.decode_open)) if is_open]
-            if any(self._may_hold(worker_id, rid, heartbeat_round) for worker_id in open_sides):
+            if any(self._may_hold(worker_id, rid, d.room, heartbeat_round) for worker_id in open_sides):
                 d.unheld = 0
                 continue
             d.unheld += 1
             if d.unheld >= 2:
                 logger.warning("router: neither %s nor %s holds request %s (attempt %d): its release was lost; it "
                                "stops counting as load", d.prefill_id, d.decode_id, rid, d.attempt)
-                self.release_now(rid, None, d.attempt)
+                self.release_now(rid, None, d.attempt, d.room)
                 self.counters["reconciled"] += 1
 
-    def _may_hold(self, worker_id: str, rid: str, heartbeat_round: int) -> bool:
-        """Whether worker ``worker_id`` may hold request ``rid`` as of round ``heartbeat_round``'s
-        reports (ids, not attempts: an earlier attempt still there under the id counts)."""
+    def _may_hold(self, worker_id: str, rid: str, room: Optional[int], heartbeat_round: int) -> bool:
+        """Whether worker ``worker_id`` may hold attempt ``room`` of request ``rid`` as of round
+        ``heartbeat_round``'s reports. A worker holds one request per id at most; one it names
+        with another room is another attempt (an earlier one's leftover, say a prefill that an
+        unavailable worker still runs), not this route's. A request named without a room may be
+        any attempt."""
         worker = self.workers.get(worker_id)
-        if worker is None:  # removed: its requests go on there, unseen
-            return True
-        if worker.dead:  # its actor is gone: it holds nothing
+        if worker is None or worker.dead:  # removed (its routes' sides ended then) or its actor is gone
             return False
-        return worker.held_round != heartbeat_round or worker.held_rids is None or rid in worker.held_rids
+        if worker.held_round != heartbeat_round or worker.held_rids is None:
+            return True
+        if rid not in worker.held_rids:
+            return False
+        held_room = worker.held_rooms.get(rid)
+        return room is None or held_room is None or held_room == room
 
     def _expire_routes(self) -> None:
         """Routes never released stop counting as load after ``route_ttl_s``: the last resort for
-        those reconciliation cannot end (a worker that names no ids, or left the router)."""
+        those reconciliation cannot end (a worker that names no ids)."""
         cutoff = self.index.clock() - self.settings.route_ttl_s
         for rid in [rid for rid, d in self._requests.items() if d.routed_at <= cutoff]:
             logger.warning("router: request %s was never released; it stops counting as load", rid)

@@ -77,6 +77,7 @@ class WorkerState:
     event_cursor: int = 0  # prefill: the last KV event id applied
     report: Dict[str, Any] = field(default_factory=dict)  # the last load(), its ``rids`` left out
     held_rids: Optional[FrozenSet[str]] = None  # the requests the last load() said it holds (None: it names none)
+    held_rooms: Dict[str, int] = field(default_factory=dict)  # ... the bootstrap room of those it names one of
     held_round: int = -1  # the router's heartbeat round that load() answered
 
     def load(self) -> int:

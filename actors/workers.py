@@ -148,15 +148,18 @@ class _Worker:
         return ray.get_runtime_context().get_node_id() if ray.is_initialized() else "local"
 
     def load(self) -> Dict[str, Any]:
-        """Queue lengths and KV usage for heartbeats, and ``rids``: the id of every request this
-        worker holds in any state (the router drops a route neither of its workers holds: its
+        """Queue lengths and KV usage for heartbeats, ``rids``: the id of every request this
+        worker holds in any state, and ``rooms``: the bootstrap room (the attempt) of those that
+        have one (the router drops a route whose attempt neither of its workers holds: its
         release was lost)."""
         self._raise_if_broken()
         sched = self.scheduler
         total = sched.total_tokens()
+        held = self.loop.held_rooms()
         return {
             "worker_id": self.worker_id,
-            "rids": self.loop.held_rids(),
+            "rids": list(held),
+            "rooms": {rid: room for rid, room in held.items() if room is not None},
             "waiting": len(sched.waiting),
             "running": len(sched.running),
             "free_slots": sched.available_tokens(),

@@ -77,7 +77,7 @@ class PDClient:
                  router_timeout_s: float = 30.0, max_retries: int = 2, retry_backoff_s: float = 0.05):
         self.prefill, self.decode = prefill, decode
         # anything with async route(rid, input_ids[, extra_key, exclude, attempt]) and
-        # release(rid, role=None, attempt=None), as actors.router.Router; None: round-robin
+        # release(rid, role=None, attempt=None[, room]), as actors.router.Router; None: round-robin
         self.router = router
         self.router_timeout_s = router_timeout_s  # a route or release the router does not answer in time
         self.max_retries = max_retries  # new pairs a request may try after its worker died or was unavailable
@@ -106,11 +106,12 @@ class PDClient:
         return pool[next(self._rr[role]) % len(pool)]
 
     async def _pick_pair(self, rid: str, input_ids: List[int], exclude: Set[str] = frozenset(), attempt: int = 0):
-        """(prefill, decode) for attempt ``attempt`` of a request: the router's decision, or
+        """(prefill, decode, room) for attempt ``attempt`` of a request: the router's decision, or
         round-robin without one; never a worker in ``exclude`` (those that failed an earlier
-        attempt of the request)."""
+        attempt of the request). ``room``: the attempt's bootstrap room the router picked (its
+        releases name it; the workers report it), None without one."""
         if self.router is None:
-            return self._pick("prefill", exclude), self._pick("decode", exclude)
+            return self._pick("prefill", exclude), self._pick("decode", exclude), None
         args = (rid, input_ids) + ((None, sorted(exclude), attempt) if exclude or attempt else ())
         routing = asyncio.ensure_future(call_method(self.router, "route", *args))
         try:
@@ -125,10 +126,11 @@ class PDClient:
             raise PDRequestError(f"the router could not place {rid}: {exc}") from exc
         refs = {w.worker_id: w for w in self.prefill + self.decode}
         prefill, decode = refs.get(decision.prefill_id), refs.get(decision.decode_id)
+        room = getattr(decision, "room", None)
         if prefill is None or decode is None:
-            await self._release(rid, attempt=attempt)
+            await self._release(rid, attempt=attempt, room=room)
             raise PDRequestError(f"the router chose a worker this client does not know: {decision}")
-        return prefill, decode
+        return prefill, decode, room
 
     def _background(self, coro) -> None:
         """Run ``coro`` on its own, referenced until done (a task nobody holds may be collected)."""
@@ -143,27 +145,30 @@ class PDClient:
         if routing.cancelled() or routing.exception() is not None:
             self._unreleased.discard(rid)
         else:
-            self._background(self._forget_route(rid, attempt))
+            self._background(self._forget_route(rid, attempt, getattr(routing.result(), "room", None)))
 
-    async def _forget_route(self, rid: str, attempt: int) -> None:
+    async def _forget_route(self, rid: str, attempt: int, room: Optional[int] = None) -> None:
         """Release the route of a request given up while the router placed it."""
         try:
-            await self._release(rid, attempt=attempt)
+            await self._release(rid, attempt=attempt, room=room)
         finally:
             self._unreleased.discard(rid)
 
-    async def _release(self, rid: str, role: Optional[str] = None, wait: bool = True, attempt: int = 0) -> None:
-        """Tell the router attempt ``attempt`` of ``rid`` is done with ``role`` (None: both);
-        ``wait=False`` does not wait for a router actor's answer (release is idempotent, and a
-        later full release covers a lost partial one; routing a retry, a lost full one)."""
+    async def _release(self, rid: str, role: Optional[str] = None, wait: bool = True, attempt: int = 0,
+                       room: Optional[int] = None) -> None:
+        """Tell the router attempt ``attempt`` (bootstrap room ``room``, the router's) of ``rid`` is
+        done with ``role`` (None: both); ``wait=False`` does not wait for a router actor's answer
+        (release is idempotent, and a later full release covers a lost partial one; routing a
+        retry, a lost full one)."""
         if self.router is None:
             return
+        args = (rid, role, attempt) + (() if room is None else (room,))
         remote = getattr(self.router.release, "remote", None)
         try:
             if remote is not None and not wait:
-                remote(rid, role, attempt)  # submitted now; off the path to the first token
+                remote(*args)  # submitted now; off the path to the first token
             else:
-                await wait_for(call_method(self.router, "release", rid, role, attempt), self.router_timeout_s)
+                await wait_for(call_method(self.router, "release", *args), self.router_timeout_s)
         except Exception as exc:  # the router is gone (a new one counts load afresh) or hung: it drops the
             # route once neither worker holds the request (route_grace_s), route_ttl_s at the latest
             logger.warning("router release of %s failed: %s", rid, exc)
@@ -237,13 +242,15 @@ class PDClient:
                        exclude: Set[str], attempt: int = 0) -> AsyncIterator[Dict[str, Any]]:
         """Attempt ``attempt`` of ``rid`` on a pair outside ``exclude``; on its way out (however)
         it leaves nothing on either worker and releases its route."""
-        prefill, decode = await self._pick_pair(rid, input_ids, exclude, attempt)
-        room = random.getrandbits(63)  # this attempt: every abort below names it, never a later one under rid
+        prefill, decode, routed_room = await self._pick_pair(rid, input_ids, exclude, attempt)
+        # this attempt: every abort below names it, never a later one under rid; the router's (the
+        # workers report it, and the router judges a route whose release was lost by it)
+        room = routed_room if routed_room is not None else random.getrandbits(63)
         override = None if self.backend == "auto" else self.backend
         try:
             backend = select_backend(prefill.node_id == decode.node_id, self.device, override)
         except BaseException:  # (a backend the pair cannot use): nothing asked of either side yet
-            await self._release(rid, attempt=attempt)
+            await self._release(rid, attempt=attempt, room=routed_room)
             raise
         prefill.inflight += 1
         decode.inflight += 1
@@ -275,7 +282,7 @@ class PDClient:
                     raise WorkerLostError(f"decode worker {decode.worker_id} died while {rid}'s KV moved to it "
                                           f"({exc})", decode, died=True) from exc
                 raise
-            await self._release(rid, "prefill", wait=False, attempt=attempt)
+            await self._release(rid, "prefill", wait=False, attempt=attempt, room=routed_room)
             gen = decode.handle.stream.options(num_returns="streaming").remote(rid, notice)
             async for ref in gen:
                 out = await self._call(decode, ref, self.waiting_timeout_s, rid)
@@ -297,7 +304,7 @@ class PDClient:
             if not (finished or decode_told) and not decode.dead:  # after the notice: the caller went away or a
                 decode.handle.abort.remote(rid, "the client went away", True, room)  # call failed; nothing can push
             # (before the id is free again or routed anew: a new request or attempt under it routes afresh)
-            await self._release(rid, attempt=attempt)
+            await self._release(rid, attempt=attempt, room=routed_room)
 
     async def drain(self, timeout_s: float = 120.0) -> None:
         """Refuse new requests; return once every accepted one has ended (those the router is
@@ -360,8 +367,8 @@ class PDClient:
             try:
                 # a TP worker's rank 0 watches its followers: load() fails once one is gone
                 report = await asyncio.wait_for(w.handle.load.remote(), timeout=self.heartbeat_interval_s)
-                # (the ids of the requests it holds are for the router's reconciliation; not in /workers)
-                w.stats = {k: v for k, v in report.items() if k != "rids"}
+                # (the requests it holds, by id and room, are for the router's reconciliation; not in /workers)
+                w.stats = {k: v for k, v in report.items() if k not in ("rids", "rooms")}
                 w.missed_heartbeats = 0
             except Exception as exc:
                 w.missed_heartbeats += 1

@@ -363,3 +363,33 @@ def test_a_client_gone_while_the_lost_prefill_is_stopped_still_ends_the_decode_r
     assert [c for c in reserved.calls if c[0] == "abort"] == [("abort", "r", reserved.rooms("reserve")[0], False)]
     assert client.num_retries == 0
     assert_clean(client, router)
+
+
+class RecordingRouter:
+    """A real Router whose decisions and releases are recorded."""
+
+    def __init__(self, router: Router):
+        self.router, self.decisions, self.releases = router, [], []
+
+    async def route(self, *args):
+        decision = await self.router.route(*args)
+        self.decisions.append(decision)
+        return decision
+
+    async def release(self, *args):
+        self.releases.append(args)
+        await self.router.release(*args)
+
+
+def test_each_attempt_uses_the_room_its_route_names():
+    """The workers report the rooms of the requests they hold and the router judges a route
+    whose release was lost by its room: the client reserves each attempt under its route's room
+    and names it in that attempt's releases."""
+    client, router, prefill, decode = cluster(2, 2, Faults(prefill=[ActorDiedError()]))
+    client.router = recording = RecordingRouter(router)
+    asyncio.run(collect(client))
+    rooms = [d.room for d in recording.decisions]
+    assert len(rooms) == 2 and rooms[0] != rooms[1]
+    assert [room for w in decode for room in w.rooms("reserve")] in (rooms, rooms[::-1])
+    assert {args[-1] for args in recording.releases} == set(rooms)  # every release names its route's room
+    assert_clean(client, router)

@@ -515,18 +515,20 @@ def test_abort_while_reserved_frees_slots(checkpoints):
 def test_load_names_the_requests_each_worker_holds(checkpoints):
     """What the router reconciles its routes against (a lost release): the decode worker's
     ``load()`` names the request from its reservation on, the prefill worker's while it is
-    queued there (its loop paused), and neither once it ended."""
+    queued there (its loop paused), and neither once it ended; both name its attempt's room."""
     path = checkpoints["llama"]
     prefill, decode = make_pair(path)
     ids = prompts(1, 12, 12, seed=5)[0]
 
     async def go():
-        handoffs = await decode.reserve("held", ids, GREEDY)
+        handoffs = await decode.reserve("held", ids, GREEDY, None, 7)
         assert (prefill.load()["rids"], decode.load()["rids"]) == ([], ["held"])
+        assert decode.load()["rooms"] == {"held": 7}
         prefill.pause_generation()
         prefilling = asyncio.ensure_future(prefill.prefill("held", ids, GREEDY, handoffs))
         await until(lambda: prefill.load()["waiting"] == 1, what="the prefill queued")
         assert (prefill.load()["rids"], decode.load()["rids"]) == (["held"], ["held"])
+        assert prefill.load()["rooms"] == {"held": 7}  # (from the hand-offs)
         prefill.continue_generation()
         notice = await prefilling
         assert (prefill.load()["rids"], decode.load()["rids"]) == ([], ["held"])
@@ -534,6 +536,7 @@ def test_load_names_the_requests_each_worker_holds(checkpoints):
             pass
         assert final["meta_info"]["finish_reason"] is not None
         assert (prefill.load()["rids"], decode.load()["rids"]) == ([], [])
+        assert decode.load()["rooms"] == {}
 
     asyncio.run(go())
     close(prefill, decode)

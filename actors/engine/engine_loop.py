@@ -78,6 +78,12 @@ class EngineLoop:
         with self._callbacks_lock:
             return list(self._by_rid)
 
+    def held_rooms(self) -> Dict[str, Optional[int]]:
+        """:meth:`held_rids` with each request's bootstrap room (the PD attempt it is; None: it has
+        none), read the same way."""
+        with self._callbacks_lock:
+            return {rid: getattr(req, "pd_room", None) for rid, req in self._by_rid.items()}
+
     def run_exclusive(self, fn):
         """Run ``fn()`` with the loop paused (for idle checks and cache flushes)."""
         with self._cond:

@@ -1,0 +1,145 @@
+"""The router's routes past their release (in-process, no Ray): a route is judged by its attempt's
+bootstrap room, not only its request id, and a worker removed from the router, or whose actor
+died, ends its routes' sides at once."""
+
+import asyncio
+
+from ray.exceptions import ActorDiedError
+
+from actors.router import Router
+from actors.routing_policies import RouterSettings
+from tests.router_helpers import FakeDecode, FakePrefill
+
+PS = 4
+PROMPT = list(range(16))
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def _router(clock, prefills=("p0",), decodes=("d0", "d1")):
+    """A router over fakes whose load reports name what they hold (``rids``: none yet)."""
+    router = Router(RouterSettings(page_size=PS, route_grace_s=30.0), clock=clock)
+    workers = {w: FakePrefill(w, PS) for w in prefills}
+    workers.update({w: FakeDecode(w, PS) for w in decodes})
+    for w in workers.values():
+        w.reported.update(rids=[], rooms={})
+        run(router.add_worker(w.worker_id, w.role, w))
+    return router, workers
+
+
+def _rounds(router, clock, n):
+    for _ in range(n):
+        clock.now += 5.0
+        run(router.heartbeat_once())
+
+
+def test_routes_have_rooms_of_their_own():
+    clock = Clock()
+    router, _ = _router(clock)
+    first = run(router.route("r1", PROMPT))
+    retry = run(router.route("r1", PROMPT, None, [first.decode_id], 1))
+    other = run(router.route("r2", PROMPT))
+    assert len({first.room, retry.room, other.room}) == 3
+    assert all(0 <= d.room < 2**63 for d in (first, retry, other))
+
+
+def test_a_leftover_of_an_earlier_attempt_does_not_hold_the_retry_s_route():
+    """Attempt 0 on (p0, d0): d0 was unavailable, and the prefill's abort did not get through,
+    so p0 still runs attempt 0's prefill. The retry runs on (p0, d1) and ends, both its releases
+    lost. p0 names the id, but with attempt 0's room: the retry's route is dropped after the
+    grace and two rounds, not kept as long as the leftover runs (or an hour)."""
+    clock = Clock()
+    router, workers = _router(clock)
+    first = run(router.route("r1", PROMPT))
+    retry = run(router.route("r1", PROMPT, None, [first.decode_id], 1))
+    assert retry.prefill_id == first.prefill_id == "p0"
+    workers["p0"].reported.update(rids=["r1"], rooms={"r1": retry.room})  # the retry's own prefill
+    clock.now = 31.0
+    _rounds(router, clock, 3)
+    assert router.stats()["inflight"] == 1  # held: it is this attempt
+    workers["p0"].reported.update(rids=["r1"], rooms={"r1": first.room})  # only attempt 0's leftover now
+    _rounds(router, clock, 2)
+    assert router.stats()["inflight"] == 0 and router.stats()["reconciled"] == 1
+    assert router.workers["p0"].inflight == 0 and router.workers[retry.decode_id].inflight == 0
+
+
+def test_a_request_named_without_a_room_may_be_any_attempt():
+    """A worker that names the id but no room for it (a request outside PD, an older worker):
+    the route stays."""
+    clock = Clock()
+    router, workers = _router(clock)
+    decision = run(router.route("r1", PROMPT))
+    workers[decision.decode_id].reported.update(rids=["r1"], rooms={})
+    clock.now = 31.0
+    _rounds(router, clock, 3)
+    assert router.stats()["inflight"] == 1 and router.stats()["reconciled"] == 0
+
+
+def test_a_late_release_of_an_earlier_request_under_the_id_ends_nothing_of_the_new_route():
+    """Request A's final release was delayed (its call timed out at the client, and runs later);
+    A's route was reconciled meanwhile and request B routed under the same id, attempt 0 too.
+    A's release names A's room: B's route and load stay."""
+    clock = Clock()
+    router, _ = _router(clock)
+    a = run(router.route("r1", PROMPT))
+    clock.now = 31.0
+    _rounds(router, clock, 2)
+    assert router.stats()["reconciled"] == 1
+    b = run(router.route("r1", PROMPT))
+    run(router.release("r1", None, 0, a.room))  # A's, late
+    assert router.stats()["inflight"] == 1 and router.workers[b.decode_id].inflight == 1
+    run(router.release("r1", None, 0, b.room))
+    assert router.stats()["inflight"] == 0 and all(w.inflight == 0 for w in router.workers.values())
+
+
+def test_a_removed_worker_ends_its_routes_sides_at_once():
+    """Deregistered: its load is not counted any more, a route with no other side open ends (its id
+    may be routed again at once), and one whose prefill is still open keeps that side. Registered
+    again, the worker starts from no load: the routes' later releases never take it below zero."""
+    clock = Clock()
+    router, workers = _router(clock, decodes=("d0",))
+    run(router.route("r1", PROMPT))
+    run(router.route("r2", PROMPT))
+    run(router.release("r2", "prefill"))
+    assert router.workers["d0"].inflight == 2
+    assert run(router.remove_worker("d0"))
+    assert sorted(router._requests) == ["r1"] and router.stats()["ended_with_worker"] == 1
+    assert (router.workers["p0"].inflight, router._requests["r1"].decode_open) == (1, False)
+    run(router.add_worker("d0", "decode", workers["d0"]))
+    assert router.workers["d0"].inflight == 0
+    run(router.route("r2", PROMPT))  # accepted again at once, not after route_ttl_s
+    run(router.release("r1"))
+    p0 = router.workers["p0"]
+    assert (p0.inflight, p0.pending_prefill_tokens) == (1, router._requests["r2"].uncached_tokens)
+    assert router.workers["d0"].inflight == 1  # r2's new route only
+    run(router.release("r2"))
+    assert all((w.inflight, w.pending_prefill_tokens) == (0, 0) for w in router.workers.values())
+
+
+def test_a_worker_whose_actor_died_ends_its_routes_sides_at_once():
+    """A heartbeat finds the decode actor dead: the routes on it stop loading it and end where no
+    other side is open — no grace, no reconciliation rounds."""
+    clock = Clock()
+    router, workers = _router(clock)
+    decision = run(router.route("r1", PROMPT))
+    run(router.release("r1", "prefill"))
+
+    def dead():
+        raise ActorDiedError()
+
+    workers[decision.decode_id].load = dead
+    run(router.heartbeat_once())
+    dead_state = router.workers[decision.decode_id]
+    assert dead_state.dead and dead_state.inflight == 0
+    assert router.stats()["inflight"] == 0 and router.stats()["ended_with_worker"] == 1
+    assert run(router.route("r1", PROMPT)).decode_id != decision.decode_id
