@@ -23,12 +23,12 @@ A lost final release (the call timed out or the router was unavailable; ``PDClie
 logs it) is reconciled against the workers, which know what they hold: every ``load()``
 report names the requests the worker holds in any state (``rids``) and their rooms (``rooms``:
 the attempt each is), and a route open longer than ``route_grace_s`` whose attempt neither of
-its workers holds in two heartbeat rounds in
-a row is dropped (``stats()["reconciled"]``): its load and its id are free again after the
-grace and two or three heartbeats, not an hour. The grace (30 s, six heartbeats) covers
-routing → the client's reserve landing on the decode worker, which holds the request from then
-until it ends (two actor calls, milliseconds; calls queued at a decode actor at its
-``max_concurrency`` queue its ``load()`` too, and a heartbeat not answered tells nothing).
+its workers holds in two heartbeat rounds in a row is dropped (``stats()["reconciled"]``): its
+load and its id are free again after the grace and two or three heartbeats, not an hour. The
+grace (30 s, six heartbeats) covers routing → the client's reserve landing on the decode worker,
+which holds the request from then until it ends (two actor calls, milliseconds; calls queued
+at a decode actor at its ``max_concurrency`` queue its ``load()`` too, and a heartbeat not
+answered tells nothing).
 A worker that names no ids (the tests' fakes) or misses a round keeps its routes; ``route_ttl_s``
 is the last resort (``stats()["expired"]``). A worker removed from the router or whose actor
 died ends its routes' sides at once (``stats()["ended_with_worker"]`` counts the routes that
