@@ -346,6 +346,7 @@ class Router:
         heartbeat_round, asked_at = self._heartbeat_round, self.index.clock()
 
         async def ping(worker: WorkerState) -> None:
+            sent = worker.dispatched_tokens  # what the report covers; what is routed while it is out does not
             try:
                 report = await asyncio.wait_for(call_method(worker.handle, "load"), s.heartbeat_interval_s)
             except Exception as exc:
@@ -371,7 +372,8 @@ class Router:
                     return
                 logger.warning("router: worker %s is back in the rotation", worker.worker_id)
                 worker.alive = True
-            worker.report, worker.dispatched_tokens, worker.missed_heartbeats = _without_rids(report), 0, 0
+            worker.report, worker.missed_heartbeats = _without_rids(report), 0
+            worker.dispatched_tokens -= sent  # (a load() queued behind a burst's reserves: seconds of routes)
             held, rooms = report.get("rids"), report.get("rooms")
             worker.held_rids, worker.held_round = (None if held is None else frozenset(held)), heartbeat_round
             worker.held_rooms = dict(rooms) if held is not None and rooms else {}

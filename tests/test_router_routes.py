@@ -143,3 +143,30 @@ def test_a_worker_whose_actor_died_ends_its_routes_sides_at_once():
     assert dead_state.dead and dead_state.inflight == 0
     assert router.stats()["inflight"] == 0 and router.stats()["ended_with_worker"] == 1
     assert run(router.route("r1", PROMPT)).decode_id != decision.decode_id
+
+
+def test_tokens_routed_while_a_load_report_is_out_still_count():
+    """A decode worker's ``load()`` queued behind a burst (seconds at an actor's max_concurrency):
+    the report cannot cover what was routed after it was asked for, so those tokens still count
+    against its free slots — only what was dispatched before the ask is replaced by the report."""
+    clock = Clock()
+    router, workers = _router(clock, decodes=("d0",))
+    run(router.route("before", PROMPT))
+
+    async def scenario():
+        asked, answer, report = asyncio.Event(), asyncio.Event(), workers["d0"].load()
+
+        async def slow_load():
+            asked.set()
+            await answer.wait()
+            return report
+
+        workers["d0"].load = slow_load
+        heartbeat = asyncio.ensure_future(router.heartbeat_once())
+        await asyncio.wait_for(asked.wait(), 5.0)
+        await router.route("during", PROMPT + [7, 7, 7, 7])
+        answer.set()
+        await heartbeat
+
+    run(scenario())
+    assert router.workers["d0"].free_slots() == workers["d0"].reported["free_slots"] - 20  # "during"'s 20
