@@ -416,7 +416,7 @@ def test_a_worker_whose_tp_group_broke_fails_its_health_check():
 
     worker = PrefillWorker.__new__(PrefillWorker)  # (only what health() reads)
     worker.worker_id, worker.role, worker.draining, worker.broken = "prefill-0", "prefill", False, None
-    worker.tp_worker = SimpleNamespace(broken=None)
+    worker.tp_worker, worker.rank = SimpleNamespace(broken=None), SimpleNamespace(pusher=None)
     assert worker.health()["worker_id"] == "prefill-0"
     worker.tp_worker.broken = "a forward failed (RuntimeError: injected)"
     with pytest.raises(WorkerBrokenError, match="injected"):
