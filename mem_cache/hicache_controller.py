@@ -28,7 +28,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -49,8 +49,13 @@ class LayerDoneCounter:
     forward pass can read layer 0 while later layers are still copying. A CUDA
     loader passes the event recorded after the layer's copies on its stream:
     the reader's current stream waits for it (the host does not). ``fail(exc)``
-    ends a load that cannot finish: readers get an error, not a hang.
+    ends a load that cannot finish: readers get an error, not a hang — or, without
+    ``fail_readers`` (a TP rank), go through: the failed layers' slots hold garbage,
+    and the forward runs on to every collective in step with the other ranks (ending
+    the load reports the failure, and the step's outputs are discarded).
     """
+
+    fail_readers = True
 
     def __init__(self, start_layer: int, num_layers: int):
         self.start_layer = start_layer
@@ -94,11 +99,20 @@ class LayerDoneCounter:
         with self._cond:
             if not self._cond.wait_for(lambda: self._num_done > index or self._error is not None, timeout):
                 raise TimeoutError(f"layer {layer_id} not loaded after {timeout}s ({self._num_done} layers done)")
-            if self._num_done <= index:
+            if self._num_done <= index and self.fail_readers:
                 raise RuntimeError(f"loading layer {layer_id} from the host tier failed: {self._error!r}")
             event = self._events[index] if 0 <= index < len(self._events) else None
         if event is not None:  # ordered on the device: this stream's next kernels wait for the layer's copies
             event.wait()  # (the current stream of this thread's device)
+
+
+class LoadReport(NamedTuple):
+    """A TP follower's loads that failed since rank 0 last asked (:meth:`HiCacheController.take_load_report`):
+    why, and the device slots left without KV (None: the copies again landed, but a forward
+    may have read the slots before)."""
+
+    error: str
+    lost: Optional[torch.Tensor]
 
 
 @dataclass(eq=False)
@@ -155,6 +169,13 @@ class HiCacheController:
     (rank 0 with TP > 1) has every other rank read the same pages into the
     same host slots and answer how many it read, and :meth:`read_storage`
     keeps the pages every rank has.
+
+    Loads failing on another rank (its own host copy unreadable) must not stop it midway
+    through a forward: its ``keep_load_errors`` controller lets the readers through and keeps
+    the failure (:meth:`take_load_report`); rank 0, ``peers_loads`` set
+    (:meth:`set_peers_loads`), asks every rank after ending its own loads
+    (:meth:`end_peer_loads`): a failure anywhere is the step's, and the slots a rank could
+    not fill are lost on every rank (:meth:`take_lost_loads`).
     """
 
     def __init__(
@@ -166,6 +187,7 @@ class HiCacheController:
         async_storage_writes: bool = False,
         max_pending_writes: int = 64,
         overlap_write: bool = False,
+        keep_load_errors: bool = False,
     ):
         self.device_pool = device_pool
         self.host_pool = host_pool
@@ -181,6 +203,14 @@ class HiCacheController:
         self._load_stream: Any = None
         self._loader: Optional[ThreadPoolExecutor] = None
         self._lost_loads: List[torch.Tensor] = []  # device slots of failed loads copied again in vain
+        # a TP follower: failed loads are kept for rank 0 (take_load_report), not raised; readers go through
+        self.keep_load_errors = keep_load_errors
+        self.layer_done_counter.fail_readers = not keep_load_errors
+        self._load_errors: List[str] = []
+        # TP rank 0: () -> every other rank's LoadReport (or None); the device slots of the loads
+        # logged since it was last called
+        self.peers_loads: Optional[Callable[[], List[Any]]] = None
+        self._unasked_loads: List[torch.Tensor] = []
         # start_write → (the writer thread) → the future done; finish_writes waits for all
         self.overlap_write = overlap_write
         self._writes: List[Future] = []
@@ -370,8 +400,9 @@ class HiCacheController:
     def wait_loading(self) -> None:
         """Block until the transfer in flight has reached the device. If it failed, its
         loads are copied again here, synchronously (the forward that read them failed;
-        the slots must not keep what did not land), and the error is raised. If the copy
-        again fails too, its device slots hold no KV: :meth:`take_lost_loads` names them."""
+        the slots must not keep what did not land), and the error is raised (with
+        ``keep_load_errors``: kept for :meth:`take_load_report`). If the copy again
+        fails too, its device slots hold no KV: :meth:`take_lost_loads` names them."""
         transfer, self._transfer = self._transfer, None
         if transfer is None:
             return
@@ -382,7 +413,7 @@ class HiCacheController:
                 transfer["future"].result()
             if "done" in transfer:
                 transfer["done"].synchronize()
-        except BaseException:
+        except BaseException as exc:
             self.layer_done_counter.end()
             logger.exception("loading KV from the host tier failed; copying it again before going on")
             if self._load_stream is not None:  # copies it did enqueue land first, not over the new ones
@@ -392,17 +423,73 @@ class HiCacheController:
                     logger.exception("the load stream failed too")
             try:
                 self._copy_now(transfer["host"], transfer["device"])
-            except BaseException:
+            except BaseException as again:
                 self._lost_loads.append(transfer["device"])
-                raise
-            raise
+                self._load_failed(again)
+                return
+            self._load_failed(exc)
+            return
         self.layer_done_counter.end()
+
+    def _load_failed(self, exc: BaseException) -> None:
+        """Raise ``exc`` — with ``keep_load_errors`` (a TP follower) keep it for rank 0 instead."""
+        if not self.keep_load_errors or not isinstance(exc, Exception):
+            raise exc
+        self._load_errors.append(f"{type(exc).__name__}: {exc}")
 
     def take_lost_loads(self) -> Optional[torch.Tensor]:
         """The device slots of the loads that failed twice (see :meth:`wait_loading`) since
         the last call, or None; whoever holds them must not read them as KV."""
         lost, self._lost_loads = self._lost_loads, []
         return torch.cat(lost) if lost else None
+
+    # ---- failed loads across TP ranks -----------------------------------------------
+    def take_load_report(self) -> Optional[LoadReport]:
+        """(A TP follower, ``keep_load_errors``) its loads that failed since the last call —
+        their errors, the slots they left without KV (CPU) — or None when all landed."""
+        errors, self._load_errors = self._load_errors, []
+        lost = self.take_lost_loads()
+        if not errors and lost is None:
+            return None
+        return LoadReport("; ".join(errors), None if lost is None else lost.cpu())
+
+    @property
+    def load_failures_pending(self) -> bool:
+        """Failed loads :meth:`take_load_report` has not handed over yet."""
+        return bool(self._load_errors or self._lost_loads)
+
+    def set_peers_loads(self, peers_loads: Optional[Callable[[], List[Any]]]) -> None:
+        """(TP rank 0) ``peers_loads()`` asks every other rank for its :meth:`take_load_report`.
+        With it, readers of a failed load go through on this rank too: its forward must reach
+        the collectives the other ranks' forwards wait in."""
+        self.peers_loads = peers_loads
+        self.layer_done_counter.fail_readers = peers_loads is None
+
+    @property
+    def peer_loads_due(self) -> bool:
+        """(TP rank 0) loads were logged since the other ranks were last asked how theirs ended."""
+        return bool(self._unasked_loads)
+
+    def end_peer_loads(self) -> Optional[Exception]:
+        """(TP rank 0, its own loads ended) Ask every other rank how its copies of the loads
+        logged since the last ask ended (it ends them first: the ask follows the op log).
+        The slots a rank could not fill join :meth:`take_lost_loads` (a rank that could not
+        answer: every slot asked about). Returns the error to raise — a rank's forward read
+        slots its copy had not filled, so the step's outputs are garbage — or None."""
+        if self.peers_loads is None or not self._unasked_loads:
+            return None
+        asked, self._unasked_loads = torch.cat(self._unasked_loads), []
+        errors = []
+        for rank, reply in enumerate(self.peers_loads(), start=1):
+            if reply is None:
+                continue
+            lost = reply.lost if isinstance(reply, LoadReport) else asked
+            errors.append(f"TP rank {rank}: {reply.error if isinstance(reply, LoadReport) else reply}")
+            if lost is not None:
+                self._lost_loads.append(lost.to(self.device_pool.device))
+        if not errors:
+            return None
+        return RuntimeError("loading KV from the host tier failed on another TP rank: " + "; ".join(errors))
 
     def close(self) -> None:
         """End any transfer, backup and storage write, and their threads."""
@@ -428,6 +515,8 @@ class HiCacheController:
     def _log(self, op: str, host_indices: torch.Tensor, other: Any) -> None:
         if self.op_log is not None:  # (only then: a device tensor's copy to the host waits for the device)
             other = other.cpu() if isinstance(other, torch.Tensor) else other
+            if op == "load" and self.peers_loads is not None:
+                self._unasked_loads.append(other)
             self.op_log.append((op, host_indices.cpu(), other))
 
     def replay(self, ops: Sequence[Tuple[str, torch.Tensor, Any]]) -> None:
@@ -442,7 +531,7 @@ class HiCacheController:
             elif op == "write_sync":
                 self.finish_writes(raise_errors=True)
             elif op == "load":  # started by the caller's start_loading, as on rank 0
-                self.queue_load(host_indices, other.to(device))
+                self._replay_load(host_indices, other.to(device))
             elif op == "load_sync":
                 self.start_loading()
                 self.wait_loading()
@@ -450,6 +539,13 @@ class HiCacheController:
                 self.write_storage(other, host_indices)
             else:
                 raise ValueError(f"unknown host-tier op {op!r}")
+
+    def _replay_load(self, host_indices: torch.Tensor, device_indices: torch.Tensor) -> None:
+        try:
+            self.queue_load(host_indices, device_indices)
+        except Exception as exc:  # (without overlap_load: copied now) its slots hold no KV
+            self._lost_loads.append(device_indices)
+            self._load_failed(exc)
 
     def write_storage(self, keys: Sequence[str], host_indices: torch.Tensor) -> Optional[int]:
         """Write the pages of ``host_indices`` (page ``i`` keyed ``keys[i]``) from

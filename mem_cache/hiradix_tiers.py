@@ -390,10 +390,13 @@ class HostTierMixin:
         fails — and give their host copies back to ``evict_host``. After this, no copy writes
         device slots the tree may free. A failed transfer is copied again before the error is
         raised; if that fails too, the nodes holding its slots leave the device (see
-        :meth:`_drop_lost_loads`)."""
+        :meth:`_drop_lost_loads`). With TP the other ranks are asked how their copies of the
+        loads ended (:meth:`HiCacheController.end_peer_loads`): one failed there is handled
+        as if it had failed here."""
         controller = self.cache_controller
-        if not (controller.load_pending or self._loading_nodes):
+        if not (controller.load_pending or self._loading_nodes or controller.peer_loads_due):
             return
+        peer_error = None
         try:
             try:
                 controller.wait_loading()  # the transfer in flight (raising, it has ended all the same)
@@ -405,10 +408,15 @@ class HostTierMixin:
             for node in self._loading_nodes:
                 node.host_ref_counter -= 1
             self._loading_nodes = []
-            lost = controller.take_lost_loads()
-            if lost is not None:
-                self._lost_slots = lost if self._lost_slots is None else torch.cat([self._lost_slots, lost])
-                self._drop_lost_loads()
+            try:
+                peer_error = controller.end_peer_loads()  # (after load_sync: the other ranks end them first)
+            finally:
+                lost = controller.take_lost_loads()
+                if lost is not None:
+                    self._lost_slots = lost if self._lost_slots is None else torch.cat([self._lost_slots, lost])
+                    self._drop_lost_loads()
+        if peer_error is not None:
+            raise peer_error
 
     def _drop_lost_loads(self) -> None:
         """Take the unlocked nodes that hold lost slots (a load that failed twice left them

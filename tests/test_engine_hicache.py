@@ -19,6 +19,7 @@ from mem_cache.hicache_storage import HiCacheFile
 from mem_cache.radix_key import RadixKey
 from tests.hicache_helpers import scramble
 from tests.parity import assert_greedy_parity
+from tests.tp_helpers import thread_ranks
 
 GREEDY = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
 
@@ -274,3 +275,47 @@ def test_a_request_whose_prefix_fails_to_load_twice_fails_and_the_next_one_loads
     assert_greedy_parity(model_dir, follow, [out[0]["output_ids"]], 8, [])
     engine.check_integrity()
     engine.shutdown()
+
+
+@pytest.mark.parametrize("times", [1, None])
+def test_a_tp_follower_whose_load_fails_fails_the_request_and_the_group_goes_on(model_dir, monkeypatch, times):
+    """TP 2 (the ranks are threads): the prefix's host → device copy fails on the follower only —
+    once (the copy again lands) or every time (its slots hold no KV). Its forward runs on through
+    the all-reduces; after it the ranks agree the load failed: rank 0 fails the request as if its
+    own load had failed, the follower's lost slots leave the tree, and the next request with the
+    prefix loads it again on every rank, its tokens equal to HF's."""
+    thread_ranks(monkeypatch)
+    engine = Engine(model_path=model_dir, skip_tokenizer_init=True, max_total_tokens=256, page_size=4, tp_size=2,
+                    enable_hierarchical_cache=True, hicache_ratio=4.0, hicache_overlap_load=True)
+    try:
+        rng, tree = random.Random(9), engine.scheduler.tree_cache
+        system = tokens(rng, 96)
+        engine.generate(input_ids=[system + tokens(rng, 4)], sampling_params=GREEDY)
+        engine.loop.run_exclusive(lambda: tree.evict(256))
+        worker = engine.tp_group.worker  # the follower backs the prefix up too (replied: it is done)
+        engine.loop.run_exclusive(lambda: (worker.sync(), worker.check_followers()))
+        follower = engine.tp_group.followers[0]._host_tier
+        scramble(follower.device_pool)  # what its slots hold if no copy lands in them
+        load_layer, calls = follower.host_pool.load_to_device_per_layer, []
+
+        def broken(*args, **kwargs):
+            calls.append(1)
+            if times is not None and len(calls) >= times:
+                follower.host_pool.load_to_device_per_layer = load_layer
+            raise OSError("host memory unreadable")
+
+        follower.host_pool.load_to_device_per_layer = broken
+        follow = [system + tokens(rng, 5)]
+        with pytest.raises(RuntimeError, match="TP rank 1.*unreadable"):
+            engine.generate(input_ids=follow, sampling_params=GREEDY)
+        follower.host_pool.load_to_device_per_layer = load_layer
+        on_device = len(tree.match_prefix(RadixKey(system)).device_indices)
+        assert on_device == (96 if times == 1 else 0)  # lost on the follower: off the device on rank 0
+        engine.check_integrity()
+        out = engine.generate(input_ids=follow, sampling_params=GREEDY)
+        assert out[0]["meta_info"]["cached_tokens"] >= 96
+        assert_greedy_parity(model_dir, follow, [out[0]["output_ids"]], 8, [])
+        engine.flush_cache()
+        engine.check_integrity()
+    finally:
+        engine.shutdown()

@@ -87,6 +87,7 @@ class Scheduler(PrefillAdmissionMixin, DecodeRetractionMixin):
             controller = self.tree_cache.cache_controller  # TP rank 0: what the other ranks replay, and ask
             controller.op_log, controller.peers_read = runner.host_op_log, runner.storage_peers_read
             controller.peers_prefetch = runner.storage_peers_prefetch
+            controller.set_peers_loads(runner.host_peers_loads)
         else:
             self.tree_cache = RadixCache(
                 runner.req_to_token_pool, runner.allocator, page_size=cfg.page_size, disable=cfg.disable_radix_cache,

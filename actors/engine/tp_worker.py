@@ -28,7 +28,11 @@ kept equal like this:
   the forward (and before any out-of-band write: :meth:`TPModelWorker.sync`);
   with a file tier each rank writes its own pages, in its own folder, and
   a fetch from files keeps only the pages every rank read (rank 0 asks the
-  others to read them with a call).
+  others to read them with a call). A load failing on a follower does not stop
+  its forward (the all-reduces stay paired; its slots hold garbage): rank 0 asks
+  every follower after ending its loads (``runner.host_peers_loads``) and fails
+  the step as if its own load had failed, the slots a follower could not fill
+  lost on every rank.
 
 Hosting (the Ray rank actors do the same as :class:`LocalTPGroup`)::
 
@@ -213,6 +217,7 @@ class TPModelWorker:
                 self._mamba_pool.op_log = []
             if config.enable_hierarchical_cache:
                 self.runner.host_op_log = []  # the scheduler's HiCacheController logs into it
+                self.runner.host_peers_loads = lambda: self.call_followers("host_loads", None)
                 if config.hicache_storage_dir:
                     self.runner.storage_peers_read = lambda keys, host: self.call_followers("storage_read", (keys, host))
                     self.runner.storage_peers_prefetch = self.call_followers
@@ -224,7 +229,8 @@ class TPModelWorker:
                 storage = HiCacheFile(rank_storage_dir(config.hicache_storage_dir, self.tp.rank, self.tp.size))
             self._host_tier = HiCacheController(pool, create_host_pool(pool, **host_pool_args(config)), storage,
                                                 overlap_load=config.hicache_overlap_load, async_storage_writes=True,
-                                                overlap_write=config.hicache_overlap_write)
+                                                overlap_write=config.hicache_overlap_write, keep_load_errors=True)
+            self.handlers["host_loads"] = lambda _: self._host_tier.take_load_report()
             self.handlers["storage_read"] = lambda payload: self._host_tier.read_storage(*payload)
             self.handlers["prefetch_start"] = self._host_tier.peer_prefetch_start
             self.handlers["prefetch_end"] = self._host_tier.peer_prefetch_end
@@ -308,18 +314,21 @@ class TPModelWorker:
 
     def check_followers(self) -> List[KVCacheSpec]:
         """Rank 0, engine idle: every follower's index tables equal what rank 0
-        sent them. Returns every rank's KVCacheSpec, in rank order."""
+        sent them, and its host tier has no load in flight or failure unreported.
+        Returns every rank's KVCacheSpec, in rank order."""
         if self.tp.size == 1:
             return [self.runner.spec]
         with self._exchange("a check"):
             self.tp.broadcast_object(CHECK)
             replies = self.tp.gather_objects(None)
         expected = table_digest(self._mirror.sent)
-        for rank, (digest, _) in enumerate(replies[1:], start=1):
+        for rank, (digest, _, host_tier_busy) in enumerate(replies[1:], start=1):
+            if host_tier_busy:
+                raise RuntimeError(f"TP rank {rank}: host-tier loads in flight or failures unreported by an idle engine")
             if digest != expected:
                 bad = sorted(k for k in expected if digest.get(k) != expected[k])
                 raise RuntimeError(f"TP rank {rank}: index tables {bad} differ from rank 0's")
-        return [self.runner.spec] + [spec for _, spec in replies[1:]]
+        return [self.runner.spec] + [spec for _, spec, _ in replies[1:]]
 
     def shutdown(self) -> None:
         """Rank 0: end the followers' loops, then leave the group (idempotent; a broken
@@ -348,7 +357,9 @@ class TPModelWorker:
             if msg == STOP:
                 break
             if msg == CHECK:
-                self.tp.gather_objects((table_digest(self.tables), self.runner.spec))
+                tier = self._host_tier
+                busy = tier is not None and (tier.load_pending or tier.load_failures_pending)
+                self.tp.gather_objects((table_digest(self.tables), self.runner.spec, busy))
                 continue
             if isinstance(msg, tuple) and msg[0] == CALL:
                 self._answer_call(msg[1], msg[2])
