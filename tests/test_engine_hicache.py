@@ -277,16 +277,18 @@ def test_a_request_whose_prefix_fails_to_load_twice_fails_and_the_next_one_loads
     engine.shutdown()
 
 
-@pytest.mark.parametrize("times", [1, None])
-def test_a_tp_follower_whose_load_fails_fails_the_request_and_the_group_goes_on(model_dir, monkeypatch, times):
-    """TP 2 (the ranks are threads): the prefix's host → device copy fails on the follower only —
-    once (the copy again lands) or every time (its slots hold no KV). Its forward runs on through
-    the all-reduces; after it the ranks agree the load failed: rank 0 fails the request as if its
-    own load had failed, the follower's lost slots leave the tree, and the next request with the
-    prefix loads it again on every rank, its tokens equal to HF's."""
+@pytest.mark.parametrize("rank, times, overlap", [(1, 1, True), (1, None, True), (1, None, False), (0, None, True)])
+def test_a_load_failing_on_one_tp_rank_fails_the_request_and_the_group_goes_on(model_dir, monkeypatch, rank, times,
+                                                                                overlap):
+    """TP 2 (the ranks are threads): the prefix's host → device copy fails on one rank only —
+    once (the copy again lands) or every time (its slots hold no KV); on the follower overlapped
+    with its forward or made before it. Every forward runs on through the all-reduces; after it
+    the ranks agree the load failed: rank 0 fails the request as if its own load had failed, lost
+    slots leave the tree, and the next request with the prefix gets it on every rank (from the
+    device, or the host again), its tokens equal to HF's."""
     thread_ranks(monkeypatch)
     engine = Engine(model_path=model_dir, skip_tokenizer_init=True, max_total_tokens=256, page_size=4, tp_size=2,
-                    enable_hierarchical_cache=True, hicache_ratio=4.0, hicache_overlap_load=True)
+                    enable_hierarchical_cache=True, hicache_ratio=4.0, hicache_overlap_load=overlap)
     try:
         rng, tree = random.Random(9), engine.scheduler.tree_cache
         system = tokens(rng, 96)
@@ -294,28 +296,33 @@ def test_a_tp_follower_whose_load_fails_fails_the_request_and_the_group_goes_on(
         engine.loop.run_exclusive(lambda: tree.evict(256))
         worker = engine.tp_group.worker  # the follower backs the prefix up too (replied: it is done)
         engine.loop.run_exclusive(lambda: (worker.sync(), worker.check_followers()))
-        follower = engine.tp_group.followers[0]._host_tier
-        scramble(follower.device_pool)  # what its slots hold if no copy lands in them
-        load_layer, calls = follower.host_pool.load_to_device_per_layer, []
+        failing = engine.tp_group.followers[0]._host_tier if rank else tree.cache_controller
+        scramble(failing.device_pool)  # what its slots hold if no copy lands in them
+        load_layer, calls = failing.host_pool.load_to_device_per_layer, []
 
         def broken(*args, **kwargs):
             calls.append(1)
             if times is not None and len(calls) >= times:
-                follower.host_pool.load_to_device_per_layer = load_layer
+                failing.host_pool.load_to_device_per_layer = load_layer
             raise OSError("host memory unreadable")
 
-        follower.host_pool.load_to_device_per_layer = broken
+        failing.host_pool.load_to_device_per_layer = broken
         follow = [system + tokens(rng, 5)]
-        with pytest.raises(RuntimeError, match="TP rank 1.*unreadable"):
+        with pytest.raises(Exception, match=("TP rank 1: OSError: " if rank else "") + "host memory unreadable"):
             engine.generate(input_ids=follow, sampling_params=GREEDY)
-        follower.host_pool.load_to_device_per_layer = load_layer
+        failing.host_pool.load_to_device_per_layer = load_layer
         on_device = len(tree.match_prefix(RadixKey(system)).device_indices)
-        assert on_device == (96 if times == 1 else 0)  # lost on the follower: off the device on rank 0
+        assert on_device == (96 if times == 1 else 0)  # lost on either rank: off the device
         engine.check_integrity()
         out = engine.generate(input_ids=follow, sampling_params=GREEDY)
         assert out[0]["meta_info"]["cached_tokens"] >= 96
         assert_greedy_parity(model_dir, follow, [out[0]["output_ids"]], 8, [])
         engine.flush_cache()
         engine.check_integrity()
+        if rank:  # a failure rank 0 was not told of is a leak too
+            failing._load_errors.append("OSError: injected")
+            with pytest.raises(RuntimeError, match="TP rank 1: host-tier .* failures unreported"):
+                engine.check_integrity()
+            assert failing.take_load_report().error == "OSError: injected"
     finally:
         engine.shutdown()
