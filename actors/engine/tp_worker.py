@@ -324,7 +324,7 @@ class TPModelWorker:
         expected = table_digest(self._mirror.sent)
         for rank, (digest, _, host_tier_busy) in enumerate(replies[1:], start=1):
             if host_tier_busy:
-                raise RuntimeError(f"TP rank {rank}: host-tier loads in flight or failures unreported by an idle engine")
+                raise RuntimeError(f"TP rank {rank}: host-tier loads in flight or failures unreported, engine idle")
             if digest != expected:
                 bad = sorted(k for k in expected if digest.get(k) != expected[k])
                 raise RuntimeError(f"TP rank {rank}: index tables {bad} differ from rank 0's")
