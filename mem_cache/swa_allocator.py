@@ -143,14 +143,18 @@ class SWATokenToKVPoolAllocator:
 
     # ---- state -------------------------------------------------------------
     def backup_state(self) -> List:
-        return [self.full_attn_allocator.backup_state(), self.swa_attn_allocator.backup_state()]
+        """Both sub-allocators' lists and a copy of the mapping (O(size): the mapping is
+        written in place, so a reference would not keep the old entries)."""
+        return [self.full_attn_allocator.backup_state(), self.swa_attn_allocator.backup_state(),
+                self.full_to_swa_index_mapping.clone()]
 
     def restore_state(self, state: List) -> None:
-        """Undo allocations since the backup, including their mapping entries."""
+        """Undo every change since the backup: allocations (their mapping entries with
+        them), and ``free`` / ``free_swa`` calls (their slots in use again, mapped as
+        before). The mapping is restored in place: the KV pool shares it."""
         self.full_attn_allocator.restore_state(state[0])
         self.swa_attn_allocator.restore_state(state[1])
-        free_full = self._free_full_slots()
-        self.full_to_swa_index_mapping[free_full.to(self.device)] = 0
+        self.full_to_swa_index_mapping.copy_(state[2])
 
     def clear(self) -> None:
         self.full_attn_allocator.clear()

@@ -67,3 +67,20 @@ def test_integrity_detects_stale_mapping():
     a.full_attn_allocator.free(full)  # bypassing the SWA allocator leaks the SWA half
     with pytest.raises(IntegrityError, match="still map"):
         a.check_integrity(torch.empty(0, dtype=torch.int64))
+
+
+def test_restore_state_undoes_free_swa_and_free_after_the_backup():
+    a = SWATokenToKVPoolAllocator(size=8, size_swa=8)
+    kept = a.alloc(4)
+    state = a.backup_state()
+    sizes = (a.full_available_size(), a.swa_available_size())
+    a.free_swa(kept[:2])  # slid out of the window after the backup
+    a.free(kept[2:3])
+    a.alloc(2)
+    a.restore_state(state)
+    assert (a.full_available_size(), a.swa_available_size()) == sizes
+    assert a.translate_loc_from_full_to_swa(kept).tolist() == [1, 2, 3, 4]
+    a.check_integrity(kept)
+    a.free(kept)  # every SWA slot comes back once, none leaked by the round trip
+    assert (a.full_available_size(), a.swa_available_size()) == (8, 8)
+    a.check_integrity(torch.empty(0, dtype=torch.int64))
