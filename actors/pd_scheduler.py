@@ -236,7 +236,8 @@ class DecodeScheduler(Scheduler):
     def _alloc_swa_prompt(self, prefix_len: int, prompt_len: int) -> Optional[torch.Tensor]:
         """Full slots for ``[prefix_len, prompt_len)``, SWA slots for its last window only —
         a prompt longer than the SWA pool fits, and no cached SWA KV is evicted for tokens
-        whose SWA half would be freed at once. (Sliding-window pools are not paged.)"""
+        whose SWA half would be freed at once. Paged, ``split`` is a page boundary
+        (``window_start``), so both parts are whole pages but the window's last."""
         alloc, tree = self.runner.allocator, self.tree_cache
         split = self._swa_split(prefix_len, prompt_len)
         full_need, swa_need = prompt_len - prefix_len, prompt_len - split
@@ -245,7 +246,11 @@ class DecodeScheduler(Scheduler):
         outside = alloc.alloc_without_swa(split - prefix_len)
         if outside is None:
             return None
-        window = alloc.alloc(swa_need)
+        split_t, seq_t = torch.tensor([split]), torch.tensor([prompt_len])  # split: a page boundary, no last_loc read
+        window = alloc.alloc_extend(
+            split_t.to(alloc.device), seq_t.to(alloc.device), torch.tensor([-1], device=alloc.device), swa_need,
+            prefix_lens_cpu=split_t, seq_lens_cpu=seq_t,
+        )
         if window is None:
             alloc.free(outside)
             return None

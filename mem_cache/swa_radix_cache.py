@@ -15,7 +15,9 @@ SWA slot of each is ``allocator.full_to_swa_index_mapping[slot]`` (0: none).
   leaves), ``swa_lru_list`` over non-tombstone nodes (any node).
 * Locks: ``full_lock_ref`` covers root→node; ``swa_lock_ref`` only the nodes
   covering the path's last ``sliding_window_size`` tokens. ``full >= swa``.
-* Page size 1 only, as SGLang's SWA radix cache.
+* Paged (``page_size > 1``): keys match, split, insert, lock and tombstone
+  by whole pages (a full page's SWA half is one SWA page, see the allocator),
+  and a request keeps the SWA KV of whole pages: see :meth:`window_start`.
 
 Request bookkeeping (positions in the request's row); a request carries
 ``swa_evicted_seqlen`` and the ``swa_uuid_for_lock`` of its lock::
@@ -67,11 +69,11 @@ class SWAEvictResult(NamedTuple):
 class SWARadixCache(RadixCache):
     def __init__(self, req_to_token_pool, token_to_kv_pool_allocator: SWATokenToKVPoolAllocator,
                  sliding_window_size: int, page_size: int = 1, enable_kv_events: bool = False):
-        if page_size != 1:
-            raise ValueError(f"SWARadixCache needs page_size 1 (tombstones are per token), got {page_size}")
         if not isinstance(token_to_kv_pool_allocator, SWATokenToKVPoolAllocator):
             got = type(token_to_kv_pool_allocator).__name__
             raise TypeError(f"SWARadixCache needs a SWATokenToKVPoolAllocator, got {got}")
+        if token_to_kv_pool_allocator.page_size != page_size:
+            raise ValueError(f"page_size={page_size}, the allocator's is {token_to_kv_pool_allocator.page_size}")
         if sliding_window_size < 1:
             raise ValueError(f"sliding_window_size must be >= 1, got {sliding_window_size}")
         self.sliding_window_size = sliding_window_size
@@ -112,7 +114,8 @@ class SWARadixCache(RadixCache):
         upper = SWATreeNode(child.key[:split_len], child.value[:split_len], child.swa_tombstone)
         upper.parent, upper.full_lock_ref, upper.swa_lock_ref = child.parent, child.full_lock_ref, child.swa_lock_ref
         upper.swa_uuid, child.swa_uuid = child.swa_uuid, None
-        upper.hash_value, child.hash_value = child.hash_value[:split_len], child.hash_value[split_len:]
+        pages = split_len // self.page_size
+        upper.hash_value, child.hash_value = child.hash_value[:pages], child.hash_value[pages:]
         child.key, child.value, child.parent = child.key[split_len:], child.value[split_len:], upper
         upper.children = {self.child_key(child.key): child}
         upper.parent.children[self.child_key(upper.key)] = upper
@@ -132,7 +135,7 @@ class SWARadixCache(RadixCache):
         module docstring). May split a node; never changes lock counts."""
         if len(key) == 0:
             return MatchResult(self._empty(), self.root_node, self.root_node)
-        values, node = self._match_prefix_helper(key)
+        values, node = self._match_prefix_helper(self._page_align(key))
         self._refresh(node)
         return MatchResult(torch.cat(values) if values else self._empty(), node, node)
 
@@ -177,7 +180,14 @@ class SWARadixCache(RadixCache):
         * tombstone, caller with SWA → revived: the node keeps its full slots
           (other rows may point at them) and adopts the caller's SWA slots
           through the mapping; the caller's full slots are freed.
+
+        Paged: ``key`` and ``prev_prefix_len`` are whole pages; ``swa_evicted_seqlen``
+        counts up to a whole page (``free_swa`` frees the page of any slot it names).
         """
+        ps = self.page_size
+        if len(key) % ps or prev_prefix_len % ps:
+            raise ValueError(f"insert needs whole pages (page_size={ps}): {len(key)} tokens, {prev_prefix_len} the tree's")
+        swa_evicted_seqlen = -(-swa_evicted_seqlen // ps) * ps
         # [0, prev_prefix_len)        the tree's own slots: left alone
         # [prev_prefix_len, done)     cached already: the caller's copies are freed, or a
         #                             tombstone adopts their SWA slots (runs are cut at both
@@ -353,8 +363,14 @@ class SWARadixCache(RadixCache):
     # ---- requests ----------------------------------------------------------------
     def window_start(self, seq_len: int) -> int:
         """First position whose SWA KV a sequence of ``seq_len`` tokens keeps: its
-        last ``sliding_window_size`` tokens (the next token attends to all but the first)."""
-        return max(0, seq_len - self.sliding_window_size)
+        last ``sliding_window_size`` tokens (the next token attends to all but the first).
+        Paged, the window before the sequence's last page boundary, in whole pages:
+        ``floor(floor(seq_len) - window)`` (floors to pages), so that the sequence,
+        cached up to that boundary (the unaligned tail is not), is matchable to it.
+        Non-decreasing in ``seq_len``; page size 1: ``seq_len - window``."""
+        ps = self.page_size
+        aligned = seq_len - seq_len % ps
+        return max(0, aligned - self.sliding_window_size) // ps * ps
 
     def free_swa_out_of_window(self, req) -> int:
         """Free the SWA slots of a running request's tokens that slid out of its
@@ -362,8 +378,8 @@ class SWARadixCache(RadixCache):
         The scheduler calls it between forwards (e.g. every decode step)."""
         # [0, cache_protected_len)   the tree's: their SWA is the tree's to evict
         # [start, end)               slid out of the window → SWA freed now
-        # [end, seq_len)             the last window: kept, so that the sequence,
-        #                            once cached, is matchable to its end
+        # [end, seq_len)             the last window (see window_start): kept, so that
+        #                            the sequence, once cached, is matchable to its end
         seq_len = req.kv_committed_len
         start = max(req.swa_evicted_seqlen, req.cache_protected_len)
         end = max(start, self.window_start(seq_len))
@@ -373,36 +389,43 @@ class SWARadixCache(RadixCache):
 
     def cache_finished_req(self, req, is_insert: bool = True) -> None:
         """Hand ``[cache_protected_len, kv_committed_len)`` of the row to the tree
-        (:meth:`insert` keeps or frees every slot), free the row, drop the lock."""
+        (:meth:`insert` keeps or frees every slot of its whole pages; the unaligned
+        tail page is freed), free the row, drop the lock."""
         committed, protected = req.kv_committed_len, req.cache_protected_len
+        aligned = committed - committed % self.page_size
         kv_indices = self._row(req, committed)
         if is_insert:
-            key = RadixKey((req.origin_input_ids + req.output_ids)[:committed], req.extra_key)
-            self.insert(key, kv_indices, protected, req.swa_evicted_seqlen)
+            key = RadixKey((req.origin_input_ids + req.output_ids)[:aligned], req.extra_key)
+            self.insert(key, kv_indices[:aligned], protected, req.swa_evicted_seqlen)
         else:
-            self._free(kv_indices[protected:])
+            self._free(kv_indices[protected:aligned])
+        self._free(kv_indices[max(aligned, protected):])
         self.req_to_token_pool.free(req.req_pool_idx)
         self.dec_lock_ref(req.last_node, req.swa_uuid_for_lock)
 
     def cache_unfinished_req(self, req) -> None:
-        """Cache the progress ``fill_ids`` (a chunked prefill): insert, rewrite the
-        row with the tree's slots, move the lock to the new end. Needs the last
-        window to have SWA KV, as :meth:`free_swa_out_of_window` leaves it."""
+        """Cache the progress ``fill_ids`` (a chunked prefill) up to its last page
+        boundary: insert, rewrite the row with the tree's slots, move the lock to the
+        boundary. Needs the window before it to have SWA KV, as
+        :meth:`free_swa_out_of_window` leaves it."""
         # [0, protected)          the tree's slots already
-        # [protected, seq_len)    inserted (kept or freed as duplicates) → the row gets the
-        #                         tree's slots; the lock moves to seq_len (page size 1: no tail)
+        # [protected, aligned)    inserted (kept or freed as duplicates) → the row gets the
+        #                         tree's slots; the lock moves to aligned
+        # [aligned, seq_len)      the unaligned tail page: stays the request's
         token_ids, protected = req.fill_ids, req.cache_protected_len
         seq_len = len(token_ids)
-        key = RadixKey(token_ids, req.extra_key)
-        self.insert(key, self._row(req, seq_len), protected, req.swa_evicted_seqlen)
+        aligned = seq_len - seq_len % self.page_size
+        kv_indices = self._row(req, seq_len)
+        key = RadixKey(token_ids[:aligned], req.extra_key)
+        self.insert(key, kv_indices[:aligned], protected, req.swa_evicted_seqlen)
         match = self.match_prefix(key)
         new_indices, new_last_node = match.device_indices, match.last_device_node
-        ensure(len(new_indices) == seq_len, f"re-match after insert found {len(new_indices)} of {seq_len} tokens")
-        row = (req.req_pool_idx, slice(protected, seq_len))
+        ensure(len(new_indices) == aligned, f"re-match after insert found {len(new_indices)} of {aligned} tokens")
+        row = (req.req_pool_idx, slice(protected, aligned))
         self.req_to_token_pool.write(row, new_indices[protected:].to(torch.int32))
         swa_uuid_for_lock = self.inc_lock_ref(new_last_node)
         self.dec_lock_ref(req.last_node, req.swa_uuid_for_lock)
-        req.prefix_indices, req.cache_protected_len = new_indices, seq_len
+        req.prefix_indices, req.cache_protected_len = torch.cat([new_indices, kv_indices[aligned:]]), aligned
         req.last_node, req.swa_uuid_for_lock = new_last_node, swa_uuid_for_lock
 
     # ---- inspection --------------------------------------------------------------
@@ -447,16 +470,19 @@ class SWARadixCache(RadixCache):
         for lru in (self.full_lru_list, self.swa_lru_list):
             walked = sum(1 for _ in lru.iter_lru())
             ensure(walked == len(lru), f"LRU list links reach {walked} nodes, its index holds {len(lru)}")
-        allocator = self.token_to_kv_pool_allocator
+        allocator, ps = self.token_to_kv_pool_allocator, self.page_size
         slots = self.all_values().cpu()
-        check_unique_in_range("SWARadixCache slots", slots, 1, allocator.size)
-        both = int(torch.isin(slots, allocator.full_attn_allocator.free_page_ids()).sum())
-        ensure(both == 0, f"SWARadixCache holds {both} full slots the allocator lists as free")
+        check_unique_in_range("SWARadixCache slots", slots, ps, (allocator.size // ps + 1) * ps - 1)
+        both = int(torch.isin(torch.unique(slots // ps), allocator.full_attn_allocator.free_page_ids()).sum())
+        ensure(both == 0, f"SWARadixCache holds slots in {both} full pages the allocator lists as free")
         swa_slots = mapping[slots.to(mapping.device)].cpu()
-        check_unique_in_range("SWARadixCache SWA slots", swa_slots[swa_slots > 0], 1, allocator.size_swa)
+        swa_last = (allocator.size_swa // ps + 1) * ps - 1
+        check_unique_in_range("SWARadixCache SWA slots", swa_slots[swa_slots > 0], ps, swa_last)
+        page_offsets = swa_slots[swa_slots > 0] % ps == slots[swa_slots > 0] % ps
+        ensure(bool(page_offsets.all()), "SWARadixCache: a full slot maps to an SWA slot at another page offset")
 
     def _check_swa_node(self, node: SWATreeNode) -> None:
-        ensure(len(node.key) > 0, f"{node} has an empty key")
+        ensure(len(node.key) > 0 and len(node.key) % self.page_size == 0, f"{node}: key not whole pages")
         ensure(node.parent.children.get(self.child_key(node.key)) is node, f"{node} is not its parent's child")
         ensure(len(node.value) == len(node.key), f"{node}: {len(node.value)} slots for {len(node.key)} tokens")
         ensure(node.children or not node.swa_tombstone, f"{node} is a tombstone leaf")
@@ -467,4 +493,4 @@ class SWARadixCache(RadixCache):
         child_locks = sum(c.full_lock_ref for c in node.children.values())
         ensure(node.full_lock_ref >= child_locks, f"{node} full_lock_ref < its children's {child_locks}")
         if self.events.enabled:
-            ensure(len(node.hash_value) == len(node.key), f"{node} page hashes out of step")
+            ensure(len(node.hash_value) == len(node.key) // self.page_size, f"{node} page hashes out of step")

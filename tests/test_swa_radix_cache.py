@@ -31,10 +31,19 @@ def row(pool, req, start, end):
     return pool.req_to_token[req.req_pool_idx, start:end].to(torch.int64)
 
 
+def _pages_between(start, end, ps):
+    """Slots of the whole pages a request holds for positions ``[start, end)`` (``start`` a page boundary)."""
+    return max(0, -(-end // ps) * ps - start)
+
+
 def check(cache, pool, alloc, reqs=()):
-    """Conservation of both pools (running requests' private slots counted) and both integrity checks."""
-    private_full = sum(r.kv_committed_len - r.cache_protected_len for r in reqs)
-    private_swa = sum(r.kv_committed_len - max(r.cache_protected_len, r.swa_evicted_seqlen) for r in reqs)
+    """Conservation of both pools (running requests' private slots counted, in whole pages) and both
+    integrity checks."""
+    ps = alloc.page_size
+    private_full = sum(_pages_between(r.cache_protected_len, r.kv_committed_len, ps) for r in reqs)
+    private_swa = sum(
+        _pages_between(max(r.cache_protected_len, r.swa_evicted_seqlen), r.kv_committed_len, ps) for r in reqs
+    )
     cache.check_accounting(private_full, private_swa)
     cache.check_integrity()
     private = [row(pool, r, r.cache_protected_len, r.kv_committed_len) for r in reqs]
@@ -56,6 +65,24 @@ def put(cache, alloc, tokens, swa_evicted=0):
     return cache.insert(RadixKey(list(tokens)), value, swa_evicted_seqlen=swa_evicted), value
 
 
+def extend(alloc, pool, req, end):
+    """Slots for positions ``[kv_committed_len, end)`` of ``req``'s row, as a prefill or a decode step
+    takes them (continuing its last page), or None."""
+    done = req.kv_committed_len
+    if end == done:  # (a prompt matched whole)
+        return torch.empty(0, dtype=torch.int64)
+    last_loc = torch.tensor([int(pool.req_to_token[req.req_pool_idx, done - 1]) if done else -1])
+    prefix, seq = torch.tensor([done]), torch.tensor([end])
+    if end == done + 1 and done:
+        new = alloc.alloc_decode(seq, last_loc)
+    else:
+        new = alloc.alloc_extend(prefix, seq, last_loc, end - done)
+    if new is not None:
+        pool.req_to_token[req.req_pool_idx, done:end] = new.to(torch.int32)
+        req.kv_committed_len = end
+    return new
+
+
 def start(cache, pool, alloc, tokens):
     """Match, lock, take a row and slots for the rest: a prefill's bookkeeping."""
     req = FakeReq(list(tokens), fill_ids=list(tokens))
@@ -66,15 +93,14 @@ def start(cache, pool, alloc, tokens):
     req.req_pool_idx = pool.alloc(1)[0]
     prefix = req.cache_protected_len
     pool.req_to_token[req.req_pool_idx, :prefix] = m.device_indices.to(torch.int32)
-    pool.req_to_token[req.req_pool_idx, prefix : len(tokens)] = alloc.alloc(len(tokens) - prefix).to(torch.int32)
-    req.kv_committed_len = len(tokens)
+    req.kv_committed_len = prefix
+    assert extend(alloc, pool, req, len(tokens)) is not None
     return req
 
 
 def decode(cache, pool, alloc, req, token):
-    pool.req_to_token[req.req_pool_idx, req.kv_committed_len] = int(alloc.alloc(1)[0])
+    assert extend(alloc, pool, req, req.kv_committed_len + 1) is not None
     req.output_ids.append(token)
-    req.kv_committed_len += 1
     return cache.free_swa_out_of_window(req)
 
 
@@ -285,8 +311,8 @@ def test_kv_events_follow_nodes():
 
 def test_rejects_what_it_cannot_serve():
     pool = ReqToTokenPool(2, 8)
-    with pytest.raises(ValueError, match="page_size 1"):
-        SWARadixCache(pool, SWATokenToKVPoolAllocator(16, 8, page_size=4), sliding_window_size=4, page_size=4)
+    with pytest.raises(ValueError, match="the allocator's is 4"):
+        SWARadixCache(pool, SWATokenToKVPoolAllocator(16, 8, page_size=4), sliding_window_size=4)
     with pytest.raises(TypeError, match="SWATokenToKVPoolAllocator"):
         SWARadixCache(pool, TokenToKVPoolAllocator(16), sliding_window_size=4)
     with pytest.raises(NotImplementedError, match="full_evictable_size"):
@@ -325,18 +351,24 @@ def test_check_integrity_catches_slots_lost_behind_the_trees_back():
 
 
 class SWAOracle:
-    """Every cached token: ``(extra, prefix) → its full slot``, plus the slots whose SWA KV is cached."""
+    """Every cached token: ``(extra, prefix to the end of its page, offset in the page) → its full
+    slot``, plus the slots whose SWA KV is cached."""
 
-    def __init__(self, window):
-        self.window = window
+    def __init__(self, window, page_size=1):
+        self.window, self.page_size = window, page_size
         self.slots = {}
         self.swa = set()
 
     def full_match(self, tokens, extra):
+        """Cached tokens of ``tokens``, in whole pages."""
         out = []
-        while len(out) < len(tokens) and (extra, tuple(tokens[: len(out) + 1])) in self.slots:
-            out.append(self.slots[(extra, tuple(tokens[: len(out) + 1]))])
-        return out
+        while len(out) < len(tokens) and self._key(tokens, extra, len(out)) in self.slots:
+            out.append(self.slots[self._key(tokens, extra, len(out))])
+        return out[: len(out) - len(out) % self.page_size]
+
+    def _key(self, tokens, extra, p):
+        ps = self.page_size
+        return extra, tuple(tokens[: (p // ps + 1) * ps]), p % ps
 
     def match(self, tokens, extra):
         """Deepest k: no tombstone in [0, k), or the window [k - W, k) all with SWA."""
@@ -347,42 +379,61 @@ class SWAOracle:
         return full[:best]
 
     def insert(self, tokens, extra, value, prev, evicted):
-        """Mirror of ``insert``: a tombstone revives where the caller still has SWA."""
+        """Mirror of ``insert``: a tombstone revives where the caller still has SWA. Paged, the
+        tokens' whole pages are cached, and a page with any token SWA-evicted has lost it all."""
+        ps = self.page_size
+        tokens, evicted = tokens[: len(tokens) - len(tokens) % ps], -(-evicted // ps) * ps
         full = self.full_match(tokens, extra)
         self.swa.update(s for p, s in enumerate(full) if p >= max(prev, evicted))
         if evicted < len(tokens):
             for p in range(len(full), len(tokens)):
-                self.slots[(extra, tuple(tokens[: p + 1]))] = value[p]
+                self.slots[self._key(tokens, extra, p)] = value[p]
                 if p >= evicted:
                     self.swa.add(value[p])
         return len(full)
 
     def check_shape(self):
-        ends = {(e, p[:-1]) for (e, p) in self.slots}
-        for (e, p), slot in self.slots.items():
-            assert len(p) == 1 or (e, p[:-1]) in self.slots, "cached tokens are not prefix-closed"
-            assert (e, p) in ends or slot in self.swa, f"a cached sequence ends in a tombstone: {p}"
+        ps = self.page_size
+
+        def before(e, p, off):
+            return (e, p, off - 1) if off else (e, p[:-ps], ps - 1)
+
+        followed = {before(*key) for key in self.slots}
+        for (e, p, off), slot in self.slots.items():
+            assert len(p) == ps and not off or before(e, p, off) in self.slots, "cached tokens are not prefix-closed"
+            assert (e, p, off) in followed or slot in self.swa, f"a cached sequence ends in a tombstone: {p}"
 
 
 class SWAMachine(RuleBasedStateMachine):
     window = 3
     num_rows = 2
+    page_size = 1
+    pool_pages = (40, 24)  # full, SWA
 
     def __init__(self):
         super().__init__()
-        self.alloc = SWATokenToKVPoolAllocator(40, 24, debug=True)
-        self.pool = ReqToTokenPool(self.num_rows, 32)
-        self.cache = SWARadixCache(self.pool, self.alloc, sliding_window_size=self.window, enable_kv_events=True)
-        self.oracle = SWAOracle(self.window)
-        self.mirror = IndexMirror(self.cache, 1)  # the router's view: WindowLost / WindowRestored mark tombstones
+        ps = self.page_size
+        self.alloc = SWATokenToKVPoolAllocator(self.pool_pages[0] * ps, self.pool_pages[1] * ps, ps, debug=True)
+        self.pool = ReqToTokenPool(self.num_rows, 32 * ps)
+        self.cache = SWARadixCache(
+            self.pool, self.alloc, sliding_window_size=self.window, page_size=ps, enable_kv_events=True
+        )
+        self.oracle = SWAOracle(self.window, ps)
+        self.mirror = IndexMirror(self.cache, ps)  # the router's view: WindowLost / WindowRestored mark tombstones
         self.locks = []  # (node, swa_uuid_for_lock, tokens, slots)
+
+    def _free_slots(self):
+        """Every free full slot (whole free pages)."""
+        ps = self.page_size
+        return {p * ps + o for p in self.alloc.full_attn_allocator.free_page_ids().tolist() for o in range(ps)}
 
     def _tokens(self, data):
         """Often a cut of a cached sequence plus a few tokens, so that walks split and revive shared nodes."""
-        known = sorted(p for (e, p) in self.oracle.slots if e is None)
+        known = sorted(p for (e, p, _) in self.oracle.slots if e is None)
         base = list(data.draw(st.sampled_from(known))) if known and data.draw(st.booleans()) else []
         base = base[: data.draw(st.integers(0, len(base)))]
-        return base + data.draw(st.lists(st.integers(0, 2), min_size=0 if base else 1, max_size=8 - min(len(base), 4)))
+        longest = (8 - min(len(base), 4)) * self.page_size
+        return base + data.draw(st.lists(st.integers(0, 2), min_size=0 if base else 1, max_size=longest))
 
     def _check_match(self, tokens, extra=None):
         m = self.cache.match_prefix(RadixKey(tokens, extra))
@@ -391,9 +442,9 @@ class SWAMachine(RuleBasedStateMachine):
         return m
 
     def _evict(self, full_num, swa_num, live_locks):
-        free_before = set(self.alloc.full_attn_allocator.free_page_ids().tolist())
+        free_before = self._free_slots()
         result = self.cache.evict(full_num, swa_num)
-        freed = set(self.alloc.full_attn_allocator.free_page_ids().tolist()) - free_before
+        freed = self._free_slots() - free_before
         mapping = self.alloc.full_to_swa_index_mapping
         lost_swa = {s for s in self.oracle.swa if int(mapping[s]) == 0}
         assert result == (len(freed), len(lost_swa))
@@ -408,10 +459,12 @@ class SWAMachine(RuleBasedStateMachine):
 
     @rule(data=st.data(), extra=st.sampled_from([None, "x"]))
     def insert(self, data, extra):
+        ps = self.page_size
         tokens = self._tokens(data)
         cached = self._check_match(tokens, extra).device_indices
-        prev = data.draw(st.integers(0, len(cached)))
-        evicted = data.draw(st.integers(0, len(tokens)))
+        tokens = tokens[: len(tokens) - len(tokens) % ps]
+        prev = data.draw(st.integers(0, len(cached) // ps)) * ps
+        evicted = data.draw(st.integers(0, len(tokens)))  # paged: free_swa takes the page of a partial one
         new = self.alloc.alloc(len(tokens) - prev)
         if new is None:
             return
@@ -441,35 +494,35 @@ class SWAMachine(RuleBasedStateMachine):
 
     @rule(n=st.integers(1, 12))
     def evict_full(self, n):
-        self._evict(n, 0, self._live_locks())
+        self._evict(n * self.page_size, 0, self._live_locks())
 
     @rule(n=st.integers(1, 12))
     def evict_swa(self, n):
-        self._evict(0, n, self._live_locks())
+        self._evict(0, n * self.page_size, self._live_locks())
 
     @rule(data=st.data(), num_decode=st.integers(0, 6), cache_at=st.integers(-1, 6), evict_swa=st.integers(0, 8))
     def serve(self, data, num_decode, cache_at, evict_swa):
         """A request from start to finish: prefill, decode sliding out of its window (its
         progress cached after ``cache_at`` steps), an SWA eviction while it runs, finish."""
         prompt = self._tokens(data)
-        need = len(prompt) - len(self._check_match(prompt).device_indices)
+        need = len(prompt) - len(self._check_match(prompt).device_indices) + self.page_size
         if min(self.alloc.full_available_size(), self.alloc.swa_available_size()) < need:
             return
         req = start(self.cache, self.pool, self.alloc, prompt)
-        outputs = data.draw(st.lists(st.integers(0, 2), max_size=num_decode))
+        outputs = data.draw(st.lists(st.integers(0, 2), max_size=num_decode * self.page_size))
         for step in range(len(outputs) + 1):
             if step == cache_at:
                 req.fill_ids = prompt + req.output_ids
                 self._mirror_insert(req, len(req.fill_ids))
                 self.cache.cache_unfinished_req(req)
             if step == len(outputs) or min(self.alloc.full_available_size(), self.alloc.swa_available_size()) == 0:
-                break
+                break  # (paged: a decode in the last page's free slots needs no free page, but stops here too)
             decode(self.cache, self.pool, self.alloc, req, outputs[step])
         check(self.cache, self.pool, self.alloc, [req] + self._running())
         protected = req.cache_protected_len
         locked = (prompt + req.output_ids)[:protected]
         own_lock = (req.last_node, req.swa_uuid_for_lock, locked, row(self.pool, req, 0, protected).tolist())
-        self._evict(0, evict_swa, self._live_locks() + [own_lock])
+        self._evict(0, evict_swa * self.page_size, self._live_locks() + [own_lock])
         check(self.cache, self.pool, self.alloc, [req] + self._running())
         self._mirror_insert(req, req.kv_committed_len)
         self.cache.cache_finished_req(req)
@@ -509,3 +562,4 @@ class SWAMachine(RuleBasedStateMachine):
 
 TestSWARadixCacheWindow3 = machine_case(SWAMachine, "w3", 60, 25, window=3)
 TestSWARadixCacheWindow1 = machine_case(SWAMachine, "w1", 30, 25, window=1)
+TestSWARadixCachePaged = machine_case(SWAMachine, "p4w6", 40, 25, window=6, page_size=4, pool_pages=(24, 12))

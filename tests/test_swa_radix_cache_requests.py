@@ -16,7 +16,7 @@ import torch
 from hypothesis.stateful import precondition, rule
 
 from tests.cache_helpers import FakeReq, machine_case
-from tests.test_swa_radix_cache import SWAMachine, row
+from tests.test_swa_radix_cache import SWAMachine, extend, row
 
 
 class SWARequestMachine(SWAMachine):
@@ -42,7 +42,7 @@ class SWARequestMachine(SWAMachine):
         own = {id(r): self._own(r) for r in self.running}
         super()._evict(full_num, swa_num, live_locks)
         mapping = self.alloc.full_to_swa_index_mapping
-        free = set(self.alloc.full_attn_allocator.free_page_ids().tolist())
+        free = self._free_slots()
         for r in self.running:
             full, with_swa = own[id(r)]
             assert not full & free and all(int(mapping[s]) > 0 for s in with_swa), "a running request's slots freed"
@@ -76,13 +76,8 @@ class SWARequestMachine(SWAMachine):
         if slide or done >= len(prompt):
             self.cache.free_swa_out_of_window(req)
         end = data.draw(st.integers(done + 1, len(prompt))) if done < len(prompt) else done + 1
-        if end > 30:
+        if end > 30 * self.page_size or extend(self.alloc, self.pool, req, end) is None:
             return
-        new = self.alloc.alloc(end - done)
-        if new is None:
-            return
-        self.pool.req_to_token[req.req_pool_idx, done:end] = new.to(torch.int32)
-        req.kv_committed_len = end
         if done >= len(prompt):
             req.output_ids.append(token)
         elif end == len(prompt):
@@ -91,7 +86,8 @@ class SWARequestMachine(SWAMachine):
             req.fill_ids = prompt[:end]
             self._mirror_insert(req, end)
             self.cache.cache_unfinished_req(req)
-            assert row(self.pool, req, 0, end).tolist() == self.oracle.full_match(prompt[:end], None)
+            aligned = end - end % self.page_size  # the tail page stays the request's
+            assert row(self.pool, req, 0, aligned).tolist() == self.oracle.full_match(prompt[:end], None)
             req.fill_ids = list(prompt)
 
     @precondition(lambda self: self.running)
@@ -111,3 +107,4 @@ class SWARequestMachine(SWAMachine):
 
 
 TestSWARequestsWindow3 = machine_case(SWARequestMachine, "w3", 12, 30, window=3)
+TestSWARequestsPaged = machine_case(SWARequestMachine, "p4w6", 12, 30, window=6, page_size=4, pool_pages=(24, 12))

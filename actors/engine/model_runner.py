@@ -156,11 +156,6 @@ class ModelRunner:
         SWA layers' in ``swa_full_tokens_ratio`` as many (SGLang's split). A budget from
         device memory was sized as if every layer were full; it is spread over both pools."""
         cfg, spec = self.config, self.spec
-        if cfg.page_size != 1:
-            raise ValueError(
-                f"page_size={cfg.page_size}: sliding-window models (KV cache kind 'swa', e.g. Gemma 3) are served "
-                "with page_size 1 only: SWARadixCache frees and tombstones SWA KV per token, as SGLang's does"
-            )
         num_full, num_swa = len(spec.full_attention_layer_ids), len(spec.swa_attention_layer_ids)
         if cfg.max_total_tokens is None:
             layer_tokens = self.max_total_num_tokens * (num_full + num_swa)
