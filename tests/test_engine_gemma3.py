@@ -154,9 +154,42 @@ def test_gemma3_memory_budget_is_spread_over_both_pools(model_dir, monkeypatch):
     engine.shutdown()
 
 
+def test_gemma3_paged_parity_with_a_window_hit_and_swa_eviction(model_dir, monkeypatch):
+    """page_size 4 (SGLang serves SWA models paged) in 8-token chunks: decoding past the window
+    tombstones whole pages; a match reaching past them is reused to its last page boundary (a
+    whole window of SWA pages before it), one ending in them up to the page boundary before the
+    tombstone (a window of SWA pages before it too); a 64-slot SWA pool makes the next batch
+    evict the tree's SWA pages. HF's tokens throughout."""
+    rng = random.Random(5)
+    prompt = [rng.randrange(5, 261) for _ in range(21)]
+    engine = make_engine(model_dir, page_size=4, max_total_tokens=256, swa_full_tokens_ratio=0.25,
+                         chunked_prefill_size=8)
+    tree = engine.scheduler.tree_cache
+    assert (tree.page_size, engine.runner.allocator.size_swa) == (4, 64)
+    first = run_and_check(engine, model_dir, [prompt], 30)[0]
+    seq = prompt + first["output_ids"][:29]  # 50 tokens with KV: [0, 48) cached, the tail page freed
+    # chunks cached [0, 8) [8, 16) [16, 20) with SWA; decoding slid [20, 32) out; [32, 48) the last window
+    chain = [(len(n.key), n.swa_tombstone) for n in tree._iter_nodes()]  # one path: root to leaf
+    assert chain == [(8, False), (8, False), (4, False), (12, True), (16, False)]
+    swa_evicted, evict = [], tree.evict
+
+    def recording_evict(*args):
+        result = evict(*args)
+        swa_evicted.append(result.swa_num_evicted)
+        return result
+
+    monkeypatch.setattr(tree, "evict", recording_evict)
+    prompts = [seq[:50] + [99], seq[:26] + [99], [rng.randrange(5, 261) for _ in range(40)]]
+    outs = run_and_check(engine, model_dir, prompts, 6)
+    assert [o["meta_info"]["cached_tokens"] for o in outs] == [48, 20, 0]
+    assert sum(swa_evicted) > 0
+    engine.flush_cache()
+    assert not tree.root_node.children
+    engine.check_integrity()
+    engine.shutdown()
+
+
 def test_gemma3_rejects_what_the_swa_cache_cannot_serve(model_dir):
-    with pytest.raises(ValueError, match="page_size=4"):
-        make_engine(model_dir, page_size=4)
     with pytest.raises(ValueError, match="disable_radix_cache"):
         make_engine(model_dir, disable_radix_cache=True)
     with pytest.raises(pydantic.ValidationError, match="swa_full_tokens_ratio"):
