@@ -47,7 +47,9 @@ def test_torch_dist_forced_nccl_on_a_cpu_worker_fails_at_creation(checkpoints):
                       agent_options={"torch_dist": {"data_transport": "nccl"}})
 
 
-@pytest.mark.parametrize("family,page_size", [("llama", 1), ("llama", 16), ("qwen3_next", 1), ("deepseek_v3", 4)])
+@pytest.mark.parametrize(
+    "family,page_size", [("llama", 1), ("llama", 16), ("qwen3_next", 1), ("deepseek_v3", 4), ("gemma3", 4)]
+)
 def test_greedy_tokens_equal_hf_through_pd(checkpoints, family, page_size):
     path = checkpoints[family]
     prefill, decode = make_pair(path, page_size)

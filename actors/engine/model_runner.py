@@ -160,7 +160,9 @@ class ModelRunner:
         if cfg.max_total_tokens is None:
             layer_tokens = self.max_total_num_tokens * (num_full + num_swa)
             self.max_total_num_tokens = int(layer_tokens / (num_full + cfg.swa_full_tokens_ratio * num_swa))
-        self.swa_max_total_num_tokens = max(1, int(self.max_total_num_tokens * cfg.swa_full_tokens_ratio))
+        ps = cfg.page_size  # both pools in whole pages: a paged allocator hands out no partial one
+        self.max_total_num_tokens = max(ps, self.max_total_num_tokens // ps * ps)
+        self.swa_max_total_num_tokens = max(ps, int(self.max_total_num_tokens * cfg.swa_full_tokens_ratio) // ps * ps)
         self.token_to_kv_pool = SWAKVPool(
             self.max_total_num_tokens, self.swa_max_total_num_tokens, cfg.page_size, self.kv_dtype, spec.num_kv_heads,
             spec.head_dim, spec.swa_attention_layer_ids, spec.full_attention_layer_ids, device=self.device,
