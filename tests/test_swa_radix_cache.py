@@ -562,4 +562,4 @@ class SWAMachine(RuleBasedStateMachine):
 
 TestSWARadixCacheWindow3 = machine_case(SWAMachine, "w3", 60, 25, window=3)
 TestSWARadixCacheWindow1 = machine_case(SWAMachine, "w1", 30, 25, window=1)
-TestSWARadixCachePaged = machine_case(SWAMachine, "p4w6", 40, 25, window=6, page_size=4, pool_pages=(24, 12))
+TestSWARadixCachePaged = machine_case(SWAMachine, "p4w6", 30, 25, window=6, page_size=4, pool_pages=(24, 12))
