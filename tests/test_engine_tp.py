@@ -368,14 +368,20 @@ def test_a_forward_failing_on_rank_0_after_its_batch_went_out_breaks_the_group(c
 
 
 def test_a_rank_that_fails_to_start_leaves_its_group(checkpoints, monkeypatch):
-    """Every rank refuses the config (Gemma 3 pools need page_size 1) after joining the group:
-    each leaves it, so an engine made next in the process (the config fixed) can join one."""
+    """Every rank refuses the config after joining the group (its runner raises, as for a model
+    it cannot serve): each leaves it, so an engine made next in the process (the config fixed)
+    can join one."""
     destroyed = []
+
+    def refuse(config, **kwargs):
+        raise ValueError("injected: not served")
+
     monkeypatch.setattr(tp_worker, "init_tp_group", lambda *args, **kwargs: RecordingGroup(rank=0, size=2))
     monkeypatch.setattr(torch.distributed, "destroy_process_group", lambda: destroyed.append(True))
+    monkeypatch.setattr(tp_worker, "ModelRunner", refuse)
     config = EngineConfig(model_path=checkpoints["gemma3"], skip_tokenizer_init=True, max_total_tokens=64,
-                          tp_size=2, page_size=4)
-    with pytest.raises(ValueError, match="page_size 1 only"):
+                          tp_size=2)
+    with pytest.raises(ValueError, match="injected: not served"):
         TPModelWorker(config, 0, "tcp://127.0.0.1:1")
     assert destroyed == [True]
 
