@@ -25,17 +25,20 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Any, Callable, List, NamedTuple, Optional, Sequence, Tuple
+from dataclasses import dataclass
+from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 
+from mem_cache.hicache_peers import LoadReport, PeerSyncMixin
 from mem_cache.hicache_storage import HiCacheStorage
+from mem_cache.hicache_storage_io import PrefetchOp, StorageIOMixin
 from mem_cache.integrity import ensure
 from mem_cache.memory_pool import KVCache
 from mem_cache.memory_pool_host import HostKVCache
+
+__all__ = ["HiCacheController", "LayerDoneCounter", "LoadReport", "PrefetchOp", "WriteInFlight"]
 
 logger = logging.getLogger(__name__)
 
@@ -106,39 +109,6 @@ class LayerDoneCounter:
             event.wait()  # (the current stream of this thread's device)
 
 
-class LoadReport(NamedTuple):
-    """A TP follower's loads that failed since rank 0 last asked (:meth:`HiCacheController.take_load_report`):
-    why, and the device slots left without KV (None: the copies again landed, but a forward
-    may have read the slots before)."""
-
-    error: str
-    lost: Optional[torch.Tensor]
-
-
-@dataclass(eq=False)
-class PrefetchOp:
-    """One prefetch from storage: ``key[:matched]`` was cached when it began (ending at
-    node ``end``); pages ``keys`` (the next ones, which storage had) are read into
-    ``host_indices`` in order by the prefetch thread; ``pages_read`` counts those
-    done. ``state``: queued → running → done (or queued → done when ended before the
-    thread reached it); ``cancel`` stops a running one before its next batch."""
-
-    key: Any  # RadixKey of the cached part and the pages fetched
-    matched: int
-    keys: List[str]
-    host_indices: torch.Tensor
-    end: Any = None  # the tree node it extends (host-ref'd while it runs)
-    op_id: int = 0
-    asked_len: int = 0  # leading tokens of the request's key storage has answered for (no need to ask again)
-    pages_read: int = 0
-    state: str = "queued"
-    ended: bool = False  # finished or cancelled by the tree: its host slots are the tree's or freed
-    cancel: threading.Event = field(default_factory=threading.Event)
-    done: threading.Event = field(default_factory=threading.Event)
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    started_at: float = field(default_factory=time.monotonic)
-
-
 @dataclass(eq=False)
 class WriteInFlight:
     """A tree node's backup started off the loop: its copy (``future``) to ``host_indices``
@@ -151,7 +121,7 @@ class WriteInFlight:
     host_indices: torch.Tensor
 
 
-class HiCacheController:
+class HiCacheController(PeerSyncMixin, StorageIOMixin):
     """Moves KV between ``device_pool``, ``host_pool`` and an optional ``storage``.
 
     Construction registers the controller's ``layer_done_counter`` with the
@@ -302,13 +272,6 @@ class HiCacheController:
         if error is not None and raise_errors:
             raise error
 
-    def log_write_sync(self) -> None:
-        """Log that the writes logged so far may have ended here: a replaying rank ends its
-        own at the same point, before the device slots they read can be freed and reused."""
-        if self.op_log is not None and self._write_sync_due:  # (the log may have been sent since the
-            self.op_log.append(("write_sync", torch.empty(0, dtype=torch.int64), None))  # write_async)
-            self._write_sync_due = False
-
     def load(self, host_indices: torch.Tensor, device_indices: torch.Tensor) -> None:
         """Copy ``host_indices`` into ``device_indices``, one layer after another, now."""
         self.wait_loading()
@@ -443,54 +406,6 @@ class HiCacheController:
         lost, self._lost_loads = self._lost_loads, []
         return torch.cat(lost) if lost else None
 
-    # ---- failed loads across TP ranks -----------------------------------------------
-    def take_load_report(self) -> Optional[LoadReport]:
-        """(A TP follower, ``keep_load_errors``) its loads that failed since the last call —
-        their errors, the slots they left without KV (CPU) — or None when all landed."""
-        errors, self._load_errors = self._load_errors, []
-        lost = self.take_lost_loads()
-        if not errors and lost is None:
-            return None
-        return LoadReport("; ".join(errors), None if lost is None else lost.cpu())
-
-    @property
-    def load_failures_pending(self) -> bool:
-        """Failed loads :meth:`take_load_report` has not handed over yet."""
-        return bool(self._load_errors or self._lost_loads)
-
-    def set_peers_loads(self, peers_loads: Optional[Callable[[], List[Any]]]) -> None:
-        """(TP rank 0) ``peers_loads()`` asks every other rank for its :meth:`take_load_report`.
-        With it, readers of a failed load go through on this rank too: its forward must reach
-        the collectives the other ranks' forwards wait in."""
-        self.peers_loads = peers_loads
-        self.layer_done_counter.fail_readers = peers_loads is None
-
-    @property
-    def peer_loads_due(self) -> bool:
-        """(TP rank 0) loads were logged since the other ranks were last asked how theirs ended."""
-        return bool(self._unasked_loads)
-
-    def end_peer_loads(self) -> Optional[Exception]:
-        """(TP rank 0, its own loads ended) Ask every other rank how its copies of the loads
-        logged since the last ask ended (it ends them first: the ask follows the op log).
-        The slots a rank could not fill join :meth:`take_lost_loads` (a rank that could not
-        answer: every slot asked about). Returns the error to raise — a rank's forward read
-        slots its copy had not filled, so the step's outputs are garbage — or None."""
-        if self.peers_loads is None or not self._unasked_loads:
-            return None
-        asked, self._unasked_loads = torch.cat(self._unasked_loads), []
-        errors = []
-        for rank, reply in enumerate(self.peers_loads(), start=1):
-            if reply is None:
-                continue
-            lost = reply.lost if isinstance(reply, LoadReport) else asked
-            errors.append(f"TP rank {rank}: {reply.error if isinstance(reply, LoadReport) else reply}")
-            if lost is not None:
-                self._lost_loads.append(lost.to(self.device_pool.device))
-        if not errors:
-            return None
-        return RuntimeError("loading KV from the host tier failed on another TP rank: " + "; ".join(errors))
-
     def close(self) -> None:
         """End any transfer, backup and storage write, and their threads."""
         try:
@@ -503,192 +418,3 @@ class HiCacheController:
                 if pool is not None:
                     pool.shutdown(wait=True)
             self._loader = self._writer = self._storage_io = self._prefetch_io = None
-
-    def log_load_sync(self) -> None:
-        """Log that every load logged so far has ended here: a replaying rank ends its own
-        at the same point of the op sequence. (Ended outside a forward — a request not
-        taken after all — its slots may be freed and reused before the next forward; a
-        rank that ran it alongside that forward would write over the new KV.)"""
-        if self.op_log is not None and self.op_log and self.op_log[-1][0] != "load_sync":
-            self.op_log.append(("load_sync", torch.empty(0, dtype=torch.int64), None))
-
-    def _log(self, op: str, host_indices: torch.Tensor, other: Any) -> None:
-        if self.op_log is not None:  # (only then: a device tensor's copy to the host waits for the device)
-            other = other.cpu() if isinstance(other, torch.Tensor) else other
-            if op == "load" and self.peers_loads is not None:
-                self._unasked_loads.append(other)
-            self.op_log.append((op, host_indices.cpu(), other))
-
-    def replay(self, ops: Sequence[Tuple[str, torch.Tensor, Any]]) -> None:
-        """Apply another rank's ``op_log`` entries, in order, to this rank's pools (its loads
-        are queued: :meth:`start_loading` them before the forward, as rank 0 does)."""
-        device = self.device_pool.device
-        for op, host_indices, other in ops:
-            if op == "write":
-                self.write(host_indices, other.to(device))
-            elif op == "write_async":
-                self.start_write(host_indices, other.to(device))
-            elif op == "write_sync":
-                self.finish_writes(raise_errors=True)
-            elif op == "load":  # started by the caller's start_loading, as on rank 0
-                self._replay_load(host_indices, other.to(device))
-            elif op == "load_sync":
-                self.start_loading()
-                self.wait_loading()
-            elif op == "write_storage":
-                self.write_storage(other, host_indices)
-            else:
-                raise ValueError(f"unknown host-tier op {op!r}")
-
-    def _replay_load(self, host_indices: torch.Tensor, device_indices: torch.Tensor) -> None:
-        try:
-            self.queue_load(host_indices, device_indices)
-        except Exception as exc:  # (without overlap_load: copied now) its slots hold no KV
-            self._lost_loads.append(device_indices)
-            self._load_failed(exc)
-
-    def write_storage(self, keys: Sequence[str], host_indices: torch.Tensor) -> Optional[int]:
-        """Write the pages of ``host_indices`` (page ``i`` keyed ``keys[i]``) from
-        the first one storage lacks; returns how many of those are stored now. With
-        ``async_storage_writes`` the pages' bytes are taken now (the host slots are free
-        to change once this returns) and the storage thread writes them (returns None;
-        :meth:`flush_storage` waits). At most ``max_pending_writes`` batches wait: the
-        next one waits for the oldest, so a slow backend slows backups down instead of
-        holding ever more page copies."""
-        ps = self.host_pool.page_size
-        self._log("write_storage", host_indices, list(keys))
-        if not self.async_storage_writes:
-            first_missing = self.storage.batch_exists(keys)
-            # pages [first_missing, len(keys)): written (one that exists is skipped by the backend)
-            pages = range(first_missing, len(keys))
-            values = [self.host_pool.get_page_bytes(host_indices[i * ps : (i + 1) * ps]) for i in pages]
-            return self._count_stored(self.storage.batch_set(keys[first_missing:], values))
-        values = [self.host_pool.get_page_bytes(host_indices[i * ps : (i + 1) * ps]) for i in range(len(keys))]
-        self._storage_writes = [f for f in self._storage_writes if not f.done()]
-        while len(self._storage_writes) >= self.max_pending_writes:
-            self._storage_writes.pop(0).result()
-        if self._storage_io is None:
-            self._storage_io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hicache-storage")
-        self._storage_writes.append(self._storage_io.submit(self._store, list(keys), values))
-        return None
-
-    def _store(self, keys: List[str], values: List[bytes]) -> int:
-        """(The storage thread) the pages storage lacks, from the first; a failure loses the
-        pages, which later reads find absent."""
-        try:
-            first_missing = self.storage.batch_exists(keys)
-            return self._count_stored(self.storage.batch_set(keys[first_missing:], values[first_missing:]))
-        except Exception:
-            logger.exception("writing %d pages to the storage tier failed", len(keys))
-            return 0
-
-    def _count_stored(self, results: List[bool]) -> int:
-        stored = sum(results)
-        self.stored_pages += stored
-        return stored
-
-    def flush_storage(self) -> None:
-        """Wait until every queued storage write has ended."""
-        pending, self._storage_writes = self._storage_writes, []
-        for future in pending:
-            future.result()
-
-    # ---- prefetch off the loop ------------------------------------------------------
-    PREFETCH_BATCH_PAGES = 8  # pages per storage read: a cancel waits for at most one batch
-
-    def start_prefetch(self, op: PrefetchOp) -> None:
-        """Read ``op``'s pages on the prefetch thread, in the order started; with
-        ``peers_prefetch`` (TP rank 0) every other rank starts reading the same pages
-        into the same host slots now too."""
-        if self._prefetch_io is None:  # (not the writes' thread: a prefetch ended early must not wait for them)
-            self._prefetch_io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hicache-prefetch")
-        self._prefetch_io.submit(self._prefetch_pages, op)
-        if self.peers_prefetch is not None:
-            self.peers_prefetch("prefetch_start", (op.op_id, list(op.keys), op.host_indices.cpu()))
-
-    def _prefetch_pages(self, op: PrefetchOp) -> None:
-        with op.lock:
-            if op.state != "queued":  # ended before the thread got to it
-                return
-            op.state = "running"
-        ps, step = self.host_pool.page_size, self.PREFETCH_BATCH_PAGES
-        try:
-            for first in range(0, len(op.keys), step):
-                if op.cancel.is_set():
-                    return
-                batch = op.keys[first : first + step]
-                for i, data in enumerate(self.storage.batch_get(batch)[: len(batch)], start=first):
-                    if data is None or len(data) != self.host_pool.page_nbytes:
-                        return
-                    self.host_pool.set_page_bytes(op.host_indices[i * ps : (i + 1) * ps], data)
-                    op.pages_read = i + 1
-                if op.pages_read < first + len(batch):  # pages it got no answer for: absent, and those after
-                    return
-        except Exception:  # what was read stays usable; the rest counts as absent
-            logger.exception("prefetching %d pages from the storage tier failed", len(op.keys))
-        finally:
-            with op.lock:
-                op.state = "done"
-            op.done.set()
-
-    def end_prefetch(self, op: PrefetchOp, wait: bool, keep: bool = True) -> int:
-        """Stop ``op`` (or let it read every page, ``wait``) and return the leading pages
-        it read that every TP rank has too (0 without ``keep``: a cancel, which still stops
-        the other ranks' reads — they must not write slots freed next — but ignores their
-        failures). One the thread has not reached ends at once; a running one ends after the
-        batch it is reading. Once this rank has read every page, the others may finish too."""
-        if not wait:
-            op.cancel.set()
-        with op.lock:
-            if op.state == "queued" and not wait:
-                op.state = "done"
-                op.done.set()
-        op.done.wait()
-        count = op.pages_read if keep else 0
-        if self.peers_prefetch is not None:
-            peers_wait = wait or (keep and op.pages_read == len(op.keys))  # (not cut short for a slower rank)
-            try:
-                replies = self.peers_prefetch("prefetch_end", (op.op_id, peers_wait))
-            except Exception:
-                if keep:
-                    raise
-                logger.exception("ending a prefetch on the other TP ranks failed")
-                replies = []
-            count = min([count] + [n if isinstance(n, int) else 0 for n in replies])  # (a failed rank: 0)
-        self.prefetched_pages += count
-        return count
-
-    # the other ranks' side of peers_prefetch: their own thread reads the same pages
-    def peer_prefetch_start(self, payload) -> None:
-        op_id, keys, host_indices = payload
-        op = PrefetchOp(None, 0, keys, host_indices, op_id=op_id)
-        self._peer_prefetches[op_id] = op
-        self.start_prefetch(op)
-
-    def peer_prefetch_end(self, payload) -> int:
-        op_id, wait = payload
-        op = self._peer_prefetches.pop(op_id, None)
-        return 0 if op is None else self.end_prefetch(op, wait)
-
-    def read_storage(self, keys: Sequence[str], host_indices: torch.Tensor) -> int:
-        """Read pages ``keys`` into ``host_indices`` in order, stopping at the
-        first one that is absent or not one page long; returns pages read —
-        with ``peers_read``, the leading pages every rank read. A read that raises
-        reads nothing (logged): a storage failure costs the hit, not the request."""
-        ps = self.host_pool.page_size
-        try:
-            values = self.storage.batch_get(keys)
-        except Exception:
-            logger.exception("reading %d pages from the storage tier failed", len(keys))
-            values = []
-        count = 0
-        for i, data in enumerate(values[: len(keys)]):
-            if data is None or len(data) != self.host_pool.page_nbytes:
-                break
-            self.host_pool.set_page_bytes(host_indices[i * ps : (i + 1) * ps], data)
-            count = i + 1
-        self.read_pages += count
-        if count and self.peers_read is not None:  # a rank that failed to answer read nothing
-            replies = self.peers_read(list(keys[:count]), host_indices[: count * ps].cpu())
-            count = min([count] + [n if isinstance(n, int) else 0 for n in replies])
-        return count

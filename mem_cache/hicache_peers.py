@@ -1,0 +1,141 @@
+"""The cross-rank side of :class:`~mem_cache.hicache_controller.HiCacheController`.
+
+With tensor parallelism only rank 0 has a tree: its controller logs every copy between
+the tiers (``op_log``) and the other ranks replay the log on their own head shards
+(:meth:`PeerSyncMixin.replay`). Failures on those ranks are reported, not raised: rank 0
+asks after ending its own loads (:meth:`PeerSyncMixin.end_peer_loads`, answered by
+:meth:`PeerSyncMixin.take_load_report`). Prefetches from storage are started and ended on
+every rank by calls (``peer_prefetch_start`` / ``peer_prefetch_end``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, List, NamedTuple, Optional, Sequence, Tuple
+
+import torch
+
+from mem_cache.hicache_storage_io import PrefetchOp
+
+
+class LoadReport(NamedTuple):
+    """A TP follower's loads that failed since rank 0 last asked (:meth:`HiCacheController.take_load_report`):
+    why, and the device slots left without KV (None: the copies again landed, but a forward
+    may have read the slots before)."""
+
+    error: str
+    lost: Optional[torch.Tensor]
+
+
+class PeerSyncMixin:
+    """Op logging, replay and failure reports between TP ranks. Relies on the controller's
+    pools, ``op_log``, ``peers_loads``, load and write queues and storage methods."""
+
+    def log_write_sync(self) -> None:
+        """Log that the writes logged so far may have ended here: a replaying rank ends its
+        own at the same point, before the device slots they read can be freed and reused."""
+        if self.op_log is not None and self._write_sync_due:  # (the log may have been sent since the
+            self.op_log.append(("write_sync", torch.empty(0, dtype=torch.int64), None))  # write_async)
+            self._write_sync_due = False
+
+    def log_load_sync(self) -> None:
+        """Log that every load logged so far has ended here: a replaying rank ends its own
+        at the same point of the op sequence. (Ended outside a forward — a request not
+        taken after all — its slots may be freed and reused before the next forward; a
+        rank that ran it alongside that forward would write over the new KV.)"""
+        if self.op_log is not None and self.op_log and self.op_log[-1][0] != "load_sync":
+            self.op_log.append(("load_sync", torch.empty(0, dtype=torch.int64), None))
+
+    def _log(self, op: str, host_indices: torch.Tensor, other: Any) -> None:
+        if self.op_log is not None:  # (only then: a device tensor's copy to the host waits for the device)
+            other = other.cpu() if isinstance(other, torch.Tensor) else other
+            if op == "load" and self.peers_loads is not None:
+                self._unasked_loads.append(other)
+            self.op_log.append((op, host_indices.cpu(), other))
+
+    def replay(self, ops: Sequence[Tuple[str, torch.Tensor, Any]]) -> None:
+        """Apply another rank's ``op_log`` entries, in order, to this rank's pools (its loads
+        are queued: :meth:`start_loading` them before the forward, as rank 0 does)."""
+        device = self.device_pool.device
+        for op, host_indices, other in ops:
+            if op == "write":
+                self.write(host_indices, other.to(device))
+            elif op == "write_async":
+                self.start_write(host_indices, other.to(device))
+            elif op == "write_sync":
+                self.finish_writes(raise_errors=True)
+            elif op == "load":  # started by the caller's start_loading, as on rank 0
+                self._replay_load(host_indices, other.to(device))
+            elif op == "load_sync":
+                self.start_loading()
+                self.wait_loading()
+            elif op == "write_storage":
+                self.write_storage(other, host_indices)
+            else:
+                raise ValueError(f"unknown host-tier op {op!r}")
+
+    def _replay_load(self, host_indices: torch.Tensor, device_indices: torch.Tensor) -> None:
+        try:
+            self.queue_load(host_indices, device_indices)
+        except Exception as exc:  # (without overlap_load: copied now) its slots hold no KV
+            self._lost_loads.append(device_indices)
+            self._load_failed(exc)
+
+    # ---- failed loads across TP ranks -----------------------------------------------
+    def take_load_report(self) -> Optional[LoadReport]:
+        """(A TP follower, ``keep_load_errors``) its loads that failed since the last call —
+        their errors, the slots they left without KV (CPU) — or None when all landed."""
+        errors, self._load_errors = self._load_errors, []
+        lost = self.take_lost_loads()
+        if not errors and lost is None:
+            return None
+        return LoadReport("; ".join(errors), None if lost is None else lost.cpu())
+
+    @property
+    def load_failures_pending(self) -> bool:
+        """Failed loads :meth:`take_load_report` has not handed over yet."""
+        return bool(self._load_errors or self._lost_loads)
+
+    def set_peers_loads(self, peers_loads: Optional[Callable[[], List[Any]]]) -> None:
+        """(TP rank 0) ``peers_loads()`` asks every other rank for its :meth:`take_load_report`.
+        With it, readers of a failed load go through on this rank too: its forward must reach
+        the collectives the other ranks' forwards wait in."""
+        self.peers_loads = peers_loads
+        self.layer_done_counter.fail_readers = peers_loads is None
+
+    @property
+    def peer_loads_due(self) -> bool:
+        """(TP rank 0) loads were logged since the other ranks were last asked how theirs ended."""
+        return bool(self._unasked_loads)
+
+    def end_peer_loads(self) -> Optional[Exception]:
+        """(TP rank 0, its own loads ended) Ask every other rank how its copies of the loads
+        logged since the last ask ended (it ends them first: the ask follows the op log).
+        The slots a rank could not fill join :meth:`take_lost_loads` (a rank that could not
+        answer: every slot asked about). Returns the error to raise — a rank's forward read
+        slots its copy had not filled, so the step's outputs are garbage — or None."""
+        if self.peers_loads is None or not self._unasked_loads:
+            return None
+        asked, self._unasked_loads = torch.cat(self._unasked_loads), []
+        errors = []
+        for rank, reply in enumerate(self.peers_loads(), start=1):
+            if reply is None:
+                continue
+            lost = reply.lost if isinstance(reply, LoadReport) else asked
+            errors.append(f"TP rank {rank}: {reply.error if isinstance(reply, LoadReport) else reply}")
+            if lost is not None:
+                self._lost_loads.append(lost.to(self.device_pool.device))
+        if not errors:
+            return None
+        return RuntimeError("loading KV from the host tier failed on another TP rank: " + "; ".join(errors))
+
+    # the other ranks' side of peers_prefetch: their own thread reads the same pages
+    def peer_prefetch_start(self, payload) -> None:
+        op_id, keys, host_indices = payload
+        op = PrefetchOp(None, 0, keys, host_indices, op_id=op_id)
+        self._peer_prefetches[op_id] = op
+        self.start_prefetch(op)
+
+    def peer_prefetch_end(self, payload) -> int:
+        op_id, wait = payload
+        op = self._peer_prefetches.pop(op_id, None)
+        return 0 if op is None else self.end_prefetch(op, wait)
