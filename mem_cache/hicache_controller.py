@@ -173,6 +173,7 @@ class HiCacheController(PeerSyncMixin, StorageIOMixin):
         self._load_stream: Any = None
         self._loader: Optional[ThreadPoolExecutor] = None
         self._lost_loads: List[torch.Tensor] = []  # device slots of failed loads copied again in vain
+        self._failed_loads: List[torch.Tensor] = []  # device slots of failed loads (a forward may have read them)
         # a TP follower: failed loads are kept for rank 0 (take_load_report), not raised; readers go through
         self.keep_load_errors = keep_load_errors
         self.layer_done_counter.fail_readers = not keep_load_errors
@@ -364,8 +365,9 @@ class HiCacheController(PeerSyncMixin, StorageIOMixin):
         """Block until the transfer in flight has reached the device. If it failed, its
         loads are copied again here, synchronously (the forward that read them failed;
         the slots must not keep what did not land), and the error is raised (with
-        ``keep_load_errors``: kept for :meth:`take_load_report`). If the copy again
-        fails too, its device slots hold no KV: :meth:`take_lost_loads` names them."""
+        ``keep_load_errors``: kept for :meth:`take_load_report`); :meth:`take_failed_loads`
+        names its slots. If the copy again fails too, its device slots hold no KV:
+        :meth:`take_lost_loads` names them."""
         transfer, self._transfer = self._transfer, None
         if transfer is None:
             return
@@ -378,6 +380,7 @@ class HiCacheController(PeerSyncMixin, StorageIOMixin):
                 transfer["done"].synchronize()
         except BaseException as exc:
             self.layer_done_counter.end()
+            self._failed_loads.append(transfer["device"])
             logger.exception("loading KV from the host tier failed; copying it again before going on")
             if self._load_stream is not None:  # copies it did enqueue land first, not over the new ones
                 try:
@@ -399,6 +402,13 @@ class HiCacheController(PeerSyncMixin, StorageIOMixin):
         if not self.keep_load_errors or not isinstance(exc, Exception):
             raise exc
         self._load_errors.append(f"{type(exc).__name__}: {exc}")
+
+    def take_failed_loads(self) -> Optional[torch.Tensor]:
+        """The device slots of every transfer that failed (here, or on another TP rank: see
+        :meth:`end_peer_loads`) since the last call, copied again or not, or None: a forward
+        that ran alongside such a transfer read garbage in them."""
+        failed, self._failed_loads = self._failed_loads, []
+        return torch.cat(failed) if failed else None
 
     def take_lost_loads(self) -> Optional[torch.Tensor]:
         """The device slots of the loads that failed twice (see :meth:`wait_loading`) since

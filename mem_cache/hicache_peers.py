@@ -19,11 +19,12 @@ from mem_cache.hicache_storage_io import PrefetchOp
 
 class LoadReport(NamedTuple):
     """A TP follower's loads that failed since rank 0 last asked (:meth:`HiCacheController.take_load_report`):
-    why, and the device slots left without KV (None: the copies again landed, but a forward
-    may have read the slots before)."""
+    why, the device slots left without KV (None: the copies again landed), and the device
+    slots of every failed load (a forward that ran alongside read garbage in them)."""
 
     error: str
     lost: Optional[torch.Tensor]
+    failed: Optional[torch.Tensor] = None
 
 
 class PeerSyncMixin:
@@ -78,22 +79,24 @@ class PeerSyncMixin:
             self.queue_load(host_indices, device_indices)
         except Exception as exc:  # (without overlap_load: copied now) its slots hold no KV
             self._lost_loads.append(device_indices)
+            self._failed_loads.append(device_indices)
             self._load_failed(exc)
 
     # ---- failed loads across TP ranks -----------------------------------------------
     def take_load_report(self) -> Optional[LoadReport]:
         """(A TP follower, ``keep_load_errors``) its loads that failed since the last call —
-        their errors, the slots they left without KV (CPU) — or None when all landed."""
+        their errors, the slots they left without KV and the slots they wrote (CPU) — or None
+        when all landed."""
         errors, self._load_errors = self._load_errors, []
-        lost = self.take_lost_loads()
-        if not errors and lost is None:
+        lost, failed = self.take_lost_loads(), self.take_failed_loads()
+        if not errors and lost is None and failed is None:
             return None
-        return LoadReport("; ".join(errors), None if lost is None else lost.cpu())
+        return LoadReport("; ".join(errors), None if lost is None else lost.cpu(), None if failed is None else failed.cpu())
 
     @property
     def load_failures_pending(self) -> bool:
         """Failed loads :meth:`take_load_report` has not handed over yet."""
-        return bool(self._load_errors or self._lost_loads)
+        return bool(self._load_errors or self._lost_loads or self._failed_loads)
 
     def set_peers_loads(self, peers_loads: Optional[Callable[[], List[Any]]]) -> None:
         """(TP rank 0) ``peers_loads()`` asks every other rank for its :meth:`take_load_report`.
@@ -110,9 +113,10 @@ class PeerSyncMixin:
     def end_peer_loads(self) -> Optional[Exception]:
         """(TP rank 0, its own loads ended) Ask every other rank how its copies of the loads
         logged since the last ask ended (it ends them first: the ask follows the op log).
-        The slots a rank could not fill join :meth:`take_lost_loads` (a rank that could not
-        answer: every slot asked about). Returns the error to raise — a rank's forward read
-        slots its copy had not filled, so the step's outputs are garbage — or None."""
+        The slots a rank could not fill join :meth:`take_lost_loads`, those of its failed
+        loads :meth:`take_failed_loads` (a rank that could not answer: every slot asked about).
+        Returns the error — the forward of a rank read garbage in those slots, so the outputs
+        of the requests that read them are garbage — or None."""
         if self.peers_loads is None or not self._unasked_loads:
             return None
         asked, self._unasked_loads = torch.cat(self._unasked_loads), []
@@ -120,10 +124,12 @@ class PeerSyncMixin:
         for rank, reply in enumerate(self.peers_loads(), start=1):
             if reply is None:
                 continue
-            lost = reply.lost if isinstance(reply, LoadReport) else asked
-            errors.append(f"TP rank {rank}: {reply.error if isinstance(reply, LoadReport) else reply}")
-            if lost is not None:
-                self._lost_loads.append(lost.to(self.device_pool.device))
+            report = reply if isinstance(reply, LoadReport) else LoadReport(str(reply), asked, asked)
+            errors.append(f"TP rank {rank}: {report.error}")
+            device = self.device_pool.device
+            if report.lost is not None:
+                self._lost_loads.append(report.lost.to(device))
+            self._failed_loads.append((asked if report.failed is None else report.failed).to(device))
         if not errors:
             return None
         return RuntimeError("loading KV from the host tier failed on another TP rank: " + "; ".join(errors))

@@ -124,6 +124,7 @@ class HiRadixCache(HostTierMixin, RadixCache):
         self._writing: List[WriteInFlight] = []  # backups in flight, in the order started: each locks its node
         self._loading_nodes: List[TreeNode] = []  # loaded back, their copy not ended: host copies held
         self._lost_slots: Optional[torch.Tensor] = None  # device slots loads failed to fill, still locked
+        self._load_errors: List[str] = []  # loads failed and not raised, for take_failed_loads
         self.prefetch_ops: List[PrefetchOp] = []  # started, not finished: each owns its host slots
         self._prefetch_ids = 0
         self.prefetch_capacity = 0.5  # of the host pool, that the prefetches in flight may hold together
@@ -138,6 +139,7 @@ class HiRadixCache(HostTierMixin, RadixCache):
         super().reset()
         self.host_pool.clear()
         self._lost_slots = None
+        self.take_failed_loads()
 
     def _add_leaf(self, parent: TreeNode, key: RadixKey, value: torch.Tensor, priority: int, now: int) -> TreeNode:
         leaf = super()._add_leaf(parent, key, value, priority, now)
@@ -240,7 +242,8 @@ class HiRadixCache(HostTierMixin, RadixCache):
         while self._writing and self.evictable_size_ < num_tokens:
             self._end_oldest_write()
         if any(n.lock_ref == 0 for n in self._loading_nodes):  # a load may still write slots about to be
-            self.loading_check()  # freed (its request was not taken after all); a taken one's are locked
+            self.loading_check(raise_failed=False)  # freed (its request was not taken after all); a taken
+            # one's are locked (one that failed: take_failed_loads; the forward that reads it decides)
         heap = [(self.eviction_key(n), n.id, n) for n in self._iter_nodes() if self._is_device_leaf(n)]
         heapq.heapify(heap)
         evicted = 0

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import heapq
 import logging
-from typing import List, Optional, Tuple
+from typing import List, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -21,6 +21,13 @@ from mem_cache.radix_cache import TreeNode
 from mem_cache.radix_key import RadixKey, hash_pages, root_hash
 
 logger = logging.getLogger(__name__)
+
+
+class FailedLoads(NamedTuple):
+    """Loads from the host tier that failed (:meth:`HostTierMixin.take_failed_loads`)."""
+
+    error: str
+    slots: torch.Tensor  # the device slots they were to fill
 
 
 class HostTierMixin:
@@ -385,24 +392,26 @@ class HostTierMixin:
         """Start the loads queued by ``load_back`` (just before the forward that reads them)."""
         self.cache_controller.start_loading()
 
-    def loading_check(self) -> None:
+    def loading_check(self, raise_failed: bool = True) -> None:
         """End the loads — the transfer in flight, then the queued ones, even when the first
         fails — and give their host copies back to ``evict_host``. After this, no copy writes
         device slots the tree may free. A failed transfer is copied again before the error is
         raised; if that fails too, the nodes holding its slots leave the device (see
         :meth:`_drop_lost_loads`). With TP the other ranks are asked how their copies of the
         loads ended (:meth:`HiCacheController.end_peer_loads`): one failed there is handled
-        as if it had failed here."""
+        as if it had failed here. With ``raise_failed=False`` a failed load is not raised but
+        kept for :meth:`take_failed_loads` (whoever ran a forward beside it decides which of
+        its requests read garbage); an exchange with the other ranks that fails still raises."""
         controller = self.cache_controller
         if not (controller.load_pending or self._loading_nodes or controller.peer_loads_due):
             return
-        peer_error = None
+        errors: List[Exception] = []
         try:
             try:
-                controller.wait_loading()  # the transfer in flight (raising, it has ended all the same)
+                self._end_transfer(errors)  # the transfer in flight (raising, it has ended all the same)
             finally:
                 controller.start_loading()  # the queued loads: their host refs go below, so they end too
-                controller.wait_loading()
+                self._end_transfer(errors)
         finally:
             controller.log_load_sync()
             for node in self._loading_nodes:
@@ -410,13 +419,33 @@ class HostTierMixin:
             self._loading_nodes = []
             try:
                 peer_error = controller.end_peer_loads()  # (after load_sync: the other ranks end them first)
+                if peer_error is not None:
+                    errors.append(peer_error)
             finally:
                 lost = controller.take_lost_loads()
                 if lost is not None:
                     self._lost_slots = lost if self._lost_slots is None else torch.cat([self._lost_slots, lost])
                     self._drop_lost_loads()
-        if peer_error is not None:
-            raise peer_error
+        if errors and raise_failed:
+            controller.take_failed_loads()  # (raised: nobody is left to ask for them)
+            raise errors[0]
+        self._load_errors += [f"{type(e).__name__}: {e}" for e in errors]
+
+    def _end_transfer(self, errors: List[Exception]) -> None:
+        try:
+            self.cache_controller.wait_loading()
+        except Exception as exc:
+            errors.append(exc)
+
+    def take_failed_loads(self) -> Optional[FailedLoads]:
+        """The loads that failed since the last call and were not raised (``loading_check``
+        with ``raise_failed=False``, ``evict``): why, and the device slots they wrote — copied
+        again or lost, a forward that ran beside them read garbage there. None: none failed."""
+        slots = self.cache_controller.take_failed_loads()
+        errors, self._load_errors = self._load_errors, []
+        if slots is None and not errors:
+            return None
+        return FailedLoads("; ".join(errors), self._empty() if slots is None else slots)
 
     def _drop_lost_loads(self) -> None:
         """Take the unlocked nodes that hold lost slots (a load that failed twice left them

@@ -247,45 +247,101 @@ def test_a_request_that_got_no_prefetch_at_arrival_still_gets_its_pages_at_admis
     sched.close()
 
 
-def test_a_request_whose_prefix_fails_to_load_twice_fails_and_the_next_one_loads_it_again(model_dir):
-    """The host → device copy of a request's prefix fails, and so does the copy again: the
-    request fails (its step does), and the slots that hold no KV are no hit for the next
-    request with that prefix — its prefix comes from the host again and its tokens equal HF's."""
-    engine = Engine(model_path=model_dir, skip_tokenizer_init=True, max_total_tokens=256, page_size=4,
-                    enable_hierarchical_cache=True, hicache_ratio=4.0, hicache_overlap_load=True)
-    rng, tree = random.Random(9), engine.scheduler.tree_cache
-    system = tokens(rng, 96)
-    engine.generate(input_ids=[system + tokens(rng, 4)], sampling_params=GREEDY)
-    engine.loop.run_exclusive(lambda: tree.evict(256))
-    scramble(tree.cache_controller.device_pool)  # what a slot holds if no copy lands in it
-    host = tree.cache_controller.host_pool
-    load_layer = host.load_to_device_per_layer
+def generate_in_one_batch(engine, prompts):
+    """``engine.generate(prompts)`` with every request queued before the loop steps: one batch."""
+    outs, sched = [], engine.scheduler
+    engine.loop.pause()
+    try:
+        thread = threading.Thread(target=lambda: outs.extend(engine.generate(input_ids=prompts, sampling_params=GREEDY)))
+        thread.start()
+        deadline = time.monotonic() + 30
+        while len(sched.waiting) < len(prompts) and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        engine.loop.resume()
+    thread.join(120)
+    assert not thread.is_alive() and len(outs) == len(prompts)
+    return outs
+
+
+def watch_requeues(engine, prefix):
+    """Every step that requeued requests for a failed load: (the batch's prompts, the prompts
+    requeued, ``prefix`` tokens on the device right after)."""
+    sched, seen = engine.scheduler, []
+    requeue = sched._requeue_failed_loads
+
+    def watched(reqs, read_lens, logits):
+        kept, rows = requeue(reqs, read_lens, logits)
+        if len(kept) < len(reqs):
+            on_device = len(sched.tree_cache.match_prefix(RadixKey(prefix)).device_indices)
+            seen.append(([r.origin_input_ids for r in reqs], [r.origin_input_ids for r in reqs if r not in kept],
+                         on_device))
+        return kept, rows
+
+    sched._requeue_failed_loads = watched
+    return seen
+
+
+def break_loads(controller, times=None):
+    """Host → device copies of ``controller`` fail (the first ``times`` ones, or all until
+    restored); returns the restore function."""
+    host = controller.host_pool
+    load_layer, calls = host.load_to_device_per_layer, []
 
     def broken(*args, **kwargs):
+        calls.append(1)
+        if times is not None and len(calls) >= times:
+            host.load_to_device_per_layer = load_layer
         raise OSError("host memory unreadable")
 
     host.load_to_device_per_layer = broken
-    follow = [system + tokens(rng, 5)]
-    with pytest.raises(OSError, match="unreadable"):
-        engine.generate(input_ids=follow, sampling_params=GREEDY)
-    host.load_to_device_per_layer = load_layer
-    engine.check_integrity()
-    out = engine.generate(input_ids=follow, sampling_params=GREEDY)
-    assert out[0]["meta_info"]["cached_tokens"] >= 96
-    assert_greedy_parity(model_dir, follow, [out[0]["output_ids"]], 8, [])
-    engine.check_integrity()
-    engine.shutdown()
+    return lambda: setattr(host, "load_to_device_per_layer", load_layer)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_a_failed_load_requeues_only_the_request_that_read_it(model_dir, overlap):
+    """The host → device copy of a request's prefix fails, and so does the copy again, while
+    another request is in the same batch. Overlapped with the forward, the step ends: the
+    request that read the slots is requeued (its KV freed, the slots lost off the device) and
+    recomputed without the host tier; the other keeps its output. Copied at admission (no
+    overlap), the request computes the prefix itself. Both requests' tokens equal HF's, and
+    the next request with the prefix loads it from the host again."""
+    engine = Engine(model_path=model_dir, skip_tokenizer_init=True, max_total_tokens=256, page_size=4,
+                    enable_hierarchical_cache=True, hicache_ratio=4.0, hicache_overlap_load=overlap)
+    try:
+        rng, tree = random.Random(9), engine.scheduler.tree_cache
+        system = tokens(rng, 96)
+        engine.generate(input_ids=[system + tokens(rng, 4)], sampling_params=GREEDY)
+        engine.loop.run_exclusive(lambda: tree.evict(256))
+        scramble(tree.cache_controller.device_pool)  # what a slot holds if no copy lands in it
+        requeues = watch_requeues(engine, system)
+        restore = break_loads(tree.cache_controller)
+        follow, other = system + tokens(rng, 5), tokens(rng, 20)
+        outs = generate_in_one_batch(engine, [follow, other])
+        restore()
+        assert requeues == ([([follow, other], [follow], 0)] if overlap else [])
+        engine.check_integrity()
+        engine.loop.run_exclusive(lambda: tree.evict(256))
+        last = system + tokens(rng, 3)
+        outs.append(engine.generate(input_ids=last, sampling_params=GREEDY))
+        assert outs[-1]["meta_info"]["cached_tokens"] >= 96
+        assert_greedy_parity(model_dir, [follow, other, last], [o["output_ids"] for o in outs], 8, [])
+        engine.flush_cache()
+        engine.check_integrity()
+    finally:
+        engine.shutdown()
 
 
 @pytest.mark.parametrize("rank, times, overlap", [(1, 1, True), (1, None, True), (1, None, False), (0, None, True)])
-def test_a_load_failing_on_one_tp_rank_fails_the_request_and_the_group_goes_on(model_dir, monkeypatch, rank, times,
-                                                                                overlap):
+def test_a_load_failing_on_one_tp_rank_requeues_the_request_and_the_group_goes_on(model_dir, monkeypatch, rank, times,
+                                                                                  overlap):
     """TP 2 (the ranks are threads): the prefix's host → device copy fails on one rank only —
     once (the copy again lands) or every time (its slots hold no KV); on the follower overlapped
     with its forward or made before it. Every forward runs on through the all-reduces; after it
-    the ranks agree the load failed: rank 0 fails the request as if its own load had failed, lost
-    slots leave the tree, and the next request with the prefix gets it on every rank (from the
-    device, or the host again), its tokens equal to HF's."""
+    the ranks agree the load failed: rank 0 requeues the request that read it (lost slots leave
+    the tree), the other request of the batch keeps its output, and the requeued one, then the
+    next request with the prefix, get it on every rank (from the device, or the host again),
+    their tokens equal to HF's."""
     thread_ranks(monkeypatch)
     engine = Engine(model_path=model_dir, skip_tokenizer_init=True, max_total_tokens=256, page_size=4, tp_size=2,
                     enable_hierarchical_cache=True, hicache_ratio=4.0, hicache_overlap_load=overlap)
@@ -297,26 +353,19 @@ def test_a_load_failing_on_one_tp_rank_fails_the_request_and_the_group_goes_on(m
         worker = engine.tp_group.worker  # the follower backs the prefix up too (replied: it is done)
         engine.loop.run_exclusive(lambda: (worker.sync(), worker.check_followers()))
         failing = engine.tp_group.followers[0]._host_tier if rank else tree.cache_controller
-        scramble(failing.device_pool)  # what its slots hold if no copy lands in them
-        load_layer, calls = failing.host_pool.load_to_device_per_layer, []
-
-        def broken(*args, **kwargs):
-            calls.append(1)
-            if times is not None and len(calls) >= times:
-                failing.host_pool.load_to_device_per_layer = load_layer
-            raise OSError("host memory unreadable")
-
-        failing.host_pool.load_to_device_per_layer = broken
-        follow = [system + tokens(rng, 5)]
-        with pytest.raises(Exception, match=("TP rank 1: OSError: " if rank else "") + "host memory unreadable"):
-            engine.generate(input_ids=follow, sampling_params=GREEDY)
-        failing.host_pool.load_to_device_per_layer = load_layer
-        on_device = len(tree.match_prefix(RadixKey(system)).device_indices)
-        assert on_device == (96 if times == 1 else 0)  # lost on either rank: off the device
+        scramble(failing.device_pool)  # what its slots hold if no copy lands in it
+        requeues = watch_requeues(engine, system)
+        restore = break_loads(failing, times)
+        follow, other = system + tokens(rng, 5), tokens(rng, 20)
+        outs = generate_in_one_batch(engine, [follow, other])
+        restore()
+        assert requeues == [([follow, other], [follow], 96 if times == 1 else 0)]  # lost on either rank: off the device
         engine.check_integrity()
-        out = engine.generate(input_ids=follow, sampling_params=GREEDY)
-        assert out[0]["meta_info"]["cached_tokens"] >= 96
-        assert_greedy_parity(model_dir, follow, [out[0]["output_ids"]], 8, [])
+        engine.loop.run_exclusive(lambda: tree.evict(256))
+        last = system + tokens(rng, 3)
+        outs.append(engine.generate(input_ids=last, sampling_params=GREEDY))
+        assert outs[-1]["meta_info"]["cached_tokens"] >= 96
+        assert_greedy_parity(model_dir, [follow, other, last], [o["output_ids"] for o in outs], 8, [])
         engine.flush_cache()
         engine.check_integrity()
         if rank:  # a failure rank 0 was not told of is a leak too

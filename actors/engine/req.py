@@ -45,6 +45,7 @@ class Req:
     last_host_node: Any = None
     prefetch_op: Any = None  # the file tier's fetch of its pages, from its arrival to its admission
     storage_checked_len: int = 0  # the file tier was asked for this many leading tokens (asked once per length)
+    host_load_failed: bool = False  # requeued after a failed host-tier load: its prefix is not loaded again
     finished_reason: Optional[dict] = None
     output_text: str = ""
     min_tokens_text_len: int = 0  # the text of the first min_new_tokens output tokens: no stop string ends in it

@@ -143,7 +143,14 @@ class PrefillAdmissionMixin:
         if not req.host_hit_length:
             return 0
         before = self._free_room()[0]
-        loaded, node = self.tree_cache.init_load_back(req.last_host_node, req.host_hit_length)
+        if req.host_load_failed:  # its last one failed: recomputed, the host copy may be broken for good
+            loaded = torch.empty(0, dtype=torch.int64)
+        else:
+            try:
+                loaded, node = self.tree_cache.init_load_back(req.last_host_node, req.host_hit_length)
+            except Exception:  # (a copy made at once) the host part is computed instead
+                logger.exception("loading %d tokens from the host tier failed; computing them", req.host_hit_length)
+                loaded = torch.empty(0, dtype=torch.int64)
         req.host_hit_length, req.last_host_node = 0, None
         if loaded.numel():
             old = req.last_node

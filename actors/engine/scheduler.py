@@ -88,6 +88,9 @@ class Scheduler(PrefillAdmissionMixin, DecodeRetractionMixin):
             controller.op_log, controller.peers_read = runner.host_op_log, runner.storage_peers_read
             controller.peers_prefetch = runner.storage_peers_prefetch
             controller.set_peers_loads(runner.host_peers_loads)
+            # a failed load's readers go through: only the requests whose prefix it was read garbage
+            # (attention is per request), and the step requeues them (_requeue_failed_loads)
+            controller.layer_done_counter.fail_readers = False
         else:
             self.tree_cache = RadixCache(
                 runner.req_to_token_pool, runner.allocator, page_size=cfg.page_size, disable=cfg.disable_radix_cache,
@@ -161,20 +164,26 @@ class Scheduler(PrefillAdmissionMixin, DecodeRetractionMixin):
         self.end_orphan_prefetches()
         if self.host_tier:  # backups done: their prefixes are evictable again
             self.tree_cache.writing_check()
+            self._drop_unread_load_failures()
         self.stalled = False
         batch_reqs, forward_batch = self._next_prefill()
         if forward_batch is not None:
             self.in_flight = batch_reqs  # out of every queue until processed: a failure must still find them
             logits = self._forward(forward_batch)
+            read = [len(r.prefix_indices) for r in batch_reqs]  # (the cached part the forward read)
+            batch_reqs, logits = self._requeue_failed_loads(batch_reqs, read, logits)
             out = self._process_prefill(batch_reqs, logits)
             self.in_flight = []
             return out
         if self.host_tier:  # loads of a batch that was not run end now
-            self.tree_cache.loading_check()
+            self.tree_cache.loading_check(raise_failed=False)
+            self._drop_unread_load_failures()
         if self.running:
             batch_reqs, forward_batch = self._next_decode()
             if forward_batch is not None:
                 logits = self._forward(forward_batch)
+                read = [r.seqlen - 1 for r in batch_reqs]  # (the last sampled token has no KV yet)
+                batch_reqs, logits = self._requeue_failed_loads(batch_reqs, read, logits)
                 return self._process_decode(batch_reqs, logits)
         # waits on storage reads, or on backups to give their slots back: the loop may sleep
         self.stalled = (self._prefetch_blocked or (self.host_tier and self.tree_cache.writes_pending)) and not released
@@ -188,8 +197,49 @@ class Scheduler(PrefillAdmissionMixin, DecodeRetractionMixin):
         try:
             self.tree_cache.ready_to_load_host_cache()
             return self.runner.forward(forward_batch)
+        finally:  # (a failed load is kept for _requeue_failed_loads)
+            self.tree_cache.loading_check(raise_failed=False)
+
+    def _requeue_failed_loads(self, reqs: List[Req], read_lens: List[int], logits):
+        """After a forward: the requests whose row ``[0, read_lens[i])`` holds a slot a failed
+        host-tier load was to fill (here or on another TP rank) read garbage there, and so did
+        what they computed. Each is requeued at the head of ``waiting``, its KV freed (none of
+        it cached), to be recomputed without the host tier (the slots the load lost have left
+        the device: no match finds them). Returns the other requests and their logits rows,
+        which are valid (attention reads each request's own rows)."""
+        failed = self.tree_cache.take_failed_loads() if self.host_tier else None
+        if failed is None:
+            return reqs, logits
+        table = self.runner.req_to_token_pool.req_to_token
+        slots = failed.slots.to(table.device)
+        hit = [bool(torch.isin(table[r.req_pool_idx, :n].to(torch.int64), slots).any()) for r, n in zip(reqs, read_lens)]
+        requeued = [r for r, h in zip(reqs, hit) if h]
+        logger.error("loading KV from the host tier failed (%s); requeued the requests that read it: %s",
+                     failed.error, [r.rid for r in requeued])
+        if not requeued:
+            return reqs, logits
+        for req in requeued:
+            self._requeue(req)
+        self.waiting[:0] = requeued
+        kept = [i for i, h in enumerate(hit) if not h]
+        return [reqs[i] for i in kept], logits[torch.tensor(kept, dtype=torch.int64, device=logits.device)]
+
+    def _requeue(self, req: Req) -> None:
+        """Free all of ``req``'s KV without caching any of it (a retraction's reset follows)."""
+        if req in self.running:
+            self.running.remove(req)
+        req.kv_committed_len = max(req.kv_committed_len, req.kv_allocated_len)  # the forward's slots too
+        try:
+            self.tree_cache.cache_finished_req(req, is_insert=False)
         finally:
-            self.tree_cache.loading_check()
+            req.reset_for_retract()
+            req.host_load_failed = True
+
+    def _drop_unread_load_failures(self) -> None:
+        """Failed loads no forward read (ended before one ran): logged, nothing to requeue."""
+        failed = self.tree_cache.take_failed_loads()
+        if failed is not None:
+            logger.error("loading KV from the host tier failed outside a forward: %s", failed.error)
 
     def close(self) -> None:
         """End the host tier's loads and its loader thread (after the loop stopped)."""
