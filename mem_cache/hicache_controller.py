@@ -141,11 +141,13 @@ class HiCacheController(PeerSyncMixin, StorageIOMixin):
     keeps the pages every rank has.
 
     Loads failing on another rank (its own host copy unreadable) must not stop it midway
-    through a forward: its ``keep_load_errors`` controller lets the readers through and keeps
-    the failure (:meth:`take_load_report`); rank 0, ``peers_loads`` set
-    (:meth:`set_peers_loads`), asks every rank after ending its own loads
-    (:meth:`end_peer_loads`): a failure anywhere is the step's, and the slots a rank could
-    not fill are lost on every rank (:meth:`take_lost_loads`).
+    through a forward, nor backups failing there stop its loop: its ``keep_load_errors``
+    controller lets the readers through and keeps the failures (:meth:`take_load_report`);
+    rank 0, ``peers_loads`` set (:meth:`set_peers_loads`), asks every rank after ending its
+    own loads or backups (:meth:`ask_peers`): the slots of a load that failed anywhere are
+    failed on every rank (:meth:`take_failed_loads`; those a rank could not fill lost:
+    :meth:`take_lost_loads`), and so are the host copies a rank's backup could not fill
+    (:meth:`take_peer_failed_writes`).
     """
 
     def __init__(
@@ -174,17 +176,22 @@ class HiCacheController(PeerSyncMixin, StorageIOMixin):
         self._loader: Optional[ThreadPoolExecutor] = None
         self._lost_loads: List[torch.Tensor] = []  # device slots of failed loads copied again in vain
         self._failed_loads: List[torch.Tensor] = []  # device slots of failed loads (a forward may have read them)
-        # a TP follower: failed loads are kept for rank 0 (take_load_report), not raised; readers go through
+        # a TP follower: failed loads and backups are kept for rank 0 (take_load_report), not raised;
+        # readers go through; _bad_host: host slots whose last backup failed here
         self.keep_load_errors = keep_load_errors
         self.layer_done_counter.fail_readers = not keep_load_errors
         self._load_errors: List[str] = []
+        self._failed_writes: List[torch.Tensor] = []
+        self._bad_host: Optional[torch.Tensor] = None
         # TP rank 0: () -> every other rank's LoadReport (or None); the device slots of the loads
-        # logged since it was last called
+        # logged since it was last called; what the reports said, until taken
         self.peers_loads: Optional[Callable[[], List[Any]]] = None
         self._unasked_loads: List[torch.Tensor] = []
+        self._peer_load_errors: List[str] = []
+        self._peer_failed_writes: List[torch.Tensor] = []
         # start_write → (the writer thread) → the future done; finish_writes waits for all
         self.overlap_write = overlap_write
-        self._writes: List[Future] = []
+        self._writes: List[Tuple[Future, torch.Tensor]] = []  # (the copy, its host slots)
         self._write_stream: Any = None
         self._writer: Optional[ThreadPoolExecutor] = None
         self._write_sync_due = False  # a write_async was logged since the last write_sync
@@ -206,6 +213,7 @@ class HiCacheController(PeerSyncMixin, StorageIOMixin):
 
     def write(self, host_indices: torch.Tensor, device_indices: torch.Tensor) -> None:
         """Back up ``device_indices`` into ``host_indices`` (all layers)."""
+        self._clear_bad_host(host_indices)
         self.host_pool.backup_from_device_all_layer(self.device_pool, host_indices, device_indices)
         self.written_tokens += len(host_indices)
         self._log("write", host_indices, device_indices)
@@ -224,6 +232,7 @@ class HiCacheController(PeerSyncMixin, StorageIOMixin):
             dev = device_indices.device
             init = (lambda: torch.cuda.set_device(dev)) if dev.type == "cuda" else None
             self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hicache-write", initializer=init)
+        self._clear_bad_host(host_indices)
         if device_indices.device.type == "cuda":
             done, staged = self._start_cuda_write(device_indices)
             future = self._writer.submit(self._store_staged, done, host_indices, staged)
@@ -232,7 +241,8 @@ class HiCacheController(PeerSyncMixin, StorageIOMixin):
             future = self._writer.submit(pool.backup_from_device_all_layer, self.device_pool, host_indices,
                                          device_indices)
         # (a failed one stays for finish_writes to report)
-        self._writes = [f for f in self._writes if not f.done() or f.exception() is not None] + [future]
+        self._writes = [(f, h) for f, h in self._writes if not f.done() or f.exception() is not None]
+        self._writes.append((future, host_indices))
         self.written_tokens += len(host_indices)
         self._log("write_async", host_indices, device_indices)
         self._write_sync_due = self.op_log is not None
@@ -261,16 +271,19 @@ class HiCacheController(PeerSyncMixin, StorageIOMixin):
     def finish_writes(self, raise_errors: bool = False) -> None:
         """Wait for every write started. A failed one is logged, and with ``raise_errors``
         the first failure is raised once all have ended (a replaying rank: its host copy is
-        not what rank 0's tree takes it for, so it must not go on as if it were)."""
+        not what rank 0's tree takes it for, so it must not go on as if it were) — with
+        ``keep_load_errors`` (a TP follower) kept for rank 0 instead (:meth:`take_load_report`)."""
         pending, self._writes = self._writes, []
         error = None
-        for future in pending:
+        for future, host_indices in pending:
             try:
                 future.result()
             except Exception as exc:
                 logger.exception("backing KV up to the host tier failed")
                 error = error or exc
-        if error is not None and raise_errors:
+                if self.keep_load_errors:
+                    self._backup_failed(host_indices)
+        if error is not None and raise_errors and not self.keep_load_errors:
             raise error
 
     def load(self, host_indices: torch.Tensor, device_indices: torch.Tensor) -> None:

@@ -34,6 +34,7 @@ import torch
 from mem_cache.base_prefix_cache import MatchResult
 from mem_cache.hicache_controller import HiCacheController, PrefetchOp, WriteInFlight
 from mem_cache.hicache_storage import HiCacheStorage
+from mem_cache.hiradix_loads import LoadBackMixin
 from mem_cache.hiradix_tiers import HostTierMixin
 from mem_cache.integrity import check_unique_in_range, ensure
 from mem_cache.memory_pool import KVCache
@@ -66,7 +67,7 @@ def get_write_policy(name: str) -> WritePolicy:
         raise ValueError(f"unknown hicache write policy {name!r}; known: {known}") from None
 
 
-class HiRadixCache(HostTierMixin, RadixCache):
+class HiRadixCache(HostTierMixin, LoadBackMixin, RadixCache):
     """RadixCache over a device KV pool, its host copy and an optional storage backend.
 
     Beyond :class:`RadixCache`'s contract:
@@ -81,7 +82,12 @@ class HiRadixCache(HostTierMixin, RadixCache):
       ``async_storage_writes`` a storage thread writes the pages of backups;
       a load that fails, and fails again when copied again, leaves its nodes' device
       slots without KV: no match finds them, and they leave the device (host copy kept)
-      at their last ``dec_lock_ref`` — at once when nobody locks them;
+      at their last ``dec_lock_ref`` — at once when nobody locks them; a failed load is
+      raised by ``loading_check`` or kept for ``take_failed_loads`` (``evict``, and
+      ``loading_check(raise_failed=False)``: the forward that read it decides);
+    * with TP, a backup another rank failed to copy loses its host copy when rank 0
+      hears of it (``writing_check``, ``loading_check``): a node only on the host leaves
+      the tree;
     * with ``overlap_write`` a write-through backup (a hit) copies off the loop,
       its node locked meanwhile: ``writing_check()`` ends the copies done (the
       scheduler calls it every step; ``evict`` waits for them when it needs

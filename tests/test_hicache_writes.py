@@ -258,15 +258,15 @@ def test_cuda_start_write_returns_before_the_copies_run_and_reads_the_kv_queued_
     controller.close()
 
 
-def rank0_and_follower(page_size=1, storage_dirs=None):
+def rank0_and_follower(page_size=1, storage_dirs=None, keep_load_errors=False, **kw):
     """A TP rank 0 tree (its controller logging ops) and a follower's controller whose copies
     wait at the returned gate: (cache, alloc, kv0, follower, kv1, gate)."""
     storage = [HiCacheFile(d) for d in storage_dirs] if storage_dirs else [None, None]
-    cache, alloc, kv0 = make(page_size=page_size, size=32, overlap_write=True, storage_backend=storage[0])
+    cache, alloc, kv0 = make(page_size=page_size, size=32, overlap_write=True, storage_backend=storage[0], **kw)
     cache.cache_controller.op_log = []
     kv1 = device_pool(size=32, page_size=page_size)
     follower = HiCacheController(kv1, MHATokenToKVPoolHost(kv1, 2.0, page_size=page_size), storage[1],
-                                 async_storage_writes=True, overlap_write=True)
+                                 async_storage_writes=True, overlap_write=True, keep_load_errors=keep_load_errors)
     gate, _, _ = gated_backups(follower)
     return cache, alloc, kv0, follower, kv1, gate
 
@@ -324,23 +324,72 @@ def test_a_follower_stores_its_pages_only_once_its_copy_filled_them(tmp_path):
     follower.close()
 
 
-def test_a_followers_failed_copy_stops_it_at_the_next_write_sync():
-    """A follower whose copy failed holds host slots rank 0's tree takes for a backup: it must
-    not go on as if it did (as a synchronous copy that failed, it leaves its loop)."""
-    kv = device_pool(size=32)
-    follower = HiCacheController(kv, MHATokenToKVPoolHost(kv, 2.0, page_size=1), overlap_write=True)
-    backup = follower.host_pool.backup_from_device_all_layer
+def follower_asked_by(cache, follower):
+    """Wire rank 0's ``peers_loads`` as TPModelWorker does: the follower replays what rank 0
+    logged (the call's sync), then answers with its report."""
+    controller = cache.cache_controller
+    controller.set_peers_loads(lambda: [follower.replay(sent(controller)) or follower.take_load_report()])
+
+
+def break_next_backup(controller):
+    backup = controller.host_pool.backup_from_device_all_layer
 
     def broken(*args, **kwargs):
-        follower.host_pool.backup_from_device_all_layer = backup
+        controller.host_pool.backup_from_device_all_layer = backup
         raise OSError("host memory unwritable")
 
-    follower.host_pool.backup_from_device_all_layer = broken
-    follower.replay([("write_async", torch.arange(8), torch.arange(1, 9))])
-    follower._writes[0].exception(timeout=10)  # failed before the next copy starts
-    with pytest.raises(OSError, match="unwritable"):
-        follower.replay([("write_async", torch.arange(8, 16), torch.arange(1, 9)),
-                         ("write_sync", torch.empty(0, dtype=torch.int64), None)])
+    controller.host_pool.backup_from_device_all_layer = broken
+
+
+def test_a_followers_failed_backup_is_reported_and_rank_0_drops_that_host_copy():
+    """A TP follower's copy of a backup fails off the loop: it goes on (it used to raise at the
+    next write_sync, leaving its loop: the group broke) and reports the host slots when rank 0
+    ends the backup; rank 0's tree drops that host copy (the node stays on the device, not backed
+    up), stores none of its pages, and the next hit backs it up again. Nothing leaks."""
+    cache, alloc, kv0, follower, kv1, gate = rank0_and_follower(keep_load_errors=True)
+    gate.set()
+    follower_asked_by(cache, follower)
+    break_next_backup(follower)
+    tokens, slots = list(range(1, 17)), alloc.alloc(16)
+    cache.insert(K(tokens), slots)  # write-through: backed up off the loop on every rank
+    follower.replay(sent(cache.cache_controller))  # (the next forward carries write_async)
+    assert cache.writing_check(wait=True) == 1
+    node = node_of(cache, tokens)
+    assert not node.backuped and not node.evicted and node.lock_ref == 0
+    assert not follower.load_failures_pending and cache.host_pool.available_size() == cache.host_pool.size
+    check(cache, alloc)
+    cache.insert(K(tokens), slots)  # the next hit: backed up again, this time on both ranks
+    cache.writing_check(wait=True)
+    assert node_of(cache, tokens).backuped and not follower.load_failures_pending
+    check(cache, alloc)
+    follower.close()
+
+
+def test_a_followers_failed_backup_at_eviction_takes_the_host_only_node_out_of_the_tree():
+    """A write-back eviction copies at once on rank 0 and frees the device slots; the follower's
+    copy fails when it replays it. A load of that host copy must not give the follower garbage:
+    its replay counts the load lost, and once rank 0 hears of both, the node — its KV gone on
+    that rank — leaves the tree (host slots freed): the next request computes it."""
+    cache, alloc, kv0, follower, kv1, gate = rank0_and_follower(keep_load_errors=True, write_policy="write_back",
+                                                                overlap_load=True, load_back_threshold=1)
+    gate.set()
+    follower_asked_by(cache, follower)
+    tokens, slots = list(range(1, 17)), alloc.alloc(16)
+    cache.insert(K(tokens), slots)
+    break_next_backup(follower)
+    assert cache.evict(16) == 16  # backed up at once (logged "write"), then off the device
+    m = cache.match_prefix(K(tokens))
+    assert m.host_hit_length == 16
+    loaded, _ = cache.init_load_back(m.last_host_node, m.host_hit_length)
+    assert len(loaded) == 16
+    cache.ready_to_load_host_cache()
+    cache.loading_check(raise_failed=False)  # the follower replays the write (fails), then the load
+    failed = cache.take_failed_loads()
+    assert failed is not None and sorted(failed.slots.tolist()) == sorted(loaded.tolist())
+    m = cache.match_prefix(K(tokens))
+    assert len(m.device_indices) == 0 and m.host_hit_length == 0  # gone from both tiers
+    assert not follower.load_failures_pending
+    check(cache, alloc)
     follower.close()
 
 

@@ -28,11 +28,12 @@ kept equal like this:
   the forward (and before any out-of-band write: :meth:`TPModelWorker.sync`);
   with a file tier each rank writes its own pages, in its own folder, and
   a fetch from files keeps only the pages every rank read (rank 0 asks the
-  others to read them with a call). A load failing on a follower does not stop
-  its forward (the all-reduces stay paired; its slots hold garbage): rank 0 asks
-  every follower after ending its loads (``runner.host_peers_loads``) and fails
-  the step as if its own load had failed, the slots a follower could not fill
-  lost on every rank.
+  others to read them with a call). A load or a backup failing on a follower does
+  not stop it (the all-reduces stay paired; its slots hold garbage): rank 0 asks
+  every follower after ending its loads, and its backups (``runner.host_peers_loads``),
+  and handles the failure as its own: the requests that read a failed load are
+  requeued (the slots a follower could not fill lost on every rank), a failed
+  backup's host copy is dropped.
 
 Hosting (the Ray rank actors do the same as :class:`LocalTPGroup`)::
 
