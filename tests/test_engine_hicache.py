@@ -375,3 +375,40 @@ def test_a_load_failing_on_one_tp_rank_requeues_the_request_and_the_group_goes_o
             assert failing.take_load_report().error == "OSError: injected"
     finally:
         engine.shutdown()
+
+
+def test_a_backup_failing_on_a_tp_follower_costs_that_host_copy_not_the_group(model_dir, monkeypatch):
+    """TP 2 (thread ranks), backups off the loop: the follower's copy of a prompt's backup fails.
+    Its loop goes on (it used to raise, breaking the group); rank 0 hears of it when it ends the
+    backup and drops that host copy (the prefix stays on the device); every rank checks clean,
+    and the next request with the prefix hits it, backs it up again and gets HF's tokens."""
+    thread_ranks(monkeypatch)
+    engine = Engine(model_path=model_dir, skip_tokenizer_init=True, max_total_tokens=256, page_size=4, tp_size=2,
+                    enable_hierarchical_cache=True, hicache_ratio=4.0, hicache_overlap_write=True)
+    try:
+        tree, rng = engine.scheduler.tree_cache, random.Random(11)
+        host = engine.tp_group.followers[0]._host_tier.host_pool
+        backup = host.backup_from_device_all_layer
+
+        def broken(*args, **kwargs):
+            host.backup_from_device_all_layer = backup
+            raise OSError("host memory unwritable")
+
+        host.backup_from_device_all_layer = broken
+        prompt = tokens(rng, 40)
+        engine.generate(input_ids=prompt, sampling_params=GREEDY)
+        engine.loop.run_exclusive(lambda: tree.writing_check(wait=True))
+        match = tree.match_prefix(RadixKey(prompt))
+        assert len(match.device_indices) == 40 and host.backup_from_device_all_layer == backup
+        assert not match.last_device_node.backuped  # (the prompt's node: the output's next page was backed up)
+        engine.check_integrity()  # (every rank: no failure unreported, no slot held)
+        follow = prompt + tokens(rng, 3)
+        out = engine.generate(input_ids=follow, sampling_params=GREEDY)
+        assert out["meta_info"]["cached_tokens"] >= 40
+        engine.loop.run_exclusive(lambda: tree.writing_check(wait=True))
+        assert tree.match_prefix(RadixKey(prompt)).last_device_node.backuped
+        assert_greedy_parity(model_dir, [follow], [out["output_ids"]], 8, [])
+        engine.flush_cache()
+        engine.check_integrity()
+    finally:
+        engine.shutdown()
