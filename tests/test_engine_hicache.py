@@ -387,6 +387,7 @@ def test_a_backup_failing_on_a_tp_follower_costs_that_host_copy_not_the_group(mo
                     enable_hierarchical_cache=True, hicache_ratio=4.0, hicache_overlap_write=True)
     try:
         tree, rng = engine.scheduler.tree_cache, random.Random(11)
+        engine.loop.run_exclusive(engine.tp_group.worker.check_followers)  # (the follower's worker is made)
         host = engine.tp_group.followers[0]._host_tier.host_pool
         backup = host.backup_from_device_all_layer
 
