@@ -280,3 +280,43 @@ def test_retraction_frees_room_for_the_next_decode_steps_at_once(checkpoints):
         assert alloc.available_size() == alloc.num_pages * 4 and rows.available_size() == rows.size
     finally:
         engine.shutdown()
+
+
+def test_retracting_the_last_running_request_keeps_the_decode_reserve(checkpoints):
+    """The only running request cannot get its next decode slot (the rest of the pool is held
+    elsewhere: a PD decode worker's transfer reservations, say): it is retracted and waits. The
+    ratio is then estimated from it, not from an empty batch — that gave 0, below
+    ``min_new_token_ratio``, and the next admissions reserved nothing for decode right after an
+    out-of-memory. Once the slots are given back it finishes with HF's tokens."""
+    engine = Engine(model_path=checkpoints["llama"], skip_tokenizer_init=True, page_size=4, max_total_tokens=64)
+    sched, alloc, out_len = engine.scheduler, engine.runner.allocator, 12
+    prompt = list(range(5, 13))
+
+    def run():
+        req = engine._make_req(None, prompt, {"max_new_tokens": out_len, "temperature": 0, "ignore_eos": True}, "a")
+        sched.add_request(req)
+        while len(req.output_ids) < 5:  # its KV fills its pages to the brim: its next token starts a page
+            sched.step()
+        before = sched.new_token_ratio
+        held = alloc.alloc(alloc.available_size() + sched.evictable_tokens())  # (nothing is evictable)
+        sched.step()
+        retracted = (list(sched.running), [r.rid for r in sched.waiting], sched.num_retractions, sched.new_token_ratio)
+        alloc.free(held)
+        while sched.has_work():
+            sched.step()
+        return req, before, retracted
+
+    engine.loop.pause()
+    try:
+        req, before, (running, waiting, retractions, ratio) = engine.loop.run_exclusive(run)
+    finally:
+        engine.loop.resume()
+    try:
+        assert (running, waiting, retractions) == ([], ["a"], 1)
+        assert ratio >= max(before, engine.config.min_new_token_ratio), (before, ratio)
+        assert_greedy_parity(checkpoints["llama"], [prompt], [req.output_ids], out_len, [])
+        engine.flush_cache()
+        engine.check_integrity()
+        assert alloc.available_size() == alloc.num_pages * 4
+    finally:
+        engine.shutdown()

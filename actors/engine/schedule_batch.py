@@ -227,7 +227,7 @@ class DecodeRetractionMixin:
         (the least work lost), then the longest prompt (the most room won) — at least one, then
         more until the rest have room for their next ``RETRACT_DECODE_STEPS`` decode steps, so
         the next steps do not retract again (or until one is left). ``new_token_ratio`` is then
-        estimated from those left. The retracted go to the head of ``waiting`` in the order they
+        estimated from those left (from the retracted if none is). The retracted go to the head of ``waiting`` in the order they
         ran in; returns them."""
         ran_in = {id(r): i for i, r in enumerate(self.running)}
         retracted: List[Req] = []
@@ -237,9 +237,12 @@ class DecodeRetractionMixin:
             retracted.append(req)
             self._retract(req)
         self.waiting[: len(retracted)] = sorted(self.waiting[: len(retracted)], key=lambda r: ran_in[id(r)])
-        decoded = sum(len(r.output_ids) for r in self.running)
-        max_new = sum(r.sampling_params.max_new_tokens for r in self.running) or 1
-        self.new_token_ratio = min(1.0, (decoded + RETRACT_DECODE_STEPS * len(self.running)) / max_new)
+        # every one retracted (the last one's slot was held elsewhere): from them, who come back first
+        # (an empty batch gave 0, and the admissions right after an out-of-memory reserved nothing)
+        left = self.running or retracted
+        decoded = sum(len(r.output_ids) for r in left)
+        max_new = sum(r.sampling_params.max_new_tokens for r in left) or 1
+        self.new_token_ratio = min(1.0, (decoded + RETRACT_DECODE_STEPS * len(left)) / max_new)
         logger.info("retracted %d request(s) %s (%d retractions so far)", len(retracted),
                     [r.rid for r in retracted], self.num_retractions)
         return retracted
