@@ -227,8 +227,8 @@ class DecodeRetractionMixin:
         (the least work lost), then the longest prompt (the most room won) — at least one, then
         more until the rest have room for their next ``RETRACT_DECODE_STEPS`` decode steps, so
         the next steps do not retract again (or until one is left). ``new_token_ratio`` is then
-        estimated from those left (from the retracted if none is). The retracted go to the head of ``waiting`` in the order they
-        ran in; returns them."""
+        estimated from those left (from the retracted if none is). The retracted go to the head
+        of ``waiting`` in the order they ran in; returns them."""
         ran_in = {id(r): i for i, r in enumerate(self.running)}
         retracted: List[Req] = []
         for req in sorted(self.running, key=lambda r: (len(r.output_ids), -len(r.origin_input_ids))):
