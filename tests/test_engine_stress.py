@@ -298,7 +298,8 @@ def test_retracting_the_last_running_request_keeps_the_decode_reserve(checkpoint
         while len(req.output_ids) < 5:  # its KV fills its pages to the brim: its next token starts a page
             sched.step()
         before = sched.new_token_ratio
-        held = alloc.alloc(alloc.available_size() + sched.evictable_tokens())  # (nothing is evictable)
+        assert sched.evictable_tokens() == 0  # (its prompt's pages are locked by it)
+        held = alloc.alloc(alloc.available_size())
         sched.step()
         retracted = (list(sched.running), [r.rid for r in sched.waiting], sched.num_retractions, sched.new_token_ratio)
         alloc.free(held)
