@@ -105,8 +105,19 @@ def test_copy_on_write_waits_while_every_mamba_state_is_held(model_dir, monkeypa
     try:
         first = prompts(4, (20,))
         engine.generate(input_ids=first, sampling_params=GREEDY)
+        tree, cow_failed = engine.scheduler.tree_cache, []
+        real_match = tree.match_prefix
+
+        def spy(*args, **kwargs):  # (the logical OOM did happen: the test is not vacuous)
+            match = real_match(*args, **kwargs)
+            cow_failed.append(match.mamba_cow_failed)
+            return match
+
+        tree.match_prefix = spy
         both = [first[0] + [7, 8], first[0] + [9, 10, 11]]
         outs = engine.generate(input_ids=both, sampling_params=GREEDY)
+        assert any(cow_failed), "B's copy-on-write never found every state held"
+        del tree.match_prefix
         assert [o["meta_info"]["cached_tokens"] for o in outs] == [20, 20]
         assert_greedy_parity(model_dir, both, [o["output_ids"] for o in outs], 10, engine.eos_token_ids)
         engine.check_integrity()
