@@ -30,7 +30,7 @@ which holds the request from then until it ends (two actor calls, milliseconds; 
 at a decode actor at its ``max_concurrency`` queue its ``load()`` too, and a heartbeat not
 answered tells nothing).
 A worker that names no ids (the tests' fakes) or misses a round keeps its routes; ``route_ttl_s``
-is the last resort (``stats()["expired"]``). A worker removed from the router or whose actor
+is the last resort (``stats()["expired"]``), never for a route a worker reports holding. A worker removed from the router or whose actor
 died ends its routes' sides at once (``stats()["ended_with_worker"]`` counts the routes that
 ended so).
 
@@ -378,8 +378,8 @@ class Router:
             worker.held_rids, worker.held_round = (None if held is None else frozenset(held)), heartbeat_round
             worker.held_rooms = dict(rooms) if held is not None and rooms else {}
 
-        self._expire_routes()
         await asyncio.gather(*(ping(w) for w in self.workers.values() if not w.dead))
+        self._expire_routes(heartbeat_round)
         self._reconcile_routes(heartbeat_round, asked_at)
 
     def _reconcile_routes(self, heartbeat_round: int, asked_at: float) -> None:
@@ -420,11 +420,24 @@ class Router:
         held_room = worker.held_rooms.get(rid)
         return room is None or held_room is None or held_room == room
 
-    def _expire_routes(self) -> None:
+    def _holds(self, worker_id: str, rid: str, room: Optional[int], heartbeat_round: int) -> bool:
+        """Whether worker ``worker_id``'s report of round ``heartbeat_round`` names attempt ``room``
+        of request ``rid`` (named without a room: any attempt): it still runs it."""
+        worker = self.workers.get(worker_id)
+        if worker is None or worker.dead or worker.held_round != heartbeat_round or worker.held_rids is None:
+            return False
+        held_room = worker.held_rooms.get(rid)
+        return rid in worker.held_rids and (room is None or held_room is None or held_room == room)
+
+    def _expire_routes(self, heartbeat_round: int) -> None:
         """Routes never released stop counting as load after ``route_ttl_s``: the last resort for
-        those reconciliation cannot end (a worker that names no ids)."""
+        those reconciliation cannot end (a worker that names no ids, or did not answer). A route
+        that an open side's worker names in this round's report is running (a long generation):
+        it stays, its load counted and its id refused to another request."""
         cutoff = self.index.clock() - self.settings.route_ttl_s
-        for rid in [rid for rid, d in self._requests.items() if d.routed_at <= cutoff]:
+        for rid in [rid for rid, d in self._requests.items() if d.routed_at <= cutoff and not any(
+                self._holds(worker_id, rid, d.room, heartbeat_round) for worker_id, is_open in
+                ((d.prefill_id, d.prefill_open), (d.decode_id, d.decode_open)) if is_open)]:
             logger.warning("router: request %s was never released; it stops counting as load", rid)
             self.release_now(rid)
             self.counters["expired"] += 1

@@ -44,7 +44,7 @@ class RouterSettings:
     heartbeat_interval_s: float = 5.0
     heartbeat_max_failures: int = 2
     call_timeout_s: float = 5.0  # a worker call of the router's own (events, load, snapshot)
-    route_ttl_s: float = 3600.0  # a route never released (its client died) stops counting as load after this
+    route_ttl_s: float = 3600.0  # a route never released (its client died) and no worker reports: no load after this
     # a route open this long that neither of its workers holds in two heartbeats in a row is dropped (its
     # release was lost); it covers route() → the client's first call landing on the decode worker
     route_grace_s: float = 30.0

@@ -250,7 +250,8 @@ class RouterConfig(BaseModel):
                                     "workers")
     max_events_per_pull: int = Field(4096, ge=1, description="KV events one pull takes from a worker")
     route_ttl_s: float = Field(3600.0, gt=0.0, description="a request routed and never released (its client died, "
-                               "the release was lost) stops counting as its workers' load after this")
+                               "the release was lost) stops counting as its workers' load after this, unless a worker "
+                               "still reports holding it")
     route_grace_s: float = Field(30.0, gt=0.0, description="a route open this long whose request neither of its "
                                  "workers reports holding in two heartbeats in a row is dropped (its release was "
                                  "lost); covers the gap between routing and the request reaching its decode worker")

@@ -4,6 +4,7 @@ died, ends its routes' sides at once."""
 
 import asyncio
 
+import pytest
 from ray.exceptions import ActorDiedError
 
 from actors.router import Router
@@ -170,3 +171,29 @@ def test_tokens_routed_while_a_load_report_is_out_still_count():
 
     run(scenario())
     assert router.workers["d0"].free_slots() == workers["d0"].reported["free_slots"] - 20  # "during"'s 20
+
+
+def test_a_route_a_worker_still_reports_outlives_route_ttl_s():
+    """A generation running longer than ``route_ttl_s``: its decode worker names it (under its
+    room) in every report, so the route stays — its load counted, its id refused to another
+    request. Once no worker names it, it expires; so does a route no worker reports on (workers
+    that name no ids)."""
+    clock = Clock()
+    router, workers = _router(clock)
+    router.settings = RouterSettings(page_size=PS, route_grace_s=30.0, route_ttl_s=100.0)
+    decision = run(router.route("long", PROMPT))
+    run(router.release("long", "prefill"))
+    workers[decision.decode_id].reported.update(rids=["long"], rooms={"long": decision.room})
+    _rounds(router, clock, 30)  # 150 s
+    assert router.stats()["inflight"] == 1 and router.stats()["expired"] == 0
+    assert router.workers[decision.decode_id].inflight == 1
+    with pytest.raises(ValueError, match="already routed"):
+        run(router.route("long", PROMPT))
+    workers[decision.decode_id].reported.update(rids=[], rooms={})  # it ended; its release was lost
+    _rounds(router, clock, 1)
+    assert router.stats()["inflight"] == 0 and router.workers[decision.decode_id].inflight == 0
+    for worker in workers.values():  # they name no ids from now on
+        worker.reported.pop("rids")
+    run(router.route("other", PROMPT))
+    _rounds(router, clock, 21)
+    assert router.stats()["inflight"] == 0 and router.stats()["expired"] == 2
