@@ -129,6 +129,9 @@ class Router:
         self.policies = {"prefill": create_policy(s.prefill_policy, s, s.seed),
                          "decode": create_policy(s.decode_policy, s, s.seed + 1)}
         self.workers: Dict[str, WorkerState] = {}
+        # per worker id, bumped by every add_worker and remove_worker: the later call wins (an add
+        # whose snapshot comes back after a later call under the id changes nothing)
+        self._epochs: Dict[str, int] = {}
         self._requests: Dict[str, _Dispatch] = {}
         self._tasks: List[asyncio.Task] = []
         self._heartbeat_round = 0
@@ -138,34 +141,49 @@ class Router:
                              dead=0, reconciled=0, expired=0, ended_with_worker=0)
 
     # ---- workers ---------------------------------------------------------------------------
-    async def add_worker(self, worker_id: str, role: str, handle: Any, node_id: str = "") -> None:
-        """Put a worker into rotation, its pages indexed from its snapshot first."""
+    async def add_worker(self, worker_id: str, role: str, handle: Any, node_id: str = "") -> bool:
+        """Put a worker into rotation, its pages indexed from its snapshot first. False when a
+        later ``add_worker`` or ``remove_worker`` of the id came while the snapshot was taken:
+        that call wins, this one changes nothing."""
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, not {role!r}")
         known = self.workers.get(worker_id)  # registered again (a retry, a new handle): what it had stays
         if known is not None and known.alive and known.handle is handle:
-            return
+            return True
+        epoch = self._bump_epoch(worker_id)
         worker = WorkerState(worker_id, role, handle, node_id)
         added = known is None or not known.alive  # (in the index: a worker in rotation)
         if added:
             self.index.add_worker(worker_id)
         try:
-            await self._resync(worker)
+            applied = await self._resync(worker, epoch)
         except BaseException:  # a worker already in rotation stays as it was
-            if added:
+            if added and self._epochs[worker_id] == epoch:
                 self.index.remove_worker(worker_id)
             raise
+        if not applied:  # (the later call owns the index entry of the id)
+            logger.warning("router: worker %s was removed or registered again while it registered", worker_id)
+            return False
         if known is not None:  # what was routed to it still counts
             worker.inflight, worker.pending_prefill_tokens = known.inflight, known.pending_prefill_tokens
         self.workers[worker_id] = worker
+        return True
+
+    def _bump_epoch(self, worker_id: str) -> int:
+        epoch = self._epochs[worker_id] = self._epochs.get(worker_id, 0) + 1
+        return epoch
 
     async def remove_worker(self, worker_id: str) -> bool:
         """Out of rotation and out of the index; its requests in flight go on where they are, but
         the router forgets them (as SGLang's router drops a removed worker's state): their routes'
-        sides on it end now (:meth:`_end_routes_of`)."""
+        sides on it end now (:meth:`_end_routes_of`). An ``add_worker`` of the id still taking its
+        snapshot is undone (it changes nothing when the snapshot comes)."""
+        self._bump_epoch(worker_id)
         worker = self.workers.pop(worker_id, None)
-        if worker is None:
-            return False
+        if worker is None:  # in the index, not registered: an add taking its snapshot put it there
+            pending = worker_id in self.index.workers()
+            self.index.remove_worker(worker_id)
+            return pending
         worker.alive = False
         self.index.remove_worker(worker_id)
         self._end_routes_of(worker_id)
@@ -295,8 +313,12 @@ class Router:
         await asyncio.gather(*(self._resync(w) for w in self.workers.values() if w.alive))
         return len(self.index)
 
-    async def _resync(self, worker: WorkerState) -> None:
+    async def _resync(self, worker: WorkerState, epoch: Optional[int] = None) -> bool:
+        """Index ``worker`` afresh from its snapshot; not (False) when ``epoch`` is given and a
+        later add or remove of the id came meanwhile."""
         snap = await asyncio.wait_for(call_method(worker.handle, "cached_page_hashes"), self.settings.call_timeout_s)
+        if epoch is not None and self._epochs.get(worker.worker_id) != epoch:
+            return False
         if snap.page_size != self.settings.page_size:
             raise ValueError(f"worker {worker.worker_id} has page_size {snap.page_size}; the router hashes pages "
                              f"of {self.settings.page_size}")
@@ -305,6 +327,7 @@ class Router:
         self.index.replace(worker.worker_id, snap.chains, snap.state_pages, snap.lost_pages)
         worker.event_cursor = snap.last_id
         self.counters["resyncs"] += 1
+        return True
 
     async def pull_events(self) -> int:
         """One pull of KV events from every live worker; returns the events applied."""

@@ -197,3 +197,40 @@ def test_a_route_a_worker_still_reports_outlives_route_ttl_s():
     run(router.route("other", PROMPT))
     _rounds(router, clock, 21)
     assert router.stats()["inflight"] == 0 and router.stats()["expired"] == 2
+
+
+class _SlowSnapshot(FakePrefill):
+    """A FakePrefill whose snapshot waits for ``gate`` (an ``add_worker`` in flight)."""
+
+    def __init__(self, worker_id, page_size):
+        super().__init__(worker_id, page_size)
+        self.gate = asyncio.Event()
+
+    async def cached_page_hashes(self):
+        await self.gate.wait()
+        return await FakePrefill.cached_page_hashes(self)
+
+
+@pytest.mark.parametrize("known", [False, True], ids=["new", "registered_again"])
+def test_a_removal_during_an_add_s_snapshot_wins(known):
+    """``remove_worker`` runs while an ``add_worker`` of the same id waits on its snapshot (a new
+    worker, or one registered again with a new handle): the removal is the later call, so the
+    add, finishing afterwards, changes nothing — the worker stays out of the rotation and the
+    index, and no route goes to it."""
+    clock = Clock()
+    router, _ = _router(clock, prefills=("p0", "p1") if known else ("p0",))
+    slow = _SlowSnapshot("p1", PS)
+    slow.serve(PROMPT)  # it holds the prompt: the router would send it there
+
+    async def scenario():
+        adding = asyncio.ensure_future(router.add_worker("p1", "prefill", slow))
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert await router.remove_worker("p1")
+        slow.gate.set()
+        return await adding
+
+    assert run(scenario()) is False
+    assert "p1" not in router.workers and "p1" not in router.index.workers()
+    assert all(run(router.route(f"r{i}", PROMPT)).prefill_id == "p0" for i in range(3))
+    assert not run(router.remove_worker("p1"))
