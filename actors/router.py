@@ -30,9 +30,10 @@ which holds the request from then until it ends (two actor calls, milliseconds; 
 at a decode actor at its ``max_concurrency`` queue its ``load()`` too, and a heartbeat not
 answered tells nothing).
 A worker that names no ids (the tests' fakes) or misses a round keeps its routes; ``route_ttl_s``
-is the last resort (``stats()["expired"]``), never for a route a worker reports holding. A worker removed from the router or whose actor
-died ends its routes' sides at once (``stats()["ended_with_worker"]`` counts the routes that
-ended so).
+is the last resort (``stats()["expired"]``), never for a route a worker reports holding. A
+worker removed from the router or whose actor died ends its routes' sides at once
+(``stats()["ended_with_worker"]`` counts the routes that ended so); one being removed is drained
+first (:meth:`Router.drain_worker`): nothing new goes to it, its routes stay until its requests end.
 
 State: the :class:`~actors.prefix_index.PrefixIndex` over the workers of both
 roles (a decode worker's radix cache holds the conversations it decoded: a
@@ -148,7 +149,7 @@ class Router:
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, not {role!r}")
         known = self.workers.get(worker_id)  # registered again (a retry, a new handle): what it had stays
-        if known is not None and known.alive and known.handle is handle:
+        if known is not None and known.alive and known.handle is handle and not known.draining:
             return True
         epoch = self._bump_epoch(worker_id)
         worker = WorkerState(worker_id, role, handle, node_id)
@@ -189,6 +190,17 @@ class Router:
         self._end_routes_of(worker_id)
         return True
 
+    async def drain_worker(self, worker_id: str) -> bool:
+        """Out of rotation for new requests ahead of its removal (``PDBackend.remove_worker``: drain,
+        then :meth:`remove_worker`), but its routes stay — counted as its load, their ids refused to
+        another request — until released, or reconciled against its reports, while it finishes
+        them. An ``add_worker`` of the id (the later call) puts it back. False: not registered."""
+        worker = self.workers.get(worker_id)
+        if worker is None:
+            return False
+        worker.draining = True
+        return True
+
     def _end_routes_of(self, worker_id: str) -> None:
         """End every open route side on ``worker_id`` (removed, or its actor died): it loads nothing
         the router counts, a worker registered again under the id starts from no load (a release
@@ -203,13 +215,14 @@ class Router:
                 self.counters["ended_with_worker"] += 1
 
     def list_workers(self) -> List[Dict[str, Any]]:
-        return [dict(worker_id=w.worker_id, role=w.role, node_id=w.node_id, alive=w.alive, inflight=w.inflight,
+        return [dict(worker_id=w.worker_id, role=w.role, node_id=w.node_id, alive=w.alive, draining=w.draining,
+                     inflight=w.inflight,
                      pending_prefill_tokens=w.pending_prefill_tokens, cached_pages=self.index.num_pages(w.worker_id),
                      missed_heartbeats=w.missed_heartbeats, report=dict(w.report))
                 for w in self.workers.values()]
 
     def _live(self, role: str) -> List[WorkerState]:
-        return [w for w in self.workers.values() if w.role == role and w.alive]
+        return [w for w in self.workers.values() if w.role == role and w.alive and not w.draining]
 
     def _mark_dead(self, worker: WorkerState, why: str, died: bool = False) -> None:
         """Out of the rotation and the index: for good if ``died`` (its actor is gone), else until it

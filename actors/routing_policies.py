@@ -69,6 +69,7 @@ class WorkerState:
     node_id: str = ""
     alive: bool = True
     dead: bool = False  # its actor is gone (not alive for good; one only missing heartbeats may come back)
+    draining: bool = False  # being removed: routed nothing new; its routes stay until its requests end
     missed_heartbeats: int = 0
     inflight: int = 0  # requests this router sent here and not released for this role
     pending_prefill_tokens: int = 0  # prefill: uncached prompt tokens sent here, not yet prefilled

@@ -193,11 +193,13 @@ class PDBackend:
             raise NotImplementedError("this server was given a client, not a cluster: it cannot stop workers")
         if not any(w.worker_id == worker_id for w in self._all()):
             raise UnknownWorkerError(worker_id)
-        await self._tell_router("remove_worker", worker_id)  # no new requests, then drain
+        # no new requests, but its routes stay while it drains: their ids are still in flight there
+        await self._tell_router("drain_worker", worker_id)
         try:
             worker = await asyncio.to_thread(self.cluster.remove_worker, worker_id)
         except UnknownWorkerError:  # removed (or being removed) by another call meanwhile
             raise UnknownWorkerError(worker_id) from None
+        await self._tell_router("remove_worker", worker_id)  # drained and stopped: the router forgets it
         return {"id": worker.worker_id, "role": worker.role, "removed": True}
 
 

@@ -234,3 +234,55 @@ def test_a_removal_during_an_add_s_snapshot_wins(known):
     assert "p1" not in router.workers and "p1" not in router.index.workers()
     assert all(run(router.route(f"r{i}", PROMPT)).prefill_id == "p0" for i in range(3))
     assert not run(router.remove_worker("p1"))
+
+
+def test_a_draining_worker_takes_nothing_new_but_keeps_its_routes_until_its_requests_end():
+    """Drained ahead of its removal: no new request goes to it, but the requests it still runs
+    keep their routes — their load counted, their ids refused to another request (as while it
+    serves them) — until released or reported done; removed after the drain, it is forgotten."""
+    clock = Clock()
+    router, workers = _router(clock)
+    first = run(router.route("r1", PROMPT))
+    draining = first.decode_id
+    assert run(router.drain_worker(draining)) and not run(router.drain_worker("nobody"))
+    with pytest.raises(ValueError, match="already routed"):
+        run(router.route("r1", PROMPT))
+    assert all(run(router.route(f"n{i}", PROMPT)).decode_id != draining for i in range(3))
+    assert router.workers[draining].inflight == 1
+    [listed] = [w for w in router.list_workers() if w["worker_id"] == draining]
+    assert listed["draining"] and listed["alive"]
+    workers[draining].reported.update(rids=[], rooms={})  # r1 ended there; its release was lost
+    clock.now = 31.0
+    _rounds(router, clock, 2)
+    assert "r1" not in router._requests and router.workers[draining].inflight == 0
+    assert run(router.route("r1", PROMPT)).decode_id != draining
+    assert run(router.remove_worker(draining)) and draining not in router.workers
+
+
+def test_removing_a_worker_drains_it_before_the_router_forgets_it():
+    """``PDBackend.remove_worker``: while the cluster drains the worker, the router routes
+    nothing new to it and still holds the routes of the requests it runs (another client's
+    request under one of their ids is refused); once drained and stopped, the router forgets it."""
+    from types import SimpleNamespace
+
+    from cluster.backend import PDBackend
+    from cluster.pd_client import WorkerRef
+
+    clock = Clock()
+    router, workers = _router(clock, decodes=("d0", "d1"))
+    decision = run(router.route("r1", PROMPT))
+    run(router.release("r1", "prefill"))  # it decodes on its decode worker
+    seen = []
+
+    class Cluster:
+        def remove_worker(self, worker_id):  # (in a thread, as the real one drains)
+            seen.append(("r1" in router._requests, [w.worker_id for w in router._live("decode")]))
+            return SimpleNamespace(worker_id=worker_id, role="decode")
+
+    refs = [WorkerRef(w.worker_id, w.role, w, "n") for w in workers.values()]
+    client = SimpleNamespace(router=router, prefill=[r for r in refs if r.role == "prefill"],
+                             decode=[r for r in refs if r.role == "decode"])
+    assert run(PDBackend(client, Cluster()).remove_worker(decision.decode_id))["removed"]
+    other = "d1" if decision.decode_id == "d0" else "d0"
+    assert seen == [(True, [other])]
+    assert decision.decode_id not in router.workers and "r1" not in router._requests
