@@ -13,10 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 from typing import Any, AsyncIterator, Dict, List, Optional, Protocol
 
 from actors.pd_scheduler import PDRequestError
+
+logger = logging.getLogger(__name__)
 
 
 class ServingBackend(Protocol):
@@ -199,7 +202,10 @@ class PDBackend:
             worker = await asyncio.to_thread(self.cluster.remove_worker, worker_id)
         except UnknownWorkerError:  # removed (or being removed) by another call meanwhile
             raise UnknownWorkerError(worker_id) from None
-        await self._tell_router("remove_worker", worker_id)  # drained and stopped: the router forgets it
+        try:  # drained and stopped: the router forgets it
+            await self._tell_router("remove_worker", worker_id)
+        except Exception as exc:  # (its heartbeat finds the actor gone and ends its routes all the same)
+            logger.warning("router: removing %s failed: %r", worker_id, exc)
         return {"id": worker.worker_id, "role": worker.role, "removed": True}
 
 
