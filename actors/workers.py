@@ -278,9 +278,12 @@ class PrefillWorker(_Worker):
 
     async def prefill(self, rid: str, input_ids: List[int], sampling_params: Optional[Dict[str, Any]],
                       handoffs: List[bytes]) -> Dict[str, Any]:
-        """Prefill and push; returns the completion notice the decode side needs."""
+        """Prefill and push; returns the completion notice the decode side needs. A broken worker
+        (a TP rank gone, a transfer lane broken) raises ``WorkerBrokenError``, also for a request
+        whose push failed on it: the worker's failure, not the request's (the client retries it)."""
         if self.draining:
             raise PDRequestError("prefill worker is draining")
+        self._raise_if_broken()
         parsed = [KVHandoff.from_bytes(raw) for raw in handoffs]
         room = parsed[0].room if parsed else None  # the attempt: its decode reservation's room
         if (rid, None) in self._cancelled or (rid, room) in self._cancelled:
@@ -298,6 +301,7 @@ class PrefillWorker(_Worker):
         while True:
             result, finished, error = await queue.get()
             if error is not None:
+                self._raise_if_broken()
                 raise error
             if finished:
                 break
@@ -373,6 +377,7 @@ class DecodeWorker(_Worker):
         caller that picked it can abort this attempt and no other under the same id."""
         if self.draining:
             raise PDRequestError("decode worker is draining")
+        self._raise_if_broken()  # (its TP group lost a rank: WorkerBrokenError, the client goes elsewhere)
         backend = backend or self.backends[0]
         if backend not in self.agents:
             raise PDRequestError(f"backend {backend!r} not served here; this worker has {sorted(self.agents)}")

@@ -9,7 +9,7 @@ A failure on either side (an actor died, a transfer failed or timed out)
 ends the attempt within the configured timeouts and tells the other side to
 free what it holds; a worker that misses ``heartbeat_max_failures``
 heartbeats in a row leaves the rotation. An attempt whose prefill or decode
-worker died or was unavailable (:class:`WorkerLostError`) before anything
+worker died, was unavailable or reported itself broken (:class:`WorkerLostError`) before anything
 was yielded to the caller is retried on a new pair without that worker, up
 to ``max_retries`` times after a short backoff (as SGLang's router and Ray
 Serve retry a request whose worker died under it); any other failure — a
@@ -31,7 +31,7 @@ from typing import Any, AsyncIterator, Dict, List, Optional, Set
 
 import ray
 
-from actors.pd_scheduler import PDRequestError, is_worker_death
+from actors.pd_scheduler import PDRequestError, WorkerBrokenError, is_worker_death
 from actors.router import call_method
 from cluster.aio import wait_for
 from transfer import select_backend
@@ -60,8 +60,8 @@ class WorkerRef:
 
 
 class WorkerLostError(PDRequestError):
-    """A call to ``worker`` failed because its actor died (``died``) or was unavailable: the
-    request may go to another worker if nothing of it was delivered yet."""
+    """A call to ``worker`` failed because its actor died or it reports itself broken (``died``),
+    or it was unavailable: the request may go to another worker if nothing of it was delivered yet."""
 
     def __init__(self, message: str, worker: WorkerRef, died: bool):
         super().__init__(message)
@@ -328,9 +328,22 @@ class PDClient:
             raise PDRequestError(f"{worker.role} worker {worker.worker_id} did not answer within {timeout_s}s") from exc
         except ray.exceptions.RayTaskError as exc:
             cause = exc.as_instanceof_cause()
+            if isinstance(cause, WorkerBrokenError):
+                raise self._broken(worker, rid, cause) from exc
             if isinstance(cause, (PDRequestError, ValueError)):
                 raise cause from None
             raise PDRequestError(f"{worker.role} worker {worker.worker_id}: {exc}") from exc
+        except WorkerBrokenError as exc:  # (an in-process worker's)
+            raise self._broken(worker, rid, exc) from exc
+
+    def _broken(self, worker: WorkerRef, rid: str, exc: BaseException) -> "WorkerLostError":
+        """``worker`` reports itself broken (a TP rank gone, a transfer lane broken): it serves
+        nothing more, so the request may go elsewhere, as when its actor died. Out of the
+        rotation now, and still told to abort (its process may yet hold a push): the heartbeat
+        that finds it broken marks it dead."""
+        self._mark_dead(worker, f"it is broken ({exc})", died=False)
+        return WorkerLostError(f"{worker.role} worker {worker.worker_id} is broken ({exc}) while serving {rid}",
+                               worker, died=True)
 
     async def _stop_prefill(self, prefill: WorkerRef, rid: str, room: int) -> bool:
         """Make sure ``prefill`` will not push the KV of ``rid``'s attempt ``room`` (its

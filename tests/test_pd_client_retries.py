@@ -6,9 +6,9 @@ import asyncio
 from typing import Any, Dict, List, Optional
 
 import pytest
-from ray.exceptions import ActorDiedError, ActorUnavailableError
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayTaskError
 
-from actors.pd_scheduler import PDRequestError
+from actors.pd_scheduler import PDRequestError, WorkerBrokenError
 from actors.router import NoWorkerError, Router
 from actors.routing_policies import RouterSettings
 from cluster.pd_client import PDClient, WorkerRef
@@ -393,3 +393,61 @@ def test_each_attempt_uses_the_room_its_route_names():
     assert [room for w in decode for room in w.rooms("reserve")] in (rooms, rooms[::-1])
     assert {args[-1] for args in recording.releases} == set(rooms)  # every release names its route's room
     assert_clean(client, router)
+
+
+def _broken(worker_id: str, how: str) -> BaseException:
+    error = WorkerBrokenError(f"{worker_id} is broken: the KV transfer lane raydix-kv-push-0-0 is broken: gone")
+    return RayTaskError("prefill", "tb", error).as_instanceof_cause() if how == "ray" else error
+
+
+@pytest.mark.parametrize("how", ["ray", "in-process"])
+@pytest.mark.parametrize("method", ["prefill", "reserve"])
+def test_a_request_that_hits_a_broken_worker_goes_to_a_new_pair(method, how):
+    """A worker that reports itself broken (its push lane or a TP rank gone) before the heartbeat
+    takes it out of the rotation: the request goes to a new pair, as when the actor died, and the
+    broken worker leaves the client's rotation at once; a broken prefill is still told to abort
+    (its process lives), so the first reservation goes back only once that is confirmed."""
+    faults = Faults(**{method: [lambda worker: _broken(worker.worker_id, how)]})
+    client, router, prefill, decode = cluster(2, 2, faults)
+    outs = asyncio.run(collect(client))
+    assert [len(o["output_ids"]) for o in outs] == [1, 2, 3] and client.num_retries == 1
+    [broken] = faults.hit
+    assert outs[-1]["meta_info"][f"{broken.role}_worker"] != broken.worker_id
+    ref = next(r for r in client.prefill + client.decode if r.worker_id == broken.worker_id)
+    assert not ref.alive and not ref.dead  # out of the rotation; the heartbeat finds it broken
+    if method == "prefill":
+        assert [c[0] for c in broken.calls] == ["prefill", "abort"]
+        first_decode = next(w for w in decode if w.calls and w.calls[0][0] == "reserve")
+        assert [c for c in first_decode.calls if c[0] == "abort"][0][3] is True  # confirmed stopped: freed
+    assert_clean(client, router)
+
+
+def test_a_broken_prefill_worker_refuses_prefills_and_fails_a_push_lost_to_its_lane_as_broken():
+    """Its push lane broke (or a TP rank went): a new prefill is refused, and one whose push
+    failed on the broken lane fails as the worker's fault (``WorkerBrokenError``), not as a plain
+    request error the client would not retry."""
+    from types import SimpleNamespace
+
+    from actors.workers import PrefillWorker
+
+    lane_error = "the KV transfer lane raydix-kv-push-0-0 is broken: gone"
+    pusher, submitted = SimpleNamespace(broken=lane_error), []
+    worker = object.__new__(PrefillWorker)
+    worker.worker_id, worker.broken, worker.draining, worker._cancelled = "p0", None, False, {}
+    worker.tp_worker, worker.rank = SimpleNamespace(broken=None), SimpleNamespace(pusher=pusher)
+
+    def submit(req):  # the lane breaks under this request's push
+        submitted.append(req)
+        pusher.broken = lane_error
+        queue = asyncio.Queue()
+        queue.put_nowait((None, True, PDRequestError(lane_error)))
+        return queue
+
+    worker._make_req, worker._submit = (lambda *args: SimpleNamespace()), submit
+    with pytest.raises(WorkerBrokenError, match="lane raydix-kv-push-0-0 is broken"):
+        asyncio.run(worker.prefill("r", [1, 2, 3], None, []))
+    assert not submitted
+    pusher.broken = None
+    with pytest.raises(WorkerBrokenError, match="p0 is broken: the KV transfer lane"):
+        asyncio.run(worker.prefill("r", [1, 2, 3], None, []))
+    assert len(submitted) == 1
