@@ -62,10 +62,10 @@ import inspect
 import logging
 import secrets
 import time
-from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence
 
 from actors.prefix_index import PrefixIndex, page_keys
+from actors.router_routes import Dispatch, RouteReconciler, without_rids
 from actors.routing_policies import RouteRequest, RouterSettings, WorkerState, create_policy
 from mem_cache.radix_key import hash_pages
 
@@ -87,20 +87,6 @@ class RouteDecision(NamedTuple):
     room: Optional[int] = None  # this attempt's bootstrap room: the client's reserve, abort and release name it
 
 
-@dataclass
-class _Dispatch:
-    prefill_id: str
-    decode_id: str
-    uncached_tokens: int
-    prompt_tokens: int
-    prefill_open: bool = True
-    decode_open: bool = True
-    routed_at: float = 0.0
-    attempt: int = 0  # the request's attempt (0, then a retry's number)
-    room: Optional[int] = None  # the attempt's bootstrap room (the workers name it with the id they hold)
-    unheld: int = 0  # heartbeat rounds in a row, past the grace, in which neither worker held it
-
-
 async def call_method(target: Any, method: str, *args: Any) -> Any:
     """``target.method(*args)`` on a Ray actor handle (``.remote``) or a plain object, awaited."""
     fn = getattr(target, method)
@@ -109,21 +95,13 @@ async def call_method(target: Any, method: str, *args: Any) -> Any:
     return await result if inspect.isawaitable(result) else result
 
 
-HELD_KEYS = ("rids", "rooms")  # a load report's ids (and rooms) of the requests held: the reconciliation's
-
-
-def _without_rids(report: Dict[str, Any]) -> Dict[str, Any]:
-    """A load report as kept and listed: the requests held are the reconciliation's."""
-    return {k: v for k, v in report.items() if k not in HELD_KEYS} if "rids" in report else report
-
-
 def _actor_died(exc: BaseException) -> bool:
     from actors.pd_scheduler import is_worker_death
 
     return is_worker_death(exc)
 
 
-class Router:
+class Router(RouteReconciler):
     def __init__(self, settings: Optional[RouterSettings] = None, clock: Callable[[], float] = time.monotonic):
         self.settings = s = settings or RouterSettings()
         self.index = PrefixIndex(s.approx_ttl_s, clock)
@@ -133,7 +111,7 @@ class Router:
         # per worker id, bumped by every add_worker and remove_worker: the later call wins (an add
         # whose snapshot comes back after a later call under the id changes nothing)
         self._epochs: Dict[str, int] = {}
-        self._requests: Dict[str, _Dispatch] = {}
+        self._requests: Dict[str, Dispatch] = {}
         self._tasks: List[asyncio.Task] = []
         self._heartbeat_round = 0
         # reconciled: routes dropped as held by neither worker; expired: dropped after route_ttl_s;
@@ -276,7 +254,7 @@ class Router:
         decode.inflight += 1
         decode.dispatched_tokens += len(input_ids)
         room = secrets.randbits(63)  # (not the seeded generator: a restarted router must not repeat rooms)
-        self._requests[rid] = _Dispatch(prefill.worker_id, decode.worker_id, uncached, len(input_ids),
+        self._requests[rid] = Dispatch(prefill.worker_id, decode.worker_id, uncached, len(input_ids),
                                         routed_at=self.index.clock(), attempt=attempt, room=room)
         c = self.counters
         c["routed"], c["prompt_tokens"] = c["routed"] + 1, c["prompt_tokens"] + len(input_ids)
@@ -408,7 +386,7 @@ class Router:
                     return
                 logger.warning("router: worker %s is back in the rotation", worker.worker_id)
                 worker.alive = True
-            worker.report, worker.missed_heartbeats = _without_rids(report), 0
+            worker.report, worker.missed_heartbeats = without_rids(report), 0
             worker.dispatched_tokens -= sent  # (a load() queued behind a burst's reserves: seconds of routes)
             held, rooms = report.get("rids"), report.get("rooms")
             worker.held_rids, worker.held_round = (None if held is None else frozenset(held)), heartbeat_round
@@ -417,66 +395,6 @@ class Router:
         await asyncio.gather(*(ping(w) for w in self.workers.values() if not w.dead))
         self._expire_routes(heartbeat_round)
         self._reconcile_routes(heartbeat_round, asked_at)
-
-    def _reconcile_routes(self, heartbeat_round: int, asked_at: float) -> None:
-        """Drop the routes whose release was lost: made more than ``route_grace_s`` before this
-        round asked for the reports (the request had time to reach its workers) and held by
-        neither worker in this round's reports and the previous round's (a report taken as the
-        request arrived cannot drop it). A side already released is not asked (its prefill ended).
-        A worker that did not answer this round or names no ids (``rids``) may hold it: the route
-        waits, ``route_ttl_s`` at most."""
-        cutoff = asked_at - self.settings.route_grace_s
-        for rid, d in list(self._requests.items()):
-            if d.routed_at > cutoff:
-                continue
-            open_sides = [w for w, is_open in ((d.prefill_id, d.prefill_open), (d.decode_id, d.decode_open)) if is_open]
-            if any(self._may_hold(worker_id, rid, d.room, heartbeat_round) for worker_id in open_sides):
-                d.unheld = 0
-                continue
-            d.unheld += 1
-            if d.unheld >= 2:
-                logger.warning("router: neither %s nor %s holds request %s (attempt %d): its release was lost; it "
-                               "stops counting as load", d.prefill_id, d.decode_id, rid, d.attempt)
-                self.release_now(rid, None, d.attempt, d.room)
-                self.counters["reconciled"] += 1
-
-    def _may_hold(self, worker_id: str, rid: str, room: Optional[int], heartbeat_round: int) -> bool:
-        """Whether worker ``worker_id`` may hold attempt ``room`` of request ``rid`` as of round
-        ``heartbeat_round``'s reports. A worker holds one request per id at most; one it names
-        with another room is another attempt (an earlier one's leftover, say a prefill that an
-        unavailable worker still runs), not this route's. A request named without a room may be
-        any attempt."""
-        worker = self.workers.get(worker_id)
-        if worker is None or worker.dead:  # removed (its routes' sides ended then) or its actor is gone
-            return False
-        if worker.held_round != heartbeat_round or worker.held_rids is None:
-            return True
-        if rid not in worker.held_rids:
-            return False
-        held_room = worker.held_rooms.get(rid)
-        return room is None or held_room is None or held_room == room
-
-    def _holds(self, worker_id: str, rid: str, room: Optional[int], heartbeat_round: int) -> bool:
-        """Whether worker ``worker_id``'s report of round ``heartbeat_round`` names attempt ``room``
-        of request ``rid`` (named without a room: any attempt): it still runs it."""
-        worker = self.workers.get(worker_id)
-        if worker is None or worker.dead or worker.held_round != heartbeat_round or worker.held_rids is None:
-            return False
-        held_room = worker.held_rooms.get(rid)
-        return rid in worker.held_rids and (room is None or held_room is None or held_room == room)
-
-    def _expire_routes(self, heartbeat_round: int) -> None:
-        """Routes never released stop counting as load after ``route_ttl_s``: the last resort for
-        those reconciliation cannot end (a worker that names no ids, or did not answer). A route
-        that an open side's worker names in this round's report is running (a long generation):
-        it stays, its load counted and its id refused to another request."""
-        cutoff = self.index.clock() - self.settings.route_ttl_s
-        for rid in [rid for rid, d in self._requests.items() if d.routed_at <= cutoff and not any(
-                self._holds(worker_id, rid, d.room, heartbeat_round) for worker_id, is_open in
-                ((d.prefill_id, d.prefill_open), (d.decode_id, d.decode_open)) if is_open)]:
-            logger.warning("router: request %s was never released; it stops counting as load", rid)
-            self.release_now(rid)
-            self.counters["expired"] += 1
 
     async def start(self) -> None:
         """Start pulling events and heartbeats in the background (on the running event loop)."""
