@@ -42,6 +42,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 from actors.engine.req import Req
+from actors.engine.sampling import Pick
 from actors.engine.scheduler import Scheduler
 from actors.engine.tp_worker import FollowerError
 from actors.kv_push import KVPusher, PushChunk, PushResult
@@ -124,10 +125,11 @@ class PrefillScheduler(Scheduler):
             self._queue_push(req, ready, is_last=False)
         return out
 
-    def _prefill_done(self, req: Req, logits_row) -> None:
-        """Sample the first token and queue the last chunk; the request waits in
-        ``inflight`` (row, slots and lock held) until every rank has pushed."""
-        self._sample(req, logits_row)
+    def _prefill_done(self, req: Req, logits_row, pick: Optional[Pick] = None) -> None:
+        """Sample the first token (``pick``, when the batch picked it already) and queue the
+        last chunk; the request waits in ``inflight`` (row, slots and lock held) until every
+        rank has pushed."""
+        self._sample(req, logits_row, pick)
         req.first_token_time = time.perf_counter()
         req.pd_first_finish = req.finished_reason  # the first token may already end it (EOS, stop, length 1)
         req.finished_reason = None

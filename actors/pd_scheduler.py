@@ -41,6 +41,7 @@ import torch
 
 from actors.engine.finish import check_finished, stream_text
 from actors.engine.req import Req
+from actors.engine.sampling import make_generator
 from actors.engine.schedule_batch import _alloc_rows, _alloc_with_eviction
 from actors.engine.scheduler import Scheduler
 from actors.engine.tp_worker import FollowerError
@@ -395,7 +396,8 @@ class DecodeScheduler(Scheduler):
         """The first token and the sampler's state from the prefill side; whether it ended."""
         req.kv_committed_len = len(req.origin_input_ids)
         req.output_ids.append(int(notice["first_token"]))
-        if notice.get("generator_state"):
+        if notice.get("generator_state") and req.sampling_params.seed is not None:  # on this side's device
+            req.generator = make_generator(req.sampling_params.seed, self.runner.device)
             req.generator.set_state(torch.frombuffer(bytearray(notice["generator_state"]), dtype=torch.uint8))
         if notice.get("logprob") is not None:
             req.output_logprobs.append(notice["logprob"])

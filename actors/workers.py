@@ -314,8 +314,8 @@ class PrefillWorker(_Worker):
             "first_finish": req.pd_first_finish,
             # a seeded request's generator goes on where the first draw left it, so its samples equal
             # a single engine's
-            "generator_state": (req.generator.get_state().numpy().tobytes()
-                                if req.sampling_params.seed is not None else None),
+            "generator_state": (req.generator.get_state().cpu().numpy().tobytes()
+                                if req.generator is not None else None),
             "cached_tokens": req.cached_tokens,
             "prompt_tokens": len(req.origin_input_ids),
             "transfer_time": getattr(req, "pd_transfer_time", None),

@@ -83,6 +83,29 @@ def test_logit_bias_forces_tokens_and_min_new_tokens_holds_off_eos_and_stop_toke
     engine.check_integrity()
 
 
+def test_a_seeded_request_samples_the_same_alone_or_batched_with_its_logprobs(engine):
+    """Sampled on the device in one batch (prefill's and decode's): a seeded request gives the
+    same tokens and raw logprobs alone as beside greedy, unseeded and other seeded requests
+    (in another position); its top logprobs come best first, with its token's own value."""
+    ids = [21, 22, 23]
+    seeded = {"temperature": 1.0, "top_k": 50, "top_p": 0.9, "seed": 123, "max_new_tokens": 10, "ignore_eos": True,
+              "return_logprob": True, "top_logprobs_num": 3}
+    alone = engine.generate(input_ids=ids, sampling_params=seeded)
+    outs = engine.generate(input_ids=[[5, 6, 7], [9, 8], ids, ids], sampling_params=[
+        GREEDY, {**GREEDY, "temperature": 0.8}, seeded, {**seeded, "seed": 124}])
+    assert outs[2]["output_ids"] == alone["output_ids"] and outs[3]["output_ids"] != alone["output_ids"]
+    assert outs[1]["output_ids"] != engine.generate(input_ids=[9, 8], sampling_params=GREEDY)["output_ids"]
+    got, want = outs[2]["meta_info"], alone["meta_info"]
+    assert [t for _, t in got["output_token_logprobs"]] == alone["output_ids"]
+    assert [lp for lp, _ in got["output_token_logprobs"]] == pytest.approx(
+        [lp for lp, _ in want["output_token_logprobs"]], abs=1e-4)
+    for (logprob, token), top in zip(got["output_token_logprobs"], got["output_top_logprobs"]):
+        values = [v for _, v in top]
+        assert len(top) == 3 and values == sorted(values, reverse=True) and logprob <= values[0]
+        assert dict(top).get(token, logprob) == logprob  # (its own logprob when it is among them)
+    engine.check_integrity()
+
+
 def test_abort_a_running_request(engine):
     # the loop holds the victim after its third token (200 could all be out before a slow host's reader saw three)
     paused = pause_once(engine, lambda: any(len(r.output_ids) >= 3 for r in engine.scheduler.running))

@@ -82,10 +82,10 @@ def test_pick_tokens_gives_what_sample_next_gives_row_by_row():
     logits = torch.randn(5, vocab, generator=torch.Generator().manual_seed(3)) * 3
     params = [SamplingParams(temperature=0, repetition_penalty=1.7, frequency_penalty=0.5),
               SamplingParams(temperature=0.8, top_k=5, top_p=0.9, min_p=0.05, seed=11, logit_bias={7: 3.0},
-                             return_logprob=True),
+                             return_logprob=True, top_logprobs_num=3),
               SamplingParams(temperature=0, min_new_tokens=3, stop_token_ids=[9], logit_bias={9: 100.0}),
               SamplingParams(temperature=1.0, seed=4, presence_penalty=1.2),
-              SamplingParams(temperature=0, return_logprob=True)]
+              SamplingParams(temperature=0, return_logprob=True, top_logprobs_num=2)]
     prompts, outputs = [[1, 2, 3], [4], [5, 6], [7, 7], [8]], [[3, 3, 10], [], [11], [12, 7], []]
     states = [LogitState(p, prompt, EOS, vocab) if LogitState.needed(p) else None for p, prompt in zip(params, prompts)]
     for state, out in zip(states, outputs):
@@ -96,12 +96,17 @@ def test_pick_tokens_gives_what_sample_next_gives_row_by_row():
     adjust = logit_adjustments(params, masked, vocab)
     for row, p in enumerate(params):
         want, want_logprobs = sample_next(logits[row], p, prompts[row], outputs[row], make_generator(p.seed), adjust[row])
-        token, logprobs = picked[row]
-        assert token == want, row
-        assert (logprobs is None) == (want_logprobs is None) == (not p.return_logprob)
-        if logprobs is not None:
-            assert torch.equal(logprobs, want_logprobs) and torch.equal(logprobs, torch.log_softmax(logits[row], -1))
-    assert picked[2][0] != 9  # masked although biased up
+        pick = picked[row]
+        assert pick.token == want, row
+        assert (pick.logprob is None) == (want_logprobs is None) == (not p.return_logprob)
+        assert (pick.top_logprobs is None) == (not p.top_logprobs_num)
+        if want_logprobs is not None:
+            assert want_logprobs[want].item() == pick.logprob
+            assert torch.equal(want_logprobs, torch.log_softmax(logits[row], -1))
+        if pick.top_logprobs is not None:
+            top = want_logprobs.topk(p.top_logprobs_num)
+            assert pick.top_logprobs == list(zip(top.indices.tolist(), top.values.tolist()))
+    assert picked[2].token != 9  # masked although biased up
 
 
 @pytest.mark.parametrize("rows", [[0], [0, 1]])
@@ -109,4 +114,4 @@ def test_pick_tokens_of_a_single_plain_row_takes_the_raw_argmax(rows):
     logits = torch.randn(len(rows), VOCAB)
     params = [SamplingParams(temperature=0)] * len(rows)
     picked = pick_tokens(logits, params, [make_generator(0)] * len(rows), [None] * len(rows))
-    assert [t for t, _ in picked] == logits.argmax(-1).tolist()
+    assert [p.token for p in picked] == logits.argmax(-1).tolist()

@@ -69,7 +69,17 @@ class Req:
     swa_uuid_for_lock: Optional[int] = None
 
     def __post_init__(self):
-        self.generator = make_generator(self.sampling_params.seed)
+        self.generator: Optional[torch.Generator] = None  # a seeded request's, on the device it samples on
+
+    def generator_on(self, device) -> Optional[torch.Generator]:
+        """A seeded request's generator on ``device`` (made, from the seed, at its first draw
+        there); None for an unseeded one, which draws from the device's default generator."""
+        seed = self.sampling_params.seed
+        if seed is None:
+            return None
+        if self.generator is None or self.generator.device != torch.device(device):
+            self.generator = make_generator(seed, device)
+        return self.generator
 
     @property
     def seqlen(self) -> int:

@@ -7,13 +7,21 @@ penalties, as OpenAI / vLLM define them: repetition (divide positive, multiply n
 logits of tokens seen in the prompt or output), frequency (``-= f * count in output``) and
 presence (``-= p`` for tokens in the output). Greedy requests take the argmax of the
 adjusted, penalised logits; others are divided by the temperature, filtered by top-k, top-p
-and min-p, and sampled with a per-request generator (seeded when the request gives a seed,
-so the same seed gives the same tokens).
+and min-p, and drawn.
 
-:func:`logit_adjustments` and :func:`apply_penalties` are the plain definitions (one dense
-``[bs, vocab]`` tensor, one row's sets rebuilt): :func:`sample_next` takes them for a row on
-its own. A batch takes :func:`~actors.engine.sparse_logits.adjust_logits` (the same values,
-written sparsely from per-request state) and :func:`pick_tokens`.
+A batch is sampled on its logits' device, as SGLang and vLLM do it (:func:`pick_tokens`):
+the temperatures a ``[n, 1]`` tensor, top-k, top-p and min-p per-row tensors applied after
+one sort (:func:`filter_sorted_probs`), and the draw an exponential race — the argmax of
+``probs / q`` with ``q ~ Exp(1)`` draws token ``i`` with probability ``probs[i] / sum(probs)``
+(vLLM's sampler). A seeded request fills its ``q`` row from its own generator (on the
+logits' device), so the same seed, parameters and logits give the same tokens whatever else
+is in the batch; the other rows share the device's default generator. Only the chosen
+tokens, and the logprobs rows ask for, reach the host.
+
+:func:`logit_adjustments`, :func:`apply_penalties` and :func:`filter_probs` are the plain
+per-row definitions: :func:`sample_next` takes them for a row on its own (the reference the
+tests hold the batch to). A batch takes :func:`~actors.engine.sparse_logits.adjust_logits`
+(the same values, written sparsely from per-request state) and :func:`pick_tokens`.
 
 Logprobs are those of the model's own distribution (log-softmax of the raw
 logits), as OpenAI and vLLM (``logprobs_mode="raw_logprobs"``) report them:
@@ -23,7 +31,7 @@ logprob.
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -86,8 +94,9 @@ def filter_probs(probs: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return probs / probs.sum()
 
 
-def make_generator(seed: Optional[int]) -> torch.Generator:
-    gen = torch.Generator()
+def make_generator(seed: Optional[int], device="cpu") -> torch.Generator:
+    """A generator on ``device`` seeded with ``seed`` (None: a random seed)."""
+    gen = torch.Generator(device=device)
     if seed is not None:
         gen.manual_seed(seed)
     else:
@@ -95,25 +104,42 @@ def make_generator(seed: Optional[int]) -> torch.Generator:
     return gen
 
 
-def draw_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
-    """Next token from one row of adjusted, penalised float32 logits ``[vocab]`` on the CPU:
-    the argmax if greedy, else a draw after temperature, top-k, top-p and min-p."""
+def exponential_race(probs: torch.Tensor, generators: Sequence[Optional[torch.Generator]]) -> torch.Tensor:
+    """One token per row of ``probs`` ``[n, vocab]`` (non-negative, not necessarily normalised;
+    divided in place), drawn with probability ``probs[i] / sum(probs)``: the argmax of
+    ``probs / q``, ``q ~ Exp(1)``. Row ``r``'s ``q`` comes from ``generators[r]`` (on the
+    probabilities' device) when it has one, else from the device's default generator. A zero
+    of ``q`` is raised to the smallest normal float: ``0 / 0`` (NaN) would win the argmax."""
+    q = torch.empty_like(probs)
+    seeded = [row for row, gen in enumerate(generators) if gen is not None]
+    if len(seeded) < len(generators):
+        q.exponential_()
+    for row in seeded:
+        q[row].exponential_(generator=generators[row])
+    return probs.div_(q.clamp_min_(torch.finfo(q.dtype).tiny)).argmax(dim=-1)
+
+
+def draw_token(logits: torch.Tensor, params: SamplingParams, generator: Optional[torch.Generator]) -> int:
+    """Next token from one row of adjusted, penalised float32 logits ``[vocab]``: the argmax if
+    greedy, else the :func:`exponential_race` over :func:`filter_probs` of the softmax after
+    temperature (``generator`` on the logits' device; None: the default one)."""
     if params.is_greedy:
         return int(torch.argmax(logits))
     probs = filter_probs(torch.softmax(logits / params.temperature, dim=-1), params)
-    return int(torch.multinomial(probs, 1, generator=generator))
+    return int(exponential_race(probs[None], [generator])[0])
 
 
 def sample_next(
-    logits: torch.Tensor, params: SamplingParams, prompt_ids: List[int], output_ids: List[int], generator: torch.Generator,
-    adjust: Optional[torch.Tensor] = None,
+    logits: torch.Tensor, params: SamplingParams, prompt_ids: List[int], output_ids: List[int],
+    generator: Optional[torch.Generator], adjust: Optional[torch.Tensor] = None,
 ) -> Tuple[int, Optional[torch.Tensor]]:
     """Next token of one request and, when it asks for logprobs, the log-softmax of its raw logits
-    (before ``adjust`` — its row of :func:`logit_adjustments` —, penalties and temperature)."""
-    logits = logits.float().cpu()
+    (before ``adjust`` — its row of :func:`logit_adjustments` —, penalties and temperature): the
+    per-row reference of :func:`pick_tokens`."""
+    logits = logits.float()
     logprobs = torch.log_softmax(logits, dim=-1) if params.return_logprob else None
     if adjust is not None:
-        logits = logits + adjust.cpu()
+        logits = logits + adjust
     logits = apply_penalties(logits, params, prompt_ids, output_ids)
     return draw_token(logits, params, generator), logprobs
 
@@ -137,25 +163,88 @@ def plain_greedy_tokens(logits: torch.Tensor, params: Sequence[SamplingParams],
     return dict(zip(rows, torch.argmax(picked, dim=-1).tolist()))
 
 
-def pick_tokens(logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator],
-                states: Sequence[Optional[LogitState]]) -> List[Tuple[int, Optional[torch.Tensor]]]:
-    """Each row's next token and, when its request asks for logprobs, the log-softmax of its raw
-    ``logits`` row (on the CPU) — what :func:`sample_next` gives row by row —, with ``states``
-    the rows' :class:`~actors.engine.sparse_logits.LogitState` (synced; None: nothing to adjust).
-    ``logits`` are the step's own: float32 ones are adjusted in place
+class Pick(NamedTuple):
+    """One row's next token; with logprobs, the raw logprob of that token and, when the request
+    asks for ``top_logprobs_num`` of them, the ``(token, logprob)`` pairs of the most likely."""
+
+    token: int
+    logprob: Optional[float] = None
+    top_logprobs: Optional[List[Tuple[int, float]]] = None
+
+
+def filter_sorted_probs(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                        min_p: torch.Tensor) -> torch.Tensor:
+    """:func:`filter_probs` for every row of ``probs`` ``[n, vocab]`` at once, not renormalised
+    (the draw needs no normalising): with one descending sort, row ``r`` keeps its first
+    ``top_k[r]`` tokens (exactly that many, ties or not), then the smallest prefix whose
+    cumulative probability reaches ``top_p[r]`` of what is kept (at least one token), then
+    those at least ``min_p[r]`` times its most likely one. ``top_k`` int64 (``vocab``: all),
+    ``top_p`` and ``min_p`` float32 (1 and 0: off), on the probabilities' device."""
+    ordered, order = torch.sort(probs, dim=-1, descending=True)
+    position = torch.arange(probs.shape[-1], device=probs.device)
+    ordered.masked_fill_(position >= top_k[:, None], 0.0)
+    cumulative = torch.cumsum(ordered, dim=-1)
+    ordered.masked_fill_((cumulative - ordered > top_p[:, None] * cumulative[:, -1:]) & (top_p[:, None] < 1.0), 0.0)
+    ordered.masked_fill_(ordered < min_p[:, None] * ordered[:, :1], 0.0)
+    return torch.zeros_like(probs).scatter_(-1, order, ordered)
+
+
+def sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams],
+                generators: Sequence[Optional[torch.Generator]]) -> torch.Tensor:
+    """The draws ``[n]`` (on the logits' device) of non-greedy rows of adjusted, penalised
+    float32 ``logits`` ``[n, vocab]`` (overwritten): temperature, the filters, the race."""
+    device, vocab = logits.device, logits.shape[-1]
+    temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
+    probs = torch.softmax(logits.div_(temperature[:, None]), dim=-1)
+    if any(0 < p.top_k < vocab or p.top_p < 1.0 for p in params):
+        probs = filter_sorted_probs(
+            probs, torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=device),
+            torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
+            torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device))
+    elif any(p.min_p > 0.0 for p in params):  # no sort needed: relative to each row's max
+        min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device)
+        probs.masked_fill_(probs < min_p[:, None] * probs.amax(dim=-1, keepdim=True), 0.0)
+    return exponential_race(probs, generators)
+
+
+def _logprob_picks(raw: torch.Tensor, tokens: torch.Tensor, params: Sequence[SamplingParams]) -> List[Pick]:
+    """Picks of rows asking for logprobs from their raw logits ``raw`` ``[m, vocab]`` and chosen
+    ``tokens`` ``[m]`` (device tensors): log-softmax, the chosen token's value and the largest
+    ``top_logprobs_num`` computed there; three small transfers."""
+    logprobs = torch.log_softmax(raw.float(), dim=-1)
+    chosen = logprobs.gather(1, tokens[:, None])[:, 0].tolist()
+    num_top = min(max(p.top_logprobs_num for p in params), logprobs.shape[-1])
+    top_values, top_ids = ([], []) if not num_top else (t.tolist() for t in logprobs.topk(num_top, dim=-1))
+    picks = []
+    for i, (p, token) in enumerate(zip(params, tokens.tolist())):
+        k = p.top_logprobs_num
+        picks.append(Pick(token, chosen[i], list(zip(top_ids[i][:k], top_values[i][:k])) if k else None))
+    return picks
+
+
+def pick_tokens(logits: torch.Tensor, params: Sequence[SamplingParams],
+                generators: Sequence[Optional[torch.Generator]], states: Sequence[Optional[LogitState]]) -> List[Pick]:
+    """Each row's :class:`Pick` (what :func:`sample_next` gives row by row), with ``states`` the
+    rows' :class:`~actors.engine.sparse_logits.LogitState` (synced; None: nothing to adjust) and
+    ``generators`` the seeded rows' (on the logits' device; None: the default one). ``logits``
+    are the step's own: float32 ones are adjusted in place
     (:func:`~actors.engine.sparse_logits.adjust_logits`), once the logprob rows' raw values are
-    copied out. The plain greedy rows take one argmax; the others' rows reach the host in one
-    transfer and are drawn one by one with their own generators."""
+    copied out. Everything runs on the logits' device — one argmax for the greedy rows, one
+    :func:`sample_rows` for the others —; the tokens (and the logprobs asked for) are all
+    that is copied to the host."""
+    device = logits.device
     with_logprobs = [i for i, p in enumerate(params) if p.return_logprob]
-    raw = {} if not with_logprobs else dict(zip(with_logprobs, logits[
-        torch.tensor(with_logprobs, device=logits.device)].float().cpu()))
+    raw = None if not with_logprobs else logits[torch.tensor(with_logprobs, device=device)].float()
     adjusted = adjust_logits(logits, states, in_place=True)
-    picked: Dict[int, Tuple[int, Optional[torch.Tensor]]] = {
-        row: (token, None) for row, token in plain_greedy_tokens(adjusted, params, penalised=True).items()}
-    rest = [i for i in range(len(params)) if i not in picked]
-    if rest:
-        rows = adjusted[torch.tensor(rest, device=logits.device)].float().cpu()
-        for row, adjusted_row in zip(rest, rows):
-            logprobs = torch.log_softmax(raw[row], dim=-1) if row in raw else None
-            picked[row] = (draw_token(adjusted_row, params[row], generators[row]), logprobs)
-    return [picked[i] for i in range(len(params))]
+    sampled = [i for i, p in enumerate(params) if not p.is_greedy]
+    tokens = torch.argmax(adjusted, dim=-1)
+    if sampled:
+        index = torch.tensor(sampled, device=device)
+        tokens[index] = sample_rows(adjusted[index].float(), [params[i] for i in sampled],
+                                    [generators[i] for i in sampled])
+    picks = [Pick(token) for token in tokens.tolist()]
+    if with_logprobs:
+        chosen = tokens[torch.tensor(with_logprobs, device=device)]
+        for row, pick in zip(with_logprobs, _logprob_picks(raw, chosen, [params[i] for i in with_logprobs])):
+            picks[row] = pick
+    return picks

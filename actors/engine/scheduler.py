@@ -31,7 +31,7 @@ import torch
 
 from actors.engine.finish import check_finished, stream_text
 from actors.engine.req import Req
-from actors.engine.sampling import pick_tokens
+from actors.engine.sampling import Pick, pick_tokens
 from actors.engine.sparse_logits import LogitState
 from actors.engine.schedule_batch import DecodeRetractionMixin
 from actors.engine.schedule_policy import PrefillAdmissionMixin
@@ -255,27 +255,26 @@ class Scheduler(PrefillAdmissionMixin, DecodeRetractionMixin):
         return bool(self.waiting or self.running or self.chunked_req or self._aborted)
 
     # ---- results ----------------------------------------------------------------------
-    def _sample(self, req: Req, logits_row, token: Optional[int] = None, logprobs=None) -> None:
-        """Append ``req``'s next token (``token``, with ``logprobs``: already picked by the batch's
+    def _sample(self, req: Req, logits_row, pick: Optional[Pick] = None) -> None:
+        """Append ``req``'s next token (``pick``: already picked by the batch's
         :meth:`_pick_tokens`; else picked here from its logits row) and see whether it finished."""
-        if token is None:
-            token, logprobs = self._pick_tokens([req], logits_row[None])[0]
-        req.output_ids.append(token)
+        if pick is None:
+            pick = self._pick_tokens([req], logits_row[None])[0]
+        req.output_ids.append(pick.token)
         if req.sampling_params.return_logprob:
-            req.output_logprobs.append(float(logprobs[token]))
-            k = req.sampling_params.top_logprobs_num
-            if k:
-                top = logprobs.topk(k)
-                req.output_top_logprobs.append(list(zip(top.indices.tolist(), top.values.tolist())))
+            req.output_logprobs.append(pick.logprob)
+            if pick.top_logprobs is not None:
+                req.output_top_logprobs.append(pick.top_logprobs)
         stream_text(req, self.tokenizer)
         check_finished(req, self.tokenizer, self.context_len)
 
     @staticmethod
-    def _pick_tokens(reqs: List[Req], logits) -> List[Tuple[int, Optional[torch.Tensor]]]:
+    def _pick_tokens(reqs: List[Req], logits) -> List[Pick]:
         """Each request's next token and raw logprobs from its row of the step's ``logits``
         ``[bs, vocab]`` (:func:`~actors.engine.sampling.pick_tokens`, which adjusts them in
-        place): a request's bias, masks and seen tokens are kept with it (``req.logit_state``)
-        and take only its new tokens each step."""
+        place and samples on their device): a request's bias, masks and seen tokens are kept
+        with it (``req.logit_state``) and take only its new tokens each step; a seeded one
+        draws from its own generator on the logits' device."""
         vocab = logits.shape[-1]
         states = []
         for req in reqs:
@@ -287,10 +286,14 @@ class Scheduler(PrefillAdmissionMixin, DecodeRetractionMixin):
             if state is not None:
                 state.sync(req.output_ids)
             states.append(state)
-        return pick_tokens(logits, [r.sampling_params for r in reqs], [r.generator for r in reqs], states)
+        generators = [req.generator_on(logits.device) for req in reqs]
+        return pick_tokens(logits, [r.sampling_params for r in reqs], generators, states)
 
     def _process_prefill(self, reqs: List[Req], logits) -> List[Req]:
         out: List[Req] = []
+        done = [i for i, req in enumerate(reqs)  # the rows sampled now, in one batch
+                if len(req.fill_ids) >= req.seqlen and req.sampling_params.max_new_tokens > 0]
+        picks = dict(zip(done, self._pick_tokens([reqs[i] for i in done], logits[done]))) if done else {}
         self.runner.allocator.free_group_begin()
         try:  # (failing, the batch is still ``in_flight``: the loop's failure path finds it)
             for i, req in enumerate(reqs):
@@ -299,18 +302,19 @@ class Scheduler(PrefillAdmissionMixin, DecodeRetractionMixin):
                     self.tree_cache.cache_unfinished_req(req)
                     self.chunked_req = req
                     continue
-                self._prefill_done(req, logits[i])
+                self._prefill_done(req, logits[i], picks.get(i))
                 out.append(req)
         finally:  # the group's frees happen even if a request failed: a failure path's frees are not parked
             self.runner.allocator.free_group_end()
         return out
 
-    def _prefill_done(self, req: Req, logits_row) -> None:
-        """A request's whole prompt is in the KV: sample, then cache or keep running."""
+    def _prefill_done(self, req: Req, logits_row, pick: Optional[Pick] = None) -> None:
+        """A request's whole prompt is in the KV: sample (``pick``, when the batch picked it
+        already), then cache or keep running."""
         if req.sampling_params.max_new_tokens == 0:
             req.finish({"type": "length", "length": 0})
         else:
-            self._sample(req, logits_row)
+            self._sample(req, logits_row, pick)
         if req.first_token_time is None:
             req.first_token_time = time.perf_counter()
         if req.finished:
@@ -325,7 +329,7 @@ class Scheduler(PrefillAdmissionMixin, DecodeRetractionMixin):
             picked = self._pick_tokens(reqs, logits)
             for i, req in enumerate(reqs):
                 req.kv_committed_len = req.seqlen
-                self._sample(req, logits[i], *picked[i])
+                self._sample(req, logits[i], picked[i])
                 if req.finished:
                     self.tree_cache.cache_finished_req(req)
         except BaseException:  # those that finished before the failure are released: only told
