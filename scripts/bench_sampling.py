@@ -17,7 +17,15 @@ request); ``min_tokens`` (EOS and 4 stop ids masked). The sparse step adjusts th
 logits in place, as the scheduler does a step's own: their values drift from step to step,
 not the work.
 
+The second table ("draw") times the draw itself, every row sampled (temperature 0.8 with top-k 40,
+top-p 0.95 and min-p 0.02, or top-p 0.95 alone; every other row seeded): "per-row" as the scheduler did it before — the
+sampled rows copied to the host in one ``[n, vocab]`` float32 transfer, then softmax, top-k/top-p
+sorts and ``multinomial`` row by row with CPU generators —, "batched" as
+:func:`~actors.engine.sampling.pick_tokens` does it now, on the logits' device (one sort, an
+exponential race, the tokens copied back).
+
     python scripts/bench_sampling.py [--device cpu] [--batches 1 32 256] [--vocabs 32000 152000]
+                                     [--tables adjust draw]
 """
 
 from __future__ import annotations
@@ -34,7 +42,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from actors.engine.req import Req  # noqa: E402
-from actors.engine.sampling import logit_adjustments, plain_greedy_tokens, sample_next  # noqa: E402
+from actors.engine.sampling import (filter_probs, logit_adjustments, make_generator, pick_tokens,  # noqa: E402
+                                    plain_greedy_tokens, sample_next)
 from actors.engine.sampling_params import SamplingParams  # noqa: E402
 from actors.engine.scheduler import Scheduler  # noqa: E402
 
@@ -72,7 +81,44 @@ def dense_step(reqs: List[Req], logits: torch.Tensor) -> List[int]:
 
 
 def sparse_step(reqs: List[Req], logits: torch.Tensor) -> List[int]:
-    return [token for token, _ in Scheduler._pick_tokens(reqs, logits)]
+    return [pick.token for pick in Scheduler._pick_tokens(reqs, logits)]
+
+
+DRAWS = {"top-k 40, top-p 0.95": dict(temperature=0.8, top_k=40, top_p=0.95, min_p=0.02),
+         "top-p 0.95": dict(temperature=0.8, top_p=0.95)}
+
+
+def per_row_draw(logits: torch.Tensor, params: List[SamplingParams], generators: List[torch.Generator]) -> List[int]:
+    """The draw as it was: one transfer to the host, then each row on its own with a CPU generator."""
+    rows = logits.float().cpu()
+    return [int(torch.multinomial(filter_probs(torch.softmax(row / p.temperature, dim=-1), p), 1, generator=gen))
+            for row, p, gen in zip(rows, params, generators)]
+
+
+def time_draws(batch: int, vocab: int, draw: dict, device: str, min_s: float):
+    """Mean seconds of one step's draw with ``draw``'s parameters, per-row and batched."""
+    logits = torch.randn(batch, vocab, device=device)
+    params = [SamplingParams(**draw, seed=i if i % 2 else None) for i in range(batch)]
+    cpu_gens = [make_generator(p.seed) for p in params]
+    device_gens = [make_generator(p.seed, device) if p.seed is not None else None for p in params]
+    steps = {"per-row": lambda: per_row_draw(logits, params, cpu_gens),
+             "batched": lambda: pick_tokens(logits.clone(), params, device_gens, [None] * batch)}
+    return [time_call(steps[name], logits.is_cuda, min_s) for name in ("per-row", "batched")]
+
+
+def time_call(fn: Callable, cuda: bool, min_s: float) -> float:
+    """Mean seconds of ``fn()`` (synchronised), over at least ``min_s`` and 3 calls, after a warm-up."""
+    def one() -> None:
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+
+    one()
+    n, start = 0, time.perf_counter()
+    while n < 3 or time.perf_counter() - start < min_s:
+        one()
+        n += 1
+    return (time.perf_counter() - start) / n
 
 
 def time_step(step: Callable, reqs: List[Req], logits: torch.Tensor, min_s: float) -> float:
@@ -98,8 +144,24 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 32, 256])
     parser.add_argument("--vocabs", type=int, nargs="+", default=[32000, 152000])
     parser.add_argument("--min-s", type=float, default=0.15, help="time each cell for at least this long")
+    parser.add_argument("--tables", nargs="+", choices=("adjust", "draw"), default=["adjust", "draw"])
     args = parser.parse_args()
     torch.manual_seed(0)
+    if "adjust" in args.tables:
+        adjust_table(args)
+    if "draw" in args.tables:
+        print("\n| vocab | batch | params | per-row draw ms/step | batched draw ms/step | speed-up |")
+        print("|---:|---:|---|---:|---:|---:|")
+        for vocab in args.vocabs:
+            for batch in args.batches:
+                for name, draw in DRAWS.items():
+                    per_row, batched = time_draws(batch, vocab, draw, args.device, args.min_s)
+                    print(f"| {vocab:,} | {batch} | {name} | {per_row * 1e3:,.2f} | {batched * 1e3:,.2f} | "
+                          f"{per_row / batched:,.1f}× |", flush=True)
+
+
+def adjust_table(args) -> None:
+    """The adjustments' table: dense and sparse per mode (every row greedy)."""
     print("| vocab | batch | mode | dense ms/step | sparse ms/step | speed-up |")
     print("|---:|---:|---|---:|---:|---:|")
     for vocab in args.vocabs:
@@ -113,7 +175,6 @@ def main() -> None:
                 dense, sparse = times
                 print(f"| {vocab:,} | {batch} | {mode} | {dense * 1e3:,.2f} | {sparse * 1e3:,.2f} | "
                       f"{dense / sparse:,.1f}× |", flush=True)
-
 
 if __name__ == "__main__":
     main()

@@ -11,11 +11,13 @@ from actors.engine.sampling import exponential_race, filter_probs, filter_sorted
 from actors.engine.sampling_params import SamplingParams
 
 
-def _filter_batch(probs, params):
-    """:func:`filter_sorted_probs` with ``params``' per-row tensors, as :func:`sample_rows` builds them."""
+def _filter_batch(probs, params, partial=False):
+    """:func:`filter_sorted_probs` with ``params``' per-row tensors, as :func:`sample_rows` builds
+    them; ``partial``: only the largest top-k of the batch sorted."""
     vocab = probs.shape[-1]
-    return filter_sorted_probs(probs, torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params]),
-                               torch.tensor([p.top_p for p in params]), torch.tensor([p.min_p for p in params]))
+    top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+    return filter_sorted_probs(probs, torch.tensor(top_k), torch.tensor([p.top_p for p in params]),
+                               torch.tensor([p.min_p for p in params]), max(top_k) if partial else None)
 
 
 row_params = st.builds(lambda k, p, m: SamplingParams(top_k=k, top_p=p, min_p=m),
@@ -24,13 +26,15 @@ row_params = st.builds(lambda k, p, m: SamplingParams(top_k=k, top_p=p, min_p=m)
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(row_params, min_size=1, max_size=6), st.integers(1, 24), st.integers(0, 2 ** 31), st.floats(0.1, 6))
-def test_batched_filters_equal_the_per_row_definition(params, vocab, seed, scale):
+@given(st.lists(row_params, min_size=1, max_size=6), st.integers(1, 24), st.integers(0, 2 ** 31), st.floats(0.1, 6),
+       st.booleans())
+def test_batched_filters_equal_the_per_row_definition(params, vocab, seed, scale, partial):
     """Rows with different top-k (ties impossible here: continuous logits), top-p and min-p in
-    one batch keep exactly the tokens filter_probs keeps row by row, with the same weights."""
+    one batch keep exactly the tokens filter_probs keeps row by row, with the same weights —
+    whole rows sorted, or (``partial``) only the batch's largest top-k."""
     logits = torch.randn(len(params), vocab, generator=torch.Generator().manual_seed(seed)) * scale
     probs = torch.softmax(logits, dim=-1)
-    got = _filter_batch(probs.clone(), params)
+    got = _filter_batch(probs.clone(), params, partial)
     for row, p in enumerate(params):
         want = filter_probs(probs[row], p)
         assert torch.equal(got[row] > 0, want > 0), (row, p)
@@ -39,8 +43,9 @@ def test_batched_filters_equal_the_per_row_definition(params, vocab, seed, scale
 
 def test_batched_top_k_keeps_exactly_k_tokens_even_when_probabilities_tie():
     probs = torch.tensor([[0.4, 0.2, 0.2, 0.2], [0.25, 0.25, 0.25, 0.25]])
-    kept = _filter_batch(probs, [SamplingParams(top_k=2), SamplingParams(top_k=3)])
-    assert (kept > 0).sum(-1).tolist() == [2, 3] and kept[0, 0] == 0.4
+    for partial in (False, True):
+        kept = _filter_batch(probs.clone(), [SamplingParams(top_k=2), SamplingParams(top_k=3)], partial)
+        assert (kept > 0).sum(-1).tolist() == [2, 3] and kept[0, 0] == 0.4
 
 
 MIXED = [SamplingParams(temperature=0.7, top_k=3), SamplingParams(temperature=1.0, top_p=0.8),
@@ -113,9 +118,9 @@ def test_a_requests_generator_is_made_from_its_seed_on_the_device_it_samples_on(
 
 
 def test_a_zero_from_the_exponential_never_picks_a_filtered_out_token(monkeypatch):
-    """q = 0 (an Exp(1) draw can round to 0) made 0 / 0 = NaN, which wins torch's argmax: a token
-    the filters removed was picked."""
-    monkeypatch.setattr(torch.Tensor, "exponential_", lambda self, *args, **kwargs: self.zero_())
+    """q = 0 (an Exp(1) draw, -log(u), can round to 0) made 0 / 0 = NaN, which wins torch's
+    argmax: a token the filters removed was picked."""
+    monkeypatch.setattr(torch.Tensor, "uniform_", lambda self, *args, **kwargs: self.fill_(1.0))
     probs = torch.tensor([[0.0, 0.5, 0.5, 0.0], [0.0, 0.0, 0.0, 1.0]])
     tokens = exponential_race(probs, [None, make_generator(0)]).tolist()
     assert tokens[0] in (1, 2) and tokens[1] == 3

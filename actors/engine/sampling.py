@@ -107,16 +107,19 @@ def make_generator(seed: Optional[int], device="cpu") -> torch.Generator:
 def exponential_race(probs: torch.Tensor, generators: Sequence[Optional[torch.Generator]]) -> torch.Tensor:
     """One token per row of ``probs`` ``[n, vocab]`` (non-negative, not necessarily normalised;
     divided in place), drawn with probability ``probs[i] / sum(probs)``: the argmax of
-    ``probs / q``, ``q ~ Exp(1)``. Row ``r``'s ``q`` comes from ``generators[r]`` (on the
-    probabilities' device) when it has one, else from the device's default generator. A zero
-    of ``q`` is raised to the smallest normal float: ``0 / 0`` (NaN) would win the argmax."""
-    q = torch.empty_like(probs)
+    ``probs / q``, ``q ~ Exp(1)`` (as ``-log(u)``, ``u`` uniform: the same law as
+    ``exponential_``, three times cheaper on a CPU). Row ``r``'s ``u`` comes from
+    ``generators[r]`` (on the probabilities' device) when it has one, else from the device's
+    default generator. A zero of ``q`` is raised to the smallest normal float: ``0 / 0`` (NaN)
+    would win the argmax."""
+    u = torch.empty_like(probs)
     seeded = [row for row, gen in enumerate(generators) if gen is not None]
     if len(seeded) < len(generators):
-        q.exponential_()
+        u.uniform_()
     for row in seeded:
-        q[row].exponential_(generator=generators[row])
-    return probs.div_(q.clamp_min_(torch.finfo(q.dtype).tiny)).argmax(dim=-1)
+        u[row].uniform_(generator=generators[row])
+    q = u.log_().neg_().clamp_min_(torch.finfo(u.dtype).tiny)
+    return probs.div_(q).argmax(dim=-1)
 
 
 def draw_token(logits: torch.Tensor, params: SamplingParams, generator: Optional[torch.Generator]) -> int:
@@ -173,15 +176,19 @@ class Pick(NamedTuple):
 
 
 def filter_sorted_probs(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                        min_p: torch.Tensor) -> torch.Tensor:
+                        min_p: torch.Tensor, max_top_k: Optional[int] = None) -> torch.Tensor:
     """:func:`filter_probs` for every row of ``probs`` ``[n, vocab]`` at once, not renormalised
     (the draw needs no normalising): with one descending sort, row ``r`` keeps its first
     ``top_k[r]`` tokens (exactly that many, ties or not), then the smallest prefix whose
     cumulative probability reaches ``top_p[r]`` of what is kept (at least one token), then
     those at least ``min_p[r]`` times its most likely one. ``top_k`` int64 (``vocab``: all),
-    ``top_p`` and ``min_p`` float32 (1 and 0: off), on the probabilities' device."""
-    ordered, order = torch.sort(probs, dim=-1, descending=True)
-    position = torch.arange(probs.shape[-1], device=probs.device)
+    ``top_p`` and ``min_p`` float32 (1 and 0: off), on the probabilities' device.
+    ``max_top_k``: no row's ``top_k`` is larger, so only that many are sorted (``topk``)."""
+    if max_top_k is not None and max_top_k < probs.shape[-1]:
+        ordered, order = torch.topk(probs, max_top_k, dim=-1)
+    else:
+        ordered, order = torch.sort(probs, dim=-1, descending=True)
+    position = torch.arange(ordered.shape[-1], device=probs.device)
     ordered.masked_fill_(position >= top_k[:, None], 0.0)
     cumulative = torch.cumsum(ordered, dim=-1)
     ordered.masked_fill_((cumulative - ordered > top_p[:, None] * cumulative[:, -1:]) & (top_p[:, None] < 1.0), 0.0)
@@ -197,10 +204,11 @@ def sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams],
     temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
     probs = torch.softmax(logits.div_(temperature[:, None]), dim=-1)
     if any(0 < p.top_k < vocab or p.top_p < 1.0 for p in params):
+        top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
         probs = filter_sorted_probs(
-            probs, torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=device),
+            probs, torch.tensor(top_k, device=device),
             torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
-            torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device))
+            torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device), max(top_k))
     elif any(p.min_p > 0.0 for p in params):  # no sort needed: relative to each row's max
         min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device)
         probs.masked_fill_(probs < min_p[:, None] * probs.amax(dim=-1, keepdim=True), 0.0)
