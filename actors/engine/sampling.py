@@ -237,9 +237,15 @@ def pick_tokens(logits: torch.Tensor, params: Sequence[SamplingParams],
     ``generators`` the seeded rows' (on the logits' device; None: the default one). ``logits``
     are the step's own: float32 ones are adjusted in place
     (:func:`~actors.engine.sparse_logits.adjust_logits`), once the logprob rows' raw values are
-    copied out. Everything runs on the logits' device — one argmax for the greedy rows, one
+    copied out, and, when every row is sampled, divided by the temperatures in place too. Everything runs on the logits' device — one argmax for the greedy rows, one
     :func:`sample_rows` for the others —; the tokens (and the logprobs asked for) are all
     that is copied to the host."""
+    with torch.inference_mode():  # (a forward's logits are inference tensors: written in place only so)
+        return _pick_tokens(logits, params, generators, states)
+
+
+def _pick_tokens(logits: torch.Tensor, params: Sequence[SamplingParams],
+                 generators: Sequence[Optional[torch.Generator]], states: Sequence[Optional[LogitState]]) -> List[Pick]:
     device = logits.device
     with_logprobs = [i for i, p in enumerate(params) if p.return_logprob]
     raw = None if not with_logprobs else logits[torch.tensor(with_logprobs, device=device)].float()
@@ -248,8 +254,8 @@ def pick_tokens(logits: torch.Tensor, params: Sequence[SamplingParams],
     tokens = torch.argmax(adjusted, dim=-1)
     if sampled:
         index = torch.tensor(sampled, device=device)
-        tokens[index] = sample_rows(adjusted[index].float(), [params[i] for i in sampled],
-                                    [generators[i] for i in sampled])
+        rows = adjusted if len(sampled) == len(params) and adjusted.dtype == torch.float32 else adjusted[index].float()
+        tokens[index] = sample_rows(rows, [params[i] for i in sampled], [generators[i] for i in sampled])
     picks = [Pick(token) for token in tokens.tolist()]
     if with_logprobs:
         chosen = tokens[torch.tensor(with_logprobs, device=device)]
