@@ -237,9 +237,10 @@ def pick_tokens(logits: torch.Tensor, params: Sequence[SamplingParams],
     ``generators`` the seeded rows' (on the logits' device; None: the default one). ``logits``
     are the step's own: float32 ones are adjusted in place
     (:func:`~actors.engine.sparse_logits.adjust_logits`), once the logprob rows' raw values are
-    copied out, and, when every row is sampled, divided by the temperatures in place too. Everything runs on the logits' device — one argmax for the greedy rows, one
-    :func:`sample_rows` for the others —; the tokens (and the logprobs asked for) are all
-    that is copied to the host."""
+    copied out, and, when every row is sampled, divided by the temperatures in place too.
+    Everything runs on the logits' device — one argmax for the greedy rows, one
+    :func:`sample_rows` for the others —; the tokens (and the logprobs asked for) are all that
+    is copied to the host."""
     with torch.inference_mode():  # (a forward's logits are inference tensors: written in place only so)
         return _pick_tokens(logits, params, generators, states)
 
