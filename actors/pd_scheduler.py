@@ -221,13 +221,16 @@ class DecodeScheduler(Scheduler):
     def _fits(self, req: Req, prefix_len: int, prompt_len: int) -> bool:
         """Room for the uncached prompt plus the request's decode reserve, after what the
         running and transferring requests will still need. A sliding-window model needs
-        SWA slots only for the part of the prompt in its last window."""
+        SWA slots only for the part of the prompt in its last window. Paged, the prompt's
+        slots are whole pages, as the allocator takes them."""
         reserve = min(self.num_reserved_decode_tokens, req.sampling_params.max_new_tokens)
         full, swa = self._prefill_room()
-        if prompt_len - prefix_len + reserve + self.page_size > full:
+        if self._paged_after(prefix_len, prompt_len - prefix_len) + reserve + self.page_size > full:
             return False
-        window = prompt_len - self._swa_split(prefix_len, prompt_len) if self.swa else 0
-        return swa is None or window + self._swa_reserve(reserve) + self.page_size <= swa
+        if swa is None:
+            return True
+        split = self._swa_split(prefix_len, prompt_len)
+        return self._paged_after(split, prompt_len - split) + self._swa_reserve(reserve) + self.page_size <= swa
 
     def _swa_split(self, prefix_len: int, prompt_len: int) -> int:
         """Where the uncached prompt's last window begins: the tokens before it are out of

@@ -223,3 +223,35 @@ def test_gemma3_final_soft_cap_runs_in_the_model_dtype(model_dir, monkeypatch):
     assert got.dtype == torch.float32 and want.dtype == torch.bfloat16
     assert torch.equal(got, want.float())
     assert not torch.equal(got, fp32_capped)  # (the two orders differ on these logits)
+
+
+@pytest.mark.parametrize("page_size, lens, max_new_tokens, pools", [
+    (4, (5,) * 10, 1, (256, 64)),  # a 5-token prompt takes 8 SWA slots: two pages, not 5 tokens and a slack page
+    (32, (5, 9, 13, 3, 7, 11, 6, 10), 40, (1024, 256)),  # the 16-token window holds 32-slot pages: 64 at decode
+])
+def test_gemma3_paged_admission_plans_only_what_allocates(model_dir, monkeypatch, page_size, lens, max_new_tokens,
+                                                          pools):
+    """Paged, a request's SWA KV is whole pages: its prompt's (rounded up) and at decode a window
+    from ``window_start``, ``ceil(window / page)`` pages, plus the newest token's page. The
+    admission estimate counts them so, with the decode reserve taken whole (ratio 1): every
+    planned prefill batch allocates as planned and no decode step retracts."""
+    import actors.engine.schedule_policy as schedule_policy
+
+    rng = random.Random(6)
+    prompts = [[rng.randrange(5, 261) for _ in range(n)] for n in lens]
+    size, size_swa = pools
+    engine = make_engine(model_dir, page_size=page_size, max_total_tokens=size, swa_full_tokens_ratio=size_swa / size,
+                         init_new_token_ratio=1.0, min_new_token_ratio=1.0)
+    assert engine.runner.allocator.size_swa == size_swa
+    sched, planned, prepare = engine.scheduler, [], schedule_policy.prepare_for_extend
+
+    def recording_prepare(reqs, *args):
+        out = prepare(reqs, *args)
+        planned.append((len(reqs), out is not None))
+        return out
+
+    monkeypatch.setattr(schedule_policy, "prepare_for_extend", recording_prepare)
+    run_and_check(engine, model_dir, prompts, max_new_tokens)
+    assert all(ok for _, ok in planned) and len(planned) > 1, planned  # the pool held back some of them
+    assert sched.num_retractions == 0
+    engine.shutdown()

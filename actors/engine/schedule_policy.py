@@ -196,9 +196,20 @@ class PrefillAdmissionMixin:
         return full - reserve, swa - self._swa_reserve(reserve, len(self._decoding_reqs()))
 
     def _swa_reserve(self, reserve: int, num_reqs: int = 1) -> int:
-        """SWA slots of ``reserve`` decode tokens of ``num_reqs`` requests: past its window
-        each new token of a request frees one."""
-        return min(reserve, self.tree_cache.sliding_window_size * num_reqs) if self.swa else reserve
+        """SWA slots of ``reserve`` decode tokens of ``num_reqs`` requests, in whole pages: a
+        decoding request holds at most :meth:`_swa_window_slots` and the newest token's page,
+        and it holds a page already, so it takes at most a window's slots more; past that each
+        new page of a request frees one."""
+        if not self.swa:
+            return reserve
+        ps = self.page_size
+        return min(-(-reserve // ps) * ps, self._swa_window_slots() * num_reqs)
+
+    def _swa_window_slots(self) -> int:
+        """SWA slots of a decoding request's window before its newest token's page: paged,
+        ``window_start`` floors to a page, so ``ceil(window / page)`` whole pages."""
+        ps = self.page_size
+        return -(-self.tree_cache.sliding_window_size // ps) * ps
 
     def _request_reserve(self, req: Req) -> int:
         """Slots a newly admitted request is expected to need for its future decode tokens."""
@@ -282,7 +293,7 @@ class PrefillAdmissionMixin:
                 # near 1 after a retraction, its page-rounded prompt and reserve could exceed an empty pool)
                 reserve = max(0, min(reserve, rem_total - self._paged(req, extend) - self.page_size))
             chunk = extend if rem_chunk is None else min(extend, rem_chunk // self.page_size * self.page_size)
-            swa_need = chunk + self._swa_reserve(reserve) + self.page_size
+            swa_need = self._paged(req, chunk) + self._swa_reserve(reserve) + self.page_size
             fits = not (self._paged(req, extend) + reserve + self.page_size > rem_total
                         or (rem_swa is not None and swa_need > rem_swa) or (picked and extend > rem_input))
             if chunk < extend and chunk <= 0:

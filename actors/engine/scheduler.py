@@ -120,11 +120,12 @@ class Scheduler(PrefillAdmissionMixin, DecodeRetractionMixin):
         and two windows (a chunked request's lock holds the SWA KV of the tree nodes
         covering its last window — whole nodes, up to a chunk and a window — and the next
         chunk comes on top, with up to a window of decode reserve); otherwise the whole
-        prompt (a retracted request's too) must fit it besides a window."""
+        prompt (a retracted request's too) must fit it besides a window. Paged, a window
+        is whole pages (``_swa_window_slots``)."""
         alloc, page = self.runner.allocator, self.page_size
         if not self.swa:
             return self.total_tokens() - page
-        window, chunk = self.tree_cache.sliding_window_size, self.chunked_prefill_size
+        window, chunk = self._swa_window_slots(), self.chunked_prefill_size
         if chunk is not None and 2 * (chunk + window) + page <= alloc.size_swa:
             return alloc.size - page
         return min(alloc.size, alloc.size_swa - window) - page
