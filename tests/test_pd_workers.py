@@ -254,6 +254,23 @@ def test_gemma3_prompt_longer_than_the_decode_swa_pool(checkpoints):
     close(prefill, decode)
 
 
+def test_gemma3_paged_decode_reservations_fit_in_whole_pages(checkpoints):
+    """Page size 32, the 16-token window: a decoding request holds a window of 32 SWA slots
+    and its newest token's page, 64 in all. The reservations are counted so (the prompt's
+    window in pages, the decode reserve up to a window's pages): of 6 requests, those that fit
+    are taken and decode past the page boundary without a retraction, with HF's tokens."""
+    path = checkpoints["gemma3"]
+    prefill, decode = make_pair(path, page_size=32, decode_args={"max_total_tokens": 1024,
+                                                                 "swa_full_tokens_ratio": 0.25})
+    assert decode.runner.allocator.size_swa == 256
+    batch = prompts(6, 5, 13, seed=29)
+    params = {"max_new_tokens": 32, "temperature": 0, "ignore_eos": True}
+    outputs = [r[0]["output_ids"] for r in run_batch(prefill, decode, batch, params)]
+    assert_greedy_parity(path, batch, outputs, 32)
+    assert decode.scheduler.num_retractions == 0
+    close(prefill, decode)
+
+
 def test_a_window_without_swa_kv_is_not_pushed(checkpoints):
     """SWA slot 0 is the padding row: a source window with a gap fails the push, never sends it."""
     path = checkpoints["gemma3"]
