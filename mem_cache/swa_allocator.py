@@ -119,18 +119,33 @@ class SWATokenToKVPoolAllocator:
         return (pages[:, None] * self.page_size + offsets).reshape(-1)
 
     def free_swa(self, full_index: torch.Tensor) -> None:
-        """Release the SWA slots of ``full_index`` (whole pages when paged)."""
+        """Release the SWA slots of ``full_index`` (tokens out of every window), keeping their
+        full KV. Paged, ``full_index`` must be whole pages, each slot once: an SWA page is
+        freed whole, so a partial one would free the SWA KV of its other, live tokens
+        (ValueError, nothing freed)."""
         if full_index.numel() == 0:
             return
+        if self.page_size > 1:
+            pages, counts = torch.unique(full_index.to(torch.int64) // self.page_size, return_counts=True)
+            partial = pages[counts != self.page_size]
+            if partial.numel():
+                raise ValueError(f"free_swa takes whole pages (page_size={self.page_size}); "
+                                 f"given in part: page(s) {partial[:4].tolist()}")
+        self._release_swa(full_index)
+
+    def _release_swa(self, full_index: torch.Tensor) -> None:
+        """Free the SWA pages of the slots ``full_index`` names and clear their mapping."""
         full_index = self._expand_to_pages(full_index)
         swa = self.full_to_swa_index_mapping[full_index]
         self.swa_attn_allocator.free(swa[swa > 0])
         self.full_to_swa_index_mapping[full_index] = 0
 
     def free(self, full_index: torch.Tensor) -> None:
+        """Release both halves of the pages ``full_index`` names (part of a page, e.g. a
+        request's unaligned tail, frees the page: a full page is freed whole too)."""
         if full_index.numel() == 0:
             return
-        self.free_swa(full_index)
+        self._release_swa(full_index)
         self.full_attn_allocator.free(full_index)
 
     def free_group_begin(self) -> None:

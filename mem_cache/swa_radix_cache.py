@@ -182,7 +182,7 @@ class SWARadixCache(RadixCache):
           through the mapping; the caller's full slots are freed.
 
         Paged: ``key`` and ``prev_prefix_len`` are whole pages; ``swa_evicted_seqlen``
-        counts up to a whole page (``free_swa`` frees the page of any slot it names).
+        counts up to a whole page (the caller freed the SWA of whole pages: ``free_swa`` takes no part of one).
         """
         ps = self.page_size
         if len(key) % ps or prev_prefix_len % ps:

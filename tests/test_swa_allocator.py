@@ -46,10 +46,25 @@ def test_paged_swa_extend_decode_and_page_granular_free_swa():
     nxt = a.alloc_decode(t(7), t(9))  # position 6 continues the page
     assert nxt.tolist() == [10]
     assert a.translate_loc_from_full_to_swa(nxt).tolist() == [10]
-    a.free_swa(full[:1])  # frees the whole first SWA page
+    a.free_swa(full[:4])  # the first page slid out of the window: its SWA page is freed
     assert a.translate_loc_from_full_to_swa(full).tolist() == [0, 0, 0, 0, 8, 9]
     assert a.swa_available_size() == 12
     a.check_integrity(torch.cat([full, nxt]))
+
+
+def test_paged_free_swa_refuses_part_of_a_page():
+    """An SWA page is freed whole: given part of one, free_swa would free its other, live
+    tokens' SWA KV. It raises and frees nothing; ``free`` (a request's unaligned tail) may."""
+    a = SWATokenToKVPoolAllocator(size=32, size_swa=16, page_size=4)
+    full = a.alloc_extend(t(0), t(7), t(-1), 7)  # pages [4, 8) and [8, 11)
+    swa = a.translate_loc_from_full_to_swa(full).tolist()
+    for part in (full[:1], full[1:4], full[:6], torch.cat([full[:4], full[:1]])):
+        with pytest.raises(ValueError, match=r"whole pages \(page_size=4\).*page\(s\) \[[12]\]"):
+            a.free_swa(part)
+        assert a.translate_loc_from_full_to_swa(full).tolist() == swa and a.swa_available_size() == 8
+    a.free(full[4:])  # the tail page's three tokens: both halves of the page go
+    assert (a.full_available_size(), a.swa_available_size()) == (28, 12)
+    a.check_integrity(full[:4])
 
 
 def test_restore_state_forgets_mappings_of_rolled_back_slots():

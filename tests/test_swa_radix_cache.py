@@ -464,11 +464,11 @@ class SWAMachine(RuleBasedStateMachine):
         cached = self._check_match(tokens, extra).device_indices
         tokens = tokens[: len(tokens) - len(tokens) % ps]
         prev = data.draw(st.integers(0, len(cached) // ps)) * ps
-        evicted = data.draw(st.integers(0, len(tokens)))  # paged: free_swa takes the page of a partial one
+        evicted = data.draw(st.integers(0, len(tokens)))  # paged: the caller frees a partial page's SWA whole
         new = self.alloc.alloc(len(tokens) - prev)
         if new is None:
             return
-        self.alloc.free_swa(new[: max(0, evicted - prev)])
+        self.alloc.free_swa(new[: max(0, -(-evicted // ps) * ps - prev)])
         value = torch.cat([cached[:prev], new])
         expected = self.oracle.insert(tokens, extra, value.tolist(), prev, evicted)
         assert self.cache.insert(RadixKey(tokens, extra), value, prev, evicted) == expected
