@@ -227,7 +227,7 @@ def test_gemma3_final_soft_cap_runs_in_the_model_dtype(model_dir, monkeypatch):
 
 @pytest.mark.parametrize("page_size, lens, max_new_tokens, pools", [
     (4, (5,) * 10, 1, (256, 64)),  # a 5-token prompt takes 8 SWA slots: two pages, not 5 tokens and a slack page
-    (32, (5, 9, 13, 3, 7, 11, 6, 10), 40, (1024, 256)),  # the 16-token window holds 32-slot pages: 64 at decode
+    (32, (5, 9, 13, 3, 7, 11), 32, (1024, 256)),  # the 16-token window in 32-slot pages: 64 slots at decode
 ])
 def test_gemma3_paged_admission_plans_only_what_allocates(model_dir, monkeypatch, page_size, lens, max_new_tokens,
                                                           pools):
