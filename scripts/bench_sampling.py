@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from actors.engine.req import Req  # noqa: E402
 from actors.engine.sampling import (filter_probs, logit_adjustments, make_generator, pick_tokens,  # noqa: E402
-                                    plain_greedy_tokens, sample_next)
+                                    sample_next)
 from actors.engine.sampling_params import SamplingParams  # noqa: E402
 from actors.engine.scheduler import Scheduler  # noqa: E402
 
@@ -74,7 +74,9 @@ def dense_step(reqs: List[Req], logits: torch.Tensor) -> List[int]:
     params = [r.sampling_params for r in reqs]
     masked = [p.masked_token_ids(len(r.output_ids), r.eos_token_ids) for p, r in zip(params, reqs)]
     adjust = logit_adjustments(params, masked, logits.shape[-1], logits.device)
-    greedy = plain_greedy_tokens(logits, params, adjust)
+    rows = [i for i, p in enumerate(params) if p.is_greedy and not p.has_penalties and not p.return_logprob]
+    plain = logits if adjust is None else logits.float() + adjust  # (one argmax for the plain greedy rows)
+    greedy = dict(zip(rows, torch.argmax(plain[torch.tensor(rows, dtype=torch.int64)], dim=-1).tolist())) if rows else {}
     return [greedy[i] if i in greedy else sample_next(logits[i], r.sampling_params, r.origin_input_ids, r.output_ids,
                                                       r.generator, None if adjust is None else adjust[i])[0]
             for i, r in enumerate(reqs)]

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 import torch
 
-from actors.engine.sampling import apply_penalties, filter_probs, make_generator, plain_greedy_tokens, sample_next
+from actors.engine.sampling import apply_penalties, filter_probs, make_generator, sample_next
 from actors.engine.sampling_params import SamplingParams
 
 
@@ -48,22 +48,6 @@ def test_seed_makes_sampling_reproducible():
                                    make_generator(None))
     assert greedy == int(logits.argmax()) and math.isclose(float(logprobs.exp().sum()), 1.0, rel_tol=1e-5)
     assert sample_next(logits, SamplingParams(temperature=0), [], [], make_generator(None))[1] is None
-
-
-def test_plain_greedy_rows_take_one_batched_argmax_and_the_rest_are_left_to_sample_next():
-    """Rows needing only an argmax (greedy, no penalty, no logprobs) are picked together;
-    a penalised, logprob-asking or sampled row is not, and each picked token equals what
-    sample_next gives for that row."""
-    logits = torch.randn(5, 300, generator=torch.Generator().manual_seed(3))
-    params = [SamplingParams(temperature=0), SamplingParams(temperature=0, repetition_penalty=1.3),
-              SamplingParams(top_k=1), SamplingParams(temperature=0, return_logprob=True),
-              SamplingParams(temperature=0.8, seed=1)]
-    picked = plain_greedy_tokens(logits, params)
-    assert sorted(picked) == [0, 2]
-    for row, token in picked.items():
-        assert token == sample_next(logits[row], params[row], [1, 2], [3], make_generator(None))[0]
-    assert plain_greedy_tokens(logits[:1], params[:1]) == {0: int(logits[0].argmax())}
-    assert plain_greedy_tokens(logits[4:], params[4:]) == {}
 
 
 def test_bad_sampling_params_name_the_field():
@@ -265,9 +249,8 @@ def test_logit_adjustments_equal_a_per_row_reference_and_greedy_takes_the_biased
     reference = torch.stack([_biased_and_masked(logits[i], p, m) for i, (p, m) in enumerate(zip(params, masked))])
     assert torch.equal(logits + adjust, reference)
     # row 2: its stop token and EOS are masked although token 4 got +100: the argmax is another one
-    greedy = plain_greedy_tokens(logits, params, adjust)
-    assert greedy == {0: 7, 1: int(logits[1].argmax()), 2: int(reference[2].argmax())}
-    assert greedy[2] not in (2, 4)
+    greedy = {row: int(reference[row].argmax()) for row in range(3)}
+    assert greedy[0] == 7 and greedy[1] == int(logits[1].argmax()) and greedy[2] not in (2, 4)
     for row in range(len(params)):
         token, logprobs = sample_next(logits[row], params[row], [1], [1], make_generator(params[row].seed), adjust[row])
         assert token == {0: 7, 1: greedy[1], 2: greedy[2], 3: 11, 4: 13}[row]

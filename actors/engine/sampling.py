@@ -31,7 +31,7 @@ logprob.
 
 from __future__ import annotations
 
-from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -145,25 +145,6 @@ def sample_next(
         logits = logits + adjust
     logits = apply_penalties(logits, params, prompt_ids, output_ids)
     return draw_token(logits, params, generator), logprobs
-
-
-def plain_greedy_tokens(logits: torch.Tensor, params: Sequence[SamplingParams],
-                        adjust: Optional[torch.Tensor] = None, penalised: bool = False) -> Dict[int, int]:
-    """``{row: token}`` for the rows of a batch's logits ``[bs, vocab]`` that need nothing but
-    an argmax (greedy, no penalties, no logprobs) of the logits plus ``adjust`` (the batch's
-    :func:`logit_adjustments`, on the logits' device): one argmax over those rows on the
-    logits' device and one transfer of their tokens, not a row at a time through host
-    memory. ``penalised``: the logits are already adjusted and penalised
-    (:func:`~actors.engine.sparse_logits.adjust_logits`), so greedy rows with penalties are
-    taken too. The other rows are :func:`sample_next`'s."""
-    rows = [i for i, p in enumerate(params)
-            if p.is_greedy and (penalised or not p.has_penalties) and not p.return_logprob]
-    if not rows:
-        return {}
-    if adjust is not None:
-        logits = logits.float() + adjust
-    picked = logits if len(rows) == len(params) else logits[torch.tensor(rows, device=logits.device)]
-    return dict(zip(rows, torch.argmax(picked, dim=-1).tolist()))
 
 
 class Pick(NamedTuple):
