@@ -194,6 +194,8 @@ def test_gemma3_rejects_what_the_swa_cache_cannot_serve(model_dir):
         make_engine(model_dir, disable_radix_cache=True)
     with pytest.raises(pydantic.ValidationError, match="swa_full_tokens_ratio"):
         make_engine(model_dir, swa_full_tokens_ratio=0.0)
+    with pytest.raises(ValueError, match="24 SWA slots for a window of 16, page_size 8.* cannot hold a single request"):
+        make_engine(model_dir, max_total_tokens=96, swa_full_tokens_ratio=0.25, page_size=8)  # (it served nothing)
 
 
 def test_gemma3_final_soft_cap_runs_in_the_model_dtype(model_dir, monkeypatch):

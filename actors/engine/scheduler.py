@@ -99,6 +99,11 @@ class Scheduler(PrefillAdmissionMixin, DecodeRetractionMixin):
         chunk = cfg.chunked_prefill_size if cfg.chunked_prefill_size is not None else 2048
         self.chunked_prefill_size = None if chunk <= 0 else max(self.page_size, chunk // self.page_size * self.page_size)
         self.context_len = min(runner.context_len, self._max_request_len())
+        if self.context_len < 2:  # not even a one-token prompt and one output token: refused at start
+            pools = f"{runner.allocator.size} KV slots" + (
+                f", {runner.allocator.size_swa} SWA slots for a window of {self._swa_window_slots()}" if self.swa else "")
+            raise ValueError(f"the KV pools ({pools}, page_size {self.page_size}) cannot hold a single request: "
+                             "raise max_total_tokens (or swa_full_tokens_ratio) or lower page_size")
         if self.context_len < runner.context_len:
             logger.warning("requests are held to %d tokens (prompt + output), what the KV pool holds for one "
                            "request; the model's context is %d", self.context_len, runner.context_len)
