@@ -298,6 +298,20 @@ def break_loads(controller, times=None):
     return lambda: setattr(host, "load_to_device_per_layer", load_layer)
 
 
+def finish_after_requeue(engine, model_dir, rng, system, batch, outs):
+    """After a failed load's step: the engine checks clean; the next request with the prefix
+    (evicted to the host first) loads it again; every output equals HF's; nothing leaks."""
+    tree = engine.scheduler.tree_cache
+    engine.check_integrity()
+    engine.loop.run_exclusive(lambda: tree.evict(256))
+    last = system + tokens(rng, 3)
+    outs.append(engine.generate(input_ids=last, sampling_params=GREEDY))
+    assert outs[-1]["meta_info"]["cached_tokens"] >= 96
+    assert_greedy_parity(model_dir, batch + [last], [o["output_ids"] for o in outs], 8, [])
+    engine.flush_cache()
+    engine.check_integrity()
+
+
 @pytest.mark.parametrize("overlap", [True, False])
 def test_a_failed_load_requeues_only_the_request_that_read_it(model_dir, overlap):
     """The host → device copy of a request's prefix fails, and so does the copy again, while
@@ -320,14 +334,7 @@ def test_a_failed_load_requeues_only_the_request_that_read_it(model_dir, overlap
         outs = generate_in_one_batch(engine, [follow, other])
         restore()
         assert requeues == ([([follow, other], [follow], 0)] if overlap else [])
-        engine.check_integrity()
-        engine.loop.run_exclusive(lambda: tree.evict(256))
-        last = system + tokens(rng, 3)
-        outs.append(engine.generate(input_ids=last, sampling_params=GREEDY))
-        assert outs[-1]["meta_info"]["cached_tokens"] >= 96
-        assert_greedy_parity(model_dir, [follow, other, last], [o["output_ids"] for o in outs], 8, [])
-        engine.flush_cache()
-        engine.check_integrity()
+        finish_after_requeue(engine, model_dir, rng, system, [follow, other], outs)
     finally:
         engine.shutdown()
 
@@ -360,14 +367,7 @@ def test_a_load_failing_on_one_tp_rank_requeues_the_request_and_the_group_goes_o
         outs = generate_in_one_batch(engine, [follow, other])
         restore()
         assert requeues == [([follow, other], [follow], 96 if times == 1 else 0)]  # lost on either rank: off the device
-        engine.check_integrity()
-        engine.loop.run_exclusive(lambda: tree.evict(256))
-        last = system + tokens(rng, 3)
-        outs.append(engine.generate(input_ids=last, sampling_params=GREEDY))
-        assert outs[-1]["meta_info"]["cached_tokens"] >= 96
-        assert_greedy_parity(model_dir, [follow, other, last], [o["output_ids"] for o in outs], 8, [])
-        engine.flush_cache()
-        engine.check_integrity()
+        finish_after_requeue(engine, model_dir, rng, system, [follow, other], outs)
         if rank:  # a failure rank 0 was not told of is a leak too
             failing._load_errors.append("OSError: injected")
             with pytest.raises(RuntimeError, match="TP rank 1: host-tier .* failures unreported"):
