@@ -30,10 +30,11 @@ which holds the request from then until it ends (two actor calls, milliseconds; 
 at a decode actor at its ``max_concurrency`` queue its ``load()`` too, and a heartbeat not
 answered tells nothing).
 A worker that names no ids (the tests' fakes) or misses a round keeps its routes; ``route_ttl_s``
-is the last resort (``stats()["expired"]``), never for a route a worker reports holding. A
-worker removed from the router or whose actor died ends its routes' sides at once
-(``stats()["ended_with_worker"]`` counts the routes that ended so); one being removed is drained
-first (:meth:`Router.drain_worker`): nothing new goes to it, its routes stay until its requests end.
+is the last resort (``stats()["expired"]``), never for a route a worker's latest report names
+(a round it missed drops nothing; silent for ``route_ttl_s``, it names nothing). A worker removed
+from the router or whose actor died ends its routes' sides at once (``stats()["ended_with_worker"]``
+counts the routes that ended so); one being removed is drained first (:meth:`Router.drain_worker`):
+nothing new goes to it, its routes stay until its requests end.
 
 State: the :class:`~actors.prefix_index.PrefixIndex` over the workers of both
 roles (a decode worker's radix cache holds the conversations it decoded: a
@@ -108,8 +109,8 @@ class Router(RouteReconciler):
         self.policies = {"prefill": create_policy(s.prefill_policy, s, s.seed),
                          "decode": create_policy(s.decode_policy, s, s.seed + 1)}
         self.workers: Dict[str, WorkerState] = {}
-        # per worker id, bumped by every add_worker and remove_worker: the later call wins (an add
-        # whose snapshot comes back after a later call under the id changes nothing)
+        # per worker id, bumped by every add_worker, remove_worker and drain_worker: the later call wins
+        # (a snapshot that comes back after a later call under the id changes nothing)
         self._epochs: Dict[str, int] = {}
         self._requests: Dict[str, Dispatch] = {}
         self._tasks: List[asyncio.Task] = []
@@ -172,10 +173,12 @@ class Router(RouteReconciler):
         """Out of rotation for new requests ahead of its removal (``PDBackend.remove_worker``: drain,
         then :meth:`remove_worker`), but its routes stay — counted as its load, their ids refused to
         another request — until released, or reconciled against its reports, while it finishes
-        them. An ``add_worker`` of the id (the later call) puts it back. False: not registered."""
+        them. An ``add_worker`` of the id (the later call) puts it back; one already taking its snapshot
+        (the earlier call) changes nothing. False: not registered."""
         worker = self.workers.get(worker_id)
         if worker is None:
             return False
+        self._bump_epoch(worker_id)  # (an add taking its snapshot now would undo the drain: it changes nothing)
         worker.draining = True
         return True
 
@@ -305,10 +308,13 @@ class Router(RouteReconciler):
         return len(self.index)
 
     async def _resync(self, worker: WorkerState, epoch: Optional[int] = None) -> bool:
-        """Index ``worker`` afresh from its snapshot; not (False) when ``epoch`` is given and a
-        later add or remove of the id came meanwhile."""
+        """Index ``worker`` afresh from its snapshot; not (False) when an add, remove or drain of the
+        id came after ``epoch`` (the id's epoch as the caller saw it; by default now), while the
+        snapshot was taken: that later call owns the id's index entry and registration."""
+        if epoch is None:
+            epoch = self._epochs.get(worker.worker_id)
         snap = await asyncio.wait_for(call_method(worker.handle, "cached_page_hashes"), self.settings.call_timeout_s)
-        if epoch is not None and self._epochs.get(worker.worker_id) != epoch:
+        if self._epochs.get(worker.worker_id) != epoch:
             return False
         if snap.page_size != self.settings.page_size:
             raise ValueError(f"worker {worker.worker_id} has page_size {snap.page_size}; the router hashes pages "
@@ -373,27 +379,31 @@ class Router(RouteReconciler):
             if not worker.alive:  # it answers again: back in the rotation once its pages are indexed afresh
                 if self.workers.get(worker.worker_id) is not worker or worker.dead:
                     return  # removed or replaced while the heartbeat was out
+                epoch = self._epochs.get(worker.worker_id)
                 try:
                     self.index.add_worker(worker.worker_id)
-                    await self._resync(worker)
+                    indexed = await self._resync(worker, epoch)
                 except Exception as exc:
-                    self.index.remove_worker(worker.worker_id)
+                    if self._epochs.get(worker.worker_id) == epoch:
+                        self.index.remove_worker(worker.worker_id)
                     logger.warning("router: worker %s answers but its snapshot failed: %r", worker.worker_id, exc)
                     return
-                if self.workers.get(worker.worker_id) is not worker or worker.dead:  # ... or while it resynced
-                    if self.workers.get(worker.worker_id) is None:
-                        self.index.remove_worker(worker.worker_id)
+                if not indexed:  # removed, registered again or drained while it resynced: not its index now
+                    return
+                if worker.dead:  # ... or found dead meanwhile
+                    self.index.remove_worker(worker.worker_id)
                     return
                 logger.warning("router: worker %s is back in the rotation", worker.worker_id)
                 worker.alive = True
             worker.report, worker.missed_heartbeats = without_rids(report), 0
             worker.dispatched_tokens -= sent  # (a load() queued behind a burst's reserves: seconds of routes)
             held, rooms = report.get("rids"), report.get("rooms")
-            worker.held_rids, worker.held_round = (None if held is None else frozenset(held)), heartbeat_round
+            worker.held_rids = None if held is None else frozenset(held)
+            worker.held_round, worker.held_at = heartbeat_round, asked_at
             worker.held_rooms = dict(rooms) if held is not None and rooms else {}
 
         await asyncio.gather(*(ping(w) for w in self.workers.values() if not w.dead))
-        self._expire_routes(heartbeat_round)
+        self._expire_routes()
         self._reconcile_routes(heartbeat_round, asked_at)
 
     async def start(self) -> None:

@@ -4,8 +4,8 @@ A route (:class:`Dispatch`) ends by its client's releases; one whose final relea
 judged against the workers' ``load()`` reports, which name the requests each holds (``rids``) and
 their bootstrap rooms (``rooms``): :meth:`RouteReconciler._reconcile_routes` drops a route past
 ``route_grace_s`` that neither worker holds in two rounds in a row, and
-:meth:`RouteReconciler._expire_routes` one older than ``route_ttl_s`` that no worker reports
-holding (the last resort). Both run after each heartbeat round; they read ``workers``,
+:meth:`RouteReconciler._expire_routes` one older than ``route_ttl_s`` that no worker's latest
+report names (the last resort). Both run after each heartbeat round; they read ``workers``,
 ``_requests``, ``settings``, ``index.clock`` and ``counters`` and end routes through
 ``release_now``, all the router's.
 """
@@ -90,23 +90,25 @@ class RouteReconciler:
         held_room = worker.held_rooms.get(rid)
         return room is None or held_room is None or held_room == room
 
-    def _holds(self, worker_id: str, rid: str, room: Optional[int], heartbeat_round: int) -> bool:
-        """Whether worker ``worker_id``'s report of round ``heartbeat_round`` names attempt ``room``
-        of request ``rid`` (named without a room: any attempt): it still runs it."""
+    def _holds(self, worker_id: str, rid: str, room: Optional[int], since: float) -> bool:
+        """Whether worker ``worker_id``'s latest report, asked for after ``since``, names attempt
+        ``room`` of request ``rid`` (named without a room: any attempt): it still runs it."""
         worker = self.workers.get(worker_id)
-        if worker is None or worker.dead or worker.held_round != heartbeat_round or worker.held_rids is None:
+        if worker is None or worker.dead or worker.held_at <= since or worker.held_rids is None:
             return False
         held_room = worker.held_rooms.get(rid)
         return rid in worker.held_rids and (room is None or held_room is None or held_room == room)
 
-    def _expire_routes(self, heartbeat_round: int) -> None:
+    def _expire_routes(self) -> None:
         """Routes never released stop counting as load after ``route_ttl_s``: the last resort for
-        those reconciliation cannot end (a worker that names no ids, or did not answer). A route
-        that an open side's worker names in this round's report is running (a long generation):
-        it stays, its load counted and its id refused to another request."""
+        those reconciliation cannot end (a worker that names no ids, or does not answer). A route
+        that an open side's worker names in its latest report is running (a long generation): it
+        stays, its load counted and its id refused to another request. Its latest, not this
+        round's: a round the worker missed (a long step) drops nothing; a worker silent for
+        ``route_ttl_s`` (its latest report older) names nothing."""
         cutoff = self.index.clock() - self.settings.route_ttl_s
         for rid in [rid for rid, d in self._requests.items() if d.routed_at <= cutoff and not any(
-                self._holds(worker_id, rid, d.room, heartbeat_round) for worker_id in _open_sides(d))]:
+                self._holds(worker_id, rid, d.room, cutoff) for worker_id in _open_sides(d))]:
             logger.warning("router: request %s was never released; it stops counting as load", rid)
             self.release_now(rid)
             self.counters["expired"] += 1

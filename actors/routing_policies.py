@@ -80,6 +80,7 @@ class WorkerState:
     held_rids: Optional[FrozenSet[str]] = None  # the requests the last load() said it holds (None: it names none)
     held_rooms: Dict[str, int] = field(default_factory=dict)  # ... the bootstrap room of those it names one of
     held_round: int = -1  # the router's heartbeat round that load() answered
+    held_at: float = float("-inf")  # when (the router's clock) that round asked for it
 
     def load(self) -> int:
         """Requests queued or running here."""

@@ -286,3 +286,92 @@ def test_removing_a_worker_drains_it_before_the_router_forgets_it():
     other = "d1" if decision.decode_id == "d0" else "d0"
     assert seen == [(True, [other])]
     assert decision.decode_id not in router.workers and "r1" not in router._requests
+
+
+def test_a_round_its_worker_missed_does_not_expire_a_route_it_reports():
+    """Past ``route_ttl_s`` a long generation's route stays while its decode worker names it; a
+    heartbeat that worker misses (a long step) says nothing, so the route stays. A worker silent
+    for ``route_ttl_s`` (out of the rotation, not dead) names nothing: then it expires."""
+    clock = Clock()
+    router, workers = _router(clock)
+    router.settings = RouterSettings(page_size=PS, route_grace_s=30.0, route_ttl_s=100.0)
+    decision = run(router.route("long", PROMPT))
+    run(router.release("long", "prefill"))
+    decode = workers[decision.decode_id]
+    decode.reported.update(rids=["long"], rooms={"long": decision.room})
+    _rounds(router, clock, 20)  # 100 s: the route is as old as the TTL
+    decode.failing = True
+    _rounds(router, clock, 1)  # the round past the TTL: missed
+    assert router.stats()["inflight"] == 1 and router.stats()["expired"] == 0
+    decode.failing = False
+    _rounds(router, clock, 1)
+    assert router.stats()["inflight"] == 1 and router.workers[decision.decode_id].inflight == 1
+    decode.failing = True
+    _rounds(router, clock, 19)  # 95 s of silence: its last report (naming the route) is recent enough
+    assert router.stats()["inflight"] == 1
+    _rounds(router, clock, 1)
+    assert router.stats()["inflight"] == 0 and router.stats()["expired"] == 1
+
+
+@pytest.mark.parametrize("add", ["done", "pending"])
+def test_a_heartbeat_s_resync_racing_a_removal_and_an_add_changes_nothing_of_the_new_worker(add):
+    """p1 answers again after missed heartbeats; while its snapshot is taken it is removed and its
+    new actor added under the id (its add done, or still waiting on its own snapshot). The
+    heartbeat's snapshot, of the old actor, comes back late: the new worker's registration and
+    index are its own (it holds the prompt; the old actor nothing)."""
+    clock = Clock()
+    router, workers = _router(clock, prefills=("p0", "p1"))
+    old = workers["p1"] = _SlowSnapshot("p1", PS)
+    old.gate.set()
+    run(router.add_worker("p1", "prefill", old))
+    old.gate.clear()
+    old.failing = True
+    _rounds(router, clock, 2)
+    assert not router.workers["p1"].alive
+    old.failing = False
+    new = _SlowSnapshot("p1", PS)
+    new.serve(PROMPT)
+
+    async def scenario():
+        beat = asyncio.ensure_future(router.heartbeat_once())
+        for _ in range(10):
+            await asyncio.sleep(0)  # its resync waits on the old actor's snapshot
+        assert await router.remove_worker("p1")
+        adding = asyncio.ensure_future(router.add_worker("p1", "prefill", new))
+        if add == "done":
+            new.gate.set()
+            assert await adding
+        for _ in range(10):
+            await asyncio.sleep(0)
+        old.gate.set()
+        await beat
+        new.gate.set()
+        return await adding
+
+    assert run(scenario()) is True
+    assert router.workers["p1"].handle is new and router.workers["p1"].alive
+    assert router.index.num_pages("p1") == len(PROMPT) // PS
+    decision = run(router.route("r1", PROMPT + [7]))
+    assert (decision.prefill_id, decision.matched_tokens) == ("p1", len(PROMPT))
+
+
+def test_a_drain_during_an_add_s_snapshot_wins():
+    """The worker is registered again (a new handle) and drained while that add waits on its
+    snapshot: the drain is the later call, so the add changes nothing — the worker stays draining
+    and no new request goes to it."""
+    clock = Clock()
+    router, _ = _router(clock, prefills=("p0", "p1"))
+    slow = _SlowSnapshot("p1", PS)
+    slow.serve(PROMPT)  # it holds the prompt: the router would send it there
+
+    async def scenario():
+        adding = asyncio.ensure_future(router.add_worker("p1", "prefill", slow))
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert await router.drain_worker("p1")
+        slow.gate.set()
+        return await adding
+
+    assert run(scenario()) is False
+    assert router.workers["p1"].draining
+    assert all(run(router.route(f"r{i}", PROMPT)).prefill_id == "p0" for i in range(3))
