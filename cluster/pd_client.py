@@ -8,7 +8,8 @@ load) when the client has one, round-robin otherwise; then::
 A failure on either side (an actor died, a transfer failed or timed out)
 ends the attempt within the configured timeouts and tells the other side to
 free what it holds; a worker that misses ``heartbeat_max_failures``
-heartbeats in a row leaves the rotation. An attempt whose prefill or decode
+heartbeats in a row leaves the rotation; one a heartbeat finds broken leaves
+it at once, and the calls waiting on it fail then. An attempt whose prefill or decode
 worker died, was unavailable or reported itself broken (:class:`WorkerLostError`) before anything
 was yielded to the caller is retried on a new pair without that worker, up
 to ``max_retries`` times after a short backoff (as SGLang's router and Ray
@@ -93,6 +94,8 @@ class PDClient:
         self._live_rids: set = set()  # ids of the requests in flight through this client
         self._unreleased: set = set()  # ids of requests given up while routed, until their route is released
         self._tasks: set = set()
+        # per worker id, a future per call waiting on it: a heartbeat that finds it broken ends them
+        self._waiting_on: Dict[str, Set[asyncio.Future]] = {}
 
     # ---- choosing workers -----------------------------------------------------------
     def _candidates(self, role: str, exclude: Set[str] = frozenset()) -> List[WorkerRef]:
@@ -315,8 +318,8 @@ class PDClient:
             await asyncio.sleep(0.02)
 
     async def _call(self, worker: WorkerRef, ref, timeout_s: float, rid: str):
-        try:
-            return await wait_for(ref, timeout_s)  # (a client gone as a token came: not decoded to the end)
+        try:  # (a client gone as a token came: not decoded to the end)
+            return await self._unless_broken(worker, wait_for(ref, timeout_s))
         except ray.exceptions.ActorUnavailableError as exc:  # maybe back later (a blip): heartbeats decide
             raise WorkerLostError(f"{worker.role} worker {worker.worker_id} was unavailable while serving {rid}",
                                   worker, died=False) from exc
@@ -329,21 +332,48 @@ class PDClient:
         except ray.exceptions.RayTaskError as exc:
             cause = exc.as_instanceof_cause()
             if isinstance(cause, WorkerBrokenError):
-                raise self._broken(worker, rid, cause) from exc
+                raise self._lost_to_broken(worker, rid, cause) from exc
             if isinstance(cause, (PDRequestError, ValueError)):
                 raise cause from None
             raise PDRequestError(f"{worker.role} worker {worker.worker_id}: {exc}") from exc
-        except WorkerBrokenError as exc:  # (an in-process worker's)
-            raise self._broken(worker, rid, exc) from exc
+        except WorkerBrokenError as exc:  # (an in-process worker's, or the heartbeat's finding)
+            raise self._lost_to_broken(worker, rid, exc) from exc
 
-    def _broken(self, worker: WorkerRef, rid: str, exc: BaseException) -> "WorkerLostError":
-        """``worker`` reports itself broken (a TP rank gone, a transfer lane broken): it serves
-        nothing more, so the request may go elsewhere, as when its actor died. Out of the
-        rotation now, and still told to abort (its process may yet hold a push): the heartbeat
-        that finds it broken marks it dead."""
-        self._mark_dead(worker, f"it is broken ({exc})", died=False)
+    async def _unless_broken(self, worker: WorkerRef, call) -> Any:
+        """``await call``, or its ``WorkerBrokenError`` as soon as ``worker`` is found broken
+        (:meth:`_broken`): a worker whose TP rank is gone may answer nothing more, and the request
+        would hold its other side's slots until its timeout."""
+        broken = asyncio.get_running_loop().create_future()
+        waiting = self._waiting_on.setdefault(worker.worker_id, set())
+        waiting.add(broken)
+        task = asyncio.ensure_future(call)
+        try:
+            await asyncio.wait((task, broken), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            waiting.discard(broken)
+            if not task.done():
+                task.cancel()
+        if task.done():
+            return task.result()
+        raise broken.result()
+
+    def _lost_to_broken(self, worker: WorkerRef, rid: str, exc: BaseException) -> "WorkerLostError":
+        """A call of ``rid`` failed because ``worker`` is broken: the request may go elsewhere, as
+        when its actor died (:meth:`_broken`)."""
+        self._broken(worker, exc)
         return WorkerLostError(f"{worker.role} worker {worker.worker_id} is broken ({exc}) while serving {rid}",
                                worker, died=True)
+
+    def _broken(self, worker: WorkerRef, exc: BaseException) -> None:
+        """``worker`` reports itself broken (a TP rank gone, a transfer lane broken; to a call or a
+        heartbeat): it serves nothing more. Out of the rotation, but never taken for dead — its
+        process lives and may yet hold a push, so its requests are still told to abort — and every
+        call waiting on it ends now: each attempt on it fails as a lost worker's (its other side
+        aborted, its route released, retried on a new pair if nothing was delivered yet)."""
+        self._mark_dead(worker, f"it is broken ({exc})", died=False)
+        for waiting in self._waiting_on.pop(worker.worker_id, ()):
+            if not waiting.done():
+                waiting.set_result(exc)
 
     async def _stop_prefill(self, prefill: WorkerRef, rid: str, room: int) -> bool:
         """Make sure ``prefill`` will not push the KV of ``rid``'s attempt ``room`` (its
@@ -385,6 +415,10 @@ class PDClient:
                 w.missed_heartbeats = 0
             except Exception as exc:
                 w.missed_heartbeats += 1
+                broken = exc.as_instanceof_cause() if isinstance(exc, ray.exceptions.RayTaskError) else exc
+                if isinstance(broken, WorkerBrokenError):  # (its process lives: not dead, as is_worker_death has it)
+                    self._broken(w, broken)
+                    return
                 died = is_worker_death(exc)
                 if died or w.missed_heartbeats >= self.heartbeat_max_failures:
                     self._mark_dead(w, f"{w.missed_heartbeats} missed heartbeats ({type(exc).__name__})", died=died)

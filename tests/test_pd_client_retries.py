@@ -70,6 +70,9 @@ class Worker:
         if fault is not None:
             raise fault
 
+    async def load(self):
+        return {"waiting": 0, "running": 0}
+
     def rooms(self, method: str) -> List[int]:
         return [c[2] for c in self.calls if c[0] == method]
 
@@ -419,6 +422,50 @@ def test_a_request_that_hits_a_broken_worker_goes_to_a_new_pair(method, how):
         assert [c[0] for c in broken.calls] == ["prefill", "abort"]
         first_decode = next(w for w in decode if w.calls and w.calls[0][0] == "reserve")
         assert [c for c in first_decode.calls if c[0] == "abort"][0][3] is True  # confirmed stopped: freed
+    assert_clean(client, router)
+
+
+@pytest.mark.parametrize("method", ["prefill", "reserve"])
+def test_a_heartbeat_that_finds_a_worker_broken_ends_the_calls_waiting_on_it(method):
+    """A worker whose TP group lost a rank mid-call answers nothing more: the request would hold
+    its other side until its timeout. The heartbeat that finds it broken ends the call at once,
+    as a lost worker's: the broken prefill is still told to abort (its process lives: it is not
+    taken for dead) before the decode reservation goes back, and the request goes to a new pair."""
+    client, router, prefill, decode = cluster(2, 2, Faults())
+    wedged: List[Worker] = []
+    for worker in prefill if method == "prefill" else decode:
+        def wedge(original, worker=worker):
+            async def call(*args):
+                result = await original(*args)
+                if not wedged:
+                    wedged.append(worker)
+                    await asyncio.Event().wait()  # no answer comes
+                return result
+            return call
+        setattr(worker, method, wedge(getattr(worker, method)))
+
+    async def go():
+        request = asyncio.ensure_future(collect(client))
+        while not wedged:
+            await asyncio.sleep(0.001)
+        [broken] = wedged
+
+        async def broken_load():
+            raise _broken(broken.worker_id, "ray")
+
+        broken.load = broken_load
+        await client.heartbeat_once()
+        return broken, await asyncio.wait_for(request, 5.0)
+
+    broken, outs = asyncio.run(go())
+    assert [len(o["output_ids"]) for o in outs] == [1, 2, 3] and client.num_retries == 1
+    assert outs[-1]["meta_info"][f"{broken.role}_worker"] != broken.worker_id
+    ref = next(r for r in client.prefill + client.decode if r.worker_id == broken.worker_id)
+    assert not ref.alive and not ref.dead
+    assert [c[0] for c in broken.calls] == [method, "abort"]
+    if method == "prefill":  # confirmed stopped: the first reservation is freed at once
+        first_decode = next(w for w in decode if w.calls and w.calls[0][0] == "reserve")
+        assert [c for c in first_decode.calls if c[0] == "abort"][0][3] is True
     assert_clean(client, router)
 
 
