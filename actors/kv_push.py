@@ -266,15 +266,25 @@ class KVPusher:
 
     def _fail_lane(self, lane: _Lane) -> None:
         """(Under the lock) every request still open on the lane fails now with what killed
-        its thread: reported for ``take_finished``, its queued chunks dropped."""
+        its thread: its senders aborted (their decode ranks told, where the backend can, so
+        a receiver does not wait for the client's abort or its timeout), reported for
+        ``take_finished``, its queued chunks dropped."""
         error = f"the KV transfer thread {self.name}-{lane.index} died ({self._death(lane)})"
         failed = {push_id: job for push_id, job in self._jobs.items() if job.lane is lane}
         for push_id, job in failed.items():
             del self._jobs[push_id]
             job.error = job.error or error
             logger.error("failing push %s: %s", push_id, job.error)
+            self._abort_senders(job)
             self._finished.append(PushResult(push_id, job.moved, job.error))
         lane.queue = collections.deque(item for item in lane.queue if item[0].push_id not in failed)
+
+    @staticmethod
+    def _abort_senders(job: _Job) -> None:
+        """The push failed: its senders not yet done fail with its error, each telling its
+        decode rank where the backend can (a sender that failed itself told it already)."""
+        for _, sender in job.senders:
+            sender.abort(job.error)
 
     def _lane_setup(self) -> ContextManager:
         """On a new transfer thread, before its first chunk: the context it pushes in (on
@@ -326,6 +336,8 @@ class KVPusher:
                 if ended:
                     del self._jobs[chunk.push_id]
             if ended:
+                if job.error is not None:
+                    self._abort_senders(job)
                 self._report(PushResult(chunk.push_id, job.moved, job.error))
             with self._cond:
                 lane.running = None

@@ -413,9 +413,10 @@ class DecodeScheduler(Scheduler):
 
     def _drop(self, req: Req, message: str, safe: bool) -> None:
         """End a reserved request. ``safe``: no prefill rank can write its slots any more
-        (nothing was handed off, the prefill side confirmed, or it is dead), so they go
-        back now; otherwise they stay quarantined until the hand-off's deadline plus a
-        grace period has passed — a late push must never land in another request's KV."""
+        (nothing was handed off, the prefill side confirmed, or it is dead; or its backend
+        lands bytes only on this side, which the abort below stops), so they go back now;
+        otherwise they stay quarantined until the hand-off's deadline plus a grace period
+        has passed — a late push must never land in another request's KV."""
         self._notices.pop(req.rid, None)
         receiver = getattr(req, "pd_receiver", None)
         if receiver is not None:
@@ -428,7 +429,7 @@ class DecodeScheduler(Scheduler):
         req.pd_error = message
         req.finish({"type": "abort", "message": message})
         deadline = receiver.handoff.deadline if receiver is not None and receiver.handoff is not None else None
-        if safe or deadline is None:
+        if safe or deadline is None or not receiver.agent.writes_in_place:
             self._release(req)
         else:
             self.quarantine.append((deadline + self.quarantine_grace_s, req))

@@ -889,3 +889,49 @@ def test_a_failed_step_gives_back_at_once_a_reservation_whose_notice_came(checkp
     assert (noticed, sorted(ended), held) == (True, ["x", "y"], ["y"])
     decode.loop.run_exclusive(lambda: sched.abort("y", safe=True))  # (the prefill side confirmed y's stop)
     assert leaks(prefill, decode) == [None, None]
+
+
+# ---- 12. prefill: a KV transfer lane that dies with a push open --------------------------------------
+class ThreadKilled(BaseException):
+    """What a backend may let escape a push that is not an Exception (SystemExit, CancelledError)."""
+
+
+def test_a_push_lane_that_dies_tells_the_decode_side_without_the_clients_abort(checkpoints):
+    """The prefill rank's transfer thread dies after a request's first chunk went (its push
+    still open), twice: the first death and the one after the lane's restart. The prefill
+    call fails, and the client never aborts the decode side: its receiver waited for the
+    notice until its waiting timeout (300 s), slots and row held. The failed sender now tells
+    it (torch_dist: an abort message), so the reservation fails at once with the thread's
+    push's failure as the reason and its slots and row go back (torch_dist writes nothing in
+    place)."""
+    path = checkpoints["llama"]
+    prefill, decode = make_pair(path, backend="torch_dist", prefill_args={"chunked_prefill_size": 16})
+    agent = prefill.agents["torch_dist"]
+    real_push, calls = agent.push, []
+
+    def push(handoff, *args, **kwargs):
+        calls.append(handoff.rid)
+        if calls.count(handoff.rid) == 2:  # the second chunk: the first one opened the pair
+            raise ThreadKilled("the backend's event loop went away")
+        return real_push(handoff, *args, **kwargs)
+
+    agent.push = push
+
+    async def one(rid, ids):
+        handoffs = await decode.reserve(rid, ids, GREEDY)
+        with pytest.raises(PDRequestError, match="ThreadKilled"):
+            await prefill.prefill(rid, ids, GREEDY, handoffs)
+        await until(lambda: rid in decode._ended_early, timeout_s=5.0, what="the decode side's reservation ended")
+        _, finished, error = decode._ended_early[rid].get_nowait()
+        return finished, str(error)
+
+    async def go():
+        return [await one(f"lane-{i}", ids) for i, ids in enumerate(prompts(2, 40, 40, seed=43))]
+
+    answers = asyncio.run(go())
+    del agent.push
+    state = leaks(prefill, decode)
+    for finished, error in answers:
+        assert finished, answers
+        assert "the prefill side gave up: KV push failed: ThreadKilled: the backend's event loop" in error, answers
+    assert state == [None, None]

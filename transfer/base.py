@@ -52,6 +52,10 @@ class TransferAgent(abc.ABC):
     """
 
     backend_name = "abstract"
+    # Whether prefill ranks write this rank's buffers themselves (shm, CUDA IPC): a push still
+    # running when this side gives a hand-off up could then land in slots reused meanwhile.
+    # False where bytes reach the buffers only through ``landed``, on this side (torch_dist).
+    writes_in_place = True
 
     def __init__(
         self,
@@ -95,9 +99,22 @@ class TransferAgent(abc.ABC):
         """What ``handoff`` still waits for, in words (for timeout messages)."""
         return "the bytes"
 
+    def failed(self, handoff: KVHandoff) -> Optional[str]:
+        """Decode side, never blocking, before the completion notice: why the bytes of
+        ``handoff`` cannot arrive any more (the prefill side gave it up: :meth:`abort`), or
+        None. Backends with no such word say None: the error notice through the workers
+        (or the timeout) ends the receiver then."""
+        return None
+
     def cancel(self, handoff: KVHandoff) -> None:
         """Decode side: stop waiting for ``handoff`` (its receiver failed); bytes that
         still arrive for it are dropped. Never raises."""
+
+    def abort(self, handoff: KVHandoff, reason: str) -> None:
+        """Prefill side: this rank's sender of ``handoff`` failed (SGLang's sender syncing
+        Failed to the decode endpoint): tell the decode rank, where the backend has a way,
+        so that its receiver fails now with ``reason`` (:meth:`failed`). Best effort: never
+        raises, never waits on a push in progress."""
 
     def close(self) -> None:
         """Drop peer mappings and connections."""

@@ -9,6 +9,11 @@ Per request and rank pair one :class:`KVSender` (prefill side) and one
     receiver: Bootstrapping --send_metadata()--> WaitingForInput --mark_done()--> Transferring --landed--> Success
     any state --timeout / abort / peer failure--> Failed (failure_reason says why)
 
+A sender that fails after taking the hand-off tells its decode rank where the
+backend can (``TransferAgent.abort``; SGLang's sender syncs Failed to the
+decode endpoint): that receiver, still waiting for the notice, fails at its
+next poll with the sender's reason instead of at its timeout.
+
 With chunked prefill a sender pushes a request's rows in several chunks as
 they are computed (SGLang's ``TransferKVChunk``): each chunk names the
 destination rows it fills (``offset``), in order; the last one also carries
@@ -169,6 +174,13 @@ class KVSender(_Polled):
         if is_last:
             self._set(KVPoll.Success)
 
+    def fail(self, reason: str) -> None:
+        """Failed, and the decode rank is told (``agent.abort``) once the hand-off was taken."""
+        pending = self._state not in (KVPoll.Failed, KVPoll.Success)
+        super().fail(reason)
+        if pending and self.handoff is not None:
+            self.agent.abort(self.handoff, reason)
+
     def poll(self) -> KVPoll:
         """Also Failed once the hand-off's deadline passed while waiting for a chunk
         (WaitingForInput, or Transferring between chunks)."""
@@ -225,7 +237,14 @@ class KVReceiver(_Polled):
             self.poll()
 
     def poll(self) -> KVPoll:
+        """Before the notice, also Failed once the agent says the bytes cannot come (the
+        sender gave up); after it, Success once they landed."""
         state = super().poll()
+        if state == KVPoll.WaitingForInput:
+            reason = self.agent.failed(self.handoff)
+            if reason is not None:
+                self.fail(reason)
+            return self._state
         if state != KVPoll.Transferring:
             return state
         try:

@@ -32,6 +32,9 @@ only the pushes to itself (a connect lock per peer). When a pair ends
 (goodbye, broken, silent) its reader deletes its ``hello/{k}`` and
 ``pair/{k}/...`` store keys.
 
+A sender that fails (``abort``) sends a header-only message naming its tag; the
+reader marks that hand-off failed, so its receiver fails at its next poll.
+
 A push gathers every planned buffer's rows (one slice copy per run of
 consecutive source slots) into one contiguous uint8 payload and sends it in
 one message; with chunked prefill a hand-off takes one message per chunk
@@ -124,12 +127,16 @@ class _Link:
         self.last_sent = time.monotonic()
 
     def send(self, header: bytes, payload: torch.Tensor) -> None:
-        sizes = torch.tensor([len(header), payload.numel()], dtype=torch.int64)
         with self.lock:
-            self.pg.send([sizes], 0, 0).wait()
-            self.pg.send([torch.frombuffer(bytearray(header), dtype=torch.uint8)], 0, 0).wait()
-            self.data.send(payload)  # returns once the payload left (and may be freed)
-            self.last_sent = time.monotonic()
+            self.send_locked(header, payload)
+
+    def send_locked(self, header: bytes, payload: torch.Tensor) -> None:
+        """(Holding ``lock``) one message."""
+        sizes = torch.tensor([len(header), payload.numel()], dtype=torch.int64)
+        self.pg.send([sizes], 0, 0).wait()
+        self.pg.send([torch.frombuffer(bytearray(header), dtype=torch.uint8)], 0, 0).wait()
+        self.data.send(payload)  # returns once the payload left (and may be freed)
+        self.last_sent = time.monotonic()
 
     def keepalive(self, idle_s: float) -> None:
         """Send a keepalive if nothing went out for ``idle_s``; a push in progress is traffic
@@ -150,6 +157,7 @@ class _Link:
 
 @register_backend("torch_dist")
 class TorchDistAgent(TransferAgent):
+    writes_in_place = False  # bytes land in ``landed``, on the decode loop: a cancelled hand-off's never do
     def __init__(
         self, layout, buffers, tp_rank: int = 0, tp_size: int = 1, allocators=(),
         host: Optional[str] = None, port: int = 0, timeout_s: float = 30.0, connect_timeout_s: float = 10.0,
@@ -215,6 +223,11 @@ class TorchDistAgent(TransferAgent):
         with self._lock:
             landing = self._landing.get(handoff.endpoint.get("tag"))
             return landing.missing() if landing is not None else "nothing (no longer expected)"
+
+    def failed(self, handoff: KVHandoff) -> Optional[str]:
+        with self._lock:
+            landing = self._landing.get(handoff.endpoint.get("tag"))
+            return landing.error if landing is not None else None
 
     def cancel(self, handoff: KVHandoff) -> None:
         with self._lock:
@@ -321,6 +334,9 @@ class TorchDistAgent(TransferAgent):
             landing = self._landing.get(tag) if isinstance(tag, str) else None
             if landing is None:  # cancelled, or timed out: drop the bytes
                 return
+            if "abort" in header:  # (no payload) its sender failed: see ``abort``
+                landing.error = landing.error or f"the prefill side gave up: {header['abort']}"
+                return
             try:
                 landing.add(header, payload)
             except Exception as exc:
@@ -346,6 +362,25 @@ class TorchDistAgent(TransferAgent):
             self._drop_link(ep["agent_id"], link, exc)
             raise TransferError(f"sending to {ep['host']}:{ep['port']} failed: {exc}") from exc
         return int(payload.numel())
+
+    def abort(self, handoff: KVHandoff, reason: str) -> None:
+        """A header-only message naming the hand-off's tag, over the pair already open to its
+        agent (none open: nothing was pushed there, the error notice tells it) and only if no
+        push holds the pair now; a send that fails drops the pair, as a push's does."""
+        ep = handoff.endpoint
+        with self._lock:
+            link = self._links.get(ep.get("agent_id"))
+        if link is None or not link.lock.acquire(blocking=False):
+            return
+        try:
+            link.send_locked(msgpack.packb({"tag": ep["tag"], "abort": reason}, use_bin_type=True),
+                             torch.empty(0, dtype=torch.uint8))
+            return
+        except Exception as exc:
+            error = exc
+        finally:
+            link.lock.release()
+        self._drop_link(ep["agent_id"], link, error)
 
     def _link(self, ep: Dict, transport: str) -> _Link:
         """The pair with ``ep``'s agent, opened once even when two pushes need it at
