@@ -442,8 +442,8 @@ class DecodeScheduler(Scheduler):
             if req.req_pool_idx is not None:
                 req.kv_committed_len = req.kv_allocated_len
                 self.tree_cache.cache_finished_req(req, is_insert=False)
-            elif req.mamba_pool_idx is not None:
-                self.runner.mamba_pool.free(torch.tensor([req.mamba_pool_idx]))
+            else:
+                self.free_mamba_copy(req)
         finally:
             req.req_pool_idx, req.mamba_pool_idx = None, None
 

@@ -8,6 +8,12 @@ import pytest
 import torch
 
 from actors.engine import Engine
+from actors.engine.config import EngineConfig
+from actors.engine.engine import check_engine_integrity
+from actors.engine.model_runner import ModelRunner
+from actors.engine.req import Req
+from actors.engine.sampling_params import SamplingParams
+from actors.engine.scheduler import Scheduler
 from actors.engine.tiny import build_tiny_checkpoint
 from tests.parity import assert_greedy_parity
 
@@ -123,3 +129,43 @@ def test_copy_on_write_waits_while_every_mamba_state_is_held(model_dir, monkeypa
         engine.check_integrity()
     finally:
         engine.shutdown()
+
+
+def test_a_request_left_waiting_gives_back_its_state_copy(model_dir):
+    """Requests extending a cached conversation, held back by the running request's decode
+    reserve: each step matches the first in line, copying the cached state into a slot of its
+    own, then leaves it waiting — the copy goes back every time (held, it took a Mamba slot
+    from the running requests for nothing, every step). One is aborted while waiting; the other
+    comes in once room is made, reusing the prefix with HF's tokens; nothing leaks."""
+    sched = Scheduler(ModelRunner(EngineConfig(model_path=model_dir, skip_tokenizer_init=True, max_total_tokens=192)))
+    pool, tree = sched.runner.req_to_token_pool, sched.tree_cache
+    conversation = prompts(5, (20,))[0]
+
+    def run(prompt, max_new, rid):
+        req = Req(rid, prompt, SamplingParams(max_new_tokens=max_new, temperature=0, ignore_eos=True))
+        sched.add_request(req)
+        return req
+
+    def left_waiting(req):
+        for _ in range(2):
+            sched.step()
+            assert req in sched.waiting and len(req.prefix_indices) == 20  # matched (its state copied), not taken
+            assert req.mamba_pool_idx is None
+            pool.check_integrity(tree_mamba_slots=tree.all_mamba_values())  # free + running + tree: every slot
+
+    run(conversation, 4, "first")
+    while sched.has_work():
+        sched.step()
+    long = run(prompts(6, (100,))[0], 120, "long")
+    sched.step()
+    assert long in sched.running
+    follow, twin = run(conversation + [7, 8, 9], 8, "follow"), run(conversation + [7, 8, 10], 8, "twin")
+    left_waiting(follow)
+    assert sched.abort("follow")
+    left_waiting(twin)
+    assert sched.abort("long")
+    while sched.has_work():
+        sched.step()
+    assert twin.finished and twin.cached_tokens == 20
+    assert_greedy_parity(model_dir, [twin.origin_input_ids], [twin.output_ids], 8, [])
+    check_engine_integrity(sched, sched.runner)

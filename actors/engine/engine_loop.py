@@ -151,9 +151,8 @@ class EngineLoop:
                     req.kv_committed_len = max(req.kv_committed_len, req.kv_allocated_len)  # the forward's slots too
                     sched.tree_cache.cache_finished_req(req, is_insert=False)
                     req.req_pool_idx = None
-                elif req.mamba_pool_idx is not None:  # a waiting hybrid request's copy of a cached state
-                    sched.runner.mamba_pool.free(torch.tensor([req.mamba_pool_idx]))
-                    req.mamba_pool_idx = None
+                else:  # a hybrid request matched by the failed plan may hold a copy of a cached state
+                    sched.free_mamba_copy(req)
             except Exception:  # keep releasing the others; the idle check will report a leak
                 logger.exception("could not release request %s", req.rid)
             req.finish({"type": "abort", "message": STEP_FAILED})

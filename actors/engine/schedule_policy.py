@@ -112,14 +112,12 @@ class PrefillAdmissionMixin:
 
     def _match_prefix(self, req: Req, admit: bool = False) -> bool:
         """Longest cached prefix of the request's tokens; when ``admit``, a hybrid
-        model's matched Mamba state is copied into the request's own slot. False: no
+        model's matched Mamba state is copied into the request's own slot (given back by
+        ``_drop_planned`` if the plan does not take the request). False: no
         Mamba slot for that copy, every one is held (a logical OOM: the request waits)."""
         req.fill_ids = req.all_ids()
         copied = True
         if self.hybrid:
-            if req.mamba_pool_idx is not None:  # a copy from an earlier attempt may be stale
-                self.runner.mamba_pool.free(torch.tensor([req.mamba_pool_idx]))
-                req.mamba_pool_idx = None
             key = RadixKey(req.fill_ids, req.extra_key)  # the cache keeps one token to compute
             match = self.tree_cache.match_prefix(key, req=req, cow_mamba=admit)
             req.mamba_branching_seqlen, copied = match.mamba_branching_seqlen, not match.mamba_cow_failed
@@ -243,9 +241,21 @@ class PrefillAdmissionMixin:
         self._lock(req)
         self._plan_locks.append(req)
 
-    def _unlock_planned(self, req: Req) -> None:
+    def _drop_planned(self, req: Req) -> None:
+        """A new request the plan matched but does not take: its prefix lock goes back, and so
+        does the Mamba slot its match copied the cached state into (as SGLang frees a request's
+        early state slot when it is not scheduled) — kept, the slot was held while the request
+        waited, taken from the running requests for nothing; its next match copies again."""
         self._unlock(req)
         self._plan_locks.remove(req)
+        self.free_mamba_copy(req)
+
+    def free_mamba_copy(self, req: Req) -> None:
+        """Give back the Mamba slot of a request that has no row (a copy-on-write match's);
+        a request with a row frees its slot with the row."""
+        if req.mamba_pool_idx is not None:
+            self.runner.mamba_pool.free(torch.tensor([req.mamba_pool_idx]))
+            req.mamba_pool_idx = None
 
     def _rows_held_elsewhere(self) -> int:
         """Request rows held by requests outside ``running`` and ``chunked_req`` (a PD worker's
@@ -300,7 +310,7 @@ class PrefillAdmissionMixin:
                 fits = False
             if not fits:
                 if new_req:
-                    self._unlock_planned(req)
+                    self._drop_planned(req)
                 else:
                     self.chunked_req = req  # keeps its place at the head
                 break
@@ -328,12 +338,12 @@ class PrefillAdmissionMixin:
         forward_batch = prepare_for_extend(picked, self.runner, self.tree_cache)
         while forward_batch is None and len(picked) > 1:  # the plan overestimated the room: shorter, now (the
             dropped = picked.pop()  # same plan at the next step would fail again); a continuing chunk is first
-            self._unlock_planned(dropped)
+            self._drop_planned(dropped)
             new_reqs.remove(dropped)
             forward_batch = prepare_for_extend(picked, self.runner, self.tree_cache)
-        if forward_batch is None:  # short even after eviction: give the locks back, try later
+        if forward_batch is None:  # short even after eviction: give the locks (and state copies) back, try later
             for req in new_reqs:
-                self._unlock_planned(req)
+                self._drop_planned(req)
             continuing = [r for r in picked if r not in new_reqs]
             if continuing:
                 self.chunked_req = continuing[0]

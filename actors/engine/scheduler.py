@@ -351,10 +351,7 @@ class Scheduler(PrefillAdmissionMixin, DecodeRetractionMixin):
         for req in self.waiting:
             if req.rid == rid:
                 self.waiting.remove(req)
-                req.finish({"type": "abort", "message": "aborted"})
-                if req.mamba_pool_idx is not None:  # a copy-on-write slot taken at a failed admission
-                    self.runner.mamba_pool.free(torch.tensor([req.mamba_pool_idx]))
-                    req.mamba_pool_idx = None
+                req.finish({"type": "abort", "message": "aborted"})  # (waiting, it holds nothing: see _drop_planned)
                 self._aborted.append(req)
                 return True
         for req in self.running + ([self.chunked_req] if self.chunked_req else []):
