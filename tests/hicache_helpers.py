@@ -1,7 +1,9 @@
 """Pools, a HiRadixCache and KV fixtures for the hierarchical-cache tests.
 
 KV is compared as raw bytes; ``cached`` inserts a sequence whose slots hold
-seeded random KV and returns those bytes for later comparison.
+seeded random KV and returns those bytes for later comparison. ``break_loads`` and
+``watch_requeues`` inject failed host → device loads into an engine (or a worker) and
+record the requeues they cause.
 """
 
 import torch
@@ -77,3 +79,37 @@ def cached(cache, alloc, tokens, seed=0):
 def node_of(cache, tokens):
     m = cache.match_prefix(K(tokens))
     return m.last_host_node if m.host_hit_length else m.last_device_node
+
+
+def watch_requeues(engine, prefix):
+    """Every step of ``engine`` (or an in-process worker) that requeued requests for a failed
+    load: (the batch's prompts, the prompts requeued, ``prefix`` tokens on the device right after)."""
+    sched, seen = engine.scheduler, []
+    requeue = sched._requeue_failed_loads
+
+    def watched(reqs, read_lens, logits):
+        kept, rows = requeue(reqs, read_lens, logits)
+        if len(kept) < len(reqs):
+            on_device = len(sched.tree_cache.match_prefix(RadixKey(prefix)).device_indices)
+            seen.append(([r.origin_input_ids for r in reqs], [r.origin_input_ids for r in reqs if r not in kept],
+                         on_device))
+        return kept, rows
+
+    sched._requeue_failed_loads = watched
+    return seen
+
+
+def break_loads(controller, times=None):
+    """Host → device copies of ``controller`` fail (the first ``times`` ones, or all until
+    restored); returns the restore function."""
+    host = controller.host_pool
+    load_layer, calls = host.load_to_device_per_layer, []
+
+    def broken(*args, **kwargs):
+        calls.append(1)
+        if times is not None and len(calls) >= times:
+            host.load_to_device_per_layer = load_layer
+        raise OSError("host memory unreadable")
+
+    host.load_to_device_per_layer = broken
+    return lambda: setattr(host, "load_to_device_per_layer", load_layer)

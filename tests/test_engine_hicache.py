@@ -17,7 +17,7 @@ from actors.engine.scheduler import Scheduler
 from actors.engine.tiny import build_tiny_checkpoint
 from mem_cache.hicache_storage import HiCacheFile
 from mem_cache.radix_key import RadixKey
-from tests.hicache_helpers import scramble
+from tests.hicache_helpers import break_loads, scramble, watch_requeues
 from tests.parity import assert_greedy_parity
 from tests.tp_helpers import thread_ranks
 
@@ -264,40 +264,6 @@ def generate_in_one_batch(engine, prompts):
     return outs
 
 
-def watch_requeues(engine, prefix):
-    """Every step that requeued requests for a failed load: (the batch's prompts, the prompts
-    requeued, ``prefix`` tokens on the device right after)."""
-    sched, seen = engine.scheduler, []
-    requeue = sched._requeue_failed_loads
-
-    def watched(reqs, read_lens, logits):
-        kept, rows = requeue(reqs, read_lens, logits)
-        if len(kept) < len(reqs):
-            on_device = len(sched.tree_cache.match_prefix(RadixKey(prefix)).device_indices)
-            seen.append(([r.origin_input_ids for r in reqs], [r.origin_input_ids for r in reqs if r not in kept],
-                         on_device))
-        return kept, rows
-
-    sched._requeue_failed_loads = watched
-    return seen
-
-
-def break_loads(controller, times=None):
-    """Host → device copies of ``controller`` fail (the first ``times`` ones, or all until
-    restored); returns the restore function."""
-    host = controller.host_pool
-    load_layer, calls = host.load_to_device_per_layer, []
-
-    def broken(*args, **kwargs):
-        calls.append(1)
-        if times is not None and len(calls) >= times:
-            host.load_to_device_per_layer = load_layer
-        raise OSError("host memory unreadable")
-
-    host.load_to_device_per_layer = broken
-    return lambda: setattr(host, "load_to_device_per_layer", load_layer)
-
-
 def finish_after_requeue(engine, model_dir, rng, system, batch, outs):
     """After a failed load's step: the engine checks clean; the next request with the prefix
     (evicted to the host first) loads it again; every output equals HF's; nothing leaks."""
@@ -317,8 +283,9 @@ def test_a_failed_load_requeues_only_the_request_that_read_it(model_dir, overlap
     """The host → device copy of a request's prefix fails, and so does the copy again, while
     another request is in the same batch. Overlapped with the forward, the step ends: the
     request that read the slots is requeued (its KV freed, the slots lost off the device) and
-    recomputed without the host tier; the other keeps its output. Copied at admission (no
-    overlap), the request computes the prefix itself. Both requests' tokens equal HF's, and
+    recomputed without the host tier, reporting no cached tokens (it reported the 96 it read
+    garbage in); the other keeps its output. Copied at admission (no overlap), the request
+    computes the prefix itself. Both requests' tokens equal HF's, and
     the next request with the prefix loads it from the host again."""
     engine = Engine(model_path=model_dir, skip_tokenizer_init=True, max_total_tokens=256, page_size=4,
                     enable_hierarchical_cache=True, hicache_ratio=4.0, hicache_overlap_load=overlap)
@@ -334,6 +301,7 @@ def test_a_failed_load_requeues_only_the_request_that_read_it(model_dir, overlap
         outs = generate_in_one_batch(engine, [follow, other])
         restore()
         assert requeues == ([([follow, other], [follow], 0)] if overlap else [])
+        assert outs[0]["meta_info"]["cached_tokens"] == 0  # what it reused in the end: not the 96 it read garbage in
         finish_after_requeue(engine, model_dir, rng, system, [follow, other], outs)
     finally:
         engine.shutdown()
@@ -367,6 +335,7 @@ def test_a_load_failing_on_one_tp_rank_requeues_the_request_and_the_group_goes_o
         outs = generate_in_one_batch(engine, [follow, other])
         restore()
         assert requeues == [([follow, other], [follow], 96 if times == 1 else 0)]  # lost on either rank: off the device
+        assert outs[0]["meta_info"]["cached_tokens"] == (96 if times == 1 else 0)  # what its re-admission reused
         finish_after_requeue(engine, model_dir, rng, system, [follow, other], outs)
         if rank:  # a failure rank 0 was not told of is a leak too
             failing._load_errors.append("OSError: injected")

@@ -102,6 +102,12 @@ class Req:
 
     def reset_for_retract(self) -> None:
         """Back to waiting: everything is recomputed (prompt and output so far)."""
+        self.reset_kv()
+        self.num_retractions += 1
+
+    def reset_kv(self) -> None:
+        """No KV, no row, no prefix: its next admission starts over (a retraction's reset,
+        or a requeue's after a failed host-tier load, which is no retraction)."""
         self.prefix_indices = torch.empty(0, dtype=torch.int64)
         self.last_node = None
         self.req_pool_idx = None
@@ -114,4 +120,3 @@ class Req:
         self.kv_only_lock = False
         self.swa_evicted_seqlen = 0
         self.swa_uuid_for_lock = None
-        self.num_retractions += 1

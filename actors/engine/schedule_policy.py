@@ -321,7 +321,7 @@ class PrefillAdmissionMixin:
             if chunk < extend:
                 req.fill_ids = req.fill_ids[: len(req.prefix_indices) + chunk]
                 extend = chunk
-            if new_req and req.num_retractions == 0:
+            if new_req and req.num_retractions == 0:  # (retracted, it would count its own KV as reused)
                 req.cached_tokens = len(req.prefix_indices)
             picked.append(req)
             rem_total -= self._paged(req, extend) + reserve

@@ -231,15 +231,19 @@ class Scheduler(PrefillAdmissionMixin, DecodeRetractionMixin):
         return [reqs[i] for i in kept], logits[torch.tensor(kept, dtype=torch.int64, device=logits.device)]
 
     def _requeue(self, req: Req) -> None:
-        """Free all of ``req``'s KV without caching any of it (a retraction's reset follows)."""
+        """Free all of ``req``'s KV without caching any of it. No retraction: a request not
+        retracted before reports what its re-admission reuses (``cached_tokens``), not the
+        prefix it read garbage in."""
         if req in self.running:
             self.running.remove(req)
         req.kv_committed_len = max(req.kv_committed_len, req.kv_allocated_len)  # the forward's slots too
         try:
             self.tree_cache.cache_finished_req(req, is_insert=False)
         finally:
-            req.reset_for_retract()
+            req.reset_kv()
             req.host_load_failed = True
+            if req.num_retractions == 0:  # (a retracted one's count is its first admission's)
+                req.cached_tokens = 0
 
     def _drop_unread_load_failures(self) -> None:
         """Failed loads no forward read (ended before one ran): logged, nothing to requeue."""
