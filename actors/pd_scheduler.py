@@ -176,9 +176,7 @@ class DecodeScheduler(Scheduler):
         try:  # a failure below (a host-tier load, the allocator) gives back the lock and the row with it
             taken = self._fits(req, prefix_len, prompt_len)  # (a host-tier part of the prefix counts as new slots)
             if taken:
-                self._load_host_prefix(req)  # taken: the host-tier part comes back (only now, see the engine's),
-                if self.host_tier:  # at once: no forward of this request's to overlap it with
-                    self.tree_cache.loading_check()
+                self._load_reserved_host_prefix(req)
                 prefix_len = len(req.prefix_indices)
                 taken = self._alloc_prompt(req, prefix_len, prompt_len)
         except BaseException:
@@ -202,6 +200,28 @@ class DecodeScheduler(Scheduler):
             return True
         req.pd_state = "transfer"
         return True
+
+    def _load_reserved_host_prefix(self, req: Req) -> None:
+        """A taken reservation's host-tier part of the prefix comes back (only now, see the
+        engine's ``_load_host_prefix``), at once: no forward of this request's to overlap it
+        with. A load that fails costs that part, not the step: the request's prefix is matched
+        again on the device only (slots the failed copy left without KV have left it at the
+        unlock), and the prefill side pushes the rest."""
+        self._load_host_prefix(req)
+        if not self.host_tier:
+            return
+        self.tree_cache.loading_check(raise_failed=False)
+        failed = self.tree_cache.take_failed_loads()
+        if failed is None:
+            return
+        logger.error("loading %s's prefix from the host tier failed (%s); matching it on the device only",
+                     req.rid, failed.error)
+        old = req.last_node
+        req.host_load_failed = True  # (its host part is not loaded again)
+        self._match_reserved_prefix(req)
+        req.host_hit_length, req.last_host_node = 0, None
+        self._lock(req)  # the new path first: the old one stays locked all along
+        self.tree_cache.dec_lock_ref(old)  # (a host tier means a plain tree: no SWA or state locks)
 
     def reuse_rule(self) -> ReuseRule:
         """A hybrid model's reservation reads the attention KV of any cached prefix."""

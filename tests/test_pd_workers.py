@@ -17,6 +17,7 @@ from actors.pd_scheduler import PDRequestError
 from actors.kv_push import KVPusher, PushChunk, PushResult
 from actors.workers import DecodeWorker, PrefillWorker
 from mem_cache.radix_key import RadixKey
+from tests.hicache_helpers import break_loads, scramble
 from tests.parity import assert_greedy_parity
 from tests.pd_helpers import make_pair, pause_once, prompts, run_batch, run_pd, until
 from transfer.base import KVHandoff, LayoutMismatchError
@@ -361,6 +362,41 @@ def test_decode_side_host_cache_reloads_a_conversation_so_only_the_new_turn_move
     (handoff,) = [KVHandoff.from_bytes(h) for h in handoffs]
     assert handoff.dst_prefix_len >= 96 and len(handoff.dst_slots) == len(turn) - handoff.dst_prefix_len
     assert final["meta_info"]["cached_tokens"] >= 96
+    assert_greedy_parity(path, [turn], [final["output_ids"]], 8, decode.eos_token_ids)
+    close(prefill, decode)
+
+
+@pytest.mark.parametrize("times", [1, None])
+def test_a_failed_host_load_on_the_decode_side_costs_the_host_part_not_the_step(checkpoints, times):
+    """The decode worker's reservation loads the earlier turn back from host memory and the
+    copy fails — once (the copy again lands) or every time (its slots hold no KV). The step
+    goes on (it raised, failing every request of the worker): the reservation keeps what
+    landed, or matches the prefix on the device only and asks the prefill side for the rest;
+    the tokens equal HF's and nothing leaks."""
+    path = checkpoints["llama"]
+    hicache = {"max_total_tokens": 256, "enable_hierarchical_cache": True, "hicache_ratio": 4.0}
+    prefill, decode = make_pair(path, page_size=4, prefill_args={"max_total_tokens": 1024}, decode_args=hicache)
+    rng, tree = random.Random(6), decode.scheduler.tree_cache
+    first = [rng.randrange(5, 250) for _ in range(96)]
+
+    async def go():
+        final, _, _ = await run_pd(prefill, decode, first, GREEDY)
+        turn = first + final["output_ids"] + [rng.randrange(5, 250) for _ in range(5)]
+        prefill.flush_cache()  # the prefill side computes it all
+        decode.loop.run_exclusive(lambda: tree.evict(256))
+        held = decode.loop.run_exclusive(lambda: tree.match_prefix(RadixKey(turn)).host_hit_length)
+        assert held >= 96  # (the first turn and its answer's whole pages, on the host only)
+        scramble(tree.cache_controller.device_pool)  # what a slot holds if no copy lands in it
+        restore = break_loads(tree.cache_controller, times)
+        try:
+            return turn, held, await run_pd(prefill, decode, turn, GREEDY)
+        finally:
+            restore()
+
+    turn, held, (final, notice, handoffs) = asyncio.run(go())
+    (handoff,) = [KVHandoff.from_bytes(h) for h in handoffs]
+    assert handoff.dst_prefix_len == (held if times == 1 else 0)
+    assert final["meta_info"]["cached_tokens"] == handoff.dst_prefix_len
     assert_greedy_parity(path, [turn], [final["output_ids"]], 8, decode.eos_token_ids)
     close(prefill, decode)
 
