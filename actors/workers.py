@@ -252,6 +252,7 @@ def hicache_stats(controller) -> Dict[str, float]:
         "host_usage": 1.0 - host.available_size() / host.size,
         "device_to_host_tokens": controller.written_tokens,
         "host_to_device_tokens": controller.loaded_tokens,
+        "device_to_host_failed_tokens": controller.failed_written_tokens,
         "host_to_storage_pages": controller.stored_pages,
         "storage_to_host_pages": controller.prefetched_pages + controller.read_pages,
     }

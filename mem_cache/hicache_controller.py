@@ -206,6 +206,7 @@ class HiCacheController(PeerSyncMixin, StorageIOMixin):
         self.op_log: Optional[List[Tuple[str, torch.Tensor, Any]]] = None
         self.written_tokens = 0  # device → host, and host → device, since start (SGLang's hicache metrics)
         self.loaded_tokens = 0
+        self.failed_written_tokens = 0  # device → host copies that failed (the tree dropped their host copy)
         self.peers_read: Optional[Callable[[List[str], torch.Tensor], List[Any]]] = None
         # TP rank 0: ("prefetch_start" | "prefetch_end", payload) → every other rank's reply
         self.peers_prefetch: Optional[Callable[[str, Any], List[Any]]] = None

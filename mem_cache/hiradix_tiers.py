@@ -28,7 +28,9 @@ class HostTierMixin:
     # ---- device → host → storage ---------------------------------------------
     def _backup(self, node: TreeNode, now: bool = True) -> bool:
         """Copy a device node's KV to new host slots (and its pages to storage).
-        False, with nothing changed, when the host has no room even after ``evict_host``.
+        False, with nothing changed, when the host has no room even after ``evict_host``,
+        or the copy fails (logged and counted: it costs the host copy, not the step; a TP
+        follower's failed copy costs it too, see :meth:`_drop_failed_backups`).
         Not ``now``, with ``overlap_write``, the copy runs off the loop: the node has its
         host slots at once, and a lock keeps its device slots until :meth:`writing_check`
         sees the copy done (then its pages go to storage)."""
@@ -41,9 +43,12 @@ class HostTierMixin:
         if now or not controller.overlap_write:
             try:
                 controller.write(host_indices, node.value)
-            except BaseException:
+            except BaseException as exc:
                 self.host_pool.free(host_indices)
-                raise
+                if not isinstance(exc, Exception):
+                    raise
+                self._count_failed_backup(len(host_indices), exc)
+                return False
             node.host_value = host_indices
             self._write_storage(node.hash_value, host_indices)
             return True
@@ -104,7 +109,7 @@ class HostTierMixin:
                 if failure is None:
                     self._write_storage(write.keys, write.host_indices)
                 else:
-                    logger.error("backing up %d tokens to the host tier failed: %r", len(write.host_indices), failure)
+                    self._count_failed_backup(len(write.host_indices), failure)
                     self._drop_host_copy(write)
             except Exception as exc:  # (a synchronous storage write) the other writes still end
                 error = error or exc
@@ -116,6 +121,10 @@ class HostTierMixin:
         if error is not None:
             raise error
         return len(ended)
+
+    def _count_failed_backup(self, num_tokens: int, failure: object) -> None:
+        logger.error("backing up %d tokens to the host tier failed: %r", num_tokens, failure)
+        self.cache_controller.failed_written_tokens += num_tokens
 
     def _ask_peers_about_writes(self) -> Optional[torch.Tensor]:
         """(TP rank 0, backups just ended) The host slots the other ranks' copies failed to

@@ -346,6 +346,43 @@ def test_a_load_failing_on_one_tp_rank_requeues_the_request_and_the_group_goes_o
         engine.shutdown()
 
 
+def test_a_backup_failing_on_rank_0_costs_that_host_copy_not_the_step(model_dir):
+    """Write-through backups made at once: the copy of a prompt's backup fails. The step goes
+    on (it raised, failing the request): the prompt stays on the device without a host copy,
+    the failure is counted; the engine checks clean, and the next request with the prompt
+    hits it, backs it up again and gets HF's tokens."""
+    engine = Engine(model_path=model_dir, skip_tokenizer_init=True, max_total_tokens=256, page_size=4,
+                    enable_hierarchical_cache=True, hicache_ratio=4.0, hicache_overlap_write=False)
+    try:
+        tree, rng = engine.scheduler.tree_cache, random.Random(12)
+        controller, failed = tree.cache_controller, []
+        host = controller.host_pool
+        backup = host.backup_from_device_all_layer
+
+        def broken(device_pool, host_indices, device_indices):
+            host.backup_from_device_all_layer = backup
+            failed.append(len(host_indices))
+            raise OSError("host memory unwritable")
+
+        host.backup_from_device_all_layer = broken
+        prompt = tokens(rng, 40)
+        out = engine.generate(input_ids=prompt, sampling_params=GREEDY)
+        assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 8}  # (not the step's failure)
+        match = tree.match_prefix(RadixKey(prompt))
+        assert failed == [40] and len(match.device_indices) == 40 and not match.last_device_node.backuped
+        assert controller.failed_written_tokens == 40
+        engine.check_integrity()
+        follow = prompt + tokens(rng, 3)
+        outs = [out, engine.generate(input_ids=follow, sampling_params=GREEDY)]
+        assert outs[1]["meta_info"]["cached_tokens"] >= 40
+        assert tree.match_prefix(RadixKey(prompt)).last_device_node.backuped
+        assert_greedy_parity(model_dir, [prompt, follow], [o["output_ids"] for o in outs], 8, [])
+        engine.flush_cache()
+        engine.check_integrity()
+    finally:
+        engine.shutdown()
+
+
 def test_a_backup_failing_on_a_tp_follower_costs_that_host_copy_not_the_group(model_dir, monkeypatch):
     """TP 2 (thread ranks), backups off the loop: the follower's copy of a prompt's backup fails.
     Its loop goes on (it used to raise, breaking the group); rank 0 hears of it when it ends the
