@@ -17,7 +17,7 @@ from actors.pd_scheduler import PDRequestError
 from actors.kv_push import KVPusher, PushChunk, PushResult
 from actors.workers import DecodeWorker, PrefillWorker
 from mem_cache.radix_key import RadixKey
-from tests.hicache_helpers import break_loads, scramble
+from tests.hicache_helpers import break_loads, scramble, watch_requeues
 from tests.parity import assert_greedy_parity
 from tests.pd_helpers import make_pair, pause_once, prompts, run_batch, run_pd, until
 from transfer.base import KVHandoff, LayoutMismatchError
@@ -334,6 +334,39 @@ def test_prefill_side_host_cache_reloads_an_evicted_prefix_and_pushes_it(checkpo
     assert before["host_to_device_tokens"] == 0 and stats["host_to_device_tokens"] >= 96
     assert stats["device_to_host_tokens"] >= stats["host_to_device_tokens"] and 0 < stats["host_usage"] <= 1
     assert "hicache" not in decode.load()
+    close(prefill, decode)
+
+
+def test_a_failed_host_load_on_the_prefill_side_requeues_the_request_and_pushes_its_recompute(checkpoints):
+    """A prefill worker's load of a system prompt back from host memory fails, and so does
+    the copy again, while the forward reading it runs: the request is requeued (its slots
+    freed, the lost ones off the device), recomputed without the host tier and then pushed
+    (the decode side holds none of the prompt); its notice reports no cached tokens, the
+    tokens equal HF's and nothing leaks on either side."""
+    path = checkpoints["llama"]
+    prefill, decode = make_pair(path, page_size=4, prefill_args={
+        "max_total_tokens": 256, "enable_hierarchical_cache": True, "hicache_ratio": 4.0})
+    rng, tree = random.Random(7), prefill.scheduler.tree_cache
+    system = [rng.randrange(5, 250) for _ in range(96)]
+    follow = system + [rng.randrange(5, 250) for _ in range(5)]
+
+    async def go():
+        await run_pd(prefill, decode, system + [7, 8, 9, 10], GREEDY)
+        await until(lambda: not prefill.loop.run_exclusive(prefill.scheduler.has_work), what="the prompt cached")
+        prefill.loop.run_exclusive(lambda: tree.evict(256))
+        decode.flush_cache()  # the whole prompt moves
+        scramble(tree.cache_controller.device_pool)  # what a slot holds if no copy lands in it
+        restore = break_loads(tree.cache_controller)
+        try:
+            return await run_pd(prefill, decode, follow, GREEDY)
+        finally:
+            restore()
+
+    requeues = watch_requeues(prefill, system)
+    final, notice, handoffs = asyncio.run(go())
+    assert requeues == [([follow], [follow], 0)] and notice["cached_tokens"] == 0
+    assert KVHandoff.from_bytes(handoffs[0]).dst_prefix_len == 0
+    assert_greedy_parity(path, [follow], [final["output_ids"]], 8, decode.eos_token_ids)
     close(prefill, decode)
 
 
