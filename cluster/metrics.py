@@ -39,6 +39,8 @@ class _WorkerCounters:
         ("worker_kv_bytes_pushed", "KV bytes a prefill worker pushed", None, [(None, ("bytes_pushed",))]),
         ("worker_hicache_tokens", "hierarchical cache: tokens copied between device and host (backups, load "
          "backs)", "direction", [(d, ("hicache", f"{d}_tokens")) for d in ("device_to_host", "host_to_device")]),
+        ("worker_hicache_backup_failed_tokens", "hierarchical cache: tokens whose device-to-host backup failed "
+         "(their host copy dropped)", None, [(None, ("hicache", "device_to_host_failed_tokens"))]),
         ("worker_hicache_storage_pages", "hierarchical cache: pages written to and read from the storage tier",
          "direction", [(d, ("hicache", f"{d}_pages")) for d in ("host_to_storage", "storage_to_host")]),
     )
