@@ -106,7 +106,7 @@ class PrefillScheduler(Scheduler):
         self.progressed = bool(out) or self.runner.num_forwards != before
         return out
 
-    def _request_reserve(self, req: Req) -> int:
+    def _request_reserve(self, req: Req, kv_len: Optional[int] = None) -> int:
         return 0  # it never decodes: the decode worker reserves for the new tokens
 
     def check_request(self, req: Req) -> None:

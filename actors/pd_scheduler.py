@@ -242,8 +242,11 @@ class DecodeScheduler(Scheduler):
         """Room for the uncached prompt plus the request's decode reserve, after what the
         running and transferring requests will still need. A sliding-window model needs
         SWA slots only for the part of the prompt in its last window. Paged, the prompt's
-        slots are whole pages, as the allocator takes them."""
-        reserve = min(self.num_reserved_decode_tokens, req.sampling_params.max_new_tokens)
+        slots are whole pages, as the allocator takes them, and so is its reserve: the pages its
+        first ``num_reserved_decode_tokens`` new tokens fill after the prompt (each request's own,
+        as the engine counts the running and transferring requests')."""
+        reserved_tokens = min(self.num_reserved_decode_tokens, req.sampling_params.max_new_tokens)
+        reserve = self._paged_after(prompt_len, reserved_tokens)
         full, swa = self._prefill_room()
         if self._paged_after(prefix_len, prompt_len - prefix_len) + reserve + self.page_size > full:
             return False

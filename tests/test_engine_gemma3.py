@@ -230,12 +230,14 @@ def test_gemma3_final_soft_cap_runs_in_the_model_dtype(model_dir, monkeypatch):
 @pytest.mark.parametrize("page_size, lens, max_new_tokens, pools", [
     (4, (5,) * 10, 1, (256, 64)),  # a 5-token prompt takes 8 SWA slots: two pages, not 5 tokens and a slack page
     (32, (5, 9, 13, 3, 7, 11), 32, (1024, 256)),  # the 16-token window in 32-slot pages: 64 slots at decode
+    (4, (7,) * 10, 3, (256, 64)),  # a running request's last 2 tokens start a page: 4 SWA slots each, not 2
 ])
 def test_gemma3_paged_admission_plans_only_what_allocates(model_dir, monkeypatch, page_size, lens, max_new_tokens,
                                                           pools):
     """Paged, a request's SWA KV is whole pages: its prompt's (rounded up) and at decode a window
     from ``window_start``, ``ceil(window / page)`` pages, plus the newest token's page. The
-    admission estimate counts them so, with the decode reserve taken whole (ratio 1): every
+    admission estimate counts them so, with each request's decode reserve in its own pages
+    and taken whole (ratio 1): every
     planned prefill batch allocates as planned and no decode step retracts."""
     import actors.engine.schedule_policy as schedule_policy
 

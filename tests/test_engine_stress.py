@@ -8,11 +8,17 @@ tokens equal to HF's and nothing leaked."""
 import random
 import string
 import threading
+from types import SimpleNamespace
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from actors.engine import Engine
 from actors.engine.finish import decode_after
+from actors.engine.req import Req
+from actors.engine.sampling_params import SamplingParams
+from actors.engine.schedule_policy import PrefillAdmissionMixin
 from actors.engine.tiny import VOCAB_SIZE, build_tiny_checkpoint
 from tests.parity import assert_greedy_parity
 
@@ -87,6 +93,94 @@ def test_a_batch_of_short_prompts_is_planned_in_whole_pages(checkpoints, family,
         assert_greedy_parity(model_dir, batch[:4], [o["output_ids"] for o in outs[:4]], 8, [])
     finally:
         engine.shutdown()
+
+
+def test_decode_reserves_are_counted_in_each_requests_pages(checkpoints, monkeypatch):
+    """Twelve 10-token prompts with 10 new tokens each on 16-token pages, the reserve taken whole
+    (ratio 1): each request's KV ends in its second page. Counted as a total of tokens (10 a
+    request), nine were admitted at once, their decode ran out of pages and retracted; counted
+    in each request's pages, the first batch is the seven whose two pages fit with the slack
+    page, and nothing retracts."""
+    import actors.engine.schedule_policy as schedule_policy
+
+    engine = Engine(model_path=checkpoints["llama"], skip_tokenizer_init=True, page_size=16, max_total_tokens=256,
+                    init_new_token_ratio=1.0, min_new_token_ratio=1.0)
+    rng, batches, prepare = random.Random(2), [], schedule_policy.prepare_for_extend
+
+    def recording_prepare(reqs, *args):
+        batches.append(len(reqs))
+        return prepare(reqs, *args)
+
+    monkeypatch.setattr(schedule_policy, "prepare_for_extend", recording_prepare)
+    prompts = [[rng.randrange(5, VOCAB_SIZE) for _ in range(10)] for _ in range(12)]
+    try:
+        outs = generate_within(engine, prompts, {"max_new_tokens": 10, "temperature": 0, "ignore_eos": True})
+        assert all(len(o["output_ids"]) == 10 for o in outs)
+        assert batches[0] == 7 and engine.scheduler.num_retractions == 0, (batches, engine.scheduler.num_retractions)
+        engine.check_integrity()
+    finally:
+        engine.shutdown()
+
+
+class _Room(PrefillAdmissionMixin):
+    """The admission mixin's reserve arithmetic over ``FREE`` free slots (as many SWA slots with
+    a ``window``) while ``running`` decode."""
+
+    FREE = 1 << 20
+
+    def __init__(self, page_size, ratio, running, window=None):
+        self.page_size, self.new_token_ratio, self.running, self.swa = page_size, ratio, running, window is not None
+        self.tree_cache = SimpleNamespace(sliding_window_size=window)
+
+    def _free_room(self):
+        return self.FREE, self.FREE if self.swa else None
+
+
+def _pages(ps, start, end):
+    return {p // ps for p in range(start, end)}
+
+
+def _swa_peak(ps, window, kv_len, num_tokens):
+    """SWA slots a decoding request takes over what it holds now, at its fullest: decoding the
+    token at ``p`` first frees what slid out of the window (``window_start(p)``: the window before
+    ``p``'s page, floored to pages), then takes ``p``'s page."""
+    def window_start(n):
+        return max(0, n - n % ps - window) // ps * ps
+
+    held = len(_pages(ps, window_start(kv_len), kv_len))
+    return max([0] + [len(_pages(ps, window_start(p), p + 1)) - held for p in range(kv_len, kv_len + num_tokens)]) * ps
+
+
+@settings(max_examples=150, deadline=None)
+@given(page_size=st.sampled_from([1, 2, 4, 16]), ratio=st.floats(0.05, 1.0), window=st.sampled_from([None, 4, 16]),
+       reqs=st.lists(st.tuples(st.integers(1, 60), st.integers(0, 30), st.integers(0, 40)), max_size=8))
+def test_the_decode_reserve_is_the_pages_each_request_fills(page_size, ratio, window, reqs):
+    """The decode reserve is, request by request, the slots of the pages its expected new tokens
+    (remaining × ratio) touch past the pages its KV holds — a decoding request's last sampled
+    token has none yet, a PD reservation's prompt all of it — counted by brute force over its
+    positions; one being admitted counts from its whole sequence. With sliding-window layers,
+    each request's SWA reserve covers what its decode takes at its fullest."""
+    running, full_need, swa_peak = [], 0, 0
+    for prompt_len, num_out, more in reqs:
+        req = Req(f"r{len(running)}", [1] * prompt_len, SamplingParams(max_new_tokens=num_out + more),
+                  output_ids=[1] * num_out)
+        req.kv_allocated_len = req.seqlen - 1 if num_out else req.seqlen
+        running.append(req)
+        expected, kv = int(more * ratio), req.kv_allocated_len
+        full_need += len(_pages(page_size, kv, kv + expected) - _pages(page_size, 0, kv)) * page_size
+        if window is not None:
+            swa_peak += _swa_peak(page_size, window, kv, expected)
+    room = _Room(page_size, ratio, running, window)
+    full, swa = room._prefill_room()
+    assert room.FREE - full == full_need
+    if page_size == 1:  # each request's expected tokens
+        assert full_need == sum(int(more * ratio) for *_, more in reqs)
+    if window is not None:
+        assert swa_peak <= room.FREE - swa <= full_need
+    for req in running:
+        expected = int((req.sampling_params.max_new_tokens - len(req.output_ids)) * ratio)
+        pages = _pages(page_size, req.seqlen, req.seqlen + expected) - _pages(page_size, 0, req.seqlen)
+        assert room._request_reserve(req) == len(pages) * page_size
 
 
 def test_a_failed_batch_gives_back_a_copied_mamba_state_once(checkpoints, monkeypatch):

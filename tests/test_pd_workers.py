@@ -272,6 +272,22 @@ def test_gemma3_paged_decode_reservations_fit_in_whole_pages(checkpoints):
     close(prefill, decode)
 
 
+def test_decode_reservations_count_each_requests_reserve_in_its_own_pages(checkpoints):
+    """Pages of 16, a 256-slot decode pool, the ratio 1: twelve 10-token prompts reserving 10
+    new tokens each, whose KV ends in their second page. Counted as tokens, the reserves of
+    those reserved (and then of those decoding) left room for nine — eighteen pages — and the
+    decode retracted; counted in each request's pages, those that fit decode to the end."""
+    path = checkpoints["llama"]
+    decode_args = {"max_total_tokens": 256, "init_new_token_ratio": 1.0, "min_new_token_ratio": 1.0}
+    prefill, decode = make_pair(path, page_size=16, decode_args=decode_args, num_reserved_decode_tokens=10)
+    batch = prompts(12, 10, 10, seed=30)
+    params = {"max_new_tokens": 10, "temperature": 0, "ignore_eos": True}
+    results = run_batch(prefill, decode, batch, params)
+    assert all(len(r[0]["output_ids"]) == 10 for r in results)
+    assert decode.scheduler.num_retractions == 0
+    close(prefill, decode)
+
+
 def test_a_window_without_swa_kv_is_not_pushed(checkpoints):
     """SWA slot 0 is the padding row: a source window with a gap fails the push, never sends it."""
     path = checkpoints["gemma3"]

@@ -254,8 +254,9 @@ class DecodeRetractionMixin:
         full_need = swa_need = 0
         for req in reqs:
             steps = max(1, min(RETRACT_DECODE_STEPS, req.sampling_params.max_new_tokens - len(req.output_ids)))
-            full_need += self._paged_after(req.seqlen - 1, steps)  # (the last sampled token has no KV yet)
-            swa_need += self._swa_reserve(steps)
+            need = self._paged_after(req.seqlen - 1, steps)  # (the last sampled token has no KV yet)
+            full_need += need
+            swa_need += self._swa_reserve(need)
         full, swa = self._free_room()
         return full_need <= full and (swa is None or swa_need <= swa)
 

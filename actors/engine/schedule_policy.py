@@ -4,8 +4,9 @@
 
 A prefill is admitted only if its tokens plus a reserve for the running
 requests' future decode tokens (``remaining max_new_tokens ×
-new_token_ratio``) fit in free + evictable slots (for a sliding-window model,
-the smaller of its full and SWA pools); a long prompt is cut into
+new_token_ratio``, each request's in the whole pages they fill after its own
+KV) fit in free + evictable slots (for a sliding-window model, also in its
+SWA pool); a long prompt is cut into
 ``chunked_prefill_size`` chunks. A hybrid model's request whose cached Mamba
 state cannot be copied (every state slot held) waits, as for any failed
 allocation.
@@ -187,21 +188,20 @@ class PrefillAdmissionMixin:
         full pool, and of the SWA pool (None without sliding-window layers). Every token of
         a prefill chunk takes an SWA slot, but the tokens of earlier chunks that slid out
         of the window are the tree's to evict, so the SWA pool bounds a chunk, not a prompt."""
-        reserve = self._decode_reserve()
+        reserves = [self._request_reserve(r, r.kv_allocated_len) for r in self._decoding_reqs()]
         full, swa = self._free_room()
         if swa is None:
-            return full - reserve, None
-        return full - reserve, swa - self._swa_reserve(reserve, len(self._decoding_reqs()))
+            return full - sum(reserves), None
+        return full - sum(reserves), swa - sum(self._swa_reserve(n) for n in reserves)
 
-    def _swa_reserve(self, reserve: int, num_reqs: int = 1) -> int:
-        """SWA slots of ``reserve`` decode tokens of ``num_reqs`` requests, in whole pages: a
-        decoding request holds at most :meth:`_swa_window_slots` and the newest token's page,
-        and it holds a page already, so it takes at most a window's slots more; past that each
-        new page of a request frees one."""
+    def _swa_reserve(self, reserve: int) -> int:
+        """SWA slots of one request's decode reserve of ``reserve`` full slots (whole pages: the
+        SWA pages are allocated as the full ones): a decoding request holds at most
+        :meth:`_swa_window_slots` and the newest token's page, and it holds a page already, so
+        it takes at most a window's slots more; past that each new page of it frees one."""
         if not self.swa:
             return reserve
-        ps = self.page_size
-        return min(-(-reserve // ps) * ps, self._swa_window_slots() * num_reqs)
+        return min(reserve, self._swa_window_slots())
 
     def _swa_window_slots(self) -> int:
         """SWA slots of a decoding request's window before its newest token's page: paged,
@@ -209,17 +209,19 @@ class PrefillAdmissionMixin:
         ps = self.page_size
         return -(-self.tree_cache.sliding_window_size // ps) * ps
 
-    def _request_reserve(self, req: Req) -> int:
-        """Slots a newly admitted request is expected to need for its future decode tokens."""
-        return int(max(req.sampling_params.max_new_tokens - len(req.output_ids), 0) * self.new_token_ratio)
+    def _request_reserve(self, req: Req, kv_len: Optional[int] = None) -> int:
+        """Slots of the whole pages a request's expected decode tokens (remaining
+        ``max_new_tokens`` × ``new_token_ratio``) take after the KV of its first ``kv_len``
+        tokens: by default all of them (a request being admitted, once prefilled); a decoding
+        one's last sampled token has none yet. Each request fills its own pages: counted as a
+        total of tokens, requests admitted together were short of up to a page each, and
+        decode retracted them."""
+        expected = int(max(req.sampling_params.max_new_tokens - len(req.output_ids), 0) * self.new_token_ratio)
+        return self._paged_after(req.seqlen if kv_len is None else kv_len, expected)
 
     def _decoding_reqs(self) -> List[Req]:
-        """The requests whose future decode tokens are reserved for."""
+        """The requests whose future decode tokens are reserved for (after the KV in their rows)."""
         return self.running
-
-    def _decode_reserve(self) -> int:
-        remaining = sum(max(r.sampling_params.max_new_tokens - len(r.output_ids), 0) for r in self._decoding_reqs())
-        return int(remaining * self.new_token_ratio)
 
     def _next_prefill(self):
         """The next prefill batch and its forward batch (None, None: none can run now). If

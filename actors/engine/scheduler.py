@@ -6,7 +6,8 @@ control path reads top to bottom in :meth:`Scheduler.step`.
 
 Memory rules (seed 000 §10.4): a prefill is admitted only if its tokens plus
 a reserve for the running requests' future decode tokens
-(``remaining max_new_tokens × new_token_ratio``) fit in free + evictable
+(``remaining max_new_tokens × new_token_ratio``, in each request's whole
+pages) fit in free + evictable
 slots (for a sliding-window model, the smaller of its full and SWA pools); a
 long prompt is cut into ``chunked_prefill_size`` chunks cached with
 ``cache_unfinished_req``; when a decode step cannot get its slots even after
