@@ -7,9 +7,11 @@ load) when the client has one, round-robin otherwise; then::
 
 A failure on either side (an actor died, a transfer failed or timed out)
 ends the attempt within the configured timeouts and tells the other side to
-free what it holds; a worker that misses ``heartbeat_max_failures``
-heartbeats in a row leaves the rotation; one a heartbeat finds broken leaves
-it at once, and the calls waiting on it fail then. An attempt whose prefill or decode
+free what it holds. Which workers are in the rotation, the calls to them and
+the heartbeats that check them are :mod:`cluster.pd_rotation`'s (a worker
+that misses ``heartbeat_max_failures`` heartbeats in a row leaves the
+rotation; one a heartbeat finds broken leaves it at once, and the calls
+waiting on it fail then). An attempt whose prefill or decode
 worker died, was unavailable or reported itself broken (:class:`WorkerLostError`) before anything
 was yielded to the caller is retried on a new pair without that worker, up
 to ``max_retries`` times after a short backoff (as SGLang's router and Ray
@@ -26,50 +28,20 @@ import logging
 import random
 import time
 import uuid
-from dataclasses import dataclass, field
 from contextlib import aclosing
 from typing import Any, AsyncIterator, Dict, List, Optional, Set
 
-import ray
-
-from actors.pd_scheduler import PDRequestError, WorkerBrokenError, is_worker_death
+from actors.pd_scheduler import PDRequestError, is_worker_death
 from actors.router import call_method
 from cluster.aio import wait_for
+from cluster.pd_rotation import WorkerLostError, WorkerRef, WorkerRotation
 from transfer import select_backend
 
 logger = logging.getLogger(__name__)
 RETRY_BACKOFF_MAX_S = 1.0  # the longest pause before a retry (the backoff doubles from retry_backoff_s)
 
 
-@dataclass
-class WorkerRef:
-    """A worker actor as the client sees it."""
-
-    worker_id: str
-    role: str
-    handle: Any
-    node_id: str
-    alive: bool = True  # in the rotation
-    dead: bool = False  # its actor is gone: it writes nothing more (out of the rotation for good)
-    suspended: bool = False  # out of the rotation for missed heartbeats: back when it answers again
-    missed_heartbeats: int = 0
-    inflight: int = 0
-    stats: Dict[str, Any] = field(default_factory=dict)
-    followers: List[Any] = field(default_factory=list)  # TP ranks > 0
-    watcher: Any = None  # rank 0's watch over its followers (an ObjectRef that resolves when one is gone)
-    placement_group: Any = None
-
-
-class WorkerLostError(PDRequestError):
-    """A call to ``worker`` failed because its actor died or it reports itself broken (``died``),
-    or it was unavailable: the request may go to another worker if nothing of it was delivered yet."""
-
-    def __init__(self, message: str, worker: WorkerRef, died: bool):
-        super().__init__(message)
-        self.worker, self.died = worker, died
-
-
-class PDClient:
+class PDClient(WorkerRotation):
     """Runs requests through the cluster; one per driver (the router later)."""
 
     def __init__(self, prefill: List[WorkerRef], decode: List[WorkerRef], backend: str = "shm", tokenizer=None,
@@ -97,17 +69,7 @@ class PDClient:
         # per worker id, a future per call waiting on it: a heartbeat that finds it broken ends them
         self._waiting_on: Dict[str, Set[asyncio.Future]] = {}
 
-    # ---- choosing workers -----------------------------------------------------------
-    def _candidates(self, role: str, exclude: Set[str] = frozenset()) -> List[WorkerRef]:
-        return [w for w in (self.prefill if role == "prefill" else self.decode)
-                if w.alive and w.worker_id not in exclude]
-
-    def _pick(self, role: str, exclude: Set[str] = frozenset()) -> WorkerRef:
-        pool = self._candidates(role, exclude)
-        if not pool:
-            raise PDRequestError(f"no live {role} worker")
-        return pool[next(self._rr[role]) % len(pool)]
-
+    # ---- choosing a pair -------------------------------------------------------------
     async def _pick_pair(self, rid: str, input_ids: List[int], exclude: Set[str] = frozenset(), attempt: int = 0):
         """(prefill, decode, room) for attempt ``attempt`` of a request: the router's decision, or
         round-robin without one; never a worker in ``exclude`` (those that failed an earlier
@@ -175,19 +137,6 @@ class PDClient:
         except Exception as exc:  # the router is gone (a new one counts load afresh) or hung: it drops the
             # route once neither worker holds the request (route_grace_s), route_ttl_s at the latest
             logger.warning("router release of %s failed: %s", rid, exc)
-
-    def _mark_dead(self, worker: WorkerRef, why: str, died: bool = True) -> None:
-        """Out of the rotation: for good if ``died`` (its actor is gone), else until it answers a
-        heartbeat again (a long step or a pause; it may still be pushing, so it is never taken
-        for a process that writes nothing)."""
-        if worker.alive:
-            logger.warning("worker %s leaves the rotation: %s", worker.worker_id, why)
-        worker.alive = False
-        if died:
-            worker.dead, worker.suspended = True, False
-        elif not worker.dead:
-            worker.suspended = True
-
     # ---- requests ---------------------------------------------------------------------
     async def generate(self, input_ids: List[int], sampling_params: Optional[Dict[str, Any]] = None,
                        rid: Optional[str] = None) -> Dict[str, Any]:
@@ -316,65 +265,6 @@ class PDClient:
         deadline = time.monotonic() + timeout_s
         while self._live_rids and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
-
-    async def _call(self, worker: WorkerRef, ref, timeout_s: float, rid: str):
-        try:  # (a client gone as a token came: not decoded to the end)
-            return await self._unless_broken(worker, wait_for(ref, timeout_s))
-        except ray.exceptions.ActorUnavailableError as exc:  # maybe back later (a blip): heartbeats decide
-            raise WorkerLostError(f"{worker.role} worker {worker.worker_id} was unavailable while serving {rid}",
-                                  worker, died=False) from exc
-        except ray.exceptions.RayActorError as exc:
-            self._mark_dead(worker, type(exc).__name__)
-            raise WorkerLostError(f"{worker.role} worker {worker.worker_id} died while serving {rid}",
-                                  worker, died=True) from exc
-        except asyncio.TimeoutError as exc:
-            raise PDRequestError(f"{worker.role} worker {worker.worker_id} did not answer within {timeout_s}s") from exc
-        except ray.exceptions.RayTaskError as exc:
-            cause = exc.as_instanceof_cause()
-            if isinstance(cause, WorkerBrokenError):
-                raise self._lost_to_broken(worker, rid, cause) from exc
-            if isinstance(cause, (PDRequestError, ValueError)):
-                raise cause from None
-            raise PDRequestError(f"{worker.role} worker {worker.worker_id}: {exc}") from exc
-        except WorkerBrokenError as exc:  # (an in-process worker's, or the heartbeat's finding)
-            raise self._lost_to_broken(worker, rid, exc) from exc
-
-    async def _unless_broken(self, worker: WorkerRef, call) -> Any:
-        """``await call``, or its ``WorkerBrokenError`` as soon as ``worker`` is found broken
-        (:meth:`_broken`): a worker whose TP rank is gone may answer nothing more, and the request
-        would hold its other side's slots until its timeout."""
-        broken = asyncio.get_running_loop().create_future()
-        waiting = self._waiting_on.setdefault(worker.worker_id, set())
-        waiting.add(broken)
-        task = asyncio.ensure_future(call)
-        try:
-            await asyncio.wait((task, broken), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            waiting.discard(broken)
-            if not task.done():
-                task.cancel()
-        if task.done():
-            return task.result()
-        raise broken.result()
-
-    def _lost_to_broken(self, worker: WorkerRef, rid: str, exc: BaseException) -> "WorkerLostError":
-        """A call of ``rid`` failed because ``worker`` is broken: the request may go elsewhere, as
-        when its actor died (:meth:`_broken`)."""
-        self._broken(worker, exc)
-        return WorkerLostError(f"{worker.role} worker {worker.worker_id} is broken ({exc}) while serving {rid}",
-                               worker, died=True)
-
-    def _broken(self, worker: WorkerRef, exc: BaseException) -> None:
-        """``worker`` reports itself broken (a TP rank gone, a transfer lane broken; to a call or a
-        heartbeat): it serves nothing more. Out of the rotation, but never taken for dead — its
-        process lives and may yet hold a push, so its requests are still told to abort — and every
-        call waiting on it ends now: each attempt on it fails as a lost worker's (its other side
-        aborted, its route released, retried on a new pair if nothing was delivered yet)."""
-        self._mark_dead(worker, f"it is broken ({exc})", died=False)
-        for waiting in self._waiting_on.pop(worker.worker_id, ()):
-            if not waiting.done():
-                waiting.set_result(exc)
-
     async def _stop_prefill(self, prefill: WorkerRef, rid: str, room: int) -> bool:
         """Make sure ``prefill`` will not push the KV of ``rid``'s attempt ``room`` (its
         hand-offs' room; the client may send the id again); True when that is certain."""
@@ -401,45 +291,6 @@ class PDClient:
                 return True
             logger.warning("could not abort %s on %s", rid, worker.worker_id)
         return False
-
-    # ---- heartbeats --------------------------------------------------------------------
-    async def heartbeat_once(self) -> None:
-        workers = [w for w in self.prefill + self.decode if w.alive or w.suspended]
-
-        async def ping(w: WorkerRef) -> None:
-            try:
-                # a TP worker's rank 0 watches its followers: load() fails once one is gone
-                report = await asyncio.wait_for(w.handle.load.remote(), timeout=self.heartbeat_interval_s)
-                # (the requests it holds, by id and room, are for the router's reconciliation; not in /workers)
-                w.stats = {k: v for k, v in report.items() if k not in ("rids", "rooms")}
-                w.missed_heartbeats = 0
-            except Exception as exc:
-                w.missed_heartbeats += 1
-                broken = exc.as_instanceof_cause() if isinstance(exc, ray.exceptions.RayTaskError) else exc
-                if isinstance(broken, WorkerBrokenError):  # (its process lives: not dead, as is_worker_death has it)
-                    self._broken(w, broken)
-                    return
-                died = is_worker_death(exc)
-                if died or w.missed_heartbeats >= self.heartbeat_max_failures:
-                    self._mark_dead(w, f"{w.missed_heartbeats} missed heartbeats ({type(exc).__name__})", died=died)
-                return
-            if w.suspended:  # it answers again (never a dead one): back in the rotation
-                logger.warning("worker %s is back in the rotation", w.worker_id)
-                w.alive, w.suspended = True, False
-
-        await asyncio.gather(*(ping(w) for w in workers))
-
-    def start_heartbeats(self) -> None:
-        async def run():
-            while True:
-                await self.heartbeat_once()
-                await asyncio.sleep(self.heartbeat_interval_s)
-
-        self._heartbeat_task = asyncio.get_running_loop().create_task(run())
-
-    def stop_heartbeats(self) -> None:
-        if self._heartbeat_task is not None:
-            self._heartbeat_task.cancel()
 
 
 def _failed_push(exc: BaseException) -> bool:
