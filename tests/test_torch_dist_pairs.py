@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import transfer.backends.torch_dist as torch_dist
+import transfer.backends.dist_pairs as dist_pairs
 from tests.transfer_helpers import RankSpec, build_pool
 from transfer import KVHandoff, KVPoll, KVReceiver, KVSender, create_agent
 
@@ -102,14 +102,14 @@ def test_a_hello_later_than_the_decode_side_waits_is_refused_at_once(agents, mon
 
     receiver, sender = KVReceiver(decode, "r", 1), KVSender(prefill, "r")
     handoff = receiver.send_metadata([5, 6])  # (the decode agent's store server is up)
-    monkeypatch.setattr(torch_dist.dist, "TCPStore", StallingStore)
+    monkeypatch.setattr(dist_pairs.dist, "TCPStore", StallingStore)
     sender.init(KVHandoff.from_bytes(handoff.to_bytes()))
     began = time.monotonic()
     sender.send([1, 2])
     assert sender.poll() == KVPoll.Failed and "gave up" in sender.failure_reason()
     assert time.monotonic() - began < 2.0
     assert prefill._links == {}
-    monkeypatch.setattr(torch_dist.dist, "TCPStore", real_store)
+    monkeypatch.setattr(dist_pairs.dist, "TCPStore", real_store)
     push_one(prefill, decode, [3, 4], [7, 8])
 
 
@@ -180,7 +180,7 @@ def test_a_silent_peer_is_given_up_after_its_keepalives_stop(agents, monkeypatch
     push_one(prefill, decode, [3, 4], [7, 8])
     time.sleep(0.6)  # three times the silence the reader allows: the keepalives hold the pair open
     assert len(_readers(decode)) == 1
-    monkeypatch.setattr(torch_dist._Link, "keepalive", lambda link, idle_s: None)  # the host goes silent
+    monkeypatch.setattr(dist_pairs._Link, "keepalive", lambda link, idle_s: None)  # the host goes silent
     assert _eventually(lambda: not _readers(decode), 2.0)
     assert _eventually(lambda: decode._store.list_keys() == ["peers"]), decode._store.list_keys()
     monkeypatch.undo()
@@ -200,7 +200,7 @@ def test_a_peer_without_keepalives_keeps_an_unbounded_wait(agents):
     pg = dist.ProcessGroupGloo(dist.PrefixStore(f"pair/{k}", store), 1, 2, datetime.timedelta(seconds=2))
     time.sleep(0.5)
     assert len(_readers(decode)) == 1
-    pg.send([torch.tensor([torch_dist._BYE, 0], dtype=torch.int64)], 0, 0).wait()
+    pg.send([torch.tensor([dist_pairs._BYE, 0], dtype=torch.int64)], 0, 0).wait()
     assert _eventually(lambda: not _readers(decode))
 
 
