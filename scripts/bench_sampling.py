@@ -24,8 +24,14 @@ sorts and ``multinomial`` row by row with CPU generators —, "batched" as
 :func:`~actors.engine.sampling.pick_tokens` does it now, on the logits' device (one sort, an
 exponential race, the tokens copied back).
 
+The third ("top-p") times ``pick_tokens`` with top-p 0.95 alone (temperature 0.8, every other row
+seeded), the filters on whole sorted rows (``FIRST_HEAD`` the vocab: the sort it did before) and
+on each row's largest first (:func:`~actors.engine.sampling.filter_sorted_probs`), over
+standard-normal logits times 5 ("peaked": a nucleus of tens to a few hundred tokens, as a model's
+usually is) or times 1 ("flat": most of the vocab, where every row ends in the whole sort).
+
     python scripts/bench_sampling.py [--device cpu] [--batches 1 32 256] [--vocabs 32000 152000]
-                                     [--tables adjust draw]
+                                     [--tables adjust draw top-p]
 """
 
 from __future__ import annotations
@@ -36,11 +42,13 @@ import sys
 import time
 from pathlib import Path
 from typing import Callable, List
+from unittest import mock
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from actors.engine import sampling  # noqa: E402
 from actors.engine.req import Req  # noqa: E402
 from actors.engine.sampling import (filter_probs, logit_adjustments, make_generator, pick_tokens,  # noqa: E402
                                     sample_next)
@@ -97,15 +105,36 @@ def per_row_draw(logits: torch.Tensor, params: List[SamplingParams], generators:
             for row, p, gen in zip(rows, params, generators)]
 
 
+def seeded_draws(batch: int, draw: dict, device: str):
+    """``batch`` rows of ``draw``'s parameters, every other one seeded, and their generators on ``device``."""
+    params = [SamplingParams(**draw, seed=i if i % 2 else None) for i in range(batch)]
+    return params, [make_generator(p.seed, device) if p.seed is not None else None for p in params]
+
+
 def time_draws(batch: int, vocab: int, draw: dict, device: str, min_s: float):
     """Mean seconds of one step's draw with ``draw``'s parameters, per-row and batched."""
     logits = torch.randn(batch, vocab, device=device)
-    params = [SamplingParams(**draw, seed=i if i % 2 else None) for i in range(batch)]
+    params, device_gens = seeded_draws(batch, draw, device)
     cpu_gens = [make_generator(p.seed) for p in params]
-    device_gens = [make_generator(p.seed, device) if p.seed is not None else None for p in params]
     steps = {"per-row": lambda: per_row_draw(logits, params, cpu_gens),
              "batched": lambda: pick_tokens(logits.clone(), params, device_gens, [None] * batch)}
     return [time_call(steps[name], logits.is_cuda, min_s) for name in ("per-row", "batched")]
+
+
+TOP_P_LOGITS = {"peaked": 5.0, "flat": 1.0}  # the standard-normal logits' scale
+
+
+def time_top_p(batch: int, vocab: int, scale: float, device: str, min_s: float):
+    """Mean seconds of one step's top-p 0.95 draw, whole rows sorted and each row's largest first."""
+    logits = torch.randn(batch, vocab, device=device) * scale
+    params, gens = seeded_draws(batch, DRAWS["top-p 0.95"], device)
+
+    def draw() -> None:
+        pick_tokens(logits.clone(), params, gens, [None] * batch)
+
+    with mock.patch.object(sampling, "FIRST_HEAD", vocab):
+        whole = time_call(draw, logits.is_cuda, min_s)
+    return whole, time_call(draw, logits.is_cuda, min_s)
 
 
 def time_call(fn: Callable, cuda: bool, min_s: float) -> float:
@@ -146,20 +175,30 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 32, 256])
     parser.add_argument("--vocabs", type=int, nargs="+", default=[32000, 152000])
     parser.add_argument("--min-s", type=float, default=0.15, help="time each cell for at least this long")
-    parser.add_argument("--tables", nargs="+", choices=("adjust", "draw"), default=["adjust", "draw"])
+    parser.add_argument("--tables", nargs="+", choices=("adjust", "draw", "top-p"), default=["adjust", "draw", "top-p"])
     args = parser.parse_args()
     torch.manual_seed(0)
     if "adjust" in args.tables:
         adjust_table(args)
     if "draw" in args.tables:
-        print("\n| vocab | batch | params | per-row draw ms/step | batched draw ms/step | speed-up |")
-        print("|---:|---:|---|---:|---:|---:|")
-        for vocab in args.vocabs:
-            for batch in args.batches:
-                for name, draw in DRAWS.items():
-                    per_row, batched = time_draws(batch, vocab, draw, args.device, args.min_s)
-                    print(f"| {vocab:,} | {batch} | {name} | {per_row * 1e3:,.2f} | {batched * 1e3:,.2f} | "
-                          f"{per_row / batched:,.1f}× |", flush=True)
+        comparison_table(args, "params | per-row draw ms/step | batched draw ms/step", DRAWS,
+                         lambda batch, vocab, draw: time_draws(batch, vocab, draw, args.device, args.min_s))
+    if "top-p" in args.tables:
+        comparison_table(args, "logits | whole sort ms/step | largest first ms/step", TOP_P_LOGITS,
+                         lambda batch, vocab, scale: time_top_p(batch, vocab, scale, args.device, args.min_s))
+
+
+def comparison_table(args, columns: str, cases: dict, time_pair: Callable) -> None:
+    """A row per vocab, batch and case: ``time_pair(batch, vocab, case)``'s two mean seconds (before,
+    after) and their ratio."""
+    print(f"\n| vocab | batch | {columns} | speed-up |")
+    print("|---:|---:|---|---:|---:|---:|")
+    for vocab in args.vocabs:
+        for batch in args.batches:
+            for name, case in cases.items():
+                before, after = time_pair(batch, vocab, case)
+                print(f"| {vocab:,} | {batch} | {name} | {before * 1e3:,.2f} | {after * 1e3:,.2f} | "
+                      f"{before / after:,.1f}× |", flush=True)
 
 
 def adjust_table(args) -> None:

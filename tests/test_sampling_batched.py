@@ -1,23 +1,26 @@
 """The batched, on-device sampler (:func:`pick_tokens`): its filters against the per-row
 definitions, its draws against the exact filtered distributions, seeds independent of the batch."""
 
+from unittest import mock
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from actors.engine import sampling
 from actors.engine.req import Req
 from actors.engine.sampling import exponential_race, filter_probs, filter_sorted_probs, make_generator, pick_tokens
 from actors.engine.sampling_params import SamplingParams
 
 
-def _filter_batch(probs, params, partial=False):
+def _filter_batch(probs, params, head=None):
     """:func:`filter_sorted_probs` with ``params``' per-row tensors, as :func:`sample_rows` builds
-    them; ``partial``: only the largest top-k of the batch sorted."""
+    them; ``head``: each row's largest ``head`` looked at first (None: whole rows sorted)."""
     vocab = probs.shape[-1]
     top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
     return filter_sorted_probs(probs, torch.tensor(top_k), torch.tensor([p.top_p for p in params]),
-                               torch.tensor([p.min_p for p in params]), max(top_k) if partial else None)
+                               torch.tensor([p.min_p for p in params]), head)
 
 
 row_params = st.builds(lambda k, p, m: SamplingParams(top_k=k, top_p=p, min_p=m),
@@ -27,25 +30,73 @@ row_params = st.builds(lambda k, p, m: SamplingParams(top_k=k, top_p=p, min_p=m)
 
 @settings(max_examples=60, deadline=None)
 @given(st.lists(row_params, min_size=1, max_size=6), st.integers(1, 24), st.integers(0, 2 ** 31), st.floats(0.1, 6),
-       st.booleans())
-def test_batched_filters_equal_the_per_row_definition(params, vocab, seed, scale, partial):
-    """Rows with different top-k (ties impossible here: continuous logits), top-p and min-p in
-    one batch keep exactly the tokens filter_probs keeps row by row, with the same weights —
-    whole rows sorted, or (``partial``) only the batch's largest top-k."""
+       st.sampled_from([None, 1, 2, 5]))
+def test_batched_filters_equal_the_per_row_definition(params, vocab, seed, scale, head):
+    """Rows with different top-k, top-p and min-p in one batch keep exactly the tokens
+    filter_probs keeps row by row, with the same weights — whole rows sorted, or only the
+    largest ``head`` first."""
     logits = torch.randn(len(params), vocab, generator=torch.Generator().manual_seed(seed)) * scale
     probs = torch.softmax(logits, dim=-1)
-    got = _filter_batch(probs.clone(), params, partial)
+    got = _filter_batch(probs.clone(), params, head)
     for row, p in enumerate(params):
         want = filter_probs(probs[row], p)
         assert torch.equal(got[row] > 0, want > 0), (row, p)
         assert torch.allclose(got[row] / got[row].sum(), want, atol=1e-6)
 
 
-def test_batched_top_k_keeps_exactly_k_tokens_even_when_probabilities_tie():
-    probs = torch.tensor([[0.4, 0.2, 0.2, 0.2], [0.25, 0.25, 0.25, 0.25]])
-    for partial in (False, True):
-        kept = _filter_batch(probs.clone(), [SamplingParams(top_k=2), SamplingParams(top_k=3)], partial)
-        assert (kept > 0).sum(-1).tolist() == [2, 3] and kept[0, 0] == 0.4
+def test_a_tie_at_a_cut_keeps_exactly_the_lowest_ids():
+    """Top-k keeps exactly k and top-p the smallest prefix, ties or not: of equal probabilities
+    at the cut, the lowest ids stay — in filter_probs, whole rows sorted, and from a head that
+    sees only some of the tied tokens."""
+    probs = torch.tensor([[0.2, 0.4, 0.2, 0.2, 0, 0, 0, 0], [0.125] * 8, [0.05, 0.1, 0.3, 0.1, 0.1, 0.1, 0.1, 0.15]])
+    params = [SamplingParams(top_k=2), SamplingParams(top_k=3), SamplingParams(top_p=0.6)]
+    want = [[0, 1], [0, 1, 2], [1, 2, 3, 7]]  # row 2: 0.3, 0.15, then two of the five 0.1s reach 0.6
+    for head in (None, 2, 3, 5):
+        kept = _filter_batch(probs.clone(), params, head)
+        assert [row.nonzero()[:, 0].tolist() for row in kept] == want, head
+    assert [filter_probs(row, p).nonzero()[:, 0].tolist() for row, p in zip(probs, params)] == want
+
+
+drawn_params = st.builds(lambda k, p, m, t: SamplingParams(temperature=t, top_k=k, top_p=p, min_p=m),
+                         st.sampled_from([-1, -1, 2, 3, 40]), st.sampled_from([1.0, 0.3, 0.6, 0.9, 0.95, 0.99]),
+                         st.sampled_from([0.0, 0.0, 0.02, 0.3]), st.sampled_from([0.5, 1.0, 1.7]))
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.tuples(drawn_params, st.booleans()), min_size=1, max_size=6), st.integers(2, 300),
+       st.integers(0, 2 ** 31), st.sampled_from([0.5, 2.0, 6.0]), st.booleans(), st.sampled_from([1, 3, 16]))
+def test_a_head_keeps_and_draws_exactly_what_whole_rows_sorted_do(rows, vocab, seed, scale, ties, head):
+    """Top-k, top-p, min-p and temperatures mixed, logits with ties at every cut (rounded) or
+    none: the probabilities filtered from each row's largest ``head`` (and the larger heads
+    after it) are those of whole rows sorted, bit for bit, and pick_tokens (its first head
+    ``head``) draws the tokens the whole sort's probabilities draw with the same generators."""
+    params, seeds = [p for p, _ in rows], [seed + i if seeded else None for i, (_, seeded) in enumerate(rows)]
+    logits = torch.randn(len(rows), vocab, generator=torch.Generator().manual_seed(seed)) * scale
+    logits = logits.round() if ties else logits
+    probs = torch.softmax(logits / torch.tensor([p.temperature for p in params])[:, None], dim=-1)
+    whole = _filter_batch(probs.clone(), params)
+    assert torch.equal(_filter_batch(probs.clone(), params, head), whole)
+
+    def generators():
+        torch.manual_seed(seed)  # (the unseeded rows' noise)
+        return [None if s is None else make_generator(s) for s in seeds]
+
+    want = exponential_race(whole, generators()).tolist()
+    with mock.patch.object(sampling, "FIRST_HEAD", head):
+        assert [p.token for p in pick_tokens(logits, params, generators(), [None] * len(rows))] == want
+
+
+def test_rows_whose_head_settles_them_are_never_sorted_whole(monkeypatch):
+    """Peaked rows of a 20,000-token vocab under top-p and min-p alone: one topk of each row's
+    largest, no sort of its vocab."""
+    logits = torch.randn(4, 20_000, generator=torch.Generator().manual_seed(0)) * 8
+    params = [SamplingParams(top_p=0.9), SamplingParams(top_p=0.5, min_p=0.01), SamplingParams(min_p=0.1),
+              SamplingParams(top_p=0.95, seed=1)]
+    sort = torch.sort
+    sorted_lengths = []
+    monkeypatch.setattr(torch, "sort", lambda x, *a, **kw: sorted_lengths.append(x.shape[-1]) or sort(x, *a, **kw))
+    pick_tokens(logits, params, [None, None, None, make_generator(1)], [None] * 4)
+    assert all(n <= sampling.FIRST_HEAD for n in sorted_lengths), sorted_lengths
 
 
 MIXED = [SamplingParams(temperature=0.7, top_k=3), SamplingParams(temperature=1.0, top_p=0.8),

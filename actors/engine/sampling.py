@@ -10,8 +10,9 @@ adjusted, penalised logits; others are divided by the temperature, filtered by t
 and min-p, and drawn.
 
 A batch is sampled on its logits' device, as SGLang and vLLM do it (:func:`pick_tokens`):
-the temperatures a ``[n, 1]`` tensor, top-k, top-p and min-p per-row tensors applied after
-one sort (:func:`filter_sorted_probs`), and the draw an exponential race — the argmax of
+the temperatures a ``[n, 1]`` tensor, top-k, top-p and min-p per-row tensors applied to each
+row's largest probabilities, the whole row sorted only where they do not settle what is kept
+(:func:`filter_sorted_probs`), and the draw an exponential race — the argmax of
 ``probs / q`` with ``q ~ Exp(1)`` draws token ``i`` with probability ``probs[i] / sum(probs)``
 (vLLM's sampler). A seeded request fills its ``q`` row from its own generator (on the
 logits' device), so the same seed, parameters and logits give the same tokens whatever else
@@ -79,12 +80,14 @@ def logit_adjustments(params: Sequence[SamplingParams], masked_ids: Sequence[Seq
 
 
 def filter_probs(probs: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Zero out what top-k, top-p and min-p exclude (then renormalise)."""
+    """Zero out what top-k, top-p and min-p exclude (then renormalise); equal probabilities are
+    ordered by token id (a stable sort), so a tie at a cut keeps the lowest ids."""
     if params.top_k > 0 and params.top_k < probs.shape[-1]:  # exactly k, ties or not (a threshold keeps every tie)
-        keep = torch.zeros_like(probs, dtype=torch.bool).scatter_(0, torch.topk(probs, params.top_k).indices, True)
+        first_k = torch.sort(probs, descending=True, stable=True).indices[:params.top_k]  # equal ones: lowest ids
+        keep = torch.zeros_like(probs, dtype=torch.bool).scatter_(0, first_k, True)
         probs = torch.where(keep, probs, torch.zeros_like(probs))
     if params.top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, descending=True)
+        sorted_probs, order = torch.sort(probs, descending=True, stable=True)
         cumulative = torch.cumsum(sorted_probs, 0)
         drop = cumulative - sorted_probs > params.top_p * cumulative[-1]
         sorted_probs[drop] = 0.0
@@ -156,25 +159,68 @@ class Pick(NamedTuple):
     top_logprobs: Optional[List[Tuple[int, float]]] = None
 
 
-def filter_sorted_probs(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                        min_p: torch.Tensor, max_top_k: Optional[int] = None) -> torch.Tensor:
-    """:func:`filter_probs` for every row of ``probs`` ``[n, vocab]`` at once, not renormalised
-    (the draw needs no normalising): with one descending sort, row ``r`` keeps its first
-    ``top_k[r]`` tokens (exactly that many, ties or not), then the smallest prefix whose
-    cumulative probability reaches ``top_p[r]`` of what is kept (at least one token), then
-    those at least ``min_p[r]`` times its most likely one. ``top_k`` int64 (``vocab``: all),
-    ``top_p`` and ``min_p`` float32 (1 and 0: off), on the probabilities' device.
-    ``max_top_k``: no row's ``top_k`` is larger, so only that many are sorted (``topk``)."""
-    if max_top_k is not None and max_top_k < probs.shape[-1]:
-        ordered, order = torch.topk(probs, max_top_k, dim=-1)
-    else:
-        ordered, order = torch.sort(probs, dim=-1, descending=True)
-    position = torch.arange(ordered.shape[-1], device=probs.device)
-    ordered.masked_fill_(position >= top_k[:, None], 0.0)
-    cumulative = torch.cumsum(ordered, dim=-1)
-    ordered.masked_fill_((cumulative - ordered > top_p[:, None] * cumulative[:, -1:]) & (top_p[:, None] < 1.0), 0.0)
-    ordered.masked_fill_(ordered < min_p[:, None] * ordered[:, :1], 0.0)
-    return torch.zeros_like(probs).scatter_(-1, order, ordered)
+FIRST_HEAD = 256  # tokens of each row :func:`filter_sorted_probs` looks at first
+HEAD_GROWTH = 16  # how many times as many a row they do not settle looks at next (no head past an
+# eighth of the vocab: a row that needs one is sorted whole for little more)
+
+
+def keep_largest(probs: torch.Tensor, ordered: torch.Tensor, num_kept: torch.Tensor) -> torch.Tensor:
+    """``probs`` ``[m, vocab]`` with all but each row's ``num_kept`` ``[m, 1]`` largest zeroed, in
+    place; of equal ones at the cut, the lowest ids stay. ``ordered``: each row's first
+    probabilities in descending order, at least ``num_kept`` of them (any later ones at most
+    the cut, or zeroed)."""
+    cut = ordered.gather(-1, num_kept - 1)
+    drop = probs < cut
+    if (probs.shape[-1] - drop.sum(dim=-1, keepdim=True) > num_kept).any():  # a tie crosses a cut
+        equal = probs == cut
+        drop |= equal & (equal.cumsum(dim=-1) > num_kept - (ordered > cut).sum(dim=-1, keepdim=True))
+    return probs.masked_fill_(drop, 0.0)
+
+
+def filter_sorted_probs(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
+                        head: Optional[int] = None) -> torch.Tensor:
+    """:func:`filter_probs` for every row of ``probs`` ``[n, vocab]`` at once, in place and not
+    renormalised (the draw needs no normalising). In descending order, row ``r`` keeps its first
+    ``top_k[r]`` tokens, then the smallest prefix whose cumulative probability reaches
+    ``top_p[r]`` of what is kept (at least one token; without top-k, of the row's sum), then
+    those at least ``min_p[r]`` times its most likely one; of equal probabilities at the cut,
+    the lowest ids. ``top_k`` int64 (``vocab``: all), ``top_p`` and ``min_p`` float32 (1 and 0:
+    off), on the probabilities' device. Rows no filter is on are not touched.
+
+    How many a row keeps depends on its sorted values only (:func:`keep_largest` then keeps
+    them by value and id, whatever order a sort gave equal ones), and a ``topk``'s values are
+    the sort's first ones, with the same cumulative sums (a prefix's). So a row's first
+    ``head`` settle it when its top-k is at most ``head``, or when the filters drop one of them
+    (each filter drops a suffix: every later one goes too); the rows left look at
+    :data:`HEAD_GROWTH` times as many, then at the whole sort (at once when none of them could
+    be settled so). None: whole rows sorted (the reference)."""
+    vocab = probs.shape[-1]
+    rows = torch.nonzero((top_k < vocab) | (top_p < 1.0) | (min_p > 0.0))[:, 0]
+    total = probs.sum(dim=-1)  # (not a sorted row's last cumulative sum: one head does without the sort)
+    k = vocab if head is None else head
+    while rows.numel():
+        block = probs if rows.numel() == probs.shape[0] else probs[rows]
+        ordered = (torch.topk(block, k, dim=-1) if k < vocab else torch.sort(block, dim=-1, descending=True)).values
+        row_top_k, row_top_p, smallest = top_k[rows], top_p[rows], ordered[:, -1].clone()
+        ordered.masked_fill_(torch.arange(ordered.shape[-1], device=probs.device) >= row_top_k[:, None], 0.0)
+        cumulative = torch.cumsum(ordered, dim=-1)
+        mass = torch.where(row_top_k < vocab, cumulative[:, -1], total[rows])
+        ordered.masked_fill_((cumulative - ordered > (row_top_p * mass)[:, None]) & (row_top_p[:, None] < 1.0), 0.0)
+        ordered.masked_fill_(ordered < min_p[rows, None] * ordered[:, :1], 0.0)
+        num_kept = (ordered > 0).sum(dim=-1, keepdim=True)
+        settled = (k >= vocab) | (row_top_k <= k) | ((row_top_k == vocab) & (num_kept[:, 0] < k))
+        if settled.all():
+            keep_largest(block, ordered, num_kept)
+        else:
+            block = keep_largest(block[settled], ordered[settled], num_kept[settled])
+        if block is not probs:
+            probs[rows[settled]] = block
+        next_k = k * HEAD_GROWTH if k * HEAD_GROWTH <= vocab // 8 else vocab
+        # top-p alone, short of its mass even if the next head's new ones were all as likely as this one's last
+        short = ((row_top_k == vocab) & (min_p[rows] == 0.0)
+                 & (cumulative[:, -1] + (next_k - k) * smallest < row_top_p * mass))
+        rows, k = rows[~settled], vocab if short[~settled].all() else next_k
+    return probs
 
 
 def sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams],
@@ -189,7 +235,8 @@ def sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams],
         probs = filter_sorted_probs(
             probs, torch.tensor(top_k, device=device),
             torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
-            torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device), max(top_k))
+            torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device),
+            min(FIRST_HEAD, max(top_k)))
     elif any(p.min_p > 0.0 for p in params):  # no sort needed: relative to each row's max
         min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device)
         probs.masked_fill_(probs < min_p[:, None] * probs.amax(dim=-1, keepdim=True), 0.0)
