@@ -11,7 +11,7 @@ import threading
 from types import SimpleNamespace
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from actors.engine import Engine
@@ -248,7 +248,7 @@ def drive(engine, specs, max_steps=1000):
 
     def counted_evict(*args, **kwargs):
         freed = evict(*args, **kwargs)
-        evicted[0] += freed
+        evicted[0] += sum(freed) if isinstance(freed, tuple) else freed  # an SWA tree's: (full, SWA) freed
         return freed
 
     def run():
@@ -293,6 +293,33 @@ def check_ending(engine, req, prompt, params, aborted):
         assert len(req.output_logprobs) == len(out)
 
 
+def check_served_alone(engine, model_dir, specs, reqs):
+    """Each request of ``drive`` ended as its parameters say, with HF's greedy tokens (and logprobs)."""
+    for (prompt, params, _, abort), req in zip(specs, reqs):
+        check_ending(engine, req, prompt, params, abort is not None)
+        if not req.output_ids:
+            continue
+        logprobs = [req.output_logprobs] if params["return_logprob"] else None
+        stop_ids = params.get("stop_token_ids", []) + ([] if params["ignore_eos"] else engine.eos_token_ids)
+        assert_greedy_parity(model_dir, [prompt], [req.output_ids], len(req.output_ids), stop_ids, logprobs=logprobs)
+
+
+def assert_nothing_held(engine):
+    """Flushed, the idle engine holds nothing: every KV slot (of both pools with a sliding
+    window), request row and Mamba state is free."""
+    engine.flush_cache()  # (checks integrity first)
+    engine.check_integrity()
+    sched, runner = engine.scheduler, engine.runner
+    alloc, rows = runner.allocator, runner.req_to_token_pool
+    if sched.swa:
+        assert (alloc.full_available_size(), alloc.swa_available_size()) == (alloc.size, alloc.size_swa)
+    else:
+        assert alloc.available_size() == alloc.num_pages * alloc.page_size
+    assert sched.evictable_tokens() == 0 and rows.available_size() == rows.size
+    if sched.hybrid:
+        assert runner.mamba_pool.available_size() == runner.mamba_pool.size
+
+
 @pytest.mark.parametrize("page_size, seed", [(1, 42), (4, 30)])  # a stop string / aborts while chunked, each retracting
 def test_a_random_mix_under_memory_pressure_is_served_as_each_request_alone(checkpoints, page_size, seed):
     """Requests sharing prefixes arrive over time at a pool far too small for them (chunked
@@ -304,24 +331,49 @@ def test_a_random_mix_under_memory_pressure_is_served_as_each_request_alone(chec
     engine = Engine(model_path=model_dir, page_size=page_size, max_total_tokens=72,
                     chunked_prefill_size=8, init_new_token_ratio=0.2)
     try:
-        rng = random.Random(seed)
-        specs = random_mix(rng, 14)
+        specs = random_mix(random.Random(seed), 14)
         reqs, evicted = drive(engine, specs)
         assert engine.scheduler.num_retractions and evicted  # the mix did strain the pool
-        for (prompt, params, _, abort), req in zip(specs, reqs):
-            check_ending(engine, req, prompt, params, abort is not None)
-            if not req.output_ids:
-                continue
-            logprobs = [req.output_logprobs] if params["return_logprob"] else None
-            stop_ids = params.get("stop_token_ids", []) + ([] if params["ignore_eos"] else engine.eos_token_ids)
-            assert_greedy_parity(model_dir, [prompt], [req.output_ids], len(req.output_ids), stop_ids,
-                                 logprobs=logprobs)
-        engine.flush_cache()  # (checks integrity first)
-        engine.check_integrity()
-        alloc = engine.runner.allocator
-        assert alloc.available_size() == alloc.num_pages * page_size and engine.scheduler.evictable_tokens() == 0
+        check_served_alone(engine, model_dir, specs, reqs)
+        assert_nothing_held(engine)
     finally:
         engine.shutdown()
+
+
+SWA_AND_HYBRID = {  # name: (family, engine args); each on 72 KV slots (57 SWA ones), in 8-token chunks
+    "gemma3": ("gemma3", {"page_size": 1}),
+    "gemma3-paged": ("gemma3", {"page_size": 4}),
+    "qwen3_next": ("qwen3_next", {"page_size": 1, "max_running_requests": 3}),
+}
+
+
+@pytest.mark.parametrize("case", list(SWA_AND_HYBRID))
+def test_a_random_mix_on_swa_and_hybrid_pools_is_served_as_each_request_alone(checkpoints, case):
+    """The mix above on a sliding-window model (a full and an SWA pool, windows sliding out
+    while requests decode, tombstones) and on a hybrid Mamba model (a state per request,
+    cached states copied on a hit and evicted on their own list): each request ends as its
+    parameters say with HF's tokens, and once idle nothing is held. Some example evicts and
+    retracts (the explicit one does)."""
+    family, args = SWA_AND_HYBRID[case]
+    model_dir, strains = checkpoints[family], []
+
+    @settings(max_examples=3, deadline=None)
+    @given(rng=st.randoms(use_true_random=False))
+    @example(rng=random.Random(1))
+    def served_alone(rng):
+        engine = Engine(model_path=model_dir, max_total_tokens=72, chunked_prefill_size=8, init_new_token_ratio=0.2,
+                        **args)
+        try:
+            specs = random_mix(rng, 14)
+            reqs, evicted = drive(engine, specs)
+            check_served_alone(engine, model_dir, specs, reqs)
+            assert_nothing_held(engine)
+            strains.append((engine.scheduler.num_retractions, evicted))
+        finally:
+            engine.shutdown()
+
+    served_alone()
+    assert any(retracted and evicted for retracted, evicted in strains), strains
 
 
 def test_retraction_frees_room_for_the_next_decode_steps_at_once(checkpoints):
@@ -367,11 +419,7 @@ def test_retraction_frees_room_for_the_next_decode_steps_at_once(checkpoints):
         steps = [step for step, _, _ in rounds]
         assert all(b - a >= RETRACT_DECODE_STEPS for a, b in zip(steps, steps[1:])), f"retracted at steps {steps}"
         assert_greedy_parity(model_dir, prompts, [r.output_ids for r in reqs], out_len, [])
-        engine.flush_cache()
-        engine.check_integrity()
-        alloc = engine.runner.allocator
-        rows = engine.runner.req_to_token_pool
-        assert alloc.available_size() == alloc.num_pages * 4 and rows.available_size() == rows.size
+        assert_nothing_held(engine)
     finally:
         engine.shutdown()
 
@@ -410,8 +458,6 @@ def test_retracting_the_last_running_request_keeps_the_decode_reserve(checkpoint
         assert (running, waiting, retractions) == ([], ["a"], 1)
         assert ratio >= max(before, engine.config.min_new_token_ratio), (before, ratio)
         assert_greedy_parity(checkpoints["llama"], [prompt], [req.output_ids], out_len, [])
-        engine.flush_cache()
-        engine.check_integrity()
-        assert alloc.available_size() == alloc.num_pages * 4
+        assert_nothing_held(engine)
     finally:
         engine.shutdown()
