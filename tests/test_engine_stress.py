@@ -344,6 +344,8 @@ SWA_AND_HYBRID = {  # name: (family, engine args); each on 72 KV slots (57 SWA o
     "gemma3": ("gemma3", {"page_size": 1}),
     "gemma3-paged": ("gemma3", {"page_size": 4}),
     "qwen3_next": ("qwen3_next", {"page_size": 1, "max_running_requests": 3}),
+    "qwen3_next-extra-buffer": ("qwen3_next", {"page_size": 4, "max_running_requests": 3,
+                                               "mamba_scheduler_strategy": "extra_buffer", "mamba_track_interval": 8}),
 }
 
 
@@ -351,13 +353,14 @@ SWA_AND_HYBRID = {  # name: (family, engine args); each on 72 KV slots (57 SWA o
 def test_a_random_mix_on_swa_and_hybrid_pools_is_served_as_each_request_alone(checkpoints, case):
     """The mix above on a sliding-window model (a full and an SWA pool, windows sliding out
     while requests decode, tombstones) and on a hybrid Mamba model (a state per request,
-    cached states copied on a hit and evicted on their own list): each request ends as its
+    cached states copied on a hit and evicted on their own list; with extra_buffer, states
+    tracked on ping-pong slots as requests decode): each request ends as its
     parameters say with HF's tokens, and once idle nothing is held. Some example evicts and
     retracts (the explicit one does)."""
     family, args = SWA_AND_HYBRID[case]
     model_dir, strains = checkpoints[family], []
 
-    @settings(max_examples=3, deadline=None)
+    @settings(max_examples=4, deadline=None)
     @given(rng=st.randoms(use_true_random=False))
     @example(rng=random.Random(1))
     def served_alone(rng):
