@@ -154,8 +154,7 @@ class KVPusher:
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(self.device))  # the pools' device, whatever the thread's current one
         with self._cond:
-            if self.asynchronous:
-                self._revive()
+            failed = self._revive() if self.asynchronous else []
             for chunk in chunks:
                 if chunk.handoffs is not None:
                     lane = self._lane_for(chunk.dest)
@@ -169,6 +168,7 @@ class KVPusher:
                     if self.asynchronous:
                         self._start(job.lane)
             self._cond.notify_all()
+        self._abort_senders(failed)
         if not self.asynchronous:
             for lane in self._lanes:
                 while self._run_one(lane, block=False):
@@ -194,23 +194,23 @@ class KVPusher:
         """Requests whose share on this rank ended since the last call (a lane whose
         transfer thread died is seen here too: its requests failed, a new thread started)."""
         with self._cond:
-            self._revive()
+            failed = self._revive()
             out, self._finished = self._finished, []
+        self._abort_senders(failed)
         return out
 
     def cancel(self, push_id: Optional[str] = None) -> None:
         """Stop push ``push_id`` (None: every push); returns once no copy of it runs."""
         with self._cond:
             ids = list(self._jobs) if push_id is None else [push_id]
-            for r in ids:
-                job = self._jobs.pop(r, None)
-                if job is not None:
-                    job.cancelled = True
-                    for _, sender in job.senders:
-                        sender.abort("aborted")
+            cancelled = [job for job in (self._jobs.pop(r, None) for r in ids) if job is not None]
+            for job in cancelled:
+                job.cancelled = True
             gone = set(ids)
             for lane in self._lanes:
                 lane.queue = collections.deque(item for item in lane.queue if item[0].push_id not in gone)
+        self._abort_senders(cancelled, "aborted")
+        with self._cond:
             while any(lane.running in gone for lane in self._lanes):
                 self._cond.wait()
             self._finished = [r for r in self._finished if r.push_id not in gone]  # (a failed hook's, too)
@@ -239,17 +239,19 @@ class KVPusher:
         except RuntimeError as exc:  # (no thread can be started) a death like any other
             lane.death = exc
 
-    def _revive(self) -> None:
+    def _revive(self) -> List[_Job]:
         """(Under the lock) handle every lane whose transfer thread died: its open requests
         fail now (left, its queued chunks would never be pushed and their requests fail only
         at the prefill side's waiting timeout); it gets a new thread once its backoff passed
-        and it has work, or is marked broken after ``max_restarts`` deaths in a row."""
+        and it has work, or is marked broken after ``max_restarts`` deaths in a row. Returns
+        the failed pushes, whose senders the caller aborts once it let go of the lock."""
+        failed: List[_Job] = []
         for lane in self._lanes:
             if self._closed or lane.thread is None or lane.thread.is_alive() or lane.broken is not None:
                 continue  # (closed: its threads ended as they should)
             if lane.thread is not lane.reaped:
                 lane.reaped, lane.deaths = lane.thread, lane.deaths + 1
-                self._fail_lane(lane)
+                failed += self._fail_lane(lane)
                 if lane.deaths > self.max_restarts:
                     lane.broken = f"its transfer thread died {lane.deaths} times in a row ({self._death(lane)})"
                     logger.error("%s", self._lane_error(lane))
@@ -258,33 +260,37 @@ class KVPusher:
                                                     if lane.deaths > 1 else 0.0)
             if lane.queue:
                 self._start(lane)
+        return failed
 
     @staticmethod
     def _death(lane: _Lane) -> str:
         death = lane.death
         return f"{type(death).__name__}: {death}" if death is not None else "no exception"
 
-    def _fail_lane(self, lane: _Lane) -> None:
+    def _fail_lane(self, lane: _Lane) -> List[_Job]:
         """(Under the lock) every request still open on the lane fails now with what killed
-        its thread: its senders aborted (their decode ranks told, where the backend can, so
-        a receiver does not wait for the client's abort or its timeout), reported for
-        ``take_finished``, its queued chunks dropped."""
+        its thread: reported for ``take_finished``, its queued chunks dropped. Returned: their
+        senders are to be aborted (:meth:`_abort_senders`), off the lock."""
         error = f"the KV transfer thread {self.name}-{lane.index} died ({self._death(lane)})"
         failed = {push_id: job for push_id, job in self._jobs.items() if job.lane is lane}
         for push_id, job in failed.items():
             del self._jobs[push_id]
             job.error = job.error or error
             logger.error("failing push %s: %s", push_id, job.error)
-            self._abort_senders(job)
             self._finished.append(PushResult(push_id, job.moved, job.error))
         lane.queue = collections.deque(item for item in lane.queue if item[0].push_id not in failed)
+        return list(failed.values())
 
     @staticmethod
-    def _abort_senders(job: _Job) -> None:
-        """The push failed: its senders not yet done fail with its error, each telling its
-        decode rank where the backend can (a sender that failed itself told it already)."""
-        for _, sender in job.senders:
-            sender.abort(job.error)
+    def _abort_senders(jobs: Sequence[_Job], reason: Optional[str] = None) -> None:
+        """The pushes failed or were cancelled: their senders not yet done fail with ``reason``
+        (by default each push's error), each telling its decode rank where the backend can (a
+        sender that failed itself told it already) so that a receiver does not wait for the
+        client's abort or its timeout. Never under the lock: telling it may take a while (a
+        message over a torch_dist pair), and every lane's thread and ``submit`` wait on the lock."""
+        for job in jobs:
+            for _, sender in job.senders:
+                sender.abort(reason or job.error)
 
     def _lane_setup(self) -> ContextManager:
         """On a new transfer thread, before its first chunk: the context it pushes in (on
@@ -337,7 +343,7 @@ class KVPusher:
                     del self._jobs[chunk.push_id]
             if ended:
                 if job.error is not None:
-                    self._abort_senders(job)
+                    self._abort_senders([job])
                 self._report(PushResult(chunk.push_id, job.moved, job.error))
             with self._cond:
                 lane.running = None

@@ -3,6 +3,8 @@
 import threading
 import time
 
+import pytest
+
 from actors.kv_push import KVPusher, PushChunk
 from tests.transfer_helpers import RankSpec, build_pool
 from transfer import KVReceiver, create_agent
@@ -151,4 +153,52 @@ def test_a_transfer_thread_that_cannot_be_started_fails_its_pushes_and_close_sti
     results = pusher.take_finished()
     assert [r.push_id for r in results] == ["r#1"] and "can't start new thread" in results[0].error, results
     assert "can't start new thread" in (pusher.broken or "")
+    pusher.close()
+
+
+@pytest.mark.parametrize("how", ["cancel", "lane death"])
+def test_a_slow_abort_of_a_failed_push_holds_up_no_other_lane(how):
+    """A push on lane 0 ends with its senders open — cancelled, or its transfer thread died — and
+    telling its decode rank (``agent.abort``: torch_dist sends a message over the pair) takes a
+    while. Lane 1's push goes on meanwhile: the abort ran under the pusher's lock, so no lane
+    could take a chunk and ``submit`` waited, the engine loop with it, until the abort returned."""
+    _, layout, tensors, _ = build_pool(RankSpec())
+    prefill, decode = create_agent("fake", layout, tensors), create_agent("fake", layout, tensors)
+    pushed, aborting, release = [], threading.Event(), threading.Event()
+
+    def push(handoff, src_slots, *rest, **kw):
+        if handoff.rid == "a" and "a" in pushed:  # its second chunk
+            raise ThreadKilled("the backend's event loop went away")
+        pushed.append(handoff.rid)
+        return 8
+
+    def abort(handoff, reason):
+        aborting.set()
+        release.wait(10.0)
+
+    prefill.push, prefill.abort = push, abort
+    pusher = KVPusher({"fake": prefill}, name=f"test-slow-abort-{how.replace(' ', '-')}", num_lanes=2)
+    first = [KVReceiver(decode, "a", 1).send_metadata([3, 4, 5]).to_bytes()]
+    pusher.submit([PushChunk("a#1", 0, [1], False, handoffs=first, dest="d0")])
+    ended = threading.Thread(target=pusher.cancel, args=("a#1",)) if how == "cancel" else \
+        threading.Thread(target=lambda: (pusher.submit([PushChunk("a#1", 1, [2], False, dest="d0")]),
+                                         _collect(pusher, 1)))  # (not its last chunk: the push stays open)
+    try:
+        deadline = time.monotonic() + 5
+        while "a" not in pushed and time.monotonic() < deadline:
+            time.sleep(0.002)
+        ended.start()
+        assert aborting.wait(5.0)
+        other = [KVReceiver(decode, "b", 1).send_metadata([6]).to_bytes()]
+        submitting = threading.Thread(
+            target=pusher.submit, args=([PushChunk("b#1", 0, [7], True, handoffs=other, dest="d1")],))
+        submitting.start()
+        submitting.join(2.0)
+        deadline = time.monotonic() + 2
+        while "b" not in pushed and time.monotonic() < deadline:
+            time.sleep(0.002)
+        assert not submitting.is_alive() and "b" in pushed, pushed
+    finally:
+        release.set()
+        ended.join(5.0)
     pusher.close()
