@@ -77,7 +77,6 @@ class DecodePreallocMixin:
             raise
         return done
 
-
     def _reserve(self, req: Req) -> bool:
         """Row + slots for the prompt beyond the decode tree's own prefix; False with nothing taken."""
         prompt_len = len(req.origin_input_ids)
@@ -133,7 +132,6 @@ class DecodePreallocMixin:
         req.host_hit_length, req.last_host_node = 0, None
         self._lock(req)  # the new path first: the old one stays locked all along
         self.tree_cache.dec_lock_ref(old)  # (a host tier means a plain tree: no SWA or state locks)
-
 
     def _match_reserved_prefix(self, req: Req) -> None:
         """The decode tree's prefix of the prompt; a hybrid model's for the attention KV

@@ -137,6 +137,7 @@ class PDClient(WorkerRotation):
         except Exception as exc:  # the router is gone (a new one counts load afresh) or hung: it drops the
             # route once neither worker holds the request (route_grace_s), route_ttl_s at the latest
             logger.warning("router release of %s failed: %s", rid, exc)
+
     # ---- requests ---------------------------------------------------------------------
     async def generate(self, input_ids: List[int], sampling_params: Optional[Dict[str, Any]] = None,
                        rid: Optional[str] = None) -> Dict[str, Any]:
@@ -265,6 +266,7 @@ class PDClient(WorkerRotation):
         deadline = time.monotonic() + timeout_s
         while self._live_rids and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
+
     async def _stop_prefill(self, prefill: WorkerRef, rid: str, room: int) -> bool:
         """Make sure ``prefill`` will not push the KV of ``rid``'s attempt ``room`` (its
         hand-offs' room; the client may send the id again); True when that is certain."""

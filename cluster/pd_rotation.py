@@ -83,6 +83,7 @@ class WorkerRotation:
         if not pool:
             raise PDRequestError(f"no live {role} worker")
         return pool[next(self._rr[role]) % len(pool)]
+
     def _mark_dead(self, worker: WorkerRef, why: str, died: bool = True) -> None:
         """Out of the rotation: for good if ``died`` (its actor is gone), else until it answers a
         heartbeat again (a long step or a pause; it may still be pushing, so it is never taken
@@ -153,6 +154,7 @@ class WorkerRotation:
         for waiting in self._waiting_on.pop(worker.worker_id, ()):
             if not waiting.done():
                 waiting.set_result(exc)
+
     # ---- heartbeats --------------------------------------------------------------------
     async def heartbeat_once(self) -> None:
         workers = [w for w in self.prefill + self.decode if w.alive or w.suspended]

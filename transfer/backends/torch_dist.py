@@ -81,6 +81,7 @@ def _close_live_agents() -> None:
 @register_backend("torch_dist")
 class TorchDistAgent(PairConnections, TransferAgent):
     writes_in_place = False  # bytes land in ``landed``, on the decode loop: a cancelled hand-off's never do
+
     def __init__(
         self, layout, buffers, tp_rank: int = 0, tp_size: int = 1, allocators=(),
         host: Optional[str] = None, port: int = 0, timeout_s: float = 30.0, connect_timeout_s: float = 10.0,
