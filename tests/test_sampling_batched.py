@@ -57,6 +57,20 @@ def test_a_tie_at_a_cut_keeps_exactly_the_lowest_ids():
     assert [filter_probs(row, p).nonzero()[:, 0].tolist() for row, p in zip(probs, params)] == want
 
 
+
+@pytest.mark.parametrize("head", [None, 2])
+def test_a_row_of_overflowed_logits_is_left_as_it_is_and_fails_no_other(head):
+    """A row whose logits overflowed (an inf: its softmax is NaN) keeps no probability above 0.
+    The filters leave it as it is, as the whole sort did, and filter the other rows as ever: the
+    cut read position -1 of its kept ones, an index out of range that failed the whole step (on
+    CUDA a device-side assert, the process's end)."""
+    logits = torch.tensor([[0.0, 1.0, float("inf"), 2.0], [0.0, 1.0, 2.0, 3.0]])
+    probs = torch.softmax(logits, dim=-1)
+    params = [SamplingParams(top_p=0.9), SamplingParams(top_p=0.9, min_p=0.1)]
+    got = _filter_batch(probs.clone(), params, head)
+    assert torch.isnan(got[0]).all()
+    assert torch.allclose(got[1] / got[1].sum(), filter_probs(probs[1], params[1]), atol=1e-6)
+
 drawn_params = st.builds(lambda k, p, m, t: SamplingParams(temperature=t, top_k=k, top_p=p, min_p=m),
                          st.sampled_from([-1, -1, 2, 3, 40]), st.sampled_from([1.0, 0.3, 0.6, 0.9, 0.95, 0.99]),
                          st.sampled_from([0.0, 0.0, 0.02, 0.3]), st.sampled_from([0.5, 1.0, 1.7]))

@@ -207,7 +207,9 @@ def filter_sorted_probs(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.T
         mass = torch.where(row_top_k < vocab, cumulative[:, -1], total[rows])
         ordered.masked_fill_((cumulative - ordered > (row_top_p * mass)[:, None]) & (row_top_p[:, None] < 1.0), 0.0)
         ordered.masked_fill_(ordered < min_p[rows, None] * ordered[:, :1], 0.0)
-        num_kept = (ordered > 0).sum(dim=-1, keepdim=True)
+        # (a row whose logits overflowed, NaN, keeps none: as one, its cut drops nothing and it is
+        # left as it is, as the whole sort left it, not read at position -1)
+        num_kept = (ordered > 0).sum(dim=-1, keepdim=True).clamp_(min=1)
         settled = (k >= vocab) | (row_top_k <= k) | ((row_top_k == vocab) & (num_kept[:, 0] < k))
         if settled.all():
             keep_largest(block, ordered, num_kept)
