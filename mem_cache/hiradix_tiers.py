@@ -54,9 +54,9 @@ class HostTierMixin:
             return True
         try:
             future = controller.start_write(host_indices, node.value)
-        except Exception:  # (a CUDA allocation, say) it costs the backup, not the request
-            logger.exception("could not start backing up %d tokens to the host tier", len(host_indices))
+        except Exception as exc:  # (a CUDA allocation, say) it costs the backup, not the request
             self.host_pool.free(host_indices)
+            self._count_failed_backup(len(host_indices), exc)
             return False
         node.host_value = host_indices
         self.inc_lock_ref(node)
@@ -143,6 +143,7 @@ class HostTierMixin:
         load or a prefetch holds one of them (logged; that rank's reads of it fail)."""
         if bad is None or not bad.numel():
             return
+        self._count_failed_backup(bad.numel(), "on another TP rank")
         writing = {id(w.node) for w in self._writing}  # (a stale report: their slots were given again)
         hit = [n for n in self._iter_nodes() if n.host_value is not None and id(n) not in writing
                and bool(torch.isin(n.host_value, bad).any())]

@@ -357,6 +357,7 @@ def test_a_followers_failed_backup_is_reported_and_rank_0_drops_that_host_copy()
     node = node_of(cache, tokens)
     assert not node.backuped and not node.evicted and node.lock_ref == 0
     assert not follower.load_failures_pending and cache.host_pool.available_size() == cache.host_pool.size
+    assert cache.cache_controller.failed_written_tokens == 16  # counted on rank 0 (its metric)
     check(cache, alloc)
     cache.insert(K(tokens), slots)  # the next hit: backed up again, this time on both ranks
     cache.writing_check(wait=True)
@@ -388,7 +389,7 @@ def test_a_followers_failed_backup_at_eviction_takes_the_host_only_node_out_of_t
     assert failed is not None and sorted(failed.slots.tolist()) == sorted(loaded.tolist())
     m = cache.match_prefix(K(tokens))
     assert len(m.device_indices) == 0 and m.host_hit_length == 0  # gone from both tiers
-    assert not follower.load_failures_pending
+    assert not follower.load_failures_pending and cache.cache_controller.failed_written_tokens == 16
     check(cache, alloc)
     follower.close()
 
@@ -404,6 +405,7 @@ def test_a_backup_that_cannot_start_costs_the_backup_not_the_request():
     cache.insert(K(tokens), slots)
     node = node_of(cache, tokens)
     assert not cache.writes_pending and node.lock_ref == 0 and not node.backuped
+    assert cache.cache_controller.failed_written_tokens == 16
     check(cache, alloc)
 
 
