@@ -3,12 +3,18 @@
 * Without CUDA, Triton kernels run under the interpreter: ``TRITON_INTERPRET``
   must be set before any module defining a ``@triton.jit`` kernel is imported.
 * Tests marked ``gpu`` are skipped cleanly when CUDA is absent.
+* One intra-op thread per process (unless set): the suite runs engines, TP ranks and
+  Ray actors side by side on a couple of cores, where each process's own thread pool
+  only oversubscribes them (the tiny models gain nothing from it). Set before torch
+  is imported, so the processes spawned from here inherit it.
 """
 
 import os
 
-import pytest
-import torch
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
