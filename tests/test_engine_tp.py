@@ -212,8 +212,8 @@ def test_tp2_follower_attends_over_the_same_slots_as_rank_0(checkpoints, monkeyp
     thread_ranks(monkeypatch)
     reads = {}  # by rank (its pool): the slots each layer's attention read
 
-    def recording(forward_batch, i, layer):
-        slots = context_kv_slots(forward_batch, i, layer)
+    def recording(forward_batch, layer, full_slots):
+        slots = context_kv_slots(forward_batch, layer, full_slots)
         reads.setdefault(id(forward_batch.token_to_kv_pool), []).append(slots.tolist())
         return slots
 

@@ -1,57 +1,181 @@
-"""Reference attention over the paged KV cache, in plain PyTorch (one request at a time)."""
+"""Reference attention over the paged KV cache, in plain PyTorch, batched over requests.
+
+Once a forward, requests are packed into groups of similar lengths. Once a layer, each group
+gathers its K/V in one ``index_select`` into a padded ``[b, max_k]`` table (padding reads the
+dummy slot 0) and attends all its queries, padded to ``[b, max_q]``, at once: through the CPU's
+fused ``scaled_dot_product_attention`` (GQA without repeating K/V, no scores tensor), or with
+fp32 scores written out where that kernel falls short (a soft cap, MLA's narrower values). An
+additive bias masks causality, each request's length and the sliding window. Padding and
+memory are bounded: a member's padded score cells stay within ``MAX_PADDING`` × its useful
+ones (a lone long request is a group of its own); a group's fp32 K/V plus one query row of
+scores stay within ``max_chunk_bytes``, and its query rows run in chunks whose fp32 scores do.
+"""
 
 from __future__ import annotations
 
+from typing import Dict, List, NamedTuple, Tuple
+
 import torch
+import torch.nn.functional as F
+
+MAX_PADDING = 2  # a request's padded score cells, at most this many times its useful ones
+MAX_CHUNK_BYTES = 256 << 20
 
 
-def context_kv_slots(forward_batch, i: int, layer) -> torch.Tensor:
-    """KV slots of request ``i``'s whole context ``[0, seq_len)``, for ``layer``'s pool."""
-    row = int(forward_batch.req_pool_indices[i])
-    seq_len = forward_batch.seq_lens_cpu[i]
-    slots = forward_batch.req_to_token_pool.req_to_token[row, :seq_len].to(torch.int64)
+def context_kv_slots(forward_batch, layer, slots: torch.Tensor) -> torch.Tensor:
+    """Rows of ``layer``'s K/V buffers that hold full slots ``slots`` (any shape): the slots
+    themselves, or their SWA rows for a sliding-window layer of an SWA pool."""
     translate = getattr(forward_batch.token_to_kv_pool, "translate_layer_loc", None)
     return translate(layer.layer_id, slots) if translate is not None else slots
 
 
 def attention_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, sliding_window) -> torch.Tensor:
-    """True where query at ``q_pos`` may attend key at ``k_pos``."""
-    allowed = k_pos[None, :] <= q_pos[:, None]
+    """True where query at ``q_pos`` (``[..., q]``) may attend key at ``k_pos`` (``[k]``): ``[..., q, k]``."""
+    allowed = k_pos <= q_pos[..., None]
     if sliding_window is not None:
-        allowed &= k_pos[None, :] > q_pos[:, None] - sliding_window
+        allowed &= k_pos > q_pos[..., None] - sliding_window
     return allowed
 
 
+def gather(buf: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """``buf[slots]`` for a 2-D ``slots``; ``index_select`` over the flat slots copies whole
+    rows, about 3× faster on the CPU than advanced indexing."""
+    return buf.index_select(0, slots.flatten()).view(*slots.shape, *buf.shape[1:])
+
+
+class AttnGroup(NamedTuple):
+    """Requests attended together. Row ``r`` is one request; query column ``j`` is its
+    ``min(j, extend_len - 1)``-th new token, so padded columns repeat its last query (never a
+    row with nothing to attend) and ``valid`` keeps them out of the output."""
+
+    q_index: torch.Tensor  # [b, max_q] token index in the batch's flat q
+    q_pos: torch.Tensor  # [b, max_q] position of that query in its request
+    valid: torch.Tensor  # [b, max_q] False on padded query columns
+    kv_slots: torch.Tensor  # [b, max_k] full KV slots of the context; slot 0 (the dummy) past seq_len
+    prefix_lens: List[int]
+    seq_lens: List[int]
+    biases: Dict[object, torch.Tensor]  # sliding_window -> score bias over [b, max_q, max_k]
+
+    def bias(self, sliding_window) -> torch.Tensor:
+        """fp32, 0 where ``attention_mask`` allows and -inf elsewhere: added to the scores, as
+        the fused kernel would do with a boolean mask after converting it, once a layer."""
+        if sliding_window not in self.biases:
+            k_pos = torch.arange(self.kv_slots.shape[1], device=self.q_pos.device)
+            allowed = attention_mask(self.q_pos, k_pos, sliding_window)
+            self.biases[sliding_window] = torch.zeros(allowed.shape, device=allowed.device).masked_fill_(
+                ~allowed, float("-inf"))
+        return self.biases[sliding_window]
+
+
+def pack_requests(seq_lens: List[int], extend_lens: List[int], fits) -> List[List[int]]:
+    """Requests grouped greedily, longest context first: a group takes the next request while
+    every member's padded row (``max_q × max_k`` score cells) stays within ``MAX_PADDING`` × its
+    useful ones (``extend_len × seq_len``), so the whole batch pads at most that much, and while
+    ``fits(b, max_k)``. A request no other fits beside is a group of its own."""
+    groups: List[List[int]] = []
+    order = sorted(range(len(seq_lens)), key=lambda i: (seq_lens[i], extend_lens[i]), reverse=True)
+    max_q = least_useful = 0
+    for i in order:
+        useful = extend_lens[i] * seq_lens[i]
+        wider_q, least = max(max_q, extend_lens[i]), min(least_useful, useful)
+        if groups:
+            max_k = seq_lens[groups[-1][0]]
+            if wider_q * max_k <= MAX_PADDING * least and fits(len(groups[-1]) + 1, max_k):
+                groups[-1].append(i)
+                max_q, least_useful = wider_q, least
+                continue
+        groups.append([i])
+        max_q, least_useful = extend_lens[i], useful
+    return groups
+
+
 class TorchAttnBackend:
-    def __init__(self, **_):
-        pass
+    def __init__(self, max_chunk_bytes: int = MAX_CHUNK_BYTES, **_):
+        self.max_chunk_bytes = max_chunk_bytes
+        self.forward_batch = None
+        self.groups: Dict[Tuple[int, int], List[AttnGroup]] = {}  # by (num_heads, bytes per key column)
 
     def init_forward_metadata(self, forward_batch) -> None:
-        """Nothing to precompute: every layer reads the rows directly."""
+        """Forget the last forward's groups; this one's are built at its first layer of each shape."""
+        self.forward_batch, self.groups = forward_batch, {}
+
+    def layer_groups(self, layer) -> List[AttnGroup]:
+        # fp32 bytes per key column of a one-request group: its K and V, and one query row of scores
+        column_bytes = 4 * (layer.num_heads + layer.num_kv_heads * (layer.head_dim + layer.v_head_dim))
+        key = (layer.num_heads, column_bytes)
+        if key not in self.groups:
+            fb = self.forward_batch
+            fits = lambda b, max_k: b * max_k * column_bytes <= self.max_chunk_bytes  # noqa: E731
+            self.groups[key] = [
+                self.build_group(members)
+                for members in pack_requests(fb.seq_lens_cpu, fb.extend_seq_lens_cpu, fits)
+            ]
+        return self.groups[key]
+
+    def build_group(self, members: List[int]) -> AttnGroup:
+        fb = self.forward_batch
+        device = fb.seq_lens.device
+        take = lambda values: torch.tensor([values[i] for i in members], device=device)  # noqa: E731
+        seq_lens, prefix_lens, extend_lens = fb.seq_lens_cpu, fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu
+        num_q, prefixes = take(extend_lens), take(prefix_lens)
+        cols = torch.arange(max(extend_lens[i] for i in members), device=device)
+        offset = torch.minimum(cols[None, :], num_q[:, None] - 1)
+        max_k = max(seq_lens[i] for i in members)
+        rows = fb.req_pool_indices[torch.tensor(members, device=device)]
+        kv_slots = fb.req_to_token_pool.req_to_token[rows, :max_k].to(torch.int64)
+        kv_slots.masked_fill_(torch.arange(max_k, device=device)[None, :] >= take(seq_lens)[:, None], 0)
+        return AttnGroup(
+            q_index=fb.extend_start_loc[torch.tensor(members, device=device)][:, None] + offset,
+            q_pos=prefixes[:, None] + offset, valid=cols[None, :] < num_q[:, None], kv_slots=kv_slots,
+            prefix_lens=[prefix_lens[i] for i in members], seq_lens=[seq_lens[i] for i in members], biases={},
+        )
 
     def forward(self, q: torch.Tensor, layer, forward_batch) -> torch.Tensor:
         pool = forward_batch.token_to_kv_pool
         k_buf = pool.get_key_buffer(layer.layer_id)
-        v_buf = pool.get_value_buffer(layer.layer_id)
+        v_buf = pool.get_value_buffer(layer.layer_id)[..., : layer.v_head_dim]
         out = q.new_empty(q.shape[0], layer.num_heads, layer.v_head_dim)
-        group = layer.num_heads // layer.num_kv_heads
-        for i in range(forward_batch.batch_size):
-            start = int(forward_batch.extend_start_loc[i])
-            num_q = forward_batch.extend_seq_lens_cpu[i]
-            prefix = forward_batch.extend_prefix_lens_cpu[i]
-            slots = context_kv_slots(forward_batch, i, layer)
-            k = k_buf[slots].to(q.dtype).repeat_interleave(group, dim=1)
-            v = v_buf[slots].to(q.dtype)[..., : layer.v_head_dim].repeat_interleave(group, dim=1)
-            qi = q[start : start + num_q]
-            scores = torch.einsum("qhd,khd->hqk", qi.float(), k.float()) * layer.scaling
-            if layer.logit_cap:
-                scores = layer.logit_cap * torch.tanh(scores / layer.logit_cap)
-            q_pos = torch.arange(prefix, prefix + num_q, device=q.device)
-            k_pos = torch.arange(slots.numel(), device=q.device)
-            scores = scores.masked_fill(~attention_mask(q_pos, k_pos, layer.sliding_window), float("-inf"))
-            probs = torch.softmax(scores, dim=-1)
-            out[start : start + num_q] = torch.einsum("hqk,khd->qhd", probs, v.float()).to(q.dtype)
+        for group in self.layer_groups(layer):
+            slots = context_kv_slots(forward_batch, layer, group.kv_slots)
+            # [b, kv_heads, max_k, dim]: one gather a layer; fp32 after the model dtype, as HF rounds
+            k = gather(k_buf, slots).to(q.dtype).float().transpose(1, 2)
+            v = gather(v_buf, slots).to(q.dtype).float().transpose(1, 2)
+            b, max_q = group.q_index.shape
+            rows = max(1, self.max_chunk_bytes // (4 * b * layer.num_heads * k.shape[2]))
+            for start in range(0, max_q, rows):
+                self.attend_rows(q, k, v, layer, group, start, min(start + rows, max_q), out)
         return out
+
+    @staticmethod
+    def attend_rows(q, k, v, layer, group: AttnGroup, start: int, stop: int, out: torch.Tensor) -> None:
+        """Query columns ``[start, stop)`` of ``group`` over keys ``[0, key_end)``, the most any
+        of them sees; writes their valid rows into ``out``."""
+        key_end = max(min(seq_len, prefix + stop) for seq_len, prefix in zip(group.seq_lens, group.prefix_lens))
+        qi = q[group.q_index[:, start:stop]].float().transpose(1, 2)  # [b, heads, num_q, dim]
+        k, v = k[:, :, :key_end], v[:, :, :key_end]
+        bias = group.bias(layer.sliding_window)[:, None, start:stop, :key_end]
+        if layer.logit_cap or layer.v_head_dim != layer.head_dim:
+            o = explicit_attention(qi, k, v, bias, layer)
+        else:  # the CPU's fused (flash) kernel: no scores tensor, GQA without repeating K/V
+            o = F.scaled_dot_product_attention(qi, k, v, attn_mask=bias, scale=layer.scaling, enable_gqa=True)
+        o, valid = o.transpose(1, 2), group.valid[:, start:stop]  # [b, num_q, heads, v_head_dim]
+        out[group.q_index[:, start:stop][valid]] = o[valid].to(out.dtype)
+
+
+def explicit_attention(q, k, v, bias, layer) -> torch.Tensor:
+    """Attention with its fp32 scores written out, for what the fused kernel does not take:
+    a soft cap, or values narrower than keys (MLA; the kernel would repeat K/V per head). GQA
+    folds each KV head's query heads into rows. ``q`` [b, heads, num_q, dim], ``k``/``v``
+    [b, kv_heads, keys, dim], ``bias`` [b, 1, num_q, keys]; returns [b, heads, num_q, v_head_dim]."""
+    b, heads, num_q, _ = q.shape
+    kv_heads = k.shape[1]
+    per_kv = heads // kv_heads
+    scores = torch.matmul(q.reshape(b, kv_heads, per_kv * num_q, -1), k.transpose(2, 3)) * layer.scaling
+    scores = scores.view(b, kv_heads, per_kv, num_q, -1)
+    if layer.logit_cap:
+        scores = layer.logit_cap * torch.tanh(scores / layer.logit_cap)
+    probs = torch.softmax(scores.add_(bias[:, :, None]), dim=-1)
+    return torch.matmul(probs.view(b, kv_heads, per_kv * num_q, -1), v).view(b, heads, num_q, -1)
 
 
 Backend = TorchAttnBackend

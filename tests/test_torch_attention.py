@@ -1,0 +1,139 @@
+"""The batched PyTorch attention backend equals attention written out one query at a time
+(random pools and slots, prefixes, decode and extend, GQA, MLA-like narrower values, sliding
+windows read through an SWA slot map, soft caps, pool dtypes), however it groups and chunks."""
+
+import hypothesis.strategies as st
+import torch
+from hypothesis import given, settings
+
+from actors.engine.attention.torch_backend import MAX_CHUNK_BYTES, TorchAttnBackend, pack_requests
+from actors.engine.forward_batch import ForwardBatch, ForwardMode
+from actors.engine.layers import RadixAttention
+from mem_cache.req_to_token_pool import ReqToTokenPool
+
+POOL_ROWS = 128
+MAX_CONTEXT = 48
+
+
+class OneLayerPool:
+    """K/V buffers of one layer, like MLA's (values the first ``v_head_dim`` columns of the keys)
+    when ``v`` is None; with ``swa_map``, full slots translate to its rows, as an SWA layer's do."""
+
+    def __init__(self, k, v, swa_map):
+        self.k, self.v, self.swa_map = k, (k if v is None else v), swa_map
+
+    def get_key_buffer(self, layer_id):
+        return self.k
+
+    def get_value_buffer(self, layer_id):
+        return self.v
+
+    def translate_layer_loc(self, layer_id, loc):
+        return loc if self.swa_map is None else self.swa_map[loc]
+
+
+def brute_force(q, layer, fb) -> torch.Tensor:
+    """Each query of each request over the keys it may see, in float64."""
+    pool, out = fb.token_to_kv_pool, torch.zeros(q.shape[0], layer.num_heads, layer.v_head_dim, dtype=torch.float64)
+    per_kv = layer.num_heads // layer.num_kv_heads
+    for i, (prefix, num_q) in enumerate(zip(fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu)):
+        start = int(fb.extend_start_loc[i])
+        row = fb.req_to_token_pool.req_to_token[int(fb.req_pool_indices[i])].to(torch.int64)
+        for j in range(num_q):
+            pos = prefix + j
+            first = 0 if layer.sliding_window is None else max(0, pos - layer.sliding_window + 1)
+            slots = pool.translate_layer_loc(0, row[first : pos + 1])
+            for h in range(layer.num_heads):
+                k = pool.k[slots, h // per_kv].to(q.dtype).double()
+                v = pool.v[slots, h // per_kv, : layer.v_head_dim].to(q.dtype).double()
+                scores = k @ q[start + j, h].double() * layer.scaling
+                if layer.logit_cap:
+                    scores = layer.logit_cap * torch.tanh(scores / layer.logit_cap)
+                out[start + j, h] = scores.softmax(0) @ v
+    return out.to(q.dtype)
+
+
+@st.composite
+def cases(draw):
+    decode = draw(st.booleans())
+    num_reqs = draw(st.integers(1, 5))
+    extend = [1 if decode else draw(st.integers(1, 16)) for _ in range(num_reqs)]
+    prefix = [draw(st.integers(0, MAX_CONTEXT - e)) for e in extend]
+    if decode:
+        prefix = [max(p, 1) for p in prefix]
+    head_dim = draw(st.sampled_from([4, 8]))
+    return dict(
+        prefix=prefix, extend=extend, kv_heads=draw(st.integers(1, 2)), per_kv=draw(st.integers(1, 3)),
+        head_dim=head_dim, v_head_dim=draw(st.sampled_from([None, head_dim // 2])),  # None: own V buffer
+        window=draw(st.none() | st.integers(1, 12)), cap=draw(st.none() | st.floats(0.5, 5.0)),
+        swa=draw(st.booleans()), dtypes=draw(st.sampled_from([(torch.float32,) * 2, (torch.bfloat16, torch.float32),
+                                                            (torch.bfloat16,) * 2])),
+        max_chunk_bytes=draw(st.sampled_from([MAX_CHUNK_BYTES, 1, 2048, 16384])), seed=draw(st.integers(0, 2**16)),
+    )
+
+
+def make_case(prefix, extend, kv_heads, per_kv, head_dim, v_head_dim, window, cap, swa, dtypes, seed, **_):
+    gen = torch.Generator().manual_seed(seed)
+    pool_dtype, q_dtype = dtypes
+    seq = [p + e for p, e in zip(prefix, extend)]
+    k = torch.randn(POOL_ROWS, kv_heads, head_dim, generator=gen).to(pool_dtype)
+    v = None if v_head_dim else torch.randn(POOL_ROWS, kv_heads, head_dim, generator=gen).to(pool_dtype)
+    swa_map = torch.randint(0, POOL_ROWS, (POOL_ROWS,), generator=gen) if swa else None
+    rows = ReqToTokenPool(8, MAX_CONTEXT, "cpu")
+    rows.req_to_token.fill_(10 * POOL_ROWS)  # past seq_len: no slot at all, so padding must not read it
+    row_ids = torch.randperm(8, generator=gen)[: len(seq)]
+    for row, seq_len in zip(row_ids.tolist(), seq):  # slots may repeat across requests, as shared prefixes do
+        rows.req_to_token[row, :seq_len] = torch.randint(1, POOL_ROWS, (seq_len,), generator=gen, dtype=torch.int32)
+    t = lambda xs: torch.tensor(xs, dtype=torch.int64)  # noqa: E731
+    starts = [sum(extend[:i]) for i in range(len(extend))]
+    mode = ForwardMode.DECODE if all(e == 1 for e in extend) else ForwardMode.EXTEND
+    zeros = t([0] * sum(extend))
+    fb = ForwardBatch(
+        mode, zeros, zeros, zeros, row_ids, t(seq), t(prefix), t(extend), t(starts), rows,
+        OneLayerPool(k, v, swa_map), seq_lens_cpu=seq, extend_prefix_lens_cpu=list(prefix),
+        extend_seq_lens_cpu=list(extend),
+    )
+    layer = RadixAttention(0, kv_heads * per_kv, head_dim, kv_heads, head_dim**-0.5, v_head_dim=v_head_dim,
+                           sliding_window=window, logit_cap=cap)
+    q = torch.randn(sum(extend), kv_heads * per_kv, head_dim, generator=gen).to(q_dtype)
+    return q, layer, fb
+
+
+@settings(max_examples=150, deadline=None)
+@given(cases())
+def test_batched_attention_equals_one_query_at_a_time(case):
+    q, layer, fb = make_case(**case)
+    backend = TorchAttnBackend(max_chunk_bytes=case["max_chunk_bytes"])
+    backend.init_forward_metadata(fb)
+    out = backend.forward(q, layer, fb)
+    tol = 1e-5 if q.dtype == torch.float32 else 1.6e-2
+    torch.testing.assert_close(out, brute_force(q, layer, fb), atol=tol, rtol=tol)
+
+
+def test_requests_pack_by_length_within_the_padding_bound():
+    """Each request pads at most 2× its score cells: like contexts share a group, a long one
+    attends alone, and the memory bound splits a group of like requests."""
+    fits = lambda b, max_k: True  # noqa: E731
+    assert pack_requests([100, 1000, 90, 95], [1] * 4, fits) == [[1], [0, 3, 2]]
+    assert pack_requests([300, 20, 24, 18], [300, 20, 24, 18], fits) == [[0], [2, 1, 3]]
+    # after a prefix, one new token each: padding is over keys only
+    assert pack_requests([64, 40, 33], [1, 1, 1], fits) == [[0, 1, 2]]
+    assert pack_requests([10] * 4, [1] * 4, lambda b, max_k: b <= 2) == [[0, 1], [2, 3]]
+
+
+def test_a_long_prompt_runs_in_query_chunks_within_the_memory_bound(monkeypatch):
+    """Scores of a 48-token prompt (4 heads, fp32) are 36 KiB; at an 8 KiB bound its queries run
+    in chunks of at most 10 rows, each over the keys they may see."""
+    case = dict(prefix=[0], extend=[48], kv_heads=2, per_kv=2, head_dim=8, v_head_dim=None, window=None, cap=None,
+                swa=False, dtypes=(torch.float32,) * 2, seed=0)
+    q, layer, fb = make_case(**case)
+    backend = TorchAttnBackend(max_chunk_bytes=8192)
+    calls = []
+    attend_rows = TorchAttnBackend.attend_rows
+    monkeypatch.setattr(TorchAttnBackend, "attend_rows", staticmethod(
+        lambda q, k, v, layer, group, start, stop, out: calls.append((start, stop)) or attend_rows(
+            q, k, v, layer, group, start, stop, out)))
+    backend.init_forward_metadata(fb)
+    out = backend.forward(q, layer, fb)
+    assert calls == [(0, 10), (10, 20), (20, 30), (30, 40), (40, 48)]
+    torch.testing.assert_close(out, brute_force(q, layer, fb), atol=1e-5, rtol=1e-5)
