@@ -226,7 +226,8 @@ class PrefillAdmissionMixin:
     def _next_prefill(self):
         """The next prefill batch and its forward batch (None, None: none can run now). If
         planning raises, the requests it locked and gave no row are unlocked first (they stay
-        queued: the engine loop's failure path finds no row to release them by)."""
+        queued: the engine loop's failure path finds no row to release them by; it gives back
+        their Mamba copies, ``free_mamba_copy``)."""
         self._plan_locks: List[Req] = []
         continuing = self.chunked_req  # (the plan takes it off its slot: it is in no other queue)
         try:
