@@ -72,6 +72,39 @@ async def until(predicate: Callable[[], bool], timeout_s: float = 30.0, what: st
         await asyncio.sleep(0.002)
 
 
+def slow_push(worker, hold: Callable[[Dict], None]) -> List[float]:
+    """Wrap the worker's shm agent's push: ``hold(kwargs)`` runs before each copy; returns
+    the monotonic times at which copies ended."""
+    agent = worker.agents["shm"]
+    real, ended = agent.push, []
+
+    def push(handoff, src_slots, src_state_slot, src_swa_slots, offset=0):
+        hold(dict(handoff=handoff, num_rows=len(src_slots), offset=offset))
+        moved = real(handoff, src_slots, src_state_slot, src_swa_slots, offset)
+        ended.append(time.monotonic())
+        return moved
+
+    agent.push = push
+    return ended
+
+
+def decode_together(decode, num_reqs: int) -> None:
+    """``decode`` takes no completion notice until ``num_reqs`` have come, then all of them in
+    one step: the requests start decoding side by side, however slow the host (otherwise the
+    first to land may be done before the last one's prefill, and a test of KV pressure sees
+    none). All ``num_reqs`` must fit in the decode worker's reservations at once."""
+    sched = decode.scheduler
+    process = sched._process_transfers
+
+    def gated():
+        if len(sched._notices) < num_reqs:
+            return []
+        del sched._process_transfers
+        return process()
+
+    sched._process_transfers = gated
+
+
 def pause_once(worker, predicate: Callable[[], bool]) -> threading.Event:
     """Pause ``worker``'s loop right after the first step at whose end ``predicate()`` holds
     (asked on the loop thread, so no step runs between the check and the pause: a request

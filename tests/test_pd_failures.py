@@ -6,16 +6,20 @@ prefilled request whose push some rank (a TP follower: tests.tp_helpers) never r
 fails at the waiting timeout."""
 
 import asyncio
+import threading
 import time
 
 import pytest
 
 from actors.engine.tiny import build_tiny_checkpoint
 from actors.pd_scheduler import PDRequestError
-from tests.pd_helpers import ENDLESS, make_pair, pause_once, prompts, run_pd, until
+from tests.pd_helpers import ENDLESS, make_pair, pause_once, prompts, run_pd, slow_push, until
 
 GREEDY = {"max_new_tokens": 8, "temperature": 0}
 LONG = {"max_new_tokens": 200, "temperature": 0, "ignore_eos": True}
+# how long a test waits for an answer that comes at once unless the bug is back ("never told"): only a
+# hang guard, generous for a loaded CI host (other test processes on two cores)
+HANG_S = 30.0
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +28,7 @@ def checkpoints(tmp_path_factory):
     return {f: str(build_tiny_checkpoint(f, root / f)) for f in ("llama",)}
 
 
-def wait_idle(worker, timeout_s=5.0):
+def wait_idle(worker, timeout_s=30.0):
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and worker.loop.run_exclusive(worker.scheduler.has_work):
         time.sleep(0.01)
@@ -50,6 +54,15 @@ class _GoneFollowers:
 
     def call_followers(self, name, payload):
         raise RuntimeError(f"{name}: connection closed by peer")
+
+
+def hold_pushes(prefill) -> threading.Event:
+    """``prefill``'s pushes wait for the event returned (30 s at most): a step's requests are
+    all still in ``inflight`` at its end, however soon the transfer thread would have been done
+    (the step's last ``_process_inflight`` would cache a request whose push had ended)."""
+    go = threading.Event()
+    slow_push(prefill, lambda _: go.wait(30))
+    return go
 
 
 def _fail_releasing_once(tree, rid):
@@ -298,13 +311,13 @@ def test_a_reservation_that_ended_earlier_in_a_failed_step_is_told(checkpoints):
         await asyncio.sleep(0.05)  # "a" queued for a reservation, "t"'s notice in: one step takes both
         decode.loop.resume()
         try:
-            await asyncio.wait_for(reserving, 5)
+            await asyncio.wait_for(reserving, HANG_S)
             answer = "reserved"
         except asyncio.TimeoutError:
             answer = "no answer (hangs)"
         except Exception:  # noqa: BLE001 - failing is the right answer
             answer = "failed"
-        await asyncio.gather(asyncio.wait_for(streaming, 5), return_exceptions=True)
+        await asyncio.gather(asyncio.wait_for(streaming, HANG_S), return_exceptions=True)
         return answer
 
     answer = asyncio.run(go())
@@ -471,7 +484,7 @@ def test_a_request_aborted_while_queued_is_told_when_releasing_another_aborted_o
         _fail_releasing_once(sched.tree_cache, "b")
         decode.loop.resume()
         try:
-            await asyncio.wait_for(c, 5)
+            await asyncio.wait_for(c, HANG_S)
             answer = "reserved"
         except asyncio.TimeoutError:
             answer = "never told"
@@ -543,6 +556,8 @@ def test_a_failure_caching_one_pushed_prefill_request_does_not_leak_the_others(c
     sched = prefill.scheduler
     a_ids, b_ids = prompts(2, 20, 20, seed=33)
 
+    pushes = hold_pushes(prefill)
+
     async def go():
         prefill.loop.pause()  # both admitted in one step
         tasks = [asyncio.ensure_future(run_pd(prefill, decode, ids, GREEDY, rid=rid))
@@ -551,6 +566,7 @@ def test_a_failure_caching_one_pushed_prefill_request_does_not_leak_the_others(c
         paused = pause_once(prefill, lambda: len(sched.inflight) == 2)
         prefill.loop.resume()
         await until(paused.is_set, what="a and b pushing")
+        pushes.set()
         await until(lambda: all(r.finished for r in list(sched.inflight)), what="both notices")
         _fail_releasing_once(sched.tree_cache, "a")
         prefill.loop.resume()
@@ -580,6 +596,7 @@ def test_a_failure_caching_a_pushed_request_in_fail_all_still_tells_the_others(c
         report(result)
 
     real_cache = sched.tree_cache.cache_finished_req
+    pushes = hold_pushes(prefill)
 
     def failing(req, *args, **kwargs):
         if req.rid == state["first"]:
@@ -601,12 +618,13 @@ def test_a_failure_caching_a_pushed_request_in_fail_all_still_tells_the_others(c
         prefill.loop.resume()
         await until(paused.is_set, what="a and b pushing")
         first = prefill.loop.run_exclusive(first_rid)
+        pushes.set()
         await until(lambda: len(pusher._finished) == 1 and sched.inflight[0].finished, what="both pushes")
         sched.tree_cache.cache_finished_req = failing
         prefill.loop.resume()
         other = tasks[1] if first == "a" else tasks[0]
         try:
-            final, _, _ = await asyncio.wait_for(asyncio.shield(other), 30)  # (a loaded host: not 5 s)
+            final, _, _ = await asyncio.wait_for(asyncio.shield(other), HANG_S)
             answer = len(final["output_ids"])
         except asyncio.TimeoutError:
             answer = "never told"
@@ -703,7 +721,7 @@ def _fail_after_releasing_once(tree, rid):
     tree.cache_finished_req = once
 
 
-async def _first_answer(decode, rid, notice, timeout_s=3.0):
+async def _first_answer(decode, rid, notice, timeout_s=HANG_S):
     """What ``rid``'s stream says first: the finish reason of its result, or that it failed."""
     try:
         result = await asyncio.wait_for(decode.stream(rid, notice).__anext__(), timeout_s)
@@ -804,7 +822,7 @@ def test_a_failed_step_ends_every_queued_reservation_when_giving_back_one_fails(
         decode.loop.run_exclusive(break_step)
         decode.loop.resume()
         try:
-            await asyncio.wait_for(z, 3)
+            await asyncio.wait_for(z, HANG_S)
             answers = ["reserved"]
         except asyncio.TimeoutError:
             answers = ["never told"]
@@ -852,7 +870,7 @@ def test_a_retraction_whose_release_fails_partway_still_tells_the_request(checkp
         decode.loop.run_exclusive(squeeze)
         decode.loop.resume()
         try:
-            await asyncio.wait_for(task, 3)
+            await asyncio.wait_for(task, HANG_S)
             return "finished"
         except asyncio.TimeoutError:
             return "never told"
@@ -921,7 +939,7 @@ def test_a_push_lane_that_dies_tells_the_decode_side_without_the_clients_abort(c
         handoffs = await decode.reserve(rid, ids, GREEDY)
         with pytest.raises(PDRequestError, match="ThreadKilled"):
             await prefill.prefill(rid, ids, GREEDY, handoffs)
-        await until(lambda: rid in decode._ended_early, timeout_s=5.0, what="the decode side's reservation ended")
+        await until(lambda: rid in decode._ended_early, what="the decode side's reservation ended")
         _, finished, error = decode._ended_early[rid].get_nowait()
         return finished, str(error)
 
