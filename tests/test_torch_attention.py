@@ -1,18 +1,21 @@
 """The batched PyTorch attention backend equals attention written out one query at a time
-(random pools and slots, prefixes, decode and extend, GQA, MLA-like narrower values, sliding
-windows read through an SWA slot map, soft caps, pool dtypes), however it groups and chunks."""
+(random pools and slots, long prefixes, decode and extend, GQA, MLA-like narrower values, sliding
+windows read through an SWA slot map, soft caps, pool dtypes), however it groups and chunks; a
+sliding-window layer gathers only the keys in its queries' windows."""
 
 import hypothesis.strategies as st
 import torch
 from hypothesis import given, settings
 
-from actors.engine.attention.torch_backend import MAX_CHUNK_BYTES, TorchAttnBackend, pack_requests
+from actors.engine.attention import torch_backend
+from actors.engine.attention.torch_backend import MAX_CHUNK_BYTES, TorchAttnBackend, pack_requests, window_start
 from actors.engine.forward_batch import ForwardBatch, ForwardMode
 from actors.engine.layers import RadixAttention
 from mem_cache.req_to_token_pool import ReqToTokenPool
 
 POOL_ROWS = 128
-MAX_CONTEXT = 48
+POISON = POOL_ROWS - 1  # a slot of NaN K/V: where keys slid out of the window point (an SWA pool frees them)
+MAX_CONTEXT = 160
 
 
 class OneLayerPool:
@@ -58,14 +61,14 @@ def cases(draw):
     decode = draw(st.booleans())
     num_reqs = draw(st.integers(1, 5))
     extend = [1 if decode else draw(st.integers(1, 16)) for _ in range(num_reqs)]
-    prefix = [draw(st.integers(0, MAX_CONTEXT - e)) for e in extend]
+    prefix = [draw(st.integers(0, MAX_CONTEXT - e)) for e in extend]  # mostly longer than the window
     if decode:
         prefix = [max(p, 1) for p in prefix]
     head_dim = draw(st.sampled_from([4, 8]))
     return dict(
         prefix=prefix, extend=extend, kv_heads=draw(st.integers(1, 2)), per_kv=draw(st.integers(1, 3)),
         head_dim=head_dim, v_head_dim=draw(st.sampled_from([None, head_dim // 2])),  # None: own V buffer
-        window=draw(st.none() | st.integers(1, 12)), cap=draw(st.none() | st.floats(0.5, 5.0)),
+        window=draw(st.none() | st.integers(1, 64)), cap=draw(st.none() | st.floats(0.5, 5.0)),
         swa=draw(st.booleans()), dtypes=draw(st.sampled_from([(torch.float32,) * 2, (torch.bfloat16, torch.float32),
                                                             (torch.bfloat16,) * 2])),
         max_chunk_bytes=draw(st.sampled_from([MAX_CHUNK_BYTES, 1, 2048, 16384])), seed=draw(st.integers(0, 2**16)),
@@ -78,12 +81,18 @@ def make_case(prefix, extend, kv_heads, per_kv, head_dim, v_head_dim, window, ca
     seq = [p + e for p, e in zip(prefix, extend)]
     k = torch.randn(POOL_ROWS, kv_heads, head_dim, generator=gen).to(pool_dtype)
     v = None if v_head_dim else torch.randn(POOL_ROWS, kv_heads, head_dim, generator=gen).to(pool_dtype)
-    swa_map = torch.randint(0, POOL_ROWS, (POOL_ROWS,), generator=gen) if swa else None
+    k[POISON] = float("nan")
+    if v is not None:
+        v[POISON] = float("nan")
+    swa_map = None
+    if swa:  # any row but the poisoned one (0 as a freed SWA slot reads), which maps to itself
+        swa_map = torch.randint(0, POISON, (POOL_ROWS,), generator=gen).index_fill_(0, torch.tensor(POISON), POISON)
     rows = ReqToTokenPool(8, MAX_CONTEXT, "cpu")
     rows.req_to_token.fill_(10 * POOL_ROWS)  # past seq_len: no slot at all, so padding must not read it
     row_ids = torch.randperm(8, generator=gen)[: len(seq)]
-    for row, seq_len in zip(row_ids.tolist(), seq):  # slots may repeat across requests, as shared prefixes do
-        rows.req_to_token[row, :seq_len] = torch.randint(1, POOL_ROWS, (seq_len,), generator=gen, dtype=torch.int32)
+    for row, seq_len, p in zip(row_ids.tolist(), seq, prefix):  # slots may repeat across requests (shared prefixes)
+        rows.req_to_token[row, :seq_len] = torch.randint(1, POISON, (seq_len,), generator=gen, dtype=torch.int32)
+        rows.req_to_token[row, : window_start(p, window)] = POISON  # no query of this forward sees these
     t = lambda xs: torch.tensor(xs, dtype=torch.int64)  # noqa: E731
     starts = [sum(extend[:i]) for i in range(len(extend))]
     mode = ForwardMode.DECODE if all(e == 1 for e in extend) else ForwardMode.EXTEND
@@ -137,3 +146,26 @@ def test_a_long_prompt_runs_in_query_chunks_within_the_memory_bound(monkeypatch)
     out = backend.forward(q, layer, fb)
     assert calls == [(0, 10), (10, 20), (20, 30), (30, 40), (40, 48)]
     torch.testing.assert_close(out, brute_force(q, layer, fb), atol=1e-5, rtol=1e-5)
+
+
+def test_a_sliding_window_layer_gathers_only_the_keys_its_queries_see(monkeypatch):
+    """Decode after 100 and 70 tokens and a 10-token extend after 60, window 8: the sliding-window
+    layer's tables hold each request's keys from its first query's window on (8 and 17 columns);
+    the full layer's, whole contexts (101 and 70 columns, the shorter row padded with slot 0)."""
+    reads = []
+    context_kv_slots = torch_backend.context_kv_slots
+    monkeypatch.setattr(torch_backend, "context_kv_slots", lambda fb, layer, slots: reads.append(
+        slots.tolist()) or context_kv_slots(fb, layer, slots))
+    case = dict(prefix=[100, 60, 70], extend=[1, 10, 1], kv_heads=1, per_kv=2, head_dim=8, v_head_dim=None,
+                window=8, cap=None, swa=False, dtypes=(torch.float32,) * 2, seed=0)
+    q, layer, fb = make_case(**case)
+    backend = TorchAttnBackend()
+    backend.init_forward_metadata(fb)
+    torch.testing.assert_close(backend.forward(q, layer, fb), brute_force(q, layer, fb), atol=1e-5, rtol=1e-5)
+    layer.sliding_window = None
+    backend.forward(q, layer, fb)
+    req_rows = fb.req_to_token_pool.req_to_token[fb.req_pool_indices].tolist()
+    assert reads == [
+        [req_rows[0][93:101], req_rows[2][63:71]], [req_rows[1][53:70]],  # groups [0, 2] and [1]
+        [req_rows[0][:101], req_rows[2][:71] + [0] * 30], [req_rows[1][:70]],
+    ]

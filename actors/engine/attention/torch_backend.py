@@ -1,14 +1,16 @@
 """Reference attention over the paged KV cache, in plain PyTorch, batched over requests.
 
 Once a forward, requests are packed into groups of similar lengths. Once a layer, each group
-gathers its K/V in one ``index_select`` into a padded ``[b, max_k]`` table (padding reads the
-dummy slot 0) and attends all its queries, padded to ``[b, max_q]``, at once: through the CPU's
-fused ``scaled_dot_product_attention`` (GQA without repeating K/V, no scores tensor), or with
-fp32 scores written out where that kernel falls short (a soft cap, MLA's narrower values). An
-additive bias masks causality, each request's length and the sliding window. Padding and
-memory are bounded: a member's padded score cells stay within ``MAX_PADDING`` × its useful
-ones (a lone long request is a group of its own); a group's fp32 K/V plus one query row of
-scores stay within ``max_chunk_bytes``, and its query rows run in chunks whose fp32 scores do.
+gathers its K/V in one ``index_select`` into a padded table (padding reads the dummy slot 0) and
+attends all its queries, padded to ``[b, max_q]``, at once: through the CPU's fused
+``scaled_dot_product_attention`` (GQA without repeating K/V, no scores tensor), or with fp32
+scores written out where that kernel falls short (a soft cap, MLA's narrower values). A
+full-attention layer gathers each request's whole context; a sliding-window layer only the keys
+its queries see, from its first new token's window on (so each row's columns start at its own
+position). An additive bias masks causality, each request's length and the sliding window.
+Padding and memory are bounded: a member's padded score cells stay within ``MAX_PADDING`` × its
+useful ones (a lone long request is a group of its own); a group's fp32 K/V plus one query row
+of scores stay within ``max_chunk_bytes``, and its query rows run in chunks whose fp32 scores do.
 """
 
 from __future__ import annotations
@@ -30,17 +32,32 @@ def context_kv_slots(forward_batch, layer, slots: torch.Tensor) -> torch.Tensor:
 
 
 def attention_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, sliding_window) -> torch.Tensor:
-    """True where query at ``q_pos`` (``[..., q]``) may attend key at ``k_pos`` (``[k]``): ``[..., q, k]``."""
+    """True where query at ``q_pos`` (``[..., q]``) may attend key at ``k_pos`` (``[..., k]``): ``[..., q, k]``."""
+    k_pos = k_pos[..., None, :]
     allowed = k_pos <= q_pos[..., None]
     if sliding_window is not None:
         allowed &= k_pos > q_pos[..., None] - sliding_window
     return allowed
 
 
+def window_start(pos: int, sliding_window) -> int:
+    """The first key position a query at ``pos`` sees."""
+    return 0 if sliding_window is None else max(0, pos - sliding_window + 1)
+
+
 def gather(buf: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """``buf[slots]`` for a 2-D ``slots``; ``index_select`` over the flat slots copies whole
     rows, about 3× faster on the CPU than advanced indexing."""
     return buf.index_select(0, slots.flatten()).view(*slots.shape, *buf.shape[1:])
+
+
+class KeyRange(NamedTuple):
+    """The keys a group's layers of one sliding window gather: row ``r``'s column ``c`` is its key
+    at position ``first[r] + c``, ``first[r]`` the first one its first new token sees."""
+
+    first: List[int]
+    kv_slots: torch.Tensor  # [b, num_k] full KV slots; slot 0 (the dummy) past seq_len
+    bias: torch.Tensor  # [b, max_q, num_k] fp32, 0 where attention_mask allows and -inf elsewhere
 
 
 class AttnGroup(NamedTuple):
@@ -51,20 +68,28 @@ class AttnGroup(NamedTuple):
     q_index: torch.Tensor  # [b, max_q] token index in the batch's flat q
     q_pos: torch.Tensor  # [b, max_q] position of that query in its request
     valid: torch.Tensor  # [b, max_q] False on padded query columns
-    kv_slots: torch.Tensor  # [b, max_k] full KV slots of the context; slot 0 (the dummy) past seq_len
+    token_slots: torch.Tensor  # [b, max_k] int64, the members' req_to_token rows up to the longest seq_len
     prefix_lens: List[int]
     seq_lens: List[int]
-    biases: Dict[object, torch.Tensor]  # sliding_window -> score bias over [b, max_q, max_k]
+    key_ranges: Dict[object, KeyRange]  # by sliding_window
 
-    def bias(self, sliding_window) -> torch.Tensor:
-        """fp32, 0 where ``attention_mask`` allows and -inf elsewhere: added to the scores, as
-        the fused kernel would do with a boolean mask after converting it, once a layer."""
-        if sliding_window not in self.biases:
-            k_pos = torch.arange(self.kv_slots.shape[1], device=self.q_pos.device)
+    def keys(self, sliding_window) -> KeyRange:
+        """Built at a forward's first layer of each window: ``[window_start(prefix_len), seq_len)``
+        of each request, so a sliding-window layer never reads the slots that slid out (an SWA
+        pool may have freed them: they translate to slot 0, or to a row reused since). The bias
+        is added to the scores, as the fused kernel would do with a boolean mask after
+        converting it, once a layer."""
+        if sliding_window not in self.key_ranges:
+            device = self.q_pos.device
+            first = [window_start(prefix, sliding_window) for prefix in self.prefix_lens]
+            num_k = max(seq_len - f for seq_len, f in zip(self.seq_lens, first))
+            k_pos = torch.tensor(first, device=device)[:, None] + torch.arange(num_k, device=device)
+            inside = k_pos < torch.tensor(self.seq_lens, device=device)[:, None]
+            kv_slots = self.token_slots.gather(1, k_pos * inside).masked_fill_(~inside, 0)
             allowed = attention_mask(self.q_pos, k_pos, sliding_window)
-            self.biases[sliding_window] = torch.zeros(allowed.shape, device=allowed.device).masked_fill_(
-                ~allowed, float("-inf"))
-        return self.biases[sliding_window]
+            bias = torch.zeros(allowed.shape, device=device).masked_fill_(~allowed, float("-inf"))
+            self.key_ranges[sliding_window] = KeyRange(first, kv_slots, bias)
+        return self.key_ranges[sliding_window]
 
 
 def pack_requests(seq_lens: List[int], extend_lens: List[int], fits) -> List[List[int]]:
@@ -122,12 +147,11 @@ class TorchAttnBackend:
         offset = torch.minimum(cols[None, :], num_q[:, None] - 1)
         max_k = max(seq_lens[i] for i in members)
         rows = fb.req_pool_indices[torch.tensor(members, device=device)]
-        kv_slots = fb.req_to_token_pool.req_to_token[rows, :max_k].to(torch.int64)
-        kv_slots.masked_fill_(torch.arange(max_k, device=device)[None, :] >= take(seq_lens)[:, None], 0)
         return AttnGroup(
             q_index=fb.extend_start_loc[torch.tensor(members, device=device)][:, None] + offset,
-            q_pos=prefixes[:, None] + offset, valid=cols[None, :] < num_q[:, None], kv_slots=kv_slots,
-            prefix_lens=[prefix_lens[i] for i in members], seq_lens=[seq_lens[i] for i in members], biases={},
+            q_pos=prefixes[:, None] + offset, valid=cols[None, :] < num_q[:, None],
+            token_slots=fb.req_to_token_pool.req_to_token[rows, :max_k].to(torch.int64),
+            prefix_lens=[prefix_lens[i] for i in members], seq_lens=[seq_lens[i] for i in members], key_ranges={},
         )
 
     def forward(self, q: torch.Tensor, layer, forward_batch) -> torch.Tensor:
@@ -136,8 +160,8 @@ class TorchAttnBackend:
         v_buf = pool.get_value_buffer(layer.layer_id)[..., : layer.v_head_dim]
         out = q.new_empty(q.shape[0], layer.num_heads, layer.v_head_dim)
         for group in self.layer_groups(layer):
-            slots = context_kv_slots(forward_batch, layer, group.kv_slots)
-            # [b, kv_heads, max_k, dim]: one gather a layer; fp32 after the model dtype, as HF rounds
+            slots = context_kv_slots(forward_batch, layer, group.keys(layer.sliding_window).kv_slots)
+            # [b, kv_heads, num_k, dim]: one gather a layer; fp32 after the model dtype, as HF rounds
             k = gather(k_buf, slots).to(q.dtype).float().transpose(1, 2)
             v = gather(v_buf, slots).to(q.dtype).float().transpose(1, 2)
             b, max_q = group.q_index.shape
@@ -148,12 +172,17 @@ class TorchAttnBackend:
 
     @staticmethod
     def attend_rows(q, k, v, layer, group: AttnGroup, start: int, stop: int, out: torch.Tensor) -> None:
-        """Query columns ``[start, stop)`` of ``group`` over keys ``[0, key_end)``, the most any
-        of them sees; writes their valid rows into ``out``."""
-        key_end = max(min(seq_len, prefix + stop) for seq_len, prefix in zip(group.seq_lens, group.prefix_lens))
+        """Query columns ``[start, stop)`` of ``group`` over the key columns any of them sees;
+        writes their valid rows into ``out``."""
+        window = layer.sliding_window
+        keys = group.keys(window)
+        # row r's queries here sit at [prefix + start, prefix + stop), held to its last one (seq_len - 1)
+        spans = [(window_start(min(prefix + start, seq_len - 1), window) - first, min(seq_len, prefix + stop) - first)
+                 for prefix, seq_len, first in zip(group.prefix_lens, group.seq_lens, keys.first)]
+        lo, hi = min(lo for lo, _ in spans), max(hi for _, hi in spans)
         qi = q[group.q_index[:, start:stop]].float().transpose(1, 2)  # [b, heads, num_q, dim]
-        k, v = k[:, :, :key_end], v[:, :, :key_end]
-        bias = group.bias(layer.sliding_window)[:, None, start:stop, :key_end]
+        k, v = k[:, :, lo:hi], v[:, :, lo:hi]
+        bias = keys.bias[:, None, start:stop, lo:hi]
         if layer.logit_cap or layer.v_head_dim != layer.head_dim:
             o = explicit_attention(qi, k, v, bias, layer)
         else:  # the CPU's fused (flash) kernel: no scores tensor, GQA without repeating K/V
