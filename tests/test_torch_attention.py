@@ -6,6 +6,8 @@ sliding-window layer gathers only the keys in its queries' windows."""
 import hypothesis.strategies as st
 import torch
 from hypothesis import given, settings
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from actors.engine.attention import torch_backend
 from actors.engine.attention.torch_backend import MAX_CHUNK_BYTES, TorchAttnBackend, pack_requests, window_start
@@ -169,3 +171,32 @@ def test_a_sliding_window_layer_gathers_only_the_keys_its_queries_see(monkeypatc
         [req_rows[0][93:101], req_rows[2][63:71]], [req_rows[1][53:70]],  # groups [0, 2] and [1]
         [req_rows[0][:101], req_rows[2][:71] + [0] * 30], [req_rows[1][:70]],
     ]
+
+
+class LargestTensor(TorchDispatchMode):
+    """Records the bytes of the largest tensor any op makes while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.nbytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.nbytes = max(self.nbytes, t.numel() * t.element_size())
+        return out
+
+
+def test_a_long_prompt_makes_no_tensor_larger_than_the_memory_bound():
+    """A 160-token prompt's causal mask over its keys alone is 100 KiB of fp32; at a 16 KiB bound
+    every tensor the forward makes (masks included) stays within it."""
+    case = dict(prefix=[0], extend=[MAX_CONTEXT], kv_heads=1, per_kv=1, head_dim=8, v_head_dim=None, window=None,
+                cap=None, swa=False, dtypes=(torch.float32,) * 2, seed=0)
+    q, layer, fb = make_case(**case)
+    backend = TorchAttnBackend(max_chunk_bytes=16384)
+    backend.init_forward_metadata(fb)
+    with LargestTensor() as largest:
+        out = backend.forward(q, layer, fb)
+    assert 0 < largest.nbytes <= 16384
+    torch.testing.assert_close(out, brute_force(q, layer, fb), atol=1e-5, rtol=1e-5)

@@ -10,7 +10,8 @@ its queries see, from its first new token's window on (so each row's columns sta
 position). An additive bias masks causality, each request's length and the sliding window.
 Padding and memory are bounded: a member's padded score cells stay within ``MAX_PADDING`` × its
 useful ones (a lone long request is a group of its own); a group's fp32 K/V plus one query row
-of scores stay within ``max_chunk_bytes``, and its query rows run in chunks whose fp32 scores do.
+of scores stay within ``max_chunk_bytes`` (unless one request's alone do not), and its query rows
+run in chunks whose fp32 scores and bias do.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ class KeyRange(NamedTuple):
 
     first: List[int]
     kv_slots: torch.Tensor  # [b, num_k] full KV slots; slot 0 (the dummy) past seq_len
-    bias: torch.Tensor  # [b, max_q, num_k] fp32, 0 where attention_mask allows and -inf elsewhere
+    k_pos: torch.Tensor  # [b, num_k] their positions (past seq_len too: no query sees those)
 
 
 class AttnGroup(NamedTuple):
@@ -76,9 +77,7 @@ class AttnGroup(NamedTuple):
     def keys(self, sliding_window) -> KeyRange:
         """Built at a forward's first layer of each window: ``[window_start(prefix_len), seq_len)``
         of each request, so a sliding-window layer never reads the slots that slid out (an SWA
-        pool may have freed them: they translate to slot 0, or to a row reused since). The bias
-        is added to the scores, as the fused kernel would do with a boolean mask after
-        converting it, once a layer."""
+        pool may have freed them: they translate to slot 0, or to a row reused since)."""
         if sliding_window not in self.key_ranges:
             device = self.q_pos.device
             first = [window_start(prefix, sliding_window) for prefix in self.prefix_lens]
@@ -86,9 +85,7 @@ class AttnGroup(NamedTuple):
             k_pos = torch.tensor(first, device=device)[:, None] + torch.arange(num_k, device=device)
             inside = k_pos < torch.tensor(self.seq_lens, device=device)[:, None]
             kv_slots = self.token_slots.gather(1, k_pos * inside).masked_fill_(~inside, 0)
-            allowed = attention_mask(self.q_pos, k_pos, sliding_window)
-            bias = torch.zeros(allowed.shape, device=device).masked_fill_(~allowed, float("-inf"))
-            self.key_ranges[sliding_window] = KeyRange(first, kv_slots, bias)
+            self.key_ranges[sliding_window] = KeyRange(first, kv_slots, k_pos)
         return self.key_ranges[sliding_window]
 
 
@@ -182,7 +179,9 @@ class TorchAttnBackend:
         lo, hi = min(lo for lo, _ in spans), max(hi for _, hi in spans)
         qi = q[group.q_index[:, start:stop]].float().transpose(1, 2)  # [b, heads, num_q, dim]
         k, v = k[:, :, lo:hi], v[:, :, lo:hi]
-        bias = keys.bias[:, None, start:stop, lo:hi]
+        # built a chunk at a time, as the scores are (a whole prompt's would be quadratic in it)
+        allowed = attention_mask(group.q_pos[:, start:stop], keys.k_pos[:, lo:hi], window)
+        bias = torch.where(allowed, 0.0, float("-inf"))[:, None]
         if layer.logit_cap or layer.v_head_dim != layer.head_dim:
             o = explicit_attention(qi, k, v, bias, layer)
         else:  # the CPU's fused (flash) kernel: no scores tensor, GQA without repeating K/V
