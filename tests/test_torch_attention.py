@@ -200,3 +200,37 @@ def test_a_long_prompt_makes_no_tensor_larger_than_the_memory_bound():
         out = backend.forward(q, layer, fb)
     assert 0 < largest.nbytes <= 16384
     torch.testing.assert_close(out, brute_force(q, layer, fb), atol=1e-5, rtol=1e-5)
+
+
+class HostReads(TorchDispatchMode):
+    """Records the ops that read tensor values back to the host (on CUDA, a sync): an output
+    whose shape depends on them (``nonzero``, boolean-mask indexing) or a scalar read."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        masks = [t for t in pytree.tree_leaves(args) if isinstance(t, torch.Tensor) and t.dtype == torch.bool]
+        if func in (torch.ops.aten.nonzero.default, torch.ops.aten.masked_select.default,
+                    torch.ops.aten._local_scalar_dense.default) or (
+                func in (torch.ops.aten.index.Tensor, torch.ops.aten.index_put_.default) and masks):
+            self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_layer_reads_nothing_back_to_the_host():
+    """Once the first layer has built the forward's groups, a layer (here of one group, its
+    shorter request's row padded, through an SWA map) runs on the device alone: nothing in it
+    waits for CUDA."""
+    case = dict(prefix=[60, 50], extend=[1, 2], kv_heads=1, per_kv=2, head_dim=8, v_head_dim=None, window=16,
+                cap=None, swa=True, dtypes=(torch.float32,) * 2, seed=0)
+    q, layer, fb = make_case(**case)
+    backend = TorchAttnBackend()
+    backend.init_forward_metadata(fb)
+    backend.forward(q, layer, fb)
+    with HostReads() as host_reads:
+        out = backend.forward(q, layer, fb)
+    assert [len(group.seq_lens) for group in backend.layer_groups(layer)] == [2]
+    assert host_reads.ops == []
+    torch.testing.assert_close(out, brute_force(q, layer, fb), atol=1e-5, rtol=1e-5)

@@ -64,11 +64,12 @@ class KeyRange(NamedTuple):
 class AttnGroup(NamedTuple):
     """Requests attended together. Row ``r`` is one request; query column ``j`` is its
     ``min(j, extend_len - 1)``-th new token, so padded columns repeat its last query (never a
-    row with nothing to attend) and ``valid`` keeps them out of the output."""
+    row with nothing to attend) and write to a scratch row, ``out``'s last, past the batch's
+    tokens (dropped: no boolean mask, which would wait for CUDA on every layer)."""
 
     q_index: torch.Tensor  # [b, max_q] token index in the batch's flat q
     q_pos: torch.Tensor  # [b, max_q] position of that query in its request
-    valid: torch.Tensor  # [b, max_q] False on padded query columns
+    out_index: torch.Tensor  # [b, max_q] q_index, or -1 (the scratch row) on padded columns
     token_slots: torch.Tensor  # [b, max_k] int64, the members' req_to_token rows up to the longest seq_len
     prefix_lens: List[int]
     seq_lens: List[int]
@@ -144,9 +145,10 @@ class TorchAttnBackend:
         offset = torch.minimum(cols[None, :], num_q[:, None] - 1)
         max_k = max(seq_lens[i] for i in members)
         rows = fb.req_pool_indices[torch.tensor(members, device=device)]
+        q_index = fb.extend_start_loc[torch.tensor(members, device=device)][:, None] + offset
         return AttnGroup(
-            q_index=fb.extend_start_loc[torch.tensor(members, device=device)][:, None] + offset,
-            q_pos=prefixes[:, None] + offset, valid=cols[None, :] < num_q[:, None],
+            q_index=q_index, q_pos=prefixes[:, None] + offset,
+            out_index=q_index.masked_fill(cols[None, :] >= num_q[:, None], -1),
             token_slots=fb.req_to_token_pool.req_to_token[rows, :max_k].to(torch.int64),
             prefix_lens=[prefix_lens[i] for i in members], seq_lens=[seq_lens[i] for i in members], key_ranges={},
         )
@@ -155,7 +157,7 @@ class TorchAttnBackend:
         pool = forward_batch.token_to_kv_pool
         k_buf = pool.get_key_buffer(layer.layer_id)
         v_buf = pool.get_value_buffer(layer.layer_id)[..., : layer.v_head_dim]
-        out = q.new_empty(q.shape[0], layer.num_heads, layer.v_head_dim)
+        out = q.new_empty(q.shape[0] + 1, layer.num_heads, layer.v_head_dim)  # + the scratch row
         for group in self.layer_groups(layer):
             slots = context_kv_slots(forward_batch, layer, group.keys(layer.sliding_window).kv_slots)
             # [b, kv_heads, num_k, dim]: one gather a layer; fp32 after the model dtype, as HF rounds
@@ -165,12 +167,12 @@ class TorchAttnBackend:
             rows = max(1, self.max_chunk_bytes // (4 * b * layer.num_heads * k.shape[2]))
             for start in range(0, max_q, rows):
                 self.attend_rows(q, k, v, layer, group, start, min(start + rows, max_q), out)
-        return out
+        return out[:-1]
 
     @staticmethod
     def attend_rows(q, k, v, layer, group: AttnGroup, start: int, stop: int, out: torch.Tensor) -> None:
-        """Query columns ``[start, stop)`` of ``group`` over the key columns any of them sees;
-        writes their valid rows into ``out``."""
+        """Query columns ``[start, stop)`` of ``group`` over the key columns any of them sees,
+        written into ``out``."""
         window = layer.sliding_window
         keys = group.keys(window)
         # row r's queries here sit at [prefix + start, prefix + stop), held to its last one (seq_len - 1)
@@ -186,8 +188,7 @@ class TorchAttnBackend:
             o = explicit_attention(qi, k, v, bias, layer)
         else:  # the CPU's fused (flash) kernel: no scores tensor, GQA without repeating K/V
             o = F.scaled_dot_product_attention(qi, k, v, attn_mask=bias, scale=layer.scaling, enable_gqa=True)
-        o, valid = o.transpose(1, 2), group.valid[:, start:stop]  # [b, num_q, heads, v_head_dim]
-        out[group.q_index[:, start:stop][valid]] = o[valid].to(out.dtype)
+        out[group.out_index[:, start:stop]] = o.transpose(1, 2).to(out.dtype)  # [b, num_q, heads, v_head_dim]
 
 
 def explicit_attention(q, k, v, bias, layer) -> torch.Tensor:
