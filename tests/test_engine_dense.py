@@ -94,8 +94,8 @@ def test_triton_attention_backend(model_dir, page_size):
 
 
 def test_the_auto_attention_backend_is_torch_on_the_cpu(model_dir):
-    """``auto`` (the default) takes triton on CUDA, where the torch backend would build each
-    layer's full score matrix, and torch on the CPU, where Triton runs interpreted."""
+    """``auto`` (the default) takes triton on CUDA, where the torch backend would copy each
+    layer's K/V into padded fp32 tables, and torch on the CPU, where Triton runs interpreted."""
     engine = Engine(model_path=model_dir, skip_tokenizer_init=True, max_total_tokens=256)
     try:
         assert engine.config.attention_backend == "auto"

@@ -28,8 +28,8 @@ class EngineConfig(BaseModel):
     max_prefill_tokens: int = Field(16384, gt=0, description="tokens of one prefill batch")
     schedule_policy: Literal["fcfs", "lpm"] = "fcfs"
     attention_backend: Literal["auto", "torch", "triton"] = Field(
-        "auto", description="auto: triton on CUDA (the torch backend materialises each layer's full score "
-        "matrix), torch on the CPU (where Triton runs interpreted)")
+        "auto", description="auto: triton on CUDA (the torch backend, a reference, copies each layer's K/V "
+        "into padded fp32 tables), torch on the CPU (where Triton runs interpreted)")
     disable_radix_cache: bool = False
     radix_eviction_policy: Literal["lru", "lfu", "fifo", "mru", "filo", "priority"] = "lru"
     mamba_scheduler_strategy: Literal["no_buffer", "extra_buffer"] = "no_buffer"
