@@ -23,8 +23,8 @@ from actors.engine import Engine  # noqa: E402
 from actors.engine.tiny import build_tiny_checkpoint  # noqa: E402
 
 
-def decode_step_ms(window: int, prompts, output_len: int, attention_backend: str) -> float:
-    path = build_tiny_checkpoint("gemma3", tempfile.mkdtemp(prefix="raydix-bench-"), sliding_window=window,
+def decode_step_ms(root: Path, window: int, prompts, output_len: int, attention_backend: str) -> float:
+    path = build_tiny_checkpoint("gemma3", root / f"window{window}", sliding_window=window,
                                  num_hidden_layers=6, layer_types=["sliding_attention"] * 5 + ["full_attention"],
                                  max_position_embeddings=8192)
     total = sum(len(p) + output_len for p in prompts)
@@ -61,8 +61,10 @@ def main(argv=None) -> None:
     print(f"{args.batch} prompts of {args.prompt_len} tokens, {args.output_len} decode steps, "
           f"{args.attention_backend} attention")
     print("| window | decode ms/step |\n|---:|---:|")
-    for window in args.windows:
-        print(f"| {window:,} | {decode_step_ms(window, prompts, args.output_len, args.attention_backend):.2f} |")
+    with tempfile.TemporaryDirectory(prefix="raydix-bench-") as tmp:
+        for window in args.windows:
+            ms = decode_step_ms(Path(tmp), window, prompts, args.output_len, args.attention_backend)
+            print(f"| {window:,} | {ms:.2f} |")
 
 
 if __name__ == "__main__":
