@@ -226,3 +226,19 @@ def test_a_failure_while_planning_fails_a_chunked_request_in_progress_too(engine
         assert len(chunked.generate(input_ids=list(range(10, 110)), sampling_params=GREEDY)["output_ids"]) == 12
     finally:
         chunked.shutdown()
+
+
+def test_a_request_is_equal_only_to_itself():
+    """The queues' ``in`` and ``remove`` find a request by identity: another request with the
+    same fields is a different request (compared field by field, they cost every prefill batch
+    milliseconds, and the tensors among the fields made the comparison raise)."""
+    from actors.engine.req import Req
+    from actors.engine.sampling_params import SamplingParams
+
+    params = SamplingParams(max_new_tokens=4)
+    first, twin = Req("r", [5, 6, 7], params), Req("r", [5, 6, 7], params)
+    queue = [first, twin]
+    queue.remove(twin)
+    assert queue == [first] and queue[0] is first
+    assert twin not in queue and first in queue
+    assert len({first, twin}) == 2

@@ -8,6 +8,10 @@ Token bookkeeping (positions in ``origin_input_ids + output_ids``)::
     fill_ids                      what the next extend computes up to (a chunk may stop early)
 
 The last sampled token has no KV until the next decode step computes it.
+
+A request is equal only to itself (``eq=False``): the queues' ``in`` and ``remove`` compare
+identities, not every field of every request they pass (which cost milliseconds per prefill
+batch, and could take a different request with the same fields for this one).
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from actors.engine.sampling import make_generator
 from actors.engine.sampling_params import SamplingParams
 
 
-@dataclass
+@dataclass(eq=False)
 class Req:
     rid: str
     origin_input_ids: List[int]
