@@ -249,7 +249,7 @@ class TokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
         return self._take_pages(need_size)
 
     def alloc_extend(self, prefix_lens, seq_lens, last_loc, extend_num_tokens: int, **_cpu_lens):
-        """With one-slot pages an extend is just ``alloc(extend_num_tokens)``."""
+        """With one-slot pages an extend is just ``alloc(extend_num_tokens)`` (``last_loc`` may be None)."""
         return self.alloc(extend_num_tokens)
 
     def alloc_decode(self, seq_lens, last_loc, **_cpu_lens):

@@ -94,18 +94,22 @@ class SWATokenToKVPoolAllocator:
         return self.full_attn_allocator.alloc(need_size)
 
     def alloc_extend(self, prefix_lens, seq_lens, last_loc, extend_num_tokens: int, **cpu_lens):
-        swa_last_loc = self.translate_loc_from_full_to_swa(last_loc).to(torch.int64)
+        swa_last_loc = self._swa_last_loc(last_loc)
         return self._pair(
             lambda: self.full_attn_allocator.alloc_extend(prefix_lens, seq_lens, last_loc, extend_num_tokens, **cpu_lens),
             lambda: self.swa_attn_allocator.alloc_extend(prefix_lens, seq_lens, swa_last_loc, extend_num_tokens, **cpu_lens),
         )
 
     def alloc_decode(self, seq_lens, last_loc, **cpu_lens):
-        swa_last_loc = self.translate_loc_from_full_to_swa(last_loc).to(torch.int64)
+        swa_last_loc = self._swa_last_loc(last_loc)
         return self._pair(
             lambda: self.full_attn_allocator.alloc_decode(seq_lens, last_loc, **cpu_lens),
             lambda: self.swa_attn_allocator.alloc_decode(seq_lens, swa_last_loc, **cpu_lens),
         )
+
+    def _swa_last_loc(self, last_loc: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """The SWA pool's ``last_loc`` (None with one-slot pages: neither pool needs it)."""
+        return None if last_loc is None else self.translate_loc_from_full_to_swa(last_loc).to(torch.int64)
 
     def translate_loc_from_full_to_swa(self, full_loc: torch.Tensor) -> torch.Tensor:
         return self.full_to_swa_index_mapping[full_loc].to(torch.int32)

@@ -81,9 +81,12 @@ def _table_rows(pool, reqs: List[Req]) -> torch.Tensor:
     return torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64, device=pool.req_to_token.device)
 
 
-def _last_locs(pool, rows: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+def _last_locs(allocator, pool, rows: torch.Tensor, lens: torch.Tensor) -> Optional[torch.Tensor]:
     """The slot at column ``lens - 1`` of each table row ``rows`` (-1 where ``lens`` is 0), int64
-    on the table's device: one gather, not a read (a device sync on CUDA) per request."""
+    on the table's device: one gather, not a read (a device sync on CUDA) per request. None with
+    one-slot pages, where the allocator does not need it (SGLang's ``alloc_for_decode``)."""
+    if allocator.page_size == 1:
+        return None
     table = pool.req_to_token
     lens = lens.to(table.device, torch.int64)
     return torch.where(lens > 0, table[rows, (lens - 1).clamp(min=0)].to(torch.int64), -1)
@@ -100,17 +103,19 @@ def prepare_for_extend(reqs: List[Req], runner, tree_cache) -> Optional[ForwardB
         req.req_pool_idx = row
         if hasattr(pool, "mamba_pool"):
             req.mamba_pool_idx = int(pool.get_mamba_indices(row)[0])
-        pool.write((row, slice(0, len(req.prefix_indices))), req.prefix_indices.to(torch.int32))
+        # (int64 slots into the int32 table: the copy casts, no cast of its own per request)
+        pool.write((row, slice(0, len(req.prefix_indices))), req.prefix_indices)
     prefix_lens = [len(r.prefix_indices) for r in reqs]
     seq_lens = [len(r.fill_ids) for r in reqs]
     num_tokens = sum(seq_lens) - sum(prefix_lens)
     prefix_t, seq_t = torch.tensor(prefix_lens), torch.tensor(seq_lens)
-    last_loc = _last_locs(pool, _table_rows(pool, reqs), prefix_t).to(runner.device)
+    table_rows = _table_rows(pool, reqs)
+    last_loc = _last_locs(allocator, pool, table_rows, prefix_t)
     out = _alloc_with_eviction(
         tree_cache, allocator,
         lambda: allocator.alloc_extend(
-            prefix_t.to(runner.device), seq_t.to(runner.device), last_loc, num_tokens,
-            prefix_lens_cpu=prefix_t, seq_lens_cpu=seq_t,
+            prefix_t.to(runner.device), seq_t.to(runner.device), None if last_loc is None else last_loc.to(runner.device),
+            num_tokens, prefix_lens_cpu=prefix_t, seq_lens_cpu=seq_t,
         ),
         num_tokens + len(reqs) * ps,
     )
@@ -121,13 +126,13 @@ def prepare_for_extend(reqs: List[Req], runner, tree_cache) -> Optional[ForwardB
         return None
     input_ids, positions, offset = [], [], 0
     for req, p, s in zip(reqs, prefix_lens, seq_lens):
-        pool.write((req.req_pool_idx, slice(p, s)), out[offset : offset + s - p].to(torch.int32))
+        pool.write((req.req_pool_idx, slice(p, s)), out[offset : offset + s - p])
         req.kv_allocated_len = s
         input_ids.extend(req.fill_ids[p:s])
         positions.extend(range(p, s))
         offset += s - p
     extend_lens = [s - p for p, s in zip(prefix_lens, seq_lens)]
-    starts = [sum(extend_lens[:i]) for i in range(len(reqs))]
+    extend_lens_t = runner.tensor(extend_lens)
     track_slots, track_lens = _mamba_tracks(pool, reqs, [
         prefill_track_seqlen(p, e, r.mamba_branching_seqlen) for r, p, e in zip(reqs, prefix_lens, extend_lens)
     ])
@@ -136,11 +141,11 @@ def prepare_for_extend(reqs: List[Req], runner, tree_cache) -> Optional[ForwardB
         input_ids=runner.tensor(input_ids),
         positions=runner.tensor(positions),
         out_cache_loc=out.to(torch.int64),
-        req_pool_indices=runner.tensor([r.req_pool_idx for r in reqs]),
-        seq_lens=runner.tensor(seq_lens),
-        extend_prefix_lens=runner.tensor(prefix_lens),
-        extend_seq_lens=runner.tensor(extend_lens),
-        extend_start_loc=runner.tensor(starts),
+        req_pool_indices=table_rows.to(runner.device),
+        seq_lens=seq_t.to(runner.device),
+        extend_prefix_lens=prefix_t.to(runner.device),
+        extend_seq_lens=extend_lens_t,
+        extend_start_loc=torch.cumsum(extend_lens_t, 0) - extend_lens_t,
         req_to_token_pool=pool,
         token_to_kv_pool=runner.token_to_kv_pool,
         seq_lens_cpu=seq_lens,
@@ -154,22 +159,24 @@ def prepare_for_extend(reqs: List[Req], runner, tree_cache) -> Optional[ForwardB
 
 def prepare_for_decode(reqs: List[Req], runner, tree_cache) -> Optional[ForwardBatch]:
     """One slot per request for its last sampled token, at position ``seqlen - 1``.
-    Sliding-window models first free the SWA slots of tokens that slid out of the window."""
-    pool, allocator = runner.req_to_token_pool, runner.allocator
+    Sliding-window models first free the SWA slots of tokens that slid out of the window.
+    The per-request arrays are built from the lengths and rows once, not a list each."""
+    pool, allocator, device = runner.req_to_token_pool, runner.allocator, runner.device
     free_swa_out_of_window = getattr(tree_cache, "free_swa_out_of_window", None)
     if free_swa_out_of_window is not None:
         for req in reqs:
             free_swa_out_of_window(req)
     seq_lens = [r.seqlen for r in reqs]
     seq_t = torch.tensor(seq_lens)
+    seq_dev = seq_t.to(device)
     # the batch's table cells as index tensors: one gather and one scatter on the table's device,
     # not a read (a device sync on CUDA) and a write per request
     rows = _table_rows(pool, reqs)
     cols = seq_t.to(pool.req_to_token.device, torch.int64) - 1
-    last_loc = _last_locs(pool, rows, cols).to(runner.device)
+    last_loc = _last_locs(allocator, pool, rows, cols)
     out = _alloc_with_eviction(
         tree_cache, allocator,
-        lambda: allocator.alloc_decode(seq_t.to(runner.device), last_loc, seq_lens_cpu=seq_t),
+        lambda: allocator.alloc_decode(seq_dev, None if last_loc is None else last_loc.to(device), seq_lens_cpu=seq_t),
         len(reqs) * runner.config.page_size,
     )
     if out is None:
@@ -183,13 +190,13 @@ def prepare_for_decode(reqs: List[Req], runner, tree_cache) -> Optional[ForwardB
     return ForwardBatch(
         forward_mode=ForwardMode.DECODE,
         input_ids=runner.tensor([r.output_ids[-1] for r in reqs]),
-        positions=runner.tensor([s - 1 for s in seq_lens]),
+        positions=seq_dev - 1,
         out_cache_loc=out.to(torch.int64),
-        req_pool_indices=runner.tensor([r.req_pool_idx for r in reqs]),
-        seq_lens=runner.tensor(seq_lens),
-        extend_prefix_lens=runner.tensor([s - 1 for s in seq_lens]),
-        extend_seq_lens=runner.tensor([1] * bs),
-        extend_start_loc=runner.tensor(list(range(bs))),
+        req_pool_indices=rows.to(device),
+        seq_lens=seq_dev,
+        extend_prefix_lens=seq_dev - 1,
+        extend_seq_lens=torch.ones(bs, dtype=torch.int64, device=device),
+        extend_start_loc=torch.arange(bs, dtype=torch.int64, device=device),
         req_to_token_pool=pool,
         token_to_kv_pool=runner.token_to_kv_pool,
         seq_lens_cpu=seq_lens,
