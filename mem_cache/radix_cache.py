@@ -111,8 +111,10 @@ class RadixCache(BasePrefixCache):
     def key_match(self, node_key: RadixKey, key: RadixKey) -> int:
         """Length of the common prefix, rounded down to whole pages."""
         a, b = node_key.token_ids, key.token_ids
-        n = min(len(a), len(b))
-        if a[:n] != b[:n]:
+        if len(a) > len(b):
+            a, b = b, a
+        n = len(a)
+        if a != b[:n]:  # (the shorter one whole: one copy, not two)
             lo = 0
             while a[lo] == b[lo]:
                 lo += 1
@@ -261,9 +263,7 @@ class RadixCache(BasePrefixCache):
         match = self.match_prefix(key)
         new_indices, new_last_node = match.device_indices, match.last_device_node
         ensure(len(new_indices) == aligned, f"re-match after insert found {len(new_indices)} of {aligned} tokens")
-        self.req_to_token_pool.write(
-            (req.req_pool_idx, slice(protected, aligned)), new_indices[protected:].to(torch.int32)
-        )
+        self.req_to_token_pool.write((req.req_pool_idx, slice(protected, aligned)), new_indices[protected:])
         self.inc_lock_ref(new_last_node)
         self.dec_lock_ref(req.last_node)
         req.prefix_indices = torch.cat([new_indices, kv_indices[aligned:]])

@@ -19,11 +19,22 @@ from typing import List, Optional, Sequence
 
 
 class RadixKey:
+    """``token_ids`` is the key's own list (copied in): a tree node keeps its key, and the
+    caller's list may grow after (a request's ``output_ids``)."""
+
     __slots__ = ("token_ids", "extra_key")
 
     def __init__(self, token_ids: Sequence[int], extra_key: Optional[str] = None):
         self.token_ids = list(token_ids)
         self.extra_key = extra_key
+
+    @classmethod
+    def _owning(cls, token_ids: List[int], extra_key: Optional[str]) -> "RadixKey":
+        """A key over ``token_ids`` without a second copy: a fresh list no one else holds (a
+        slice). Matches and inserts slice their key at every node they pass."""
+        key = cls.__new__(cls)
+        key.token_ids, key.extra_key = token_ids, extra_key
+        return key
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -33,7 +44,7 @@ class RadixKey:
 
     def __getitem__(self, idx):
         if isinstance(idx, slice):
-            return RadixKey(self.token_ids[idx], self.extra_key)
+            return RadixKey._owning(self.token_ids[idx], self.extra_key)
         return self.token_ids[idx]
 
     def __eq__(self, other) -> bool:
