@@ -87,8 +87,8 @@ def watch_requeues(engine, prefix):
     sched, seen = engine.scheduler, []
     requeue = sched._requeue_failed_loads
 
-    def watched(reqs, read_lens, logits):
-        kept, rows = requeue(reqs, read_lens, logits)
+    def watched(reqs, read_len, logits):
+        kept, rows = requeue(reqs, read_len, logits)
         if len(kept) < len(reqs):
             on_device = len(sched.tree_cache.match_prefix(RadixKey(prefix)).device_indices)
             seen.append(([r.origin_input_ids for r in reqs], [r.origin_input_ids for r in reqs if r not in kept],

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import torch
 
@@ -177,8 +177,8 @@ class Scheduler(PrefillAdmissionMixin, DecodeRetractionMixin):
         if forward_batch is not None:
             self.in_flight = batch_reqs  # out of every queue until processed: a failure must still find them
             logits = self._forward(forward_batch)
-            read = [len(r.prefix_indices) for r in batch_reqs]  # (the cached part the forward read)
-            batch_reqs, logits = self._requeue_failed_loads(batch_reqs, read, logits)
+            # (what each forward read: its cached part; asked only after a failed load)
+            batch_reqs, logits = self._requeue_failed_loads(batch_reqs, lambda r: len(r.prefix_indices), logits)
             out = self._process_prefill(batch_reqs, logits)
             self.in_flight = []
             return out
@@ -189,8 +189,8 @@ class Scheduler(PrefillAdmissionMixin, DecodeRetractionMixin):
             batch_reqs, forward_batch = self._next_decode()
             if forward_batch is not None:
                 logits = self._forward(forward_batch)
-                read = [r.seqlen - 1 for r in batch_reqs]  # (the last sampled token has no KV yet)
-                batch_reqs, logits = self._requeue_failed_loads(batch_reqs, read, logits)
+                # (the last sampled token has no KV yet)
+                batch_reqs, logits = self._requeue_failed_loads(batch_reqs, lambda r: r.seqlen - 1, logits)
                 return self._process_decode(batch_reqs, logits)
         # waits on storage reads, or on backups to give their slots back: the loop may sleep
         self.stalled = (self._prefetch_blocked or (self.host_tier and self.tree_cache.writes_pending)) and not released
@@ -207,8 +207,8 @@ class Scheduler(PrefillAdmissionMixin, DecodeRetractionMixin):
         finally:  # (a failed load is kept for _requeue_failed_loads)
             self.tree_cache.loading_check(raise_failed=False)
 
-    def _requeue_failed_loads(self, reqs: List[Req], read_lens: List[int], logits):
-        """After a forward: the requests whose row ``[0, read_lens[i])`` holds a slot a failed
+    def _requeue_failed_loads(self, reqs: List[Req], read_len: Callable[[Req], int], logits):
+        """After a forward: the requests whose row ``[0, read_len(req))`` holds a slot a failed
         host-tier load was to fill (here or on another TP rank) read garbage there, and so did
         what they computed. Each is requeued at the head of ``waiting``, its KV freed (none of
         it cached), to be recomputed without the host tier (the slots the load lost have left
@@ -219,7 +219,7 @@ class Scheduler(PrefillAdmissionMixin, DecodeRetractionMixin):
             return reqs, logits
         table = self.runner.req_to_token_pool.req_to_token
         slots = failed.slots.to(table.device)
-        hit = [bool(torch.isin(table[r.req_pool_idx, :n].to(torch.int64), slots).any()) for r, n in zip(reqs, read_lens)]
+        hit = [bool(torch.isin(table[r.req_pool_idx, :read_len(r)].to(torch.int64), slots).any()) for r in reqs]
         requeued = [r for r, h in zip(reqs, hit) if h]
         logger.error("loading KV from the host tier failed (%s); requeued the requests that read it: %s",
                      failed.error, [r.rid for r in requeued])
