@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from actors.engine import sampling
 from actors.engine.req import Req
-from actors.engine.sampling import exponential_race, filter_probs, filter_sorted_probs, make_generator, pick_tokens
+from actors.engine.sampling import argmax_rows, exponential_race, filter_probs, filter_sorted_probs, make_generator, pick_tokens
 from actors.engine.sampling_params import SamplingParams
 
 
@@ -189,3 +189,20 @@ def test_a_zero_from_the_exponential_never_picks_a_filtered_out_token(monkeypatc
     probs = torch.tensor([[0.0, 0.5, 0.5, 0.0], [0.0, 0.0, 0.0, 1.0]])
     tokens = exponential_race(probs, [None, make_generator(0)]).tolist()
     assert tokens[0] in (1, 2) and tokens[1] == 3
+
+
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(1, 6), vocab=st.integers(1, 40), seed=st.integers(0, 2**16), levels=st.integers(1, 4))
+def test_argmax_rows_is_torch_s_argmax_with_ties_nans_and_infinities(rows, vocab, seed, levels):
+    """The CPU's numpy path picks what torch's argmax picks: the first of equal largest values, a
+    NaN above all, -inf rows at 0; on a transposed view too, into a tensor the sampler writes."""
+    gen = torch.Generator().manual_seed(seed)
+    values = torch.randint(0, levels, (rows, vocab), generator=gen).float()  # few levels: many ties
+    specials = torch.tensor([float("nan"), float("inf"), -float("inf")])
+    mask = torch.rand(rows, vocab, generator=gen) < 0.1
+    values[mask] = specials[torch.randint(0, 3, (int(mask.sum()),), generator=gen)]
+    values[0] = -float("inf") if seed % 5 == 0 else values[0]
+    for view in (values, values.t().contiguous().t()):
+        picked = argmax_rows(view)
+        assert picked.dtype == torch.int64 and picked.tolist() == torch.argmax(view, dim=-1).tolist()
+    picked[0] = -1  # (the sampler overwrites its drawn rows)

