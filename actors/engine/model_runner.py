@@ -19,7 +19,7 @@ import torch
 
 from actors.engine.attention import create_attention_backend
 from actors.engine.config import EngineConfig
-from actors.engine.forward_batch import ForwardBatch
+from actors.engine.forward_batch import ForwardBatch, int64_tensor
 from actors.engine.model_loader import load_model
 from actors.engine.parallel import SINGLE, TPGroup
 from mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
@@ -222,5 +222,6 @@ class ModelRunner:
         self.num_forwards += 1
         return logits
 
-    def tensor(self, values, dtype=torch.int64) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype, device=self.device)
+    def tensor(self, values) -> torch.Tensor:
+        """A list of ints as an int64 tensor on this runner's device."""
+        return int64_tensor(values, self.device)

@@ -19,7 +19,7 @@ from typing import List, Optional
 
 import torch
 
-from actors.engine.forward_batch import ForwardBatch, ForwardMode
+from actors.engine.forward_batch import ForwardBatch, ForwardMode, int64_tensor
 from actors.engine.req import Req
 from mem_cache.mamba_tracking import decode_should_track, prefill_track_seqlen
 
@@ -78,7 +78,7 @@ def _mamba_tracks(pool, reqs: List[Req], track_lens: List[Optional[int]]):
 
 def _table_rows(pool, reqs: List[Req]) -> torch.Tensor:
     """The requests' rows of ``req_to_token``, int64 on the table's device."""
-    return torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64, device=pool.req_to_token.device)
+    return int64_tensor([r.req_pool_idx for r in reqs], pool.req_to_token.device)
 
 
 def _last_locs(allocator, pool, rows: torch.Tensor, lens: torch.Tensor) -> Optional[torch.Tensor]:
@@ -108,7 +108,7 @@ def prepare_for_extend(reqs: List[Req], runner, tree_cache) -> Optional[ForwardB
     prefix_lens = [len(r.prefix_indices) for r in reqs]
     seq_lens = [len(r.fill_ids) for r in reqs]
     num_tokens = sum(seq_lens) - sum(prefix_lens)
-    prefix_t, seq_t = torch.tensor(prefix_lens), torch.tensor(seq_lens)
+    prefix_t, seq_t = int64_tensor(prefix_lens), int64_tensor(seq_lens)
     table_rows = _table_rows(pool, reqs)
     last_loc = _last_locs(allocator, pool, table_rows, prefix_t)
     out = _alloc_with_eviction(
@@ -167,7 +167,7 @@ def prepare_for_decode(reqs: List[Req], runner, tree_cache) -> Optional[ForwardB
         for req in reqs:
             free_swa_out_of_window(req)
     seq_lens = [r.seqlen for r in reqs]
-    seq_t = torch.tensor(seq_lens)
+    seq_t = int64_tensor(seq_lens)
     seq_dev = seq_t.to(device)
     # the batch's table cells as index tensors: one gather and one scatter on the table's device,
     # not a read (a device sync on CUDA) and a write per request
