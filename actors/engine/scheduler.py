@@ -268,7 +268,8 @@ class Scheduler(PrefillAdmissionMixin, DecodeRetractionMixin):
     # ---- results ----------------------------------------------------------------------
     def _sample(self, req: Req, logits_row, pick: Optional[Pick] = None) -> None:
         """Append ``req``'s next token (``pick``: already picked by the batch's
-        :meth:`_pick_tokens`; else picked here from its logits row) and see whether it finished."""
+        :meth:`_pick_tokens`; else picked here from its logits row, which is read only then) and
+        see whether it finished."""
         if pick is None:
             pick = self._pick_tokens([req], logits_row[None])[0]
         req.output_ids.append(pick.token)
@@ -337,10 +338,10 @@ class Scheduler(PrefillAdmissionMixin, DecodeRetractionMixin):
     def _process_decode(self, reqs: List[Req], logits) -> List[Req]:
         self.runner.allocator.free_group_begin()
         try:
-            picked = self._pick_tokens(reqs, logits)
-            for i, req in enumerate(reqs):
+            # (picked for the batch: no logits row per request, a view each cost ~45 us a step of 64)
+            for req, pick in zip(reqs, self._pick_tokens(reqs, logits)):
                 req.kv_committed_len = req.seqlen
-                self._sample(req, logits[i], picked[i])
+                self._sample(req, None, pick)
                 if req.finished:
                     self.tree_cache.cache_finished_req(req)
         except BaseException:  # those that finished before the failure are released: only told
