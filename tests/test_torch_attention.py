@@ -1,7 +1,7 @@
 """The batched PyTorch attention backend equals attention written out one query at a time
 (random pools and slots, long prefixes, decode and extend, GQA, MLA-like narrower values, sliding
 windows read through an SWA slot map, soft caps, pool dtypes), however it groups and chunks; a
-sliding-window layer gathers only the keys in its queries' windows."""
+sliding-window layer gathers only the keys in its queries' windows, a chunk of queries at a time."""
 
 import hypothesis.strategies as st
 import torch
@@ -10,7 +10,8 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from actors.engine.attention import torch_backend
-from actors.engine.attention.torch_backend import MAX_CHUNK_BYTES, TorchAttnBackend, pack_requests, window_start
+from actors.engine.attention.torch_backend import (MAX_CHUNK_BYTES, MIN_WINDOW_ROWS, TorchAttnBackend, pack_requests,
+                                                   window_start)
 from actors.engine.forward_batch import ForwardBatch, ForwardMode
 from actors.engine.layers import RadixAttention
 from mem_cache.req_to_token_pool import ReqToTokenPool
@@ -62,7 +63,8 @@ def brute_force(q, layer, fb) -> torch.Tensor:
 def cases(draw):
     decode = draw(st.booleans())
     num_reqs = draw(st.integers(1, 5))
-    extend = [1 if decode else draw(st.integers(1, 16)) for _ in range(num_reqs)]
+    # long extends run in several query chunks, each over its own window of keys
+    extend = [1 if decode else draw(st.integers(1, 16) | st.integers(17, MAX_CONTEXT)) for _ in range(num_reqs)]
     prefix = [draw(st.integers(0, MAX_CONTEXT - e)) for e in extend]  # mostly longer than the window
     if decode:
         prefix = [max(p, 1) for p in prefix]
@@ -73,7 +75,8 @@ def cases(draw):
         window=draw(st.none() | st.integers(1, 64)), cap=draw(st.none() | st.floats(0.5, 5.0)),
         swa=draw(st.booleans()), dtypes=draw(st.sampled_from([(torch.float32,) * 2, (torch.bfloat16, torch.float32),
                                                             (torch.bfloat16,) * 2])),
-        max_chunk_bytes=draw(st.sampled_from([MAX_CHUNK_BYTES, 1, 2048, 16384])), seed=draw(st.integers(0, 2**16)),
+        max_chunk_bytes=draw(st.sampled_from([MAX_CHUNK_BYTES, 1, 2048, 16384])),
+        min_window_rows=draw(st.sampled_from([MIN_WINDOW_ROWS, 1, 8])), seed=draw(st.integers(0, 2**16)),
     )
 
 
@@ -114,7 +117,7 @@ def make_case(prefix, extend, kv_heads, per_kv, head_dim, v_head_dim, window, ca
 @given(cases())
 def test_batched_attention_equals_one_query_at_a_time(case):
     q, layer, fb = make_case(**case)
-    backend = TorchAttnBackend(max_chunk_bytes=case["max_chunk_bytes"])
+    backend = TorchAttnBackend(max_chunk_bytes=case["max_chunk_bytes"], min_window_rows=case["min_window_rows"])
     backend.init_forward_metadata(fb)
     out = backend.forward(q, layer, fb)
     tol = 1e-5 if q.dtype == torch.float32 else 1.6e-2
@@ -142,8 +145,8 @@ def test_a_long_prompt_runs_in_query_chunks_within_the_memory_bound(monkeypatch)
     calls = []
     attend_rows = TorchAttnBackend.attend_rows
     monkeypatch.setattr(TorchAttnBackend, "attend_rows", staticmethod(
-        lambda q, k, v, layer, group, start, stop, out: calls.append((start, stop)) or attend_rows(
-            q, k, v, layer, group, start, stop, out)))
+        lambda q, layer, fb, group, start, stop, out: calls.append((start, stop)) or attend_rows(
+            q, layer, fb, group, start, stop, out)))
     backend.init_forward_metadata(fb)
     out = backend.forward(q, layer, fb)
     assert calls == [(0, 10), (10, 20), (20, 30), (30, 40), (40, 48)]
@@ -171,6 +174,26 @@ def test_a_sliding_window_layer_gathers_only_the_keys_its_queries_see(monkeypatc
         [req_rows[0][93:101], req_rows[2][63:71]], [req_rows[1][53:70]],  # groups [0, 2] and [1]
         [req_rows[0][:101], req_rows[2][:71] + [0] * 30], [req_rows[1][:70]],
     ]
+
+
+def test_a_long_prompt_on_a_sliding_window_layer_gathers_a_chunk_of_queries_and_their_window_at_a_time(monkeypatch):
+    """A 160-token prompt, window 8, chunks of 16 queries: each chunk's table holds the keys from
+    its first query's window to its last query (at most 16 + 7 columns, whatever the prompt's
+    length); the full layer's, the whole prompt."""
+    reads = []
+    context_kv_slots = torch_backend.context_kv_slots
+    monkeypatch.setattr(torch_backend, "context_kv_slots", lambda fb, layer, slots: reads.append(
+        slots.tolist()) or context_kv_slots(fb, layer, slots))
+    case = dict(prefix=[0], extend=[MAX_CONTEXT], kv_heads=1, per_kv=2, head_dim=8, v_head_dim=None, window=8,
+                cap=None, swa=True, dtypes=(torch.float32,) * 2, seed=0)
+    q, layer, fb = make_case(**case)
+    backend = TorchAttnBackend(min_window_rows=16)
+    backend.init_forward_metadata(fb)
+    torch.testing.assert_close(backend.forward(q, layer, fb), brute_force(q, layer, fb), atol=1e-5, rtol=1e-5)
+    layer.sliding_window = None
+    backend.forward(q, layer, fb)
+    row = fb.req_to_token_pool.req_to_token[fb.req_pool_indices[0]].tolist()
+    assert reads == [[row[max(0, start - 7) : start + 16]] for start in range(0, MAX_CONTEXT, 16)] + [[row[:MAX_CONTEXT]]]
 
 
 class LargestTensor(TorchDispatchMode):

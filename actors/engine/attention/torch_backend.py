@@ -1,17 +1,18 @@
 """Reference attention over the paged KV cache, in plain PyTorch, batched over requests.
 
 Once a forward, requests are packed into groups of similar lengths. Once a layer, each group
-gathers its K/V in one ``index_select`` into a padded table (padding reads the dummy slot 0) and
-attends all its queries, padded to ``[b, max_q]``, at once: through the CPU's fused
-``scaled_dot_product_attention`` (GQA without repeating K/V, no scores tensor), or with fp32
-scores written out where that kernel falls short (a soft cap, MLA's narrower values). A
-full-attention layer gathers each request's whole context; a sliding-window layer only the keys
-its queries see, from its first new token's window on (so each row's columns start at its own
-position). An additive bias masks causality, each request's length and the sliding window.
-Padding and memory are bounded: a member's padded score cells stay within ``MAX_PADDING`` × its
-useful ones (a lone long request is a group of its own); a group's fp32 K/V plus one query row
-of scores stay within ``max_chunk_bytes`` (unless one request's alone do not), and its query rows
-run in chunks whose fp32 scores and bias do.
+attends all its queries, padded to ``[b, max_q]``, in chunks of query rows; a chunk gathers the
+K/V its rows see in one ``index_select`` into a padded table (padding reads the dummy slot 0) and
+attends them through the CPU's fused ``scaled_dot_product_attention`` (GQA without repeating K/V,
+no scores tensor), or with fp32 scores written out where that kernel falls short (a soft cap,
+MLA's narrower values). A full-attention layer's chunks see each request's whole context up to
+their last query; a sliding-window layer's only the keys in their queries' windows (so each row's
+columns start at its own position), and its chunks are about a window of queries, so a long
+prompt costs O(n·window) there, not O(n²). An additive bias masks causality, each request's
+length and the sliding window. Padding and memory are bounded: a member's padded score cells
+stay within ``MAX_PADDING`` × its useful ones (a lone long request is a group of its own); a
+group's fp32 K/V plus one query row of scores stay within ``max_chunk_bytes`` (unless one
+request's alone do not), and its query chunks' fp32 scores and bias do.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch.nn.functional as F
 
 MAX_PADDING = 2  # a request's padded score cells, at most this many times its useful ones
 MAX_CHUNK_BYTES = 256 << 20
+MIN_WINDOW_ROWS = 128  # a sliding-window layer's query chunk, at least (smaller ones cost more in ops than they save)
 
 
 def context_kv_slots(forward_batch, layer, slots: torch.Tensor) -> torch.Tensor:
@@ -113,8 +115,8 @@ def pack_requests(seq_lens: List[int], extend_lens: List[int], fits) -> List[Lis
 
 
 class TorchAttnBackend:
-    def __init__(self, max_chunk_bytes: int = MAX_CHUNK_BYTES, **_):
-        self.max_chunk_bytes = max_chunk_bytes
+    def __init__(self, max_chunk_bytes: int = MAX_CHUNK_BYTES, min_window_rows: int = MIN_WINDOW_ROWS, **_):
+        self.max_chunk_bytes, self.min_window_rows = max_chunk_bytes, min_window_rows
         self.forward_batch = None
         self.groups: Dict[Tuple[int, int], List[AttnGroup]] = {}  # by (num_heads, bytes per key column)
 
@@ -154,33 +156,34 @@ class TorchAttnBackend:
         )
 
     def forward(self, q: torch.Tensor, layer, forward_batch) -> torch.Tensor:
-        pool = forward_batch.token_to_kv_pool
-        k_buf = pool.get_key_buffer(layer.layer_id)
-        v_buf = pool.get_value_buffer(layer.layer_id)[..., : layer.v_head_dim]
+        window = layer.sliding_window
         out = q.new_empty(q.shape[0] + 1, layer.num_heads, layer.v_head_dim)  # + the scratch row
         for group in self.layer_groups(layer):
-            slots = context_kv_slots(forward_batch, layer, group.keys(layer.sliding_window).kv_slots)
-            # [b, kv_heads, num_k, dim]: one gather a layer; fp32 after the model dtype, as HF rounds
-            k = gather(k_buf, slots).to(q.dtype).float().transpose(1, 2)
-            v = gather(v_buf, slots).to(q.dtype).float().transpose(1, 2)
             b, max_q = group.q_index.shape
-            rows = max(1, self.max_chunk_bytes // (4 * b * layer.num_heads * k.shape[2]))
+            rows = max(1, self.max_chunk_bytes // (4 * b * layer.num_heads * group.keys(window).k_pos.shape[1]))
+            if window is not None:  # a chunk sees about rows + window keys: O(n·window) for n queries, not O(n²)
+                rows = min(rows, max(self.min_window_rows, window))
             for start in range(0, max_q, rows):
-                self.attend_rows(q, k, v, layer, group, start, min(start + rows, max_q), out)
+                self.attend_rows(q, layer, forward_batch, group, start, min(start + rows, max_q), out)
         return out[:-1]
 
     @staticmethod
-    def attend_rows(q, k, v, layer, group: AttnGroup, start: int, stop: int, out: torch.Tensor) -> None:
+    def attend_rows(q, layer, forward_batch, group: AttnGroup, start: int, stop: int, out: torch.Tensor) -> None:
         """Query columns ``[start, stop)`` of ``group`` over the key columns any of them sees,
-        written into ``out``."""
+        gathered for them alone, written into ``out``."""
         window = layer.sliding_window
         keys = group.keys(window)
         # row r's queries here sit at [prefix + start, prefix + stop), held to its last one (seq_len - 1)
         spans = [(window_start(min(prefix + start, seq_len - 1), window) - first, min(seq_len, prefix + stop) - first)
                  for prefix, seq_len, first in zip(group.prefix_lens, group.seq_lens, keys.first)]
         lo, hi = min(lo for lo, _ in spans), max(hi for _, hi in spans)
+        pool = forward_batch.token_to_kv_pool
+        slots = context_kv_slots(forward_batch, layer, keys.kv_slots[:, lo:hi])
+        # [b, kv_heads, keys, dim]; fp32 after the model dtype, as HF rounds
+        k = gather(pool.get_key_buffer(layer.layer_id), slots).to(q.dtype).float().transpose(1, 2)
+        v_buf = pool.get_value_buffer(layer.layer_id)[..., : layer.v_head_dim]
+        v = gather(v_buf, slots).to(q.dtype).float().transpose(1, 2)
         qi = q[group.q_index[:, start:stop]].float().transpose(1, 2)  # [b, heads, num_q, dim]
-        k, v = k[:, :, lo:hi], v[:, :, lo:hi]
         # built a chunk at a time, as the scores are (a whole prompt's would be quadratic in it)
         allowed = attention_mask(group.q_pos[:, start:stop], keys.k_pos[:, lo:hi], window)
         bias = torch.where(allowed, 0.0, float("-inf"))[:, None]
