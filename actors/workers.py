@@ -30,7 +30,7 @@ from typing import Any, AsyncIterator, Dict, List, Optional, Tuple
 
 from actors.engine.config import EngineConfig
 from actors.engine.engine import _eos_ids, check_engine_integrity, flush_engine_cache, request_result
-from actors.engine.engine_loop import EngineLoop
+from actors.engine.engine_loop import EngineLoop, Post
 from actors.engine.req import Req
 from actors.engine.sampling_params import SamplingParams
 from actors.kv_push import PushResult
@@ -92,18 +92,15 @@ class _Worker:
         loop = asyncio.get_running_loop()
         with_text = self.tokenizer is not None
 
-        def on_output(r: Req, error: Optional[BaseException]) -> None:
+        def on_output(r: Req, error: Optional[BaseException]) -> List[Post]:
             # ``finished`` before the error: a prefill's transfer thread may finish ``r`` meanwhile,
             # setting ``pd_error`` first; read the other way round a failed push looks like success
             finished = r.finished
             error = error or (PDRequestError(r.pd_error) if r.pd_error else None)
-            snapshot = (self._snapshot(r, with_text), finished, error)
-            try:
-                loop.call_soon_threadsafe(queue.put_nowait, snapshot)
-                if finished:  # (another call: the queue names the request, whose id may come again meanwhile)
-                    loop.call_soon_threadsafe(self._finished, r.rid, queue)
-            except RuntimeError:  # the caller's event loop is gone: nobody to tell
-                logger.debug("dropping output of %s: its event loop is closed", r.rid)
+            posts = [Post(loop, queue.put_nowait, ((self._snapshot(r, with_text), finished, error),))]
+            if finished:  # (the queue names the request, whose id may come again meanwhile)
+                posts.append(Post(loop, self._finished, (r.rid, queue)))
+            return posts
 
         self.loop.submit(req, on_output)
         return queue

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from actors.engine import Engine
+from actors.engine.engine_loop import Post, hand_over
 from tests.pd_helpers import pause_once
 
 
@@ -49,6 +50,54 @@ def test_concurrent_async_requests(engine):
     singles = [engine.generate(input_ids=[i + 3, 9, 9], sampling_params=GREEDY) for i in range(6)]
     assert [o["output_ids"] for o in outs] == [s["output_ids"] for s in singles]
     engine.check_integrity()
+
+
+def test_a_step_wakes_each_event_loop_once_not_once_per_stream(engine, monkeypatch):
+    """Every ``call_soon_threadsafe`` writes the event loop's self-pipe and wakes it: a decode
+    step handed over per stream cost one wakeup per request; a step's outputs go in one."""
+    num_streams, params = 16, {**GREEDY, "max_new_tokens": 6}
+    steps = []  # per step: whether it produced output
+    step = engine.scheduler.step
+    monkeypatch.setattr(engine.scheduler, "step", lambda: steps.append(bool(out := step())) or out)
+
+    async def stream(i):
+        return [c async for c in await engine.async_generate(input_ids=[i + 3, 7, 7], sampling_params=params,
+                                                             stream=True)]
+
+    async def many():
+        loop, wakeups = asyncio.get_running_loop(), []
+        schedule = loop.call_soon_threadsafe
+        loop.call_soon_threadsafe = lambda *args: wakeups.append(args) or schedule(*args)
+        engine.loop.pause()  # all submitted before the first step: they prefill and decode together
+        streams = [asyncio.ensure_future(stream(i)) for i in range(num_streams)]
+        await asyncio.sleep(0)
+        engine.loop.resume()
+        chunks = await asyncio.gather(*streams)
+        del loop.call_soon_threadsafe
+        return chunks, len(wakeups)
+
+    chunks, wakeups = asyncio.run(many())
+    assert [len(c) for c in chunks] == [6] * num_streams  # every step's output, in order
+    assert all([len(x["output_ids"]) for x in c] == list(range(1, 7)) for c in chunks)
+    assert wakeups == sum(steps) <= 7
+    engine.check_integrity()
+
+
+def test_hand_over_drops_a_closed_event_loops_posts_and_keeps_the_others():
+    """A caller's event loop that is gone loses its outputs only; a post that raises does not
+    keep the step's later posts from their callers."""
+    gone = asyncio.new_event_loop()
+    gone.close()
+    got = []
+
+    async def deliver():
+        loop = asyncio.get_running_loop()
+        hand_over([Post(gone, got.append, ("lost",)), Post(loop, got.append, (1,)), Post(loop, int, ("x",)),
+                   Post(loop, got.append, (2,))])
+        await asyncio.sleep(0)
+
+    asyncio.run(deliver())
+    assert got == [1, 2]
 
 
 def test_stop_token_ids_end_generation_on_that_token(engine):

@@ -12,6 +12,7 @@ import time
 import pytest
 import torch
 
+from actors.engine.engine_loop import _run_posts
 from actors.engine.tiny import build_tiny_checkpoint
 from actors.pd_scheduler import PDRequestError
 from actors.kv_push import KVPusher, PushChunk, PushResult
@@ -1177,11 +1178,12 @@ def test_a_decode_follower_answers_a_reused_request_id_from_its_own_bytes():
 
 
 def test_a_request_id_used_again_at_once_keeps_its_own_reservation(checkpoints):
-    """A request's end is told on the caller's event loop in two calls from the engine thread:
+    """A request's end is told on the caller's event loop in two posts from the engine thread:
     its last output, then that it ended (``_finished``). When a new request with the same id
-    (a client's own rid) reserved in between, that late word took the new request's queue
+    (a client's own rid) reserved before the late word ran, it took the new request's queue
     for its own: the new stream() failed with "no reservation", its slots held until the
-    waiting timeout. The engine thread is held between the two calls here."""
+    waiting timeout. Both posts now go over in one hand-over, run back to back; the engine
+    thread is held before handing it over here (where it was held between the two calls)."""
     path = checkpoints["llama"]
     prefill, decode = make_pair(path)
     ids = prompts(1, 12, 12, seed=71)[0]
@@ -1191,7 +1193,7 @@ def test_a_request_id_used_again_at_once_keeps_its_own_reservation(checkpoints):
         schedule = loop.call_soon_threadsafe
 
         def held(callback, *args):
-            if getattr(callback, "__name__", "") == "_finished":
+            if any(post.fn.__name__ == "_finished" for post in (args[0] if callback is _run_posts else ())):
                 time.sleep(0.3)  # the engine thread is preempted after handing over the last output
             return schedule(callback, *args)
 

@@ -21,7 +21,7 @@ from typing import Any, AsyncIterator, Dict, List, Optional, Union
 import torch
 
 from actors.engine.config import EngineConfig
-from actors.engine.engine_loop import EngineLoop
+from actors.engine.engine_loop import EngineLoop, Post
 from actors.engine.model_runner import ModelRunner
 from actors.engine.req import Req
 from actors.engine.sampling_params import SamplingParams
@@ -196,8 +196,8 @@ class Engine:
         queue: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
 
-        def on_output(r: Req, error: Optional[BaseException]) -> None:
-            loop.call_soon_threadsafe(queue.put_nowait, (self._result(r), r.finished, error))
+        def on_output(r: Req, error: Optional[BaseException]) -> List[Post]:
+            return [Post(loop, queue.put_nowait, ((self._result(r), r.finished, error),))]
 
         self.loop.submit(req, on_output)
         stream_iter = self._stream(queue)

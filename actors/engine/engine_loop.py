@@ -5,6 +5,12 @@ runs ``scheduler.step()`` while there is work and, after every step, calls
 the callback of each request that produced output. A failure inside a step
 is delivered to every request in flight (nothing waits forever).
 
+An asyncio caller's callback does not wake its event loop itself: it snapshots
+the request on this thread and returns the calls to run there (``Post``); the
+loop hands a step's posts to each event loop in one ``call_soon_threadsafe``
+(one self-pipe write and wakeup for the step, not one per stream — vLLM's
+AsyncLLM output handler and SGLang's tokenizer manager batch a step the same way).
+
 A request id names one unfinished request at a time. Once a request has
 finished — an abort finishes it at once, its last word is delivered at the
 loop's next step — its id may be submitted again (a client retrying under its
@@ -14,9 +20,10 @@ still goes to its own caller, never to the new request's.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -26,7 +33,18 @@ logger = logging.getLogger(__name__)
 
 IDLE_POLL_S = 0.002
 STEP_FAILED = "engine step failed"  # what a request failed by a step's failure ends with
-Callback = Callable[[Req, Optional[BaseException]], None]
+
+
+class Post(NamedTuple):
+    """``fn(*args)``, to run on the asyncio event loop ``loop``."""
+
+    loop: asyncio.AbstractEventLoop
+    fn: Callable[..., Any]
+    args: Tuple[Any, ...]
+
+
+# returns the posts for its caller's event loop (None: it told a sync caller itself)
+Callback = Callable[[Req, Optional[BaseException]], Optional[Sequence[Post]]]
 
 
 class EngineLoop:
@@ -110,8 +128,10 @@ class EngineLoop:
                                      or getattr(self.scheduler, "stalled", False)):
                     # only waiting on something outside (a KV transfer, a storage read): don't spin
                     self._cond.wait(timeout=IDLE_POLL_S)
+            posts: List[Post] = []
             for req in produced:  # the step's error goes to those it failed; the others ended their own way
-                self._deliver(req, error if id(req) in failed else None)
+                posts += self._deliver(req, error if id(req) in failed else None)
+            hand_over(posts)
 
     def _fail_all(self):
         """Drop every request in flight, giving back what each holds; returns them all and
@@ -163,26 +183,50 @@ class EngineLoop:
         progress (a prefill's completion notice once its KV push ended on the transfer
         thread). Its callback is dropped here; a delivery the loop had already begun
         for the same request may also see it finished, and then says the same (readers
-        stop at the first finished output)."""
-        self._deliver(req, None)
+        stop at the first finished output). Handed over at once, not with the loop's step."""
+        hand_over(self._deliver(req, None))
 
-    def _deliver(self, req: Req, error: Optional[BaseException]) -> None:
+    def _deliver(self, req: Req, error: Optional[BaseException]) -> Sequence[Post]:
+        """Call ``req``'s callback; returns its posts (handed over by the caller)."""
         with self._callbacks_lock:
             entry = self._callbacks.get(id(req))
             if entry is None:
-                return
+                return ()
             callback = entry[1]
             if req.finished or error is not None:
                 del self._callbacks[id(req)]
                 if self._by_rid.get(req.rid) is req:
                     del self._by_rid[req.rid]
         try:
-            callback(req, error)
+            return callback(req, error) or ()
         except Exception:  # a caller's bug must not stop the loop every other request needs
             logger.exception("output callback of %s failed", req.rid)
+            return ()
 
     def stop(self) -> None:
         with self._cond:
             self._stopped = True
             self._cond.notify()
         self._thread.join(timeout=10)
+
+
+def hand_over(posts: Sequence[Post]) -> None:
+    """Schedule ``posts`` with one ``call_soon_threadsafe`` per event loop, each loop's in
+    their order (so each request's outputs stay in order: a step's come after the last's)."""
+    by_loop: Dict[asyncio.AbstractEventLoop, List[Post]] = {}
+    for post in posts:
+        by_loop.setdefault(post.loop, []).append(post)
+    for loop, batch in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_run_posts, batch)
+        except RuntimeError:  # the caller's event loop is gone: nobody to tell
+            logger.debug("dropping %d outputs: their event loop is closed", len(batch))
+
+
+def _run_posts(batch: List[Post]) -> None:
+    """On the event loop: one post's failure must not lose the others' outputs."""
+    for post in batch:
+        try:
+            post.fn(*post.args)
+        except Exception:
+            logger.exception("output delivery %r failed", post.fn)
