@@ -816,7 +816,7 @@ def test_drain_waits_for_a_request_the_router_is_still_placing():
         placed.set()
         with pytest.raises(PDRequestError, match="could not place"):
             await request
-        await asyncio.wait_for(drain, 1.0)
+        await asyncio.wait_for(drain, 30.0)
 
     run(scenario())
 
