@@ -607,18 +607,23 @@ def test_shm_accepts_handles_instead_of_allocators():
     assert_buffers_equal(dst, expected)
 
 
-def test_torch_dist_receiver_times_out_and_unreachable_peer_fails():
+def test_torch_dist_receiver_times_out_and_unreachable_peer_fails(monkeypatch):
+    """A receiver whose bytes never come polls Transferring (a poll that blocked until they
+    landed or timed out could not) until its land timeout passed on the test's clock."""
     _, layout, tensors, _ = build_pool(RankSpec())
     decode = create_agent("torch_dist", layout, tensors)
     prefill = create_agent("torch_dist", layout, snapshot(tensors), connect_timeout_s=0.3)
+    clock = _Clock()
+    monkeypatch.setattr(transfer.states, "time", clock)
     try:
-        receiver = KVReceiver(decode, "r", 1, land_timeout_s=0.4)  # (a slow host's pause fits in its half)
+        receiver = KVReceiver(decode, "r", 1, land_timeout_s=0.4)
         handoff = receiver.send_metadata([5, 6])
-        began = time.monotonic()
         receiver.mark_done()  # the completion notice came, the bytes never did
         assert receiver.poll() == KVPoll.Transferring  # polling does not block the caller
-        assert time.monotonic() - began < 0.2
-        assert receiver.wait() == KVPoll.Failed
+        clock.now += 0.3
+        assert receiver.poll() == KVPoll.Transferring
+        clock.now += 0.2
+        assert receiver.poll() == KVPoll.Failed
         assert "timed out 0.4s after the completion notice waiting for 4 buffers" in receiver.failure_reason()
         ghost = KVHandoff.from_bytes(handoff.to_bytes())
         ghost.endpoint.update(port=1, agent_id="nobody")
