@@ -211,6 +211,17 @@ class _SlowSnapshot(FakePrefill):
         return await FakePrefill.cached_page_hashes(self)
 
 
+async def _add_overtaken_by(router, slow, call):
+    """``add_worker("p1", slow)`` while ``call("p1")`` (a remove or a drain) runs during its
+    snapshot; the add's result."""
+    adding = asyncio.ensure_future(router.add_worker("p1", "prefill", slow))
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert await call("p1")
+    slow.gate.set()
+    return await adding
+
+
 @pytest.mark.parametrize("known", [False, True], ids=["new", "registered_again"])
 def test_a_removal_during_an_add_s_snapshot_wins(known):
     """``remove_worker`` runs while an ``add_worker`` of the same id waits on its snapshot (a new
@@ -222,15 +233,7 @@ def test_a_removal_during_an_add_s_snapshot_wins(known):
     slow = _SlowSnapshot("p1", PS)
     slow.serve(PROMPT)  # it holds the prompt: the router would send it there
 
-    async def scenario():
-        adding = asyncio.ensure_future(router.add_worker("p1", "prefill", slow))
-        for _ in range(5):
-            await asyncio.sleep(0)
-        assert await router.remove_worker("p1")
-        slow.gate.set()
-        return await adding
-
-    assert run(scenario()) is False
+    assert run(_add_overtaken_by(router, slow, router.remove_worker)) is False
     assert "p1" not in router.workers and "p1" not in router.index.workers()
     assert all(run(router.route(f"r{i}", PROMPT)).prefill_id == "p0" for i in range(3))
     assert not run(router.remove_worker("p1"))
@@ -364,14 +367,6 @@ def test_a_drain_during_an_add_s_snapshot_wins():
     slow = _SlowSnapshot("p1", PS)
     slow.serve(PROMPT)  # it holds the prompt: the router would send it there
 
-    async def scenario():
-        adding = asyncio.ensure_future(router.add_worker("p1", "prefill", slow))
-        for _ in range(5):
-            await asyncio.sleep(0)
-        assert await router.drain_worker("p1")
-        slow.gate.set()
-        return await adding
-
-    assert run(scenario()) is False
+    assert run(_add_overtaken_by(router, slow, router.drain_worker)) is False
     assert router.workers["p1"].draining
     assert all(run(router.route(f"r{i}", PROMPT)).prefill_id == "p0" for i in range(3))
