@@ -308,7 +308,7 @@ class LosingRouter:
 def test_a_retry_whose_first_route_release_was_lost_still_goes_ahead(how):
     """The release of the first attempt's route never reached the router: the retry is routed
     all the same (not refused as 'already routed'), and that stale route stops counting as load."""
-    client, router, prefill, decode = cluster(2, 2, Faults(prefill=[ActorDiedError()]), router_timeout_s=0.05)
+    client, router, prefill, decode = cluster(2, 2, Faults(prefill=[ActorDiedError()]), router_timeout_s=0.5)
     client.router = LosingRouter(router, 1, how)
     outs = asyncio.run(collect(client))
     assert [len(o["output_ids"]) for o in outs] == [1, 2, 3] and client.num_retries == 1
