@@ -39,7 +39,9 @@ class PDRequestError(RuntimeError):
 
 
 class WorkerBrokenError(RuntimeError):
-    """The worker can no longer serve (one of its TP ranks is gone): treat it as dead."""
+    """The worker can no longer serve (one of its TP ranks is gone, a KV push lane broken): its
+    requests go elsewhere, as a dead worker's; but its process lives, so the client and the router
+    take it out of the rotation without taking it for dead (:func:`worker_broken`)."""
 
 
 def is_worker_death(exc: BaseException) -> bool:
@@ -55,6 +57,16 @@ def is_worker_death(exc: BaseException) -> bool:
     if isinstance(exc, ActorUnavailableError):
         return False
     return isinstance(exc, (RayActorError, WorkerBrokenError))
+
+
+def worker_broken(exc: BaseException) -> Optional[WorkerBrokenError]:
+    """The ``WorkerBrokenError`` a failed call carries (itself, or as a RayTaskError's cause), or
+    None. Its process lives — it may still hold a push — so a heartbeat that finds it takes the
+    worker out of the rotation without taking it for a dead actor."""
+    from ray.exceptions import RayTaskError
+
+    cause = exc.as_instanceof_cause() if isinstance(exc, RayTaskError) else exc
+    return cause if isinstance(cause, WorkerBrokenError) else None
 
 
 # ---- decode ------------------------------------------------------------------------------
@@ -188,4 +200,4 @@ class DecodeScheduler(DecodePreallocMixin, DecodeTransferMixin, Scheduler):
         return prealloc + transfer
 
 
-__all__ = ["DecodeScheduler", "PDRequestError", "WorkerBrokenError", "is_worker_death"]
+__all__ = ["DecodeScheduler", "PDRequestError", "WorkerBrokenError", "is_worker_death", "worker_broken"]

@@ -34,7 +34,14 @@ is the last resort (``stats()["expired"]``), never for a route a worker's latest
 (a round it missed drops nothing; silent for ``route_ttl_s``, it names nothing). A worker removed
 from the router or whose actor died ends its routes' sides at once (``stats()["ended_with_worker"]``
 counts the routes that ended so); one being removed is drained first (:meth:`Router.drain_worker`):
-nothing new goes to it, its routes stay until its requests end.
+nothing new goes to it, its routes stay until its requests end. A worker whose heartbeat says it is
+broken (``WorkerBrokenError``: a TP rank gone, a KV push lane broken) leaves the rotation and the
+index at once (``stats()["broken"]``) but is not dead, as the client has it (``cluster.pd_rotation``):
+its process lives and may still hold a push, so its routes are not ended as a dead actor's — the
+client fails the attempts on it at once and releases them; a lost release waits for reconciliation
+or ``route_ttl_s``, as on any worker that does not answer. A later heartbeat that finds it healthy
+takes it back, its pages indexed afresh (as SGLang's gateway returns a worker that passes its health
+checks again to the pool).
 
 State: the :class:`~actors.prefix_index.PrefixIndex` over the workers of both
 roles (a decode worker's radix cache holds the conversations it decoded: a
@@ -97,9 +104,16 @@ async def call_method(target: Any, method: str, *args: Any) -> Any:
 
 
 def _actor_died(exc: BaseException) -> bool:
-    from actors.pd_scheduler import is_worker_death
+    """The worker's actor is gone: not one that reports itself broken (its process lives)."""
+    from actors.pd_scheduler import is_worker_death, worker_broken
 
-    return is_worker_death(exc)
+    return is_worker_death(exc) and worker_broken(exc) is None
+
+
+def _worker_broken(exc: BaseException) -> Optional[BaseException]:
+    from actors.pd_scheduler import worker_broken
+
+    return worker_broken(exc)
 
 
 class Router(RouteReconciler):
@@ -115,10 +129,12 @@ class Router(RouteReconciler):
         self._requests: Dict[str, Dispatch] = {}
         self._tasks: List[asyncio.Task] = []
         self._heartbeat_round = 0
-        # reconciled: routes dropped as held by neither worker; expired: dropped after route_ttl_s;
-        # ended_with_worker: routes whose last open side's worker was removed or died
+        # dead: workers that left the rotation as dead actors or for missed heartbeats; broken: those
+        # that left it reporting themselves broken; reconciled: routes dropped as held by neither
+        # worker; expired: dropped after route_ttl_s; ended_with_worker: routes whose last open
+        # side's worker was removed or died
         self.counters = dict(routed=0, prompt_tokens=0, matched_tokens=0, decode_matched_tokens=0, events=0, resyncs=0,
-                             dead=0, reconciled=0, expired=0, ended_with_worker=0)
+                             dead=0, broken=0, reconciled=0, expired=0, ended_with_worker=0)
 
     # ---- workers ---------------------------------------------------------------------------
     async def add_worker(self, worker_id: str, role: str, handle: Any, node_id: str = "") -> bool:
@@ -205,15 +221,16 @@ class Router(RouteReconciler):
     def _live(self, role: str) -> List[WorkerState]:
         return [w for w in self.workers.values() if w.role == role and w.alive and not w.draining]
 
-    def _mark_dead(self, worker: WorkerState, why: str, died: bool = False) -> None:
+    def _mark_dead(self, worker: WorkerState, why: str, died: bool = False, broken: bool = False) -> None:
         """Out of the rotation and the index: for good if ``died`` (its actor is gone), else until it
-        answers a heartbeat again (a long step, a pause: its pages are indexed afresh then)."""
+        answers a heartbeat again (a long step, a pause, or ``broken``: it reported itself broken;
+        its pages are indexed afresh then)."""
         if self.workers.get(worker.worker_id) is not worker:  # removed or replaced meanwhile: not its index
             worker.alive = False
             return
         if worker.alive:
             logger.warning("router: worker %s leaves the rotation: %s", worker.worker_id, why)
-            self.counters["dead"] += 1
+            self.counters["broken" if broken else "dead"] += 1
             self.index.remove_worker(worker.worker_id)
         worker.alive = False
         if died and not worker.dead:  # a dead actor holds nothing: its routes' sides end
@@ -359,8 +376,9 @@ class Router(RouteReconciler):
 
     # ---- liveness ----------------------------------------------------------------------------
     async def heartbeat_once(self) -> None:
-        """Ask every live worker for its load; a dead actor, or too many misses, leaves the rotation.
-        Then the routes whose release was lost are dropped (:meth:`_reconcile_routes`)."""
+        """Ask every worker not dead for its load; a dead actor, too many misses, or a worker that
+        reports itself broken leaves the rotation. Then the routes whose release was lost are
+        dropped (:meth:`_reconcile_routes`)."""
         s = self.settings
         self._heartbeat_round += 1
         heartbeat_round, asked_at = self._heartbeat_round, self.index.clock()
@@ -371,6 +389,10 @@ class Router(RouteReconciler):
                 report = await asyncio.wait_for(call_method(worker.handle, "load"), s.heartbeat_interval_s)
             except Exception as exc:
                 worker.missed_heartbeats += 1
+                broken = _worker_broken(exc)
+                if broken is not None:  # its process lives: out at once, but never taken for dead
+                    self._mark_dead(worker, f"it is broken ({broken})", broken=True)
+                    return
                 died = _actor_died(exc)
                 if died or worker.missed_heartbeats >= s.heartbeat_max_failures:
                     self._mark_dead(worker, f"{worker.missed_heartbeats} missed heartbeats ({type(exc).__name__})",

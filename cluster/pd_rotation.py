@@ -28,7 +28,7 @@ from typing import Any, Dict, Iterator, List, Optional, Set
 
 import ray
 
-from actors.pd_scheduler import PDRequestError, WorkerBrokenError, is_worker_death
+from actors.pd_scheduler import PDRequestError, WorkerBrokenError, is_worker_death, worker_broken
 from cluster.aio import wait_for
 
 logger = logging.getLogger("cluster.pd_client")  # the client's: its warnings keep their logger
@@ -168,8 +168,8 @@ class WorkerRotation:
                 w.missed_heartbeats = 0
             except Exception as exc:
                 w.missed_heartbeats += 1
-                broken = exc.as_instanceof_cause() if isinstance(exc, ray.exceptions.RayTaskError) else exc
-                if isinstance(broken, WorkerBrokenError):  # (its process lives: not dead, as is_worker_death has it)
+                broken = worker_broken(exc)
+                if broken is not None:  # (its process lives: not dead, as is_worker_death has it)
                     self._broken(w, broken)
                     return
                 died = is_worker_death(exc)

@@ -5,8 +5,9 @@ died, ends its routes' sides at once."""
 import asyncio
 
 import pytest
-from ray.exceptions import ActorDiedError
+from ray.exceptions import ActorDiedError, RayTaskError
 
+from actors.pd_scheduler import WorkerBrokenError
 from actors.router import Router
 from actors.routing_policies import RouterSettings
 from tests.router_helpers import FakeDecode, FakePrefill
@@ -144,6 +145,38 @@ def test_a_worker_whose_actor_died_ends_its_routes_sides_at_once():
     assert dead_state.dead and dead_state.inflight == 0
     assert router.stats()["inflight"] == 0 and router.stats()["ended_with_worker"] == 1
     assert run(router.route("r1", PROMPT)).decode_id != decision.decode_id
+
+
+@pytest.mark.parametrize("how", ["in-process", "ray"])
+def test_a_broken_worker_leaves_the_rotation_but_keeps_its_routes_and_comes_back_once_healthy(how):
+    """A heartbeat finds a decode worker broken (its KV push lane): nothing new goes to it and it
+    leaves the index at once, but it is no dead actor — its process lives and may still hold the
+    request, which the client aborts and releases — so its routes stay, counted as its load, however
+    many rounds it stays broken. Found healthy again, it is back in the rotation, its pages indexed
+    afresh."""
+    clock = Clock()
+    router, workers = _router(clock)
+    decision = run(router.route("r1", PROMPT))
+    worker = workers[decision.decode_id]
+    worker.serve(PROMPT)  # what it cached meanwhile
+    error = WorkerBrokenError(f"{worker.worker_id} is broken: the KV transfer lane raydix-kv-push-0-0 is broken")
+
+    def broken():
+        raise RayTaskError("load", "tb", error) if how == "ray" else error
+
+    worker.load = broken
+    _rounds(router, clock, 3)  # (more than heartbeat_max_failures)
+    state = router.workers[worker.worker_id]
+    assert not state.alive and not state.dead and state.inflight == 1
+    assert worker.worker_id not in router.index.workers()
+    assert router.stats()["inflight"] == 1 and router.stats()["ended_with_worker"] == 0
+    assert (router.stats()["broken"], router.stats()["dead"]) == (1, 0)
+    assert run(router.route("r2", PROMPT)).decode_id != worker.worker_id
+    del worker.load  # healthy again
+    _rounds(router, clock, 1)
+    assert state.alive and router.index.num_pages(worker.worker_id) == len(PROMPT) // PS
+    run(router.release("r1"))
+    assert state.inflight == 0 and router.stats()["broken"] == 1
 
 
 def test_tokens_routed_while_a_load_report_is_out_still_count():
