@@ -190,12 +190,15 @@ class Router(RouteReconciler):
         then :meth:`remove_worker`), but its routes stay — counted as its load, their ids refused to
         another request — until released, or reconciled against its reports, while it finishes
         them. An ``add_worker`` of the id (the later call) puts it back; one already taking its snapshot
-        (the earlier call) changes nothing. False: not registered."""
+        (the earlier call) changes nothing, nor does a heartbeat's resync of it out of the rotation.
+        False: not registered."""
         worker = self.workers.get(worker_id)
         if worker is None:
             return False
         self._bump_epoch(worker_id)  # (an add taking its snapshot now would undo the drain: it changes nothing)
         worker.draining = True
+        if not worker.alive:  # out of the rotation: an index entry is that add's or resync's, which now changes nothing
+            self.index.remove_worker(worker_id)
         return True
 
     def _end_routes_of(self, worker_id: str) -> None:

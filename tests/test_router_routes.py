@@ -403,3 +403,36 @@ def test_a_drain_during_an_add_s_snapshot_wins():
     assert run(_add_overtaken_by(router, slow, router.drain_worker)) is False
     assert router.workers["p1"].draining
     assert all(run(router.route(f"r{i}", PROMPT)).prefill_id == "p0" for i in range(3))
+
+
+@pytest.mark.parametrize("resync", ["heartbeat", "add"])
+def test_a_drain_during_a_suspended_worker_s_snapshot_leaves_it_no_index_entry(resync):
+    """p1 is out of the rotation (missed heartbeats) and out of the index. It answers again, or is
+    registered again with a new handle, and is drained while that resync waits on its snapshot:
+    the drain is the later call, so the snapshot changes nothing — and the index entry made for it
+    goes too (it stays out of the rotation; a later heartbeat takes it back, draining)."""
+    clock = Clock()
+    router, workers = _router(clock, prefills=("p0", "p1"))
+    workers["p1"].failing = True
+    _rounds(router, clock, 2)
+    assert not router.workers["p1"].alive and "p1" not in router.index.workers()
+    slow = router.workers["p1"].handle = _SlowSnapshot("p1", PS)  # (it answers now)
+    slow.serve(PROMPT)
+
+    async def heartbeat_overtaken():
+        beat = asyncio.ensure_future(router.heartbeat_once())
+        for _ in range(10):
+            await asyncio.sleep(0)  # its resync waits on the snapshot
+        assert await router.drain_worker("p1")
+        slow.gate.set()
+        await beat
+
+    if resync == "heartbeat":
+        run(heartbeat_overtaken())
+    else:
+        assert run(_add_overtaken_by(router, slow, router.drain_worker)) is False
+    assert "p1" not in router.index.workers() and router.index.num_pages("p1") == 0
+    assert router.workers["p1"].draining and not router.workers["p1"].alive
+    _rounds(router, clock, 1)
+    assert router.workers["p1"].alive and router.index.num_pages("p1") == len(PROMPT) // PS
+    assert all(run(router.route(f"r{i}", PROMPT)).prefill_id == "p0" for i in range(3))
