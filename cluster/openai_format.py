@@ -7,13 +7,14 @@ non-streaming body. ``prompts`` are the request's prompts (one for chat; a
 /v1/completions batch may have several): choice ``index`` samples prompt
 ``index // n``. Usage counts each prompt once, completion tokens over every
 choice, and ``prompt_tokens_details.cached_tokens`` per prompt as the most
-tokens any of its choices found in a prefix cache.
+tokens any of its choices found in a prefix cache. A choice that carries a
+``finish_reason`` carries vLLM's ``stop_reason`` beside it.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Union
 
 from cluster.streaming import ChoiceEvent, finish_reason
 
@@ -40,6 +41,12 @@ class _Formatter:
         start = 0 if final else self.num_logprobs.get(event.index, 0)
         self.num_logprobs[event.index] = len(pairs)
         return [(tid, lp, tops[i] if i < len(tops) else []) for i, (lp, tid) in enumerate(pairs) if i >= start]
+
+    def _stop_reason(self, result: Dict[str, Any]) -> Optional[Union[int, str]]:
+        """vLLM's ``stop_reason``: the stop string or ``stop_token_ids`` id that ended the choice;
+        None for EOS (vLLM tells it from a stop token so), ``length``, or a choice not done."""
+        matched = (result["meta_info"].get("finish_reason") or {}).get("matched")
+        return matched if isinstance(matched, str) or matched in self.req.stop_token_ids else None
 
     def usage(self) -> Dict[str, Any]:
         n = self.req.n
@@ -80,7 +87,8 @@ class _Formatter:
         reason = finish_reason(event.result) if event.finished else None
         logprobs = self._new_logprobs(event)
         if event.delta or reason or logprobs:
-            out.append(self._chunk(dict(self._choice_delta(event.delta, logprobs, event.index), finish_reason=reason)))
+            out.append(self._chunk(dict(self._choice_delta(event.delta, logprobs, event.index), finish_reason=reason,
+                                        stop_reason=self._stop_reason(event.result))))
         return out
 
     def response(self, events: List[ChoiceEvent]) -> Dict[str, Any]:
@@ -95,7 +103,8 @@ class _Formatter:
             event = last[index]
             logprobs = self._new_logprobs(event, final=True)
             choice = self._choice_whole(texts[index], logprobs, index)
-            choices.append(dict(choice, finish_reason=finish_reason(event.result)))
+            choices.append(dict(choice, finish_reason=finish_reason(event.result),
+                                stop_reason=self._stop_reason(event.result)))
         return dict(self._head(self.object_name), choices=choices, usage=self.usage())
 
     # per shape

@@ -251,6 +251,27 @@ def test_logit_bias_forces_a_token_and_min_tokens_holds_off_a_stop_string(client
     assert "logit_bias: token id 100000 is out of the vocabulary" in body["message"]
 
 
+def test_stop_reason_names_the_stop_string_or_token_id_that_ended_a_choice(client):
+    """vLLM's ``stop_reason`` beside ``finish_reason``: the matched stop string or ``stop_token_ids``
+    id; None for EOS (a "stop" too) and for "length"; streamed, on the chunk that finishes."""
+    from actors.engine.tokenizer import EOS_ID
+
+    z = 5 + ord("z")
+
+    def ends(bias=z, **fields):
+        kwargs = dict(max_tokens=4, temperature=0, logit_bias={str(bias): 100}, **fields)
+        whole = client.completions.create(model=MODEL, prompt="hi", **kwargs).choices[0]
+        chat = [c.choices[0] for c in client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], stream=True, **kwargs) if c.choices]
+        assert chat[-1].finish_reason == whole.finish_reason
+        return whole.finish_reason, whole.stop_reason, chat[-1].stop_reason
+
+    assert ends(stop="z") == ("stop", "z", "z")
+    assert ends(extra_body={"stop_token_ids": [z]}) == ("stop", z, z)
+    assert ends(bias=EOS_ID) == ("stop", None, None)
+    assert ends() == ("length", None, None)
+
+
 def test_developer_role_is_a_system_message_and_template_errors_are_400(client):
     def reply(role):
         return client.chat.completions.create(
