@@ -14,7 +14,7 @@ default" for any optional parameter.
 :class:`~actors.engine.sampling_params.SamplingParams` names; SGLang's extra
 sampling fields (``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``,
 ``stop_token_ids``, ``skip_special_tokens``), vLLM's ``min_tokens`` (SGLang's
-``min_new_tokens``) and vLLM's chat-template fields
+``min_new_tokens``) and ``include_stop_str_in_output``, and its chat-template fields
 (``add_generation_prompt``, ``continue_final_message``,
 ``chat_template_kwargs``) are accepted at the top level, as SGLang and vLLM
 accept them (the openai client's ``extra_body``).
@@ -90,6 +90,8 @@ class _OpenAISampling(_NullIsDefault):
     repetition_penalty: float = Field(1.0, gt=0.0, le=2.0)
     ignore_eos: bool = False
     stop_token_ids: List[int] = Field(default_factory=list)
+    include_stop_str_in_output: bool = Field(False, description="vLLM's: the stop string or stop token that "
+                                             "ended a choice stays in its text")
     skip_special_tokens: bool = True
     rid: Optional[str] = Field(None, description="request id (choice i runs as rid-i when n > 1)")
     min_tokens: int = Field(0, ge=0, description="vLLM's: tokens to generate at least (EOS, stop_token_ids and "
@@ -126,8 +128,9 @@ class _OpenAISampling(_NullIsDefault):
             max_new_tokens=max_new_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
             min_p=self.min_p, seed=self.seed, frequency_penalty=self.frequency_penalty,
             presence_penalty=self.presence_penalty, repetition_penalty=self.repetition_penalty, stop=self.stop,
-            stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
-            skip_special_tokens=self.skip_special_tokens, min_new_tokens=self.min_tokens, logit_bias=self.logit_bias,
+            stop_token_ids=self.stop_token_ids, include_stop_str_in_output=self.include_stop_str_in_output,
+            ignore_eos=self.ignore_eos, skip_special_tokens=self.skip_special_tokens, min_new_tokens=self.min_tokens,
+            logit_bias=self.logit_bias,
         )
         top = self._top_logprobs_num()
         if top is not None:

@@ -148,8 +148,8 @@ class GenerationService:
                 choice_rid = rid if lone else f"{rid}-{p * n + i}"
                 choice_params = dict(params, seed=None if seed is None else seed + i)
                 streams.append(self.backend.generate_stream(list(input_ids), choice_params, choice_rid))
-                texts.append(TextDelta(self.tokenizer, params.get("stop") or (), params.get("skip_special_tokens", True),
-                                       input_ids))
+                texts.append(TextDelta(self.tokenizer, params["stop"], params["skip_special_tokens"], input_ids,
+                                       params["include_stop_str_in_output"]))
         return run_choices(streams, texts, on_done)
 
     async def _run(self, batch, n, rid, arrival, stream_fn, final_fn):

@@ -23,21 +23,23 @@ from actors.pd_scheduler import PDRequestError
 
 class TextDelta:
     def __init__(self, tokenizer, stop: Sequence[str] = (), skip_special_tokens: bool = True,
-                 prompt_ids: Sequence[int] = ()):
+                 prompt_ids: Sequence[int] = (), include_stop: bool = False):
         self.tokenizer, self.stop, self.skip = tokenizer, list(stop), skip_special_tokens
+        self.include_stop = include_stop  # vLLM's include_stop_str_in_output
         self.prompt_ids = prompt_ids  # the text is decoded after them (workers without a tokenizer)
         self.sent = ""
 
     def text_of(self, result: Dict[str, Any]) -> str:
         """The worker's text, or (workers that skip the tokenizer) the output decoded here as the
-        engine does: after the prompt's tail, a matched stop token left out."""
+        engine does: after the prompt's tail, a matched stop token left out (unless ``include_stop``:
+        vLLM's ``include_stop_str_in_output``)."""
         if "text" in result:
             return result["text"]
         if self.tokenizer is None:
             return ""
         ids = result["output_ids"]
         matched = (result.get("meta_info", {}).get("finish_reason") or {}).get("matched")
-        if isinstance(matched, int) and ids and ids[-1] == matched:
+        if isinstance(matched, int) and ids and ids[-1] == matched and not self.include_stop:
             ids = ids[:-1]
         return decode_after(self.tokenizer, self.prompt_ids, ids, self.skip)
 

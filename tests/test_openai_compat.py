@@ -272,6 +272,21 @@ def test_stop_reason_names_the_stop_string_or_token_id_that_ended_a_choice(clien
     assert ends() == ("length", None, None)
 
 
+def test_include_stop_str_in_output_keeps_the_stop_string_or_token_in_the_text(client):
+    """vLLM's ``include_stop_str_in_output``: the stop string (or stop token) that ended a choice
+    ends its text, whole and streamed; without it, it is cut."""
+    z = 5 + ord("z")
+
+    def texts(**fields):
+        kwargs = dict(model=MODEL, prompt="hi", max_tokens=4, temperature=0, logit_bias={str(z): 100}, **fields)
+        streamed = "".join(c.choices[0].text for c in client.completions.create(stream=True, **kwargs) if c.choices)
+        return client.completions.create(**kwargs).choices[0].text, streamed
+
+    assert texts(stop="zz") == ("", "")
+    assert texts(stop="zz", extra_body={"include_stop_str_in_output": True}) == ("zz", "zz")
+    assert texts(extra_body={"stop_token_ids": [z], "include_stop_str_in_output": True}) == ("z", "z")
+
+
 def test_developer_role_is_a_system_message_and_template_errors_are_400(client):
     def reply(role):
         return client.chat.completions.create(

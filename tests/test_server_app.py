@@ -82,6 +82,20 @@ def test_text_delta_never_takes_back_what_was_sent():
     assert cut.sent == "a"
 
 
+def test_text_delta_decodes_a_stop_token_only_with_include_stop_str_in_output():
+    """Workers that skip the tokenizer send ids; the server decodes them as the engine would: the
+    stop token that ended the output left out, or kept with vLLM's ``include_stop_str_in_output``."""
+    from transformers import PreTrainedTokenizerFast
+
+    from actors.engine.tokenizer import build_byte_tokenizer
+
+    tok = PreTrainedTokenizerFast(tokenizer_object=build_byte_tokenizer())
+    a, z = tok.encode("a")[0], tok.encode("z")[0]
+    result = {"output_ids": [a, z], "meta_info": {"finish_reason": {"type": "stop", "matched": z}}}
+    assert TextDelta(tok).update(result, True) == "a"
+    assert TextDelta(tok, include_stop=True).update(result, True) == "az"
+
+
 def test_admission_refuses_when_full_and_times_out():
     async def go():
         admission = Admission(max_concurrent=1, max_queue_size=1, queue_timeout_s=0.2)

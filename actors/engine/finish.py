@@ -64,12 +64,14 @@ def _ends_on_stop_token(req: Req) -> bool:
 
 def stream_text(req: Req, tokenizer) -> None:
     """Refresh ``req.output_text`` (nothing without a tokenizer): the output after the prompt, a
-    last token that stops the request left out (SGLang and vLLM trim it from the text)."""
+    last token that stops the request left out (SGLang and vLLM trim it from the text; vLLM's
+    ``include_stop_str_in_output`` keeps it)."""
     if tokenizer is None or not req.output_ids:
         return
     if req.detokenizer is None:
         req.detokenizer = IncrementalText(tokenizer, req.origin_input_ids, req.sampling_params.skip_special_tokens)
-    num_tokens = len(req.output_ids) - (1 if _ends_on_stop_token(req) else 0)
+    trim = _ends_on_stop_token(req) and not req.sampling_params.include_stop_str_in_output
+    num_tokens = len(req.output_ids) - (1 if trim else 0)
     req.output_text = req.detokenizer.update(tokenizer, req.output_ids, num_tokens)
     if len(req.output_ids) <= req.sampling_params.min_new_tokens:
         req.min_tokens_text_len = len(req.output_text)
@@ -89,7 +91,8 @@ def _first_stop_string(req: Req) -> Optional[Tuple[int, str]]:
 
 def check_finished(req: Req, tokenizer, context_len: int) -> None:
     """Stop token or EOS → "stop" (matched id; kept in ``output_ids``, not in the text, as SGLang
-    and vLLM trim it); a stop string → "stop" (text cut before it), none before ``min_new_tokens``
+    and vLLM trim it); a stop string → "stop" (text cut before it, or after it with
+    ``include_stop_str_in_output``), none before ``min_new_tokens``
     tokens (the sampler masks EOS and stop tokens until then); ``max_new_tokens`` or the context
     length → "length"."""
     params = req.sampling_params
@@ -100,7 +103,7 @@ def check_finished(req: Req, tokenizer, context_len: int) -> None:
         hit = _first_stop_string(req)
         if hit is not None:
             pos, matched = hit
-            req.output_text = req.output_text[:pos]
+            req.output_text = req.output_text[:pos + (len(matched) if params.include_stop_str_in_output else 0)]
             req.finish({"type": "stop", "matched": matched})
             return
     if len(req.output_ids) >= params.max_new_tokens or req.seqlen >= context_len:

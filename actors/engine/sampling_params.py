@@ -51,6 +51,8 @@ class SamplingParams(BaseModel):
     repetition_penalty: float = Field(1.0, gt=0.0, le=2.0)
     stop: List[str] = Field(default_factory=list, description="stop strings (not included in the text)")
     stop_token_ids: List[int] = Field(default_factory=list)
+    include_stop_str_in_output: bool = Field(False, description="vLLM's: the stop string or stop token that ended "
+                                             "the output stays in its text")
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     return_logprob: bool = False
