@@ -10,6 +10,7 @@ GET  /v1/models             the served model
 GET  /v1/models/{id}        the served model's card (404 for any other id)
 POST /generate              SGLang native: text or input_ids, sampling_params, stream
 GET  /health                200 when every worker in the rotation answers, else 503
+GET  /version               {"version": raydix's} (vLLM's)
 GET  /metrics               Prometheus text format (see cluster.metrics)
 GET  /workers               id, role, node, alive, load of each worker in the rotation
                             (``?include_dead=true``: also those that died, to DELETE them)
@@ -19,8 +20,10 @@ POST /flush_cache           drop every worker's prefix cache (idle cluster only)
 ==========================  =======================================================
 
 Errors are OpenAI-style bodies (see ``cluster.api_errors``). With
-``server.api_key`` set, every route but /health and /metrics needs
-``Authorization: Bearer <key>``. Bodies over ``server.max_request_body_bytes``
+``server.api_key`` set, every route but /health, /version and /metrics needs
+``Authorization: Bearer <key>``. Every response carries ``X-Request-Id``: the
+client's own, echoed, or a new one (vLLM's request-id headers; the openai
+client reads it as ``_request_id``). Bodies over ``server.max_request_body_bytes``
 get 413 before they are read to the end.
 """
 
@@ -30,7 +33,9 @@ import asyncio
 import hmac
 import json
 import time
+import uuid
 from contextlib import asynccontextmanager
+from importlib.metadata import PackageNotFoundError, version
 from typing import Any, Optional, Type
 
 from fastapi import FastAPI, Request
@@ -48,15 +53,25 @@ from cluster.openai_protocol import (AddWorkerRequest, ChatCompletionRequest, Co
                                      describe_validation_error)
 from cluster.openai_serving import GenerationService
 
-OPEN_PATHS = ("/health", "/metrics")
-ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/generate", "/health", "/metrics", "/workers",
-          "/flush_cache")  # request counter labels; anything else counts as "other"
+OPEN_PATHS = ("/health", "/version", "/metrics")
+ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/generate", "/health", "/version", "/metrics",
+          "/workers", "/flush_cache")  # request counter labels; anything else counts as "other"
 ID_ROUTES = (("/workers/", "/workers/{id}"), ("/v1/models/", "/v1/models/{id}"))
 METRICS_REFRESH_TIMEOUT_S = 2.0
 
 
+def _version() -> str:
+    """raydix's installed version; "unknown" when it runs from a source tree never installed (a
+    ``ray job submit`` working directory)."""
+    try:
+        return version("raydix")
+    except PackageNotFoundError:
+        return "unknown"
+
+
 class _Guard:
-    """ASGI middleware: bearer-token check, body size limit, and the request counter."""
+    """ASGI middleware: bearer-token check, body size limit, the request counter, and the
+    ``X-Request-Id`` header on every response."""
 
     def __init__(self, app, api_key: Optional[str], max_body: int, metrics: ServerMetrics):
         self.app, self.api_key, self.max_body, self.metrics = app, api_key, max_body, metrics
@@ -68,27 +83,29 @@ class _Guard:
         endpoint = path if path in ROUTES else next((route for prefix, route in ID_ROUTES if path.startswith(prefix)),
                                                     "other")
         status = {"code": 500}
+        headers = dict(scope["headers"])
+        request_id = headers.get(b"x-request-id") or uuid.uuid4().hex.encode()
 
         async def counted_send(message):
             if message["type"] == "http.response.start":
                 status["code"] = message["status"]
+                message = dict(message, headers=[*message.get("headers", ()), (b"x-request-id", request_id)])
             await send(message)
 
         try:
-            error = self._refuse(scope)
+            error = self._refuse(headers, path)
             if error is not None:
                 return await error.response()(scope, receive, counted_send)
             await self.app(scope, self._limited(receive), counted_send)
         finally:
             self.metrics.requests.labels(endpoint, str(status["code"])).inc()
 
-    def _refuse(self, scope) -> Optional[APIError]:
-        headers = dict(scope["headers"])
+    def _refuse(self, headers, path: str) -> Optional[APIError]:
         length = headers.get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body:
             return APIError(413, f"request body of {int(length)} bytes exceeds the limit of {self.max_body}",
                             code="body_too_large")
-        if self.api_key and scope["path"] not in OPEN_PATHS:
+        if self.api_key and path not in OPEN_PATHS:
             scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
             if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.api_key.encode()):
                 return APIError(401, "invalid or missing API key (send Authorization: Bearer <key>)",
@@ -249,6 +266,10 @@ def build_app(cluster_or_client: Any, tokenizer=None, config=None, client=None,
     async def health():
         status = await backend.health()
         return JSONResponse(status, status_code=200 if status["ready"] else 503)
+
+    @app.get("/version")
+    async def raydix_version():
+        return {"version": _version()}
 
     @app.get("/metrics")
     async def prometheus_metrics():

@@ -241,6 +241,37 @@ def test_top_k_0_is_disabled_as_in_vllm(served, backend, path, body):
         assert backend.calls[-1][1]["top_k"] == -1
 
 
+def test_every_response_carries_an_x_request_id_the_clients_own_echoed(served, client):
+    """vLLM's request-id headers: ``X-Request-Id`` as the client sent it, or a new one per request
+    (the openai client's ``_request_id``), on answers, streams and errors alike."""
+    url = served[1].url
+    raw = client.completions.with_raw_response.create(model="scripted", prompt=[1], max_tokens=2,
+                                                      extra_headers={"X-Request-Id": "trace-7"})
+    assert raw.headers["x-request-id"] == "trace-7"
+    ids = {client.completions.create(model="scripted", prompt=[1], max_tokens=2)._request_id for _ in range(2)}
+    assert len(ids) == 2 and None not in ids
+    with httpx.stream("POST", url + "/v1/completions", json={"prompt": [1], "max_tokens": 2, "stream": True},
+                      headers={"X-Request-Id": "trace-8"}) as r:
+        assert r.headers["x-request-id"] == "trace-8"
+    r = httpx.post(url + "/v1/completions", json={"prompt": [1], "n": 0}, headers={"X-Request-Id": "trace-9"})
+    assert r.status_code == 400 and r.headers["x-request-id"] == "trace-9"
+
+
+def test_version_needs_no_api_key():
+    """vLLM's ``GET /version``: the server's version, open as /health is (the API needs the key)."""
+    from importlib.metadata import version
+
+    app = build_app(ScriptedBackend(), None, ServerConfig(api_key="k"))
+
+    async def get(path):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://app") as http:
+            return await http.get(path)
+
+    r = asyncio.run(get("/version"))
+    assert r.status_code == 200 and r.json() == {"version": version("raydix")}
+    assert asyncio.run(get("/v1/models")).status_code == 401
+
+
 def test_query_validation_errors_are_openai_400s(served):
     r = httpx.get(served[1].url + "/workers", params={"include_dead": "maybe"})
     assert r.status_code == 400, r.text
