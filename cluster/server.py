@@ -249,8 +249,10 @@ def build_app(cluster_or_client: Any, tokenizer=None, config=None, client=None,
         body = await parse_body(request, GenerateRequest)
         return await _call(cancel_on_disconnect(request, service.generate(body, arrival)))
 
+    created = int(time.time())  # when the model came up (OpenAI's and vLLM's cards carry a Unix time, not 0)
+
     def model_card():
-        return {"id": backend.model_name, "object": "model", "created": 0, "owned_by": "raydix",
+        return {"id": backend.model_name, "object": "model", "created": created, "owned_by": "raydix",
                 "max_model_len": backend.context_len}
 
     @app.get("/v1/models")

@@ -299,7 +299,11 @@ def test_developer_role_is_a_system_message_and_template_errors_are_400(client):
 
 
 def test_models_retrieve(client):
-    assert client.models.retrieve(MODEL).id == MODEL
+    """The card as OpenAI's and vLLM's: ``created`` a Unix time (not 0, 1970), vLLM's ``max_model_len``."""
+    card = client.models.retrieve(MODEL)
+    assert card.id == MODEL and card.object == "model" and card.max_model_len == 256
+    assert time.time() - 3600 < card.created <= time.time()
+    assert client.models.list().data == [card]
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("gpt-5")
 
