@@ -108,8 +108,6 @@ class _OpenAISampling(_NullIsDefault):
     @classmethod
     def _stop(cls, v):
         stops = [v] if isinstance(v, str) else list(v or [])
-        if len(stops) > 4:
-            raise ValueError("at most 4 stop sequences")
         if any(not s for s in stops):
             raise ValueError("stop sequences must not be empty")
         return stops

@@ -210,7 +210,7 @@ def test_continuous_usage_stats_give_each_chunk_its_choices_usage_so_far(client)
     ({"model": "scripted", "prompt": [1], "top_k": -2}, "top_k"),
     ({"model": "scripted", "prompt": [1], "n": 0}, "n"),
     ({"model": "scripted"}, "prompt"),
-    ({"model": "scripted", "prompt": [1], "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ({"model": "scripted", "prompt": [1], "stop": ["a", ""]}, "stop"),
     ({"model": "scripted", "prompt": [1], "stream_options": {"include_usage": True}}, "stream_options"),
     ({"model": "scripted", "prompt": [1], "logit_bias": {"x": 1}}, "logit_bias"),
     ({"model": "scripted", "prompt": [1], "logit_bias": {"5": 100.5}}, "logit_bias"),
@@ -220,6 +220,16 @@ def test_validation_errors_name_the_field(served, body, field):
     r = httpx.post(served[1].url + "/v1/completions", json=body)
     assert r.status_code == 400 and r.json()["error"]["param"] == field, r.json()
     assert field in r.json()["error"]["message"]
+
+
+def test_more_stop_strings_than_openai_allows_are_taken_as_in_vllm(served, backend):
+    """OpenAI caps ``stop`` at 4; vLLM and SGLang take any number (lm-eval's ``until`` lists
+    send more), and so does this server: all of them reach the engine."""
+    stops = ["q", "r", "s", "t", "u", "v"]
+    r = httpx.post(served[1].url + "/v1/completions", json={"model": "scripted", "prompt": [1], "max_tokens": 4,
+                                                           "stop": stops})
+    assert r.status_code == 200, r.text
+    assert backend.calls[-1][1]["stop"] == stops
 
 
 @pytest.mark.parametrize("path,body", [
