@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from actors.engine import Engine
+from actors.engine.attention import torch_backend
 from tests.parity import assert_greedy_parity
 
 
@@ -46,11 +47,18 @@ def test_batch_of_different_lengths(model_dir, page_size):
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_shared_prefix_is_reused(model_dir, page_size):
-    system = prompts(1, 48, 48, seed=7)[0]
+def test_shared_prefix_is_reused(model_dir, page_size, monkeypatch):
+    """The cached system prompt is long enough that the torch backend attends it in cascade,
+    once for the whole batch, in prefill and decode."""
+    cascades = []
+    attend_shared = torch_backend.attend_shared
+    monkeypatch.setattr(torch_backend, "attend_shared",
+                        lambda q, *kv_layer: cascades.append(q.shape[0]) or attend_shared(q, *kv_layer))
+    system = prompts(1, 80, 80, seed=7)[0]
     engine, first = run(model_dir, prompts(1, 5, 5, shared=system), page_size=page_size, max_total_tokens=4096)
     second = engine.generate(input_ids=prompts(3, 3, 9, seed=1, shared=system), sampling_params={"max_new_tokens": 8, "temperature": 0})
-    assert all(o["meta_info"]["cached_tokens"] >= 48 // page_size * page_size for o in second)
+    assert all(o["meta_info"]["cached_tokens"] >= 80 // page_size * page_size for o in second)
+    assert cascades and set(cascades) == {3}  # all three requests a family, on every layer
     assert_greedy_parity(model_dir, prompts(3, 3, 9, seed=1, shared=system), [o["output_ids"] for o in second], 8, engine.eos_token_ids)
     engine.check_integrity()
 

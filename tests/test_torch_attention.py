@@ -1,17 +1,20 @@
 """The batched PyTorch attention backend equals attention written out one query at a time
 (random pools and slots, long prefixes, decode and extend, GQA, MLA-like narrower values, sliding
-windows read through an SWA slot map, soft caps, pool dtypes), however it groups and chunks; a
-sliding-window layer gathers only the keys in its queries' windows, a chunk of queries at a time."""
+windows read through an SWA slot map, soft caps, pool dtypes, prefixes shared by families of
+requests), however it groups and chunks; a sliding-window layer gathers only the keys in its
+queries' windows, a chunk of queries at a time; a full-attention layer gathers a family's shared
+prefix once."""
 
 import hypothesis.strategies as st
+import pytest
 import torch
 from hypothesis import given, settings
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from actors.engine.attention import torch_backend
-from actors.engine.attention.torch_backend import (MAX_CHUNK_BYTES, MIN_WINDOW_ROWS, TorchAttnBackend, pack_requests,
-                                                   window_start)
+from actors.engine.attention.torch_backend import (MAX_CHUNK_BYTES, MIN_SHARED_LEN, MIN_WINDOW_ROWS, TorchAttnBackend,
+                                                   pack_requests, window_start)
 from actors.engine.forward_batch import ForwardBatch, ForwardMode
 from actors.engine.layers import RadixAttention
 from mem_cache.req_to_token_pool import ReqToTokenPool
@@ -80,7 +83,28 @@ def cases(draw):
     )
 
 
-def make_case(prefix, extend, kv_heads, per_kv, head_dim, v_head_dim, window, cap, swa, dtypes, seed, **_):
+@st.composite
+def family_cases(draw):
+    """Full attention over requests in up to two families, each of whose rows begin with the
+    family's slots, up to 16 before the request's first query (a radix-cached prefix) or past it
+    (only the slots before it are a prefix to share), and requests of their own; shared prefixes
+    shorter and longer than ``min_shared_len``."""
+    case = draw(cases())
+    decode = all(e == 1 for e in case["extend"])
+    family_of = draw(st.lists(st.integers(0, 2), min_size=2, max_size=5))  # 0: a request of its own
+    num_slots = [0] + [draw(st.integers(1, 112)) for _ in range(2)]
+    prefix = [max(0, num_slots[f] + draw(st.integers(-16, 16))) if f else draw(st.integers(0, 128)) for f in family_of]
+    extend = [1 if decode else draw(st.integers(1, min(32, MAX_CONTEXT - p))) for p in prefix]
+    shared = [([i for i, f in enumerate(family_of) if f == family], num_slots[family]) for family in (1, 2)]
+    case.update(prefix=prefix, extend=extend, window=None, shared=[(members, n) for members, n in shared if members],
+                max_chunk_bytes=draw(st.sampled_from([MAX_CHUNK_BYTES, 16384, 4096])),
+                min_shared_len=draw(st.sampled_from([MIN_SHARED_LEN, 1, 8])))
+    return case
+
+
+def make_case(prefix, extend, kv_heads, per_kv, head_dim, v_head_dim, window, cap, swa, dtypes, seed, shared=(), **_):
+    """``shared``: (requests, slots): the requests' rows begin with the first's slots, as many as
+    all their contexts hold, up to ``slots``."""
     gen = torch.Generator().manual_seed(seed)
     pool_dtype, q_dtype = dtypes
     seq = [p + e for p, e in zip(prefix, extend)]
@@ -97,6 +121,10 @@ def make_case(prefix, extend, kv_heads, per_kv, head_dim, v_head_dim, window, ca
     row_ids = torch.randperm(8, generator=gen)[: len(seq)]
     for row, seq_len, p in zip(row_ids.tolist(), seq, prefix):  # slots may repeat across requests (shared prefixes)
         rows.req_to_token[row, :seq_len] = torch.randint(1, POISON, (seq_len,), generator=gen, dtype=torch.int32)
+    for family, num_slots in shared:
+        num_slots = min([num_slots] + [seq[i] for i in family])
+        rows.req_to_token[row_ids[family[1:]], :num_slots] = rows.req_to_token[row_ids[family[0]], :num_slots]
+    for row, p in zip(row_ids.tolist(), prefix):
         rows.req_to_token[row, : window_start(p, window)] = POISON  # no query of this forward sees these
     t = lambda xs: torch.tensor(xs, dtype=torch.int64)  # noqa: E731
     starts = [sum(extend[:i]) for i in range(len(extend))]
@@ -113,15 +141,61 @@ def make_case(prefix, extend, kv_heads, per_kv, head_dim, v_head_dim, window, ca
     return q, layer, fb
 
 
-@settings(max_examples=150, deadline=None)
-@given(cases())
-def test_batched_attention_equals_one_query_at_a_time(case):
+def check_against_brute_force(case, backend: TorchAttnBackend) -> None:
     q, layer, fb = make_case(**case)
-    backend = TorchAttnBackend(max_chunk_bytes=case["max_chunk_bytes"], min_window_rows=case["min_window_rows"])
     backend.init_forward_metadata(fb)
     out = backend.forward(q, layer, fb)
     tol = 1e-5 if q.dtype == torch.float32 else 1.6e-2
     torch.testing.assert_close(out, brute_force(q, layer, fb), atol=tol, rtol=tol)
+
+
+@settings(max_examples=150, deadline=None)
+@given(cases())
+def test_batched_attention_equals_one_query_at_a_time(case):
+    check_against_brute_force(case, TorchAttnBackend(max_chunk_bytes=case["max_chunk_bytes"],
+                                                     min_window_rows=case["min_window_rows"]))
+
+
+@settings(max_examples=150, deadline=None)
+@given(family_cases())
+def test_families_attend_their_shared_prefix_in_cascade_as_one_query_at_a_time(case):
+    """Cascade (the shared prefix attended once for a family, merged with each member's own keys
+    by log-sum-exp) equals attention over each request's whole context."""
+    check_against_brute_force(case, TorchAttnBackend(max_chunk_bytes=case["max_chunk_bytes"],
+                                                     min_shared_len=case["min_shared_len"]))
+
+
+@pytest.mark.parametrize("min_shared_len, families", [
+    (64, [([0, 1], 70), ([2, 3], 80), ([4], 0)]),
+    (75, [([2, 3], 80), ([0, 1, 4], 0)]),  # the first family's prefix is too short
+    (81, [([0, 2, 1, 4, 3], 0)]),  # both are
+])
+def test_a_family_gathers_its_shared_prefix_once_a_layer(monkeypatch, min_shared_len, families):
+    """Decode after 100 and 90 tokens that begin with the same 70 slots, 95 and 85 that begin with
+    the same 80, and 88 of their own: each family, a group of its own, reads its prefix's K/V once
+    (one row) and each member's keys past it; the rest read whole contexts."""
+    reads = []
+    context_kv_slots = torch_backend.context_kv_slots
+    monkeypatch.setattr(torch_backend, "context_kv_slots", lambda fb, layer, slots: reads.append(
+        slots.tolist()) or context_kv_slots(fb, layer, slots))
+    case = dict(prefix=[100, 90, 95, 85, 88], extend=[1] * 5, kv_heads=2, per_kv=2, head_dim=8, v_head_dim=None,
+                window=None, cap=None, swa=False, dtypes=(torch.float32,) * 2, seed=0,
+                shared=[([0, 1], 70), ([2, 3], 80)])
+    q, layer, fb = make_case(**case)
+    backend = TorchAttnBackend(min_shared_len=min_shared_len)
+    backend.init_forward_metadata(fb)
+    torch.testing.assert_close(backend.forward(q, layer, fb), brute_force(q, layer, fb), atol=1e-5, rtol=1e-5)
+    seq = [p + 1 for p in case["prefix"]]
+    assert [(group.seq_lens, group.shared_len) for group in backend.layer_groups(layer)] == [
+        ([seq[i] for i in members], shared_len) for members, shared_len in families]
+    req_rows = fb.req_to_token_pool.req_to_token[fb.req_pool_indices].tolist()
+    expected = []
+    for members, shared_len in families:
+        if shared_len:
+            expected.append([req_rows[members[0]][:shared_len]])
+        num_k = max(seq[i] for i in members) - shared_len
+        expected.append([req_rows[i][shared_len : seq[i]] + [0] * (num_k - seq[i] + shared_len) for i in members])
+    assert reads == expected
 
 
 def test_requests_pack_by_length_within_the_padding_bound():
@@ -145,8 +219,8 @@ def test_a_long_prompt_runs_in_query_chunks_within_the_memory_bound(monkeypatch)
     calls = []
     attend_rows = TorchAttnBackend.attend_rows
     monkeypatch.setattr(TorchAttnBackend, "attend_rows", staticmethod(
-        lambda q, layer, fb, group, start, stop, out: calls.append((start, stop)) or attend_rows(
-            q, layer, fb, group, start, stop, out)))
+        lambda q, layer, fb, group, start, stop, out, shared: calls.append((start, stop)) or attend_rows(
+            q, layer, fb, group, start, stop, out, shared)))
     backend.init_forward_metadata(fb)
     out = backend.forward(q, layer, fb)
     assert calls == [(0, 10), (10, 20), (20, 30), (30, 40), (40, 48)]
@@ -242,18 +316,19 @@ class HostReads(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_a_layer_reads_nothing_back_to_the_host():
+@pytest.mark.parametrize("window, prefix, shared", [(16, [60, 50], []), (None, [80, 70], [([0, 1], 70)])])
+def test_a_layer_reads_nothing_back_to_the_host(window, prefix, shared):
     """Once the first layer has built the forward's groups, a layer (here of one group, its
-    shorter request's row padded, through an SWA map) runs on the device alone: nothing in it
-    waits for CUDA."""
-    case = dict(prefix=[60, 50], extend=[1, 2], kv_heads=1, per_kv=2, head_dim=8, v_head_dim=None, window=16,
-                cap=None, swa=True, dtypes=(torch.float32,) * 2, seed=0)
+    shorter request's row padded, through an SWA map; or a family, in cascade) runs on the device
+    alone: nothing in it waits for CUDA."""
+    case = dict(prefix=prefix, extend=[1, 2], kv_heads=1, per_kv=2, head_dim=8, v_head_dim=None, window=window,
+                cap=None, swa=True, dtypes=(torch.float32,) * 2, seed=0, shared=shared)
     q, layer, fb = make_case(**case)
     backend = TorchAttnBackend()
     backend.init_forward_metadata(fb)
     backend.forward(q, layer, fb)
     with HostReads() as host_reads:
         out = backend.forward(q, layer, fb)
-    assert [len(group.seq_lens) for group in backend.layer_groups(layer)] == [2]
+    assert [(len(group.seq_lens), group.shared_len) for group in backend.layer_groups(layer)] == [(2, 70 if shared else 0)]
     assert host_reads.ops == []
     torch.testing.assert_close(out, brute_force(q, layer, fb), atol=1e-5, rtol=1e-5)

@@ -13,11 +13,19 @@ length and the sliding window. Padding and memory are bounded: a member's padded
 stay within ``MAX_PADDING`` × its useful ones (a lone long request is a group of its own); a
 group's fp32 K/V plus one query row of scores stay within ``max_chunk_bytes`` (unless one
 request's alone do not), and its query chunks' fp32 scores and bias do.
+
+Requests whose rows begin with the same run of slots (a prefix the radix cache matched, before all
+their queries) form a group of their own, a family, and a full-attention layer attends them in
+cascade (FlashInfer's cascade attention, SGLang's shared-prefix attention): the shared prefix's K/V
+are gathered once, and all the family's query rows attend them in one call, with no mask (every
+query sees every shared key); each member's own keys are gathered and attended as above, and the
+two results merge by their log-sum-exps. Without it, every member gathered the shared K/V again,
+a layer and a forward at a time.
 """
 
 from __future__ import annotations
 
-from typing import Dict, List, NamedTuple, Tuple
+from typing import Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +33,7 @@ import torch.nn.functional as F
 MAX_PADDING = 2  # a request's padded score cells, at most this many times its useful ones
 MAX_CHUNK_BYTES = 256 << 20
 MIN_WINDOW_ROWS = 128  # a sliding-window layer's query chunk, at least (smaller ones cost more in ops than they save)
+MIN_SHARED_LEN = 64  # a shared prefix attended in cascade, at least (a shorter one saves less than its call costs)
 
 
 def context_kv_slots(forward_batch, layer, slots: torch.Tensor) -> torch.Tensor:
@@ -54,6 +63,16 @@ def gather(buf: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     return buf.index_select(0, slots.flatten()).view(*slots.shape, *buf.shape[1:])
 
 
+def gather_kv(forward_batch, layer, slots: torch.Tensor, dtype) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``layer``'s K and V at full slots ``slots`` (``[b, keys]``), ``[b, kv_heads, keys, dim]`` in
+    fp32 after ``dtype`` (the model's), as HF rounds."""
+    pool = forward_batch.token_to_kv_pool
+    slots = context_kv_slots(forward_batch, layer, slots)
+    k = gather(pool.get_key_buffer(layer.layer_id), slots).to(dtype).float().transpose(1, 2)
+    v_buf = pool.get_value_buffer(layer.layer_id)[..., : layer.v_head_dim]
+    return k, gather(v_buf, slots).to(dtype).float().transpose(1, 2)
+
+
 class KeyRange(NamedTuple):
     """The keys a group's layers of one sliding window gather: row ``r``'s column ``c`` is its key
     at position ``first[r] + c``, ``first[r]`` the first one its first new token sees."""
@@ -75,15 +94,18 @@ class AttnGroup(NamedTuple):
     token_slots: torch.Tensor  # [b, max_k] int64, the members' req_to_token rows up to the longest seq_len
     prefix_lens: List[int]
     seq_lens: List[int]
+    shared_len: int  # every row begins with these slots, before its queries: a family's prefix (0: none)
     key_ranges: Dict[object, KeyRange]  # by sliding_window
 
     def keys(self, sliding_window) -> KeyRange:
         """Built at a forward's first layer of each window: ``[window_start(prefix_len), seq_len)``
         of each request, so a sliding-window layer never reads the slots that slid out (an SWA
-        pool may have freed them: they translate to slot 0, or to a row reused since)."""
+        pool may have freed them: they translate to slot 0, or to a row reused since); for a
+        full-attention layer, ``[shared_len, seq_len)``, the keys past the family's prefix."""
         if sliding_window not in self.key_ranges:
             device = self.q_pos.device
-            first = [window_start(prefix, sliding_window) for prefix in self.prefix_lens]
+            first = [self.shared_len if sliding_window is None else window_start(prefix, sliding_window)
+                     for prefix in self.prefix_lens]
             num_k = max(seq_len - f for seq_len, f in zip(self.seq_lens, first))
             k_pos = torch.tensor(first, device=device)[:, None] + torch.arange(num_k, device=device)
             inside = k_pos < torch.tensor(self.seq_lens, device=device)[:, None]
@@ -115,8 +137,10 @@ def pack_requests(seq_lens: List[int], extend_lens: List[int], fits) -> List[Lis
 
 
 class TorchAttnBackend:
-    def __init__(self, max_chunk_bytes: int = MAX_CHUNK_BYTES, min_window_rows: int = MIN_WINDOW_ROWS, **_):
+    def __init__(self, max_chunk_bytes: int = MAX_CHUNK_BYTES, min_window_rows: int = MIN_WINDOW_ROWS,
+                 min_shared_len: int = MIN_SHARED_LEN, **_):
         self.max_chunk_bytes, self.min_window_rows = max_chunk_bytes, min_window_rows
+        self.min_shared_len = min_shared_len
         self.forward_batch = None
         self.groups: Dict[Tuple[int, int], List[AttnGroup]] = {}  # by (num_heads, bytes per key column)
 
@@ -132,12 +156,41 @@ class TorchAttnBackend:
             fb = self.forward_batch
             fits = lambda b, max_k: b * max_k * column_bytes <= self.max_chunk_bytes  # noqa: E731
             self.groups[key] = [
-                self.build_group(members)
+                self.build_group(family, shared_len)
                 for members in pack_requests(fb.seq_lens_cpu, fb.extend_seq_lens_cpu, fits)
+                for family, shared_len in self.shared_prefixes(members)
             ]
         return self.groups[key]
 
-    def build_group(self, members: List[int]) -> AttnGroup:
+    def shared_prefixes(self, members: List[int]) -> List[Tuple[List[int], int]]:
+        """``members`` split into families, each with the length of the prefix its rows share, and
+        the rest (0). A family is two or more requests whose rows begin with the same
+        ``min_shared_len`` or more slots, all before their first queries (so every query sees every
+        shared key); requests that start with the same slot are one family, sharing what all of
+        them share (several shared prefixes in one group make several families)."""
+        fb = self.forward_batch
+        prefix_lens = fb.extend_prefix_lens_cpu
+        candidates = [i for i in members if prefix_lens[i] >= self.min_shared_len]
+        if len(candidates) < 2:
+            return [(members, 0)]
+        rows = fb.req_to_token_pool.req_to_token[
+            fb.req_pool_indices[torch.tensor(candidates, device=fb.seq_lens.device)],
+            : max(prefix_lens[i] for i in candidates)]
+        leaders: Dict[int, int] = {}  # by first slot, the first candidate's row that begins with it
+        leader = [leaders.setdefault(first, j) for j, first in enumerate(rows[:, 0].tolist())]
+        runs = (rows == rows[leader]).cumprod(1).sum(1).tolist()  # slots each row shares with its leader's
+        members_of: Dict[int, List[int]] = {}  # by leader, with the slots all of them share
+        shared_lens: Dict[int, int] = {}
+        for i, lead, run in zip(candidates, leader, runs):
+            if min(run, prefix_lens[i]) >= self.min_shared_len:  # (a leader's run is its whole prefix)
+                members_of.setdefault(lead, []).append(i)
+                shared_lens[lead] = min(shared_lens.get(lead, run), run, prefix_lens[i])
+        families = [(family, shared_lens[lead]) for lead, family in members_of.items() if len(family) > 1]
+        in_family = {i for family, _ in families for i in family}
+        rest = [i for i in members if i not in in_family]
+        return families + [(rest, 0)] if rest else families
+
+    def build_group(self, members: List[int], shared_len: int) -> AttnGroup:
         fb = self.forward_batch
         device = fb.seq_lens.device
         take = lambda values: torch.tensor([values[i] for i in members], device=device)  # noqa: E731
@@ -152,7 +205,8 @@ class TorchAttnBackend:
             q_index=q_index, q_pos=prefixes[:, None] + offset,
             out_index=q_index.masked_fill(cols[None, :] >= num_q[:, None], -1),
             token_slots=fb.req_to_token_pool.req_to_token[rows, :max_k].to(torch.int64),
-            prefix_lens=[prefix_lens[i] for i in members], seq_lens=[seq_lens[i] for i in members], key_ranges={},
+            prefix_lens=[prefix_lens[i] for i in members], seq_lens=[seq_lens[i] for i in members],
+            shared_len=shared_len, key_ranges={},
         )
 
     def forward(self, q: torch.Tensor, layer, forward_batch) -> torch.Tensor:
@@ -160,45 +214,75 @@ class TorchAttnBackend:
         out = q.new_empty(q.shape[0] + 1, layer.num_heads, layer.v_head_dim)  # + the scratch row
         for group in self.layer_groups(layer):
             b, max_q = group.q_index.shape
-            rows = max(1, self.max_chunk_bytes // (4 * b * layer.num_heads * group.keys(window).k_pos.shape[1]))
+            num_k = group.keys(window).k_pos.shape[1]
+            shared = None
+            if window is None and group.shared_len:  # the family's prefix: its K/V gathered once a layer
+                shared = gather_kv(forward_batch, layer, group.token_slots[:1, : group.shared_len], q.dtype)
+                num_k = max(num_k, group.shared_len)
+            rows = max(1, self.max_chunk_bytes // (4 * b * layer.num_heads * num_k))
             if window is not None:  # a chunk sees about rows + window keys: O(n·window) for n queries, not O(n²)
                 rows = min(rows, max(self.min_window_rows, window))
             for start in range(0, max_q, rows):
-                self.attend_rows(q, layer, forward_batch, group, start, min(start + rows, max_q), out)
+                self.attend_rows(q, layer, forward_batch, group, start, min(start + rows, max_q), out, shared)
         return out[:-1]
 
     @staticmethod
-    def attend_rows(q, layer, forward_batch, group: AttnGroup, start: int, stop: int, out: torch.Tensor) -> None:
+    def attend_rows(q, layer, forward_batch, group: AttnGroup, start: int, stop: int, out: torch.Tensor,
+                    shared: Optional[Tuple[torch.Tensor, torch.Tensor]] = None) -> None:
         """Query columns ``[start, stop)`` of ``group`` over the key columns any of them sees,
-        gathered for them alone, written into ``out``."""
+        gathered for them alone, and over the family's ``shared`` prefix K/V if given, written
+        into ``out``."""
         window = layer.sliding_window
         keys = group.keys(window)
         # row r's queries here sit at [prefix + start, prefix + stop), held to its last one (seq_len - 1)
-        spans = [(window_start(min(prefix + start, seq_len - 1), window) - first, min(seq_len, prefix + stop) - first)
+        spans = [(max(first, window_start(min(prefix + start, seq_len - 1), window)) - first,
+                  min(seq_len, prefix + stop) - first)
                  for prefix, seq_len, first in zip(group.prefix_lens, group.seq_lens, keys.first)]
         lo, hi = min(lo for lo, _ in spans), max(hi for _, hi in spans)
-        pool = forward_batch.token_to_kv_pool
-        slots = context_kv_slots(forward_batch, layer, keys.kv_slots[:, lo:hi])
-        # [b, kv_heads, keys, dim]; fp32 after the model dtype, as HF rounds
-        k = gather(pool.get_key_buffer(layer.layer_id), slots).to(q.dtype).float().transpose(1, 2)
-        v_buf = pool.get_value_buffer(layer.layer_id)[..., : layer.v_head_dim]
-        v = gather(v_buf, slots).to(q.dtype).float().transpose(1, 2)
+        k, v = gather_kv(forward_batch, layer, keys.kv_slots[:, lo:hi], q.dtype)  # [b, kv_heads, keys, dim]
         qi = q[group.q_index[:, start:stop]].float().transpose(1, 2)  # [b, heads, num_q, dim]
         # built a chunk at a time, as the scores are (a whole prompt's would be quadratic in it)
         allowed = attention_mask(group.q_pos[:, start:stop], keys.k_pos[:, lo:hi], window)
         bias = torch.where(allowed, 0.0, float("-inf"))[:, None]
-        if layer.logit_cap or layer.v_head_dim != layer.head_dim:
-            o = explicit_attention(qi, k, v, bias, layer)
+        if shared is not None:
+            o = merge_attention(*attention_with_lse(qi, k, v, bias, layer), *attend_shared(qi, *shared, layer))
+        elif layer.logit_cap or layer.v_head_dim != layer.head_dim:
+            o = explicit_attention(qi, k, v, bias, layer)[0]
         else:  # the CPU's fused (flash) kernel: no scores tensor, GQA without repeating K/V
             o = F.scaled_dot_product_attention(qi, k, v, attn_mask=bias, scale=layer.scaling, enable_gqa=True)
         out[group.out_index[:, start:stop]] = o.transpose(1, 2).to(out.dtype)  # [b, num_q, heads, v_head_dim]
 
 
-def explicit_attention(q, k, v, bias, layer) -> torch.Tensor:
+def attend_shared(q, k, v, layer) -> Tuple[torch.Tensor, torch.Tensor]:
+    """A family's queries (``q`` [b, heads, num_q, dim]) over the prefix its members share (``k``/
+    ``v`` [1, kv_heads, keys, dim]) in one call: the batch folds into query rows, with no mask, as
+    every query sees every shared key. Returns what :func:`attention_with_lse` does, per member."""
+    b, heads, num_q, dim = q.shape
+    o, lse = attention_with_lse(q.transpose(0, 1).reshape(1, heads, b * num_q, dim), k, v, None, layer)
+    return o.view(heads, b, num_q, -1).transpose(0, 1), lse.view(heads, b, num_q).transpose(0, 1)
+
+
+def attention_with_lse(q, k, v, bias, layer) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Attention and the log-sum-exp of its scores (``[b, heads, num_q]``), which weighs it against
+    attention over other keys: on the CPU the fused kernel returns it (its op takes GQA as it is),
+    elsewhere and for what that kernel does not take, the fp32 scores are written out."""
+    if layer.logit_cap or layer.v_head_dim != layer.head_dim or q.device.type != "cpu":
+        return explicit_attention(q, k, v, bias, layer)
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=bias, scale=layer.scaling)
+
+
+def merge_attention(o1, lse1, o2, lse2) -> torch.Tensor:
+    """Attention over two disjoint sets of keys, merged into attention over both: each weighs by
+    its share of the softmax's whole denominator, ``e^lse1 / (e^lse1 + e^lse2) = sigmoid(lse1 - lse2)``."""
+    return torch.lerp(o2, o1, torch.sigmoid(lse1 - lse2)[..., None])
+
+
+def explicit_attention(q, k, v, bias, layer) -> Tuple[torch.Tensor, torch.Tensor]:
     """Attention with its fp32 scores written out, for what the fused kernel does not take:
     a soft cap, or values narrower than keys (MLA; the kernel would repeat K/V per head). GQA
     folds each KV head's query heads into rows. ``q`` [b, heads, num_q, dim], ``k``/``v``
-    [b, kv_heads, keys, dim], ``bias`` [b, 1, num_q, keys]; returns [b, heads, num_q, v_head_dim]."""
+    [b, kv_heads, keys, dim], ``bias`` [b, 1, num_q, keys] or None; returns [b, heads, num_q,
+    v_head_dim] and the scores' log-sum-exp, [b, heads, num_q]."""
     b, heads, num_q, _ = q.shape
     kv_heads = k.shape[1]
     per_kv = heads // kv_heads
@@ -206,8 +290,12 @@ def explicit_attention(q, k, v, bias, layer) -> torch.Tensor:
     scores = scores.view(b, kv_heads, per_kv, num_q, -1)
     if layer.logit_cap:
         scores = layer.logit_cap * torch.tanh(scores / layer.logit_cap)
-    probs = torch.softmax(scores.add_(bias[:, :, None]), dim=-1)
-    return torch.matmul(probs.view(b, kv_heads, per_kv * num_q, -1), v).view(b, heads, num_q, -1)
+    if bias is not None:
+        scores.add_(bias[:, :, None])
+    lse = scores.logsumexp(-1, keepdim=True)
+    probs = scores.sub_(lse).exp_()
+    o = torch.matmul(probs.view(b, kv_heads, per_kv * num_q, -1), v).view(b, heads, num_q, -1)
+    return o, lse.view(b, heads, num_q)
 
 
 Backend = TorchAttnBackend
