@@ -30,6 +30,8 @@ from typing import Dict, List, NamedTuple, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
+from actors.engine.attention.attention_math import attend_shared, attention_with_lse, explicit_attention, merge_attention
+
 MAX_PADDING = 2  # a request's padded score cells, at most this many times its useful ones
 MAX_CHUNK_BYTES = 256 << 20
 MIN_WINDOW_ROWS = 128  # a sliding-window layer's query chunk, at least (smaller ones cost more in ops than they save)
@@ -251,51 +253,6 @@ class TorchAttnBackend:
         else:  # the CPU's fused (flash) kernel: no scores tensor, GQA without repeating K/V
             o = F.scaled_dot_product_attention(qi, k, v, attn_mask=bias, scale=layer.scaling, enable_gqa=True)
         out[group.out_index[:, start:stop]] = o.transpose(1, 2).to(out.dtype)  # [b, num_q, heads, v_head_dim]
-
-
-def attend_shared(q, k, v, layer) -> Tuple[torch.Tensor, torch.Tensor]:
-    """A family's queries (``q`` [b, heads, num_q, dim]) over the prefix its members share (``k``/
-    ``v`` [1, kv_heads, keys, dim]) in one call: the batch folds into query rows, with no mask, as
-    every query sees every shared key. Returns what :func:`attention_with_lse` does, per member."""
-    b, heads, num_q, dim = q.shape
-    o, lse = attention_with_lse(q.transpose(0, 1).reshape(1, heads, b * num_q, dim), k, v, None, layer)
-    return o.view(heads, b, num_q, -1).transpose(0, 1), lse.view(heads, b, num_q).transpose(0, 1)
-
-
-def attention_with_lse(q, k, v, bias, layer) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Attention and the log-sum-exp of its scores (``[b, heads, num_q]``), which weighs it against
-    attention over other keys: on the CPU the fused kernel returns it (its op takes GQA as it is),
-    elsewhere and for what that kernel does not take, the fp32 scores are written out."""
-    if layer.logit_cap or layer.v_head_dim != layer.head_dim or q.device.type != "cpu":
-        return explicit_attention(q, k, v, bias, layer)
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=bias, scale=layer.scaling)
-
-
-def merge_attention(o1, lse1, o2, lse2) -> torch.Tensor:
-    """Attention over two disjoint sets of keys, merged into attention over both: each weighs by
-    its share of the softmax's whole denominator, ``e^lse1 / (e^lse1 + e^lse2) = sigmoid(lse1 - lse2)``."""
-    return torch.lerp(o2, o1, torch.sigmoid(lse1 - lse2)[..., None])
-
-
-def explicit_attention(q, k, v, bias, layer) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Attention with its fp32 scores written out, for what the fused kernel does not take:
-    a soft cap, or values narrower than keys (MLA; the kernel would repeat K/V per head). GQA
-    folds each KV head's query heads into rows. ``q`` [b, heads, num_q, dim], ``k``/``v``
-    [b, kv_heads, keys, dim], ``bias`` [b, 1, num_q, keys] or None; returns [b, heads, num_q,
-    v_head_dim] and the scores' log-sum-exp, [b, heads, num_q]."""
-    b, heads, num_q, _ = q.shape
-    kv_heads = k.shape[1]
-    per_kv = heads // kv_heads
-    scores = torch.matmul(q.reshape(b, kv_heads, per_kv * num_q, -1), k.transpose(2, 3)) * layer.scaling
-    scores = scores.view(b, kv_heads, per_kv, num_q, -1)
-    if layer.logit_cap:
-        scores = layer.logit_cap * torch.tanh(scores / layer.logit_cap)
-    if bias is not None:
-        scores.add_(bias[:, :, None])
-    lse = scores.logsumexp(-1, keepdim=True)
-    probs = scores.sub_(lse).exp_()
-    o = torch.matmul(probs.view(b, kv_heads, per_kv * num_q, -1), v).view(b, heads, num_q, -1)
-    return o, lse.view(b, heads, num_q)
 
 
 Backend = TorchAttnBackend
