@@ -94,7 +94,7 @@ class DecodeScheduler(DecodePreallocMixin, DecodeTransferMixin, Scheduler):
     # ---- queues --------------------------------------------------------------------
     def add_request(self, req: Req) -> None:
         req.pd_state = "prealloc"
-        self.prealloc.append(req)
+        self.policy.enqueue(self.prealloc, req)
 
     def has_work(self) -> bool:
         return bool(self.prealloc or self.transfer or self.quarantine) or super().has_work()

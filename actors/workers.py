@@ -73,7 +73,8 @@ class _Worker:
         self.draining = False
         self.broken: Optional[str] = None  # why this worker can no longer serve (a TP rank died)
 
-    def _make_req(self, rid: str, input_ids: List[int], sampling_params: Optional[Dict[str, Any]]) -> Req:
+    def _make_req(self, rid: str, input_ids: List[int], sampling_params: Optional[Dict[str, Any]],
+                  priority: int = 0) -> Req:
         params = SamplingParams(**(sampling_params or {}))
         if not input_ids:
             raise ValueError("the prompt is empty")
@@ -81,7 +82,7 @@ class _Worker:
             raise ValueError("max_new_tokens must be >= 1 when prefill and decode are disaggregated")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need the tokenizer (skip_tokenizer_init=True)")
-        req = Req(rid, list(input_ids), params, self.eos_token_ids)
+        req = Req(rid, list(input_ids), params, self.eos_token_ids, priority=priority)
         self.scheduler.check_request(req)  # never queued if it could never be admitted
         req.pd_error = None
         return req
@@ -275,7 +276,7 @@ class PrefillWorker(_Worker):
         self._init_kv_log()
 
     async def prefill(self, rid: str, input_ids: List[int], sampling_params: Optional[Dict[str, Any]],
-                      handoffs: List[bytes]) -> Dict[str, Any]:
+                      handoffs: List[bytes], priority: int = 0) -> Dict[str, Any]:
         """Prefill and push; returns the completion notice the decode side needs. A broken worker
         (a TP rank gone, a transfer lane broken) raises ``WorkerBrokenError``, also for a request
         whose push failed on it: the worker's failure, not the request's (the client retries it)."""
@@ -286,7 +287,7 @@ class PrefillWorker(_Worker):
         room = parsed[0].room if parsed else None  # the attempt: its decode reservation's room
         if (rid, None) in self._cancelled or (rid, room) in self._cancelled:
             raise PDRequestError(f"request {rid!r} was aborted before its prefill started")
-        req = self._make_req(rid, input_ids, sampling_params)
+        req = self._make_req(rid, input_ids, sampling_params, priority)
         for handoff in parsed:  # reject what cannot be served before any work is done
             agent = self.agents.get(handoff.backend)
             if agent is None:
@@ -368,7 +369,7 @@ class DecodeWorker(_Worker):
         self._ended_early: "collections.OrderedDict[str, asyncio.Queue]" = collections.OrderedDict()
 
     async def reserve(self, rid: str, input_ids: List[int], sampling_params: Optional[Dict[str, Any]],
-                      backend: Optional[str] = None, room: Optional[int] = None) -> List[bytes]:
+                      backend: Optional[str] = None, room: Optional[int] = None, priority: int = 0) -> List[bytes]:
         """Wait for a request row and KV slots; returns one hand-off per decode rank.
         ``backend``: how the prefill peer reaches us (default: this worker's first).
         ``room`` names this attempt (SGLang's bootstrap room; default: a random one): the
@@ -381,7 +382,7 @@ class DecodeWorker(_Worker):
             raise PDRequestError(f"backend {backend!r} not served here; this worker has {sorted(self.agents)}")
         if room is not None and not (isinstance(room, int) and 0 <= room < 2**63):
             raise ValueError(f"room must be an integer in [0, 2**63), got {room!r}")
-        req = self._make_req(rid, input_ids, sampling_params)
+        req = self._make_req(rid, input_ids, sampling_params, priority)
         req.pd_room = random.getrandbits(63) if room is None else room
         req.pd_backend = backend
         queue = self._submit(req)

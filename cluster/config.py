@@ -26,7 +26,7 @@ from pydantic import (BaseModel, ConfigDict, Field, SecretStr, ValidationError, 
                       field_validator, model_validator)
 from pydantic_core import PydanticCustomError
 
-from actors.engine.config import EngineConfig, mamba_tracking_error
+from actors.engine.config import EngineConfig, mamba_tracking_error, schedule_policy_error
 
 Role = Literal["prefill", "decode"]
 TRANSFER_BACKENDS = ("auto", "shm", "cuda_ipc", "torch_dist", "fake")
@@ -36,6 +36,8 @@ ROUTING_POLICIES = ("cache_aware", "power_of_two", "round_robin", "random")
 CLUSTER_OWNED_ENGINE_FIELDS = ("model_path", "tokenizer_path", "device", "tp_size")
 # EngineConfig fields that fix the KV layout: a page moves slot for slot, so both sides agree.
 KV_LAYOUT_FIELDS = ("page_size", "dtype", "kv_cache_dtype")
+# EngineConfig fields that say what a request's priority means: the server checks it once for both sides.
+PRIORITY_FIELDS = ("enable_priority_scheduling", "schedule_low_priority_values_first")
 
 _STRICT = ConfigDict(extra="forbid", frozen=True)
 
@@ -297,17 +299,23 @@ class ClusterConfig(BaseModel):
 
     @model_validator(mode="after")
     def _sides_agree(self) -> "ClusterConfig":
-        for name in KV_LAYOUT_FIELDS:
-            ours, theirs = getattr(self.decode.engine, name), getattr(self.prefill.engine, name)
-            if ours != theirs:
-                raise _invalid("kv_layout_mismatch", f"decode.engine.{name}: {ours!r} differs from "
-                               f"prefill.engine.{name} {theirs!r}; KV pages move slot for slot, so both sides "
-                               "must agree")
+        for kind, names, why in (
+                ("kv_layout_mismatch", KV_LAYOUT_FIELDS, "KV pages move slot for slot, so both sides must agree"),
+                ("priority_mismatch", PRIORITY_FIELDS,
+                 "a request's priority orders both sides' queues, so both must read it alike")):
+            for name in names:
+                ours, theirs = getattr(self.decode.engine, name), getattr(self.prefill.engine, name)
+                if ours != theirs:
+                    raise _invalid(kind, f"decode.engine.{name}: {ours!r} differs from prefill.engine.{name} "
+                                   f"{theirs!r}; {why}")
         for role in ("prefill", "decode"):
             group = self.group(role)
-            error = mamba_tracking_error(group.engine)  # (EngineConfig's own check: found here, not in every actor)
-            if error:
-                raise _invalid("mamba_track_interval", f"{role}.engine.mamba_track_interval: {error}")
+            # (EngineConfig's own checks: found here, not in every actor)
+            for field, check in (("mamba_track_interval", mamba_tracking_error),
+                                 ("schedule_policy", schedule_policy_error)):
+                error = check(group.engine)
+                if error:
+                    raise _invalid(field, f"{role}.engine.{field}: {error}")
             if group.device == "cuda" and group.gpus_per_rank < 1.0 and group.engine.max_total_tokens is None:
                 # (each rank sizes its pool by mem_fraction_static of the whole GPU's free memory:
                 # a second rank on the GPU finds none left)

@@ -14,7 +14,8 @@ default" for any optional parameter.
 :class:`~actors.engine.sampling_params.SamplingParams` names; SGLang's extra
 sampling fields (``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``,
 ``stop_token_ids``, ``skip_special_tokens``), vLLM's ``min_tokens`` (SGLang's
-``min_new_tokens``) and ``include_stop_str_in_output``, and its chat-template fields
+``min_new_tokens``) and ``include_stop_str_in_output``, vLLM's ``priority`` (not a sampling
+field: it orders the request in the workers' queues) and vLLM's chat-template fields
 (``add_generation_prompt``, ``continue_final_message``,
 ``chat_template_kwargs``) are accepted at the top level, as SGLang and vLLM
 accept them (the openai client's ``extra_body``).
@@ -98,6 +99,8 @@ class _OpenAISampling(_NullIsDefault):
                             "stop strings end nothing before)")
     logit_bias: Optional[Dict[str, float]] = Field(None, description="{token id: bias in [-100, 100]} added to the "
                                                    "logits before sampling")
+    priority: int = Field(0, description="vLLM's: the request's scheduling priority (higher first unless the "
+                          "engine's schedule_low_priority_values_first); needs enable_priority_scheduling unless 0")
 
     @field_validator("top_k")
     @classmethod
@@ -312,6 +315,7 @@ class GenerateRequest(BaseModel):
     rid: Optional[str] = None
     return_logprob: bool = False
     top_logprobs_num: int = Field(0, ge=0, le=20)
+    priority: int = Field(0, description="SGLang's: scheduling priority (needs enable_priority_scheduling unless 0)")
 
     @model_validator(mode="after")
     def _one_prompt(self):

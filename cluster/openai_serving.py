@@ -130,7 +130,8 @@ class GenerationService:
             raise APIError(503, "the server is draining: no new requests", "service_unavailable", code="draining")
         await self.admission.acquire()
 
-    def _streams(self, batch: List[Tuple[List[int], Dict[str, Any]]], n: int, rid: str, arrival: float):
+    def _streams(self, batch: List[Tuple[List[int], Dict[str, Any]]], n: int, rid: str, arrival: float,
+                 priority: int):
         """One request per choice: prompt ``p``'s sample ``i`` is choice ``p × n + i``, rid
         ``{rid}-{choice}`` (``rid`` itself for a lone choice), seeded ``seed + i`` as in vLLM
         (n samples, not n copies; a prompt's choice 0 equals its n = 1 answer)."""
@@ -147,18 +148,22 @@ class GenerationService:
             for i in range(n):
                 choice_rid = rid if lone else f"{rid}-{p * n + i}"
                 choice_params = dict(params, seed=None if seed is None else seed + i)
-                streams.append(self.backend.generate_stream(list(input_ids), choice_params, choice_rid))
+                streams.append(self.backend.generate_stream(list(input_ids), choice_params, choice_rid, priority))
                 texts.append(TextDelta(self.tokenizer, params["stop"], params["skip_special_tokens"], input_ids,
                                        params["include_stop_str_in_output"]))
         return run_choices(streams, texts, on_done)
 
-    async def _run(self, batch, n, rid, arrival, stream_fn, final_fn):
+    async def _run(self, batch, n, rid, arrival, stream_fn, final_fn, priority: int = 0):
         """Admit, run the choices of ``batch`` (``[(input_ids, params)]``, one per prompt), and
-        answer with JSON (``final_fn``) or SSE (``stream_fn``)."""
+        answer with JSON (``final_fn``) or SSE (``stream_fn``). A ``priority`` other than 0 is a 400
+        unless the workers schedule by priority (vLLM's answer)."""
+        if priority and not self.backend.priority_scheduling:
+            raise APIError(400, f"priority: got {priority}, but priority scheduling is not enabled "
+                           "(engine enable_priority_scheduling)", param="priority")
         await self._admit()
         events = None
         try:
-            events = self._streams(batch, n, rid, arrival)
+            events = self._streams(batch, n, rid, arrival, priority)
             first = await events.__anext__()
             first_time = time.perf_counter()
         except BaseException:
@@ -221,7 +226,7 @@ class GenerationService:
             batch.append((ids, self.openai_params(req, len(ids), req.max_tokens, "prompt")))
         fmt = CompletionFormatter(req, [ids for ids, _ in batch], self.tokenizer, f"cmpl-{uuid.uuid4().hex}")
         return await self._run(batch, req.n, req.rid or fmt.id, arrival, fmt.chunks if req.stream else None,
-                               fmt.response)
+                               fmt.response, req.priority)
 
     async def chat(self, req: ChatCompletionRequest, arrival: float):
         req = req.model_copy(update={"model": self.check_model(req.model)})
@@ -229,7 +234,7 @@ class GenerationService:
         params = self.openai_params(req, len(ids), req.requested_max_tokens, "messages")
         fmt = ChatFormatter(req, [ids], self.tokenizer, f"chatcmpl-{uuid.uuid4().hex}")
         return await self._run([(ids, params)], req.n, req.rid or fmt.id, arrival,
-                               fmt.chunks if req.stream else None, fmt.response)
+                               fmt.chunks if req.stream else None, fmt.response, req.priority)
 
     async def generate(self, req: GenerateRequest, arrival: float):
         ids = self.encode(req.text, "text") if req.text is not None else self.token_ids(req.input_ids, "input_ids")
@@ -244,4 +249,4 @@ class GenerationService:
             return [] if event is None else [event.result]
 
         return await self._run([(ids, params)], 1, rid, arrival, native if req.stream else None,
-                               lambda events: events[-1].result)
+                               lambda events: events[-1].result, req.priority)

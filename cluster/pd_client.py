@@ -140,15 +140,16 @@ class PDClient(WorkerRotation):
 
     # ---- requests ---------------------------------------------------------------------
     async def generate(self, input_ids: List[int], sampling_params: Optional[Dict[str, Any]] = None,
-                       rid: Optional[str] = None) -> Dict[str, Any]:
+                       rid: Optional[str] = None, priority: int = 0) -> Dict[str, Any]:
         final = None
-        async for final in self.generate_stream(input_ids, sampling_params, rid):
+        async for final in self.generate_stream(input_ids, sampling_params, rid, priority):
             pass
         return final
 
     async def generate_stream(self, input_ids: List[int], sampling_params: Optional[Dict[str, Any]] = None,
-                              rid: Optional[str] = None) -> AsyncIterator[Dict[str, Any]]:
-        """Yield cumulative results as the decode worker produces tokens."""
+                              rid: Optional[str] = None, priority: int = 0) -> AsyncIterator[Dict[str, Any]]:
+        """Yield cumulative results as the decode worker produces tokens. ``priority`` orders the
+        request in both workers' queues (their ``enable_priority_scheduling``)."""
         if self.draining:
             raise PDRequestError("the cluster is draining: no new requests")
         if (sampling_params or {}).get("max_new_tokens", 1) < 1:  # refused here, before a worker is chosen
@@ -164,7 +165,7 @@ class PDClient(WorkerRotation):
             for retry in itertools.count():
                 delivered = False
                 try:
-                    async with aclosing(self._attempt(rid, input_ids, sampling_params, failed, retry)) as outs:
+                    async with aclosing(self._attempt(rid, input_ids, sampling_params, failed, retry, priority)) as outs:
                         async for out in outs:
                             delivered = True
                             yield out
@@ -192,7 +193,7 @@ class PDClient(WorkerRotation):
         return all(self._candidates(role, failed) for role in ("prefill", "decode"))
 
     async def _attempt(self, rid: str, input_ids: List[int], sampling_params: Optional[Dict[str, Any]],
-                       exclude: Set[str], attempt: int = 0) -> AsyncIterator[Dict[str, Any]]:
+                       exclude: Set[str], attempt: int = 0, priority: int = 0) -> AsyncIterator[Dict[str, Any]]:
         """Attempt ``attempt`` of ``rid`` on a pair outside ``exclude``; on its way out (however)
         it leaves nothing on either worker and releases its route."""
         prefill, decode, routed_room = await self._pick_pair(rid, input_ids, exclude, attempt)
@@ -213,15 +214,16 @@ class PDClient(WorkerRotation):
         try:
             try:
                 handoffs = await self._call(
-                    decode, decode.handle.reserve.remote(rid, input_ids, sampling_params, backend, room),
+                    decode, decode.handle.reserve.remote(rid, input_ids, sampling_params, backend, room, priority),
                     self.bootstrap_timeout_s, rid)
             except BaseException:  # no prefill has its hand-offs: the slots can go back at once
                 decode_told = True
                 await self._abort_quietly(decode, rid, room, safe=True)
                 raise
             try:
-                notice = await self._call(prefill, prefill.handle.prefill.remote(rid, input_ids, sampling_params, handoffs),
-                                          self.waiting_timeout_s, rid)
+                notice = await self._call(
+                    prefill, prefill.handle.prefill.remote(rid, input_ids, sampling_params, handoffs, priority),
+                    self.waiting_timeout_s, rid)
             except BaseException as exc:
                 decode_told = True  # (an unconfirmed stop quarantines the slots: nothing below may free them)
                 try:

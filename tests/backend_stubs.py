@@ -6,6 +6,7 @@ from __future__ import annotations
 
 class StubBackend:
     draining = False
+    priority_scheduling = False
 
     def routing_policy(self, role):
         return "round_robin"

@@ -202,6 +202,21 @@ def test_a_mamba_track_interval_that_is_not_a_page_multiple_is_refused_at_load()
     assert parse_config(data).decode.engine.mamba_track_interval == 32
 
 
+def test_schedule_policy_and_priority_settings_are_checked_at_load():
+    """A cache-aware policy without the radix cache is refused naming the field, as EngineConfig
+    refuses it; the priority settings must agree on both sides (the server checks a request's
+    priority once, and both sides' queues order by it)."""
+    data = _set(_set(_base(), "prefill.engine.schedule_policy", "dfs-weight"), "prefill.engine.disable_radix_cache",
+                True)
+    with pytest.raises(ConfigError, match=r"prefill.engine.schedule_policy: .*disable_radix_cache"):
+        parse_config(data)
+    data = _set(_base(), "decode.engine.enable_priority_scheduling", True)
+    with pytest.raises(ConfigError, match=r"decode.engine.enable_priority_scheduling: True differs from prefill"):
+        parse_config(data)
+    _set(data, "prefill.engine.enable_priority_scheduling", True)
+    assert parse_config(data).prefill.engine.enable_priority_scheduling
+
+
 # --- engine settings ----------------------------------------------------------------------
 
 

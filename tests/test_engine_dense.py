@@ -85,9 +85,12 @@ def test_retraction_when_the_pool_is_small(model_dir):
     assert engine.scheduler.new_token_ratio == engine.config.init_new_token_ratio
 
 
-def test_lpm_policy(model_dir):
+@pytest.mark.parametrize("policy", ["lpm", "dfs-weight", "lof", "random"])
+def test_schedule_policies(model_dir, policy):
+    """Each policy admits in its own order (three rows: the order decides which batch a request is in)."""
     system = prompts(1, 20, 20, seed=9)[0]
-    run(model_dir, prompts(4, 2, 5, shared=system) + prompts(2, 4, 8, seed=2), schedule_policy="lpm", max_total_tokens=4096)
+    run(model_dir, prompts(4, 2, 5, shared=system) + prompts(2, 4, 8, seed=2), schedule_policy=policy,
+        max_total_tokens=4096, max_running_requests=3)
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
@@ -116,7 +119,9 @@ def test_bad_engine_args_name_the_field(model_dir):
     with pytest.raises(ValueError, match="page_size"):
         Engine(model_path=model_dir, page_size=0)
     with pytest.raises(ValueError, match="schedule_policy"):
-        Engine(model_path=model_dir, schedule_policy="random")
+        Engine(model_path=model_dir, schedule_policy="shortest-first")
+    with pytest.raises(ValueError, match="schedule_policy 'dfs-weight' .* disable_radix_cache"):
+        Engine(model_path=model_dir, schedule_policy="dfs-weight", disable_radix_cache=True)
 
 
 def test_the_hf_reference_sees_a_pad_id_inside_the_prompt(model_dir):

@@ -41,7 +41,7 @@ class EngineBackend(StubBackend):
     def __init__(self, engine: Engine, context_len: int):
         self.engine, self.context_len, self.max_prompt_len = engine, context_len, context_len - 1
 
-    async def generate_stream(self, input_ids, sampling_params, rid):
+    async def generate_stream(self, input_ids, sampling_params, rid, priority=0):
         async for result in await self.engine.async_generate(input_ids=input_ids, sampling_params=sampling_params,
                                                              rid=rid, stream=True):
             yield result

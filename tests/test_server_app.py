@@ -31,10 +31,11 @@ class ScriptedBackend(StubBackend):
     def __init__(self):
         self.fail_at, self.delay_s = None, 0.0
         self.max_prompt_len = 63
-        self.calls, self.closed = [], []
+        self.calls, self.closed, self.priorities = [], [], []
 
-    async def generate_stream(self, input_ids, sampling_params, rid):
+    async def generate_stream(self, input_ids, sampling_params, rid, priority=0):
         self.calls.append((list(input_ids), dict(sampling_params)))
+        self.priorities.append(priority)
         n = sampling_params["max_new_tokens"]
         try:
             for i in range(1 if n else 0, n + 1):
@@ -62,6 +63,8 @@ def backend(served):
     served[0].fail_at, served[0].max_prompt_len, served[0].delay_s = None, 63, 0.0
     served[0].calls.clear()
     served[0].closed.clear()
+    served[0].priorities.clear()
+    served[0].priority_scheduling = False
     return served[0]
 
 
@@ -717,3 +720,24 @@ def test_generate_max_new_tokens_zero_is_a_clear_400_on_the_pd_backend(tmp_path)
     finally:
         prefill.shutdown()
         decode.shutdown()
+
+
+def test_priority_reaches_the_workers_only_with_priority_scheduling(served, backend, client):
+    """vLLM's ``priority`` (an extra body field of completions, and of chat: the same model) and
+    SGLang's (/generate): a
+    400 naming it, before any worker sees the request, unless the workers schedule by priority
+    (priority 0 always goes); with it, each choice's request carries it."""
+    url = served[1].url
+    bodies = [("/v1/completions", {"prompt": [1], "max_tokens": 2}),
+              ("/generate", {"input_ids": [1], "sampling_params": {"max_new_tokens": 2}})]
+    for path, body in bodies:
+        r = httpx.post(url + path, json={**body, "priority": 3})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "priority", r.text
+        assert "priority scheduling is not enabled" in r.json()["error"]["message"]
+    assert backend.calls == []
+    assert httpx.post(url + "/generate", json={**bodies[1][1], "priority": 0}).status_code == 200
+    backend.priority_scheduling = True
+    for path, body in bodies:
+        assert httpx.post(url + path, json={**body, "priority": -4}).status_code == 200
+    client.completions.create(model="scripted", prompt=[1], max_tokens=2, n=2, extra_body={"priority": 7})
+    assert backend.priorities == [0, -4, -4, 7, 7]

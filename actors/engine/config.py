@@ -26,7 +26,21 @@ class EngineConfig(BaseModel):
     context_length: Optional[int] = Field(None, gt=0, description="None: the model's max_position_embeddings")
     chunked_prefill_size: Optional[int] = Field(None, description="tokens per prefill chunk; -1 disables; None: auto")
     max_prefill_tokens: int = Field(16384, gt=0, description="tokens of one prefill batch")
-    schedule_policy: Literal["fcfs", "lpm"] = "fcfs"
+    schedule_policy: Literal["fcfs", "lof", "random", "lpm", "dfs-weight"] = Field(
+        "fcfs", description="the order admission tries waiting requests in (SGLang's --schedule-policy): fcfs "
+        "(arrival), lof (most max_new_tokens first), random, lpm (longest cached prefix first), dfs-weight (a walk "
+        "of the prefix tree, the subtree with the most waiting requests first); lpm and dfs-weight need the radix "
+        "cache and order as fcfs above 128 waiting requests")
+    enable_priority_scheduling: bool = Field(
+        False, description="order waiting requests by their priority first, the policy's order within one; a "
+        "waiting request may preempt running ones (see priority_scheduling_preemption_threshold). Off, a request "
+        "with a priority other than 0 is refused (vLLM's behaviour)")
+    schedule_low_priority_values_first: bool = Field(
+        False, description="priority scheduling: lower priority values are served first (default: higher ones)")
+    priority_scheduling_preemption_threshold: int = Field(
+        10, ge=0, description="priority scheduling: a waiting request that does not fit retracts running requests "
+        "whose priority is more than this below its own (SGLang's default 10); set it above the priorities' range "
+        "to order without preempting")
     attention_backend: Literal["auto", "torch", "triton"] = Field(
         "auto", description="auto: triton on CUDA (the torch backend, a reference, copies each layer's K/V "
         "into padded fp32 tables), torch on the CPU (where Triton runs interpreted)")
@@ -72,8 +86,8 @@ class EngineConfig(BaseModel):
                          "1/tp_size of the attention heads, MLP and expert intermediate dims")
 
     @model_validator(mode="after")
-    def _check_mamba_tracking(self) -> "EngineConfig":
-        error = mamba_tracking_error(self)
+    def _check_combinations(self) -> "EngineConfig":
+        error = mamba_tracking_error(self) or schedule_policy_error(self)
         if error:
             raise ValueError(error)
         return self
@@ -86,4 +100,13 @@ def mamba_tracking_error(config) -> Optional[str]:
         return (f"mamba_track_interval ({config.mamba_track_interval}) must be a multiple of page_size "
                 f"({config.page_size}) with mamba_scheduler_strategy extra_buffer: a decode checkpoint is "
                 "cached at a page boundary")
+    return None
+
+
+def schedule_policy_error(config) -> Optional[str]:
+    """Why ``config``'s (an EngineConfig or a cluster group's engine section) schedule policy cannot
+    work, or None."""
+    if config.schedule_policy in ("lpm", "dfs-weight") and config.disable_radix_cache:
+        return (f"schedule_policy {config.schedule_policy!r} orders requests by the radix cache, which "
+                "disable_radix_cache=True turns off (use fcfs, lof or random)")
     return None

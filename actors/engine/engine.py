@@ -134,7 +134,7 @@ class Engine:
         self.loop = EngineLoop(self.scheduler)
 
     # ---- requests -----------------------------------------------------------------
-    def _make_req(self, prompt, input_ids, params: Dict[str, Any], rid: Optional[str]) -> Req:
+    def _make_req(self, prompt, input_ids, params: Dict[str, Any], rid: Optional[str], priority: int = 0) -> Req:
         sampling = SamplingParams(**(params or {}))
         if input_ids is None:
             if self.tokenizer is None:
@@ -144,7 +144,7 @@ class Engine:
             raise ValueError("the prompt is empty")
         if sampling.stop and self.tokenizer is None:
             raise ValueError("stop strings need the tokenizer (skip_tokenizer_init=True)")
-        req = Req(rid or f"req-{next(self._rids)}", list(input_ids), sampling, self.eos_token_ids)
+        req = Req(rid or f"req-{next(self._rids)}", list(input_ids), sampling, self.eos_token_ids, priority=priority)
         self.scheduler.check_request(req)
         return req
 
@@ -154,15 +154,18 @@ class Engine:
         input_ids: Union[None, List[int], List[List[int]]] = None,
         sampling_params: Union[None, Dict, List[Dict]] = None,
         rid: Union[None, str, List[str]] = None,
+        priority: Union[int, List[int]] = 0,
     ):
-        """Run one request or a batch to completion; a batch's results keep its order."""
+        """Run one request or a batch to completion; a batch's results keep its order. ``priority``
+        (one, or one per request) needs ``enable_priority_scheduling`` unless 0."""
         batched = isinstance(prompt, list) or (input_ids is not None and input_ids and isinstance(input_ids[0], list))
         n = len(prompt) if isinstance(prompt, list) else (len(input_ids) if batched else 1)
         prompts = prompt if isinstance(prompt, list) else [prompt] * n
         ids = input_ids if batched else [input_ids] * n
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * n
         rids = rid if isinstance(rid, list) else [rid] * n
-        reqs = [self._make_req(p, i, s, r) for p, i, s, r in zip(prompts, ids, params, rids)]
+        priorities = priority if isinstance(priority, list) else [priority] * n
+        reqs = [self._make_req(*args) for args in zip(prompts, ids, params, rids, priorities)]
         done = threading.Semaphore(0)
         errors: List[BaseException] = []
 
@@ -188,11 +191,12 @@ class Engine:
         sampling_params: Optional[Dict] = None,
         rid: Optional[str] = None,
         stream: bool = False,
+        priority: int = 0,
     ):
         """One request. ``stream=False``: the final result. ``stream=True``: an
         async iterator of results, one per step that produced tokens (each with
         the cumulative ``text``/``output_ids``), the last one finished."""
-        req = self._make_req(prompt, input_ids, sampling_params, rid)
+        req = self._make_req(prompt, input_ids, sampling_params, rid, priority)
         queue: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
 

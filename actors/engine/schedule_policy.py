@@ -11,9 +11,14 @@ SWA pool); a long prompt is cut into
 state cannot be copied (every state slot held) waits, as for any failed
 allocation.
 
+Candidates are tried in the order of the scheduler's ``policy``
+(:mod:`actors.engine.schedule_order`); with priority scheduling a request that
+finds no row or room may preempt running requests of a much lower priority
+(``_preempt_for``).
+
 The mixin reads the scheduler's ``runner``, ``config``, ``tree_cache``,
-``page_size``, queues (``waiting``, ``running``, ``chunked_req``) and
-``new_token_ratio``; the disaggregated roles override ``_request_reserve``
+``page_size``, queues (``waiting``, ``running``, ``chunked_req``),
+``new_token_ratio`` and ``policy``; the disaggregated roles override ``_request_reserve``
 and ``_decoding_reqs``.
 """
 
@@ -159,12 +164,29 @@ class PrefillAdmissionMixin:
             req.cache_protected_len = len(req.prefix_indices)
         return before - self._free_room()[0]
 
-    def _sorted_waiting(self) -> List[Req]:
-        if self.config.schedule_policy == "lpm":
-            for req in self.waiting:
-                self._match_prefix(req)
-            return sorted(self.waiting, key=lambda r: -len(r.prefix_indices))
-        return list(self.waiting)
+    def _preempt_for(self, req: Req, short: int) -> bool:
+        """Priority scheduling (SGLang's ``preempt_to_schedule``): retract running requests whose
+        priority is more than ``priority_scheduling_preemption_threshold`` below ``req``'s — the
+        lowest first, the latest of a priority first — so that it gets a row and about ``short``
+        more slots (each gives back its decode reserve and the KV its row holds beyond the
+        cache's). None is retracted unless all it takes are. True: some were (they wait again,
+        their output kept)."""
+        if not self.config.enable_priority_scheduling:
+            return False
+        threshold, rank = self.config.priority_scheduling_preemption_threshold, self.policy.rank
+        victims, room = [], 0
+        for running in sorted(self.running, key=lambda r: (-rank(r), -r.created_time)):
+            if rank(running) - rank(req) <= threshold or (victims and room >= short):
+                break
+            victims.append(running)
+            room += self._request_reserve(running, running.kv_allocated_len)
+            room += running.kv_allocated_len - running.cache_protected_len
+        if not victims or room < short:
+            return False
+        for running in victims:
+            self._retract(running)
+        logger.info("request %s (priority %d) preempted %s", req.rid, req.priority, [r.rid for r in victims])
+        return True
 
     def _paged(self, req: Req, num_tokens: int) -> int:
         """Slots the allocator takes for ``num_tokens`` after the request's prefix: whole pages
@@ -268,17 +290,21 @@ class PrefillAdmissionMixin:
     def _plan_prefill(self):
         self._prefetch_blocked = False
         budget_running = self.runner.max_running_requests - len(self.running) - self._rows_held_elsewhere()
-        if budget_running <= 0 or not (self.waiting or self.chunked_req):
+        if not (self.waiting or self.chunked_req):
+            return None, None
+        if budget_running <= 0 and not self.config.enable_priority_scheduling:  # (else a waiting one may preempt)
             return None, None
         rem_total, rem_swa = self._prefill_room()
         rem_input, rem_chunk = self.config.max_prefill_tokens, self.chunked_prefill_size
         picked: List[Req] = []
-        candidates = ([self.chunked_req] if self.chunked_req else []) + self._sorted_waiting()
+        candidates = ([self.chunked_req] if self.chunked_req else []) + self.policy.order(self.waiting)
         self.chunked_req = None
         for req in candidates:
-            if len(picked) >= budget_running:
-                break
             new_req = req.req_pool_idx is None
+            if len(picked) >= budget_running:
+                if not (new_req and self._preempt_for(req, 0)):
+                    break
+                budget_running = self.runner.max_running_requests - len(self.running) - self._rows_held_elsewhere()
             if new_req and req.prefetch_op is not None:
                 if not self._prefetch_ready(req):
                     self._prefetch_blocked = True  # the next in line may go first
@@ -307,10 +333,18 @@ class PrefillAdmissionMixin:
                 reserve = max(0, min(reserve, rem_total - self._paged(req, extend) - self.page_size))
             chunk = extend if rem_chunk is None else min(extend, rem_chunk // self.page_size * self.page_size)
             swa_need = self._paged(req, chunk) + self._swa_reserve(reserve) + self.page_size
-            fits = not (self._paged(req, extend) + reserve + self.page_size > rem_total
-                        or (rem_swa is not None and swa_need > rem_swa) or (picked and extend > rem_input))
-            if chunk < extend and chunk <= 0:
-                fits = False
+            need = self._paged(req, extend) + reserve + self.page_size
+            short = max(need - rem_total, 0 if rem_swa is None else swa_need - rem_swa)  # slots it lacks
+            over_budget = (picked and extend > rem_input) or (chunk < extend and chunk <= 0)
+            fits = short <= 0 and not over_budget
+            if short > 0 and not over_budget and new_req:
+                room = self._prefill_room()  # what the preempted requests give back comes into the plan's room
+                if self._preempt_for(req, short):
+                    after = self._prefill_room()
+                    rem_total += after[0] - room[0]
+                    if rem_swa is not None:
+                        rem_swa += after[1] - room[1]
+                    fits = need <= rem_total and (rem_swa is None or swa_need <= rem_swa)
             if not fits:
                 if new_req:
                     self._drop_planned(req)

@@ -35,6 +35,7 @@ from actors.engine.req import Req
 from actors.engine.sampling import Pick, pick_tokens
 from actors.engine.sparse_logits import LogitState
 from actors.engine.schedule_batch import DecodeRetractionMixin
+from actors.engine.schedule_order import SchedulePolicy
 from actors.engine.schedule_policy import PrefillAdmissionMixin
 from mem_cache.hicache_storage import HiCacheFile, rank_storage_dir
 from mem_cache.hiradix_cache import HiRadixCache
@@ -97,6 +98,7 @@ class Scheduler(PrefillAdmissionMixin, DecodeRetractionMixin):
                 runner.req_to_token_pool, runner.allocator, page_size=cfg.page_size, disable=cfg.disable_radix_cache,
                 eviction_policy=cfg.radix_eviction_policy, enable_kv_events=cfg.enable_kv_events,
             )
+        self.policy = SchedulePolicy(cfg, self.tree_cache, self._match_prefix)
         chunk = cfg.chunked_prefill_size if cfg.chunked_prefill_size is not None else 2048
         self.chunked_prefill_size = None if chunk <= 0 else max(self.page_size, chunk // self.page_size * self.page_size)
         self.context_len = min(runner.context_len, self._max_request_len())
@@ -137,8 +139,8 @@ class Scheduler(PrefillAdmissionMixin, DecodeRetractionMixin):
         return min(alloc.size, alloc.size_swa - window) - page
 
     def check_request(self, req: Req) -> None:
-        """Refuse a prompt longer than a request may be, or a token id outside the vocabulary in
-        the prompt or ``logit_bias`` (ValueError); hold ``max_new_tokens`` to what fits after it,
+        """Refuse a prompt longer than a request may be, a token id outside the vocabulary in the
+        prompt or ``logit_bias``, or a priority without priority scheduling (ValueError); hold ``max_new_tokens`` to what fits after it,
         as the context length would end it anyway — a reservation for more could never be granted."""
         if len(req.origin_input_ids) >= self.context_len:
             held = "" if self.context_len == self.runner.context_len else " (what this worker's KV pool holds)"
@@ -148,6 +150,9 @@ class Scheduler(PrefillAdmissionMixin, DecodeRetractionMixin):
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:  # it would fail the whole batch (on CUDA: a device-side assert)
             raise ValueError(f"token id {bad} in the prompt is out of the vocabulary (ids are 0..{vocab - 1})")
+        if req.priority and not self.config.enable_priority_scheduling:  # (vLLM refuses it too)
+            raise ValueError(f"priority {req.priority}: priority scheduling is not enabled "
+                             "(enable_priority_scheduling)")
         params = req.sampling_params
         bad = next((t for t in params.logit_bias or {} if t >= vocab), None)
         if bad is not None:

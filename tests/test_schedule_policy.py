@@ -1,0 +1,180 @@
+"""The order admission tries waiting requests in (``schedule_policy``, priority scheduling) and
+priority preemption: each policy's order against a brute-force expectation on a constructed
+queue and tree, the cache-aware policies' fcfs fallback, lpm's in-batch deprioritisation, and
+an engine whose high-priority request preempts a running one (greedy tokens still HF's)."""
+
+import pytest
+
+import actors.engine.schedule_order as schedule_order
+from actors.engine import Engine
+from actors.engine.config import EngineConfig
+from actors.engine.req import Req
+from actors.engine.sampling_params import SamplingParams
+from actors.engine.schedule_order import SchedulePolicy
+from actors.engine.tiny import build_tiny_checkpoint
+from mem_cache.radix_cache import RadixCache
+from mem_cache.radix_key import RadixKey
+from tests.parity import assert_greedy_parity
+
+
+def policy_over(cached, name, **config):
+    """A policy over a tree caching the token lists ``cached`` (no pools: keys are their own values),
+    matching as the scheduler does (all but the last token); ``calls`` counts the matches."""
+    tree = RadixCache(None, None)
+    for ids in cached:
+        tree.insert(RadixKey(ids))
+    calls = []
+
+    def match(req):
+        calls.append(req.rid)
+        result = tree.match_prefix(RadixKey(req.all_ids()[:-1], req.extra_key))
+        req.prefix_indices, req.last_node = result.device_indices, result.last_device_node
+
+    cfg = EngineConfig(model_path="unused", schedule_policy=name, **config)
+    return SchedulePolicy(cfg, tree, match), calls
+
+
+def req(rid, ids, max_new_tokens=8, priority=0):
+    return Req(rid, list(ids), SamplingParams(max_new_tokens=max_new_tokens), priority=priority)
+
+
+def lcp(a, b):
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+SYSTEM, OTHER = list(range(100, 148)), list(range(200, 208))  # 48 and 8 cached tokens
+
+
+def queue():
+    """Requests matching 0, 8, 48 + 8 or 48 cached tokens, in no order of it."""
+    return [req("none", [1, 2, 3], 4), req("other", OTHER + [9, 9], 16), req("deep", SYSTEM + OTHER + [5], 2),
+            req("system", SYSTEM + [7, 7], 16), req("other2", OTHER + [8], 1)]
+
+
+def test_fcfs_lof_and_random_orders():
+    waiting = queue()
+    assert SchedulePolicy(EngineConfig(model_path="unused"), None, None).order(waiting) == waiting
+    lof = policy_over([], "lof")[0].order(waiting)
+    # brute force: no request ahead of one with more max_new_tokens; ties keep their arrival order
+    for i, a in enumerate(lof):
+        for b in lof[i + 1:]:
+            na, nb = a.sampling_params.max_new_tokens, b.sampling_params.max_new_tokens
+            assert na > nb or (na == nb and waiting.index(a) < waiting.index(b))
+    shuffles = [policy_over([], "random", random_seed=seed)[0].order(waiting) for seed in range(4)]
+    assert all(sorted(map(id, s)) == sorted(map(id, waiting)) for s in shuffles)  # permutations,
+    assert policy_over([], "random", random_seed=0)[0].order(waiting) == shuffles[0]  # seeded,
+    assert any(s != waiting for s in shuffles)  # not the arrival order
+
+
+def test_lpm_puts_the_longest_cached_prefix_first():
+    cached = [SYSTEM + OTHER, OTHER]
+    policy, _ = policy_over(cached, "lpm")
+    order = policy.order(queue())
+    hits = [max(lcp(r.all_ids()[:-1], ids) for ids in cached) for r in order]
+    assert [r.rid for r in order][:3] == ["deep", "system", "other"]
+    assert hits == sorted(hits, reverse=True) and [len(r.prefix_indices) for r in order] == hits
+
+
+def test_dfs_weight_walks_the_subtree_with_the_most_waiting_requests_first():
+    """The tree: SYSTEM → SYSTEM+OTHER, and OTHER. Three requests wait under SYSTEM (one at
+    SYSTEM+OTHER), two at OTHER, one at the root: SYSTEM's subtree goes first, deepest node
+    first; then OTHER's; the root's last."""
+    policy, _ = policy_over([SYSTEM + OTHER, SYSTEM + [1], OTHER], "dfs-weight")
+    waiting = queue() + [req("system2", SYSTEM + [6, 6])]
+    assert [r.rid for r in policy.order(waiting)] == ["deep", "system", "system2", "other", "other2", "none"]
+    # two at OTHER outweigh one under SYSTEM now
+    assert [r.rid for r in policy.order(queue()[:2] + queue()[4:] + [queue()[3]])] == [
+        "other", "other2", "system", "none"]
+
+
+@pytest.mark.parametrize("name", ["lpm", "dfs-weight"])
+def test_cache_aware_policies_order_as_fcfs_on_a_long_queue(name, monkeypatch):
+    monkeypatch.setattr(schedule_order, "CACHE_AWARE_MAX_WAITING", 4)
+    policy, calls = policy_over([SYSTEM + OTHER, OTHER], name)
+    waiting = queue()  # five: over the limit, nothing is matched
+    assert policy.order(waiting) == waiting and calls == []
+    assert policy.order(waiting[:4]) != waiting[:4] and len(calls) == 4
+
+
+def test_lpm_defers_a_request_sharing_its_prefix_with_one_admitted_before_it():
+    """Two uncached prompts that share 40 tokens: the second waits a round (then its prefix is
+    cached) instead of computing it in the same batch; one with a long cached prefix is not
+    checked, and one sharing less than the threshold is not deferred."""
+    shared = list(range(300, 340))
+    policy, _ = policy_over([SYSTEM], "lpm")
+    waiting = [req("a", shared + [1]), req("cached", SYSTEM + [2, 2]), req("b", shared + [3]),
+               req("short", shared[:20] + [4]), req("c", [9] + shared)]
+    assert [r.rid for r in policy.order(waiting)] == ["cached", "a", "short", "c", "b"]
+
+
+@pytest.mark.parametrize("low_first", [False, True])
+@pytest.mark.parametrize("name", ["fcfs", "lpm"])
+def test_priority_comes_before_the_policy(name, low_first):
+    policy, _ = policy_over([SYSTEM], name, enable_priority_scheduling=True,
+                            schedule_low_priority_values_first=low_first)
+    waiting = [req(f"r{i}", (SYSTEM if i % 2 else []) + [i, i], priority=p) for i, p in enumerate([0, 3, 3, -1, 0, 3])]
+    plain = policy_over([SYSTEM], name)[0].order(waiting)  # the policy's own order
+    sign = 1 if low_first else -1
+    assert policy.order(waiting) == sorted(plain, key=lambda r: (sign * r.priority, plain.index(r)))
+
+
+def test_a_decode_workers_queue_takes_a_request_behind_its_priority():
+    policy, _ = policy_over([], "fcfs", enable_priority_scheduling=True)
+    queue_ = []
+    for rid, p in [("a", 0), ("b", 5), ("c", 0), ("d", 5), ("e", 9)]:
+        policy.enqueue(queue_, req(rid, [1, 2], priority=p))
+    assert [r.rid for r in queue_] == ["e", "b", "d", "a", "c"]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return str(build_tiny_checkpoint("llama", tmp_path_factory.mktemp("tiny-llama"), seed=0))
+
+
+def test_a_much_higher_priority_request_preempts_a_running_one(model_dir):
+    """Two rows, both decoding priority-0 requests: a priority-5 arrival (within the threshold
+    of 10) waits; a priority-20 one retracts the latest priority-0 request and runs. Every
+    request's greedy tokens are still HF's, and nothing leaks."""
+    engine = Engine(model_path=model_dir, skip_tokenizer_init=True, max_total_tokens=1024, max_running_requests=2,
+                    enable_priority_scheduling=True)
+    try:
+        sched, prompts = engine.scheduler, {"low0": [5, 6, 7, 8], "low1": [9, 10, 11], "mid": [12, 13, 14, 15, 16],
+                                            "high": [17, 18, 19]}
+        reqs = {rid: req(rid, ids, 12, priority=dict(mid=5, high=20).get(rid, 0)) for rid, ids in prompts.items()}
+        for r in reqs.values():
+            r.sampling_params.temperature, r.eos_token_ids = 0.0, engine.eos_token_ids
+
+        def scenario():
+            sched.add_request(reqs["low0"])
+            sched.add_request(reqs["low1"])
+            sched.step()
+            sched.add_request(reqs["mid"])
+            sched.step()
+            assert sched.running == [reqs["low0"], reqs["low1"]] and sched.num_retractions == 0
+            sched.add_request(reqs["high"])
+            sched.step()
+            assert sched.running == [reqs["low0"], reqs["high"]] and sched.num_retractions == 1
+            assert [r.rid for r in sched.waiting] == ["low1", "mid"]
+            while sched.has_work():
+                sched.step()
+
+        engine.loop.run_exclusive(scenario)
+        assert all(r.finished for r in reqs.values()) and reqs["low1"].num_retractions == 1
+        assert_greedy_parity(model_dir, list(prompts.values()), [r.output_ids for r in reqs.values()], 12,
+                             engine.eos_token_ids)
+        engine.check_integrity()
+    finally:
+        engine.shutdown()
+
+
+def test_a_priority_needs_priority_scheduling(model_dir):
+    engine = Engine(model_path=model_dir, skip_tokenizer_init=True, max_total_tokens=256)
+    try:
+        with pytest.raises(ValueError, match="priority 3: priority scheduling is not enabled"):
+            engine.generate(input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 2}, priority=3)
+        assert engine.generate(input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 2}, priority=0)["output_ids"]
+    finally:
+        engine.shutdown()
