@@ -37,6 +37,7 @@ class Worker:
     def __init__(self, worker_id: str, role: str, faults: Faults, tokens: int = 3):
         self.worker_id, self.role, self.faults, self.tokens = worker_id, role, faults, tokens
         self.calls: List[tuple] = []
+        self.priorities: List[int] = []  # what each reserve or prefill call was given
 
     def _fail(self, method: str) -> None:
         fault = self.faults.take(method)
@@ -46,13 +47,15 @@ class Worker:
             self.faults.hit.append(self)
             raise fault
 
-    async def reserve(self, rid, input_ids, params, backend, room):
+    async def reserve(self, rid, input_ids, params, backend, room, priority=0):
         self.calls.append(("reserve", rid, room))
+        self.priorities.append(priority)
         self._fail("reserve")
         return [room]  # (a real hand-off carries its room to the prefill side)
 
-    async def prefill(self, rid, input_ids, params, handoffs):
+    async def prefill(self, rid, input_ids, params, handoffs, priority=0):
         self.calls.append(("prefill", rid, handoffs[0]))
+        self.priorities.append(priority)
         self._fail("prefill")
         return {"room": handoffs[0], "cached_tokens": 0, "prefill_latency": 0.0}
 
@@ -133,9 +136,9 @@ def cluster(num_prefill: int, num_decode: int, faults: Faults, with_router: bool
     return client, router, prefill, decode
 
 
-async def collect(client: PDClient, rid: str = "r", outs: Optional[list] = None) -> list:
+async def collect(client: PDClient, rid: str = "r", outs: Optional[list] = None, priority: int = 0) -> list:
     outs = [] if outs is None else outs
-    async for out in client.generate_stream([1, 2, 3, 4, 5, 6, 7, 8, 9], PARAMS, rid):
+    async for out in client.generate_stream([1, 2, 3, 4, 5, 6, 7, 8, 9], PARAMS, rid, priority):
         outs.append(out)
     return outs
 
@@ -302,6 +305,17 @@ class LosingRouter:
                 raise ActorUnavailableError("router blip", None)
             await asyncio.sleep(10)
         await self.router.release(*args)
+
+
+def test_a_retried_request_keeps_its_priority_on_both_sides():
+    """``priority`` reaches the decode reservation and the prefill of every attempt: the retry
+    after a lost prefill worker queues as the first attempt did."""
+    client, router, prefill, decode = cluster(2, 2, Faults(prefill=[ActorDiedError()]))
+    outs = asyncio.run(collect(client, priority=7))
+    assert len(outs[-1]["output_ids"]) == 3 and client.num_retries == 1
+    given = [p for w in prefill + decode for p in w.priorities]
+    assert len(given) == 4 and set(given) == {7}  # two reservations, two prefills
+    assert_clean(client, router)
 
 
 @pytest.mark.parametrize("how", ["raised", "timed out"])
