@@ -1,4 +1,5 @@
-"""The Triton kernels lay out batches exactly as the PyTorch reference does.
+"""The Triton kernels lay out batches exactly as the PyTorch reference does (and write an extend
+batch's table rows exactly as ``ReqToTokenPool.write_extend``'s CPU path does).
 
 On the CPU the kernels run under ``TRITON_INTERPRET=1`` (set by conftest), so
 batches stay small; on CUDA the same cases run compiled (``gpu`` variants).
@@ -9,6 +10,8 @@ import torch
 
 from mem_cache import alloc_kernels
 from mem_cache.alloc_ops import alloc_decode_torch, alloc_extend_torch, get_num_new_pages
+from mem_cache.req_to_token_kernels import write_req_to_token_triton
+from mem_cache.req_to_token_pool import ReqToTokenPool, extend_table
 
 PAGE_SIZES = [1, 4, 16, 64]
 # compiled kernels need CUDA tensors; without CUDA the interpreter runs them on CPU tensors
@@ -104,3 +107,54 @@ def test_kernels_match_reference_on_cuda(page_size, bs):
         prefix, seq, last_loc = _random_batch(gen, bs, page_size, shape)
         _check_extend(prefix, seq, last_loc, page_size, "cuda")
         _check_decode(prefix + 1, last_loc, page_size, "cuda")
+
+
+def _extend_batch(gen, bs, device):
+    """A batch's ``write_extend`` arguments: rows half new (their prefix to write), half kept
+    from an earlier chunk (prefix already in the row: nothing to write), runs past one block."""
+    rows = torch.randperm(2 * bs, generator=gen)[:bs].tolist()
+    prefix_lens = torch.randint(0, 700, (bs,), generator=gen).tolist()
+    extend_lens = torch.randint(0, 600, (bs,), generator=gen).tolist()
+    prefixes = [torch.randint(1, 1 << 20, (n,), generator=gen).to(device) if i % 2 else torch.empty(0, dtype=torch.int64)
+                for i, n in enumerate(prefix_lens)]
+    out = torch.randint(1, 1 << 20, (sum(extend_lens),), generator=gen).to(device)
+    return rows, prefixes, prefix_lens, extend_lens, out
+
+
+def _write_one_by_one(table, rows, prefixes, prefix_lens, extend_lens, out):
+    offset = 0
+    for row, prefix, start, num in zip(rows, prefixes, prefix_lens, extend_lens):
+        table[row, : len(prefix)] = prefix
+        table[row, start : start + num] = out[offset : offset + num]
+        offset += num
+
+
+@pytest.mark.parametrize("bs", [1, 6])
+def test_write_extend_matches_per_request_copies(bs):
+    """``write_extend`` and its Triton kernel write each request's prefix (where given) and then
+    its new slots into its row, and nothing else: cells outside the runs keep what they held."""
+    gen = torch.Generator().manual_seed(bs)
+    pool = ReqToTokenPool(2 * bs, 1400)
+    pool.req_to_token.copy_(torch.randint(0, 1 << 20, pool.req_to_token.shape, generator=gen))
+    expected, by_kernel = pool.req_to_token.clone(), pool.req_to_token.clone().to(DEVICE)
+    args = _extend_batch(gen, bs, "cpu")
+    _write_one_by_one(expected, *args)
+    pool.write_extend(*args)
+    assert torch.equal(pool.req_to_token, expected)
+    rows, prefixes, prefix_lens, extend_lens, out = args
+    held = [p for p in prefixes if len(p)] or [out[:0]]
+    write_req_to_token_triton(by_kernel, extend_table(*args[:4]), torch.cat(held), out)
+    assert torch.equal(by_kernel.cpu(), expected)
+    pool.check_integrity()
+
+
+@pytest.mark.gpu
+def test_write_extend_on_cuda():
+    """On CUDA ``write_extend`` is the Triton launch: the same cells as the copies."""
+    gen = torch.Generator().manual_seed(3)
+    pool = ReqToTokenPool(128, 1400, device="cuda")
+    expected = pool.req_to_token.clone()
+    args = _extend_batch(gen, 64, "cuda")
+    _write_one_by_one(expected, *args)
+    pool.write_extend(*args)
+    assert torch.equal(pool.req_to_token, expected)

@@ -24,6 +24,7 @@ from actors.engine.req import Req
 from mem_cache.mamba_tracking import decode_should_track, prefill_track_seqlen
 
 logger = logging.getLogger(__name__)
+_NO_SLOTS = torch.empty(0, dtype=torch.int64)
 RETRACT_DECODE_STEPS = 20  # the decode steps a retraction leaves the rest of the batch room for (SGLang's)
 
 
@@ -92,10 +93,25 @@ def _last_locs(allocator, pool, rows: torch.Tensor, lens: torch.Tensor) -> Optio
     return torch.where(lens > 0, table[rows, (lens - 1).clamp(min=0)].to(torch.int64), -1)
 
 
+def _prefix_last_locs(reqs: List[Req], prefix_t: torch.Tensor, page_size: int) -> Optional[torch.Tensor]:
+    """The last slot of each request's prefix (-1 where it has none), from ``prefix_indices``
+    (as SGLang's ``alloc_for_extend``): a new row holds no prefix until ``write_extend``. None with
+    one-slot pages, where the allocator does not need it."""
+    if page_size == 1:
+        return None
+    held = [r.prefix_indices[-1:] for r in reqs if len(r.prefix_indices)]
+    if not held:
+        return torch.full((len(reqs),), -1, dtype=torch.int64)
+    last_loc = torch.full((len(reqs),), -1, dtype=torch.int64, device=held[0].device)
+    last_loc[(prefix_t > 0).to(last_loc.device)] = torch.cat(held).to(torch.int64)
+    return last_loc
+
+
 def prepare_for_extend(reqs: List[Req], runner, tree_cache) -> Optional[ForwardBatch]:
     """Rows for new requests, slots for ``[len(prefix_indices), len(fill_ids))`` of each."""
     pool, allocator, ps = runner.req_to_token_pool, runner.allocator, runner.config.page_size
-    new = [r for r in reqs if r.req_pool_idx is None]
+    fresh = [r.req_pool_idx is None for r in reqs]
+    new = [r for r, f in zip(reqs, fresh) if f]
     rows = _alloc_rows(pool, new, tree_cache) if new else []
     if rows is None:
         return None
@@ -103,14 +119,12 @@ def prepare_for_extend(reqs: List[Req], runner, tree_cache) -> Optional[ForwardB
         req.req_pool_idx = row
         if hasattr(pool, "mamba_pool"):
             req.mamba_pool_idx = int(pool.get_mamba_indices(row)[0])
-        # (int64 slots into the int32 table: the copy casts, no cast of its own per request)
-        pool.write((row, slice(0, len(req.prefix_indices))), req.prefix_indices)
     prefix_lens = [len(r.prefix_indices) for r in reqs]
     seq_lens = [len(r.fill_ids) for r in reqs]
     num_tokens = sum(seq_lens) - sum(prefix_lens)
     prefix_t, seq_t = int64_tensor(prefix_lens), int64_tensor(seq_lens)
     table_rows = _table_rows(pool, reqs)
-    last_loc = _last_locs(allocator, pool, table_rows, prefix_t)
+    last_loc = _prefix_last_locs(reqs, prefix_t, ps)
     out = _alloc_with_eviction(
         tree_cache, allocator,
         lambda: allocator.alloc_extend(
@@ -124,14 +138,16 @@ def prepare_for_extend(reqs: List[Req], runner, tree_cache) -> Optional[ForwardB
         for req in new:
             req.req_pool_idx, req.mamba_pool_idx = None, None
         return None
-    input_ids, positions, offset = [], [], 0
+    extend_lens = [s - p for p, s in zip(prefix_lens, seq_lens)]
+    # a row kept from an earlier chunk holds its prefix already (cache_unfinished_req pointed it at the
+    # tree's slots): only new rows get theirs (SGLang writes every row's)
+    pool.write_extend([r.req_pool_idx for r in reqs], [r.prefix_indices if f else _NO_SLOTS for r, f in zip(reqs, fresh)],
+                      prefix_lens, extend_lens, out)
+    input_ids, positions = [], []
     for req, p, s in zip(reqs, prefix_lens, seq_lens):
-        pool.write((req.req_pool_idx, slice(p, s)), out[offset : offset + s - p])
         req.kv_allocated_len = s
         input_ids.extend(req.fill_ids[p:s])
         positions.extend(range(p, s))
-        offset += s - p
-    extend_lens = [s - p for p, s in zip(prefix_lens, seq_lens)]
     extend_lens_t = runner.tensor(extend_lens)
     track_slots, track_lens = _mamba_tracks(pool, reqs, [
         prefill_track_seqlen(p, e, r.mamba_branching_seqlen) for r, p, e in zip(reqs, prefix_lens, extend_lens)
