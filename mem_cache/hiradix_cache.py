@@ -19,7 +19,7 @@ hit, on its second, or only when it leaves the device. A hit is a
 ``match_prefix`` through the node or an ``insert`` that reaches it (the one
 that creates it included) — ``hit_count``, which LFU eviction reads too. The
 backup itself is decided in ``insert``, where fresh KV passes to the tree.
-What ``cache_unfinished_req`` does for a chunked request (insert, re-match)
+What ``cache_unfinished_req`` does for a chunked request (its insert)
 counts no hits, as in SGLang: one request is one use, however many chunks.
 """
 
@@ -39,7 +39,7 @@ from mem_cache.hiradix_tiers import HostTierMixin
 from mem_cache.integrity import check_unique_in_range, ensure
 from mem_cache.memory_pool import KVCache
 from mem_cache.memory_pool_host import create_host_pool
-from mem_cache.radix_cache import RadixCache, TreeNode
+from mem_cache.radix_cache import InsertResult, RadixCache, TreeNode
 from mem_cache.radix_key import RadixKey, hash_pages, root_hash
 
 
@@ -189,11 +189,12 @@ class HiRadixCache(HostTierMixin, LoadBackMixin, RadixCache):
                 return values[:i], each.parent
         return values, path[-1] if path else self.root_node
 
-    def insert(self, key: RadixKey, value: Optional[torch.Tensor] = None, priority: int = 0) -> int:
+    def _insert_helper(self, key: RadixKey, value: Optional[torch.Tensor], priority: int) -> InsertResult:
         """As RadixCache's; a host-only node on the path adopts the caller's slots
-        (its tokens are not counted as already cached), then the write policy runs."""
+        (its tokens are not counted as already cached), then the write policy runs.
+        The path's slots end, as ``match_prefix``'s, before a node holding lost slots."""
         if self.disable:
-            return 0
+            return InsertResult(0, [], self.root_node)
         if len(key) % self.page_size != 0:
             raise ValueError(f"insert needs a page-aligned key (page_size={self.page_size}), got {len(key)} tokens")
         if value is None:
@@ -222,7 +223,10 @@ class HiRadixCache(HostTierMixin, LoadBackMixin, RadixCache):
             path.append(self._add_leaf(node, key, value, priority, now))
         if self._counting_hits:
             self._count_hits(path)
-        return total
+        values, node = [n.value for n in path], path[-1] if path else self.root_node
+        if self._lost_slots is not None:
+            values, node = self._cut_before_lost(values, node)
+        return InsertResult(total, values, node)
 
     def _count_hits(self, path: List[TreeNode]) -> None:
         threshold = self.write_policy.hits_to_backup

@@ -21,7 +21,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import sys
-from typing import Iterator, List, Optional, Tuple
+from typing import Iterator, List, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -65,6 +65,17 @@ class TreeNode:
 
     def __repr__(self) -> str:
         return f"TreeNode(id={self.id}, len={len(self.key)}, lock_ref={self.lock_ref})"
+
+
+class InsertResult(NamedTuple):
+    """``prefix_len``: the key's tokens that were cached already (what ``insert`` returns);
+    ``values`` / ``last_device_node``: what ``match_prefix(key)`` right after would give — the
+    key's slots in the tree, one tensor a node of its path (the tree's own where it had the
+    tokens, not the caller's), and the node the key ends at."""
+
+    prefix_len: int
+    values: List[torch.Tensor]
+    last_device_node: TreeNode
 
 
 class RadixCache(BasePrefixCache):
@@ -171,14 +182,19 @@ class RadixCache(BasePrefixCache):
         return values, node
 
     def insert(self, key: RadixKey, value: Optional[torch.Tensor] = None, priority: int = 0) -> int:
+        return self._insert_helper(key, value, priority).prefix_len
+
+    def _insert_helper(self, key: RadixKey, value: Optional[torch.Tensor], priority: int) -> InsertResult:
+        """``insert``, also giving what ``match_prefix(key)`` right after it would (a chunked
+        request's progress needs it: no second walk)."""
         if self.disable:
-            return 0
+            return InsertResult(0, [], self.root_node)
         if len(key) % self.page_size != 0:
             raise ValueError(f"insert needs a page-aligned key (page_size={self.page_size}), got {len(key)} tokens")
         if value is None:
             value = torch.tensor(key.token_ids, dtype=torch.int64)
         now = self._tick()
-        node, total = self.root_node, 0
+        node, total, values = self.root_node, 0, []
         node.last_access_time = now
         while len(key) > 0:
             child = node.children.get(self.child_key(key))
@@ -190,11 +206,13 @@ class RadixCache(BasePrefixCache):
             if matched < len(child.key):
                 child = self._split_node(child, matched)
             total += matched
+            values.append(child.value)
             key, value = key[matched:], value[matched:]
             node = child
         if len(key) > 0:
-            self._add_leaf(node, key, value, priority, now)
-        return total
+            node = self._add_leaf(node, key, value, priority, now)
+            values.append(value)
+        return InsertResult(total, values, node)
 
     def _add_leaf(self, parent: TreeNode, key: RadixKey, value: torch.Tensor, priority: int, now: int) -> TreeNode:
         leaf = TreeNode(key, value, now)
@@ -242,7 +260,7 @@ class RadixCache(BasePrefixCache):
         self.dec_lock_ref(req.last_node)
 
     def cache_unfinished_req(self, req: CacheableReq) -> None:
-        """Cache a chunked prefill's progress; its inserts and re-match count no hits."""
+        """Cache a chunked prefill's progress; its inserts count no hits."""
         self._counting_hits = False
         try:
             self._cache_unfinished_req(req)
@@ -258,11 +276,14 @@ class RadixCache(BasePrefixCache):
         aligned = len(token_ids) - len(token_ids) % self.page_size
         key = RadixKey(token_ids[:aligned], req.extra_key)
         protected = req.cache_protected_len
-        new_prefix_len = self.insert(key, kv_indices[:aligned].clone(), req.priority)
-        self._free(kv_indices[protected:new_prefix_len])
-        match = self.match_prefix(key)
-        new_indices, new_last_node = match.device_indices, match.last_device_node
-        ensure(len(new_indices) == aligned, f"re-match after insert found {len(new_indices)} of {aligned} tokens")
+        inserted = self._insert_helper(key, kv_indices[:aligned].clone(), req.priority)
+        self._free(kv_indices[protected : inserted.prefix_len])
+        new_indices = torch.cat(inserted.values) if inserted.values else self._empty()
+        new_last_node = inserted.last_device_node
+        now, node = self._tick(), new_last_node  # the request's path is used after what the insert split off it
+        while node is not None:
+            node.last_access_time, node = now, node.parent
+        ensure(len(new_indices) == aligned, f"the tree holds {len(new_indices)} of {aligned} tokens after insert")
         self.req_to_token_pool.write((req.req_pool_idx, slice(protected, aligned)), new_indices[protected:])
         self.inc_lock_ref(new_last_node)
         self.dec_lock_ref(req.last_node)

@@ -11,13 +11,14 @@ cached — never both, never neither.
 
 import hypothesis.strategies as st
 import torch
+from hypothesis import given, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
 from mem_cache.radix_cache import RadixCache
 from mem_cache.radix_key import RadixKey
 from mem_cache.req_to_token_pool import ReqToTokenPool
-from tests.cache_helpers import conservation, machine_case
+from tests.cache_helpers import FakeReq, conservation, extend, machine_case, start_req
 
 EXTRA_KEYS = [None, "lora-a", "tenant-b"]
 
@@ -132,3 +133,94 @@ class RadixMachine(RuleBasedStateMachine):
 
 TestRadixCachePage1 = machine_case(RadixMachine, "ps1", 120, 30, page_size=1)
 TestRadixCachePage16 = machine_case(RadixMachine, "ps16", 60, 30, page_size=16)
+
+
+def rematch_cache_unfinished_req(cache, req):
+    """``cache_unfinished_req`` as it was before its insert gave the path: insert, then
+    ``match_prefix`` again for the node and the tree's slots. The oracle of the test below."""
+    cache._counting_hits = False
+    try:
+        token_ids, protected = req.fill_ids, req.cache_protected_len
+        kv_indices = cache._row(req, len(token_ids))
+        aligned = len(token_ids) - len(token_ids) % cache.page_size
+        key = RadixKey(token_ids[:aligned], req.extra_key)
+        new_prefix_len = cache.insert(key, kv_indices[:aligned].clone(), req.priority)
+        cache._free(kv_indices[protected:new_prefix_len])
+        match = cache.match_prefix(key)
+        cache.req_to_token_pool.write((req.req_pool_idx, slice(protected, aligned)), match.device_indices[protected:])
+        cache.inc_lock_ref(match.last_device_node)
+        cache.dec_lock_ref(req.last_node)
+        req.prefix_indices = torch.cat([match.device_indices, kv_indices[aligned:]])
+        req.cache_protected_len, req.last_node = aligned, match.last_device_node
+    finally:
+        cache._counting_hits = True
+
+
+def _path(node):
+    keys = []
+    while node.parent is not None:
+        keys.append(tuple(node.key.token_ids))
+        node = node.parent
+    return tuple(reversed(keys))
+
+
+def _snapshot(cache):
+    """The tree as comparable data: per node its path, slots, locks, hits, priority, and its
+    access and creation times as ranks (the re-match ticked the clock once more: same order)."""
+    nodes = [cache.root_node, *cache._iter_nodes()]
+    ranks = {name: {t: i for i, t in enumerate(sorted({getattr(n, name) for n in nodes}))}
+             for name in ("last_access_time", "creation_time")}
+    return sorted((_path(n), n.value.tolist(), n.lock_ref, n.hit_count, n.priority, ranks["last_access_time"][n.last_access_time],
+                   ranks["creation_time"][n.creation_time]) for n in nodes), cache.evictable_size(), cache.protected_size()
+
+
+class _Twin:
+    def __init__(self, page_size, policy):
+        size = 64 * page_size
+        self.alloc = TokenToKVPoolAllocator(size) if page_size == 1 else PagedTokenToKVPoolAllocator(size, page_size)
+        self.pool = ReqToTokenPool(5, 48)
+        self.cache = RadixCache(self.pool, self.alloc, page_size=page_size, eviction_policy=policy)
+        self.reqs = {}
+
+    def state(self):
+        reqs = {i: (r.prefix_indices.tolist(), _path(r.last_node), r.cache_protected_len,
+                    self.pool.req_to_token[r.req_pool_idx, : len(r.fill_ids)].tolist()) for i, r in self.reqs.items()}
+        return _snapshot(self.cache), reqs, self.alloc.free_page_list().tolist()
+
+
+@settings(max_examples=80, deadline=None)
+@given(page_size=st.sampled_from([1, 4]), policy=st.sampled_from(["lru", "lfu", "mru"]), data=st.data())
+def test_cache_unfinished_req_leaves_what_insert_then_rematch_left(page_size, policy, data):
+    """Twin caches run the same requests chunk by chunk, one caching progress with the path its
+    insert gave, the other with insert and a re-match: after every step the trees (splits,
+    slots, locks, hits, eviction order), the requests' prefixes, nodes and rows, and the free
+    lists are the same."""
+    new, old = _Twin(page_size, policy), _Twin(page_size, policy)
+    stems = [data.draw(st.lists(st.integers(1, 3), min_size=1, max_size=12)) for _ in range(2)]
+    for _ in range(data.draw(st.integers(1, 30))):
+        slot, chunk = data.draw(st.integers(0, 4)), data.draw(st.integers(1, 12))
+        live = new.reqs.get(slot)
+        if slot == 4:
+            num_tokens = data.draw(st.integers(1, 40))
+            assert new.cache.evict(num_tokens) == old.cache.evict(num_tokens)
+        elif live is None:
+            prompt = data.draw(st.sampled_from(stems)) + data.draw(st.lists(st.integers(1, 3), max_size=20))
+            for twin in (new, old):
+                twin.reqs[slot] = start_req(twin.cache, twin.pool, twin.alloc, FakeReq(list(prompt)), upto=chunk)
+        elif len(live.fill_ids) == len(live.origin_input_ids) and data.draw(st.booleans()):
+            for twin in (new, old):
+                req = twin.reqs.pop(slot)
+                req.kv_committed_len = len(req.fill_ids)
+                twin.cache.cache_finished_req(req)
+            continue
+        else:
+            for twin in (new, old):
+                req = twin.reqs[slot]
+                extend(twin.cache, twin.pool, twin.alloc, req, len(req.fill_ids), req.origin_input_ids[: len(req.fill_ids) + chunk])
+        if slot != 4:
+            new.cache.cache_unfinished_req(new.reqs[slot])
+            rematch_cache_unfinished_req(old.cache, old.reqs[slot])
+        assert new.state() == old.state()
+        new.cache.check_integrity()
+        new.alloc.check_integrity(torch.cat([new.cache.all_values(), *(
+            r.prefix_indices[r.cache_protected_len :] for r in new.reqs.values())]))
