@@ -134,18 +134,41 @@ def model_dir(tmp_path_factory):
     return str(build_tiny_checkpoint("llama", tmp_path_factory.mktemp("tiny-llama"), seed=0))
 
 
+def priority_engine(model_dir, max_total_tokens=1024, max_running_requests=2):
+    return Engine(model_path=model_dir, skip_tokenizer_init=True, max_total_tokens=max_total_tokens,
+                  max_running_requests=max_running_requests, enable_priority_scheduling=True)
+
+
+def greedy_reqs(engine, prompts, priorities, max_new_tokens, ignore_eos=False):
+    """``{rid: prompt}`` as greedy requests of ``priorities`` (``{rid: priority}``, 0 if absent)."""
+    reqs = {rid: req(rid, ids, max_new_tokens, priority=priorities.get(rid, 0)) for rid, ids in prompts.items()}
+    for r in reqs.values():
+        r.sampling_params.temperature, r.sampling_params.ignore_eos = 0.0, ignore_eos
+        r.eos_token_ids = engine.eos_token_ids
+    return reqs
+
+
+def finish_and_check(engine, model_dir, prompts, reqs, max_new_tokens, ignore_eos=False):
+    """Run ``engine``'s scheduler to idle: every request done, its greedy tokens HF's, nothing leaked."""
+    sched = engine.scheduler
+    while sched.has_work():
+        sched.step()
+    assert all(r.finished for r in reqs.values())
+    eos = () if ignore_eos else engine.eos_token_ids
+    assert_greedy_parity(model_dir, list(prompts.values()), [reqs[rid].output_ids for rid in prompts],
+                         max_new_tokens, eos)
+    engine._check_integrity()
+
+
 def test_a_much_higher_priority_request_preempts_a_running_one(model_dir):
     """Two rows, both decoding priority-0 requests: a priority-5 arrival (within the threshold
     of 10) waits; a priority-20 one retracts the latest priority-0 request and runs. Every
     request's greedy tokens are still HF's, and nothing leaks."""
-    engine = Engine(model_path=model_dir, skip_tokenizer_init=True, max_total_tokens=1024, max_running_requests=2,
-                    enable_priority_scheduling=True)
+    engine = priority_engine(model_dir)
     try:
         sched, prompts = engine.scheduler, {"low0": [5, 6, 7, 8], "low1": [9, 10, 11], "mid": [12, 13, 14, 15, 16],
                                             "high": [17, 18, 19]}
-        reqs = {rid: req(rid, ids, 12, priority=dict(mid=5, high=20).get(rid, 0)) for rid, ids in prompts.items()}
-        for r in reqs.values():
-            r.sampling_params.temperature, r.eos_token_ids = 0.0, engine.eos_token_ids
+        reqs = greedy_reqs(engine, prompts, dict(mid=5, high=20), 12)
 
         def scenario():
             sched.add_request(reqs["low0"])
@@ -158,14 +181,72 @@ def test_a_much_higher_priority_request_preempts_a_running_one(model_dir):
             sched.step()
             assert sched.running == [reqs["low0"], reqs["high"]] and sched.num_retractions == 1
             assert [r.rid for r in sched.waiting] == ["low1", "mid"]
-            while sched.has_work():
-                sched.step()
+            finish_and_check(engine, model_dir, prompts, reqs, 12)
 
         engine.loop.run_exclusive(scenario)
-        assert all(r.finished for r in reqs.values()) and reqs["low1"].num_retractions == 1
-        assert_greedy_parity(model_dir, list(prompts.values()), [r.output_ids for r in reqs.values()], 12,
-                             engine.eos_token_ids)
-        engine.check_integrity()
+        assert reqs["low1"].num_retractions == 1
+    finally:
+        engine.shutdown()
+
+
+# A 128-slot pool; two 4-token priority-0 prompts decoding (40 new tokens each, reserving 27 slots
+# each at the ratio 0.7 after their first token) leave 128 - 8 - 54 = 66 slots to a prefill. A
+# 40-token prompt reserving 28 needs 40 + 28 + 1 = 69: 3 short, which one of them gives back.
+ROOM_PROMPTS = {"low0": [5, 6, 7, 8], "low1": [9, 10, 11, 12], "high": list(range(20, 60))}
+
+
+@pytest.mark.parametrize("max_running_requests", [4, 2])
+def test_a_higher_priority_request_short_of_room_preempts_only_what_it_needs(model_dir, max_running_requests):
+    """Short of KV room (with rows to spare, or with none either), a priority-20 arrival retracts
+    the latest priority-0 request, and only it: the room that one gives back is enough. (With the
+    row taken first on its own, the room it gave back was not counted, and the other was retracted
+    too.) The preempted request comes back after, its output kept; every request's greedy tokens
+    are HF's, and nothing leaks."""
+    engine = priority_engine(model_dir, max_total_tokens=128, max_running_requests=max_running_requests)
+    try:
+        sched = engine.scheduler
+        reqs = greedy_reqs(engine, ROOM_PROMPTS, dict(high=20), 40, ignore_eos=True)
+
+        def scenario():
+            sched.add_request(reqs["low0"])
+            sched.add_request(reqs["low1"])
+            sched.step()
+            sched.step()
+            kept = list(reqs["low1"].output_ids)
+            sched.add_request(reqs["high"])
+            sched.step()
+            assert sched.running == [reqs["low0"], reqs["high"]] and sched.waiting == [reqs["low1"]]
+            assert sched.num_retractions == 1 and reqs["low1"].output_ids == kept
+            finish_and_check(engine, model_dir, ROOM_PROMPTS, reqs, 40, ignore_eos=True)
+
+        engine.loop.run_exclusive(scenario)
+        assert reqs["low1"].num_retractions == 1 and reqs["low0"].num_retractions == 0
+    finally:
+        engine.shutdown()
+
+
+def test_a_request_that_preemption_cannot_make_room_for_retracts_nothing(model_dir):
+    """Both rows taken, by a priority-0 and a priority-15 request: a priority-20 arrival may preempt
+    only the first (the second is within the threshold), whose row it would get but whose room is
+    too little for its 70-token prompt. It waits and retracts nothing (taken for its row alone, the
+    priority-0 request was retracted in vain), and runs once they are done."""
+    prompts = dict(ROOM_PROMPTS, high=list(range(20, 90)))
+    engine = priority_engine(model_dir, max_total_tokens=128, max_running_requests=2)
+    try:
+        sched = engine.scheduler
+        reqs = greedy_reqs(engine, prompts, dict(low1=15, high=20), 40, ignore_eos=True)
+
+        def scenario():
+            sched.add_request(reqs["low0"])
+            sched.add_request(reqs["low1"])
+            sched.step()
+            sched.add_request(reqs["high"])
+            sched.step()
+            assert sched.running == [reqs["low1"], reqs["low0"]] and sched.waiting == [reqs["high"]]  # (by priority)
+            assert sched.num_retractions == 0
+            finish_and_check(engine, model_dir, prompts, reqs, 40, ignore_eos=True)
+
+        engine.loop.run_exclusive(scenario)
     finally:
         engine.shutdown()
 

@@ -164,19 +164,25 @@ class PrefillAdmissionMixin:
             req.cache_protected_len = len(req.prefix_indices)
         return before - self._free_room()[0]
 
+    def _preemptible(self, req: Req) -> List[Req]:
+        """The running requests ``req`` may preempt (priority scheduling): those whose priority is
+        more than ``priority_scheduling_preemption_threshold`` below its own, in the order
+        preemption takes them — the lowest first, the latest of a priority first."""
+        if not self.config.enable_priority_scheduling:
+            return []
+        threshold, rank = self.config.priority_scheduling_preemption_threshold, self.policy.rank
+        ordered = sorted(self.running, key=lambda r: (-rank(r), -r.created_time))
+        return [r for r in ordered if rank(r) - rank(req) > threshold]
+
     def _preempt_for(self, req: Req, short: int) -> bool:
-        """Priority scheduling (SGLang's ``preempt_to_schedule``): retract running requests whose
-        priority is more than ``priority_scheduling_preemption_threshold`` below ``req``'s — the
-        lowest first, the latest of a priority first — so that it gets a row and about ``short``
-        more slots (each gives back its decode reserve and the KV its row holds beyond the
+        """Priority scheduling (SGLang's ``preempt_to_schedule``): retract :meth:`_preemptible`
+        running requests, at least one (its row is then ``req``'s), until about ``short`` more
+        slots come back (each gives back its decode reserve and the KV its row holds beyond the
         cache's). None is retracted unless all it takes are. True: some were (they wait again,
         their output kept)."""
-        if not self.config.enable_priority_scheduling:
-            return False
-        threshold, rank = self.config.priority_scheduling_preemption_threshold, self.policy.rank
         victims, room = [], 0
-        for running in sorted(self.running, key=lambda r: (-rank(r), -r.created_time)):
-            if rank(running) - rank(req) <= threshold or (victims and room >= short):
+        for running in self._preemptible(req):
+            if victims and room >= short:
                 break
             victims.append(running)
             room += self._request_reserve(running, running.kv_allocated_len)
@@ -301,10 +307,12 @@ class PrefillAdmissionMixin:
         self.chunked_req = None
         for req in candidates:
             new_req = req.req_pool_idx is None
-            if len(picked) >= budget_running:
-                if not (new_req and self._preempt_for(req, 0)):
-                    break
-                budget_running = self.runner.max_running_requests - len(self.running) - self._rows_held_elsewhere()
+            # no row left: only preemption gives it one, counted with the room it needs (retracted
+            # for the row alone, a request short of room too was taken in vain, and the room it gave
+            # back was not in the plan: the next preempted for it)
+            row_short = len(picked) >= budget_running
+            if row_short and not (new_req and self._preemptible(req)):
+                break
             if new_req and req.prefetch_op is not None:
                 if not self._prefetch_ready(req):
                     self._prefetch_blocked = True  # the next in line may go first
@@ -336,14 +344,15 @@ class PrefillAdmissionMixin:
             need = self._paged(req, extend) + reserve + self.page_size
             short = max(need - rem_total, 0 if rem_swa is None else swa_need - rem_swa)  # slots it lacks
             over_budget = (picked and extend > rem_input) or (chunk < extend and chunk <= 0)
-            fits = short <= 0 and not over_budget
-            if short > 0 and not over_budget and new_req:
+            fits = short <= 0 and not over_budget and not row_short
+            if not fits and not over_budget and new_req:
                 room = self._prefill_room()  # what the preempted requests give back comes into the plan's room
                 if self._preempt_for(req, short):
                     after = self._prefill_room()
                     rem_total += after[0] - room[0]
                     if rem_swa is not None:
                         rem_swa += after[1] - room[1]
+                    budget_running = self.runner.max_running_requests - len(self.running) - self._rows_held_elsewhere()
                     fits = need <= rem_total and (rem_swa is None or swa_need <= rem_swa)
             if not fits:
                 if new_req:
