@@ -9,6 +9,9 @@ import torch
 
 from actors.engine import Engine
 from actors.engine.attention import torch_backend
+from actors.engine.req import Req
+from actors.engine.sampling_params import SamplingParams
+from mem_cache.integrity import IntegrityError
 from tests.parity import assert_greedy_parity
 
 
@@ -73,6 +76,40 @@ def test_no_cache(model_dir):
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_chunked_prefill_smaller_than_prompt(model_dir, page_size):
     engine, _ = run(model_dir, prompts(3, 30, 60), chunked_prefill_size=8, page_size=page_size, max_total_tokens=4096)
+
+
+def test_a_kept_row_that_lost_its_prefix_stops_the_step_in_debug_mode(model_dir, monkeypatch):
+    """A continuing chunk's row gets no prefix written (``write_extend``: ``cache_unfinished_req``
+    pointed it at the tree's slots). In debug mode a kept row that does not hold its prefix stops
+    the step before anything is allocated — its forward would have read other KV, silently; the
+    row as the cache left it passes, and the greedy tokens are HF's."""
+    monkeypatch.setenv("RAYDIX_DEBUG_MEMORY_POOL", "1")
+    engine = Engine(model_path=model_dir, skip_tokenizer_init=True, max_total_tokens=1024, page_size=4,
+                    chunked_prefill_size=8)
+    try:
+        sched, prompt = engine.scheduler, prompts(1, 30, 30, seed=11)[0]
+        req = Req("r", prompt, SamplingParams(max_new_tokens=6, temperature=0.0))
+        req.eos_token_ids = engine.eos_token_ids
+        table, allocator = sched.runner.req_to_token_pool.req_to_token, sched.runner.allocator
+
+        def scenario():
+            sched.add_request(req)
+            sched.step()
+            assert sched.chunked_req is req and len(req.prefix_indices) == 8
+            kept, free = int(table[req.req_pool_idx, 3]), allocator.available_size()
+            table[req.req_pool_idx, 3] = kept + 1
+            with pytest.raises(IntegrityError, match="does not hold its 8-token prefix"):
+                sched.step()
+            assert sched.chunked_req is req and allocator.available_size() == free
+            table[req.req_pool_idx, 3] = kept
+            while sched.has_work():
+                sched.step()
+
+        engine.loop.run_exclusive(scenario)
+        assert_greedy_parity(model_dir, [prompt], [req.output_ids], 6, engine.eos_token_ids)
+        engine.check_integrity()
+    finally:
+        engine.shutdown()
 
 
 def test_retraction_when_the_pool_is_small(model_dir):

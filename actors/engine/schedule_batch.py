@@ -21,6 +21,7 @@ import torch
 
 from actors.engine.forward_batch import ForwardBatch, ForwardMode, int64_tensor
 from actors.engine.req import Req
+from mem_cache.integrity import ensure
 from mem_cache.mamba_tracking import decode_should_track, prefill_track_seqlen
 
 logger = logging.getLogger(__name__)
@@ -107,11 +108,23 @@ def _prefix_last_locs(reqs: List[Req], prefix_t: torch.Tensor, page_size: int) -
     return last_loc
 
 
+def _check_kept_rows(pool, reqs: List[Req]) -> None:
+    """Debug mode (the pool's): each kept row holds its request's prefix, which ``write_extend``
+    does not write again — a cache that left a row pointing elsewhere would have the forward read
+    other KV, silently."""
+    for req in reqs:
+        held = pool.req_to_token[req.req_pool_idx, : len(req.prefix_indices)].to(torch.int64)
+        ensure(torch.equal(held, req.prefix_indices.to(held.device, torch.int64)),
+               f"request {req.rid}'s row {req.req_pool_idx} does not hold its {len(held)}-token prefix")
+
+
 def prepare_for_extend(reqs: List[Req], runner, tree_cache) -> Optional[ForwardBatch]:
     """Rows for new requests, slots for ``[len(prefix_indices), len(fill_ids))`` of each."""
     pool, allocator, ps = runner.req_to_token_pool, runner.allocator, runner.config.page_size
     fresh = [r.req_pool_idx is None for r in reqs]
     new = [r for r, f in zip(reqs, fresh) if f]
+    if pool.debug:  # (before anything is taken)
+        _check_kept_rows(pool, [r for r, f in zip(reqs, fresh) if not f])
     rows = _alloc_rows(pool, new, tree_cache) if new else []
     if rows is None:
         return None

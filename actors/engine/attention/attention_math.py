@@ -21,7 +21,10 @@ def attend_shared(q, k, v, layer) -> Tuple[torch.Tensor, torch.Tensor]:
 def attention_with_lse(q, k, v, bias, layer) -> Tuple[torch.Tensor, torch.Tensor]:
     """Attention and the log-sum-exp of its scores (``[b, heads, num_q]``), which weighs it against
     attention over other keys: on the CPU the fused kernel returns it (its op takes GQA as it is),
-    elsewhere and for what that kernel does not take, the fp32 scores are written out."""
+    elsewhere and for what that kernel does not take, the fp32 scores are written out. Every row
+    must see a key: one with all masked gets lse 0 and zeros from that kernel (not -inf, which
+    :func:`merge_attention` would weigh as nothing), NaN written out (the cascade's own keys hold
+    each query's own token, so neither happens there)."""
     if layer.logit_cap or layer.v_head_dim != layer.head_dim or q.device.type != "cpu":
         return explicit_attention(q, k, v, bias, layer)
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=bias, scale=layer.scaling)
