@@ -1,5 +1,8 @@
-"""Bringing a raydix cluster up from a config.
+"""Bringing a raydix cluster up from a config, and serving it.
 
-Will hold placement groups, the OpenAI-compatible FastAPI app, the
-``ray job submit`` entrypoint and the ``raydix`` command-line interface.
+The typed config (``config``), Ray placement and wiring (``pd``), the
+driver-side client that runs a request through a (prefill, decode) pair
+(``pd_client``), bring-up and drain, also the ``ray job submit`` entrypoint
+(``launch``), the OpenAI-compatible and SGLang-native FastAPI app (``server``)
+and the ``raydix`` command-line interface (``cli``).
 """

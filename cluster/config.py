@@ -197,8 +197,9 @@ class TransferConfig(BaseModel):
                                      "prefill TP rank has not reported ended by then fails")
     heartbeat_interval_s: float = Field(5.0, gt=0.0, description="workers are checked this often; torch_dist "
                                         "pairs send a message at least this often")
-    heartbeat_max_failures: int = Field(2, ge=1, description="missed heartbeats that mark a worker dead; a torch_dist "
-                                        "pair silent for one interval more is closed")
+    heartbeat_max_failures: int = Field(2, ge=1, description="missed heartbeats in a row that take a worker out of "
+                                        "the rotation until it answers again; a torch_dist pair silent for one "
+                                        "interval more is closed")
     num_reserved_decode_tokens: int = Field(
         512, ge=0, description="KV tokens decode keeps free per running request when it admits a transfer")
 
@@ -260,8 +261,8 @@ class RouterConfig(BaseModel):
     client_timeout_s: float = Field(30.0, gt=0.0, description="longest a request waits for the router to place it "
                                     "(then it fails) or to take its release (then route_grace_s covers it)")
     max_retries: int = Field(2, ge=0, description="new (prefill, decode) pairs a request tries when a worker of its "
-                             "pair died or was unavailable before its first output (never after it, nor on a "
-                             "timeout or bad input); 0: no retries")
+                             "pair died, was unavailable or reports itself broken before its first output (never "
+                             "after it, nor on a timeout or bad input); 0: no retries")
 
 
 class PlacementConfig(BaseModel):

@@ -1,4 +1,4 @@
-"""raydix's memory system, after SGLang's design (see ``../shared/DESIGN.md``).
+"""raydix's memory system, after SGLang's design.
 
 Three layers and the caches above them:
 
