@@ -387,6 +387,59 @@ def test_a_failed_host_load_on_the_prefill_side_requeues_the_request_and_pushes_
     close(prefill, decode)
 
 
+def test_a_chunked_request_requeued_for_a_failed_host_load_had_pushed_nothing(checkpoints):
+    """Chunked prefill (32 tokens) beside a failing host load. A request can only be requeued
+    at its first chunk's forward, before any of it is pushed: a load fills slots allocated at
+    this step's admission, for new requests, and ends (failed or not) right after the forward
+    (``Scheduler._forward``), before the step's pushes are queued; a continuing chunk reads
+    only slots it held through the step before. So a request whose chunk was pushed before
+    the failure (``early``, its second and last chunk in the failing batch) is not requeued,
+    and the one requeued (a 136-token prompt whose first chunk reads the failed 96-token
+    prefix) is recomputed and pushed from token 0, chunk by chunk. Both equal HF's tokens;
+    nothing leaks on either side."""
+    path = checkpoints["llama"]
+    prefill, decode = make_pair(path, page_size=4, prefill_args={
+        "max_total_tokens": 256, "enable_hierarchical_cache": True, "hicache_ratio": 4.0, "chunked_prefill_size": 32})
+    rng, sched = random.Random(8), prefill.scheduler
+    system = [rng.randrange(5, 250) for _ in range(96)]
+    early, follow = prompts(1, 48, 48, seed=81)[0], system + [rng.randrange(5, 250) for _ in range(40)]
+    pushed, requeued = [], []  # (prompt length, start, rows) of every chunk; what each requeued request had pushed
+    submit, requeue = sched.pusher.submit, sched._requeue
+    sched.pusher.submit = lambda chunks: (pushed.extend(
+        (len(sched._pushing[c.push_id].origin_input_ids), c.start, len(c.src_slots)) for c in chunks), submit(chunks))
+    sched._requeue = lambda req: (requeued.append(getattr(req, "pd_sent_upto", 0)), requeue(req))
+
+    async def go():
+        await run_pd(prefill, decode, system + [7, 8, 9, 10], GREEDY)
+        await until(lambda: not prefill.loop.run_exclusive(sched.has_work), what="the prompt cached")
+        prefill.loop.run_exclusive(lambda: sched.tree_cache.evict(256))
+        decode.flush_cache()  # the whole prompt moves
+        scramble(sched.tree_cache.cache_controller.device_pool)  # what a slot holds if no copy lands in it
+        pushed.clear()
+        restore = break_loads(sched.tree_cache.cache_controller)
+        prefill.loop.pause()  # both queued before the loop steps: early's first chunk, then it and follow
+        try:
+            runs = [asyncio.ensure_future(run_pd(prefill, decode, early, GREEDY))]
+            await until(lambda: len(sched.waiting) == 1, what="early queued")
+            runs.append(asyncio.ensure_future(run_pd(prefill, decode, follow, GREEDY)))
+            await until(lambda: len(sched.waiting) == 2, what="follow queued")
+        finally:
+            prefill.loop.resume()
+        try:
+            return await asyncio.gather(*runs)
+        finally:
+            restore()
+
+    requeues = watch_requeues(prefill, system)
+    results = asyncio.run(go())
+    assert requeues == [([early, follow], [follow], 0)] and requeued == [0]
+    assert [c for c in pushed if c[0] == len(early)] == [(48, 0, 32), (48, 32, 16)]  # the first before the failure
+    assert [c for c in pushed if c[0] == len(follow)] == [(136, s, min(32, 136 - s)) for s in range(0, 136, 32)]
+    assert results[1][1]["cached_tokens"] == 0
+    assert_greedy_parity(path, [early, follow], [r[0]["output_ids"] for r in results], 8, decode.eos_token_ids)
+    close(prefill, decode)
+
+
 def test_decode_side_host_cache_reloads_a_conversation_so_only_the_new_turn_moves(checkpoints):
     """A decode worker with the hierarchical cache: the earlier turn it cached was pushed
     out of its small device pool to host memory; the follow-up's reservation loads it back

@@ -218,7 +218,14 @@ class Scheduler(PrefillAdmissionMixin, DecodeRetractionMixin):
         what they computed. Each is requeued at the head of ``waiting``, its KV freed (none of
         it cached), to be recomputed without the host tier (the slots the load lost have left
         the device: no match finds them). Returns the other requests and their logits rows,
-        which are valid (attention reads each request's own rows)."""
+        which are valid (attention reads each request's own rows).
+
+        In a prefill batch only a request at its first chunk can be hit: a load fills slots
+        allocated at this step's admission (``_load_host_prefix``, new requests only) and ends
+        in :meth:`_forward`, so its failure is known here, after the forward beside it; a
+        continuing chunk reads only slots it held through the step before. A PD prefill
+        scheduler has pushed none of a requeued request's KV yet (it pushes a chunk only after
+        this check)."""
         failed = self.tree_cache.take_failed_loads() if self.host_tier else None
         if failed is None:
             return reqs, logits
