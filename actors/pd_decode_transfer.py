@@ -115,9 +115,10 @@ class DecodeTransferMixin:
             self.running.append(req)
 
     def _take_notice(self, req: Req, notice: dict) -> None:
-        """The first token and the sampler's state from the prefill side; whether it ended."""
+        """The first token (its grammar, if any, takes it: the prefill side's matcher did) and the
+        sampler's state from the prefill side; whether it ended."""
         req.kv_committed_len = len(req.origin_input_ids)
-        req.output_ids.append(int(notice["first_token"]))
+        req.append_token(int(notice["first_token"]))
         if notice.get("generator_state") and req.sampling_params.seed is not None:  # on this side's device
             req.generator = make_generator(req.sampling_params.seed, self.runner.device)
             req.generator.set_state(torch.frombuffer(bytearray(notice["generator_state"]), dtype=torch.uint8))

@@ -31,6 +31,7 @@ from typing import Any, AsyncIterator, Dict, List, Optional, Tuple
 from actors.engine.config import EngineConfig
 from actors.engine.engine import _eos_ids, check_engine_integrity, flush_engine_cache, request_result
 from actors.engine.engine_loop import EngineLoop, Post
+from actors.engine.grammar import make_req_off_loop
 from actors.engine.req import Req
 from actors.engine.sampling_params import SamplingParams
 from actors.kv_push import PushResult
@@ -285,9 +286,10 @@ class PrefillWorker(_Worker):
         self._raise_if_broken()
         parsed = [KVHandoff.from_bytes(raw) for raw in handoffs]
         room = parsed[0].room if parsed else None  # the attempt: its decode reservation's room
+        # (made first: an abort that comes while its grammar compiles is seen below, before it is submitted)
+        req = await make_req_off_loop(self._make_req, sampling_params, rid, input_ids, sampling_params, priority)
         if (rid, None) in self._cancelled or (rid, room) in self._cancelled:
             raise PDRequestError(f"request {rid!r} was aborted before its prefill started")
-        req = self._make_req(rid, input_ids, sampling_params, priority)
         for handoff in parsed:  # reject what cannot be served before any work is done
             agent = self.agents.get(handoff.backend)
             if agent is None:
@@ -382,7 +384,7 @@ class DecodeWorker(_Worker):
             raise PDRequestError(f"backend {backend!r} not served here; this worker has {sorted(self.agents)}")
         if room is not None and not (isinstance(room, int) and 0 <= room < 2**63):
             raise ValueError(f"room must be an integer in [0, 2**63), got {room!r}")
-        req = self._make_req(rid, input_ids, sampling_params, priority)
+        req = await make_req_off_loop(self._make_req, sampling_params, rid, input_ids, sampling_params, priority)
         req.pd_room = random.getrandbits(63) if room is None else room
         req.pd_backend = backend
         queue = self._submit(req)

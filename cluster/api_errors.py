@@ -18,12 +18,19 @@ draining, no live worker               503     service_unavailable
 
 from __future__ import annotations
 
+import re
 from typing import Any, Dict, Optional
 
 from fastapi.responses import JSONResponse
 
 from actors.pd_scheduler import PDRequestError
 from cluster.admission import QueueFullError, QueueTimeoutError
+
+
+def own_message(exc: BaseException) -> str:
+    """What ``exc`` says: a Ray task's error (raised as its cause's class) its cause's message,
+    not the task's traceback."""
+    return str(getattr(exc, "cause", exc))
 
 
 class APIError(Exception):
@@ -54,5 +61,7 @@ class APIError(Exception):
                 return cls(503, message, "service_unavailable", code="unavailable")
             return cls(500, f"a worker failed: {message}", "server_error", code="worker_failure")
         if isinstance(exc, ValueError):  # the workers refused the request (prompt too long, bad parameter)
-            return cls(400, str(exc))
+            message = own_message(exc)
+            field = re.match(r"([A-Za-z_][\w.]*): ", message)  # (a bad parameter's message names it first)
+            return cls(400, message, param=field.group(1) if field else None)
         return cls(500, f"internal error: {type(exc).__name__}: {exc}", "server_error", code="internal_error")

@@ -3,9 +3,9 @@
 Every model rejects unknown fields, so a typo fails with a 400 that names it
 instead of being ignored (vLLM ignores them with a warning; a silently ignored
 ``max_tokenz`` costs more than a 400). OpenAI fields the server does not
-implement (``tools``, structured ``response_format``) fail with a 400 that
-says so, unless they ask for nothing (``tools: []``, ``tool_choice: "none"``,
-``response_format: {"type": "text"}``); fields that never change the
+implement (``tools``, ``response_format`` of type ``structural_tag``) fail with
+a 400 that says so, unless they ask for nothing (``tools: []``, ``tool_choice:
+"none"``); fields that never change the
 output (``metadata``, ``store``, ``service_tier``, ``parallel_tool_calls``) are
 accepted and ignored. As in OpenAI's spec and vLLM, ``null`` means "the
 default" for any optional parameter.
@@ -14,20 +14,27 @@ default" for any optional parameter.
 :class:`~actors.engine.sampling_params.SamplingParams` names; SGLang's extra
 sampling fields (``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``,
 ``stop_token_ids``, ``skip_special_tokens``), vLLM's ``min_tokens`` (SGLang's
-``min_new_tokens``) and ``include_stop_str_in_output``, vLLM's ``priority`` (not a sampling
+``min_new_tokens``) and ``include_stop_str_in_output``, structured output's grammars — SGLang's
+``json_schema``, ``regex`` and ``ebnf``, vLLM's ``guided_json``, ``guided_regex``,
+``guided_choice`` (a regex of the escaped choices) and ``guided_grammar`` —, vLLM's ``priority`` (not a sampling
 field: it orders the request in the workers' queues) and vLLM's chat-template fields
 (``add_generation_prompt``, ``continue_final_message``,
 ``chat_template_kwargs``) are accepted at the top level, as SGLang and vLLM
-accept them (the openai client's ``extra_body``).
+accept them (the openai client's ``extra_body``). OpenAI's own ``response_format`` asks for
+structured output too, on chat and completions as in vLLM: ``json_object`` (any JSON value,
+xgrammar's built-in JSON grammar, as SGLang's) or ``json_schema`` (its ``json_schema.schema``);
+one grammar per request, however it is asked for.
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Literal, Optional, Union, get_args
+import json
+import re
+from typing import Any, Dict, List, Literal, Optional, Tuple, Union, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
-from actors.engine.sampling_params import TOP_K_DISABLED, check_top_k
+from actors.engine.sampling_params import ANY_JSON, TOP_K_DISABLED, check_top_k
 
 _FORBID = ConfigDict(extra="forbid")
 MAX_PROMPTS = 64  # prompts in one /v1/completions batch
@@ -37,6 +44,29 @@ MAX_CHOICES = 128  # prompts × n: the sequences one HTTP request may start
 def _unsupported(field: str, what: str) -> ValueError:
     """A model-level error naming ``field`` first (see :func:`describe_validation_error`)."""
     return ValueError(f"{field}: {what} is not supported by this server")
+
+
+def _regex_literal(text: str) -> str:
+    """``text`` as a regex that matches it alone: its regex metacharacters escaped (only those:
+    ``re.escape`` also escapes characters xgrammar's regexes take as they are)."""
+    return re.sub(r"([\\.^$|?*+()\[\]{}])", r"\\\1", text)
+
+
+def _response_format_grammar(fmt: Dict[str, Any]) -> Optional[Tuple[str, str]]:
+    """``(engine field, spec)`` of OpenAI's ``response_format``; None for ``text``."""
+    kind = fmt.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return "json_schema", ANY_JSON
+    if kind == "json_schema":
+        schema = (fmt.get("json_schema") or {}).get("schema")
+        if not isinstance(schema, (dict, bool)):
+            raise ValueError("response_format: a json_schema format needs its json_schema.schema (a JSON schema)")
+        return "json_schema", json.dumps(schema)
+    if kind == "structural_tag":
+        raise _unsupported("response_format", "structural_tag")
+    raise ValueError(f"response_format: type {kind!r} is not one of text, json_object, json_schema")
 
 
 def _as_batch(prompt) -> list:
@@ -101,6 +131,16 @@ class _OpenAISampling(_NullIsDefault):
                                                    "logits before sampling")
     priority: int = Field(0, description="vLLM's: the request's scheduling priority (higher first unless the "
                           "engine's schedule_low_priority_values_first); needs enable_priority_scheduling unless 0")
+    # structured output: at most one of these (the engine's json_schema, regex or ebnf)
+    response_format: Optional[Dict[str, Any]] = Field(None, description="OpenAI's: text, json_object or json_schema")
+    json_schema: Optional[Union[str, Dict[str, Any]]] = Field(None, description="SGLang's: a JSON schema")
+    regex: Optional[str] = Field(None, description="SGLang's: the whole output matches this regex")
+    ebnf: Optional[str] = Field(None, description="SGLang's: an EBNF (GBNF) grammar")
+    guided_json: Optional[Union[str, Dict[str, Any]]] = Field(None, description="vLLM's: a JSON schema")
+    guided_regex: Optional[str] = Field(None, description="vLLM's: the whole output matches this regex")
+    guided_choice: Optional[List[str]] = Field(None, min_length=1, description="vLLM's: the output is one of these")
+    guided_grammar: Optional[str] = Field(None, description="vLLM's: an EBNF (GBNF) grammar")
+    _grammar: Optional[Tuple[str, str, str]] = PrivateAttr(None)
 
     @field_validator("top_k")
     @classmethod
@@ -121,6 +161,34 @@ class _OpenAISampling(_NullIsDefault):
             raise ValueError("stream_options: only allowed when stream is true")
         return self
 
+    @property
+    def grammar(self) -> Optional[Tuple[str, str, str]]:
+        """``(request field, engine field, spec)`` of the grammar the request asks for; None without one."""
+        return self._grammar
+
+    @model_validator(mode="after")
+    def _one_grammar(self):
+        self._grammar = self._asked_grammar()
+        return self
+
+    def _asked_grammar(self) -> Optional[Tuple[str, str, str]]:
+        asked = []
+        if self.response_format is not None:
+            engine = _response_format_grammar(self.response_format)
+            if engine is not None:
+                asked.append(("response_format", *engine))
+        for field, engine in (("json_schema", "json_schema"), ("guided_json", "json_schema"), ("regex", "regex"),
+                              ("guided_regex", "regex"), ("ebnf", "ebnf"), ("guided_grammar", "ebnf")):
+            spec = getattr(self, field)
+            if spec is not None:
+                asked.append((field, engine, spec if isinstance(spec, str) else json.dumps(spec)))
+        if self.guided_choice is not None:
+            asked.append(("guided_choice", "regex", "(" + "|".join(map(_regex_literal, self.guided_choice)) + ")"))
+        if len(asked) > 1:
+            raise ValueError(f"{asked[1][0]}: one structured output per request; got "
+                             f"{' and '.join(field for field, _, _ in asked)}")
+        return asked[0] if asked else None
+
     def _top_logprobs_num(self) -> Optional[int]:
         raise NotImplementedError
 
@@ -133,6 +201,9 @@ class _OpenAISampling(_NullIsDefault):
             ignore_eos=self.ignore_eos, skip_special_tokens=self.skip_special_tokens, min_new_tokens=self.min_tokens,
             logit_bias=self.logit_bias,
         )
+        grammar = self.grammar
+        if grammar is not None:
+            params[grammar[1]] = grammar[2]
         top = self._top_logprobs_num()
         if top is not None:
             params.update(return_logprob=True, top_logprobs_num=top)
@@ -248,20 +319,17 @@ class ChatCompletionRequest(_OpenAISampling):
     # OpenAI fields: accepted when they ask for nothing this server does not do
     tools: Optional[List[Dict[str, Any]]] = None
     tool_choice: Optional[Union[str, Dict[str, Any]]] = None
-    response_format: Optional[Dict[str, Any]] = None
     parallel_tool_calls: Optional[bool] = None
     metadata: Optional[Dict[str, str]] = None
     store: Optional[bool] = None
     service_tier: Optional[str] = None
 
     @model_validator(mode="after")
-    def _plain_text_only(self):
+    def _no_tools(self):
         if self.tools:
             raise _unsupported("tools", "tool calling")
         if self.tool_choice not in (None, "none", "auto"):
             raise _unsupported("tool_choice", f"tool calling ({self.tool_choice!r})")
-        if self.response_format is not None and self.response_format.get("type") != "text":
-            raise _unsupported("response_format", f"structured output ({self.response_format.get('type')!r})")
         return self
 
     @field_validator("chat_template_kwargs")

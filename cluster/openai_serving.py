@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from contextlib import contextmanager
 from typing import Any, Dict, List, Optional, Tuple
 
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -20,7 +21,7 @@ from jinja2 import TemplateError
 from pydantic import ValidationError
 
 from actors.engine.sampling_params import SamplingParams
-from cluster.api_errors import APIError
+from cluster.api_errors import APIError, own_message
 from cluster.openai_format import ChatFormatter, CompletionFormatter
 from cluster.openai_protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest, describe_validation_error
 from cluster.streaming import DONE, ChoiceEvent, TextDelta, run_choices, sse
@@ -33,6 +34,24 @@ def validated(params: Dict[str, Any], prefix: str = "") -> Dict[str, Any]:
     except ValidationError as exc:
         message, param = describe_validation_error(exc)
         raise APIError(400, prefix + message, param=prefix + param if param else None) from None
+
+
+@contextmanager
+def grammar_errors(req):
+    """A grammar refused under the engine's name for it (``json_schema``, ``regex``, ``ebnf``: here,
+    or by the workers, which compile it) is a 400 naming the field the request asked with
+    (``response_format``, ``guided_json``, ...)."""
+    try:
+        yield
+    except (APIError, ValueError) as exc:
+        grammar = req.grammar
+        message = exc.message if isinstance(exc, APIError) else own_message(exc)
+        if grammar is None or (isinstance(exc, APIError) and exc.status != 400):
+            raise
+        field, engine_field, _ = grammar
+        if not message.startswith(f"{engine_field}: "):
+            raise
+        raise APIError(400, field + message[len(engine_field):], param=field) from None
 
 
 class _SSEResponse(StreamingResponse):
@@ -219,22 +238,24 @@ class GenerationService:
         req = req.model_copy(update={"model": self.check_model(req.model)})
         if req.echo and self.tokenizer is None:  # (a text prompt already needs one)
             raise APIError(400, "echo: the prompt's text needs a tokenizer; this server has none", param="echo")
-        batch = []
-        for prompt in req.prompts:
-            ids = (self.encode(prompt, "prompt", req.add_special_tokens) if isinstance(prompt, str)
-                   else self.token_ids(prompt, "prompt"))
-            batch.append((ids, self.openai_params(req, len(ids), req.max_tokens, "prompt")))
-        fmt = CompletionFormatter(req, [ids for ids, _ in batch], self.tokenizer, f"cmpl-{uuid.uuid4().hex}")
-        return await self._run(batch, req.n, req.rid or fmt.id, arrival, fmt.chunks if req.stream else None,
-                               fmt.response, req.priority)
+        with grammar_errors(req):
+            batch = []
+            for prompt in req.prompts:
+                ids = (self.encode(prompt, "prompt", req.add_special_tokens) if isinstance(prompt, str)
+                       else self.token_ids(prompt, "prompt"))
+                batch.append((ids, self.openai_params(req, len(ids), req.max_tokens, "prompt")))
+            fmt = CompletionFormatter(req, [ids for ids, _ in batch], self.tokenizer, f"cmpl-{uuid.uuid4().hex}")
+            return await self._run(batch, req.n, req.rid or fmt.id, arrival, fmt.chunks if req.stream else None,
+                                   fmt.response, req.priority)
 
     async def chat(self, req: ChatCompletionRequest, arrival: float):
         req = req.model_copy(update={"model": self.check_model(req.model)})
         ids = self.chat_prompt(req)
-        params = self.openai_params(req, len(ids), req.requested_max_tokens, "messages")
-        fmt = ChatFormatter(req, [ids], self.tokenizer, f"chatcmpl-{uuid.uuid4().hex}")
-        return await self._run([(ids, params)], req.n, req.rid or fmt.id, arrival,
-                               fmt.chunks if req.stream else None, fmt.response, req.priority)
+        with grammar_errors(req):
+            params = self.openai_params(req, len(ids), req.requested_max_tokens, "messages")
+            fmt = ChatFormatter(req, [ids], self.tokenizer, f"chatcmpl-{uuid.uuid4().hex}")
+            return await self._run([(ids, params)], req.n, req.rid or fmt.id, arrival,
+                                   fmt.chunks if req.stream else None, fmt.response, req.priority)
 
     async def generate(self, req: GenerateRequest, arrival: float):
         ids = self.encode(req.text, "text") if req.text is not None else self.token_ids(req.input_ids, "input_ids")

@@ -64,6 +64,17 @@ def make_pair(path, page_size=1, prefill_args=None, decode_args=None, backend="s
     return prefill, decode
 
 
+def close_workers(*workers) -> None:
+    """Wait until each worker is idle, check it leaks nothing, shut it down."""
+    for w in workers:
+        for _ in range(500):  # an abort is reported at the loop's next step; a quarantine ends later
+            if not w.loop.run_exclusive(w.scheduler.has_work):
+                break
+            time.sleep(0.01)
+        w.check_integrity()
+        w.shutdown()
+
+
 async def until(predicate: Callable[[], bool], timeout_s: float = 30.0, what: str = "the condition") -> None:
     """Poll ``predicate`` until it holds; fail after ``timeout_s`` (a test never hangs)."""
     deadline = time.monotonic() + timeout_s

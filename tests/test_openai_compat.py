@@ -6,6 +6,7 @@ and template errors, ``GET /v1/models/{id}``, a request that names no model, and
 a prompt token outside the vocabulary."""
 
 import json
+import re
 import threading
 import time
 
@@ -215,7 +216,7 @@ def test_content_parts_read_as_lines(served):
 @pytest.mark.parametrize("fields,param", [
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
     ({"tool_choice": "required"}, "tool_choice"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "structural_tag", "structures": [], "triggers": []}}, "response_format"),
 ])
 def test_openai_fields_the_server_does_not_implement_say_so(served, fields, param):
     r = post(served, "/v1/chat/completions", chat_body(**fields))
@@ -249,6 +250,42 @@ def test_logit_bias_forces_a_token_and_min_tokens_holds_off_a_stop_string(client
     assert complete(stop="z", extra_body={"min_tokens": 3}) == ("zzz", "stop")
     body = bad_request(lambda: complete(logit_bias={"100000": 1}))  # the worker refuses it (no vocab_size here)
     assert "logit_bias: token id 100000 is out of the vocabulary" in body["message"]
+
+
+def test_structured_output_through_the_openai_client(client, served):
+    """OpenAI's ``response_format`` (json_object, json_schema) on chat and completions, SGLang's and
+    vLLM's grammar fields in ``extra_body``, SGLang's in /generate's sampling params: what ends
+    with "stop" follows its grammar; a grammar that does not compile, or two, is a 400 naming the
+    request's own field."""
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=48,
+                                          temperature=0, response_format={"type": "json_object"}).choices[0]
+    assert chat.finish_reason == "stop" and json.loads(chat.message.content, strict=False) is not None, chat
+    for seed in range(3):  # (sampled: a random model's whitespace ends)
+        choice = client.completions.create(
+            model=MODEL, prompt="hi", max_tokens=64, seed=seed,
+            extra_body={"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}},
+        ).choices[0]
+        assert choice.finish_reason == "length" or isinstance(json.loads(choice.text, strict=False)["ok"], bool)
+    choices = ["a.b (c)", "no|yes", "[x]"]
+    for extra in ({"guided_choice": choices}, {"regex": "(a.b \\(c\\)|no\\|yes|\\[x\\])"},
+                  {"guided_grammar": 'root ::= "a.b (c)" | "no|yes" | "[x]"'}):
+        choice = client.completions.create(model=MODEL, prompt="hi", max_tokens=16, seed=1, extra_body=extra).choices[0]
+        assert choice.finish_reason == "stop" and choice.text in choices, (extra, choice)
+    r = post(served, "/generate", {"text": "hi", "sampling_params": {"regex": "[0-9]{3}", "max_new_tokens": 8}})
+    assert r.status_code == 200 and re.fullmatch("[0-9]{3}", r.json()["text"]), r.text
+    bad = {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "nope"}}}
+    body = bad_request(lambda: client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4, response_format=bad))
+    assert body["param"] == "response_format" and "does not compile: Unsupported type" in body["message"], body
+    body = bad_request(lambda: client.completions.create(model=MODEL, prompt="hi", extra_body={"guided_regex": "(a"}))
+    assert body["param"] == "guided_regex" and "regex does not compile" in body["message"], body
+    body = bad_request(lambda: client.completions.create(model=MODEL, prompt="hi", extra_body={"guided_json": "{"}))
+    assert body["param"] == "guided_json" and "not valid JSON" in body["message"], body
+    body = bad_request(lambda: client.completions.create(model=MODEL, prompt="hi",
+                                                         extra_body={"regex": "a", "guided_choice": ["a"]}))
+    assert body["param"] == "guided_choice" and "one structured output per request" in body["message"], body
 
 
 def test_stop_reason_names_the_stop_string_or_token_id_that_ended_a_choice(client):

@@ -20,6 +20,7 @@ from actors.workers import DecodeWorker, PrefillWorker
 from mem_cache.radix_key import RadixKey
 from tests.hicache_helpers import break_loads, scramble, watch_requeues
 from tests.parity import assert_greedy_parity
+from tests.pd_helpers import close_workers as close
 from tests.pd_helpers import decode_together, make_pair, pause_once, prompts, run_batch, run_pd, slow_push, until
 from transfer.base import KVHandoff, LayoutMismatchError
 
@@ -30,16 +31,6 @@ GREEDY = {"max_new_tokens": 8, "temperature": 0}
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("pd-models")
     return {f: str(build_tiny_checkpoint(f, root / f)) for f in ("llama", "qwen3_next", "deepseek_v3", "gemma3")}
-
-
-def close(*workers):
-    for w in workers:
-        for _ in range(500):  # an abort is reported at the loop's next step; a quarantine ends later
-            if not w.loop.run_exclusive(w.scheduler.has_work):
-                break
-            time.sleep(0.01)
-        w.check_integrity()
-        w.shutdown()
 
 
 def test_torch_dist_forced_nccl_on_a_cpu_worker_fails_at_creation(checkpoints):

@@ -159,6 +159,13 @@ def test_every_error_status_then_success(served, client, http):
     r = http.post("/generate", json={"text": "x", "sampling_params": {"top_k": -2}})
     assert r.status_code == 400 and "sampling_params.top_k" in r.json()["error"]["message"]
     ok(client)
+    # a grammar the workers cannot compile: their ValueError (through Ray) names the request's field
+    err = _error(lambda: client.completions.create(model=MODEL, prompt="x", extra_body={"guided_regex": "(a"}))
+    assert err.status_code == 400 and err.body["param"] == "guided_regex", err.body
+    assert err.body["message"].startswith("guided_regex: the regex does not compile"), err.body
+    choice = client.completions.create(model=MODEL, prompt="x", max_tokens=8,
+                                       extra_body={"guided_choice": ["yes", "no"]})
+    assert choice.choices[0].finish_reason == "stop" and choice.choices[0].text in ("yes", "no")  # both sides masked
     # prompt longer than the context (512)
     err = _error(lambda: client.completions.create(model=MODEL, prompt="y" * 600, max_tokens=2))
     assert err.status_code == 400 and err.body["code"] == "context_length_exceeded"

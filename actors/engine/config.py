@@ -73,6 +73,9 @@ class EngineConfig(BaseModel):
                                         "loop (a write stream on CUDA, a writer thread on CPU), its prefix locked "
                                         "until the copy is done; False: copy at once")
     skip_tokenizer_init: bool = False
+    constrained_json_disable_any_whitespace: bool = Field(
+        False, description="SGLang's: a json_schema's output has no whitespace of its own between its tokens (a "
+        "model may otherwise write whitespace where it is allowed until max_new_tokens)")
     random_seed: int = 0
     init_new_token_ratio: float = Field(0.7, gt=0.0, le=1.0)
     min_new_token_ratio: float = Field(0.1, gt=0.0, le=1.0)

@@ -22,6 +22,7 @@ import torch
 
 from actors.engine.config import EngineConfig
 from actors.engine.engine_loop import EngineLoop, Post
+from actors.engine.grammar import make_req_off_loop
 from actors.engine.model_runner import ModelRunner
 from actors.engine.req import Req
 from actors.engine.sampling_params import SamplingParams
@@ -196,7 +197,8 @@ class Engine:
         """One request. ``stream=False``: the final result. ``stream=True``: an
         async iterator of results, one per step that produced tokens (each with
         the cumulative ``text``/``output_ids``), the last one finished."""
-        req = self._make_req(prompt, input_ids, sampling_params, rid, priority)
+        req = await make_req_off_loop(self._make_req, sampling_params, prompt, input_ids, sampling_params, rid,
+                                      priority)
         queue: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
 

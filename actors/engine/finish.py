@@ -58,7 +58,11 @@ class IncrementalText:
 
 
 def _ends_on_stop_token(req: Req) -> bool:
+    """The last token is a stop token, EOS (unless ``ignore_eos``), or the EOS that ended the
+    request's grammar (``ignore_eos`` or not: past its end the grammar allows nothing)."""
     last, params = req.output_ids[-1], req.sampling_params
+    if req.grammar is not None and req.grammar.is_terminated():
+        return True
     return last in params.stop_token_ids or (not params.ignore_eos and last in req.eos_token_ids)
 
 
@@ -90,11 +94,13 @@ def _first_stop_string(req: Req) -> Optional[Tuple[int, str]]:
 
 
 def check_finished(req: Req, tokenizer, context_len: int) -> None:
-    """Stop token or EOS → "stop" (matched id; kept in ``output_ids``, not in the text, as SGLang
-    and vLLM trim it); a stop string → "stop" (text cut before it, or after it with
-    ``include_stop_str_in_output``), none before ``min_new_tokens``
+    """Stop token or EOS (or the grammar's end) → "stop" (matched id; kept in ``output_ids``, not
+    in the text, as SGLang and vLLM trim it); a stop string → "stop" (text cut before it, or after
+    it with ``include_stop_str_in_output``), none before ``min_new_tokens``
     tokens (the sampler masks EOS and stop tokens until then); ``max_new_tokens`` or the context
-    length → "length"."""
+    length → "length". A request finished already (its grammar rejected the token) stays so."""
+    if req.finished:
+        return
     params = req.sampling_params
     if _ends_on_stop_token(req):  # (stream_text left it out of the text)
         req.finish({"type": "stop", "matched": req.output_ids[-1]})

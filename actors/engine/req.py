@@ -57,6 +57,7 @@ class Req:
     output_logprobs: List[float] = field(default_factory=list)
     output_top_logprobs: List[List[tuple]] = field(default_factory=list)
     logit_state: Any = None  # its sparse bias, masks and seen tokens (sparse_logits.LogitState), once sampled
+    grammar: Any = None  # its xgrammar GrammarMatcher (actors.engine.grammar), in the state after output_ids
     created_time: float = field(default_factory=time.perf_counter)
     first_token_time: Optional[float] = None
     finished_time: Optional[float] = None
@@ -99,6 +100,14 @@ class Req:
 
     def all_ids(self) -> List[int]:
         return self.origin_input_ids + self.output_ids
+
+    def append_token(self, token: int) -> None:
+        """Append a generated token; the grammar, if any, takes it too. A token the grammar
+        rejects (its mask leaves none other drawable: only logits that were all NaN or
+        ``-inf`` give one) ends the request."""
+        self.output_ids.append(token)
+        if self.grammar is not None and not self.grammar.accept_token(token):
+            self.finish({"type": "abort", "message": f"token {token} does not follow the request's grammar"})
 
     def finish(self, reason: dict) -> None:
         self.finished_reason = reason

@@ -1,13 +1,14 @@
-"""From last-token logits to next tokens: logit bias, min-tokens masks, penalties,
-temperature, top-k/p, min-p, seeds.
+"""From last-token logits to next tokens: logit bias, min-tokens masks, penalties, grammar
+masks, temperature, top-k/p, min-p, seeds.
 
 In vLLM's order: first the additive adjustments — ``logit_bias`` and, while a request has
 fewer than ``min_new_tokens`` tokens, ``-inf`` at EOS and its ``stop_token_ids`` —, then the
 penalties, as OpenAI / vLLM define them: repetition (divide positive, multiply negative
 logits of tokens seen in the prompt or output), frequency (``-= f * count in output``) and
-presence (``-= p`` for tokens in the output). Greedy requests take the argmax of the
-adjusted, penalised logits; others are divided by the temperature, filtered by top-k, top-p
-and min-p, and drawn.
+presence (``-= p`` for tokens in the output); then, for a request with a grammar, ``-inf``
+at every token it does not allow next (:mod:`actors.engine.grammar`, SGLang's place for its
+vocab mask). Greedy requests take the argmax of the adjusted, penalised, masked logits;
+others are divided by the temperature, filtered by top-k, top-p and min-p, and drawn.
 
 A batch is sampled on its logits' device, as SGLang and vLLM do it (:func:`pick_tokens`):
 the temperatures a ``[n, 1]`` tensor, top-k, top-p and min-p per-row tensors applied to each
@@ -32,10 +33,11 @@ logprob.
 
 from __future__ import annotations
 
-from typing import List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
+from actors.engine.grammar import apply_grammar_masks
 from actors.engine.sampling_params import SamplingParams
 from actors.engine.sparse_logits import LogitState, adjust_logits
 
@@ -272,26 +274,30 @@ def _logprob_picks(raw: torch.Tensor, tokens: torch.Tensor, params: Sequence[Sam
 
 
 def pick_tokens(logits: torch.Tensor, params: Sequence[SamplingParams],
-                generators: Sequence[Optional[torch.Generator]], states: Sequence[Optional[LogitState]]) -> List[Pick]:
+                generators: Sequence[Optional[torch.Generator]], states: Sequence[Optional[LogitState]],
+                matchers: Sequence[Any] = ()) -> List[Pick]:
     """Each row's :class:`Pick` (what :func:`sample_next` gives row by row), with ``states`` the
-    rows' :class:`~actors.engine.sparse_logits.LogitState` (synced; None: nothing to adjust) and
-    ``generators`` the seeded rows' (on the logits' device; None: the default one). ``logits``
-    are the step's own: float32 ones are adjusted in place
-    (:func:`~actors.engine.sparse_logits.adjust_logits`), once the logprob rows' raw values are
-    copied out, and, when every row is sampled, divided by the temperatures in place too.
-    Everything runs on the logits' device — one argmax for the greedy rows, one
+    rows' :class:`~actors.engine.sparse_logits.LogitState` (synced; None: nothing to adjust),
+    ``generators`` the seeded rows' (on the logits' device; None: the default one) and
+    ``matchers`` the rows' grammar matchers (none, or None: no grammar), whose masks come after
+    the adjustments (:func:`~actors.engine.grammar.apply_grammar_masks`). ``logits``
+    are the step's own: float32 ones are adjusted and masked in place, once the logprob rows'
+    raw values are copied out, and, when every row is sampled, divided by the temperatures in
+    place too. Everything runs on the logits' device — one argmax for the greedy rows, one
     :func:`sample_rows` for the others —; the tokens (and the logprobs asked for) are all that
     is copied to the host."""
     with torch.inference_mode():  # (a forward's logits are inference tensors: written in place only so)
-        return _pick_tokens(logits, params, generators, states)
+        return _pick_tokens(logits, params, generators, states, matchers)
 
 
 def _pick_tokens(logits: torch.Tensor, params: Sequence[SamplingParams],
-                 generators: Sequence[Optional[torch.Generator]], states: Sequence[Optional[LogitState]]) -> List[Pick]:
+                 generators: Sequence[Optional[torch.Generator]], states: Sequence[Optional[LogitState]],
+                 matchers: Sequence[Any]) -> List[Pick]:
     device = logits.device
     with_logprobs = [i for i, p in enumerate(params) if p.return_logprob]
     raw = None if not with_logprobs else logits[torch.tensor(with_logprobs, device=device)].float()
     adjusted = adjust_logits(logits, states, in_place=True)
+    apply_grammar_masks(adjusted, matchers)
     sampled = [i for i, p in enumerate(params) if not p.is_greedy]
     tokens = argmax_rows(adjusted)
     if sampled:

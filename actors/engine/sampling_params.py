@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import json
 import math
 import re
-from typing import Dict, List, Optional, Sequence, Union
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 SAMPLING_EPS = 1e-6  # a temperature below this is greedy (SGLang's): dividing by it overflows the logits
 TOP_K_DISABLED = -1  # top_k of every token (the API's 0, as vLLM reads it, becomes this)
 MAX_LOGIT_BIAS = 100.0  # a logit_bias value is in [-100, 100] (OpenAI's range)
+GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf")  # structured output: at most one per request (SGLang's names)
+ANY_JSON = "$$ANY$$"  # SGLang's json_schema for any JSON value (xgrammar's built-in JSON grammar): OpenAI's json_object
 
 
 def check_top_k(top_k: int) -> int:
@@ -60,6 +63,11 @@ class SamplingParams(BaseModel):
     logit_bias: Optional[Dict[int, float]] = Field(None, description="{token id: bias in [-100, 100]} added to "
                                                    "the logits before sampling (ids are checked against the "
                                                    "vocabulary where the request is admitted)")
+    json_schema: Optional[str] = Field(None, description="structured output: the output is JSON this schema "
+                                       f"accepts ({ANY_JSON!r}: any JSON value)")
+    regex: Optional[str] = Field(None, description="structured output: the whole output matches this regex")
+    ebnf: Optional[str] = Field(None, description="structured output: the output is a sentence of this EBNF "
+                                "(GBNF) grammar, from its root rule")
 
     @field_validator("top_k")
     @classmethod
@@ -94,6 +102,33 @@ class SamplingParams(BaseModel):
                 raise ValueError(f"the bias of token {token} is {bias}: it must be in [-100, 100]")
         return v or None
 
+    @field_validator("json_schema")
+    @classmethod
+    def _json_schema(cls, v: Optional[str]) -> Optional[str]:
+        """A schema that is not even JSON fails here, at the edge; what xgrammar cannot compile fails
+        where the request is made (:mod:`actors.engine.grammar`)."""
+        if v is None or v == ANY_JSON:
+            return v
+        try:
+            schema = json.loads(v)
+        except ValueError as exc:
+            raise ValueError(f"not valid JSON: {exc}") from None
+        if not isinstance(schema, (dict, bool)):
+            raise ValueError(f"a JSON schema is an object or a boolean, not {type(schema).__name__}")
+        return v
+
+    @model_validator(mode="after")
+    def _one_grammar(self):
+        """The grammar decides where the output ends: its end forces EOS, so ``min_new_tokens``
+        (which masks EOS) could leave no token to draw; the two are refused together."""
+        named = [name for name in GRAMMAR_FIELDS if getattr(self, name) is not None]
+        if len(named) > 1:
+            raise ValueError(f"{named[1]}: structured output takes one of {', '.join(GRAMMAR_FIELDS)}; "
+                             f"got {' and '.join(named)}")
+        if named and self.min_new_tokens:
+            raise ValueError(f"min_new_tokens: not supported with a grammar ({named[0]}), whose end ends the output")
+        return self
+
     @model_validator(mode="after")
     def _min_new_tokens(self):
         if self.min_new_tokens > self.max_new_tokens:
@@ -104,6 +139,11 @@ class SamplingParams(BaseModel):
     @property
     def is_greedy(self) -> bool:
         return self.temperature < SAMPLING_EPS or self.top_k == 1
+
+    @property
+    def grammar(self) -> Optional[Tuple[str, str]]:
+        """``(field, spec)`` of the request's grammar (:data:`GRAMMAR_FIELDS`); None without one."""
+        return next(((name, getattr(self, name)) for name in GRAMMAR_FIELDS if getattr(self, name) is not None), None)
 
     @property
     def has_penalties(self) -> bool:

@@ -31,6 +31,7 @@ from typing import Callable, List, Optional, Tuple
 import torch
 
 from actors.engine.finish import check_finished, stream_text
+from actors.engine.grammar import GrammarBackend
 from actors.engine.req import Req
 from actors.engine.sampling import Pick, pick_tokens
 from actors.engine.sparse_logits import LogitState
@@ -99,6 +100,8 @@ class Scheduler(PrefillAdmissionMixin, DecodeRetractionMixin):
                 eviction_policy=cfg.radix_eviction_policy, enable_kv_events=cfg.enable_kv_events,
             )
         self.policy = SchedulePolicy(cfg, self.tree_cache, self._match_prefix)
+        self.grammars = GrammarBackend(tokenizer, cfg.tokenizer_path or cfg.model_path, runner.model_config.vocab_size,
+                                       any_whitespace=not cfg.constrained_json_disable_any_whitespace)
         chunk = cfg.chunked_prefill_size if cfg.chunked_prefill_size is not None else 2048
         self.chunked_prefill_size = None if chunk <= 0 else max(self.page_size, chunk // self.page_size * self.page_size)
         self.context_len = min(runner.context_len, self._max_request_len())
@@ -140,8 +143,10 @@ class Scheduler(PrefillAdmissionMixin, DecodeRetractionMixin):
 
     def check_request(self, req: Req) -> None:
         """Refuse a prompt longer than a request may be, a token id outside the vocabulary in the
-        prompt or ``logit_bias``, or a priority without priority scheduling (ValueError); hold ``max_new_tokens`` to what fits after it,
-        as the context length would end it anyway — a reservation for more could never be granted."""
+        prompt or ``logit_bias``, a priority without priority scheduling, or a grammar that does not
+        compile (ValueError); hold ``max_new_tokens`` to what fits after it, as the context length
+        would end it anyway — a reservation for more could never be granted. A request with a
+        grammar gets its matcher here, compiled on the caller's thread (:mod:`actors.engine.grammar`)."""
         if len(req.origin_input_ids) >= self.context_len:
             held = "" if self.context_len == self.runner.context_len else " (what this worker's KV pool holds)"
             raise ValueError(f"prompt of {len(req.origin_input_ids)} tokens does not fit the context length "
@@ -158,6 +163,7 @@ class Scheduler(PrefillAdmissionMixin, DecodeRetractionMixin):
         if bad is not None:
             raise ValueError(f"logit_bias: token id {bad} is out of the vocabulary (ids are 0..{vocab - 1})")
         params.max_new_tokens = min(params.max_new_tokens, self.context_len - len(req.origin_input_ids))
+        req.grammar = self.grammars.matcher(params, req.eos_token_ids)
 
     # ---- the loop ---------------------------------------------------------------
     def step(self) -> List[Req]:
@@ -284,7 +290,7 @@ class Scheduler(PrefillAdmissionMixin, DecodeRetractionMixin):
         see whether it finished."""
         if pick is None:
             pick = self._pick_tokens([req], logits_row[None])[0]
-        req.output_ids.append(pick.token)
+        req.append_token(pick.token)
         if req.sampling_params.return_logprob:
             req.output_logprobs.append(pick.logprob)
             if pick.top_logprobs is not None:
@@ -298,7 +304,8 @@ class Scheduler(PrefillAdmissionMixin, DecodeRetractionMixin):
         ``[bs, vocab]`` (:func:`~actors.engine.sampling.pick_tokens`, which adjusts them in
         place and samples on their device): a request's bias, masks and seen tokens are kept
         with it (``req.logit_state``) and take only its new tokens each step; a seeded one
-        draws from its own generator on the logits' device."""
+        draws from its own generator on the logits' device; one with a grammar from the tokens
+        its matcher allows."""
         vocab = logits.shape[-1]
         states = []
         for req in reqs:
@@ -311,7 +318,7 @@ class Scheduler(PrefillAdmissionMixin, DecodeRetractionMixin):
                 state.sync(req.output_ids)
             states.append(state)
         generators = [req.generator_on(logits.device) for req in reqs]
-        return pick_tokens(logits, [r.sampling_params for r in reqs], generators, states)
+        return pick_tokens(logits, [r.sampling_params for r in reqs], generators, states, [r.grammar for r in reqs])
 
     def _process_prefill(self, reqs: List[Req], logits) -> List[Req]:
         out: List[Req] = []

@@ -1,0 +1,138 @@
+"""Structured outputs (constrained decoding) with xgrammar, SGLang's and vLLM's default backend.
+
+A request names at most one grammar, in SGLang's sampling params: ``json_schema`` (a JSON
+schema, or :data:`~actors.engine.sampling_params.ANY_JSON` for any JSON value), ``regex``
+or ``ebnf``. :class:`GrammarBackend` compiles it for the model's tokenizer and vocabulary
+when the request is made — on the caller's thread, never the engine loop's (xgrammar
+compiles without the GIL), an asyncio caller's in a worker thread (:func:`make_req_off_loop`)
+— with an LRU cache of compiled grammars keyed by ``(field, spec)``. A request is admitted
+with its grammar ready, as in SGLang, whose scheduler parks a request in its grammar queue
+until the compile is done; compiling before the request is queued also makes a spec that
+does not compile a ValueError naming its field, as any other bad parameter (a 400), not an
+abort after the fact.
+
+The request holds its own ``GrammarMatcher`` (``req.grammar``; its stop tokens the model's
+EOS ids). Where a row is sampled — a decode step, a prefill's last chunk; never a chunk
+before it — :func:`apply_grammar_masks` fills its row of a token bitmask and sets every
+token the grammar does not allow next to ``-inf``: after the bias, the min-tokens masks and
+the penalties, before the temperature and the filters (SGLang's order), so greedy and
+sampled rows both draw from the allowed tokens, and logprobs stay the raw model's. The
+token drawn advances the matcher (:meth:`~actors.engine.req.Req.append_token`); once it
+accepted EOS at the grammar's end it is terminated, and the request ends with ``stop``
+(:func:`~actors.engine.finish.check_finished`), with ``ignore_eos`` too: past its end the
+grammar allows nothing else.
+
+The matcher's state is always the one after ``output_ids``: a retracted request keeps its
+output (it is recomputed, not redrawn), so it keeps its matcher as it is. Only the
+scheduler that samples holds matchers: TP rank 0; under PD, the prefill worker's masks the
+first token and the decode worker's accepts it from the completion notice before its first
+decode step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import threading
+from collections import OrderedDict
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
+
+import torch
+import xgrammar as xgr
+
+from actors.engine.sampling_params import ANY_JSON, GRAMMAR_FIELDS, SamplingParams
+
+GRAMMAR_CACHE_SIZE = 256  # compiled grammars kept (a compiled JSON schema of a large vocabulary: a few MB)
+_WHAT = {"json_schema": "JSON schema", "regex": "regex", "ebnf": "EBNF grammar"}
+_LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")  # xgrammar's C++ log prefix
+
+
+def _compile(compiler: xgr.GrammarCompiler, field: str, spec: str, any_whitespace: bool) -> xgr.CompiledGrammar:
+    if field == "json_schema":
+        if spec == ANY_JSON:
+            return compiler.compile_builtin_json_grammar()
+        return compiler.compile_json_schema(spec, any_whitespace=any_whitespace)
+    if field == "regex":
+        return compiler.compile_regex(spec)
+    return compiler.compile_grammar(spec)
+
+
+class GrammarBackend:
+    """Grammars for one tokenizer and vocabulary (``vocab_size`` ids, the model's: the bitmask's
+    width). ``tokenizer``: the HF tokenizer; None loads it from ``tokenizer_path`` at the first
+    grammar (an engine without its tokenizer, ``skip_tokenizer_init``, still serves grammars).
+    ``any_whitespace``: a JSON schema's output may hold whitespace between its tokens (xgrammar's
+    and SGLang's default). Thread-safe: requests are made on their callers' threads."""
+
+    def __init__(self, tokenizer: Any, tokenizer_path: str, vocab_size: int, any_whitespace: bool = True,
+                 cache_size: int = GRAMMAR_CACHE_SIZE):
+        self.tokenizer, self.tokenizer_path, self.vocab_size = tokenizer, tokenizer_path, vocab_size
+        self.any_whitespace, self.cache_size = any_whitespace, cache_size
+        self._compiler: Optional[xgr.GrammarCompiler] = None
+        self._cache: "OrderedDict[Tuple[str, str], xgr.CompiledGrammar]" = OrderedDict()
+        self._lock = threading.Lock()
+
+    def _get_compiler(self, field: str) -> xgr.GrammarCompiler:
+        with self._lock:
+            if self._compiler is None:
+                tokenizer = self.tokenizer
+                if tokenizer is None:
+                    from transformers import AutoTokenizer
+
+                    try:
+                        tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_path, local_files_only=True)
+                    except (OSError, ValueError) as exc:
+                        raise ValueError(f"{field}: structured output needs the model's tokenizer, which did not "
+                                         f"load from {self.tokenizer_path}: {exc}") from None
+                info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size)
+                self._compiler = xgr.GrammarCompiler(info, cache_enabled=False)  # (the LRU below is the cache)
+            return self._compiler
+
+    def compile(self, field: str, spec: str) -> xgr.CompiledGrammar:
+        """``spec`` compiled as ``field`` says (one of ``GRAMMAR_FIELDS``), from the cache when it
+        is there; ValueError naming ``field`` when it does not compile."""
+        key = (field, spec)
+        with self._lock:
+            compiled = self._cache.get(key)
+            if compiled is not None:
+                self._cache.move_to_end(key)
+                return compiled
+        try:  # (unlocked: compiles of different grammars run side by side)
+            compiled = _compile(self._get_compiler(field), field, spec, self.any_whitespace)
+        except RuntimeError as exc:
+            reason = _LOG_PREFIX.sub("", str(exc).strip().splitlines()[0])
+            raise ValueError(f"{field}: the {_WHAT[field]} does not compile: {reason}") from None
+        with self._lock:
+            self._cache[key] = compiled
+            while len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
+        return compiled
+
+    def matcher(self, params: SamplingParams, eos_token_ids: Sequence[int]) -> Optional[xgr.GrammarMatcher]:
+        """A new matcher of the request's grammar (None without one), ending on ``eos_token_ids``
+        (none given: the stop tokens xgrammar finds in the tokenizer)."""
+        grammar = params.grammar
+        if grammar is None:
+            return None
+        return xgr.GrammarMatcher(self.compile(*grammar), override_stop_tokens=list(eos_token_ids) or None)
+
+
+async def make_req_off_loop(make_req: Callable[..., Any], sampling_params: Optional[Dict[str, Any]], *args):
+    """``make_req(*args)``: in a worker thread when ``sampling_params`` (as sent) name a grammar,
+    whose compile (milliseconds; seconds for a big schema over a large vocabulary) must not hold
+    up the caller's event loop and every stream it serves; on the loop otherwise."""
+    if sampling_params and any(sampling_params.get(name) is not None for name in GRAMMAR_FIELDS):
+        return await asyncio.to_thread(make_req, *args)
+    return make_req(*args)
+
+
+def apply_grammar_masks(logits: torch.Tensor, matchers: Sequence[Optional[xgr.GrammarMatcher]]) -> None:
+    """Set to ``-inf``, in place, the logits ``[bs, vocab]`` of every token row ``i``'s matcher
+    (``matchers[i]``; None: no grammar, left alone) does not allow next."""
+    rows = [i for i, matcher in enumerate(matchers) if matcher is not None]
+    if not rows:
+        return
+    bitmask = xgr.allocate_token_bitmask(logits.shape[0], logits.shape[-1])
+    for i in rows:
+        matchers[i].fill_next_token_bitmask(bitmask, i)
+    xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True), indices=rows)

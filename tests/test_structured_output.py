@@ -1,0 +1,173 @@
+"""Structured outputs on an in-process engine (the tiny llama and its byte-level tokenizer):
+greedy constrained decoding equals HF transformers' greedy under the same xgrammar mask,
+token for token; what ends with ``stop`` follows its JSON schema, regex or grammar, sampled
+too; a bad grammar is a ValueError naming its field; a retracted request keeps its grammar;
+through PD the prefill worker's first token is constrained and the decode worker goes on
+with the same grammar."""
+
+import json
+import re
+
+import pytest
+import torch
+import xgrammar as xgr
+from transformers import AutoTokenizer, LogitsProcessor, LogitsProcessorList
+
+from actors.engine import Engine
+from actors.engine.sampling_params import SamplingParams
+from actors.engine.tiny import build_tiny_checkpoint
+from tests.parity import hf_model
+from tests.pd_helpers import close_workers, make_pair, prompts, run_batch
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6}, "ok": {"type": "boolean"},
+                                           "n": {"enum": [1, 2, 3]}},
+          "required": ["name", "ok", "n"], "additionalProperties": False}
+REGEX = r"(cat|dog)-[0-9]{2,3}"
+TEXTS = ["Give me JSON:", "Hello there", "x", "The answer is", "{", "[1, 2"]
+# a random model writes JSON's optional whitespace until max_new_tokens, greedy: here it writes none
+NO_WHITESPACE = {"constrained_json_disable_any_whitespace": True}
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    return str(build_tiny_checkpoint("llama", tmp_path_factory.mktemp("tiny") / "llama", seed=0))
+
+
+@pytest.fixture(scope="module")
+def engine(model_path):
+    eng = Engine(model_path=model_path, max_total_tokens=4096, **NO_WHITESPACE)
+    yield eng
+    eng.shutdown()
+
+
+class GrammarMask(LogitsProcessor):
+    """HF's side of the oracle: an xgrammar matcher of its own, fed each token HF chose."""
+
+    def __init__(self, compiled: xgr.CompiledGrammar, prompt_len: int):
+        self.matcher, self.prompt_len = xgr.GrammarMatcher(compiled), prompt_len
+
+    def __call__(self, input_ids, scores):
+        if input_ids.shape[1] > self.prompt_len:
+            assert self.matcher.accept_token(int(input_ids[0, -1]))
+        bitmask = xgr.allocate_token_bitmask(1, scores.shape[-1])
+        self.matcher.fill_next_token_bitmask(bitmask)
+        xgr.apply_token_bitmask_inplace(scores, bitmask)
+        return scores
+
+
+def hf_constrained_greedy(model_path, prompt, compiled, max_new_tokens, eos_id):
+    input_ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = hf_model(model_path).generate(
+            input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens, do_sample=False,
+            eos_token_id=eos_id, pad_token_id=0,
+            logits_processor=LogitsProcessorList([GrammarMask(compiled, len(prompt))]))
+    return out[0, len(prompt):].tolist()
+
+
+def follows(kind: str, text: str) -> bool:
+    """A finished output's text follows its grammar (checked without xgrammar)."""
+    if kind == "regex":
+        return re.fullmatch(REGEX, text) is not None
+    value = json.loads(text, strict=False)  # (xgrammar's JSON strings take raw control characters, as JSON's do not)
+    return (set(value) == {"name", "ok", "n"} and isinstance(value["name"], str) and len(value["name"]) <= 6
+            and isinstance(value["ok"], bool) and value["n"] in (1, 2, 3))
+
+
+@pytest.mark.parametrize("kind,spec", [("json_schema", json.dumps(SCHEMA)), ("regex", REGEX)])
+def test_greedy_constrained_tokens_equal_hf_under_the_same_mask(engine, model_path, kind, spec):
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=engine.runner.model_config.vocab_size)
+    compiler = xgr.GrammarCompiler(info)
+    compiled = (compiler.compile_json_schema(spec, any_whitespace=False) if kind == "json_schema"
+                else compiler.compile_regex(spec))
+    params = {kind: spec, "temperature": 0, "max_new_tokens": 64}
+    ids = [tokenizer.encode(t) for t in TEXTS[:4]]
+    outs = engine.generate(input_ids=ids, sampling_params=params)
+    for prompt, out in zip(ids, outs):
+        assert out["output_ids"] == hf_constrained_greedy(model_path, prompt, compiled, 64, engine.eos_token_ids)
+        assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": engine.eos_token_ids[0]}, out
+        assert follows(kind, out["text"]), out
+    engine.check_integrity()
+
+
+@pytest.mark.parametrize("temperature", [0, 1])
+def test_finished_outputs_follow_their_schema_regex_or_grammar(engine, temperature):
+    """Batched with one another and with an unconstrained request; logprobs still the model's."""
+    grammars = [{"json_schema": json.dumps(SCHEMA)}, {"regex": REGEX}, {"ebnf": 'root ::= "yes" | "no" | "maybe"'},
+                {}]
+    params = [dict(g, temperature=temperature, seed=7 + i, max_new_tokens=64, return_logprob=True)
+              for i, g in enumerate(grammars * 3)]
+    ids = [engine.tokenizer.encode(t) for t in TEXTS] * 2
+    outs = engine.generate(input_ids=ids, sampling_params=params)
+    finished = {"json_schema": 0, "regex": 0, "ebnf": 0}
+    for p, out in zip(params, outs):
+        grammar = SamplingParams(**p).grammar
+        assert all(lp <= 0 for lp, _ in out["meta_info"]["output_token_logprobs"])
+        if grammar is None or out["meta_info"]["finish_reason"]["type"] != "stop":
+            continue
+        kind = grammar[0]
+        finished[kind] += 1
+        assert (out["text"] in ("yes", "no", "maybe")) if kind == "ebnf" else follows(kind, out["text"]), out
+    assert finished == {"json_schema": 3, "regex": 3, "ebnf": 3}
+    engine.check_integrity()
+
+
+def test_ignore_eos_still_ends_at_the_grammars_end(engine):
+    out = engine.generate(prompt="x", sampling_params={"regex": "ab", "ignore_eos": True, "max_new_tokens": 10})
+    assert out["text"] == "ab" and out["output_ids"][-1] == engine.eos_token_ids[0]
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": engine.eos_token_ids[0]}
+
+
+@pytest.mark.parametrize("params,field", [
+    ({"json_schema": '{"type": "nope"}'}, "json_schema: the JSON schema does not compile"),
+    ({"json_schema": "{"}, "json_schema"),
+    ({"regex": "(ab"}, "regex: the regex does not compile"),
+    ({"ebnf": "root ::= "}, "ebnf: the EBNF grammar does not compile"),
+    ({"regex": "a", "ebnf": 'root ::= "a"'}, "ebnf: structured output takes one of"),
+    ({"regex": "a+", "min_new_tokens": 2}, "min_new_tokens"),
+])
+def test_a_bad_grammar_is_refused_naming_its_field(engine, params, field):
+    with pytest.raises(ValueError, match=re.escape(field)):
+        engine.generate(prompt="x", sampling_params=params)
+    engine.check_integrity()
+
+
+def test_a_retracted_request_keeps_its_grammar(model_path):
+    """A pool too small for the batch retracts requests mid-output; their recomputed tokens, and the
+    grammar's, equal an unretracted run's."""
+    ids = prompts(6, 8, 12, seed=5)
+    params = {"json_schema": json.dumps(SCHEMA), "temperature": 0, "max_new_tokens": 40}
+    small = Engine(model_path=model_path, max_total_tokens=160, max_running_requests=6, chunked_prefill_size=-1)
+    try:
+        retracted = small.generate(input_ids=ids, sampling_params=params)
+        assert small.scheduler.num_retractions > 0
+        small.check_integrity()
+    finally:
+        small.shutdown()
+    big = Engine(model_path=model_path, max_total_tokens=4096)
+    try:
+        unretracted = big.generate(input_ids=ids, sampling_params=params)
+        assert [o["output_ids"] for o in retracted] == [o["output_ids"] for o in unretracted]
+    finally:
+        big.shutdown()
+
+
+def test_pd_constrains_the_first_token_and_the_decode_side_goes_on_with_the_grammar(engine, model_path):
+    """The prefill worker samples the first token under the grammar (a JSON object starts with
+    ``{``, a regex match with ``c`` or ``d``); the decode worker's matcher takes it and goes on:
+    tokens equal the single engine's."""
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    ids = [tokenizer.encode(t) for t in TEXTS[:3]]
+    prefill, decode = make_pair(model_path, page_size=4, prefill_args=NO_WHITESPACE, decode_args=NO_WHITESPACE)
+    try:
+        for kind, spec, first in (("json_schema", json.dumps(SCHEMA), "{"), ("regex", REGEX, "cd")):
+            params = {kind: spec, "temperature": 0, "max_new_tokens": 64}
+            results = run_batch(prefill, decode, ids, params)
+            expected = engine.generate(input_ids=ids, sampling_params=params)
+            for (final, notice, _), want in zip(results, expected):
+                assert tokenizer.decode([notice["first_token"]]) in first
+                assert final["output_ids"] == want["output_ids"]
+                assert final["meta_info"]["finish_reason"] == want["meta_info"]["finish_reason"]
+    finally:
+        close_workers(prefill, decode)
