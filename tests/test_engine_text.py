@@ -24,6 +24,16 @@ def test_text_prompt_and_token_prompt_agree(engine):
     assert by_text["text"] == engine.tokenizer.decode(by_text["output_ids"], skip_special_tokens=True)
 
 
+def test_a_batch_of_text_prompts_keeps_its_order(engine):
+    """``generate(prompt=[...])``: one result per prompt, in order, each as the prompt alone gives."""
+    params = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
+    prompts = ["a batch", "of text prompts", "in order"]
+    outs = engine.generate(prompt=prompts, sampling_params=params)
+    assert [o["output_ids"] for o in outs] == [engine.generate(prompt=p, sampling_params=params)["output_ids"]
+                                               for p in prompts]
+    engine.check_integrity()
+
+
 def test_stop_string_cuts_the_text_before_it(engine):
     params = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
     full = engine.generate(prompt="stop strings", sampling_params=params)["text"]

@@ -162,7 +162,7 @@ class Engine:
         batched = isinstance(prompt, list) or (input_ids is not None and input_ids and isinstance(input_ids[0], list))
         n = len(prompt) if isinstance(prompt, list) else (len(input_ids) if batched else 1)
         prompts = prompt if isinstance(prompt, list) else [prompt] * n
-        ids = input_ids if batched else [input_ids] * n
+        ids = input_ids if batched and input_ids is not None else [input_ids] * n  # (a batch of text prompts: None each)
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * n
         rids = rid if isinstance(rid, list) else [rid] * n
         priorities = priority if isinstance(priority, list) else [priority] * n
