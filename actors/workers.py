@@ -369,6 +369,8 @@ class DecodeWorker(_Worker):
         self._streaming: set = set()  # rids whose stream() is reading their queue
         # rid -> queue of a request that ended (failed transfer, timeout) before its stream() came
         self._ended_early: "collections.OrderedDict[str, asyncio.Queue]" = collections.OrderedDict()
+        # (rid, room) -> aborted: reservations whose grammar compiles off the loop, not yet submitted
+        self._making: Dict[Tuple[str, int], bool] = {}
 
     async def reserve(self, rid: str, input_ids: List[int], sampling_params: Optional[Dict[str, Any]],
                       backend: Optional[str] = None, room: Optional[int] = None, priority: int = 0) -> List[bytes]:
@@ -384,9 +386,16 @@ class DecodeWorker(_Worker):
             raise PDRequestError(f"backend {backend!r} not served here; this worker has {sorted(self.agents)}")
         if room is not None and not (isinstance(room, int) and 0 <= room < 2**63):
             raise ValueError(f"room must be an integer in [0, 2**63), got {room!r}")
-        req = await make_req_off_loop(self._make_req, sampling_params, rid, input_ids, sampling_params, priority)
-        req.pd_room = random.getrandbits(63) if room is None else room
-        req.pd_backend = backend
+        room = random.getrandbits(63) if room is None else room
+        key = (rid, room)
+        self._making[key] = False  # (an abort while its grammar compiles marks it: seen below, before it is submitted)
+        try:
+            req = await make_req_off_loop(self._make_req, sampling_params, rid, input_ids, sampling_params, priority)
+        finally:
+            aborted = self._making.pop(key)
+        if aborted:
+            raise PDRequestError(f"request {rid!r} was aborted before its reservation was made")
+        req.pd_room, req.pd_backend = room, backend
         queue = self._submit(req)
         self._queues[rid] = queue
         try:
@@ -472,6 +481,9 @@ class DecodeWorker(_Worker):
         ``room``: only the attempt reserved with that room — a late abort of an earlier
         attempt, or of a refused duplicate, leaves the request now under the id alone.
         The request's last word (the abort) goes to whoever waits on it, as any ending does."""
+        for key in self._making:
+            if key[0] == rid and room in (None, key[1]):
+                self._making[key] = True
         return self.loop.run_exclusive(lambda: self.scheduler.abort(rid, message, safe, room))
 
     def load(self) -> Dict[str, Any]:

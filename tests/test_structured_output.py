@@ -171,3 +171,43 @@ def test_pd_constrains_the_first_token_and_the_decode_side_goes_on_with_the_gram
                 assert final["meta_info"]["finish_reason"] == want["meta_info"]["finish_reason"]
     finally:
         close_workers(prefill, decode)
+
+
+def test_an_abort_while_a_reservations_grammar_compiles_ends_it_before_it_holds_anything(model_path, monkeypatch):
+    """The decode worker compiles a reservation's grammar off its event loop; an abort that comes
+    meanwhile (the client gave up) ends the reservation as soon as the compile returns, before
+    it takes a row or slots, rather than leaving it to wait out its notice's timeout."""
+    import asyncio
+    import threading
+
+    from actors.pd_scheduler import PDRequestError
+
+    prefill, decode = make_pair(model_path, page_size=4, prefill_args=NO_WHITESPACE, decode_args=NO_WHITESPACE)
+    compiling, go_on = threading.Event(), threading.Event()
+    make_req = decode._make_req
+
+    def slow_make_req(*args):
+        compiling.set()
+        assert go_on.wait(30), "the abort never came"
+        return make_req(*args)
+
+    monkeypatch.setattr(decode, "_make_req", slow_make_req)
+
+    async def go():
+        params = {"regex": REGEX, "temperature": 0, "max_new_tokens": 8}
+        reserving = asyncio.ensure_future(decode.reserve("r", [5, 6, 7, 8], params, room=11))
+        await asyncio.to_thread(compiling.wait, 30)
+        assert await decode.abort("r", "the client went away", room=11) is False  # (nothing of it held yet)
+        go_on.set()
+        with pytest.raises(PDRequestError, match="aborted before its reservation"):
+            await reserving
+        # a later attempt under the id (another room) is served
+        monkeypatch.setattr(decode, "_make_req", make_req)
+        assert len(await decode.reserve("r", [5, 6, 7, 8], params, room=12)) == 1
+        assert await decode.abort("r", "done", safe=True, room=12)
+
+    try:
+        asyncio.run(go())
+        assert not decode.scheduler.prealloc and not decode.scheduler.transfer
+    finally:
+        close_workers(prefill, decode)
