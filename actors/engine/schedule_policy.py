@@ -14,7 +14,7 @@ allocation.
 Candidates are tried in the order of the scheduler's ``policy``
 (:mod:`actors.engine.schedule_order`); with priority scheduling a request that
 finds no row or room may preempt running requests of a much lower priority
-(``_preempt_for``).
+(:mod:`actors.engine.preemption`).
 
 The mixin reads the scheduler's ``runner``, ``config``, ``tree_cache``,
 ``page_size``, queues (``waiting``, ``running``, ``chunked_req``),
@@ -30,6 +30,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
+from actors.engine.preemption import PreemptionMixin
 from actors.engine.req import Req
 from actors.engine.schedule_batch import prepare_for_extend
 from mem_cache.kv_events import ReuseRule
@@ -38,7 +39,7 @@ from mem_cache.radix_key import RadixKey
 logger = logging.getLogger(__name__)
 
 
-class PrefillAdmissionMixin:
+class PrefillAdmissionMixin(PreemptionMixin):
     """Waiting requests, the room they may take, and the next prefill batch (``_next_prefill``)."""
 
     def add_request(self, req: Req) -> None:
@@ -163,36 +164,6 @@ class PrefillAdmissionMixin:
             self.tree_cache.dec_lock_ref(old)  # (a host tier means a plain tree: no SWA or state locks)
             req.cache_protected_len = len(req.prefix_indices)
         return before - self._free_room()[0]
-
-    def _preemptible(self, req: Req) -> List[Req]:
-        """The running requests ``req`` may preempt (priority scheduling): those whose priority is
-        more than ``priority_scheduling_preemption_threshold`` below its own, in the order
-        preemption takes them — the lowest first, the latest of a priority first."""
-        if not self.config.enable_priority_scheduling:
-            return []
-        threshold, rank = self.config.priority_scheduling_preemption_threshold, self.policy.rank
-        ordered = sorted(self.running, key=lambda r: (-rank(r), -r.created_time))
-        return [r for r in ordered if rank(r) - rank(req) > threshold]
-
-    def _preempt_for(self, req: Req, short: int) -> bool:
-        """Priority scheduling (SGLang's ``preempt_to_schedule``): retract :meth:`_preemptible`
-        running requests, at least one (its row is then ``req``'s), until about ``short`` more
-        slots come back (each gives back its decode reserve and the KV its row holds beyond the
-        cache's). None is retracted unless all it takes are. True: some were (they wait again,
-        their output kept)."""
-        victims, room = [], 0
-        for running in self._preemptible(req):
-            if victims and room >= short:
-                break
-            victims.append(running)
-            room += self._request_reserve(running, running.kv_allocated_len)
-            room += running.kv_allocated_len - running.cache_protected_len
-        if not victims or room < short:
-            return False
-        for running in victims:
-            self._retract(running)
-        logger.info("request %s (priority %d) preempted %s", req.rid, req.priority, [r.rid for r in victims])
-        return True
 
     def _paged(self, req: Req, num_tokens: int) -> int:
         """Slots the allocator takes for ``num_tokens`` after the request's prefix: whole pages
