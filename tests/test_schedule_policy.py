@@ -1,7 +1,8 @@
 """The order admission tries waiting requests in (``schedule_policy``, priority scheduling) and
 priority preemption: each policy's order against a brute-force expectation on a constructed
 queue and tree, the cache-aware policies' fcfs fallback, lpm's in-batch deprioritisation, and
-an engine whose high-priority request preempts a running one (greedy tokens still HF's)."""
+engines whose high-priority request preempts a running one for a row, room in each KV pool or a
+Mamba state slot, or retracts nothing when that cannot make room (greedy tokens still HF's)."""
 
 import pytest
 
@@ -134,9 +135,9 @@ def model_dir(tmp_path_factory):
     return str(build_tiny_checkpoint("llama", tmp_path_factory.mktemp("tiny-llama"), seed=0))
 
 
-def priority_engine(model_dir, max_total_tokens=1024, max_running_requests=2):
+def priority_engine(model_dir, max_total_tokens=1024, max_running_requests=2, **kwargs):
     return Engine(model_path=model_dir, skip_tokenizer_init=True, max_total_tokens=max_total_tokens,
-                  max_running_requests=max_running_requests, enable_priority_scheduling=True)
+                  max_running_requests=max_running_requests, enable_priority_scheduling=True, **kwargs)
 
 
 def greedy_reqs(engine, prompts, priorities, max_new_tokens, ignore_eos=False):
@@ -245,6 +246,108 @@ def test_a_request_that_preemption_cannot_make_room_for_retracts_nothing(model_d
             assert sched.running == [reqs["low1"], reqs["low0"]] and sched.waiting == [reqs["high"]]  # (by priority)
             assert sched.num_retractions == 0
             finish_and_check(engine, model_dir, prompts, reqs, 40, ignore_eos=True)
+
+        engine.loop.run_exclusive(scenario)
+    finally:
+        engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def gemma3_dir(tmp_path_factory):
+    return str(build_tiny_checkpoint("gemma3", tmp_path_factory.mktemp("tiny-gemma3"), seed=0))
+
+
+def test_a_request_short_of_swa_room_preempts_for_the_window_a_victim_holds_in_the_tree(gemma3_dir):
+    """Gemma 3 (window 16), a 64-slot SWA pool: a 30-token conversation is cached; a priority-0
+    request extending it locks its 31-token path, SWA included (whole nodes), and decodes. A
+    priority-20 40-token arrival lacks 13 SWA slots (none of the 512 full ones): the priority-0
+    request gives back 34 (its row's, its reserve's, and the tree's window only its lock held). (In
+    full-pool terms, its reserve and row beyond the cache: 3 slots, and it was not preempted.)"""
+    prompts = {"warm": list(range(10, 40)), "low": list(range(10, 40)) + [50], "high": list(range(60, 100))}
+    engine = priority_engine(gemma3_dir, max_total_tokens=512, max_running_requests=4, swa_full_tokens_ratio=0.125)
+    try:
+        sched = engine.scheduler
+        reqs = greedy_reqs(engine, prompts, dict(high=20), 5, ignore_eos=True)
+
+        def scenario():
+            sched.add_request(reqs["warm"])
+            while sched.has_work():
+                sched.step()
+            sched.add_request(reqs["low"])
+            sched.step()
+            sched.step()
+            sched.add_request(reqs["high"])
+            sched.step()
+            assert sched.running == [reqs["high"]] and sched.waiting == [reqs["low"]] and sched.num_retractions == 1
+            finish_and_check(engine, gemma3_dir, prompts, reqs, 5, ignore_eos=True)
+
+        engine.loop.run_exclusive(scenario)
+    finally:
+        engine.shutdown()
+
+
+def test_a_request_that_a_victims_swa_room_cannot_make_room_for_retracts_nothing(gemma3_dir):
+    """Gemma 3, a 128-slot SWA pool: a priority-15 request holds 40 tokens' SWA, a priority-0
+    4-token one decodes with 60 new tokens to go. A priority-20 72-token arrival lacks 25 SWA slots;
+    retracting the priority-0 request gives back 21 (its reserve is 41 full slots, but at most a
+    window's 16 SWA ones): it retracts nothing and waits. (Counted in full-pool slots, 42 were
+    enough: it was retracted, the arrival still did not fit, and it had been retracted in vain.)"""
+    prompts = {"mid": list(range(100, 140)), "low": [5, 6, 7, 8], "high": list(range(60, 132))}
+    engine = priority_engine(gemma3_dir, max_total_tokens=512, max_running_requests=4, swa_full_tokens_ratio=0.25)
+    try:
+        sched = engine.scheduler
+        reqs = greedy_reqs(engine, prompts, dict(mid=15, high=20), 60, ignore_eos=True)
+        reqs["mid"].sampling_params.max_new_tokens = reqs["high"].sampling_params.max_new_tokens = 30
+
+        def scenario():
+            sched.add_request(reqs["mid"])
+            sched.add_request(reqs["low"])
+            sched.step()
+            sched.step()
+            sched.add_request(reqs["high"])
+            sched.step()
+            assert sched.running == [reqs["mid"], reqs["low"]] and sched.waiting == [reqs["high"]]
+            assert sched.num_retractions == 0
+            while sched.has_work():
+                sched.step()
+            assert all(r.finished for r in reqs.values()) and reqs["low"].num_retractions == 0
+            for rids, max_new in [(["mid", "high"], 30), (["low"], 60)]:
+                assert_greedy_parity(gemma3_dir, [prompts[r] for r in rids], [reqs[r].output_ids for r in rids], max_new)
+            engine._check_integrity()
+
+        engine.loop.run_exclusive(scenario)
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("cached", [True, False])
+def test_a_higher_priority_request_preempts_for_a_mamba_state_slot(tmp_path_factory, monkeypatch, cached):
+    """Qwen3-Next, three Mamba state slots: a priority-15 and a priority-0 request decode, and the
+    third holds the state the cache keeps of the first's prompt (under its lock). A priority-20
+    arrival has KV room and a row, not a state slot: ``cached``, it extends that prompt and the
+    copy of the state finds no slot; else its row finds none. It preempts the priority-0 request
+    for its slot, and only it. (It stopped at the failed copy, or was planned without the slot
+    and failed its allocation: no preemption was tried.) Greedy tokens are HF's; nothing leaks."""
+    from actors.engine.model_runner import ModelRunner
+
+    model_dir = str(build_tiny_checkpoint("qwen3_next", tmp_path_factory.mktemp("tiny-qwen3-next"), seed=0))
+    monkeypatch.setattr(ModelRunner, "_num_mamba_slots", lambda self, max_running_requests: 3)
+    prompts = {"mid": [9, 10, 11], "low": [5, 6, 7, 8], "high": [9, 10, 11, 7, 8] if cached else list(range(60, 70))}
+    engine = priority_engine(model_dir, max_total_tokens=512, max_running_requests=4)
+    try:
+        sched, tree = engine.scheduler, engine.scheduler.tree_cache
+        reqs = greedy_reqs(engine, prompts, dict(mid=15, high=20), 6, ignore_eos=True)
+
+        def scenario():
+            sched.add_request(reqs["mid"])
+            sched.add_request(reqs["low"])
+            sched.step()
+            assert engine.runner.mamba_pool.available_size() == tree.mamba_evictable_size() == 0
+            sched.add_request(reqs["high"])
+            sched.step()
+            assert sched.running == [reqs["mid"], reqs["high"]] and sched.waiting == [reqs["low"]]
+            assert sched.num_retractions == 1 and reqs["high"].cached_tokens == (3 if cached else 0)
+            finish_and_check(engine, model_dir, prompts, reqs, 6, ignore_eos=True)
 
         engine.loop.run_exclusive(scenario)
     finally:

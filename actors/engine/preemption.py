@@ -3,19 +3,30 @@
 :class:`~actors.engine.schedule_policy.PrefillAdmissionMixin`: a waiting request that finds no
 row or room may retract running requests of a much lower priority.
 
-Reads the scheduler's ``config``, ``policy`` and ``running``, and the admission's room
-accounting (``_request_reserve``); retracts with ``_retract``
+Reads the scheduler's ``config``, ``policy``, ``running``, ``runner``, ``tree_cache`` and
+model kind (``swa``, ``hybrid``), and the admission's room accounting (``_request_reserve``,
+``_swa_reserve``, ``_paged_after``); retracts with ``_retract``
 (:mod:`actors.engine.schedule_batch`).
 """
 
 from __future__ import annotations
 
 import logging
-from typing import List
+from typing import List, NamedTuple, Tuple
 
 from actors.engine.req import Req
 
 logger = logging.getLogger(__name__)
+
+
+class Room(NamedTuple):
+    """Request rows, full-pool KV slots, SWA KV slots and Mamba state slots (0 for a pool the
+    model does not have): what a request lacks, or what retractions give back."""
+
+    rows: int
+    full: int
+    swa: int
+    states: int
 
 
 class PreemptionMixin:
@@ -31,22 +42,69 @@ class PreemptionMixin:
         ordered = sorted(self.running, key=lambda r: (-rank(r), -r.created_time))
         return [r for r in ordered if rank(r) - rank(req) > threshold]
 
-    def _preempt_for(self, req: Req, short: int) -> bool:
-        """Priority scheduling (SGLang's ``preempt_to_schedule``): retract :meth:`_preemptible`
-        running requests, at least one (its row is then ``req``'s), until about ``short`` more
-        slots come back (each gives back its decode reserve and the KV its row holds beyond the
-        cache's). None is retracted unless all it takes are. True: some were (they wait again,
-        their output kept)."""
-        victims, room = [], 0
-        for running in self._preemptible(req):
-            if victims and room >= short:
+    def _preempt_for(self, req: Req, short: Room) -> bool:
+        """Priority scheduling (SGLang's ``preempt_to_schedule``): retract the fewest
+        :meth:`_preemptible` running requests, in their order, whose retraction gives back all
+        ``req`` lacks of each resource (``short``: a row, full and SWA slots, state slots). None is
+        retracted unless all it takes are. The count is exact (:meth:`_freed_by`): counted in one
+        pool for a shortage in another, a request was retracted in vain, or not for one it would
+        have made room for. True: some were (they wait again, their output kept)."""
+        preemptible = self._preemptible(req)
+        for n in range(1, len(preemptible) + 1):
+            if all(freed >= lack for freed, lack in zip(self._freed_by(preemptible[:n]), short)):
                 break
-            victims.append(running)
-            room += self._request_reserve(running, running.kv_allocated_len)
-            room += running.kv_allocated_len - running.cache_protected_len
-        if not victims or room < short:
+        else:
             return False
-        for running in victims:
+        for running in preemptible[:n]:
             self._retract(running)
-        logger.info("request %s (priority %d) preempted %s", req.rid, req.priority, [r.rid for r in victims])
+        logger.info("request %s (priority %d) preempted %s", req.rid, req.priority, [r.rid for r in preemptible[:n]])
         return True
+
+    def _freed_by(self, victims: List[Req]) -> Room:
+        """What retracting ``victims`` adds to the plan's room (:meth:`_prefill_room`,
+        :meth:`_free_states`): each one's row and decode reserve; the whole pages of its row past
+        the cache's prefix (in the SWA pool, those past what slid out of its window); a hybrid
+        model's state slots of its row; and what of the tree only their locks hold, evictable once
+        they are gone (:meth:`_released_by_unlock`)."""
+        full = swa = states = 0
+        per_row = 3 if getattr(self.runner.req_to_token_pool, "enable_mamba_extra_buffer", False) else 1
+        for running in victims:
+            reserve = self._request_reserve(running, running.kv_allocated_len)
+            # [0, protected)               the tree's (locked: _released_by_unlock)
+            # [protected, committed)       the row's full KV: freed
+            # [swa_evicted, committed)     the row's SWA KV (before it slid out of the window: freed already)
+            committed, protected = running.kv_committed_len, running.cache_protected_len
+            full += reserve + self._paged_after(protected, committed - protected)
+            if self.swa:
+                start = max(running.swa_evicted_seqlen, protected)
+                swa += self._swa_reserve(reserve) + self._paged_after(start, committed - start)
+            states += per_row if self.hybrid else 0
+        tree_full, tree_swa, tree_states = self._released_by_unlock(victims)
+        return Room(len(victims), full + tree_full, swa + tree_swa, states + tree_states)
+
+    def _released_by_unlock(self, victims: List[Req]) -> Tuple[int, int, int]:
+        """Full KV tokens, SWA KV tokens and Mamba states of the tree that only ``victims``' locks
+        hold, walked as ``dec_lock_ref`` does: each one's path, its SWA window (up to the node of
+        its ``swa_uuid_for_lock``) and its node's state (none for a KV-only lock). A node another
+        request also locks — the arrival's own prefix among them — stays protected. (A node a
+        host-tier backup in flight locks counts as not released: the estimate errs short.)"""
+        tree, root = self.tree_cache, self.tree_cache.root_node
+        full_locks, swa_locks, state_locks = {}, {}, {}  # id(node) -> [node, the victims' locks on it]
+
+        def count(locks, node):
+            locks.setdefault(id(node), [node, 0])[1] += 1
+
+        for running in victims:
+            node, in_window = running.last_node, self.swa
+            if self.hybrid and not running.kv_only_lock and node is not root and node.mamba_value is not None:
+                count(state_locks, node)
+            while node is not root:
+                count(full_locks, node)
+                if in_window:
+                    count(swa_locks, node)
+                    in_window = running.swa_uuid_for_lock is None or node.swa_uuid != running.swa_uuid_for_lock
+                node = node.parent
+        full_ref = (lambda n: n.full_lock_ref) if self.swa or self.hybrid else (lambda n: n.lock_ref)
+        return (sum(len(n.key) for n, c in full_locks.values() if full_ref(n) == c),
+                sum(len(n.key) for n, c in swa_locks.values() if n.swa_lock_ref == c),
+                sum(1 for n, c in state_locks.values() if n.mamba_lock_ref == c))

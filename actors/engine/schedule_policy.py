@@ -7,14 +7,14 @@ requests' future decode tokens (``remaining max_new_tokens ×
 new_token_ratio``, each request's in the whole pages they fill after its own
 KV) fit in free + evictable slots (for a sliding-window model, also in its
 SWA pool); a long prompt is cut into
-``chunked_prefill_size`` chunks. A hybrid model's request whose cached Mamba
-state cannot be copied (every state slot held) waits, as for any failed
-allocation.
+``chunked_prefill_size`` chunks. A hybrid model's request also needs its Mamba
+state slots (free or evictable); one whose cached state cannot be copied (every
+slot held) waits, as for any failed allocation.
 
 Candidates are tried in the order of the scheduler's ``policy``
 (:mod:`actors.engine.schedule_order`); with priority scheduling a request that
-finds no row or room may preempt running requests of a much lower priority
-(:mod:`actors.engine.preemption`).
+finds no row, room or state slot may preempt running requests of a much lower
+priority (:mod:`actors.engine.preemption`).
 
 The mixin reads the scheduler's ``runner``, ``config``, ``tree_cache``,
 ``page_size``, queues (``waiting``, ``running``, ``chunked_req``),
@@ -30,7 +30,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from actors.engine.preemption import PreemptionMixin
+from actors.engine.preemption import PreemptionMixin, Room
 from actors.engine.req import Req
 from actors.engine.schedule_batch import prepare_for_extend
 from mem_cache.kv_events import ReuseRule
@@ -193,6 +193,21 @@ class PrefillAdmissionMixin(PreemptionMixin):
             return full - sum(reserves), None
         return full - sum(reserves), swa - sum(self._swa_reserve(n) for n in reserves)
 
+    def _free_states(self) -> int:
+        """Mamba state slots free or evictable (0 without Mamba layers)."""
+        if not self.hybrid:
+            return 0
+        return self.runner.mamba_pool.available_size() + self.tree_cache.mamba_evictable_size()
+
+    def _state_need(self, req: Req) -> int:
+        """State slots a new request's row takes (0 without Mamba layers): its working slot, unless
+        its match copied the cached state into one, and two track slots with ``extra_buffer``.
+        (Unplanned, a request the pool had no slot for was planned and failed its allocation.)"""
+        if not self.hybrid:
+            return 0
+        working = 0 if req.mamba_pool_idx is not None else 1
+        return working + (2 if self.runner.req_to_token_pool.enable_mamba_extra_buffer else 0)
+
     def _swa_reserve(self, reserve: int) -> int:
         """SWA slots of one request's decode reserve of ``reserve`` full slots (whole pages: the
         SWA pages are allocated as the full ones): a decoding request holds at most
@@ -272,6 +287,7 @@ class PrefillAdmissionMixin(PreemptionMixin):
         if budget_running <= 0 and not self.config.enable_priority_scheduling:  # (else a waiting one may preempt)
             return None, None
         rem_total, rem_swa = self._prefill_room()
+        rem_states = self._free_states()
         rem_input, rem_chunk = self.config.max_prefill_tokens, self.chunked_prefill_size
         picked: List[Req] = []
         candidates = ([self.chunked_req] if self.chunked_req else []) + self.policy.order(self.waiting)
@@ -290,18 +306,21 @@ class PrefillAdmissionMixin(PreemptionMixin):
                     continue
                 self.tree_cache.finish_prefetch(req.prefetch_op)
                 req.prefetch_op = None
+            copied = True
             if new_req:
-                if not self._match_prefix(req, admit=True):  # no Mamba slot for its state's copy: all are
-                    break  # held (running requests', locked nodes'); it keeps its place (SGLang: a failed alloc)
                 # locking its prefix takes what of it was evictable out of the room (SGLang's PrefillAdder
                 # reads the room after each lock): counted as room, every step planned the same batch
-                # that could not be allocated, forever
-                before = self._free_room()
+                # that could not be allocated, forever; so does the state slot its match copies into
+                before, states_before = self._free_room(), self._free_states()
+                copied = self._match_prefix(req, admit=True)
+                if not copied and not self._preemptible(req):  # no Mamba slot for its state's copy: all are held
+                    break  # (running requests', locked nodes'); it keeps its place (SGLang: a failed alloc)
                 self._lock_planned(req)
                 after = self._free_room()
                 rem_total -= before[0] - after[0]
                 if rem_swa is not None:
                     rem_swa -= before[1] - after[1]
+                rem_states -= states_before - self._free_states()
             else:  # a chunked request continues after its cached chunks
                 req.fill_ids = req.all_ids()
             extend = req.extend_input_len
@@ -313,18 +332,22 @@ class PrefillAdmissionMixin(PreemptionMixin):
             chunk = extend if rem_chunk is None else min(extend, rem_chunk // self.page_size * self.page_size)
             swa_need = self._paged(req, chunk) + self._swa_reserve(reserve) + self.page_size
             need = self._paged(req, extend) + reserve + self.page_size
-            short = max(need - rem_total, 0 if rem_swa is None else swa_need - rem_swa)  # slots it lacks
+            state_need = self._state_need(req) if new_req else 0
+            short = Room(int(row_short), need - rem_total, 0 if rem_swa is None else swa_need - rem_swa,
+                         state_need - rem_states)  # what it lacks of each
             over_budget = (picked and extend > rem_input) or (chunk < extend and chunk <= 0)
-            fits = short <= 0 and not over_budget and not row_short
+            fits = max(short) <= 0 and not over_budget
             if not fits and not over_budget and new_req:
-                room = self._prefill_room()  # what the preempted requests give back comes into the plan's room
-                if self._preempt_for(req, short):
+                room, states = self._prefill_room(), self._free_states()  # what the preempted give back
+                if self._preempt_for(req, short):  # comes into the plan's room (all it lacks: it fits now)
                     after = self._prefill_room()
                     rem_total += after[0] - room[0]
                     if rem_swa is not None:
                         rem_swa += after[1] - room[1]
+                    rem_states += self._free_states() - states
                     budget_running = self.runner.max_running_requests - len(self.running) - self._rows_held_elsewhere()
-                    fits = need <= rem_total and (rem_swa is None or swa_need <= rem_swa)
+                    fits = need <= rem_total and (rem_swa is None or swa_need <= rem_swa) and state_need <= rem_states
+                    fits = fits and (copied or self._match_prefix(req, admit=True))  # its state's copy, now
             if not fits:
                 if new_req:
                     self._drop_planned(req)
@@ -344,6 +367,7 @@ class PrefillAdmissionMixin(PreemptionMixin):
             rem_total -= self._paged(req, extend) + reserve
             if rem_swa is not None:
                 rem_swa -= swa_need - self.page_size
+            rem_states -= state_need
             rem_input -= extend
             if rem_chunk is not None:
                 rem_chunk -= extend
