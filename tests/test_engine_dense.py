@@ -52,17 +52,19 @@ def test_batch_of_different_lengths(model_dir, page_size):
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_shared_prefix_is_reused(model_dir, page_size, monkeypatch):
     """The cached system prompt is long enough that the torch backend attends it in cascade,
-    once for the whole batch, in prefill and decode."""
+    once for the whole batch's query tokens, in prefill (all the new ones) and decode (one each)."""
     cascades = []
     attend_shared = torch_backend.attend_shared
     monkeypatch.setattr(torch_backend, "attend_shared",
                         lambda q, *kv_layer: cascades.append(q.shape[0]) or attend_shared(q, *kv_layer))
     system = prompts(1, 80, 80, seed=7)[0]
     engine, first = run(model_dir, prompts(1, 5, 5, shared=system), page_size=page_size, max_total_tokens=4096)
-    second = engine.generate(input_ids=prompts(3, 3, 9, seed=1, shared=system), sampling_params={"max_new_tokens": 8, "temperature": 0})
+    batch = prompts(3, 3, 9, seed=1, shared=system)
+    second = engine.generate(input_ids=batch, sampling_params={"max_new_tokens": 8, "temperature": 0})
     assert all(o["meta_info"]["cached_tokens"] >= 80 // page_size * page_size for o in second)
-    assert cascades and set(cascades) == {3}  # all three requests a family, on every layer
-    assert_greedy_parity(model_dir, prompts(3, 3, 9, seed=1, shared=system), [o["output_ids"] for o in second], 8, engine.eos_token_ids)
+    new_tokens = sum(len(p) - o["meta_info"]["cached_tokens"] for p, o in zip(batch, second))
+    assert set(cascades) == {new_tokens, 3}  # all three requests a family, on every layer
+    assert_greedy_parity(model_dir, batch, [o["output_ids"] for o in second], 8, engine.eos_token_ids)
     engine.check_integrity()
 
 

@@ -87,17 +87,21 @@ def cases(draw):
 def family_cases(draw):
     """Full attention over requests in up to two families, each of whose rows begin with the
     family's slots, up to 16 before the request's first query (a radix-cached prefix) or past it
-    (only the slots before it are a prefix to share), and requests of their own; shared prefixes
-    shorter and longer than ``min_shared_len``."""
+    (only the slots before it are a prefix to share) or far before it (a long conversation after
+    a short system prompt), and requests of their own; shared prefixes shorter and longer than
+    ``min_shared_len``; the two families nested in one that shares fewer (or more) slots."""
     case = draw(cases())
     decode = all(e == 1 for e in case["extend"])
     family_of = draw(st.lists(st.integers(0, 2), min_size=2, max_size=5))  # 0: a request of its own
     num_slots = [0] + [draw(st.integers(1, 112)) for _ in range(2)]
-    prefix = [max(0, num_slots[f] + draw(st.integers(-16, 16))) if f else draw(st.integers(0, 128)) for f in family_of]
+    prefix = [max(0, num_slots[f] + draw(st.integers(-16, 16) | st.integers(17, MAX_CONTEXT - 1 - num_slots[f])))
+              if f else draw(st.integers(0, 128)) for f in family_of]
     extend = [1 if decode else draw(st.integers(1, min(32, MAX_CONTEXT - p))) for p in prefix]
     shared = [([i for i, f in enumerate(family_of) if f == family], num_slots[family]) for family in (1, 2)]
+    if draw(st.booleans()):  # (applied last: the families' rows keep their own slots past it)
+        shared.append(([i for i, f in enumerate(family_of) if f], draw(st.integers(1, 112))))
     case.update(prefix=prefix, extend=extend, window=None, shared=[(members, n) for members, n in shared if members],
-                max_chunk_bytes=draw(st.sampled_from([MAX_CHUNK_BYTES, 16384, 4096])),
+                max_chunk_bytes=draw(st.sampled_from([MAX_CHUNK_BYTES, 16384, 4096, 512])),
                 min_shared_len=draw(st.sampled_from([MIN_SHARED_LEN, 1, 8])))
     return case
 
@@ -165,36 +169,39 @@ def test_families_attend_their_shared_prefix_in_cascade_as_one_query_at_a_time(c
                                                      min_shared_len=case["min_shared_len"]))
 
 
-@pytest.mark.parametrize("min_shared_len, families", [
-    (64, [([0, 1], 70), ([2, 3], 80), ([4], 0)]),
-    (75, [([2, 3], 80), ([0, 1, 4], 0)]),  # the first family's prefix is too short
-    (81, [([0, 2, 1, 4, 3], 0)]),  # both are
+@pytest.mark.parametrize("min_shared_len, families, groups", [
+    (64, [([0, 1], 0, 70), ([2, 3], 0, 80)], [[4, 1], [2], [3], [0]]),
+    (16, [([0, 1, 2, 3], 0, 40), ([0, 1], 40, 70), ([2, 3], 40, 80)], [[4, 1], [2], [3], [0]]),  # nested
+    (75, [([2, 3], 0, 80)], [[1, 4], [0], [2], [3]]),  # the first family's prefix is too short
+    (81, [], [[1, 2, 4, 3], [0]]),  # both are
 ])
-def test_a_family_gathers_its_shared_prefix_once_a_layer(monkeypatch, min_shared_len, families):
-    """Decode after 100 and 90 tokens that begin with the same 70 slots, 95 and 85 that begin with
-    the same 80, and 88 of their own: each family, a group of its own, reads its prefix's K/V once
-    (one row) and each member's keys past it; the rest read whole contexts."""
+def test_a_family_gathers_its_shared_prefix_once_a_layer(monkeypatch, min_shared_len, families, groups):
+    """Decode after 70 and 150 tokens that begin with the same 70 slots, 95 and 85 that begin
+    with the same 80, the four with the same 40, and 88 of their own: each family reads its
+    prefix's K/V once (one row) for all its members, however different their lengths, a nested
+    one the slots past its outer one's; then requests, packed by the keys past their prefixes
+    (1, 81, 16, 6 and 89 in families of 70 and 80 slots), read those."""
     reads = []
     context_kv_slots = torch_backend.context_kv_slots
     monkeypatch.setattr(torch_backend, "context_kv_slots", lambda fb, layer, slots: reads.append(
         slots.tolist()) or context_kv_slots(fb, layer, slots))
-    case = dict(prefix=[100, 90, 95, 85, 88], extend=[1] * 5, kv_heads=2, per_kv=2, head_dim=8, v_head_dim=None,
+    case = dict(prefix=[70, 150, 95, 85, 88], extend=[1] * 5, kv_heads=2, per_kv=2, head_dim=8, v_head_dim=None,
                 window=None, cap=None, swa=False, dtypes=(torch.float32,) * 2, seed=0,
-                shared=[([0, 1], 70), ([2, 3], 80)])
+                shared=[([0, 1], 70), ([2, 3], 80), ([0, 1, 2, 3], 40)])
     q, layer, fb = make_case(**case)
     backend = TorchAttnBackend(min_shared_len=min_shared_len)
     backend.init_forward_metadata(fb)
     torch.testing.assert_close(backend.forward(q, layer, fb), brute_force(q, layer, fb), atol=1e-5, rtol=1e-5)
     seq = [p + 1 for p in case["prefix"]]
-    assert [(group.seq_lens, group.shared_len) for group in backend.layer_groups(layer)] == [
-        ([seq[i] for i in members], shared_len) for members, shared_len in families]
+    shared_lens = [max([stop for members, _, stop in families if i in members], default=0) for i in range(5)]
+    assert [(group.seq_lens, group.shared_lens) for group in backend.layer_groups(layer)] == [
+        ([seq[i] for i in members], [shared_lens[i] for i in members]) for members in groups]
     req_rows = fb.req_to_token_pool.req_to_token[fb.req_pool_indices].tolist()
-    expected = []
-    for members, shared_len in families:
-        if shared_len:
-            expected.append([req_rows[members[0]][:shared_len]])
-        num_k = max(seq[i] for i in members) - shared_len
-        expected.append([req_rows[i][shared_len : seq[i]] + [0] * (num_k - seq[i] + shared_len) for i in members])
+    expected = [[req_rows[members[0]][start:stop]] for members, start, stop in families]
+    for members in groups:
+        num_k = max(seq[i] - shared_lens[i] for i in members)
+        expected.append([req_rows[i][shared_lens[i] : seq[i]] + [0] * (num_k - seq[i] + shared_lens[i])
+                         for i in members])
     assert reads == expected
 
 
@@ -285,17 +292,23 @@ class LargestTensor(TorchDispatchMode):
         return out
 
 
-def test_a_long_prompt_makes_no_tensor_larger_than_the_memory_bound():
-    """A 160-token prompt's causal mask over its keys alone is 100 KiB of fp32; at a 16 KiB bound
-    every tensor the forward makes (masks included) stays within it."""
-    case = dict(prefix=[0], extend=[MAX_CONTEXT], kv_heads=1, per_kv=1, head_dim=8, v_head_dim=None, window=None,
-                cap=None, swa=False, dtypes=(torch.float32,) * 2, seed=0)
+@pytest.mark.parametrize("prefix, extend, cap, shared", [
+    ([0], [MAX_CONTEXT], None, []),
+    ([100, 100], [60, 60], 2.0, [([0, 1], 100)]),  # scores written out: 120 queries × 100 shared keys, 47 KiB
+])
+def test_a_long_prompt_makes_no_tensor_larger_than_the_memory_bound(prefix, extend, cap, shared):
+    """A 160-token prompt's causal mask over its keys alone is 100 KiB of fp32, and a family's
+    120 new tokens over its 100 shared keys are 47 KiB of scores; at a 16 KiB bound every tensor
+    the forward makes (masks included) stays within it."""
+    case = dict(prefix=prefix, extend=extend, kv_heads=1, per_kv=1, head_dim=8, v_head_dim=None, window=None,
+                cap=cap, swa=False, dtypes=(torch.float32,) * 2, seed=0, shared=shared)
     q, layer, fb = make_case(**case)
     backend = TorchAttnBackend(max_chunk_bytes=16384)
     backend.init_forward_metadata(fb)
     with LargestTensor() as largest:
         out = backend.forward(q, layer, fb)
     assert 0 < largest.nbytes <= 16384
+    assert len(backend.batch_families()[0]) == len(shared)
     torch.testing.assert_close(out, brute_force(q, layer, fb), atol=1e-5, rtol=1e-5)
 
 
@@ -316,7 +329,7 @@ class HostReads(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("window, prefix, shared", [(16, [60, 50], []), (None, [80, 70], [([0, 1], 70)])])
+@pytest.mark.parametrize("window, prefix, shared", [(16, [60, 50], []), (None, [80, 75], [([0, 1], 70)])])
 def test_a_layer_reads_nothing_back_to_the_host(window, prefix, shared):
     """Once the first layer has built the forward's groups, a layer (here of one group, its
     shorter request's row padded, through an SWA map; or a family, in cascade) runs on the device
@@ -329,6 +342,6 @@ def test_a_layer_reads_nothing_back_to_the_host(window, prefix, shared):
     backend.forward(q, layer, fb)
     with HostReads() as host_reads:
         out = backend.forward(q, layer, fb)
-    assert [(len(group.seq_lens), group.shared_len) for group in backend.layer_groups(layer)] == [(2, 70 if shared else 0)]
+    assert [group.shared_lens for group in backend.layer_groups(layer)] == [[70, 70] if shared else [0, 0]]
     assert host_reads.ops == []
     torch.testing.assert_close(out, brute_force(q, layer, fb), atol=1e-5, rtol=1e-5)

@@ -10,12 +10,12 @@ import torch
 
 
 def attend_shared(q, k, v, layer) -> Tuple[torch.Tensor, torch.Tensor]:
-    """A family's queries (``q`` [b, heads, num_q, dim]) over the prefix its members share (``k``/
-    ``v`` [1, kv_heads, keys, dim]) in one call: the batch folds into query rows, with no mask, as
-    every query sees every shared key. Returns what :func:`attention_with_lse` does, per member."""
-    b, heads, num_q, dim = q.shape
-    o, lse = attention_with_lse(q.transpose(0, 1).reshape(1, heads, b * num_q, dim), k, v, None, layer)
-    return o.view(heads, b, num_q, -1).transpose(0, 1), lse.view(heads, b, num_q).transpose(0, 1)
+    """A family's query tokens (``q`` [n, heads, dim], of any of its members) over keys they all
+    share (``k``/``v`` [1, kv_heads, keys, dim]) in one call: the tokens are the query rows of one
+    batch row, with no mask, as every query sees every shared key. Returns ``[n, heads,
+    v_head_dim]`` and the log-sum-exp, ``[n, heads]``."""
+    o, lse = attention_with_lse(q.transpose(0, 1)[None], k, v, None, layer)
+    return o[0].transpose(0, 1), lse[0].transpose(0, 1)
 
 
 def attention_with_lse(q, k, v, bias, layer) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -32,7 +32,8 @@ def attention_with_lse(q, k, v, bias, layer) -> Tuple[torch.Tensor, torch.Tensor
 
 def merge_attention(o1, lse1, o2, lse2) -> torch.Tensor:
     """Attention over two disjoint sets of keys, merged into attention over both: each weighs by
-    its share of the softmax's whole denominator, ``e^lse1 / (e^lse1 + e^lse2) = sigmoid(lse1 - lse2)``."""
+    its share of the softmax's whole denominator, ``e^lse1 / (e^lse1 + e^lse2) = sigmoid(lse1 - lse2)``
+    (``lse2`` -inf: ``o1`` exactly, whatever ``o2`` holds but NaN)."""
     return torch.lerp(o2, o1, torch.sigmoid(lse1 - lse2)[..., None])
 
 

@@ -15,12 +15,16 @@ group's fp32 K/V plus one query row of scores stay within ``max_chunk_bytes`` (u
 request's alone do not), and its query chunks' fp32 scores and bias do.
 
 Requests whose rows begin with the same run of slots (a prefix the radix cache matched, before all
-their queries) form a group of their own, a family, and a full-attention layer attends them in
+their queries) form a family, found over the whole batch, and a full-attention layer attends them in
 cascade (FlashInfer's cascade attention, SGLang's shared-prefix attention): the shared prefix's K/V
-are gathered once, and all the family's query rows attend them in one call, with no mask (every
-query sees every shared key); each member's own keys are gathered and attended as above, and the
-two results merge by their log-sum-exps. Without it, every member gathered the shared K/V again,
-a layer and a forward at a time.
+are gathered once, and all the family's query tokens attend them in one call, with no mask (every
+query sees every shared key); members that share more than the family form a family again, nested
+in it, over the slots past its prefix. A request's own keys (past the deepest prefix it shares) are
+packed, gathered and attended as above, by their length, not its context's (a 300- and a
+3,000-token conversation after the same system prompt pad nothing over it), and the results merge
+by their log-sum-exps. Without it, every member gathered the shared K/V again, a layer and a
+forward at a time. The shared keys run in chunks of keys and of query tokens within
+``max_chunk_bytes``; their merged results are fp32, a row a query token, as the output is.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from actors.engine.attention.attention_math import attend_shared, attention_with_lse, explicit_attention, merge_attention
+from actors.engine.attention.cascade import Family, find_families
 
 MAX_PADDING = 2  # a request's padded score cells, at most this many times its useful ones
 MAX_CHUNK_BYTES = 256 << 20
@@ -96,18 +101,18 @@ class AttnGroup(NamedTuple):
     token_slots: torch.Tensor  # [b, max_k] int64, the members' req_to_token rows up to the longest seq_len
     prefix_lens: List[int]
     seq_lens: List[int]
-    shared_len: int  # every row begins with these slots, before its queries: a family's prefix (0: none)
+    shared_lens: List[int]  # each row's slots shared with its families, before its queries (0: none)
     key_ranges: Dict[object, KeyRange]  # by sliding_window
 
     def keys(self, sliding_window) -> KeyRange:
         """Built at a forward's first layer of each window: ``[window_start(prefix_len), seq_len)``
         of each request, so a sliding-window layer never reads the slots that slid out (an SWA
         pool may have freed them: they translate to slot 0, or to a row reused since); for a
-        full-attention layer, ``[shared_len, seq_len)``, the keys past the family's prefix."""
+        full-attention layer, ``[shared_len, seq_len)``, the keys past its families' prefixes."""
         if sliding_window not in self.key_ranges:
             device = self.q_pos.device
-            first = [self.shared_len if sliding_window is None else window_start(prefix, sliding_window)
-                     for prefix in self.prefix_lens]
+            first = [shared if sliding_window is None else window_start(prefix, sliding_window)
+                     for prefix, shared in zip(self.prefix_lens, self.shared_lens)]
             num_k = max(seq_len - f for seq_len, f in zip(self.seq_lens, first))
             k_pos = torch.tensor(first, device=device)[:, None] + torch.arange(num_k, device=device)
             inside = k_pos < torch.tensor(self.seq_lens, device=device)[:, None]
@@ -116,19 +121,20 @@ class AttnGroup(NamedTuple):
         return self.key_ranges[sliding_window]
 
 
-def pack_requests(seq_lens: List[int], extend_lens: List[int], fits) -> List[List[int]]:
-    """Requests grouped greedily, longest context first: a group takes the next request while
-    every member's padded row (``max_q × max_k`` score cells) stays within ``MAX_PADDING`` × its
-    useful ones (``extend_len × seq_len``), so the whole batch pads at most that much, and while
-    ``fits(b, max_k)``. A request no other fits beside is a group of its own."""
+def pack_requests(key_lens: List[int], extend_lens: List[int], fits) -> List[List[int]]:
+    """Requests grouped greedily, most keys first (a request's keys: its context, or past the
+    prefix its families share): a group takes the next request while every member's padded row
+    (``max_q × max_k`` score cells) stays within ``MAX_PADDING`` × its useful ones (``extend_len ×
+    key_len``), so the whole batch pads at most that much, and while ``fits(b, max_k)``. A request
+    no other fits beside is a group of its own."""
     groups: List[List[int]] = []
-    order = sorted(range(len(seq_lens)), key=lambda i: (seq_lens[i], extend_lens[i]), reverse=True)
+    order = sorted(range(len(key_lens)), key=lambda i: (key_lens[i], extend_lens[i]), reverse=True)
     max_q = least_useful = 0
     for i in order:
-        useful = extend_lens[i] * seq_lens[i]
+        useful = extend_lens[i] * key_lens[i]
         wider_q, least = max(max_q, extend_lens[i]), min(least_useful, useful)
         if groups:
-            max_k = seq_lens[groups[-1][0]]
+            max_k = key_lens[groups[-1][0]]
             if wider_q * max_k <= MAX_PADDING * least and fits(len(groups[-1]) + 1, max_k):
                 groups[-1].append(i)
                 max_q, least_useful = wider_q, least
@@ -144,55 +150,37 @@ class TorchAttnBackend:
         self.max_chunk_bytes, self.min_window_rows = max_chunk_bytes, min_window_rows
         self.min_shared_len = min_shared_len
         self.forward_batch = None
-        self.groups: Dict[Tuple[int, int], List[AttnGroup]] = {}  # by (num_heads, bytes per key column)
+        self.families: Optional[Tuple[List[Family], List[int]]] = None  # and each request's shared_len
+        # by (num_heads, bytes per key column, full attention)
+        self.groups: Dict[Tuple[int, int, bool], List[AttnGroup]] = {}
 
     def init_forward_metadata(self, forward_batch) -> None:
-        """Forget the last forward's groups; this one's are built at its first layer of each shape."""
-        self.forward_batch, self.groups = forward_batch, {}
+        """Forget the last forward's families and groups; this one's are built at its first layer
+        (of each shape, for groups)."""
+        self.forward_batch, self.families, self.groups = forward_batch, None, {}
+
+    def batch_families(self) -> Tuple[List[Family], List[int]]:
+        """:func:`find_families` of the forward, found at its first full-attention layer."""
+        if self.families is None:
+            self.families = find_families(self.forward_batch, self.min_shared_len)
+        return self.families
 
     def layer_groups(self, layer) -> List[AttnGroup]:
+        """Requests packed by the keys the layer gathers for them: past their shared prefixes on a
+        full-attention layer, their contexts on a sliding-window one (which attends no family)."""
         # fp32 bytes per key column of a one-request group: its K and V, and one query row of scores
         column_bytes = 4 * (layer.num_heads + layer.num_kv_heads * (layer.head_dim + layer.v_head_dim))
-        key = (layer.num_heads, column_bytes)
+        key = (layer.num_heads, column_bytes, layer.sliding_window is None)
         if key not in self.groups:
             fb = self.forward_batch
             fits = lambda b, max_k: b * max_k * column_bytes <= self.max_chunk_bytes  # noqa: E731
-            self.groups[key] = [
-                self.build_group(family, shared_len)
-                for members in pack_requests(fb.seq_lens_cpu, fb.extend_seq_lens_cpu, fits)
-                for family, shared_len in self.shared_prefixes(members)
-            ]
+            shared_lens = self.batch_families()[1] if layer.sliding_window is None else [0] * len(fb.seq_lens_cpu)
+            key_lens = [seq_len - shared for seq_len, shared in zip(fb.seq_lens_cpu, shared_lens)]
+            self.groups[key] = [self.build_group(members, shared_lens)
+                                for members in pack_requests(key_lens, fb.extend_seq_lens_cpu, fits)]
         return self.groups[key]
 
-    def shared_prefixes(self, members: List[int]) -> List[Tuple[List[int], int]]:
-        """``members`` split into families, each with the length of the prefix its rows share, and
-        the rest (0). A family is two or more requests whose rows begin with the same
-        ``min_shared_len`` or more slots, all before their first queries (so every query sees every
-        shared key); requests that start with the same slot are one family, sharing what all of
-        them share (several shared prefixes in one group make several families)."""
-        fb = self.forward_batch
-        prefix_lens = fb.extend_prefix_lens_cpu
-        candidates = [i for i in members if prefix_lens[i] >= self.min_shared_len]
-        if len(candidates) < 2:
-            return [(members, 0)]
-        rows = fb.req_to_token_pool.req_to_token[
-            fb.req_pool_indices[torch.tensor(candidates, device=fb.seq_lens.device)],
-            : max(prefix_lens[i] for i in candidates)]
-        leaders: Dict[int, int] = {}  # by first slot, the first candidate's row that begins with it
-        leader = [leaders.setdefault(first, j) for j, first in enumerate(rows[:, 0].tolist())]
-        runs = (rows == rows[leader]).cumprod(1).sum(1).tolist()  # slots each row shares with its leader's
-        members_of: Dict[int, List[int]] = {}  # by leader, with the slots all of them share
-        shared_lens: Dict[int, int] = {}
-        for i, lead, run in zip(candidates, leader, runs):
-            if min(run, prefix_lens[i]) >= self.min_shared_len:  # (a leader's run is its whole prefix)
-                members_of.setdefault(lead, []).append(i)
-                shared_lens[lead] = min(shared_lens.get(lead, run), run, prefix_lens[i])
-        families = [(family, shared_lens[lead]) for lead, family in members_of.items() if len(family) > 1]
-        in_family = {i for family, _ in families for i in family}
-        rest = [i for i in members if i not in in_family]
-        return families + [(rest, 0)] if rest else families
-
-    def build_group(self, members: List[int], shared_len: int) -> AttnGroup:
+    def build_group(self, members: List[int], shared_lens: List[int]) -> AttnGroup:
         fb = self.forward_batch
         device = fb.seq_lens.device
         take = lambda values: torch.tensor([values[i] for i in members], device=device)  # noqa: E731
@@ -208,32 +196,53 @@ class TorchAttnBackend:
             out_index=q_index.masked_fill(cols[None, :] >= num_q[:, None], -1),
             token_slots=fb.req_to_token_pool.req_to_token[rows, :max_k].to(torch.int64),
             prefix_lens=[prefix_lens[i] for i in members], seq_lens=[seq_lens[i] for i in members],
-            shared_len=shared_len, key_ranges={},
+            shared_lens=[shared_lens[i] for i in members], key_ranges={},
         )
 
     def forward(self, q: torch.Tensor, layer, forward_batch) -> torch.Tensor:
         window = layer.sliding_window
         out = q.new_empty(q.shape[0] + 1, layer.num_heads, layer.v_head_dim)  # + the scratch row
+        shared = self.attend_families(q, layer) if window is None and self.batch_families()[0] else None
         for group in self.layer_groups(layer):
             b, max_q = group.q_index.shape
             num_k = group.keys(window).k_pos.shape[1]
-            shared = None
-            if window is None and group.shared_len:  # the family's prefix: its K/V gathered once a layer
-                shared = gather_kv(forward_batch, layer, group.token_slots[:1, : group.shared_len], q.dtype)
-                num_k = max(num_k, group.shared_len)
             rows = max(1, self.max_chunk_bytes // (4 * b * layer.num_heads * num_k))
             if window is not None:  # a chunk sees about rows + window keys: O(n·window) for n queries, not O(n²)
                 rows = min(rows, max(self.min_window_rows, window))
             for start in range(0, max_q, rows):
-                self.attend_rows(q, layer, forward_batch, group, start, min(start + rows, max_q), out, shared)
+                self.attend_rows(q, layer, forward_batch, group, start, min(start + rows, max_q), out,
+                                 shared if any(group.shared_lens) else None)
         return out[:-1]
+
+    def attend_families(self, q, layer) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Each family's query tokens over its shared keys, a chunk of keys (gathered once for all
+        of them) and of tokens at a time within ``max_chunk_bytes``, merged by log-sum-exp, nested
+        families' with their outer ones': per query token, attention over all its shared keys
+        (fp32, ``[tokens, heads, v_head_dim]``) and its log-sum-exp (``[tokens, heads]``; -inf,
+        which weighs as nothing, for a token in no family)."""
+        fb = self.forward_batch
+        shared_o = q.new_zeros(q.shape[0], layer.num_heads, layer.v_head_dim, dtype=torch.float32)
+        shared_lse = q.new_full((q.shape[0], layer.num_heads), float("-inf"), dtype=torch.float32)
+        # fp32 bytes per shared key: its K and V, and a query token's scores
+        key_bytes = 4 * (layer.num_heads + layer.num_kv_heads * (layer.head_dim + layer.v_head_dim))
+        num_k = max(1, self.max_chunk_bytes // key_bytes)
+        for family in self.batch_families()[0]:
+            for lo in range(0, family.kv_slots.shape[0], num_k):
+                k, v = gather_kv(fb, layer, family.kv_slots[None, lo : lo + num_k], q.dtype)
+                rows = max(1, self.max_chunk_bytes // (4 * layer.num_heads * k.shape[2]))
+                for start in range(0, family.token_index.shape[0], rows):
+                    index = family.token_index[start : start + rows]
+                    o, lse = attend_shared(q[index].float(), k, v, layer)
+                    shared_o[index] = merge_attention(o, lse, shared_o[index], shared_lse[index])
+                    shared_lse[index] = torch.logaddexp(lse, shared_lse[index])
+        return shared_o, shared_lse
 
     @staticmethod
     def attend_rows(q, layer, forward_batch, group: AttnGroup, start: int, stop: int, out: torch.Tensor,
                     shared: Optional[Tuple[torch.Tensor, torch.Tensor]] = None) -> None:
         """Query columns ``[start, stop)`` of ``group`` over the key columns any of them sees,
-        gathered for them alone, and over the family's ``shared`` prefix K/V if given, written
-        into ``out``."""
+        gathered for them alone, merged with their tokens' attention over their ``shared``
+        prefixes if given (:meth:`attend_families`), written into ``out``."""
         window = layer.sliding_window
         keys = group.keys(window)
         # row r's queries here sit at [prefix + start, prefix + stop), held to its last one (seq_len - 1)
@@ -242,17 +251,20 @@ class TorchAttnBackend:
                  for prefix, seq_len, first in zip(group.prefix_lens, group.seq_lens, keys.first)]
         lo, hi = min(lo for lo, _ in spans), max(hi for _, hi in spans)
         k, v = gather_kv(forward_batch, layer, keys.kv_slots[:, lo:hi], q.dtype)  # [b, kv_heads, keys, dim]
-        qi = q[group.q_index[:, start:stop]].float().transpose(1, 2)  # [b, heads, num_q, dim]
+        q_index = group.q_index[:, start:stop]
+        qi = q[q_index].float().transpose(1, 2)  # [b, heads, num_q, dim]
         # built a chunk at a time, as the scores are (a whole prompt's would be quadratic in it)
         allowed = attention_mask(group.q_pos[:, start:stop], keys.k_pos[:, lo:hi], window)
         bias = torch.where(allowed, 0.0, float("-inf"))[:, None]
-        if shared is not None:
-            o = merge_attention(*attention_with_lse(qi, k, v, bias, layer), *attend_shared(qi, *shared, layer))
+        if shared is not None:  # (rows in no family merge with -inf: their own attention, exactly)
+            o, lse = attention_with_lse(qi, k, v, bias, layer)
+            o = merge_attention(o.transpose(1, 2), lse.transpose(1, 2), *(t[q_index] for t in shared))
         elif layer.logit_cap or layer.v_head_dim != layer.head_dim:
-            o = explicit_attention(qi, k, v, bias, layer)[0]
+            o = explicit_attention(qi, k, v, bias, layer)[0].transpose(1, 2)
         else:  # the CPU's fused (flash) kernel: no scores tensor, GQA without repeating K/V
-            o = F.scaled_dot_product_attention(qi, k, v, attn_mask=bias, scale=layer.scaling, enable_gqa=True)
-        out[group.out_index[:, start:stop]] = o.transpose(1, 2).to(out.dtype)  # [b, num_q, heads, v_head_dim]
+            o = F.scaled_dot_product_attention(qi, k, v, attn_mask=bias, scale=layer.scaling,
+                                               enable_gqa=True).transpose(1, 2)
+        out[group.out_index[:, start:stop]] = o.to(out.dtype)  # [b, num_q, heads, v_head_dim]
 
 
 Backend = TorchAttnBackend
