@@ -1,12 +1,14 @@
 """Structured outputs on an in-process engine (the tiny llama and its byte-level tokenizer):
 greedy constrained decoding equals HF transformers' greedy under the same xgrammar mask,
 token for token; what ends with ``stop`` follows its JSON schema, regex or grammar, sampled
-too; a bad grammar is a ValueError naming its field; a retracted request keeps its grammar;
-through PD the prefill worker's first token is constrained and the decode worker goes on
-with the same grammar."""
+too; a bad grammar is a ValueError naming its field; a retracted request keeps its grammar, on a
+PD decode worker too; through PD the prefill worker's first token is constrained and the
+decode worker goes on with the same grammar; TP=2 gives TP=1's tokens; ids past the
+tokenizer's vocabulary are masked; an abort while a grammar compiles ends its request."""
 
 import json
 import re
+import threading
 
 import pytest
 import torch
@@ -17,7 +19,7 @@ from actors.engine import Engine
 from actors.engine.sampling_params import SamplingParams
 from actors.engine.tiny import build_tiny_checkpoint
 from tests.parity import hf_model
-from tests.pd_helpers import close_workers, make_pair, prompts, run_batch
+from tests.pd_helpers import close_workers, decode_together, make_pair, prompts, run_batch
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6}, "ok": {"type": "boolean"},
                                            "n": {"enum": [1, 2, 3]}},
@@ -63,6 +65,21 @@ def hf_constrained_greedy(model_path, prompt, compiled, max_new_tokens, eos_id):
             eos_token_id=eos_id, pad_token_id=0,
             logits_processor=LogitsProcessorList([GrammarMask(compiled, len(prompt))]))
     return out[0, len(prompt):].tolist()
+
+
+def hold_make_req(owner, monkeypatch):
+    """``owner._make_req`` (an engine's or a worker's, which compiles the grammar) held until the test
+    lets it go: returns the events (set when it is held, set to go on)."""
+    compiling, go_on = threading.Event(), threading.Event()
+    make_req = owner._make_req
+
+    def held(*args):
+        compiling.set()
+        assert go_on.wait(30), "the abort never came"
+        return make_req(*args)
+
+    monkeypatch.setattr(owner, "_make_req", held)
+    return compiling, go_on
 
 
 def follows(kind: str, text: str) -> bool:
@@ -178,20 +195,12 @@ def test_an_abort_while_a_reservations_grammar_compiles_ends_it_before_it_holds_
     meanwhile (the client gave up) ends the reservation as soon as the compile returns, before
     it takes a row or slots, rather than leaving it to wait out its notice's timeout."""
     import asyncio
-    import threading
 
     from actors.pd_scheduler import PDRequestError
 
     prefill, decode = make_pair(model_path, page_size=4, prefill_args=NO_WHITESPACE, decode_args=NO_WHITESPACE)
-    compiling, go_on = threading.Event(), threading.Event()
     make_req = decode._make_req
-
-    def slow_make_req(*args):
-        compiling.set()
-        assert go_on.wait(30), "the abort never came"
-        return make_req(*args)
-
-    monkeypatch.setattr(decode, "_make_req", slow_make_req)
+    compiling, go_on = hold_make_req(decode, monkeypatch)
 
     async def go():
         params = {"regex": REGEX, "temperature": 0, "max_new_tokens": 8}
@@ -211,3 +220,81 @@ def test_an_abort_while_a_reservations_grammar_compiles_ends_it_before_it_holds_
         assert not decode.scheduler.prealloc and not decode.scheduler.transfer
     finally:
         close_workers(prefill, decode)
+
+
+def test_tp2_constrained_greedy_tokens_equal_tp1(engine, model_path):
+    """Only rank 0 schedules and samples, so only it compiles grammars and holds matchers (the
+    follower runs forwards only): a TP=2 engine's constrained greedy tokens, batched with a
+    free request, are the TP=1 engine's."""
+    params = [{"json_schema": json.dumps(SCHEMA), "temperature": 0, "max_new_tokens": 64},
+              {"regex": REGEX, "temperature": 0, "max_new_tokens": 64}, {"temperature": 0, "max_new_tokens": 8}]
+    ids = [engine.tokenizer.encode(t) for t in TEXTS[:3]]
+    tp = Engine(model_path=model_path, max_total_tokens=2048, tp_size=2, **NO_WHITESPACE)
+    try:
+        outs = tp.generate(input_ids=ids, sampling_params=params)
+        tp.check_integrity()
+    finally:
+        tp.shutdown()
+    want = engine.generate(input_ids=ids, sampling_params=params)
+    assert [o["output_ids"] for o in outs] == [o["output_ids"] for o in want]
+    assert [o["meta_info"]["finish_reason"]["type"] for o in outs] == ["stop", "stop", "length"]
+
+
+def test_ids_past_the_tokenizers_vocab_are_masked(tmp_path):
+    """A model vocabulary larger than its tokenizer's (padded embeddings): the ids no token has
+    are never allowed by a grammar, however the logits favour them."""
+    path = str(build_tiny_checkpoint("llama", tmp_path / "llama", seed=0, vocab_size=320))
+    eng = Engine(model_path=path, max_total_tokens=1024)
+    try:
+        assert len(eng.tokenizer) < 300 < eng.runner.model_config.vocab_size
+        bias = {300: 100.0}
+        params = [{"regex": REGEX, "temperature": t, "seed": 3, "logit_bias": bias, "max_new_tokens": 16}
+                  for t in (0, 1)]
+        for out in eng.generate(prompt=["x", "x"], sampling_params=params):
+            assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": eng.eos_token_ids[0]}, out
+            assert follows("regex", out["text"]) and max(out["output_ids"]) < len(eng.tokenizer), out
+        free = eng.generate(prompt="x", sampling_params={"logit_bias": bias, "temperature": 0, "max_new_tokens": 2})
+        assert free["output_ids"] == [300, 300]  # (the bias does reach those ids without a grammar)
+        eng.check_integrity()
+    finally:
+        eng.shutdown()
+
+
+def test_decode_side_retraction_keeps_the_grammar(engine, model_path):
+    """PD: a decode pool too small for the batch retracts requests mid-output; their matchers stay
+    as they are (the output is recomputed, not redrawn) and the tokens equal the single engine's."""
+    decode_args = dict(NO_WHITESPACE, max_total_tokens=160, init_new_token_ratio=0.02, min_new_token_ratio=0.02)
+    prefill, decode = make_pair(model_path, prefill_args=NO_WHITESPACE, decode_args=decode_args,
+                                num_reserved_decode_tokens=2)
+    try:
+        ids = prompts(6, 10, 20, seed=5)
+        decode_together(decode, len(ids))
+        params = {"json_schema": json.dumps(SCHEMA), "temperature": 0, "max_new_tokens": 40}
+        results = run_batch(prefill, decode, ids, params)
+        assert decode.scheduler.num_retractions > 0
+        want = engine.generate(input_ids=ids, sampling_params=params)
+        assert [r[0]["output_ids"] for r in results] == [o["output_ids"] for o in want]
+    finally:
+        close_workers(prefill, decode)
+
+
+def test_an_engine_abort_while_a_grammar_compiles_ends_the_request(engine, monkeypatch):
+    """``async_generate`` compiles a grammar off the caller's loop; an ``abort`` of its rid that
+    comes meanwhile ends the request with "abort" as soon as the compile returns (it never runs),
+    as it would a waiting one's, rather than being missed and the request run to its end."""
+    import asyncio
+
+    compiling, go_on = hold_make_req(engine, monkeypatch)
+
+    async def go():
+        params = {"regex": REGEX, "temperature": 0, "max_new_tokens": 8}
+        running = asyncio.ensure_future(engine.async_generate(prompt="x", sampling_params=params, rid="compiling"))
+        await asyncio.to_thread(compiling.wait, 30)
+        assert engine.abort("compiling")
+        go_on.set()
+        return await running
+
+    out = asyncio.run(go())
+    assert out["meta_info"]["finish_reason"]["type"] == "abort" and out["output_ids"] == []
+    assert not engine.abort("compiling")  # (nothing of it is left to abort)
+    engine.check_integrity()

@@ -133,6 +133,9 @@ class Engine:
             raise
         self._rids = itertools.count()
         self.loop = EngineLoop(self.scheduler)
+        # rid -> aborted: async requests whose grammar compiles off the loop, not yet submitted
+        self._making: Dict[str, bool] = {}
+        self._making_lock = threading.Lock()  # (abort may come from any thread)
 
     # ---- requests -----------------------------------------------------------------
     def _make_req(self, prompt, input_ids, params: Dict[str, Any], rid: Optional[str], priority: int = 0) -> Req:
@@ -197,15 +200,26 @@ class Engine:
         """One request. ``stream=False``: the final result. ``stream=True``: an
         async iterator of results, one per step that produced tokens (each with
         the cumulative ``text``/``output_ids``), the last one finished."""
-        req = await make_req_off_loop(self._make_req, sampling_params, prompt, input_ids, sampling_params, rid,
-                                      priority)
+        if rid is not None:
+            with self._making_lock:
+                self._making[rid] = False  # (an abort while its grammar compiles marks it: seen below)
+        try:
+            req = await make_req_off_loop(self._make_req, sampling_params, prompt, input_ids, sampling_params, rid,
+                                          priority)
+        finally:
+            with self._making_lock:
+                aborted = rid is not None and self._making.pop(rid, False)
         queue: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
 
         def on_output(r: Req, error: Optional[BaseException]) -> List[Post]:
             return [Post(loop, queue.put_nowait, ((self._result(r), r.finished, error),))]
 
-        self.loop.submit(req, on_output)
+        if aborted:  # ended before it is queued, as a waiting request's abort ends it
+            req.finish({"type": "abort", "message": "aborted"})
+            queue.put_nowait((self._result(req), True, None))
+        else:
+            self.loop.submit(req, on_output)
         stream_iter = self._stream(queue)
         if stream:
             return stream_iter
@@ -224,7 +238,12 @@ class Engine:
                 return
 
     def abort(self, rid: str) -> bool:
-        """Stop a waiting or running request; its caller gets finish_reason "abort"."""
+        """Stop a waiting or running request, or one whose grammar compiles (``async_generate``:
+        it ends when the compile returns); its caller gets finish_reason "abort"."""
+        with self._making_lock:
+            if rid in self._making:
+                self._making[rid] = True
+                return True
         return self.loop.abort(rid)
 
     def _result(self, req: Req) -> Dict[str, Any]:
