@@ -217,6 +217,16 @@ def test_schedule_policy_and_priority_settings_are_checked_at_load():
     assert parse_config(data).prefill.engine.enable_priority_scheduling
 
 
+def test_both_sides_compile_grammars_alike():
+    """A structured-output request's first token is sampled on the prefill side; the decode
+    side's matcher must accept it, so the grammar settings agree or the config is refused."""
+    data = _set(_base(), "prefill.engine.constrained_json_disable_any_whitespace", True)
+    with pytest.raises(ConfigError, match=r"decode.engine.constrained_json_disable_any_whitespace: False differs"):
+        parse_config(data)
+    _set(data, "decode.engine.constrained_json_disable_any_whitespace", True)
+    assert parse_config(data).decode.engine.constrained_json_disable_any_whitespace
+
+
 # --- engine settings ----------------------------------------------------------------------
 
 
