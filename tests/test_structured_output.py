@@ -298,3 +298,24 @@ def test_an_engine_abort_while_a_grammar_compiles_ends_the_request(engine, monke
     assert out["meta_info"]["finish_reason"]["type"] == "abort" and out["output_ids"] == []
     assert not engine.abort("compiling")  # (nothing of it is left to abort)
     engine.check_integrity()
+
+
+def test_the_grammar_cache_is_held_to_its_bytes_and_count(model_path):
+    """Compiled grammars are kept by recency within a count and a byte budget (a JSON schema
+    over a large vocabulary is megabytes); a hit moves a grammar to the back."""
+    from actors.engine.grammar import GrammarBackend
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    specs = [f"(a|b){{{i}}}" for i in range(1, 6)]
+    one = GrammarBackend(tokenizer, model_path, 261).compile("regex", specs[0]).memory_size_bytes
+    backend = GrammarBackend(tokenizer, model_path, 261, cache_size=4, cache_bytes=int(2.5 * one))
+    first = backend.compile("regex", specs[0])
+    backend.compile("regex", specs[1])
+    assert backend.compile("regex", specs[0]) is first  # a hit: now the newest
+    backend.compile("regex", specs[2])  # over the bytes: the oldest (specs[1]) goes
+    assert [spec for _, spec in backend._cache] == [specs[0], specs[2]]
+    assert backend.cached_bytes == sum(g.memory_size_bytes for g in backend._cache.values())
+    roomy = GrammarBackend(tokenizer, model_path, 261, cache_size=2)
+    for spec in specs:
+        roomy.compile("regex", spec)
+    assert [spec for _, spec in roomy._cache] == specs[-2:]  # the count holds too

@@ -5,7 +5,8 @@ schema, or :data:`~actors.engine.sampling_params.ANY_JSON` for any JSON value), 
 or ``ebnf``. :class:`GrammarBackend` compiles it for the model's tokenizer and vocabulary
 when the request is made — on the caller's thread, never the engine loop's (xgrammar
 compiles without the GIL), an asyncio caller's in a worker thread (:func:`make_req_off_loop`)
-— with an LRU cache of compiled grammars keyed by ``(field, spec)``. A request is admitted
+— with an LRU cache of compiled grammars keyed by ``(field, spec)``, held to a count and to
+their bytes (xgrammar's ``memory_size_bytes``). A request is admitted
 with its grammar ready, as in SGLang, whose scheduler parks a request in its grammar queue
 until the compile is done; compiling before the request is queued also makes a spec that
 does not compile a ValueError naming its field, as any other bad parameter (a 400), not an
@@ -42,7 +43,8 @@ import xgrammar as xgr
 
 from actors.engine.sampling_params import ANY_JSON, GRAMMAR_FIELDS, SamplingParams
 
-GRAMMAR_CACHE_SIZE = 256  # compiled grammars kept (a compiled JSON schema of a large vocabulary: a few MB)
+GRAMMAR_CACHE_SIZE = 256  # compiled grammars kept, at most ...
+GRAMMAR_CACHE_BYTES = 512 << 20  # ... and their bytes (a JSON schema's over a large vocabulary: a few MB each)
 _WHAT = {"json_schema": "JSON schema", "regex": "regex", "ebnf": "EBNF grammar"}
 _LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")  # xgrammar's C++ log prefix
 
@@ -65,9 +67,10 @@ class GrammarBackend:
     and SGLang's default). Thread-safe: requests are made on their callers' threads."""
 
     def __init__(self, tokenizer: Any, tokenizer_path: str, vocab_size: int, any_whitespace: bool = True,
-                 cache_size: int = GRAMMAR_CACHE_SIZE):
+                 cache_size: int = GRAMMAR_CACHE_SIZE, cache_bytes: int = GRAMMAR_CACHE_BYTES):
         self.tokenizer, self.tokenizer_path, self.vocab_size = tokenizer, tokenizer_path, vocab_size
-        self.any_whitespace, self.cache_size = any_whitespace, cache_size
+        self.any_whitespace, self.cache_size, self.cache_bytes = any_whitespace, cache_size, cache_bytes
+        self.cached_bytes = 0
         self._compiler: Optional[xgr.GrammarCompiler] = None
         self._cache: "OrderedDict[Tuple[str, str], xgr.CompiledGrammar]" = OrderedDict()
         self._lock = threading.Lock()
@@ -103,9 +106,12 @@ class GrammarBackend:
             reason = _LOG_PREFIX.sub("", str(exc).strip().splitlines()[0])
             raise ValueError(f"{field}: the {_WHAT[field]} does not compile: {reason}") from None
         with self._lock:
-            self._cache[key] = compiled
-            while len(self._cache) > self.cache_size:
-                self._cache.popitem(last=False)
+            if key not in self._cache:  # (another thread may have compiled it meanwhile)
+                self._cache[key] = compiled
+                self.cached_bytes += compiled.memory_size_bytes
+            # (the newest stays, however big: its requests hold it anyway)
+            while len(self._cache) > 1 and (len(self._cache) > self.cache_size or self.cached_bytes > self.cache_bytes):
+                self.cached_bytes -= self._cache.popitem(last=False)[1].memory_size_bytes
         return compiled
 
     def matcher(self, params: SamplingParams, eos_token_ids: Sequence[int]) -> Optional[xgr.GrammarMatcher]:
