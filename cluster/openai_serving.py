@@ -7,6 +7,13 @@ requests, one per choice. A streaming response is returned only once the
 first token is out, so an early failure still gets its own status code; a
 failure after that ends the stream with an OpenAI-style error event and
 ``data: [DONE]``.
+
+Request ids, as vLLM's: the request's id (the client's ``X-Request-Id``, or a
+new one: see ``cluster.server``) is the base of the response ``id``
+(``cmpl-{id}``, ``chatcmpl-{id}``), and the request the router and workers see
+is the response id (/generate: the request's id) and a short random suffix
+(:func:`internal_rid`), choice ``i``'s then ``-{i}``. A body ``rid`` (SGLang's)
+is taken as it is instead.
 """
 
 from __future__ import annotations
@@ -34,6 +41,13 @@ def validated(params: Dict[str, Any], prefix: str = "") -> Dict[str, Any]:
     except ValidationError as exc:
         message, param = describe_validation_error(exc)
         raise APIError(400, prefix + message, param=prefix + param if param else None) from None
+
+
+def internal_rid(base: str) -> str:
+    """``base`` and 8 random hex digits: unique per HTTP request even when a client sends an id again
+    while the first request is in flight (the router refuses an id already routed), and found by
+    grepping the workers' logs or the router's state for the client's id (vLLM's internal request ids)."""
+    return f"{base}-{uuid.uuid4().hex[:8]}"
 
 
 @contextmanager
@@ -234,7 +248,7 @@ class GenerationService:
         yield DONE
 
     # ---- endpoints ----------------------------------------------------------------------
-    async def completions(self, req: CompletionRequest, arrival: float):
+    async def completions(self, req: CompletionRequest, arrival: float, request_id: str):
         req = req.model_copy(update={"model": self.check_model(req.model)})
         if req.echo and self.tokenizer is None:  # (a text prompt already needs one)
             raise APIError(400, "echo: the prompt's text needs a tokenizer; this server has none", param="echo")
@@ -244,27 +258,27 @@ class GenerationService:
                 ids = (self.encode(prompt, "prompt", req.add_special_tokens) if isinstance(prompt, str)
                        else self.token_ids(prompt, "prompt"))
                 batch.append((ids, self.openai_params(req, len(ids), req.max_tokens, "prompt")))
-            fmt = CompletionFormatter(req, [ids for ids, _ in batch], self.tokenizer, f"cmpl-{uuid.uuid4().hex}")
-            return await self._run(batch, req.n, req.rid or fmt.id, arrival, fmt.chunks if req.stream else None,
-                                   fmt.response, req.priority)
+            fmt = CompletionFormatter(req, [ids for ids, _ in batch], self.tokenizer, f"cmpl-{request_id}")
+            return await self._run(batch, req.n, req.rid or internal_rid(fmt.id), arrival,
+                                   fmt.chunks if req.stream else None, fmt.response, req.priority)
 
-    async def chat(self, req: ChatCompletionRequest, arrival: float):
+    async def chat(self, req: ChatCompletionRequest, arrival: float, request_id: str):
         req = req.model_copy(update={"model": self.check_model(req.model)})
         ids = self.chat_prompt(req)
         with grammar_errors(req):
             params = self.openai_params(req, len(ids), req.requested_max_tokens, "messages")
-            fmt = ChatFormatter(req, [ids], self.tokenizer, f"chatcmpl-{uuid.uuid4().hex}")
-            return await self._run([(ids, params)], req.n, req.rid or fmt.id, arrival,
+            fmt = ChatFormatter(req, [ids], self.tokenizer, f"chatcmpl-{request_id}")
+            return await self._run([(ids, params)], req.n, req.rid or internal_rid(fmt.id), arrival,
                                    fmt.chunks if req.stream else None, fmt.response, req.priority)
 
-    async def generate(self, req: GenerateRequest, arrival: float):
+    async def generate(self, req: GenerateRequest, arrival: float, request_id: str):
         ids = self.encode(req.text, "text") if req.text is not None else self.token_ids(req.input_ids, "input_ids")
         params = dict(req.sampling_params)
         if req.return_logprob:
             params.update(return_logprob=True, top_logprobs_num=req.top_logprobs_num)
         params = self.checked_bias(validated(params, prefix="sampling_params."), "sampling_params.logit_bias")
         params["max_new_tokens"] = self.max_new_tokens(len(ids), params["max_new_tokens"], "input")
-        rid = req.rid or uuid.uuid4().hex
+        rid = req.rid or internal_rid(request_id)
 
         def native(event: Optional[ChoiceEvent]):
             return [] if event is None else [event.result]

@@ -23,7 +23,10 @@ Errors are OpenAI-style bodies (see ``cluster.api_errors``). With
 ``server.api_key`` set, every route but /health, /version and /metrics needs
 ``Authorization: Bearer <key>``. Every response carries ``X-Request-Id``: the
 client's own, echoed, or a new one (vLLM's request-id headers; the openai
-client reads it as ``_request_id``). Bodies over ``server.max_request_body_bytes``
+client reads it as ``_request_id``); it is the base of the response ``id`` and
+of the request ids the router and workers see (see ``cluster.openai_serving``).
+A client's id that could not name a request (see :func:`request_id_of`) is replaced
+by a new one, as if none was sent. Bodies over ``server.max_request_body_bytes``
 get 413 before they are read to the end.
 """
 
@@ -32,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import re
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -58,6 +62,7 @@ ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/generate", 
           "/workers", "/flush_cache")  # request counter labels; anything else counts as "other"
 ID_ROUTES = (("/workers/", "/workers/{id}"), ("/v1/models/", "/v1/models/{id}"))
 METRICS_REFRESH_TIMEOUT_S = 2.0
+CLIENT_REQUEST_ID = re.compile(rb"[!-~]{1,128}")  # printable ASCII, no whitespace, at most 128 characters
 
 
 def _version() -> str:
@@ -69,8 +74,17 @@ def _version() -> str:
         return "unknown"
 
 
+def request_id_of(headers) -> bytes:
+    """The request's id: the client's ``X-Request-Id`` when it can name a request in response ids,
+    worker logs and the router's state (:data:`CLIENT_REQUEST_ID`), else a new one. vLLM takes any
+    header as it is; a bad one is ignored here rather than refused, as vLLM refuses none."""
+    sent = headers.get(b"x-request-id")
+    return sent if sent is not None and CLIENT_REQUEST_ID.fullmatch(sent) else uuid.uuid4().hex.encode()
+
+
 class _Guard:
     """ASGI middleware: bearer-token check, body size limit, the request counter, and the
+    request's id (:func:`request_id_of`): ``request.state.request_id`` for the endpoints, and the
     ``X-Request-Id`` header on every response."""
 
     def __init__(self, app, api_key: Optional[str], max_body: int, metrics: ServerMetrics):
@@ -84,7 +98,8 @@ class _Guard:
                                                     "other")
         status = {"code": 500}
         headers = dict(scope["headers"])
-        request_id = headers.get(b"x-request-id") or uuid.uuid4().hex.encode()
+        request_id = request_id_of(headers)
+        scope.setdefault("state", {})["request_id"] = request_id.decode()
 
         async def counted_send(message):
             if message["type"] == "http.response.start":
@@ -235,19 +250,20 @@ def build_app(cluster_or_client: Any, tokenizer=None, config=None, client=None,
     async def completions(request: Request):
         arrival = time.perf_counter()
         body = await parse_body(request, CompletionRequest)
-        return await _call(cancel_on_disconnect(request, service.completions(body, arrival)))
+        answer = service.completions(body, arrival, request.state.request_id)
+        return await _call(cancel_on_disconnect(request, answer))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         arrival = time.perf_counter()
         body = await parse_body(request, ChatCompletionRequest)
-        return await _call(cancel_on_disconnect(request, service.chat(body, arrival)))
+        return await _call(cancel_on_disconnect(request, service.chat(body, arrival, request.state.request_id)))
 
     @app.post("/generate")
     async def generate(request: Request):
         arrival = time.perf_counter()
         body = await parse_body(request, GenerateRequest)
-        return await _call(cancel_on_disconnect(request, service.generate(body, arrival)))
+        return await _call(cancel_on_disconnect(request, service.generate(body, arrival, request.state.request_id)))
 
     created = int(time.time())  # when the model came up (OpenAI's and vLLM's cards carry a Unix time, not 0)
 

@@ -5,6 +5,7 @@ streamed choices merge, and validation errors name their field."""
 
 import asyncio
 import json
+import re
 import time
 
 import httpx
@@ -24,17 +25,21 @@ from tests.server_helpers import wait_until
 class ScriptedBackend(StubBackend):
     """Answers every request with tokens 0, 1, 2, ... as letters a, b, c, ..., ``delay_s`` apart;
     ``fail_at``: raise PDRequestError instead of yielding that many tokens. ``calls`` records the
-    prompts and params it was given, ``closed`` the rids whose stream ended (done or aborted)."""
+    prompts and params it was given, ``rids`` their request ids, ``closed`` the rids whose stream
+    ended (done or aborted). A request id still running is refused, as the router refuses one."""
 
     model_name, context_len, vocab_size = "scripted", 64, 1000
 
     def __init__(self):
         self.fail_at, self.delay_s = None, 0.0
         self.max_prompt_len = 63
-        self.calls, self.closed, self.priorities = [], [], []
+        self.calls, self.rids, self.closed, self.priorities = [], [], [], []
 
     async def generate_stream(self, input_ids, sampling_params, rid, priority=0):
+        if self.rids.count(rid) > self.closed.count(rid):
+            raise ValueError(f"request {rid!r} is already routed")
         self.calls.append((list(input_ids), dict(sampling_params)))
+        self.rids.append(rid)
         self.priorities.append(priority)
         n = sampling_params["max_new_tokens"]
         try:
@@ -62,6 +67,7 @@ def served():
 def backend(served):
     served[0].fail_at, served[0].max_prompt_len, served[0].delay_s = None, 63, 0.0
     served[0].calls.clear()
+    served[0].rids.clear()
     served[0].closed.clear()
     served[0].priorities.clear()
     served[0].priority_scheduling = False
@@ -270,6 +276,73 @@ def test_every_response_carries_an_x_request_id_the_clients_own_echoed(served, c
     assert r.status_code == 400 and r.headers["x-request-id"] == "trace-9"
 
 
+def test_the_clients_x_request_id_is_the_base_of_response_ids_and_worker_request_ids(served, backend, client):
+    """vLLM's ``_base_request_id``: the client's ``X-Request-Id`` names the response
+    (``cmpl-{id}``, every streamed chunk too) and starts the request each choice runs as on the
+    workers (``cmpl-{id}-{8 hex}``, choice i then ``-{i}``), so an operator finds it in their logs
+    and the router's state; /generate's request starts with it, unless the body names a ``rid``
+    (SGLang's, taken as it is). Without a header the id is the new one the response echoes."""
+    url, trace = served[1].url, {"X-Request-Id": "trace-42"}
+    internal = r"cmpl-trace-42-[0-9a-f]{8}"
+    completion = client.completions.create(model="scripted", prompt=[1], max_tokens=2, n=2, extra_headers=trace)
+    assert completion.id == "cmpl-trace-42"
+    assert re.fullmatch(internal + "-0", backend.rids[0]) and backend.rids[1] == backend.rids[0][:-1] + "1", \
+        backend.rids
+    chunks = list(client.completions.create(model="scripted", prompt=[1], max_tokens=3, stream=True,
+                                            extra_headers=trace))
+    assert len(chunks) >= 3 and {c.id for c in chunks} == {"cmpl-trace-42"}
+    assert re.fullmatch(internal, backend.rids[2]), backend.rids
+    body = {"input_ids": [1], "sampling_params": {"max_new_tokens": 2}}
+    assert httpx.post(url + "/generate", json=body, headers=trace).status_code == 200
+    assert httpx.post(url + "/generate", json=dict(body, rid="mine"), headers=trace).status_code == 200
+    assert re.fullmatch(r"trace-42-[0-9a-f]{8}", backend.rids[3]) and backend.rids[4] == "mine", backend.rids
+    raw = client.completions.with_raw_response.create(model="scripted", prompt=[1], max_tokens=2)
+    fresh = raw.headers["x-request-id"]
+    assert raw.parse().id == f"cmpl-{fresh}" and backend.rids[5].startswith(f"cmpl-{fresh}-")
+
+
+def test_a_chat_completions_id_is_chatcmpl_and_the_clients_x_request_id():
+    """Chat's response id and its choices' request ids carry the client's ``X-Request-Id`` too."""
+    backend = ScriptedBackend()
+    with BackgroundServer(build_app(backend, _llama_like_tokenizer(), ServerConfig()), "127.0.0.1", 0) as server:
+        chat = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0).chat.completions.create(
+            model="scripted", messages=[{"role": "user", "content": "Hi"}], max_tokens=1, n=2,
+            extra_headers={"X-Request-Id": "trace-43"})
+    assert chat.id == "chatcmpl-trace-43" and len(chat.choices) == 2
+    assert [re.fullmatch(r"chatcmpl-trace-43-[0-9a-f]{8}-([01])", rid).group(1) for rid in backend.rids] == ["0", "1"]
+
+
+def test_two_requests_in_flight_under_one_x_request_id_are_both_served(served, backend):
+    """A client sends the same ``X-Request-Id`` again while the first request runs (a retry, a
+    fan-out): both are served under the response id it names, each running as its own request
+    (the router refuses a request id already routed)."""
+    backend.delay_s = 0.05
+
+    async def go():
+        async with httpx.AsyncClient(base_url=served[1].url, timeout=30) as http:
+            return await asyncio.gather(*(http.post("/v1/completions", json={"prompt": [1], "max_tokens": 4},
+                                                    headers={"X-Request-Id": "twice"}) for _ in range(2)))
+
+    answers = asyncio.run(go())
+    assert [r.status_code for r in answers] == [200, 200], [r.text for r in answers]
+    assert {r.json()["id"] for r in answers} == {"cmpl-twice"}
+    assert len(set(backend.rids)) == 2 and all(rid.startswith("cmpl-twice-") for rid in backend.rids)
+
+
+def test_a_bad_x_request_id_is_replaced_by_a_new_one(served, backend):
+    """An ``X-Request-Id`` that cannot name a request (over 128 characters, whitespace, not ASCII)
+    is ignored, not refused (vLLM refuses none): the request is served under a new id, echoed."""
+    for bad in ["x" * 129, "two words", "caf\u00e9".encode(), ""]:
+        r = httpx.post(served[1].url + "/v1/completions", json={"prompt": [1], "max_tokens": 1},
+                       headers={"X-Request-Id": bad})
+        fresh = r.headers["x-request-id"]
+        assert r.status_code == 200 and fresh not in ("", bad) and re.fullmatch(r"[0-9a-f]{32}", fresh), (bad, r.text)
+        assert r.json()["id"] == f"cmpl-{fresh}" and backend.rids[-1].startswith(f"cmpl-{fresh}-")
+    ok = "x" * 128
+    assert httpx.post(served[1].url + "/v1/completions", json={"prompt": [1], "max_tokens": 1},
+                      headers={"X-Request-Id": ok}).json()["id"] == f"cmpl-{ok}"
+
+
 def test_version_needs_no_api_key():
     """vLLM's ``GET /version``: the server's version, open as /health is (the API needs the key)."""
     from importlib.metadata import version
@@ -356,7 +429,7 @@ def test_inter_token_latency_is_timed_per_choice():
     async def go():
         body = CompletionRequest.model_validate({"model": "scripted", "prompt": [1, 2], "max_tokens": 6, "n": 2,
                                                  "stream": True})
-        response = await service.completions(body, time.perf_counter())
+        response = await service.completions(body, time.perf_counter(), "itl")
         try:
             return [chunk async for chunk in response.body_iterator]
         finally:
@@ -529,19 +602,27 @@ def test_a_client_gone_before_its_answer_aborts_its_request(served, backend, pat
         wait_until(lambda: app.state.admission.running == 0, timeout_s=15.0)
 
 
-def test_text_prompts_get_the_tokenizers_special_tokens_and_chat_prompts_the_templates():
-    """vLLM's completions and SGLang's /generate encode a text prompt with the tokenizer's special
-    tokens (a Llama prompt starts with BOS); a chat template writes its own, so chat adds none
-    (vLLM's ``add_special_tokens`` overrides either)."""
+def _llama_like_tokenizer():
+    """The built-in byte tokenizer, adding BOS as Llama's does, with a chat template that writes BOS."""
     from tokenizers.processors import TemplateProcessing
     from transformers import PreTrainedTokenizerFast
 
     from actors.engine.tokenizer import BOS, BOS_ID, EOS, PAD, build_byte_tokenizer
 
-    raw = build_byte_tokenizer()  # the built-in byte tokenizer, adding BOS as Llama's does
+    raw = build_byte_tokenizer()
     raw.post_processor = TemplateProcessing(single=f"{BOS} $A", special_tokens=[(BOS, BOS_ID)])
     tok = PreTrainedTokenizerFast(tokenizer_object=raw, bos_token=BOS, eos_token=EOS, pad_token=PAD)
     tok.chat_template = "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    return tok
+
+
+def test_text_prompts_get_the_tokenizers_special_tokens_and_chat_prompts_the_templates():
+    """vLLM's completions and SGLang's /generate encode a text prompt with the tokenizer's special
+    tokens (a Llama prompt starts with BOS); a chat template writes its own, so chat adds none
+    (vLLM's ``add_special_tokens`` overrides either)."""
+    from actors.engine.tokenizer import BOS_ID
+
+    tok = _llama_like_tokenizer()
     plain = tok.encode("Hi", add_special_tokens=False)
     backend = ScriptedBackend()
     with BackgroundServer(build_app(backend, tok, ServerConfig()), "127.0.0.1", 0) as server:
@@ -586,7 +667,7 @@ def test_a_client_gone_while_queued_is_not_served_when_a_slot_frees_at_that_mome
         await admission.acquire()  # the request ahead holds the only slot
         client = GoneClient()
         body = GenerateRequest.model_validate({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 40}})
-        answer = asyncio.ensure_future(cancel_on_disconnect(client, service.generate(body, time.perf_counter())))
+        answer = asyncio.ensure_future(cancel_on_disconnect(client, service.generate(body, time.perf_counter(), "gone")))
         await asyncio.sleep(0.1)  # queued: waiting on the semaphore
         assert admission.waiting == 1
         client.gone.set()  # the client gives up while queued ...
