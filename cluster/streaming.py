@@ -105,7 +105,14 @@ async def _one_choice(index: int, stream: AsyncIterator[Dict[str, Any]], text: T
 
 async def run_choices(streams: List[AsyncIterator[Dict[str, Any]]], texts: List[TextDelta],
                       on_done: Callable) -> AsyncIterator[ChoiceEvent]:
-    """Merge the choices' streams; raises the first choice error after cancelling the rest."""
+    """Merge the choices' streams; raises the first choice error after cancelling the rest.
+
+    A choice is cancelled once, and its clean-up (stopping its workers: the PD client's prefill
+    stop, then a safe abort of the decode reservation) is waited for but never cancelled again
+    from here: a consumer cancelled again while it waits (starlette's streamed response, in an
+    anyio scope that cancels at every await) stops waiting, and the choices' clean-up goes on
+    (``gather`` would have passed the cancel on: the decode slots then stayed quarantined for
+    the hand-off's deadline)."""
     queue: asyncio.Queue = asyncio.Queue()
     tasks = [asyncio.ensure_future(_one_choice(i, stream, text, queue, on_done))
              for i, (stream, text) in enumerate(zip(streams, texts))]
@@ -122,7 +129,7 @@ async def run_choices(streams: List[AsyncIterator[Dict[str, Any]]], texts: List[
     finally:
         for task in tasks:
             task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.wait(tasks)
 
 
 def sse(payload: Any) -> str:

@@ -201,6 +201,39 @@ def test_n_streamed_choices_merge(backend, client):
     assert (usage.completion_tokens, usage.prompt_tokens_details.cached_tokens) == (15, 2)
 
 
+def test_a_client_gone_mid_stream_lets_each_choices_stop_finish(served):
+    """A streamed client that goes away: starlette cancels the response in an anyio scope, which
+    cancels again at every await of its clean-up. A choice still before its first token (in its
+    prefill) stops its workers in its own clean-up (the PD client's prefill stop, then a safe abort
+    of the decode reservation); cancelled again there, the reservation was left quarantined for
+    the hand-off's whole deadline (300 s by default). The choices are cancelled once."""
+
+    class PrefillingBackend(StubBackend):
+        model_name, context_len, max_prompt_len, vocab_size = "prefilling", 64, 63, 1000
+        stops = {}
+
+        async def generate_stream(self, input_ids, sampling_params, rid, priority=0):
+            if rid.endswith("-0"):  # choice 0 streams; choice 1 is still in its prefill
+                yield {"output_ids": [0], "text": "a", "meta_info": {"prompt_tokens": 2, "completion_tokens": 1,
+                                                                     "cached_tokens": 0, "finish_reason": None}}
+            try:
+                await asyncio.sleep(3600)
+            finally:
+                self.stops[rid] = "stopping"
+                await asyncio.sleep(0.3)  # the prefill side's abort, then the decode side's
+                self.stops[rid] = "stopped"
+
+    backend = PrefillingBackend()
+    app = build_app(backend, None, ServerConfig())
+    body = {"model": "prefilling", "prompt": [1, 2], "max_tokens": 8, "n": 2, "stream": True}
+    with BackgroundServer(app, "127.0.0.1", 0) as server:
+        with httpx.stream("POST", server.url + "/v1/completions", json=body) as r:
+            next(r.iter_lines())
+        assert wait_until(lambda: len(backend.stops) == 2 and app.state.admission.running == 0, timeout_s=5.0)
+        time.sleep(0.5)
+    assert sorted(backend.stops.values()) == ["stopped", "stopped"]
+
+
 def test_continuous_usage_stats_give_each_chunk_its_choices_usage_so_far(client):
     """vLLM's ``stream_options.continuous_usage_stats``: every chunk carries its choice's usage so
     far (the scripted backend writes a letter a token), and the last chunk the request's total."""
