@@ -105,7 +105,9 @@ async def cancel_on_disconnect(request: Request, handler) -> Any:
         watcher.cancel()
         if not task.done():
             task.cancel()
-            await asyncio.gather(task, return_exceptions=True)  # its cleanup: abort, slot back
+            # its cleanup: abort, slot back (``wait``, not ``gather``: a second cancel of this
+            # endpoint — anyio repeats one at every await — must not cancel the cleanup too)
+            await asyncio.wait((task,))
     if task.cancelled():
         return Response(status_code=CLIENT_CLOSED_REQUEST)
     return task.result()

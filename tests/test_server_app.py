@@ -713,6 +713,41 @@ def test_a_client_gone_while_queued_is_not_served_when_a_slot_frees_at_that_mome
     assert (status, calls) == (499, 0), f"served for nobody: status {status}, {calls} backend call(s), {waited}s"
 
 
+def test_an_endpoint_cancelled_twice_lets_its_handlers_cleanup_finish():
+    """Server shutdown cancels an endpoint waiting in ``cancel_on_disconnect``, and anyio cancels
+    it again at its next await: the handler it cancelled still runs its cleanup to the end (its
+    abort, its admission slot back) instead of being cut off by the second cancel."""
+    from cluster.server import cancel_on_disconnect
+
+    steps = []
+
+    class StayingClient:  # what cancel_on_disconnect reads of a Request: a client that stays
+        async def receive(self):
+            await asyncio.Event().wait()
+
+    async def handler():
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            steps.append("stopping")
+            await asyncio.sleep(0.05)  # (an abort sent to a worker, say)
+            steps.append("stopped")
+            raise
+
+    async def go():
+        endpoint = asyncio.ensure_future(cancel_on_disconnect(StayingClient(), handler()))
+        await asyncio.sleep(0.01)
+        endpoint.cancel()  # shutdown ...
+        await asyncio.sleep(0.01)
+        endpoint.cancel()  # ... and the scope's cancel again, while the handler cleans up
+        await asyncio.wait((endpoint,))
+        await asyncio.sleep(0.1)
+        assert endpoint.cancelled()
+
+    asyncio.run(go())
+    assert steps == ["stopping", "stopped"], steps
+
+
 class _RayLike:
     """``handle.method.remote(*args)`` as a Ray actor call: it runs to its end on the actor
     whoever awaits it (cancelling the awaiting task does not cancel the call)."""
