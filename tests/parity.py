@@ -56,3 +56,34 @@ def assert_greedy_parity(model_path: str, prompts: List[List[int]], outputs: Lis
                 break
         else:
             assert len(ours) == len(ref), f"lengths differ: ours {len(ours)}, HF {len(ref)}"
+
+
+def hf_prompt_logprobs(model_path: str, prompt: Sequence[int]) -> torch.Tensor:
+    """HF's fp32 log-softmax over the prompt: row ``q`` is the distribution of token ``q + 1``."""
+    with torch.no_grad():
+        logits = hf_model(model_path)(torch.tensor([list(prompt)])).logits[0]
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+def assert_input_logprobs_close(model_path: str, prompt: Sequence[int], meta: dict, logprob_start_len: int,
+                                top_logprobs_num: int = 0, logprob_tol: float = 1e-3) -> None:
+    """``meta``'s ``input_token_logprobs`` (SGLang's: prompt positions from ``logprob_start_len``,
+    position 0's None) and ``input_top_logprobs`` equal HF's log-softmax over the prompt."""
+    ref = hf_prompt_logprobs(model_path, prompt)
+    pairs, tops = meta["input_token_logprobs"], meta["input_top_logprobs"]
+    assert [t for _, t in pairs] == list(prompt[logprob_start_len:])
+    for i, (logprob, token) in enumerate(pairs):
+        pos = logprob_start_len + i
+        if pos == 0:
+            assert logprob is None and (not tops or tops[0] is None)
+            continue
+        want = float(ref[pos - 1, token])
+        assert abs(logprob - want) <= logprob_tol, f"position {pos}: ours {logprob:.5f}, HF {want:.5f}"
+        if top_logprobs_num:
+            values, ids = ref[pos - 1].topk(top_logprobs_num)
+            got = tops[i]
+            assert len(got) == top_logprobs_num
+            assert all(abs(g - w) <= logprob_tol for (_, g), w in zip(got, values.tolist())), (pos, got, values)
+            # ids may swap only between near-equal values
+            assert all(t == w or abs(float(ref[pos - 1, t]) - float(ref[pos - 1, w])) <= logprob_tol
+                       for (t, _), w in zip(got, ids.tolist()))

@@ -60,6 +60,12 @@ def request_result(req: Req, with_text: bool = True) -> Dict[str, Any]:
     if req.sampling_params.return_logprob:
         meta["output_token_logprobs"] = list(zip(req.output_logprobs, req.output_ids))
         meta["output_top_logprobs"] = req.output_top_logprobs
+    start = req.input_logprob_start()
+    if start is not None:  # SGLang's: from logprob_start_len on, position 0's None (it has no context)
+        first = 0 if req.sampling_params.logprob_start_len == 0 else start
+        head = [None] * (start - first)
+        meta["input_token_logprobs"] = list(zip(head + req.input_token_logprobs, req.origin_input_ids[first:]))
+        meta["input_top_logprobs"] = head + req.input_top_logprobs
     result = {"output_ids": list(req.output_ids), "meta_info": meta}
     if with_text:
         result["text"] = req.output_text

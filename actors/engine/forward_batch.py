@@ -64,6 +64,12 @@ class ForwardBatch:
     mamba_pool_indices: Optional[torch.Tensor] = None
     mamba_track_slots: Optional[List[Optional[int]]] = None
     mamba_track_lens: Optional[List[Optional[int]]] = None
+    # input (prompt) logprobs: the flat token indices whose logits give them, the next prompt token at
+    # each, how many rows each request has (in batch order), and the most top logprobs a request asks
+    input_logprob_indices: Optional[torch.Tensor] = None
+    input_logprob_next_ids: Optional[torch.Tensor] = None
+    input_logprob_counts: Optional[List[int]] = None
+    input_top_logprobs_num: int = 0
 
     @property
     def batch_size(self) -> int:

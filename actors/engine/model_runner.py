@@ -21,6 +21,7 @@ from actors.engine.attention import create_attention_backend
 from actors.engine.config import EngineConfig
 from actors.engine.forward_batch import ForwardBatch, int64_tensor
 from actors.engine.model_loader import load_model
+from actors.engine.models.base import LogitsOutput
 from actors.engine.parallel import SINGLE, TPGroup
 from mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
 from mem_cache.buffer_allocator import BufferAllocator
@@ -207,8 +208,9 @@ class ModelRunner:
 
     # ---- forward ----------------------------------------------------------------
     @torch.inference_mode()
-    def forward(self, forward_batch: ForwardBatch) -> torch.Tensor:
-        """Logits of each request's last token, [bs, vocab] fp32."""
+    def forward(self, forward_batch: ForwardBatch) -> LogitsOutput:
+        """Logits of each request's last token, [bs, vocab] fp32, and the input logprobs the
+        batch asks for."""
         start = time.perf_counter()
         with self.tp_step(forward_batch):
             forward_batch.req_to_token_pool = self.req_to_token_pool

@@ -56,6 +56,9 @@ class Req:
     detokenizer: Any = None  # its IncrementalText (actors.engine.finish), from the first token on
     output_logprobs: List[float] = field(default_factory=list)
     output_top_logprobs: List[List[tuple]] = field(default_factory=list)
+    # prompt positions [input_logprob_start(), + len) (return_logprob with logprob_start_len), one forward's at a time
+    input_token_logprobs: List[float] = field(default_factory=list)
+    input_top_logprobs: List[List[tuple]] = field(default_factory=list)
     logit_state: Any = None  # its sparse bias, masks and seen tokens (sparse_logits.LogitState), once sampled
     grammar: Any = None  # its xgrammar GrammarMatcher (actors.engine.grammar), in the state after output_ids
     created_time: float = field(default_factory=time.perf_counter)
@@ -97,6 +100,35 @@ class Req:
     @property
     def finished(self) -> bool:
         return self.finished_reason is not None
+
+    def input_logprob_start(self) -> Optional[int]:
+        """The first prompt position given an input logprob: ``logprob_start_len``, but at least
+        1 (position 0 has no context to be predicted from); None when none are asked for."""
+        params = self.sampling_params
+        if not params.return_logprob or params.logprob_start_len < 0:
+            return None
+        return min(max(1, params.logprob_start_len), len(self.origin_input_ids))
+
+    def input_logprob_pending(self) -> Optional[int]:
+        """The first prompt position whose input logprob is still to compute (None: none is):
+        the logits row before it is the first a forward must keep, so no cached prefix is
+        reused past ``pending - 1``."""
+        start = self.input_logprob_start()
+        if start is None or start + len(self.input_token_logprobs) >= len(self.origin_input_ids):
+            return None
+        return start + len(self.input_token_logprobs)
+
+    def input_logprob_rows(self, prefix_len: int, seq_len: int) -> range:
+        """Positions ``q`` of an extend over ``[prefix_len, seq_len)`` whose logits give input
+        logprobs (of prompt token ``q + 1``): from the pending one on, the prompt's last excluded
+        (its logits are the first output token's)."""
+        pending = self.input_logprob_pending()
+        if pending is None:
+            return range(0)
+        if pending - 1 < prefix_len:  # (the prefix match stops before it: these rows would never be computed)
+            raise RuntimeError(f"request {self.rid}: its {prefix_len}-token prefix covers prompt positions whose "
+                               f"input logprobs are pending (from {pending})")
+        return range(pending - 1, min(seq_len, len(self.origin_input_ids) - 1))
 
     def all_ids(self) -> List[int]:
         return self.origin_input_ids + self.output_ids

@@ -59,7 +59,11 @@ class SamplingParams(BaseModel):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     return_logprob: bool = False
-    top_logprobs_num: int = Field(0, ge=0, le=20)
+    top_logprobs_num: int = Field(0, ge=0, le=20, description="the most likely tokens' logprobs returned at each "
+                                  "output position (and prompt position, with logprob_start_len)")
+    logprob_start_len: int = Field(-1, ge=-1, description="with return_logprob: the prompt position from which "
+                                   "input (prompt) logprobs are returned (-1: none; position 0 has none, it has no "
+                                   "context); the prefix cache is not reused past it, those positions are computed")
     logit_bias: Optional[Dict[int, float]] = Field(None, description="{token id: bias in [-100, 100]} added to "
                                                    "the logits before sampling (ids are checked against the "
                                                    "vocabulary where the request is admitted)")

@@ -161,6 +161,7 @@ def prepare_for_extend(reqs: List[Req], runner, tree_cache) -> Optional[ForwardB
         req.kv_allocated_len = s
         input_ids.extend(req.fill_ids[p:s])
         positions.extend(range(p, s))
+    logprob_rows = [r.input_logprob_rows(p, s) for r, p, s in zip(reqs, prefix_lens, seq_lens)]
     extend_lens_t = runner.tensor(extend_lens)
     track_slots, track_lens = _mamba_tracks(pool, reqs, [
         prefill_track_seqlen(p, e, r.mamba_branching_seqlen) for r, p, e in zip(reqs, prefix_lens, extend_lens)
@@ -183,7 +184,24 @@ def prepare_for_extend(reqs: List[Req], runner, tree_cache) -> Optional[ForwardB
         mamba_pool_indices=_mamba_indices(pool, reqs, runner),
         mamba_track_slots=track_slots,
         mamba_track_lens=track_lens,
+        **_input_logprob_fields(reqs, logprob_rows, prefix_lens, extend_lens, runner),
     )
+
+
+def _input_logprob_fields(reqs: List[Req], rows: List[range], prefix_lens: List[int], extend_lens: List[int],
+                          runner) -> dict:
+    """The extend batch's input-logprob fields (none when no request has a row to compute):
+    request ``i``'s positions ``rows[i]`` as flat token indices, and the prompt token after each."""
+    if not any(rows):
+        return {}
+    index, next_ids, start = [], [], 0
+    for req, positions, p, e in zip(reqs, rows, prefix_lens, extend_lens):
+        index.extend(range(start + positions.start - p, start + positions.stop - p))
+        next_ids.extend(req.origin_input_ids[positions.start + 1:positions.stop + 1])
+        start += e
+    top = max((r.sampling_params.top_logprobs_num for r, positions in zip(reqs, rows) if positions), default=0)
+    return dict(input_logprob_indices=runner.tensor(index), input_logprob_next_ids=runner.tensor(next_ids),
+                input_logprob_counts=[len(positions) for positions in rows], input_top_logprobs_num=top)
 
 
 def prepare_for_decode(reqs: List[Req], runner, tree_cache) -> Optional[ForwardBatch]:

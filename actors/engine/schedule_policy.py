@@ -124,12 +124,16 @@ class PrefillAdmissionMixin(PreemptionMixin):
         Mamba slot for that copy, every one is held (a logical OOM: the request waits)."""
         req.fill_ids = req.all_ids()
         copied = True
+        # one token is always computed; so is every position whose logits give a pending input logprob
+        # (SGLang cuts the match at logprob_start_len alike)
+        pending = req.input_logprob_pending()
+        reused = len(req.fill_ids) - 1 if pending is None else min(len(req.fill_ids) - 1, pending - 1)
         if self.hybrid:
-            key = RadixKey(req.fill_ids, req.extra_key)  # the cache keeps one token to compute
+            key = RadixKey(req.fill_ids[: reused + 1], req.extra_key)  # the cache keeps one token to compute
             match = self.tree_cache.match_prefix(key, req=req, cow_mamba=admit)
             req.mamba_branching_seqlen, copied = match.mamba_branching_seqlen, not match.mamba_cow_failed
         else:
-            key = RadixKey(req.fill_ids[: len(req.fill_ids) - 1], req.extra_key)  # one token is always computed
+            key = RadixKey(req.fill_ids[:reused], req.extra_key)
             if admit and self.file_tier and len(key) > req.storage_checked_len:  # pages past the host hit
                 self.tree_cache.prefetch_from_storage(key)  # come from the file tier first (asked once, not
                 req.storage_checked_len = len(key)          # at every step the request waits for room)

@@ -32,6 +32,7 @@ import torch
 
 from actors.engine.finish import check_finished, stream_text
 from actors.engine.grammar import GrammarBackend
+from actors.engine.models.base import InputLogprobs
 from actors.engine.req import Req
 from actors.engine.sampling import Pick, pick_tokens
 from actors.engine.sparse_logits import LogitState
@@ -187,9 +188,11 @@ class Scheduler(PrefillAdmissionMixin, DecodeRetractionMixin):
         batch_reqs, forward_batch = self._next_prefill()
         if forward_batch is not None:
             self.in_flight = batch_reqs  # out of every queue until processed: a failure must still find them
-            logits = self._forward(forward_batch)
+            output = self._forward(forward_batch)
+            self._add_input_logprobs(batch_reqs, forward_batch, output.input_logprobs)
             # (what each forward read: its cached part; asked only after a failed load)
-            batch_reqs, logits = self._requeue_failed_loads(batch_reqs, lambda r: len(r.prefix_indices), logits)
+            batch_reqs, logits = self._requeue_failed_loads(batch_reqs, lambda r: len(r.prefix_indices),
+                                                            output.next_token_logits)
             out = self._process_prefill(batch_reqs, logits)
             self.in_flight = []
             return out
@@ -199,7 +202,7 @@ class Scheduler(PrefillAdmissionMixin, DecodeRetractionMixin):
         if self.running:
             batch_reqs, forward_batch = self._next_decode()
             if forward_batch is not None:
-                logits = self._forward(forward_batch)
+                logits = self._forward(forward_batch).next_token_logits
                 # (the last sampled token has no KV yet)
                 batch_reqs, logits = self._requeue_failed_loads(batch_reqs, lambda r: r.seqlen - 1, logits)
                 return self._process_decode(batch_reqs, logits)
@@ -260,6 +263,7 @@ class Scheduler(PrefillAdmissionMixin, DecodeRetractionMixin):
             self.tree_cache.cache_finished_req(req, is_insert=False)
         finally:
             req.reset_kv()
+            req.input_token_logprobs, req.input_top_logprobs = [], []  # (read garbage too: computed again)
             req.host_load_failed = True
             if req.num_retractions == 0:  # (a retracted one's count is its first admission's)
                 req.cached_tokens = 0
@@ -319,6 +323,23 @@ class Scheduler(PrefillAdmissionMixin, DecodeRetractionMixin):
             states.append(state)
         generators = [req.generator_on(logits.device) for req in reqs]
         return pick_tokens(logits, [r.sampling_params for r in reqs], generators, states, [r.grammar for r in reqs])
+
+    @staticmethod
+    def _add_input_logprobs(reqs: List[Req], forward_batch, logprobs: Optional[InputLogprobs]) -> None:
+        """Append each request's rows of the forward's input logprobs (``input_logprob_counts``, in
+        batch order) to what its earlier chunks gave."""
+        if logprobs is None:
+            return
+        values = logprobs.token_logprobs.tolist()
+        tops = None if logprobs.top_values is None else (logprobs.top_ids.tolist(), logprobs.top_values.tolist())
+        start = 0
+        for req, n in zip(reqs, forward_batch.input_logprob_counts):
+            req.input_token_logprobs += values[start:start + n]
+            k = req.sampling_params.top_logprobs_num
+            if k and n:
+                req.input_top_logprobs += [list(zip(ids[:k], vals[:k]))
+                                           for ids, vals in zip(tops[0][start:start + n], tops[1][start:start + n])]
+            start += n
 
     def _process_prefill(self, reqs: List[Req], logits) -> List[Req]:
         out: List[Req] = []

@@ -1,7 +1,8 @@
 """Model definitions, looked up by the checkpoint's ``architectures`` name.
 
 Each model takes the HF config and exposes ``forward(forward_batch) ->
-logits of each request's last token`` ([bs, vocab], fp32) plus
+LogitsOutput`` (logits of each request's last token, [bs, vocab] fp32, and
+the input logprobs the batch asks for: ``models.base``) plus
 ``kv_cache_spec()``, which tells the model runner which KV pools to build.
 Parameter names follow HF so checkpoints load with ``load_state_dict``.
 """

@@ -2,9 +2,10 @@
 
 ``DecoderModel``: ``embed_tokens`` → each layer ``(positions, x, forward_batch)``
 → ``norm``; layers are built as ``layer_cls(config, layer_id, tp)``.
-``CausalLM``: ``model`` + ``lm_head``, returning fp32 logits of each request's
-last token (optionally soft-capped, after the vocabulary is whole, in the
-model's dtype before the cast). Under TP
+``CausalLM``: ``model`` + ``lm_head``, returning a :class:`LogitsOutput`: fp32
+logits of each request's last token (optionally soft-capped, after the
+vocabulary is whole, in the model's dtype before the cast) and, for the
+positions a batch asks (``input_logprob_indices``), the input logprobs. Under TP
 the embedding and ``lm_head`` are split by vocabulary (``parallel``'s
 ``VocabParallelEmbedding`` / ``ParallelLMHead``): every rank computes its
 range of the logits and joins their all-gather; rank 0 returns the whole
@@ -13,13 +14,36 @@ vocabulary, the other ranks an empty tensor (they never sample).
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 from torch import nn
 
 from actors.engine.models.spec import KVCacheSpec
 from actors.engine.parallel import SINGLE, ParallelLMHead, TPGroup, VocabParallelEmbedding
+
+
+# fp32 logits computed at once for input logprobs, at most (rows × vocab): a long prompt's are taken in
+# slices of rows, never its whole [prompt_len, vocab] (2**25 fp32: 128 MiB, 220 rows of a 152k vocabulary)
+INPUT_LOGPROB_SLICE_ELEMENTS = 2 ** 25
+
+
+class InputLogprobs(NamedTuple):
+    """Input logprobs of the batch's ``input_logprob_indices`` rows (fp32, on the model's device):
+    the logprob of the next token at each, and the ``input_top_logprobs_num`` most likely
+    (values and ids, largest first; None when no request asks for them)."""
+
+    token_logprobs: torch.Tensor  # [n]
+    top_values: Optional[torch.Tensor] = None  # [n, k]
+    top_ids: Optional[torch.Tensor] = None  # [n, k]
+
+
+class LogitsOutput(NamedTuple):
+    """A forward's result (SGLang's ``LogitsProcessorOutput``); on TP ranks > 0 the logits are
+    empty and there are no input logprobs (only rank 0 samples)."""
+
+    next_token_logits: torch.Tensor  # [bs, vocab] fp32, each request's last token
+    input_logprobs: Optional[InputLogprobs] = None
 
 
 class DecoderModel(nn.Module):
@@ -55,12 +79,44 @@ class CausalLM(nn.Module):
         """This rank's :class:`KVCacheSpec` (its TP place filled in)."""
         return KVCacheSpec(tp_rank=self.model.tp.rank, tp_size=self.model.tp.size, **fields)
 
-    def forward(self, forward_batch) -> torch.Tensor:
+    def forward(self, forward_batch) -> LogitsOutput:
         hidden = self.model(forward_batch)
-        logits = self.lm_head(hidden[forward_batch.last_token_indices()])  # every rank: one all-gather
+        logits = self._logits(hidden[forward_batch.last_token_indices()])
+        input_logprobs = self._input_logprobs(hidden, forward_batch)
         if not self.model.tp.is_leader:  # TP: only rank 0 samples; the other ranks' forward ends here
-            return logits.new_empty(0)
+            return LogitsOutput(logits.new_empty(0))
+        return LogitsOutput(logits, input_logprobs)
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits of ``hidden`` rows (every rank: one all-gather; rank 0's are the ones read)."""
+        logits = self.lm_head(hidden)
         cap = self.final_logit_softcap
         if cap:  # in the model's dtype, as HF's Gemma and vLLM's logits processor; sampling is in fp32
             logits = torch.tanh(logits / cap) * cap
         return logits.float()
+
+    def _input_logprobs(self, hidden: torch.Tensor, forward_batch) -> Optional[InputLogprobs]:
+        """fp32 log-softmax of the logits at ``input_logprob_indices``, read at the next token of
+        each (and its top ``input_top_logprobs_num``), slice by slice of rows
+        (:data:`INPUT_LOGPROB_SLICE_ELEMENTS`); every TP rank runs the slices' all-gathers."""
+        index = forward_batch.input_logprob_indices
+        if index is None:
+            return None
+        rows, next_ids, k = hidden[index], forward_batch.input_logprob_next_ids, forward_batch.input_top_logprobs_num
+        step = max(1, INPUT_LOGPROB_SLICE_ELEMENTS // self.config.vocab_size)
+        chosen, top_values, top_ids = [], [], []
+        for start in range(0, rows.shape[0], step):
+            logits = self._logits(rows[start:start + step])
+            if not self.model.tp.is_leader:  # (its part: the all-gather)
+                continue
+            logprobs = torch.log_softmax(logits, dim=-1)
+            chosen.append(logprobs.gather(1, next_ids[start:start + step, None])[:, 0])
+            if k:
+                top = logprobs.topk(min(k, logprobs.shape[-1]), dim=-1)
+                top_values.append(top.values)
+                top_ids.append(top.indices)
+        if not self.model.tp.is_leader:
+            return None
+        if not k:
+            return InputLogprobs(torch.cat(chosen))
+        return InputLogprobs(torch.cat(chosen), torch.cat(top_values), torch.cat(top_ids))
