@@ -132,19 +132,42 @@ class CompletionFormatter(_Formatter):
         return self.echoes[index // self.req.n]
 
     def _legacy_logprobs(self, entries, index: int):
+        """``entries``: ``(token_id, logprob, top)``; a logprob of None (the prompt's first token,
+        echoed) has None for its top logprobs too, as vLLM's. Text offsets run on from the last
+        entry sent (the first from 0 with echoed logprobs, else from the echoed text's end)."""
         if entries is None:
             return None
         out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        offset = self.offsets.get(index, len(self._echo(index)))
+        offset = self.offsets.get(index, 0 if self._echo_logprobs else len(self._echo(index)))
         for tid, lp, top in entries:
             token = self._token_text(tid)
             out["tokens"].append(token)
             out["token_logprobs"].append(lp)
-            out["top_logprobs"].append(self._top_dict([(tid, lp)] + list(top)))
+            out["top_logprobs"].append(None if lp is None else self._top_dict([(tid, lp)] + list(top or [])))
             out["text_offset"].append(offset)
             offset += len(token)
         self.offsets[index] = offset
         return out
+
+    def _prompt_logprobs(self, index: int):
+        """The echoed prompt's legacy logprobs (with echo and logprobs), from the choice's first result."""
+        if not self._echo_logprobs:
+            return None
+        meta = self.meta[index]
+        pairs, tops = meta["input_token_logprobs"], meta.get("input_top_logprobs") or []
+        return self._legacy_logprobs(
+            [(tid, lp, tops[i] if i < len(tops) else None) for i, (lp, tid) in enumerate(pairs)], index)
+
+    @property
+    def _echo_logprobs(self) -> bool:
+        return self.req.echo and self.req.logprobs is not None
+
+    @staticmethod
+    def _joined(first, then):
+        """Two legacy logprobs objects as one (either may be None)."""
+        if first is None or then is None:
+            return first or then
+        return {key: first[key] + then[key] for key in first}
 
     def _top_dict(self, top) -> Dict[str, float]:
         """``{text: logprob}`` of the sampled token and the top ``logprobs`` alternatives (OpenAI's
@@ -161,13 +184,16 @@ class CompletionFormatter(_Formatter):
         echo = self._echo(index)
         if not echo:
             return []
-        return [self._chunk({"index": index, "text": echo, "logprobs": None, "finish_reason": None}, opening=True)]
+        return [self._chunk({"index": index, "text": echo, "logprobs": self._prompt_logprobs(index),
+                             "finish_reason": None}, opening=True)]
 
     def _choice_delta(self, text, logprobs, index):
         return {"index": index, "text": text, "logprobs": self._legacy_logprobs(logprobs, index)}
 
     def _choice_whole(self, text, logprobs, index):
-        return {"index": index, "text": self._echo(index) + text, "logprobs": self._legacy_logprobs(logprobs, index)}
+        prompt = self._prompt_logprobs(index)  # (first: the output's offsets run on from it)
+        return {"index": index, "text": self._echo(index) + text,
+                "logprobs": self._joined(prompt, self._legacy_logprobs(logprobs, index))}
 
 
 class ChatFormatter(_Formatter):

@@ -224,8 +224,10 @@ class CompletionRequest(_OpenAISampling):
     (a list of either) of at most ``MAX_PROMPTS``."""
 
     prompt: Union[str, List[int], List[str], List[List[int]]]
-    max_tokens: Optional[int] = Field(16, ge=1)
-    logprobs: Optional[int] = Field(None, ge=0, le=20, description="top alternatives per token (legacy format)")
+    max_tokens: Optional[int] = Field(16, ge=0, description="0 (with echo: vLLM's): the prompt only, scored with "
+                                      "logprobs (lm-evaluation-harness's loglikelihood requests)")
+    logprobs: Optional[int] = Field(None, ge=0, le=20, description="top alternatives per token (legacy format); "
+                                    "with echo the prompt's tokens are scored too")
     echo: bool = False
     suffix: Optional[str] = None
     best_of: Optional[int] = None
@@ -271,14 +273,21 @@ class CompletionRequest(_OpenAISampling):
         return self
 
     @model_validator(mode="after")
-    def _echo_logprobs(self):
-        if self.echo and self.logprobs is not None:
-            raise ValueError("echo: with logprobs it asks for prompt logprobs, which this server does not compute; "
-                             "send echo or logprobs, not both")
+    def _no_tokens_without_echo(self):
+        if self.max_tokens == 0 and not self.echo:  # (vLLM refuses it too: nothing would come back)
+            raise ValueError("max_tokens: 0 returns nothing without echo; it must be at least 1")
         return self
 
     def _top_logprobs_num(self) -> Optional[int]:
         return self.logprobs
+
+    def to_sampling_params(self, max_new_tokens: int) -> Dict[str, Any]:
+        """With echo and logprobs, the prompt's logprobs from its first token (SGLang's
+        ``logprob_start_len`` 0, as vLLM's ``prompt_logprobs``)."""
+        params = super().to_sampling_params(max_new_tokens)
+        if self.echo and self.logprobs is not None:
+            params["logprob_start_len"] = 0
+        return params
 
 
 RESERVED_TEMPLATE_KWARGS = {"conversation", "messages", "tokenize", "add_generation_prompt", "continue_final_message",
@@ -383,6 +392,8 @@ class GenerateRequest(BaseModel):
     rid: Optional[str] = None
     return_logprob: bool = False
     top_logprobs_num: int = Field(0, ge=0, le=20)
+    logprob_start_len: int = Field(-1, ge=-1, description="SGLang's: with return_logprob, the prompt position "
+                                   "from which its logprobs are returned (-1: none)")
     priority: int = Field(0, description="SGLang's: scheduling priority (needs enable_priority_scheduling unless 0)")
 
     @model_validator(mode="after")

@@ -275,7 +275,8 @@ class GenerationService:
         ids = self.encode(req.text, "text") if req.text is not None else self.token_ids(req.input_ids, "input_ids")
         params = dict(req.sampling_params)
         if req.return_logprob:
-            params.update(return_logprob=True, top_logprobs_num=req.top_logprobs_num)
+            params.update(return_logprob=True, top_logprobs_num=req.top_logprobs_num,
+                          logprob_start_len=req.logprob_start_len)
         params = self.checked_bias(validated(params, prefix="sampling_params."), "sampling_params.logit_bias")
         params["max_new_tokens"] = self.max_new_tokens(len(ids), params["max_new_tokens"], "input")
         rid = req.rid or internal_rid(request_id)

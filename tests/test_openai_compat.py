@@ -1,6 +1,6 @@
 """What a vLLM / SGLang user's client sends and expects, against the HTTP app over an
 in-process engine (the tiny llama, no Ray): explicit nulls, seeded choices, top
-logprobs, echo with logprobs, vLLM's chat-template fields, logit_bias and
+logprobs, echo with logprobs (the prompt scored), vLLM's chat-template fields, logit_bias and
 min_tokens, OpenAI fields the server does not implement, the ``developer`` role
 and template errors, ``GET /v1/models/{id}``, a request that names no model, and
 a prompt token outside the vocabulary."""
@@ -170,13 +170,35 @@ def test_completion_top_logprobs_always_hold_the_sampled_token(served):
                 assert top == {token: value}
 
 
-def test_echo_with_logprobs_is_refused_not_answered_without_prompt_logprobs(client):
-    for stream in (False, True):
-        body = bad_request(lambda: client.completions.create(model=MODEL, prompt="abc", max_tokens=2, echo=True,
-                                                             logprobs=1, stream=stream))
-        assert body["param"] == "echo" and "prompt logprobs" in body["message"]
-    echoed = client.completions.create(model=MODEL, prompt="abc", max_tokens=2, echo=True, temperature=0)
-    assert echoed.choices[0].text.startswith("abc")
+def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_asks(engine, client, served):
+    """lm-evaluation-harness's loglikelihood request (``local-completions``): echo, logprobs and
+    ``max_tokens`` 0 (or 1) — the choice's legacy logprobs cover the prompt's tokens (the first
+    one's None) then the output's, with the engine's input logprobs, text offsets running over
+    the echoed text; without echo, ``max_tokens`` 0 is refused (vLLM's)."""
+    prompt = "The cat sat on the"
+    ids = engine.tokenizer.encode(prompt)
+    ref = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 2, "temperature": 0, "return_logprob": True,
+                                                          "logprob_start_len": 0, "top_logprobs_num": 1})["meta_info"]
+    texts = [engine.tokenizer.decode([t]) for t in ids]
+    for max_tokens in (0, 2):
+        out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens, echo=True, logprobs=1,
+                                        temperature=0, extra_body={"ignore_eos": True})
+        choice, lp = out.choices[0], out.choices[0].logprobs
+        assert choice.finish_reason == "length" and out.usage.completion_tokens == max_tokens
+        assert choice.text.startswith(prompt) and len(lp.tokens) == len(ids) + max_tokens
+        assert lp.tokens[:len(ids)] == texts and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        want = [v for v, _ in ref["input_token_logprobs"][1:]] + [v for v, _ in ref["output_token_logprobs"]]
+        assert lp.token_logprobs[1:] == pytest.approx(want[:len(ids) - 1 + max_tokens], abs=1e-5)
+        assert all(token in top and len(top) <= 2 for token, top in zip(lp.tokens[1:], lp.top_logprobs[1:]))
+        offsets = [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+        assert lp.text_offset == offsets
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=0, echo=True, logprobs=1,
+                                            stream=True))
+    assert chunks[0].choices[0].text == prompt and chunks[0].choices[0].logprobs.tokens == texts
+    assert chunks[-1].choices[0].finish_reason == "length"
+    body = bad_request(lambda: client.completions.create(model=MODEL, prompt="abc", max_tokens=0))
+    assert body["param"] == "max_tokens" and "echo" in body["message"]
+    engine.check_integrity()
 
 
 def test_vllm_chat_template_fields(served, client):
