@@ -126,13 +126,17 @@ class PrefillScheduler(Scheduler):
         return out
 
     def _prefill_done(self, req: Req, logits_row, pick: Optional[Pick] = None) -> None:
-        """Sample the first token (``pick``, when the batch picked it already) and queue the
-        last chunk; the request waits in ``inflight`` (row, slots and lock held) until every
-        rank has pushed."""
-        self._sample(req, logits_row, pick)
+        """Sample the first token (``pick``, when the batch picked it already; none with
+        ``max_new_tokens`` 0, a prompt scored only: the decode side ends it at the notice) and
+        queue the last chunk; the request waits in ``inflight`` (row, slots and lock held) until
+        every rank has pushed."""
+        if req.sampling_params.max_new_tokens == 0:
+            req.pd_first_finish = {"type": "length", "length": 0}
+        else:
+            self._sample(req, logits_row, pick)
+            req.pd_first_finish = req.finished_reason  # the first token may already end it (EOS, stop, length 1)
+            req.finished_reason = None
         req.first_token_time = time.perf_counter()
-        req.pd_first_finish = req.finished_reason  # the first token may already end it (EOS, stop, length 1)
-        req.finished_reason = None
         with self._push_lock:
             self._queue_push(req, len(req.origin_input_ids), is_last=True)
             req.pd_last_chunk_time = time.perf_counter()

@@ -79,8 +79,6 @@ class _Worker:
         params = SamplingParams(**(sampling_params or {}))
         if not input_ids:
             raise ValueError("the prompt is empty")
-        if params.max_new_tokens < 1:
-            raise ValueError("max_new_tokens must be >= 1 when prefill and decode are disaggregated")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need the tokenizer (skip_tokenizer_init=True)")
         req = Req(rid, list(input_ids), params, self.eos_token_ids, priority=priority)
@@ -309,10 +307,13 @@ class PrefillWorker(_Worker):
         return {
             "rid": rid,
             "room": room,  # the attempt: the decode side takes the notice for its reservation only
-            "first_token": req.output_ids[0],
+            "first_token": req.output_ids[0] if req.output_ids else None,  # (None: max_new_tokens 0)
             "logprob": req.output_logprobs[0] if req.output_logprobs else None,
             "top_logprobs": req.output_top_logprobs[0] if req.output_top_logprobs else None,
             "first_finish": req.pd_first_finish,
+            # the prompt's logprobs (return_logprob with logprob_start_len): only this side ran the prompt
+            "input_token_logprobs": req.input_token_logprobs if req.input_logprob_start() is not None else None,
+            "input_top_logprobs": req.input_top_logprobs,
             # a seeded request's generator goes on where the first draw left it, so its samples equal
             # a single engine's
             "generator_state": (req.generator.get_state().cpu().numpy().tobytes()

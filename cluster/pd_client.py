@@ -152,9 +152,6 @@ class PDClient(WorkerRotation):
         request in both workers' queues (their ``enable_priority_scheduling``)."""
         if self.draining:
             raise PDRequestError("the cluster is draining: no new requests")
-        if (sampling_params or {}).get("max_new_tokens", 1) < 1:  # refused here, before a worker is chosen
-            raise ValueError("max_new_tokens (max_tokens) must be >= 1 when prefill and decode are disaggregated "
-                             "(the first token is the prefill's)")
         rid = rid or uuid.uuid4().hex
         # (as SGLang and vLLM refuse one): the workers and the router key state by it
         if rid in self._live_rids or rid in self._unreleased:

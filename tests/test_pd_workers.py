@@ -72,6 +72,37 @@ def test_seeded_sampling_through_pd_equals_a_single_engine(checkpoints):
     close(prefill, decode)
 
 
+def test_prompt_logprobs_through_pd_equal_a_single_engine(checkpoints):
+    """The prefill worker scores the prompt (chunk by chunk) and sends its logprobs with the notice:
+    the decode side's result carries them as a single engine's does; with ``max_new_tokens`` 0 the
+    notice has no first token and the decode side ends the request at once (its reserved pages
+    cached, as a finished request's); a second request reuses the prompt on neither side before
+    the positions it scores."""
+    from actors.engine import Engine
+
+    path = checkpoints["llama"]
+    ids = prompts(1, 40, 40, seed=17)[0]
+    cases = [{"max_new_tokens": n, "temperature": 0, "return_logprob": True, "logprob_start_len": start,
+              "top_logprobs_num": top} for n, start, top in ((0, 0, 2), (3, 10, 0), (0, 25, 1))]
+    prefill, decode = make_pair(path, page_size=4, prefill_args={"chunked_prefill_size": 16})
+    got = [run_batch(prefill, decode, [ids], params)[0][0] for params in cases]
+    engine = Engine(model_path=path, max_total_tokens=2048, skip_tokenizer_init=True, page_size=4)
+    try:
+        want = [engine.generate(input_ids=ids, sampling_params=params) for params in cases]
+    finally:
+        engine.shutdown()
+    for g, w in zip(got, want):
+        assert g["output_ids"] == w["output_ids"]
+        assert g["meta_info"]["finish_reason"] == w["meta_info"]["finish_reason"]
+        for key in ("input_token_logprobs", "output_token_logprobs"):
+            assert [t for _, t in g["meta_info"][key]] == [t for _, t in w["meta_info"][key]]
+            assert [v for v, _ in g["meta_info"][key]] == pytest.approx([v for v, _ in w["meta_info"][key]], abs=1e-4)
+        for gt, wt in zip(g["meta_info"]["input_top_logprobs"], w["meta_info"]["input_top_logprobs"]):
+            assert (gt is None) == (wt is None) and [t for t, _ in gt or []] == [t for t, _ in wt or []]
+    assert got[0]["output_ids"] == [] and got[0]["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
+    close(prefill, decode)
+
+
 def test_logit_bias_and_min_new_tokens_hold_on_both_sides(checkpoints):
     """The first token is the prefill worker's, the rest the decode worker's: both apply the bias,
     and ``min_new_tokens`` counts the tokens of both (the stop token, biased to win every step, is
@@ -799,8 +830,6 @@ def test_bad_requests_fail_clearly(checkpoints):
     prefill, decode = make_pair(path)
 
     async def go():
-        with pytest.raises(ValueError, match="max_new_tokens"):
-            await decode.reserve("zero", [5, 6], {"max_new_tokens": 0})
         with pytest.raises(ValueError, match="empty"):
             await decode.reserve("empty", [], GREEDY)
         with pytest.raises(ValueError, match="KV pool"):  # could never be admitted: refused, not queued forever

@@ -841,10 +841,9 @@ class _LocalWorker:
         return handle
 
 
-def test_generate_max_new_tokens_zero_is_a_clear_400_on_the_pd_backend(tmp_path):
-    """Over the PD serving path (in-process workers behind Ray-like handles): 0 new tokens
-    cannot be served disaggregated (the first token is the prefill's), and is refused with a
-    clear 400 before any worker is chosen, as vLLM refuses ``max_tokens`` 0."""
+def test_generate_max_new_tokens_zero_scores_the_prompt_on_the_pd_backend(tmp_path):
+    """Over the PD serving path (in-process workers behind Ray-like handles): 0 new tokens is a
+    prefill only (SGLang's), its prompt logprobs from the prefill worker, nothing generated."""
     from actors.engine.tiny import build_tiny_checkpoint
     from actors.workers import DecodeWorker, PrefillWorker
     from cluster.backend import PDBackend
@@ -862,8 +861,10 @@ def test_generate_max_new_tokens_zero_is_a_clear_400_on_the_pd_backend(tmp_path)
                 "max_new_tokens": 2, "temperature": 0}}, timeout=60)
             assert ok.status_code == 200 and len(ok.json()["output_ids"]) == 2, ok.text  # the PD path serves
             r = httpx.post(server.url + "/generate", json={"input_ids": [5, 6, 7], "sampling_params": {
-                "max_new_tokens": 0}}, timeout=60)
-            assert r.status_code == 400 and "max_new_tokens (max_tokens) must be >= 1" in r.json()["error"]["message"], r.text
+                "max_new_tokens": 0}, "return_logprob": True, "logprob_start_len": 1}, timeout=60)
+            assert r.status_code == 200 and r.json()["output_ids"] == [], r.text
+            meta = r.json()["meta_info"]
+            assert meta["finish_reason"]["type"] == "length" and [t for _, t in meta["input_token_logprobs"]] == [6, 7]
         prefill.check_integrity()
         decode.check_integrity()
     finally:
