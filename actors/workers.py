@@ -31,7 +31,7 @@ from typing import Any, AsyncIterator, Dict, List, Optional, Tuple
 from actors.engine.config import EngineConfig
 from actors.engine.engine import _eos_ids, check_engine_integrity, flush_engine_cache, request_result
 from actors.engine.engine_loop import EngineLoop, Post
-from actors.engine.grammar import make_req_off_loop
+from actors.engine.grammar import MakingReqs, make_req_off_loop
 from actors.engine.req import Req
 from actors.engine.sampling_params import SamplingParams
 from actors.kv_push import PushResult
@@ -74,7 +74,7 @@ class _Worker:
         self.draining = False
         self.broken: Optional[str] = None  # why this worker can no longer serve (a TP rank died)
 
-    def _make_req(self, rid: str, input_ids: List[int], sampling_params: Optional[Dict[str, Any]],
+    def _make_req(self, sampling_params: Optional[Dict[str, Any]], rid: str, input_ids: List[int],
                   priority: int = 0) -> Req:
         params = SamplingParams(**(sampling_params or {}))
         if not input_ids:
@@ -285,7 +285,7 @@ class PrefillWorker(_Worker):
         parsed = [KVHandoff.from_bytes(raw) for raw in handoffs]
         room = parsed[0].room if parsed else None  # the attempt: its decode reservation's room
         # (made first: an abort that comes while its grammar compiles is seen below, before it is submitted)
-        req = await make_req_off_loop(self._make_req, sampling_params, rid, input_ids, sampling_params, priority)
+        req = await make_req_off_loop(self._make_req, sampling_params, rid, input_ids, priority)
         if (rid, None) in self._cancelled or (rid, room) in self._cancelled:
             raise PDRequestError(f"request {rid!r} was aborted before its prefill started")
         for handoff in parsed:  # reject what cannot be served before any work is done
@@ -370,8 +370,7 @@ class DecodeWorker(_Worker):
         self._streaming: set = set()  # rids whose stream() is reading their queue
         # rid -> queue of a request that ended (failed transfer, timeout) before its stream() came
         self._ended_early: "collections.OrderedDict[str, asyncio.Queue]" = collections.OrderedDict()
-        # (rid, room) -> aborted: reservations whose grammar compiles off the loop, not yet submitted
-        self._making: Dict[Tuple[str, int], bool] = {}
+        self._making = MakingReqs()  # by (rid, room): reservations whose grammar compiles off the loop
 
     async def reserve(self, rid: str, input_ids: List[int], sampling_params: Optional[Dict[str, Any]],
                       backend: Optional[str] = None, room: Optional[int] = None, priority: int = 0) -> List[bytes]:
@@ -389,11 +388,11 @@ class DecodeWorker(_Worker):
             raise ValueError(f"room must be an integer in [0, 2**63), got {room!r}")
         room = random.getrandbits(63) if room is None else room
         key = (rid, room)
-        self._making[key] = False  # (an abort while its grammar compiles marks it: seen below, before it is submitted)
+        self._making.begin(key)  # (an abort while its grammar compiles marks it: seen below, before it is submitted)
         try:
-            req = await make_req_off_loop(self._make_req, sampling_params, rid, input_ids, sampling_params, priority)
+            req = await make_req_off_loop(self._make_req, sampling_params, rid, input_ids, priority)
         finally:
-            aborted = self._making.pop(key)
+            aborted = self._making.end(key)
         if aborted:
             raise PDRequestError(f"request {rid!r} was aborted before its reservation was made")
         req.pd_room, req.pd_backend = room, backend
@@ -482,9 +481,7 @@ class DecodeWorker(_Worker):
         ``room``: only the attempt reserved with that room — a late abort of an earlier
         attempt, or of a refused duplicate, leaves the request now under the id alone.
         The request's last word (the abort) goes to whoever waits on it, as any ending does."""
-        for key in self._making:
-            if key[0] == rid and room in (None, key[1]):
-                self._making[key] = True
+        self._making.mark(lambda key: key[0] == rid and room in (None, key[1]))
         return self.loop.run_exclusive(lambda: self.scheduler.abort(rid, message, safe, room))
 
     def load(self) -> Dict[str, Any]:

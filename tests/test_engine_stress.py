@@ -196,7 +196,7 @@ def test_a_failed_batch_gives_back_a_copied_mamba_state_once(checkpoints, monkey
         sched, runner = engine.scheduler, engine.runner
 
         def fail_to_allocate():
-            req = engine._make_req(None, prompt + [7, 8, 9], {"max_new_tokens": 2, "temperature": 0}, "cow")
+            req = engine._make_req({"max_new_tokens": 2, "temperature": 0}, None, prompt + [7, 8, 9], "cow")
             sched._match_prefix(req, admit=True)
             assert req.mamba_pool_idx is not None  # its own copy of the cached state
             sched._lock(req)
@@ -255,7 +255,7 @@ def drive(engine, specs, max_steps=1000):
         for step in range(max_steps):
             for i, (prompt, params, arrive, abort) in enumerate(specs):
                 if step == arrive:
-                    reqs[i] = engine._make_req(None, prompt, params, f"r{i}")
+                    reqs[i] = engine._make_req(params, None, prompt, f"r{i}")
                     sched.add_request(reqs[i])
                 if step == abort:
                     sched.abort(f"r{i}")
@@ -394,7 +394,7 @@ def test_retraction_frees_room_for_the_next_decode_steps_at_once(checkpoints):
     prompts = [[rng.randrange(5, VOCAB_SIZE) for _ in range(rng.randint(6, 20))] for _ in range(6)]
 
     def run():
-        reqs = [engine._make_req(None, p, {"max_new_tokens": out_len, "temperature": 0, "ignore_eos": True}, f"r{i}")
+        reqs = [engine._make_req({"max_new_tokens": out_len, "temperature": 0, "ignore_eos": True}, None, p, f"r{i}")
                 for i, p in enumerate(prompts)]
         for req in reqs:
             sched.add_request(req)
@@ -438,7 +438,7 @@ def test_retracting_the_last_running_request_keeps_the_decode_reserve(checkpoint
     prompt = list(range(5, 13))
 
     def run():
-        req = engine._make_req(None, prompt, {"max_new_tokens": out_len, "temperature": 0, "ignore_eos": True}, "a")
+        req = engine._make_req({"max_new_tokens": out_len, "temperature": 0, "ignore_eos": True}, None, prompt, "a")
         sched.add_request(req)
         while len(req.output_ids) < 5:  # its KV fills its pages to the brim: its next token starts a page
             sched.step()

@@ -22,7 +22,7 @@ import torch
 
 from actors.engine.config import EngineConfig
 from actors.engine.engine_loop import EngineLoop, Post
-from actors.engine.grammar import make_req_off_loop
+from actors.engine.grammar import MakingReqs, make_req_off_loop
 from actors.engine.model_runner import ModelRunner
 from actors.engine.req import Req
 from actors.engine.sampling_params import SamplingParams
@@ -139,12 +139,10 @@ class Engine:
             raise
         self._rids = itertools.count()
         self.loop = EngineLoop(self.scheduler)
-        # rid -> aborted: async requests whose grammar compiles off the loop, not yet submitted
-        self._making: Dict[str, bool] = {}
-        self._making_lock = threading.Lock()  # (abort may come from any thread)
+        self._making = MakingReqs()  # by rid: async requests whose grammar compiles off the loop
 
     # ---- requests -----------------------------------------------------------------
-    def _make_req(self, prompt, input_ids, params: Dict[str, Any], rid: Optional[str], priority: int = 0) -> Req:
+    def _make_req(self, params: Dict[str, Any], prompt, input_ids, rid: Optional[str], priority: int = 0) -> Req:
         sampling = SamplingParams(**(params or {}))
         if input_ids is None:
             if self.tokenizer is None:
@@ -175,7 +173,7 @@ class Engine:
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * n
         rids = rid if isinstance(rid, list) else [rid] * n
         priorities = priority if isinstance(priority, list) else [priority] * n
-        reqs = [self._make_req(*args) for args in zip(prompts, ids, params, rids, priorities)]
+        reqs = [self._make_req(*args) for args in zip(params, prompts, ids, rids, priorities)]
         done = threading.Semaphore(0)
         errors: List[BaseException] = []
 
@@ -207,14 +205,11 @@ class Engine:
         async iterator of results, one per step that produced tokens (each with
         the cumulative ``text``/``output_ids``), the last one finished."""
         if rid is not None:
-            with self._making_lock:
-                self._making[rid] = False  # (an abort while its grammar compiles marks it: seen below)
+            self._making.begin(rid)  # (an abort while its grammar compiles marks it: seen below)
         try:
-            req = await make_req_off_loop(self._make_req, sampling_params, prompt, input_ids, sampling_params, rid,
-                                          priority)
+            req = await make_req_off_loop(self._make_req, sampling_params, prompt, input_ids, rid, priority)
         finally:
-            with self._making_lock:
-                aborted = rid is not None and self._making.pop(rid, False)
+            aborted = rid is not None and self._making.end(rid)
         queue: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
 
@@ -246,11 +241,7 @@ class Engine:
     def abort(self, rid: str) -> bool:
         """Stop a waiting or running request, or one whose grammar compiles (``async_generate``:
         it ends when the compile returns); its caller gets finish_reason "abort"."""
-        with self._making_lock:
-            if rid in self._making:
-                self._making[rid] = True
-                return True
-        return self.loop.abort(rid)
+        return self._making.mark(lambda key: key == rid) or self.loop.abort(rid)
 
     def _result(self, req: Req) -> Dict[str, Any]:
         return request_result(req, with_text=self.tokenizer is not None)

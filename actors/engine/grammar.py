@@ -36,7 +36,7 @@ import asyncio
 import re
 import threading
 from collections import OrderedDict
-from typing import Any, Callable, Dict, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Hashable, Optional, Sequence, Tuple
 
 import torch
 import xgrammar as xgr
@@ -124,12 +124,40 @@ class GrammarBackend:
 
 
 async def make_req_off_loop(make_req: Callable[..., Any], sampling_params: Optional[Dict[str, Any]], *args):
-    """``make_req(*args)``: in a worker thread when ``sampling_params`` (as sent) name a grammar,
-    whose compile (milliseconds; seconds for a big schema over a large vocabulary) must not hold
-    up the caller's event loop and every stream it serves; on the loop otherwise."""
+    """``make_req(sampling_params, *args)``: in a worker thread when ``sampling_params`` (as sent)
+    name a grammar, whose compile (milliseconds; seconds for a big schema over a large vocabulary)
+    must not hold up the caller's event loop and every stream it serves; on the loop otherwise."""
     if sampling_params and any(sampling_params.get(name) is not None for name in GRAMMAR_FIELDS):
-        return await asyncio.to_thread(make_req, *args)
-    return make_req(*args)
+        return await asyncio.to_thread(make_req, sampling_params, *args)
+    return make_req(sampling_params, *args)
+
+
+class MakingReqs:
+    """Requests being made by :func:`make_req_off_loop` (their grammar compiling), not yet
+    submitted, by key: an abort that comes meanwhile cannot reach them in the loop, so it marks
+    them here, and their maker ends them when the make returns instead of submitting them.
+    Thread-safe: an abort may come from any thread."""
+
+    def __init__(self):
+        self._aborted: Dict[Hashable, bool] = {}
+        self._lock = threading.Lock()
+
+    def begin(self, key: Hashable) -> None:
+        with self._lock:
+            self._aborted[key] = False
+
+    def mark(self, match: Callable[[Hashable], bool]) -> bool:
+        """Mark aborted every request being made whose key ``match`` takes; whether there was one."""
+        with self._lock:
+            keys = [key for key in self._aborted if match(key)]
+            for key in keys:
+                self._aborted[key] = True
+        return bool(keys)
+
+    def end(self, key: Hashable) -> bool:
+        """``key``'s make returned (or failed): whether it was aborted meanwhile."""
+        with self._lock:
+            return self._aborted.pop(key, False)
 
 
 def apply_grammar_masks(logits: torch.Tensor, matchers: Sequence[Optional[xgr.GrammarMatcher]]) -> None:
