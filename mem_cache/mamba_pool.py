@@ -190,6 +190,11 @@ class HybridReqToTokenPool(ReqToTokenPool):
         if enable_mamba_extra_buffer:
             self.req_index_to_mamba_ping_pong_track_buffer_mapping = torch.zeros((size, 2), dtype=torch.int64, device=self.device)
 
+    @property
+    def mamba_slots_per_row(self) -> int:
+        """Mamba slots a live row holds: its working slot, and its two track slots with extra buffers."""
+        return 3 if self.enable_mamba_extra_buffer else 1
+
     def alloc(self, need_size: int, mamba_indices: Optional[Sequence[Optional[int]]] = None) -> Optional[List[int]]:
         """``need_size`` rows, each with its Mamba slots, or ``None`` with nothing taken.
 

@@ -67,7 +67,7 @@ class PreemptionMixin:
         model's state slots of its row; and what of the tree only their locks hold, evictable once
         they are gone (:meth:`_released_by_unlock`)."""
         full = swa = states = 0
-        per_row = 3 if getattr(self.runner.req_to_token_pool, "enable_mamba_extra_buffer", False) else 1
+        per_row = self.runner.req_to_token_pool.mamba_slots_per_row if self.hybrid else 0
         for running in victims:
             reserve = self._request_reserve(running, running.kv_allocated_len)
             # [0, protected)               the tree's (locked: _released_by_unlock)
@@ -78,7 +78,7 @@ class PreemptionMixin:
             if self.swa:
                 start = max(running.swa_evicted_seqlen, protected)
                 swa += self._swa_reserve(reserve) + self._paged_after(start, committed - start)
-            states += per_row if self.hybrid else 0
+            states += per_row
         tree_full, tree_swa, tree_states = self._released_by_unlock(victims)
         return Room(len(victims), full + tree_full, swa + tree_swa, states + tree_states)
 

@@ -49,8 +49,7 @@ def _alloc_rows(pool, reqs: List[Req], tree_cache):
     given = [r.mamba_pool_idx for r in reqs]
     rows = pool.alloc(len(reqs), given)
     if rows is None:
-        per_req = 3 if pool.enable_mamba_extra_buffer else 1
-        tree_cache.evict_mamba(len(reqs) * per_req)
+        tree_cache.evict_mamba(len(reqs) * pool.mamba_slots_per_row)
         rows = pool.alloc(len(reqs), given)
     return rows
 

@@ -209,8 +209,8 @@ class PrefillAdmissionMixin(PreemptionMixin):
         (Unplanned, a request the pool had no slot for was planned and failed its allocation.)"""
         if not self.hybrid:
             return 0
-        working = 0 if req.mamba_pool_idx is not None else 1
-        return working + (2 if self.runner.req_to_token_pool.enable_mamba_extra_buffer else 0)
+        copied = 1 if req.mamba_pool_idx is not None else 0
+        return self.runner.req_to_token_pool.mamba_slots_per_row - copied
 
     def _swa_reserve(self, reserve: int) -> int:
         """SWA slots of one request's decode reserve of ``reserve`` full slots (whole pages: the
