@@ -72,6 +72,7 @@ import secrets
 import time
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence
 
+from actors.pd_scheduler import is_worker_death, worker_broken
 from actors.prefix_index import PrefixIndex, page_keys
 from actors.router_routes import Dispatch, RouteReconciler, without_rids
 from actors.routing_policies import RouteRequest, RouterSettings, WorkerState, create_policy
@@ -101,19 +102,6 @@ async def call_method(target: Any, method: str, *args: Any) -> Any:
     remote = getattr(fn, "remote", None)
     result = remote(*args) if remote is not None else fn(*args)
     return await result if inspect.isawaitable(result) else result
-
-
-def _actor_died(exc: BaseException) -> bool:
-    """The worker's actor is gone: not one that reports itself broken (its process lives)."""
-    from actors.pd_scheduler import is_worker_death, worker_broken
-
-    return is_worker_death(exc) and worker_broken(exc) is None
-
-
-def _worker_broken(exc: BaseException) -> Optional[BaseException]:
-    from actors.pd_scheduler import worker_broken
-
-    return worker_broken(exc)
 
 
 class Router(RouteReconciler):
@@ -353,7 +341,7 @@ class Router(RouteReconciler):
         for worker, result in zip(pool, results):
             if isinstance(result, BaseException):
                 logger.debug("router: events of %s: %r", worker.worker_id, result)
-                if _actor_died(result):  # no need to wait for a heartbeat: it would be chosen meanwhile
+                if is_worker_death(result):  # no need to wait for a heartbeat: it would be chosen meanwhile
                     self._mark_dead(worker, f"its actor died ({type(result).__name__})", died=True)
         return sum(r for r in results if isinstance(r, int))
 
@@ -392,11 +380,11 @@ class Router(RouteReconciler):
                 report = await asyncio.wait_for(call_method(worker.handle, "load"), s.heartbeat_interval_s)
             except Exception as exc:
                 worker.missed_heartbeats += 1
-                broken = _worker_broken(exc)
+                broken = worker_broken(exc)
                 if broken is not None:  # its process lives: out at once, but never taken for dead
                     self._mark_dead(worker, f"it is broken ({broken})", broken=True)
                     return
-                died = _actor_died(exc)
+                died = is_worker_death(exc)
                 if died or worker.missed_heartbeats >= s.heartbeat_max_failures:
                     self._mark_dead(worker, f"{worker.missed_heartbeats} missed heartbeats ({type(exc).__name__})",
                                     died=died)
