@@ -80,6 +80,11 @@ def gather_kv(forward_batch, layer, slots: torch.Tensor, dtype) -> Tuple[torch.T
     return k, gather(v_buf, slots).to(dtype).float().transpose(1, 2)
 
 
+def key_bytes(layer) -> int:
+    """fp32 bytes a key takes in a chunk: its K and V, and one query row's scores over it."""
+    return 4 * (layer.num_heads + layer.num_kv_heads * (layer.head_dim + layer.v_head_dim))
+
+
 class KeyRange(NamedTuple):
     """The keys a group's layers of one sliding window gather: row ``r``'s column ``c`` is its key
     at position ``first[r] + c``, ``first[r]`` the first one its first new token sees."""
@@ -168,8 +173,7 @@ class TorchAttnBackend:
     def layer_groups(self, layer) -> List[AttnGroup]:
         """Requests packed by the keys the layer gathers for them: past their shared prefixes on a
         full-attention layer, their contexts on a sliding-window one (which attends no family)."""
-        # fp32 bytes per key column of a one-request group: its K and V, and one query row of scores
-        column_bytes = 4 * (layer.num_heads + layer.num_kv_heads * (layer.head_dim + layer.v_head_dim))
+        column_bytes = key_bytes(layer)  # (per key column of a one-request group)
         key = (layer.num_heads, column_bytes, layer.sliding_window is None)
         if key not in self.groups:
             fb = self.forward_batch
@@ -223,9 +227,7 @@ class TorchAttnBackend:
         fb = self.forward_batch
         shared_o = q.new_zeros(q.shape[0], layer.num_heads, layer.v_head_dim, dtype=torch.float32)
         shared_lse = q.new_full((q.shape[0], layer.num_heads), float("-inf"), dtype=torch.float32)
-        # fp32 bytes per shared key: its K and V, and a query token's scores
-        key_bytes = 4 * (layer.num_heads + layer.num_kv_heads * (layer.head_dim + layer.v_head_dim))
-        num_k = max(1, self.max_chunk_bytes // key_bytes)
+        num_k = max(1, self.max_chunk_bytes // key_bytes(layer))
         for family in self.batch_families()[0]:
             for lo in range(0, family.kv_slots.shape[0], num_k):
                 k, v = gather_kv(fb, layer, family.kv_slots[None, lo : lo + num_k], q.dtype)
