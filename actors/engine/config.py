@@ -10,6 +10,8 @@ from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+CACHE_AWARE_POLICIES = ("lpm", "dfs-weight")  # the schedule policies that order requests by the radix cache
+
 
 class EngineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
@@ -109,7 +111,7 @@ def mamba_tracking_error(config) -> Optional[str]:
 def schedule_policy_error(config) -> Optional[str]:
     """Why ``config``'s (an EngineConfig or a cluster group's engine section) schedule policy cannot
     work, or None."""
-    if config.schedule_policy in ("lpm", "dfs-weight") and config.disable_radix_cache:
+    if config.schedule_policy in CACHE_AWARE_POLICIES and config.disable_radix_cache:
         return (f"schedule_policy {config.schedule_policy!r} orders requests by the radix cache, which "
                 "disable_radix_cache=True turns off (use fcfs, lof or random)")
     return None

@@ -27,11 +27,11 @@ import random
 from collections import Counter, defaultdict
 from typing import Callable, Dict, List, Optional
 
+from actors.engine.config import CACHE_AWARE_POLICIES
 from actors.engine.req import Req
 from mem_cache.radix_cache import RadixCache
 from mem_cache.radix_key import RadixKey
 
-CACHE_AWARE_POLICIES = ("lpm", "dfs-weight")
 CACHE_AWARE_MAX_WAITING = 128
 IN_BATCH_PREFIX_CACHING_CHECK_THRESHOLD = 32
 IN_BATCH_PREFIX_CACHING_DEPRIORITIZE_THRESHOLD = 32
