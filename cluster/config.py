@@ -40,7 +40,7 @@ KV_LAYOUT_FIELDS = ("page_size", "dtype", "kv_cache_dtype")
 PRIORITY_FIELDS = ("enable_priority_scheduling", "schedule_low_priority_values_first")
 # EngineConfig fields that shape a request's grammar: the prefill side samples the first token under
 # it and the decode side's matcher must accept that token, so both sides compile it alike.
-GRAMMAR_FIELDS = ("constrained_json_disable_any_whitespace",)
+GRAMMAR_CONFIG_FIELDS = ("constrained_json_disable_any_whitespace",)
 
 _STRICT = ConfigDict(extra="forbid", frozen=True)
 
@@ -307,7 +307,7 @@ class ClusterConfig(BaseModel):
                 ("kv_layout_mismatch", KV_LAYOUT_FIELDS, "KV pages move slot for slot, so both sides must agree"),
                 ("priority_mismatch", PRIORITY_FIELDS,
                  "a request's priority orders both sides' queues, so both must read it alike"),
-                ("grammar_mismatch", GRAMMAR_FIELDS,
+                ("grammar_mismatch", GRAMMAR_CONFIG_FIELDS,
                  "the decode side's grammar must accept the first token the prefill side sampled under its own")):
             for name in names:
                 ours, theirs = getattr(self.decode.engine, name), getattr(self.prefill.engine, name)
