@@ -26,7 +26,7 @@ from pydantic import (BaseModel, ConfigDict, Field, SecretStr, ValidationError, 
                       field_validator, model_validator)
 from pydantic_core import PydanticCustomError
 
-from actors.engine.config import EngineConfig, mamba_tracking_error, schedule_policy_error
+from actors.engine.config import COMBINATION_CHECKS, EngineConfig
 
 Role = Literal["prefill", "decode"]
 TRANSFER_BACKENDS = ("auto", "shm", "cuda_ipc", "torch_dist", "fake")
@@ -317,8 +317,7 @@ class ClusterConfig(BaseModel):
         for role in ("prefill", "decode"):
             group = self.group(role)
             # (EngineConfig's own checks: found here, not in every actor)
-            for field, check in (("mamba_track_interval", mamba_tracking_error),
-                                 ("schedule_policy", schedule_policy_error)):
+            for field, check in COMBINATION_CHECKS:
                 error = check(group.engine)
                 if error:
                     raise _invalid(field, f"{role}.engine.{field}: {error}")

@@ -92,9 +92,10 @@ class EngineConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check_combinations(self) -> "EngineConfig":
-        error = mamba_tracking_error(self) or schedule_policy_error(self)
-        if error:
-            raise ValueError(error)
+        for _, check in COMBINATION_CHECKS:
+            error = check(self)
+            if error:
+                raise ValueError(error)
         return self
 
 
@@ -115,3 +116,8 @@ def schedule_policy_error(config) -> Optional[str]:
         return (f"schedule_policy {config.schedule_policy!r} orders requests by the radix cache, which "
                 "disable_radix_cache=True turns off (use fcfs, lof or random)")
     return None
+
+
+# The checks of field combinations, each with the field its error names: EngineConfig runs them,
+# and the cluster config too, on each group's engine section (so they fail at the server, not in an actor).
+COMBINATION_CHECKS = (("mamba_track_interval", mamba_tracking_error), ("schedule_policy", schedule_policy_error))
