@@ -146,6 +146,7 @@ def build_app(cluster_or_client: Any, tokenizer=None, config=None, client=None,
     app = FastAPI(title="raydix", lifespan=lifespan)
     app.state.backend, app.state.metrics, app.state.admission = backend, metrics, admission
     api_key = server.api_key.get_secret_value() if server.api_key is not None else None
+    installed_version = _version()  # (package metadata: read once, not at every GET /version)
 
     @app.exception_handler(APIError)
     async def _api_error(request, exc: APIError):
@@ -214,7 +215,7 @@ def build_app(cluster_or_client: Any, tokenizer=None, config=None, client=None,
 
     @app.get("/version")
     async def raydix_version():
-        return {"version": _version()}
+        return {"version": installed_version}
 
     @app.get("/metrics")
     async def prometheus_metrics():
