@@ -64,13 +64,21 @@ def make_pair(path, page_size=1, prefill_args=None, decode_args=None, backend="s
     return prefill, decode
 
 
+def wait_idle(worker, timeout_s: float = 30.0) -> bool:
+    """Wait until ``worker``'s scheduler has no work (an abort is reported at the loop's next
+    step; a quarantine ends later); whether it came within ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while worker.loop.run_exclusive(worker.scheduler.has_work):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
 def close_workers(*workers) -> None:
     """Wait until each worker is idle, check it leaks nothing, shut it down."""
     for w in workers:
-        for _ in range(500):  # an abort is reported at the loop's next step; a quarantine ends later
-            if not w.loop.run_exclusive(w.scheduler.has_work):
-                break
-            time.sleep(0.01)
+        wait_idle(w, 5.0)
         w.check_integrity()
         w.shutdown()
 

@@ -30,7 +30,7 @@ from actors.pd_scheduler import PDRequestError
 from actors.workers import DecodeWorker, PrefillWorker
 import transfer.states
 from tests.parity import assert_greedy_parity
-from tests.pd_helpers import prompts, run_pd
+from tests.pd_helpers import prompts, run_pd, wait_idle
 from transfer.base import FAILURE_PROB_ENV, KVHandoff
 
 MAX_NEW = 10
@@ -119,11 +119,9 @@ async def _conversation(prefill, decode, case: Case, rid: str, first: List[int],
 
 
 async def _wait_idle(worker, timeout_s):
-    for _ in range(int(timeout_s / 0.02)):
-        if not worker.loop.run_exclusive(worker.scheduler.has_work):
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError(f"{type(worker).__name__} still busy after {timeout_s}s")
+    """:func:`~tests.pd_helpers.wait_idle` off the event loop (the requests' streams run on it)."""
+    idle = await asyncio.to_thread(wait_idle, worker, timeout_s)
+    assert idle, f"{type(worker).__name__} still busy after {timeout_s}s"
 
 
 def _count_load_backs(worker) -> List[int]:

@@ -13,7 +13,7 @@ import pytest
 
 from actors.engine.tiny import build_tiny_checkpoint
 from actors.pd_scheduler import PDRequestError
-from tests.pd_helpers import ENDLESS, make_pair, pause_once, prompts, run_pd, slow_push, until
+from tests.pd_helpers import ENDLESS, make_pair, pause_once, prompts, run_pd, slow_push, until, wait_idle
 
 GREEDY = {"max_new_tokens": 8, "temperature": 0}
 LONG = {"max_new_tokens": 200, "temperature": 0, "ignore_eos": True}
@@ -26,12 +26,6 @@ HANG_S = 30.0
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("pd-failures")
     return {f: str(build_tiny_checkpoint(f, root / f)) for f in ("llama",)}
-
-
-def wait_idle(worker, timeout_s=30.0):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and worker.loop.run_exclusive(worker.scheduler.has_work):
-        time.sleep(0.01)
 
 
 def leaks(*workers):
