@@ -202,29 +202,24 @@ def test_a_mamba_track_interval_that_is_not_a_page_multiple_is_refused_at_load()
     assert parse_config(data).decode.engine.mamba_track_interval == 32
 
 
-def test_schedule_policy_and_priority_settings_are_checked_at_load():
-    """A cache-aware policy without the radix cache is refused naming the field, as EngineConfig
-    refuses it; the priority settings must agree on both sides (the server checks a request's
-    priority once, and both sides' queues order by it)."""
+def test_a_cache_aware_policy_without_the_radix_cache_is_refused_at_load():
+    """As EngineConfig refuses it, naming the field."""
     data = _set(_set(_base(), "prefill.engine.schedule_policy", "dfs-weight"), "prefill.engine.disable_radix_cache",
                 True)
     with pytest.raises(ConfigError, match=r"prefill.engine.schedule_policy: .*disable_radix_cache"):
         parse_config(data)
-    data = _set(_base(), "decode.engine.enable_priority_scheduling", True)
-    with pytest.raises(ConfigError, match=r"decode.engine.enable_priority_scheduling: True differs from prefill"):
-        parse_config(data)
-    _set(data, "prefill.engine.enable_priority_scheduling", True)
-    assert parse_config(data).prefill.engine.enable_priority_scheduling
 
 
-def test_both_sides_compile_grammars_alike():
-    """A structured-output request's first token is sampled on the prefill side; the decode
-    side's matcher must accept it, so the grammar settings agree or the config is refused."""
-    data = _set(_base(), "prefill.engine.constrained_json_disable_any_whitespace", True)
-    with pytest.raises(ConfigError, match=r"decode.engine.constrained_json_disable_any_whitespace: False differs"):
+@pytest.mark.parametrize("field", ["enable_priority_scheduling", "constrained_json_disable_any_whitespace"])
+def test_settings_both_sides_read_a_request_by_must_agree(field):
+    """A request's priority orders both sides' queues (the server checks it once); a structured-output
+    request's first token is sampled on the prefill side under its grammar and the decode side's
+    matcher must accept it. Set on one side only, the config is refused naming the field."""
+    data = _set(_base(), f"decode.engine.{field}", True)
+    with pytest.raises(ConfigError, match=rf"decode.engine.{field}: True differs from prefill"):
         parse_config(data)
-    _set(data, "decode.engine.constrained_json_disable_any_whitespace", True)
-    assert parse_config(data).decode.engine.constrained_json_disable_any_whitespace
+    _set(data, f"prefill.engine.{field}", True)
+    assert getattr(parse_config(data).prefill.engine, field)
 
 
 # --- engine settings ----------------------------------------------------------------------
