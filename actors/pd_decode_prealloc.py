@@ -24,15 +24,24 @@ no cached state is read here, and the prefix may reach past the deepest
 state the tree holds (a tombstone). The finished request inserts its own
 state at its end, as in the engine.
 
+With priority scheduling the queue is served by priority, then arrival
+(SGLang's ``DecodePreallocQueue`` sorts it so), and a head short of a row,
+slots or state slots preempts running requests of a much lower priority as
+the engine's admission does (:mod:`actors.engine.preemption`): they are
+retracted — their KV freed, their output kept — and re-prefilled here once
+room comes back, behind it. SGLang's decode side only orders the queue: a
+high-priority request there waits for a low-priority batch to finish.
+
 The mixin reads the scheduler's ``runner``, ``tree_cache``, ``page_size``,
-``swa``, ``hybrid``, ``host_tier``, queues (``prealloc``, ``transfer``,
+``swa``, ``hybrid``, ``host_tier``, ``policy``, queues (``prealloc``, ``transfer``,
 ``waiting``, ``running``, ``chunked_req``, ``_aborted``), the decode settings
 (``num_reserved_decode_tokens``, ``waiting_timeout_s``), ``agents``,
-``tp_worker`` and ``has_followers``; the engine's matching, locking and room
-accounting (``_match_prefix``, ``_lock``, ``_unlock``, ``_load_host_prefix``,
-``_prefill_room``, ``_paged_after``, ``_swa_reserve``:
-:mod:`actors.engine.schedule_policy`); and a failed hand-off ends its request
-through ``_drop`` (:mod:`actors.pd_decode_transfer`).
+``tp_worker`` and ``has_followers``; the engine's matching, locking, room
+accounting and preemption (``_match_prefix``, ``_lock``, ``_unlock``,
+``_load_host_prefix``, ``_prefill_room``, ``_free_states``, ``_paged_after``,
+``_swa_reserve``: :mod:`actors.engine.schedule_policy`; ``_preemptible``,
+``_preempt_for``); and a failed hand-off ends its request through ``_drop``
+(:mod:`actors.pd_decode_transfer`).
 """
 
 from __future__ import annotations
@@ -42,6 +51,7 @@ from typing import List, Optional
 
 import torch
 
+from actors.engine.preemption import Room
 from actors.engine.req import Req
 from actors.engine.schedule_batch import _alloc_rows, _alloc_with_eviction
 from actors.engine.tp_worker import FollowerError
@@ -55,17 +65,22 @@ class DecodePreallocMixin:
     """The ``prealloc`` queue: reservations of a row and slots per request (``_process_prealloc``)."""
 
     def _process_prealloc(self) -> List[Req]:
-        """Reserve for the queue's head while it fits. Not while a retracted request waits
-        (``waiting`` holds nothing else here): it was decoding before any of these arrived,
-        and the room that frees is its first (SGLang's decode resumes its retracted queue
-        before it pre-allocates); the engine's prefill re-admits it, in chunks as the
-        ``chunked_req`` (on this side only a retracted request prefills)."""
+        """Reserve for the queue's head (the highest priority, then the earliest: ``add_request``)
+        while it fits. Not while a retracted request of its priority or higher waits (``waiting``
+        holds nothing else here): it was decoding before any of these arrived, and the room that
+        frees is its first (SGLang's decode resumes its retracted queue before it pre-allocates);
+        the engine's prefill re-admits it, in chunks as the ``chunked_req`` (on this side only a
+        retracted request prefills). A head of a higher priority goes first, as it would in the
+        engine's waiting queue: those it preempted (``_reserve``) wait behind it."""
         done: List[Req] = []
+        rank = self.policy.rank
         try:
-            while self.prealloc and not self.waiting and self.chunked_req is None:
+            while self.prealloc and self.chunked_req is None:
                 req = self.prealloc[0]
-                if len(self.running) + len(self.transfer) >= self.runner.max_running_requests:
+                if any(rank(retracted) <= rank(req) for retracted in self.waiting):
                     break
+                if not self.runner.req_to_token_pool.available_size() and not self._preemptible(req):
+                    break  # (no row, and none to take: not matched again at every step)
                 if not self._lora_slot(req, []):  # (running and transferring requests keep theirs)
                     break
                 if not self._reserve(req):
@@ -80,13 +95,19 @@ class DecodePreallocMixin:
         return done
 
     def _reserve(self, req: Req) -> bool:
-        """Row + slots for the prompt beyond the decode tree's own prefix; False with nothing taken."""
+        """Row + slots for the prompt beyond the decode tree's own prefix; False with nothing taken.
+        Short of them, with priority scheduling it may preempt running requests of a much lower
+        priority (the engine's ``_preempt_for``: all it lacks, or none is retracted); a request in
+        ``transfer`` is never one (it is not running: a push may be writing its slots)."""
         prompt_len = len(req.origin_input_ids)
         self._match_reserved_prefix(req)
         prefix_len = len(req.prefix_indices)
         self._lock(req)  # first: the room it leaves is what the prompt can have (its prefix is not evictable)
         try:  # a failure below (a host-tier load, the allocator) gives back the lock and the row with it
-            taken = self._fits(req, prefix_len, prompt_len)  # (a host-tier part of the prefix counts as new slots)
+            short = self._lacks(req, prefix_len, prompt_len)  # (a host-tier part of the prefix counts as new slots)
+            if max(short) > 0 and self._preempt_for(req, short):
+                short = self._lacks(req, prefix_len, prompt_len)
+            taken = max(short) <= 0
             if taken:
                 self._load_reserved_host_prefix(req)
                 prefix_len = len(req.prefix_indices)
@@ -146,22 +167,25 @@ class DecodePreallocMixin:
         req.prefix_indices, req.last_node = match.device_indices, match.last_device_node
         req.cache_protected_len, req.kv_only_lock = len(req.prefix_indices), True
 
-    def _fits(self, req: Req, prefix_len: int, prompt_len: int) -> bool:
-        """Room for the uncached prompt plus the request's decode reserve, after what the
-        running and transferring requests will still need. A sliding-window model needs
-        SWA slots only for the part of the prompt in its last window. Paged, the prompt's
-        slots are whole pages, as the allocator takes them, and so is its reserve: the pages its
-        first ``num_reserved_decode_tokens`` new tokens fill after the prompt (each request's own,
-        as the engine counts the running and transferring requests')."""
+    def _lacks(self, req: Req, prefix_len: int, prompt_len: int) -> Room:
+        """What the reservation lacks of each resource (nothing above 0: it fits): a request row;
+        room for the uncached prompt plus the request's decode reserve, after what the running and
+        transferring requests will still need (a sliding-window model needs SWA slots only for the
+        part of the prompt in its last window); a hybrid model's state slots of its row. Paged, the
+        prompt's slots are whole pages, as the allocator takes them, and so is its reserve: the
+        pages its first ``num_reserved_decode_tokens`` new tokens fill after the prompt (each
+        request's own, as the engine counts the running and transferring requests')."""
         reserved_tokens = min(self.num_reserved_decode_tokens, req.sampling_params.max_new_tokens)
         reserve = self._paged_after(prompt_len, reserved_tokens)
+        pool = self.runner.req_to_token_pool
         full, swa = self._prefill_room()
-        if self._paged_after(prefix_len, prompt_len - prefix_len) + reserve + self.page_size > full:
-            return False
-        if swa is None:
-            return True
-        split = self._swa_split(prefix_len, prompt_len)
-        return self._paged_after(split, prompt_len - split) + self._swa_reserve(reserve) + self.page_size <= swa
+        full_lack = self._paged_after(prefix_len, prompt_len - prefix_len) + reserve + self.page_size - full
+        swa_lack = 0
+        if swa is not None:
+            split = self._swa_split(prefix_len, prompt_len)
+            swa_lack = self._paged_after(split, prompt_len - split) + self._swa_reserve(reserve) + self.page_size - swa
+        states_lack = pool.mamba_slots_per_row - self._free_states() if self.hybrid else 0
+        return Room(int(not pool.available_size()), full_lack, swa_lack, states_lack)
 
     def _swa_split(self, prefix_len: int, prompt_len: int) -> int:
         """Where the uncached prompt's last window begins: the tokens before it are out of

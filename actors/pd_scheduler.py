@@ -8,8 +8,9 @@ Decode (``DecodeScheduler``), queues in the order a request moves (SGLang's
                reserve of ``num_reserved_decode_tokens`` counted as taken
     transfer   slots reserved, hand-off sent; waiting for the completion notice
                (the first token) and for the bytes to land — or a timeout
-    running    the continuous decode batch; retraction under KV pressure sends a
-               request to ``waiting``, from where it is re-prefilled locally
+    running    the continuous decode batch; retraction under KV pressure, or for a
+               reservation of a much higher priority, sends a request to ``waiting``,
+               from where it is re-prefilled locally
 
 Where the parts live (SGLang's split of ``disaggregation/decode.py``): the
 reservations, with their slot bookkeeping for sliding-window and hybrid

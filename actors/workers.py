@@ -536,4 +536,5 @@ class DecodeWorker(_Worker):
         out["prealloc"] = len(self.scheduler.prealloc)
         out["transfer"] = len(self.scheduler.transfer)
         out["retractions"] = self.scheduler.num_retractions
+        out["preemptions"] = self.scheduler.num_preemptions
         return out

@@ -9,9 +9,10 @@ bytes and bandwidth, and which worker each routing policy picked. Per worker
 (refreshed at scrape time from the workers' own load reports): KV usage, queue
 lengths (prefill waiting; decode prealloc / transfer / running / retracted),
 requests in flight, and with the hierarchical cache its host usage; and, as
-counters (``_total``: they only grow, so ``rate()`` applies), retractions, KV
-bytes pushed, the hierarchical cache's tokens / pages moved between its tiers and speculative
-decoding's drafts, draft tokens and accepted tokens (in all and per draft position: vLLM's).
+counters (``_total``: they only grow, so ``rate()`` applies), retractions and the
+priority preemptions among them, KV bytes pushed, the hierarchical cache's tokens /
+pages moved between its tiers and speculative decoding's drafts, draft tokens and
+accepted tokens (in all and per draft position: vLLM's).
 The client's retries (a request sent to a new pair after a worker of its pair
 died) count in ``raydix_request_retries_total``.
 A worker that left drops its series, routing decisions included.
@@ -36,7 +37,10 @@ class _WorkerCounters:
     ``set_workers`` (a worker's counter is its process's: it is read, never incremented here)."""
 
     FAMILIES = (  # name, help, extra label, [(label value, path in the load report)]
-        ("worker_retractions", "decode retractions (KV pressure)", None, [(None, ("retractions",))]),
+        ("worker_retractions", "decode retractions (KV pressure or priority preemption)", None,
+         [(None, ("retractions",))]),
+        ("worker_preemptions", "decode requests retracted for one of a higher priority (priority scheduling)",
+         None, [(None, ("preemptions",))]),
         ("worker_kv_bytes_pushed", "KV bytes a prefill worker pushed", None, [(None, ("bytes_pushed",))]),
         ("worker_hicache_tokens", "hierarchical cache: tokens copied between device and host (backups, load "
          "backs)", "direction", [(d, ("hicache", f"{d}_tokens")) for d in ("device_to_host", "host_to_device")]),

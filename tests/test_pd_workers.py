@@ -731,42 +731,6 @@ def test_decode_retracts_under_kv_pressure_and_recomputes(checkpoints, family):
     close(prefill, decode)
 
 
-def test_decode_reservations_are_granted_by_priority(checkpoints):
-    """One decode row, held by a decoding request: a priority-0 then a priority-5 request (sent to
-    both workers at their priority, as the client does) queue for it, the later one ahead; the row
-    goes to it first. Greedy tokens are HF's; nothing is left reserved."""
-    path = checkpoints["llama"]
-    args = {"enable_priority_scheduling": True}
-    prefill, decode = make_pair(path, prefill_args=args, decode_args=dict(args, max_running_requests=1))
-    sched, granted = decode.scheduler, []
-    reserve = sched._reserve
-
-    def logged(req):
-        taken = reserve(req)
-        if taken:
-            granted.append(req.rid)
-        return taken
-
-    sched._reserve = logged
-    paused = pause_once(decode, lambda: any(r.rid == "first" for r in sched.running))
-    batch = prompts(3, 10, 20, seed=40)
-
-    async def go():
-        first = asyncio.ensure_future(run_pd(prefill, decode, batch[0], GREEDY, rid="first"))
-        await until(paused.is_set, what="the first request decoding")
-        rest = [asyncio.ensure_future(run_pd(prefill, decode, ids, GREEDY, rid=rid, priority=p))
-                for ids, rid, p in [(batch[1], "low", 0), (batch[2], "high", 5)]]
-        await until(lambda: len(sched.prealloc) == 2, what="both reservations queued")
-        assert [r.rid for r in sched.prealloc] == ["high", "low"]
-        decode.loop.resume()
-        return await asyncio.gather(first, *rest)
-
-    results = asyncio.run(go())
-    assert granted == ["first", "high", "low"]
-    assert_greedy_parity(path, batch, [r[0]["output_ids"] for r in results], 8, decode.eos_token_ids)
-    close(prefill, decode)
-
-
 def test_layout_mismatch_is_rejected_and_frees_both_sides(checkpoints):
     path = checkpoints["llama"]
     prefill, decode = make_pair(path, prefill_args={"page_size": 1}, decode_args={"page_size": 4})

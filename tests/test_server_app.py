@@ -425,7 +425,8 @@ def test_worker_metrics_carry_the_hierarchical_cache_and_drop_workers_that_left(
     hicache = {"host_usage": 0.25, "device_to_host_tokens": 960, "host_to_device_tokens": 96,
                "device_to_host_failed_tokens": 32, "host_to_storage_pages": 24, "storage_to_host_pages": 8}
     workers = [{"id": "p0", "role": "prefill", "alive": True, "load": {"kv_usage": 0.5, "hicache": hicache}},
-               {"id": "d0", "role": "decode", "alive": True, "load": {"kv_usage": 0.1, "retractions": 3}}]
+               {"id": "d0", "role": "decode", "alive": True, "load": {"kv_usage": 0.1, "retractions": 3,
+                                                                       "preemptions": 2}}]
     metrics.set_workers(workers, running=1, queued=0)
     got = samples(metrics)
     p0 = (("role", "prefill"), ("worker", "p0"))
@@ -435,6 +436,7 @@ def test_worker_metrics_carry_the_hierarchical_cache_and_drop_workers_that_left(
     assert got[("raydix_worker_hicache_storage_pages_total", (("direction", "storage_to_host"),) + p0)] == 8
     assert got[("raydix_worker_hicache_backup_failed_tokens_total", p0)] == 32
     assert got[("raydix_worker_retractions_total", (("role", "decode"), ("worker", "d0")))] == 3
+    assert got[("raydix_worker_preemptions_total", (("role", "decode"), ("worker", "d0")))] == 2
     assert not any(n.startswith("raydix_worker_hicache") and dict(ls)["worker"] == "d0" for n, ls in got)
     text = generate_latest(metrics.registry).decode()  # running totals are counters: rate() applies
     assert "# TYPE raydix_worker_retractions_total counter" in text and "# TYPE raydix_worker_hicache_tokens_total counter" in text

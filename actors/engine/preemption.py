@@ -6,7 +6,8 @@ row or room may retract running requests of a much lower priority.
 Reads the scheduler's ``config``, ``policy``, ``running``, ``runner``, ``tree_cache`` and
 model kind (``swa``, ``hybrid``), and the admission's room accounting (``_request_reserve``,
 ``_swa_reserve``, ``_paged_after``); retracts with ``_retract``
-(:mod:`actors.engine.schedule_batch`).
+(:mod:`actors.engine.schedule_batch`) and counts the requests preempted in ``num_preemptions``.
+A PD decode worker's reservations preempt through it too (:mod:`actors.pd_decode_prealloc`).
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ class PreemptionMixin:
             return False
         for running in preemptible[:n]:
             self._retract(running)
+        self.num_preemptions += n  # (each counts in ``num_retractions`` too)
         logger.info("request %s (priority %d) preempted %s", req.rid, req.priority, [r.rid for r in preemptible[:n]])
         return True
 

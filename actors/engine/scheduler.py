@@ -124,6 +124,7 @@ class Scheduler(PrefillAdmissionMixin, DecodeRetractionMixin, SpecDecodeMixin):
         self.chunked_req: Optional[Req] = None
         self.new_token_ratio = cfg.init_new_token_ratio
         self.num_retractions = 0
+        self.num_preemptions = 0  # requests retracted for one of a higher priority (in num_retractions too)
         self._aborted: List[Req] = []  # finished while waiting: reported at the next step
         self.in_flight: List[Req] = []  # the prefill batch being run and processed
         self._prefetch_blocked = False  # the last admission skipped a request whose prefetch is not ready
