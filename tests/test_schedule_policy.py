@@ -182,6 +182,7 @@ def test_a_much_higher_priority_request_preempts_a_running_one(model_dir):
             sched.add_request(reqs["high"])
             sched.step()
             assert sched.running == [reqs["low0"], reqs["high"]] and sched.num_retractions == 1
+            assert sched.num_preemptions == 1
             assert [r.rid for r in sched.waiting] == ["low1", "mid"]
             finish_and_check(engine, model_dir, prompts, reqs, 12)
 
