@@ -106,3 +106,12 @@ def assert_embedding_close(model_path: str, prompt: Sequence[int], embedding: Se
     got = torch.tensor(list(embedding))
     assert got.shape == want.shape, f"{got.shape[0]} dimensions, HF {want.shape[0]}"
     assert torch.allclose(got, want, atol=atol), f"max difference {float((got - want).abs().max()):.2e}"
+
+
+def hf_classifier_score(model_path: str, prompt: Sequence[int], token_ids: Sequence[int]) -> float:
+    """vLLM's classifier from two tokens by HF: ``sigmoid(logit_true - logit_false)`` from the full
+    logits of the prompt's last position (``token_ids``: the false token's id, the true one's)."""
+    with torch.no_grad():
+        logits = hf_model(model_path)(torch.tensor([list(prompt)])).logits[0, -1].float()
+    return float(torch.sigmoid(logits[token_ids[1]] - logits[token_ids[0]]))
+

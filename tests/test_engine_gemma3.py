@@ -201,7 +201,8 @@ def test_gemma3_rejects_what_the_swa_cache_cannot_serve(model_dir):
 def test_gemma3_final_soft_cap_runs_in_the_model_dtype(model_dir, monkeypatch):
     """bf16: the capped logits are HF's bit for bit — ``tanh(logits / cap) * cap`` rounded
     in bf16, then cast to fp32 for the sampler (capping after the cast differs in the low bits).
-    Both models get the same final hidden states; only ``lm_head`` and the cap run."""
+    Both models get the same final hidden states; only ``lm_head`` and the cap run. A score's two
+    logits (``classifier_token_ids``) are capped as well: HF's at those ids."""
     from types import SimpleNamespace
 
     from transformers import AutoModelForCausalLM
@@ -219,14 +220,16 @@ def test_gemma3_final_soft_cap_runs_in_the_model_dtype(model_dir, monkeypatch):
     monkeypatch.setattr(ours.model, "forward", lambda forward_batch: hidden)
     monkeypatch.setattr(hf.model, "forward", lambda **kw: BaseModelOutputWithPast(last_hidden_state=hidden[None]))
     with torch.no_grad():
-        got = ours(SimpleNamespace(logits_token_indices=lambda: torch.arange(3), input_logprob_indices=None,
-                                   embed_indices=None))
-        got = got.next_token_logits
+        out = ours(SimpleNamespace(logits_token_indices=lambda: torch.arange(3), input_logprob_indices=None,
+                                   embed_indices=torch.arange(3), classifier_token_ids=torch.tensor([[3, 9]] * 3)))
+        got = out.next_token_logits
         want = hf(input_ids=torch.zeros(1, 3, dtype=torch.long)).logits[0]
         fp32_capped = torch.tanh(ours.lm_head(hidden).float() / cap) * cap
     assert got.dtype == torch.float32 and want.dtype == torch.bfloat16
     assert torch.equal(got, want.float())
     assert not torch.equal(got, fp32_capped)  # (the two orders differ on these logits)
+    torch.testing.assert_close(out.classifier_logits, want.float()[:, [3, 9]], rtol=0, atol=0.02)
+    assert out.classifier_logits.abs().max() <= cap
 
 
 @pytest.mark.parametrize("page_size, lens, max_new_tokens, pools", [

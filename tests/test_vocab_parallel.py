@@ -91,6 +91,27 @@ def test_sharded_lookup_and_logits_equal_the_whole_vocab(vocab, tp_size):
         torch.testing.assert_close(logits, F.linear(hidden, weight), rtol=0, atol=0.05)
 
 
+@pytest.mark.parametrize("vocab, tp_size", [(261, 1), (261, 2), (250, 4)])
+def test_token_logits_are_the_whole_logits_at_those_ids_on_every_rank(vocab, tp_size):
+    """A score's logits of two ids per row: each rank dots the rows it holds, the all-reduce gives
+    every rank the columns of the whole product, ids on one rank or on two alike."""
+    gen = torch.Generator().manual_seed(vocab)
+    weight = torch.randn(vocab, 32, generator=gen)
+    hidden = torch.randn(3, 32, generator=gen)
+    ids = torch.tensor([[0, vocab - 1], [130, 5], [200, 201]])
+
+    def rank(tp):
+        head = ParallelLMHead(32, vocab, tp)
+        real = weight[head.shard.start : head.shard.stop]
+        with torch.no_grad():
+            head.weight.zero_()[: len(real)] = real
+            return head.token_logits(hidden, ids)
+
+    want = F.linear(hidden, weight).gather(1, ids)
+    for logits in on_ranks(tp_size, rank):
+        torch.testing.assert_close(logits, want, rtol=0, atol=1e-5)
+
+
 @pytest.mark.parametrize("tie", [False, True])
 def test_each_rank_loads_only_its_rows_and_zeros_for_the_padding(tmp_path, tie):
     """TP 4 over 261 tokens: 128 rows a rank; rank 2 holds 5 real rows, rank 3 only padding."""

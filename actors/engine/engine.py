@@ -268,8 +268,9 @@ class Engine:
                lora_path: Union[None, str, List[Optional[str]]] = None):
         """SGLang's ``Engine.encode``: the embedding of one prompt or of each of a batch (its order
         kept), ``pooling_params`` (:class:`~actors.engine.pooling.PoolingParams`: ``dimensions``,
-        ``normalize``) for all, ``lora_path`` as :meth:`generate`'s (an adapter's hidden states);
-        run as prompts scored only, they batch with generation."""
+        ``normalize``; ``classifier_token_ids``: a one-element score instead) for all, ``lora_path``
+        as :meth:`generate`'s (an adapter's hidden states); run as prompts scored only, they batch
+        with generation."""
         outs = self.generate(prompt, input_ids, _embed_params(pooling_params), rid, lora_path=lora_path)
         return [_embedding(o) for o in outs] if isinstance(outs, list) else _embedding(outs)
 

@@ -79,6 +79,9 @@ class ForwardBatch:
     input_top_logprobs_num: int = 0
     # embedding requests at their last chunk: the flat index of each one's last token, in batch order
     embed_indices: Optional[torch.Tensor] = None
+    # with one that scores among them: each one's two token ids (pooling.classifier_token_ids), [n, 2] in
+    # embed_indices' order; an embedding request's row is zeros, its logits unread
+    classifier_token_ids: Optional[torch.Tensor] = None
     # an extend batch with embedding requests: the flat index of the last token of each other request,
     # in batch order (the logits rows; an embedding request has none: it samples nothing)
     logits_indices: Optional[torch.Tensor] = None

@@ -289,3 +289,12 @@ class ParallelLMHead(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.tp.all_gather(super().forward(x), dim=-1)
         return logits[..., : self.vocab_size]
+
+    def token_logits(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The logits of the vocabulary ids ``ids`` ``[n, k]`` only, for rows ``x`` ``[n, hidden]``:
+        ``[n, k]``, on every rank. Each rank dots the ``lm_head`` rows it holds (an id another rank
+        holds gives zeros here) and one all-reduce sums them: ``k`` rows per request, not the vocabulary."""
+        local = ids - self.shard.start
+        held = (local >= 0) & (local < len(self.shard))
+        rows = self.weight[local.clamp(0, len(self.shard) - 1)] * held[..., None].to(self.weight.dtype)
+        return self.tp.all_reduce(torch.einsum("nh,nkh->nk", x, rows))

@@ -78,7 +78,8 @@ class SamplingParams(BaseModel):
                                          "the output after the first occurrence of this text (a reasoning model's "
                                          "thinking end tag, which the chat endpoint sets: the thinking is free)")
     pooling: Optional[PoolingParams] = Field(None, description="an embedding request (actors.engine.pooling): "
-                                             "the prompt's last-token hidden state is returned; max_new_tokens 0")
+                                             "the prompt's last-token hidden state is returned (or a score from two "
+                                             "tokens' logits there); max_new_tokens 0")
 
     @field_validator("top_k")
     @classmethod

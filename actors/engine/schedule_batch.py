@@ -227,13 +227,20 @@ def _input_logprob_fields(reqs: List[Req], rows: List[range], prefix_lens: List[
 def _embed_fields(reqs: List[Req], seq_lens: List[int], extend_lens: List[int], runner) -> dict:
     """The extend batch's fields for its embedding requests (none when it has none):
     ``logits_indices``, the flat index of the last token of each other request (an embedding
-    request has no logits row), and ``embed_indices``, of each one that ends its prompt in it."""
+    request has no logits row), ``embed_indices``, of each one that ends its prompt in it, and
+    ``classifier_token_ids`` when one of those scores."""
     if all(r.has_logits_row for r in reqs):
         return {}
     ends = list(itertools.accumulate(extend_lens))
     fields = dict(logits_indices=runner.tensor([end - 1 for req, end in zip(reqs, ends) if req.has_logits_row]))
-    index = [end - 1 for req, s, end in zip(reqs, seq_lens, ends) if req.pools_at(s)]
-    return dict(fields, embed_indices=runner.tensor(index)) if index else fields
+    pooled = [(req, end) for req, s, end in zip(reqs, seq_lens, ends) if req.pools_at(s)]
+    if not pooled:
+        return fields
+    fields["embed_indices"] = runner.tensor([end - 1 for _, end in pooled])
+    tokens = [req.sampling_params.pooling.classifier_token_ids for req, _ in pooled]
+    if any(tokens):
+        fields["classifier_token_ids"] = runner.tensor([ids or [0, 0] for ids in tokens])
+    return fields
 
 
 def logits_rows(reqs: List[Req]) -> Dict[int, int]:

@@ -35,7 +35,7 @@ import torch
 from actors.engine.finish import check_finished, stream_text
 from actors.engine.grammar import GrammarBackend, active_matcher
 from actors.engine.models.base import InputLogprobs
-from actors.engine.pooling import pool_embedding
+from actors.engine.pooling import PoolingParams, pool_embedding
 from actors.engine.req import Req
 from actors.engine.sampling import Pick, pick_tokens
 from actors.engine.sparse_logits import LogitState
@@ -150,12 +150,12 @@ class Scheduler(PrefillAdmissionMixin, DecodeRetractionMixin, SpecDecodeMixin):
 
     def check_request(self, req: Req) -> None:
         """Refuse a prompt longer than a request may be, a token id outside the vocabulary in the
-        prompt or ``logit_bias``, a priority without priority scheduling, an embedding's
-        ``dimensions`` beyond the hidden size, a LoRA adapter this engine does not serve, or a grammar
-        that does not compile (ValueError); hold ``max_new_tokens`` to what fits after it, as the
-        context length would end it anyway — a reservation for more could never be granted. A
-        request with a grammar gets its matcher here, compiled on the caller's thread
-        (:mod:`actors.engine.grammar`)."""
+        prompt, ``logit_bias`` or a score's ``classifier_token_ids``, a priority without priority
+        scheduling, an embedding's ``dimensions`` beyond the hidden size, a LoRA adapter this engine
+        does not serve, or a grammar that does not compile (ValueError); hold ``max_new_tokens`` to
+        what fits after it, as the context length would end it anyway — a reservation for more could
+        never be granted. A request with a grammar gets its matcher here, compiled on the caller's
+        thread (:mod:`actors.engine.grammar`)."""
         if len(req.origin_input_ids) >= self.context_len:
             held = "" if self.context_len == self.runner.context_len else " (what this worker's KV pool holds)"
             raise ValueError(f"prompt of {len(req.origin_input_ids)} tokens does not fit the context length "
@@ -171,14 +171,20 @@ class Scheduler(PrefillAdmissionMixin, DecodeRetractionMixin, SpecDecodeMixin):
         bad = next((t for t in params.logit_bias or {} if t >= vocab), None)
         if bad is not None:
             raise ValueError(f"logit_bias: token id {bad} is out of the vocabulary (ids are 0..{vocab - 1})")
-        hidden = self.runner.model_config.hidden_size
-        if params.pooling is not None and (params.pooling.dimensions or 0) > hidden:
-            raise ValueError(f"dimensions: {params.pooling.dimensions} is more than the model's hidden size "
-                             f"({hidden})")
+        if params.pooling is not None:
+            self._check_pooling(params.pooling, vocab)
         if req.lora_path is not None:
             req.extra_key = self.runner.check_lora(req.lora_path)
         params.max_new_tokens = min(params.max_new_tokens, self.context_len - len(req.origin_input_ids))
         req.grammar = self.grammars.matcher(params, req.eos_token_ids)
+
+    def _check_pooling(self, pooling: PoolingParams, vocab: int) -> None:
+        hidden = self.runner.model_config.hidden_size
+        if (pooling.dimensions or 0) > hidden:
+            raise ValueError(f"dimensions: {pooling.dimensions} is more than the model's hidden size ({hidden})")
+        bad = next((t for t in pooling.classifier_token_ids or () if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"classifier_token_ids: token id {bad} is out of the vocabulary (ids are 0..{vocab - 1})")
 
     # ---- the loop ---------------------------------------------------------------
     def step(self) -> List[Req]:
@@ -204,7 +210,7 @@ class Scheduler(PrefillAdmissionMixin, DecodeRetractionMixin, SpecDecodeMixin):
             self.in_flight = batch_reqs  # out of every queue until processed: a failure must still find them
             output = self._forward(forward_batch)
             self._add_input_logprobs(batch_reqs, forward_batch, output.input_logprobs)
-            self._add_embeddings(batch_reqs, output.embeddings)
+            self._add_embeddings(batch_reqs, output.embeddings, output.classifier_logits)
             # (what each forward read: its cached part; asked only after a failed load)
             batch_reqs, logits = self._requeue_failed_loads(batch_reqs, lambda r: len(r.prefix_indices),
                                                             output.next_token_logits)
@@ -374,14 +380,17 @@ class Scheduler(PrefillAdmissionMixin, DecodeRetractionMixin, SpecDecodeMixin):
             start += n
 
     @staticmethod
-    def _add_embeddings(reqs: List[Req], embeddings: Optional[torch.Tensor]) -> None:
+    def _add_embeddings(reqs: List[Req], embeddings: Optional[torch.Tensor],
+                        classifier_logits: Optional[torch.Tensor]) -> None:
         """Each embedding request whose prompt ended in this forward takes its row (in batch order,
-        as ``embed_indices``), cut and normalised as it asks; one copy off the device for them all."""
+        as ``embed_indices``), cut and normalised as it asks, or its score from its row of
+        ``classifier_logits``; one copy off the device for them all."""
         if embeddings is None:
             return
         pooled = [r for r in reqs if r.pools_at(len(r.fill_ids))]
-        for req, row in zip(pooled, embeddings.cpu()):
-            req.embedding = pool_embedding(row, req.sampling_params.pooling)
+        scores = [None] * len(pooled) if classifier_logits is None else classifier_logits.cpu()
+        for req, row, logits in zip(pooled, embeddings.cpu(), scores):
+            req.embedding = pool_embedding(row, logits, req.sampling_params.pooling)
 
     def _process_prefill(self, reqs: List[Req], logits) -> List[Req]:
         out: List[Req] = []

@@ -6,12 +6,14 @@
 logits of each request's last token but an embedding request's (every token's in a verify batch), optionally
 soft-capped (after the vocabulary is whole, in the model's dtype before the cast), and, for the
 positions a batch asks (``input_logprob_indices``), the input logprobs, and for
-embedding requests (``embed_indices``) the final hidden states of their last tokens. Under TP
+embedding requests (``embed_indices``) the final hidden states of their last tokens, with the logits of
+just two tokens there for those that score (``classifier_token_ids``, see ``pooling``). Under TP
 the embedding and ``lm_head`` are split by vocabulary (``parallel``'s
 ``VocabParallelEmbedding`` / ``ParallelLMHead``): every rank computes its
 range of the logits and joins their all-gather; rank 0 returns the whole
 vocabulary, the other ranks an empty tensor (they never sample); the hidden states are
-whole on every rank (after the row-parallel all-reduce), rank 0 returns them.
+whole on every rank (after the row-parallel all-reduce), rank 0 returns them; a score's two
+logits are summed over the ranks' vocabulary ranges (one all-reduce of ``[n, 2]``).
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ class LogitsOutput(NamedTuple):
     next_token_logits: torch.Tensor
     input_logprobs: Optional[InputLogprobs] = None
     embeddings: Optional[torch.Tensor] = None  # [len(embed_indices), hidden] fp32: their final-norm hidden states
+    classifier_logits: Optional[torch.Tensor] = None  # [len(embed_indices), 2] fp32: classifier_token_ids' logits
 
 
 class DecoderModel(nn.Module):
@@ -93,18 +96,24 @@ class CausalLM(nn.Module):
         else:  # a batch of embedding requests only: no lm_head (every TP rank sees the same batch)
             logits = hidden.new_empty(0, self.config.vocab_size, dtype=torch.float32)
         input_logprobs = self._input_logprobs(hidden, forward_batch)
+        embed, classify = forward_batch.embed_indices, forward_batch.classifier_token_ids
+        # (every rank: the all-reduce of the two tokens' logits)
+        classifier_logits = None if classify is None else self._softcap(
+            self.lm_head.token_logits(hidden[embed], classify)).float()
         if not self.model.tp.is_leader:  # TP: only rank 0 samples; the other ranks' forward ends here
             return LogitsOutput(logits.new_empty(0))
-        embed = forward_batch.embed_indices  # (only those rows: no [tokens, hidden] copy outlives the batch)
-        return LogitsOutput(logits, input_logprobs, None if embed is None else hidden[embed].float())
+        # (only those rows: no [tokens, hidden] copy outlives the batch)
+        return LogitsOutput(logits, input_logprobs, None if embed is None else hidden[embed].float(), classifier_logits)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits of ``hidden`` rows (every rank: one all-gather; rank 0's are the ones read)."""
-        logits = self.lm_head(hidden)
+        return self._softcap(self.lm_head(hidden)).float()
+
+    def _softcap(self, logits: torch.Tensor) -> torch.Tensor:
         cap = self.final_logit_softcap
         if cap:  # in the model's dtype, as HF's Gemma and vLLM's logits processor; sampling is in fp32
             logits = torch.tanh(logits / cap) * cap
-        return logits.float()
+        return logits
 
     def _input_logprobs(self, hidden: torch.Tensor, forward_batch) -> Optional[InputLogprobs]:
         """fp32 log-softmax of the logits at ``input_logprob_indices``, read at the next token of
