@@ -13,5 +13,5 @@ The app's endpoints: completions and chat (``openai_serving``; their bodies in
 ``tool_parsers``) and reasoning parsers (``reasoning``); the Responses API
 (``openai_responses``, ``responses_format``, ``responses_store``); ``/tokenize``
 and ``/detokenize`` (``openai_tokenization``); ``/v1/embeddings``
-(``openai_embeddings``).
+(``openai_embeddings``); ``/score`` and ``/rerank`` (``openai_score``).
 """

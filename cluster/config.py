@@ -244,6 +244,28 @@ class ServerConfig(BaseModel):
     responses_store_size: int = Field(1000, ge=0, description="/v1/responses stored (store: true) for "
                                       "previous_response_id and GET, least recently used evicted past this; in this "
                                       "HTTP server's memory, not shared between replicas")
+    classifier_from_token: Optional[List[str]] = Field(
+        None, min_length=2, max_length=2, description="vLLM's hf_overrides classifier_from_token (the "
+        "Qwen3-Reranker recipe): the \"false\" and \"true\" tokens of the tokenizer, say [\"no\", \"yes\"]; /score "
+        "and /rerank score a pair sigmoid(logit_true - logit_false) at its prompt's last position; None: the "
+        "cosine of the two texts' embeddings (vLLM's score of an embedding model)")
+    score_template: Optional[str] = Field(
+        None, description="with classifier_from_token: a pair's prompt text, {query} and {document} filled in (the "
+        "reranker's own prompt, say Qwen3-Reranker's chat turns); None: the tokenizer's pair encoding of the two "
+        "texts (vLLM's cross-encoder prompt)")
+
+    @model_validator(mode="after")
+    def _score_template(self):
+        template = self.score_template
+        if template is None:
+            return self
+        if self.classifier_from_token is None:
+            raise ValueError("score_template: a template shapes a classifier's pair prompt; set "
+                             "classifier_from_token too (embedding similarity embeds each text alone)")
+        missing = [p for p in ("{query}", "{document}") if p not in template]
+        if missing:
+            raise ValueError(f"score_template: {' and '.join(missing)} missing (the pair's texts go there)")
+        return self
 
 
 class RouterConfig(BaseModel):

@@ -8,6 +8,10 @@ POST /v1/completions        OpenAI completions (stream, n, stop, logprobs, seed,
 POST /v1/chat/completions   OpenAI chat completions (the tokenizer's chat template)
 POST /v1/responses          OpenAI Responses, over the chat path (see cluster.openai_responses)
 POST /v1/embeddings         OpenAI embeddings: last-token pooling (see cluster.openai_embeddings)
+POST /score, /v1/score      vLLM's: text_1 against text_2 (1→N, N→N), by embeddings' cosine or, with
+                            ``server.classifier_from_token``, a reranker's two tokens (see cluster.openai_score)
+POST /rerank, /v1/rerank,   Jina's and Cohere's rerank (vLLM's): a query against documents, best
+     /v2/rerank             first (top_n, return_documents); scored as /score
 GET  /v1/responses/{id}     a stored response (DELETE: drop it; GET .../input_items: its
                             input items, OpenAI's list pages); 404 unknown or evicted
 GET  /v1/models             the served model and its LoRA adapters
@@ -68,6 +72,7 @@ from cluster.openai_embeddings import EmbeddingRequest, create_embeddings
 from cluster.openai_protocol import (AddWorkerRequest, LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest,
                                      describe_validation_error)
 from cluster.openai_responses import ResponsesRequest, ResponsesService
+from cluster.openai_score import RerankRequest, Scorer, ScoreRequest, create_rerank, create_score
 from cluster.openai_serving import GenerationService
 from cluster.openai_tokenization import DetokenizeRequest, detokenize, tokenize, tokenize_request_model
 
@@ -154,6 +159,7 @@ def build_app(cluster_or_client: Any, tokenizer=None, config=None, client=None,
     service = GenerationService(backend, tokenizer, metrics, admission, server.reasoning_parser,
                                 server.tool_call_parser)
     responses = ResponsesService(service, server.responses_store_size)
+    scorer = Scorer.from_config(service, server)
 
     @asynccontextmanager
     async def lifespan(app):
@@ -216,6 +222,17 @@ def build_app(cluster_or_client: Any, tokenizer=None, config=None, client=None,
     @app.post("/v1/embeddings")
     async def embeddings(request: Request):
         return await _generation(request, EmbeddingRequest, partial(create_embeddings, service))
+
+    @app.post("/score")
+    @app.post("/v1/score")
+    async def score(request: Request):
+        return await _generation(request, ScoreRequest, partial(create_score, scorer))
+
+    @app.post("/rerank")
+    @app.post("/v1/rerank")
+    @app.post("/v2/rerank")
+    async def rerank(request: Request):
+        return await _generation(request, RerankRequest, partial(create_rerank, scorer))
 
     @app.get("/v1/responses/{response_id}")
     async def retrieve_response(response_id: str):

@@ -115,3 +115,10 @@ def hf_classifier_score(model_path: str, prompt: Sequence[int], token_ids: Seque
         logits = hf_model(model_path)(torch.tensor([list(prompt)])).logits[0, -1].float()
     return float(torch.sigmoid(logits[token_ids[1]] - logits[token_ids[0]]))
 
+
+def hf_cosine(model_path: str, prompt_1: Sequence[int], prompt_2: Sequence[int]) -> float:
+    """The cosine of HF's final-norm hidden states of two prompts' last tokens."""
+    with torch.no_grad():
+        a, b = (hf_model(model_path).model(torch.tensor([list(p)])).last_hidden_state[0, -1].float()
+                for p in (prompt_1, prompt_2))
+    return float(torch.nn.functional.cosine_similarity(a, b, dim=0))

@@ -280,6 +280,9 @@ def test_http_model_field_names_the_adapter(model):
             vectors = {name: post("/v1/embeddings", {"model": name, "input": "hello there", "encoding_format": "float"})
                        .json()["data"][0]["embedding"] for name in (MODEL, "chat")}
             assert vectors[MODEL] != vectors["chat"]  # (an adapter's embeddings are its hidden states)
+            scores = {name: post("/v1/score", {"model": name, "text_1": "hello", "text_2": "there"}).json()
+                      for name in (MODEL, "chat")}
+            assert scores["chat"]["model"] == "chat" and scores[MODEL]["data"] != scores["chat"]["data"]
             r = post("/v1/completions", {"model": "nope", "prompt": "hi", "max_tokens": 2})
             assert r.status_code == 404 and "serves 'tiny', 'sql', 'chat'" in r.json()["error"]["message"]
             r = post("/generate", {"input_ids": [5, 6, 7], "sampling_params": GREEDY, "lora_path": "chat"})

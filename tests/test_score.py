@@ -1,17 +1,26 @@
-"""Scores (``actors.engine.pooling``'s classifier from two tokens): a score equals HF's
-sigmoid(logit_true - logit_false) at the prompt's last position, batched beside an embedding and a
-generation and chunked, with only the generation's row through the ``lm_head``; on TP 2 with the two
-tokens in different ranks' vocabulary shards; on a PD prefill worker alone."""
+"""Scores (``actors.engine.pooling``'s classifier from two tokens) and the /score and /rerank endpoints
+(``cluster.openai_score``): a score equals HF's sigmoid(logit_true - logit_false) at the prompt's last
+position, batched beside an embedding and a generation and chunked, with only the generation's row
+through the ``lm_head``; on TP 2 with the two tokens in different ranks' vocabulary shards; on a PD
+prefill worker alone. Over HTTP (vLLM's bodies): embedding similarity equal to the cosine of HF's
+hidden states, 1→N and N→N; the classifier over a template's prompt or the tokenizer's pair encoding;
+rerank order, top_n and return_documents; the 400s, the 404 and the config's checks."""
 
 import asyncio
 
+import httpx
 import pytest
 
 from actors.engine import Engine
-from tests.parity import assert_greedy_parity, hf_classifier_score
-from tests.test_embeddings import GREEDY, embed, engine, path, prompt  # noqa: F401 (fixtures)
+from cluster.config import ServerConfig
+from cluster.http_server import BackgroundServer
+from cluster.server import build_app
+from tests.parity import assert_greedy_parity, hf_classifier_score, hf_cosine
+from tests.test_embeddings import CONTEXT, GREEDY, embed, engine, path, prompt  # noqa: F401 (fixtures)
+from tests.test_openai_compat import EngineBackend
 
 TOKENS = [20, 30]  # a classifier's "false" and "true" token ids
+TEMPLATE = "<q>{query}</q><d>{document}</d>"
 
 
 def score(token_ids=TOKENS):
@@ -91,3 +100,126 @@ def test_a_pd_prefill_worker_alone_returns_the_score(path):
         assert out["embedding"] == [pytest.approx(hf_classifier_score(path, ids, TOKENS), abs=1e-5)]
     finally:
         close_workers(prefill)
+
+
+# ---- POST /score, /rerank ------------------------------------------------------------------------
+def _serve(engine, **server):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(engine.config.model_path, local_files_only=True)
+    return BackgroundServer(build_app(EngineBackend(engine, CONTEXT), tokenizer, ServerConfig(**server)),
+                            "127.0.0.1", 0)
+
+
+@pytest.fixture(scope="module")
+def post(engine):
+    """POST to a server scoring by embedding similarity."""
+    with _serve(engine) as server:
+        yield lambda route, body: httpx.post(server.url + route, json=body, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def post_classifier(engine):
+    """POST to a server scoring by the classifier from the tokens "n" (false) and "y" (true)."""
+    with _serve(engine, classifier_from_token=["n", "y"], score_template=TEMPLATE) as server:
+        yield lambda route, body: httpx.post(server.url + route, json=body, timeout=60)
+
+
+def test_score_by_embeddings_is_hf_s_cosine_one_to_n_and_n_to_n(engine, path, post):
+    enc = engine.tokenizer.encode
+    one_to_n = post("/v1/score", {"model": "tiny", "text_1": "the cat", "text_2": ["a cat", "stocks fell", "the cat"]})
+    assert one_to_n.status_code == 200, one_to_n.text
+    body = one_to_n.json()
+    assert body["object"] == "list" and body["model"] == "tiny" and body["id"].startswith("score-")
+    assert [(d["index"], d["object"]) for d in body["data"]] == [(0, "score"), (1, "score"), (2, "score")]
+    for d, doc in zip(body["data"], ["a cat", "stocks fell", "the cat"]):
+        assert d["score"] == pytest.approx(hf_cosine(path, enc("the cat"), enc(doc)), abs=1e-5)
+    assert body["data"][2]["score"] == pytest.approx(1.0, abs=1e-6)
+    tokens = sum(len(enc(t)) for t in ["the cat", "a cat", "stocks fell", "the cat"])  # (each text run once)
+    assert body["usage"] == {"prompt_tokens": tokens, "total_tokens": tokens}
+    n_to_n = post("/score", {"text_1": ["a", "bc"], "text_2": ["de", "f"]}).json()
+    assert [d["score"] for d in n_to_n["data"]] == [
+        pytest.approx(hf_cosine(path, enc(a), enc(b)), abs=1e-5) for a, b in [("a", "de"), ("bc", "f")]]
+    engine.check_integrity()
+
+
+def test_rerank_sorts_cuts_and_returns_documents(engine, path, post):
+    enc = engine.tokenizer.encode
+    docs = ["paris is in france", "the cat", "cats purr", "stocks fell"]
+    want = [hf_cosine(path, enc("cat"), enc(d)) for d in docs]
+    order = sorted(range(len(docs)), key=lambda i: -want[i])
+    for route in ("/rerank", "/v1/rerank", "/v2/rerank"):
+        body = post(route, {"query": "cat", "documents": docs}).json()
+        assert body["id"].startswith("rerank-") and body["model"] == "tiny"
+        assert [r["index"] for r in body["results"]] == order
+        assert [r["document"]["text"] for r in body["results"]] == [docs[i] for i in order]
+        assert [r["relevance_score"] for r in body["results"]] == [pytest.approx(want[i], abs=1e-5) for i in order]
+    top = post("/v1/rerank", {"query": "cat", "documents": docs, "top_n": 2, "return_documents": False}).json()
+    assert top["results"] == [{"index": i, "relevance_score": pytest.approx(want[i], abs=1e-5)} for i in order[:2]]
+    assert top["usage"]["total_tokens"] == len(enc("cat")) + sum(len(enc(d)) for d in docs)
+    engine.check_integrity()
+
+
+def test_classifier_scores_the_template_s_prompt_as_hf(engine, path, post_classifier):
+    enc = engine.tokenizer.encode
+    tokens = engine.tokenizer.convert_tokens_to_ids(["n", "y"])
+    docs = ["yes it is", "no", "maybe so"]
+    prompts = [enc(TEMPLATE.replace("{query}", "is it?").replace("{document}", d)) for d in docs]
+    want = [hf_classifier_score(path, p, tokens) for p in prompts]
+    body = post_classifier("/v1/score", {"text_1": "is it?", "text_2": docs}).json()
+    assert [d["score"] for d in body["data"]] == [pytest.approx(w, abs=1e-5) for w in want]
+    assert body["usage"]["prompt_tokens"] == sum(map(len, prompts))
+    ranked = post_classifier("/rerank", {"query": "is it?", "documents": docs, "top_n": 1}).json()["results"]
+    best = max(range(len(docs)), key=lambda i: want[i])
+    assert ranked == [{"index": best, "document": {"text": docs[best]}, "relevance_score": pytest.approx(want[best],
+                                                                                                        abs=1e-5)}]
+    cut = post_classifier("/score", {"text_1": ["{document}"], "text_2": ["{query}"], "truncate_prompt_tokens": 9})
+    braces = enc("<q>{document}</q><d>{query}</d>")[-9:]  # (placeholders in the texts are left as they are)
+    assert cut.json()["data"][0]["score"] == pytest.approx(hf_classifier_score(path, braces, tokens), abs=1e-5)
+    engine.check_integrity()
+
+
+def test_classifier_without_a_template_scores_the_pair_encoding(engine, path):
+    tokenizer = engine.tokenizer
+    tokens = tokenizer.convert_tokens_to_ids(["n", "y"])
+    with _serve(engine, classifier_from_token=["n", "y"]) as server:
+        body = httpx.post(server.url + "/v1/score", json={"text_1": ["ab", "cd"], "text_2": ["ef", "g"]},
+                          timeout=60).json()
+    want = [hf_classifier_score(path, tokenizer(text=a, text_pair=b)["input_ids"], tokens)
+            for a, b in [("ab", "ef"), ("cd", "g")]]
+    assert [d["score"] for d in body["data"]] == [pytest.approx(w, abs=1e-5) for w in want]
+    engine.check_integrity()
+
+
+@pytest.mark.parametrize("route, body, param, words", [
+    ("/v1/rerank", {"query": "q", "documents": []}, "documents", "at least one text"),
+    ("/v1/score", {"text_1": [], "text_2": "x"}, "text_1", "at least one text"),
+    ("/v1/score", {"text_1": ["a", "b"], "text_2": ["x", "y", "z"]}, "text_2", "pair 1:1, 1:N or N:N; got 2 and 3"),
+    ("/v1/score", {"text_1": "a", "text_2": ["x", "y" * CONTEXT]}, "text_2", "maximum context length"),
+    ("/v1/rerank", {"query": "q" * CONTEXT, "documents": ["x"]}, "query", "maximum context length"),
+    ("/v1/score", {"text_1": "a", "text_2": ["x", ""]}, "text_2", "text_2 1: a text with no tokens"),
+    ("/v1/score", {"text_1": "a", "text_2": "x", "truncate_prompt_tokens": CONTEXT}, "truncate_prompt_tokens",
+     "longest prompt"),
+    ("/v1/rerank", {"query": "q", "documents": ["x"], "top_n": -1}, "top_n", ""),
+])
+def test_bad_requests_are_400s_naming_the_field(engine, post, route, body, param, words):
+    r = post(route, body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and words in error["message"], error
+    engine.check_integrity()
+
+
+def test_the_classifier_s_too_long_pair_is_a_400_and_another_model_a_404(post, post_classifier):
+    r = post_classifier("/v1/rerank", {"query": "q", "documents": ["x", "y" * CONTEXT]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "documents", r.text
+    assert post("/v1/score", {"model": "other", "text_1": "a", "text_2": "b"}).status_code == 404
+
+
+def test_the_config_checks_the_classifier_and_its_template(engine):
+    with pytest.raises(ValueError, match="set classifier_from_token too"):
+        ServerConfig(score_template=TEMPLATE)
+    with pytest.raises(ValueError, match="score_template: {document} missing"):
+        ServerConfig(classifier_from_token=["n", "y"], score_template="{query}")
+    with pytest.raises(ValueError, match="'yes' is not a token of the model's tokenizer"):
+        _serve(engine, classifier_from_token=["n", "yes"])

@@ -19,6 +19,7 @@ from cluster.http_server import BackgroundServer
 from cluster.server import build_app
 from cluster.streaming import TextDelta
 from tests.backend_stubs import StubBackend
+from tests.parity import hf_classifier_score
 from tests.server_helpers import wait_until
 
 
@@ -848,7 +849,10 @@ class _LocalWorker:
 
 def test_generate_max_new_tokens_zero_scores_the_prompt_on_the_pd_backend(tmp_path):
     """Over the PD serving path (in-process workers behind Ray-like handles): 0 new tokens is a
-    prefill only (SGLang's), its prompt logprobs from the prefill worker, nothing generated."""
+    prefill only (SGLang's), its prompt logprobs from the prefill worker, nothing generated; a
+    rerank's pairs too, each scored by the reranker's two tokens as HF's logits give it."""
+    from transformers import AutoTokenizer
+
     from actors.engine.tiny import build_tiny_checkpoint
     from actors.workers import DecodeWorker, PrefillWorker
     from cluster.backend import PDBackend
@@ -860,8 +864,10 @@ def test_generate_max_new_tokens_zero_scores_the_prompt_on_the_pd_backend(tmp_pa
     client = PDClient([WorkerRef("p", "prefill", _LocalWorker(prefill), "n")],
                       [WorkerRef("d", "decode", _LocalWorker(decode), "n")], backend="shm")
     try:
-        with BackgroundServer(build_app(PDBackend(client, model_name="pd", context_len=256), None, ServerConfig()),
-                              "127.0.0.1", 0) as server:
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        app = build_app(PDBackend(client, model_name="pd", context_len=256), tokenizer,
+                        ServerConfig(classifier_from_token=["n", "y"]))
+        with BackgroundServer(app, "127.0.0.1", 0) as server:
             ok = httpx.post(server.url + "/generate", json={"input_ids": [5, 6, 7], "sampling_params": {
                 "max_new_tokens": 2, "temperature": 0}}, timeout=60)
             assert ok.status_code == 200 and len(ok.json()["output_ids"]) == 2, ok.text  # the PD path serves
@@ -870,6 +876,13 @@ def test_generate_max_new_tokens_zero_scores_the_prompt_on_the_pd_backend(tmp_pa
             assert r.status_code == 200 and r.json()["output_ids"] == [], r.text
             meta = r.json()["meta_info"]
             assert meta["finish_reason"]["type"] == "length" and [t for _, t in meta["input_token_logprobs"]] == [6, 7]
+            pushed = prefill.scheduler.bytes_pushed
+            r = httpx.post(server.url + "/v1/rerank", json={"query": "q", "documents": ["ab", "cde"]}, timeout=60)
+            assert r.status_code == 200 and prefill.scheduler.bytes_pushed == pushed, r.text
+            tokens = tokenizer.convert_tokens_to_ids(["n", "y"])
+            want = {i: hf_classifier_score(path, tokenizer(text="q", text_pair=d)["input_ids"], tokens)
+                    for i, d in enumerate(["ab", "cde"])}
+            assert {x["index"]: x["relevance_score"] for x in r.json()["results"]} == pytest.approx(want, abs=1e-5)
         prefill.check_integrity()
         decode.check_integrity()
     finally:
