@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from actors.engine import Engine
 from actors.engine.config import EngineConfig
+from actors.engine.lora import read_adapter
 from actors.engine.tiny import build_tiny_checkpoint, make_adapter
 from tests.lora_helpers import adapters_and_oracles, merged_checkpoint
 from tests.parity import assert_embedding_close, assert_greedy_parity
@@ -350,6 +351,83 @@ def test_load_and_unload_at_runtime(three, monkeypatch, tp_size):
         again = eng.generate(input_ids=batch[0], sampling_params=GREEDY, lora_path="math")
         assert again["meta_info"]["cached_tokens"] == 0
         assert_parity(three, [batch[0]], ["chat"], [again], eng.eos_token_ids)
+        eng.check_integrity()
+    finally:
+        eng.shutdown()
+
+
+def test_a_load_reads_its_files_while_the_engine_steps(three, monkeypatch):
+    """A runtime load reads the adapter's files outside the engine loop's lock: a request runs to
+    its end while the read is held up; once read, the adapter serves as its merged model."""
+    import threading
+
+    from actors.engine import model_runner
+
+    base, adapters, _ = three
+    eng = Engine(model_path=base, skip_tokenizer_init=True, max_total_tokens=2048,
+                 lora_paths={"sql": adapters["sql"]}, max_loras_per_batch=2)
+    reading, stepped, stepped_in_read = threading.Event(), threading.Event(), []
+
+    def slow_read(name, path):
+        reading.set()
+        stepped_in_read.append(stepped.wait(10))
+        return read_adapter(name, path)
+
+    monkeypatch.setattr(model_runner, "read_adapter", slow_read)
+    batch = prompts(2, seed=17)
+    try:
+        load = threading.Thread(target=eng.load_lora_adapter, args=("math", adapters["math"]))
+        load.start()
+        assert reading.wait(30)
+        eng.generate(input_ids=batch[0], sampling_params=GREEDY, lora_path="sql")
+        stepped.set()
+        load.join()
+        assert stepped_in_read == [True]
+        assert_batch_parity(three, eng, batch, ["math", "sql"])
+    finally:
+        eng.shutdown()
+
+
+def test_racing_loads_of_one_name_leave_one_adapter(three, monkeypatch):
+    """Two loads of one name whose reads overlap: the first to claim the name serves it on every TP
+    rank, under the name as its cache key; the other is refused and changes nothing."""
+    import threading
+
+    from actors.engine import model_runner
+
+    thread_ranks(monkeypatch)
+    base, adapters, _ = three
+    eng = Engine(model_path=base, skip_tokenizer_init=True, max_total_tokens=2048, tp_size=2,
+                 lora_paths={"sql": adapters["sql"]}, max_loras_per_batch=2)
+    both_reading = threading.Barrier(2, timeout=10)
+
+    def read_together(name, path):  # (a follower's read, in the winner's install, goes straight through)
+        if threading.current_thread().name.startswith("load"):
+            both_reading.wait()
+        return read_adapter(name, path)
+
+    monkeypatch.setattr(model_runner, "read_adapter", read_together)
+    outcomes = {}
+
+    def load(weights):
+        try:
+            eng.load_lora_adapter("new", adapters[weights])
+            outcomes[weights] = "loaded"
+        except ValueError as exc:
+            outcomes[weights] = str(exc)
+
+    try:
+        loads = [threading.Thread(target=load, args=(weights,), name=f"load-{weights}") for weights in ("math", "chat")]
+        for thread in loads:
+            thread.start()
+        for thread in loads:
+            thread.join()
+        [winner] = [weights for weights, outcome in outcomes.items() if outcome == "loaded"]
+        assert list(outcomes.values()).count("LoRA adapter 'new' is loaded already") == 1
+        assert eng.runner.lora.host["new"].cache_key == "new" and eng.runner.lora.num_loads["new"] == 1
+        prompt = prompts(1, seed=18)[0]
+        out = eng.generate(input_ids=prompt, sampling_params=GREEDY, lora_path="new")
+        assert_parity(three, [prompt], [winner], [out], eng.eos_token_ids)
         eng.check_integrity()
     finally:
         eng.shutdown()

@@ -23,7 +23,7 @@ import json
 import math
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Dict, List, Optional, Set, Tuple
 
 import torch
@@ -48,7 +48,8 @@ UNSUPPORTED_SETTINGS = {"use_dora": "DoRA", "modules_to_save": "modules_to_save"
 @dataclass(frozen=True)
 class LoRAAdapter:
     """One PEFT adapter as read from its directory: ``weights`` maps a module of the base model
-    (``model.layers.0.self_attn.q_proj``) to its ``(A [r, in], B [out, r])``."""
+    (``model.layers.0.self_attn.q_proj``) to its ``(A [r, in], B [out, r])`` (this rank's shards,
+    padded to the slots' rank, once :meth:`LoRAManager.shard` cut it)."""
 
     name: str
     path: str
@@ -148,22 +149,18 @@ class LoRAManager:
         self.retiring: Set[str] = set()  # being unloaded: refused to new requests, kept for those in flight
         self.num_loads: Dict[str, int] = {}  # by name, loads so far (the cache key of the next)
         for adapter in adapters:
-            self.add(adapter)
+            self.add(self.shard(adapter))
 
     def _target_layers(self, model: nn.Module) -> Set[str]:
         """The layers of ``lora_target_modules``' projections in every decoder layer of ``model``."""
         return {name for name, _ in model.named_modules() if (match := TARGET_LAYER.match(name))
                 and match[2] in self.target_modules and LORA_TARGETS[match[2]] == match[1]}
 
-    def add(self, adapter: LoRAAdapter) -> None:
-        """Keep ``adapter`` in host memory, this rank's shard of each module padded to the slots'
-        rank; ValueError when it does not fit them (rank, a module no slot layer has, shapes), its
-        name is served already or ``max_loaded_loras`` adapters are held already (SGLang refuses it too)."""
-        if adapter.name in self.host:
-            raise ValueError(f"LoRA adapter {adapter.name!r} is loaded already")
-        if self.max_loaded is not None and len(self.host) >= self.max_loaded:
-            raise ValueError(f"LoRA adapter {adapter.name!r}: max_loaded_loras={self.max_loaded} adapters are in host "
-                             f"memory already ({', '.join(self.host)}); unload one first")
+    def shard(self, adapter: LoRAAdapter) -> LoRAAdapter:
+        """``adapter`` with this rank's shard of each module, padded to the slots' rank, as its
+        weights (what :meth:`add` keeps); ValueError when it does not fit the slots (rank, a module
+        no slot layer has, shapes). It reads only what is fixed at start, so a runtime load runs it
+        outside the engine loop's lock (:mod:`actors.engine.lora_updates`)."""
         if adapter.rank > self.max_rank:
             raise ValueError(f"max_lora_rank={self.max_rank} is below the rank of LoRA adapter(s) "
                              f"{adapter.name} (r={adapter.rank})")
@@ -173,11 +170,20 @@ class LoRAManager:
                       "the adapters served at start (lora_target_modules sets others)")
             raise ValueError(f"LoRA adapter {adapter.name!r} targets {', '.join(other)}, outside the layers that "
                              f"take adapters: those of {layers}")
-        shards = {module: self._shard(module, adapter) for module in adapter.weights}
-        loads = self.num_loads.get(adapter.name, 0)
-        cache_key = adapter.name if loads == 0 else f"{adapter.name}#{loads}"
-        self.host[adapter.name] = HostAdapter(adapter.scaling, shards, cache_key)
-        self.num_loads[adapter.name] = loads + 1
+        return replace(adapter, weights={module: self._shard(module, adapter) for module in adapter.weights})
+
+    def add(self, sharded: LoRAAdapter) -> None:
+        """Keep ``sharded`` (:meth:`shard`'s) in host memory; ValueError when its name is served
+        already or ``max_loaded_loras`` adapters are held already (SGLang refuses it too)."""
+        if sharded.name in self.host:
+            raise ValueError(f"LoRA adapter {sharded.name!r} is loaded already")
+        if self.max_loaded is not None and len(self.host) >= self.max_loaded:
+            raise ValueError(f"LoRA adapter {sharded.name!r}: max_loaded_loras={self.max_loaded} adapters are in host "
+                             f"memory already ({', '.join(self.host)}); unload one first")
+        loads = self.num_loads.get(sharded.name, 0)
+        cache_key = sharded.name if loads == 0 else f"{sharded.name}#{loads}"
+        self.host[sharded.name] = HostAdapter(sharded.scaling, sharded.weights, cache_key)
+        self.num_loads[sharded.name] = loads + 1
 
     def remove(self, name: str) -> None:
         """Drop adapter ``name`` (no request uses it any more) from host memory and its slot."""

@@ -1,7 +1,7 @@
 """LoRA adapters loaded and unloaded while an engine serves (SGLang's ``/load_lora_adapter`` and
 ``/unload_lora_adapter``, vLLM's runtime LoRA updating), on every TP rank: rank 0's runner under
-the engine loop's lock, the followers through ``call_followers``. Shared by the in-process
-:class:`~actors.engine.Engine` and the PD workers.
+the engine loop's lock (a load reads the adapter's files before taking it), the followers through
+``call_followers``. Shared by the in-process :class:`~actors.engine.Engine` and the PD workers.
 
 Unloading follows SGLang: the adapter is refused to new requests at once, the requests in flight
 under it finish under it, then its host copy and its slot go. The KV it left in the prefix cache
@@ -31,9 +31,13 @@ def _on_followers(call_followers: CallFollowers, name: str, payload: Any) -> Non
 
 def load_lora_adapter(loop, runner, call_followers: CallFollowers, name: str, path: str) -> None:
     """Serve the adapter in ``path`` as ``name`` on every rank, or on none (ValueError: checked as
-    at start, or a name served already)."""
+    at start, or a name served already). Rank 0 reads it before taking the loop's lock, so the
+    engine steps on during a slow read; the name is claimed under the lock (of racing loads of one
+    name, the first to get there wins)."""
+    adapter = runner.read_lora(name, path)
+
     def load():
-        runner.load_lora(name, path)
+        runner.add_lora(adapter)
         try:
             _on_followers(call_followers, "lora_load", (name, path))
         except BaseException:  # (a rank that read it drops it again)

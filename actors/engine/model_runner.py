@@ -20,7 +20,7 @@ import torch
 from actors.engine.attention import create_attention_backend
 from actors.engine.config import EngineConfig
 from actors.engine.forward_batch import ForwardBatch, int64_tensor
-from actors.engine.lora import LoRAManager, read_adapter
+from actors.engine.lora import LoRAAdapter, LoRAManager, read_adapter
 from actors.engine.model_loader import build_model, load_model
 from actors.engine.models.base import LogitsOutput
 from actors.engine.parallel import SINGLE, TPGroup
@@ -107,12 +107,23 @@ class ModelRunner:
         self.lora.check(name)
         return self.lora.host[name].cache_key
 
-    def load_lora(self, name: str, path: str) -> None:
-        """Read the adapter in ``path`` into host memory as ``name`` (checked as at start)."""
+    def read_lora(self, name: str, path: str) -> LoRAAdapter:
+        """The adapter in ``path`` as ``name``, checked as at start and cut to this rank's shards
+        (:meth:`LoRAManager.shard`): a runtime load's file read, which touches nothing the engine
+        loop changes (it runs outside the loop's lock); :meth:`add_lora` then serves it."""
         if self.lora is None:  # (no start adapter nor lora_target_modules gave the slots' layers)
             raise ValueError(f"LoRA adapter {name!r}: this engine was started without LoRA (lora_paths, or "
                              "lora_target_modules with max_lora_rank), so it has no layers that take adapters")
-        self.lora.add(read_adapter(name, path))
+        return self.lora.shard(read_adapter(name, path))
+
+    def add_lora(self, adapter: LoRAAdapter) -> None:
+        """Keep ``adapter`` (:meth:`read_lora`'s) in host memory (ValueError: its name is served already,
+        or max_loaded_loras are)."""
+        self.lora.add(adapter)
+
+    def load_lora(self, name: str, path: str) -> None:
+        """Read the adapter in ``path`` into host memory as ``name`` (checked as at start)."""
+        self.add_lora(self.read_lora(name, path))
 
     def retire_lora(self, name: str) -> None:
         """Refuse new requests for adapter ``name`` (ValueError if it is not served); those in flight keep it."""
