@@ -240,11 +240,12 @@ class _Worker:
     def flush_cache(self) -> None:
         self.loop.run_exclusive(lambda: flush_engine_cache(self.scheduler, self.runner))
 
-    async def load_lora_adapter(self, lora_name: str, lora_path: str) -> None:
-        """This worker (every TP rank) serves the adapter in ``lora_path`` as ``lora_name`` from now on
-        (on a thread: the actor's event loop delivers outputs meanwhile)."""
+    async def load_lora_adapter(self, lora_name: str, lora_path: str, cache_key: Optional[str] = None) -> None:
+        """This worker (every TP rank) serves the adapter in ``lora_path`` as ``lora_name`` from now on,
+        its requests' prefixes cached under ``cache_key`` (the backend's, the router's too) (on a
+        thread: the actor's event loop delivers outputs meanwhile)."""
         await asyncio.to_thread(load_lora_adapter, self.loop, self.runner, self.tp_worker.call_followers,
-                                lora_name, lora_path)
+                                lora_name, lora_path, cache_key)
 
     async def unload_lora_adapter(self, lora_name: str) -> None:
         """Refuse new requests for adapter ``lora_name``; returns once those in flight have finished and it is gone."""

@@ -18,6 +18,7 @@ import logging
 import os
 from typing import Any, AsyncIterator, Dict, List, Optional, Protocol
 
+from actors.engine.lora import lora_cache_key
 from actors.pd_scheduler import PDRequestError
 
 logger = logging.getLogger(__name__)
@@ -96,6 +97,7 @@ class PDBackend:
         self.health_timeout_s, self.priority_scheduling = health_timeout_s, priority_scheduling
         self.lora_modules = dict(lora_modules or {})
         self.runtime_loras: Dict[str, str] = {}  # the adapters loaded since start (a new worker loads them too)
+        self.lora_loads = dict.fromkeys(self.lora_modules, 1)  # by name, the loads so far (the next one's cache key)
         self._lora_lock = asyncio.Lock()  # one load or unload at a time (SGLang's lora_update_lock)
         self.owned_router = None
 
@@ -199,17 +201,25 @@ class PDBackend:
 
     async def load_lora_adapter(self, lora_name: str, lora_path: str) -> None:
         """Every live worker — prefill and decode, each on all its TP ranks — serves the adapter from now
-        on, then ``lora_modules`` lists it; on none when one refuses it (ValueError: why)."""
+        on, then ``lora_modules`` lists it; on none when one refuses it (ValueError: why). The load's
+        cache key (the name, ``name#k`` at the k-th reload) is counted here and given to every
+        worker, and the client routes the adapter's requests under it, so the router's prefix index
+        hashes them as the workers' radix caches do (a worker added later has loaded the name fewer
+        times)."""
         async with self._lora_lock:
             live = [w for w in self._all() if w.alive]
-            results = await asyncio.gather(*(w.handle.load_lora_adapter.remote(lora_name, lora_path) for w in live),
-                                           return_exceptions=True)
+            loads = self.lora_loads.get(lora_name, 0)
+            self.lora_loads[lora_name] = loads + 1  # (counted if refused too: no key is given twice)
+            cache_key = lora_cache_key(lora_name, loads)
+            results = await asyncio.gather(*(w.handle.load_lora_adapter.remote(lora_name, lora_path, cache_key)
+                                             for w in live), return_exceptions=True)
             failed = [r for r in results if isinstance(r, BaseException)]
             if failed:  # (those that took it drop it again)
                 await asyncio.gather(*(w.handle.unload_lora_adapter.remote(lora_name) for w, r in zip(live, results)
                                        if not isinstance(r, BaseException)), return_exceptions=True)
                 raise ValueError(str(getattr(failed[0], "cause", None) or failed[0])) from None
             self.lora_modules[lora_name] = self.runtime_loras[lora_name] = lora_path
+            self.client.lora_cache_keys[lora_name] = cache_key
 
     async def unload_lora_adapter(self, lora_name: str) -> None:
         """``lora_modules`` drops the adapter at once (a request naming it is refused), then every live
@@ -217,6 +227,7 @@ class PDBackend:
         async with self._lora_lock:
             self.lora_modules.pop(lora_name, None)
             self.runtime_loras.pop(lora_name, None)
+            self.client.lora_cache_keys.pop(lora_name, None)
             live = [w for w in self._all() if w.alive]
             results = await asyncio.gather(*(w.handle.unload_lora_adapter.remote(lora_name) for w in live),
                                            return_exceptions=True)
@@ -231,7 +242,7 @@ class PDBackend:
         worker = await asyncio.to_thread(self.cluster.add_worker, role)
         async with self._lora_lock:  # (those of the config it loaded at start)
             for name, path in self.runtime_loras.items():
-                await worker.handle.load_lora_adapter.remote(name, path)
+                await worker.handle.load_lora_adapter.remote(name, path, self.client.lora_cache_keys.get(name))
         await self._tell_router("add_worker", worker.worker_id, worker.role, worker.handle, worker.node_id)
         return {"id": worker.worker_id, "role": worker.role, "node": worker.node_id, "alive": worker.alive}
 

@@ -57,6 +57,9 @@ class PDClient(WorkerRotation, PDAttempts):
         # anything with async route(rid, input_ids[, extra_key, exclude, attempt]) and
         # release(rid, role=None, attempt=None[, room]), as actors.router.Router; None: round-robin
         self.router = router
+        # adapter name -> the radix extra_key the workers cache its requests' prefixes under where it is
+        # not the name (a reloaded adapter's, PDBackend.load_lora_adapter's): the router hashes by it too
+        self.lora_cache_keys: Dict[str, str] = {}
         self.router_timeout_s = router_timeout_s  # a route or release the router does not answer in time
         self.max_retries = max_retries  # new pairs a request may try after its worker died or was unavailable
         self.retry_backoff_s = retry_backoff_s  # the pause before the first retry (doubled per retry)
@@ -82,12 +85,12 @@ class PDClient(WorkerRotation, PDAttempts):
         attempt of the request). ``room``: the attempt's bootstrap room the router picked (its
         releases name it; the workers report it), None without one. ``prefill_only``: a prompt
         scored only, whose decode is None. ``lora_path``: the request's adapter, whose prefixes the
-        router matches apart (its ``extra_key``)."""
+        router matches apart (its ``extra_key``, the workers' cache key of it)."""
         if self.router is None:
             return self._pick("prefill", exclude), None if prefill_only else self._pick("decode", exclude), None
         args = (rid, input_ids)
         if exclude or attempt or prefill_only or lora_path:
-            args += (lora_path, sorted(exclude), attempt) + ((True,) if prefill_only else ())
+            args += (self.lora_cache_keys.get(lora_path, lora_path), sorted(exclude), attempt) + ((True,) if prefill_only else ())
         routing = asyncio.ensure_future(call_method(self.router, "route", *args))
         try:
             decision = await wait_for(asyncio.shield(routing), self.router_timeout_s)

@@ -598,7 +598,8 @@ def test_pd_backend_loads_on_every_worker(three):
     args = {"lora_paths": {"sql": adapters["sql"]}, "max_loras_per_batch": 1}
     prefill, decode = make_pair(base, page_size=4, prefill_args=args, decode_args=args)
     refs = [SimpleNamespace(worker_id=w.worker_id, alive=True, handle=_Handle(w)) for w in (prefill, decode)]
-    backend = PDBackend(SimpleNamespace(prefill=refs[:1], decode=refs[1:]), lora_modules=args["lora_paths"])
+    backend = PDBackend(SimpleNamespace(prefill=refs[:1], decode=refs[1:], lora_cache_keys={}),
+                        lora_modules=args["lora_paths"])
     try:
         batch, loras = prompts(2, seed=13), ["math", "sql"]
         asyncio.run(backend.load_lora_adapter("math", adapters["math"]))
@@ -617,5 +618,48 @@ def test_pd_backend_loads_on_every_worker(three):
         for worker in (prefill, decode):
             with pytest.raises(ValueError, match="unknown LoRA adapter 'math'"):
                 worker._make_req(GREEDY, "r", batch[0], lora_path="math")
+    finally:
+        close_workers(prefill, decode)
+
+
+def test_router_matches_a_reloaded_adapters_prefixes(three):
+    """A reload's cache key (``name#k``) is PDBackend's, on every worker, and its client routes the
+    adapter's requests under it: a router that indexes the workers' trees after a request under the
+    reloaded adapter matches its prompt's pages on both workers."""
+    from cluster.backend import PDBackend
+    from cluster.pd_client import PDClient
+    from cluster.pd_rotation import WorkerRef
+    from actors.router import Router, RouterSettings
+    from tests.pd_helpers import close_workers, make_pair, run_pd
+    from tests.test_pd_client_retries import _Handle
+
+    base, adapters, _ = three
+    args = {"lora_paths": {"sql": adapters["sql"]}, "max_loras_per_batch": 1}
+    prefill, decode = make_pair(base, page_size=4, prefill_args=args, decode_args=args)
+    workers = {"prefill": prefill, "decode": decode}
+    refs = [WorkerRef(w.worker_id, role, _Handle(w), "n") for role, w in workers.items()]
+    client = PDClient(refs[:1], refs[1:])
+    backend = PDBackend(client, lora_modules=args["lora_paths"])
+    prompt = prompts(1, seed=19, shared=range(5, 18))[0]  # (13 shared tokens and more: three whole pages)
+
+    async def go():
+        await backend.load_lora_adapter("math", adapters["chat"])
+        await backend.unload_lora_adapter("math")
+        await backend.load_lora_adapter("math", adapters["math"])
+        await run_pd(prefill, decode, prompt, GREEDY, lora_path="math")
+        client.router = router = Router(RouterSettings(page_size=4))  # (its index: the workers' trees alone)
+        for role, worker in workers.items():
+            await router.add_worker(worker.worker_id, role, worker)
+        await client._pick_pair("again", prompt, lora_path="math")
+        await router.release("again")
+        return router
+
+    try:
+        router = asyncio.run(go())
+        assert [w.runner.lora.host["math"].cache_key for w in workers.values()] == ["math#1"] * 2
+        reusable = (len(prompt) - 1) // 4 * 4
+        assert router.counters["matched_tokens"] == router.counters["decode_matched_tokens"] == reusable > 0
+        for worker in workers.values():
+            worker.check_integrity()
     finally:
         close_workers(prefill, decode)

@@ -91,12 +91,20 @@ def read_adapter(name: str, path: str) -> LoRAAdapter:
     return LoRAAdapter(name, path, rank, scaling, weights)
 
 
+def lora_cache_key(name: str, num_loads: int) -> str:
+    """The radix ``extra_key`` of adapter ``name``'s requests after ``num_loads`` earlier loads of the
+    name: the name at its first load, ``name#k`` at its k-th reload (:class:`HostAdapter`)."""
+    return name if num_loads == 0 else f"{name}#{num_loads}"
+
+
 @dataclass(frozen=True)
 class HostAdapter:
     """An adapter kept in host memory: its scaling, its ``(A, B)`` per module (this rank's shards,
     zero-padded to the slots' rank), and its requests' radix ``extra_key``: its name at the name's
     first load, ``name#k`` at its k-th reload — KV an unloaded adapter left in the tree is never a
-    hit for another adapter loaded under its name (SGLang keys a load by its own lora_id alike)."""
+    hit for another adapter loaded under its name (SGLang keys a load by its own lora_id alike). A
+    PD cluster's backend counts the loads for every worker (a worker added later has loaded fewer)
+    and names the key, which its router hashes the requests' prefixes under too."""
 
     scaling: float
     shards: Dict[str, Tuple[torch.Tensor, torch.Tensor]]
@@ -172,16 +180,17 @@ class LoRAManager:
                              f"take adapters: those of {layers}")
         return replace(adapter, weights={module: self._shard(module, adapter) for module in adapter.weights})
 
-    def add(self, sharded: LoRAAdapter) -> None:
-        """Keep ``sharded`` (:meth:`shard`'s) in host memory; ValueError when its name is served
-        already or ``max_loaded_loras`` adapters are held already (SGLang refuses it too)."""
+    def add(self, sharded: LoRAAdapter, cache_key: Optional[str] = None) -> None:
+        """Keep ``sharded`` (:meth:`shard`'s) in host memory under ``cache_key`` (None: this manager's
+        count of the name's loads gives it); ValueError when its name is served already or
+        ``max_loaded_loras`` adapters are held already (SGLang refuses it too)."""
         if sharded.name in self.host:
             raise ValueError(f"LoRA adapter {sharded.name!r} is loaded already")
         if self.max_loaded is not None and len(self.host) >= self.max_loaded:
             raise ValueError(f"LoRA adapter {sharded.name!r}: max_loaded_loras={self.max_loaded} adapters are in host "
                              f"memory already ({', '.join(self.host)}); unload one first")
         loads = self.num_loads.get(sharded.name, 0)
-        cache_key = sharded.name if loads == 0 else f"{sharded.name}#{loads}"
+        cache_key = cache_key or lora_cache_key(sharded.name, loads)
         self.host[sharded.name] = HostAdapter(sharded.scaling, sharded.weights, cache_key)
         self.num_loads[sharded.name] = loads + 1
 

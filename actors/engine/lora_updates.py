@@ -29,15 +29,17 @@ def _on_followers(call_followers: CallFollowers, name: str, payload: Any) -> Non
         raise ValueError("; ".join(str(e) for e in errors))
 
 
-def load_lora_adapter(loop, runner, call_followers: CallFollowers, name: str, path: str) -> None:
+def load_lora_adapter(loop, runner, call_followers: CallFollowers, name: str, path: str,
+                      cache_key: Optional[str] = None) -> None:
     """Serve the adapter in ``path`` as ``name`` on every rank, or on none (ValueError: checked as
-    at start, or a name served already). Rank 0 reads it before taking the loop's lock, so the
-    engine steps on during a slow read; the name is claimed under the lock (of racing loads of one
-    name, the first to get there wins)."""
+    at start, or a name served already); ``cache_key``: its requests' radix ``extra_key`` (None: the
+    count of the name's loads here gives it, :class:`~actors.engine.lora.HostAdapter`). Rank 0 reads
+    it before taking the loop's lock, so the engine steps on during a slow read; the name is claimed
+    under the lock (of racing loads of one name, the first to get there wins)."""
     adapter = runner.read_lora(name, path)
 
     def load():
-        runner.add_lora(adapter)
+        runner.add_lora(adapter, cache_key)
         try:
             _on_followers(call_followers, "lora_load", (name, path))
         except BaseException:  # (a rank that read it drops it again)

@@ -116,10 +116,11 @@ class ModelRunner:
                              "lora_target_modules with max_lora_rank), so it has no layers that take adapters")
         return self.lora.shard(read_adapter(name, path))
 
-    def add_lora(self, adapter: LoRAAdapter) -> None:
-        """Keep ``adapter`` (:meth:`read_lora`'s) in host memory (ValueError: its name is served already,
-        or max_loaded_loras are)."""
-        self.lora.add(adapter)
+    def add_lora(self, adapter: LoRAAdapter, cache_key: Optional[str] = None) -> None:
+        """Keep ``adapter`` (:meth:`read_lora`'s) in host memory, its requests' radix ``extra_key``
+        ``cache_key`` (None: :meth:`LoRAManager.add`'s count); ValueError: its name is served already,
+        or max_loaded_loras are."""
+        self.lora.add(adapter, cache_key)
 
     def load_lora(self, name: str, path: str) -> None:
         """Read the adapter in ``path`` into host memory as ``name`` (checked as at start)."""
