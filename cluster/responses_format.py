@@ -16,11 +16,11 @@ Usage: ``input_tokens`` (``cached_tokens`` among them), ``output_tokens``, and o
 
 ``logprobs`` (empty unless the chat request asked for them, as a Responses request's ``include``
 ``message.output_text.logprobs`` does): the chat answer's, ``{"token", "logprob", "bytes",
-"top_logprobs": [{"token", "logprob", "bytes"}]}`` per token. Whole, the output_text's are every output
-token's, as vLLM's (with thinking or calls beside the text, theirs too: a token is not the text's
-alone). Streamed, ``response.output_text.delta`` carries those of the tokens since the last delta
-(``bytes`` left out, as OpenAI's delta events), and the output_text's ``.done``, its part and item
-those of every delta and of the tokens after the last, until the message ends.
+"top_logprobs": [{"token", "logprob", "bytes"}]}`` per token. The output_text's are its text's tokens
+(:class:`OutputTokens`), whole or streamed: not the thinking's before it nor a tool call's after it
+(vLLM's whole output_text has every output token's). Streamed, ``response.output_text.delta`` carries
+those of its text not on an earlier delta (``bytes`` left out, as OpenAI's delta events), and the
+output_text's ``.done``, its part and item those of every delta.
 
 Streamed, each event has a ``type`` and a ``sequence_number`` counting from 0:
 ``response.created``, ``response.in_progress``, then per item ``response.output_item.added``,
@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from bisect import bisect_left, bisect_right
 from typing import Any, Callable, Dict, List, Optional
 
 from cluster.streaming import ChoiceEvent
@@ -92,6 +93,38 @@ class OutputItem:
         return dict(item, role="assistant", content=content)
 
 
+class OutputTokens:
+    """The output's tokens (their logprob entries) and those each item's text came from: the tokens'
+    texts laid end to end are the output as the model wrote it, in which each item's text is found
+    after the one before (the parsers drop the tags and whitespace between texts, never change a
+    text), and a text's tokens are those it overlaps. A text not found there (a token whose text is
+    not its share of the output: a piece of a character) has every token not given out yet."""
+
+    def __init__(self):
+        self.entries: List[LogprobEntry] = []
+        self.output = ""
+        self.ends: List[int] = []  # each token's end in ``output``
+        self.cursor = 0  # where the last text found ends
+        self.given = 0  # the tokens before it are a text's or none's
+
+    def add(self, entries: List[LogprobEntry]) -> None:
+        for entry in entries:
+            self.output += entry["token"]
+            self.ends.append(len(self.output))
+            self.entries.append(entry)
+
+    def take(self, text: str) -> List[LogprobEntry]:
+        """The tokens of ``text``, the next text the output holds (an item's, or a piece of it)."""
+        found = self.output.find(text, self.cursor)
+        start, end = (found, found + len(text)) if found >= 0 else (self.cursor, len(self.output))
+        first = max(bisect_right(self.ends, start), self.given)  # (the first token ending after the start)
+        last = min(bisect_left(self.ends, end), len(self.ends) - 1)  # (the first ending at its end or after)
+        self.cursor = end
+        taken = self.entries[first:last + 1]
+        self.given = max(self.given, last + 1)
+        return taken
+
+
 class ResponsesFormatter:
     """``chat``: the chat request's formatter; ``echo``: the request's settings as the response carries
     them; ``on_done``: called with the whole response once it is (to store it)."""
@@ -105,16 +138,20 @@ class ResponsesFormatter:
         self.items: List[OutputItem] = []  # streamed: the items so far, the last one open
         self.finish: Optional[str] = None
         self.sequence = 0
-        self.logprobs: List[LogprobEntry] = []  # streamed: the tokens' not yet on an output_text delta
+        self.tokens = OutputTokens()  # streamed: the output's tokens so far
 
     # ---- the whole response ---------------------------------------------------------------
     def response(self, events: List[ChoiceEvent]) -> Dict[str, Any]:
         body = self.chat.response(events)
         choice = body["choices"][0]
         message = choice["message"]
+        tokens = OutputTokens()
+        tokens.add((choice["logprobs"] or {}).get("content") or [])
         items = [OutputItem("reasoning", message["reasoning_content"])] if message.get("reasoning_content") else []
-        logprobs = (choice["logprobs"] or {}).get("content")
-        items += [OutputItem("message", message["content"], logprobs=logprobs)] if message.get("content") else []
+        for item in items:  # (the thinking's tokens are no text's)
+            tokens.take(item.text)
+        if message.get("content"):
+            items.append(OutputItem("message", message["content"], logprobs=tokens.take(message["content"])))
         items += [OutputItem("function_call", call["function"]["arguments"], call["id"], call["function"]["name"])
                   for call in message.get("tool_calls") or ()]
         return self._done(items, choice["finish_reason"], body["usage"])
@@ -153,7 +190,7 @@ class ResponsesFormatter:
             choice = chunk["choices"][0]
             delta = choice["delta"]
             self.finish = choice["finish_reason"] or self.finish
-            self.logprobs += (choice["logprobs"] or {}).get("content") or []
+            self.tokens.add((choice["logprobs"] or {}).get("content") or [])
             if delta.get("reasoning_content"):
                 out += self._grow("reasoning", delta["reasoning_content"])
             if delta.get("content"):
@@ -180,14 +217,13 @@ class ResponsesFormatter:
         if not text:
             return out
         self.items[-1].text += text
-        extra = {"logprobs": _event_logprobs(self._take_logprobs())} if kind == "message" else {}
+        extra = {}
+        if kind != "function_call":  # (a call's arguments are its parser's JSON, not the output's text)
+            taken = self.tokens.take(text)
+            if kind == "message":
+                self.items[-1].logprobs += taken
+                extra = {"logprobs": _event_logprobs(taken)}
         return out + [self._event(DELTA_EVENT[kind] + ".delta", delta=text, **self._where(), **extra)]
-
-    def _take_logprobs(self) -> List[LogprobEntry]:
-        """The tokens' logprobs not yet sent, now the open message's."""
-        taken, self.logprobs = self.logprobs, []
-        self.items[-1].logprobs += taken
-        return taken
 
     def _open(self, item: OutputItem) -> List[Dict[str, Any]]:
         out = self._finish_item("completed")
@@ -206,10 +242,7 @@ class ResponsesFormatter:
         if item.kind == "function_call":
             out = [self._event(DELTA_EVENT[item.kind] + ".done", **where, name=item.name, arguments=item.text)]
         else:
-            extra = {}
-            if item.kind == "message":  # (with the tokens after its last delta)
-                self._take_logprobs()
-                extra = {"logprobs": _event_logprobs(item.logprobs)}
+            extra = {"logprobs": _event_logprobs(item.logprobs)} if item.kind == "message" else {}
             out = [self._event(DELTA_EVENT[item.kind] + ".done", **where, text=item.text, **extra),
                    self._event("response.content_part.done", **where, part=item.part())]
         return out + [self._event("response.output_item.done", output_index=where["output_index"],

@@ -16,6 +16,7 @@ from actors.engine.sampling_params import ANY_JSON
 from cluster.config import ServerConfig
 from cluster.http_server import BackgroundServer
 from cluster.openai_responses import ResponsesRequest, chat_request
+from cluster.responses_format import OutputTokens
 from cluster.responses_store import ResponseStore, StoredResponse
 from cluster.server import build_app
 from tests.test_openai_compat import MODEL, EngineBackend, bad_request
@@ -287,9 +288,22 @@ def summary(output):
             for item in output]
 
 
+def test_a_text_has_the_tokens_it_overlaps_after_the_last_texts():
+    """OutputTokens: each text is found after the one before, past the tags and whitespace between;
+    its tokens are those it overlaps that no text before took; a text not found (a token's text is a
+    piece of a character) takes every token not taken yet."""
+    tokens = OutputTokens()
+    tokens.add([{"token": t} for t in ["<think>", "hm", "</think>", "\n", "Hi", " the", "re", "\n<tool", "_call>"]])
+    taken = [[e["token"] for e in tokens.take(text)] for text in ("hm", "Hi th", "ere")]
+    assert taken == [["hm"], ["Hi", " the"], ["re"]]
+    tokens.add([{"token": "\ufffd"}])
+    assert [e["token"] for e in tokens.take("é")] == ["\n<tool", "_call>", "\ufffd"]
+
+
 def test_reasoning_then_text_then_a_call_are_three_items_streamed_or_not(engine, tokenizer):
     """With the server's reasoning and tool-call parsers (as chat reads them): the thinking is a
-    reasoning item, the answer a message, a hermes call a function_call item, each streamed in turn."""
+    reasoning item, the answer a message, a hermes call a function_call item, each streamed in turn;
+    the answer's output_text logprobs are its own tokens', whole and streamed alike."""
     call = '<tool_call>\\n\\{"name": "add", "arguments": \\{"a": 7\\}\\}\\n</tool_call>'
     fields = {"tools": FUNCTIONS, "max_output_tokens": 128, "extra_body": {"guided_regex": "Sure\\.\\n" + call},
               "include": ["message.output_text.logprobs"]}
@@ -310,10 +324,11 @@ def test_reasoning_then_text_then_a_call_are_three_items_streamed_or_not(engine,
     assert [e.output_index for e in events if e.type == "response.output_item.added"] == [0, 1, 2]
     assert [e.item.type for e in events if e.type == "response.output_item.done"] == ["reasoning", "message",
                                                                                       "function_call"]
-    whole = response.output[1].content[0].logprobs  # (every output token's, the thinking's and the call's too)
-    assert len(whole) == response.usage.output_tokens
-    [done] = [e for e in events if e.type == "response.output_text.done"]  # (the tokens through the answer's)
-    delta = next(e for e in events if e.type == "response.output_text.delta")  # (the first: the thinking's too)
-    assert response.usage.output_tokens_details.reasoning_tokens < len(delta.logprobs) <= len(done.logprobs)
-    assert [e.token for e in done.logprobs] == [e.token for e in whole[:len(done.logprobs)]]
+    whole = response.output[1].content[0].logprobs  # the answer's tokens, not the thinking's nor the call's
+    assert "".join(e.token for e in whole) == "Sure." and len(whole) < response.usage.output_tokens
+    [done] = [e for e in events if e.type == "response.output_text.done"]
+    deltas = [entry for e in events if e.type == "response.output_text.delta" for entry in e.logprobs]
+    assert [e.token for e in done.logprobs] == [e.token for e in deltas] == [e.token for e in whole]
+    assert [e.logprob for e in done.logprobs] == pytest.approx([e.logprob for e in whole], abs=1e-4)
+    assert [e.token for e in final.output[1].content[0].logprobs] == [e.token for e in whole]
     engine.check_integrity()
