@@ -31,6 +31,8 @@ class PoolingRequest(NullIsDefault):
     model: Optional[str] = Field(None, min_length=1, description="None: the served model")
     truncate_prompt_tokens: Optional[int] = Field(None, description="vLLM's: each prompt cut to its last this "
                                                   "many tokens (-1: to the longest prompt the model takes)")
+    priority: int = Field(0, description="vLLM's: each prompt's scheduling priority, as a completion's (needs "
+                          "enable_priority_scheduling unless 0)")
 
     @field_validator("truncate_prompt_tokens")
     @classmethod
@@ -84,11 +86,12 @@ def _encoded(vector: List[float], encoding_format: str) -> Union[List[float], st
 
 async def run_pooling(service: GenerationService, prompts: List[List[int]], pooling: Dict[str, Any], model: str,
                       response_id: str, arrival: float,
-                      respond: Callable[[List[Dict[str, Any]], int], Dict[str, Any]]) -> Any:
+                      respond: Callable[[List[Dict[str, Any]], int], Dict[str, Any]], priority: int = 0) -> Any:
     """Run ``prompts`` as pooling requests (:class:`~actors.engine.pooling.PoolingParams` ``pooling``
     for all) under ``model`` (an adapter's name: its hidden states), one HTTP request's choices
     (admitted once, ids ``{rid}-{i}``); ``respond(results, num_tokens)`` makes the answer from their
-    results, in order, and the prompt tokens they ran. A ``pooling`` the workers refuse is a 400."""
+    results, in order, and the prompt tokens they ran; each queues under ``priority``. A ``pooling``
+    the workers refuse is a 400."""
     params = validated({"max_new_tokens": 0, "pooling": pooling})
 
     def response(events) -> Dict[str, Any]:
@@ -96,7 +99,7 @@ async def run_pooling(service: GenerationService, prompts: List[List[int]], pool
         return respond(results, sum(r["meta_info"]["prompt_tokens"] for r in results))
 
     return await service._run([(ids, params) for ids in prompts], 1, internal_rid(response_id), arrival, None,
-                              response, lora_path=service.lora_path(model))
+                              response, priority, lora_path=service.lora_path(model))
 
 
 async def create_embeddings(service: GenerationService, req: EmbeddingRequest, arrival: float,
@@ -118,4 +121,4 @@ async def create_embeddings(service: GenerationService, req: EmbeddingRequest, a
                 "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens}}
 
     return await run_pooling(service, prompts, {"dimensions": req.dimensions, "normalize": req.normalize}, model,
-                             response_id, arrival, response)
+                             response_id, arrival, response, req.priority)

@@ -103,7 +103,7 @@ class Scorer:
             return respond([r["embedding"][0] for r in results], num_tokens)
 
         return await run_pooling(self.service, prompts, {"classifier_token_ids": self.classifier_token_ids}, model,
-                                 response_id, arrival, response)
+                                 response_id, arrival, response, req.priority)
 
     async def _by_embeddings(self, texts_1, texts_2, params, req, model, response_id, arrival, respond) -> Any:
         """Each text embedded once (text_1's first, one batch), a pair's score the cosine of its two
@@ -116,7 +116,8 @@ class Scorer:
             first, second = vectors[:len(texts_1)], vectors[len(texts_1):]
             return respond((first * second).sum(axis=1).tolist(), num_tokens)  # (one first row: broadcast, 1→N)
 
-        return await run_pooling(self.service, prompts, {"normalize": True}, model, response_id, arrival, response)
+        return await run_pooling(self.service, prompts, {"normalize": True}, model, response_id, arrival, response,
+                                 req.priority)
 
     def _pair_ids(self, query: str, document: str, param: str) -> List[int]:
         """A pair's prompt (a classifier's: :meth:`from_config` made sure of a tokenizer)."""

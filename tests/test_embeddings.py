@@ -7,6 +7,7 @@ and of token ids, truncation and the 400s)."""
 import asyncio
 import base64
 import random
+import time
 
 import numpy as np
 import openai
@@ -181,6 +182,7 @@ def test_token_id_batches_dimensions_and_vllm_truncation(path, client):
     (dict(input="x", extra_body={"truncate_prompt_tokens": 0}), "truncate_prompt_tokens", "at least 1"),
     (dict(input="x", extra_body={"truncate_prompt_tokens": CONTEXT}), "truncate_prompt_tokens", "longest prompt"),
     (dict(input="x", encoding_format="bytes"), "encoding_format", ""),
+    (dict(input="x", extra_body={"priority": 3}), "priority", "priority scheduling is not enabled"),
 ])
 def test_bad_requests_are_400s_naming_the_field(engine, client, fields, param, words):
     with pytest.raises(openai.BadRequestError) as err:
@@ -193,3 +195,32 @@ def test_bad_requests_are_400s_naming_the_field(engine, client, fields, param, w
 def test_another_model_is_404(client):
     with pytest.raises(openai.NotFoundError):
         client.embeddings.create(model="other", input="x")
+
+
+def test_priority_reaches_each_inputs_request(path):
+    """vLLM's ``priority`` on /v1/embeddings: with the engine's priority scheduling, each input of a
+    batch queues under it (and without, it is a 400: the parametrised bad requests)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+    from transformers import AutoTokenizer
+
+    eng = Engine(model_path=path, page_size=4, max_total_tokens=1024, attention_backend="torch",
+                 context_length=CONTEXT, enable_priority_scheduling=True)
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    body = {"input": [prompt(6, 11), prompt(9, 12)], "priority": 5, "encoding_format": "float"}
+    try:
+        with BackgroundServer(build_app(EngineBackend(eng, CONTEXT), tokenizer, ServerConfig()), "127.0.0.1", 0) \
+                as server, ThreadPoolExecutor(1) as pool:
+            eng.loop.pause()  # (the requests stay queued)
+            posted = pool.submit(httpx.post, server.url + "/v1/embeddings", json=body, timeout=60)
+            deadline = time.monotonic() + 30
+            while len(eng.loop.held_reqs()) < 2 and time.monotonic() < deadline and not posted.done():
+                time.sleep(0.005)
+            assert sorted(r.priority for r in eng.loop.held_reqs()) == [5, 5]
+            eng.loop.resume()
+            r = posted.result()
+        assert r.status_code == 200 and [d["index"] for d in r.json()["data"]] == [0, 1], r.text
+        eng.check_integrity()
+    finally:
+        eng.shutdown()

@@ -46,6 +46,7 @@ class EngineBackend(StubBackend):
     def __init__(self, engine: Engine, context_len: int):
         self.engine, self.context_len, self.max_prompt_len = engine, context_len, context_len - 1
         self.lora_modules = dict(engine.config.lora_paths or {})
+        self.priority_scheduling = engine.config.enable_priority_scheduling
 
     async def load_lora_adapter(self, lora_name, lora_path):
         await asyncio.to_thread(self.engine.load_lora_adapter, lora_name, lora_path)
@@ -57,7 +58,8 @@ class EngineBackend(StubBackend):
 
     async def generate_stream(self, input_ids, sampling_params, rid, priority=0, lora_path=None):
         async for result in await self.engine.async_generate(input_ids=input_ids, sampling_params=sampling_params,
-                                                             rid=rid, stream=True, lora_path=lora_path):
+                                                             rid=rid, stream=True, priority=priority,
+                                                             lora_path=lora_path):
             yield result
 
 
