@@ -356,33 +356,47 @@ def test_load_and_unload_at_runtime(three, monkeypatch, tp_size):
         eng.shutdown()
 
 
-def test_a_load_reads_its_files_while_the_engine_steps(three, monkeypatch):
-    """A runtime load reads the adapter's files outside the engine loop's lock: a request runs to
-    its end while the read is held up; once read, the adapter serves as its merged model."""
+@pytest.mark.parametrize("tp_size", [1, 2])
+def test_a_load_reads_its_files_while_the_engine_steps(three, monkeypatch, tp_size):
+    """A runtime load reads the adapter's files outside the engine loop's lock, on every TP rank: a
+    request runs to its end while each rank's read is held up; once read, the adapter serves as its
+    merged model."""
     import threading
 
     from actors.engine import model_runner
 
+    thread_ranks(monkeypatch)
     base, adapters, _ = three
-    eng = Engine(model_path=base, skip_tokenizer_init=True, max_total_tokens=2048,
+    eng = Engine(model_path=base, skip_tokenizer_init=True, max_total_tokens=2048, tp_size=tp_size,
                  lora_paths={"sql": adapters["sql"]}, max_loras_per_batch=2)
-    reading, stepped, stepped_in_read = threading.Event(), threading.Event(), []
+    step, stepped = eng.scheduler.step, threading.Condition()
+    steps, reads, stepped_in_read = [0], [], []
 
-    def slow_read(name, path):
-        reading.set()
-        stepped_in_read.append(stepped.wait(10))
+    def counted_step():
+        produced = step()
+        with stepped:
+            steps[0] += 1
+            stepped.notify_all()
+        return produced
+
+    def slow_read(name, path):  # (a rank's read waits for a step to end meanwhile, 10 s at most)
+        with stepped:
+            reads.append(steps[0])
+            stepped.notify_all()
+            stepped_in_read.append(stepped.wait_for(lambda: steps[0] > reads[-1], timeout=10))
         return read_adapter(name, path)
 
+    monkeypatch.setattr(eng.scheduler, "step", counted_step)
     monkeypatch.setattr(model_runner, "read_adapter", slow_read)
     batch = prompts(2, seed=17)
     try:
         load = threading.Thread(target=eng.load_lora_adapter, args=("math", adapters["math"]))
         load.start()
-        assert reading.wait(30)
+        with stepped:
+            assert stepped.wait_for(lambda: len(reads) == tp_size, timeout=30)
         eng.generate(input_ids=batch[0], sampling_params=GREEDY, lora_path="sql")
-        stepped.set()
         load.join()
-        assert stepped_in_read == [True]
+        assert stepped_in_read == [True] * tp_size
         assert_batch_parity(three, eng, batch, ["math", "sql"])
     finally:
         eng.shutdown()

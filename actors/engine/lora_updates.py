@@ -1,7 +1,9 @@
 """LoRA adapters loaded and unloaded while an engine serves (SGLang's ``/load_lora_adapter`` and
 ``/unload_lora_adapter``, vLLM's runtime LoRA updating), on every TP rank: rank 0's runner under
-the engine loop's lock (a load reads the adapter's files before taking it), the followers through
-``call_followers``. Shared by the in-process :class:`~actors.engine.Engine` and the PD workers.
+the engine loop's lock, the followers through ``call_followers``. A load reads the adapter's files
+before it takes the lock, rank 0 on the caller's thread and each follower on a thread of its own
+(:class:`FollowerReads`), so the engine steps on during a slow read. Shared by the in-process
+:class:`~actors.engine.Engine` and the PD workers.
 
 Unloading follows SGLang: the adapter is refused to new requests at once, the requests in flight
 under it finish under it, then its host copy and its slot go. The KV it left in the prefix cache
@@ -12,14 +14,18 @@ and left to the eviction policy, as SGLang leaves it.
 from __future__ import annotations
 
 import asyncio
+import itertools
+import threading
 import time
-from typing import Any, Callable, List, Optional
+from concurrent.futures import Future
+from typing import Any, Callable, Dict, List, Optional
 
 from actors.engine.tp_worker import FollowerError
 
 UNLOAD_POLL_S = 0.01  # how often an unload looks whether the adapter's last request has finished
 
 CallFollowers = Optional[Callable[[str, Any], List[Any]]]  # (None: a single rank)
+_load_ids = itertools.count()  # (a follower tells the reads of racing loads apart by them)
 
 
 def _on_followers(call_followers: CallFollowers, name: str, payload: Any) -> None:
@@ -29,19 +35,36 @@ def _on_followers(call_followers: CallFollowers, name: str, payload: Any) -> Non
         raise ValueError("; ".join(str(e) for e in errors))
 
 
+def _tell_followers(loop, call_followers: CallFollowers, name: str, payload: Any) -> None:
+    """A call on every follower, under the loop's lock (between two steps' broadcasts)."""
+    if call_followers:
+        loop.run_exclusive(lambda: call_followers(name, payload))
+
+
 def load_lora_adapter(loop, runner, call_followers: CallFollowers, name: str, path: str,
                       cache_key: Optional[str] = None) -> None:
     """Serve the adapter in ``path`` as ``name`` on every rank, or on none (ValueError: checked as
     at start, or a name served already); ``cache_key``: its requests' radix ``extra_key`` (None: the
-    count of the name's loads here gives it, :class:`~actors.engine.lora.HostAdapter`). Rank 0 reads
-    it before taking the loop's lock, so the engine steps on during a slow read; the name is claimed
-    under the lock (of racing loads of one name, the first to get there wins)."""
-    adapter = runner.read_lora(name, path)
+    count of the name's loads here gives it, :class:`~actors.engine.lora.HostAdapter`). Every rank
+    reads it outside the loop's lock; the name is claimed under it (of racing loads of one name, the
+    first to get there wins), where a follower's read not done yet is waited for."""
+    load_id = next(_load_ids)
+    _tell_followers(loop, call_followers, "lora_read", (load_id, name, path))
+    try:
+        adapter = runner.read_lora(name, path)
+    except BaseException:
+        _tell_followers(loop, call_followers, "lora_drop", load_id)
+        raise
 
     def load():
-        runner.add_lora(adapter, cache_key)
         try:
-            _on_followers(call_followers, "lora_load", (name, path))
+            runner.add_lora(adapter, cache_key)
+        except BaseException:
+            if call_followers:
+                call_followers("lora_drop", load_id)
+            raise
+        try:
+            _on_followers(call_followers, "lora_add", (load_id, cache_key))
         except BaseException:  # (a rank that read it drops it again)
             runner.unload_lora(name)
             if call_followers:
@@ -77,3 +100,37 @@ async def async_unload_lora_adapter(loop, runner, call_followers: CallFollowers,
     loop.run_exclusive(lambda: runner.retire_lora(name))
     while not _unload_if_unused(loop, runner, call_followers, name):
         await asyncio.sleep(UNLOAD_POLL_S)
+
+
+class FollowerReads:
+    """A follower rank's side of :func:`load_lora_adapter`: ``lora_read`` starts the adapter's read
+    on a thread of its own and returns, so the follower's loop runs rank 0's steps meanwhile;
+    ``lora_add`` serves it once read (a failed read raises there) and ``lora_drop`` forgets it (rank
+    0 refused the load)."""
+
+    def __init__(self, runner):
+        self.runner = runner
+        self.reads: Dict[int, Future] = {}  # by load id
+
+    def handlers(self) -> Dict[str, Callable[[Any], Any]]:
+        return {"lora_read": self.read, "lora_add": self.add, "lora_drop": self.drop,
+                "lora_unload": self.runner.unload_lora}
+
+    def read(self, payload) -> None:
+        load_id, name, path = payload
+        future = self.reads[load_id] = Future()
+
+        def run():
+            try:
+                future.set_result(self.runner.read_lora(name, path))
+            except BaseException as exc:
+                future.set_exception(exc)
+
+        threading.Thread(target=run, name=f"lora-read-{name}", daemon=True).start()
+
+    def add(self, payload) -> None:
+        load_id, cache_key = payload
+        self.runner.add_lora(self.reads.pop(load_id).result(), cache_key)
+
+    def drop(self, load_id: int) -> None:
+        self.reads.pop(load_id, None)

@@ -122,10 +122,6 @@ class ModelRunner:
         or max_loaded_loras are."""
         self.lora.add(adapter, cache_key)
 
-    def load_lora(self, name: str, path: str) -> None:
-        """Read the adapter in ``path`` into host memory as ``name`` (checked as at start)."""
-        self.add_lora(self.read_lora(name, path))
-
     def retire_lora(self, name: str) -> None:
         """Refuse new requests for adapter ``name`` (ValueError if it is not served); those in flight keep it."""
         self.check_lora(name)

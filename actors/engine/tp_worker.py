@@ -212,9 +212,9 @@ class TPModelWorker:
         self.broken: Optional[str] = None  # rank 0: why the group was torn down (see _exchange)
         # follower side of call_followers(): name -> fn(payload) -> reply (picklable)
         self.handlers: Dict[str, Callable[[Any], Any]] = {}
-        if self.tp.size > 1 and not self.tp.is_leader:  # (actors.engine.lora_updates)
-            self.handlers.update(lora_load=lambda payload: self.runner.load_lora(*payload),
-                                 lora_unload=self.runner.unload_lora)
+        if self.tp.size > 1 and not self.tp.is_leader:
+            from actors.engine.lora_updates import FollowerReads  # (which imports this module)
+            self.handlers.update(FollowerReads(self.runner).handlers())
         if self.tp.size > 1 and self.tp.is_leader:
             self._mirror = TableMirror(self.tables)
             if self._mamba_pool is not None:
