@@ -102,24 +102,25 @@ class OutputTokens:
 
     def __init__(self):
         self.entries: List[LogprobEntry] = []
-        self.output = ""
-        self.ends: List[int] = []  # each token's end in ``output``
+        self.ends: List[int] = []  # each token's end in the output
         self.cursor = 0  # where the last text found ends
+        self.rest = ""  # the output from there on, where the next text is looked for
         self.given = 0  # the tokens before it are a text's or none's
 
     def add(self, entries: List[LogprobEntry]) -> None:
         for entry in entries:
-            self.output += entry["token"]
-            self.ends.append(len(self.output))
+            self.ends.append((self.ends[-1] if self.ends else 0) + len(entry["token"]))
+            self.rest += entry["token"]
             self.entries.append(entry)
 
     def take(self, text: str) -> List[LogprobEntry]:
         """The tokens of ``text``, the next text the output holds (an item's, or a piece of it)."""
-        found = self.output.find(text, self.cursor)
-        start, end = (found, found + len(text)) if found >= 0 else (self.cursor, len(self.output))
+        found = self.rest.find(text)
+        start = self.cursor + max(found, 0)
+        end = start + len(text) if found >= 0 else self.cursor + len(self.rest)
         first = max(bisect_right(self.ends, start), self.given)  # (the first token ending after the start)
         last = min(bisect_left(self.ends, end), len(self.ends) - 1)  # (the first ending at its end or after)
-        self.cursor = end
+        self.rest, self.cursor = self.rest[end - self.cursor:], end
         taken = self.entries[first:last + 1]
         self.given = max(self.given, last + 1)
         return taken
