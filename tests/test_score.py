@@ -201,6 +201,8 @@ def test_classifier_without_a_template_scores_the_pair_encoding(engine, path):
     ("/v1/score", {"text_1": "a", "text_2": "x", "truncate_prompt_tokens": CONTEXT}, "truncate_prompt_tokens",
      "longest prompt"),
     ("/v1/rerank", {"query": "q", "documents": ["x"], "top_n": -1}, "top_n", ""),
+    ("/v1/score", {"text_1": "a", "text_2": "x", "priority": 2}, "priority", "priority scheduling is not enabled"),
+    ("/v1/rerank", {"query": "q", "documents": ["x"], "priority": 2}, "priority", "priority scheduling is not enabled"),
 ])
 def test_bad_requests_are_400s_naming_the_field(engine, post, route, body, param, words):
     r = post(route, body)
