@@ -307,6 +307,8 @@ class GenerationService:
         ids = self.chat_prompt(req)
         with grammar_errors(req):
             params = self.openai_params(req, len(ids), req.requested_max_tokens, "messages")
+            if tool_calls is not None and tool_calls.special_tokens:  # (its tags must reach the parser)
+                params["skip_special_tokens"] = False
             # a named or required tool choice constrains the whole output to its JSON: no thinking to split
             separate = req.separate_reasoning and req.tool_choice in (None, "none", "auto")
             tags = self.reasoning if separate else None

@@ -25,8 +25,9 @@ from __future__ import annotations
 
 import json
 import uuid
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
+from cluster.model_tool_parsers import DeepSeekV3Parser, MistralParser, PythonicParser, Qwen3CoderParser
 from cluster.tool_parsers import HermesParser, Llama3JsonParser, NamedParser, RequiredParser, ToolCallParser
 
 
@@ -79,8 +80,16 @@ def template_message(message: Dict[str, Any]) -> Dict[str, Any]:
     return dict(message, tool_calls=calls)
 
 
-TOOL_CALL_PARSERS: Dict[str, Callable[[], ToolCallParser]] = {"hermes": HermesParser, "llama3_json": Llama3JsonParser}
-"""``server.tool_call_parser``'s names: the formats ``tool_choice`` "auto" reads calls in."""
+TOOL_CALL_PARSERS: Dict[str, Callable[[Sequence], ToolCallParser]] = {
+    "hermes": lambda tools: HermesParser(),
+    "llama3_json": lambda tools: Llama3JsonParser(),
+    "mistral": lambda tools: MistralParser(),
+    "pythonic": lambda tools: PythonicParser(),
+    "qwen3_coder": Qwen3CoderParser,
+    "deepseek_v3": lambda tools: DeepSeekV3Parser(),
+}
+"""``server.tool_call_parser``'s names: the formats ``tool_choice`` "auto" reads calls in, each a
+parser made from the request's ``tools`` (Qwen3-Coder's types its arguments by their schemas)."""
 
 
 def new_call_id() -> str:
@@ -90,10 +99,12 @@ def new_call_id() -> str:
 class ToolCalls:
     """The tool calls of one request's choices in OpenAI's shapes, each choice's text through a
     parser of its own (``make_parser``). ``calls_finish``: a choice that called and stopped
-    ends with ``finish_reason`` "tool_calls" (a named function's stays "stop", as vLLM's)."""
+    ends with ``finish_reason`` "tool_calls" (a named function's stays "stop", as vLLM's).
+    ``special_tokens``: the parser's, the output is to be decoded with special tokens."""
 
     def __init__(self, make_parser: Callable[[], ToolCallParser], calls_finish: bool):
         self.make_parser, self.calls_finish = make_parser, calls_finish
+        self.special_tokens = make_parser().special_tokens
         self.parsers: Dict[int, ToolCallParser] = {}
         self.sent: Dict[int, List[int]] = {}  # per choice: the arguments' length streamed, per call
 
@@ -143,4 +154,7 @@ def tool_calls_for(req, parser: Optional[str]) -> Optional[ToolCalls]:
         return ToolCalls(RequiredParser, calls_finish=True)
     if choice not in (None, "auto"):
         return ToolCalls(lambda: NamedParser(choice.function.name), calls_finish=False)
-    return ToolCalls(TOOL_CALL_PARSERS[parser], calls_finish=True) if parser is not None else None
+    if parser is None:
+        return None
+    make = TOOL_CALL_PARSERS[parser]
+    return ToolCalls(lambda: make(req.tools), calls_finish=True)

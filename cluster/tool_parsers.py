@@ -1,8 +1,9 @@
 """Tool-call parsers: one choice's text into content and calls, for each way ``tool_choice`` is
 served (see :mod:`cluster.tool_calls`): a named function's (:class:`NamedParser`), "required"'s
 JSON array (:class:`RequiredParser`), and the model formats "auto" reads calls in
-(:class:`HermesParser`, :class:`Llama3JsonParser`; by name in
-:data:`cluster.tool_calls.TOOL_CALL_PARSERS`).
+(:class:`HermesParser`, :class:`Llama3JsonParser`, more in :mod:`cluster.model_tool_parsers`; by
+name in :data:`cluster.tool_calls.TOOL_CALL_PARSERS`), with what they share: calls in tagged
+blocks (:class:`BlockParser`) and the content around calls (:class:`SpacedContent`).
 
 A parser is fed a choice's text in any pieces and gives the same calls and content as when fed
 it whole (non-streamed is one piece through the same code), so a streamed choice's fragments
@@ -12,18 +13,22 @@ add up to its non-streamed message.
 from __future__ import annotations
 
 import json
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from cluster.streaming import partial_suffix_len
 
-_SPACE = " \t\n\r"  # JSON's whitespace
+JSON_SPACE = " \t\n\r"  # JSON's whitespace
 
 
 class ToolCallParser:
     """One choice's text into content and calls. ``feed`` takes the next piece of text and returns
     the content now known to lie outside calls; ``finish`` the rest, at the output's end.
     ``calls``: ``[name, arguments so far]`` per call found, the name None until known; a call's
-    arguments only grow."""
+    arguments only grow. ``special_tokens``: the format's tags are special tokens in some of its
+    models' tokenizers (Mistral's ``[TOOL_CALLS]``), so the output it reads is decoded with special
+    tokens (vLLM's parser's ``adjust_request``)."""
+
+    special_tokens = False
 
     def __init__(self):
         self.calls: List[List[Optional[str]]] = []
@@ -47,7 +52,7 @@ class NamedParser(ToolCallParser):
         return ""
 
 
-class _Lexer:
+class JsonLexer:
     """Where a JSON text stands after each character: its container depth, in a string or not."""
 
     def __init__(self):
@@ -79,7 +84,7 @@ class RequiredParser(ToolCallParser):
 
     def __init__(self):
         super().__init__()
-        self.lexer = _Lexer()
+        self.lexer = JsonLexer()
         self.expect: Optional[str] = None  # at the element's level: "key" or "value" next
         self.key: Optional[str] = None  # the key whose value comes or came last
         self.capture: Optional[str] = None  # the parameters' value being taken: container, string or scalar
@@ -91,7 +96,7 @@ class RequiredParser(ToolCallParser):
         return ""
 
     def _step(self, c: str) -> None:
-        lexer, space = self.lexer, c in _SPACE
+        lexer, space = self.lexer, c in JSON_SPACE
         if self.capture == "scalar" and (space or c in ",}]"):
             self.capture = None
         opens_value = self.expect == "value" and not space
@@ -137,29 +142,55 @@ def _named_object(body: str) -> Optional[Dict[str, Any]]:
     return value if isinstance(value, dict) and isinstance(value.get("name"), str) else None
 
 
-def _hermes_call(body: str) -> Optional[List[str]]:
-    """``[name, arguments]`` of a block's JSON ``{"name": ..., "arguments": {...}}``; None if it is not one."""
-    value = _named_object(body)
-    if value is None:
+def named_call(value: Any) -> Optional[List[str]]:
+    """``[name, arguments]`` of a parsed ``{"name": ..., "arguments": {...}}`` (Hermes' and Mistral's;
+    none: ``{}``); None if it is not one."""
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         return None
     return [value["name"], json.dumps(value.get("arguments", {}), ensure_ascii=False)]
 
 
-class HermesParser(ToolCallParser):
-    """Hermes' and Qwen 2.5's format: a call is ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``
-    in the text. A block is decided when it closes (or, unclosed, at the output's end), so its
-    arguments come whole; a block that is not such JSON stays in the content as written (vLLM's).
-    Text outside calls is content, less the whitespace before a call and at the end after one
-    (the newlines around the blocks); a tail that may still grow into ``<tool_call>`` is held back,
-    never sent as content."""
+class SpacedContent:
+    """Text outside calls as content, less the whitespace before a call and, when the output has
+    calls, at its end (the newlines around calls): trailing whitespace is held until text follows."""
 
-    START, END = "<tool_call>", "</tool_call>"
+    def __init__(self):
+        self.space = ""
+
+    def text(self, text: str) -> str:
+        text = self.space + text
+        shown = text.rstrip(JSON_SPACE)
+        self.space = text[len(shown):]
+        return shown
+
+    def call(self) -> None:
+        self.space = ""
+
+    def end(self, called: bool) -> str:
+        out, self.space = "" if called else self.space, ""
+        return out
+
+
+class BlockParser(ToolCallParser):
+    """Calls in tagged blocks, ``START body END``, in the text (subclasses give the tags and read a
+    body's calls in ``_calls``). A block is decided when it closes (or, unclosed, at the output's
+    end), so its arguments come whole; a block that holds no call stays in the content as written
+    (vLLM's). ``MARKERS``: tags around the blocks that are no content (DeepSeek-V3's section's),
+    dropped. Text outside blocks is content (:class:`SpacedContent`); a tail that may still grow
+    into ``START`` or a marker is held back, never sent as content."""
+
+    START = END = ""
+    MARKERS: Tuple[str, ...] = ()
 
     def __init__(self):
         super().__init__()
-        self.pending = ""  # text not decided yet: an open block's, or a tail that may start one
+        self.pending = ""  # text not decided yet: an open block's, or a tail that may start a tag
         self.in_block = False
-        self.space = ""  # trailing whitespace held: content if text follows, dropped if a call does
+        self.content = SpacedContent()
+
+    def _calls(self, body: str) -> Optional[List[List[str]]]:
+        """A body's ``[name, arguments]`` calls; None (or none) if it holds none."""
+        raise NotImplementedError
 
     def feed(self, text: str) -> str:
         self.pending += text
@@ -172,39 +203,45 @@ class HermesParser(ToolCallParser):
                 out.append(self._block(self.pending[:end], self.START + self.pending[:end + len(self.END)]))
                 self.pending, self.in_block = self.pending[end + len(self.END):], False
                 continue
-            start = self.pending.find(self.START)
-            if start < 0:
-                keep = len(self.pending) - partial_suffix_len(self.pending, self.START)
-                out.append(self._content(self.pending[:keep]))
-                self.pending = self.pending[keep:]
+            tags = (self.START,) + self.MARKERS
+            found = [(start, tag) for start, tag in ((self.pending.find(tag), tag) for tag in tags) if start >= 0]
+            if not found:
+                held = max(partial_suffix_len(self.pending, tag) for tag in tags)
+                out.append(self.content.text(self.pending[:len(self.pending) - held]))
+                self.pending = self.pending[len(self.pending) - held:]
                 return "".join(out)
-            out.append(self._content(self.pending[:start]))
-            self.pending, self.in_block = self.pending[start + len(self.START):], True
+            start, tag = min(found)
+            out.append(self.content.text(self.pending[:start]))
+            self.pending, self.in_block = self.pending[start + len(tag):], tag == self.START
 
     def finish(self) -> str:
-        if self.in_block:  # (cut short: its JSON may still be whole, before a tail of the end tag)
+        if self.in_block:  # (cut short: its body may still be whole, before a tail of the end tag)
             body = self.pending[:len(self.pending) - partial_suffix_len(self.pending, self.END)]
             out = self._block(body, self.START + self.pending)
         else:
-            out = self._content(self.pending)
-        out += "" if self.calls else self.space
-        self.pending, self.space = "", ""
-        return out
+            out = self.content.text(self.pending)
+        self.pending = ""
+        return out + self.content.end(bool(self.calls))
 
     def _block(self, body: str, text: str) -> str:
-        """A block's call, or its ``text`` as content."""
-        call = _hermes_call(body)
-        if call is None:
-            return self._content(text)
-        self.calls.append(call)
-        self.space = ""
+        """A block's calls, or its ``text`` as content."""
+        calls = self._calls(body)
+        if not calls:
+            return self.content.text(text)
+        self.calls.extend(calls)
+        self.content.call()
         return ""
 
-    def _content(self, text: str) -> str:
-        text = self.space + text
-        shown = text.rstrip(_SPACE)
-        self.space = text[len(shown):]
-        return shown
+
+class HermesParser(BlockParser):
+    """Hermes' and Qwen 2.5's format: a call is ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``
+    in the text; a block that is not such JSON stays content."""
+
+    START, END = "<tool_call>", "</tool_call>"
+
+    def _calls(self, body: str) -> Optional[List[List[str]]]:
+        call = named_call(_named_object(body))
+        return None if call is None else [call]
 
 
 def _llama3_call(body: str) -> Optional[List[str]]:
@@ -230,7 +267,7 @@ class Llama3JsonParser(ToolCallParser):
         super().__init__()
         self.state = "opening"  # then "between" calls, in an "object", or "content" for good
         self.held = ""  # the opening's text until it is decided, or the object's so far
-        self.lexer = _Lexer()
+        self.lexer = JsonLexer()
 
     def feed(self, text: str) -> str:
         if self.state == "opening":
@@ -251,9 +288,9 @@ class Llama3JsonParser(ToolCallParser):
     def _open(self, text: str) -> str:
         """What to go on with once the opening is decided: the calls from their ``{``, or the whole
         text as content; "" while it is held (whitespace, the tag or its start)."""
-        opening = text.lstrip(_SPACE)
+        opening = text.lstrip(JSON_SPACE)
         if opening.startswith(self.TAG):
-            opening = opening[len(self.TAG):].lstrip(_SPACE)
+            opening = opening[len(self.TAG):].lstrip(JSON_SPACE)
         elif len(opening) < len(self.TAG) and self.TAG.startswith(opening):
             opening = ""
         if not opening:
@@ -265,12 +302,12 @@ class Llama3JsonParser(ToolCallParser):
 
     def _step(self, c: str) -> str:
         if self.state == "between":
-            if c in _SPACE or c == ";":
+            if c in JSON_SPACE or c == ";":
                 return ""
             if c != "{":
                 self.state = "content"
                 return c
-            self.state, self.lexer = "object", _Lexer()
+            self.state, self.lexer = "object", JsonLexer()
         self.held += c
         self.lexer.step(c)
         if self.lexer.depth > 0:

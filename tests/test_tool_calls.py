@@ -3,7 +3,8 @@ give it whole (hermes' blocks, llama3_json's objects, "required"'s JSON array), 
 stay content; the built-in template lists tools and renders calls, and without tools is plain
 ChatML to the byte; through the official openai client over an in-process engine (the tiny
 llama): a named function's and "required"'s constrained calls follow their schemas, streamed
-equals non-streamed (n = 2, logprobs), "auto" with the hermes or llama3_json parser reads the
+equals non-streamed (n = 2, logprobs), "auto" with the hermes, llama3_json, qwen3_coder (its
+parameters typed by the request's tools) or mistral (decoded with special tokens) parser reads the
 calls the output holds, and the 400s and defaults of tools, tool_choice and parallel_tool_calls.
 With a reasoning parser, calls and a ``response_format``'s grammar are the answer's, after the
 (forced) thinking."""
@@ -316,6 +317,42 @@ def test_llama3_json_reads_the_calls_through_the_server(engine, tokenizer):
         assert [name for name, _ in calls] == ["get_weather", "add"]
         for name, arguments in calls:
             jsonschema.validate(json.loads(arguments), SCHEMAS[name])
+
+
+def forced_choices(engine, tokenizer, parser, text):
+    """Through a server with ``parser``, chat choices (n = 2, logprobs) that write ``text`` and
+    stop (forced), as the whole response holds them; streamed, they add up to the same."""
+    tokens = engine.tokenizer.encode(text, add_special_tokens=False) + [engine.tokenizer.eos_token_id]
+    fields = {"n": 2, "logprobs": True, "max_tokens": len(tokens) + 8}  # (a byte tokenizer)
+    with served_client(engine, tokenizer, parser) as server, forced_tokens(engine.scheduler, lambda req: tokens):
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
+        want = whole(chat(client, **fields))
+        assert streamed(client, **fields) == want
+    assert len(want) == 2 and all(logprobs for *_, logprobs in want)
+    return want
+
+
+def test_qwen3_coder_reads_the_calls_through_the_server(engine, tokenizer):
+    """"auto" with the qwen3_coder parser, made per request from its tools: the output's two XML
+    calls, each parameter typed by its tool's schema (``add``'s integer a number), the text before
+    them content."""
+    parameter = "<parameter={}>\n{}\n</parameter>\n"
+    text = ("Sure.\n<tool_call>\n<function=get_weather>\n" + parameter.format("city", "Paris")
+            + parameter.format("unit", "c") + "</function>\n</tool_call>\n<tool_call>\n<function=add>\n"
+            + parameter.format("a", "7") + "</function>\n</tool_call>")
+    for content, calls, finish, _ in forced_choices(engine, tokenizer, "qwen3_coder", text):
+        assert (content, finish) == ("Sure.", "tool_calls")
+        assert calls == [("get_weather", '{"city": "Paris", "unit": "c"}'), ("add", '{"a": 7}')]
+
+
+def test_mistral_output_is_decoded_with_its_special_tokens(engine, tokenizer):
+    """"auto" with the mistral parser decodes the output with special tokens (``[TOOL_CALLS]`` is
+    one in Mistral's HF tokenizers, as vLLM's parser asks): one in the output stays in the content;
+    the calls after ``[TOOL_CALLS]`` are read."""
+    text = 'Hi.<|im_start|>\n[TOOL_CALLS] [{"name": "add", "arguments": {"a": 1}}, {"name": "add", "arguments": {}}]'
+    for content, calls, finish, _ in forced_choices(engine, tokenizer, "mistral", text):
+        assert (content, finish) == ("Hi.<|im_start|>", "tool_calls")
+        assert calls == [("add", '{"a": 1}'), ("add", "{}")]
 
 
 def test_tool_messages_in_the_conversation_reach_the_template(client, tokenizer):

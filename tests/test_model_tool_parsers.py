@@ -1,0 +1,116 @@
+"""The mistral, pythonic, qwen3_coder and deepseek_v3 tool-call parsers (vLLM's formats): each
+reads its calls and keeps the content around them, several calls in one output, and a malformed
+call stays content as written; fed split at every position, and a character at a time (no content
+sent that a later character makes a call's, arguments only growing), each gives what it gives
+whole. Through the server (qwen3_coder, mistral): tests/test_tool_calls.py."""
+
+import json
+
+import pytest
+
+from cluster.chat_protocol import ChatTool
+from cluster.model_tool_parsers import DeepSeekV3Parser, MistralParser, PythonicParser, Qwen3CoderParser
+from cluster.tool_calls import TOOL_CALL_PARSERS, ToolCalls
+from tests.test_tool_calls import TOOLS, parse_pieces, parse_whole
+
+WEATHER_ARGS = '{"city": "a]b}", "unit": "c"}'
+MISTRAL_TEXTS = [  # (text, content, calls)
+    ('Hi.\n[TOOL_CALLS] [{"name": "get_weather", "arguments": ' + WEATHER_ARGS + '}, {"name": "add", '
+     '"arguments": {"a": 1}}]\n', "Hi.", [["get_weather", WEATHER_ARGS], ["add", '{"a": 1}']]),
+    ('[TOOL_CALLS]add[ARGS]{"a": 1}[TOOL_CALLS]get_weather[ARGS]' + WEATHER_ARGS, "",  # (v11+ tokenizers)
+     [["add", '{"a": 1}'], ["get_weather", WEATHER_ARGS]]),
+    ('[TOOL_CALLS]add[CALL_ID]a1B2c3D4e[ARGS]{"a": 2} and [TOOL_CALLS]add{} done', " and done",
+     [["add", '{"a": 2}'], ["add", "{}"]]),
+    ('[TOOL_CALLS] [{"name": 3}] after', '[TOOL_CALLS] [{"name": 3}] after', []),  # no name: content
+    ('ok [TOOL_CALLS]add[ARGS]{"a": 1', 'ok [TOOL_CALLS]add[ARGS]{"a": 1', []),  # cut short
+    ('[TOOL_CALLS]two words{"a": 1}; [TOOL_CALLS]add[ARGS]{"a": [1}',
+     '[TOOL_CALLS]two words{"a": 1}; [TOOL_CALLS]add[ARGS]{"a": [1}', []),
+    ("no calls, [TOOL_CALLS [x]  \n", "no calls, [TOOL_CALLS [x]  \n", []),
+    ("ends in a tag's start [TOOL_CA", "ends in a tag's start [TOOL_CA", []),
+]
+PYTHONIC_TEXTS = [
+    ('[get_weather(city="a]b}", unit=\'c\'), add(a=-1, b=[1.5, None, True], c={"k": (1, "x")})]', "",
+     [["get_weather", WEATHER_ARGS], ["add", '{"a": -1, "b": [1.5, null, true], "c": {"k": [1, "x"]}}']]),
+    ("\n [add()]\n", "", [["add", "{}"]]),
+    ("[add(a=1)] then text", " then text", [["add", '{"a": 1}']]),  # (vLLM: all content)
+    ("[1, 2] is a list", "[1, 2] is a list", []),
+    *[(text, text, []) for text in (  # positional, a name, **kwargs, a set, none, cut short, not opening
+        "[add(1)]", "[add(a=x)]", "[add(**k)]", "[add(a={1})]", "[]", "[add(a=1), g(", "Sure: [add(a=1)]")],
+]
+CODER = '<tool_call>\n<function={}>\n{}</function>\n</tool_call>'
+
+
+def coder_call(name, **parameters):
+    return CODER.format(name, "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in parameters.items()))
+
+
+CODER_TOOLS = [ChatTool.model_validate(t) for t in TOOLS + [{"type": "function", "function": {
+    "name": "typed", "parameters": {"type": "object", "properties": {
+        "n": {"type": "number"}, "x": {"type": "number"}, "b": {"type": "boolean"}, "o": {"type": "object"},
+        "s": {"type": "string"}, "i": {"type": ["integer", "null"]}, "bad": {"type": "integer"}}}}}]]
+QWEN3_CODER_TEXTS = [
+    ("Let me check.\n" + coder_call("get_weather", city="a]b}", unit="c") + "\n" + coder_call("add", a=" 7") + "\n",
+     "Let me check.", [["get_weather", WEATHER_ARGS], ["add", '{"a": 7}']]),
+    (coder_call("typed", n="2.0", x="2.5", b="True", o='{"k": [1]}', s="12", i="null", bad="x1", extra="3"), "",
+     [["typed", '{"n": 2, "x": 2.5, "b": true, "o": {"k": [1]}, "s": "12", "i": null, "bad": "x1", "extra": "3"}']]),
+    ("<tool_call>\n<function=add>\n<parameter=a>\n1", "", [["add", '{"a": 1}']]),  # cut short: as far as it goes
+    ("<tool_call>no function</tool_call> then " + coder_call("add", a="2"),
+     "<tool_call>no function</tool_call> then", [["add", '{"a": 2}']]),
+    ("a <tool_call><function=add</tool_call>", "a <tool_call><function=add</tool_call>", []),  # (no ">")
+    ("ends in a tag's start <tool_ca", "ends in a tag's start <tool_ca", []),
+]
+DEEPSEEK = "<｜tool▁call▁begin｜>function<｜tool▁sep｜>{}\n```json\n{}\n```<｜tool▁call▁end｜>"
+DEEPSEEK_CALLS = DEEPSEEK.format("get_weather", WEATHER_ARGS) + DEEPSEEK.format("add", '{"a": 1}')
+DEEPSEEK_TEXTS = [
+    ("Sure.\n<｜tool▁calls▁begin｜>" + DEEPSEEK_CALLS + "<｜tool▁calls▁end｜>", "Sure.",
+     [["get_weather", WEATHER_ARGS], ["add", '{"a": 1}']]),
+    ("<｜tool▁calls▁begin｜>" + DEEPSEEK.format("add", "{oops}") + DEEPSEEK.format("add", '{"a": 2}'),
+     DEEPSEEK.format("add", "{oops}"), [["add", '{"a": 2}']]),  # (unended section: the calls still count)
+    ("<｜tool▁calls▁begin｜>" + DEEPSEEK.format("add", '{"a": 3}')[:-5], "", [["add", '{"a": 3}']]),  # cut short
+    ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>add {}<｜tool▁call▁end｜>",  # no separator: content
+     "<｜tool▁call▁begin｜>add {}<｜tool▁call▁end｜>", []),
+    ("plain <｜tool▁call", "plain <｜tool▁call", []),
+]
+CASES = ([(MistralParser, case) for case in MISTRAL_TEXTS] + [(PythonicParser, case) for case in PYTHONIC_TEXTS]
+         + [(lambda: Qwen3CoderParser(CODER_TOOLS), case) for case in QWEN3_CODER_TEXTS]
+         + [(DeepSeekV3Parser, case) for case in DEEPSEEK_TEXTS])
+IDS = ([f"mistral{i}" for i in range(len(MISTRAL_TEXTS))] + [f"pythonic{i}" for i in range(len(PYTHONIC_TEXTS))]
+       + [f"qwen3_coder{i}" for i in range(len(QWEN3_CODER_TEXTS))]
+       + [f"deepseek_v3_{i}" for i in range(len(DEEPSEEK_TEXTS))])
+
+
+@pytest.mark.parametrize("make,case", CASES, ids=IDS)
+def test_parser_reads_its_format_whole_and_in_any_pieces(make, case):
+    text, content, calls = case
+    assert parse_whole(make(), text) == (content, calls)
+    for cut in range(len(text) + 1):
+        assert parse_pieces(make(), [text[:cut], text[cut:]]) == (content, calls), cut
+    parser, sent, arguments = make(), "", []
+    for c in text:
+        sent += parser.feed(c)
+        assert content.startswith(sent), sent
+        assert all(now.startswith(before) for (_, before), (_, now) in zip(arguments, parser.calls))
+        arguments = [list(call) for call in parser.calls]
+    assert (sent + parser.finish(), parser.calls) == (content, calls)
+    for _, arguments in calls:
+        json.loads(arguments)
+
+
+@pytest.mark.parametrize("name,text", [("mistral", MISTRAL_TEXTS[0][0]), ("pythonic", PYTHONIC_TEXTS[0][0]),
+                                       ("qwen3_coder", QWEN3_CODER_TEXTS[0][0]), ("deepseek_v3", DEEPSEEK_TEXTS[0][0])])
+def test_registered_parsers_stream_what_the_message_holds(name, text):
+    """By name, made from the request's tools: a character at a time, the deltas add up to the
+    whole message's content and calls; a choice that called ends with "tool_calls"."""
+    make = TOOL_CALL_PARSERS[name]
+    streamed, content, calls = ToolCalls(lambda: make(CODER_TOOLS), calls_finish=True), "", []
+    for i, c in enumerate(text):
+        piece, deltas = streamed.delta(0, c, finished=i == len(text) - 1)
+        content += piece
+        for d in deltas:
+            if d["index"] == len(calls):
+                calls.append([d["function"]["name"], ""])
+            calls[d["index"]][1] += d["function"]["arguments"]
+    whole = ToolCalls(lambda: make(CODER_TOOLS), calls_finish=True)
+    want_content, want_calls = whole.message(0, text)
+    assert (content, calls) == (want_content, [[c["function"]["name"], c["function"]["arguments"]] for c in want_calls])
+    assert len(calls) == 2 and streamed.finish_reason(0, "stop") == "tool_calls"
