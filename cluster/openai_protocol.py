@@ -6,22 +6,24 @@ endpoint's body is in a module of its own: /v1/completions' and /generate's in
 
 Every model rejects unknown fields (:data:`FORBID`), so a typo fails with a 400 that names it
 instead of being ignored (vLLM ignores them with a warning; a silently ignored
-``max_tokenz`` costs more than a 400). OpenAI fields the server does not
-implement (``response_format`` of type ``structural_tag``) fail with a 400 that
-says so. As in OpenAI's spec and vLLM, ``null`` means "the default" for any optional parameter
-(:class:`NullIsDefault`). :func:`describe_validation_error` makes a 400's message of pydantic's errors.
+``max_tokenz`` costs more than a 400). As in OpenAI's spec and vLLM, ``null`` means "the default"
+for any optional parameter (:class:`NullIsDefault`). :func:`describe_validation_error` makes a
+400's message of pydantic's errors.
 
 ``to_sampling_params`` maps an OpenAI request onto the engine's
 :class:`~actors.engine.sampling_params.SamplingParams` names; SGLang's extra
 sampling fields (``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``,
 ``stop_token_ids``, ``skip_special_tokens``), vLLM's ``min_tokens`` (SGLang's
-``min_new_tokens``) and ``include_stop_str_in_output``, structured output's grammars — SGLang's
+``min_new_tokens``), ``include_stop_str_in_output``, ``allowed_token_ids`` and ``bad_words``,
+structured output's grammars — SGLang's
 ``json_schema``, ``regex`` and ``ebnf``, vLLM's ``guided_json``, ``guided_regex``,
 ``guided_choice`` (a regex of the escaped choices) and ``guided_grammar`` —, vLLM's ``priority`` (not a sampling
 field: it orders the request in the workers' queues) and vLLM's ``prompt_logprobs`` are accepted at the top
 level, as SGLang and vLLM accept them (the openai client's ``extra_body``). OpenAI's own ``response_format`` asks for
 structured output too, on chat and completions as in vLLM: ``json_object`` (any JSON value,
-xgrammar's built-in JSON grammar, as SGLang's) or ``json_schema`` (its ``json_schema.schema``);
+xgrammar's built-in JSON grammar, as SGLang's), ``json_schema`` (its ``json_schema.schema``) or
+``structural_tag`` (vLLM's shapes: ``structures`` of ``{begin, schema, end}`` and ``triggers``, or
+xgrammar's ``format``; the engine's ``structural_tag``);
 one grammar per request, however it is asked for.
 """
 
@@ -33,15 +35,10 @@ from typing import Any, Dict, List, Literal, Optional, Tuple, Union, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
-from actors.engine.sampling_params import ANY_JSON, TOP_K_DISABLED, check_top_k
+from actors.engine.sampling_params import ANY_JSON, TOP_K_DISABLED, check_structural_tag, check_top_k
 
 FORBID = ConfigDict(extra="forbid")
 MAX_LOGPROBS = 20  # alternatives per position: vLLM's default max_logprobs (and the engine's top_logprobs_num cap)
-
-
-def _unsupported(field: str, what: str) -> ValueError:
-    """A model-level error naming ``field`` first (see :func:`describe_validation_error`)."""
-    return ValueError(f"{field}: {what} is not supported by this server")
 
 
 def _regex_literal(text: str) -> str:
@@ -63,8 +60,12 @@ def _response_format_grammar(fmt: Dict[str, Any]) -> Optional[Tuple[str, str]]:
             raise ValueError("response_format: a json_schema format needs its json_schema.schema (a JSON schema)")
         return "json_schema", json.dumps(schema)
     if kind == "structural_tag":
-        raise _unsupported("response_format", "structural_tag")
-    raise ValueError(f"response_format: type {kind!r} is not one of text, json_object, json_schema")
+        try:
+            check_structural_tag(fmt)
+        except ValueError as exc:
+            raise ValueError(f"response_format: {exc}") from None
+        return "structural_tag", json.dumps(fmt)
+    raise ValueError(f"response_format: type {kind!r} is not one of text, json_object, json_schema, structural_tag")
 
 
 def _nullable(field) -> bool:
@@ -122,12 +123,16 @@ class OpenAISampling(NullIsDefault):
                             "stop strings end nothing before)")
     logit_bias: Optional[Dict[str, float]] = Field(None, description="{token id: bias in [-100, 100]} added to the "
                                                    "logits before sampling")
+    allowed_token_ids: Optional[List[int]] = Field(None, description="vLLM's: only these token ids may be sampled")
+    bad_words: List[str] = Field(default_factory=list, description="vLLM's: words never generated (with and without "
+                                 "a leading space)")
     priority: int = Field(0, description="vLLM's: the request's scheduling priority (higher first unless the "
                           "engine's schedule_low_priority_values_first); needs enable_priority_scheduling unless 0")
     prompt_logprobs: Optional[int] = Field(None, description="vLLM's: the prompt scored, each position's token (with "
                                            "its rank in the vocabulary) and this many most likely alternatives")
     # structured output: at most one of these (the engine's json_schema, regex or ebnf)
-    response_format: Optional[Dict[str, Any]] = Field(None, description="OpenAI's: text, json_object or json_schema")
+    response_format: Optional[Dict[str, Any]] = Field(None, description="OpenAI's: text, json_object or json_schema; "
+                                                      "vLLM's structural_tag")
     json_schema: Optional[Union[str, Dict[str, Any]]] = Field(None, description="SGLang's: a JSON schema")
     regex: Optional[str] = Field(None, description="SGLang's: the whole output matches this regex")
     ebnf: Optional[str] = Field(None, description="SGLang's: an EBNF (GBNF) grammar")
@@ -218,7 +223,7 @@ class OpenAISampling(NullIsDefault):
             presence_penalty=self.presence_penalty, repetition_penalty=self.repetition_penalty, stop=self.stop,
             stop_token_ids=self.stop_token_ids, include_stop_str_in_output=self.include_stop_str_in_output,
             ignore_eos=self.ignore_eos, skip_special_tokens=self.skip_special_tokens, min_new_tokens=self.min_tokens,
-            logit_bias=self.logit_bias,
+            logit_bias=self.logit_bias, allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
         )
         grammar = self.grammar
         if grammar is not None:

@@ -53,7 +53,7 @@ CHAT_EXTRAS = frozenset({
     "seed", "stop", "top_k", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty", "ignore_eos",
     "stop_token_ids", "min_tokens", "logit_bias", "skip_special_tokens", "priority", "chat_template_kwargs",
     "separate_reasoning", "json_schema", "regex", "ebnf", "guided_json", "guided_regex", "guided_choice",
-    "guided_grammar", "include_stop_str_in_output"})
+    "guided_grammar", "include_stop_str_in_output", "allowed_token_ids", "bad_words"})
 """Chat fields a Responses request takes as they are (SGLang's and vLLM's extras)."""
 
 TEXT_PARTS = ("input_text", "output_text")

@@ -175,16 +175,18 @@ class GenerationService:
     def openai_params(self, req, prompt_len: int, requested: Optional[int], param: str) -> Dict[str, Any]:
         """The engine's sampling params of an OpenAI request: 400 for a prompt or completion that does
         not fit (:meth:`max_new_tokens`), a ``min_tokens`` above the completion's length, or a
-        ``logit_bias`` id outside the vocabulary."""
+        ``logit_bias`` or ``allowed_token_ids`` id outside the vocabulary."""
         max_new = self.max_new_tokens(prompt_len, requested, param)
         if req.min_tokens > max_new:
             limit = "max_tokens" if requested is not None else "the tokens the context leaves after the prompt"
             raise APIError(400, f"min_tokens: {req.min_tokens} is more than {limit} ({max_new})", param="min_tokens")
-        return self.checked_bias(validated(req.to_sampling_params(max_new)), "logit_bias")
+        return self.checked_token_ids(validated(req.to_sampling_params(max_new)))
 
-    def checked_bias(self, params: Dict[str, Any], param: str) -> Dict[str, Any]:
-        """``params`` (validated); 400 naming a ``logit_bias`` token id outside the vocabulary."""
-        self.token_ids(list(params.get("logit_bias") or ()), param)
+    def checked_token_ids(self, params: Dict[str, Any], prefix: str = "") -> Dict[str, Any]:
+        """``params`` (validated); 400 naming a ``logit_bias`` or ``allowed_token_ids`` token id
+        outside the vocabulary (``prefix`` + field)."""
+        for field in ("logit_bias", "allowed_token_ids"):
+            self.token_ids(list(params.get(field) or ()), prefix + field)
         return params
 
     async def _admit(self) -> None:
@@ -333,7 +335,7 @@ class GenerationService:
         if req.return_logprob:
             params.update(return_logprob=True, top_logprobs_num=req.top_logprobs_num,
                           logprob_start_len=req.logprob_start_len)
-        params = self.checked_bias(validated(params, prefix="sampling_params."), "sampling_params.logit_bias")
+        params = self.checked_token_ids(validated(params, prefix="sampling_params."), "sampling_params.")
         params["max_new_tokens"] = self.max_new_tokens(len(ids), params["max_new_tokens"], "input")
         rid = req.rid or internal_rid(request_id)
 

@@ -358,11 +358,61 @@ def test_content_parts_read_as_lines(served):
     assert answer(parts) == answer("Hello\nworld")
 
 
-def test_openai_fields_the_server_does_not_implement_say_so(served):
-    structural_tag = {"type": "structural_tag", "structures": [], "triggers": []}
-    r = post(served, "/v1/chat/completions", chat_body(response_format=structural_tag))
-    error = r.json()["error"]
-    assert r.status_code == 400 and error["param"] == "response_format" and "not supported" in error["message"], r.text
+def test_allowed_token_ids_and_bad_words_through_the_openai_client(client, served, monkeypatch):
+    """vLLM's fields in ``extra_body`` (completions, chat) and /generate's sampling params: allowed
+    ids restrict every token (to the bytes 'a' and 'b'); a bad word is never written, a +100 bias on
+    its token notwithstanding; an id outside the vocabulary and a blank word are 400s naming them."""
+    ab = [5 + ord("a"), 5 + ord("b")]
+    text = client.completions.create(model=MODEL, prompt="hi", max_tokens=6, temperature=0,
+                                     extra_body={"allowed_token_ids": ab}).choices[0].text
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=6,
+                                          seed=3, extra_body={"allowed_token_ids": ab}).choices[0].message.content
+    r = post(served, "/generate", {"text": "hi", "sampling_params": {"allowed_token_ids": ab, "max_new_tokens": 6}})
+    assert r.status_code == 200, r.text
+    for out in (text, chat, r.json()["text"]):
+        assert len(out) == 6 and set(out) <= {"a", "b"}, out
+    z = {str(5 + ord("z")): 100}
+    assert client.completions.create(model=MODEL, prompt="hi", max_tokens=4, temperature=0,
+                                     logit_bias=z).choices[0].text == "zzzz"
+    banned = client.completions.create(model=MODEL, prompt="hi", max_tokens=4, temperature=0, logit_bias=z,
+                                       extra_body={"bad_words": ["z"]}).choices[0].text
+    assert len(banned) and "z" not in banned, banned
+    monkeypatch.setattr(EngineBackend, "vocab_size", 261, raising=False)
+    body = bad_request(lambda: client.completions.create(model=MODEL, prompt="hi",
+                                                         extra_body={"allowed_token_ids": [5, 261]}))
+    assert body["param"] == "allowed_token_ids" and "token id 261 is out of the vocabulary" in body["message"], body
+    r = post(served, "/generate", {"text": "hi", "sampling_params": {"allowed_token_ids": [-1]}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "sampling_params.allowed_token_ids", r.text
+    body = bad_request(lambda: client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], extra_body={"bad_words": ["ok", " "]}))
+    assert body["param"] == "bad_words" and "empty or blank" in body["message"], body
+
+
+def test_a_structural_tag_response_format_constrains_what_its_trigger_starts(client, engine):
+    """vLLM's ``response_format`` of type ``structural_tag`` (its ``structures`` and ``triggers``,
+    and xgrammar's ``format``): the answer forced to its trigger goes on with a structure its schema
+    accepts; a bad one is a 400 naming ``response_format``, whether refused here or where it compiles."""
+    schema = {"enum": [17, 28, 39]}
+    shapes = [{"type": "structural_tag", "structures": [{"begin": "<f>", "schema": schema, "end": "</f>"}],
+               "triggers": ["<f"]},
+              {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": ["<f"], "tags": [
+                  {"type": "tag", "begin": "<f>", "content": {"type": "json_schema", "json_schema": schema},
+                   "end": "</f>"}]}}]
+    forced = engine.tokenizer.encode("ab <f", add_special_tokens=False)
+    for tag in shapes:
+        with forced_tokens(engine.scheduler, lambda req: forced):
+            content = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                     max_tokens=16, temperature=0,
+                                                     response_format=tag).choices[0].message.content
+        match = re.match(r"ab <f>(.*?)</f>", content, re.S)
+        assert match and json.loads(match.group(1)) in schema["enum"], content
+    for bad, reason in (({"type": "structural_tag", "structures": [{"begin": "<f>"}], "triggers": ["<f"]},
+                         "structures[0]: needs begin and end"),
+                        ({"type": "structural_tag", "structures": [{"begin": "<f>", "schema": schema, "end": "</f>"}],
+                          "triggers": ["<g"]}, "does not compile")):
+        body = bad_request(lambda: client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4, response_format=bad))
+        assert body["param"] == "response_format" and reason in body["message"], body
 
 
 def test_openai_fields_with_no_effect_are_accepted(served):

@@ -1,5 +1,6 @@
-"""The sparse per-step adjustments (bias, min-tokens masks, penalties from per-request state)
-against the dense definitions, bit for bit, and the batched pick against sample_next."""
+"""The sparse per-step adjustments (allowed ids, bias, min-tokens and bad-words masks, penalties
+from per-request state) against the dense definitions, bit for bit, and the batched pick against
+sample_next."""
 
 import pytest
 import torch
@@ -7,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from actors.engine.sampling import apply_penalties, logit_adjustments, make_generator, pick_tokens, sample_next
-from actors.engine.sampling_params import SamplingParams
+from actors.engine.sampling_params import SamplingParams, bad_word_bans
 from actors.engine.sparse_logits import LogitState, TokenCounts, adjust_logits
 
 VOCAB = 12
@@ -16,21 +17,30 @@ token = st.integers(0, VOCAB + 2)  # a few ids past the vocabulary too
 penalty = st.sampled_from([0.0, 0.0, -1.5, 0.5, 2.0])
 
 params_strategy = st.builds(
-    lambda bias, min_new, stops, f, p, rep, temperature, logprob: SamplingParams(
+    lambda bias, min_new, stops, f, p, rep, temperature, logprob, allowed: SamplingParams(
         logit_bias=bias or None, min_new_tokens=min_new, max_new_tokens=8, stop_token_ids=stops,
         frequency_penalty=f, presence_penalty=p, repetition_penalty=rep, temperature=temperature,
-        return_logprob=logprob, seed=7),
+        return_logprob=logprob, seed=7, allowed_token_ids=allowed),
     st.dictionaries(token, st.sampled_from([-100.0, -2.5, 0.75, 3.0, 100.0]), max_size=4),
     st.integers(0, 3), st.lists(token, max_size=3), penalty, penalty, st.sampled_from([1.0, 1.0, 0.5, 1.3, 2.0]),
-    st.sampled_from([0.0, 0.7]), st.booleans())
+    st.sampled_from([0.0, 0.7]), st.booleans(),
+    st.one_of(st.none(), st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=6)))
+# bad words as token ids (what bad_words_token_ids gives), from a small alphabet: their prefixes match often
+bad_words_ids = st.lists(st.lists(st.integers(0, 2), min_size=1, max_size=3), max_size=3)
 
-request = st.tuples(params_strategy, st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=10),
-                    st.lists(st.lists(st.integers(0, VOCAB - 1), max_size=3), min_size=1, max_size=4))
+
+def _with_bad_words(params, prompt, steps, words):
+    """A request whose params name one (stand-in) bad word per entry of ``words``, their token ids."""
+    return params.model_copy(update={"bad_words": ["w"] * len(words)}), prompt, steps, words
 
 
-def _dense_reference(logits, params, prompts, outputs):
+request = st.builds(_with_bad_words, params_strategy, st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=10),
+                    st.lists(st.lists(st.integers(0, VOCAB - 1), max_size=3), min_size=1, max_size=4), bad_words_ids)
+
+
+def _dense_reference(logits, params, prompts, outputs, words):
     """The definitions: one dense adjustment tensor, then each row's penalties from its id lists."""
-    masked = [p.masked_token_ids(len(out), EOS) for p, out in zip(params, outputs)]
+    masked = [p.masked_token_ids(len(out), EOS) + bad_word_bans(w, out) for p, out, w in zip(params, outputs, words)]
     adjust = logit_adjustments(params, masked, logits.shape[-1])
     adjusted = logits.float() if adjust is None else logits.float() + adjust
     return torch.stack([apply_penalties(adjusted[i], p, prompts[i], outputs[i]) for i, p in enumerate(params)])
@@ -42,18 +52,19 @@ def test_sparse_adjustments_equal_the_dense_definitions_bit_for_bit_step_after_s
     """Each request's state is built once and takes its new output tokens step by step (one step
     shrinks an output, as a recount); every step's logits equal the dense reference's exactly."""
     gen = torch.Generator().manual_seed(seed)
-    states = [LogitState(p, prompt, EOS, VOCAB) if LogitState.needed(p) else None for p, prompt, _ in reqs]
+    states = [LogitState(p, prompt, EOS, VOCAB, words) if LogitState.needed(p) else None
+              for p, prompt, _, words in reqs]
     outputs = [[] for _ in reqs]
-    num_steps = max(len(steps) for _, _, steps in reqs)
+    num_steps = max(len(steps) for _, _, steps, _ in reqs)
     for step in range(num_steps + 1):
         logits = torch.randn(len(reqs), VOCAB, generator=gen) * 4
         for state, out in zip(states, outputs):
             if state is not None:
                 state.sync(out)
         got = adjust_logits(logits, states)
-        want = _dense_reference(logits, [p for p, _, _ in reqs], [prompt for _, prompt, _ in reqs], outputs)
+        want = _dense_reference(logits, [r[0] for r in reqs], [r[1] for r in reqs], outputs, [r[3] for r in reqs])
         assert torch.equal(got, want), (step, got, want)
-        for (_, _, steps), out in zip(reqs, outputs):
+        for (_, _, steps, _), out in zip(reqs, outputs):
             if step < len(steps):
                 out.extend(steps[step])
         if step == 1:
@@ -65,11 +76,11 @@ def test_sparse_adjustments_equal_the_dense_definitions_bit_for_bit_step_after_s
 def test_a_state_ahead_by_draft_tokens_adjusts_as_one_synced_to_them(req, draft, seed):
     """A verify step's row after ``draft[:j]`` (:meth:`LogitState.ahead`, chained) adjusts as a
     state synced to the output with them; the state it came from is left as it was."""
-    params, prompt, steps = req
+    params, prompt, steps, words = req
     if not LogitState.needed(params):
         return
     output = [t for step in steps for t in step]
-    state = LogitState(params, prompt, EOS, VOCAB)
+    state = LogitState(params, prompt, EOS, VOCAB, words)
     state.sync(output)
     logits = torch.randn(len(draft) + 1, VOCAB, generator=torch.Generator().manual_seed(seed)) * 4
     rows, ahead = [state], state
@@ -78,7 +89,7 @@ def test_a_state_ahead_by_draft_tokens_adjusts_as_one_synced_to_them(req, draft,
         rows.append(ahead)
     want = []
     for j in range(len(draft) + 1):
-        fresh = LogitState(params, prompt, EOS, VOCAB)
+        fresh = LogitState(params, prompt, EOS, VOCAB, words)
         fresh.sync(output + draft[:j])
         want.append(adjust_logits(logits[j:j + 1], [fresh]))
     assert torch.equal(adjust_logits(logits, rows), torch.cat(want))

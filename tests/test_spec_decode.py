@@ -2,11 +2,13 @@
 
 Greedy requests keep exactly plain decoding's tokens through batching, paging, both attention
 backends, finishes inside an accepted run, retraction, aborts, TP and PD's decode side; requests
-with logprobs, penalties, min_new_tokens, logit_bias or a grammar are drafted too, each row
-adjusted and masked as at its position; every test ends with no slot leaked."""
+with logprobs, penalties, min_new_tokens, logit_bias, bad words, allowed ids or a grammar are
+drafted too, each row adjusted and masked as at its position; every test ends with no slot leaked."""
 
 import asyncio
+import json
 import random
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -32,6 +34,7 @@ from actors.engine.tokenizer import save_tokenizer
 from actors.workers import PrefillWorker
 from cluster.metrics import ServerMetrics
 from tests.parity import assert_greedy_parity
+from tests.test_allowed_and_bad_words import ascii_text
 from tests.test_structured_output import hf_constrained_greedy
 from tests.pd_helpers import close_workers, decode_together, make_pair, run_batch
 from tests.tp_helpers import thread_ranks
@@ -161,6 +164,39 @@ def test_every_kind_of_request_is_drafted_and_keeps_plain_decodings_tokens_and_l
     assert {o["meta_info"]["id"] for o in spec} <= accepted, dict(zip(kinds, (o["meta_info"]["id"] for o in spec)))
 
 
+def test_a_draft_token_its_bans_refuse_is_rejected_as_sampling_would_reject_it(model_dir, monkeypatch, recorded_runs):
+    """A printable token (not a space) a free run wrote in an accepted draft is banned, as a bad
+    word or left out of the allowed ids, in requests that go on from before that draft (their
+    prompt the free run's sequence up to it): the same draft is proposed and the token is never
+    kept — each verify row is adjusted after the draft tokens before it —; greedy tokens are plain
+    decoding's; a sampled request under both bans writes it neither (rejection sampling over the
+    masked rows)."""
+    outs, _ = generate(model_dir, prompts(), GREEDY, **SPEC)
+    free = {o["meta_info"]["id"]: prompt + o["output_ids"] for prompt, o in zip(prompts(), outs)}
+    lens = dict(zip(free, map(len, prompts())))
+    rid, n, banned = next((rid, n, t) for rid, n, run in recorded_runs if len(run) > 1 for t in run[:-1]
+                          if 33 <= t - 5 < 127 and t != free[rid][lens[rid] + n - 1])
+    batch = [free[rid][:lens[rid] + n - 1]]  # (its first token the free run's before the draft)
+    bans = {"bad_words": [ascii_text([banned])],
+            "allowed_token_ids": [t for t in range(tiny_config("llama").vocab_size) if t != banned]}
+    params = [{**GREEDY, "bad_words": bans["bad_words"]}, {**GREEDY, "allowed_token_ids": bans["allowed_token_ids"]},
+              {**GREEDY, "temperature": 1.0, "seed": 5, **bans}]
+    plain, _ = generate(model_dir, batch * len(params), params)
+    drafts = []  # (rid, draft) of every drafted request of a verify step
+    drafted_runs = Scheduler._drafted_runs
+
+    def recording(self, reqs, step_drafts, rows):
+        drafts.extend((r.rid, d) for r, d in zip(reqs, step_drafts))
+        return drafted_runs(self, reqs, step_drafts, rows)
+
+    monkeypatch.setattr(Scheduler, "_drafted_runs", recording)
+    spec, stats = generate(model_dir, batch * len(params), params, **SPEC)
+    assert ids(spec)[:2] == ids(plain)[:2] and stats["num_accepted_tokens"] > 0
+    for out in spec:
+        assert any(banned in d for rid, d in drafts if rid == out["meta_info"]["id"]), out["meta_info"]["id"]
+        assert banned not in out["output_ids"]
+
+
 @pytest.mark.parametrize("regex", [r"[a-z ]{10,60}", r"(cat|dog)( (cat|dog))*"])
 def test_grammar_requests_are_drafted_under_exact_masks(model_dir, monkeypatch, regex):
     """A regex request's drafts are cut before a token the grammar refuses (the prompts' punctuation
@@ -187,6 +223,28 @@ def test_grammar_requests_are_drafted_under_exact_masks(model_dir, monkeypatch, 
     compiled = xgr.GrammarCompiler(info).compile_regex(regex)
     for prompt, out in zip(batch, spec):
         assert out["output_ids"] == hf_constrained_greedy(model_dir, prompt, compiled, 48, [tokenizer.eos_token_id])
+
+
+def test_a_structural_tag_request_is_drafted_under_its_exact_masks(model_dir):
+    """A structural tag whose trigger is a space (every space of the output starts ``=``, a number
+    of its schema, ``;``): with drafts the tokens are plain decoding's and HF's greedy under the
+    same grammar, drafts are accepted, and the structures are written."""
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tag = {"type": "structural_tag", "structures": [{"begin": " =", "schema": {"enum": [1, 22]}, "end": ";"}],
+           "triggers": [" "]}
+    batch = [tokenizer.encode(t) for t in ("f, p. y; hello hello hello world", "the cat sat on the mat. the cat")]
+    params = {"structural_tag": json.dumps(tag), "temperature": 0, "max_new_tokens": 48}
+    plain, _ = generate(model_dir, batch, params)
+    spec, stats = generate(model_dir, batch, params, **SPEC)
+    assert ids(spec) == ids(plain) and stats["num_accepted_tokens"] > 0
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=tiny_config("llama").vocab_size)
+    compiled = xgr.GrammarCompiler(info).compile_structural_tag(
+        [xgr.StructuralTagItem(begin=" =", schema=json.dumps({"enum": [1, 22]}), end=";")], [" "])
+    for prompt, out in zip(batch, spec):
+        assert out["output_ids"] == hf_constrained_greedy(model_dir, prompt, compiled, 48, [tokenizer.eos_token_id])
+    assert " =1;" in spec[0]["text"]
+    for out in spec:  # (a structure the length cut short: a prefix of one at the end)
+        assert re.fullmatch(r"([^ ]| =(1|22);)*( (=(1|22?)?)?)?", out["text"], re.S), out["text"]
 
 
 def test_rejection_sampling_emits_what_plain_sampling_draws():

@@ -24,6 +24,7 @@ from actors.engine.req import Req
 from actors.engine.sampling_params import ANY_JSON, SamplingParams
 from actors.engine.tiny import build_tiny_checkpoint
 from tests.forced_output import forced_tokens
+from tests.test_allowed_and_bad_words import ascii_text, chosen_bad_words, retracted_outputs
 from tests.parity import hf_model
 from tests.pd_helpers import close_workers, decode_together, make_pair, prompts, run_batch
 
@@ -161,17 +162,11 @@ def test_a_retracted_request_keeps_its_grammar(model_path):
     grammar's, equal an unretracted run's."""
     ids = prompts(6, 8, 12, seed=5)
     params = {"json_schema": json.dumps(SCHEMA), "temperature": 0, "max_new_tokens": 40}
-    small = Engine(model_path=model_path, max_total_tokens=160, max_running_requests=6, chunked_prefill_size=-1)
-    try:
-        retracted = small.generate(input_ids=ids, sampling_params=params)
-        assert small.scheduler.num_retractions > 0
-        small.check_integrity()
-    finally:
-        small.shutdown()
+    retracted = retracted_outputs(model_path, ids, params)
     big = Engine(model_path=model_path, max_total_tokens=4096)
     try:
         unretracted = big.generate(input_ids=ids, sampling_params=params)
-        assert [o["output_ids"] for o in retracted] == [o["output_ids"] for o in unretracted]
+        assert retracted == [o["output_ids"] for o in unretracted]
     finally:
         big.shutdown()
 
@@ -230,18 +225,24 @@ def test_an_abort_while_a_reservations_grammar_compiles_ends_it_before_it_holds_
 
 def test_tp2_constrained_greedy_tokens_equal_tp1(engine, model_path):
     """Only rank 0 schedules and samples, so only it compiles grammars and holds matchers (a held-back
-    one too; the follower runs forwards only): a TP=2 engine's constrained greedy tokens, batched
-    with a free request, are the TP=1 engine's."""
+    one too; the follower runs forwards only) and bans tokens: a TP=2 engine's constrained greedy
+    tokens, batched with a free request and ones with bad words and allowed ids, are the TP=1
+    engine's."""
+    free = {"temperature": 0, "max_new_tokens": 8}
+    plain = engine.generate(input_ids=engine.tokenizer.encode(TEXTS[3]), sampling_params=free)["output_ids"]
+    single, pair = chosen_bad_words(plain)
     params = [{"json_schema": json.dumps(SCHEMA), "temperature": 0, "max_new_tokens": 64},
-              {"regex": REGEX, "temperature": 0, "max_new_tokens": 64}, {"temperature": 0, "max_new_tokens": 8},
-              AFTER]
-    ids = [engine.tokenizer.encode(t) for t in TEXTS[:4]]
+              {"regex": REGEX, "temperature": 0, "max_new_tokens": 64}, free, AFTER,
+              {**free, "bad_words": [ascii_text([single]), ascii_text(pair)]},
+              {**free, "allowed_token_ids": sorted(set(plain) - {plain[0]})}]
+    ids = [engine.tokenizer.encode(t) for t in TEXTS[:4] + TEXTS[3:4] * 2]
     script = thinking_script(engine.tokenizer)
     outs = forced_run(model_path, script, ids, params, max_total_tokens=2048, tp_size=2)
     with forced_tokens(engine.scheduler, script):
         want = engine.generate(input_ids=ids, sampling_params=params)
     assert [o["output_ids"] for o in outs] == [o["output_ids"] for o in want]
-    assert [o["meta_info"]["finish_reason"]["type"] for o in outs] == ["stop", "stop", "length", "stop"]
+    assert [o["meta_info"]["finish_reason"]["type"] for o in outs] == ["stop", "stop", "length", "stop", "length", "length"]
+    assert outs[4]["output_ids"] != plain != outs[5]["output_ids"]
 
 
 @pytest.mark.parametrize("copies", [1, PARALLEL_FILL_ROWS // 6 + 1])  # (one thread; past it, xgrammar's "auto")
@@ -463,3 +464,60 @@ def test_pd_holds_the_grammar_back_on_both_sides(engine, model_path):
             assert [notice["first_token"] for _, notice, _ in results] == [ord(text[0]) + 5] * len(ids)
     finally:
         close_workers(prefill, decode)
+
+
+# ---- structural tags (vLLM's response_format structural_tag) --------------------------------------------
+TAG_SCHEMA = {"enum": [17, 28, 39, "cat"]}
+TAGS = {"structures": {"type": "structural_tag", "triggers": ["<f"],
+                       "structures": [{"begin": "<f>", "schema": TAG_SCHEMA, "end": "</f>"}]},
+        "format": {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": ["<f"], "tags": [
+            {"type": "tag", "begin": "<f>", "content": {"type": "json_schema", "json_schema": TAG_SCHEMA},
+             "end": "</f>"}]}}}
+
+
+def tagged_contents(text: str, after: str):
+    """The contents of the structures written after ``after`` (each between ``<f>`` and ``</f>``), as JSON."""
+    assert text.startswith(after), text
+    return [json.loads(content) for content in re.findall(r"<f>(.*?)</f>", text[len(after):], re.S)]
+
+
+@pytest.mark.parametrize("shape", list(TAGS))
+def test_a_structural_tag_constrains_the_structure_its_trigger_starts(engine, shape):
+    """vLLM's two shapes (``structures`` + ``triggers``; xgrammar's ``format``): the output is free
+    until its trigger (forced: free text, then ``<f``), then goes on with the tag's begin, content
+    its schema accepts and its end; the same forced text without the tag goes on otherwise. With
+    ``grammar_after`` (a reasoning chat's) a trigger in the thinking is free: the thinking forced
+    through it (the tag's grammar refuses its next byte, which would leave no token) and the tag
+    still constrains the answer after it."""
+    params = {"structural_tag": json.dumps(TAGS[shape]), "temperature": 0, "max_new_tokens": 24}
+    ids = [engine.tokenizer.encode(t) for t in TEXTS[:3]]
+    forced = "ab <f"
+    with forced_tokens(engine.scheduler, lambda req: engine.tokenizer.encode(forced, add_special_tokens=False)):
+        outs = engine.generate(input_ids=ids, sampling_params=params)
+        free = engine.generate(input_ids=ids, sampling_params={"temperature": 0, "max_new_tokens": 24})
+    for out, unconstrained in zip(outs, free):
+        contents = tagged_contents(out["text"], forced[:-2])
+        assert contents and all(c in TAG_SCHEMA["enum"] for c in contents), out["text"]
+        assert not tagged_contents(unconstrained["text"], forced[:-2]), unconstrained["text"]
+    thinking = "<fx hm</think>"
+    script = thinking_script(engine.tokenizer, thinking + forced)
+    with forced_tokens(engine.scheduler, script):
+        outs = engine.generate(input_ids=ids, sampling_params={**params, "grammar_after": "</think>",
+                                                               "max_new_tokens": 40})
+    for out in outs:
+        contents = tagged_contents(out["text"], thinking + forced[:-2])
+        assert contents and all(c in TAG_SCHEMA["enum"] for c in contents), out["text"]
+    engine.check_integrity()
+
+
+@pytest.mark.parametrize("tag,match", [
+    ({"type": "structural_tag", "structures": [{"begin": "<f>", "end": "</f>"}], "triggers": ["<f"]},
+     r"structural_tag\n.*structures\[0\]: needs begin and end \(texts\) and schema"),
+    ({"type": "structural_tag"}, r"structural_tag\n.*is \{\"type\": \"structural_tag\", \"format\""),
+    ({"type": "structural_tag", "structures": [{"begin": "<f>", "schema": {}, "end": "</f>"}], "triggers": ["<g"]},
+     "structural_tag: the structural tag does not compile: .*does not match any trigger"),
+])
+def test_a_bad_structural_tag_is_refused_naming_its_field(engine, tag, match):
+    with pytest.raises(ValueError, match=match):
+        engine.generate(input_ids=[5, 6], sampling_params={"structural_tag": json.dumps(tag)})
+    engine.check_integrity()

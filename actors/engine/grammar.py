@@ -1,8 +1,10 @@
 """Structured outputs (constrained decoding) with xgrammar, SGLang's and vLLM's default backend.
 
 A request names at most one grammar, in SGLang's sampling params: ``json_schema`` (a JSON
-schema, or :data:`~actors.engine.sampling_params.ANY_JSON` for any JSON value), ``regex``
-or ``ebnf``. :class:`GrammarBackend` compiles it for the model's tokenizer and vocabulary
+schema, or :data:`~actors.engine.sampling_params.ANY_JSON` for any JSON value), ``regex``,
+``ebnf`` or ``structural_tag`` (xgrammar's structural tag: free text but for the structures its
+triggers start; the older ``structures`` and ``triggers`` shape compiled as vLLM does, through
+xgrammar's ``StructuralTagItem``s). :class:`GrammarBackend` compiles it for the model's tokenizer and vocabulary
 when the request is made — on the caller's thread, never the engine loop's (xgrammar
 compiles without the GIL), an asyncio caller's in a worker thread (:func:`make_req_off_loop`)
 — with an LRU cache of compiled grammars keyed by ``(field, spec)``, held to a count and to
@@ -38,6 +40,7 @@ completion notice before its first decode step (both gated alike: the first toke
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import threading
 from collections import OrderedDict
@@ -51,7 +54,7 @@ from actors.engine.sampling_params import ANY_JSON, GRAMMAR_FIELDS, SamplingPara
 GRAMMAR_CACHE_SIZE = 256  # compiled grammars kept, at most ...
 GRAMMAR_CACHE_BYTES = 512 << 20  # ... and their bytes (a JSON schema's over a large vocabulary: a few MB each)
 PARALLEL_FILL_ROWS = 128  # rows a bitmask fill takes on one thread, at most (fill_next_token_bitmask)
-_WHAT = {"json_schema": "JSON schema", "regex": "regex", "ebnf": "EBNF grammar"}
+_WHAT = {"json_schema": "JSON schema", "regex": "regex", "ebnf": "EBNF grammar", "structural_tag": "structural tag"}
 _LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")  # xgrammar's C++ log prefix
 
 
@@ -62,6 +65,13 @@ def _compile(compiler: xgr.GrammarCompiler, field: str, spec: str, any_whitespac
         return compiler.compile_json_schema(spec, any_whitespace=any_whitespace)
     if field == "regex":
         return compiler.compile_regex(spec)
+    if field == "structural_tag":
+        tag = json.loads(spec)
+        if "structures" in tag:
+            items = [xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s["schema"]), end=s["end"])
+                     for s in tag["structures"]]
+            return compiler.compile_structural_tag(items, tag["triggers"])
+        return compiler.compile_structural_tag(spec)
     return compiler.compile_grammar(spec)
 
 

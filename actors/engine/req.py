@@ -62,6 +62,7 @@ class Req:
     input_token_ranks: List[int] = field(default_factory=list)  # each one's rank in the vocabulary (1: the best)
     input_top_logprobs: List[List[tuple]] = field(default_factory=list)
     embedding: Optional[List[float]] = None  # an embedding request's (sampling_params.pooling), once its prompt ran
+    bad_words_ids: List[List[int]] = field(default_factory=list)  # its bad words' tokens (bad_words_token_ids)
     logit_state: Any = None  # its sparse bias, masks and seen tokens (sparse_logits.LogitState), once sampled
     grammar: Any = None  # its xgrammar GrammarMatcher or ReasonerGrammar (actors.engine.grammar), after output_ids
     ngram_index: Any = None  # its n-gram lookup for speculative drafts (actors.engine.ngram.NgramIndex), once drafted

@@ -1,8 +1,9 @@
-"""From last-token logits to next tokens: logit bias, min-tokens masks, penalties, grammar
-masks, temperature, top-k/p, min-p, seeds.
+"""From last-token logits to next tokens: allowed ids, logit bias, min-tokens and bad-words
+masks, penalties, grammar masks, temperature, top-k/p, min-p, seeds.
 
-In vLLM's order: first the additive adjustments — ``logit_bias`` and, while a request has
-fewer than ``min_new_tokens`` tokens, ``-inf`` at EOS and its ``stop_token_ids`` —, then the
+In vLLM's order: first ``-inf`` at every id but a request's ``allowed_token_ids``, then the
+additive adjustments — ``logit_bias``, ``-inf`` at EOS and its ``stop_token_ids`` while it has
+fewer than ``min_new_tokens`` tokens, and at what its ``bad_words`` ban after its output —, then the
 penalties, as OpenAI / vLLM define them: repetition (divide positive, multiply negative
 logits of tokens seen in the prompt or output), frequency (``-= f * count in output``) and
 presence (``-= p`` for tokens in the output); then, for a request with a grammar, ``-inf``
@@ -27,8 +28,8 @@ tests hold the batch to). A batch takes :func:`~actors.engine.sparse_logits.adju
 
 Logprobs are those of the model's own distribution (log-softmax of the raw
 logits), as OpenAI and vLLM (``logprobs_mode="raw_logprobs"``) report them:
-bias, masks, penalties, temperature and the filters shape the choice, not its
-logprob.
+allowed ids, bias, masks, penalties, temperature and the filters shape the choice,
+not its logprob (vLLM's sampler takes the raw logprobs before its allowed-ids mask too).
 """
 
 from __future__ import annotations
@@ -62,10 +63,13 @@ def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: Li
 def logit_adjustments(params: Sequence[SamplingParams], masked_ids: Sequence[Sequence[int]], vocab: int,
                       device="cpu") -> Optional[torch.Tensor]:
     """What to add to a batch's logits ``[bs, vocab]`` before anything else: row ``i`` gets
-    ``params[i].logit_bias`` and ``-inf`` at ``masked_ids[i]`` (its
-    :meth:`~SamplingParams.masked_token_ids`); ids outside ``vocab`` are never sampled and
-    are skipped. None when no row has a bias or a mask (nothing is built)."""
-    if not any(p.logit_bias for p in params) and not any(masked_ids):
+    ``params[i].logit_bias``, ``-inf`` at ``masked_ids[i]`` (its
+    :meth:`~SamplingParams.masked_token_ids` and its
+    :func:`~actors.engine.sampling_params.bad_word_bans`) and at every id but its
+    ``allowed_token_ids``; ids outside ``vocab`` are never sampled and are skipped. None when no
+    row has a bias or a mask (nothing is built)."""
+    allowed = [(i, p.allowed_token_ids) for i, p in enumerate(params) if p.allowed_token_ids is not None]
+    if not any(p.logit_bias for p in params) and not any(masked_ids) and not allowed:
         return None
     biased = [(i, token, bias) for i, p in enumerate(params) for token, bias in (p.logit_bias or {}).items()
               if token < vocab]
@@ -78,6 +82,10 @@ def logit_adjustments(params: Sequence[SamplingParams], masked_ids: Sequence[Seq
     if masked:  # after the bias: a masked token stays -inf whatever its bias
         rows, cols = zip(*masked)
         adjust[torch.tensor(rows, device=device), torch.tensor(cols, device=device)] = float("-inf")
+    for i, ids in allowed:
+        refused = torch.ones(vocab, dtype=torch.bool, device=device)
+        refused[torch.tensor([t for t in ids if t < vocab], dtype=torch.int64, device=device)] = False
+        adjust[i, refused] = float("-inf")
     return adjust
 
 

@@ -14,7 +14,8 @@ from actors.engine.pooling import PoolingParams
 SAMPLING_EPS = 1e-6  # a temperature below this is greedy (SGLang's): dividing by it overflows the logits
 TOP_K_DISABLED = -1  # top_k of every token (the API's 0, as vLLM reads it, becomes this)
 MAX_LOGIT_BIAS = 100.0  # a logit_bias value is in [-100, 100] (OpenAI's range)
-GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf")  # structured output: at most one per request (SGLang's names)
+# structured output: at most one per request (SGLang's names)
+GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf", "structural_tag")
 ANY_JSON = "$$ANY$$"  # SGLang's json_schema for any JSON value (xgrammar's built-in JSON grammar): OpenAI's json_object
 
 
@@ -26,6 +27,30 @@ def check_top_k(top_k: int) -> int:
     if top_k < -1:
         raise ValueError(f"must be >= 1, or -1 or 0 to disable top-k (all tokens), not {top_k}")
     return top_k
+
+
+def check_structural_tag(tag) -> None:
+    """A structural tag's shape, as vLLM takes it (ValueError otherwise; what it says is checked
+    where it compiles): xgrammar's ``{"type": "structural_tag", "format": {...}}``, or the older
+    ``{"structures": [{"begin", "schema", "end"}], "triggers": [...]}``: outside the structures
+    the output is free; from a trigger on, one of the structures whose ``begin`` starts with it is
+    written, its content JSON its ``schema`` accepts, then its ``end``."""
+    if not isinstance(tag, dict):
+        raise ValueError(f"a structural tag is an object, not {type(tag).__name__}")
+    if "structures" not in tag:
+        if tag.get("type") != "structural_tag" or "format" not in tag:
+            raise ValueError('a structural tag is {"type": "structural_tag", "format": ...} or has '
+                             '"structures" and "triggers"')
+        return
+    structures, triggers = tag["structures"], tag.get("triggers")
+    if not (isinstance(triggers, list) and all(isinstance(t, str) for t in triggers)):
+        raise ValueError("triggers: a list of the texts that start a structure")
+    if not isinstance(structures, list):
+        raise ValueError("structures: a list of {begin, schema, end}")
+    for i, item in enumerate(structures):
+        if not (isinstance(item, dict) and isinstance(item.get("begin"), str) and isinstance(item.get("end"), str)
+                and isinstance(item.get("schema"), (dict, bool))):
+            raise ValueError(f"structures[{i}]: needs begin and end (texts) and schema (a JSON schema)")
 
 
 def _token_id(token) -> int:
@@ -69,11 +94,19 @@ class SamplingParams(BaseModel):
     logit_bias: Optional[Dict[int, float]] = Field(None, description="{token id: bias in [-100, 100]} added to "
                                                    "the logits before sampling (ids are checked against the "
                                                    "vocabulary where the request is admitted)")
+    allowed_token_ids: Optional[List[int]] = Field(None, min_length=1, description="vLLM's: only these ids may be "
+                                                   "sampled, every other one masked (ids are checked against the "
+                                                   "vocabulary where the request is admitted)")
+    bad_words: List[str] = Field(default_factory=list, description="vLLM's: words never generated, each tokenized "
+                                 "with and without a leading space (bad_words_token_ids): a one-token word is "
+                                 "never sampled, a longer one's last token not after the output's others")
     json_schema: Optional[str] = Field(None, description="structured output: the output is JSON this schema "
                                        f"accepts ({ANY_JSON!r}: any JSON value)")
     regex: Optional[str] = Field(None, description="structured output: the whole output matches this regex")
     ebnf: Optional[str] = Field(None, description="structured output: the output is a sentence of this EBNF "
                                 "(GBNF) grammar, from its root rule")
+    structural_tag: Optional[str] = Field(None, description="structured output: the output is free but for "
+                                          "the structures its triggers start (JSON, check_structural_tag)")
     grammar_after: Optional[str] = Field(None, min_length=1, description="with a grammar: it constrains only "
                                          "the output after the first occurrence of this text (a reasoning model's "
                                          "thinking end tag, which the chat endpoint sets: the thinking is free)")
@@ -114,6 +147,21 @@ class SamplingParams(BaseModel):
                 raise ValueError(f"the bias of token {token} is {bias}: it must be in [-100, 100]")
         return v or None
 
+    @field_validator("allowed_token_ids")
+    @classmethod
+    def _allowed_token_ids(cls, v: Optional[List[int]]) -> Optional[List[int]]:
+        bad = next((t for t in v or () if t < 0), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad} is negative")
+        return v
+
+    @field_validator("bad_words")
+    @classmethod
+    def _bad_words(cls, v: List[str]) -> List[str]:
+        if any(not word.strip() for word in v):  # (no token to ban: vLLM fails on it)
+            raise ValueError("bad words must not be empty or blank")
+        return v
+
     @field_validator("json_schema")
     @classmethod
     def _json_schema(cls, v: Optional[str]) -> Optional[str]:
@@ -127,6 +175,17 @@ class SamplingParams(BaseModel):
             raise ValueError(f"not valid JSON: {exc}") from None
         if not isinstance(schema, (dict, bool)):
             raise ValueError(f"a JSON schema is an object or a boolean, not {type(schema).__name__}")
+        return v
+
+    @field_validator("structural_tag")
+    @classmethod
+    def _structural_tag(cls, v: Optional[str]) -> Optional[str]:
+        if v is not None:
+            try:
+                tag = json.loads(v)
+            except ValueError as exc:
+                raise ValueError(f"not valid JSON: {exc}") from None
+            check_structural_tag(tag)
         return v
 
     @model_validator(mode="after")
@@ -178,3 +237,31 @@ class SamplingParams(BaseModel):
         if num_generated >= self.min_new_tokens:
             return []
         return sorted(set(eos_token_ids) | set(self.stop_token_ids))
+
+
+def bad_words_token_ids(bad_words: Sequence[str], tokenizer) -> List[List[int]]:
+    """The token ids of ``bad_words`` as vLLM's ``SamplingParams.update_from_tokenizer`` makes them:
+    each word (leading whitespace stripped) tokenized without special tokens, then with a leading
+    space — kept too when that gives as many tokens and another first token (the word in the middle
+    of a text: a tokenizer that merges the space into the word's first token)."""
+    token_ids: List[List[int]] = []
+    for word in bad_words:
+        word = word.lstrip()
+        alone = tokenizer.encode(word, add_special_tokens=False)
+        token_ids.append(alone)
+        spaced = tokenizer.encode(" " + word, add_special_tokens=False)
+        if len(spaced) == len(alone) and spaced[0] != alone[0]:
+            token_ids.append(spaced)
+    return token_ids
+
+
+def bad_word_bans(bad_words_ids: Sequence[Sequence[int]], output_ids: Sequence[int]) -> List[int]:
+    """The ids the next token may not be after ``output_ids`` (vLLM's ``apply_bad_words``): each
+    one-token word's token, and each longer word's last token when the output ends with the
+    word's other tokens (in the output: a prompt's tokens never start a bad word)."""
+    banned = []
+    for word in bad_words_ids:
+        prefix = len(word) - 1
+        if prefix <= len(output_ids) and list(output_ids[len(output_ids) - prefix:]) == list(word[:-1]):
+            banned.append(word[-1])
+    return banned

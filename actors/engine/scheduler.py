@@ -38,6 +38,7 @@ from actors.engine.models.base import InputLogprobs
 from actors.engine.pooling import PoolingParams, pool_embedding
 from actors.engine.req import Req
 from actors.engine.sampling import Pick, pick_tokens
+from actors.engine.sampling_params import bad_words_token_ids
 from actors.engine.sparse_logits import LogitState
 from actors.engine.schedule_batch import DecodeRetractionMixin, logits_rows
 from actors.engine.schedule_order import SchedulePolicy
@@ -150,12 +151,13 @@ class Scheduler(PrefillAdmissionMixin, DecodeRetractionMixin, SpecDecodeMixin):
 
     def check_request(self, req: Req) -> None:
         """Refuse a prompt longer than a request may be, a token id outside the vocabulary in the
-        prompt, ``logit_bias`` or a score's ``classifier_token_ids``, a priority without priority
-        scheduling, an embedding's ``dimensions`` beyond the hidden size, a LoRA adapter this engine
-        does not serve, or a grammar that does not compile (ValueError); hold ``max_new_tokens`` to
-        what fits after it, as the context length would end it anyway — a reservation for more could
-        never be granted. A request with a grammar gets its matcher here, compiled on the caller's
-        thread (:mod:`actors.engine.grammar`)."""
+        prompt, ``logit_bias``, ``allowed_token_ids``, ``bad_words`` (which need the tokenizer:
+        their tokens are found here, ``req.bad_words_ids``) or a score's ``classifier_token_ids``, a
+        priority without priority scheduling, an embedding's ``dimensions`` beyond the hidden size,
+        a LoRA adapter this engine does not serve, or a grammar that does not compile (ValueError);
+        hold ``max_new_tokens`` to what fits after it, as the context length would end it anyway — a
+        reservation for more could never be granted. A request with a grammar gets its matcher
+        here, compiled on the caller's thread (:mod:`actors.engine.grammar`)."""
         if len(req.origin_input_ids) >= self.context_len:
             held = "" if self.context_len == self.runner.context_len else " (what this worker's KV pool holds)"
             raise ValueError(f"prompt of {len(req.origin_input_ids)} tokens does not fit the context length "
@@ -168,9 +170,16 @@ class Scheduler(PrefillAdmissionMixin, DecodeRetractionMixin, SpecDecodeMixin):
             raise ValueError(f"priority {req.priority}: priority scheduling is not enabled "
                              "(enable_priority_scheduling)")
         params = req.sampling_params
-        bad = next((t for t in params.logit_bias or {} if t >= vocab), None)
-        if bad is not None:
-            raise ValueError(f"logit_bias: token id {bad} is out of the vocabulary (ids are 0..{vocab - 1})")
+        if params.bad_words:
+            if self.tokenizer is None:
+                raise ValueError("bad_words: need the tokenizer (skip_tokenizer_init=True)")
+            req.bad_words_ids = bad_words_token_ids(params.bad_words, self.tokenizer)
+        for field, ids in (("logit_bias", params.logit_bias or {}),
+                           ("allowed_token_ids", params.allowed_token_ids or ()),
+                           ("bad_words", [t for word in req.bad_words_ids for t in word])):
+            bad = next((t for t in ids if t >= vocab), None)
+            if bad is not None:
+                raise ValueError(f"{field}: token id {bad} is out of the vocabulary (ids are 0..{vocab - 1})")
         if params.pooling is not None:
             self._check_pooling(params.pooling, vocab)
         if req.lora_path is not None:
@@ -355,8 +364,8 @@ class Scheduler(PrefillAdmissionMixin, DecodeRetractionMixin, SpecDecodeMixin):
         state = req.logit_state
         if state is None or state.vocab != vocab or state.params is not req.sampling_params:
             needed = LogitState.needed(req.sampling_params)
-            state = req.logit_state = LogitState(
-                req.sampling_params, req.origin_input_ids, req.eos_token_ids, vocab) if needed else None
+            state = req.logit_state = LogitState(req.sampling_params, req.origin_input_ids, req.eos_token_ids, vocab,
+                                                 req.bad_words_ids) if needed else None
         if state is not None:
             state.sync(req.output_ids)
         return state

@@ -1,4 +1,4 @@
-"""A batch's logit bias, min-tokens masks and penalties as sparse writes, not dense tensors.
+"""A batch's allowed ids, logit bias, masks and penalties as sparse writes, not dense tensors.
 
 What :func:`~actors.engine.sampling.logit_adjustments` and
 :func:`~actors.engine.sampling.apply_penalties` define (the dense references), done as vLLM
@@ -6,14 +6,16 @@ and SGLang do it: each request's ``(token, value)`` pairs are built once, when i
 them (:class:`LogitState`, kept with the request), and its tokens seen so far grow by the new
 tokens only (:class:`TokenCounts`); a step gathers the rows' pairs into ``(row, token, value)``
 triples and writes them with ``index_put_``. A step's cost grows with the number of biased,
-masked and seen tokens — never with ``batch x vocab`` and never with the prompt's length —,
-and a batch with none of these leaves its logits alone.
+masked and seen tokens — never with ``batch x vocab`` (but for the rows with
+``allowed_token_ids``: each a fill) and never with the prompt's length —, and a batch with none
+of these leaves its logits alone.
 
-Same order and values as the references, bit for bit on every adjusted token: ``logit_bias``
-added, then ``-inf`` at EOS and ``stop_token_ids`` while a request has fewer than
-``min_new_tokens`` tokens, then repetition (divide positive, multiply negative logits of the
-prompt's and output's tokens), then frequency and presence (``-= f * count + p`` on the
-output's tokens).
+Same order and values as the references, bit for bit on every adjusted token: ``-inf`` at every
+id but ``allowed_token_ids`` (vLLM's first), ``logit_bias`` added, then ``-inf`` at EOS and
+``stop_token_ids`` while a request has fewer than ``min_new_tokens`` tokens and at what its bad
+words ban after its output (:func:`~actors.engine.sampling_params.bad_word_bans`), then
+repetition (divide positive, multiply negative logits of the prompt's and output's tokens),
+then frequency and presence (``-= f * count + p`` on the output's tokens).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from typing import Iterable, List, Optional, Sequence
 import numpy as np
 import torch
 
-from actors.engine.sampling_params import SamplingParams
+from actors.engine.sampling_params import SamplingParams, bad_word_bans
 
 
 class TokenCounts:
@@ -72,13 +74,21 @@ class TokenCounts:
 
 class LogitState:
     """One request's sparse adjustments for a vocabulary of ``vocab`` ids (ids outside it are
-    never sampled and are left out): its ``logit_bias`` pairs, its min-tokens mask ids (EOS and
-    ``stop_token_ids``), and, when it has penalties, the tokens of its prompt and output
-    (repetition) and its output's counts (frequency, presence). :meth:`sync` takes the output's
-    new tokens; an output that shrank is recounted."""
+    never sampled and are left out): its ``allowed_token_ids``, its ``logit_bias`` pairs, its
+    min-tokens mask ids (EOS and ``stop_token_ids``), its bad words (``bad_words_ids``, the
+    request's :func:`~actors.engine.sampling_params.bad_words_token_ids`) with the output's last
+    tokens they are matched against, and, when it has penalties, the tokens of its prompt and
+    output (repetition) and its output's counts (frequency, presence). :meth:`sync` takes the
+    output's new tokens; an output that shrank is recounted."""
 
-    def __init__(self, params: SamplingParams, prompt_ids: Sequence[int], eos_token_ids: Sequence[int], vocab: int):
+    def __init__(self, params: SamplingParams, prompt_ids: Sequence[int], eos_token_ids: Sequence[int], vocab: int,
+                 bad_words_ids: Sequence[Sequence[int]] = ()):
         self.params, self.vocab = params, vocab
+        allowed = sorted({t for t in params.allowed_token_ids or () if t < vocab})
+        self.allowed_ids = None if params.allowed_token_ids is None else np.array(allowed, dtype=np.int64)
+        self.bad_words_ids = [list(word) for word in bad_words_ids]
+        self.tail_len = max((len(word) - 1 for word in self.bad_words_ids), default=0)
+        self.tail: List[int] = []  # the output's last tail_len tokens: what a bad word's start is matched against
         bias = [(t, b) for t, b in (params.logit_bias or {}).items() if t < vocab]
         self.bias_ids = np.array([t for t, _ in bias], dtype=np.int64)
         self.bias_values = np.array([b for _, b in bias], dtype=np.float32)
@@ -93,7 +103,8 @@ class LogitState:
     @staticmethod
     def needed(params: SamplingParams) -> bool:
         """Whether a request with ``params`` has anything to adjust (else it needs no state)."""
-        return bool(params.logit_bias) or params.min_new_tokens > 0 or params.has_penalties
+        return (bool(params.logit_bias) or params.min_new_tokens > 0 or params.has_penalties
+                or params.allowed_token_ids is not None or bool(params.bad_words))
 
     def _recount(self, output_ids: Sequence[int]) -> None:
         p = self.params
@@ -103,6 +114,10 @@ class LogitState:
         if p.frequency_penalty or p.presence_penalty:
             self.output = TokenCounts(t for t in output_ids if 0 <= t < self.vocab)
         self.num_generated = len(output_ids)
+        self._keep_tail(output_ids)
+
+    def _keep_tail(self, output_ids: Sequence[int]) -> None:
+        self.tail = list(output_ids[max(len(output_ids) - self.tail_len, 0):]) if self.tail_len else []
 
     def sync(self, output_ids: Sequence[int]) -> None:
         """Take the tokens of ``output_ids`` past those taken before (O(new tokens))."""
@@ -114,6 +129,7 @@ class LogitState:
             if counts is not None and new:
                 counts.add(new)
         self.num_generated = len(output_ids)
+        self._keep_tail(output_ids)
 
     def ahead(self, token: int) -> "LogitState":
         """A copy that has taken ``token`` after this one's output (the state a verify step's next
@@ -126,12 +142,21 @@ class LogitState:
                     setattr(other, name, counts.copy())
                     getattr(other, name).add([token])
         other.num_generated += 1
+        other._keep_tail(self.tail + [token])
         return other
 
     @property
     def masked(self) -> bool:
         """Whether the min-tokens mask holds for the next token."""
         return self.num_generated < self.params.min_new_tokens
+
+    def banned_ids(self) -> np.ndarray:
+        """The ids set to ``-inf`` for the next token: the min-tokens mask's while it holds, and
+        what the bad words ban after the output."""
+        banned = [t for t in bad_word_bans(self.bad_words_ids, self.tail) if 0 <= t < self.vocab]
+        if not banned:
+            return self.mask_ids if self.masked else self.mask_ids[:0]
+        return np.array(([*self.mask_ids] if self.masked else []) + banned, dtype=np.int64)
 
 
 class _Triples:
@@ -167,19 +192,20 @@ class _Triples:
 
 
 def adjust_logits(logits: torch.Tensor, states: Sequence[Optional[LogitState]], in_place: bool = False) -> torch.Tensor:
-    """The batch's logits ``[bs, vocab]`` after its rows' bias, masks and penalties (``states[i]``
+    """The batch's logits ``[bs, vocab]`` after its rows' allowed ids, bias, masks and penalties (``states[i]``
     for row ``i``, synced to its output; None: nothing), with only the listed tokens written:
     into ``logits`` themselves when ``in_place`` and they are float32 (no dense copy, as vLLM's
     logits processors), else into a float32 copy; ``logits`` untouched when no row adjusts
     anything."""
-    bias, masks, seen, output = _Triples(), _Triples(), _Triples(), _Triples()
+    allowed, bias, masks, seen, output = _Triples(), _Triples(), _Triples(), _Triples(), _Triples()
     rep, freq, pres = [], [], []
     for row, state in enumerate(states):
         if state is None:
             continue
+        if state.allowed_ids is not None:
+            allowed.add(row, state.allowed_ids)
         bias.add(row, state.bias_ids, state.bias_values)
-        if state.masked:
-            masks.add(row, state.mask_ids)
+        masks.add(row, state.banned_ids())
         if state.seen is not None and len(state.seen):
             seen.add(row, state.seen.ids)
             rep.append(state.params.repetition_penalty)
@@ -187,17 +213,22 @@ def adjust_logits(logits: torch.Tensor, states: Sequence[Optional[LogitState]], 
             output.add(row, state.output.ids, state.output.counts)
             freq.append(state.params.frequency_penalty)
             pres.append(state.params.presence_penalty)
-    if not (bias.rows or masks.rows or seen.rows or output.rows):
+    if not (allowed.rows or bias.rows or masks.rows or seen.rows or output.rows):
         return logits
     with torch.inference_mode():  # (a forward's logits are inference tensors: written in place only so)
         return _write(logits if in_place and logits.dtype == torch.float32 else logits.to(torch.float32, copy=True),
-                      bias, masks, seen, output, rep, freq, pres)
+                      allowed, bias, masks, seen, output, rep, freq, pres)
 
 
-def _write(out: torch.Tensor, bias: _Triples, masks: _Triples, seen: _Triples, output: _Triples,
+def _write(out: torch.Tensor, allowed: _Triples, bias: _Triples, masks: _Triples, seen: _Triples, output: _Triples,
            rep: List[float], freq: List[float], pres: List[float]) -> torch.Tensor:
     """:func:`adjust_logits`'s writes into ``out``, in the references' order."""
     device = out.device
+    if allowed.rows:  # the allowed values kept, their rows filled with -inf, the values put back
+        index = allowed.index(device)
+        kept = out[index]
+        out.index_fill_(0, torch.tensor(allowed.rows, device=device), float("-inf"))
+        out.index_put_(index, kept)
     if bias.rows:
         out.index_put_(bias.index(device), bias.value(device), accumulate=True)
     if masks.rows:  # after the bias: a masked token stays -inf whatever its bias
