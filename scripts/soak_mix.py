@@ -175,6 +175,10 @@ INVALID = [  # (request fields, status, param)
     ({"extra_body": {"guided_regex": "(unclosed"}}, 400, "guided_regex"),
     ({"logit_bias": {"999999": 1}}, 400, "logit_bias"),
     ({"extra_body": {"guided_choice": ["a"], "guided_regex": "b"}}, 400, "guided_choice"),
+    ({"extra_body": {"allowed_token_ids": [5, 999999]}}, 400, "allowed_token_ids"),
+    ({"extra_body": {"bad_words": [" "]}}, 400, "bad_words"),
+    ({"response_format": {"type": "structural_tag", "structures": [{"begin": "<a>", "schema": {}, "end": "</a>"}],
+                          "triggers": ["<b"]}}, 400, "response_format"),
 ]
 
 

@@ -76,7 +76,7 @@ def retracted_outputs(model_path, ids, params):
 def test_bad_words_token_ids_take_the_spaced_form_only_when_it_is_another_token_of_the_same_length():
     class Words:  # a tokenizer whose leading space merges into some words' first token (a metaspace one's)
         vocab = {"cat": [1], " cat": [2], "dog house": [3, 4, 5], " dog house": [6, 4, 5], "xy": [7, 8],
-                 " xy": [9, 7, 8], "z": [10], " z": [10]}
+                 " xy": [9, 7, 8], "z": [10], " z": [10], "#": []}
 
         def encode(self, text, add_special_tokens=True):
             assert not add_special_tokens
@@ -84,6 +84,8 @@ def test_bad_words_token_ids_take_the_spaced_form_only_when_it_is_another_token_
 
     assert bad_words_token_ids(["cat", "  dog house", "xy", "z"], Words()) == [[1], [2], [3, 4, 5], [6, 4, 5],
                                                                             [7, 8], [10]]
+    with pytest.raises(ValueError, match="bad_words: .#. has no tokens"):
+        bad_words_token_ids(["#"], Words())
 
 
 def test_a_longer_words_last_token_is_banned_only_after_its_others_in_the_output():

@@ -248,6 +248,8 @@ def bad_words_token_ids(bad_words: Sequence[str], tokenizer) -> List[List[int]]:
     for word in bad_words:
         word = word.lstrip()
         alone = tokenizer.encode(word, add_special_tokens=False)
+        if not alone:  # (nothing to ban: vLLM fails on it)
+            raise ValueError(f"bad_words: {word!r} has no tokens")
         token_ids.append(alone)
         spaced = tokenizer.encode(" " + word, add_special_tokens=False)
         if len(spaced) == len(alone) and spaced[0] != alone[0]:
