@@ -4,10 +4,10 @@ A request names at most one grammar, in SGLang's sampling params: ``json_schema`
 schema, or :data:`~actors.engine.sampling_params.ANY_JSON` for any JSON value), ``regex``,
 ``ebnf`` or ``structural_tag`` (xgrammar's structural tag: free text but for the structures its
 triggers start; the older ``structures`` and ``triggers`` shape compiled as vLLM does, through
-xgrammar's ``StructuralTagItem``s). :class:`GrammarBackend` compiles it for the model's tokenizer and vocabulary
-when the request is made — on the caller's thread, never the engine loop's (xgrammar
-compiles without the GIL), an asyncio caller's in a worker thread (:func:`make_req_off_loop`)
-— with an LRU cache of compiled grammars keyed by ``(field, spec)``, held to a count and to
+xgrammar's ``StructuralTagItem``s). :class:`GrammarBackend` compiles it for the model's
+tokenizer and vocabulary when the request is made — on the caller's thread, never the engine
+loop's (xgrammar compiles without the GIL), an asyncio caller's in a worker thread
+(:func:`make_req_off_loop`) — with an LRU cache of compiled grammars keyed by ``(field, spec)``, held to a count and to
 their bytes (xgrammar's ``memory_size_bytes``). A request is admitted
 with its grammar ready, as in SGLang, whose scheduler parks a request in its grammar queue
 until the compile is done; compiling before the request is queued also makes a spec that

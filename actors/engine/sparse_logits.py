@@ -192,11 +192,11 @@ class _Triples:
 
 
 def adjust_logits(logits: torch.Tensor, states: Sequence[Optional[LogitState]], in_place: bool = False) -> torch.Tensor:
-    """The batch's logits ``[bs, vocab]`` after its rows' allowed ids, bias, masks and penalties (``states[i]``
-    for row ``i``, synced to its output; None: nothing), with only the listed tokens written:
-    into ``logits`` themselves when ``in_place`` and they are float32 (no dense copy, as vLLM's
-    logits processors), else into a float32 copy; ``logits`` untouched when no row adjusts
-    anything."""
+    """The batch's logits ``[bs, vocab]`` after its rows' allowed ids, bias, masks and penalties
+    (``states[i]`` for row ``i``, synced to its output; None: nothing), with only the listed
+    tokens written: into ``logits`` themselves when ``in_place`` and they are float32 (no dense
+    copy, as vLLM's logits processors), else into a float32 copy; ``logits`` untouched when no
+    row adjusts anything."""
     allowed, bias, masks, seen, output = _Triples(), _Triples(), _Triples(), _Triples(), _Triples()
     rep, freq, pres = [], [], []
     for row, state in enumerate(states):
