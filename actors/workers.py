@@ -38,6 +38,7 @@ from actors.engine.grammar import MakingReqs, make_req_off_loop
 from actors.engine.lora_updates import async_unload_lora_adapter, load_lora_adapter
 from actors.engine.req import Req
 from actors.engine.sampling_params import SamplingParams
+from actors.engine.weight_updates import ABORT_MESSAGE, UpdateWeightsRequest, WeightUpdater, check_weights
 from actors.kv_push import PushResult
 from actors.pd_prefill import PrefillScheduler
 from actors.pd_scheduler import DecodeScheduler, PDRequestError, WorkerBrokenError
@@ -113,7 +114,7 @@ class _Worker:
         return queue
 
     def _snapshot(self, req: Req, with_text: bool) -> Dict[str, Any]:
-        return request_result(req, with_text)
+        return request_result(req, with_text, self.runner.weights.version)
 
     def _finished(self, rid: str, queue: asyncio.Queue) -> None:
         """On the actor's event loop, once the request ``rid`` whose outputs go to ``queue`` has ended."""
@@ -250,6 +251,25 @@ class _Worker:
     async def unload_lora_adapter(self, lora_name: str) -> None:
         """Refuse new requests for adapter ``lora_name``; returns once those in flight have finished and it is gone."""
         await async_unload_lora_adapter(self.loop, self.runner, self.tp_worker.call_followers, lora_name)
+
+    async def check_weights(self, model_path: str) -> None:
+        """ValueError naming what differs when the checkpoint in ``model_path`` cannot replace the
+        weights this worker serves, on any of its TP ranks (nothing is loaded)."""
+        self.loop.run_exclusive(lambda: check_weights(self.runner, self.tp_worker.call_followers, model_path))
+
+    async def update_weights_from_disk(self, model_path: str, weight_version: Optional[str] = None,
+                                       abort_all_requests: bool = False, flush_cache: bool = True) -> Dict[str, Any]:
+        """SGLang's update on this worker, every TP rank (actors.engine.weight_updates): new requests
+        wait, those in flight finish first (or are aborted); returns SGLang's result as a dict."""
+        updater = WeightUpdater(self.loop, self.runner, self.tp_worker.call_followers,
+                                lambda: flush_engine_cache(self.scheduler, self.runner),
+                                lambda rid, room: self.abort(rid, ABORT_MESSAGE, room=room))
+        result = await updater.async_update(UpdateWeightsRequest(model_path, weight_version, abort_all_requests,
+                                                                 flush_cache))
+        return result._asdict()
+
+    def get_weight_version(self) -> str:
+        return self.runner.weights.version
 
     def shutdown(self) -> None:
         """Stop the loop, release the followers (their loops return), free the pools."""
@@ -389,7 +409,7 @@ class PrefillWorker(_Worker):
         self._cancelled[(rid, room)] = None
         while len(self._cancelled) > CANCELLED_RIDS_KEPT:
             self._cancelled.popitem(last=False)
-        return self.loop.run_exclusive(lambda: self.scheduler.abort(rid, room))
+        return self.loop.abort(rid, room)
 
     def load(self) -> Dict[str, Any]:
         out = super().load()
@@ -459,7 +479,7 @@ class DecodeWorker(_Worker):
         return result["handoffs"]
 
     def _snapshot(self, req: Req, with_text: bool) -> Dict[str, Any]:
-        out = request_result(req, with_text)
+        out = super()._snapshot(req, with_text)
         if getattr(req, "pd_state", None) == "transfer":
             out["handoffs"] = req.pd_handoffs
         return out
@@ -532,7 +552,7 @@ class DecodeWorker(_Worker):
         attempt, or of a refused duplicate, leaves the request now under the id alone.
         The request's last word (the abort) goes to whoever waits on it, as any ending does."""
         self._making.mark(lambda key: key[0] == rid and room in (None, key[1]))
-        return self.loop.run_exclusive(lambda: self.scheduler.abort(rid, message, safe, room))
+        return self.loop.abort(rid, message, safe, room)
 
     def load(self) -> Dict[str, Any]:
         out = super().load()

@@ -4,7 +4,7 @@
 request (``generate_stream``, cumulative results as ``PDClient`` yields them,
 raising ``PDRequestError`` on a worker failure and ``ValueError`` on a request
 the workers refuse), list / add / remove workers, health, flush, drain, load and
-unload LoRA adapters.
+unload LoRA adapters, update the weights from disk.
 :class:`PDBackend` implements it over a ``PDCluster`` (worker management
 included) or a bare ``PDClient`` (whatever routes its requests: round-robin
 today, the router actor later — the server does not care).
@@ -19,6 +19,8 @@ import os
 from typing import Any, AsyncIterator, Dict, List, Optional, Protocol
 
 from actors.engine.lora import lora_cache_key
+from actors.engine.model_loader import DEFAULT_WEIGHT_VERSION
+from actors.engine.weight_updates import SUCCESS, UpdateWeightsRequest
 from actors.pd_scheduler import PDRequestError
 
 logger = logging.getLogger(__name__)
@@ -31,6 +33,7 @@ class ServingBackend(Protocol):
     vocab_size: Optional[int]  # token ids are 0..vocab_size - 1 (None: unknown here; the workers check)
     priority_scheduling: bool  # the workers order requests by priority (else one with a priority is refused)
     lora_modules: Dict[str, str]  # the LoRA adapters the workers serve: name -> adapter directory
+    weight_version: str  # SGLang's: the last weights update's ("default" before any)
 
     @property
     def draining(self) -> bool: ...
@@ -51,6 +54,9 @@ class ServingBackend(Protocol):
     async def load_lora_adapter(self, lora_name: str, lora_path: str) -> None: ...
 
     async def unload_lora_adapter(self, lora_name: str) -> None: ...
+
+    async def update_weights_from_disk(self, model_path: str, weight_version: Optional[str] = None,
+                                       abort_all_requests: bool = False, flush_cache: bool = True) -> Dict[str, Any]: ...
 
     async def add_worker(self, role: str) -> Dict[str, Any]: ...
 
@@ -99,6 +105,9 @@ class PDBackend:
         self.runtime_loras: Dict[str, str] = {}  # the adapters loaded since start (a new worker loads them too)
         self.lora_loads = dict.fromkeys(self.lora_modules, 1)  # by name, the loads so far (the next one's cache key)
         self._lora_lock = asyncio.Lock()  # one load or unload at a time (SGLang's lora_update_lock)
+        self.weight_version = DEFAULT_WEIGHT_VERSION  # the workers' (SGLang's; "default" before any update)
+        self.weights_update: Optional[UpdateWeightsRequest] = None  # the last that succeeded: a new worker's too
+        self._weights_lock = asyncio.Lock()  # one weight update at a time
         self.owned_router = None
 
     @classmethod
@@ -236,10 +245,44 @@ class PDBackend:
             if failed:
                 raise RuntimeError(f"LoRA adapter {lora_name!r} not unloaded on {'; '.join(failed)}")
 
+    async def update_weights_from_disk(self, model_path: str, weight_version: Optional[str] = None,
+                                       abort_all_requests: bool = False, flush_cache: bool = True) -> Dict[str, Any]:
+        """SGLang's update on every live worker, prefill and decode, each on all its TP ranks: first
+        checked everywhere (ValueError naming the worker and what differs: no weight touched), then
+        applied on all at once; each worker holds its new requests back while its own in flight end.
+        A worker that fails after every check passed leaves the cluster on mixed weights: RuntimeError
+        naming each worker's version. Then the router re-indexes every worker (their caches were
+        flushed: it would route by prefixes they no longer hold). Returns SGLang's result."""
+        req = UpdateWeightsRequest(model_path, weight_version, abort_all_requests, flush_cache)
+        async with self._weights_lock:
+            live = [w for w in self._all() if w.alive]
+            results = await asyncio.gather(*(w.handle.check_weights.remote(model_path) for w in live),
+                                           return_exceptions=True)
+            if _failures(live, results):
+                raise ValueError("; ".join(_failures(live, results)))
+            results = await asyncio.gather(*(w.handle.update_weights_from_disk.remote(*req) for w in live),
+                                           return_exceptions=True)
+            if _failures(live, results):
+                versions = await asyncio.gather(*(w.handle.get_weight_version.remote() for w in live),
+                                                return_exceptions=True)
+                raise RuntimeError(f"weights update failed on {'; '.join(_failures(live, results))}; the workers' "
+                                   "weight versions now: " + ", ".join(
+                                       f"{w.worker_id}={v if isinstance(v, str) else '?'}" for w, v in zip(live, versions)))
+            if weight_version is not None:
+                self.weight_version = weight_version
+            self.weights_update = req._replace(weight_version=self.weight_version, abort_all_requests=False)
+            if flush_cache:
+                await self._tell_router("rebuild_from_workers")
+            return {"success": True, "message": SUCCESS,
+                    "num_paused_requests": sum(r["num_paused_requests"] for r in results)}
+
     async def add_worker(self, role: str) -> Dict[str, Any]:
         if self.cluster is None:
             raise NotImplementedError("this server was given a client, not a cluster: it cannot start workers")
         worker = await asyncio.to_thread(self.cluster.add_worker, role)
+        async with self._weights_lock:  # (it started on the config's checkpoint)
+            if self.weights_update is not None:
+                await worker.handle.update_weights_from_disk.remote(*self.weights_update)
         async with self._lora_lock:  # (those of the config it loaded at start)
             for name, path in self.runtime_loras.items():
                 await worker.handle.load_lora_adapter.remote(name, path, self.client.lora_cache_keys.get(name))
@@ -262,6 +305,12 @@ class PDBackend:
         except Exception as exc:  # (its heartbeat finds the actor gone and ends its routes all the same)
             logger.warning("router: removing %s failed: %r", worker_id, exc)
         return {"id": worker.worker_id, "role": worker.role, "removed": True}
+
+
+def _failures(workers, results) -> List[str]:
+    """'<worker id>: <why>' of each worker whose result is an error (a Ray task error's cause)."""
+    return [f"{w.worker_id}: {getattr(r, 'cause', None) or r}" for w, r in zip(workers, results)
+            if isinstance(r, BaseException)]
 
 
 def as_backend(target, tokenizer=None, client=None) -> ServingBackend:

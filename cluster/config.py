@@ -241,6 +241,10 @@ class ServerConfig(BaseModel):
         False, description="POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's, behind its "
         "VLLM_ALLOW_RUNTIME_LORA_UPDATING; off: the routes do not exist): every prefill and decode worker loads "
         "or unloads the adapter, /v1/models follows")
+    allow_weight_updates: bool = Field(
+        False, description="POST /update_weights_from_disk (SGLang's, which serves it ungated; off: the route "
+        "does not exist, as vLLM keeps its dev endpoints behind VLLM_SERVER_DEV_MODE): every prefill and decode "
+        "worker loads the checkpoint at a path on its own disk, for RL rollouts between training steps")
     responses_store_size: int = Field(1000, ge=0, description="/v1/responses stored (store: true) for "
                                       "previous_response_id and GET, least recently used evicted past this; in this "
                                       "HTTP server's memory, not shared between replicas")

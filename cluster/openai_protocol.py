@@ -271,6 +271,18 @@ class UnloadLoRAAdapterRequest(BaseModel):
     lora_name: str = Field(min_length=1)
 
 
+class UpdateWeightsFromDiskRequest(BaseModel):
+    """POST /update_weights_from_disk (SGLang's UpdateWeightFromDiskReqInput, the fields served)."""
+
+    model_config = FORBID
+
+    model_path: str = Field(min_length=1)
+    load_format: Optional[Literal["auto", "safetensors"]] = None  # (safetensors is what is read)
+    weight_version: Optional[str] = Field(None, min_length=1)
+    abort_all_requests: bool = False
+    flush_cache: bool = True
+
+
 def describe_validation_error(exc, skip: int = 0) -> tuple:
     """``(message, param)``: the first bad field by its dotted path, with pydantic's reason. ``exc``:
     pydantic's ValidationError, or FastAPI's RequestValidationError with ``skip=1`` (its paths start

@@ -31,6 +31,11 @@ POST /v1/load_lora_adapter  vLLM's {"lora_name", "lora_path"}: every worker serv
                             (with ``server.allow_runtime_lora_updating``); POST
                             /v1/unload_lora_adapter {"lora_name"}: every worker drops it once
                             its requests in flight have finished
+GET  /get_weight_version    {"weight_version": ...} (SGLang's; "default" before any update);
+                            POST /update_weights_from_disk (SGLang's {"model_path",
+                            "weight_version", "abort_all_requests", "flush_cache"}, with
+                            ``server.allow_weight_updates``): every worker serves the checkpoint;
+                            one that does not fit is a 400 (see actors.engine.weight_updates)
 ==========================  =======================================================
 
 Errors are OpenAI-style bodies (see ``cluster.api_errors``). With
@@ -70,7 +75,7 @@ from cluster.completion_protocol import CompletionRequest, GenerateRequest
 from cluster.metrics import ServerMetrics
 from cluster.openai_embeddings import EmbeddingRequest, create_embeddings
 from cluster.openai_protocol import (AddWorkerRequest, LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest,
-                                     describe_validation_error)
+                                     UpdateWeightsFromDiskRequest, describe_validation_error)
 from cluster.openai_responses import ResponsesRequest, ResponsesService
 from cluster.openai_score import RerankRequest, Scorer, ScoreRequest, create_rerank, create_score
 from cluster.openai_serving import GenerationService
@@ -330,8 +335,14 @@ def build_app(cluster_or_client: Any, tokenizer=None, config=None, client=None,
             raise APIError(409, str(exc), code="busy") from None
         return {"flushed": True}
 
+    @app.get("/get_weight_version")
+    async def get_weight_version():
+        return {"weight_version": backend.weight_version}
+
     if server.allow_runtime_lora_updating:
         add_lora_routes(app, backend)
+    if server.allow_weight_updates:
+        add_weights_route(app, backend)
     app.add_middleware(RequestGuard, api_key=api_key, max_body=server.max_request_body_bytes, metrics=metrics)
     return app
 
@@ -359,3 +370,25 @@ def add_lora_routes(app: FastAPI, backend: ServingBackend) -> None:
                            "lora_name", "model_not_found")
         await backend.unload_lora_adapter(req.lora_name)
         return {"lora_name": req.lora_name, "unloaded": True}
+
+
+def add_weights_route(app: FastAPI, backend: ServingBackend) -> None:
+    """SGLang's /update_weights_from_disk: its answer, ``success`` and ``message`` (with
+    ``num_paused_requests``); a failure's body is also an OpenAI-style error: a checkpoint the
+    workers refuse (nothing changed) is a 400, a failure after every check passed a 500."""
+
+    def failed(status: int, message: str, code: str) -> JSONResponse:
+        error = APIError(status, message, "invalid_request_error" if status == 400 else "server_error",
+                         "model_path" if status == 400 else None, code)
+        return JSONResponse({**error.body(), "success": False, "message": message}, status_code=status)
+
+    @app.post("/update_weights_from_disk")
+    async def update_weights_from_disk(request: Request):
+        req = await parse_body(request, UpdateWeightsFromDiskRequest)
+        try:
+            return await backend.update_weights_from_disk(req.model_path, req.weight_version,
+                                                          req.abort_all_requests, req.flush_cache)
+        except ValueError as exc:
+            return failed(400, str(exc), "invalid_checkpoint")
+        except RuntimeError as exc:
+            return failed(500, str(exc), "weights_update_failed")

@@ -92,6 +92,12 @@ class StorageIOMixin:
         for future in pending:
             future.result()
 
+    def use_storage(self, storage) -> None:
+        """Write and read ``storage`` from now on, once the writes queued for the old one have ended
+        (a weight update keys the pages of the new weights apart; no prefetch may be in flight)."""
+        self.flush_storage()
+        self.storage = storage
+
     # ---- prefetch off the loop ------------------------------------------------------
     PREFETCH_BATCH_PAGES = 8  # pages per storage read: a cancel waits for at most one batch
 

@@ -8,6 +8,7 @@ class StubBackend:
     draining = False
     priority_scheduling = False
     lora_modules = {}
+    weight_version = "default"
 
     def routing_policy(self, role):
         return "round_robin"

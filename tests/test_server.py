@@ -26,7 +26,7 @@ MODEL = "tiny-llama"
 # a decode pool too small for 64 requests at once: admission waits, running requests retract
 SMALL_DECODE = {"max_total_tokens": 512, "max_running_requests": 64, "init_new_token_ratio": 0.02,
                 "min_new_token_ratio": 0.02}
-SERVER = {"max_concurrent_requests": 64, "max_queue_size": 64}
+SERVER = {"max_concurrent_requests": 64, "max_queue_size": 64, "allow_weight_updates": True}
 
 
 @pytest.fixture(scope="module")
@@ -306,3 +306,46 @@ def test_a_client_gone_mid_stream_frees_its_slot_and_its_request(served, http):
     assert wait_until(lambda: app.state.admission.running == 0, 10)
     wait_idle(cluster)
     assert http.get("/health").status_code == 200
+
+
+def test_update_weights_from_disk_on_every_worker(served, http, tmp_path):
+    """SGLang's /update_weights_from_disk (last in this module: it changes the weights): a checkpoint
+    that does not fit is a 400 naming why, and the old weights serve; the new checkpoint reaches
+    the prefill and the decode worker, /generate's tokens are then HF's on it, a prompt cached
+    before is not a hit any more, and the router re-indexed the workers' (flushed) caches."""
+    from actors.engine.tiny import build_tiny_checkpoint
+    from cluster.cli import builtin_model
+    from tests.parity import assert_greedy_parity
+
+    cluster, _, app = served
+    old, new = cluster.model_path, builtin_model("llama", seed=1)
+    wider = str(build_tiny_checkpoint("llama", tmp_path / "wider", seed=1, hidden_size=32))
+    prompt = [10 + (i * 11) % 200 for i in range(24)]
+
+    def generate():
+        params = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
+        r = http.post("/generate", json={"input_ids": prompt, "sampling_params": params})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    assert http.get("/get_weight_version").json() == {"weight_version": "default"}
+    generate()
+    r = http.post("/update_weights_from_disk", json={"model_path": wider, "weight_version": "v1"})
+    assert r.status_code == 400 and r.json()["success"] is False
+    assert "hidden_size=32 (served 64)" in r.json()["error"]["message"] == r.json()["message"]
+    out = generate()
+    assert out["meta_info"]["weight_version"] == "default" and out["meta_info"]["cached_tokens"] > 0
+    assert_greedy_parity(old, [prompt], [out["output_ids"]], 8, ())
+    resyncs = ray.get(app.state.backend.client.router.stats.remote())["resyncs"]
+    r = http.post("/update_weights_from_disk", json={"model_path": new, "weight_version": "v1",
+                                                     "abort_all_requests": False, "flush_cache": True})
+    assert r.status_code == 200 and r.json() == {"success": True, "message": "Succeeded to update model weights.",
+                                                 "num_paused_requests": 0}
+    assert http.get("/get_weight_version").json() == {"weight_version": "v1"}
+    workers = cluster.prefill + cluster.decode
+    assert ray.get([w.handle.get_weight_version.remote() for w in workers]) == ["v1"] * len(workers)
+    assert ray.get(app.state.backend.client.router.stats.remote())["resyncs"] >= resyncs + len(workers)
+    out = generate()
+    assert out["meta_info"]["weight_version"] == "v1" and out["meta_info"]["cached_tokens"] == 0
+    assert_greedy_parity(new, [prompt], [out["output_ids"]], 8, ())
+    wait_idle(cluster)

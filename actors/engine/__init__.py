@@ -6,8 +6,9 @@ continuous batching, chunked prefill, retraction, SGLang's schedule policies
 and priority scheduling, and sampling. Beside them: structured output
 (``grammar``), n-gram speculative decoding (``spec_decode``, the verify step;
 ``spec_accept``, how each draft position is picked and accepted; ``ngram``,
-the draft lookup), multi-LoRA serving (``lora``) and the embeddings'
-last-token pooling (``pooling``). The command ``python -m actors.engine.tiny``
+the draft lookup), multi-LoRA serving (``lora``, its adapters loaded at
+runtime by ``lora_updates``), weight updates from disk (``weight_updates``, SGLang's
+``update_weights_from_disk``) and the embeddings' last-token pooling (``pooling``). The command ``python -m actors.engine.tiny``
 builds the tiny random-weight checkpoints tests and the built-in default model use.
 """
 

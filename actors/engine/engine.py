@@ -28,11 +28,13 @@ from actors.engine.config import EngineConfig
 from actors.engine.engine_loop import EngineLoop, Post
 from actors.engine.grammar import MakingReqs, make_req_off_loop
 from actors.engine.lora_updates import load_lora_adapter, unload_lora_adapter
+from actors.engine.model_loader import DEFAULT_WEIGHT_VERSION
 from actors.engine.model_runner import ModelRunner
 from actors.engine.req import Req
 from actors.engine.sampling_params import SamplingParams
 from actors.engine.scheduler import Scheduler
 from actors.engine.tp_worker import LocalTPGroup
+from actors.engine.weight_updates import UpdateWeightsRequest, UpdateWeightsResult, WeightUpdater
 
 logger = logging.getLogger(__name__)
 
@@ -51,10 +53,12 @@ def _eos_ids(model_path: str, model_config) -> List[int]:
     return [ids] if isinstance(ids, int) else list(ids)
 
 
-def request_result(req: Req, with_text: bool = True) -> Dict[str, Any]:
-    """The caller's view of a request: ``output_ids`` (cumulative), ``text`` and ``meta_info``."""
+def request_result(req: Req, with_text: bool = True, weight_version: str = DEFAULT_WEIGHT_VERSION) -> Dict[str, Any]:
+    """The caller's view of a request: ``output_ids`` (cumulative), ``text`` and ``meta_info``
+    (with SGLang's ``weight_version``: the weights it ran under, an update waits for it to end)."""
     meta = {
         "id": req.rid,
+        "weight_version": weight_version,
         "prompt_tokens": len(req.origin_input_ids),
         "completion_tokens": len(req.output_ids),
         "cached_tokens": req.cached_tokens,
@@ -297,12 +301,28 @@ class Engine:
         at once, gone once the requests in flight under it have finished (SGLang's)."""
         unload_lora_adapter(self.loop, self.runner, self._call_followers, lora_name)
 
+    # ---- weights (actors.engine.weight_updates) ---------------------------------------------
+    def update_weights_from_disk(self, model_path: str, weight_version: Optional[str] = None,
+                                 abort_all_requests: bool = False, flush_cache: bool = True) -> UpdateWeightsResult:
+        """SGLang's ``update_weights_from_disk``: serve the checkpoint in ``model_path`` (same model, new
+        weights) from now on, on every TP rank. New requests wait meanwhile; those in flight finish
+        first, or end aborted with ``abort_all_requests``. ValueError (nothing changed) for a checkpoint
+        that does not fit the served model; ``flush_cache`` drops the KV of the old weights."""
+        updater = WeightUpdater(self.loop, self.runner, self._call_followers,
+                                lambda: flush_engine_cache(self.scheduler, self.runner),
+                                lambda rid, room: self.loop.abort(rid))
+        return updater.update(UpdateWeightsRequest(model_path, weight_version, abort_all_requests, flush_cache))
+
+    def get_weight_version(self) -> str:
+        """The ``weight_version`` of the last update ("default" before any)."""
+        return self.runner.weights.version
+
     @property
     def _call_followers(self):
         return self.tp_group.worker.call_followers if self.tp_group is not None else None
 
     def _result(self, req: Req) -> Dict[str, Any]:
-        return request_result(req, with_text=self.tokenizer is not None)
+        return request_result(req, self.tokenizer is not None, self.runner.weights.version)
 
     # ---- health -------------------------------------------------------------------------
     def check_integrity(self) -> None:

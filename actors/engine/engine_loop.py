@@ -56,6 +56,9 @@ class EngineLoop:
         self._cond = threading.Condition()
         self._stopped = False
         self._paused = False
+        self._holds = 0  # hold() calls not yet released
+        self._parked: List[Req] = []  # submitted while held, for the scheduler at the last release
+        self._parked_aborts: List[Tuple[str, tuple, dict]] = []  # scheduler.abort calls for them meanwhile
         self._thread = threading.Thread(target=self._run, name="raydix-engine-loop", daemon=True)
         self._thread.start()
 
@@ -69,20 +72,66 @@ class EngineLoop:
                     raise ValueError(f"request id {req.rid!r} is already in flight")
                 self._callbacks[id(req)] = (req, callback)
                 self._by_rid[req.rid] = req
-            self.scheduler.add_request(req)
+            if self._holds:
+                self._parked.append(req)
+            else:
+                self.scheduler.add_request(req)
             self._cond.notify()
 
     def abort(self, rid: str, *args, **kwargs) -> bool:
-        """``scheduler.abort(rid, *args, **kwargs)`` (a disaggregated scheduler's take more), then wake the loop."""
+        """``scheduler.abort(rid, *args, **kwargs)`` (a disaggregated scheduler's take more), then wake
+        the loop. A parked request under ``rid`` gets the same call once it reaches the scheduler."""
         with self._cond:
             found = self.scheduler.abort(rid, *args, **kwargs)
+            if any(req.rid == rid for req in self._parked):
+                self._parked_aborts.append((rid, args, kwargs))
+                found = True
             self._cond.notify()
             return found
+
+    def hold(self) -> None:
+        """Park the requests submitted from now on until :meth:`release`: they wait, registered here
+        but not given to the scheduler, while the requests in flight end (a weight update drains the
+        engine so, as SGLang's model_update_lock holds new requests back while it waits)."""
+        with self._cond:
+            self._holds += 1
+
+    def release(self) -> int:
+        """End one :meth:`hold`; at the last, the parked requests go to the scheduler in the order they
+        came, then the aborts that came for them. Returns how many are (or were) parked."""
+        with self._cond:
+            self._holds -= 1
+            parked = len(self._parked)
+            if self._holds:
+                return parked
+            for req in self._parked:
+                self.scheduler.add_request(req)
+            for rid, args, kwargs in self._parked_aborts:
+                self.scheduler.abort(rid, *args, **kwargs)
+            self._parked, self._parked_aborts = [], []
+            self._cond.notify()
+            return parked
+
+    def in_flight_rooms(self) -> Dict[str, Optional[int]]:
+        """:meth:`held_rooms` of the requests not parked."""
+        with self._cond:
+            parked = {id(req) for req in self._parked}
+            with self._callbacks_lock:
+                return {rid: getattr(req, "pd_room", None) for rid, req in self._by_rid.items() if id(req) not in parked}
+
+    def drained(self) -> bool:
+        """Whether every request held is parked and the scheduler has nothing left to do."""
+        with self._cond:
+            return not self.in_flight_rooms() and not self.scheduler.has_work()
 
     def pause(self) -> None:
         """Stop stepping after the current step (SGLang's pause_generation); requests stay queued."""
         with self._cond:
             self._paused = True
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
 
     def resume(self) -> None:
         with self._cond:

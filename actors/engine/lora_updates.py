@@ -28,7 +28,8 @@ CallFollowers = Optional[Callable[[str, Any], List[Any]]]  # (None: a single ran
 _load_ids = itertools.count()  # (a follower tells the reads of racing loads apart by them)
 
 
-def _on_followers(call_followers: CallFollowers, name: str, payload: Any) -> None:
+def on_followers(call_followers: CallFollowers, name: str, payload: Any) -> None:
+    """``call_followers(name, payload)`` on every follower rank; ValueError naming the ranks that failed."""
     errors = [reply for reply in (call_followers(name, payload) if call_followers else []) if
               isinstance(reply, FollowerError)]
     if errors:
@@ -64,7 +65,7 @@ def load_lora_adapter(loop, runner, call_followers: CallFollowers, name: str, pa
                 call_followers("lora_drop", load_id)
             raise
         try:
-            _on_followers(call_followers, "lora_add", (load_id, cache_key))
+            on_followers(call_followers, "lora_add", (load_id, cache_key))
         except BaseException:  # (a rank that read it drops it again)
             runner.unload_lora(name)
             if call_followers:
@@ -80,7 +81,7 @@ def _unload_if_unused(loop, runner, call_followers: CallFollowers, name: str) ->
         if any(r.lora_path == name and not r.finished for r in loop.held_reqs()):
             return False
         runner.unload_lora(name)
-        _on_followers(call_followers, "lora_unload", name)
+        on_followers(call_followers, "lora_unload", name)
         return True
 
     return loop.run_exclusive(unload)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import glob
 import os
 import re
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from safetensors import safe_open
@@ -14,6 +14,9 @@ from transformers import AutoConfig
 from actors.engine.models import get_model_class
 from actors.engine.parallel import SINGLE, ParamShard, TPGroup
 
+DEFAULT_WEIGHT_VERSION = "default"  # SGLang's --weight-version default
+# config.json fields that may differ between checkpoints of one model: they change nothing it computes
+METADATA_FIELDS = frozenset({"_name_or_path", "transformers_version", "torch_dtype", "dtype", "use_cache"})
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -21,6 +24,13 @@ def load_config(model_path: str):
     if not os.path.isfile(os.path.join(model_path, "config.json")):
         raise FileNotFoundError(f"model_path={model_path!r} has no config.json (only local checkpoints are served)")
     return AutoConfig.from_pretrained(model_path, local_files_only=True)
+
+
+def checkpoint_files(model_path: str) -> List[str]:
+    files = sorted(glob.glob(os.path.join(model_path, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {model_path!r}")
+    return files
 
 
 def resolve_dtype(config, dtype: str) -> torch.dtype:
@@ -48,10 +58,7 @@ def load_model(
     config = load_config(model_path)
     torch_dtype = resolve_dtype(config, dtype)
     model = build_model(config, tp).to_empty(device=device)
-    files = sorted(glob.glob(os.path.join(model_path, "*.safetensors")))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors in {model_path!r}")
-    missing, unexpected = load_weights(model, files)
+    missing, unexpected = load_weights(model, checkpoint_files(model_path))
     unexpected = [name for name in unexpected if not ignored_weight(model, name)]
     if getattr(config, "tie_word_embeddings", False):
         missing = [m for m in missing if m != "lm_head.weight"]
@@ -97,10 +104,30 @@ def _read_range(view, shard: ParamShard, r: range) -> torch.Tensor:
     return torch.cat([part, part.new_zeros(pad)], dim=dim)
 
 
+def checkpoint_targets(model: torch.nn.Module) -> Dict[str, Tuple[torch.Tensor, Optional[ParamShard]]]:
+    """Each checkpoint tensor name → the model tensor it is copied into and this rank's shard of
+    it (None: the whole tensor). Taken before anything wraps the modules (LoRA), it still names
+    the very tensors the model computes with: a weight update copies into them in place."""
+    targets = {}
+    for name, target in model.state_dict(keep_vars=True).items():
+        module_name, _, param_name = name.rpartition(".")
+        targets[name] = target, getattr(model.get_submodule(module_name), "param_shards", {}).get(param_name)
+    return targets
+
+
+def copy_tensor(f, name: str, target: torch.Tensor, shard: Optional[ParamShard]) -> None:
+    """Checkpoint tensor ``name`` of the open file ``f`` (this rank's ``shard``) into ``target``."""
+    tensor = _read(f, name, shard)
+    if tensor.shape != target.shape:
+        raise ValueError(f"{name}: checkpoint shard {tuple(tensor.shape)} != model {tuple(target.shape)}")
+    with torch.no_grad():
+        target.copy_(tensor)
+
+
 def load_weights(model: torch.nn.Module, files: List[str]) -> Tuple[List[str], List[str]]:
     """Copy every checkpoint tensor into the model (by HF name); returns the
     (missing, unexpected) names."""
-    targets = model.state_dict(keep_vars=True)
+    targets = checkpoint_targets(model)
     loaded, unexpected = set(), []
     for path in files:
         with safe_open(path, framework="pt", device="cpu") as f:
@@ -108,13 +135,7 @@ def load_weights(model: torch.nn.Module, files: List[str]) -> Tuple[List[str], L
                 if name not in targets:
                     unexpected.append(name)
                     continue
-                module_name, _, param_name = name.rpartition(".")
-                shard = getattr(model.get_submodule(module_name), "param_shards", {}).get(param_name)
-                tensor, target = _read(f, name, shard), targets[name]
-                if tensor.shape != target.shape:
-                    raise ValueError(f"{name}: checkpoint shard {tuple(tensor.shape)} != model {tuple(target.shape)}")
-                with torch.no_grad():
-                    target.copy_(tensor)
+                copy_tensor(f, name, *targets[name])
                 loaded.add(name)
     return [n for n in targets if n not in loaded], unexpected
 
@@ -136,3 +157,71 @@ def reinit_buffers(model: torch.nn.Module) -> None:
     for module in model.modules():
         if hasattr(module, "rebuild_buffers"):
             module.rebuild_buffers()
+
+
+class ServedWeights:
+    """The checkpoint tensors one rank serves: where they came from, their version, and the model
+    tensors (this rank's shards) each is copied into, taken before LoRA wraps the modules."""
+
+    def __init__(self, model: torch.nn.Module, config, path: str):
+        self.config, self.path, self.version = config, path, DEFAULT_WEIGHT_VERSION
+        self.targets = checkpoint_targets(model)
+        if getattr(config, "tie_word_embeddings", False):  # (the embedding's tensor: loaded by its own name)
+            self.targets.pop("lm_head.weight", None)
+
+    def check(self, path: str) -> None:
+        """ValueError naming what differs when the checkpoint in ``path`` cannot replace the served
+        weights. Reads config.json and the safetensors headers only."""
+        self._names_by_file(path)
+
+    def _names_by_file(self, path: str) -> Dict[str, List[str]]:
+        """(:meth:`check`) each file of the checkpoint in ``path`` → the served tensors it holds."""
+        try:
+            config, files = load_config(path), checkpoint_files(path)
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"checkpoint {path!r}: {exc}") from None
+        served, new = self.config.to_dict(), config.to_dict()
+        differ = [f"{k}={new.get(k)!r} (served {served.get(k)!r})" for k in sorted(set(served) | set(new))
+                  if k not in METADATA_FIELDS and served.get(k) != new.get(k)]
+        if differ:
+            raise ValueError(f"checkpoint {path!r}: config.json differs from the served model's: {', '.join(differ)}")
+        shapes, where = {}, {}
+        for file in files:
+            with safe_open(file, framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    shapes[name], where[name] = list(f.get_slice(name).get_shape()), file
+        full = build_model(self.config)  # (on meta: the whole tensors' shapes, whatever this rank's shards)
+        expected = {name: list(t.shape) for name, t in full.state_dict().items() if name in self.targets}
+        problems = _checkpoint_problems(shapes, expected, lambda name: ignored_weight(full, name))
+        if problems:
+            raise ValueError(f"checkpoint {path!r} does not fit the served model: {'; '.join(problems)}")
+        by_file: Dict[str, List[str]] = {}
+        for name in expected:
+            by_file.setdefault(where[name], []).append(name)
+        return by_file
+
+    def load(self, path: str) -> None:
+        """Copy the checkpoint in ``path`` (checked again) into the served tensors, this rank's shards."""
+        for file, names in self._names_by_file(path).items():
+            with safe_open(file, framework="pt", device="cpu") as f:
+                for name in names:
+                    copy_tensor(f, name, *self.targets[name])
+        self.path = path
+
+
+def _checkpoint_problems(shapes: Dict[str, List[int]], expected: Dict[str, List[int]], ignored) -> List[str]:
+    """What keeps a checkpoint of tensors ``shapes`` from replacing the ``expected`` ones (names →
+    shapes): missing tensors, other shapes, tensors the model has no place for (but ``ignored``)."""
+    problems = []
+    missing = [name for name in expected if name not in shapes]
+    if missing:
+        problems.append(f"missing tensors {missing[:8]}")
+    wrong = [f"{name} {shapes[name]} (served {shape})" for name, shape in expected.items()
+             if name in shapes and shapes[name] != shape]
+    if wrong:
+        problems.append(f"tensor shapes differ: {', '.join(wrong[:8])}")
+    unexpected = [name for name in shapes  # (a tied model's lm_head.weight: its embedding serves)
+                  if name not in expected and name != "lm_head.weight" and not ignored(name)]
+    if unexpected:
+        problems.append(f"unexpected tensors {unexpected[:8]}")
+    return problems

@@ -21,7 +21,7 @@ from actors.engine.attention import create_attention_backend
 from actors.engine.config import EngineConfig
 from actors.engine.forward_batch import ForwardBatch, int64_tensor
 from actors.engine.lora import LoRAAdapter, LoRAManager, read_adapter
-from actors.engine.model_loader import build_model, load_model
+from actors.engine.model_loader import ServedWeights, build_model, load_model
 from actors.engine.models.base import LogitsOutput
 from actors.engine.parallel import SINGLE, TPGroup
 from mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
@@ -69,6 +69,7 @@ class ModelRunner:
         self.device = resolve_device(config.device)
         torch.manual_seed(config.random_seed)
         self.model, self.model_config, self.dtype = load_model(config.model_path, config.dtype, config.device, tp)
+        self.weights = ServedWeights(self.model, self.model_config, config.model_path)  # (before LoRA wraps layers)
         self.lora = self._load_loras()  # (before the KV pool is sized: its buffers are device memory too)
         self.kv_dtype = KV_DTYPES.get(config.kv_cache_dtype, self.dtype)
         self.spec = self.model.kv_cache_spec()

@@ -212,9 +212,10 @@ class TPModelWorker:
         self.broken: Optional[str] = None  # rank 0: why the group was torn down (see _exchange)
         # follower side of call_followers(): name -> fn(payload) -> reply (picklable)
         self.handlers: Dict[str, Callable[[Any], Any]] = {}
-        if self.tp.size > 1 and not self.tp.is_leader:
+        if self.tp.size > 1 and not self.tp.is_leader:  # (actors.engine.lora_updates, weight_updates)
             from actors.engine.lora_updates import FollowerReads  # (which imports this module)
-            self.handlers.update(FollowerReads(self.runner).handlers())
+            self.handlers.update(FollowerReads(self.runner).handlers(), weights_check=self.runner.weights.check,
+                                 weights_load=self.runner.weights.load)
         if self.tp.size > 1 and self.tp.is_leader:
             self._mirror = TableMirror(self.tables)
             if self._mamba_pool is not None:
@@ -238,6 +239,8 @@ class TPModelWorker:
             self.handlers["storage_read"] = lambda payload: self._host_tier.read_storage(*payload)
             self.handlers["prefetch_start"] = self._host_tier.peer_prefetch_start
             self.handlers["prefetch_end"] = self._host_tier.peer_prefetch_end
+            self.handlers["weights_storage_dir"] = lambda directory: self._host_tier.use_storage(
+                HiCacheFile(rank_storage_dir(directory, self.tp.rank, self.tp.size)))
 
     # ---- rank 0 ------------------------------------------------------------------------
     @contextlib.contextmanager

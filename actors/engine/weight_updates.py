@@ -1,0 +1,168 @@
+"""Weights replaced from a checkpoint on disk while an engine serves (SGLang's
+``update_weights_from_disk``): what an RL framework (verl, OpenRLHF, slime) calls after each
+training step to go on generating with the new policy.
+
+The order of one update, on an engine or a PD worker (every TP rank):
+
+1. New requests wait: the engine loop parks them (:meth:`EngineLoop.hold`) until the update ends.
+   Those in flight finish first, or with ``abort_all_requests`` end at once as aborted (SGLang's
+   abort finish reason), freeing what they held.
+2. Once nothing runs, the checkpoint is checked on every rank before any weight is touched
+   (:meth:`ServedWeights.check`): its config must equal the served one's but for metadata, every
+   tensor the model loads must be there in its shape (read from the safetensors headers), and
+   none left over. A refusal (ValueError naming what differs, and the rank) changes nothing.
+3. Every rank copies its shard into the tensors the model holds, in place: whatever holds them
+   (LoRA layers wrap the base modules) computes with the new values. A copy that fails on a rank
+   reloads the served checkpoint on every rank (SGLang's rollback) and raises.
+4. With ``flush_cache`` (the default) the prefix cache goes, its host copies too; a file tier
+   (``hicache_storage_dir``) is keyed by weight version: the pages of the new weights go to a
+   directory of their own, ``<dir>/weights/<hash of path and version>`` (a fresh one when the update
+   names no version), so no engine reads KV of other weights there — neither this one the pages
+   of its old weights, nor an engine still on the old weights the pages of the new (which
+   clearing the directory would not prevent, and which would destroy what those engines share).
+   Without ``flush_cache`` the caches are kept, as SGLang's, KV of the old weights included.
+5. ``weight_version`` (SGLang's; "default" until an update names one) is recorded: results
+   carry it in ``meta_info``. The checkpoint's tokenizer and generation config are not read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import os
+import time
+import uuid
+from typing import Any, Callable, List, NamedTuple, Optional
+
+from actors.engine.lora_updates import CallFollowers, on_followers
+from actors.engine.model_loader import ServedWeights
+from mem_cache.hicache_storage import HiCacheFile, rank_storage_dir
+
+logger = logging.getLogger(__name__)
+
+DRAIN_POLL_S = 0.01  # how often an update looks whether the requests in flight have ended
+ABORT_MESSAGE = "aborted: the weights are being updated (abort_all_requests)"
+SUCCESS = "Succeeded to update model weights."  # (SGLang's message)
+
+
+class UpdateWeightsResult(NamedTuple):
+    """SGLang's UpdateWeightFromDiskReqOutput: ``num_paused_requests`` the requests that waited."""
+
+    success: bool
+    message: str
+    num_paused_requests: int
+
+
+def storage_dir_for(base: str, path: str, version: Optional[str]) -> str:
+    """The file tier's directory for the pages of the weights in ``path`` at ``version``: shared by
+    the engines updated alike (a trainer may rewrite one path at every step: the version tells the
+    weights apart; two runs may both name a "v1": the path does). No version: a directory of its own."""
+    if version is None:
+        return os.path.join(base, "weights", f"u{uuid.uuid4().hex[:16]}")
+    return os.path.join(base, "weights", hashlib.sha256(f"{path}\0{version}".encode()).hexdigest()[:16])
+
+
+def check_weights(runner, call_followers: CallFollowers, path: str) -> None:
+    """ValueError naming what differs (and the rank) when the checkpoint in ``path`` cannot replace
+    the served weights on every rank; nothing is loaded (the loop's lock held: it calls the followers)."""
+    runner.weights.check(path)
+    on_followers(call_followers, "weights_check", path)
+
+
+def apply_update(sched, runner, call_followers: CallFollowers, flush: Callable[[], None], path: str,
+                 version: Optional[str], flush_cache: bool) -> None:
+    """With nothing running (the loop's lock held): check on every rank, copy on every rank, flush
+    (``flush``: the engine's prefix cache, idle), record ``version``. ValueError: refused, nothing
+    changed; RuntimeError: a copy failed (rolled back where the served checkpoint still reads)."""
+    check_weights(runner, call_followers, path)
+    weights, old = runner.weights, runner.weights.path
+    try:
+        weights.load(path)
+        on_followers(call_followers, "weights_load", path)
+    except Exception as exc:
+        raise RuntimeError(f"weights update from {path!r} failed while copying ({exc}); "
+                           f"{_roll_back(weights, call_followers, old)}") from None
+    if flush_cache:
+        flush()
+        if sched.file_tier:
+            directory = storage_dir_for(runner.config.hicache_storage_dir, path, version)
+            tp = runner.tp
+            sched.tree_cache.cache_controller.use_storage(HiCacheFile(rank_storage_dir(directory, tp.rank, tp.size)))
+            on_followers(call_followers, "weights_storage_dir", directory)
+    if version is not None:
+        weights.version = version
+
+
+def _roll_back(weights: ServedWeights, call_followers: CallFollowers, old: str) -> str:
+    try:
+        weights.load(old)
+        on_followers(call_followers, "weights_load", old)
+    except Exception as exc:
+        logger.exception("rolling the weights back to %s failed", old)
+        return f"rolling back to {old!r} failed too ({exc}): the ranks' weights may be mixed"
+    return f"rolled back to {old!r} on every rank"
+
+
+class UpdateWeightsRequest(NamedTuple):
+    """SGLang's UpdateWeightFromDiskReqInput (the fields raydix serves)."""
+
+    model_path: str
+    weight_version: Optional[str] = None
+    abort_all_requests: bool = False
+    flush_cache: bool = True
+
+
+class WeightUpdater:
+    """One engine's (or PD worker's) weight updates: its ``loop``, rank 0's ``runner``, the other
+    ranks through ``call_followers``; ``flush()`` drops its prefix cache (idle), ``abort(rid, room)``
+    ends a request in flight (a coroutine function for :meth:`async_update`)."""
+
+    def __init__(self, loop, runner, call_followers: CallFollowers, flush: Callable[[], None],
+                 abort: Callable[[str, Optional[int]], Any]):
+        self.loop, self.runner, self.call_followers, self.flush, self.abort = loop, runner, call_followers, flush, abort
+
+    def update(self, req: UpdateWeightsRequest) -> UpdateWeightsResult:
+        """The whole update (see the module docstring) for a caller on a thread of its own: returns
+        once the new weights serve; ValueError (a checkpoint refused) or RuntimeError (a failed copy) else."""
+        self._hold()
+        try:
+            self._abort_in_flight(req)
+            while not self.loop.drained():
+                time.sleep(DRAIN_POLL_S)
+            self._apply(req)
+        finally:
+            paused = self.loop.release()
+        return UpdateWeightsResult(True, SUCCESS, paused)
+
+    async def async_update(self, req: UpdateWeightsRequest) -> UpdateWeightsResult:
+        """:meth:`update` for an asyncio caller (a worker actor, whose event loop delivers the outputs
+        of the very requests the update waits for; the copy runs on a thread, so that the actor
+        answers its heartbeats meanwhile)."""
+        self._hold()
+        try:
+            await asyncio.gather(*self._abort_in_flight(req))
+            while not self.loop.drained():
+                await asyncio.sleep(DRAIN_POLL_S)
+            await asyncio.to_thread(self._apply, req)
+        finally:
+            paused = self.loop.release()
+        return UpdateWeightsResult(True, SUCCESS, paused)
+
+    def _hold(self) -> None:
+        """New requests park from now on. A paused loop (``pause_generation``) would never drain:
+        refused (RuntimeError), nothing changed."""
+        if self.loop.paused:
+            raise RuntimeError("generation is paused (pause_generation): the requests in flight cannot end; "
+                               "continue_generation first")
+        self.loop.hold()
+
+    def _abort_in_flight(self, req: UpdateWeightsRequest) -> List[Any]:
+        """With ``abort_all_requests``, abort the requests in flight (returns what each ``abort`` returned)."""
+        if not req.abort_all_requests:
+            return []
+        return [self.abort(rid, room) for rid, room in self.loop.in_flight_rooms().items()]
+
+    def _apply(self, req: UpdateWeightsRequest) -> None:
+        self.loop.run_exclusive(lambda: apply_update(self.loop.scheduler, self.runner, self.call_followers, self.flush,
+                                                     req.model_path, req.weight_version, req.flush_cache))

@@ -1,0 +1,315 @@
+"""Weights updated from disk while serving (SGLang's ``update_weights_from_disk``,
+actors.engine.weight_updates): the engine's tokens are HF's on the new checkpoint, its caches
+(device, host, file tier) serve no KV of the old weights, a checkpoint that does not fit is
+refused before any weight is touched, requests in flight finish (or are aborted) and new ones
+wait; at TP 2 every rank takes its shard; over HTTP through PDBackend to both PD workers."""
+
+import random
+import threading
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from actors.engine import Engine
+from actors.engine.tiny import build_tiny_checkpoint
+from tests.parity import assert_greedy_parity
+from tests.tp_helpers import thread_ranks
+
+GREEDY = {"temperature": 0, "max_new_tokens": 8}
+ENGINE = dict(skip_tokenizer_init=True, max_total_tokens=1024, page_size=4)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """(old, new): one tiny Llama's config, two seeds' weights."""
+    root = tmp_path_factory.mktemp("weights")
+    return str(build_tiny_checkpoint("llama", root / "old", seed=0)), str(build_tiny_checkpoint("llama", root / "new", seed=1))
+
+
+def prompts(n=2, seed=0):
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 250) for _ in range(rng.randrange(9, 20))] for _ in range(n)]
+
+
+def tensors_of(engine):
+    """(the objects, their storage) of the served tensors: an update copies into them."""
+    targets = engine.runner.weights.targets
+    return [t for t, _ in targets.values()], [t.data_ptr() for t, _ in targets.values()]
+
+
+def test_update_serves_the_new_weights_and_misses_the_old_cache(checkpoints):
+    old, new = checkpoints
+    eng = Engine(model_path=old, **ENGINE)
+    try:
+        batch = prompts()
+        before = eng.generate(input_ids=batch, sampling_params=GREEDY)
+        assert_greedy_parity(old, batch, [o["output_ids"] for o in before], 8, eng.eos_token_ids)
+        assert {o["meta_info"]["weight_version"] for o in before} == {"default"}
+        assert eng.generate(input_ids=batch[0], sampling_params=GREEDY)["meta_info"]["cached_tokens"] > 0
+        objects, storage = tensors_of(eng)
+        result = eng.update_weights_from_disk(new, weight_version="step-1")
+        assert result.success and result.num_paused_requests == 0
+        assert eng.get_weight_version() == "step-1" and eng.runner.weights.path == new
+        after = eng.generate(input_ids=batch, sampling_params=GREEDY)
+        assert [o["meta_info"]["cached_tokens"] for o in after] == [0, 0]  # the old weights' KV is gone
+        assert {o["meta_info"]["weight_version"] for o in after} == {"step-1"}
+        assert_greedy_parity(new, batch, [o["output_ids"] for o in after], 8, eng.eos_token_ids)
+        assert [o["output_ids"] for o in after] != [o["output_ids"] for o in before]
+        assert tensors_of(eng)[1] == storage and all(a is b for a, b in zip(tensors_of(eng)[0], objects))
+        eng.check_integrity()
+    finally:
+        eng.shutdown()
+
+
+def test_lora_layers_compute_with_the_new_base_weights(checkpoints, tmp_path):
+    """An adapter's layers wrap the base modules: after the update a request under it equals HF
+    on the new checkpoint with the adapter merged."""
+    from actors.engine.tiny import make_adapter
+    from tests.lora_helpers import merged_checkpoint
+
+    old, new = checkpoints
+    adapter = make_adapter(old, tmp_path / "sql", rank=8, alpha=16, seed=1)
+    eng = Engine(model_path=old, lora_paths={"sql": str(adapter)}, max_loras_per_batch=1, **ENGINE)
+    try:
+        batch = prompts(seed=6)
+        eng.update_weights_from_disk(new)
+        outs = eng.generate(input_ids=batch, sampling_params=GREEDY, lora_path="sql")
+        merged = merged_checkpoint(new, adapter, tmp_path / "merged")
+        assert_greedy_parity(merged, batch, [o["output_ids"] for o in outs], 8, eng.eos_token_ids)
+        eng.check_integrity()
+    finally:
+        eng.shutdown()
+
+
+def variant(src, dst, drop=None, config=None):
+    """A copy of checkpoint ``src`` without tensor ``drop`` / with ``config`` fields changed."""
+    import json
+    import shutil
+
+    shutil.copytree(src, dst)
+    if drop:
+        tensors = load_file(f"{dst}/model.safetensors")
+        del tensors[drop]
+        save_file(tensors, f"{dst}/model.safetensors", metadata={"format": "pt"})
+    if config:
+        with open(f"{dst}/config.json") as f:
+            data = json.load(f)
+        with open(f"{dst}/config.json", "w") as f:
+            json.dump({**data, **config}, f)
+    return str(dst)
+
+
+def test_a_checkpoint_that_does_not_fit_is_refused_and_the_old_weights_serve(checkpoints, tmp_path):
+    old, new = checkpoints
+    wider = str(build_tiny_checkpoint("llama", tmp_path / "wider", seed=1, hidden_size=32))
+    missing = variant(new, tmp_path / "missing", drop="model.layers.1.mlp.down_proj.weight")
+    # the config says 64 while the tensors are the wider model's: only the headers tell
+    lying = variant(wider, tmp_path / "lying", config={"hidden_size": 64, "head_dim": 16})
+    eng = Engine(model_path=old, **ENGINE)
+    try:
+        batch = prompts(seed=1)
+        for path, why in ((wider, r"hidden_size=32 \(served 64\)"),
+                          (missing, r"missing tensors \['model.layers.1.mlp.down_proj.weight'\]"),
+                          (lying, r"tensor shapes differ: model.embed_tokens.weight \[261, 32\] \(served \[261, 64\]\)"),
+                          (str(tmp_path / "nowhere"), "has no config.json")):
+            with pytest.raises(ValueError, match=why):
+                eng.update_weights_from_disk(path, weight_version="bad")
+        assert eng.get_weight_version() == "default" and eng.runner.weights.path == old
+        outs = eng.generate(input_ids=batch, sampling_params=GREEDY)
+        assert_greedy_parity(old, batch, [o["output_ids"] for o in outs], 8, eng.eos_token_ids)
+        eng.check_integrity()
+    finally:
+        eng.shutdown()
+
+
+def run_in_thread(fn, *args, **kwargs):
+    box = {}
+
+    def run():
+        try:
+            box["result"] = fn(*args, **kwargs)
+        except BaseException as exc:  # (re-raised by the caller's join)
+            box["error"] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+
+    def join():
+        thread.join(60)
+        assert not thread.is_alive()
+        if "error" in box:
+            raise box["error"]
+        return box["result"]
+
+    return join
+
+
+def running(eng, rid):
+    return eng.loop.run_exclusive(lambda: any(r.rid == rid and r.output_ids for r in eng.scheduler.running))
+
+
+def wait_for(predicate, timeout_s=30.0):
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.005)
+
+
+def test_a_request_in_flight_finishes_on_the_old_weights_and_a_new_one_waits(checkpoints):
+    """The update waits for the running request, which ends under the old weights; a request
+    sent meanwhile waits (not refused, not run) and then runs on the new ones; one aborted while
+    it waits ends aborted."""
+    old, new = checkpoints
+    eng = Engine(model_path=old, **ENGINE)
+    try:
+        long_prompt, new_prompt = prompts(seed=2)
+        slow = threading.Event()
+        forward = eng.runner.forward
+
+        def paced(batch):  # the long request decodes slowly until the new one has come
+            if not slow.is_set():
+                time.sleep(0.05)
+            return forward(batch)
+
+        eng.runner.forward = paced
+        first = run_in_thread(eng.generate, input_ids=long_prompt, rid="long",
+                              sampling_params={"temperature": 0, "max_new_tokens": 40, "ignore_eos": True})
+        wait_for(lambda: running(eng, "long"))
+        update = run_in_thread(eng.update_weights_from_disk, new, weight_version="v2")
+        wait_for(lambda: eng.loop._holds == 1)
+        second = run_in_thread(eng.generate, input_ids=new_prompt, rid="new", sampling_params=GREEDY)
+        gone = run_in_thread(eng.generate, input_ids=new_prompt, rid="gone", sampling_params=GREEDY)
+        wait_for(lambda: len(eng.loop._parked) == 2)
+        assert eng.abort("gone")  # (parked: ended once it reaches the scheduler)
+        assert eng.get_weight_version() == "default"  # (still waiting for "long")
+        slow.set()
+        old_out, result, new_out = first(), update(), second()
+        assert result.num_paused_requests == 2
+        assert gone()["meta_info"]["finish_reason"]["type"] == "abort"
+        assert old_out["meta_info"]["weight_version"] == "default" and len(old_out["output_ids"]) == 40
+        assert new_out["meta_info"]["weight_version"] == "v2"
+        assert_greedy_parity(old, [long_prompt], [old_out["output_ids"]], 40, ())
+        assert_greedy_parity(new, [new_prompt], [new_out["output_ids"]], 8, eng.eos_token_ids)
+        eng.check_integrity()
+    finally:
+        eng.shutdown()
+
+
+def test_abort_all_requests_ends_the_running_ones_and_frees_what_they_held(checkpoints):
+    old, new = checkpoints
+    eng = Engine(model_path=old, **ENGINE)
+    try:
+        batch = prompts(seed=3)
+        params = {"temperature": 0, "max_new_tokens": 900, "ignore_eos": True}
+        runs = [run_in_thread(eng.generate, input_ids=p, rid=f"r{i}", sampling_params=params)
+                for i, p in enumerate(batch)]
+        wait_for(lambda: all(running(eng, f"r{i}") for i in range(2)))
+        eng.update_weights_from_disk(new, abort_all_requests=True)
+        for run in runs:
+            out = run()
+            assert out["meta_info"]["finish_reason"]["type"] == "abort" and len(out["output_ids"]) < 900
+        eng.check_integrity()
+        outs = eng.generate(input_ids=batch, sampling_params=GREEDY)
+        assert_greedy_parity(new, batch, [o["output_ids"] for o in outs], 8, eng.eos_token_ids)
+    finally:
+        eng.shutdown()
+
+
+def test_pd_workers_abort_their_requests_and_serve_the_new_weights(checkpoints):
+    """The update on both PD workers with abort_all_requests: a request decoding ends aborted on
+    the decode side, its reservation and the prefill side's copy freed; the next request runs on
+    the new weights on both sides (its prompt KV from the prefill worker's, its tokens the decode's)."""
+    import asyncio
+
+    from tests.pd_helpers import close_workers, make_pair, run_pd, until
+
+    old, new = checkpoints
+    prefill, decode = make_pair(old, page_size=4)
+    try:
+        long_prompt, prompt = prompts(seed=7)
+
+        async def go():
+            params = {"temperature": 0, "max_new_tokens": 900, "ignore_eos": True}
+            running = asyncio.ensure_future(run_pd(prefill, decode, long_prompt, params))
+            await until(lambda: any(r.output_ids for r in decode.scheduler.running), what="decoding")
+            results = await asyncio.gather(*(w.update_weights_from_disk(new, "v1", True) for w in (prefill, decode)))
+            return (await running)[0], results, (await run_pd(prefill, decode, prompt))[0]
+
+        aborted, results, out = asyncio.run(go())
+        assert [r["success"] for r in results] == [True, True]
+        assert aborted["meta_info"]["finish_reason"]["type"] == "abort" and len(aborted["output_ids"]) < 900
+        assert out["meta_info"]["weight_version"] == "v1" == prefill.get_weight_version()
+        assert_greedy_parity(new, [prompt], [out["output_ids"]], 8, decode.eos_token_ids)
+    finally:
+        close_workers(prefill, decode)
+
+
+def test_tp2_every_rank_takes_its_shard(checkpoints, monkeypatch):
+    """TP 2 (ranks as threads): the update is checked on both ranks, then each copies its shard;
+    a checkpoint only a follower cannot read fails the whole update, and rank 0 keeps its weights."""
+    thread_ranks(monkeypatch)
+    old, new = checkpoints
+    eng = Engine(model_path=old, tp_size=2, **ENGINE)
+    try:
+        batch = prompts(seed=4)
+        wait_for(lambda: eng.tp_group.followers)  # (its thread files it once its constructor returns)
+        follower = eng.tp_group.followers[0]
+        check = follower.handlers["weights_check"]
+
+        def refuse(path):
+            if path == new:
+                raise ValueError("this rank cannot read it")
+            check(path)
+
+        follower.handlers["weights_check"] = refuse
+        served = {name: t.clone() for name, (t, _) in eng.runner.weights.targets.items()}
+        with pytest.raises(ValueError, match="rank 1: ValueError: this rank cannot read it"):
+            eng.update_weights_from_disk(new, weight_version="v1")
+        assert all(torch.equal(t, served[name]) for name, (t, _) in eng.runner.weights.targets.items())
+        assert eng.get_weight_version() == "default" and follower.runner.weights.path == old
+        follower.handlers["weights_check"] = check
+        eng.update_weights_from_disk(new, weight_version="v1")
+        assert follower.runner.weights.path == new
+        outs = eng.generate(input_ids=batch, sampling_params=GREEDY)
+        assert_greedy_parity(new, batch, [o["output_ids"] for o in outs], 8, eng.eos_token_ids)
+        eng.check_integrity()
+    finally:
+        eng.shutdown()
+
+
+def stored_pages(eng, storage):
+    """The page files under ``storage`` once ``eng``'s writes to its file tier have ended."""
+    eng.check_integrity()  # (the backups to the host tier, which go on to the files, have ended)
+    eng.loop.run_exclusive(eng.scheduler.tree_cache.cache_controller.flush_storage)
+    return set(storage.rglob("*.bin"))
+
+
+def test_the_host_and_file_tiers_serve_no_kv_of_the_old_weights(checkpoints, tmp_path):
+    """With the host tier and a file tier: after the update a prompt cached under the old weights
+    on device, host and files is computed anew; the old weights' pages stay where they were, for
+    an engine still on them, and the new weights' pages go to their version's folder."""
+    old, new = checkpoints
+    storage = tmp_path / "kv-files"
+    args = dict(ENGINE, max_total_tokens=256, enable_hierarchical_cache=True, hicache_ratio=4.0,
+                hicache_storage_dir=str(storage))
+    prompt = prompts(1, seed=5)[0] * 4
+    eng = Engine(model_path=old, **args)
+    try:
+        eng.generate(input_ids=prompt, sampling_params=GREEDY)
+        old_pages = stored_pages(eng, storage)
+        assert old_pages
+        eng.update_weights_from_disk(new, weight_version="v1")
+        out = eng.generate(input_ids=prompt, sampling_params=GREEDY)
+        assert out["meta_info"]["cached_tokens"] == 0
+        assert_greedy_parity(new, [prompt], [out["output_ids"]], 8, eng.eos_token_ids)
+        new_pages = stored_pages(eng, storage) - old_pages
+        assert new_pages and all("weights" in p.relative_to(storage).parts for p in new_pages)
+    finally:
+        eng.shutdown()
+    again = Engine(model_path=old, **args)  # an engine on the old weights still reads their pages
+    try:
+        assert again.generate(input_ids=prompt, sampling_params=GREEDY)["meta_info"]["cached_tokens"] > 0
+    finally:
+        again.shutdown()
