@@ -4,9 +4,11 @@ actors.engine.weight_updates): the engine's tokens are HF's on the new checkpoin
 refused before any weight is touched, requests in flight finish (or are aborted) and new ones
 wait; at TP 2 every rank takes its shard; over HTTP through PDBackend to both PD workers."""
 
+import inspect
 import random
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -246,9 +248,58 @@ def test_pd_workers_abort_their_requests_and_serve_the_new_weights(checkpoints):
         close_workers(prefill, decode)
 
 
+class Handle:
+    """A worker in this process behind a Ray-like handle: ``handle.method.remote(*args)`` awaits it."""
+
+    def __init__(self, worker):
+        self.worker = worker
+
+    def __getattr__(self, name):
+        async def call(*args):
+            result = getattr(self.worker, name)(*args)
+            return await result if inspect.isawaitable(result) else result
+
+        return SimpleNamespace(remote=call)
+
+
+def test_pd_backend_checks_every_worker_first_and_names_mixed_versions(checkpoints, tmp_path):
+    """PDBackend's update: a checkpoint a worker refuses changes no worker (each named with why);
+    one worker failing after every check passed is a RuntimeError naming each worker's version."""
+    import asyncio
+
+    from cluster.backend import PDBackend
+    from tests.pd_helpers import close_workers, make_pair
+
+    old, new = checkpoints
+    missing = variant(new, tmp_path / "missing", drop="model.norm.weight")
+    prefill, decode = make_pair(old, page_size=4)
+    refs = [SimpleNamespace(worker_id=w.worker_id, alive=True, handle=Handle(w)) for w in (prefill, decode)]
+    backend = PDBackend(SimpleNamespace(prefill=refs[:1], decode=refs[1:]))
+    p, d = prefill.worker_id, decode.worker_id
+    try:
+        with pytest.raises(ValueError, match=rf"^{p}: .*missing tensors \['model.norm.weight'\]; {d}: .*missing"):
+            asyncio.run(backend.update_weights_from_disk(missing, "v1"))
+        assert [prefill.runner.weights.path, decode.runner.weights.path] == [old, old]
+        update = decode.update_weights_from_disk
+
+        async def out_of_memory(*args):
+            raise RuntimeError("out of memory")
+
+        decode.update_weights_from_disk = out_of_memory
+        with pytest.raises(RuntimeError, match=rf"failed on {d}: out of memory; .*: {p}=v1, {d}=default$"):
+            asyncio.run(backend.update_weights_from_disk(new, "v1"))
+        assert backend.weight_version == "default"
+        decode.update_weights_from_disk = update
+        result = asyncio.run(backend.update_weights_from_disk(new, "v1"))
+        assert result["success"] and backend.weight_version == decode.get_weight_version() == "v1"
+    finally:
+        close_workers(prefill, decode)
+
+
 def test_tp2_every_rank_takes_its_shard(checkpoints, monkeypatch):
     """TP 2 (ranks as threads): the update is checked on both ranks, then each copies its shard;
-    a checkpoint only a follower cannot read fails the whole update, and rank 0 keeps its weights."""
+    a checkpoint only a follower cannot read fails the whole update, and rank 0 keeps its weights;
+    a copy failing on the follower rolls both ranks back to the served checkpoint."""
     thread_ranks(monkeypatch)
     old, new = checkpoints
     eng = Engine(model_path=old, tp_size=2, **ENGINE)
@@ -270,6 +321,20 @@ def test_tp2_every_rank_takes_its_shard(checkpoints, monkeypatch):
         assert all(torch.equal(t, served[name]) for name, (t, _) in eng.runner.weights.targets.items())
         assert eng.get_weight_version() == "default" and follower.runner.weights.path == old
         follower.handlers["weights_check"] = check
+        load = follower.handlers["weights_load"]
+
+        def fail_after_copying(path):  # (both ranks hold the new weights when it fails)
+            load(path)
+            if path == new:
+                raise OSError("the disk went away")
+
+        follower.handlers["weights_load"] = fail_after_copying
+        with pytest.raises(RuntimeError, match=f"the disk went away.*rolled back to '{old}' on every rank"):
+            eng.update_weights_from_disk(new, weight_version="v1")
+        assert all(torch.equal(t, served[name]) for name, (t, _) in eng.runner.weights.targets.items())
+        outs = eng.generate(input_ids=batch, sampling_params=GREEDY)
+        assert_greedy_parity(old, batch, [o["output_ids"] for o in outs], 8, eng.eos_token_ids)
+        follower.handlers["weights_load"] = load
         eng.update_weights_from_disk(new, weight_version="v1")
         assert follower.runner.weights.path == new
         outs = eng.generate(input_ids=batch, sampling_params=GREEDY)
