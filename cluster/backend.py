@@ -56,7 +56,8 @@ class ServingBackend(Protocol):
     async def unload_lora_adapter(self, lora_name: str) -> None: ...
 
     async def update_weights_from_disk(self, model_path: str, weight_version: Optional[str] = None,
-                                       abort_all_requests: bool = False, flush_cache: bool = True) -> Dict[str, Any]: ...
+                                       abort_all_requests: bool = False,
+                                       flush_cache: bool = True) -> Dict[str, Any]: ...
 
     async def add_worker(self, role: str) -> Dict[str, Any]: ...
 
@@ -265,9 +266,9 @@ class PDBackend:
             if _failures(live, results):
                 versions = await asyncio.gather(*(w.handle.get_weight_version.remote() for w in live),
                                                 return_exceptions=True)
-                raise RuntimeError(f"weights update failed on {'; '.join(_failures(live, results))}; the workers' "
-                                   "weight versions now: " + ", ".join(
-                                       f"{w.worker_id}={v if isinstance(v, str) else '?'}" for w, v in zip(live, versions)))
+                now = ", ".join(f"{w.worker_id}={v if isinstance(v, str) else '?'}" for w, v in zip(live, versions))
+                raise RuntimeError(f"weights update failed on {'; '.join(_failures(live, results))}; "
+                                   f"the workers' weight versions now: {now}")
             if weight_version is not None:
                 self.weight_version = weight_version
             self.weights_update = req._replace(weight_version=self.weight_version, abort_all_requests=False)

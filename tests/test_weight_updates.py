@@ -27,7 +27,7 @@ ENGINE = dict(skip_tokenizer_init=True, max_total_tokens=1024, page_size=4)
 def checkpoints(tmp_path_factory):
     """(old, new): one tiny Llama's config, two seeds' weights."""
     root = tmp_path_factory.mktemp("weights")
-    return str(build_tiny_checkpoint("llama", root / "old", seed=0)), str(build_tiny_checkpoint("llama", root / "new", seed=1))
+    return tuple(str(build_tiny_checkpoint("llama", root / name, seed=seed)) for name, seed in (("old", 0), ("new", 1)))
 
 
 def prompts(n=2, seed=0):

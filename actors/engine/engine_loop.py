@@ -117,7 +117,8 @@ class EngineLoop:
         with self._cond:
             parked = {id(req) for req in self._parked}
             with self._callbacks_lock:
-                return {rid: getattr(req, "pd_room", None) for rid, req in self._by_rid.items() if id(req) not in parked}
+                return {rid: getattr(req, "pd_room", None) for rid, req in self._by_rid.items()
+                        if id(req) not in parked}
 
     def drained(self) -> bool:
         """Whether every request held is parked and the scheduler has nothing left to do."""
