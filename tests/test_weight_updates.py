@@ -248,6 +248,36 @@ def test_pd_workers_abort_their_requests_and_serve_the_new_weights(checkpoints):
         close_workers(prefill, decode)
 
 
+def test_pd_abort_all_requests_ends_a_request_whose_kv_is_moving(checkpoints):
+    """A request reserved on the decode side while its prefill pushes: the update on both workers
+    (abort_all_requests) aborts the push; the client's confirmed stop (as PDClient's) frees the
+    reservation at once, so neither update waits for the hand-off's deadline."""
+    import asyncio
+
+    from actors.pd_scheduler import PDRequestError
+    from tests.pd_helpers import close_workers, make_pair, run_pd, slow_push, until
+
+    old, new = checkpoints
+    prefill, decode = make_pair(old, page_size=4, waiting_timeout_s=60)
+    pushing = threading.Event()
+    slow_push(prefill, lambda _: pushing.wait(30))
+    try:
+        async def go():
+            request = asyncio.ensure_future(run_pd(prefill, decode, prompts(1, seed=8)[0]))
+            await until(lambda: decode.scheduler.transfer, what="a reservation waiting for its KV")
+            threading.Timer(0.2, pushing.set).start()  # (the prefill side's abort waits for a copy under way)
+            start = time.monotonic()
+            results = await asyncio.gather(*(w.update_weights_from_disk(new, "v1", True) for w in (prefill, decode)))
+            with pytest.raises(PDRequestError, match="aborted"):
+                await request
+            return results, time.monotonic() - start
+
+        results, took = asyncio.run(go())
+        assert [r["success"] for r in results] == [True, True] and took < 10
+    finally:
+        close_workers(prefill, decode)
+
+
 class Handle:
     """A worker in this process behind a Ray-like handle: ``handle.method.remote(*args)`` awaits it."""
 
