@@ -395,6 +395,30 @@ def test_version_needs_no_api_key():
     assert asyncio.run(call("POST", "/detokenize", {"tokens": [1]})).status_code == 401
 
 
+def test_weight_update_route_is_behind_its_flag():
+    """/update_weights_from_disk exists only with ``allow_weight_updates`` (a field SGLang does not
+    take is a 400 naming it); /get_weight_version always answers."""
+    class Updating(ScriptedBackend):
+        async def update_weights_from_disk(self, model_path, weight_version=None, abort_all_requests=False,
+                                           flush_cache=True):
+            self.weight_version = weight_version
+            return {"success": True, "message": model_path, "num_paused_requests": 0}
+
+    for allow in (False, True):
+        app = build_app(Updating(), None, ServerConfig(allow_weight_updates=allow))
+
+        async def call(method, path, body=None):
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://app") as http:
+                return await http.request(method, path, json=body)
+
+        r = asyncio.run(call("POST", "/update_weights_from_disk", {"model_path": "/ckpt", "weight_version": "v1"}))
+        assert r.status_code == (200 if allow else 404), r.text
+        version = asyncio.run(call("GET", "/get_weight_version")).json()
+        assert version == {"weight_version": "v1" if allow else "default"}
+    r = asyncio.run(call("POST", "/update_weights_from_disk", {"model_path": "/ckpt", "is_async": True}))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "is_async"
+
+
 def test_query_validation_errors_are_openai_400s(served):
     r = httpx.get(served[1].url + "/workers", params={"include_dead": "maybe"})
     assert r.status_code == 400, r.text
