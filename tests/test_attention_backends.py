@@ -1,5 +1,5 @@
 """The Triton paged-attention kernel equals the PyTorch reference backend
-(extend with prefixes, decode, GQA, sliding window, soft cap)."""
+(extend with prefixes, decode, GQA, sliding window, soft cap, attention sinks)."""
 
 import pytest
 import torch
@@ -38,26 +38,30 @@ def make_batch(prefix, extend, heads=4, kv_heads=2, head_dim=16, seed=0):
 
 
 @pytest.mark.parametrize(
-    "prefix, extend, window, cap",
+    "prefix, extend, window, cap, sinks",
     [
-        ([0, 5, 17], [9, 3, 20], None, None),  # extend, with and without prefixes
-        ([12, 40, 1], [1, 1, 1], None, None),  # decode
-        ([0, 30], [25, 2], 8, None),  # sliding window
-        ([3], [18], None, 3.0),  # soft cap
+        ([0, 5, 17], [9, 3, 20], None, None, False),  # extend, with and without prefixes
+        ([12, 40, 1], [1, 1, 1], None, None, False),  # decode
+        ([0, 30], [25, 2], 8, None, False),  # sliding window
+        ([3], [18], None, 3.0, False),  # soft cap
         # a window far past the first 64-slot block (the kernel starts each query block's walk at its
         # first query's window), for extend (two 16-row query blocks) and decode, soft-capped
-        ([190, 80], [20, 1], 8, 2.0),
+        ([190, 80], [20, 1], 8, 2.0, False),
+        # attention sinks (GPT-OSS): extend and decode, full and sliding-window
+        ([0, 5, 70], [9, 3, 1], None, None, True),
+        ([0, 90], [25, 1], 8, None, True),
     ],
 )
-def test_triton_matches_torch(prefix, extend, window, cap):
+def test_triton_matches_torch(prefix, extend, window, cap, sinks):
     q, fb = make_batch(prefix, extend)
     layer = RadixAttention(0, 4, 16, 2, 16**-0.5, sliding_window=window, logit_cap=cap)
+    sink_logits = torch.tensor([-1.0, 0.5, 2.0, 4.0], device=DEVICE) if sinks else None  # some outweigh the keys
     outs = []
     for name in ("torch", "triton"):
         backend = create_attention_backend(name)
         fb.attn_backend = backend
         backend.init_forward_metadata(fb)
-        outs.append(backend.forward(q, layer, fb))
+        outs.append(backend.forward(q, layer, fb, sink_logits))
     torch.testing.assert_close(outs[1], outs[0], atol=2e-5, rtol=1e-5)
 
 

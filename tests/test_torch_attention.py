@@ -1,7 +1,7 @@
 """The batched PyTorch attention backend equals attention written out one query at a time
 (random pools and slots, long prefixes, decode and extend, GQA, MLA-like narrower values, sliding
 windows read through an SWA slot map, soft caps, pool dtypes, prefixes shared by families of
-requests), however it groups and chunks; a sliding-window layer gathers only the keys in its
+requests, attention sinks), however it groups and chunks; a sliding-window layer gathers only the keys in its
 queries' windows, a chunk of queries at a time; a full-attention layer gathers a family's shared
 prefix once."""
 
@@ -41,8 +41,9 @@ class OneLayerPool:
         return loc if self.swa_map is None else self.swa_map[loc]
 
 
-def brute_force(q, layer, fb) -> torch.Tensor:
-    """Each query of each request over the keys it may see, in float64."""
+def brute_force(q, layer, fb, sinks=None) -> torch.Tensor:
+    """Each query of each request over the keys it may see, in float64; ``sinks``: a logit per head
+    in the softmax with no value (GPT-OSS's attention sinks)."""
     pool, out = fb.token_to_kv_pool, torch.zeros(q.shape[0], layer.num_heads, layer.v_head_dim, dtype=torch.float64)
     per_kv = layer.num_heads // layer.num_kv_heads
     for i, (prefix, num_q) in enumerate(zip(fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu)):
@@ -58,7 +59,9 @@ def brute_force(q, layer, fb) -> torch.Tensor:
                 scores = k @ q[start + j, h].double() * layer.scaling
                 if layer.logit_cap:
                     scores = layer.logit_cap * torch.tanh(scores / layer.logit_cap)
-                out[start + j, h] = scores.softmax(0) @ v
+                if sinks is not None:
+                    scores = torch.cat([scores, sinks[h : h + 1].double()])
+                out[start + j, h] = scores.softmax(0)[: len(slots)] @ v
     return out.to(q.dtype)
 
 
@@ -80,6 +83,7 @@ def cases(draw):
                                                             (torch.bfloat16,) * 2])),
         max_chunk_bytes=draw(st.sampled_from([MAX_CHUNK_BYTES, 1, 2048, 16384])),
         min_window_rows=draw(st.sampled_from([MIN_WINDOW_ROWS, 1, 8])), seed=draw(st.integers(0, 2**16)),
+        sinks=draw(st.booleans()),
     )
 
 
@@ -145,12 +149,21 @@ def make_case(prefix, extend, kv_heads, per_kv, head_dim, v_head_dim, window, ca
     return q, layer, fb
 
 
+def case_sinks(case):
+    """The case's sink logits, one a head (about as large as its scores, so they weigh), or None."""
+    if not case.get("sinks"):
+        return None
+    gen = torch.Generator().manual_seed(case["seed"] + 1)
+    return torch.randn(case["kv_heads"] * case["per_kv"], generator=gen) * 2
+
+
 def check_against_brute_force(case, backend: TorchAttnBackend) -> None:
     q, layer, fb = make_case(**case)
+    sinks = case_sinks(case)
     backend.init_forward_metadata(fb)
-    out = backend.forward(q, layer, fb)
+    out = backend.forward(q, layer, fb, sinks)
     tol = 1e-5 if q.dtype == torch.float32 else 1.6e-2
-    torch.testing.assert_close(out, brute_force(q, layer, fb), atol=tol, rtol=tol)
+    torch.testing.assert_close(out, brute_force(q, layer, fb, sinks), atol=tol, rtol=tol)
 
 
 @settings(max_examples=150, deadline=None)
@@ -226,8 +239,8 @@ def test_a_long_prompt_runs_in_query_chunks_within_the_memory_bound(monkeypatch)
     calls = []
     attend_rows = TorchAttnBackend.attend_rows
     monkeypatch.setattr(TorchAttnBackend, "attend_rows", staticmethod(
-        lambda q, layer, fb, group, start, stop, out, shared: calls.append((start, stop)) or attend_rows(
-            q, layer, fb, group, start, stop, out, shared)))
+        lambda q, layer, fb, group, start, stop, *rest: calls.append((start, stop)) or attend_rows(
+            q, layer, fb, group, start, stop, *rest)))
     backend.init_forward_metadata(fb)
     out = backend.forward(q, layer, fb)
     assert calls == [(0, 10), (10, 20), (20, 30), (30, 40), (40, 48)]

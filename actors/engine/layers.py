@@ -234,9 +234,11 @@ class RadixAttention(nn.Module):
         self.sliding_window = sliding_window
         self.logit_cap = logit_cap
 
-    def forward(self, q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[torch.Tensor], forward_batch) -> torch.Tensor:
-        """``q`` [tokens, heads, head_dim]; returns [tokens, heads * v_head_dim]."""
+    def forward(self, q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[torch.Tensor], forward_batch,
+                sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``q`` [tokens, heads, head_dim]; returns [tokens, heads * v_head_dim]. ``sinks``: this rank's
+        heads' sink logits (GPT-OSS), each joining its head's softmax denominator with no value."""
         if k is not None:
             forward_batch.token_to_kv_pool.set_kv_buffer(self.layer_id, forward_batch.out_cache_loc, k, v)
-        out = forward_batch.attn_backend.forward(q, self, forward_batch)
+        out = forward_batch.attn_backend.forward(q, self, forward_batch, sinks)
         return out.reshape(q.shape[0], self.num_heads * self.v_head_dim)

@@ -1,6 +1,6 @@
 """The attention math of the torch backend (:mod:`.torch_backend`): attention that also returns
 the log-sum-exp of its scores, the cascade's shared-prefix call, and the merge of two partial
-results over disjoint keys by their log-sum-exps."""
+results over disjoint keys by their log-sum-exps, and attention sinks."""
 
 from __future__ import annotations
 
@@ -35,6 +35,14 @@ def merge_attention(o1, lse1, o2, lse2) -> torch.Tensor:
     its share of the softmax's whole denominator, ``e^lse1 / (e^lse1 + e^lse2) = sigmoid(lse1 - lse2)``
     (``lse2`` -inf: ``o1`` exactly, whatever ``o2`` holds but NaN)."""
     return torch.lerp(o2, o1, torch.sigmoid(lse1 - lse2)[..., None])
+
+
+def attend_sinks(o, lse, sinks) -> torch.Tensor:
+    """Attention ``o`` over keys whose scores' log-sum-exp is ``lse`` (``[..., heads]``), with each head's
+    sink (GPT-OSS's ``sinks``, fp32 ``[heads]``) joining the softmax's denominator: a logit with no value,
+    so its share, ``e^sink / (e^lse + e^sink)``, is left out: ``o · sigmoid(lse - sink)``. Applied once,
+    to the log-sum-exp over all the query's keys (after a cascade's merge)."""
+    return o * torch.sigmoid(lse - sinks)[..., None]
 
 
 def explicit_attention(q, k, v, bias, layer) -> Tuple[torch.Tensor, torch.Tensor]:

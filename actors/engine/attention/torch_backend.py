@@ -25,6 +25,9 @@ packed, gathered and attended as above, by their length, not its context's (a 30
 by their log-sum-exps. Without it, every member gathered the shared K/V again, a layer and a
 forward at a time. The shared keys run in chunks of keys and of query tokens within
 ``max_chunk_bytes``; their merged results are fp32, a row a query token, as the output is.
+
+A layer with attention sinks (GPT-OSS) attends through the log-sum-exp path; once a query's keys
+are all merged, the sink's share of the denominator is taken out of its result (``attend_sinks``).
 """
 
 from __future__ import annotations
@@ -34,7 +37,8 @@ from typing import Dict, List, NamedTuple, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from actors.engine.attention.attention_math import attend_shared, attention_with_lse, explicit_attention, merge_attention
+from actors.engine.attention.attention_math import (attend_shared, attend_sinks, attention_with_lse, explicit_attention,
+                                                     merge_attention)
 from actors.engine.attention.cascade import Family, find_families
 
 MAX_PADDING = 2  # a request's padded score cells, at most this many times its useful ones
@@ -203,8 +207,10 @@ class TorchAttnBackend:
             shared_lens=[shared_lens[i] for i in members], key_ranges={},
         )
 
-    def forward(self, q: torch.Tensor, layer, forward_batch) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, layer, forward_batch, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``sinks``: the layer's per-head sink logits (:func:`attend_sinks`), or None."""
         window = layer.sliding_window
+        sinks = None if sinks is None else sinks.float()
         out = q.new_empty(q.shape[0] + 1, layer.num_heads, layer.v_head_dim)  # + the scratch row
         shared = self.attend_families(q, layer) if window is None and self.batch_families()[0] else None
         for group in self.layer_groups(layer):
@@ -215,7 +221,7 @@ class TorchAttnBackend:
                 rows = min(rows, max(self.min_window_rows, window))
             for start in range(0, max_q, rows):
                 self.attend_rows(q, layer, forward_batch, group, start, min(start + rows, max_q), out,
-                                 shared if any(group.shared_lens) else None)
+                                 shared if any(group.shared_lens) else None, sinks)
         return out[:-1]
 
     def attend_families(self, q, layer) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -241,10 +247,12 @@ class TorchAttnBackend:
 
     @staticmethod
     def attend_rows(q, layer, forward_batch, group: AttnGroup, start: int, stop: int, out: torch.Tensor,
-                    shared: Optional[Tuple[torch.Tensor, torch.Tensor]] = None) -> None:
+                    shared: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
+                    sinks: Optional[torch.Tensor] = None) -> None:
         """Query columns ``[start, stop)`` of ``group`` over the key columns any of them sees,
         gathered for them alone, merged with their tokens' attention over their ``shared``
-        prefixes if given (:meth:`attend_families`), written into ``out``."""
+        prefixes if given (:meth:`attend_families`), with the ``sinks`` if given (over both),
+        written into ``out``."""
         window = layer.sliding_window
         keys = group.keys(window)
         # row r's queries here sit at [prefix + start, prefix + stop), held to its last one (seq_len - 1)
@@ -258,9 +266,16 @@ class TorchAttnBackend:
         # built a chunk at a time, as the scores are (a whole prompt's would be quadratic in it)
         allowed = attention_mask(group.q_pos[:, start:stop], keys.k_pos[:, lo:hi], window)
         bias = torch.where(allowed, 0.0, float("-inf"))[:, None]
-        if shared is not None:  # (rows in no family merge with -inf: their own attention, exactly)
+        if shared is not None or sinks is not None:
             o, lse = attention_with_lse(qi, k, v, bias, layer)
-            o = merge_attention(o.transpose(1, 2), lse.transpose(1, 2), *(t[q_index] for t in shared))
+            o, lse = o.transpose(1, 2), lse.transpose(1, 2)
+            if shared is not None:  # (rows in no family merge with -inf: their own attention, exactly)
+                shared_o, shared_lse = (t[q_index] for t in shared)
+                o = merge_attention(o, lse, shared_o, shared_lse)
+                if sinks is not None:
+                    lse = torch.logaddexp(lse, shared_lse)
+            if sinks is not None:
+                o = attend_sinks(o, lse, sinks)
         elif layer.logit_cap or layer.v_head_dim != layer.head_dim:
             o = explicit_attention(qi, k, v, bias, layer)[0].transpose(1, 2)
         else:  # the CPU's fused (flash) kernel: no scores tensor, GQA without repeating K/V

@@ -25,7 +25,7 @@ class TritonAttnBackend:
             self.batch_rows = rows[:, : max(forward_batch.seq_lens_cpu)].contiguous()
             self.batch_row_ids = torch.arange(len(rows), device=rows.device)
 
-    def forward(self, q: torch.Tensor, layer, forward_batch) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, layer, forward_batch, sinks=None) -> torch.Tensor:
         pool = forward_batch.token_to_kv_pool
         req_to_token, row_ids = forward_batch.req_to_token_pool.req_to_token, forward_batch.req_pool_indices
         if self.batch_rows is not None:
@@ -34,7 +34,7 @@ class TritonAttnBackend:
             q.contiguous(), pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id), req_to_token,
             row_ids, forward_batch.seq_lens, forward_batch.extend_prefix_lens,
             forward_batch.extend_seq_lens, forward_batch.extend_start_loc, self.max_extend_len, layer.scaling,
-            layer.sliding_window, layer.logit_cap, layer.v_head_dim,
+            layer.sliding_window, layer.logit_cap, layer.v_head_dim, sinks,
         )
 
 

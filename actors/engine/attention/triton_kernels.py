@@ -5,7 +5,9 @@ it walks the request's context ``[lo, hi)`` in blocks of ``BLOCK_N`` slots read
 from its ``req_to_token`` row, gathers K and V by slot, and keeps an online
 softmax. Query ``j`` of the request sits at position ``prefix_len + j`` and sees
 keys at positions ``<= its own`` (and ``> position - window`` with a sliding
-window). Arithmetic is fp32 throughout (the CPU interpreter computes bf16
+window). A layer's attention sinks (GPT-OSS: a logit per head that joins the
+softmax's denominator, with no value) start each query's online softmax: its
+running max at the sink, its sum at ``e^0 = 1``. Arithmetic is fp32 throughout (the CPU interpreter computes bf16
 wrongly; on GPU the dot products run in IEEE fp32, which keeps greedy parity
 with the PyTorch reference).
 """
@@ -19,11 +21,12 @@ import triton.language as tl
 
 @triton.jit
 def _paged_attention_kernel(
-    Q, K, V, Out, ReqToToken, ReqIdx, SeqLens, PrefixLens, ExtendLens, StartLoc,
+    Q, K, V, Out, ReqToToken, ReqIdx, SeqLens, PrefixLens, ExtendLens, StartLoc, Sinks,
     sm_scale, logit_cap, window,
     stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ot, stride_oh, stride_r,
     GROUP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_WINDOW: tl.constexpr, USE_CAP: tl.constexpr,
+    USE_SINKS: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -43,8 +46,12 @@ def _paged_attention_kernel(
         q = tl.load(q_ptrs, mask=mask_m[:, None] & (offs_d[None, :] < D), other=0.0).to(tl.float32)
         q_pos = prefix + offs_m
 
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
+        if USE_SINKS:
+            m_i = tl.zeros([BLOCK_M], tl.float32) + tl.load(Sinks + h).to(tl.float32)
+            l_i = tl.full([BLOCK_M], 1.0, tl.float32)
+        else:
+            m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+            l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
         hi = tl.minimum(seq_len, prefix + (m_block + 1) * BLOCK_M)
         lo = 0
@@ -81,9 +88,10 @@ def paged_attention(
     q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, req_to_token: torch.Tensor,
     req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, prefix_lens: torch.Tensor, extend_lens: torch.Tensor,
     start_loc: torch.Tensor, max_extend_len: int, sm_scale: float, sliding_window=None, logit_cap=None,
-    v_head_dim=None,
+    v_head_dim=None, sinks=None,
 ) -> torch.Tensor:
-    """``q`` [tokens, heads, D] → [tokens, heads, Dv] attention over each request's context."""
+    """``q`` [tokens, heads, D] → [tokens, heads, Dv] attention over each request's context
+    (``sinks``: the layer's per-head sink logits, or None)."""
     num_tokens, num_heads, head_dim = q.shape
     dv = v_head_dim or v_buffer.shape[-1]
     out = q.new_empty(num_tokens, num_heads, dv)
@@ -93,12 +101,13 @@ def paged_attention(
     grid = (seq_lens.numel(), num_heads, triton.cdiv(max_extend_len, block_m))
     _paged_attention_kernel[grid](
         q, k_buffer, v_buffer, out, req_to_token, req_pool_indices, seq_lens, prefix_lens, extend_lens, start_loc,
-        sm_scale, float(logit_cap or 0.0), int(sliding_window or 0),
+        q if sinks is None else sinks.contiguous(), sm_scale, float(logit_cap or 0.0), int(sliding_window or 0),
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
         out.stride(0), out.stride(1), req_to_token.stride(0),
         GROUP=num_heads // k_buffer.shape[1], D=head_dim, DV=dv,
         BLOCK_D=block_d, BLOCK_DV=block_dv,
-        BLOCK_M=block_m, BLOCK_N=block_n, USE_WINDOW=bool(sliding_window), USE_CAP=bool(logit_cap), **launch,
+        BLOCK_M=block_m, BLOCK_N=block_n, USE_WINDOW=bool(sliding_window), USE_CAP=bool(logit_cap),
+        USE_SINKS=sinks is not None, **launch,
     )
     return out
 
