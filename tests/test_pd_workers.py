@@ -1,6 +1,6 @@
 """Prefill and decode workers in one process (no Ray), KV moving through shared
 memory: greedy tokens equal HF transformers' for the dense, hybrid (Mamba),
-MLA and sliding-window (Gemma 3) families; prefix hits on either side (a hybrid
+MLA and sliding-window (Gemma 3, GPT-OSS) families; prefix hits on either side (a hybrid
 model's decode side reuses its attention KV, the state moves whole); chunked
 prefill; decode retraction; layout mismatch, timeouts and aborts free everything."""
 
@@ -30,7 +30,7 @@ GREEDY = {"max_new_tokens": 8, "temperature": 0}
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("pd-models")
-    return {f: str(build_tiny_checkpoint(f, root / f)) for f in ("llama", "qwen3_next", "deepseek_v3", "gemma3")}
+    return {f: str(build_tiny_checkpoint(f, root / f)) for f in ("llama", "qwen3_next", "deepseek_v3", "gemma3", "gpt_oss")}
 
 
 def test_torch_dist_forced_nccl_on_a_cpu_worker_fails_at_creation(checkpoints):
@@ -41,7 +41,8 @@ def test_torch_dist_forced_nccl_on_a_cpu_worker_fails_at_creation(checkpoints):
 
 
 @pytest.mark.parametrize(
-    "family,page_size", [("llama", 1), ("llama", 16), ("qwen3_next", 1), ("deepseek_v3", 4), ("gemma3", 4)]
+    "family,page_size",
+    [("llama", 1), ("llama", 16), ("qwen3_next", 1), ("deepseek_v3", 4), ("gemma3", 4), ("gpt_oss", 4)],
 )
 def test_greedy_tokens_equal_hf_through_pd(checkpoints, family, page_size):
     path = checkpoints[family]

@@ -13,19 +13,22 @@ from actors.engine.parallel import SINGLE, ColumnParallelLinear, RowParallelLine
 
 
 class RMSNorm(nn.Module):
-    """``w * x / rms(x)`` computed in fp32; ``offset`` = 1 for Gemma-style ``(1 + w)`` weights."""
+    """``w * x / rms(x)`` computed in fp32; ``offset`` = 1 for Gemma-style ``(1 + w)`` weights. The
+    weight multiplies ``x / rms(x)`` after its cast to the model's dtype (Llama's), or before it, in
+    fp32, with ``offset`` or ``fp32_weight`` (Gemma's, GPT-OSS's: HF keeps its norms in fp32)."""
 
-    def __init__(self, dim: int, eps: float = 1e-6, offset: float = 0.0):
+    def __init__(self, dim: int, eps: float = 1e-6, offset: float = 0.0, fp32_weight: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim) if offset == 0.0 else torch.zeros(dim))
         self.eps = eps
         self.offset = offset
+        self.fp32_weight = fp32_weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.offset:
+        if self.offset or self.fp32_weight:
             return (x32 * (self.offset + self.weight.float())).to(dtype)
         return self.weight * x32.to(dtype)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import re
@@ -11,6 +12,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig
 
+from actors.engine import mxfp4
 from actors.engine.models import get_model_class
 from actors.engine.parallel import SINGLE, ParamShard, TPGroup
 
@@ -96,7 +98,7 @@ def _read_range(view, shard: ParamShard, r: range) -> torch.Tensor:
     if shard.zero_fill:  # [start, stop) read, [stop, r.stop) the vocabulary's padding
         stop = min(r.stop, view.get_shape()[dim])
     start = min(r.start, stop)
-    part = view[start:stop] if dim == 0 else view[:, start:stop]
+    part = view[(slice(None),) * dim + (slice(start, stop),)]
     if stop - start == len(r):
         return part
     pad = list(part.shape)
@@ -126,18 +128,45 @@ def copy_tensor(f, name: str, target: torch.Tensor, shard: Optional[ParamShard])
 
 def load_weights(model: torch.nn.Module, files: List[str]) -> Tuple[List[str], List[str]]:
     """Copy every checkpoint tensor into the model (by HF name); returns the
-    (missing, unexpected) names."""
+    (missing, unexpected) names. A parameter ``X`` stored in MXFP4 (``X_blocks`` and
+    ``X_scales``, in any of the files) is dequantized into it (:mod:`.mxfp4`)."""
     targets = checkpoint_targets(model)
     loaded, unexpected = set(), []
-    for path in files:
-        with safe_open(path, framework="pt", device="cpu") as f:
-            for name in f.keys():
-                if name not in targets:
-                    unexpected.append(name)
-                    continue
-                copy_tensor(f, name, *targets[name])
-                loaded.add(name)
+    with contextlib.ExitStack() as stack:
+        files_of = {}  # tensor name -> the open file holding it
+        for path in files:
+            f = stack.enter_context(safe_open(path, framework="pt", device="cpu"))
+            files_of.update(dict.fromkeys(f.keys(), f))
+        for name, f in files_of.items():
+            packed = mxfp4.packed_name(name)
+            if packed in targets:
+                if name.endswith("_blocks"):
+                    _load_mxfp4(packed, *targets[packed], f, files_of)
+                    loaded.add(packed)
+                continue
+            if name not in targets:
+                unexpected.append(name)
+                continue
+            copy_tensor(f, name, *targets[name])
+            loaded.add(name)
     return [n for n in targets if n not in loaded], unexpected
+
+
+def _load_mxfp4(name: str, target: torch.Tensor, shard: Optional[ParamShard], f, files_of: dict) -> None:
+    """MXFP4 ``name`` [experts, in, out] dequantized into ``target``, an expert at a time (a large
+    model's whole layer would take gigabytes at once), this rank's shard of each."""
+    if name + "_scales" not in files_of:
+        raise ValueError(f"{name}_blocks has no {name}_scales in the checkpoint")
+    blocks, scales = f.get_slice(name + "_blocks"), files_of[name + "_scales"].get_slice(name + "_scales")
+    for e in range(target.shape[0]):
+        weight = mxfp4.dequantize(blocks[e], scales[e], target.dtype)
+        if shard is not None:  # (a dim of the expert's slice: one less than the whole tensor's)
+            weight = torch.cat([weight.narrow(shard.dim - 1, r.start, len(r)) for r in shard.ranges], shard.dim - 1)
+        if weight.shape != target.shape[1:]:
+            raise ValueError(f"{name}: dequantized expert shard {tuple(weight.shape)} != model "
+                             f"{tuple(target.shape[1:])}")
+        with torch.no_grad():
+            target[e].copy_(weight)
 
 
 def cast_model(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:

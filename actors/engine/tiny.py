@@ -24,7 +24,7 @@ from actors.engine.tokenizer import BOS_ID, EOS_ID, PAD_ID, TOKENIZER_VOCAB_SIZE
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")  # the projections a LoRA adapter may target
 MLP = ("gate_proj", "up_proj", "down_proj")
-FAMILIES = ("llama", "qwen3", "qwen3_next", "deepseek_v3", "gemma3")
+FAMILIES = ("llama", "qwen3", "qwen3_next", "deepseek_v3", "gemma3", "gpt_oss")
 VOCAB_SIZE = TOKENIZER_VOCAB_SIZE  # every id the model can emit decodes to text
 COMMON = dict(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_attention_heads=4,
               max_position_embeddings=4096, bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID,
@@ -61,12 +61,20 @@ def tiny_config(family: str, **overrides):
             "shared_expert_intermediate_size": 32, "layer_types": ["linear_attention"] * 3 + ["full_attention"],
             **overrides,
         })
+    if family == "gpt_oss":  # HF's default rope_parameters: YaRN (factor 32 over 4096, not truncated)
+        return tf.GptOssConfig(**{
+            **COMMON, "num_hidden_layers": 4, "num_key_value_heads": 2, "head_dim": 16, "sliding_window": 8,
+            "intermediate_size": 32, "num_local_experts": 4, "num_experts_per_tok": 2,
+            "layer_types": ["sliding_attention", "full_attention"] * 2,
+            "swiglu_limit": 1.0, **overrides,  # (low enough that the random activations reach the clamp)
+        })
     raise ValueError(f"unknown family {family!r}; known: {', '.join(FAMILIES)}")
 
 
 def _init_weights(model: torch.nn.Module, seed: int) -> None:
     """Deterministic init: matrices ~ N(0, 1/fan_in) (outputs vary token to token,
-    unlike HF's tiny-std default), biases ~ N(0, 0.1²) (HF's zeros would hide them),
+    unlike HF's tiny-std default), biases ~ N(0, 0.1²) (HF's zeros would hide them; GPT-OSS's
+    experts' ``*_proj_bias`` too), attention sinks ~ N(0, 1) (as much weight as a key's),
     other vectors (norms) keep their defaults."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -74,8 +82,10 @@ def _init_weights(model: torch.nn.Module, seed: int) -> None:
             if param.dim() >= 2:
                 fan_in = param.shape[-1]
                 param.copy_(torch.randn(param.shape, generator=gen) / math.sqrt(fan_in))
-            elif name.endswith(".bias"):
+            elif name.endswith((".bias", "_proj_bias")):
                 param.copy_(torch.randn(param.shape, generator=gen) * 0.1)
+            elif name.endswith(".sinks"):
+                param.copy_(torch.randn(param.shape, generator=gen))
         for name, buf in sorted(model.named_buffers()):
             if name.endswith("e_score_correction_bias"):  # exercise DeepSeek's routing correction
                 buf.copy_(torch.randn(buf.shape, generator=gen) * 0.1)

@@ -19,6 +19,7 @@ MODEL_REGISTRY = {
     "DeepseekV3ForCausalLM": ("actors.engine.models.deepseek_v3", "DeepseekV3ForCausalLM"),
     "Gemma3ForCausalLM": ("actors.engine.models.gemma3", "Gemma3ForCausalLM"),
     "Qwen3NextForCausalLM": ("actors.engine.models.qwen3_next", "Qwen3NextForCausalLM"),
+    "GptOssForCausalLM": ("actors.engine.models.gpt_oss", "GptOssForCausalLM"),
 }
 
 

@@ -1,4 +1,5 @@
-"""Dense GQA decoders: Llama, Qwen2 (qkv bias), Qwen3 (per-head q/k RMSNorm)."""
+"""Dense GQA decoders: Llama, Qwen2 (qkv bias), Qwen3 (per-head q/k RMSNorm); their attention
+is GPT-OSS's too (q/k/v/o biases, attention sinks)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ from actors.engine.forward_batch import ForwardBatch
 from actors.engine.layers import GatedMLP, RadixAttention, RMSNorm, RotaryEmbedding
 from actors.engine.models.base import CausalLM, DecoderModel
 from actors.engine.models.spec import KVCacheSpec
-from actors.engine.parallel import SINGLE, ColumnParallelLinear, RowParallelLinear, TPGroup, attention_heads, head_ranges
+from actors.engine.parallel import (
+    SINGLE, ColumnParallelLinear, RowParallelLinear, TPGroup, attention_heads, head_ranges, shard_param,
+)
 
 
 def rope_settings(config):
@@ -50,6 +53,10 @@ class LlamaAttention(nn.Module):
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.sinks = None  # GPT-OSS: a learned logit per head in each query's softmax denominator
+        if config.model_type == "gpt_oss":
+            self.sinks = nn.Parameter(torch.empty(self.num_heads))
+            shard_param(self, "sinks", 0, [self.heads.q])
         self.rotary = RotaryEmbedding(self.head_dim, *rope_settings(config))
         self.attn = RadixAttention(layer_id, self.num_heads, self.head_dim, self.num_kv_heads, self.head_dim**-0.5,
                                    sliding_window=layer_window(config, layer_id))
@@ -62,7 +69,7 @@ class LlamaAttention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
-        return self.o_proj(self.attn(q, k, v, forward_batch))
+        return self.o_proj(self.attn(q, k, v, forward_batch, self.sinks))
 
 
 class LlamaDecoderLayer(nn.Module):

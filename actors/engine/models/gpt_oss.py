@@ -1,0 +1,107 @@
+"""GPT-OSS (gpt-oss-20b, gpt-oss-120b): alternating sliding-window and full attention layers with
+attention sinks, and a mixture of clamped-SwiGLU experts in every layer.
+
+Attention is Llama's (:class:`LlamaAttention`: q/k/v/o biases, YaRN RoPE from ``rope_parameters``)
+with a learned sink logit per head (``self_attn.sinks``) in each query's softmax denominator. The
+layers' ``layer_types`` alternate ``sliding_attention`` and ``full_attention``: the spec kind is
+"swa", as Gemma 3's, so the sliding layers' KV lives in the SWA pool and leaves it as tokens slide
+out of the window.
+
+The MoE (HF's ``GptOssMLP``): a router linear with a bias, top-k of its logits, softmax over the
+chosen ones; each expert ``swiglu(x @ gate_up + b) @ down + b`` with HF's 3-D parameters
+(``experts.gate_up_proj`` [experts, hidden, 2 × intermediate], gate and up interleaved column by
+column; ``experts.down_proj`` [experts, intermediate, hidden]) and its clamped SwiGLU:
+``gate = min(gate, limit)``, ``up = clamp(up, ±limit)``, ``(up + 1) · gate · sigmoid(alpha · gate)``.
+Released checkpoints store the experts' matrices in MXFP4 (``*_blocks`` + ``*_scales``): the loader
+dequantizes them (``actors.engine.mxfp4``).
+
+Under TP each rank holds its heads (and their sinks) and, of every expert, a slice of the
+intermediate dim: the interleaved gate/up columns ``[2·start, 2·stop)`` are contiguous, and the
+matching rows of ``down_proj``; rank 0 alone adds the down bias, and one all-reduce sums the
+experts' partial outputs.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from actors.engine.layers import RMSNorm
+from actors.engine.models.base import CausalLM, DecoderModel
+from actors.engine.models.gemma3 import swa_layers
+from actors.engine.models.llama import LlamaAttention
+from actors.engine.models.spec import KVCacheSpec
+from actors.engine.parallel import SINGLE, TPGroup, shard_param
+
+
+class GptOssExperts(nn.Module):
+    """The experts' weights as HF stores them (3-D, one slice an expert), this rank's share of the
+    intermediate dim; ``forward`` runs each chosen expert over its tokens, in expert order, and sums
+    the weighted outputs in the model's dtype, as HF's eager experts do."""
+
+    def __init__(self, config, tp: TPGroup = SINGLE):
+        super().__init__()
+        experts, hidden = config.num_local_experts, config.hidden_size
+        part = tp.split(config.intermediate_size, "intermediate_size")
+        gate_up = range(2 * part.start, 2 * part.stop)  # (gate, up) pairs side by side
+        self.gate_up_proj = nn.Parameter(torch.empty(experts, hidden, len(gate_up)))
+        self.gate_up_proj_bias = nn.Parameter(torch.empty(experts, len(gate_up)))
+        self.down_proj = nn.Parameter(torch.empty(experts, len(part), hidden))
+        self.down_proj_bias = nn.Parameter(torch.empty(experts, hidden))
+        shard_param(self, "gate_up_proj", 2, [gate_up])
+        shard_param(self, "gate_up_proj_bias", 1, [gate_up])
+        shard_param(self, "down_proj", 1, [part])
+        self.alpha, self.limit = config.swiglu_alpha, config.swiglu_limit
+        self.tp = tp
+
+    def swiglu(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up[..., ::2].clamp(max=self.limit), gate_up[..., 1::2].clamp(-self.limit, self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+
+    def forward(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """``x`` [tokens, hidden]; ``indices``, ``weights`` [tokens, top_k]: each token's experts and their weights."""
+        out = torch.zeros_like(x)
+        for e in indices.unique().tolist():
+            token, slot = (indices == e).nonzero(as_tuple=True)
+            y = self.swiglu(x[token] @ self.gate_up_proj[e] + self.gate_up_proj_bias[e]) @ self.down_proj[e]
+            if self.tp.is_leader:  # (added once over the ranks' partial sums)
+                y = y + self.down_proj_bias[e]
+            out.index_add_(0, token, (y * weights[token, slot, None]).to(x.dtype))
+        return self.tp.all_reduce(out)
+
+
+class GptOssMLP(nn.Module):
+    def __init__(self, config, tp: TPGroup = SINGLE):
+        super().__init__()
+        self.top_k = config.num_experts_per_tok
+        self.router = nn.Linear(config.hidden_size, config.num_local_experts, bias=True)  # replicated
+        self.experts = GptOssExperts(config, tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        top, indices = torch.topk(self.router(x), self.top_k, dim=-1)
+        return self.experts(x, indices, torch.softmax(top, dim=-1))
+
+
+class GptOssDecoderLayer(nn.Module):
+    def __init__(self, config, layer_id: int, tp: TPGroup = SINGLE):
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer_id, tp)
+        self.mlp = GptOssMLP(config, tp)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fp32_weight=True)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fp32_weight=True)
+
+    def forward(self, positions, x, forward_batch):
+        x = x + self.self_attn(positions, self.input_layernorm(x), forward_batch)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class GptOssForCausalLM(CausalLM):
+    def __init__(self, config, tp: TPGroup = SINGLE):
+        norm = RMSNorm(config.hidden_size, config.rms_norm_eps, fp32_weight=True)
+        super().__init__(config, DecoderModel(config, GptOssDecoderLayer, norm, tp=tp))
+
+    def kv_cache_spec(self) -> KVCacheSpec:
+        attn = self.model.layers[0].self_attn
+        return self.make_spec(kind="swa", num_layers=self.config.num_hidden_layers, **swa_layers(self.config),
+                              num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
+                              kv_head_start=attn.heads.kv.start, total_kv_heads=attn.heads.total_kv)
