@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from actors.engine.engine_loop import _run_posts
-from actors.engine.tiny import build_tiny_checkpoint
+from actors.engine.tiny import build_tiny_checkpoint, tiny_config
 from actors.pd_scheduler import PDRequestError
 from actors.kv_push import KVPusher, PushChunk, PushResult
 from actors.workers import DecodeWorker, PrefillWorker
@@ -226,7 +226,7 @@ def test_prefix_hits_on_both_sides(checkpoints):
     close(prefill, decode)
 
 
-# ---- sliding-window layers (Gemma 3): only the window moves -------------------------------------
+# ---- sliding-window layers (Gemma 3, GPT-OSS): only the window moves -------------------------------
 WINDOW = 16  # the tiny Gemma 3's sliding window
 PAST_WINDOW = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
 
@@ -242,19 +242,20 @@ def row_bytes(worker):
     return per_index["token"], per_index["swa"], per_index["state"]
 
 
-def expected_push_bytes(worker, prompt_len, dst_prefix_len):
+def expected_push_bytes(worker, prompt_len, dst_prefix_len, window=WINDOW):
     """``[dst_prefix_len, prompt_len)`` of the full layers; of the SWA layers only what of it is in the window."""
     full, swa, _ = row_bytes(worker)
-    return (prompt_len - dst_prefix_len) * full + min(WINDOW, prompt_len - dst_prefix_len) * swa
+    return (prompt_len - dst_prefix_len) * full + min(window, prompt_len - dst_prefix_len) * swa
 
 
-@pytest.mark.parametrize("backend", ["shm", "torch_dist"])
-def test_gemma3_through_pd_equals_a_single_engine_past_the_window(checkpoints, backend):
+@pytest.mark.parametrize("family,backend", [("gemma3", "shm"), ("gemma3", "torch_dist"), ("gpt_oss", "shm")])
+def test_sliding_window_models_through_pd_equal_a_single_engine_past_the_window(checkpoints, family, backend):
     """Prompts longer than the window (prefilled in chunks) and generations past it: the tokens
-    equal a single engine's and HF's, and per request exactly the window's SWA KV moved."""
+    equal a single engine's and HF's, and per request exactly the window's SWA KV moved (GPT-OSS:
+    its window is 8)."""
     from actors.engine import Engine
 
-    path = checkpoints["gemma3"]
+    path = checkpoints[family]
     prefill, decode = make_pair(path, prefill_args={"chunked_prefill_size": 8}, backend=backend)
     batch = prompts(3, 20, 40, seed=21) + prompts(1, 5, 5, seed=22)  # and one shorter than the window
     results = run_batch(prefill, decode, batch, PAST_WINDOW)
@@ -265,7 +266,8 @@ def test_gemma3_through_pd_equals_a_single_engine_past_the_window(checkpoints, b
     finally:
         engine.shutdown()
     assert_greedy_parity(path, batch, outputs, 24)
-    assert [r[1]["transfer_bytes"] for r in results] == [expected_push_bytes(prefill, len(p), 0) for p in batch]
+    window = tiny_config(family).sliding_window
+    assert [r[1]["transfer_bytes"] for r in results] == [expected_push_bytes(prefill, len(p), 0, window) for p in batch]
     close(prefill, decode)
 
 

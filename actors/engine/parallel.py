@@ -20,8 +20,9 @@ all-gather only concatenates: the split itself changes no value. Tied
 embeddings share the one sharded weight.
 
 Weights are sharded when loaded: a module names, in ``param_shards``, which
-rows (dim 0) or columns (dim 1) of each full checkpoint tensor it holds, as
-a list of ranges cut out in order and concatenated (a vocabulary shard's
+rows (dim 0), columns (dim 1) or slices of another dim (GPT-OSS's 3-D experts)
+of each full checkpoint tensor it holds, as a list of ranges cut out in order
+and concatenated (a vocabulary shard's
 range may run past the tensor's end: zeros there); ``model_loader`` reads
 only those slices from the safetensors files.
 
