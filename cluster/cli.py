@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import List, Optional
 
 DEFAULT_FAMILY = "llama"
-FAMILIES = ("llama", "qwen3", "qwen3_next", "deepseek_v3", "gemma3", "gpt_oss")  # actors.engine.tiny's (that imports torch)
+# actors.engine.tiny's (that imports torch)
+FAMILIES = ("llama", "qwen3", "qwen3_next", "deepseek_v3", "gemma3", "gpt_oss")
 
 
 def raydix_home() -> Path:

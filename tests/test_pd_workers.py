@@ -30,7 +30,8 @@ GREEDY = {"max_new_tokens": 8, "temperature": 0}
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("pd-models")
-    return {f: str(build_tiny_checkpoint(f, root / f)) for f in ("llama", "qwen3_next", "deepseek_v3", "gemma3", "gpt_oss")}
+    families = ("llama", "qwen3_next", "deepseek_v3", "gemma3", "gpt_oss")
+    return {f: str(build_tiny_checkpoint(f, root / f)) for f in families}
 
 
 def test_torch_dist_forced_nccl_on_a_cpu_worker_fails_at_creation(checkpoints):

@@ -4,8 +4,8 @@ A backend's ``forward(q, layer, forward_batch, sinks=None)`` returns, for every
 query token of the batch, attention over its request's context read from the KV
 pool through ``req_to_token`` (causal within the extend, optionally limited
 to a sliding window, optionally soft-capped, optionally with attention sinks:
-a logit per head in each query's softmax denominator, with no value). ``init_forward_metadata`` is
-called once per forward before the layers run.
+a logit per head in each query's softmax denominator, with no value).
+``init_forward_metadata`` is called once per forward before the layers run.
 """
 
 from __future__ import annotations

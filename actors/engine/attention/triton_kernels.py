@@ -7,9 +7,9 @@ softmax. Query ``j`` of the request sits at position ``prefix_len + j`` and sees
 keys at positions ``<= its own`` (and ``> position - window`` with a sliding
 window). A layer's attention sinks (GPT-OSS: a logit per head that joins the
 softmax's denominator, with no value) start each query's online softmax: its
-running max at the sink, its sum at ``e^0 = 1``. Arithmetic is fp32 throughout (the CPU interpreter computes bf16
-wrongly; on GPU the dot products run in IEEE fp32, which keeps greedy parity
-with the PyTorch reference).
+running max at the sink, its sum at ``e^0 = 1``. Arithmetic is fp32 throughout
+(the CPU interpreter computes bf16 wrongly; on GPU the dot products run in IEEE
+fp32, which keeps greedy parity with the PyTorch reference).
 """
 
 from __future__ import annotations
