@@ -21,7 +21,7 @@ from typing import List, Optional
 
 DEFAULT_FAMILY = "llama"
 # actors.engine.tiny's (that imports torch)
-FAMILIES = ("llama", "qwen3", "qwen3_next", "deepseek_v3", "gemma3", "gpt_oss")
+FAMILIES = ("llama", "qwen3", "qwen3_next", "deepseek_v3", "gemma3", "gpt_oss", "qwen3_moe", "mixtral", "mistral")
 
 
 def raydix_home() -> Path:

@@ -21,6 +21,13 @@ YARN_DEEPSEEK = dict(rope_type="yarn", rope_theta=100.0, factor=40.0, original_m
 CASES = {
     # Qwen2/Qwen3 with use_sliding_window: layers from max_window_layers on attend a window
     "qwen3_sliding_window": ("qwen3", dict(use_sliding_window=True, sliding_window=8, max_window_layers=1)),
+    # Qwen3-MoE, Mixtral: without layer_types, the window is every layer's
+    "qwen3_moe_sliding_window": ("qwen3_moe", dict(use_sliding_window=True, sliding_window=8)),
+    "mixtral_sliding_window": ("mixtral", dict(sliding_window=8)),
+    # Qwen3-MoE: a dense MLP on mlp_only_layers (layer 0) and on layers off decoder_sparse_step (layer 2);
+    # the top-k probabilities not renormalised (Qwen3-MoE's default)
+    "qwen3_moe_dense_layers_unnormalised_top_k": ("qwen3_moe", dict(
+        num_hidden_layers=4, mlp_only_layers=[0], decoder_sparse_step=2, norm_topk_prob=False)),
     # biases on q/k/v/o and on gate/up/down (random in tiny checkpoints)
     "llama_attention_and_mlp_bias": ("llama", dict(attention_bias=True, mlp_bias=True)),
     "qwen3_attention_bias": ("qwen3", dict(attention_bias=True)),
@@ -116,10 +123,12 @@ def test_deepseek_routing_bias_stays_fp32_in_a_bf16_model(tmp_path):
         torch.testing.assert_close(weights.gather(1, idx.argsort(-1)), hf_weights.gather(1, hf_idx.argsort(-1)))
 
 
-@pytest.mark.parametrize("family, overrides", [("deepseek_v3", {}), ("qwen3_next", {"num_experts_per_tok": 3})])
+@pytest.mark.parametrize("family, overrides", [("deepseek_v3", {}), ("qwen3_next", {"num_experts_per_tok": 3}),
+                                               ("qwen3_moe", {"num_experts_per_tok": 3}), ("mixtral", {})])
 def test_bf16_moe_block_equals_hf_bit_for_bit(family, overrides, tmp_path):
     """In bf16 the MoE output depends on where it rounds: HF weights each expert's output
-    (DeepSeek: by fp32 routing weights) and sums the top-k in fp32, rounding once."""
+    (DeepSeek, Mixtral: by fp32 routing weights; Qwen: by weights cast to bf16) and sums the top-k
+    in fp32, rounding once."""
     from transformers import AutoModelForCausalLM
 
     from actors.engine.model_loader import load_model
@@ -128,11 +137,12 @@ def test_bf16_moe_block_equals_hf_bit_for_bit(family, overrides, tmp_path):
     ours, config, _ = load_model(str(path), "bfloat16", "cpu")
     hf = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.bfloat16).eval()
     x = torch.randn(64, config.hidden_size, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
-    moe_layers = [i for i, layer in enumerate(ours.model.layers) if hasattr(layer.mlp, "gate")]
+    blocks = [getattr(layer, getattr(layer, "mlp_name", "mlp")) for layer in ours.model.layers]  # (Mixtral's name)
+    moe_layers = [i for i, block in enumerate(blocks) if hasattr(block, "gate")]
     assert moe_layers
     with torch.no_grad():
         for i in moe_layers:
-            assert torch.equal(ours.model.layers[i].mlp(x), hf.model.layers[i].mlp(x[None])[0]), f"layer {i}"
+            assert torch.equal(blocks[i](x), hf.model.layers[i].mlp(x[None])[0]), f"layer {i}"
 
 
 @pytest.mark.parametrize("family, extra", [

@@ -24,7 +24,7 @@ from actors.engine.tokenizer import BOS_ID, EOS_ID, PAD_ID, TOKENIZER_VOCAB_SIZE
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")  # the projections a LoRA adapter may target
 MLP = ("gate_proj", "up_proj", "down_proj")
-FAMILIES = ("llama", "qwen3", "qwen3_next", "deepseek_v3", "gemma3", "gpt_oss")
+FAMILIES = ("llama", "qwen3", "qwen3_next", "deepseek_v3", "gemma3", "gpt_oss", "qwen3_moe", "mixtral", "mistral")
 VOCAB_SIZE = TOKENIZER_VOCAB_SIZE  # every id the model can emit decodes to text
 COMMON = dict(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_attention_heads=4,
               max_position_embeddings=4096, bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID,
@@ -68,6 +68,17 @@ def tiny_config(family: str, **overrides):
             "layer_types": ["sliding_attention", "full_attention"] * 2,
             "swiglu_limit": 1.0, **overrides,  # (low enough that the random activations reach the clamp)
         })
+    if family == "qwen3_moe":  # top-k renormalised, as Qwen3-30B-A3B's config
+        return tf.Qwen3MoeConfig(**{
+            **COMMON, "num_hidden_layers": 2, "num_key_value_heads": 2, "head_dim": 16, "num_experts": 4,
+            "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": True, **overrides,
+        })
+    if family == "mixtral":
+        return tf.MixtralConfig(**{**COMMON, "num_hidden_layers": 2, "num_key_value_heads": 2, "intermediate_size": 32,
+                                   "num_local_experts": 4, "num_experts_per_tok": 2, **overrides})
+    if family == "mistral":  # a window the tests' prompts run past (Mistral 7B v0.1's is 4096)
+        return tf.MistralConfig(**{**COMMON, "num_hidden_layers": 2, "num_key_value_heads": 2, "sliding_window": 16,
+                                   **overrides})
     raise ValueError(f"unknown family {family!r}; known: {', '.join(FAMILIES)}")
 
 

@@ -19,6 +19,7 @@ from torch import nn
 from actors.engine.layers import GatedMLP, RadixAttention, RMSNorm, RotaryEmbedding, rotate_interleaved, yarn_mscale
 from actors.engine.models.base import CausalLM, DecoderModel
 from actors.engine.models.llama import rope_settings
+from actors.engine.models.moe import run_experts
 from actors.engine.models.spec import KVCacheSpec
 from actors.engine.parallel import SINGLE, ColumnParallelLinear, RowParallelLinear, TPGroup, head_ranges
 
@@ -132,12 +133,8 @@ class DeepseekV3MoE(nn.Module):
         )
 
     def forward(self, x):
-        idx, weights = self.gate(x)
-        # weighted by the fp32 routing weights and summed in fp32, cast once (as HF's experts)
-        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        for e in idx.unique().tolist():
-            token, slot = (idx == e).nonzero(as_tuple=True)
-            out.index_add_(0, token, self.experts[e](x[token]) * weights[token, slot, None])
+        idx, weights = self.gate(x)  # (fp32 weights, as HF's)
+        out = run_experts(self.experts, x, idx, weights)
         return self.tp.all_reduce(out.to(x.dtype) + self.shared_experts(x))
 
 

@@ -1,5 +1,6 @@
-"""Dense GQA decoders: Llama, Qwen2 (qkv bias), Qwen3 (per-head q/k RMSNorm); their attention
-is GPT-OSS's too (q/k/v/o biases, attention sinks)."""
+"""GQA decoders: Llama, Mistral, Qwen2 (qkv bias), Qwen3 (per-head q/k RMSNorm); the MoE families
+(``qwen3_moe``, ``mixtral``) subclass the layer and the model; their attention is GPT-OSS's too
+(q/k/v/o biases, attention sinks)."""
 
 from __future__ import annotations
 
@@ -23,11 +24,15 @@ def rope_settings(config):
 
 
 def layer_window(config, layer_id: int):
-    """The sliding window of layer ``layer_id`` (Qwen2/Qwen3 ``use_sliding_window``: HF's
-    ``layer_types`` marks the layers from ``max_window_layers`` on), or None for full attention.
-    Every layer's KV stays in the pool; a sliding layer only masks keys out of its window."""
+    """The sliding window of layer ``layer_id``, or None for full attention: where HF's ``layer_types``
+    marks the layers (Qwen2/Qwen3 ``use_sliding_window``: those from ``max_window_layers`` on), the
+    sliding ones'; without it (Mistral, Mixtral, Qwen3-MoE) the config's ``sliding_window``, None or
+    every layer's (HF's sliding causal mask). Every layer's KV stays in the pool, as SGLang serves
+    Mistral's window; a sliding layer only masks keys out of its window."""
     layer_types = getattr(config, "layer_types", None)
-    kind = layer_types[layer_id] if layer_types else "full_attention"
+    if not layer_types:
+        return getattr(config, "sliding_window", None)
+    kind = layer_types[layer_id]
     if kind == "full_attention":
         return None
     if kind == "sliding_attention":
@@ -49,7 +54,7 @@ class LlamaAttention(nn.Module):
         self.v_proj = ColumnParallelLinear(hidden, head_ranges(self.heads.kv, self.head_dim), bias=bias)
         self.o_proj = RowParallelLinear(num_heads * self.head_dim, hidden, tp, "num_attention_heads",
                                         bias=getattr(config, "attention_bias", False))
-        self.qk_norm = config.model_type == "qwen3"
+        self.qk_norm = config.model_type in ("qwen3", "qwen3_moe")
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -73,25 +78,34 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
+    """Attention, then the feed-forward (``mlp_name``: its checkpoint name), each after an RMSNorm and
+    added to the residual. A subclass swaps the feed-forward (:meth:`build_mlp`): the MoE families."""
+
+    mlp_name = "mlp"
+
     def __init__(self, config, layer_id: int, tp: TPGroup = SINGLE):
         super().__init__()
         self.self_attn = LlamaAttention(config, layer_id, tp)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act, tp,
-                            bias=getattr(config, "mlp_bias", False))
+        self.add_module(self.mlp_name, self.build_mlp(config, layer_id, tp))
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
+    def build_mlp(self, config, layer_id: int, tp: TPGroup) -> nn.Module:
+        return GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act, tp,
+                        bias=getattr(config, "mlp_bias", False))
+
     def forward(self, positions, x, forward_batch):
         x = x + self.self_attn(positions, self.input_layernorm(x), forward_batch)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x + getattr(self, self.mlp_name)(self.post_attention_layernorm(x))
 
 
 class LlamaForCausalLM(CausalLM):
     supports_lora = True  # its q/k/v/o and gate/up/down projections take LoRA adapters (actors.engine.lora)
+    layer_cls = LlamaDecoderLayer
 
     def __init__(self, config, tp: TPGroup = SINGLE):
         norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        super().__init__(config, DecoderModel(config, LlamaDecoderLayer, norm, tp=tp))
+        super().__init__(config, DecoderModel(config, self.layer_cls, norm, tp=tp))
 
     def kv_cache_spec(self) -> KVCacheSpec:
         attn = self.model.layers[0].self_attn

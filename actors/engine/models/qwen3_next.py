@@ -16,6 +16,7 @@ from torch.nn import functional as F
 
 from actors.engine.layers import GatedMLP, RadixAttention, RMSNorm, RotaryEmbedding
 from actors.engine.models.base import CausalLM, DecoderModel
+from actors.engine.models.moe import SparseMoeBlock, is_sparse_layer
 from actors.engine.models.spec import KVCacheSpec
 from actors.engine.parallel import (
     SINGLE, ColumnParallelLinear, RowParallelLinear, TPGroup, attention_heads, head_ranges, shard_param, shard_ranges,
@@ -173,39 +174,6 @@ class GatedAttention(nn.Module):
         return self.o_proj(out)
 
 
-class SparseMoeBlock(nn.Module):
-    """Under TP every expert's intermediate dim is split over the ranks; one
-    all-reduce sums the routed and the gated shared partial outputs."""
-
-    def __init__(self, config, tp: TPGroup = SINGLE):
-        super().__init__()
-        self.tp = tp
-        self.top_k, self.norm_topk_prob = config.num_experts_per_tok, config.norm_topk_prob
-        self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
-        hidden, act = config.hidden_size, config.hidden_act
-        self.experts = nn.ModuleList(
-            GatedMLP(hidden, config.moe_intermediate_size, act, tp, reduce=False, field="moe_intermediate_size")
-            for _ in range(config.num_experts)
-        )
-        self.shared_expert = GatedMLP(hidden, config.shared_expert_intermediate_size, act, tp, reduce=False,
-                                      field="shared_expert_intermediate_size")
-        self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
-
-    def forward(self, x):
-        probs = torch.softmax(self.gate(x).float(), dim=-1)
-        weights, idx = probs.topk(self.top_k, dim=-1)
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(-1, keepdim=True)
-        weights = weights.to(x.dtype)
-        # each weighted expert output rounded to x's dtype, their sum taken in fp32 and cast once (as HF's experts)
-        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        for e in idx.unique().tolist():
-            token, slot = (idx == e).nonzero(as_tuple=True)
-            out.index_add_(0, token, (self.experts[e](x[token]) * weights[token, slot, None]).float())
-        shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return self.tp.all_reduce(out.to(x.dtype) + shared)
-
-
 class DecoderLayer(nn.Module):
     def __init__(self, config, layer_id: int, tp: TPGroup = SINGLE):
         super().__init__()
@@ -214,9 +182,8 @@ class DecoderLayer(nn.Module):
             self.linear_attn = GatedDeltaNet(config, layer_id, tp)
         else:
             self.self_attn = GatedAttention(config, layer_id, tp)
-        sparse = layer_id not in config.mlp_only_layers and config.num_experts > 0 and (layer_id + 1) % config.decoder_sparse_step == 0
-        if sparse:
-            self.mlp = SparseMoeBlock(config, tp)
+        if is_sparse_layer(config, layer_id):
+            self.mlp = SparseMoeBlock.qwen(config, tp)
         else:
             self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, offset=1.0)

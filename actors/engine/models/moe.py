@@ -1,0 +1,105 @@
+"""The sparse mixture-of-experts block of Qwen3-MoE, Qwen3-Next and Mixtral (HF parameter names).
+
+A router (``gate``: a linear layer to one logit per expert) takes the fp32 softmax over the experts
+and keeps each token's ``top_k``; every chosen expert (a SiLU-gated MLP) runs on the tokens that chose
+it, weighted by its probability — renormalised over the token's ``top_k`` when ``norm_topk_prob``
+(Qwen's config field; Mixtral always). Qwen3-Next adds a shared expert that every token runs, scaled by
+``sigmoid(shared_expert_gate(x))``. DeepSeek-V3's grouped, biased gate is its own
+(``deepseek_v3.DeepseekV3MoE``) but sums its experts with :func:`run_experts` too.
+
+Under TP each rank holds every expert's slice of the intermediate dim (gate/up column parallel,
+down row parallel without its own reduce); the router is replicated, so every rank routes each token
+alike, and one all-reduce sums the routed and shared partial outputs of the whole block.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+from actors.engine.layers import GatedMLP, get_activation
+from actors.engine.parallel import SINGLE, ColumnParallelLinear, RowParallelLinear, TPGroup
+
+
+def is_sparse_layer(config, layer_id: int) -> bool:
+    """Whether layer ``layer_id`` of a Qwen MoE model has the MoE block (HF's rule): every
+    ``decoder_sparse_step``-th layer but those in ``mlp_only_layers``, which keep a dense MLP."""
+    return (layer_id not in config.mlp_only_layers and config.num_experts > 0
+            and (layer_id + 1) % config.decoder_sparse_step == 0)
+
+
+def run_experts(experts: nn.ModuleList, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """``sum_k weights[t, k] * experts[idx[t, k]](x[t])`` for every token ``t``, in fp32 (the caller casts
+    once): each expert runs once, on the tokens that chose it; each weighted output is taken in
+    ``weights``' dtype (HF's experts: Qwen's cast to the model's dtype, Mixtral's and DeepSeek's fp32)."""
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for e in idx.unique().tolist():
+        token, slot = (idx == e).nonzero(as_tuple=True)
+        out.index_add_(0, token, (experts[e](x[token]) * weights[token, slot, None]).float())
+    return out
+
+
+class MixtralExpert(nn.Module):
+    """One Mixtral expert: :class:`GatedMLP`'s math under Mixtral's checkpoint names
+    (``w1`` gate, ``w3`` up, ``w2`` down); a rank's partial sum under TP (the block reduces)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str, tp: TPGroup, field: str):
+        super().__init__()
+        self.w1 = ColumnParallelLinear.split(hidden_size, intermediate_size, tp, field)
+        self.w3 = ColumnParallelLinear.split(hidden_size, intermediate_size, tp, field)
+        self.w2 = RowParallelLinear(intermediate_size, hidden_size, tp, field, reduce=False)
+        self.act = get_activation(hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(self.act(self.w1(x)) * self.w3(x))
+
+
+def qwen_expert(hidden_size: int, intermediate_size: int, hidden_act: str, tp: TPGroup, field: str) -> GatedMLP:
+    """One Qwen expert (``gate_proj``, ``up_proj``, ``down_proj``): a rank's partial sum under TP."""
+    return GatedMLP(hidden_size, intermediate_size, hidden_act, tp, reduce=False, field=field)
+
+
+class SparseMoeBlock(nn.Module):
+    """``num_experts`` experts of ``intermediate_size`` (``field``: the config field a TP error names),
+    made by ``expert`` (:func:`qwen_expert` or :class:`MixtralExpert`). ``fp32_weights``: the routing
+    weights stay fp32 (Mixtral's router); otherwise they are cast to the model's dtype first (Qwen's).
+    A config with ``shared_expert_intermediate_size`` (Qwen3-Next) adds the gated shared expert."""
+
+    def __init__(self, config, num_experts: int, intermediate_size: int, field: str, norm_topk_prob: bool,
+                 tp: TPGroup = SINGLE, expert: Callable[..., nn.Module] = qwen_expert, fp32_weights: bool = False):
+        super().__init__()
+        self.tp, self.top_k = tp, config.num_experts_per_tok
+        self.norm_topk_prob, self.fp32_weights = norm_topk_prob, fp32_weights
+        hidden, act = config.hidden_size, config.hidden_act
+        self.gate = nn.Linear(hidden, num_experts, bias=False)
+        self.experts = nn.ModuleList(expert(hidden, intermediate_size, act, tp, field) for _ in range(num_experts))
+        shared = getattr(config, "shared_expert_intermediate_size", 0)
+        self.shared_expert = qwen_expert(hidden, shared, act, tp, "shared_expert_intermediate_size") if shared else None
+        if shared:
+            self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
+
+    @classmethod
+    def qwen(cls, config, tp: TPGroup = SINGLE) -> "SparseMoeBlock":
+        """Qwen3-MoE's and Qwen3-Next's block: ``num_experts`` of ``moe_intermediate_size``."""
+        return cls(config, config.num_experts, config.moe_intermediate_size, "moe_intermediate_size",
+                   config.norm_topk_prob, tp)
+
+    @classmethod
+    def mixtral(cls, config, tp: TPGroup = SINGLE) -> "SparseMoeBlock":
+        """Mixtral's: ``num_local_experts`` of ``intermediate_size``, always renormalised, fp32 weights."""
+        return cls(config, config.num_local_experts, config.intermediate_size, "intermediate_size", True, tp,
+                   expert=MixtralExpert, fp32_weights=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        probs = torch.softmax(self.gate(x).float(), dim=-1)
+        weights, idx = probs.topk(self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(-1, keepdim=True)
+        if not self.fp32_weights:
+            weights = weights.to(x.dtype)
+        out = run_experts(self.experts, x, idx, weights).to(x.dtype)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return self.tp.all_reduce(out)
