@@ -1,8 +1,9 @@
 """Qwen3-MoE, Mixtral (the shared sparse MoE block) and Mistral (every layer's sliding window,
-which the prompts run past) through the engine: greedy tokens and their logprobs equal HF's through
-a batch, chunked prefill and a prefix-cache hit; TP 2 (ranks as threads) equals TP 1, each rank
-holding its slice of every expert; prefill and decode workers in one process equal HF. The config
-variants (dense layers, top-k not renormalised, windows) are in test_model_configs."""
+which the prompts and outputs run past, its KV in the SWA pool) through the engine: greedy tokens and
+their logprobs equal HF's through a batch, chunked prefill and a prefix-cache hit; TP 2 (ranks as
+threads) equals TP 1, each rank holding its slice of every expert; prefill and decode workers in one
+process equal HF. The config variants (dense layers, top-k not renormalised, windows) are in
+test_model_configs."""
 
 import random
 
@@ -15,7 +16,7 @@ from tests.pd_helpers import close_workers, make_pair, run_batch
 from tests.tp_helpers import thread_ranks
 
 FAMILIES = ("qwen3_moe", "mixtral", "mistral")
-GREEDY = {"max_new_tokens": 8, "temperature": 0}
+GREEDY = {"max_new_tokens": 20, "temperature": 0, "ignore_eos": True}
 SCORED = dict(GREEDY, return_logprob=True)
 
 
@@ -44,23 +45,28 @@ def generate(model_dir, tp_size=1, **args):
         engine.check_integrity()
         cached = outs[-1]["meta_info"]["cached_tokens"]
         logprobs = [[lp for lp, _ in o["meta_info"]["output_token_logprobs"]] for o in outs]
-        return [o["output_ids"] for o in outs], logprobs, cached, engine.eos_token_ids
+        return [o["output_ids"] for o in outs], logprobs, cached, engine.runner.spec
     finally:
         engine.shutdown()
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_tokens_equal_hf_through_chunks_and_a_prefix_hit(checkpoints, family):
-    outputs, logprobs, cached, eos = generate(checkpoints[family])
+    outputs, logprobs, cached, spec = generate(checkpoints[family])
     assert cached >= 40
     batch, follow = prompts()
-    assert_greedy_parity(checkpoints[family], batch + follow, outputs, GREEDY["max_new_tokens"], eos, logprobs=logprobs)
+    assert_greedy_parity(checkpoints[family], batch + follow, outputs, GREEDY["max_new_tokens"], logprobs=logprobs)
+    if family == "mistral":  # every layer slides: all KV in the SWA pool, the full pool holds slot numbers only
+        assert (spec.kind, spec.swa_attention_layer_ids, spec.full_attention_layer_ids) == ("swa", [0, 1], [])
+    else:
+        assert spec.kind == "mha"
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_tp2_equals_tp1_with_every_expert_split(checkpoints, family, monkeypatch):
     """Each rank runs every expert on its half of the intermediate dim; the block's one
-    all-reduce sums the routed outputs (a second reduce, or one per expert, would double them)."""
+    all-reduce sums the routed outputs (a second reduce, or one per expert, would double them).
+    Mistral: the SWA pools' slot map mirrored on the follower."""
     thread_ranks(monkeypatch)
     ref_outputs, ref_logprobs, ref_cached, _ = generate(checkpoints[family])
     outputs, logprobs, cached, _ = generate(checkpoints[family], tp_size=2)
@@ -89,15 +95,14 @@ def test_expert_slices_per_rank():
             assert not hasattr(block.gate, "param_shards")  # the router is replicated: every rank routes alike
 
 
-@pytest.mark.parametrize("family, page_size", [("qwen3_moe", 4), ("mixtral", 1)])
+@pytest.mark.parametrize("family, page_size", [("qwen3_moe", 4), ("mixtral", 1), ("mistral", 4)])
 def test_prefill_and_decode_workers_equal_hf(checkpoints, family, page_size):
     path = checkpoints[family]
     prefill, decode = make_pair(path, page_size)
     try:
         batch, follow = prompts()
         results = run_batch(prefill, decode, batch + follow, GREEDY)
-        assert_greedy_parity(path, batch + follow, [r[0]["output_ids"] for r in results], GREEDY["max_new_tokens"],
-                             decode.eos_token_ids)
+        assert_greedy_parity(path, batch + follow, [r[0]["output_ids"] for r in results], GREEDY["max_new_tokens"])
         assert prefill.scheduler.bytes_pushed > 0
     finally:
         close_workers(prefill, decode)

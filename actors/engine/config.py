@@ -74,8 +74,8 @@ class EngineConfig(BaseModel):
     mamba_track_interval: int = Field(256, gt=0)
     swa_full_tokens_ratio: float = Field(
         0.8, gt=0.0, le=1.0,
-        description="sliding-window models (Gemma 3): slots of the SWA layers' pool as a fraction of the full "
-        "layers' pool (SGLang's --swa-full-tokens-ratio). The SWA pool only needs each running request's last "
+        description="sliding-window models (Gemma 3, Mistral): slots of the SWA layers' pool as a fraction of the "
+        "full layers' pool (SGLang's --swa-full-tokens-ratio). The SWA pool only needs each running request's last "
         "window plus the tokens of one prefill chunk, so it can be smaller: with room for two chunks and two windows "
         "it serves prompts up to the full pool's size; otherwise a request is held to the SWA pool less a window",
     )

@@ -27,8 +27,8 @@ def layer_window(config, layer_id: int):
     """The sliding window of layer ``layer_id``, or None for full attention: where HF's ``layer_types``
     marks the layers (Qwen2/Qwen3 ``use_sliding_window``: those from ``max_window_layers`` on), the
     sliding ones'; without it (Mistral, Mixtral, Qwen3-MoE) the config's ``sliding_window``, None or
-    every layer's (HF's sliding causal mask). Every layer's KV stays in the pool, as SGLang serves
-    Mistral's window; a sliding layer only masks keys out of its window."""
+    every layer's (HF's sliding causal mask). A sliding layer masks keys out of its window; their
+    KV lives in the SWA pool (``kv_cache_spec``)."""
     layer_types = getattr(config, "layer_types", None)
     if not layer_types:
         return getattr(config, "sliding_window", None)
@@ -108,12 +108,22 @@ class LlamaForCausalLM(CausalLM):
         super().__init__(config, DecoderModel(config, self.layer_cls, norm, tp=tp))
 
     def kv_cache_spec(self) -> KVCacheSpec:
+        """Kind "mha", or "swa" where some layers slide (as Gemma 3): those layers' KV in the SWA pool,
+        freed as tokens slide out of the window. A model whose every layer slides (Mistral's window)
+        keeps no layer's KV in the full pool: there it is slot numbers only, what the tree indexes."""
         attn = self.model.layers[0].self_attn
+        windows = [layer.self_attn.attn.sliding_window for layer in self.model.layers]
+        swa = {} if windows.count(None) == len(windows) else dict(
+            full_attention_layer_ids=[i for i, w in enumerate(windows) if w is None],
+            swa_attention_layer_ids=[i for i, w in enumerate(windows) if w is not None],
+            sliding_window=self.config.sliding_window,
+        )
         return self.make_spec(
-            kind="mha",
+            kind="swa" if swa else "mha",
             num_layers=self.config.num_hidden_layers,
             num_kv_heads=attn.num_kv_heads,
             head_dim=attn.head_dim,
             kv_head_start=attn.heads.kv.start,
             total_kv_heads=attn.heads.total_kv,
+            **swa,
         )
