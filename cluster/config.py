@@ -232,8 +232,9 @@ class ServerConfig(BaseModel):
     queue_timeout_s: float = Field(60.0, gt=0.0, description="longest wait for a slot; beyond it: 408")
     max_request_body_bytes: int = Field(4 * 1024 * 1024, ge=1024, description="larger bodies are refused (413)")
     reasoning_parser: Optional[Literal[tuple(REASONING_FORMATS)]] = Field(
-        None, description="vLLM's and SGLang's --reasoning-parser: a chat choice's thinking (<think>…</think>) "
-        "apart, in reasoning_content (and vLLM's reasoning), its answer in content; None: all of it is content")
+        None, description="vLLM's and SGLang's --reasoning-parser: a chat choice's thinking (<think>…</think>; "
+        "gpt_oss: Harmony's analysis channel) apart, in reasoning_content (and vLLM's reasoning), its answer in "
+        "content; None: all of it is content")
     tool_call_parser: Optional[Literal[tuple(TOOL_CALL_PARSERS)]] = Field(
         None, description="how chat's tool_choice \"auto\" (the default with tools) reads the model's calls, "
         "vLLM's --tool-call-parser; None: \"auto\" is refused, and tools without a tool_choice answer in content")

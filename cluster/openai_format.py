@@ -239,11 +239,13 @@ class CompletionFormatter(_Formatter):
 
 
 class ChatFormatter(_Formatter):
-    """``new_reasoning``: a new :class:`~cluster.reasoning.ReasoningSplitter` per choice, whose
-    thinking goes to ``reasoning_content`` apart from the ``content``; ``tool_calls``: the request's
+    """``new_reasoning``: a new splitter per choice (a reasoning format's: a
+    :class:`~cluster.reasoning.ReasoningSplitter`, or Harmony's), whose thinking goes to
+    ``reasoning_content`` apart from the ``content``; ``tool_calls``: the request's
     :class:`~cluster.tool_calls.ToolCalls`, through which the content goes, its calls apart from the
-    content left (as vLLM: the reasoning parser first, the tool parser on the answer). None: all of
-    it is content."""
+    content left (as vLLM: the reasoning parser first, the tool parser on the answer; a parser that
+    reads the whole output, Harmony's, is fed all of it and its content is the choice's). None: all
+    of it is content."""
 
     object_name, chunk_object = "chat.completion", "chat.completion.chunk"
 
@@ -287,7 +289,9 @@ class ChatFormatter(_Formatter):
             splitter = self.reasoning.setdefault(event.index, self.new_reasoning())
             fields = splitter.step(event.delta, event.finished).delta()
         if self.tool_calls is not None:
-            content, calls = self.tool_calls.delta(event.index, fields.pop("content", ""), event.finished)
+            answer = fields.pop("content", "")
+            text = event.delta if self.tool_calls.whole_output else answer
+            content, calls = self.tool_calls.delta(event.index, text, event.finished)
             fields.update({"content": content} if content else {}, **({"tool_calls": calls} if calls else {}))
         return fields
 
@@ -300,9 +304,10 @@ class ChatFormatter(_Formatter):
     def _choice_whole(self, text, logprobs, index):
         fields = {"content": text} if self.new_reasoning is None else self.new_reasoning().step(text, True).message()
         if self.tool_calls is not None:
-            content, calls = self.tool_calls.message(index, fields["content"] or "")
-            if calls:
-                fields.update(content=content or None, tool_calls=calls)
+            whole_output = self.tool_calls.whole_output
+            content, calls = self.tool_calls.message(index, text if whole_output else fields["content"] or "")
+            if calls or whole_output:
+                fields.update(content=content or None, **({"tool_calls": calls} if calls else {}))
             elif fields["content"] is not None:
                 fields["content"] = content
         return {"index": index, "message": dict(role="assistant", **fields), "logprobs": self._chat_logprobs(logprobs)}

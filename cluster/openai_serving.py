@@ -34,7 +34,7 @@ from cluster.chat_protocol import ChatCompletionRequest, ChatTemplateFields
 from cluster.completion_protocol import CompletionRequest, GenerateRequest
 from cluster.openai_format import ChatFormatter, CompletionFormatter
 from cluster.openai_protocol import describe_validation_error
-from cluster.reasoning import REASONING_FORMATS, ReasoningSplitter, prompt_tail
+from cluster.reasoning import REASONING_FORMATS, prompt_tail
 from cluster.streaming import DONE, ChoiceEvent, TextDelta, run_choices, sse
 from cluster.tool_calls import template_message, tool_calls_for
 
@@ -309,15 +309,16 @@ class GenerationService:
         ids = self.chat_prompt(req)
         with grammar_errors(req):
             params = self.openai_params(req, len(ids), req.requested_max_tokens, "messages")
-            if tool_calls is not None and tool_calls.special_tokens:  # (its tags must reach the parser)
-                params["skip_special_tokens"] = False
             # a named or required tool choice constrains the whole output to its JSON: no thinking to split
             separate = req.separate_reasoning and req.tool_choice in (None, "none", "auto")
             tags = self.reasoning if separate else None
+            # (their tags must reach the parsers; a text left whole keeps them too)
+            if any(p is not None and p.special_tokens for p in (tool_calls, self.reasoning)):
+                params["skip_special_tokens"] = False
             thinking = tags is not None and tags.thinks_first(prompt_tail(self.tokenizer, ids), req.chat_template_kwargs)
             if thinking and req.grammar is not None:  # the grammar is the answer's: the thinking is free
-                params["grammar_after"] = tags.end
-            reasoning = partial(ReasoningSplitter, tags, thinking) if tags is not None else None
+                params["grammar_after"] = tags.answer_start
+            reasoning = partial(tags.splitter, thinking) if tags is not None else None
             fmt = ChatFormatter(req, [ids], self.tokenizer, f"chatcmpl-{request_id}", reasoning, tool_calls)
             if reshape is not None:
                 fmt = reshape(fmt)

@@ -27,6 +27,7 @@ import json
 import uuid
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
+from cluster.harmony import HarmonyParser
 from cluster.model_tool_parsers import DeepSeekV3Parser, MistralParser, PythonicParser, Qwen3CoderParser
 from cluster.tool_parsers import HermesParser, Llama3JsonParser, NamedParser, RequiredParser, ToolCallParser
 
@@ -87,6 +88,7 @@ TOOL_CALL_PARSERS: Dict[str, Callable[[Sequence], ToolCallParser]] = {
     "pythonic": lambda tools: PythonicParser(),
     "qwen3_coder": Qwen3CoderParser,
     "deepseek_v3": lambda tools: DeepSeekV3Parser(),
+    "gpt_oss": lambda tools: HarmonyParser(),
 }
 """``server.tool_call_parser``'s names: the formats ``tool_choice`` "auto" reads calls in, each a
 parser made from the request's ``tools`` (Qwen3-Coder's types its arguments by their schemas)."""
@@ -100,11 +102,13 @@ class ToolCalls:
     """The tool calls of one request's choices in OpenAI's shapes, each choice's text through a
     parser of its own (``make_parser``). ``calls_finish``: a choice that called and stopped
     ends with ``finish_reason`` "tool_calls" (a named function's stays "stop", as vLLM's).
-    ``special_tokens``: the parser's, the output is to be decoded with special tokens."""
+    ``special_tokens``, ``whole_output``: the parser's (the output is to be decoded with special
+    tokens; the parser reads it whole, thinking included)."""
 
     def __init__(self, make_parser: Callable[[], ToolCallParser], calls_finish: bool):
         self.make_parser, self.calls_finish = make_parser, calls_finish
-        self.special_tokens = make_parser().special_tokens
+        parser = make_parser()
+        self.special_tokens, self.whole_output = parser.special_tokens, parser.whole_output
         self.parsers: Dict[int, ToolCallParser] = {}
         self.sent: Dict[int, List[int]] = {}  # per choice: the arguments' length streamed, per call
 

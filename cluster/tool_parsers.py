@@ -26,9 +26,13 @@ class ToolCallParser:
     ``calls``: ``[name, arguments so far]`` per call found, the name None until known; a call's
     arguments only grow. ``special_tokens``: the format's tags are special tokens in some of its
     models' tokenizers (Mistral's ``[TOOL_CALLS]``), so the output it reads is decoded with special
-    tokens (vLLM's parser's ``adjust_request``)."""
+    tokens (vLLM's parser's ``adjust_request``). ``whole_output``: it reads the whole output, not the
+    answer a reasoning parser leaves, and its content is the choice's (Harmony's calls are messages
+    beside the thinking and the answer, :mod:`cluster.harmony`; vLLM's ``openai`` parser reads all
+    the output's tokens)."""
 
     special_tokens = False
+    whole_output = False
 
     def __init__(self):
         self.calls: List[List[Optional[str]]] = []

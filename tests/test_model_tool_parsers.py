@@ -2,7 +2,8 @@
 reads its calls and keeps the content around them, several calls in one output, and a malformed
 call stays content as written; fed split at every position, and a character at a time (no content
 sent that a later character makes a call's, arguments only growing), each gives what it gives
-whole. Through the server (qwen3_coder, mistral): tests/test_tool_calls.py."""
+whole. Through the server (qwen3_coder, mistral): tests/test_tool_calls.py; gpt_oss's Harmony:
+tests/test_harmony.py."""
 
 import json
 
@@ -11,7 +12,8 @@ import pytest
 from cluster.chat_protocol import ChatTool
 from cluster.model_tool_parsers import DeepSeekV3Parser, MistralParser, PythonicParser, Qwen3CoderParser
 from cluster.tool_calls import TOOL_CALL_PARSERS, ToolCalls
-from tests.test_tool_calls import TOOLS, parse_pieces, parse_whole
+from tests.test_harmony import TEXTS as HARMONY_TEXTS
+from tests.test_tool_calls import TOOLS, parse_characters, parse_pieces, parse_whole
 
 WEATHER_ARGS = '{"city": "a]b}", "unit": "c"}'
 MISTRAL_TEXTS = [  # (text, content, calls)
@@ -85,19 +87,14 @@ def test_parser_reads_its_format_whole_and_in_any_pieces(make, case):
     assert parse_whole(make(), text) == (content, calls)
     for cut in range(len(text) + 1):
         assert parse_pieces(make(), [text[:cut], text[cut:]]) == (content, calls), cut
-    parser, sent, arguments = make(), "", []
-    for c in text:
-        sent += parser.feed(c)
-        assert content.startswith(sent), sent
-        assert all(now.startswith(before) for (_, before), (_, now) in zip(arguments, parser.calls))
-        arguments = [list(call) for call in parser.calls]
-    assert (sent + parser.finish(), parser.calls) == (content, calls)
+    assert parse_characters(make(), text, content) == (content, calls)
     for _, arguments in calls:
         json.loads(arguments)
 
 
 @pytest.mark.parametrize("name,text", [("mistral", MISTRAL_TEXTS[0][0]), ("pythonic", PYTHONIC_TEXTS[0][0]),
-                                       ("qwen3_coder", QWEN3_CODER_TEXTS[0][0]), ("deepseek_v3", DEEPSEEK_TEXTS[0][0])])
+                                       ("qwen3_coder", QWEN3_CODER_TEXTS[0][0]), ("deepseek_v3", DEEPSEEK_TEXTS[0][0]),
+                                       ("gpt_oss", HARMONY_TEXTS[2][0])])
 def test_registered_parsers_stream_what_the_message_holds(name, text):
     """By name, made from the request's tools: a character at a time, the deltas add up to the
     whole message's content and calls; a choice that called ends with "tool_calls"."""

@@ -105,5 +105,5 @@ def test_partial_suffix_len():
 
 def test_an_unknown_parser_is_refused_with_the_known_names():
     assert ServerConfig(reasoning_parser="qwen3").reasoning_parser == "qwen3"
-    with pytest.raises(ValidationError, match="'deepseek_r1' or 'qwen3'"):
+    with pytest.raises(ValidationError, match="'deepseek_r1', 'qwen3' or 'gpt_oss'"):
         ServerConfig(reasoning_parser="deepseek-r2")

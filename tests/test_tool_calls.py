@@ -64,6 +64,18 @@ def parse_pieces(parser, pieces):
     return content, parser.calls
 
 
+def parse_characters(parser, text, content):
+    """``text`` fed a character at a time: no content sent that is not ``content``'s start (none a
+    later character makes a call's), a call's arguments only growing; the content and calls."""
+    sent, arguments = "", []
+    for c in text:
+        sent += parser.feed(c)
+        assert content.startswith(sent), sent
+        assert all(now.startswith(before) for (_, before), (_, now) in zip(arguments, parser.calls))
+        arguments = [list(call) for call in parser.calls]
+    return sent + parser.finish(), parser.calls
+
+
 def test_hermes_reads_calls_and_keeps_the_rest_as_content():
     content, calls = parse_whole(HermesParser(), HERMES_TEXTS[0])
     assert content == "Let me check." and calls == [["get_weather", '{"city": "Paris", "unit": "c"}'],
