@@ -152,3 +152,13 @@ def test_gpt_oss_mxfp4_experts_load_as_hf_dequantizes_them(model_dir, tmp_path):
     finally:
         engine.shutdown()
     assert_greedy_parity(str(dequantized), prompts()[1], [o["output_ids"] for o in outs], GREEDY["max_new_tokens"])
+
+    # a weight update to the MXFP4 checkpoint (an RL step's gpt-oss) checks and loads it as the start does
+    other = build_tiny_checkpoint("gpt_oss", tmp_path / "other", seed=1)
+    engine = Engine(model_path=str(other), skip_tokenizer_init=True, max_total_tokens=1024)
+    try:
+        engine.update_weights_from_disk(str(quantized), weight_version="mxfp4")
+        outs = generate(engine, str(dequantized), prompts()[1])
+        assert {o["meta_info"]["weight_version"] for o in outs} == {"mxfp4"}
+    finally:
+        engine.shutdown()

@@ -201,10 +201,11 @@ class ServedWeights:
     def check(self, path: str) -> None:
         """ValueError naming what differs when the checkpoint in ``path`` cannot replace the served
         weights. Reads config.json and the safetensors headers only."""
-        self._names_by_file(path)
+        self._served_names(path)
 
-    def _names_by_file(self, path: str) -> Dict[str, List[str]]:
-        """(:meth:`check`) each file of the checkpoint in ``path`` → the served tensors it holds."""
+    def _served_names(self, path: str) -> List[str]:
+        """(:meth:`check`) the served tensors the checkpoint in ``path`` replaces; one stored in MXFP4
+        (``X_blocks`` + ``X_scales``, as loaded at start) counts by the shape it dequantizes to."""
         try:
             config, files = load_config(path), checkpoint_files(path)
         except (OSError, ValueError) as exc:
@@ -214,27 +215,32 @@ class ServedWeights:
                   if k not in METADATA_FIELDS and served.get(k) != new.get(k)]
         if differ:
             raise ValueError(f"checkpoint {path!r}: config.json differs from the served model's: {', '.join(differ)}")
-        shapes, where = {}, {}
+        shapes = {}
         for file in files:
             with safe_open(file, framework="pt", device="cpu") as f:
                 for name in f.keys():
-                    shapes[name], where[name] = list(f.get_slice(name).get_shape()), file
+                    shapes[name] = list(f.get_slice(name).get_shape())
         full = build_model(self.config)  # (on meta: the whole tensors' shapes, whatever this rank's shards)
         expected = {name: list(t.shape) for name, t in full.state_dict().items() if name in self.targets}
-        problems = _checkpoint_problems(shapes, expected, lambda name: ignored_weight(full, name))
+        problems = _checkpoint_problems(mxfp4.unpacked_shapes(shapes, expected), expected,
+                                        lambda name: ignored_weight(full, name))
         if problems:
             raise ValueError(f"checkpoint {path!r} does not fit the served model: {'; '.join(problems)}")
-        by_file: Dict[str, List[str]] = {}
-        for name in expected:
-            by_file.setdefault(where[name], []).append(name)
-        return by_file
+        return list(expected)
 
     def load(self, path: str) -> None:
         """Copy the checkpoint in ``path`` (checked again) into the served tensors, this rank's shards."""
-        for file, names in self._names_by_file(path).items():
-            with safe_open(file, framework="pt", device="cpu") as f:
-                for name in names:
-                    copy_tensor(f, name, *self.targets[name])
+        names = self._served_names(path)
+        with contextlib.ExitStack() as stack:
+            files_of = {}  # tensor name -> the open file holding it
+            for file in checkpoint_files(path):
+                f = stack.enter_context(safe_open(file, framework="pt", device="cpu"))
+                files_of.update(dict.fromkeys(f.keys(), f))
+            for name in names:
+                if name in files_of:
+                    copy_tensor(files_of[name], name, *self.targets[name])
+                else:  # (MXFP4: _served_names found its blocks and scales)
+                    _load_mxfp4(name, *self.targets[name], files_of[name + "_blocks"], files_of)
         self.path = path
 
 

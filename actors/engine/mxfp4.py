@@ -9,7 +9,7 @@ the transpose of HF's (and ours): ``out`` rows, ``in`` along a row.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Dict, List, Optional
 
 import torch
 
@@ -24,6 +24,21 @@ def packed_name(name: str) -> Optional[str]:
         if name.endswith(suffix):
             return name[: -len(suffix)]
     return None
+
+
+def unpacked_shapes(shapes: Dict[str, List[int]], expected: Dict[str, List[int]]) -> Dict[str, List[int]]:
+    """A checkpoint's tensor shapes (names → shapes, from its headers) with each ``X_blocks`` +
+    ``X_scales`` pair of an ``expected`` tensor ``X`` read as ``X``'s dequantized shape; a pair whose
+    shapes do not match each other stays as it is (the caller reports its names as unexpected)."""
+    out = dict(shapes)
+    for name in expected:
+        blocks, scales = shapes.get(name + "_blocks"), shapes.get(name + "_scales")
+        if name in shapes or blocks is None or scales is None or blocks[:-1] != scales or blocks[-1] != 16:
+            continue
+        *lead, rows, groups, _ = blocks
+        out[name] = [*lead, groups * 32, rows]
+        del out[name + "_blocks"], out[name + "_scales"]
+    return out
 
 
 def dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
