@@ -109,6 +109,8 @@ class DecodeTransferMixin:
             logger.exception("could not start decoding %s", req.rid)
             self._drop(req, f"bad completion notice from the prefill side: {exc!r}", safe=True)
             return
+        if self.runner.draft is not None:  # (before it is cached or decodes: every committed slot has both KVs)
+            self.runner.draft.prefill(req, self.runner)
         if req.finished:
             self.tree_cache.cache_finished_req(req)
         else:

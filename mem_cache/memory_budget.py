@@ -10,7 +10,9 @@ SGLang sizes its pools once, at start-up, after the model weights are loaded:
   (``r = mamba_full_memory_ratio``) or exactly ``max_mamba_cache_size`` slots
   to the Mamba state pool; the KV pool gets what the slots leave.
 * KV tokens are ``kv_budget // cell_size``, capped by ``max_total_tokens`` and
-  rounded down to whole pages. The pools' extra dummy page is not budgeted,
+  rounded down to whole pages. With a draft model (speculative decoding) a
+  slot holds the draft's KV too, in a pool of its own indexed by the same
+  slots (SGLang's draft worker): its bytes per token join the cell. The pools' extra dummy page is not budgeted,
   as in SGLang.
 
 :func:`default_memory_args` reproduces SGLang's per-GPU-size defaults for
@@ -124,7 +126,7 @@ class MemoryBudget:
     max_total_num_tokens: int
     """KV token slots of the pool (a whole number of pages)."""
     cell_size: int
-    """KV bytes per token on this rank."""
+    """KV bytes per token on this rank (a draft model's included)."""
     kv_bytes: int
     """Bytes the KV pool takes: ``max_total_num_tokens * cell_size``."""
     max_mamba_cache_size: int
@@ -133,6 +135,8 @@ class MemoryBudget:
     """Bytes the Mamba pool takes: ``max_mamba_cache_size * mamba_state_bytes_per_slot``."""
     rest_bytes: int
     """Memory the static pools were allowed, before the split."""
+    draft_cell_size: int = 0
+    """The draft model's KV bytes per token, part of ``cell_size``; 0 without one."""
 
     def describe(self) -> str:
         """One log line with the numbers."""
@@ -140,6 +144,8 @@ class MemoryBudget:
             f"KV cache: {self.max_total_num_tokens} tokens x {self.cell_size} B = "
             f"{self.kv_bytes / GiB:.2f} GiB"
         )
+        if self.draft_cell_size:
+            line += f" ({self.draft_cell_size} B/token of it the draft model's)"
         if self.max_mamba_cache_size:
             line += f"; mamba: {self.max_mamba_cache_size} slots = {self.mamba_bytes / GiB:.2f} GiB"
         return line + f"; static budget {self.rest_bytes / GiB:.2f} GiB"
@@ -192,12 +198,15 @@ def profile_max_num_tokens(
     mamba_full_memory_ratio: float = 0.9,
     max_total_tokens: Optional[int] = None,
     max_mamba_cache_size: Optional[int] = None,
+    draft_shape: Optional[KVCacheShape] = None,
 ) -> MemoryBudget:
     """Size the KV (and Mamba) pools of one rank the way SGLang does.
 
     ``available_bytes`` is the device memory free *after* the model weights
     were loaded (``get_device_memory`` called then); ``total_bytes`` is the
-    device's capacity. Raises ValueError when nothing fits.
+    device's capacity. ``draft_shape``: a draft model's KV, in a pool of as
+    many slots (not sharded: the draft runs whole, on TP rank 0 only). Raises
+    ValueError when nothing fits.
     """
     _check_positive_int("page_size", page_size)
     if max_total_tokens is not None:
@@ -207,7 +216,8 @@ def profile_max_num_tokens(
     rest = _rest_bytes(available_bytes, total_bytes, mem_fraction_static)
     slots = _mamba_slots(shape, rest, mamba_full_memory_ratio, max_mamba_cache_size) if shape.is_hybrid else 0
     mamba_bytes = slots * (shape.mamba_state_bytes_per_slot or 0)
-    cell = cell_size_bytes(shape, kv_dtype, tp_size)
+    draft_cell = 0 if draft_shape is None else cell_size_bytes(draft_shape, kv_dtype)
+    cell = cell_size_bytes(shape, kv_dtype, tp_size) + draft_cell
     tokens = (rest - mamba_bytes) // cell
     if max_total_tokens is not None:
         tokens = min(tokens, max_total_tokens)
@@ -217,7 +227,7 @@ def profile_max_num_tokens(
             f"not one page of KV fits: {rest - mamba_bytes} B for {cell} B/token x page_size {page_size}; "
             "raise mem_fraction_static or free memory"
         )
-    return MemoryBudget(tokens, cell, tokens * cell, slots, mamba_bytes, rest)
+    return MemoryBudget(tokens, cell, tokens * cell, slots, mamba_bytes, rest, draft_cell)
 
 
 @dataclass(frozen=True)

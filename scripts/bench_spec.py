@@ -1,4 +1,4 @@
-"""Offline decoding with n-gram speculative decoding off and on (k = 2, 4 draft tokens).
+"""Offline decoding with n-gram (or, ``--draft``, draft-model) speculative decoding off and on (k = 2, 4 draft tokens).
 
 Greedy requests on a tiny random-weight Llama (HF's default init; built here, no download).
 Workloads: ``loop``, random prompts — a random model under greedy decoding soon loops, which
@@ -7,8 +7,10 @@ model's own continuation, so the output goes on with text the prompt holds (as a
 quote repeats its input). Each case runs ``--repeats`` times on its own engine; the table: output tokens per second (wall time of ``generate`` over
 the batch, the fastest run), forwards, the acceptance rate (accepted / drafted tokens) and the mean accepted
 length (tokens a drafted request gets per verify step, its bonus token included).
+``--draft``: draft-model speculative decoding instead, the draft the target cut to its first layer
+(its embedding, layer 0 and head: it agrees with the target often; built here) or ``--draft PATH``.
 
-    python scripts/bench_spec.py [--device cpu] [--batches 1 16] [--max-new-tokens 256]
+    python scripts/bench_spec.py [--device cpu] [--batches 1 16] [--max-new-tokens 256] [--draft [PATH]]
 """
 
 from __future__ import annotations
@@ -39,11 +41,22 @@ def build_model(out: Path) -> str:
     return str(out)
 
 
+def build_draft(model: str, out: Path) -> str:
+    """The target cut to its first layer."""
+    from transformers import LlamaForCausalLM
+
+    LlamaForCausalLM.from_pretrained(model, num_hidden_layers=1).save_pretrained(out)
+    return str(out)
+
+
 def run(model: str, device: str, batch: List[List[int]], max_new_tokens: int, k: Optional[int],
-        repeats: int = 1) -> Dict:
+        repeats: int = 1, draft: Optional[str] = None) -> Dict:
     """The batch's outputs and figures, timed at the best of ``repeats`` runs (the prefix cache
-    flushed before each: every run prefills the whole prompts)."""
+    flushed before each: every run prefills the whole prompts); ``draft``: a draft model's path
+    (else n-gram drafts)."""
     spec = {} if k is None else {"speculative_algorithm": "ngram", "speculative_num_draft_tokens": k}
+    if k is not None and draft is not None:
+        spec.update(speculative_algorithm="draft_model", speculative_draft_model_path=draft)
     engine = Engine(model_path=model, device=device, skip_tokenizer_init=True, max_total_tokens=65536, **spec)
     params = {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True}
     try:
@@ -71,11 +84,16 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3, help="runs of each case; the fastest is reported")
+    parser.add_argument("--draft", nargs="?", const="first-layer", default=None,
+                        help="draft-model speculative decoding: the target's first layer (built here) or a path")
     args = parser.parse_args()
     if args.device == "cpu":
         torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
         model = build_model(Path(tmp) / "llama")
+        draft = args.draft
+        if draft == "first-layer":
+            draft = build_draft(model, Path(tmp) / "draft")
         rng = random.Random(0)
         prompts = [[rng.randrange(5, 250) for _ in range(rng.randint(16, 64))] for _ in range(max(args.batches))]
         first = run(model, args.device, prompts, COPIED, None)["outputs"]
@@ -86,7 +104,7 @@ def main() -> None:
             for bs in args.batches:
                 base = None
                 for k in (None, 2, 4):
-                    r = run(model, args.device, all_prompts[:bs], args.max_new_tokens, k, args.repeats)
+                    r = run(model, args.device, all_prompts[:bs], args.max_new_tokens, k, args.repeats, draft)
                     if base is None:
                         base = r
                     assert r["outputs"] == base["outputs"], "speculative decoding changed greedy tokens"

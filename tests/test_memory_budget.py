@@ -157,6 +157,16 @@ def test_hybrid_explicit_slots():
     assert b64.max_total_num_tokens == 1_083_648
 
 
+def test_a_draft_models_kv_joins_every_slot_unsharded():
+    # Llama-3.2-1B as the draft: 16 layers x 8 heads x (64 + 64) x 2 B = 32_768 B a token, on rank 0
+    # whole; 61_248_888_832 // (131_072 + 32_768) = 373_833; TP 2: // (65_536 + 32_768) = 623_055
+    draft = KVCacheShape(num_attention_layers=16, num_kv_heads=8, head_dim=64)
+    b = llama_budget(draft_shape=draft)
+    assert (b.max_total_num_tokens, b.cell_size, b.draft_cell_size) == (373_833, 163_840, 32_768)
+    assert "32768 B/token of it the draft model's" in b.describe()
+    assert llama_budget(draft_shape=draft, tp_size=2).max_total_num_tokens == 623_055
+
+
 def test_describe_is_one_line():
     line = llama_budget().describe()
     assert "\n" not in line

@@ -309,12 +309,14 @@ def test_a_finish_inside_an_accepted_run_cuts_it_where_plain_decoding_stops(mode
         assert spec["text"] == plain["text"] and spec["meta_info"]["finish_reason"] == plain["meta_info"]["finish_reason"]
 
 
-def test_retraction_under_a_small_pool(model_dir):
+def assert_retraction_keeps_tokens(model_dir, spec, **args):
+    """Greedy tokens with speculation ``spec`` equal plain decoding's where both runs retract
+    (an engine of ``args``), and drafts are accepted."""
     batch = [p + p for p in prompts(5, seed=5)]
-    args = dict(max_total_tokens=192, max_running_requests=6, chunked_prefill_size=-1, page_size=4)
     outs = {}
-    for spec_args in ({}, SPEC):
-        engine = Engine(model_path=model_dir, **args, **spec_args)
+    for spec_args in ({}, spec):
+        engine = Engine(model_path=model_dir, max_running_requests=6, chunked_prefill_size=-1, page_size=4,
+                        **args, **spec_args)
         try:
             outs[bool(spec_args)] = ids(engine.generate(input_ids=batch, sampling_params=GREEDY))
             engine.check_integrity()
@@ -324,6 +326,10 @@ def test_retraction_under_a_small_pool(model_dir):
         finally:
             engine.shutdown()
     assert outs[True] == outs[False]
+
+
+def test_retraction_under_a_small_pool(model_dir):
+    assert_retraction_keeps_tokens(model_dir, SPEC, max_total_tokens=192)
 
 
 def test_streamed_steps_carry_several_tokens_and_an_abort_mid_run_leaks_nothing(model_dir):

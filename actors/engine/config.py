@@ -111,10 +111,14 @@ class EngineConfig(BaseModel):
     )
     tp_size: int = Field(1, ge=1, le=64, description="tensor-parallel ranks (one process each); every rank holds "
                          "1/tp_size of the attention heads, MLP and expert intermediate dims")
-    speculative_algorithm: Optional[Literal["ngram"]] = Field(
+    speculative_algorithm: Optional[Literal["ngram", "draft_model"]] = Field(
         None, description="speculative decoding (vLLM's speculative_config method, SGLang's --speculative-algorithm): "
-        "ngram drafts a request's next tokens from its own prompt and output (no draft model), and one forward "
-        "verifies them (actors.engine.spec_decode); None: off")
+        "ngram drafts a request's next tokens from its own prompt and output (no draft model), draft_model (SGLang's "
+        "STANDALONE) from a small model of the same vocabulary, speculative_draft_model_path "
+        "(actors.engine.draft_model); one forward verifies them (actors.engine.spec_decode); None: off")
+    speculative_draft_model_path: Optional[str] = Field(
+        None, description="draft_model: the draft's HF checkpoint directory (SGLang's --speculative-draft-model-path, "
+        "vLLM's speculative_config model); the target's vocabulary and tokenizer")
     speculative_num_draft_tokens: int = Field(4, ge=1, le=64, description="draft tokens per request and step, at "
                                               "most (vLLM's num_speculative_tokens)")
     speculative_ngram_min: int = Field(1, ge=1, description="the shortest n-gram ending the sequence that is looked "
@@ -180,6 +184,22 @@ def speculative_error(config) -> Optional[str]:
     return None
 
 
+def draft_model_error(config) -> Optional[str]:
+    """Why ``config``'s (an EngineConfig or a cluster group's engine section) draft model cannot work, or
+    None: draft_model needs its path and the path needs draft_model; the host tier backs up the target's
+    KV only, so a prefix loaded back would have no draft KV (:mod:`actors.engine.draft_model`)."""
+    drafting = config.speculative_algorithm == "draft_model"
+    if drafting and not config.speculative_draft_model_path:
+        return "speculative_draft_model_path is needed with speculative_algorithm 'draft_model'"
+    if config.speculative_draft_model_path and not drafting:
+        return (f"speculative_draft_model_path is set but speculative_algorithm is "
+                f"{config.speculative_algorithm!r}: only 'draft_model' runs a draft model")
+    if drafting and config.enable_hierarchical_cache:
+        return ("speculative_draft_model_path: a draft model does not work with enable_hierarchical_cache=True "
+                "(the host tier backs up the target's KV only; a prefix loaded back would lack the draft's)")
+    return None
+
+
 def prefill_speculative_error(config) -> Optional[str]:
     """Why a prefill worker's engine settings (an EngineConfig or the cluster's ``prefill.engine``)
     cannot take speculative decoding, or None: it samples a request's first token only and never
@@ -214,5 +234,6 @@ def max_loaded_loras_error(config) -> Optional[str]:
 # The checks of field combinations, each with the field its error names: EngineConfig runs them,
 # and the cluster config too, on each group's engine section (so they fail at the server, not in an actor).
 COMBINATION_CHECKS = (("mamba_track_interval", mamba_tracking_error), ("schedule_policy", schedule_policy_error),
-                      ("speculative_ngram_min", speculative_error), ("max_lora_rank", lora_rank_error),
+                      ("speculative_ngram_min", speculative_error),
+                      ("speculative_draft_model_path", draft_model_error), ("max_lora_rank", lora_rank_error),
                       ("max_loaded_loras", max_loaded_loras_error))

@@ -109,6 +109,8 @@ def check_engine_integrity(sched, runner) -> None:
     if pool.available_size() != pool.size:
         raise RuntimeError(f"request-row leak: {pool.size - pool.available_size()} rows held by nobody")
     runner.allocator.check_integrity(in_use=tree.all_values())
+    if getattr(runner, "draft", None) is not None:  # (its slots are the allocator's: checked above)
+        runner.draft.token_to_kv_pool.check_integrity()
     if sched.swa:  # both pools: full and SWA slots each free or cached, none locked
         pool.check_integrity(live_rows=[])
         tree.check_accounting()

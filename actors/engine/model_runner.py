@@ -3,7 +3,9 @@
 Pools are built once, at start-up, from the model's :class:`KVCacheSpec` and
 the memory budget (``mem_cache.memory_budget``): the KV pool holds
 ``max_total_num_tokens`` slots, the request table ``max_running_requests``
-rows. Nothing is allocated per request afterwards.
+rows. Nothing is allocated per request afterwards. With a draft model
+(:mod:`actors.engine.draft_model`, TP rank 0 only) a second KV pool of as many
+slots holds the draft's KV, and every forward but a verify is mirrored by it.
 """
 
 from __future__ import annotations
@@ -19,9 +21,10 @@ import torch
 
 from actors.engine.attention import create_attention_backend
 from actors.engine.config import EngineConfig
+from actors.engine.draft_model import DraftModel
 from actors.engine.forward_batch import ForwardBatch, int64_tensor
 from actors.engine.lora import LoRAAdapter, LoRAManager, read_adapter
-from actors.engine.model_loader import ServedWeights, build_model, load_model
+from actors.engine.model_loader import DTYPES, ServedWeights, build_model, load_model
 from actors.engine.models.base import LogitsOutput
 from actors.engine.parallel import SINGLE, TPGroup
 from mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
@@ -71,6 +74,10 @@ class ModelRunner:
         self.model, self.model_config, self.dtype = load_model(config.model_path, config.dtype, config.device, tp)
         self.weights = ServedWeights(self.model, self.model_config, config.model_path)  # (before LoRA wraps layers)
         self.lora = self._load_loras()  # (before the KV pool is sized: its buffers are device memory too)
+        attention = config.attention_backend
+        if attention == "auto":
+            attention = "triton" if self.device.type == "cuda" else "torch"
+        self.draft = self._load_draft(attention)  # (before the KV pool is sized, as the adapters)
         self.kv_dtype = KV_DTYPES.get(config.kv_cache_dtype, self.dtype)
         self.spec = self.model.kv_cache_spec()
         self.context_len = config.context_length or self.model_config.max_position_embeddings
@@ -78,9 +85,6 @@ class ModelRunner:
         self.max_running_requests = config.max_running_requests or max(1, min(MAX_RUNNING_DEFAULT,
                                                                               self.max_total_num_tokens // 2))
         self._init_pools()
-        attention = config.attention_backend
-        if attention == "auto":
-            attention = "triton" if self.device.type == "cuda" else "torch"
         self.attn_backend = create_attention_backend(attention, device=self.device)
         # TP rank 0: sends the batch to the other ranks, around a forward in step with theirs
         self.tp_step: Callable[[ForwardBatch], ContextManager] = _no_followers
@@ -137,19 +141,30 @@ class ModelRunner:
             return {}
         return self.lora.batch_fields([r.lora_path for r in reqs])
 
+    # ---- draft model --------------------------------------------------------------
+    def _load_draft(self, attention: str) -> Optional[DraftModel]:
+        """The draft model of draft_model speculative decoding, in the target's dtype (SGLang's draft
+        worker takes the server's), on TP rank 0 only (:mod:`actors.engine.draft_model`); else None."""
+        if self.config.speculative_algorithm != "draft_model" or not self.tp.is_leader:
+            return None
+        dtype = next(name for name, value in DTYPES.items() if value == self.dtype)
+        return DraftModel(self.config.speculative_draft_model_path, dtype, self.device, attention,
+                          self.model_config.vocab_size)
+
     # ---- memory ---------------------------------------------------------------
-    def _kv_shape(self) -> KVCacheShape:
-        if self.spec.kind == "mla":
+    @staticmethod
+    def _kv_shape(spec) -> KVCacheShape:
+        if spec.kind == "mla":
             return KVCacheShape(
-                num_attention_layers=self.spec.num_layers,
-                kv_lora_rank=self.spec.kv_lora_rank,
-                qk_rope_head_dim=self.spec.qk_rope_head_dim,
+                num_attention_layers=spec.num_layers,
+                kv_lora_rank=spec.kv_lora_rank,
+                qk_rope_head_dim=spec.qk_rope_head_dim,
             )
         return KVCacheShape(
-            num_attention_layers=self.spec.num_layers,
-            num_kv_heads=self.spec.num_kv_heads,
-            head_dim=self.spec.head_dim,
-            v_head_dim=self.spec.v_head_dim,
+            num_attention_layers=spec.num_layers,
+            num_kv_heads=spec.num_kv_heads,
+            head_dim=spec.head_dim,
+            v_head_dim=spec.v_head_dim,
         )
 
     def _profile_tokens(self) -> int:
@@ -158,13 +173,14 @@ class ModelRunner:
             return max(ps, self.config.max_total_tokens // ps * ps)
         available, total = get_device_memory(self.device)
         fraction = self.config.mem_fraction_static or 0.5
-        shape, mamba_slots = self._kv_shape(), None
+        shape, mamba_slots = self._kv_shape(self.spec), None
         if self.spec.kind == "hybrid_mamba":  # KV for the full-attention layers only; the Mamba pool comes first
             mamba_slots = self._num_mamba_slots(self.config.max_running_requests or MAX_RUNNING_DEFAULT)
             shape = dataclasses.replace(shape, num_attention_layers=len(self.spec.full_attention_layer_ids),
                                         mamba_state_bytes_per_slot=self._mamba_slot_bytes())
         budget = profile_max_num_tokens(shape, self.kv_dtype, available, total, fraction, page_size=ps,
-                                        max_mamba_cache_size=mamba_slots)
+                                        max_mamba_cache_size=mamba_slots,
+                                        draft_shape=None if self.draft is None else self._kv_shape(self.draft.spec))
         logger.info("memory budget: %s", budget.describe())
         return budget.max_total_num_tokens
 
@@ -219,19 +235,24 @@ class ModelRunner:
         )
         logger.info("SWA pool: %d tokens (full pool %d)", self.swa_max_total_num_tokens, self.max_total_num_tokens)
 
+    def _attention_pool(self, spec, buffer_allocator: Optional[BufferAllocator]):
+        """An MHA or MLA pool of ``spec``'s layers with ``max_total_num_tokens`` slots."""
+        cfg = self.config
+        if spec.kind == "mha":
+            return MHATokenToKVPool(
+                self.max_total_num_tokens, cfg.page_size, self.kv_dtype, spec.num_kv_heads, spec.head_dim,
+                spec.num_layers, device=self.device, v_head_dim=spec.v_head_dim, buffer_allocator=buffer_allocator,
+            )
+        return MLATokenToKVPool(
+            self.max_total_num_tokens, cfg.page_size, self.kv_dtype, spec.kv_lora_rank, spec.qk_rope_head_dim,
+            spec.num_layers, device=self.device, buffer_allocator=buffer_allocator,
+        )
+
     def _init_pools(self) -> None:
         cfg, spec = self.config, self.spec
         self.req_to_token_pool = ReqToTokenPool(self.max_running_requests, self.context_len + 4, self.device)
-        if spec.kind == "mha":
-            self.token_to_kv_pool = MHATokenToKVPool(
-                self.max_total_num_tokens, cfg.page_size, self.kv_dtype, spec.num_kv_heads, spec.head_dim,
-                spec.num_layers, device=self.device, v_head_dim=spec.v_head_dim, buffer_allocator=self.buffer_allocator,
-            )
-        elif spec.kind == "mla":
-            self.token_to_kv_pool = MLATokenToKVPool(
-                self.max_total_num_tokens, cfg.page_size, self.kv_dtype, spec.kv_lora_rank, spec.qk_rope_head_dim,
-                spec.num_layers, device=self.device, buffer_allocator=self.buffer_allocator,
-            )
+        if spec.kind in ("mha", "mla"):
+            self.token_to_kv_pool = self._attention_pool(spec, self.buffer_allocator)
         elif spec.kind == "hybrid_mamba":
             self._init_hybrid_pools()
         elif spec.kind == "swa":
@@ -253,6 +274,8 @@ class ModelRunner:
             "KV pool: %d tokens, %d request rows, %.1f MiB",
             self.max_total_num_tokens, self.max_running_requests, self.token_to_kv_pool.mem_usage_bytes() / 2**20,
         )
+        if self.draft is not None:  # (never transferred: a plain allocation, not the shareable one)
+            self.draft.token_to_kv_pool = self._attention_pool(self.draft.spec, None)
 
     # ---- forward ----------------------------------------------------------------
     @torch.inference_mode()
@@ -268,6 +291,8 @@ class ModelRunner:
             if self.lora is not None:
                 self.lora.prepare(forward_batch)
             logits = self.model(forward_batch)
+            if self.draft is not None and not forward_batch.forward_mode.is_target_verify:
+                self.draft.mirror(forward_batch)  # (a verify's slots were written by the drafting)
             if self.device.type == "cuda":  # this stream only: a device-wide sync would also wait for the KV
                 torch.cuda.current_stream(self.device).synchronize()  # pushes on their own streams (kv_push)
         self.forward_time += time.perf_counter() - start

@@ -1,9 +1,10 @@
-"""N-gram speculative decoding: drafts read from a request's own tokens, verified in one forward.
+"""Speculative decoding: drafts verified in one forward of the target.
 
 A decode step of the running batch becomes a verify step when some request has a draft: up
 to ``speculative_num_draft_tokens`` tokens that followed, earlier in its prompt or output, the
-longest n-gram its sequence ends with (:mod:`actors.engine.ngram`, vLLM's prompt lookup; no draft
-model). Each request extends by its last sampled token and its draft (``1 + d`` tokens, ``d =
+longest n-gram its sequence ends with (``ngram``: :mod:`actors.engine.ngram`, vLLM's prompt
+lookup), or that a small draft model proposes (``draft_model``: :mod:`actors.engine.draft_model`,
+SGLang's STANDALONE; it writes its own KV into the step's slots as it drafts). Each request extends by its last sampled token and its draft (``1 + d`` tokens, ``d =
 0`` for one without a draft) over its committed prefix, through the attention backends'
 extend path, and the forward returns the logits at every one of those tokens
 (``ForwardMode.TARGET_VERIFY``). A greedy request keeps the longest draft prefix that equals
@@ -28,6 +29,7 @@ KV (for request ``i``, ``L`` its length before the step, ``a`` drafts accepted):
 
     [0, L - 1)         committed before the step
     [L - 1, L + d)     allocated for the step (``kv_allocated_len``), written by the forward
+                       (a draft model's draft: allocated for its length before a grammar cut)
     [0, L + a)         committed after it: the last token and the accepted drafts (the bonus has no KV yet)
     [ceil_page(L + a), L + d)   the rejected drafts' whole pages: freed at once
 
@@ -100,25 +102,38 @@ class SpecStats:
                 "mean_accepted_len": (self.num_accepted_tokens + self.num_drafts) / max(1, self.num_drafts)}
 
 
-def prepare_for_verify(reqs: List[Req], drafts: List[List[int]], runner, tree_cache) -> Optional[ForwardBatch]:
-    """Slots for each request's last sampled token and its draft, positions ``[seqlen - 1,
-    seqlen + len(draft))`` (one ``alloc_extend`` over the batch, the last partial page filled
-    first); None, having taken nothing, when they cannot be had even after eviction."""
+def alloc_verify_slots(reqs: List[Req], draft_lens: List[int], runner, tree_cache) -> bool:
+    """Slots for each request's last sampled token and a draft of ``draft_lens[i]`` tokens,
+    positions ``[seqlen - 1, seqlen + draft_lens[i])`` (one ``alloc_extend`` over the batch, the
+    last partial page filled first), written into the rows; False, having taken nothing, when
+    they cannot be had even after eviction."""
     pool = runner.req_to_token_pool
     prefix_lens = [r.seqlen - 1 for r in reqs]
-    extend_lens = [1 + len(d) for d in drafts]
+    extend_lens = [1 + n for n in draft_lens]
     seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
     prefix_t = int64_tensor(prefix_lens)
     last_loc = _last_locs(runner.allocator, pool, _table_rows(pool, reqs), prefix_t)
     out = alloc_extend_slots(runner, tree_cache, prefix_t, int64_tensor(seq_lens), last_loc, sum(extend_lens))
     if out is None:
-        return None
+        return False
     pool.write_extend([r.req_pool_idx for r in reqs], [_NO_SLOTS] * len(reqs), prefix_lens, extend_lens, out)
-    input_ids, positions = [], []
-    for req, draft, p, s in zip(reqs, drafts, prefix_lens, seq_lens):
+    for req, s in zip(reqs, seq_lens):
         req.kv_allocated_len = s
+    return True
+
+
+def verify_batch(reqs: List[Req], drafts: List[List[int]], runner) -> ForwardBatch:
+    """The verify forward of each request's last sampled token and its draft, into the slots its
+    row holds there (:func:`alloc_verify_slots`'; a draft cut after they were taken uses the first)."""
+    table = runner.req_to_token_pool.req_to_token
+    input_ids, positions, rows = [], [], []
+    for req, draft in zip(reqs, drafts):
         input_ids += [req.output_ids[-1]] + draft
-        positions.extend(range(p, s))
+        positions.extend(range(req.seqlen - 1, req.seqlen + len(draft)))
+        rows += [req.req_pool_idx] * (1 + len(draft))
+    out = table[int64_tensor(rows, table.device), int64_tensor(positions, table.device)]
+    prefix_lens = [r.seqlen - 1 for r in reqs]
+    seq_lens = [r.seqlen + len(d) for r, d in zip(reqs, drafts)]
     return extend_batch(ForwardMode.TARGET_VERIFY, runner, reqs, input_ids, positions, out, prefix_lens, seq_lens,
                         spec_draft_tokens=drafts)
 
@@ -142,22 +157,36 @@ class SpecDecodeMixin:
         no room for the drafts (the caller then runs a plain decode step)."""
         if not self.speculative:
             return None
-        drafts = [self._draft(r) for r in self.running]
-        if not any(drafts):
+        reqs, runner = self.running, self.runner
+        rooms = [self._draft_room(r) for r in reqs]
+        if runner.draft is None:
+            drafts = [self._grammar_cut(r, self._ngram_draft(r, n)) if n else [] for r, n in zip(reqs, rooms)]
+            rooms = [len(d) for d in drafts]
+        if not any(rooms) or not alloc_verify_slots(reqs, rooms, runner, self.tree_cache):
             return None
-        return prepare_for_verify(self.running, drafts, self.runner, self.tree_cache)
+        if runner.draft is not None:  # (its steps write the draft's KV into the slots just taken; a cut
+            # draft leaves the slots past it to the step's frees)
+            drafts = [self._grammar_cut(r, d) for r, d in zip(reqs, runner.draft.propose(reqs, rooms,
+                                                                                      runner.req_to_token_pool))]
+        return verify_batch(reqs, drafts, runner)
 
-    def _draft(self, req: Req) -> List[int]:
-        """``req``'s draft: none past the token before its ``max_new_tokens`` (the step's own token
-        comes after the draft; a longer one could never be kept)."""
+    def _draft_room(self, req: Req) -> int:
+        """The most draft tokens ``req`` may take: none past the token before its ``max_new_tokens``
+        (the step's own token comes after the draft; a longer one could never be kept)."""
+        room = min(self.config.speculative_num_draft_tokens,
+                   req.sampling_params.max_new_tokens - len(req.output_ids) - 1)
+        return max(0, room) if draftable(req) else 0
+
+    def _ngram_draft(self, req: Req, room: int) -> List[int]:
         cfg = self.config
-        room = min(cfg.speculative_num_draft_tokens, req.sampling_params.max_new_tokens - len(req.output_ids) - 1)
-        if room <= 0 or not draftable(req):
-            return []
         if req.ngram_index is None:
             req.ngram_index = NgramIndex(cfg.speculative_ngram_min, cfg.speculative_ngram_max)
         req.ngram_index.sync(req.origin_input_ids, req.output_ids)
-        draft = req.ngram_index.propose(room)
+        return req.ngram_index.propose(room)
+
+    @staticmethod
+    def _grammar_cut(req: Req, draft: List[int]) -> List[int]:
+        """``draft`` cut before the first token ``req``'s grammar refuses."""
         matcher = active_matcher(req.grammar)
         return draft if matcher is None or not draft else grammar_prefix(matcher, draft)
 

@@ -1,0 +1,174 @@
+"""Draft-model speculative decoding: a small model's drafts verified by the target.
+
+A draft with the target's own weights must have every draft accepted (and hold, at every cached
+slot, the target's KV: the draft's KV invariant); a one-layer cut of the target agrees often, not
+always, and greedy requests keep plain decoding's (and HF's) tokens through batching, prefix hits,
+chunked prefill, retraction, TP and PD's decode side; sampled requests draw the target's
+distribution; every test ends with no slot leaked."""
+
+import pytest
+import torch
+from transformers import LlamaForCausalLM
+
+from actors.engine import Engine
+from actors.engine.config import EngineConfig
+from actors.engine.tiny import tiny_config
+from actors.engine.tokenizer import save_tokenizer
+from actors.workers import PrefillWorker
+from tests.parity import assert_greedy_parity, hf_model
+from tests.pd_helpers import close_workers, make_pair, run_batch
+from tests.test_spec_decode import GREEDY, assert_retraction_keeps_tokens, generate, ids, prompts
+from tests.test_spec_decode import model_dir  # noqa: F401 (a fixture)
+from tests.tp_helpers import thread_ranks
+
+
+def draft_args(path, k=4):
+    return {"speculative_algorithm": "draft_model", "speculative_draft_model_path": path,
+            "speculative_num_draft_tokens": k}
+
+
+@pytest.fixture(scope="module")
+def drafts(model_dir, tmp_path_factory):  # noqa: F811
+    """``self``: the target's own checkpoint; ``short``: the target's first layer only (its
+    embedding, layer 0, norm and head; loaded with one layer, the second's weights left out)."""
+    path = tmp_path_factory.mktemp("draft") / "short"
+    LlamaForCausalLM.from_pretrained(model_dir, num_hidden_layers=1).save_pretrained(path)
+    save_tokenizer(path)
+    return {"self": model_dir, "short": str(path)}
+
+
+def test_a_draft_with_the_targets_weights_has_every_draft_accepted(model_dir, drafts):  # noqa: F811
+    batch = prompts()
+    plain, _ = generate(model_dir, batch, GREEDY, page_size=4)
+    spec, stats = generate(model_dir, batch, GREEDY, page_size=4, **draft_args(drafts["self"]))
+    assert ids(spec) == ids(plain)
+    assert stats["num_draft_tokens"] > 0 and stats["acceptance_rate"] == 1.0
+    assert stats["mean_accepted_len"] > 4.0  # (k + 1 a step, less where max_new_tokens leaves less room)
+    assert_greedy_parity(model_dir, batch, ids(spec), GREEDY["max_new_tokens"])
+
+
+def _prefix_rounds(engine, batch, params):
+    """Two rounds on one engine: the prompts, then each prompt with its first output as the prompt
+    of a follow-up (a prefix hit on the slots the first round committed)."""
+    first = engine.generate(input_ids=batch, sampling_params=params)
+    follow = [p + o["output_ids"][:10] + [7, 8] for p, o in zip(batch, first)]
+    second = engine.generate(input_ids=follow, sampling_params=params)
+    assert all(o["meta_info"]["cached_tokens"] >= len(p) for p, o in zip(batch, second))
+    return ids(first) + ids(second)
+
+
+@pytest.mark.parametrize("draft", ["self", "short"])
+def test_greedy_tokens_through_prefix_hits_and_chunks_and_the_drafts_kv_invariant(model_dir, drafts, draft):  # noqa: F811
+    """Chunked prefill (8-token chunks) and a second round that hits the first's prefixes: the
+    tokens are plain decoding's. With the target's weights as the draft, every slot the tree
+    holds has the draft's KV equal to the target's (the same tokens at the same positions; up to
+    float rounding): each was written by a mirrored forward or by the drafting itself."""
+    args = dict(max_total_tokens=4096, page_size=4, chunked_prefill_size=8)
+    params = {**GREEDY, "max_new_tokens": 24}
+    outs = {}
+    for spec_args in ({}, draft_args(drafts[draft])):
+        engine = Engine(model_path=model_dir, **args, **spec_args)
+        try:
+            outs[bool(spec_args)] = _prefix_rounds(engine, prompts(), params)
+            engine.check_integrity()
+            if spec_args:
+                stats = engine.scheduler.spec_stats.as_dict()
+                runner = engine.runner
+                slots = engine.scheduler.tree_cache.all_values().to(torch.int64)
+        finally:
+            engine.shutdown()
+    assert outs[True] == outs[False]
+    assert stats["num_accepted_tokens"] > 0
+    if draft == "short":
+        assert stats["acceptance_rate"] < 1.0
+        return
+    assert stats["acceptance_rate"] == 1.0 and len(slots) > 100
+    target, mirror = runner.token_to_kv_pool, runner.draft.token_to_kv_pool
+    for layer in range(len(target.k_buffer)):
+        torch.testing.assert_close(mirror.k_buffer[layer][slots], target.k_buffer[layer][slots], atol=1e-5, rtol=0)
+        torch.testing.assert_close(mirror.v_buffer[layer][slots], target.v_buffer[layer][slots], atol=1e-5, rtol=0)
+
+
+def test_retraction_under_a_small_pool(model_dir, drafts):  # noqa: F811
+    """A pool admission overfills (a small new-token ratio): requests are retracted and re-prefilled
+    (the draft's KV with them), and the tokens stay plain decoding's."""
+    assert_retraction_keeps_tokens(model_dir, draft_args(drafts["short"]), max_total_tokens=160,
+                                   init_new_token_ratio=0.05, min_new_token_ratio=0.05)
+
+
+def test_requests_with_logprobs_penalties_and_a_grammar_keep_plain_decodings_tokens(model_dir, drafts):  # noqa: F811
+    """Each draft position's row adjusted and masked as at its position, logprobs from the raw rows
+    (as n-gram drafts'), and a sampled one-token nucleus: greedy's tokens by rejection sampling."""
+    prompt = prompts(0)[0]
+    logprobs = {"return_logprob": True, "top_logprobs_num": 2}
+    kinds = [{}, logprobs, {"frequency_penalty": 0.05, "repetition_penalty": 1.1}, {"regex": r"[a-z ]{10,60}"},
+             {"temperature": 1.0, "top_p": 1e-6, **logprobs}]
+    params = [{**GREEDY, "max_new_tokens": 24, **kind} for kind in kinds]
+    plain, _ = generate(model_dir, [prompt] * len(kinds), params)
+    spec, stats = generate(model_dir, [prompt] * len(kinds), params, **draft_args(drafts["short"]))
+    assert ids(spec) == ids(plain) and stats["num_accepted_tokens"] > 0
+    for got, want in zip(spec, plain):
+        if "output_token_logprobs" in want["meta_info"]:
+            assert [v for v, _ in got["meta_info"]["output_token_logprobs"]] == pytest.approx(
+                [v for v, _ in want["meta_info"]["output_token_logprobs"]], abs=1e-5)
+
+
+def test_sampled_tokens_follow_the_targets_distribution(model_dir, drafts):  # noqa: F811
+    """400 sampled requests (temperature 1, top_k 3) of one prompt, each with a one-token draft
+    at its second token: given the most common first token, the second is distributed as HF's
+    target top-3 softmax there (chi-square, 2 degrees of freedom, p-value 0.001), drafts both
+    kept and rejected."""
+    prompt, n = prompts(0)[0], 400
+    params = [{"max_new_tokens": 3, "temperature": 1.0, "top_k": 3, "ignore_eos": True, "seed": i} for i in range(n)]
+    outs, stats = generate(model_dir, [prompt] * n, params, max_running_requests=n, **draft_args(drafts["short"], 1))
+    assert 0 < stats["num_accepted_tokens"] < stats["num_draft_tokens"] == n
+    firsts = [o[0] for o in ids(outs)]
+    first = max(set(firsts), key=firsts.count)
+    seconds = torch.tensor([o[1] for o in ids(outs) if o[0] == first])
+    with torch.no_grad():
+        logits = hf_model(model_dir)(torch.tensor([prompt + [first]])).logits[0, -1]
+    top = logits.topk(3)
+    probs = torch.softmax(top.values, -1)
+    counts = torch.tensor([(seconds == t).sum() for t in top.indices.tolist()], dtype=torch.float)
+    assert counts.sum() == len(seconds) > 100
+    expected = len(seconds) * probs
+    assert float(((counts - expected) ** 2 / expected).sum()) < 13.82
+
+
+def test_tp2_drafts_on_rank_0_only(model_dir, drafts, monkeypatch):  # noqa: F811
+    thread_ranks(monkeypatch)
+    batch = prompts(2)
+    plain, _ = generate(model_dir, batch, GREEDY)
+    spec, stats = generate(model_dir, batch, GREEDY, tp_size=2, **draft_args(drafts["self"]))
+    assert ids(spec) == ids(plain) and stats["acceptance_rate"] == 1.0 and stats["num_draft_tokens"] > 0
+
+
+def test_pd_decode_side_computes_the_drafts_kv_of_a_transferred_prompt(model_dir, drafts):  # noqa: F811
+    """The decode side drafts with the target's weights: every draft is accepted only if the
+    draft's KV of each prompt (whose target KV came from the prefill side) was computed on arrival."""
+    batch = prompts(5, seed=5)
+    params = {**GREEDY, "max_new_tokens": 24}
+    plain, _ = generate(model_dir, batch, params)
+    prefill, decode = make_pair(model_dir, page_size=4, decode_args={**draft_args(drafts["self"]), "page_size": 4})
+    try:
+        results = run_batch(prefill, decode, batch, params)
+        assert [r[0]["output_ids"] for r in results] == ids(plain)
+        stats = decode.scheduler.spec_stats.as_dict()
+        assert stats["num_draft_tokens"] > 0 and stats["acceptance_rate"] == 1.0
+    finally:
+        close_workers(prefill, decode)
+
+
+def test_bad_draft_settings_are_refused_naming_the_field(model_dir, tmp_path):  # noqa: F811
+    with pytest.raises(ValueError, match="speculative_draft_model_path is needed"):
+        EngineConfig(model_path="m", speculative_algorithm="draft_model")
+    with pytest.raises(ValueError, match="speculative_draft_model_path is set but speculative_algorithm is 'ngram'"):
+        EngineConfig(model_path="m", speculative_algorithm="ngram", speculative_draft_model_path="d")
+    with pytest.raises(ValueError, match="speculative_draft_model_path: .*enable_hierarchical_cache"):
+        EngineConfig(model_path="m", enable_hierarchical_cache=True, **draft_args("d"))
+    with pytest.raises(ValueError, match="a prefill worker never decodes"):
+        PrefillWorker("m", draft_args("d"))
+    other = tmp_path / "other_vocab"
+    LlamaForCausalLM(tiny_config("llama", vocab_size=300, num_hidden_layers=1)).save_pretrained(other)
+    with pytest.raises(ValueError, match=r"speculative_draft_model_path: the draft's vocabulary \(300 ids\)"):
+        Engine(model_path=model_dir, max_total_tokens=256, **draft_args(str(other)))
