@@ -145,6 +145,8 @@ def _set(data: dict, dotted: str, value) -> dict:
     ("decode.engine.page_size", 32, "decode.engine.page_size: 32 differs from prefill.engine.page_size 16"),
     ("prefill.engine.speculative_algorithm", "ngram",
      "prefill.engine.speculative_algorithm 'ngram': a prefill worker never decodes"),
+    ("decode.engine.speculative_algorithm", "draft_model",
+     "decode.engine.speculative_draft_model_path: speculative_draft_model_path is needed"),
     ("transfer.backend", "nccl",
      "transfer.backend: Input should be 'auto', 'shm', 'cuda_ipc', 'torch_dist' or 'fake' (got 'nccl')"),
     ("transfer.backend", "cuda_ipc", "transfer.backend: cuda_ipc needs device cuda on both sides"),

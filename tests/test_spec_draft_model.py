@@ -145,14 +145,18 @@ def test_tp2_drafts_on_rank_0_only(model_dir, drafts, monkeypatch):  # noqa: F81
 
 def test_pd_decode_side_computes_the_drafts_kv_of_a_transferred_prompt(model_dir, drafts):  # noqa: F811
     """The decode side drafts with the target's weights: every draft is accepted only if the
-    draft's KV of each prompt (whose target KV came from the prefill side) was computed on arrival."""
-    batch = prompts(5, seed=5)
-    params = {**GREEDY, "max_new_tokens": 24}
-    plain, _ = generate(model_dir, batch, params)
+    draft's KV of each prompt (whose target KV came from the prefill side) was computed on
+    arrival — in a second round, past the prefix the decode side's own tree held (its draft KV
+    written there in the first)."""
+    batch = prompts(4, seed=5)
+    params = {**GREEDY, "max_new_tokens": 16}
     prefill, decode = make_pair(model_dir, page_size=4, decode_args={**draft_args(drafts["self"]), "page_size": 4})
     try:
-        results = run_batch(prefill, decode, batch, params)
-        assert [r[0]["output_ids"] for r in results] == ids(plain)
+        first = [r[0] for r in run_batch(prefill, decode, batch, params)]
+        follow = [p + o["output_ids"] + [7, 8] for p, o in zip(batch, first)]
+        second = [r[0] for r in run_batch(prefill, decode, follow, params)]
+        assert all(o["meta_info"]["cached_tokens"] >= len(p) - 4 for p, o in zip(batch, second))  # decode side's
+        assert ids(first + second) == ids(generate(model_dir, batch, params)[0] + generate(model_dir, follow, params)[0])
         stats = decode.scheduler.spec_stats.as_dict()
         assert stats["num_draft_tokens"] > 0 and stats["acceptance_rate"] == 1.0
     finally:
