@@ -98,31 +98,29 @@ class DraftModel:
 
     def propose(self, reqs: List[Req], draft_lens: List[int], req_to_token_pool) -> List[List[int]]:
         """Each request's draft of ``draft_lens[i]`` tokens, through ``max(draft_lens) + 1`` decode
-        steps of the draft over the slots its row holds for the step (the module's docstring)."""
-        table = req_to_token_pool.req_to_token
-        drafts: List[List[int]] = [[] for _ in reqs]
-        tokens = [r.output_ids[-1] for r in reqs]
-        for j in range(max(draft_lens) + 1):
+        steps of the draft over the slots its row holds for the step (the module's docstring). The
+        tokens stay on the device between the steps: one copy to the host at the end."""
+        table, device, steps = req_to_token_pool.req_to_token, self.device, max(draft_lens)
+        tokens = int64_tensor([r.output_ids[-1] for r in reqs], device)
+        proposed = torch.zeros(len(reqs), steps, dtype=torch.int64, device=device)  # [i, j]: draft[j] of request i
+        for j in range(steps + 1):
             index = [i for i, n in enumerate(draft_lens) if n >= j]
-            positions = [reqs[i].seqlen - 1 + j for i in index]
+            index_t = int64_tensor(index, device)
             rows = int64_tensor([reqs[i].req_pool_idx for i in index], table.device)
-            logits = self.forward(self._decode_batch([tokens[i] for i in index], positions, rows, req_to_token_pool))
-            if j == max(draft_lens):
-                break
-            for i, token in zip(index, logits.argmax(dim=-1).tolist()):
-                if j < draft_lens[i]:
-                    drafts[i].append(token)
-                    tokens[i] = token
-        return drafts
+            positions = [reqs[i].seqlen - 1 + j for i in index]
+            logits = self.forward(self._decode_batch(tokens[index_t], positions, rows, req_to_token_pool))
+            if j < steps:
+                tokens[index_t] = proposed[index_t, j] = logits.argmax(dim=-1)
+        return [row[:n] for row, n in zip(proposed.tolist(), draft_lens)]
 
-    def _decode_batch(self, tokens: List[int], positions: List[int], rows: torch.Tensor,
+    def _decode_batch(self, tokens: torch.Tensor, positions: List[int], rows: torch.Tensor,
                       req_to_token_pool) -> ForwardBatch:
         """A decode batch of one token per request at ``positions``, into the slots its row holds there."""
-        device, bs = self.device, len(tokens)
+        device, bs = self.device, len(positions)
         positions_t = int64_tensor(positions, self.device)
         slots = req_to_token_pool.req_to_token[rows, positions_t.to(rows.device)].to(device, torch.int64)
         return ForwardBatch(
-            forward_mode=ForwardMode.DECODE, input_ids=int64_tensor(tokens, device), positions=positions_t,
+            forward_mode=ForwardMode.DECODE, input_ids=tokens, positions=positions_t,
             out_cache_loc=slots, req_pool_indices=rows.to(device), seq_lens=positions_t + 1,
             extend_prefix_lens=positions_t, extend_seq_lens=torch.ones(bs, dtype=torch.int64, device=device),
             extend_start_loc=torch.arange(bs, dtype=torch.int64, device=device), req_to_token_pool=req_to_token_pool,
