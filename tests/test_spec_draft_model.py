@@ -12,7 +12,7 @@ from transformers import LlamaForCausalLM
 
 from actors.engine import Engine
 from actors.engine.config import EngineConfig
-from actors.engine.tiny import tiny_config
+from actors.engine.tiny import build_tiny_checkpoint, tiny_config
 from actors.engine.tokenizer import save_tokenizer
 from actors.workers import PrefillWorker
 from tests.parity import assert_greedy_parity, hf_model
@@ -20,6 +20,8 @@ from tests.pd_helpers import close_workers, make_pair, run_batch
 from tests.test_spec_decode import GREEDY, assert_retraction_keeps_tokens, generate, ids, prompts
 from tests.test_spec_decode import model_dir  # noqa: F401 (a fixture)
 from tests.tp_helpers import thread_ranks
+
+KV_POOLS = {"llama": "MHATokenToKVPool", "deepseek_v3": "MLATokenToKVPool"}
 
 
 def draft_args(path, k=4):
@@ -133,6 +135,26 @@ def test_sampled_tokens_follow_the_targets_distribution(model_dir, drafts):  # n
     assert counts.sum() == len(seconds) > 100
     expected = len(seconds) * probs
     assert float(((counts - expected) ** 2 / expected).sum()) < 13.82
+
+
+@pytest.mark.parametrize("target_family, draft_family", [("deepseek_v3", "llama"), ("llama", "deepseek_v3")])
+def test_a_draft_of_another_kv_layout_has_a_pool_of_its_own(tmp_path, target_family, draft_family):
+    """An MLA target with an MHA draft and the other way round (the tiny checkpoints share the
+    vocabulary): the draft's pool has its own layout and layers over the target's slots, and the
+    greedy tokens are plain decoding's."""
+    target = str(build_tiny_checkpoint(target_family, tmp_path / "target", seed=0))
+    draft = str(build_tiny_checkpoint(draft_family, tmp_path / "draft", seed=1, num_hidden_layers=1))
+    batch, params = prompts(2), {**GREEDY, "max_new_tokens": 16}
+    engine = Engine(model_path=target, max_total_tokens=1024, page_size=4, **draft_args(draft))
+    try:
+        spec = ids(engine.generate(input_ids=batch, sampling_params=params))
+        engine.check_integrity()
+        pools = engine.runner.token_to_kv_pool, engine.runner.draft.token_to_kv_pool
+        assert [type(p).__name__ for p in pools] == [KV_POOLS[target_family], KV_POOLS[draft_family]]
+        assert engine.scheduler.spec_stats.num_draft_tokens > 0
+    finally:
+        engine.shutdown()
+    assert spec == ids(generate(target, batch, params, page_size=4)[0])
 
 
 def test_tp2_drafts_on_rank_0_only(model_dir, drafts, monkeypatch):  # noqa: F811

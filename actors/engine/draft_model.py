@@ -31,7 +31,8 @@ KV (the slot count is every rank's smallest).
 
 Drafts are the draft's argmax: a one-hot proposal, so the rejection sampler stays exact for sampled
 requests. The draft reads no sampling parameter nor grammar: a draft is cut to what its grammar
-accepts afterwards, as an n-gram draft is.
+accepts afterwards, as an n-gram draft is. LoRA adapters apply to the target only (a request under
+one is drafted as the base model would write; verification keeps the adapter's tokens).
 """
 
 from __future__ import annotations
