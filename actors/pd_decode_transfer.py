@@ -110,7 +110,7 @@ class DecodeTransferMixin:
             self._drop(req, f"bad completion notice from the prefill side: {exc!r}", safe=True)
             return
         if self.runner.draft is not None:  # (before it is cached or decodes: every committed slot has both KVs)
-            self.runner.draft.prefill(req, self.runner)
+            self.runner.draft.prefill(req, self.runner.req_to_token_pool)
         if req.finished:
             self.tree_cache.cache_finished_req(req)
         else:

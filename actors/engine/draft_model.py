@@ -46,7 +46,6 @@ from actors.engine.attention import create_attention_backend
 from actors.engine.forward_batch import ForwardBatch, ForwardMode, int64_tensor
 from actors.engine.model_loader import load_model
 from actors.engine.req import Req
-from actors.engine.schedule_batch import extend_batch
 
 DRAFT_KV_KINDS = ("mha", "mla")  # a draft's KV lives in one attention pool indexed by the target's slots
 
@@ -85,46 +84,47 @@ class DraftModel:
             forward_batch, input_logprob_indices=None, input_logprob_next_ids=None, input_logprob_counts=None,
             embed_indices=None, classifier_token_ids=None, lora_slots=None, lora_slot_names=None))
 
-    def prefill(self, req: Req, runner) -> None:
+    def prefill(self, req: Req, req_to_token_pool) -> None:
         """The draft's KV of ``req``'s prompt past the prefix it matched, ``[len(prefix_indices),
         kv_committed_len)`` (PD's decode side, where the target's came from the prefill side; the
         matched prefix is committed here, so it holds the draft's already)."""
         start, end = len(req.prefix_indices), req.kv_committed_len
-        if start >= end:
-            return
-        table = runner.req_to_token_pool.req_to_token
-        slots = table[req.req_pool_idx, start:end].to(torch.int64)
-        self.mirror(extend_batch(ForwardMode.EXTEND, runner, [req], req.origin_input_ids[start:end],
-                                 list(range(start, end)), slots, [start], [end]))
+        if start < end:
+            tokens = int64_tensor(req.origin_input_ids[start:end], self.device)
+            self.forward(self._batch(ForwardMode.EXTEND, tokens, [req.req_pool_idx], [start], [end], req_to_token_pool))
 
     def propose(self, reqs: List[Req], draft_lens: List[int], req_to_token_pool) -> List[List[int]]:
         """Each request's draft of ``draft_lens[i]`` tokens, through ``max(draft_lens) + 1`` decode
         steps of the draft over the slots its row holds for the step (the module's docstring). The
         tokens stay on the device between the steps: one copy to the host at the end."""
-        table, device, steps = req_to_token_pool.req_to_token, self.device, max(draft_lens)
+        device, steps = self.device, max(draft_lens)
         tokens = int64_tensor([r.output_ids[-1] for r in reqs], device)
         proposed = torch.zeros(len(reqs), steps, dtype=torch.int64, device=device)  # [i, j]: draft[j] of request i
         for j in range(steps + 1):
             index = [i for i, n in enumerate(draft_lens) if n >= j]
             index_t = int64_tensor(index, device)
-            rows = int64_tensor([reqs[i].req_pool_idx for i in index], table.device)
-            positions = [reqs[i].seqlen - 1 + j for i in index]
-            logits = self.forward(self._decode_batch(tokens[index_t], positions, rows, req_to_token_pool))
+            rows, positions = [reqs[i].req_pool_idx for i in index], [reqs[i].seqlen - 1 + j for i in index]
+            logits = self.forward(self._batch(ForwardMode.DECODE, tokens[index_t], rows, positions,
+                                              [p + 1 for p in positions], req_to_token_pool))
             if j < steps:
                 tokens[index_t] = proposed[index_t, j] = logits.argmax(dim=-1)
         return [row[:n] for row, n in zip(proposed.tolist(), draft_lens)]
 
-    def _decode_batch(self, tokens: torch.Tensor, positions: List[int], rows: torch.Tensor,
-                      req_to_token_pool) -> ForwardBatch:
-        """A decode batch of one token per request at ``positions``, into the slots its row holds there."""
-        device, bs = self.device, len(positions)
-        positions_t = int64_tensor(positions, self.device)
-        slots = req_to_token_pool.req_to_token[rows, positions_t.to(rows.device)].to(device, torch.int64)
+    def _batch(self, mode: ForwardMode, input_ids: torch.Tensor, rows: List[int], prefix_lens: List[int],
+               seq_lens: List[int], req_to_token_pool) -> ForwardBatch:
+        """The draft's forward of tokens ``[prefix_lens[i], seq_lens[i])`` of rows ``rows``, into the
+        slots the rows hold there (no LoRA, logprobs nor embeddings: only the target computes those)."""
+        device, table = self.device, req_to_token_pool.req_to_token
+        extend_lens = [s - p for p, s in zip(prefix_lens, seq_lens)]
+        positions = [t for p, s in zip(prefix_lens, seq_lens) for t in range(p, s)]
+        token_rows = [row for row, n in zip(rows, extend_lens) for _ in range(n)]
+        slots = table[int64_tensor(token_rows, table.device), int64_tensor(positions, table.device)]
+        extend_lens_t = int64_tensor(extend_lens, device)
         return ForwardBatch(
-            forward_mode=ForwardMode.DECODE, input_ids=tokens, positions=positions_t,
-            out_cache_loc=slots, req_pool_indices=rows.to(device), seq_lens=positions_t + 1,
-            extend_prefix_lens=positions_t, extend_seq_lens=torch.ones(bs, dtype=torch.int64, device=device),
-            extend_start_loc=torch.arange(bs, dtype=torch.int64, device=device), req_to_token_pool=req_to_token_pool,
-            token_to_kv_pool=self.token_to_kv_pool, seq_lens_cpu=[p + 1 for p in positions],
-            extend_prefix_lens_cpu=list(positions), extend_seq_lens_cpu=[1] * bs,
+            forward_mode=mode, input_ids=input_ids, positions=int64_tensor(positions, device),
+            out_cache_loc=slots.to(device, torch.int64), req_pool_indices=int64_tensor(rows, device),
+            seq_lens=int64_tensor(seq_lens, device), extend_prefix_lens=int64_tensor(prefix_lens, device),
+            extend_seq_lens=extend_lens_t, extend_start_loc=torch.cumsum(extend_lens_t, 0) - extend_lens_t,
+            req_to_token_pool=req_to_token_pool, token_to_kv_pool=self.token_to_kv_pool, seq_lens_cpu=list(seq_lens),
+            extend_prefix_lens_cpu=list(prefix_lens), extend_seq_lens_cpu=extend_lens,
         )

@@ -4,8 +4,9 @@ A decode step of the running batch becomes a verify step when some request has a
 to ``speculative_num_draft_tokens`` tokens that followed, earlier in its prompt or output, the
 longest n-gram its sequence ends with (``ngram``: :mod:`actors.engine.ngram`, vLLM's prompt
 lookup), or that a small draft model proposes (``draft_model``: :mod:`actors.engine.draft_model`,
-SGLang's STANDALONE; it writes its own KV into the step's slots as it drafts). Each request extends by its last sampled token and its draft (``1 + d`` tokens, ``d =
-0`` for one without a draft) over its committed prefix, through the attention backends'
+SGLang's STANDALONE; it writes its own KV into the step's slots as it drafts). Each request
+extends by its last sampled token and its draft (``1 + d`` tokens, ``d = 0`` for one without a
+draft) over its committed prefix, through the attention backends'
 extend path, and the forward returns the logits at every one of those tokens
 (``ForwardMode.TARGET_VERIFY``). A greedy request keeps the longest draft prefix that equals
 the argmax at each position and the argmax after it (the bonus token): the tokens plain decode
