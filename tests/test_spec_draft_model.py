@@ -49,6 +49,14 @@ def test_a_draft_with_the_targets_weights_has_every_draft_accepted(model_dir, dr
     assert_greedy_parity(model_dir, batch, ids(spec), GREEDY["max_new_tokens"])
 
 
+def test_the_triton_backend_drafts_through_its_decode_kernel(model_dir, drafts):  # noqa: F811
+    batch, params = prompts(0), {**GREEDY, "max_new_tokens": 16}
+    plain, _ = generate(model_dir, batch, params, page_size=4)
+    spec, stats = generate(model_dir, batch, params, page_size=4, attention_backend="triton",
+                           **draft_args(drafts["self"]))
+    assert ids(spec) == ids(plain) and stats["num_draft_tokens"] > 0 and stats["acceptance_rate"] == 1.0
+
+
 def _prefix_rounds(engine, batch, params):
     """Two rounds on one engine: the prompts, then each prompt with its first output as the prompt
     of a follow-up (a prefix hit on the slots the first round committed)."""
