@@ -16,7 +16,7 @@ from actors.engine.tiny import build_tiny_checkpoint, tiny_config
 from actors.engine.tokenizer import save_tokenizer
 from actors.workers import PrefillWorker
 from tests.parity import assert_greedy_parity, hf_model
-from tests.pd_helpers import close_workers, make_pair, run_batch
+from tests.pd_helpers import close_workers, decode_together, make_pair, run_batch
 from tests.test_spec_decode import GREEDY, assert_retraction_keeps_tokens, generate, ids, prompts
 from tests.test_spec_decode import model_dir  # noqa: F401 (a fixture)
 from tests.tp_helpers import thread_ranks
@@ -190,6 +190,24 @@ def test_pd_decode_side_computes_the_drafts_kv_of_a_transferred_prompt(model_dir
         assert ids(first + second) == ids(plain)
         stats = decode.scheduler.spec_stats.as_dict()
         assert stats["num_draft_tokens"] > 0 and stats["acceptance_rate"] == 1.0
+    finally:
+        close_workers(prefill, decode)
+
+
+def test_pd_decode_side_retracts_and_re_prefills_with_the_drafts_kv(model_dir, drafts):  # noqa: F811
+    """A decode pool the reservations nearly fill: requests are retracted there and re-prefilled by
+    the decode side's own engine (the draft mirroring it); every draft is still accepted."""
+    batch = prompts(5, seed=5)
+    params = {**GREEDY, "max_new_tokens": 24}
+    decode_args = {**draft_args(drafts["self"]), "page_size": 4, "max_total_tokens": 160,
+                   "init_new_token_ratio": 0.02, "min_new_token_ratio": 0.02}
+    prefill, decode = make_pair(model_dir, page_size=4, decode_args=decode_args, num_reserved_decode_tokens=2)
+    try:
+        decode_together(decode, len(batch))
+        assert [r[0]["output_ids"] for r in run_batch(prefill, decode, batch, params)] == ids(
+            generate(model_dir, batch, params)[0])
+        assert decode.scheduler.num_retractions > 0
+        assert decode.scheduler.spec_stats.as_dict()["acceptance_rate"] == 1.0
     finally:
         close_workers(prefill, decode)
 
