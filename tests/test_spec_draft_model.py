@@ -40,12 +40,24 @@ def drafts(model_dir, tmp_path_factory):  # noqa: F811
 
 
 def test_a_draft_with_the_targets_weights_has_every_draft_accepted(model_dir, drafts):  # noqa: F811
+    """Greedy tokens are plain decoding's (and HF's), every draft is accepted, and the draft's
+    ``lm_head`` computes the proposals' rows only (a mirrored forward and a step that only writes
+    KV take none)."""
     batch = prompts()
     plain, _ = generate(model_dir, batch, GREEDY, page_size=4)
-    spec, stats = generate(model_dir, batch, GREEDY, page_size=4, **draft_args(drafts["self"]))
+    engine = Engine(model_path=model_dir, max_total_tokens=4096, page_size=4, **draft_args(drafts["self"]))
+    rows = []
+    engine.runner.draft.model.lm_head.register_forward_hook(lambda module, args, out: rows.append(len(args[0])))
+    try:
+        spec = engine.generate(input_ids=batch, sampling_params=GREEDY)
+        engine.check_integrity()
+        stats = engine.scheduler.spec_stats.as_dict()
+    finally:
+        engine.shutdown()
     assert ids(spec) == ids(plain)
     assert stats["num_draft_tokens"] > 0 and stats["acceptance_rate"] == 1.0
     assert stats["mean_accepted_len"] > 4.0  # (k + 1 a step, less where max_new_tokens leaves less room)
+    assert sum(rows) == stats["num_draft_tokens"]
     assert_greedy_parity(model_dir, batch, ids(spec), GREEDY["max_new_tokens"])
 
 

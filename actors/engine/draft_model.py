@@ -79,10 +79,16 @@ class DraftModel:
 
     def mirror(self, forward_batch: ForwardBatch) -> None:
         """Write the draft's KV of a target forward's tokens (the module's invariant); what only the
-        target computes — input logprobs, embeddings, LoRA — is left out."""
+        target computes — logits, input logprobs, embeddings, LoRA — is left out."""
         self.forward(dataclasses.replace(
-            forward_batch, input_logprob_indices=None, input_logprob_next_ids=None, input_logprob_counts=None,
-            embed_indices=None, classifier_token_ids=None, lora_slots=None, lora_slot_names=None))
+            forward_batch, logits_indices=self._no_rows(), input_logprob_indices=None, input_logprob_next_ids=None,
+            input_logprob_counts=None, embed_indices=None, classifier_token_ids=None, lora_slots=None,
+            lora_slot_names=None))
+
+    def _no_rows(self) -> torch.Tensor:
+        """``logits_indices`` of a forward that only writes KV: no row, so no ``lm_head`` (a large part
+        of a small draft's cost: its vocabulary is the target's)."""
+        return torch.empty(0, dtype=torch.int64, device=self.device)
 
     def prefill(self, req: Req, req_to_token_pool) -> None:
         """The draft's KV of ``req``'s prompt past the prefix it matched, ``[len(prefix_indices),
@@ -91,7 +97,8 @@ class DraftModel:
         start, end = len(req.prefix_indices), req.kv_committed_len
         if start < end:
             tokens = int64_tensor(req.origin_input_ids[start:end], self.device)
-            self.forward(self._batch(ForwardMode.EXTEND, tokens, [req.req_pool_idx], [start], [end], req_to_token_pool))
+            self.forward(self._batch(ForwardMode.EXTEND, tokens, [req.req_pool_idx], [start], [end], req_to_token_pool,
+                                     logits_indices=self._no_rows()))
 
     def propose(self, reqs: List[Req], draft_lens: List[int], req_to_token_pool) -> List[List[int]]:
         """Each request's draft of ``draft_lens[i]`` tokens, through ``max(draft_lens) + 1`` decode
@@ -105,15 +112,17 @@ class DraftModel:
             index_t = int64_tensor(index, device)
             rows, positions = [reqs[i].req_pool_idx for i in index], [reqs[i].seqlen - 1 + j for i in index]
             logits = self.forward(self._batch(ForwardMode.DECODE, tokens[index_t], rows, positions,
-                                              [p + 1 for p in positions], req_to_token_pool))
+                                              [p + 1 for p in positions], req_to_token_pool,
+                                              logits_indices=None if j < steps else self._no_rows()))
             if j < steps:
                 tokens[index_t] = proposed[index_t, j] = logits.argmax(dim=-1)
         return [row[:n] for row, n in zip(proposed.tolist(), draft_lens)]
 
     def _batch(self, mode: ForwardMode, input_ids: torch.Tensor, rows: List[int], prefix_lens: List[int],
-               seq_lens: List[int], req_to_token_pool) -> ForwardBatch:
+               seq_lens: List[int], req_to_token_pool, **fields) -> ForwardBatch:
         """The draft's forward of tokens ``[prefix_lens[i], seq_lens[i])`` of rows ``rows``, into the
-        slots the rows hold there (no LoRA, logprobs nor embeddings: only the target computes those)."""
+        slots the rows hold there (no LoRA, logprobs nor embeddings: only the target computes those);
+        ``fields``: the batch's others."""
         device, table = self.device, req_to_token_pool.req_to_token
         extend_lens = [s - p for p, s in zip(prefix_lens, seq_lens)]
         positions = [t for p, s in zip(prefix_lens, seq_lens) for t in range(p, s)]
@@ -126,5 +135,5 @@ class DraftModel:
             seq_lens=int64_tensor(seq_lens, device), extend_prefix_lens=int64_tensor(prefix_lens, device),
             extend_seq_lens=extend_lens_t, extend_start_loc=torch.cumsum(extend_lens_t, 0) - extend_lens_t,
             req_to_token_pool=req_to_token_pool, token_to_kv_pool=self.token_to_kv_pool, seq_lens_cpu=list(seq_lens),
-            extend_prefix_lens_cpu=list(prefix_lens), extend_seq_lens_cpu=extend_lens,
+            extend_prefix_lens_cpu=list(prefix_lens), extend_seq_lens_cpu=extend_lens, **fields,
         )
