@@ -222,9 +222,10 @@ class _Worker:
 
         return await asyncio.to_thread(self.loop.run_exclusive, snapshot)
 
-    def pause_generation(self) -> None:
-        """Hold the scheduler after its current step (requests stay queued)."""
-        self.loop.pause()
+    def pause_generation(self, mode: str = "in_place") -> None:
+        """Hold the scheduler after its current step (requests stay queued); ``mode`` "retract": its
+        running requests go back to waiting, their KV freed (:meth:`EngineLoop.pause`)."""
+        self.loop.pause(retract=mode == "retract")
 
     def continue_generation(self) -> None:
         self.loop.resume()

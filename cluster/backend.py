@@ -4,7 +4,7 @@
 request (``generate_stream``, cumulative results as ``PDClient`` yields them,
 raising ``PDRequestError`` on a worker failure and ``ValueError`` on a request
 the workers refuse), list / add / remove workers, health, flush, drain, load and
-unload LoRA adapters, update the weights from disk.
+unload LoRA adapters, update the weights from disk, pause and continue generation.
 :class:`PDBackend` implements it over a ``PDCluster`` (worker management
 included) or a bare ``PDClient`` (whatever routes its requests: round-robin
 today, the router actor later — the server does not care).
@@ -34,12 +34,15 @@ class ServingBackend(Protocol):
     priority_scheduling: bool  # the workers order requests by priority (else one with a priority is refused)
     lora_modules: Dict[str, str]  # the LoRA adapters the workers serve: name -> adapter directory
     weight_version: str  # SGLang's: the last weights update's ("default" before any)
+    model_path: Optional[str]  # the checkpoint served (the last weights update's); None: unknown here
 
     @property
     def draining(self) -> bool: ...
 
     def generate_stream(self, input_ids: List[int], sampling_params: Dict[str, Any], rid: str,
-                        priority: int = 0, lora_path: Optional[str] = None) -> AsyncIterator[Dict[str, Any]]: ...
+                        priority: int = 0, lora_path: Optional[str] = None) -> AsyncIterator[Dict[str, Any]]:
+        """A stream closed (or cancelled) before its last result stops the request on its workers:
+        a client gone, an abort."""
 
     def routing_policy(self, role: str) -> str: ...
 
@@ -58,6 +61,11 @@ class ServingBackend(Protocol):
     async def update_weights_from_disk(self, model_path: str, weight_version: Optional[str] = None,
                                        abort_all_requests: bool = False,
                                        flush_cache: bool = True) -> Dict[str, Any]: ...
+
+    async def pause_generation(self, mode: str) -> None:
+        """SGLang's modes "in_place" and "retract" on every worker (see :meth:`PDBackend.pause_generation`)."""
+
+    async def continue_generation(self) -> None: ...
 
     async def add_worker(self, role: str) -> Dict[str, Any]: ...
 
@@ -110,6 +118,7 @@ class PDBackend:
         self.weights_update: Optional[UpdateWeightsRequest] = None  # the last that succeeded: a new worker's too
         self._weights_lock = asyncio.Lock()  # one weight update at a time
         self.owned_router = None
+        self.model_path = getattr(cluster, "model_path", None)
 
     @classmethod
     def from_cluster(cls, cluster, tokenizer=None, client=None, use_router: bool = True) -> "PDBackend":
@@ -209,6 +218,18 @@ class PDBackend:
         except Exception as exc:  # a busy engine refuses to flush
             raise RuntimeError(f"cache not flushed: {getattr(exc, 'cause', None) or exc}") from None
 
+    async def pause_generation(self, mode: str) -> None:
+        """SGLang's pause on every live worker, each after its step in progress: "in_place" keeps its
+        requests as they are, KV and all; "retract" sends its running requests back to waiting, their
+        KV freed (re-prefilled on the decode worker once it steps again). Requests in a KV transfer
+        stay in it. (SGLang's "abort" is the server's: it aborts the requests it serves.)"""
+        live = [w for w in self._all() if w.alive]
+        await asyncio.gather(*(w.handle.pause_generation.remote(mode) for w in live))
+
+    async def continue_generation(self) -> None:
+        live = [w for w in self._all() if w.alive]
+        await asyncio.gather(*(w.handle.continue_generation.remote() for w in live))
+
     async def load_lora_adapter(self, lora_name: str, lora_path: str) -> None:
         """Every live worker — prefill and decode, each on all its TP ranks — serves the adapter from now
         on, then ``lora_modules`` lists it; on none when one refuses it (ValueError: why). The load's
@@ -271,6 +292,7 @@ class PDBackend:
                                    f"the workers' weight versions now: {now}")
             if weight_version is not None:
                 self.weight_version = weight_version
+            self.model_path = model_path  # (SGLang's server_args.model_path follows it too)
             self.weights_update = req._replace(weight_version=self.weight_version, abort_all_requests=False)
             if flush_cache:
                 await self._tell_router("rebuild_from_workers")

@@ -246,6 +246,9 @@ class ServerConfig(BaseModel):
         False, description="POST /update_weights_from_disk (SGLang's, which serves it ungated; off: the route "
         "does not exist, as vLLM keeps its dev endpoints behind VLLM_SERVER_DEV_MODE): every prefill and decode "
         "worker loads the checkpoint at a path on its own disk, for RL rollouts between training steps")
+    health_generate_timeout_s: float = Field(
+        20.0, gt=0.0, description="GET /health_generate's limit for its one-token generation (SGLang's "
+        "SGLANG_HEALTH_CHECK_TIMEOUT); past it: 503")
     responses_store_size: int = Field(1000, ge=0, description="/v1/responses stored (store: true) for "
                                       "previous_response_id and GET, least recently used evicted past this; in this "
                                       "HTTP server's memory, not shared between replicas")

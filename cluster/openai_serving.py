@@ -13,11 +13,17 @@ new one: see ``cluster.server``) is the base of the response ``id``
 (``cmpl-{id}``, ``chatcmpl-{id}``), and the request the router and workers see
 is the response id (/generate: the request's id) and a short random suffix
 (:func:`internal_rid`), choice ``i``'s then ``-{i}``. A body ``rid`` (SGLang's)
-is taken as it is instead.
+is taken as it is instead; no two requests in flight have one alike (a 400).
+Once admitted, a request is found by its ``X-Request-Id`` and its rid in
+:attr:`GenerationService.requests` (SGLang's /abort_request ends it: each
+choice as when its client leaves, then answered finish_reason "abort"). While
+generation is paused (:attr:`GenerationService.resumed` clear: SGLang's
+/pause_generation) new requests wait before admission.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from contextlib import contextmanager
@@ -35,6 +41,7 @@ from cluster.completion_protocol import CompletionRequest, GenerateRequest
 from cluster.openai_format import ChatFormatter, CompletionFormatter
 from cluster.openai_protocol import describe_validation_error
 from cluster.reasoning import REASONING_FORMATS, prompt_tail
+from cluster.request_table import RequestTable
 from cluster.streaming import DONE, ChoiceEvent, TextDelta, run_choices, sse
 from cluster.tool_calls import template_message, tool_calls_for
 
@@ -108,6 +115,9 @@ class GenerationService:
         self.backend, self.tokenizer, self.metrics, self.admission = backend, tokenizer, metrics, admission
         self.reasoning = REASONING_FORMATS[reasoning_parser] if reasoning_parser is not None else None
         self.tool_call_parser = tool_call_parser
+        self.requests = RequestTable()
+        self.resumed = asyncio.Event()  # clear while generation is paused
+        self.resumed.set()
 
     # ---- shared steps -----------------------------------------------------------------
     def check_model(self, model: Optional[str]) -> str:
@@ -190,12 +200,14 @@ class GenerationService:
         return params
 
     async def _admit(self) -> None:
+        """A slot, once generation is not paused (SGLang's tokenizer manager holds a request so)."""
         if self.backend.draining:
             raise APIError(503, "the server is draining: no new requests", "service_unavailable", code="draining")
+        await self.resumed.wait()
         await self.admission.acquire()
 
     def _streams(self, batch: List[Tuple[List[int], Dict[str, Any]]], n: int, rid: str, arrival: float,
-                 priority: int, lora_path: Optional[str]):
+                 priority: int, lora_path: Optional[str], aborted: asyncio.Event):
         """One request per choice: prompt ``p``'s sample ``i`` is choice ``p × n + i``, rid
         ``{rid}-{choice}`` (``rid`` itself for a lone choice), seeded ``seed + i`` as in vLLM
         (n samples, not n copies; a prompt's choice 0 equals its n = 1 answer)."""
@@ -216,31 +228,34 @@ class GenerationService:
                                                             lora_path))
                 texts.append(TextDelta(self.tokenizer, params["stop"], params["skip_special_tokens"], input_ids,
                                        params["include_stop_str_in_output"]))
-        return run_choices(streams, texts, on_done)
+        return run_choices(streams, texts, on_done, aborted)
 
     async def _run(self, batch, n, rid, arrival, stream_fn, final_fn, priority: int = 0,
-                   stream_end: Optional[str] = DONE, lora_path: Optional[str] = None):
+                   stream_end: Optional[str] = DONE, lora_path: Optional[str] = None, request_id: str = "",
+                   own_rid: Optional[str] = None):
         """Admit, run the choices of ``batch`` (``[(input_ids, params)]``, one per prompt) under LoRA
         adapter ``lora_path`` (None: the base model), and answer with JSON (``final_fn``) or SSE
         (``stream_fn``, then ``stream_end`` if any). A ``priority`` other than 0 is a 400 unless the
-        workers schedule by priority (vLLM's answer)."""
+        workers schedule by priority (vLLM's answer). In :attr:`requests` under ``request_id`` and
+        ``rid`` (``own_rid``: the client's, which must be unique) from its admission to its end."""
         if priority and not self.backend.priority_scheduling:
             raise APIError(400, f"priority: got {priority}, but priority scheduling is not enabled "
                            "(engine enable_priority_scheduling)", param="priority")
         await self._admit()
-        events = None
+        events = aborted = None
         try:
-            events = self._streams(batch, n, rid, arrival, priority, lora_path)
+            aborted = self.requests.add([name for name in (request_id, rid) if name], own_rid)
+            events = self._streams(batch, n, rid, arrival, priority, lora_path, aborted)
             first = await events.__anext__()
             first_time = time.perf_counter()
         except BaseException:
-            await self._close(events)
+            await self._close(events, aborted)
             raise
         if stream_fn is None:
             try:
                 collected = [first] + [e async for e in events]
             finally:  # done, failed, or cancelled (the client went away): the other choices stop too
-                await self._close(events)
+                await self._close(events, aborted)
             return JSONResponse(final_fn(collected))
         closed = False
 
@@ -248,18 +263,20 @@ class GenerationService:
             nonlocal closed
             if not closed:
                 closed = True
-                await self._close(events)
+                await self._close(events, aborted)
 
         return _SSEResponse(self._sse(first, first_time, events, stream_fn, stream_end), close)
 
-    async def _close(self, events) -> None:
-        """Stop the choices and give the admission slot back, even if the stop is cancelled
-        (a second cancel, at the server's shutdown timeout)."""
+    async def _close(self, events, aborted: Optional[asyncio.Event] = None) -> None:
+        """Stop the choices, then give the admission slot back and free the request's names, even if
+        the stop is cancelled (a second cancel, at the server's shutdown timeout)."""
         try:
             if events is not None:
                 await events.aclose()
         finally:
             self.admission.release()
+            if aborted is not None:
+                self.requests.remove(aborted)
 
     async def _sse(self, first: ChoiceEvent, first_time: float, events, stream_fn, stream_end: Optional[str]):
         last_time = {first.index: first_time}  # per choice: n choices' chunks interleave
@@ -296,7 +313,7 @@ class GenerationService:
             fmt = CompletionFormatter(req, [ids for ids, _ in batch], self.tokenizer, f"cmpl-{request_id}")
             return await self._run(batch, req.n, req.rid or internal_rid(fmt.id), arrival,
                                    fmt.chunks if req.stream else None, fmt.response, req.priority,
-                                   lora_path=self.lora_path(req.model))
+                                   lora_path=self.lora_path(req.model), request_id=request_id, own_rid=req.rid)
 
     async def chat(self, req: ChatCompletionRequest, arrival: float, request_id: str, reshape=None):
         """``reshape``: the chat formatter to another API's formatter over it (``cluster.openai_responses``)."""
@@ -324,7 +341,7 @@ class GenerationService:
                 fmt = reshape(fmt)
             return await self._run([(ids, params)], req.n, req.rid or internal_rid(fmt.id), arrival,
                                    fmt.chunks if req.stream else None, fmt.response, req.priority, fmt.stream_end,
-                                   lora_path=self.lora_path(req.model))
+                                   lora_path=self.lora_path(req.model), request_id=request_id, own_rid=req.rid)
 
     async def generate(self, req: GenerateRequest, arrival: float, request_id: str):
         if req.lora_path is not None and req.lora_path not in self.backend.lora_modules:
@@ -344,4 +361,5 @@ class GenerationService:
             return [] if event is None else [event.result]
 
         return await self._run([(ids, params)], 1, rid, arrival, native if req.stream else None,
-                               lambda events: events[-1].result, req.priority, lora_path=req.lora_path)
+                               lambda events: events[-1].result, req.priority, lora_path=req.lora_path,
+                               request_id=request_id, own_rid=req.rid)

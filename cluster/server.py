@@ -31,6 +31,8 @@ POST /v1/load_lora_adapter  vLLM's {"lora_name", "lora_path"}: every worker serv
                             (with ``server.allow_runtime_lora_updating``); POST
                             /v1/unload_lora_adapter {"lora_name"}: every worker drops it once
                             its requests in flight have finished
+POST /abort_request, ...    SGLang's and vLLM's operator endpoints: aborts, pause and continue, model
+                            and server info, a generating health check (see cluster.admin_routes)
 GET  /get_weight_version    {"weight_version": ...} (SGLang's; "default" before any update);
                             POST /update_weights_from_disk (SGLang's {"model_path",
                             "weight_version", "abort_all_requests", "flush_cache"}, with
@@ -39,14 +41,15 @@ GET  /get_weight_version    {"weight_version": ...} (SGLang's; "default" before 
 ==========================  =======================================================
 
 Errors are OpenAI-style bodies (see ``cluster.api_errors``). With
-``server.api_key`` set, every route but /health, /version and /metrics needs
-``Authorization: Bearer <key>``. Every response carries ``X-Request-Id``: the
-client's own, echoed, or a new one (vLLM's request-id headers; the openai
-client reads it as ``_request_id``); it is the base of the response ``id`` and
-of the request ids the router and workers see (see ``cluster.openai_serving``).
-A client's id that could not name a request (see :func:`~cluster.http_guard.request_id_of`) is replaced
-by a new one, as if none was sent. Bodies over ``server.max_request_body_bytes``
-get 413 before they are read to the end.
+``server.api_key`` set, every route but the health checks (/health, /ping,
+/health_generate), /version, /metrics and /load needs ``Authorization: Bearer
+<key>``. Every response carries ``X-Request-Id``: the client's own, echoed, or
+a new one (vLLM's request-id headers; the openai client reads it as
+``_request_id``); it is the base of the response ``id`` and of the request ids
+the router and workers see (see ``cluster.openai_serving``). A client's id that
+could not name a request (see :func:`~cluster.http_guard.request_id_of`) is
+replaced by a new one, as if none was sent. Bodies over
+``server.max_request_body_bytes`` get 413 before they are read to the end.
 """
 
 from __future__ import annotations
@@ -66,6 +69,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from cluster.admin_routes import add_admin_routes
 from cluster.admission import Admission
 from cluster.api_errors import APIError
 from cluster.backend import ServingBackend, UnknownWorkerError, as_backend
@@ -339,6 +343,8 @@ def build_app(cluster_or_client: Any, tokenizer=None, config=None, client=None,
     async def get_weight_version():
         return {"weight_version": backend.weight_version}
 
+    served_config = config.model_dump(mode="json") if isinstance(config, BaseModel) else {}  # (api_key: masked)
+    add_admin_routes(app, service, server, parse_body, health, flush_cache, served_config, installed_version)
     if server.allow_runtime_lora_updating:
         add_lora_routes(app, backend)
     if server.allow_weight_updates:

@@ -5,7 +5,8 @@
   ``\\ufffd`` (half a UTF-8 character) and a tail that may still grow into a
   stop string are held until the next step or the end (:func:`partial_suffix_len`).
 * :func:`run_choices` — n requests (one per choice, rid ``{rid}-{i}``) merged
-  into one stream of :class:`ChoiceEvent`; the first failure ends it.
+  into one stream of :class:`ChoiceEvent`; the first failure ends it, an abort
+  (:data:`ABORTED`) ends each choice as aborted.
 * :func:`sse` — ``data: {json}\\n\\n`` lines, ``data: [DONE]`` last.
 """
 
@@ -78,38 +79,66 @@ class ChoiceEvent:
     first: bool
 
 
+# SGLang's abort finish reason of a request a client aborted (/abort_request, /pause_generation's
+# abort mode): an answer like any other, finish_reason "abort"; the workers' own aborts are failures
+ABORTED = {"type": "abort", "message": "Abort by request"}
+
+
 def finish_reason(result: Dict[str, Any]) -> Optional[str]:
     reason = result["meta_info"].get("finish_reason")
     if reason is None:
         return None
-    if reason.get("type") == "abort":
+    if reason.get("type") == "abort" and reason != ABORTED:
         raise PDRequestError(reason.get("message") or "the request was aborted")
     return reason.get("type")
 
 
+def aborted_result(last: Optional[Dict[str, Any]], prompt_len: int) -> Dict[str, Any]:
+    """A choice's answer once aborted: its last result (none yet: no output, SGLang's "abort before
+    prefill") finished with :data:`ABORTED`."""
+    if last is None:
+        last = {"output_ids": [], "text": "", "meta_info": {"prompt_tokens": prompt_len, "completion_tokens": 0,
+                                                            "cached_tokens": 0}}
+    return dict(last, meta_info=dict(last["meta_info"], finish_reason=ABORTED))
+
+
 async def _one_choice(index: int, stream: AsyncIterator[Dict[str, Any]], text: TextDelta,
-                      queue: asyncio.Queue, on_done: Callable) -> None:
-    """Feed one choice's events into ``queue``; then ``None`` (done) or the exception that ended it."""
+                      queue: asyncio.Queue, on_done: Callable, aborted: asyncio.Event) -> None:
+    """Feed one choice's events into ``queue``; then ``None`` (done) or the exception that ended it.
+    Cancelled once ``aborted`` is set, its stream's clean-up stops its workers (as when the client
+    leaves) and the choice ends with :func:`aborted_result`."""
     last, first_time, num_tokens = None, None, 0
+
+    def put(result):
+        nonlocal last, first_time, num_tokens
+        finished = finish_reason(result) is not None
+        new_tokens, num_tokens = len(result["output_ids"]) - num_tokens, len(result["output_ids"])
+        queue.put_nowait(ChoiceEvent(index, result, text.update(result, finished), new_tokens, finished,
+                                     first=last is None))
+        first_time, last = first_time or time.perf_counter(), result
+
     try:
         async for result in stream:
-            finished = finish_reason(result) is not None
-            new_tokens, num_tokens = len(result["output_ids"]) - num_tokens, len(result["output_ids"])
-            event = ChoiceEvent(index, result, text.update(result, finished), new_tokens, finished,
-                                first=last is None)
-            first_time, last = first_time or time.perf_counter(), result
-            await queue.put(event)
+            put(result)
         if last is None or finish_reason(last) is None:
             raise PDRequestError("the stream ended before the request finished")
         on_done(last, first_time)
-        await queue.put(None)
+        queue.put_nowait(None)
     except BaseException as exc:  # noqa: BLE001 — handed to the consumer, which re-raises
-        await queue.put(exc)
+        if not aborted.is_set():
+            queue.put_nowait(exc)
+            return
+        if last is not None and finish_reason(last) is not None:  # it ended first; its stream was closing
+            on_done(last, first_time)
+        else:  # (however its stream took the cancel)
+            put(aborted_result(last, len(text.prompt_ids)))
+        queue.put_nowait(None)
 
 
 async def run_choices(streams: List[AsyncIterator[Dict[str, Any]]], texts: List[TextDelta],
-                      on_done: Callable) -> AsyncIterator[ChoiceEvent]:
-    """Merge the choices' streams; raises the first choice error after cancelling the rest.
+                      on_done: Callable, aborted: Optional[asyncio.Event] = None) -> AsyncIterator[ChoiceEvent]:
+    """Merge the choices' streams; raises the first choice error after cancelling the rest. Once
+    ``aborted`` is set, every choice still running is cancelled and ends aborted.
 
     A choice is cancelled once, and its clean-up (stopping its workers: the PD client's prefill
     stop, then a safe abort of the decode reservation) is waited for but never cancelled again
@@ -118,8 +147,17 @@ async def run_choices(streams: List[AsyncIterator[Dict[str, Any]]], texts: List[
     (``gather`` would have passed the cancel on: the decode slots then stayed quarantined for
     the hand-off's deadline)."""
     queue: asyncio.Queue = asyncio.Queue()
-    tasks = [asyncio.ensure_future(_one_choice(i, stream, text, queue, on_done))
+    aborted = aborted if aborted is not None else asyncio.Event()
+    tasks = [asyncio.ensure_future(_one_choice(i, stream, text, queue, on_done, aborted))
              for i, (stream, text) in enumerate(zip(streams, texts))]
+    watcher = asyncio.ensure_future(aborted.wait())
+
+    def cancel_choices(done: asyncio.Future) -> None:
+        if not done.cancelled():
+            for task in tasks:
+                task.cancel()
+
+    watcher.add_done_callback(cancel_choices)
     remaining = len(tasks)
     try:
         while remaining:
@@ -131,6 +169,7 @@ async def run_choices(streams: List[AsyncIterator[Dict[str, Any]]], texts: List[
             else:
                 yield item
     finally:
+        watcher.cancel()
         for task in tasks:
             task.cancel()
         await asyncio.wait(tasks)

@@ -9,6 +9,7 @@ class StubBackend:
     priority_scheduling = False
     lora_modules = {}
     weight_version = "default"
+    model_path = None
 
     def routing_policy(self, role):
         return "round_robin"
@@ -23,6 +24,12 @@ class StubBackend:
         return {"ready": True, "draining": False, "workers": {"p-0": True}}
 
     async def flush_cache(self):
+        pass
+
+    async def pause_generation(self, mode):
+        pass
+
+    async def continue_generation(self):
         pass
 
     async def add_worker(self, role):

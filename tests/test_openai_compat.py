@@ -47,6 +47,16 @@ class EngineBackend(StubBackend):
         self.engine, self.context_len, self.max_prompt_len = engine, context_len, context_len - 1
         self.lora_modules = dict(engine.config.lora_paths or {})
         self.priority_scheduling = engine.config.enable_priority_scheduling
+        self.model_path = engine.config.model_path
+
+    async def pause_generation(self, mode):
+        self.engine.pause_generation(mode)
+
+    async def continue_generation(self):
+        self.engine.continue_generation()
+
+    async def flush_cache(self):
+        self.engine.flush_cache()
 
     async def load_lora_adapter(self, lora_name, lora_path):
         await asyncio.to_thread(self.engine.load_lora_adapter, lora_name, lora_path)
@@ -57,10 +67,16 @@ class EngineBackend(StubBackend):
         await asyncio.to_thread(self.engine.unload_lora_adapter, lora_name)
 
     async def generate_stream(self, input_ids, sampling_params, rid, priority=0, lora_path=None):
-        async for result in await self.engine.async_generate(input_ids=input_ids, sampling_params=sampling_params,
-                                                             rid=rid, stream=True, priority=priority,
-                                                             lora_path=lora_path):
-            yield result
+        finished = False
+        try:
+            async for result in await self.engine.async_generate(input_ids=input_ids, sampling_params=sampling_params,
+                                                                 rid=rid, stream=True, priority=priority,
+                                                                 lora_path=lora_path):
+                finished = result["meta_info"]["finish_reason"] is not None
+                yield result
+        finally:
+            if not finished:  # closed early (a client gone, an abort): stopped on the engine, as the PD client does
+                self.engine.abort(rid)
 
 
 @pytest.fixture(scope="module")

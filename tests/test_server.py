@@ -308,6 +308,42 @@ def test_a_client_gone_mid_stream_frees_its_slot_and_its_request(served, http):
     assert http.get("/health").status_code == 200
 
 
+def test_abort_request_and_pause_generation_on_the_pd_workers(served, http):
+    """/abort_request ends a PD request as its client's leaving does (prefill, transfer and decode
+    side freed, the route released); /pause_generation "retract" sends the decode worker's running
+    request back to waiting, its KV freed, and after /continue_generation it ends with the tokens
+    of an unpaused run."""
+    cluster, _, _ = served
+    prompt = [10 + (i * 7) % 200 for i in range(12)]
+
+    def body(rid, max_new_tokens):
+        return {"input_ids": prompt, "stream": True, "rid": rid,
+                "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True}}
+
+    def results(lines):
+        return [json.loads(line[len("data: "):]) for line in lines if line.startswith("data: {")]
+
+    with http.stream("POST", "/generate", json=body("pd-abort", 400)) as r:
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: {")
+        assert http.post("/abort_request", json={"rid": "pd-abort"}).status_code == 200
+        last = results(lines)[-1]["meta_info"]
+    assert last["finish_reason"]["type"] == "abort" and last["completion_tokens"] < 400
+    wait_idle(cluster)
+    want = results(http.post("/generate", json=body("pd-unpaused", 120)).text.splitlines())[-1]["output_ids"]
+    (decode,) = cluster.decode
+    with http.stream("POST", "/generate", json=body("pd-pause", 120)) as r:
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: {")
+        assert http.post("/pause_generation", json={"mode": "retract"}).status_code == 200
+        load = ray.get(decode.handle.load.remote())
+        assert (load["running"], load["waiting"]) == (0, 1) and load["free_slots"] == load["total_slots"]
+        assert http.post("/continue_generation").status_code == 200
+        last = results(lines)[-1]
+    assert last["meta_info"]["finish_reason"]["type"] == "length" and last["output_ids"] == want
+    wait_idle(cluster)
+
+
 def test_update_weights_from_disk_on_every_worker(served, http, tmp_path):
     """SGLang's /update_weights_from_disk (last in this module: it changes the weights): a checkpoint
     that does not fit is a 400 naming why, and the old weights serve; the new checkpoint reaches

@@ -395,6 +395,23 @@ def test_version_needs_no_api_key():
     assert asyncio.run(call("POST", "/detokenize", {"tokens": [1]})).status_code == 401
 
 
+def test_health_checks_and_load_need_no_api_key_and_the_operator_routes_do():
+    """SageMaker's /ping, SGLang's /health_generate and vLLM's /load are open as /health and /metrics
+    are (a load balancer sends no key); aborts, pause and the server's configuration need the key."""
+    app = build_app(ScriptedBackend(), None, ServerConfig(api_key="k"))
+
+    async def call(method, path, body=None):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://app") as http:
+            return await http.request(method, path, json=body)
+
+    for method, path in (("GET", "/ping"), ("POST", "/ping"), ("GET", "/health_generate"), ("GET", "/load")):
+        assert asyncio.run(call(method, path)).status_code == 200, path
+    for method, path, body in (("POST", "/abort_request", {"abort_all": True}), ("POST", "/pause_generation", {}),
+                               ("POST", "/continue_generation", None), ("GET", "/get_model_info", None),
+                               ("GET", "/get_server_info", None), ("POST", "/reset_prefix_cache", None)):
+        assert asyncio.run(call(method, path, body)).status_code == 401, path
+
+
 def test_weight_update_route_is_behind_its_flag():
     """/update_weights_from_disk exists only with ``allow_weight_updates`` (a field SGLang does not
     take is a 400 naming it); /get_weight_version always answers."""

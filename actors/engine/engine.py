@@ -134,10 +134,7 @@ def flush_engine_cache(sched, runner) -> None:
     SGLang's flush (evicted from the device, a prefix would stay on the host, loaded back
     by the next request); a file tier keeps its pages."""
     check_engine_integrity(sched, runner)
-    tree = sched.tree_cache
-    tree.evict(sched.evictable_tokens())
-    if sched.host_tier:
-        tree.evict_host(tree.host_pool.size)
+    sched.drop_prefix_cache()
 
 
 class Engine:
@@ -291,6 +288,15 @@ class Engine:
         """Stop a waiting or running request, or one whose grammar compiles (``async_generate``:
         it ends when the compile returns); its caller gets finish_reason "abort"."""
         return self._making.mark(lambda key: key == rid) or self.loop.abort(rid)
+
+    def pause_generation(self, mode: str = "in_place") -> None:
+        """SGLang's ``pause_generation``: no step after the one in progress until
+        :meth:`continue_generation`; the running requests keep their KV ("in_place") or go back to
+        waiting with it freed ("retract")."""
+        self.loop.pause(retract=mode == "retract")
+
+    def continue_generation(self) -> None:
+        self.loop.resume()
 
     # ---- LoRA adapters at runtime (actors.engine.lora_updates) ------------------------------
     def load_lora_adapter(self, lora_name: str, lora_path: str) -> None:

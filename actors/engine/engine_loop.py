@@ -125,10 +125,14 @@ class EngineLoop:
         with self._cond:
             return not self.in_flight_rooms() and not self.scheduler.has_work()
 
-    def pause(self) -> None:
-        """Stop stepping after the current step (SGLang's pause_generation); requests stay queued."""
+    def pause(self, retract: bool = False) -> None:
+        """Stop stepping after the current step (SGLang's pause_generation); requests stay queued, the
+        running ones with their KV (mode "in_place"), or with ``retract`` back to waiting, their KV
+        freed (mode "retract")."""
         with self._cond:
             self._paused = True
+            if retract:
+                self.scheduler.retract_all()
 
     @property
     def paused(self) -> bool:

@@ -364,6 +364,15 @@ class DecodeRetractionMixin:
         full, swa = self._free_room()
         return full_need <= full and (swa is None or swa_need <= swa)
 
+    def retract_all(self) -> List[Req]:
+        """SGLang's ``pause_generation(mode="retract")``: every running request back to the head of
+        ``waiting`` in the order they ran in, its KV freed (its prompt and output re-prefilled when it
+        is admitted again); returns them."""
+        retracted = list(self.running)
+        for req in reversed(retracted):
+            self._retract(req)
+        return retracted
+
     def _retract(self, req: Req) -> None:
         """Retract a running request: free its KV, requeue it at the head of ``waiting`` — even
         if freeing fails partway (it holds nothing then: not freed again, it is where a failure

@@ -82,6 +82,15 @@ class PrefillAdmissionMixin(PreemptionMixin):
             return tree.full_evictable_size()
         return tree.evictable_size() + (tree.writing_size() if self.host_tier else 0)
 
+    def drop_prefix_cache(self) -> None:
+        """Evict every cached prefix, with a host tier its copies too (SGLang's flush: evicted from the
+        device only, a prefix would be loaded back from the host); a file tier keeps its pages. The
+        caller makes sure no request holds KV (a locked prefix stays)."""
+        tree = self.tree_cache
+        tree.evict(self.evictable_tokens())
+        if self.host_tier:
+            tree.evict_host(tree.host_pool.size)
+
     def available_tokens(self) -> int:
         """Free + evictable KV slots; a sliding-window model is bounded by the smaller of
         its two pools (every token of a prefill takes a full and an SWA slot)."""

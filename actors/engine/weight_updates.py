@@ -7,6 +7,8 @@ The order of one update, on an engine or a PD worker (every TP rank):
 1. New requests wait: the engine loop parks them (:meth:`EngineLoop.hold`) until the update ends.
    Those in flight finish first, or with ``abort_all_requests`` end at once as aborted (SGLang's
    abort finish reason), freeing what they held.
+   A paused engine (``pause_generation``) is updated at once instead, as SGLang's: nothing is waited
+   for or aborted, its requests resume on the new weights (:meth:`WeightUpdater._apply_paused`).
 2. Once nothing runs, the checkpoint is checked on every rank before any weight is touched
    (:meth:`ServedWeights.check`): its config must equal the served one's but for metadata, every
    tensor the model loads must be there in its shape (read from the safetensors headers), and
@@ -125,6 +127,8 @@ class WeightUpdater:
     def update(self, req: UpdateWeightsRequest) -> UpdateWeightsResult:
         """The whole update (see the module docstring) for a caller on a thread of its own: returns
         once the new weights serve; ValueError (a checkpoint refused) or RuntimeError (a failed copy) else."""
+        if self.loop.paused:
+            return self._apply_paused(req)
         self._hold()
         try:
             self._abort_in_flight(req)
@@ -139,6 +143,8 @@ class WeightUpdater:
         """:meth:`update` for an asyncio caller (a worker actor, whose event loop delivers the outputs
         of the very requests the update waits for; the copy runs on a thread, so that the actor
         answers its heartbeats meanwhile)."""
+        if self.loop.paused:
+            return await asyncio.to_thread(self._apply_paused, req)
         self._hold()
         try:
             await asyncio.gather(*self._abort_in_flight(req))
@@ -150,12 +156,26 @@ class WeightUpdater:
         return UpdateWeightsResult(True, SUCCESS, paused)
 
     def _hold(self) -> None:
-        """New requests park from now on. A paused loop (``pause_generation``) would never drain:
-        refused (RuntimeError), nothing changed."""
-        if self.loop.paused:
-            raise RuntimeError("generation is paused (pause_generation): the requests in flight cannot end; "
-                               "continue_generation first")
+        """New requests park from now on."""
         self.loop.hold()
+
+    def _apply_paused(self, req: UpdateWeightsRequest) -> UpdateWeightsResult:
+        """SGLang's update of a paused engine: at once, nothing waited for (its requests resume on the
+        new weights at ``continue_generation``; none is aborted). With ``flush_cache``, refused
+        (RuntimeError, nothing changed) while a request holds KV: paused "in_place", its KV is of the
+        served weights and cannot be dropped (SGLang's flush fails so too); "retract" frees it."""
+        def apply():
+            sched = self.loop.scheduler
+            holding = [r.rid for r in self.loop.held_reqs() if r.req_pool_idx is not None]
+            if req.flush_cache and holding:
+                raise RuntimeError(f"generation is paused with requests holding KV ({', '.join(holding)}): "
+                                   "flush_cache cannot drop it; pause with mode retract or abort, or update with "
+                                   "flush_cache false")
+            apply_update(sched, self.runner, self.call_followers, sched.drop_prefix_cache, req.model_path,
+                         req.weight_version, req.flush_cache)
+
+        self.loop.run_exclusive(apply)
+        return UpdateWeightsResult(True, SUCCESS, 0)
 
     def _abort_in_flight(self, req: UpdateWeightsRequest) -> List[Any]:
         """With ``abort_all_requests``, abort the requests in flight (returns what each ``abort`` returned)."""

@@ -1,0 +1,215 @@
+"""The operator endpoints (cluster.admin_routes) over an in-process engine (the tiny llama, no
+Ray): /abort_request by a /generate rid or an X-Request-Id, streamed and not, and abort_all;
+/pause_generation in each mode, then /continue_generation (the requests queued meanwhile run,
+tokens as unpaused); a paused engine's weight update; /health_generate's 200 and 503; the info
+routes. The engine leaks nothing afterwards."""
+
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from cluster.config import ServerConfig
+from tests.server_helpers import wait_until
+from tests.test_openai_compat import MODEL, engine, serving  # noqa: F401 (engine: the module's fixture)
+
+PROMPT = [1, 15, 27, 200, 8]
+LONG = {"max_new_tokens": 200, "temperature": 0, "ignore_eos": True}  # (~1 s on a CPU: stopped long before)
+
+
+@pytest.fixture(scope="module")
+def served(engine):
+    with serving(engine, ServerConfig(health_generate_timeout_s=1.0)) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with ThreadPoolExecutor(4) as executor:
+        yield executor
+
+
+@pytest.fixture
+def idle_after(engine):
+    """Whatever a test left paused steps again; then the engine is idle and leaks nothing."""
+    yield
+    engine.continue_generation()
+    assert wait_until(lambda: not engine.loop.held_rids() and not engine.scheduler.has_work())
+    engine.check_integrity()
+
+
+def post(served, path, body=None, headers=None):
+    return httpx.post(served.url + path, json=body, headers=headers, timeout=60)
+
+
+def generate_body(rid=None, stream=False, params=LONG):
+    return {"input_ids": PROMPT, "sampling_params": params, "stream": stream, **({"rid": rid} if rid else {})}
+
+
+def holds(engine, prefix, with_output=False) -> bool:
+    """The engine holds a request whose id starts with ``prefix`` (that has output, ``with_output``)."""
+    return any(r.rid.startswith(prefix) and (r.output_ids or not with_output) for r in engine.loop.held_reqs())
+
+
+def events_of(lines) -> list:
+    """The JSON events of SSE ``lines`` up to ``data: [DONE]`` (which must come)."""
+    events = []
+    for line in lines:
+        if line == "data: [DONE]":
+            return events
+        if line.startswith("data: "):
+            events.append(json.loads(line[len("data: "):]))
+    raise AssertionError(f"the stream ended without [DONE] after {events}")
+
+
+def first_event(lines) -> dict:
+    return next(json.loads(line[len("data: "):]) for line in lines if line.startswith("data: {"))
+
+
+def test_abort_request_ends_a_generate_stream_with_a_last_chunk(engine, served, idle_after):
+    with httpx.stream("POST", served.url + "/generate", json=generate_body("gen-stream", stream=True)) as r:
+        lines = r.iter_lines()
+        first = first_event(lines)
+        engine.pause_generation("in_place")  # (held where it is: the abort ends it, not its length)
+        assert post(served, "/abort_request", {"rid": "gen-stream"}).status_code == 200
+        rest = events_of(lines)
+    last = rest[-1]["meta_info"]
+    assert first["meta_info"]["finish_reason"] is None and last["finish_reason"]["type"] == "abort"
+    assert [e["meta_info"]["finish_reason"] for e in rest[:-1]] == [None] * (len(rest) - 1)
+    assert 1 <= last["completion_tokens"] < LONG["max_new_tokens"] and last["id"] == "gen-stream"
+    assert all(r.finished for r in engine.loop.held_reqs())  # aborted on the engine (released at its next step)
+
+
+def test_abort_request_answers_a_whole_generate_and_a_duplicate_rid_is_a_400(engine, served, pool, idle_after):
+    whole = pool.submit(post, served, "/generate", generate_body("gen-whole"))
+    assert wait_until(lambda: holds(engine, "gen-whole", with_output=True))
+    engine.pause_generation("in_place")
+    duplicate = post(served, "/generate", generate_body("gen-whole"))
+    assert duplicate.status_code == 400 and duplicate.json()["error"]["param"] == "rid"
+    assert post(served, "/abort_request", {"rid": "gen-whole"}).status_code == 200
+    r = whole.result(timeout=30)
+    assert r.status_code == 200, r.text
+    meta = r.json()["meta_info"]
+    assert meta["finish_reason"]["type"] == "abort" and 1 <= meta["completion_tokens"] < LONG["max_new_tokens"]
+    assert len(r.json()["output_ids"]) == meta["completion_tokens"]
+
+
+def test_abort_request_names_an_openai_request_by_its_x_request_id(engine, served, pool, idle_after):
+    """vLLM's X-Request-Id names a completion (its response id ``cmpl-{id}``), streamed or not."""
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 200, "temperature": 0, "ignore_eos": True}
+    whole = pool.submit(post, served, "/v1/completions", body, {"X-Request-Id": "xr-whole"})
+    with httpx.stream("POST", served.url + "/v1/completions", json=dict(body, stream=True),
+                      headers={"X-Request-Id": "xr-stream"}) as r:
+        lines = r.iter_lines()
+        first_event(lines)
+        assert wait_until(lambda: holds(engine, "cmpl-xr-whole"))
+        engine.pause_generation("in_place")
+        for rid in ("xr-stream", "xr-whole"):
+            assert post(served, "/abort_request", {"rid": rid}).status_code == 200
+        chunks = events_of(lines)
+    assert chunks[-1]["id"] == "cmpl-xr-stream" and chunks[-1]["choices"][0]["finish_reason"] == "abort"
+    answer = whole.result(timeout=30).json()
+    assert answer["id"] == "cmpl-xr-whole" and answer["choices"][0]["finish_reason"] == "abort"
+    assert answer["usage"]["completion_tokens"] < 200
+
+
+def test_abort_all_ends_every_request_in_flight(engine, served, pool, idle_after):
+    engine.pause_generation("in_place")
+    futures = [pool.submit(post, served, "/generate", generate_body(f"all-{i}")) for i in range(2)]
+    assert wait_until(lambda: holds(engine, "all-0") and holds(engine, "all-1"))
+    assert post(served, "/abort_request", {"rid": "nobody"}).status_code == 200  # (an unknown id: nothing)
+    assert not any(f.done() for f in futures)
+    assert post(served, "/abort_request", {"abort_all": True}).status_code == 200
+    for f in futures:
+        meta = f.result(timeout=30).json()["meta_info"]
+        assert meta["finish_reason"]["type"] == "abort" and meta["completion_tokens"] == 0
+
+
+@pytest.mark.parametrize("mode", ["retract", "in_place"])
+def test_a_paused_request_resumes_with_the_tokens_of_an_unpaused_run(engine, served, pool, idle_after, mode):
+    """SGLang's pause: "retract" sends the running request back to waiting with its KV freed,
+    "in_place" keeps it running with its KV; a request that comes meanwhile waits in the server,
+    and after /continue_generation both end with the unpaused run's tokens."""
+    want = post(served, "/generate", generate_body()).json()["output_ids"]
+    with httpx.stream("POST", served.url + "/generate", json=generate_body(f"pause-{mode}", stream=True)) as r:
+        lines = r.iter_lines()
+        first_event(lines)
+        assert post(served, "/pause_generation", {"mode": mode}).json()["status"] == "ok"
+        (req,) = [r for r in engine.loop.held_reqs() if r.rid == f"pause-{mode}"]
+        assert not req.finished
+        if mode == "retract":
+            assert engine.scheduler.running == [] and req in engine.scheduler.waiting and req.req_pool_idx is None
+        else:
+            assert engine.scheduler.running == [req] and req.req_pool_idx is not None
+        queued = pool.submit(post, served, "/generate", generate_body(f"queued-{mode}"))
+        time.sleep(0.3)
+        assert not queued.done() and not holds(engine, f"queued-{mode}")  # (held in the server, not failed)
+        assert post(served, "/continue_generation").json()["status"] == "ok"
+        last = events_of(lines)[-1]
+    assert last["meta_info"]["finish_reason"]["type"] == "length" and last["output_ids"] == want
+    assert queued.result(timeout=30).json()["output_ids"] == want
+
+
+def test_pause_in_abort_mode_aborts_what_runs_and_holds_what_comes(engine, served, pool, idle_after):
+    running = pool.submit(post, served, "/generate", generate_body("pause-abort"))
+    assert wait_until(lambda: holds(engine, "pause-abort", with_output=True))
+    assert post(served, "/pause_generation", {}).json()["status"] == "ok"  # (SGLang's default mode: abort)
+    assert running.result(timeout=30).json()["meta_info"]["finish_reason"]["type"] == "abort"
+    queued = pool.submit(post, served, "/generate", generate_body("after-abort", params=dict(LONG, max_new_tokens=4)))
+    time.sleep(0.3)
+    assert not queued.done()
+    post(served, "/continue_generation")
+    assert queued.result(timeout=30).json()["meta_info"]["finish_reason"]["type"] == "length"
+    assert post(served, "/pause_generation", {"mode": "later"}).status_code == 400
+
+
+def test_a_paused_engine_updates_its_weights_at_once(engine, pool, idle_after):
+    """SGLang updates a paused engine's weights without waiting: paused "retract", a request in
+    flight holds no KV and the update applies; paused "in_place", its KV cannot be flushed, so the
+    update is refused and nothing changes. The request then ends as unpaused."""
+    path, params = engine.config.model_path, dict(LONG, max_new_tokens=64)
+    want = engine.generate(input_ids=PROMPT, sampling_params=params)["output_ids"]
+    for mode in ("in_place", "retract"):
+        running = pool.submit(engine.generate, input_ids=PROMPT, sampling_params=params, rid=f"weights-{mode}")
+        assert wait_until(lambda: holds(engine, f"weights-{mode}", with_output=True))
+        engine.pause_generation(mode)
+        if mode == "in_place":
+            with pytest.raises(RuntimeError, match="paused with requests holding KV"):
+                engine.update_weights_from_disk(path, "never")
+            assert engine.get_weight_version() == "default"
+        else:
+            assert engine.update_weights_from_disk(path, "same-weights").success
+        engine.continue_generation()
+        out = running.result(timeout=30)
+        assert out["output_ids"] == want
+    assert out["meta_info"]["weight_version"] == "same-weights"
+
+
+def test_health_generate_is_200_and_503_when_no_token_comes_in_time(engine, served, idle_after):
+    assert httpx.get(served.url + "/health_generate").status_code == 200
+    engine.pause_generation("in_place")  # (a stuck worker)
+    start = time.monotonic()
+    assert httpx.get(served.url + "/health_generate").status_code == 503
+    assert time.monotonic() - start < 10
+    assert not any(r.rid.startswith("HEALTH_CHECK") and not r.finished for r in engine.loop.held_reqs())
+
+
+def test_the_info_routes(engine, served, idle_after):
+    info = httpx.get(served.url + "/get_model_info").json()
+    assert info["model_path"] == engine.config.model_path and info["is_generation"] is True
+    assert info["weight_version"] == "default" and info["architectures"] == ["LlamaForCausalLM"]  # (the backend's)
+    assert info["tokenizer_path"] == engine.config.model_path and info["model_type"] == "llama"
+    server = httpx.get(served.url + "/get_server_info").json()
+    assert server["health_generate_timeout_s"] == 1.0 and server["api_key"] is None
+    assert server["model_name"] == MODEL and server["context_len"] == 256 and server["paused"] is False
+    assert server["internal_states"][0]["id"] == "p-0" and isinstance(server["version"], str)
+    assert httpx.get(served.url + "/load").json() == {"server_load": 0}
+    for method in ("GET", "POST"):
+        r = httpx.request(method, served.url + "/ping")
+        assert r.status_code == 200 and r.json()["ready"] is True
+    post(served, "/generate", generate_body(params={"max_new_tokens": 2}))
+    assert engine.scheduler.tree_cache.evictable_size() > 0
+    assert post(served, "/reset_prefix_cache").status_code == 200
+    assert engine.scheduler.tree_cache.evictable_size() == 0
