@@ -31,6 +31,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
+from cluster.backend import refresh_loads_briefly
 from cluster.openai_protocol import FORBID
 
 PAUSE_MODES = ("abort", "retract", "in_place")
@@ -106,10 +107,7 @@ def add_admin_routes(app: FastAPI, service, server, parse_body, health, flush_ca
 
     @app.get("/get_server_info")
     async def get_server_info():
-        try:
-            await asyncio.wait_for(backend.refresh_loads(), timeout=server.health_generate_timeout_s)
-        except asyncio.TimeoutError:  # the last heartbeats' loads
-            pass
+        await refresh_loads_briefly(backend)
         return {**served_config, "model_name": backend.model_name, "model_path": backend.model_path,
                 "context_len": backend.context_len, "max_prompt_len": backend.max_prompt_len,
                 "weight_version": backend.weight_version, "paused": not service.resumed.is_set(),

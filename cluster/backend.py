@@ -221,8 +221,10 @@ class PDBackend:
     async def pause_generation(self, mode: str) -> None:
         """SGLang's pause on every live worker, each after its step in progress: "in_place" keeps its
         requests as they are, KV and all; "retract" sends its running requests back to waiting, their
-        KV freed (re-prefilled on the decode worker once it steps again). Requests in a KV transfer
-        stay in it. (SGLang's "abort" is the server's: it aborts the requests it serves.)"""
+        KV freed (re-prefilled on the decode worker once it steps again); a request whose KV is on its
+        way is left as it is. The client waits for a paused request's next output as for any (the
+        transfer's ``waiting_timeout_s``): a longer pause fails it. (SGLang's "abort" is the server's:
+        it aborts the requests it serves.)"""
         live = [w for w in self._all() if w.alive]
         await asyncio.gather(*(w.handle.pause_generation.remote(mode) for w in live))
 
@@ -330,6 +332,18 @@ class PDBackend:
         return {"id": worker.worker_id, "role": worker.role, "removed": True}
 
 
+LOADS_REFRESH_TIMEOUT_S = 2.0
+
+
+async def refresh_loads_briefly(backend: ServingBackend) -> None:
+    """The workers' loads asked anew for at most :data:`LOADS_REFRESH_TIMEOUT_S`; past it the last
+    heartbeats' stand (a /metrics scrape or /get_server_info must not hang on a slow worker)."""
+    try:
+        await asyncio.wait_for(backend.refresh_loads(), timeout=LOADS_REFRESH_TIMEOUT_S)
+    except asyncio.TimeoutError:
+        pass
+
+
 def _failures(workers, results) -> List[str]:
     """'<worker id>: <why>' of each worker whose result is an error (a Ray task error's cause)."""
     return [f"{w.worker_id}: {getattr(r, 'cause', None) or r}" for w, r in zip(workers, results)
@@ -348,4 +362,4 @@ def as_backend(target, tokenizer=None, client=None) -> ServingBackend:
 
 
 __all__ = ["PDBackend", "PDRequestError", "ServingBackend", "UnknownWorkerError", "as_backend", "model_context_len",
-           "model_vocab_size"]
+           "model_vocab_size", "refresh_loads_briefly"]

@@ -72,7 +72,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from cluster.admin_routes import add_admin_routes
 from cluster.admission import Admission
 from cluster.api_errors import APIError
-from cluster.backend import ServingBackend, UnknownWorkerError, as_backend
+from cluster.backend import ServingBackend, UnknownWorkerError, as_backend, refresh_loads_briefly
 from cluster.http_guard import RequestGuard
 from cluster.chat_protocol import ChatCompletionRequest
 from cluster.completion_protocol import CompletionRequest, GenerateRequest
@@ -84,8 +84,6 @@ from cluster.openai_responses import ResponsesRequest, ResponsesService
 from cluster.openai_score import RerankRequest, Scorer, ScoreRequest, create_rerank, create_score
 from cluster.openai_serving import GenerationService
 from cluster.openai_tokenization import DetokenizeRequest, detokenize, tokenize, tokenize_request_model
-
-METRICS_REFRESH_TIMEOUT_S = 2.0
 
 
 def _version() -> str:
@@ -299,10 +297,7 @@ def build_app(cluster_or_client: Any, tokenizer=None, config=None, client=None,
 
     @app.get("/metrics")
     async def prometheus_metrics():
-        try:
-            await asyncio.wait_for(backend.refresh_loads(), timeout=METRICS_REFRESH_TIMEOUT_S)
-        except asyncio.TimeoutError:  # serve the last loads rather than hang a scrape
-            pass
+        await refresh_loads_briefly(backend)
         # (workers out of the rotation too: they scrape as raydix_worker_up 0 until removed)
         metrics.set_workers(backend.workers(include_dead=True), admission.running, admission.waiting)
         metrics.set_retries(getattr(backend, "num_retries", 0))  # (a backend without a PD client has none)

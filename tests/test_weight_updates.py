@@ -326,6 +326,35 @@ def test_pd_backend_checks_every_worker_first_and_names_mixed_versions(checkpoin
         close_workers(prefill, decode)
 
 
+def test_pd_backend_pauses_every_worker_and_updates_them_paused(checkpoints):
+    """/pause_generation's retract and in_place reach both workers of a pair through PDBackend; a
+    paused pair's update applies at once (SGLang's: nothing to wait for), its loops still paused
+    until continue_generation."""
+    import asyncio
+
+    from cluster.backend import PDBackend
+    from tests.pd_helpers import close_workers, make_pair
+
+    old, new = checkpoints
+    prefill, decode = make_pair(old, page_size=4)
+    refs = [SimpleNamespace(worker_id=w.worker_id, alive=True, handle=Handle(w)) for w in (prefill, decode)]
+    backend = PDBackend(SimpleNamespace(prefill=refs[:1], decode=refs[1:]))
+    try:
+        for mode in ("in_place", "retract"):
+            asyncio.run(backend.pause_generation(mode))
+            assert prefill.loop.paused and decode.loop.paused
+            result = asyncio.run(backend.update_weights_from_disk(new if mode == "retract" else old, mode))
+            assert result["success"] and prefill.get_weight_version() == decode.get_weight_version() == mode
+            assert prefill.loop.paused and decode.loop.paused
+            asyncio.run(backend.continue_generation())
+            assert not (prefill.loop.paused or decode.loop.paused)
+        assert [prefill.runner.weights.path, decode.runner.weights.path] == [new, new]
+        prefill.check_integrity()
+        decode.check_integrity()
+    finally:
+        close_workers(prefill, decode)
+
+
 def test_tp2_every_rank_takes_its_shard(checkpoints, monkeypatch):
     """TP 2 (ranks as threads): the update is checked on both ranks, then each copies its shard;
     a checkpoint only a follower cannot read fails the whole update, and rank 0 keeps its weights;
