@@ -119,6 +119,7 @@ class PDBackend:
         self._weights_lock = asyncio.Lock()  # one weight update at a time
         self.owned_router = None
         self.model_path = getattr(cluster, "model_path", None)
+        self.paused_mode: Optional[str] = None  # pause_generation's, until continue_generation
 
     @classmethod
     def from_cluster(cls, cluster, tokenizer=None, client=None, use_router: bool = True) -> "PDBackend":
@@ -225,10 +226,12 @@ class PDBackend:
         way is left as it is. The client waits for a paused request's next output as for any (the
         transfer's ``waiting_timeout_s``): a longer pause fails it. (SGLang's "abort" is the server's:
         it aborts the requests it serves.)"""
+        self.paused_mode = mode  # (a worker added meanwhile is paused too)
         live = [w for w in self._all() if w.alive]
         await asyncio.gather(*(w.handle.pause_generation.remote(mode) for w in live))
 
     async def continue_generation(self) -> None:
+        self.paused_mode = None
         live = [w for w in self._all() if w.alive]
         await asyncio.gather(*(w.handle.continue_generation.remote() for w in live))
 
@@ -311,6 +314,8 @@ class PDBackend:
         async with self._lora_lock:  # (those of the config it loaded at start)
             for name, path in self.runtime_loras.items():
                 await worker.handle.load_lora_adapter.remote(name, path, self.client.lora_cache_keys.get(name))
+        if self.paused_mode is not None:
+            await worker.handle.pause_generation.remote(self.paused_mode)
         await self._tell_router("add_worker", worker.worker_id, worker.role, worker.handle, worker.node_id)
         return {"id": worker.worker_id, "role": worker.role, "node": worker.node_id, "alive": worker.alive}
 

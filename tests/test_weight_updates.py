@@ -329,7 +329,7 @@ def test_pd_backend_checks_every_worker_first_and_names_mixed_versions(checkpoin
 def test_pd_backend_pauses_every_worker_and_updates_them_paused(checkpoints):
     """/pause_generation's retract and in_place reach both workers of a pair through PDBackend; a
     paused pair's update applies at once (SGLang's: nothing to wait for), its loops still paused
-    until continue_generation."""
+    until continue_generation; a worker added while paused takes the update and the pause."""
     import asyncio
 
     from cluster.backend import PDBackend
@@ -338,7 +338,18 @@ def test_pd_backend_pauses_every_worker_and_updates_them_paused(checkpoints):
     old, new = checkpoints
     prefill, decode = make_pair(old, page_size=4)
     refs = [SimpleNamespace(worker_id=w.worker_id, alive=True, handle=Handle(w)) for w in (prefill, decode)]
-    backend = PDBackend(SimpleNamespace(prefill=refs[:1], decode=refs[1:]))
+    calls = []
+
+    class Recorder:  # the handle of a worker the cluster adds
+        def __getattr__(self, name):
+            async def call(*args):
+                calls.append((name, args))
+
+            return SimpleNamespace(remote=call)
+
+    added = SimpleNamespace(worker_id="d-new", role="decode", node_id="n", alive=True, handle=Recorder())
+    backend = PDBackend(SimpleNamespace(prefill=refs[:1], decode=refs[1:], router=None),
+                        SimpleNamespace(add_worker=lambda role: added))
     try:
         for mode in ("in_place", "retract"):
             asyncio.run(backend.pause_generation(mode))
@@ -346,6 +357,10 @@ def test_pd_backend_pauses_every_worker_and_updates_them_paused(checkpoints):
             result = asyncio.run(backend.update_weights_from_disk(new if mode == "retract" else old, mode))
             assert result["success"] and prefill.get_weight_version() == decode.get_weight_version() == mode
             assert prefill.loop.paused and decode.loop.paused
+            calls.clear()
+            asyncio.run(backend.add_worker("decode"))
+            assert [name for name, _ in calls] == ["update_weights_from_disk", "pause_generation"]
+            assert calls[1][1] == (mode,)
             asyncio.run(backend.continue_generation())
             assert not (prefill.loop.paused or decode.loop.paused)
         assert [prefill.runner.weights.path, decode.runner.weights.path] == [new, new]
