@@ -38,11 +38,11 @@ PAUSE_MODES = ("abort", "retract", "in_place")
 
 
 class AbortRequest(BaseModel):
-    """SGLang's AbortReq: ``rid`` "" names no request (nothing happens, as SGLang's)."""
+    """SGLang's AbortReq: ``rid`` "" or null names no request (nothing happens, as SGLang's)."""
 
     model_config = FORBID
 
-    rid: str = ""
+    rid: Optional[str] = ""
     abort_all: bool = False
 
 

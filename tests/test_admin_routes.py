@@ -119,7 +119,8 @@ def test_abort_all_ends_every_request_in_flight(engine, served, pool, idle_after
     engine.pause_generation("in_place")
     futures = [pool.submit(post, served, "/generate", generate_body(f"all-{i}")) for i in range(2)]
     assert wait_until(lambda: holds(engine, "all-0") and holds(engine, "all-1"))
-    assert post(served, "/abort_request", {"rid": "nobody"}).status_code == 200  # (an unknown id: nothing)
+    for nobody in ("nobody", None, ""):  # (an unknown id, none: nothing, as SGLang's)
+        assert post(served, "/abort_request", {"rid": nobody}).status_code == 200
     assert not any(f.done() for f in futures)
     assert post(served, "/abort_request", {"abort_all": True}).status_code == 200
     for f in futures:
@@ -132,8 +133,9 @@ def test_a_paused_request_resumes_with_the_tokens_of_an_unpaused_run(engine, ser
     """SGLang's pause: "retract" sends the running request back to waiting with its KV freed,
     "in_place" keeps it running with its KV; a request that comes meanwhile waits in the server,
     and after /continue_generation both end with the unpaused run's tokens."""
-    want = post(served, "/generate", generate_body()).json()["output_ids"]
-    with httpx.stream("POST", served.url + "/generate", json=generate_body(f"pause-{mode}", stream=True)) as r:
+    params = dict(LONG, max_new_tokens=120)
+    want = post(served, "/generate", generate_body(params=params)).json()["output_ids"]
+    with httpx.stream("POST", served.url + "/generate", json=generate_body(f"pause-{mode}", True, params)) as r:
         lines = r.iter_lines()
         first_event(lines)
         assert post(served, "/pause_generation", {"mode": mode}).json()["status"] == "ok"
@@ -143,7 +145,7 @@ def test_a_paused_request_resumes_with_the_tokens_of_an_unpaused_run(engine, ser
             assert engine.scheduler.running == [] and req in engine.scheduler.waiting and req.req_pool_idx is None
         else:
             assert engine.scheduler.running == [req] and req.req_pool_idx is not None
-        queued = pool.submit(post, served, "/generate", generate_body(f"queued-{mode}"))
+        queued = pool.submit(post, served, "/generate", generate_body(f"queued-{mode}", params=params))
         time.sleep(0.3)
         assert not queued.done() and not holds(engine, f"queued-{mode}")  # (held in the server, not failed)
         assert post(served, "/continue_generation").json()["status"] == "ok"
