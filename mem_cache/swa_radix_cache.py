@@ -392,7 +392,9 @@ class SWARadixCache(SWACacheChecksMixin, RadixCache):
     def free_swa_out_of_window(self, req) -> int:
         """Free the SWA slots of a running request's tokens that slid out of its
         window, advance ``req.swa_evicted_seqlen``, return how many were freed.
-        The scheduler calls it between forwards (e.g. every decode step)."""
+        The scheduler calls it between forwards, before every decode and verify step: the
+        window slides by ``kv_committed_len`` only, never by a verify step's drafts (a
+        rejected one would have taken keys from the windows of the positions after it)."""
         # [0, cache_protected_len)   the tree's: their SWA is the tree's to evict
         # [start, end)               slid out of the window → SWA freed now
         # [end, seq_len)             the last window (see window_start): kept, so that

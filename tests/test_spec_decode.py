@@ -377,8 +377,9 @@ def test_bad_speculative_settings_are_refused_naming_the_field():
         EngineConfig(model_path="m", speculative_algorithm="ngram", speculative_num_draft_tokens=0)
     with pytest.raises(ValueError, match="a prefill worker never decodes"):
         PrefillWorker("m", dict(SPEC))  # (refused before the model is read)
-    sched = SimpleNamespace(config=EngineConfig(model_path="m", **SPEC), runner=SimpleNamespace(spec=SimpleNamespace(kind="swa")))
-    with pytest.raises(ValueError, match="not supported for KV cache kind 'swa'"):
+    sched = SimpleNamespace(config=EngineConfig(model_path="m", **SPEC),
+                            runner=SimpleNamespace(spec=SimpleNamespace(kind="hybrid_mamba")))
+    with pytest.raises(ValueError, match="not supported for KV cache kind 'hybrid_mamba'"):
         SpecDecodeMixin._init_spec(sched)
 
 

@@ -84,6 +84,32 @@ def test_integrity_detects_stale_mapping():
         a.check_integrity(torch.empty(0, dtype=torch.int64))
 
 
+def _leak_swa(a, full):
+    a.full_to_swa_index_mapping[full] = 0  # the SWA half forgotten, never freed
+    a.full_attn_allocator.free(full)
+
+
+def _free_swa_twice(a, full):
+    a.swa_attn_allocator.free(a.full_to_swa_index_mapping[full])  # on its own, then with the pair
+    a.free(full)
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("free, error", [(SWATokenToKVPoolAllocator.free, None), (_leak_swa, "leak"),
+                                         (_free_swa_twice, "duplicate")])
+def test_integrity_detects_an_swa_slot_leaked_or_freed_twice(page_size, free, error):
+    """What a verify step's rejected draft (a page past the kept one) could do wrong in the SWA
+    pool: its SWA half leaked, or freed twice. Both raise; freed as a pair, the allocator is sound."""
+    a = SWATokenToKVPoolAllocator(size=16, size_swa=16, page_size=page_size)
+    kept, draft = a.alloc(2 * page_size).split(page_size)
+    free(a, draft)
+    if error is None:
+        a.check_integrity(kept)
+    else:
+        with pytest.raises(IntegrityError, match=error):
+            a.check_integrity(kept)
+
+
 def test_restore_state_undoes_free_swa_and_free_after_the_backup():
     a = SWATokenToKVPoolAllocator(size=8, size_swa=8)
     kept = a.alloc(4)

@@ -249,15 +249,21 @@ def logits_rows(reqs: List[Req]) -> Dict[int, int]:
     return {i: row for row, i in enumerate(i for i, r in enumerate(reqs) if r.has_logits_row)}
 
 
+def free_swa_out_of_windows(reqs: List[Req], tree_cache) -> None:
+    """Sliding-window models: free the SWA slots of the tokens that slid out of each request's
+    window, from its committed KV (a no-op for other caches)."""
+    free_swa_out_of_window = getattr(tree_cache, "free_swa_out_of_window", None)
+    if free_swa_out_of_window is not None:
+        for req in reqs:
+            free_swa_out_of_window(req)
+
+
 def prepare_for_decode(reqs: List[Req], runner, tree_cache) -> Optional[ForwardBatch]:
     """One slot per request for its last sampled token, at position ``seqlen - 1``.
     Sliding-window models first free the SWA slots of tokens that slid out of the window.
     The per-request arrays are built from the lengths and rows once, not a list each."""
     pool, allocator, device = runner.req_to_token_pool, runner.allocator, runner.device
-    free_swa_out_of_window = getattr(tree_cache, "free_swa_out_of_window", None)
-    if free_swa_out_of_window is not None:
-        for req in reqs:
-            free_swa_out_of_window(req)
+    free_swa_out_of_windows(reqs, tree_cache)
     seq_lens = [r.seqlen for r in reqs]
     seq_t = int64_tensor(seq_lens)
     seq_dev = seq_t.to(device)

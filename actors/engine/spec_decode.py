@@ -40,6 +40,15 @@ last, partial page stays the row's (it owns the page) and is written again by th
 A run cut short by a finish (EOS, a stop string, ``max_new_tokens``) commits only the tokens
 before the finish, exactly where plain decode would have stopped.
 
+Sliding-window models (KV cache kind ``"swa"``, SGLang's ``is_hybrid_swa``): every slot above is a
+full slot and an SWA slot allocated together, and a rejected draft's whole pages are freed in both
+pools alike. The window slides by committed tokens only: before the step, as before a decode step,
+the SWA slots of each request's tokens that left the window of ``kv_committed_len`` are freed
+(:func:`~actors.engine.schedule_batch.free_swa_out_of_windows`), never by the drafts' length, so a
+rejected draft takes no key from the window of the positions after it. The forward's sliding-window
+layers mask each row by its own position (the extend path's), their sinks included: every draft
+position sees the keys plain decode would.
+
 The drafts' slots are held for one step only, so no reserve counts them — neither admission's
 decode reserve nor a PD decode worker's reservations (``num_reserved_decode_tokens``): they are
 taken when free after eviction, else the step runs as a plain decode step, which alone retracts
@@ -62,10 +71,11 @@ from actors.engine.req import Req
 from actors.engine.sampling import Pick, argmax_rows, logprob_picks, sampling_probs
 from actors.engine.spec_accept import (accept_greedy, apply_draft_grammar_masks, grammar_prefix, position_states,
                                        rejection_sample)
-from actors.engine.schedule_batch import _NO_SLOTS, _last_locs, _table_rows, alloc_extend_slots, extend_batch
+from actors.engine.schedule_batch import (_NO_SLOTS, _last_locs, _table_rows, alloc_extend_slots, extend_batch,
+                                         free_swa_out_of_windows)
 from actors.engine.sparse_logits import adjust_logits
 
-SPEC_KV_KINDS = ("mha", "mla")  # pure attention KV: a rejected draft leaves nothing behind but its slots
+SPEC_KV_KINDS = ("mha", "mla", "swa")  # attention KV only: a rejected draft leaves nothing behind but its slots
 
 
 def draftable(req: Req) -> bool:
@@ -107,8 +117,10 @@ def alloc_verify_slots(reqs: List[Req], draft_lens: List[int], runner, tree_cach
     """Slots for each request's last sampled token and a draft of ``draft_lens[i]`` tokens,
     positions ``[seqlen - 1, seqlen + draft_lens[i])`` (one ``alloc_extend`` over the batch, the
     last partial page filled first), written into the rows; False, having taken nothing, when
-    they cannot be had even after eviction."""
+    they cannot be had even after eviction. Sliding-window models first free the SWA slots of the
+    tokens out of the committed windows, as a decode step."""
     pool = runner.req_to_token_pool
+    free_swa_out_of_windows(reqs, tree_cache)
     prefix_lens = [r.seqlen - 1 for r in reqs]
     extend_lens = [1 + n for n in draft_lens]
     seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
@@ -150,8 +162,8 @@ class SpecDecodeMixin:
         kind = self.runner.spec.kind
         if self.speculative and kind not in SPEC_KV_KINDS:
             raise ValueError(f"speculative_algorithm={cfg.speculative_algorithm!r} is not supported for KV cache kind "
-                             f"{kind!r}: a rejected draft would leave its state behind (Mamba) or slide the window "
-                             f"(SWA); supported: {', '.join(SPEC_KV_KINDS)}")
+                             f"{kind!r}: a rejected draft would leave its tokens in the Mamba state; supported: "
+                             f"{', '.join(SPEC_KV_KINDS)}")
 
     def _prepare_verify(self) -> Optional[ForwardBatch]:
         """The running batch's verify step, or None: speculation off, no request has a draft, or
