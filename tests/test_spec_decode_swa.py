@@ -147,3 +147,16 @@ def test_pd_decode_side_speculates_past_the_window(checkpoints, verify_steps):
     assert [r[0]["output_ids"] for r in results] == ids(plain.outs)[:len(batch)]
     assert decode.scheduler.spec_stats.num_accepted_tokens > 0 and verify_steps[0] > 0
     close_workers(prefill, decode)
+
+
+def test_a_draft_model_over_a_sliding_window_target(checkpoints, verify_steps, tmp_path):
+    """A draft model (a one-layer llama, MHA) over GPT-OSS's SWA pools: its KV pool is indexed by the
+    full pool's slots, which a sliding token keeps, so the window's slide takes nothing from it; the
+    greedy tokens are plain decoding's, past the window, through chunks and a prefix hit."""
+    draft = str(build_tiny_checkpoint("llama", tmp_path / "draft", seed=1, num_hidden_layers=1))
+    path = checkpoints["gpt_oss"]
+    plain = generate(path, GREEDY, page_size=4)
+    spec = generate(path, GREEDY, page_size=4, speculative_algorithm="draft_model",
+                    speculative_draft_model_path=draft, speculative_num_draft_tokens=4)
+    assert ids(spec.outs) == ids(plain.outs) and spec.cached >= 28
+    assert spec.stats["num_draft_tokens"] > 0 and verify_steps[0] > 0
