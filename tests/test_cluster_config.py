@@ -272,6 +272,15 @@ def test_settings_both_sides_read_a_request_by_must_agree(field, value):
     assert getattr(parse_config(data).prefill.engine, field) == value
 
 
+def test_expert_parallel_may_differ_between_the_sides():
+    """Expert parallelism shards a MoE layer's experts, not the KV (the attention stays TP), so a
+    prefill side with TP experts and a decode side with EP ones move pages alike."""
+    data = _set(_set(_base(), "decode.engine.enable_expert_parallel", True), "decode.tp_size", 2)
+    config = parse_config(data)
+    assert (config.prefill.engine.enable_expert_parallel, config.decode.engine.enable_expert_parallel) == (False, True)
+    assert config.engine_config("decode", model_path="/ckpt").enable_expert_parallel
+
+
 # --- engine settings ----------------------------------------------------------------------
 
 

@@ -113,8 +113,8 @@ def quantize_mxfp4(w: torch.Tensor):
 def test_gpt_oss_mxfp4_experts_load_as_hf_dequantizes_them(model_dir, tmp_path):
     """The tiny checkpoint's experts quantized to MXFP4 (``*_blocks`` + ``*_scales``, the scales
     in a second file as a sharded checkpoint may put them) load equal to HF's dequantization, on
-    one rank and as each of two ranks' shards; the engine over them gives HF's tokens over the
-    dequantized weights."""
+    one rank and as each of two ranks' shards (TP: a slice of every expert; EP: two whole experts
+    each); the engine over them gives HF's tokens over the dequantized weights."""
     from safetensors.torch import load_file, save_file
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
@@ -135,13 +135,15 @@ def test_gpt_oss_mxfp4_experts_load_as_hf_dequantizes_them(model_dir, tmp_path):
     files = [str(quantized / "model.safetensors"), str(quantized / "scales.safetensors")]
     config = load_config(str(quantized))
     half = config.intermediate_size // 2
-    for rank, size in ((0, 1), (0, 2), (1, 2)):
-        model = build_model(config, TPGroup(rank=rank, size=size)).to_empty(device="cpu")
+    for rank, size, ep in ((0, 1, False), (0, 2, False), (1, 2, False), (0, 2, True), (1, 2, True)):
+        model = build_model(config, TPGroup(rank=rank, size=size, expert_parallel=ep)).to_empty(device="cpu")
         missing, unexpected = load_weights(model, files)
         assert not missing and not unexpected
         params = dict(model.named_parameters())
         for name, want in expected.items():
-            if size == 2:  # this rank's intermediate rows: gate/up pairs [2·start, 2·stop), down rows [start, stop)
+            if ep:  # this rank's experts [2·rank, 2·rank + 2), whole
+                want = want[2 * rank:2 * rank + 2]
+            elif size == 2:  # this rank's intermediate rows: gate/up pairs [2·start, 2·stop), down rows [start, stop)
                 start = rank * half
                 want = want[..., 2 * start:2 * (start + half)] if "gate_up" in name else want[:, start:start + half]
             assert torch.equal(params[name], want), name

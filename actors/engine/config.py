@@ -111,6 +111,12 @@ class EngineConfig(BaseModel):
     )
     tp_size: int = Field(1, ge=1, le=64, description="tensor-parallel ranks (one process each); every rank holds "
                          "1/tp_size of the attention heads, MLP and expert intermediate dims")
+    enable_expert_parallel: bool = Field(
+        False, description="MoE models: shard the experts over the TP ranks instead of their intermediate dims "
+        "(vLLM's --enable-expert-parallel; SGLang's --ep-size equal to --tp-size): each rank holds tp_size-th of "
+        "every MoE layer's experts whole (tp_size must divide their number) and runs them on the tokens routed to "
+        "them; attention, dense and shared-expert MLPs stay TP. The KV layout is the same, so the two sides of a "
+        "PD cluster may differ in it")
     speculative_algorithm: Optional[Literal["ngram", "draft_model"]] = Field(
         None, description="speculative decoding (vLLM's speculative_config method, SGLang's --speculative-algorithm): "
         "ngram drafts a request's next tokens from its own prompt and output (no draft model), draft_model (SGLang's "

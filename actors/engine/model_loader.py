@@ -14,6 +14,7 @@ from transformers import AutoConfig
 
 from actors.engine import mxfp4
 from actors.engine.models import get_model_class
+from actors.engine.models.moe import ExpertList
 from actors.engine.parallel import SINGLE, ParamShard, TPGroup
 
 DEFAULT_WEIGHT_VERSION = "default"  # SGLang's --weight-version default
@@ -131,6 +132,7 @@ def load_weights(model: torch.nn.Module, files: List[str]) -> Tuple[List[str], L
     (missing, unexpected) names. A parameter ``X`` stored in MXFP4 (``X_blocks`` and
     ``X_scales``, in any of the files) is dequantized into it (:mod:`.mxfp4`)."""
     targets = checkpoint_targets(model)
+    elsewhere = held_elsewhere(model)
     loaded, unexpected = set(), []
     with contextlib.ExitStack() as stack:
         files_of = {}  # tensor name -> the open file holding it
@@ -145,28 +147,47 @@ def load_weights(model: torch.nn.Module, files: List[str]) -> Tuple[List[str], L
                     loaded.add(packed)
                 continue
             if name not in targets:
-                unexpected.append(name)
+                if not elsewhere(name):  # (EP: another rank's expert, left unread)
+                    unexpected.append(name)
                 continue
             copy_tensor(f, name, *targets[name])
             loaded.add(name)
     return [n for n in targets if n not in loaded], unexpected
 
 
+# a checkpoint tensor of one expert of a layer's ExpertList: (the list's module name, the expert)
+EXPERT_TENSOR = re.compile(r"^(.+\.experts)\.(\d+)\.")
+
+
+def held_elsewhere(model: torch.nn.Module):
+    """Whether a checkpoint tensor name is of an expert another rank holds (EP: an ExpertList's
+    ``held`` leaves it out), so that this rank neither reads it nor counts it unexpected."""
+    held = {name: module.held for name, module in model.named_modules() if isinstance(module, ExpertList)}
+
+    def elsewhere(name: str) -> bool:
+        match = EXPERT_TENSOR.match(name)
+        return bool(match) and match[1] in held and int(match[2]) not in held[match[1]]
+    return elsewhere
+
+
 def _load_mxfp4(name: str, target: torch.Tensor, shard: Optional[ParamShard], f, files_of: dict) -> None:
     """MXFP4 ``name`` [experts, in, out] dequantized into ``target``, an expert at a time (a large
-    model's whole layer would take gigabytes at once), this rank's shard of each."""
+    model's whole layer would take gigabytes at once), this rank's shard: its experts under EP (a
+    shard of dim 0), its slice of each expert under TP."""
     if name + "_scales" not in files_of:
         raise ValueError(f"{name}_blocks has no {name}_scales in the checkpoint")
     blocks, scales = f.get_slice(name + "_blocks"), files_of[name + "_scales"].get_slice(name + "_scales")
-    for e in range(target.shape[0]):
+    by_expert = shard is not None and shard.dim == 0
+    experts = [e for r in shard.ranges for e in r] if by_expert else range(target.shape[0])
+    for i, e in enumerate(experts):
         weight = mxfp4.dequantize(blocks[e], scales[e], target.dtype)
-        if shard is not None:  # (a dim of the expert's slice: one less than the whole tensor's)
+        if shard is not None and not by_expert:  # (a dim of the expert's slice: one less than the whole tensor's)
             weight = torch.cat([weight.narrow(shard.dim - 1, r.start, len(r)) for r in shard.ranges], shard.dim - 1)
         if weight.shape != target.shape[1:]:
             raise ValueError(f"{name}: dequantized expert shard {tuple(weight.shape)} != model "
                              f"{tuple(target.shape[1:])}")
         with torch.no_grad():
-            target[e].copy_(weight)
+            target[i].copy_(weight)
 
 
 def cast_model(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
@@ -221,12 +242,14 @@ class ServedWeights:
                 for name in f.keys():
                     shapes[name] = list(f.get_slice(name).get_shape())
         full = build_model(self.config)  # (on meta: the whole tensors' shapes, whatever this rank's shards)
-        expected = {name: list(t.shape) for name, t in full.state_dict().items() if name in self.targets}
+        tied = getattr(self.config, "tie_word_embeddings", False)
+        expected = {name: list(t.shape) for name, t in full.state_dict().items()  # (every expert's, under EP too)
+                    if not (tied and name == "lm_head.weight")}
         problems = _checkpoint_problems(mxfp4.unpacked_shapes(shapes, expected), expected,
                                         lambda name: ignored_weight(full, name))
         if problems:
             raise ValueError(f"checkpoint {path!r} does not fit the served model: {'; '.join(problems)}")
-        return list(expected)
+        return [name for name in expected if name in self.targets]  # (EP: this rank's experts)
 
     def load(self, path: str) -> None:
         """Copy the checkpoint in ``path`` (checked again) into the served tensors, this rank's shards."""

@@ -26,6 +26,13 @@ and concatenated (a vocabulary shard's
 range may run past the tensor's end: zeros there); ``model_loader`` reads
 only those slices from the safetensors files.
 
+Expert parallelism (``expert_parallel``: vLLM's ``--enable-expert-parallel``, SGLang's ``--ep-size``
+equal to the TP size) shards a MoE layer's experts instead: rank r holds experts ``[r·E/N, (r+1)·E/N)``
+whole (:meth:`TPGroup.experts`; their intermediate dims unsplit, :attr:`TPGroup.expert_tp`), the rest of
+the model stays TP. Activations are replicated in TP, so every rank routes every token, runs its own
+experts on the tokens routed to them, and the block's one all-reduce sums the ranks' contributions as
+it sums the slices under TP.
+
 With ``size == 1`` (:data:`SINGLE`) every collective is a no-op and every
 layer holds the whole tensor (the vocabulary is not padded), so the models
 have one code path.
@@ -68,12 +75,15 @@ class TPGroup:
     ``group`` carries the device collectives of the forward (NCCL on CUDA,
     gloo on CPU); ``cpu_group`` (gloo) carries the control messages: the
     broadcast batches, the start-up agreement on pool sizes.
+    ``expert_parallel``: MoE layers shard their experts over the group, not
+    every expert's intermediate dim (:meth:`experts`).
     """
 
     rank: int = 0
     size: int = 1
     group: Any = None
     cpu_group: Any = None
+    expert_parallel: bool = False
 
     @property
     def is_leader(self) -> bool:
@@ -129,6 +139,22 @@ class TPGroup:
             raise ValueError(f"tp_size={self.size} must divide {field}={total}")
         n = total // self.size
         return range(self.rank * n, (self.rank + 1) * n)
+
+    def experts(self, num_experts: int, field: str) -> range:
+        """The experts of a MoE layer this rank holds: all of them under TP (each one's
+        intermediate dim split over :attr:`expert_tp`), its even share whole under EP."""
+        if not self.expert_parallel:
+            return range(num_experts)
+        if num_experts % self.size:
+            raise ValueError(f"tp_size={self.size} must divide {field}={num_experts} with "
+                             "enable_expert_parallel (each rank holds whole experts)")
+        return self.split(num_experts, field)
+
+    @property
+    def expert_tp(self) -> "TPGroup":
+        """The group each held expert's intermediate dim is split over: this one under TP, none
+        (:data:`SINGLE`: whole experts, no reduce of their own) under EP."""
+        return SINGLE if self.expert_parallel else self
 
     def vocab_shard(self, vocab_size: int) -> range:
         """This rank's rows of the vocabulary padded to :func:`padded_vocab_size`; the

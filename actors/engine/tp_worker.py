@@ -397,7 +397,8 @@ class TPModelWorker:
 def check_tp_shardable(config: EngineConfig) -> None:
     """Fail before starting any rank when ``tp_size`` cannot shard the model
     (the error names the config field it must divide)."""
-    build_model(load_config(config.model_path), TPGroup(rank=0, size=config.tp_size))
+    build_model(load_config(config.model_path),
+                TPGroup(rank=0, size=config.tp_size, expert_parallel=config.enable_expert_parallel))
 
 
 def tp_init_method(host: str = "127.0.0.1") -> str:

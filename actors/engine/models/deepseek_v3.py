@@ -19,7 +19,7 @@ from torch import nn
 from actors.engine.layers import GatedMLP, RadixAttention, RMSNorm, RotaryEmbedding, rotate_interleaved, yarn_mscale
 from actors.engine.models.base import CausalLM, DecoderModel
 from actors.engine.models.llama import rope_settings
-from actors.engine.models.moe import run_experts
+from actors.engine.models.moe import ExpertList, run_experts
 from actors.engine.models.spec import KVCacheSpec
 from actors.engine.parallel import SINGLE, ColumnParallelLinear, RowParallelLinear, TPGroup, head_ranges
 
@@ -115,18 +115,18 @@ class DeepseekV3Gate(nn.Module):
 
 class DeepseekV3MoE(nn.Module):
     """Under TP every expert's intermediate dim is split over the ranks (each
-    rank runs every routed expert on its slice); the routed and shared partial
-    sums are reduced with one all-reduce."""
+    rank runs every routed expert on its slice), under EP each rank holds its
+    share of the routed experts whole; the shared experts stay TP either way.
+    The routed and shared partial sums are reduced with one all-reduce."""
 
     def __init__(self, config, tp: TPGroup = SINGLE):
         super().__init__()
         self.tp = tp
         self.gate = DeepseekV3Gate(config)
         field = "moe_intermediate_size"
-        self.experts = nn.ModuleList(
-            GatedMLP(config.hidden_size, config.moe_intermediate_size, config.hidden_act, tp, reduce=False, field=field)
-            for _ in range(config.n_routed_experts)
-        )
+        self.experts = ExpertList(tp.experts(config.n_routed_experts, "n_routed_experts"), lambda: GatedMLP(
+            config.hidden_size, config.moe_intermediate_size, config.hidden_act, tp.expert_tp, reduce=False,
+            field=field))
         self.shared_experts = GatedMLP(
             config.hidden_size, config.moe_intermediate_size * config.n_shared_experts, config.hidden_act, tp,
             reduce=False, field=field,

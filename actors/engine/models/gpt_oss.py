@@ -18,7 +18,9 @@ dequantizes them (``actors.engine.mxfp4``).
 Under TP each rank holds its heads (and their sinks) and, of every expert, a slice of the
 intermediate dim: the interleaved gate/up columns ``[2·start, 2·stop)`` are contiguous, and the
 matching rows of ``down_proj``; rank 0 alone adds the down bias, and one all-reduce sums the
-experts' partial outputs.
+experts' partial outputs. Under EP each rank holds its share of the experts whole (every 3-D tensor
+sliced along the expert dim) and adds their down biases: each expert's, once, on the one rank that
+holds it; the same all-reduce sums the ranks' experts.
 """
 
 from __future__ import annotations
@@ -35,24 +37,31 @@ from actors.engine.parallel import SINGLE, TPGroup, shard_param
 
 
 class GptOssExperts(nn.Module):
-    """The experts' weights as HF stores them (3-D, one slice an expert), this rank's share of the
-    intermediate dim; ``forward`` runs each chosen expert over its tokens, in expert order, and sums
-    the weighted outputs in the model's dtype, as HF's eager experts do."""
+    """The experts' weights as HF stores them (3-D, one slice an expert): under TP every expert's share
+    of the intermediate dim, under EP this rank's experts (``held``) whole; ``forward`` runs each held
+    expert chosen over its tokens, in expert order, and sums the weighted outputs in the model's dtype,
+    as HF's eager experts do."""
 
     def __init__(self, config, tp: TPGroup = SINGLE):
         super().__init__()
-        experts, hidden = config.num_local_experts, config.hidden_size
-        part = tp.split(config.intermediate_size, "intermediate_size")
+        hidden = config.hidden_size
+        self.held = tp.experts(config.num_local_experts, "num_local_experts")
+        part = tp.expert_tp.split(config.intermediate_size, "intermediate_size")
         gate_up = range(2 * part.start, 2 * part.stop)  # (gate, up) pairs side by side
-        self.gate_up_proj = nn.Parameter(torch.empty(experts, hidden, len(gate_up)))
-        self.gate_up_proj_bias = nn.Parameter(torch.empty(experts, len(gate_up)))
-        self.down_proj = nn.Parameter(torch.empty(experts, len(part), hidden))
-        self.down_proj_bias = nn.Parameter(torch.empty(experts, hidden))
-        shard_param(self, "gate_up_proj", 2, [gate_up])
-        shard_param(self, "gate_up_proj_bias", 1, [gate_up])
-        shard_param(self, "down_proj", 1, [part])
+        self.gate_up_proj = nn.Parameter(torch.empty(len(self.held), hidden, len(gate_up)))
+        self.gate_up_proj_bias = nn.Parameter(torch.empty(len(self.held), len(gate_up)))
+        self.down_proj = nn.Parameter(torch.empty(len(self.held), len(part), hidden))
+        self.down_proj_bias = nn.Parameter(torch.empty(len(self.held), hidden))
+        if tp.expert_parallel:
+            for name in ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"):
+                shard_param(self, name, 0, [self.held])
+        else:
+            shard_param(self, "gate_up_proj", 2, [gate_up])
+            shard_param(self, "gate_up_proj_bias", 1, [gate_up])
+            shard_param(self, "down_proj", 1, [part])
         self.alpha, self.limit = config.swiglu_alpha, config.swiglu_limit
-        self.tp = tp
+        # (the down bias is added once over the ranks' sum: by every expert's only holder under EP)
+        self.tp, self.adds_down_bias = tp, tp.expert_parallel or tp.is_leader
 
     def swiglu(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up[..., ::2].clamp(max=self.limit), gate_up[..., 1::2].clamp(-self.limit, self.limit)
@@ -61,11 +70,12 @@ class GptOssExperts(nn.Module):
     def forward(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """``x`` [tokens, hidden]; ``indices``, ``weights`` [tokens, top_k]: each token's experts and their weights."""
         out = torch.zeros_like(x)
-        for e in indices.unique().tolist():
+        for e in [e for e in indices.unique().tolist() if e in self.held]:
             token, slot = (indices == e).nonzero(as_tuple=True)
-            y = self.swiglu(x[token] @ self.gate_up_proj[e] + self.gate_up_proj_bias[e]) @ self.down_proj[e]
-            if self.tp.is_leader:  # (added once over the ranks' partial sums)
-                y = y + self.down_proj_bias[e]
+            i = e - self.held.start  # (its place in this rank's tensors)
+            y = self.swiglu(x[token] @ self.gate_up_proj[i] + self.gate_up_proj_bias[i]) @ self.down_proj[i]
+            if self.adds_down_bias:
+                y = y + self.down_proj_bias[i]
             out.index_add_(0, token, (y * weights[token, slot, None]).to(x.dtype))
         return self.tp.all_reduce(out)
 

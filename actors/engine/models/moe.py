@@ -9,7 +9,10 @@ it, weighted by its probability — renormalised over the token's ``top_k`` when
 
 Under TP each rank holds every expert's slice of the intermediate dim (gate/up column parallel,
 down row parallel without its own reduce); the router is replicated, so every rank routes each token
-alike, and one all-reduce sums the routed and shared partial outputs of the whole block.
+alike, and one all-reduce sums the routed and shared partial outputs of the whole block. Under EP
+(``TPGroup.expert_parallel``) each rank holds its share of the experts whole (:class:`ExpertList`)
+and runs only those; the same all-reduce adds up the ranks' experts. The shared expert stays TP
+(sliced on every rank), its partial sum in the same reduce.
 """
 
 from __future__ import annotations
@@ -30,12 +33,28 @@ def is_sparse_layer(config, layer_id: int) -> bool:
             and (layer_id + 1) % config.decoder_sparse_step == 0)
 
 
-def run_experts(experts: nn.ModuleList, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """``sum_k weights[t, k] * experts[idx[t, k]](x[t])`` for every token ``t``, in fp32 (the caller casts
-    once): each expert runs once, on the tokens that chose it; each weighted output is taken in
-    ``weights``' dtype (HF's experts: Qwen's cast to the model's dtype, Mixtral's and DeepSeek's fp32)."""
+class ExpertList(nn.Module):
+    """The experts of one layer this rank holds (``held``: :meth:`TPGroup.experts`), each under its
+    checkpoint index (``experts.{e}.…``), made by ``make()``. The loader leaves the tensors of the
+    experts it does not hold unread (``model_loader.held_elsewhere``)."""
+
+    def __init__(self, held: range, make: Callable[[], nn.Module]):
+        super().__init__()
+        self.held = held
+        for e in held:
+            self.add_module(str(e), make())
+
+    def __getitem__(self, e: int) -> nn.Module:
+        return self._modules[str(e)]
+
+
+def run_experts(experts: ExpertList, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """``sum_k weights[t, k] * experts[idx[t, k]](x[t])`` over the held experts for every token ``t``, in
+    fp32 (the caller casts once): each expert runs once, on the tokens that chose it; each weighted output
+    is taken in ``weights``' dtype (HF's experts: Qwen's cast to the model's dtype, Mixtral's and
+    DeepSeek's fp32). Under EP the other ranks' experts are left to them (the block's reduce sums all)."""
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    for e in idx.unique().tolist():
+    for e in [e for e in idx.unique().tolist() if e in experts.held]:
         token, slot = (idx == e).nonzero(as_tuple=True)
         out.index_add_(0, token, (experts[e](x[token]) * weights[token, slot, None]).float())
     return out
@@ -62,19 +81,22 @@ def qwen_expert(hidden_size: int, intermediate_size: int, hidden_act: str, tp: T
 
 
 class SparseMoeBlock(nn.Module):
-    """``num_experts`` experts of ``intermediate_size`` (``field``: the config field a TP error names),
-    made by ``expert`` (:func:`qwen_expert` or :class:`MixtralExpert`). ``fp32_weights``: the routing
-    weights stay fp32 (Mixtral's router); otherwise they are cast to the model's dtype first (Qwen's).
+    """``num_experts`` experts of ``intermediate_size`` (``field``: the config field a TP error names;
+    ``experts_field``: the one an EP error names), made by ``expert`` (:func:`qwen_expert` or
+    :class:`MixtralExpert`). ``fp32_weights``: the routing weights stay fp32 (Mixtral's router);
+    otherwise they are cast to the model's dtype first (Qwen's).
     A config with ``shared_expert_intermediate_size`` (Qwen3-Next) adds the gated shared expert."""
 
-    def __init__(self, config, num_experts: int, intermediate_size: int, field: str, norm_topk_prob: bool,
-                 tp: TPGroup = SINGLE, expert: Callable[..., nn.Module] = qwen_expert, fp32_weights: bool = False):
+    def __init__(self, config, num_experts: int, intermediate_size: int, field: str, experts_field: str,
+                 norm_topk_prob: bool, tp: TPGroup = SINGLE, expert: Callable[..., nn.Module] = qwen_expert,
+                 fp32_weights: bool = False):
         super().__init__()
         self.tp, self.top_k = tp, config.num_experts_per_tok
         self.norm_topk_prob, self.fp32_weights = norm_topk_prob, fp32_weights
         hidden, act = config.hidden_size, config.hidden_act
         self.gate = nn.Linear(hidden, num_experts, bias=False)
-        self.experts = nn.ModuleList(expert(hidden, intermediate_size, act, tp, field) for _ in range(num_experts))
+        self.experts = ExpertList(tp.experts(num_experts, experts_field),
+                                  lambda: expert(hidden, intermediate_size, act, tp.expert_tp, field))
         shared = getattr(config, "shared_expert_intermediate_size", 0)
         self.shared_expert = qwen_expert(hidden, shared, act, tp, "shared_expert_intermediate_size") if shared else None
         if shared:
@@ -83,14 +105,14 @@ class SparseMoeBlock(nn.Module):
     @classmethod
     def qwen(cls, config, tp: TPGroup = SINGLE) -> "SparseMoeBlock":
         """Qwen3-MoE's and Qwen3-Next's block: ``num_experts`` of ``moe_intermediate_size``."""
-        return cls(config, config.num_experts, config.moe_intermediate_size, "moe_intermediate_size",
+        return cls(config, config.num_experts, config.moe_intermediate_size, "moe_intermediate_size", "num_experts",
                    config.norm_topk_prob, tp)
 
     @classmethod
     def mixtral(cls, config, tp: TPGroup = SINGLE) -> "SparseMoeBlock":
         """Mixtral's: ``num_local_experts`` of ``intermediate_size``, always renormalised, fp32 weights."""
-        return cls(config, config.num_local_experts, config.intermediate_size, "intermediate_size", True, tp,
-                   expert=MixtralExpert, fp32_weights=True)
+        return cls(config, config.num_local_experts, config.intermediate_size, "intermediate_size",
+                   "num_local_experts", True, tp, expert=MixtralExpert, fp32_weights=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         probs = torch.softmax(self.gate(x).float(), dim=-1)
