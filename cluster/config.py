@@ -47,6 +47,9 @@ GRAMMAR_CONFIG_FIELDS = ("constrained_json_disable_any_whitespace",)
 # under the adapter and the decode side goes on under the same one, so both load the same adapters
 # (at start, and at runtime: a load must fit both sides' slots and host memory cap).
 LORA_FIELDS = ("lora_paths", "max_lora_rank", "lora_target_modules", "max_loaded_loras")
+# EngineConfig fields that say which weights compute: the decode side goes on from the KV and first token the
+# prefill side computed, so both serve the same ones.
+QUANTIZATION_FIELDS = ("quantization",)
 
 _STRICT = ConfigDict(extra="forbid", frozen=True)
 
@@ -359,7 +362,9 @@ class ClusterConfig(BaseModel):
                 ("grammar_mismatch", GRAMMAR_CONFIG_FIELDS,
                  "the decode side's grammar must accept the first token the prefill side sampled under its own"),
                 ("lora_mismatch", LORA_FIELDS,
-                 "a request's adapter computes its KV on the prefill side and its tokens on the decode side")):
+                 "a request's adapter computes its KV on the prefill side and its tokens on the decode side"),
+                ("quantization_mismatch", QUANTIZATION_FIELDS,
+                 "the decode side goes on from the KV the prefill side's weights computed")):
             for name in names:
                 ours, theirs = getattr(self.decode.engine, name), getattr(self.prefill.engine, name)
                 if ours != theirs:

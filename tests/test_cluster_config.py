@@ -143,6 +143,8 @@ def _set(data: dict, dotted: str, value) -> dict:
     ("prefill.engine.mem_fraction_static", 1.5, "prefill.engine.mem_fraction_static: Input should be less than 1"),
     ("decode.engine.attention_backend", "flash", "decode.engine.attention_backend: Input should be 'auto', 'torch' or"),
     ("decode.engine.page_size", 32, "decode.engine.page_size: 32 differs from prefill.engine.page_size 16"),
+    ("decode.engine.quantization", "fp8", "decode.engine.quantization: 'fp8' differs from prefill.engine.quantization "
+     "None; the decode side goes on from the KV the prefill side's weights computed"),
     ("prefill.engine.speculative_algorithm", "ngram",
      "prefill.engine.speculative_algorithm 'ngram': a prefill worker never decodes"),
     ("decode.engine.speculative_algorithm", "draft_model",

@@ -43,6 +43,10 @@ class EngineConfig(BaseModel):
     device: Literal["cpu", "cuda"] = "cpu"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="auto: the checkpoint's dtype")
     kv_cache_dtype: Literal["auto", "fp8_e4m3", "fp8_e5m2"] = "auto"
+    quantization: Optional[Literal["fp8"]] = Field(
+        None, description="the weights' quantization (SGLang's and vLLM's --quantization): None: the checkpoint's "
+        "own (config.json's quantization_config: block-wise FP8 served weight-only, actors.engine.fp8); 'fp8': "
+        "the same, and an unquantized checkpoint quantized to 128x128-block FP8 as it loads")
     page_size: int = Field(1, ge=1, le=256)
     mem_fraction_static: Optional[float] = Field(None, gt=0.0, lt=1.0, description="None: from device memory")
     max_total_tokens: Optional[int] = Field(None, gt=0, description="KV pool size in tokens; None: from memory")

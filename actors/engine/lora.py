@@ -149,8 +149,8 @@ class LoRAManager:
                              {m for a in adapters for m in a.weights}):
             base = _module(model, module)
             parent, _, attr = module.rpartition(".")
-            lora_a = torch.zeros(num_slots, self.max_rank, base.in_features, dtype=base.weight.dtype, device=device)
-            lora_b = torch.zeros(num_slots, base.out_features, self.max_rank, dtype=base.weight.dtype, device=device)
+            lora_a = torch.zeros(num_slots, self.max_rank, base.in_features, dtype=dtype, device=device)
+            lora_b = torch.zeros(num_slots, base.out_features, self.max_rank, dtype=dtype, device=device)
             self.layers[module] = LoRALinear(base, lora_a, lora_b, self)
             setattr(model.get_submodule(parent), attr, self.layers[module])
         self.host: Dict[str, HostAdapter] = {}
@@ -316,7 +316,7 @@ class LoRALinear(nn.Module):
         if not groups:
             return self.base(x)
         partial = isinstance(self.base, RowParallelLinear) and self.base.tp.size > 1
-        y = F.linear(x, self.base.weight) if partial else self.base(x)
+        y = F.linear(x, self.base.dense_weight(x.dtype)) if partial else self.base(x)
         for slot, index in groups:
             shrunk = F.linear(x.index_select(0, index), self.lora_a[slot]) * self.manager.scaling[slot]
             y = y.index_add(0, index, F.linear(shrunk, self.lora_b[slot]))

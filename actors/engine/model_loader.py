@@ -12,7 +12,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig
 
-from actors.engine import mxfp4
+from actors.engine import fp8, mxfp4
 from actors.engine.models import get_model_class
 from actors.engine.models.moe import ExpertList
 from actors.engine.parallel import SINGLE, ParamShard, TPGroup
@@ -53,14 +53,37 @@ def build_model(config, tp: TPGroup = SINGLE) -> torch.nn.Module:
         return model_cls(config, tp=tp)
 
 
+def checkpoint_shapes(files: List[str]) -> Dict[str, List[int]]:
+    """Every tensor's shape in the checkpoint ``files`` (names → shapes; their headers only)."""
+    shapes = {}
+    for file in files:
+        with safe_open(file, framework="pt", device="cpu") as f:
+            shapes.update((name, list(f.get_slice(name).get_shape())) for name in f.keys())
+    return shapes
+
+
+def build_served_model(model_path: str, config, quantization: Optional[str] = None,
+                       tp: TPGroup = SINGLE) -> Tuple[torch.nn.Module, Dict[str, torch.nn.Module]]:
+    """:func:`build_model`, its linear layers block FP8 where the checkpoint's are (or, with
+    ``quantization="fp8"``, every one: :mod:`.fp8`); also the quantized weights' names → their layers.
+    ValueError for a quantization not served or a TP shard that cuts a block."""
+    model = build_model(config, tp)
+    quant = fp8.resolve(config, quantization)
+    if quant is None:
+        return model, {}
+    return model, fp8.quantize_linears(model, quant, checkpoint_shapes(checkpoint_files(model_path)))
+
+
 def load_model(
-    model_path: str, dtype: str, device: str, tp: TPGroup = SINGLE
+    model_path: str, dtype: str, device: str, tp: TPGroup = SINGLE, quantization: Optional[str] = None
 ) -> Tuple[torch.nn.Module, object, torch.dtype]:
     """Model in eval mode on ``device`` with every checkpoint tensor loaded
-    (under TP, only this rank's shard of each is read)."""
+    (under TP, only this rank's shard of each is read). ``quantization``: ``EngineConfig``'s."""
     config = load_config(model_path)
     torch_dtype = resolve_dtype(config, dtype)
-    model = build_model(config, tp).to_empty(device=device)
+    model, quantized = build_served_model(model_path, config, quantization, tp)
+    model = model.to_empty(device=device)
+    model.quantized_weights = quantized
     missing, unexpected = load_weights(model, checkpoint_files(model_path))
     unexpected = [name for name in unexpected if not ignored_weight(model, name)]
     if getattr(config, "tie_word_embeddings", False):
@@ -118,20 +141,27 @@ def checkpoint_targets(model: torch.nn.Module) -> Dict[str, Tuple[torch.Tensor, 
     return targets
 
 
-def copy_tensor(f, name: str, target: torch.Tensor, shard: Optional[ParamShard]) -> None:
-    """Checkpoint tensor ``name`` of the open file ``f`` (this rank's ``shard``) into ``target``."""
+def copy_tensor(f, name: str, target: torch.Tensor, shard: Optional[ParamShard],
+                quantized: Optional[torch.nn.Module] = None) -> List[str]:
+    """Checkpoint tensor ``name`` of the open file ``f`` (this rank's ``shard``) into ``target``; the
+    weight of ``quantized``, a block-FP8 layer, through :func:`fp8.copy_weight`. The names written."""
     tensor = _read(f, name, shard)
     if tensor.shape != target.shape:
         raise ValueError(f"{name}: checkpoint shard {tuple(tensor.shape)} != model {tuple(target.shape)}")
+    if quantized is not None:
+        prefix = name.removesuffix("weight")
+        return [prefix + param for param in fp8.copy_weight(quantized, tensor)]
     with torch.no_grad():
         target.copy_(tensor)
+    return [name]
 
 
 def load_weights(model: torch.nn.Module, files: List[str]) -> Tuple[List[str], List[str]]:
     """Copy every checkpoint tensor into the model (by HF name); returns the
     (missing, unexpected) names. A parameter ``X`` stored in MXFP4 (``X_blocks`` and
-    ``X_scales``, in any of the files) is dequantized into it (:mod:`.mxfp4`)."""
-    targets = checkpoint_targets(model)
+    ``X_scales``, in any of the files) is dequantized into it (:mod:`.mxfp4`); the model's
+    ``quantized_weights`` (:func:`build_served_model`) load as block FP8."""
+    targets, quantized = checkpoint_targets(model), getattr(model, "quantized_weights", {})
     elsewhere = held_elsewhere(model)
     loaded, unexpected = set(), []
     with contextlib.ExitStack() as stack:
@@ -150,8 +180,7 @@ def load_weights(model: torch.nn.Module, files: List[str]) -> Tuple[List[str], L
                 if not elsewhere(name):  # (EP: another rank's expert, left unread)
                     unexpected.append(name)
                 continue
-            copy_tensor(f, name, *targets[name])
-            loaded.add(name)
+            loaded.update(copy_tensor(f, name, *targets[name], quantized.get(name)))
     return [n for n in targets if n not in loaded], unexpected
 
 
@@ -192,10 +221,13 @@ def _load_mxfp4(name: str, target: torch.Tensor, shard: Optional[ParamShard], f,
 
 def cast_model(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
     """``model`` in ``dtype``, except the buffers its class names in ``fp32_buffers``: HF
-    keeps those in fp32 whatever the model dtype (DeepSeek's routing bias), and so must we."""
+    keeps those in fp32 whatever the model dtype (DeepSeek's routing bias), and so must we;
+    block-FP8 weights and their scales stay as they are."""
     keep = set(getattr(model, "fp32_buffers", ()))
     kept = {name: buf.float() for name, buf in model.named_buffers() if name.rpartition(".")[2] in keep}
-    model = model.to(dtype)
+    quantized = {id(p) for p in fp8.quantized_params(getattr(model, "quantized_weights", {}))}
+    # (model.to(dtype), but for them: never a cast copy of a whole FP8 model at once)
+    model = model._apply(lambda t: t.to(dtype) if t.is_floating_point() and id(t) not in quantized else t)
     for name, buf in kept.items():
         module_name, _, attr = name.rpartition(".")
         setattr(model.get_submodule(module_name), attr, buf)
@@ -216,6 +248,8 @@ class ServedWeights:
     def __init__(self, model: torch.nn.Module, config, path: str):
         self.config, self.path, self.version = config, path, DEFAULT_WEIGHT_VERSION
         self.targets = checkpoint_targets(model)
+        self.quantized = getattr(model, "quantized_weights", {})  # block-FP8 weights → their layers
+        self.elsewhere = held_elsewhere(model)  # (EP: the experts other ranks hold, and check)
         if getattr(config, "tie_word_embeddings", False):  # (the embedding's tensor: loaded by its own name)
             self.targets.pop("lm_head.weight", None)
 
@@ -226,7 +260,10 @@ class ServedWeights:
 
     def _served_names(self, path: str) -> List[str]:
         """(:meth:`check`) the served tensors the checkpoint in ``path`` replaces; one stored in MXFP4
-        (``X_blocks`` + ``X_scales``, as loaded at start) counts by the shape it dequantizes to."""
+        (``X_blocks`` + ``X_scales``, as loaded at start) counts by the shape it dequantizes to; a
+        block-FP8 layer's scales are served tensors too (but when it is quantized as it loads). Under
+        EP, this rank's experts only: another rank's are left to that rank's check (every rank checks
+        before any copies)."""
         try:
             config, files = load_config(path), checkpoint_files(path)
         except (OSError, ValueError) as exc:
@@ -236,20 +273,17 @@ class ServedWeights:
                   if k not in METADATA_FIELDS and served.get(k) != new.get(k)]
         if differ:
             raise ValueError(f"checkpoint {path!r}: config.json differs from the served model's: {', '.join(differ)}")
-        shapes = {}
-        for file in files:
-            with safe_open(file, framework="pt", device="cpu") as f:
-                for name in f.keys():
-                    shapes[name] = list(f.get_slice(name).get_shape())
+        shapes = checkpoint_shapes(files)
         full = build_model(self.config)  # (on meta: the whole tensors' shapes, whatever this rank's shards)
-        tied = getattr(self.config, "tie_word_embeddings", False)
-        expected = {name: list(t.shape) for name, t in full.state_dict().items()  # (every expert's, under EP too)
-                    if not (tied and name == "lm_head.weight")}
+        fp8.quantize_like(full, self.quantized)
+        expected = {name: list(t.shape) for name, t in full.state_dict().items() if name in self.targets}
+        if fp8.resolve(self.config, None) is None:  # (quantized as they load: the checkpoint has no scales)
+            expected = {name: shape for name, shape in expected.items() if not name.endswith(fp8.SCALE)}
         problems = _checkpoint_problems(mxfp4.unpacked_shapes(shapes, expected), expected,
-                                        lambda name: ignored_weight(full, name))
+                                        lambda name: ignored_weight(full, name) or self.elsewhere(name))
         if problems:
             raise ValueError(f"checkpoint {path!r} does not fit the served model: {'; '.join(problems)}")
-        return [name for name in expected if name in self.targets]  # (EP: this rank's experts)
+        return list(expected)
 
     def load(self, path: str) -> None:
         """Copy the checkpoint in ``path`` (checked again) into the served tensors, this rank's shards."""
@@ -261,7 +295,7 @@ class ServedWeights:
                 files_of.update(dict.fromkeys(f.keys(), f))
             for name in names:
                 if name in files_of:
-                    copy_tensor(files_of[name], name, *self.targets[name])
+                    copy_tensor(files_of[name], name, *self.targets[name], self.quantized.get(name))
                 else:  # (MXFP4: _served_names found its blocks and scales)
                     _load_mxfp4(name, *self.targets[name], files_of[name + "_blocks"], files_of)
         self.path = path

@@ -73,7 +73,7 @@ class ModelRunner:
         torch.manual_seed(config.random_seed)
         self.model, self.model_config, self.dtype = load_model(
             config.model_path, config.dtype, config.device,
-            dataclasses.replace(tp, expert_parallel=config.enable_expert_parallel))
+            dataclasses.replace(tp, expert_parallel=config.enable_expert_parallel), config.quantization)
         self.weights = ServedWeights(self.model, self.model_config, config.model_path)  # (before LoRA wraps layers)
         self.lora = self._load_loras()  # (before the KV pool is sized: its buffers are device memory too)
         attention = config.attention_backend

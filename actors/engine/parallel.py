@@ -33,6 +33,9 @@ the model stays TP. Activations are replicated in TP, so every rank routes every
 experts on the tokens routed to them, and the block's one all-reduce sums the ranks' contributions as
 it sums the slices under TP.
 
+The linear layers (:class:`LinearBase`) may hold their weight in block FP8 with its scales
+(:mod:`.fp8`), each sharded alike: the weight is dequantized in each forward.
+
 With ``size == 1`` (:data:`SINGLE`) every collective is a no-op and every
 layer holds the whole tensor (the vocabulary is not padded), so the models
 have one code path.
@@ -42,11 +45,13 @@ from __future__ import annotations
 
 import datetime
 from dataclasses import dataclass
-from typing import Any, Dict, List, NamedTuple, Optional, Sequence
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 from torch.nn import functional as F
+
+from actors.engine import fp8
 
 # SGLang's DEFAULT_VOCAB_PADDING_SIZE: under TP each rank's share of the vocabulary is a multiple of it
 VOCAB_PADDING = 64
@@ -238,7 +243,28 @@ def shard_param(module: nn.Module, name: str, dim: int, ranges: Sequence[range],
     shards[name] = ParamShard(dim, list(ranges), zero_fill)
 
 
-class ColumnParallelLinear(nn.Linear):
+class LinearBase(nn.Linear):
+    """A linear layer whose weight may be held in block FP8 (:func:`fp8.quantize_linear` sets
+    ``weight_block_size`` and adds ``weight_scale_inv``): then each forward dequantizes it to the
+    input's dtype first (weight-only FP8)."""
+
+    weight_block_size: Optional[Tuple[int, int]] = None
+
+    def dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight to multiply inputs of ``dtype`` by."""
+        if self.weight_block_size is None:
+            return self.weight
+        return fp8.dequantize(self.weight, self.weight_scale_inv, self.weight_block_size, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.dense_weight(x.dtype), self.bias)
+
+
+class ReplicatedLinear(LinearBase):
+    """The whole weight on every rank (DeepSeek-V3's latent projections)."""
+
+
+class ColumnParallelLinear(LinearBase):
     """Holds the output rows ``ranges`` of the full weight (and bias); no communication."""
 
     def __init__(self, in_features: int, ranges: Sequence[range], bias: bool = False):
@@ -253,7 +279,7 @@ class ColumnParallelLinear(nn.Linear):
         return cls(in_features, shard_ranges([out_features], tp, field), bias)
 
 
-class RowParallelLinear(nn.Linear):
+class RowParallelLinear(LinearBase):
     """Holds an even slice of the input features; sums the partial outputs with
     one all-reduce (``reduce=False`` leaves the sum to the caller, who then
     reduces several partial results at once — the MoE does). The bias is added
@@ -269,7 +295,7 @@ class RowParallelLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
             return super().forward(x)
-        return self.reduced(F.linear(x, self.weight))
+        return self.reduced(F.linear(x, self.dense_weight(x.dtype)))
 
     def reduced(self, y: torch.Tensor) -> torch.Tensor:
         """The layer's output from this rank's partial product ``y`` (x's slice times the weight's,

@@ -61,7 +61,7 @@ import torch
 
 from actors.engine.config import EngineConfig
 from actors.engine.forward_batch import ForwardBatch
-from actors.engine.model_loader import build_model, load_config
+from actors.engine.model_loader import build_served_model, load_config
 from actors.engine.model_runner import ModelRunner
 from actors.engine.models.spec import KVCacheSpec
 from actors.engine.parallel import TPGroup, init_tp_group
@@ -396,9 +396,9 @@ class TPModelWorker:
 
 def check_tp_shardable(config: EngineConfig) -> None:
     """Fail before starting any rank when ``tp_size`` cannot shard the model
-    (the error names the config field it must divide)."""
-    build_model(load_config(config.model_path),
-                TPGroup(rank=0, size=config.tp_size, expert_parallel=config.enable_expert_parallel))
+    (the error names the config field it must divide, or the FP8 layer whose blocks it would cut)."""
+    build_served_model(config.model_path, load_config(config.model_path), config.quantization,
+                       TPGroup(rank=0, size=config.tp_size, expert_parallel=config.enable_expert_parallel))
 
 
 def tp_init_method(host: str = "127.0.0.1") -> str:

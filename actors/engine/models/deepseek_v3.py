@@ -21,7 +21,8 @@ from actors.engine.models.base import CausalLM, DecoderModel
 from actors.engine.models.llama import rope_settings
 from actors.engine.models.moe import ExpertList, run_experts
 from actors.engine.models.spec import KVCacheSpec
-from actors.engine.parallel import SINGLE, ColumnParallelLinear, RowParallelLinear, TPGroup, head_ranges
+from actors.engine.parallel import (SINGLE, ColumnParallelLinear, ReplicatedLinear, RowParallelLinear, TPGroup,
+                                   head_ranges)
 
 
 def softmax_scale(config, qk_head_dim: int) -> float:
@@ -52,10 +53,10 @@ class DeepseekV3Attention(nn.Module):
         if config.q_lora_rank is None:
             self.q_proj = ColumnParallelLinear(hidden, head_ranges(heads, qk_head_dim))
         else:
-            self.q_a_proj = nn.Linear(hidden, config.q_lora_rank, bias=bias)
+            self.q_a_proj = ReplicatedLinear(hidden, config.q_lora_rank, bias=bias)
             self.q_a_layernorm = RMSNorm(config.q_lora_rank, config.rms_norm_eps)
             self.q_b_proj = ColumnParallelLinear(config.q_lora_rank, head_ranges(heads, qk_head_dim))
-        self.kv_a_proj_with_mqa = nn.Linear(hidden, self.kv_lora_rank + self.rope_dim, bias=bias)
+        self.kv_a_proj_with_mqa = ReplicatedLinear(hidden, self.kv_lora_rank + self.rope_dim, bias=bias)
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, config.rms_norm_eps)
         self.kv_b_proj = ColumnParallelLinear(self.kv_lora_rank, head_ranges(heads, self.nope_dim + self.v_head_dim))
         self.o_proj = RowParallelLinear(config.num_attention_heads * self.v_head_dim, hidden, tp, "num_attention_heads",
@@ -79,7 +80,8 @@ class DeepseekV3Attention(nn.Module):
         latent = self.kv_a_layernorm(latent)
         q_rot = self._rope(positions, q_rot)
         k_rot = self._rope(positions, k_rot[:, None, :])
-        w = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_head_dim, self.kv_lora_rank)
+        w = self.kv_b_proj.dense_weight(x.dtype)  # (dequantized when block FP8)
+        w = w.view(self.num_heads, self.nope_dim + self.v_head_dim, self.kv_lora_rank)
         w_uk, w_uv = w[:, : self.nope_dim], w[:, self.nope_dim :]
         q_latent = torch.einsum("thd,hdc->thc", q_nope, w_uk)
         row = torch.cat([latent[:, None, :], k_rot], dim=-1)  # what the cache stores

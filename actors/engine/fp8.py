@@ -1,0 +1,148 @@
+"""Block-wise FP8 weights (DeepSeek-V3/R1's and Qwen3-*-FP8's checkpoints), served weight-only (W8A16).
+
+Such a checkpoint's ``config.json`` says ``quantization_config: {"quant_method": "fp8", "fmt": "e4m3",
+"activation_scheme": "dynamic", "weight_block_size": [bo, bi]}`` and stores each quantized linear layer's
+``weight`` [out, in] as ``float8_e4m3fn`` beside ``weight_scale_inv`` [ceil(out / bo), ceil(in / bi)] (fp32):
+the weight is ``weight · weight_scale_inv[r // bo, c // bi]`` (HF's ``integrations/finegrained_fp8.py``).
+Which layers are quantized is the checkpoint's: those with a ``weight_scale_inv`` (embeddings, ``lm_head``,
+norms and routers never are).
+
+A quantized layer keeps both tensors as they are stored (1 byte an element, half of bf16) and dequantizes
+its weight to the activation's dtype in each forward (``parallel.LinearBase``), then multiplies: vLLM's
+W8A16 path on GPUs without FP8 compute (its Marlin FP8), the activations never quantized. Under TP the
+scales are sharded with the weight, a block's scale with its rows: every range of a shard must start on a
+block boundary and end on one or at the tensor's end (SGLang's and vLLM's rule), else the layer is refused
+by name. ``EngineConfig.quantization="fp8"`` also quantizes an unquantized checkpoint this way as it loads
+(vLLM's ``--quantization fp8``), in blocks of :data:`DYNAMIC_BLOCK`.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max
+DYNAMIC_BLOCK = (128, 128)  # DeepSeek-V3's and Qwen3-FP8's weight_block_size
+SCALE = "weight_scale_inv"
+
+
+class Fp8Config(NamedTuple):
+    """The served quantization: ``block_size`` (rows, columns) of one scale; ``dynamic``: the checkpoint is
+    unquantized and its weights are quantized as they load."""
+
+    block_size: Tuple[int, int]
+    dynamic: bool
+
+
+def resolve(config, quantization: Optional[str]) -> Optional[Fp8Config]:
+    """The quantization of the checkpoint of HF ``config`` served with ``EngineConfig.quantization``
+    (None: the checkpoint's own); ValueError naming the field when they disagree or the method is not served."""
+    qc = getattr(config, "quantization_config", None)
+    if qc is None:
+        return Fp8Config(DYNAMIC_BLOCK, dynamic=True) if quantization == "fp8" else None
+    qc = qc if isinstance(qc, dict) else qc.to_dict()
+    method = qc.get("quant_method")
+    if method != "fp8":
+        forced = f"quantization={quantization!r} but " if quantization else ""
+        raise ValueError(f"{forced}the checkpoint's quantization_config.quant_method={method!r} is not supported "
+                         "(served: 'fp8', block-wise)")
+    if qc.get("fmt", "e4m3") != "e4m3" or qc.get("activation_scheme", "dynamic") != "dynamic":
+        raise ValueError(f"quantization_config fmt={qc.get('fmt')!r}, activation_scheme="
+                         f"{qc.get('activation_scheme')!r}: only e4m3 with dynamic activations is served")
+    block = qc.get("weight_block_size")
+    if not block or len(block) != 2:
+        raise ValueError(f"quantization_config.weight_block_size={block!r}: only block-wise FP8 ([rows, columns]) "
+                         "is served, not per-tensor scales")
+    return Fp8Config((int(block[0]), int(block[1])), dynamic=False)
+
+
+def quantize_linears(model: nn.Module, quant: Fp8Config, shapes: Dict[str, List[int]]) -> Dict[str, nn.Module]:
+    """Turn ``model``'s linear layers (on meta, before they are allocated) into block-FP8 ones: those whose
+    ``weight_scale_inv`` the checkpoint holds, or every one when ``quant.dynamic``. ``shapes``: the
+    checkpoint's tensor shapes (names → shapes, from its headers). Returns the quantized weights'
+    names → their layers (to load into: :func:`copy_weight`)."""
+    quantized = {}
+    for name, module in model.named_modules():
+        weight = f"{name}.weight"
+        if not hasattr(module, "weight_block_size") or weight not in shapes:
+            continue
+        if quant.dynamic or f"{name}.{SCALE}" in shapes:
+            quantize_linear(module, name, quant.block_size, shapes[weight])
+            quantized[weight] = module
+    return quantized
+
+
+def quantize_linear(module: nn.Linear, name: str, block: Tuple[int, int], full_shape: Sequence[int]) -> None:
+    """``module`` (``name`` in the model; its checkpoint weight ``full_shape``) holds its weight in FP8 and
+    its scales, this rank's shard of both. ValueError when a shard range cuts a block."""
+    out_features, in_features = module.weight.shape
+    module.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=FP8, device=module.weight.device),
+                                 requires_grad=False)
+    shard = module.__dict__.get("param_shards", {}).get("weight")
+    scale_shape = [-(-out_features // block[0]), -(-in_features // block[1])]
+    if shard is not None:
+        size, full = block[shard.dim], full_shape[shard.dim]
+        for r in shard.ranges:
+            if r.start % size or (r.stop % size and r.stop != full):
+                raise ValueError(f"{name}: this rank's slice [{r.start}, {r.stop}) of dim {shard.dim} of its "
+                                 f"weight {list(full_shape)} cuts a block of weight_block_size {list(block)}: "
+                                 "tp_size must split it on block boundaries")
+        scale_ranges = [range(r.start // size, -(-r.stop // size)) for r in shard.ranges]
+        scale_shape[shard.dim] = sum(len(r) for r in scale_ranges)
+        module.param_shards[SCALE] = shard._replace(ranges=scale_ranges)
+    module.weight_scale_inv = nn.Parameter(torch.empty(scale_shape, device=module.weight.device),
+                                           requires_grad=False)
+    module.weight_block_size = block
+
+
+def quantize_like(full: nn.Module, quantized: Dict[str, nn.Module]) -> None:
+    """The layers of ``full`` (a whole model on meta) that are ``quantized`` (weight names → a served
+    model's layers) quantized alike: the whole tensors' shapes a checkpoint replacing them must have."""
+    for weight, served in quantized.items():
+        name = weight.removesuffix(".weight")
+        module = full.get_submodule(name)
+        quantize_linear(module, name, served.weight_block_size, module.weight.shape)
+
+
+def quantize(weight: torch.Tensor, block: Tuple[int, int]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``weight`` [out, in] → (FP8 weight, fp32 ``weight_scale_inv``): each block scaled so its largest
+    magnitude is FP8's largest, every value rounded to the nearest FP8 one (a partial block at an edge
+    is scaled by its own values)."""
+    rows, cols = weight.shape
+    pad_rows, pad_cols = -rows % block[0], -cols % block[1]
+    padded = F.pad(weight.float(), (0, pad_cols, 0, pad_rows))
+    blocks = padded.view(padded.shape[0] // block[0], block[0], padded.shape[1] // block[1], block[1])
+    scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / FP8_MAX
+    q = (blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8).view(padded.shape)
+    return q[:rows, :cols].contiguous(), scale
+
+
+def dequantize(weight: torch.Tensor, scale: torch.Tensor, block: Tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
+    """FP8 ``weight`` [out, in] times its block's ``scale``, computed in fp32 and given in ``dtype``."""
+    rows, cols = weight.shape
+    scale = scale.repeat_interleave(block[0], dim=0)[:rows].repeat_interleave(block[1], dim=1)[:, :cols]
+    return (weight.float() * scale).to(dtype)
+
+
+def copy_weight(module: nn.Module, tensor: torch.Tensor) -> List[str]:
+    """A checkpoint's ``tensor`` (this rank's shard) into quantized ``module``'s weight: copied when FP8
+    (its scales load by their own name), else quantized first, its scales written too. The parameter
+    names written."""
+    with torch.no_grad():
+        if tensor.dtype == FP8:
+            module.weight.copy_(tensor)
+            return ["weight"]
+        weight, scale = quantize(tensor, module.weight_block_size)
+        module.weight.copy_(weight)
+        module.weight_scale_inv.copy_(scale)
+    return ["weight", SCALE]
+
+
+def quantized_params(quantized: Dict[str, nn.Module]) -> List[nn.Parameter]:
+    """The weights and scales of the ``quantized`` layers: the model's cast to its dtype leaves them
+    as they are (FP8, fp32)."""
+    return [p for module in quantized.values() for p in (module.weight, module.weight_scale_inv)]
