@@ -22,8 +22,9 @@ from tests.tp_helpers import thread_ranks
 BLOCK = (16, 16)
 GREEDY = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
 PROMPTS = [[5, 9, 33, 47, 12, 90, 7], [11] * 20, [3, 200, 150]]
-# DeepSeek-V3 with its query's low-rank projections too (q_a_proj: replicated, as kv_a_proj_with_mqa)
-FAMILIES = {"llama": {}, "qwen3": {}, "deepseek_v3": {"q_lora_rank": 32}}
+# block size, config overrides: Qwen3's blocks not square (a scale's rows and columns not swapped); DeepSeek-V3
+# with its query's low-rank projections too (q_a_proj: replicated, as kv_a_proj_with_mqa)
+FAMILIES = {"llama": (BLOCK, {}), "qwen3": ((32, 16), {}), "deepseek_v3": (BLOCK, {"q_lora_rank": 32})}
 
 
 def is_quantized(name: str) -> bool:
@@ -88,11 +89,12 @@ def ref_outputs(model_path):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_fp8_checkpoint_gives_hf_tokens_over_its_dequantization(family, tmp_path):
-    quantized, dequantized = fp8_checkpoint(family, tmp_path, **FAMILIES[family])
+    block, overrides = FAMILIES[family]
+    quantized, dequantized = fp8_checkpoint(family, tmp_path, block=block, **overrides)
     engine = Engine(model_path=quantized, skip_tokenizer_init=True, max_total_tokens=512)
     try:
         outputs = generate(engine)
-        names = check_fp8_layers(engine.runner.model)
+        names = check_fp8_layers(engine.runner.model, block)
     finally:
         engine.shutdown()
     assert_greedy_parity(dequantized, PROMPTS, outputs, GREEDY["max_new_tokens"])
