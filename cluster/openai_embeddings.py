@@ -23,6 +23,7 @@ from cluster.api_errors import APIError
 from cluster.completion_protocol import as_prompt_batch, check_prompt_batch
 from cluster.openai_protocol import NullIsDefault
 from cluster.openai_serving import GenerationService, internal_rid, validated
+from cluster.streaming import ABORTED
 
 
 class PoolingRequest(NullIsDefault):
@@ -85,21 +86,25 @@ def _encoded(vector: List[float], encoding_format: str) -> Union[List[float], st
 
 
 async def run_pooling(service: GenerationService, prompts: List[List[int]], pooling: Dict[str, Any], model: str,
-                      response_id: str, arrival: float,
+                      response_id: str, request_id: str, arrival: float,
                       respond: Callable[[List[Dict[str, Any]], int], Dict[str, Any]], priority: int = 0) -> Any:
     """Run ``prompts`` as pooling requests (:class:`~actors.engine.pooling.PoolingParams` ``pooling``
     for all) under ``model`` (an adapter's name: its hidden states), one HTTP request's choices
-    (admitted once, ids ``{rid}-{i}``); ``respond(results, num_tokens)`` makes the answer from their
-    results, in order, and the prompt tokens they ran; each queues under ``priority``. A ``pooling``
-    the workers refuse is a 400."""
+    (admitted once, ids ``{rid}-{i}``, found by ``request_id`` as a completion is); ``respond(results,
+    num_tokens)`` makes the answer from their results, in order, and the prompt tokens they ran;
+    each queues under ``priority``. A ``pooling`` the workers refuse is a 400; one aborted
+    (/abort_request, /pause_generation) has no vectors to answer with: a 503."""
     params = validated({"max_new_tokens": 0, "pooling": pooling})
 
     def response(events) -> Dict[str, Any]:
         results = [e.result for e in sorted(events, key=lambda e: e.index)]
+        if any(r["meta_info"]["finish_reason"] == ABORTED for r in results):
+            raise APIError(503, "the request was aborted (/abort_request or /pause_generation)",
+                           "service_unavailable", code="aborted")
         return respond(results, sum(r["meta_info"]["prompt_tokens"] for r in results))
 
     return await service._run([(ids, params) for ids in prompts], 1, internal_rid(response_id), arrival, None,
-                              response, priority, lora_path=service.lora_path(model))
+                              response, priority, lora_path=service.lora_path(model), request_id=request_id)
 
 
 async def create_embeddings(service: GenerationService, req: EmbeddingRequest, arrival: float,
@@ -121,4 +126,4 @@ async def create_embeddings(service: GenerationService, req: EmbeddingRequest, a
                 "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens}}
 
     return await run_pooling(service, prompts, {"dimensions": req.dimensions, "normalize": req.normalize}, model,
-                             response_id, arrival, response, req.priority)
+                             response_id, request_id, arrival, response, req.priority)

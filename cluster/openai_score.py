@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import re
 import time
+from functools import partial
 from typing import Any, Dict, List, Optional, Sequence, Union
 
 import numpy as np
@@ -76,7 +77,7 @@ class Scorer:
         return cls(service, ids, server.score_template)
 
     async def run(self, texts_1: List[str], texts_2: List[str], params: Sequence[str], req: PoolingRequest,
-                  model: str, response_id: str, arrival: float, respond) -> Any:
+                  model: str, response_id: str, request_id: str, arrival: float, respond) -> Any:
         """Score ``texts_1`` against ``texts_2`` (``params``: their fields' names, for the 400s) with
         ``model`` (checked); ``respond(scores, num_tokens)`` makes the answer from the pairs' scores,
         in order, and the prompt tokens run."""
@@ -90,9 +91,11 @@ class Scorer:
             raise APIError(400, f"{params[0]} and {params[1]} pair 1:1, 1:N or N:N; got {len(texts_1)} and "
                            f"{len(texts_2)} texts", param=params[1])
         by = self._by_embeddings if self.classifier_token_ids is None else self._by_classifier
-        return await by(texts_1, texts_2, params, req, model, response_id, arrival, respond)
+        pool = partial(run_pooling, self.service, model=model, response_id=response_id, request_id=request_id,
+                       arrival=arrival, priority=req.priority)
+        return await by(texts_1, texts_2, params, req, pool, respond)
 
-    async def _by_classifier(self, texts_1, texts_2, params, req, model, response_id, arrival, respond) -> Any:
+    async def _by_classifier(self, texts_1, texts_2, params, req, pool, respond) -> Any:
         """Each pair one prompt (a 400 naming the second text's field when it does not fit), its
         score the workers' ``sigmoid(logit_true - logit_false)``."""
         pairs = zip(texts_1 * len(texts_2) if len(texts_1) == 1 else texts_1, texts_2)
@@ -102,10 +105,9 @@ class Scorer:
         def response(results, num_tokens):
             return respond([r["embedding"][0] for r in results], num_tokens)
 
-        return await run_pooling(self.service, prompts, {"classifier_token_ids": self.classifier_token_ids}, model,
-                                 response_id, arrival, response, req.priority)
+        return await pool(prompts, {"classifier_token_ids": self.classifier_token_ids}, respond=response)
 
-    async def _by_embeddings(self, texts_1, texts_2, params, req, model, response_id, arrival, respond) -> Any:
+    async def _by_embeddings(self, texts_1, texts_2, params, req, pool, respond) -> Any:
         """Each text embedded once (text_1's first, one batch), a pair's score the cosine of its two
         normalised vectors."""
         prompts = [self._prompt(self.service.encode(text, param), req, param, i)
@@ -116,8 +118,7 @@ class Scorer:
             first, second = vectors[:len(texts_1)], vectors[len(texts_1):]
             return respond((first * second).sum(axis=1).tolist(), num_tokens)  # (one first row: broadcast, 1→N)
 
-        return await run_pooling(self.service, prompts, {"normalize": True}, model, response_id, arrival, response,
-                                 req.priority)
+        return await pool(prompts, {"normalize": True}, respond=response)
 
     def _pair_ids(self, query: str, document: str, param: str) -> List[int]:
         """A pair's prompt (a classifier's: :meth:`from_config` made sure of a tokenizer)."""
@@ -146,7 +147,8 @@ async def create_score(scorer: Scorer, req: ScoreRequest, arrival: float, reques
         return {"id": response_id, "object": "list", "created": int(time.time()), "model": model, "data": data,
                 "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens}}
 
-    return await scorer.run(texts_1, texts_2, ("text_1", "text_2"), req, model, response_id, arrival, respond)
+    return await scorer.run(texts_1, texts_2, ("text_1", "text_2"), req, model, response_id, request_id, arrival,
+                            respond)
 
 
 async def create_rerank(scorer: Scorer, req: RerankRequest, arrival: float, request_id: str) -> Any:
@@ -163,5 +165,5 @@ async def create_rerank(scorer: Scorer, req: RerankRequest, arrival: float, requ
         return {"id": response_id, "model": model, "results": results,
                 "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens}}
 
-    return await scorer.run([req.query], req.documents, ("query", "documents"), req, model, response_id, arrival,
-                            respond)
+    return await scorer.run([req.query], req.documents, ("query", "documents"), req, model, response_id, request_id,
+                            arrival, respond)

@@ -215,3 +215,17 @@ def test_the_info_routes(engine, served, idle_after):
     assert engine.scheduler.tree_cache.evictable_size() > 0
     assert post(served, "/reset_prefix_cache").status_code == 200
     assert engine.scheduler.tree_cache.evictable_size() == 0
+
+
+@pytest.mark.parametrize("path, body", [("/v1/embeddings", {"input": PROMPT}),
+                                        ("/score", {"text_1": "a query", "text_2": ["one", "two"]})])
+def test_abort_request_names_a_pooling_request_by_its_x_request_id(engine, served, pool, idle_after, path, body):
+    """/v1/embeddings' and /score's X-Request-Id names them as a completion's does; aborted, they have
+    no vectors to answer with: an OpenAI error body, not a 500 of a missing embedding."""
+    engine.pause_generation("in_place")
+    response_id = ("embd-" if path == "/v1/embeddings" else "score-") + "xr-pool"
+    answer = pool.submit(post, served, path, dict(body, model=MODEL), {"X-Request-Id": "xr-pool"})
+    assert wait_until(lambda: holds(engine, response_id))
+    assert post(served, "/abort_request", {"rid": "xr-pool"}).status_code == 200
+    r = answer.result(timeout=30)
+    assert r.status_code == 503 and r.json()["error"]["code"] == "aborted"
