@@ -3,7 +3,8 @@
 ==========================  =======================================================
 POST /abort_request         SGLang's {"rid", "abort_all"}: end the requests named ``rid`` (an
                             ``X-Request-Id`` or a /generate rid), or all; each ends with
-                            finish_reason "abort" (streamed: a last chunk), its workers freed
+                            finish_reason "abort" (streamed: a last chunk; a pooling request, a
+                            503), its workers freed
 POST /pause_generation      SGLang's {"mode"}: new requests wait from now on; "abort" (the default):
                             those in flight end aborted; "retract": the workers' running requests go
                             back to waiting, their KV freed; "in_place": they stop, KV kept

@@ -343,7 +343,7 @@ def build_app(cluster_or_client: Any, tokenizer=None, config=None, client=None,
     if server.allow_runtime_lora_updating:
         add_lora_routes(app, backend)
     if server.allow_weight_updates:
-        add_weights_route(app, backend)
+        add_weights_route(app, service)
     app.add_middleware(RequestGuard, api_key=api_key, max_body=server.max_request_body_bytes, metrics=metrics)
     return app
 
@@ -373,10 +373,14 @@ def add_lora_routes(app: FastAPI, backend: ServingBackend) -> None:
         return {"lora_name": req.lora_name, "unloaded": True}
 
 
-def add_weights_route(app: FastAPI, backend: ServingBackend) -> None:
+def add_weights_route(app: FastAPI, service: GenerationService) -> None:
     """SGLang's /update_weights_from_disk: its answer, ``success`` and ``message`` (with
     ``num_paused_requests``); a failure's body is also an OpenAI-style error: a checkpoint the
-    workers refuse (nothing changed) is a 400, a failure after every check passed a 500."""
+    workers refuse (nothing changed) is a 400, a failure after every check passed a 500. With
+    ``abort_all_requests`` the server's requests in flight are aborted first, as /abort_request's
+    (SGLang's tokenizer manager aborts all): answered finish_reason "abort", not failed by the
+    workers' own abort, which ends those of other clients of the cluster."""
+    backend, requests = service.backend, service.requests
 
     def failed(status: int, message: str, code: str) -> JSONResponse:
         error = APIError(status, message, "invalid_request_error" if status == 400 else "server_error",
@@ -386,6 +390,8 @@ def add_weights_route(app: FastAPI, backend: ServingBackend) -> None:
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(request: Request):
         req = await parse_body(request, UpdateWeightsFromDiskRequest)
+        if req.abort_all_requests:
+            await requests.wait_ended(requests.abort_all())
         try:
             return await backend.update_weights_from_disk(req.model_path, req.weight_version,
                                                           req.abort_all_requests, req.flush_cache)

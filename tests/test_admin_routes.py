@@ -229,3 +229,21 @@ def test_abort_request_names_a_pooling_request_by_its_x_request_id(engine, serve
     assert post(served, "/abort_request", {"rid": "xr-pool"}).status_code == 200
     r = answer.result(timeout=30)
     assert r.status_code == 503 and r.json()["error"]["code"] == "aborted"
+
+
+def test_a_weight_update_that_aborts_all_requests_answers_them_aborted(engine, pool, idle_after):
+    """SGLang's ``abort_all_requests``: the server aborts its requests (as /abort_request does), so
+    each is answered with finish_reason "abort", not failed by the workers' own abort (a 500)."""
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 200, "temperature": 0, "ignore_eos": True}
+    with serving(engine, ServerConfig(allow_weight_updates=True)) as server:
+        running = pool.submit(post, server, "/generate", generate_body("weights-abort"))
+        completion = pool.submit(post, server, "/v1/completions", body, {"X-Request-Id": "weights-abort-cmpl"})
+        assert wait_until(lambda: holds(engine, "weights-abort", with_output=True)
+                          and holds(engine, "cmpl-weights-abort-cmpl", with_output=True))
+        update = {"model_path": engine.config.model_path, "abort_all_requests": True}
+        r = post(server, "/update_weights_from_disk", update)
+        assert r.status_code == 200 and r.json()["success"], r.text
+        meta = running.result(timeout=30).json()["meta_info"]
+        answer = completion.result(timeout=30).json()
+    assert meta["finish_reason"]["type"] == "abort" and meta["completion_tokens"] < LONG["max_new_tokens"]
+    assert answer["choices"][0]["finish_reason"] == "abort" and answer["usage"]["completion_tokens"] < 200

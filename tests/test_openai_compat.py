@@ -66,6 +66,13 @@ class EngineBackend(StubBackend):
         del self.lora_modules[lora_name]
         await asyncio.to_thread(self.engine.unload_lora_adapter, lora_name)
 
+    async def update_weights_from_disk(self, model_path, weight_version=None, abort_all_requests=False,
+                                       flush_cache=True):
+        result = await asyncio.to_thread(self.engine.update_weights_from_disk, model_path, weight_version,
+                                         abort_all_requests, flush_cache)
+        self.weight_version = self.engine.get_weight_version()
+        return result._asdict()
+
     async def generate_stream(self, input_ids, sampling_params, rid, priority=0, lora_path=None):
         finished = False
         try:
