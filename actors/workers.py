@@ -38,7 +38,8 @@ from actors.engine.grammar import MakingReqs, make_req_off_loop
 from actors.engine.lora_updates import async_unload_lora_adapter, load_lora_adapter
 from actors.engine.req import Req
 from actors.engine.sampling_params import SamplingParams
-from actors.engine.weight_updates import ABORT_MESSAGE, UpdateWeightsRequest, WeightUpdater, check_weights
+from actors.engine.weight_updates import (ABORT_MESSAGE, UpdateWeightsRequest, WeightUpdater, check_paused_flush,
+                                          check_weights)
 from actors.kv_push import PushResult
 from actors.pd_prefill import PrefillScheduler
 from actors.pd_scheduler import DecodeScheduler, PDRequestError, WorkerBrokenError
@@ -253,10 +254,16 @@ class _Worker:
         """Refuse new requests for adapter ``lora_name``; returns once those in flight have finished and it is gone."""
         await async_unload_lora_adapter(self.loop, self.runner, self.tp_worker.call_followers, lora_name)
 
-    async def check_weights(self, model_path: str) -> None:
+    async def check_weights(self, model_path: str, flush_cache: bool = True) -> None:
         """ValueError naming what differs when the checkpoint in ``model_path`` cannot replace the
-        weights this worker serves, on any of its TP ranks (nothing is loaded)."""
-        self.loop.run_exclusive(lambda: check_weights(self.runner, self.tp_worker.call_followers, model_path))
+        weights this worker serves, on any of its TP ranks (nothing is loaded); RuntimeError when a
+        paused update with ``flush_cache`` would be refused here (:func:`check_paused_flush`): the
+        PD backend checks every worker before any applies it."""
+        def check():
+            check_paused_flush(self.loop, flush_cache)
+            check_weights(self.runner, self.tp_worker.call_followers, model_path)
+
+        self.loop.run_exclusive(check)
 
     async def update_weights_from_disk(self, model_path: str, weight_version: Optional[str] = None,
                                        abort_all_requests: bool = False, flush_cache: bool = True) -> Dict[str, Any]:

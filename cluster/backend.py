@@ -275,7 +275,8 @@ class PDBackend:
     async def update_weights_from_disk(self, model_path: str, weight_version: Optional[str] = None,
                                        abort_all_requests: bool = False, flush_cache: bool = True) -> Dict[str, Any]:
         """SGLang's update on every live worker, prefill and decode, each on all its TP ranks: first
-        checked everywhere (ValueError naming the worker and what differs: no weight touched), then
+        checked everywhere (ValueError naming the worker and what differs, or that a paused request's
+        KV cannot be flushed there: no weight touched), then
         applied on all at once; each worker holds its new requests back while its own in flight end.
         A worker that fails after every check passed leaves the cluster on mixed weights: RuntimeError
         naming each worker's version. Then the router re-indexes every worker (their caches were
@@ -283,7 +284,7 @@ class PDBackend:
         req = UpdateWeightsRequest(model_path, weight_version, abort_all_requests, flush_cache)
         async with self._weights_lock:
             live = [w for w in self._all() if w.alive]
-            results = await asyncio.gather(*(w.handle.check_weights.remote(model_path) for w in live),
+            results = await asyncio.gather(*(w.handle.check_weights.remote(model_path, flush_cache) for w in live),
                                            return_exceptions=True)
             if _failures(live, results):
                 raise ValueError("; ".join(_failures(live, results)))

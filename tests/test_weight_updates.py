@@ -326,6 +326,41 @@ def test_pd_backend_checks_every_worker_first_and_names_mixed_versions(checkpoin
         close_workers(prefill, decode)
 
 
+def test_pd_backend_refuses_a_paused_flush_on_every_worker_before_any_applies(checkpoints):
+    """Paused in_place with a request decoding, its KV on the decode worker alone: an update with
+    flush_cache is refused there, so it is checked before any worker applies it (a 400, both on the
+    old weights), not applied on the prefill worker while the decode worker refuses (mixed weights);
+    without the flush both apply it and the request ends on the new weights."""
+    import asyncio
+
+    from cluster.backend import PDBackend
+    from tests.pd_helpers import close_workers, make_pair, run_pd, until
+
+    old, new = checkpoints
+    prefill, decode = make_pair(old, page_size=4)
+    refs = [SimpleNamespace(worker_id=w.worker_id, alive=True, handle=Handle(w)) for w in (prefill, decode)]
+    backend = PDBackend(SimpleNamespace(prefill=refs[:1], decode=refs[1:], router=None))
+    try:
+        async def go():
+            params = {"temperature": 0, "max_new_tokens": 400, "ignore_eos": True}
+            running = asyncio.ensure_future(run_pd(prefill, decode, prompts(1, seed=9)[0], params))
+            await until(lambda: any(r.output_ids for r in decode.scheduler.running), what="decoding")
+            await backend.pause_generation("in_place")
+            with pytest.raises(ValueError, match=f"{decode.worker_id}: generation is paused with requests holding KV"):
+                await backend.update_weights_from_disk(new, "v1")
+            assert prefill.get_weight_version() == decode.get_weight_version() == "default"
+            assert (await backend.update_weights_from_disk(new, "v1", flush_cache=False))["success"]
+            await backend.continue_generation()
+            return (await running)[0]
+
+        out = asyncio.run(go())
+        assert out["meta_info"]["weight_version"] == "v1" == prefill.get_weight_version() == decode.get_weight_version()
+        prefill.check_integrity()
+        decode.check_integrity()
+    finally:
+        close_workers(prefill, decode)
+
+
 def test_pd_backend_pauses_every_worker_and_updates_them_paused(checkpoints):
     """/pause_generation's retract and in_place reach both workers of a pair through PDBackend; a
     paused pair's update applies at once (SGLang's: nothing to wait for), its loops still paused

@@ -72,6 +72,17 @@ def check_weights(runner, call_followers: CallFollowers, path: str) -> None:
     on_followers(call_followers, "weights_check", path)
 
 
+def check_paused_flush(loop, flush_cache: bool) -> None:
+    """RuntimeError (nothing changed) when ``loop`` is paused, ``flush_cache`` is asked and a
+    request holds KV: paused "in_place", its KV is of the served weights and cannot be dropped
+    (SGLang's flush fails so too); "retract" freed it. The loop's lock held."""
+    holding = [r.rid for r in loop.held_reqs() if r.req_pool_idx is not None] if loop.paused else []
+    if flush_cache and holding:
+        raise RuntimeError(f"generation is paused with requests holding KV ({', '.join(holding)}): "
+                           "flush_cache cannot drop it; pause with mode retract or abort, or update with "
+                           "flush_cache false")
+
+
 def apply_update(sched, runner, call_followers: CallFollowers, flush: Callable[[], None], path: str,
                  version: Optional[str], flush_cache: bool) -> None:
     """With nothing running (the loop's lock held): check on every rank, copy on every rank, flush
@@ -166,11 +177,7 @@ class WeightUpdater:
         served weights and cannot be dropped (SGLang's flush fails so too); "retract" frees it."""
         def apply():
             sched = self.loop.scheduler
-            holding = [r.rid for r in self.loop.held_reqs() if r.req_pool_idx is not None]
-            if req.flush_cache and holding:
-                raise RuntimeError(f"generation is paused with requests holding KV ({', '.join(holding)}): "
-                                   "flush_cache cannot drop it; pause with mode retract or abort, or update with "
-                                   "flush_cache false")
+            check_paused_flush(self.loop, req.flush_cache)
             apply_update(sched, self.runner, self.call_followers, sched.drop_prefix_cache, req.model_path,
                          req.weight_version, req.flush_cache)
 
