@@ -16,7 +16,8 @@ GET  /health_generate       SGLang's: one token generated on a worker pair withi
                             ``server.health_generate_timeout_s``: 200, else 503
 POST /reset_prefix_cache    vLLM's name of /flush_cache
 GET, POST /ping             vLLM's (SageMaker's) health: /health
-GET  /load                  vLLM's {"server_load"}: the requests running or queued for a slot here
+GET  /load                  vLLM's {"server_load"}: the requests running or queued for a slot here,
+                            or held by a pause
 ==========================  =======================================================
 """
 
@@ -137,4 +138,5 @@ def add_admin_routes(app: FastAPI, service, server, parse_body, health, flush_ca
 
     @app.get("/load")
     async def server_load():
-        return JSONResponse({"server_load": service.admission.running + service.admission.waiting})
+        admission = service.admission
+        return JSONResponse({"server_load": admission.running + admission.waiting + service.num_paused})

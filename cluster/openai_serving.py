@@ -118,6 +118,7 @@ class GenerationService:
         self.requests = RequestTable()
         self.resumed = asyncio.Event()  # clear while generation is paused
         self.resumed.set()
+        self.num_paused = 0  # the requests waiting for it before admission
 
     # ---- shared steps -----------------------------------------------------------------
     def check_model(self, model: Optional[str]) -> str:
@@ -203,7 +204,12 @@ class GenerationService:
         """A slot, once generation is not paused (SGLang's tokenizer manager holds a request so)."""
         if self.backend.draining:
             raise APIError(503, "the server is draining: no new requests", "service_unavailable", code="draining")
-        await self.resumed.wait()
+        if not self.resumed.is_set():
+            self.num_paused += 1
+            try:
+                await self.resumed.wait()
+            finally:
+                self.num_paused -= 1
         await self.admission.acquire()
 
     def _streams(self, batch: List[Tuple[List[int], Dict[str, Any]]], n: int, rid: str, arrival: float,

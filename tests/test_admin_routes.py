@@ -162,6 +162,7 @@ def test_pause_in_abort_mode_aborts_what_runs_and_holds_what_comes(engine, serve
     queued = pool.submit(post, served, "/generate", generate_body("after-abort", params=dict(LONG, max_new_tokens=4)))
     time.sleep(0.3)
     assert not queued.done()
+    assert httpx.get(served.url + "/load").json() == {"server_load": 1}  # (vLLM's: every request in the server)
     post(served, "/continue_generation")
     assert queued.result(timeout=30).json()["meta_info"]["finish_reason"]["type"] == "length"
     assert post(served, "/pause_generation", {"mode": "later"}).status_code == 400
