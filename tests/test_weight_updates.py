@@ -487,3 +487,28 @@ def test_the_host_and_file_tiers_serve_no_kv_of_the_old_weights(checkpoints, tmp
         assert again.generate(input_ids=prompt, sampling_params=GREEDY)["meta_info"]["cached_tokens"] > 0
     finally:
         again.shutdown()
+
+
+def test_pause_retract_frees_a_prompt_prefilled_in_chunks(checkpoints):
+    """pause_generation("retract") frees the KV of the request whose prompt is mid-way through
+    its chunks too (the engine's ``chunked_req``, in no running batch), so that a paused engine's
+    update may flush the cache; at continue_generation it prefills again, on the new weights."""
+    old, new = checkpoints
+    eng = Engine(model_path=old, chunked_prefill_size=8, **ENGINE)
+    try:
+        prompt = prompts(n=1, seed=5)[0] + prompts(n=1, seed=6)[0]
+        eng.pause_generation("in_place")  # (the loop steps no more: the test takes the first chunk itself)
+        out = run_in_thread(eng.generate, input_ids=prompt, rid="chunked", sampling_params=GREEDY)
+        wait_for(lambda: eng.loop.held_rids() == ["chunked"])
+        eng.loop.run_exclusive(eng.scheduler.step)
+        assert eng.scheduler.chunked_req is not None and eng.scheduler.chunked_req.req_pool_idx is not None
+        eng.pause_generation("retract")
+        assert eng.scheduler.chunked_req is None and [r.rid for r in eng.scheduler.waiting] == ["chunked"]
+        rows, tree = eng.runner.req_to_token_pool, eng.scheduler.tree_cache
+        assert rows.available_size() == rows.size and tree.protected_size() == 0  # (it waits, holding nothing)
+        assert eng.update_weights_from_disk(new).success
+        eng.continue_generation()
+        assert_greedy_parity(new, [prompt], [out()["output_ids"]], 8, eng.eos_token_ids)
+        eng.check_integrity()
+    finally:
+        eng.shutdown()

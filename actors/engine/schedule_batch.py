@@ -372,18 +372,22 @@ class DecodeRetractionMixin:
 
     def retract_all(self) -> List[Req]:
         """SGLang's ``pause_generation(mode="retract")``: every running request back to the head of
-        ``waiting`` in the order they ran in, its KV freed (its prompt and output re-prefilled when it
-        is admitted again); returns them."""
-        retracted = list(self.running)
+        ``waiting`` in the order they ran in, then the one prefilling in chunks (``chunked_req``), its
+        KV freed (its prompt and output re-prefilled when it is admitted again); returns them. Then no
+        request holds KV: a paused update may flush the cache."""
+        retracted = list(self.running) + ([self.chunked_req] if self.chunked_req is not None else [])
         for req in reversed(retracted):
             self._retract(req)
         return retracted
 
     def _retract(self, req: Req) -> None:
-        """Retract a running request: free its KV, requeue it at the head of ``waiting`` — even
-        if freeing fails partway (it holds nothing then: not freed again, it is where a failure
-        path finds it)."""
-        self.running.remove(req)
+        """Retract a running request (or the chunked one): free its KV, requeue it at the head of
+        ``waiting`` — even if freeing fails partway (it holds nothing then: not freed again, it is
+        where a failure path finds it)."""
+        if req is self.chunked_req:
+            self.chunked_req = None
+        else:
+            self.running.remove(req)
         try:
             self.tree_cache.cache_finished_req(req, is_insert=False)
         finally:
