@@ -326,3 +326,26 @@ def test_pools_sized_from_device_memory_fit_the_budget(tmp_path, monkeypatch, fa
         used += mamba.size * (mamba.mem_usage_bytes() // (mamba.size + 1))  # (+ its dummy slot)
     budget = available - round(total * (1 - fraction))
     assert budget * 0.9 < used <= budget
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "mistral"])
+def test_a_draft_models_pool_fits_the_budget_beside_the_targets(tmp_path, monkeypatch, family):
+    """With a draft model the KV pools sized from device memory — the target's and the draft's, as
+    many slots as the full pool — fit ``mem_fraction_static``'s share, for sliding-window targets
+    too (GPT-OSS: half its layers slide; Mistral: all): the SWA split grew the full pool, and the
+    draft's with it, beyond the budget, when it spread the target's layers only."""
+    from actors.engine.config import EngineConfig
+    from actors.engine.model_runner import ModelRunner
+    from actors.engine.tiny import build_tiny_checkpoint
+    import actors.engine.model_runner as model_runner
+
+    available, total, fraction = 48 * 2**20, 64 * 2**20, 0.5  # 16 MiB for the pools
+    monkeypatch.setattr(model_runner, "get_device_memory", lambda device: (available, total))
+    draft = build_tiny_checkpoint("llama", tmp_path / "draft", seed=1, num_hidden_layers=1)
+    path = build_tiny_checkpoint(family, tmp_path / family)
+    runner = ModelRunner(EngineConfig(model_path=str(path), mem_fraction_static=fraction, max_running_requests=64,
+                                      speculative_algorithm="draft_model", speculative_draft_model_path=str(draft)))
+    assert runner.draft.token_to_kv_pool.size == runner.max_total_num_tokens
+    used = runner.token_to_kv_pool.mem_usage_bytes() + runner.draft.token_to_kv_pool.mem_usage_bytes()
+    budget = available - round(total * (1 - fraction))
+    assert budget * 0.95 < used <= budget * 1.001  # (+ each pool's page of dummy slots, not budgeted)

@@ -29,7 +29,7 @@ from actors.engine.models.base import LogitsOutput
 from actors.engine.parallel import SINGLE, TPGroup
 from mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
 from mem_cache.buffer_allocator import BufferAllocator
-from mem_cache.memory_budget import KVCacheShape, get_device_memory, profile_max_num_tokens
+from mem_cache.memory_budget import KVCacheShape, cell_size_bytes, get_device_memory, profile_max_num_tokens
 from mem_cache.mamba_pool import HybridLinearKVPool, HybridReqToTokenPool, MambaPool
 from mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
 from mem_cache.req_to_token_pool import ReqToTokenPool
@@ -221,12 +221,16 @@ class ModelRunner:
     def _init_swa_pools(self) -> None:
         """Sliding-window models: the full layers' KV in ``max_total_num_tokens`` slots, the
         SWA layers' in ``swa_full_tokens_ratio`` as many (SGLang's split). A budget from
-        device memory was sized as if every layer were full; it is spread over both pools."""
+        device memory was sized as if every layer were full; it is spread over both pools, and
+        a draft model's, which has a slot per full-pool slot (its bytes counted in target layers)."""
         cfg, spec = self.config, self.spec
         num_full, num_swa = len(spec.full_attention_layer_ids), len(spec.swa_attention_layer_ids)
         if cfg.max_total_tokens is None:
-            layer_tokens = self.max_total_num_tokens * (num_full + num_swa)
-            self.max_total_num_tokens = int(layer_tokens / (num_full + cfg.swa_full_tokens_ratio * num_swa))
+            draft = 0.0 if self.draft is None else (cell_size_bytes(self._kv_shape(self.draft.spec), self.kv_dtype)
+                                                    / cell_size_bytes(self._kv_shape(spec), self.kv_dtype)
+                                                    * spec.num_layers)
+            layer_tokens = self.max_total_num_tokens * (num_full + num_swa + draft)
+            self.max_total_num_tokens = int(layer_tokens / (num_full + cfg.swa_full_tokens_ratio * num_swa + draft))
         ps = cfg.page_size  # both pools in whole pages: a paged allocator hands out no partial one
         self.max_total_num_tokens = max(ps, self.max_total_num_tokens // ps * ps)
         self.swa_max_total_num_tokens = max(ps, int(self.max_total_num_tokens * cfg.swa_full_tokens_ratio) // ps * ps)
