@@ -111,6 +111,12 @@ class PrefillScheduler(Scheduler):
         self.progressed = bool(out) or self.runner.num_forwards != before
         return out
 
+    def retract_all(self) -> List[Req]:
+        """``pause_generation(mode="retract")`` retracts nothing here: no request decodes on this
+        side, and the one prefilling in chunks keeps its slots, which pushes of its first chunks
+        may be reading (its chunks would go again, on other slots)."""
+        return []
+
     def _request_reserve(self, req: Req, kv_len: Optional[int] = None) -> int:
         return 0  # it never decodes: the decode worker reserves for the new tokens
 

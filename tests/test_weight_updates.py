@@ -512,3 +512,35 @@ def test_pause_retract_frees_a_prompt_prefilled_in_chunks(checkpoints):
         eng.check_integrity()
     finally:
         eng.shutdown()
+
+
+def test_pd_prefill_pause_retract_keeps_the_prompt_it_pushes_in_chunks(checkpoints):
+    """A prefill worker paused "retract" mid-chunks keeps its chunked request (pushes of its first
+    chunks may be reading its slots; it never decodes there), and at continue_generation pushes
+    the rest: the decode side's tokens are HF's, nothing leaked on either side."""
+    import asyncio
+
+    from tests.pd_helpers import close_workers, make_pair, pause_once, run_pd, until, wait_idle
+
+    old, _ = checkpoints
+    prefill, decode = make_pair(old, page_size=4, prefill_args={"chunked_prefill_size": 8})
+    try:
+        prompt = prompts(n=1, seed=5)[0] + prompts(n=1, seed=6)[0]
+        paused = pause_once(prefill, lambda: prefill.scheduler.chunked_req is not None)
+
+        async def go():
+            running = asyncio.ensure_future(run_pd(prefill, decode, prompt, GREEDY))
+            await until(paused.is_set, what="the prefill mid-chunks")
+            chunked = prefill.scheduler.chunked_req
+            prefill.pause_generation("retract")
+            assert prefill.scheduler.chunked_req is chunked and chunked.req_pool_idx is not None
+            prefill.continue_generation()
+            return (await running)[0]
+
+        out = asyncio.run(go())
+        assert_greedy_parity(old, [prompt], [out["output_ids"]], 8, decode.eos_token_ids)
+        assert wait_idle(prefill) and wait_idle(decode)
+        prefill.check_integrity()
+        decode.check_integrity()
+    finally:
+        close_workers(prefill, decode)
