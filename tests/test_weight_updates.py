@@ -544,3 +544,30 @@ def test_pd_prefill_pause_retract_keeps_the_prompt_it_pushes_in_chunks(checkpoin
         decode.check_integrity()
     finally:
         close_workers(prefill, decode)
+
+
+def test_a_paused_update_ends_the_storage_prefetches_of_the_old_weights(checkpoints, tmp_path):
+    """A request that came while the engine was paused has its prompt's pages prefetched from the
+    file tier of the old weights; an update then (paused: at once, with flush_cache) ends that
+    prefetch, keeping nothing: the request computes its prompt anew on the new weights."""
+    old, new = checkpoints
+    args = dict(ENGINE, max_total_tokens=256, enable_hierarchical_cache=True, hicache_ratio=4.0,
+                hicache_storage_dir=str(tmp_path / "kv-files"))
+    prompt = prompts(1, seed=5)[0] * 4
+    eng = Engine(model_path=old, **args)
+    try:
+        eng.generate(input_ids=prompt, sampling_params=GREEDY)
+        assert stored_pages(eng, tmp_path / "kv-files")
+        eng.flush_cache()  # (device and host: the prompt's pages are in the files alone)
+        eng.pause_generation("in_place")
+        out = run_in_thread(eng.generate, input_ids=prompt, sampling_params=GREEDY)
+        wait_for(lambda: any(r.prefetch_op is not None and r.prefetch_op.done.is_set()
+                             for r in eng.loop.held_reqs()))
+        assert eng.update_weights_from_disk(new, weight_version="v1").success
+        eng.continue_generation()
+        result = out()
+        assert result["meta_info"]["cached_tokens"] == 0
+        assert_greedy_parity(new, [prompt], [result["output_ids"]], 8, eng.eos_token_ids)
+        eng.check_integrity()
+    finally:
+        eng.shutdown()

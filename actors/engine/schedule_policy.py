@@ -82,6 +82,13 @@ class PrefillAdmissionMixin(PreemptionMixin):
             return tree.full_evictable_size()
         return tree.evictable_size() + (tree.writing_size() if self.host_tier else 0)
 
+    def cancel_prefetches(self) -> None:
+        """End every storage prefetch in flight, keeping nothing: the waiting requests ask storage
+        anew at admission (a weight update's: the pages read so far are of the old weights)."""
+        self.tree_cache.cancel_prefetches()
+        for req in self.waiting:
+            req.prefetch_op, req.storage_checked_len = None, 0
+
     def drop_prefix_cache(self) -> None:
         """Evict every cached prefix, with a host tier its copies too (SGLang's flush: evicted from the
         device only, a prefix would be loaded back from the host); a file tier keeps its pages. The

@@ -22,6 +22,7 @@ The order of one update, on an engine or a PD worker (every TP rank):
    names no version), so no engine reads KV of other weights there — neither this one the pages
    of its old weights, nor an engine still on the old weights the pages of the new (which
    clearing the directory would not prevent, and which would destroy what those engines share).
+   The storage prefetches of a paused engine's waiting requests end, keeping nothing.
    Without ``flush_cache`` the caches are kept, as SGLang's, KV of the old weights included.
 5. ``weight_version`` (SGLang's; "default" until an update names one) is recorded: results
    carry it in ``meta_info``. The checkpoint's tokenizer and generation config are not read.
@@ -97,6 +98,8 @@ def apply_update(sched, runner, call_followers: CallFollowers, flush: Callable[[
         raise RuntimeError(f"weights update from {path!r} failed while copying ({exc}); "
                            f"{_roll_back(weights, call_followers, old)}") from None
     if flush_cache:
+        if sched.file_tier:  # (a paused engine's waiting requests: reading pages of the old weights)
+            sched.cancel_prefetches()
         flush()
         if sched.file_tier:
             directory = storage_dir_for(runner.config.hicache_storage_dir, path, version)
