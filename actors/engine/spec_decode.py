@@ -16,8 +16,8 @@ plain sampling would draw, in distribution (a seeded request stays reproducible,
 are not plain decoding's).
 
 Each draft position is picked as plain decoding's step there would pick: the row that picks the
-token after ``draft[:j]`` takes the request's ``logit_bias``, its min-tokens mask and its
-penalties with ``draft[:j]`` counted as output
+token after ``draft[:j]`` takes the request's allowed ids, ``logit_bias``, min-tokens and
+bad-words masks and its penalties with ``draft[:j]`` counted as output
 (:meth:`~actors.engine.sparse_logits.LogitState.ahead`), and its grammar's mask after
 ``draft[:j]``, accepted into the matcher tentatively and rolled back
 (:func:`~actors.engine.spec_accept.apply_draft_grammar_masks`); a draft is cut before the first
