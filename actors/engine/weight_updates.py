@@ -25,7 +25,8 @@ The order of one update, on an engine or a PD worker (every TP rank):
    The storage prefetches of a paused engine's waiting requests end, keeping nothing.
    Without ``flush_cache`` the caches are kept, as SGLang's, KV of the old weights included.
 5. ``weight_version`` (SGLang's; "default" until an update names one) is recorded: results
-   carry it in ``meta_info``. The checkpoint's tokenizer and generation config are not read.
+   carry it in ``meta_info``. The checkpoint's tokenizer and generation config are not read, and a
+   draft model's weights (speculative decoding) are not replaced: its KV goes with the flushed cache.
 """
 
 from __future__ import annotations
