@@ -20,7 +20,12 @@ streamed events, a json_schema format, a named function, previous_response_id an
 responses), /v1/embeddings (float and base64, dimensions, batches), and LoRA adapters by model name:
 two random adapters of the built-in model are built into a temporary directory and served on both
 sides (``--no-lora``: none). The decode workers draft by n-grams (speculative decoding, unless
-``--no-speculative``), so every request's tokens go through its verification.
+``--no-speculative``), so every request's tokens go through its verification. vLLM's scoring
+routes and sampling constraints (scripts/soak_mix_vllm.py): /score and the rerank routes against
+/v1/embeddings' cosines, allowed_token_ids, bad_words and response_format structural_tag. The weights
+are updated from disk every ``--weight-update-interval`` seconds (scripts/soak_weights.py;
+``server.allow_weight_updates`` switched on, ``--no-weight-updates``: none), alternating between the
+built-in model and another seed's, built into a temporary directory, while the mix keeps sending.
 At the end the HTTP server's admission and every worker must drain within ``--drain-timeout``,
 and every worker's ``check_integrity`` must pass (as ``raydix launch --prompt`` checks them);
 the exit status is 1 if anything was unexpected. Latency is each request's end to end (a
@@ -45,10 +50,12 @@ import openai
 from bench_serving import pct, text  # scripts/, beside this file
 from soak_client import Ctx, Outcome
 from soak_mix import KINDS, one
+from soak_weights import WeightUpdates
 
 PRIORITY_OVERRIDES = ["prefill.engine.enable_priority_scheduling=true", "decode.engine.enable_priority_scheduling=true"]
 PARSER_OVERRIDES = ["server.tool_call_parser=hermes", "server.reasoning_parser=qwen3"]
 SPECULATIVE_OVERRIDES = ["decode.engine.speculative_algorithm=ngram"]
+WEIGHTS_OVERRIDES = ["server.allow_weight_updates=true"]
 
 
 def parse_args(argv=None):
@@ -58,6 +65,8 @@ def parse_args(argv=None):
     p.add_argument("--no-priority", action="store_true", help="leave the config's priority scheduling as it is")
     p.add_argument("--no-lora", action="store_true", help="serve no LoRA adapters (and leave out the lora kind)")
     p.add_argument("--no-speculative", action="store_true", help="leave the config's speculative decoding as it is")
+    p.add_argument("--no-weight-updates", action="store_true", help="never update the weights during the run")
+    p.add_argument("--weight-update-interval", type=float, default=20.0, help="seconds between weight updates")
     p.add_argument("--duration", type=float, default=150.0, help="seconds of requests (no new ones after)")
     p.add_argument("--requests", type=int, default=None, help="stop after this many requests instead")
     p.add_argument("--concurrency", type=int, default=8, help="requests in flight")
@@ -71,7 +80,8 @@ def parse_args(argv=None):
 
 async def drive(ctx: Ctx, args) -> List[Outcome]:
     """``--concurrency`` senders, each drawing request ``i``'s kind and fields from a generator
-    seeded by (seed, i), until the duration or the request count is reached."""
+    seeded by (seed, i), until the duration or the request count is reached; beside them the
+    weight updates (``ctx.weights``), until the senders are done."""
     names = [k for k in args.kinds.split(",") if k != "lora" or ctx.adapters]
     weights = [KINDS[k][1] for k in names]
     deadline = time.monotonic() + args.duration
@@ -87,7 +97,14 @@ async def drive(ctx: Ctx, args) -> List[Outcome]:
                 bad = sum(o.status == "unexpected" for o in outcomes)
                 print(f"  {len(outcomes)} requests, {bad} unexpected", flush=True)
 
-    await asyncio.gather(*(sender() for _ in range(args.concurrency)))
+    async def senders():
+        await asyncio.gather(*(sender() for _ in range(args.concurrency)))
+        stop.set()
+
+    stop = asyncio.Event()
+    updates = [] if ctx.weights is None else [ctx.weights.run(ctx, stop)]
+    for done in await asyncio.gather(senders(), *updates):
+        outcomes += done or []
     return outcomes
 
 
@@ -132,16 +149,17 @@ def report(outcomes: List[Outcome], wall: float, show_errors: int) -> int:
     return len(bad)
 
 
-def spec_counts(base_url: str) -> Dict[str, float]:
-    """The decode workers' speculative decoding counters, summed, from the server's /metrics (drafts,
-    draft tokens, accepted tokens): that the n-gram drafts were verified at all."""
+def worker_counts(base_url: str) -> Dict[str, float]:
+    """The workers' counters, each summed over the workers, from the server's /metrics, by name less
+    ``raydix_worker_`` and ``_total``: that the n-gram drafts were verified at all (drafts, draft
+    tokens, accepted tokens), how many requests priority preemption retracted."""
     import httpx
 
     counts: Dict[str, float] = Counter()
     for line in httpx.get(f"{base_url}/metrics", timeout=30).text.splitlines():
         name = line.partition("{")[0]
-        if name.startswith("raydix_worker_spec_decode_num_") and name.endswith("_total") and "_per_pos" not in name:
-            counts[name.removeprefix("raydix_worker_spec_decode_").removesuffix("_total")] += float(line.split()[-1])
+        if name.startswith("raydix_worker_") and name.endswith("_total"):
+            counts[name.removeprefix("raydix_worker_").removesuffix("_total")] += float(line.split()[-1])
     return counts
 
 
@@ -152,6 +170,16 @@ def with_adapters(config, model_path: str, root: Path):
 
     paths = {name: str(path) for name, path in tiny_adapters(model_path, root).items()}
     return config.with_updates({f"{side}.engine.lora_paths": paths for side in ("prefill", "decode")})
+
+
+def other_checkpoint(config, root: Path) -> str:
+    """The built-in model's family at the next seed, in ``root``: the checkpoint the weight updates
+    alternate with (the same config, other weights)."""
+    from actors.engine.tiny import build_tiny_checkpoint
+
+    if config.model.builtin is None:
+        raise SystemExit("weight updates need a built-in model to build a second seed of (or --no-weight-updates)")
+    return str(build_tiny_checkpoint(config.model.builtin, root, seed=config.model.seed + 1))
 
 
 def main(argv=None) -> int:
@@ -167,12 +195,15 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.WARNING)
     config = load_config(args.config)
     overrides = (PARSER_OVERRIDES + ([] if args.no_priority else PRIORITY_OVERRIDES)
-                 + ([] if args.no_speculative else SPECULATIVE_OVERRIDES) + args.set)
+                 + ([] if args.no_speculative else SPECULATIVE_OVERRIDES)
+                 + ([] if args.no_weight_updates else WEIGHTS_OVERRIDES) + args.set)
     config = config.with_updates(parse_overrides(overrides))
     model_path = config.model.resolve_model_path()
-    adapter_dir = tempfile.TemporaryDirectory(prefix="soak-lora-")
+    scratch = tempfile.TemporaryDirectory(prefix="soak-")  # (the adapters, the second checkpoint)
     if not args.no_lora:
-        config = with_adapters(config, model_path, Path(adapter_dir.name))
+        config = with_adapters(config, model_path, Path(scratch.name))
+    weights = None if args.no_weight_updates else WeightUpdates(
+        (model_path, other_checkpoint(config, Path(scratch.name) / "weights")), args.weight_update_interval)
     init_ray()
     cluster = PDCluster(config, model_path).start()
     try:
@@ -185,27 +216,30 @@ def main(argv=None) -> int:
             ctx = Ctx(client, server.url, config.model.name, cluster.context_len(), cluster.max_prompt_len(),
                       getattr(config.decode.engine, "enable_priority_scheduling", False), tokenizer,
                       [f"system {g}: " + text(rng, 400) for g in range(args.num_systems)],
-                      config.server.reasoning_parser, sorted(config.decode.engine.lora_paths or ()))
+                      config.server.reasoning_parser, sorted(config.decode.engine.lora_paths or ()),
+                      config.server.tool_call_parser, weights)
             print(f"soak of {args.config} ({len(cluster.prefill)} prefill + {len(cluster.decode)} decode workers), "
                   f"context {ctx.context_len}, priority {'on' if ctx.priority else 'off'}, reasoning parser "
                   f"{ctx.reasoning_parser}, tool call parser {config.server.tool_call_parser}, LoRA adapters "
-                  f"{ctx.adapters}, speculative {config.decode.engine.speculative_algorithm}", flush=True)
+                  f"{ctx.adapters}, speculative {config.decode.engine.speculative_algorithm}, weight updates every "
+                  f"{'-' if weights is None else args.weight_update_interval}s", flush=True)
             started = time.perf_counter()
             outcomes = asyncio.run(drive(ctx, args))
             wall = time.perf_counter() - started
             print(f"{len(outcomes)} requests in {wall:.1f}s")
             unexpected = report(outcomes, wall, args.show_errors)
             print(f"drained {drain(cluster, app, args.drain_timeout):.2f}s after the last answer")
-            spec = spec_counts(server.url)
-            print(f"speculative decoding: {spec['num_drafts']:.0f} drafts, {spec['num_accepted_tokens']:.0f} of "
-                  f"{spec['num_draft_tokens']:.0f} draft tokens accepted")
+            counts = worker_counts(server.url)
+            print(f"speculative decoding: {counts['spec_decode_num_drafts']:.0f} drafts, "
+                  f"{counts['spec_decode_num_accepted_tokens']:.0f} of {counts['spec_decode_num_draft_tokens']:.0f} "
+                  f"draft tokens accepted; {counts['preemptions']:.0f} requests preempted for a higher priority")
         cluster.check_integrity()  # (after the app's own drain, as raydix launch --prompt checks)
         print("workers idle, integrity checks passed")
         return 1 if unexpected else 0
     finally:
         cluster.drain_and_shutdown()
         ray.shutdown()
-        adapter_dir.cleanup()
+        scratch.cleanup()
 
 
 if __name__ == "__main__":

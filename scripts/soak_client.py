@@ -49,6 +49,8 @@ class Ctx:
     systems: List[str]  # the shared prefixes
     reasoning_parser: Optional[str]  # the server's: where a chat answer's thinking goes
     adapters: List[str]  # the LoRA adapters' names (model names beside the base model's)
+    tool_call_parser: Optional[str] = None  # the server's
+    weights: Any = None  # soak_weights.WeightUpdates of a run that updates the weights, else None
 
 
 @dataclass

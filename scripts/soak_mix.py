@@ -2,7 +2,9 @@
 through the openai client (scripts/soak_client.py's :func:`call` and its checks) and checks what
 came back; the kinds of tool calls, reasoning, prompt logprobs and the tokenizer's routes are in
 scripts/soak_mix_extras.py, those of the Responses API, embeddings and LoRA adapters in
-scripts/soak_mix_apis.py. :data:`KINDS` names them all."""
+scripts/soak_mix_apis.py, those of vLLM's scoring routes and sampling constraints in
+scripts/soak_mix_vllm.py, SGLang's /generate (its weight version) in scripts/soak_weights.py.
+:data:`KINDS` names them all."""
 
 from __future__ import annotations
 
@@ -20,6 +22,8 @@ from soak_client import (Ctx, Expected, Mismatch, Outcome, as_sent, call, max_to
                          thinks_first, with_extra)
 from soak_mix_apis import API_KINDS
 from soak_mix_extras import EXTRA_KINDS
+from soak_mix_vllm import VLLM_KINDS
+from soak_weights import WEIGHT_KINDS
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
                                            "age": {"type": "integer"}}, "required": ["name", "age"]}
@@ -203,7 +207,7 @@ async def invalid(ctx: Ctx, rng: random.Random) -> int:
 
 KINDS = {"plain": (plain, 6), "prefix": (prefix, 4), "seeded": (seeded, 2), "structured": (structured, 4),
          "priority": (priority, 2), "long": (long, 1), "too_long": (too_long, 1), "disconnect": (disconnect, 2),
-         "invalid": (invalid, 2), **EXTRA_KINDS, **API_KINDS}  # name: (sender, weight)
+         "invalid": (invalid, 2), **EXTRA_KINDS, **API_KINDS, **VLLM_KINDS, **WEIGHT_KINDS}  # name: (sender, weight)
 
 
 async def one(ctx: Ctx, rng: random.Random, kind: str) -> Outcome:

@@ -2,13 +2,15 @@
 prompt_logprobs, /tokenize and /detokenize. What the model writes is forced where the check needs
 it (guided_regex, guided_choice, a tool's schema); the server's parsers must then give back
 exactly that, split as its settings say (soak.py switches on ``server.tool_call_parser: hermes``
-and ``server.reasoning_parser: qwen3``; the tool kinds assume hermes blocks). A grammar forces a
+and ``server.reasoning_parser: qwen3``; the tool kind forces hermes blocks, and with another parser,
+``--set server.tool_call_parser=...``, reads the random model's own text through it). A grammar forces a
 thinking only where the output opens in the answer (the thinking off, a leading ``<think>`` in the
 forced text): where it opens in the thinking, the server holds the grammar back until the
 thinking's end (SGLang's reasoner grammar), and the random model's thinking is free."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 import re
@@ -31,6 +33,21 @@ THOUGHT = r"[a-z]{1,8}( [a-z]{1,8}){0,2}"
 REASONED = ["<think>a thought</think>yes", "thought only</think>\n\nno", "<think></think>empty thought",
             "never closed", "<think>opened, never closed", "</think>closed at once"]  # guided_choice's texts
 REASONED_REGEX = rf"(<think>)?{THOUGHT}</think>\n?(yes|no|maybe)"
+CALLS = {  # one call in each tool-call parser's format
+    "hermes": '<tool_call>\n{"name": "add", "arguments": {"a": 3}}\n</tool_call>',
+    "mistral": '[TOOL_CALLS][{"name": "add", "arguments": {"a": 3}}]',
+    "mistral_v11": '[TOOL_CALLS]add[ARGS]{"a": 3}',
+    "pythonic": "[add(a=3)]",
+    "qwen3_coder": "<tool_call>\n<function=add>\n<parameter=a>\n3\n</parameter>\n</function>\n</tool_call>",
+    "deepseek_v3": '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>add\n```json\n{"a": 3}\n```'
+                   "<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
+    "gpt_oss": '<|channel|>commentary to=functions.add<|message|>{"a": 3}<|call|>',
+}
+TAG_SOUP = [*CALLS.values(),  # the calls, tags and pieces of calls
+    "<tool_call>", "</tool_call>", "<function=add>", "<parameter=a>", "</parameter>", "</function>", "[TOOL_CALLS]",
+    "[ARGS]", "[CALL_ID]", "[", "]", "get_weather", '{"a": 3}', "(", ")", ", ", "<｜tool▁call▁begin｜>",
+    "<｜tool▁sep｜>", "\n```", "<｜tool▁calls▁end｜>", "<|start|>", "assistant", "<|channel|>", "analysis", "final",
+    "<|message|>", "<|end|>", "<|call|>", "<|return|>", "\n", " ", "7", "x"]
 
 
 def check_arguments(call_: Dict[str, str], schema: Dict[str, Any]) -> None:
@@ -48,10 +65,12 @@ async def tools(ctx: Ctx, rng: random.Random) -> int:
     """One of tool_choice's ways: a named function (one call, its arguments its schema's), "required"
     without parallel calls (one call of either tool), "auto" over a guided_regex-forced hermes block
     (the server's parser reads the call; after a forced, closed thinking or none: the thinking off,
-    so that the grammar holds the whole output), "none" over the same block (content as written,
-    no call)."""
-    way = rng.choice(["named", "required", "auto", "none"])
+    so that the grammar holds the whole output; with another parser, "free" instead), "none" over the
+    same block (content as written, no call), "free" (:func:`_free`)."""
+    way = rng.choice(["named", "required", "auto", "none", "free"])
     stream, n = rng.random() < 0.5, rng.randint(1, 2)
+    if way == "free" or way == "auto" and ctx.tool_call_parser != "hermes":
+        return await _free(ctx, rng, n)
     logprobs = rng.randint(0, 2) if rng.random() < 0.3 else None
     body = dict(prompt(rng, True), tools=TOOLS, **sampling(rng), **max_tokens(True, 160))
     if way in ("named", "required"):
@@ -87,6 +106,28 @@ async def tools(ctx: Ctx, rng: random.Random) -> int:
                 and c.calls[0]["name"] == "get_weather", f"auto: {c}")
         require(json.loads(c.calls[0]["arguments"]) in ({"city": "Paris", "unit": "c"}, {"city": "Rome", "unit": "c"}),
                 f"auto's arguments {c.calls[0]}")
+    return tokens
+
+
+async def _free(ctx: Ctx, rng: random.Random, n: int) -> int:
+    """The random model's own text, or a call in some parser's format (the server's half the time), at
+    the start or after a piece, then a random run of calls, tags and pieces of calls (:data:`TAG_SOUP`:
+    whole, cut short, malformed), through the server's tool-call parser (any of them), greedy, the
+    thinking off: the streamed deltas add up to the whole answer, its content, reasoning and calls."""
+    soup, pieces = {}, "(" + "|".join(re.escape(t) for t in TAG_SOUP) + ")"
+    if rng.random() < 0.6:
+        first = CALLS.get(ctx.tool_call_parser) if rng.random() < 0.5 else None
+        soup["guided_regex"] = (rng.choice(["", pieces]) + re.escape(first or rng.choice(list(CALLS.values())))
+                                + pieces + "*")
+    body = with_extra(dict(prompt(rng, True), tools=TOOLS, temperature=0, **max_tokens(True, rng.randint(32, 200))),
+                      chat_template_kwargs={"enable_thinking": False}, **soup)
+    (whole, tokens), (streamed, _) = await asyncio.gather(*(
+        call(ctx, True, stream, n, body, finish=("stop", "length", "tool_calls"), tagged=True)
+        for stream in (False, True)))
+    for a, b in zip(whole.values(), streamed.values()):
+        require((a.content, a.reasoning, a.finish_reason, [(t["name"], t["arguments"]) for t in a.calls])
+                == (b.content, b.reasoning, b.finish_reason, [(t["name"], t["arguments"]) for t in b.calls]),
+                f"whole {a} vs streamed {b}")
     return tokens
 
 
