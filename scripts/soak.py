@@ -228,6 +228,9 @@ def main(argv=None) -> int:
             wall = time.perf_counter() - started
             print(f"{len(outcomes)} requests in {wall:.1f}s")
             unexpected = report(outcomes, wall, args.show_errors)
+            if weights is not None:
+                print(f"weights updated {len(weights.timeline) - 1} times (the weights row: the start's probe, then "
+                      f"each update)")
             print(f"drained {drain(cluster, app, args.drain_timeout):.2f}s after the last answer")
             counts = worker_counts(server.url)
             print(f"speculative decoding: {counts['spec_decode_num_drafts']:.0f} drafts, "

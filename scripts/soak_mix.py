@@ -9,6 +9,7 @@ scripts/soak_mix_vllm.py, SGLang's /generate (its weight version) in scripts/soa
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import random
 import re
@@ -208,12 +209,17 @@ async def invalid(ctx: Ctx, rng: random.Random) -> int:
 KINDS = {"plain": (plain, 6), "prefix": (prefix, 4), "seeded": (seeded, 2), "structured": (structured, 4),
          "priority": (priority, 2), "long": (long, 1), "too_long": (too_long, 1), "disconnect": (disconnect, 2),
          "invalid": (invalid, 2), **EXTRA_KINDS, **API_KINDS, **VLLM_KINDS, **WEIGHT_KINDS}  # name: (sender, weight)
+COMPARING = {"seeded", "tools", "responses", "embeddings", "lora", "score"}  # answers held to other requests' answers
 
 
 async def one(ctx: Ctx, rng: random.Random, kind: str) -> Outcome:
+    """Request ``kind``'s outcome; a kind that holds answers to each other's (:data:`COMPARING`) runs
+    between weight updates (its latency counts a wait for one to end)."""
     start = time.perf_counter()
+    steady = ctx.weights.steady() if ctx.weights is not None and kind in COMPARING else contextlib.nullcontext()
     try:
-        tokens = await KINDS[kind][0](ctx, rng)
+        async with steady:
+            tokens = await KINDS[kind][0](ctx, rng)
         return Outcome(kind, "ok", time.perf_counter() - start, tokens)
     except Expected:
         return Outcome(kind, "expected", time.perf_counter() - start)

@@ -10,6 +10,7 @@ carries the version) checks that each ran under a version in effect at some time
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import math
@@ -35,6 +36,36 @@ class WeightUpdates:
         # (version, when its update was asked for, when answered): "default" served from the start
         self.timeline: List[Tuple[str, float, float]] = [("default", -math.inf, -math.inf)]
         self.references: Dict[str, List[int]] = {}  # checkpoint path: the probe's output_ids there
+        self._changed = asyncio.Condition()  # (of the two counts below)
+        self._steady = 0  # requests in :meth:`steady` now
+        self._updating = False  # an update waits for them or runs
+
+    @contextlib.asynccontextmanager
+    async def steady(self):
+        """No update while in it: for requests held to each other's answers (greedy twice, a stream
+        against the whole answer, a score against embeddings), which two weights would tell apart.
+        An update waiting keeps new ones out, so that it is not put off for ever."""
+        async with self._changed:
+            await self._changed.wait_for(lambda: not self._updating)
+            self._steady += 1
+        try:
+            yield
+        finally:
+            async with self._changed:
+                self._steady -= 1
+                self._changed.notify_all()
+
+    async def _between_steady(self, step) -> Outcome:
+        """``step`` (an update) once no request is in :meth:`steady`."""
+        async with self._changed:
+            self._updating = True
+            await self._changed.wait_for(lambda: self._steady == 0)
+        try:
+            return await step()
+        finally:
+            async with self._changed:
+                self._updating = False
+                self._changed.notify_all()
 
     def versions_during(self, start: float, end: float) -> Set[str]:
         """The versions that may have served at some time in [start, end]: from its update's request
@@ -81,7 +112,7 @@ class WeightUpdates:
                 await asyncio.wait_for(stop.wait(), self.interval)
                 return outcomes
             except asyncio.TimeoutError:
-                outcomes.append(await self._outcome(lambda: self._update(ctx, k)))
+                outcomes.append(await self._between_steady(lambda: self._outcome(lambda: self._update(ctx, k))))
                 print(f"  weights update {k}: {outcomes[-1].status} in {outcomes[-1].latency:.1f}s", flush=True)
 
     @staticmethod
