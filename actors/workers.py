@@ -266,14 +266,15 @@ class _Worker:
         self.loop.run_exclusive(check)
 
     async def update_weights_from_disk(self, model_path: str, weight_version: Optional[str] = None,
-                                       abort_all_requests: bool = False, flush_cache: bool = True) -> Dict[str, Any]:
+                                       abort_all_requests: bool = False, flush_cache: bool = True,
+                                       torch_empty_cache: bool = False) -> Dict[str, Any]:
         """SGLang's update on this worker, every TP rank (actors.engine.weight_updates): new requests
         wait, those in flight finish first (or are aborted); returns SGLang's result as a dict."""
         updater = WeightUpdater(self.loop, self.runner, self.tp_worker.call_followers,
                                 lambda: flush_engine_cache(self.scheduler, self.runner),
                                 lambda rid, room: self.abort(rid, ABORT_MESSAGE, room=room))
         result = await updater.async_update(UpdateWeightsRequest(model_path, weight_version, abort_all_requests,
-                                                                 flush_cache))
+                                                                 flush_cache, torch_empty_cache))
         return result._asdict()
 
     def get_weight_version(self) -> str:

@@ -93,8 +93,7 @@ def add_admin_routes(app: FastAPI, service, server, parse_body, health, flush_ca
 
     @app.post("/continue_generation")
     async def continue_generation():
-        await backend.continue_generation()
-        service.resumed.set()
+        await service.continue_generation()
         return {"message": "Generation continued successfully.", "status": "ok"}
 
     @app.get("/get_model_info")

@@ -59,8 +59,8 @@ class ServingBackend(Protocol):
     async def unload_lora_adapter(self, lora_name: str) -> None: ...
 
     async def update_weights_from_disk(self, model_path: str, weight_version: Optional[str] = None,
-                                       abort_all_requests: bool = False,
-                                       flush_cache: bool = True) -> Dict[str, Any]: ...
+                                       abort_all_requests: bool = False, flush_cache: bool = True,
+                                       torch_empty_cache: bool = False) -> Dict[str, Any]: ...
 
     async def pause_generation(self, mode: str) -> None:
         """SGLang's modes "in_place" and "retract" on every worker (see :meth:`PDBackend.pause_generation`)."""
@@ -273,7 +273,8 @@ class PDBackend:
                 raise RuntimeError(f"LoRA adapter {lora_name!r} not unloaded on {'; '.join(failed)}")
 
     async def update_weights_from_disk(self, model_path: str, weight_version: Optional[str] = None,
-                                       abort_all_requests: bool = False, flush_cache: bool = True) -> Dict[str, Any]:
+                                       abort_all_requests: bool = False, flush_cache: bool = True,
+                                       torch_empty_cache: bool = False) -> Dict[str, Any]:
         """SGLang's update on every live worker, prefill and decode, each on all its TP ranks: first
         checked everywhere (ValueError naming the worker and what differs, or that a paused request's
         KV cannot be flushed there: no weight touched), then
@@ -281,7 +282,7 @@ class PDBackend:
         A worker that fails after every check passed leaves the cluster on mixed weights: RuntimeError
         naming each worker's version. Then the router re-indexes every worker (their caches were
         flushed: it would route by prefixes they no longer hold). Returns SGLang's result."""
-        req = UpdateWeightsRequest(model_path, weight_version, abort_all_requests, flush_cache)
+        req = UpdateWeightsRequest(model_path, weight_version, abort_all_requests, flush_cache, torch_empty_cache)
         async with self._weights_lock:
             live = [w for w in self._all() if w.alive]
             results = await asyncio.gather(*(w.handle.check_weights.remote(model_path, flush_cache) for w in live),

@@ -272,7 +272,8 @@ class UnloadLoRAAdapterRequest(BaseModel):
 
 
 class UpdateWeightsFromDiskRequest(BaseModel):
-    """POST /update_weights_from_disk (SGLang's UpdateWeightFromDiskReqInput, the fields served)."""
+    """POST /update_weights_from_disk: SGLang's UpdateWeightFromDiskReqInput, every field, so that an
+    RL framework's body is taken as sent; a value raydix cannot honour is a 400 naming its field."""
 
     model_config = FORBID
 
@@ -281,6 +282,26 @@ class UpdateWeightsFromDiskRequest(BaseModel):
     weight_version: Optional[str] = Field(None, min_length=1)
     abort_all_requests: bool = False
     flush_cache: bool = True
+    torch_empty_cache: bool = False  # every rank on CUDA empties its allocator's cache after the load
+    keep_pause: bool = False  # a paused server stays paused after the update; else it continues
+    recapture_cuda_graph: bool = False  # (no-op: raydix captures no CUDA graphs)
+    token_step: int = Field(0, ge=0)  # the trainer's step (SGLang's bookkeeping; not reported here)
+    is_async: bool = False
+    manifest: Optional[Dict[str, Any]] = None
+
+    @field_validator("is_async")
+    @classmethod
+    def _synchronous(cls, value: bool) -> bool:
+        if value:
+            raise ValueError("an update is answered once the new weights serve (is_async true is not served)")
+        return value
+
+    @field_validator("manifest")
+    @classmethod
+    def _no_manifest(cls, value: Optional[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
+        if value is not None:
+            raise ValueError("the checkpoint's safetensors headers describe its tensors (a manifest is not served)")
+        return value
 
 
 def describe_validation_error(exc, skip: int = 0) -> tuple:

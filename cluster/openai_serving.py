@@ -120,6 +120,11 @@ class GenerationService:
         self.resumed.set()
         self.num_paused = 0  # the requests waiting for it before admission
 
+    async def continue_generation(self) -> None:
+        """The workers step again, then the requests a pause held are admitted (/continue_generation)."""
+        await self.backend.continue_generation()
+        self.resumed.set()
+
     # ---- shared steps -----------------------------------------------------------------
     def check_model(self, model: Optional[str]) -> str:
         """The served model's name, or one of its LoRA adapters' (vLLM's: the model field names

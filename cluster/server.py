@@ -379,7 +379,8 @@ def add_weights_route(app: FastAPI, service: GenerationService) -> None:
     workers refuse (nothing changed) is a 400, a failure after every check passed a 500. With
     ``abort_all_requests`` the server's requests in flight are aborted first, as /abort_request's
     (SGLang's tokenizer manager aborts all): answered finish_reason "abort", not failed by the
-    workers' own abort, which ends those of other clients of the cluster."""
+    workers' own abort, which ends those of other clients of the cluster. A server paused by
+    /pause_generation continues once updated (as /continue_generation), unless ``keep_pause``."""
     backend, requests = service.backend, service.requests
 
     def failed(status: int, message: str, code: str) -> JSONResponse:
@@ -393,9 +394,12 @@ def add_weights_route(app: FastAPI, service: GenerationService) -> None:
         if req.abort_all_requests:
             await requests.wait_ended(requests.abort_all())
         try:
-            return await backend.update_weights_from_disk(req.model_path, req.weight_version,
-                                                          req.abort_all_requests, req.flush_cache)
+            result = await backend.update_weights_from_disk(req.model_path, req.weight_version, req.abort_all_requests,
+                                                            req.flush_cache, req.torch_empty_cache)
         except ValueError as exc:
             return failed(400, str(exc), "invalid_checkpoint")
         except RuntimeError as exc:
             return failed(500, str(exc), "weights_update_failed")
+        if not (req.keep_pause or service.resumed.is_set()):
+            await service.continue_generation()
+        return result

@@ -248,3 +248,28 @@ def test_a_weight_update_that_aborts_all_requests_answers_them_aborted(engine, p
         answer = completion.result(timeout=30).json()
     assert meta["finish_reason"]["type"] == "abort" and meta["completion_tokens"] < LONG["max_new_tokens"]
     assert answer["choices"][0]["finish_reason"] == "abort" and answer["usage"]["completion_tokens"] < 200
+
+
+def test_a_paused_server_continues_after_a_weight_update_unless_keep_pause(engine, pool, idle_after):
+    """SGLang's ``keep_pause``: a server paused ("retract") stays paused through an update that keeps
+    the pause (its request in flight waits), and continues after one that does not (as
+    /continue_generation): the request ends as unpaused. SGLang's other fields are taken as sent."""
+    params = dict(LONG, max_new_tokens=100)
+    want = engine.generate(input_ids=PROMPT, sampling_params=params)["output_ids"]
+    update = {"model_path": engine.config.model_path, "keep_pause": True, "torch_empty_cache": True,
+              "recapture_cuda_graph": True, "token_step": 3, "is_async": False, "manifest": None}
+    with serving(engine, ServerConfig(allow_weight_updates=True)) as server:
+        running = pool.submit(post, server, "/generate", generate_body("keep-pause", params=params))
+        assert wait_until(lambda: holds(engine, "keep-pause", with_output=True))
+        post(server, "/pause_generation", {"mode": "retract"})
+        r = post(server, "/update_weights_from_disk", update)
+        assert r.status_code == 200 and r.json()["success"], r.text
+        assert engine.loop.paused and httpx.get(server.url + "/get_server_info").json()["paused"] is True
+        assert not running.done(), running.result().text
+        r = post(server, "/update_weights_from_disk", dict(update, keep_pause=False))
+        assert r.status_code == 200 and r.json()["success"], r.text
+        assert not engine.loop.paused and httpx.get(server.url + "/get_server_info").json()["paused"] is False
+        assert running.result(timeout=30).json()["output_ids"] == want
+        for field, value in (("is_async", True), ("manifest", {"weights": []})):
+            r = post(server, "/update_weights_from_disk", dict(update, **{field: value}))
+            assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text

@@ -67,9 +67,9 @@ class EngineBackend(StubBackend):
         await asyncio.to_thread(self.engine.unload_lora_adapter, lora_name)
 
     async def update_weights_from_disk(self, model_path, weight_version=None, abort_all_requests=False,
-                                       flush_cache=True):
+                                       flush_cache=True, torch_empty_cache=False):
         result = await asyncio.to_thread(self.engine.update_weights_from_disk, model_path, weight_version,
-                                         abort_all_requests, flush_cache)
+                                         abort_all_requests, flush_cache, torch_empty_cache)
         self.weight_version = self.engine.get_weight_version()
         return result._asdict()
 

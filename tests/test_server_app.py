@@ -417,7 +417,7 @@ def test_weight_update_route_is_behind_its_flag():
     take is a 400 naming it); /get_weight_version always answers."""
     class Updating(ScriptedBackend):
         async def update_weights_from_disk(self, model_path, weight_version=None, abort_all_requests=False,
-                                           flush_cache=True):
+                                           flush_cache=True, torch_empty_cache=False):
             self.weight_version = weight_version
             return {"success": True, "message": model_path, "num_paused_requests": 0}
 

@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from actors.engine import Engine
+from actors.engine import weight_updates
 from actors.engine.tiny import build_tiny_checkpoint
 from tests.parity import assert_greedy_parity
 from tests.tp_helpers import thread_ranks
@@ -408,8 +409,11 @@ def test_pd_backend_pauses_every_worker_and_updates_them_paused(checkpoints):
 def test_tp2_every_rank_takes_its_shard(checkpoints, monkeypatch):
     """TP 2 (ranks as threads): the update is checked on both ranks, then each copies its shard;
     a checkpoint only a follower cannot read fails the whole update, and rank 0 keeps its weights;
-    a copy failing on the follower rolls both ranks back to the served checkpoint."""
+    a copy failing on the follower rolls both ranks back to the served checkpoint; with
+    ``torch_empty_cache`` each rank empties its device's cache after the copy."""
     thread_ranks(monkeypatch)
+    emptied = []
+    monkeypatch.setattr(weight_updates, "empty_device_cache", emptied.append)
     old, new = checkpoints
     eng = Engine(model_path=old, tp_size=2, **ENGINE)
     try:
@@ -444,13 +448,26 @@ def test_tp2_every_rank_takes_its_shard(checkpoints, monkeypatch):
         outs = eng.generate(input_ids=batch, sampling_params=GREEDY)
         assert_greedy_parity(old, batch, [o["output_ids"] for o in outs], 8, eng.eos_token_ids)
         follower.handlers["weights_load"] = load
-        eng.update_weights_from_disk(new, weight_version="v1")
+        assert emptied == []
+        eng.update_weights_from_disk(new, weight_version="v1", torch_empty_cache=True)
         assert follower.runner.weights.path == new
+        assert emptied == [eng.runner.device, follower.runner.device]
         outs = eng.generate(input_ids=batch, sampling_params=GREEDY)
         assert_greedy_parity(new, batch, [o["output_ids"] for o in outs], 8, eng.eos_token_ids)
         eng.check_integrity()
     finally:
         eng.shutdown()
+
+
+def test_empty_device_cache_empties_the_cuda_allocators_cache_only(monkeypatch):
+    """SGLang's ``torch_empty_cache`` on a CUDA rank returns the allocator's cached blocks; a CPU
+    rank has no such cache (and must not initialize CUDA)."""
+    calls = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("cuda"))
+    weight_updates.empty_device_cache(torch.device("cpu"))
+    assert calls == []
+    weight_updates.empty_device_cache(torch.device("cuda", 0))
+    assert calls == ["cuda"]
 
 
 def stored_pages(eng, storage):

@@ -311,15 +311,18 @@ class Engine:
 
     # ---- weights (actors.engine.weight_updates) ---------------------------------------------
     def update_weights_from_disk(self, model_path: str, weight_version: Optional[str] = None,
-                                 abort_all_requests: bool = False, flush_cache: bool = True) -> UpdateWeightsResult:
+                                 abort_all_requests: bool = False, flush_cache: bool = True,
+                                 torch_empty_cache: bool = False) -> UpdateWeightsResult:
         """SGLang's ``update_weights_from_disk``: serve the checkpoint in ``model_path`` (same model, new
         weights) from now on, on every TP rank. New requests wait meanwhile; those in flight finish
         first, or end aborted with ``abort_all_requests``. ValueError (nothing changed) for a checkpoint
-        that does not fit the served model; ``flush_cache`` drops the KV of the old weights."""
+        that does not fit the served model; ``flush_cache`` drops the KV of the old weights;
+        ``torch_empty_cache`` empties each rank's CUDA cache after."""
         updater = WeightUpdater(self.loop, self.runner, self._call_followers,
                                 lambda: flush_engine_cache(self.scheduler, self.runner),
                                 lambda rid, room: self.loop.abort(rid))
-        return updater.update(UpdateWeightsRequest(model_path, weight_version, abort_all_requests, flush_cache))
+        return updater.update(UpdateWeightsRequest(model_path, weight_version, abort_all_requests, flush_cache,
+                                                   torch_empty_cache))
 
     def get_weight_version(self) -> str:
         """The ``weight_version`` of the last update ("default" before any)."""

@@ -214,8 +214,10 @@ class TPModelWorker:
         self.handlers: Dict[str, Callable[[Any], Any]] = {}
         if self.tp.size > 1 and not self.tp.is_leader:  # (actors.engine.lora_updates, weight_updates)
             from actors.engine.lora_updates import FollowerReads  # (which imports this module)
+            from actors.engine.weight_updates import empty_device_cache
             self.handlers.update(FollowerReads(self.runner).handlers(), weights_check=self.runner.weights.check,
-                                 weights_load=self.runner.weights.load)
+                                 weights_load=self.runner.weights.load,
+                                 weights_empty_cache=lambda _: empty_device_cache(self.runner.device))
         if self.tp.size > 1 and self.tp.is_leader:
             self._mirror = TableMirror(self.tables)
             if self._mamba_pool is not None:

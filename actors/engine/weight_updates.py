@@ -24,7 +24,9 @@ The order of one update, on an engine or a PD worker (every TP rank):
    clearing the directory would not prevent, and which would destroy what those engines share).
    The storage prefetches of a paused engine's waiting requests end, keeping nothing.
    Without ``flush_cache`` the caches are kept, as SGLang's, KV of the old weights included.
-5. ``weight_version`` (SGLang's; "default" until an update names one) is recorded: results
+5. With ``torch_empty_cache`` (SGLang's) every rank on CUDA returns the blocks its allocator caches
+   (the load's transient buffers among them) to the driver; on the CPU there is nothing to return.
+6. ``weight_version`` (SGLang's; "default" until an update names one) is recorded: results
    carry it in ``meta_info``. The checkpoint's tokenizer and generation config are not read, and a
    draft model's weights (speculative decoding) are not replaced: its KV goes with the flushed cache.
 """
@@ -38,6 +40,8 @@ import os
 import time
 import uuid
 from typing import Any, Callable, List, NamedTuple, Optional
+
+import torch
 
 from actors.engine.lora_updates import CallFollowers, on_followers
 from actors.engine.model_loader import ServedWeights
@@ -85,11 +89,19 @@ def check_paused_flush(loop, flush_cache: bool) -> None:
                            "flush_cache false")
 
 
+def empty_device_cache(device: torch.device) -> None:
+    """SGLang's ``torch_empty_cache``: the CUDA caching allocator's free blocks back to the driver
+    (on the CPU, nothing: no caching allocator holds them)."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def apply_update(sched, runner, call_followers: CallFollowers, flush: Callable[[], None], path: str,
-                 version: Optional[str], flush_cache: bool) -> None:
+                 version: Optional[str], flush_cache: bool, torch_empty_cache: bool = False) -> None:
     """With nothing running (the loop's lock held): check on every rank, copy on every rank, flush
-    (``flush``: the engine's prefix cache, idle), record ``version``. ValueError: refused, nothing
-    changed; RuntimeError: a copy failed (rolled back where the served checkpoint still reads)."""
+    (``flush``: the engine's prefix cache, idle), empty the device caches, record ``version``.
+    ValueError: refused, nothing changed; RuntimeError: a copy failed (rolled back where the served
+    checkpoint still reads)."""
     check_weights(runner, call_followers, path)
     weights, old = runner.weights, runner.weights.path
     try:
@@ -107,6 +119,9 @@ def apply_update(sched, runner, call_followers: CallFollowers, flush: Callable[[
             tp = runner.tp
             sched.tree_cache.cache_controller.use_storage(HiCacheFile(rank_storage_dir(directory, tp.rank, tp.size)))
             on_followers(call_followers, "weights_storage_dir", directory)
+    if torch_empty_cache:
+        empty_device_cache(runner.device)
+        on_followers(call_followers, "weights_empty_cache", None)
     if version is not None:
         weights.version = version
 
@@ -128,6 +143,7 @@ class UpdateWeightsRequest(NamedTuple):
     weight_version: Optional[str] = None
     abort_all_requests: bool = False
     flush_cache: bool = True
+    torch_empty_cache: bool = False
 
 
 class WeightUpdater:
@@ -183,7 +199,7 @@ class WeightUpdater:
             sched = self.loop.scheduler
             check_paused_flush(self.loop, req.flush_cache)
             apply_update(sched, self.runner, self.call_followers, sched.drop_prefix_cache, req.model_path,
-                         req.weight_version, req.flush_cache)
+                         req.weight_version, req.flush_cache, req.torch_empty_cache)
 
         self.loop.run_exclusive(apply)
         return UpdateWeightsResult(True, SUCCESS, 0)
@@ -196,4 +212,5 @@ class WeightUpdater:
 
     def _apply(self, req: UpdateWeightsRequest) -> None:
         self.loop.run_exclusive(lambda: apply_update(self.loop.scheduler, self.runner, self.call_followers, self.flush,
-                                                     req.model_path, req.weight_version, req.flush_cache))
+                                                     req.model_path, req.weight_version, req.flush_cache,
+                                                     req.torch_empty_cache))
