@@ -40,7 +40,7 @@ from cluster.chat_protocol import ChatCompletionRequest, ChatTemplateFields
 from cluster.completion_protocol import CompletionRequest, GenerateRequest
 from cluster.openai_format import ChatFormatter, CompletionFormatter
 from cluster.openai_protocol import describe_validation_error
-from cluster.reasoning import REASONING_FORMATS, prompt_tail
+from cluster.reasoning import REASONING_FORMATS, HarmonyFormat, prompt_tail
 from cluster.request_table import RequestTable
 from cluster.streaming import DONE, ChoiceEvent, TextDelta, run_choices, sse
 from cluster.tool_calls import template_message, tool_calls_for
@@ -119,6 +119,11 @@ class GenerationService:
         self.resumed = asyncio.Event()  # clear while generation is paused
         self.resumed.set()
         self.num_paused = 0  # the requests waiting for it before admission
+
+    @property
+    def _harmony(self) -> bool:
+        """The model writes GPT-OSS's Harmony (:mod:`cluster.harmony`): its reasoning or tool parser is ``gpt_oss``."""
+        return isinstance(self.reasoning, HarmonyFormat) or self.tool_call_parser == "gpt_oss"
 
     async def continue_generation(self) -> None:
         """The workers step again, then the requests a pause held are admitted (/continue_generation)."""
@@ -333,6 +338,11 @@ class GenerationService:
             raise APIError(400, 'tool_choice: "auto" needs a tool-call parser and this server has none (set '
                            "server.tool_call_parser; vLLM's --enable-auto-tool-choice --tool-call-parser)",
                            param="tool_choice")
+        if req.tools and req.tool_choice not in (None, "none", "auto") and self._harmony:
+            # (vLLM's Harmony path refuses it too: "Only 'auto' tool_choice is supported ... with Harmony")
+            raise APIError(400, 'tool_choice: "required" or a named function is not served for GPT-OSS\'s Harmony '
+                           "(gpt_oss): its grammar would hold from the message header the prompt opened, before "
+                           'the model names a channel and a recipient; use "auto" (or "none")', param="tool_choice")
         tool_calls = tool_calls_for(req, self.tool_call_parser)
         ids = self.chat_prompt(req)
         with grammar_errors(req):

@@ -192,3 +192,19 @@ def test_a_response_format_holds_the_final_channel_only(engine, client):
     for reasoning, content, calls, finish in choices:
         assert (reasoning, calls, finish) == ("{city}", [], "stop")
         jsonschema.validate(json.loads(content, strict=False), WEATHER)
+
+
+def test_a_required_or_named_tool_choice_is_refused_naming_it(engine, client):
+    """A required or named tool choice's JSON grammar would hold from the header the prompt opened
+    (``<|start|>assistant``), before the model writes a channel: no Harmony, no call to read. It
+    is a 400 naming tool_choice (vLLM's Harmony path refuses it too), through chat and Responses."""
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for choice in ("required", named):
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.chat.completions.create(model=MODEL, messages=USER, tools=TOOLS, tool_choice=choice, max_tokens=8)
+        assert refused.value.body["param"] == "tool_choice" and "Harmony" in refused.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.responses.create(model=MODEL, input="Weather in Paris?", max_output_tokens=8, tool_choice="required",
+                                tools=[dict(t["function"], type="function") for t in TOOLS])
+    assert refused.value.body["param"] == "tool_choice"
+    assert not engine.loop.held_reqs()
