@@ -252,16 +252,16 @@ def test_a_weight_update_that_aborts_all_requests_answers_them_aborted(engine, p
 
 def test_a_paused_server_continues_after_a_weight_update_unless_keep_pause(engine, pool, idle_after):
     """SGLang's ``keep_pause``: a server paused ("retract") stays paused through an update that keeps
-    the pause (its request in flight waits), and continues after one that does not (as
-    /continue_generation): the request ends as unpaused. SGLang's other fields are taken as sent."""
+    the pause (a request sent meanwhile waits), and continues after one that does not (as
+    /continue_generation): the request ends as unpaused. SGLang's other fields are taken as sent.
+    (Paused before the request is sent: no race with a request that would finish first.)"""
     params = dict(LONG, max_new_tokens=100)
     want = engine.generate(input_ids=PROMPT, sampling_params=params)["output_ids"]
     update = {"model_path": engine.config.model_path, "keep_pause": True, "torch_empty_cache": True,
               "recapture_cuda_graph": True, "token_step": 3, "is_async": False, "manifest": None}
     with serving(engine, ServerConfig(allow_weight_updates=True)) as server:
-        running = pool.submit(post, server, "/generate", generate_body("keep-pause", params=params))
-        assert wait_until(lambda: holds(engine, "keep-pause", with_output=True))
         post(server, "/pause_generation", {"mode": "retract"})
+        running = pool.submit(post, server, "/generate", generate_body("keep-pause", params=params))
         r = post(server, "/update_weights_from_disk", update)
         assert r.status_code == 200 and r.json()["success"], r.text
         assert engine.loop.paused and httpx.get(server.url + "/get_server_info").json()["paused"] is True
