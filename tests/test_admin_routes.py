@@ -48,6 +48,18 @@ def generate_body(rid=None, stream=False, params=LONG):
     return {"input_ids": PROMPT, "sampling_params": params, "stream": stream, **({"rid": rid} if rid else {})}
 
 
+@pytest.fixture
+def slow_steps(engine, monkeypatch):
+    """Each engine step 5 ms longer: a request a test pauses after its first output is still
+    running when the pause takes hold (a tiny model's 100 tokens otherwise take ~0.3 s)."""
+    step = engine.scheduler.step
+
+    def slow():
+        time.sleep(0.005)
+        return step()
+    monkeypatch.setattr(engine.scheduler, "step", slow)
+
+
 def holds(engine, prefix, with_output=False) -> bool:
     """The engine holds a request whose id starts with ``prefix`` (that has output, ``with_output``)."""
     return any(r.rid.startswith(prefix) and (r.output_ids or not with_output) for r in engine.loop.held_reqs())
@@ -129,7 +141,8 @@ def test_abort_all_ends_every_request_in_flight(engine, served, pool, idle_after
 
 
 @pytest.mark.parametrize("mode", ["retract", "in_place"])
-def test_a_paused_request_resumes_with_the_tokens_of_an_unpaused_run(engine, served, pool, idle_after, mode):
+def test_a_paused_request_resumes_with_the_tokens_of_an_unpaused_run(engine, served, pool, idle_after, slow_steps,
+                                                                      mode):
     """SGLang's pause: "retract" sends the running request back to waiting with its KV freed,
     "in_place" keeps it running with its KV; a request that comes meanwhile waits in the server,
     and after /continue_generation both end with the unpaused run's tokens."""
@@ -168,7 +181,7 @@ def test_pause_in_abort_mode_aborts_what_runs_and_holds_what_comes(engine, serve
     assert post(served, "/pause_generation", {"mode": "later"}).status_code == 400
 
 
-def test_a_paused_engine_updates_its_weights_at_once(engine, pool, idle_after):
+def test_a_paused_engine_updates_its_weights_at_once(engine, pool, idle_after, slow_steps):
     """SGLang updates a paused engine's weights without waiting: paused "retract", a request in
     flight holds no KV and the update applies; paused "in_place", its KV cannot be flushed, so the
     update is refused and nothing changes. The request then ends as unpaused."""
