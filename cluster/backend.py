@@ -16,11 +16,12 @@ import asyncio
 import json
 import logging
 import os
+from contextlib import aclosing
 from typing import Any, AsyncIterator, Dict, List, Optional, Protocol
 
 from actors.engine.lora import lora_cache_key
 from actors.engine.model_loader import DEFAULT_WEIGHT_VERSION
-from actors.engine.weight_updates import SUCCESS, UpdateWeightsRequest
+from actors.engine.weight_updates import DRAIN_POLL_S, SUCCESS, UpdateWeightsRequest
 from actors.pd_scheduler import PDRequestError
 
 logger = logging.getLogger(__name__)
@@ -42,7 +43,8 @@ class ServingBackend(Protocol):
     def generate_stream(self, input_ids: List[int], sampling_params: Dict[str, Any], rid: str,
                         priority: int = 0, lora_path: Optional[str] = None) -> AsyncIterator[Dict[str, Any]]:
         """A stream closed (or cancelled) before its last result stops the request on its workers:
-        a client gone, an abort."""
+        a client gone, an abort. A request sent while the weights are updated waits for the update's
+        end (admitted, in the server's requests: an abort ends it)."""
 
     def routing_policy(self, role: str) -> str: ...
 
@@ -117,6 +119,9 @@ class PDBackend:
         self.weight_version = DEFAULT_WEIGHT_VERSION  # the workers' (SGLang's; "default" before any update)
         self.weights_update: Optional[UpdateWeightsRequest] = None  # the last that succeeded: a new worker's too
         self._weights_lock = asyncio.Lock()  # one weight update at a time
+        self._serving = asyncio.Event()  # clear while a weights update waits and applies: new requests wait
+        self._serving.set()
+        self._num_streams = 0  # the requests past that gate, not yet ended
         self.owned_router = None
         self.model_path = getattr(cluster, "model_path", None)
         self.paused_mode: Optional[str] = None  # pause_generation's, until continue_generation
@@ -146,8 +151,19 @@ class PDBackend:
     def draining(self) -> bool:
         return bool(self.client.draining)
 
-    def generate_stream(self, input_ids, sampling_params, rid, priority=0, lora_path=None):
-        return self.client.generate_stream(input_ids, sampling_params, rid, priority, lora_path)
+    async def generate_stream(self, input_ids, sampling_params, rid, priority=0, lora_path=None):
+        """The client's stream, once no weights update is under way (SGLang's model_update_lock, read
+        side): a request runs on one checkpoint, its prefill's and its decode's (see
+        :meth:`update_weights_from_disk`)."""
+        await self._serving.wait()
+        self._num_streams += 1
+        try:
+            async with aclosing(self.client.generate_stream(input_ids, sampling_params, rid, priority,
+                                                            lora_path)) as results:
+                async for result in results:
+                    yield result
+        finally:
+            self._num_streams -= 1
 
     @property
     def num_retries(self) -> int:
@@ -277,8 +293,15 @@ class PDBackend:
                                        torch_empty_cache: bool = False) -> Dict[str, Any]:
         """SGLang's update on every live worker, prefill and decode, each on all its TP ranks: first
         checked everywhere (ValueError naming the worker and what differs, or that a paused request's
-        KV cannot be flushed there: no weight touched), then
-        applied on all at once; each worker holds its new requests back while its own in flight end.
+        KV cannot be flushed there: no weight touched), then applied on all at once, cluster-wide as
+        SGLang's tokenizer manager does it (its model_update_lock): new requests wait in
+        :meth:`generate_stream` until every worker has applied it (or it failed), and those in flight
+        end first, on the old weights on both sides. The workers' own holding is not enough: a
+        prefill worker done with its own requests would run a request's prefill on the new weights
+        while its decode worker, still draining, decodes it on the old ones. With
+        ``abort_all_requests`` nothing is waited for: each worker aborts the requests it holds (a
+        request reserved on the decode side is aborted there, whatever its prefill does). A paused
+        cluster is updated at once (SGLang's: its requests resume on the new weights).
         A worker that fails after every check passed leaves the cluster on mixed weights: RuntimeError
         naming each worker's version. Then the router re-indexes every worker (their caches were
         flushed: it would route by prefixes they no longer hold). Returns SGLang's result."""
@@ -289,8 +312,15 @@ class PDBackend:
                                            return_exceptions=True)
             if _failures(live, results):
                 raise ValueError("; ".join(_failures(live, results)))
-            results = await asyncio.gather(*(w.handle.update_weights_from_disk.remote(*req) for w in live),
-                                           return_exceptions=True)
+            self._serving.clear()
+            drain = not (abort_all_requests or self.paused_mode)  # (a pause meanwhile: they wait for continue)
+            try:
+                while drain and self._num_streams:
+                    await asyncio.sleep(DRAIN_POLL_S)
+                results = await asyncio.gather(*(w.handle.update_weights_from_disk.remote(*req) for w in live),
+                                               return_exceptions=True)
+            finally:
+                self._serving.set()
             if _failures(live, results):
                 versions = await asyncio.gather(*(w.handle.get_weight_version.remote() for w in live),
                                                 return_exceptions=True)

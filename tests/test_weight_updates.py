@@ -4,6 +4,7 @@ actors.engine.weight_updates): the engine's tokens are HF's on the new checkpoin
 refused before any weight is touched, requests in flight finish (or are aborted) and new ones
 wait; at TP 2 every rank takes its shard; over HTTP through PDBackend to both PD workers."""
 
+import asyncio
 import inspect
 import random
 import threading
@@ -588,3 +589,118 @@ def test_a_paused_update_ends_the_storage_prefetches_of_the_old_weights(checkpoi
         eng.check_integrity()
     finally:
         eng.shutdown()
+
+
+def pd_backend(prefill, decode):
+    """PDBackend over a PDClient of the in-process pair (its calls tasks, as Ray's)."""
+    from cluster.backend import PDBackend
+    from cluster.pd_client import PDClient
+    from cluster.pd_rotation import WorkerRef
+    from tests.test_pd_client_retries import _Handle
+
+    refs = [WorkerRef(w.worker_id, w.role, _Handle(w), "n") for w in (prefill, decode)]
+    return PDBackend(PDClient(refs[:1], refs[1:]))
+
+
+def hold_prefill_until_its_update(prefill, rid, grace_s=1.0):
+    """``rid``'s prefill call waits until the prefill worker's update has begun (its own requests then
+    parked behind it), or ``grace_s`` when none begins meanwhile: a request reserved on the decode
+    side whose prefill comes while the update is under way."""
+    started, real_prefill, real_update = threading.Event(), prefill.prefill, prefill.update_weights_from_disk
+
+    async def update(*args):
+        started.set()
+        return await real_update(*args)
+
+    async def held(*args, **kwargs):
+        if args[0] == rid:
+            deadline = time.monotonic() + grace_s
+            while not started.is_set() and time.monotonic() < deadline:
+                await asyncio.sleep(0.005)
+        return await real_prefill(*args, **kwargs)
+
+    prefill.prefill, prefill.update_weights_from_disk = held, update
+
+
+async def collect(stream):
+    return [result async for result in stream]
+
+
+def one_version(results):
+    """The weight version of a request's results: one for all of them."""
+    versions = {r["meta_info"]["weight_version"] for r in results}
+    assert len(versions) == 1, f"one request's results carry versions {versions}"
+    return versions.pop()
+
+
+def test_pd_update_lets_a_request_in_flight_end_on_the_old_weights_on_both_sides(checkpoints):
+    """A request reserved on the decode worker whose prefill comes after the update began: the
+    update waits for it before any worker applies (not the prefill worker at once, which would
+    prefill it on the new weights while the decode worker, draining, decodes it on the old), so
+    its tokens are HF's on the old checkpoint, one version throughout; a /generate sent to the
+    server meanwhile waits, then runs on the new weights."""
+    import httpx
+
+    from cluster.config import ServerConfig
+    from cluster.server import build_app
+    from tests.pd_helpers import close_workers, make_pair, until
+
+    old, new = checkpoints
+    prefill, decode = make_pair(old, page_size=4)
+    backend = pd_backend(prefill, decode)
+    app = build_app(backend, None, ServerConfig(allow_weight_updates=True))
+    first_prompt, later_prompt = prompts(seed=10)
+    hold_prefill_until_its_update(prefill, "first")
+
+    async def go():
+        first = asyncio.ensure_future(collect(backend.generate_stream(first_prompt, GREEDY, "first")))
+        await until(lambda: decode.scheduler.transfer, what="the first request's reservation")
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://app",
+                                     timeout=60) as http:
+            update = asyncio.ensure_future(http.post("/update_weights_from_disk",
+                                                     json={"model_path": new, "weight_version": "v1"}))
+            await until(lambda: not backend._serving.is_set(), what="the update under way")
+            later = await http.post("/generate", json={"input_ids": later_prompt, "sampling_params": GREEDY})
+            return await first, await update, later
+
+    try:
+        first, update, later = asyncio.run(go())
+        assert update.status_code == 200 and update.json()["success"]
+        assert one_version(first) == "default"
+        assert_greedy_parity(old, [first_prompt], [first[-1]["output_ids"]], 8, decode.eos_token_ids)
+        assert later.status_code == 200 and later.json()["meta_info"]["weight_version"] == "v1"
+        assert_greedy_parity(new, [later_prompt], [later.json()["output_ids"]], 8, decode.eos_token_ids)
+    finally:
+        close_workers(prefill, decode)
+
+
+def test_pd_update_with_abort_all_requests_ends_the_request_in_flight_on_both_sides(checkpoints):
+    """abort_all_requests: the update waits for nothing; the request reserved on the decode worker
+    ends aborted there, and its prefill, come after the update began, pushes nowhere (nothing
+    decodes it on other weights); one sent meanwhile waits, then runs on the new weights; nothing leaks."""
+    from actors.pd_scheduler import PDRequestError
+    from tests.pd_helpers import close_workers, make_pair, until
+
+    old, new = checkpoints
+    prefill, decode = make_pair(old, page_size=4)
+    backend = pd_backend(prefill, decode)
+    first_prompt, later_prompt = prompts(seed=11)
+    hold_prefill_until_its_update(prefill, "first")
+
+    async def go():
+        first = asyncio.ensure_future(collect(backend.generate_stream(first_prompt, GREEDY, "first")))
+        await until(lambda: decode.scheduler.transfer, what="the first request's reservation")
+        update = asyncio.ensure_future(backend.update_weights_from_disk(new, "v1", abort_all_requests=True))
+        await until(lambda: not backend._serving.is_set(), what="the update under way")
+        later = await collect(backend.generate_stream(later_prompt, GREEDY, "later"))
+        with pytest.raises(PDRequestError, match="abort"):
+            await first
+        return await update, later
+
+    try:
+        result, later = asyncio.run(go())
+        assert result["success"] and prefill.get_weight_version() == decode.get_weight_version() == "v1"
+        assert one_version(later) == "v1"
+        assert_greedy_parity(new, [later_prompt], [later[-1]["output_ids"]], 8, decode.eos_token_ids)
+    finally:
+        close_workers(prefill, decode)

@@ -6,7 +6,10 @@ The order of one update, on an engine or a PD worker (every TP rank):
 
 1. New requests wait: the engine loop parks them (:meth:`EngineLoop.hold`) until the update ends.
    Those in flight finish first, or with ``abort_all_requests`` end at once as aborted (SGLang's
-   abort finish reason), freeing what they held.
+   abort finish reason), freeing what they held. A worker's own holding does not keep a PD request
+   on one checkpoint (a prefill worker done first would prefill it on the new weights for a decode
+   worker still on the old): ``PDBackend.update_weights_from_disk`` holds the cluster's new requests
+   and waits for those in flight on both sides before any worker is told to update.
    A paused engine (``pause_generation``) is updated at once instead, as SGLang's: nothing is waited
    for or aborted, its requests resume on the new weights (:meth:`WeightUpdater._apply_paused`).
 2. Once nothing runs, the checkpoint is checked on every rank before any weight is touched
