@@ -11,7 +11,7 @@ from typing import Annotated, Any, Dict, List, Literal, Optional
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 CACHE_AWARE_POLICIES = ("lpm", "dfs-weight")  # the schedule policies that order requests by the radix cache
-# the projections a LoRA adapter may target (Llama-family names; actors.engine.lora applies them)
+# the projections a LoRA adapter may target (HF names; a model's supported_lora_modules say which it has)
 LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 

@@ -31,15 +31,12 @@ from safetensors.torch import load_file
 from torch import nn
 from torch.nn import functional as F
 
-from actors.engine.config import LORA_TARGET_MODULES
 from actors.engine.parallel import ColumnParallelLinear, RowParallelLinear
 
-# the projections an adapter may target, by the block that holds them (Llama-family names)
-LORA_TARGETS = dict(zip(LORA_TARGET_MODULES, ["self_attn"] * 4 + ["mlp"] * 3))
-# a layer an adapter may target: model.layers.<i>.<block>.<projection>
-TARGET_LAYER = re.compile(r"^model\.layers\.\d+\.(\w+)\.(\w+)$")
+# a module of a decoder layer: model.layers.<i>.<its name in the layer> (what the model's supported_lora_modules list)
+LAYER_MODULE = re.compile(r"^model\.layers\.\d+\.([\w.]+)$")
 # a PEFT checkpoint's tensor name: base_model.model.<the base model's module>.lora_{A,B}.weight
-ADAPTER_KEY = re.compile(r"^base_model\.model\.(model\.layers\.\d+\.(\w+)\.(\w+))\.lora_([AB])\.weight$")
+ADAPTER_KEY = re.compile(r"^base_model\.model\.(model\.layers\.\d+\.[\w.]+)\.lora_([AB])\.weight$")
 # adapter_config.json settings that change what an adapter computes beyond y += s·B·A·x: refused, not ignored
 UNSUPPORTED_SETTINGS = {"use_dora": "DoRA", "modules_to_save": "modules_to_save", "rank_pattern": "rank_pattern",
                         "alpha_pattern": "alpha_pattern"}
@@ -77,10 +74,9 @@ def read_adapter(name: str, path: str) -> LoRAAdapter:
     halves: Dict[str, Dict[str, torch.Tensor]] = {}
     for key, tensor in load_file(weights_path).items():
         match = ADAPTER_KEY.match(key)
-        if match is None or LORA_TARGETS.get(match[3]) != match[2]:
-            raise ValueError(f"LoRA adapter {name!r}: tensor {key!r} is not a LoRA weight of a supported module "
-                             f"({', '.join(LORA_TARGETS)})")
-        halves.setdefault(match[1], {})[match[4]] = tensor
+        if match is None:
+            raise ValueError(f"LoRA adapter {name!r}: tensor {key!r} is not a LoRA weight of a decoder layer's module")
+        halves.setdefault(match[1], {})[match[2]] = tensor
     weights = {}
     for module, pair in halves.items():
         if set(pair) != {"A", "B"} or pair["A"].shape[0] != rank or pair["B"].shape[1] != rank:
@@ -126,13 +122,18 @@ class LoRAManager:
     ``full_model``: the model's unsharded modules (on the meta device) that each adapter tensor's
     shape is checked against before this rank takes its shard. ``config``: the EngineConfig, whose
     ``max_loras_per_batch``, ``max_lora_rank``, ``lora_target_modules`` and ``max_loaded_loras`` it
-    follows (the rank and the layers those of the start ``adapters`` where the two are None)."""
+    follows (the rank and the layers those of the start ``adapters`` where the two are None).
+    The layers that may take adapters are those of the model's ``supported_lora_modules`` (its decoder layers'
+    attention and dense MLP projections; never a MoE's experts)."""
 
     def __init__(self, model: nn.Module, full_model: nn.Module, adapters: List[LoRAAdapter], config,
                  dtype: torch.dtype, device: torch.device):
-        if not getattr(model, "supports_lora", False):
-            raise ValueError(f"LoRA adapters are not supported for {type(model).__name__} "
+        self.model_name, self.supported_modules = type(model).__name__, getattr(model, "supported_lora_modules", ())
+        if not self.supported_modules:
+            raise ValueError(f"LoRA adapters are not supported for {self.model_name} "
                              "(lora_paths, lora_target_modules)")
+        for adapter in adapters:
+            self._check_modules(adapter)
         self.full_model = full_model
         self.max_rank = config.max_lora_rank or max(a.rank for a in adapters)
         self.target_modules = config.lora_target_modules
@@ -160,9 +161,19 @@ class LoRAManager:
             self.add(self.shard(adapter))
 
     def _target_layers(self, model: nn.Module) -> Set[str]:
-        """The layers of ``lora_target_modules``' projections in every decoder layer of ``model``."""
-        return {name for name, _ in model.named_modules() if (match := TARGET_LAYER.match(name))
-                and match[2] in self.target_modules and LORA_TARGETS[match[2]] == match[1]}
+        """The layers of ``lora_target_modules``' projections in every decoder layer of ``model``
+        (of its ``supported_lora_modules``: ``gate_proj`` names no layer of Mixtral, whose MLPs are all experts)."""
+        return {name for name, _ in model.named_modules() if (match := LAYER_MODULE.match(name))
+                and match[1] in self.supported_modules and match[1].rpartition(".")[2] in self.target_modules}
+
+    def _check_modules(self, adapter: LoRAAdapter) -> None:
+        """ValueError naming the modules of ``adapter`` outside the model's ``supported_lora_modules``
+        (a MoE's experts): checked before any layer is wrapped, as an expert's projection is a linear layer too."""
+        other = sorted(m for m in adapter.weights if LAYER_MODULE.match(m)[1] not in self.supported_modules)
+        if other:
+            raise ValueError(f"LoRA adapter {adapter.name!r} targets {', '.join(other)}: {self.model_name} takes "
+                             f"adapters on {', '.join(self.supported_modules)} of a decoder layer only "
+                             "(no MoE experts)")
 
     def shard(self, adapter: LoRAAdapter) -> LoRAAdapter:
         """``adapter`` with this rank's shard of each module, padded to the slots' rank, as its
@@ -172,6 +183,7 @@ class LoRAManager:
         if adapter.rank > self.max_rank:
             raise ValueError(f"max_lora_rank={self.max_rank} is below the rank of LoRA adapter(s) "
                              f"{adapter.name} (r={adapter.rank})")
+        self._check_modules(adapter)
         other = sorted(set(adapter.weights) - set(self.layers))
         if other:
             layers = (f"lora_target_modules={self.target_modules}" if self.target_modules else

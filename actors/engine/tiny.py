@@ -120,33 +120,29 @@ def build_tiny_checkpoint(family: str, out_dir: Union[str, Path], seed: int = 0,
     return out
 
 
-def peft_key(layer: int, module: str, half: str) -> str:
-    block = "self_attn" if module in ATTENTION else "mlp"
-    return f"base_model.model.model.layers.{layer}.{block}.{module}.lora_{half}.weight"
-
-
 def make_adapter(model_dir: str, out_dir: Path, rank: int, alpha: float, targets: Sequence[str] = ATTENTION + MLP,
                  seed: int = 0, use_rslora: bool = False, **config) -> Path:
     """A random adapter of every layer's ``targets`` in PEFT's layout (A and B both non-zero, so it
-    changes the model's output); ``config``: more adapter_config.json fields."""
+    changes the model's output); ``config``: more adapter_config.json fields. A target is a linear
+    layer of the layer's attention or dense MLP (HF's modules: a MoE family's experts are none of
+    them, so ``gate_proj`` targets Qwen3-MoE's dense layers only, and no Mixtral layer)."""
     from safetensors.torch import save_file
-    from transformers import AutoConfig
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    hf = AutoConfig.from_pretrained(model_dir)
-    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-    shapes = {"q_proj": (hf.hidden_size, hf.num_attention_heads * head_dim),
-              "k_proj": (hf.hidden_size, hf.num_key_value_heads * head_dim),
-              "v_proj": (hf.hidden_size, hf.num_key_value_heads * head_dim),
-              "o_proj": (hf.num_attention_heads * head_dim, hf.hidden_size),
-              "gate_proj": (hf.hidden_size, hf.intermediate_size), "up_proj": (hf.hidden_size, hf.intermediate_size),
-              "down_proj": (hf.intermediate_size, hf.hidden_size)}
-    gen = torch.Generator().manual_seed(seed)
+    with torch.device("meta"):
+        hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+    modules, gen = dict(hf.named_modules()), torch.Generator().manual_seed(seed)
     tensors = {}
-    for layer in range(hf.num_hidden_layers):
+    for layer in range(hf.config.num_hidden_layers):
         for module in targets:
-            fan_in, fan_out = shapes[module]
-            tensors[peft_key(layer, module, "A")] = torch.randn(rank, fan_in, generator=gen) / math.sqrt(fan_in)
-            tensors[peft_key(layer, module, "B")] = torch.randn(fan_out, rank, generator=gen) / math.sqrt(rank)
+            name = f"model.layers.{layer}.{'self_attn' if module in ATTENTION else 'mlp'}.{module}"
+            linear = modules.get(name)
+            if not isinstance(linear, torch.nn.Linear):
+                continue
+            fan_in, fan_out = linear.in_features, linear.out_features
+            key = f"base_model.model.{name}.lora_"
+            tensors[key + "A.weight"] = torch.randn(rank, fan_in, generator=gen) / math.sqrt(fan_in)
+            tensors[key + "B.weight"] = torch.randn(fan_out, rank, generator=gen) / math.sqrt(rank)
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out_dir / "adapter_model.safetensors"))
     settings = {"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "target_modules": list(targets),

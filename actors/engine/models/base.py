@@ -18,7 +18,7 @@ logits are summed over the ranks' vocabulary ranges (one all-reduce of ``[n, 2]`
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional, Tuple
 
 import torch
 from torch import nn
@@ -74,7 +74,17 @@ class DecoderModel(nn.Module):
         return self.norm(x)
 
 
+# the projections of a decoder layer that take LoRA adapters (actors.engine.lora), HF's names under the layer
+LORA_ATTENTION = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
+LORA_MLP = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+
+
 class CausalLM(nn.Module):
+    # the modules of each decoder layer that take LoRA adapters (a layer may lack some: Qwen3-MoE's dense MLP is on
+    # its mlp_only_layers alone); none: the model serves no adapters. A MoE's experts take none (vLLM's LoRA on
+    # experts is recent, SGLang's partial): an adapter targeting them is refused, naming the module
+    supported_lora_modules: Tuple[str, ...] = ()
+
     def __init__(self, config, model: DecoderModel, final_logit_softcap: Optional[float] = None):
         super().__init__()
         self.config = config

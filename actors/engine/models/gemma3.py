@@ -17,7 +17,7 @@ from __future__ import annotations
 from torch import nn
 
 from actors.engine.layers import GatedMLP, RadixAttention, RMSNorm, RotaryEmbedding
-from actors.engine.models.base import CausalLM, DecoderModel
+from actors.engine.models.base import LORA_ATTENTION, LORA_MLP, CausalLM, DecoderModel
 from actors.engine.models.spec import KVCacheSpec
 from actors.engine.parallel import SINGLE, ColumnParallelLinear, RowParallelLinear, TPGroup, attention_heads, head_ranges
 
@@ -88,6 +88,8 @@ class Gemma3DecoderLayer(nn.Module):
 
 
 class Gemma3ForCausalLM(CausalLM):
+    supported_lora_modules = LORA_ATTENTION + LORA_MLP
+
     def __init__(self, config, tp: TPGroup = SINGLE):
         if getattr(config, "use_bidirectional_attention", False):  # HF lets sliding layers see ahead in the window
             raise ValueError("Gemma 3 with use_bidirectional_attention=True (an encoder) is not served: "

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from actors.engine.layers import RMSNorm
-from actors.engine.models.base import CausalLM, DecoderModel
+from actors.engine.models.base import LORA_ATTENTION, CausalLM, DecoderModel
 from actors.engine.models.gemma3 import swa_layers
 from actors.engine.models.llama import LlamaAttention
 from actors.engine.models.spec import KVCacheSpec
@@ -106,6 +106,8 @@ class GptOssDecoderLayer(nn.Module):
 
 
 class GptOssForCausalLM(CausalLM):
+    supported_lora_modules = LORA_ATTENTION  # (every layer's MLP is its experts)
+
     def __init__(self, config, tp: TPGroup = SINGLE):
         norm = RMSNorm(config.hidden_size, config.rms_norm_eps, fp32_weight=True)
         super().__init__(config, DecoderModel(config, GptOssDecoderLayer, norm, tp=tp))

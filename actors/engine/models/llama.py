@@ -9,7 +9,7 @@ from torch import nn
 
 from actors.engine.forward_batch import ForwardBatch
 from actors.engine.layers import GatedMLP, RadixAttention, RMSNorm, RotaryEmbedding
-from actors.engine.models.base import CausalLM, DecoderModel
+from actors.engine.models.base import LORA_ATTENTION, LORA_MLP, CausalLM, DecoderModel
 from actors.engine.models.spec import KVCacheSpec
 from actors.engine.parallel import (
     SINGLE, ColumnParallelLinear, RowParallelLinear, TPGroup, attention_heads, head_ranges, shard_param,
@@ -100,7 +100,7 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(CausalLM):
-    supports_lora = True  # its q/k/v/o and gate/up/down projections take LoRA adapters (actors.engine.lora)
+    supported_lora_modules = LORA_ATTENTION + LORA_MLP
     layer_cls = LlamaDecoderLayer
 
     def __init__(self, config, tp: TPGroup = SINGLE):

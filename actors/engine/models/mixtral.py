@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from actors.engine.models.base import LORA_ATTENTION
 from actors.engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from actors.engine.models.moe import SparseMoeBlock
 from actors.engine.parallel import TPGroup
@@ -19,5 +20,5 @@ class MixtralDecoderLayer(LlamaDecoderLayer):
 
 
 class MixtralForCausalLM(LlamaForCausalLM):
-    supports_lora = False  # not served for the MoE families (an adapter's MLP targets would be the experts')
+    supported_lora_modules = LORA_ATTENTION  # (every layer's MLP is its experts)
     layer_cls = MixtralDecoderLayer

@@ -19,5 +19,5 @@ class Qwen3MoeDecoderLayer(LlamaDecoderLayer):
 
 
 class Qwen3MoeForCausalLM(LlamaForCausalLM):
-    supports_lora = False  # not served for the MoE families (an adapter's MLP targets would be the experts')
+    # supported_lora_modules: Llama's, the MLP's on the dense layers (mlp_only_layers) only
     layer_cls = Qwen3MoeDecoderLayer

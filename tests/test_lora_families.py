@@ -1,0 +1,82 @@
+"""Multi-LoRA beyond Llama: Mistral, Gemma 3, GPT-OSS, Mixtral and Qwen3-MoE serve an adapter on
+their layers' attention and dense-MLP projections (each model's ``supported_lora_modules``) — a base request
+and an adapter request in one batch each get HF's tokens on their checkpoint (the adapter merged
+in), Qwen3-MoE also at TP 2 — and an adapter targeting a MoE's experts is refused, naming the module."""
+
+import re
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from actors.engine import Engine
+from actors.engine.tiny import build_tiny_checkpoint, make_adapter
+from tests.lora_helpers import merged_checkpoint
+from tests.test_lora import GREEDY, assert_parity, prompts
+from tests.tp_helpers import thread_ranks
+
+# family -> (tiny checkpoint overrides, the decoder layers whose dense MLP takes the adapter)
+FAMILIES = {
+    "mistral": ({}, {0, 1}),
+    "gemma3": ({}, {0, 1, 2, 3}),
+    "gpt_oss": ({}, set()),  # (experts on every layer)
+    "mixtral": ({}, set()),
+    "qwen3_moe": ({"mlp_only_layers": [0]}, {0}),  # layer 1's MLP is the experts
+}
+
+
+def served(root, family):
+    """(base checkpoint, {"sql": adapter dir}, {"sql": merged checkpoint}) of ``family``: the
+    adapter targets every projection (those the family has)."""
+    base = str(build_tiny_checkpoint(family, root / "base", seed=0, **FAMILIES[family][0]))
+    path = make_adapter(base, root / "sql", rank=4, alpha=8, seed=1)
+    return base, {"sql": str(path)}, {"sql": merged_checkpoint(base, path, root / "merged")}
+
+
+@pytest.mark.parametrize("family, tp_size", [("mistral", 1), ("gemma3", 1), ("gpt_oss", 1), ("mixtral", 1),
+                                             ("qwen3_moe", 1), ("qwen3_moe", 2)])
+def test_family_serves_an_adapter_beside_the_base_model(tmp_path, monkeypatch, family, tp_size):
+    """The layers of every projection (``lora_target_modules="all"``) are the family's attention
+    projections and its dense MLPs' (no expert); base and adapter requests interleave in one batch
+    and each gets its checkpoint's tokens, which the adapter changes."""
+    thread_ranks(monkeypatch)
+    model = served(tmp_path, family)
+    eng = Engine(model_path=model[0], skip_tokenizer_init=True, max_total_tokens=1024, lora_paths=model[1],
+                 lora_target_modules="all", tp_size=tp_size)
+    try:
+        layers = eng.runner.lora.layers
+        assert {int(m.split(".")[2]) for m in layers if ".mlp." in m} == FAMILIES[family][1]
+        assert sum(".self_attn." in m for m in layers) == 4 * eng.runner.model.config.num_hidden_layers
+        batch = [p for p in prompts(2, seed=5) for _ in range(2)]
+        loras = [None, "sql"] * 2
+        outs = eng.generate(input_ids=batch, sampling_params=GREEDY, lora_path=loras)
+        assert_parity(model, batch, loras, outs, eng.eos_token_ids)
+        assert any(outs[i]["output_ids"] != outs[i + 1]["output_ids"] for i in (0, 2))
+        eng.check_integrity()
+    finally:
+        eng.shutdown()
+
+
+@pytest.mark.parametrize("family, expert", [
+    ("qwen3_moe", "model.layers.1.mlp.experts.0.gate_proj"),
+    ("mixtral", "model.layers.0.block_sparse_moe.experts.1.w1"),
+    ("gpt_oss", "model.layers.0.mlp.experts.gate_up_proj"),
+])
+def test_an_adapter_on_the_experts_is_refused(tmp_path, family, expert):
+    """An adapter whose tensors target an expert is refused at start and at a runtime load, the error
+    naming the module (vLLM's and SGLang's LoRA on experts is not served here)."""
+    base = str(build_tiny_checkpoint(family, tmp_path / "base", seed=0))
+    good = make_adapter(base, tmp_path / "sql", rank=4, alpha=8, targets=("q_proj",))
+    bad = make_adapter(base, tmp_path / "moe", rank=4, alpha=8, targets=("q_proj",))
+    tensors = {f"base_model.model.{expert}.lora_A.weight": torch.ones(4, 64),
+               f"base_model.model.{expert}.lora_B.weight": torch.ones(32, 4)}
+    save_file(tensors, str(bad / "adapter_model.safetensors"))
+    with pytest.raises(ValueError, match=f"'moe' targets {re.escape(expert)}: .*no MoE experts"):
+        Engine(model_path=base, skip_tokenizer_init=True, max_total_tokens=256, lora_paths={"moe": str(bad)})
+    eng = Engine(model_path=base, skip_tokenizer_init=True, max_total_tokens=256, lora_paths={"sql": str(good)})
+    try:
+        with pytest.raises(ValueError, match=f"'moe' targets {re.escape(expert)}"):
+            eng.load_lora_adapter("moe", str(bad))
+        eng.check_integrity()
+    finally:
+        eng.shutdown()
