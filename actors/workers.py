@@ -36,6 +36,7 @@ from actors.engine.engine import _eos_ids, check_engine_integrity, flush_engine_
 from actors.engine.engine_loop import EngineLoop, Post
 from actors.engine.grammar import MakingReqs, make_req_off_loop
 from actors.engine.lora_updates import async_unload_lora_adapter, load_lora_adapter
+from actors.engine.model_loader import WeightsSource
 from actors.engine.req import Req
 from actors.engine.sampling_params import SamplingParams
 from actors.engine.weight_updates import (ABORT_MESSAGE, UpdateWeightsRequest, WeightUpdater, check_paused_flush,
@@ -254,11 +255,11 @@ class _Worker:
         """Refuse new requests for adapter ``lora_name``; returns once those in flight have finished and it is gone."""
         await async_unload_lora_adapter(self.loop, self.runner, self.tp_worker.call_followers, lora_name)
 
-    async def check_weights(self, model_path: str, flush_cache: bool = True) -> None:
-        """ValueError naming what differs when the checkpoint in ``model_path`` cannot replace the
-        weights this worker serves, on any of its TP ranks (nothing is loaded); RuntimeError when a
-        paused update with ``flush_cache`` would be refused here (:func:`check_paused_flush`): the
-        PD backend checks every worker before any applies it."""
+    async def check_weights(self, model_path: WeightsSource, flush_cache: bool = True) -> None:
+        """ValueError naming what differs when the checkpoint in ``model_path`` (or named tensors: on meta
+        will do) cannot replace the weights this worker serves, on any of its TP ranks (nothing is
+        loaded); RuntimeError when a paused update with ``flush_cache`` would be refused here
+        (:func:`check_paused_flush`): the PD backend checks every worker before any applies it."""
         def check():
             check_paused_flush(self.loop, flush_cache)
             check_weights(self.runner, self.tp_worker.call_followers, model_path)
@@ -270,12 +271,22 @@ class _Worker:
                                        torch_empty_cache: bool = False) -> Dict[str, Any]:
         """SGLang's update on this worker, every TP rank (actors.engine.weight_updates): new requests
         wait, those in flight finish first (or are aborted); returns SGLang's result as a dict."""
+        return await self._update_weights(UpdateWeightsRequest(model_path, weight_version, abort_all_requests,
+                                                               flush_cache, torch_empty_cache))
+
+    async def update_weights_from_tensor(self, named_tensors: Dict[str, Any],
+                                         weight_version: Optional[str] = None, abort_all_requests: bool = False,
+                                         flush_cache: bool = True, torch_empty_cache: bool = False) -> Dict[str, Any]:
+        """:meth:`update_weights_from_disk` from named tensors (HF names, whole tensors, any subset of the
+        served ones; SGLang's ``update_weights_from_tensor``): each TP rank copies its shard."""
+        return await self._update_weights(UpdateWeightsRequest(named_tensors, weight_version, abort_all_requests,
+                                                               flush_cache, torch_empty_cache))
+
+    async def _update_weights(self, req: UpdateWeightsRequest) -> Dict[str, Any]:
         updater = WeightUpdater(self.loop, self.runner, self.tp_worker.call_followers,
                                 lambda: flush_engine_cache(self.scheduler, self.runner),
                                 lambda rid, room: self.abort(rid, ABORT_MESSAGE, room=room))
-        result = await updater.async_update(UpdateWeightsRequest(model_path, weight_version, abort_all_requests,
-                                                                 flush_cache, torch_empty_cache))
-        return result._asdict()
+        return (await updater.async_update(req))._asdict()
 
     def get_weight_version(self) -> str:
         return self.runner.weights.version

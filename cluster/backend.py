@@ -4,7 +4,7 @@
 request (``generate_stream``, cumulative results as ``PDClient`` yields them,
 raising ``PDRequestError`` on a worker failure and ``ValueError`` on a request
 the workers refuse), list / add / remove workers, health, flush, drain, load and
-unload LoRA adapters, update the weights from disk, pause and continue generation.
+unload LoRA adapters, update the weights from disk or tensors, pause and continue generation.
 :class:`PDBackend` implements it over a ``PDCluster`` (worker management
 included) or a bare ``PDClient`` (whatever routes its requests: round-robin
 today, the router actor later — the server does not care).
@@ -21,7 +21,8 @@ from typing import Any, AsyncIterator, Dict, List, Optional, Protocol
 
 from actors.engine.lora import lora_cache_key
 from actors.engine.model_loader import DEFAULT_WEIGHT_VERSION
-from actors.engine.weight_updates import DRAIN_POLL_S, SUCCESS, UpdateWeightsRequest
+from actors.engine.weight_updates import (DRAIN_POLL_S, SUCCESS, UpdateWeightsRequest, named_tensors_source,
+                                          on_meta)
 from actors.pd_scheduler import PDRequestError
 
 logger = logging.getLogger(__name__)
@@ -63,6 +64,11 @@ class ServingBackend(Protocol):
     async def update_weights_from_disk(self, model_path: str, weight_version: Optional[str] = None,
                                        abort_all_requests: bool = False, flush_cache: bool = True,
                                        torch_empty_cache: bool = False) -> Dict[str, Any]: ...
+
+    async def update_weights_from_tensor(self, named_tensors, load_format: Optional[str] = None,
+                                         flush_cache: bool = True, abort_all_requests: bool = False,
+                                         weight_version: Optional[str] = None,
+                                         torch_empty_cache: bool = False) -> Dict[str, Any]: ...
 
     async def pause_generation(self, mode: str) -> None:
         """SGLang's modes "in_place" and "retract" on every worker (see :meth:`PDBackend.pause_generation`)."""
@@ -118,6 +124,7 @@ class PDBackend:
         self._lora_lock = asyncio.Lock()  # one load or unload at a time (SGLang's lora_update_lock)
         self.weight_version = DEFAULT_WEIGHT_VERSION  # the workers' (SGLang's; "default" before any update)
         self.weights_update: Optional[UpdateWeightsRequest] = None  # the last that succeeded: a new worker's too
+        self.weights_from_tensors = False  # an update from tensors since the last from disk (no checkpoint holds them)
         self._weights_lock = asyncio.Lock()  # one weight update at a time
         self._serving = asyncio.Event()  # clear while a weights update waits and applies: new requests wait
         self._serving.set()
@@ -307,38 +314,68 @@ class PDBackend:
         flushed: it would route by prefixes they no longer hold). Returns SGLang's result."""
         req = UpdateWeightsRequest(model_path, weight_version, abort_all_requests, flush_cache, torch_empty_cache)
         async with self._weights_lock:
-            live = [w for w in self._all() if w.alive]
-            results = await asyncio.gather(*(w.handle.check_weights.remote(model_path, flush_cache) for w in live),
-                                           return_exceptions=True)
-            if _failures(live, results):
-                raise ValueError("; ".join(_failures(live, results)))
-            self._serving.clear()
-            drain = not (abort_all_requests or self.paused_mode)  # (a pause meanwhile: they wait for continue)
-            try:
-                while drain and self._num_streams:
-                    await asyncio.sleep(DRAIN_POLL_S)
-                results = await asyncio.gather(*(w.handle.update_weights_from_disk.remote(*req) for w in live),
-                                               return_exceptions=True)
-            finally:
-                self._serving.set()
-            if _failures(live, results):
-                versions = await asyncio.gather(*(w.handle.get_weight_version.remote() for w in live),
-                                                return_exceptions=True)
-                now = ", ".join(f"{w.worker_id}={v if isinstance(v, str) else '?'}" for w, v in zip(live, versions))
-                raise RuntimeError(f"weights update failed on {'; '.join(_failures(live, results))}; "
-                                   f"the workers' weight versions now: {now}")
-            if weight_version is not None:
-                self.weight_version = weight_version
+            result = await self._update_weights(req, "update_weights_from_disk", model_path)
             self.model_path = model_path  # (SGLang's server_args.model_path follows it too)
             self.weights_update = req._replace(weight_version=self.weight_version, abort_all_requests=False)
-            if flush_cache:
-                await self._tell_router("rebuild_from_workers")
-            return {"success": True, "message": SUCCESS,
-                    "num_paused_requests": sum(r["num_paused_requests"] for r in results)}
+            self.weights_from_tensors = False
+            return result
+
+    async def update_weights_from_tensor(self, named_tensors, load_format: Optional[str] = None,
+                                         flush_cache: bool = True, abort_all_requests: bool = False,
+                                         weight_version: Optional[str] = None,
+                                         torch_empty_cache: bool = False) -> Dict[str, Any]:
+        """SGLang's update from tensors ((HF name, whole tensor) pairs, any subset of the served ones) on
+        every live worker, as :meth:`update_weights_from_disk`: checked on all first (they are sent the
+        tensors' shapes alone, on meta), then applied on all under the same cluster-wide gate. The
+        tensors go into Ray's object store once and every worker reads them from there: the update's
+        size in the store while it runs and a copy in each worker's process (each rank then copies its
+        shard), fine for what an RL trainer pushes at a time. No checkpoint holds the weights served
+        after it: a worker added later could not serve them, so :meth:`add_worker` is refused until an
+        update from disk."""
+        source = named_tensors_source(named_tensors, load_format)
+        stored = await asyncio.to_thread(_put, {name: t.cpu() for name, t in source.items()})
+        req = UpdateWeightsRequest(stored, weight_version, abort_all_requests, flush_cache, torch_empty_cache)
+        async with self._weights_lock:
+            result = await self._update_weights(req, "update_weights_from_tensor", on_meta(source))
+            self.weights_update, self.weights_from_tensors = None, True
+            return result
+
+    async def _update_weights(self, req: UpdateWeightsRequest, apply: str, check: Any) -> Dict[str, Any]:
+        """(the weights lock held) ``req`` checked on every live worker (``check``: what their
+        ``check_weights`` reads), then applied on all by their method ``apply``."""
+        live = [w for w in self._all() if w.alive]
+        results = await asyncio.gather(*(w.handle.check_weights.remote(check, req.flush_cache) for w in live),
+                                       return_exceptions=True)
+        if _failures(live, results):
+            raise ValueError("; ".join(_failures(live, results)))
+        self._serving.clear()
+        drain = not (req.abort_all_requests or self.paused_mode)  # (a pause meanwhile: they wait for continue)
+        try:
+            while drain and self._num_streams:
+                await asyncio.sleep(DRAIN_POLL_S)
+            results = await asyncio.gather(*(getattr(w.handle, apply).remote(*req) for w in live),
+                                           return_exceptions=True)
+        finally:
+            self._serving.set()
+        if _failures(live, results):
+            versions = await asyncio.gather(*(w.handle.get_weight_version.remote() for w in live),
+                                            return_exceptions=True)
+            now = ", ".join(f"{w.worker_id}={v if isinstance(v, str) else '?'}" for w, v in zip(live, versions))
+            raise RuntimeError(f"weights update failed on {'; '.join(_failures(live, results))}; "
+                               f"the workers' weight versions now: {now}")
+        if req.weight_version is not None:
+            self.weight_version = req.weight_version
+        if req.flush_cache:
+            await self._tell_router("rebuild_from_workers")
+        return {"success": True, "message": SUCCESS,
+                "num_paused_requests": sum(r["num_paused_requests"] for r in results)}
 
     async def add_worker(self, role: str) -> Dict[str, Any]:
         if self.cluster is None:
             raise NotImplementedError("this server was given a client, not a cluster: it cannot start workers")
+        if self.weights_from_tensors:
+            raise RuntimeError("the workers serve weights updated from tensors, which no checkpoint holds: a new "
+                               "worker could not serve them (update the weights from disk first)")
         worker = await asyncio.to_thread(self.cluster.add_worker, role)
         async with self._weights_lock:  # (it started on the config's checkpoint)
             if self.weights_update is not None:
@@ -379,6 +416,14 @@ async def refresh_loads_briefly(backend: ServingBackend) -> None:
         await asyncio.wait_for(backend.refresh_loads(), timeout=LOADS_REFRESH_TIMEOUT_S)
     except asyncio.TimeoutError:
         pass
+
+
+def _put(obj: Any) -> Any:
+    """``obj`` in Ray's object store, once (its ref, passed to many workers' calls, is read by each
+    from there); as it is without Ray (in-process workers)."""
+    import ray
+
+    return ray.put(obj) if ray.is_initialized() else obj
 
 
 def _failures(workers, results) -> List[str]:

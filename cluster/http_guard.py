@@ -20,9 +20,9 @@ OPEN_PATHS = ("/health", "/ping", "/health_generate", "/version", "/metrics", "/
 ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings", "/v1/models", "/generate",
           "/tokenize", "/detokenize", "/health", "/version", "/metrics", "/workers", "/flush_cache",
           "/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/score", "/v1/score", "/rerank", "/v1/rerank",
-          "/v2/rerank", "/update_weights_from_disk", "/get_weight_version", "/abort_request", "/pause_generation",
-          "/continue_generation", "/get_model_info", "/get_server_info", "/health_generate", "/reset_prefix_cache",
-          "/ping", "/load")
+          "/v2/rerank", "/update_weights_from_disk", "/update_weights_from_tensor", "/get_weight_version",
+          "/abort_request", "/pause_generation", "/continue_generation", "/get_model_info", "/get_server_info",
+          "/health_generate", "/reset_prefix_cache", "/ping", "/load")
 ID_ROUTES = tuple((re.compile(pattern), label) for pattern, label in (  # (model names may hold '/')
     (r"/workers/.+", "/workers/{id}"), (r"/v1/models/.+", "/v1/models/{id}"),
     (r"/v1/responses/[^/]+/input_items", "/v1/responses/{id}/input_items"), (r"/v1/responses/.+", "/v1/responses/{id}")))

@@ -304,6 +304,44 @@ class UpdateWeightsFromDiskRequest(BaseModel):
         return value
 
 
+class UpdateWeightsFromTensorRequest(BaseModel):
+    """POST /update_weights_from_tensor: SGLang's UpdateWeightsFromTensorReqInput. SGLang's
+    ``serialized_named_tensors`` are its MultiprocessingSerializer's pickles, which hold CUDA IPC
+    handles or shared-memory descriptors: only a process on the server's host can read them, and the
+    pickles run code as they load. raydix takes the base64 of a safetensors blob instead
+    (``safetensors.torch.save({hf_name: whole_tensor})``): plain data, readable on any host. A list,
+    as SGLang's (one per TP rank), must hold one blob or copies of it: every rank takes its shard of
+    the whole tensors."""
+
+    model_config = FORBID
+
+    serialized_named_tensors: Union[str, List[str]]
+    load_format: Optional[str] = None  # (only the default: refused by the backend otherwise)
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: Optional[str] = Field(None, min_length=1)
+    torch_empty_cache: bool = False
+
+    def named_tensors(self) -> Dict[str, Any]:
+        """The tensors of the blob; ValueError when it is not base64 of safetensors or the list's
+        blobs differ."""
+        import base64
+        import binascii
+
+        from safetensors.torch import load
+
+        blobs = self.serialized_named_tensors
+        blobs = [blobs] if isinstance(blobs, str) else blobs
+        if not blobs or any(blob != blobs[0] for blob in blobs):
+            raise ValueError("one safetensors blob is read (a list holds it once, or once per TP rank)")
+        try:
+            return load(base64.b64decode(blobs[0], validate=True))
+        except (binascii.Error, ValueError) as exc:
+            raise ValueError(f"not the base64 of a safetensors blob ({exc})") from None
+        except Exception as exc:  # (safetensors' own SafetensorError)
+            raise ValueError(f"not a safetensors blob ({exc})") from None
+
+
 def describe_validation_error(exc, skip: int = 0) -> tuple:
     """``(message, param)``: the first bad field by its dotted path, with pydantic's reason. ``exc``:
     pydantic's ValidationError, or FastAPI's RequestValidationError with ``skip=1`` (its paths start

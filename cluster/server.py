@@ -37,7 +37,10 @@ GET  /get_weight_version    {"weight_version": ...} (SGLang's; "default" before 
                             POST /update_weights_from_disk (SGLang's {"model_path",
                             "weight_version", "abort_all_requests", "flush_cache"}, with
                             ``server.allow_weight_updates``): every worker serves the checkpoint;
-                            one that does not fit is a 400 (see actors.engine.weight_updates)
+                            one that does not fit is a 400 (see actors.engine.weight_updates);
+                            POST /update_weights_from_tensor (SGLang's, its
+                            ``serialized_named_tensors`` the base64 of a safetensors blob):
+                            every worker copies the tensors in
 ==========================  =======================================================
 
 Errors are OpenAI-style bodies (see ``cluster.api_errors``). With
@@ -79,7 +82,8 @@ from cluster.completion_protocol import CompletionRequest, GenerateRequest
 from cluster.metrics import ServerMetrics
 from cluster.openai_embeddings import EmbeddingRequest, create_embeddings
 from cluster.openai_protocol import (AddWorkerRequest, LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest,
-                                     UpdateWeightsFromDiskRequest, describe_validation_error)
+                                     UpdateWeightsFromDiskRequest, UpdateWeightsFromTensorRequest,
+                                     describe_validation_error)
 from cluster.openai_responses import ResponsesRequest, ResponsesService
 from cluster.openai_score import RerankRequest, Scorer, ScoreRequest, create_rerank, create_score
 from cluster.openai_serving import GenerationService
@@ -380,12 +384,17 @@ def add_weights_route(app: FastAPI, service: GenerationService) -> None:
     ``abort_all_requests`` the server's requests in flight are aborted first, as /abort_request's
     (SGLang's tokenizer manager aborts all): answered finish_reason "abort", not failed by the
     workers' own abort, which ends those of other clients of the cluster. A server paused by
-    /pause_generation continues once updated (as /continue_generation), unless ``keep_pause``."""
+    /pause_generation continues once updated (as /continue_generation), unless ``keep_pause``.
+
+    SGLang's /update_weights_from_tensor likewise, its tensors the base64 of a safetensors blob
+    (:class:`UpdateWeightsFromTensorRequest`): one that is not, or tensors the workers refuse, a 400
+    naming ``serialized_named_tensors``. A paused server stays paused (a trainer pushes its buckets
+    under one pause)."""
     backend, requests = service.backend, service.requests
 
-    def failed(status: int, message: str, code: str) -> JSONResponse:
+    def failed(status: int, message: str, code: str, param: str = "model_path") -> JSONResponse:
         error = APIError(status, message, "invalid_request_error" if status == 400 else "server_error",
-                         "model_path" if status == 400 else None, code)
+                         param if status == 400 else None, code)
         return JSONResponse({**error.body(), "success": False, "message": message}, status_code=status)
 
     @app.post("/update_weights_from_disk")
@@ -403,3 +412,22 @@ def add_weights_route(app: FastAPI, service: GenerationService) -> None:
         if not (req.keep_pause or service.resumed.is_set()):
             await service.continue_generation()
         return result
+
+    @app.post("/update_weights_from_tensor")
+    async def update_weights_from_tensor(request: Request):
+        req = await parse_body(request, UpdateWeightsFromTensorRequest)
+        try:
+            named_tensors = await asyncio.to_thread(req.named_tensors)
+        except ValueError as exc:
+            return failed(400, str(exc), "invalid_tensors", "serialized_named_tensors")
+        if req.abort_all_requests:
+            await requests.wait_ended(requests.abort_all())
+        try:
+            return await backend.update_weights_from_tensor(named_tensors, req.load_format, req.flush_cache,
+                                                            req.abort_all_requests, req.weight_version,
+                                                            req.torch_empty_cache)
+        except ValueError as exc:
+            param = "load_format" if "load_format" in str(exc) else "serialized_named_tensors"
+            return failed(400, str(exc), "invalid_tensors", param)
+        except RuntimeError as exc:
+            return failed(500, str(exc), "weights_update_failed")

@@ -162,5 +162,10 @@ def test_gpt_oss_mxfp4_experts_load_as_hf_dequantizes_them(model_dir, tmp_path):
         engine.update_weights_from_disk(str(quantized), weight_version="mxfp4")
         outs = generate(engine, str(dequantized), prompts()[1])
         assert {o["meta_info"]["weight_version"] for o in outs} == {"mxfp4"}
+        # and from tensors (update_weights_from_tensor): dense experts, then the MXFP4 blocks and scales
+        engine.update_weights_from_tensor(list(load_file(f"{other}/model.safetensors").items()))
+        generate(engine, str(other), prompts()[1])
+        engine.update_weights_from_tensor([*tensors.items(), *scales.items()])
+        generate(engine, str(dequantized), prompts()[1])
     finally:
         engine.shutdown()

@@ -188,3 +188,36 @@ def test_fp8_config_errors(tmp_path):
     config_path.write_text(json.dumps(config_json))
     with pytest.raises(ValueError, match="quant_method='awq'"):
         load_model(quantized, "auto", "cpu")
+
+
+def test_fp8_layers_updated_from_tensors(tmp_path):
+    """SGLang's update_weights_from_tensor on an FP8 checkpoint: a quantized layer's weight comes in FP8 with
+    its scales (another FP8 checkpoint's: HF's tokens over its dequantization), or unquantized alone, quantized
+    in the served blocks as it loads (HF's tokens over the dequantization of those blocks); an FP8 weight
+    without its scales, scales without their FP8 weight, or either on a layer not served in FP8, are refused."""
+    from safetensors.torch import load_file
+
+    quantized, dequantized = fp8_checkpoint("llama", tmp_path / "a")
+    other, other_dequantized = fp8_checkpoint("llama", tmp_path / "b", seed=1)
+    new = load_file(f"{other}/model.safetensors")
+    q, scale = "model.layers.0.mlp.up_proj.weight", "model.layers.0.mlp.up_proj.weight_scale_inv"
+    engine = Engine(model_path=quantized, skip_tokenizer_init=True, max_total_tokens=512)
+    try:
+        for named, why in (([(q, new[q])], f"{q} is FP8 without its {scale}"),
+                           ([(scale, new[scale])], f"{scale} without its FP8 {q}"),
+                           ([(scale, new[scale]), (q, new[q].float())], f"{scale} without its FP8 {q}"),
+                           ([("model.norm.weight", new["model.norm.weight"].to(fp8.FP8))],
+                            "model.norm.weight is FP8 but its layer is not served in FP8")):
+            with pytest.raises(ValueError, match=why):
+                engine.update_weights_from_tensor(named)
+        assert generate(engine) == ref_outputs(quantized)
+        engine.update_weights_from_tensor(list(new.items()))
+        from_fp8 = generate(engine)
+        check_fp8_layers(engine.runner.model)
+        engine.update_weights_from_tensor(list(load_file(f"{dequantized}/model.safetensors").items()))
+        requantized = generate(engine)
+        check_fp8_layers(engine.runner.model)
+    finally:
+        engine.shutdown()
+    assert_greedy_parity(other_dequantized, PROMPTS, from_fp8, GREEDY["max_new_tokens"])
+    assert_greedy_parity(dequantized, PROMPTS, requantized, GREEDY["max_new_tokens"])

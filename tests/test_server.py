@@ -385,3 +385,41 @@ def test_update_weights_from_disk_on_every_worker(served, http, tmp_path):
     assert out["meta_info"]["weight_version"] == "v1" and out["meta_info"]["cached_tokens"] == 0
     assert_greedy_parity(new, [prompt], [out["output_ids"]], 8, ())
     wait_idle(cluster)
+
+
+def test_update_weights_from_tensor_on_every_worker(served, http):
+    """SGLang's /update_weights_from_tensor (after the update from disk: it changes the weights), its
+    tensors the base64 of a safetensors blob put in Ray's object store for both workers: a body that
+    is not one, or tensors that do not fit, are a 400 naming serialized_named_tensors (nothing
+    changed); then /generate's tokens are HF's on the checkpoint the tensors are of."""
+    import base64
+
+    import torch
+    from safetensors.torch import load_file, save
+
+    from cluster.cli import builtin_model
+    from tests.parity import assert_greedy_parity
+
+    cluster, _, _ = served
+    pushed = builtin_model("llama", seed=2)
+    tensors = load_file(f"{pushed}/model.safetensors")
+    blob = base64.b64encode(save(tensors)).decode()
+    bad_shape = base64.b64encode(save({"model.norm.weight": torch.ones(3)})).decode()
+    prompt = [10 + (i * 7) % 200 for i in range(20)]
+    params = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
+    for body, why in (({"serialized_named_tensors": "not base64!"}, "not the base64 of a safetensors blob"),
+                      ({"serialized_named_tensors": [bad_shape]}, "tensor shapes differ: model.norm.weight [3]"),
+                      ({"serialized_named_tensors": [blob, bad_shape]}, "one safetensors blob is read")):
+        r = http.post("/update_weights_from_tensor", json={**body, "weight_version": "bad"})
+        assert r.status_code == 400 and why in r.json()["message"], r.text
+        assert r.json()["error"]["param"] == "serialized_named_tensors"
+    assert http.get("/get_weight_version").json()["weight_version"] != "bad"
+    r = http.post("/update_weights_from_tensor",
+                  json={"serialized_named_tensors": [blob, blob], "weight_version": "t1"})
+    assert r.status_code == 200 and r.json()["success"] is True, r.text
+    workers = cluster.prefill + cluster.decode
+    assert ray.get([w.handle.get_weight_version.remote() for w in workers]) == ["t1"] * len(workers)
+    out = http.post("/generate", json={"input_ids": prompt, "sampling_params": params}).json()
+    assert out["meta_info"]["weight_version"] == "t1"
+    assert_greedy_parity(pushed, [prompt], [out["output_ids"]], 8, ())
+    wait_idle(cluster)

@@ -105,6 +105,14 @@ def variant(src, dst, drop=None, config=None):
     return str(dst)
 
 
+def assert_the_old_weights_serve(eng, old, batch):
+    """After refused updates: nothing changed (the version, the checkpoint), HF's tokens on ``old``, nothing leaked."""
+    assert eng.get_weight_version() == "default" and eng.runner.weights.path == old
+    outs = eng.generate(input_ids=batch, sampling_params=GREEDY)
+    assert_greedy_parity(old, batch, [o["output_ids"] for o in outs], 8, eng.eos_token_ids)
+    eng.check_integrity()
+
+
 def test_a_checkpoint_that_does_not_fit_is_refused_and_the_old_weights_serve(checkpoints, tmp_path):
     old, new = checkpoints
     wider = str(build_tiny_checkpoint("llama", tmp_path / "wider", seed=1, hidden_size=32))
@@ -120,10 +128,7 @@ def test_a_checkpoint_that_does_not_fit_is_refused_and_the_old_weights_serve(che
                           (str(tmp_path / "nowhere"), "has no config.json")):
             with pytest.raises(ValueError, match=why):
                 eng.update_weights_from_disk(path, weight_version="bad")
-        assert eng.get_weight_version() == "default" and eng.runner.weights.path == old
-        outs = eng.generate(input_ids=batch, sampling_params=GREEDY)
-        assert_greedy_parity(old, batch, [o["output_ids"] for o in outs], 8, eng.eos_token_ids)
-        eng.check_integrity()
+        assert_the_old_weights_serve(eng, old, batch)
     finally:
         eng.shutdown()
 

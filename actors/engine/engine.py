@@ -34,7 +34,8 @@ from actors.engine.req import Req
 from actors.engine.sampling_params import SamplingParams
 from actors.engine.scheduler import Scheduler
 from actors.engine.tp_worker import LocalTPGroup
-from actors.engine.weight_updates import UpdateWeightsRequest, UpdateWeightsResult, WeightUpdater
+from actors.engine.weight_updates import (UpdateWeightsRequest, UpdateWeightsResult, WeightUpdater,
+                                          named_tensors_source)
 
 logger = logging.getLogger(__name__)
 
@@ -318,11 +319,26 @@ class Engine:
         first, or end aborted with ``abort_all_requests``. ValueError (nothing changed) for a checkpoint
         that does not fit the served model; ``flush_cache`` drops the KV of the old weights;
         ``torch_empty_cache`` empties each rank's CUDA cache after."""
+        return self._update_weights(UpdateWeightsRequest(model_path, weight_version, abort_all_requests, flush_cache,
+                                                         torch_empty_cache))
+
+    def update_weights_from_tensor(self, named_tensors, load_format: Optional[str] = None,
+                                   flush_cache: bool = True, abort_all_requests: bool = False,
+                                   weight_version: Optional[str] = None,
+                                   torch_empty_cache: bool = False) -> UpdateWeightsResult:
+        """SGLang's ``update_weights_from_tensor``: copy ``named_tensors`` ((HF name, whole tensor) pairs,
+        any subset of the served ones) into the served weights, each TP rank its shard; otherwise as
+        :meth:`update_weights_from_disk` (ValueError, nothing changed, for an unknown name or another
+        shape; ``load_format`` only the default)."""
+        source = named_tensors_source(named_tensors, load_format)
+        return self._update_weights(UpdateWeightsRequest(source, weight_version, abort_all_requests, flush_cache,
+                                                         torch_empty_cache))
+
+    def _update_weights(self, req: UpdateWeightsRequest) -> UpdateWeightsResult:
         updater = WeightUpdater(self.loop, self.runner, self._call_followers,
                                 lambda: flush_engine_cache(self.scheduler, self.runner),
                                 lambda rid, room: self.loop.abort(rid))
-        return updater.update(UpdateWeightsRequest(model_path, weight_version, abort_all_requests, flush_cache,
-                                                   torch_empty_cache))
+        return updater.update(req)
 
     def get_weight_version(self) -> str:
         """The ``weight_version`` of the last update ("default" before any)."""

@@ -6,7 +6,7 @@ import contextlib
 import glob
 import os
 import re
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, NamedTuple, Optional, Tuple, Union
 
 import torch
 from safetensors import safe_open
@@ -241,9 +241,40 @@ def reinit_buffers(model: torch.nn.Module) -> None:
             module.rebuild_buffers()
 
 
+class TensorFile:
+    """Named tensors read as an open safetensors file is (``keys``, ``get_tensor``, ``get_slice``), so
+    that a weight update from tensors takes each rank's shard through the checkpoint's reads."""
+
+    def __init__(self, tensors: Dict[str, torch.Tensor]):
+        self.tensors = tensors
+
+    def keys(self):
+        return self.tensors.keys()
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        return self.tensors[name]
+
+    def get_slice(self, name: str) -> "TensorFile.Slice":
+        return TensorFile.Slice(self.tensors[name])
+
+    class Slice(NamedTuple):
+        tensor: torch.Tensor
+
+        def get_shape(self) -> List[int]:
+            return list(self.tensor.shape)
+
+        def __getitem__(self, index) -> torch.Tensor:
+            return self.tensor[index]
+
+
+# what a weight update reads: a checkpoint directory, or named tensors (HF names, whole tensors)
+WeightsSource = Union[str, Dict[str, torch.Tensor]]
+
+
 class ServedWeights:
-    """The checkpoint tensors one rank serves: where they came from, their version, and the model
-    tensors (this rank's shards) each is copied into, taken before LoRA wraps the modules."""
+    """The checkpoint tensors one rank serves: where they came from (``path``: None once tensors
+    replaced some, as no checkpoint holds them), their version, and the model tensors (this rank's
+    shards) each is copied into, taken before LoRA wraps the modules."""
 
     def __init__(self, model: torch.nn.Module, config, path: str):
         self.config, self.path, self.version = config, path, DEFAULT_WEIGHT_VERSION
@@ -253,17 +284,42 @@ class ServedWeights:
         if getattr(config, "tie_word_embeddings", False):  # (the embedding's tensor: loaded by its own name)
             self.targets.pop("lm_head.weight", None)
 
-    def check(self, path: str) -> None:
-        """ValueError naming what differs when the checkpoint in ``path`` cannot replace the served
-        weights. Reads config.json and the safetensors headers only."""
-        self._served_names(path)
+    def check(self, source: WeightsSource) -> None:
+        """ValueError naming what differs when ``source`` cannot replace the served weights: a
+        checkpoint directory (config.json and the safetensors headers read), or named tensors (their
+        shapes and dtypes read: tensors on meta check alike)."""
+        self._served_names(source)
 
-    def _served_names(self, path: str) -> List[str]:
-        """(:meth:`check`) the served tensors the checkpoint in ``path`` replaces; one stored in MXFP4
-        (``X_blocks`` + ``X_scales``, as loaded at start) counts by the shape it dequantizes to; a
-        block-FP8 layer's scales are served tensors too (but when it is quantized as it loads). Under
-        EP, this rank's experts only: another rank's are left to that rank's check (every rank checks
+    def _served_names(self, source: WeightsSource) -> List[str]:
+        """(:meth:`check`) the served tensors ``source`` replaces: a checkpoint all of them, named
+        tensors any of them (an RL trainer may send them in buckets). One stored in MXFP4 (``X_blocks``
+        + ``X_scales``, as loaded at start) counts by the shape it dequantizes to; a block-FP8 layer's
+        scales are served tensors too (but a checkpoint's when it is quantized as it loads). Under EP,
+        this rank's experts only: another rank's are left to that rank's check (every rank checks
         before any copies)."""
+        if isinstance(source, str):
+            what, shapes = f"checkpoint {source!r}", self._checkpoint_shapes(source)
+        else:
+            what, shapes = "the named tensors", {name: list(t.shape) for name, t in source.items()}
+        full = build_model(self.config)  # (on meta: the whole tensors' shapes, whatever this rank's shards)
+        fp8.quantize_like(full, self.quantized)
+        expected = {name: list(t.shape) for name, t in full.state_dict().items() if name in self.targets}
+        if isinstance(source, str) and fp8.resolve(self.config, None) is None:  # (quantized as they load)
+            expected = {name: shape for name, shape in expected.items() if not name.endswith(fp8.SCALE)}
+        shapes = mxfp4.unpacked_shapes(shapes, expected)
+        problems = _checkpoint_problems(shapes, expected,
+                                        lambda name: ignored_weight(full, name) or self.elsewhere(name),
+                                        partial=not isinstance(source, str))
+        if not isinstance(source, str):
+            problems += self._fp8_problems(source)
+        if problems:
+            raise ValueError(f"{what} {'does' if isinstance(source, str) else 'do'} not fit the served model: "
+                             f"{'; '.join(problems)}")
+        return [name for name in expected if name in shapes]
+
+    def _checkpoint_shapes(self, path: str) -> Dict[str, List[int]]:
+        """The tensor shapes of the checkpoint in ``path``; ValueError when its config differs from the
+        served one's but for metadata."""
         try:
             config, files = load_config(path), checkpoint_files(path)
         except (OSError, ValueError) as exc:
@@ -273,39 +329,50 @@ class ServedWeights:
                   if k not in METADATA_FIELDS and served.get(k) != new.get(k)]
         if differ:
             raise ValueError(f"checkpoint {path!r}: config.json differs from the served model's: {', '.join(differ)}")
-        shapes = checkpoint_shapes(files)
-        full = build_model(self.config)  # (on meta: the whole tensors' shapes, whatever this rank's shards)
-        fp8.quantize_like(full, self.quantized)
-        expected = {name: list(t.shape) for name, t in full.state_dict().items() if name in self.targets}
-        if fp8.resolve(self.config, None) is None:  # (quantized as they load: the checkpoint has no scales)
-            expected = {name: shape for name, shape in expected.items() if not name.endswith(fp8.SCALE)}
-        problems = _checkpoint_problems(mxfp4.unpacked_shapes(shapes, expected), expected,
-                                        lambda name: ignored_weight(full, name) or self.elsewhere(name))
-        if problems:
-            raise ValueError(f"checkpoint {path!r} does not fit the served model: {'; '.join(problems)}")
-        return list(expected)
+        return checkpoint_shapes(files)
 
-    def load(self, path: str) -> None:
-        """Copy the checkpoint in ``path`` (checked again) into the served tensors, this rank's shards."""
-        names = self._served_names(path)
+    def _fp8_problems(self, tensors: Dict[str, torch.Tensor]) -> List[str]:
+        """Named tensors' FP8 rule: a block-FP8 layer's weight comes in FP8 with its ``weight_scale_inv``
+        (both replaced), or in another dtype alone (quantized as it loads, its scales written); no
+        layer served unquantized takes an FP8 tensor."""
+        problems = []
+        for name, tensor in tensors.items():
+            weight = name.removesuffix(fp8.SCALE) + "weight"
+            is_fp8 = tensor.dtype == fp8.FP8
+            if name.endswith(fp8.SCALE) and getattr(tensors.get(weight), "dtype", None) != fp8.FP8:
+                problems.append(f"{name} without its FP8 {weight}")
+            elif is_fp8 and name not in self.quantized:
+                problems.append(f"{name} is FP8 but its layer is not served in FP8")
+            elif is_fp8 and name.removesuffix("weight") + fp8.SCALE not in tensors:
+                problems.append(f"{name} is FP8 without its {name.removesuffix('weight') + fp8.SCALE}")
+        return problems
+
+    def load(self, source: WeightsSource) -> None:
+        """Copy ``source`` (checked again) into the served tensors, this rank's shards."""
+        names = self._served_names(source)
         with contextlib.ExitStack() as stack:
-            files_of = {}  # tensor name -> the open file holding it
-            for file in checkpoint_files(path):
-                f = stack.enter_context(safe_open(file, framework="pt", device="cpu"))
-                files_of.update(dict.fromkeys(f.keys(), f))
+            if isinstance(source, str):
+                files_of = {}  # tensor name -> the open file holding it
+                for file in checkpoint_files(source):
+                    f = stack.enter_context(safe_open(file, framework="pt", device="cpu"))
+                    files_of.update(dict.fromkeys(f.keys(), f))
+            else:
+                files_of = dict.fromkeys(source, TensorFile(source))
             for name in names:
                 if name in files_of:
                     copy_tensor(files_of[name], name, *self.targets[name], self.quantized.get(name))
                 else:  # (MXFP4: _served_names found its blocks and scales)
                     _load_mxfp4(name, *self.targets[name], files_of[name + "_blocks"], files_of)
-        self.path = path
+        self.path = source if isinstance(source, str) else None
 
 
-def _checkpoint_problems(shapes: Dict[str, List[int]], expected: Dict[str, List[int]], ignored) -> List[str]:
+def _checkpoint_problems(shapes: Dict[str, List[int]], expected: Dict[str, List[int]], ignored,
+                         partial: bool = False) -> List[str]:
     """What keeps a checkpoint of tensors ``shapes`` from replacing the ``expected`` ones (names →
-    shapes): missing tensors, other shapes, tensors the model has no place for (but ``ignored``)."""
+    shapes): missing tensors (but when ``partial``), other shapes, tensors the model has no place for
+    (but ``ignored``)."""
     problems = []
-    missing = [name for name in expected if name not in shapes]
+    missing = [] if partial else [name for name in expected if name not in shapes]
     if missing:
         problems.append(f"missing tensors {missing[:8]}")
     wrong = [f"{name} {shapes[name]} (served {shape})" for name, shape in expected.items()

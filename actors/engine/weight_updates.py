@@ -32,6 +32,17 @@ The order of one update, on an engine or a PD worker (every TP rank):
 6. ``weight_version`` (SGLang's; "default" until an update names one) is recorded: results
    carry it in ``meta_info``. The checkpoint's tokenizer and generation config are not read, and a
    draft model's weights (speculative decoding) are not replaced: its KV goes with the flushed cache.
+
+An update from tensors (SGLang's ``update_weights_from_tensor``, what a colocated RL trainer, verl's or
+slime's, pushes) takes the same steps with named tensors for the checkpoint: HF checkpoint names, whole
+(unsharded) tensors, any subset of the served ones (a trainer may push them in buckets: each call is an
+update of its own, flushing the cache with ``flush_cache`` as SGLang's). Rank 0 gets them; the followers
+get their shapes for the check (on meta) and then the tensors on the CPU through the follower calls, and
+each rank copies its shard. A block-FP8 layer takes its weight in FP8 with its scales, or in another
+dtype alone, quantized as it loads (:func:`fp8.copy_weight`); an MXFP4 model's experts (dequantized at
+start) take the dense tensor, or its ``_blocks`` and ``_scales``. No checkpoint holds the weights served
+after one (``ServedWeights.path`` None): a copy failing later is not rolled back (nor is SGLang's), and
+the file tier's pages of them go to a directory of their own.
 """
 
 from __future__ import annotations
@@ -42,12 +53,12 @@ import logging
 import os
 import time
 import uuid
-from typing import Any, Callable, List, NamedTuple, Optional
+from typing import Any, Callable, Dict, List, NamedTuple, Optional
 
 import torch
 
 from actors.engine.lora_updates import CallFollowers, on_followers
-from actors.engine.model_loader import ServedWeights
+from actors.engine.model_loader import ServedWeights, WeightsSource
 from mem_cache.hicache_storage import HiCacheFile, rank_storage_dir
 
 logger = logging.getLogger(__name__)
@@ -65,20 +76,27 @@ class UpdateWeightsResult(NamedTuple):
     num_paused_requests: int
 
 
-def storage_dir_for(base: str, path: str, version: Optional[str]) -> str:
+def storage_dir_for(base: str, path: Optional[str], version: Optional[str]) -> str:
     """The file tier's directory for the pages of the weights in ``path`` at ``version``: shared by
     the engines updated alike (a trainer may rewrite one path at every step: the version tells the
-    weights apart; two runs may both name a "v1": the path does). No version: a directory of its own."""
-    if version is None:
+    weights apart; two runs may both name a "v1": the path does). No version, or weights from tensors
+    (``path`` None: nothing names them across engines and runs): a directory of its own."""
+    if version is None or path is None:
         return os.path.join(base, "weights", f"u{uuid.uuid4().hex[:16]}")
     return os.path.join(base, "weights", hashlib.sha256(f"{path}\0{version}".encode()).hexdigest()[:16])
 
 
-def check_weights(runner, call_followers: CallFollowers, path: str) -> None:
-    """ValueError naming what differs (and the rank) when the checkpoint in ``path`` cannot replace
-    the served weights on every rank; nothing is loaded (the loop's lock held: it calls the followers)."""
-    runner.weights.check(path)
-    on_followers(call_followers, "weights_check", path)
+def check_weights(runner, call_followers: CallFollowers, source: WeightsSource) -> None:
+    """ValueError naming what differs (and the rank) when ``source`` (a checkpoint's path, or named
+    tensors: the followers are sent their shapes and dtypes alone, on meta) cannot replace the served
+    weights on every rank; nothing is loaded (the loop's lock held: it calls the followers)."""
+    runner.weights.check(source)
+    on_followers(call_followers, "weights_check", source if isinstance(source, str) else on_meta(source))
+
+
+def on_meta(tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """``tensors`` on meta: their shapes and dtypes, all a check reads, sent at no cost."""
+    return {name: torch.empty_like(t, device="meta") for name, t in tensors.items()}
 
 
 def check_paused_flush(loop, flush_cache: bool) -> None:
@@ -99,26 +117,28 @@ def empty_device_cache(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def apply_update(sched, runner, call_followers: CallFollowers, flush: Callable[[], None], path: str,
+def apply_update(sched, runner, call_followers: CallFollowers, flush: Callable[[], None], source: WeightsSource,
                  version: Optional[str], flush_cache: bool, torch_empty_cache: bool = False) -> None:
-    """With nothing running (the loop's lock held): check on every rank, copy on every rank, flush
-    (``flush``: the engine's prefix cache, idle), empty the device caches, record ``version``.
-    ValueError: refused, nothing changed; RuntimeError: a copy failed (rolled back where the served
-    checkpoint still reads)."""
-    check_weights(runner, call_followers, path)
+    """With nothing running (the loop's lock held): check on every rank, copy on every rank (named
+    tensors: the followers are sent them on the CPU, whole, each takes its shard), flush (``flush``:
+    the engine's prefix cache, idle), empty the device caches, record ``version``. ValueError: refused,
+    nothing changed; RuntimeError: a copy failed (rolled back where a checkpoint holds the served weights)."""
+    check_weights(runner, call_followers, source)
     weights, old = runner.weights, runner.weights.path
+    what = repr(source) if isinstance(source, str) else "tensors"
     try:
-        weights.load(path)
-        on_followers(call_followers, "weights_load", path)
+        weights.load(source)
+        on_followers(call_followers, "weights_load", source if isinstance(source, str) else
+                     {name: t.cpu() for name, t in source.items()})
     except Exception as exc:
-        raise RuntimeError(f"weights update from {path!r} failed while copying ({exc}); "
+        raise RuntimeError(f"weights update from {what} failed while copying ({exc}); "
                            f"{_roll_back(weights, call_followers, old)}") from None
     if flush_cache:
         if sched.file_tier:  # (a paused engine's waiting requests: reading pages of the old weights)
             sched.cancel_prefetches()
         flush()
         if sched.file_tier:
-            directory = storage_dir_for(runner.config.hicache_storage_dir, path, version)
+            directory = storage_dir_for(runner.config.hicache_storage_dir, weights.path, version)
             tp = runner.tp
             sched.tree_cache.cache_controller.use_storage(HiCacheFile(rank_storage_dir(directory, tp.rank, tp.size)))
             on_followers(call_followers, "weights_storage_dir", directory)
@@ -129,7 +149,9 @@ def apply_update(sched, runner, call_followers: CallFollowers, flush: Callable[[
         weights.version = version
 
 
-def _roll_back(weights: ServedWeights, call_followers: CallFollowers, old: str) -> str:
+def _roll_back(weights: ServedWeights, call_followers: CallFollowers, old: Optional[str]) -> str:
+    if old is None:  # (SGLang's update from tensors rolls nothing back either)
+        return "no checkpoint holds the weights served before (updated from tensors): the ranks' weights may be mixed"
     try:
         weights.load(old)
         on_followers(call_followers, "weights_load", old)
@@ -139,10 +161,28 @@ def _roll_back(weights: ServedWeights, call_followers: CallFollowers, old: str) 
     return f"rolled back to {old!r} on every rank"
 
 
-class UpdateWeightsRequest(NamedTuple):
-    """SGLang's UpdateWeightFromDiskReqInput (the fields raydix serves)."""
+def named_tensors_source(named_tensors, load_format: Optional[str] = None) -> Dict[str, torch.Tensor]:
+    """SGLang's ``named_tensors`` (a list of (HF name, whole tensor) pairs, or a dict) as an update's
+    source; ValueError for a name given twice or a ``load_format`` other than the default (SGLang's
+    "direct", "flattened_bucket" and custom loaders are not served)."""
+    if load_format is not None:
+        raise ValueError(f"load_format={load_format!r} is not served: only the default (a list of "
+                         "(name, tensor) pairs) is")
+    pairs = list(named_tensors.items() if isinstance(named_tensors, dict) else named_tensors)
+    source = dict(pairs)
+    if len(source) != len(pairs):
+        twice = sorted({name for name, _ in pairs if sum(n == name for n, _ in pairs) > 1})
+        raise ValueError(f"tensors named more than once: {twice[:8]}")
+    if not source:
+        raise ValueError("no tensors to update")
+    return source
 
-    model_path: str
+
+class UpdateWeightsRequest(NamedTuple):
+    """SGLang's UpdateWeightFromDiskReqInput (the fields raydix serves); ``source`` its ``model_path``, or
+    UpdateWeightsFromTensorReqInput's named tensors (HF names, whole tensors; any subset of the served ones)."""
+
+    source: WeightsSource
     weight_version: Optional[str] = None
     abort_all_requests: bool = False
     flush_cache: bool = True
@@ -201,7 +241,7 @@ class WeightUpdater:
         def apply():
             sched = self.loop.scheduler
             check_paused_flush(self.loop, req.flush_cache)
-            apply_update(sched, self.runner, self.call_followers, sched.drop_prefix_cache, req.model_path,
+            apply_update(sched, self.runner, self.call_followers, sched.drop_prefix_cache, req.source,
                          req.weight_version, req.flush_cache, req.torch_empty_cache)
 
         self.loop.run_exclusive(apply)
@@ -215,5 +255,5 @@ class WeightUpdater:
 
     def _apply(self, req: UpdateWeightsRequest) -> None:
         self.loop.run_exclusive(lambda: apply_update(self.loop.scheduler, self.runner, self.call_followers, self.flush,
-                                                     req.model_path, req.weight_version, req.flush_cache,
+                                                     req.source, req.weight_version, req.flush_cache,
                                                      req.torch_empty_cache))
