@@ -95,7 +95,9 @@ def test_tensors_that_do_not_fit_are_refused_and_the_old_weights_serve(checkpoin
 
 def test_tp2_every_rank_takes_its_shard_of_the_tensors(checkpoints, tmp_path, monkeypatch):
     """TP 2 (ranks as threads): the follower checks the tensors' shapes (sent on meta), then copies
-    its shard of them; a follower that refuses them leaves both ranks' weights as they were."""
+    its shard of them; a follower that refuses them leaves both ranks' weights as they were; a copy
+    failing on it rolls both back to the checkpoint served, or, once tensors replaced it, says the
+    weights may be mixed."""
     thread_ranks(monkeypatch)
     old, new = checkpoints
     eng = Engine(model_path=old, tp_size=2, **ENGINE)
@@ -116,9 +118,25 @@ def test_tp2_every_rank_takes_its_shard_of_the_tensors(checkpoints, tmp_path, mo
         assert checked == [{"meta"}]
         assert all(torch.equal(t, served[name]) for name, (t, _) in eng.runner.weights.targets.items())
         follower.handlers["weights_check"] = check
+        load = follower.handlers["weights_load"]
+
+        def fail_after_copying(source):  # (tensors: a rollback's checkpoint loads)
+            load(source)
+            if not isinstance(source, str):
+                raise OSError("the follower's copy failed")
+
+        follower.handlers["weights_load"] = fail_after_copying  # (rolled back to the checkpoint served)
+        with pytest.raises(RuntimeError, match=f"copy failed.*rolled back to '{old}' on every rank"):
+            eng.update_weights_from_tensor(list(tensors(new).items()))
+        assert all(torch.equal(t, served[name]) for name, (t, _) in eng.runner.weights.targets.items())
+        follower.handlers["weights_load"] = load
         eng.update_weights_from_tensor(layer_of(new))
         outs = eng.generate(input_ids=batch, sampling_params=GREEDY)
         assert follower.runner.weights.path is None
+        follower.handlers["weights_load"] = fail_after_copying  # (now no checkpoint holds what is served)
+        with pytest.raises(RuntimeError, match="no checkpoint holds the weights served before"):
+            eng.update_weights_from_tensor(layer_of(old))
+        follower.handlers["weights_load"] = load
         assert_greedy_parity(with_layer(old, layer_of(new), tmp_path / "mixed"), batch, [o["output_ids"] for o in outs], 8,
                              eng.eos_token_ids)
         eng.check_integrity()
