@@ -60,6 +60,19 @@ def slow_steps(engine, monkeypatch):
     monkeypatch.setattr(engine.scheduler, "step", slow)
 
 
+def idle_while(engine, monkeypatch, predicate):
+    """The engine takes no step while ``predicate()`` holds (5 ms idle instead, its requests left as
+    they are): requests a test aborts once they have output cannot end on their own first."""
+    step = engine.scheduler.step
+
+    def held():
+        if predicate():
+            time.sleep(0.005)
+            return []
+        return step()
+    monkeypatch.setattr(engine.scheduler, "step", held)
+
+
 def holds(engine, prefix, with_output=False) -> bool:
     """The engine holds a request whose id starts with ``prefix`` (that has output, ``with_output``)."""
     return any(r.rid.startswith(prefix) and (r.output_ids or not with_output) for r in engine.loop.held_reqs())
@@ -245,15 +258,20 @@ def test_abort_request_names_a_pooling_request_by_its_x_request_id(engine, serve
     assert r.status_code == 503 and r.json()["error"]["code"] == "aborted"
 
 
-def test_a_weight_update_that_aborts_all_requests_answers_them_aborted(engine, pool, idle_after):
+def test_a_weight_update_that_aborts_all_requests_answers_them_aborted(engine, pool, idle_after, monkeypatch):
     """SGLang's ``abort_all_requests``: the server aborts its requests (as /abort_request does), so
     each is answered with finish_reason "abort", not failed by the workers' own abort (a 500)."""
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 200, "temperature": 0, "ignore_eos": True}
+
+    def both_running():
+        reqs = engine.loop.held_reqs()
+        return all(any(r.rid.startswith(prefix) and r.output_ids and not r.finished for r in reqs)
+                   for prefix in ("weights-abort", "cmpl-weights-abort-cmpl"))
+    idle_while(engine, monkeypatch, both_running)
     with serving(engine, ServerConfig(allow_weight_updates=True)) as server:
         running = pool.submit(post, server, "/generate", generate_body("weights-abort"))
         completion = pool.submit(post, server, "/v1/completions", body, {"X-Request-Id": "weights-abort-cmpl"})
-        assert wait_until(lambda: holds(engine, "weights-abort", with_output=True)
-                          and holds(engine, "cmpl-weights-abort-cmpl", with_output=True))
+        assert wait_until(both_running)
         update = {"model_path": engine.config.model_path, "abort_all_requests": True}
         r = post(server, "/update_weights_from_disk", update)
         assert r.status_code == 200 and r.json()["success"], r.text
