@@ -5,6 +5,7 @@ tokens as unpaused); a paused engine's weight update; /health_generate's 200 and
 routes. The engine leaks nothing afterwards."""
 
 import json
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -62,7 +63,8 @@ def slow_steps(engine, monkeypatch):
 
 def idle_while(engine, monkeypatch, predicate):
     """The engine takes no step while ``predicate()`` holds (5 ms idle instead, its requests left as
-    they are): requests a test aborts once they have output cannot end on their own first."""
+    they are): requests a test aborts once they have output cannot end on their own first, however
+    slow the host is between their first output and the abort."""
     step = engine.scheduler.step
 
     def held():
@@ -71,6 +73,12 @@ def idle_while(engine, monkeypatch, predicate):
             return []
         return step()
     monkeypatch.setattr(engine.scheduler, "step", held)
+
+
+def decoding(engine, *prefixes) -> bool:
+    """Each of ``prefixes`` starts the id of a request of the engine that has output and is not finished."""
+    reqs = engine.loop.held_reqs()
+    return all(any(r.rid.startswith(prefix) and r.output_ids and not r.finished for r in reqs) for prefix in prefixes)
 
 
 def holds(engine, prefix, with_output=False) -> bool:
@@ -93,7 +101,8 @@ def first_event(lines) -> dict:
     return next(json.loads(line[len("data: "):]) for line in lines if line.startswith("data: {"))
 
 
-def test_abort_request_ends_a_generate_stream_with_a_last_chunk(engine, served, idle_after):
+def test_abort_request_ends_a_generate_stream_with_a_last_chunk(engine, served, idle_after, monkeypatch):
+    idle_while(engine, monkeypatch, lambda: decoding(engine, "gen-stream"))
     with httpx.stream("POST", served.url + "/generate", json=generate_body("gen-stream", stream=True)) as r:
         lines = r.iter_lines()
         first = first_event(lines)
@@ -107,9 +116,11 @@ def test_abort_request_ends_a_generate_stream_with_a_last_chunk(engine, served, 
     assert all(r.finished for r in engine.loop.held_reqs())  # aborted on the engine (released at its next step)
 
 
-def test_abort_request_answers_a_whole_generate_and_a_duplicate_rid_is_a_400(engine, served, pool, idle_after):
+def test_abort_request_answers_a_whole_generate_and_a_duplicate_rid_is_a_400(engine, served, pool, idle_after,
+                                                                             monkeypatch):
+    idle_while(engine, monkeypatch, lambda: decoding(engine, "gen-whole"))
     whole = pool.submit(post, served, "/generate", generate_body("gen-whole"))
-    assert wait_until(lambda: holds(engine, "gen-whole", with_output=True))
+    assert wait_until(lambda: decoding(engine, "gen-whole"))
     engine.pause_generation("in_place")
     duplicate = post(served, "/generate", generate_body("gen-whole"))
     assert duplicate.status_code == 400 and duplicate.json()["error"]["param"] == "rid"
@@ -121,15 +132,19 @@ def test_abort_request_answers_a_whole_generate_and_a_duplicate_rid_is_a_400(eng
     assert len(r.json()["output_ids"]) == meta["completion_tokens"]
 
 
-def test_abort_request_names_an_openai_request_by_its_x_request_id(engine, served, pool, idle_after):
+def test_abort_request_names_an_openai_request_by_its_x_request_id(engine, served, pool, idle_after, monkeypatch):
     """vLLM's X-Request-Id names a completion (its response id ``cmpl-{id}``), streamed or not."""
+    streamed = threading.Event()  # (a completion's first chunk may come some tokens after its first output)
+    both = ("cmpl-xr-whole", "cmpl-xr-stream")
+    idle_while(engine, monkeypatch, lambda: streamed.is_set() and decoding(engine, *both))
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 200, "temperature": 0, "ignore_eos": True}
     whole = pool.submit(post, served, "/v1/completions", body, {"X-Request-Id": "xr-whole"})
     with httpx.stream("POST", served.url + "/v1/completions", json=dict(body, stream=True),
                       headers={"X-Request-Id": "xr-stream"}) as r:
         lines = r.iter_lines()
         first_event(lines)
-        assert wait_until(lambda: holds(engine, "cmpl-xr-whole"))
+        streamed.set()
+        assert wait_until(lambda: decoding(engine, *both))
         engine.pause_generation("in_place")
         for rid in ("xr-stream", "xr-whole"):
             assert post(served, "/abort_request", {"rid": rid}).status_code == 200
@@ -180,9 +195,10 @@ def test_a_paused_request_resumes_with_the_tokens_of_an_unpaused_run(engine, ser
     assert queued.result(timeout=30).json()["output_ids"] == want
 
 
-def test_pause_in_abort_mode_aborts_what_runs_and_holds_what_comes(engine, served, pool, idle_after):
+def test_pause_in_abort_mode_aborts_what_runs_and_holds_what_comes(engine, served, pool, idle_after, monkeypatch):
+    idle_while(engine, monkeypatch, lambda: decoding(engine, "pause-abort"))
     running = pool.submit(post, served, "/generate", generate_body("pause-abort"))
-    assert wait_until(lambda: holds(engine, "pause-abort", with_output=True))
+    assert wait_until(lambda: decoding(engine, "pause-abort"))
     assert post(served, "/pause_generation", {}).json()["status"] == "ok"  # (SGLang's default mode: abort)
     assert running.result(timeout=30).json()["meta_info"]["finish_reason"]["type"] == "abort"
     queued = pool.submit(post, served, "/generate", generate_body("after-abort", params=dict(LONG, max_new_tokens=4)))
@@ -262,16 +278,12 @@ def test_a_weight_update_that_aborts_all_requests_answers_them_aborted(engine, p
     """SGLang's ``abort_all_requests``: the server aborts its requests (as /abort_request does), so
     each is answered with finish_reason "abort", not failed by the workers' own abort (a 500)."""
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 200, "temperature": 0, "ignore_eos": True}
-
-    def both_running():
-        reqs = engine.loop.held_reqs()
-        return all(any(r.rid.startswith(prefix) and r.output_ids and not r.finished for r in reqs)
-                   for prefix in ("weights-abort", "cmpl-weights-abort-cmpl"))
-    idle_while(engine, monkeypatch, both_running)
+    both = ("weights-abort", "cmpl-weights-abort-cmpl")
+    idle_while(engine, monkeypatch, lambda: decoding(engine, *both))
     with serving(engine, ServerConfig(allow_weight_updates=True)) as server:
         running = pool.submit(post, server, "/generate", generate_body("weights-abort"))
         completion = pool.submit(post, server, "/v1/completions", body, {"X-Request-Id": "weights-abort-cmpl"})
-        assert wait_until(both_running)
+        assert wait_until(lambda: decoding(engine, *both))
         update = {"model_path": engine.config.model_path, "abort_all_requests": True}
         r = post(server, "/update_weights_from_disk", update)
         assert r.status_code == 200 and r.json()["success"], r.text
