@@ -49,18 +49,6 @@ def generate_body(rid=None, stream=False, params=LONG):
     return {"input_ids": PROMPT, "sampling_params": params, "stream": stream, **({"rid": rid} if rid else {})}
 
 
-@pytest.fixture
-def slow_steps(engine, monkeypatch):
-    """Each engine step 5 ms longer: a request a test pauses after its first output is still
-    running when the pause takes hold (a tiny model's 100 tokens otherwise take ~0.3 s)."""
-    step = engine.scheduler.step
-
-    def slow():
-        time.sleep(0.005)
-        return step()
-    monkeypatch.setattr(engine.scheduler, "step", slow)
-
-
 def idle_while(engine, monkeypatch, predicate):
     """The engine takes no step while ``predicate()`` holds (5 ms idle instead, its requests left as
     they are): requests a test aborts once they have output cannot end on their own first, however
@@ -81,9 +69,9 @@ def decoding(engine, *prefixes) -> bool:
     return all(any(r.rid.startswith(prefix) and r.output_ids and not r.finished for r in reqs) for prefix in prefixes)
 
 
-def holds(engine, prefix, with_output=False) -> bool:
-    """The engine holds a request whose id starts with ``prefix`` (that has output, ``with_output``)."""
-    return any(r.rid.startswith(prefix) and (r.output_ids or not with_output) for r in engine.loop.held_reqs())
+def holds(engine, prefix) -> bool:
+    """The engine holds a request whose id starts with ``prefix``."""
+    return any(r.rid.startswith(prefix) for r in engine.loop.held_reqs())
 
 
 def events_of(lines) -> list:
@@ -169,17 +157,20 @@ def test_abort_all_ends_every_request_in_flight(engine, served, pool, idle_after
 
 
 @pytest.mark.parametrize("mode", ["retract", "in_place"])
-def test_a_paused_request_resumes_with_the_tokens_of_an_unpaused_run(engine, served, pool, idle_after, slow_steps,
+def test_a_paused_request_resumes_with_the_tokens_of_an_unpaused_run(engine, served, pool, idle_after, monkeypatch,
                                                                       mode):
     """SGLang's pause: "retract" sends the running request back to waiting with its KV freed,
     "in_place" keeps it running with its KV; a request that comes meanwhile waits in the server,
     and after /continue_generation both end with the unpaused run's tokens."""
     params = dict(LONG, max_new_tokens=120)
     want = post(served, "/generate", generate_body(params=params)).json()["output_ids"]
+    held = [f"pause-{mode}"]  # (until paused: then the loop steps no more until /continue_generation)
+    idle_while(engine, monkeypatch, lambda: any(decoding(engine, rid) for rid in held))
     with httpx.stream("POST", served.url + "/generate", json=generate_body(f"pause-{mode}", True, params)) as r:
         lines = r.iter_lines()
         first_event(lines)
         assert post(served, "/pause_generation", {"mode": mode}).json()["status"] == "ok"
+        held.clear()
         (req,) = [r for r in engine.loop.held_reqs() if r.rid == f"pause-{mode}"]
         assert not req.finished
         if mode == "retract":
@@ -210,16 +201,20 @@ def test_pause_in_abort_mode_aborts_what_runs_and_holds_what_comes(engine, serve
     assert post(served, "/pause_generation", {"mode": "later"}).status_code == 400
 
 
-def test_a_paused_engine_updates_its_weights_at_once(engine, pool, idle_after, slow_steps):
+def test_a_paused_engine_updates_its_weights_at_once(engine, pool, idle_after, monkeypatch):
     """SGLang updates a paused engine's weights without waiting: paused "retract", a request in
     flight holds no KV and the update applies; paused "in_place", its KV cannot be flushed, so the
     update is refused and nothing changes. The request then ends as unpaused."""
     path, params = engine.config.model_path, dict(LONG, max_new_tokens=64)
     want = engine.generate(input_ids=PROMPT, sampling_params=params)["output_ids"]
+    held = []  # (until paused: then the loop steps no more until continue_generation)
+    idle_while(engine, monkeypatch, lambda: any(decoding(engine, rid) for rid in held))
     for mode in ("in_place", "retract"):
+        held.append(f"weights-{mode}")
         running = pool.submit(engine.generate, input_ids=PROMPT, sampling_params=params, rid=f"weights-{mode}")
-        assert wait_until(lambda: holds(engine, f"weights-{mode}", with_output=True))
+        assert wait_until(lambda: decoding(engine, f"weights-{mode}"))
         engine.pause_generation(mode)
+        held.clear()
         if mode == "in_place":
             with pytest.raises(RuntimeError, match="paused with requests holding KV"):
                 engine.update_weights_from_disk(path, "never")
