@@ -174,15 +174,15 @@ def test_a_request_in_flight_finishes_on_the_old_weights_and_a_new_one_waits(che
     eng = Engine(model_path=old, **ENGINE)
     try:
         long_prompt, new_prompt = prompts(seed=2)
-        slow = threading.Event()
-        forward = eng.runner.forward
+        came, step = threading.Event(), eng.scheduler.step
 
-        def paced(batch):  # the long request decodes slowly until the new one has come
-            if not slow.is_set():
-                time.sleep(0.05)
-            return forward(batch)
+        def held():  # the long request decodes no further until the new ones have come (however slow the host)
+            if not came.is_set() and running(eng, "long"):
+                time.sleep(0.005)
+                return []
+            return step()
 
-        eng.runner.forward = paced
+        eng.scheduler.step = held
         first = run_in_thread(eng.generate, input_ids=long_prompt, rid="long",
                               sampling_params={"temperature": 0, "max_new_tokens": 40, "ignore_eos": True})
         wait_for(lambda: running(eng, "long"))
@@ -193,7 +193,7 @@ def test_a_request_in_flight_finishes_on_the_old_weights_and_a_new_one_waits(che
         wait_for(lambda: len(eng.loop._parked) == 2)
         assert eng.abort("gone")  # (parked: ended once it reaches the scheduler)
         assert eng.get_weight_version() == "default"  # (still waiting for "long")
-        slow.set()
+        came.set()
         old_out, result, new_out = first(), update(), second()
         assert result.num_paused_requests == 2
         assert gone()["meta_info"]["finish_reason"]["type"] == "abort"
