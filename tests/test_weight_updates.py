@@ -341,17 +341,18 @@ def test_pd_backend_refuses_a_paused_flush_on_every_worker_before_any_applies(ch
     import asyncio
 
     from cluster.backend import PDBackend
-    from tests.pd_helpers import close_workers, make_pair, run_pd, until
+    from tests.pd_helpers import close_workers, make_pair, pause_once, run_pd, until
 
     old, new = checkpoints
     prefill, decode = make_pair(old, page_size=4)
     refs = [SimpleNamespace(worker_id=w.worker_id, alive=True, handle=Handle(w)) for w in (prefill, decode)]
     backend = PDBackend(SimpleNamespace(prefill=refs[:1], decode=refs[1:], router=None))
+    decoding = pause_once(decode, lambda: any(r.output_ids for r in decode.scheduler.running))
     try:
         async def go():
             params = {"temperature": 0, "max_new_tokens": 400, "ignore_eos": True}
             running = asyncio.ensure_future(run_pd(prefill, decode, prompts(1, seed=9)[0], params))
-            await until(lambda: any(r.output_ids for r in decode.scheduler.running), what="decoding")
+            await until(decoding.is_set, what="decoding")  # (still decoding when the pause takes hold)
             await backend.pause_generation("in_place")
             with pytest.raises(ValueError, match=f"{decode.worker_id}: generation is paused with requests holding KV"):
                 await backend.update_weights_from_disk(new, "v1")
