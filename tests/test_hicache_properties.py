@@ -13,7 +13,7 @@ copies too, on rank 0 and on a TP follower that only replays rank 0's log."""
 
 import hypothesis.strategies as st
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 
 from mem_cache.hicache_controller import HiCacheController
 from mem_cache.hicache_storage import HiCacheStorage
@@ -174,10 +174,14 @@ class Workload:
 
     def prefill(self, req, upto) -> bool:
         """Row and slots for ``[committed, upto)``, then the forward (loads start, new KV written,
-        loads end); False, with the request released, when the pool is out of slots."""
+        loads end); False, with the request released, when the pool is out of rows or slots."""
         cache, pool = self.cache, self.cache.req_to_token_pool
         if req.req_pool_idx == -1:
-            req.req_pool_idx = pool.alloc(1)[0]
+            rows = pool.alloc(1)
+            if rows is None:  # (every row held by a live request: a scheduler would wait; released as a drop)
+                cache.dec_lock_ref(req.last_node)
+                return False
+            req.req_pool_idx = rows[0]
             pool.req_to_token[req.req_pool_idx, : len(req.prefix_indices)] = req.prefix_indices.to(torch.int32)
         start = req.kv_committed_len or len(req.prefix_indices)
         try:
@@ -271,6 +275,8 @@ WORKLOAD_OPS = st.tuples(
     prompts=PROMPTS,
     ops=st.lists(WORKLOAD_OPS, min_size=8, max_size=24),
 )
+@example(page_size=1, policy="write_back", overlap=False, storage=False, prompts=[[1, 1]],
+         ops=[("chunk", 0, 1)] * 9)  # (more requests in flight than the 8 rows: the ninth waits)
 def test_requests_in_flight_keep_both_tiers_and_a_tp_follower_right(page_size, policy, overlap, storage, prompts, ops):
     """Every slot accounted for on both tiers after each step, every node's device and host KV
     that of its tokens — on rank 0 and on a follower that only replays rank 0's log."""
