@@ -13,7 +13,8 @@ A decoder model scores a pair in one of two ways, as vLLM's (:class:`Scorer`):
   query's prefix: the radix cache computes it once.
 
 Pairs go as vLLM's: ``text_1`` one text against each of ``text_2`` (1→N), or the two lists side by
-side (N→N); a rerank is its ``query`` against each document, answered best first.
+side (N→N); a rerank is its ``query`` against each document (a text, or Cohere's object with a
+``text``), answered best first. ``usage`` counts each pair's prompt tokens, as vLLM's.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from functools import partial
 from typing import Any, Dict, List, Optional, Sequence, Union
 
 import numpy as np
-from pydantic import Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from cluster.api_errors import APIError
 from cluster.openai_embeddings import PoolingRequest, pooling_prompt, run_pooling
@@ -42,11 +43,20 @@ class ScoreRequest(PoolingRequest):
     text_2: Union[str, List[str]]
 
 
+class RerankDocument(BaseModel):
+    """A document as an object (Cohere's rerank, v1 and v2): ranked by its ``text``; with
+    ``return_documents`` it comes back as sent, its other fields too (Cohere's)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    text: str
+
+
 class RerankRequest(PoolingRequest):
     """POST /rerank, /v1/rerank, /v2/rerank (vLLM's ``RerankRequest``, Jina's and Cohere's fields)."""
 
     query: str
-    documents: List[str]
+    documents: List[Union[str, RerankDocument]]
     top_n: int = Field(0, ge=0, description="the best this many results (0: all of them, as vLLM's)")
     return_documents: bool = Field(True, description="each result carries its document's text (Jina's default)")
 
@@ -109,13 +119,20 @@ class Scorer:
 
     async def _by_embeddings(self, texts_1, texts_2, params, req, pool, respond) -> Any:
         """Each text embedded once (text_1's first, one batch), a pair's score the cosine of its two
-        normalised vectors."""
+        normalised vectors. Its tokens are counted per pair, as vLLM's: its two prompts and the pad
+        token vLLM puts between them (when the tokenizer has one), a 1→N ``text_1`` once per pair."""
         prompts = [self._prompt(self.service.encode(text, param), req, param, i)
                    for texts, param in zip((texts_1, texts_2), params) for i, text in enumerate(texts)]
+        pad = int(self.service.tokenizer.pad_token_id is not None)
 
-        def response(results, num_tokens):
+        def response(results, _):
             vectors = np.asarray([r["embedding"] for r in results], dtype=np.float64)
             first, second = vectors[:len(texts_1)], vectors[len(texts_1):]
+            lens = [r["meta_info"]["prompt_tokens"] for r in results]
+            lens_1, lens_2 = lens[:len(texts_1)], lens[len(texts_1):]
+            if len(lens_1) == 1:  # (1→N: text_1 in every pair)
+                lens_1 = lens_1 * len(lens_2)
+            num_tokens = sum(len_1 + pad + len_2 for len_1, len_2 in zip(lens_1, lens_2))
             return respond((first * second).sum(axis=1).tolist(), num_tokens)  # (one first row: broadcast, 1→N)
 
         return await pool(prompts, {"normalize": True}, respond=response)
@@ -153,17 +170,18 @@ async def create_score(scorer: Scorer, req: ScoreRequest, arrival: float, reques
 
 async def create_rerank(scorer: Scorer, req: RerankRequest, arrival: float, request_id: str) -> Any:
     """vLLM's ``RerankResponse``: ``results`` best first (ties in document order), the ``top_n`` best
-    if asked, each ``{"index", "document": {"text"}, "relevance_score"}`` (no ``document`` when
-    ``return_documents`` is false, as Cohere's)."""
+    if asked, each ``{"index", "document", "relevance_score"}``: ``document`` ``{"text"}`` for a text,
+    an object as sent (Cohere's), none when ``return_documents`` is false (as Cohere's)."""
     model = scorer.service.check_model(req.model)
     response_id = f"rerank-{request_id}"
+    documents = [{"text": d} if isinstance(d, str) else d.model_dump() for d in req.documents]
 
     def respond(scores: List[float], num_tokens: int) -> Dict[str, Any]:
         order = sorted(range(len(scores)), key=lambda i: -scores[i])[:req.top_n or None]
-        results = [{"index": i, **({"document": {"text": req.documents[i]}} if req.return_documents else {}),
+        results = [{"index": i, **({"document": documents[i]} if req.return_documents else {}),
                     "relevance_score": scores[i]} for i in order]
         return {"id": response_id, "model": model, "results": results,
                 "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens}}
 
-    return await scorer.run([req.query], req.documents, ("query", "documents"), req, model, response_id, request_id,
-                            arrival, respond)
+    return await scorer.run([req.query], [d["text"] for d in documents], ("query", "documents"), req, model,
+                            response_id, request_id, arrival, respond)

@@ -3,8 +3,9 @@
 position, batched beside an embedding and a generation and chunked, with only the generation's row
 through the ``lm_head``; on TP 2 with the two tokens in different ranks' vocabulary shards; on a PD
 prefill worker alone. Over HTTP (vLLM's bodies): embedding similarity equal to the cosine of HF's
-hidden states, 1→N and N→N; the classifier over a template's prompt or the tokenizer's pair encoding;
-rerank order, top_n and return_documents; the 400s, the 404 and the config's checks."""
+hidden states, 1→N and N→N, its usage vLLM's count per pair; the classifier over a template's prompt or
+the tokenizer's pair encoding; rerank order, top_n, return_documents and Cohere's document objects;
+the 400s, the 404 and the config's checks."""
 
 import asyncio
 
@@ -125,8 +126,14 @@ def post_classifier(engine):
         yield lambda route, body: httpx.post(server.url + route, json=body, timeout=60)
 
 
+def pair_tokens(enc, pairs) -> int:
+    """vLLM's usage of scores by embeddings: per pair, its two prompts and a pad token between them."""
+    return sum(len(enc(a)) + 1 + len(enc(b)) for a, b in pairs)
+
+
 def test_score_by_embeddings_is_hf_s_cosine_one_to_n_and_n_to_n(engine, path, post):
     enc = engine.tokenizer.encode
+    assert engine.tokenizer.pad_token_id is not None  # (vLLM counts it in each pair)
     one_to_n = post("/v1/score", {"model": "tiny", "text_1": "the cat", "text_2": ["a cat", "stocks fell", "the cat"]})
     assert one_to_n.status_code == 200, one_to_n.text
     body = one_to_n.json()
@@ -135,11 +142,12 @@ def test_score_by_embeddings_is_hf_s_cosine_one_to_n_and_n_to_n(engine, path, po
     for d, doc in zip(body["data"], ["a cat", "stocks fell", "the cat"]):
         assert d["score"] == pytest.approx(hf_cosine(path, enc("the cat"), enc(doc)), abs=1e-5)
     assert body["data"][2]["score"] == pytest.approx(1.0, abs=1e-6)
-    tokens = sum(len(enc(t)) for t in ["the cat", "a cat", "stocks fell", "the cat"])  # (each text run once)
+    tokens = pair_tokens(enc, [("the cat", doc) for doc in ["a cat", "stocks fell", "the cat"]])  # (text_1: 3 times)
     assert body["usage"] == {"prompt_tokens": tokens, "total_tokens": tokens}
     n_to_n = post("/score", {"text_1": ["a", "bc"], "text_2": ["de", "f"]}).json()
     assert [d["score"] for d in n_to_n["data"]] == [
         pytest.approx(hf_cosine(path, enc(a), enc(b)), abs=1e-5) for a, b in [("a", "de"), ("bc", "f")]]
+    assert n_to_n["usage"]["prompt_tokens"] == pair_tokens(enc, [("a", "de"), ("bc", "f")])
     engine.check_integrity()
 
 
@@ -156,7 +164,27 @@ def test_rerank_sorts_cuts_and_returns_documents(engine, path, post):
         assert [r["relevance_score"] for r in body["results"]] == [pytest.approx(want[i], abs=1e-5) for i in order]
     top = post("/v1/rerank", {"query": "cat", "documents": docs, "top_n": 2, "return_documents": False}).json()
     assert top["results"] == [{"index": i, "relevance_score": pytest.approx(want[i], abs=1e-5)} for i in order[:2]]
-    assert top["usage"]["total_tokens"] == len(enc("cat")) + sum(len(enc(d)) for d in docs)
+    assert top["usage"]["total_tokens"] == pair_tokens(enc, [("cat", d) for d in docs])
+    engine.check_integrity()
+
+
+def test_rerank_takes_cohere_s_document_objects(engine, path, post):
+    """Cohere's documents may be objects with a ``text`` (strings and objects mixed too): ranked by it,
+    each returned as sent, its other fields with it; a document with no ``text`` is a 400."""
+    enc = engine.tokenizer.encode
+    docs = [{"text": "cats purr", "id": "a"}, "stocks fell", {"text": "the cat"}]
+    texts = ["cats purr", "stocks fell", "the cat"]
+    want = [hf_cosine(path, enc("cat"), enc(t)) for t in texts]
+    order = sorted(range(len(docs)), key=lambda i: -want[i])
+    for route in ("/v1/rerank", "/v2/rerank"):
+        body = post(route, {"query": "cat", "documents": docs})
+        assert body.status_code == 200, body.text
+        results = body.json()["results"]
+        assert [r["index"] for r in results] == order
+        assert [r["document"] for r in results] == [{"text": docs[i]} if isinstance(docs[i], str) else docs[i] for i in order]
+        assert [r["relevance_score"] for r in results] == [pytest.approx(want[i], abs=1e-5) for i in order]
+    r = post("/v1/rerank", {"query": "cat", "documents": [{"title": "no text"}]})
+    assert r.status_code == 400 and r.json()["error"]["param"].startswith("documents"), r.text
     engine.check_integrity()
 
 
