@@ -4,16 +4,17 @@
 POST /abort_request         SGLang's {"rid", "abort_all"}: end the requests named ``rid`` (an
                             ``X-Request-Id`` or a /generate rid), or all; each ends with
                             finish_reason "abort" (streamed: a last chunk; a pooling request, a
-                            503), its workers freed
+                            503), its workers freed; one waiting for a slot or a pause, at once
 POST /pause_generation      SGLang's {"mode"}: new requests wait from now on; "abort" (the default):
                             those in flight end aborted; "retract": the workers' running requests go
-                            back to waiting, their KV freed; "in_place": they stop, KV kept
+                            back to waiting, their KV freed; "in_place": they stop, KV kept. All
+                            workers or none: one failing, the others step again (a 500 naming it)
 POST /continue_generation   the workers step again, the waiting requests run
 GET  /get_model_info        SGLang's: model_path, tokenizer_path, is_generation, weight_version, ...
 GET  /get_server_info       SGLang's: the configuration as served, and each worker's state (load,
                             cache, its heartbeat's stats) as ``internal_states``
 GET  /health_generate       SGLang's: one token generated on a worker pair within
-                            ``server.health_generate_timeout_s``: 200, else 503
+                            ``server.health_generate_timeout_s``: 200, else 503 (paused: at once)
 POST /reset_prefix_cache    vLLM's name of /flush_cache
 GET, POST /ping             vLLM's (SageMaker's) health: /health
 GET  /load                  vLLM's {"server_load"}: the requests running or queued for a slot here,
@@ -33,6 +34,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
+from cluster.api_errors import APIError
 from cluster.backend import refresh_loads_briefly
 from cluster.openai_protocol import FORBID
 
@@ -87,8 +89,12 @@ def add_admin_routes(app: FastAPI, service, server, parse_body, health, flush_ca
         service.resumed.clear()
         if req.mode == "abort":  # (SGLang's: the workers are not paused; nothing reaches them meanwhile)
             await requests.wait_ended(requests.abort_all())
-        else:
+            return {"message": "Generation paused successfully.", "status": "ok"}
+        try:
             await backend.pause_generation(req.mode)
+        except RuntimeError as exc:  # no worker was left paused: neither is the server
+            service.resumed.set()
+            raise APIError(500, str(exc), "server_error", code="pause_failed") from None
         return {"message": "Generation paused successfully.", "status": "ok"}
 
     @app.post("/continue_generation")
@@ -117,8 +123,14 @@ def add_admin_routes(app: FastAPI, service, server, parse_body, health, flush_ca
 
     @app.get("/health_generate")
     async def health_generate():
-        """A one-token generation past admission and pause (its answer is the workers', not the
-        queue's); on a timeout its stream is closed, which frees it on its workers."""
+        """A one-token generation past admission (its answer is the workers', not the queue's); on a
+        timeout its stream is closed, which frees it on its workers. While paused (/pause_generation,
+        any mode), a 503 at once with nothing sent: SGLang's check waits behind its pause like any
+        request and fails at its timeout (its /ready is a 503 while paused too), and a paused worker
+        would hold it as long."""
+        if not service.resumed.is_set():
+            return Response(status_code=503)
+
         async def one_token():
             params = {"max_new_tokens": 1, "temperature": 0.0}
             async for result in backend.generate_stream([0], params, f"HEALTH_CHECK_{uuid.uuid4().hex}"):

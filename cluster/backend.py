@@ -71,7 +71,8 @@ class ServingBackend(Protocol):
                                          torch_empty_cache: bool = False) -> Dict[str, Any]: ...
 
     async def pause_generation(self, mode: str) -> None:
-        """SGLang's modes "in_place" and "retract" on every worker (see :meth:`PDBackend.pause_generation`)."""
+        """SGLang's modes "in_place" and "retract" on every worker, or on none (RuntimeError naming the
+        worker that failed it; see :meth:`PDBackend.pause_generation`)."""
 
     async def continue_generation(self) -> None: ...
 
@@ -248,10 +249,19 @@ class PDBackend:
         KV freed (re-prefilled on the decode worker once it steps again); a request whose KV is on its
         way is left as it is. The client waits for a paused request's next output as for any (the
         transfer's ``waiting_timeout_s``): a longer pause fails it. (SGLang's "abort" is the server's:
-        it aborts the requests it serves.)"""
+        it aborts the requests it serves.) All or nothing: a worker failing it, those it paused step
+        again (RuntimeError naming the worker and why): a cluster half paused would hold the requests
+        routed to one side while the other side runs, and the server, not paused, would send more."""
         self.paused_mode = mode  # (a worker added meanwhile is paused too)
         live = [w for w in self._all() if w.alive]
-        await asyncio.gather(*(w.handle.pause_generation.remote(mode) for w in live))
+        results = await asyncio.gather(*(w.handle.pause_generation.remote(mode) for w in live),
+                                       return_exceptions=True)
+        failed = _failures(live, results)
+        if failed:
+            self.paused_mode = None
+            await asyncio.gather(*(w.handle.continue_generation.remote() for w, r in zip(live, results)
+                                   if not isinstance(r, BaseException)), return_exceptions=True)
+            raise RuntimeError(f"generation not paused (the workers paused step again): {'; '.join(failed)}")
 
     async def continue_generation(self) -> None:
         self.paused_mode = None

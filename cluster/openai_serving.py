@@ -14,11 +14,12 @@ new one: see ``cluster.server``) is the base of the response ``id``
 is the response id (/generate: the request's id) and a short random suffix
 (:func:`internal_rid`), choice ``i``'s then ``-{i}``. A body ``rid`` (SGLang's)
 is taken as it is instead; no two requests in flight have one alike (a 400).
-Once admitted, a request is found by its ``X-Request-Id`` and its rid in
+From its arrival a request is found by its ``X-Request-Id`` and its rid in
 :attr:`GenerationService.requests` (SGLang's /abort_request ends it: each
-choice as when its client leaves, then answered finish_reason "abort"). While
-generation is paused (:attr:`GenerationService.resumed` clear: SGLang's
-/pause_generation) new requests wait before admission.
+choice as when its client leaves, then answered finish_reason "abort"; one
+still waiting for admission ends so at once, never sent). While generation is
+paused (:attr:`GenerationService.resumed` clear: SGLang's /pause_generation)
+new requests wait before admission.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from jinja2 import TemplateError
 from pydantic import ValidationError
 
 from actors.engine.sampling_params import SamplingParams
+from cluster.aio import unless_set
 from cluster.api_errors import APIError, own_message
 from cluster.chat_protocol import ChatCompletionRequest, ChatTemplateFields
 from cluster.completion_protocol import CompletionRequest, GenerateRequest
@@ -210,17 +212,19 @@ class GenerationService:
             self.token_ids(list(params.get(field) or ()), prefix + field)
         return params
 
-    async def _admit(self) -> None:
-        """A slot, once generation is not paused (SGLang's tokenizer manager holds a request so)."""
+    async def _admit(self, aborted: asyncio.Event) -> bool:
+        """A slot, once generation is not paused (SGLang's tokenizer manager holds a request so); False,
+        holding none, when the request is aborted first (:attr:`requests`: /abort_request)."""
         if self.backend.draining:
             raise APIError(503, "the server is draining: no new requests", "service_unavailable", code="draining")
         if not self.resumed.is_set():
             self.num_paused += 1
             try:
-                await self.resumed.wait()
+                if not await unless_set(self.resumed.wait(), aborted):
+                    return False
             finally:
                 self.num_paused -= 1
-        await self.admission.acquire()
+        return await unless_set(self.admission.acquire(), aborted, on_lost=lambda _: self.admission.release())
 
     def _streams(self, batch: List[Tuple[List[int], Dict[str, Any]]], n: int, rid: str, arrival: float,
                  priority: int, lora_path: Optional[str], aborted: asyncio.Event):
@@ -253,25 +257,27 @@ class GenerationService:
         adapter ``lora_path`` (None: the base model), and answer with JSON (``final_fn``) or SSE
         (``stream_fn``, then ``stream_end`` if any). A ``priority`` other than 0 is a 400 unless the
         workers schedule by priority (vLLM's answer). In :attr:`requests` under ``request_id`` and
-        ``rid`` (``own_rid``: the client's, which must be unique) from its admission to its end."""
+        ``rid`` (``own_rid``: the client's, which must be unique) from its arrival to its end (SGLang's
+        tokenizer manager enters a request before its pause, too): aborted before its admission, its
+        choices end aborted with no output, never sent to a worker."""
         if priority and not self.backend.priority_scheduling:
             raise APIError(400, f"priority: got {priority}, but priority scheduling is not enabled "
                            "(engine enable_priority_scheduling)", param="priority")
-        await self._admit()
-        events = aborted = None
+        aborted = self.requests.add([name for name in (request_id, rid) if name], own_rid)
+        events, admitted = None, False
         try:
-            aborted = self.requests.add([name for name in (request_id, rid) if name], own_rid)
+            admitted = await self._admit(aborted)
             events = self._streams(batch, n, rid, arrival, priority, lora_path, aborted)
             first = await events.__anext__()
             first_time = time.perf_counter()
         except BaseException:
-            await self._close(events, aborted)
+            await self._close(events, aborted, admitted)
             raise
         if stream_fn is None:
             try:
                 collected = [first] + [e async for e in events]
             finally:  # done, failed, or cancelled (the client went away): the other choices stop too
-                await self._close(events, aborted)
+                await self._close(events, aborted, admitted)
             return JSONResponse(final_fn(collected))
         closed = False
 
@@ -279,18 +285,19 @@ class GenerationService:
             nonlocal closed
             if not closed:
                 closed = True
-                await self._close(events, aborted)
+                await self._close(events, aborted, admitted)
 
         return _SSEResponse(self._sse(first, first_time, events, stream_fn, stream_end), close)
 
-    async def _close(self, events, aborted: Optional[asyncio.Event] = None) -> None:
-        """Stop the choices, then give the admission slot back and free the request's names, even if
-        the stop is cancelled (a second cancel, at the server's shutdown timeout)."""
+    async def _close(self, events, aborted: Optional[asyncio.Event] = None, admitted: bool = True) -> None:
+        """Stop the choices, then give the admission slot back (if ``admitted``) and free the request's
+        names, even if the stop is cancelled (a second cancel, at the server's shutdown timeout)."""
         try:
             if events is not None:
                 await events.aclose()
         finally:
-            self.admission.release()
+            if admitted:
+                self.admission.release()
             if aborted is not None:
                 self.requests.remove(aborted)
 

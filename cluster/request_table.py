@@ -4,9 +4,9 @@
 A request is named by its ``X-Request-Id`` (the client's, or the one the server made; vLLM's)
 and by its ``rid`` (/generate's ``meta_info.id``: SGLang's body ``rid``, or the one the server
 made). Several requests may share an ``X-Request-Id`` (vLLM serves them all; an abort names them
-all), never a body ``rid`` (SGLang's "Duplicate request ID": a 400). A request is entered once
-admitted, as SGLang's tokenizer manager enters it once past its pause: one still queued is not
-aborted (after a pause it runs).
+all), never a body ``rid`` (SGLang's "Duplicate request ID": a 400). A request is entered on its
+arrival, before it waits for a pause or an admission slot (as SGLang's tokenizer manager enters its
+state before its pause): an abort reaches it there too, and it ends aborted without reaching a worker.
 """
 
 from __future__ import annotations

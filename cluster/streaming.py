@@ -106,7 +106,8 @@ async def _one_choice(index: int, stream: AsyncIterator[Dict[str, Any]], text: T
                       queue: asyncio.Queue, on_done: Callable, aborted: asyncio.Event) -> None:
     """Feed one choice's events into ``queue``; then ``None`` (done) or the exception that ended it.
     Cancelled once ``aborted`` is set, its stream's clean-up stops its workers (as when the client
-    leaves) and the choice ends with :func:`aborted_result`."""
+    leaves) and the choice ends with :func:`aborted_result`; aborted already (before its admission),
+    its stream is never started."""
     last, first_time, num_tokens = None, None, 0
 
     def put(result):
@@ -117,6 +118,10 @@ async def _one_choice(index: int, stream: AsyncIterator[Dict[str, Any]], text: T
                                      first=last is None))
         first_time, last = first_time or time.perf_counter(), result
 
+    if aborted.is_set():
+        put(aborted_result(None, len(text.prompt_ids)))
+        queue.put_nowait(None)
+        return
     try:
         async for result in stream:
             put(result)

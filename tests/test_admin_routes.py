@@ -1,20 +1,24 @@
 """The operator endpoints (cluster.admin_routes) over an in-process engine (the tiny llama, no
-Ray): /abort_request by a /generate rid or an X-Request-Id, streamed and not, and abort_all;
-/pause_generation in each mode, then /continue_generation (the requests queued meanwhile run,
-tokens as unpaused); a paused engine's weight update; /health_generate's 200 and 503; the info
-routes. The engine leaks nothing afterwards."""
+Ray): /abort_request by a /generate rid or an X-Request-Id, streamed and not, and abort_all, of
+requests running, held by a pause or queued for an admission slot; /pause_generation in each mode,
+then /continue_generation (the requests queued meanwhile run, tokens as unpaused), all workers or
+none (PDBackend); a paused engine's weight update; /health_generate's 200 and 503 (paused: at once);
+the info routes. The engine leaks nothing afterwards."""
 
+import asyncio
 import json
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 
 import httpx
 import pytest
 
+from cluster.backend import PDBackend
 from cluster.config import ServerConfig
 from tests.server_helpers import wait_until
-from tests.test_openai_compat import MODEL, engine, serving  # noqa: F401 (engine: the module's fixture)
+from tests.test_openai_compat import MODEL, EngineBackend, engine, serving  # noqa: F401 (engine: the module's fixture)
 
 PROMPT = [1, 15, 27, 200, 8]
 LONG = {"max_new_tokens": 200, "temperature": 0, "ignore_eos": True}  # (~1 s on a CPU: stopped long before)
@@ -89,6 +93,17 @@ def first_event(lines) -> dict:
     return next(json.loads(line[len("data: "):]) for line in lines if line.startswith("data: {"))
 
 
+def streamed(server, path, body, headers=None) -> list:
+    """The JSON events of ``body`` sent streamed (up to its ``data: [DONE]``)."""
+    with httpx.stream("POST", server.url + path, json=dict(body, stream=True), headers=headers, timeout=60) as r:
+        return events_of(r.iter_lines())
+
+
+def load(server) -> int:
+    """vLLM's /load: the requests the server holds (running, queued for a slot, or held by a pause)."""
+    return httpx.get(server.url + "/load").json()["server_load"]
+
+
 def test_abort_request_ends_a_generate_stream_with_a_last_chunk(engine, served, idle_after, monkeypatch):
     idle_while(engine, monkeypatch, lambda: decoding(engine, "gen-stream"))
     with httpx.stream("POST", served.url + "/generate", json=generate_body("gen-stream", stream=True)) as r:
@@ -154,6 +169,55 @@ def test_abort_all_ends_every_request_in_flight(engine, served, pool, idle_after
     for f in futures:
         meta = f.result(timeout=30).json()["meta_info"]
         assert meta["finish_reason"]["type"] == "abort" and meta["completion_tokens"] == 0
+
+
+def test_abort_request_reaches_the_requests_a_pause_holds(engine, served, pool, idle_after):
+    """Requests waiting in the server for /continue_generation are aborted there, by a rid, an
+    X-Request-Id (streamed too) or all: each answered as a request aborted before its first output
+    (finish_reason "abort", no output), none sent to the engine, none left in the server."""
+    completion = {"model": MODEL, "prompt": PROMPT, "max_tokens": 5}
+    assert post(served, "/pause_generation", {}).json()["status"] == "ok"  # ("abort": nothing runs to abort)
+    try:
+        by_rid = pool.submit(post, served, "/generate", generate_body("held-rid"))
+        by_header = pool.submit(post, served, "/v1/completions", completion, {"X-Request-Id": "held-xr"})
+        by_stream = pool.submit(streamed, served, "/generate", generate_body(), {"X-Request-Id": "held-stream"})
+        by_all = pool.submit(post, served, "/generate", generate_body("held-all"))
+        assert wait_until(lambda: load(served) == 4)
+        for name in ("held-rid", "held-xr", "held-stream"):
+            assert post(served, "/abort_request", {"rid": name}).status_code == 200
+        assert post(served, "/abort_request", {"abort_all": True}).status_code == 200
+        metas = [by_rid.result(timeout=10).json()["meta_info"], by_stream.result(timeout=10)[-1]["meta_info"],
+                 by_all.result(timeout=10).json()["meta_info"]]
+        answer = by_header.result(timeout=10).json()
+        assert load(served) == 0 and not engine.loop.held_reqs()
+    finally:
+        post(served, "/continue_generation")
+    assert [(m["finish_reason"]["type"], m["completion_tokens"]) for m in metas] == [("abort", 0)] * 3
+    assert by_rid.result().json()["output_ids"] == []
+    assert answer["id"] == "cmpl-held-xr" and answer["choices"][0]["finish_reason"] == "abort"
+    assert answer["usage"]["completion_tokens"] == 0
+
+
+def test_abort_request_reaches_a_request_queued_for_a_slot(engine, pool, idle_after):
+    """One admission slot, taken: a request queued for it is aborted in the queue by its X-Request-Id,
+    answered aborted at once while the slot's holder runs on; once the holder is aborted too, the
+    slot is free for the next request."""
+    engine.pause_generation("in_place")  # (the slot's holder stays where it is)
+    completion = {"model": MODEL, "prompt": PROMPT, "max_tokens": 5}
+    with serving(engine, ServerConfig(max_concurrent_requests=1)) as server:
+        holder = pool.submit(post, server, "/generate", generate_body("slot-holder"))
+        assert wait_until(lambda: holds(engine, "slot-holder"))
+        queued = pool.submit(post, server, "/v1/completions", completion, {"X-Request-Id": "queued-xr"})
+        assert wait_until(lambda: load(server) == 2)
+        assert post(server, "/abort_request", {"rid": "queued-xr"}).status_code == 200
+        answer = queued.result(timeout=10).json()
+        assert answer["choices"][0]["finish_reason"] == "abort" and answer["usage"]["completion_tokens"] == 0
+        assert load(server) == 1 and not holder.done() and not holds(engine, "cmpl-queued-xr")
+        assert post(server, "/abort_request", {"rid": "slot-holder"}).status_code == 200
+        assert holder.result(timeout=30).json()["meta_info"]["finish_reason"]["type"] == "abort"
+        engine.continue_generation()
+        after = post(server, "/generate", generate_body(params={"max_new_tokens": 2})).json()
+        assert after["meta_info"]["finish_reason"]["type"] == "length" and load(server) == 0
 
 
 @pytest.mark.parametrize("mode", ["retract", "in_place"])
@@ -234,6 +298,66 @@ def test_health_generate_is_200_and_503_when_no_token_comes_in_time(engine, serv
     assert httpx.get(served.url + "/health_generate").status_code == 503
     assert time.monotonic() - start < 10
     assert not any(r.rid.startswith("HEALTH_CHECK") and not r.finished for r in engine.loop.held_reqs())
+
+
+@pytest.mark.parametrize("mode", ["abort", "in_place"])
+def test_health_generate_is_503_at_once_while_paused(engine, served, idle_after, mode):
+    """SGLang's health check waits behind its pause as any request does and fails at its timeout: a
+    paused server is a 503, in every mode (an "abort" pause leaves the workers stepping: they would
+    answer 200), at once, nothing sent to a worker (one paused would hold it); 200 once continued."""
+    assert post(served, "/pause_generation", {"mode": mode}).json()["status"] == "ok"
+    try:
+        assert httpx.get(served.url + "/health_generate").status_code == 503
+        assert not any(r.rid.startswith("HEALTH_CHECK") for r in engine.loop.held_reqs())
+    finally:
+        post(served, "/continue_generation")
+    assert httpx.get(served.url + "/health_generate").status_code == 200
+
+
+class _Worker:
+    """A worker behind a Ray-like handle, as PDBackend calls it (``handle.<method>.remote(*args)``):
+    ``paused``, its pause mode (None: stepping); ``fails``: its pause raises, as a dead actor's call."""
+
+    def __init__(self, worker_id, fails=False):
+        self.worker_id, self.alive, self.fails, self.paused = worker_id, True, fails, None
+        self.handle = SimpleNamespace(pause_generation=SimpleNamespace(remote=self.pause),
+                                      continue_generation=SimpleNamespace(remote=self.resume))
+
+    async def pause(self, mode):
+        if self.fails:
+            raise RuntimeError("the actor died")
+        self.paused = mode
+
+    async def resume(self):
+        self.paused = None
+
+
+def test_a_pause_a_worker_fails_leaves_no_worker_paused():
+    """PDBackend's pause is all or nothing: a worker failing it, those it paused step again and the
+    error names the worker; with the failed worker out of the rotation every worker pauses."""
+    prefill, decode, dead = _Worker("p-0"), _Worker("d-0"), _Worker("d-1", fails=True)
+    backend = PDBackend(SimpleNamespace(prefill=[prefill], decode=[decode, dead]))
+    with pytest.raises(RuntimeError, match=r"not paused .*: d-1: the actor died$"):
+        asyncio.run(backend.pause_generation("retract"))
+    assert (prefill.paused, decode.paused, backend.paused_mode) == (None, None, None)
+    dead.alive = False
+    asyncio.run(backend.pause_generation("in_place"))
+    assert (prefill.paused, decode.paused, backend.paused_mode) == ("in_place", "in_place", "in_place")
+
+
+class _FailingPause(EngineBackend):
+    async def pause_generation(self, mode):
+        raise RuntimeError("generation not paused (the workers paused step again): d-1: the actor died")
+
+
+def test_a_failed_pause_is_a_500_naming_the_worker_and_the_server_serves_on(engine, idle_after):
+    with serving(engine, ServerConfig(), _FailingPause) as server:
+        r = post(server, "/pause_generation", {"mode": "retract"})
+        assert r.status_code == 500 and r.json()["error"]["code"] == "pause_failed", r.text
+        assert r.json()["error"]["message"].endswith("d-1: the actor died")
+        assert httpx.get(server.url + "/get_server_info").json()["paused"] is False
+        after = post(server, "/generate", generate_body(params={"max_new_tokens": 2})).json()
+        assert after["meta_info"]["finish_reason"]["type"] == "length"
 
 
 def test_the_info_routes(engine, served, idle_after):

@@ -96,10 +96,10 @@ def engine(tmp_path_factory):
 
 
 @contextmanager
-def serving(engine, config: ServerConfig):
+def serving(engine, config: ServerConfig, backend_cls=EngineBackend):
     tokenizer = AutoTokenizer.from_pretrained(engine.config.model_path, local_files_only=True)
     tokenizer.chat_template = STRICT_TEMPLATE
-    with BackgroundServer(build_app(EngineBackend(engine, 256), tokenizer, config), "127.0.0.1", 0) as server:
+    with BackgroundServer(build_app(backend_cls(engine, 256), tokenizer, config), "127.0.0.1", 0) as server:
         yield server
 
 
