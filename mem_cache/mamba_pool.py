@@ -8,6 +8,9 @@ A hybrid model keeps two kinds of per-request memory:
   Mamba layer, in :class:`MambaPool` slots. :class:`HybridReqToTokenPool`
   pairs every request row with its working Mamba slot and, in extra-buffer
   mode, two ping-pong track slots that hold checkpoints for the radix tree.
+  Under speculative decoding the pool also holds a verify step's scratch:
+  per request row, the state after each of its tokens (SGLang's
+  ``SpeculativeState``), of which the step keeps only the last accepted one.
 
 Running out of Mamba slots is a logical OOM like any other: ``alloc`` returns
 ``None`` and takes nothing.
@@ -40,10 +43,17 @@ class MambaPool:
     free. ``alloc`` takes from the front of ``free_slots`` and zeroes what it
     hands out; ``free`` appends.
 
+    ``verify_shape`` ``(rows, positions)``: the verify scratch of speculative
+    decoding, ``verify_states``: per tensor of ``states()``, one of shape
+    ``[num_mamba_layers, rows, positions, *state_shape]``; entry ``[:, row, j]``
+    is written by a verify forward (the state after the ``j``-th token of
+    request row ``row``'s step) and read by ``commit_verify_state`` only. A plain
+    allocation: it is never transferred.
+
     ``op_log``, when a list, records every state write made outside a model
-    forward (``("zero", slots)`` at alloc, ``("copy", src, dst)``) so that a
-    pool on another TP rank, holding other heads of the same slots, can
-    ``replay`` them in order.
+    forward (``("zero", slots)`` at alloc, ``("copy", src, dst)``,
+    ``("verify", row, position, slot)``) so that a pool on another TP rank,
+    holding other heads of the same slots, can ``replay`` them in order.
     """
 
     def __init__(
@@ -57,6 +67,7 @@ class MambaPool:
         device: Union[str, torch.device] = "cpu",
         buffer_allocator: Optional[BufferAllocator] = None,
         debug: Optional[bool] = None,
+        verify_shape: Optional[Tuple[int, int]] = None,
     ):
         if size <= 0 or num_mamba_layers <= 0:
             raise ValueError(f"MambaPool needs size > 0 and num_mamba_layers > 0, got {size=}, {num_mamba_layers=}")
@@ -70,6 +81,11 @@ class MambaPool:
         states = [self.buffer_allocator.zeros(*spec) for spec in self.state_specs]
         self.conv: List[torch.Tensor] = states[:-1]
         self.temporal: torch.Tensor = states[-1]
+        self.verify_specs = [] if verify_shape is None else [
+            (name.replace("mamba.", "mamba.verify_"), shape[:1] + tuple(verify_shape) + shape[2:], dtype)
+            for name, shape, dtype in self.state_specs]
+        scratch = LocalBufferAllocator(self.device)
+        self.verify_states: List[torch.Tensor] = [scratch.zeros(*spec) for spec in self.verify_specs]
         self.op_log: Optional[List[Tuple]] = None
         self.debug = debug_enabled(debug)
         self.clear()
@@ -115,6 +131,14 @@ class MambaPool:
             # copies: ``as_tensor`` keeps the caller's tensor, which it may reuse before replay
             self.op_log.append(("copy", src_t.to("cpu", copy=True), dst_t.to("cpu", copy=True)))
 
+    def commit_verify_state(self, row: int, position: int, slot: int) -> None:
+        """Every layer's scratch state of request row ``row`` after its verify step's token
+        ``position`` into slot ``slot`` (a verify step keeps its accepted tokens' state only)."""
+        for state, verify_state in zip(self.states(), self.verify_states):
+            state[:, slot] = verify_state[:, row, position]
+        if self.op_log is not None:
+            self.op_log.append(("verify", row, position, slot))
+
     def replay(self, ops: List[Tuple]) -> None:
         """Apply another rank's recorded ``op_log`` entries to these states, in order."""
         for op in ops:
@@ -122,6 +146,8 @@ class MambaPool:
                 self._zero(op[1].to(self.device))
             elif op[0] == "copy":
                 self.copy_from(op[1], op[2])
+            elif op[0] == "verify":
+                self.commit_verify_state(*op[1:])
             else:
                 raise ValueError(f"unknown Mamba state op {op[0]!r}")
 
@@ -138,7 +164,7 @@ class MambaPool:
         return [t.data_ptr() for t in layers], [t.nbytes for t in layers], [t[0].nbytes for t in layers]
 
     def mem_usage_bytes(self) -> int:
-        return sum(state.nbytes for state in self.states())
+        return sum(state.nbytes for state in self.states() + self.verify_states)
 
     def check_held(self, what: str, held: torch.Tensor) -> None:
         """``held`` slots are unique, real (not the dummy) and not free."""
@@ -151,7 +177,8 @@ class MambaPool:
     def check_integrity(self, in_use: Optional[torch.Tensor] = None) -> None:
         """States as built; free slots unique in ``[0, size)``; with ``in_use``
         (every slot held by requests and the tree) free + in_use == size exactly."""
-        for state, (name, shape, dtype) in zip(self.states(), self.state_specs):
+        states, specs = self.states() + self.verify_states, self.state_specs + self.verify_specs
+        for state, (name, shape, dtype) in zip(states, specs):
             check_buffer(name, state, shape, dtype)
         check_unique_in_range("MambaPool.free_slots", self.free_slots, 0, self.size, forbidden=self.size)
         if in_use is None:

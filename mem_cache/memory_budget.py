@@ -8,7 +8,9 @@ SGLang sizes its pools once, at start-up, after the model weights are loaded:
   for activations, CUDA graphs and allocator slack.
 * A hybrid (Mamba / linear-attention) model first gives ``rest * r / (1 + r)``
   (``r = mamba_full_memory_ratio``) or exactly ``max_mamba_cache_size`` slots
-  to the Mamba state pool; the KV pool gets what the slots leave.
+  to the Mamba state pool, and under speculative decoding the slot-sized
+  states of its verify scratch (``mamba_verify_states``: one per request row
+  and verify token); the KV pool gets what they leave.
 * KV tokens are ``kv_budget // cell_size``, capped by ``max_total_tokens`` and
   rounded down to whole pages. With a draft model (speculative decoding) a
   slot holds the draft's KV too, in a pool of its own indexed by the same
@@ -132,11 +134,13 @@ class MemoryBudget:
     max_mamba_cache_size: int
     """Mamba state slots; 0 when the model is not hybrid."""
     mamba_bytes: int
-    """Bytes the Mamba pool takes: ``max_mamba_cache_size * mamba_state_bytes_per_slot``."""
+    """Bytes the Mamba pool takes: ``(max_mamba_cache_size + mamba_verify_states) * mamba_state_bytes_per_slot``."""
     rest_bytes: int
     """Memory the static pools were allowed, before the split."""
     draft_cell_size: int = 0
     """The draft model's KV bytes per token, part of ``cell_size``; 0 without one."""
+    mamba_verify_states: int = 0
+    """Slot-sized states of the Mamba pool's verify scratch (speculative decoding), part of ``mamba_bytes``."""
 
     def describe(self) -> str:
         """One log line with the numbers."""
@@ -147,7 +151,8 @@ class MemoryBudget:
         if self.draft_cell_size:
             line += f" ({self.draft_cell_size} B/token of it the draft model's)"
         if self.max_mamba_cache_size:
-            line += f"; mamba: {self.max_mamba_cache_size} slots = {self.mamba_bytes / GiB:.2f} GiB"
+            scratch = f" + {self.mamba_verify_states} verify states" if self.mamba_verify_states else ""
+            line += f"; mamba: {self.max_mamba_cache_size} slots{scratch} = {self.mamba_bytes / GiB:.2f} GiB"
         return line + f"; static budget {self.rest_bytes / GiB:.2f} GiB"
 
 
@@ -199,35 +204,40 @@ def profile_max_num_tokens(
     max_total_tokens: Optional[int] = None,
     max_mamba_cache_size: Optional[int] = None,
     draft_shape: Optional[KVCacheShape] = None,
+    mamba_verify_states: int = 0,
 ) -> MemoryBudget:
     """Size the KV (and Mamba) pools of one rank the way SGLang does.
 
     ``available_bytes`` is the device memory free *after* the model weights
     were loaded (``get_device_memory`` called then); ``total_bytes`` is the
     device's capacity. ``draft_shape``: a draft model's KV, in a pool of as
-    many slots (not sharded: the draft runs whole, on TP rank 0 only). Raises
-    ValueError when nothing fits.
+    many slots (not sharded: the draft runs whole, on TP rank 0 only).
+    ``mamba_verify_states``: slot-sized states of a hybrid model's verify
+    scratch, taken with the Mamba pool's. Raises ValueError when nothing fits.
     """
     _check_positive_int("page_size", page_size)
     if max_total_tokens is not None:
         _check_positive_int("max_total_tokens", max_total_tokens)
-    if max_mamba_cache_size is not None and not shape.is_hybrid:
-        raise ValueError("max_mamba_cache_size needs a hybrid shape (mamba_state_bytes_per_slot)")
+    if (max_mamba_cache_size is not None or mamba_verify_states) and not shape.is_hybrid:
+        raise ValueError("max_mamba_cache_size and mamba_verify_states need a hybrid shape "
+                         "(mamba_state_bytes_per_slot)")
     rest = _rest_bytes(available_bytes, total_bytes, mem_fraction_static)
     slots = _mamba_slots(shape, rest, mamba_full_memory_ratio, max_mamba_cache_size) if shape.is_hybrid else 0
-    mamba_bytes = slots * (shape.mamba_state_bytes_per_slot or 0)
+    mamba_bytes = (slots + mamba_verify_states) * (shape.mamba_state_bytes_per_slot or 0)
     draft_cell = 0 if draft_shape is None else cell_size_bytes(draft_shape, kv_dtype)
     cell = cell_size_bytes(shape, kv_dtype, tp_size) + draft_cell
     tokens = (rest - mamba_bytes) // cell
     if max_total_tokens is not None:
         tokens = min(tokens, max_total_tokens)
     tokens = tokens // page_size * page_size
-    if tokens == 0:
+    if tokens <= 0:
+        scratch = (f" or lower max_running_requests x (speculative_num_draft_tokens + 1), the "
+                   f"{mamba_verify_states} Mamba states of the verify scratch") if mamba_verify_states else ""
         raise ValueError(
             f"not one page of KV fits: {rest - mamba_bytes} B for {cell} B/token x page_size {page_size}; "
-            "raise mem_fraction_static or free memory"
+            f"raise mem_fraction_static or free memory{scratch}"
         )
-    return MemoryBudget(tokens, cell, tokens * cell, slots, mamba_bytes, rest, draft_cell)
+    return MemoryBudget(tokens, cell, tokens * cell, slots, mamba_bytes, rest, draft_cell, mamba_verify_states)
 
 
 @dataclass(frozen=True)

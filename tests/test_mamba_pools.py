@@ -52,6 +52,28 @@ def test_a_freed_slot_comes_back_zeroed():
     assert all(not state[:, again].any() for state in pool.states())
 
 
+def test_a_verify_state_commit_copies_one_scratch_entry_and_a_tp_peer_replays_it():
+    """``commit_verify_state`` copies every layer's state of one (row, position) of the verify
+    scratch into a slot, nothing else; a pool of another rank replays it from the log."""
+    def pool():
+        return MambaPool(4, [(2, 3)], (2, 2), 2, torch.float32, torch.float32, verify_shape=(2, 3))
+
+    leader, follower = pool(), pool()
+    assert [tuple(s.shape) for s in leader.verify_states] == [(2, 2, 3, 2, 3), (2, 2, 3, 2, 2)]
+    for mine, peer in zip(leader.verify_states, follower.verify_states):
+        peer.copy_(mine.copy_(torch.randn(mine.shape)))
+    slot = int(leader.alloc(1))
+    follower.alloc(1)
+    leader.op_log = []
+    leader.commit_verify_state(1, 2, slot)
+    follower.replay(leader.op_log)
+    for state, verify_state, peer in zip(leader.states(), leader.verify_states, follower.states()):
+        assert torch.equal(state[:, slot], verify_state[:, 1, 2]) and torch.equal(peer, state)
+        assert not state[:, slot + 1:].any()
+    leader.check_integrity(in_use=t(slot))
+    assert leader.mem_usage_bytes() == sum(s.nbytes for s in leader.states() + leader.verify_states)
+
+
 def test_copy_from_and_fork_from_copy_every_layer():
     pool = mamba(size=3)
     src, other = pool.alloc(2).tolist()

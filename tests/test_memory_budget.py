@@ -145,6 +145,19 @@ def test_hybrid_ratio_split():
     assert "210 slots" in b.describe()
 
 
+def test_a_hybrid_verify_scratch_is_taken_with_the_mamba_pool():
+    # 100 slots + 20 scratch states = 120 x 77_266_944 = 9_272_033_280 B;
+    # KV = 34_359_738_368 - 9_272_033_280 = 25_087_705_088 B // 24_576 = 1_020_821
+    b = profile_max_num_tokens(QWEN3_NEXT, BF16, 40 * GiB, TOTAL_80, 0.9, max_mamba_cache_size=100,
+                               mamba_verify_states=20)
+    assert (b.max_mamba_cache_size, b.mamba_verify_states, b.mamba_bytes) == (100, 20, 9_272_033_280)
+    assert b.max_total_num_tokens == 1_020_821
+    assert "100 slots + 20 verify states" in b.describe()
+    with pytest.raises(ValueError, match="not one page of KV fits.* the 400 Mamba states of the verify scratch"):
+        profile_max_num_tokens(QWEN3_NEXT, BF16, 40 * GiB, TOTAL_80, 0.9, max_mamba_cache_size=100,
+                               mamba_verify_states=400)
+
+
 def test_hybrid_explicit_slots():
     # 100 slots = 7_726_694_400 B; KV = 34_359_738_368 - 7_726_694_400 = 26_633_043_968 B
     # // 24_576 = 1_083_701 ; page 64: 16_932 pages -> 1_083_648
@@ -299,11 +312,13 @@ def test_get_device_memory_cpu():
         get_device_memory("meta")
 
 
-@pytest.mark.parametrize("family,strategy", [("llama", "no_buffer"), ("qwen3_next", "no_buffer"),
-                                             ("qwen3_next", "extra_buffer")])
-def test_pools_sized_from_device_memory_fit_the_budget(tmp_path, monkeypatch, family, strategy):
+@pytest.mark.parametrize("family,strategy,spec", [("llama", "no_buffer", {}), ("qwen3_next", "no_buffer", {}),
+                                                  ("qwen3_next", "extra_buffer", {}),
+                                                  ("qwen3_next", "no_buffer", {"speculative_algorithm": "ngram"})])
+def test_pools_sized_from_device_memory_fit_the_budget(tmp_path, monkeypatch, family, strategy, spec):
     """With no ``max_total_tokens`` the runner sizes its pools from device memory: every pool
-    it allocates (a hybrid model's Mamba slots included) fits ``mem_fraction_static``'s share.
+    it allocates (a hybrid model's Mamba slots included, and under speculation its verify
+    scratch: a state per request row and verify token) fits ``mem_fraction_static``'s share.
     The Mamba pool used to come on top of a KV pool that had taken the whole budget (a real
     Qwen3-Next would ask tens of GiB beyond it)."""
     from actors.engine.config import EngineConfig
@@ -316,14 +331,15 @@ def test_pools_sized_from_device_memory_fit_the_budget(tmp_path, monkeypatch, fa
     path = build_tiny_checkpoint(family, tmp_path / family)
     extra = {"mamba_scheduler_strategy": strategy} if family == "qwen3_next" else {}
     runner = ModelRunner(EngineConfig(model_path=str(path), mem_fraction_static=fraction, max_running_requests=64,
-                                      **extra))
+                                      **extra, **spec))
     pool, page = runner.token_to_kv_pool, runner.config.page_size
     cell = pool.mem_usage_bytes() // (runner.max_total_num_tokens + page)  # (+ the padding page of dummy slots)
     used = runner.max_total_num_tokens * cell
     if family == "qwen3_next":
         mamba = runner.mamba_pool
         assert mamba.size == runner._num_mamba_slots(64)
-        used += mamba.size * (mamba.mem_usage_bytes() // (mamba.size + 1))  # (+ its dummy slot)
+        assert [s.shape[1:3] for s in mamba.verify_states] == [(64, 5)] * 2 * bool(spec)
+        used += mamba.mem_usage_bytes() - sum(s[:, 0].nbytes for s in mamba.states())  # (less its dummy slot)
     budget = available - round(total * (1 - fraction))
     assert budget * 0.9 < used <= budget
 

@@ -9,7 +9,6 @@ import asyncio
 import json
 import random
 import re
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -28,7 +27,6 @@ from actors.engine.sampling_params import SamplingParams
 from actors.engine.scheduler import Scheduler
 from actors.engine.ngram import NgramIndex, propose_ngram
 from actors.engine.spec_accept import rejection_sample
-from actors.engine.spec_decode import SpecDecodeMixin
 from actors.engine.tiny import tiny_config
 from actors.engine.tokenizer import save_tokenizer
 from actors.workers import PrefillWorker
@@ -83,9 +81,9 @@ def recorded_runs(monkeypatch):
     runs = []
     process = Scheduler._process_decode
 
-    def recording(self, reqs, step_runs):
+    def recording(self, reqs, step_runs, **kwargs):
         runs.extend((r.rid, len(r.output_ids), [p.token for p in run]) for r, run in zip(reqs, step_runs))
-        return process(self, reqs, step_runs)
+        return process(self, reqs, step_runs, **kwargs)
 
     monkeypatch.setattr(Scheduler, "_process_decode", recording)
     return runs
@@ -377,10 +375,6 @@ def test_bad_speculative_settings_are_refused_naming_the_field():
         EngineConfig(model_path="m", speculative_algorithm="ngram", speculative_num_draft_tokens=0)
     with pytest.raises(ValueError, match="a prefill worker never decodes"):
         PrefillWorker("m", dict(SPEC))  # (refused before the model is read)
-    sched = SimpleNamespace(config=EngineConfig(model_path="m", **SPEC),
-                            runner=SimpleNamespace(spec=SimpleNamespace(kind="hybrid_mamba")))
-    with pytest.raises(ValueError, match="not supported for KV cache kind 'hybrid_mamba'"):
-        SpecDecodeMixin._init_spec(sched)
 
 
 @pytest.mark.parametrize("tight", [False, True])

@@ -29,6 +29,10 @@ TP: the draft runs whole (unsharded) on rank 0 only, which alone samples and so 
 forwards do not go through ``tp_step`` and the followers never see them. Rank 0's budget counts its
 KV (the slot count is every rank's smallest).
 
+A Mamba hybrid target (Qwen3-Next) takes such a draft as any other: the target's states are
+committed from its verify scratch (:mod:`actors.engine.spec_decode`) and the draft keeps none. A
+hybrid draft would need states (and a verify scratch) of its own: refused by its KV cache kind.
+
 Drafts are the draft's argmax: a one-hot proposal, so the rejection sampler stays exact for sampled
 requests. The draft reads no sampling parameter nor grammar: a draft is cut to what its grammar
 accepts afterwards, as an n-gram draft is. LoRA adapters apply to the target only (a request under

@@ -176,12 +176,16 @@ class ModelRunner:
         available, total = get_device_memory(self.device)
         fraction = self.config.mem_fraction_static or 0.5
         shape, mamba_slots = self._kv_shape(self.spec), None
+        verify_states = 0
         if self.spec.kind == "hybrid_mamba":  # KV for the full-attention layers only; the Mamba pool comes first
-            mamba_slots = self._num_mamba_slots(self.config.max_running_requests or MAX_RUNNING_DEFAULT)
+            max_running = self.config.max_running_requests or MAX_RUNNING_DEFAULT
+            mamba_slots = self._num_mamba_slots(max_running)
+            verify_shape = self._mamba_verify_shape(max_running)
+            verify_states = math.prod(verify_shape) if verify_shape else 0
             shape = dataclasses.replace(shape, num_attention_layers=len(self.spec.full_attention_layer_ids),
                                         mamba_state_bytes_per_slot=self._mamba_slot_bytes())
         budget = profile_max_num_tokens(shape, self.kv_dtype, available, total, fraction, page_size=ps,
-                                        max_mamba_cache_size=mamba_slots,
+                                        max_mamba_cache_size=mamba_slots, mamba_verify_states=verify_states,
                                         draft_shape=None if self.draft is None else self._kv_shape(self.draft.spec))
         logger.info("memory budget: %s", budget.describe())
         return budget.max_total_num_tokens
@@ -191,6 +195,13 @@ class ModelRunner:
         for the tree's checkpoints."""
         per_req = 3 if self.config.mamba_scheduler_strategy == "extra_buffer" else 1
         return max_running_requests * per_req + max(16, max_running_requests)
+
+    def _mamba_verify_shape(self, max_running_requests: int) -> Optional[Tuple[int, int]]:
+        """The verify scratch of speculative decoding (``MambaPool``'s ``verify_shape``): a state per
+        request row and verify token (its last sampled one and its draft's); None without speculation."""
+        if self.config.speculative_algorithm is None:
+            return None
+        return max_running_requests, self.config.speculative_num_draft_tokens + 1
 
     def _mamba_slot_bytes(self) -> int:
         """One Mamba slot over every Mamba layer: conv states in the model dtype, the
@@ -202,13 +213,15 @@ class ModelRunner:
 
     def _init_hybrid_pools(self) -> None:
         """Mamba state slots (working + ping-pong per running request, plus room for the
-        tree's checkpoints), request rows that own them, and KV for the attention layers."""
+        tree's checkpoints; with speculation, the verify scratch), request rows that own
+        them, and KV for the attention layers."""
         cfg, spec = self.config, self.spec
         extra = cfg.mamba_scheduler_strategy == "extra_buffer"
         self.mamba_pool = MambaPool(
             self._num_mamba_slots(self.max_running_requests), spec.conv_state_shapes,
             spec.temporal_state_shape, len(spec.mamba_layer_ids), self.dtype, torch.float32, device=self.device,
             buffer_allocator=self.buffer_allocator,
+            verify_shape=self._mamba_verify_shape(self.max_running_requests),
         )
         self.req_to_token_pool = HybridReqToTokenPool(
             self.max_running_requests, self.context_len + 4, self.device, self.mamba_pool, spec.mamba_layer_ids, extra,

@@ -438,10 +438,11 @@ class Scheduler(PrefillAdmissionMixin, DecodeRetractionMixin, SpecDecodeMixin):
             self.tree_cache.cache_unfinished_req(req)
             self.running.append(req)
 
-    def _process_decode(self, reqs: List[Req], runs: List[List[Pick]]) -> List[Req]:
+    def _process_decode(self, reqs: List[Req], runs: List[List[Pick]], verified: bool = False) -> List[Req]:
         """Each request's run of picked tokens (one; a verify step's: its accepted drafts and the
         token after them) appended until one finishes it — where as many decode steps would have
-        stopped —; the KV of the tokens kept is committed, a verify step's other slots freed."""
+        stopped —; the KV of the tokens kept is committed (``verified``: and a hybrid model's state
+        after them), a verify step's other slots freed."""
         self.runner.allocator.free_group_begin()
         try:
             for req, run in zip(reqs, runs):
@@ -449,7 +450,10 @@ class Scheduler(PrefillAdmissionMixin, DecodeRetractionMixin, SpecDecodeMixin):
                     self._sample(req, None, pick)
                     if req.finished:
                         break
+                computed = req.kv_committed_len
                 req.kv_committed_len = req.seqlen - 1  # (the last token has no KV yet)
+                if verified:
+                    self._commit_verified_state(req, req.kv_committed_len - computed)
                 self._free_draft_slots(req)
                 if req.finished:
                     self.tree_cache.cache_finished_req(req)

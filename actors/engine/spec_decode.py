@@ -49,6 +49,16 @@ rejected draft takes no key from the window of the positions after it. The forwa
 layers mask each row by its own position (the extend path's), their sinks included: every draft
 position sees the keys plain decode would.
 
+Mamba hybrids (Qwen3-Next, KV cache kind ``"hybrid_mamba"``; SGLang's EAGLE on them): a request's
+recurrent state cannot drop a token, so the verify forward leaves each request's state slot as it
+was and writes the linear-attention layers' conv and SSM state after each of its ``1 + d`` tokens to
+the Mamba pool's verify scratch (a state per request row and verify token, allocated at start and
+counted in the memory budget). After acceptance the state after the last committed token is copied
+into the slot (:meth:`SpecDecodeMixin._commit_verified_state`): a rejected draft leaves no trace, and
+the slot holds the state of ``kv_committed_len`` tokens, as after plain decode steps, for the radix
+cache to insert. With ``extra_buffer`` a checkpoint a decode step among the committed ones would
+have saved (at a multiple of ``mamba_track_interval``) is copied from the scratch likewise.
+
 The drafts' slots are held for one step only, so no reserve counts them — neither admission's
 decode reserve nor a PD decode worker's reservations (``num_reserved_decode_tokens``): they are
 taken when free after eviction, else the step runs as a plain decode step, which alone retracts
@@ -71,11 +81,9 @@ from actors.engine.req import Req
 from actors.engine.sampling import Pick, argmax_rows, logprob_picks, sampling_probs
 from actors.engine.spec_accept import (accept_greedy, apply_draft_grammar_masks, grammar_prefix, position_states,
                                        rejection_sample)
-from actors.engine.schedule_batch import (_NO_SLOTS, _last_locs, _table_rows, alloc_extend_slots, extend_batch,
-                                         free_swa_out_of_windows)
+from actors.engine.schedule_batch import (_NO_SLOTS, _last_locs, _mamba_indices, _mamba_tracks, _table_rows,
+                                         alloc_extend_slots, extend_batch, free_swa_out_of_windows)
 from actors.engine.sparse_logits import adjust_logits
-
-SPEC_KV_KINDS = ("mha", "mla", "swa")  # attention KV only: a rejected draft leaves nothing behind but its slots
 
 
 def draftable(req: Req) -> bool:
@@ -148,22 +156,17 @@ def verify_batch(reqs: List[Req], drafts: List[List[int]], runner) -> ForwardBat
     prefix_lens = [r.seqlen - 1 for r in reqs]
     seq_lens = [r.seqlen + len(d) for r, d in zip(reqs, drafts)]
     return extend_batch(ForwardMode.TARGET_VERIFY, runner, reqs, input_ids, positions, out, prefix_lens, seq_lens,
-                        spec_draft_tokens=drafts)
+                        spec_draft_tokens=drafts,
+                        mamba_pool_indices=_mamba_indices(runner.req_to_token_pool, reqs, runner))
 
 
 class SpecDecodeMixin:
     """The verify step of the scheduler's ``running`` batch. Reads the scheduler's ``runner``,
-    ``config``, ``tree_cache`` and ``running``; :meth:`_process_decode` commits the runs."""
+    ``config``, ``tree_cache``, ``running`` and ``hybrid``; :meth:`_process_decode` commits the runs."""
 
     def _init_spec(self) -> None:
-        cfg = self.config
         self.spec_stats = SpecStats()
-        self.speculative = cfg.speculative_algorithm is not None
-        kind = self.runner.spec.kind
-        if self.speculative and kind not in SPEC_KV_KINDS:
-            raise ValueError(f"speculative_algorithm={cfg.speculative_algorithm!r} is not supported for KV cache kind "
-                             f"{kind!r}: a rejected draft would leave its tokens in the Mamba state; supported: "
-                             f"{', '.join(SPEC_KV_KINDS)}")
+        self.speculative = self.config.speculative_algorithm is not None
 
     def _prepare_verify(self) -> Optional[ForwardBatch]:
         """The running batch's verify step, or None: speculation off, no request has a draft, or
@@ -215,7 +218,7 @@ class SpecDecodeMixin:
         for draft, run in zip(drafts, runs):
             if draft:
                 self.spec_stats.observe(len(draft), len(run) - 1)
-        return self._process_decode(reqs, runs)
+        return self._process_decode(reqs, runs, verified=True)
 
     def _verify_runs(self, reqs: List[Req], drafts: List[List[int]], starts: List[int],
                      logits: torch.Tensor) -> List[List[Pick]]:
@@ -281,6 +284,21 @@ class SpecDecodeMixin:
         """The rows of requests ``index`` (each its last sampled token's and its draft's), request
         ``i``'s from ``starts[i]`` on."""
         return torch.tensor([starts[i] + j for i in index for j in range(len(drafts[i]) + 1)], device=logits.device)
+
+    def _commit_verified_state(self, req: Req, num_kept: int) -> None:
+        """Hybrid models: ``req``'s Mamba state after the ``num_kept`` tokens of its verify step it
+        committed, from the verify scratch into its slot (the forward left the slot as it was); with
+        extra_buffer, the state at the last multiple of ``mamba_track_interval`` among them, if any,
+        into its next track slot, as a decode step there would have saved it."""
+        if not self.hybrid:
+            return
+        pool = self.runner.req_to_token_pool
+        pool.mamba_pool.commit_verify_state(req.req_pool_idx, num_kept - 1, req.mamba_pool_idx)
+        interval, computed = self.config.mamba_track_interval, req.kv_committed_len
+        tracked = computed // interval * interval
+        if pool.enable_mamba_extra_buffer and tracked > computed - num_kept:
+            (slot,), _ = _mamba_tracks(pool, [req], [tracked])
+            pool.mamba_pool.commit_verify_state(req.req_pool_idx, tracked - (computed - num_kept) - 1, slot)
 
     def _free_draft_slots(self, req: Req) -> None:
         """Free the whole pages of ``req``'s row past its committed KV (a verify step's rejected

@@ -19,7 +19,8 @@ kept equal like this:
   cache re-pointing a row at cached slots) — entries no batch reads are not
   kept up to date (:class:`TableMirror`);
 * Mamba state written outside a forward (zeroed at alloc, copied at a
-  copy-on-write prefix match or a checkpoint fork): rank 0's MambaPool logs
+  copy-on-write prefix match, a checkpoint fork or a verify step's commit
+  from its scratch): rank 0's MambaPool logs
   those ops and the followers replay them, in order, before the forward;
 * the host tier of the hierarchical cache: every rank keeps a host pool of
   its own head shard, with the same slot count; rank 0's tree picks the host

@@ -5,7 +5,11 @@ inputs of the causal depthwise conv) and a recurrent state ``[v_heads, k_dim,
 v_dim]`` in the request's MambaPool slot; full-attention layers keep paged KV
 in HybridLinearKVPool. A forward reads each request's state, runs its tokens
 through the recurrence and writes the state back, so the slot always holds
-the state after the request's last computed token.
+the state after the request's last committed token. A verify forward
+(speculative decoding) leaves the slot as it is: it writes the state after
+each of its tokens to the pool's verify scratch, and the scheduler copies the
+last accepted one's into the slot (``MambaPool.commit_verify_state``), so a
+rejected draft leaves nothing in it.
 """
 
 from __future__ import annotations
@@ -27,22 +31,22 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
 
-def gated_delta_recurrence(q, k, v, g, beta, state, snapshot_after=None):
+def gated_delta_recurrence(q, k, v, g, beta, state, snapshots_after=()):
     """Token-by-token gated delta rule (fp32). q,k: [n, H, K]; v: [n, H, V];
-    g, beta: [n, H]; state: [H, K, V] → (out [n, H, V], new state, the state
-    after token ``snapshot_after`` or None)."""
+    g, beta: [n, H]; state: [H, K, V] → (out [n, H, V], new state, the states
+    after the tokens ``snapshots_after``, in their order)."""
     q = l2norm(q.float()) / (q.shape[-1] ** 0.5)
     k, v, g, beta = l2norm(k.float()), v.float(), g.float(), beta.float()
     out = torch.empty_like(v)
-    state, snapshot = state.float(), None
+    state, snapshots, wanted = state.float(), {}, set(snapshots_after)
     for t in range(q.shape[0]):
         state = state * g[t].exp()[:, None, None]
         delta = (v[t] - (state * k[t][:, :, None]).sum(dim=-2)) * beta[t][:, None]
         state = state + k[t][:, :, None] * delta[:, None, :]
         out[t] = (state * q[t][:, :, None]).sum(dim=-2)
-        if t == snapshot_after:
-            snapshot = state
-    return out, state, snapshot
+        if t in wanted:
+            snapshots[t] = state
+    return out, state, [snapshots[t] for t in snapshots_after]
 
 
 def _track_index(forward_batch, i: int):
@@ -115,27 +119,33 @@ class GatedDeltaNet(nn.Module):
         beta, g = b.sigmoid(), -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         out = torch.empty(x.shape[0], self.num_v_heads, self.v_dim, dtype=x.dtype, device=x.device)
         weight = self.conv1d.weight.squeeze(1)
+        verify = forward_batch.forward_mode.is_target_verify
         for i in range(forward_batch.batch_size):
             start, n = int(forward_batch.extend_start_loc[i]), forward_batch.extend_seq_lens_cpu[i]
             slot = int(forward_batch.mamba_pool_indices[i])
             span = slice(start, start + n)
             # window column j holds the conv input at position prefix - (K-1) + j
             window = torch.cat([mamba.conv[0][m, slot].to(x.dtype), mixed[span].t()], dim=-1)  # [C, K-1+n]
-            mamba.conv[0][m, slot] = window[:, -(self.kernel - 1):]
             track = _track_index(forward_batch, i)
             conv = F.silu(F.conv1d(window[None], weight[:, None, :], groups=self.conv_dim)[0]).t()  # [n, C]
             qi, ki, vi = conv.split([self.key_size, self.key_size, self.value_size], dim=-1)
             ratio = self.num_v_heads // self.num_k_heads
             qi = qi.reshape(n, self.num_k_heads, self.k_dim).repeat_interleave(ratio, dim=1)
             ki = ki.reshape(n, self.num_k_heads, self.k_dim).repeat_interleave(ratio, dim=1)
-            o, state, snapshot = gated_delta_recurrence(
+            o, state, snapshots = gated_delta_recurrence(
                 qi, ki, vi.reshape(n, self.num_v_heads, self.v_dim), g[span], beta[span], mamba.temporal[m, slot],
-                snapshot_after=None if track is None else track - 1,
+                snapshots_after=range(n) if verify else [] if track is None else [track - 1],
             )
-            mamba.temporal[m, slot] = state.to(mamba.temporal.dtype)
+            if verify:  # every position's state to the scratch; the slot keeps the committed one
+                row = int(forward_batch.req_pool_indices[i])
+                mamba.verify_states[0][m, row, :n] = window.unfold(-1, self.kernel - 1, 1)[:, 1:].transpose(0, 1)
+                mamba.verify_states[-1][m, row, :n] = torch.stack(snapshots).to(mamba.temporal.dtype)
+            else:
+                mamba.conv[0][m, slot] = window[:, -(self.kernel - 1):]
+                mamba.temporal[m, slot] = state.to(mamba.temporal.dtype)
             if track is not None:  # checkpoint: state and conv inputs after ``track`` of this forward's tokens
                 dst = forward_batch.mamba_track_slots[i]
-                mamba.temporal[m, dst] = snapshot.to(mamba.temporal.dtype)
+                mamba.temporal[m, dst] = snapshots[0].to(mamba.temporal.dtype)
                 mamba.conv[0][m, dst] = window[:, track : track + self.kernel - 1]
             out[span] = o.to(x.dtype)
         out = self.norm(out.reshape(-1, self.v_dim), z.reshape(-1, self.v_dim)).view(x.shape[0], -1)
