@@ -1,9 +1,11 @@
 """Tool-call parsers of more models' formats, as vLLM and SGLang read them: Mistral's
-(:class:`MistralParser`), the pythonic list of Llama 4 and others (:class:`PythonicParser`),
-Qwen3-Coder's XML (:class:`Qwen3CoderParser`) and DeepSeek-V3's (:class:`DeepSeekV3Parser`); by
-name in :data:`cluster.tool_calls.TOOL_CALL_PARSERS`. The contract is
-:class:`cluster.tool_parsers.ToolCallParser`'s: fed in any pieces, what they give fed whole; a
-call's arguments come whole once it is decided, and a malformed call stays content as written.
+(:class:`MistralParser`), Qwen3-Coder's XML (:class:`Qwen3CoderParser`), and DeepSeek-V3's and
+V3.1's (:class:`DeepSeekV3Parser`, :class:`DeepSeekV31Parser`); the pythonic ones in
+:mod:`cluster.pythonic_tool_parsers`; by name in :data:`cluster.tool_calls.TOOL_CALL_PARSERS`. The
+contract is :class:`cluster.tool_parsers.ToolCallParser`'s: fed in any pieces, what they give fed
+whole. The JSON formats (Mistral's, DeepSeek's) stream a call's arguments as they come, from the
+moment it is named (a call malformed before that stays content as written); Qwen3-Coder's, no JSON
+text, a parameter at a time.
 """
 
 from __future__ import annotations
@@ -14,16 +16,9 @@ import math
 import re
 from typing import Any, Dict, List, Optional
 
+from cluster.json_stream import JSON_SPACE, CallObject, JsonStream, json_text
 from cluster.streaming import partial_suffix_len
-from cluster.tool_parsers import JSON_SPACE, BlockParser, JsonLexer, SpacedContent, ToolCallParser, named_call
-
-
-def _json_text(value: Any) -> Optional[str]:
-    """``value`` as JSON text; None if it has no JSON form (a set, bytes, NaN: a literal of Python's)."""
-    try:
-        return json.dumps(value, ensure_ascii=False, allow_nan=False)
-    except (TypeError, ValueError):
-        return None
+from cluster.tool_parsers import BlockParser, JsonLexer, SpacedContent, ToolCallParser
 
 
 _MISTRAL_NAME = re.compile(r"[A-Za-z0-9_.\-]+")
@@ -31,21 +26,28 @@ _MISTRAL_NAME = re.compile(r"[A-Za-z0-9_.\-]+")
 
 class MistralParser(ToolCallParser):
     """Mistral's calls after its ``[TOOL_CALLS]`` token, in either form vLLM reads: a JSON array of
-    ``{"name", "arguments"}`` (tokenizers before v11, ``[TOOL_CALLS] [{...}, ...]``), or one call
-    per token, ``[TOOL_CALLS]name[ARGS]{...}`` (v11 and later; ``name{...}`` without ``[ARGS]``,
-    and a ``[CALL_ID]id`` before it, read too). The array or object is decided when its brackets
-    close; one that is not calls, or a name that is none, is content as written from the token on.
-    Text before and after is content (:class:`~cluster.tool_parsers.SpacedContent`). The tags are
-    special tokens in Mistral's HF tokenizers: the output is decoded with them."""
+    ``{"name", "arguments"}`` (tokenizers before v11, ``[TOOL_CALLS] [{...}, ...]``), each element
+    read as :class:`~cluster.json_stream.CallObject` reads it, or one call per token,
+    ``[TOOL_CALLS]name[ARGS]{...}`` (v11 and later; ``name{...}`` without ``[ARGS]``, and a
+    ``[CALL_ID]id`` before it, read too), committed at its ``{`` when the name is one. Arguments
+    stream as they come. An array or object that breaks (an element not a call, a name that is
+    none) before a call of its own is committed is content as written from the token on; after,
+    the text from the character that broke it is read afresh. Text before and after is content
+    (:class:`~cluster.tool_parsers.SpacedContent`). The tags are special tokens in Mistral's HF
+    tokenizers: the output is decoded with them."""
 
     TAG, ARGS, CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
     special_tokens = True
 
     def __init__(self):
         super().__init__()
-        self.state = "text"  # then "calls" just past the tag, the "array" or "object" being read
+        self.state = "text"  # then "calls" past the tag: the "array", a call's "arguments", or an "object" no call
         self.held = ""  # since the tag, or a tail that may start it
-        self.lexer = JsonLexer()
+        self.first = 0  # the first of the calls since the tag
+        self.lexer = JsonLexer()  # (an object no call: read to its end)
+        self.arguments = JsonStream()
+        self.element: Optional[CallObject] = None  # the array's element being read
+        self.expect = "first"  # in the array: "first" element (or "]"), "element", "comma" (or "]")
         self.content = SpacedContent()
 
     def feed(self, text: str) -> str:
@@ -54,20 +56,10 @@ class MistralParser(ToolCallParser):
             if self.state == "text":
                 i = self._text(text, i, out)
                 continue
-            c = text[i]
-            i += 1
-            self.held += c
-            if self.state == "calls":
-                if c == "[" and not self.held[len(self.TAG):-1].strip(JSON_SPACE):
-                    self.state = "array"
-                elif c == "{":
-                    self.state = "object"
-                else:
-                    continue  # (a name's characters, [ARGS]: taken when the object opens)
-                self.lexer = JsonLexer()
-            self.lexer.step(c)
-            if self.lexer.depth == 0:
-                out.append(self._decide())
+            shown = self._step(text[i])
+            if shown is not None:  # (None: it broke the calls, read again as text)
+                out.append(shown)
+                i += 1
         return "".join(out)
 
     def _text(self, text: str, i: int, out: List[str]) -> int:
@@ -81,131 +73,78 @@ class MistralParser(ToolCallParser):
             return len(text)
         out.append(self.content.text(self.held[:tag]))
         rest = len(self.held) - tag - len(self.TAG)  # (of this text: fed again, a character at a time)
-        self.held, self.state = self.TAG, "calls"
+        self.held, self.state, self.first = self.TAG, "calls", len(self.calls)
         return len(text) - rest
 
-    def _decide(self) -> str:
-        """The array's or object's calls, or the text since the tag as content."""
-        body, text, array = self.held[len(self.TAG):], self.held, self.state == "array"
-        self.held, self.state = "", "text"
-        calls = self._array(body) if array else self._object(body)
-        if not calls:
-            return self.content.text(text)
-        self.calls.extend(calls)
-        self.content.call()
+    def _step(self, c: str) -> Optional[str]:
+        self.held += c
+        if self.state == "calls":
+            if c == "[" and not self.held[len(self.TAG):-1].strip(JSON_SPACE):
+                self.state, self.expect = "array", "first"
+                return ""
+            if c != "{":
+                return ""  # (a name's characters, [ARGS]: taken when the object opens)
+            name = self._name(self.held[len(self.TAG):-1])
+            if name is None:
+                self.state, self.lexer = "object", JsonLexer()
+            else:
+                self.state, self.arguments = "arguments", JsonStream()
+                self.calls.append([name, ""])
+        if self.state == "object":
+            self.lexer.step(c)
+            return self._end(called=False) if self.lexer.depth == 0 else ""
+        if self.state == "arguments":
+            try:
+                self.calls[-1][1] += self.arguments.step(c)
+            except ValueError:
+                return self._end(called=False)
+            return self._end(called=True) if self.arguments.done else ""
+        return self._element(c)
+
+    def _element(self, c: str) -> Optional[str]:
+        """The array's next character: its elements' calls, its commas and its end."""
+        if self.element is not None:
+            self.element.step(c)
+            if self.element.broken or (self.element.done and self.element.call is None):
+                return self._end(called=False)
+            if self.element.done:
+                self.element, self.expect = None, "comma"
+            return ""
+        if c in JSON_SPACE:
+            return ""
+        if c == "{" and self.expect in ("first", "element"):
+            self.element = CallObject(self.calls)
+            self.element.step(c)
+        elif c == "," and self.expect == "comma":
+            self.expect = "element"
+        else:
+            return self._end(called=c == "]" and self.expect in ("first", "comma"))
         return ""
 
-    @staticmethod
-    def _array(body: str) -> Optional[List[List[str]]]:
-        """``[{"name": ..., "arguments": ...}, ...]``'s calls; None if any element is not one."""
-        try:
-            value = json.loads(body)
-        except ValueError:
-            return None
-        calls = [named_call(v) for v in value] if isinstance(value, list) else []
-        return calls if calls and all(calls) else None
+    def _end(self, called: bool) -> Optional[str]:
+        """The calls since the tag end (``called``: whole, at their last character): their text as
+        content if none was committed; None if some were and they broke at this character."""
+        text, self.held, self.state, self.element = self.held, "", "text", None
+        if len(self.calls) == self.first:
+            return self.content.text(text)
+        self.content.call()
+        return "" if called else None
 
-    def _object(self, body: str) -> Optional[List[List[str]]]:
-        """``name[ARGS]{...}``'s call (``[CALL_ID]id`` after the name, or no ``[ARGS]``: read too)."""
-        start = body.index("{")
-        name = body[:start].strip(JSON_SPACE)
+    def _name(self, head: str) -> Optional[str]:
+        """The function named before an object's ``{`` (``name[ARGS]``, ``name[CALL_ID]id[ARGS]`` or
+        ``name``); None if none."""
+        name = head.strip(JSON_SPACE)
         if name.endswith(self.ARGS):
             name = name[:-len(self.ARGS)]
         name = name.split(self.CALL_ID)[0]
-        try:
-            arguments = json.loads(body[start:])
-        except ValueError:
-            return None
-        if not _MISTRAL_NAME.fullmatch(name) or not isinstance(arguments, dict):
-            return None
-        return [[name, json.dumps(arguments, ensure_ascii=False)]]
+        return name if _MISTRAL_NAME.fullmatch(name) else None
 
     def finish(self) -> str:
-        out = self.content.text(self.held)
+        out = self.content.text(self.held) if self.state == "text" or len(self.calls) == self.first else ""
         self.held, self.state = "", "text"
         return out + self.content.end(bool(self.calls))
 
 
-def _python_list(text: str) -> Optional[ast.List]:
-    """``text`` as a whole Python list expression (read by ``ast``, never run); None if it is not one."""
-    try:
-        tree = ast.parse(text.lstrip(JSON_SPACE), mode="eval").body
-    except (SyntaxError, ValueError, RecursionError, MemoryError):
-        return None
-    return tree if isinstance(tree, ast.List) else None
-
-
-def _pythonic_calls(tree: ast.List) -> Optional[List[List[str]]]:
-    """``[f(a=1), g()]``'s calls, each argument a literal as JSON; None if the list is not such
-    calls (empty, positional arguments, a call's call, ``**kwargs``, a name for a value...)."""
-    if not tree.elts:
-        return None
-    calls = []
-    for node in tree.elts:
-        if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.args:
-            return None
-        arguments = {}
-        for keyword in node.keywords:
-            if keyword.arg is None:
-                return None
-            try:
-                arguments[keyword.arg] = ast.literal_eval(keyword.value)
-            except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):
-                return None
-        arguments_text = _json_text(arguments)
-        if arguments_text is None:
-            return None
-        calls.append([node.func.id, arguments_text])
-    return calls
-
-
-class PythonicParser(ToolCallParser):
-    """The pythonic calls of Llama 4 and others (vLLM's ``pythonic``): an output that opens, past
-    whitespace, with ``[`` is held until a ``]`` closes a Python list; a list of calls with keyword
-    arguments, literals only (``[get_weather(city="Paris"), add(a=1)]``), is the calls, any other
-    text (or a list cut short) content as written. vLLM needs the whole output to be the list; here
-    text after it is content."""
-
-    def __init__(self):
-        super().__init__()
-        self.state = "opening"  # then the "list" held, or "after" it (or with none): content
-        self.held = ""
-        self.content = SpacedContent()
-
-    def feed(self, text: str) -> str:
-        if self.state == "opening":
-            text, self.held = self.held + text, ""
-            opening = text.lstrip(JSON_SPACE)
-            if not opening:
-                self.held = text
-                return ""
-            self.state = "list" if opening.startswith("[") else "after"
-        if self.state == "after":
-            return self.content.text(text)
-        start = len(self.held)
-        self.held += text
-        end = self.held.find("]", start)
-        while end >= 0:
-            tree = _python_list(self.held[:end + 1])
-            if tree is not None:
-                body, rest = self.held[:end + 1], self.held[end + 1:]
-                self.held, self.state = "", "after"
-                calls = _pythonic_calls(tree)
-                if calls is None:
-                    return self.content.text(body + rest)
-                self.calls.extend(calls)
-                return self.content.text(rest)
-            end = self.held.find("]", end + 1)
-        return ""
-
-    def finish(self) -> str:
-        out = self.content.text(self.held)
-        self.held = ""
-        return out + self.content.end(bool(self.calls))
-
-
-_QWEN3_FUNCTION = re.compile(r"<function=(.*?)</function>|<function=(.*)$", re.DOTALL)
-_QWEN3_PARAMETER = re.compile(r"<parameter=(.*?)(?:</parameter>|(?=<parameter=)|(?=</function>)|$)", re.DOTALL)
 _STRING_TYPES = ("string", "str", "text", "varchar", "char", "enum")
 
 
@@ -242,18 +181,22 @@ def _schema_value(text: str, schema: Any) -> Any:
         value = ast.literal_eval(text)
     except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):
         return text
-    return value if _json_text(value) is not None else text
+    return value if json_text(value) is not None else text
 
 
 class Qwen3CoderParser(BlockParser):
     """Qwen3-Coder's XML calls (vLLM's ``qwen3_coder``): ``<tool_call><function=NAME><parameter=P>
     value</parameter>...</function></tool_call>``, a parameter's value raw text (one newline each
     side trimmed) typed by the request's tool's schema (:func:`_schema_value`), so the parser is
-    made per request with its ``tools``. A block with no ``<function=NAME>`` stays content (and a
-    ``<function=`` outside a block, which vLLM reads when the output has no block); a function or
-    parameter the output cut short is read as far as it goes (vLLM's)."""
+    made per request with its ``tools``. The arguments are no JSON text in the output: a call is
+    committed once its ``<function=NAME>`` closes, its arguments ``{`` then one ``"P": value`` per
+    parameter once the next tag ends it, and ``}`` at the function's end (vLLM streams them per
+    parameter too). A block with no ``<function=NAME>`` stays content (and a ``<function=``
+    outside a block, which vLLM reads when the output has no block); a parameter with no ``>`` is
+    read past; a function or parameter the output cut short is read as far as it goes (vLLM's)."""
 
     START, END = "<tool_call>", "</tool_call>"
+    FUNCTION, FUNCTION_END, PARAMETER, PARAMETER_END = "<function=", "</function>", "<parameter=", "</parameter>"
 
     def __init__(self, tools):
         super().__init__()
@@ -262,45 +205,121 @@ class Qwen3CoderParser(BlockParser):
             properties = (tool.function.parameters or {}).get("properties")
             self.properties[tool.function.name] = properties if isinstance(properties, dict) else {}
 
-    def _calls(self, body: str) -> Optional[List[List[str]]]:
-        calls = []
-        for closed, cut in _QWEN3_FUNCTION.findall(body):
-            function = closed or cut
-            if ">" not in function:
-                return None
-            name, parameters = function.split(">", 1)
-            properties, arguments = self.properties.get(name, {}), {}
-            for parameter in _QWEN3_PARAMETER.findall(parameters):
-                if ">" not in parameter:
-                    return None
-                key, value = parameter.split(">", 1)
-                value = value[1:] if value.startswith("\n") else value
-                value = value[:-1] if value.endswith("\n") else value
-                arguments[key] = _schema_value(value, properties.get(key))
-            calls.append([name, json.dumps(arguments, ensure_ascii=False)])
-        return calls
+    def _open(self) -> None:
+        self.body, self.pos, self.first = "", 0, len(self.calls)  # pos: where the body is read to
+        self.function: Optional[Dict[str, Any]] = None  # the open function's parameters' schemas
+        self.written = 0  # its parameters written
 
+    def _read(self, text: str) -> None:
+        self.body += text
+        while self._function() if self.function is None else self._parameter():
+            pass
 
-_DEEPSEEK_CALL = re.compile(r"(.*?)<｜tool▁sep｜>(.*?)\n```json\n(.*)\n```\s*", re.DOTALL)
+    def _close(self) -> bool:
+        if self.function is not None:  # (cut short, or no </function>: read as far as it goes)
+            start = self.body.find(self.PARAMETER, self.pos)
+            if start >= 0:
+                self._write(self.body[start + len(self.PARAMETER):])
+            self.calls[-1][1] += "}"
+        return len(self.calls) > self.first
+
+    def _function(self) -> bool:
+        """The next function's start: its call committed once its name's ``>`` comes; whether read."""
+        start = self.body.find(self.FUNCTION, self.pos)
+        close = self.body.find(">", start) if start >= 0 else -1
+        if close < 0:
+            return False
+        end = self.body.find(self.FUNCTION_END, start)
+        if 0 <= end < close:  # (no name: read past)
+            self.pos = end + len(self.FUNCTION_END)
+            return True
+        name = self.body[start + len(self.FUNCTION):close]
+        self.calls.append([name, "{"])
+        self.function, self.written, self.pos = self.properties.get(name, {}), 0, close + 1
+        return True
+
+    def _parameter(self) -> bool:
+        """The open function's next parameter once a tag ends it, or its end; whether read."""
+        start, end = self.body.find(self.PARAMETER, self.pos), self.body.find(self.FUNCTION_END, self.pos)
+        if start < 0 or 0 <= end < start:
+            if end < 0:
+                return False
+            self.calls[-1][1] += "}"
+            self.function, self.pos = None, end + len(self.FUNCTION_END)
+            return True
+        start += len(self.PARAMETER)
+        ends = [i for i in (self.body.find(tag, start) for tag in (self.PARAMETER_END, self.PARAMETER,
+                                                                    self.FUNCTION_END)) if i >= 0]
+        if not ends:
+            return False
+        self._write(self.body[start:min(ends)])
+        self.pos = min(ends) + (len(self.PARAMETER_END) if self.body.startswith(self.PARAMETER_END, min(ends)) else 0)
+        return True
+
+    def _write(self, parameter: str) -> None:
+        """A parameter's ``"P": value`` in the open call's arguments (none if it has no ``>``)."""
+        if ">" not in parameter:
+            return
+        key, value = parameter.split(">", 1)
+        value = value[1:] if value.startswith("\n") else value
+        value = value[:-1] if value.endswith("\n") else value
+        value = _schema_value(value, self.function.get(key))
+        pair = json.dumps({key: value}, ensure_ascii=False)[1:-1]  # (as the whole object's json.dumps writes it)
+        self.calls[-1][1] += (", " if self.written else "") + pair
+        self.written += 1
 
 
 class DeepSeekV3Parser(BlockParser):
     """DeepSeek-V3's calls (vLLM's ``deepseek_v3``): ``<｜tool▁calls▁begin｜>``, then per call
     ``<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\\n```json\\n{...}\\n```<｜tool▁call▁end｜>``,
-    then ``<｜tool▁calls▁end｜>``. Each call is a block of its own (streamed once it closes); the
-    section's tags are no content, dropped; a block that is not such a call (its arguments no JSON
-    object) stays content."""
+    then ``<｜tool▁calls▁end｜>``. Each call is a block of its own; the section's tags are no
+    content, dropped. The call is committed at its arguments' ``{`` (the name known), which then
+    stream as :class:`~cluster.json_stream.JsonStream` writes them; a block without a name before
+    them, or whose arguments are no JSON object, stays content; the rest of a block whose arguments
+    broke after the ``{`` (or follow the object) is dropped."""
 
     START, END = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>"
     MARKERS = ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>")
+    SEP, FENCE = "<｜tool▁sep｜>", "\n```json\n"
 
-    def _calls(self, body: str) -> Optional[List[List[str]]]:
-        match = _DEEPSEEK_CALL.fullmatch(body)
-        if match is None:
+    def _name(self, head: str) -> Optional[str]:
+        """The name in a block's text before its arguments, once that is whole ("" if it names none); None before."""
+        if not head.endswith(self.FENCE) or self.SEP not in head[:-len(self.FENCE)]:
             return None
-        try:
-            arguments = json.loads(match.group(3))
-        except ValueError:
-            return None
-        name = match.group(2).strip(JSON_SPACE)
-        return [[name, json.dumps(arguments, ensure_ascii=False)]] if name and isinstance(arguments, dict) else None
+        return head[:-len(self.FENCE)].split(self.SEP, 1)[1].strip(JSON_SPACE)
+
+    def _open(self) -> None:
+        self.head, self.name, self.arguments, self.broken = "", None, None, False
+
+    def _read(self, text: str) -> None:
+        for c in text:
+            if self.broken or (self.arguments is not None and self.arguments.done):
+                return
+            if self.name is None:
+                self.head += c
+                self.name = self._name(self.head)
+                self.broken = self.name == ""
+                continue
+            if self.arguments is None:
+                if c in JSON_SPACE:
+                    continue
+                if c != "{":
+                    self.broken = True
+                    return
+                self.arguments = JsonStream()
+                self.calls.append([self.name, ""])
+            try:
+                self.calls[-1][1] += self.arguments.step(c)
+            except ValueError:
+                self.broken = True
+
+    def _close(self) -> bool:
+        return self.arguments is not None
+
+
+class DeepSeekV31Parser(DeepSeekV3Parser):
+    """DeepSeek-V3.1's calls (vLLM's ``deepseek_v31``): V3's tags, and per call
+    ``<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}<｜tool▁call▁end｜>``, no type and no fence."""
+
+    def _name(self, head: str) -> Optional[str]:
+        return head[:-len(self.SEP)].strip(JSON_SPACE) if head.endswith(self.SEP) else None

@@ -18,7 +18,8 @@ an assistant's calls (:func:`template_message`) and :class:`ToolCalls`, which re
 through a parser of :mod:`cluster.tool_parsers` into OpenAI's shapes; as a parser fed in pieces
 gives what it gives fed whole, a streamed choice's fragments add up to its non-streamed message.
 Arguments of the constrained modes are the model's own text, not re-serialized: they stream as the
-value grows, and what streamed is what the message holds.
+value grows, and what streamed is what the message holds; the "auto" formats' JSON arguments stream
+as they grow too, written as ``json.dumps`` writes them (:mod:`cluster.json_stream`).
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ import uuid
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from cluster.harmony import HarmonyParser
-from cluster.model_tool_parsers import DeepSeekV3Parser, MistralParser, PythonicParser, Qwen3CoderParser
+from cluster.model_tool_parsers import DeepSeekV3Parser, DeepSeekV31Parser, MistralParser, Qwen3CoderParser
+from cluster.pythonic_tool_parsers import Llama4PythonicParser, PythonicParser
 from cluster.tool_parsers import HermesParser, Llama3JsonParser, NamedParser, RequiredParser, ToolCallParser
 
 
@@ -86,8 +88,10 @@ TOOL_CALL_PARSERS: Dict[str, Callable[[Sequence], ToolCallParser]] = {
     "llama3_json": lambda tools: Llama3JsonParser(),
     "mistral": lambda tools: MistralParser(),
     "pythonic": lambda tools: PythonicParser(),
+    "llama4_pythonic": lambda tools: Llama4PythonicParser(),
     "qwen3_coder": Qwen3CoderParser,
     "deepseek_v3": lambda tools: DeepSeekV3Parser(),
+    "deepseek_v31": lambda tools: DeepSeekV31Parser(),
     "gpt_oss": lambda tools: HarmonyParser(),
 }
 """``server.tool_call_parser``'s names: the formats ``tool_choice`` "auto" reads calls in, each a

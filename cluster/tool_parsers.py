@@ -1,23 +1,27 @@
 """Tool-call parsers: one choice's text into content and calls, for each way ``tool_choice`` is
 served (see :mod:`cluster.tool_calls`): a named function's (:class:`NamedParser`), "required"'s
 JSON array (:class:`RequiredParser`), and the model formats "auto" reads calls in
-(:class:`HermesParser`, :class:`Llama3JsonParser`, more in :mod:`cluster.model_tool_parsers`; by
-name in :data:`cluster.tool_calls.TOOL_CALL_PARSERS`), with what they share: calls in tagged
-blocks (:class:`BlockParser`) and the content around calls (:class:`SpacedContent`).
+(:class:`HermesParser`, :class:`Llama3JsonParser`, more in :mod:`cluster.model_tool_parsers` and
+:mod:`cluster.pythonic_tool_parsers`; by name in :data:`cluster.tool_calls.TOOL_CALL_PARSERS`),
+with what they share: calls in tagged blocks (:class:`BlockParser`) and the content around calls
+(:class:`SpacedContent`).
 
 A parser is fed a choice's text in any pieces and gives the same calls and content as when fed
 it whole (non-streamed is one piece through the same code), so a streamed choice's fragments
-add up to its non-streamed message.
+add up to its non-streamed message. A call's arguments grow as the model writes them (vLLM's
+streaming): the JSON formats commit a call once it is named and its arguments begin, and write
+the arguments as ``json.dumps`` writes their value (:class:`cluster.json_stream.CallObject`), what
+could still change held back; a committed call stays one, so a call the output breaks or cuts
+short keeps the arguments it had (not JSON), as a vLLM stream does.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any, Dict, List, Optional, Tuple
+from typing import List, Optional, Tuple
 
+from cluster.json_stream import JSON_SPACE, CallObject
 from cluster.streaming import partial_suffix_len
-
-JSON_SPACE = " \t\n\r"  # JSON's whitespace
 
 
 class ToolCallParser:
@@ -137,23 +141,6 @@ class RequiredParser(ToolCallParser):
             self.expect = "value"
 
 
-def _named_object(body: str) -> Optional[Dict[str, Any]]:
-    """``body`` as a JSON object with a string "name" (a call's); None if it is not one."""
-    try:
-        value = json.loads(body)
-    except ValueError:
-        return None
-    return value if isinstance(value, dict) and isinstance(value.get("name"), str) else None
-
-
-def named_call(value: Any) -> Optional[List[str]]:
-    """``[name, arguments]`` of a parsed ``{"name": ..., "arguments": {...}}`` (Hermes' and Mistral's;
-    none: ``{}``); None if it is not one."""
-    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
-        return None
-    return [value["name"], json.dumps(value.get("arguments", {}), ensure_ascii=False)]
-
-
 class SpacedContent:
     """Text outside calls as content, less the whitespace before a call and, when the output has
     calls, at its end (the newlines around calls): trailing whitespace is held until text follows."""
@@ -176,24 +163,32 @@ class SpacedContent:
 
 
 class BlockParser(ToolCallParser):
-    """Calls in tagged blocks, ``START body END``, in the text (subclasses give the tags and read a
-    body's calls in ``_calls``). A block is decided when it closes (or, unclosed, at the output's
-    end), so its arguments come whole; a block that holds no call stays in the content as written
-    (vLLM's). ``MARKERS``: tags around the blocks that are no content (DeepSeek-V3's section's),
-    dropped. Text outside blocks is content (:class:`SpacedContent`); a tail that may still grow
-    into ``START`` or a marker is held back, never sent as content."""
+    """Calls in tagged blocks, ``START body END``, in the text (subclasses give the tags). A
+    subclass reads a block's body as it comes: ``_open`` at its start, ``_read`` each piece (a
+    tail that may be ``END``'s start held back), committing calls to ``calls`` as they come, and
+    ``_close`` at its end (or, unclosed, at the output's) says whether it held calls. A block that
+    holds none stays in the content as written (vLLM's). ``MARKERS``: tags around the blocks that
+    are no content (DeepSeek-V3's section's), dropped. Text outside blocks is content
+    (:class:`SpacedContent`); a tail that may still grow into ``START`` or a marker is held back,
+    never sent as content."""
 
     START = END = ""
     MARKERS: Tuple[str, ...] = ()
 
     def __init__(self):
         super().__init__()
-        self.pending = ""  # text not decided yet: an open block's, or a tail that may start a tag
+        self.pending = ""  # text not decided yet: a tail that may start (or in a block, end) a tag
         self.in_block = False
+        self.block = ""  # the open block's text so far, its tag included
         self.content = SpacedContent()
 
-    def _calls(self, body: str) -> Optional[List[List[str]]]:
-        """A body's ``[name, arguments]`` calls; None (or none) if it holds none."""
+    def _open(self) -> None:
+        raise NotImplementedError
+
+    def _read(self, text: str) -> None:
+        raise NotImplementedError
+
+    def _close(self) -> bool:
         raise NotImplementedError
 
     def feed(self, text: str) -> str:
@@ -203,9 +198,11 @@ class BlockParser(ToolCallParser):
             if self.in_block:
                 end = self.pending.find(self.END)
                 if end < 0:
+                    self._body(len(self.pending) - partial_suffix_len(self.pending, self.END))
                     return "".join(out)
-                out.append(self._block(self.pending[:end], self.START + self.pending[:end + len(self.END)]))
-                self.pending, self.in_block = self.pending[end + len(self.END):], False
+                self._body(end)
+                self.pending = self.pending[len(self.END):]
+                out.append(self._block_end(self.END))
                 continue
             tags = (self.START,) + self.MARKERS
             found = [(start, tag) for start, tag in ((self.pending.find(tag), tag) for tag in tags) if start >= 0]
@@ -216,54 +213,65 @@ class BlockParser(ToolCallParser):
                 return "".join(out)
             start, tag = min(found)
             out.append(self.content.text(self.pending[:start]))
-            self.pending, self.in_block = self.pending[start + len(tag):], tag == self.START
+            self.pending = self.pending[start + len(tag):]
+            if tag == self.START:
+                self.in_block, self.block = True, tag
+                self._open()
 
     def finish(self) -> str:
         if self.in_block:  # (cut short: its body may still be whole, before a tail of the end tag)
-            body = self.pending[:len(self.pending) - partial_suffix_len(self.pending, self.END)]
-            out = self._block(body, self.START + self.pending)
+            self._body(len(self.pending) - partial_suffix_len(self.pending, self.END))
+            out = self._block_end(self.pending)
         else:
             out = self.content.text(self.pending)
         self.pending = ""
         return out + self.content.end(bool(self.calls))
 
-    def _block(self, body: str, text: str) -> str:
-        """A block's calls, or its ``text`` as content."""
-        calls = self._calls(body)
-        if not calls:
+    def _body(self, size: int) -> None:
+        """The open block's next ``size`` characters of ``pending``, to its body."""
+        text, self.pending = self.pending[:size], self.pending[size:]
+        self.block += text
+        self._read(text)
+
+    def _block_end(self, end: str) -> str:
+        """The block ends (``end``: its tag, or what the output had of it): "" if it held calls, else
+        its text as content."""
+        called, text = self._close(), self.block + end
+        self.block, self.in_block = "", False
+        if not called:
             return self.content.text(text)
-        self.calls.extend(calls)
         self.content.call()
         return ""
 
 
 class HermesParser(BlockParser):
     """Hermes' and Qwen 2.5's format: a call is ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``
-    in the text; a block that is not such JSON stays content."""
+    in the text, read as :class:`CallObject` reads it: its arguments stream from the moment the
+    call is named and they begin. A block whose object breaks before that (or names no function)
+    stays content; the rest of a block whose call broke after it is dropped."""
 
     START, END = "<tool_call>", "</tool_call>"
 
-    def _calls(self, body: str) -> Optional[List[List[str]]]:
-        call = named_call(_named_object(body))
-        return None if call is None else [call]
+    def _open(self) -> None:
+        self.call = CallObject(self.calls)
 
+    def _read(self, text: str) -> None:
+        for c in text:
+            self.call.step(c)
 
-def _llama3_call(body: str) -> Optional[List[str]]:
-    """``[name, arguments]`` of ``{"name": ..., "parameters": ...}`` (or ``"arguments"``, first if
-    both: vLLM's); None for any other JSON, one without either key too (an answer that is JSON)."""
-    value = _named_object(body)
-    key = next((k for k in ("arguments", "parameters") if k in value), None) if value is not None else None
-    return None if key is None else [value["name"], json.dumps(value[key], ensure_ascii=False)]
+    def _close(self) -> bool:
+        return self.call.call is not None
 
 
 class Llama3JsonParser(ToolCallParser):
     """Llama 3.x's JSON calls (vLLM's ``llama3_json``): an output that opens, past whitespace, with
     ``{`` or ``<|python_tag|>`` is calls, JSON objects ``{"name": ..., "parameters": {...}}`` (or
-    ``"arguments"``) separated by ``;``; one that opens otherwise is content. Each object is
-    decided when its braces close, so its arguments come whole (vLLM streams an object's by its
-    partial JSON, and decides the whole output at once, all calls or all content); the first that
-    is not a call, or text other than ``;`` and whitespace between them, is content as written
-    from there on, the calls before it kept. An object the output cut short is content."""
+    ``"arguments"``: the first of the two to come) separated by ``;``, each read as
+    :class:`CallObject` reads it, its arguments streaming; one that opens otherwise is content. The
+    first object that is not a call (vLLM decides the whole output at once, all calls or all
+    content), or text other than ``;`` and whitespace between them, is content as written from
+    there on, the calls before it kept; so is the text from the character that broke a call once
+    committed. An object the output cut short is content, or the call as far as it went."""
 
     TAG = "<|python_tag|>"
 
@@ -271,7 +279,7 @@ class Llama3JsonParser(ToolCallParser):
         super().__init__()
         self.state = "opening"  # then "between" calls, in an "object", or "content" for good
         self.held = ""  # the opening's text until it is decided, or the object's so far
-        self.lexer = JsonLexer()
+        self.call: Optional[CallObject] = None
 
     def feed(self, text: str) -> str:
         if self.state == "opening":
@@ -285,8 +293,8 @@ class Llama3JsonParser(ToolCallParser):
         return "".join(out)
 
     def finish(self) -> str:
-        out = self.held if self.state in ("opening", "object") else ""
-        self.held = ""
+        uncalled = self.state == "opening" or (self.state == "object" and self.call.call is None)
+        out, self.held = self.held if uncalled else "", ""
         return out
 
     def _open(self, text: str) -> str:
@@ -311,16 +319,14 @@ class Llama3JsonParser(ToolCallParser):
             if c != "{":
                 self.state = "content"
                 return c
-            self.state, self.lexer = "object", JsonLexer()
+            self.state, self.call = "object", CallObject(self.calls, ("arguments", "parameters"), default=None)
         self.held += c
-        self.lexer.step(c)
-        if self.lexer.depth > 0:
+        self.call.step(c)
+        if not (self.call.done or self.call.broken):
             return ""
-        call, body = _llama3_call(self.held), self.held
-        self.held = ""
-        if call is None:
+        body, self.held = self.held, ""
+        if self.call.call is None:
             self.state = "content"
             return body
-        self.calls.append(call)
-        self.state = "between"
-        return ""
+        self.state = "content" if self.call.broken else "between"
+        return c if self.call.broken else ""

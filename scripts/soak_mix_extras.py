@@ -38,16 +38,18 @@ CALLS = {  # one call in each tool-call parser's format
     "mistral": '[TOOL_CALLS][{"name": "add", "arguments": {"a": 3}}]',
     "mistral_v11": '[TOOL_CALLS]add[ARGS]{"a": 3}',
     "pythonic": "[add(a=3)]",
+    "llama4_pythonic": "<|python_start|>[add(a=3)]<|python_end|>",
     "qwen3_coder": "<tool_call>\n<function=add>\n<parameter=a>\n3\n</parameter>\n</function>\n</tool_call>",
     "deepseek_v3": '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>add\n```json\n{"a": 3}\n```'
                    "<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
+    "deepseek_v31": '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>add<｜tool▁sep｜>{"a": 3}<｜tool▁call▁end｜><｜tool▁calls▁end｜>',
     "gpt_oss": '<|channel|>commentary to=functions.add<|message|>{"a": 3}<|call|>',
 }
 TAG_SOUP = [*CALLS.values(),  # the calls, tags and pieces of calls
     "<tool_call>", "</tool_call>", "<function=add>", "<parameter=a>", "</parameter>", "</function>", "[TOOL_CALLS]",
     "[ARGS]", "[CALL_ID]", "[", "]", "get_weather", '{"a": 3}', "(", ")", ", ", "<｜tool▁call▁begin｜>",
     "<｜tool▁sep｜>", "\n```", "<｜tool▁calls▁end｜>", "<|start|>", "assistant", "<|channel|>", "analysis", "final",
-    "<|message|>", "<|end|>", "<|call|>", "<|return|>", "\n", " ", "7", "x"]
+    "<|message|>", "<|end|>", "<|call|>", "<|return|>", "<|python_start|>", "<|python_end|>", "\n", " ", "7", "x"]
 
 
 def check_arguments(call_: Dict[str, str], schema: Dict[str, Any]) -> None:

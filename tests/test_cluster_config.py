@@ -159,7 +159,8 @@ def _set(data: dict, dotted: str, value) -> dict:
     ("server.port", 70000, "server.port: Input should be less than or equal to 65535"),
     ("router.decode_policy", "least_load", "router.decode_policy: Input should be 'cache_aware'"),
     ("server.tool_call_parser", "qwen3", "server.tool_call_parser: Input should be 'hermes', 'llama3_json', "
-     "'mistral', 'pythonic', 'qwen3_coder', 'deepseek_v3' or 'gpt_oss' (got 'qwen3')"),
+     "'mistral', 'pythonic', 'llama4_pythonic', 'qwen3_coder', 'deepseek_v3', 'deepseek_v31' or 'gpt_oss' "
+     "(got 'qwen3')"),
     ("decode.num_gpus_per_rank", 1, "decode.num_gpus_per_rank: must be 0 when device is cpu"),
     ("model.model_path", "/ckpt", "model: set exactly one of model_path and builtin"),
     ("model.builtin", "gpt2", "model.builtin: unknown family 'gpt2'; known: llama"),

@@ -5,7 +5,8 @@ ChatML to the byte; through the official openai client over an in-process engine
 llama): a named function's and "required"'s constrained calls follow their schemas, streamed
 equals non-streamed (n = 2, logprobs), "auto" with the hermes, llama3_json, qwen3_coder (its
 parameters typed by the request's tools) or mistral (decoded with special tokens) parser reads the
-calls the output holds, and the 400s and defaults of tools, tool_choice and parallel_tool_calls.
+calls the output holds, a call's arguments streamed in many deltas as the model writes them
+(hermes, deepseek_v31), and the 400s and defaults of tools, tool_choice and parallel_tool_calls.
 With a reasoning parser, calls and a ``response_format``'s grammar are the answer's, after the
 (forced) thinking."""
 
@@ -105,13 +106,16 @@ WEATHER_JSON = '{"name": "get_weather", "parameters": {"city": "a;b}", "unit": "
 LLAMA3_TEXTS = [  # (text, content, calls)
     ('<|python_tag|>' + WEATHER_JSON + '; {"name": "add", "arguments": {"a": 1}} \n', "",
      [["get_weather", '{"city": "a;b}", "unit": "c"}'], ["add", '{"a": 1}']]),
-    (' \n{"name": "add", "parameters": {}, "arguments": {"a": 2}}', "", [["add", '{"a": 2}']]),  # (vLLM's pick)
+    (' \n{"name": "add", "parameters": {}, "arguments": {"a": 2}}', "", [["add", "{}"]]),  # (the first: streamed)
+    ('{"arguments": {"a": 2}, "name": "add"}', "", [["add", '{"a": 2}']]),  # (held until named)
     ('{"name": "Bob", "age": 3}', '{"name": "Bob", "age": 3}', []),  # JSON without parameters: an answer
     ("Sure: " + WEATHER_JSON, "Sure: " + WEATHER_JSON, []),  # a call opens the output or is none
     ("<|python_tag|>print(1)", "<|python_tag|>print(1)", []),
     ('{"name": "add", "parameters": {}} ; then text', "then text", [["add", "{}"]]),
     ('{"name": "add", "parameters": {}}; {oops}; ' + WEATHER_JSON, "{oops}; " + WEATHER_JSON, [["add", "{}"]]),
-    ('{"name": "add", "parameters": {"a": 1', '{"name": "add", "parameters": {"a": 1', []),  # cut short
+    ('{"name": "add", "parameters": {"a": 1', "", [["add", '{"a": ']]),  # cut short: as far as it is sure
+    ('{"name": "add", "param', '{"name": "add", "param', []),  # (before its arguments)
+    ('{"name": "add", "parameters": {"a": 1]} ok', "]} ok", [["add", '{"a": ']]),  # broken once called
     (" <|python_ta", " <|python_ta", []),
 ]
 
@@ -342,6 +346,44 @@ def forced_choices(engine, tokenizer, parser, text):
         assert streamed(client, **fields) == want
     assert len(want) == 2 and all(logprobs for *_, logprobs in want)
     return want
+
+
+LONG_ARGUMENTS = {"city": "Paris, the capital of France \u00e9", "unit": "c", "days": [1, 2.50, 3]}
+LONG_OUTPUTS = {  # the model writes the arguments compact, é escaped: the message holds json.dumps's text
+    "hermes": "Sure.\n<tool_call>\n{}\n</tool_call>",
+    "deepseek_v31": "Sure.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{}<｜tool▁call▁end｜>"
+                    "<｜tool▁calls▁end｜>",
+}
+
+
+@pytest.mark.parametrize("parser", sorted(LONG_OUTPUTS))
+def test_streamed_arguments_grow_as_the_model_writes_them(engine, tokenizer, parser):
+    """As vLLM streams them: a call's first delta has its index, id, type and name, then the
+    arguments come in many deltas as the model writes them, each extending the ones before, adding
+    up to the non-streamed message's arguments (n = 2: per choice)."""
+    call = {"name": "get_weather", "arguments": LONG_ARGUMENTS} if parser == "hermes" else LONG_ARGUMENTS
+    text = LONG_OUTPUTS[parser].format(json.dumps(call, separators=(",", ":")))
+    tokens = engine.tokenizer.encode(text, add_special_tokens=False) + [engine.tokenizer.eos_token_id]
+    fields = {"n": 2, "max_tokens": len(tokens) + 8}
+    with served_client(engine, tokenizer, parser) as server, forced_tokens(engine.scheduler, lambda req: tokens):
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
+        response = chat(client, **fields)
+        chunks = list(chat(client, stream=True, **fields))
+    want = json.dumps(LONG_ARGUMENTS, ensure_ascii=False)
+    for choice in response.choices:
+        assert [(t.function.name, t.function.arguments) for t in choice.message.tool_calls] == [("get_weather", want)]
+    for index in range(2):
+        deltas = [d for chunk in chunks for c in chunk.choices if c.index == index for d in c.delta.tool_calls or ()]
+        first = deltas[0]
+        assert first.index == 0 and first.id.startswith("call_") and first.type == "function"
+        assert first.function.name == "get_weather" and isinstance(first.function.arguments, str)
+        arguments, grew = "", 0
+        for delta in deltas:
+            assert delta.index == 0 and (delta is first or (delta.id, delta.function.name) == (None, None))
+            grew += bool(delta.function.arguments)
+            arguments += delta.function.arguments or ""
+            assert want.startswith(arguments)
+        assert arguments == want and grew > 5, (arguments, grew)
 
 
 def test_qwen3_coder_reads_the_calls_through_the_server(engine, tokenizer):
