@@ -18,6 +18,10 @@ SWA slot of each is ``allocator.full_to_swa_index_mapping[slot]`` (0: none).
 * Paged (``page_size > 1``): keys match, split, insert, lock and tombstone
   by whole pages (a full page's SWA half is one SWA page, see the allocator),
   and a request keeps the SWA KV of whole pages: see :meth:`window_start`.
+* ``disable`` (``disable_radix_cache``; SGLang's ``SWAChunkCache``): nothing is
+  cached or matched; a request frees the SWA KV that slid out of its window
+  between its prefill chunks too (no tree can evict it), and all of its slots
+  when it ends.
 
 Request bookkeeping (positions in the request's row); a request carries
 ``swa_evicted_seqlen`` and the ``swa_uuid_for_lock`` of its lock::
@@ -69,7 +73,7 @@ class SWAEvictResult(NamedTuple):
 
 class SWARadixCache(SWACacheChecksMixin, RadixCache):
     def __init__(self, req_to_token_pool, token_to_kv_pool_allocator: SWATokenToKVPoolAllocator,
-                 sliding_window_size: int, page_size: int = 1, enable_kv_events: bool = False):
+                 sliding_window_size: int, page_size: int = 1, enable_kv_events: bool = False, disable: bool = False):
         if not isinstance(token_to_kv_pool_allocator, SWATokenToKVPoolAllocator):
             got = type(token_to_kv_pool_allocator).__name__
             raise TypeError(f"SWARadixCache needs a SWATokenToKVPoolAllocator, got {got}")
@@ -78,7 +82,7 @@ class SWARadixCache(SWACacheChecksMixin, RadixCache):
         if sliding_window_size < 1:
             raise ValueError(f"sliding_window_size must be >= 1, got {sliding_window_size}")
         self.sliding_window_size = sliding_window_size
-        super().__init__(req_to_token_pool, token_to_kv_pool_allocator, page_size, False, "lru", enable_kv_events)
+        super().__init__(req_to_token_pool, token_to_kv_pool_allocator, page_size, disable, "lru", enable_kv_events)
 
     # ---- structure -----------------------------------------------------------
     def reset(self) -> None:
@@ -134,7 +138,7 @@ class SWARadixCache(SWACacheChecksMixin, RadixCache):
     def match_prefix(self, key: RadixKey) -> MatchResult:
         """The longest cached prefix of ``key`` that has its SWA window (see the
         module docstring). May split a node; never changes lock counts."""
-        if len(key) == 0:
+        if self.disable or len(key) == 0:
             return MatchResult(self._empty(), self.root_node, self.root_node)
         values, node = self._match_prefix_helper(self._page_align(key))
         self._refresh(node)
@@ -395,11 +399,14 @@ class SWARadixCache(SWACacheChecksMixin, RadixCache):
         The scheduler calls it between forwards, before every decode and verify step: the
         window slides by ``kv_committed_len`` only, never by a verify step's drafts (a
         rejected one would have taken keys from the windows of the positions after it)."""
+        return self._free_swa_before_window(req, req.kv_committed_len)
+
+    def _free_swa_before_window(self, req, seq_len: int) -> int:
+        """:meth:`free_swa_out_of_window` for a row holding the KV of ``seq_len`` tokens."""
         # [0, cache_protected_len)   the tree's: their SWA is the tree's to evict
         # [start, end)               slid out of the window → SWA freed now
         # [end, seq_len)             the last window (see window_start): kept, so that
         #                            the sequence, once cached, is matchable to its end
-        seq_len = req.kv_committed_len
         start = max(req.swa_evicted_seqlen, req.cache_protected_len)
         end = max(start, self.window_start(seq_len))
         self.token_to_kv_pool_allocator.free_swa(self._row(req, end)[start:])
@@ -409,11 +416,12 @@ class SWARadixCache(SWACacheChecksMixin, RadixCache):
     def cache_finished_req(self, req, is_insert: bool = True) -> None:
         """Hand ``[cache_protected_len, kv_committed_len)`` of the row to the tree
         (:meth:`insert` keeps or frees every slot of its whole pages; the unaligned
-        tail page is freed), free the row, drop the lock."""
+        tail page is freed), free the row, drop the lock. Not inserting (or disabled),
+        the row's slots past the tree's are all freed."""
         committed, protected = req.kv_committed_len, req.cache_protected_len
         aligned = committed - committed % self.page_size
         kv_indices = self._row(req, committed)
-        if is_insert:
+        if is_insert and not self.disable:
             key = RadixKey((req.origin_input_ids + req.output_ids)[:aligned], req.extra_key)
             self.insert(key, kv_indices[:aligned], protected, req.swa_evicted_seqlen)
         else:
@@ -426,7 +434,12 @@ class SWARadixCache(SWACacheChecksMixin, RadixCache):
         """Cache the progress ``fill_ids`` (a chunked prefill) up to its last page
         boundary: insert, rewrite the row with the tree's slots, move the lock to the
         boundary. Needs the window before it to have SWA KV, as
-        :meth:`free_swa_out_of_window` leaves it."""
+        :meth:`free_swa_out_of_window` leaves it. Disabled, the row stays the request's:
+        its SWA KV before the window is freed (the next chunk reads only the window)."""
+        if self.disable:
+            self._free_swa_before_window(req, len(req.fill_ids))
+            req.prefix_indices = self._row(req, len(req.fill_ids))
+            return
         # [0, protected)          the tree's slots already
         # [protected, aligned)    inserted (kept or freed as duplicates) → the row gets the
         #                         tree's slots; the lock moves to aligned

@@ -17,6 +17,7 @@ from mem_cache.swa_allocator import SWATokenToKVPoolAllocator
 from mem_cache.swa_memory_pool import SWAKVPool
 from mem_cache.swa_radix_cache import SWARadixCache
 from tests.parity import assert_greedy_parity
+from tests.test_spec_decode_swa import verify_steps  # noqa: F401 (a fixture)
 
 WINDOW = 16
 
@@ -125,22 +126,49 @@ def test_gemma3_swa_eviction_tombstones_a_shared_prefix_while_requests_run(model
     engine.shutdown()
 
 
-def test_gemma3_retraction_when_the_swa_pool_runs_short(model_dir, monkeypatch):
+@pytest.mark.parametrize("disable_radix_cache, swa_full_tokens_ratio", [(False, 0.5), (True, 1.0)])
+def test_gemma3_retraction_when_a_pool_runs_short(model_dir, monkeypatch, verify_steps, disable_radix_cache,
+                                                  swa_full_tokens_ratio):
+    """With the tree the SWA pool runs short, full slots to spare (the chunks' SWA KV is cached until
+    evicted); without it a decoding request's SWA KV stays one window (each step frees a slot as it
+    takes one), so the full pool runs short. Either way the retracted requests come back: HF's tokens."""
     rng = random.Random(4)
     prompts = [[rng.randrange(5, 261) for _ in range(n)] for n in (18, 22, 26, 20)]
-    engine = make_engine(model_dir, max_total_tokens=120, swa_full_tokens_ratio=0.5, chunked_prefill_size=8,
-                         init_new_token_ratio=0.1)  # admit optimistically: decode runs short
+    engine = make_engine(model_dir, max_total_tokens=120, swa_full_tokens_ratio=swa_full_tokens_ratio,
+                         chunked_prefill_size=8, init_new_token_ratio=0.1,  # admit optimistically: decode runs short
+                         disable_radix_cache=disable_radix_cache)
     sched, alloc = engine.scheduler, engine.runner.allocator
     free_at_retraction, retract = [], sched._retract_decode
 
     def recording_retract():
-        free_at_retraction.append((alloc.full_available_size(), alloc.swa_available_size()))
+        free = (alloc.full_available_size(), alloc.swa_available_size())
+        free_at_retraction.append(free if disable_radix_cache else free[::-1])  # (the short pool's, the other's)
         return retract()
 
     monkeypatch.setattr(sched, "_retract_decode", recording_retract)
     run_and_check(engine, model_dir, prompts, 30)
     assert sched.num_retractions > 0
-    assert all(swa < len(prompts) <= full for full, swa in free_at_retraction)  # full slots to spare, SWA short
+    assert all(short < len(prompts) <= spare for short, spare in free_at_retraction), free_at_retraction
+    engine.shutdown()
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_gemma3_without_the_prefix_cache(model_dir, verify_steps, page_size):
+    """disable_radix_cache (SGLang's SWAChunkCache): HF's tokens for prompts of 150-200 tokens through a
+    128-slot SWA pool in 32-token chunks — each chunk frees the SWA KV its prompt slid out of the window
+    (no tree evicts it), as every decode step does — beside two prompts sharing 24 tokens, which nothing
+    reuses. Every forward's rows hold SWA KV only from their windows on (``verify_steps``); at the end
+    every slot of both pools is free."""
+    rng = random.Random(7)
+    system = [rng.randrange(5, 261) for _ in range(24)]
+    batch = [[rng.randrange(5, 261) for _ in range(n)] for n in (150, 200)]
+    batch += [system + [rng.randrange(5, 261) for _ in range(n)] for n in (3, 9)]
+    engine = make_engine(model_dir, page_size=page_size, max_total_tokens=512, swa_full_tokens_ratio=0.25,
+                         chunked_prefill_size=32, disable_radix_cache=True)
+    outs = run_and_check(engine, model_dir, batch, 12)
+    assert [o["meta_info"]["cached_tokens"] for o in outs] == [0] * 4
+    alloc = engine.runner.allocator
+    assert (alloc.full_available_size(), alloc.swa_available_size()) == (512, 128)
     engine.shutdown()
 
 
@@ -190,8 +218,8 @@ def test_gemma3_paged_parity_with_a_window_hit_and_swa_eviction(model_dir, monke
 
 
 def test_gemma3_rejects_what_the_swa_cache_cannot_serve(model_dir):
-    with pytest.raises(ValueError, match="disable_radix_cache"):
-        make_engine(model_dir, disable_radix_cache=True)
+    with pytest.raises(ValueError, match="enable_hierarchical_cache"):
+        make_engine(model_dir, enable_hierarchical_cache=True)
     with pytest.raises(pydantic.ValidationError, match="swa_full_tokens_ratio"):
         make_engine(model_dir, swa_full_tokens_ratio=0.0)
     with pytest.raises(ValueError, match="24 SWA slots for a window of 16, page_size 8.* cannot hold a single request"):

@@ -1,9 +1,10 @@
 """N-gram speculative decoding on sliding-window models (Gemma 3, GPT-OSS with its sinks, Mistral
 whose every layer slides) on their SWA pools: greedy tokens and logprobs equal plain decoding's and
-HF's past the window, through chunked prefill and a prefix hit, retraction under a tight pool, TP 2
-and PD's decode side; sampled requests keep plain sampling's tokens where it has one choice. At every
-decode or verify forward each request's window has slid by its committed tokens only (out of it, no
-SWA KV; from it to the step's drafts, all of it); every test ends with no slot of either pool leaked.
+HF's past the window, through chunked prefill and a prefix hit (or without the prefix cache),
+retraction under a tight pool, TP 2 and PD's decode side; sampled requests keep plain sampling's
+tokens where it has one choice. At every forward each request's window has slid by its committed
+tokens only (out of it, no SWA KV; from it to the step's drafts, all of it); every test ends with no
+slot of either pool leaked.
 
 The tiny checkpoints' windows are 16 (Gemma 3, Mistral) and 8 (GPT-OSS) tokens."""
 
@@ -32,22 +33,23 @@ def checkpoints(tmp_path_factory):
 
 @pytest.fixture
 def verify_steps(monkeypatch):
-    """Checks, before every decode and verify forward, that each running request's row holds SWA KV
-    exactly from its committed window on (:meth:`SWARadixCache.window_start` of ``kv_committed_len``)
-    to the step's last token, none for its own tokens before; returns the verify forwards' count."""
+    """Checks, before every forward, that each of its requests' rows holds SWA KV exactly from the
+    window of the KV it has on (:meth:`SWARadixCache.window_start` of ``kv_committed_len``, of its
+    prefix in a prefill) to the step's last token, none for its own tokens before (a chunked prompt's
+    earlier chunks too); returns the verify forwards' count."""
     count = [0]
     forward = Scheduler._forward
 
     def checked(self, forward_batch):
-        if not forward_batch.forward_mode.is_extend:
-            count[0] += forward_batch.forward_mode.is_target_verify
-            mapping = self.runner.allocator.full_to_swa_index_mapping
-            for req in self.running:
-                row = self.runner.req_to_token_pool.req_to_token[req.req_pool_idx, :req.kv_allocated_len]
-                has_swa = (mapping[row.long()] > 0).tolist()
-                start = self.tree_cache.window_start(req.kv_committed_len)
-                assert all(has_swa[start:]), f"{req.rid}: a token of its window or step has no SWA KV"
-                assert not any(has_swa[req.cache_protected_len:start]), f"{req.rid}: SWA KV kept out of the window"
+        extend = forward_batch.forward_mode.is_extend
+        count[0] += forward_batch.forward_mode.is_target_verify
+        mapping = self.runner.allocator.full_to_swa_index_mapping
+        for req in self.in_flight if extend else self.running:
+            row = self.runner.req_to_token_pool.req_to_token[req.req_pool_idx, :req.kv_allocated_len]
+            has_swa = (mapping[row.long()] > 0).tolist()
+            start = self.tree_cache.window_start(len(req.prefix_indices) if extend else req.kv_committed_len)
+            assert all(has_swa[start:]), f"{req.rid}: a token of its window or step has no SWA KV"
+            assert not any(has_swa[req.cache_protected_len:start]), f"{req.rid}: SWA KV kept out of the window"
         return forward(self, forward_batch)
 
     monkeypatch.setattr(Scheduler, "_forward", checked)
@@ -103,6 +105,19 @@ def test_greedy_tokens_and_logprobs_equal_plain_decoding_and_hf_past_the_window(
                          logprobs=logprobs(spec.outs))
 
 
+@pytest.mark.parametrize("family, page_size", [("gemma3", 1), ("mistral", 4)])
+def test_without_the_prefix_cache(checkpoints, verify_steps, family, page_size):
+    """disable_radix_cache (SGLang's SWAChunkCache): the follow-up computes the system prompt again, and
+    drafts are verified as with the cache: greedy tokens and logprobs equal the cached run's and HF's."""
+    cached = generate(checkpoints[family], SCORED, page_size=page_size)
+    spec = generate(checkpoints[family], SCORED, page_size=page_size, disable_radix_cache=True, **SPEC)
+    assert ids(spec.outs) == ids(cached.outs) and cached.cached >= 28 and spec.cached == 0
+    assert spec.stats["num_accepted_tokens"] > 0 and verify_steps[0] > 0
+    batch, follow = prompts()
+    assert_greedy_parity(checkpoints[family], batch + follow, ids(spec.outs), GREEDY["max_new_tokens"],
+                         logprobs=logprobs(spec.outs))
+
+
 def test_sampled_requests_keep_plain_samplings_tokens(checkpoints, verify_steps):
     """A one-token nucleus leaves rejection sampling greedy decoding's tokens; a seeded request gives
     the same tokens again (the distribution itself: test_spec_decode's rejection sampler test)."""
@@ -136,13 +151,17 @@ def test_tp2_equals_tp1(checkpoints, verify_steps, monkeypatch):
     assert ids(spec.outs) == ids(plain.outs) and spec.stats["num_accepted_tokens"] > 0
 
 
-def test_pd_decode_side_speculates_past_the_window(checkpoints, verify_steps):
+@pytest.mark.parametrize("disable_radix_cache", [False, True])
+def test_pd_decode_side_speculates_past_the_window(checkpoints, verify_steps, disable_radix_cache):
     """The decode worker holds only each prompt's last window of SWA KV (the rest of its row has none
-    from the hand-off on) and speculates from there: a single engine's plain tokens."""
+    from the hand-off on) and speculates from there: a single engine's plain tokens, with or without
+    the prefix cache on both sides."""
     path = checkpoints["gpt_oss"]
     batch = prompts()[0]
     plain = generate(path, GREEDY, page_size=4)
-    prefill, decode = make_pair(path, page_size=4, prefill_args={"chunked_prefill_size": 16}, decode_args=SPEC)
+    args = {"disable_radix_cache": disable_radix_cache}
+    prefill, decode = make_pair(path, page_size=4, prefill_args=dict(args, chunked_prefill_size=16),
+                                decode_args=dict(args, **SPEC))
     results = run_batch(prefill, decode, batch, GREEDY)
     assert [r[0]["output_ids"] for r in results] == ids(plain.outs)[:len(batch)]
     assert decode.scheduler.spec_stats.num_accepted_tokens > 0 and verify_steps[0] > 0

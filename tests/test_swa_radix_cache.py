@@ -21,10 +21,10 @@ from mem_cache.swa_radix_cache import SWARadixCache, SWAEvictResult
 from tests.cache_helpers import FakeReq, IndexMirror, machine_case
 
 
-def make(window=4, size=32, size_swa=16, events=False):
+def make(window=4, size=32, size_swa=16, events=False, disable=False):
     alloc = SWATokenToKVPoolAllocator(size, size_swa, debug=True)
     pool = ReqToTokenPool(4, 64)
-    return SWARadixCache(pool, alloc, sliding_window_size=window, enable_kv_events=events), pool, alloc
+    return SWARadixCache(pool, alloc, sliding_window_size=window, enable_kv_events=events, disable=disable), pool, alloc
 
 
 def row(pool, req, start, end):
@@ -295,6 +295,29 @@ def test_chunk_cached_meanwhile_by_another_request_is_freed_and_the_row_rewritte
     check(cache, pool, alloc, [a, b])
     for req in (a, b):
         cache.cache_finished_req(req)
+    check(cache, pool, alloc)
+
+
+def test_disabled_cache_frees_what_slid_out_between_chunks_and_everything_at_the_end():
+    """disable_radix_cache (SGLang's SWAChunkCache): nothing is matched or cached; between two chunks the
+    request frees the SWA KV before its window itself (no tree evicts it, so a long prompt would hold
+    an SWA slot a token), and every slot of both pools when it ends."""
+    cache, pool, alloc = make(disable=True)
+    req = start(cache, pool, alloc, range(6))
+    assert (req.cache_protected_len, req.last_node, req.swa_uuid_for_lock) == (0, cache.root_node, None)
+    cache.cache_unfinished_req(req)  # a window of 4 before position 6 keeps [2, 6)
+    assert swa_of(alloc, row(pool, req, 0, 6)) == [0, 0, 3, 4, 5, 6] and req.swa_evicted_seqlen == 2
+    assert req.prefix_indices.tolist() == [1, 2, 3, 4, 5, 6] and not cache.root_node.children
+    check(cache, pool, alloc, [req])
+    req.origin_input_ids = req.fill_ids = list(range(10))  # (the prompt's second chunk)
+    assert extend(alloc, pool, req, 10) is not None
+    cache.cache_unfinished_req(req)
+    assert [s > 0 for s in swa_of(alloc, row(pool, req, 0, 10))] == [False] * 6 + [True] * 4
+    check(cache, pool, alloc, [req])
+    assert [decode(cache, pool, alloc, req, t) for t in (100, 101)] == [1, 1] and req.swa_evicted_seqlen == 8
+    assert match(cache, list(range(10)) + [100]) == [] and cache.evict(32, 16) == SWAEvictResult(0, 0)
+    cache.cache_finished_req(req)
+    assert (alloc.full_available_size(), alloc.swa_available_size()) == (32, 16) and not cache.root_node.children
     check(cache, pool, alloc)
 
 

@@ -207,7 +207,8 @@ class PrefillAdmissionMixin(PreemptionMixin):
         """Slots new prefills may take after the running requests' decode reserve: of the
         full pool, and of the SWA pool (None without sliding-window layers). Every token of
         a prefill chunk takes an SWA slot, but the tokens of earlier chunks that slid out
-        of the window are the tree's to evict, so the SWA pool bounds a chunk, not a prompt."""
+        of the window are the tree's to evict (without the tree, the request frees them as
+        each chunk ends), so the SWA pool bounds a chunk, not a prompt."""
         reserves = [self._request_reserve(r, r.kv_allocated_len) for r in self._decoding_reqs()]
         full, swa = self._free_room()
         if swa is None:

@@ -64,12 +64,12 @@ class Scheduler(PrefillAdmissionMixin, DecodeRetractionMixin, SpecDecodeMixin):
         self.file_tier = False  # a HiRadixCache with storage: admission prefetches from it
         self.host_tier = False  # a HiRadixCache: its loads start before a forward and end after it
         if self.swa:
-            for name in ("disable_radix_cache", "enable_hierarchical_cache"):
-                if getattr(cfg, name):
-                    raise ValueError(f"{name}=True is not supported for sliding-window models (KV cache kind 'swa')")
+            if cfg.enable_hierarchical_cache:
+                raise ValueError("enable_hierarchical_cache=True is not supported for sliding-window models (KV "
+                                 "cache kind 'swa'): the host tier holds one KV pool's pages, not the SWA pool's")
             self.tree_cache = SWARadixCache(
                 runner.req_to_token_pool, runner.allocator, runner.spec.sliding_window, page_size=cfg.page_size,
-                enable_kv_events=cfg.enable_kv_events,
+                enable_kv_events=cfg.enable_kv_events, disable=cfg.disable_radix_cache,
             )
         elif self.hybrid:
             if cfg.enable_hierarchical_cache:
@@ -137,8 +137,9 @@ class Scheduler(PrefillAdmissionMixin, DecodeRetractionMixin, SpecDecodeMixin):
         is admitted once the requests before it are done. A sliding-window model's SWA
         pool needs to hold a prefill chunk, not the prompt, if it has room for two chunks
         and two windows (a chunked request's lock holds the SWA KV of the tree nodes
-        covering its last window — whole nodes, up to a chunk and a window — and the next
-        chunk comes on top, with up to a window of decode reserve); otherwise the whole
+        covering its last window — whole nodes, up to a chunk and a window; without the
+        tree, its own last window — and the next chunk comes on top, with up to a window
+        of decode reserve); otherwise the whole
         prompt (a retracted request's too) must fit it besides a window. Paged, a window
         is whole pages (``_swa_window_slots``)."""
         alloc, page = self.runner.allocator, self.page_size
