@@ -4,7 +4,8 @@ their logprobs equal HF's through a batch, chunked prefill and a prefix-cache hi
 threads) equals TP 1, each rank holding its slice of every expert; prefill and decode workers in one
 process equal HF. Expert parallelism (enable_expert_parallel) over every MoE family (GPT-OSS, DeepSeek-V3
 and Qwen3-Next too): EP 2 equals TP 1 and HF, each rank holding its half of the experts whole, a weight
-update, the config error. The config variants (dense layers, top-k not renormalised, windows) are in
+update, the config error. moe_backend='triton' (the fused experts) equals the eager experts and HF at TP 2
+and EP 2, GPT-OSS's too. The config variants (dense layers, top-k not renormalised, windows) are in
 test_model_configs."""
 
 import random
@@ -13,6 +14,7 @@ import pytest
 import torch
 
 from actors.engine import Engine
+from actors.engine.fused_moe import FusableExperts
 from actors.engine.model_loader import EXPERT_TENSOR, build_model
 from actors.engine.parallel import TPGroup
 from actors.engine.tiny import build_tiny_checkpoint, tiny_config
@@ -42,15 +44,15 @@ def prompts():
     return batch, [batch[2] + [9, 10, 11]]
 
 
-def generate(model_dir, tp_size=1, **args):
+def generate(model_dir, tp_size=1, params=SCORED, **args):
     """Outputs (and logprobs) of the batch then of the follow-up, the follow-up's cached tokens, the KV
     spec and every rank's model."""
     batch, follow = prompts()
     engine = Engine(model_path=model_dir, skip_tokenizer_init=True, max_total_tokens=1024, tp_size=tp_size,
                     chunked_prefill_size=16, **args)
     try:
-        outs = engine.generate(input_ids=batch, sampling_params=SCORED)
-        outs += engine.generate(input_ids=follow, sampling_params=SCORED)
+        outs = engine.generate(input_ids=batch, sampling_params=params)
+        outs += engine.generate(input_ids=follow, sampling_params=params)
         engine.check_integrity()
         cached = outs[-1]["meta_info"]["cached_tokens"]
         logprobs = [[lp for lp, _ in o["meta_info"]["output_token_logprobs"]] for o in outs]
@@ -113,6 +115,41 @@ def test_prefill_and_decode_workers_equal_hf(checkpoints, family, page_size):
         assert prefill.scheduler.bytes_pushed > 0
     finally:
         close_workers(prefill, decode)
+
+
+@pytest.mark.parametrize("family, ep", [("qwen3_moe", False), ("mixtral", True), ("gpt_oss", False)])
+def test_fused_experts_equal_eager_and_hf(checkpoints, family, ep, monkeypatch):
+    """moe_backend='triton' (the fused kernels, interpreted here): tokens and logprobs equal the eager
+    experts' (TP 1) and HF's through chunks and a prefix hit, at TP 2 (each rank's slice of every expert
+    stacked) and EP 2 (each rank's experts stacked, the others' tokens adding 0 on it). GPT-OSS: its 3-D
+    weights read as stored, its down bias added by rank 0 alone."""
+    thread_ranks(monkeypatch)
+    params = dict(SCORED, max_new_tokens=8)  # (the kernels interpreted: ~6 ms a block)
+    ref_outputs, ref_logprobs, _, _, _ = generate(checkpoints[family], params=params)
+    outputs, logprobs, _, _, models = generate(checkpoints[family], tp_size=2, params=params,
+                                               enable_expert_parallel=ep, moe_backend="triton")
+    experts = [m for model in models for m in model.modules() if isinstance(m, FusableExperts)]
+    assert len(experts) == 2 * tiny_config(family).num_hidden_layers and all(m.fused is not None for m in experts)
+    assert outputs == ref_outputs
+    for ours, ref in zip(logprobs, ref_logprobs):
+        assert ours == pytest.approx(ref, abs=1e-4)
+    batch, follow = prompts()
+    assert_greedy_parity(checkpoints[family], batch + follow, outputs, params["max_new_tokens"], logprobs=logprobs)
+
+
+def test_moe_backend_auto_and_triton_without_the_interpreter(checkpoints, monkeypatch):
+    """auto runs the experts eagerly on the CPU; triton there without Triton's interpreter is refused at
+    start, naming the field, not at the first forward's launch."""
+    engine = Engine(model_path=checkpoints["qwen3_moe"], skip_tokenizer_init=True, max_total_tokens=256)
+    try:
+        experts = [m for m in engine.runner.model.modules() if isinstance(m, FusableExperts)]
+        assert len(experts) == 2 and all(m.fused is None for m in experts)
+    finally:
+        engine.shutdown()
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="moe_backend='triton'.*TRITON_INTERPRET=1"):
+        Engine(model_path=checkpoints["qwen3_moe"], skip_tokenizer_init=True, max_total_tokens=256,
+               moe_backend="triton")
 
 
 def expert_tensors(model):

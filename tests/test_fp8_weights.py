@@ -107,13 +107,16 @@ def test_fp8_checkpoint_gives_hf_tokens_over_its_dequantization(family, tmp_path
                 "model.layers.1.mlp.shared_experts.up_proj"} <= set(names)
 
 
-def test_fp8_tp2_equals_tp1_and_updates_to_another_fp8_checkpoint(tmp_path, monkeypatch):
+@pytest.mark.parametrize("moe_backend", ["torch", "triton"])
+def test_fp8_tp2_equals_tp1_and_updates_to_another_fp8_checkpoint(tmp_path, monkeypatch, moe_backend):
     """DeepSeek-V3 (MLA, experts) at TP 2: the scales sharded with their weights' rows / columns; then a
-    weight update to another FP8 checkpoint serves HF's tokens over that one's dequantization."""
+    weight update to another FP8 checkpoint serves HF's tokens over that one's dequantization. The fused
+    experts (triton) dequantize in their kernels and take the update through their stacked weights."""
     thread_ranks(monkeypatch)
     quantized, dequantized = fp8_checkpoint("deepseek_v3", tmp_path / "a")
     other, other_dequantized = fp8_checkpoint("deepseek_v3", tmp_path / "b", seed=1)
-    engine = Engine(model_path=quantized, skip_tokenizer_init=True, max_total_tokens=512, tp_size=2)
+    engine = Engine(model_path=quantized, skip_tokenizer_init=True, max_total_tokens=512, tp_size=2,
+                    moe_backend=moe_backend)
     try:
         assert generate(engine) == ref_outputs(quantized)
         layer = engine.runner.model.model.layers[1]
@@ -121,6 +124,7 @@ def test_fp8_tp2_equals_tp1_and_updates_to_another_fp8_checkpoint(tmp_path, monk
         # rank 0's half of the heads (kv_b_proj rows, o_proj columns) and of each expert's intermediate dim
         assert tuple(attn.kv_b_proj.weight_scale_inv.shape) == (4, 2) == tuple(attn.o_proj.weight_scale_inv.shape)
         assert (tuple(down.weight.shape), tuple(down.weight_scale_inv.shape)) == ((64, 16), (4, 1))
+        assert (layer.mlp.experts.fused is not None) == (moe_backend == "triton")
         engine.update_weights_from_disk(other, weight_version="fp8-b")
         outs = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)
         assert {o["meta_info"]["weight_version"] for o in outs} == {"fp8-b"}

@@ -72,6 +72,10 @@ class EngineConfig(BaseModel):
     attention_backend: Literal["auto", "torch", "triton"] = Field(
         "auto", description="auto: triton on CUDA (the torch backend, a reference, copies each layer's K/V "
         "into padded fp32 tables), torch on the CPU (where Triton runs interpreted)")
+    moe_backend: Literal["auto", "torch", "triton"] = Field(
+        "auto", description="how an MoE layer's routed experts run: triton, two grouped-GEMM launches over the "
+        "batch's tokens sorted by expert (SGLang's fused MoE); torch, HF's eager loop (one matmul per chosen "
+        "expert, a host sync a layer). auto: triton on CUDA, torch on the CPU (where Triton runs interpreted)")
     disable_radix_cache: bool = False
     radix_eviction_policy: Literal["lru", "lfu", "fifo", "mru", "filo", "priority"] = "lru"
     mamba_scheduler_strategy: Literal["no_buffer", "extra_buffer"] = "no_buffer"

@@ -196,6 +196,8 @@ class GatedMLP(nn.Module):
     intermediate dim (``field`` names it in a sharding error); ``reduce=False``
     returns this rank's partial sum (an MoE reduces all its experts at once)."""
 
+    projections = ("gate_proj", "up_proj", "down_proj")  # (an MoE's ExpertList.fuse stacks them)
+
     def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str = "silu", tp: TPGroup = SINGLE,
                  reduce: bool = True, field: str = "intermediate_size", bias: bool = False):
         super().__init__()

@@ -23,10 +23,12 @@ from actors.engine.attention import create_attention_backend
 from actors.engine.config import EngineConfig
 from actors.engine.draft_model import DraftModel
 from actors.engine.forward_batch import ForwardBatch, int64_tensor
+from actors.engine.fused_moe import fuse_experts
 from actors.engine.lora import LoRAAdapter, LoRAManager, read_adapter
 from actors.engine.model_loader import DTYPES, ServedWeights, build_model, load_model
 from actors.engine.models.base import LogitsOutput
 from actors.engine.parallel import SINGLE, TPGroup
+from mem_cache.alloc_kernels import triton_device_error
 from mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
 from mem_cache.buffer_allocator import BufferAllocator
 from mem_cache.memory_budget import KVCacheShape, cell_size_bytes, get_device_memory, profile_max_num_tokens
@@ -74,6 +76,7 @@ class ModelRunner:
         self.model, self.model_config, self.dtype = load_model(
             config.model_path, config.dtype, config.device,
             dataclasses.replace(tp, expert_parallel=config.enable_expert_parallel), config.quantization)
+        self._fuse_experts()  # (before the served weights are taken: the experts' become views of the stacks)
         self.weights = ServedWeights(self.model, self.model_config, config.model_path)  # (before LoRA wraps layers)
         self.lora = self._load_loras()  # (before the KV pool is sized: its buffers are device memory too)
         attention = config.attention_backend
@@ -97,6 +100,18 @@ class ModelRunner:
         self.storage_peers_prefetch: Optional[Callable[[str, Any], List]] = None  # ... and prefetch them alike
         self.forward_time = 0.0  # seconds spent in model forwards (for overhead accounting)
         self.num_forwards = 0
+
+    def _fuse_experts(self) -> None:
+        """``moe_backend`` (auto: triton on CUDA, torch on the CPU): triton stacks every MoE layer's experts
+        for the fused kernels; ValueError when Triton cannot run on the device."""
+        backend = self.config.moe_backend
+        if backend == "auto":
+            backend = "triton" if self.device.type == "cuda" else "torch"
+        if backend == "triton":
+            error = triton_device_error(self.device, "moe_backend='triton'")
+            if error:
+                raise ValueError(error)
+            fuse_experts(self.model)
 
     # ---- LoRA -------------------------------------------------------------------
     def _load_loras(self) -> Optional[LoRAManager]:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from actors.engine.fused_moe import FusableExperts, FusedExperts, StackedWeight
 from actors.engine.layers import RMSNorm
 from actors.engine.models.base import LORA_ATTENTION, CausalLM, DecoderModel
 from actors.engine.models.gemma3 import swa_layers
@@ -36,11 +37,11 @@ from actors.engine.models.spec import KVCacheSpec
 from actors.engine.parallel import SINGLE, TPGroup, shard_param
 
 
-class GptOssExperts(nn.Module):
+class GptOssExperts(FusableExperts):
     """The experts' weights as HF stores them (3-D, one slice an expert): under TP every expert's share
     of the intermediate dim, under EP this rank's experts (``held``) whole; ``forward`` runs each held
     expert chosen over its tokens, in expert order, and sums the weighted outputs in the model's dtype,
-    as HF's eager experts do."""
+    as HF's eager experts do — or, fused (:meth:`fuse`), in fp32, cast to it once."""
 
     def __init__(self, config, tp: TPGroup = SINGLE):
         super().__init__()
@@ -63,12 +64,22 @@ class GptOssExperts(nn.Module):
         # (the down bias is added once over the ranks' sum: by every expert's only holder under EP)
         self.tp, self.adds_down_bias = tp, tp.expert_parallel or tp.is_leader
 
+    def fuse(self) -> None:
+        """Run the experts as :class:`FusedExperts` over their tensors as stored (no copy): the kernels
+        read each 3-D weight transposed and add its biases (the down bias where this rank adds it)."""
+        self.fused = FusedExperts(
+            StackedWeight(self.gate_up_proj.transpose(1, 2), self.gate_up_proj_bias),
+            StackedWeight(self.down_proj.transpose(1, 2), self.down_proj_bias if self.adds_down_bias else None),
+            self.swiglu)
+
     def swiglu(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up[..., ::2].clamp(max=self.limit), gate_up[..., 1::2].clamp(-self.limit, self.limit)
         return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
 
     def forward(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """``x`` [tokens, hidden]; ``indices``, ``weights`` [tokens, top_k]: each token's experts and their weights."""
+        if self.fused is not None:
+            return self.tp.all_reduce(self.fused(x, indices - self.held.start, weights).to(x.dtype))
         out = torch.zeros_like(x)
         for e in [e for e in indices.unique().tolist() if e in self.held]:
             token, slot = (indices == e).nonzero(as_tuple=True)

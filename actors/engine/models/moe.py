@@ -13,15 +13,21 @@ alike, and one all-reduce sums the routed and shared partial outputs of the whol
 (``TPGroup.expert_parallel``) each rank holds its share of the experts whole (:class:`ExpertList`)
 and runs only those; the same all-reduce adds up the ranks' experts. The shared expert stays TP
 (sliced on every rank), its partial sum in the same reduce.
+
+``EngineConfig.moe_backend`` picks how the routed experts run: ``torch`` (:func:`run_experts`, HF's eager
+loop: one small matmul per chosen expert, and a host sync a layer for the experts chosen) or ``triton``
+(:meth:`ExpertList.fuse` stacks each layer's experts for :mod:`actors.engine.fused_moe`'s grouped GEMMs).
 """
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Callable
 
 import torch
 from torch import nn
 
+from actors.engine.fused_moe import FusableExperts, FusedExperts, gated, stack_linears
 from actors.engine.layers import GatedMLP, get_activation
 from actors.engine.parallel import SINGLE, ColumnParallelLinear, RowParallelLinear, TPGroup
 
@@ -33,10 +39,10 @@ def is_sparse_layer(config, layer_id: int) -> bool:
             and (layer_id + 1) % config.decoder_sparse_step == 0)
 
 
-class ExpertList(nn.Module):
+class ExpertList(FusableExperts):
     """The experts of one layer this rank holds (``held``: :meth:`TPGroup.experts`), each under its
     checkpoint index (``experts.{e}.…``), made by ``make()``. The loader leaves the tensors of the
-    experts it does not hold unread (``model_loader.held_elsewhere``)."""
+    experts it does not hold unread (``model_loader.held_elsewhere``). ``fused``: set by :meth:`fuse`."""
 
     def __init__(self, held: range, make: Callable[[], nn.Module]):
         super().__init__()
@@ -47,12 +53,27 @@ class ExpertList(nn.Module):
     def __getitem__(self, e: int) -> nn.Module:
         return self._modules[str(e)]
 
+    def fuse(self) -> None:
+        """Run the experts as :class:`FusedExperts`: their gate and up weights (and FP8 scales) stacked in
+        one tensor, their down weights in another, each expert's parameters then views of them (a weight
+        update still copies into them)."""
+        experts = [self[e] for e in self.held]
+        gate, up, down = experts[0].projections
+        if any(getattr(expert, name).bias is not None for expert in experts for name in (gate, up, down)):
+            raise ValueError("moe_backend='triton': experts with biases are not fused")
+        self.fused = FusedExperts(stack_linears([(getattr(m, gate), getattr(m, up)) for m in experts]),
+                                  stack_linears([(getattr(m, down),) for m in experts]),
+                                  partial(gated, experts[0].act))
+
 
 def run_experts(experts: ExpertList, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """``sum_k weights[t, k] * experts[idx[t, k]](x[t])`` over the held experts for every token ``t``, in
     fp32 (the caller casts once): each expert runs once, on the tokens that chose it; each weighted output
     is taken in ``weights``' dtype (HF's experts: Qwen's cast to the model's dtype, Mixtral's and
-    DeepSeek's fp32). Under EP the other ranks' experts are left to them (the block's reduce sums all)."""
+    DeepSeek's fp32). Under EP the other ranks' experts are left to them (the block's reduce sums all).
+    Fused (:meth:`ExpertList.fuse`), the same sum in two grouped-GEMM launches over every held expert."""
+    if experts.fused is not None:
+        return experts.fused(x, idx - experts.held.start, weights)
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for e in [e for e in idx.unique().tolist() if e in experts.held]:
         token, slot = (idx == e).nonzero(as_tuple=True)
@@ -63,6 +84,8 @@ def run_experts(experts: ExpertList, x: torch.Tensor, idx: torch.Tensor, weights
 class MixtralExpert(nn.Module):
     """One Mixtral expert: :class:`GatedMLP`'s math under Mixtral's checkpoint names
     (``w1`` gate, ``w3`` up, ``w2`` down); a rank's partial sum under TP (the block reduces)."""
+
+    projections = ("w1", "w3", "w2")  # (gate, up, down: ExpertList.fuse stacks them)
 
     def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str, tp: TPGroup, field: str):
         super().__init__()

@@ -1,0 +1,143 @@
+"""The fused MoE (:mod:`actors.engine.fused_moe`) against the eager experts (``moe.run_experts``) on one
+layer's experts: random routing with experts no token chose, top-k 1 and 2, token counts off the block
+size, a TP rank's slice of every expert, an EP rank's half of the experts (the others' tokens adding 0),
+block-FP8 weights dequantized in the kernel (blocks cut by the intermediate dim), a weight update
+copied into the experts after they are stacked, and GPT-OSS's experts (3-D weights read transposed,
+biases, clamped SwiGLU). On the CPU the kernels run interpreted (conftest)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from actors.engine import fp8
+from actors.engine.config import EngineConfig
+from actors.engine.fused_moe import fuse_experts, moe_align_block_size
+from actors.engine.models.gpt_oss import GptOssExperts
+from actors.engine.models.moe import ExpertList, MixtralExpert, qwen_expert, run_experts
+from actors.engine.parallel import SINGLE, TPGroup
+from actors.engine.tiny import tiny_config
+
+HIDDEN, INTERMEDIATE, EXPERTS = 64, 32, 4
+
+
+def make_experts(held=range(EXPERTS), tp=SINGLE, expert=qwen_expert, intermediate=INTERMEDIATE, seed=0):
+    """``held`` experts (this rank's ``tp`` slice of each), weights ~ N(0, 1/fan_in)."""
+    experts = ExpertList(held, lambda: expert(HIDDEN, intermediate, "silu", tp, "moe_intermediate_size"))
+    return randomized(experts, seed)
+
+
+def randomized(experts, seed=0):
+    """``experts`` with matrices ~ N(0, 1/fan_in), biases ~ N(0, 0.1²)."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in experts.named_parameters():
+            fan_in = p.shape[-2] if p.dim() == 3 else p.shape[-1]  # (GPT-OSS's x @ W [experts, in, out])
+            p.copy_(torch.randn(p.shape, generator=generator) * (0.1 if name.endswith("bias") else fan_in ** -0.5))
+            p.requires_grad_(False)
+    return experts
+
+
+def routing(num_tokens, top_k, seed=0, unused=(2,)):
+    """Tokens, each token's ``top_k`` distinct experts (never those in ``unused``) and their weights."""
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(num_tokens, HIDDEN, generator=generator)
+    logits = torch.randn(num_tokens, EXPERTS, generator=generator)
+    logits[:, list(unused)] = float("-inf")
+    weights, idx = torch.softmax(logits, -1).topk(top_k, dim=-1)
+    return x, idx, weights
+
+
+def eager_then_fused(experts, x, idx, weights):
+    eager = run_experts(experts, x, idx, weights)
+    fuse_experts(torch.nn.Sequential(experts))
+    assert experts.fused is not None
+    return eager, run_experts(experts, x, idx, weights)
+
+
+def test_align_sorts_pairs_by_expert_in_padded_blocks():
+    """Expert 0 has 5 pairs (two blocks of 4), expert 1 none (no block), expert 2 one, expert 3 (not held
+    here: id 3 of 3 experts) is left out; padding rows name the pair count."""
+    expert_of = torch.tensor([2, 0, 0, 3, 0, 0, 0])
+    sorted_ids, block_expert, num_padded = moe_align_block_size(expert_of, 3, 4)
+    assert num_padded.tolist() == [12]
+    assert sorted_ids.tolist()[:12] == [1, 2, 4, 5, 6, 7, 7, 7, 0, 7, 7, 7]
+    assert len(sorted_ids) == 7 + 3 * 3 and set(sorted_ids.tolist()[12:]) == {7}
+    assert block_expert.tolist()[:3] == [0, 0, 2]
+
+
+@pytest.mark.parametrize("num_tokens, top_k", [(1, 1), (13, 1), (37, 2)])
+def test_fused_equals_eager(num_tokens, top_k):
+    """Expert 2 chosen by no token; 37 · 2 pairs fill no whole number of 16-row blocks."""
+    experts = make_experts()
+    eager, fused = eager_then_fused(experts, *routing(num_tokens, top_k))
+    torch.testing.assert_close(fused, eager, rtol=1e-5, atol=1e-5)
+
+
+def test_fused_equals_eager_in_bf16():
+    """bf16 tiles upcast in the kernel (the interpreter's bf16 arithmetic is wrong): within bf16's
+    rounding of the eager experts' (which round each projection's output too)."""
+    experts = make_experts().to(torch.bfloat16)
+    x, idx, weights = routing(37, 2)
+    eager, fused = eager_then_fused(experts, x.bfloat16(), idx, weights.bfloat16())
+    assert (fused - eager).abs().max() <= 0.02 * eager.abs().max()
+
+
+@pytest.mark.parametrize("case", ["tp", "ep", "mixtral"])
+def test_fused_equals_eager_on_a_rank(case):
+    """TP rank 1 of 2 holds its half of every expert's intermediate dim (a partial sum); EP rank 1 of 2
+    experts 2 and 3 whole: the pairs routed to 0 and 1 add nothing on it. Mixtral's names (w1, w3, w2)."""
+    experts = {"tp": lambda: make_experts(tp=TPGroup(rank=1, size=2)),
+               "ep": lambda: make_experts(held=range(2, 4)),
+               "mixtral": lambda: make_experts(expert=MixtralExpert)}[case]()
+    x, idx, weights = routing(21, 2, unused=())
+    eager, fused = eager_then_fused(experts, x, idx, weights)
+    torch.testing.assert_close(fused, eager, rtol=1e-5, atol=1e-5)
+    if case == "ep":  # only the tokens that chose expert 2 or 3 have an output here
+        assert torch.equal(fused.abs().sum(1) > 0, (idx >= 2).any(1))
+
+
+def test_fp8_weights_dequantized_in_the_kernel():
+    """Blocks of 16 x 16 over an intermediate dim of 24: gate's and up's last scale rows each cover a
+    partial block, stacked one after the other."""
+    experts = make_experts(intermediate=24)
+    for name, linear in experts.named_modules():
+        if hasattr(linear, "weight_block_size"):
+            weight = linear.weight.detach().clone()
+            fp8.quantize_linear(linear, name, (16, 16), weight.shape)
+            fp8.copy_weight(linear, weight)
+    eager, fused = eager_then_fused(experts, *routing(19, 2))
+    assert experts.fused.w13.weight.dtype == fp8.FP8 and experts.fused.w13.scale.shape == (EXPERTS, 4, 4)
+    torch.testing.assert_close(fused, eager, rtol=1e-5, atol=1e-5)
+
+
+def test_weight_update_after_fusing_reaches_the_kernel():
+    """The experts' parameters are views of the stacked weights: copying new weights into them (what a
+    weight update does) changes what the fused kernels compute, the memory held once."""
+    experts, new = make_experts(), make_experts(seed=1)
+    x, idx, weights = routing(9, 2)
+    fuse_experts(torch.nn.Sequential(experts))
+    with torch.no_grad():
+        for p, q in zip(experts.parameters(), new.parameters()):
+            p.copy_(q)
+    torch.testing.assert_close(run_experts(experts, x, idx, weights), run_experts(new, x, idx, weights),
+                               rtol=1e-5, atol=1e-5)
+    assert experts[0].up_proj.weight.untyped_storage().data_ptr() == experts.fused.w13.weight.data_ptr()
+
+
+@pytest.mark.parametrize("rank, ep", [(0, False), (1, False), (1, True)])
+def test_gpt_oss_fused_equals_eager(rank, ep):
+    """GPT-OSS's experts on TP rank 0 (which adds the down bias), rank 1 (which does not) and EP rank 1
+    (experts 2 and 3, whose holder adds theirs): the fused kernels read the stored tensors, no copy."""
+    experts = randomized(GptOssExperts(tiny_config("gpt_oss"), TPGroup(rank=rank, size=2, expert_parallel=ep)))
+    experts.tp = SINGLE  # (this rank's partial sums compared as they are, not reduced)
+    x, idx, weights = routing(17, 2, unused=())
+    eager = experts(x, idx, weights)
+    fuse_experts(experts)
+    torch.testing.assert_close(experts(x, idx, weights), eager, rtol=1e-5, atol=1e-5)
+    assert experts.fused.w13.weight.data_ptr() == experts.gate_up_proj.data_ptr()
+
+
+def test_moe_backend_is_validated_by_name():
+    with pytest.raises(ValueError, match="moe_backend"):
+        EngineConfig(model_path="m", moe_backend="cutlass")
