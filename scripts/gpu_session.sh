@@ -51,7 +51,7 @@ EOF
     python3 -m pytest -q -p no:cacheprovider -o addopts="-ra" tests/test_attention_backends.py \
         tests/test_alloc_kernels.py tests/test_allocator_properties.py tests/test_hicache.py \
         tests/test_engine_dense.py tests/test_engine_mla.py tests/test_engine_gemma3.py \
-        tests/test_engine_qwen3_next.py -k "triton or not engine" 2>&1 | tee "$OUT/pytest_cuda.txt" | tail -8
+        tests/test_engine_qwen3_next.py tests/test_fused_moe.py tests/test_engine_moe.py -k "triton or not engine" 2>&1 | tee "$OUT/pytest_cuda.txt" | tail -8
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
     python3 -m pytest -q -p no:cacheprovider -o addopts="-ra" tests/test_pd_workers.py tests/test_transfer.py \
         tests/test_transfer_backends.py 2>&1 | tee "$OUT/pytest_pd.txt" | tail -8
@@ -59,6 +59,7 @@ EOF
     python3 scripts/bench_transfer.py --plot "$OUT/bench_transfer.png" \
         2>&1 | tee "$OUT/bench_transfer.txt" | tail -30
     python3 scripts/bench_hicache.py --device cuda 2>&1 | tee "$OUT/bench_hicache.txt" | tail -12
+    python3 scripts/bench_moe.py --device cuda --shapes qwen3-30b-a3b mixtral-8x7b 2>&1 | tee "$OUT/bench_moe.txt" | tail -20
     exit $status
     ;;
 *)

@@ -83,6 +83,19 @@ def test_fused_equals_eager_in_bf16():
     assert (fused - eager).abs().max() <= 0.02 * eager.abs().max()
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_tokens", [1, 37, 300])
+def test_fused_equals_eager_compiled_on_cuda(dtype, num_tokens):
+    """The compiled kernels (bf16 tiles on the tensor cores, fp32 in IEEE) against the eager experts on
+    the same device: the CPU runs only the interpreter."""
+    experts = make_experts().to("cuda", dtype)
+    x, idx, weights = routing(num_tokens, 2)
+    eager, fused = eager_then_fused(experts, x.to("cuda", dtype), idx.cuda(), weights.to("cuda", dtype))
+    assert (fused - eager).abs().max() <= (1e-4 if dtype == torch.float32 else 0.02) * eager.abs().max()
+
+
 @pytest.mark.parametrize("case", ["tp", "ep", "mixtral"])
 def test_fused_equals_eager_on_a_rank(case):
     """TP rank 1 of 2 holds its half of every expert's intermediate dim (a partial sum); EP rank 1 of 2
