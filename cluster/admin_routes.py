@@ -8,7 +8,8 @@ POST /abort_request         SGLang's {"rid", "abort_all"}: end the requests name
 POST /pause_generation      SGLang's {"mode"}: new requests wait from now on; "abort" (the default):
                             those in flight end aborted; "retract": the workers' running requests go
                             back to waiting, their KV freed; "in_place": they stop, KV kept. All
-                            workers or none: one failing, the others step again (a 500 naming it)
+                            workers or none: one failing, the others step again (a 500 naming it;
+                            paused already, the server and its workers stay paused)
 POST /continue_generation   the workers step again, the waiting requests run
 GET  /get_model_info        SGLang's: model_path, tokenizer_path, is_generation, weight_version, ...
 GET  /get_server_info       SGLang's: the configuration as served, and each worker's state (load,
@@ -86,14 +87,16 @@ def add_admin_routes(app: FastAPI, service, server, parse_body, health, flush_ca
     @app.post("/pause_generation")
     async def pause_generation(request: Request):
         req = await parse_body(request, PauseGenerationRequest)
+        was_paused = not service.resumed.is_set()
         service.resumed.clear()
         if req.mode == "abort":  # (SGLang's: the workers are not paused; nothing reaches them meanwhile)
             await requests.wait_ended(requests.abort_all())
             return {"message": "Generation paused successfully.", "status": "ok"}
         try:
             await backend.pause_generation(req.mode)
-        except RuntimeError as exc:  # no worker was left paused: neither is the server
-            service.resumed.set()
+        except RuntimeError as exc:  # the workers as before the call: the server too
+            if not was_paused:
+                service.resumed.set()
             raise APIError(500, str(exc), "server_error", code="pause_failed") from None
         return {"message": "Generation paused successfully.", "status": "ok"}
 

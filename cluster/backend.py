@@ -72,7 +72,7 @@ class ServingBackend(Protocol):
 
     async def pause_generation(self, mode: str) -> None:
         """SGLang's modes "in_place" and "retract" on every worker, or on none (RuntimeError naming the
-        worker that failed it; see :meth:`PDBackend.pause_generation`)."""
+        worker that failed it; paused already, the workers stay paused: see :meth:`PDBackend.pause_generation`)."""
 
     async def continue_generation(self) -> None: ...
 
@@ -251,17 +251,22 @@ class PDBackend:
         transfer's ``waiting_timeout_s``): a longer pause fails it. (SGLang's "abort" is the server's:
         it aborts the requests it serves.) All or nothing: a worker failing it, those it paused step
         again (RuntimeError naming the worker and why): a cluster half paused would hold the requests
-        routed to one side while the other side runs, and the server, not paused, would send more."""
-        self.paused_mode = mode  # (a worker added meanwhile is paused too)
+        routed to one side while the other side runs, and the server, not paused, would send more.
+        Paused already, a failed pause leaves the cluster paused as it was: continuing its workers
+        would undo the earlier pause, which the server still holds."""
+        was, self.paused_mode = self.paused_mode, mode  # (a worker added meanwhile is paused too)
         live = [w for w in self._all() if w.alive]
         results = await asyncio.gather(*(w.handle.pause_generation.remote(mode) for w in live),
                                        return_exceptions=True)
         failed = _failures(live, results)
-        if failed:
-            self.paused_mode = None
-            await asyncio.gather(*(w.handle.continue_generation.remote() for w, r in zip(live, results)
-                                   if not isinstance(r, BaseException)), return_exceptions=True)
-            raise RuntimeError(f"generation not paused (the workers paused step again): {'; '.join(failed)}")
+        if not failed:
+            return
+        self.paused_mode = was
+        if was is not None:
+            raise RuntimeError(f"generation paused as before ({was}): {'; '.join(failed)}")
+        await asyncio.gather(*(w.handle.continue_generation.remote() for w, r in zip(live, results)
+                               if not isinstance(r, BaseException)), return_exceptions=True)
+        raise RuntimeError(f"generation not paused (the workers paused step again): {'; '.join(failed)}")
 
     async def continue_generation(self) -> None:
         self.paused_mode = None

@@ -345,6 +345,18 @@ def test_a_pause_a_worker_fails_leaves_no_worker_paused():
     assert (prefill.paused, decode.paused, backend.paused_mode) == ("in_place", "in_place", "in_place")
 
 
+def test_a_failed_pause_of_a_paused_cluster_leaves_it_paused():
+    """A pause that fails on a cluster paused already undoes nothing the earlier pause did: its
+    workers stay paused (none continued: they hold what the earlier pause held), in its mode."""
+    prefill, decode = _Worker("p-0"), _Worker("d-0")
+    backend = PDBackend(SimpleNamespace(prefill=[prefill], decode=[decode]))
+    asyncio.run(backend.pause_generation("in_place"))
+    decode.fails = True
+    with pytest.raises(RuntimeError, match=r"paused as before \(in_place\).*: d-0: the actor died$"):
+        asyncio.run(backend.pause_generation("retract"))
+    assert (prefill.paused, decode.paused, backend.paused_mode) == ("retract", "in_place", "in_place")
+
+
 class _FailingPause(EngineBackend):
     async def pause_generation(self, mode):
         raise RuntimeError("generation not paused (the workers paused step again): d-1: the actor died")
@@ -358,6 +370,21 @@ def test_a_failed_pause_is_a_500_naming_the_worker_and_the_server_serves_on(engi
         assert httpx.get(server.url + "/get_server_info").json()["paused"] is False
         after = post(server, "/generate", generate_body(params={"max_new_tokens": 2})).json()
         assert after["meta_info"]["finish_reason"]["type"] == "length"
+
+
+def test_a_failed_pause_of_a_paused_server_leaves_it_paused(engine, pool, idle_after):
+    """Paused ("abort" mode), a pause that fails leaves the server paused: a request that comes
+    waits for /continue_generation, as before the failed call."""
+    with serving(engine, ServerConfig(), _FailingPause) as server:
+        assert post(server, "/pause_generation", {}).json()["status"] == "ok"
+        assert post(server, "/pause_generation", {"mode": "in_place"}).status_code == 500
+        assert httpx.get(server.url + "/get_server_info").json()["paused"] is True
+        held = pool.submit(post, server, "/generate", generate_body(params={"max_new_tokens": 2}))
+        assert wait_until(lambda: load(server) == 1)
+        time.sleep(0.2)
+        assert not held.done()
+        post(server, "/continue_generation")
+        assert held.result(timeout=30).json()["meta_info"]["finish_reason"]["type"] == "length"
 
 
 def test_the_info_routes(engine, served, idle_after):
