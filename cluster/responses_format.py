@@ -192,14 +192,20 @@ class ResponsesFormatter:
             delta = choice["delta"]
             self.finish = choice["finish_reason"] or self.finish
             self.tokens.add((choice["logprobs"] or {}).get("content") or [])
+            calls = delta.get("tool_calls") or ()
+            # the open call's growth first: the step wrote it before any text of its after the call
+            # (a step of several tokens: "7}}</tool_call>Done."), which would close the call's item
+            for call in calls:
+                if "id" not in call:
+                    out += self._grow("function_call", call["function"]["arguments"])
             if delta.get("reasoning_content"):
                 out += self._grow("reasoning", delta["reasoning_content"])
             if delta.get("content"):
                 out += self._grow("message", delta["content"])
-            for call in delta.get("tool_calls") or ():
+            for call in calls:
                 if "id" in call:  # a new call (its first delta)
                     out += self._open(OutputItem("function_call", "", call["id"], call["function"]["name"]))
-                out += self._grow("function_call", call["function"]["arguments"])
+                    out += self._grow("function_call", call["function"]["arguments"])
         return out
 
     def _event(self, kind: str, **fields) -> Dict[str, Any]:

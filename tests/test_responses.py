@@ -6,6 +6,7 @@ previous_response_id and the stored responses (an LRU) with their input items, m
 the 400s of what the server does not serve."""
 
 import json
+from types import SimpleNamespace
 
 import httpx
 import jsonschema
@@ -16,9 +17,10 @@ from actors.engine.sampling_params import ANY_JSON
 from cluster.config import ServerConfig
 from cluster.http_server import BackgroundServer
 from cluster.openai_responses import ResponsesRequest, chat_request
-from cluster.responses_format import OutputTokens
+from cluster.responses_format import OutputTokens, ResponsesFormatter
 from cluster.responses_store import ResponseStore, StoredResponse
 from cluster.server import build_app
+from cluster.tool_calls import TOOL_CALL_PARSERS, ToolCalls
 from tests.test_openai_compat import MODEL, EngineBackend, bad_request
 from tests.test_tool_calls import ADD, TOOLS, USER, WEATHER, engine, thinks, tokenizer  # noqa: F401 (fixtures)
 
@@ -298,6 +300,42 @@ def test_a_text_has_the_tokens_it_overlaps_after_the_last_texts():
     assert taken == [["hm"], ["Hi", " the"], ["re"]]
     tokens.add([{"token": "\ufffd"}])
     assert [e["token"] for e in tokens.take("é")] == ["\n<tool", "_call>", "\ufffd"]
+
+
+class _ChatSteps:
+    """A chat formatter's streamed steps as ResponsesFormatter reads them: each step's delta of
+    choice 0, from a hermes ToolCalls fed ``pieces`` (a piece: a step's text, maybe several tokens')."""
+
+    req = SimpleNamespace(model=MODEL)
+
+    def __init__(self, pieces):
+        calls = ToolCalls(lambda: TOOL_CALL_PARSERS["hermes"](()), calls_finish=True)
+        self.deltas = []
+        for i, piece in enumerate(pieces):
+            content, tool_calls = calls.delta(0, piece, i == len(pieces) - 1)
+            self.deltas.append(dict({"content": content} if content else {},
+                                    **({"tool_calls": tool_calls} if tool_calls else {})))
+
+    def chunks(self, event):
+        return [{"choices": [{"delta": self.deltas.pop(0), "finish_reason": None, "logprobs": None}]}]
+
+    def usage(self):
+        return {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2, "prompt_tokens_details": None}
+
+
+def test_a_calls_last_arguments_and_the_text_after_it_in_one_step_stream_in_their_order():
+    """A step whose text ends a call and goes on past it (several tokens at once): the call's item
+    takes the rest of its arguments before it is done, then the message item opens (not a
+    function_call item of no call with the arguments' tail, the call's own done without it)."""
+    steps = _ChatSteps(['Sure.<tool_call>\n{"name": "add", "arguments": {"a": ', '7}}\n</tool_call>\nDone.'])
+    formatter = ResponsesFormatter(steps, {}, SimpleNamespace(encode=lambda text, add_special_tokens: list(text)),
+                                   lambda response: None)
+    events = [e for _ in range(2) for e in formatter.chunks(object())] + formatter.chunks(None)
+    output = events[-1]["response"]["output"]
+    assert [(item["type"], item.get("name"), item.get("arguments")) for item in output] == [
+        ("message", None, None), ("function_call", "add", '{"a": 7}'), ("message", None, None)]
+    assert [e["arguments"] for e in events if e["type"] == "response.function_call_arguments.done"] == ['{"a": 7}']
+    assert "".join(e["delta"] for e in events if e["type"] == "response.function_call_arguments.delta") == '{"a": 7}'
 
 
 def test_reasoning_then_text_then_a_call_are_three_items_streamed_or_not(engine, tokenizer):
