@@ -23,13 +23,15 @@ SGLang sizes its pools once, at start-up, after the model weights are loaded:
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
-from typing import Optional, Tuple, Union
+from typing import Callable, Optional, Tuple, Union
 
 import psutil
 import torch
 
 GiB = 1 << 30
+MAMBA_FULL_MEMORY_RATIO = 0.9  # SGLang's mamba_full_memory_ratio: Mamba state bytes per KV byte
 
 
 def _check_positive_int(name: str, value: object) -> None:
@@ -156,7 +158,8 @@ class MemoryBudget:
         return line + f"; static budget {self.rest_bytes / GiB:.2f} GiB"
 
 
-def _rest_bytes(available_bytes: int, total_bytes: int, mem_fraction_static: float) -> int:
+def static_budget_bytes(available_bytes: int, total_bytes: int, mem_fraction_static: float) -> int:
+    """What the static pools may take (``rest``); ValueError naming mem_fraction_static when nothing."""
     if not 0.0 < mem_fraction_static <= 1.0:
         raise ValueError(f"mem_fraction_static must be in (0, 1], got {mem_fraction_static}")
     if total_bytes <= 0 or not 0 <= available_bytes <= total_bytes:
@@ -192,6 +195,34 @@ def _mamba_slots(shape: KVCacheShape, rest: int, ratio: float, max_mamba_cache_s
     return slots
 
 
+def max_mamba_rows(
+    shape: KVCacheShape,
+    rest_bytes: int,
+    mamba_states: Callable[[int], int],
+    most: int,
+    mamba_full_memory_ratio: float = MAMBA_FULL_MEMORY_RATIO,
+) -> int:
+    """The most request rows, up to ``most``, whose Mamba states — ``mamba_states(rows)`` slot-sized
+    states, non-decreasing in ``rows``: the pool's slots and a verify scratch's — take at most the
+    Mamba share of the static budget, ``rest * r / (1 + r)``, so the KV pool keeps the rest; 0
+    when one row's do not.
+
+    A default for ``max_running_requests`` on a hybrid model: under speculative decoding every row
+    holds a state per verify token beside its slots, so a fixed default can ask more than the
+    device holds. SGLang solves the same split for its Mamba pool and verify scratch together (its
+    ``max_mamba_cache_size`` from ``mamba_full_memory_ratio``) and caps its running requests by
+    the slots that gives.
+    """
+    _check_positive_int("most", most)
+    if not shape.is_hybrid:
+        raise ValueError("max_mamba_rows needs a hybrid shape (mamba_state_bytes_per_slot)")
+    if mamba_full_memory_ratio <= 0:
+        raise ValueError(f"mamba_full_memory_ratio must be > 0, got {mamba_full_memory_ratio}")
+    share = int(rest_bytes * mamba_full_memory_ratio / (1 + mamba_full_memory_ratio))
+    rows = range(1, most + 1)  # (the rows that fit are a prefix of it: count them)
+    return bisect.bisect_left(rows, True, key=lambda n: mamba_states(n) * shape.mamba_state_bytes_per_slot > share)
+
+
 def profile_max_num_tokens(
     shape: KVCacheShape,
     kv_dtype: torch.dtype,
@@ -200,7 +231,7 @@ def profile_max_num_tokens(
     mem_fraction_static: float,
     page_size: int = 1,
     tp_size: int = 1,
-    mamba_full_memory_ratio: float = 0.9,
+    mamba_full_memory_ratio: float = MAMBA_FULL_MEMORY_RATIO,
     max_total_tokens: Optional[int] = None,
     max_mamba_cache_size: Optional[int] = None,
     draft_shape: Optional[KVCacheShape] = None,
@@ -221,7 +252,7 @@ def profile_max_num_tokens(
     if (max_mamba_cache_size is not None or mamba_verify_states) and not shape.is_hybrid:
         raise ValueError("max_mamba_cache_size and mamba_verify_states need a hybrid shape "
                          "(mamba_state_bytes_per_slot)")
-    rest = _rest_bytes(available_bytes, total_bytes, mem_fraction_static)
+    rest = static_budget_bytes(available_bytes, total_bytes, mem_fraction_static)
     slots = _mamba_slots(shape, rest, mamba_full_memory_ratio, max_mamba_cache_size) if shape.is_hybrid else 0
     mamba_bytes = (slots + mamba_verify_states) * (shape.mamba_state_bytes_per_slot or 0)
     draft_cell = 0 if draft_shape is None else cell_size_bytes(draft_shape, kv_dtype)

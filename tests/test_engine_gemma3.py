@@ -175,7 +175,7 @@ def test_gemma3_without_the_prefix_cache(model_dir, verify_steps, page_size):
 def test_gemma3_memory_budget_is_spread_over_both_pools(model_dir, monkeypatch):
     from actors.engine.model_runner import ModelRunner
 
-    monkeypatch.setattr(ModelRunner, "_profile_tokens", lambda self: 1000)  # as if every layer were full
+    monkeypatch.setattr(ModelRunner, "_profile_pools", lambda self: (1000, 256))  # as if every layer were full
     engine = make_engine(model_dir, max_total_tokens=None, swa_full_tokens_ratio=0.5)
     alloc = engine.runner.allocator
     assert (alloc.size, alloc.size_swa) == (1600, 800)  # 1 full + 3 SWA layers: 1600 + 3 × 800 = 4 × 1000

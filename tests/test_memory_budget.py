@@ -11,6 +11,7 @@ from mem_cache.memory_budget import (
     default_memory_args,
     dtype_size,
     get_device_memory,
+    max_mamba_rows,
     profile_max_num_tokens,
 )
 
@@ -156,6 +157,25 @@ def test_a_hybrid_verify_scratch_is_taken_with_the_mamba_pool():
     with pytest.raises(ValueError, match="not one page of KV fits.* the 400 Mamba states of the verify scratch"):
         profile_max_num_tokens(QWEN3_NEXT, BF16, 40 * GiB, TOTAL_80, 0.9, max_mamba_cache_size=100,
                                mamba_verify_states=400)
+
+
+def test_default_rows_of_a_hybrid_fit_the_mamba_share_with_their_verify_scratch():
+    # The fixed default, 256 rows x 5 verify states, asked 1280 x 77_266_944 B = 92 GiB for the scratch alone.
+    # rest 34_359_738_368 B, Mamba share x 0.9 / 1.9 = 16_275_665_542 B = 210 slot states (above).
+    # A row's states as the model runner counts them (from 16 rows on): its working slot (+ 2 ping-pong
+    # with extra_buffer), a spare for the tree, and under speculation 4 + 1 verify states.
+    rest = 34_359_738_368
+    assert max_mamba_rows(QWEN3_NEXT, rest, lambda n: n + max(16, n), 256) == 105  # 2 x 105 = 210
+    assert max_mamba_rows(QWEN3_NEXT, rest, lambda n: n + max(16, n) + 5 * n, 256) == 30  # 7 x 30 = 210
+    assert max_mamba_rows(QWEN3_NEXT, rest, lambda n: 3 * n + max(16, n) + 5 * n, 256) == 23  # 9 x 23 = 207
+    assert max_mamba_rows(QWEN3_NEXT, rest, lambda n: n + max(16, n) + 5 * n, 20) == 20  # capped by most
+    assert max_mamba_rows(QWEN3_NEXT, rest, lambda n: 6 * n + 200, 256) == 1  # below 16 rows: the spare 16
+    assert max_mamba_rows(QWEN3_NEXT, rest, lambda n: 211 * n, 256) == 0
+    b = profile_max_num_tokens(QWEN3_NEXT, BF16, 40 * GiB, TOTAL_80, 0.9, max_mamba_cache_size=60,
+                               mamba_verify_states=150)
+    assert b.max_total_num_tokens * b.cell_size >= rest / 1.9  # the KV pool keeps its share
+    with pytest.raises(ValueError, match="hybrid"):
+        max_mamba_rows(LLAMA3_8B, rest, lambda n: n, 256)
 
 
 def test_hybrid_explicit_slots():
@@ -342,6 +362,38 @@ def test_pools_sized_from_device_memory_fit_the_budget(tmp_path, monkeypatch, fa
         used += mamba.mem_usage_bytes() - sum(s[:, 0].nbytes for s in mamba.states())  # (less its dummy slot)
     budget = available - round(total * (1 - fraction))
     assert budget * 0.9 < used <= budget
+
+
+@pytest.mark.parametrize("strategy", ["no_buffer", "extra_buffer"])
+def test_a_hybrid_under_speculation_without_max_running_requests_fits_its_rows(tmp_path, monkeypatch, strategy):
+    """With max_running_requests not set, a hybrid model under speculative decoding starts with the
+    most request rows whose Mamba slots and verify scratch fit the budget's Mamba share, the KV pool
+    keeping the rest. It used to budget 256 rows x 5 verify states (a real Qwen3-Next-80B: 92 GiB)
+    and refuse to start. A max_running_requests set too high is still refused, naming the scratch
+    and the rows that fit."""
+    from actors.engine.config import EngineConfig
+    from actors.engine.model_runner import ModelRunner
+    from actors.engine.tiny import build_tiny_checkpoint
+    import actors.engine.model_runner as model_runner
+
+    available, total, fraction = 48 * 2**20, 64 * 2**20, 0.5  # 16 MiB for the pools
+    monkeypatch.setattr(model_runner, "get_device_memory", lambda device: (available, total))
+    path = build_tiny_checkpoint("qwen3_next", tmp_path / "qwen3_next")
+    config = dict(model_path=str(path), mem_fraction_static=fraction, speculative_algorithm="ngram",
+                  mamba_scheduler_strategy=strategy)
+    runner = ModelRunner(EngineConfig(**config))
+    rows, mamba, budget = runner.max_running_requests, runner.mamba_pool, available - round(total * (1 - fraction))
+    assert 16 < rows < 256 and mamba.size == runner._num_mamba_slots(rows)
+    assert [s.shape[1:3] for s in mamba.verify_states] == [(rows, 5)] * 2
+    share, slot = budget * 0.9 / 1.9, runner._mamba_slot_bytes()
+    per_row = 5 + (4 if strategy == "extra_buffer" else 2)  # verify states, slots (a spare for the tree's)
+    assert rows * per_row * slot <= share < (rows + 1) * per_row * slot  # the most that fit
+    kv = runner.max_total_num_tokens * 256  # 1 full-attention layer x 2 KV heads x (16 + 16) x fp32
+    used = kv + mamba.mem_usage_bytes() - sum(s[:, 0].nbytes for s in mamba.states())  # (less its dummy slot)
+    assert budget - share - 256 < kv and used <= budget  # the KV pool keeps the rest of the budget
+    with pytest.raises(ValueError, match=f"max_running_requests=256 asks .* states of the verify scratch; "
+                                         f"at most {rows} fit"):
+        ModelRunner(EngineConfig(**config, max_running_requests=256))
 
 
 @pytest.mark.parametrize("family", ["gpt_oss", "mistral"])

@@ -31,7 +31,8 @@ from actors.engine.parallel import SINGLE, TPGroup
 from mem_cache.alloc_kernels import triton_device_error
 from mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
 from mem_cache.buffer_allocator import BufferAllocator
-from mem_cache.memory_budget import KVCacheShape, cell_size_bytes, get_device_memory, profile_max_num_tokens
+from mem_cache.memory_budget import (KVCacheShape, cell_size_bytes, get_device_memory, max_mamba_rows,
+                                     profile_max_num_tokens, static_budget_bytes)
 from mem_cache.mamba_pool import HybridLinearKVPool, HybridReqToTokenPool, MambaPool
 from mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
 from mem_cache.req_to_token_pool import ReqToTokenPool
@@ -86,8 +87,9 @@ class ModelRunner:
         self.kv_dtype = KV_DTYPES.get(config.kv_cache_dtype, self.dtype)
         self.spec = self.model.kv_cache_spec()
         self.context_len = config.context_length or self.model_config.max_position_embeddings
-        self.max_total_num_tokens = tp.all_min(self._profile_tokens())  # the same slots on every rank
-        self.max_running_requests = config.max_running_requests or max(1, min(MAX_RUNNING_DEFAULT,
+        tokens, rows = self._profile_pools()
+        self.max_total_num_tokens = tp.all_min(tokens)  # the same slots (and rows) on every rank
+        self.max_running_requests = config.max_running_requests or max(1, min(tp.all_min(rows),
                                                                               self.max_total_num_tokens // 2))
         self._init_pools()
         self.attn_backend = create_attention_backend(attention, device=self.device)
@@ -184,32 +186,55 @@ class ModelRunner:
             v_head_dim=spec.v_head_dim,
         )
 
-    def _profile_tokens(self) -> int:
+    def _profile_pools(self) -> Tuple[int, int]:
+        """KV slots, and request rows at most when max_running_requests is not set: sized from
+        device memory unless max_total_tokens is set."""
         ps = self.config.page_size
         if self.config.max_total_tokens is not None:
-            return max(ps, self.config.max_total_tokens // ps * ps)
+            return max(ps, self.config.max_total_tokens // ps * ps), MAX_RUNNING_DEFAULT
         available, total = get_device_memory(self.device)
         fraction = self.config.mem_fraction_static or 0.5
-        shape, mamba_slots = self._kv_shape(self.spec), None
-        verify_states = 0
+        shape, rows, mamba_slots, verify_states = self._kv_shape(self.spec), MAX_RUNNING_DEFAULT, None, 0
         if self.spec.kind == "hybrid_mamba":  # KV for the full-attention layers only; the Mamba pool comes first
-            max_running = self.config.max_running_requests or MAX_RUNNING_DEFAULT
-            mamba_slots = self._num_mamba_slots(max_running)
-            verify_shape = self._mamba_verify_shape(max_running)
-            verify_states = math.prod(verify_shape) if verify_shape else 0
             shape = dataclasses.replace(shape, num_attention_layers=len(self.spec.full_attention_layer_ids),
                                         mamba_state_bytes_per_slot=self._mamba_slot_bytes())
-        budget = profile_max_num_tokens(shape, self.kv_dtype, available, total, fraction, page_size=ps,
-                                        max_mamba_cache_size=mamba_slots, mamba_verify_states=verify_states,
-                                        draft_shape=None if self.draft is None else self._kv_shape(self.draft.spec))
+            fit = max_mamba_rows(shape, static_budget_bytes(available, total, fraction),
+                                 lambda n: self._num_mamba_slots(n) + self._num_verify_states(n), MAX_RUNNING_DEFAULT)
+            rows = self.config.max_running_requests or self._default_mamba_rows(fit)
+            mamba_slots, verify_states = self._num_mamba_slots(rows), self._num_verify_states(rows)
+        try:
+            budget = profile_max_num_tokens(shape, self.kv_dtype, available, total, fraction, page_size=ps,
+                                            max_mamba_cache_size=mamba_slots, mamba_verify_states=verify_states,
+                                            draft_shape=None if self.draft is None else self._kv_shape(self.draft.spec))
+        except ValueError as error:
+            if mamba_slots is None or self.config.max_running_requests is None:
+                raise
+            raise ValueError(f"{error}. max_running_requests={rows} asks {mamba_slots} Mamba slots and {verify_states} "
+                             f"states of the verify scratch; at most {fit} fit the budget's Mamba share") from None
         logger.info("memory budget: %s", budget.describe())
-        return budget.max_total_num_tokens
+        return budget.max_total_num_tokens, rows
+
+    def _default_mamba_rows(self, fit: int) -> int:
+        """A hybrid model's request rows when max_running_requests is not set: the most whose Mamba
+        states fit the budget's Mamba share (``max_mamba_rows``; under speculation a row's verify
+        scratch is most of them), at least one."""
+        rows = max(1, fit)
+        if rows < MAX_RUNNING_DEFAULT:
+            logger.info("max_running_requests not set: %d request rows, the most whose Mamba states (%d slots and "
+                        "%d verify scratch states) fit the Mamba share of the memory budget", rows,
+                        self._num_mamba_slots(rows), self._num_verify_states(rows))
+        return rows
 
     def _num_mamba_slots(self, max_running_requests: int) -> int:
         """Working (+ two ping-pong with extra_buffer) slots per running request, plus room
         for the tree's checkpoints."""
         per_req = 3 if self.config.mamba_scheduler_strategy == "extra_buffer" else 1
         return max_running_requests * per_req + max(16, max_running_requests)
+
+    def _num_verify_states(self, max_running_requests: int) -> int:
+        """Slot-sized states of the verify scratch (0 without speculation)."""
+        verify_shape = self._mamba_verify_shape(max_running_requests)
+        return math.prod(verify_shape) if verify_shape else 0
 
     def _mamba_verify_shape(self, max_running_requests: int) -> Optional[Tuple[int, int]]:
         """The verify scratch of speculative decoding (``MambaPool``'s ``verify_shape``): a state per
