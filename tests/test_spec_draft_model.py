@@ -224,6 +224,33 @@ def test_pd_decode_side_retracts_and_re_prefills_with_the_drafts_kv(model_dir, d
         close_workers(prefill, decode)
 
 
+def test_a_draft_of_a_shorter_context_drafts_no_position_past_it(model_dir, tmp_path, caplog):  # noqa: F811
+    """The target's weights as a draft of max_position_embeddings 32: requests that grow past 32
+    tokens decode on undrafted (vLLM caps its draft's max_model_len and skips speculation past it),
+    the served context stays the target's, a warning says so at start, and the tokens stay plain
+    decoding's. The draft used to run its steps at any position (RoPE past its training)."""
+    path = tmp_path / "short_context"
+    LlamaForCausalLM.from_pretrained(model_dir, max_position_embeddings=32).save_pretrained(path)
+    save_tokenizer(path)
+    batch = prompts(2)
+    plain, _ = generate(model_dir, batch, GREEDY)
+    engine = Engine(model_path=model_dir, max_total_tokens=4096, **draft_args(str(path)))
+    draft, fed = engine.runner.draft, []
+    propose = draft.propose
+    draft.propose = lambda reqs, lens, pool: fed.extend(  # (the last position a drafted request's steps feed)
+        r.seqlen - 1 + n for r, n in zip(reqs, lens) if n) or propose(reqs, lens, pool)
+    try:
+        spec = engine.generate(input_ids=batch, sampling_params=GREEDY)
+        engine.check_integrity()
+        stats = engine.scheduler.spec_stats.as_dict()
+        assert engine.runner.context_len == 4096
+    finally:
+        engine.shutdown()
+    assert ids(spec) == ids(plain) and stats["num_draft_tokens"] > 0 and stats["acceptance_rate"] == 1.0
+    assert max(fed) == 31 and max(len(p) for p in batch) + GREEDY["max_new_tokens"] > 32
+    assert "draft's max_position_embeddings (32) is below the served context length (4096)" in caplog.text
+
+
 def test_bad_draft_settings_are_refused_naming_the_field(model_dir, tmp_path):  # noqa: F811
     with pytest.raises(ValueError, match="speculative_draft_model_path is needed"):
         EngineConfig(model_path="m", speculative_algorithm="draft_model")

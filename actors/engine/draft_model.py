@@ -29,6 +29,11 @@ TP: the draft runs whole (unsharded) on rank 0 only, which alone samples and so 
 forwards do not go through ``tp_step`` and the followers never see them. Rank 0's budget counts its
 KV (the slot count is every rank's smallest).
 
+A draft trained on a shorter context than the target serves (its ``max_position_embeddings``)
+drafts no position past it, as vLLM caps its draft's ``max_model_len`` at the target's and leaves
+a sequence that outgrew it undrafted: such a request decodes plainly on (its draft KV is still
+mirrored, so the invariant holds), and the served context stays the target's.
+
 A Mamba hybrid target (Qwen3-Next) takes such a draft as any other: the target's states are
 committed from its verify scratch (:mod:`actors.engine.spec_decode`) and the draft keeps none. A
 hybrid draft would need states (and a verify scratch) of its own: refused by its KV cache kind.
@@ -42,6 +47,7 @@ one is drafted as the base model would write; verification keeps the adapter's t
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import List
 
 import torch
@@ -51,6 +57,8 @@ from actors.engine.forward_batch import ForwardBatch, ForwardMode, int64_tensor
 from actors.engine.model_loader import load_model
 from actors.engine.req import Req
 
+logger = logging.getLogger(__name__)
+
 DRAFT_KV_KINDS = ("mha", "mla")  # a draft's KV lives in one attention pool indexed by the target's slots
 
 
@@ -58,12 +66,20 @@ class DraftModel:
     """The draft model, its KV pool (:attr:`token_to_kv_pool`, set by the model runner once the
     slot count is known) and its own attention backend (a backend keeps a forward's metadata)."""
 
-    def __init__(self, path: str, dtype: str, device: torch.device, attention_backend: str, target_vocab: int):
+    def __init__(self, path: str, dtype: str, device: torch.device, attention_backend: str, target_vocab: int,
+                 context_len: int):
+        """``context_len``: the target's, as served."""
         self.model, self.model_config, self.dtype = load_model(path, dtype, str(device))
         vocab = self.model_config.vocab_size
         if vocab != target_vocab:
             raise ValueError(f"speculative_draft_model_path: the draft's vocabulary ({vocab} ids) is not the "
                              f"target's ({target_vocab}): its tokens would mean other text")
+        self.max_context_len = min(context_len, getattr(self.model_config, "max_position_embeddings", None)
+                                   or context_len)
+        if self.max_context_len < context_len:
+            logger.warning("speculative_draft_model_path: the draft's max_position_embeddings (%d) is below the "
+                           "served context length (%d): requests are not drafted past it", self.max_context_len,
+                           context_len)
         self.spec = self.model.kv_cache_spec()
         if self.spec.kind not in DRAFT_KV_KINDS:
             raise ValueError(f"speculative_draft_model_path: a draft of KV cache kind {self.spec.kind!r} is not "

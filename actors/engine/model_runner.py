@@ -83,10 +83,10 @@ class ModelRunner:
         attention = config.attention_backend
         if attention == "auto":
             attention = "triton" if self.device.type == "cuda" else "torch"
+        self.context_len = config.context_length or self.model_config.max_position_embeddings
         self.draft = self._load_draft(attention)  # (before the KV pool is sized, as the adapters)
         self.kv_dtype = KV_DTYPES.get(config.kv_cache_dtype, self.dtype)
         self.spec = self.model.kv_cache_spec()
-        self.context_len = config.context_length or self.model_config.max_position_embeddings
         tokens, rows = self._profile_pools()
         self.max_total_num_tokens = tp.all_min(tokens)  # the same slots (and rows) on every rank
         self.max_running_requests = config.max_running_requests or max(1, min(tp.all_min(rows),
@@ -168,7 +168,7 @@ class ModelRunner:
             return None
         dtype = next(name for name, value in DTYPES.items() if value == self.dtype)
         return DraftModel(self.config.speculative_draft_model_path, dtype, self.device, attention,
-                          self.model_config.vocab_size)
+                          self.model_config.vocab_size, self.context_len)
 
     # ---- memory ---------------------------------------------------------------
     @staticmethod

@@ -188,9 +188,12 @@ class SpecDecodeMixin:
 
     def _draft_room(self, req: Req) -> int:
         """The most draft tokens ``req`` may take: none past the token before its ``max_new_tokens``
-        (the step's own token comes after the draft; a longer one could never be kept)."""
+        (the step's own token comes after the draft; a longer one could never be kept), nor, with a
+        draft model, a draft step's position past the draft's context (``max_context_len``)."""
         room = min(self.config.speculative_num_draft_tokens,
                    req.sampling_params.max_new_tokens - len(req.output_ids) - 1)
+        if self.runner.draft is not None:  # (its steps feed positions seqlen - 1 .. seqlen - 1 + room)
+            room = min(room, self.runner.draft.max_context_len - req.seqlen)
         return max(0, room) if draftable(req) else 0
 
     def _ngram_draft(self, req: Req, room: int) -> List[int]:
