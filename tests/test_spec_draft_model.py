@@ -12,6 +12,7 @@ from transformers import LlamaForCausalLM
 
 from actors.engine import Engine
 from actors.engine.config import EngineConfig
+from actors.engine.draft_model import DraftModel
 from actors.engine.tiny import build_tiny_checkpoint, tiny_config
 from actors.engine.tokenizer import save_tokenizer
 from actors.workers import PrefillWorker
@@ -135,6 +136,41 @@ def test_requests_with_logprobs_penalties_and_a_grammar_keep_plain_decodings_tok
                 [v for v, _ in want["meta_info"]["output_token_logprobs"]], abs=1e-5)
 
 
+def test_the_draft_proposes_what_the_requests_masks_allow(model_dir, drafts, monkeypatch):  # noqa: F811
+    """A draft model drafts under each request's allowed ids, bad words and grammar after its draft
+    so far (the matcher advanced tentatively, rolled back): every token proposed passes them, so
+    more are accepted than by the raw argmax (cut at the grammar's first refusal, rejected where an
+    allowed set bans it), and the tokens stay plain decoding's."""
+    from actors.engine.spec_accept import DraftMasks
+    from actors.engine.spec_decode import SpecDecodeMixin
+
+    allowed = list(range(97, 123))
+    kinds = [{"allowed_token_ids": allowed}, {"regex": r"[a-z ]{10,60}"},
+             {"allowed_token_ids": allowed, "bad_words": ["e", "ta"]}]
+    params = [{**GREEDY, "max_new_tokens": 24, **kind} for kind in kinds]
+    batch = [prompts(0)[0]] * len(kinds)
+    plain, _ = generate(model_dir, batch, params)
+    proposed, cuts = [], []
+    propose, cut = DraftModel.propose, SpecDecodeMixin._grammar_cut
+    monkeypatch.setattr(DraftModel, "propose", lambda self, reqs, *a: proposed.extend(
+        zip(reqs, propose(self, reqs, *a))) or [d for _, d in proposed[-len(reqs):]])
+    monkeypatch.setattr(SpecDecodeMixin, "_grammar_cut", staticmethod(
+        lambda req, d: cuts.append((len(d), len(cut(req, d)))) or cut(req, d)))
+    spec, stats = generate(model_dir, batch, params, **draft_args(drafts["short"]))
+    assert ids(spec) == ids(plain)
+    for req, draft in proposed:  # ("ta" bans "a" only after a "t", which a draft may propose)
+        banned = [word[0] for word in req.bad_words_ids if len(word) == 1]
+        assert set(draft) <= set(req.sampling_params.allowed_token_ids or draft) and not set(draft) & set(banned)
+    assert any(draft and req.bad_words_ids for req, draft in proposed)
+    assert all(kept == n for n, kept in cuts) and sum(n for n, _ in cuts) == stats["num_draft_tokens"] > 0
+    monkeypatch.setattr(DraftMasks, "apply", lambda self, logits, index: logits)  # the raw argmax, as before
+    monkeypatch.setattr(DraftMasks, "take", lambda self, index, tokens: None)
+    raw, raw_stats = generate(model_dir, batch, params, **draft_args(drafts["short"]))
+    assert ids(raw) == ids(plain)
+    assert stats["mean_accepted_len"] > raw_stats["mean_accepted_len"]
+    assert stats["num_accepted_tokens"] > raw_stats["num_accepted_tokens"]
+
+
 def test_sampled_tokens_follow_the_targets_distribution(model_dir, drafts):  # noqa: F811
     """400 sampled requests (temperature 1, top_k 3) of one prompt, each with a one-token draft
     at its second token: given the most common first token, the second is distributed as HF's
@@ -237,8 +273,8 @@ def test_a_draft_of_a_shorter_context_drafts_no_position_past_it(model_dir, tmp_
     engine = Engine(model_path=model_dir, max_total_tokens=4096, **draft_args(str(path)))
     draft, fed = engine.runner.draft, []
     propose = draft.propose
-    draft.propose = lambda reqs, lens, pool: fed.extend(  # (the last position a drafted request's steps feed)
-        r.seqlen - 1 + n for r, n in zip(reqs, lens) if n) or propose(reqs, lens, pool)
+    draft.propose = lambda reqs, lens, *rest: fed.extend(  # (the last position a drafted request's steps feed)
+        r.seqlen - 1 + n for r, n in zip(reqs, lens) if n) or propose(reqs, lens, *rest)
     try:
         spec = engine.generate(input_ids=batch, sampling_params=GREEDY)
         engine.check_integrity()

@@ -39,8 +39,12 @@ committed from its verify scratch (:mod:`actors.engine.spec_decode`) and the dra
 hybrid draft would need states (and a verify scratch) of its own: refused by its KV cache kind.
 
 Drafts are the draft's argmax: a one-hot proposal, so the rejection sampler stays exact for sampled
-requests. The draft reads no sampling parameter nor grammar: a draft is cut to what its grammar
-accepts afterwards, as an n-gram draft is. LoRA adapters apply to the target only (a request under
+requests. The argmax is taken as plain decoding's pick would be, under the request's logit
+adjustments (allowed ids, bad words, min-tokens, bias, penalties) and its grammar's mask after the
+draft so far, the matcher advanced tentatively and rolled back (:class:`~actors.engine.spec_accept.
+DraftMasks`, as SGLang's EAGLE drafts under xgrammar): a draft the target would refuse is not
+proposed. What the verify step cuts (a grammar ended by a draft token) is cut as an n-gram draft
+is. LoRA adapters apply to the target only (a request under
 one is drafted as the base model would write; verification keeps the adapter's tokens).
 """
 
@@ -48,7 +52,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import List
+from typing import List, Optional
 
 import torch
 
@@ -56,6 +60,7 @@ from actors.engine.attention import create_attention_backend
 from actors.engine.forward_batch import ForwardBatch, ForwardMode, int64_tensor
 from actors.engine.model_loader import load_model
 from actors.engine.req import Req
+from actors.engine.spec_accept import DraftMasks
 
 logger = logging.getLogger(__name__)
 
@@ -120,9 +125,11 @@ class DraftModel:
             self.forward(self._batch(ForwardMode.EXTEND, tokens, [req.req_pool_idx], [start], [end], req_to_token_pool,
                                      logits_indices=self._no_rows()))
 
-    def propose(self, reqs: List[Req], draft_lens: List[int], req_to_token_pool) -> List[List[int]]:
+    def propose(self, reqs: List[Req], draft_lens: List[int], req_to_token_pool,
+                masks: Optional[DraftMasks] = None) -> List[List[int]]:
         """Each request's draft of ``draft_lens[i]`` tokens, through ``max(draft_lens) + 1`` decode
-        steps of the draft over the slots its row holds for the step (the module's docstring). The
+        steps of the draft over the slots its row holds for the step (the module's docstring), each
+        token the argmax of the step's logits under ``masks`` (its request's). Without masks the
         tokens stay on the device between the steps: one copy to the host at the end."""
         device, steps = self.device, max(draft_lens)
         tokens = int64_tensor([r.output_ids[-1] for r in reqs], device)
@@ -135,7 +142,13 @@ class DraftModel:
                                               [p + 1 for p in positions], req_to_token_pool,
                                               logits_indices=None if j < steps else self._no_rows()))
             if j < steps:
+                if masks is not None:
+                    logits = masks.apply(logits, index)
                 tokens[index_t] = proposed[index_t, j] = logits.argmax(dim=-1)
+                if masks is not None:  # (each step's tokens to the host: the matchers take them)
+                    masks.take(index, proposed[index_t, j].tolist())
+        if masks is not None:
+            masks.rollback()
         return [row[:n] for row, n in zip(proposed.tolist(), draft_lens)]
 
     def _batch(self, mode: ForwardMode, input_ids: torch.Tensor, rows: List[int], prefix_lens: List[int],

@@ -79,8 +79,8 @@ from actors.engine.grammar import active_matcher
 from actors.engine.ngram import NgramIndex
 from actors.engine.req import Req
 from actors.engine.sampling import Pick, argmax_rows, logprob_picks, sampling_probs
-from actors.engine.spec_accept import (accept_greedy, apply_draft_grammar_masks, grammar_prefix, position_states,
-                                       rejection_sample)
+from actors.engine.spec_accept import (DraftMasks, accept_greedy, apply_draft_grammar_masks, grammar_prefix,
+                                       position_states, rejection_sample)
 from actors.engine.schedule_batch import (_NO_SLOTS, _last_locs, _mamba_indices, _mamba_tracks, _table_rows,
                                          alloc_extend_slots, extend_batch, free_swa_out_of_windows)
 from actors.engine.sparse_logits import adjust_logits
@@ -182,8 +182,10 @@ class SpecDecodeMixin:
             return None
         if runner.draft is not None:  # (its steps write the draft's KV into the slots just taken; a cut
             # draft leaves the slots past it to the step's frees)
-            drafts = [self._grammar_cut(r, d) for r, d in zip(reqs, runner.draft.propose(reqs, rooms,
-                                                                                      runner.req_to_token_pool))]
+            vocab = runner.draft.model_config.vocab_size
+            masks = DraftMasks([self._logit_state(r, vocab) for r in reqs], [active_matcher(r.grammar) for r in reqs])
+            drafts = [self._grammar_cut(r, d) for r, d in zip(reqs, runner.draft.propose(
+                reqs, rooms, runner.req_to_token_pool, masks if masks.needed else None))]
         return verify_batch(reqs, drafts, runner)
 
     def _draft_room(self, req: Req) -> int:
