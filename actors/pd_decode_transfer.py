@@ -66,6 +66,7 @@ class DecodeTransferMixin:
                 done.append(req)  # (first, here and below: told even if giving back its slots fails)
                 self._transfer_failed(req, receiver.failure_reason())
         errors = self._land_on_followers(landed) if self.has_followers and landed else {}
+        started: List[Req] = []
         for req in landed:
             if req.rid in errors and errors[req.rid] is None:
                 continue  # a follower's share is still on its way
@@ -75,7 +76,9 @@ class DecodeTransferMixin:
             else:
                 self.backend_counts[req.pd_backend] = self.backend_counts.get(req.pd_backend, 0) + 1
                 self.transfer.remove(req)
-                self._start_decoding(req)
+                if self._took_notice(req):
+                    started.append(req)
+        self._start_decoding(started)
 
     def _transfer_failed(self, req: Req, error: str) -> None:
         self.transfer.remove(req)
@@ -98,23 +101,30 @@ class DecodeTransferMixin:
                     out[rid] = reply[rid]
         return out
 
-    def _start_decoding(self, req: Req) -> None:
-        """Take the notice, then join the running batch — or, ended by its first token, be
-        cached. A notice it cannot take fails this request alone (dropped: its row and slots go
-        back). A failure caching it is the engine's own and fails the step, as in a decode batch;
-        it is never retried as a drop's release: its frees may have been made."""
+    def _took_notice(self, req: Req) -> bool:
+        """Whether ``req`` took its notice: one it cannot take fails this request alone (dropped:
+        its row and slots go back), not the step."""
         try:
             self._take_notice(req, req.pd_notice)
-        except Exception as exc:  # a notice it cannot take fails this request, not the step
+        except Exception as exc:
             logger.exception("could not start decoding %s", req.rid)
             self._drop(req, f"bad completion notice from the prefill side: {exc!r}", safe=True)
-            return
-        if self.runner.draft is not None:  # (before it is cached or decodes: every committed slot has both KVs)
-            self.runner.draft.prefill(req, self.runner.req_to_token_pool)
-        if req.finished:
-            self.tree_cache.cache_finished_req(req)
-        else:
-            self.running.append(req)
+            return False
+        return True
+
+    def _start_decoding(self, reqs: List[Req]) -> None:
+        """Requests that took their notice join the running batch — or, ended by their first token,
+        are cached; with a draft model, once one forward of it wrote their prompts' draft KV (every
+        committed slot has both KVs; the requests of a step together, as a prefill batch). A failure
+        caching one is the engine's own and fails the step, as in a decode batch; it is never
+        retried as a drop's release: its frees may have been made."""
+        if self.runner.draft is not None and reqs:
+            self.runner.draft.prefill(reqs, self.runner.req_to_token_pool)
+        for req in reqs:
+            if req.finished:
+                self.tree_cache.cache_finished_req(req)
+            else:
+                self.running.append(req)
 
     def _take_notice(self, req: Req, notice: dict) -> None:
         """The first token (its grammar, if any, takes it: the prefill side's matcher did) and the

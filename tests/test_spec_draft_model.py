@@ -13,6 +13,7 @@ from transformers import LlamaForCausalLM
 from actors.engine import Engine
 from actors.engine.config import EngineConfig
 from actors.engine.draft_model import DraftModel
+from actors.engine.forward_batch import ForwardMode
 from actors.engine.tiny import build_tiny_checkpoint, tiny_config
 from actors.engine.tokenizer import save_tokenizer
 from actors.workers import PrefillWorker
@@ -238,6 +239,30 @@ def test_pd_decode_side_computes_the_drafts_kv_of_a_transferred_prompt(model_dir
         assert ids(first + second) == ids(plain)
         stats = decode.scheduler.spec_stats.as_dict()
         assert stats["num_draft_tokens"] > 0 and stats["acceptance_rate"] == 1.0
+    finally:
+        close_workers(prefill, decode)
+
+
+def test_pd_decode_side_computes_the_drafts_kv_of_a_steps_arrivals_in_one_forward(model_dir, drafts):  # noqa: F811
+    """Requests whose KV lands in one step get the draft's KV of their prompts in one forward of the
+    draft (it took one forward per request); every draft is accepted, the tokens plain decoding's."""
+    batch, params = prompts(4, seed=7), {**GREEDY, "max_new_tokens": 8}
+    prefill, decode = make_pair(model_dir, page_size=4, decode_args={**draft_args(drafts["self"]), "page_size": 4})
+    draft, extends = decode.scheduler.runner.draft, []
+    forward = draft.forward
+
+    def recording(forward_batch):
+        if forward_batch.forward_mode is ForwardMode.EXTEND:
+            extends.append(forward_batch.extend_seq_lens_cpu)
+        return forward(forward_batch)
+
+    draft.forward = recording
+    try:
+        decode_together(decode, len(batch))
+        outs = [r[0] for r in run_batch(prefill, decode, batch, params)]
+        assert ids(outs) == ids(generate(model_dir, batch, params)[0])
+        assert [sorted(lens) for lens in extends] == [sorted(len(p) for p in batch)]  # (none was cached there)
+        assert decode.scheduler.spec_stats.as_dict()["acceptance_rate"] == 1.0
     finally:
         close_workers(prefill, decode)
 

@@ -23,7 +23,7 @@ committed slots only, so it has the draft's KV too. The host tier backs up the t
 refused with a draft model (:func:`~actors.engine.config.draft_model_error`). PD's decode side gets
 the target's KV of a prompt from the prefill side and computes the draft's itself when the request
 arrives (:meth:`prefill`, over the prompt past the prefix its own tree held; its matched prefix
-was committed there, so it has the draft's KV).
+was committed there, so it has the draft's KV; the requests that arrive in one step in one forward).
 
 TP: the draft runs whole (unsharded) on rank 0 only, which alone samples and so alone drafts; its
 forwards do not go through ``tp_step`` and the followers never see them. Rank 0's budget counts its
@@ -115,15 +115,17 @@ class DraftModel:
         of a small draft's cost: its vocabulary is the target's)."""
         return torch.empty(0, dtype=torch.int64, device=self.device)
 
-    def prefill(self, req: Req, req_to_token_pool) -> None:
-        """The draft's KV of ``req``'s prompt past the prefix it matched, ``[len(prefix_indices),
-        kv_committed_len)`` (PD's decode side, where the target's came from the prefill side; the
-        matched prefix is committed here, so it holds the draft's already)."""
-        start, end = len(req.prefix_indices), req.kv_committed_len
-        if start < end:
-            tokens = int64_tensor(req.origin_input_ids[start:end], self.device)
-            self.forward(self._batch(ForwardMode.EXTEND, tokens, [req.req_pool_idx], [start], [end], req_to_token_pool,
-                                     logits_indices=self._no_rows()))
+    def prefill(self, reqs: List[Req], req_to_token_pool) -> None:
+        """The draft's KV of each request's prompt past the prefix it matched, ``[len(prefix_indices),
+        kv_committed_len)``, in one forward (PD's decode side, where the target's came from the
+        prefill side; the matched prefix is committed here, so it holds the draft's already)."""
+        reqs = [r for r in reqs if len(r.prefix_indices) < r.kv_committed_len]
+        if reqs:
+            starts, ends = [len(r.prefix_indices) for r in reqs], [r.kv_committed_len for r in reqs]
+            tokens = int64_tensor([t for r, s, e in zip(reqs, starts, ends) for t in r.origin_input_ids[s:e]],
+                                  self.device)
+            self.forward(self._batch(ForwardMode.EXTEND, tokens, [r.req_pool_idx for r in reqs], starts, ends,
+                                     req_to_token_pool, logits_indices=self._no_rows()))
 
     def propose(self, reqs: List[Req], draft_lens: List[int], req_to_token_pool,
                 masks: Optional[DraftMasks] = None) -> List[List[int]]:
