@@ -18,6 +18,10 @@ Contract:
 * ``export_handles()`` returns picklable :class:`BufferHandle` objects, one per
   buffer in allocation order. ``attach_buffers(handles)`` (any process on the
   same node) returns ``{name: tensor}`` views of the very same memory.
+* ``release()`` gives every buffer's memory back (sleep mode), keeping the tensors (their
+  shapes, none of their bytes: nothing may read them meanwhile); ``resume()`` allocates them
+  anew, zero-filled, at other addresses. Only a process-private allocator does: a peer's
+  mapping of a shared buffer would be left on memory the owner no longer uses.
 * ``close()`` releases what the allocator owns (unlinks shared memory) and
   refuses further allocations; tensors handed out must not be used after it.
   Views a peer already attached stay valid (an unlinked file lives on while
@@ -102,6 +106,13 @@ class BufferAllocator(abc.ABC):
     def total_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self._buffers.values())
 
+    def release(self) -> None:
+        raise ValueError(f"{type(self).__name__} buffers are mapped by a peer process (PD transfer): releasing "
+                         "them (sleep mode) is not served")
+
+    def resume(self) -> None:
+        raise ValueError(f"{type(self).__name__} buffers cannot be released, nor resumed")
+
     def export_handles(self) -> List[BufferHandle]:
         raise NotImplementedError(f"{type(self).__name__} buffers cannot be mapped by another process")
 
@@ -118,6 +129,19 @@ class LocalBufferAllocator(BufferAllocator):
 
     def _allocate(self, name: str, shape: Tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         return torch.zeros(shape, dtype=dtype, device=self.device)
+
+    def release(self) -> None:
+        """Each buffer's storage shrunk to nothing (freed to the allocator below: on CUDA the caching
+        allocator, which ``torch.cuda.empty_cache`` then returns to the driver); views over it
+        (a pool's per-layer buffers) share the storage, so they are released too."""
+        for tensor in self._buffers.values():
+            tensor.untyped_storage().resize_(0)
+
+    def resume(self) -> None:
+        """Each buffer's storage allocated anew at its size, zero-filled (its views see it)."""
+        for tensor in self._buffers.values():
+            tensor.untyped_storage().resize_(tensor.nbytes)
+            tensor.zero_()
 
 
 def _shm_dir() -> str:

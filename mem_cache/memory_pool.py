@@ -112,6 +112,13 @@ class KVCache(abc.ABC):
         """Bytes of every KV buffer this pool exposes for transfer."""
         return sum(self.get_contiguous_buf_infos()[1])
 
+    def rebind_buffers(self) -> None:
+        """Once a released pool's buffers are allocated anew (sleep mode: its allocator's ``resume``),
+        their new addresses are the ones :meth:`check_integrity` holds them to (a peer's mapping of
+        the old ones would be stale: only process-private pools are released)."""
+        if hasattr(self, "_initial_ptrs"):
+            self._initial_ptrs = self.get_contiguous_buf_infos()[0]
+
     def register_layer_transfer_counter(self, counter) -> None:
         """Make ``get_*_buffer(layer_id)`` call ``counter.wait_until(layer_id)`` first."""
         self.layer_transfer_counter = counter

@@ -215,10 +215,14 @@ class TPModelWorker:
         self.handlers: Dict[str, Callable[[Any], Any]] = {}
         if self.tp.size > 1 and not self.tp.is_leader:  # (actors.engine.lora_updates, weight_updates)
             from actors.engine.lora_updates import FollowerReads  # (which imports this module)
+            from actors.engine.memory_occupation import RankMemory
             from actors.engine.weight_updates import empty_device_cache
+            memory = RankMemory(self.runner)  # (sleep mode)
             self.handlers.update(FollowerReads(self.runner).handlers(), weights_check=self.runner.weights.check,
                                  weights_load=self.runner.weights.load,
-                                 weights_empty_cache=lambda _: empty_device_cache(self.runner.device))
+                                 weights_empty_cache=lambda _: empty_device_cache(self.runner.device),
+                                 memory_release=lambda payload: memory.release(*payload),
+                                 memory_resume=memory.resume)
         if self.tp.size > 1 and self.tp.is_leader:
             self._mirror = TableMirror(self.tables)
             if self._mamba_pool is not None:

@@ -1,0 +1,156 @@
+"""Sleep mode: an engine gives its memory back while an RL trainer colocated with it trains, and takes it
+again to generate (SGLang's ``release_memory_occupation`` / ``resume_memory_occupation``, vLLM's ``sleep``
+/ ``wake_up``). Two parts are released, by tag:
+
+* ``kv_cache``: the prefix cache is dropped (its host-tier copies too, as a flush: they are KV of the
+  weights the trainer is about to change; the host buffers stay allocated, a file tier keeps its pages),
+  then every KV and Mamba state buffer's memory goes back (:meth:`BufferAllocator.release`: the storage
+  freed, on CUDA returned to the driver). Resumed: allocated anew at the same sizes, zero-filled, the
+  cache empty. The request table (int32 rows) is kept.
+* ``weights``: the checkpoint tensors' memory (``ServedWeights.targets``; buffers the model computes at
+  start, such as rotary tables, are kept). vLLM's sleep level 1 keeps a copy in CPU memory and wake_up
+  copies it back; level 2, and SGLang's release (it keeps no copy unless ``enable_weights_cpu_backup``),
+  discard them: resumed, they are zeros and the engine refuses to generate until a weight update
+  (``update_weights_from_disk`` / ``_tensor``) has written them — the RL flow's release, resume of the
+  weights, update, resume of the KV cache.
+
+``cuda_graph`` (SGLang's third tag) is accepted and does nothing: raydix captures no CUDA graphs. No tag
+given: all of them. Every TP rank releases and resumes alike (rank 0 tells the others, as a weight update).
+
+Release needs an idle engine (SGLang's asserts one; vLLM's expects its caller to have stopped sending):
+a request held, waiting or running, refuses it (RuntimeError, nothing released). While any part is
+released, new requests are refused (RuntimeError: nothing could run them), as are weight updates while the
+weights are (their tensors have no memory to copy into: resume them first). A PD worker's KV pool is
+mapped by its peer, and releasing it is refused (:meth:`BufferAllocator.release`).
+"""
+
+from __future__ import annotations
+
+from typing import Dict, FrozenSet, Iterable, List, Optional, Set, Tuple
+
+import torch
+
+from actors.engine.lora_updates import on_followers
+from mem_cache.mamba_pool import MambaPool
+from mem_cache.memory_pool import KVCache
+
+KV_CACHE, WEIGHTS, CUDA_GRAPH = "kv_cache", "weights", "cuda_graph"
+MEMORY_TAGS = (KV_CACHE, WEIGHTS, CUDA_GRAPH)
+
+
+def parse_tags(tags: Optional[Iterable[str]]) -> FrozenSet[str]:
+    """The parts ``tags`` names (None: all); ValueError naming an unknown one. ``cuda_graph`` is dropped."""
+    tags = MEMORY_TAGS if tags is None else list(tags)
+    unknown = sorted(set(tags) - set(MEMORY_TAGS))
+    if unknown:
+        raise ValueError(f"unknown memory tags {unknown}: known are {list(MEMORY_TAGS)}")
+    return frozenset(tags) - {CUDA_GRAPH}
+
+
+def kv_pools(runner) -> List:
+    """Every pool of ``runner`` holding KV or Mamba state: its KV pool, the pools that one is made of
+    (SWA's two, a hybrid model's full-attention pool and Mamba pool), and a draft model's."""
+    draft = getattr(runner, "draft", None)
+    pending = [runner.token_to_kv_pool, getattr(runner, "mamba_pool", None),
+               draft.token_to_kv_pool if draft is not None else None]
+    found: Dict[int, object] = {}
+    while pending:
+        pool = pending.pop()
+        if pool is None or id(pool) in found:
+            continue
+        found[id(pool)] = pool
+        pending += [v for v in vars(pool).values() if isinstance(v, (KVCache, MambaPool))]
+    return list(found.values())
+
+
+class RankMemory:
+    """One rank's releasable memory (a TP follower's too): its KV pools' buffers and checkpoint tensors."""
+
+    def __init__(self, runner):
+        self.runner = runner
+        self.weights_copy: Optional[Dict[str, torch.Tensor]] = None  # (level 1: on the CPU)
+        self.weights_released: List[Tuple[torch.UntypedStorage, int]] = []  # each storage with its size
+
+    def _allocators(self) -> List:
+        return list({id(p.buffer_allocator): p.buffer_allocator for p in kv_pools(self.runner)}.values())
+
+    def _weight_storages(self) -> List[torch.UntypedStorage]:
+        """The checkpoint tensors' storages, each once (tied tensors, and views of one buffer, share theirs)."""
+        storages = (t.untyped_storage() for t, _ in self.runner.weights.targets.values())
+        return list({s.data_ptr(): s for s in storages}.values())
+
+    def release(self, tags: FrozenSet[str], keep_weights: bool = False) -> None:
+        """Give back the memory of ``tags``' parts; ``keep_weights``: a CPU copy of the weights first."""
+        if KV_CACHE in tags:
+            for allocator in self._allocators():
+                allocator.release()
+        if WEIGHTS in tags:
+            self.weights_copy = ({name: t.detach().to("cpu", copy=True) for name, (t, _) in
+                                  self.runner.weights.targets.items()} if keep_weights else None)
+            self.weights_released = [(s, s.nbytes()) for s in self._weight_storages()]
+            for storage, _ in self.weights_released:
+                storage.resize_(0)
+        if self.runner.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    @torch.no_grad()
+    def resume(self, tags: FrozenSet[str]) -> None:
+        """Allocate ``tags``' parts anew: the KV zero-filled, the weights from the CPU copy (else zeros)."""
+        if KV_CACHE in tags:
+            for allocator in self._allocators():
+                allocator.resume()
+            for pool in kv_pools(self.runner):
+                if isinstance(pool, KVCache):
+                    pool.rebind_buffers()
+        if WEIGHTS in tags:
+            for storage, nbytes in self.weights_released:  # (released, they all have address 0: kept, not found again)
+                storage.resize_(nbytes)
+                storage.fill_(0)
+            for name, saved in (self.weights_copy or {}).items():
+                self.runner.weights.targets[name][0].copy_(saved)
+            self.weights_copy, self.weights_released = None, []
+
+
+class EngineMemory:
+    """An engine's sleep state (rank 0's): the parts released, and whether the weights were discarded and
+    no update has written them since; each rank's :class:`RankMemory` does the releasing."""
+
+    def __init__(self, runner, call_followers):
+        self.rank = RankMemory(runner)
+        self.call_followers = call_followers
+        self.released: Set[str] = set()
+        self.weights_discarded = False
+
+    @property
+    def is_sleeping(self) -> bool:
+        return bool(self.released)
+
+    def release(self, tags: FrozenSet[str], keep_weights: bool) -> None:
+        """(The engine idle, its loop's lock held.) Parts released already are left as they are."""
+        tags = tags - self.released
+        self.rank.release(tags, keep_weights)
+        on_followers(self.call_followers, "memory_release", (tags, keep_weights))
+        self.released |= tags
+        if WEIGHTS in tags and not keep_weights:
+            self.weights_discarded = True
+
+    def resume(self, tags: FrozenSet[str]) -> None:
+        tags = tags & self.released
+        self.rank.resume(tags)
+        on_followers(self.call_followers, "memory_resume", tags)
+        self.released -= tags
+
+    def check_serving(self) -> None:
+        """RuntimeError unless requests can run: nothing released, the weights not left discarded."""
+        if self.released:
+            raise RuntimeError(f"the engine is sleeping (its {', '.join(sorted(self.released))} released): "
+                               "resume_memory_occupation (wake_up) first")
+        if self.weights_discarded:
+            raise RuntimeError("the weights were discarded (sleep level 2, or released without a CPU copy): "
+                               "update them (update_weights_from_disk / update_weights_from_tensor) first")
+
+    def check_weights_update(self) -> None:
+        """ValueError while the weights are released: an update has no memory to copy into."""
+        if WEIGHTS in self.released:
+            raise ValueError("the weights are released (sleep mode): resume them first (wake_up with tags "
+                             "['weights'], or resume_memory_occupation)")

@@ -1,0 +1,167 @@
+"""Sleep mode (actors.engine.memory_occupation): an engine's KV cache and weights given back and taken
+again (vLLM's sleep / wake_up, SGLang's release / resume_memory_occupation). Released, the buffers hold no
+memory and requests are refused; woken from level 1 the engine gives the tokens it gave before, from an
+empty cache; level 2's weights serve only once an update has written them; a request in flight refuses
+the release; at TP 2 both ranks release."""
+
+import threading
+import time
+
+import pytest
+import torch
+
+from actors.engine import Engine
+from actors.engine.memory_occupation import kv_pools, parse_tags
+from actors.engine.tiny import build_tiny_checkpoint
+from mem_cache.buffer_allocator import LocalBufferAllocator, SharedMemoryBufferAllocator
+from tests.parity import assert_greedy_parity
+from tests.tp_helpers import thread_ranks
+
+GREEDY = {"temperature": 0, "max_new_tokens": 8}
+ENGINE = dict(skip_tokenizer_init=True, max_total_tokens=1024, page_size=4)
+BATCH = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30]]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sleep")
+    return {name: str(build_tiny_checkpoint(family, root / name, seed=seed)) for name, family, seed in
+            (("old", "llama", 0), ("new", "llama", 1), ("qwen3_next", "qwen3_next", 0), ("gemma3", "gemma3", 0))}
+
+
+def held_bytes(runner):
+    """(KV and Mamba state bytes, weight bytes) the runner's buffers hold."""
+    kv = sum(t.untyped_storage().nbytes() for p in kv_pools(runner) for t in p.buffer_allocator.buffers().values())
+    weights = sum(t.untyped_storage().nbytes() for t, _ in runner.weights.targets.values())
+    return kv, weights
+
+
+def outputs(eng):
+    return [o["output_ids"] for o in eng.generate(input_ids=BATCH, sampling_params=GREEDY)]
+
+
+def served(eng):
+    return {name: t.clone() for name, (t, _) in eng.runner.weights.targets.items()}
+
+
+@pytest.mark.parametrize("model", ["old", "qwen3_next", "gemma3"])  # MHA; Mamba + full attention; SWA + full
+def test_level_1_gives_the_memory_back_and_wakes_up_to_the_same_tokens(checkpoints, model):
+    eng = Engine(model_path=checkpoints[model], **{**ENGINE, "page_size": 1 if model == "qwen3_next" else 4})
+    try:
+        before, weights = outputs(eng), served(eng)
+        kv_bytes, weight_bytes = held_bytes(eng.runner)
+        assert kv_bytes > 0 and weight_bytes > 0 and not eng.is_sleeping()
+        eng.sleep(level=1)
+        assert eng.is_sleeping() and held_bytes(eng.runner) == (0, 0)
+        with pytest.raises(RuntimeError, match="sleeping"):
+            eng.generate(input_ids=BATCH[0], sampling_params=GREEDY)
+        with pytest.raises(ValueError, match="weights are released"):
+            eng.update_weights_from_disk(checkpoints[model])
+        eng.wake_up()
+        assert not eng.is_sleeping() and held_bytes(eng.runner) == (kv_bytes, weight_bytes)
+        assert all(torch.equal(t, weights[name]) for name, t in served(eng).items())
+        eng.check_integrity()  # (the cache empty, every slot free)
+        after = eng.generate(input_ids=BATCH, sampling_params=GREEDY)
+        assert [o["meta_info"]["cached_tokens"] for o in after] == [0, 0]  # its KV went with the memory
+        assert [o["output_ids"] for o in after] == before
+        eng.check_integrity()
+    finally:
+        eng.shutdown()
+
+
+def test_level_2_serves_once_an_update_wrote_the_weights(checkpoints):
+    """vLLM's RL flow: sleep level 2, wake the weights, update them, wake the KV cache; the new
+    checkpoint's tokens. Woken without an update, the discarded weights refuse requests."""
+    eng = Engine(model_path=checkpoints["old"], **ENGINE)
+    try:
+        before = outputs(eng)
+        eng.sleep(level=2)
+        eng.wake_up(tags=["weights"])
+        assert eng.is_sleeping()  # (its KV cache still released)
+        assert all(not t.any() for t in served(eng).values())  # discarded: no copy restored them
+        eng.update_weights_from_disk(checkpoints["new"], weight_version="step-1")
+        eng.wake_up(tags=["kv_cache"])
+        after = outputs(eng)
+        assert_greedy_parity(checkpoints["new"], BATCH, after, 8, eng.eos_token_ids)
+        assert after != before
+        eng.check_integrity()
+        eng.release_memory_occupation(tags=["weights", "cuda_graph"])  # (SGLang's: no copy kept)
+        eng.resume_memory_occupation()
+        with pytest.raises(RuntimeError, match="weights were discarded"):
+            eng.generate(input_ids=BATCH[0], sampling_params=GREEDY)
+        eng.update_weights_from_disk(checkpoints["old"])
+        assert outputs(eng) == before
+        eng.check_integrity()
+    finally:
+        eng.shutdown()
+
+
+def test_a_request_in_flight_refuses_the_release(checkpoints):
+    """A request held (here by a pause, KV kept) refuses the release, nothing released; once it has
+    ended the release goes. Unknown tags are refused; "cuda_graph" alone releases nothing."""
+    eng = Engine(model_path=checkpoints["old"], **ENGINE)
+    try:
+        eng.pause_generation("in_place")
+        done = []
+        thread = threading.Thread(target=lambda: done.append(eng.generate(input_ids=BATCH[0], sampling_params=GREEDY)))
+        thread.start()
+        deadline = time.monotonic() + 30
+        while not eng.loop.held_reqs() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        with pytest.raises(RuntimeError, match="requests are in flight"):
+            eng.sleep(level=1)
+        assert not eng.is_sleeping() and held_bytes(eng.runner)[0] > 0
+        eng.continue_generation()
+        thread.join(30)
+        assert len(done[0]["output_ids"]) == 8
+        with pytest.raises(ValueError, match="unknown memory tags \\['kv'\\]"):
+            eng.release_memory_occupation(tags=["kv"])
+        eng.release_memory_occupation(tags=["cuda_graph"])
+        assert not eng.is_sleeping()
+        eng.release_memory_occupation(tags=["kv_cache"])
+        assert held_bytes(eng.runner)[0] == 0 and held_bytes(eng.runner)[1] > 0
+        eng.resume_memory_occupation(tags=["kv_cache"])
+        eng.check_integrity()
+    finally:
+        eng.shutdown()
+
+
+def test_tp2_every_rank_releases_and_resumes(checkpoints, monkeypatch):
+    thread_ranks(monkeypatch)
+    eng = Engine(model_path=checkpoints["old"], tp_size=2, **ENGINE)
+    try:
+        before = outputs(eng)
+        deadline = time.monotonic() + 30
+        while not eng.tp_group.followers and time.monotonic() < deadline:
+            time.sleep(0.01)
+        follower = eng.tp_group.followers[0].runner
+        held = held_bytes(follower)
+        eng.sleep(level=1)
+        assert held_bytes(follower) == (0, 0) and held_bytes(eng.runner) == (0, 0)
+        eng.wake_up()
+        assert held_bytes(follower) == held
+        assert outputs(eng) == before
+        eng.check_integrity()
+    finally:
+        eng.shutdown()
+
+
+def test_buffers_released_and_resumed_zero_filled_and_shared_ones_refused():
+    alloc = LocalBufferAllocator("cpu")
+    buf = alloc.zeros("k", (4, 8), torch.float32)
+    view = buf[1]
+    buf.fill_(3.0)
+    alloc.release()
+    assert buf.untyped_storage().nbytes() == 0 and buf.shape == (4, 8)
+    alloc.resume()
+    assert buf.untyped_storage().nbytes() == buf.nbytes and not buf.any()
+    view.fill_(1.0)  # (a view shares the new storage)
+    assert buf[1].eq(1.0).all() and buf.sum() == 8
+    shared = SharedMemoryBufferAllocator(prefix="sleep")
+    try:
+        shared.zeros("k", (4,), torch.float32)
+        with pytest.raises(ValueError, match="mapped by a peer process"):
+            shared.release()
+    finally:
+        shared.close()
+    assert parse_tags(None) == {"kv_cache", "weights"}
