@@ -4,6 +4,7 @@ memory and requests are refused; woken from level 1 the engine gives the tokens 
 empty cache; level 2's weights serve only once an update has written them; a request in flight refuses
 the release; at TP 2 both ranks release."""
 
+import asyncio
 import threading
 import time
 
@@ -44,9 +45,11 @@ def served(eng):
     return {name: t.clone() for name, (t, _) in eng.runner.weights.targets.items()}
 
 
-@pytest.mark.parametrize("model", ["old", "qwen3_next", "gemma3"])  # MHA; Mamba + full attention; SWA + full
-def test_level_1_gives_the_memory_back_and_wakes_up_to_the_same_tokens(checkpoints, model):
-    eng = Engine(model_path=checkpoints[model], **{**ENGINE, "page_size": 1 if model == "qwen3_next" else 4})
+@pytest.mark.parametrize("model, extra", [
+    ("old", {}), ("old", {"enable_hierarchical_cache": True, "hicache_ratio": 2.0}),  # MHA, with a host tier
+    ("qwen3_next", {"page_size": 1}), ("gemma3", {})])  # Mamba + full attention; SWA + full
+def test_level_1_gives_the_memory_back_and_wakes_up_to_the_same_tokens(checkpoints, model, extra):
+    eng = Engine(model_path=checkpoints[model], **{**ENGINE, **extra})
     try:
         before, weights = outputs(eng), served(eng)
         kv_bytes, weight_bytes = held_bytes(eng.runner)
@@ -55,6 +58,8 @@ def test_level_1_gives_the_memory_back_and_wakes_up_to_the_same_tokens(checkpoin
         assert eng.is_sleeping() and held_bytes(eng.runner) == (0, 0)
         with pytest.raises(RuntimeError, match="sleeping"):
             eng.generate(input_ids=BATCH[0], sampling_params=GREEDY)
+        with pytest.raises(RuntimeError, match="sleeping"):
+            asyncio.run(eng.async_generate(input_ids=BATCH[0], sampling_params=GREEDY))
         with pytest.raises(ValueError, match="weights are released"):
             eng.update_weights_from_disk(checkpoints[model])
         eng.wake_up()
@@ -62,7 +67,7 @@ def test_level_1_gives_the_memory_back_and_wakes_up_to_the_same_tokens(checkpoin
         assert all(torch.equal(t, weights[name]) for name, t in served(eng).items())
         eng.check_integrity()  # (the cache empty, every slot free)
         after = eng.generate(input_ids=BATCH, sampling_params=GREEDY)
-        assert [o["meta_info"]["cached_tokens"] for o in after] == [0, 0]  # its KV went with the memory
+        assert [o["meta_info"]["cached_tokens"] for o in after] == [0, 0]  # its KV went, the host tier's copies too
         assert [o["output_ids"] for o in after] == before
         eng.check_integrity()
     finally:

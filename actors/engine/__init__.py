@@ -8,7 +8,8 @@ and priority scheduling, and sampling. Beside them: structured output
 ``spec_accept``, how each draft position is picked and accepted; ``ngram``,
 the draft lookup), multi-LoRA serving (``lora``, its adapters loaded at
 runtime by ``lora_updates``), weight updates from disk or tensors (``weight_updates``,
-SGLang's ``update_weights_from_disk`` and ``update_weights_from_tensor``) and the embeddings' last-token pooling
+SGLang's ``update_weights_from_disk`` and ``update_weights_from_tensor``), sleep mode (``memory_occupation``, vLLM's
+``sleep`` / ``wake_up``, SGLang's ``release`` / ``resume_memory_occupation``) and the embeddings' last-token pooling
 (``pooling``). The command ``python -m actors.engine.tiny`` builds the tiny
 random-weight checkpoints tests and the built-in default model use.
 """

@@ -163,12 +163,12 @@ class Engine:
         self._rids = itertools.count()
         self.loop = EngineLoop(self.scheduler)
         self._making = MakingReqs()  # by rid: async requests whose grammar compiles off the loop
-        self.memory = EngineMemory(self.runner, self._call_followers)
+        self.memory = EngineMemory(self.loop, self.runner, self._call_followers)
+        self.loop.check_admission = self.memory.check_serving  # (under the loop's lock: no request slips past a release)
 
     # ---- requests -----------------------------------------------------------------
     def _make_req(self, params: Dict[str, Any], prompt, input_ids, rid: Optional[str], priority: int = 0,
                   lora_path: Optional[str] = None) -> Req:
-        self.memory.check_serving()
         sampling = SamplingParams(**(params or {}))
         if input_ids is None:
             if self.tokenizer is None:
@@ -340,7 +340,7 @@ class Engine:
     def _update_weights(self, req: UpdateWeightsRequest) -> UpdateWeightsResult:
         self.memory.check_weights_update()
         # (with the KV released the cache is empty and its buffers have no memory to check: dropped as is)
-        flush = (self.scheduler.drop_prefix_cache if self.memory.released else
+        flush = (self.scheduler.drop_prefix_cache if KV_CACHE in self.memory.released else
                  lambda: flush_engine_cache(self.scheduler, self.runner))
         updater = WeightUpdater(self.loop, self.runner, self._call_followers, flush,
                                 lambda rid, room: self.loop.abort(rid))
@@ -353,19 +353,18 @@ class Engine:
         """SGLang's: give back the memory of ``tags`` ("kv_cache", "weights", "cuda_graph"; None: all) on
         every TP rank; the weights are discarded (SGLang keeps no copy by default): update them after
         resuming. RuntimeError (nothing released) while a request is held; ValueError for an unknown tag."""
-        self._release(parse_tags(tags), keep_weights=False)
+        self.memory.release(parse_tags(tags), keep_weights=False)
 
     def resume_memory_occupation(self, tags: Optional[List[str]] = None) -> None:
         """SGLang's: allocate the parts of ``tags`` (None: all) again; the KV cache starts empty."""
-        parts = parse_tags(tags)
-        self.loop.run_exclusive(lambda: self.memory.resume(parts))
+        self.memory.resume(parse_tags(tags))
 
     def sleep(self, level: int = 1) -> None:
         """vLLM's: release the KV cache and the weights, level 1 keeping a CPU copy of the weights
         (:meth:`wake_up` restores them), level 2 discarding them (update them after waking up)."""
         if level not in (1, 2):
             raise ValueError(f"sleep level {level}: 1 or 2")
-        self._release(parse_tags(None), keep_weights=level == 1)
+        self.memory.release(parse_tags(None), keep_weights=level == 1)
 
     def wake_up(self, tags: Optional[List[str]] = None) -> None:
         """vLLM's: :meth:`resume_memory_occupation`."""
@@ -374,18 +373,6 @@ class Engine:
     def is_sleeping(self) -> bool:
         """vLLM's: whether any part of the memory is released."""
         return self.memory.is_sleeping
-
-    def _release(self, parts, keep_weights: bool) -> None:
-        def release():
-            held = [r.rid for r in self.loop.held_reqs()]
-            if held or self.scheduler.has_work():
-                raise RuntimeError(f"requests are in flight ({', '.join(held[:8])}): releasing memory needs an "
-                                   "idle engine (abort them, or wait for them to end)")
-            if KV_CACHE in parts:
-                self.scheduler.drop_prefix_cache()
-            self.memory.release(parts, keep_weights)
-
-        self.loop.run_exclusive(release)
 
     def get_weight_version(self) -> str:
         """The ``weight_version`` of the last update ("default" before any)."""

@@ -59,6 +59,8 @@ class EngineLoop:
         self._holds = 0  # hold() calls not yet released
         self._parked: List[Req] = []  # submitted while held, for the scheduler at the last release
         self._parked_aborts: List[Tuple[str, tuple, dict]] = []  # scheduler.abort calls for them meanwhile
+        # raises to refuse a request, called as it is submitted, under the lock a release takes (sleep mode)
+        self.check_admission: Callable[[], None] = lambda: None
         self._thread = threading.Thread(target=self._run, name="raydix-engine-loop", daemon=True)
         self._thread.start()
 
@@ -66,6 +68,7 @@ class EngineLoop:
         with self._cond:
             if self._stopped:
                 raise RuntimeError("the engine is shut down")
+            self.check_admission()
             with self._callbacks_lock:
                 old = self._by_rid.get(req.rid)
                 if old is not None and not old.finished:

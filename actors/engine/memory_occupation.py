@@ -113,11 +113,11 @@ class RankMemory:
 
 class EngineMemory:
     """An engine's sleep state (rank 0's): the parts released, and whether the weights were discarded and
-    no update has written them since; each rank's :class:`RankMemory` does the releasing."""
+    no update has written them since; each rank's :class:`RankMemory` does the releasing. ``loop``: the
+    engine's (its lock held while memory is released or resumed, so no step runs meanwhile)."""
 
-    def __init__(self, runner, call_followers):
-        self.rank = RankMemory(runner)
-        self.call_followers = call_followers
+    def __init__(self, loop, runner, call_followers):
+        self.loop, self.rank, self.call_followers = loop, RankMemory(runner), call_followers
         self.released: Set[str] = set()
         self.weights_discarded = False
 
@@ -126,19 +126,32 @@ class EngineMemory:
         return bool(self.released)
 
     def release(self, tags: FrozenSet[str], keep_weights: bool) -> None:
-        """(The engine idle, its loop's lock held.) Parts released already are left as they are."""
-        tags = tags - self.released
-        self.rank.release(tags, keep_weights)
-        on_followers(self.call_followers, "memory_release", (tags, keep_weights))
-        self.released |= tags
-        if WEIGHTS in tags and not keep_weights:
-            self.weights_discarded = True
+        """RuntimeError (nothing released) while a request is held; parts released already are left as
+        they are; the KV cache's release drops the prefix cache first."""
+        def release():
+            held = [r.rid for r in self.loop.held_reqs()]
+            if held or self.loop.scheduler.has_work():
+                raise RuntimeError(f"requests are in flight ({', '.join(held[:8])}): releasing memory needs an "
+                                   "idle engine (abort them, or wait for them to end)")
+            parts = tags - self.released
+            if KV_CACHE in parts:
+                self.loop.scheduler.drop_prefix_cache()
+            self.rank.release(parts, keep_weights)
+            on_followers(self.call_followers, "memory_release", (parts, keep_weights))
+            self.released |= parts
+            if WEIGHTS in parts and not keep_weights:
+                self.weights_discarded = True
+
+        self.loop.run_exclusive(release)
 
     def resume(self, tags: FrozenSet[str]) -> None:
-        tags = tags & self.released
-        self.rank.resume(tags)
-        on_followers(self.call_followers, "memory_resume", tags)
-        self.released -= tags
+        def resume():
+            parts = tags & self.released
+            self.rank.resume(parts)
+            on_followers(self.call_followers, "memory_resume", parts)
+            self.released -= parts
+
+        self.loop.run_exclusive(resume)
 
     def check_serving(self) -> None:
         """RuntimeError unless requests can run: nothing released, the weights not left discarded."""
