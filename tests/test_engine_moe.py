@@ -80,8 +80,13 @@ def test_tp2_equals_tp1_with_every_expert_split(checkpoints, family, monkeypatch
     all-reduce sums the routed outputs (a second reduce, or one per expert, would double them).
     Mistral: the SWA pools' slot map mirrored on the follower."""
     thread_ranks(monkeypatch)
-    ref_outputs, ref_logprobs, ref_cached, _, _ = generate(checkpoints[family])
-    outputs, logprobs, cached, _, _ = generate(checkpoints[family], tp_size=2)
+    assert_tp2_equals_tp1(checkpoints[family])
+
+
+def assert_tp2_equals_tp1(model_dir):
+    """:func:`generate` at TP 2 (ranks as threads: ``thread_ranks``) gives TP 1's tokens, logprobs and cache hit."""
+    ref_outputs, ref_logprobs, ref_cached, _, _ = generate(model_dir)
+    outputs, logprobs, cached, _, _ = generate(model_dir, tp_size=2)
     assert outputs == ref_outputs and cached == ref_cached
     for ours, ref in zip(logprobs, ref_logprobs):
         assert ours == pytest.approx(ref, abs=1e-4)

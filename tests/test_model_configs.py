@@ -171,13 +171,8 @@ def test_weights_hf_ignores_load_and_a_stray_name_still_fails(family, extra, tmp
         load_model(str(path), "auto", "cpu")
 
 
-LONGROPE = dict(rope_type="longrope", rope_theta=10000.0, short_factor=[1.0] * 8, long_factor=[4.0] * 8,
-                original_max_position_embeddings=1024)
-
-
 @pytest.mark.parametrize("family, overrides, field", [
     ("llama", dict(rope_parameters=dict(rope_type="dynamic", rope_theta=10000.0, factor=2.0)), "rope_type"),
-    ("qwen3", dict(rope_parameters=LONGROPE), "rope_type"),
     ("deepseek_v3", dict(rope_parameters=dict(rope_type="dynamic", rope_theta=10000.0, factor=2.0)), "rope_type"),
     ("llama", dict(rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=None,  # HF: max_pos / original
                                         original_max_position_embeddings=1024)), "rope_parameters.factor"),

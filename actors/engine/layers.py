@@ -33,7 +33,7 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(dtype)
 
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 
 
 class RotaryEmbedding(nn.Module):
@@ -44,7 +44,7 @@ class RotaryEmbedding(nn.Module):
     ``rope_type`` "linear" (positions divided by ``factor``), "llama3" (Llama 3.1's
     rescaling of the low-frequency band by ``factor``, the middle band interpolated) and
     "yarn" (see :func:`yarn_inv_freq`; cos and sin are also multiplied by its
-    ``attention_factor``); any other type is refused."""
+    ``attention_factor``) and "longrope" (Phi-3's: :func:`longrope_inv_freq`); any other type is refused."""
 
     def __init__(self, rotary_dim: int, base: float, rope_type: str = "default", scaling: Optional[dict] = None):
         super().__init__()
@@ -57,9 +57,13 @@ class RotaryEmbedding(nn.Module):
         self.scaling = dict(scaling or {})
         inv_freq, self.attention_factor = self._inv_freq()
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        # longrope: the frequencies of a token at or past original_max_position_embeddings
+        self.register_buffer("long_inv_freq", self._long_inv_freq(), persistent=False)
 
     def _inv_freq(self) -> Tuple[torch.Tensor, float]:
         """``(inv_freq, attention_factor)``: fp32 on the CPU; the factor scales cos and sin."""
+        if self.rope_type == "longrope":
+            return longrope_inv_freq(self.rotary_dim, self.base, self.scaling, "short_factor")
         if self.rope_type == "yarn":
             return yarn_inv_freq(self.rotary_dim, self.base, self.scaling)
         inv_freq = 1.0 / band_periods(self.rotary_dim, self.base)
@@ -69,12 +73,22 @@ class RotaryEmbedding(nn.Module):
             return llama3_inv_freq(inv_freq, self.scaling), 1.0
         return inv_freq, 1.0
 
+    def _long_inv_freq(self) -> Optional[torch.Tensor]:
+        if self.rope_type != "longrope":
+            return None
+        return longrope_inv_freq(self.rotary_dim, self.base, self.scaling, "long_factor")[0]
+
     def rebuild_buffers(self) -> None:
         """Recompute ``inv_freq`` in fp32 on the module's device (after meta init or a dtype cast)."""
         self.inv_freq = self._inv_freq()[0].to(self.inv_freq.device)
+        if self.long_inv_freq is not None:
+            self.long_inv_freq = self._long_inv_freq().to(self.inv_freq.device)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
         freqs = positions[:, None].float() * self.inv_freq[None, :]
+        if self.long_inv_freq is not None:  # (a token's own choice: no batch-mate changes its rotation)
+            long = positions[:, None] >= self.scaling["original_max_position_embeddings"]
+            freqs = torch.where(long, positions[:, None].float() * self.long_inv_freq[None, :], freqs)
         emb = torch.cat((freqs, freqs), dim=-1)
         # scaled in fp32, then cast (as HF); a factor of 1.0 changes nothing
         return (emb.cos() * self.attention_factor).to(dtype), (emb.sin() * self.attention_factor).to(dtype)
@@ -118,6 +132,26 @@ def yarn_attention_factor(params: dict) -> float:
     if mscale and mscale_all_dim:
         return float(yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim))
     return yarn_mscale(factor)
+
+
+def longrope_inv_freq(dim: int, base: float, params: dict, factors: str) -> Tuple[torch.Tensor, float]:
+    """LongRoPE (Phi-3): ``(inv_freq, attention_factor)``, each band's period stretched by its entry of
+    ``params[factors]`` (``short_factor`` or ``long_factor``); the factor is ``attention_factor`` when
+    given, else ``sqrt(1 + ln(factor) / ln(original_max_position_embeddings))`` (1 when ``factor`` <= 1).
+
+    HF picks the long factors for a whole forward once its longest sequence passes
+    ``original_max_position_embeddings``, vLLM for a whole batch once any position does; here a token
+    takes them at or past that position (:meth:`RotaryEmbedding.cos_sin`), so a request's rotation never
+    depends on its batch or its chunks: equal to HF's while a sequence stays within the original
+    length, and for the tokens past it."""
+    context, factor = params["original_max_position_embeddings"], params.get("factor")
+    if factor is None:  # HF derives it from max_position_embeddings: models.llama.rope_settings fills it in
+        raise ValueError("rope_parameters.factor is required for rope_type 'longrope'")
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(context))
+    ext_factors = torch.tensor(params[factors], dtype=torch.float32, device="cpu")
+    return 1.0 / (ext_factors * band_periods(dim, base)), attention_factor
 
 
 def band_periods(dim: int, base: float) -> torch.Tensor:

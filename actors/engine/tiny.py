@@ -24,7 +24,7 @@ from actors.engine.tokenizer import BOS_ID, EOS_ID, PAD_ID, TOKENIZER_VOCAB_SIZE
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")  # the projections a LoRA adapter may target
 MLP = ("gate_proj", "up_proj", "down_proj")
-FAMILIES = ("llama", "qwen3", "qwen3_next", "deepseek_v3", "gemma3", "gpt_oss", "qwen3_moe", "mixtral", "mistral")
+FAMILIES = ("llama", "qwen3", "qwen3_next", "deepseek_v3", "gemma3", "gpt_oss", "qwen3_moe", "mixtral", "mistral", "phi3")
 VOCAB_SIZE = TOKENIZER_VOCAB_SIZE  # every id the model can emit decodes to text
 COMMON = dict(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_attention_heads=4,
               max_position_embeddings=4096, bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID,
@@ -79,6 +79,9 @@ def tiny_config(family: str, **overrides):
     if family == "mistral":  # a window the tests' prompts run past (Mistral 7B v0.1's is 4096)
         return tf.MistralConfig(**{**COMMON, "num_hidden_layers": 2, "num_key_value_heads": 2, "sliding_window": 16,
                                    **overrides})
+    if family == "phi3":  # fused qkv_proj / gate_up_proj; Phi-4-mini's partial rotary dim
+        return tf.Phi3Config(**{**COMMON, "num_hidden_layers": 2, "num_key_value_heads": 2,
+                                "partial_rotary_factor": 0.75, **overrides})
     raise ValueError(f"unknown family {family!r}; known: {', '.join(FAMILIES)}")
 
 

@@ -17,10 +17,14 @@ from actors.engine.parallel import (
 
 
 def rope_settings(config):
-    """``(theta, rope_type, params)`` of the config's RoPE (``params``: its ``rope_parameters``)."""
+    """``(theta, rope_type, params)`` of the config's RoPE (``params``: its ``rope_parameters``; a
+    LongRoPE ``factor`` left out is HF's ``max_position_embeddings / original_max_position_embeddings``)."""
     params = getattr(config, "rope_parameters", None) or {}
     theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
-    return float(theta), params.get("rope_type", "default"), params
+    rope_type = params.get("rope_type", "default")
+    if rope_type == "longrope" and params.get("factor") is None:
+        params = dict(params, factor=config.max_position_embeddings / params["original_max_position_embeddings"])
+    return float(theta), rope_type, params
 
 
 def layer_window(config, layer_id: int):
@@ -79,13 +83,15 @@ class LlamaAttention(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     """Attention, then the feed-forward (``mlp_name``: its checkpoint name), each after an RMSNorm and
-    added to the residual. A subclass swaps the feed-forward (:meth:`build_mlp`): the MoE families."""
+    added to the residual. A subclass swaps the feed-forward (:meth:`build_mlp`: the MoE families) or
+    the attention (``attention_cls``: Phi-3's fused projections)."""
 
     mlp_name = "mlp"
+    attention_cls = LlamaAttention
 
     def __init__(self, config, layer_id: int, tp: TPGroup = SINGLE):
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_id, tp)
+        self.self_attn = self.attention_cls(config, layer_id, tp)
         self.add_module(self.mlp_name, self.build_mlp(config, layer_id, tp))
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
