@@ -24,7 +24,8 @@ from actors.engine.tokenizer import BOS_ID, EOS_ID, PAD_ID, TOKENIZER_VOCAB_SIZE
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")  # the projections a LoRA adapter may target
 MLP = ("gate_proj", "up_proj", "down_proj")
-FAMILIES = ("llama", "qwen3", "qwen3_next", "deepseek_v3", "gemma3", "gpt_oss", "qwen3_moe", "mixtral", "mistral", "phi3")
+FAMILIES = ("llama", "qwen3", "qwen3_next", "deepseek_v3", "gemma3", "gpt_oss", "qwen3_moe", "mixtral", "mistral",
+            "phi3", "granite")
 VOCAB_SIZE = TOKENIZER_VOCAB_SIZE  # every id the model can emit decodes to text
 COMMON = dict(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_attention_heads=4,
               max_position_embeddings=4096, bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID,
@@ -82,6 +83,10 @@ def tiny_config(family: str, **overrides):
     if family == "phi3":  # fused qkv_proj / gate_up_proj; Phi-4-mini's partial rotary dim
         return tf.Phi3Config(**{**COMMON, "num_hidden_layers": 2, "num_key_value_heads": 2,
                                 "partial_rotary_factor": 0.75, **overrides})
+    if family == "granite":  # every multiplier away from its default, 1
+        return tf.GraniteConfig(**{**COMMON, "num_hidden_layers": 2, "num_key_value_heads": 2,
+                                   "embedding_multiplier": 12.0, "attention_multiplier": 0.5,
+                                   "residual_multiplier": 0.22, "logits_scaling": 8.0, **overrides})
     raise ValueError(f"unknown family {family!r}; known: {', '.join(FAMILIES)}")
 
 

@@ -17,6 +17,7 @@ MODEL_REGISTRY = {
     "Qwen2ForCausalLM": ("actors.engine.models.llama", "LlamaForCausalLM"),
     "Qwen3ForCausalLM": ("actors.engine.models.llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("actors.engine.models.llama", "LlamaForCausalLM"),
+    "GraniteForCausalLM": ("actors.engine.models.llama", "GraniteForCausalLM"),
     "Phi3ForCausalLM": ("actors.engine.models.phi3", "Phi3ForCausalLM"),
     "Qwen3MoeForCausalLM": ("actors.engine.models.qwen3_moe", "Qwen3MoeForCausalLM"),
     "MixtralForCausalLM": ("actors.engine.models.mixtral", "MixtralForCausalLM"),

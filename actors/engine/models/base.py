@@ -4,8 +4,8 @@
 → ``norm``; layers are built as ``layer_cls(config, layer_id, tp)``.
 ``CausalLM``: ``model`` + ``lm_head``, returning a :class:`LogitsOutput`: fp32
 logits of each request's last token but an embedding request's (every token's in a verify batch), optionally
-soft-capped (after the vocabulary is whole, in the model's dtype before the cast), and, for the
-positions a batch asks (``input_logprob_indices``), the input logprobs, and for
+divided by ``logits_scaling`` (Granite) and soft-capped (after the vocabulary is whole, in the model's dtype
+before the cast), and, for the positions a batch asks (``input_logprob_indices``), the input logprobs, and for
 embedding requests (``embed_indices``) the final hidden states of their last tokens, with the logits of
 just two tokens there for those that score (``classifier_token_ids``, see ``pooling``). Under TP
 the embedding and ``lm_head`` are split by vocabulary (``parallel``'s
@@ -67,7 +67,9 @@ class DecoderModel(nn.Module):
 
     def forward(self, forward_batch) -> torch.Tensor:
         x = self.embed_tokens(forward_batch.input_ids)
-        if self.embed_scale is not None:  # the normalizer in the model's dtype, as HF's (Gemma 3)
+        # Gemma 3's normalizer, Granite's embedding_multiplier: cast to the model's dtype first, as HF's Gemma
+        # (HF's Granite multiplies by the float: the same where it is exact in the dtype, as Granite's 12)
+        if self.embed_scale is not None:
             x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
         for layer in self.layers:
             x = layer(forward_batch.positions, x, forward_batch)
@@ -85,7 +87,8 @@ class CausalLM(nn.Module):
     # experts is recent, SGLang's partial): an adapter targeting them is refused, naming the module
     supported_lora_modules: Tuple[str, ...] = ()
 
-    def __init__(self, config, model: DecoderModel, final_logit_softcap: Optional[float] = None):
+    def __init__(self, config, model: DecoderModel, final_logit_softcap: Optional[float] = None,
+                 logits_scaling: float = 1.0):
         super().__init__()
         self.config = config
         self.model = model
@@ -93,6 +96,7 @@ class CausalLM(nn.Module):
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.final_logit_softcap = final_logit_softcap
+        self.logits_scaling = logits_scaling  # Granite's: the logits divided by it
 
     def make_spec(self, **fields) -> KVCacheSpec:
         """This rank's :class:`KVCacheSpec` (its TP place filled in)."""
@@ -108,7 +112,7 @@ class CausalLM(nn.Module):
         input_logprobs = self._input_logprobs(hidden, forward_batch)
         embed, classify = forward_batch.embed_indices, forward_batch.classifier_token_ids
         # (every rank: the all-reduce of the two tokens' logits)
-        classifier_logits = None if classify is None else self._softcap(
+        classifier_logits = None if classify is None else self._final(
             self.lm_head.token_logits(hidden[embed], classify)).float()
         if not self.model.tp.is_leader:  # TP: only rank 0 samples; the other ranks' forward ends here
             return LogitsOutput(logits.new_empty(0))
@@ -117,9 +121,12 @@ class CausalLM(nn.Module):
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits of ``hidden`` rows (every rank: one all-gather; rank 0's are the ones read)."""
-        return self._softcap(self.lm_head(hidden)).float()
+        return self._final(self.lm_head(hidden)).float()
 
-    def _softcap(self, logits: torch.Tensor) -> torch.Tensor:
+    def _final(self, logits: torch.Tensor) -> torch.Tensor:
+        """``lm_head``'s logits divided by ``logits_scaling`` and soft-capped, in the model's dtype (as HF)."""
+        if self.logits_scaling != 1.0:
+            logits = logits / self.logits_scaling
         cap = self.final_logit_softcap
         if cap:  # in the model's dtype, as HF's Gemma and vLLM's logits processor; sampling is in fp32
             logits = torch.tanh(logits / cap) * cap

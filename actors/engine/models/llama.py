@@ -1,8 +1,11 @@
-"""GQA decoders: Llama, Mistral, Qwen2 (qkv bias), Qwen3 (per-head q/k RMSNorm); the MoE families
+"""GQA decoders: Llama, Mistral, Qwen2 (qkv bias), Qwen3 (per-head q/k RMSNorm), Granite (:class:`GraniteForCausalLM`:
+Llama's layer with its four multipliers); the MoE families
 (``qwen3_moe``, ``mixtral``) subclass the layer and the model; their attention is GPT-OSS's too
 (q/k/v/o biases, attention sinks)."""
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 from torch import nn
@@ -67,7 +70,8 @@ class LlamaAttention(nn.Module):
             self.sinks = nn.Parameter(torch.empty(self.num_heads))
             shard_param(self, "sinks", 0, [self.heads.q])
         self.rotary = RotaryEmbedding(self.head_dim, *rope_settings(config))
-        self.attn = RadixAttention(layer_id, self.num_heads, self.head_dim, self.num_kv_heads, self.head_dim**-0.5,
+        scale = config.attention_multiplier if config.model_type == "granite" else self.head_dim**-0.5
+        self.attn = RadixAttention(layer_id, self.num_heads, self.head_dim, self.num_kv_heads, scale,
                                    sliding_window=layer_window(config, layer_id))
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
@@ -109,9 +113,10 @@ class LlamaForCausalLM(CausalLM):
     supported_lora_modules = LORA_ATTENTION + LORA_MLP
     layer_cls = LlamaDecoderLayer
 
-    def __init__(self, config, tp: TPGroup = SINGLE):
+    def __init__(self, config, tp: TPGroup = SINGLE, embed_scale: Optional[float] = None, logits_scaling: float = 1.0):
         norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        super().__init__(config, DecoderModel(config, self.layer_cls, norm, tp=tp))
+        model = DecoderModel(config, self.layer_cls, norm, embed_scale=embed_scale, tp=tp)
+        super().__init__(config, model, logits_scaling=logits_scaling)
 
     def kv_cache_spec(self) -> KVCacheSpec:
         """Kind "mha", or "swa" where some layers slide (as Gemma 3): those layers' KV in the SWA pool,
@@ -133,3 +138,26 @@ class LlamaForCausalLM(CausalLM):
             total_kv_heads=attn.heads.total_kv,
             **swa,
         )
+
+
+class GraniteDecoderLayer(LlamaDecoderLayer):
+    """Llama's, each block's output scaled by ``residual_multiplier`` before it joins the residual."""
+
+    def __init__(self, config, layer_id: int, tp: TPGroup = SINGLE):
+        super().__init__(config, layer_id, tp)
+        self.residual_multiplier = config.residual_multiplier
+
+    def forward(self, positions, x, forward_batch):
+        x = x + self.self_attn(positions, self.input_layernorm(x), forward_batch) * self.residual_multiplier
+        return x + self.mlp(self.post_attention_layernorm(x)) * self.residual_multiplier
+
+
+class GraniteForCausalLM(LlamaForCausalLM):
+    """Granite 3.x: Llama with the embeddings times ``embedding_multiplier``, the softmax scale
+    ``attention_multiplier`` (:class:`LlamaAttention`), the residual branches times ``residual_multiplier``
+    and the logits divided by ``logits_scaling``."""
+
+    layer_cls = GraniteDecoderLayer
+
+    def __init__(self, config, tp: TPGroup = SINGLE):
+        super().__init__(config, tp, embed_scale=config.embedding_multiplier, logits_scaling=config.logits_scaling)
