@@ -1,7 +1,8 @@
 """The dense families beyond Llama's layer, each against HF through the engine (test_engine_moe's batch,
 chunked prefill and prefix hit, greedy tokens and their logprobs) and at TP 2 (ranks as threads)
 against TP 1. Phi-3: fused qkv_proj / gate_up_proj cut per part under TP, a partial rotary dim, LongRoPE.
-Granite: its embedding, attention, residual multipliers and logits scaling, each away from 1."""
+Granite: its embedding, attention, residual multipliers and logits scaling, each away from 1. OLMo 2: q/k
+norms over the whole projection, whose statistic TP all-reduces (its one KV head replicated: olmo2_mqa)."""
 
 import pytest
 import torch
@@ -22,7 +23,8 @@ LONGROPE = {"original_max_position_embeddings": 256, "rope_parameters": {
     "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
     "original_max_position_embeddings": 256,
     "short_factor": [1.0, 1.3, 2.0, 3.5, 6.0, 9.0], "long_factor": [1.5, 2.5, 4.0, 8.0, 16.0, 30.0]}}
-CASES = {"phi3": ("phi3", {}), "phi3_longrope": ("phi3", LONGROPE), "granite": ("granite", {})}
+CASES = {"phi3": ("phi3", {}), "phi3_longrope": ("phi3", LONGROPE), "granite": ("granite", {}), "olmo2": ("olmo2", {}),
+         "olmo2_mqa": ("olmo2", {"num_key_value_heads": 1})}
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +42,7 @@ def test_tokens_equal_hf_through_chunks_and_a_prefix_hit(checkpoints, case):
     assert_greedy_parity(checkpoints[case], batch + follow, outputs, GREEDY["max_new_tokens"], logprobs=logprobs)
 
 
-@pytest.mark.parametrize("case", ["phi3", "granite"])
+@pytest.mark.parametrize("case", ["phi3", "granite", "olmo2", "olmo2_mqa"])
 def test_tp2_equals_tp1(checkpoints, case, monkeypatch):
     thread_ranks(monkeypatch)
     assert_tp2_equals_tp1(checkpoints[case])

@@ -1,4 +1,4 @@
-"""Multi-LoRA beyond Llama: Mistral, Gemma 3, GPT-OSS, Mixtral, Qwen3-MoE and Granite serve an adapter on
+"""Multi-LoRA beyond Llama: Mistral, Gemma 3, GPT-OSS, Mixtral, Qwen3-MoE, Granite and OLMo 2 serve an adapter on
 their layers' attention and dense-MLP projections (each model's ``supported_lora_modules``) — a base request
 and an adapter request in one batch each get HF's tokens on their checkpoint (the adapter merged
 in), Qwen3-MoE also at TP 2 — and an adapter targeting a MoE's experts is refused, naming the module."""
@@ -23,6 +23,7 @@ FAMILIES = {
     "mixtral": ({}, set()),
     "qwen3_moe": ({"mlp_only_layers": [0]}, {0}),  # layer 1's MLP is the experts
     "granite": ({}, {0, 1}),
+    "olmo2": ({}, {0, 1}),  # (its q/k norms after the adapted q_proj / k_proj)
 }
 
 
@@ -35,7 +36,7 @@ def served(root, family):
 
 
 @pytest.mark.parametrize("family, tp_size", [("mistral", 1), ("gemma3", 1), ("gpt_oss", 1), ("mixtral", 1),
-                                             ("qwen3_moe", 1), ("qwen3_moe", 2), ("granite", 1)])
+                                             ("qwen3_moe", 1), ("qwen3_moe", 2), ("granite", 1), ("olmo2", 1)])
 def test_family_serves_an_adapter_beside_the_base_model(tmp_path, monkeypatch, family, tp_size):
     """The layers of every projection (``lora_target_modules="all"``) are the family's attention
     projections and its dense MLPs' (no expert); base and adapter requests interleave in one batch

@@ -25,7 +25,7 @@ from actors.engine.tokenizer import BOS_ID, EOS_ID, PAD_ID, TOKENIZER_VOCAB_SIZE
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")  # the projections a LoRA adapter may target
 MLP = ("gate_proj", "up_proj", "down_proj")
 FAMILIES = ("llama", "qwen3", "qwen3_next", "deepseek_v3", "gemma3", "gpt_oss", "qwen3_moe", "mixtral", "mistral",
-            "phi3", "granite")
+            "phi3", "granite", "olmo2")
 VOCAB_SIZE = TOKENIZER_VOCAB_SIZE  # every id the model can emit decodes to text
 COMMON = dict(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_attention_heads=4,
               max_position_embeddings=4096, bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID,
@@ -87,6 +87,8 @@ def tiny_config(family: str, **overrides):
         return tf.GraniteConfig(**{**COMMON, "num_hidden_layers": 2, "num_key_value_heads": 2,
                                    "embedding_multiplier": 12.0, "attention_multiplier": 0.5,
                                    "residual_multiplier": 0.22, "logits_scaling": 8.0, **overrides})
+    if family == "olmo2":
+        return tf.Olmo2Config(**{**COMMON, "num_hidden_layers": 2, "num_key_value_heads": 2, **overrides})
     raise ValueError(f"unknown family {family!r}; known: {', '.join(FAMILIES)}")
 
 

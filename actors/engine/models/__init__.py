@@ -18,6 +18,7 @@ MODEL_REGISTRY = {
     "Qwen3ForCausalLM": ("actors.engine.models.llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("actors.engine.models.llama", "LlamaForCausalLM"),
     "GraniteForCausalLM": ("actors.engine.models.llama", "GraniteForCausalLM"),
+    "Olmo2ForCausalLM": ("actors.engine.models.olmo2", "Olmo2ForCausalLM"),
     "Phi3ForCausalLM": ("actors.engine.models.phi3", "Phi3ForCausalLM"),
     "Qwen3MoeForCausalLM": ("actors.engine.models.qwen3_moe", "Qwen3MoeForCausalLM"),
     "MixtralForCausalLM": ("actors.engine.models.mixtral", "MixtralForCausalLM"),

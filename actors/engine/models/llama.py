@@ -112,9 +112,10 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaForCausalLM(CausalLM):
     supported_lora_modules = LORA_ATTENTION + LORA_MLP
     layer_cls = LlamaDecoderLayer
+    fp32_norm_weight = False  # the final norm's weight multiplied in fp32 (OLMo 2's): RMSNorm's fp32_weight
 
     def __init__(self, config, tp: TPGroup = SINGLE, embed_scale: Optional[float] = None, logits_scaling: float = 1.0):
-        norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        norm = RMSNorm(config.hidden_size, config.rms_norm_eps, fp32_weight=self.fp32_norm_weight)
         model = DecoderModel(config, self.layer_cls, norm, embed_scale=embed_scale, tp=tp)
         super().__init__(config, model, logits_scaling=logits_scaling)
 
