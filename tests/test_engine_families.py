@@ -1,8 +1,9 @@
-"""The dense families beyond Llama's layer, each against HF through the engine (test_engine_moe's batch,
+"""The families beyond Llama's layer, each against HF through the engine (test_engine_moe's batch,
 chunked prefill and prefix hit, greedy tokens and their logprobs) and at TP 2 (ranks as threads)
 against TP 1. Phi-3: fused qkv_proj / gate_up_proj cut per part under TP, a partial rotary dim, LongRoPE.
 Granite: its embedding, attention, residual multipliers and logits scaling, each away from 1. OLMo 2: q/k
-norms over the whole projection, whose statistic TP all-reduces (its one KV head replicated: olmo2_mqa)."""
+norms over the whole projection, whose statistic TP all-reduces (its one KV head replicated: olmo2_mqa).
+DeepSeek-V2 / V2-Lite: V3's MLA with V2's softmax routing (group-limited, greedy)."""
 
 import pytest
 import torch
@@ -23,8 +24,14 @@ LONGROPE = {"original_max_position_embeddings": 256, "rope_parameters": {
     "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
     "original_max_position_embeddings": 256,
     "short_factor": [1.0, 1.3, 2.0, 3.5, 6.0, 9.0], "long_factor": [1.5, 2.5, 4.0, 8.0, 16.0, 30.0]}}
+YARN_MSCALE = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "original_max_position_embeddings": 32,
+               "mscale": 0.707, "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1}
 CASES = {"phi3": ("phi3", {}), "phi3_longrope": ("phi3", LONGROPE), "granite": ("granite", {}), "olmo2": ("olmo2", {}),
-         "olmo2_mqa": ("olmo2", {"num_key_value_heads": 1})}
+         "olmo2_mqa": ("olmo2", {"num_key_value_heads": 1}),
+         # V2: group-limited routing, a q_lora; V2-Lite: greedy routing, no q_lora, YaRN with its mscale
+         "deepseek_v2": ("deepseek_v2", {"q_lora_rank": 32}),
+         "deepseek_v2_lite": ("deepseek_v2", {"topk_method": "greedy", "routed_scaling_factor": 2.5,
+                                              "rope_parameters": YARN_MSCALE})}
 
 
 @pytest.fixture(scope="module")
@@ -37,12 +44,12 @@ def checkpoints(tmp_path_factory):
 @pytest.mark.parametrize("case", CASES)
 def test_tokens_equal_hf_through_chunks_and_a_prefix_hit(checkpoints, case):
     outputs, logprobs, cached, spec, _ = generate(checkpoints[case])
-    assert cached >= 40 and spec.kind == "mha"
+    assert cached >= 40 and spec.kind == ("mla" if case.startswith("deepseek") else "mha")
     batch, follow = prompts()
     assert_greedy_parity(checkpoints[case], batch + follow, outputs, GREEDY["max_new_tokens"], logprobs=logprobs)
 
 
-@pytest.mark.parametrize("case", ["phi3", "granite", "olmo2", "olmo2_mqa"])
+@pytest.mark.parametrize("case", ["phi3", "granite", "olmo2", "olmo2_mqa", "deepseek_v2"])
 def test_tp2_equals_tp1(checkpoints, case, monkeypatch):
     thread_ranks(monkeypatch)
     assert_tp2_equals_tp1(checkpoints[case])

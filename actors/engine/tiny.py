@@ -25,7 +25,7 @@ from actors.engine.tokenizer import BOS_ID, EOS_ID, PAD_ID, TOKENIZER_VOCAB_SIZE
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")  # the projections a LoRA adapter may target
 MLP = ("gate_proj", "up_proj", "down_proj")
 FAMILIES = ("llama", "qwen3", "qwen3_next", "deepseek_v3", "gemma3", "gpt_oss", "qwen3_moe", "mixtral", "mistral",
-            "phi3", "granite", "olmo2")
+            "phi3", "granite", "olmo2", "deepseek_v2")
 VOCAB_SIZE = TOKENIZER_VOCAB_SIZE  # every id the model can emit decodes to text
 COMMON = dict(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_attention_heads=4,
               max_position_embeddings=4096, bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID,
@@ -48,6 +48,13 @@ def tiny_config(family: str, **overrides):
             "n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1,
             "first_k_dense_replace": 1, "q_lora_rank": None, "kv_lora_rank": 32, "qk_rope_head_dim": 16,
             "qk_nope_head_dim": 16, "v_head_dim": 16, **overrides,
+        })
+    if family == "deepseek_v2":  # V2's group-limited softmax routing (V2-Lite's: topk_method="greedy")
+        return tf.DeepseekV2Config(**{
+            **COMMON, "num_hidden_layers": 3, "num_key_value_heads": 4, "moe_intermediate_size": 32,
+            "n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1,
+            "topk_method": "group_limited_greedy", "first_k_dense_replace": 1, "q_lora_rank": None,
+            "kv_lora_rank": 32, "qk_rope_head_dim": 16, "qk_nope_head_dim": 16, "v_head_dim": 16, **overrides,
         })
     if family == "gemma3":
         return tf.Gemma3TextConfig(**{

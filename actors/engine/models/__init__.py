@@ -22,6 +22,7 @@ MODEL_REGISTRY = {
     "Phi3ForCausalLM": ("actors.engine.models.phi3", "Phi3ForCausalLM"),
     "Qwen3MoeForCausalLM": ("actors.engine.models.qwen3_moe", "Qwen3MoeForCausalLM"),
     "MixtralForCausalLM": ("actors.engine.models.mixtral", "MixtralForCausalLM"),
+    "DeepseekV2ForCausalLM": ("actors.engine.models.deepseek_v3", "DeepseekV3ForCausalLM"),
     "DeepseekV3ForCausalLM": ("actors.engine.models.deepseek_v3", "DeepseekV3ForCausalLM"),
     "Gemma3ForCausalLM": ("actors.engine.models.gemma3", "Gemma3ForCausalLM"),
     "Qwen3NextForCausalLM": ("actors.engine.models.qwen3_next", "Qwen3NextForCausalLM"),

@@ -1,4 +1,7 @@
-"""DeepSeek-V3: multi-head latent attention (MLA) and a routed MoE.
+"""DeepSeek-V3, and DeepSeek-V2 / V2-Lite: multi-head latent attention (MLA) and a routed MoE.
+
+V2 differs in its router alone (:class:`DeepseekV2Gate`: softmax scores, no correction bias);
+V2-Lite also has no ``q_lora_rank`` (one ``q_proj``, as V3 with ``q_lora_rank`` None).
 
 The KV cache holds one latent row per token, ``[c ; k_rot]`` (``kv_lora_rank
 + qk_rope_head_dim`` values, MLATokenToKVPool). Attention runs *absorbed*:
@@ -90,6 +93,13 @@ class DeepseekV3Attention(nn.Module):
         return self.o_proj(out.reshape(tokens, -1))
 
 
+def top_groups(group_scores: torch.Tensor, topk_group: int, group_size: int) -> torch.Tensor:
+    """``[tokens, experts]`` bool: the experts of each token's ``topk_group`` best groups (by ``group_scores``,
+    ``[tokens, n_group]``; the experts of a group are consecutive)."""
+    keep = torch.zeros_like(group_scores).scatter_(1, group_scores.topk(topk_group, dim=-1).indices, 1.0)
+    return keep.bool().repeat_interleave(group_size, 1)
+
+
 class DeepseekV3Gate(nn.Module):
     """Sigmoid scores + correction bias, group-limited top-k (noaux_tc routing)."""
 
@@ -104,12 +114,40 @@ class DeepseekV3Gate(nn.Module):
     def forward(self, x):
         scores = torch.sigmoid(x.float() @ self.weight.float().t())
         choice = scores + self.e_score_correction_bias
-        grouped = choice.view(-1, self.n_group, self.num_experts // self.n_group)
-        group_scores = grouped.topk(2, dim=-1).values.sum(-1)
-        keep = torch.zeros_like(group_scores).scatter_(1, group_scores.topk(self.topk_group, dim=-1).indices, 1.0)
-        choice = choice.masked_fill(~keep.bool().repeat_interleave(self.num_experts // self.n_group, 1), float("-inf"))
+        group_size = self.num_experts // self.n_group
+        group_scores = choice.view(-1, self.n_group, group_size).topk(2, dim=-1).values.sum(-1)
+        choice = choice.masked_fill(~top_groups(group_scores, self.topk_group, group_size), float("-inf"))
         idx = choice.topk(self.top_k, dim=-1).indices
         weights = scores.gather(1, idx)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return idx, weights * self.scale
+
+
+class DeepseekV2Gate(nn.Module):
+    """DeepSeek-V2's router: softmax scores over the experts and the ``top_k`` best, of them all
+    (``topk_method`` "greedy": V2-Lite) or of each token's ``topk_group`` groups with the best expert
+    (``group_limited_greedy``: V2), times ``routed_scaling_factor``; renormalised first with
+    ``norm_topk_prob``, as DeepSeek's own code and vLLM (HF's V2 never does; the released configs say False)."""
+
+    def __init__(self, config):
+        super().__init__()
+        if config.topk_method not in ("greedy", "group_limited_greedy"):
+            raise ValueError(f"topk_method={config.topk_method!r} is not supported for DeepSeek-V2; "
+                             "supported: greedy, group_limited_greedy")
+        self.top_k, self.num_experts, self.topk_method = config.num_experts_per_tok, config.n_routed_experts, \
+            config.topk_method
+        self.n_group, self.topk_group = config.n_group, config.topk_group
+        self.norm_topk_prob, self.scale = config.norm_topk_prob, config.routed_scaling_factor
+        self.weight = nn.Parameter(torch.empty(self.num_experts, config.hidden_size))
+
+    def forward(self, x):
+        scores = torch.softmax(x.float() @ self.weight.float().t(), dim=-1)
+        if self.topk_method == "group_limited_greedy":
+            group_size = self.num_experts // self.n_group
+            group_scores = scores.view(-1, self.n_group, group_size).max(dim=-1).values
+            scores = scores.masked_fill(~top_groups(group_scores, self.topk_group, group_size), 0.0)
+        weights, idx = scores.topk(self.top_k, dim=-1)
         if self.norm_topk_prob:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
         return idx, weights * self.scale
@@ -124,7 +162,7 @@ class DeepseekV3MoE(nn.Module):
     def __init__(self, config, tp: TPGroup = SINGLE):
         super().__init__()
         self.tp = tp
-        self.gate = DeepseekV3Gate(config)
+        self.gate = DeepseekV2Gate(config) if config.model_type == "deepseek_v2" else DeepseekV3Gate(config)
         field = "moe_intermediate_size"
         self.experts = ExpertList(tp.experts(config.n_routed_experts, "n_routed_experts"), lambda: GatedMLP(
             config.hidden_size, config.moe_intermediate_size, config.hidden_act, tp.expert_tp, reduce=False,
