@@ -26,7 +26,9 @@ LONGROPE = {"original_max_position_embeddings": 256, "rope_parameters": {
     "short_factor": [1.0, 1.3, 2.0, 3.5, 6.0, 9.0], "long_factor": [1.5, 2.5, 4.0, 8.0, 16.0, 30.0]}}
 YARN_MSCALE = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "original_max_position_embeddings": 32,
                "mscale": 0.707, "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1}
-CASES = {"phi3": ("phi3", {}), "phi3_longrope": ("phi3", LONGROPE), "granite": ("granite", {}), "olmo2": ("olmo2", {}),
+CASES = {"phi3": ("phi3", {}), "phi3_longrope": ("phi3", LONGROPE),
+         "phi3_window": ("phi3", {"sliding_window": 16}),  # (Phi-3-mini-4k's 2047: every layer's, Mistral's way)
+         "granite": ("granite", {}), "olmo2": ("olmo2", {}),
          "olmo2_mqa": ("olmo2", {"num_key_value_heads": 1}),
          # V2: group-limited routing, a q_lora; V2-Lite: greedy routing, no q_lora, YaRN with its mscale
          "deepseek_v2": ("deepseek_v2", {"q_lora_rank": 32}),
@@ -44,7 +46,9 @@ def checkpoints(tmp_path_factory):
 @pytest.mark.parametrize("case", CASES)
 def test_tokens_equal_hf_through_chunks_and_a_prefix_hit(checkpoints, case):
     outputs, logprobs, cached, spec, _ = generate(checkpoints[case])
-    assert cached >= 40 and spec.kind == ("mla" if case.startswith("deepseek") else "mha")
+    family, overrides = CASES[case]
+    assert cached >= 40 and spec.kind == ("mla" if family == "deepseek_v2" else "swa" if "sliding_window" in overrides
+                                          else "mha")
     batch, follow = prompts()
     assert_greedy_parity(checkpoints[case], batch + follow, outputs, GREEDY["max_new_tokens"], logprobs=logprobs)
 
