@@ -209,7 +209,8 @@ def test_lora_capacity_settings_checked_as_sglang():
     """lora_target_modules takes 'all' (every projection); without lora_paths it needs max_lora_rank;
     max_loaded_loras holds at least the slots and the start adapters."""
     assert EngineConfig(model_path="m", lora_target_modules="all", max_lora_rank=8).lora_target_modules == [
-        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj",
+        "gate_up_proj"]
     with pytest.raises(ValueError, match="lora_target_modules"):
         EngineConfig(model_path="m", lora_target_modules=["qkv"], max_lora_rank=8)
     with pytest.raises(ValueError, match="max_lora_rank is needed with lora_target_modules and no lora_paths"):

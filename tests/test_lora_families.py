@@ -1,7 +1,8 @@
-"""Multi-LoRA beyond Llama: Mistral, Gemma 3, GPT-OSS, Mixtral, Qwen3-MoE, Granite and OLMo 2 serve an adapter on
-their layers' attention and dense-MLP projections (each model's ``supported_lora_modules``) — a base request
-and an adapter request in one batch each get HF's tokens on their checkpoint (the adapter merged
-in), Qwen3-MoE also at TP 2 — and an adapter targeting a MoE's experts is refused, naming the module."""
+"""Multi-LoRA beyond Llama: Mistral, Gemma 3, GPT-OSS, Mixtral, Qwen3-MoE, Granite, OLMo 2 and Phi-3 serve an
+adapter on their layers' attention and dense-MLP projections (each model's ``supported_lora_modules``; Phi-3's
+fused qkv_proj and gate_up_proj) — a base request and an adapter request in one batch each get HF's tokens on
+their checkpoint (the adapter merged in), Qwen3-MoE and Phi-3 also at TP 2 — and an adapter targeting a MoE's
+experts is refused, naming the module."""
 
 import re
 
@@ -10,7 +11,7 @@ import torch
 from safetensors.torch import save_file
 
 from actors.engine import Engine
-from actors.engine.tiny import build_tiny_checkpoint, make_adapter
+from actors.engine.tiny import ATTENTION, MLP, build_tiny_checkpoint, make_adapter
 from tests.lora_helpers import merged_checkpoint
 from tests.test_lora import GREEDY, assert_parity, prompts
 from tests.tp_helpers import thread_ranks
@@ -24,19 +25,23 @@ FAMILIES = {
     "qwen3_moe": ({"mlp_only_layers": [0]}, {0}),  # layer 1's MLP is the experts
     "granite": ({}, {0, 1}),
     "olmo2": ({}, {0, 1}),  # (its q/k norms after the adapted q_proj / k_proj)
+    "phi3": ({}, {0, 1}),
 }
+TARGETS = {"phi3": ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")}  # (its fused projections)
 
 
 def served(root, family):
     """(base checkpoint, {"sql": adapter dir}, {"sql": merged checkpoint}) of ``family``: the
     adapter targets every projection (those the family has)."""
     base = str(build_tiny_checkpoint(family, root / "base", seed=0, **FAMILIES[family][0]))
-    path = make_adapter(base, root / "sql", rank=4, alpha=8, seed=1)
+    targets = TARGETS.get(family, ATTENTION + MLP)
+    path = make_adapter(base, root / "sql", rank=4, alpha=8, targets=targets, seed=1)
     return base, {"sql": str(path)}, {"sql": merged_checkpoint(base, path, root / "merged")}
 
 
 @pytest.mark.parametrize("family, tp_size", [("mistral", 1), ("gemma3", 1), ("gpt_oss", 1), ("mixtral", 1),
-                                             ("qwen3_moe", 1), ("qwen3_moe", 2), ("granite", 1), ("olmo2", 1)])
+                                             ("qwen3_moe", 1), ("qwen3_moe", 2), ("granite", 1), ("olmo2", 1),
+                                             ("phi3", 1), ("phi3", 2)])
 def test_family_serves_an_adapter_beside_the_base_model(tmp_path, monkeypatch, family, tp_size):
     """The layers of every projection (``lora_target_modules="all"``) are the family's attention
     projections and its dense MLPs' (no expert); base and adapter requests interleave in one batch
@@ -48,7 +53,9 @@ def test_family_serves_an_adapter_beside_the_base_model(tmp_path, monkeypatch, f
     try:
         layers = eng.runner.lora.layers
         assert {int(m.split(".")[2]) for m in layers if ".mlp." in m} == FAMILIES[family][1]
-        assert sum(".self_attn." in m for m in layers) == 4 * eng.runner.model.config.num_hidden_layers
+        model_cls = type(eng.runner.model)
+        attention = sum(m.startswith("self_attn.") for m in model_cls.supported_lora_modules)
+        assert sum(".self_attn." in m for m in layers) == attention * eng.runner.model.config.num_hidden_layers
         batch = [p for p in prompts(2, seed=5) for _ in range(2)]
         loras = [None, "sql"] * 2
         outs = eng.generate(input_ids=batch, sampling_params=GREEDY, lora_path=loras)

@@ -12,7 +12,9 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_valida
 
 CACHE_AWARE_POLICIES = ("lpm", "dfs-weight")  # the schedule policies that order requests by the radix cache
 # the projections a LoRA adapter may target (HF names; a model's supported_lora_modules say which it has)
-LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# SGLang's names; qkv_proj and gate_up_proj: Phi-3's fused projections (one adapter over q | k | v, gate | up)
+LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj",
+                       "gate_up_proj")
 
 
 def lora_paths_dict(value: Any) -> Any:

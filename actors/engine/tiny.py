@@ -142,7 +142,8 @@ def make_adapter(model_dir: str, out_dir: Path, rank: int, alpha: float, targets
     """A random adapter of every layer's ``targets`` in PEFT's layout (A and B both non-zero, so it
     changes the model's output); ``config``: more adapter_config.json fields. A target is a linear
     layer of the layer's attention or dense MLP (HF's modules: a MoE family's experts are none of
-    them, so ``gate_proj`` targets Qwen3-MoE's dense layers only, and no Mixtral layer)."""
+    them, so ``gate_proj`` targets Qwen3-MoE's dense layers only, and no Mixtral layer; Phi-3's are
+    ``qkv_proj`` and ``gate_up_proj``)."""
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -152,7 +153,7 @@ def make_adapter(model_dir: str, out_dir: Path, rank: int, alpha: float, targets
     tensors = {}
     for layer in range(hf.config.num_hidden_layers):
         for module in targets:
-            name = f"model.layers.{layer}.{'self_attn' if module in ATTENTION else 'mlp'}.{module}"
+            name = f"model.layers.{layer}.{'self_attn' if module in ATTENTION + ('qkv_proj',) else 'mlp'}.{module}"
             linear = modules.get(name)
             if not isinstance(linear, torch.nn.Linear):
                 continue
