@@ -21,7 +21,8 @@ from typing import List, Optional
 
 DEFAULT_FAMILY = "llama"
 # actors.engine.tiny's (that imports torch)
-FAMILIES = ("llama", "qwen3", "qwen3_next", "deepseek_v3", "gemma3", "gpt_oss", "qwen3_moe", "mixtral", "mistral")
+FAMILIES = ("llama", "qwen3", "qwen3_next", "deepseek_v3", "gemma3", "gpt_oss", "qwen3_moe", "mixtral", "mistral",
+            "phi3", "granite", "olmo2", "deepseek_v2")
 
 
 def raydix_home() -> Path:
