@@ -66,9 +66,10 @@ def test_align_sorts_pairs_by_expert_in_padded_blocks():
     assert block_expert.tolist()[:3] == [0, 0, 2]
 
 
-@pytest.mark.parametrize("num_tokens, top_k", [(1, 1), (13, 1), (37, 2)])
+@pytest.mark.parametrize("num_tokens, top_k", [(0, 2), (1, 1), (13, 1), (37, 2)])
 def test_fused_equals_eager(num_tokens, top_k):
-    """Expert 2 chosen by no token; 37 · 2 pairs fill no whole number of 16-row blocks."""
+    """Expert 2 chosen by no token; 37 · 2 pairs fill no whole number of 16-row blocks; no tokens at all
+    (the eager experts' empty [0, hidden]: the fused ones could not view their empty pairs as one)."""
     experts = make_experts()
     eager, fused = eager_then_fused(experts, *routing(num_tokens, top_k))
     torch.testing.assert_close(fused, eager, rtol=1e-5, atol=1e-5)

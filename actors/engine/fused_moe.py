@@ -212,8 +212,11 @@ class FusedExperts(NamedTuple):
     def __call__(self, x: torch.Tensor, expert_of: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """``sum_k weights[t, k] · expert[expert_of[t, k]](x[t])`` in fp32 [tokens, hidden], each weighted
         output taken in ``weights``' dtype (as ``moe.run_experts``); ``expert_of`` [tokens, top_k] counts
-        the held experts from 0 (outside ``[0, experts)``: not held, 0 here)."""
+        the held experts from 0 (outside ``[0, experts)``: not held, 0 here). No tokens, no launch (an
+        empty batch's tensors hold no memory to point a kernel at)."""
         num_tokens, top_k = expert_of.shape
+        if num_tokens == 0:
+            return x.new_zeros(x.shape, dtype=torch.float32)
         num_experts, num_pairs = self.w13.weight.shape[0], expert_of.numel()
         blocks = block_sizes(num_tokens, num_experts, x.device)
         expert_of = torch.where(expert_of < 0, num_experts, expert_of).flatten()
