@@ -21,7 +21,8 @@ from mem_cache.radix_key import RadixKey
 from tests.hicache_helpers import break_loads, scramble, watch_requeues
 from tests.parity import assert_greedy_parity
 from tests.pd_helpers import close_workers as close
-from tests.pd_helpers import decode_together, make_pair, pause_once, prompts, run_batch, run_pd, slow_push, until
+from tests.pd_helpers import (decode_together, make_pair, pause_once, prompts, run_batch, run_pd, slow_push, until,
+                              wait_idle)
 from transfer.base import KVHandoff, LayoutMismatchError
 
 GREEDY = {"max_new_tokens": 8, "temperature": 0}
@@ -94,6 +95,7 @@ def test_prompt_logprobs_through_pd_equal_a_single_engine(checkpoints):
     def run(params):
         if params["max_new_tokens"]:
             return run_batch(prefill, decode, [ids], params)[0][0]
+        assert wait_idle(prefill)  # (an earlier request's push counted: its notice can come first)
         pushed = prefill.scheduler.bytes_pushed
         out = asyncio.run(prefill.prefill_only(f"scored-{len(got)}", ids, params))
         assert prefill.scheduler.bytes_pushed == pushed and not prefill.scheduler.inflight
