@@ -112,9 +112,14 @@ def cell_size_bytes(shape: KVCacheShape, kv_dtype: torch.dtype, tp_size: int = 1
 
 
 def get_device_memory(device: Union[str, torch.device]) -> Tuple[int, int]:
-    """``(available_bytes, total_bytes)`` of a CUDA device or of host memory for ``cpu``."""
+    """``(available_bytes, total_bytes)`` of a CUDA device or of host memory for ``cpu``.
+
+    On CUDA the caching allocator's free blocks go back to the driver first (SGLang's
+    ``get_available_gpu_memory(empty_cache=True)``): blocks freed while loading (per-expert tensors
+    stacked for the fused MoE, a dtype cast) would otherwise count as used and shrink the KV pool."""
     device = torch.device(device)
     if device.type == "cuda":
+        torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(device)
         return int(free), int(total)
     if device.type == "cpu":

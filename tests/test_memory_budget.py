@@ -324,6 +324,18 @@ def test_defaults_tiny_device_rejected():
 # ---- device memory ---------------------------------------------------------
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_get_device_memory_counts_the_caching_allocators_free_blocks_as_available():
+    """A freed 512 MiB block stays reserved by torch's caching allocator; the budget counts it free."""
+    before, _ = get_device_memory("cuda")
+    block = torch.empty(512 << 20, dtype=torch.uint8, device="cuda")
+    del block
+    assert torch.cuda.memory_reserved() >= 512 << 20  # the block is still held by the cache
+    after, _ = get_device_memory("cuda")
+    assert after >= before - (64 << 20)
+
+
 def test_get_device_memory_cpu():
     available, total = get_device_memory("cpu")
     assert 0 < available <= total
