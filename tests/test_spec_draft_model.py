@@ -6,6 +6,8 @@ always, and greedy requests keep plain decoding's (and HF's) tokens through batc
 chunked prefill, retraction, TP and PD's decode side; sampled requests draw the target's
 distribution; every test ends with no slot leaked."""
 
+import asyncio
+
 import pytest
 import torch
 from transformers import LlamaForCausalLM
@@ -18,7 +20,7 @@ from actors.engine.tiny import build_tiny_checkpoint, tiny_config
 from actors.engine.tokenizer import save_tokenizer
 from actors.workers import PrefillWorker
 from tests.parity import assert_greedy_parity, hf_model
-from tests.pd_helpers import close_workers, decode_together, make_pair, run_batch
+from tests.pd_helpers import close_workers, decode_together, make_pair, run_batch, run_pd
 from tests.test_spec_decode import GREEDY, assert_retraction_keeps_tokens, generate, ids, prompts
 from tests.test_spec_decode import model_dir  # noqa: F401 (a fixture)
 from tests.tp_helpers import thread_ranks
@@ -172,6 +174,24 @@ def test_the_draft_proposes_what_the_requests_masks_allow(model_dir, drafts, mon
     assert stats["num_accepted_tokens"] > raw_stats["num_accepted_tokens"]
 
 
+def test_a_draft_with_the_targets_weights_under_adjustments_has_every_draft_accepted(model_dir, drafts):  # noqa: F811
+    """With the target's weights as the draft, each draft step takes the adjustments plain decoding
+    would at its position — penalties and min-tokens counting the draft so far as output, a bias, a
+    grammar whose end (EOS) the draft proposes, then rolled back: the draft is plain decoding's own
+    tokens, so every one is accepted (the raw argmax is rejected where an adjustment moves it)."""
+    batch = prompts(2)
+    kinds = [{"frequency_penalty": 2.0}, {"presence_penalty": 2.0}, {"repetition_penalty": 2.0},
+             {"logit_bias": {str(t): 5.0 for t in range(60, 70)}},
+             {"min_new_tokens": 10, "ignore_eos": False, "stop_token_ids": [199, 50]},
+             {"regex": r"(ab|ba)+c?", "ignore_eos": False}]
+    params = [{**GREEDY, "max_new_tokens": 24, **kind} for kind in kinds for _ in batch]
+    batch = batch * len(kinds)
+    plain, _ = generate(model_dir, batch, params)
+    spec, stats = generate(model_dir, batch, params, **draft_args(drafts["self"]))
+    assert ids(spec) == ids(plain) and ids(plain) != ids(generate(model_dir, batch, GREEDY | {"max_new_tokens": 24})[0])
+    assert stats["num_draft_tokens"] > 0 and stats["acceptance_rate"] == 1.0
+
+
 def test_sampled_tokens_follow_the_targets_distribution(model_dir, drafts):  # noqa: F811
     """400 sampled requests (temperature 1, top_k 3) of one prompt, each with a one-token draft
     at its second token: given the most common first token, the second is distributed as HF's
@@ -262,6 +282,32 @@ def test_pd_decode_side_computes_the_drafts_kv_of_a_steps_arrivals_in_one_forwar
         outs = [r[0] for r in run_batch(prefill, decode, batch, params)]
         assert ids(outs) == ids(generate(model_dir, batch, params)[0])
         assert [sorted(lens) for lens in extends] == [sorted(len(p) for p in batch)]  # (none was cached there)
+        assert decode.scheduler.spec_stats.as_dict()["acceptance_rate"] == 1.0
+    finally:
+        close_workers(prefill, decode)
+
+
+def test_pd_decode_side_drafts_kv_of_arrivals_with_prefix_hits_and_a_finished_one(model_dir, drafts):  # noqa: F811
+    """One step's arrivals in one forward of the draft when their prefixes differ (hits of 32 and 12
+    tokens on the decode side's tree, none) and one ends at its first token (cached with the
+    draft's KV): every draft is accepted, the tokens plain decoding's, no slot leaked."""
+    base = list(range(20, 52))
+    batch = [base + [7, 8, 9], base[:13] + [60] * 9, [100, 101, 102], base + list(range(60, 80))]
+    params = [{**GREEDY, "max_new_tokens": n} for n in (8, 8, 1, 8)]
+    prefill, decode = make_pair(model_dir, page_size=4, decode_args={**draft_args(drafts["self"]), "page_size": 4})
+    draft, extends = decode.scheduler.runner.draft, []
+    prefill_reqs = draft.prefill
+    draft.prefill = lambda reqs, pool: extends.append([len(r.prefix_indices) for r in reqs]) or prefill_reqs(reqs, pool)
+    try:
+        run_batch(prefill, decode, [base], {**GREEDY, "max_new_tokens": 4})
+        decode_together(decode, len(batch))
+
+        async def land_together():
+            return await asyncio.gather(*(run_pd(prefill, decode, p, s) for p, s in zip(batch, params)))
+
+        outs = [r[0] for r in asyncio.run(land_together())]
+        assert ids(outs) == ids(generate(model_dir, batch, params)[0])
+        assert sorted(extends[-1]) == [0, 12, 32, 32]
         assert decode.scheduler.spec_stats.as_dict()["acceptance_rate"] == 1.0
     finally:
         close_workers(prefill, decode)
