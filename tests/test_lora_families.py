@@ -1,8 +1,10 @@
-"""Multi-LoRA beyond Llama: Mistral, Gemma 3, GPT-OSS, Mixtral, Qwen3-MoE, Granite, OLMo 2 and Phi-3 serve an
-adapter on their layers' attention and dense-MLP projections (each model's ``supported_lora_modules``; Phi-3's
-fused qkv_proj and gate_up_proj) — a base request and an adapter request in one batch each get HF's tokens on
-their checkpoint (the adapter merged in), Qwen3-MoE and Phi-3 also at TP 2 — and an adapter targeting a MoE's
-experts is refused, naming the module."""
+"""Multi-LoRA beyond Llama: Mistral, Gemma 3, GPT-OSS, Mixtral, Qwen3-MoE, Granite, OLMo 2, Phi-3, DeepSeek-V3 /
+V2 and Qwen3-Next serve an adapter on their layers' attention and dense-MLP projections (each model's
+``supported_lora_modules``; Phi-3's fused qkv_proj and gate_up_proj; DeepSeek's MLA projections and shared
+experts; Qwen3-Next's linear-attention projections and shared expert) — a base request and an adapter request
+in one batch each get HF's tokens on their checkpoint (the adapter merged in), Qwen3-MoE, Phi-3, DeepSeek-V3 / V2
+and Qwen3-Next also at TP 2 — and an adapter targeting a MoE's experts (or MLA's absorbed kv_b_proj) is refused,
+naming the module."""
 
 import re
 
@@ -26,8 +28,18 @@ FAMILIES = {
     "granite": ({}, {0, 1}),
     "olmo2": ({}, {0, 1}),  # (its q/k norms after the adapted q_proj / k_proj)
     "phi3": ({}, {0, 1}),
+    "deepseek_v3": ({"q_lora_rank": 16}, {0, 1, 2}),  # (q_a_proj / q_b_proj; layers 1, 2: the shared experts)
+    "deepseek_v2": ({}, {0, 1, 2}),  # (V2-Lite's q_proj)
+    "qwen3_next": ({}, {0, 1, 2, 3}),  # (every layer's shared expert)
 }
-TARGETS = {"phi3": ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")}  # (its fused projections)
+MLA = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj") + MLP
+TARGETS = {"phi3": ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"),  # (its fused projections)
+           "deepseek_v3": MLA, "deepseek_v2": MLA,
+           "qwen3_next": ATTENTION + ("in_proj_qkvz", "in_proj_ba", "out_proj") + MLP}
+# the modules of supported_lora_modules the tiny checkpoint has not (V3's q_lora_rank given, V2's not; Qwen3-Next's
+# layers all MoE)
+ABSENT = {"deepseek_v3": {"self_attn.q_proj"}, "deepseek_v2": {"self_attn.q_a_proj", "self_attn.q_b_proj"},
+          "qwen3_next": {"mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"}}
 
 
 def served(root, family):
@@ -41,11 +53,12 @@ def served(root, family):
 
 @pytest.mark.parametrize("family, tp_size", [("mistral", 1), ("gemma3", 1), ("gpt_oss", 1), ("mixtral", 1),
                                              ("qwen3_moe", 1), ("qwen3_moe", 2), ("granite", 1), ("olmo2", 1),
-                                             ("phi3", 1), ("phi3", 2)])
+                                             ("phi3", 1), ("phi3", 2), ("deepseek_v3", 1), ("deepseek_v3", 2),
+                                             ("deepseek_v2", 2), ("qwen3_next", 1), ("qwen3_next", 2)])
 def test_family_serves_an_adapter_beside_the_base_model(tmp_path, monkeypatch, family, tp_size):
     """The layers of every projection (``lora_target_modules="all"``) are the family's attention
-    projections and its dense MLPs' (no expert); base and adapter requests interleave in one batch
-    and each gets its checkpoint's tokens, which the adapter changes."""
+    projections, on every layer, and its dense MLPs' (no expert); base and adapter requests interleave
+    in one batch and each gets its checkpoint's tokens, which the adapter changes."""
     thread_ranks(monkeypatch)
     model = served(tmp_path, family)
     eng = Engine(model_path=model[0], skip_tokenizer_init=True, max_total_tokens=1024, lora_paths=model[1],
@@ -53,9 +66,10 @@ def test_family_serves_an_adapter_beside_the_base_model(tmp_path, monkeypatch, f
     try:
         layers = eng.runner.lora.layers
         assert {int(m.split(".")[2]) for m in layers if ".mlp." in m} == FAMILIES[family][1]
-        model_cls = type(eng.runner.model)
-        attention = sum(m.startswith("self_attn.") for m in model_cls.supported_lora_modules)
-        assert sum(".self_attn." in m for m in layers) == attention * eng.runner.model.config.num_hidden_layers
+        supported = set(type(eng.runner.model).supported_lora_modules) - ABSENT.get(family, set())
+        assert {m.split(".", 3)[3] for m in layers} == supported
+        num_layers = eng.runner.model.config.num_hidden_layers
+        assert {int(m.split(".")[2]) for m in layers if "attn." in m} == set(range(num_layers))
         batch = [p for p in prompts(2, seed=5) for _ in range(2)]
         loras = [None, "sql"] * 2
         outs = eng.generate(input_ids=batch, sampling_params=GREEDY, lora_path=loras)
@@ -70,6 +84,8 @@ def test_family_serves_an_adapter_beside_the_base_model(tmp_path, monkeypatch, f
     ("qwen3_moe", "model.layers.1.mlp.experts.0.gate_proj"),
     ("mixtral", "model.layers.0.block_sparse_moe.experts.1.w1"),
     ("gpt_oss", "model.layers.0.mlp.experts.gate_up_proj"),
+    ("deepseek_v3", "model.layers.1.mlp.experts.0.gate_proj"),
+    ("qwen3_next", "model.layers.0.mlp.experts.0.gate_proj"),
 ])
 def test_an_adapter_on_the_experts_is_refused(tmp_path, family, expert):
     """An adapter whose tensors target an expert is refused at start and at a runtime load, the error
@@ -89,3 +105,12 @@ def test_an_adapter_on_the_experts_is_refused(tmp_path, family, expert):
         eng.check_integrity()
     finally:
         eng.shutdown()
+
+
+def test_an_adapter_on_mla_kv_b_proj_is_refused(tmp_path):
+    """DeepSeek's MLA reads kv_b_proj's weight into the query and the output (absorbed), never runs the layer:
+    an adapter on it, which would be silently left out, is refused naming the module and the reason."""
+    base = str(build_tiny_checkpoint("deepseek_v3", tmp_path / "base", seed=0))
+    path = make_adapter(base, tmp_path / "kvb", rank=4, alpha=8, targets=("q_proj", "kv_b_proj"))
+    with pytest.raises(ValueError, match=r"'kvb' targets model\.layers\.0\.self_attn\.kv_b_proj, .*absorbed"):
+        Engine(model_path=base, skip_tokenizer_init=True, max_total_tokens=256, lora_paths={"kvb": str(path)})

@@ -14,7 +14,8 @@ so base requests and several adapters share one forward.
 
 Under TP a slot is sharded as its base layer: a column-parallel layer holds its rows of B (A
 whole), a row-parallel one its columns of A (B whole), whose partial delta joins the base
-layer's partial output before the one all-reduce — the sum of the ranks' deltas is the whole one.
+layer's partial output before the one all-reduce — the sum of the ranks' deltas is the whole one;
+a replicated layer (MLA's latent projections) holds both whole.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from safetensors.torch import load_file
 from torch import nn
 from torch.nn import functional as F
 
-from actors.engine.parallel import ColumnParallelLinear, RowParallelLinear
+from actors.engine.parallel import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 
 # a module of a decoder layer: model.layers.<i>.<its name in the layer> (what the model's supported_lora_modules list)
 LAYER_MODULE = re.compile(r"^model\.layers\.\d+\.([\w.]+)$")
@@ -124,11 +125,12 @@ class LoRAManager:
     ``max_loras_per_batch``, ``max_lora_rank``, ``lora_target_modules`` and ``max_loaded_loras`` it
     follows (the rank and the layers those of the start ``adapters`` where the two are None).
     The layers that may take adapters are those of the model's ``supported_lora_modules`` (its decoder layers'
-    attention and dense MLP projections; never a MoE's experts)."""
+    attention and dense MLP projections, a MoE's shared expert; never its routed experts)."""
 
     def __init__(self, model: nn.Module, full_model: nn.Module, adapters: List[LoRAAdapter], config,
                  dtype: torch.dtype, device: torch.device):
         self.model_name, self.supported_modules = type(model).__name__, getattr(model, "supported_lora_modules", ())
+        self.refused_modules = getattr(model, "refused_lora_modules", {})
         if not self.supported_modules:
             raise ValueError(f"LoRA adapters are not supported for {self.model_name} "
                              "(lora_paths, lora_target_modules)")
@@ -168,12 +170,15 @@ class LoRAManager:
 
     def _check_modules(self, adapter: LoRAAdapter) -> None:
         """ValueError naming the modules of ``adapter`` outside the model's ``supported_lora_modules``
-        (a MoE's experts): checked before any layer is wrapped, as an expert's projection is a linear layer too."""
+        (a MoE's experts; a module of its ``refused_lora_modules``, with the reason): checked before any layer
+        is wrapped, as an expert's projection is a linear layer too."""
         other = sorted(m for m in adapter.weights if LAYER_MODULE.match(m)[1] not in self.supported_modules)
         if other:
+            why = sorted({f"; {self.refused_modules[kind]}" for m in other
+                          if (kind := LAYER_MODULE.match(m)[1]) in self.refused_modules})
             raise ValueError(f"LoRA adapter {adapter.name!r} targets {', '.join(other)}: {self.model_name} takes "
                              f"adapters on {', '.join(self.supported_modules)} of a decoder layer only "
-                             "(no MoE experts)")
+                             f"(no MoE experts{''.join(why)})")
 
     def shard(self, adapter: LoRAAdapter) -> LoRAAdapter:
         """``adapter`` with this rank's shard of each module, padded to the slots' rank, as its
@@ -225,11 +230,10 @@ class LoRAManager:
         if tuple(a.shape) != want_a or tuple(b.shape) != want_b:
             raise ValueError(f"LoRA adapter {adapter.name!r}: {module} lora_A {tuple(a.shape)} and lora_B "
                              f"{tuple(b.shape)} do not fit the model's layer (want {want_a} and {want_b})")
-        shard = layer.base.param_shards["weight"]
         if isinstance(layer.base, RowParallelLinear):  # this rank's input columns
-            a = torch.cat([a[:, r.start:r.stop] for r in shard.ranges], dim=1)
-        else:  # column parallel: this rank's output rows
-            b = torch.cat([b[r.start:r.stop] for r in shard.ranges], dim=0)
+            a = torch.cat([a[:, r.start:r.stop] for r in layer.base.param_shards["weight"].ranges], dim=1)
+        elif isinstance(layer.base, ColumnParallelLinear):  # this rank's output rows
+            b = torch.cat([b[r.start:r.stop] for r in layer.base.param_shards["weight"].ranges], dim=0)
         padded_a = torch.zeros(self.max_rank, a.shape[1], dtype=layer.lora_a.dtype)
         padded_b = torch.zeros(b.shape[0], self.max_rank, dtype=layer.lora_b.dtype)
         padded_a[:adapter.rank], padded_b[:, :adapter.rank] = a, b
@@ -307,7 +311,7 @@ def _module(model: nn.Module, name: str) -> nn.Module:
         module = model.get_submodule(name)
     except AttributeError:
         module = None
-    if not isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+    if not isinstance(module, (ColumnParallelLinear, ReplicatedLinear, RowParallelLinear)):
         raise ValueError(f"a LoRA adapter targets {name}, which the model has no linear layer at")
     return module
 

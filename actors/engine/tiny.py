@@ -140,10 +140,11 @@ def build_tiny_checkpoint(family: str, out_dir: Union[str, Path], seed: int = 0,
 def make_adapter(model_dir: str, out_dir: Path, rank: int, alpha: float, targets: Sequence[str] = ATTENTION + MLP,
                  seed: int = 0, use_rslora: bool = False, **config) -> Path:
     """A random adapter of every layer's ``targets`` in PEFT's layout (A and B both non-zero, so it
-    changes the model's output); ``config``: more adapter_config.json fields. A target is a linear
-    layer of the layer's attention or dense MLP (HF's modules: a MoE family's experts are none of
-    them, so ``gate_proj`` targets Qwen3-MoE's dense layers only, and no Mixtral layer; Phi-3's are
-    ``qkv_proj`` and ``gate_up_proj``)."""
+    changes the model's output); ``config``: more adapter_config.json fields. A target is the last
+    name of a linear layer of the layer's attention, dense MLP or shared expert, wherever it sits (HF's
+    modules: a MoE family's experts are none of them, so ``gate_proj`` targets Qwen3-MoE's dense layers
+    only, and no Mixtral layer; DeepSeek's and Qwen3-Next's MoE layers by their shared expert; Phi-3's are
+    ``qkv_proj`` and ``gate_up_proj``, DeepSeek's MLA ``kv_a_proj_with_mqa`` ...)."""
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -152,15 +153,15 @@ def make_adapter(model_dir: str, out_dir: Path, rank: int, alpha: float, targets
     modules, gen = dict(hf.named_modules()), torch.Generator().manual_seed(seed)
     tensors = {}
     for layer in range(hf.config.num_hidden_layers):
+        prefix = f"model.layers.{layer}."
         for module in targets:
-            name = f"model.layers.{layer}.{'self_attn' if module in ATTENTION + ('qkv_proj',) else 'mlp'}.{module}"
-            linear = modules.get(name)
-            if not isinstance(linear, torch.nn.Linear):
-                continue
-            fan_in, fan_out = linear.in_features, linear.out_features
-            key = f"base_model.model.{name}.lora_"
-            tensors[key + "A.weight"] = torch.randn(rank, fan_in, generator=gen) / math.sqrt(fan_in)
-            tensors[key + "B.weight"] = torch.randn(fan_out, rank, generator=gen) / math.sqrt(rank)
+            for name in sorted(n for n, m in modules.items() if n.startswith(prefix) and n.endswith(f".{module}")
+                               and ".experts." not in n and isinstance(m, torch.nn.Linear)):
+                linear = modules[name]
+                fan_in, fan_out = linear.in_features, linear.out_features
+                key = f"base_model.model.{name}.lora_"
+                tensors[key + "A.weight"] = torch.randn(rank, fan_in, generator=gen) / math.sqrt(fan_in)
+                tensors[key + "B.weight"] = torch.randn(fan_out, rank, generator=gen) / math.sqrt(rank)
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out_dir / "adapter_model.safetensors"))
     settings = {"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "target_modules": list(targets),
