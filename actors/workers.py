@@ -32,7 +32,8 @@ import time
 from typing import Any, AsyncIterator, Dict, List, Optional, Tuple
 
 from actors.engine.config import EngineConfig, prefill_speculative_error
-from actors.engine.engine import _eos_ids, check_engine_integrity, flush_engine_cache, request_result
+from actors.engine.engine import (_eos_ids, check_engine_integrity, engine_server_info, flush_engine_cache,
+                                  request_result)
 from actors.engine.engine_loop import EngineLoop, Post
 from actors.engine.grammar import MakingReqs, make_req_off_loop
 from actors.engine.lora_updates import async_unload_lora_adapter, load_lora_adapter
@@ -176,6 +177,11 @@ class _Worker:
             **({"hicache": hicache_stats(sched.tree_cache.cache_controller)} if sched.host_tier else {}),
             **({"spec_decode": sched.spec_stats.as_dict()} if sched.speculative else {}),
         }
+
+    def server_info(self) -> Dict[str, Any]:
+        """The sizes this worker's engine chose at start (:func:`engine_server_info`: static, asked once
+        per worker)."""
+        return engine_server_info(self.scheduler)
 
     async def drain(self, timeout_s: float = 120.0) -> bool:
         """Refuse new requests; return once nothing is queued or running (True) or at the timeout."""

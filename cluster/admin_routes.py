@@ -12,8 +12,11 @@ POST /pause_generation      SGLang's {"mode"}: new requests wait from now on; "a
                             paused already, the server and its workers stay paused)
 POST /continue_generation   the workers step again, the waiting requests run
 GET  /get_model_info        SGLang's: model_path, tokenizer_path, is_generation, weight_version, ...
-GET  /get_server_info       SGLang's: the configuration as served, and each worker's state (load,
-                            cache, its heartbeat's stats) as ``internal_states``
+GET  /get_server_info       SGLang's: the configuration as served; SGLang's scheduler info (the
+                            least over the decode workers: see ``cluster_limits``); and each
+                            worker's state as ``internal_states``: role, id, load (its heartbeat's
+                            stats) and the sizes its engine chose (request rows, KV slots, SWA
+                            and Mamba slots, page size, context, prefill chunk, speculation)
 GET  /health_generate       SGLang's: one token generated on a worker pair within
                             ``server.health_generate_timeout_s``: 200, else 503 (paused: at once)
 POST /reset_prefix_cache    vLLM's name of /flush_cache
@@ -29,7 +32,7 @@ import asyncio
 import json
 import os
 import uuid
-from typing import Any, Dict, Literal, Optional
+from typing import Any, Dict, List, Literal, Optional
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -66,6 +69,18 @@ def _model_config(model_path: Optional[str]) -> Dict[str, Any]:
             return json.load(f)
     except (TypeError, OSError, ValueError):
         return {}
+
+
+def cluster_limits(workers: List[Dict[str, Any]], max_prompt_len: int) -> Dict[str, Any]:
+    """SGLang's scheduler info at the top of /get_server_info, for clients written for one SGLang
+    server (sglang.bench_serving reads ``max_total_num_tokens``): the least over the live decode
+    workers that reported their sizes, as a request's row and its KV, prompt and output, are held
+    by one decode worker (None: none reported yet); ``max_req_input_len``: the longest prompt the
+    cluster takes (the prefill workers' pools bound it too)."""
+    decode = [w for w in workers if w["role"] == "decode" and w["alive"] and "max_total_num_tokens" in w]
+    limits = {key: min((w[key] for w in decode), default=None)
+              for key in ("max_running_requests", "max_total_num_tokens", "page_size")}
+    return {**limits, "max_req_input_len": max_prompt_len}
 
 
 def add_admin_routes(app: FastAPI, service, server, parse_body, health, flush_cache, served_config: Dict[str, Any],
@@ -118,11 +133,12 @@ def add_admin_routes(app: FastAPI, service, server, parse_body, health, flush_ca
     @app.get("/get_server_info")
     async def get_server_info():
         await refresh_loads_briefly(backend)
-        return {**served_config, "model_name": backend.model_name, "model_path": backend.model_path,
-                "context_len": backend.context_len, "max_prompt_len": backend.max_prompt_len,
-                "weight_version": backend.weight_version, "paused": not service.resumed.is_set(),
-                "lora_modules": dict(backend.lora_modules), "internal_states": backend.workers(),
-                "version": installed_version}
+        workers = backend.workers()
+        return {**served_config, **cluster_limits(workers, backend.max_prompt_len), "model_name": backend.model_name,
+                "model_path": backend.model_path, "context_len": backend.context_len,
+                "max_prompt_len": backend.max_prompt_len, "weight_version": backend.weight_version,
+                "paused": not service.resumed.is_set(), "lora_modules": dict(backend.lora_modules),
+                "internal_states": workers, "version": installed_version}
 
     @app.get("/health_generate")
     async def health_generate():

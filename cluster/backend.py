@@ -49,9 +49,12 @@ class ServingBackend(Protocol):
 
     def routing_policy(self, role: str) -> str: ...
 
-    def workers(self, include_dead: bool = False) -> List[Dict[str, Any]]: ...
+    def workers(self, include_dead: bool = False) -> List[Dict[str, Any]]:
+        """id, role, node, alive, inflight, load (the last heartbeat's stats), and the sizes its engine
+        chose (``actors.engine.engine.engine_server_info``'s keys) once asked."""
 
-    async def refresh_loads(self) -> None: ...
+    async def refresh_loads(self) -> None:
+        """The workers' loads asked anew, and the sizes of any worker whose engine was not asked yet."""
 
     async def health(self) -> Dict[str, Any]: ...
 
@@ -133,6 +136,7 @@ class PDBackend:
         self.owned_router = None
         self.model_path = getattr(cluster, "model_path", None)
         self.paused_mode: Optional[str] = None  # pause_generation's, until continue_generation
+        self.engine_info: Dict[str, Dict[str, Any]] = {}  # by worker id: its engine's sizes (static: asked once)
 
     @classmethod
     def from_cluster(cls, cluster, tokenizer=None, client=None, use_router: bool = True) -> "PDBackend":
@@ -212,12 +216,27 @@ class PDBackend:
 
     def workers(self, include_dead: bool = False) -> List[Dict[str, Any]]:
         """Workers in the rotation (and those that left it by dying, with ``include_dead``): id, role,
-        node, alive, load (the last heartbeat's stats)."""
-        return [{"id": w.worker_id, "role": w.role, "node": w.node_id, "alive": w.alive, "inflight": w.inflight,
-                 "load": dict(w.stats)} for w in self._all() if w.alive or include_dead]
+        node, alive, load (the last heartbeat's stats), and the sizes its engine chose once asked
+        (:meth:`refresh_loads`)."""
+        return [{**self.engine_info.get(w.worker_id, {}), "id": w.worker_id, "role": w.role, "node": w.node_id,
+                 "alive": w.alive, "inflight": w.inflight, "load": dict(w.stats)}
+                for w in self._all() if w.alive or include_dead]
 
     async def refresh_loads(self) -> None:
         await self.client.heartbeat_once()
+        await self._ask_engine_info()
+
+    async def _ask_engine_info(self) -> None:
+        """Each live worker's ``server_info`` (its engine's sizes), asked once: they never change while it
+        runs (a sleep or a weight update keeps them). A worker that left drops its entry; one that does
+        not answer is asked again next time."""
+        workers = self._all()
+        ids = {w.worker_id for w in workers}
+        for worker_id in [i for i in self.engine_info if i not in ids]:
+            del self.engine_info[worker_id]
+        new = [w for w in workers if w.alive and w.worker_id not in self.engine_info]
+        results = await asyncio.gather(*(w.handle.server_info.remote() for w in new), return_exceptions=True)
+        self.engine_info.update((w.worker_id, r) for w, r in zip(new, results) if not isinstance(r, BaseException))
 
     async def health(self) -> Dict[str, Any]:
         """Ready when every worker in the rotation answers, with at least one per role, and not draining."""

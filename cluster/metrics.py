@@ -8,7 +8,8 @@ latency, tokens (prompt / generated / cache hits), the KV transfer's latency,
 bytes and bandwidth, and which worker each routing policy picked. Per worker
 (refreshed at scrape time from the workers' own load reports): KV usage, queue
 lengths (prefill waiting; decode prealloc / transfer / running / retracted),
-requests in flight, and with the hierarchical cache its host usage; and, as
+requests in flight, the request rows and KV slots its engine chose, and with the
+hierarchical cache its host usage; and, as
 counters (``_total``: they only grow, so ``rate()`` applies), retractions and the
 priority preemptions among them, KV bytes pushed, the hierarchical cache's tokens /
 pages moved between its tiers and speculative decoding's drafts, draft tokens and
@@ -29,6 +30,8 @@ PREFIX = "raydix"
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 30.0, 60.0)
 TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5)
 BANDWIDTH_BUCKETS = tuple(10.0 ** e for e in range(5, 12))  # 100 kB/s … 100 GB/s
+ENGINE_SIZES = (("max_running_requests", "request rows the worker's engine runs at most, as it chose them"),
+                ("max_total_num_tokens", "KV slots of the worker's (full-attention) pool, as its engine sized it"))
 QUEUES = {"prefill": ("waiting", "running"), "decode": ("prealloc", "transfer", "running", "waiting")}
 
 
@@ -141,6 +144,8 @@ class ServerMetrics:
                               w, registry=r)
         self.host_kv_usage = Gauge(f"{PREFIX}_worker_host_kv_cache_usage_ratio",
                                    "hierarchical cache: host KV slots in use / total", w, registry=r)
+        # the sizes the worker's engine chose at start (SGLang's max_total_num_tokens gauge; vLLM's cache_config_info)
+        self.engine_sizes = {key: Gauge(f"{PREFIX}_worker_{key}", doc, w, registry=r) for key, doc in ENGINE_SIZES}
         self.worker_counters = _WorkerCounters()
         r.register(self.worker_counters)
         self.request_retries = _ReadCounter(f"{PREFIX}_request_retries", "requests sent to a new (prefill, decode) "
@@ -193,7 +198,8 @@ class ServerMetrics:
         """Per-worker gauges from a fresh ``backend.workers(include_dead=True)``: a worker out of the
         rotation is ``worker_up`` 0 and nothing else; workers that left drop their series (the routing
         counter's too: worker ids are not reused, so those would only pile up)."""
-        for gauge in (self.worker_up, self.kv_usage, self.queue_len, self.inflight, self.host_kv_usage):
+        for gauge in (self.worker_up, self.kv_usage, self.queue_len, self.inflight, self.host_kv_usage,
+                      *self.engine_sizes.values()):
             gauge.clear()
         self.worker_counters.workers = workers
         known = {w["id"] for w in workers}
@@ -208,6 +214,9 @@ class ServerMetrics:
             if not w["alive"]:  # its last load report is stale: only its being down is exported
                 continue
             self.inflight.labels(*key).set(w.get("inflight", 0))
+            for size, gauge in self.engine_sizes.items():
+                if size in w:
+                    gauge.labels(*key).set(w[size])
             if "kv_usage" in load:
                 self.kv_usage.labels(*key).set(load["kv_usage"])
             for queue in QUEUES.get(w["role"], ()):

@@ -3,7 +3,8 @@ Ray): /abort_request by a /generate rid or an X-Request-Id, streamed and not, an
 requests running, held by a pause or queued for an admission slot; /pause_generation in each mode,
 then /continue_generation (the requests queued meanwhile run, tokens as unpaused), all workers or
 none (PDBackend); a paused engine's weight update; /health_generate's 200 and 503 (paused: at once);
-the info routes. The engine leaks nothing afterwards."""
+the info routes (/get_server_info: the sizes the workers' engines chose, PDBackend asking each worker
+once). The engine leaks nothing afterwards."""
 
 import asyncio
 import json
@@ -15,6 +16,7 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
+from cluster.admin_routes import cluster_limits
 from cluster.backend import PDBackend
 from cluster.config import ServerConfig
 from tests.server_helpers import wait_until
@@ -404,6 +406,77 @@ def test_the_info_routes(engine, served, idle_after):
     assert engine.scheduler.tree_cache.evictable_size() > 0
     assert post(served, "/reset_prefix_cache").status_code == 200
     assert engine.scheduler.tree_cache.evictable_size() == 0
+
+
+class _PrefillAndDecode(EngineBackend):
+    """The engine as a prefill and a decode worker, each listed with the sizes it chose, as PDBackend
+    lists a PD worker once asked."""
+
+    def workers(self, include_dead=False):
+        return [{**self.engine.server_info(), "id": f"{role[0]}-0", "role": role, "node": "n", "alive": True,
+                 "inflight": 0, "load": {}} for role in ("prefill", "decode")]
+
+
+def test_get_server_info_reports_the_sizes_the_engine_chose(engine, idle_after):
+    """SGLang's scheduler info at the top (sglang.bench_serving reads max_total_num_tokens) and per
+    worker in ``internal_states``: what the runner chose, not the configuration's null
+    max_running_requests; /metrics exports them per worker."""
+    runner, sched = engine.runner, engine.scheduler
+    assert engine.config.max_running_requests is None
+    with serving(engine, ServerConfig(), _PrefillAndDecode) as server:
+        info = httpx.get(server.url + "/get_server_info").json()
+        metrics = httpx.get(server.url + "/metrics").text
+    assert (info["max_running_requests"], info["max_total_num_tokens"], info["page_size"]) == (
+        runner.max_running_requests, runner.max_total_num_tokens, 4)
+    assert info["max_req_input_len"] == 255
+    decode = info["internal_states"][1]
+    assert (decode["id"], decode["role"], decode["context_len"]) == ("d-0", "decode", sched.context_len)
+    assert decode["chunked_prefill_size"] == sched.chunked_prefill_size and decode["speculative_algorithm"] is None
+    labels = '{role="decode",worker="d-0"}'
+    assert f"raydix_worker_max_total_num_tokens{labels} {float(runner.max_total_num_tokens)}" in metrics
+
+
+def _sized_worker(worker_id, role, answers, asked):
+    """A worker whose ``server_info`` answers ``answers[worker_id]`` (None: fails, as a dead actor's
+    call), each call noted in ``asked``."""
+    async def server_info():
+        asked.append(worker_id)
+        if answers[worker_id] is None:
+            raise RuntimeError("the actor died")
+        return answers[worker_id]
+
+    return SimpleNamespace(worker_id=worker_id, role=role, node_id="n", alive=True, inflight=0, stats={},
+                           handle=SimpleNamespace(server_info=SimpleNamespace(remote=server_info)))
+
+
+def test_pd_backend_asks_each_worker_its_sizes_once_and_the_top_level_is_the_least_decode_workers():
+    """PDBackend asks a live worker's sizes once (static: a worker that failed to answer is asked
+    again, one that left drops them); the top level is the least over the live decode workers, the
+    prefill workers' smaller pools left out (they hold no running request)."""
+    def sizes(rows, tokens):
+        return {"max_running_requests": rows, "max_total_num_tokens": tokens, "page_size": 4}
+
+    async def heartbeat_once():
+        pass
+
+    asked, answers = [], {"p-0": sizes(8, 64), "d-0": sizes(256, 4096), "d-1": sizes(32, 8192), "d-2": None}
+    prefill, big, small, late = (_sized_worker(i, "prefill" if i == "p-0" else "decode", answers, asked)
+                                 for i in answers)
+    client = SimpleNamespace(prefill=[prefill], decode=[big, small, late], heartbeat_once=heartbeat_once)
+    backend = PDBackend(client)
+    asyncio.run(backend.refresh_loads())
+    workers = backend.workers()
+    assert [w.get("max_total_num_tokens") for w in workers] == [64, 4096, 8192, None]
+    assert cluster_limits(workers, 100) == {"max_running_requests": 32, "max_total_num_tokens": 4096,
+                                            "page_size": 4, "max_req_input_len": 100}
+    answers["d-2"], big.alive = sizes(16, 1024), False
+    asyncio.run(backend.refresh_loads())
+    assert sorted(asked) == ["d-0", "d-1", "d-2", "d-2", "p-0"]
+    assert cluster_limits(backend.workers(), 100)["max_total_num_tokens"] == 1024
+    client.decode.remove(small)
+    asyncio.run(backend.refresh_loads())
+    assert set(backend.engine_info) == {"p-0", "d-0", "d-2"} and len(asked) == 5
+    assert cluster_limits([], 100)["max_total_num_tokens"] is None
 
 
 @pytest.mark.parametrize("path, body", [("/v1/embeddings", {"input": PROMPT}),

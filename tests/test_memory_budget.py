@@ -3,6 +3,9 @@
 import pytest
 import torch
 
+from actors.engine.engine import engine_server_info
+from actors.engine.scheduler import Scheduler
+
 from mem_cache.memory_budget import (
     KVCacheShape,
     MemoryBudget,
@@ -382,7 +385,7 @@ def test_a_hybrid_under_speculation_without_max_running_requests_fits_its_rows(t
     most request rows whose Mamba slots and verify scratch fit the budget's Mamba share, the KV pool
     keeping the rest. It used to budget 256 rows x 5 verify states (a real Qwen3-Next-80B: 92 GiB)
     and refuse to start. A max_running_requests set too high is still refused, naming the scratch
-    and the rows that fit."""
+    and the rows that fit. /get_server_info's sizes (``engine_server_info``) are the rows chosen."""
     from actors.engine.config import EngineConfig
     from actors.engine.model_runner import ModelRunner
     from actors.engine.tiny import build_tiny_checkpoint
@@ -406,6 +409,10 @@ def test_a_hybrid_under_speculation_without_max_running_requests_fits_its_rows(t
     with pytest.raises(ValueError, match=f"max_running_requests=256 asks .* states of the verify scratch; "
                                          f"at most {rows} fit"):
         ModelRunner(EngineConfig(**config, max_running_requests=256))
+    info = engine_server_info(Scheduler(runner))  # (/get_server_info's: the rows chosen, not the null configured)
+    assert (info["max_running_requests"], info["max_total_num_tokens"], info["max_mamba_cache_size"]) == (
+        rows, runner.max_total_num_tokens, mamba.size)
+    assert info["speculative_algorithm"] == "ngram" and info["speculative_num_draft_tokens"] == 4
 
 
 @pytest.mark.parametrize("family", ["gpt_oss", "mistral"])
@@ -413,7 +420,8 @@ def test_a_draft_models_pool_fits_the_budget_beside_the_targets(tmp_path, monkey
     """With a draft model the KV pools sized from device memory — the target's and the draft's, as
     many slots as the full pool — fit ``mem_fraction_static``'s share, for sliding-window targets
     too (GPT-OSS: half its layers slide; Mistral: all): the SWA split grew the full pool, and the
-    draft's with it, beyond the budget, when it spread the target's layers only."""
+    draft's with it, beyond the budget, when it spread the target's layers only. /get_server_info's
+    sizes are both pools' as the split left them."""
     from actors.engine.config import EngineConfig
     from actors.engine.model_runner import ModelRunner
     from actors.engine.tiny import build_tiny_checkpoint
@@ -426,6 +434,10 @@ def test_a_draft_models_pool_fits_the_budget_beside_the_targets(tmp_path, monkey
     runner = ModelRunner(EngineConfig(model_path=str(path), mem_fraction_static=fraction, max_running_requests=64,
                                       speculative_algorithm="draft_model", speculative_draft_model_path=str(draft)))
     assert runner.draft.token_to_kv_pool.size == runner.max_total_num_tokens
+    info = engine_server_info(Scheduler(runner))  # (/get_server_info's: both pools as the SWA split sized them)
+    assert (info["max_total_num_tokens"], info["swa_max_total_num_tokens"]) == (
+        runner.allocator.size, runner.allocator.size_swa)
+    assert info["speculative_draft_model_path"] == str(draft) and "max_mamba_cache_size" not in info
     used = runner.token_to_kv_pool.mem_usage_bytes() + runner.draft.token_to_kv_pool.mem_usage_bytes()
     budget = available - round(total * (1 - fraction))
     assert budget * 0.95 < used <= budget * 1.001  # (+ each pool's page of dummy slots, not budgeted)

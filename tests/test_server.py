@@ -49,6 +49,13 @@ def test_models_and_health(served, client, http):
     assert http.get("/v1/models").json()["data"][0]["max_model_len"] == served[0].context_len() < 512
     health = http.get("/health")
     assert health.status_code == 200 and health.json()["ready"]
+    # /get_server_info: each worker's sizes as its runner chose them (asked over Ray), the top level the
+    # decode worker's; the prefill worker's rows are its default (the configuration's null)
+    info = http.get("/get_server_info").json()
+    assert (info["max_total_num_tokens"], info["max_running_requests"], info["page_size"]) == (512, 64, 4)
+    sizes = {w["role"]: (w["max_total_num_tokens"], w["max_running_requests"]) for w in info["internal_states"]}
+    assert sizes == {"prefill": (2048, 256), "decode": (512, 64)}
+    assert info["prefill"]["engine"]["max_running_requests"] is None
 
 
 def test_greedy_tokens_equal_the_engines(served, client, http):

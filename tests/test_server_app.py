@@ -530,8 +530,10 @@ def test_a_worker_out_of_the_rotation_scrapes_as_down():
 
     class OneDown(ScriptedBackend):
         def workers(self, include_dead=False):
-            up = {"id": "d-0", "role": "decode", "node": "n", "alive": True, "inflight": 0, "load": {"running": 1}}
-            down = {"id": "d-1", "role": "decode", "node": "n", "alive": False, "inflight": 0,
+            sizes = {"max_running_requests": 48, "max_total_num_tokens": 4096}  # (its engine's, once asked)
+            up = {**sizes, "id": "d-0", "role": "decode", "node": "n", "alive": True, "inflight": 0,
+                  "load": {"running": 1}}
+            down = {**sizes, "id": "d-1", "role": "decode", "node": "n", "alive": False, "inflight": 0,
                     "load": {"running": 7, "kv_usage": 0.9}}
             return [up, down] if include_dead else [up]
 
@@ -546,6 +548,8 @@ def test_a_worker_out_of_the_rotation_scrapes_as_down():
     assert samples[("raydix_worker_up", "d-0", None)] == 1
     assert samples[("raydix_worker_up", "d-1", None)] == 0
     assert samples[("raydix_worker_queue_requests", "d-0", "running")] == 1
+    assert samples[("raydix_worker_max_running_requests", "d-0", None)] == 48
+    assert samples[("raydix_worker_max_total_num_tokens", "d-0", None)] == 4096
     assert not any(worker == "d-1" for name, worker, _ in samples if name != "raydix_worker_up")
 
 

@@ -398,6 +398,11 @@ def test_pd_decode_side_speculates_with_plain_decodings_tokens(model_dir, tight)
     stats = decode.scheduler.spec_stats
     assert stats.num_accepted_tokens > 0
     assert (decode.scheduler.num_retractions > 0) == tight
+    # /get_server_info's sizes of each worker: speculation is the decode side's alone
+    info = decode.server_info()
+    assert (info["speculative_algorithm"], info["speculative_num_draft_tokens"]) == ("ngram", 4)
+    assert info["max_total_num_tokens"] == (160 if tight else decode.runner.max_total_num_tokens)
+    assert prefill.server_info()["speculative_algorithm"] is None
     # the decode worker's counters on the server's /metrics (from its load report, as heartbeats fetch it)
     metrics = ServerMetrics("m")
     metrics.set_workers([{"id": "d0", "role": "decode", "alive": True, "load": decode.load()}], running=0, queued=0)
