@@ -121,6 +121,11 @@ class RankHost:
         """``{backend: (layout, endpoint)}`` of this rank (what a peer needs to reach it)."""
         return {name: (agent.layout, agent.endpoint()) for name, agent in self.agents.items()}
 
+    def reset_agents(self) -> None:
+        """This rank's pools were released or allocated anew (sleep mode): see :meth:`TransferAgent.reset`."""
+        for agent in self.agents.values():
+            agent.reset()
+
     def close(self) -> None:
         if self.pusher is not None:
             self.pusher.close()
@@ -146,6 +151,7 @@ class TPFollower:
         self.waiting_timeout_s = waiting_timeout_s
         self._receivers: Dict[str, KVReceiver] = {}
         self._landed: set = set()  # shares reported landed that rank 0 may still ask about
+        self.host.tp_worker.memory.on_kv_moved = self.host.reset_agents  # (sleep mode)
         handlers = self.host.tp_worker.handlers
         handlers.update(push=self._push, push_status=self._push_status, cancel_push=self._cancel_push,
                         expect=self._expect, land=self._land, cancel=self._cancel)

@@ -37,6 +37,7 @@ from actors.engine.engine import (_eos_ids, check_engine_integrity, engine_serve
 from actors.engine.engine_loop import EngineLoop, Post
 from actors.engine.grammar import MakingReqs, make_req_off_loop
 from actors.engine.lora_updates import async_unload_lora_adapter, load_lora_adapter
+from actors.engine.memory_occupation import EngineMemory, parse_tags
 from actors.engine.model_loader import WeightsSource
 from actors.engine.req import Req
 from actors.engine.sampling_params import SamplingParams
@@ -193,6 +194,31 @@ class _Worker:
             await asyncio.sleep(0.02)
         return False
 
+    # ---- sleep mode (actors.engine.memory_occupation) -----------------------------------------
+    def _init_memory(self) -> None:
+        """Once the loop is made: requests refused while asleep (under the loop's lock); each rank's
+        transfer agents forget the old KV memory as it goes and comes (``RankHost.reset_agents``:
+        a prefill rank its mappings of the decode pools, a decode rank its endpoint)."""
+        self.memory = EngineMemory(self.loop, self.runner, self.tp_worker.call_followers)
+        self.memory.rank.on_kv_moved = self.rank.reset_agents
+        self.loop.check_admission = self.memory.check_serving
+
+    async def release_memory_occupation(self, tags: Optional[List[str]] = None, keep_weights: bool = False) -> None:
+        """Give back the memory of ``tags`` (None: all) on every TP rank, the weights kept in a CPU copy with
+        ``keep_weights`` (vLLM's sleep level 1). NotIdleError (nothing released) while a request is held
+        here, a KV transfer of its included; ValueError for an unknown tag. The whole cluster releases
+        together (``cluster.backend.PDBackend``): a decode pool's old memory goes once no prefill rank
+        maps it."""
+        await asyncio.to_thread(self.memory.release, parse_tags(tags), keep_weights)
+
+    async def resume_memory_occupation(self, tags: Optional[List[str]] = None) -> None:
+        """Allocate the memory of ``tags`` (None: all) anew on every TP rank; the KV cache starts empty (a
+        decode worker's pools in new segments: its hand-offs carry the new endpoint)."""
+        await asyncio.to_thread(self.memory.resume, parse_tags(tags))
+
+    def is_sleeping(self) -> bool:
+        return self.memory.is_sleeping
+
     # ---- KV events for the router's prefix index -------------------------------------------
     def _init_kv_log(self) -> None:
         self._kv_log: List[Any] = []  # drained events, ids increasing; bounded like the cache's own queue
@@ -248,7 +274,7 @@ class _Worker:
         self.loop.run_exclusive(check)
 
     def flush_cache(self) -> None:
-        self.loop.run_exclusive(lambda: flush_engine_cache(self.scheduler, self.runner))
+        self.loop.run_exclusive(self.memory.cache_flush(lambda: flush_engine_cache(self.scheduler, self.runner)))
 
     async def load_lora_adapter(self, lora_name: str, lora_path: str, cache_key: Optional[str] = None) -> None:
         """This worker (every TP rank) serves the adapter in ``lora_path`` as ``lora_name`` from now on,
@@ -267,6 +293,7 @@ class _Worker:
         loaded); RuntimeError when a paused update with ``flush_cache`` would be refused here
         (:func:`check_paused_flush`): the PD backend checks every worker before any applies it."""
         def check():
+            self.memory.check_weights_update()
             check_paused_flush(self.loop, flush_cache)
             check_weights(self.runner, self.tp_worker.call_followers, model_path)
 
@@ -289,10 +316,13 @@ class _Worker:
                                                                flush_cache, torch_empty_cache))
 
     async def _update_weights(self, req: UpdateWeightsRequest) -> Dict[str, Any]:
+        self.memory.check_weights_update()
         updater = WeightUpdater(self.loop, self.runner, self.tp_worker.call_followers,
-                                lambda: flush_engine_cache(self.scheduler, self.runner),
+                                self.memory.cache_flush(lambda: flush_engine_cache(self.scheduler, self.runner)),
                                 lambda rid, room: self.abort(rid, ABORT_MESSAGE, room=room))
-        return (await updater.async_update(req))._asdict()
+        result = await updater.async_update(req)
+        self.memory.weights_discarded = False
+        return result._asdict()
 
     def get_weight_version(self) -> str:
         return self.runner.weights.version
@@ -338,6 +368,7 @@ class PrefillWorker(_Worker):
         self.loop = EngineLoop(self.scheduler)
         self.scheduler.enable_early_notice(self.loop.deliver_now)
         self._init_kv_log()
+        self._init_memory()
 
     async def prefill(self, rid: str, input_ids: List[int], sampling_params: Optional[Dict[str, Any]],
                       handoffs: List[bytes], priority: int = 0, lora_path: Optional[str] = None) -> Dict[str, Any]:
@@ -460,6 +491,7 @@ class DecodeWorker(_Worker):
         )
         self.loop = EngineLoop(self.scheduler)
         self._init_kv_log()
+        self._init_memory()
         self._queues: Dict[str, asyncio.Queue] = {}
         self._streaming: set = set()  # rids whose stream() is reading their queue
         # rid -> queue of a request that ended (failed transfer, timeout) before its stream() came

@@ -20,8 +20,11 @@ Contract:
   same node) returns ``{name: tensor}`` views of the very same memory.
 * ``release()`` gives every buffer's memory back (sleep mode), keeping the tensors (their
   shapes, none of their bytes: nothing may read them meanwhile); ``resume()`` allocates them
-  anew, zero-filled, at other addresses. Only a process-private allocator does: a peer's
-  mapping of a shared buffer would be left on memory the owner no longer uses.
+  anew, zero-filled, at other addresses. The tensors' storages are swapped in place, so the
+  pools' tensors and every view of them see the new memory. A shareable allocator's buffers
+  are new ones (shm: new files, the old ones unlinked; CUDA IPC: a new ``MemPool``): their
+  handles change, and a peer's mapping of the old ones must be dropped (it would pin the old
+  memory, and write where the pool no longer reads: ``TransferAgent.reset``).
 * ``close()`` releases what the allocator owns (unlinks shared memory) and
   refuses further allocations; tensors handed out must not be used after it.
   Views a peer already attached stay valid (an unlinked file lives on while
@@ -107,11 +110,21 @@ class BufferAllocator(abc.ABC):
         return sum(t.numel() * t.element_size() for t in self._buffers.values())
 
     def release(self) -> None:
-        raise ValueError(f"{type(self).__name__} buffers are mapped by a peer process (PD transfer): releasing "
-                         "them (sleep mode) is not served")
+        """Each buffer's memory given back: its storage swapped with an empty one, which takes the old
+        memory with it as it goes (freed; a file unmapped; on CUDA to the caching allocator, which
+        ``torch.cuda.empty_cache`` then returns to the driver). Views share the storage: released too."""
+        for tensor in self._buffers.values():
+            tensor.untyped_storage()._swap_data_ptr_(torch.UntypedStorage(0, device=self.device))
+        self._released()
 
     def resume(self) -> None:
-        raise ValueError(f"{type(self).__name__} buffers cannot be released, nor resumed")
+        """Each buffer allocated anew (zero-filled, as ``zeros``) and swapped into its storage."""
+        for name, tensor in self._buffers.items():
+            fresh = self._allocate(name, tuple(tensor.shape), tensor.dtype)
+            tensor.untyped_storage()._swap_data_ptr_(fresh.untyped_storage())
+
+    def _released(self) -> None:
+        """What the allocator drops once its buffers' memory is gone (files, a memory pool)."""
 
     def export_handles(self) -> List[BufferHandle]:
         raise NotImplementedError(f"{type(self).__name__} buffers cannot be mapped by another process")
@@ -129,19 +142,6 @@ class LocalBufferAllocator(BufferAllocator):
 
     def _allocate(self, name: str, shape: Tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         return torch.zeros(shape, dtype=dtype, device=self.device)
-
-    def release(self) -> None:
-        """Each buffer's storage shrunk to nothing (freed to the allocator below: on CUDA the caching
-        allocator, which ``torch.cuda.empty_cache`` then returns to the driver); views over it
-        (a pool's per-layer buffers) share the storage, so they are released too."""
-        for tensor in self._buffers.values():
-            tensor.untyped_storage().resize_(0)
-
-    def resume(self) -> None:
-        """Each buffer's storage allocated anew at its size, zero-filled (its views see it)."""
-        for tensor in self._buffers.values():
-            tensor.untyped_storage().resize_(tensor.nbytes)
-            tensor.zero_()
 
 
 def _shm_dir() -> str:
@@ -262,6 +262,7 @@ class SharedMemoryBufferAllocator(BufferAllocator):
         self._stem = os.path.join(_shm_dir(), f"raydix-{tag}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
         self._paths: List[str] = []
         self._handles: List[BufferHandle] = []
+        self._generation = 0  # buffers allocated anew after a release are files of new names
         lock_fd = _owner_lock(self._stem)  # held while this process lives (cleanup_stale_segments)
         # Runs on close(), garbage collection, or interpreter exit (atexit).
         self._finalizer = weakref.finalize(self, _unlink_owned, self._paths, self._stem + ".lock", lock_fd,
@@ -269,7 +270,8 @@ class SharedMemoryBufferAllocator(BufferAllocator):
 
     def _allocate(self, name: str, shape: Tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         nbytes = math.prod(shape) * dtype.itemsize
-        path = f"{self._stem}-{re.sub(r'[^A-Za-z0-9_.-]', '_', name)}"
+        generation = f"g{self._generation}-" if self._generation else ""
+        path = f"{self._stem}-{generation}{re.sub(r'[^A-Za-z0-9_.-]', '_', name)}"
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         self._paths.append(path)  # owned from now on, even if sizing fails
         try:
@@ -281,6 +283,18 @@ class SharedMemoryBufferAllocator(BufferAllocator):
 
     def export_handles(self) -> List[BufferHandle]:
         return list(self._handles)
+
+    def _released(self) -> None:
+        """The files unlinked (a peer's mapping keeps one's memory until it drops it) and their handles
+        dropped; :meth:`resume` makes new ones, under names a stale handle cannot open."""
+        for path in self._paths:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+        self._paths.clear()  # (in place: the finalizer holds the list)
+        self._handles.clear()
+        self._generation += 1
 
     def close(self) -> None:
         """Unlink every file; peers' existing mappings survive, new attaches fail."""
@@ -313,6 +327,11 @@ class CudaIpcBufferAllocator(BufferAllocator):
     def _allocate(self, name: str, shape: Tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         with torch.cuda.use_mem_pool(self.mem_pool, device=self.device):
             return torch.zeros(shape, dtype=dtype, device=self.device)
+
+    def _released(self) -> None:
+        """A new private pool for :meth:`resume`: the old one, dropped, is freed by ``torch.cuda.empty_cache``
+        once no block of it is in use (a peer's open IPC handle keeps its block until the peer drops it)."""
+        self.mem_pool = torch.cuda.MemPool()
 
     def export_handles(self) -> List[BufferHandle]:
         """One handle per buffer; ``payload`` is ``(rebuild_fn, args)`` from ``reduce_tensor``."""

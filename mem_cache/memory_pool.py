@@ -115,7 +115,7 @@ class KVCache(abc.ABC):
     def rebind_buffers(self) -> None:
         """Once a released pool's buffers are allocated anew (sleep mode: its allocator's ``resume``),
         their new addresses are the ones :meth:`check_integrity` holds them to (a peer's mapping of
-        the old ones would be stale: only process-private pools are released)."""
+        the old ones is stale: its transfer agents drop it, ``TransferAgent.reset``)."""
         if hasattr(self, "_initial_ptrs"):
             self._initial_ptrs = self.get_contiguous_buf_infos()[0]
 

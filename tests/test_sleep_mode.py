@@ -5,6 +5,7 @@ empty cache; level 2's weights serve only once an update has written them; a req
 the release; at TP 2 both ranks release."""
 
 import asyncio
+import os
 import threading
 import time
 
@@ -12,10 +13,11 @@ import pytest
 import torch
 
 from actors.engine import Engine
-from actors.engine.memory_occupation import kv_pools, parse_tags
+from actors.engine.memory_occupation import SleepingError, kv_pools, parse_tags
 from actors.engine.tiny import build_tiny_checkpoint
 from mem_cache.buffer_allocator import LocalBufferAllocator, SharedMemoryBufferAllocator
 from tests.parity import assert_greedy_parity
+from tests.pd_helpers import close_workers, make_pair, run_batch
 from tests.tp_helpers import thread_ranks
 
 GREEDY = {"temperature": 0, "max_new_tokens": 8}
@@ -151,7 +153,7 @@ def test_tp2_every_rank_releases_and_resumes(checkpoints, monkeypatch):
         eng.shutdown()
 
 
-def test_buffers_released_and_resumed_zero_filled_and_shared_ones_refused():
+def test_buffers_released_and_resumed_zero_filled_shared_ones_in_new_files():
     alloc = LocalBufferAllocator("cpu")
     buf = alloc.zeros("k", (4, 8), torch.float32)
     view = buf[1]
@@ -164,9 +166,67 @@ def test_buffers_released_and_resumed_zero_filled_and_shared_ones_refused():
     assert buf[1].eq(1.0).all() and buf.sum() == 8
     shared = SharedMemoryBufferAllocator(prefix="sleep")
     try:
-        shared.zeros("k", (4,), torch.float32)
-        with pytest.raises(ValueError, match="mapped by a peer process"):
-            shared.release()
+        buf, (old,) = shared.zeros("k", (4, 8), torch.float32), shared.export_handles()
+        view = buf[1]
+        buf.fill_(3.0)
+        shared.release()  # (the file unlinked, unmapped here)
+        assert buf.untyped_storage().nbytes() == 0 and not os.path.exists(old.payload) and not shared.export_handles()
+        shared.resume()
+        (new,) = shared.export_handles()
+        assert new.payload != old.payload and buf.untyped_storage().filename == new.payload and not buf.any()
+        view.fill_(1.0)
+        assert buf[1].eq(1.0).all() and buf.sum() == 8
     finally:
         shared.close()
+    assert not os.path.exists(new.payload)
     assert parse_tags(None) == {"kv_cache", "weights"}
+
+
+def segments(decode):
+    """The shared-memory files of the decode worker's pools."""
+    return {h.payload for h in decode.rank.buffer_allocator.export_handles()}
+
+
+def mapped(paths):
+    """Those of ``paths`` this process maps (a prefill rank's mapping of a decode pool: both workers run here)."""
+    with open("/proc/self/maps") as f:
+        maps = f.read()
+    return {p for p in paths if p in maps}
+
+
+def peer_files(prefill, agent_id):
+    """The files of the decode pools the prefill worker's agent maps as ``agent_id``'s."""
+    return {t.untyped_storage().filename for t in prefill.agents["shm"]._peers[agent_id].values()}
+
+
+def test_pd_workers_release_and_resume_into_new_decode_segments(checkpoints):
+    """Both workers of a PD pair sleep (level 1) and wake: the decode pools' shared-memory files are
+    unlinked and unmapped by both sides (the prefill agent dropped its mapping), requests are refused
+    meanwhile, and woken the decode pools are new files the prefill side maps and pushes into afresh,
+    the tokens those of before."""
+    prefill, decode = make_pair(checkpoints["old"], 4)
+    workers = (prefill, decode)
+    try:
+        before = [r[0]["output_ids"] for r in run_batch(prefill, decode, BATCH, GREEDY)]
+        old = segments(decode)
+        endpoint = decode.agents["shm"].endpoint()["agent_id"]
+        assert peer_files(prefill, endpoint) == old and mapped(old) == old
+        for w in workers:
+            asyncio.run(w.release_memory_occupation(keep_weights=True))
+        assert all(w.is_sleeping() and held_bytes(w.runner) == (0, 0) for w in workers)
+        assert not any(os.path.exists(p) for p in old) and not mapped(old) and not prefill.agents["shm"]._peers
+        with pytest.raises(SleepingError, match="sleeping"):
+            run_batch(prefill, decode, BATCH[:1], GREEDY)
+        for w in workers:
+            asyncio.run(w.resume_memory_occupation())
+        new = segments(decode)
+        assert len(new) == len(old) and not new & old
+        after = run_batch(prefill, decode, BATCH, GREEDY)
+        assert [r[0]["output_ids"] for r in after] == before
+        assert [r[0]["meta_info"]["cached_tokens"] for r in after] == [0, 0]
+        assert decode.agents["shm"].agent_id != endpoint and list(prefill.agents["shm"]._peers) == [decode.agents["shm"].agent_id]
+        assert peer_files(prefill, decode.agents["shm"].agent_id) == new  # (what it pushed into)
+        for w in workers:
+            w.check_integrity()
+    finally:
+        close_workers(*workers)

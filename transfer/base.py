@@ -116,6 +116,12 @@ class TransferAgent(abc.ABC):
         so that its receiver fails now with ``reason`` (:meth:`failed`). Best effort: never
         raises, never waits on a push in progress."""
 
+    def reset(self) -> None:
+        """This rank's pools were released or allocated anew (sleep mode, the worker idle): forget what
+        stands for the old memory. Backends that copy by tensor at each push and landing (torch_dist)
+        keep nothing of it; the same-node ones drop their mappings of peers' pools and take a new
+        agent id (:class:`~transfer.backends.mapped.MappedPeerAgent`)."""
+
     def close(self) -> None:
         """Drop peer mappings and connections."""
 

@@ -28,7 +28,7 @@ from actors.engine.config import EngineConfig
 from actors.engine.engine_loop import EngineLoop, Post
 from actors.engine.grammar import MakingReqs, make_req_off_loop
 from actors.engine.lora_updates import load_lora_adapter, unload_lora_adapter
-from actors.engine.memory_occupation import KV_CACHE, EngineMemory, parse_tags
+from actors.engine.memory_occupation import EngineMemory, parse_tags
 from actors.engine.model_loader import DEFAULT_WEIGHT_VERSION
 from actors.engine.model_runner import ModelRunner
 from actors.engine.req import Req
@@ -359,9 +359,7 @@ class Engine:
 
     def _update_weights(self, req: UpdateWeightsRequest) -> UpdateWeightsResult:
         self.memory.check_weights_update()
-        # (with the KV released the cache is empty and its buffers have no memory to check: dropped as is)
-        flush = (self.scheduler.drop_prefix_cache if KV_CACHE in self.memory.released else
-                 lambda: flush_engine_cache(self.scheduler, self.runner))
+        flush = self.memory.cache_flush(lambda: flush_engine_cache(self.scheduler, self.runner))
         updater = WeightUpdater(self.loop, self.runner, self._call_followers, flush,
                                 lambda rid, room: self.loop.abort(rid))
         result = updater.update(req)

@@ -20,13 +20,14 @@ given: all of them. Every TP rank releases and resumes alike (rank 0 tells the o
 Release needs an idle engine (SGLang's asserts one; vLLM's expects its caller to have stopped sending):
 a request held, waiting or running, refuses it (RuntimeError, nothing released). While any part is
 released, new requests are refused (RuntimeError: nothing could run them), as are weight updates while the
-weights are (their tensors have no memory to copy into: resume them first). A PD worker's KV pool is
-mapped by its peer, and releasing it is refused (:meth:`BufferAllocator.release`).
+weights are (their tensors have no memory to copy into: resume them first). A PD worker's KV pools are
+released and resumed alike (a decode worker's as new shared-memory files or in a new CUDA IPC pool): each
+rank's transfer agents then forget the old memory (``RankMemory.on_kv_moved``; see ``actors.workers``).
 """
 
 from __future__ import annotations
 
-from typing import Dict, FrozenSet, Iterable, List, Optional, Set, Tuple
+from typing import Callable, Dict, FrozenSet, Iterable, List, Optional, Set, Tuple
 
 import torch
 
@@ -64,10 +65,13 @@ def kv_pools(runner) -> List:
 
 
 class RankMemory:
-    """One rank's releasable memory (a TP follower's too): its KV pools' buffers and checkpoint tensors."""
+    """One rank's releasable memory (a TP follower's too): its KV pools' buffers and checkpoint tensors.
+    ``on_kv_moved``: called once its KV buffers were released or allocated anew (a PD rank's transfer
+    agents forget their mappings and endpoint: ``RankHost.reset_agents``)."""
 
     def __init__(self, runner):
         self.runner = runner
+        self.on_kv_moved: Callable[[], None] = lambda: None
         self.weights_copy: Optional[Dict[str, torch.Tensor]] = None  # (level 1: on the CPU)
         self.weights_released: List[Tuple[torch.UntypedStorage, int]] = []  # each storage with its size
 
@@ -84,6 +88,7 @@ class RankMemory:
         if KV_CACHE in tags:
             for allocator in self._allocators():
                 allocator.release()
+            self.on_kv_moved()
         if WEIGHTS in tags:
             self.weights_copy = ({name: t.detach().to("cpu", copy=True) for name, (t, _) in
                                   self.runner.weights.targets.items()} if keep_weights else None)
@@ -102,6 +107,7 @@ class RankMemory:
             for pool in kv_pools(self.runner):
                 if isinstance(pool, KVCache):
                     pool.rebind_buffers()
+            self.on_kv_moved()
         if WEIGHTS in tags:
             for storage, nbytes in self.weights_released:  # (released, they all have address 0: kept, not found again)
                 storage.resize_(nbytes)
@@ -111,13 +117,19 @@ class RankMemory:
             self.weights_copy, self.weights_released = None, []
 
 
-class EngineMemory:
-    """An engine's sleep state (rank 0's): the parts released, and whether the weights were discarded and
-    no update has written them since; each rank's :class:`RankMemory` does the releasing. ``loop``: the
-    engine's (its lock held while memory is released or resumed, so no step runs meanwhile)."""
+class SleepingError(RuntimeError):
+    """A request refused while memory is released, or on discarded weights (HTTP: 503)."""
 
-    def __init__(self, loop, runner, call_followers):
-        self.loop, self.rank, self.call_followers = loop, RankMemory(runner), call_followers
+
+class NotIdleError(RuntimeError):
+    """A release refused: requests are in flight (HTTP: 409)."""
+
+
+class MemoryState:
+    """What is released, and whether the weights were discarded and no update has written them since: an
+    engine's (:class:`EngineMemory`), or a PD cluster's, every worker's alike (``cluster.backend.PDBackend``)."""
+
+    def __init__(self):
         self.released: Set[str] = set()
         self.weights_discarded = False
 
@@ -125,22 +137,50 @@ class EngineMemory:
     def is_sleeping(self) -> bool:
         return bool(self.released)
 
+    def mark_released(self, parts: FrozenSet[str], keep_weights: bool) -> None:
+        self.released |= parts
+        if WEIGHTS in parts and not keep_weights:
+            self.weights_discarded = True
+
+    def check_serving(self) -> None:
+        """SleepingError unless requests can run: nothing released, the weights not left discarded."""
+        if self.released:
+            raise SleepingError(f"the engine is sleeping (its {', '.join(sorted(self.released))} released): "
+                                "resume_memory_occupation (wake_up) first")
+        if self.weights_discarded:
+            raise SleepingError("the weights were discarded (sleep level 2, or released without a CPU copy): "
+                                "update them (update_weights_from_disk / update_weights_from_tensor) first")
+
+    def check_weights_update(self) -> None:
+        """ValueError while the weights are released: an update has no memory to copy into."""
+        if WEIGHTS in self.released:
+            raise ValueError("the weights are released (sleep mode): resume them first (wake_up with tags "
+                             "['weights'], or resume_memory_occupation)")
+
+
+class EngineMemory(MemoryState):
+    """An engine's sleep state (rank 0's; a PD worker's too); each rank's :class:`RankMemory` does the
+    releasing. ``loop``: the engine's (its lock held while memory is released or resumed, so no step runs
+    meanwhile)."""
+
+    def __init__(self, loop, runner, call_followers):
+        super().__init__()
+        self.loop, self.rank, self.call_followers = loop, RankMemory(runner), call_followers
+
     def release(self, tags: FrozenSet[str], keep_weights: bool) -> None:
-        """RuntimeError (nothing released) while a request is held; parts released already are left as
+        """NotIdleError (nothing released) while a request is held; parts released already are left as
         they are; the KV cache's release drops the prefix cache first."""
         def release():
             held = [r.rid for r in self.loop.held_reqs()]
             if held or self.loop.scheduler.has_work():
-                raise RuntimeError(f"requests are in flight ({', '.join(held[:8])}): releasing memory needs an "
+                raise NotIdleError(f"requests are in flight ({', '.join(held[:8])}): releasing memory needs an "
                                    "idle engine (abort them, or wait for them to end)")
             parts = tags - self.released
             if KV_CACHE in parts:
                 self.loop.scheduler.drop_prefix_cache()
             self.rank.release(parts, keep_weights)
             on_followers(self.call_followers, "memory_release", (parts, keep_weights))
-            self.released |= parts
-            if WEIGHTS in parts and not keep_weights:
-                self.weights_discarded = True
+            self.mark_released(parts, keep_weights)
 
         self.loop.run_exclusive(release)
 
@@ -153,17 +193,7 @@ class EngineMemory:
 
         self.loop.run_exclusive(resume)
 
-    def check_serving(self) -> None:
-        """RuntimeError unless requests can run: nothing released, the weights not left discarded."""
-        if self.released:
-            raise RuntimeError(f"the engine is sleeping (its {', '.join(sorted(self.released))} released): "
-                               "resume_memory_occupation (wake_up) first")
-        if self.weights_discarded:
-            raise RuntimeError("the weights were discarded (sleep level 2, or released without a CPU copy): "
-                               "update them (update_weights_from_disk / update_weights_from_tensor) first")
-
-    def check_weights_update(self) -> None:
-        """ValueError while the weights are released: an update has no memory to copy into."""
-        if WEIGHTS in self.released:
-            raise ValueError("the weights are released (sleep mode): resume them first (wake_up with tags "
-                             "['weights'], or resume_memory_occupation)")
+    def cache_flush(self, flush: Callable[[], None]) -> Callable[[], None]:
+        """A cache flush (a weight update's, /flush_cache): ``flush``, unless the KV cache is released (then
+        the cache is empty and its buffers have no memory to check: dropped as is)."""
+        return self.loop.scheduler.drop_prefix_cache if KV_CACHE in self.released else flush

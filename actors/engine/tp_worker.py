@@ -217,7 +217,7 @@ class TPModelWorker:
             from actors.engine.lora_updates import FollowerReads  # (which imports this module)
             from actors.engine.memory_occupation import RankMemory
             from actors.engine.weight_updates import empty_device_cache
-            memory = RankMemory(self.runner)  # (sleep mode)
+            self.memory = memory = RankMemory(self.runner)  # (sleep mode)
             self.handlers.update(FollowerReads(self.runner).handlers(), weights_check=self.runner.weights.check,
                                  weights_load=self.runner.weights.load,
                                  weights_empty_cache=lambda _: empty_device_cache(self.runner.device),

@@ -189,6 +189,15 @@ class MappedPeerAgent(TransferAgent):
             self._peers.pop(agent_id, None)
             self._peer_pids.pop(agent_id, None)
 
+    def reset(self) -> None:
+        """Peers' mappings dropped (a released decode pool's memory goes only once no prefill rank maps
+        it), and a new agent id with a new endpoint (this rank's resumed pools are new memory, new
+        handles): every peer maps them afresh at its next push; an endpoint of the old id names
+        unlinked files (shm: the push fails, never writes where the pool no longer reads)."""
+        self.close()
+        self.agent_id, self._endpoint = uuid.uuid4().hex, None
+        _LOCAL_AGENTS[self.agent_id] = self
+
     def close(self) -> None:
         with self._lock:
             self._peers.clear()
