@@ -16,7 +16,8 @@ GET  /get_server_info       SGLang's: the configuration as served; SGLang's sche
                             least over the decode workers: see ``cluster_limits``); and each
                             worker's state as ``internal_states``: role, id, load (its heartbeat's
                             stats) and the sizes its engine chose (request rows, KV slots, SWA
-                            and Mamba slots, page size, context, prefill chunk, speculation)
+                            and Mamba slots, page size, context, prefill chunk, speculation);
+                            ``paused``, ``is_sleeping`` (sleep mode: cluster.sleep_routes)
 GET  /health_generate       SGLang's: one token generated on a worker pair within
                             ``server.health_generate_timeout_s``: 200, else 503 (paused: at once)
 POST /reset_prefix_cache    vLLM's name of /flush_cache
@@ -137,7 +138,8 @@ def add_admin_routes(app: FastAPI, service, server, parse_body, health, flush_ca
         return {**served_config, **cluster_limits(workers, backend.max_prompt_len), "model_name": backend.model_name,
                 "model_path": backend.model_path, "context_len": backend.context_len,
                 "max_prompt_len": backend.max_prompt_len, "weight_version": backend.weight_version,
-                "paused": not service.resumed.is_set(), "lora_modules": dict(backend.lora_modules),
+                "paused": not service.resumed.is_set(), "is_sleeping": backend.is_sleeping,
+                "lora_modules": dict(backend.lora_modules),
                 "internal_states": workers, "version": installed_version}
 
     @app.get("/health_generate")

@@ -12,7 +12,7 @@ no admission slot within the timeout   408     timeout_error
 request body too large                 413     invalid_request_error
 queue full                             429     rate_limit_error
 a worker failed (PDRequestError)       500     server_error
-draining, no live worker               503     service_unavailable
+draining, no live worker, sleeping     503     service_unavailable
 =====================================  ======  =========================
 """
 
@@ -23,6 +23,7 @@ from typing import Any, Dict, Optional
 
 from fastapi.responses import JSONResponse
 
+from actors.engine.memory_occupation import SleepingError
 from actors.pd_scheduler import PDRequestError
 from cluster.admission import QueueFullError, QueueTimeoutError
 
@@ -55,6 +56,8 @@ class APIError(Exception):
             return cls(429, str(exc), "rate_limit_error", code="queue_full")
         if isinstance(exc, QueueTimeoutError):
             return cls(408, str(exc), "timeout_error", code="queue_timeout")
+        if isinstance(exc, SleepingError):  # (vLLM's answer while asleep)
+            return cls(503, str(exc), "service_unavailable", code="sleeping")
         if isinstance(exc, PDRequestError):
             message = str(exc)
             if "draining" in message or message.startswith("no live"):

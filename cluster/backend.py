@@ -4,7 +4,8 @@
 request (``generate_stream``, cumulative results as ``PDClient`` yields them,
 raising ``PDRequestError`` on a worker failure and ``ValueError`` on a request
 the workers refuse), list / add / remove workers, health, flush, drain, load and
-unload LoRA adapters, update the weights from disk or tensors, pause and continue generation.
+unload LoRA adapters, update the weights from disk or tensors, pause and continue generation, release
+and resume the workers' memory (sleep mode).
 :class:`PDBackend` implements it over a ``PDCluster`` (worker management
 included) or a bare ``PDClient`` (whatever routes its requests: round-robin
 today, the router actor later — the server does not care).
@@ -20,6 +21,7 @@ from contextlib import aclosing
 from typing import Any, AsyncIterator, Dict, List, Optional, Protocol
 
 from actors.engine.lora import lora_cache_key
+from actors.engine.memory_occupation import MemoryState, NotIdleError, parse_tags
 from actors.engine.model_loader import DEFAULT_WEIGHT_VERSION
 from actors.engine.weight_updates import (DRAIN_POLL_S, SUCCESS, UpdateWeightsRequest, named_tensors_source,
                                           on_meta)
@@ -79,6 +81,16 @@ class ServingBackend(Protocol):
 
     async def continue_generation(self) -> None: ...
 
+    @property
+    def is_sleeping(self) -> bool:
+        """Whether any part of the workers' memory is released (requests are refused: a 503)."""
+
+    async def release_memory_occupation(self, tags: Optional[List[str]] = None, keep_weights: bool = False) -> None:
+        """Sleep mode on every worker or on none: NotIdleError where one holds a request, RuntimeError
+        naming the worker that failed otherwise (see :meth:`PDBackend.release_memory_occupation`)."""
+
+    async def resume_memory_occupation(self, tags: Optional[List[str]] = None) -> None: ...
+
     async def add_worker(self, role: str) -> Dict[str, Any]: ...
 
     async def remove_worker(self, worker_id: str) -> Dict[str, Any]: ...
@@ -137,6 +149,7 @@ class PDBackend:
         self.model_path = getattr(cluster, "model_path", None)
         self.paused_mode: Optional[str] = None  # pause_generation's, until continue_generation
         self.engine_info: Dict[str, Dict[str, Any]] = {}  # by worker id: its engine's sizes (static: asked once)
+        self.memory = MemoryState()  # sleep mode: what every worker has released
 
     @classmethod
     def from_cluster(cls, cluster, tokenizer=None, client=None, use_router: bool = True) -> "PDBackend":
@@ -168,6 +181,7 @@ class PDBackend:
         side): a request runs on one checkpoint, its prefill's and its decode's (see
         :meth:`update_weights_from_disk`)."""
         await self._serving.wait()
+        self.memory.check_serving()  # (SleepingError: nothing could run it)
         self._num_streams += 1
         try:
             async with aclosing(self.client.generate_stream(input_ids, sampling_params, rid, priority,
@@ -292,6 +306,52 @@ class PDBackend:
         live = [w for w in self._all() if w.alive]
         await asyncio.gather(*(w.handle.continue_generation.remote() for w in live))
 
+    # ---- sleep mode (actors.engine.memory_occupation) ------------------------------------------
+    @property
+    def is_sleeping(self) -> bool:
+        return self.memory.is_sleeping
+
+    async def release_memory_occupation(self, tags: Optional[List[str]] = None, keep_weights: bool = False) -> None:
+        """SGLang's release (vLLM's sleep: every tag, ``keep_weights`` at level 1) on every live worker,
+        prefill and decode, each on all its TP ranks, the parts of ``tags`` not released yet. The whole
+        cluster goes together: a decode pool's memory is free only once no prefill rank maps it, and a
+        request needs both sides. All or nothing, as a pause: a worker failing it, those that released
+        resume (NotIdleError where a worker holds a request, the release needing an idle cluster; else
+        RuntimeError; both naming the worker). Requests are refused meanwhile (:meth:`generate_stream`:
+        SleepingError), as vLLM's server answers 503 while asleep; SGLang's holds nothing either. The
+        router re-indexes every worker after it (their caches were dropped, as after a weights update's
+        flush). ValueError for an unknown tag."""
+        async with self._weights_lock:  # (no weights update in between)
+            parts = parse_tags(tags) - self.memory.released
+            if not parts:
+                return
+            live = [w for w in self._all() if w.alive]
+            results = await asyncio.gather(*(w.handle.release_memory_occupation.remote(sorted(parts), keep_weights)
+                                             for w in live), return_exceptions=True)
+            failed = _failures(live, results)
+            if failed:
+                await asyncio.gather(*(w.handle.resume_memory_occupation.remote(sorted(parts))
+                                       for w, r in zip(live, results) if not isinstance(r, BaseException)),
+                                     return_exceptions=True)
+                busy = any(isinstance(getattr(r, "cause", r), NotIdleError) for r in results)
+                raise (NotIdleError if busy else RuntimeError)(f"memory not released (the workers that released "
+                                                               f"resumed): {'; '.join(failed)}")
+            self.memory.mark_released(parts, keep_weights)
+            await self._tell_router("rebuild_from_workers")
+
+    async def resume_memory_occupation(self, tags: Optional[List[str]] = None) -> None:
+        """The parts of ``tags`` (None: all) allocated anew on every live worker (a decode worker's pools in
+        new segments, which the prefill workers map at their next push); RuntimeError naming the workers
+        that failed (those parts stay released: call again). ValueError for an unknown tag."""
+        async with self._weights_lock:
+            parts = parse_tags(tags) & self.memory.released
+            live = [w for w in self._all() if w.alive]
+            results = await asyncio.gather(*(w.handle.resume_memory_occupation.remote(sorted(parts)) for w in live),
+                                           return_exceptions=True)
+            if _failures(live, results):
+                raise RuntimeError(f"memory not resumed on {'; '.join(_failures(live, results))}")
+            self.memory.released -= parts
+
     async def load_lora_adapter(self, lora_name: str, lora_path: str) -> None:
         """Every live worker — prefill and decode, each on all its TP ranks — serves the adapter from now
         on, then ``lora_modules`` lists it; on none when one refuses it (ValueError: why). The load's
@@ -397,6 +457,7 @@ class PDBackend:
             now = ", ".join(f"{w.worker_id}={v if isinstance(v, str) else '?'}" for w, v in zip(live, versions))
             raise RuntimeError(f"weights update failed on {'; '.join(_failures(live, results))}; "
                                f"the workers' weight versions now: {now}")
+        self.memory.weights_discarded = False
         if req.weight_version is not None:
             self.weight_version = req.weight_version
         if req.flush_cache:
@@ -407,6 +468,8 @@ class PDBackend:
     async def add_worker(self, role: str) -> Dict[str, Any]:
         if self.cluster is None:
             raise NotImplementedError("this server was given a client, not a cluster: it cannot start workers")
+        if self.memory.is_sleeping:
+            raise RuntimeError("the workers are sleeping (memory released): wake them up before adding one")
         if self.weights_from_tensors:
             raise RuntimeError("the workers serve weights updated from tensors, which no checkpoint holds: a new "
                                "worker could not serve them (update the weights from disk first)")

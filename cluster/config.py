@@ -249,6 +249,11 @@ class ServerConfig(BaseModel):
         False, description="POST /update_weights_from_disk (SGLang's, which serves it ungated; off: the route "
         "does not exist, as vLLM keeps its dev endpoints behind VLLM_SERVER_DEV_MODE): every prefill and decode "
         "worker loads the checkpoint at a path on its own disk, for RL rollouts between training steps")
+    enable_sleep_mode: bool = Field(
+        False, description="POST /sleep, /wake_up, GET /is_sleeping (vLLM's, behind --enable-sleep-mode and "
+        "VLLM_SERVER_DEV_MODE) and POST /release_memory_occupation, /resume_memory_occupation (SGLang's, with "
+        "--enable-memory-saver); off: the routes do not exist. Every prefill and decode worker gives its KV "
+        "cache and weights back while a colocated RL trainer trains, requests refused (503) meanwhile")
     health_generate_timeout_s: float = Field(
         20.0, gt=0.0, description="GET /health_generate's limit for its one-token generation (SGLang's "
         "SGLANG_HEALTH_CHECK_TIMEOUT); past it: 503")

@@ -217,6 +217,9 @@ class GenerationService:
         holding none, when the request is aborted first (:attr:`requests`: /abort_request)."""
         if self.backend.draining:
             raise APIError(503, "the server is draining: no new requests", "service_unavailable", code="draining")
+        if self.backend.is_sleeping:  # (sleep mode: at once, not after a wait for a slot)
+            raise APIError(503, "the model is sleeping (its memory released): POST /wake_up or "
+                           "/resume_memory_occupation first", "service_unavailable", code="sleeping")
         if not self.resumed.is_set():
             self.num_paused += 1
             try:

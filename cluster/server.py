@@ -41,6 +41,8 @@ GET  /get_weight_version    {"weight_version": ...} (SGLang's; "default" before 
                             POST /update_weights_from_tensor (SGLang's, its
                             ``serialized_named_tensors`` the base64 of a safetensors blob):
                             every worker copies the tensors in
+POST /sleep, /wake_up, ...  vLLM's and SGLang's sleep mode (with ``server.enable_sleep_mode``):
+                            every worker's memory released and resumed (see cluster.sleep_routes)
 ==========================  =======================================================
 
 Errors are OpenAI-style bodies (see ``cluster.api_errors``). With
@@ -87,6 +89,7 @@ from cluster.openai_protocol import (AddWorkerRequest, LoadLoRAAdapterRequest, U
 from cluster.openai_responses import ResponsesRequest, ResponsesService
 from cluster.openai_score import RerankRequest, Scorer, ScoreRequest, create_rerank, create_score
 from cluster.openai_serving import GenerationService
+from cluster.sleep_routes import add_sleep_routes
 from cluster.openai_tokenization import DetokenizeRequest, detokenize, tokenize, tokenize_request_model
 
 
@@ -348,6 +351,8 @@ def build_app(cluster_or_client: Any, tokenizer=None, config=None, client=None,
         add_lora_routes(app, backend)
     if server.allow_weight_updates:
         add_weights_route(app, service)
+    if server.enable_sleep_mode:
+        add_sleep_routes(app, backend, parse_body)
     app.add_middleware(RequestGuard, api_key=api_key, max_body=server.max_request_body_bytes, metrics=metrics)
     return app
 

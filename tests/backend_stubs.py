@@ -6,6 +6,7 @@ from __future__ import annotations
 
 class StubBackend:
     draining = False
+    is_sleeping = False
     priority_scheduling = False
     lora_modules = {}
     weight_version = "default"

@@ -535,3 +535,57 @@ def test_a_paused_server_continues_after_a_weight_update_unless_keep_pause(engin
         for field, value in (("is_async", True), ("manifest", {"weights": []})):
             r = post(server, "/update_weights_from_disk", dict(update, **{field: value}))
             assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+
+
+def test_sleep_routes_refuse_requests_while_asleep_and_wake_up_to_the_same_tokens(engine, idle_after):
+    """vLLM's /sleep, /wake_up (its tags), /is_sleeping, and SGLang's release / resume routes: asleep,
+    a request is a 503 at once (generate and OpenAI's), /get_server_info says so; an unknown level or
+    tag is a 400, nothing released; woken, the tokens of before. Without the flag the routes are not there."""
+    want = post_generate_ids(engine)
+    with serving(engine, ServerConfig(enable_sleep_mode=True)) as server:
+        assert httpx.get(server.url + "/is_sleeping").json() == {"is_sleeping": False}
+        assert post(server, "/sleep?level=3").json()["error"]["param"] == "level"
+        r = post(server, "/sleep?level=1")
+        assert r.status_code == 200 and r.content == b"" and engine.is_sleeping()
+        assert httpx.get(server.url + "/is_sleeping").json() == {"is_sleeping": True}
+        assert httpx.get(server.url + "/get_server_info").json()["is_sleeping"] is True
+        for path, body in (("/generate", generate_body(params={"max_new_tokens": 2})),
+                           ("/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 2})):
+            r = post(server, path, body)
+            assert r.status_code == 503 and r.json()["error"]["code"] == "sleeping", r.text
+        r = httpx.post(server.url + "/wake_up", params={"tags": ["weights", "kv"]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tags" and engine.is_sleeping()
+        assert httpx.post(server.url + "/wake_up", params={"tags": "weights"}).status_code == 200
+        assert engine.memory.released == {"kv_cache"}
+        assert post(server, "/wake_up").status_code == 200 and not engine.is_sleeping()
+        assert post_generate_ids(engine, server) == want
+
+        assert post(server, "/release_memory_occupation", {"tags": ["kv_cache", "bogus"]}).status_code == 400
+        assert post(server, "/release_memory_occupation", {"tags": ["kv_cache"]}).status_code == 200
+        assert engine.memory.released == {"kv_cache"} and not engine.memory.weights_discarded
+        assert httpx.post(server.url + "/resume_memory_occupation").status_code == 200  # (no body: all)
+        assert not engine.is_sleeping() and post_generate_ids(engine, server) == want
+    with serving(engine, ServerConfig()) as server:
+        assert post(server, "/sleep").status_code == 404 and httpx.get(server.url + "/is_sleeping").status_code == 404
+
+
+def test_a_release_while_a_request_is_held_is_a_409_and_releases_nothing(engine, pool, idle_after):
+    with serving(engine, ServerConfig(enable_sleep_mode=True)) as server:
+        engine.pause_generation("in_place")
+        held = pool.submit(post, server, "/generate", generate_body("held-by-sleep", params={"max_new_tokens": 2}))
+        assert wait_until(lambda: holds(engine, "held-by-sleep"))
+        r = post(server, "/release_memory_occupation", {})
+        assert r.status_code == 409 and r.json()["error"]["code"] == "busy", r.text
+        assert "held-by-sleep" in r.json()["error"]["message"] and not engine.is_sleeping()
+        engine.continue_generation()
+        assert held.result(timeout=30).json()["meta_info"]["finish_reason"]["type"] == "length"
+
+
+def post_generate_ids(engine, server=None):
+    """The greedy tokens of PROMPT: through ``server``'s /generate, or the engine's own."""
+    params = {"max_new_tokens": 8, "temperature": 0}
+    if server is None:
+        return engine.generate(input_ids=PROMPT, sampling_params=params)["output_ids"]
+    r = post(server, "/generate", generate_body(params=params))
+    assert r.status_code == 200, r.text
+    return r.json()["output_ids"]

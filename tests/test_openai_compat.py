@@ -19,6 +19,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from actors.engine import Engine
+from actors.engine.memory_occupation import parse_tags
 from actors.engine.tiny import build_tiny_checkpoint
 from cluster.config import ServerConfig
 from cluster.http_server import BackgroundServer
@@ -72,6 +73,16 @@ class EngineBackend(StubBackend):
                                          abort_all_requests, flush_cache, torch_empty_cache)
         self.weight_version = self.engine.get_weight_version()
         return result._asdict()
+
+    @property
+    def is_sleeping(self):
+        return self.engine.is_sleeping()
+
+    async def release_memory_occupation(self, tags=None, keep_weights=False):
+        await asyncio.to_thread(self.engine.memory.release, parse_tags(tags), keep_weights)
+
+    async def resume_memory_occupation(self, tags=None):
+        await asyncio.to_thread(self.engine.resume_memory_occupation, tags)
 
     async def generate_stream(self, input_ids, sampling_params, rid, priority=0, lora_path=None):
         finished = False

@@ -8,17 +8,20 @@ import asyncio
 import os
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from actors.engine import Engine
-from actors.engine.memory_occupation import SleepingError, kv_pools, parse_tags
+from actors.engine.memory_occupation import NotIdleError, SleepingError, kv_pools, parse_tags
 from actors.engine.tiny import build_tiny_checkpoint
+from actors.workers import DecodeWorker, PrefillWorker
+from cluster.backend import PDBackend
 from mem_cache.buffer_allocator import LocalBufferAllocator, SharedMemoryBufferAllocator
 from tests.parity import assert_greedy_parity
 from tests.pd_helpers import close_workers, make_pair, run_batch
-from tests.tp_helpers import thread_ranks
+from tests.tp_helpers import pd_worker_tp2, thread_ranks
 
 GREEDY = {"temperature": 0, "max_new_tokens": 8}
 ENGINE = dict(skip_tokenizer_init=True, max_total_tokens=1024, page_size=4)
@@ -182,9 +185,9 @@ def test_buffers_released_and_resumed_zero_filled_shared_ones_in_new_files():
     assert parse_tags(None) == {"kv_cache", "weights"}
 
 
-def segments(decode):
-    """The shared-memory files of the decode worker's pools."""
-    return {h.payload for h in decode.rank.buffer_allocator.export_handles()}
+def segments(hosts):
+    """The shared-memory files of the decode ranks' pools (``hosts``: their RankHosts)."""
+    return {h.payload for host in hosts for h in host.buffer_allocator.export_handles()}
 
 
 def mapped(paths):
@@ -194,38 +197,125 @@ def mapped(paths):
     return {p for p in paths if p in maps}
 
 
-def peer_files(prefill, agent_id):
-    """The files of the decode pools the prefill worker's agent maps as ``agent_id``'s."""
-    return {t.untyped_storage().filename for t in prefill.agents["shm"]._peers[agent_id].values()}
+def peer_files(prefill_hosts):
+    """The decode pools' files the prefill ranks' agents map, by the decode agent id they map them as."""
+    return {agent_id: {t.untyped_storage().filename for t in tensors.values()}
+            for host in prefill_hosts for agent_id, tensors in host.agents["shm"]._peers.items()}
 
 
-def test_pd_workers_release_and_resume_into_new_decode_segments(checkpoints):
-    """Both workers of a PD pair sleep (level 1) and wake: the decode pools' shared-memory files are
-    unlinked and unmapped by both sides (the prefill agent dropped its mapping), requests are refused
-    meanwhile, and woken the decode pools are new files the prefill side maps and pushes into afresh,
-    the tokens those of before."""
-    prefill, decode = make_pair(checkpoints["old"], 4)
+def pd_workers(path, tp, monkeypatch):
+    """A prefill and a decode worker of TP ``tp`` in this process (TP 2: the followers on threads), and
+    each one's rank hosts."""
+    if tp == 1:
+        prefill, decode = make_pair(path, 4)
+        return prefill, decode, [prefill.rank], [decode.rank], []
+    thread_ranks(monkeypatch)
+    args = dict(max_total_tokens=2048, page_size=4, skip_tokenizer_init=True)
+    (prefill, p1), (decode, d1) = pd_worker_tp2(PrefillWorker, path, args), pd_worker_tp2(DecodeWorker, path, args)
+    return prefill, decode, [prefill.rank, p1.host], [decode.rank, d1.host], [p1, d1]
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_pd_workers_release_and_resume_into_new_decode_segments(checkpoints, monkeypatch, tp):
+    """Both workers of a PD pair sleep (level 1) and wake, every TP rank: the decode pools' shared-memory
+    files are unlinked and unmapped by both sides (each prefill rank's agent dropped its mapping),
+    requests are refused meanwhile, and woken the decode pools are new files, under new agent ids,
+    which each prefill rank maps and pushes into afresh; the tokens those of before."""
+    prefill, decode, prefill_hosts, decode_hosts, followers = pd_workers(checkpoints["old"], tp, monkeypatch)
     workers = (prefill, decode)
     try:
         before = [r[0]["output_ids"] for r in run_batch(prefill, decode, BATCH, GREEDY)]
-        old = segments(decode)
-        endpoint = decode.agents["shm"].endpoint()["agent_id"]
-        assert peer_files(prefill, endpoint) == old and mapped(old) == old
+        old = segments(decode_hosts)
+        old_ids = [host.agents["shm"].agent_id for host in decode_hosts]
+        assert peer_files(prefill_hosts) == {i: segments([h]) for i, h in zip(old_ids, decode_hosts)}
+        assert mapped(old) == old and len(old) == tp * len(segments(decode_hosts[:1]))
         for w in workers:
             asyncio.run(w.release_memory_occupation(keep_weights=True))
         assert all(w.is_sleeping() and held_bytes(w.runner) == (0, 0) for w in workers)
-        assert not any(os.path.exists(p) for p in old) and not mapped(old) and not prefill.agents["shm"]._peers
+        assert not any(os.path.exists(p) for p in old) and not mapped(old) and not peer_files(prefill_hosts)
         with pytest.raises(SleepingError, match="sleeping"):
             run_batch(prefill, decode, BATCH[:1], GREEDY)
         for w in workers:
             asyncio.run(w.resume_memory_occupation())
-        new = segments(decode)
+        new = segments(decode_hosts)
         assert len(new) == len(old) and not new & old
         after = run_batch(prefill, decode, BATCH, GREEDY)
         assert [r[0]["output_ids"] for r in after] == before
         assert [r[0]["meta_info"]["cached_tokens"] for r in after] == [0, 0]
-        assert decode.agents["shm"].agent_id != endpoint and list(prefill.agents["shm"]._peers) == [decode.agents["shm"].agent_id]
-        assert peer_files(prefill, decode.agents["shm"].agent_id) == new  # (what it pushed into)
+        new_ids = [host.agents["shm"].agent_id for host in decode_hosts]
+        assert not set(new_ids) & set(old_ids)  # (what each prefill rank pushed into:)
+        assert peer_files(prefill_hosts) == {i: segments([h]) for i, h in zip(new_ids, decode_hosts)}
+    finally:
+        close_workers(*workers)
+        for follower in followers:
+            follower.shutdown()
+
+
+class Handle:
+    """An in-process worker behind a Ray-like handle, as PDBackend calls it (``handle.<method>.remote(...)``)."""
+
+    def __init__(self, worker):
+        self.worker = worker
+
+    def __getattr__(self, name):
+        return SimpleNamespace(remote=getattr(self.worker, name))
+
+
+def test_pd_backend_releases_every_worker_or_none(checkpoints):
+    """The cluster sleeps together: a decode worker holding a reservation refuses (NotIdleError naming
+    it) and the prefill worker, released meanwhile, is resumed; idle, both release, the router re-indexes
+    them (their caches dropped) and the backend refuses requests (SleepingError) until woken."""
+    prefill, decode = make_pair(checkpoints["old"], 4)
+    router = SimpleNamespace(rebuilds=[])
+    router.rebuild_from_workers = lambda: router.rebuilds.append(True)
+    refs = [SimpleNamespace(worker_id=w.worker_id, alive=True, handle=Handle(w)) for w in (prefill, decode)]
+    backend = PDBackend(SimpleNamespace(prefill=refs[:1], decode=refs[1:], router=router))
+
+    async def sleep_and_wake():
+        await decode.reserve("held", BATCH[0], GREEDY)
+        with pytest.raises(NotIdleError, match=f"not released .*: {decode.worker_id}: requests are in flight \\(held\\)"):
+            await backend.release_memory_occupation(keep_weights=True)
+        assert not prefill.is_sleeping() and held_bytes(prefill.runner)[0] > 0
+        assert not backend.is_sleeping and not router.rebuilds
+        await decode.abort("held", safe=True)
+        while decode.loop.held_rids():
+            await asyncio.sleep(0.01)
+        await backend.release_memory_occupation(["kv_cache"])
+        assert prefill.is_sleeping() and decode.is_sleeping() and backend.is_sleeping and router.rebuilds == [True]
+        with pytest.raises(SleepingError, match="sleeping"):
+            async for _ in backend.generate_stream(BATCH[0], GREEDY, "asleep"):
+                pass
+        await backend.resume_memory_occupation()
+        assert not (prefill.is_sleeping() or decode.is_sleeping() or backend.is_sleeping)
+
+    try:
+        before = [r[0]["output_ids"] for r in run_batch(prefill, decode, BATCH, GREEDY)]
+        asyncio.run(sleep_and_wake())
+        assert [r[0]["output_ids"] for r in run_batch(prefill, decode, BATCH, GREEDY)] == before
+    finally:
+        close_workers(prefill, decode)
+
+
+@pytest.mark.gpu
+def test_pd_workers_on_cuda_sleep_and_wake_to_the_same_tokens(checkpoints):
+    """The CUDA path: the decode pools come from a private MemPool exported over CUDA IPC; released, the
+    pool is dropped, resumed they are allocated in a new one and pushed into; the tokens of before.
+    (Both workers in this process: the prefill side uses the decode agent's tensors, as an exporter
+    cannot open its own IPC handles.)"""
+    args = dict(ENGINE, device="cuda", attention_backend="triton")
+    prefill = PrefillWorker(checkpoints["old"], args, backend="cuda_ipc")
+    decode = DecodeWorker(checkpoints["old"], args, backend="cuda_ipc")
+    workers = (prefill, decode)
+    try:
+        before = [r[0]["output_ids"] for r in run_batch(prefill, decode, BATCH, GREEDY)]
+        pool = decode.rank.buffer_allocator.mem_pool
+        for w in workers:
+            asyncio.run(w.release_memory_occupation(keep_weights=True))
+        assert all(held_bytes(w.runner) == (0, 0) for w in workers) and not prefill.agents["cuda_ipc"]._peers
+        for w in workers:
+            asyncio.run(w.resume_memory_occupation())
+        assert decode.rank.buffer_allocator.mem_pool is not pool
+        assert [r[0]["output_ids"] for r in run_batch(prefill, decode, BATCH, GREEDY)] == before
         for w in workers:
             w.check_integrity()
     finally:

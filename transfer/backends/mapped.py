@@ -6,7 +6,9 @@ CPU, a CUDA IPC-exportable ``MemPool`` on GPU). Its agent's ``endpoint()``
 carries the allocators' buffer handles plus, for every layout buffer, where it
 sits inside one of them (handle number, element offset, shape, strides: a
 Mamba ``state.{s}.{layer}`` is one layer's view of a bigger allocator
-buffer). A prefill agent maps a peer's handles once (cached by ``agent_id``)
+buffer). A prefill agent maps a peer's handles once (cached by ``agent_id``;
+a decode rank whose pools were released and resumed, sleep mode, takes a new
+id and every prefill rank drops its old mappings: :meth:`MappedPeerAgent.reset`)
 and then every push (one chunk of a request's rows, or all of them) is one
 slice ``copy_`` per run of consecutive slots per buffer, source rows to
 destination rows — no temporaries, no Ray object store.
