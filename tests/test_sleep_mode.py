@@ -22,6 +22,7 @@ from mem_cache.buffer_allocator import LocalBufferAllocator, SharedMemoryBufferA
 from tests.parity import assert_greedy_parity
 from tests.pd_helpers import close_workers, make_pair, run_batch
 from tests.tp_helpers import pd_worker_tp2, thread_ranks
+from transfer.base import KVHandoff, TransferError
 
 GREEDY = {"temperature": 0, "max_new_tokens": 8}
 ENGINE = dict(skip_tokenizer_init=True, max_total_tokens=1024, page_size=4)
@@ -224,7 +225,8 @@ def test_pd_workers_release_and_resume_into_new_decode_segments(checkpoints, mon
     prefill, decode, prefill_hosts, decode_hosts, followers = pd_workers(checkpoints["old"], tp, monkeypatch)
     workers = (prefill, decode)
     try:
-        before = [r[0]["output_ids"] for r in run_batch(prefill, decode, BATCH, GREEDY)]
+        first = run_batch(prefill, decode, BATCH, GREEDY)
+        before, stale = [r[0]["output_ids"] for r in first], KVHandoff.from_bytes(first[0][2][0])
         old = segments(decode_hosts)
         old_ids = [host.agents["shm"].agent_id for host in decode_hosts]
         assert peer_files(prefill_hosts) == {i: segments([h]) for i, h in zip(old_ids, decode_hosts)}
@@ -245,6 +247,8 @@ def test_pd_workers_release_and_resume_into_new_decode_segments(checkpoints, mon
         new_ids = [host.agents["shm"].agent_id for host in decode_hosts]
         assert not set(new_ids) & set(old_ids)  # (what each prefill rank pushed into:)
         assert peer_files(prefill_hosts) == {i: segments([h]) for i, h in zip(new_ids, decode_hosts)}
+        with pytest.raises(TransferError, match="unlinked"):  # (a hand-off of before the release: never written)
+            prefill.agents["shm"].push(stale, [1], None, [])
     finally:
         close_workers(*workers)
         for follower in followers:
