@@ -26,7 +26,7 @@ MODEL = "tiny-llama"
 # a decode pool too small for 64 requests at once: admission waits, running requests retract
 SMALL_DECODE = {"max_total_tokens": 512, "max_running_requests": 64, "init_new_token_ratio": 0.02,
                 "min_new_token_ratio": 0.02}
-SERVER = {"max_concurrent_requests": 64, "max_queue_size": 64, "allow_weight_updates": True}
+SERVER = {"max_concurrent_requests": 64, "max_queue_size": 64, "allow_weight_updates": True, "enable_sleep_mode": True}
 
 
 @pytest.fixture(scope="module")
@@ -429,4 +429,34 @@ def test_update_weights_from_tensor_on_every_worker(served, http):
     out = http.post("/generate", json={"input_ids": prompt, "sampling_params": params}).json()
     assert out["meta_info"]["weight_version"] == "t1"
     assert_greedy_parity(pushed, [prompt], [out["output_ids"]], 8, ())
+    wait_idle(cluster)
+
+
+def test_sleep_level_2_then_a_weight_update_on_every_worker(served, http):
+    """The RL flow over the Ray cluster (last: it changes the weights): /sleep?level=2 releases every
+    worker (the router re-indexes their dropped caches), requests are a 503; /wake_up of the weights
+    alone still refuses them (discarded); an update from disk writes them, /wake_up of the KV cache,
+    and /generate's tokens are HF's on that checkpoint, pushed into the decode worker's new pools."""
+    from cluster.cli import builtin_model
+    from tests.parity import assert_greedy_parity
+
+    cluster, _, app = served
+    checkpoint, workers = builtin_model("llama", seed=0), cluster.prefill + cluster.decode
+    body = {"input_ids": [10 + (i * 5) % 200 for i in range(20)],
+            "sampling_params": {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}}
+    wait_idle(cluster)
+    resyncs = ray.get(app.state.backend.client.router.stats.remote())["resyncs"]
+    assert http.post("/sleep", params={"level": 2}).status_code == 200
+    assert http.get("/is_sleeping").json() == {"is_sleeping": True} and http.get("/get_server_info").json()["is_sleeping"]
+    assert ray.get([w.handle.is_sleeping.remote() for w in workers]) == [True] * len(workers)
+    assert ray.get(app.state.backend.client.router.stats.remote())["resyncs"] >= resyncs + len(workers)
+    assert http.post("/generate", json=body).json()["error"]["code"] == "sleeping"
+    assert http.post("/wake_up", params={"tags": "weights"}).status_code == 200
+    r = http.post("/update_weights_from_disk", json={"model_path": checkpoint, "weight_version": "rl-1"})
+    assert r.status_code == 200 and r.json()["success"], r.text
+    assert http.post("/wake_up", params={"tags": "kv_cache"}).status_code == 200
+    assert http.get("/is_sleeping").json() == {"is_sleeping": False}
+    out = http.post("/generate", json=body).json()
+    assert out["meta_info"]["weight_version"] == "rl-1"
+    assert_greedy_parity(checkpoint, [body["input_ids"]], [out["output_ids"]], 8, ())
     wait_idle(cluster)
