@@ -225,3 +225,20 @@ def test_fp8_layers_updated_from_tensors(tmp_path):
         engine.shutdown()
     assert_greedy_parity(other_dequantized, PROMPTS, from_fp8, GREEDY["max_new_tokens"])
     assert_greedy_parity(dequantized, PROMPTS, requantized, GREEDY["max_new_tokens"])
+
+
+def test_phi3_fused_tensors_quantize_whole_at_tp1(tmp_path):
+    """Phi-3's fused qkv_proj (q 64 rows | k 32 | v 32) and gate_up_proj at TP 1 are one range of rows, however
+    the layer lists its parts: its 128 x 128 blocks are the whole tensor's, for a checkpoint in that block
+    FP8 and for ``quantization="fp8"`` on the unquantized one (the same blocks), HF's tokens over their
+    dequantization either way (a part's boundary inside a block is no cut: nothing is split)."""
+    quantized, dequantized = fp8_checkpoint("phi3", tmp_path / "a", block=fp8.DYNAMIC_BLOCK)
+    plain = str(build_tiny_checkpoint("phi3", tmp_path / "plain", seed=0))
+    for path, quantization in ((quantized, None), (plain, "fp8")):
+        engine = Engine(model_path=path, skip_tokenizer_init=True, max_total_tokens=512, quantization=quantization)
+        try:
+            outputs = generate(engine)
+            assert "model.layers.0.self_attn.qkv_proj" in check_fp8_layers(engine.runner.model, fp8.DYNAMIC_BLOCK)
+        finally:
+            engine.shutdown()
+        assert_greedy_parity(dequantized, PROMPTS, outputs, GREEDY["max_new_tokens"])

@@ -86,6 +86,7 @@ def quantize_linear(module: nn.Linear, name: str, block: Tuple[int, int], full_s
     scale_shape = [-(-out_features // block[0]), -(-in_features // block[1])]
     if shard is not None:
         size, full = block[shard.dim], full_shape[shard.dim]
+        shard = shard._replace(ranges=joined(shard.ranges))
         for r in shard.ranges:
             if r.start % size or (r.stop % size and r.stop != full):
                 raise ValueError(f"{name}: this rank's slice [{r.start}, {r.stop}) of dim {shard.dim} of its "
@@ -97,6 +98,18 @@ def quantize_linear(module: nn.Linear, name: str, block: Tuple[int, int], full_s
     module.weight_scale_inv = nn.Parameter(torch.empty(scale_shape, device=module.weight.device),
                                            requires_grad=False)
     module.weight_block_size = block
+
+
+def joined(ranges: Sequence[range]) -> List[range]:
+    """``ranges`` with each one that starts where the one before ends merged into it: a fused tensor's
+    parts (Phi-3's q | k | v) at TP 1 are one range, whose blocks are the whole tensor's, cut nowhere."""
+    out: List[range] = []
+    for r in ranges:
+        if out and out[-1].stop == r.start:
+            out[-1] = range(out[-1].start, r.stop)
+        else:
+            out.append(r)
+    return out
 
 
 def quantize_like(full: nn.Module, quantized: Dict[str, nn.Module]) -> None:
