@@ -249,8 +249,8 @@ def test_lora_target_modules_agree_and_come_with_a_rank():
     assert parse_config(data).decode.engine.lora_target_modules == ["q_proj", "k_proj", "v_proj", "o_proj",
                                                                     "gate_proj", "up_proj", "down_proj", "qkv_proj",
                                                                     "gate_up_proj", "q_a_proj", "q_b_proj",
-                                                                    "kv_a_proj_with_mqa", "in_proj_qkvz",
-                                                                    "in_proj_ba", "out_proj"]
+                                                                    "kv_a_proj_with_mqa", "kv_b_proj",
+                                                                    "in_proj_qkvz", "in_proj_ba", "out_proj"]
 
 
 def test_a_cache_aware_policy_without_the_radix_cache_is_refused_at_load():

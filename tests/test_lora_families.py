@@ -3,8 +3,9 @@ V2 and Qwen3-Next serve an adapter on their layers' attention and dense-MLP proj
 ``supported_lora_modules``; Phi-3's fused qkv_proj and gate_up_proj; DeepSeek's MLA projections and shared
 experts; Qwen3-Next's linear-attention projections and shared expert) — a base request and an adapter request
 in one batch each get HF's tokens on their checkpoint (the adapter merged in), Qwen3-MoE, Phi-3, DeepSeek-V3 / V2
-and Qwen3-Next also at TP 2 — and an adapter targeting a MoE's experts (or MLA's absorbed kv_b_proj) is refused,
-naming the module."""
+and Qwen3-Next also at TP 2 — and an adapter targeting a MoE's experts is refused, naming the module. MLA's
+kv_b_proj, absorbed into the query and the output, takes its adapter there: through chunked prefill and a prefix
+hit too."""
 
 import re
 
@@ -32,7 +33,7 @@ FAMILIES = {
     "deepseek_v2": ({}, {0, 1, 2}),  # (V2-Lite's q_proj)
     "qwen3_next": ({}, {0, 1, 2, 3}),  # (every layer's shared expert)
 }
-MLA = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj") + MLP
+MLA = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj") + MLP
 TARGETS = {"phi3": ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"),  # (its fused projections)
            "deepseek_v3": MLA, "deepseek_v2": MLA,
            "qwen3_next": ATTENTION + ("in_proj_qkvz", "in_proj_ba", "out_proj") + MLP}
@@ -107,10 +108,27 @@ def test_an_adapter_on_the_experts_is_refused(tmp_path, family, expert):
         eng.shutdown()
 
 
-def test_an_adapter_on_mla_kv_b_proj_is_refused(tmp_path):
-    """DeepSeek's MLA reads kv_b_proj's weight into the query and the output (absorbed), never runs the layer:
-    an adapter on it, which would be silently left out, is refused naming the module and the reason."""
+def test_an_adapter_on_mla_kv_b_proj_alone(tmp_path):
+    """An adapter on kv_b_proj alone changes only the absorbed query and output (the cached latent rows are the
+    base model's): a base and an adapter request of one prompt, in one batch prefilled in chunks of 8 over pages of
+    4 and decoded together, get their checkpoints' tokens, which differ; later requests on the prompts' shared
+    prefix hit what each cached (the adapter's pages are its own) and still do."""
     base = str(build_tiny_checkpoint("deepseek_v3", tmp_path / "base", seed=0))
-    path = make_adapter(base, tmp_path / "kvb", rank=4, alpha=8, targets=("q_proj", "kv_b_proj"))
-    with pytest.raises(ValueError, match=r"'kvb' targets model\.layers\.0\.self_attn\.kv_b_proj, .*absorbed"):
-        Engine(model_path=base, skip_tokenizer_init=True, max_total_tokens=256, lora_paths={"kvb": str(path)})
+    path = make_adapter(base, tmp_path / "kvb", rank=4, alpha=8, targets=("kv_b_proj",), seed=1)
+    model = (base, {"kvb": str(path)}, {"kvb": merged_checkpoint(base, path, tmp_path / "merged")})
+    eng = Engine(model_path=base, skip_tokenizer_init=True, max_total_tokens=1024, lora_paths=model[1],
+                 chunked_prefill_size=8, page_size=4)
+    try:
+        num_layers = eng.runner.model.config.num_hidden_layers
+        assert set(eng.runner.lora.layers) == {f"model.layers.{i}.self_attn.kv_b_proj" for i in range(num_layers)}
+        system = prompts(1, seed=5)[0] * 2
+        first, follow = (prompts(1, seed=seed, shared=system)[0] for seed in (6, 7))
+        outs = eng.generate(input_ids=[first, first], sampling_params=GREEDY, lora_path=[None, "kvb"])
+        assert outs[0]["output_ids"] != outs[1]["output_ids"]
+        again = eng.generate(input_ids=[follow, follow], sampling_params=GREEDY, lora_path=["kvb", None])
+        assert min(o["meta_info"]["cached_tokens"] for o in again) >= len(system) // 4 * 4
+        assert_parity(model, [first, first, follow, follow], [None, "kvb", "kvb", None], outs + again,
+                      eng.eos_token_ids)
+        eng.check_integrity()
+    finally:
+        eng.shutdown()

@@ -13,11 +13,11 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_valida
 CACHE_AWARE_POLICIES = ("lpm", "dfs-weight")  # the schedule policies that order requests by the radix cache
 # the projections a LoRA adapter may target (HF names; a model's supported_lora_modules say which it has)
 # SGLang's names; qkv_proj and gate_up_proj: Phi-3's fused projections (one adapter over q | k | v, gate | up);
-# q_a_proj, q_b_proj, kv_a_proj_with_mqa: DeepSeek's MLA; in_proj_qkvz, in_proj_ba, out_proj: Qwen3-Next's
-# linear attention
+# q_a_proj, q_b_proj, kv_a_proj_with_mqa, kv_b_proj: DeepSeek's MLA; in_proj_qkvz, in_proj_ba, out_proj:
+# Qwen3-Next's linear attention
 LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj",
-                       "gate_up_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "in_proj_qkvz", "in_proj_ba",
-                       "out_proj")
+                       "gate_up_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "in_proj_qkvz",
+                       "in_proj_ba", "out_proj")
 
 
 def lora_paths_dict(value: Any) -> Any:

@@ -15,7 +15,9 @@ so base requests and several adapters share one forward.
 Under TP a slot is sharded as its base layer: a column-parallel layer holds its rows of B (A
 whole), a row-parallel one its columns of A (B whole), whose partial delta joins the base
 layer's partial output before the one all-reduce — the sum of the ranks' deltas is the whole one;
-a replicated layer (MLA's latent projections) holds both whole.
+a replicated layer (MLA's latent projections) holds both whole. A layer whose weight the model reads
+rather than runs (MLA's absorbed ``kv_b_proj``) applies its slots' ``B`` and ``A`` in the model's own
+factors (:func:`absorbed_lora`).
 """
 
 from __future__ import annotations
@@ -130,7 +132,6 @@ class LoRAManager:
     def __init__(self, model: nn.Module, full_model: nn.Module, adapters: List[LoRAAdapter], config,
                  dtype: torch.dtype, device: torch.device):
         self.model_name, self.supported_modules = type(model).__name__, getattr(model, "supported_lora_modules", ())
-        self.refused_modules = getattr(model, "refused_lora_modules", {})
         if not self.supported_modules:
             raise ValueError(f"LoRA adapters are not supported for {self.model_name} "
                              "(lora_paths, lora_target_modules)")
@@ -170,15 +171,12 @@ class LoRAManager:
 
     def _check_modules(self, adapter: LoRAAdapter) -> None:
         """ValueError naming the modules of ``adapter`` outside the model's ``supported_lora_modules``
-        (a MoE's experts; a module of its ``refused_lora_modules``, with the reason): checked before any layer
-        is wrapped, as an expert's projection is a linear layer too."""
+        (a MoE's experts): checked before any layer is wrapped, as an expert's projection is a linear layer too."""
         other = sorted(m for m in adapter.weights if LAYER_MODULE.match(m)[1] not in self.supported_modules)
         if other:
-            why = sorted({f"; {self.refused_modules[kind]}" for m in other
-                          if (kind := LAYER_MODULE.match(m)[1]) in self.refused_modules})
             raise ValueError(f"LoRA adapter {adapter.name!r} targets {', '.join(other)}: {self.model_name} takes "
                              f"adapters on {', '.join(self.supported_modules)} of a decoder layer only "
-                             f"(no MoE experts{''.join(why)})")
+                             "(no MoE experts)")
 
     def shard(self, adapter: LoRAAdapter) -> LoRAAdapter:
         """``adapter`` with this rank's shard of each module, padded to the slots' rank, as its
@@ -337,3 +335,14 @@ class LoRALinear(nn.Module):
             shrunk = F.linear(x.index_select(0, index), self.lora_a[slot]) * self.manager.scaling[slot]
             y = y.index_add(0, index, F.linear(shrunk, self.lora_b[slot]))
         return self.base.reduced(y) if partial else y
+
+
+def absorbed_lora(layer: nn.Module) -> Tuple[nn.Module, List[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]:
+    """For a layer whose weight the model reads rather than runs it (MLA's ``kv_b_proj``, absorbed into the
+    query and the output): its base layer, and each token group of the forward's ``(token indices,
+    scaling · A, B)`` of its slot — those tokens' weight is ``W + B (scaling · A)``, which the model applies
+    in its own factors. No groups when the layer takes no adapter or the batch's requests use none."""
+    if not isinstance(layer, LoRALinear):
+        return layer, []
+    return layer.base, [(index, layer.lora_a[slot] * layer.manager.scaling[slot], layer.lora_b[slot])
+                        for slot, index in layer.manager.groups]

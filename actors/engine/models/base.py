@@ -18,7 +18,7 @@ logits are summed over the ranks' vocabulary ranges (one all-reduce of ``[n, 2]`
 
 from __future__ import annotations
 
-from typing import Callable, Dict, NamedTuple, Optional, Tuple
+from typing import Callable, NamedTuple, Optional, Tuple
 
 import torch
 from torch import nn
@@ -86,8 +86,6 @@ class CausalLM(nn.Module):
     # its mlp_only_layers alone); none: the model serves no adapters. A MoE's experts take none (vLLM's LoRA on
     # experts is recent, SGLang's partial): an adapter targeting them is refused, naming the module
     supported_lora_modules: Tuple[str, ...] = ()
-    # linear layers of a decoder layer an adapter may not target though they are no experts -> why (said when refused)
-    refused_lora_modules: Dict[str, str] = {}
 
     def __init__(self, config, model: DecoderModel, final_logit_softcap: Optional[float] = None,
                  logits_scaling: float = 1.0):

@@ -12,6 +12,13 @@ backends serve it. For head ``h``::
 
     q_h · k_h   = q_nope_h · (W_UK_h c) + q_rot_h · k_rot = (W_UK_hᵀ q_nope_h) · c + q_rot_h · k_rot
     out_h       = W_UV_h (Σ p · c)
+
+A LoRA adapter on ``kv_b_proj`` (``W + B A``, its scaling in ``A [r, kv_lora_rank]``, ``B``'s rows per head
+``B_UK_h``, ``B_UV_h`` as the weight's) changes both factors for its requests' tokens alone, in rank ``r``::
+
+    W_UK_hᵀ q_nope_h + Aᵀ (B_UK_hᵀ q_nope_h)        W_UV_h o_h + B_UV_h (A o_h)
+
+so the cached latent rows stay the base model's, and a batch of base requests runs the path above as is.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ import torch
 from torch import nn
 
 from actors.engine.layers import GatedMLP, RadixAttention, RMSNorm, RotaryEmbedding, rotate_interleaved, yarn_mscale
+from actors.engine.lora import absorbed_lora
 from actors.engine.models.base import LORA_MLP, CausalLM, DecoderModel
 from actors.engine.models.llama import rope_settings
 from actors.engine.models.moe import ExpertList, run_experts
@@ -83,13 +91,21 @@ class DeepseekV3Attention(nn.Module):
         latent = self.kv_a_layernorm(latent)
         q_rot = self._rope(positions, q_rot)
         k_rot = self._rope(positions, k_rot[:, None, :])
-        w = self.kv_b_proj.dense_weight(x.dtype)  # (dequantized when block FP8)
+        kv_b_proj, lora_groups = absorbed_lora(self.kv_b_proj)
+        w = kv_b_proj.dense_weight(x.dtype)  # (dequantized when block FP8)
         w = w.view(self.num_heads, self.nope_dim + self.v_head_dim, self.kv_lora_rank)
         w_uk, w_uv = w[:, : self.nope_dim], w[:, self.nope_dim :]
         q_latent = torch.einsum("thd,hdc->thc", q_nope, w_uk)
+        for index, a, b in lora_groups:  # an adapter's tokens: + Aᵀ (B_UK_hᵀ q_nope_h)
+            b_uk = b.view(self.num_heads, -1, a.shape[0])[:, : self.nope_dim]
+            q_latent = q_latent.index_add(0, index, torch.einsum("thd,hdr->thr", q_nope[index], b_uk) @ a)
         row = torch.cat([latent[:, None, :], k_rot], dim=-1)  # what the cache stores
         out_latent = self.attn(torch.cat([q_latent, q_rot], dim=-1), row, None, forward_batch)
-        out = torch.einsum("thc,hvc->thv", out_latent.view(tokens, self.num_heads, self.kv_lora_rank), w_uv)
+        out_latent = out_latent.view(tokens, self.num_heads, self.kv_lora_rank)
+        out = torch.einsum("thc,hvc->thv", out_latent, w_uv)
+        for index, a, b in lora_groups:  # ... + B_UV_h (A o_h)
+            b_uv = b.view(self.num_heads, -1, a.shape[0])[:, self.nope_dim :]
+            out = out.index_add(0, index, torch.einsum("thr,hvr->thv", out_latent[index] @ a.t(), b_uv))
         return self.o_proj(out.reshape(tokens, -1))
 
 
@@ -198,12 +214,11 @@ class DeepseekV3ForCausalLM(CausalLM):
     fp32_buffers = ("e_score_correction_bias",)  # as HF's _keep_in_fp32_modules_strict
     # vLLM's: MLA's projections (q_proj, or q_a_proj / q_b_proj with a q_lora_rank), the dense layers' MLP and the
     # MoE layers' shared experts. kv_a_proj_with_mqa is replicated, its delta in the cached latent row (the radix
-    # cache keys an adapter's requests apart); kv_b_proj is read as a weight only (absorbed), never run as a layer
-    supported_lora_modules = ("self_attn.q_proj", "self_attn.q_a_proj", "self_attn.q_b_proj",
+    # cache keys an adapter's requests apart); kv_b_proj is read as a weight only (absorbed), its delta applied in
+    # the attention's factors (DeepseekV3Attention)
+    supported_lora_modules = ("self_attn.q_proj", "self_attn.q_a_proj", "self_attn.q_b_proj", "self_attn.kv_b_proj",
                               "self_attn.kv_a_proj_with_mqa", "self_attn.o_proj") + LORA_MLP + tuple(
         f"mlp.shared_experts.{p}" for p in GatedMLP.projections)
-    refused_lora_modules = {"self_attn.kv_b_proj": "MLA attends with kv_b_proj's weight absorbed into the query "
-                                                   "and the output, which no per-request delta reaches"}
 
     def __init__(self, config, tp: TPGroup = SINGLE):
         norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
