@@ -15,8 +15,9 @@ GET  /get_model_info        SGLang's: model_path, tokenizer_path, is_generation,
 GET  /get_server_info       SGLang's: the configuration as served; SGLang's scheduler info (the
                             least over the decode workers: see ``cluster_limits``); and each
                             worker's state as ``internal_states``: role, id, load (its heartbeat's
-                            stats) and the sizes its engine chose (request rows, KV slots, SWA
-                            and Mamba slots, page size, context, prefill chunk, speculation);
+                            stats), the sizes its engine chose (request rows, KV slots, SWA
+                            and Mamba slots, page size, context, prefill chunk, speculation) and,
+                            speculating, its ``avg_spec_accept_length`` (tokens per verify step);
                             ``paused``, ``is_sleeping`` (sleep mode: cluster.sleep_routes)
 GET  /health_generate       SGLang's: one token generated on a worker pair within
                             ``server.health_generate_timeout_s``: 200, else 503 (paused: at once)

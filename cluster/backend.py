@@ -52,8 +52,9 @@ class ServingBackend(Protocol):
     def routing_policy(self, role: str) -> str: ...
 
     def workers(self, include_dead: bool = False) -> List[Dict[str, Any]]:
-        """id, role, node, alive, inflight, load (the last heartbeat's stats), and the sizes its engine
-        chose (``actors.engine.engine.engine_server_info``'s keys) once asked."""
+        """id, role, node, alive, inflight, load (the last heartbeat's stats), the sizes its engine
+        chose (``actors.engine.engine.engine_server_info``'s keys) once asked, and a speculating
+        worker's ``avg_spec_accept_length`` (:func:`spec_accept_length`)."""
 
     async def refresh_loads(self) -> None:
         """The workers' loads asked anew, and the sizes of any worker whose engine was not asked yet."""
@@ -121,6 +122,15 @@ def model_vocab_size(model_path: str) -> Optional[int]:
         config = json.load(f)
     size = config.get("vocab_size", (config.get("text_config") or {}).get("vocab_size"))
     return int(size) if size is not None else None
+
+
+def spec_accept_length(load: Dict[str, Any]) -> Dict[str, float]:
+    """SGLang's ``avg_spec_accept_length`` of a worker's ``internal_states`` entry: the tokens a verify
+    step commits per request with a draft, its bonus token included, since the worker started. From
+    its last load report (it moves as the worker decodes: not one of the sizes asked once); none
+    before its first verify step (as SGLang's)."""
+    spec = load.get("spec_decode")
+    return {"avg_spec_accept_length": spec["mean_accepted_len"]} if spec and spec["num_drafts"] else {}
 
 
 class PDBackend:
@@ -230,10 +240,10 @@ class PDBackend:
 
     def workers(self, include_dead: bool = False) -> List[Dict[str, Any]]:
         """Workers in the rotation (and those that left it by dying, with ``include_dead``): id, role,
-        node, alive, load (the last heartbeat's stats), and the sizes its engine chose once asked
-        (:meth:`refresh_loads`)."""
-        return [{**self.engine_info.get(w.worker_id, {}), "id": w.worker_id, "role": w.role, "node": w.node_id,
-                 "alive": w.alive, "inflight": w.inflight, "load": dict(w.stats)}
+        node, alive, load (the last heartbeat's stats), the sizes its engine chose once asked
+        (:meth:`refresh_loads`), and a speculating worker's ``avg_spec_accept_length``."""
+        return [{**self.engine_info.get(w.worker_id, {}), **spec_accept_length(w.stats), "id": w.worker_id,
+                 "role": w.role, "node": w.node_id, "alive": w.alive, "inflight": w.inflight, "load": dict(w.stats)}
                 for w in self._all() if w.alive or include_dead]
 
     async def refresh_loads(self) -> None:
@@ -541,4 +551,4 @@ def as_backend(target, tokenizer=None, client=None) -> ServingBackend:
 
 
 __all__ = ["PDBackend", "PDRequestError", "ServingBackend", "UnknownWorkerError", "as_backend", "model_context_len",
-           "model_vocab_size", "refresh_loads_briefly"]
+           "model_vocab_size", "refresh_loads_briefly", "spec_accept_length"]

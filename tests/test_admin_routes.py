@@ -16,6 +16,7 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
+from actors.engine.spec_decode import SpecStats
 from cluster.admin_routes import cluster_limits
 from cluster.backend import PDBackend
 from cluster.config import ServerConfig
@@ -477,6 +478,34 @@ def test_pd_backend_asks_each_worker_its_sizes_once_and_the_top_level_is_the_lea
     asyncio.run(backend.refresh_loads())
     assert set(backend.engine_info) == {"p-0", "d-0", "d-2"} and len(asked) == 5
     assert cluster_limits([], 100)["max_total_num_tokens"] is None
+
+
+def test_a_speculating_workers_avg_spec_accept_length_comes_with_each_load_refresh():
+    """SGLang's ``avg_spec_accept_length`` in a speculating worker's entry: tokens per verify step, the
+    bonus included (accepted drafts + 1 per drafted request-step), from the load each refresh fetches
+    (it moves as the worker decodes, unlike the sizes asked once); none before the worker's first
+    verify step, none on a worker that does not speculate."""
+    stats, asked = SpecStats(), []
+    prefill, decode = (_sized_worker(i, role, {i: {"page_size": 4}}, asked)
+                       for i, role in (("p-0", "prefill"), ("d-0", "decode")))
+
+    async def heartbeat_once():
+        prefill.stats, decode.stats = {"waiting": 0}, {"running": 1, "spec_decode": stats.as_dict()}
+
+    backend = PDBackend(SimpleNamespace(prefill=[prefill], decode=[decode], heartbeat_once=heartbeat_once))
+
+    def entries():
+        asyncio.run(backend.refresh_loads())
+        return {w["id"]: w for w in backend.workers()}
+
+    assert not any("avg_spec_accept_length" in w for w in entries().values())
+    stats.observe(4, 4)
+    stats.observe(4, 1)
+    got = entries()
+    assert got["d-0"]["avg_spec_accept_length"] == (5 + 2) / 2 and "avg_spec_accept_length" not in got["p-0"]
+    stats.observe(3, 0)
+    assert entries()["d-0"]["avg_spec_accept_length"] == (5 + 3) / 3
+    assert sorted(asked) == ["d-0", "p-0"]  # (the sizes, asked once)
 
 
 @pytest.mark.parametrize("path, body", [("/v1/embeddings", {"input": PROMPT}),

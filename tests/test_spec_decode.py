@@ -30,6 +30,7 @@ from actors.engine.spec_accept import rejection_sample
 from actors.engine.tiny import tiny_config
 from actors.engine.tokenizer import save_tokenizer
 from actors.workers import PrefillWorker
+from cluster.backend import spec_accept_length
 from cluster.metrics import ServerMetrics
 from tests.parity import assert_greedy_parity
 from tests.test_allowed_and_bad_words import ascii_text
@@ -415,4 +416,7 @@ def test_pd_decode_side_speculates_with_plain_decodings_tokens(model_dir, tight)
     assert got[("raydix_worker_spec_decode_num_draft_tokens_total", None)] == stats.num_draft_tokens
     assert got[("raydix_worker_spec_decode_num_accepted_tokens_total", None)] == stats.num_accepted_tokens
     assert sum(per_pos) == stats.num_accepted_tokens and per_pos == sorted(per_pos, reverse=True) and per_pos[0] > 0
+    # ... and its /get_server_info entry's avg_spec_accept_length (SGLang's: the bonus token counted)
+    assert spec_accept_length(decode.load())["avg_spec_accept_length"] == pytest.approx(
+        1 + stats.num_accepted_tokens / stats.num_drafts)
     close_workers(prefill, decode)
