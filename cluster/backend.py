@@ -22,7 +22,7 @@ from typing import Any, AsyncIterator, Dict, List, Optional, Protocol
 
 from actors.engine.lora import lora_cache_key
 from actors.engine.memory_occupation import MemoryState, NotIdleError, parse_tags
-from actors.engine.model_loader import DEFAULT_WEIGHT_VERSION
+from actors.engine.model_loader import DEFAULT_WEIGHT_VERSION, get_context_length, load_config
 from actors.engine.weight_updates import (DRAIN_POLL_S, SUCCESS, UpdateWeightsRequest, named_tensors_source,
                                           on_meta)
 from actors.pd_scheduler import PDRequestError
@@ -109,11 +109,8 @@ class UnknownWorkerError(KeyError):
 
 def model_context_len(model_path: str, configured: Optional[int] = None) -> int:
     """The context length the workers enforce: the engine's ``context_length`` or the
-    checkpoint's ``max_position_embeddings``."""
-    if configured:
-        return configured
-    with open(os.path.join(model_path, "config.json")) as f:
-        return int(json.load(f)["max_position_embeddings"])
+    checkpoint's, as their runners derive it (:func:`~actors.engine.model_loader.get_context_length`)."""
+    return configured or get_context_length(load_config(model_path))
 
 
 def model_vocab_size(model_path: str) -> Optional[int]:

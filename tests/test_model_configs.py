@@ -9,8 +9,11 @@ import pytest
 import torch
 
 from actors.engine import Engine
-from actors.engine.tiny import build_tiny_checkpoint
+from actors.engine.model_loader import get_context_length
+from actors.engine.tiny import build_tiny_checkpoint, tiny_config
+from cluster.backend import model_context_len
 from tests.parity import assert_greedy_parity
+from tests.test_engine_families import LONGROPE
 
 MAX_NEW = 6
 
@@ -85,6 +88,41 @@ def test_config_variant_matches_hf(case, tmp_path):
     family, overrides = CASES[case]
     model_dir = str(build_tiny_checkpoint(family, tmp_path / case, seed=0, **overrides))
     batch = prompts()
+    outputs, logprobs = generate(model_dir, batch)
+    assert_greedy_parity(model_dir, batch, outputs, MAX_NEW, logprobs=logprobs)
+
+
+QWEN3_YARN = dict(rope_type="yarn", rope_theta=1000000.0, factor=4.0, original_max_position_embeddings=32768)
+
+
+@pytest.mark.parametrize("family, overrides, context_len", [
+    ("llama", {}, 4096),
+    # Qwen3's YaRN: the factor scales original_max_position_embeddings, not max_position_embeddings (40960)
+    ("qwen3", dict(max_position_embeddings=40960, rope_parameters=QWEN3_YARN), 131072),
+    ("qwen3", dict(max_position_embeddings=40960, rope_scaling=QWEN3_YARN), 131072),  # (the legacy spelling)
+    ("qwen3", dict(rope_parameters=dict(rope_type="linear", rope_theta=10000.0, factor=4.0)), 16384),
+    # lengths that are the scaled ones already: Llama 3.1's, LongRoPE's, Gemma 3's
+    ("llama", dict(max_position_embeddings=131072, rope_parameters=dict(
+        rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+        original_max_position_embeddings=8192)), 131072),
+    ("phi3", LONGROPE, 4096),
+    ("gemma3", dict(rope_parameters={"sliding_attention": dict(rope_type="default", rope_theta=10000.0),
+                                     "full_attention": dict(rope_type="linear", rope_theta=1000000.0, factor=8.0)}),
+     4096),
+])
+def test_context_length_is_vllms_max_model_len_under_rope_scaling(family, overrides, context_len):
+    """vLLM's ``_get_and_verify_max_len``; the length used to be max_position_embeddings alone."""
+    assert get_context_length(tiny_config(family, **overrides)) == context_len
+
+
+def test_a_yarn_checkpoint_serves_past_its_unscaled_length(tmp_path):
+    """Qwen3's shape, shrunk: max_position_embeddings 40 under YaRN, factor 4 over 32. The engine and
+    the server both take 128 as the context (vLLM's max_model_len), and a prompt past 40 is served
+    as HF computes it (it was refused: longer than the model's context, 40)."""
+    model_dir = str(build_tiny_checkpoint("qwen3", tmp_path / "yarn", seed=0, max_position_embeddings=40,
+                                          rope_parameters=dict(QWEN3_YARN, original_max_position_embeddings=32)))
+    assert model_context_len(model_dir) == 128 and model_context_len(model_dir, configured=64) == 64
+    batch = [[random.Random(1).randrange(5, 261) for _ in range(100)]]
     outputs, logprobs = generate(model_dir, batch)
     assert_greedy_parity(model_dir, batch, outputs, MAX_NEW, logprobs=logprobs)
 
@@ -181,7 +219,6 @@ def test_weights_hf_ignores_load_and_a_stray_name_still_fails(family, extra, tmp
 def test_fields_not_served_are_refused_naming_them(family, overrides, field):
     """Refused while the model is built, before any weight is read."""
     from actors.engine.model_loader import build_model
-    from actors.engine.tiny import tiny_config
 
     config = tiny_config(family, **overrides)
     config.architectures = [type(config).__name__.replace("TextConfig", "ForCausalLM").replace("Config", "ForCausalLM")]

@@ -355,7 +355,19 @@ def test_a_draft_of_a_shorter_context_drafts_no_position_past_it(model_dir, tmp_
         engine.shutdown()
     assert ids(spec) == ids(plain) and stats["num_draft_tokens"] > 0 and stats["acceptance_rate"] == 1.0
     assert max(fed) == 31 and max(len(p) for p in batch) + GREEDY["max_new_tokens"] > 32
-    assert "draft's max_position_embeddings (32) is below the served context length (4096)" in caplog.text
+    assert "draft's context length (32) is below the served context length (4096)" in caplog.text
+
+
+def test_a_rope_scaled_drafts_context_is_its_scaled_length(model_dir, tmp_path):  # noqa: F811
+    """A draft of max_position_embeddings 16 under YaRN, factor 4 over 16 (Qwen3's 40960 → 131072):
+    it drafts up to 64 tokens, by the rule the target's context follows (vLLM's max_model_len of a
+    draft), capped at the target's context; it stopped at its unscaled 16."""
+    path = tmp_path / "yarn_draft"
+    LlamaForCausalLM.from_pretrained(model_dir, max_position_embeddings=16, rope_parameters=dict(
+        rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=16)).save_pretrained(path)
+    vocab = tiny_config("llama").vocab_size
+    assert [DraftModel(str(path), "float32", torch.device("cpu"), "torch", vocab, context_len).max_context_len
+            for context_len in (4096, 48)] == [64, 48]
 
 
 def test_bad_draft_settings_are_refused_naming_the_field(model_dir, tmp_path):  # noqa: F811

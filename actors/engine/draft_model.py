@@ -29,7 +29,8 @@ TP: the draft runs whole (unsharded) on rank 0 only, which alone samples and so 
 forwards do not go through ``tp_step`` and the followers never see them. Rank 0's budget counts its
 KV (the slot count is every rank's smallest).
 
-A draft trained on a shorter context than the target serves (its ``max_position_embeddings``)
+A draft trained on a shorter context than the target serves (its ``max_position_embeddings``,
+scaled by its RoPE scaling as the target's: :func:`~actors.engine.model_loader.get_context_length`)
 drafts no position past it, as vLLM caps its draft's ``max_model_len`` at the target's and leaves
 a sequence that outgrew it undrafted: such a request decodes plainly on (its draft KV is still
 mirrored, so the invariant holds), and the served context stays the target's.
@@ -58,7 +59,7 @@ import torch
 
 from actors.engine.attention import create_attention_backend
 from actors.engine.forward_batch import ForwardBatch, ForwardMode, int64_tensor
-from actors.engine.model_loader import load_model
+from actors.engine.model_loader import get_context_length, load_model
 from actors.engine.req import Req
 from actors.engine.spec_accept import DraftMasks
 
@@ -79,12 +80,10 @@ class DraftModel:
         if vocab != target_vocab:
             raise ValueError(f"speculative_draft_model_path: the draft's vocabulary ({vocab} ids) is not the "
                              f"target's ({target_vocab}): its tokens would mean other text")
-        self.max_context_len = min(context_len, getattr(self.model_config, "max_position_embeddings", None)
-                                   or context_len)
+        self.max_context_len = min(context_len, get_context_length(self.model_config))
         if self.max_context_len < context_len:
-            logger.warning("speculative_draft_model_path: the draft's max_position_embeddings (%d) is below the "
-                           "served context length (%d): requests are not drafted past it", self.max_context_len,
-                           context_len)
+            logger.warning("speculative_draft_model_path: the draft's context length (%d) is below the served "
+                           "context length (%d): requests are not drafted past it", self.max_context_len, context_len)
         self.spec = self.model.kv_cache_spec()
         if self.spec.kind not in DRAFT_KV_KINDS:
             raise ValueError(f"speculative_draft_model_path: a draft of KV cache kind {self.spec.kind!r} is not "

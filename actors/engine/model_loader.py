@@ -21,12 +21,31 @@ DEFAULT_WEIGHT_VERSION = "default"  # SGLang's --weight-version default
 # config.json fields that may differ between checkpoints of one model: they change nothing it computes
 METADATA_FIELDS = frozenset({"_name_or_path", "transformers_version", "torch_dtype", "dtype", "use_cache"})
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# RoPE types whose max_position_embeddings is the scaled context already (vLLM's _get_and_verify_max_len)
+ROPE_TYPES_SCALED_ALREADY = ("su", "longrope", "llama3")
 
 
 def load_config(model_path: str):
     if not os.path.isfile(os.path.join(model_path, "config.json")):
         raise FileNotFoundError(f"model_path={model_path!r} has no config.json (only local checkpoints are served)")
     return AutoConfig.from_pretrained(model_path, local_files_only=True)
+
+
+def get_context_length(config) -> int:
+    """The context a checkpoint serves, by vLLM's rule (``_get_and_verify_max_len``): its
+    ``max_position_embeddings`` times its RoPE scaling's ``factor``, a YaRN factor over its
+    ``original_max_position_embeddings`` (Qwen3's 40960 with a YaRN factor of 4 over 32768 serves
+    131072, as vLLM's ``max_model_len``), where the rope type's length is not the scaled one
+    already (Llama 3.1's, LongRoPE's; Gemma 3's). The same rule for the target and a draft: a
+    draft held to its unscaled length stops drafting where it still could."""
+    length = config.max_position_embeddings
+    params = getattr(config, "rope_parameters", None) or {}
+    rope_type = params.get("rope_type", "default")
+    if "gemma3" in config.model_type or rope_type in ROPE_TYPES_SCALED_ALREADY:
+        return length
+    if rope_type == "yarn":
+        length = params["original_max_position_embeddings"]
+    return int(length * (params.get("factor") or 1.0))
 
 
 def checkpoint_files(model_path: str) -> List[str]:

@@ -25,7 +25,7 @@ from actors.engine.draft_model import DraftModel
 from actors.engine.forward_batch import ForwardBatch, int64_tensor
 from actors.engine.fused_moe import fuse_experts
 from actors.engine.lora import LoRAAdapter, LoRAManager, read_adapter
-from actors.engine.model_loader import DTYPES, ServedWeights, build_model, load_model
+from actors.engine.model_loader import DTYPES, ServedWeights, build_model, get_context_length, load_model
 from actors.engine.models.base import LogitsOutput
 from actors.engine.parallel import SINGLE, TPGroup
 from mem_cache.alloc_kernels import triton_device_error
@@ -83,7 +83,7 @@ class ModelRunner:
         attention = config.attention_backend
         if attention == "auto":
             attention = "triton" if self.device.type == "cuda" else "torch"
-        self.context_len = config.context_length or self.model_config.max_position_embeddings
+        self.context_len = config.context_length or get_context_length(self.model_config)
         self.draft = self._load_draft(attention)  # (before the KV pool is sized, as the adapters)
         self.kv_dtype = KV_DTYPES.get(config.kv_cache_dtype, self.dtype)
         self.spec = self.model.kv_cache_spec()

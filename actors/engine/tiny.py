@@ -69,9 +69,13 @@ def tiny_config(family: str, **overrides):
             "shared_expert_intermediate_size": 32, "layer_types": ["linear_attention"] * 3 + ["full_attention"],
             **overrides,
         })
-    if family == "gpt_oss":  # HF's default rope_parameters: YaRN (factor 32 over 4096, not truncated)
+    if family == "gpt_oss":  # HF's YaRN (factor 32, not truncated) over 128 positions: the context, 128 x 32 by
+        # vLLM's rule, is max_position_embeddings as the checkpoint's 4096 x 32 (HF's default 4096 would give 131072)
+        rope = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                "truncate": False, "original_max_position_embeddings": 128}
         return tf.GptOssConfig(**{
             **COMMON, "num_hidden_layers": 4, "num_key_value_heads": 2, "head_dim": 16, "sliding_window": 8,
+            "rope_parameters": rope,
             "intermediate_size": 32, "num_local_experts": 4, "num_experts_per_tok": 2,
             "layer_types": ["sliding_attention", "full_attention"] * 2,
             "swiglu_limit": 1.0, **overrides,  # (low enough that the random activations reach the clamp)
