@@ -9,6 +9,7 @@ malformed JSON, bad field, too long    400     invalid_request_error
 missing / wrong API key                401     authentication_error
 unknown model, worker, route           404     not_found_error
 no admission slot within the timeout   408     timeout_error
+busy, a worker not added (asleep)      409     invalid_request_error
 request body too large                 413     invalid_request_error
 queue full                             429     rate_limit_error
 a worker failed (PDRequestError)       500     server_error

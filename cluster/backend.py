@@ -107,6 +107,15 @@ class UnknownWorkerError(KeyError):
     """No worker with that id."""
 
 
+class WorkerNotAddedError(RuntimeError):
+    """A worker the cluster's state refuses to add (HTTP: 409): ``code`` says why, ``sleeping`` (memory
+    released) or ``weights_from_tensors`` (no checkpoint holds the weights served)."""
+
+    def __init__(self, message: str, code: str):
+        super().__init__(message)
+        self.code = code
+
+
 def model_context_len(model_path: str, configured: Optional[int] = None) -> int:
     """The context length the workers enforce: the engine's ``context_length`` or the
     checkpoint's, as their runners derive it (:func:`~actors.engine.model_loader.get_context_length`)."""
@@ -476,10 +485,12 @@ class PDBackend:
         if self.cluster is None:
             raise NotImplementedError("this server was given a client, not a cluster: it cannot start workers")
         if self.memory.is_sleeping:
-            raise RuntimeError("the workers are sleeping (memory released): wake them up before adding one")
+            raise WorkerNotAddedError("the workers are sleeping (memory released): wake them up before adding one",
+                                      "sleeping")
         if self.weights_from_tensors:
-            raise RuntimeError("the workers serve weights updated from tensors, which no checkpoint holds: a new "
-                               "worker could not serve them (update the weights from disk first)")
+            raise WorkerNotAddedError("the workers serve weights updated from tensors, which no checkpoint holds: "
+                                      "a new worker could not serve them (update the weights from disk first)",
+                                      "weights_from_tensors")
         worker = await asyncio.to_thread(self.cluster.add_worker, role)
         async with self._weights_lock:  # (it started on the config's checkpoint)
             if self.weights_update is not None:

@@ -77,7 +77,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from cluster.admin_routes import add_admin_routes
 from cluster.admission import Admission
 from cluster.api_errors import APIError
-from cluster.backend import ServingBackend, UnknownWorkerError, as_backend, refresh_loads_briefly
+from cluster.backend import ServingBackend, UnknownWorkerError, WorkerNotAddedError, as_backend, refresh_loads_briefly
 from cluster.http_guard import RequestGuard
 from cluster.chat_protocol import ChatCompletionRequest
 from cluster.completion_protocol import CompletionRequest, GenerateRequest
@@ -320,6 +320,8 @@ def build_app(cluster_or_client: Any, tokenizer=None, config=None, client=None,
         req = await parse_body(request, AddWorkerRequest)
         try:
             return await backend.add_worker(req.role)
+        except WorkerNotAddedError as exc:
+            raise APIError(409, str(exc), code=exc.code) from None
         except NotImplementedError as exc:
             raise APIError(501, str(exc), "server_error", code="not_supported") from None
 

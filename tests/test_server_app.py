@@ -452,6 +452,29 @@ def test_routes_without_a_cluster(served, client):
     assert client.completions.create(model="scripted", prompt=[1], max_tokens=2).choices[0].text == "ab"
 
 
+def test_adding_a_worker_while_asleep_or_on_weights_from_tensors_is_a_409_naming_why():
+    """POST /workers on a PD cluster whose workers sleep, or serve weights updated from tensors, is
+    refused before any worker starts: a 409 whose code says which (not a 500 internal error)."""
+    from types import SimpleNamespace
+
+    from cluster.backend import PDBackend
+
+    started = []
+    client = SimpleNamespace(prefill=[], decode=[], start_heartbeats=lambda: None, stop_heartbeats=lambda: None)
+    backend = PDBackend(client, SimpleNamespace(add_worker=started.append), model_name="pd", context_len=64)
+    with BackgroundServer(build_app(backend, None, ServerConfig()), "127.0.0.1", 0) as server:
+        backend.memory.mark_released(frozenset({"kv_cache"}), keep_weights=True)
+        r = httpx.post(server.url + "/workers", json={"role": "decode"})
+        assert r.status_code == 409 and r.json()["error"]["code"] == "sleeping", r.text
+        assert "wake them up" in r.json()["error"]["message"]
+        backend.memory.released.clear()
+        backend.weights_from_tensors = True
+        r = httpx.post(server.url + "/workers", json={"role": "prefill"})
+        assert r.status_code == 409 and r.json()["error"]["code"] == "weights_from_tensors", r.text
+        assert "update the weights from disk" in r.json()["error"]["message"]
+    assert started == []
+
+
 def test_worker_metrics_carry_the_hierarchical_cache_and_drop_workers_that_left():
     from prometheus_client import generate_latest
     from prometheus_client.parser import text_string_to_metric_families
