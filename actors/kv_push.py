@@ -82,6 +82,7 @@ class PushResult(NamedTuple):
 @dataclass
 class _Job:
     lane: "_Lane"
+    dest: str
     senders: List[Tuple[KVHandoff, KVSender]] = field(default_factory=list)
     moved: int = 0
     error: Optional[str] = None
@@ -125,9 +126,9 @@ class KVPusher:
     """One per prefill rank: its agents, the chunks queued, the requests in progress.
 
     Chunks queue on ``num_lanes`` lanes, each with its own transfer thread; a decode
-    worker is given a lane the first time it is pushed to (round robin), so a slow
-    destination (a link across nodes, a large prompt) holds up only the destinations that
-    share its lane — as SGLang shards its transfer queues by destination."""
+    worker keeps one lane while pushes to it are open (given the lane serving the fewest
+    destinations), so a slow destination (a link across nodes, a large prompt) holds up only
+    the destinations that share its lane — as SGLang shards its transfer queues by destination."""
 
     def __init__(self, agents: Dict[str, TransferAgent], asynchronous: bool = True, name: str = "raydix-kv-push",
                  num_lanes: int = 4, max_restarts: int = 3, restart_backoff_s: float = 0.05):
@@ -137,7 +138,7 @@ class KVPusher:
         self.device = tensors[0].device if tensors else torch.device("cpu")
         self._cond = threading.Condition()
         self._lanes = [_Lane(i) for i in range(max(1, num_lanes))]
-        self._lane_of: Dict[str, _Lane] = {}  # destination → its lane
+        self._lane_of: Dict[str, _Lane] = {}  # destination → its lane (dropped once no push to it is open)
         self._jobs: Dict[str, _Job] = {}
         self._finished: List[PushResult] = []
         self._closed = False
@@ -161,7 +162,7 @@ class KVPusher:
                     if lane.broken is not None:  # fails now; its later chunks find no job and are dropped
                         self._finished.append(PushResult(chunk.push_id, 0, self._lane_error(lane)))
                         continue
-                    self._jobs[chunk.push_id] = _Job(lane)
+                    self._jobs[chunk.push_id] = _Job(lane, chunk.dest)
                 job = self._jobs.get(chunk.push_id)
                 if job is not None:  # a cancelled request's late chunks are dropped
                     job.lane.queue.append((chunk, event))
@@ -175,9 +176,15 @@ class KVPusher:
                     pass
 
     def _lane_for(self, dest: str) -> _Lane:
+        """(Under the lock) destinations with no push open are forgotten first: a decode rank's agent id
+        changes when its pools are released and resumed (sleep mode) and a removed worker's never comes
+        back, so the map would otherwise keep one entry per id ever pushed to."""
+        open_dests = {job.dest for job in self._jobs.values()}
+        self._lane_of = {d: lane for d, lane in self._lane_of.items() if d in open_dests}
         lane = self._lane_of.get(dest)
         if lane is None:
-            lane = self._lane_of[dest] = self._lanes[len(self._lane_of) % len(self._lanes)]
+            lane = min(self._lanes, key=lambda candidate: sum(held is candidate for held in self._lane_of.values()))
+            self._lane_of[dest] = lane
         return lane
 
     @property

@@ -255,6 +255,24 @@ def test_pd_workers_release_and_resume_into_new_decode_segments(checkpoints, mon
             follower.shutdown()
 
 
+def test_the_prefill_pusher_forgets_the_decode_agent_ids_of_before_each_wake_up(checkpoints):
+    """Each wake-up gives the decode rank a new agent id (a new push destination): after several sleep /
+    wake cycles the prefill rank's pusher maps only the destination it pushes to now, not one per
+    wake-up (a removed decode worker's goes the same way: no push to it is open any more)."""
+    prefill, decode = make_pair(checkpoints["old"], 4)
+    try:
+        for _ in range(3):
+            run_batch(prefill, decode, BATCH, GREEDY)
+            for w in (prefill, decode):
+                asyncio.run(w.release_memory_occupation(keep_weights=True))
+            for w in (prefill, decode):
+                asyncio.run(w.resume_memory_occupation())
+        run_batch(prefill, decode, BATCH, GREEDY)
+        assert list(prefill.rank.pusher._lane_of) == [f"shm/{decode.agents['shm'].agent_id}"]
+    finally:
+        close_workers(prefill, decode)
+
+
 class Handle:
     """An in-process worker behind a Ray-like handle, as PDBackend calls it (``handle.<method>.remote(...)``)."""
 
