@@ -132,3 +132,48 @@ def test_an_adapter_on_mla_kv_b_proj_alone(tmp_path):
         eng.check_integrity()
     finally:
         eng.shutdown()
+
+
+@pytest.mark.parametrize("targets", [["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+                                     ["q_proj", "o_proj", "up_proj", "down_proj"]])
+def test_phi3_target_modules_of_the_unfused_names_take_the_fused_projections(tmp_path, targets):
+    """On Phi-3 lora_target_modules' q/k/v and gate/up name the fused qkv_proj and gate_up_proj (SGLang's packed
+    modules; any part targets the whole): every layer's four projections take adapters, and a fused adapter
+    serves as with 'all' (HF's tokens on the merged checkpoint)."""
+    model = served(tmp_path, "phi3")
+    eng = Engine(model_path=model[0], skip_tokenizer_init=True, max_total_tokens=1024, lora_paths=model[1],
+                 lora_target_modules=targets)
+    try:
+        model_cls, layers = type(eng.runner.model), eng.runner.lora.layers
+        assert {m.split(".", 3)[3] for m in layers} == set(model_cls.supported_lora_modules)
+        assert len(layers) == 4 * eng.runner.model.config.num_hidden_layers
+        batch, loras = prompts(2, seed=5), [None, "sql"]
+        assert_parity(model, batch, loras, eng.generate(input_ids=batch, sampling_params=GREEDY, lora_path=loras),
+                      eng.eos_token_ids)
+        eng.check_integrity()
+    finally:
+        eng.shutdown()
+
+
+def test_an_adapter_on_a_part_of_a_fused_projection_is_refused_naming_both(tmp_path):
+    """A PEFT adapter of q_proj on Phi-3, whose checkpoint has qkv_proj only, is refused naming q_proj and the
+    fused qkv_proj (its parts' A matrices are not stacked into one adapter here)."""
+    base = str(build_tiny_checkpoint("phi3", tmp_path / "base", seed=0))
+    path = make_adapter(base, tmp_path / "q", rank=4, alpha=8, targets=("o_proj",))
+    module = "model.layers.0.self_attn.q_proj"
+    save_file({f"base_model.model.{module}.lora_A.weight": torch.ones(4, 64),
+               f"base_model.model.{module}.lora_B.weight": torch.ones(64, 4)}, str(path / "adapter_model.safetensors"))
+    with pytest.raises(ValueError, match=rf"'q' targets {re.escape(module)}: .*q_proj is a part of the fused qkv_proj"):
+        Engine(model_path=base, skip_tokenizer_init=True, max_total_tokens=256, lora_paths={"q": str(path)})
+
+
+@pytest.mark.parametrize("family, targets, unknown", [("llama", ["q_proj", "q_a_proj"], "q_a_proj"),
+                                                      ("mixtral", ["q_proj", "gate_proj"], "gate_proj")])
+def test_a_target_module_no_layer_has_is_refused_by_name(tmp_path, family, targets, unknown):
+    """A lora_target_modules name that targets no layer of the model (MLA's q_a_proj on Llama; gate_proj on
+    Mixtral, whose MLPs are all experts) is refused at start, naming it, not silently left out ('all', every
+    name, still takes those the model has: test_family_serves_an_adapter_beside_the_base_model)."""
+    base = str(build_tiny_checkpoint(family, tmp_path / "base", seed=0))
+    with pytest.raises(ValueError, match=rf"lora_target_modules: {unknown} names no layer of \w+ that takes"):
+        Engine(model_path=base, skip_tokenizer_init=True, max_total_tokens=256, lora_target_modules=targets,
+               max_lora_rank=4)

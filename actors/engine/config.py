@@ -159,9 +159,10 @@ class EngineConfig(BaseModel):
     lora_target_modules: Annotated[Optional[List[Literal[LORA_TARGET_MODULES]]],
                                    BeforeValidator(lora_target_modules_list)] = Field(
         None, description="the projections whose layers take adapters, in every decoder layer (SGLang's "
-        "--lora-target-modules; 'all': every one): an adapter, at start or loaded at runtime, targets only "
-        "these; with max_lora_rank it serves adapters loaded at runtime without any lora_paths; None: the "
-        "layers the start adapters target")
+        "--lora-target-modules; 'all': every one; a fused projection's parts name it, Phi-3's q_proj its "
+        "qkv_proj; a name no layer of the model has is refused at start): an adapter, at start or loaded at "
+        "runtime, targets only these; with max_lora_rank it serves adapters loaded at runtime without any "
+        "lora_paths; None: the layers the start adapters target")
     max_loaded_loras: Optional[int] = Field(
         None, ge=1, description="adapters held in host memory at most (SGLang's; vLLM's --max-cpu-loras), those "
         "being unloaded included: a load beyond it is refused; at least max_loras_per_batch; None: no cap")

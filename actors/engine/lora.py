@@ -34,6 +34,7 @@ from safetensors.torch import load_file
 from torch import nn
 from torch.nn import functional as F
 
+from actors.engine.config import LORA_TARGET_MODULES
 from actors.engine.parallel import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 
 # a module of a decoder layer: model.layers.<i>.<its name in the layer> (what the model's supported_lora_modules list)
@@ -132,6 +133,7 @@ class LoRAManager:
     def __init__(self, model: nn.Module, full_model: nn.Module, adapters: List[LoRAAdapter], config,
                  dtype: torch.dtype, device: torch.device):
         self.model_name, self.supported_modules = type(model).__name__, getattr(model, "supported_lora_modules", ())
+        self.packed_modules = getattr(model, "packed_modules_mapping", {})
         if not self.supported_modules:
             raise ValueError(f"LoRA adapters are not supported for {self.model_name} "
                              "(lora_paths, lora_target_modules)")
@@ -164,19 +166,32 @@ class LoRAManager:
             self.add(self.shard(adapter))
 
     def _target_layers(self, model: nn.Module) -> Set[str]:
-        """The layers of ``lora_target_modules``' projections in every decoder layer of ``model``
-        (of its ``supported_lora_modules``: ``gate_proj`` names no layer of Mixtral, whose MLPs are all experts)."""
-        return {name for name, _ in model.named_modules() if (match := LAYER_MODULE.match(name))
-                and match[1] in self.supported_modules and match[1].rpartition(".")[2] in self.target_modules}
+        """The layers of ``lora_target_modules``' projections in every decoder layer of ``model`` (of its
+        ``supported_lora_modules``: ``gate_proj`` names no layer of Mixtral, whose MLPs are all experts); a
+        fused projection (``packed_modules_mapping``: Phi-3's qkv_proj) is targeted by its name or a part's, as
+        in SGLang. ValueError for a name that targets no layer (it would be silently left out), unless the
+        list is every name ('all')."""
+        leaves = {name: match[1].rpartition(".")[2] for name, _ in model.named_modules()
+                  if (match := LAYER_MODULE.match(name)) and match[1] in self.supported_modules}
+        names = {leaf: {leaf, *self.packed_modules.get(leaf, ())} for leaf in set(leaves.values())}
+        known, targets = set().union(*names.values()), set(self.target_modules)
+        if not targets <= known and targets != set(LORA_TARGET_MODULES):
+            raise ValueError(f"lora_target_modules: {', '.join(sorted(targets - known))} names no layer of "
+                             f"{self.model_name} that takes adapters (those it has: {', '.join(sorted(known))})")
+        return {name for name, leaf in leaves.items() if names[leaf] & targets}
 
     def _check_modules(self, adapter: LoRAAdapter) -> None:
         """ValueError naming the modules of ``adapter`` outside the model's ``supported_lora_modules``
-        (a MoE's experts): checked before any layer is wrapped, as an expert's projection is a linear layer too."""
+        (a MoE's experts; a part of a fused projection, naming it): checked before any layer is wrapped, as an
+        expert's projection is a linear layer too."""
         other = sorted(m for m in adapter.weights if LAYER_MODULE.match(m)[1] not in self.supported_modules)
         if other:
+            why = sorted({f"; {part} is a part of the fused {fused}, whose adapter is one lora_A and lora_B over "
+                          f"its {' | '.join(parts)} rows" for m in other if (part := m.rpartition(".")[2])
+                          for fused, parts in self.packed_modules.items() if part in parts})
             raise ValueError(f"LoRA adapter {adapter.name!r} targets {', '.join(other)}: {self.model_name} takes "
                              f"adapters on {', '.join(self.supported_modules)} of a decoder layer only "
-                             "(no MoE experts)")
+                             f"(no MoE experts{''.join(why)})")
 
     def shard(self, adapter: LoRAAdapter) -> LoRAAdapter:
         """``adapter`` with this rank's shard of each module, padded to the slots' rank, as its

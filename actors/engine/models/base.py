@@ -18,7 +18,7 @@ logits are summed over the ranks' vocabulary ranges (one all-reduce of ``[n, 2]`
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple, Optional, Tuple
+from typing import Callable, Dict, NamedTuple, Optional, Tuple
 
 import torch
 from torch import nn
@@ -86,6 +86,9 @@ class CausalLM(nn.Module):
     # its mlp_only_layers alone); none: the model serves no adapters. A MoE's experts take none (vLLM's LoRA on
     # experts is recent, SGLang's partial): an adapter targeting them is refused, naming the module
     supported_lora_modules: Tuple[str, ...] = ()
+    # a fused projection -> the HF projections it stacks (SGLang's packed_modules_mapping): lora_target_modules'
+    # names of the parts target it; an adapter on a part is refused, naming the fused one
+    packed_modules_mapping: Dict[str, Tuple[str, ...]] = {}
 
     def __init__(self, config, model: DecoderModel, final_logit_softcap: Optional[float] = None,
                  logits_scaling: float = 1.0):

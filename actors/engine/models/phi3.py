@@ -80,4 +80,5 @@ class Phi3DecoderLayer(LlamaDecoderLayer):
 class Phi3ForCausalLM(LlamaForCausalLM):
     # a fused projection's adapter is one A and one B over its fused rows, cut per part under TP as its weight
     supported_lora_modules = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+    packed_modules_mapping = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
     layer_cls = Phi3DecoderLayer
