@@ -316,13 +316,10 @@ class _Worker:
                                                                flush_cache, torch_empty_cache))
 
     async def _update_weights(self, req: UpdateWeightsRequest) -> Dict[str, Any]:
-        self.memory.check_weights_update()
         updater = WeightUpdater(self.loop, self.runner, self.tp_worker.call_followers,
-                                self.memory.cache_flush(lambda: flush_engine_cache(self.scheduler, self.runner)),
-                                lambda rid, room: self.abort(rid, ABORT_MESSAGE, room=room))
-        result = await updater.async_update(req)
-        self.memory.weights_discarded = False
-        return result._asdict()
+                                lambda: flush_engine_cache(self.scheduler, self.runner),
+                                lambda rid, room: self.abort(rid, ABORT_MESSAGE, room=room), self.memory)
+        return (await updater.async_update(req))._asdict()
 
     def get_weight_version(self) -> str:
         return self.runner.weights.version

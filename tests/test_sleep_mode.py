@@ -16,6 +16,7 @@ import torch
 from actors.engine import Engine
 from actors.engine.memory_occupation import NotIdleError, SleepingError, kv_pools, parse_tags
 from actors.engine.tiny import build_tiny_checkpoint
+from actors.engine.weight_updates import WeightUpdater
 from actors.workers import DecodeWorker, PrefillWorker
 from cluster.backend import PDBackend
 from mem_cache.buffer_allocator import LocalBufferAllocator, SharedMemoryBufferAllocator
@@ -102,6 +103,32 @@ def test_level_2_serves_once_an_update_wrote_the_weights(checkpoints):
             eng.generate(input_ids=BATCH[0], sampling_params=GREEDY)
         eng.update_weights_from_disk(checkpoints["old"])
         assert outputs(eng) == before
+        eng.check_integrity()
+    finally:
+        eng.shutdown()
+
+
+def test_a_release_racing_a_weight_update_refuses_the_update(checkpoints, monkeypatch):
+    """A release landing while an update waits for the engine to drain (after its start, before its copy):
+    the update is refused there, under the loop's lock, and writes nothing (it copied into the freed
+    weights: a segfault, before the check moved under the lock); resumed, the weights serve once updated."""
+    eng = Engine(model_path=checkpoints["old"], **ENGINE)
+    hold = WeightUpdater._hold
+
+    def hold_then_release(updater):
+        hold(updater)
+        eng.sleep(level=2)
+
+    try:
+        monkeypatch.setattr(WeightUpdater, "_hold", hold_then_release)
+        with pytest.raises(ValueError, match="weights are released"):
+            eng.update_weights_from_disk(checkpoints["new"])
+        monkeypatch.undo()
+        eng.wake_up()
+        with pytest.raises(RuntimeError, match="weights were discarded"):
+            eng.generate(input_ids=BATCH[0], sampling_params=GREEDY)
+        eng.update_weights_from_disk(checkpoints["new"])
+        assert_greedy_parity(checkpoints["new"], BATCH, outputs(eng), 8, eng.eos_token_ids)
         eng.check_integrity()
     finally:
         eng.shutdown()

@@ -358,13 +358,10 @@ class Engine:
                                                          torch_empty_cache))
 
     def _update_weights(self, req: UpdateWeightsRequest) -> UpdateWeightsResult:
-        self.memory.check_weights_update()
-        flush = self.memory.cache_flush(lambda: flush_engine_cache(self.scheduler, self.runner))
-        updater = WeightUpdater(self.loop, self.runner, self._call_followers, flush,
-                                lambda rid, room: self.loop.abort(rid))
-        result = updater.update(req)
-        self.memory.weights_discarded = False
-        return result
+        updater = WeightUpdater(self.loop, self.runner, self._call_followers,
+                                lambda: flush_engine_cache(self.scheduler, self.runner),
+                                lambda rid, room: self.loop.abort(rid), self.memory)
+        return updater.update(req)
 
     # ---- sleep mode (actors.engine.memory_occupation) ---------------------------------------
     def release_memory_occupation(self, tags: Optional[List[str]] = None) -> None:

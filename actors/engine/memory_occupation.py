@@ -193,6 +193,16 @@ class EngineMemory(MemoryState):
 
         self.loop.run_exclusive(resume)
 
+    def update_weights(self, apply: Callable[[Callable[[], None]], None], flush: Callable[[], None]) -> None:
+        """A weight update's ``apply(flush)``, its caller holding the loop's lock: refused (ValueError) while
+        the weights are released, the cache's flush as :meth:`cache_flush` chooses it, the weights no longer
+        discarded once written. Checked here, not as the update starts: a release landing while it waits for
+        the engine to drain would leave its copy writing into freed memory (and a level 2 sleep after the
+        copy would be forgotten)."""
+        self.check_weights_update()
+        apply(self.cache_flush(flush))
+        self.weights_discarded = False
+
     def cache_flush(self, flush: Callable[[], None]) -> Callable[[], None]:
         """A cache flush (a weight update's, /flush_cache): ``flush``, unless the KV cache is released (then
         the cache is empty and its buffers have no memory to check: dropped as is)."""

@@ -192,11 +192,13 @@ class UpdateWeightsRequest(NamedTuple):
 class WeightUpdater:
     """One engine's (or PD worker's) weight updates: its ``loop``, rank 0's ``runner``, the other
     ranks through ``call_followers``; ``flush()`` drops its prefix cache (idle), ``abort(rid, room)``
-    ends a request in flight (a coroutine function for :meth:`async_update`)."""
+    ends a request in flight (a coroutine function for :meth:`async_update`); ``memory`` its sleep state
+    (``EngineMemory.update_weights``: the update is checked against it under the loop's lock)."""
 
     def __init__(self, loop, runner, call_followers: CallFollowers, flush: Callable[[], None],
-                 abort: Callable[[str, Optional[int]], Any]):
+                 abort: Callable[[str, Optional[int]], Any], memory):
         self.loop, self.runner, self.call_followers, self.flush, self.abort = loop, runner, call_followers, flush, abort
+        self.memory = memory
 
     def update(self, req: UpdateWeightsRequest) -> UpdateWeightsResult:
         """The whole update (see the module docstring) for a caller on a thread of its own: returns
@@ -241,8 +243,9 @@ class WeightUpdater:
         def apply():
             sched = self.loop.scheduler
             check_paused_flush(self.loop, req.flush_cache)
-            apply_update(sched, self.runner, self.call_followers, sched.drop_prefix_cache, req.source,
-                         req.weight_version, req.flush_cache, req.torch_empty_cache)
+            self.memory.update_weights(lambda flush: apply_update(sched, self.runner, self.call_followers, flush,
+                                                                  req.source, req.weight_version, req.flush_cache,
+                                                                  req.torch_empty_cache), sched.drop_prefix_cache)
 
         self.loop.run_exclusive(apply)
         return UpdateWeightsResult(True, SUCCESS, 0)
@@ -254,6 +257,6 @@ class WeightUpdater:
         return [self.abort(rid, room) for rid, room in self.loop.in_flight_rooms().items()]
 
     def _apply(self, req: UpdateWeightsRequest) -> None:
-        self.loop.run_exclusive(lambda: apply_update(self.loop.scheduler, self.runner, self.call_followers, self.flush,
-                                                     req.source, req.weight_version, req.flush_cache,
-                                                     req.torch_empty_cache))
+        self.loop.run_exclusive(lambda: self.memory.update_weights(
+            lambda flush: apply_update(self.loop.scheduler, self.runner, self.call_followers, flush, req.source,
+                                       req.weight_version, req.flush_cache, req.torch_empty_cache), self.flush))
