@@ -84,8 +84,9 @@ class MambaPool:
         self.verify_specs = [] if verify_shape is None else [
             (name.replace("mamba.", "mamba.verify_"), shape[:1] + tuple(verify_shape) + shape[2:], dtype)
             for name, shape, dtype in self.state_specs]
-        scratch = LocalBufferAllocator(self.device)
-        self.verify_states: List[torch.Tensor] = [scratch.zeros(*spec) for spec in self.verify_specs]
+        # (its own, process-private: no peer maps it; released and resumed with the states in sleep mode)
+        self.verify_allocator = LocalBufferAllocator(self.device)
+        self.verify_states: List[torch.Tensor] = [self.verify_allocator.zeros(*spec) for spec in self.verify_specs]
         self.op_log: Optional[List[Tuple]] = None
         self.debug = debug_enabled(debug)
         self.clear()

@@ -27,6 +27,7 @@ from transfer.base import KVHandoff, TransferError
 
 GREEDY = {"temperature": 0, "max_new_tokens": 8}
 ENGINE = dict(skip_tokenizer_init=True, max_total_tokens=1024, page_size=4)
+NGRAM = {"speculative_algorithm": "ngram", "speculative_num_draft_tokens": 4, "speculative_ngram_max": 3}
 BATCH = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30]]
 
 
@@ -38,8 +39,9 @@ def checkpoints(tmp_path_factory):
 
 
 def held_bytes(runner):
-    """(KV and Mamba state bytes, weight bytes) the runner's buffers hold."""
-    kv = sum(t.untyped_storage().nbytes() for p in kv_pools(runner) for t in p.buffer_allocator.buffers().values())
+    """(KV and Mamba state bytes, a verify step's scratch's too, weight bytes) the runner's buffers hold."""
+    kv = sum(t.untyped_storage().nbytes() for p in kv_pools(runner)
+             for t in [*p.buffer_allocator.buffers().values(), *getattr(p, "verify_states", [])])
     weights = sum(t.untyped_storage().nbytes() for t, _ in runner.weights.targets.values())
     return kv, weights
 
@@ -54,7 +56,8 @@ def served(eng):
 
 @pytest.mark.parametrize("model, extra", [
     ("old", {}), ("old", {"enable_hierarchical_cache": True, "hicache_ratio": 2.0}),  # MHA, with a host tier
-    ("qwen3_next", {"page_size": 1}), ("gemma3", {})])  # Mamba + full attention; SWA + full
+    ("qwen3_next", {"page_size": 1}), ("gemma3", {}),  # Mamba + full attention; SWA + full
+    ("qwen3_next", {"page_size": 1, **NGRAM})])  # the Mamba pool's verify scratch too
 def test_level_1_gives_the_memory_back_and_wakes_up_to_the_same_tokens(checkpoints, model, extra):
     eng = Engine(model_path=checkpoints[model], **{**ENGINE, **extra})
     try:

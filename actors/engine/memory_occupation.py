@@ -76,7 +76,14 @@ class RankMemory:
         self.weights_released: List[Tuple[torch.UntypedStorage, int]] = []  # each storage with its size
 
     def _allocators(self) -> List:
-        return list({id(p.buffer_allocator): p.buffer_allocator for p in kv_pools(self.runner)}.values())
+        """Each once, the allocators of the KV pools' buffers, and of a Mamba pool's verify scratch (speculative
+        decoding: sized by the memory budget as the states are)."""
+        found = {}
+        for pool in kv_pools(self.runner):
+            for allocator in (pool.buffer_allocator, getattr(pool, "verify_allocator", None)):
+                if allocator is not None:
+                    found[id(allocator)] = allocator
+        return list(found.values())
 
     def _weight_storages(self) -> List[torch.UntypedStorage]:
         """The checkpoint tensors' storages, each once (tied tensors, and views of one buffer, share theirs)."""
