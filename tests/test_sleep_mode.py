@@ -22,6 +22,7 @@ from cluster.backend import PDBackend
 from mem_cache.buffer_allocator import LocalBufferAllocator, SharedMemoryBufferAllocator
 from tests.parity import assert_greedy_parity
 from tests.pd_helpers import close_workers, make_pair, run_batch
+from tests.test_weight_tensor_updates import tensors
 from tests.tp_helpers import pd_worker_tp2, thread_ranks
 from transfer.base import KVHandoff, TransferError
 
@@ -105,6 +106,28 @@ def test_level_2_serves_once_an_update_wrote_the_weights(checkpoints):
         with pytest.raises(RuntimeError, match="weights were discarded"):
             eng.generate(input_ids=BATCH[0], sampling_params=GREEDY)
         eng.update_weights_from_disk(checkpoints["old"])
+        assert outputs(eng) == before
+        eng.check_integrity()
+    finally:
+        eng.shutdown()
+
+
+def test_discarded_weights_serve_once_every_tensor_was_written(checkpoints):
+    """Level 2's weights updated from tensors in two buckets (a trainer's): after the first, the other
+    tensors still zeros, requests are refused (served garbage before); after the second, the tokens of
+    the checkpoint. A level-1 sleep meanwhile keeps what is left to write."""
+    eng = Engine(model_path=checkpoints["old"], **ENGINE)
+    try:
+        before = outputs(eng)
+        bucket = sorted(tensors(checkpoints["old"]).items())
+        eng.sleep(level=2)
+        eng.wake_up()
+        eng.update_weights_from_tensor(bucket[:len(bucket) // 2])
+        eng.sleep(level=1)
+        eng.wake_up()
+        with pytest.raises(RuntimeError, match="weights were discarded"):
+            eng.generate(input_ids=BATCH[0], sampling_params=GREEDY)
+        eng.update_weights_from_tensor(bucket[len(bucket) // 2:])
         assert outputs(eng) == before
         eng.check_integrity()
     finally:

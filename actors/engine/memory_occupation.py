@@ -10,9 +10,9 @@ again to generate (SGLang's ``release_memory_occupation`` / ``resume_memory_occu
 * ``weights``: the checkpoint tensors' memory (``ServedWeights.targets``; buffers the model computes at
   start, such as rotary tables, are kept). vLLM's sleep level 1 keeps a copy in CPU memory and wake_up
   copies it back; level 2, and SGLang's release (it keeps no copy unless ``enable_weights_cpu_backup``),
-  discard them: resumed, they are zeros and the engine refuses to generate until a weight update
-  (``update_weights_from_disk`` / ``_tensor``) has written them — the RL flow's release, resume of the
-  weights, update, resume of the KV cache.
+  discard them: resumed, they are zeros and the engine refuses to generate until weight updates
+  (``update_weights_from_disk`` / ``_tensor``, a trainer's buckets of tensors adding up) have written every
+  one of them — the RL flow's release, resume of the weights, update, resume of the KV cache.
 
 ``cuda_graph`` (SGLang's third tag) is accepted and does nothing: raydix captures no CUDA graphs. No tag
 given: all of them. Every TP rank releases and resumes alike (rank 0 tells the others, as a weight update).
@@ -173,6 +173,7 @@ class EngineMemory(MemoryState):
     def __init__(self, loop, runner, call_followers):
         super().__init__()
         self.loop, self.rank, self.call_followers = loop, RankMemory(runner), call_followers
+        self.unwritten: Set[str] = set()  # (the weights discarded: the served tensors no update has written since)
 
     def release(self, tags: FrozenSet[str], keep_weights: bool) -> None:
         """NotIdleError (nothing released) while a request is held; parts released already are left as
@@ -200,15 +201,21 @@ class EngineMemory(MemoryState):
 
         self.loop.run_exclusive(resume)
 
-    def update_weights(self, apply: Callable[[Callable[[], None]], None], flush: Callable[[], None]) -> None:
-        """A weight update's ``apply(flush)``, its caller holding the loop's lock: refused (ValueError) while
-        the weights are released, the cache's flush as :meth:`cache_flush` chooses it, the weights no longer
-        discarded once written. Checked here, not as the update starts: a release landing while it waits for
-        the engine to drain would leave its copy writing into freed memory (and a level 2 sleep after the
-        copy would be forgotten)."""
+    def mark_released(self, parts: FrozenSet[str], keep_weights: bool) -> None:
+        super().mark_released(parts, keep_weights)
+        if WEIGHTS in parts and not keep_weights:
+            self.unwritten = set(self.rank.runner.weights.targets)
+
+    def update_weights(self, apply: Callable[[Callable[[], None]], List[str]], flush: Callable[[], None]) -> None:
+        """A weight update's ``apply(flush)`` (returning the names of the served tensors it wrote), its caller
+        holding the loop's lock: refused (ValueError) while the weights are released, the cache's flush as
+        :meth:`cache_flush` chooses it. Checked here, not as the update starts: a release landing while it
+        waits for the engine to drain would leave its copy writing into freed memory (and a level 2 sleep
+        after the copy would be forgotten). Discarded weights serve again once every tensor was written
+        since, by one update or several (a trainer's buckets of tensors): a part of them is zeros."""
         self.check_weights_update()
-        apply(self.cache_flush(flush))
-        self.weights_discarded = False
+        self.unwritten -= set(apply(self.cache_flush(flush)))
+        self.weights_discarded = bool(self.unwritten)
 
     def cache_flush(self, flush: Callable[[], None]) -> Callable[[], None]:
         """A cache flush (a weight update's, /flush_cache): ``flush``, unless the KV cache is released (then

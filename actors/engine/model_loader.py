@@ -366,8 +366,8 @@ class ServedWeights:
                 problems.append(f"{name} is FP8 without its {name.removesuffix('weight') + fp8.SCALE}")
         return problems
 
-    def load(self, source: WeightsSource) -> None:
-        """Copy ``source`` (checked again) into the served tensors, this rank's shards."""
+    def load(self, source: WeightsSource) -> List[str]:
+        """Copy ``source`` (checked again) into the served tensors, this rank's shards; returns their names."""
         names = self._served_names(source)
         with contextlib.ExitStack() as stack:
             if isinstance(source, str):
@@ -383,6 +383,7 @@ class ServedWeights:
                 else:  # (MXFP4: _served_names found its blocks and scales)
                     _load_mxfp4(name, *self.targets[name], files_of[name + "_blocks"], files_of)
         self.path = source if isinstance(source, str) else None
+        return names
 
 
 def _checkpoint_problems(shapes: Dict[str, List[int]], expected: Dict[str, List[int]], ignored,

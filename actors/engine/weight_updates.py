@@ -118,16 +118,17 @@ def empty_device_cache(device: torch.device) -> None:
 
 
 def apply_update(sched, runner, call_followers: CallFollowers, flush: Callable[[], None], source: WeightsSource,
-                 version: Optional[str], flush_cache: bool, torch_empty_cache: bool = False) -> None:
+                 version: Optional[str], flush_cache: bool, torch_empty_cache: bool = False) -> List[str]:
     """With nothing running (the loop's lock held): check on every rank, copy on every rank (named
     tensors: the followers are sent them on the CPU, whole, each takes its shard), flush (``flush``:
     the engine's prefix cache, idle), empty the device caches, record ``version``. ValueError: refused,
-    nothing changed; RuntimeError: a copy failed (rolled back where a checkpoint holds the served weights)."""
+    nothing changed; RuntimeError: a copy failed (rolled back where a checkpoint holds the served weights).
+    Returns the names of the served tensors written (rank 0's)."""
     check_weights(runner, call_followers, source)
     weights, old = runner.weights, runner.weights.path
     what = repr(source) if isinstance(source, str) else "tensors"
     try:
-        weights.load(source)
+        written = weights.load(source)
         on_followers(call_followers, "weights_load", source if isinstance(source, str) else
                      {name: t.cpu() for name, t in source.items()})
     except Exception as exc:
@@ -147,6 +148,7 @@ def apply_update(sched, runner, call_followers: CallFollowers, flush: Callable[[
         on_followers(call_followers, "weights_empty_cache", None)
     if version is not None:
         weights.version = version
+    return written
 
 
 def _roll_back(weights: ServedWeights, call_followers: CallFollowers, old: Optional[str]) -> str:
