@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from actors.engine import Engine
-from actors.engine.memory_occupation import NotIdleError, SleepingError, kv_pools, parse_tags
+from actors.engine.memory_occupation import NotIdleError, RankMemory, SleepingError, kv_pools, parse_tags
 from actors.engine.tiny import build_tiny_checkpoint
 from actors.engine.weight_updates import WeightUpdater
 from actors.workers import DecodeWorker, PrefillWorker
@@ -204,6 +204,35 @@ def test_tp2_every_rank_releases_and_resumes(checkpoints, monkeypatch):
         assert held_bytes(follower) == (0, 0) and held_bytes(eng.runner) == (0, 0)
         eng.wake_up()
         assert held_bytes(follower) == held
+        assert outputs(eng) == before
+        eng.check_integrity()
+    finally:
+        eng.shutdown()
+
+
+def test_tp2_a_follower_failing_the_release_leaves_every_rank_awake(checkpoints, monkeypatch):
+    """All ranks or none: a follower refusing the release, rank 0 (released first) allocates its memory
+    anew and the engine serves the same tokens (it looked awake on freed buffers before); at level 2 the
+    discarded weights refuse requests until an update."""
+    thread_ranks(monkeypatch)
+    eng = Engine(model_path=checkpoints["old"], tp_size=2, **ENGINE)
+    release = RankMemory.release
+
+    def fail_on_the_follower(rank, tags, keep_weights=False):
+        if rank.runner is not eng.runner:
+            raise RuntimeError("out of host memory")
+        release(rank, tags, keep_weights)
+
+    try:
+        before, held = outputs(eng), held_bytes(eng.runner)
+        monkeypatch.setattr(RankMemory, "release", fail_on_the_follower)
+        for level in (1, 2):
+            with pytest.raises(ValueError, match="rank 1: RuntimeError: out of host memory"):
+                eng.sleep(level=level)
+            assert not eng.is_sleeping() and held_bytes(eng.runner) == held
+        with pytest.raises(RuntimeError, match="weights were discarded"):
+            eng.generate(input_ids=BATCH[0], sampling_params=GREEDY)
+        eng.update_weights_from_disk(checkpoints["old"])
         assert outputs(eng) == before
         eng.check_integrity()
     finally:

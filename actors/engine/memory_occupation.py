@@ -177,7 +177,10 @@ class EngineMemory(MemoryState):
 
     def release(self, tags: FrozenSet[str], keep_weights: bool) -> None:
         """NotIdleError (nothing released) while a request is held; parts released already are left as
-        they are; the KV cache's release drops the prefix cache first."""
+        they are; the KV cache's release drops the prefix cache first. On every rank or on none: a rank
+        failing it (a follower's error is a ValueError naming it), every rank allocates the parts anew and
+        the error is raised, discarded weights left discarded (an engine that looked awake on released
+        memory would run its next step on freed buffers)."""
         def release():
             held = [r.rid for r in self.loop.held_reqs()]
             if held or self.loop.scheduler.has_work():
@@ -186,20 +189,23 @@ class EngineMemory(MemoryState):
             parts = tags - self.released
             if KV_CACHE in parts:
                 self.loop.scheduler.drop_prefix_cache()
-            self.rank.release(parts, keep_weights)
-            on_followers(self.call_followers, "memory_release", (parts, keep_weights))
             self.mark_released(parts, keep_weights)
+            try:
+                self.rank.release(parts, keep_weights)
+                on_followers(self.call_followers, "memory_release", (parts, keep_weights))
+            except Exception:  # (a rank that had not released them allocates its KV anew: the cache is empty)
+                self._resume(parts)
+                raise
 
         self.loop.run_exclusive(release)
 
     def resume(self, tags: FrozenSet[str]) -> None:
-        def resume():
-            parts = tags & self.released
-            self.rank.resume(parts)
-            on_followers(self.call_followers, "memory_resume", parts)
-            self.released -= parts
+        self.loop.run_exclusive(lambda: self._resume(tags & self.released))
 
-        self.loop.run_exclusive(resume)
+    def _resume(self, parts: FrozenSet[str]) -> None:
+        self.rank.resume(parts)
+        on_followers(self.call_followers, "memory_resume", parts)
+        self.released -= parts
 
     def mark_released(self, parts: FrozenSet[str], keep_weights: bool) -> None:
         super().mark_released(parts, keep_weights)
