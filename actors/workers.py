@@ -274,7 +274,8 @@ class _Worker:
         self.loop.run_exclusive(check)
 
     def flush_cache(self) -> None:
-        self.loop.run_exclusive(self.memory.cache_flush(lambda: flush_engine_cache(self.scheduler, self.runner)))
+        # the flush is chosen under the loop's lock, where a release of the KV cache cannot land in between
+        self.loop.run_exclusive(lambda: self.memory.cache_flush(lambda: flush_engine_cache(self.scheduler, self.runner))())
 
     async def load_lora_adapter(self, lora_name: str, lora_path: str, cache_key: Optional[str] = None) -> None:
         """This worker (every TP rank) serves the adapter in ``lora_path`` as ``lora_name`` from now on,
