@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import itertools
 import random
 import threading
 import time
+from types import SimpleNamespace
 from typing import Callable, Dict, List, Optional
 
 from transfer.base import KVHandoff
@@ -143,3 +145,17 @@ def pause_once(worker, predicate: Callable[[], bool]) -> threading.Event:
 
     sched.step = step_then_check
     return paused
+
+
+class Handle:
+    """A worker in this process behind a Ray-like handle: ``handle.method.remote(*args)`` awaits it."""
+
+    def __init__(self, worker):
+        self.worker = worker
+
+    def __getattr__(self, name):
+        async def call(*args):
+            result = getattr(self.worker, name)(*args)
+            return await result if inspect.isawaitable(result) else result
+
+        return SimpleNamespace(remote=call)

@@ -21,7 +21,7 @@ from actors.workers import DecodeWorker, PrefillWorker
 from cluster.backend import PDBackend
 from mem_cache.buffer_allocator import LocalBufferAllocator, SharedMemoryBufferAllocator
 from tests.parity import assert_greedy_parity
-from tests.pd_helpers import close_workers, make_pair, run_batch
+from tests.pd_helpers import Handle, close_workers, make_pair, run_batch
 from tests.test_weight_tensor_updates import tensors
 from tests.tp_helpers import pd_worker_tp2, thread_ranks
 from transfer.base import KVHandoff, TransferError
@@ -103,13 +103,19 @@ def test_level_2_serves_once_an_update_wrote_the_weights(checkpoints):
         eng.check_integrity()
         eng.release_memory_occupation(tags=["weights", "cuda_graph"])  # (SGLang's: no copy kept)
         eng.resume_memory_occupation()
-        with pytest.raises(RuntimeError, match="weights were discarded"):
-            eng.generate(input_ids=BATCH[0], sampling_params=GREEDY)
-        eng.update_weights_from_disk(checkpoints["old"])
-        assert outputs(eng) == before
-        eng.check_integrity()
+        assert_refused_until_updated(eng, checkpoints["old"], before)
     finally:
         eng.shutdown()
+
+
+def assert_refused_until_updated(eng, checkpoint, before):
+    """Discarded weights: ``eng`` refuses to generate until ``checkpoint`` (whose outputs were ``before``)
+    is written over them, then serves as before."""
+    with pytest.raises(RuntimeError, match="weights were discarded"):
+        eng.generate(input_ids=BATCH[0], sampling_params=GREEDY)
+    eng.update_weights_from_disk(checkpoint)
+    assert outputs(eng) == before
+    eng.check_integrity()
 
 
 def test_discarded_weights_serve_once_every_tensor_was_written(checkpoints):
@@ -230,11 +236,7 @@ def test_tp2_a_follower_failing_the_release_leaves_every_rank_awake(checkpoints,
             with pytest.raises(ValueError, match="rank 1: RuntimeError: out of host memory"):
                 eng.sleep(level=level)
             assert not eng.is_sleeping() and held_bytes(eng.runner) == held
-        with pytest.raises(RuntimeError, match="weights were discarded"):
-            eng.generate(input_ids=BATCH[0], sampling_params=GREEDY)
-        eng.update_weights_from_disk(checkpoints["old"])
-        assert outputs(eng) == before
-        eng.check_integrity()
+        assert_refused_until_updated(eng, checkpoints["old"], before)
     finally:
         eng.shutdown()
 
@@ -354,15 +356,6 @@ def test_the_prefill_pusher_forgets_the_decode_agent_ids_of_before_each_wake_up(
     finally:
         close_workers(prefill, decode)
 
-
-class Handle:
-    """An in-process worker behind a Ray-like handle, as PDBackend calls it (``handle.<method>.remote(...)``)."""
-
-    def __init__(self, worker):
-        self.worker = worker
-
-    def __getattr__(self, name):
-        return SimpleNamespace(remote=getattr(self.worker, name))
 
 
 def test_pd_backend_releases_every_worker_or_none(checkpoints):

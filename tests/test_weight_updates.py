@@ -5,7 +5,6 @@ refused before any weight is touched, requests in flight finish (or are aborted)
 wait; at TP 2 every rank takes its shard; over HTTP through PDBackend to both PD workers."""
 
 import asyncio
-import inspect
 import random
 import threading
 import time
@@ -19,6 +18,7 @@ from actors.engine import Engine
 from actors.engine import weight_updates
 from actors.engine.tiny import build_tiny_checkpoint
 from tests.parity import assert_greedy_parity
+from tests.pd_helpers import Handle
 from tests.tp_helpers import thread_ranks
 
 GREEDY = {"temperature": 0, "max_new_tokens": 8}
@@ -284,19 +284,6 @@ def test_pd_abort_all_requests_ends_a_request_whose_kv_is_moving(checkpoints):
     finally:
         close_workers(prefill, decode)
 
-
-class Handle:
-    """A worker in this process behind a Ray-like handle: ``handle.method.remote(*args)`` awaits it."""
-
-    def __init__(self, worker):
-        self.worker = worker
-
-    def __getattr__(self, name):
-        async def call(*args):
-            result = getattr(self.worker, name)(*args)
-            return await result if inspect.isawaitable(result) else result
-
-        return SimpleNamespace(remote=call)
 
 
 def test_pd_backend_checks_every_worker_first_and_names_mixed_versions(checkpoints, tmp_path):
