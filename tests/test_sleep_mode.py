@@ -108,6 +108,37 @@ def test_level_2_serves_once_an_update_wrote_the_weights(checkpoints):
         eng.shutdown()
 
 
+def draft_bytes(runner):
+    """Bytes a draft model's checkpoint tensors hold."""
+    return sum(t.untyped_storage().nbytes() for t in RankMemory(runner)._draft_weights())
+
+
+def test_a_draft_models_weights_are_released_and_always_restored(checkpoints):
+    """Draft-model speculation: the draft's weights go with ``weights`` and come back from their CPU copy at
+    level 2 too (no update writes them): woken and updated, every draft is accepted as before (a draft of the
+    target's weights; zeros would propose token 0)."""
+    eng = Engine(model_path=checkpoints["old"], **ENGINE, speculative_algorithm="draft_model",
+                 speculative_draft_model_path=checkpoints["old"], speculative_num_draft_tokens=4)
+    try:
+        before, stats = outputs(eng), eng.scheduler.spec_stats
+        weights = [t.clone() for t in RankMemory(eng.runner)._draft_weights()]
+        drafted = stats.num_draft_tokens
+        assert drafted > 0 and stats.num_accepted_tokens == drafted
+        for level in (1, 2):
+            eng.sleep(level=level)
+            assert held_bytes(eng.runner) == (0, 0) and draft_bytes(eng.runner) == 0
+            eng.wake_up()
+            assert all(torch.equal(t, w) for t, w in zip(RankMemory(eng.runner)._draft_weights(), weights))
+            if level == 2:
+                eng.update_weights_from_disk(checkpoints["old"])
+            assert outputs(eng) == before
+            assert stats.num_draft_tokens > drafted and stats.num_accepted_tokens == stats.num_draft_tokens
+            drafted = stats.num_draft_tokens
+        eng.check_integrity()
+    finally:
+        eng.shutdown()
+
+
 def assert_refused_until_updated(eng, checkpoint, before):
     """Discarded weights: ``eng`` refuses to generate until ``checkpoint`` (whose outputs were ``before``)
     is written over them, then serves as before."""

@@ -12,7 +12,10 @@ again to generate (SGLang's ``release_memory_occupation`` / ``resume_memory_occu
   copies it back; level 2, and SGLang's release (it keeps no copy unless ``enable_weights_cpu_backup``),
   discard them: resumed, they are zeros and the engine refuses to generate until weight updates
   (``update_weights_from_disk`` / ``_tensor``, a trainer's buckets of tensors adding up) have written every
-  one of them — the RL flow's release, resume of the weights, update, resume of the KV cache.
+  one of them — the RL flow's release, resume of the weights, update, resume of the KV cache. A draft
+  model's checkpoint tensors (draft-model speculation, rank 0) are released with them and always copied
+  to the CPU, at level 2 too: weight updates replace the served checkpoint only, so nothing else could
+  write the draft's again.
 
 ``cuda_graph`` (SGLang's third tag) is accepted and does nothing: raydix captures no CUDA graphs. No tag
 given: all of them. Every TP rank releases and resumes alike (rank 0 tells the others, as a weight update).
@@ -32,6 +35,7 @@ from typing import Callable, Dict, FrozenSet, Iterable, List, Optional, Set, Tup
 import torch
 
 from actors.engine.lora_updates import on_followers
+from actors.engine.model_loader import checkpoint_targets
 from mem_cache.mamba_pool import MambaPool
 from mem_cache.memory_pool import KVCache
 
@@ -72,7 +76,7 @@ class RankMemory:
     def __init__(self, runner):
         self.runner = runner
         self.on_kv_moved: Callable[[], None] = lambda: None
-        self.weights_copy: Optional[Dict[str, torch.Tensor]] = None  # (level 1: on the CPU)
+        self.weights_copy: List[Tuple[torch.Tensor, torch.Tensor]] = []  # (each tensor with its copy on the CPU)
         self.weights_released: List[Tuple[torch.UntypedStorage, int]] = []  # each storage with its size
 
     def _allocators(self) -> List:
@@ -85,21 +89,25 @@ class RankMemory:
                     found[id(allocator)] = allocator
         return list(found.values())
 
-    def _weight_storages(self) -> List[torch.UntypedStorage]:
-        """The checkpoint tensors' storages, each once (tied tensors, and views of one buffer, share theirs)."""
-        storages = (t.untyped_storage() for t, _ in self.runner.weights.targets.values())
-        return list({s.data_ptr(): s for s in storages}.values())
+    def _draft_weights(self) -> List[torch.Tensor]:
+        """A draft model's checkpoint tensors (rank 0's, with draft-model speculation; else none)."""
+        draft = getattr(self.runner, "draft", None)
+        return [t for t, _ in checkpoint_targets(draft.model).values()] if draft is not None else []
 
     def release(self, tags: FrozenSet[str], keep_weights: bool = False) -> None:
-        """Give back the memory of ``tags``' parts; ``keep_weights``: a CPU copy of the weights first."""
+        """Give back the memory of ``tags``' parts; ``keep_weights``: a CPU copy of the weights first. A draft
+        model's weights are released with the weights and always copied: no weight update writes them (it
+        replaces the served checkpoint's), so nothing else could restore them."""
         if KV_CACHE in tags:
             for allocator in self._allocators():
                 allocator.release()
             self.on_kv_moved()
         if WEIGHTS in tags:
-            self.weights_copy = ({name: t.detach().to("cpu", copy=True) for name, (t, _) in
-                                  self.runner.weights.targets.items()} if keep_weights else None)
-            self.weights_released = [(s, s.nbytes()) for s in self._weight_storages()]
+            served = [t for t, _ in self.runner.weights.targets.values()]
+            draft = self._draft_weights()
+            self.weights_copy = [(t, t.detach().to("cpu", copy=True)) for t in (served if keep_weights else []) + draft]
+            storages = (t.untyped_storage() for t in served + draft)  # (tied tensors, views of one buffer: once)
+            self.weights_released = [(s, s.nbytes()) for s in {s.data_ptr(): s for s in storages}.values()]
             for storage, _ in self.weights_released:
                 storage.resize_(0)
         if self.runner.device.type == "cuda":
@@ -107,7 +115,7 @@ class RankMemory:
 
     @torch.no_grad()
     def resume(self, tags: FrozenSet[str]) -> None:
-        """Allocate ``tags``' parts anew: the KV zero-filled, the weights from the CPU copy (else zeros)."""
+        """Allocate ``tags``' parts anew: the KV zero-filled, the weights from their CPU copy (else zeros)."""
         if KV_CACHE in tags:
             for allocator in self._allocators():
                 allocator.resume()
@@ -119,9 +127,9 @@ class RankMemory:
             for storage, nbytes in self.weights_released:  # (released, they all have address 0: kept, not found again)
                 storage.resize_(nbytes)
                 storage.fill_(0)
-            for name, saved in (self.weights_copy or {}).items():
-                self.runner.weights.targets[name][0].copy_(saved)
-            self.weights_copy, self.weights_released = None, []
+            for tensor, saved in self.weights_copy:
+                tensor.copy_(saved)
+            self.weights_copy, self.weights_released = [], []
 
 
 class SleepingError(RuntimeError):
