@@ -47,12 +47,12 @@ class MambaPool:
     decoding, ``verify_states``: per tensor of ``states()``, one of shape
     ``[num_mamba_layers, rows, positions, *state_shape]``; entry ``[:, row, j]``
     is written by a verify forward (the state after the ``j``-th token of
-    request row ``row``'s step) and read by ``commit_verify_state`` only. A plain
+    request row ``row``'s step) and read by ``commit_verify_states`` only. A plain
     allocation: it is never transferred.
 
     ``op_log``, when a list, records every state write made outside a model
     forward (``("zero", slots)`` at alloc, ``("copy", src, dst)``,
-    ``("verify", row, position, slot)``) so that a pool on another TP rank,
+    ``("verify", rows, positions, slots)``) so that a pool on another TP rank,
     holding other heads of the same slots, can ``replay`` them in order.
     """
 
@@ -132,13 +132,15 @@ class MambaPool:
             # copies: ``as_tensor`` keeps the caller's tensor, which it may reuse before replay
             self.op_log.append(("copy", src_t.to("cpu", copy=True), dst_t.to("cpu", copy=True)))
 
-    def commit_verify_state(self, row: int, position: int, slot: int) -> None:
-        """Every layer's scratch state of request row ``row`` after its verify step's token
-        ``position`` into slot ``slot`` (a verify step keeps its accepted tokens' state only)."""
+    def commit_verify_states(self, rows: Slots, positions: Slots, slots: Slots) -> None:
+        """Every layer's scratch state of request row ``rows[i]`` after its verify step's token
+        ``positions[i]`` into slot ``slots[i]``, for every ``i`` (a verify step keeps its accepted
+        tokens' state only): one indexed copy per state tensor, not one per commit, and one logged op."""
+        rows_t, positions_t, slots_t = (_as_slot_tensor(x, self.device) for x in (rows, positions, slots))
         for state, verify_state in zip(self.states(), self.verify_states):
-            state[:, slot] = verify_state[:, row, position]
+            state[:, slots_t] = verify_state[:, rows_t, positions_t]
         if self.op_log is not None:
-            self.op_log.append(("verify", row, position, slot))
+            self.op_log.append(("verify", *(x.to("cpu", copy=True) for x in (rows_t, positions_t, slots_t))))
 
     def replay(self, ops: List[Tuple]) -> None:
         """Apply another rank's recorded ``op_log`` entries to these states, in order."""
@@ -148,7 +150,7 @@ class MambaPool:
             elif op[0] == "copy":
                 self.copy_from(op[1], op[2])
             elif op[0] == "verify":
-                self.commit_verify_state(*op[1:])
+                self.commit_verify_states(*op[1:])
             else:
                 raise ValueError(f"unknown Mamba state op {op[0]!r}")
 

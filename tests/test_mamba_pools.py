@@ -52,26 +52,54 @@ def test_a_freed_slot_comes_back_zeroed():
     assert all(not state[:, again].any() for state in pool.states())
 
 
-def test_a_verify_state_commit_copies_one_scratch_entry_and_a_tp_peer_replays_it():
-    """``commit_verify_state`` copies every layer's state of one (row, position) of the verify
-    scratch into a slot, nothing else; a pool of another rank replays it from the log."""
-    def pool():
-        return MambaPool(4, [(2, 3)], (2, 2), 2, torch.float32, torch.float32, verify_shape=(2, 3))
+def verify_pools(n=2, size=4):
+    """``n`` pools (a leader and its TP peers) of ``size`` slots with the same random verify scratch."""
+    pools = [MambaPool(size, [(2, 3)], (2, 2), 2, torch.float32, torch.float32, verify_shape=(2, 3)) for _ in range(n)]
+    for scratch in zip(*(p.verify_states for p in pools)):
+        value = torch.randn(scratch[0].shape)
+        for s in scratch:
+            s.copy_(value)
+    return pools
 
-    leader, follower = pool(), pool()
+
+def test_a_verify_state_commit_copies_one_scratch_entry_and_a_tp_peer_replays_it():
+    """``commit_verify_states`` copies every layer's state of one (row, position) of the verify
+    scratch into a slot, nothing else; a pool of another rank replays it from the log."""
+    leader, follower = verify_pools()
     assert [tuple(s.shape) for s in leader.verify_states] == [(2, 2, 3, 2, 3), (2, 2, 3, 2, 2)]
-    for mine, peer in zip(leader.verify_states, follower.verify_states):
-        peer.copy_(mine.copy_(torch.randn(mine.shape)))
     slot = int(leader.alloc(1))
     follower.alloc(1)
     leader.op_log = []
-    leader.commit_verify_state(1, 2, slot)
+    leader.commit_verify_states([1], [2], [slot])
     follower.replay(leader.op_log)
     for state, verify_state, peer in zip(leader.states(), leader.verify_states, follower.states()):
         assert torch.equal(state[:, slot], verify_state[:, 1, 2]) and torch.equal(peer, state)
         assert not state[:, slot + 1:].any()
     leader.check_integrity(in_use=t(slot))
     assert leader.mem_usage_bytes() == sum(s.nbytes for s in leader.states() + leader.verify_states)
+
+
+def test_a_batched_verify_commit_equals_one_commit_each_in_one_copy_per_state_and_one_op(monkeypatch):
+    """Several (row, position, slot) commits in one call leave the states one call each would,
+    with one indexed copy per state tensor and one logged op, which a TP peer replays."""
+    batched, single, follower = verify_pools(3)
+    triples = [(1, 2, 3), (0, 0, 1), (1, 0, 0)]
+    for pool in (batched, single, follower):
+        pool.alloc(4)
+    for row, position, slot in triples:
+        single.commit_verify_states([row], [position], [slot])
+    writes = []
+    monkeypatch.setattr(torch.Tensor, "__setitem__", lambda self, i, v, orig=torch.Tensor.__setitem__: (
+        writes.append(i), orig(self, i, v))[1])
+    batched.op_log = []
+    batched.commit_verify_states(*zip(*triples))
+    assert len(writes) == len(batched.states()) and len(batched.op_log) == 1
+    monkeypatch.undo()
+    follower.replay(batched.op_log)
+    for mine, theirs, peer in zip(batched.states(), single.states(), follower.states()):
+        assert torch.equal(mine, theirs) and torch.equal(peer, mine)
+        assert mine[:, [0, 1, 3]].any() and not mine[:, 2].any()  # (slot 2: no commit, still zeroed)
+    batched.check_integrity(in_use=t(0, 1, 2, 3))
 
 
 def test_copy_from_and_fork_from_copy_every_layer():

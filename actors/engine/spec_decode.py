@@ -294,16 +294,18 @@ class SpecDecodeMixin:
         """Hybrid models: ``req``'s Mamba state after the ``num_kept`` tokens of its verify step it
         committed, from the verify scratch into its slot (the forward left the slot as it was); with
         extra_buffer, the state at the last multiple of ``mamba_track_interval`` among them, if any,
-        into its next track slot, as a decode step there would have saved it."""
+        into its next track slot, as a decode step there would have saved it; both in one commit."""
         if not self.hybrid:
             return
         pool = self.runner.req_to_token_pool
-        pool.mamba_pool.commit_verify_state(req.req_pool_idx, num_kept - 1, req.mamba_pool_idx)
+        positions, slots = [num_kept - 1], [req.mamba_pool_idx]
         interval, computed = self.config.mamba_track_interval, req.kv_committed_len
         tracked = computed // interval * interval
         if pool.enable_mamba_extra_buffer and tracked > computed - num_kept:
             (slot,), _ = _mamba_tracks(pool, [req], [tracked])
-            pool.mamba_pool.commit_verify_state(req.req_pool_idx, tracked - (computed - num_kept) - 1, slot)
+            positions.append(tracked - (computed - num_kept) - 1)
+            slots.append(slot)
+        pool.mamba_pool.commit_verify_states([req.req_pool_idx] * len(slots), positions, slots)
 
     def _free_draft_slots(self, req: Req) -> None:
         """Free the whole pages of ``req``'s row past its committed KV (a verify step's rejected

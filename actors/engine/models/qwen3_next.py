@@ -8,7 +8,7 @@ through the recurrence and writes the state back, so the slot always holds
 the state after the request's last committed token. A verify forward
 (speculative decoding) leaves the slot as it is: it writes the state after
 each of its tokens to the pool's verify scratch, and the scheduler copies the
-last accepted one's into the slot (``MambaPool.commit_verify_state``), so a
+last accepted one's into the slot (``MambaPool.commit_verify_states``), so a
 rejected draft leaves nothing in it.
 """
 
