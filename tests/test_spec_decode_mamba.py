@@ -10,8 +10,10 @@ import pytest
 import torch
 
 from actors.engine import Engine
+from actors.engine.scheduler import Scheduler
 from actors.engine.tiny import build_tiny_checkpoint, tiny_config
 from actors.engine.tokenizer import save_tokenizer
+from mem_cache.mamba_pool import MambaPool
 from tests.parity import assert_greedy_parity
 from tests.pd_helpers import close_workers, make_pair, run_batch
 from tests.test_spec_decode import GREEDY, SPEC, assert_retraction_keeps_tokens, ids
@@ -54,14 +56,39 @@ def generate(model_dir, batch, **args):
         engine.shutdown()
 
 
+@pytest.fixture
+def verify_commits(monkeypatch):
+    """Per verify step, the requests' rows of each state commit made while it was processed."""
+    steps = []
+    process, commit = Scheduler._process_decode, MambaPool.commit_verify_states
+
+    def processing(self, reqs, runs, verified=False):
+        if verified:
+            steps.append([])
+        return process(self, reqs, runs, verified)
+
+    def committing(self, rows, positions, slots):
+        steps[-1].append(list(rows))
+        return commit(self, rows, positions, slots)
+
+    monkeypatch.setattr(Scheduler, "_process_decode", processing)
+    monkeypatch.setattr(MambaPool, "commit_verify_states", committing)
+    return steps
+
+
 @pytest.mark.parametrize("args, cached", [(NO_BUFFER, 69), (EXTRA_BUFFER, 64)], ids=["no_buffer", "extra_buffer"])
-def test_greedy_tokens_equal_plain_decoding_and_hf_with_drafts_rejected(model_dir, args, cached):
+def test_greedy_tokens_equal_plain_decoding_and_hf_with_drafts_rejected(model_dir, args, cached, verify_commits):
     """The follow-up (72 tokens) hits the state the first round's last request committed after its
     verify steps: no_buffer, at its last committed token (30 prompt + 39 output tokens); extra_buffer,
-    its last checkpoint at a multiple of 8 (64, from a verify step's scratch). Its tokens too are HF's."""
+    its last checkpoint at a multiple of 8 (64, from a verify step's scratch). Its tokens too are HF's.
+    Each verify step commits all its requests' states (and checkpoints) in one op."""
     batch = prompts()
     plain, _ = generate(model_dir, batch, **args)
     spec, stats = generate(model_dir, batch, **args, **SPEC)
+    assert verify_commits and all(len(commits) == 1 for commits in verify_commits)
+    assert max(len(set(rows)) for (rows,) in verify_commits) == len(batch)  # every request's in the op
+    tracked = any(len(rows) > len(set(rows)) for (rows,) in verify_commits)  # a row's slot and its track slot
+    assert tracked == ("mamba_scheduler_strategy" in args)
     assert ids(spec) == ids(plain)
     assert 0 < stats["num_accepted_tokens"] < stats["num_draft_tokens"]  # drafts kept and drafts rejected
     follow_prompt = batch[-1] + spec[-2]["output_ids"] + [7, 8]

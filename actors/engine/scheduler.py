@@ -443,27 +443,39 @@ class Scheduler(PrefillAdmissionMixin, DecodeRetractionMixin, SpecDecodeMixin):
         """Each request's run of picked tokens (one; a verify step's: its accepted drafts and the
         token after them) appended until one finishes it — where as many decode steps would have
         stopped —; the KV of the tokens kept is committed (``verified``: and a hybrid model's state
-        after them), a verify step's other slots freed."""
+        after them, for the whole batch in one commit before any finished request is cached), a
+        verify step's other slots freed."""
+        commits: List[Tuple[int, int, int]] = []
+        done: List[Req] = []
+        released: List[Req] = []
         self.runner.allocator.free_group_begin()
         try:
-            for req, run in zip(reqs, runs):
-                for pick in run:
-                    self._sample(req, None, pick)
+            try:
+                for req, run in zip(reqs, runs):
+                    for pick in run:
+                        self._sample(req, None, pick)
+                        if req.finished:
+                            break
+                    computed = req.kv_committed_len
+                    req.kv_committed_len = req.seqlen - 1  # (the last token has no KV yet)
+                    if verified:
+                        commits += self._verified_state_commits(req, req.kv_committed_len - computed)
+                    self._free_draft_slots(req)
+                    done.append(req)
+            finally:  # (after a failure too: those processed before it are committed and released)
+                self._commit_verified_states(commits)
+                for req in done:
                     if req.finished:
-                        break
-                computed = req.kv_committed_len
-                req.kv_committed_len = req.seqlen - 1  # (the last token has no KV yet)
-                if verified:
-                    self._commit_verified_state(req, req.kv_committed_len - computed)
-                self._free_draft_slots(req)
-                if req.finished:
-                    self.tree_cache.cache_finished_req(req)
-        except BaseException:  # those that finished before the failure are released: only told
-            self._aborted += [r for r in reqs if r.finished]
+                        self.tree_cache.cache_finished_req(req)
+                        released.append(req)
+        except BaseException:  # those released before the failure: only told
+            self._aborted += released
             raise
-        finally:  # a finished request never stays in ``running``, where it would count as an abort
+        finally:  # a released request never stays in ``running``, where it would count as an abort; a
+            # finished one not released (a failure before) stays, for ``_release_aborted`` to release
             self.runner.allocator.free_group_end()
-            self.running = [r for r in self.running if not r.finished]
+            gone = {id(r) for r in released}
+            self.running = [r for r in self.running if id(r) not in gone]
         return reqs
 
     # ---- abort --------------------------------------------------------------------------

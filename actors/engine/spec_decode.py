@@ -54,10 +54,11 @@ recurrent state cannot drop a token, so the verify forward leaves each request's
 was and writes the linear-attention layers' conv and SSM state after each of its ``1 + d`` tokens to
 the Mamba pool's verify scratch (a state per request row and verify token, allocated at start and
 counted in the memory budget). After acceptance the state after the last committed token is copied
-into the slot (:meth:`SpecDecodeMixin._commit_verified_state`): a rejected draft leaves no trace, and
-the slot holds the state of ``kv_committed_len`` tokens, as after plain decode steps, for the radix
-cache to insert. With ``extra_buffer`` a checkpoint a decode step among the committed ones would
-have saved (at a multiple of ``mamba_track_interval``) is copied from the scratch likewise.
+into the slot, the whole batch's in one copy (:meth:`SpecDecodeMixin._commit_verified_states`): a
+rejected draft leaves no trace, and the slot holds the state of ``kv_committed_len`` tokens, as after
+plain decode steps, for the radix cache to insert. With ``extra_buffer`` a checkpoint a decode step
+among the committed ones would have saved (at a multiple of ``mamba_track_interval``) is copied from
+the scratch likewise, in the same copy.
 
 The drafts' slots are held for one step only, so no reserve counts them — neither admission's
 decode reserve nor a PD decode worker's reservations (``num_reserved_decode_tokens``): they are
@@ -69,7 +70,7 @@ worker refuses the setting (:func:`~actors.engine.config.prefill_speculative_err
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -290,22 +291,28 @@ class SpecDecodeMixin:
         ``i``'s from ``starts[i]`` on."""
         return torch.tensor([starts[i] + j for i in index for j in range(len(drafts[i]) + 1)], device=logits.device)
 
-    def _commit_verified_state(self, req: Req, num_kept: int) -> None:
-        """Hybrid models: ``req``'s Mamba state after the ``num_kept`` tokens of its verify step it
-        committed, from the verify scratch into its slot (the forward left the slot as it was); with
-        extra_buffer, the state at the last multiple of ``mamba_track_interval`` among them, if any,
-        into its next track slot, as a decode step there would have saved it; both in one commit."""
+    def _verified_state_commits(self, req: Req, num_kept: int) -> List[Tuple[int, int, int]]:
+        """Hybrid models: the (row, verify position, slot) commits of ``req``'s Mamba state after the
+        ``num_kept`` tokens of its verify step it committed, from the verify scratch into its slot (the
+        forward left the slot as it was); with extra_buffer, of the state at the last multiple of
+        ``mamba_track_interval`` among them, if any, into its next track slot, as a decode step there
+        would have saved it. :meth:`_commit_verified_states` makes a step's commits at once."""
         if not self.hybrid:
-            return
-        pool = self.runner.req_to_token_pool
-        positions, slots = [num_kept - 1], [req.mamba_pool_idx]
+            return []
+        commits = [(req.req_pool_idx, num_kept - 1, req.mamba_pool_idx)]
         interval, computed = self.config.mamba_track_interval, req.kv_committed_len
         tracked = computed // interval * interval
+        pool = self.runner.req_to_token_pool
         if pool.enable_mamba_extra_buffer and tracked > computed - num_kept:
             (slot,), _ = _mamba_tracks(pool, [req], [tracked])
-            positions.append(tracked - (computed - num_kept) - 1)
-            slots.append(slot)
-        pool.mamba_pool.commit_verify_states([req.req_pool_idx] * len(slots), positions, slots)
+            commits.append((req.req_pool_idx, tracked - (computed - num_kept) - 1, slot))
+        return commits
+
+    def _commit_verified_states(self, commits: List[Tuple[int, int, int]]) -> None:
+        """A verify step's state commits, all its requests' in one (one copy per state tensor, one
+        op for TP followers to replay, not one per request)."""
+        if commits:
+            self.runner.req_to_token_pool.mamba_pool.commit_verify_states(*zip(*commits))
 
     def _free_draft_slots(self, req: Req) -> None:
         """Free the whole pages of ``req``'s row past its committed KV (a verify step's rejected
