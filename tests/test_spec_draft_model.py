@@ -26,6 +26,7 @@ from tests.test_spec_decode import model_dir  # noqa: F401 (a fixture)
 from tests.tp_helpers import thread_ranks
 
 KV_POOLS = {"llama": "MHATokenToKVPool", "deepseek_v3": "MLATokenToKVPool"}
+LONG_PROMPT = [60 + i % 50 for i in range(40)]  # (past the short_context draft's 32)
 
 
 def draft_args(path, k=4):
@@ -36,11 +37,14 @@ def draft_args(path, k=4):
 @pytest.fixture(scope="module")
 def drafts(model_dir, tmp_path_factory):  # noqa: F811
     """``self``: the target's own checkpoint; ``short``: the target's first layer only (its
-    embedding, layer 0, norm and head; loaded with one layer, the second's weights left out)."""
-    path = tmp_path_factory.mktemp("draft") / "short"
-    LlamaForCausalLM.from_pretrained(model_dir, num_hidden_layers=1).save_pretrained(path)
-    save_tokenizer(path)
-    return {"self": model_dir, "short": str(path)}
+    embedding, layer 0, norm and head; loaded with one layer, the second's weights left out);
+    ``short_context``: the target's weights with a context (max_position_embeddings) of 32."""
+    paths = {"short": {"num_hidden_layers": 1}, "short_context": {"max_position_embeddings": 32}}
+    for name, overrides in paths.items():
+        paths[name] = tmp_path_factory.mktemp("draft") / name
+        LlamaForCausalLM.from_pretrained(model_dir, **overrides).save_pretrained(paths[name])
+        save_tokenizer(paths[name])
+    return {"self": model_dir, **{name: str(path) for name, path in paths.items()}}
 
 
 def test_a_draft_with_the_targets_weights_has_every_draft_accepted(model_dir, drafts):  # noqa: F811
@@ -331,19 +335,26 @@ def test_pd_decode_side_retracts_and_re_prefills_with_the_drafts_kv(model_dir, d
         close_workers(prefill, decode)
 
 
-def test_a_draft_of_a_shorter_context_drafts_no_position_past_it(model_dir, tmp_path, caplog):  # noqa: F811
+def _record_positions(draft) -> list:
+    """The last position of each forward of ``draft`` from now on (a list that grows as it runs)."""
+    last, forward = [], draft.forward
+    draft.forward = lambda forward_batch: last.append(int(forward_batch.positions.max())) or forward(forward_batch)
+    return last
+
+
+def test_a_draft_of_a_shorter_context_drafts_no_position_past_it(model_dir, drafts, caplog):  # noqa: F811
     """The target's weights as a draft of max_position_embeddings 32: requests that grow past 32
     tokens decode on undrafted (vLLM caps its draft's max_model_len and skips speculation past it),
     the served context stays the target's, a warning says so at start, and the tokens stay plain
-    decoding's. The draft used to run its steps at any position (RoPE past its training)."""
-    path = tmp_path / "short_context"
-    LlamaForCausalLM.from_pretrained(model_dir, max_position_embeddings=32).save_pretrained(path)
-    save_tokenizer(path)
-    batch = prompts(2)
+    decoding's. The draft computes no position past 32 either — not its drafting steps (it used
+    to run them at any position, RoPE past its training), nor its mirrored prefills and decode
+    steps, nor an undrafted request's step in a drafting batch (a 40-token prompt's; these wrote
+    its KV up to position 78) —, and every draft below it is still accepted."""
+    batch = prompts(2) + [LONG_PROMPT]
     plain, _ = generate(model_dir, batch, GREEDY)
-    engine = Engine(model_path=model_dir, max_total_tokens=4096, **draft_args(str(path)))
+    engine = Engine(model_path=model_dir, max_total_tokens=4096, **draft_args(drafts["short_context"]))
     draft, fed = engine.runner.draft, []
-    propose = draft.propose
+    propose, last = draft.propose, _record_positions(draft)
     draft.propose = lambda reqs, lens, *rest: fed.extend(  # (the last position a drafted request's steps feed)
         r.seqlen - 1 + n for r, n in zip(reqs, lens) if n) or propose(reqs, lens, *rest)
     try:
@@ -354,8 +365,27 @@ def test_a_draft_of_a_shorter_context_drafts_no_position_past_it(model_dir, tmp_
     finally:
         engine.shutdown()
     assert ids(spec) == ids(plain) and stats["num_draft_tokens"] > 0 and stats["acceptance_rate"] == 1.0
-    assert max(fed) == 31 and max(len(p) for p in batch) + GREEDY["max_new_tokens"] > 32
+    assert max(fed) == 31 and max(len(p) for p in batch[:-1]) + GREEDY["max_new_tokens"] > 32
+    assert max(last) == 31
     assert "draft's context length (32) is below the served context length (4096)" in caplog.text
+
+
+def test_pd_decode_side_computes_no_draft_kv_past_the_drafts_context(model_dir, drafts):  # noqa: F811
+    """A prompt longer than the draft's context of 32 lands on the decode side with a short one: the
+    draft's KV of the arrivals is computed below 32 only (it was computed for the whole prompt),
+    the short one is drafted (every draft accepted) and the tokens are plain decoding's."""
+    batch, params = [prompts(1)[0], LONG_PROMPT], {**GREEDY, "max_new_tokens": 8}
+    prefill, decode = make_pair(model_dir, page_size=4,
+                                decode_args={**draft_args(drafts["short_context"]), "page_size": 4})
+    last = _record_positions(decode.scheduler.runner.draft)
+    try:
+        decode_together(decode, len(batch))
+        outs = [r[0] for r in run_batch(prefill, decode, batch, params)]
+        assert ids(outs) == ids(generate(model_dir, batch, params)[0])
+        stats = decode.scheduler.spec_stats.as_dict()
+        assert stats["num_draft_tokens"] > 0 and stats["acceptance_rate"] == 1.0 and max(last) == 31
+    finally:
+        close_workers(prefill, decode)
 
 
 def test_a_rope_scaled_drafts_context_is_its_scaled_length(model_dir, tmp_path):  # noqa: F811

@@ -9,7 +9,8 @@ built by the model runner in the target's KV dtype, with as many slots) but shar
 the freeing of rejected drafts' pages, the radix cache's prefix sharing and retraction need no
 bookkeeping of their own, and the memory budget counts the draft's bytes in every slot.
 
-Invariant: **every committed slot holds both models' KV.** Every target forward but a verify is
+Invariant: **every committed slot below the draft's context (``max_context_len``) holds both
+models' KV.** Every target forward but a verify is
 mirrored by the draft over the same batch (:meth:`mirror`, from ``ModelRunner.forward``: prefill
 chunks, decode steps, a retracted request's re-prefill), and a verify step's slots are written by
 the drafting itself (:meth:`propose`; for request ``i``, ``L`` its length, ``d`` its draft)::
@@ -32,8 +33,11 @@ KV (the slot count is every rank's smallest).
 A draft trained on a shorter context than the target serves (its ``max_position_embeddings``,
 scaled by its RoPE scaling as the target's: :func:`~actors.engine.model_loader.get_context_length`)
 drafts no position past it, as vLLM caps its draft's ``max_model_len`` at the target's and leaves
-a sequence that outgrew it undrafted: such a request decodes plainly on (its draft KV is still
-mirrored, so the invariant holds), and the served context stays the target's.
+a sequence that outgrew it undrafted: such a request decodes plainly on, and the served context
+stays the target's. Nor does the draft compute there: its forwards (mirrored, on PD's arrival, a
+step of an undrafted request) are cut to the positions below its context, so it never writes nor
+attends past it (where its RoPE was never trained), and a slot past it holds no draft KV — none
+that a draft step could read: a position past the limit is past it in every request sharing it.
 
 A Mamba hybrid target (Qwen3-Next) takes such a draft as any other: the target's states are
 committed from its verify scratch (:mod:`actors.engine.spec_decode`) and the draft keeps none. A
@@ -55,6 +59,7 @@ import dataclasses
 import logging
 from typing import List, Optional
 
+import numpy as np
 import torch
 
 from actors.engine.attention import create_attention_backend
@@ -102,12 +107,40 @@ class DraftModel:
         return self.model(batch).next_token_logits
 
     def mirror(self, forward_batch: ForwardBatch) -> None:
-        """Write the draft's KV of a target forward's tokens (the module's invariant); what only the
-        target computes — logits, input logprobs, embeddings, LoRA — is left out."""
+        """Write the draft's KV of a target forward's tokens below the draft's context (the module's
+        invariant); what only the target computes — logits, input logprobs, embeddings, LoRA — is left out."""
+        if max(forward_batch.seq_lens_cpu) > self.max_context_len:
+            forward_batch = self._within_context(forward_batch)
+            if forward_batch is None:
+                return
         self.forward(dataclasses.replace(
             forward_batch, logits_indices=self._no_rows(), input_logprob_indices=None, input_logprob_next_ids=None,
             input_logprob_counts=None, embed_indices=None, classifier_token_ids=None, lora_slots=None,
             lora_slot_names=None))
+
+    def _within_context(self, batch: ForwardBatch) -> Optional[ForwardBatch]:
+        """``batch`` cut to its tokens at positions below ``max_context_len`` (request ``i``'s
+        ``[extend_prefix_lens[i], min(seq_lens[i], max_context_len))``, a request with none left
+        out), or None when no token is: indexed on the device from the batch's host lengths, no sync.
+        Only the draft's fields are kept (the Mamba ones are the target's, per request)."""
+        prefix_lens = batch.extend_prefix_lens_cpu
+        seq_lens = [min(s, self.max_context_len) for s in batch.seq_lens_cpu]
+        keep = [i for i, (p, s) in enumerate(zip(prefix_lens, seq_lens)) if p < s]
+        if not keep:
+            return None
+        starts, device = np.cumsum([0] + batch.extend_seq_lens_cpu), self.device
+        prefix_lens, seq_lens = [prefix_lens[i] for i in keep], [seq_lens[i] for i in keep]
+        extend_lens = [s - p for p, s in zip(prefix_lens, seq_lens)]
+        tokens = int64_tensor([t for i, n in zip(keep, extend_lens) for t in range(starts[i], starts[i] + n)], device)
+        extend_lens_t = int64_tensor(extend_lens, device)
+        return dataclasses.replace(
+            batch, input_ids=batch.input_ids[tokens], positions=batch.positions[tokens],
+            out_cache_loc=batch.out_cache_loc[tokens],
+            req_pool_indices=batch.req_pool_indices[int64_tensor(keep, device)],
+            seq_lens=int64_tensor(seq_lens, device), extend_prefix_lens=int64_tensor(prefix_lens, device),
+            extend_seq_lens=extend_lens_t, extend_start_loc=torch.cumsum(extend_lens_t, 0) - extend_lens_t,
+            seq_lens_cpu=seq_lens, extend_prefix_lens_cpu=prefix_lens, extend_seq_lens_cpu=extend_lens,
+            mamba_pool_indices=None, mamba_track_slots=None, mamba_track_lens=None)
 
     def _no_rows(self) -> torch.Tensor:
         """``logits_indices`` of a forward that only writes KV: no row, so no ``lm_head`` (a large part
@@ -116,11 +149,13 @@ class DraftModel:
 
     def prefill(self, reqs: List[Req], req_to_token_pool) -> None:
         """The draft's KV of each request's prompt past the prefix it matched, ``[len(prefix_indices),
-        kv_committed_len)``, in one forward (PD's decode side, where the target's came from the
-        prefill side; the matched prefix is committed here, so it holds the draft's already)."""
-        reqs = [r for r in reqs if len(r.prefix_indices) < r.kv_committed_len]
+        kv_committed_len)`` below ``max_context_len``, in one forward (PD's decode side, where the
+        target's came from the prefill side; the matched prefix is committed here, so it holds the
+        draft's already)."""
+        reqs = [r for r in reqs if len(r.prefix_indices) < min(r.kv_committed_len, self.max_context_len)]
         if reqs:
-            starts, ends = [len(r.prefix_indices) for r in reqs], [r.kv_committed_len for r in reqs]
+            starts = [len(r.prefix_indices) for r in reqs]
+            ends = [min(r.kv_committed_len, self.max_context_len) for r in reqs]
             tokens = int64_tensor([t for r, s, e in zip(reqs, starts, ends) for t in r.origin_input_ids[s:e]],
                                   self.device)
             self.forward(self._batch(ForwardMode.EXTEND, tokens, [r.req_pool_idx for r in reqs], starts, ends,
@@ -131,12 +166,14 @@ class DraftModel:
         """Each request's draft of ``draft_lens[i]`` tokens, through ``max(draft_lens) + 1`` decode
         steps of the draft over the slots its row holds for the step (the module's docstring), each
         token the argmax of the step's logits under ``masks`` (its request's). Without masks the
-        tokens stay on the device between the steps: one copy to the host at the end."""
+        tokens stay on the device between the steps: one copy to the host at the end. An undrafted
+        request's step 0 writes its last token's draft KV only below ``max_context_len`` (a drafted
+        one's steps stay below it: ``draft_lens`` are cut so)."""
         device, steps = self.device, max(draft_lens)
         tokens = int64_tensor([r.output_ids[-1] for r in reqs], device)
         proposed = torch.zeros(len(reqs), steps, dtype=torch.int64, device=device)  # [i, j]: draft[j] of request i
         for j in range(steps + 1):
-            index = [i for i, n in enumerate(draft_lens) if n >= j]
+            index = [i for i, n in enumerate(draft_lens) if n >= j and reqs[i].seqlen - 1 + j < self.max_context_len]
             index_t = int64_tensor(index, device)
             rows, positions = [reqs[i].req_pool_idx for i in index], [reqs[i].seqlen - 1 + j for i in index]
             logits = self.forward(self._batch(ForwardMode.DECODE, tokens[index_t], rows, positions,
