@@ -148,7 +148,7 @@ def test_the_draft_proposes_what_the_requests_masks_allow(model_dir, drafts, mon
     so far (the matcher advanced tentatively, rolled back): every token proposed passes them, so
     more are accepted than by the raw argmax (cut at the grammar's first refusal, rejected where an
     allowed set bans it), and the tokens stay plain decoding's."""
-    from actors.engine.spec_accept import DraftMasks
+    from actors.engine.draft_masks import DraftMasks
     from actors.engine.spec_decode import SpecDecodeMixin
 
     allowed = list(range(97, 123))
@@ -194,6 +194,64 @@ def test_a_draft_with_the_targets_weights_under_adjustments_has_every_draft_acce
     spec, stats = generate(model_dir, batch, params, **draft_args(drafts["self"]))
     assert ids(spec) == ids(plain) and ids(plain) != ids(generate(model_dir, batch, GREEDY | {"max_new_tokens": 24})[0])
     assert stats["num_draft_tokens"] > 0 and stats["acceptance_rate"] == 1.0
+
+
+HOST_READS = ("tolist", "item", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
+
+
+def _count_host_reads(monkeypatch) -> list:
+    """Per draft proposal, ``(its steps, the sizes of the tensors read on the host)`` by the drafting's
+    own code, the draft's forwards left out (each a sync on CUDA)."""
+    calls, counting = [], [False]
+    for name in HOST_READS:
+        def read(self, *args, _method=getattr(torch.Tensor, name), **kwargs):
+            if counting[0]:
+                calls[-1][1].append(self.numel())
+            return _method(self, *args, **kwargs)
+        monkeypatch.setattr(torch.Tensor, name, read)
+    propose, forward = DraftModel.propose, DraftModel.forward
+
+    def switched(fn, on: bool):
+        def call(*args):
+            was, counting[0] = counting[0], on
+            try:
+                return fn(*args)
+            finally:
+                counting[0] = was
+        return call
+
+    monkeypatch.setattr(DraftModel, "propose", lambda self, reqs, lens, *rest: calls.append((max(lens), [])) or
+                        switched(propose, True)(self, reqs, lens, *rest))
+    monkeypatch.setattr(DraftModel, "forward", switched(forward, False))
+    return calls
+
+
+def test_drafting_under_tensor_masks_reads_nothing_on_the_host_per_step(model_dir, drafts, monkeypatch):  # noqa: F811
+    """Allowed ids, bad words of one and more tokens, penalties, a bias and min-tokens: the draft
+    steps apply them on the device, the draft tokens staying there — one host read per proposal,
+    its tokens at the end (it read each step's tokens) —, exactly as plain decoding (a draft with
+    the target's weights has every draft accepted; the tokens are plain decoding's). With a grammar
+    in the batch, a step reads its grammar row's token only."""
+    allowed = list(range(97, 123))
+    kinds = [{"allowed_token_ids": allowed, "bad_words": ["e", "ta", "__", "jjj"]},  # (ids 100 100, 111 111 111)
+             {"repetition_penalty": 2.0, "frequency_penalty": 1.0, "presence_penalty": 0.5},
+             {"logit_bias": {str(t): 5.0 for t in range(60, 70)}, "bad_words": ["<>", "ab"]},
+             {"min_new_tokens": 10, "ignore_eos": False, "stop_token_ids": [199, 50], "repetition_penalty": 1.5}]
+    batch = prompts(2)
+    params = [{**GREEDY, "max_new_tokens": 24, **kind} for kind in kinds for _ in batch]
+    batch = batch * len(kinds)
+    grammar = [{**GREEDY, "max_new_tokens": 24, "regex": r"(ab|ba)+c?", "ignore_eos": False}]
+    plain, _ = generate(model_dir, batch + batch[:1], params + grammar)
+    calls = _count_host_reads(monkeypatch)
+    spec, stats = generate(model_dir, batch, params, **draft_args(drafts["self"]))
+    assert ids(spec) == ids(plain[:-1]) and stats["num_draft_tokens"] > 0 and stats["acceptance_rate"] == 1.0
+    assert max(steps for steps, _ in calls) > 1
+    assert all(len(reads) == 1 for _, reads in calls)
+    del calls[:]
+    spec, stats = generate(model_dir, batch + batch[:1], params + grammar, **draft_args(drafts["self"]))
+    assert ids(spec) == ids(plain) and stats["acceptance_rate"] == 1.0
+    assert all(len(reads) <= steps + 1 and set(reads[:-1]) <= {1} for steps, reads in calls)
+    assert any(len(reads) > 1 for _, reads in calls)
 
 
 def test_sampled_tokens_follow_the_targets_distribution(model_dir, drafts):  # noqa: F811

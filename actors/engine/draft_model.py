@@ -46,11 +46,12 @@ hybrid draft would need states (and a verify scratch) of its own: refused by its
 Drafts are the draft's argmax: a one-hot proposal, so the rejection sampler stays exact for sampled
 requests. The argmax is taken as plain decoding's pick would be, under the request's logit
 adjustments (allowed ids, bad words, min-tokens, bias, penalties) and its grammar's mask after the
-draft so far, the matcher advanced tentatively and rolled back (:class:`~actors.engine.spec_accept.
-DraftMasks`, as SGLang's EAGLE drafts under xgrammar): a draft the target would refuse is not
-proposed. What the verify step cuts (a grammar ended by a draft token) is cut as an n-gram draft
-is. LoRA adapters apply to the target only (a request under
-one is drafted as the base model would write; verification keeps the adapter's tokens).
+draft so far, the matcher advanced tentatively and rolled back (:mod:`actors.engine.draft_masks`, as
+SGLang's EAGLE drafts under xgrammar): a draft the target would refuse is not proposed. The
+adjustments stay on the device, the draft tokens with them: only a grammar's rows are copied to
+the host, once a step, for their matchers. What the verify step cuts (a grammar ended by a draft
+token) is cut as an n-gram draft is. LoRA adapters apply to the target only (a request under one
+is drafted as the base model would write; verification keeps the adapter's tokens).
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ from actors.engine.attention import create_attention_backend
 from actors.engine.forward_batch import ForwardBatch, ForwardMode, int64_tensor
 from actors.engine.model_loader import get_context_length, load_model
 from actors.engine.req import Req
-from actors.engine.spec_accept import DraftMasks
+from actors.engine.draft_masks import DraftMasks
 
 logger = logging.getLogger(__name__)
 
@@ -165,8 +166,9 @@ class DraftModel:
                 masks: Optional[DraftMasks] = None) -> List[List[int]]:
         """Each request's draft of ``draft_lens[i]`` tokens, through ``max(draft_lens) + 1`` decode
         steps of the draft over the slots its row holds for the step (the module's docstring), each
-        token the argmax of the step's logits under ``masks`` (its request's). Without masks the
-        tokens stay on the device between the steps: one copy to the host at the end. An undrafted
+        token the argmax of the step's logits under ``masks`` (its request's). The tokens stay on the
+        device between the steps, one copy to the host at the end (and a step's grammar rows for
+        their matchers: :class:`DraftMasks`). An undrafted
         request's step 0 writes its last token's draft KV only below ``max_context_len`` (a drafted
         one's steps stay below it: ``draft_lens`` are cut so)."""
         device, steps = self.device, max(draft_lens)
@@ -183,8 +185,8 @@ class DraftModel:
                 if masks is not None:
                     logits = masks.apply(logits, index)
                 tokens[index_t] = proposed[index_t, j] = logits.argmax(dim=-1)
-                if masks is not None:  # (each step's tokens to the host: the matchers take them)
-                    masks.take(index, proposed[index_t, j].tolist())
+                if masks is not None:
+                    masks.take(index, proposed[index_t, j])
         if masks is not None:
             masks.rollback()
         return [row[:n] for row, n in zip(proposed.tolist(), draft_lens)]

@@ -145,6 +145,17 @@ class LogitState:
         other._keep_tail(self.tail + [token])
         return other
 
+    def for_draft_step(self, num_drafted: int) -> "LogitState":
+        """A copy that adjusts as this one would after ``num_drafted`` more tokens whose values the
+        host does not know (a draft model's step: :mod:`actors.engine.draft_masks`): its allowed ids,
+        bias, min-tokens mask (counting them) and one-token bad words; no penalties nor longer bad
+        words (they depend on the tokens: the device computes them), this one left as it is."""
+        other = copy.copy(self)
+        other.seen = other.output = None
+        other.tail = []  # (a longer bad word's other tokens never end an empty output)
+        other.num_generated += num_drafted
+        return other
+
     @property
     def masked(self) -> bool:
         """Whether the min-tokens mask holds for the next token."""

@@ -1,7 +1,7 @@
 """How a verify step picks and accepts each draft position (:mod:`actors.engine.spec_decode`):
 a draft cut to what its grammar accepts and each row's grammar mask and logit adjustments after
 the draft tokens before it; greedy acceptance, and vLLM's rejection sampler for one-hot drafts.
-A draft model's steps take the same masks and adjustments (:class:`DraftMasks`)."""
+A draft model's steps take the same masks and adjustments (:mod:`actors.engine.draft_masks`)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 import xgrammar as xgr
 
 from actors.engine.sampling import exponential_race
-from actors.engine.sparse_logits import LogitState, adjust_logits
+from actors.engine.sparse_logits import LogitState
 
 
 def grammar_prefix(matcher: xgr.GrammarMatcher, draft: Sequence[int]) -> List[int]:
@@ -48,70 +48,13 @@ def apply_draft_grammar_masks(rows: torch.Tensor, matchers: Sequence[Optional[xg
                     matcher.accept_token(draft[j])
             matcher.rollback(len(draft))
         row += len(draft) + 1
-    _apply_bitmask(rows, bitmask, masked)
+    apply_bitmask(rows, bitmask, masked)
 
 
-def _apply_bitmask(rows: torch.Tensor, bitmask: torch.Tensor, masked: List[int]) -> None:
+def apply_bitmask(rows: torch.Tensor, bitmask: torch.Tensor, masked: List[int]) -> None:
     """``-inf``, in place, where ``bitmask``'s rows ``masked`` refuse a token of ``rows``."""
     if masked:
         xgr.apply_token_bitmask_inplace(rows, bitmask.to(rows.device, non_blocking=True), indices=masked)
-
-
-class DraftMasks:
-    """A draft model's proposals as plain decoding would pick at their positions (SGLang's EAGLE
-    drafting under xgrammar): request ``i``'s next draft token from the draft's logits adjusted by
-    ``states[i]`` (:class:`LogitState`: allowed ids, bad words, min-tokens, bias, penalties) and
-    masked by ``matchers[i]``, each after the request's draft so far — the states taken
-    :meth:`~LogitState.ahead`, the matchers accepting the tokens tentatively, rolled back by
-    :meth:`rollback`. Without them a draft is the raw argmax, and the verify step cuts it at the
-    first token a grammar refuses (or never accepts one an allowed set bans): accepted length lost.
-
-    A request whose matcher ended (or refused a token: none is allowed) is no longer masked; the
-    verify step's cut ends its draft there."""
-
-    def __init__(self, states: Sequence[Optional[LogitState]], matchers: Sequence[Optional[xgr.GrammarMatcher]]):
-        self.states, self.matchers = list(states), list(matchers)
-        self.taken = [0] * len(self.matchers)  # tokens each matcher accepted tentatively
-        self.refused = [False] * len(self.matchers)
-
-    @property
-    def needed(self) -> bool:
-        """Whether some request has anything to adjust or mask (else its drafts are the raw argmax)."""
-        return any(s is not None for s in self.states) or any(m is not None for m in self.matchers)
-
-    def apply(self, logits: torch.Tensor, index: Sequence[int]) -> torch.Tensor:
-        """``logits`` (float32, row ``r`` request ``index[r]``'s next draft position) adjusted and
-        masked in place."""
-        with torch.inference_mode():  # (a forward's logits are inference tensors: written in place only so)
-            logits = adjust_logits(logits, [self.states[i] for i in index], in_place=True)
-            live = [(r, self.matchers[i]) for r, i in enumerate(index) if self._masks(i)]
-            if live:
-                bitmask = xgr.allocate_token_bitmask(logits.shape[0], logits.shape[-1])
-                for r, matcher in live:
-                    matcher.fill_next_token_bitmask(bitmask, r)
-                _apply_bitmask(logits, bitmask, [r for r, _ in live])
-        return logits
-
-    def take(self, index: Sequence[int], tokens: Sequence[int]) -> None:
-        """Requests ``index`` drafted ``tokens``: what their next positions are adjusted after."""
-        for i, token in zip(index, tokens):
-            if self.states[i] is not None:
-                self.states[i] = self.states[i].ahead(token)
-            if self._masks(i):
-                if self.matchers[i].accept_token(token):
-                    self.taken[i] += 1
-                else:
-                    self.refused[i] = True
-
-    def _masks(self, i: int) -> bool:
-        matcher = self.matchers[i]
-        return matcher is not None and not self.refused[i] and not matcher.is_terminated()
-
-    def rollback(self) -> None:
-        """Every matcher as it was before the drafting."""
-        for matcher, taken in zip(self.matchers, self.taken):
-            if matcher is not None and taken:
-                matcher.rollback(taken)
 
 
 def position_states(state: Optional[LogitState], draft: Sequence[int]) -> List[Optional[LogitState]]:

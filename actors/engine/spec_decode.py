@@ -80,8 +80,9 @@ from actors.engine.grammar import active_matcher
 from actors.engine.ngram import NgramIndex
 from actors.engine.req import Req
 from actors.engine.sampling import Pick, argmax_rows, logprob_picks, sampling_probs
-from actors.engine.spec_accept import (DraftMasks, accept_greedy, apply_draft_grammar_masks, grammar_prefix,
-                                       position_states, rejection_sample)
+from actors.engine.draft_masks import DraftMasks
+from actors.engine.spec_accept import (accept_greedy, apply_draft_grammar_masks, grammar_prefix, position_states,
+                                       rejection_sample)
 from actors.engine.schedule_batch import (_NO_SLOTS, _last_locs, _mamba_indices, _mamba_tracks, _table_rows,
                                          alloc_extend_slots, extend_batch, free_swa_out_of_windows)
 from actors.engine.sparse_logits import adjust_logits
