@@ -41,7 +41,15 @@ that a draft step could read: a position past the limit is past it in every requ
 
 A Mamba hybrid target (Qwen3-Next) takes such a draft as any other: the target's states are
 committed from its verify scratch (:mod:`actors.engine.spec_decode`) and the draft keeps none. A
-hybrid draft would need states (and a verify scratch) of its own: refused by its KV cache kind.
+hybrid draft is refused by its KV cache kind: its recurrent state cannot drop a rejected draft
+token, so it would need, of its own, what the target has for that — a Mamba pool of its layers at
+the target's slot ids, and a verify scratch its steps write one position each (step ``j`` from the
+scratch's ``j - 1``, which the gated delta net's verify path does not do: it runs a whole verify
+from the slot) — and every state write the target's pool makes outside a forward (zeroing at alloc,
+the radix cache's checkpoint copies, the verify commits: the same rows and positions in both
+scratches) replayed on the draft's, as a TP follower replays ``MambaPool.op_log``; on PD's decode
+side its state of a transferred prompt (only the target's is transferred) computed on arrival. A
+dense target would need a Mamba request table and radix cache for the draft alone (README).
 
 Drafts are the draft's argmax: a one-hot proposal, so the rejection sampler stays exact for sampled
 requests. The argmax is taken as plain decoding's pick would be, under the request's logit
@@ -93,7 +101,8 @@ class DraftModel:
         self.spec = self.model.kv_cache_spec()
         if self.spec.kind not in DRAFT_KV_KINDS:
             raise ValueError(f"speculative_draft_model_path: a draft of KV cache kind {self.spec.kind!r} is not "
-                             f"supported; supported: {', '.join(DRAFT_KV_KINDS)}")
+                             f"supported (a recurrent state would need states and a verify scratch of the "
+                             f"draft's own); supported: {', '.join(DRAFT_KV_KINDS)}")
         self.device = device
         self.attn_backend = create_attention_backend(attention_backend, device=device)
         self.token_to_kv_pool = None
