@@ -250,7 +250,8 @@ def test_lora_target_modules_agree_and_come_with_a_rank():
                                                                     "gate_proj", "up_proj", "down_proj", "qkv_proj",
                                                                     "gate_up_proj", "q_a_proj", "q_b_proj",
                                                                     "kv_a_proj_with_mqa", "kv_b_proj",
-                                                                    "in_proj_qkvz", "in_proj_ba", "out_proj"]
+                                                                    "in_proj_qkvz", "in_proj_ba", "out_proj", "w1",
+                                                                    "w2", "w3"]
 
 
 def test_a_cache_aware_policy_without_the_radix_cache_is_refused_at_load():

@@ -211,7 +211,7 @@ def test_lora_capacity_settings_checked_as_sglang():
     assert EngineConfig(model_path="m", lora_target_modules="all", max_lora_rank=8).lora_target_modules == [
         "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj",
         "gate_up_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "in_proj_qkvz", "in_proj_ba",
-        "out_proj"]
+        "out_proj", "w1", "w2", "w3"]
     with pytest.raises(ValueError, match="lora_target_modules"):
         EngineConfig(model_path="m", lora_target_modules=["qkv"], max_lora_rank=8)
     with pytest.raises(ValueError, match="max_lora_rank is needed with lora_target_modules and no lora_paths"):

@@ -1,11 +1,11 @@
 """Multi-LoRA beyond Llama: Mistral, Gemma 3, GPT-OSS, Mixtral, Qwen3-MoE, Granite, OLMo 2, Phi-3, DeepSeek-V3 /
 V2 and Qwen3-Next serve an adapter on their layers' attention and dense-MLP projections (each model's
 ``supported_lora_modules``; Phi-3's fused qkv_proj and gate_up_proj; DeepSeek's MLA projections and shared
-experts; Qwen3-Next's linear-attention projections and shared expert) — a base request and an adapter request
-in one batch each get HF's tokens on their checkpoint (the adapter merged in), Qwen3-MoE, Phi-3, DeepSeek-V3 / V2
-and Qwen3-Next also at TP 2 — and an adapter targeting a MoE's experts is refused, naming the module. MLA's
-kv_b_proj, absorbed into the query and the output, takes its adapter there: through chunked prefill and a prefix
-hit too."""
+experts; Qwen3-Next's linear-attention projections and shared expert; the MoE families' routed experts take
+slots too, tests/test_lora_experts.py) — a base request and an adapter request in one batch each get HF's tokens
+on their checkpoint (the adapter merged in), Qwen3-MoE, Phi-3, DeepSeek-V3 / V2 and Qwen3-Next also at TP 2 —
+and an adapter targeting GPT-OSS's experts is refused, naming the module. MLA's kv_b_proj, absorbed into the
+query and the output, takes its adapter there: through chunked prefill and a prefix hit too."""
 
 import re
 
@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import save_file
 
 from actors.engine import Engine
+from actors.engine.lora_experts import layer_module
 from actors.engine.tiny import ATTENTION, MLP, build_tiny_checkpoint, make_adapter
 from tests.lora_helpers import merged_checkpoint
 from tests.test_lora import GREEDY, assert_parity, prompts
@@ -58,17 +59,17 @@ def served(root, family):
                                              ("deepseek_v2", 2), ("qwen3_next", 1), ("qwen3_next", 2)])
 def test_family_serves_an_adapter_beside_the_base_model(tmp_path, monkeypatch, family, tp_size):
     """The layers of every projection (``lora_target_modules="all"``) are the family's attention
-    projections, on every layer, and its dense MLPs' (no expert); base and adapter requests interleave
-    in one batch and each gets its checkpoint's tokens, which the adapter changes."""
+    projections, on every layer, its dense MLPs' and its routed experts' (GPT-OSS's none); base and adapter
+    requests interleave in one batch and each gets its checkpoint's tokens, which the adapter changes."""
     thread_ranks(monkeypatch)
     model = served(tmp_path, family)
     eng = Engine(model_path=model[0], skip_tokenizer_init=True, max_total_tokens=1024, lora_paths=model[1],
                  lora_target_modules="all", tp_size=tp_size)
     try:
         layers = eng.runner.lora.layers
-        assert {int(m.split(".")[2]) for m in layers if ".mlp." in m} == FAMILIES[family][1]
+        assert {int(m.split(".")[2]) for m in layers if ".mlp." in m and ".experts." not in m} == FAMILIES[family][1]
         supported = set(type(eng.runner.model).supported_lora_modules) - ABSENT.get(family, set())
-        assert {m.split(".", 3)[3] for m in layers} == supported
+        assert {layer_module(m.split(".", 3)[3]) for m in layers} == supported
         num_layers = eng.runner.model.config.num_hidden_layers
         assert {int(m.split(".")[2]) for m in layers if "attn." in m} == set(range(num_layers))
         batch = [p for p in prompts(2, seed=5) for _ in range(2)]
@@ -81,27 +82,26 @@ def test_family_serves_an_adapter_beside_the_base_model(tmp_path, monkeypatch, f
         eng.shutdown()
 
 
-@pytest.mark.parametrize("family, expert", [
-    ("qwen3_moe", "model.layers.1.mlp.experts.0.gate_proj"),
-    ("mixtral", "model.layers.0.block_sparse_moe.experts.1.w1"),
-    ("gpt_oss", "model.layers.0.mlp.experts.gate_up_proj"),
-    ("deepseek_v3", "model.layers.1.mlp.experts.0.gate_proj"),
-    ("qwen3_next", "model.layers.0.mlp.experts.0.gate_proj"),
+@pytest.mark.parametrize("expert, error", [
+    ("model.layers.0.mlp.experts.gate_up_proj",
+     r"'moe' targets model\.layers\.0\.mlp\.experts\.gate_up_proj: GptOssForCausalLM takes adapters on"),
+    ("model.layers.0.mlp.experts", r"'moe': model\.layers\.0\.mlp\.experts wraps no MoE experts"),
 ])
-def test_an_adapter_on_the_experts_is_refused(tmp_path, family, expert):
-    """An adapter whose tensors target an expert is refused at start and at a runtime load, the error
-    naming the module (vLLM's and SGLang's LoRA on experts is not served here)."""
+def test_an_adapter_on_gpt_oss_experts_is_refused(tmp_path, expert, error):
+    """An adapter on GPT-OSS's experts (interleaved gate/up columns, biases; a per-parameter name or PEFT's
+    target_parameters wrapper) is refused at start and at a runtime load, the error naming the module."""
+    family = "gpt_oss"
     base = str(build_tiny_checkpoint(family, tmp_path / "base", seed=0))
     good = make_adapter(base, tmp_path / "sql", rank=4, alpha=8, targets=("q_proj",))
     bad = make_adapter(base, tmp_path / "moe", rank=4, alpha=8, targets=("q_proj",))
     tensors = {f"base_model.model.{expert}.lora_A.weight": torch.ones(4, 64),
                f"base_model.model.{expert}.lora_B.weight": torch.ones(32, 4)}
     save_file(tensors, str(bad / "adapter_model.safetensors"))
-    with pytest.raises(ValueError, match=f"'moe' targets {re.escape(expert)}: .*no MoE experts"):
+    with pytest.raises(ValueError, match=error):
         Engine(model_path=base, skip_tokenizer_init=True, max_total_tokens=256, lora_paths={"moe": str(bad)})
     eng = Engine(model_path=base, skip_tokenizer_init=True, max_total_tokens=256, lora_paths={"sql": str(good)})
     try:
-        with pytest.raises(ValueError, match=f"'moe' targets {re.escape(expert)}"):
+        with pytest.raises(ValueError, match=error):
             eng.load_lora_adapter("moe", str(bad))
         eng.check_integrity()
     finally:

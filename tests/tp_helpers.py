@@ -22,7 +22,7 @@ from typing import Any, Dict, List
 import torch
 
 from actors.engine import engine as engine_module
-from actors.engine import fused_moe, tp_worker
+from actors.engine import fused_moe, lora_experts, tp_worker
 from actors.engine.parallel import SINGLE, TPGroup
 from actors.rank import TPFollower
 
@@ -30,7 +30,8 @@ BARRIER_TIMEOUT_S = 120.0
 _hubs: Dict[str, "Hub"] = {}  # by the group's init method
 _ids = itertools.count()
 # Triton's interpreter swaps triton.language's functions for its own while a kernel runs: two ranks'
-# threads interpreting kernels at once break each other's runs, so the fused MoE's launches take turns
+# threads interpreting kernels at once break each other's runs, so the fused MoE's launches (and its LoRA's)
+# take turns
 _interpreter_lock = threading.Lock()
 
 
@@ -121,7 +122,9 @@ def thread_ranks(monkeypatch) -> None:
     monkeypatch.setattr(engine_module, "LocalTPGroup", ThreadTPGroup)
     monkeypatch.setattr(tp_worker, "init_tp_group", _init_tp_group)
     monkeypatch.setattr(torch.distributed, "destroy_process_group", _leave_group)
-    monkeypatch.setattr(fused_moe, "grouped_gemm", _one_at_a_time(fused_moe.grouped_gemm))
+    locked = _one_at_a_time(fused_moe.grouped_gemm)
+    monkeypatch.setattr(fused_moe, "grouped_gemm", locked)
+    monkeypatch.setattr(lora_experts, "grouped_gemm", locked)
 
 
 def _one_at_a_time(launch):

@@ -14,10 +14,11 @@ CACHE_AWARE_POLICIES = ("lpm", "dfs-weight")  # the schedule policies that order
 # the projections a LoRA adapter may target (HF names; a model's supported_lora_modules say which it has)
 # SGLang's names; qkv_proj and gate_up_proj: Phi-3's fused projections (one adapter over q | k | v, gate | up);
 # q_a_proj, q_b_proj, kv_a_proj_with_mqa, kv_b_proj: DeepSeek's MLA; in_proj_qkvz, in_proj_ba, out_proj:
-# Qwen3-Next's linear attention
+# Qwen3-Next's linear attention; w1, w3, w2: Mixtral's experts' gate, up, down (a MoE's experts are targeted by
+# their projections' names, gate_proj every expert's gate_proj as vLLM's)
 LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj",
                        "gate_up_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "in_proj_qkvz",
-                       "in_proj_ba", "out_proj")
+                       "in_proj_ba", "out_proj", "w1", "w2", "w3")
 
 
 def lora_paths_dict(value: Any) -> Any:
@@ -147,8 +148,9 @@ class EngineConfig(BaseModel):
     lora_paths: Annotated[Optional[Dict[str, str]], BeforeValidator(lora_paths_dict)] = Field(
         None, description="LoRA adapters served beside the base model (SGLang's --lora-paths, vLLM's --lora-modules): "
         "name -> PEFT adapter directory (adapter_config.json + adapter_model.safetensors), or a list of 'name=path'; "
-        "a request names one (lora_path; the OpenAI model field), none: the base model. Llama-family models, "
-        "q/k/v/o and gate/up/down projections (actors.engine.lora)")
+        "a request names one (lora_path; the OpenAI model field), none: the base model. The projections of each "
+        "model's supported_lora_modules: attention, dense MLP, a MoE's shared and routed experts "
+        "(actors.engine.lora, actors.engine.lora_experts)")
     max_loras_per_batch: int = Field(
         8, ge=1, description="adapter slots on the device (SGLang's; vLLM's --max-loras): every adapter is kept in "
         "host memory and the slots hold those the running requests use, swapped in as requests need them (the "
@@ -160,7 +162,8 @@ class EngineConfig(BaseModel):
                                    BeforeValidator(lora_target_modules_list)] = Field(
         None, description="the projections whose layers take adapters, in every decoder layer (SGLang's "
         "--lora-target-modules; 'all': every one; a fused projection's parts name it, Phi-3's q_proj its "
-        "qkv_proj; a name no layer of the model has is refused at start): an adapter, at start or loaded at "
+        "qkv_proj; an expert projection's name, gate_proj or Mixtral's w1, names every routed expert's too; a name "
+        "no layer of the model has is refused at start): an adapter, at start or loaded at "
         "runtime, targets only these; with max_lora_rank it serves adapters loaded at runtime without any "
         "lora_paths; None: the layers the start adapters target")
     max_loaded_loras: Optional[int] = Field(

@@ -7,8 +7,10 @@ of :func:`grouped_gemm` then computes every pair's gate and up projections at on
 projection (``w2`` [experts, hidden, intermediate]), each pair's row times its routing weight; a sum over the
 top-k slots gives each token's output. Nothing on the path reads a tensor on the host: the number of blocks
 is launched for the most a batch can need (``pairs + experts·(BLOCK_M - 1)`` rows) and a block past the
-batch's padded end returns at once. GPT-OSS's experts run their 3-D weights as they are stored (read
-transposed by strides), its per-expert biases added in the kernel and its clamped SwiGLU between.
+batch's padded end returns at once. A batch with LoRA adapters on the experts adds each pair's deltas by the
+same grouped GEMM, the pairs sorted by (adapter slot, expert) and each group's A then B its matrices
+(:mod:`.lora_experts`). GPT-OSS's experts run their 3-D weights as they are stored (read transposed by strides),
+its per-expert biases added in the kernel and its clamped SwiGLU between.
 
 The GEMM accumulates in fp32. Under the CPU interpreter (which computes bf16 arithmetic wrongly) and for fp32
 models, it multiplies in IEEE fp32; on CUDA a bf16/fp16 model's tiles go to the tensor cores as they are.
@@ -164,6 +166,11 @@ def grouped_gemm(a: torch.Tensor, w: StackedWeight, out: torch.Tensor, sorted_id
     )
 
 
+def _plus(y: torch.Tensor, delta: Optional[torch.Tensor]) -> torch.Tensor:
+    """``y`` plus a LoRA delta (``y`` where its projection takes none)."""
+    return y if delta is None else y + delta
+
+
 def _or(tensor: Optional[torch.Tensor], unused: torch.Tensor) -> torch.Tensor:
     """A kernel's tensor argument, or any tensor where its flag leaves it unread."""
     return tensor if tensor is not None else unused
@@ -209,11 +216,13 @@ class FusedExperts(NamedTuple):
     w2: StackedWeight
     activation: Callable[[torch.Tensor], torch.Tensor]
 
-    def __call__(self, x: torch.Tensor, expert_of: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, expert_of: torch.Tensor, weights: torch.Tensor, lora=None) -> torch.Tensor:
         """``sum_k weights[t, k] · expert[expert_of[t, k]](x[t])`` in fp32 [tokens, hidden], each weighted
         output taken in ``weights``' dtype (as ``moe.run_experts``); ``expert_of`` [tokens, top_k] counts
         the held experts from 0 (outside ``[0, experts)``: not held, 0 here). No tokens, no launch (an
-        empty batch's tensors hold no memory to point a kernel at)."""
+        empty batch's tensors hold no memory to point a kernel at). ``lora``: the experts' LoRA slots
+        (``lora_experts.ExpertLoRA``), whose deltas each pair of a token under an adapter gets on its gate/up
+        row before the activation and on its down row (times its routing weight)."""
         num_tokens, top_k = expert_of.shape
         if num_tokens == 0:
             return x.new_zeros(x.shape, dtype=torch.float32)
@@ -223,8 +232,15 @@ class FusedExperts(NamedTuple):
         aligned = moe_align_block_size(expert_of, num_experts, blocks.m)
         gate_up = x.new_empty((num_pairs, self.w13.weight.shape[1]))
         grouped_gemm(x, self.w13, gate_up, *aligned, blocks, top_k)
+        pairs = lora.align(expert_of, top_k, blocks.m) if lora is not None else None
+        if pairs is not None:  # (gate's columns, then up's)
+            gate_up = torch.cat([_plus(part, lora.fused_delta(p, x, pairs, blocks, top_k))
+                                 for p, part in enumerate(gate_up.chunk(2, dim=-1))], dim=-1)
+        hidden = self.activation(gate_up)
         out = x.new_zeros((num_pairs, x.shape[1]), dtype=weights.dtype)  # (pairs not held: 0)
-        grouped_gemm(self.activation(gate_up), self.w2, out, *aligned, blocks, 1, row_weights=weights.flatten())
+        grouped_gemm(hidden, self.w2, out, *aligned, blocks, 1, row_weights=weights.flatten())
+        if pairs is not None:
+            out = _plus(out, lora.fused_delta(2, hidden, pairs, blocks, 1, weights.flatten(), out.dtype))
         return out.view(num_tokens, top_k, -1).sum(1, dtype=torch.float32)
 
 

@@ -17,7 +17,8 @@ whole), a row-parallel one its columns of A (B whole), whose partial delta joins
 layer's partial output before the one all-reduce — the sum of the ranks' deltas is the whole one;
 a replicated layer (MLA's latent projections) holds both whole. A layer whose weight the model reads
 rather than runs (MLA's absorbed ``kv_b_proj``) applies its slots' ``B`` and ``A`` in the model's own
-factors (:func:`absorbed_lora`).
+factors (:func:`absorbed_lora`). A MoE layer's routed experts take adapters per expert, their slots stacked
+for the layer and their deltas added inside the experts' forward (:mod:`actors.engine.lora_experts`).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import math
 import os
 import re
 from dataclasses import dataclass, replace
-from typing import Dict, List, Optional, Set, Tuple
+from typing import Dict, List, Optional, Set, Tuple, Union
 
 import torch
 from safetensors.torch import load_file
@@ -35,6 +36,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from actors.engine.config import LORA_TARGET_MODULES
+from actors.engine.lora_experts import (EXPERT_MODULE, FUSED_EXPERTS, ExpertLoRA, ExpertSlots, layer_module,
+                                        split_fused_experts)
 from actors.engine.parallel import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 
 # a module of a decoder layer: model.layers.<i>.<its name in the layer> (what the model's supported_lora_modules list)
@@ -83,7 +86,8 @@ def read_adapter(name: str, path: str) -> LoRAAdapter:
         halves.setdefault(match[1], {})[match[2]] = tensor
     weights = {}
     for module, pair in halves.items():
-        if set(pair) != {"A", "B"} or pair["A"].shape[0] != rank or pair["B"].shape[1] != rank:
+        fused = FUSED_EXPERTS.match(module) is not None  # (experts·r rows: split_fused_experts checks them)
+        if set(pair) != {"A", "B"} or not fused and (pair["A"].shape[0] != rank or pair["B"].shape[1] != rank):
             shapes = {half: tuple(t.shape) for half, t in pair.items()}
             raise ValueError(f"LoRA adapter {name!r}: {module} needs lora_A [r={rank}, in] and lora_B [out, r], "
                              f"got {shapes}")
@@ -128,7 +132,8 @@ class LoRAManager:
     ``max_loras_per_batch``, ``max_lora_rank``, ``lora_target_modules`` and ``max_loaded_loras`` it
     follows (the rank and the layers those of the start ``adapters`` where the two are None).
     The layers that may take adapters are those of the model's ``supported_lora_modules`` (its decoder layers'
-    attention and dense MLP projections, a MoE's shared expert; never its routed experts)."""
+    attention and dense MLP projections, a MoE's shared expert and routed experts; an expert's projection is
+    targeted in all the layer's experts this rank holds at once, :class:`ExpertLoRA` stacking their slots)."""
 
     def __init__(self, model: nn.Module, full_model: nn.Module, adapters: List[LoRAAdapter], config,
                  dtype: torch.dtype, device: torch.device):
@@ -137,9 +142,10 @@ class LoRAManager:
         if not self.supported_modules:
             raise ValueError(f"LoRA adapters are not supported for {self.model_name} "
                              "(lora_paths, lora_target_modules)")
+        self.full_model = full_model
+        adapters = [self._split_fused(adapter) for adapter in adapters]
         for adapter in adapters:
             self._check_modules(adapter)
-        self.full_model = full_model
         self.max_rank = config.max_lora_rank or max(a.rank for a in adapters)
         self.target_modules = config.lora_target_modules
         self.max_loaded = config.max_loaded_loras
@@ -150,9 +156,12 @@ class LoRAManager:
         self._clock = 0
         self.scaling = torch.zeros(num_slots, dtype=dtype, device=device)
         self.groups: List[Tuple[int, torch.Tensor]] = []  # this forward's (slot, its token indices)
-        self.layers: Dict[str, LoRALinear] = {}
-        for module in sorted(self._target_layers(model) if self.target_modules else
-                             {m for a in adapters for m in a.weights}):
+        self.token_slots: Optional[torch.Tensor] = None  # ... and each token's slot (-1: none), with any groups
+        self.layers: Dict[str, Union[LoRALinear, ExpertSlots]] = {}
+        self.experts: Dict[str, ExpertLoRA] = {}  # by the path of a MoE layer's experts
+        targets = self._target_layers(model) if self.target_modules else {m for a in adapters for m in a.weights}
+        self._wrap_experts(model, [m for m in targets if EXPERT_MODULE.match(m)], num_slots, dtype, device)
+        for module in sorted(m for m in targets if not EXPERT_MODULE.match(m)):
             base = _module(model, module)
             parent, _, attr = module.rpartition(".")
             lora_a = torch.zeros(num_slots, self.max_rank, base.in_features, dtype=dtype, device=device)
@@ -165,6 +174,42 @@ class LoRAManager:
         for adapter in adapters:
             self.add(self.shard(adapter))
 
+    def _wrap_experts(self, model: nn.Module, targets: List[str], num_slots: int, dtype: torch.dtype,
+                      device: torch.device) -> None:
+        """An :class:`ExpertLoRA` on each MoE layer an expert of ``targets`` is in, over the projections they
+        name, for every expert this rank holds (an adapter of expert 0 alone still gets the layer's slots: a
+        later one may target the others; under EP ``targets`` may name experts another rank holds)."""
+        names: Dict[str, Set[str]] = {}
+        for module in targets:
+            _module(self.full_model, module)  # (ValueError for one the model has not)
+            match = EXPERT_MODULE.match(module)
+            names.setdefault(match[1], set()).add(match[3])
+        for path, projections in names.items():
+            experts = model.get_submodule(path)
+            experts.lora = self.experts[path] = ExpertLoRA(experts, self, sorted(projections), num_slots,
+                                                           self.max_rank, dtype, device)
+            for e in experts.held:
+                for name in projections:
+                    self.layers[f"{path}.{e}.{name}"] = experts.lora.slots(e, name)
+
+    def _held_elsewhere(self, module: str) -> bool:
+        """Whether ``module`` is an expert's targeted projection that another EP rank holds (this rank drops it)."""
+        match = EXPERT_MODULE.match(module)
+        lora = self.experts.get(match[1]) if match else None
+        if lora is None or match[3] not in lora.targeted or int(match[2]) in lora.experts.held:
+            return False
+        _module(self.full_model, module)  # (ValueError for an expert the model has not)
+        return True
+
+    def _split_fused(self, adapter: LoRAAdapter) -> LoRAAdapter:
+        """``adapter`` with its PEFT ``target_parameters`` wrappers over fused 3-D expert parameters taken apart
+        into each expert's projections (:func:`split_fused_experts`); ValueError naming one that fits no
+        experts of the model."""
+        try:
+            return replace(adapter, weights=split_fused_experts(adapter.weights, adapter.rank, self.full_model))
+        except ValueError as e:
+            raise ValueError(f"LoRA adapter {adapter.name!r}: {e}") from None
+
     def _target_layers(self, model: nn.Module) -> Set[str]:
         """The layers of ``lora_target_modules``' projections in every decoder layer of ``model`` (of its
         ``supported_lora_modules``: ``gate_proj`` names no layer of Mixtral, whose MLPs are all experts); a
@@ -172,7 +217,7 @@ class LoRAManager:
         in SGLang. ValueError for a name that targets no layer (it would be silently left out), unless the
         list is every name ('all')."""
         leaves = {name: match[1].rpartition(".")[2] for name, _ in model.named_modules()
-                  if (match := LAYER_MODULE.match(name)) and match[1] in self.supported_modules}
+                  if (match := LAYER_MODULE.match(name)) and layer_module(match[1]) in self.supported_modules}
         names = {leaf: {leaf, *self.packed_modules.get(leaf, ())} for leaf in set(leaves.values())}
         known, targets = set().union(*names.values()), set(self.target_modules)
         if not targets <= known and targets != set(LORA_TARGET_MODULES):
@@ -181,34 +226,36 @@ class LoRAManager:
         return {name for name, leaf in leaves.items() if names[leaf] & targets}
 
     def _check_modules(self, adapter: LoRAAdapter) -> None:
-        """ValueError naming the modules of ``adapter`` outside the model's ``supported_lora_modules``
-        (a MoE's experts; a part of a fused projection, naming it): checked before any layer is wrapped, as an
-        expert's projection is a linear layer too."""
-        other = sorted(m for m in adapter.weights if LAYER_MODULE.match(m)[1] not in self.supported_modules)
+        """ValueError naming the modules of ``adapter`` outside the model's ``supported_lora_modules`` (GPT-OSS's
+        experts; a part of a fused projection, naming it): checked before any layer is wrapped."""
+        other = sorted(m for m in adapter.weights
+                       if layer_module(LAYER_MODULE.match(m)[1]) not in self.supported_modules)
         if other:
             why = sorted({f"; {part} is a part of the fused {fused}, whose adapter is one lora_A and lora_B over "
                           f"its {' | '.join(parts)} rows" for m in other if (part := m.rpartition(".")[2])
                           for fused, parts in self.packed_modules.items() if part in parts})
             raise ValueError(f"LoRA adapter {adapter.name!r} targets {', '.join(other)}: {self.model_name} takes "
-                             f"adapters on {', '.join(self.supported_modules)} of a decoder layer only "
-                             f"(no MoE experts{''.join(why)})")
+                             f"adapters on {', '.join(self.supported_modules)} of a decoder layer only{''.join(why)}")
 
     def shard(self, adapter: LoRAAdapter) -> LoRAAdapter:
         """``adapter`` with this rank's shard of each module, padded to the slots' rank, as its
         weights (what :meth:`add` keeps); ValueError when it does not fit the slots (rank, a module
         no slot layer has, shapes). It reads only what is fixed at start, so a runtime load runs it
-        outside the engine loop's lock (:mod:`actors.engine.lora_updates`)."""
+        outside the engine loop's lock (:mod:`actors.engine.lora_updates`). Under EP the experts another rank
+        holds are left out."""
         if adapter.rank > self.max_rank:
             raise ValueError(f"max_lora_rank={self.max_rank} is below the rank of LoRA adapter(s) "
                              f"{adapter.name} (r={adapter.rank})")
+        adapter = self._split_fused(adapter)
         self._check_modules(adapter)
-        other = sorted(set(adapter.weights) - set(self.layers))
+        other = sorted(m for m in adapter.weights if m not in self.layers and not self._held_elsewhere(m))
         if other:
             layers = (f"lora_target_modules={self.target_modules}" if self.target_modules else
                       "the adapters served at start (lora_target_modules sets others)")
             raise ValueError(f"LoRA adapter {adapter.name!r} targets {', '.join(other)}, outside the layers that "
                              f"take adapters: those of {layers}")
-        return replace(adapter, weights={module: self._shard(module, adapter) for module in adapter.weights})
+        return replace(adapter, weights={module: self._shard(module, adapter) for module in adapter.weights
+                                         if module in self.layers})
 
     def add(self, sharded: LoRAAdapter, cache_key: Optional[str] = None) -> None:
         """Keep ``sharded`` (:meth:`shard`'s) in host memory under ``cache_key`` (None: this manager's
@@ -305,7 +352,7 @@ class LoRAManager:
         """Copy in the adapters of the batch's slots that they do not hold yet
         (``lora_slot_names``), then group the batch's tokens by their request's slot
         (``lora_slots``; -1 and None: the base model's, in no group), on the batch's device."""
-        self.groups = []
+        self.groups, self.token_slots = [], None
         slots = forward_batch.lora_slots
         if slots is None:
             return
@@ -314,6 +361,7 @@ class LoRAManager:
                 self._load(slot, name)
         token_slots = torch.repeat_interleave(torch.tensor(slots), torch.tensor(forward_batch.extend_seq_lens_cpu))
         device = forward_batch.input_ids.device
+        self.token_slots = token_slots.to(device)
         for slot in sorted(set(slots) - {-1}):
             self.groups.append((slot, (token_slots == slot).nonzero()[:, 0].to(device)))
 

@@ -142,27 +142,36 @@ def build_tiny_checkpoint(family: str, out_dir: Union[str, Path], seed: int = 0,
 
 
 def make_adapter(model_dir: str, out_dir: Path, rank: int, alpha: float, targets: Sequence[str] = ATTENTION + MLP,
-                 seed: int = 0, use_rslora: bool = False, **config) -> Path:
+                 seed: int = 0, use_rslora: bool = False, experts: Sequence[str] = (), **config) -> Path:
     """A random adapter of every layer's ``targets`` in PEFT's layout (A and B both non-zero, so it
     changes the model's output); ``config``: more adapter_config.json fields. A target is the last
     name of a linear layer of the layer's attention, dense MLP or shared expert, wherever it sits (HF's
     modules: a MoE family's experts are none of them, so ``gate_proj`` targets Qwen3-MoE's dense layers
     only, and no Mixtral layer; DeepSeek's and Qwen3-Next's MoE layers by their shared expert; Phi-3's are
-    ``qkv_proj`` and ``gate_up_proj``, DeepSeek's MLA ``kv_a_proj_with_mqa`` ...)."""
+    ``qkv_proj`` and ``gate_up_proj``, DeepSeek's MLA ``kv_a_proj_with_mqa`` ...). ``experts``: the routed
+    experts' projections to target too, every expert's, by the checkpoint's names (``gate_proj``; Mixtral's
+    ``w1``), as PEFT writes an adapter of a model whose experts are linear layers each."""
+    from safetensors import safe_open
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
     with torch.device("meta"):
         hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
-    modules, gen = dict(hf.named_modules()), torch.Generator().manual_seed(seed)
-    tensors = {}
+    shapes = {n: (m.in_features, m.out_features) for n, m in hf.named_modules() if isinstance(m, torch.nn.Linear)}
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            for key in f.keys():
+                name = key.removesuffix(".weight")
+                if ".experts." in name and name.rpartition(".")[2] in experts and key.endswith(".weight"):
+                    fan_out, fan_in = f.get_slice(key).get_shape()
+                    shapes[name] = (fan_in, fan_out)
+    gen, tensors = torch.Generator().manual_seed(seed), {}
     for layer in range(hf.config.num_hidden_layers):
         prefix = f"model.layers.{layer}."
-        for module in targets:
-            for name in sorted(n for n, m in modules.items() if n.startswith(prefix) and n.endswith(f".{module}")
-                               and ".experts." not in n and isinstance(m, torch.nn.Linear)):
-                linear = modules[name]
-                fan_in, fan_out = linear.in_features, linear.out_features
+        for module, expert in [(m, False) for m in targets] + [(m, True) for m in experts]:
+            for name in sorted(n for n in shapes if n.startswith(prefix) and n.endswith(f".{module}")
+                               and (".experts." in n) == expert):
+                fan_in, fan_out = shapes[name]
                 key = f"base_model.model.{name}.lora_"
                 tensors[key + "A.weight"] = torch.randn(rank, fan_in, generator=gen) / math.sqrt(fan_in)
                 tensors[key + "B.weight"] = torch.randn(fan_out, rank, generator=gen) / math.sqrt(rank)

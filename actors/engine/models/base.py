@@ -79,12 +79,13 @@ class DecoderModel(nn.Module):
 # the projections of a decoder layer that take LoRA adapters (actors.engine.lora), HF's names under the layer
 LORA_ATTENTION = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
 LORA_MLP = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+LORA_EXPERTS = ("mlp.experts.gate_proj", "mlp.experts.up_proj", "mlp.experts.down_proj")  # (every routed expert's)
 
 
 class CausalLM(nn.Module):
     # the modules of each decoder layer that take LoRA adapters (a layer may lack some: Qwen3-MoE's dense MLP is on
-    # its mlp_only_layers alone); none: the model serves no adapters. A MoE's experts take none (vLLM's LoRA on
-    # experts is recent, SGLang's partial): an adapter targeting them is refused, naming the module
+    # its mlp_only_layers alone), a routed expert's without its index (mlp.experts.gate_proj: every expert's, as
+    # vLLM's fused-MoE LoRA); none: the model serves no adapters. An adapter targeting another is refused, naming it
     supported_lora_modules: Tuple[str, ...] = ()
     # a fused projection -> the HF projections it stacks (SGLang's packed_modules_mapping): lora_target_modules'
     # names of the parts target it; an adapter on a part is refused, naming the fused one

@@ -28,7 +28,7 @@ from torch import nn
 
 from actors.engine.layers import GatedMLP, RadixAttention, RMSNorm, RotaryEmbedding, rotate_interleaved, yarn_mscale
 from actors.engine.lora import absorbed_lora
-from actors.engine.models.base import LORA_MLP, CausalLM, DecoderModel
+from actors.engine.models.base import LORA_EXPERTS, LORA_MLP, CausalLM, DecoderModel
 from actors.engine.models.llama import rope_settings
 from actors.engine.models.moe import ExpertList, run_experts
 from actors.engine.models.spec import KVCacheSpec
@@ -213,12 +213,12 @@ class DeepseekV3DecoderLayer(nn.Module):
 class DeepseekV3ForCausalLM(CausalLM):
     fp32_buffers = ("e_score_correction_bias",)  # as HF's _keep_in_fp32_modules_strict
     # vLLM's: MLA's projections (q_proj, or q_a_proj / q_b_proj with a q_lora_rank), the dense layers' MLP and the
-    # MoE layers' shared experts. kv_a_proj_with_mqa is replicated, its delta in the cached latent row (the radix
-    # cache keys an adapter's requests apart); kv_b_proj is read as a weight only (absorbed), its delta applied in
-    # the attention's factors (DeepseekV3Attention)
+    # MoE layers' shared and routed experts. kv_a_proj_with_mqa is replicated, its delta in the cached latent row
+    # (the radix cache keys an adapter's requests apart); kv_b_proj is read as a weight only (absorbed), its delta
+    # applied in the attention's factors (DeepseekV3Attention)
     supported_lora_modules = ("self_attn.q_proj", "self_attn.q_a_proj", "self_attn.q_b_proj", "self_attn.kv_b_proj",
                               "self_attn.kv_a_proj_with_mqa", "self_attn.o_proj") + LORA_MLP + tuple(
-        f"mlp.shared_experts.{p}" for p in GatedMLP.projections)
+        f"mlp.shared_experts.{p}" for p in GatedMLP.projections) + LORA_EXPERTS
 
     def __init__(self, config, tp: TPGroup = SINGLE):
         norm = RMSNorm(config.hidden_size, config.rms_norm_eps)

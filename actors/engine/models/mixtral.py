@@ -20,5 +20,6 @@ class MixtralDecoderLayer(LlamaDecoderLayer):
 
 
 class MixtralForCausalLM(LlamaForCausalLM):
-    supported_lora_modules = LORA_ATTENTION  # (every layer's MLP is its experts)
+    # (every layer's MLP is its experts: w1 gate, w3 up, w2 down)
+    supported_lora_modules = LORA_ATTENTION + tuple(f"block_sparse_moe.experts.{p}" for p in ("w1", "w3", "w2"))
     layer_cls = MixtralDecoderLayer

@@ -42,7 +42,10 @@ def is_sparse_layer(config, layer_id: int) -> bool:
 class ExpertList(FusableExperts):
     """The experts of one layer this rank holds (``held``: :meth:`TPGroup.experts`), each under its
     checkpoint index (``experts.{e}.…``), made by ``make()``. The loader leaves the tensors of the
-    experts it does not hold unread (``model_loader.held_elsewhere``). ``fused``: set by :meth:`fuse`."""
+    experts it does not hold unread (``model_loader.held_elsewhere``). ``fused``: set by :meth:`fuse`;
+    ``lora``: the experts' LoRA slots (``lora_experts.ExpertLoRA``), set when adapters may target them."""
+
+    lora = None
 
     def __init__(self, held: range, make: Callable[[], nn.Module]):
         super().__init__()
@@ -71,13 +74,17 @@ def run_experts(experts: ExpertList, x: torch.Tensor, idx: torch.Tensor, weights
     fp32 (the caller casts once): each expert runs once, on the tokens that chose it; each weighted output
     is taken in ``weights``' dtype (HF's experts: Qwen's cast to the model's dtype, Mixtral's and
     DeepSeek's fp32). Under EP the other ranks' experts are left to them (the block's reduce sums all).
-    Fused (:meth:`ExpertList.fuse`), the same sum in two grouped-GEMM launches over every held expert."""
+    Fused (:meth:`ExpertList.fuse`), the same sum in two grouped-GEMM launches over every held expert. A token
+    under a LoRA adapter gets its expert's deltas (``experts.lora``)."""
+    start, lora = experts.held.start, experts.lora
     if experts.fused is not None:
-        return experts.fused(x, idx - experts.held.start, weights)
+        return experts.fused(x, idx - start, weights, lora)
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for e in [e for e in idx.unique().tolist() if e in experts.held]:
         token, slot = (idx == e).nonzero(as_tuple=True)
-        out.index_add_(0, token, (experts[e](x[token]) * weights[token, slot, None]).float())
+        groups = lora.groups(e - start, token) if lora is not None else []
+        y = lora.run(experts[e], x[token], groups) if groups else experts[e](x[token])
+        out.index_add_(0, token, (y * weights[token, slot, None]).float())
     return out
 
 

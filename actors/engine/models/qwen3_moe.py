@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from actors.engine.models.base import LORA_ATTENTION, LORA_EXPERTS, LORA_MLP
 from actors.engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from actors.engine.models.moe import SparseMoeBlock, is_sparse_layer
 from actors.engine.parallel import TPGroup
@@ -19,5 +20,6 @@ class Qwen3MoeDecoderLayer(LlamaDecoderLayer):
 
 
 class Qwen3MoeForCausalLM(LlamaForCausalLM):
-    # supported_lora_modules: Llama's, the MLP's on the dense layers (mlp_only_layers) only
+    # Llama's (the MLP's on the dense layers, mlp_only_layers, only) and the routed experts'
+    supported_lora_modules = LORA_ATTENTION + LORA_MLP + LORA_EXPERTS
     layer_cls = Qwen3MoeDecoderLayer

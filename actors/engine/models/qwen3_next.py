@@ -19,7 +19,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from actors.engine.layers import GatedMLP, RadixAttention, RMSNorm, RotaryEmbedding
-from actors.engine.models.base import LORA_ATTENTION, LORA_MLP, CausalLM, DecoderModel
+from actors.engine.models.base import LORA_ATTENTION, LORA_EXPERTS, LORA_MLP, CausalLM, DecoderModel
 from actors.engine.models.moe import SparseMoeBlock, is_sparse_layer
 from actors.engine.models.spec import KVCacheSpec
 from actors.engine.parallel import (
@@ -209,11 +209,11 @@ class DecoderLayer(nn.Module):
 class Qwen3NextForCausalLM(CausalLM):
     # vLLM's: the full-attention layers' q/k/v/o (q_proj's rows each head's query then gate, cut by heads as its
     # weight), the linear-attention layers' projections (in_proj_qkvz / in_proj_ba rows per key head, so a rank's
-    # rows of B are its key heads' as its weight's; out_proj row parallel) and the dense MLP / shared expert. An
-    # adapter changes only the projections: the conv and recurrent state stay the layer's
+    # rows of B are its key heads' as its weight's; out_proj row parallel), the dense MLP / shared expert and the
+    # routed experts. An adapter changes only the projections: the conv and recurrent state stay the layer's
     supported_lora_modules = LORA_ATTENTION + ("linear_attn.in_proj_qkvz", "linear_attn.in_proj_ba",
                                                "linear_attn.out_proj") + LORA_MLP + tuple(
-        f"mlp.shared_expert.{p}" for p in GatedMLP.projections)
+        f"mlp.shared_expert.{p}" for p in GatedMLP.projections) + LORA_EXPERTS
 
     def __init__(self, config, tp: TPGroup = SINGLE):
         norm = RMSNorm(config.hidden_size, config.rms_norm_eps, offset=1.0)

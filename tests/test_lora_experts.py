@@ -1,0 +1,130 @@
+"""LoRA on a MoE's routed experts (actors.engine.lora_experts): an adapter of every expert's gate/up/down in PEFT's
+per-expert names (Qwen3-MoE's ``mlp.experts.{e}.gate_proj``, Mixtral's ``block_sparse_moe.experts.{e}.w1``) and one
+PEFT ``target_parameters`` writes over transformers 5's fused 3-D experts serve in one batch with base requests,
+each request's tokens HF's on its checkpoint with the adapter merged into the experts' weights: with the eager
+experts and the fused Triton ones (interpreted), at TP 2 (Qwen3-MoE, DeepSeek-V3: each slot cut as its expert)
+and EP 2 (Mixtral, fused: each rank its experts' slots), and after a runtime load. Adapters the experts cannot
+take are refused, naming the module."""
+
+import re
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from actors.engine import Engine
+from actors.engine.tiny import build_tiny_checkpoint, make_adapter
+from tests.lora_helpers import fused_expert_adapter, merged_checkpoint
+from tests.test_lora import GREEDY, assert_parity, prompts
+from tests.tp_helpers import thread_ranks
+
+EXPERTS = {"qwen3_moe": ("gate_proj", "up_proj", "down_proj"), "deepseek_v3": ("gate_proj", "up_proj", "down_proj"),
+           "mixtral": ("w1", "w3", "w2")}
+
+
+def served(root, family):
+    """(base checkpoint, adapter dirs, merged checkpoints): ``moe`` (r=4: q_proj and every expert's three
+    projections, per expert) and ``fused`` (r=2 over transformers 5's fused gate_up_proj and down_proj)."""
+    base = str(build_tiny_checkpoint(family, root / "base", seed=0))
+    adapters = {"moe": make_adapter(base, root / "moe", rank=4, alpha=8, targets=("q_proj",),
+                                    experts=EXPERTS[family], seed=1),
+                "fused": fused_expert_adapter(base, root / "fused", rank=2, alpha=4, seed=2)}
+    oracles = {name: merged_checkpoint(base, path, root / f"{name}-merged") for name, path in adapters.items()}
+    return base, {name: str(path) for name, path in adapters.items()}, oracles
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory):
+    return served(tmp_path_factory.mktemp("qwen3_moe"), "qwen3_moe")
+
+
+def assert_mixed_batch(model, eng, names):
+    """A batch of two prompts under the base model and each adapter of ``names``, interleaved: each request's
+    tokens are its merged checkpoint's, and each adapter changes them."""
+    batch = prompts(2, seed=5) * (1 + len(names))
+    loras = [lora for lora in [None, *names] for _ in range(2)]
+    order = list(range(0, len(batch), 2)) + list(range(1, len(batch), 2))
+    outs = eng.generate(input_ids=[batch[i] for i in order], sampling_params=GREEDY,
+                        lora_path=[loras[i] for i in order])
+    outs = [outs[order.index(i)] for i in range(len(batch))]
+    assert_parity(model, batch, loras, outs, eng.eos_token_ids)
+    for k in range(1, 1 + len(names)):
+        assert all(outs[i]["output_ids"] != outs[2 * k + i]["output_ids"] for i in (0, 1))
+    eng.check_integrity()
+
+
+@pytest.mark.parametrize("moe_backend", ["torch", "triton"])
+def test_expert_adapters_equal_merged_models(qwen, moe_backend):
+    """Both formats in one batch with the base model: every expert of both MoE layers has its slots (stacked per
+    layer: [slots, experts, r, in]), and each request's tokens are its merged model's — the eager experts and
+    the fused kernels (the deltas by the grouped GEMM over the pairs sorted by (slot, expert)) alike."""
+    eng = Engine(model_path=qwen[0], skip_tokenizer_init=True, max_total_tokens=1024, lora_paths=qwen[1],
+                 moe_backend=moe_backend, max_loras_per_batch=2)  # (the fused path's groups: slots · experts)
+    try:
+        lora = eng.runner.lora
+        assert set(lora.experts) == {f"model.layers.{i}.mlp.experts" for i in (0, 1)}
+        assert sum(".experts." in m for m in lora.layers) == 2 * 4 * 3
+        assert tuple(lora.experts["model.layers.0.mlp.experts"].lora_a[0].shape) == (2, 4, 4, 64)
+        assert_mixed_batch(qwen, eng, ["moe", "fused"])
+    finally:
+        eng.shutdown()
+
+
+@pytest.mark.parametrize("family, ep, moe_backend", [("qwen3_moe", False, "torch"), ("deepseek_v3", False, "torch"),
+                                                     ("mixtral", True, "triton")])
+def test_tp_and_ep_shard_the_expert_slots(tmp_path, monkeypatch, family, ep, moe_backend):
+    """TP 2 (Qwen3-MoE; DeepSeek-V3, its grouped gate and shared experts beside): each rank's slots hold its rows of
+    gate/up's B and its columns of down's A (the block's all-reduce sums the down deltas); EP 2 (Mixtral's
+    w1/w3/w2, fused): each rank the slots of its two experts whole, the adapter's other experts dropped there and
+    the pairs routed to them left out. The mixed batch's tokens are still the merged models'."""
+    thread_ranks(monkeypatch)
+    model = served(tmp_path, family)
+    eng = Engine(model_path=model[0], skip_tokenizer_init=True, max_total_tokens=1024, lora_paths=model[1],
+                 tp_size=2, enable_expert_parallel=ep, moe_backend=moe_backend, max_loras_per_batch=2)
+    try:
+        lora = eng.runner.lora
+        layer = next(iter(lora.experts.values()))
+        gate, down = layer.lora_b[0], layer.lora_a[2]
+        held, inter = (2, 32) if ep else (4, 16)  # (rank 0's experts, and its part of their intermediate dim)
+        assert (tuple(gate.shape), tuple(down.shape)) == ((2, held, inter, 4), (2, held, 4, inter))
+        assert {m.split(".")[-2] for m in lora.host["moe"].shards if ".experts." in m} == {str(e) for e in range(held)}
+        assert_mixed_batch(model, eng, list(model[1]))
+    finally:
+        eng.shutdown()
+
+
+def test_an_expert_adapter_loads_at_runtime(qwen):
+    """An engine started without adapters, its slots those of lora_target_modules (the experts' projections
+    included), loads the per-expert adapter and serves it beside the base model; unloaded, it is refused."""
+    eng = Engine(model_path=qwen[0], skip_tokenizer_init=True, max_total_tokens=1024, max_lora_rank=4,
+                 lora_target_modules=["q_proj", "gate_proj", "up_proj", "down_proj"])
+    try:
+        assert sum(".experts." in m for m in eng.runner.lora.layers) == 2 * 4 * 3
+        eng.load_lora_adapter("moe", qwen[1]["moe"])
+        assert_mixed_batch(qwen, eng, ["moe"])
+        eng.unload_lora_adapter("moe")
+        with pytest.raises(ValueError, match="unknown LoRA adapter 'moe'"):
+            eng.generate(input_ids=prompts(1), sampling_params=GREEDY, lora_path="moe")
+        eng.check_integrity()
+    finally:
+        eng.shutdown()
+
+
+def test_expert_adapters_the_slots_cannot_take_are_refused(qwen, tmp_path):
+    """Refused at a runtime load, naming the module: an expert adapter where the slots target q_proj alone, and
+    a fused wrapper whose shapes fit neither fused expert parameter."""
+    eng = Engine(model_path=qwen[0], skip_tokenizer_init=True, max_total_tokens=256, max_lora_rank=4,
+                 lora_target_modules=["q_proj"])
+    try:
+        with pytest.raises(ValueError, match=r"'moe' targets model\.layers\.0\.mlp\.experts\.0\.down_proj.*outside"):
+            eng.load_lora_adapter("moe", qwen[1]["moe"])
+        bad = fused_expert_adapter(qwen[0], tmp_path / "bad", rank=2, alpha=4)
+        tensors = load_file(str(bad / "adapter_model.safetensors"))
+        key = "base_model.model.model.layers.1.mlp.experts.lora_B.weight"
+        tensors[key] = torch.ones(16, tensors[key].shape[1])
+        save_file(tensors, str(bad / "adapter_model.safetensors"))
+        with pytest.raises(ValueError, match=rf"'bad': {re.escape('model.layers.1.mlp.experts')}: .* fit neither"):
+            eng.load_lora_adapter("bad", str(bad))
+        eng.check_integrity()
+    finally:
+        eng.shutdown()
