@@ -170,8 +170,8 @@ def test_fp8_config_errors(tmp_path):
     def config(**qc):
         return SimpleNamespace(quantization_config=qc)
 
-    with pytest.raises(ValueError, match="quant_method='awq' is not supported"):
-        fp8.resolve(config(quant_method="awq"), None)
+    with pytest.raises(ValueError, match="quant_method='bitsandbytes' is not supported"):
+        fp8.resolve(config(quant_method="bitsandbytes"), None)
     with pytest.raises(ValueError, match="quantization='fp8' but the checkpoint's quantization_config.quant_method"):
         fp8.resolve(config(quant_method="gptq"), "fp8")
     with pytest.raises(ValueError, match="weight_block_size=None: only block-wise"):
@@ -188,9 +188,9 @@ def test_fp8_config_errors(tmp_path):
         check_tp_shardable(EngineConfig(model_path=quantized, tp_size=2))
     config_path = Path(quantized) / "config.json"
     config_json = json.loads(config_path.read_text())
-    config_json["quantization_config"] = {"quant_method": "awq", "bits": 4}
+    config_json["quantization_config"] = {"quant_method": "compressed-tensors"}
     config_path.write_text(json.dumps(config_json))
-    with pytest.raises(ValueError, match="quant_method='awq'"):
+    with pytest.raises(ValueError, match="quant_method='compressed-tensors' is not supported"):
         load_model(quantized, "auto", "cpu")
 
 

@@ -51,7 +51,8 @@ class EngineConfig(BaseModel):
     kv_cache_dtype: Literal["auto", "fp8_e4m3", "fp8_e5m2"] = "auto"
     quantization: Optional[Literal["fp8"]] = Field(
         None, description="the weights' quantization (SGLang's and vLLM's --quantization): None: the checkpoint's "
-        "own (config.json's quantization_config: block-wise FP8 served weight-only, actors.engine.fp8); 'fp8': "
+        "own (config.json's quantization_config: block-wise FP8 served weight-only, actors.engine.fp8; GPTQ and "
+        "AWQ kept packed, served weight-only, actors.engine.wna16); 'fp8': "
         "the same, and an unquantized checkpoint quantized to 128x128-block FP8 as it loads")
     page_size: int = Field(1, ge=1, le=256)
     mem_fraction_static: Optional[float] = Field(None, gt=0.0, lt=1.0, description="None: from device memory")

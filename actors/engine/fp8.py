@@ -49,7 +49,7 @@ def resolve(config, quantization: Optional[str]) -> Optional[Fp8Config]:
     if method != "fp8":
         forced = f"quantization={quantization!r} but " if quantization else ""
         raise ValueError(f"{forced}the checkpoint's quantization_config.quant_method={method!r} is not supported "
-                         "(served: 'fp8', block-wise)")
+                         "(served: 'fp8' block-wise, 'gptq', 'awq')")
     if qc.get("fmt", "e4m3") != "e4m3" or qc.get("activation_scheme", "dynamic") != "dynamic":
         raise ValueError(f"quantization_config fmt={qc.get('fmt')!r}, activation_scheme="
                          f"{qc.get('activation_scheme')!r}: only e4m3 with dynamic activations is served")

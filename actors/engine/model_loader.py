@@ -12,7 +12,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig
 
-from actors.engine import fp8, mxfp4
+from actors.engine import fp8, mxfp4, wna16
 from actors.engine.models import get_model_class
 from actors.engine.models.moe import ExpertList
 from actors.engine.parallel import SINGLE, ParamShard, TPGroup
@@ -81,16 +81,20 @@ def checkpoint_shapes(files: List[str]) -> Dict[str, List[int]]:
     return shapes
 
 
-def build_served_model(model_path: str, config, quantization: Optional[str] = None,
-                       tp: TPGroup = SINGLE) -> Tuple[torch.nn.Module, Dict[str, torch.nn.Module]]:
+def build_served_model(model_path: str, config, quantization: Optional[str] = None, tp: TPGroup = SINGLE
+                       ) -> Tuple[torch.nn.Module, Dict[str, torch.nn.Module], Dict[str, torch.nn.Module]]:
     """:func:`build_model`, its linear layers block FP8 where the checkpoint's are (or, with
-    ``quantization="fp8"``, every one: :mod:`.fp8`); also the quantized weights' names → their layers.
-    ValueError for a quantization not served or a TP shard that cuts a block."""
+    ``quantization="fp8"``, every one: :mod:`.fp8`), or packed GPTQ / AWQ ints where the checkpoint's are
+    (:mod:`.wna16`); also the block-FP8 weights' names → their layers, and the packed layers' names → the
+    layers. ValueError for a quantization not served or a TP shard that cuts a block, a word or a group."""
     model = build_model(config, tp)
+    packed = wna16.resolve(config, quantization)
+    if packed is not None:
+        return model, {}, wna16.quantize_linears(model, packed, checkpoint_shapes(checkpoint_files(model_path)))
     quant = fp8.resolve(config, quantization)
     if quant is None:
-        return model, {}
-    return model, fp8.quantize_linears(model, quant, checkpoint_shapes(checkpoint_files(model_path)))
+        return model, {}, {}
+    return model, fp8.quantize_linears(model, quant, checkpoint_shapes(checkpoint_files(model_path))), {}
 
 
 def load_model(
@@ -100,9 +104,9 @@ def load_model(
     (under TP, only this rank's shard of each is read). ``quantization``: ``EngineConfig``'s."""
     config = load_config(model_path)
     torch_dtype = resolve_dtype(config, dtype)
-    model, quantized = build_served_model(model_path, config, quantization, tp)
+    model, quantized, packed = build_served_model(model_path, config, quantization, tp)
     model = model.to_empty(device=device)
-    model.quantized_weights = quantized
+    model.quantized_weights, model.packed_linears = quantized, packed
     missing, unexpected = load_weights(model, checkpoint_files(model_path))
     unexpected = [name for name in unexpected if not ignored_weight(model, name)]
     if getattr(config, "tie_word_embeddings", False):
@@ -120,9 +124,10 @@ IGNORED_WEIGHTS = (re.compile(r"(^|\.)rotary_emb\.inv_freq$"),)  # older checkpo
 
 
 def ignored_weight(model: torch.nn.Module, name: str) -> bool:
-    """Whether ``name`` is a checkpoint tensor to skip: a saved ``inv_freq``, or one the
-    model class skips by its ``ignored_weight(name)`` (multi-token-prediction layers)."""
-    if any(p.search(name) for p in IGNORED_WEIGHTS):
+    """Whether ``name`` is a checkpoint tensor to skip: a saved ``inv_freq``, the ``g_idx`` of a GPTQ
+    layer without act-order (:func:`wna16.unread`), or one the model class skips by its
+    ``ignored_weight(name)`` (multi-token-prediction layers)."""
+    if any(p.search(name) for p in IGNORED_WEIGHTS) or wna16.unread(getattr(model, "packed_linears", {}), name):
         return True
     return bool(getattr(model, "ignored_weight", lambda _: False)(name))
 
@@ -241,10 +246,11 @@ def _load_mxfp4(name: str, target: torch.Tensor, shard: Optional[ParamShard], f,
 def cast_model(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
     """``model`` in ``dtype``, except the buffers its class names in ``fp32_buffers``: HF
     keeps those in fp32 whatever the model dtype (DeepSeek's routing bias), and so must we;
-    block-FP8 weights and their scales stay as they are."""
+    block-FP8 weights and their scales, and packed GPTQ / AWQ layers' scales, stay as they are."""
     keep = set(getattr(model, "fp32_buffers", ()))
     kept = {name: buf.float() for name, buf in model.named_buffers() if name.rpartition(".")[2] in keep}
-    quantized = {id(p) for p in fp8.quantized_params(getattr(model, "quantized_weights", {}))}
+    quantized = {id(p) for p in fp8.quantized_params(getattr(model, "quantized_weights", {}))
+                 + wna16.packed_params(getattr(model, "packed_linears", {}))}
     # (model.to(dtype), but for them: never a cast copy of a whole FP8 model at once)
     model = model._apply(lambda t: t.to(dtype) if t.is_floating_point() and id(t) not in quantized else t)
     for name, buf in kept.items():
@@ -299,6 +305,7 @@ class ServedWeights:
         self.config, self.path, self.version = config, path, DEFAULT_WEIGHT_VERSION
         self.targets = checkpoint_targets(model)
         self.quantized = getattr(model, "quantized_weights", {})  # block-FP8 weights → their layers
+        self.packed = getattr(model, "packed_linears", {})  # GPTQ / AWQ layers' names → the layers
         self.elsewhere = held_elsewhere(model)  # (EP: the experts other ranks hold, and check)
         if getattr(config, "tie_word_embeddings", False):  # (the embedding's tensor: loaded by its own name)
             self.targets.pop("lm_head.weight", None)
@@ -322,12 +329,13 @@ class ServedWeights:
             what, shapes = "the named tensors", {name: list(t.shape) for name, t in source.items()}
         full = build_model(self.config)  # (on meta: the whole tensors' shapes, whatever this rank's shards)
         fp8.quantize_like(full, self.quantized)
+        wna16.quantize_like(full, self.packed)
         expected = {name: list(t.shape) for name, t in full.state_dict().items() if name in self.targets}
-        if isinstance(source, str) and fp8.resolve(self.config, None) is None:  # (quantized as they load)
+        if isinstance(source, str) and getattr(self.config, "quantization_config", None) is None:  # (fp8 as they load)
             expected = {name: shape for name, shape in expected.items() if not name.endswith(fp8.SCALE)}
         shapes = mxfp4.unpacked_shapes(shapes, expected)
-        problems = _checkpoint_problems(shapes, expected,
-                                        lambda name: ignored_weight(full, name) or self.elsewhere(name),
+        problems = _checkpoint_problems(shapes, expected, lambda name: ignored_weight(full, name)
+                                        or wna16.unread(self.packed, name) or self.elsewhere(name),
                                         partial=not isinstance(source, str))
         if not isinstance(source, str):
             problems += self._fp8_problems(source)

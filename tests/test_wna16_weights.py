@@ -1,0 +1,238 @@
+"""GPTQ and AWQ checkpoints (int4 / int8 weights in packed int32 words) served weight-only: tiny checkpoints
+quantized here into the released layouts (tests.wna16_helpers), against HF over their brute-force
+dequantization."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from actors.engine import Engine, wna16
+from actors.engine.config import EngineConfig
+from actors.engine.model_loader import TensorFile, copy_tensor, load_model
+from actors.engine.parallel import ColumnParallelLinear, LinearBase, RowParallelLinear, TPGroup
+from actors.engine.tiny import build_tiny_checkpoint
+from actors.engine.tp_worker import check_tp_shardable
+from tests.parity import assert_greedy_parity
+from tests.tp_helpers import thread_ranks
+from tests.wna16_helpers import brute_force_dequantize, packed_checkpoint, quantize_layer
+
+GREEDY = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
+SCORED = dict(GREEDY, return_logprob=True)
+PROMPTS = [[5, 9, 33, 47, 12, 90, 7, 61, 18, 3, 44, 21, 8, 70, 2, 19], [11] * 20, [3, 200, 150]]
+# family, checkpoint: GPTQ int4 with and without act-order, int8 over one group, asymmetric; AWQ; Phi-3's fused
+# qkv_proj and gate_up_proj; Qwen3-MoE's experts (torch MoE backend); DeepSeek-V3's MLA; a layer left unquantized
+CASES = {
+    "llama-gptq4": ("llama", dict(bits=4, group_size=32, sym=True)),
+    "qwen3-gptq4-act-order": ("qwen3", dict(bits=4, group_size=16, sym=False, act_order=True)),
+    "llama-gptq8-one-group": ("llama", dict(bits=8, group_size=-1, sym=False, skip="down_proj")),
+    # GPTQModel's dynamic: o_proj left unquantized, the MLP's down_proj in 8 bits over act-ordered groups of 16
+    "llama-gptq4-dynamic": ("llama", dict(bits=4, group_size=32, dynamic={
+        "-:.*o_proj": {}, r"+:.*\.down_proj": {"bits": 8, "group_size": 16, "desc_act": True}})),
+    "llama-awq": ("llama", dict(method="awq", group_size=32, sym=False)),
+    "phi3-gptq4-act-order": ("phi3", dict(bits=4, group_size=32, act_order=True)),
+    "qwen3_moe-gptq4": ("qwen3_moe", dict(bits=4, group_size=16)),
+    "deepseek_v3-awq": ("deepseek_v3", dict(method="awq", group_size=16)),  # MLA's absorbed kv_b_proj
+}
+
+
+def generate(engine, prompts=PROMPTS):
+    """Greedy outputs with their logprobs, then a prefix hit on every prompt: (outputs, logprobs, cached)."""
+    outs = engine.generate(input_ids=prompts, sampling_params=SCORED)
+    again = engine.generate(input_ids=[p + o["output_ids"] for p, o in zip(prompts, outs)],
+                            sampling_params=GREEDY)
+    engine.check_integrity()
+    logprobs = [[lp for lp, _ in o["meta_info"]["output_token_logprobs"]] for o in outs]
+    return [o["output_ids"] for o in outs], logprobs, [o["meta_info"]["cached_tokens"] for o in again]
+
+
+def packed_layers(model) -> dict:
+    """Names → configs of the model's packed layers; each holds int32 words and fp32 scales, no weight."""
+    layers = {}
+    for name, module in model.named_modules():
+        if isinstance(module, LinearBase) and module.packed is not None:
+            assert module.weight is None and module.qweight.dtype == module.qzeros.dtype == torch.int32, name
+            assert module.scales.dtype == torch.float32, name
+            layers[name] = module.packed
+    return layers
+
+
+def weight_bytes(model) -> int:
+    return sum(t.numel() * t.element_size() for t in model.state_dict().values())
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_packed_checkpoint_gives_hf_tokens_over_its_dequantization(case, tmp_path):
+    family, scheme = CASES[case]
+    quantized, dequantized = packed_checkpoint(family, tmp_path, **scheme)
+    engine = Engine(model_path=quantized, skip_tokenizer_init=True, max_total_tokens=512)
+    try:
+        outputs, logprobs, cached = generate(engine)
+        layers = packed_layers(engine.runner.model)
+    finally:
+        engine.shutdown()
+    assert_greedy_parity(dequantized, PROMPTS, outputs, GREEDY["max_new_tokens"], logprobs=logprobs)
+    assert all(c >= len(p) for c, p in zip(cached, PROMPTS))
+    unquantized = scheme.get("skip") or ("o_proj" if "dynamic" in scheme else None)
+    projections = {n for n, m in load_model(dequantized, "auto", "cpu")[0].named_modules()
+                   if isinstance(m, LinearBase) and not (unquantized and unquantized in n)}
+    assert set(layers) == projections  # (never lm_head; Phi-3's fused layers, the experts', whatever is stored)
+    if "dynamic" in scheme:
+        assert {(q.bits, q.group_size, q.desc_act) for n, q in layers.items() if "down_proj" in n} == {(8, 16, True)}
+        assert {(q.bits, q.group_size) for n, q in layers.items() if "down_proj" not in n} == {(4, 32)}
+    if family == "qwen3_moe":
+        assert "model.layers.0.mlp.experts.3.down_proj" in layers
+        with pytest.raises(ValueError, match="moe_backend='triton': GPTQ / AWQ experts are not fused"):
+            Engine(model_path=quantized, skip_tokenizer_init=True, max_total_tokens=512, moe_backend="triton")
+
+
+def test_lora_adapter_over_a_gptq_model(tmp_path):
+    """A LoRA adapter on every projection of a GPTQ act-order model: HF's tokens over the adapter merged into
+    the dequantized weights; the layers stay packed, the adapter cut as their weights would be."""
+    from tests.lora_helpers import merged_checkpoint
+    from actors.engine.tiny import make_adapter
+
+    quantized, dequantized = packed_checkpoint("llama", tmp_path, bits=4, group_size=16, act_order=True)
+    adapter = make_adapter(dequantized, tmp_path / "adapter", rank=8, alpha=16)
+    merged = merged_checkpoint(dequantized, adapter, tmp_path / "merged")
+    engine = Engine(model_path=quantized, skip_tokenizer_init=True, max_total_tokens=512,
+                    lora_paths={"a": str(adapter)})
+    try:
+        outs = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY, lora_path="a")
+        engine.check_integrity()
+        assert len(packed_layers(engine.runner.model)) == 14
+    finally:
+        engine.shutdown()
+    assert_greedy_parity(merged, PROMPTS, [o["output_ids"] for o in outs], GREEDY["max_new_tokens"])
+
+
+def test_packed_weights_take_their_packed_bytes(tmp_path):
+    """A GPTQ int4 model (bf16) holds its projections in a quarter of bf16's bytes plus their fp32 scales and
+    zeros: 4 bits a weight, the scales of group 32 one word per 32; the cast leaves them packed."""
+    quantized, dequantized = packed_checkpoint("llama", tmp_path, bits=4, group_size=32)
+    packed, _, _ = load_model(quantized, "bfloat16", "cpu")
+    plain, _, _ = load_model(dequantized, "bfloat16", "cpu")
+    projections = sum(m.weight.numel() for m in plain.modules() if isinstance(m, LinearBase))
+    # (int4 words + fp32 scales + int4 zeros, a scale and a zero per 32 weights) in place of bf16
+    saved = projections * 2 - projections // 2 - projections // 32 * 4 - projections // 32 // 2
+    assert weight_bytes(plain) - weight_bytes(packed) == saved
+    assert all(m.qweight.dtype == torch.int32 for m in packed.modules() if getattr(m, "packed", None))
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_tp2_equals_hf_and_updates_to_another_packed_checkpoint(method, tmp_path, monkeypatch):
+    """TP 2: column-parallel layers cut along their output features (whole words of qzeros, AWQ's qweight),
+    row-parallel ones along their input features (GPTQ's qweight words, a group's scales, or with act-order
+    g_idx's rows beside whole scales); Phi-3's fused parts cut each. HF's tokens over the dequantization, a
+    prefix hit; then a weight update to another checkpoint of that quantization serves HF's tokens over its."""
+    thread_ranks(monkeypatch)
+    scheme = dict(method=method, bits=4, group_size=16, act_order=method == "gptq")
+    quantized, dequantized = packed_checkpoint("phi3", tmp_path / "a", **scheme)
+    other, other_dequantized = packed_checkpoint("phi3", tmp_path / "b", seed=1, **scheme)
+    engine = Engine(model_path=quantized, skip_tokenizer_init=True, max_total_tokens=512, tp_size=2)
+    try:
+        outputs, logprobs, cached = generate(engine)
+        layer = engine.runner.model.model.layers[0]
+        qkv, down = layer.self_attn.qkv_proj, layer.mlp.down_proj  # (rank 0: 2 of 4 heads, 64 of 128 features)
+        if method == "gptq":  # [in / 8, out], g_idx's rows and every group of down_proj
+            assert (tuple(qkv.qweight.shape), tuple(qkv.qzeros.shape)) == ((8, 64), (4, 8))
+            assert [tuple(t.shape) for t in (down.qweight, down.g_idx, down.scales)] == [(8, 64), (64,), (8, 64)]
+        else:  # [in, out / 8], down_proj's groups of its half
+            assert (tuple(qkv.qweight.shape), tuple(qkv.scales.shape)) == ((64, 8), (4, 64))
+            assert (tuple(down.qweight.shape), tuple(down.scales.shape)) == ((64, 8), (4, 64))
+        engine.update_weights_from_disk(other, weight_version="b")
+        updated, updated_logprobs, _ = generate(engine)
+        with pytest.raises(ValueError, match="quantization_config"):  # the float checkpoint: another model
+            engine.update_weights_from_disk(other_dequantized)
+    finally:
+        engine.shutdown()
+    assert_greedy_parity(dequantized, PROMPTS, outputs, GREEDY["max_new_tokens"], logprobs=logprobs)
+    assert all(c >= len(p) for c, p in zip(cached, PROMPTS))
+    assert_greedy_parity(other_dequantized, PROMPTS, updated, GREEDY["max_new_tokens"], logprobs=updated_logprobs)
+
+
+@settings(max_examples=40, deadline=None)
+@given(method=st.sampled_from(["gptq", "awq"]), bits=st.sampled_from([4, 8]), groups=st.integers(1, 3),
+       group_size=st.sampled_from([8, 16, -1]), out_words=st.integers(1, 3), sym=st.booleans(),
+       act_order=st.booleans(), tp_size=st.sampled_from([1, 2]), row=st.booleans(), seed=st.integers(0, 2**16))
+def test_loaded_shards_dequantize_as_the_brute_force_unpacker(method, bits, groups, group_size, out_words, sym,
+                                                              act_order, tp_size, row, seed):
+    """Any packed layer (GPTQ 4 / 8 bits, AWQ; groups, one group, act-order; symmetric or not), loaded through
+    the checkpoint reads into every rank's column- or row-parallel shard, dequantizes to that rank's slice of
+    the brute-force unpacker's weight, exactly."""
+    bits, act_order = (4, False) if method == "awq" else (bits, act_order)
+    pack = 32 // bits
+    in_features = tp_size * (group_size if group_size > 0 else 8) * groups
+    out_features = tp_size * 8 * out_words
+    gen = torch.Generator().manual_seed(seed)
+    tensors = quantize_layer(torch.randn(out_features, in_features, generator=gen), method, bits, group_size, sym,
+                             act_order, gen)
+    want = brute_force_dequantize(tensors, method, bits, group_size, act_order)
+    file, quant = TensorFile(tensors), wna16.PackedConfig(method, bits, group_size, act_order)
+    for rank in range(tp_size):
+        tp = TPGroup(rank=rank, size=tp_size)
+        if row:
+            layer = RowParallelLinear(in_features, out_features, tp, "in_features")
+        else:
+            layer = ColumnParallelLinear.split(in_features, out_features, tp, "out_features")
+        wna16.quantize_linear(layer, "layer", quant, (out_features, in_features))
+        for name, param in layer.named_parameters():
+            copy_tensor(file, name, param, layer.param_shards.get(name))
+        part = want.chunk(tp_size, dim=1 if row else 0)[rank]
+        assert torch.equal(layer.dense_weight(torch.float32), part), (rank, pack)
+
+
+def test_packed_config_errors(tmp_path):
+    """Variants not served are refused naming the field; a TP split that cuts a group or an int32 word is
+    refused naming the layer."""
+    def config(**qc):
+        return SimpleNamespace(quantization_config=qc)
+
+    refused = {
+        "checkpoint_format='marlin'": dict(quant_method="gptq", bits=4, checkpoint_format="marlin"),
+        "checkpoint_format='gptq_v2'": dict(quant_method="gptq", bits=4, checkpoint_format="gptq_v2"),
+        r"bits=3: GPTQ is served with 4 or 8 bits": dict(quant_method="gptq", bits=3),
+        r"bits=2: GPTQ": dict(quant_method="gptq", bits=2),
+        "version='gemv' is not served": dict(quant_method="awq", bits=4, version="gemv"),
+        r"bits=8: AWQ is served with 4 bits": dict(quant_method="awq", bits=8),
+        "zero_point=False": dict(quant_method="awq", bits=4, zero_point=False),
+        "group_size=0": dict(quant_method="gptq", bits=4, group_size=0),
+        "lm_head=True": dict(quant_method="gptq", bits=4, lm_head=True),
+        r"dynamic\['\+:.\*mlp'\].bits=2": dict(quant_method="gptq", bits=4, dynamic={"+:.*mlp": {"bits": 2}}),
+    }
+    for why, qc in refused.items():
+        with pytest.raises(ValueError, match=why):
+            wna16.resolve(config(**qc), None)
+    with pytest.raises(ValueError, match="quantization='fp8' but the checkpoint's quantization_config.quant_method"):
+        wna16.resolve(config(quant_method="awq", bits=4), "fp8")
+    assert wna16.resolve(config(quant_method="fp8"), None) is None and wna16.resolve(SimpleNamespace(), None) is None
+    overrides = {"-:.*self_attn.*": {}, r"+:.*\.mlp\..*": {"bits": 8, "group_size": 32}}
+    dynamic = wna16.resolve(config(quant_method="gptq", bits=4, group_size=128, desc_act=True, dynamic=overrides),
+                            None)
+    assert wna16.layer_config(dynamic, "model.layers.0.self_attn.q_proj") is None
+    assert wna16.layer_config(dynamic, "model.layers.0.mlp.up_proj") == dynamic._replace(bits=8, group_size=32)
+    assert wna16.layer_config(dynamic, "model.layers.0.other") == dynamic
+
+    # llama's o_proj (64 input features) at TP 4: 16 each, cutting a group of 32
+    quantized, _ = packed_checkpoint("llama", tmp_path / "group", group_size=32)
+    check_tp_shardable(EngineConfig(model_path=quantized, tp_size=2))
+    with pytest.raises(ValueError, match=r"model.layers.0.self_attn.o_proj: this rank's slice \[0, 16\) of its 64 "
+                                         r"input features cuts 32 \(group_size 32 input features share a scale\)"):
+        check_tp_shardable(EngineConfig(model_path=quantized, tp_size=4))
+    # an intermediate size of 72 at TP 2: 36 output features of gate_proj each, not whole words of 8
+    quantized, _ = packed_checkpoint("llama", tmp_path / "word", group_size=4, intermediate_size=72)
+    with pytest.raises(ValueError, match=r"model.layers.0.mlp.gate_proj: this rank's slice \[0, 36\) of its 72 "
+                                         r"output features cuts 8 \(qzeros packs 8 output features an int32\)"):
+        check_tp_shardable(EngineConfig(model_path=quantized, tp_size=2))
+    config_path = Path(quantized) / "config.json"
+    config_json = json.loads(config_path.read_text())
+    config_json["quantization_config"]["checkpoint_format"] = "gptq_v2"
+    config_path.write_text(json.dumps(config_json))
+    with pytest.raises(ValueError, match="checkpoint_format='gptq_v2'"):
+        load_model(quantized, "auto", "cpu")
