@@ -174,18 +174,50 @@ def test_loaded_shards_dequantize_as_the_brute_force_unpacker(method, bits, grou
     tensors = quantize_layer(torch.randn(out_features, in_features, generator=gen), method, bits, group_size, sym,
                              act_order, gen)
     want = brute_force_dequantize(tensors, method, bits, group_size, act_order)
-    file, quant = TensorFile(tensors), wna16.PackedConfig(method, bits, group_size, act_order)
+    quant = wna16.PackedConfig(method, bits, group_size, act_order)
     for rank in range(tp_size):
-        tp = TPGroup(rank=rank, size=tp_size)
-        if row:
-            layer = RowParallelLinear(in_features, out_features, tp, "in_features")
-        else:
-            layer = ColumnParallelLinear.split(in_features, out_features, tp, "out_features")
-        wna16.quantize_linear(layer, "layer", quant, (out_features, in_features))
-        for name, param in layer.named_parameters():
-            copy_tensor(file, name, param, layer.param_shards.get(name))
+        layer = loaded_layer(tensors, quant, TPGroup(rank=rank, size=tp_size), row)
         part = want.chunk(tp_size, dim=1 if row else 0)[rank]
         assert torch.equal(layer.dense_weight(torch.float32), part), (rank, pack)
+
+
+def loaded_layer(tensors, quant: wna16.PackedConfig, tp: TPGroup, row: bool) -> LinearBase:
+    """A packed column- or row-parallel layer (``tp``'s rank's shard) of a layer's checkpoint ``tensors``,
+    read through the loader's copy."""
+    qweight = tensors["qweight"].shape
+    out_features, in_features = ((qweight[1], qweight[0] * quant.pack) if quant.method == "gptq"
+                                 else (qweight[1] * quant.pack, qweight[0]))
+    if row:
+        layer = RowParallelLinear(in_features, out_features, tp, "in_features")
+    else:
+        layer = ColumnParallelLinear.split(in_features, out_features, tp, "out_features")
+    wna16.quantize_linear(layer, "layer", quant, (out_features, in_features))
+    file = TensorFile(tensors)
+    for name, param in layer.named_parameters():
+        copy_tensor(file, name, param, layer.param_shards.get(name))
+    return layer
+
+
+# method, bits, group size, act-order, TP 2 row-parallel (rank 1: its g_idx rows, every group)
+KERNEL_CASES = [("gptq", 4, 16, False, False), ("gptq", 8, 32, True, False), ("awq", 4, 32, False, False),
+                ("gptq", 4, -1, True, True), ("gptq", 4, 16, False, True), ("awq", 4, 16, False, True)]
+
+
+@pytest.mark.parametrize("method,bits,group_size,act_order,row", KERNEL_CASES)
+@pytest.mark.parametrize("rows", [3, 20])
+def test_fused_dequant_gemm_equals_dequantize_then_matmul(method, bits, group_size, act_order, row, rows):
+    """The CUDA path's Triton kernel (interpreted here): each weight tile unpacked, its zeros and scales read
+    by group (act-order: through g_idx), times the rows, plus the bias, as the weight dequantized whole (the
+    CPU's path) then multiplied; the output features past the last whole tile of 64 masked."""
+    from actors.engine.wna16_kernels import packed_linear
+
+    gen = torch.Generator().manual_seed(rows)
+    tensors = quantize_layer(torch.randn(72, 128, generator=gen), method, bits, group_size, True, act_order, gen)
+    layer = loaded_layer(tensors, wna16.PackedConfig(method, bits, group_size, act_order),
+                         TPGroup(rank=1, size=2) if row else TPGroup(), row)
+    x, bias = torch.randn(rows, layer.in_features, generator=gen), torch.randn(72, generator=gen)
+    want = torch.nn.functional.linear(x, layer.dense_weight(torch.float32), bias)
+    torch.testing.assert_close(packed_linear(x, layer, method == "awq", bias), want, rtol=1e-5, atol=1e-5)
 
 
 def test_packed_config_errors(tmp_path):
@@ -236,3 +268,24 @@ def test_packed_config_errors(tmp_path):
     config_path.write_text(json.dumps(config_json))
     with pytest.raises(ValueError, match="checkpoint_format='gptq_v2'"):
         load_model(quantized, "auto", "cpu")
+
+
+@pytest.mark.gpu
+def test_cuda_serves_packed_layers_through_the_fused_kernel(tmp_path, monkeypatch):
+    """On CUDA every packed layer's forward is the fused dequant-GEMM (no dense weight): HF's tokens and
+    logprobs over the dequantization, GPTQ act-order and AWQ."""
+    from actors.engine import wna16_kernels
+
+    calls = []
+    monkeypatch.setattr(wna16_kernels, "packed_linear",
+                        lambda *args, launch=wna16_kernels.packed_linear: calls.append(1) or launch(*args))
+    for method in ("gptq", "awq"):
+        quantized, dequantized = packed_checkpoint("qwen3", tmp_path / method, method=method, group_size=16,
+                                                   act_order=method == "gptq")
+        engine = Engine(model_path=quantized, skip_tokenizer_init=True, max_total_tokens=512, device="cuda")
+        try:
+            outputs, logprobs, cached = generate(engine)
+        finally:
+            engine.shutdown()
+        assert_greedy_parity(dequantized, PROMPTS, outputs, GREEDY["max_new_tokens"], logprobs=logprobs)
+        assert calls and all(c >= len(p) for c, p in zip(cached, PROMPTS))

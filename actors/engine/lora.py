@@ -393,7 +393,7 @@ class LoRALinear(nn.Module):
         if not groups:
             return self.base(x)
         partial = isinstance(self.base, RowParallelLinear) and self.base.tp.size > 1
-        y = F.linear(x, self.base.dense_weight(x.dtype)) if partial else self.base(x)
+        y = self.base.matmul(x) if partial else self.base(x)
         for slot, index in groups:
             shrunk = F.linear(x.index_select(0, index), self.lora_a[slot]) * self.manager.scaling[slot]
             y = y.index_add(0, index, F.linear(shrunk, self.lora_b[slot]))

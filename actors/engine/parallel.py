@@ -35,7 +35,8 @@ it sums the slices under TP.
 
 The linear layers (:class:`LinearBase`) may hold their weight in block FP8 with its scales
 (:mod:`.fp8`), or packed in GPTQ's / AWQ's int words with their scales and zeros (:mod:`.wna16`),
-each sharded alike: the weight is dequantized in each forward.
+each sharded alike: the weight is dequantized in each forward (a packed one on CUDA tile by tile, inside
+its GEMM).
 
 With ``size == 1`` (:data:`SINGLE`) every collective is a no-op and every
 layer holds the whole tensor (the vocabulary is not padded), so the models
@@ -261,8 +262,15 @@ class LinearBase(nn.Linear):
             return self.weight
         return fp8.dequantize(self.weight, self.weight_scale_inv, self.weight_block_size, dtype)
 
+    def matmul(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``x`` times the weight, plus ``bias``: a packed layer's through :func:`wna16.linear` (one fused
+        kernel on CUDA), never its dense weight in memory there."""
+        if self.packed is not None:
+            return wna16.linear(self, x, bias)
+        return F.linear(x, self.dense_weight(x.dtype), bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.dense_weight(x.dtype), self.bias)
+        return self.matmul(x, self.bias)
 
 
 class ReplicatedLinear(LinearBase):
@@ -300,7 +308,7 @@ class RowParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
             return super().forward(x)
-        return self.reduced(F.linear(x, self.dense_weight(x.dtype)))
+        return self.reduced(self.matmul(x))
 
     def reduced(self, y: torch.Tensor) -> torch.Tensor:
         """The layer's output from this rank's partial product ``y`` (x's slice times the weight's,

@@ -20,8 +20,9 @@ and MoE routers never are; ``modules_to_not_convert`` and GPTQModel's ``dynamic`
 stored unquantized; ``dynamic``'s other entries give their layers bits, group size, act-order of their
 own). A quantized layer keeps its tensors as stored, the int32 words packed (an eighth of fp32's bytes at
 4 bits; the scales in fp32, exact whatever the model's dtype), so the memory budget sees the packed size,
-and dequantizes its weight to the activations' dtype in each forward (:func:`dequantize`, from
-``parallel.LinearBase``), then multiplies: the block-FP8 path's structure (:mod:`.fp8`).
+and dequantizes its weight to the activations' dtype in each forward (:func:`linear`, from
+``parallel.LinearBase``), then multiplies: the block-FP8 path's structure (:mod:`.fp8`). On CUDA the two are
+one Triton kernel (:mod:`.wna16_kernels`), each weight tile dequantized in registers.
 
 Under TP every tensor is cut with the weight (:func:`quantize_linear`): a column-parallel layer's output
 features are columns of each tensor, a packed dim's in whole int32 words, so a rank's ranges of output
@@ -39,7 +40,9 @@ from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
+from actors.engine import wna16_kernels
 from actors.engine.fp8 import joined
 
 GPTQ, AWQ = "gptq", "awq"
@@ -250,3 +253,11 @@ def dequantize(module: nn.Module, dtype: torch.dtype) -> torch.Tensor:
         size = q.shape[0] if quant.group_size == -1 else quant.group_size
         zeros, scales = (t.repeat_interleave(size, dim=0)[: q.shape[0]] for t in (zeros, scales))
     return ((q - zeros).float() * scales).to(dtype).t()
+
+
+def linear(module: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``x`` times packed ``module``'s weight, plus ``bias``: the fused dequant-GEMM kernel on CUDA, else the
+    weight dequantized whole, then multiplied."""
+    if x.is_cuda:
+        return wna16_kernels.packed_linear(x, module, module.packed.method == AWQ, bias)
+    return F.linear(x, dequantize(module, x.dtype), bias)
