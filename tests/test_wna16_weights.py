@@ -17,7 +17,6 @@ from actors.engine import Engine, wna16
 from actors.engine.config import EngineConfig
 from actors.engine.model_loader import TensorFile, copy_tensor, load_model
 from actors.engine.parallel import ColumnParallelLinear, LinearBase, RowParallelLinear, TPGroup
-from actors.engine.tiny import build_tiny_checkpoint
 from actors.engine.tp_worker import check_tp_shardable
 from tests.parity import assert_greedy_parity
 from tests.tp_helpers import thread_ranks
@@ -130,7 +129,11 @@ def test_tp2_equals_hf_and_updates_to_another_packed_checkpoint(method, tmp_path
     """TP 2: column-parallel layers cut along their output features (whole words of qzeros, AWQ's qweight),
     row-parallel ones along their input features (GPTQ's qweight words, a group's scales, or with act-order
     g_idx's rows beside whole scales); Phi-3's fused parts cut each. HF's tokens over the dequantization, a
-    prefix hit; then a weight update to another checkpoint of that quantization serves HF's tokens over its."""
+    prefix hit; then a weight update to another checkpoint of that quantization serves HF's tokens over its, and
+    one from the first checkpoint's packed tensors (SGLang's update_weights_from_tensor) the first tokens again;
+    a dense weight for a packed layer is refused."""
+    from safetensors.torch import load_file
+
     thread_ranks(monkeypatch)
     scheme = dict(method=method, bits=4, group_size=16, act_order=method == "gptq")
     quantized, dequantized = packed_checkpoint("phi3", tmp_path / "a", **scheme)
@@ -150,6 +153,10 @@ def test_tp2_equals_hf_and_updates_to_another_packed_checkpoint(method, tmp_path
         updated, updated_logprobs, _ = generate(engine)
         with pytest.raises(ValueError, match="quantization_config"):  # the float checkpoint: another model
             engine.update_weights_from_disk(other_dequantized)
+        with pytest.raises(ValueError, match=r"unexpected tensors \['model.layers.0.mlp.down_proj.weight'\]"):
+            engine.update_weights_from_tensor([("model.layers.0.mlp.down_proj.weight", torch.zeros(64, 128))])
+        engine.update_weights_from_tensor(list(load_file(f"{quantized}/model.safetensors").items()))
+        assert generate(engine)[0] == outputs  # (a trainer's packed tensors, every rank its shard)
     finally:
         engine.shutdown()
     assert_greedy_parity(dequantized, PROMPTS, outputs, GREEDY["max_new_tokens"], logprobs=logprobs)

@@ -52,7 +52,6 @@ GPTQ_BITS = (4, 8)
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 # ... so feature 8c + j is in nibble AWQ_REVERSE_ORDER[j] (vLLM's AWQ_REVERSE_ORDER)
 AWQ_REVERSE_ORDER = tuple(AWQ_ORDER.index(j) for j in range(8))
-PACKED = ("qweight", "qzeros", "scales", "g_idx")  # a quantized layer's tensors (g_idx: act-order only)
 
 
 class PackedConfig(NamedTuple):
@@ -91,36 +90,39 @@ def resolve(config, quantization: Optional[str]) -> Optional[PackedConfig]:
         if fmt != "gptq":
             raise ValueError(f"quantization_config.checkpoint_format={fmt!r} is not served: only 'gptq' "
                              "(AutoGPTQ's v1 layout, zeros stored minus one)")
-        if bits not in GPTQ_BITS:
-            raise ValueError(f"quantization_config.bits={bits!r}: GPTQ is served with 4 or 8 bits")
     else:
         version = str(qc.get("version", "gemm")).lower()
         if version != "gemm":
             raise ValueError(f"quantization_config.version={qc.get('version')!r} is not served: only AWQ's "
                              "'gemm' layout (qweight [in, out / 8])")
-        if bits != 4:
-            raise ValueError(f"quantization_config.bits={bits!r}: AWQ is served with 4 bits")
         if not qc.get("zero_point", True):
             raise ValueError("quantization_config.zero_point=False is not served: AWQ with zero points only")
-    if group_size != -1 and (not isinstance(group_size, int) or group_size <= 0):
-        raise ValueError(f"quantization_config.group_size={group_size!r}: a positive number of input "
-                         "features, or -1 (one group)")
+    _check_sizes("quantization_config", method, bits, group_size)
     if qc.get("lm_head"):
         raise ValueError("quantization_config.lm_head=True is not served: lm_head stays unquantized")
-    dynamic = tuple(_dynamic_entry(pattern, overrides) for pattern, overrides in (qc.get("dynamic") or {}).items())
-    return PackedConfig(method, bits, group_size, bool(qc.get("desc_act", False)) and method == GPTQ, dynamic)
+    quant = PackedConfig(method, bits, group_size, bool(qc.get("desc_act", False)) and method == GPTQ)
+    return quant._replace(dynamic=tuple(_dynamic_entry(quant, pattern, overrides)
+                                        for pattern, overrides in (qc.get("dynamic") or {}).items()))
 
 
-def _dynamic_entry(pattern: str, overrides: dict) -> Tuple[str, bool, Tuple[Tuple[str, object], ...]]:
-    """One of GPTQModel's ``dynamic`` entries: ``-:regex`` skips the layers it matches, ``+:regex`` (or a
-    bare one) gives them ``bits``, ``group_size``, ``desc_act`` of their own."""
+def _check_sizes(field: str, method: str, bits, group_size) -> None:
+    """ValueError naming ``field``'s ``bits`` or ``group_size`` when ``method`` is not served so."""
+    served = GPTQ_BITS if method == GPTQ else (4,)
+    if bits not in served:
+        raise ValueError(f"{field}.bits={bits!r}: {method.upper()} is served with {' or '.join(map(str, served))} bits")
+    if group_size != -1 and (not isinstance(group_size, int) or group_size <= 0):
+        raise ValueError(f"{field}.group_size={group_size!r}: a positive number of input features, or -1 (one group)")
+
+
+def _dynamic_entry(quant: PackedConfig, pattern: str,
+                   overrides: dict) -> Tuple[str, bool, Tuple[Tuple[str, object], ...]]:
+    """One of GPTQModel's ``dynamic`` entries (over ``quant``): ``-:regex`` skips the layers it matches,
+    ``+:regex`` (or a bare one) gives them ``bits``, ``group_size``, ``desc_act`` of their own."""
+    field = f"quantization_config.dynamic[{pattern!r}]"
     unknown = sorted(set(overrides) - {"bits", "group_size", "desc_act", "sym"})
     if unknown:
-        raise ValueError(f"quantization_config.dynamic[{pattern!r}] overrides {unknown}: only bits, group_size, "
-                         "desc_act and sym are served")
-    if overrides.get("bits", 4) not in GPTQ_BITS:
-        raise ValueError(f"quantization_config.dynamic[{pattern!r}].bits={overrides['bits']!r}: GPTQ is served "
-                         "with 4 or 8 bits")
+        raise ValueError(f"{field} overrides {unknown}: only bits, group_size, desc_act and sym are served")
+    _check_sizes(field, quant.method, overrides.get("bits", quant.bits), overrides.get("group_size", quant.group_size))
     skip = pattern.startswith("-:")
     regex = pattern[2:] if pattern[:2] in ("-:", "+:") else pattern
     return regex, skip, tuple(sorted((k, v) for k, v in overrides.items() if k != "sym"))
