@@ -428,6 +428,21 @@ def test_a_draft_of_a_shorter_context_drafts_no_position_past_it(model_dir, draf
     assert "draft's context length (32) is below the served context length (4096)" in caplog.text
 
 
+def test_a_request_without_a_draft_adds_nothing_to_the_drafting(model_dir, drafts, monkeypatch):  # noqa: F811
+    """A request past the draft's context takes no draft: its penalties and bad words make no masks
+    of the drafting (they made its dense rows, its prompt's ids copied to the device each verify
+    step, for a row no draft token comes from), so a batch where only it has any drafts unmasked."""
+    batch = prompts(2) + [LONG_PROMPT]
+    params = [GREEDY] * 3 + [{**GREEDY, "repetition_penalty": 1.5, "frequency_penalty": 0.5, "bad_words": ["ab"]}]
+    plain, _ = generate(model_dir, batch, params)
+    masks, propose = [], DraftModel.propose
+    monkeypatch.setattr(DraftModel, "propose", lambda self, reqs, n, pool, m=None: masks.append(m) or propose(
+        self, reqs, n, pool, m))
+    spec, stats = generate(model_dir, batch, params, **draft_args(drafts["short_context"]))
+    assert ids(spec) == ids(plain) and stats["num_draft_tokens"] > 0 and stats["acceptance_rate"] == 1.0
+    assert masks and all(m is None for m in masks)
+
+
 def test_pd_decode_side_computes_no_draft_kv_past_the_drafts_context(model_dir, drafts):  # noqa: F811
     """A prompt longer than the draft's context of 32 lands on the decode side with a short one: the
     draft's KV of the arrivals is computed below 32 only (it was computed for the whole prompt),

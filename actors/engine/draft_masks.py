@@ -28,7 +28,7 @@ import torch
 import xgrammar as xgr
 
 from actors.engine.forward_batch import int64_tensor
-from actors.engine.sparse_logits import LogitState, adjust_logits
+from actors.engine.sparse_logits import LogitState, Triples, adjust_logits
 from actors.engine.spec_accept import apply_bitmask
 
 
@@ -125,10 +125,15 @@ class _DensePenalties:
         self.output_rows = {i: k for k, (i, _) in enumerate(output)}
         self.seen = torch.zeros(len(seen), vocab, dtype=torch.bool, device=device)
         self.counts = torch.zeros(len(output), vocab, dtype=torch.float32, device=device)
+        ids, counts = Triples(), Triples()  # (every row's in one copy: not one, or two, per request)
         for k, (_, s) in enumerate(seen):
-            self.seen[k, torch.from_numpy(s.seen.ids).to(device)] = True
+            ids.add(k, s.seen.ids)
         for k, (_, s) in enumerate(output):
-            self.counts[k, torch.from_numpy(s.output.ids).to(device)] = torch.from_numpy(s.output.counts).to(device)
+            counts.add(k, s.output.ids, s.output.counts)
+        if ids.rows:
+            self.seen[ids.index(device)] = True
+        if counts.rows:
+            self.counts[counts.index(device)] = counts.value(device)
         self.repetition = self._per_row(seen, lambda p: p.repetition_penalty)
         self.frequency = self._per_row(output, lambda p: p.frequency_penalty)
         self.presence = self._per_row(output, lambda p: p.presence_penalty)

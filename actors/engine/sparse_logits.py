@@ -170,7 +170,7 @@ class LogitState:
         return np.array(([*self.mask_ids] if self.masked else []) + banned, dtype=np.int64)
 
 
-class _Triples:
+class Triples:
     """``(row, token, value)`` triples gathered from the rows of a batch (host arrays), then as
     tensors on the logits' device (one copy each)."""
 
@@ -208,7 +208,7 @@ def adjust_logits(logits: torch.Tensor, states: Sequence[Optional[LogitState]], 
     tokens written: into ``logits`` themselves when ``in_place`` and they are float32 (no dense
     copy, as vLLM's logits processors), else into a float32 copy; ``logits`` untouched when no
     row adjusts anything."""
-    allowed, bias, masks, seen, output = _Triples(), _Triples(), _Triples(), _Triples(), _Triples()
+    allowed, bias, masks, seen, output = Triples(), Triples(), Triples(), Triples(), Triples()
     rep, freq, pres = [], [], []
     for row, state in enumerate(states):
         if state is None:
@@ -231,7 +231,7 @@ def adjust_logits(logits: torch.Tensor, states: Sequence[Optional[LogitState]], 
                       allowed, bias, masks, seen, output, rep, freq, pres)
 
 
-def _write(out: torch.Tensor, allowed: _Triples, bias: _Triples, masks: _Triples, seen: _Triples, output: _Triples,
+def _write(out: torch.Tensor, allowed: Triples, bias: Triples, masks: Triples, seen: Triples, output: Triples,
            rep: List[float], freq: List[float], pres: List[float]) -> torch.Tensor:
     """:func:`adjust_logits`'s writes into ``out``, in the references' order."""
     device = out.device

@@ -183,9 +183,11 @@ class SpecDecodeMixin:
         if not any(rooms) or not alloc_verify_slots(reqs, rooms, runner, self.tree_cache):
             return None
         if runner.draft is not None:  # (its steps write the draft's KV into the slots just taken; a cut
-            # draft leaves the slots past it to the step's frees)
+            # draft leaves the slots past it to the step's frees; an undrafted request's masks would
+            # only adjust a row no draft token comes from: its dense rows and uploads are left out)
             vocab = runner.draft.model_config.vocab_size
-            masks = DraftMasks([self._logit_state(r, vocab) for r in reqs], [active_matcher(r.grammar) for r in reqs])
+            masks = DraftMasks([self._logit_state(r, vocab) if n else None for r, n in zip(reqs, rooms)],
+                               [active_matcher(r.grammar) if n else None for r, n in zip(reqs, rooms)])
             drafts = [self._grammar_cut(r, d) for r, d in zip(reqs, runner.draft.propose(
                 reqs, rooms, runner.req_to_token_pool, masks if masks.needed else None))]
         return verify_batch(reqs, drafts, runner)
