@@ -47,21 +47,27 @@ def drafts(model_dir, tmp_path_factory):  # noqa: F811
     return {"self": model_dir, **{name: str(path) for name, path in paths.items()}}
 
 
+def _generate_with_lm_head_rows(model_dir, batch, params, **engine_args):
+    """``generate``'s outputs and stats, and the rows each forward of the draft's ``lm_head`` took."""
+    engine = Engine(model_path=model_dir, max_total_tokens=4096, **engine_args)
+    rows = []
+    engine.runner.draft.model.lm_head.register_forward_hook(lambda module, args, out: rows.append(len(args[0])))
+    try:
+        outs = engine.generate(input_ids=batch, sampling_params=params)
+        engine.check_integrity()
+        return outs, engine.scheduler.spec_stats.as_dict(), rows
+    finally:
+        engine.shutdown()
+
+
 def test_a_draft_with_the_targets_weights_has_every_draft_accepted(model_dir, drafts):  # noqa: F811
     """Greedy tokens are plain decoding's (and HF's), every draft is accepted, and the draft's
     ``lm_head`` computes the proposals' rows only (a mirrored forward and a step that only writes
     KV take none)."""
     batch = prompts()
     plain, _ = generate(model_dir, batch, GREEDY, page_size=4)
-    engine = Engine(model_path=model_dir, max_total_tokens=4096, page_size=4, **draft_args(drafts["self"]))
-    rows = []
-    engine.runner.draft.model.lm_head.register_forward_hook(lambda module, args, out: rows.append(len(args[0])))
-    try:
-        spec = engine.generate(input_ids=batch, sampling_params=GREEDY)
-        engine.check_integrity()
-        stats = engine.scheduler.spec_stats.as_dict()
-    finally:
-        engine.shutdown()
+    spec, stats, rows = _generate_with_lm_head_rows(model_dir, batch, GREEDY, page_size=4,
+                                                    **draft_args(drafts["self"]))
     assert ids(spec) == ids(plain)
     assert stats["num_draft_tokens"] > 0 and stats["acceptance_rate"] == 1.0
     assert stats["mean_accepted_len"] > 4.0  # (k + 1 a step, less where max_new_tokens leaves less room)
@@ -431,16 +437,19 @@ def test_a_draft_of_a_shorter_context_drafts_no_position_past_it(model_dir, draf
 def test_a_request_without_a_draft_adds_nothing_to_the_drafting(model_dir, drafts, monkeypatch):  # noqa: F811
     """A request past the draft's context takes no draft: its penalties and bad words make no masks
     of the drafting (they made its dense rows, its prompt's ids copied to the device each verify
-    step, for a row no draft token comes from), so a batch where only it has any drafts unmasked."""
+    step, for a row no draft token comes from), so a batch where only it has any drafts unmasked;
+    and the draft's ``lm_head`` computes the proposals' rows only when the drafts' lengths differ
+    (it took every row of a step but the last: an undrafted request's, a shorter draft's last)."""
     batch = prompts(2) + [LONG_PROMPT]
     params = [GREEDY] * 3 + [{**GREEDY, "repetition_penalty": 1.5, "frequency_penalty": 0.5, "bad_words": ["ab"]}]
     plain, _ = generate(model_dir, batch, params)
-    masks, propose = [], DraftModel.propose
-    monkeypatch.setattr(DraftModel, "propose", lambda self, reqs, n, pool, m=None: masks.append(m) or propose(
-        self, reqs, n, pool, m))
-    spec, stats = generate(model_dir, batch, params, **draft_args(drafts["short_context"]))
+    masks, lens, propose = [], [], DraftModel.propose
+    monkeypatch.setattr(DraftModel, "propose", lambda self, reqs, n, pool, m=None: masks.append(m) or lens.append(
+        n) or propose(self, reqs, n, pool, m))
+    spec, stats, rows = _generate_with_lm_head_rows(model_dir, batch, params, **draft_args(drafts["short_context"]))
     assert ids(spec) == ids(plain) and stats["num_draft_tokens"] > 0 and stats["acceptance_rate"] == 1.0
     assert masks and all(m is None for m in masks)
+    assert any(len(set(n)) > 1 for n in lens) and sum(rows) == stats["num_draft_tokens"]
 
 
 def test_pd_decode_side_computes_no_draft_kv_past_the_drafts_context(model_dir, drafts):  # noqa: F811

@@ -177,25 +177,28 @@ class DraftModel:
         steps of the draft over the slots its row holds for the step (the module's docstring), each
         token the argmax of the step's logits under ``masks`` (its request's). The tokens stay on the
         device between the steps, one copy to the host at the end (and a step's grammar rows for
-        their matchers: :class:`DraftMasks`). An undrafted
-        request's step 0 writes its last token's draft KV only below ``max_context_len`` (a drafted
-        one's steps stay below it: ``draft_lens`` are cut so)."""
+        their matchers: :class:`DraftMasks`). A step's ``lm_head`` takes the rows that pick a token at
+        it only: an undrafted request's step 0, and a draft's step past its last token, write KV only.
+        An undrafted request's step 0 writes its last token's draft KV only below ``max_context_len``
+        (a drafted one's steps stay below it: ``draft_lens`` are cut so)."""
         device, steps = self.device, max(draft_lens)
         tokens = int64_tensor([r.output_ids[-1] for r in reqs], device)
         proposed = torch.zeros(len(reqs), steps, dtype=torch.int64, device=device)  # [i, j]: draft[j] of request i
         for j in range(steps + 1):
             index = [i for i, n in enumerate(draft_lens) if n >= j and reqs[i].seqlen - 1 + j < self.max_context_len]
-            index_t = int64_tensor(index, device)
             rows, positions = [reqs[i].req_pool_idx for i in index], [reqs[i].seqlen - 1 + j for i in index]
-            logits = self.forward(self._batch(ForwardMode.DECODE, tokens[index_t], rows, positions,
+            picking = [r for r, i in enumerate(index) if draft_lens[i] > j]  # (their rows: they pick draft[j])
+            logits = self.forward(self._batch(ForwardMode.DECODE, tokens[int64_tensor(index, device)], rows, positions,
                                               [p + 1 for p in positions], req_to_token_pool,
-                                              logits_indices=None if j < steps else self._no_rows()))
-            if j < steps:
+                                              logits_indices=int64_tensor(picking, device)))
+            if picking:
+                picked = [index[r] for r in picking]
+                picked_t = int64_tensor(picked, device)
                 if masks is not None:
-                    logits = masks.apply(logits, index)
-                tokens[index_t] = proposed[index_t, j] = logits.argmax(dim=-1)
+                    logits = masks.apply(logits, picked)
+                tokens[picked_t] = proposed[picked_t, j] = logits.argmax(dim=-1)
                 if masks is not None:
-                    masks.take(index, proposed[index_t, j])
+                    masks.take(picked, proposed[picked_t, j])
         if masks is not None:
             masks.rollback()
         return [row[:n] for row, n in zip(proposed.tolist(), draft_lens)]
