@@ -8,6 +8,10 @@ directory (config.json, model.safetensors, generation_config.json) plus the
 byte-level tokenizer and ChatML template of ``actors.engine.tokenizer``, so
 HF transformers loads it too — it is the parity oracle's input. The adapters
 are what the LoRA tests and scripts/soak.py serve.
+
+A vision-language family (:data:`VL_FAMILIES`: Qwen2.5-VL) adds the vision tokens to the
+tokenizer and an image processor config (``preprocessor_config.json``, small ``min_pixels`` /
+``max_pixels``: an image is a few dozen patches), so ``AutoImageProcessor`` loads it offline.
 """
 
 from __future__ import annotations
@@ -20,12 +24,14 @@ from typing import Dict, List, Optional, Sequence, Union
 
 import torch
 
-from actors.engine.tokenizer import BOS_ID, EOS_ID, PAD_ID, TOKENIZER_VOCAB_SIZE, save_tokenizer
+from actors.engine.tokenizer import (BOS_ID, EOS_ID, IMAGE_PAD_ID, PAD_ID, TOKENIZER_VOCAB_SIZE, VIDEO_PAD_ID,
+                                     VISION_END_ID, VISION_START_ID, VL_TOKENIZER_VOCAB_SIZE, save_tokenizer)
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")  # the projections a LoRA adapter may target
 MLP = ("gate_proj", "up_proj", "down_proj")
 FAMILIES = ("llama", "qwen3", "qwen3_next", "deepseek_v3", "gemma3", "gpt_oss", "qwen3_moe", "mixtral", "mistral",
             "phi3", "granite", "olmo2", "deepseek_v2")
+VL_FAMILIES = ("qwen2_5_vl",)  # vision-language: HF's ...ForConditionalGeneration, not AutoModelForCausalLM
 VOCAB_SIZE = TOKENIZER_VOCAB_SIZE  # every id the model can emit decodes to text
 COMMON = dict(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_attention_heads=4,
               max_position_embeddings=4096, bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID,
@@ -100,11 +106,34 @@ def tiny_config(family: str, **overrides):
                                    "residual_multiplier": 0.22, "logits_scaling": 8.0, **overrides})
     if family == "olmo2":
         return tf.Olmo2Config(**{**COMMON, "num_hidden_layers": 2, "num_key_value_heads": 2, **overrides})
-    raise ValueError(f"unknown family {family!r}; known: {', '.join(FAMILIES)}")
+    if family == "qwen2_5_vl":
+        return qwen2_5_vl_config(**overrides)
+    raise ValueError(f"unknown family {family!r}; known: {', '.join(FAMILIES + VL_FAMILIES)}")
+
+
+def qwen2_5_vl_config(**overrides):
+    """Qwen2.5-VL's: a 2-layer text model (M-RoPE over the head's 8 frequencies: 2 temporal, 3 height, 3
+    width) and a vision tower of depth 3, block 1 attending over the whole image, blocks 0 and 2 within
+    windows of 2 x 2 merged tokens (window_size 56 = 2 x 2 x 14 pixels). ``overrides``: text config fields."""
+    import transformers as tf
+
+    text = {**COMMON, "vocab_size": VL_TOKENIZER_VOCAB_SIZE, "num_hidden_layers": 2, "num_key_value_heads": 2,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}}
+    text.pop("tie_word_embeddings")
+    vision = dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=COMMON["hidden_size"],
+                  patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=56, fullatt_block_indexes=[1])
+    return tf.Qwen2_5_VLConfig(text_config={**text, **overrides}, vision_config=vision, image_token_id=IMAGE_PAD_ID,
+                               video_token_id=VIDEO_PAD_ID, vision_start_token_id=VISION_START_ID,
+                               vision_end_token_id=VISION_END_ID, tie_word_embeddings=False)
+
+
+# the tiny VL checkpoints' image processor: 2 x 2 to 6 x 6 merged tokens (16 to 144 patches of 14 pixels)
+MIN_PIXELS, MAX_PIXELS = 28 * 28 * 4, 28 * 28 * 36
 
 
 def _init_weights(model: torch.nn.Module, seed: int) -> None:
-    """Deterministic init: matrices ~ N(0, 1/fan_in) (outputs vary token to token,
+    """Deterministic init: matrices ~ N(0, 1/fan_in) (a convolution's fan-in: its input channels
+    times its kernel) (outputs vary token to token,
     unlike HF's tiny-std default), biases ~ N(0, 0.1²) (HF's zeros would hide them; GPT-OSS's
     experts' ``*_proj_bias`` too), attention sinks ~ N(0, 1) (as much weight as a key's),
     other vectors (norms) keep their defaults."""
@@ -112,7 +141,7 @@ def _init_weights(model: torch.nn.Module, seed: int) -> None:
     with torch.no_grad():
         for name, param in sorted(model.named_parameters()):
             if param.dim() >= 2:
-                fan_in = param.shape[-1]
+                fan_in = math.prod(param.shape[1:]) if param.dim() > 3 else param.shape[-1]
                 param.copy_(torch.randn(param.shape, generator=gen) / math.sqrt(fan_in))
             elif name.endswith((".bias", "_proj_bias")):
                 param.copy_(torch.randn(param.shape, generator=gen) * 0.1)
@@ -125,11 +154,12 @@ def _init_weights(model: torch.nn.Module, seed: int) -> None:
 
 def build_tiny_checkpoint(family: str, out_dir: Union[str, Path], seed: int = 0, **overrides) -> Path:
     """``overrides``: config fields of a variant (see :func:`tiny_config`)."""
-    from transformers import AutoModelForCausalLM, GenerationConfig
+    from transformers import AutoModelForCausalLM, GenerationConfig, Qwen2_5_VLForConditionalGeneration
 
     config = tiny_config(family, **overrides)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config)
+    vision = family in VL_FAMILIES
+    model = Qwen2_5_VLForConditionalGeneration(config) if vision else AutoModelForCausalLM.from_config(config)
     _init_weights(model, seed)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -137,7 +167,12 @@ def build_tiny_checkpoint(family: str, out_dir: Union[str, Path], seed: int = 0,
         bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID, do_sample=False
     )
     model.save_pretrained(out, safe_serialization=True)
-    save_tokenizer(out)
+    save_tokenizer(out, vision=vision)
+    if vision:
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+        # (saved as Qwen2VLImageProcessor: AutoImageProcessor picks its PIL or torchvision backend)
+        Qwen2VLImageProcessorPil(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS).save_pretrained(out)
     return out
 
 
@@ -193,7 +228,7 @@ def tiny_adapters(model_dir: str, root: Path) -> Dict[str, Path]:
 
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description="build a tiny random-weight checkpoint")
-    parser.add_argument("--family", required=True, choices=FAMILIES)
+    parser.add_argument("--family", required=True, choices=FAMILIES + VL_FAMILIES)
     parser.add_argument("--out", required=True)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)

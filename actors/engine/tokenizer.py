@@ -4,6 +4,11 @@ Every UTF-8 string round-trips exactly: text is split into bytes (GPT-2's
 byte-to-unicode alphabet), each byte one token, with no merges. Ids 0–4 are
 the special tokens, bytes follow. Saved as a regular HF fast tokenizer so
 ``AutoTokenizer.from_pretrained(dir)`` and ``apply_chat_template`` work.
+
+A vision-language checkpoint's (``vision=True``) adds Qwen2-VL's vision tokens after the
+bytes and a template that renders a message's image parts as
+``<|vision_start|><|image_pad|><|vision_end|>`` (one pad per image: the engine expands it
+to the image's token count, :mod:`actors.engine.multimodal`).
 """
 
 from __future__ import annotations
@@ -17,6 +22,12 @@ PAD, BOS, EOS, IM_START, IM_END = "<|pad|>", "<|begin_of_text|>", "<|end_of_text
 SPECIAL_TOKENS = [PAD, BOS, EOS, IM_START, IM_END]
 PAD_ID, BOS_ID, EOS_ID, IM_START_ID, IM_END_ID = range(len(SPECIAL_TOKENS))
 TOKENIZER_VOCAB_SIZE = len(SPECIAL_TOKENS) + 256
+# Qwen2-VL's vision tokens, after the bytes (a text checkpoint's ids are unchanged)
+VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD = "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"
+VISION_TOKENS = [VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD]
+VISION_START_ID, VISION_END_ID, IMAGE_PAD_ID, VIDEO_PAD_ID = range(TOKENIZER_VOCAB_SIZE,
+                                                                  TOKENIZER_VOCAB_SIZE + len(VISION_TOKENS))
+VL_TOKENIZER_VOCAB_SIZE = TOKENIZER_VOCAB_SIZE + len(VISION_TOKENS)
 
 # ChatML; with tools, Hermes / Qwen 2.5's tool calling: the tools listed as JSON in a system turn
 # (the conversation's own system message first in it), an assistant's calls as <tool_call> blocks
@@ -44,6 +55,16 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
+_TEXT_CONTENT = "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] }}"
+# Qwen2-VL's: a message's content is a string or a list of parts, text or an image (its vision tokens)
+VL_CHAT_TEMPLATE = CHAT_TEMPLATE.replace(_TEXT_CONTENT, (
+    "{{ '<|im_start|>' + message['role'] + '\\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] in ('image', 'image_url') %}{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}"
+))
 
 
 def _byte_vocab() -> Dict[str, int]:
@@ -69,23 +90,24 @@ def _bytes_to_unicode() -> Dict[int, str]:
 _BYTE_OF = {ch: b for b, ch in _bytes_to_unicode().items()}
 
 
-def build_byte_tokenizer() -> Tokenizer:
+def build_byte_tokenizer(vision: bool = False) -> Tokenizer:
     tok = Tokenizer(models.BPE(vocab=_byte_vocab(), merges=[], fuse_unk=False))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(SPECIAL_TOKENS)
+    tok.add_special_tokens(SPECIAL_TOKENS + (VISION_TOKENS if vision else []))
     return tok
 
 
-def save_tokenizer(directory: Union[str, Path]) -> None:
-    """tokenizer.json + tokenizer_config.json (with the chat template) + special_tokens_map.json."""
+def save_tokenizer(directory: Union[str, Path], vision: bool = False) -> None:
+    """tokenizer.json + tokenizer_config.json (with the chat template) + special_tokens_map.json;
+    ``vision``: with the vision tokens and :data:`VL_CHAT_TEMPLATE`."""
     from transformers import PreTrainedTokenizerFast
 
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=build_byte_tokenizer(), bos_token=BOS, eos_token=EOS, pad_token=PAD,
-        additional_special_tokens=[IM_START, IM_END],
+        tokenizer_object=build_byte_tokenizer(vision), bos_token=BOS, eos_token=EOS, pad_token=PAD,
+        additional_special_tokens=[IM_START, IM_END] + (VISION_TOKENS if vision else []),
     )
-    fast.chat_template = CHAT_TEMPLATE
+    fast.chat_template = VL_CHAT_TEMPLATE if vision else CHAT_TEMPLATE
     fast.save_pretrained(str(directory))
 
 
