@@ -2,7 +2,9 @@
 
 At the first position where the two disagree, HF's logits there must be a
 near-tie (our token's logit within ``tie_tol`` of HF's best); after a tie
-the sequences may legitimately diverge, so comparison stops there.
+the sequences may legitimately diverge, so comparison stops there. A
+vision-language checkpoint's prompts come with their images: HF's image
+processor gives its ``generate`` the pixels, each image's tokens the image token.
 """
 
 from __future__ import annotations
@@ -15,22 +17,41 @@ import torch
 
 @lru_cache(maxsize=8)
 def hf_model(model_path: str):
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
-    model = AutoModelForCausalLM.from_pretrained(model_path, local_files_only=True, dtype=torch.float32)
-    return model.eval()
+    vision = hasattr(AutoConfig.from_pretrained(model_path, local_files_only=True), "vision_config")
+    auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM
+    return auto.from_pretrained(model_path, local_files_only=True, dtype=torch.float32).eval()
 
 
-def hf_greedy(model_path: str, prompt: Sequence[int], max_new_tokens: int, eos_token_ids: Sequence[int]):
-    """HF's greedy continuation of ``prompt`` and the logits of every step."""
+def hf_image_inputs(model_path: str, prompt: Sequence[int], images: Sequence) -> dict:
+    """HF's inputs of a vision-language ``prompt`` (one image token per image, as a chat template
+    renders it) and its images: the prompt with each image token repeated as many times as the image
+    has tokens, its pixels, grids and token types."""
+    from transformers import AutoConfig, AutoImageProcessor
+
+    config = AutoConfig.from_pretrained(model_path, local_files_only=True)
+    pixels = AutoImageProcessor.from_pretrained(model_path, local_files_only=True)(images=list(images),
+                                                                                  return_tensors="pt")
+    counts = iter((pixels["image_grid_thw"].prod(-1) // config.vision_config.spatial_merge_size ** 2).tolist())
+    ids = [t for token in prompt for t in ([token] * next(counts) if token == config.image_token_id else [token])]
+    input_ids = torch.tensor([ids])
+    return dict(input_ids=input_ids, pixel_values=pixels["pixel_values"], image_grid_thw=pixels["image_grid_thw"],
+                mm_token_type_ids=(input_ids == config.image_token_id).int())
+
+
+def hf_greedy(model_path: str, prompt: Sequence[int], max_new_tokens: int, eos_token_ids: Sequence[int],
+              images: Optional[Sequence] = None):
+    """HF's greedy continuation of ``prompt`` (with its ``images``) and the logits of every step."""
     model = hf_model(model_path)
-    input_ids = torch.tensor([list(prompt)])
+    inputs = hf_image_inputs(model_path, prompt, images) if images else dict(input_ids=torch.tensor([list(prompt)]))
+    prompt = inputs["input_ids"][0]
     with torch.no_grad():
         out = model.generate(
             # every position is real: without a mask HF infers one that hides the prompt's pad-id tokens
             # (a follow-up turn holds the model's earlier answer, which may contain it)
-            input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens, do_sample=False,
-            eos_token_id=list(eos_token_ids) or None, pad_token_id=0,
+            **inputs, attention_mask=torch.ones_like(inputs["input_ids"]), max_new_tokens=max_new_tokens,
+            do_sample=False, eos_token_id=list(eos_token_ids) or None, pad_token_id=0,
             output_logits=True, return_dict_in_generate=True,
         )
     tokens = out.sequences[0, len(prompt):].tolist()
@@ -39,12 +60,14 @@ def hf_greedy(model_path: str, prompt: Sequence[int], max_new_tokens: int, eos_t
 
 def assert_greedy_parity(model_path: str, prompts: List[List[int]], outputs: List[List[int]], max_new_tokens: int,
                          eos_token_ids: Sequence[int] = (), tie_tol: float = 1e-4,
-                         logprobs: Optional[List[List[float]]] = None, logprob_tol: float = 1e-3) -> None:
+                         logprobs: Optional[List[List[float]]] = None, logprob_tol: float = 1e-3,
+                         images: Optional[List[Optional[Sequence]]] = None) -> None:
     """``logprobs``: our log-probability of each output token (``return_logprob``); when
     given, each must also equal HF's, up to the first divergence — a field that shifts
-    every logit a little fails here even where the argmax survives."""
+    every logit a little fails here even where the argmax survives. ``images``: each
+    prompt's images (None: a text prompt)."""
     for n, (prompt, ours) in enumerate(zip(prompts, outputs)):
-        ref, logits = hf_greedy(model_path, prompt, max_new_tokens, eos_token_ids)
+        ref, logits = hf_greedy(model_path, prompt, max_new_tokens, eos_token_ids, images and images[n])
         for i, (a, b) in enumerate(zip(ours, ref)):
             if logprobs is not None:
                 want = float(torch.log_softmax(logits[i].float(), dim=-1)[a])

@@ -245,7 +245,7 @@ def test_gemma3_final_soft_cap_runs_in_the_model_dtype(model_dir, monkeypatch):
                                               final_logit_softcapping=cap).eval()
     gen = torch.Generator().manual_seed(0)
     hidden = (4 * torch.randn(3, config.hidden_size, generator=gen)).to(torch.bfloat16)
-    monkeypatch.setattr(ours.model, "forward", lambda forward_batch: hidden)
+    monkeypatch.setattr(ours.model, "forward", lambda forward_batch, input_embeds=None: hidden)
     monkeypatch.setattr(hf.model, "forward", lambda **kw: BaseModelOutputWithPast(last_hidden_state=hidden[None]))
     with torch.no_grad():
         out = ours(SimpleNamespace(logits_token_indices=lambda: torch.arange(3), input_logprob_indices=None,

@@ -31,6 +31,7 @@ from actors.engine.lora_updates import load_lora_adapter, unload_lora_adapter
 from actors.engine.memory_occupation import EngineMemory, parse_tags
 from actors.engine.model_loader import DEFAULT_WEIGHT_VERSION
 from actors.engine.model_runner import ModelRunner
+from actors.engine.multimodal import MultimodalProcessor
 from actors.engine.req import Req
 from actors.engine.sampling_params import SamplingParams
 from actors.engine.scheduler import Scheduler
@@ -45,7 +46,7 @@ def _eos_ids(model_path: str, model_config) -> List[int]:
     import json
     import os
 
-    ids = getattr(model_config, "eos_token_id", None)
+    ids = getattr(model_config.get_text_config(), "eos_token_id", None)
     gen_path = os.path.join(model_path, "generation_config.json")
     if os.path.isfile(gen_path):
         with open(gen_path) as f:
@@ -75,7 +76,8 @@ def request_result(req: Req, with_text: bool = True, weight_version: str = DEFAU
     if start is not None:  # SGLang's: from logprob_start_len on, position 0's None (it has no context)
         first = 0 if req.sampling_params.logprob_start_len == 0 else start
         head = [None] * (start - first)
-        meta["input_token_logprobs"] = list(zip(head + req.input_token_logprobs, req.origin_input_ids[first:]))
+        prompt = req.origin_input_ids_unpadded
+        meta["input_token_logprobs"] = list(zip(head + req.input_token_logprobs, prompt[first:]))
         meta["input_token_ranks"] = head + req.input_token_ranks
         meta["input_top_logprobs"] = head + req.input_top_logprobs
     result = {"output_ids": list(req.output_ids), "meta_info": meta}
@@ -171,6 +173,7 @@ class Engine:
 
                 self.tokenizer = AutoTokenizer.from_pretrained(self.config.tokenizer_path or model_path,
                                                                local_files_only=True)
+            self.mm_processor = MultimodalProcessor.for_model(model_path, self.runner.model_config, self.runner.model)
             self.scheduler = Scheduler(self.runner, self.tokenizer)
             self.eos_token_ids = _eos_ids(model_path, self.runner.model_config)
         except BaseException:  # the followers stop and this process leaves the group (a new engine may join one)
@@ -188,7 +191,7 @@ class Engine:
 
     # ---- requests -----------------------------------------------------------------
     def _make_req(self, params: Dict[str, Any], prompt, input_ids, rid: Optional[str], priority: int = 0,
-                  lora_path: Optional[str] = None) -> Req:
+                  lora_path: Optional[str] = None, image_data: Optional[List[Any]] = None) -> Req:
         sampling = SamplingParams(**(params or {}))
         if input_ids is None:
             if self.tokenizer is None:
@@ -198,8 +201,14 @@ class Engine:
             raise ValueError("the prompt is empty")
         if sampling.stop and self.tokenizer is None:
             raise ValueError("stop strings need the tokenizer (skip_tokenizer_init=True)")
+        mm_inputs = None
+        if image_data:
+            if self.mm_processor is None:
+                raise ValueError(f"image_data: {self.config.model_path!r} is not a vision-language model")
+            images = image_data if isinstance(image_data, list) else [image_data]
+            input_ids, mm_inputs = self.mm_processor.process(list(input_ids), images)
         req = Req(rid or f"req-{next(self._rids)}", list(input_ids), sampling, self.eos_token_ids, priority=priority,
-                  lora_path=lora_path)
+                  lora_path=lora_path, mm_inputs=mm_inputs)
         self.scheduler.check_request(req)
         return req
 
@@ -211,10 +220,14 @@ class Engine:
         rid: Union[None, str, List[str]] = None,
         priority: Union[int, List[int]] = 0,
         lora_path: Union[None, str, List[Optional[str]]] = None,
+        image_data: Optional[List[Any]] = None,
     ):
         """Run one request or a batch to completion; a batch's results keep its order. ``priority``
         (one, or one per request) needs ``enable_priority_scheduling`` unless 0; ``lora_path`` (one,
-        or one per request): the name of a LoRA adapter of ``lora_paths``, None for the base model."""
+        or one per request): the name of a LoRA adapter of ``lora_paths``, None for the base model.
+        ``image_data`` (a vision-language model's, SGLang's): a request's images (a PIL image, bytes,
+        a file path or a ``data:image/...;base64,`` URL each), one per ``<|image_pad|>`` of its prompt,
+        in order; for a batch, one such list (or None) per request."""
         batched = isinstance(prompt, list) or (input_ids is not None and input_ids and isinstance(input_ids[0], list))
         n = len(prompt) if isinstance(prompt, list) else (len(input_ids) if batched else 1)
         prompts = prompt if isinstance(prompt, list) else [prompt] * n
@@ -223,7 +236,10 @@ class Engine:
         rids = rid if isinstance(rid, list) else [rid] * n
         priorities = priority if isinstance(priority, list) else [priority] * n
         loras = lora_path if isinstance(lora_path, list) else [lora_path] * n
-        reqs = [self._make_req(*args) for args in zip(params, prompts, ids, rids, priorities, loras)]
+        images = image_data if batched and image_data is not None else [image_data] * n
+        if len(images) != n:
+            raise ValueError(f"image_data: {len(images)} entries for a batch of {n} requests")
+        reqs = [self._make_req(*args) for args in zip(params, prompts, ids, rids, priorities, loras, images)]
         done = threading.Semaphore(0)
         errors: List[BaseException] = []
 
@@ -251,14 +267,17 @@ class Engine:
         stream: bool = False,
         priority: int = 0,
         lora_path: Optional[str] = None,
+        image_data: Optional[List[Any]] = None,
     ):
-        """One request (``lora_path``: as :meth:`generate`'s). ``stream=False``: the final result. ``stream=True``: an
+        """One request (``lora_path``, ``image_data``: as :meth:`generate`'s). ``stream=False``: the final
+        result. ``stream=True``: an
         async iterator of results, one per step that produced tokens (each with
         the cumulative ``text``/``output_ids``), the last one finished."""
         if rid is not None:
             self._making.begin(rid)  # (an abort while its grammar compiles marks it: seen below)
         try:
-            req = await make_req_off_loop(self._make_req, sampling_params, prompt, input_ids, rid, priority, lora_path)
+            req = await make_req_off_loop(self._make_req, sampling_params, prompt, input_ids, rid, priority, lora_path,
+                                          image_data)
         finally:
             aborted = rid is not None and self._making.end(rid)
         queue: asyncio.Queue = asyncio.Queue()

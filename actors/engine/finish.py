@@ -73,7 +73,8 @@ def stream_text(req: Req, tokenizer) -> None:
     if tokenizer is None or not req.output_ids:
         return
     if req.detokenizer is None:
-        req.detokenizer = IncrementalText(tokenizer, req.origin_input_ids, req.sampling_params.skip_special_tokens)
+        req.detokenizer = IncrementalText(tokenizer, req.origin_input_ids_unpadded,
+                                          req.sampling_params.skip_special_tokens)
     trim = _ends_on_stop_token(req) and not req.sampling_params.include_stop_str_in_output
     num_tokens = len(req.output_ids) - (1 if trim else 0)
     req.output_text = req.detokenizer.update(tokenizer, req.output_ids, num_tokens)

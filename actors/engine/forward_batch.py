@@ -91,10 +91,19 @@ class ForwardBatch:
     lora_slots: Optional[List[int]] = None
     # the adapter each slot of lora_slots must hold: a rank whose slot holds another copies it in first
     lora_slot_names: Optional[Dict[int, str]] = None
+    # a batch with an image request (actors.engine.multimodal): each token's M-RoPE positions [3, num_tokens]
+    # (a text token's three its position), and, in an extend computing image tokens, each request's images
+    # with a token in it (ImageItem lists, in batch order)
+    mrope_positions: Optional[torch.Tensor] = None
+    mm_items: Optional[List[List[Any]]] = None
 
     @property
     def batch_size(self) -> int:
         return int(self.seq_lens.numel())
+
+    def rope_positions(self) -> torch.Tensor:
+        """The positions the rotary embeddings turn by: ``mrope_positions`` when the batch has them."""
+        return self.positions if self.mrope_positions is None else self.mrope_positions
 
     def last_token_indices(self) -> torch.Tensor:
         """Index, in the flat token arrays, of each request's last token."""

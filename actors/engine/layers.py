@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -100,6 +100,29 @@ class RotaryEmbedding(nn.Module):
 
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         return apply_rotary(x, cos, sin, self.rotary_dim)
+
+
+class MRotaryEmbedding(RotaryEmbedding):
+    """Multimodal RoPE (Qwen2-VL's, SGLang's ``MRotaryEmbedding``): positions ``[3, tokens]``
+    (temporal, height, width), the frequency bands split by ``mrope_section`` (its sizes sum to
+    ``rotary_dim / 2``), the i-th part turning with position row ``i % 3``. Positions ``[tokens]``
+    (every row the same: text) are plain RoPE."""
+
+    def __init__(self, rotary_dim: int, base: float, mrope_section: List[int], rope_type: str = "default",
+                 scaling: Optional[dict] = None):
+        super().__init__(rotary_dim, base, rope_type, scaling)
+        if sum(mrope_section) != rotary_dim // 2:
+            raise ValueError(f"mrope_section {mrope_section} must sum to half the rotary dim ({rotary_dim // 2})")
+        self.mrope_section = list(mrope_section)
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
+        if positions.dim() == 1:
+            return super().cos_sin(positions, dtype)
+        freqs = positions[..., None].float() * self.inv_freq  # [3, tokens, rotary_dim / 2]
+        parts = freqs.split(self.mrope_section, dim=-1)
+        freqs = torch.cat([part[i % 3] for i, part in enumerate(parts)], dim=-1)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self.attention_factor).to(dtype), (emb.sin() * self.attention_factor).to(dtype)
 
 
 def llama3_inv_freq(inv_freq: torch.Tensor, params: dict) -> torch.Tensor:

@@ -38,6 +38,7 @@ def get_context_length(config) -> int:
     131072, as vLLM's ``max_model_len``), where the rope type's length is not the scaled one
     already (Llama 3.1's, LongRoPE's; Gemma 3's). The same rule for the target and a draft: a
     draft held to its unscaled length stops drafting where it still could."""
+    config = config.get_text_config()  # (a vision-language model's context is its decoder's)
     length = config.max_position_embeddings
     params = getattr(config, "rope_parameters", None) or {}
     rope_type = params.get("rope_type", "default")

@@ -35,6 +35,9 @@ class Req:
     extra_key: Optional[str] = None
     priority: int = 0
     lora_path: Optional[str] = None  # its LoRA adapter's name (SGLang's lora_path); None: the base model
+    # its images (actors.engine.multimodal.MultimodalInputs): their tokens in origin_input_ids hold each
+    # image's pad value (the prefix cache's key), origin_input_ids_unpadded the image token
+    mm_inputs: Any = None
     output_ids: List[int] = field(default_factory=list)
     fill_ids: List[int] = field(default_factory=list)
     prefix_indices: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
@@ -97,6 +100,11 @@ class Req:
         if self.generator is None or self.generator.device != torch.device(device):
             self.generator = make_generator(seed, device)
         return self.generator
+
+    @property
+    def origin_input_ids_unpadded(self) -> List[int]:
+        """The prompt as token ids (SGLang's): an image's tokens the image token, not its pad value."""
+        return self.origin_input_ids if self.mm_inputs is None else self.mm_inputs.unpadded_input_ids
 
     @property
     def seqlen(self) -> int:
@@ -185,3 +193,5 @@ class Req:
         self.kv_only_lock = False
         self.swa_evicted_seqlen = 0
         self.swa_uuid_for_lock = None
+        if self.mm_inputs is not None:  # (its prefill starts over: encoded again, by the weights then served)
+            self.mm_inputs.release_embeddings()

@@ -163,6 +163,7 @@ def prepare_for_extend(reqs: List[Req], runner, tree_cache) -> Optional[ForwardB
         mamba_track_lens=track_lens,
         **_input_logprob_fields(reqs, logprob_rows, prefix_lens, extend_lens, runner),
         **_embed_fields(reqs, seq_lens, extend_lens, runner),
+        **_mm_extend_fields(reqs, prefix_lens, seq_lens, runner),
     )
 
 
@@ -217,7 +218,7 @@ def _input_logprob_fields(reqs: List[Req], rows: List[range], prefix_lens: List[
     index, next_ids, start = [], [], 0
     for req, positions, p, e in zip(reqs, rows, prefix_lens, extend_lens):
         index.extend(range(start + positions.start - p, start + positions.stop - p))
-        next_ids.extend(req.origin_input_ids[positions.start + 1:positions.stop + 1])
+        next_ids.extend(req.origin_input_ids_unpadded[positions.start + 1:positions.stop + 1])
         start += e
     top = max((r.sampling_params.top_logprobs_num for r, positions in zip(reqs, rows) if positions), default=0)
     return dict(input_logprob_indices=runner.tensor(index), input_logprob_next_ids=runner.tensor(next_ids),
@@ -241,6 +242,29 @@ def _embed_fields(reqs: List[Req], seq_lens: List[int], extend_lens: List[int], 
     if any(tokens):
         fields["classifier_token_ids"] = runner.tensor([ids or [0, 0] for ids in tokens])
     return fields
+
+
+def _mm_extend_fields(reqs: List[Req], prefix_lens: List[int], seq_lens: List[int], runner) -> dict:
+    """An extend batch's multimodal fields (none without an image request): every token's M-RoPE
+    positions (a text request's its position thrice), and ``mm_items`` when it computes image tokens."""
+    if all(r.mm_inputs is None for r in reqs):
+        return {}
+    positions = [torch.arange(p, s).expand(3, -1) if r.mm_inputs is None else r.mm_inputs.rope_positions(p, s)
+                 for r, p, s in zip(reqs, prefix_lens, seq_lens)]
+    items = [[] if r.mm_inputs is None else r.mm_inputs.images_in(p, s) for r, p, s in zip(reqs, prefix_lens, seq_lens)]
+    fields = dict(mrope_positions=torch.cat(positions, dim=1).to(runner.device))
+    if any(items):
+        fields["mm_items"] = items
+    return fields
+
+
+def _mm_decode_fields(reqs: List[Req], positions: torch.Tensor) -> dict:
+    """A decode batch's M-RoPE positions (none without an image request): each token's position
+    plus its request's ``mrope_position_delta``, thrice."""
+    if all(r.mm_inputs is None for r in reqs):
+        return {}
+    deltas = [0 if r.mm_inputs is None else r.mm_inputs.mrope_position_delta for r in reqs]
+    return dict(mrope_positions=(positions + int64_tensor(deltas, positions.device)).expand(3, -1))
 
 
 def logits_rows(reqs: List[Req]) -> Dict[int, int]:
@@ -304,6 +328,7 @@ def prepare_for_decode(reqs: List[Req], runner, tree_cache) -> Optional[ForwardB
         mamba_pool_indices=_mamba_indices(pool, reqs, runner),
         mamba_track_slots=track_slots,
         mamba_track_lens=track_lens,
+        **_mm_decode_fields(reqs, seq_dev - 1),
     )
 
 

@@ -107,7 +107,8 @@ class Scheduler(PrefillAdmissionMixin, DecodeRetractionMixin, SpecDecodeMixin):
             )
         self.policy = SchedulePolicy(cfg, self.tree_cache, self._match_prefix)
         self._init_spec()
-        self.grammars = GrammarBackend(tokenizer, cfg.tokenizer_path or cfg.model_path, runner.model_config.vocab_size,
+        self.grammars = GrammarBackend(tokenizer, cfg.tokenizer_path or cfg.model_path,
+                                       runner.model_config.get_text_config().vocab_size,
                                        any_whitespace=not cfg.constrained_json_disable_any_whitespace)
         chunk = cfg.chunked_prefill_size if cfg.chunked_prefill_size is not None else 2048
         self.chunked_prefill_size = None if chunk <= 0 else max(self.page_size, chunk // self.page_size * self.page_size)
@@ -163,10 +164,12 @@ class Scheduler(PrefillAdmissionMixin, DecodeRetractionMixin, SpecDecodeMixin):
             held = "" if self.context_len == self.runner.context_len else " (what this worker's KV pool holds)"
             raise ValueError(f"prompt of {len(req.origin_input_ids)} tokens does not fit the context length "
                              f"{self.context_len}{held}")
-        vocab, ids = self.runner.model_config.vocab_size, req.origin_input_ids
+        vocab, ids = self.runner.model_config.get_text_config().vocab_size, req.origin_input_ids_unpadded
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:  # it would fail the whole batch (on CUDA: a device-side assert)
             raise ValueError(f"token id {bad} in the prompt is out of the vocabulary (ids are 0..{vocab - 1})")
+        if req.mm_inputs is not None and self.config.speculative_algorithm is not None:  # (a verify's M-RoPE)
+            raise ValueError("image input is not served with speculative decoding (speculative_algorithm)")
         if req.priority and not self.config.enable_priority_scheduling:  # (vLLM refuses it too)
             raise ValueError(f"priority {req.priority}: priority scheduling is not enabled "
                              "(enable_priority_scheduling)")
@@ -189,7 +192,7 @@ class Scheduler(PrefillAdmissionMixin, DecodeRetractionMixin, SpecDecodeMixin):
         req.grammar = self.grammars.matcher(params, req.eos_token_ids)
 
     def _check_pooling(self, pooling: PoolingParams, vocab: int) -> None:
-        hidden = self.runner.model_config.hidden_size
+        hidden = self.runner.model_config.get_text_config().hidden_size
         if (pooling.dimensions or 0) > hidden:
             raise ValueError(f"dimensions: {pooling.dimensions} is more than the model's hidden size ({hidden})")
         bad = next((t for t in pooling.classifier_token_ids or () if not 0 <= t < vocab), None)
@@ -365,8 +368,8 @@ class Scheduler(PrefillAdmissionMixin, DecodeRetractionMixin, SpecDecodeMixin):
         state = req.logit_state
         if state is None or state.vocab != vocab or state.params is not req.sampling_params:
             needed = LogitState.needed(req.sampling_params)
-            state = req.logit_state = LogitState(req.sampling_params, req.origin_input_ids, req.eos_token_ids, vocab,
-                                                 req.bad_words_ids) if needed else None
+            state = req.logit_state = LogitState(req.sampling_params, req.origin_input_ids_unpadded,
+                                                 req.eos_token_ids, vocab, req.bad_words_ids) if needed else None
         if state is not None:
             state.sync(req.output_ids)
         return state
@@ -426,7 +429,9 @@ class Scheduler(PrefillAdmissionMixin, DecodeRetractionMixin, SpecDecodeMixin):
 
     def _prefill_done(self, req: Req, logits_row, pick: Optional[Pick] = None) -> None:
         """A request's whole prompt is in the KV: sample (``pick``, when the batch picked it
-        already), then cache or keep running."""
+        already), then cache or keep running. Its images' embeddings are dropped."""
+        if req.mm_inputs is not None:
+            req.mm_inputs.release_embeddings()
         if req.sampling_params.max_new_tokens == 0:
             req.finish({"type": "length", "length": 0})
         else:

@@ -27,6 +27,7 @@ MODEL_REGISTRY = {
     "Gemma3ForCausalLM": ("actors.engine.models.gemma3", "Gemma3ForCausalLM"),
     "Qwen3NextForCausalLM": ("actors.engine.models.qwen3_next", "Qwen3NextForCausalLM"),
     "GptOssForCausalLM": ("actors.engine.models.gpt_oss", "GptOssForCausalLM"),
+    "Qwen2_5_VLForConditionalGeneration": ("actors.engine.models.qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration"),
 }
 
 

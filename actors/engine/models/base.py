@@ -65,14 +65,17 @@ class DecoderModel(nn.Module):
         self.tp = tp
         self.embed_scale = embed_scale
 
-    def forward(self, forward_batch) -> torch.Tensor:
-        x = self.embed_tokens(forward_batch.input_ids)
+    def forward(self, forward_batch, input_embeds: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``input_embeds``: the batch's input embeddings, when not those of its ``input_ids`` (a
+        vision-language model's, images' rows in)."""
+        x = self.embed_tokens(forward_batch.input_ids) if input_embeds is None else input_embeds
         # Gemma 3's normalizer, Granite's embedding_multiplier: cast to the model's dtype first, as HF's Gemma
         # (HF's Granite multiplies by the float: the same where it is exact in the dtype, as Granite's 12)
         if self.embed_scale is not None:
             x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
+        positions = forward_batch.rope_positions()
         for layer in self.layers:
-            x = layer(forward_batch.positions, x, forward_batch)
+            x = layer(positions, x, forward_batch)
         return self.norm(x)
 
 
@@ -106,8 +109,13 @@ class CausalLM(nn.Module):
         """This rank's :class:`KVCacheSpec` (its TP place filled in)."""
         return KVCacheSpec(tp_rank=self.model.tp.rank, tp_size=self.model.tp.size, **fields)
 
+    def input_embeds(self, forward_batch) -> Optional[torch.Tensor]:
+        """The batch's input embeddings when they are not its tokens' (a vision-language model's);
+        None: the embedding lookup of ``input_ids``."""
+        return None
+
     def forward(self, forward_batch) -> LogitsOutput:
-        hidden = self.model(forward_batch)
+        hidden = self.model(forward_batch, self.input_embeds(forward_batch))
         index = forward_batch.logits_token_indices()
         if index.numel():
             logits = self._logits(hidden[index])

@@ -54,7 +54,7 @@ class LlamaAttention(nn.Module):
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
         self.heads = attention_heads(tp, num_heads, config.num_key_value_heads)
         self.num_heads, self.num_kv_heads = len(self.heads.q), len(self.heads.kv)  # this rank's
-        bias = getattr(config, "attention_bias", False) or config.model_type == "qwen2"
+        bias = getattr(config, "attention_bias", False) or config.model_type in ("qwen2", "qwen2_5_vl_text")
         hidden = config.hidden_size
         self.q_proj = ColumnParallelLinear(hidden, head_ranges(self.heads.q, self.head_dim), bias=bias)
         self.k_proj = ColumnParallelLinear(hidden, head_ranges(self.heads.kv, self.head_dim), bias=bias)

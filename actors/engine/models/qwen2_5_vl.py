@@ -1,0 +1,209 @@
+"""Qwen2.5-VL (``Qwen2_5_VLForConditionalGeneration``): Qwen2's decoder with M-RoPE, and a vision tower.
+
+The vision tower (``visual``, HF's names) turns an image's patches into one embedding per
+``spatial_merge_size²`` patches: a patch embedding, blocks with 2-D rotary attention — within
+windows of ``window_size`` pixels, but for the ``fullatt_block_indexes`` blocks over the whole
+image — and a patch merger. The patches are attended in window order (HF's ``window_index``)
+and put back in the image's order after the merger. It runs in a prefill forward, once per
+image (:func:`actors.engine.multimodal.image_embeddings`); under TP it is replicated on every
+rank (its weights whole), the decoder sharded as Qwen2's.
+
+M-RoPE: each token has a (temporal, height, width) position (:func:`mrope_positions`, HF's
+``get_rope_index``); the rotary's frequency bands are split by ``mrope_section``, each taking
+one of the three (:class:`~actors.engine.layers.MRotaryEmbedding`). A text token's three are
+equal, which is plain RoPE: a batch without image requests runs as Qwen2.
+"""
+
+from __future__ import annotations
+
+from typing import List, Sequence, Tuple
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from actors.engine.layers import GatedMLP, MRotaryEmbedding, RMSNorm, apply_rotary, band_periods
+from actors.engine.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, rope_settings
+from actors.engine.multimodal import ImageItem, image_embeddings
+from actors.engine.parallel import SINGLE, TPGroup
+
+
+def mrope_positions(input_ids: Sequence[int], image_token_id: int, grids: Sequence[Tuple[int, int, int]],
+                    spatial_merge_size: int) -> Tuple[torch.Tensor, int]:
+    """HF's ``get_rope_index`` for a prompt of text and images: ([3, len] int64 positions, the request's
+    ``mrope_position_delta``). Text counts on from the position after what came before; an image's
+    tokens (its merged grid, row by row) are at that position + (frame, row, column), and the text
+    after it starts past its larger side. The delta: the last position + 1 - the prompt's length."""
+    chunks, pos, i, images = [], 0, 0, iter(grids)
+    while i < len(input_ids):
+        if input_ids[i] == image_token_id:
+            t, h, w = next(images)
+            rows, cols = h // spatial_merge_size, w // spatial_merge_size
+            frame, row, col = torch.meshgrid(torch.arange(t), torch.arange(rows), torch.arange(cols), indexing="ij")
+            chunks.append(torch.stack([frame.flatten(), row.flatten(), col.flatten()]) + pos)
+            pos += max(rows, cols)
+            i += t * rows * cols
+            continue
+        end = i
+        while end < len(input_ids) and input_ids[end] != image_token_id:
+            end += 1
+        chunks.append(torch.arange(pos, pos + end - i).expand(3, -1))
+        pos += end - i
+        i = end
+    positions = torch.cat(chunks, dim=1).to(torch.int64)
+    return positions, int(positions.max()) + 1 - len(input_ids)
+
+
+class VisionAttention(nn.Module):
+    """Bidirectional attention within each segment of ``cu_seqlens`` (a window, or a whole frame)."""
+
+    def __init__(self, dim: int, num_heads: int):
+        super().__init__()
+        self.num_heads, self.head_dim = num_heads, dim // num_heads
+        self.qkv = nn.Linear(dim, dim * 3, bias=True)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: List[int]) -> torch.Tensor:
+        q, k, v = self.qkv(x).view(x.shape[0], 3, self.num_heads, self.head_dim).unbind(1)
+        # rotated in fp32, as HF's apply_rotary_pos_emb_vision
+        q, k = (apply_rotary(t.float(), cos, sin, self.head_dim).to(x.dtype) for t in (q, k))
+        out = torch.empty_like(q)
+        for start, end in zip(cu_seqlens[:-1], cu_seqlens[1:]):
+            seg = [t[start:end].transpose(0, 1) for t in (q, k, v)]  # [heads, len, head_dim]
+            out[start:end] = F.scaled_dot_product_attention(*seg).transpose(0, 1)
+        return self.proj(out.reshape(x.shape[0], -1))
+
+
+class VisionBlock(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.norm1 = RMSNorm(config.hidden_size, 1e-6)
+        self.norm2 = RMSNorm(config.hidden_size, 1e-6)
+        self.attn = VisionAttention(config.hidden_size, config.num_heads)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act, bias=True)
+
+    def forward(self, x, cos, sin, cu_seqlens):
+        x = x + self.attn(self.norm1(x), cos, sin, cu_seqlens)
+        return x + self.mlp(self.norm2(x))
+
+
+class PatchMerger(nn.Module):
+    """``spatial_merge_size²`` neighbouring patches (consecutive rows) → one token of the decoder's width."""
+
+    def __init__(self, out_dim: int, context_dim: int, spatial_merge_size: int):
+        super().__init__()
+        self.hidden_size = context_dim * spatial_merge_size ** 2
+        self.ln_q = RMSNorm(context_dim, 1e-6)
+        self.mlp = nn.Sequential(nn.Linear(self.hidden_size, self.hidden_size), nn.GELU(),
+                                 nn.Linear(self.hidden_size, out_dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(self.ln_q(x).view(-1, self.hidden_size))
+
+
+class PatchEmbed(nn.Module):
+    """HF's Conv3d over one (temporal, height, width) patch per row: a kernel as large as its input,
+    so a matrix product with the flattened kernel."""
+
+    def __init__(self, config):
+        super().__init__()
+        kernel = (config.temporal_patch_size, config.patch_size, config.patch_size)
+        self.proj = nn.Conv3d(config.in_channels, config.hidden_size, kernel, stride=kernel, bias=False)
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        weight = self.proj.weight
+        return F.linear(pixels.to(weight.dtype), weight.reshape(weight.shape[0], -1))
+
+
+class VisionTransformer(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.merge = config.spatial_merge_size
+        self.window = config.window_size // config.spatial_merge_size // config.patch_size  # merged tokens a side
+        self.full_attention_blocks = set(config.fullatt_block_indexes)
+        self.head_dim = config.hidden_size // config.num_heads
+        self.rope_theta = float((getattr(config, "rope_parameters", None) or {}).get("rope_theta", 10000.0))
+        self.patch_embed = PatchEmbed(config)
+        self.blocks = nn.ModuleList(VisionBlock(config) for _ in range(config.depth))
+        self.merger = PatchMerger(config.out_hidden_size, config.hidden_size, config.spatial_merge_size)
+
+    def forward(self, pixels: torch.Tensor, grid_thw: Tuple[int, int, int]) -> torch.Tensor:
+        """One image's (or video's) patches [t·h·w, patch_dim] → its tokens [t·h·w / merge², out_hidden]."""
+        t, h, w = grid_thw
+        unit = self.merge ** 2
+        order, window_lens = self._window_order(t, h // self.merge, w // self.merge)
+        order = order.to(pixels.device)
+        patches = (order[:, None] * unit + torch.arange(unit, device=pixels.device)).flatten()  # window order
+        x = self.patch_embed(pixels)[patches]
+        cos, sin = self._rotary(t, h, w, pixels.device)
+        cos, sin = cos[patches], sin[patches]
+        frames = [i * h * w for i in range(t + 1)]
+        windows = [0] + torch.tensor(window_lens).mul(unit).cumsum(0).tolist()
+        for i, block in enumerate(self.blocks):
+            x = block(x, cos, sin, frames if i in self.full_attention_blocks else windows)
+        return self.merger(x)[torch.argsort(order)]
+
+    def _window_order(self, t: int, rows: int, cols: int) -> Tuple[torch.Tensor, List[int]]:
+        """HF's ``get_vision_window_index`` for one grid of merged tokens: their indices window by
+        window (frame, window row, window column; row-major inside), and each window's size."""
+        index = torch.arange(t * rows * cols).view(t, rows, cols)
+        order, lens = [], []
+        for frame in range(t):
+            for r in range(0, rows, self.window):
+                for c in range(0, cols, self.window):
+                    window = index[frame, r:r + self.window, c:c + self.window].flatten()
+                    order.append(window)
+                    lens.append(window.numel())
+        return torch.cat(order), lens
+
+    def _rotary(self, t: int, h: int, w: int, device) -> Tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [t·h·w, head_dim] (fp32) of each patch's (row, column), patches in merge-block order:
+        half the bands turn with the row, half with the column (HF's axial vision RoPE)."""
+        m = self.merge
+        row, col = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
+        row, col = (p.reshape(h // m, m, w // m, m).transpose(1, 2).flatten().repeat(t) for p in (row, col))
+        inv_freq = 1.0 / band_periods(self.head_dim // 2, self.rope_theta)
+        freqs = torch.cat([row[:, None] * inv_freq, col[:, None] * inv_freq], dim=-1)
+        emb = torch.cat([freqs, freqs], dim=-1).to(device)
+        return emb.cos(), emb.sin()
+
+
+class Qwen2_5_VLAttention(LlamaAttention):
+    """Qwen2's attention (q/k/v biases) with M-RoPE."""
+
+    def __init__(self, config, layer_id: int, tp: TPGroup = SINGLE):
+        super().__init__(config, layer_id, tp)
+        theta, rope_type, params = rope_settings(config)
+        self.rotary = MRotaryEmbedding(self.head_dim, theta, params["mrope_section"], rope_type, params)
+
+
+class Qwen2_5_VLDecoderLayer(LlamaDecoderLayer):
+    attention_cls = Qwen2_5_VLAttention
+
+
+class Qwen2_5_VLForConditionalGeneration(LlamaForCausalLM):
+    """The decoder is built from ``text_config``; ``visual`` from ``vision_config``. LoRA is not served."""
+
+    layer_cls = Qwen2_5_VLDecoderLayer
+    supported_lora_modules = ()
+    mrope_positions = staticmethod(mrope_positions)  # (the tokenizer side's: multimodal.MultimodalProcessor)
+
+    def __init__(self, config, tp: TPGroup = SINGLE):
+        super().__init__(config.get_text_config(), tp)
+        self.visual = VisionTransformer(config.vision_config)
+
+    def input_embeds(self, forward_batch):
+        """The text embeddings with the rows of the images' tokens replaced by theirs; None (the
+        embedding lookup of ``input_ids``) when the batch computes no image token."""
+        if forward_batch.mm_items is None:
+            return None
+        # (an image token's id is its pad value: any id will do, its row is replaced)
+        x = self.model.embed_tokens(forward_batch.input_ids.clamp(max=self.config.vocab_size - 1))
+        images = image_embeddings(forward_batch, self.encode_image)
+        if images is not None:
+            index, rows = images
+            x[index] = rows.to(x.dtype)
+        return x
+
+    def encode_image(self, item: ImageItem) -> torch.Tensor:
+        return self.visual(item.pixel_values.to(self.lm_head.weight.device), item.grid_thw)

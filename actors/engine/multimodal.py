@@ -1,0 +1,188 @@
+"""Image input: from the request's images to the tokens and pixels a vision-language model takes.
+
+The tokenizer side (:class:`MultimodalProcessor`, on the caller's thread, as the tokenizer): a
+prompt holds one ``<|image_pad|>`` per image (the chat template's); each image is loaded
+(:func:`load_image`), turned into patches by the checkpoint's HF image processor, and its pad
+token expanded into the image's token count (patches / merge²). As SGLang's ``pad_input_ids``,
+those tokens' ids in ``Req.origin_input_ids`` are the image's *pad value*, derived from a hash
+of its pixels and out of every vocabulary (:data:`MM_PAD_BASE`): the radix tree keys on them,
+so the same image (same prompt) hits the cache and another image at the same place does not.
+The real ids (the image token's) are kept for what reads the prompt as text
+(``Req.origin_input_ids_unpadded``). M-RoPE positions and the request's
+``mrope_position_delta`` are computed here too (the model's ``mrope_positions``).
+
+The model side (:func:`image_embeddings`): in a prefill forward, each image whose tokens the
+chunk computes is encoded by the vision tower once (its embedding kept on the
+:class:`ImageItem`, on the request, across chunks; dropped when the prefill ends) and the
+chunk's rows of it replace those tokens' text embeddings.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import io
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, List, Optional, Sequence, Tuple
+
+import torch
+
+# an image token's pad value is MM_PAD_BASE + (a hash of its pixels mod MM_PAD_BASE): never a token id
+# of any vocabulary, and under 2**31 (an int32 anywhere token ids are stored)
+MM_PAD_BASE = 1 << 30
+
+
+def load_image(image: Any):
+    """A PIL image from SGLang's ``image_data`` forms: a PIL image, raw bytes, a
+    ``data:image/...;base64,`` URL, or a file path; decoded now (ValueError if it cannot be)."""
+    from PIL import Image
+
+    if isinstance(image, Image.Image):
+        return image
+    if isinstance(image, str) and image.startswith("data:"):
+        header, _, payload = image.partition(",")
+        if not header.endswith(";base64"):
+            raise ValueError("image_data: a data URL must be base64 (data:image/...;base64,...)")
+        try:
+            image = base64.b64decode(payload, validate=True)
+        except binascii.Error as exc:
+            raise ValueError(f"image_data: the data URL's base64 does not decode: {exc}") from None
+    elif isinstance(image, str):
+        if not os.path.isfile(image):
+            raise ValueError(f"image_data: {image[:80]!r} is neither a data URL nor a file (URLs are not fetched)")
+        with open(image, "rb") as f:
+            image = f.read()
+    if not isinstance(image, (bytes, bytearray)):
+        raise ValueError(f"image_data: {type(image).__name__} is not an image (a PIL image, bytes, a path or a "
+                         "data URL)")
+    try:
+        decoded = Image.open(io.BytesIO(image))
+        decoded.load()
+    except (OSError, Image.DecompressionBombError) as exc:
+        raise ValueError(f"image_data: the image cannot be decoded ({exc})") from None
+    return decoded
+
+
+@dataclass(eq=False)
+class ImageItem:
+    """One image of a request (SGLang's ``MultimodalDataItem``): its patches, its grid, and where
+    its tokens are in the prompt, ``[offset, offset + num_tokens)``, each holding ``pad_value``."""
+
+    pixel_values: torch.Tensor  # [patches, channels * temporal_patch * patch * patch] fp32, on the CPU
+    grid_thw: Tuple[int, int, int]  # patches along time, height, width
+    pad_value: int
+    offset: int
+    num_tokens: int
+    embedding: Optional[torch.Tensor] = None  # [num_tokens, hidden], on the model's device, once encoded
+
+    def __getstate__(self):
+        # a TP follower gets the batch's images without rank 0's embedding (its own vision tower encodes them)
+        return {**self.__dict__, "embedding": None}
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.num_tokens
+
+
+@dataclass(eq=False)
+class MultimodalInputs:
+    """A request's images, its prompt's M-RoPE positions and ``mrope_position_delta`` (a token past the
+    prompt is at its sequence position + delta), and the prompt with its images' real token ids."""
+
+    images: List[ImageItem]
+    mrope_positions: torch.Tensor  # [3, prompt_len] int64: temporal, height, width
+    mrope_position_delta: int
+    unpadded_input_ids: List[int]
+
+    def images_in(self, start: int, end: int) -> List[ImageItem]:
+        """The images with a token in ``[start, end)``."""
+        return [item for item in self.images if item.offset < end and item.end > start]
+
+    def rope_positions(self, start: int, end: int) -> torch.Tensor:
+        """[3, end - start] M-RoPE positions of tokens ``[start, end)``: the prompt's, then each one's
+        sequence position + ``mrope_position_delta`` (its output, re-prefilled after a retraction)."""
+        prompt_len = self.mrope_positions.shape[1]
+        past = torch.arange(max(start, prompt_len), max(end, prompt_len), dtype=torch.int64) + self.mrope_position_delta
+        return torch.cat([self.mrope_positions[:, start:min(end, prompt_len)], past.expand(3, -1)], dim=1)
+
+    def release_embeddings(self) -> None:
+        """Drop the images' embeddings (the prefill is over; a retraction encodes them again)."""
+        for item in self.images:
+            item.embedding = None
+
+
+def pad_value(pixel_values: torch.Tensor, grid_thw: Sequence[int]) -> int:
+    """The image's pad value (:data:`MM_PAD_BASE` and up), from a hash of its pixels and grid."""
+    digest = hashlib.sha256(pixel_values.contiguous().numpy().tobytes())
+    digest.update(repr(tuple(grid_thw)).encode())
+    return MM_PAD_BASE + int.from_bytes(digest.digest()[:8], "big") % MM_PAD_BASE
+
+
+class MultimodalProcessor:
+    """The tokenizer side of a vision-language checkpoint: its HF image processor (``AutoImageProcessor``,
+    offline), its image token and merge size, and its M-RoPE rule (``mrope_positions(input_ids,
+    image_token_id, grids, spatial_merge_size) -> ([3, len] positions, delta)``)."""
+
+    @classmethod
+    def for_model(cls, model_path: str, config, model) -> Optional["MultimodalProcessor"]:
+        """The processor of a served vision-language model (one with an ``mrope_positions`` rule); None
+        for a text model."""
+        rule = getattr(model, "mrope_positions", None)
+        return None if rule is None else cls(model_path, config, rule)
+
+    def __init__(self, model_path: str, config, mrope_positions: Callable):
+        from transformers import AutoImageProcessor
+
+        self.image_processor = AutoImageProcessor.from_pretrained(model_path, local_files_only=True)
+        self.image_token_id = config.image_token_id
+        self.merge_size = config.vision_config.spatial_merge_size
+        self.mrope_positions = mrope_positions
+
+    def process(self, input_ids: List[int], images: List[Any]) -> Tuple[List[int], MultimodalInputs]:
+        """``input_ids`` with each image's one pad token expanded into its tokens (holding its pad
+        value), and the request's :class:`MultimodalInputs`. ValueError when the pad tokens and the
+        images differ in number, or an image cannot be decoded."""
+        places = [i for i, t in enumerate(input_ids) if t == self.image_token_id]
+        if len(places) != len(images):
+            raise ValueError(f"{len(images)} image(s) in image_data but {len(places)} image pad token(s) "
+                             f"(id {self.image_token_id}) in the prompt: one per image")
+        pil = [load_image(image) for image in images]
+        processed = self.image_processor(images=pil, return_tensors="pt")
+        grids = [tuple(int(n) for n in g) for g in processed["image_grid_thw"].tolist()]
+        patches = torch.split(processed["pixel_values"].float(), [t * h * w for t, h, w in grids])
+        padded, unpadded, items, last = [], [], [], 0
+        for place, pixels, grid in zip(places, patches, grids):
+            padded += input_ids[last:place]
+            unpadded += input_ids[last:place]
+            num_tokens = grid[0] * grid[1] * grid[2] // self.merge_size ** 2
+            item = ImageItem(pixels, grid, pad_value(pixels, grid), len(padded), num_tokens)
+            padded += [item.pad_value] * num_tokens
+            unpadded += [self.image_token_id] * num_tokens
+            items.append(item)
+            last = place + 1
+        padded += input_ids[last:]
+        unpadded += input_ids[last:]
+        positions, delta = self.mrope_positions(unpadded, self.image_token_id, grids, self.merge_size)
+        return padded, MultimodalInputs(items, positions, delta, unpadded)
+
+
+def image_embeddings(forward_batch, encode: Callable[[ImageItem], torch.Tensor]):
+    """The image rows of an extend batch (SGLang's ``general_mm_embed_routine``): the flat token indices
+    of the images' tokens it computes and their embeddings, in that order ([n] int64, [n, hidden]); an
+    image is encoded (``encode``) at the first chunk that needs it, its embedding kept on its item.
+    None when the batch computes no image token."""
+    index, rows, start = [], [], 0
+    for items, prefix_len, seq_len in zip(forward_batch.mm_items, forward_batch.extend_prefix_lens_cpu,
+                                          forward_batch.seq_lens_cpu):
+        for item in items:
+            if item.embedding is None:
+                item.embedding = encode(item)
+            lo, hi = max(item.offset, prefix_len), min(item.end, seq_len)
+            rows.append(item.embedding[lo - item.offset:hi - item.offset])
+            index.extend(range(start + lo - prefix_len, start + hi - prefix_len))
+        start += seq_len - prefix_len
+    if not index:
+        return None
+    return torch.tensor(index, dtype=torch.int64, device=rows[0].device), torch.cat(rows)

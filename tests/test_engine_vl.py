@@ -1,0 +1,173 @@
+"""Engine on the tiny Qwen2.5-VL: image prompts' greedy tokens (and logprobs) equal HF's
+``Qwen2_5_VLForConditionalGeneration`` through one and two images, a batch mixed with text
+requests, chunked prefill cutting an image, prefix hits on the same image (ending after it
+and inside it) and misses on another, retraction, and TP 2; bad image input is refused."""
+
+import base64
+import io
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from actors.engine import Engine
+from actors.engine.multimodal import MM_PAD_BASE
+from actors.engine.tiny import build_tiny_checkpoint
+from actors.engine.tokenizer import IMAGE_PAD_ID
+from tests.parity import assert_greedy_parity
+from tests.tp_helpers import thread_ranks
+
+MAX_NEW = 8
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return str(build_tiny_checkpoint("qwen2_5_vl", tmp_path_factory.mktemp("qwen2_5_vl")))
+
+
+def image(height: int, width: int, seed: int) -> Image.Image:
+    return Image.fromarray(np.random.RandomState(seed).randint(0, 256, (height, width, 3), dtype=np.uint8))
+
+
+def chat(engine: Engine, text: str, num_images: int = 1) -> str:
+    parts = [{"type": "image"}] * num_images + [{"type": "text", "text": text}]
+    return engine.tokenizer.apply_chat_template([{"role": "user", "content": parts}], tokenize=False,
+                                                add_generation_prompt=True)
+
+
+def generate(engine: Engine, prompts, images, max_new_tokens: int = MAX_NEW):
+    """Greedy results of ``prompts`` (text) with their ``images`` (a list per prompt, or None), checked
+    against HF's tokens and logprobs."""
+    outs = engine.generate(prompt=prompts, image_data=images, sampling_params=dict(
+        max_new_tokens=max_new_tokens, temperature=0, return_logprob=True))
+    ids = [engine.tokenizer.encode(p) for p in prompts]
+    assert_greedy_parity(engine.config.model_path, ids, [o["output_ids"] for o in outs], max_new_tokens,
+                         engine.eos_token_ids, logprobs=[[lp for lp, _ in o["meta_info"]["output_token_logprobs"]]
+                                                         for o in outs], images=images)
+    return outs
+
+
+@pytest.fixture
+def engine(model_dir):
+    engine = Engine(model_dir, max_total_tokens=2048, max_running_requests=8)
+    yield engine
+    engine.check_integrity()
+    engine.shutdown()
+
+
+def test_one_image_equals_hf_and_the_image_matters(engine):
+    a, b = generate(engine, [chat(engine, "what is it?")] * 2, [[image(100, 150, 0)], [image(100, 150, 1)]])
+    # (112 x 140 pixels: 8 x 10 patches, 20 tokens)
+    assert a["meta_info"]["prompt_tokens"] == len(engine.tokenizer.encode(chat(engine, "what is it?"))) - 1 + 20
+    assert a["meta_info"]["output_token_logprobs"] != b["meta_info"]["output_token_logprobs"]
+
+
+def test_two_images_of_different_sizes_in_one_prompt(engine):
+    generate(engine, [chat(engine, "compare", num_images=2)], [[image(60, 200, 2), image(150, 90, 3)]])
+
+
+def test_a_batch_mixing_text_and_image_requests(engine):
+    prompts = [chat(engine, "plain text"), chat(engine, "one"), chat(engine, "two", 2), chat(engine, "text again")]
+    generate(engine, prompts, [None, [image(90, 90, 4)], [image(56, 56, 5), image(120, 80, 6)], None])
+
+
+def test_chunked_prefill_cuts_an_image_which_is_encoded_once(model_dir, monkeypatch):
+    engine = Engine(model_dir, max_total_tokens=2048, chunked_prefill_size=8)
+    encoded = []
+    visual = engine.runner.model.visual
+    monkeypatch.setattr(visual, "forward", lambda pixels, grid: encoded.append(grid) or type(visual).forward(
+        visual, pixels, grid))
+    generate(engine, [chat(engine, "chunks", 2)], [[image(100, 150, 7), image(90, 90, 8)]])
+    assert encoded == [(1, 8, 10), (1, 6, 6)]  # (20 and 9 tokens over 8-token chunks: once each)
+    engine.check_integrity()
+    engine.shutdown()
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_the_same_image_hits_the_prefix_cache_and_another_does_not(model_dir, page_size):
+    engine = Engine(model_dir, max_total_tokens=2048, page_size=page_size)
+    prompt = chat(engine, "same question")
+    image_start = engine.tokenizer.encode(prompt).index(IMAGE_PAD_ID)
+    first, = generate(engine, [prompt], [[image(100, 150, 9)]])
+    again, = generate(engine, [prompt], [[image(100, 150, 9)]])
+    other, = generate(engine, [prompt], [[image(100, 150, 10)]])
+    prompt_len = first["meta_info"]["prompt_tokens"]
+    assert again["output_ids"] == first["output_ids"]
+    assert again["meta_info"]["cached_tokens"] == (prompt_len - 1) // page_size * page_size  # past the image
+    assert other["meta_info"]["cached_tokens"] == image_start // page_size * page_size  # the text before it
+    engine.check_integrity()
+    engine.shutdown()
+
+
+def test_a_prefix_hit_ending_inside_an_image_computes_the_rest_of_it(model_dir):
+    """Another question about the same image: the hit is whole 16-token pages, the last one ending
+    inside the image's 20 tokens; the rest of the image is embedded from its encoding."""
+    engine = Engine(model_dir, max_total_tokens=2048, page_size=16)
+    photo = image(100, 150, 11)
+    generate(engine, [chat(engine, "first question")], [[photo]])
+    out, = generate(engine, [chat(engine, "a second one")], [[photo]])
+    start = engine.tokenizer.encode(chat(engine, "a second one")).index(IMAGE_PAD_ID)
+    assert start < out["meta_info"]["cached_tokens"] < start + 20
+    engine.check_integrity()
+    engine.shutdown()
+
+
+def test_retracted_image_requests_are_encoded_again(model_dir):
+    engine = Engine(model_dir, max_total_tokens=160, max_running_requests=6, chunked_prefill_size=-1)
+    prompts = [chat(engine, f"q{i}") for i in range(6)]
+    generate(engine, prompts, [[image(56, 56, 20 + i)] for i in range(6)], max_new_tokens=40)
+    assert engine.scheduler.num_retractions > 0
+    engine.check_integrity()
+    engine.shutdown()
+
+
+def test_tp2_equals_hf(model_dir, monkeypatch):
+    thread_ranks(monkeypatch)
+    engine = Engine(model_dir, max_total_tokens=2048, tp_size=2, chunked_prefill_size=16)
+    generate(engine, [chat(engine, "tp", 2), chat(engine, "text")], [[image(100, 150, 12), image(60, 60, 13)], None])
+    engine.check_integrity()
+    engine.shutdown()
+
+
+def test_every_image_form_is_the_same_image(engine, tmp_path):
+    photo = image(80, 120, 14)
+    png = io.BytesIO()
+    photo.save(png, format="PNG")
+    path = tmp_path / "photo.png"
+    path.write_bytes(png.getvalue())
+    url = "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
+    prompt = chat(engine, "forms")
+    outs = [engine.generate(prompt=prompt, image_data=[form], sampling_params={"max_new_tokens": MAX_NEW,
+                                                                                "temperature": 0})
+            for form in (photo, png.getvalue(), str(path), url)]
+    assert all(o["output_ids"] == outs[0]["output_ids"] for o in outs)
+    assert [o["meta_info"]["cached_tokens"] for o in outs[1:]] == [outs[0]["meta_info"]["prompt_tokens"] - 1] * 3
+
+
+def test_bad_image_input_is_a_value_error_and_loses_nothing(engine, tmp_path):
+    prompt = chat(engine, "bad")
+    with pytest.raises(ValueError, match="cannot be decoded"):
+        engine.generate(prompt=prompt, image_data=[b"not an image"])
+    with pytest.raises(ValueError, match="2 image\\(s\\) in image_data but 1 image pad token"):
+        engine.generate(prompt=prompt, image_data=[image(50, 50, 15), image(50, 50, 16)])
+    with pytest.raises(ValueError, match="neither a data URL nor a file"):
+        engine.generate(prompt=prompt, image_data=["http://example.com/cat.png"])
+    with pytest.raises(ValueError, match="base64 does not decode"):
+        engine.generate(prompt=prompt, image_data=["data:image/png;base64,%%%"])
+    engine.check_integrity()
+    text = build_tiny_checkpoint("qwen3", tmp_path / "qwen3")
+    plain = Engine(str(text), max_total_tokens=512)
+    with pytest.raises(ValueError, match="not a vision-language model"):
+        plain.generate(prompt="hi", image_data=[image(50, 50, 17)])
+    plain.check_integrity()
+    plain.shutdown()
+
+
+def test_image_tokens_hold_pad_values_out_of_the_vocabulary(engine):
+    """The prefix cache's keys: the image's tokens hold its pad value, the same for the same pixels."""
+    req = engine._make_req({}, chat(engine, "key"), None, None, image_data=[image(100, 150, 18)])
+    pads = [t for t in req.origin_input_ids if t >= MM_PAD_BASE]
+    assert len(pads) == 20 and len(set(pads)) == 1
+    assert req.origin_input_ids_unpadded.count(IMAGE_PAD_ID) == 20 and max(req.origin_input_ids_unpadded) < MM_PAD_BASE
+    same = engine._make_req({}, chat(engine, "key"), None, None, image_data=[image(100, 150, 18)])
+    assert same.origin_input_ids == req.origin_input_ids
