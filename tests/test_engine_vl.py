@@ -3,11 +3,14 @@
 requests, chunked prefill cutting an image, prefix hits on the same image (ending after it
 and inside it) and misses on another, retraction, and TP 2; bad image input is refused."""
 
+import asyncio
 import base64
 import io
+import pickle
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 from actors.engine import Engine
@@ -171,3 +174,16 @@ def test_image_tokens_hold_pad_values_out_of_the_vocabulary(engine):
     assert req.origin_input_ids_unpadded.count(IMAGE_PAD_ID) == 20 and max(req.origin_input_ids_unpadded) < MM_PAD_BASE
     same = engine._make_req({}, chat(engine, "key"), None, None, image_data=[image(100, 150, 18)])
     assert same.origin_input_ids == req.origin_input_ids
+
+
+def test_async_generate_takes_images_and_a_follower_gets_them_without_rank_0s_embedding(engine):
+    prompt, images, params = chat(engine, "async"), [image(100, 150, 19)], {"max_new_tokens": MAX_NEW, "temperature": 0}
+    want = engine.generate(prompt=prompt, image_data=images, sampling_params=params)
+    got = asyncio.run(engine.async_generate(prompt=prompt, image_data=images, sampling_params=params))
+    assert got["output_ids"] == want["output_ids"]
+    req = engine._make_req({}, prompt, None, None, image_data=images)
+    item = req.mm_inputs.images[0]
+    item.embedding = engine.runner.model.encode_image(item)
+    sent = pickle.loads(pickle.dumps(item))  # (what a TP follower's batch holds)
+    assert sent.embedding is None and item.embedding is not None
+    assert torch.equal(sent.pixel_values, item.pixel_values) and sent.grid_thw == item.grid_thw

@@ -276,8 +276,10 @@ class Engine:
         if rid is not None:
             self._making.begin(rid)  # (an abort while its grammar compiles marks it: seen below)
         try:
-            req = await make_req_off_loop(self._make_req, sampling_params, prompt, input_ids, rid, priority, lora_path,
-                                          image_data)
+            args = (sampling_params, prompt, input_ids, rid, priority, lora_path, image_data)
+            # (images are decoded and cut into patches off the event loop, as a grammar compiles)
+            req = await (asyncio.to_thread(self._make_req, *args) if image_data
+                         else make_req_off_loop(self._make_req, *args))
         finally:
             aborted = rid is not None and self._making.end(rid)
         queue: asyncio.Queue = asyncio.Queue()
