@@ -39,6 +39,7 @@ from actors.engine.grammar import MakingReqs, make_req_off_loop
 from actors.engine.lora_updates import async_unload_lora_adapter, load_lora_adapter
 from actors.engine.memory_occupation import EngineMemory, parse_tags
 from actors.engine.model_loader import WeightsSource
+from actors.engine.multimodal import MultimodalInputs
 from actors.engine.req import Req
 from actors.engine.sampling_params import SamplingParams
 from actors.engine.weight_updates import (ABORT_MESSAGE, UpdateWeightsRequest, WeightUpdater, check_paused_flush,
@@ -87,13 +88,21 @@ class _Worker:
         self.broken: Optional[str] = None  # why this worker can no longer serve (a TP rank died)
 
     def _make_req(self, sampling_params: Optional[Dict[str, Any]], rid: str, input_ids: List[int],
-                  priority: int = 0, lora_path: Optional[str] = None) -> Req:
+                  priority: int = 0, lora_path: Optional[str] = None,
+                  mm_inputs: Optional[MultimodalInputs] = None) -> Req:
+        """``mm_inputs``: an image request's images, M-RoPE positions and delta, as the tokenizer side made them
+        (``MultimodalProcessor.process``, whose padded ids are ``input_ids``): both sides take them, the prefill
+        worker encodes the images, the decode worker decodes at the delta (and re-prefills a retracted request)."""
         params = SamplingParams(**(sampling_params or {}))
         if not input_ids:
             raise ValueError("the prompt is empty")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need the tokenizer (skip_tokenizer_init=True)")
-        req = Req(rid, list(input_ids), params, self.eos_token_ids, priority=priority, lora_path=lora_path)
+        if mm_inputs is not None and len(mm_inputs.unpadded_input_ids) != len(input_ids):
+            raise ValueError(f"mm_inputs are of a {len(mm_inputs.unpadded_input_ids)}-token prompt, not of "
+                             f"input_ids' {len(input_ids)} tokens")
+        req = Req(rid, list(input_ids), params, self.eos_token_ids, priority=priority, lora_path=lora_path,
+                  mm_inputs=mm_inputs)
         self.scheduler.check_request(req)  # never queued if it could never be admitted
         req.pd_error = None
         return req
@@ -369,13 +378,14 @@ class PrefillWorker(_Worker):
         self._init_memory()
 
     async def prefill(self, rid: str, input_ids: List[int], sampling_params: Optional[Dict[str, Any]],
-                      handoffs: List[bytes], priority: int = 0, lora_path: Optional[str] = None) -> Dict[str, Any]:
+                      handoffs: List[bytes], priority: int = 0, lora_path: Optional[str] = None,
+                      mm_inputs: Optional[MultimodalInputs] = None) -> Dict[str, Any]:
         """Prefill and push; returns the completion notice the decode side needs. A broken worker
         (a TP rank gone, a transfer lane broken) raises ``WorkerBrokenError``, also for a request
         whose push failed on it: the worker's failure, not the request's (the client retries it)."""
         parsed = [KVHandoff.from_bytes(raw) for raw in handoffs]
         room = parsed[0].room if parsed else None  # the attempt: its decode reservation's room
-        req = await self._make_prefill_req(rid, input_ids, sampling_params, priority, room, lora_path)
+        req = await self._make_prefill_req(rid, input_ids, sampling_params, priority, room, lora_path, mm_inputs)
         if req.sampling_params.max_new_tokens == 0:
             raise ValueError("max_new_tokens 0 (a prompt scored only) has no decode side: see prefill_only")
         for handoff in parsed:  # reject what cannot be served before any work is done
@@ -410,28 +420,29 @@ class PrefillWorker(_Worker):
         }
 
     async def prefill_only(self, rid: str, input_ids: List[int], sampling_params: Optional[Dict[str, Any]],
-                           room: Optional[int] = None, priority: int = 0,
-                           lora_path: Optional[str] = None) -> Dict[str, Any]:
+                           room: Optional[int] = None, priority: int = 0, lora_path: Optional[str] = None,
+                           mm_inputs: Optional[MultimodalInputs] = None) -> Dict[str, Any]:
         """A prompt scored only (``max_new_tokens`` 0: prompt logprobs, say lm-evaluation-harness's
         loglikelihood): no decode worker takes part, so this worker prefills it, caches the prompt and
         ends it with finish ``length`` 0; returns its result as the engine does (``meta_info`` with
         ``input_token_logprobs``, ``cached_tokens``, ``prompt_tokens``...). ``room`` names the
         attempt, as a decode reservation's room does for :meth:`prefill` (aborts and load reports
         name it)."""
-        req = await self._make_prefill_req(rid, input_ids, sampling_params, priority, room, lora_path)
+        req = await self._make_prefill_req(rid, input_ids, sampling_params, priority, room, lora_path, mm_inputs)
         if req.sampling_params.max_new_tokens != 0:
             raise ValueError(f"prefill_only serves max_new_tokens 0 only, not {req.sampling_params.max_new_tokens}")
         req.pd_handoffs = []
         return await self._run_to_end(req)
 
     async def _make_prefill_req(self, rid: str, input_ids: List[int], sampling_params: Optional[Dict[str, Any]],
-                                priority: int, room: Optional[int], lora_path: Optional[str] = None) -> Req:
+                                priority: int, room: Optional[int], lora_path: Optional[str] = None,
+                                mm_inputs: Optional[MultimodalInputs] = None) -> Req:
         """Attempt ``room`` of ``rid``, made; refused while draining or broken, or once aborted."""
         if self.draining:
             raise PDRequestError("prefill worker is draining")
         self._raise_if_broken()
         # (made first: an abort that comes while its grammar compiles is seen below, before it is submitted)
-        req = await make_req_off_loop(self._make_req, sampling_params, rid, input_ids, priority, lora_path)
+        req = await make_req_off_loop(self._make_req, sampling_params, rid, input_ids, priority, lora_path, mm_inputs)
         if (rid, None) in self._cancelled or (rid, room) in self._cancelled:
             raise PDRequestError(f"request {rid!r} was aborted before its prefill started")
         req.pd_room = room
@@ -498,7 +509,7 @@ class DecodeWorker(_Worker):
 
     async def reserve(self, rid: str, input_ids: List[int], sampling_params: Optional[Dict[str, Any]],
                       backend: Optional[str] = None, room: Optional[int] = None, priority: int = 0,
-                      lora_path: Optional[str] = None) -> List[bytes]:
+                      lora_path: Optional[str] = None, mm_inputs: Optional[MultimodalInputs] = None) -> List[bytes]:
         """Wait for a request row and KV slots; returns one hand-off per decode rank (``lora_path``:
         the adapter its decode runs under, the prefill side's: its KV is that adapter's).
         ``backend``: how the prefill peer reaches us (default: this worker's first).
@@ -516,7 +527,8 @@ class DecodeWorker(_Worker):
         key = (rid, room)
         self._making.begin(key)  # (an abort while its grammar compiles marks it: seen below, before it is submitted)
         try:
-            req = await make_req_off_loop(self._make_req, sampling_params, rid, input_ids, priority, lora_path)
+            req = await make_req_off_loop(self._make_req, sampling_params, rid, input_ids, priority, lora_path,
+                                          mm_inputs)
         finally:
             aborted = self._making.end(key)
         if aborted:

@@ -20,9 +20,10 @@ ENDLESS = {"max_new_tokens": 1500, "temperature": 0, "ignore_eos": True}
 
 
 async def run_pd(prefill, decode, input_ids: List[int], params: Optional[Dict] = None, rid: Optional[str] = None,
-                 attempt: Optional[Dict] = None, priority: int = 0, lora_path: Optional[str] = None):
+                 attempt: Optional[Dict] = None, priority: int = 0, lora_path: Optional[str] = None, mm_inputs=None):
     """reserve → prefill + push → stream, both sides at ``priority`` under LoRA adapter
-    ``lora_path``; returns (final result, notice, hand-offs).
+    ``lora_path`` (an image request: ``input_ids`` padded, with their ``mm_inputs``); returns
+    (final result, notice, hand-offs).
     As ``cluster.pd_client`` does, the attempt's room is picked here and every abort names
     it; ``attempt`` gets it first (what a client that walks away knows)."""
     rid = rid or f"pd-{next(_rids)}"
@@ -30,10 +31,12 @@ async def run_pd(prefill, decode, input_ids: List[int], params: Optional[Dict] =
     room = random.getrandbits(63)
     if attempt is not None:
         attempt["room"] = room
-    handoffs = await decode.reserve(rid, input_ids, params, room=room, priority=priority, lora_path=lora_path)
+    handoffs = await decode.reserve(rid, input_ids, params, room=room, priority=priority, lora_path=lora_path,
+                                    mm_inputs=mm_inputs)
     assert KVHandoff.from_bytes(handoffs[0]).room == room
     try:
-        notice = await prefill.prefill(rid, input_ids, params, handoffs, priority, lora_path=lora_path)
+        notice = await prefill.prefill(rid, input_ids, params, handoffs, priority, lora_path=lora_path,
+                                       mm_inputs=mm_inputs)
     except BaseException:  # as the client does: make sure no push comes, then free the slots at once
         await prefill.abort(rid, room=room)
         await decode.abort(rid, safe=True, room=room)

@@ -1,7 +1,7 @@
 """Engine on the tiny Qwen2.5-VL: image prompts' greedy tokens (and logprobs) equal HF's
 ``Qwen2_5_VLForConditionalGeneration`` through one and two images, a batch mixed with text
 requests, chunked prefill cutting an image, prefix hits on the same image (ending after it
-and inside it) and misses on another, retraction, and TP 2; bad image input is refused."""
+and inside it) and misses on another, retraction, TP 2 and PD workers; bad image input is refused."""
 
 import asyncio
 import base64
@@ -14,10 +14,11 @@ import torch
 from PIL import Image
 
 from actors.engine import Engine
-from actors.engine.multimodal import MM_PAD_BASE
+from actors.engine.multimodal import MM_PAD_BASE, MultimodalProcessor
 from actors.engine.tiny import build_tiny_checkpoint
-from actors.engine.tokenizer import IMAGE_PAD_ID
+from actors.engine.tokenizer import IMAGE_PAD_ID, load_tokenizer
 from tests.parity import assert_greedy_parity
+from tests.pd_helpers import close_workers, make_pair, run_pd
 from tests.tp_helpers import thread_ranks
 
 MAX_NEW = 8
@@ -32,10 +33,10 @@ def image(height: int, width: int, seed: int) -> Image.Image:
     return Image.fromarray(np.random.RandomState(seed).randint(0, 256, (height, width, 3), dtype=np.uint8))
 
 
-def chat(engine: Engine, text: str, num_images: int = 1) -> str:
+def chat(tokenizer, text: str, num_images: int = 1) -> str:
     parts = [{"type": "image"}] * num_images + [{"type": "text", "text": text}]
-    return engine.tokenizer.apply_chat_template([{"role": "user", "content": parts}], tokenize=False,
-                                                add_generation_prompt=True)
+    return tokenizer.apply_chat_template([{"role": "user", "content": parts}], tokenize=False,
+                                         add_generation_prompt=True)
 
 
 def generate(engine: Engine, prompts, images, max_new_tokens: int = MAX_NEW):
@@ -59,18 +60,20 @@ def engine(model_dir):
 
 
 def test_one_image_equals_hf_and_the_image_matters(engine):
-    a, b = generate(engine, [chat(engine, "what is it?")] * 2, [[image(100, 150, 0)], [image(100, 150, 1)]])
+    a, b = generate(engine, [chat(engine.tokenizer, "what is it?")] * 2, [[image(100, 150, 0)], [image(100, 150, 1)]])
     # (112 x 140 pixels: 8 x 10 patches, 20 tokens)
-    assert a["meta_info"]["prompt_tokens"] == len(engine.tokenizer.encode(chat(engine, "what is it?"))) - 1 + 20
+    text_len = len(engine.tokenizer.encode(chat(engine.tokenizer, "what is it?")))
+    assert a["meta_info"]["prompt_tokens"] == text_len - 1 + 20
     assert a["meta_info"]["output_token_logprobs"] != b["meta_info"]["output_token_logprobs"]
 
 
 def test_two_images_of_different_sizes_in_one_prompt(engine):
-    generate(engine, [chat(engine, "compare", num_images=2)], [[image(60, 200, 2), image(150, 90, 3)]])
+    generate(engine, [chat(engine.tokenizer, "compare", num_images=2)], [[image(60, 200, 2), image(150, 90, 3)]])
 
 
 def test_a_batch_mixing_text_and_image_requests(engine):
-    prompts = [chat(engine, "plain text"), chat(engine, "one"), chat(engine, "two", 2), chat(engine, "text again")]
+    prompts = [chat(engine.tokenizer, "plain text"), chat(engine.tokenizer, "one"), chat(engine.tokenizer, "two", 2),
+               chat(engine.tokenizer, "text again")]
     generate(engine, prompts, [None, [image(90, 90, 4)], [image(56, 56, 5), image(120, 80, 6)], None])
 
 
@@ -80,7 +83,7 @@ def test_chunked_prefill_cuts_an_image_which_is_encoded_once(model_dir, monkeypa
     visual = engine.runner.model.visual
     monkeypatch.setattr(visual, "forward", lambda pixels, grid: encoded.append(grid) or type(visual).forward(
         visual, pixels, grid))
-    generate(engine, [chat(engine, "chunks", 2)], [[image(100, 150, 7), image(90, 90, 8)]])
+    generate(engine, [chat(engine.tokenizer, "chunks", 2)], [[image(100, 150, 7), image(90, 90, 8)]])
     assert encoded == [(1, 8, 10), (1, 6, 6)]  # (20 and 9 tokens over 8-token chunks: once each)
     engine.check_integrity()
     engine.shutdown()
@@ -89,7 +92,7 @@ def test_chunked_prefill_cuts_an_image_which_is_encoded_once(model_dir, monkeypa
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_the_same_image_hits_the_prefix_cache_and_another_does_not(model_dir, page_size):
     engine = Engine(model_dir, max_total_tokens=2048, page_size=page_size)
-    prompt = chat(engine, "same question")
+    prompt = chat(engine.tokenizer, "same question")
     image_start = engine.tokenizer.encode(prompt).index(IMAGE_PAD_ID)
     first, = generate(engine, [prompt], [[image(100, 150, 9)]])
     again, = generate(engine, [prompt], [[image(100, 150, 9)]])
@@ -107,9 +110,9 @@ def test_a_prefix_hit_ending_inside_an_image_computes_the_rest_of_it(model_dir):
     inside the image's 20 tokens; the rest of the image is embedded from its encoding."""
     engine = Engine(model_dir, max_total_tokens=2048, page_size=16)
     photo = image(100, 150, 11)
-    generate(engine, [chat(engine, "first question")], [[photo]])
-    out, = generate(engine, [chat(engine, "a second one")], [[photo]])
-    start = engine.tokenizer.encode(chat(engine, "a second one")).index(IMAGE_PAD_ID)
+    generate(engine, [chat(engine.tokenizer, "first question")], [[photo]])
+    out, = generate(engine, [chat(engine.tokenizer, "a second one")], [[photo]])
+    start = engine.tokenizer.encode(chat(engine.tokenizer, "a second one")).index(IMAGE_PAD_ID)
     assert start < out["meta_info"]["cached_tokens"] < start + 20
     engine.check_integrity()
     engine.shutdown()
@@ -117,7 +120,7 @@ def test_a_prefix_hit_ending_inside_an_image_computes_the_rest_of_it(model_dir):
 
 def test_retracted_image_requests_are_encoded_again(model_dir):
     engine = Engine(model_dir, max_total_tokens=160, max_running_requests=6, chunked_prefill_size=-1)
-    prompts = [chat(engine, f"q{i}") for i in range(6)]
+    prompts = [chat(engine.tokenizer, f"q{i}") for i in range(6)]
     generate(engine, prompts, [[image(56, 56, 20 + i)] for i in range(6)], max_new_tokens=40)
     assert engine.scheduler.num_retractions > 0
     engine.check_integrity()
@@ -127,7 +130,8 @@ def test_retracted_image_requests_are_encoded_again(model_dir):
 def test_tp2_equals_hf(model_dir, monkeypatch):
     thread_ranks(monkeypatch)
     engine = Engine(model_dir, max_total_tokens=2048, tp_size=2, chunked_prefill_size=16)
-    generate(engine, [chat(engine, "tp", 2), chat(engine, "text")], [[image(100, 150, 12), image(60, 60, 13)], None])
+    generate(engine, [chat(engine.tokenizer, "tp", 2), chat(engine.tokenizer, "text")],
+             [[image(100, 150, 12), image(60, 60, 13)], None])
     engine.check_integrity()
     engine.shutdown()
 
@@ -139,7 +143,7 @@ def test_every_image_form_is_the_same_image(engine, tmp_path):
     path = tmp_path / "photo.png"
     path.write_bytes(png.getvalue())
     url = "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
-    prompt = chat(engine, "forms")
+    prompt = chat(engine.tokenizer, "forms")
     outs = [engine.generate(prompt=prompt, image_data=[form], sampling_params={"max_new_tokens": MAX_NEW,
                                                                                 "temperature": 0})
             for form in (photo, png.getvalue(), str(path), url)]
@@ -148,7 +152,7 @@ def test_every_image_form_is_the_same_image(engine, tmp_path):
 
 
 def test_bad_image_input_is_a_value_error_and_loses_nothing(engine, tmp_path):
-    prompt = chat(engine, "bad")
+    prompt = chat(engine.tokenizer, "bad")
     with pytest.raises(ValueError, match="cannot be decoded"):
         engine.generate(prompt=prompt, image_data=[b"not an image"])
     with pytest.raises(ValueError, match="2 image\\(s\\) in image_data but 1 image pad token"):
@@ -168,16 +172,17 @@ def test_bad_image_input_is_a_value_error_and_loses_nothing(engine, tmp_path):
 
 def test_image_tokens_hold_pad_values_out_of_the_vocabulary(engine):
     """The prefix cache's keys: the image's tokens hold its pad value, the same for the same pixels."""
-    req = engine._make_req({}, chat(engine, "key"), None, None, image_data=[image(100, 150, 18)])
+    req = engine._make_req({}, chat(engine.tokenizer, "key"), None, None, image_data=[image(100, 150, 18)])
     pads = [t for t in req.origin_input_ids if t >= MM_PAD_BASE]
     assert len(pads) == 20 and len(set(pads)) == 1
     assert req.origin_input_ids_unpadded.count(IMAGE_PAD_ID) == 20 and max(req.origin_input_ids_unpadded) < MM_PAD_BASE
-    same = engine._make_req({}, chat(engine, "key"), None, None, image_data=[image(100, 150, 18)])
+    same = engine._make_req({}, chat(engine.tokenizer, "key"), None, None, image_data=[image(100, 150, 18)])
     assert same.origin_input_ids == req.origin_input_ids
 
 
 def test_async_generate_takes_images_and_a_follower_gets_them_without_rank_0s_embedding(engine):
-    prompt, images, params = chat(engine, "async"), [image(100, 150, 19)], {"max_new_tokens": MAX_NEW, "temperature": 0}
+    prompt, images = chat(engine.tokenizer, "async"), [image(100, 150, 19)]
+    params = {"max_new_tokens": MAX_NEW, "temperature": 0}
     want = engine.generate(prompt=prompt, image_data=images, sampling_params=params)
     got = asyncio.run(engine.async_generate(prompt=prompt, image_data=images, sampling_params=params))
     assert got["output_ids"] == want["output_ids"]
@@ -187,3 +192,20 @@ def test_async_generate_takes_images_and_a_follower_gets_them_without_rank_0s_em
     sent = pickle.loads(pickle.dumps(item))  # (what a TP follower's batch holds)
     assert sent.embedding is None and item.embedding is not None
     assert torch.equal(sent.pixel_values, item.pixel_values) and sent.grid_thw == item.grid_thw
+
+
+def test_image_requests_through_pd_workers_equal_hf(model_dir):
+    """The tokenizer side's padded prompt and mm_inputs go to both workers: the prefill worker encodes the
+    images over its chunks, the decode worker decodes at the M-RoPE delta; a second request on the same
+    image hits the prefill side's cache past it."""
+    prefill, decode = make_pair(model_dir, prefill_args=dict(chunked_prefill_size=8))
+    processor = MultimodalProcessor.for_model(model_dir, prefill.runner.model_config, prefill.runner.model)
+    tokenizer, params = load_tokenizer(model_dir), dict(max_new_tokens=MAX_NEW, temperature=0, return_logprob=True)
+    for text, images in (("pd", [image(100, 150, 30), image(90, 90, 31)]), ("again", [image(100, 150, 30)])):
+        prompt = tokenizer.encode(chat(tokenizer, text, len(images)))
+        ids, mm_inputs = processor.process(prompt, images)
+        final, notice, _ = asyncio.run(run_pd(prefill, decode, ids, params, mm_inputs=mm_inputs))
+        assert_greedy_parity(model_dir, [prompt], [final["output_ids"]], MAX_NEW, decode.eos_token_ids,
+                             logprobs=[[lp for lp, _ in final["meta_info"]["output_token_logprobs"]]], images=[images])
+    assert notice["cached_tokens"] > prompt.index(IMAGE_PAD_ID) + 20  # (the second: past its image)
+    close_workers(prefill, decode)

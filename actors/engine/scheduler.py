@@ -421,6 +421,8 @@ class Scheduler(PrefillAdmissionMixin, DecodeRetractionMixin, SpecDecodeMixin):
                     self.tree_cache.cache_unfinished_req(req)
                     self.chunked_req = req
                     continue
+                if req.mm_inputs is not None:  # its prompt is in the KV: its images' embeddings are done with
+                    req.mm_inputs.release_embeddings()
                 self._prefill_done(req, logits[rows[i]] if i in rows else None, picks.get(i))
                 out.append(req)
         finally:  # the group's frees happen even if a request failed: a failure path's frees are not parked
@@ -429,9 +431,7 @@ class Scheduler(PrefillAdmissionMixin, DecodeRetractionMixin, SpecDecodeMixin):
 
     def _prefill_done(self, req: Req, logits_row, pick: Optional[Pick] = None) -> None:
         """A request's whole prompt is in the KV: sample (``pick``, when the batch picked it
-        already), then cache or keep running. Its images' embeddings are dropped."""
-        if req.mm_inputs is not None:
-            req.mm_inputs.release_embeddings()
+        already), then cache or keep running."""
         if req.sampling_params.max_new_tokens == 0:
             req.finish({"type": "length", "length": 0})
         else:
