@@ -98,9 +98,8 @@ class _Worker:
             raise ValueError("the prompt is empty")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need the tokenizer (skip_tokenizer_init=True)")
-        if mm_inputs is not None and len(mm_inputs.unpadded_input_ids) != len(input_ids):
-            raise ValueError(f"mm_inputs are of a {len(mm_inputs.unpadded_input_ids)}-token prompt, not of "
-                             f"input_ids' {len(input_ids)} tokens")
+        if mm_inputs is not None:
+            mm_inputs.check_prompt(input_ids)
         req = Req(rid, list(input_ids), params, self.eos_token_ids, priority=priority, lora_path=lora_path,
                   mm_inputs=mm_inputs)
         self.scheduler.check_request(req)  # never queued if it could never be admitted

@@ -23,6 +23,7 @@ from typing import Any, AsyncIterator, Dict, List, Optional, Protocol
 from actors.engine.lora import lora_cache_key
 from actors.engine.memory_occupation import MemoryState, NotIdleError, parse_tags
 from actors.engine.model_loader import DEFAULT_WEIGHT_VERSION, get_context_length, load_config
+from actors.engine.multimodal import MultimodalInputs
 from actors.engine.weight_updates import (DRAIN_POLL_S, SUCCESS, UpdateWeightsRequest, named_tensors_source,
                                           on_meta)
 from actors.pd_scheduler import PDRequestError
@@ -44,10 +45,12 @@ class ServingBackend(Protocol):
     def draining(self) -> bool: ...
 
     def generate_stream(self, input_ids: List[int], sampling_params: Dict[str, Any], rid: str,
-                        priority: int = 0, lora_path: Optional[str] = None) -> AsyncIterator[Dict[str, Any]]:
+                        priority: int = 0, lora_path: Optional[str] = None,
+                        mm_inputs: Optional[MultimodalInputs] = None) -> AsyncIterator[Dict[str, Any]]:
         """A stream closed (or cancelled) before its last result stops the request on its workers:
         a client gone, an abort. A request sent while the weights are updated waits for the update's
-        end (admitted, in the server's requests: an abort ends it)."""
+        end (admitted, in the server's requests: an abort ends it). ``mm_inputs``: an image request's
+        (``input_ids`` its padded prompt), for both workers."""
 
     def routing_policy(self, role: str) -> str: ...
 
@@ -192,7 +195,7 @@ class PDBackend:
     def draining(self) -> bool:
         return bool(self.client.draining)
 
-    async def generate_stream(self, input_ids, sampling_params, rid, priority=0, lora_path=None):
+    async def generate_stream(self, input_ids, sampling_params, rid, priority=0, lora_path=None, mm_inputs=None):
         """The client's stream, once no weights update is under way (SGLang's model_update_lock, read
         side): a request runs on one checkpoint, its prefill's and its decode's (see
         :meth:`update_weights_from_disk`)."""
@@ -201,7 +204,7 @@ class PDBackend:
         self._num_streams += 1
         try:
             async with aclosing(self.client.generate_stream(input_ids, sampling_params, rid, priority,
-                                                            lora_path)) as results:
+                                                            lora_path, mm_inputs)) as results:
                 async for result in results:
                     yield result
         finally:

@@ -49,6 +49,24 @@ class ChatMessage(BaseModel):
     content: Union[str, List[Dict[str, Any]], None] = None
     tool_calls: Optional[List[MessageToolCall]] = None
 
+    def image_urls(self) -> List[str]:
+        """The URLs of the content's ``image_url`` parts (OpenAI's ``{"type": "image_url", "image_url":
+        {"url": ...}}``), in order."""
+        if not isinstance(self.content, list):
+            return []
+        parts = [part for part in self.content if part.get("type") == "image_url"]
+        return [(part.get("image_url") or {}).get("url", "") for part in parts]
+
+    def template_content(self) -> Union[str, List[Dict[str, Any]]]:
+        """The content as the template takes it: :meth:`text`, or with images its text and ``image_url``
+        parts as they came (a vision-language template writes an image's tokens for each)."""
+        if not self.image_urls():
+            return self.text()
+        refused = [part.get("type") for part in self.content if part.get("type") not in ("text", "image_url")]
+        if refused:
+            raise ValueError(f"content part type {refused[0]!r} is not supported (text and image_url only)")
+        return self.content
+
     def text(self) -> str:
         """The content as one string: text parts one per line, as vLLM joins them for a template
         that takes string content (``"Hello"`` and ``"world"`` are not ``"Helloworld"``)."""

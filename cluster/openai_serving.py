@@ -35,6 +35,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from jinja2 import TemplateError
 from pydantic import ValidationError
 
+from actors.engine.multimodal import MultimodalInputs, MultimodalProcessor
 from actors.engine.sampling_params import SamplingParams
 from cluster.aio import unless_set
 from cluster.api_errors import APIError, own_message
@@ -121,6 +122,8 @@ class GenerationService:
         self.resumed = asyncio.Event()  # clear while generation is paused
         self.resumed.set()
         self.num_paused = 0  # the requests waiting for it before admission
+        # a vision-language model's tokenizer side: a chat's image_url parts (None: a text model's server)
+        self.mm_processor = MultimodalProcessor.for_checkpoint(getattr(backend, "model_path", None))
 
     @property
     def _harmony(self) -> bool:
@@ -170,7 +173,7 @@ class GenerationService:
         # OpenAI's developer role is its system role; a template that knows no "developer" gets "system"
         developer = "developer" if "developer" in str(template) else "system"
         try:
-            messages = [template_message(dict(m.model_dump(exclude_none=True), content=m.text(),
+            messages = [template_message(dict(m.model_dump(exclude_none=True), content=m.template_content(),
                                               role=developer if m.role == "developer" else m.role))
                         for m in req.messages]
             tools = [tool.model_dump(exclude_none=True) for tool in req.tools] if req.tools else None
@@ -230,10 +233,12 @@ class GenerationService:
         return await unless_set(self.admission.acquire(), aborted, on_lost=lambda _: self.admission.release())
 
     def _streams(self, batch: List[Tuple[List[int], Dict[str, Any]]], n: int, rid: str, arrival: float,
-                 priority: int, lora_path: Optional[str], aborted: asyncio.Event):
+                 priority: int, lora_path: Optional[str], aborted: asyncio.Event,
+                 mm_inputs: Optional[MultimodalInputs] = None):
         """One request per choice: prompt ``p``'s sample ``i`` is choice ``p × n + i``, rid
         ``{rid}-{choice}`` (``rid`` itself for a lone choice), seeded ``seed + i`` as in vLLM
-        (n samples, not n copies; a prompt's choice 0 equals its n = 1 answer)."""
+        (n samples, not n copies; a prompt's choice 0 equals its n = 1 answer). ``mm_inputs``: a
+        lone prompt's images: the backend gets its padded prompt, the text its image tokens."""
         policies = {role: self.backend.routing_policy(role) for role in ("prefill", "decode")}
 
         def on_done(result, first_time):
@@ -247,15 +252,16 @@ class GenerationService:
             for i in range(n):
                 choice_rid = rid if lone else f"{rid}-{p * n + i}"
                 choice_params = dict(params, seed=None if seed is None else seed + i)
-                streams.append(self.backend.generate_stream(list(input_ids), choice_params, choice_rid, priority,
-                                                            lora_path))
+                prompt = list(input_ids) if mm_inputs is None else mm_inputs.padded_input_ids
+                streams.append(self.backend.generate_stream(prompt, choice_params, choice_rid, priority, lora_path,
+                                                            mm_inputs=mm_inputs))
                 texts.append(TextDelta(self.tokenizer, params["stop"], params["skip_special_tokens"], input_ids,
                                        params["include_stop_str_in_output"]))
         return run_choices(streams, texts, on_done, aborted)
 
     async def _run(self, batch, n, rid, arrival, stream_fn, final_fn, priority: int = 0,
                    stream_end: Optional[str] = DONE, lora_path: Optional[str] = None, request_id: str = "",
-                   own_rid: Optional[str] = None):
+                   own_rid: Optional[str] = None, mm_inputs: Optional[MultimodalInputs] = None):
         """Admit, run the choices of ``batch`` (``[(input_ids, params)]``, one per prompt) under LoRA
         adapter ``lora_path`` (None: the base model), and answer with JSON (``final_fn``) or SSE
         (``stream_fn``, then ``stream_end`` if any). A ``priority`` other than 0 is a 400 unless the
@@ -270,7 +276,7 @@ class GenerationService:
         events, admitted = None, False
         try:
             admitted = await self._admit(aborted)
-            events = self._streams(batch, n, rid, arrival, priority, lora_path, aborted)
+            events = self._streams(batch, n, rid, arrival, priority, lora_path, aborted, mm_inputs)
             first = await events.__anext__()
             first_time = time.perf_counter()
         except BaseException:
@@ -355,6 +361,9 @@ class GenerationService:
                            'the model names a channel and a recipient; use "auto" (or "none")', param="tool_choice")
         tool_calls = tool_calls_for(req, self.tool_call_parser)
         ids = self.chat_prompt(req)
+        mm_inputs = await self.image_inputs(req, ids)
+        if mm_inputs is not None:  # (the prompt with its images' tokens)
+            ids = mm_inputs.unpadded_input_ids
         with grammar_errors(req):
             params = self.openai_params(req, len(ids), req.requested_max_tokens, "messages")
             # a named or required tool choice constrains the whole output to its JSON: no thinking to split
@@ -372,7 +381,23 @@ class GenerationService:
                 fmt = reshape(fmt)
             return await self._run([(ids, params)], req.n, req.rid or internal_rid(fmt.id), arrival,
                                    fmt.chunks if req.stream else None, fmt.response, req.priority, fmt.stream_end,
-                                   lora_path=self.lora_path(req.model), request_id=request_id, own_rid=req.rid)
+                                   lora_path=self.lora_path(req.model), request_id=request_id, own_rid=req.rid,
+                                   mm_inputs=mm_inputs)
+
+    async def image_inputs(self, req: ChatCompletionRequest, ids: List[int]) -> Optional[MultimodalInputs]:
+        """The chat's ``image_url`` parts (data URLs), processed off the event loop as the engine's
+        ``image_data`` (each image's one pad token of ``ids`` expanded); None without images; 400 for
+        images to a text model, or images the engine would refuse."""
+        urls = [url for message in req.messages for url in message.image_urls()]
+        if not urls:
+            return None
+        if self.mm_processor is None:
+            raise APIError(400, "messages: image_url parts, but the served model is not a vision-language model",
+                           param="messages")
+        try:
+            return (await asyncio.to_thread(self.mm_processor.process, ids, urls))[1]
+        except ValueError as exc:
+            raise APIError(400, f"messages: {exc}", param="messages") from None
 
     async def generate(self, req: GenerateRequest, arrival: float, request_id: str):
         if req.lora_path is not None and req.lora_path not in self.backend.lora_modules:

@@ -41,7 +41,7 @@ class PDAttempts:
 
     async def _attempt(self, rid: str, input_ids: List[int], sampling_params: Optional[Dict[str, Any]],
                        exclude: Set[str], attempt: int = 0, priority: int = 0,
-                       lora_path: Optional[str] = None) -> AsyncIterator[Dict[str, Any]]:
+                       lora_path: Optional[str] = None, mm_inputs=None) -> AsyncIterator[Dict[str, Any]]:
         """Attempt ``attempt`` of ``rid`` on a pair outside ``exclude``; on its way out (however)
         it leaves nothing on either worker and releases its route."""
         prefill, decode, routed_room = await self._pick_pair(rid, input_ids, exclude, attempt, lora_path=lora_path)
@@ -63,7 +63,7 @@ class PDAttempts:
             try:
                 handoffs = await self._call(
                     decode, decode.handle.reserve.remote(rid, input_ids, sampling_params, backend, room, priority,
-                                                               lora_path),
+                                                               lora_path, mm_inputs),
                     self.bootstrap_timeout_s, rid)
             except BaseException:  # no prefill has its hand-offs: the slots can go back at once
                 decode_told = True
@@ -72,7 +72,7 @@ class PDAttempts:
             try:
                 notice = await self._call(
                     prefill, prefill.handle.prefill.remote(rid, input_ids, sampling_params, handoffs, priority,
-                                                                 lora_path),
+                                                                 lora_path, mm_inputs),
                     self.waiting_timeout_s, rid)
             except BaseException as exc:
                 decode_told = True  # (an unconfirmed stop quarantines the slots: nothing below may free them)
@@ -113,7 +113,7 @@ class PDAttempts:
 
     async def _prefill_only_attempt(self, rid: str, input_ids: List[int], sampling_params: Optional[Dict[str, Any]],
                                     exclude: Set[str], attempt: int = 0, priority: int = 0,
-                                    lora_path: Optional[str] = None) -> AsyncIterator[Dict[str, Any]]:
+                                    lora_path: Optional[str] = None, mm_inputs=None) -> AsyncIterator[Dict[str, Any]]:
         """Attempt ``attempt`` of a prompt scored only on a prefill worker outside ``exclude``, with no
         decode worker: its one result, the worker's. On its way out (however) it leaves nothing on
         the worker (a call that failed, timed out or was cancelled aborts its room) and releases
@@ -128,7 +128,7 @@ class PDAttempts:
             try:
                 out = await self._call(
                     prefill, prefill.handle.prefill_only.remote(rid, input_ids, sampling_params, room, priority,
-                                                                      lora_path),
+                                                                      lora_path, mm_inputs),
                     self.waiting_timeout_s, rid)
             except BaseException:
                 await self._stop_prefill(prefill, rid, room)

@@ -160,12 +160,13 @@ class PDClient(WorkerRotation, PDAttempts):
         return final
 
     async def generate_stream(self, input_ids: List[int], sampling_params: Optional[Dict[str, Any]] = None,
-                              rid: Optional[str] = None, priority: int = 0,
-                              lora_path: Optional[str] = None) -> AsyncIterator[Dict[str, Any]]:
+                              rid: Optional[str] = None, priority: int = 0, lora_path: Optional[str] = None,
+                              mm_inputs=None) -> AsyncIterator[Dict[str, Any]]:
         """Yield cumulative results as the decode worker produces tokens (a prompt scored only: the
         prefill worker's one result). ``priority`` orders the request in both workers' queues
         (their ``enable_priority_scheduling``); ``lora_path``: the LoRA adapter both workers run it
-        under (None: the base model)."""
+        under (None: the base model); ``mm_inputs``: an image request's (``input_ids`` padded: the
+        router routes by its images' pad values), sent to both workers."""
         if self.draining:
             raise PDRequestError("the cluster is draining: no new requests")
         rid = rid or uuid.uuid4().hex
@@ -181,7 +182,7 @@ class PDClient(WorkerRotation, PDAttempts):
                 delivered = False
                 try:
                     async with aclosing(attempt(rid, input_ids, sampling_params, failed, retry, priority,
-                                                 lora_path)) as outs:
+                                                 lora_path, mm_inputs)) as outs:
                         async for out in outs:
                             delivered = True
                             yield out

@@ -209,3 +209,36 @@ def test_image_requests_through_pd_workers_equal_hf(model_dir):
                              logprobs=[[lp for lp, _ in final["meta_info"]["output_token_logprobs"]]], images=[images])
     assert notice["cached_tokens"] > prompt.index(IMAGE_PAD_ID) + 20  # (the second: past its image)
     close_workers(prefill, decode)
+
+
+def test_a_chat_completion_with_image_url_parts_equals_the_engines_answer(engine):
+    """The server's tokenizer side processes the data URLs (the backend gets the padded prompt and the
+    images): the answer is the engine's own to the same image; a bad image is a 400."""
+    import httpx
+
+    from cluster.config import ServerConfig
+    from cluster.http_server import BackgroundServer
+    from cluster.server import build_app
+    from tests import test_openai_compat as compat
+
+    photo, png = image(100, 150, 40), io.BytesIO()
+    photo.save(png, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
+    want = engine.generate(prompt=chat(engine.tokenizer, "what?"), image_data=[photo],
+                           sampling_params={"max_new_tokens": MAX_NEW, "temperature": 0, "return_logprob": True})
+
+    def body(url):
+        return {"model": compat.MODEL, "max_tokens": MAX_NEW, "temperature": 0, "logprobs": True, "messages": [
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                         {"type": "text", "text": "what?"}]}]}
+
+    app = build_app(compat.EngineBackend(engine, 2048), engine.tokenizer, ServerConfig())
+    with BackgroundServer(app, "127.0.0.1", 0) as server:
+        r = httpx.post(server.url + "/v1/chat/completions", json=body(url), timeout=60)
+        assert r.status_code == 200, r.text
+        bad = httpx.post(server.url + "/v1/chat/completions", json=body("data:image/png;base64,AAAA"), timeout=60)
+    assert r.json()["choices"][0]["message"]["content"] == want["text"]
+    got = [t["logprob"] for t in r.json()["choices"][0]["logprobs"]["content"]]
+    assert got == pytest.approx([lp for lp, _ in want["meta_info"]["output_token_logprobs"]], abs=1e-5)
+    assert r.json()["usage"]["prompt_tokens"] == want["meta_info"]["prompt_tokens"]
+    assert bad.status_code == 400 and "cannot be decoded" in bad.json()["error"]["message"]

@@ -84,12 +84,12 @@ class EngineBackend(StubBackend):
     async def resume_memory_occupation(self, tags=None):
         await asyncio.to_thread(self.engine.resume_memory_occupation, tags)
 
-    async def generate_stream(self, input_ids, sampling_params, rid, priority=0, lora_path=None):
+    async def generate_stream(self, input_ids, sampling_params, rid, priority=0, lora_path=None, mm_inputs=None):
         finished = False
         try:
             async for result in await self.engine.async_generate(input_ids=input_ids, sampling_params=sampling_params,
                                                                  rid=rid, stream=True, priority=priority,
-                                                                 lora_path=lora_path):
+                                                                 lora_path=lora_path, image_data=mm_inputs):
                 finished = result["meta_info"]["finish_reason"] is not None
                 yield result
         finally:

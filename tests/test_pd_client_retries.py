@@ -48,21 +48,21 @@ class Worker:
             self.faults.hit.append(self)
             raise fault
 
-    async def reserve(self, rid, input_ids, params, backend, room, priority=0, lora_path=None):
+    async def reserve(self, rid, input_ids, params, backend, room, priority=0, lora_path=None, mm_inputs=None):
         self.calls.append(("reserve", rid, room))
         self.priorities.append(priority)
         self.lora_paths.append(lora_path)
         self._fail("reserve")
         return [room]  # (a real hand-off carries its room to the prefill side)
 
-    async def prefill(self, rid, input_ids, params, handoffs, priority=0, lora_path=None):
+    async def prefill(self, rid, input_ids, params, handoffs, priority=0, lora_path=None, mm_inputs=None):
         self.calls.append(("prefill", rid, handoffs[0]))
         self.priorities.append(priority)
         self.lora_paths.append(lora_path)
         self._fail("prefill")
         return {"room": handoffs[0], "cached_tokens": 0, "prefill_latency": 0.0}
 
-    async def prefill_only(self, rid, input_ids, params, room, priority=0, lora_path=None):
+    async def prefill_only(self, rid, input_ids, params, room, priority=0, lora_path=None, mm_inputs=None):
         self.calls.append(("prefill_only", rid, room))
         self.priorities.append(priority)
         self._fail("prefill_only")
@@ -577,7 +577,7 @@ def test_a_prompt_scored_only_that_never_answers_is_aborted_on_its_prefill_worke
     client, router, prefill, decode = cluster(1, 1, Faults(), waiting_timeout_s=0.2 if how == "timed out" else 30)
     called = asyncio.Event()
 
-    async def hang(rid, input_ids, params, room, priority=0, lora_path=None):
+    async def hang(rid, input_ids, params, room, priority=0, lora_path=None, mm_inputs=None):
         prefill[0].calls.append(("prefill_only", rid, room))
         called.set()
         await asyncio.sleep(10)

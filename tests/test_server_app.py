@@ -36,7 +36,7 @@ class ScriptedBackend(StubBackend):
         self.max_prompt_len = 63
         self.calls, self.rids, self.closed, self.priorities = [], [], [], []
 
-    async def generate_stream(self, input_ids, sampling_params, rid, priority=0, lora_path=None):
+    async def generate_stream(self, input_ids, sampling_params, rid, priority=0, lora_path=None, mm_inputs=None):
         if self.rids.count(rid) > self.closed.count(rid):
             raise ValueError(f"request {rid!r} is already routed")
         self.calls.append((list(input_ids), dict(sampling_params)))
@@ -213,7 +213,7 @@ def test_a_client_gone_mid_stream_lets_each_choices_stop_finish(served):
         model_name, context_len, max_prompt_len, vocab_size = "prefilling", 64, 63, 1000
         stops = {}
 
-        async def generate_stream(self, input_ids, sampling_params, rid, priority=0, lora_path=None):
+        async def generate_stream(self, input_ids, sampling_params, rid, priority=0, lora_path=None, mm_inputs=None):
             if rid.endswith("-0"):  # choice 0 streams; choice 1 is still in its prefill
                 yield {"output_ids": [0], "text": "a", "meta_info": {"prompt_tokens": 2, "completion_tokens": 1,
                                                                      "cached_tokens": 0, "finish_reason": None}}

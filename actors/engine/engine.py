@@ -31,7 +31,7 @@ from actors.engine.lora_updates import load_lora_adapter, unload_lora_adapter
 from actors.engine.memory_occupation import EngineMemory, parse_tags
 from actors.engine.model_loader import DEFAULT_WEIGHT_VERSION
 from actors.engine.model_runner import ModelRunner
-from actors.engine.multimodal import MultimodalProcessor
+from actors.engine.multimodal import MultimodalInputs, MultimodalProcessor
 from actors.engine.req import Req
 from actors.engine.sampling_params import SamplingParams
 from actors.engine.scheduler import Scheduler
@@ -205,8 +205,12 @@ class Engine:
         if image_data:
             if self.mm_processor is None:
                 raise ValueError(f"image_data: {self.config.model_path!r} is not a vision-language model")
-            images = image_data if isinstance(image_data, list) else [image_data]
-            input_ids, mm_inputs = self.mm_processor.process(list(input_ids), images)
+            if isinstance(image_data, MultimodalInputs):  # processed already (a server's): input_ids are padded
+                image_data.check_prompt(input_ids)
+                mm_inputs = image_data
+            else:
+                images = image_data if isinstance(image_data, list) else [image_data]
+                input_ids, mm_inputs = self.mm_processor.process(list(input_ids), images)
         req = Req(rid or f"req-{next(self._rids)}", list(input_ids), sampling, self.eos_token_ids, priority=priority,
                   lora_path=lora_path, mm_inputs=mm_inputs)
         self.scheduler.check_request(req)
@@ -227,7 +231,8 @@ class Engine:
         or one per request): the name of a LoRA adapter of ``lora_paths``, None for the base model.
         ``image_data`` (a vision-language model's, SGLang's): a request's images (a PIL image, bytes,
         a file path or a ``data:image/...;base64,`` URL each), one per ``<|image_pad|>`` of its prompt,
-        in order; for a batch, one such list (or None) per request."""
+        in order (or a tokenizer side's ``MultimodalInputs``, ``input_ids`` its padded prompt); for a
+        batch, one such list (or None) per request."""
         batched = isinstance(prompt, list) or (input_ids is not None and input_ids and isinstance(input_ids[0], list))
         n = len(prompt) if isinstance(prompt, list) else (len(input_ids) if batched else 1)
         prompts = prompt if isinstance(prompt, list) else [prompt] * n

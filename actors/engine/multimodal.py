@@ -96,6 +96,20 @@ class MultimodalInputs:
     mrope_position_delta: int
     unpadded_input_ids: List[int]
 
+    @property
+    def padded_input_ids(self) -> List[int]:
+        """The prompt as the cache keys it: each image's tokens its pad value."""
+        ids = list(self.unpadded_input_ids)
+        for item in self.images:
+            ids[item.offset:item.end] = [item.pad_value] * item.num_tokens
+        return ids
+
+    def check_prompt(self, input_ids: Sequence[int]) -> None:
+        """ValueError unless ``input_ids`` are this prompt, padded (a request made of processed inputs)."""
+        if list(input_ids) != self.padded_input_ids:
+            raise ValueError(f"the multimodal inputs are of another prompt than input_ids' (their padded prompt "
+                             f"has {len(self.unpadded_input_ids)} tokens, input_ids {len(input_ids)})")
+
     def images_in(self, start: int, end: int) -> List[ImageItem]:
         """The images with a token in ``[start, end)``."""
         return [item for item in self.images if item.offset < end and item.end > start]
@@ -127,10 +141,22 @@ class MultimodalProcessor:
 
     @classmethod
     def for_model(cls, model_path: str, config, model) -> Optional["MultimodalProcessor"]:
-        """The processor of a served vision-language model (one with an ``mrope_positions`` rule); None
-        for a text model."""
+        """The processor of a served vision-language model (one with an ``mrope_positions`` rule: the model or
+        its class); None for a text model."""
         rule = getattr(model, "mrope_positions", None)
         return None if rule is None else cls(model_path, config, rule)
+
+    @classmethod
+    def for_checkpoint(cls, model_path: Optional[str]) -> Optional["MultimodalProcessor"]:
+        """:meth:`for_model` of the checkpoint in ``model_path`` without its weights (a server's tokenizer
+        side); None for a text model or no path."""
+        from actors.engine.model_loader import load_config
+        from actors.engine.models import get_model_class
+
+        config = None if model_path is None else load_config(model_path)
+        if config is None or not hasattr(config, "vision_config"):
+            return None
+        return cls.for_model(model_path, config, get_model_class(config.architectures[0]))
 
     def __init__(self, model_path: str, config, mrope_positions: Callable):
         from transformers import AutoImageProcessor
