@@ -39,6 +39,7 @@ class Worker:
         self.calls: List[tuple] = []
         self.priorities: List[int] = []  # what each reserve or prefill call was given
         self.lora_paths: List[Optional[str]] = []  # ... and the adapter each was given
+        self.mm_inputs: List[Any] = []  # ... and the images
 
     def _fail(self, method: str) -> None:
         fault = self.faults.take(method)
@@ -52,6 +53,7 @@ class Worker:
         self.calls.append(("reserve", rid, room))
         self.priorities.append(priority)
         self.lora_paths.append(lora_path)
+        self.mm_inputs.append(mm_inputs)
         self._fail("reserve")
         return [room]  # (a real hand-off carries its room to the prefill side)
 
@@ -59,6 +61,7 @@ class Worker:
         self.calls.append(("prefill", rid, handoffs[0]))
         self.priorities.append(priority)
         self.lora_paths.append(lora_path)
+        self.mm_inputs.append(mm_inputs)
         self._fail("prefill")
         return {"room": handoffs[0], "cached_tokens": 0, "prefill_latency": 0.0}
 
@@ -147,9 +150,9 @@ def cluster(num_prefill: int, num_decode: int, faults: Faults, with_router: bool
 
 
 async def collect(client: PDClient, rid: str = "r", outs: Optional[list] = None, priority: int = 0,
-                  params: Dict[str, Any] = PARAMS, lora_path: Optional[str] = None) -> list:
+                  params: Dict[str, Any] = PARAMS, lora_path: Optional[str] = None, mm_inputs=None) -> list:
     outs = [] if outs is None else outs
-    async for out in client.generate_stream([1, 2, 3, 4, 5, 6, 7, 8, 9], params, rid, priority, lora_path):
+    async for out in client.generate_stream([1, 2, 3, 4, 5, 6, 7, 8, 9], params, rid, priority, lora_path, mm_inputs):
         outs.append(out)
     return outs
 
@@ -318,10 +321,10 @@ class LosingRouter:
         await self.router.release(*args)
 
 
-def test_a_retried_request_keeps_its_priority_and_adapter_on_both_sides():
-    """``priority`` and ``lora_path`` reach the decode reservation and the prefill of every attempt
-    (the retry after a lost prefill worker queues as the first attempt did), and the router
-    matches the prompt's prefix under the adapter (its ``extra_key``) on each."""
+def test_a_retried_request_keeps_its_priority_adapter_and_images_on_both_sides():
+    """``priority``, ``lora_path`` and ``mm_inputs`` (an image request's) reach the decode reservation and
+    the prefill of every attempt (the retry after a lost prefill worker queues as the first attempt did),
+    and the router matches the prompt's prefix under the adapter (its ``extra_key``) on each."""
     client, router, prefill, decode = cluster(2, 2, Faults(prefill=[ActorDiedError()]))
     route, extra_keys = router.route, []
 
@@ -330,11 +333,13 @@ def test_a_retried_request_keeps_its_priority_and_adapter_on_both_sides():
         return route(rid, input_ids, extra_key, *rest)
 
     router.route = recording
-    outs = asyncio.run(collect(client, priority=7, lora_path="sql"))
+    images = object()  # (a request's MultimodalInputs: passed as they are)
+    outs = asyncio.run(collect(client, priority=7, lora_path="sql", mm_inputs=images))
     assert len(outs[-1]["output_ids"]) == 3 and client.num_retries == 1
     given = [p for w in prefill + decode for p in w.priorities]
     assert len(given) == 4 and set(given) == {7}  # two reservations, two prefills
     assert [a for w in prefill + decode for a in w.lora_paths] == ["sql"] * 4 and extra_keys == ["sql", "sql"]
+    assert [m for w in prefill + decode for m in w.mm_inputs] == [images] * 4
     assert_clean(client, router)
 
 
