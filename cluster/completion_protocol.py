@@ -115,6 +115,8 @@ class GenerateRequest(BaseModel):
     priority: int = Field(0, description="SGLang's: scheduling priority (needs enable_priority_scheduling unless 0)")
     lora_path: Optional[str] = Field(None, description="SGLang's: the name of a served LoRA adapter (None: the base "
                                      "model)")
+    image_data: Union[None, str, List[str]] = Field(None, description="SGLang's: the prompt's images, one per image "
+                                                    "pad token, as data URLs (a vision-language model's)")
 
     @model_validator(mode="after")
     def _one_prompt(self):

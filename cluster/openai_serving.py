@@ -361,7 +361,7 @@ class GenerationService:
                            'the model names a channel and a recipient; use "auto" (or "none")', param="tool_choice")
         tool_calls = tool_calls_for(req, self.tool_call_parser)
         ids = self.chat_prompt(req)
-        mm_inputs = await self.image_inputs(req, ids)
+        mm_inputs = await self.image_inputs(ids, [url for m in req.messages for url in m.image_urls()], "messages")
         if mm_inputs is not None:  # (the prompt with its images' tokens)
             ids = mm_inputs.unpadded_input_ids
         with grammar_errors(req):
@@ -384,20 +384,22 @@ class GenerationService:
                                    lora_path=self.lora_path(req.model), request_id=request_id, own_rid=req.rid,
                                    mm_inputs=mm_inputs)
 
-    async def image_inputs(self, req: ChatCompletionRequest, ids: List[int]) -> Optional[MultimodalInputs]:
-        """The chat's ``image_url`` parts (data URLs), processed off the event loop as the engine's
-        ``image_data`` (each image's one pad token of ``ids`` expanded); None without images; 400 for
-        images to a text model, or images the engine would refuse."""
-        urls = [url for message in req.messages for url in message.image_urls()]
+    async def image_inputs(self, ids: List[int], urls: List[str], param: str) -> Optional[MultimodalInputs]:
+        """A prompt's images (``urls``: data URLs; a path or any other URL is refused, the server reads
+        no file and fetches nothing), processed off the event loop as the engine's ``image_data`` (each
+        image's one pad token of ``ids`` expanded); None without images; 400 for images to a text model,
+        or images the engine would refuse."""
         if not urls:
             return None
         if self.mm_processor is None:
-            raise APIError(400, "messages: image_url parts, but the served model is not a vision-language model",
-                           param="messages")
+            raise APIError(400, f"{param}: images, but the served model is not a vision-language model", param=param)
+        if not all(url.startswith("data:") for url in urls):
+            raise APIError(400, f"{param}: images are taken as data URLs (data:image/...;base64,...) only",
+                           param=param)
         try:
             return (await asyncio.to_thread(self.mm_processor.process, ids, urls))[1]
         except ValueError as exc:
-            raise APIError(400, f"messages: {exc}", param="messages") from None
+            raise APIError(400, f"{param}: {exc}", param=param) from None
 
     async def generate(self, req: GenerateRequest, arrival: float, request_id: str):
         if req.lora_path is not None and req.lora_path not in self.backend.lora_modules:
@@ -405,6 +407,10 @@ class GenerationService:
             raise APIError(400, f"lora_path: unknown LoRA adapter '{req.lora_path}'; loaded: {loaded}",
                            param="lora_path")
         ids = self.encode(req.text, "text") if req.text is not None else self.token_ids(req.input_ids, "input_ids")
+        images = [req.image_data] if isinstance(req.image_data, str) else req.image_data or []
+        mm_inputs = await self.image_inputs(ids, images, "image_data")
+        if mm_inputs is not None:  # (the prompt with its images' tokens)
+            ids = mm_inputs.unpadded_input_ids
         params = dict(req.sampling_params)
         if req.return_logprob:
             params.update(return_logprob=True, top_logprobs_num=req.top_logprobs_num,
@@ -418,4 +424,4 @@ class GenerationService:
 
         return await self._run([(ids, params)], 1, rid, arrival, native if req.stream else None,
                                lambda events: events[-1].result, req.priority, lora_path=req.lora_path,
-                               request_id=request_id, own_rid=req.rid)
+                               request_id=request_id, own_rid=req.rid, mm_inputs=mm_inputs)

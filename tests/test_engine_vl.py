@@ -211,9 +211,10 @@ def test_image_requests_through_pd_workers_equal_hf(model_dir):
     close_workers(prefill, decode)
 
 
-def test_a_chat_completion_with_image_url_parts_equals_the_engines_answer(engine):
-    """The server's tokenizer side processes the data URLs (the backend gets the padded prompt and the
-    images): the answer is the engine's own to the same image; a bad image is a 400."""
+def test_chat_completions_and_generate_with_images_equal_the_engines_answer(engine):
+    """The server's tokenizer side processes the data URLs of a chat's image_url parts and of /generate's
+    image_data (the backend gets the padded prompt and the images): the answer is the engine's own to the
+    same image; a bad image, or one not in a data URL (a path: the server reads no file), is a 400."""
     import httpx
 
     from cluster.config import ServerConfig
@@ -237,8 +238,15 @@ def test_a_chat_completion_with_image_url_parts_equals_the_engines_answer(engine
         r = httpx.post(server.url + "/v1/chat/completions", json=body(url), timeout=60)
         assert r.status_code == 200, r.text
         bad = httpx.post(server.url + "/v1/chat/completions", json=body("data:image/png;base64,AAAA"), timeout=60)
+        path = httpx.post(server.url + "/v1/chat/completions", json=body("/etc/hostname"), timeout=60)
+        native = httpx.post(server.url + "/generate", json={
+            "text": chat(engine.tokenizer, "what?"), "image_data": [url],
+            "sampling_params": {"max_new_tokens": MAX_NEW, "temperature": 0}}, timeout=60)
     assert r.json()["choices"][0]["message"]["content"] == want["text"]
     got = [t["logprob"] for t in r.json()["choices"][0]["logprobs"]["content"]]
     assert got == pytest.approx([lp for lp, _ in want["meta_info"]["output_token_logprobs"]], abs=1e-5)
     assert r.json()["usage"]["prompt_tokens"] == want["meta_info"]["prompt_tokens"]
     assert bad.status_code == 400 and "cannot be decoded" in bad.json()["error"]["message"]
+    assert path.status_code == 400 and "data URLs" in path.json()["error"]["message"]
+    assert native.status_code == 200, native.text
+    assert native.json()["output_ids"] == want["output_ids"]
