@@ -95,10 +95,10 @@ class ModelConfig(BaseModel):
     def _known_family(cls, family: Optional[str]) -> Optional[str]:
         if family is None:
             return None
-        from actors.engine.tiny import FAMILIES  # imports torch: only when a builtin is asked for
+        from actors.engine.tiny import FAMILIES, VL_FAMILIES  # imports torch: only when a builtin is asked for
 
-        if family not in FAMILIES:
-            raise _invalid("unknown_family", f"unknown family {family!r}; known: {', '.join(FAMILIES)}")
+        if family not in FAMILIES + VL_FAMILIES:
+            raise _invalid("unknown_family", f"unknown family {family!r}; known: {', '.join(FAMILIES + VL_FAMILIES)}")
         return family
 
     @model_validator(mode="after")

@@ -169,6 +169,10 @@ def test_errors_name_the_field(tmp_path, dotted, value, expected):
     assert expected in _load_errors(tmp_path, _set(_base(), dotted, value))
 
 
+def test_the_builtin_model_may_be_the_tiny_qwen2_5_vl():
+    assert parse_config(_set(_base(), "model.builtin", "qwen2_5_vl")).model.name == "tiny-qwen2_5_vl"
+
+
 def test_data_transport_and_keepalives_reach_the_torch_dist_agents():
     from transfer.backends.dist_data import DATA_TRANSPORTS
 
