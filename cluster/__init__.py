@@ -10,8 +10,8 @@ and the ``raydix`` command-line interface (``cli``).
 The app's endpoints: completions and chat (``openai_serving``; their bodies in
 ``completion_protocol`` and ``chat_protocol``, what they share in
 ``openai_protocol``), with tool calls (``tool_calls``, their parsers in
-``tool_parsers``, ``model_tool_parsers`` and ``pythonic_tool_parsers``, their JSON arguments
-streamed by ``json_stream``) and reasoning parsers (``reasoning``; GPT-OSS's Harmony for both in
+``tool_parsers``, ``model_tool_parsers`` and ``pythonic_tool_parsers``, their arguments
+streamed by ``json_stream`` and ``python_stream``) and reasoning parsers (``reasoning``; GPT-OSS's Harmony for both in
 ``harmony``); the Responses API
 (``openai_responses``, ``responses_format``, ``responses_store``); ``/tokenize``
 and ``/detokenize`` (``openai_tokenization``); ``/v1/embeddings``

@@ -25,7 +25,7 @@ def json_text(value: Any) -> Optional[str]:
         return None
 
 
-def _dumped(text: str) -> str:
+def json_chars(text: str) -> str:
     """A string's characters as ``json.dumps`` writes them inside the quotes."""
     return json.dumps(text, ensure_ascii=False)[1:-1]
 
@@ -126,7 +126,7 @@ class JsonStream:
             if c not in _ESCAPES:
                 raise ValueError(f"no JSON escape \\{c}")
             self.escape = ""
-            return _dumped(_ESCAPES[c])
+            return json_chars(_ESCAPES[c])
         if len(escape) <= 6 or len(escape) >= 9:  # (\uXXXX, or the \uXXXX after a high surrogate)
             if len(escape) > 2 and c not in _HEX:
                 raise ValueError("a \\u escape without 4 hex digits")
@@ -135,7 +135,7 @@ class JsonStream:
                 return self._pair(escape)
             if len(escape) == 6 and not 0xD800 <= int(escape[2:], 16) <= 0xDBFF:
                 self.escape = ""
-                return _dumped(chr(int(escape[2:], 16)))
+                return json_chars(chr(int(escape[2:], 16)))
             return ""
         if escape[6:] in ("\\", "\\u"):  # (a high surrogate's pair may follow)
             self.escape = escape
@@ -148,12 +148,12 @@ class JsonStream:
         if not 0xDC00 <= low <= 0xDFFF:
             return self._lone(escape)
         self.escape = ""
-        return _dumped(chr(0x10000 + ((high - 0xD800) << 10) + (low - 0xDC00)))
+        return json_chars(chr(0x10000 + ((high - 0xD800) << 10) + (low - 0xDC00)))
 
     def _lone(self, escape: str) -> str:
         """A high surrogate alone, then what followed its escape read afresh (json.loads' reading)."""
         self.escape = ""
-        return _dumped(chr(int(escape[2:6], 16))) + "".join(self._string(c) for c in escape[6:])
+        return json_chars(chr(int(escape[2:6], 16))) + "".join(self._string(c) for c in escape[6:])
 
 
 class CallObject:

@@ -1,49 +1,97 @@
 """The pythonic tool-call formats (vLLM's ``pythonic`` and ``llama4_pythonic``): calls written as a
-Python list, ``[get_weather(city="Paris"), add(a=1)]``, read by ``ast`` (never run). The contract
-is :class:`cluster.tool_parsers.ToolCallParser`'s; the arguments are Python literals, not JSON
-text, so a call comes whole, once its list closes.
+Python list, ``[get_weather(city="Paris"), add(a=1)]``, read a character at a time (never run). The
+contract is :class:`cluster.tool_parsers.ToolCallParser`'s; as vLLM streams them, a call is sent
+once named (at its ``(``) and its arguments grow as the model writes them, the Python literals
+written as JSON (:class:`cluster.python_stream.PythonLiteral`).
 """
 
 from __future__ import annotations
 
-import ast
+import json
+import keyword
+import unicodedata
 from typing import List, Optional
 
-from cluster.json_stream import JSON_SPACE, json_text
+from cluster.json_stream import JSON_SPACE
+from cluster.python_stream import PYTHON_SPACE, PythonLiteral
 from cluster.tool_parsers import SpacedContent, ToolCallParser
 
 
-def _python_list(text: str) -> Optional[ast.List]:
-    """``text`` as a whole Python list expression (read by ``ast``, never run); None if it is not one."""
-    try:
-        tree = ast.parse(text.lstrip(JSON_SPACE), mode="eval").body
-    except (SyntaxError, ValueError, RecursionError, MemoryError):
-        return None
-    return tree if isinstance(tree, ast.List) else None
+def _identifier(name: str) -> str:
+    """A name as Python reads it (NFKC-normalized); ValueError for a keyword (``if(a=1)``)."""
+    name = unicodedata.normalize("NFKC", name)
+    if keyword.iskeyword(name):
+        raise ValueError(f"a keyword for a name: {name}")
+    return name
 
 
-def _pythonic_calls(tree: ast.List) -> Optional[List[List[str]]]:
-    """``[f(a=1), g()]``'s calls, each argument a literal as JSON; None if the list is not such
-    calls (empty, positional arguments, a call's call, ``**kwargs``, a name for a value...)."""
-    if not tree.elts:
-        return None
-    calls = []
-    for node in tree.elts:
-        if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.args:
-            return None
-        arguments = {}
-        for keyword in node.keywords:
-            if keyword.arg is None:
-                return None
-            try:
-                arguments[keyword.arg] = ast.literal_eval(keyword.value)
-            except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):
-                return None
-        arguments_text = json_text(arguments)
-        if arguments_text is None:
-            return None
-        calls.append([node.func.id, arguments_text])
-    return calls
+class CallList:
+    """A list of calls, ``[f(a=1), g()]``, read a character at a time; ``calls`` takes them. A call
+    is committed, ``[name, "{"]`` appended to ``calls``, at its ``(``; each keyword argument then
+    adds ``"key": `` at its ``=`` and its value as :class:`PythonLiteral` writes it, and the call's
+    ``)`` its ``}``, so a call's arguments add up to ``json.dumps`` of its keyword arguments' values.
+    ``broken``: a character the list cannot go on with came (a positional argument, ``**kwargs``, a
+    name for a value, an empty list...); the calls committed keep the arguments they had (so do
+    those the output cuts short), as a vLLM stream does. A keyword given twice is written twice."""
+
+    def __init__(self, calls: List[List[str]]):
+        self.calls, self.first = calls, len(calls)
+        self.expect = "["  # then "call" (a name or "]"), "name", "(", "argument" (a keyword or ")"),
+        # "keyword", "=", "value", "comma" ("," or ")"), "next" ("," or "]"), "done"
+        self.name = ""  # the name being read, a call's or a keyword's
+        self.value: Optional[PythonLiteral] = None
+        self.broken = False
+
+    @property
+    def done(self) -> bool:
+        return self.expect == "done"
+
+    @property
+    def called(self) -> bool:
+        return len(self.calls) > self.first
+
+    def step(self, c: str) -> None:
+        try:
+            self._step(c)
+        except ValueError:
+            self.broken = True
+
+    def _step(self, c: str) -> None:
+        expect = self.expect
+        if expect == "value":
+            if self.value.takes(c):
+                self.calls[-1][1] += self.value.step(c)
+                self.expect = "comma" if self.value.done else "value"
+                return
+            self.calls[-1][1] += self.value.end()
+            expect = self.expect = "comma"
+        if expect in ("name", "keyword") and (self.name + c).isidentifier():
+            self.name += c
+        elif c in PYTHON_SPACE:
+            self.expect = {"name": "(", "keyword": "="}.get(expect, expect)
+        elif expect in ("call", "argument") and c.isidentifier():
+            self.name, self.expect = c, "name" if expect == "call" else "keyword"
+        elif expect == "[" and c == "[":
+            self.expect = "call"
+        elif expect == "call" and c == "]" and self.called:  # (after a trailing comma; [] is no calls)
+            self.expect = "done"
+        elif expect in ("name", "(") and c == "(":
+            self.calls.append([_identifier(self.name), "{"])
+            self.expect = "argument"
+        elif expect in ("keyword", "=") and c == "=":
+            written = self.calls[-1][1] != "{"
+            key = json.dumps(_identifier(self.name), ensure_ascii=False)
+            self.calls[-1][1] += (", " if written else "") + key + ": "
+            self.value, self.expect = PythonLiteral(), "value"
+        elif expect == "comma" and c == ",":
+            self.expect = "argument"
+        elif expect in ("argument", "comma") and c == ")":
+            self.calls[-1][1] += "}"
+            self.expect = "next"
+        elif expect == "next" and c in ",]":
+            self.expect = "call" if c == "," else "done"
+        else:
+            raise ValueError(f"a call list cannot go on with {c!r}")
 
 
 def _past_tag(text: str, tag: str) -> Optional[str]:
@@ -57,18 +105,20 @@ def _past_tag(text: str, tag: str) -> Optional[str]:
 
 class PythonicParser(ToolCallParser):
     """The pythonic calls of Llama 3.2 and others (vLLM's ``pythonic``): an output that opens, past
-    whitespace, with ``[`` is held until a ``]`` closes a Python list; a list of calls with keyword
-    arguments, literals only (``[get_weather(city="Paris"), add(a=1)]``), is the calls, any other
-    text (or a list cut short) content as written. vLLM needs the whole output to be the list; here
-    text after it is content. The arguments are Python, not JSON text: the calls come whole, at the
-    list's end. ``START``, ``END``: tags around the list (Llama 4's), dropped."""
+    whitespace, with ``[`` is read as a list of calls with keyword arguments, literals only
+    (``[get_weather(city="Paris"), add(a=1)]``, :class:`CallList`), any other text content as
+    written. Until a call is committed the list is held: one that breaks (``[1, 2]``) or that the
+    output cuts short is content as written; after, the text from the character that broke it is
+    content. vLLM needs the whole output to be the list; here text after it is content. ``START``,
+    ``END``: tags around the list (Llama 4's), dropped."""
 
     START = END = ""
 
     def __init__(self):
         super().__init__()
-        self.state = "opening"  # then the "list" held, "closing" (its END tag), "after" it (or with none): content
-        self.held = ""
+        self.state = "opening"  # then the "list" read, "closing" (its END tag), "after" it (or with none): content
+        self.held = ""  # the opening's or closing's text while undecided; the list's until it has a call
+        self.list: Optional[CallList] = None
         self.content = SpacedContent()
 
     def feed(self, text: str) -> str:
@@ -80,26 +130,21 @@ class PythonicParser(ToolCallParser):
                 return ""
             if self.state == "closing":
                 self.state, text = "after", past
+            elif past.lstrip(JSON_SPACE).startswith("["):
+                self.state, self.list, text = "list", CallList(self.calls), past
             else:
-                self.state = "list" if past.lstrip(JSON_SPACE).startswith("[") else "after"
-                text = past if self.state == "list" else text
+                self.state = "after"
         if self.state == "after":
             return self.content.text(text)
-        start = len(self.held)
-        self.held += text
-        end = self.held.find("]", start)
-        while end >= 0:
-            tree = _python_list(self.held[:end + 1])
-            if tree is not None:
-                body, rest = self.held[:end + 1], self.held[end + 1:]
-                self.held, self.state = "", "after"
-                calls = _pythonic_calls(tree)
-                if calls is None:
-                    return self.content.text(body + rest)
-                self.calls.extend(calls)
-                self.state = "closing" if self.END else "after"
-                return self.feed(rest)
-            end = self.held.find("]", end + 1)
+        for i, c in enumerate(text):
+            self.list.step(c)
+            if self.list.broken:  # (content: the list as written if it had no call, else from here)
+                body, self.held, self.state = self.held + text if not self.list.called else text[i:], "", "after"
+                return self.content.text(body)
+            if self.list.done:
+                self.held, self.state = "", "closing" if self.END else "after"
+                return self.feed(text[i + 1:])
+        self.held = self.held + text if not self.list.called else ""
         return ""
 
     def finish(self) -> str:

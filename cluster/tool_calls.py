@@ -18,8 +18,9 @@ an assistant's calls (:func:`template_message`) and :class:`ToolCalls`, which re
 through a parser of :mod:`cluster.tool_parsers` into OpenAI's shapes; as a parser fed in pieces
 gives what it gives fed whole, a streamed choice's fragments add up to its non-streamed message.
 Arguments of the constrained modes are the model's own text, not re-serialized: they stream as the
-value grows, and what streamed is what the message holds; the "auto" formats' JSON arguments stream
-as they grow too, written as ``json.dumps`` writes them (:mod:`cluster.json_stream`).
+value grows, and what streamed is what the message holds; the "auto" formats' arguments stream as
+they grow too, written as ``json.dumps`` writes them (:mod:`cluster.json_stream`; the pythonic
+formats' Python literals, :mod:`cluster.python_stream`).
 """
 
 from __future__ import annotations

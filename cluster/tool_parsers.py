@@ -11,8 +11,9 @@ it whole (non-streamed is one piece through the same code), so a streamed choice
 add up to its non-streamed message. A call's arguments grow as the model writes them (vLLM's
 streaming): the JSON formats commit a call once it is named and its arguments begin, and write
 the arguments as ``json.dumps`` writes their value (:class:`cluster.json_stream.CallObject`), what
-could still change held back; a committed call stays one, so a call the output breaks or cuts
-short keeps the arguments it had (not JSON), as a vLLM stream does.
+could still change held back; the pythonic ones commit a call at its ``(`` and write its Python
+literals so (:class:`cluster.python_stream.PythonLiteral`); a committed call stays one, so a call
+the output breaks or cuts short keeps the arguments it had (not JSON), as a vLLM stream does.
 """
 
 from __future__ import annotations

@@ -49,8 +49,14 @@ PYTHONIC_TEXTS = [
     ("\n [add()]\n", "", [["add", "{}"]]),
     ("[add(a=1)] then text", " then text", [["add", '{"a": 1}']]),  # (vLLM: all content)
     ("[1, 2] is a list", "[1, 2] is a list", []),
-    *[(text, text, []) for text in (  # positional, a name, **kwargs, a set, none, cut short, not opening
-        "[add(1)]", "[add(a=x)]", "[add(**k)]", "[add(a={1})]", "[]", "[add(a=1), g(", "Sure: [add(a=1)]")],
+    *[(text, text, []) for text in (  # none, no plain name, a keyword, cut short before "(", not opening
+        "[]", "[math.add(a=1)]", "[if(a=1)]", "[add ", "Sure: [add(a=1)]")],
+    *[(cut(text), content, calls) for text, content, calls in (  # broken once called: content from there
+        ("[add(1)]", "1)]", [["add", "{"]]),  # (positional)
+        ("[add(a=x)] ok", ")] ok", [["add", '{"a": ']]),  # (a name for a value)
+        ("[add(**k)]", "**k)]", [["add", "{"]]),
+        ("[add(a={1})]", "})]", [["add", '{"a": {']]),  # (a set)
+        ("[add(a=1), g(b='x", "", [["add", '{"a": 1}'], ["g", '{"b": "x']]))],  # (cut short)
 ]
 CODER = '<tool_call>\n<function={}>\n{}</function>\n</tool_call>'
 

@@ -304,12 +304,13 @@ def test_a_text_has_the_tokens_it_overlaps_after_the_last_texts():
 
 class _ChatSteps:
     """A chat formatter's streamed steps as ResponsesFormatter reads them: each step's delta of
-    choice 0, from a hermes ToolCalls fed ``pieces`` (a piece: a step's text, maybe several tokens')."""
+    choice 0, from a ToolCalls of the ``parser`` fed ``pieces`` (a piece: a step's text, maybe
+    several tokens')."""
 
     req = SimpleNamespace(model=MODEL)
 
-    def __init__(self, pieces):
-        calls = ToolCalls(lambda: TOOL_CALL_PARSERS["hermes"](()), calls_finish=True)
+    def __init__(self, pieces, parser="hermes"):
+        calls = ToolCalls(lambda: TOOL_CALL_PARSERS[parser](()), calls_finish=True)
         self.deltas = []
         for i, piece in enumerate(pieces):
             content, tool_calls = calls.delta(0, piece, i == len(pieces) - 1)
@@ -323,19 +324,42 @@ class _ChatSteps:
         return {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2, "prompt_tokens_details": None}
 
 
+def _stream_events(steps):
+    """The Responses events of ``steps``, each a step, then the stream's end."""
+    formatter = ResponsesFormatter(steps, {}, SimpleNamespace(encode=lambda text, add_special_tokens: list(text)),
+                                   lambda response: None)
+    return [e for _ in range(len(steps.deltas)) for e in formatter.chunks(object())] + formatter.chunks(None)
+
+
 def test_a_calls_last_arguments_and_the_text_after_it_in_one_step_stream_in_their_order():
     """A step whose text ends a call and goes on past it (several tokens at once): the call's item
     takes the rest of its arguments before it is done, then the message item opens (not a
     function_call item of no call with the arguments' tail, the call's own done without it)."""
-    steps = _ChatSteps(['Sure.<tool_call>\n{"name": "add", "arguments": {"a": ', '7}}\n</tool_call>\nDone.'])
-    formatter = ResponsesFormatter(steps, {}, SimpleNamespace(encode=lambda text, add_special_tokens: list(text)),
-                                   lambda response: None)
-    events = [e for _ in range(2) for e in formatter.chunks(object())] + formatter.chunks(None)
+    events = _stream_events(_ChatSteps(['Sure.<tool_call>\n{"name": "add", "arguments": {"a": ',
+                                        '7}}\n</tool_call>\nDone.']))
     output = events[-1]["response"]["output"]
     assert [(item["type"], item.get("name"), item.get("arguments")) for item in output] == [
         ("message", None, None), ("function_call", "add", '{"a": 7}'), ("message", None, None)]
     assert [e["arguments"] for e in events if e["type"] == "response.function_call_arguments.done"] == ['{"a": 7}']
     assert "".join(e["delta"] for e in events if e["type"] == "response.function_call_arguments.delta") == '{"a": 7}'
+
+
+def test_pythonic_calls_are_function_call_items_whose_arguments_stream_as_they_grow():
+    """A pythonic list of two calls, a few characters a step: each call an item opened once named,
+    its arguments' deltas (more than one) adding up to its done arguments, done before the next
+    call's opens."""
+    text = "[get_weather(city='Paris', unit='c'), add(a=1, b=[2, 3])]"
+    events = _stream_events(_ChatSteps([text[i:i + 4] for i in range(0, len(text), 4)], parser="pythonic"))
+    output = events[-1]["response"]["output"]
+    assert [(item["type"], item["name"], item["arguments"]) for item in output] == [
+        ("function_call", "get_weather", '{"city": "Paris", "unit": "c"}'),
+        ("function_call", "add", '{"a": 1, "b": [2, 3]}')]
+    for index, item in enumerate(output):
+        deltas = [e["delta"] for e in events if e["type"] == "response.function_call_arguments.delta"
+                  and e["output_index"] == index]
+        assert len(deltas) > 1 and "".join(deltas) == item["arguments"]
+    places = [[i for i, e in enumerate(events) if e.get("output_index") == index] for index in range(2)]
+    assert max(places[0]) < min(places[1])  # (the first call's item done before the second's opens)
 
 
 def test_reasoning_then_text_then_a_call_are_three_items_streamed_or_not(engine, tokenizer):

@@ -3,18 +3,23 @@
 ever wrong for a longer text; each registered parser, fed random calls in its format whole, a
 character at a time and in random pieces, gives the same content and calls, its arguments
 ``json.dumps``'s text of the value written (whatever the spacing and escapes), and for the JSON
-formats they grow over more than one step (Qwen3-Coder's by a parameter at a time). Through the
-server: tests/test_tool_calls.py."""
+formats they grow over more than one step (Qwen3-Coder's by a parameter at a time). The pythonic
+formats' :class:`PythonLiteral` does the same for Python literals (as ``ast.literal_eval`` reads
+them), their calls stream once named, and ToolCalls' deltas add up to the message. Through the
+server: tests/test_tool_calls.py; the Responses API: tests/test_responses.py."""
 
+import ast
 import json
 import keyword
+import warnings
 
 import hypothesis.strategies as st
 import pytest
 from hypothesis import example, given, settings
 
-from cluster.json_stream import JSON_SPACE, JsonStream
-from cluster.tool_calls import TOOL_CALL_PARSERS
+from cluster.json_stream import JSON_SPACE, JsonStream, json_text
+from cluster.python_stream import PythonLiteral
+from cluster.tool_calls import TOOL_CALL_PARSERS, ToolCalls
 
 SETTINGS = settings(max_examples=60, deadline=None)
 SCALARS = st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text()
@@ -48,8 +53,13 @@ def test_json_stream_writes_what_json_dumps_writes_and_takes_nothing_back(value,
     text = json.dumps(value, ensure_ascii=ascii_only, separators=separators)
     want = json.dumps(value, ensure_ascii=False)
     assert canonical(text) == want
-    stream, out = JsonStream(), ""
-    for c in text:  # (each prefix: what it wrote is the start of the whole's)
+    takes_nothing_back(JsonStream(), text, want)
+
+
+def takes_nothing_back(stream, text, want):
+    """``text`` through ``stream`` a character at a time: at each prefix, what it wrote is ``want``'s start."""
+    out = ""
+    for c in text:
         out += stream.step(c)
         assert want.startswith(out)
 
@@ -153,12 +163,115 @@ def test_json_formats_stream_the_arguments_json_dumps_writes(name, calls, style,
     assert all(g > 1 for g in grew), grew  # ("{" at the call's start, then the rest as it comes)
 
 
-def python_call(name, arguments):
-    return f"{name}({', '.join(f'{k}={v!r}' for k, v in arguments.items())})"
+def python_source(value, rng):
+    """``value`` as Python source, one of the ways a model may write it: either quote, strings joined
+    (``'a' "b"``), hex integers, a sign spaced, tuples for lists, trailing commas, newlines."""
+    space, comma = rng.choice(["", " ", "\n  "]), rng.choice(["", ","])
+    if isinstance(value, bool) or value is None or isinstance(value, float):
+        return repr(value)
+    if isinstance(value, int):
+        sign = "-" if value < 0 else rng.choice(["", "+ "])
+        return rng.choice([repr(value), sign + hex(abs(value)), sign + str(abs(value))])
+    if isinstance(value, str):
+        cut = rng.randint(0, len(value))
+        joined = repr(value[:cut]) + (space or " ") + repr(value[cut:])  # (not '''': a triple quote)
+        return rng.choice([repr(value), json.dumps(value, ensure_ascii=False), joined])
+    if isinstance(value, dict):
+        items = [f"{python_source(k, rng)}:{space}{python_source(v, rng)}" for k, v in value.items()]
+        return "{" + space + f",{space}".join(items) + (comma if items else "") + "}"
+    items = [python_source(v, rng) for v in value]
+    opening, closing = rng.choice(["[]", "()"])
+    comma = "," if len(items) == 1 and opening == "(" else comma if items else ""  # ((x) is x)
+    return opening + space + f",{space}".join(items) + comma + closing
 
 
-PYTHON_ARGUMENTS = st.dictionaries(IDENTIFIERS, VALUES.filter(lambda v: json.dumps(v) == json.dumps(
-    json.loads(json.dumps(v)))), max_size=3)
+def python_json(text):
+    """``text`` through a PythonLiteral a character at a time; ValueError where it refuses it."""
+    literal, out = PythonLiteral(), ""
+    for c in text:
+        if not literal.takes(c):
+            raise ValueError("more after the value")
+        out += literal.step(c)
+    return out + literal.end()
+
+
+@given(VALUES, st.randoms(use_true_random=False))
+@SETTINGS
+def test_python_literal_writes_what_json_dumps_writes_and_takes_nothing_back(value, rng):
+    text = python_source(value, rng)
+    want = json.dumps(value, ensure_ascii=False)
+    assert python_json(text) == want
+    takes_nothing_back(PythonLiteral(), text, want)
+
+
+PYTHON_LITERALS = [  # Python's own ways to write a literal, read as ast.literal_eval reads them
+    "'''a''b\"c\r\nd\re'''",
+    r'''r"a\q\"" U'\N{LATIN SMALL LETTER E WITH ACUTE}\101\18\x41\U0001F600\q' "\ud83d\ude00 \
+"''',
+    "[0x_1F, 0o17, 0b1, 1_000, 00, 1., .5e-3, -0.0, - 7, +0, 1E+2]", "{1: None, 2.5: '', -3: ()}",
+    '{True: (1), "k": ((1, 2),), None: [{}, ()]}', "(\n  'a'\n  'b',\n)",
+]
+
+
+def literal_eval(text):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (an escape Python does not know)
+        return ast.literal_eval(text)
+
+
+@pytest.mark.parametrize("text", PYTHON_LITERALS)
+def test_python_literal_reads_pythons_spellings(text):
+    assert python_json(text) == json.dumps(literal_eval(text), ensure_ascii=False)
+
+
+def _object_sizes(value):
+    """The numbers of keys of ``value``'s dicts, inner ones first (json.loads' order of its objects)."""
+    inner = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else ()
+    sizes = [n for v in inner for n in _object_sizes(v)]
+    return sizes + [len(value)] if isinstance(value, dict) else sizes
+
+
+PYTHONISH = st.lists(st.sampled_from(["[", "]", "(", ")", "{", "}", ",", ":", " ", "\n", "\r", "#", "'", '"', "'a'",
+                                      '"b"', "'''", "r", "u", "b", "\\", "\\x4", "\\N{BULLET}", "0", "1", "-", "+", ".",
+                                      "e", "x", "j", "_", "True", "None"]), max_size=12).map("".join)
+
+
+@given(PYTHONISH)
+@SETTINGS
+@example("{1: 'a', True: 'b', 1.0: 'c'}")
+@example("('a' b'c', {1, 2}, 1j, 1e999, x, # c\n)")
+def test_python_literal_reads_only_what_literal_eval_reads(text):
+    """What it reads, ``ast.literal_eval`` reads to the same JSON (where a dict has no key twice:
+    it writes both); it may refuse more (comments, a key in parentheses)."""
+    try:
+        out = python_json(text)
+    except ValueError:
+        return
+    value = literal_eval(f"({text}\n)")  # (inside brackets, as a call's argument: newlines are space)
+    pairs = []
+    json.loads(out, object_pairs_hook=lambda items: pairs.append(len(items)))
+    if pairs == _object_sizes(value):
+        assert out == json_text(value)
+
+
+def stream_calls(name, text, cuts):
+    """``text`` through :class:`ToolCalls`' deltas in pieces ending at ``cuts``: the content, and per
+    call the names its deltas sent and its arguments' deltas joined; then the same of the message."""
+    made = [ToolCalls(lambda: TOOL_CALL_PARSERS[name](()), calls_finish=True) for _ in range(2)]
+    content, names, arguments, start = "", {}, {}, 0
+    for end in cuts + [len(text)]:
+        shown, deltas = made[0].delta(0, text[start:end], end == len(text))
+        content, start = content + shown, end
+        for delta in deltas:
+            function = delta["function"]
+            names.setdefault(delta["index"], []).extend([function["name"]] if "name" in function else [])
+            arguments[delta["index"]] = arguments.get(delta["index"], "") + function["arguments"]
+    whole, calls = made[1].message(0, text)
+    return ((content, [[names[i], arguments[i]] for i in sorted(arguments)]),
+            (whole, [[[call["function"]["name"]], call["function"]["arguments"]] for call in calls]))
+
+
+PYTHON_ARGUMENTS = st.dictionaries(IDENTIFIERS, VALUES, max_size=3)
 PLAIN = st.text(st.characters(blacklist_characters="<", blacklist_categories=["Cs"]), max_size=8).filter(
     lambda v: v.lower() != "null")
 
@@ -166,12 +279,48 @@ PLAIN = st.text(st.characters(blacklist_characters="<", blacklist_categories=["C
 @pytest.mark.parametrize("name,opening,closing", [("pythonic", "", ""),
                                                   ("llama4_pythonic", "<|python_start|>", "<|python_end|>")])
 @given(calls=st.lists(st.tuples(NAMES, PYTHON_ARGUMENTS), min_size=1, max_size=3), after=st.sampled_from(["", " ok"]),
-       data=st.data())
+       rng=st.randoms(use_true_random=False), data=st.data())
 @SETTINGS
-def test_pythonic_formats_read_their_lists_in_any_pieces(name, opening, closing, calls, after, data):
-    text = opening + "[" + ", ".join(python_call(n, a) for n, a in calls) + "]" + closing + after
+def test_pythonic_formats_stream_the_arguments_json_dumps_writes(name, opening, closing, calls, after, rng, data):
+    """Random calls in Python's spellings, whole, a character at a time and in random pieces: the
+    same content and calls, each call's arguments ``json.dumps`` of its keyword arguments, growing
+    at least at the call's "(", each keyword's "=" and its ")"; through ToolCalls' deltas a call's
+    name is sent once and its arguments' deltas add up to the message's."""
+    text = opening + "[" + ", ".join(f"{n}({', '.join(f'{k}={python_source(v, rng)}' for k, v in a.items())})"
+                                     for n, a in calls) + "]" + closing + after
     want = [[n, json.dumps(a, ensure_ascii=False)] for n, a in calls]
-    check_pieces(name, text, after, want, data)
+    grew = check_pieces(name, text, after, want, data)
+    assert all(g >= len(a) + 2 for g, (_, a) in zip(grew, calls)), grew
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=8)))
+    streamed, message = stream_calls(name, text, cuts)
+    assert streamed == message == (after, [[[n], a] for n, a in want])
+
+
+CALL = '[get_weather(city="Pa\\u00e9ris" ", F", days=1_2 , hot=True, tags=(1, 2,)), noop()]'
+HELD_BACK = [  # (the output so far, the call's arguments): what cannot change is sent, no more
+    ("[get_weather", None),  # (the name may still grow)
+    ("[get_weather(", "{"),
+    ('[get_weather(city="Pa\\u00', '{"city": "Pa'),  # (an escape until it is whole)
+    ('[get_weather(city="Pa\\u00e9ris"', '{"city": "Paéris'),  # (a string may be joined to it)
+    ('[get_weather(city="Pa\\u00e9ris" ", F', '{"city": "Paéris, F'),
+    ('[get_weather(city="Pa\\u00e9ris" ", F", days=1', '{"city": "Paéris, F", "days": '),  # (a number until it ends)
+    ('[get_weather(city="Pa\\u00e9ris" ", F", days=1_2 ', '{"city": "Paéris, F", "days": 12'),
+    ('[get_weather(city="Pa\\u00e9ris" ", F", days=1_2 , hot=Tru', '{"city": "Paéris, F", "days": 12, "hot": '),
+    ('[get_weather(city="Pa\\u00e9ris" ", F", days=1_2 , hot=True, tags=(1',  # ((1) or a tuple)
+     '{"city": "Paéris, F", "days": 12, "hot": true, "tags": '),
+    ('[get_weather(city="Pa\\u00e9ris" ", F", days=1_2 , hot=True, tags=(1,',
+     '{"city": "Paéris, F", "days": 12, "hot": true, "tags": [1'),
+    (CALL[:-9], '{"city": "Paéris, F", "days": 12, "hot": true, "tags": [1, 2]}'),
+]
+
+
+def test_pythonic_calls_are_sent_once_named_and_their_arguments_as_sure():
+    parser, arguments = TOOL_CALL_PARSERS["pythonic"](()), {}
+    for i, c in enumerate(CALL):
+        parser.feed(c)
+        arguments[CALL[:i + 1]] = parser.calls[0][1] if parser.calls else None
+    assert [(text, arguments[text]) for text, _ in HELD_BACK] == HELD_BACK
+    assert parser.finish() == "" and [name for name, _ in parser.calls] == ["get_weather", "noop"]
 
 
 @given(calls=st.lists(st.tuples(NAMES, st.dictionaries(IDENTIFIERS, PLAIN, max_size=3)), min_size=1, max_size=2),
