@@ -13,7 +13,8 @@ Three layers and the caches above them:
   can map;
 * prefix caches: :class:`RadixCache`, :class:`MambaRadixCache`,
   :class:`SWARadixCache` (sliding-window models), and
-  :class:`HiRadixCache` with its host tier (:class:`HostKVCache`) and file tier.
+  :class:`HiRadixCache` with its host tier (:class:`HostKVCache`) and file tier
+  (:class:`SWAHiRadixCache`: the host tier of sliding-window models, both pools).
 
 Nothing here knows Ray, HTTP or models.
 """
@@ -39,6 +40,7 @@ from mem_cache.radix_cache import RadixCache
 from mem_cache.radix_key import RadixKey, hash_pages
 from mem_cache.req_to_token_pool import ReqToTokenPool
 from mem_cache.swa_allocator import SWATokenToKVPoolAllocator
+from mem_cache.swa_hiradix_cache import SWAHiRadixCache
 from mem_cache.swa_memory_pool import SWAKVPool
 from mem_cache.swa_radix_cache import SWARadixCache
 
@@ -47,7 +49,7 @@ __all__ = [
     "MLATokenToKVPoolHost", "HybridLinearKVPool", "HybridReqToTokenPool", "IntegrityError",
     "KVCache", "KVCacheShape", "LocalBufferAllocator", "MHATokenToKVPool", "MLATokenToKVPool",
     "MambaPool", "MambaRadixCache", "MatchResult", "MemoryBudget", "PagedTokenToKVPoolAllocator",
-    "RadixCache", "RadixKey", "ReqToTokenPool", "SWAKVPool", "SWARadixCache", "SWATokenToKVPoolAllocator",
+    "RadixCache", "RadixKey", "ReqToTokenPool", "SWAHiRadixCache", "SWAKVPool", "SWARadixCache", "SWATokenToKVPoolAllocator",
     "SharedMemoryBufferAllocator", "TokenToKVPoolAllocator", "attach_buffers", "create_buffer_allocator",
     "default_memory_args", "hash_pages", "profile_max_num_tokens",
 ]

@@ -93,6 +93,18 @@ class SWATokenToKVPoolAllocator:
         no SWA slot, as tokens whose SWA half was freed do."""
         return self.full_attn_allocator.alloc(need_size)
 
+    def alloc_swa(self, full_index: torch.Tensor) -> bool:
+        """SWA slots for full slots that have none (``alloc_without_swa``'s): the last window
+        of a prefix loaded back from the host tier. Paged, ``full_index`` is whole pages in
+        order, as ``alloc`` hands them out, so each maps to an SWA page at the same offsets.
+        False, nothing taken, when the SWA pool is short."""
+        ensure(bool((self.full_to_swa_index_mapping[full_index] == 0).all()), "alloc_swa: slots already have SWA")
+        swa = self.swa_attn_allocator.alloc(len(full_index))
+        if swa is None:
+            return False
+        self.full_to_swa_index_mapping[full_index] = swa
+        return True
+
     def alloc_extend(self, prefix_lens, seq_lens, last_loc, extend_num_tokens: int, **cpu_lens):
         swa_last_loc = self._swa_last_loc(last_loc)
         return self._pair(

@@ -52,14 +52,16 @@ _swa_uuids = itertools.count(1)
 
 
 class SWATreeNode(TreeNode):
-    __slots__ = ("swa_tombstone", "full_lock_ref", "swa_lock_ref", "swa_uuid", "prev", "next", "swa_prev", "swa_next")
+    __slots__ = ("swa_tombstone", "full_lock_ref", "swa_lock_ref", "swa_uuid", "prev", "next", "swa_prev", "swa_next",
+                 "swa_host_value")
 
-    def __init__(self, key: RadixKey, value: torch.Tensor, swa_tombstone: bool = False):
+    def __init__(self, key: RadixKey, value: Optional[torch.Tensor], swa_tombstone: bool = False):
         super().__init__(key, value)
         self.swa_tombstone = swa_tombstone
         self.full_lock_ref = self.swa_lock_ref = 0
         self.swa_uuid: Optional[int] = None  # set on the topmost node of a lock's SWA window
         self.prev = self.next = self.swa_prev = self.swa_next = None
+        self.swa_host_value: Optional[torch.Tensor] = None  # SWAHiRadixCache: host copy of the SWA KV
 
     def __repr__(self) -> str:
         kind = "tombstone" if self.swa_tombstone else "swa"
@@ -115,17 +117,25 @@ class SWARadixCache(SWACacheChecksMixin, RadixCache):
     def _split_node(self, child: SWATreeNode, split_len: int) -> SWATreeNode:
         """``parent → child`` becomes ``parent → upper → child``. ``upper`` copies
         the tombstone flag and both lock counts and takes ``swa_uuid`` over, so a
-        lock whose SWA window ended at ``child`` now ends at ``upper``."""
-        upper = SWATreeNode(child.key[:split_len], child.value[:split_len], child.swa_tombstone)
+        lock whose SWA window ended at ``child`` now ends at ``upper``. The tiers of
+        :class:`SWAHiRadixCache` split alike: host copies in two, and a node off the
+        device (``value is None``, in neither LRU list) stays off it."""
+        upper = SWATreeNode(child.key[:split_len], None, child.swa_tombstone)
         upper.parent, upper.full_lock_ref, upper.swa_lock_ref = child.parent, child.full_lock_ref, child.swa_lock_ref
         upper.swa_uuid, child.swa_uuid = child.swa_uuid, None
         pages = split_len // self.page_size
         upper.hash_value, child.hash_value = child.hash_value[:pages], child.hash_value[pages:]
-        child.key, child.value, child.parent = child.key[split_len:], child.value[split_len:], upper
+        for field in ("value", "host_value", "swa_host_value"):
+            whole = getattr(child, field)
+            if whole is not None:
+                setattr(upper, field, whole[:split_len])
+                setattr(child, field, whole[split_len:])
+        child.key, child.parent = child.key[split_len:], upper
         upper.children = {self.child_key(child.key): child}
         upper.parent.children[self.child_key(upper.key)] = upper
-        self.full_lru_list.insert_after(child, upper)
-        if not upper.swa_tombstone:
+        if child in self.full_lru_list:
+            self.full_lru_list.insert_after(child, upper)
+        if child in self.swa_lru_list:
             self.swa_lru_list.insert_after(child, upper)
         return upper
 
@@ -145,30 +155,36 @@ class SWARadixCache(SWACacheChecksMixin, RadixCache):
         return MatchResult(torch.cat(values) if values else self._empty(), node, node)
 
     def _match_prefix_helper(self, key: RadixKey) -> Tuple[List[torch.Tensor], SWATreeNode]:
-        """Walk as far as ``key`` matches. ``run`` counts the tokens with SWA
-        since the last tombstone (inf: none above); the usable end is the deepest
-        node boundary with ``run >= window``: just above a tombstone, or the end."""
-        node, values = self.root_node, []
-        run, best_len, best_node = math.inf, 0, node
+        """Walk as far as ``key`` matches (splitting the node it ends in), then cut
+        the path at its usable end (:meth:`_usable_len`)."""
+        node, path = self.root_node, []
         while len(key) > 0:
             child = node.children.get(self.child_key(key))
             if child is None:
                 break
-            if child.swa_tombstone:
-                if run >= self.sliding_window_size:
-                    best_len, best_node = len(values), node
-                run = 0
             matched = self.key_match(child.key, key)
             partial = matched < len(child.key)
             node = self._split_node(child, matched) if partial else child
-            values.append(node.value)
-            run += 0 if node.swa_tombstone else len(node.key)
+            path.append(node)
             if partial:
                 break
             key = key[matched:]
-        if run >= self.sliding_window_size:
-            best_len, best_node = len(values), node
-        return values[:best_len], best_node
+        path = path[: self._usable_len(path)]
+        return [n.value for n in path], path[-1] if path else self.root_node
+
+    def _usable_len(self, path: List[SWATreeNode]) -> int:
+        """How many nodes of the root-down ``path`` a match may end after. ``run`` counts
+        the tokens with SWA KV since the last tombstone (inf: none above); the usable end
+        is the deepest node boundary with ``run >= window``: just above a tombstone, or the end."""
+        run, best = math.inf, 0
+        for i, node in enumerate(path):
+            if node.swa_tombstone:
+                if run >= self.sliding_window_size:
+                    best = i
+                run = 0
+            else:
+                run += len(node.key)
+        return len(path) if run >= self.sliding_window_size else best
 
     # ---- insert ------------------------------------------------------------------
     def insert(self, key: RadixKey, value: torch.Tensor, prev_prefix_len: int = 0, swa_evicted_seqlen: int = 0) -> int:
@@ -206,11 +222,8 @@ class SWARadixCache(SWACacheChecksMixin, RadixCache):
             matched = self._owned_run(child, done, self.key_match(child.key, key), prev_prefix_len, swa_evicted_seqlen)
             if matched < len(child.key):
                 child = self._split_node(child, matched)
-            callers = done >= prev_prefix_len
-            if callers and child.swa_tombstone and done >= swa_evicted_seqlen:
-                self._revive(child, value[:matched])
-            elif callers:
-                self._free(value[:matched])
+            if done >= prev_prefix_len:
+                self._settle_cached_run(child, value[:matched], done >= swa_evicted_seqlen)
             node, done = child, done + matched
             key, value = key[matched:], value[matched:]
         if len(key) > 0:
@@ -222,9 +235,18 @@ class SWARadixCache(SWACacheChecksMixin, RadixCache):
     @staticmethod
     def _owned_run(child: SWATreeNode, done: int, matched: int, prev_prefix_len: int, swa_evicted_seqlen: int) -> int:
         """Cut a matched run so that it does not straddle ``prev_prefix_len``
-        nor, in a tombstone, ``swa_evicted_seqlen``."""
-        cuts = (prev_prefix_len, swa_evicted_seqlen) if child.swa_tombstone else (prev_prefix_len,)
+        nor, in a tombstone or a node off the device, ``swa_evicted_seqlen``."""
+        by_swa = child.swa_tombstone or child.value is None
+        cuts = (prev_prefix_len, swa_evicted_seqlen) if by_swa else (prev_prefix_len,)
         return min([cut - done for cut in cuts if done < cut < done + matched], default=matched)
+
+    def _settle_cached_run(self, node: SWATreeNode, incoming: torch.Tensor, with_swa: bool) -> None:
+        """The caller's slots ``incoming`` for a run the tree holds in ``node``
+        (``with_swa``: they have SWA KV): a tombstone is revived by them, else they are freed."""
+        if node.swa_tombstone and with_swa:
+            self._revive(node, incoming)
+        else:
+            self._free(incoming)
 
     def _revive(self, node: SWATreeNode, incoming: torch.Tensor) -> None:
         """Tombstone ``node`` takes over the SWA slots of ``incoming``; the

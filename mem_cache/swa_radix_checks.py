@@ -28,12 +28,15 @@ class SWACacheChecksMixin:
     def check_integrity(self) -> None:
         """Structure, both LRU lists, no tombstone leaf, lock and size counters,
         unique slots, and the SWA mapping: > 0 for every slot of a non-tombstone
-        node, 0 for every slot of a tombstone."""
+        node, 0 for every slot of a tombstone. Slots, lists and counters are the
+        device's: a node off the device (``value is None``) holds none of them."""
         nodes = list(self._iter_nodes())
         counts = dict.fromkeys(("full_evictable", "full_protected", "swa_evictable", "swa_protected"), 0)
         mapping = self.token_to_kv_pool_allocator.full_to_swa_index_mapping
         for node in nodes:
             self._check_swa_node(node)
+        nodes = [n for n in nodes if n.value is not None]  # on the device (SWAHiRadixCache: others on the host)
+        for node in nodes:
             counts["full_protected" if node.full_lock_ref else "full_evictable"] += len(node.key)
             if not node.swa_tombstone:
                 counts["swa_protected" if node.swa_lock_ref else "swa_evictable"] += len(node.key)
@@ -64,7 +67,7 @@ class SWACacheChecksMixin:
     def _check_swa_node(self, node) -> None:
         ensure(len(node.key) > 0 and len(node.key) % self.page_size == 0, f"{node}: key not whole pages")
         ensure(node.parent.children.get(self.child_key(node.key)) is node, f"{node} is not its parent's child")
-        ensure(len(node.value) == len(node.key), f"{node}: {len(node.value)} slots for {len(node.key)} tokens")
+        ensure(node.value is None or len(node.value) == len(node.key), f"{node}: slots and tokens differ in number")
         ensure(node.children or not node.swa_tombstone, f"{node} is a tombstone leaf")
         ensure(node.full_lock_ref >= node.swa_lock_ref >= 0, f"{node}: lock counts out of order")
         ensure(not node.swa_tombstone or node.swa_lock_ref == 0, f"{node}: tombstone with an SWA lock")

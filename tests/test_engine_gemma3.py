@@ -218,8 +218,6 @@ def test_gemma3_paged_parity_with_a_window_hit_and_swa_eviction(model_dir, monke
 
 
 def test_gemma3_rejects_what_the_swa_cache_cannot_serve(model_dir):
-    with pytest.raises(ValueError, match="enable_hierarchical_cache"):
-        make_engine(model_dir, enable_hierarchical_cache=True)
     with pytest.raises(pydantic.ValidationError, match="swa_full_tokens_ratio"):
         make_engine(model_dir, swa_full_tokens_ratio=0.0)
     with pytest.raises(ValueError, match="24 SWA slots for a window of 16, page_size 8.* cannot hold a single request"):

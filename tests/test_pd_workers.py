@@ -431,11 +431,13 @@ def _first_turn(prefill, decode, seed, answer_len=8):
     return first, final["output_ids"]
 
 
-def test_prefill_side_host_cache_reloads_an_evicted_prefix_and_pushes_it(checkpoints):
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_prefill_side_host_cache_reloads_an_evicted_prefix_and_pushes_it(checkpoints, family):
     """A prefill worker with the hierarchical cache (as SGLang's PD prefill servers often
     run): a system prompt pushed out of its small device pool comes back from host memory,
-    is pushed from the reloaded slots, and the tokens still equal HF's."""
-    path = checkpoints["llama"]
+    is pushed from the reloaded slots, and the tokens still equal HF's (a sliding-window
+    model's too: its window's SWA KV comes back with the full KV, and is what is pushed)."""
+    path = checkpoints[family]
     prefill, decode = make_pair(path, page_size=4, prefill_args={
         "max_total_tokens": 256, "enable_hierarchical_cache": True, "hicache_ratio": 4.0})
     rng = random.Random(5)
@@ -548,12 +550,14 @@ def test_a_chunked_request_requeued_for_a_failed_host_load_had_pushed_nothing(ch
     close(prefill, decode)
 
 
-def test_decode_side_host_cache_reloads_a_conversation_so_only_the_new_turn_moves(checkpoints):
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_decode_side_host_cache_reloads_a_conversation_so_only_the_new_turn_moves(checkpoints, family):
     """A decode worker with the hierarchical cache: the earlier turn it cached was pushed
     out of its small device pool to host memory; the follow-up's reservation loads it back
     and asks the prefill side only for the rows past it (before, a host hit was ignored and
-    the whole prompt moved again)."""
-    path = checkpoints["llama"]
+    the whole prompt moved again). A sliding-window model's reservation moves its lock from
+    the device prefix to the loaded one (the old lock's SWA window given back)."""
+    path = checkpoints[family]
     hicache = {"max_total_tokens": 256, "enable_hierarchical_cache": True, "hicache_ratio": 4.0}
     prefill, decode = make_pair(path, page_size=4, prefill_args={"max_total_tokens": 1024}, decode_args=hicache)
     rng = random.Random(6)
@@ -565,7 +569,9 @@ def test_decode_side_host_cache_reloads_a_conversation_so_only_the_new_turn_move
         prefill.flush_cache()  # the prefill side computes it all
         for ids in prompts(3, 120, 120, seed=92):  # the 256-slot decode pool cannot keep the first turn
             await run_pd(prefill, decode, ids, GREEDY)
-        match = decode.loop.run_exclusive(lambda: decode.scheduler.tree_cache.match_prefix(RadixKey(first)))
+        # (the turn's, not the first prompt's: a sliding-window model's ends with its window's SWA KV, which
+        # the first answer's decode slid past the first prompt)
+        match = decode.loop.run_exclusive(lambda: decode.scheduler.tree_cache.match_prefix(RadixKey(turn)))
         assert len(match.device_indices) < 96 and match.host_hit_length > 0
         return turn, await run_pd(prefill, decode, turn, GREEDY)
 

@@ -160,15 +160,16 @@ class PrefillAdmissionMixin(PreemptionMixin):
         req.cache_protected_len = len(req.prefix_indices)
         return copied
 
-    def _load_host_prefix(self, req: Req) -> int:
+    def _load_host_prefix(self, req: Req) -> Tuple[int, int]:
         """Bring the host-tier continuation of a taken request's locked device prefix back to
-        the device and move its lock to the deepest loaded node; returns the room it took.
+        the device and move its lock to the deepest loaded node; returns the room it took (of
+        the full pool, of the SWA pool: 0 without one).
         Only once the request is taken (SGLang's PrefillAdder loads after its fit check): loaded
         before, a request that then waited for room had its prefix loaded, evicted by the
         running requests' decode and loaded again at every step."""
         if not req.host_hit_length:
-            return 0
-        before = self._free_room()[0]
+            return 0, 0
+        before = self._free_room()
         if req.host_load_failed:  # its last one failed: recomputed, the host copy may be broken for good
             loaded = torch.empty(0, dtype=torch.int64)
         else:
@@ -179,12 +180,16 @@ class PrefillAdmissionMixin(PreemptionMixin):
                 loaded = torch.empty(0, dtype=torch.int64)
         req.host_hit_length, req.last_host_node = 0, None
         if loaded.numel():
-            old = req.last_node
+            old, old_swa_uuid = req.last_node, req.swa_uuid_for_lock
             req.prefix_indices, req.last_node = torch.cat([req.prefix_indices, loaded]), node
             self._lock(req)  # the new path first: the old one stays locked all along
-            self.tree_cache.dec_lock_ref(old)  # (a host tier means a plain tree: no SWA or state locks)
+            if self.swa:
+                self.tree_cache.dec_lock_ref(old, old_swa_uuid)
+            else:  # (a host tier otherwise means a plain tree: no state locks)
+                self.tree_cache.dec_lock_ref(old)
             req.cache_protected_len = len(req.prefix_indices)
-        return before - self._free_room()[0]
+        after = self._free_room()
+        return before[0] - after[0], 0 if after[1] is None else before[1] - after[1]
 
     def _paged(self, req: Req, num_tokens: int) -> int:
         """Slots the allocator takes for ``num_tokens`` after the request's prefix: whole pages
@@ -392,7 +397,10 @@ class PrefillAdmissionMixin(PreemptionMixin):
                     self.chunked_req = req  # keeps its place at the head
                 break
             if new_req and req.host_hit_length:  # its fit counted the host part as new slots: they are now
-                rem_total -= self._load_host_prefix(req)
+                took_full, took_swa = self._load_host_prefix(req)
+                rem_total -= took_full
+                if rem_swa is not None:
+                    rem_swa -= took_swa
                 extend = req.extend_input_len
                 chunk = extend if rem_chunk is None else min(extend, rem_chunk // self.page_size * self.page_size)
             if chunk < extend:

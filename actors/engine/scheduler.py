@@ -48,6 +48,7 @@ from mem_cache.hicache_storage import HiCacheFile, rank_storage_dir
 from mem_cache.hiradix_cache import HiRadixCache
 from mem_cache.mamba_radix_cache import MambaRadixCache
 from mem_cache.radix_cache import RadixCache
+from mem_cache.swa_hiradix_cache import SWAHiRadixCache
 from mem_cache.swa_radix_cache import SWARadixCache
 
 logger = logging.getLogger(__name__)
@@ -63,10 +64,10 @@ class Scheduler(PrefillAdmissionMixin, DecodeRetractionMixin, SpecDecodeMixin):
         self.swa = runner.spec.kind == "swa"
         self.file_tier = False  # a HiRadixCache with storage: admission prefetches from it
         self.host_tier = False  # a HiRadixCache: its loads start before a forward and end after it
-        if self.swa:
-            if cfg.enable_hierarchical_cache:
-                raise ValueError("enable_hierarchical_cache=True is not supported for sliding-window models (KV "
-                                 "cache kind 'swa'): the host tier holds one KV pool's pages, not the SWA pool's")
+        if self.swa and cfg.enable_hierarchical_cache:
+            self.tree_cache = self._swa_host_tier(cfg, runner)
+            self.host_tier = True
+        elif self.swa:
             self.tree_cache = SWARadixCache(
                 runner.req_to_token_pool, runner.allocator, runner.spec.sliding_window, page_size=cfg.page_size,
                 enable_kv_events=cfg.enable_kv_events, disable=cfg.disable_radix_cache,
@@ -131,6 +132,21 @@ class Scheduler(PrefillAdmissionMixin, DecodeRetractionMixin, SpecDecodeMixin):
         self.in_flight: List[Req] = []  # the prefill batch being run and processed
         self._prefetch_blocked = False  # the last admission skipped a request whose prefetch is not ready
         self.stalled = False  # the last step ran nothing only because of that
+
+    @staticmethod
+    def _swa_host_tier(cfg, runner) -> SWAHiRadixCache:
+        """A sliding-window model's hierarchical cache: host pools for both halves of its KV,
+        copies made at once (``hicache_overlap_load`` / ``_write`` do not apply). Not with the
+        file tier nor TP > 1 (their copies and replays are of one pool): a clear error."""
+        for option, value in (("hicache_storage_dir", cfg.hicache_storage_dir), ("tp_size > 1", runner.tp.size > 1)):
+            if value:
+                raise ValueError(f"enable_hierarchical_cache=True with {option} is not supported for sliding-window "
+                                 "models (KV cache kind 'swa'): their host tier is the host memory of one rank")
+        return SWAHiRadixCache(
+            runner.req_to_token_pool, runner.allocator, runner.token_to_kv_pool, runner.spec.sliding_window,
+            cfg.page_size, host_to_device_ratio=cfg.hicache_ratio, write_policy=cfg.hicache_write_policy,
+            enable_kv_events=cfg.enable_kv_events, disable=cfg.disable_radix_cache,
+        )
 
     def _max_request_len(self) -> int:
         """Tokens (prompt + output) one request can hold in the empty pools, less a page

@@ -1,0 +1,197 @@
+"""SWAHiRadixCache: the host tier of a sliding-window model's cache. Both pools' KV goes
+to the host and comes back byte for byte; a tombstone is one on the host too; a load
+brings the SWA KV of the last window only; and random operations against a brute-force
+oracle of each token's KV, with both tiers' integrity checked after every one."""
+
+import random
+
+import pytest
+import torch
+
+from mem_cache.radix_key import RadixKey
+from mem_cache.req_to_token_pool import ReqToTokenPool
+from mem_cache.swa_allocator import SWATokenToKVPoolAllocator
+from mem_cache.swa_hiradix_cache import SWAHiRadixCache
+from mem_cache.swa_memory_pool import SWAKVPool
+from tests.hicache_helpers import break_loads
+
+SWA_LAYER, FULL_LAYER = 0, 1
+
+
+def make(page_size=1, size=32, size_swa=16, window=4, policy="write_through", threshold=1):
+    kv = SWAKVPool(size, size_swa, page_size, torch.float32, head_num=1, head_dim=1,
+                   swa_attention_layer_ids=[SWA_LAYER], full_attention_layer_ids=[FULL_LAYER])
+    alloc = SWATokenToKVPoolAllocator(size, size_swa, page_size, kvcache=kv, debug=True)
+    cache = SWAHiRadixCache(ReqToTokenPool(4, 64), alloc, kv, window, page_size, write_policy=policy,
+                            load_back_threshold=threshold)
+    return cache, alloc, kv
+
+
+def truth(tokens, i):
+    """The KV every token ``i`` of ``tokens`` must have: a function of its prefix."""
+    return float(hash(tuple(tokens[: i + 1])) % 100003)
+
+
+def cached(cache, alloc, kv, tokens, swa_evicted=0):
+    """Insert ``tokens`` the way a finished request does: its match locked, fresh slots with their
+    true KV for the rest, the SWA KV of ``[match, swa_evicted)`` freed first."""
+    match = cache.match_prefix(RadixKey(tokens))
+    prefix = match.device_indices
+    if match.host_hit_length:
+        loaded, node = cache.init_load_back(match.last_host_node, match.host_hit_length)
+        if loaded.numel():
+            prefix, match = torch.cat([prefix, loaded]), match._replace(last_device_node=node)
+    uuid = cache.inc_lock_ref(match.last_device_node)
+    new = alloc.alloc(len(tokens) - len(prefix))
+    if new is None:
+        cache.evict(len(tokens), len(tokens))
+        new = alloc.alloc(len(tokens) - len(prefix))
+    assert new is not None
+    values = torch.tensor([truth(tokens, i) for i in range(len(prefix), len(tokens))]).view(-1, 1, 1)
+    kv.set_kv_buffer(FULL_LAYER, new, values, values)
+    kv.set_kv_buffer(SWA_LAYER, new, values, values)
+    slots = torch.cat([prefix, new])
+    ps = cache.page_size
+    freed_to = max(len(prefix), swa_evicted // ps * ps)
+    alloc.free_swa(slots[len(prefix):freed_to])
+    cache.insert(RadixKey(tokens), slots, len(prefix), freed_to)
+    cache.dec_lock_ref(match.last_device_node, uuid)
+    return slots
+
+
+def check_kv(cache, alloc, kv, tokens, slots):
+    """``slots`` hold ``tokens``' true full KV, and the last window of them their true SWA KV."""
+    want = [truth(tokens, i) for i in range(len(slots))]
+    assert kv.get_key_buffer(FULL_LAYER)[slots].flatten().tolist() == want
+    window = max(0, len(slots) - cache.sliding_window_size)
+    swa = alloc.full_to_swa_index_mapping[slots[window:]]
+    assert bool((swa > 0).all()), "a match ends without its window's SWA KV"
+    assert kv.get_key_buffer(SWA_LAYER)[swa].flatten().tolist() == want[window:]
+
+
+def check(cache, alloc):
+    cache.check_integrity()
+    cache.check_accounting()
+    alloc.check_integrity(cache.all_values())
+
+
+def load(cache, tokens):
+    """Match ``tokens`` and load its host part; returns the device slots of the whole match."""
+    match = cache.match_prefix(RadixKey(tokens))
+    slots = match.device_indices
+    if match.host_hit_length:
+        loaded, _ = cache.init_load_back(match.last_host_node, match.host_hit_length)
+        slots = torch.cat([slots, loaded])
+    return slots
+
+
+@pytest.mark.parametrize("page_size", [1, 2])
+def test_both_pools_come_back_from_the_host_and_a_tombstone_stays_one(page_size):
+    """A sequence whose first half slid out of the window is backed up: the tombstone half with
+    its full KV only, the rest with both. Evicted from the device and matched again, its full KV
+    comes back for all of it, its SWA KV for the last window only (the rest loads as tombstones)."""
+    cache, alloc, kv = make(page_size, window=4)
+    tokens = list(range(10, 26))
+    cached(cache, alloc, kv, tokens, swa_evicted=8)
+    tomb, live = cache._nodes_of(RadixKey(tokens))
+    assert (tomb.swa_tombstone, tomb.swa_host_value, len(tomb.host_value)) == (True, None, 8)
+    assert (live.swa_tombstone, len(live.swa_host_value), len(live.host_value)) == (False, 8, 8)
+    check(cache, alloc)
+    assert cache.evict(16).full_num_evicted == 16
+    assert (tomb.value, live.value) == (None, None) and alloc.full_available_size() == 32
+    check(cache, alloc)
+    match = cache.match_prefix(RadixKey(tokens))
+    assert (len(match.device_indices), match.host_hit_length, match.last_host_node) == (0, 16, live)
+    slots = load(cache, tokens)
+    check_kv(cache, alloc, kv, tokens, slots)
+    # the window's node alone took SWA slots: 8 tokens, not 16
+    assert (alloc.swa_available_size(), tomb.swa_tombstone, live.swa_tombstone) == (8, True, False)
+    check(cache, alloc)
+
+
+def test_only_the_last_windows_swa_kv_is_loaded():
+    """A host prefix whose SWA KV (all backed up) is twice the SWA pool comes back: the SWA
+    KV of the window's node only, the nodes before it loaded as tombstones (their host copy
+    of it kept)."""
+    cache, alloc, kv = make(size=32, size_swa=8, window=4)
+    tokens = list(range(40, 56))
+    for n in (4, 8, 12, 16):  # one node of 4 tokens at a time, each backed up with its SWA KV
+        cached(cache, alloc, kv, tokens[:n])
+        cache.evict(32, 8)
+        check(cache, alloc)
+    nodes = cache._nodes_of(RadixKey(tokens))
+    assert [len(n.swa_host_value) for n in nodes] == [4, 4, 4, 4] and all(n.value is None for n in nodes)
+    slots = load(cache, tokens)
+    assert len(slots) == 16
+    check_kv(cache, alloc, kv, tokens, slots)
+    assert [n.swa_tombstone for n in nodes] == [True, True, True, False] and alloc.swa_available_size() == 4
+    assert all(n.swa_host_value is not None for n in nodes)
+    check(cache, alloc)
+
+
+def test_a_declined_load_leaves_a_device_prefix_with_its_window():
+    """Device tombstones before the host part: when the load does not happen (under the
+    threshold), the request keeps a device prefix that ends with its window's SWA KV, not the
+    tombstones' end."""
+    cache, alloc, kv = make(window=4, threshold=100)
+    base = list(range(10, 18))
+    cached(cache, alloc, kv, base)
+    cached(cache, alloc, kv, base + list(range(30, 38)), swa_evicted=12)  # [8, 12) tombstones, [12, 16) SWA
+    leaf = cache._nodes_of(RadixKey(base + list(range(30, 38))))[-1]
+    cache._evict_device_node(leaf)  # (backed up at its insert: it goes to the host)
+    match = cache.match_prefix(RadixKey(base + list(range(30, 38))))
+    assert (len(match.device_indices), match.host_hit_length) == (8, 8)
+    slots, node = cache.init_load_back(match.last_host_node, match.host_hit_length)
+    assert slots.numel() == 0 and node is match.last_device_node
+    check_kv(cache, alloc, kv, base, match.device_indices)
+    check(cache, alloc)
+
+
+@pytest.mark.parametrize("page_size, policy, seed", [(1, "write_through", 0), (2, "write_back", 1),
+                                                     (1, "write_through_selective", 2)])
+def test_random_operations_against_each_tokens_true_kv(page_size, policy, seed):
+    """Inserts (tails slid out of the window at random), matches loaded back, device evictions of
+    either pool and host evictions, at random: every match's slots hold its tokens' true KV (the
+    window's SWA KV too), and both tiers are sound after every operation."""
+    rng = random.Random(seed)
+    cache, alloc, kv = make(page_size, size=48, size_swa=24, window=4)
+    stems = [[rng.randrange(100) for _ in range(rng.choice([4, 8, 12]))] for _ in range(4)]
+    loaded_any = False
+    for _ in range(150):
+        tokens = rng.choice(stems) + [rng.randrange(100) for _ in range(rng.choice([0, 2, 6, 10]))]
+        tokens = tokens[: len(tokens) // page_size * page_size]
+        op = rng.random()
+        if op < 0.4 and len(tokens) >= 4:
+            cached(cache, alloc, kv, tokens, swa_evicted=rng.randrange(len(tokens) - 3))
+        elif op < 0.7:
+            match = cache.match_prefix(RadixKey(tokens))
+            loaded_any |= match.host_hit_length > 0
+            slots = load(cache, tokens)
+            if len(slots):
+                check_kv(cache, alloc, kv, tokens, slots)
+        elif op < 0.9:
+            cache.evict(rng.randrange(0, 24, page_size), rng.randrange(0, 12, page_size))
+        else:
+            cache.evict_host(rng.randrange(0, 24, page_size), rng.randrange(0, 12, page_size))
+        check(cache, alloc)
+    assert loaded_any
+
+
+def test_a_failed_load_raises_and_leaves_the_prefix_on_the_host():
+    """An SWA copy failing after the full one landed: the load raises, the device slots it
+    took (both halves) are free again, and the nodes are still on the host for the next hit."""
+    cache, alloc, kv = make(window=4)
+    tokens = list(range(10, 22))
+    cached(cache, alloc, kv, tokens, swa_evicted=4)
+    cache.evict(32, 16)
+    free = (alloc.full_available_size(), alloc.swa_available_size())
+    restore = break_loads(cache.swa_cache_controller)
+    match = cache.match_prefix(RadixKey(tokens))
+    with pytest.raises(OSError, match="unreadable"):
+        cache.init_load_back(match.last_host_node, match.host_hit_length)
+    assert (alloc.full_available_size(), alloc.swa_available_size()) == free
+    assert all(n.value is None for n in cache._nodes_of(RadixKey(tokens)))
+    check(cache, alloc)
+    restore()
+    check_kv(cache, alloc, kv, tokens, load(cache, tokens))
+    check(cache, alloc)
