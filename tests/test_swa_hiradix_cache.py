@@ -13,17 +13,18 @@ from mem_cache.req_to_token_pool import ReqToTokenPool
 from mem_cache.swa_allocator import SWATokenToKVPoolAllocator
 from mem_cache.swa_hiradix_cache import SWAHiRadixCache
 from mem_cache.swa_memory_pool import SWAKVPool
+from tests.cache_helpers import IndexMirror
 from tests.hicache_helpers import break_loads
 
 SWA_LAYER, FULL_LAYER = 0, 1
 
 
-def make(page_size=1, size=32, size_swa=16, window=4, policy="write_through", threshold=1):
+def make(page_size=1, size=32, size_swa=16, window=4, policy="write_through", threshold=1, events=False):
     kv = SWAKVPool(size, size_swa, page_size, torch.float32, head_num=1, head_dim=1,
                    swa_attention_layer_ids=[SWA_LAYER], full_attention_layer_ids=[FULL_LAYER])
     alloc = SWATokenToKVPoolAllocator(size, size_swa, page_size, kvcache=kv, debug=True)
     cache = SWAHiRadixCache(ReqToTokenPool(4, 64), alloc, kv, window, page_size, write_policy=policy,
-                            load_back_threshold=threshold)
+                            load_back_threshold=threshold, enable_kv_events=events)
     return cache, alloc, kv
 
 
@@ -152,9 +153,11 @@ def test_a_declined_load_leaves_a_device_prefix_with_its_window():
 def test_random_operations_against_each_tokens_true_kv(page_size, policy, seed):
     """Inserts (tails slid out of the window at random), matches loaded back, device evictions of
     either pool and host evictions, at random: every match's slots hold its tokens' true KV (the
-    window's SWA KV too), and both tiers are sound after every operation."""
+    window's SWA KV too), both tiers are sound after every operation, and the router's index fed
+    by the KV events matches what the cache does (a host prefix counts, as it is loaded back)."""
     rng = random.Random(seed)
-    cache, alloc, kv = make(page_size, size=48, size_swa=24, window=4)
+    cache, alloc, kv = make(page_size, size=48, size_swa=24, window=4, events=True)
+    mirror = IndexMirror(cache, page_size)
     stems = [[rng.randrange(100) for _ in range(rng.choice([4, 8, 12]))] for _ in range(4)]
     loaded_any = False
     for _ in range(150):
@@ -166,6 +169,7 @@ def test_random_operations_against_each_tokens_true_kv(page_size, policy, seed):
         elif op < 0.7:
             match = cache.match_prefix(RadixKey(tokens))
             loaded_any |= match.host_hit_length > 0
+            mirror.check(tokens, None, len(match.device_indices) + match.host_hit_length)
             slots = load(cache, tokens)
             if len(slots):
                 check_kv(cache, alloc, kv, tokens, slots)
@@ -174,6 +178,7 @@ def test_random_operations_against_each_tokens_true_kv(page_size, policy, seed):
         else:
             cache.evict_host(rng.randrange(0, 24, page_size), rng.randrange(0, 12, page_size))
         check(cache, alloc)
+        mirror.check_snapshot()
     assert loaded_any
 
 
