@@ -109,3 +109,30 @@ def test_tensor_parallelism_is_refused_clearly():
     runner = SimpleNamespace(tp=SimpleNamespace(size=2))
     with pytest.raises(ValueError, match="tp_size > 1 is not supported for sliding-window"):
         Scheduler._swa_host_tier(SimpleNamespace(hicache_storage_dir=None), runner)
+
+
+def test_random_conversations_through_a_small_device_pool_equal_hf(model_dir):
+    """Conversations that come back at random, in batches, through a 192-slot device pool (their
+    turns leave it for the host and are loaded back, some retracted): every answer is HF's, the
+    tree is sound after every step and the idle engine after every batch."""
+    engine = Engine(model_path=model_dir, skip_tokenizer_init=True, max_total_tokens=192, page_size=4,
+                    swa_full_tokens_ratio=0.5, chunked_prefill_size=16, enable_hierarchical_cache=True,
+                    hicache_ratio=2.0)
+    checked_steps(engine)
+    rng = random.Random(4)
+    conversations = [[rng.randrange(5, 261) for _ in range(rng.randrange(8, 40))] for _ in range(4)]
+    runs = []
+    for _ in range(8):
+        batch = rng.sample(range(len(conversations)), rng.randrange(1, 4))
+        prompts = [(conversations[i] + [rng.randrange(5, 261) for _ in range(rng.randrange(1, 12))])[-100:]
+                   for i in batch]
+        max_new = rng.choice([4, 12, 24])
+        outs = engine.generate(input_ids=prompts, sampling_params={**GREEDY, "max_new_tokens": max_new})
+        for i, prompt, out in zip(batch, prompts, outs):
+            conversations[i] = prompt + out["output_ids"]
+            runs.append((prompt, out["output_ids"], max_new))
+        engine.check_integrity()
+    assert engine.scheduler.tree_cache.cache_controller.loaded_tokens > 0
+    for prompt, output, max_new in runs:
+        assert_greedy_parity(model_dir, [prompt], [output], max_new)
+    engine.shutdown()
