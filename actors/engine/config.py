@@ -95,7 +95,8 @@ class EngineConfig(BaseModel):
         "it serves prompts up to the full pool's size; otherwise a request is held to the SWA pool less a window",
     )
     enable_hierarchical_cache: bool = False
-    hicache_ratio: float = Field(2.0, gt=1.0, description="host KV pool size as a multiple of the device pool")
+    hicache_ratio: float = Field(2.0, gt=1.0, description="host KV pool size as a multiple of the device pool (a "
+                                 "sliding-window model has two: one per pool, full and SWA layers)")
     hicache_write_policy: Literal["write_through", "write_through_selective", "write_back"] = "write_through"
     hicache_storage_dir: Optional[str] = Field(None, description="file tier directory (None: host tier only); with "
                                                "tp_size > 1 each rank keeps its pages in tp{size}-rank{rank} under it")
