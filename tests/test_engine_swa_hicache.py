@@ -91,7 +91,8 @@ def test_a_device_prefix_continued_from_the_host_tier_equals_hf(model_dir):
     checked_steps(engine)
     rng = random.Random(1)
     turn = [rng.randrange(5, 261) for _ in range(40)]
-    history = turn + engine.generate(input_ids=[turn], sampling_params={**GREEDY, "max_new_tokens": 32})[0]["output_ids"]
+    first = engine.generate(input_ids=[turn], sampling_params={**GREEDY, "max_new_tokens": 32})[0]
+    history = turn + first["output_ids"]
     leaf = tree.match_prefix(RadixKey(history)).last_device_node
     assert not leaf.children and tree.evict(len(leaf.key)).full_num_evicted == len(leaf.key)
     match = tree.match_prefix(RadixKey(history))

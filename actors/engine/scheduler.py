@@ -63,7 +63,7 @@ class Scheduler(PrefillAdmissionMixin, DecodeRetractionMixin, SpecDecodeMixin):
         self.hybrid = runner.spec.kind == "hybrid_mamba"
         self.swa = runner.spec.kind == "swa"
         self.file_tier = False  # a HiRadixCache with storage: admission prefetches from it
-        self.host_tier = False  # a HiRadixCache: its loads start before a forward and end after it
+        self.host_tier = False  # a HiRadixCache (or SWAHiRadixCache): its loads start before a forward, end after it
         if self.swa and cfg.enable_hierarchical_cache:
             self.tree_cache = self._swa_host_tier(cfg, runner)
             self.host_tier = True
@@ -141,7 +141,8 @@ class Scheduler(PrefillAdmissionMixin, DecodeRetractionMixin, SpecDecodeMixin):
         for option, value in (("hicache_storage_dir", cfg.hicache_storage_dir), ("tp_size > 1", runner.tp.size > 1)):
             if value:
                 raise ValueError(f"enable_hierarchical_cache=True with {option} is not supported for sliding-window "
-                                 "models (KV cache kind 'swa'): their host tier is the host memory of one rank")
+                                 "models (KV cache kind 'swa'): their host tier (a host pool for each KV pool) has "
+                                 "no file tier and no TP followers' replay")
         return SWAHiRadixCache(
             runner.req_to_token_pool, runner.allocator, runner.token_to_kv_pool, runner.spec.sliding_window,
             cfg.page_size, host_to_device_ratio=cfg.hicache_ratio, write_policy=cfg.hicache_write_policy,
