@@ -125,6 +125,25 @@ def test_packed_weights_take_their_packed_bytes(tmp_path):
     assert all(m.qweight.dtype == torch.int32 for m in packed.modules() if getattr(m, "packed", None))
 
 
+def test_older_autoawq_configs_name_bits_and_group_size_w_bit_and_q_group_size(tmp_path):
+    """AutoAWQ's older quantization_config says ``w_bit`` and ``q_group_size`` (vLLM reads either name): such
+    a checkpoint loads packed with its group size (16 here, not the default 128) and dequantizes to the
+    brute-force unpacker's weights."""
+    from safetensors.torch import load_file
+
+    quantized, dequantized = packed_checkpoint("llama", tmp_path, method="awq", group_size=16)
+    config_path = Path(quantized) / "config.json"
+    config = json.loads(config_path.read_text())
+    qc = config["quantization_config"]
+    qc["w_bit"], qc["q_group_size"], qc["version"] = qc.pop("bits"), qc.pop("group_size"), "GEMM"
+    config_path.write_text(json.dumps(config))
+    model, _, _ = load_model(quantized, "float32", "cpu")
+    assert set(packed_layers(model).values()) == {wna16.PackedConfig("awq", 4, 16)}
+    want = load_file(f"{dequantized}/model.safetensors")
+    for name, module in model.packed_linears.items():
+        assert torch.equal(module.dense_weight(torch.float32), want[f"{name}.weight"]), name
+
+
 @pytest.mark.parametrize("method", ["gptq", "awq"])
 def test_tp2_equals_hf_and_updates_to_another_packed_checkpoint(method, tmp_path, monkeypatch):
     """TP 2: column-parallel layers cut along their output features (whole words of qzeros, AWQ's qweight),

@@ -84,7 +84,8 @@ def resolve(config, quantization: Optional[str]) -> Optional[PackedConfig]:
     if quantization is not None:
         raise ValueError(f"quantization={quantization!r} but the checkpoint's quantization_config.quant_method="
                          f"{method!r}: leave quantization unset to serve it as it is quantized")
-    bits, group_size = qc.get("bits"), qc.get("group_size", 128)
+    # (older AutoAWQ configs name them w_bit and q_group_size; vLLM reads either)
+    bits, group_size = qc.get("bits", qc.get("w_bit")), qc.get("group_size", qc.get("q_group_size", 128))
     if method == GPTQ:
         fmt = "marlin" if qc.get("is_marlin_format") else qc.get("checkpoint_format", "gptq")
         if fmt != "gptq":
