@@ -184,6 +184,26 @@ def test_tp2_equals_hf_and_updates_to_another_packed_checkpoint(method, tmp_path
     assert_greedy_parity(other_dequantized, PROMPTS, updated, GREEDY["max_new_tokens"], logprobs=updated_logprobs)
 
 
+def test_an_update_refuses_act_order_tensors_for_layers_served_without_it(tmp_path):
+    """A layer served without desc_act never reads g_idx: a trainer's tensors of an act-order quantization (same
+    shapes) are refused naming their g_idx, nothing written (they were taken, and read with other groups' scales
+    and zeros); tensors whose g_idx is in group order (as GPTQ writes it without desc_act) are taken."""
+    from safetensors.torch import load_file
+
+    quantized, _ = packed_checkpoint("llama", tmp_path / "a", bits=4, group_size=16)
+    act_order, _ = packed_checkpoint("llama", tmp_path / "b", bits=4, group_size=16, act_order=True, seed=1)
+    engine = Engine(model_path=quantized, skip_tokenizer_init=True, max_total_tokens=512)
+    try:
+        outputs = generate(engine)[0]
+        with pytest.raises(ValueError, match=r"model.layers.0.self_attn.q_proj.g_idx is not in group order"):
+            engine.update_weights_from_tensor(list(load_file(f"{act_order}/model.safetensors").items()))
+        assert generate(engine)[0] == outputs
+        engine.update_weights_from_tensor(list(load_file(f"{quantized}/model.safetensors").items()))
+        assert generate(engine)[0] == outputs
+    finally:
+        engine.shutdown()
+
+
 @settings(max_examples=40, deadline=None)
 @given(method=st.sampled_from(["gptq", "awq"]), bits=st.sampled_from([4, 8]), groups=st.integers(1, 3),
        group_size=st.sampled_from([8, 16, -1]), out_words=st.integers(1, 3), sym=st.booleans(),

@@ -339,7 +339,7 @@ class ServedWeights:
                                         or wna16.unread(self.packed, name) or self.elsewhere(name),
                                         partial=not isinstance(source, str))
         if not isinstance(source, str):
-            problems += self._fp8_problems(source)
+            problems += self._fp8_problems(source) + wna16.g_idx_problems(self.packed, source)
         if problems:
             raise ValueError(f"{what} {'does' if isinstance(source, str) else 'do'} not fit the served model: "
                              f"{'; '.join(problems)}")

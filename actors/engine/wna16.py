@@ -220,6 +220,22 @@ def unread(packed: Dict[str, nn.Module], name: str) -> bool:
     return layer is not None and not layer.packed.desc_act
 
 
+def g_idx_problems(packed: Dict[str, nn.Module], tensors: Dict[str, torch.Tensor]) -> List[str]:
+    """Named tensors' (a weight update's) ``g_idx`` of a ``packed`` layer without act-order: it must hold
+    the groups in order (``i // group_size``, as GPTQ writes it without ``desc_act``), as the layer reads
+    them; one from an act-order quantization would be dropped and its tensors read with other groups'
+    scales and zeros. Tensors on meta (a TP follower's check: shapes alone) are left to rank 0's."""
+    problems = []
+    for name, tensor in tensors.items():
+        if not unread(packed, name) or tensor.is_meta:
+            continue
+        quant = packed[name.removesuffix(".g_idx")].packed
+        size = len(tensor) if quant.group_size == -1 else quant.group_size
+        if not torch.equal(tensor.cpu().long(), torch.arange(len(tensor)) // size):
+            problems.append(f"{name} is not in group order (act-order) but its layer is served without desc_act")
+    return problems
+
+
 def packed_params(packed: Dict[str, nn.Module]) -> List[nn.Parameter]:
     """The tensors of the ``packed`` layers that the model's cast to its dtype leaves as they are (the
     fp32 scales; the int32 ones are no floats)."""
