@@ -125,6 +125,23 @@ def test_packed_weights_take_their_packed_bytes(tmp_path):
     assert all(m.qweight.dtype == torch.int32 for m in packed.modules() if getattr(m, "packed", None))
 
 
+def test_the_zero_biases_gptq_for_llama_stored_for_layers_without_one_are_skipped(tmp_path):
+    """GPTQ-for-LLaMa's QuantLinear saved a zero fp16 ``bias`` for every layer, Llama's too (which has none):
+    such a checkpoint loads (vLLM and SGLang skip them), its layers packed, without a bias, as the unpacker's."""
+    from safetensors.torch import load_file, save_file
+
+    quantized, dequantized = packed_checkpoint("llama", tmp_path, bits=4, group_size=16)
+    tensors = load_file(f"{quantized}/model.safetensors")
+    for name in [n for n in tensors if n.endswith(".scales")]:
+        tensors[name.removesuffix("scales") + "bias"] = torch.zeros(tensors[name].shape[1], dtype=torch.float16)
+    save_file(tensors, f"{quantized}/model.safetensors")
+    model, _, _ = load_model(quantized, "float32", "cpu")
+    want = load_file(f"{dequantized}/model.safetensors")
+    assert len(model.packed_linears) == 14
+    for name, module in model.packed_linears.items():
+        assert module.bias is None and torch.equal(module.dense_weight(torch.float32), want[f"{name}.weight"]), name
+
+
 def test_older_autoawq_configs_name_bits_and_group_size_w_bit_and_q_group_size(tmp_path):
     """AutoAWQ's older quantization_config says ``w_bit`` and ``q_group_size`` (vLLM reads either name): such
     a checkpoint loads packed with its group size (16 here, not the default 128) and dequantizes to the
@@ -184,10 +201,11 @@ def test_tp2_equals_hf_and_updates_to_another_packed_checkpoint(method, tmp_path
     assert_greedy_parity(other_dequantized, PROMPTS, updated, GREEDY["max_new_tokens"], logprobs=updated_logprobs)
 
 
-def test_an_update_refuses_act_order_tensors_for_layers_served_without_it(tmp_path):
+def test_an_update_refuses_unread_tensors_that_say_something(tmp_path):
     """A layer served without desc_act never reads g_idx: a trainer's tensors of an act-order quantization (same
     shapes) are refused naming their g_idx, nothing written (they were taken, and read with other groups' scales
-    and zeros); tensors whose g_idx is in group order (as GPTQ writes it without desc_act) are taken."""
+    and zeros); tensors whose g_idx is in group order (as GPTQ writes it without desc_act) are taken. A bias for
+    a packed layer without one is taken when zeros (GPTQ-for-LLaMa's), refused otherwise."""
     from safetensors.torch import load_file
 
     quantized, _ = packed_checkpoint("llama", tmp_path / "a", bits=4, group_size=16)
@@ -199,6 +217,9 @@ def test_an_update_refuses_act_order_tensors_for_layers_served_without_it(tmp_pa
             engine.update_weights_from_tensor(list(load_file(f"{act_order}/model.safetensors").items()))
         assert generate(engine)[0] == outputs
         engine.update_weights_from_tensor(list(load_file(f"{quantized}/model.safetensors").items()))
+        with pytest.raises(ValueError, match=r"model.layers.0.self_attn.q_proj.bias is not zero"):
+            engine.update_weights_from_tensor([("model.layers.0.self_attn.q_proj.bias", torch.ones(64))])
+        engine.update_weights_from_tensor([("model.layers.0.self_attn.q_proj.bias", torch.zeros(64))])
         assert generate(engine)[0] == outputs
     finally:
         engine.shutdown()

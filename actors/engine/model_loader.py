@@ -126,8 +126,9 @@ IGNORED_WEIGHTS = (re.compile(r"(^|\.)rotary_emb\.inv_freq$"),)  # older checkpo
 
 def ignored_weight(model: torch.nn.Module, name: str) -> bool:
     """Whether ``name`` is a checkpoint tensor to skip: a saved ``inv_freq``, the ``g_idx`` of a GPTQ
-    layer without act-order (:func:`wna16.unread`), or one the model class skips by its
-    ``ignored_weight(name)`` (multi-token-prediction layers)."""
+    layer without act-order or the bias of a packed layer without one (GPTQ-for-LLaMa stored zeros:
+    :func:`wna16.unread`), or one the model class skips by its ``ignored_weight(name)``
+    (multi-token-prediction layers)."""
     if any(p.search(name) for p in IGNORED_WEIGHTS) or wna16.unread(getattr(model, "packed_linears", {}), name):
         return True
     return bool(getattr(model, "ignored_weight", lambda _: False)(name))
@@ -339,7 +340,7 @@ class ServedWeights:
                                         or wna16.unread(self.packed, name) or self.elsewhere(name),
                                         partial=not isinstance(source, str))
         if not isinstance(source, str):
-            problems += self._fp8_problems(source) + wna16.g_idx_problems(self.packed, source)
+            problems += self._fp8_problems(source) + wna16.unread_problems(self.packed, source)
         if problems:
             raise ValueError(f"{what} {'does' if isinstance(source, str) else 'do'} not fit the served model: "
                              f"{'; '.join(problems)}")

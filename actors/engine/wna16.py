@@ -214,25 +214,33 @@ def quantize_like(full: nn.Module, packed: Dict[str, nn.Module]) -> None:
 
 
 def unread(packed: Dict[str, nn.Module], name: str) -> bool:
-    """Whether checkpoint tensor ``name`` is the ``g_idx`` of a ``packed`` layer without act-order (its
-    groups are in order: nothing to read)."""
-    layer = packed.get(name.removesuffix(".g_idx")) if name.endswith(".g_idx") else None
-    return layer is not None and not layer.packed.desc_act
+    """Whether checkpoint tensor ``name`` is one a ``packed`` layer does not read: the ``g_idx`` of a layer
+    without act-order (its groups are in order: nothing to read), or the ``bias`` of a layer without one
+    (GPTQ-for-LLaMa's QuantLinear stored a zero bias for every layer; vLLM and SGLang skip it alike)."""
+    prefix, _, param = name.rpartition(".")
+    layer = packed.get(prefix)
+    if layer is None:
+        return False
+    return (param == "g_idx" and not layer.packed.desc_act) or (param == "bias" and layer.bias is None)
 
 
-def g_idx_problems(packed: Dict[str, nn.Module], tensors: Dict[str, torch.Tensor]) -> List[str]:
-    """Named tensors' (a weight update's) ``g_idx`` of a ``packed`` layer without act-order: it must hold
-    the groups in order (``i // group_size``, as GPTQ writes it without ``desc_act``), as the layer reads
-    them; one from an act-order quantization would be dropped and its tensors read with other groups'
-    scales and zeros. Tensors on meta (a TP follower's check: shapes alone) are left to rank 0's."""
+def unread_problems(packed: Dict[str, nn.Module], tensors: Dict[str, torch.Tensor]) -> List[str]:
+    """Named tensors' (a weight update's) rule for those a ``packed`` layer does not read (:func:`unread`):
+    they must say nothing it would miss. A ``g_idx`` holds the groups in order (``i // group_size``, as GPTQ
+    writes it without ``desc_act``): one of an act-order quantization would be dropped and its tensors read
+    with other groups' scales and zeros; a ``bias`` is zeros (GPTQ-for-LLaMa's). Tensors on meta (a TP
+    follower's check: shapes alone) are left to rank 0's."""
     problems = []
     for name, tensor in tensors.items():
-        if not unread(packed, name) or tensor.is_meta:
+        if tensor.is_meta or not unread(packed, name):
             continue
-        quant = packed[name.removesuffix(".g_idx")].packed
-        size = len(tensor) if quant.group_size == -1 else quant.group_size
-        if not torch.equal(tensor.cpu().long(), torch.arange(len(tensor)) // size):
-            problems.append(f"{name} is not in group order (act-order) but its layer is served without desc_act")
+        layer, _, param = name.rpartition(".")
+        if param == "bias" and tensor.any():
+            problems.append(f"{name} is not zero but its packed layer has no bias")
+        elif param == "g_idx":
+            size = len(tensor) if packed[layer].packed.group_size == -1 else packed[layer].packed.group_size
+            if not torch.equal(tensor.cpu().long(), torch.arange(len(tensor)) // size):
+                problems.append(f"{name} is not in group order (act-order) but its layer is served without desc_act")
     return problems
 
 
