@@ -304,6 +304,7 @@ def test_packed_config_errors(tmp_path):
         "zero_point=False": dict(quant_method="awq", bits=4, zero_point=False),
         "group_size=0": dict(quant_method="gptq", bits=4, group_size=0),
         "lm_head=True": dict(quant_method="gptq", bits=4, lm_head=True),
+        "pack_dtype='int16' is not served": dict(quant_method="gptq", bits=4, pack_dtype="int16"),
         r"dynamic\['\+:.\*mlp'\].bits=2": dict(quant_method="gptq", bits=4, dynamic={"+:.*mlp": {"bits": 2}}),
     }
     for why, qc in refused.items():

@@ -74,8 +74,8 @@ class PackedConfig(NamedTuple):
 def resolve(config, quantization: Optional[str]) -> Optional[PackedConfig]:
     """The quantization of the checkpoint of HF ``config`` when it is GPTQ or AWQ (else None); ValueError
     naming the field of a variant not served: another GPTQ ``checkpoint_format`` (marlin, gptq_v2), bits
-    2 / 3, AWQ's GEMV kernels' layout or no zero point, a quantized ``lm_head``; or a forced
-    ``quantization`` (fp8)."""
+    2 / 3, AWQ's GEMV kernels' layout or no zero point, words other than int32 (GPTQModel's ``pack_dtype``),
+    a quantized ``lm_head``; or a forced ``quantization`` (fp8)."""
     qc = getattr(config, "quantization_config", None)
     qc = qc if qc is None or isinstance(qc, dict) else qc.to_dict()
     method = None if qc is None else qc.get("quant_method")
@@ -98,6 +98,8 @@ def resolve(config, quantization: Optional[str]) -> Optional[PackedConfig]:
                              "'gemm' layout (qweight [in, out / 8])")
         if not qc.get("zero_point", True):
             raise ValueError("quantization_config.zero_point=False is not served: AWQ with zero points only")
+    if qc.get("pack_dtype", "int32") != "int32":  # (GPTQModel packs in int8 / int16 / int64 words too)
+        raise ValueError(f"quantization_config.pack_dtype={qc['pack_dtype']!r} is not served: int32 words only")
     _check_sizes("quantization_config", method, bits, group_size)
     if qc.get("lm_head"):
         raise ValueError("quantization_config.lm_head=True is not served: lm_head stays unquantized")
