@@ -174,8 +174,7 @@ def test_fp8_config_errors(tmp_path):
         fp8.resolve(config(quant_method="bitsandbytes"), None)
     with pytest.raises(ValueError, match="quantization='fp8' but the checkpoint's quantization_config.quant_method"):
         fp8.resolve(config(quant_method="gptq"), "fp8")
-    with pytest.raises(ValueError, match="weight_block_size=None: only block-wise"):
-        fp8.resolve(config(quant_method="fp8"), None)
+    assert fp8.resolve(config(quant_method="fp8"), None) is None  # (per-tensor: compressed_tensors serves it)
     with pytest.raises(ValueError, match="activation_scheme='static'"):
         fp8.resolve(config(quant_method="fp8", activation_scheme="static", weight_block_size=[128, 128]), None)
     assert fp8.resolve(SimpleNamespace(), None) is None
@@ -188,9 +187,9 @@ def test_fp8_config_errors(tmp_path):
         check_tp_shardable(EngineConfig(model_path=quantized, tp_size=2))
     config_path = Path(quantized) / "config.json"
     config_json = json.loads(config_path.read_text())
-    config_json["quantization_config"] = {"quant_method": "compressed-tensors"}
+    config_json["quantization_config"] = {"quant_method": "bitsandbytes"}
     config_path.write_text(json.dumps(config_json))
-    with pytest.raises(ValueError, match="quant_method='compressed-tensors' is not supported"):
+    with pytest.raises(ValueError, match="quant_method='bitsandbytes' is not supported"):
         load_model(quantized, "auto", "cpu")
 
 

@@ -40,7 +40,8 @@ class Fp8Config(NamedTuple):
 
 def resolve(config, quantization: Optional[str]) -> Optional[Fp8Config]:
     """The quantization of the checkpoint of HF ``config`` served with ``EngineConfig.quantization``
-    (None: the checkpoint's own); ValueError naming the field when they disagree or the method is not served."""
+    (None: the checkpoint's own; also None for per-tensor FP8, no ``weight_block_size``, which
+    :mod:`.compressed_tensors` serves); ValueError naming the field when they disagree or the method is not served."""
     qc = getattr(config, "quantization_config", None)
     if qc is None:
         return Fp8Config(DYNAMIC_BLOCK, dynamic=True) if quantization == "fp8" else None
@@ -49,14 +50,15 @@ def resolve(config, quantization: Optional[str]) -> Optional[Fp8Config]:
     if method != "fp8":
         forced = f"quantization={quantization!r} but " if quantization else ""
         raise ValueError(f"{forced}the checkpoint's quantization_config.quant_method={method!r} is not supported "
-                         "(served: 'fp8' block-wise, 'gptq', 'awq')")
+                         "(served: 'fp8', 'gptq', 'awq', 'compressed-tensors')")
+    block = qc.get("weight_block_size")
+    if not block:
+        return None
     if qc.get("fmt", "e4m3") != "e4m3" or qc.get("activation_scheme", "dynamic") != "dynamic":
         raise ValueError(f"quantization_config fmt={qc.get('fmt')!r}, activation_scheme="
                          f"{qc.get('activation_scheme')!r}: only e4m3 with dynamic activations is served")
-    block = qc.get("weight_block_size")
-    if not block or len(block) != 2:
-        raise ValueError(f"quantization_config.weight_block_size={block!r}: only block-wise FP8 ([rows, columns]) "
-                         "is served, not per-tensor scales")
+    if len(block) != 2:
+        raise ValueError(f"quantization_config.weight_block_size={block!r}: block-wise FP8 is [rows, columns]")
     return Fp8Config((int(block[0]), int(block[1])), dynamic=False)
 
 

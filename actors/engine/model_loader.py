@@ -12,7 +12,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig
 
-from actors.engine import fp8, mxfp4, wna16
+from actors.engine import compressed_tensors, fp8, mxfp4, wna16
 from actors.engine.models import get_model_class
 from actors.engine.models.moe import ExpertList
 from actors.engine.parallel import SINGLE, ParamShard, TPGroup
@@ -82,20 +82,37 @@ def checkpoint_shapes(files: List[str]) -> Dict[str, List[int]]:
     return shapes
 
 
-def build_served_model(model_path: str, config, quantization: Optional[str] = None, tp: TPGroup = SINGLE
-                       ) -> Tuple[torch.nn.Module, Dict[str, torch.nn.Module], Dict[str, torch.nn.Module]]:
+class ServedModel(NamedTuple):
+    """A model on meta with its quantized layers (each dict empty but for the checkpoint's quantization):
+    block-FP8 weights' names → their layers, packed GPTQ / AWQ layers' names → the layers, and
+    compressed-tensors (or per-tensor FP8) layers' names → the layers."""
+
+    model: torch.nn.Module
+    quantized: Dict[str, torch.nn.Module]
+    packed: Dict[str, torch.nn.Module]
+    compressed: Dict[str, torch.nn.Module]
+
+
+def build_served_model(model_path: str, config, quantization: Optional[str] = None,
+                       tp: TPGroup = SINGLE) -> ServedModel:
     """:func:`build_model`, its linear layers block FP8 where the checkpoint's are (or, with
-    ``quantization="fp8"``, every one: :mod:`.fp8`), or packed GPTQ / AWQ ints where the checkpoint's are
-    (:mod:`.wna16`); also the block-FP8 weights' names → their layers, and the packed layers' names → the
-    layers. ValueError for a quantization not served or a TP shard that cuts a block, a word or a group."""
+    ``quantization="fp8"``, every one: :mod:`.fp8`), packed GPTQ / AWQ ints (:mod:`.wna16`) or
+    compressed-tensors' (:mod:`.compressed_tensors`) where the checkpoint's are. ValueError for a
+    quantization not served or a TP shard that cuts a block, a word or a group."""
     model = build_model(config, tp)
     packed = wna16.resolve(config, quantization)
     if packed is not None:
-        return model, {}, wna16.quantize_linears(model, packed, checkpoint_shapes(checkpoint_files(model_path)))
+        return ServedModel(model, {}, wna16.quantize_linears(model, packed, checkpoint_shapes(
+            checkpoint_files(model_path))), {})
+    compressed = compressed_tensors.resolve(config, quantization)
+    if compressed is not None:
+        return ServedModel(model, {}, {}, compressed_tensors.quantize_linears(model, compressed, checkpoint_shapes(
+            checkpoint_files(model_path))))
     quant = fp8.resolve(config, quantization)
     if quant is None:
-        return model, {}, {}
-    return model, fp8.quantize_linears(model, quant, checkpoint_shapes(checkpoint_files(model_path))), {}
+        return ServedModel(model, {}, {}, {})
+    return ServedModel(model, fp8.quantize_linears(model, quant, checkpoint_shapes(checkpoint_files(model_path))),
+                       {}, {})
 
 
 def load_model(
@@ -105,9 +122,9 @@ def load_model(
     (under TP, only this rank's shard of each is read). ``quantization``: ``EngineConfig``'s."""
     config = load_config(model_path)
     torch_dtype = resolve_dtype(config, dtype)
-    model, quantized, packed = build_served_model(model_path, config, quantization, tp)
+    model, quantized, packed, compressed = build_served_model(model_path, config, quantization, tp)
     model = model.to_empty(device=device)
-    model.quantized_weights, model.packed_linears = quantized, packed
+    model.quantized_weights, model.packed_linears, model.compressed_linears = quantized, packed, compressed
     missing, unexpected = load_weights(model, checkpoint_files(model_path))
     unexpected = [name for name in unexpected if not ignored_weight(model, name)]
     if getattr(config, "tie_word_embeddings", False):
@@ -127,9 +144,11 @@ IGNORED_WEIGHTS = (re.compile(r"(^|\.)rotary_emb\.inv_freq$"),)  # older checkpo
 def ignored_weight(model: torch.nn.Module, name: str) -> bool:
     """Whether ``name`` is a checkpoint tensor to skip: a saved ``inv_freq``, the ``g_idx`` of a GPTQ
     layer without act-order or the bias of a packed layer without one (GPTQ-for-LLaMa stored zeros:
-    :func:`wna16.unread`), or one the model class skips by its ``ignored_weight(name)``
+    :func:`wna16.unread`), a compressed-tensors layer's ``weight_shape`` or ``input_scale``
+    (:func:`compressed_tensors.unread`), or one the model class skips by its ``ignored_weight(name)``
     (multi-token-prediction layers)."""
-    if any(p.search(name) for p in IGNORED_WEIGHTS) or wna16.unread(getattr(model, "packed_linears", {}), name):
+    if (any(p.search(name) for p in IGNORED_WEIGHTS) or wna16.unread(getattr(model, "packed_linears", {}), name)
+            or compressed_tensors.unread(getattr(model, "compressed_linears", {}), name)):
         return True
     return bool(getattr(model, "ignored_weight", lambda _: False)(name))
 
@@ -248,11 +267,13 @@ def _load_mxfp4(name: str, target: torch.Tensor, shard: Optional[ParamShard], f,
 def cast_model(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
     """``model`` in ``dtype``, except the buffers its class names in ``fp32_buffers``: HF
     keeps those in fp32 whatever the model dtype (DeepSeek's routing bias), and so must we;
-    block-FP8 weights and their scales, and packed GPTQ / AWQ layers' scales, stay as they are."""
+    block-FP8 weights and their scales, packed GPTQ / AWQ layers' scales and compressed-tensors layers' FP8
+    weights and scales stay as they are."""
     keep = set(getattr(model, "fp32_buffers", ()))
     kept = {name: buf.float() for name, buf in model.named_buffers() if name.rpartition(".")[2] in keep}
     quantized = {id(p) for p in fp8.quantized_params(getattr(model, "quantized_weights", {}))
-                 + wna16.packed_params(getattr(model, "packed_linears", {}))}
+                 + wna16.packed_params(getattr(model, "packed_linears", {}))
+                 + compressed_tensors.compressed_params(getattr(model, "compressed_linears", {}))}
     # (model.to(dtype), but for them: never a cast copy of a whole FP8 model at once)
     model = model._apply(lambda t: t.to(dtype) if t.is_floating_point() and id(t) not in quantized else t)
     for name, buf in kept.items():
@@ -308,6 +329,7 @@ class ServedWeights:
         self.targets = checkpoint_targets(model)
         self.quantized = getattr(model, "quantized_weights", {})  # block-FP8 weights → their layers
         self.packed = getattr(model, "packed_linears", {})  # GPTQ / AWQ layers' names → the layers
+        self.compressed = getattr(model, "compressed_linears", {})  # compressed-tensors layers' names → the layers
         self.elsewhere = held_elsewhere(model)  # (EP: the experts other ranks hold, and check)
         if getattr(config, "tie_word_embeddings", False):  # (the embedding's tensor: loaded by its own name)
             self.targets.pop("lm_head.weight", None)
@@ -332,12 +354,14 @@ class ServedWeights:
         full = build_model(self.config)  # (on meta: the whole tensors' shapes, whatever this rank's shards)
         fp8.quantize_like(full, self.quantized)
         wna16.quantize_like(full, self.packed)
+        compressed_tensors.quantize_like(full, self.compressed)
         expected = {name: list(t.shape) for name, t in full.state_dict().items() if name in self.targets}
         if isinstance(source, str) and getattr(self.config, "quantization_config", None) is None:  # (fp8 as they load)
             expected = {name: shape for name, shape in expected.items() if not name.endswith(fp8.SCALE)}
         shapes = mxfp4.unpacked_shapes(shapes, expected)
         problems = _checkpoint_problems(shapes, expected, lambda name: ignored_weight(full, name)
-                                        or wna16.unread(self.packed, name) or self.elsewhere(name),
+                                        or wna16.unread(self.packed, name) or self.elsewhere(name)
+                                        or compressed_tensors.unread(self.compressed, name),
                                         partial=not isinstance(source, str))
         if not isinstance(source, str):
             problems += self._fp8_problems(source) + wna16.unread_problems(self.packed, source)
@@ -363,9 +387,11 @@ class ServedWeights:
     def _fp8_problems(self, tensors: Dict[str, torch.Tensor]) -> List[str]:
         """Named tensors' FP8 rule: a block-FP8 layer's weight comes in FP8 with its ``weight_scale_inv``
         (both replaced), or in another dtype alone (quantized as it loads, its scales written); no
-        layer served unquantized takes an FP8 tensor."""
+        layer served unquantized takes an FP8 tensor. A compressed-tensors layer's tensors come as it stores them."""
         problems = []
         for name, tensor in tensors.items():
+            if name.rpartition(".")[0] in self.compressed:
+                continue
             weight = name.removesuffix(fp8.SCALE) + "weight"
             is_fp8 = tensor.dtype == fp8.FP8
             if name.endswith(fp8.SCALE) and getattr(tensors.get(weight), "dtype", None) != fp8.FP8:

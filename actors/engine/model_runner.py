@@ -104,12 +104,13 @@ class ModelRunner:
         self.num_forwards = 0
 
     def _fuse_experts(self) -> None:
-        """``moe_backend`` (auto: triton on CUDA, torch on the CPU or for GPTQ / AWQ experts, which the fused
-        kernels do not take): triton stacks every MoE layer's experts for the fused kernels; ValueError when
-        Triton cannot run on the device."""
+        """``moe_backend`` (auto: triton on CUDA, torch on the CPU or for GPTQ / AWQ / compressed-tensors
+        experts, which the fused kernels do not take): triton stacks every MoE layer's experts for the fused
+        kernels; ValueError when Triton cannot run on the device."""
         backend = self.config.moe_backend
         if backend == "auto":
-            packed_experts = any(".experts." in name for name in self.model.packed_linears)
+            packed_experts = any(".experts." in name for name in [*self.model.packed_linears,
+                                                                     *self.model.compressed_linears])
             backend = "triton" if self.device.type == "cuda" and not packed_experts else "torch"
         if backend == "triton":
             error = triton_device_error(self.device, "moe_backend='triton'")

@@ -34,8 +34,9 @@ experts on the tokens routed to them, and the block's one all-reduce sums the ra
 it sums the slices under TP.
 
 The linear layers (:class:`LinearBase`) may hold their weight in block FP8 with its scales
-(:mod:`.fp8`), or packed in GPTQ's / AWQ's int words with their scales and zeros (:mod:`.wna16`),
-each sharded alike: the weight is dequantized in each forward (a packed one on CUDA tile by tile, inside
+(:mod:`.fp8`), packed in GPTQ's / AWQ's int words with their scales and zeros (:mod:`.wna16`), or as a
+compressed-tensors checkpoint stores it (:mod:`.compressed_tensors`: FP8, int8, packed ints), each sharded
+alike: the weight is dequantized in each forward (a GPTQ / AWQ one on CUDA tile by tile, inside
 its GEMM).
 
 With ``size == 1`` (:data:`SINGLE`) every collective is a no-op and every
@@ -53,7 +54,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from actors.engine import fp8, wna16
+from actors.engine import compressed_tensors, fp8, wna16
 
 # SGLang's DEFAULT_VOCAB_PADDING_SIZE: under TP each rank's share of the vocabulary is a multiple of it
 VOCAB_PADDING = 64
@@ -247,17 +248,21 @@ def shard_param(module: nn.Module, name: str, dim: int, ranges: Sequence[range],
 
 class LinearBase(nn.Linear):
     """A linear layer whose weight may be held in block FP8 (:func:`fp8.quantize_linear` sets
-    ``weight_block_size`` and adds ``weight_scale_inv``) or packed GPTQ / AWQ ints (:func:`wna16.quantize_linear`
-    sets ``packed``, its tensors in place of ``weight``): then each forward dequantizes it to the input's
-    dtype first (weight-only)."""
+    ``weight_block_size`` and adds ``weight_scale_inv``), packed GPTQ / AWQ ints (:func:`wna16.quantize_linear`
+    sets ``packed``, its tensors in place of ``weight``) or as compressed-tensors stores it
+    (:func:`compressed_tensors.quantize_linear` sets ``scheme``): then each forward dequantizes it to the
+    input's dtype first (weight-only)."""
 
     weight_block_size: Optional[Tuple[int, int]] = None
     packed: Optional[wna16.PackedConfig] = None
+    scheme: Optional[compressed_tensors.Scheme] = None
 
     def dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
         """The weight to multiply inputs of ``dtype`` by."""
         if self.packed is not None:
             return wna16.dequantize(self, dtype)
+        if self.scheme is not None:
+            return compressed_tensors.dequantize(self, dtype)
         if self.weight_block_size is None:
             return self.weight
         return fp8.dequantize(self.weight, self.weight_scale_inv, self.weight_block_size, dtype)

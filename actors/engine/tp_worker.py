@@ -404,7 +404,7 @@ class TPModelWorker:
 def check_tp_shardable(config: EngineConfig) -> None:
     """Fail before starting any rank when ``tp_size`` cannot shard the model
     (the error names the config field it must divide, or the quantized layer whose FP8 blocks, or GPTQ /
-    AWQ int words or groups, it would cut)."""
+    AWQ / compressed-tensors int words or groups, it would cut)."""
     build_served_model(config.model_path, load_config(config.model_path), config.quantization,
                        TPGroup(rank=0, size=config.tp_size, expert_parallel=config.enable_expert_parallel))
 

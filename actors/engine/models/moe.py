@@ -64,8 +64,10 @@ class ExpertList(FusableExperts):
         gate, up, down = experts[0].projections
         if any(getattr(expert, name).bias is not None for expert in experts for name in (gate, up, down)):
             raise ValueError("moe_backend='triton': experts with biases are not fused")
-        if any(getattr(expert, name).packed is not None for expert in experts for name in (gate, up, down)):
-            raise ValueError("moe_backend='triton': GPTQ / AWQ experts are not fused (moe_backend='torch' serves them)")
+        if any(getattr(expert, name).packed is not None or getattr(expert, name).scheme is not None
+               for expert in experts for name in (gate, up, down)):
+            raise ValueError("moe_backend='triton': GPTQ / AWQ experts are not fused, nor compressed-tensors ones "
+                             "(moe_backend='torch' serves them)")
         self.fused = FusedExperts(stack_linears([(getattr(m, gate), getattr(m, up)) for m in experts]),
                                   stack_linears([(getattr(m, down),) for m in experts]),
                                   partial(gated, experts[0].act))
