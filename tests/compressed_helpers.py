@@ -130,8 +130,8 @@ def brute_force_dequantize(tensors: Dict[str, torch.Tensor], weights: dict,
 
 def is_quantized(name: str) -> bool:
     """The linear layers llm-compressor quantizes with ``targets: [Linear]`` (lm_head ignored): attention and
-    MLP projections, experts' too, not embeddings, lm_head, norms, routers."""
-    return name.endswith(("proj.weight", ".w1.weight", ".w2.weight", ".w3.weight"))
+    MLP projections (MLA's too), experts', not embeddings, lm_head, norms, routers."""
+    return name.endswith(("proj.weight", "proj_with_mqa.weight", ".w1.weight", ".w2.weight", ".w3.weight"))
 
 
 def config_group(groups: Dict[str, dict], ignore, layer: str) -> Optional[dict]:

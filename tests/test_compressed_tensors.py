@@ -24,12 +24,14 @@ from tests.test_wna16_weights import GREEDY, PROMPTS, generate, weight_bytes
 ATTENTION, MLP = r"re:.*self_attn\..*", r"re:.*mlp\..*"
 FP8_TENSOR = scheme(8, "float", "tensor", format="float-quantized")
 # family, checkpoint: RedHatAI's -FP8 (quant_method fp8, a scalar scale a layer, static input scales unread),
-# -FP8-dynamic (a scale an output channel), -quantized.w8a8 (int8 channels, static input scales), -quantized.w4a16
+# -FP8-dynamic (a scale an output channel; DeepSeek-V3's MLA projections, replicated q_a_proj too, experts and
+# shared experts), -quantized.w8a8 (int8 channels, static input scales), -quantized.w4a16
 # (int4 groups; here attention in 8 bits per channel, asymmetric, and o_proj ignored); Phi-3's fused qkv_proj and
 # gate_up_proj in asymmetric groups (packed zeros); Qwen3-MoE's experts (torch MoE backend)
 CASES = {
     "llama-fp8-per-tensor-static": ("llama", dict(groups={"g": FP8_TENSOR}, per_tensor_fp8=True, static=True)),
-    "qwen3-fp8-dynamic-channel": ("qwen3", dict(groups={"g": scheme(8, "float", "channel", format="float-quantized")})),
+    "deepseek_v3-fp8-dynamic-channel": ("deepseek_v3", dict(groups={"g": scheme(8, "float", "channel",
+                                                                          format="float-quantized")}, q_lora_rank=32)),
     "llama-w8a8-int8": ("llama", dict(groups={"g": scheme(8, "int", "channel", format="int-quantized")}, static=True)),
     "llama-w4a16-mixed": ("llama", dict(groups={"attention": scheme(8, "int", "channel", symmetric=False,
                                                                     targets=[ATTENTION]),
@@ -78,6 +80,9 @@ def test_compressed_checkpoint_gives_hf_tokens_over_its_dequantization(case, tmp
     if case == "llama-w4a16-mixed":
         assert {(s.num_bits, s.strategy, s.symmetric) for n, s in layers.items()
                 if "self_attn" in n} == {(8, "channel", False)}
+    if family == "deepseek_v3":
+        assert {"model.layers.0.self_attn.q_a_proj", "model.layers.0.self_attn.kv_b_proj",
+                "model.layers.1.mlp.experts.3.down_proj", "model.layers.1.mlp.shared_experts.up_proj"} <= set(layers)
     if family == "qwen3_moe":
         assert "model.layers.0.mlp.experts.3.down_proj" in layers
         with pytest.raises(ValueError, match="moe_backend='triton': GPTQ / AWQ experts are not fused, nor "
