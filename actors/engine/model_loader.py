@@ -100,19 +100,20 @@ def build_served_model(model_path: str, config, quantization: Optional[str] = No
     compressed-tensors' (:mod:`.compressed_tensors`) where the checkpoint's are. ValueError for a
     quantization not served or a TP shard that cuts a block, a word or a group."""
     model = build_model(config, tp)
+
+    def shapes() -> Dict[str, List[int]]:  # (read for a quantized checkpoint only)
+        return checkpoint_shapes(checkpoint_files(model_path))
+
     packed = wna16.resolve(config, quantization)
     if packed is not None:
-        return ServedModel(model, {}, wna16.quantize_linears(model, packed, checkpoint_shapes(
-            checkpoint_files(model_path))), {})
+        return ServedModel(model, {}, wna16.quantize_linears(model, packed, shapes()), {})
     compressed = compressed_tensors.resolve(config, quantization)
     if compressed is not None:
-        return ServedModel(model, {}, {}, compressed_tensors.quantize_linears(model, compressed, checkpoint_shapes(
-            checkpoint_files(model_path))))
+        return ServedModel(model, {}, {}, compressed_tensors.quantize_linears(model, compressed, shapes()))
     quant = fp8.resolve(config, quantization)
     if quant is None:
         return ServedModel(model, {}, {}, {})
-    return ServedModel(model, fp8.quantize_linears(model, quant, checkpoint_shapes(checkpoint_files(model_path))),
-                       {}, {})
+    return ServedModel(model, fp8.quantize_linears(model, quant, shapes()), {}, {})
 
 
 def load_model(
