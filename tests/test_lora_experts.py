@@ -6,6 +6,7 @@ experts and the fused Triton ones (interpreted), at TP 2 (Qwen3-MoE, DeepSeek-V3
 and EP 2 (Mixtral, fused: each rank its experts' slots), and after a runtime load. Adapters the experts cannot
 take are refused, naming the module."""
 
+import gc
 import re
 
 import pytest
@@ -13,6 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from actors.engine import Engine
+from actors.engine.config import EngineConfig
 from actors.engine.tiny import build_tiny_checkpoint, make_adapter
 from tests.lora_helpers import fused_expert_adapter, merged_checkpoint
 from tests.test_lora import GREEDY, assert_parity, prompts
@@ -128,3 +130,37 @@ def test_expert_adapters_the_slots_cannot_take_are_refused(qwen, tmp_path):
         eng.check_integrity()
     finally:
         eng.shutdown()
+
+
+def _live_bytes() -> int:
+    """The bytes of every CPU tensor alive now, each storage once: what a device would have in use."""
+    gc.collect()
+    storages = {}
+    for obj in gc.get_objects():
+        if issubclass(type(obj), torch.Tensor) and obj.device.type == "cpu":
+            storages[obj.untyped_storage().data_ptr()] = obj.untyped_storage().nbytes()
+    return sum(storages.values())
+
+
+def test_the_expert_slots_come_out_of_the_kv_budget(qwen, monkeypatch):
+    """Sized from device memory (a device whose free memory is what the live tensors leave), the KV pool of an
+    engine whose slots take the experts too is smaller by the experts' slots' bytes: they are allocated before
+    the pool is sized, as the dense layers' are, so the pool and all the slots fit mem_fraction_static's share."""
+    import actors.engine.model_runner as model_runner
+
+    available, total = 48 * 2**20, 64 * 2**20  # (16 MiB for the pools at mem_fraction_static 0.5)
+    tokens, slot_bytes = [], 0
+    for targets in (["q_proj"], ["q_proj", "gate_proj", "up_proj", "down_proj"]):
+        start = _live_bytes()
+        monkeypatch.setattr(model_runner, "get_device_memory",
+                            lambda device: (available - (_live_bytes() - start), total))
+        runner = model_runner.ModelRunner(EngineConfig(model_path=qwen[0], skip_tokenizer_init=True,
+                                                       mem_fraction_static=0.5, max_running_requests=8,
+                                                       max_lora_rank=16, lora_target_modules=targets))
+        tokens.append(runner.max_total_num_tokens)
+        slot_bytes = sum(t.nbytes for layer in runner.lora.experts.values()
+                         for t in [*layer.lora_a.values(), *layer.lora_b.values()])
+        cell = runner.token_to_kv_pool.mem_usage_bytes() // (runner.max_total_num_tokens + runner.config.page_size)
+        del runner
+    assert slot_bytes == 2 * 3 * 8 * 4 * 16 * (64 + 32) * 4  # (layers, projections, slots, experts, r, in + out)
+    assert tokens[0] - tokens[1] in range(slot_bytes // cell - 1, slot_bytes // cell + 2)
