@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from actors.engine import Engine
 from actors.engine.config import EngineConfig
+from actors.engine.models import moe
 from actors.engine.tiny import build_tiny_checkpoint, make_adapter
 from tests.lora_helpers import fused_expert_adapter, merged_checkpoint
 from tests.test_lora import GREEDY, assert_parity, prompts
@@ -70,6 +71,40 @@ def test_expert_adapters_equal_merged_models(qwen, moe_backend):
         assert_mixed_batch(qwen, eng, ["moe", "fused"])
     finally:
         eng.shutdown()
+
+
+# the tensor methods that wait for the device (on CUDA) to hand a value to the host
+SYNCS = ("tolist", "item", "cpu", "numpy", "__bool__", "__int__", "__float__", "nonzero", "unique")
+
+
+def test_the_eager_experts_read_the_host_once_a_layer(qwen, monkeypatch):
+    """The eager experts (moe_backend='torch') serving a mixed batch of two adapters and the base model read the
+    host once per MoE layer and forward, whatever the experts and slots: the counts of the pairs sorted by (expert,
+    slot). They used to read it per expert (its rows), and under adapters per expert and slot (the slots of its
+    rows, each slot's rows)."""
+    reads, counting = [], [False]
+    for name in SYNCS:
+        def read(self, *args, _method=getattr(torch.Tensor, name), **kwargs):
+            if counting[0]:
+                reads[-1] += 1
+            return _method(self, *args, **kwargs)
+        monkeypatch.setattr(torch.Tensor, name, read)
+
+    def counted(*args, _run=moe.run_experts):
+        reads.append(0)
+        counting[0] = True
+        try:
+            return _run(*args)
+        finally:
+            counting[0] = False
+    monkeypatch.setattr(moe, "run_experts", counted)
+    eng = Engine(model_path=qwen[0], skip_tokenizer_init=True, max_total_tokens=1024, lora_paths=qwen[1],
+                 moe_backend="torch", max_loras_per_batch=2)
+    try:
+        assert_mixed_batch(qwen, eng, ["moe", "fused"])
+    finally:
+        eng.shutdown()
+    assert len(reads) >= 2 * 8 and set(reads) == {1}  # (2 layers, a prefill and 7 decode steps at least)
 
 
 @pytest.mark.parametrize("family, ep, moe_backend", [("qwen3_moe", False, "torch"), ("deepseek_v3", False, "torch"),

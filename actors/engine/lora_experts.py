@@ -11,13 +11,14 @@ out, r]``, which :class:`~actors.engine.lora.LoRAManager` fills through each exp
 (PEFT's ``target_parameters``) are taken apart into those per-expert pairs as the manager checks an adapter,
 at start or a runtime load (:func:`split_fused_experts`).
 
-The eager experts add the deltas in torch, per expert over its tokens grouped by slot (:meth:`ExpertLoRA.run`;
-one host read an expert, as their own loop's); the fused ones by the same Triton grouped GEMM as the experts'
-(vLLM's fused_moe_lora), between and after their two launches (``FusedExperts.__call__``): the (token, expert)
-pairs sorted by group ``slot·experts + expert`` (:meth:`ExpertLoRA.align`, no host read), each group's ``A``
-then ``B`` its matrices (:meth:`ExpertLoRA.fused_delta`). Under TP a slot is cut as its expert's projection
-(gate/up: B's rows; down: A's columns, its partial delta summed by the block's all-reduce with the experts'
-outputs); under EP a rank holds the slots of its own experts, whole, and drops an adapter's other experts.
+The eager experts add the deltas in torch, per expert over its rows of each slot (:meth:`ExpertLoRA.run`), rows
+``moe.run_experts`` sorts by (expert, slot) with the layer's one host read; the fused ones by the same Triton
+grouped GEMM as the experts' (vLLM's fused_moe_lora), between and after their two launches
+(``FusedExperts.__call__``): the (token, expert) pairs sorted by group ``slot·experts + expert``
+(:meth:`ExpertLoRA.align`, no host read), each group's ``A`` then ``B`` its matrices
+(:meth:`ExpertLoRA.fused_delta`). Under TP a slot is cut as its expert's projection (gate/up: B's rows; down: A's
+columns, its partial delta summed by the block's all-reduce with the experts' outputs); under EP a rank holds the
+slots of its own experts, whole, and drops an adapter's other experts.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ EXPERT_MODULE = re.compile(r"^(model\.layers\.\d+\.[\w.]+\.experts)\.(\d+)\.(\w+
 FUSED_EXPERTS = re.compile(r"^(model\.layers\.\d+)\.(?:\w+\.)*experts(?:\.base_layer)*$")
 EXPERT_INDEX = re.compile(r"\.experts\.\d+\.")
 
-Groups = List[Tuple[int, int, torch.Tensor]]  # (slot, held expert from 0, its rows)
+Groups = List[Tuple[int, int, slice]]  # (slot, held expert from 0, its rows among the expert's)
 Pair = Tuple[torch.Tensor, torch.Tensor]  # an adapter's (A [r, in], B [out, r]) of a module
 
 
@@ -136,24 +137,25 @@ class ExpertLoRA:
         p, i = self.projections.index(name), expert - self.experts.held.start
         return ExpertSlots(getattr(self.experts[expert], name), self.lora_a[p][:, i], self.lora_b[p][:, i])
 
-    def groups(self, expert: int, token: torch.Tensor) -> Groups:
-        """The rows of held expert ``expert`` (counted from 0) under each adapter's slot, ``token`` [rows] each
-        row's token in the forward (one host read); none in a batch without adapters."""
+    @property
+    def num_slots(self) -> int:
+        """The manager's slots (``max_loras_per_batch``)."""
+        return self.manager.scaling.numel()
+
+    def pair_slots(self, top_k: int) -> Optional[torch.Tensor]:
+        """The slot of each (token, k) pair of the forward (a token's ``top_k`` pairs in a row; -1: none); None
+        for a batch without adapters."""
         token_slots = self.manager.token_slots
-        if token_slots is None:
-            return []
-        slot = token_slots[token]
-        return [(s, expert, (slot == s).nonzero()[:, 0]) for s in slot.unique().tolist() if s >= 0]
+        return None if token_slots is None else token_slots.repeat_interleave(top_k)
 
     def align(self, expert_of: torch.Tensor, top_k: int, block_m: int) -> Optional[FusedPairs]:
         """The pairs of a fused forward (``expert_of`` [pairs]: each pair's held expert from 0, ``experts`` for one
         held elsewhere; a token's ``top_k`` pairs in a row) grouped by (slot, expert), on the device (no host
         read); None for a batch without adapters."""
-        token_slots = self.manager.token_slots
-        if token_slots is None:
+        slot = self.pair_slots(top_k)
+        if slot is None:
             return None
-        num, num_groups = len(self.experts.held), self.manager.scaling.numel() * len(self.experts.held)
-        slot = token_slots.repeat_interleave(top_k)
+        num, num_groups = len(self.experts.held), self.num_slots * len(self.experts.held)
         has = (slot >= 0) & (expert_of < num)
         key = torch.where(has, slot * num + expert_of, num_groups)
         scaling = torch.where(has, self.manager.scaling[slot.clamp(min=0)], 0)
@@ -186,8 +188,8 @@ class ExpertLoRA:
             return None
         out = x.new_zeros(x.shape[0], self.lora_b[p].shape[2])
         for slot, e, rows in groups:
-            shrunk = F.linear(x.index_select(0, rows), self.lora_a[p][slot, e]) * self.manager.scaling[slot]
-            out.index_add_(0, rows, F.linear(shrunk, self.lora_b[p][slot, e]))
+            shrunk = F.linear(x[rows], self.lora_a[p][slot, e]) * self.manager.scaling[slot]
+            out[rows] = F.linear(shrunk, self.lora_b[p][slot, e])
         return out
 
     def add(self, p: int, y: torch.Tensor, x: torch.Tensor, groups: Groups) -> torch.Tensor:

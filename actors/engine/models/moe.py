@@ -21,6 +21,7 @@ loop: one small matmul per chosen expert, and a host sync a layer for the expert
 
 from __future__ import annotations
 
+import itertools
 from functools import partial
 from typing import Callable
 
@@ -79,16 +80,33 @@ def run_experts(experts: ExpertList, x: torch.Tensor, idx: torch.Tensor, weights
     is taken in ``weights``' dtype (HF's experts: Qwen's cast to the model's dtype, Mixtral's and
     DeepSeek's fp32). Under EP the other ranks' experts are left to them (the block's reduce sums all).
     Fused (:meth:`ExpertList.fuse`), the same sum in two grouped-GEMM launches over every held expert. A token
-    under a LoRA adapter gets its expert's deltas (``experts.lora``)."""
+    under a LoRA adapter gets its expert's deltas (``experts.lora``).
+
+    The (token, k) pairs are sorted on the device by expert and, within an expert, by their token's LoRA slot
+    (the base model's first): the counts of these groups are the layer's one host read, each expert's rows and
+    each slot's among them then slices of that order (an expert's in token order without adapters, as HF's)."""
     start, lora = experts.held.start, experts.lora
     if experts.fused is not None:
         return experts.fused(x, idx - start, weights, lora)
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    for e in [e for e in idx.unique().tolist() if e in experts.held]:
-        token, slot = (idx == e).nonzero(as_tuple=True)
-        groups = lora.groups(e - start, token) if lora is not None else []
+    top_k = idx.shape[1]
+    pair_slot = lora.pair_slots(top_k) if lora is not None else None
+    width = 1 if pair_slot is None else lora.num_slots + 1  # (the groups of an expert: none, then each slot)
+    key = (idx.flatten() * width + (0 if pair_slot is None else pair_slot + 1)).clamp(max=experts.held.stop * width)
+    counts = torch.zeros(experts.held.stop * width + 1, dtype=torch.int64, device=x.device)
+    counts.scatter_add_(0, key, torch.ones_like(key))
+    bounds = [0, *itertools.accumulate(counts.tolist())]  # group g: rows [bounds[g], bounds[g + 1]) of order
+    order, pair_weights = torch.sort(key, stable=True).indices, weights.flatten()
+    for e in experts.held:
+        first = bounds[e * width]
+        if first == bounds[(e + 1) * width]:
+            continue
+        pairs = order[first:bounds[(e + 1) * width]]
+        token = pairs // top_k
+        groups = [(s, e - start, slice(bounds[g] - first, bounds[g + 1] - first))
+                  for s, g in enumerate(range(e * width + 1, (e + 1) * width)) if bounds[g] < bounds[g + 1]]
         y = lora.run(experts[e], x[token], groups) if groups else experts[e](x[token])
-        out.index_add_(0, token, (y * weights[token, slot, None]).float())
+        out.index_add_(0, token, (y * pair_weights[pairs, None]).float())
     return out
 
 
