@@ -2,9 +2,10 @@
 per-expert names (Qwen3-MoE's ``mlp.experts.{e}.gate_proj``, Mixtral's ``block_sparse_moe.experts.{e}.w1``) and one
 PEFT ``target_parameters`` writes over transformers 5's fused 3-D experts serve in one batch with base requests,
 each request's tokens HF's on its checkpoint with the adapter merged into the experts' weights: with the eager
-experts and the fused Triton ones (interpreted), at TP 2 (Qwen3-MoE, DeepSeek-V3: each slot cut as its expert)
-and EP 2 (Mixtral, fused: each rank its experts' slots), and after a runtime load. Adapters the experts cannot
-take are refused, naming the module."""
+experts and the fused Triton ones (interpreted), at TP 2 (Qwen3-MoE, DeepSeek-V3, Qwen3-Next: each slot cut as
+its expert) and EP 2 (Mixtral fused, DeepSeek-V2: each rank its experts' slots), and after a runtime load. The
+eager experts read the host once a layer; the experts' slots come out of the KV pool's budget. Adapters the
+experts cannot take are refused, naming the module."""
 
 import gc
 import re
@@ -21,8 +22,7 @@ from tests.lora_helpers import fused_expert_adapter, merged_checkpoint
 from tests.test_lora import GREEDY, assert_parity, prompts
 from tests.tp_helpers import thread_ranks
 
-EXPERTS = {"qwen3_moe": ("gate_proj", "up_proj", "down_proj"), "deepseek_v3": ("gate_proj", "up_proj", "down_proj"),
-           "mixtral": ("w1", "w3", "w2")}
+EXPERTS = {"qwen3_moe": ("gate_proj", "up_proj", "down_proj"), "mixtral": ("w1", "w3", "w2")}
 
 
 def served(root, family):
@@ -30,7 +30,7 @@ def served(root, family):
     projections, per expert) and ``fused`` (r=2 over transformers 5's fused gate_up_proj and down_proj)."""
     base = str(build_tiny_checkpoint(family, root / "base", seed=0))
     adapters = {"moe": make_adapter(base, root / "moe", rank=4, alpha=8, targets=("q_proj",),
-                                    experts=EXPERTS[family], seed=1),
+                                    experts=EXPERTS.get(family, EXPERTS["qwen3_moe"]), seed=1),
                 "fused": fused_expert_adapter(base, root / "fused", rank=2, alpha=4, seed=2)}
     oracles = {name: merged_checkpoint(base, path, root / f"{name}-merged") for name, path in adapters.items()}
     return base, {name: str(path) for name, path in adapters.items()}, oracles
@@ -108,12 +108,14 @@ def test_the_eager_experts_read_the_host_once_a_layer(qwen, monkeypatch):
 
 
 @pytest.mark.parametrize("family, ep, moe_backend", [("qwen3_moe", False, "torch"), ("deepseek_v3", False, "torch"),
-                                                     ("mixtral", True, "triton")])
+                                                     ("mixtral", True, "triton"), ("qwen3_next", False, "torch"),
+                                                     ("deepseek_v2", True, "torch")])
 def test_tp_and_ep_shard_the_expert_slots(tmp_path, monkeypatch, family, ep, moe_backend):
-    """TP 2 (Qwen3-MoE; DeepSeek-V3, its grouped gate and shared experts beside): each rank's slots hold its rows of
-    gate/up's B and its columns of down's A (the block's all-reduce sums the down deltas); EP 2 (Mixtral's
-    w1/w3/w2, fused): each rank the slots of its two experts whole, the adapter's other experts dropped there and
-    the pairs routed to them left out. The mixed batch's tokens are still the merged models'."""
+    """TP 2 (Qwen3-MoE; DeepSeek-V3, its grouped gate, routed_scaling_factor and shared experts beside; Qwen3-Next,
+    its gated shared expert beside): each rank's slots hold its rows of gate/up's B and its columns of down's A (the
+    block's all-reduce sums the down deltas); EP 2 (Mixtral's w1/w3/w2, fused; DeepSeek-V2's group-limited gate):
+    each rank the slots of its two experts whole, the adapter's other experts dropped there and the pairs routed
+    to them left out. The mixed batch's tokens are still the merged models'."""
     thread_ranks(monkeypatch)
     model = served(tmp_path, family)
     eng = Engine(model_path=model[0], skip_tokenizer_init=True, max_total_tokens=1024, lora_paths=model[1],
