@@ -2,13 +2,15 @@
 per-expert names (Qwen3-MoE's ``mlp.experts.{e}.gate_proj``, Mixtral's ``block_sparse_moe.experts.{e}.w1``) and one
 PEFT ``target_parameters`` writes over transformers 5's fused 3-D experts serve in one batch with base requests,
 each request's tokens HF's on its checkpoint with the adapter merged into the experts' weights: with the eager
-experts and the fused Triton ones (interpreted), at TP 2 (Qwen3-MoE, DeepSeek-V3, Qwen3-Next: each slot cut as
-its expert) and EP 2 (Mixtral fused, DeepSeek-V2: each rank its experts' slots), and after a runtime load. The
-eager experts read the host once a layer; the experts' slots come out of the KV pool's budget. Adapters the
-experts cannot take are refused, naming the module."""
+experts and the fused Triton ones (interpreted), at TP 2 (Qwen3-MoE, DeepSeek-V3, Qwen3-Next: each slot cut as its
+expert) and EP 2 (Mixtral fused, DeepSeek-V2: each rank its experts' slots), after a runtime load and in a slot
+another adapter filled (an adapter of some experts: the others add nothing). The eager experts read the host once a
+layer; the experts' slots come out of the KV pool's budget. Adapters the experts cannot take are refused, naming the
+module."""
 
 import gc
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -128,6 +130,30 @@ def test_tp_and_ep_shard_the_expert_slots(tmp_path, monkeypatch, family, ep, moe
         assert (tuple(gate.shape), tuple(down.shape)) == ((2, held, inter, 4), (2, held, 4, inter))
         assert {m.split(".")[-2] for m in lora.host["moe"].shards if ".experts." in m} == {str(e) for e in range(held)}
         assert_mixed_batch(model, eng, list(model[1]))
+    finally:
+        eng.shutdown()
+
+
+def test_an_adapter_of_some_experts_takes_a_slot_another_filled(qwen, tmp_path):
+    """One slot, taken in turn by the adapter of every expert and one of experts 1 and 2 alone (another adapter's
+    values): each request's tokens are its merged model's, the experts the second adapter leaves out adding no delta
+    (their slots zeroed as it is copied in, not the first adapter's left there)."""
+    some = tmp_path / "some"
+    some.mkdir()
+    tensors = load_file(str(Path(qwen[1]["moe"]) / "adapter_model.safetensors"))
+    save_file({key: 1.5 * tensor.flip(0) for key, tensor in tensors.items() if re.search(r"\.experts\.[12]\.", key)},
+              str(some / "adapter_model.safetensors"))
+    (some / "adapter_config.json").write_text((Path(qwen[1]["moe"]) / "adapter_config.json").read_text())
+    model = (qwen[0], {"moe": qwen[1]["moe"], "some": str(some)},
+             {"moe": qwen[2]["moe"], "some": merged_checkpoint(qwen[0], some, tmp_path / "some-merged")})
+    eng = Engine(model_path=qwen[0], skip_tokenizer_init=True, max_total_tokens=1024, lora_paths=model[1],
+                 max_loras_per_batch=1)
+    try:
+        batch = prompts(2, seed=5)
+        for name in ("moe", "some", "moe"):
+            outs = eng.generate(input_ids=batch, sampling_params=GREEDY, lora_path=[name] * 2)
+            assert_parity(model, batch, [name] * 2, outs, eng.eos_token_ids)
+        eng.check_integrity()
     finally:
         eng.shutdown()
 
