@@ -31,7 +31,7 @@ import random
 import time
 from typing import Any, AsyncIterator, Dict, List, Optional, Tuple
 
-from actors.engine.config import EngineConfig, prefill_speculative_error
+from actors.engine.config import EngineConfig, pd_pipeline_error, prefill_speculative_error
 from actors.engine.engine import (_eos_ids, check_engine_integrity, engine_server_info, flush_engine_cache,
                                   request_result)
 from actors.engine.engine_loop import EngineLoop, Post
@@ -71,7 +71,8 @@ class _Worker:
         # worker's tree holds the conversations it decoded, where their next turns fit best)
         engine_args = {"enable_kv_events": True, **(engine_args or {})}
         self.config = EngineConfig(model_path=model_path, **engine_args)
-        error = prefill_speculative_error(self.config) if self.role == "prefill" else None
+        error = pd_pipeline_error(self.config) or (
+            prefill_speculative_error(self.config) if self.role == "prefill" else None)
         if error:  # (before any rank starts)
             raise ValueError(error)
         self.rank = RankHost(self.role, self.config, backend, self.worker_id, 0, dist_init_method, agent_options)

@@ -26,7 +26,7 @@ from pydantic import (BaseModel, ConfigDict, Field, SecretStr, ValidationError, 
                       field_validator, model_validator)
 from pydantic_core import PydanticCustomError
 
-from actors.engine.config import COMBINATION_CHECKS, EngineConfig, prefill_speculative_error
+from actors.engine.config import COMBINATION_CHECKS, EngineConfig, pd_pipeline_error, prefill_speculative_error
 from cluster.reasoning import REASONING_FORMATS
 from cluster.tool_calls import TOOL_CALL_PARSERS
 
@@ -381,7 +381,7 @@ class ClusterConfig(BaseModel):
         for role in ("prefill", "decode"):
             group = self.group(role)
             # (EngineConfig's own checks: found here, not in every actor)
-            for field, check in COMBINATION_CHECKS:
+            for field, check in COMBINATION_CHECKS + (("pp_size", pd_pipeline_error),):
                 error = check(group.engine)
                 if error:
                     raise _invalid(field, f"{role}.engine.{field}: {error}")

@@ -149,6 +149,7 @@ def _set(data: dict, dotted: str, value) -> dict:
      "prefill.engine.speculative_algorithm 'ngram': a prefill worker never decodes"),
     ("decode.engine.speculative_algorithm", "draft_model",
      "decode.engine.speculative_draft_model_path: speculative_draft_model_path is needed"),
+    ("decode.engine.pp_size", 2, "decode.engine.pp_size: pp_size=2: a PD worker does not serve pipeline parallelism"),
     ("transfer.backend", "nccl",
      "transfer.backend: Input should be 'auto', 'shm', 'cuda_ipc', 'torch_dist' or 'fake' (got 'nccl')"),
     ("transfer.backend", "cuda_ipc", "transfer.backend: cuda_ipc needs device cuda on both sides"),

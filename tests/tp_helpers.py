@@ -1,7 +1,7 @@
 """Tensor parallelism inside one process: every rank of an Engine's TP group is a thread.
 
-:func:`thread_ranks` (with pytest's ``monkeypatch``) makes each ``Engine(tp_size=N)`` of
-the test start :class:`ThreadTPGroup` instead of spawning processes: rank 0 is the
+:func:`thread_ranks` (with pytest's ``monkeypatch``) makes each ``Engine(tp_size=N)`` (and
+``pp_size``: every stage's ranks) of the test start :class:`ThreadTPGroup` instead of spawning processes: rank 0 is the
 caller's thread, ranks > 0 run ``follower_loop`` on threads of their own, and the
 collectives are exchanged through a barrier (:class:`ThreadGroup`). The ranks run the
 same TPModelWorker code — sharded loading, the broadcast batches, op replay, the
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import queue
 import random
 import threading
 from typing import Any, Dict, List
@@ -24,6 +25,7 @@ import torch
 from actors.engine import engine as engine_module
 from actors.engine import fused_moe, lora_experts, tp_worker
 from actors.engine.parallel import SINGLE, TPGroup
+from actors.engine.pipeline import PPGroup, to_device
 from actors.rank import TPFollower
 
 BARRIER_TIMEOUT_S = 120.0
@@ -36,11 +38,15 @@ _interpreter_lock = threading.Lock()
 
 
 class Hub:
-    """Where one group's ranks meet: each puts its value in, every rank reads them all."""
+    """Where one group's ranks meet: each puts its value in, every rank reads them all. A worker's
+    hub also holds its pipeline stages' hubs and the queues between two ranks (:class:`ThreadStage`)."""
 
     def __init__(self, size: int):
         self.barrier = threading.Barrier(size, timeout=BARRIER_TIMEOUT_S)
         self.slots: List[Any] = [None] * size
+        self.lock = threading.Lock()
+        self.stages: Dict[int, "Hub"] = {}
+        self.queues: Dict[tuple, queue.Queue] = {}
 
     def exchange(self, rank: int, value: Any) -> List[Any]:
         self.slots[rank] = value
@@ -48,6 +54,33 @@ class Hub:
         out = list(self.slots)
         self.barrier.wait()  # (nobody writes the next exchange's values before all have read these)
         return out
+
+    def stage(self, stage: int, size: int) -> "Hub":
+        with self.lock:
+            return self.stages.setdefault(stage, Hub(size))
+
+    def channel(self, src: int, dst: int) -> queue.Queue:
+        with self.lock:
+            return self.queues.setdefault((src, dst), queue.Queue())
+
+    def abort(self) -> None:
+        """Every collective of the worker's ranks fails now, as a peer process's exit makes them."""
+        self.barrier.abort()
+        for hub in list(self.stages.values()):
+            hub.barrier.abort()
+
+    def receive(self, src: int, dst: int) -> Any:
+        """The next value ``src`` put for ``dst``; BrokenBarrierError once the worker's ranks are aborted."""
+        channel, waited = self.channel(src, dst), 0.0
+        while True:
+            if self.barrier.broken:
+                raise threading.BrokenBarrierError
+            try:
+                return channel.get(timeout=0.05)
+            except queue.Empty:
+                waited += 0.05
+                if waited > BARRIER_TIMEOUT_S:
+                    raise TimeoutError(f"rank {dst}: nothing from rank {src}") from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +108,36 @@ class ThreadGroup(TPGroup):
         return replies if self.is_leader else None
 
 
+@dataclasses.dataclass(frozen=True)
+class ThreadStage(PPGroup):
+    """A pipeline stage whose sends are puts on the worker hub's queues (``ranks.hub``)."""
+
+    def _me(self) -> int:
+        return self._peer(self.rank)
+
+    def send_hidden(self, hidden: torch.Tensor) -> None:
+        self.ranks.hub.channel(self._me(), self._peer(self.rank + 1)).put(hidden.clone())
+
+    def recv_hidden(self, shape, dtype, device) -> torch.Tensor:
+        hidden = self.ranks.hub.receive(self._peer(self.rank - 1), self._me())
+        assert hidden.shape == shape and hidden.dtype == dtype
+        return hidden.to(device)
+
+    def send_output(self, output) -> None:
+        self.ranks.hub.channel(self._me(), 0).put(to_device(output, torch.device("cpu")))
+
+    def recv_output(self, device):
+        return to_device(self.ranks.hub.receive(self.output_rank, 0), device)
+
+
+def _init_stage_group(ranks: TPGroup, tp_size: int, pp_size: int, partition=None) -> TPGroup:
+    if pp_size == 1:
+        return ranks
+    stage, tp_rank = divmod(ranks.rank, tp_size)
+    pp = ThreadStage(stage, pp_size, tp_rank, tp_size, None if partition is None else tuple(partition), ranks)
+    return ThreadGroup(tp_rank, tp_size, hub=ranks.hub.stage(stage, tp_size), pp=pp)
+
+
 def _init_tp_group(rank: int, size: int, init_method: str, device, timeout=None) -> TPGroup:
     return ThreadGroup(rank, size, hub=_hubs[init_method]) if size > 1 else SINGLE
 
@@ -89,10 +152,10 @@ class ThreadTPGroup:
     def __init__(self, config):
         tp_worker.check_tp_shardable(config)
         self.init_method = init_method = f"thread://{next(_ids)}"
-        _hubs[init_method] = self.hub = Hub(config.tp_size)
+        _hubs[init_method] = self.hub = Hub(config.num_ranks)
         self.followers: List[tp_worker.TPModelWorker] = []
         self.threads = [threading.Thread(target=self._follow, args=(config, rank, init_method), daemon=True,
-                                         name=f"raydix-tp-thread-{rank}") for rank in range(1, config.tp_size)]
+                                         name=f"raydix-tp-thread-{rank}") for rank in range(1, config.num_ranks)]
         for thread in self.threads:
             thread.start()
         self.worker = tp_worker.TPModelWorker(config, 0, init_method)
@@ -103,7 +166,7 @@ class ThreadTPGroup:
             self.followers.append(worker)
             worker.follower_loop()
         except BaseException:
-            self.hub.barrier.abort()  # the other ranks' collectives fail now, as a peer process's exit does
+            self.hub.abort()  # the other ranks' collectives fail now, as a peer process's exit does
             raise
 
     def shutdown(self, timeout: float = 30.0) -> None:
@@ -111,7 +174,7 @@ class ThreadTPGroup:
             self.worker.shutdown()
         finally:
             if self.worker.broken:
-                self.hub.barrier.abort()
+                self.hub.abort()
             for thread in self.threads:
                 thread.join(timeout)
             _hubs.pop(self.init_method, None)
@@ -121,6 +184,7 @@ def thread_ranks(monkeypatch) -> None:
     """Engines made from now on in the test run their TP ranks as threads."""
     monkeypatch.setattr(engine_module, "LocalTPGroup", ThreadTPGroup)
     monkeypatch.setattr(tp_worker, "init_tp_group", _init_tp_group)
+    monkeypatch.setattr(tp_worker, "init_stage_group", _init_stage_group)
     monkeypatch.setattr(torch.distributed, "destroy_process_group", _leave_group)
     locked = _one_at_a_time(fused_moe.grouped_gemm)
     monkeypatch.setattr(fused_moe, "grouped_gemm", locked)
@@ -143,7 +207,7 @@ class ThreadFollower(TPFollower):
         try:
             self.host.tp_worker.follower_loop()
         except BaseException:
-            self.host.tp_worker.tp.hub.barrier.abort()
+            self.host.tp_worker.tp.hub.abort()
             raise
 
 

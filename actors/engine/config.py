@@ -127,6 +127,14 @@ class EngineConfig(BaseModel):
     )
     tp_size: int = Field(1, ge=1, le=64, description="tensor-parallel ranks (one process each); every rank holds "
                          "1/tp_size of the attention heads, MLP and expert intermediate dims")
+    pp_size: int = Field(
+        1, ge=1, le=64, description="pipeline-parallel stages (vLLM's --pipeline-parallel-size, SGLang's --pp-size): "
+        "the decoder layers split into pp_size contiguous ranges, each held by a TP group of tp_size ranks "
+        "(tp_size × pp_size ranks in all, each holding and caching only its stage's layers); one batch in flight "
+        "(memory scale-out, not throughput: actors.engine.pipeline)")
+    pp_layer_partition: Optional[List[int]] = Field(
+        None, description="the decoder layers of each stage, in stage order (vLLM's VLLM_PP_LAYER_PARTITION); "
+        "None: an even split, the remainder on the stages before the last")
     enable_expert_parallel: bool = Field(
         False, description="MoE models: shard the experts over the TP ranks instead of their intermediate dims "
         "(vLLM's --enable-expert-parallel; SGLang's --ep-size equal to --tp-size): each rank holds tp_size-th of "
@@ -171,6 +179,11 @@ class EngineConfig(BaseModel):
     max_loaded_loras: Optional[int] = Field(
         None, ge=1, description="adapters held in host memory at most (SGLang's; vLLM's --max-cpu-loras), those "
         "being unloaded included: a load beyond it is refused; at least max_loras_per_batch; None: no cap")
+
+    @property
+    def num_ranks(self) -> int:
+        """The worker's ranks: a TP group per pipeline stage."""
+        return self.tp_size * self.pp_size
 
     @model_validator(mode="after")
     def _check_combinations(self) -> "EngineConfig":
@@ -258,7 +271,34 @@ def max_loaded_loras_error(config) -> Optional[str]:
 
 # The checks of field combinations, each with the field its error names: EngineConfig runs them,
 # and the cluster config too, on each group's engine section (so they fail at the server, not in an actor).
+def pipeline_error(config) -> Optional[str]:
+    """Why ``config``'s (an EngineConfig or a cluster group's engine section) pipeline stages cannot
+    work, or None: pp_layer_partition needs a count per stage; what keeps state per layer outside the
+    stage's pools (a draft model's or LoRA's on rank 0, the host tier's copies) is not split into stages yet."""
+    partition = config.pp_layer_partition
+    if partition is not None and len(partition) != config.pp_size:
+        return f"pp_layer_partition has {len(partition)} counts for pp_size={config.pp_size} stages"
+    if config.pp_size == 1:
+        return None
+    for field, value in (("speculative_algorithm", config.speculative_algorithm),
+                         ("lora_paths", config.lora_paths or config.lora_target_modules),
+                         ("enable_hierarchical_cache", config.enable_hierarchical_cache)):
+        if value:
+            return f"pp_size={config.pp_size}: {field} is not served with pipeline parallelism yet"
+    return None
+
+
+def pd_pipeline_error(config) -> Optional[str]:
+    """Why a PD worker's engine settings (an EngineConfig or a cluster group's engine section) cannot
+    take pipeline stages, or None: a worker's KV push and arrival are per rank of one stage (each stage
+    would push its own layers' KV, to the destination ranks holding those layers): not built yet."""
+    if config.pp_size > 1:
+        return (f"pp_size={config.pp_size}: a PD worker does not serve pipeline parallelism yet (each stage would "
+                "push the KV of its own layers); actors.engine.Engine serves it")
+    return None
+
+
 COMBINATION_CHECKS = (("mamba_track_interval", mamba_tracking_error), ("schedule_policy", schedule_policy_error),
                       ("speculative_ngram_min", speculative_error),
                       ("speculative_draft_model_path", draft_model_error), ("max_lora_rank", lora_rank_error),
-                      ("max_loaded_loras", max_loaded_loras_error))
+                      ("max_loaded_loras", max_loaded_loras_error), ("pp_size", pipeline_error))

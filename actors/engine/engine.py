@@ -164,7 +164,7 @@ def engine_server_info(sched) -> Dict[str, Any]:
 class Engine:
     def __init__(self, model_path: str, **kwargs):
         self.config = EngineConfig(model_path=model_path, **kwargs)
-        self.tp_group = LocalTPGroup(self.config) if self.config.tp_size > 1 else None  # follower ranks spawned
+        self.tp_group = LocalTPGroup(self.config) if self.config.num_ranks > 1 else None  # follower ranks spawned
         try:
             self.runner = self.tp_group.worker.runner if self.tp_group else ModelRunner(self.config)
             self.tokenizer = None

@@ -16,6 +16,7 @@ from actors.engine import compressed_tensors, fp8, mxfp4, wna16
 from actors.engine.models import get_model_class
 from actors.engine.models.moe import ExpertList
 from actors.engine.parallel import SINGLE, ParamShard, TPGroup
+from actors.engine.pipeline import PPMissingLayer
 
 DEFAULT_WEIGHT_VERSION = "default"  # SGLang's --weight-version default
 # config.json fields that may differ between checkpoints of one model: they change nothing it computes
@@ -130,10 +131,12 @@ def load_model(
     unexpected = [name for name in unexpected if not ignored_weight(model, name)]
     if getattr(config, "tie_word_embeddings", False):
         missing = [m for m in missing if m != "lm_head.weight"]
-        model.lm_head.weight = model.model.embed_tokens.weight
+        if not isinstance(model.lm_head, PPMissingLayer):  # (a pipeline stage before the last has none)
+            model.lm_head.weight = model.model.embed_tokens.weight
     if missing or unexpected:
         raise ValueError(f"checkpoint/model mismatch: missing {missing[:8]}, unexpected {unexpected[:8]}")
     model = cast_model(model, torch_dtype).eval()
+    model.model.hidden_dtype = torch_dtype
     reinit_buffers(model)
     return model, config, torch_dtype
 
@@ -236,10 +239,14 @@ EXPERT_TENSOR = re.compile(r"^(.+\.experts)\.(\d+)\.")
 
 def held_elsewhere(model: torch.nn.Module):
     """Whether a checkpoint tensor name is of an expert another rank holds (EP: an ExpertList's
-    ``held`` leaves it out), so that this rank neither reads it nor counts it unexpected."""
+    ``held`` leaves it out) or of a module another pipeline stage holds (a ``PPMissingLayer``), so
+    that this rank neither reads it nor counts it unexpected."""
     held = {name: module.held for name, module in model.named_modules() if isinstance(module, ExpertList)}
+    other_stages = tuple(name + "." for name, module in model.named_modules() if isinstance(module, PPMissingLayer))
 
     def elsewhere(name: str) -> bool:
+        if name.startswith(other_stages):
+            return True
         match = EXPERT_TENSOR.match(name)
         return bool(match) and match[1] in held and int(match[2]) not in held[match[1]]
     return elsewhere

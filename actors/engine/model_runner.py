@@ -67,8 +67,9 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, buffer_allocator: Optional[BufferAllocator] = None, tp: TPGroup = SINGLE):
         """``buffer_allocator``: where the KV and Mamba pools' buffers come from
         (a shareable one when a peer process writes them: the PD decode side).
-        ``tp``: this rank's TP group; the model holds (and the pools are sized
-        for) this rank's shard, every rank's pools have the same slot counts."""
+        ``tp``: this rank's TP group (and pipeline stage, ``tp.pp``); the model holds (and the
+        pools are sized for) this rank's shard of its stage's layers, every rank's pools have the
+        same slot counts."""
         self.config = config
         self.buffer_allocator = buffer_allocator
         self.tp = tp
@@ -88,8 +89,9 @@ class ModelRunner:
         self.kv_dtype = KV_DTYPES.get(config.kv_cache_dtype, self.dtype)
         self.spec = self.model.kv_cache_spec()
         tokens, rows = self._profile_pools()
-        self.max_total_num_tokens = tp.all_min(tokens)  # the same slots (and rows) on every rank
-        self.max_running_requests = config.max_running_requests or max(1, min(tp.all_min(rows),
+        # the same slots (and rows) on every rank: of its TP group, then of every pipeline stage
+        self.max_total_num_tokens = tp.pp.all_min(tp.all_min(tokens))
+        self.max_running_requests = config.max_running_requests or max(1, min(tp.pp.all_min(tp.all_min(rows)),
                                                                               self.max_total_num_tokens // 2))
         self._init_pools()
         self.attn_backend = create_attention_backend(attention, device=self.device)
@@ -303,11 +305,12 @@ class ModelRunner:
         if spec.kind == "mha":
             return MHATokenToKVPool(
                 self.max_total_num_tokens, cfg.page_size, self.kv_dtype, spec.num_kv_heads, spec.head_dim,
-                spec.num_layers, device=self.device, v_head_dim=spec.v_head_dim, buffer_allocator=buffer_allocator,
+                spec.num_layers, device=self.device, v_head_dim=spec.v_head_dim, start_layer=spec.start_layer,
+                buffer_allocator=buffer_allocator,
             )
         return MLATokenToKVPool(
             self.max_total_num_tokens, cfg.page_size, self.kv_dtype, spec.kv_lora_rank, spec.qk_rope_head_dim,
-            spec.num_layers, device=self.device, buffer_allocator=buffer_allocator,
+            spec.num_layers, device=self.device, start_layer=spec.start_layer, buffer_allocator=buffer_allocator,
         )
 
     def _init_pools(self) -> None:

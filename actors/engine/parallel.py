@@ -55,6 +55,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from actors.engine import compressed_tensors, fp8, wna16
+from actors.engine.pipeline import SINGLE_STAGE, PPGroup
 
 # SGLang's DEFAULT_VOCAB_PADDING_SIZE: under TP each rank's share of the vocabulary is a multiple of it
 VOCAB_PADDING = 64
@@ -84,7 +85,8 @@ class TPGroup:
     gloo on CPU); ``cpu_group`` (gloo) carries the control messages: the
     broadcast batches, the start-up agreement on pool sizes.
     ``expert_parallel``: MoE layers shard their experts over the group, not
-    every expert's intermediate dim (:meth:`experts`).
+    every expert's intermediate dim (:meth:`experts`). ``pp``: the pipeline
+    stage this group is (:mod:`.pipeline`): its layers, and its neighbours.
     """
 
     rank: int = 0
@@ -92,6 +94,7 @@ class TPGroup:
     group: Any = None
     cpu_group: Any = None
     expert_parallel: bool = False
+    pp: PPGroup = SINGLE_STAGE
 
     @property
     def is_leader(self) -> bool:
@@ -206,6 +209,25 @@ def init_tp_group(rank: int, size: int, init_method: str, device: torch.device,
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size, timeout=timeout)
     cpu_group = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
     return TPGroup(rank, size, dist.group.WORLD, cpu_group)
+
+
+def init_stage_group(ranks: TPGroup, tp_size: int, pp_size: int,
+                     partition: Optional[Sequence[int]] = None) -> TPGroup:
+    """This rank's TP group within its pipeline stage, from ``ranks``, the worker's group of
+    ``tp_size × pp_size`` ranks (:func:`init_tp_group`'s): ``ranks`` itself with one stage. Every
+    rank makes every stage's groups, in the same order (torch.distributed's rule for new groups)."""
+    if pp_size == 1:
+        return ranks
+    dist = torch.distributed
+    stage, tp_rank = divmod(ranks.rank, tp_size)
+    for s in range(pp_size):
+        members = list(range(s * tp_size, (s + 1) * tp_size))
+        groups = dist.new_group(members, timeout=DEVICE_TIMEOUT), dist.new_group(members, backend="gloo",
+                                                                                 timeout=CONTROL_TIMEOUT)
+        if s == stage:
+            group, cpu_group = groups
+    pp = PPGroup(stage, pp_size, tp_rank, tp_size, None if partition is None else tuple(partition), ranks)
+    return TPGroup(tp_rank, tp_size, group, cpu_group, pp=pp)
 
 
 def shard_ranges(sizes: Sequence[int], tp: TPGroup, field: str) -> List[range]:

@@ -7,6 +7,11 @@ Scheduler; each ForwardBatch it runs is first broadcast to the other ranks
 shards — the all-reduces inside the layers keep them in step. Only rank 0
 samples.
 
+With ``pp_size > 1`` the worker is ``tp_size × pp_size`` ranks (:mod:`actors.engine.pipeline`): the
+control messages below go to every rank of every stage (``self.tp``: the whole worker's group), each
+rank's model and collectives are its stage's TP group (``self.model_tp``), and the stages hand the
+hidden states on inside the forward.
+
 Every rank's pools have the same slot counts; only rank 0 allocates, so the
 slot numbers a batch carries (``out_cache_loc``, request rows, Mamba slots,
 track slots) mean the same on every rank. What else the forward reads is
@@ -65,7 +70,8 @@ from actors.engine.forward_batch import ForwardBatch
 from actors.engine.model_loader import build_served_model, load_config
 from actors.engine.model_runner import ModelRunner
 from actors.engine.models.spec import KVCacheSpec
-from actors.engine.parallel import TPGroup, init_tp_group
+from actors.engine.parallel import TPGroup, init_stage_group, init_tp_group
+from actors.engine.pipeline import stage_cache_error, stage_layers
 from mem_cache.hicache_controller import HiCacheController
 from mem_cache.hicache_storage import HiCacheFile, rank_storage_dir
 from mem_cache.memory_pool_host import create_host_pool, host_pool_args
@@ -189,14 +195,17 @@ class TPModelWorker:
 
     def __init__(self, config: EngineConfig, tp_rank: int, dist_init_method: Optional[str] = None,
                  gpu_id: Optional[int] = None, **runner_kwargs):
-        if not 0 <= tp_rank < config.tp_size:
-            raise ValueError(f"tp_rank={tp_rank} is outside [0, tp_size={config.tp_size})")
-        if config.tp_size > 1 and not dist_init_method:
-            raise ValueError("tp_size > 1 needs dist_init_method (e.g. tcp://host:port)")
+        ranks = config.num_ranks
+        if not 0 <= tp_rank < ranks:
+            raise ValueError(f"tp_rank={tp_rank} is outside [0, tp_size × pp_size={ranks})")
+        if ranks > 1 and not dist_init_method:
+            raise ValueError("tp_size × pp_size > 1 needs dist_init_method (e.g. tcp://host:port)")
         if config.device == "cuda":
             torch.cuda.set_device(gpu_id if gpu_id is not None else tp_rank % torch.cuda.device_count())
-        self.tp: TPGroup = init_tp_group(tp_rank, config.tp_size, dist_init_method, torch.device(config.device))
+        # every rank of the worker (pipeline stages too): the control messages; the model's own TP group below
+        self.tp: TPGroup = init_tp_group(tp_rank, ranks, dist_init_method, torch.device(config.device))
         try:
+            self.model_tp = init_stage_group(self.tp, config.tp_size, config.pp_size, config.pp_layer_partition)
             self._init_rank(config, runner_kwargs)
         except BaseException:  # leave the group: a worker made next in this process (a fixed config) makes its own
             if self.tp.size > 1:
@@ -205,7 +214,7 @@ class TPModelWorker:
 
     def _init_rank(self, config: EngineConfig, runner_kwargs: Dict[str, Any]) -> None:
         """This rank's shard and pools, and its side of the exchanges with the other ranks."""
-        self.runner = ModelRunner(config, tp=self.tp, **runner_kwargs)
+        self.runner = ModelRunner(config, tp=self.model_tp, **runner_kwargs)
         self.tables = index_tables(self.runner)
         self._mamba_pool = getattr(self.runner, "mamba_pool", None)
         self._host_tier: Optional[HiCacheController] = None  # a follower's replayer of rank 0's host-tier copies
@@ -404,9 +413,16 @@ class TPModelWorker:
 def check_tp_shardable(config: EngineConfig) -> None:
     """Fail before starting any rank when ``tp_size`` cannot shard the model
     (the error names the config field it must divide, or the quantized layer whose FP8 blocks, or GPTQ /
-    AWQ / compressed-tensors int words or groups, it would cut)."""
-    build_served_model(config.model_path, load_config(config.model_path), config.quantization,
-                       TPGroup(rank=0, size=config.tp_size, expert_parallel=config.enable_expert_parallel))
+    AWQ / compressed-tensors int words or groups, it would cut), or ``pp_size`` cannot split its layers (naming pp_size or
+    pp_layer_partition, or the KV cache kind not split into stages yet)."""
+    model_config = load_config(config.model_path)
+    model = build_served_model(config.model_path, model_config, config.quantization,
+                               TPGroup(rank=0, size=config.tp_size, expert_parallel=config.enable_expert_parallel)).model
+    if config.pp_size > 1:
+        error = stage_cache_error(model.kv_cache_spec().kind, model_config.architectures[0], config.pp_size)
+        if error:
+            raise ValueError(error)
+        stage_layers(model_config.num_hidden_layers, 0, config.pp_size, config.pp_layer_partition)
 
 
 def tp_init_method(host: str = "127.0.0.1") -> str:
@@ -420,13 +436,13 @@ def tp_init_method(host: str = "127.0.0.1") -> str:
 def _follower_main(config: Dict[str, Any], tp_rank: int, dist_init_method: str) -> None:
     config = EngineConfig(**config)
     if config.device == "cpu":  # the ranks share this machine's cores
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.tp_size))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.num_ranks))
     TPModelWorker(config, tp_rank, dist_init_method).follower_loop()
 
 
 class LocalTPGroup:
-    """Every rank of one TP group on this machine: rank 0 in this process (its
-    ``worker``), the followers as spawned processes, joined over a free
+    """Every rank of one TP group (of every pipeline stage's) on this machine: rank 0 in this
+    process (its ``worker``), the followers as spawned processes, joined over a free
     localhost TCP port (gloo on CPU, NCCL with one GPU per rank on CUDA)."""
 
     def __init__(self, config: EngineConfig):
@@ -436,7 +452,7 @@ class LocalTPGroup:
         self.processes = [
             ctx.Process(target=_follower_main, args=(config.model_dump(), rank, init_method), daemon=True,
                         name=f"raydix-tp-rank-{rank}")
-            for rank in range(1, config.tp_size)
+            for rank in range(1, config.num_ranks)
         ]
         for p in self.processes:
             p.start()

@@ -13,7 +13,10 @@ the embedding and ``lm_head`` are split by vocabulary (``parallel``'s
 range of the logits and joins their all-gather; rank 0 returns the whole
 vocabulary, the other ranks an empty tensor (they never sample); the hidden states are
 whole on every rank (after the row-parallel all-reduce), rank 0 returns them; a score's two
-logits are summed over the ranks' vocabulary ranges (one all-reduce of ``[n, 2]``).
+logits are summed over the ranks' vocabulary ranges (one all-reduce of ``[n, 2]``). Under pipeline
+parallelism (``tp.pp``, :mod:`..pipeline`) a stage builds only its layers (the others, the embedding
+off the first stage and the norm and ``lm_head`` off the last, are ``PPMissingLayer``), takes its
+input from the previous stage and hands its output on; the last stage's output reaches rank 0.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from torch import nn
 
 from actors.engine.models.spec import KVCacheSpec
 from actors.engine.parallel import SINGLE, ParallelLMHead, TPGroup, VocabParallelEmbedding
+from actors.engine.pipeline import PPMissingLayer, stage_cache_error
 
 
 # fp32 logits computed at once for input logprobs, at most (rows × vocab): a long prompt's are taken in
@@ -59,23 +63,40 @@ class DecoderModel(nn.Module):
     def __init__(self, config, layer_cls: Callable, norm: nn.Module, embed_scale: Optional[float] = None,
                  tp: TPGroup = SINGLE):
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
-        self.layers = nn.ModuleList(layer_cls(config, i, tp) for i in range(config.num_hidden_layers))
-        self.norm = norm
+        pp = tp.pp
+        tied = getattr(config, "tie_word_embeddings", False)
+        # (the last stage's lm_head is the tied embedding's weight)
+        self.embed_tokens = (VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+                             if pp.is_first or (pp.is_last and tied) else PPMissingLayer())
+        self.stage_layers = pp.layers(config.num_hidden_layers)
+        self.layers = nn.ModuleList(layer_cls(config, i, tp) if i in self.stage_layers else PPMissingLayer()
+                                    for i in range(config.num_hidden_layers))
+        self.norm = norm if pp.is_last else PPMissingLayer()
         self.tp = tp
         self.embed_scale = embed_scale
+        self.hidden_size = config.hidden_size
+        self.hidden_dtype = torch.get_default_dtype()  # the activations' (a later stage's input): the loader's dtype
 
-    def forward(self, forward_batch, input_embeds: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """``input_embeds``: the batch's input embeddings, when not those of its ``input_ids`` (a
-        vision-language model's, images' rows in)."""
-        x = self.embed_tokens(forward_batch.input_ids) if input_embeds is None else input_embeds
-        # Gemma 3's normalizer, Granite's embedding_multiplier: cast to the model's dtype first, as HF's Gemma
-        # (HF's Granite multiplies by the float: the same where it is exact in the dtype, as Granite's 12)
-        if self.embed_scale is not None:
-            x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
+    def forward(self, forward_batch, input_embeds: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+        """The final-norm hidden states; None on a pipeline stage before the last (they went on).
+        ``input_embeds``: the batch's input embeddings, when not those of its ``input_ids`` (a
+        vision-language model's, images' rows in; read by the first stage only)."""
+        pp = self.tp.pp
+        if pp.is_first:
+            x = self.embed_tokens(forward_batch.input_ids) if input_embeds is None else input_embeds
+            # Gemma 3's normalizer, Granite's embedding_multiplier: cast to the model's dtype first, as HF's Gemma
+            # (HF's Granite multiplies by the float: the same where it is exact in the dtype, as Granite's 12)
+            if self.embed_scale is not None:
+                x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
+        else:
+            ids = forward_batch.input_ids
+            x = pp.recv_hidden((ids.shape[0], self.hidden_size), self.hidden_dtype, ids.device)
         positions = forward_batch.rope_positions()
-        for layer in self.layers:
-            x = layer(positions, x, forward_batch)
+        for i in self.stage_layers:
+            x = self.layers[i](positions, x, forward_batch)
+        if not pp.is_last:
+            pp.send_hidden(x)
+            return None
         return self.norm(x)
 
 
@@ -99,15 +120,27 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = model
-        self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, model.tp)
-        if getattr(config, "tie_word_embeddings", False):
-            self.lm_head.weight = self.model.embed_tokens.weight
+        if not model.tp.pp.is_last:
+            self.lm_head = PPMissingLayer()
+        else:
+            self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, model.tp)
+            if getattr(config, "tie_word_embeddings", False):
+                self.lm_head.weight = self.model.embed_tokens.weight
         self.final_logit_softcap = final_logit_softcap
         self.logits_scaling = logits_scaling  # Granite's: the logits divided by it
 
     def make_spec(self, **fields) -> KVCacheSpec:
-        """This rank's :class:`KVCacheSpec` (its TP place filled in)."""
-        return KVCacheSpec(tp_rank=self.model.tp.rank, tp_size=self.model.tp.size, **fields)
+        """This rank's :class:`KVCacheSpec` (its TP place filled in; under pipeline parallelism its
+        stage's layers only: ValueError for a cache whose layers are not split into stages yet)."""
+        tp = self.model.tp
+        if tp.pp.size > 1:
+            error = stage_cache_error(fields["kind"], (getattr(self.config, "architectures", None) or ["?"])[0],
+                                      tp.pp.size)
+            if error:
+                raise ValueError(error)
+            layers = self.model.stage_layers
+            fields.update(num_layers=len(layers), start_layer=layers.start)
+        return KVCacheSpec(tp_rank=tp.rank, tp_size=tp.size, pp_rank=tp.pp.rank, pp_size=tp.pp.size, **fields)
 
     def input_embeds(self, forward_batch) -> Optional[torch.Tensor]:
         """The batch's input embeddings when they are not its tokens' (a vision-language model's);
@@ -115,7 +148,12 @@ class CausalLM(nn.Module):
         return None
 
     def forward(self, forward_batch) -> LogitsOutput:
-        hidden = self.model(forward_batch, self.input_embeds(forward_batch))
+        pp = self.model.tp.pp
+        hidden = self.model(forward_batch, self.input_embeds(forward_batch) if pp.is_first else None)
+        if hidden is None:  # a stage before the last: rank 0 takes the last stage's output
+            if pp.is_first and self.model.tp.is_leader:
+                return pp.recv_output(forward_batch.input_ids.device)
+            return LogitsOutput(forward_batch.input_ids.new_empty(0, dtype=torch.float32))
         index = forward_batch.logits_token_indices()
         if index.numel():
             logits = self._logits(hidden[index])
@@ -129,7 +167,12 @@ class CausalLM(nn.Module):
         if not self.model.tp.is_leader:  # TP: only rank 0 samples; the other ranks' forward ends here
             return LogitsOutput(logits.new_empty(0))
         # (only those rows: no [tokens, hidden] copy outlives the batch)
-        return LogitsOutput(logits, input_logprobs, None if embed is None else hidden[embed].float(), classifier_logits)
+        output = LogitsOutput(logits, input_logprobs, None if embed is None else hidden[embed].float(),
+                              classifier_logits)
+        if pp.size > 1:  # the last stage's TP rank 0: rank 0 samples
+            pp.send_output(output)
+            return LogitsOutput(logits.new_empty(0))
+        return output
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits of ``hidden`` rows (every rank: one all-gather; rank 0's are the ones read)."""

@@ -123,11 +123,12 @@ class LlamaForCausalLM(CausalLM):
         """Kind "mha", or "swa" where some layers slide (as Gemma 3): those layers' KV in the SWA pool,
         freed as tokens slide out of the window. A model whose every layer slides (Mistral's window)
         keeps no layer's KV in the full pool: there it is slot numbers only, what the tree indexes."""
-        attn = self.model.layers[0].self_attn
-        windows = [layer.self_attn.attn.sliding_window for layer in self.model.layers]
-        swa = {} if windows.count(None) == len(windows) else dict(
-            full_attention_layer_ids=[i for i, w in enumerate(windows) if w is None],
-            swa_attention_layer_ids=[i for i, w in enumerate(windows) if w is not None],
+        layers = self.model.layers
+        attn = layers[self.model.stage_layers.start].self_attn  # (this pipeline stage's layers)
+        windows = {i: layers[i].self_attn.attn.sliding_window for i in self.model.stage_layers}
+        swa = {} if all(w is None for w in windows.values()) else dict(
+            full_attention_layer_ids=[i for i, w in windows.items() if w is None],
+            swa_attention_layer_ids=[i for i, w in windows.items() if w is not None],
             sliding_window=self.config.sliding_window,
         )
         return self.make_spec(

@@ -44,6 +44,9 @@ class KVCacheSpec:
     temporal_state_shape: Tuple[int, ...] = ()
     tp_rank: int = 0
     tp_size: int = 1
+    pp_rank: int = 0
+    pp_size: int = 1
+    start_layer: int = 0  # the first of the ``num_layers`` layers this rank caches (its pipeline stage's)
     kv_head_start: int = 0
     total_kv_heads: int = 0
     mamba_head_start: int = 0

@@ -1,0 +1,138 @@
+"""Pipeline parallelism: a worker's decoder layers split into stages (vLLM's
+``--pipeline-parallel-size``, SGLang's ``--pp-size``).
+
+A worker of ``tp_size × pp_size`` ranks is ``pp_size`` stages of one TP group each; global rank
+``stage · tp_size + tp_rank``. Stage s holds a contiguous range of the decoder layers
+(:func:`stage_layers`: vLLM's even split, the remainder on the stages before the last, which also
+holds the final norm and ``lm_head``; ``pp_layer_partition`` as ``VLLM_PP_LAYER_PARTITION``), stage
+0 the embedding (and the last stage too when the embeddings are tied: its ``lm_head`` is that
+weight). A module another stage holds is a :class:`PPMissingLayer` (vLLM's name): no parameters,
+so the rank neither reads those checkpoint tensors nor sizes its memory for them, and the layers
+keep their HF names and ``layer_id``.
+
+One batch is in flight (no micro-batches: memory scale-out, not throughput). Global rank 0 (stage
+0, TP rank 0) schedules and broadcasts every batch to every rank, as under TP alone; stage s runs
+its layers on the hidden states stage s-1's rank of the same TP rank sends it (every TP rank holds
+them whole), and sends its own on; the last stage's TP rank 0 sends the forward's
+:class:`~actors.engine.models.base.LogitsOutput` back to rank 0, which samples as before (every
+sampling feature unchanged). The decoder layers return the whole hidden state (each adds its own
+residual), so nothing else crosses a stage boundary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+
+class PPMissingLayer(nn.Module):
+    """A module of another pipeline stage: it holds nothing and is never called."""
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError("a module of another pipeline stage was called")
+
+
+def stage_layers(num_layers: int, stage: int, pp_size: int, partition: Optional[Sequence[int]] = None) -> range:
+    """The decoder layers of ``stage``: ``partition``'s counts in stage order when given (their sum
+    must be ``num_layers``), else an even split whose remainder goes one layer each to the stages
+    just before the last (vLLM's ``get_pp_indices``). ValueError naming the field otherwise, or for
+    a stage left without a layer."""
+    if partition is not None:
+        if len(partition) != pp_size or sum(partition) != num_layers or min(partition) < 1:
+            raise ValueError(f"pp_layer_partition={list(partition)} must be pp_size={pp_size} counts of at least 1 "
+                             f"summing to num_hidden_layers={num_layers}")
+        counts = list(partition)
+    else:
+        if pp_size > num_layers:
+            raise ValueError(f"pp_size={pp_size} must be at most num_hidden_layers={num_layers}")
+        counts = [num_layers // pp_size] * pp_size
+        for i in range(num_layers % pp_size):
+            counts[-2 - i] += 1
+    start = sum(counts[:stage])
+    return range(start, start + counts[stage])
+
+
+STAGED_KV_KINDS = ("mha", "mla")  # the KV caches split into stages: a pool of contiguous layers each
+
+
+def stage_cache_error(kind: str, architecture: str, pp_size: int) -> Optional[str]:
+    """Why a model of KV cache ``kind`` cannot be split into ``pp_size`` stages, or None: SWA and
+    Mamba pools name their layers by id lists that are not cut into stages yet."""
+    if pp_size == 1 or kind in STAGED_KV_KINDS:
+        return None
+    return (f"pp_size={pp_size}: {architecture}'s KV cache kind {kind!r} is not served with pipeline parallelism "
+            f"yet (only {' and '.join(STAGED_KV_KINDS)} caches)")
+
+
+def to_device(output, device: torch.device):
+    """``output`` (a NamedTuple of tensors, None and nested NamedTuples) with its tensors on ``device``."""
+    if isinstance(output, torch.Tensor):
+        return output.to(device)
+    if isinstance(output, tuple) and hasattr(output, "_fields"):
+        return type(output)(*(to_device(value, device) for value in output))
+    return output
+
+
+@dataclass(frozen=True)
+class PPGroup:
+    """This rank's pipeline stage. ``ranks``: the worker's group of every rank (a
+    :class:`~actors.engine.parallel.TPGroup` whose ``rank`` is the global one; ``None`` with one
+    stage), over whose device group the hidden states go and whose control group carries the
+    forward's output back to rank 0."""
+
+    rank: int = 0
+    size: int = 1
+    tp_rank: int = 0
+    tp_size: int = 1
+    partition: Optional[Tuple[int, ...]] = None
+    ranks: Any = None
+
+    @property
+    def is_first(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.rank == self.size - 1
+
+    def layers(self, num_layers: int) -> range:
+        return stage_layers(num_layers, self.rank, self.size, self.partition)
+
+    def all_min(self, value: int) -> int:
+        """The smallest ``value`` over every rank of every stage."""
+        return value if self.size == 1 else self.ranks.all_min(value)
+
+    @property
+    def output_rank(self) -> int:
+        """The global rank that sends rank 0 the forward's output: the last stage's TP rank 0."""
+        return (self.size - 1) * self.tp_size
+
+    def _peer(self, stage: int) -> int:
+        """The global rank of this TP rank in ``stage``."""
+        return stage * self.tp_size + self.tp_rank
+
+    def send_hidden(self, hidden: torch.Tensor) -> None:
+        """To this TP rank of the next stage."""
+        torch.distributed.send(hidden.contiguous(), self._peer(self.rank + 1), group=self.ranks.group)
+
+    def recv_hidden(self, shape: Tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """From this TP rank of the previous stage."""
+        hidden = torch.empty(shape, dtype=dtype, device=device)
+        torch.distributed.recv(hidden, self._peer(self.rank - 1), group=self.ranks.group)
+        return hidden
+
+    def send_output(self, output) -> None:
+        """The last stage's TP rank 0: the forward's output to rank 0 (pickled, on the CPU)."""
+        torch.distributed.send_object_list([to_device(output, torch.device("cpu"))], 0, group=self.ranks.cpu_group)
+
+    def recv_output(self, device: torch.device):
+        """Rank 0: the forward's output, from the last stage's TP rank 0."""
+        box = [None]
+        torch.distributed.recv_object_list(box, self.output_rank, group=self.ranks.cpu_group)
+        return to_device(box[0], device)
+
+
+SINGLE_STAGE = PPGroup()

@@ -1,0 +1,186 @@
+"""Pipeline parallelism: engines of pp_size stages (of tp_size ranks each) give TP=1's greedy
+tokens and logprobs, and HF's, through a batch, chunked prefill, a prefix hit and retraction;
+each rank holds and caches only its stage's layers; a stage failing breaks the group. The ranks
+are threads (tests.tp_helpers) but in one test of spawned processes over gloo."""
+
+import random
+import threading
+
+import pytest
+
+from actors.engine import Engine
+from actors.engine.config import EngineConfig
+from actors.engine.pipeline import PPMissingLayer, stage_layers
+from actors.engine.tiny import build_tiny_checkpoint
+from actors.engine.tp_worker import TPGroupBrokenError
+from actors.workers import DecodeWorker, PrefillWorker
+from tests.parity import assert_greedy_parity, assert_input_logprobs_close
+from tests.test_engine_tp import prompts  # (a shared system prompt, then a prefix hit)
+from tests.tp_helpers import thread_ranks
+
+GREEDY = {"max_new_tokens": 8, "temperature": 0}
+SCORED = dict(GREEDY, return_logprob=True, logprob_start_len=0, top_logprobs_num=2)
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    return str(build_tiny_checkpoint("llama", tmp_path_factory.mktemp("pp") / "llama", seed=0))
+
+
+def run(model_dir, tp_size=1, pp_size=1, check=None, **args):
+    """Outputs of a batch (the first scored) then of a prefix hit, and the first's meta; ``check(engine)``
+    runs on the idle engine before it shuts down."""
+    batch, follow = prompts()
+    engine = Engine(model_path=model_dir, skip_tokenizer_init=True, max_total_tokens=1024, tp_size=tp_size,
+                    pp_size=pp_size, chunked_prefill_size=32, **args)
+    try:
+        first = engine.generate(input_ids=batch, sampling_params=[SCORED, GREEDY, GREEDY])
+        second = engine.generate(input_ids=follow, sampling_params=GREEDY)
+        assert second[0]["meta_info"]["cached_tokens"] >= 32
+        engine.check_integrity()  # with ranks: every follower's index tables are what rank 0 sent
+        if check is not None:
+            check(engine)
+        return [o["output_ids"] for o in first + second], first[0]["meta_info"], engine.eos_token_ids
+    finally:
+        engine.shutdown()
+
+
+def test_stage_layers_split_evenly_with_the_remainder_before_the_last():
+    """vLLM's get_pp_indices: the last stage (norm, lm_head) gets the fewer layers."""
+    assert [stage_layers(3, s, 2) for s in range(2)] == [range(0, 2), range(2, 3)]
+    assert [stage_layers(5, s, 3) for s in range(3)] == [range(0, 2), range(2, 4), range(4, 5)]
+    assert [stage_layers(4, s, 2, [1, 3]) for s in range(2)] == [range(0, 1), range(1, 4)]
+    with pytest.raises(ValueError, match="pp_size=3 must be at most num_hidden_layers=2"):
+        stage_layers(2, 0, 3)
+    with pytest.raises(ValueError, match="pp_layer_partition=.2, 1. must be"):
+        stage_layers(4, 0, 2, [2, 1])
+
+
+def stage_checks(engine):
+    """Every rank's spec (rank order: stage · tp_size + TP rank) and the followers' weights and pools."""
+    worker = engine.tp_group.worker
+    specs = engine.loop.run_exclusive(worker.check_followers)
+    runners = [worker.runner] + [f.runner for f in sorted(engine.tp_group.followers, key=lambda f: f.tp.rank)]
+    for runner in runners:
+        runner.token_to_kv_pool.check_integrity()
+    return specs, runners
+
+
+def held_layers(runner):
+    model = runner.model.model
+    return [i for i, layer in enumerate(model.layers) if not isinstance(layer, PPMissingLayer)]
+
+
+@pytest.mark.parametrize("tp_size", [1, 2])
+def test_pp2_tokens_and_logprobs_equal_tp1_and_hf(llama, monkeypatch, tp_size):
+    """Each stage holds its layer, rank 0 the embedding, the last stage norm and lm_head; each
+    rank's KV pool is its layer's (start_layer), sized as TP=1's (the min over the ranks)."""
+    ref_outputs, ref_meta, _ = run(llama)
+    thread_ranks(monkeypatch)
+    seen = {}
+
+    def check(engine):
+        seen["specs"], runners = stage_checks(engine)
+        seen["layers"] = [held_layers(r) for r in runners]
+        seen["ends"] = [(not isinstance(r.model.model.embed_tokens, PPMissingLayer),
+                         not isinstance(r.model.lm_head, PPMissingLayer)) for r in runners]
+        seen["pools"] = [(r.token_to_kv_pool.start_layer, r.token_to_kv_pool.layer_num, r.max_total_num_tokens)
+                         for r in runners]
+
+    outputs, meta, eos = run(llama, tp_size, 2, check=check)
+    assert outputs == ref_outputs
+    for key in ("output_token_logprobs", "input_token_logprobs"):
+        assert [lp for lp, _ in meta[key][1:]] == pytest.approx([lp for lp, _ in ref_meta[key][1:]], abs=1e-5)
+    batch, follow = prompts()
+    assert_greedy_parity(llama, batch[:1], outputs[:1], GREEDY["max_new_tokens"], eos,
+                         logprobs=[[lp for lp, _ in meta["output_token_logprobs"]]])
+    assert_greedy_parity(llama, batch[1:] + follow, outputs[1:], GREEDY["max_new_tokens"], eos)
+    assert_input_logprobs_close(llama, batch[0], meta, 0, top_logprobs_num=2)
+    stages = [s for s in range(2) for _ in range(tp_size)]
+    assert [(s.pp_rank, s.pp_size, s.tp_rank, s.start_layer, s.num_layers) for s in seen["specs"]] == [
+        (stage, 2, rank % tp_size, stage, 1) for rank, stage in enumerate(stages)]
+    assert seen["layers"] == [[stage] for stage in stages]
+    assert seen["ends"] == [(stage == 0, stage == 1) for stage in stages]
+    assert seen["pools"] == [(stage, 1, 1024) for stage in stages]
+
+
+def test_uneven_stages_with_tied_embeddings_and_a_small_pool_retracting(monkeypatch, tmp_path):
+    """3 layers on 2 stages (2 + 1) and tied embeddings (the last stage loads the embedding for its
+    lm_head); a pool small enough to retract: the tokens are still HF's."""
+    path = str(build_tiny_checkpoint("llama", tmp_path / "llama3", seed=2, num_hidden_layers=3,
+                                     tie_word_embeddings=True))
+    thread_ranks(monkeypatch)
+    rng = random.Random(5)
+    batch = [[rng.randrange(5, 261) for _ in range(rng.randint(8, 12))] for _ in range(6)]
+    engine = Engine(model_path=path, skip_tokenizer_init=True, max_total_tokens=160, max_running_requests=6,
+                    chunked_prefill_size=-1, pp_size=2)
+    try:
+        outs = engine.generate(input_ids=batch, sampling_params={"max_new_tokens": 40, "temperature": 0})
+        assert engine.scheduler.num_retractions > 0
+        engine.check_integrity()
+        _, runners = stage_checks(engine)
+        assert [held_layers(r) for r in runners] == [[0, 1], [2]]
+        last = runners[1].model
+        assert last.lm_head.weight is last.model.embed_tokens.weight
+        assert_greedy_parity(path, batch, [o["output_ids"] for o in outs], 40, engine.eos_token_ids)
+    finally:
+        engine.shutdown()
+
+
+def test_moe_with_mla_at_pp2_equals_hf(monkeypatch, tmp_path):
+    """DeepSeek-V3 (a dense first layer, then MoE layers; an MLA cache): 3 layers on 2 stages."""
+    path = str(build_tiny_checkpoint("deepseek_v3", tmp_path / "dsv3", seed=0))
+    thread_ranks(monkeypatch)
+    outputs, _, eos = run(path, pp_size=2, check=lambda engine: stage_checks(engine))
+    batch, follow = prompts()
+    assert_greedy_parity(path, batch + follow, outputs, GREEDY["max_new_tokens"], eos)
+
+
+def test_pp2_over_spawned_ranks_equals_hf(llama):
+    """The stages as processes: the hidden states and the output cross gloo's send / recv."""
+    outputs, _, eos = run(llama, pp_size=2)
+    batch, follow = prompts()
+    assert_greedy_parity(llama, batch + follow, outputs, GREEDY["max_new_tokens"], eos)
+
+
+def test_a_follower_stage_failing_ends_the_requests_and_breaks_the_group(llama, monkeypatch):
+    """The last stage's forward fails: rank 0, waiting for its output, fails the batch's requests and
+    joins no collective again (the TP group's broken-group path)."""
+    thread_ranks(monkeypatch)
+    monkeypatch.setattr(threading, "excepthook", lambda args: None)  # (the follower thread's own error)
+    engine = Engine(model_path=llama, skip_tokenizer_init=True, max_total_tokens=256, pp_size=2)
+    try:
+        last = engine.tp_group.followers[0].runner.model.model.layers[1]
+
+        def fail(*args):
+            raise RuntimeError("injected")
+
+        monkeypatch.setattr(last, "forward", fail)
+        with pytest.raises(threading.BrokenBarrierError):  # (a thread rank's failure, as a gloo peer's exit)
+            engine.generate(input_ids=[[7, 8, 9]], sampling_params=GREEDY)
+        assert engine.tp_group.worker.broken.startswith("a forward failed")
+        with pytest.raises(TPGroupBrokenError):
+            engine.generate(input_ids=[[7, 8, 9]], sampling_params=GREEDY)
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("family, kind", [("gemma3", "swa"), ("qwen3_next", "hybrid_mamba")])
+def test_caches_not_split_into_stages_are_refused_by_name(tmp_path, family, kind):
+    path = str(build_tiny_checkpoint(family, tmp_path / family, seed=0))
+    with pytest.raises(ValueError, match=f"pp_size=2: .*KV cache kind '{kind}' is not served with pipeline"):
+        Engine(model_path=path, skip_tokenizer_init=True, max_total_tokens=256, pp_size=2)
+
+
+def test_pipeline_settings_are_checked_before_any_rank_starts(llama):
+    with pytest.raises(ValueError, match="pp_size=3 must be at most num_hidden_layers=2"):
+        Engine(model_path=llama, skip_tokenizer_init=True, max_total_tokens=256, pp_size=3)
+    with pytest.raises(ValueError, match="pp_layer_partition has 1 counts for pp_size=2"):
+        EngineConfig(model_path=llama, pp_size=2, pp_layer_partition=[2])
+    with pytest.raises(ValueError, match="pp_size=2: speculative_algorithm is not served"):
+        EngineConfig(model_path=llama, pp_size=2, speculative_algorithm="ngram")
+    with pytest.raises(ValueError, match="pp_size=2: enable_hierarchical_cache is not served"):
+        EngineConfig(model_path=llama, pp_size=2, enable_hierarchical_cache=True)
+    for worker in (PrefillWorker, DecodeWorker):  # (refused before any rank starts)
+        with pytest.raises(ValueError, match="pp_size=2: a PD worker does not serve pipeline parallelism"):
+            worker(llama, {"pp_size": 2, "skip_tokenizer_init": True})
