@@ -7,6 +7,8 @@ import random
 import threading
 
 import pytest
+import torch
+from transformers import AutoModelForCausalLM
 
 from actors.engine import Engine
 from actors.engine.config import EngineConfig
@@ -14,7 +16,7 @@ from actors.engine.pipeline import PPMissingLayer, stage_layers
 from actors.engine.tiny import build_tiny_checkpoint
 from actors.engine.tp_worker import TPGroupBrokenError
 from actors.workers import DecodeWorker, PrefillWorker
-from tests.parity import assert_greedy_parity, assert_input_logprobs_close
+from tests.parity import assert_greedy_parity, assert_input_logprobs_close, hf_model
 from tests.test_engine_tp import prompts  # (a shared system prompt, then a prefix hit)
 from tests.tp_helpers import thread_ranks
 
@@ -184,3 +186,29 @@ def test_pipeline_settings_are_checked_before_any_rank_starts(llama):
     for worker in (PrefillWorker, DecodeWorker):  # (refused before any rank starts)
         with pytest.raises(ValueError, match="pp_size=2: a PD worker does not serve pipeline parallelism"):
             worker(llama, {"pp_size": 2, "skip_tokenizer_init": True})
+
+
+def test_each_stage_takes_its_layers_of_a_weight_update(llama, monkeypatch, tmp_path):
+    """A checkpoint from disk, then one tensor of the last stage's layer only (rank 0 holds none of
+    it): every rank copies the tensors of its stage, and the tokens are the new weights' (HF's)."""
+    thread_ranks(monkeypatch)
+    new = str(build_tiny_checkpoint("llama", tmp_path / "new", seed=3))
+    name = "model.layers.1.mlp.down_proj.weight"
+    tensor = 4 * hf_model(llama).state_dict()[name]
+    mixed = tmp_path / "mixed"  # the new checkpoint with that tensor, for HF
+    model = AutoModelForCausalLM.from_pretrained(new, local_files_only=True, dtype=torch.float32)
+    model.model.layers[1].mlp.down_proj.weight.data.copy_(tensor)
+    model.save_pretrained(mixed)
+    batch, _ = prompts()
+    engine = Engine(model_path=llama, skip_tokenizer_init=True, max_total_tokens=1024, pp_size=2)
+    try:
+        engine.update_weights_from_disk(new)
+        first = [o["output_ids"] for o in engine.generate(input_ids=batch, sampling_params=GREEDY)]
+        assert_greedy_parity(new, batch, first, GREEDY["max_new_tokens"], engine.eos_token_ids)
+        engine.update_weights_from_tensor([(name, tensor)])
+        outputs = [o["output_ids"] for o in engine.generate(input_ids=batch, sampling_params=GREEDY)]
+        engine.check_integrity()
+    finally:
+        engine.shutdown()
+    assert outputs != first
+    assert_greedy_parity(str(mixed), batch, outputs, GREEDY["max_new_tokens"], engine.eos_token_ids)
