@@ -207,6 +207,20 @@ def test_bad_requests_fail_clearly_and_lose_nothing(engine):
     engine.check_integrity()
 
 
+@pytest.mark.parametrize("argument, value, fits", [
+    ("sampling_params", [GREEDY, GREEDY], [GREEDY] * 3), ("rid", ["a", "b"], ["a", "b", "c"]),
+    ("priority", [0, 0, 0, 0], [0, 0, 0]), ("lora_path", [None], [None] * 3)])
+def test_a_per_request_list_of_another_length_than_the_batch_is_refused(engine, argument, value, fits):
+    """A list of one per request shorter or longer than the batch names itself (a zip dropped the prompts
+    past the shortest: three prompts with two sampling_params answered two)."""
+    with pytest.raises(ValueError, match=f"^{argument}: {len(value)} entries for 3 prompt"):
+        engine.generate(input_ids=[[5, 6], [7, 8], [9]], **{argument: value})
+    with pytest.raises(ValueError, match="sampling_params: 2 entries for 1 prompt"):
+        engine.generate(input_ids=[5, 6], sampling_params=[GREEDY, GREEDY])
+    assert len(engine.generate(input_ids=[[5, 6], [7, 8], [9]], **{argument: fits})) == 3
+    engine.check_integrity()
+
+
 def test_a_request_is_held_to_what_the_kv_pool_holds(engine):
     """A 128-slot pool under a 256-token context: a request may be 127 tokens long. Asking for
     1000 new tokens ends at that length with the big engine's tokens (such a request used to

@@ -161,6 +161,17 @@ def engine_server_info(sched) -> Dict[str, Any]:
     return info
 
 
+def _each(n: int, name: str, value, per_request: bool) -> list:
+    """``value`` for each of ``n`` requests (:meth:`Engine.generate`'s arguments): its items when
+    ``per_request`` (a list of one per request: ValueError naming it when of another length, which a zip
+    would cut to the shortest, dropping prompts), else ``value`` each time."""
+    if not per_request:
+        return [value] * n
+    if len(value) != n:
+        raise ValueError(f"{name}: {len(value)} entries for {n} prompt(s): one per prompt")
+    return value
+
+
 class Engine:
     def __init__(self, model_path: str, **kwargs):
         self.config = EngineConfig(model_path=model_path, **kwargs)
@@ -235,15 +246,13 @@ class Engine:
         batch, one such list (or None) per request."""
         batched = isinstance(prompt, list) or (input_ids is not None and input_ids and isinstance(input_ids[0], list))
         n = len(prompt) if isinstance(prompt, list) else (len(input_ids) if batched else 1)
-        prompts = prompt if isinstance(prompt, list) else [prompt] * n
-        ids = input_ids if batched and input_ids is not None else [input_ids] * n  # (a batch of text prompts: None each)
-        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * n
-        rids = rid if isinstance(rid, list) else [rid] * n
-        priorities = priority if isinstance(priority, list) else [priority] * n
-        loras = lora_path if isinstance(lora_path, list) else [lora_path] * n
-        images = image_data if batched and image_data is not None else [image_data] * n
-        if len(images) != n:
-            raise ValueError(f"image_data: {len(images)} entries for a batch of {n} requests")
+        prompts = _each(n, "prompt", prompt, isinstance(prompt, list))
+        ids = _each(n, "input_ids", input_ids, batched and input_ids is not None)  # (a batch of text prompts: None each)
+        params = _each(n, "sampling_params", sampling_params, isinstance(sampling_params, list))
+        rids = _each(n, "rid", rid, isinstance(rid, list))
+        priorities = _each(n, "priority", priority, isinstance(priority, list))
+        loras = _each(n, "lora_path", lora_path, isinstance(lora_path, list))
+        images = _each(n, "image_data", image_data, batched and image_data is not None)
         reqs = [self._make_req(*args) for args in zip(params, prompts, ids, rids, priorities, loras, images)]
         done = threading.Semaphore(0)
         errors: List[BaseException] = []
