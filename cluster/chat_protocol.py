@@ -51,11 +51,20 @@ class ChatMessage(BaseModel):
 
     def image_urls(self) -> List[str]:
         """The URLs of the content's ``image_url`` parts (OpenAI's ``{"type": "image_url", "image_url":
-        {"url": ...}}``), in order."""
+        {"url": ...}}``), in order; ValueError (a 400) for a part of another shape (a bare string for
+        ``image_url``, a ``url`` not a string), which the request's model does not type."""
         if not isinstance(self.content, list):
             return []
-        parts = [part for part in self.content if part.get("type") == "image_url"]
-        return [(part.get("image_url") or {}).get("url", "") for part in parts]
+        urls = []
+        for part in self.content:
+            if part.get("type") != "image_url":
+                continue
+            image_url = part.get("image_url")
+            if not isinstance(image_url, dict) or not isinstance(image_url.get("url"), str):
+                raise ValueError("an image_url part's image_url is an object with a url string ({\"url\": "
+                                 f"\"data:image/...;base64,...\"}}), not {image_url!r:.80}")
+            urls.append(image_url["url"])
+        return urls
 
     def template_content(self) -> Union[str, List[Dict[str, Any]]]:
         """The content as the template takes it: :meth:`text`, or with images its text and ``image_url``

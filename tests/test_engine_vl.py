@@ -214,7 +214,8 @@ def test_image_requests_through_pd_workers_equal_hf(model_dir):
 def test_chat_completions_and_generate_with_images_equal_the_engines_answer(engine):
     """The server's tokenizer side processes the data URLs of a chat's image_url parts and of /generate's
     image_data (the backend gets the padded prompt and the images): the answer is the engine's own to the
-    same image; a bad image, or one not in a data URL (a path: the server reads no file), is a 400."""
+    same image; a bad image, one not in a data URL (a path: the server reads no file), or an image_url part of
+    another shape than OpenAI's is a 400."""
     import httpx
 
     from cluster.config import ServerConfig
@@ -228,9 +229,9 @@ def test_chat_completions_and_generate_with_images_equal_the_engines_answer(engi
     want = engine.generate(prompt=chat(engine.tokenizer, "what?"), image_data=[photo],
                            sampling_params={"max_new_tokens": MAX_NEW, "temperature": 0, "return_logprob": True})
 
-    def body(url):
+    def body(url, image_url=None):
         return {"model": compat.MODEL, "max_tokens": MAX_NEW, "temperature": 0, "logprobs": True, "messages": [
-            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+            {"role": "user", "content": [{"type": "image_url", "image_url": image_url or {"url": url}},
                                          {"type": "text", "text": "what?"}]}]}
 
     app = build_app(compat.EngineBackend(engine, 2048), engine.tokenizer, ServerConfig())
@@ -239,6 +240,9 @@ def test_chat_completions_and_generate_with_images_equal_the_engines_answer(engi
         assert r.status_code == 200, r.text
         bad = httpx.post(server.url + "/v1/chat/completions", json=body("data:image/png;base64,AAAA"), timeout=60)
         path = httpx.post(server.url + "/v1/chat/completions", json=body("/etc/hostname"), timeout=60)
+        # (OpenAI's image_url is an object: a bare string, or a url not a string, was a 500, an AttributeError)
+        shapes = [httpx.post(server.url + "/v1/chat/completions", json=body(None, image_url), timeout=60)
+                  for image_url in (url, {"url": 5})]
         native = httpx.post(server.url + "/generate", json={
             "text": chat(engine.tokenizer, "what?"), "image_data": [url],
             "sampling_params": {"max_new_tokens": MAX_NEW, "temperature": 0}}, timeout=60)
@@ -248,5 +252,7 @@ def test_chat_completions_and_generate_with_images_equal_the_engines_answer(engi
     assert r.json()["usage"]["prompt_tokens"] == want["meta_info"]["prompt_tokens"]
     assert bad.status_code == 400 and "cannot be decoded" in bad.json()["error"]["message"]
     assert path.status_code == 400 and "data URLs" in path.json()["error"]["message"]
+    assert [r.status_code for r in shapes] == [400, 400]
+    assert all("image_url is an object with a url string" in r.json()["error"]["message"] for r in shapes)
     assert native.status_code == 200, native.text
     assert native.json()["output_ids"] == want["output_ids"]
