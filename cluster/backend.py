@@ -40,6 +40,8 @@ class ServingBackend(Protocol):
     lora_modules: Dict[str, str]  # the LoRA adapters the workers serve: name -> adapter directory
     weight_version: str  # SGLang's: the last weights update's ("default" before any)
     model_path: Optional[str]  # the checkpoint served (the last weights update's); None: unknown here
+    # the workers' EngineConfig.limit_mm_per_prompt (the server's tokenizer side refuses more images with a 400)
+    limit_mm_per_prompt: Optional[Dict[str, int]]
 
     @property
     def draining(self) -> bool: ...
@@ -148,8 +150,10 @@ class PDBackend:
     def __init__(self, client, cluster=None, model_name: str = "default", context_len: int = 4096,
                  health_timeout_s: float = 5.0, max_prompt_len: Optional[int] = None,
                  vocab_size: Optional[int] = None, priority_scheduling: bool = False,
-                 lora_modules: Optional[Dict[str, str]] = None):
+                 lora_modules: Optional[Dict[str, str]] = None,
+                 limit_mm_per_prompt: Optional[Dict[str, int]] = None):
         self.client, self.cluster = client, cluster
+        self.limit_mm_per_prompt = limit_mm_per_prompt
         self.model_name, self.context_len, self.vocab_size = model_name, context_len, vocab_size
         self.max_prompt_len = context_len - 1 if max_prompt_len is None else min(max_prompt_len, context_len - 1)
         self.health_timeout_s, self.priority_scheduling = health_timeout_s, priority_scheduling
@@ -186,7 +190,8 @@ class PDBackend:
         backend = cls(client, cluster, cfg.model.name, context_len, max_prompt_len=max_prompt_len,
                       vocab_size=model_vocab_size(cluster.model_path),
                       priority_scheduling=getattr(cfg.decode.engine, "enable_priority_scheduling", False),
-                      lora_modules=getattr(cfg.decode.engine, "lora_paths", None))
+                      lora_modules=getattr(cfg.decode.engine, "lora_paths", None),
+                      limit_mm_per_prompt=getattr(cfg.prefill.engine, "limit_mm_per_prompt", None))
         backend.owned_router = router
         return backend
 

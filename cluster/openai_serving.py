@@ -123,7 +123,8 @@ class GenerationService:
         self.resumed.set()
         self.num_paused = 0  # the requests waiting for it before admission
         # a vision-language model's tokenizer side: a chat's image_url parts (None: a text model's server)
-        self.mm_processor = MultimodalProcessor.for_checkpoint(getattr(backend, "model_path", None))
+        self.mm_processor = MultimodalProcessor.for_checkpoint(getattr(backend, "model_path", None),
+                                                               getattr(backend, "limit_mm_per_prompt", None))
 
     @property
     def _harmony(self) -> bool:

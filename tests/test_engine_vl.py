@@ -170,6 +170,26 @@ def test_bad_image_input_is_a_value_error_and_loses_nothing(engine, tmp_path):
     plain.shutdown()
 
 
+def test_more_images_than_limit_mm_per_prompt_are_refused_before_any_is_decoded(model_dir):
+    """vLLM's limit_mm_per_prompt: a prompt of more images is a ValueError naming it, before any image is
+    decoded (the second is no image), processed inputs (a PD worker's, the server's) held to it too."""
+    engine = Engine(model_dir, max_total_tokens=512, limit_mm_per_prompt={"image": 1})
+    prompt = chat(engine.tokenizer, "two", num_images=2)
+    with pytest.raises(ValueError, match=r"At most 1 image\(s\) may be provided in one prompt, not 2"):
+        engine.generate(prompt=prompt, image_data=[image(50, 50, 0), b"not an image"])
+    unlimited = MultimodalProcessor.for_model(model_dir, engine.runner.model_config, engine.runner.model)
+    ids, mm_inputs = unlimited.process(engine.tokenizer.encode(prompt), [image(50, 50, 0), image(60, 60, 1)])
+    with pytest.raises(ValueError, match=r"At most 1 image\(s\)"):
+        engine.generate(input_ids=ids, image_data=mm_inputs)
+    one = engine.generate(prompt=chat(engine.tokenizer, "one"), image_data=[image(50, 50, 0)],
+                          sampling_params={"max_new_tokens": 2})
+    assert len(one["output_ids"]) == 2
+    engine.check_integrity()
+    engine.shutdown()
+    with pytest.raises(ValueError, match="limit_mm_per_prompt"):  # (video is not served)
+        Engine(model_dir, limit_mm_per_prompt={"video": 1})
+
+
 def test_image_tokens_hold_pad_values_out_of_the_vocabulary(engine):
     """The prefix cache's keys: the image's tokens hold its pad value, the same for the same pixels."""
     req = engine._make_req({}, chat(engine.tokenizer, "key"), None, None, image_data=[image(100, 150, 18)])
@@ -214,8 +234,8 @@ def test_image_requests_through_pd_workers_equal_hf(model_dir):
 def test_chat_completions_and_generate_with_images_equal_the_engines_answer(engine):
     """The server's tokenizer side processes the data URLs of a chat's image_url parts and of /generate's
     image_data (the backend gets the padded prompt and the images): the answer is the engine's own to the
-    same image; a bad image, one not in a data URL (a path: the server reads no file), or an image_url part of
-    another shape than OpenAI's is a 400."""
+    same image; a bad image, one not in a data URL (a path: the server reads no file), an image_url part of
+    another shape than OpenAI's, or more images than the workers' limit_mm_per_prompt is a 400."""
     import httpx
 
     from cluster.config import ServerConfig
@@ -234,7 +254,9 @@ def test_chat_completions_and_generate_with_images_equal_the_engines_answer(engi
             {"role": "user", "content": [{"type": "image_url", "image_url": image_url or {"url": url}},
                                          {"type": "text", "text": "what?"}]}]}
 
-    app = build_app(compat.EngineBackend(engine, 2048), engine.tokenizer, ServerConfig())
+    backend = compat.EngineBackend(engine, 2048)
+    backend.limit_mm_per_prompt = {"image": 1}  # (the workers' limit_mm_per_prompt: the server refuses more)
+    app = build_app(backend, engine.tokenizer, ServerConfig())
     with BackgroundServer(app, "127.0.0.1", 0) as server:
         r = httpx.post(server.url + "/v1/chat/completions", json=body(url), timeout=60)
         assert r.status_code == 200, r.text
@@ -243,6 +265,8 @@ def test_chat_completions_and_generate_with_images_equal_the_engines_answer(engi
         # (OpenAI's image_url is an object: a bare string, or a url not a string, was a 500, an AttributeError)
         shapes = [httpx.post(server.url + "/v1/chat/completions", json=body(None, image_url), timeout=60)
                   for image_url in (url, {"url": 5})]
+        two = httpx.post(server.url + "/generate", json={"text": chat(engine.tokenizer, "two?", 2),
+                                                         "image_data": [url, url]}, timeout=60)
         native = httpx.post(server.url + "/generate", json={
             "text": chat(engine.tokenizer, "what?"), "image_data": [url],
             "sampling_params": {"max_new_tokens": MAX_NEW, "temperature": 0}}, timeout=60)
@@ -254,5 +278,7 @@ def test_chat_completions_and_generate_with_images_equal_the_engines_answer(engi
     assert path.status_code == 400 and "data URLs" in path.json()["error"]["message"]
     assert [r.status_code for r in shapes] == [400, 400]
     assert all("image_url is an object with a url string" in r.json()["error"]["message"] for r in shapes)
+    assert two.status_code == 400 and "At most 1 image(s)" in two.json()["error"]["message"]
+    assert two.json()["error"]["param"] == "image_data"
     assert native.status_code == 200, native.text
     assert native.json()["output_ids"] == want["output_ids"]

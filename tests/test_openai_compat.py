@@ -49,6 +49,7 @@ class EngineBackend(StubBackend):
         self.lora_modules = dict(engine.config.lora_paths or {})
         self.priority_scheduling = engine.config.enable_priority_scheduling
         self.model_path = engine.config.model_path
+        self.limit_mm_per_prompt = engine.config.limit_mm_per_prompt
 
     async def pause_generation(self, mode):
         self.engine.pause_generation(mode)

@@ -184,7 +184,8 @@ class Engine:
 
                 self.tokenizer = AutoTokenizer.from_pretrained(self.config.tokenizer_path or model_path,
                                                                local_files_only=True)
-            self.mm_processor = MultimodalProcessor.for_model(model_path, self.runner.model_config, self.runner.model)
+            self.mm_processor = MultimodalProcessor.for_model(model_path, self.runner.model_config, self.runner.model,
+                                                              self.config.limit_mm_per_prompt)
             self.scheduler = Scheduler(self.runner, self.tokenizer)
             self.eos_token_ids = _eos_ids(model_path, self.runner.model_config)
         except BaseException:  # the followers stop and this process leaves the group (a new engine may join one)

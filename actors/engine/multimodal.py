@@ -25,7 +25,7 @@ import hashlib
 import io
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -127,6 +127,14 @@ class MultimodalInputs:
             item.embedding = None
 
 
+def check_image_count(num_images: int, limit_mm_per_prompt: Optional[Dict[str, int]]) -> None:
+    """ValueError (vLLM's message) when a prompt holds more images than ``limit_mm_per_prompt`` allows."""
+    limit = (limit_mm_per_prompt or {}).get("image")
+    if limit is not None and num_images > limit:
+        raise ValueError(f"At most {limit} image(s) may be provided in one prompt, not {num_images} "
+                         "(limit_mm_per_prompt)")
+
+
 def pad_value(pixel_values: torch.Tensor, grid_thw: Sequence[int]) -> int:
     """The image's pad value (:data:`MM_PAD_BASE` and up), from a hash of its pixels and grid."""
     digest = hashlib.sha256(pixel_values.contiguous().numpy().tobytes())
@@ -140,14 +148,16 @@ class MultimodalProcessor:
     image_token_id, grids, spatial_merge_size) -> ([3, len] positions, delta)``)."""
 
     @classmethod
-    def for_model(cls, model_path: str, config, model) -> Optional["MultimodalProcessor"]:
+    def for_model(cls, model_path: str, config, model,
+                  limit_mm_per_prompt: Optional[Dict[str, int]] = None) -> Optional["MultimodalProcessor"]:
         """The processor of a served vision-language model (one with an ``mrope_positions`` rule: the model or
-        its class); None for a text model."""
+        its class); None for a text model. ``limit_mm_per_prompt``: EngineConfig's."""
         rule = getattr(model, "mrope_positions", None)
-        return None if rule is None else cls(model_path, config, rule)
+        return None if rule is None else cls(model_path, config, rule, limit_mm_per_prompt)
 
     @classmethod
-    def for_checkpoint(cls, model_path: Optional[str]) -> Optional["MultimodalProcessor"]:
+    def for_checkpoint(cls, model_path: Optional[str],
+                       limit_mm_per_prompt: Optional[Dict[str, int]] = None) -> Optional["MultimodalProcessor"]:
         """:meth:`for_model` of the checkpoint in ``model_path`` without its weights (a server's tokenizer
         side); None for a text model or no path."""
         from actors.engine.model_loader import load_config
@@ -156,20 +166,24 @@ class MultimodalProcessor:
         config = None if model_path is None else load_config(model_path)
         if config is None or not hasattr(config, "vision_config"):
             return None
-        return cls.for_model(model_path, config, get_model_class(config.architectures[0]))
+        return cls.for_model(model_path, config, get_model_class(config.architectures[0]), limit_mm_per_prompt)
 
-    def __init__(self, model_path: str, config, mrope_positions: Callable):
+    def __init__(self, model_path: str, config, mrope_positions: Callable,
+                 limit_mm_per_prompt: Optional[Dict[str, int]] = None):
         from transformers import AutoImageProcessor
 
         self.image_processor = AutoImageProcessor.from_pretrained(model_path, local_files_only=True)
         self.image_token_id = config.image_token_id
         self.merge_size = config.vision_config.spatial_merge_size
         self.mrope_positions = mrope_positions
+        self.limit_mm_per_prompt = limit_mm_per_prompt
 
     def process(self, input_ids: List[int], images: List[Any]) -> Tuple[List[int], MultimodalInputs]:
         """``input_ids`` with each image's one pad token expanded into its tokens (holding its pad
-        value), and the request's :class:`MultimodalInputs`. ValueError when the pad tokens and the
-        images differ in number, or an image cannot be decoded."""
+        value), and the request's :class:`MultimodalInputs`. ValueError when there are more images than
+        ``limit_mm_per_prompt`` allows (before any is decoded), the pad tokens and the images differ in
+        number, or an image cannot be decoded."""
+        check_image_count(len(images), self.limit_mm_per_prompt)
         places = [i for i, t in enumerate(input_ids) if t == self.image_token_id]
         if len(places) != len(images):
             raise ValueError(f"{len(images)} image(s) in image_data but {len(places)} image pad token(s) "
