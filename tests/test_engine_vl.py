@@ -7,17 +7,19 @@ import asyncio
 import base64
 import io
 import pickle
+import shutil
 
 import numpy as np
 import pytest
 import torch
 from PIL import Image
+from safetensors.torch import save_file
 
 from actors.engine import Engine
 from actors.engine.multimodal import MM_PAD_BASE, MultimodalProcessor
 from actors.engine.tiny import build_tiny_checkpoint
 from actors.engine.tokenizer import IMAGE_PAD_ID, load_tokenizer
-from tests.parity import assert_greedy_parity
+from tests.parity import assert_greedy_parity, hf_model
 from tests.pd_helpers import close_workers, make_pair, run_pd
 from tests.tp_helpers import thread_ranks
 
@@ -188,6 +190,35 @@ def test_more_images_than_limit_mm_per_prompt_are_refused_before_any_is_decoded(
     engine.shutdown()
     with pytest.raises(ValueError, match="limit_mm_per_prompt"):  # (video is not served)
         Engine(model_dir, limit_mm_per_prompt={"video": 1})
+
+
+def test_weights_under_transformers_names_load_and_update_the_decoder_and_the_vision_tower(engine, tmp_path):
+    """transformers (4.52 on) names the tensors model.language_model.* and model.visual.* (a trainer's
+    named_parameters, a checkpoint it saved), the released checkpoints (and the served model) model.* and
+    visual.*: an update from tensors or from disk, and a start, take both (they were unexpected tensors)."""
+    named = {name: p.detach() * 0.5 for name, p in hf_model(engine.config.model_path).named_parameters()}
+    assert {name.split(".")[1] for name in named if name.startswith("model.")} == {"language_model", "visual"}
+    assert engine.update_weights_from_tensor(list(named.items())).success
+    served = engine.runner.model.state_dict()
+    assert torch.equal(served["visual.blocks.0.attn.qkv.weight"], named["model.visual.blocks.0.attn.qkv.weight"])
+    assert torch.equal(served["model.layers.1.mlp.down_proj.weight"],
+                       named["model.language_model.layers.1.mlp.down_proj.weight"])
+    with pytest.raises(ValueError, match="named twice"):
+        engine.update_weights_from_tensor({"model.norm.weight": served["model.norm.weight"],
+                                           "model.language_model.norm.weight": served["model.norm.weight"]})
+    saved = tmp_path / "saved"
+    shutil.copytree(engine.config.model_path, saved, ignore=shutil.ignore_patterns("*.safetensors"))
+    save_file({name: t.contiguous() for name, t in named.items()}, str(saved / "model.safetensors"))
+    params = {"max_new_tokens": MAX_NEW, "temperature": 0, "return_logprob": True}
+    want = engine.generate(prompt=chat(engine.tokenizer, "updated"), image_data=[image(60, 60, 41)],
+                           sampling_params=params)
+    started = Engine(str(saved), max_total_tokens=512)
+    assert started.update_weights_from_disk(str(saved)).success
+    got = started.generate(prompt=chat(engine.tokenizer, "updated"), image_data=[image(60, 60, 41)],
+                           sampling_params=params)
+    assert got["meta_info"]["output_token_logprobs"] == want["meta_info"]["output_token_logprobs"]
+    started.check_integrity()
+    started.shutdown()
 
 
 def test_image_tokens_hold_pad_values_out_of_the_vocabulary(engine):

@@ -83,6 +83,43 @@ def checkpoint_shapes(files: List[str]) -> Dict[str, List[int]]:
     return shapes
 
 
+def served_name(renames, name: str) -> str:
+    """Checkpoint tensor ``name`` as the served model calls it: the first of the model's
+    ``checkpoint_renames`` ((prefix, served prefix) pairs) it starts with applied. A vision-language
+    model's: transformers (4.52 on) names its decoder ``model.language_model.*`` and its vision tower
+    ``model.visual.*`` (a trainer's ``named_parameters``, a checkpoint it saved) where the released
+    checkpoints (and the served model) have ``model.*`` and ``visual.*``; vLLM and SGLang take both."""
+    for prefix, served in renames:
+        if name.startswith(prefix):
+            return served + name[len(prefix):]
+    return name
+
+
+class _RenamedTensor(NamedTuple):
+    """An open checkpoint file read as a file of one tensor, under its served name (:func:`open_checkpoint`)."""
+
+    file: object
+    name: str  # its name in the file
+
+    def get_tensor(self, _served: str) -> torch.Tensor:
+        return self.file.get_tensor(self.name)
+
+    def get_slice(self, _served: str):
+        return self.file.get_slice(self.name)
+
+
+def open_checkpoint(stack: contextlib.ExitStack, files: List[str], renames=()) -> Dict[str, object]:
+    """Each tensor of the checkpoint ``files`` (opened on ``stack``) by its served name (:func:`served_name`)
+    → the open file to read it from (as named)."""
+    files_of = {}
+    for path in files:
+        f = stack.enter_context(safe_open(path, framework="pt", device="cpu"))
+        for name in f.keys():
+            served = served_name(renames, name)
+            files_of[served] = f if served == name else _RenamedTensor(f, name)
+    return files_of
+
+
 class ServedModel(NamedTuple):
     """A model on meta with its quantized layers (each dict empty but for the checkpoint's quantization):
     block-FP8 weights' names → their layers, packed GPTQ / AWQ layers' names → the layers, and
@@ -214,10 +251,7 @@ def load_weights(model: torch.nn.Module, files: List[str]) -> Tuple[List[str], L
     elsewhere = held_elsewhere(model)
     loaded, unexpected = set(), []
     with contextlib.ExitStack() as stack:
-        files_of = {}  # tensor name -> the open file holding it
-        for path in files:
-            f = stack.enter_context(safe_open(path, framework="pt", device="cpu"))
-            files_of.update(dict.fromkeys(f.keys(), f))
+        files_of = open_checkpoint(stack, files, getattr(model, "checkpoint_renames", ()))
         for name, f in files_of.items():
             packed = mxfp4.packed_name(name)
             if packed in targets:
@@ -339,6 +373,7 @@ class ServedWeights:
         self.packed = getattr(model, "packed_linears", {})  # GPTQ / AWQ layers' names → the layers
         self.compressed = getattr(model, "compressed_linears", {})  # compressed-tensors layers' names → the layers
         self.elsewhere = held_elsewhere(model)  # (EP: the experts other ranks hold, and check)
+        self.renames = getattr(model, "checkpoint_renames", ())  # (served_name)
         if getattr(config, "tie_word_embeddings", False):  # (the embedding's tensor: loaded by its own name)
             self.targets.pop("lm_head.weight", None)
 
@@ -346,7 +381,18 @@ class ServedWeights:
         """ValueError naming what differs when ``source`` cannot replace the served weights: a
         checkpoint directory (config.json and the safetensors headers read), or named tensors (their
         shapes and dtypes read: tensors on meta check alike)."""
-        self._served_names(source)
+        self._served_names(self._renamed(source))
+
+    def _renamed(self, source: WeightsSource) -> WeightsSource:
+        """Named tensors by their served names (:func:`served_name`); ValueError for a tensor named twice
+        so (under both of its names); a checkpoint directory as it is (:func:`open_checkpoint` renames)."""
+        if isinstance(source, str) or not self.renames:
+            return source
+        renamed = {served_name(self.renames, name): tensor for name, tensor in source.items()}
+        if len(renamed) != len(source):
+            raise ValueError("tensors named twice (under two names of one served tensor): "
+                             f"{sorted(set(source) - set(renamed))[:8]}")
+        return renamed
 
     def _served_names(self, source: WeightsSource) -> List[str]:
         """(:meth:`check`) the served tensors ``source`` replaces: a checkpoint all of them, named
@@ -390,7 +436,7 @@ class ServedWeights:
                   if k not in METADATA_FIELDS and served.get(k) != new.get(k)]
         if differ:
             raise ValueError(f"checkpoint {path!r}: config.json differs from the served model's: {', '.join(differ)}")
-        return checkpoint_shapes(files)
+        return {served_name(self.renames, name): shape for name, shape in checkpoint_shapes(files).items()}
 
     def _fp8_problems(self, tensors: Dict[str, torch.Tensor]) -> List[str]:
         """Named tensors' FP8 rule: a block-FP8 layer's weight comes in FP8 with its ``weight_scale_inv``
@@ -412,13 +458,11 @@ class ServedWeights:
 
     def load(self, source: WeightsSource) -> List[str]:
         """Copy ``source`` (checked again) into the served tensors, this rank's shards; returns their names."""
+        source = self._renamed(source)
         names = self._served_names(source)
         with contextlib.ExitStack() as stack:
             if isinstance(source, str):
-                files_of = {}  # tensor name -> the open file holding it
-                for file in checkpoint_files(source):
-                    f = stack.enter_context(safe_open(file, framework="pt", device="cpu"))
-                    files_of.update(dict.fromkeys(f.keys(), f))
+                files_of = open_checkpoint(stack, checkpoint_files(source), self.renames)
             else:
                 files_of = dict.fromkeys(source, TensorFile(source))
             for name in names:

@@ -187,6 +187,8 @@ class Qwen2_5_VLForConditionalGeneration(LlamaForCausalLM):
     layer_cls = Qwen2_5_VLDecoderLayer
     supported_lora_modules = ()
     mrope_positions = staticmethod(mrope_positions)  # (the tokenizer side's: multimodal.MultimodalProcessor)
+    # transformers' names since 4.52 (HF's model.named_parameters(), a checkpoint it saved) → the released ones
+    checkpoint_renames = (("model.language_model.", "model."), ("model.visual.", "visual."))
 
     def __init__(self, config, tp: TPGroup = SINGLE):
         super().__init__(config.get_text_config(), tp)
