@@ -19,7 +19,7 @@ from actors.engine import Engine
 from actors.engine.multimodal import MM_PAD_BASE, MultimodalProcessor
 from actors.engine.tiny import build_tiny_checkpoint
 from actors.engine.tokenizer import IMAGE_PAD_ID, load_tokenizer
-from tests.parity import assert_greedy_parity, hf_model
+from tests.parity import assert_greedy_parity, hf_image_inputs, hf_model
 from tests.pd_helpers import close_workers, make_pair, run_pd
 from tests.tp_helpers import thread_ranks
 
@@ -89,6 +89,35 @@ def test_chunked_prefill_cuts_an_image_which_is_encoded_once(model_dir, monkeypa
     assert encoded == [(1, 8, 10), (1, 6, 6)]  # (20 and 9 tokens over 8-token chunks: once each)
     engine.check_integrity()
     engine.shutdown()
+
+
+@pytest.mark.parametrize("past_start", [0, 20])
+def test_a_chunk_ending_at_an_images_first_or_past_its_last_token(model_dir, past_start):
+    """Chunks of the image's start (the next chunk starts at its first token) or of its end (the image
+    whole in the first chunk, the text after it alone in the next): the image is embedded where its
+    tokens are, and only there."""
+    tokenizer = load_tokenizer(model_dir)
+    prompt = chat(tokenizer, "a boundary")
+    engine = Engine(model_dir, max_total_tokens=2048,
+                    chunked_prefill_size=tokenizer.encode(prompt).index(IMAGE_PAD_ID) + past_start)
+    generate(engine, [prompt], [[image(100, 150, 42)]])  # (20 tokens)
+    engine.check_integrity()
+    engine.shutdown()
+
+
+@pytest.mark.parametrize("ids, sizes", [
+    ([IMAGE_PAD_ID, 5, 6], [(200, 60)]),  # an image first, taller than wide
+    ([5, IMAGE_PAD_ID], [(60, 200)]),  # an image last: no text after it
+    ([IMAGE_PAD_ID, 7, IMAGE_PAD_ID, 8, 9], [(60, 200), (150, 150)]),
+])
+def test_mrope_positions_equal_hfs_get_rope_index(engine, ids, sizes):
+    images = [image(h, w, i) for i, (h, w) in enumerate(sizes)]
+    _, mm_inputs = engine.mm_processor.process(ids, images)
+    inputs = hf_image_inputs(engine.config.model_path, ids, images)
+    positions, delta = hf_model(engine.config.model_path).model.get_rope_index(
+        inputs["input_ids"], inputs["mm_token_type_ids"], inputs["image_grid_thw"])
+    assert torch.equal(mm_inputs.mrope_positions, positions[:, 0])
+    assert mm_inputs.mrope_position_delta == int(delta)
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
