@@ -135,21 +135,28 @@ def is_quantized(name: str) -> bool:
 
 
 def config_group(groups: Dict[str, dict], ignore, layer: str) -> Optional[dict]:
-    """The config group a layer is quantized by (compressed-tensors' matching: ``re:`` a regex from the
-    name's start, else the name itself or ``Linear``), None when ignored or untargeted."""
-    def matches(target):
-        return re.match(target[3:], layer) if target.startswith("re:") else target in ("Linear", layer)
-    if any(matches(t) for t in ignore):
+    """The config group a layer is quantized by, None when ignored or untargeted: compressed-tensors'
+    ``apply_quantization_config`` (targets → groups, the last group naming a target wins) and ``match_targets``
+    (the targets matching the layer sorted as strings, those without ``re:`` first, ``Linear``, its class,
+    after them; a ``re:`` regex matched from the name's start)."""
+    def name_matches(target):
+        return re.match(target[3:], layer) is not None if target.startswith("re:") else target == layer
+    if any(name_matches(t) or t == "Linear" for t in ignore):
         return None
-    return next((g for g in groups.values() if any(matches(t) for t in g["targets"])), None)
+    target_to_group = {t: g for g in groups.values() for t in g["targets"]}
+    matched = sorted((t for t in target_to_group if name_matches(t)), key=lambda t: ("re:" in t, t))
+    matched += [t for t in target_to_group if t == "Linear"]
+    return target_to_group[matched[0]] if matched else None
 
 
 def compressed_checkpoint(family: str, root: Path, groups: Dict[str, dict], ignore=("lm_head",), seed: int = 0,
-                          per_tensor_fp8: bool = False, static: bool = False, **overrides) -> Tuple[str, str]:
+                          per_tensor_fp8: bool = False, static: bool = False, kv_scales: bool = False,
+                          **overrides) -> Tuple[str, str]:
     """(a tiny ``family`` checkpoint with its projections quantized by config ``groups``, the float checkpoint of
     the brute-force dequantization of those tensors: HF's input). ``per_tensor_fp8``: the single group is
     saved as ``quant_method: "fp8"`` (AutoFP8's: a scalar ``weight_scale``); ``static``: with each layer's
-    ``input_scale`` (static activations, unread by a weight-only forward)."""
+    ``input_scale`` (static activations, unread by a weight-only forward); ``kv_scales``: with an FP8 KV cache's
+    scales, each attention's ``kv_scale`` (AutoFP8's) or ``k_scale`` and ``v_scale`` (a ``kv_cache_scheme``'s)."""
     from safetensors.torch import load_file, save_file
 
     dequantized = build_tiny_checkpoint(family, root / "dequantized", seed=seed, **overrides)
@@ -169,14 +176,21 @@ def compressed_checkpoint(family: str, root: Path, groups: Dict[str, dict], igno
             layer["input_scale"] = torch.tensor(0.01 if per_tensor_fp8 else [0.01])
         tensors.update((prefix + k, v) for k, v in layer.items())
         plain[name] = brute_force_dequantize(layer, group["weights"], tuple(weight.shape))
+    attention = {name[:name.index("self_attn.")] + "self_attn." for name in tensors if "self_attn." in name}
+    for prefix in attention if kv_scales else ():
+        tensors.update((prefix + scale, torch.tensor(0.02)) for scale in (("kv_scale",) if per_tensor_fp8
+                                                                          else ("k_scale", "v_scale")))
     save_file(tensors, str(quantized / "model.safetensors"))
     save_file(plain, str(dequantized / "model.safetensors"))
     config = json.loads((quantized / "config.json").read_text())
     if per_tensor_fp8:
-        config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "static" if static else "dynamic"}
+        config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "static" if static else "dynamic",
+                                         **({"kv_cache_scheme": "static"} if kv_scales else {})}
     else:
+        kv_scheme = {"num_bits": 8, "type": "float", "strategy": "tensor", "symmetric": True, "dynamic": False}
         config["quantization_config"] = {"quant_method": "compressed-tensors", "format": "mixed",
-                                         "config_groups": groups, "ignore": list(ignore), "kv_cache_scheme": None,
+                                         "config_groups": groups, "ignore": list(ignore),
+                                         "kv_cache_scheme": kv_scheme if kv_scales else None,
                                          "quantization_status": "compressed"}
     (quantized / "config.json").write_text(json.dumps(config))
     return str(quantized), str(dequantized)

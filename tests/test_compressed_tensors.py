@@ -23,19 +23,22 @@ from tests.test_wna16_weights import GREEDY, PROMPTS, generate, weight_bytes
 
 ATTENTION, MLP = r"re:.*self_attn\..*", r"re:.*mlp\..*"
 FP8_TENSOR = scheme(8, "float", "tensor", format="float-quantized")
-# family, checkpoint: RedHatAI's -FP8 (quant_method fp8, a scalar scale a layer, static input scales unread),
-# -FP8-dynamic (a scale an output channel; DeepSeek-V3's MLA projections, replicated q_a_proj too, experts and
-# shared experts), -quantized.w8a8 (int8 channels, static input scales), -quantized.w4a16
-# (int4 groups; here attention in 8 bits per channel, asymmetric, and o_proj ignored); Phi-3's fused qkv_proj and
-# gate_up_proj in asymmetric groups (packed zeros); Qwen3-MoE's experts (torch MoE backend)
+# family, checkpoint: RedHatAI's -FP8 (quant_method fp8, a scalar scale a layer, static input scales unread;
+# AutoFP8's KV-cache kv_scale unread), -FP8-dynamic (a scale an output channel; DeepSeek-V3's MLA projections,
+# replicated q_a_proj too, experts and shared experts), -quantized.w8a8 (int8 channels, static input scales; a
+# kv_cache_scheme's k_scale / v_scale unread), -quantized.w4a16 (int4 groups for Linear, its group first, but
+# attention's regex group, more specific, in 8 bits per channel, asymmetric; o_proj ignored); Phi-3's fused
+# qkv_proj and gate_up_proj in asymmetric groups (packed zeros); Qwen3-MoE's experts (torch MoE backend)
 CASES = {
-    "llama-fp8-per-tensor-static": ("llama", dict(groups={"g": FP8_TENSOR}, per_tensor_fp8=True, static=True)),
+    "llama-fp8-per-tensor-static": ("llama", dict(groups={"g": FP8_TENSOR}, per_tensor_fp8=True, static=True,
+                                                  kv_scales=True)),
     "deepseek_v3-fp8-dynamic-channel": ("deepseek_v3", dict(groups={"g": scheme(8, "float", "channel",
                                                                           format="float-quantized")}, q_lora_rank=32)),
-    "llama-w8a8-int8": ("llama", dict(groups={"g": scheme(8, "int", "channel", format="int-quantized")}, static=True)),
-    "llama-w4a16-mixed": ("llama", dict(groups={"attention": scheme(8, "int", "channel", symmetric=False,
-                                                                    targets=[ATTENTION]),
-                                                "mlp": scheme(4, "int", "group", 32, targets=[MLP])},
+    "llama-w8a8-int8": ("llama", dict(groups={"g": scheme(8, "int", "channel", format="int-quantized")}, static=True,
+                                      kv_scales=True)),
+    "llama-w4a16-mixed": ("llama", dict(groups={"default": scheme(4, "int", "group", 32),
+                                                "attention": scheme(8, "int", "channel", symmetric=False,
+                                                                    targets=[ATTENTION])},
                                         ignore=("lm_head", "re:.*o_proj"))),
     "phi3-w4a16-asym": ("phi3", dict(groups={"g": scheme(4, "int", "group", 16, symmetric=False)})),
     "qwen3_moe-w4a16": ("qwen3_moe", dict(groups={"g": scheme(4, "int", "group", 16)},
@@ -67,19 +70,21 @@ def serve(model_path: str):
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_compressed_checkpoint_gives_hf_tokens_over_its_dequantization(case, tmp_path):
+def test_compressed_checkpoint_gives_hf_tokens_over_its_dequantization(case, tmp_path, caplog):
     family, spec = CASES[case]
     quantized, dequantized = compressed_checkpoint(family, tmp_path, **spec)
     outputs, logprobs, cached, layers = serve(quantized)
+    assert ("KV-cache scales" in caplog.text) == ("kv_scales" in spec)  # (unread, logged)
     assert_greedy_parity(dequantized, PROMPTS, outputs, GREEDY["max_new_tokens"], logprobs=logprobs)
     assert all(c >= len(p) for c, p in zip(cached, PROMPTS))
     unquantized = "o_proj" if "mixed" in case else None
     projections = {n for n, m in load_model(dequantized, "auto", "cpu")[0].named_modules()
                    if isinstance(m, LinearBase) and not (unquantized and unquantized in n)}
     assert set(layers) == projections  # (never lm_head; Phi-3's fused layers, the experts', whatever is stored)
-    if case == "llama-w4a16-mixed":
+    if case == "llama-w4a16-mixed":  # (the regex's scheme for attention, Linear's for the MLP)
         assert {(s.num_bits, s.strategy, s.symmetric) for n, s in layers.items()
                 if "self_attn" in n} == {(8, "channel", False)}
+        assert {(s.num_bits, s.strategy) for n, s in layers.items() if "mlp" in n} == {(4, "group")}
     if family == "deepseek_v3":
         assert {"model.layers.0.self_attn.q_a_proj", "model.layers.0.self_attn.kv_b_proj",
                 "model.layers.1.mlp.experts.3.down_proj", "model.layers.1.mlp.shared_experts.up_proj"} <= set(layers)
@@ -116,8 +121,8 @@ def test_tp2_equals_hf_and_updates_to_another_compressed_checkpoint(tmp_path, mo
     thread_ranks(monkeypatch)
     groups = {"attention": {**FP8_TENSOR, "targets": [ATTENTION]},
               "mlp": scheme(4, "int", "group", 16, symmetric=False, targets=[MLP])}
-    quantized, dequantized = compressed_checkpoint("phi3", tmp_path / "a", groups=groups)
-    other, other_dequantized = compressed_checkpoint("phi3", tmp_path / "b", groups=groups, seed=1)
+    quantized, dequantized = compressed_checkpoint("phi3", tmp_path / "a", groups=groups, kv_scales=True)
+    other, other_dequantized = compressed_checkpoint("phi3", tmp_path / "b", groups=groups, seed=1, kv_scales=True)
     engine = Engine(model_path=quantized, skip_tokenizer_init=True, max_total_tokens=512, tp_size=2)
     try:
         outputs, logprobs, cached = generate(engine)
@@ -131,6 +136,10 @@ def test_tp2_equals_hf_and_updates_to_another_compressed_checkpoint(tmp_path, mo
             == [(64, 8), (64, 4), (8, 4)]
         engine.update_weights_from_disk(other, weight_version="b")
         updated, updated_logprobs, _ = generate(engine)
+        qkv_name = "model.layers.0.self_attn.qkv_proj.weight"  # (a trainer's dense weight: never cast unscaled)
+        with pytest.raises(ValueError, match=rf"{qkv_name} is torch.float32 but its layer stores torch.float8_e4m3fn"):
+            engine.update_weights_from_tensor([(qkv_name, load_file(f"{dequantized}/model.safetensors")[qkv_name])])
+        assert generate(engine)[0] == updated
         with pytest.raises(ValueError, match="quantization_config"):  # the float checkpoint: another model
             engine.update_weights_from_disk(other_dequantized)
         engine.update_weights_from_tensor(list(load_file(f"{quantized}/model.safetensors").items()))
@@ -170,13 +179,29 @@ def test_loaded_shards_dequantize_as_the_brute_force_dequantizer(fmt, strategy, 
             layer = RowParallelLinear(in_features, out_features, tp, "in_features")
         else:
             layer = ColumnParallelLinear.split(in_features, out_features, tp, "out_features")
-        compressed_tensors.quantize_linear(layer, "layer", quant.groups[0][1], (out_features, in_features),
+        compressed_tensors.quantize_linear(layer, "layer", quant.schemes["Linear"], (out_features, in_features),
                                            tensors["weight_scale"].shape)
         file = TensorFile(tensors)
         for name, param in layer.named_parameters():
             copy_tensor(file, name, param, layer.param_shards.get(name))
         part = want.chunk(tp_size, dim=1 if row else 0)[rank]
         assert torch.equal(layer.dense_weight(torch.float32), part), rank
+
+
+def test_layer_scheme_is_the_most_specific_targets():
+    """A layer several config groups target takes the scheme compressed-tensors gave it (``match_targets``): its
+    name's, then a regex's, then Linear's, whatever the groups' order; ignore before any."""
+    int4, int8, fp8 = scheme(4, "int", "group", 16), scheme(8, "int", "channel"), scheme(8, "float", "channel",
+                                                                                          format="float-quantized")
+    quant = compressed_tensors.resolve(SimpleNamespace(quantization_config={
+        "quant_method": "compressed-tensors", "ignore": ["lm_head", r"re:.*layers\.1\.mlp\.up_proj$"],
+        "config_groups": {"default": int4, "down": {**int8, "targets": [r"re:.*down_proj$"]},
+                          "first_down": {**fp8, "targets": ["model.layers.0.mlp.down_proj"]}}}), None)
+    bits = {name: (s.num_bits, s.type) if (s := compressed_tensors.layer_scheme(quant, name)) else None
+            for name in ("model.layers.0.mlp.down_proj", "model.layers.1.mlp.down_proj", "model.layers.1.mlp.up_proj",
+                         "model.layers.0.mlp.up_proj", "lm_head")}
+    assert bits == {"model.layers.0.mlp.down_proj": (8, "float"), "model.layers.1.mlp.down_proj": (8, "int"),
+                    "model.layers.1.mlp.up_proj": None, "model.layers.0.mlp.up_proj": (4, "int"), "lm_head": None}
 
 
 def test_compressed_config_errors(tmp_path):
@@ -191,7 +216,6 @@ def test_compressed_config_errors(tmp_path):
         return {"g": {**group, "weights": {**group["weights"], **fields}}}
 
     refused = {
-        "kv_cache_scheme is not served": config(kv_cache_scheme={"num_bits": 8, "type": "float"}),
         "format='marlin-24'": config({"g": {**scheme(), "format": "marlin-24"}}),
         "format='nvfp4-pack-quantized'": config({"g": {**scheme(), "format": "nvfp4-pack-quantized"}}),
         "sparsity_config.format='sparse-24-bitmask'": config(sparsity_config={"format": "sparse-24-bitmask"}),
@@ -199,6 +223,8 @@ def test_compressed_config_errors(tmp_path):
         "num_bits=3: pack-quantized int weights are served with 4 or 8 bits": config(weights(num_bits=3)),
         "type='float' is not served in format 'pack-quantized'": config(weights(type="float", num_bits=8)),
         "actorder='group' is not served": config(weights(actorder="group")),
+        "actorder='dynamic' is not served": config(weights(actorder="dynamic")),  # (compressed-tensors: group)
+        "actorder=True is not served": config(weights(actorder=True)),
         "dynamic=True": config(weights(dynamic=True)),
         "group_size=None": config(weights(group_size=None)),
         "quantizes no weights": config({"g": {**scheme(), "weights": None}}),
@@ -213,6 +239,12 @@ def test_compressed_config_errors(tmp_path):
     assert compressed_tensors.resolve(SimpleNamespace(quantization_config={"quant_method": "fp8",
                                                                            "weight_block_size": [128, 128]}),
                                       None) is None
+    # served: groups in input order, as no actorder ('static': compressed-tensors' alias of 'weight'); a KV-cache
+    # scheme (its scales unread)
+    for served in (config(weights(actorder="static")), config(weights(actorder="weight")),
+                   config(kv_cache_scheme={"num_bits": 8, "type": "float", "strategy": "tensor"})):
+        assert compressed_tensors.resolve(served, None).schemes["Linear"] == compressed_tensors.Scheme(
+            4, "int", "group", 16, True, True)
 
     # llama's o_proj (64 input features) at TP 4: 16 each, cutting a group of 32
     quantized, _ = compressed_checkpoint("llama", tmp_path / "group", groups={"g": scheme(4, "int", "group", 32)})

@@ -19,7 +19,8 @@ channel zeros: packed along the output dim ([out / pack, groups]). The weight is
 (compressed-tensors' ``dequantize``). Per-tensor FP8 is the ``float-quantized`` tensor case (its
 ``weight_scale`` a scalar). Which layers are quantized is the checkpoint's (those with a ``weight_scale``);
 the config group whose ``targets`` match a layer (``Linear``, its name, or ``re:`` a regex) gives its
-scheme, ``ignore`` (names, ``re:`` regexes; ``lm_head`` usually) none.
+scheme (the most specific one's: :func:`layer_scheme`), ``ignore`` (names, ``re:`` regexes; ``lm_head``
+usually) none.
 
 A quantized layer keeps its tensors as stored (1 byte a weight at 8 bits, an eighth of fp32's at 4 packed;
 the scales in fp32) and dequantizes its weight to the activations' dtype in each forward (``parallel.LinearBase``),
@@ -51,6 +52,11 @@ PACKED_FORMAT = "pack-quantized"
 SERVED = {"float-quantized": {"float": (8,)}, "int-quantized": {"int": (4, 8)},
           "naive-quantized": {"float": (8,), "int": (4, 8)}, PACKED_FORMAT: {"int": (4, 8)}}
 STRATEGIES = ("tensor", "channel", "group")
+# actorder values whose groups are in input order, no weight_g_idx stored ('static': compressed-tensors'
+# alias of 'weight'; 'group', its alias 'dynamic' and true have a g_idx)
+ACTORDER_IN_GROUP_ORDER = (None, False, "weight", "static")
+# a quantized layer's weight, as stored
+STORED = ("weight", "weight_packed")
 # what a checkpoint stores for a quantized layer that a weight-only forward never reads
 UNREAD = ("weight_shape", "input_scale", "input_zero_point")
 
@@ -82,15 +88,16 @@ PER_TENSOR_FP8 = Scheme(8, "float", "tensor", 0, True, False)
 
 
 class CompressedConfig(NamedTuple):
-    """The checkpoint's ``config_groups``, (targets, scheme) in order, and its ``ignore``d layers."""
+    """The checkpoint's ``config_groups`` as each target's scheme (a target of several groups the last
+    one's, as compressed-tensors' ``target_to_scheme``), and its ``ignore``d layers."""
 
-    groups: Tuple[Tuple[Tuple[str, ...], Scheme], ...]
+    schemes: Dict[str, Scheme]
     ignore: Tuple[str, ...] = ()
 
 
 def resolve(config, quantization: Optional[str]) -> Optional[CompressedConfig]:
     """The quantization of the checkpoint of HF ``config`` when it is compressed-tensors or per-tensor FP8
-    (else None); ValueError naming the field of what is not served: a KV-cache scheme, sparsity, formats
+    (else None); ValueError naming the field of what is not served: sparsity, formats
     other than float / int / naive / pack-quantized (``marlin-24``, ``nvfp4-pack-quantized``, ...), block
     or token strategies, act-order groups, dynamic weights; or a forced ``quantization``."""
     qc = getattr(config, "quantization_config", None)
@@ -99,24 +106,23 @@ def resolve(config, quantization: Optional[str]) -> Optional[CompressedConfig]:
     if method == "fp8" and not qc.get("weight_block_size"):
         if qc.get("fmt", "e4m3") != "e4m3":
             raise ValueError(f"quantization_config.fmt={qc.get('fmt')!r}: only e4m3 FP8 is served")
-        return CompressedConfig(((("Linear",), PER_TENSOR_FP8),), tuple(qc.get("ignored_layers") or ()))
+        return CompressedConfig({"Linear": PER_TENSOR_FP8}, tuple(qc.get("ignored_layers") or ()))
     if method != "compressed-tensors":
         return None
     if quantization is not None:
         raise ValueError(f"quantization={quantization!r} but the checkpoint's quantization_config.quant_method="
                          f"{method!r}: leave quantization unset to serve it as it is quantized")
-    if qc.get("kv_cache_scheme"):
-        raise ValueError("quantization_config.kv_cache_scheme is not served: the KV cache stays in the model's "
-                         "dtype (kv_cache_dtype), its checkpoint scales unread")
     sparsity = (qc.get("sparsity_config") or {}).get("format", "dense")
     if sparsity != "dense":
         raise ValueError(f"quantization_config.sparsity_config.format={sparsity!r} is not served (dense only)")
     groups = qc.get("config_groups") or {}
     if not groups:
         raise ValueError("quantization_config.config_groups is empty: nothing says how the weights are stored")
-    return CompressedConfig(tuple((tuple(group.get("targets") or ()), _scheme(f"config_groups[{name!r}]", group,
-                                                                              group.get("format") or qc.get("format")))
-                                  for name, group in groups.items()), tuple(qc.get("ignore") or ()))
+    schemes = {}
+    for name, group in groups.items():
+        scheme = _scheme(f"config_groups[{name!r}]", group, group.get("format") or qc.get("format"))
+        schemes.update(dict.fromkeys(group.get("targets") or (), scheme))
+    return CompressedConfig(schemes, tuple(qc.get("ignore") or ()))
 
 
 def _scheme(field: str, group: dict, fmt: Optional[str]) -> Scheme:
@@ -140,9 +146,9 @@ def _scheme(field: str, group: dict, fmt: Optional[str]) -> Scheme:
     group_size = weights.get("group_size")
     if strategy == "group" and (not isinstance(group_size, int) or group_size <= 0):
         raise ValueError(f"{weights_field}.group_size={group_size!r}: a positive number of input features")
-    if weights.get("actorder") not in (None, False, "weight"):
+    if weights.get("actorder") not in ACTORDER_IN_GROUP_ORDER:
         raise ValueError(f"{weights_field}.actorder={weights.get('actorder')!r} is not served (its weight_g_idx "
-                         "unread): only groups in order ('weight' or none)")
+                         "unread): only groups in order ('weight', its alias 'static', or none)")
     if weights.get("dynamic"):
         raise ValueError(f"{weights_field}.dynamic={weights.get('dynamic')!r}: weights must be stored quantized")
     return Scheme(bits, kind, strategy, group_size if strategy == "group" else 0,
@@ -157,11 +163,15 @@ def _matches(target: str, name: str) -> bool:
 
 
 def layer_scheme(quant: CompressedConfig, name: str) -> Optional[Scheme]:
-    """Linear layer ``name``'s scheme: that of the first config group targeting it; None when it is
-    ignored or none does."""
+    """Linear layer ``name``'s scheme; None when it is ignored or no target matches it. Several may: the
+    most specific one's, as compressed-tensors' ``match_targets`` orders them (whatever the groups' order): its
+    name, then a ``re:`` regex (each kind in sorted order), then ``Linear`` (llm-compressor's mixed recipes
+    give ``Linear`` a default scheme and a few layers their own)."""
     if any(_matches(target, name) for target in quant.ignore):
         return None
-    return next((scheme for targets, scheme in quant.groups if any(_matches(t, name) for t in targets)), None)
+    named = sorted((t for t in quant.schemes if t != "Linear" and _matches(t, name)),
+                   key=lambda t: (t.startswith("re:"), t))
+    return next((quant.schemes[t] for t in [*named, "Linear"] if t in quant.schemes), None)
 
 
 def quantize_linears(model: nn.Module, quant: CompressedConfig, shapes: Dict[str, List[int]]) -> Dict[str, nn.Module]:
@@ -254,6 +264,19 @@ def unread(compressed: Dict[str, nn.Module], name: str) -> bool:
     its ``weight_shape``, its activations' static ``input_scale`` (and zero point)."""
     layer, _, param = name.rpartition(".")
     return param in UNREAD and layer in compressed
+
+
+def stored_problems(compressed: Dict[str, nn.Module], tensors: Dict[str, torch.Tensor]) -> List[str]:
+    """Named tensors' rule for the ``compressed`` layers: a weight comes as its layer stores it (FP8, int8,
+    int32 words), never in another dtype: a trainer's dense weight would be cast into it unscaled."""
+    problems = []
+    for name, tensor in tensors.items():
+        layer, _, param = name.rpartition(".")
+        stored = getattr(compressed[layer], param, None) if layer in compressed and param in STORED else None
+        if stored is not None and tensor.dtype != stored.dtype:
+            problems.append(f"{name} is {tensor.dtype} but its layer stores {stored.dtype} (compressed-tensors "
+                            "layers take their weights quantized)")
+    return problems
 
 
 def compressed_params(compressed: Dict[str, nn.Module]) -> List[nn.Parameter]:

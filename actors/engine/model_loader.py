@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import logging
 import os
 import re
 from typing import Dict, List, NamedTuple, Optional, Tuple, Union
@@ -17,6 +18,8 @@ from actors.engine.models import get_model_class
 from actors.engine.models.moe import ExpertList
 from actors.engine.parallel import SINGLE, ParamShard, TPGroup
 from actors.engine.pipeline import PPMissingLayer
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_WEIGHT_VERSION = "default"  # SGLang's --weight-version default
 # config.json fields that may differ between checkpoints of one model: they change nothing it computes
@@ -165,6 +168,10 @@ def load_model(
     model = model.to_empty(device=device)
     model.quantized_weights, model.packed_linears, model.compressed_linears = quantized, packed, compressed
     missing, unexpected = load_weights(model, checkpoint_files(model_path))
+    kv_scales = [name for name in unexpected if KV_CACHE_SCALE.search(name)]
+    if kv_scales:
+        logger.warning("the checkpoint's %d KV-cache scales (%s, ...) are unread: the KV cache is kv_cache_dtype's, "
+                       "unscaled", len(kv_scales), kv_scales[0])
     unexpected = [name for name in unexpected if not ignored_weight(model, name)]
     if getattr(config, "tie_word_embeddings", False):
         missing = [m for m in missing if m != "lm_head.weight"]
@@ -178,13 +185,18 @@ def load_model(
     return model, config, torch_dtype
 
 
+# an FP8 KV cache's scales (AutoFP8's kv_scale, llm-compressor's kv_cache_scheme k_scale / v_scale, ModelOpt's
+# k_proj.k_scale, older compressed-tensors' k_proj / v_proj output_scale): the KV cache is kv_cache_dtype's,
+# unscaled, so they are unread, logged once a load (vLLM's maybe_remap_kv_scale_name skips them so, with a
+# warning, where its attention has no place for them)
+KV_CACHE_SCALE = re.compile(r"\.(k|v|kv)_scale$|\.[kv]_proj\.output_scale$")
 # tensors of a checkpoint that no served model computes with (HF skips them too)
-IGNORED_WEIGHTS = (re.compile(r"(^|\.)rotary_emb\.inv_freq$"),)  # older checkpoints saved the buffer
+IGNORED_WEIGHTS = (re.compile(r"(^|\.)rotary_emb\.inv_freq$"), KV_CACHE_SCALE)  # (older checkpoints saved inv_freq)
 
 
 def ignored_weight(model: torch.nn.Module, name: str) -> bool:
-    """Whether ``name`` is a checkpoint tensor to skip: a saved ``inv_freq``, the ``g_idx`` of a GPTQ
-    layer without act-order or the bias of a packed layer without one (GPTQ-for-LLaMa stored zeros:
+    """Whether ``name`` is a checkpoint tensor to skip: a saved ``inv_freq`` or KV-cache scale, the ``g_idx`` of
+    a GPTQ layer without act-order or the bias of a packed layer without one (GPTQ-for-LLaMa stored zeros:
     :func:`wna16.unread`), a compressed-tensors layer's ``weight_shape`` or ``input_scale``
     (:func:`compressed_tensors.unread`), or one the model class skips by its ``ignored_weight(name)``
     (multi-token-prediction layers)."""
@@ -418,7 +430,8 @@ class ServedWeights:
                                         or compressed_tensors.unread(self.compressed, name),
                                         partial=not isinstance(source, str))
         if not isinstance(source, str):
-            problems += self._fp8_problems(source) + wna16.unread_problems(self.packed, source)
+            problems += (self._fp8_problems(source) + wna16.unread_problems(self.packed, source)
+                         + compressed_tensors.stored_problems(self.compressed, source))
         if problems:
             raise ValueError(f"{what} {'does' if isinstance(source, str) else 'do'} not fit the served model: "
                              f"{'; '.join(problems)}")
@@ -441,7 +454,8 @@ class ServedWeights:
     def _fp8_problems(self, tensors: Dict[str, torch.Tensor]) -> List[str]:
         """Named tensors' FP8 rule: a block-FP8 layer's weight comes in FP8 with its ``weight_scale_inv``
         (both replaced), or in another dtype alone (quantized as it loads, its scales written); no
-        layer served unquantized takes an FP8 tensor. A compressed-tensors layer's tensors come as it stores them."""
+        layer served unquantized takes an FP8 tensor. A compressed-tensors layer's tensors come as it stores them
+        (:func:`compressed_tensors.stored_problems`)."""
         problems = []
         for name, tensor in tensors.items():
             if name.rpartition(".")[0] in self.compressed:

@@ -43,9 +43,10 @@ dtype alone, quantized as it loads (:func:`fp8.copy_weight`); an MXFP4 model's e
 start) take the dense tensor, or its ``_blocks`` and ``_scales``; a GPTQ / AWQ layer takes its packed
 tensors (``qweight``, ``qzeros``, ``scales``, act-order's ``g_idx``), never a dense weight (nor, for a layer
 served without act-order, a ``g_idx`` out of group order, nor a bias but zeros for one without a bias:
-:func:`wna16.unread_problems`). No checkpoint holds the weights served after one (``ServedWeights.path``
-None): a copy failing later is not rolled back (nor is SGLang's), and the file tier's pages of them go to a
-directory of their own.
+:func:`wna16.unread_problems`); a compressed-tensors layer its tensors as stored, never a dense weight
+(:func:`compressed_tensors.stored_problems`). No checkpoint holds the weights served after one
+(``ServedWeights.path`` None): a copy failing later is not rolled back (nor is SGLang's), and the file tier's
+pages of them go to a directory of their own.
 """
 
 from __future__ import annotations
