@@ -10,6 +10,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from safetensors.torch import load_file, save_file
 
 from actors.engine import Engine, compressed_tensors
 from actors.engine.config import EngineConfig
@@ -114,10 +115,9 @@ def test_tp2_equals_hf_and_updates_to_another_compressed_checkpoint(tmp_path, mo
     """TP 2 on Phi-3, attention in per-tensor FP8 (qkv_proj's one scale, o_proj's, whole on every rank) and the
     MLP in packed int4 asymmetric groups (gate_up_proj's rows and zero words cut per part, down_proj's words and
     groups of its input features): HF's tokens over the dequantization, a prefix hit; then a weight update to
-    another checkpoint of that quantization serves HF's tokens over its, and one from the first checkpoint's
-    tensors (SGLang's update_weights_from_tensor: FP8 weights too) the first tokens again."""
-    from safetensors.torch import load_file
-
+    another checkpoint of that quantization serves HF's tokens over its, a dense qkv_proj weight is refused, and
+    an update from the first checkpoint's tensors (SGLang's update_weights_from_tensor: FP8 weights too) serves
+    the first tokens again. Both checkpoints hold KV-cache scales, unread."""
     thread_ranks(monkeypatch)
     groups = {"attention": {**FP8_TENSOR, "targets": [ATTENTION]},
               "mlp": scheme(4, "int", "group", 16, symmetric=False, targets=[MLP])}
@@ -205,8 +205,8 @@ def test_layer_scheme_is_the_most_specific_targets():
 
 
 def test_compressed_config_errors(tmp_path):
-    """Formats, schemes and KV-cache scales not served are refused naming the field; a TP split that cuts a
-    group or a word of packed zeros, and a quantized layer the config ignores, naming the layer."""
+    """Formats and schemes not served are refused naming the field; a TP split that cuts a group or a word of
+    packed zeros, a quantized lm_head and a quantized layer the config ignores, naming the layer."""
     def config(groups=None, **qc):
         return SimpleNamespace(quantization_config={"quant_method": "compressed-tensors",
                                                     "config_groups": groups or {"g": scheme()}, **qc})
@@ -258,6 +258,14 @@ def test_compressed_config_errors(tmp_path):
     with pytest.raises(ValueError, match=r"model.layers.0.mlp.gate_proj: this rank's slice \[0, 36\) of its 72 "
                                          r"output features cuts 8 \(weight_zero_point packs 8 output features"):
         check_tp_shardable(EngineConfig(model_path=quantized, tp_size=2))
+    # lm_head stored quantized (an ignore list without it)
+    quantized, _ = compressed_checkpoint("llama", tmp_path / "lm_head", groups={"g": FP8_TENSOR}, ignore=())
+    tensors = load_file(f"{quantized}/model.safetensors")
+    tensors.update({"lm_head.weight": tensors["lm_head.weight"].to(torch.float8_e4m3fn),
+                    "lm_head.weight_scale": torch.ones(1)})
+    save_file(tensors, f"{quantized}/model.safetensors")
+    with pytest.raises(ValueError, match="lm_head: the checkpoint stores it quantized"):
+        load_model(quantized, "auto", "cpu")
     # a layer stored quantized that the config ignores
     quantized, _ = compressed_checkpoint("llama", tmp_path / "ignored", groups={"g": scheme()})
     config_path = tmp_path / "ignored" / "compressed" / "config.json"

@@ -177,9 +177,13 @@ def layer_scheme(quant: CompressedConfig, name: str) -> Optional[Scheme]:
 def quantize_linears(model: nn.Module, quant: CompressedConfig, shapes: Dict[str, List[int]]) -> Dict[str, nn.Module]:
     """Turn ``model``'s linear layers (on meta, before they are allocated) whose ``weight_scale`` the
     checkpoint holds (``shapes``: its tensor names → shapes) into compressed ones. Returns their names →
-    the layers."""
-    compressed = {name: module for name, module in model.named_modules()
-                  if hasattr(module, "weight_block_size") and f"{name}.weight_scale" in shapes}
+    the layers. ValueError naming a module stored quantized that is no such layer (``lm_head`` where
+    ``ignore`` leaves it out)."""
+    compressed = {name: module for name, module in model.named_modules() if f"{name}.weight_scale" in shapes}
+    unserved = sorted(name for name, module in compressed.items() if not hasattr(module, "weight_block_size"))
+    if unserved:
+        raise ValueError(f"{', '.join(unserved[:4])}: the checkpoint stores it quantized (its weight_scale), but only "
+                         "projections are served quantized, not lm_head, embeddings, routers or a vision tower")
     for name, module in compressed.items():
         scheme = layer_scheme(quant, name)
         if scheme is None:
