@@ -368,7 +368,7 @@ class PDBackend:
         new segments, which the prefill workers map at their next push); RuntimeError naming the workers
         that failed (those parts stay released: call again). ValueError for an unknown tag."""
         async with self._weights_lock:
-            parts = parse_tags(tags) & self.memory.released
+            parts = self.memory.parts_to_resume(parse_tags(tags))
             live = [w for w in self._all() if w.alive]
             results = await asyncio.gather(*(w.handle.resume_memory_occupation.remote(sorted(parts)) for w in live),
                                            return_exceptions=True)

@@ -284,7 +284,7 @@ class UpdateWeightsFromDiskRequest(BaseModel):
     flush_cache: bool = True
     torch_empty_cache: bool = False  # every rank on CUDA empties its allocator's cache after the load
     keep_pause: bool = False  # a paused server stays paused after the update; else it continues
-    recapture_cuda_graph: bool = False  # (no-op: raydix captures no CUDA graphs)
+    recapture_cuda_graph: bool = False  # (not needed: updates copy into the parameters the decode graphs read)
     token_step: int = Field(0, ge=0)  # the trainer's step (SGLang's bookkeeping; not reported here)
     is_async: bool = False
     manifest: Optional[Dict[str, Any]] = None

@@ -298,7 +298,7 @@ def test_buffers_released_and_resumed_zero_filled_shared_ones_in_new_files():
     finally:
         shared.close()
     assert not os.path.exists(new.payload)
-    assert parse_tags(None) == {"kv_cache", "weights"}
+    assert parse_tags(None) == {"kv_cache", "weights", "cuda_graph"}
 
 
 def segments(hosts):

@@ -87,6 +87,17 @@ class EngineConfig(BaseModel):
         "auto", description="how an MoE layer's routed experts run: triton, two grouped-GEMM launches over the "
         "batch's tokens sorted by expert (SGLang's fused MoE); torch, HF's eager loop (one matmul per chosen "
         "expert, a host sync a layer). auto: triton on CUDA, torch on the CPU (where Triton runs interpreted)")
+    disable_cuda_graph: bool = Field(
+        False, description="run every decode forward eagerly (SGLang's --disable-cuda-graph, vLLM's enforce_eager). "
+        "Graphs are on by default where they can be: off on the CPU, with the torch attention backend, the eager "
+        "MoE experts, LoRA, sliding-window and hybrid (Mamba) models (actors.engine.cuda_graph_runner says why)")
+    cuda_graph_max_bs: Optional[int] = Field(
+        None, gt=0, description="the largest decode batch captured (SGLang's --cuda-graph-max-bs); larger ones run "
+        "eagerly. None: SGLang's by device memory and tp_size (8 below 20 GB, 256 on an 80 GB GPU at tp < 4)")
+    cuda_graph_bs: Optional[List[Annotated[int, Field(gt=0)]]] = Field(
+        None, description="the decode batch sizes captured (SGLang's --cuda-graph-bs, vLLM's "
+        "cudagraph_capture_sizes); a batch is padded to the next one. None: 1, 2, 4, 8, 12, then every 8 to 256 and "
+        "every 16 to 512, up to cuda_graph_max_bs")
     disable_radix_cache: bool = False
     radix_eviction_policy: Literal["lru", "lfu", "fifo", "mru", "filo", "priority"] = "lru"
     mamba_scheduler_strategy: Literal["no_buffer", "extra_buffer"] = "no_buffer"

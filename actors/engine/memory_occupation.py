@@ -17,8 +17,13 @@ again to generate (SGLang's ``release_memory_occupation`` / ``resume_memory_occu
   to the CPU, at level 2 too: weight updates replace the served checkpoint only, so nothing else could
   write the draft's again.
 
-``cuda_graph`` (SGLang's third tag) is accepted and does nothing: raydix captures no CUDA graphs. No tag
-given: all of them. Every TP rank releases and resumes alike (rank 0 tells the others, as a weight update).
+* ``cuda_graph``: the decode CUDA graphs (``actors.engine.cuda_graph_runner``; none on the CPU or with graphs
+  off). They read the KV buffers' and the weights' memory, which a release frees and a resume allocates anew
+  elsewhere, so they are dropped whenever a part is released and captured again once every part is resumed;
+  the resume of the last other part resumes this one too (:meth:`MemoryState.parts_to_resume`). Released
+  alone, the engine still serves: its decode steps run eagerly.
+
+No tag given: all of them. Every TP rank releases and resumes alike (rank 0 tells the others, as a weight update).
 
 Release needs an idle engine (SGLang's asserts one; vLLM's expects its caller to have stopped sending):
 a request held, waiting or running, refuses it (RuntimeError, nothing released). While any part is
@@ -44,12 +49,12 @@ MEMORY_TAGS = (KV_CACHE, WEIGHTS, CUDA_GRAPH)
 
 
 def parse_tags(tags: Optional[Iterable[str]]) -> FrozenSet[str]:
-    """The parts ``tags`` names (None: all); ValueError naming an unknown one. ``cuda_graph`` is dropped."""
+    """The parts ``tags`` names (None: all); ValueError naming an unknown one."""
     tags = MEMORY_TAGS if tags is None else list(tags)
     unknown = sorted(set(tags) - set(MEMORY_TAGS))
     if unknown:
         raise ValueError(f"unknown memory tags {unknown}: known are {list(MEMORY_TAGS)}")
-    return frozenset(tags) - {CUDA_GRAPH}
+    return frozenset(tags)
 
 
 def kv_pools(runner) -> List:
@@ -78,6 +83,7 @@ class RankMemory:
         self.on_kv_moved: Callable[[], None] = lambda: None
         self.weights_copy: List[Tuple[torch.Tensor, torch.Tensor]] = []  # (each tensor with its copy on the CPU)
         self.weights_released: List[Tuple[torch.UntypedStorage, int]] = []  # each storage with its size
+        self.released: Set[str] = set()  # (the graphs are captured again once nothing is)
 
     def _allocators(self) -> List:
         """Each once, the allocators of the KV pools' buffers, and of a Mamba pool's verify scratch (speculative
@@ -98,6 +104,9 @@ class RankMemory:
         """Give back the memory of ``tags``' parts; ``keep_weights``: a CPU copy of the weights first. A draft
         model's weights are released with the weights and always copied: no weight update writes them (it
         replaces the served checkpoint's), so nothing else could restore them."""
+        self.released |= tags
+        if self.runner.graph_runner is not None:  # (they read the memory about to move)
+            self.runner.graph_runner.release()
         if KV_CACHE in tags:
             for allocator in self._allocators():
                 allocator.release()
@@ -130,6 +139,9 @@ class RankMemory:
             for tensor, saved in self.weights_copy:
                 tensor.copy_(saved)
             self.weights_copy, self.weights_released = [], []
+        self.released -= tags
+        if self.runner.graph_runner is not None and not self.released:
+            self.runner.graph_runner.capture()
 
 
 class SleepingError(RuntimeError):
@@ -150,7 +162,16 @@ class MemoryState:
 
     @property
     def is_sleeping(self) -> bool:
-        return bool(self.released)
+        """Some memory requests need is released (released graphs alone: decode runs eagerly)."""
+        return bool(self.released - {CUDA_GRAPH})
+
+    def parts_to_resume(self, tags: FrozenSet[str]) -> FrozenSet[str]:
+        """The released parts of ``tags``, and the graphs with them once no other part stays released (a
+        trainer's flow resumes the weights, then the KV cache, and names no graphs: awake, they are back)."""
+        parts = tags & self.released
+        if self.released - parts <= {CUDA_GRAPH}:
+            parts |= self.released & {CUDA_GRAPH}
+        return frozenset(parts)
 
     def mark_released(self, parts: FrozenSet[str], keep_weights: bool) -> None:
         self.released |= parts
@@ -159,7 +180,7 @@ class MemoryState:
 
     def check_serving(self) -> None:
         """SleepingError unless requests can run: nothing released, the weights not left discarded."""
-        if self.released:
+        if self.is_sleeping:
             raise SleepingError(f"the engine is sleeping (its {', '.join(sorted(self.released))} released): "
                                 "resume_memory_occupation (wake_up) first")
         if self.weights_discarded:
@@ -208,7 +229,7 @@ class EngineMemory(MemoryState):
         self.loop.run_exclusive(release)
 
     def resume(self, tags: FrozenSet[str]) -> None:
-        self.loop.run_exclusive(lambda: self._resume(tags & self.released))
+        self.loop.run_exclusive(lambda: self._resume(self.parts_to_resume(tags)))
 
     def _resume(self, parts: FrozenSet[str]) -> None:
         self.rank.resume(parts)

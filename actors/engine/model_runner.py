@@ -21,6 +21,7 @@ import torch
 
 from actors.engine.attention import create_attention_backend
 from actors.engine.config import EngineConfig
+from actors.engine.cuda_graph_runner import CudaGraphRunner, capture_batch_sizes, graphs_off_reason
 from actors.engine.draft_model import DraftModel
 from actors.engine.forward_batch import ForwardBatch, int64_tensor
 from actors.engine.fused_moe import fuse_experts
@@ -95,6 +96,7 @@ class ModelRunner:
                                                                               self.max_total_num_tokens // 2))
         self._init_pools()
         self.attn_backend = create_attention_backend(attention, device=self.device)
+        self.graph_runner = self._init_cuda_graphs()
         # TP rank 0: sends the batch to the other ranks, around a forward in step with theirs
         self.tp_step: Callable[[ForwardBatch], ContextManager] = _no_followers
         self.host_op_log: Optional[List[Tuple]] = None  # TP rank 0: host-tier copies the other ranks replay
@@ -342,6 +344,17 @@ class ModelRunner:
         if self.draft is not None:  # (never transferred: a plain allocation, not the shareable one)
             self.draft.token_to_kv_pool = self._attention_pool(self.draft.spec, None)
 
+    def _init_cuda_graphs(self) -> Optional[CudaGraphRunner]:
+        """The decode graphs, captured now that the KV pool exists (None: off, and why is logged)."""
+        reason = graphs_off_reason(self)
+        sizes = [] if reason else capture_batch_sizes(self.config, self.max_running_requests, self.device)
+        if reason or not sizes:
+            logger.info("CUDA graphs off: %s", reason or "no capture size fits max_running_requests")
+            return None
+        graph_runner = CudaGraphRunner(self, sizes)
+        graph_runner.capture()
+        return graph_runner
+
     # ---- forward ----------------------------------------------------------------
     @torch.inference_mode()
     def forward(self, forward_batch: ForwardBatch) -> LogitsOutput:
@@ -352,10 +365,13 @@ class ModelRunner:
             forward_batch.req_to_token_pool = self.req_to_token_pool
             forward_batch.token_to_kv_pool = self.token_to_kv_pool
             forward_batch.attn_backend = self.attn_backend
-            self.attn_backend.init_forward_metadata(forward_batch)
-            if self.lora is not None:
-                self.lora.prepare(forward_batch)
-            logits = self.model(forward_batch)
+            if self.graph_runner is not None and self.graph_runner.can_run(forward_batch):
+                logits = self.graph_runner.replay(forward_batch)
+            else:
+                self.attn_backend.init_forward_metadata(forward_batch)
+                if self.lora is not None:
+                    self.lora.prepare(forward_batch)
+                logits = self.model(forward_batch)
             if self.draft is not None and not forward_batch.forward_mode.is_target_verify:
                 self.draft.mirror(forward_batch)  # (a verify's slots were written by the drafting)
             if self.device.type == "cuda":  # this stream only: a device-wide sync would also wait for the KV

@@ -25,6 +25,19 @@ class TritonAttnBackend:
             self.batch_rows = rows[:, : max(forward_batch.seq_lens_cpu)].contiguous()
             self.batch_row_ids = torch.arange(len(rows), device=rows.device)
 
+    def init_forward_metadata_capture(self, forward_batch) -> None:
+        """A decode batch about to be captured as a CUDA graph (``cuda_graph_runner``): one query
+        token a request (the grid's last dimension). The kernel reads every per-request array from
+        the batch, which the graph runner keeps in static buffers; nothing here reads the device.
+        An SWA pool's translated rows (sized by the longest sequence) are never captured."""
+        self.max_extend_len = 1
+        self.batch_rows = self.batch_row_ids = None
+
+    def init_forward_metadata_replay(self, forward_batch) -> None:
+        """Before a captured decode batch's replay: what :meth:`init_forward_metadata_capture` set (an
+        eager forward in between may have changed it; the graph itself holds no host state)."""
+        self.init_forward_metadata_capture(forward_batch)
+
     def forward(self, q: torch.Tensor, layer, forward_batch, sinks=None) -> torch.Tensor:
         pool = forward_batch.token_to_kv_pool
         req_to_token, row_ids = forward_batch.req_to_token_pool.req_to_token, forward_batch.req_pool_indices

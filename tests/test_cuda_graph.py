@@ -1,0 +1,210 @@
+"""Decode through the CUDA graph runner (actors.engine.cuda_graph_runner). On the CPU nothing is
+captured, but the same path runs: static buffers, batches padded to a captured size, the forward on
+those buffers; its tokens and logprobs equal the eager engine's, padding writes only the dummy
+slot. A ``gpu`` test captures real graphs (dense and MoE) and replays them against eager."""
+
+import random
+
+import pytest
+import torch
+
+from actors.engine import Engine
+from actors.engine.cuda_graph_runner import CAPTURE_BS, CudaGraphRunner, capture_batch_sizes, graphs_off_reason
+from actors.engine.forward_batch import ForwardBatch, ForwardMode
+from actors.engine.memory_occupation import MemoryState, parse_tags
+from actors.engine.tiny import build_tiny_checkpoint
+
+SCORED = {"temperature": 0, "ignore_eos": True, "return_logprob": True}
+
+
+class RecordingRunner(CudaGraphRunner):
+    """Records the size of every batch it replays."""
+
+    def __init__(self, runner, capture_bs):
+        super().__init__(runner, capture_bs)
+        self.replayed = []
+
+    def replay(self, forward_batch):
+        self.replayed.append(forward_batch.batch_size)
+        return super().replay(forward_batch)
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    return str(build_tiny_checkpoint("llama", tmp_path_factory.mktemp("llama"), seed=0))
+
+
+def prompts(n, seed=0):
+    rng = random.Random(seed)
+    return [[rng.randrange(5, 261) for _ in range(rng.randint(3, 9))] for _ in range(n)]
+
+
+def run(model_dir, batch, lens, graphs, **args):
+    """Each request's tokens and their logprobs, with ``lens`` new tokens each; the graph runner (or None)."""
+    engine = Engine(model_path=model_dir, skip_tokenizer_init=True, attention_backend="triton", **args)
+    try:
+        assert engine.runner.graph_runner is None  # (the CPU: graphs off)
+        if graphs:
+            engine.runner.graph_runner = RecordingRunner(engine.runner, [1, 2, 4, 8])
+        outs = engine.generate(input_ids=batch, sampling_params=[dict(SCORED, max_new_tokens=n) for n in lens])
+        engine.check_integrity()
+        logprobs = [[lp for lp, _ in o["meta_info"]["output_token_logprobs"]] for o in outs]
+        return [o["output_ids"] for o in outs], logprobs, engine.runner.graph_runner, engine.scheduler
+    finally:
+        engine.shutdown()
+
+
+def test_padded_decode_equals_eager_through_prefill_and_retraction(llama):
+    """Five requests admitted with little room reserved for their outputs (new_token_ratio 0.1) into a
+    pool 7 slots larger than their prompts: the second decode step retracts some, whose prefill runs
+    again (eager) between decode steps. Decode batches of 5 (padded to 8) and 3 (to 4); tokens and
+    logprobs equal the eager engine's."""
+    batch, lens = prompts(5), [6, 6, 5, 3, 3]
+    args = dict(max_total_tokens=sum(map(len, batch)) + 7, max_running_requests=5, init_new_token_ratio=0.1,
+                min_new_token_ratio=0.1)
+    eager_ids, eager_lps, _, _ = run(llama, batch, lens, graphs=False, **args)
+    ids, lps, graph_runner, scheduler = run(llama, batch, lens, graphs=True, **args)
+    assert ids == eager_ids
+    for got, want in zip(lps, eager_lps):
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(want), atol=1e-5, rtol=1e-5)
+    assert {5, 3} <= set(graph_runner.replayed)  # (padded to 8 and 4)
+    assert scheduler.num_retractions > 0
+
+
+def test_padding_rows_write_only_the_dummy_slot(llama):
+    """One decode step of 3 requests padded to 4, over static buffers an earlier batch left filled: the KV
+    pool changes at the batch's 3 slots and at slot 0 (the padding row's dummy slot), nowhere else; the
+    logits equal an eager forward's."""
+    engine = Engine(model_path=llama, skip_tokenizer_init=True, attention_backend="triton", max_total_tokens=64)
+    try:
+        runner = engine.runner
+        graph_runner = CudaGraphRunner(runner, [1, 4])
+        pool = runner.token_to_kv_pool
+        gen = torch.Generator().manual_seed(0)
+        for buf in pool.k_buffer + pool.v_buffer:
+            buf.copy_(torch.randn(buf.shape, generator=gen))
+        seq_lens = [5, 9, 2]
+        slots = torch.randperm(60, generator=gen)[:sum(seq_lens)] + 1
+        start = 0
+        for row, n in enumerate(seq_lens):
+            runner.req_to_token_pool.req_to_token[row + 1, :n] = slots[start:start + n].to(torch.int32)
+            start += n
+        t = lambda xs: torch.tensor(xs, dtype=torch.int64)  # noqa: E731
+        out = runner.req_to_token_pool.req_to_token[[1, 2, 3], [n - 1 for n in seq_lens]].to(torch.int64)
+
+        def batch():
+            return ForwardBatch(ForwardMode.DECODE, t([7, 8, 9]), t(seq_lens) - 1, out.clone(), t([1, 2, 3]),
+                                t(seq_lens), t(seq_lens) - 1, t([1, 1, 1]), t([0, 1, 2]), None, None,
+                                seq_lens_cpu=seq_lens, extend_prefix_lens_cpu=[n - 1 for n in seq_lens],
+                                extend_seq_lens_cpu=[1, 1, 1])
+
+        before = [buf.clone() for buf in pool.k_buffer + pool.v_buffer]
+        eager = runner.forward(batch()).next_token_logits
+        written = [buf.clone() for buf in pool.k_buffer + pool.v_buffer]
+        for buf, old in zip(pool.k_buffer + pool.v_buffer, before):  # (the eager step's writes undone)
+            buf.copy_(old)
+        graph_runner.out_cache_loc.fill_(int(slots[0]))  # (left by an earlier, larger batch: stale rows)
+        graph_runner.seq_lens.fill_(9)
+        runner.graph_runner = graph_runner
+        graphed = runner.forward(batch()).next_token_logits
+        torch.testing.assert_close(graphed, eager, atol=1e-5, rtol=1e-5)
+        untouched = torch.ones(before[0].shape[0], dtype=torch.bool)
+        untouched[out] = False
+        untouched[0] = False
+        for buf, old, eager_buf in zip(pool.k_buffer + pool.v_buffer, before, written):
+            assert torch.equal(buf[untouched], old[untouched])
+            assert torch.equal(buf[out], eager_buf[out])  # (the batch's own K/V as the eager step wrote them)
+        assert not torch.equal(pool.k_buffer[0][0], before[0][0])  # (the padding row wrote the dummy slot)
+        runner.graph_runner = None
+        runner.req_to_token_pool.req_to_token[1:4].zero_()
+        engine.check_integrity()
+    finally:
+        engine.shutdown()
+
+
+def test_what_runs_eagerly(llama):
+    """Graphs are off on the CPU and for the torch backend; ``can_run`` takes plain decode batches up
+    to the largest captured size, not extend batches, larger ones or those with input logprobs / M-RoPE."""
+    engine = Engine(model_path=llama, skip_tokenizer_init=True, attention_backend="triton", max_total_tokens=64)
+    try:
+        runner = engine.runner
+        assert "no CUDA" in graphs_off_reason(runner)
+        runner.config.disable_cuda_graph = True
+        assert graphs_off_reason(runner) == "disable_cuda_graph"
+        graph_runner = CudaGraphRunner(runner, [1, 2, 4])
+        t = lambda n: torch.zeros(n, dtype=torch.int64)  # noqa: E731
+
+        def batch(mode=ForwardMode.DECODE, bs=3, **fields):
+            return ForwardBatch(mode, t(bs), t(bs), t(bs), t(bs), t(bs) + 1, t(bs), t(bs) + 1, t(bs), None, None,
+                                **fields)
+
+        assert graph_runner.can_run(batch()) and graph_runner.can_run(batch(bs=4))
+        assert not graph_runner.can_run(batch(bs=5))
+        assert not graph_runner.can_run(batch(ForwardMode.EXTEND))
+        assert not graph_runner.can_run(batch(ForwardMode.TARGET_VERIFY))
+        assert not graph_runner.can_run(batch(input_logprob_indices=t(1)))
+        assert not graph_runner.can_run(batch(mrope_positions=t(9).view(3, 3)))
+    finally:
+        engine.shutdown()
+
+
+def test_capture_sizes(llama):
+    """SGLang's list up to cuda_graph_max_bs, none above the request rows; cuda_graph_bs as given."""
+    engine = Engine(model_path=llama, skip_tokenizer_init=True, max_total_tokens=64, cuda_graph_max_bs=24)
+    try:
+        config, device = engine.runner.config, engine.runner.device
+        assert capture_batch_sizes(config, 256, device) == [1, 2, 4, 8, 12, 16, 24]
+        assert capture_batch_sizes(config, 10, device) == [1, 2, 4, 8]
+        config.cuda_graph_bs = [6, 3, 40]
+        assert capture_batch_sizes(config, 32, device) == [3, 6]
+        assert CAPTURE_BS[-1] == 512
+    finally:
+        engine.shutdown()
+
+
+def test_the_cuda_graph_tag_alone_is_no_sleep():
+    """Released graphs leave decode eager: the engine still serves; any other part is sleep. The graphs
+    come back with the last other part resumed (a trainer resumes the weights, then the KV cache)."""
+    state = MemoryState()
+    state.mark_released(parse_tags(["cuda_graph"]), keep_weights=True)
+    assert not state.is_sleeping
+    state.check_serving()
+    state.mark_released(parse_tags(None), keep_weights=True)
+    assert state.is_sleeping
+    assert state.parts_to_resume(parse_tags(["weights"])) == {"weights"}
+    state.released -= {"weights"}
+    assert state.parts_to_resume(parse_tags(["kv_cache"])) == {"kv_cache", "cuda_graph"}
+    assert state.parts_to_resume(parse_tags(["cuda_graph"])) == {"cuda_graph"}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+def test_captured_graphs_equal_eager(family, tmp_path):
+    """Real capture and replay (the triton backends, fused experts): tokens and logprobs of batches
+    of 1 to 5 requests (5 padded to 8) equal the eager engine's; a sleep releases the graphs and the
+    wake-up captures them again."""
+    model_dir = str(build_tiny_checkpoint(family, tmp_path / family, seed=0))
+    batch, lens = prompts(5, seed=1), [6, 5, 4, 3, 2]
+    results = []
+    for disable in (True, False):
+        engine = Engine(model_path=model_dir, skip_tokenizer_init=True, device="cuda", max_total_tokens=1024,
+                        dtype="float32", disable_cuda_graph=disable, cuda_graph_max_bs=8)
+        try:
+            graph_runner = engine.runner.graph_runner
+            assert (graph_runner is None) == disable
+            if graph_runner is not None:
+                assert sorted(graph_runner.graphs) == [1, 2, 4, 8]
+                engine.release_memory_occupation(tags=["kv_cache", "cuda_graph"])
+                assert not graph_runner.graphs
+                engine.resume_memory_occupation()
+                assert sorted(graph_runner.graphs) == [1, 2, 4, 8]
+            outs = engine.generate(input_ids=batch, sampling_params=[dict(SCORED, max_new_tokens=n) for n in lens])
+            engine.check_integrity()
+            results.append(([o["output_ids"] for o in outs],
+                            [[lp for lp, _ in o["meta_info"]["output_token_logprobs"]] for o in outs]))
+        finally:
+            engine.shutdown()
+    (eager_ids, eager_lps), (ids, lps) = results
+    assert ids == eager_ids
+    for got, want in zip(lps, eager_lps):
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(want), atol=1e-4, rtol=1e-4)
