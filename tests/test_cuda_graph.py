@@ -12,7 +12,7 @@ from actors.engine import Engine
 from actors.engine.cuda_graph_runner import CAPTURE_BS, CudaGraphRunner, capture_batch_sizes, graphs_off_reason
 from actors.engine.forward_batch import ForwardBatch, ForwardMode
 from actors.engine.memory_occupation import MemoryState, parse_tags
-from actors.engine.tiny import build_tiny_checkpoint
+from actors.engine.tiny import build_tiny_checkpoint, tiny_adapters
 
 SCORED = {"temperature": 0, "ignore_eos": True, "return_logprob": True}
 
@@ -39,14 +39,15 @@ def prompts(n, seed=0):
     return [[rng.randrange(5, 261) for _ in range(rng.randint(3, 9))] for _ in range(n)]
 
 
-def run(model_dir, batch, lens, graphs, **args):
+def run(model_dir, batch, lens, graphs, lora_path=None, **args):
     """Each request's tokens and their logprobs, with ``lens`` new tokens each; the graph runner (or None)."""
     engine = Engine(model_path=model_dir, skip_tokenizer_init=True, attention_backend="triton", **args)
     try:
         assert engine.runner.graph_runner is None  # (the CPU: graphs off)
         if graphs:
             engine.runner.graph_runner = RecordingRunner(engine.runner, [1, 2, 4, 8])
-        outs = engine.generate(input_ids=batch, sampling_params=[dict(SCORED, max_new_tokens=n) for n in lens])
+        outs = engine.generate(input_ids=batch, sampling_params=[dict(SCORED, max_new_tokens=n) for n in lens],
+                               lora_path=lora_path)
         engine.check_integrity()
         logprobs = [[lp for lp, _ in o["meta_info"]["output_token_logprobs"]] for o in outs]
         return [o["output_ids"] for o in outs], logprobs, engine.runner.graph_runner, engine.scheduler
@@ -69,6 +70,21 @@ def test_padded_decode_equals_eager_through_prefill_and_retraction(llama):
         torch.testing.assert_close(torch.tensor(got), torch.tensor(want), atol=1e-5, rtol=1e-5)
     assert {5, 3} <= set(graph_runner.replayed)  # (padded to 8 and 4)
     assert scheduler.num_retractions > 0
+
+
+def test_base_model_batches_of_a_lora_engine_after_an_adapter_batch(llama, tmp_path):
+    """A LoRA engine: the decode step with an adapter request runs eagerly, the base-model steps after it
+    through the runner, whose layers must not keep that step's adapter groups (they would add its
+    adapter's delta to a base row). Tokens and logprobs equal the eager engine's."""
+    adapters = {name: str(path) for name, path in tiny_adapters(llama, tmp_path).items()}
+    batch, lens, lora_path = prompts(3, seed=2), [2, 4, 4], ["sql", None, None]
+    eager_ids, eager_lps, _, _ = run(llama, batch, lens, graphs=False, lora_path=lora_path, lora_paths=adapters,
+                                     max_total_tokens=256)
+    ids, lps, graph_runner, _ = run(llama, batch, lens, graphs=True, lora_path=lora_path, lora_paths=adapters,
+                                    max_total_tokens=256)
+    assert ids == eager_ids and graph_runner.replayed == [2, 2]
+    for got, want in zip(lps, eager_lps):
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(want), atol=1e-5, rtol=1e-5)
 
 
 def test_padding_rows_write_only_the_dummy_slot(llama):

@@ -90,7 +90,8 @@ class EngineConfig(BaseModel):
     disable_cuda_graph: bool = Field(
         False, description="run every decode forward eagerly (SGLang's --disable-cuda-graph, vLLM's enforce_eager). "
         "Graphs are on by default where they can be: off on the CPU, with the torch attention backend, the eager "
-        "MoE experts, LoRA, sliding-window and hybrid (Mamba) models (actors.engine.cuda_graph_runner says why)")
+        "MoE experts, sliding-window and hybrid (Mamba) models; a batch with a LoRA adapter runs eagerly "
+        "(actors.engine.cuda_graph_runner says why)")
     cuda_graph_max_bs: Optional[int] = Field(
         None, gt=0, description="the largest decode batch captured (SGLang's --cuda-graph-max-bs); larger ones run "
         "eagerly. None: SGLang's by device memory and tp_size (8 below 20 GB, 256 on an 80 GB GPU at tp < 4)")

@@ -20,10 +20,11 @@ forward on the static buffers, so the tests check padding and buffers on the CPU
 
 What runs eagerly instead (:meth:`CudaGraphRunner.can_run`, :func:`graphs_off_reason`): extend and
 verify batches, batches larger than the largest captured size, batches with input logprobs,
-embeddings, M-RoPE positions (an image request) or LoRA adapters; and whole engines whose forward
-reads the host or changes shapes within a step: the torch attention backend (its groups and
-cascade are planned on the host), the eager MoE experts (a host read a layer), sliding-window and
-hybrid (Mamba) models, LoRA.
+embeddings, M-RoPE positions (an image request) or a LoRA adapter (its token groups are built on the
+host; a LoRA engine's base-model batches are captured, their adapter groups empty); and whole engines
+whose forward reads the host or changes shapes within a step: the torch attention backend (its groups
+and cascade are planned on the host), the eager MoE experts (a host read a layer), sliding-window and
+hybrid (Mamba) models.
 
 Memory: the graphs' pool comes out of the part of device memory the static budget leaves
 (``1 - mem_fraction_static``), as SGLang's ``reserved_mem_mb`` holds ``cuda_graph_max_bs * 2`` MB for
@@ -74,8 +75,6 @@ def graphs_off_reason(runner) -> Optional[str]:
         return "the torch attention backend plans its groups on the host each forward (attention_backend='triton')"
     if runner.spec.kind not in ("mha", "mla"):
         return f"a {runner.spec.kind} KV cache (its forward reads per-request lengths on the host)"
-    if runner.lora is not None:
-        return "LoRA (the adapters' token groups are built on the host each forward)"
     if any(m.fused is None for m in runner.model.modules() if isinstance(m, FusableExperts)):
         return "eager MoE experts (a host read a layer; moe_backend='triton' fuses them)"
     return None
@@ -128,16 +127,23 @@ class CudaGraphRunner:
                 self.runner.attn_backend.init_forward_metadata_capture(batch)
                 with torch.cuda.stream(stream):
                     for _ in range(2):  # (warm-up: Triton's compiles and lazy inits happen outside the capture)
-                        self.runner.model(batch)
+                        self._forward(batch)
                     stream.synchronize()
                     graph = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(graph, pool=memory_pool, stream=stream, capture_error_mode="thread_local"):
-                        self.outputs[bs] = self.runner.model(batch)
+                        self.outputs[bs] = self._forward(batch)
                 self.graphs[bs] = graph
         finally:
             kv_pool.layer_transfer_counter = counter
         torch.cuda.current_stream(device).wait_stream(stream)
         logger.info("CUDA graphs captured for decode batch sizes %s", self.capture_bs)
+
+    def _forward(self, batch: ForwardBatch) -> LogitsOutput:
+        """The model on ``batch``, a LoRA engine's adapter groups emptied first (an earlier eager batch's
+        would otherwise add its adapters' deltas to these rows)."""
+        if self.runner.lora is not None:
+            self.runner.lora.prepare(batch)
+        return self.runner.model(batch)
 
     def release(self) -> None:
         """Drop the graphs and their outputs (their pool's memory goes back once nothing holds it)."""
@@ -145,11 +151,12 @@ class CudaGraphRunner:
 
     def can_run(self, forward_batch: ForwardBatch) -> bool:
         """A decode batch of at most ``max_bs`` rows with nothing a graph does not hold: no input
-        logprobs, embeddings or M-RoPE positions (those run eagerly)."""
+        logprobs, embeddings, M-RoPE positions or adapters (those run eagerly)."""
         fb = forward_batch
         return (fb.forward_mode.is_decode and fb.batch_size <= self.max_bs
                 and (bool(self.graphs) or not self.use_graphs) and fb.input_logprob_indices is None
-                and fb.embed_indices is None and fb.logits_indices is None and fb.mrope_positions is None)
+                and fb.embed_indices is None and fb.logits_indices is None and fb.mrope_positions is None
+                and fb.lora_slots is None)
 
     def replay(self, forward_batch: ForwardBatch) -> LogitsOutput:
         """The logits of ``forward_batch`` (:meth:`can_run`'s), run as the graph of the next captured size."""
@@ -170,5 +177,5 @@ class CudaGraphRunner:
             self.graphs[bs].replay()
             logits = self.outputs[bs].next_token_logits
         else:
-            logits = self.runner.model(batch).next_token_logits
+            logits = self._forward(batch).next_token_logits
         return LogitsOutput(logits[:raw_bs])
