@@ -28,7 +28,7 @@ hybrid (Mamba) models.
 
 Memory: the graphs' pool comes out of the part of device memory the static budget leaves
 (``1 - mem_fraction_static``), as SGLang's ``reserved_mem_mb`` holds ``cuda_graph_max_bs * 2`` MB for
-them (``mem_cache.memory_budget.default_memory_args``). TP: every rank captures the same sizes in the
+them (``mem_cache.memory_budget.default_memory_args``); the capture logs what it took. TP: every rank captures the same sizes in the
 same order, so the collectives inside (NCCL, which CUDA graphs capture) pair up; gloo (the CPU) never
 captures. Weight updates copy into the parameters in place, so the graphs, which read the parameters'
 memory, stay valid; :meth:`capture` again is for memory that moved (sleep mode's ``cuda_graph`` tag
@@ -120,6 +120,7 @@ class CudaGraphRunner:
         kv_pool, device = self.runner.token_to_kv_pool, self.runner.device
         counter, kv_pool.layer_transfer_counter = kv_pool.layer_transfer_counter, None
         memory_pool, stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream(device)
+        free_before = torch.cuda.mem_get_info(device)[0]
         stream.wait_stream(torch.cuda.current_stream(device))
         try:
             for bs in reversed(self.capture_bs):
@@ -136,7 +137,8 @@ class CudaGraphRunner:
         finally:
             kv_pool.layer_transfer_counter = counter
         torch.cuda.current_stream(device).wait_stream(stream)
-        logger.info("CUDA graphs captured for decode batch sizes %s", self.capture_bs)
+        logger.info("CUDA graphs captured for decode batch sizes %s: %.0f MiB", self.capture_bs,
+                    (free_before - torch.cuda.mem_get_info(device)[0]) / 2**20)
 
     def _forward(self, batch: ForwardBatch) -> LogitsOutput:
         """The model on ``batch``, a LoRA engine's adapter groups emptied first (an earlier eager batch's
