@@ -145,6 +145,9 @@ def test_what_runs_eagerly(llama):
     try:
         runner = engine.runner
         assert "no CUDA" in graphs_off_reason(runner)
+        runner.config.pp_size = 2
+        assert "pipeline parallelism" in graphs_off_reason(runner)
+        runner.config.pp_size = 1
         runner.config.disable_cuda_graph = True
         assert graphs_off_reason(runner) == "disable_cuda_graph"
         graph_runner = CudaGraphRunner(runner, [1, 2, 4])

@@ -69,6 +69,8 @@ def graphs_off_reason(runner) -> Optional[str]:
     """Why ``runner``'s decode forwards cannot be captured, or None."""
     if runner.config.disable_cuda_graph:
         return "disable_cuda_graph"
+    if runner.config.pp_size > 1:
+        return "pipeline parallelism (a stage's forward sends and receives hidden states, and rank 0 the logits)"
     if runner.device.type != "cuda":
         return "no CUDA (the CPU runs every forward eagerly)"
     if not hasattr(runner.attn_backend, "init_forward_metadata_capture"):
