@@ -178,6 +178,7 @@ class _Worker:
             "worker_id": self.worker_id,
             "rids": list(held),
             "rooms": {rid: room for rid, room in held.items() if room is not None},
+            "num_requests": len(held),  # (the autoscaler's ongoing requests: Ray Serve's queued + running)
             "waiting": len(sched.waiting),
             "running": len(sched.running),
             "free_slots": sched.available_tokens(),

@@ -18,7 +18,9 @@ GET  /get_server_info       SGLang's: the configuration as served; SGLang's sche
                             stats), the sizes its engine chose (request rows, KV slots, SWA
                             and Mamba slots, page size, context, prefill chunk, speculation) and,
                             speculating, its ``avg_spec_accept_length`` (tokens per verify step);
-                            ``paused``, ``is_sleeping`` (sleep mode: cluster.sleep_routes)
+                            ``paused``, ``is_sleeping`` (sleep mode: cluster.sleep_routes);
+                            ``autoscaler``: per autoscaled side its bounds, current and desired
+                            counts, the last decision's reason and the last change (None: off)
 GET  /health_generate       SGLang's: one token generated on a worker pair within
                             ``server.health_generate_timeout_s``: 200, else 503 (paused: at once)
 POST /reset_prefix_cache    vLLM's name of /flush_cache
@@ -86,10 +88,11 @@ def cluster_limits(workers: List[Dict[str, Any]], max_prompt_len: int) -> Dict[s
 
 
 def add_admin_routes(app: FastAPI, service, server, parse_body, health, flush_cache, served_config: Dict[str, Any],
-                     installed_version: str) -> None:
+                     installed_version: str, autoscaler=None) -> None:
     """The routes above, over ``service`` (a GenerationService: its backend, requests and pause);
     ``server``: the ServerConfig; ``health`` and ``flush_cache``: the app's /health and /flush_cache
-    handlers (their aliases); ``served_config``: the configuration /get_server_info shows."""
+    handlers (their aliases); ``served_config``: the configuration /get_server_info shows;
+    ``autoscaler``: the cluster's (None: none runs)."""
     backend, requests = service.backend, service.requests
 
     @app.post("/abort_request")
@@ -141,7 +144,8 @@ def add_admin_routes(app: FastAPI, service, server, parse_body, health, flush_ca
                 "max_prompt_len": backend.max_prompt_len, "weight_version": backend.weight_version,
                 "paused": not service.resumed.is_set(), "is_sleeping": backend.is_sleeping,
                 "lora_modules": dict(backend.lora_modules),
-                "internal_states": workers, "version": installed_version}
+                "internal_states": workers, "version": installed_version,
+                "autoscaler": autoscaler.state() if autoscaler is not None else None}
 
     @app.get("/health_generate")
     async def health_generate():

@@ -142,6 +142,61 @@ def _engine_overrides_model() -> Type[BaseModel]:
 EngineOverrides = _engine_overrides_model()
 
 
+# AutoscalingConfig's signals, by the target per worker each is held to
+AUTOSCALING_TARGETS = ("target_ongoing_requests", "target_waiting_requests", "target_queued_prefill_tokens",
+                       "target_kv_usage")
+
+
+class AutoscalingConfig(BaseModel):
+    """A side's worker count set by its load (``cluster.autoscaler``): Ray Serve's ``autoscaling_config``
+    (its defaults, "replicas" read "workers"), and Dynamo Planner's load signals beside its ongoing
+    requests. Each enabled signal asks for ``current × its average per worker over the look-back /
+    its target`` workers; the side heads for the most any asks."""
+
+    model_config = _STRICT
+
+    min_workers: int = Field(1, ge=1, le=1024, description="fewest workers (a request needs one of each side)")
+    max_workers: int = Field(1, ge=1, le=1024, description="most workers (Ray Serve's default 1: set it)")
+    target_ongoing_requests: Optional[float] = Field(
+        2.0, gt=0.0, description="Ray Serve's: requests a worker should hold (queued or running); null: not a signal")
+    target_waiting_requests: Optional[float] = Field(
+        None, gt=0.0, description="requests a worker should have waiting for a batch (Dynamo's prefill queue); "
+        "null: not a signal")
+    target_queued_prefill_tokens: Optional[int] = Field(
+        None, ge=1, description="prompt tokens a prefill worker should have queued, uncached (Dynamo's "
+        "prefill queue tokens); null: not a signal")
+    target_kv_usage: Optional[float] = Field(
+        None, gt=0.0, le=1.0, description="KV-cache fraction a worker should use, cached prefixes not counted "
+        "(Dynamo's decode signal, say 0.8); null: not a signal")
+    metrics_interval_s: float = Field(1.0, gt=0.0, description="how often the signals are sampled and a decision made")
+    look_back_period_s: float = Field(30.0, gt=0.0, description="the window a signal is averaged over")
+    upscale_delay_s: float = Field(30.0, ge=0.0, description="how long more workers must be wanted before one starts")
+    downscale_delay_s: float = Field(600.0, ge=0.0, description="how long fewer workers must be wanted before one "
+                                     "is drained and stopped")
+    upscaling_factor: Optional[float] = Field(None, gt=0.0, description="the share of a wanted increase taken at "
+                                              "once (null: 1, all of it)")
+    downscaling_factor: Optional[float] = Field(None, gt=0.0, description="the share of a wanted decrease taken at "
+                                                "once (null: 1; at least one worker either way)")
+    start_retry_backoff_s: float = Field(30.0, ge=0.0, description="after a worker failed to start, the wait "
+                                         "before the next start (doubling with each failure in a row)")
+    max_start_failures: int = Field(3, ge=1, description="starts failing in a row after which this side stops "
+                                    "scaling up (a bad node or config is not retried forever)")
+
+    @field_validator("max_workers")
+    @classmethod
+    def _max_at_least_min(cls, max_workers: int, info: ValidationInfo) -> int:
+        min_workers = info.data.get("min_workers")
+        if min_workers is not None and max_workers < min_workers:
+            raise _invalid("max_below_min", f"must be >= min_workers ({min_workers})")
+        return max_workers
+
+    @model_validator(mode="after")
+    def _some_signal(self) -> "AutoscalingConfig":
+        if not any(getattr(self, name) is not None for name in AUTOSCALING_TARGETS):
+            raise _invalid("no_signal", f"set at least one of {', '.join(AUTOSCALING_TARGETS)}")
+        return self
+
+
 class WorkerGroupConfig(BaseModel):
     """One side of the cluster: ``num_workers`` workers, each a TP group of ``tp_size`` rank actors."""
 
@@ -156,6 +211,9 @@ class WorkerGroupConfig(BaseModel):
         "GPUs), 0 on cpu; a fraction shares a GPU between ranks (their engine.max_total_tokens must be set)")
     engine: EngineOverrides = Field(default_factory=EngineOverrides,
                                     description="EngineConfig fields for this side's engines")
+    autoscaling: Optional[AutoscalingConfig] = Field(
+        None, description="scale this side by its load between autoscaling.min_workers and max_workers, from "
+        "num_workers at start (cluster.autoscaler); null: only by hand (POST / DELETE /workers)")
 
     @model_validator(mode="before")
     @classmethod
@@ -391,6 +449,11 @@ class ClusterConfig(BaseModel):
                 raise _invalid("shared_gpu_pool", f"{role}.engine.max_total_tokens: must be set when "
                                f"{role}.num_gpus_per_rank < 1 (got {group.gpus_per_rank}): ranks sharing a GPU "
                                "need their KV pool sized explicitly")
+            scaling = group.autoscaling
+            if scaling is not None and not scaling.min_workers <= group.num_workers <= scaling.max_workers:
+                raise _invalid("workers_outside_autoscaling", f"{role}.num_workers: {group.num_workers} is outside "
+                               f"{role}.autoscaling's [min_workers, max_workers] = "
+                               f"[{scaling.min_workers}, {scaling.max_workers}]")
         if self.transfer.backend == "cuda_ipc" and "cpu" in (self.prefill.device, self.decode.device):
             raise _invalid("cuda_ipc_on_cpu", "transfer.backend: cuda_ipc needs device cuda on both sides")
         if self.transfer.data_transport == "nccl" and "cpu" in (self.prefill.device, self.decode.device):

@@ -16,7 +16,8 @@ pages moved between its tiers and speculative decoding's drafts, draft tokens an
 accepted tokens (in all and per draft position: vLLM's).
 The client's retries (a request sent to a new pair after a worker of its pair
 died) count in ``raydix_request_retries_total``.
-A worker that left drops its series, routing decisions included.
+A worker that left drops its series, routing decisions included. With autoscaling, each side's
+desired worker count (``raydix_autoscaler_desired_workers{role}``) as the autoscaler last decided it.
 """
 
 from __future__ import annotations
@@ -135,6 +136,8 @@ class ServerMetrics:
                                     registry=r)
         self.server_queued = Gauge(f"{PREFIX}_server_requests_queued", "requests waiting for an admission slot",
                                    registry=r)
+        self.autoscaler_desired = Gauge(f"{PREFIX}_autoscaler_desired_workers", "workers the autoscaler's last "
+                                        "decision wants on the side (cluster.autoscaler)", ["role"], registry=r)
         w = ["worker", "role"]
         self.worker_up = Gauge(f"{PREFIX}_worker_up", "1 while the worker is in the rotation", w, registry=r)
         self.kv_usage = Gauge(f"{PREFIX}_worker_kv_cache_usage_ratio", "KV slots in use / total", w, registry=r)

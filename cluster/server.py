@@ -23,7 +23,8 @@ GET  /health                200 when every worker in the rotation answers, else 
 GET  /version               {"version": raydix's} (vLLM's)
 GET  /metrics               Prometheus text format (see cluster.metrics)
 GET  /workers               id, role, node, alive, load of each worker in the rotation
-                            (``?include_dead=true``: also those that died, to DELETE them)
+                            (``?include_dead=true``: also those that died, to DELETE them), and
+                            each autoscaled side's state (see cluster.autoscaler)
 POST /workers               {"role": "prefill" | "decode"}: start one more worker
 DELETE /workers/{id}        drain a worker, free its pools, stop it
 POST /flush_cache           drop every worker's prefix cache (idle cluster only)
@@ -77,6 +78,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from cluster.admin_routes import add_admin_routes
 from cluster.admission import Admission
 from cluster.api_errors import APIError
+from cluster.autoscaler import Autoscaler
 from cluster.backend import ServingBackend, UnknownWorkerError, WorkerNotAddedError, as_backend, refresh_loads_briefly
 from cluster.http_guard import RequestGuard
 from cluster.chat_protocol import ChatCompletionRequest
@@ -175,17 +177,24 @@ def build_app(cluster_or_client: Any, tokenizer=None, config=None, client=None,
     responses = ResponsesService(service, server.responses_store_size)
     scorer = Scorer.from_config(service, server)
 
+    autoscaler = Autoscaler.from_config(backend, config, metrics)
+
     @asynccontextmanager
     async def lifespan(app):
         backend.start()
+        if autoscaler is not None:
+            autoscaler.start()
         try:
             yield
         finally:
+            if autoscaler is not None:  # (no worker started or stopped under the drain)
+                await autoscaler.stop()
             await backend.drain(drain_timeout_s)
             backend.stop()
 
     app = FastAPI(title="raydix", lifespan=lifespan)
     app.state.backend, app.state.metrics, app.state.admission = backend, metrics, admission
+    app.state.autoscaler = autoscaler
     api_key = server.api_key.get_secret_value() if server.api_key is not None else None
     installed_version = _version()  # (package metadata: read once, not at every GET /version)
 
@@ -313,7 +322,8 @@ def build_app(cluster_or_client: Any, tokenizer=None, config=None, client=None,
     @app.get("/workers")
     async def list_workers(include_dead: bool = False):
         return {"workers": backend.workers(include_dead),
-                "policies": {role: backend.routing_policy(role) for role in ("prefill", "decode")}}
+                "policies": {role: backend.routing_policy(role) for role in ("prefill", "decode")},
+                "autoscaler": autoscaler.state() if autoscaler is not None else None}
 
     @app.post("/workers")
     async def add_worker(request: Request):
@@ -348,7 +358,8 @@ def build_app(cluster_or_client: Any, tokenizer=None, config=None, client=None,
         return {"weight_version": backend.weight_version}
 
     served_config = config.model_dump(mode="json") if isinstance(config, BaseModel) else {}  # (api_key: masked)
-    add_admin_routes(app, service, server, parse_body, health, flush_cache, served_config, installed_version)
+    add_admin_routes(app, service, server, parse_body, health, flush_cache, served_config, installed_version,
+                     autoscaler)
     if server.allow_runtime_lora_updating:
         add_lora_routes(app, backend)
     if server.allow_weight_updates:

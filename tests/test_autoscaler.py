@@ -1,0 +1,288 @@
+"""The autoscaler: its policy (cluster/autoscaling_policy.py) as a pure function of samples and an
+injected clock — Ray Serve's numbers, the delays, the factors, Dynamo's signals, and hypothesis
+properties (desired within [min, max], no change before the delay, monotone in load) — and its loop
+(cluster/autoscaler.py) over an in-process backend: one change in flight per side, the idlest worker
+drained, a failed start backed off and then given up, the state and the desired-workers gauge."""
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cluster.autoscaler import Autoscaler
+from cluster.autoscaling_policy import SIGNALS, LoadSample, ScalingPolicy
+from cluster.config import AutoscalingConfig
+from cluster.metrics import ServerMetrics
+from tests.backend_stubs import StubBackend
+
+
+def scaling(**fields) -> AutoscalingConfig:
+    return AutoscalingConfig(**dict(dict(min_workers=1, max_workers=8, upscale_delay_s=0, downscale_delay_s=0),
+                                    **fields))
+
+
+def decide(config, current, *samples, now=10.0):
+    policy = ScalingPolicy(config)
+    for sample in samples:
+        policy.record(sample)
+    return policy.decide(now, current)
+
+
+def test_ray_serves_numbers_smoothed_by_the_factors_and_clamped():
+    # desired = ceil(current × average per worker / target): 2 workers holding 10 requests, 2 each wanted
+    assert decide(scaling(), 2, LoadSample(9.0, ongoing_requests=10)).target == 5
+    # the average over the look-back (30 s): samples of 4 and 12 requests ask for 4 workers
+    assert decide(scaling(), 2, LoadSample(1.0, ongoing_requests=4), LoadSample(9.0, ongoing_requests=12)).target == 4
+    # a sample older than the look-back counts no more
+    assert decide(scaling(look_back_period_s=5), 2, LoadSample(1.0, ongoing_requests=40),
+                  LoadSample(9.0, ongoing_requests=4)).target == 2
+    # upscaling_factor 0.5: half of the way from 2 to 5, rounded up
+    assert decide(scaling(upscaling_factor=0.5), 2, LoadSample(9.0, ongoing_requests=10)).target == 4
+    # downscaling_factor 0.1 from 4 towards 0.5 rounds back to 4: one worker down all the same (Ray Serve's)
+    assert decide(scaling(downscaling_factor=0.1), 4, LoadSample(9.0, ongoing_requests=1)).target == 3
+    # clamped: no load keeps min_workers; a flood stops at max_workers
+    assert decide(scaling(min_workers=2), 4, LoadSample(9.0)).target == 2
+    assert decide(scaling(max_workers=3), 1, LoadSample(9.0, ongoing_requests=100)).target == 3
+    # no sample in the look-back: the count holds
+    assert decide(scaling(), 3).target == 3
+
+
+def test_dynamos_signals_and_the_most_any_asks_for():
+    # decode on KV usage: two workers at 0.9 each against 0.8 want 3 (2.25 rounded up)
+    kv = decide(scaling(target_ongoing_requests=None, target_kv_usage=0.8), 2, LoadSample(9.0, kv_usage=1.8))
+    assert kv.target == 3 and "kv_usage" in kv.reason
+    # prefill on queued prompt tokens and waiting requests, beside ongoing requests: the largest ask wins
+    sample = LoadSample(9.0, ongoing_requests=2, waiting_requests=3, queued_prefill_tokens=5000)
+    both = decide(scaling(target_queued_prefill_tokens=1000, target_waiting_requests=1), 1, sample)
+    assert both.target == 5 and both.reason.startswith("queued_prefill_tokens")
+    assert decide(scaling(target_waiting_requests=1), 1, sample).target == 3
+
+
+def test_a_change_waits_out_its_delay_and_a_turn_restarts_it():
+    policy = ScalingPolicy(scaling(upscale_delay_s=5, downscale_delay_s=20, look_back_period_s=2))
+
+    def step(t, current, requests):
+        policy.record(LoadSample(t, ongoing_requests=requests))
+        return policy.decide(t, current)
+
+    busy = [step(t, 1, 6) for t in range(5)]
+    assert [d.target for d in busy] == [1] * 5 and {d.desired for d in busy} == {3}
+    assert step(5, 1, 6).target == 3
+    # wanted down from t=10; wanted up again at t=20 (a burst), which restarts the downscale's 20 s
+    assert [step(t, 3, 0).target for t in range(10, 20)] == [3] * 10
+    assert step(20, 3, 30).desired > 3
+    assert [step(t, 3, 0).target for t in range(22, 42)] == [3] * 20
+    assert step(42, 3, 0).target == 1
+
+
+def configs():
+    return st.builds(
+        lambda lo, span, delays, factors, targets: scaling(
+            min_workers=lo, max_workers=lo + span, upscale_delay_s=delays[0], downscale_delay_s=delays[1],
+            upscaling_factor=factors[0], downscaling_factor=factors[1], **targets),
+        st.integers(1, 4), st.integers(0, 6), st.tuples(*[st.just(0.0) | st.floats(0.01, 20)] * 2),
+        st.tuples(st.none() | st.floats(0.05, 3), st.none() | st.floats(0.05, 3)),
+        st.fixed_dictionaries({"target_ongoing_requests": st.none() | st.floats(0.1, 4),
+                               "target_waiting_requests": st.none() | st.floats(0.1, 4),
+                               "target_queued_prefill_tokens": st.none() | st.integers(1, 4),
+                               "target_kv_usage": st.none() | st.floats(0.1, 1)}).filter(
+            lambda t: any(v is not None for v in t.values())))
+
+
+def loads():
+    value = st.floats(0, 50, allow_nan=False)
+    return st.lists(st.tuples(*[value] * len(SIGNALS)), min_size=0, max_size=6)
+
+
+def _policy(config, rows):
+    policy = ScalingPolicy(config)
+    for i, row in enumerate(rows):
+        policy.record(LoadSample(float(i), *row))
+    return policy
+
+
+@settings(max_examples=150, deadline=None)
+@given(configs(), loads(), st.integers(1, 12))
+def test_desired_is_always_within_min_and_max(config, rows, current):
+    decision = _policy(config, rows).decide(len(rows) + 0.5, current)
+    assert config.min_workers <= decision.desired <= config.max_workers
+    assert decision.target in (current, decision.desired)
+
+
+@settings(max_examples=150, deadline=None)
+@given(configs(), loads(), st.integers(1, 12), st.floats(0, 1))
+def test_no_change_before_the_delay(config, rows, current, fraction):
+    policy = _policy(config, rows)
+    start = len(rows) + 0.5
+    first = policy.decide(start, current)
+    up = first.desired > current
+    delay = config.upscale_delay_s if up else config.downscale_delay_s
+    if first.desired == current or delay == 0:
+        assert first.target == first.desired
+        return
+    assert first.target == current
+    assert policy.decide(start + fraction * delay * 0.999, current).target == current
+    assert policy.decide(start + delay, current).target == first.desired
+
+
+@settings(max_examples=150, deadline=None)
+@given(configs(), loads(), st.integers(1, 12), st.lists(st.floats(0, 30), min_size=len(SIGNALS),
+                                                        max_size=len(SIGNALS)))
+def test_desired_is_monotone_in_load(config, rows, current, extra):
+    more = [tuple(v + e for v, e in zip(row, extra)) for row in rows]
+    now = len(rows) + 0.5
+    assert _policy(config, more).desired(now, current)[0] >= _policy(config, rows).desired(now, current)[0]
+
+
+# --- the loop ---------------------------------------------------------------------------------------------
+class ScaledBackend(StubBackend):
+    """Decode workers in a list; ``starts`` gates add_worker (one future per start, set by the test)."""
+
+    cluster = object()
+
+    def __init__(self, loads):
+        self.decode = [{"id": f"d-{i}", "role": "decode", "node": "n", "alive": True, "inflight": 0, "load": load}
+                       for i, load in enumerate(loads)]
+        self.starts, self.removed, self.refreshes = [], [], 0
+
+    def workers(self, include_dead=False):
+        return list(self.decode)
+
+    async def refresh_loads(self):
+        self.refreshes += 1
+
+    async def add_worker(self, role):
+        started = asyncio.get_running_loop().create_future()
+        self.starts.append(started)
+        await started  # (raises what the test sets)
+        worker = {"id": f"d-{len(self.decode)}", "role": role, "node": "n", "alive": True, "load": {}}
+        self.decode.append(worker)
+        return worker
+
+    async def remove_worker(self, worker_id):
+        self.decode = [w for w in self.decode if w["id"] != worker_id]
+        self.removed.append(worker_id)
+
+
+def run_loop(backend, config, script):
+    """``script(autoscaler, clock)`` (a coroutine) with the decode side under ``config``; a list holds
+    the clock's one value, moved by the script."""
+    clock = [0.0]
+    metrics = ServerMetrics("m")
+    autoscaler = Autoscaler(backend, {"decode": config}, metrics, clock=lambda: clock[0])
+    asyncio.run(script(autoscaler, clock))
+    return autoscaler, metrics
+
+
+async def settle():
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+def test_one_change_in_flight_then_the_delay_again_and_the_idlest_drained():
+    backend = ScaledBackend([{"num_requests": 3}, {"num_requests": 3}])
+    config = scaling(target_ongoing_requests=1, upscale_delay_s=2, downscale_delay_s=4, max_workers=4)
+
+    async def script(autoscaler, clock):
+        await autoscaler.tick()
+        assert not backend.starts  # wanted up (6 requests: 6 workers, 4 at most) for 0 s of 2
+        clock[0] = 2.0
+        await autoscaler.tick()
+        await settle()
+        assert len(backend.starts) == 1 and autoscaler.state()["decode"]["changing"]
+        for t in (3.0, 4.0, 5.0):  # no decision while the change runs: one start at a time
+            clock[0] = t
+            await autoscaler.tick()
+            await settle()
+            assert len(backend.starts) == 1
+        backend.starts[0].set_result(None)
+        await settle()
+        assert len(backend.starts) == 2  # the same change's second start
+        backend.starts[1].set_result(None)
+        await settle()
+        state = autoscaler.state()["decode"]
+        assert not state["changing"] and state["last_change"]["result"] == "done"
+        assert (state["last_change"]["from"], state["last_change"]["to"]) == (2, 4)
+        # the load goes; the new workers hold nothing, the old ones one request each: 2 wanted
+        for worker in backend.decode:
+            worker["load"] = {"num_requests": 1 if worker["id"] in ("d-0", "d-1") else 0, "kv_usage": 0.1}
+        backend.decode[0]["load"]["kv_usage"] = 0.0
+        clock[0] = 40.0  # (past the look-back of the busy samples)
+        await autoscaler.tick()
+        clock[0] = 44.0
+        await autoscaler.tick()
+        await settle()
+
+    autoscaler, metrics = run_loop(backend, config, script)
+    assert sorted(backend.removed) == ["d-2", "d-3"]  # the idle ones, not a worker holding a request
+    assert [w["id"] for w in backend.decode] == ["d-0", "d-1"]
+    assert metrics.registry.get_sample_value("raydix_autoscaler_desired_workers", {"role": "decode"}) == 2
+    assert autoscaler.state()["decode"]["last_change"]["action"] == "down"
+
+
+def test_a_failed_start_is_backed_off_then_given_up_while_downscaling_still_works():
+    backend = ScaledBackend([{"num_requests": 5}])
+    config = scaling(target_ongoing_requests=1, max_workers=3, start_retry_backoff_s=10, max_start_failures=2)
+
+    async def fail_next_start(autoscaler, at):
+        await autoscaler.tick()
+        await settle()
+        assert backend.starts and not backend.starts[-1].done(), at
+        backend.starts[-1].set_exception(RuntimeError("no node fits"))
+        await settle()
+
+    async def script(autoscaler, clock):
+        await fail_next_start(autoscaler, 0)
+        assert autoscaler.state()["decode"]["start_failures"] == 1
+        clock[0] = 9.0
+        await autoscaler.tick()
+        await settle()
+        assert len(backend.starts) == 1  # backing off: 10 s after the first failure
+        assert "waits" in autoscaler.state()["decode"]["reason"]
+        clock[0] = 10.0
+        await fail_next_start(autoscaler, 10)
+        for t in (30.0, 100.0, 1000.0):  # 20 s after the second: given up for good
+            clock[0] = t
+            backend.decode[0]["load"] = {"num_requests": 5}
+            await autoscaler.tick()
+            await settle()
+        assert len(backend.starts) == 2
+        state = autoscaler.state()["decode"]
+        assert "stopped after 2 failed starts" in state["reason"] and "no node fits" in state["last_change"]["result"]
+        backend.decode += [{"id": "d-9", "role": "decode", "alive": True, "load": {}}]  # (one added by hand)
+        backend.decode[0]["load"] = {}
+        clock[0] = 2000.0
+        await autoscaler.tick()
+        await settle()
+
+    run_loop(backend, config, script)
+    assert backend.removed == ["d-9"]
+
+
+def test_only_sides_with_autoscaling_and_a_cluster_get_an_autoscaler():
+    group = SimpleNamespace(autoscaling=None)
+    config = SimpleNamespace(prefill=group, decode=SimpleNamespace(autoscaling=scaling()))
+    assert set(Autoscaler.from_config(ScaledBackend([]), config).sides) == {"decode"}
+    assert Autoscaler.from_config(StubBackend(), config) is None  # no cluster to start workers in
+    assert Autoscaler.from_config(ScaledBackend([]), SimpleNamespace(prefill=group, decode=group)) is None
+    assert Autoscaler.from_config(ScaledBackend([]), None) is None
+
+
+@pytest.mark.parametrize("fields,error", [
+    ({"min_workers": 3, "max_workers": 2}, r"decode.autoscaling.max_workers: must be >= min_workers \(3\)"),
+    ({"target_ongoing_requests": None}, "decode.autoscaling: set at least one of target_ongoing_requests"),
+    ({"target_kv_usage": 1.5}, "decode.autoscaling.target_kv_usage: Input should be less than or equal to 1"),
+    ({"min_workers": 2, "max_workers": 4}, r"decode.num_workers: 1 is outside decode.autoscaling's "
+                                           r"\[min_workers, max_workers\] = \[2, 4\]"),
+])
+def test_config_errors_name_the_field(fields, error):
+    from cluster.config import ConfigError, parse_config
+
+    data = {"model": {"builtin": "llama"}, "prefill": {}, "decode": {"autoscaling": fields}}
+    with pytest.raises(ConfigError, match=error):
+        parse_config(data)
+    defaults = parse_config({**data, "decode": {"autoscaling": {}}}).decode.autoscaling
+    assert (defaults.target_ongoing_requests, defaults.upscale_delay_s, defaults.downscale_delay_s,
+            defaults.look_back_period_s, defaults.max_workers) == (2.0, 30.0, 600.0, 30.0, 1)  # Ray Serve's
