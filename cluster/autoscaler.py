@@ -130,10 +130,12 @@ class Autoscaler:
             await asyncio.sleep(interval)
 
     async def tick(self) -> None:
-        """Sample each side due and decide for those with no change in flight."""
+        """Sample each side due and decide for those with no change in flight. Not while the workers
+        sleep (their memory released for a colocated trainer): no request runs, and no worker could
+        start."""
         now = self.clock()
         due = [side for side in self.sides.values() if now >= side.next_sample_at]
-        if not due:
+        if not due or self.backend.is_sleeping:
             return
         await refresh_loads_briefly(self.backend)
         workers = self.backend.workers()
@@ -171,7 +173,7 @@ class Autoscaler:
                     side.start_failures = 0
             else:
                 for worker_id in idlest(live, decision.current - decision.target):
-                    await self.backend.remove_worker(worker_id)
+                    await self.backend.remove_worker(worker_id, side.config.drain_timeout_s)
             side.last_change["result"] = "done"
         except Exception as exc:
             side.last_change["result"] = f"failed: {exc}"

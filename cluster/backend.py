@@ -99,7 +99,8 @@ class ServingBackend(Protocol):
 
     async def add_worker(self, role: str) -> Dict[str, Any]: ...
 
-    async def remove_worker(self, worker_id: str) -> Dict[str, Any]: ...
+    async def remove_worker(self, worker_id: str, drain_timeout_s: float = 120.0) -> Dict[str, Any]:
+        """Out of the rotation; its accepted requests get ``drain_timeout_s`` to finish, then it stops."""
 
     async def drain(self, timeout_s: float) -> None: ...
 
@@ -511,7 +512,7 @@ class PDBackend:
         await self._tell_router("add_worker", worker.worker_id, worker.role, worker.handle, worker.node_id)
         return {"id": worker.worker_id, "role": worker.role, "node": worker.node_id, "alive": worker.alive}
 
-    async def remove_worker(self, worker_id: str) -> Dict[str, Any]:
+    async def remove_worker(self, worker_id: str, drain_timeout_s: float = 120.0) -> Dict[str, Any]:
         if self.cluster is None:
             raise NotImplementedError("this server was given a client, not a cluster: it cannot stop workers")
         if not any(w.worker_id == worker_id for w in self._all()):
@@ -519,7 +520,7 @@ class PDBackend:
         # no new requests, but its routes stay while it drains: their ids are still in flight there
         await self._tell_router("drain_worker", worker_id)
         try:
-            worker = await asyncio.to_thread(self.cluster.remove_worker, worker_id)
+            worker = await asyncio.to_thread(self.cluster.remove_worker, worker_id, drain_timeout_s)
         except UnknownWorkerError:  # removed (or being removed) by another call meanwhile
             raise UnknownWorkerError(worker_id) from None
         try:  # drained and stopped: the router forgets it

@@ -177,6 +177,10 @@ class AutoscalingConfig(BaseModel):
                                               "once (null: 1, all of it)")
     downscaling_factor: Optional[float] = Field(None, gt=0.0, description="the share of a wanted decrease taken at "
                                                 "once (null: 1; at least one worker either way)")
+    drain_timeout_s: float = Field(600.0, gt=0.0, description="how long a worker scaled down gets for the "
+                                   "requests it accepted to finish before it stops (as Ray Serve's "
+                                   "graceful_shutdown_timeout_s: a request hung past it does not hold the side's "
+                                   "changes forever)")
     start_retry_backoff_s: float = Field(30.0, ge=0.0, description="after a worker failed to start, the wait "
                                          "before the next start (doubling with each failure in a row)")
     max_start_failures: int = Field(3, ge=1, description="starts failing in a row after which this side stops "

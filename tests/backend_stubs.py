@@ -36,7 +36,7 @@ class StubBackend:
     async def add_worker(self, role):
         raise NotImplementedError(f"{type(self).__name__}: no workers to add")
 
-    async def remove_worker(self, worker_id):
+    async def remove_worker(self, worker_id, drain_timeout_s=120.0):
         raise NotImplementedError(f"{type(self).__name__}: no workers to remove")
 
     async def drain(self, timeout_s):

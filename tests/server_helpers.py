@@ -49,6 +49,16 @@ def raydix_home(path):
 def served_cluster(config):
     """``(cluster, server, app)``: the cluster's workers up, the app listening on a free loopback port."""
     ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False, namespace="raydix-tests")
+    try:
+        with serving(config) as served:
+            yield served
+    finally:
+        ray.shutdown()
+
+
+@contextmanager
+def serving(config):
+    """:func:`served_cluster` in the Ray session already up (a second cluster beside a module's)."""
     cluster = PDCluster(config).start()
     tokenizer = load_tokenizer(config, cluster.model_path)
     app = build_app(cluster, tokenizer, config)
@@ -58,7 +68,6 @@ def served_cluster(config):
     finally:
         server.stop()
         cluster.shutdown()
-        ray.shutdown()
 
 
 @pytest.fixture(scope="module")

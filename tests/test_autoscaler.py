@@ -161,7 +161,8 @@ class ScaledBackend(StubBackend):
         self.decode.append(worker)
         return worker
 
-    async def remove_worker(self, worker_id):
+    async def remove_worker(self, worker_id, drain_timeout_s=120.0):
+        assert drain_timeout_s == 600.0  # the config's: a long generation is not cut by a scale-down
         self.decode = [w for w in self.decode if w["id"] != worker_id]
         self.removed.append(worker_id)
 
@@ -186,6 +187,10 @@ def test_one_change_in_flight_then_the_delay_again_and_the_idlest_drained():
     config = scaling(target_ongoing_requests=1, upscale_delay_s=2, downscale_delay_s=4, max_workers=4)
 
     async def script(autoscaler, clock):
+        backend.is_sleeping = True  # (memory released: nothing sampled, nothing decided)
+        await autoscaler.tick()
+        assert backend.refreshes == 0 and autoscaler.state()["decode"]["reason"] == "no decision yet"
+        backend.is_sleeping = False
         await autoscaler.tick()
         assert not backend.starts  # wanted up (6 requests: 6 workers, 4 at most) for 0 s of 2
         clock[0] = 2.0

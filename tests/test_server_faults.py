@@ -3,17 +3,22 @@ worker killed mid-stream ends the streams it served with an error event within
 10 s while the other streams finish and the worker leaves /workers; a prefill
 worker killed under a non-streaming request answers 500; workers are added
 (POST /workers) and removed with a drain (DELETE /workers/{id}), and the server
-keeps serving throughout."""
+keeps serving throughout; a second cluster in the same Ray session, its decode side autoscaled,
+grows to two decode workers under a burst and drains back to one after it."""
 
 import threading
 import time
 
+import httpx
 import openai
 import pytest
 import ray
+from prometheus_client.parser import text_string_to_metric_families
 
+import cluster.pd
 from tests.server_helpers import client, http  # noqa: F401 (fixtures)
-from tests.server_helpers import raydix_home, server_config, served_cluster, wait_idle, wait_until
+from tests.server_helpers import (API_KEY, raydix_home, server_config, served_cluster, serving, wait_idle,
+                                  wait_until)
 
 pytestmark = pytest.mark.slow
 MODEL = "tiny-llama"
@@ -125,3 +130,68 @@ def test_workers_add_and_remove_with_drain(served, client, http):
     for _ in range(3):
         ok(client)
     wait_idle(cluster)
+
+
+# decode scaled on ongoing requests, 1 per worker, between 1 and 2 workers, with test-short delays
+AUTOSCALED_DECODE = {"min_workers": 1, "max_workers": 2, "target_ongoing_requests": 1, "metrics_interval_s": 0.2,
+                     "look_back_period_s": 1.0, "upscale_delay_s": 0.5, "downscale_delay_s": 1.0}
+
+
+def _routed(http, worker_id):
+    """Decode routing decisions the server counted for ``worker_id``."""
+    families = text_string_to_metric_families(http.get("/metrics").text)
+    return sum(s.value for f in families if f.name == "raydix_routing_decisions" for s in f.samples
+               if s.name.endswith("_total") and s.labels["worker"] == worker_id)
+
+
+def test_decode_autoscales_up_under_a_burst_and_drains_back_down(served, monkeypatch):
+    config = server_config().with_updates({"decode.autoscaling": AUTOSCALED_DECODE})
+    drained = {}
+
+    def stop_checked(worker, graceful=True):  # the drained worker is idle and leak-free before it stops
+        if graceful and worker.role == "decode":
+            drained[worker.worker_id] = ray.get(worker.handle.check_integrity.remote())
+        stop_worker(worker, graceful)
+
+    stop_worker = cluster.pd.stop_worker
+    monkeypatch.setattr(cluster.pd, "stop_worker", stop_checked)
+    with serving(config) as (scaled, server, _), httpx.Client(
+            base_url=server.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60) as http:
+        first = scaled.decode[0].worker_id
+        done, failed, stops = [], [], [threading.Event() for _ in range(3)]
+
+        def load(i):
+            while not stops[i].is_set():
+                r = http.post("/generate", json={"input_ids": [3 + i, 7, 11 + len(done)], "sampling_params": {
+                    "max_new_tokens": 24, "temperature": 0, "ignore_eos": True}})
+                (done if r.status_code == 200 and len(r.json()["output_ids"]) == 24 else failed).append(r)
+
+        threads = [threading.Thread(target=load, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        try:  # three requests at a time want three workers: two, the most
+            assert wait_until(lambda: len(scaled.decode) == 2, 30)
+            new = next(w.worker_id for w in scaled.decode if w.worker_id != first)
+            assert wait_until(lambda: _routed(http, new) > 0, 15)  # it joined the rotation and serves
+            state = http.get("/get_server_info").json()["autoscaler"]
+            for stop in stops[1:]:  # one request at a time wants one worker: the other drains while it runs
+                stop.set()
+            assert wait_until(lambda: len(scaled.decode) == 1 and drained, 20)
+            served_before = len(done)
+            assert wait_until(lambda: len(done) > served_before + 1, 15)  # serving on through the last one
+        finally:
+            for stop in stops:
+                stop.set()
+            for t in threads:
+                t.join(60)
+        assert set(state) == {"decode"}  # (prefill has no autoscaling)
+        assert state["decode"]["last_change"]["action"] == "up" and state["decode"]["desired"] == 2
+        assert done and not failed  # every request completed, through both changes
+        assert set(drained) <= {first, new} and len(drained) == 1
+        state = http.get("/workers").json()["autoscaler"]["decode"]
+        assert state["desired"] == 1 and state["min_workers"] == 1
+        assert (state["last_change"]["action"], state["last_change"]["result"]) == ("down", "done")
+        gauge = [s.value for f in text_string_to_metric_families(http.get("/metrics").text)
+                 if f.name == "raydix_autoscaler_desired_workers" for s in f.samples]
+        assert gauge == [1.0]
+        wait_idle(scaled)
