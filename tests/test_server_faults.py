@@ -165,6 +165,7 @@ def test_decode_autoscales_up_under_a_burst_and_drains_back_down(served, monkeyp
                 r = http.post("/generate", json={"input_ids": [3 + i, 7, 11 + len(done)], "sampling_params": {
                     "max_new_tokens": 24, "temperature": 0, "ignore_eos": True}})
                 (done if r.status_code == 200 and len(r.json()["output_ids"]) == 24 else failed).append(r)
+                stops[i].wait(0.05)  # (a request's end and the next one's start never overlap on a worker)
 
         threads = [threading.Thread(target=load, args=(i,)) for i in range(3)]
         for t in threads:
