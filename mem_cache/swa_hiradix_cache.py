@@ -28,7 +28,8 @@ loadable from the host), and every leaf of either tier has SWA KV.
   KV of the nodes covering the last ``sliding_window_size`` tokens only (what a lock
   there holds; the rest is loaded as tombstones), so a long host prefix needs SWA slots
   for a window, not for the prefix. All or nothing.
-* ``evict_host`` deletes host-only leaves, least recently used first.
+* ``evict_host`` deletes host-only leaves, least recently used first. A backup short of SWA host
+  slots first frees the SWA host copies of device tombstones (no host eviction reaches them).
 
 Backups, host eviction and loads are in ``swa_hiradix_tiers.py``. The copies are
 synchronous: backups when decided, loads in ``init_load_back``; so the

@@ -58,11 +58,31 @@ class SWAHostTierMixin:
 
     def _alloc_host(self, pool: HostKVCache, num_tokens: int) -> Optional[torch.Tensor]:
         indices = pool.alloc(num_tokens)
+        if indices is None and pool is self.swa_host_pool:
+            self._drop_tombstone_swa_backups(num_tokens - pool.available_size())
+            indices = pool.alloc(num_tokens)
         if indices is None:
             short = num_tokens - pool.available_size()
             self.evict_host(*((short, 0) if pool is self.host_pool else (0, short)))
             indices = pool.alloc(num_tokens)
         return indices
+
+    def _drop_tombstone_swa_backups(self, num_tokens: int) -> int:
+        """Free the SWA host copies of device tombstones, least recently used first, until
+        ``num_tokens`` are freed or none is left; returns how many were. ``evict_host`` never
+        reaches them (their nodes are on the device), and the full pool can hold more tombstones
+        than the SWA host pool has slots (``hicache_ratio * swa_full_tokens_ratio < 1``): kept,
+        they filled it and every later backup with SWA KV failed. Such a copy serves a match only
+        once its node leaves the device, so it goes before a host-only prefix does."""
+        freed = 0
+        for node in self.full_lru_list.iter_lru():
+            if freed >= num_tokens:
+                break
+            if node.swa_tombstone and node.swa_host_value is not None and node.host_ref_counter == 0:
+                self.swa_host_pool.free(node.swa_host_value)
+                node.swa_host_value = None
+                freed += len(node.key)
+        return freed
 
     def _free_host(self, host: Optional[torch.Tensor], swa_host: Optional[torch.Tensor]) -> None:
         if host is not None:

@@ -148,6 +148,29 @@ def test_a_declined_load_leaves_a_device_prefix_with_its_window():
     check(cache, alloc)
 
 
+def test_swa_backups_of_device_tombstones_give_way_to_new_backups():
+    """A chain cached a node at a time, each backed up with its SWA KV, which the small SWA pool
+    then evicts on the device (tombstones there): the full pool (32) holds more tombstones than
+    the SWA host pool (16) has slots. Their SWA host copies give way, oldest first, so every node
+    is backed up and the whole chain comes back from the host (before: the SWA host pool full of
+    tombstones' copies, the last nodes had no host copy and the host hit ended at 16)."""
+    cache, alloc, kv = make(size=32, size_swa=8, window=4)
+    tokens = list(range(10, 34))
+    for n in range(4, 25, 4):
+        cached(cache, alloc, kv, tokens[:n])
+        check(cache, alloc)
+    nodes = cache._nodes_of(RadixKey(tokens))
+    assert [n.swa_tombstone for n in nodes] == [True] * 4 + [False] * 2
+    assert all(n.host_value is not None for n in nodes)
+    assert [n.swa_host_value is not None for n in nodes] == [False, False, True, True, True, True]
+    cache.evict(32, 8)
+    check(cache, alloc)
+    match = cache.match_prefix(RadixKey(tokens))
+    assert (len(match.device_indices), match.host_hit_length) == (0, 24)
+    check_kv(cache, alloc, kv, tokens, load(cache, tokens))
+    check(cache, alloc)
+
+
 @pytest.mark.parametrize("page_size, policy, seed", [(1, "write_through", 0), (2, "write_back", 1),
                                                      (1, "write_through_selective", 2)])
 def test_random_operations_against_each_tokens_true_kv(page_size, policy, seed):
