@@ -180,7 +180,8 @@ class SWAHiRadixCache(SWAHostTierMixin, SWARadixCache):
     def evict(self, full_num_tokens: int = 0, swa_num_tokens: int = 0) -> SWAEvictResult:
         """As :class:`SWARadixCache`'s over the device tier: full eviction takes unlocked device
         leaves (children all off the device), SWA eviction tombstones a node with children and
-        takes a leaf. A node leaving the device keeps its host copy (see :meth:`_evict_device_node`)."""
+        takes a leaf. A node leaving the device keeps its host copy (see :meth:`_evict_device_node`);
+        with ``write_back`` a node's KV is backed up before either pool's eviction frees it."""
         full = swa = 0
         stuck = set()  # nodes that cannot leave (their host children need a host copy, no room)
         while full < full_num_tokens:
@@ -195,6 +196,8 @@ class SWAHiRadixCache(SWAHostTierMixin, SWARadixCache):
             if node is None:
                 break
             if node.children:
+                if self.write_policy.backup_on_evict:  # (the SWA KV leaves the device: write_back copies it first)
+                    self._backup(node)
                 swa += self._tombstone(node)
                 continue
             node_full, node_swa = self._evict_device_node(node)

@@ -171,6 +171,26 @@ def test_swa_backups_of_device_tombstones_give_way_to_new_backups():
     check(cache, alloc)
 
 
+@pytest.mark.parametrize("policy", ["write_through", "write_back"])
+def test_a_node_the_device_tombstoned_ends_a_host_match_with_either_policy(policy):
+    """The SWA pool's eviction tombstones a stem on the device; the device then evicts all. A new
+    turn after the stem matches it on the host: write_through backed its SWA KV up at its insert,
+    write_back before the SWA eviction freed it (before: write_back tombstoned it unsaved, a
+    tombstone on the host as well, and the new turn matched nothing)."""
+    cache, alloc, kv = make(window=4, policy=policy)
+    stem = list(range(10, 18))
+    cached(cache, alloc, kv, stem)
+    cached(cache, alloc, kv, stem + [40, 41, 42, 43])
+    node = cache._nodes_of(RadixKey(stem))[0]
+    assert cache.evict(0, 8).swa_num_evicted == 8 and node.swa_tombstone and node.value is not None
+    cache.evict(32)
+    check(cache, alloc)
+    match = cache.match_prefix(RadixKey(stem + [60, 61, 62, 63]))
+    assert (len(match.device_indices), match.host_hit_length, match.last_host_node) == (0, 8, node)
+    check_kv(cache, alloc, kv, stem, load(cache, stem))
+    check(cache, alloc)
+
+
 @pytest.mark.parametrize("page_size, policy, seed", [(1, "write_through", 0), (2, "write_back", 1),
                                                      (1, "write_through_selective", 2)])
 def test_random_operations_against_each_tokens_true_kv(page_size, policy, seed):
