@@ -185,7 +185,7 @@ class _Worker:
             "total_slots": total,
             "kv_usage": 1.0 - sched.available_tokens() / total,
             "context_len": sched.context_len,
-            **({"hicache": hicache_stats(sched.tree_cache.cache_controller)} if sched.host_tier else {}),
+            **({"hicache": hicache_stats(sched.tree_cache)} if sched.host_tier else {}),
             **({"spec_decode": sched.spec_stats.as_dict()} if sched.speculative else {}),
         }
 
@@ -345,10 +345,13 @@ class _Worker:
             self.rank.close()
 
 
-def hicache_stats(controller) -> Dict[str, float]:
-    """What the hierarchical cache holds and has moved so far (cumulative counts)."""
+def hicache_stats(tree) -> Dict[str, float]:
+    """What the hierarchical cache holds and has moved so far (cumulative counts). A sliding-window
+    model's second host pool, its SWA layers' KV, apart (``swa_`` keys): its tokens are not the full
+    pool's (a load brings the SWA KV of a window only)."""
+    controller = tree.cache_controller
     host = controller.host_pool
-    return {
+    stats = {
         "host_usage": 1.0 - host.available_size() / host.size,
         "device_to_host_tokens": controller.written_tokens,
         "host_to_device_tokens": controller.loaded_tokens,
@@ -356,6 +359,11 @@ def hicache_stats(controller) -> Dict[str, float]:
         "host_to_storage_pages": controller.stored_pages,
         "storage_to_host_pages": controller.prefetched_pages + controller.read_pages,
     }
+    swa = getattr(tree, "swa_cache_controller", None)
+    if swa is not None:
+        stats.update(swa_host_usage=1.0 - swa.host_pool.available_size() / swa.host_pool.size,
+                     swa_device_to_host_tokens=swa.written_tokens, swa_host_to_device_tokens=swa.loaded_tokens)
+    return stats
 
 
 class PrefillWorker(_Worker):

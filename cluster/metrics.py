@@ -9,7 +9,7 @@ bytes and bandwidth, and which worker each routing policy picked. Per worker
 (refreshed at scrape time from the workers' own load reports): KV usage, queue
 lengths (prefill waiting; decode prealloc / transfer / running / retracted),
 requests in flight, the request rows and KV slots its engine chose, and with the
-hierarchical cache its host usage; and, as
+hierarchical cache its host usage (a sliding-window model's SWA host pool apart); and, as
 counters (``_total``: they only grow, so ``rate()`` applies), retractions and the
 priority preemptions among them, KV bytes pushed, the hierarchical cache's tokens /
 pages moved between its tiers and speculative decoding's drafts, draft tokens and
@@ -48,6 +48,9 @@ class _WorkerCounters:
         ("worker_kv_bytes_pushed", "KV bytes a prefill worker pushed", None, [(None, ("bytes_pushed",))]),
         ("worker_hicache_tokens", "hierarchical cache: tokens copied between device and host (backups, load "
          "backs)", "direction", [(d, ("hicache", f"{d}_tokens")) for d in ("device_to_host", "host_to_device")]),
+        ("worker_hicache_swa_tokens", "hierarchical cache of a sliding-window model: tokens of its SWA layers' KV "
+         "copied between device and host", "direction",
+         [(d, ("hicache", f"swa_{d}_tokens")) for d in ("device_to_host", "host_to_device")]),
         ("worker_hicache_backup_failed_tokens", "hierarchical cache: tokens whose device-to-host backup failed "
          "(their host copy dropped)", None, [(None, ("hicache", "device_to_host_failed_tokens"))]),
         ("worker_hicache_storage_pages", "hierarchical cache: pages written to and read from the storage tier",
@@ -147,6 +150,8 @@ class ServerMetrics:
                               w, registry=r)
         self.host_kv_usage = Gauge(f"{PREFIX}_worker_host_kv_cache_usage_ratio",
                                    "hierarchical cache: host KV slots in use / total", w, registry=r)
+        self.host_swa_kv_usage = Gauge(f"{PREFIX}_worker_host_swa_kv_cache_usage_ratio", "hierarchical cache of a "
+                                       "sliding-window model: SWA host KV slots in use / total", w, registry=r)
         # the sizes the worker's engine chose at start (SGLang's max_total_num_tokens gauge; vLLM's cache_config_info)
         self.engine_sizes = {key: Gauge(f"{PREFIX}_worker_{key}", doc, w, registry=r) for key, doc in ENGINE_SIZES}
         self.worker_counters = _WorkerCounters()
@@ -202,7 +207,7 @@ class ServerMetrics:
         rotation is ``worker_up`` 0 and nothing else; workers that left drop their series (the routing
         counter's too: worker ids are not reused, so those would only pile up)."""
         for gauge in (self.worker_up, self.kv_usage, self.queue_len, self.inflight, self.host_kv_usage,
-                      *self.engine_sizes.values()):
+                      self.host_swa_kv_usage, *self.engine_sizes.values()):
             gauge.clear()
         self.worker_counters.workers = workers
         known = {w["id"] for w in workers}
@@ -228,3 +233,5 @@ class ServerMetrics:
             hicache = load.get("hicache")
             if hicache:
                 self.host_kv_usage.labels(*key).set(hicache["host_usage"])
+                if "swa_host_usage" in hicache:
+                    self.host_swa_kv_usage.labels(*key).set(hicache["swa_host_usage"])

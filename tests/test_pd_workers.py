@@ -460,6 +460,9 @@ def test_prefill_side_host_cache_reloads_an_evicted_prefix_and_pushes_it(checkpo
     stats = prefill.load()["hicache"]  # (for /metrics: raydix_worker_hicache_tokens and host usage)
     assert before["host_to_device_tokens"] == 0 and stats["host_to_device_tokens"] >= 96
     assert stats["device_to_host_tokens"] >= stats["host_to_device_tokens"] and 0 < stats["host_usage"] <= 1
+    if family == "gemma3":  # its SWA host pool apart (a load brings the SWA KV of a window only)
+        assert 0 < stats["swa_host_to_device_tokens"] <= stats["host_to_device_tokens"] and 0 < stats["swa_host_usage"] <= 1
+        assert stats["swa_device_to_host_tokens"] >= stats["swa_host_to_device_tokens"]
     assert "hicache" not in decode.load()
     close(prefill, decode)
 

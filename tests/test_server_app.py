@@ -489,7 +489,9 @@ def test_worker_metrics_carry_the_hierarchical_cache_and_drop_workers_that_left(
     metrics = ServerMetrics("m")
     hicache = {"host_usage": 0.25, "device_to_host_tokens": 960, "host_to_device_tokens": 96,
                "device_to_host_failed_tokens": 32, "host_to_storage_pages": 24, "storage_to_host_pages": 8}
+    swa_hicache = {**hicache, "swa_host_usage": 0.5, "swa_device_to_host_tokens": 480, "swa_host_to_device_tokens": 16}
     workers = [{"id": "p0", "role": "prefill", "alive": True, "load": {"kv_usage": 0.5, "hicache": hicache}},
+               {"id": "p1", "role": "prefill", "alive": True, "load": {"kv_usage": 0.5, "hicache": swa_hicache}},
                {"id": "d0", "role": "decode", "alive": True, "load": {"kv_usage": 0.1, "retractions": 3,
                                                                        "preemptions": 2}}]
     metrics.set_workers(workers, running=1, queued=0)
@@ -503,15 +505,20 @@ def test_worker_metrics_carry_the_hierarchical_cache_and_drop_workers_that_left(
     assert got[("raydix_worker_retractions_total", (("role", "decode"), ("worker", "d0")))] == 3
     assert got[("raydix_worker_preemptions_total", (("role", "decode"), ("worker", "d0")))] == 2
     assert not any(n.startswith("raydix_worker_hicache") and dict(ls)["worker"] == "d0" for n, ls in got)
+    p1 = (("role", "prefill"), ("worker", "p1"))  # a sliding-window model's SWA host pool, apart
+    assert got[("raydix_worker_host_swa_kv_cache_usage_ratio", p1)] == 0.5
+    assert got[("raydix_worker_hicache_swa_tokens_total", (("direction", "device_to_host"),) + p1)] == 480
+    assert got[("raydix_worker_hicache_swa_tokens_total", (("direction", "host_to_device"),) + p1)] == 16
+    assert not any("swa" in n and dict(ls)["worker"] == "p0" for n, ls in got)
     text = generate_latest(metrics.registry).decode()  # running totals are counters: rate() applies
     assert "# TYPE raydix_worker_retractions_total counter" in text and "# TYPE raydix_worker_hicache_tokens_total counter" in text
     metrics.observe_request({"prefill_worker": "p0", "decode_worker": "d0"}, 0.0, 0.1, 0.2,
                             {"prefill": "cache_aware", "decode": "cache_aware"})
     assert samples(metrics)[("raydix_routing_decisions_total",
                              (("policy", "cache_aware"), ("role", "prefill"), ("worker", "p0")))] == 1
-    metrics.set_workers(workers[1:], running=0, queued=0)
+    metrics.set_workers(workers[2:], running=0, queued=0)
     got = samples(metrics)
-    assert not any(n.startswith("raydix_worker_hicache") for n, _ in got)
+    assert not any(n.startswith("raydix_worker_hicache") or "host_swa" in n for n, _ in got)
     routed = {dict(ls)["worker"] for n, ls in got if n == "raydix_routing_decisions_total"}
     assert routed == {"d0"}  # the routing series of a worker that left go with it
 
