@@ -34,7 +34,9 @@ loadable from the host), and every leaf of either tier has SWA KV.
 Backups, host eviction and loads are in ``swa_hiradix_tiers.py``. The copies are
 synchronous: backups when decided, loads in ``init_load_back``; so the
 scheduler's calls that end copies in flight (``writing_check``, ``loading_check``) find
-none. Not (yet) here: the file tier and tensor parallelism (the scheduler refuses them).
+none. With TP > 1 rank 0's copies are logged tagged with their pool (``PoolOpLog``) and each
+follower replays them into its head shards of both host pools (``SWAHostReplay``). Not (yet)
+here: the file tier (the scheduler refuses it).
 """
 
 from __future__ import annotations
@@ -44,13 +46,11 @@ from typing import List, Tuple
 import torch
 
 from mem_cache.base_prefix_cache import MatchResult
-from mem_cache.hicache_controller import HiCacheController
 from mem_cache.hiradix_cache import get_write_policy
 from mem_cache.integrity import check_unique_in_range, ensure
 from mem_cache.kv_events import WindowLost, WindowRestored
-from mem_cache.memory_pool_host import MHATokenToKVPoolHost
 from mem_cache.radix_key import RadixKey
-from mem_cache.swa_hiradix_tiers import SWAHostTierMixin
+from mem_cache.swa_hiradix_tiers import SWAHostTierMixin, swa_host_controllers
 from mem_cache.swa_memory_pool import SWAKVPool
 from mem_cache.swa_radix_cache import SWAEvictResult, SWARadixCache, SWATreeNode
 
@@ -63,10 +63,8 @@ class SWAHiRadixCache(SWAHostTierMixin, SWARadixCache):
                  load_back_threshold: int = 10, enable_kv_events: bool = False, disable: bool = False):
         self.write_policy = get_write_policy(write_policy)
         self.load_back_threshold = load_back_threshold
-        self.host_pool = MHATokenToKVPoolHost(kv_cache.full_kv_pool, host_to_device_ratio, page_size=page_size)
-        self.swa_host_pool = MHATokenToKVPoolHost(kv_cache.swa_kv_pool, host_to_device_ratio, page_size=page_size)
-        self.cache_controller = HiCacheController(kv_cache.full_kv_pool, self.host_pool, overlap_load=False)
-        self.swa_cache_controller = HiCacheController(kv_cache.swa_kv_pool, self.swa_host_pool, overlap_load=False)
+        self.cache_controller, self.swa_cache_controller = swa_host_controllers(kv_cache, host_to_device_ratio, page_size)
+        self.host_pool, self.swa_host_pool = self.cache_controller.host_pool, self.swa_cache_controller.host_pool
         super().__init__(req_to_token_pool, token_to_kv_pool_allocator, sliding_window_size, page_size,
                          enable_kv_events, disable)
 

@@ -6,7 +6,9 @@ Split out of ``swa_hiradix_cache.py`` to keep each file to one concern (as ``hir
 is from ``hiradix_cache.py``): the tree walks (match, insert, device eviction) stay there. It
 relies on the cache's ``host_pool``, ``swa_host_pool``, both controllers,
 ``token_to_kv_pool_allocator``, ``load_back_threshold``, lock and eviction methods and tree
-helpers (``_remove``, ``_tidy``, ``_enter_device``).
+helpers (``_remove``, ``_tidy``, ``_enter_device``). Also here: the two pools' copiers
+(:func:`swa_host_controllers`) and their TP side, rank 0's tagged op log (:class:`PoolOpLog`) and a
+follower's replay (:class:`SWAHostReplay`).
 """
 
 from __future__ import annotations
@@ -17,10 +19,66 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from mem_cache.memory_pool_host import HostKVCache
+from mem_cache.hicache_controller import HiCacheController
+from mem_cache.memory_pool_host import HostKVCache, MHATokenToKVPoolHost
+from mem_cache.swa_memory_pool import SWAKVPool
 from mem_cache.swa_radix_cache import SWATreeNode
 
 logger = logging.getLogger(__name__)
+
+
+def swa_host_controllers(kv_cache: SWAKVPool, host_to_device_ratio: float, page_size: int) -> List[HiCacheController]:
+    """The copiers of a sliding-window model's two host pools, each ``host_to_device_ratio`` times its
+    device pool: the full layers' (index 0), the SWA layers' (1). Copies are made at once (no overlap)."""
+    return [HiCacheController(pool, MHATokenToKVPoolHost(pool, host_to_device_ratio, page_size=page_size),
+                              overlap_load=False) for pool in (kv_cache.full_kv_pool, kv_cache.swa_kv_pool)]
+
+
+class PoolOpLog:
+    """One host pool's share of a TP rank 0's op log (``HiCacheController.op_log``): its copies go
+    into the one log the followers replay, tagged with the pool's index in :func:`swa_host_controllers`
+    (``(pool, entry)``). Only appended to: the copies are made at once, so no sync point is logged."""
+
+    def __init__(self, log: list, pool: int):
+        self.log, self.pool = log, pool
+
+    def append(self, entry: Tuple) -> None:
+        self.log.append((self.pool, entry))
+
+
+class SWAHostReplay:
+    """A TP follower's side of :class:`~mem_cache.swa_hiradix_cache.SWAHiRadixCache`: its head shard of
+    both host pools, with the slot counts of rank 0's, into and out of which it replays rank 0's tagged
+    copies (:class:`PoolOpLog`) before the forward that reads them. A copy failing here raises (the
+    follower's loop ends and the group with it): unlike the plain host tier's, rank 0 does not ask
+    the followers how their copies ended, so one going on would compute with garbage KV."""
+
+    def __init__(self, kv_cache: SWAKVPool, host_to_device_ratio: float, page_size: int):
+        self.controllers = swa_host_controllers(kv_cache, host_to_device_ratio, page_size)
+
+    def replay(self, ops: List[Tuple[int, Tuple]]) -> None:
+        for pool, entry in ops:
+            self.controllers[pool].replay([entry])
+
+    @property
+    def load_pending(self) -> bool:
+        return any(c.load_pending for c in self.controllers)
+
+    @property
+    def load_failures_pending(self) -> bool:
+        return any(c.load_failures_pending for c in self.controllers)
+
+    def start_loading(self) -> None:
+        for controller in self.controllers:
+            controller.start_loading()
+
+    def wait_loading(self) -> None:
+        for controller in self.controllers:
+            controller.wait_loading()
+
+    def close(self) -> None:
+        for controller in self.controllers:
+            controller.close()
 
 
 class SWAHostTierMixin:

@@ -4,16 +4,15 @@ for host memory and come back — full KV for the whole prefix, SWA KV for its l
 and the next turn's tokens equal HF's. Both tiers are sound after every step."""
 
 import random
-from types import SimpleNamespace
 
 import pytest
 
 from actors.engine import Engine
-from actors.engine.scheduler import Scheduler
 from actors.engine.tiny import build_tiny_checkpoint
 from mem_cache.radix_key import RadixKey
 from mem_cache.swa_hiradix_cache import SWAHiRadixCache
 from tests.parity import assert_greedy_parity
+from tests.tp_helpers import thread_ranks
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
 
@@ -105,11 +104,31 @@ def test_a_device_prefix_continued_from_the_host_tier_equals_hf(model_dir):
     engine.shutdown()
 
 
-def test_tensor_parallelism_is_refused_clearly():
-    """Every TP rank would replay rank 0's copies into one host pool of its own: not for two."""
-    runner = SimpleNamespace(tp=SimpleNamespace(size=2))
-    with pytest.raises(ValueError, match="tp_size > 1 is not supported for sliding-window"):
-        Scheduler._swa_host_tier(SimpleNamespace(hicache_storage_dir=None), runner)
+def test_tp2_ranks_replay_both_host_pools_copies(model_dir, monkeypatch):
+    """TP 2 (the ranks are threads): a conversation evicted to the host and continued is loaded back
+    on both ranks, each into its head shard of both pools (the follower replays rank 0's copies, each
+    tagged with its pool), and the tokens equal HF's (before: TP > 1 was refused)."""
+    thread_ranks(monkeypatch)
+    engine = make_engine(model_dir, tp_size=2)
+    try:
+        tree, rng = engine.scheduler.tree_cache, random.Random(2)
+        turn = [rng.randrange(5, 261) for _ in range(40)]
+        first = engine.generate(input_ids=[turn], sampling_params={**GREEDY, "max_new_tokens": 16})[0]
+        history = turn + first["output_ids"]
+        engine.loop.run_exclusive(lambda: tree.evict(256))
+        follow = history + [rng.randrange(5, 261) for _ in range(5)]
+        out = engine.generate(input_ids=[follow], sampling_params={**GREEDY, "max_new_tokens": 8})[0]
+        assert out["meta_info"]["cached_tokens"] >= 48
+        worker = engine.tp_group.worker  # the last backups go with the next batch: sent now, and replied
+        engine.loop.run_exclusive(lambda: (worker.sync(), worker.check_followers()))
+        follower = engine.tp_group.followers[0]._host_tier
+        moved = lambda cs: [(c.written_tokens, c.loaded_tokens) for c in cs]  # noqa: E731
+        assert moved(follower.controllers) == moved([tree.cache_controller, tree.swa_cache_controller])
+        assert tree.swa_cache_controller.loaded_tokens > 0
+        assert_greedy_parity(model_dir, [follow], [out["output_ids"]], 8)
+        engine.check_integrity()
+    finally:
+        engine.shutdown()
 
 
 def test_random_conversations_through_a_small_device_pool_equal_hf(model_dir):

@@ -50,6 +50,7 @@ from mem_cache.hiradix_cache import HiRadixCache
 from mem_cache.mamba_radix_cache import MambaRadixCache
 from mem_cache.radix_cache import RadixCache
 from mem_cache.swa_hiradix_cache import SWAHiRadixCache
+from mem_cache.swa_hiradix_tiers import PoolOpLog
 from mem_cache.swa_radix_cache import SWARadixCache
 
 logger = logging.getLogger(__name__)
@@ -137,18 +138,21 @@ class Scheduler(PrefillAdmissionMixin, DecodeRetractionMixin, SpecDecodeMixin):
     @staticmethod
     def _swa_host_tier(cfg, runner) -> SWAHiRadixCache:
         """A sliding-window model's hierarchical cache: host pools for both halves of its KV,
-        copies made at once (``hicache_overlap_load`` / ``_write`` do not apply). Not with the
-        file tier nor TP > 1 (their copies and replays are of one pool): a clear error."""
-        for option, value in (("hicache_storage_dir", cfg.hicache_storage_dir), ("tp_size > 1", runner.tp.size > 1)):
-            if value:
-                raise ValueError(f"enable_hierarchical_cache=True with {option} is not supported for sliding-window "
-                                 "models (KV cache kind 'swa'): their host tier (a host pool for each KV pool) has "
-                                 "no file tier and no TP followers' replay")
-        return SWAHiRadixCache(
+        copies made at once (``hicache_overlap_load`` / ``_write`` do not apply); with TP their
+        copies go to the followers tagged with their pool. Not with the file tier (its pages
+        hold one pool's KV): a clear error."""
+        if cfg.hicache_storage_dir:
+            raise ValueError("enable_hierarchical_cache=True with hicache_storage_dir is not supported for "
+                             "sliding-window models (KV cache kind 'swa'): their host tier has no file tier")
+        tree = SWAHiRadixCache(
             runner.req_to_token_pool, runner.allocator, runner.token_to_kv_pool, runner.spec.sliding_window,
             cfg.page_size, host_to_device_ratio=cfg.hicache_ratio, write_policy=cfg.hicache_write_policy,
             enable_kv_events=cfg.enable_kv_events, disable=cfg.disable_radix_cache,
         )
+        if runner.host_op_log is not None:  # TP rank 0: what the other ranks replay
+            tree.cache_controller.op_log = PoolOpLog(runner.host_op_log, 0)
+            tree.swa_cache_controller.op_log = PoolOpLog(runner.host_op_log, 1)
+        return tree
 
     def _max_request_len(self) -> int:
         """Tokens (prompt + output) one request can hold in the empty pools, less a page

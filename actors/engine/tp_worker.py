@@ -39,7 +39,11 @@ kept equal like this:
   every follower after ending its loads, and its backups (``runner.host_peers_loads``),
   and handles the failure as its own: the requests that read a failed load are
   requeued (the slots a follower could not fill lost on every rank), a failed
-  backup's host copy is dropped.
+  backup's host copy is dropped. A sliding-window model's two host pools
+  (``SWAHiRadixCache``) log into the one log, each copy tagged with its pool
+  (``PoolOpLog``), and a follower replays them into its shards of both
+  (``SWAHostReplay``); their copies are made at once and not asked about: one
+  failing on a follower ends its loop (the group is broken, not silently wrong).
 
 Hosting (the Ray rank actors do the same as :class:`LocalTPGroup`)::
 
@@ -61,7 +65,7 @@ import logging
 import os
 import socket
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
 
@@ -75,6 +79,7 @@ from actors.engine.pipeline import stage_cache_error, stage_layers
 from mem_cache.hicache_controller import HiCacheController
 from mem_cache.hicache_storage import HiCacheFile, rank_storage_dir
 from mem_cache.memory_pool_host import create_host_pool, host_pool_args
+from mem_cache.swa_hiradix_tiers import SWAHostReplay
 
 logger = logging.getLogger(__name__)
 
@@ -217,7 +222,8 @@ class TPModelWorker:
         self.runner = ModelRunner(config, tp=self.model_tp, **runner_kwargs)
         self.tables = index_tables(self.runner)
         self._mamba_pool = getattr(self.runner, "mamba_pool", None)
-        self._host_tier: Optional[HiCacheController] = None  # a follower's replayer of rank 0's host-tier copies
+        # a follower's replayer of rank 0's host-tier copies (a sliding-window model's: both host pools')
+        self._host_tier: Optional[Union[HiCacheController, SWAHostReplay]] = None
         self._stopped = False
         self.broken: Optional[str] = None  # rank 0: why the group was torn down (see _exchange)
         # follower side of call_followers(): name -> fn(payload) -> reply (picklable)
@@ -243,6 +249,8 @@ class TPModelWorker:
                     self.runner.storage_peers_read = lambda keys, host: self.call_followers("storage_read", (keys, host))
                     self.runner.storage_peers_prefetch = self.call_followers
             self.runner.tp_step = self._step
+        elif self.tp.size > 1 and config.enable_hierarchical_cache and self.runner.spec.kind == "swa":
+            self._host_tier = SWAHostReplay(self.runner.token_to_kv_pool, config.hicache_ratio, config.page_size)
         elif self.tp.size > 1 and config.enable_hierarchical_cache:
             pool = self.runner.token_to_kv_pool
             storage = None
