@@ -116,13 +116,15 @@ class SWARadixCache(SWACacheChecksMixin, RadixCache):
 
     def _split_node(self, child: SWATreeNode, split_len: int) -> SWATreeNode:
         """``parent → child`` becomes ``parent → upper → child``. ``upper`` copies
-        the tombstone flag and both lock counts and takes ``swa_uuid`` over, so a
-        lock whose SWA window ended at ``child`` now ends at ``upper``. The tiers of
+        the tombstone flag, both lock counts and the use counters (host eviction's
+        ``last_access_time``, a write policy's ``hit_count``) and takes ``swa_uuid`` over,
+        so a lock whose SWA window ended at ``child`` now ends at ``upper``. The tiers of
         :class:`SWAHiRadixCache` split alike: host copies in two, and a node off the
         device (``value is None``, in neither LRU list) stays off it."""
         upper = SWATreeNode(child.key[:split_len], None, child.swa_tombstone)
         upper.parent, upper.full_lock_ref, upper.swa_lock_ref = child.parent, child.full_lock_ref, child.swa_lock_ref
         upper.swa_uuid, child.swa_uuid = child.swa_uuid, None
+        upper.last_access_time, upper.creation_time, upper.hit_count = child.last_access_time, child.creation_time, child.hit_count
         pages = split_len // self.page_size
         upper.hash_value, child.hash_value = child.hash_value[:pages], child.hash_value[pages:]
         for field in ("value", "host_value", "swa_host_value"):

@@ -191,6 +191,22 @@ def test_a_node_the_device_tombstoned_ends_a_host_match_with_either_policy(polic
     check(cache, alloc)
 
 
+def test_a_split_keeps_the_hits_write_through_selective_counts():
+    """write_through_selective backs a node up at its second hit. A sequence cached twice, a match
+    splitting its node in between: both parts are backed up, the upper one keeping the hit the node
+    had (before: the split gave it none, and it stayed on the device alone)."""
+    cache, alloc, kv = make(window=4, policy="write_through_selective")
+    tokens = list(range(10, 22))
+    cached(cache, alloc, kv, tokens)
+    assert [n.host_value for n in cache._nodes_of(RadixKey(tokens))] == [None]
+    cache.match_prefix(RadixKey(tokens[:8] + [90, 91, 92, 93]))  # splits the node at 8
+    cached(cache, alloc, kv, tokens)
+    nodes = cache._nodes_of(RadixKey(tokens))
+    assert [(len(n.key), n.hit_count, len(n.host_value), len(n.swa_host_value)) for n in nodes] == [(8, 2, 8, 8),
+                                                                                                  (4, 2, 4, 4)]
+    check(cache, alloc)
+
+
 @pytest.mark.parametrize("page_size, policy, seed", [(1, "write_through", 0), (2, "write_back", 1),
                                                      (1, "write_through_selective", 2)])
 def test_random_operations_against_each_tokens_true_kv(page_size, policy, seed):
