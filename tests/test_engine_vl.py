@@ -17,6 +17,7 @@ from safetensors.torch import save_file
 
 from actors.engine import Engine
 from actors.engine.multimodal import MM_PAD_BASE, MultimodalProcessor
+from actors.engine.pipeline import PPMissingLayer
 from actors.engine.tiny import build_tiny_checkpoint
 from actors.engine.tokenizer import IMAGE_PAD_ID, load_tokenizer
 from tests.parity import assert_greedy_parity, hf_image_inputs, hf_model
@@ -165,6 +166,19 @@ def test_tp2_equals_hf(model_dir, monkeypatch):
              [[image(100, 150, 12), image(60, 60, 13)], None])
     engine.check_integrity()
     engine.shutdown()
+
+
+def test_pp2_equals_hf_with_the_vision_tower_on_the_first_stage_only(model_dir, monkeypatch):
+    """The decoder's layers are the text config's; the first stage (the input embeddings' reader)
+    encodes the images, the last holds no vision tower."""
+    thread_ranks(monkeypatch)
+    engine = Engine(model_dir, max_total_tokens=2048, pp_size=2, chunked_prefill_size=16)
+    try:
+        generate(engine, [chat(engine.tokenizer, "pp"), chat(engine.tokenizer, "text")], [[image(90, 90, 4)], None])
+        engine.check_integrity()
+        assert isinstance(engine.tp_group.followers[0].runner.model.visual, PPMissingLayer)
+    finally:
+        engine.shutdown()
 
 
 def test_every_image_form_is_the_same_image(engine, tmp_path):

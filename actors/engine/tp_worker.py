@@ -430,7 +430,8 @@ def check_tp_shardable(config: EngineConfig) -> None:
         error = stage_cache_error(model.kv_cache_spec().kind, model_config.architectures[0], config.pp_size)
         if error:
             raise ValueError(error)
-        stage_layers(model_config.num_hidden_layers, 0, config.pp_size, config.pp_layer_partition)
+        # (a vision-language model's decoder layers are its text config's)
+        stage_layers(model_config.get_text_config().num_hidden_layers, 0, config.pp_size, config.pp_layer_partition)
 
 
 def tp_init_method(host: str = "127.0.0.1") -> str:

@@ -26,6 +26,7 @@ from actors.engine.layers import GatedMLP, MRotaryEmbedding, RMSNorm, apply_rota
 from actors.engine.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, rope_settings
 from actors.engine.multimodal import ImageItem, image_embeddings
 from actors.engine.parallel import SINGLE, TPGroup
+from actors.engine.pipeline import PPMissingLayer
 
 
 def mrope_positions(input_ids: Sequence[int], image_token_id: int, grids: Sequence[Tuple[int, int, int]],
@@ -182,7 +183,8 @@ class Qwen2_5_VLDecoderLayer(LlamaDecoderLayer):
 
 
 class Qwen2_5_VLForConditionalGeneration(LlamaForCausalLM):
-    """The decoder is built from ``text_config``; ``visual`` from ``vision_config``. LoRA is not served."""
+    """The decoder is built from ``text_config``; ``visual`` from ``vision_config``, on the first
+    pipeline stage only (the one that reads the input embeddings). LoRA is not served."""
 
     layer_cls = Qwen2_5_VLDecoderLayer
     supported_lora_modules = ()
@@ -192,7 +194,7 @@ class Qwen2_5_VLForConditionalGeneration(LlamaForCausalLM):
 
     def __init__(self, config, tp: TPGroup = SINGLE):
         super().__init__(config.get_text_config(), tp)
-        self.visual = VisionTransformer(config.vision_config)
+        self.visual = VisionTransformer(config.vision_config) if tp.pp.is_first else PPMissingLayer()
 
     def input_embeds(self, forward_batch):
         """The text embeddings with the rows of the images' tokens replaced by theirs; None (the
@@ -208,4 +210,4 @@ class Qwen2_5_VLForConditionalGeneration(LlamaForCausalLM):
         return x
 
     def encode_image(self, item: ImageItem) -> torch.Tensor:
-        return self.visual(item.pixel_values.to(self.lm_head.weight.device), item.grid_thw)
+        return self.visual(item.pixel_values.to(self.model.embed_tokens.weight.device), item.grid_thw)
