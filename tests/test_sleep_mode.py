@@ -247,6 +247,28 @@ def test_tp2_every_rank_releases_and_resumes(checkpoints, monkeypatch):
         eng.shutdown()
 
 
+def test_pp2_discarded_weights_serve_once_every_stages_tensors_were_written(checkpoints, monkeypatch):
+    """Level 2 at PP 2: rank 0 holds the first stage's tensors only. An update of those alone leaves the
+    last stage's zeros, and requests are refused (served garbage before: rank 0's names were all it
+    waited for); the last stage's then written, the tokens are the checkpoint's."""
+    thread_ranks(monkeypatch)
+    eng = Engine(model_path=checkpoints["old"], pp_size=2, **ENGINE)
+    try:
+        before = outputs(eng)
+        first = set(eng.runner.weights.targets)
+        bucket = sorted(tensors(checkpoints["old"]).items())
+        eng.sleep(level=2)
+        eng.wake_up()
+        eng.update_weights_from_tensor([(name, t) for name, t in bucket if name in first])
+        with pytest.raises(RuntimeError, match="weights were discarded"):
+            eng.generate(input_ids=BATCH[0], sampling_params=GREEDY)
+        eng.update_weights_from_tensor([(name, t) for name, t in bucket if name not in first])
+        assert outputs(eng) == before
+        eng.check_integrity()
+    finally:
+        eng.shutdown()
+
+
 def test_tp2_a_follower_failing_the_release_leaves_every_rank_awake(checkpoints, monkeypatch):
     """All ranks or none: a follower refusing the release, rank 0 (released first) allocates its memory
     anew and the engine serves the same tokens (it looked awake on freed buffers before); at level 2 the

@@ -28,12 +28,14 @@ CallFollowers = Optional[Callable[[str, Any], List[Any]]]  # (None: a single ran
 _load_ids = itertools.count()  # (a follower tells the reads of racing loads apart by them)
 
 
-def on_followers(call_followers: CallFollowers, name: str, payload: Any) -> None:
-    """``call_followers(name, payload)`` on every follower rank; ValueError naming the ranks that failed."""
-    errors = [reply for reply in (call_followers(name, payload) if call_followers else []) if
-              isinstance(reply, FollowerError)]
+def on_followers(call_followers: CallFollowers, name: str, payload: Any) -> List[Any]:
+    """``call_followers(name, payload)`` on every follower rank: their replies, in rank order; ValueError
+    naming the ranks that failed."""
+    replies = call_followers(name, payload) if call_followers else []
+    errors = [reply for reply in replies if isinstance(reply, FollowerError)]
     if errors:
         raise ValueError("; ".join(str(e) for e in errors))
+    return replies
 
 
 def _tell_followers(loop, call_followers: CallFollowers, name: str, payload: Any) -> None:

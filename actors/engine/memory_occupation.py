@@ -100,10 +100,11 @@ class RankMemory:
         draft = getattr(self.runner, "draft", None)
         return [t for t, _ in checkpoint_targets(draft.model).values()] if draft is not None else []
 
-    def release(self, tags: FrozenSet[str], keep_weights: bool = False) -> None:
+    def release(self, tags: FrozenSet[str], keep_weights: bool = False) -> List[str]:
         """Give back the memory of ``tags``' parts; ``keep_weights``: a CPU copy of the weights first. A draft
         model's weights are released with the weights and always copied: no weight update writes them (it
-        replaces the served checkpoint's), so nothing else could restore them."""
+        replaces the served checkpoint's), so nothing else could restore them. Returns the names of the
+        served tensors discarded (released without a copy: weight updates must write them again)."""
         self.released |= tags
         if self.runner.graph_runner is not None:  # (they read the memory about to move)
             self.runner.graph_runner.release()
@@ -121,6 +122,7 @@ class RankMemory:
                 storage.resize_(0)
         if self.runner.device.type == "cuda":
             torch.cuda.empty_cache()
+        return list(self.runner.weights.targets) if WEIGHTS in tags and not keep_weights else []
 
     @torch.no_grad()
     def resume(self, tags: FrozenSet[str]) -> None:
@@ -221,7 +223,9 @@ class EngineMemory(MemoryState):
             self.mark_released(parts, keep_weights)
             try:
                 self.rank.release(parts, keep_weights)
-                on_followers(self.call_followers, "memory_release", (parts, keep_weights))
+                # (a pipeline stage's tensors are its own: every rank's must be written again, not rank 0's alone)
+                for names in on_followers(self.call_followers, "memory_release", (parts, keep_weights)):
+                    self.unwritten.update(names)
             except Exception:  # (a rank that had not released them allocates its KV anew: the cache is empty)
                 self._resume(parts)
                 raise

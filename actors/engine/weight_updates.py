@@ -127,14 +127,15 @@ def apply_update(sched, runner, call_followers: CallFollowers, flush: Callable[[
     tensors: the followers are sent them on the CPU, whole, each takes its shard), flush (``flush``:
     the engine's prefix cache, idle), empty the device caches, record ``version``. ValueError: refused,
     nothing changed; RuntimeError: a copy failed (rolled back where a checkpoint holds the served weights).
-    Returns the names of the served tensors written (rank 0's)."""
+    Returns the names of the served tensors written on any rank (a pipeline stage's are its own)."""
     check_weights(runner, call_followers, source)
     weights, old = runner.weights, runner.weights.path
     what = repr(source) if isinstance(source, str) else "tensors"
     try:
-        written = weights.load(source)
-        on_followers(call_followers, "weights_load", source if isinstance(source, str) else
-                     {name: t.cpu() for name, t in source.items()})
+        written = set(weights.load(source))
+        for names in on_followers(call_followers, "weights_load", source if isinstance(source, str) else
+                                  {name: t.cpu() for name, t in source.items()}):
+            written.update(names)
     except Exception as exc:
         raise RuntimeError(f"weights update from {what} failed while copying ({exc}); "
                            f"{_roll_back(weights, call_followers, old)}") from None
@@ -152,7 +153,7 @@ def apply_update(sched, runner, call_followers: CallFollowers, flush: Callable[[
         on_followers(call_followers, "weights_empty_cache", None)
     if version is not None:
         weights.version = version
-    return written
+    return sorted(written)
 
 
 def _roll_back(weights: ServedWeights, call_followers: CallFollowers, old: Optional[str]) -> str:
