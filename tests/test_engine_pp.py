@@ -212,3 +212,45 @@ def test_each_stage_takes_its_layers_of_a_weight_update(llama, monkeypatch, tmp_
         engine.shutdown()
     assert outputs != first
     assert_greedy_parity(str(mixed), batch, outputs, GREEDY["max_new_tokens"], engine.eos_token_ids)
+
+
+def test_quantized_layers_of_the_last_stage_are_checked_there_in_an_update(monkeypatch, tmp_path):
+    """Named tensors of the last stage's quantized layers are that stage's to check: another FP8 checkpoint's
+    (FP8 weights with their scales) serves HF's tokens over its dequantization (rank 0 refused them as FP8 on a
+    layer it does not serve in FP8), and a GPTQ act-order g_idx of the last stage's layer beside new tensors of
+    the first stage's is refused before any copy, the tokens unchanged (the last stage was sent it on meta: it
+    failed the copy instead, after rank 0 had written its stage's)."""
+    from safetensors.torch import load_file
+
+    from tests.test_fp8_weights import fp8_checkpoint
+    from tests.wna16_helpers import packed_checkpoint
+
+    thread_ranks(monkeypatch)
+    batch, _ = prompts()
+    quantized, _ = fp8_checkpoint("llama", tmp_path / "a")
+    other, other_dequantized = fp8_checkpoint("llama", tmp_path / "b", seed=1)
+    engine = Engine(model_path=quantized, skip_tokenizer_init=True, max_total_tokens=512, pp_size=2)
+    try:
+        engine.update_weights_from_tensor(list(load_file(f"{other}/model.safetensors").items()))
+        outputs = [o["output_ids"] for o in engine.generate(input_ids=batch, sampling_params=GREEDY)]
+    finally:
+        engine.shutdown()
+    assert_greedy_parity(other_dequantized, batch, outputs, GREEDY["max_new_tokens"], engine.eos_token_ids)
+
+    packed, _ = packed_checkpoint("llama", tmp_path / "c", bits=4, group_size=16)
+    new, _ = packed_checkpoint("llama", tmp_path / "d", bits=4, group_size=16, seed=2)
+    act_order, _ = packed_checkpoint("llama", tmp_path / "e", bits=4, group_size=16, act_order=True, seed=1)
+    g_idx = "model.layers.1.self_attn.q_proj.g_idx"
+    engine = Engine(model_path=packed, skip_tokenizer_init=True, max_total_tokens=512, pp_size=2)
+    try:
+        before = [o["output_ids"] for o in engine.generate(input_ids=batch, sampling_params=GREEDY)]
+        named = [(name, t) for name, t in load_file(f"{new}/model.safetensors").items()
+                 if name.startswith("model.layers.0.")]
+        named += [(name, t) for name, t in load_file(f"{act_order}/model.safetensors").items()
+                  if name.startswith("model.layers.1.")]
+        with pytest.raises(ValueError, match=f"rank 1: .*{g_idx} is not in group order"):
+            engine.update_weights_from_tensor(named)
+        assert [o["output_ids"] for o in engine.generate(input_ids=batch, sampling_params=GREEDY)] == before
+        engine.check_integrity()
+    finally:
+        engine.shutdown()

@@ -455,10 +455,11 @@ class ServedWeights:
         """Named tensors' FP8 rule: a block-FP8 layer's weight comes in FP8 with its ``weight_scale_inv``
         (both replaced), or in another dtype alone (quantized as it loads, its scales written); no
         layer served unquantized takes an FP8 tensor. A compressed-tensors layer's tensors come as it stores them
-        (:func:`compressed_tensors.stored_problems`)."""
+        (:func:`compressed_tensors.stored_problems`); those of a layer another rank holds (an expert under EP,
+        another pipeline stage's) are its check's."""
         problems = []
         for name, tensor in tensors.items():
-            if name.rpartition(".")[0] in self.compressed:
+            if name.rpartition(".")[0] in self.compressed or self.elsewhere(name):
                 continue
             weight = name.removesuffix(fp8.SCALE) + "weight"
             is_fp8 = tensor.dtype == fp8.FP8

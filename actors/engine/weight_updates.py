@@ -61,6 +61,7 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional
 
 import torch
 
+from actors.engine import wna16
 from actors.engine.lora_updates import CallFollowers, on_followers
 from actors.engine.model_loader import ServedWeights, WeightsSource
 from mem_cache.hicache_storage import HiCacheFile, rank_storage_dir
@@ -92,15 +93,19 @@ def storage_dir_for(base: str, path: Optional[str], version: Optional[str]) -> s
 
 def check_weights(runner, call_followers: CallFollowers, source: WeightsSource) -> None:
     """ValueError naming what differs (and the rank) when ``source`` (a checkpoint's path, or named
-    tensors: the followers are sent their shapes and dtypes alone, on meta) cannot replace the served
-    weights on every rank; nothing is loaded (the loop's lock held: it calls the followers)."""
-    runner.weights.check(source)
-    on_followers(call_followers, "weights_check", source if isinstance(source, str) else on_meta(source))
+    tensors: the followers are sent their shapes and dtypes alone, on meta, but the values a check reads
+    of a layer rank 0 does not hold: another pipeline stage's, an expert of another EP rank) cannot
+    replace the served weights on every rank; nothing is loaded (the loop's lock held: it calls the followers)."""
+    weights = runner.weights
+    weights.check(source)
+    on_followers(call_followers, "weights_check", source if isinstance(source, str) else on_meta(
+        source, lambda name: weights.elsewhere(name) and wna16.value_checked(name)))
 
 
-def on_meta(tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
-    """``tensors`` on meta: their shapes and dtypes, all a check reads, sent at no cost."""
-    return {name: torch.empty_like(t, device="meta") for name, t in tensors.items()}
+def on_meta(tensors: Dict[str, torch.Tensor], keep: Optional[Callable[[str], bool]] = None) -> Dict[str, torch.Tensor]:
+    """``tensors`` on meta (their shapes and dtypes, sent at no cost) but those ``keep`` names, on the CPU."""
+    return {name: t.cpu() if keep is not None and keep(name) else torch.empty_like(t, device="meta")
+            for name, t in tensors.items()}
 
 
 def check_paused_flush(loop, flush_cache: bool) -> None:

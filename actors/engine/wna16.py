@@ -226,6 +226,12 @@ def unread(packed: Dict[str, nn.Module], name: str) -> bool:
     return (param == "g_idx" and not layer.packed.desc_act) or (param == "bias" and layer.bias is None)
 
 
+def value_checked(name: str) -> bool:
+    """Whether a named tensor's values are checked, not its shape alone (:func:`unread_problems`): a rank
+    holding its layer needs them."""
+    return name.rpartition(".")[2] in ("g_idx", "bias")
+
+
 def unread_problems(packed: Dict[str, nn.Module], tensors: Dict[str, torch.Tensor]) -> List[str]:
     """Named tensors' (a weight update's) rule for those a ``packed`` layer does not read (:func:`unread`):
     they must say nothing it would miss. A ``g_idx`` holds the groups in order (``i // group_size``, as GPTQ
