@@ -76,7 +76,8 @@ def held_layers(runner):
 @pytest.mark.parametrize("tp_size", [1, 2])
 def test_pp2_tokens_and_logprobs_equal_tp1_and_hf(llama, monkeypatch, tp_size):
     """Each stage holds its layer, rank 0 the embedding, the last stage norm and lm_head; each
-    rank's KV pool is its layer's (start_layer), sized as TP=1's (the min over the ranks)."""
+    rank's KV pool is its layer's (start_layer), sized as TP=1's (the min over the ranks); the
+    server info says the ranks' shape."""
     ref_outputs, ref_meta, _ = run(llama)
     thread_ranks(monkeypatch)
     seen = {}
@@ -88,6 +89,7 @@ def test_pp2_tokens_and_logprobs_equal_tp1_and_hf(llama, monkeypatch, tp_size):
                          not isinstance(r.model.lm_head, PPMissingLayer)) for r in runners]
         seen["pools"] = [(r.token_to_kv_pool.start_layer, r.token_to_kv_pool.layer_num, r.max_total_num_tokens)
                          for r in runners]
+        seen["info"] = engine.server_info()
 
     outputs, meta, eos = run(llama, tp_size, 2, check=check)
     assert outputs == ref_outputs
@@ -104,6 +106,7 @@ def test_pp2_tokens_and_logprobs_equal_tp1_and_hf(llama, monkeypatch, tp_size):
     assert seen["layers"] == [[stage] for stage in stages]
     assert seen["ends"] == [(stage == 0, stage == 1) for stage in stages]
     assert seen["pools"] == [(stage, 1, 1024) for stage in stages]
+    assert (seen["info"]["tp_size"], seen["info"]["pp_size"], seen["info"]["max_total_num_tokens"]) == (tp_size, 2, 1024)
 
 
 def test_uneven_stages_with_tied_embeddings_and_a_small_pool_retracting(monkeypatch, tmp_path):
