@@ -8,6 +8,7 @@ import base64
 import io
 import pickle
 import shutil
+import threading
 
 import numpy as np
 import pytest
@@ -16,13 +17,14 @@ from PIL import Image
 from safetensors.torch import save_file
 
 from actors.engine import Engine
+from actors.engine.models.qwen2_5_vl import VisionTransformer
 from actors.engine.multimodal import MM_PAD_BASE, MultimodalProcessor
 from actors.engine.pipeline import PPMissingLayer
 from actors.engine.tiny import build_tiny_checkpoint
 from actors.engine.tokenizer import IMAGE_PAD_ID, load_tokenizer
 from tests.parity import assert_greedy_parity, hf_image_inputs, hf_model
 from tests.pd_helpers import close_workers, make_pair, run_pd
-from tests.tp_helpers import thread_ranks
+from tests.tp_helpers import pickled_broadcasts, thread_ranks
 
 MAX_NEW = 8
 
@@ -159,11 +161,46 @@ def test_retracted_image_requests_are_encoded_again(model_dir):
     engine.shutdown()
 
 
-def test_tp2_equals_hf(model_dir, monkeypatch):
+def test_tp2_equals_hf_and_each_rank_encodes_an_image_once_per_prefill(model_dir, monkeypatch):
+    """The follower gets each chunk's batch pickled (its images without rank 0's embedding): it keeps the
+    embeddings it encoded across chunks, is sent an image's pixels once, and drops the embeddings when the
+    prefill ends."""
     thread_ranks(monkeypatch)
-    engine = Engine(model_dir, max_total_tokens=2048, tp_size=2, chunked_prefill_size=16)
+    sent = pickled_broadcasts(monkeypatch)
+    encoded = []
+    forward = VisionTransformer.forward
+    monkeypatch.setattr(VisionTransformer, "forward", lambda self, pixels, grid: encoded.append(
+        (threading.current_thread().name, grid)) or forward(self, pixels, grid))
+    engine = Engine(model_dir, max_total_tokens=2048, tp_size=2, chunked_prefill_size=8)
     generate(engine, [chat(engine.tokenizer, "tp", 2), chat(engine.tokenizer, "text")],
              [[image(100, 150, 12), image(60, 60, 13)], None])
+    # (20 and 4 tokens over 8-token chunks)
+    once = [(1, 8, 10), (1, 4, 4)]
+    ranks = {name for name, _ in encoded}  # (rank 0's the engine loop's thread, rank 1's its own)
+    assert len(ranks) == 2 and all([g for name, g in encoded if name == rank] == once for rank in ranks)
+    pixels = [item.grid_thw for msg in sent if getattr(msg, "fields", None) and msg.fields["mm_items"]
+              for items in msg.fields["mm_items"] for item in items if item.pixel_values is not None]
+    assert pixels == once
+    engine.check_integrity()
+    assert engine.tp_group.followers[0]._images.embeddings == {} and engine.tp_group.worker._images.held == {}
+    engine.shutdown()
+
+
+def test_tp2_retracted_image_requests_are_encoded_again_on_every_rank(model_dir, monkeypatch):
+    """A retraction drops rank 0's embeddings and, at the next batch, the follower's: both encode again."""
+    thread_ranks(monkeypatch)
+    pickled_broadcasts(monkeypatch)
+    encoded = []
+    forward = VisionTransformer.forward
+    monkeypatch.setattr(VisionTransformer, "forward", lambda self, pixels, grid: encoded.append(
+        (threading.current_thread().name, pixels.sum().item())) or forward(self, pixels, grid))
+    engine = Engine(model_dir, max_total_tokens=160, max_running_requests=6, chunked_prefill_size=-1, tp_size=2,
+                    disable_radix_cache=True, schedule_policy="fcfs")  # (a retracted request encodes its image again)
+    prompts = [chat(engine.tokenizer, f"q{i}") for i in range(6)]
+    generate(engine, prompts, [[image(56, 56, 20 + i)] for i in range(6)], max_new_tokens=40)
+    assert engine.scheduler.num_retractions > 0
+    by_rank = [[p for name, p in encoded if name == rank] for rank in sorted({name for name, _ in encoded})]
+    assert len(by_rank) == 2 and by_rank[0] == by_rank[1] and len(by_rank[0]) > 6
     engine.check_integrity()
     engine.shutdown()
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import pickle
 import queue
 import random
 import threading
@@ -189,6 +190,21 @@ def thread_ranks(monkeypatch) -> None:
     locked = _one_at_a_time(fused_moe.grouped_gemm)
     monkeypatch.setattr(fused_moe, "grouped_gemm", locked)
     monkeypatch.setattr(lora_experts, "grouped_gemm", locked)
+
+
+def pickled_broadcasts(monkeypatch) -> List[Any]:
+    """The followers get rank 0's broadcasts pickled, as over gloo or Ray, not its objects (an image
+    item without rank 0's embedding, see ``ImageItem.__getstate__``). ``sent`` counts what was pickled."""
+    sent: List[Any] = []
+
+    def broadcast_object(self, obj: Any = None) -> Any:
+        data = self.hub.exchange(self.rank, pickle.dumps(obj) if self.is_leader else None)[0]
+        if self.is_leader:
+            sent.append(obj)
+        return obj if self.is_leader else pickle.loads(data)
+
+    monkeypatch.setattr(ThreadGroup, "broadcast_object", broadcast_object)
+    return sent
 
 
 def _one_at_a_time(launch):

@@ -15,16 +15,24 @@ The model side (:func:`image_embeddings`): in a prefill forward, each image whos
 chunk computes is encoded by the vision tower once (its embedding kept on the
 :class:`ImageItem`, on the request, across chunks; dropped when the prefill ends) and the
 chunk's rows of it replace those tokens' text embeddings.
+
+Under TP every rank encodes the images of its batches (the vision tower is replicated), and each
+must encode an image once per prefill, as rank 0 does, though it gets each batch pickled (items
+without rank 0's embedding): :class:`FollowerImages` keeps a follower's embeddings across chunks,
+and :class:`ImageMirror`, on rank 0, tells it which to drop (as vLLM's scheduler tells its workers
+which encoder outputs to free) and leaves out the pixels of those it holds.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import hashlib
 import io
 import os
-from dataclasses import dataclass
+import weakref
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -70,7 +78,9 @@ class ImageItem:
     """One image of a request (SGLang's ``MultimodalDataItem``): its patches, its grid, and where
     its tokens are in the prompt, ``[offset, offset + num_tokens)``, each holding ``pad_value``."""
 
-    pixel_values: torch.Tensor  # [patches, channels * temporal_patch * patch * patch] fp32, on the CPU
+    # [patches, channels * temporal_patch * patch * patch] fp32, on the CPU (None: a TP follower's copy of an
+    # image it holds the embedding of, see ImageMirror)
+    pixel_values: Optional[torch.Tensor]
     grid_thw: Tuple[int, int, int]  # patches along time, height, width
     pad_value: int
     offset: int
@@ -78,7 +88,8 @@ class ImageItem:
     embedding: Optional[torch.Tensor] = None  # [num_tokens, hidden], on the model's device, once encoded
 
     def __getstate__(self):
-        # a TP follower gets the batch's images without rank 0's embedding (its own vision tower encodes them)
+        # a TP follower gets the batch's images without rank 0's embedding (its own vision tower encodes them,
+        # once a prefill: FollowerImages)
         return {**self.__dict__, "embedding": None}
 
     @property
@@ -226,3 +237,56 @@ def image_embeddings(forward_batch, encode: Callable[[ImageItem], torch.Tensor])
     if not index:
         return None
     return torch.tensor(index, dtype=torch.int64, device=rows[0].device), torch.cat(rows)
+
+
+class ImageMirror:
+    """Rank 0's record of the image embeddings its TP followers hold, by key (the rank 0 item's ``id``).
+    A follower encodes an image when rank 0 does, in the same forward, and keeps its embedding as long as
+    rank 0's item keeps its own: it drops it at the first batch (or sync) after rank 0's item lost it (the
+    prefill ended, a retraction or a requeue) or went away (an aborted or failed request). So a weight
+    update between two chunks leaves both with the embedding of the weights then served, and a follower's
+    embeddings live as long as rank 0's (and one exchange more)."""
+
+    def __init__(self):
+        self.held: Dict[int, weakref.ref] = {}
+
+    def updates(self, mm_items: Optional[List[List[ImageItem]]]) -> Tuple[List[int], Optional[List], Optional[List]]:
+        """(keys the followers drop first; the batch's items' keys and the items to send, per request, or
+        None for a batch of no image): an image they hold goes without its pixels. (A dead item's id may
+        be a new item's: dropped before the new one is taken, which goes with its pixels.)"""
+        drops = [key for key, ref in self.held.items() if ref() is None or ref().embedding is None]
+        for key in drops:
+            del self.held[key]
+        if mm_items is None:
+            return drops, None, None
+        keys = [[id(item) for item in items] for items in mm_items]
+        # (copies: a follower fills in its own embeddings, rank 0's items stay rank 0's, pickled or not)
+        sent = [[replace(item, embedding=None, pixel_values=None if id(item) in self.held else item.pixel_values)
+                 for item in items] for items in mm_items]
+        for items in mm_items:
+            for item in items:
+                self.held.setdefault(id(item), weakref.ref(item))
+        return drops, keys, sent
+
+
+class FollowerImages:
+    """A TP follower's image embeddings (on its device), by rank 0's keys (:class:`ImageMirror`)."""
+
+    def __init__(self):
+        self.embeddings: Dict[int, torch.Tensor] = {}
+
+    def drop(self, keys: Sequence[int]) -> None:
+        for key in keys:  # (a later pipeline stage's rank encodes nothing, holds nothing)
+            self.embeddings.pop(key, None)
+
+    @contextlib.contextmanager
+    def forward(self, keys: Optional[List[List[int]]], mm_items: Optional[List[List[ImageItem]]]):
+        """Around a forward of the batch whose items are ``mm_items``: those held get their embedding
+        (the vision tower skips them), those encoded in it are kept."""
+        pairs = [] if keys is None else [pair for ks, items in zip(keys, mm_items) for pair in zip(ks, items)]
+        for key, item in pairs:
+            item.embedding = self.embeddings.get(key)
+        yield
+        for key, item in pairs:
+            if item.embedding is not None:
+                self.embeddings[key] = item.embedding

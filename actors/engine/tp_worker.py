@@ -74,6 +74,7 @@ from actors.engine.forward_batch import ForwardBatch
 from actors.engine.model_loader import build_served_model, load_config
 from actors.engine.model_runner import ModelRunner
 from actors.engine.models.spec import KVCacheSpec
+from actors.engine.multimodal import FollowerImages, ImageMirror
 from actors.engine.parallel import TPGroup, init_stage_group, init_tp_group
 from actors.engine.pipeline import stage_cache_error, stage_layers
 from mem_cache.hicache_controller import HiCacheController
@@ -107,15 +108,21 @@ class BatchMessage:
     mamba_ops: List[Tuple]
     fields: Optional[Dict[str, Any]]
     host_ops: List[Tuple] = dataclasses.field(default_factory=list)  # host-tier copies (HiCacheController)
+    image_drops: List[int] = dataclasses.field(default_factory=list)  # embeddings to drop first (ImageMirror)
+    image_keys: Optional[List[List[int]]] = None  # the batch's images' keys, as its mm_items
 
     @classmethod
-    def pack(cls, batch: ForwardBatch, table_updates, mamba_ops, host_ops=()) -> "BatchMessage":
+    def pack(cls, batch: ForwardBatch, table_updates, mamba_ops, host_ops=(), images=None) -> "BatchMessage":
+        """``images``: (drops, keys, the items to send) of :meth:`ImageMirror.updates`."""
         fields = {}
         for f in dataclasses.fields(batch):
             if f.name not in LOCAL_FIELDS:
                 value = getattr(batch, f.name)
                 fields[f.name] = value.cpu() if isinstance(value, torch.Tensor) else value
-        return cls(table_updates, mamba_ops, fields, list(host_ops))
+        drops, keys, items = images or ([], None, None)
+        if items is not None:
+            fields["mm_items"] = items
+        return cls(table_updates, mamba_ops, fields, list(host_ops), drops, keys)
 
     def forward_batch(self, device: torch.device) -> ForwardBatch:
         fields = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in self.fields.items()}
@@ -238,6 +245,7 @@ class TPModelWorker:
                                  weights_empty_cache=lambda _: empty_device_cache(self.runner.device),
                                  memory_release=lambda payload: memory.release(*payload),
                                  memory_resume=memory.resume)
+        self._images = ImageMirror() if self.tp.is_leader else FollowerImages()
         if self.tp.size > 1 and self.tp.is_leader:
             self._mirror = TableMirror(self.tables)
             if self._mamba_pool is not None:
@@ -310,8 +318,9 @@ class TPModelWorker:
             host_ops = list(self.runner.host_op_log)
             self.runner.host_op_log.clear()
         updates = self._mirror.updates(batch)
-        self.tp.broadcast_object(BatchMessage.pack(batch, updates, ops, host_ops) if batch
-                                 else BatchMessage(updates, ops, None, host_ops))
+        images = self._images.updates(batch.mm_items if batch else None)
+        self.tp.broadcast_object(BatchMessage.pack(batch, updates, ops, host_ops, images) if batch
+                                 else BatchMessage(updates, ops, None, host_ops, images[0]))
 
     def sync(self) -> None:
         """Rank 0: bring the followers' Mamba states and host-tier copies up to date
@@ -345,21 +354,26 @@ class TPModelWorker:
 
     def check_followers(self) -> List[KVCacheSpec]:
         """Rank 0, engine idle: every follower's index tables equal what rank 0
-        sent them, and its host tier has no load in flight or failure unreported.
+        sent them, its host tier has no load in flight or failure unreported, and it
+        holds no image embedding rank 0 does not.
         Returns every rank's KVCacheSpec, in rank order."""
         if self.tp.size == 1:
             return [self.runner.spec]
+        self.sync()  # (the image embeddings to drop: those of the prefills ended since the last batch)
         with self._exchange("a check"):
             self.tp.broadcast_object(CHECK)
             replies = self.tp.gather_objects(None)
         expected = table_digest(self._mirror.sent)
-        for rank, (digest, _, host_tier_busy) in enumerate(replies[1:], start=1):
+        for rank, (digest, _, host_tier_busy, images) in enumerate(replies[1:], start=1):
             if host_tier_busy:
                 raise RuntimeError(f"TP rank {rank}: host-tier loads in flight or failures unreported, engine idle")
+            if not images <= set(self._images.held):
+                raise RuntimeError(f"TP rank {rank}: holds {len(images - set(self._images.held))} image "
+                                   "embedding(s) rank 0 has dropped")
             if digest != expected:
                 bad = sorted(k for k in expected if digest.get(k) != expected[k])
                 raise RuntimeError(f"TP rank {rank}: index tables {bad} differ from rank 0's")
-        return [self.runner.spec] + [spec for _, spec, _ in replies[1:]]
+        return [self.runner.spec] + [spec for _, spec, _, _ in replies[1:]]
 
     def shutdown(self) -> None:
         """Rank 0: end the followers' loops, then leave the group (idempotent; a broken
@@ -390,7 +404,8 @@ class TPModelWorker:
             if msg == CHECK:
                 tier = self._host_tier
                 busy = tier is not None and (tier.load_pending or tier.load_failures_pending)
-                self.tp.gather_objects((table_digest(self.tables), self.runner.spec, busy))
+                self.tp.gather_objects((table_digest(self.tables), self.runner.spec, busy,
+                                        set(self._images.embeddings)))
                 continue
             if isinstance(msg, tuple) and msg[0] == CALL:
                 self._answer_call(msg[1], msg[2])
@@ -406,9 +421,12 @@ class TPModelWorker:
             if (msg.host_ops or msg.mamba_ops) and msg.fields is None and device.type == "cuda":
                 # a sync() before out-of-band writes (a KV push into fresh slots): states zeroed, KV loaded first
                 torch.cuda.current_stream(device).synchronize()
+            self._images.drop(msg.image_drops)
             if msg.fields is not None:
+                batch = msg.forward_batch(device)
                 try:
-                    self.runner.forward(msg.forward_batch(device))
+                    with self._images.forward(msg.image_keys, batch.mm_items):
+                        self.runner.forward(batch)
                 finally:
                     if self._host_tier is not None:
                         self._host_tier.wait_loading()
