@@ -174,6 +174,9 @@ class GenerationService:
         # OpenAI's developer role is its system role; a template that knows no "developer" gets "system"
         developer = "developer" if "developer" in str(template) else "system"
         try:
+            if self.mm_processor is None and any(m.image_urls() for m in req.messages):  # (a text template
+                # would take the parts as text: a TypeError, a 500)
+                raise ValueError("images, but the served model is not a vision-language model")
             messages = [template_message(dict(m.model_dump(exclude_none=True), content=m.template_content(),
                                               role=developer if m.role == "developer" else m.role))
                         for m in req.messages]

@@ -550,7 +550,7 @@ def test_include_stop_str_in_output_keeps_the_stop_string_or_token_in_the_text(c
     assert texts(extra_body={"stop_token_ids": [z], "include_stop_str_in_output": True}) == ("z", "z")
 
 
-def test_developer_role_is_a_system_message_and_template_errors_are_400(client):
+def test_developer_role_is_a_system_message_and_template_errors_and_images_to_a_text_model_are_400(client):
     def reply(role):
         return client.chat.completions.create(
             model=MODEL, max_tokens=6, temperature=0,
@@ -559,6 +559,11 @@ def test_developer_role_is_a_system_message_and_template_errors_are_400(client):
     assert reply("developer").message.content == reply("system").message.content
     body = bad_request(lambda: reply("tool"))
     assert body["param"] == "messages" and "unexpected role tool" in body["message"]
+    # (an image part to a text model's template was a 500: a TypeError where it joins the content as text)
+    body = bad_request(lambda: client.chat.completions.create(model=MODEL, max_tokens=2, messages=[{
+        "role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+                                    {"type": "text", "text": "hi"}]}]))
+    assert body["param"] == "messages" and "not a vision-language model" in body["message"]
 
 
 def test_models_retrieve(client):
