@@ -5,7 +5,8 @@ A Responses request becomes the chat request it means (:func:`chat_request`) and
 parsers — its chat answer reshaped into a response (:mod:`cluster.responses_format`):
 
 * ``input``: a string (a user message) or items: messages (role user, system, developer or
-  assistant; content a string or ``input_text`` / ``output_text`` parts), ``function_call`` items
+  assistant; content a string or ``input_text`` / ``output_text`` parts, and ``input_image`` parts:
+  chat's ``image_url`` parts, data URLs only), ``function_call`` items
   (an assistant's ``tool_calls``; calls right after an assistant message join it, as one turn's
   output) and ``function_call_output`` items (``tool`` messages). ``reasoning`` items (a client
   sends a response's output back whole) stay out of the prompt, as in vLLM: templates drop a past
@@ -138,19 +139,33 @@ def _bad(param: str, what: str) -> APIError:
     return APIError(400, f"{param}: {what}", param=param)
 
 
-def _text_of(parts: Any, param: str) -> Union[str, List[Dict[str, str]]]:
-    """A message's content for chat: a string as it is, text parts as chat's text parts."""
+def _content_of(parts: Any, param: str, images: bool = False) -> Union[str, List[Dict[str, Any]]]:
+    """A message's content for chat: a string as it is, text parts as chat's text parts and, with
+    ``images`` (a message's content), ``input_image`` parts as chat's ``image_url`` parts."""
     if isinstance(parts, str):
         return parts
     if not isinstance(parts, list):
         raise _bad(param, "must be a string or a list of input_text parts")
     out = []
     for j, part in enumerate(parts):
-        if not isinstance(part, dict) or part.get("type") not in TEXT_PARTS or not isinstance(part.get("text"), str):
-            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise _bad(f"{param}.{j}", f"content part {kind!r} is not supported (input_text or output_text)")
-        out.append({"type": "text", "text": part["text"]})
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        if images and kind == "input_image":
+            out.append(_image_part(part, f"{param}.{j}"))
+        elif kind in TEXT_PARTS and isinstance(part.get("text"), str):
+            out.append({"type": "text", "text": part["text"]})
+        else:
+            served = "input_text, output_text or input_image" if images else "input_text or output_text"
+            raise _bad(f"{param}.{j}", f"content part {kind!r} is not supported ({served})")
     return out
+
+
+def _image_part(part: Dict[str, Any], param: str) -> Dict[str, Any]:
+    """OpenAI's ``{"type": "input_image", "image_url": "data:...", "detail": ...}`` as chat's image_url
+    part (the chat path takes data URLs only, as for chat; ``detail`` changes nothing: the checkpoint's
+    image processor sizes the image)."""
+    if not isinstance(part.get("image_url"), str):
+        raise _bad(param, "an input_image is taken by its image_url, a data URL string (file_id is not served)")
+    return {"type": "image_url", "image_url": {"url": part["image_url"]}}
 
 
 def _field(item: Dict[str, Any], name: str, param: str) -> str:
@@ -171,7 +186,7 @@ def input_messages(items: Union[str, List[Dict[str, Any]]], param: str = "input"
             role = item.get("role")
             if role not in ("user", "system", "developer", "assistant"):
                 raise _bad(f"{where}.role", f"{role!r} is not one of user, system, developer, assistant")
-            messages.append({"role": role, "content": _text_of(item.get("content"), f"{where}.content")})
+            messages.append({"role": role, "content": _content_of(item.get("content"), f"{where}.content", True)})
         elif kind == "function_call":
             call = {"id": _field(item, "call_id", where), "type": "function",
                     "function": {"name": _field(item, "name", where), "arguments": _field(item, "arguments", where)}}
@@ -180,7 +195,7 @@ def input_messages(items: Union[str, List[Dict[str, Any]]], param: str = "input"
             messages[-1].setdefault("tool_calls", []).append(call)
         elif kind == "function_call_output":
             messages.append({"role": "tool", "tool_call_id": _field(item, "call_id", where),
-                             "content": _text_of(item.get("output"), f"{where}.output")})
+                             "content": _content_of(item.get("output"), f"{where}.output")})
         elif kind != "reasoning":
             raise _bad(f"{where}.type", f"item type {kind!r} is not supported (message, function_call, "
                        "function_call_output, reasoning)")

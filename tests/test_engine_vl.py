@@ -343,8 +343,8 @@ def test_image_requests_through_pd_workers_equal_hf(model_dir):
 
 
 def test_chat_completions_and_generate_with_images_equal_the_engines_answer(engine):
-    """The server's tokenizer side processes the data URLs of a chat's image_url parts and of /generate's
-    image_data (the backend gets the padded prompt and the images): the answer is the engine's own to the
+    """The server's tokenizer side processes the data URLs of a chat's image_url parts, a response's
+    input_image parts and /generate's image_data (the backend gets the padded prompt and the images): the answer is the engine's own to the
     same image; a bad image, one not in a data URL (a path: the server reads no file), an image_url part of
     another shape than OpenAI's, or more images than the workers' limit_mm_per_prompt is a 400."""
     import httpx
@@ -365,6 +365,11 @@ def test_chat_completions_and_generate_with_images_equal_the_engines_answer(engi
             {"role": "user", "content": [{"type": "image_url", "image_url": image_url or {"url": url}},
                                          {"type": "text", "text": "what?"}]}]}
 
+    def responses_body(url):
+        return {"model": compat.MODEL, "max_output_tokens": MAX_NEW, "temperature": 0, "input": [
+            {"role": "user", "content": [{"type": "input_image", "image_url": url, "detail": "auto"},
+                                         {"type": "input_text", "text": "what?"}]}]}
+
     backend = compat.EngineBackend(engine, 2048)
     backend.limit_mm_per_prompt = {"image": 1}  # (the workers' limit_mm_per_prompt: the server refuses more)
     app = build_app(backend, engine.tokenizer, ServerConfig())
@@ -378,6 +383,9 @@ def test_chat_completions_and_generate_with_images_equal_the_engines_answer(engi
                   for image_url in (url, {"url": 5})]
         two = httpx.post(server.url + "/generate", json={"text": chat(engine.tokenizer, "two?", 2),
                                                          "image_data": [url, url]}, timeout=60)
+        response = httpx.post(server.url + "/v1/responses", json=responses_body(url), timeout=60)
+        not_data = httpx.post(server.url + "/v1/responses", json=responses_body("https://example.com/a.png"),
+                              timeout=60)
         native = httpx.post(server.url + "/generate", json={
             "text": chat(engine.tokenizer, "what?"), "image_data": [url],
             "sampling_params": {"max_new_tokens": MAX_NEW, "temperature": 0}}, timeout=60)
@@ -385,6 +393,11 @@ def test_chat_completions_and_generate_with_images_equal_the_engines_answer(engi
     got = [t["logprob"] for t in r.json()["choices"][0]["logprobs"]["content"]]
     assert got == pytest.approx([lp for lp, _ in want["meta_info"]["output_token_logprobs"]], abs=1e-5)
     assert r.json()["usage"]["prompt_tokens"] == want["meta_info"]["prompt_tokens"]
+    # (the Responses API's input_image parts are chat's image_url parts)
+    assert response.status_code == 200 and response.json()["output"][0]["content"][0]["text"] == want["text"]
+    assert response.json()["usage"]["input_tokens"] == want["meta_info"]["prompt_tokens"]
+    assert not_data.status_code == 400 and not_data.json()["error"]["param"] == "input"
+    assert "data URLs" in not_data.json()["error"]["message"]
     assert bad.status_code == 400 and "cannot be decoded" in bad.json()["error"]["message"]
     assert path.status_code == 400 and "data URLs" in path.json()["error"]["message"]
     assert [r.status_code for r in shapes] == [400, 400]
