@@ -5,10 +5,12 @@ and inside it) and misses on another, retraction, TP 2 and PD workers; bad image
 
 import asyncio
 import base64
+import collections
 import io
 import pickle
 import shutil
 import threading
+from typing import Any, Dict, List, Tuple
 
 import numpy as np
 import pytest
@@ -64,12 +66,17 @@ def engine(model_dir):
     engine.shutdown()
 
 
-def test_one_image_equals_hf_and_the_image_matters(engine):
+def check_one_image(engine: Engine, image_tokens: int) -> None:
+    """An image of 100 x 150 pixels is ``image_tokens`` tokens of the prompt; tokens and logprobs are HF's, and
+    another image changes the logprobs."""
     a, b = generate(engine, [chat(engine.tokenizer, "what is it?")] * 2, [[image(100, 150, 0)], [image(100, 150, 1)]])
-    # (112 x 140 pixels: 8 x 10 patches, 20 tokens)
     text_len = len(engine.tokenizer.encode(chat(engine.tokenizer, "what is it?")))
-    assert a["meta_info"]["prompt_tokens"] == text_len - 1 + 20
+    assert a["meta_info"]["prompt_tokens"] == text_len - 1 + image_tokens
     assert a["meta_info"]["output_token_logprobs"] != b["meta_info"]["output_token_logprobs"]
+
+
+def test_one_image_equals_hf_and_the_image_matters(engine):
+    check_one_image(engine, 20)  # (112 x 140 pixels: 8 x 10 patches of 14, 20 tokens)
 
 
 def test_two_images_of_different_sizes_in_one_prompt(engine):
@@ -161,23 +168,35 @@ def test_retracted_image_requests_are_encoded_again(model_dir):
     engine.shutdown()
 
 
+def encodings_per_rank(monkeypatch, vision_cls, key) -> Tuple[Dict[str, list], List[Any]]:
+    """Ranks as threads, the followers getting rank 0's broadcasts pickled: each rank's vision tower calls
+    (``key(pixels, grid)`` of each), by the rank's thread (rank 0's the engine loop's), and the broadcasts."""
+    thread_ranks(monkeypatch)
+    sent = pickled_broadcasts(monkeypatch)
+    encoded = collections.defaultdict(list)
+    forward = vision_cls.forward
+    monkeypatch.setattr(vision_cls, "forward", lambda self, pixels, grid: encoded[
+        threading.current_thread().name].append(key(pixels, grid)) or forward(self, pixels, grid))
+    return encoded, sent
+
+
+def tp2_two_images(model_dir: str, monkeypatch, vision_cls) -> Tuple[Engine, Dict[str, list], List[Any]]:
+    """A TP 2 engine (chunks of 8) that served two images and a text request in one batch (HF's tokens and
+    logprobs), each rank's encoded grids and the broadcasts."""
+    encoded, sent = encodings_per_rank(monkeypatch, vision_cls, lambda pixels, grid: grid)
+    engine = Engine(model_dir, max_total_tokens=2048, tp_size=2, chunked_prefill_size=8)
+    generate(engine, [chat(engine.tokenizer, "tp", 2), chat(engine.tokenizer, "text")],
+             [[image(100, 150, 12), image(60, 60, 13)], None])
+    return engine, encoded, sent
+
+
 def test_tp2_equals_hf_and_each_rank_encodes_an_image_once_per_prefill(model_dir, monkeypatch):
     """The follower gets each chunk's batch pickled (its images without rank 0's embedding): it keeps the
     embeddings it encoded across chunks, is sent an image's pixels once, and drops the embeddings when the
     prefill ends."""
-    thread_ranks(monkeypatch)
-    sent = pickled_broadcasts(monkeypatch)
-    encoded = []
-    forward = VisionTransformer.forward
-    monkeypatch.setattr(VisionTransformer, "forward", lambda self, pixels, grid: encoded.append(
-        (threading.current_thread().name, grid)) or forward(self, pixels, grid))
-    engine = Engine(model_dir, max_total_tokens=2048, tp_size=2, chunked_prefill_size=8)
-    generate(engine, [chat(engine.tokenizer, "tp", 2), chat(engine.tokenizer, "text")],
-             [[image(100, 150, 12), image(60, 60, 13)], None])
-    # (20 and 4 tokens over 8-token chunks)
-    once = [(1, 8, 10), (1, 4, 4)]
-    ranks = {name for name, _ in encoded}  # (rank 0's the engine loop's thread, rank 1's its own)
-    assert len(ranks) == 2 and all([g for name, g in encoded if name == rank] == once for rank in ranks)
+    engine, encoded, sent = tp2_two_images(model_dir, monkeypatch, VisionTransformer)
+    once = [(1, 8, 10), (1, 4, 4)]  # (20 and 4 tokens over 8-token chunks)
+    assert len(encoded) == 2 and all(grids == once for grids in encoded.values())
     pixels = [item.grid_thw for msg in sent if getattr(msg, "fields", None) and msg.fields["mm_items"]
               for items in msg.fields["mm_items"] for item in items if item.pixel_values is not None]
     assert pixels == once
@@ -188,19 +207,14 @@ def test_tp2_equals_hf_and_each_rank_encodes_an_image_once_per_prefill(model_dir
 
 def test_tp2_retracted_image_requests_are_encoded_again_on_every_rank(model_dir, monkeypatch):
     """A retraction drops rank 0's embeddings and, at the next batch, the follower's: both encode again."""
-    thread_ranks(monkeypatch)
-    pickled_broadcasts(monkeypatch)
-    encoded = []
-    forward = VisionTransformer.forward
-    monkeypatch.setattr(VisionTransformer, "forward", lambda self, pixels, grid: encoded.append(
-        (threading.current_thread().name, pixels.sum().item())) or forward(self, pixels, grid))
+    encoded, _ = encodings_per_rank(monkeypatch, VisionTransformer, lambda pixels, grid: pixels.sum().item())
     engine = Engine(model_dir, max_total_tokens=160, max_running_requests=6, chunked_prefill_size=-1, tp_size=2,
                     disable_radix_cache=True, schedule_policy="fcfs")  # (a retracted request encodes its image again)
     prompts = [chat(engine.tokenizer, f"q{i}") for i in range(6)]
     generate(engine, prompts, [[image(56, 56, 20 + i)] for i in range(6)], max_new_tokens=40)
     assert engine.scheduler.num_retractions > 0
-    by_rank = [[p for name, p in encoded if name == rank] for rank in sorted({name for name, _ in encoded})]
-    assert len(by_rank) == 2 and by_rank[0] == by_rank[1] and len(by_rank[0]) > 6
+    rank0, rank1 = encoded.values()
+    assert rank0 == rank1 and len(rank0) > 6
     engine.check_integrity()
     engine.shutdown()
 
@@ -344,9 +358,10 @@ def test_image_requests_through_pd_workers_equal_hf(model_dir):
 
 def test_chat_completions_and_generate_with_images_equal_the_engines_answer(engine):
     """The server's tokenizer side processes the data URLs of a chat's image_url parts, a response's
-    input_image parts and /generate's image_data (the backend gets the padded prompt and the images): the answer is the engine's own to the
-    same image; a bad image, one not in a data URL (a path: the server reads no file), an image_url part of
-    another shape than OpenAI's, or more images than the workers' limit_mm_per_prompt is a 400."""
+    input_image parts and /generate's image_data (the backend gets the padded prompt and the images): the
+    answer is the engine's own to the same image; a bad image, one not in a data URL (a path: the server reads
+    no file; an https URL: it fetches nothing), an image_url part of another shape than OpenAI's, or more images
+    than the workers' limit_mm_per_prompt is a 400."""
     import httpx
 
     from cluster.config import ServerConfig

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -96,6 +96,9 @@ class ForwardBatch:
     # with a token in it (ImageItem lists, in batch order)
     mrope_positions: Optional[torch.Tensor] = None
     mm_items: Optional[List[List[Any]]] = None
+    # Qwen3-VL's: the image tokens' flat indices and DeepStack features [n, layers, hidden], added after the
+    # first decoder layers (set inside the forward, by its model's place_images: never sent to a follower)
+    deepstack_embeds: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
 
     @property
     def batch_size(self) -> int:

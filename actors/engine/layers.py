@@ -105,22 +105,28 @@ class RotaryEmbedding(nn.Module):
 class MRotaryEmbedding(RotaryEmbedding):
     """Multimodal RoPE (Qwen2-VL's, SGLang's ``MRotaryEmbedding``): positions ``[3, tokens]``
     (temporal, height, width), the frequency bands split by ``mrope_section`` (its sizes sum to
-    ``rotary_dim / 2``), the i-th part turning with position row ``i % 3``. Positions ``[tokens]``
-    (every row the same: text) are plain RoPE."""
+    ``rotary_dim / 2``), the i-th part turning with position row ``i % 3``; ``interleaved``
+    (Qwen3-VL's ``mrope_interleaved``): band j turns with row j % 3 while that row has bands left
+    (height's the first ``mrope_section[1]``, width's the first ``mrope_section[2]``), else with the
+    temporal row. Positions ``[tokens]`` (every row the same: text) are plain RoPE."""
 
     def __init__(self, rotary_dim: int, base: float, mrope_section: List[int], rope_type: str = "default",
-                 scaling: Optional[dict] = None):
+                 scaling: Optional[dict] = None, interleaved: bool = False):
         super().__init__(rotary_dim, base, rope_type, scaling)
         if sum(mrope_section) != rotary_dim // 2:
             raise ValueError(f"mrope_section {mrope_section} must sum to half the rotary dim ({rotary_dim // 2})")
         self.mrope_section = list(mrope_section)
+        # each band's position row (a list: the module may be built on the meta device)
+        self.band_rows = [i % 3 for i, size in enumerate(mrope_section) for _ in range(size)]
+        if interleaved:
+            self.band_rows = [j % 3 if j % 3 and j < 3 * mrope_section[j % 3] else 0 for j in range(rotary_dim // 2)]
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
         if positions.dim() == 1:
             return super().cos_sin(positions, dtype)
         freqs = positions[..., None].float() * self.inv_freq  # [3, tokens, rotary_dim / 2]
-        parts = freqs.split(self.mrope_section, dim=-1)
-        freqs = torch.cat([part[i % 3] for i, part in enumerate(parts)], dim=-1)
+        rows = torch.tensor(self.band_rows, device=freqs.device)
+        freqs = freqs.gather(0, rows.expand(1, freqs.shape[1], -1))[0]
         emb = torch.cat((freqs, freqs), dim=-1)
         return (emb.cos() * self.attention_factor).to(dtype), (emb.sin() * self.attention_factor).to(dtype)
 

@@ -31,7 +31,7 @@ ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")  # the projections a LoRA a
 MLP = ("gate_proj", "up_proj", "down_proj")
 FAMILIES = ("llama", "qwen3", "qwen3_next", "deepseek_v3", "gemma3", "gpt_oss", "qwen3_moe", "mixtral", "mistral",
             "phi3", "granite", "olmo2", "deepseek_v2")
-VL_FAMILIES = ("qwen2_5_vl",)  # vision-language: HF's ...ForConditionalGeneration, not AutoModelForCausalLM
+VL_FAMILIES = ("qwen2_5_vl", "qwen3_vl")  # vision-language: HF's ...ForConditionalGeneration, not AutoModelForCausalLM
 VOCAB_SIZE = TOKENIZER_VOCAB_SIZE  # every id the model can emit decodes to text
 COMMON = dict(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_attention_heads=4,
               max_position_embeddings=4096, bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID,
@@ -108,6 +108,8 @@ def tiny_config(family: str, **overrides):
         return tf.Olmo2Config(**{**COMMON, "num_hidden_layers": 2, "num_key_value_heads": 2, **overrides})
     if family == "qwen2_5_vl":
         return qwen2_5_vl_config(**overrides)
+    if family == "qwen3_vl":
+        return qwen3_vl_config(**overrides)
     raise ValueError(f"unknown family {family!r}; known: {', '.join(FAMILIES + VL_FAMILIES)}")
 
 
@@ -125,6 +127,25 @@ def qwen2_5_vl_config(**overrides):
     return tf.Qwen2_5_VLConfig(text_config={**text, **overrides}, vision_config=vision, image_token_id=IMAGE_PAD_ID,
                                video_token_id=VIDEO_PAD_ID, vision_start_token_id=VISION_START_ID,
                                vision_end_token_id=VISION_END_ID, tie_word_embeddings=False)
+
+
+def qwen3_vl_config(**overrides):
+    """Qwen3-VL's: a 2-layer Qwen3 text model (interleaved M-RoPE over the head's 8 frequencies: 2 temporal, 3
+    height, 3 width) and a vision tower of depth 3 (patches of 16 pixels, a 4 x 4 learned position grid), blocks
+    0 and 1 feeding DeepStack mergers (their features added after decoder layers 0 and 1). ``overrides``: text
+    config fields."""
+    import transformers as tf
+
+    text = {**COMMON, "vocab_size": VL_TOKENIZER_VOCAB_SIZE, "num_hidden_layers": 2, "num_key_value_heads": 2,
+            "head_dim": 16, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                                "mrope_section": [2, 3, 3], "mrope_interleaved": True}}
+    text.pop("tie_word_embeddings")
+    vision = dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=COMMON["hidden_size"],
+                  patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16,
+                  deepstack_visual_indexes=[0, 1])
+    return tf.Qwen3VLConfig(text_config={**text, **overrides}, vision_config=vision, image_token_id=IMAGE_PAD_ID,
+                            video_token_id=VIDEO_PAD_ID, vision_start_token_id=VISION_START_ID,
+                            vision_end_token_id=VISION_END_ID, tie_word_embeddings=False)
 
 
 # the tiny VL checkpoints' image processor: 2 x 2 to 6 x 6 merged tokens (16 to 144 patches of 14 pixels)
@@ -154,12 +175,12 @@ def _init_weights(model: torch.nn.Module, seed: int) -> None:
 
 def build_tiny_checkpoint(family: str, out_dir: Union[str, Path], seed: int = 0, **overrides) -> Path:
     """``overrides``: config fields of a variant (see :func:`tiny_config`)."""
-    from transformers import AutoModelForCausalLM, GenerationConfig, Qwen2_5_VLForConditionalGeneration
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, GenerationConfig
 
     config = tiny_config(family, **overrides)
     torch.manual_seed(seed)
     vision = family in VL_FAMILIES
-    model = Qwen2_5_VLForConditionalGeneration(config) if vision else AutoModelForCausalLM.from_config(config)
+    model = (AutoModelForImageTextToText if vision else AutoModelForCausalLM).from_config(config)
     _init_weights(model, seed)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -171,8 +192,13 @@ def build_tiny_checkpoint(family: str, out_dir: Union[str, Path], seed: int = 0,
     if vision:
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-        # (saved as Qwen2VLImageProcessor: AutoImageProcessor picks its PIL or torchvision backend)
-        Qwen2VLImageProcessorPil(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS).save_pretrained(out)
+        # (saved as Qwen2VLImageProcessor: AutoImageProcessor picks its PIL or torchvision backend); Qwen3-VL's
+        # patches are 16 pixels, normalized to [-1, 1]
+        patch = config.vision_config.patch_size
+        scale = (patch * config.vision_config.spatial_merge_size / 28) ** 2
+        extra = {} if family == "qwen2_5_vl" else dict(patch_size=patch, image_mean=[0.5] * 3, image_std=[0.5] * 3)
+        Qwen2VLImageProcessorPil(min_pixels=round(MIN_PIXELS * scale), max_pixels=round(MAX_PIXELS * scale),
+                                 **extra).save_pretrained(out)
     return out
 
 

@@ -440,15 +440,16 @@ def check_tp_shardable(config: EngineConfig) -> None:
     """Fail before starting any rank when ``tp_size`` cannot shard the model
     (the error names the config field it must divide, or the quantized layer whose FP8 blocks, or GPTQ /
     AWQ / compressed-tensors int words or groups, it would cut), or ``pp_size`` cannot split its layers (naming pp_size or
-    pp_layer_partition, or the KV cache kind not split into stages yet)."""
+    pp_layer_partition, the KV cache kind not split into stages yet, or the model's ``pipeline_error``)."""
     model_config = load_config(config.model_path)
     model = build_served_model(config.model_path, model_config, config.quantization,
                                TPGroup(rank=0, size=config.tp_size, expert_parallel=config.enable_expert_parallel)).model
     if config.pp_size > 1:
-        error = stage_cache_error(model.kv_cache_spec().kind, model_config.architectures[0], config.pp_size)
+        error = (stage_cache_error(model.kv_cache_spec().kind, model_config.architectures[0], config.pp_size)
+                 or getattr(model, "pipeline_error", None))
         if error:
             raise ValueError(error)
-        # (a vision-language model's decoder layers are its text config's)
+        # (a vision-language config's decoder fields are its text config's)
         stage_layers(model_config.get_text_config().num_hidden_layers, 0, config.pp_size, config.pp_layer_partition)
 
 

@@ -28,6 +28,7 @@ MODEL_REGISTRY = {
     "Qwen3NextForCausalLM": ("actors.engine.models.qwen3_next", "Qwen3NextForCausalLM"),
     "GptOssForCausalLM": ("actors.engine.models.gpt_oss", "GptOssForCausalLM"),
     "Qwen2_5_VLForConditionalGeneration": ("actors.engine.models.qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration"),
+    "Qwen3VLForConditionalGeneration": ("actors.engine.models.qwen3_vl", "Qwen3VLForConditionalGeneration"),
 }
 
 

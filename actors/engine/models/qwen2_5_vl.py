@@ -106,14 +106,14 @@ class PatchEmbed(nn.Module):
     """HF's Conv3d over one (temporal, height, width) patch per row: a kernel as large as its input,
     so a matrix product with the flattened kernel."""
 
-    def __init__(self, config):
+    def __init__(self, config, bias: bool = False):
         super().__init__()
         kernel = (config.temporal_patch_size, config.patch_size, config.patch_size)
-        self.proj = nn.Conv3d(config.in_channels, config.hidden_size, kernel, stride=kernel, bias=False)
+        self.proj = nn.Conv3d(config.in_channels, config.hidden_size, kernel, stride=kernel, bias=bias)
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
         weight = self.proj.weight
-        return F.linear(pixels.to(weight.dtype), weight.reshape(weight.shape[0], -1))
+        return F.linear(pixels.to(weight.dtype), weight.reshape(weight.shape[0], -1), self.proj.bias)
 
 
 class VisionTransformer(nn.Module):
@@ -158,15 +158,25 @@ class VisionTransformer(nn.Module):
         return torch.cat(order), lens
 
     def _rotary(self, t: int, h: int, w: int, device) -> Tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [t·h·w, head_dim] (fp32) of each patch's (row, column), patches in merge-block order:
-        half the bands turn with the row, half with the column (HF's axial vision RoPE)."""
-        m = self.merge
-        row, col = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
-        row, col = (p.reshape(h // m, m, w // m, m).transpose(1, 2).flatten().repeat(t) for p in (row, col))
-        inv_freq = 1.0 / band_periods(self.head_dim // 2, self.rope_theta)
-        freqs = torch.cat([row[:, None] * inv_freq, col[:, None] * inv_freq], dim=-1)
-        emb = torch.cat([freqs, freqs], dim=-1).to(device)
-        return emb.cos(), emb.sin()
+        return vision_rotary(t, h, w, self.merge, self.head_dim, self.rope_theta, device)
+
+
+def merge_block_order(x: torch.Tensor, h: int, w: int, merge: int) -> torch.Tensor:
+    """``x`` [h, w, ...] of a frame's patches, row by row → [h·w, ...] in the patches' order: merge
+    block by merge block (row-major), row-major inside each (HF's image processor's)."""
+    return x.reshape(h // merge, merge, w // merge, merge, *x.shape[2:]).transpose(1, 2).reshape(h * w, *x.shape[2:])
+
+
+def vision_rotary(t: int, h: int, w: int, merge: int, head_dim: int, theta: float,
+                  device) -> Tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [t·h·w, head_dim] (fp32) of each patch's (row, column), patches in merge-block order:
+    half the bands turn with the row, half with the column (HF's axial vision RoPE)."""
+    row, col = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
+    row, col = (merge_block_order(p, h, w, merge).repeat(t) for p in (row, col))
+    inv_freq = 1.0 / band_periods(head_dim // 2, theta)
+    freqs = torch.cat([row[:, None] * inv_freq, col[:, None] * inv_freq], dim=-1)
+    emb = torch.cat([freqs, freqs], dim=-1).to(device)
+    return emb.cos(), emb.sin()
 
 
 class Qwen2_5_VLAttention(LlamaAttention):
@@ -192,9 +202,11 @@ class Qwen2_5_VLForConditionalGeneration(LlamaForCausalLM):
     # transformers' names since 4.52 (HF's model.named_parameters(), a checkpoint it saved) → the released ones
     checkpoint_renames = (("model.language_model.", "model."), ("model.visual.", "visual."))
 
+    vision_cls = VisionTransformer
+
     def __init__(self, config, tp: TPGroup = SINGLE):
         super().__init__(config.get_text_config(), tp)
-        self.visual = VisionTransformer(config.vision_config) if tp.pp.is_first else PPMissingLayer()
+        self.visual = self.vision_cls(config.vision_config) if tp.pp.is_first else PPMissingLayer()
 
     def input_embeds(self, forward_batch):
         """The text embeddings with the rows of the images' tokens replaced by theirs; None (the
@@ -205,9 +217,12 @@ class Qwen2_5_VLForConditionalGeneration(LlamaForCausalLM):
         x = self.model.embed_tokens(forward_batch.input_ids.clamp(max=self.config.vocab_size - 1))
         images = image_embeddings(forward_batch, self.encode_image)
         if images is not None:
-            index, rows = images
-            x[index] = rows.to(x.dtype)
+            self.place_images(x, *images, forward_batch)
         return x
+
+    def place_images(self, x: torch.Tensor, index: torch.Tensor, rows: torch.Tensor, forward_batch) -> None:
+        """The image tokens' rows of ``x`` (flat ``index``) become their encodings' ``rows``."""
+        x[index] = rows.to(x.dtype)
 
     def encode_image(self, item: ImageItem) -> torch.Tensor:
         return self.visual(item.pixel_values.to(self.model.embed_tokens.weight.device), item.grid_thw)

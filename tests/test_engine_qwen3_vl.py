@@ -1,0 +1,50 @@
+"""Engine on the tiny Qwen3-VL: its DeepStack features (added after the first decoder layers at the image
+tokens), interleaved M-RoPE, Qwen3's q/k norms and 16-pixel patches give HF's
+``Qwen3VLForConditionalGeneration`` tokens and logprobs through one and two images, chunked prefill cutting
+an image (its DeepStack rows cut with it), a prefix hit past an image and TP 2."""
+
+import pytest
+
+from actors.engine import Engine
+from actors.engine.models.qwen3_vl import VisionTransformer
+from actors.engine.tiny import build_tiny_checkpoint
+from actors.engine.tokenizer import IMAGE_PAD_ID
+from tests.test_engine_vl import engine  # noqa: F401 (a fixture)
+from tests.test_engine_vl import check_one_image, chat, generate, image, tp2_two_images
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return str(build_tiny_checkpoint("qwen3_vl", tmp_path_factory.mktemp("qwen3_vl")))
+
+
+def test_one_image_equals_hf_and_the_image_matters(engine):
+    check_one_image(engine, 15)  # (96 x 160 pixels: 6 x 10 patches of 16, 15 tokens)
+
+
+def test_two_images_and_a_text_request_in_one_batch(engine):
+    generate(engine, [chat(engine.tokenizer, "compare", num_images=2), chat(engine.tokenizer, "text")],
+             [[image(60, 200, 2), image(150, 90, 3)], None])
+
+
+def test_chunked_prefill_cuts_an_image_and_its_deepstack_rows_and_a_prefix_hit_past_it(model_dir):
+    engine = Engine(model_dir, max_total_tokens=2048, chunked_prefill_size=8)
+    prompt, images = chat(engine.tokenizer, "chunks"), [image(100, 150, 7)]
+    first = generate(engine, [prompt], [images])[0]
+    again = generate(engine, [prompt], [images])[0]
+    assert again["output_ids"] == first["output_ids"]
+    assert again["meta_info"]["cached_tokens"] > engine.tokenizer.encode(prompt).index(IMAGE_PAD_ID) + 15  # (past it)
+    engine.check_integrity()
+    engine.shutdown()
+
+
+def test_tp2_equals_hf_each_rank_encoding_an_image_once(model_dir, monkeypatch):
+    engine, encoded, _ = tp2_two_images(model_dir, monkeypatch, VisionTransformer)
+    assert len(encoded) == 2 and all(grids == [(1, 6, 10), (1, 4, 4)] for grids in encoded.values())
+    engine.check_integrity()
+    engine.shutdown()
+
+
+def test_pipeline_parallelism_is_refused(model_dir):
+    with pytest.raises(ValueError, match="pp_size"):
+        Engine(model_dir, max_total_tokens=2048, pp_size=2)
