@@ -232,6 +232,28 @@ def test_pp2_equals_hf_with_the_vision_tower_on_the_first_stage_only(model_dir, 
         engine.shutdown()
 
 
+def test_tp2_an_image_request_aborted_between_chunks_leaves_no_embedding_on_any_rank(model_dir, monkeypatch):
+    """Its first chunk encodes the image on both ranks; aborted before the next, its embeddings go on rank 0
+    (released with the request) and on the follower (dropped at the next exchange)."""
+    from tests.test_weight_updates import run_in_thread, wait_for
+
+    encoded, _ = encodings_per_rank(monkeypatch, VisionTransformer, lambda pixels, grid: grid)
+    engine = Engine(model_dir, max_total_tokens=2048, tp_size=2, chunked_prefill_size=8)
+    engine.pause_generation("in_place")  # (the loop steps no more: the test takes the first chunk itself)
+    out = run_in_thread(engine.generate, prompt=chat(engine.tokenizer, "abort"), image_data=[image(100, 150, 15)],
+                        rid="img", sampling_params={"max_new_tokens": 4})
+    wait_for(lambda: engine.loop.held_rids() == ["img"])
+    engine.loop.run_exclusive(engine.scheduler.step)
+    item = engine.scheduler.chunked_req.mm_inputs.images[0]
+    assert len(encoded) == 2 and item.embedding is not None
+    assert engine.abort("img")
+    engine.continue_generation()
+    assert out()["meta_info"]["finish_reason"]["type"] == "abort"
+    engine.check_integrity()
+    assert item.embedding is None and engine.tp_group.followers[0]._images.embeddings == {}
+    engine.shutdown()
+
+
 def test_every_image_form_is_the_same_image(engine, tmp_path):
     photo = image(80, 120, 14)
     png = io.BytesIO()

@@ -534,6 +534,8 @@ class Scheduler(PrefillAdmissionMixin, DecodeRetractionMixin, SpecDecodeMixin):
                 released.append(req)
             if self.chunked_req is not None and self.chunked_req.finished:
                 self.tree_cache.cache_finished_req(self.chunked_req, is_insert=False)
+                if self.chunked_req.mm_inputs is not None:  # (its prefill ends here: a TP follower's too)
+                    self.chunked_req.mm_inputs.release_embeddings()
                 released.append(self.chunked_req)
                 self.chunked_req = None
         except BaseException:
