@@ -4,6 +4,8 @@ those buffers; its tokens and logprobs equal the eager engine's, padding writes 
 slot. A ``gpu`` test captures real graphs (dense and MoE) and replays them against eager."""
 
 import random
+import threading
+import time
 
 import pytest
 import torch
@@ -13,6 +15,7 @@ from actors.engine.cuda_graph_runner import CAPTURE_BS, CudaGraphRunner, capture
 from actors.engine.forward_batch import ForwardBatch, ForwardMode
 from actors.engine.memory_occupation import MemoryState, parse_tags
 from actors.engine.tiny import build_tiny_checkpoint, tiny_adapters
+from tests.tp_helpers import thread_ranks
 
 SCORED = {"temperature": 0, "ignore_eos": True, "return_logprob": True}
 
@@ -227,3 +230,42 @@ def test_captured_graphs_equal_eager(family, tmp_path):
     assert ids == eager_ids
     for got, want in zip(lps, eager_lps):
         torch.testing.assert_close(torch.tensor(got), torch.tensor(want), atol=1e-4, rtol=1e-4)
+
+
+class CollectiveCapture(CudaGraphRunner):
+    """A TP rank's graphs whose capture ends only once every rank's does, as NCCL makes it (the all-reduces
+    of its warm-ups and graphs wait for every rank's); counts its captures."""
+
+    def __init__(self, runner, barrier: threading.Barrier):
+        super().__init__(runner, [1])
+        self.barrier, self.captures = barrier, 0
+
+    def capture(self):
+        self.barrier.wait()
+        self.captures += 1
+
+
+def test_tp2_ranks_capture_their_graphs_together_on_wake_up(llama, monkeypatch):
+    """A TP 2 engine woken up: a rank's capture ends only once the other's does (NCCL), so rank 0 captures
+    while the followers do, not before telling them to (each would wait for the other: a deadlock, here
+    the barrier's timeout). Every rank captures once, when the last part is back."""
+    thread_ranks(monkeypatch)
+    eng = Engine(model_path=llama, tp_size=2, skip_tokenizer_init=True, max_total_tokens=256)
+    try:
+        deadline = time.monotonic() + 30
+        while not eng.tp_group.followers and time.monotonic() < deadline:
+            time.sleep(0.01)
+        barrier = threading.Barrier(2, timeout=5)
+        runners = [eng.runner, eng.tp_group.followers[0].runner]
+        for runner in runners:
+            runner.graph_runner = CollectiveCapture(runner, barrier)
+        eng.sleep(level=1)
+        eng.wake_up(["weights"])
+        assert [r.graph_runner.captures for r in runners] == [0, 0]  # (the KV cache still released)
+        eng.wake_up()
+        assert [r.graph_runner.captures for r in runners] == [1, 1] and not eng.is_sleeping()
+        for runner in runners:
+            runner.graph_runner = None
+        eng.check_integrity()
+    finally:
+        eng.shutdown()

@@ -21,7 +21,8 @@ again to generate (SGLang's ``release_memory_occupation`` / ``resume_memory_occu
   off). They read the KV buffers' and the weights' memory, which a release frees and a resume allocates anew
   elsewhere, so they are dropped whenever a part is released and captured again once every part is resumed;
   the resume of the last other part resumes this one too (:meth:`MemoryState.parts_to_resume`). Released
-  alone, the engine still serves: its decode steps run eagerly.
+  alone, the engine still serves: its decode steps run eagerly. Every TP rank captures at once, once every
+  rank's memory is back (:meth:`EngineMemory._capture_graphs`).
 
 No tag given: all of them. Every TP rank releases and resumes alike (rank 0 tells the others, as a weight update).
 
@@ -35,6 +36,7 @@ rank's transfer agents then forget the old memory (``RankMemory.on_kv_moved``; s
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, Dict, FrozenSet, Iterable, List, Optional, Set, Tuple
 
 import torch
@@ -83,7 +85,6 @@ class RankMemory:
         self.on_kv_moved: Callable[[], None] = lambda: None
         self.weights_copy: List[Tuple[torch.Tensor, torch.Tensor]] = []  # (each tensor with its copy on the CPU)
         self.weights_released: List[Tuple[torch.UntypedStorage, int]] = []  # each storage with its size
-        self.released: Set[str] = set()  # (the graphs are captured again once nothing is)
 
     def _allocators(self) -> List:
         """Each once, the allocators of the KV pools' buffers, and of a Mamba pool's verify scratch (speculative
@@ -105,7 +106,6 @@ class RankMemory:
         model's weights are released with the weights and always copied: no weight update writes them (it
         replaces the served checkpoint's), so nothing else could restore them. Returns the names of the
         served tensors discarded (released without a copy: weight updates must write them again)."""
-        self.released |= tags
         if self.runner.graph_runner is not None:  # (they read the memory about to move)
             self.runner.graph_runner.release()
         if KV_CACHE in tags:
@@ -141,8 +141,10 @@ class RankMemory:
             for tensor, saved in self.weights_copy:
                 tensor.copy_(saved)
             self.weights_copy, self.weights_released = [], []
-        self.released -= tags
-        if self.runner.graph_runner is not None and not self.released:
+
+    def capture_graphs(self, _=None) -> None:
+        """Capture the decode graphs anew (none with graphs off), once every part is back."""
+        if self.runner.graph_runner is not None:
             self.runner.graph_runner.capture()
 
 
@@ -239,6 +241,19 @@ class EngineMemory(MemoryState):
         self.rank.resume(parts)
         on_followers(self.call_followers, "memory_resume", parts)
         self.released -= parts
+        if not self.released:
+            self._capture_graphs()
+
+    def _capture_graphs(self) -> None:
+        """Every rank captures its decode graphs, all at once: a rank's capture runs its forward's collectives
+        (NCCL's all-reduces, in the warm-ups and in the graphs), which end only once every rank joins them, so
+        rank 0 captures between its call to the followers and their replies. Captured in its own resume, before
+        the followers are told to resume, it would wait for ranks waiting for it."""
+        if self.call_followers is None:
+            self.rank.capture_graphs()
+        elif self.rank.runner.graph_runner is not None:  # (every rank has graphs, or none has)
+            on_followers(functools.partial(self.call_followers, alongside=self.rank.capture_graphs),
+                         "memory_capture_graphs", None)
 
     def mark_released(self, parts: FrozenSet[str], keep_weights: bool) -> None:
         super().mark_released(parts, keep_weights)

@@ -244,7 +244,7 @@ class TPModelWorker:
                                  weights_load=self.runner.weights.load,
                                  weights_empty_cache=lambda _: empty_device_cache(self.runner.device),
                                  memory_release=lambda payload: memory.release(*payload),
-                                 memory_resume=memory.resume)
+                                 memory_resume=memory.resume, memory_capture_graphs=memory.capture_graphs)
         self._images = ImageMirror() if self.tp.is_leader else FollowerImages()
         if self.tp.size > 1 and self.tp.is_leader:
             self._mirror = TableMirror(self.tables)
@@ -332,16 +332,22 @@ class TPModelWorker:
             with self._exchange("a sync"):
                 self._send_batch(None)
 
-    def call_followers(self, name: str, payload: Any) -> List[Any]:
+    def call_followers(self, name: str, payload: Any, alongside: Optional[Callable[[], None]] = None) -> List[Any]:
         """Rank 0: run ``handlers[name](payload)`` on every follower, in step with
         the batches already sent (a KV push after the forward that wrote it);
         returns their replies in rank order. A handler that raises replies with
-        a :class:`FollowerError`, which is returned, not raised."""
+        a :class:`FollowerError`, which is returned, not raised. ``alongside``: rank
+        0's own part, run while the followers run theirs (between the call and their
+        replies): collectives every rank joins (a CUDA graph capture's)."""
         if self.tp.size == 1:
+            if alongside is not None:
+                alongside()
             return []
         self.sync()  # pending Mamba ops and host-tier copies land before the call acts on those slots
         with self._exchange(f"call {name!r}"):
             self.tp.broadcast_object((CALL, name, payload))
+            if alongside is not None:
+                alongside()
             return self.tp.gather_objects(None)[1:]
 
     def _answer_call(self, name: str, payload: Any) -> None:
