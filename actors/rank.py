@@ -95,6 +95,8 @@ class RankHost:
         """``agent_options``: extra ``create_agent`` keywords per backend name
         (``TransferConfig.agent_options``)."""
         self.role, self.worker_id, self.tp_rank = role, worker_id, tp_rank
+        if role == "prefill":  # (it never decodes: no decode CUDA graphs, as SGLang's prefill server)
+            config = config.model_copy(update={"disable_cuda_graph": True})
         self.backends = resolve_backends(backend, config.device)
         shareable = role == "decode" and any(b in SHAREABLE_BACKENDS for b in self.backends)
         prefix = f"{worker_id}-r{tp_rank}"

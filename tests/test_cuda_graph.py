@@ -15,6 +15,7 @@ from actors.engine.cuda_graph_runner import CAPTURE_BS, CudaGraphRunner, capture
 from actors.engine.forward_batch import ForwardBatch, ForwardMode
 from actors.engine.memory_occupation import MemoryState, parse_tags
 from actors.engine.tiny import build_tiny_checkpoint, tiny_adapters
+from tests.pd_helpers import close_workers, make_pair
 from tests.tp_helpers import thread_ranks
 
 SCORED = {"temperature": 0, "ignore_eos": True, "return_logprob": True}
@@ -269,3 +270,15 @@ def test_tp2_ranks_capture_their_graphs_together_on_wake_up(llama, monkeypatch):
         eng.check_integrity()
     finally:
         eng.shutdown()
+
+
+def test_a_prefill_worker_captures_no_graphs(llama):
+    """A PD prefill worker never decodes (a request's tokens after its first are the decode worker's): it
+    captures no decode graphs, as SGLang's prefill server (their pool would take the memory its prefills'
+    activations need); its decode worker's graphs are off on the CPU alone."""
+    prefill, decode = make_pair(llama, prefill_args=dict(max_total_tokens=256), decode_args=dict(max_total_tokens=256))
+    try:
+        assert graphs_off_reason(prefill.runner) == "disable_cuda_graph"
+        assert "no CUDA" in graphs_off_reason(decode.runner)
+    finally:
+        close_workers(prefill, decode)
