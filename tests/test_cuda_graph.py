@@ -233,6 +233,33 @@ def test_captured_graphs_equal_eager(family, tmp_path):
         torch.testing.assert_close(torch.tensor(got), torch.tensor(want), atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.gpu
+def test_a_capture_failing_midway_keeps_no_graph(llama, monkeypatch):
+    """A capture failing at a size (out of memory at a wake-up) keeps none of the sizes captured before it
+    (largest first): a batch padded to a size left uncaptured would find no graph. The engine decodes
+    eagerly, the tokens the graphs gave."""
+    engine = Engine(model_path=llama, skip_tokenizer_init=True, device="cuda", max_total_tokens=1024,
+                    dtype="float32", cuda_graph_max_bs=8)
+    try:
+        graph_runner, params = engine.runner.graph_runner, dict(SCORED, max_new_tokens=4)
+        before = engine.generate(input_ids=prompts(1), sampling_params=params)[0]["output_ids"]
+        forward = CudaGraphRunner._forward
+
+        def failing(self, batch):
+            if batch.batch_size == 2:
+                raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+            return forward(self, batch)
+
+        monkeypatch.setattr(CudaGraphRunner, "_forward", failing)
+        with pytest.raises(torch.cuda.OutOfMemoryError):
+            graph_runner.capture()
+        assert not graph_runner.graphs
+        assert engine.generate(input_ids=prompts(1), sampling_params=params)[0]["output_ids"] == before
+        engine.check_integrity()
+    finally:
+        engine.shutdown()
+
+
 class CollectiveCapture(CudaGraphRunner):
     """A TP rank's graphs whose capture ends only once every rank's does, as NCCL makes it (the all-reduces
     of its warm-ups and graphs wait for every rank's); counts its captures."""

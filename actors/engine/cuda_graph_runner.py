@@ -136,6 +136,9 @@ class CudaGraphRunner:
                     with torch.cuda.graph(graph, pool=memory_pool, stream=stream, capture_error_mode="thread_local"):
                         self.outputs[bs] = self._forward(batch)
                 self.graphs[bs] = graph
+        except BaseException:  # (none kept: a batch padded to a size left uncaptured would find no graph)
+            self.release()
+            raise
         finally:
             kv_pool.layer_transfer_counter = counter
         torch.cuda.current_stream(device).wait_stream(stream)
