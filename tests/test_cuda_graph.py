@@ -309,3 +309,22 @@ def test_a_prefill_worker_captures_no_graphs(llama):
         assert "no CUDA" in graphs_off_reason(decode.runner)
     finally:
         close_workers(prefill, decode)
+
+
+def test_waking_an_awake_engine_captures_nothing(llama):
+    """A resume with nothing released (a trainer's wake-up call at every step) captures nothing again: a
+    capture of every size takes seconds, between two steps of the requests running. Released, the graphs are
+    captured once at the wake-up."""
+    engine = Engine(model_path=llama, skip_tokenizer_init=True, max_total_tokens=64)
+    try:
+        engine.runner.graph_runner = graph_runner = CollectiveCapture(engine.runner, threading.Barrier(1))
+        engine.resume_memory_occupation()
+        engine.resume_memory_occupation(["cuda_graph"])
+        assert graph_runner.captures == 0
+        engine.release_memory_occupation(["cuda_graph"])
+        engine.resume_memory_occupation()
+        assert graph_runner.captures == 1
+        engine.runner.graph_runner = None
+        engine.check_integrity()
+    finally:
+        engine.shutdown()

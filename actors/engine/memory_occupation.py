@@ -241,7 +241,7 @@ class EngineMemory(MemoryState):
         self.rank.resume(parts)
         on_followers(self.call_followers, "memory_resume", parts)
         self.released -= parts
-        if not self.released:
+        if parts and not self.released:  # (a resume of nothing released: the graphs are there)
             self._capture_graphs()
 
     def _capture_graphs(self) -> None:
