@@ -1,7 +1,9 @@
 """Decode through the CUDA graph runner (actors.engine.cuda_graph_runner). On the CPU nothing is
 captured, but the same path runs: static buffers, batches padded to a captured size, the forward on
 those buffers; its tokens and logprobs equal the eager engine's, padding writes only the dummy
-slot. A ``gpu`` test captures real graphs (dense and MoE) and replays them against eager."""
+slot. When graphs are captured again (sleep mode) every TP rank captures at once, and only once
+something was released; a PD prefill worker captures none. ``gpu`` tests capture real graphs (dense
+and MoE) and replay them against eager, and a capture failing midway keeps none."""
 
 import random
 import threading
