@@ -153,6 +153,14 @@ class PythonicParser(ToolCallParser):
         self.held = ""
         return out + self.content.end(bool(self.calls))
 
+    def unparsed(self, text: str) -> Optional[str]:
+        """The output, its tags dropped, if a call was committed but the list broke or the output cut
+        it short: vLLM reads a whole pythonic output with ``ast`` and one that does not parse is
+        content, where the calls as far as they went would give clients arguments that are no JSON."""
+        if self.list is None or not self.list.called or self.list.done:
+            return None
+        return text.replace(self.START, "").replace(self.END, "")
+
 
 class Llama4PythonicParser(PythonicParser):
     """Llama 4's pythonic calls (vLLM's ``llama4_pythonic``): the list between ``<|python_start|>``

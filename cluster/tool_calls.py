@@ -142,9 +142,14 @@ class ToolCalls:
         return content, out
 
     def message(self, index: int, text: str) -> Tuple[str, List[Dict[str, Any]]]:
-        """A whole choice's content and ``message.tool_calls``."""
+        """A whole choice's content and ``message.tool_calls``; an output whose calls do not parse
+        whole is content, no calls, where the parser's format says so (its ``unparsed``)."""
         parser = self._parser(index)
         content = parser.feed(text) + parser.finish()
+        unparsed = parser.unparsed(text)
+        if unparsed is not None:
+            self.parsers[index] = self.make_parser()  # (no calls: the finish reason stays)
+            return unparsed, []
         return content, [{"id": new_call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
                          for name, arguments in parser.calls if name is not None]
 

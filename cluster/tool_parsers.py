@@ -48,6 +48,12 @@ class ToolCallParser:
     def finish(self) -> str:
         return ""
 
+    def unparsed(self, text: str) -> Optional[str]:
+        """After ``finish``: ``text``, the whole output read, as a non-streamed message's content, no
+        calls, where its calls do not parse whole and the format's non-streamed reading then has
+        none (vLLM's pythonic parsers': a stream has sent them); None: the calls stand."""
+        return None
+
 
 class NamedParser(ToolCallParser):
     """A named ``tool_choice``: the whole output is the function's arguments."""

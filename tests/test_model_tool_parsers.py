@@ -1,9 +1,9 @@
 """The mistral, pythonic, llama4_pythonic, qwen3_coder, deepseek_v3 and deepseek_v31 tool-call
 parsers (vLLM's formats): each reads its calls and keeps the content around them, several calls in
 one output; a call malformed before its arguments begin stays content as written, one broken or
-cut short after keeps its arguments as far as they went (``CUT``); fed split at every position,
-and a character at a time (no content sent that a later character makes a call's, arguments only
-growing), each gives what it gives whole. Random calls: tests/test_tool_call_streaming.py; through
+cut short after keeps its arguments as far as they went (``CUT``; a pythonic list so broken is, not
+streamed, content: vLLM's); fed split at every position, and a character at a time (no content sent
+that a later character makes a call's, arguments only growing), each gives what it gives whole. Random calls: tests/test_tool_call_streaming.py; through
 the server (qwen3_coder, mistral, deepseek_v31): tests/test_tool_calls.py; gpt_oss's Harmony:
 tests/test_harmony.py."""
 
@@ -154,3 +154,18 @@ def test_registered_parsers_stream_what_the_message_holds(name, text):
     want_content, want_calls = whole.message(0, text)
     assert (content, calls) == (want_content, [[c["function"]["name"], c["function"]["arguments"]] for c in want_calls])
     assert len(calls) == 2 and streamed.finish_reason(0, "stop") == "tool_calls"
+
+
+@pytest.mark.parametrize("name,text,content", [
+    ("pythonic", "[add(a=1), g(1)] ok", "[add(a=1), g(1)] ok"),  # (positional: broken after a call)
+    ("pythonic", "[add(a=1), g(b='x", "[add(a=1), g(b='x"),  # (cut short)
+    ("llama4_pythonic", "<|python_start|>[add(a=x)]<|python_end|>", "[add(a=x)]")])
+def test_a_pythonic_list_that_does_not_parse_is_content_when_not_streamed(name, text, content):
+    """vLLM's non-streamed reading: the output as content, its tags dropped, no calls and the finish
+    reason as it was (the calls as far as they went have arguments that are no JSON); streamed, the
+    calls committed were sent, and the choice ends with "tool_calls"."""
+    whole = ToolCalls(lambda: TOOL_CALL_PARSERS[name](()), calls_finish=True)
+    assert whole.message(0, text) == (content, []) and whole.finish_reason(0, "stop") == "stop"
+    streamed = ToolCalls(lambda: TOOL_CALL_PARSERS[name](()), calls_finish=True)
+    assert streamed.delta(0, text, finished=True)[1][0]["function"]["name"] == "add"
+    assert streamed.finish_reason(0, "stop") == "tool_calls"
