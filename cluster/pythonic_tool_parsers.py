@@ -32,14 +32,17 @@ class CallList:
     ``)`` its ``}``, so a call's arguments add up to ``json.dumps`` of its keyword arguments' values.
     ``broken``: a character the list cannot go on with came (a positional argument, ``**kwargs``, a
     name for a value, an empty list...); the calls committed keep the arguments they had (so do
-    those the output cuts short), as a vLLM stream does. A keyword given twice is written twice."""
+    those the output cuts short), as a vLLM stream does. A keyword given twice is written twice.
+    What a call's arguments grow by is held in ``written`` until ``flush`` (their string copied once
+    a piece fed, not once a character: a long argument read so was O(n²) in its length)."""
 
     def __init__(self, calls: List[List[str]]):
         self.calls, self.first = calls, len(calls)
         self.expect = "["  # then "call" (a name or "]"), "name", "(", "argument" (a keyword or ")"),
         # "keyword", "=", "value", "comma" ("," or ")"), "next" ("," or "]"), "done"
         self.name = ""  # the name being read, a call's or a keyword's
-        self.value: Optional[PythonLiteral] = None
+        self.value: Optional[PythonLiteral] = None  # the keyword's value; None before the call's first
+        self.written: List[str] = []  # the last call's arguments' growth since ``flush``
         self.broken = False
 
     @property
@@ -56,14 +59,20 @@ class CallList:
         except ValueError:
             self.broken = True
 
+    def flush(self) -> None:
+        """The arguments ``written`` onto the last call's."""
+        if self.written:
+            self.calls[-1][1] += "".join(self.written)
+            self.written = []
+
     def _step(self, c: str) -> None:
         expect = self.expect
         if expect == "value":
             if self.value.takes(c):
-                self.calls[-1][1] += self.value.step(c)
+                self.written.append(self.value.step(c))
                 self.expect = "comma" if self.value.done else "value"
                 return
-            self.calls[-1][1] += self.value.end()
+            self.written.append(self.value.end())
             expect = self.expect = "comma"
         if expect in ("name", "keyword") and (self.name + c).isidentifier():
             self.name += c
@@ -76,17 +85,18 @@ class CallList:
         elif expect == "call" and c == "]" and self.called:  # (after a trailing comma; [] is no calls)
             self.expect = "done"
         elif expect in ("name", "(") and c == "(":
-            self.calls.append([_identifier(self.name), "{"])
-            self.expect = "argument"
+            name = _identifier(self.name)
+            self.flush()
+            self.calls.append([name, "{"])
+            self.value, self.expect = None, "argument"
         elif expect in ("keyword", "=") and c == "=":
-            written = self.calls[-1][1] != "{"
             key = json.dumps(_identifier(self.name), ensure_ascii=False)
-            self.calls[-1][1] += (", " if written else "") + key + ": "
+            self.written.append((", " if self.value else "") + key + ": ")
             self.value, self.expect = PythonLiteral(), "value"
         elif expect == "comma" and c == ",":
             self.expect = "argument"
         elif expect in ("argument", "comma") and c == ")":
-            self.calls[-1][1] += "}"
+            self.written.append("}")
             self.expect = "next"
         elif expect == "next" and c in ",]":
             self.expect = "call" if c == "," else "done"
@@ -138,12 +148,15 @@ class PythonicParser(ToolCallParser):
             return self.content.text(text)
         for i, c in enumerate(text):
             self.list.step(c)
+            if self.list.broken or self.list.done:
+                self.list.flush()
             if self.list.broken:  # (content: the list as written if it had no call, else from here)
                 body, self.held, self.state = self.held + text if not self.list.called else text[i:], "", "after"
                 return self.content.text(body)
             if self.list.done:
                 self.held, self.state = "", "closing" if self.END else "after"
                 return self.feed(text[i + 1:])
+        self.list.flush()
         self.held = self.held + text if not self.list.called else ""
         return ""
 
