@@ -30,13 +30,21 @@ def json_chars(text: str) -> str:
     return json.dumps(text, ensure_ascii=False)[1:-1]
 
 
+def json_escaped(code: int) -> str:
+    """The character an escape names, as :func:`json_chars` writes it; a surrogate (lone, or half of
+    a pair Python's escapes write apart: ``'\\ud83d\\ude00'``) as its escape, as ``ensure_ascii``
+    writes it: raw it is no UTF-8, and the response carrying it could not be encoded (a 500)."""
+    return f"\\u{code:04x}" if 0xD800 <= code <= 0xDFFF else json_chars(chr(code))
+
+
 class JsonStream:
     """One JSON value, a character at a time. ``step`` takes the next character and returns the
     text ``json.dumps`` writes for it, "" while that could still change: a number or literal until
     a character ends it (``end`` at the value's end), an escape until it is whole, a high surrogate
-    until the next escape shows whether it pairs (``json.loads`` joins a pair). Whitespace is
-    dropped, ``,`` and ``:`` written ", " and ": ". A character ``json.loads`` refuses there raises
-    ValueError (strict: no raw control character in a string; NaN and Infinity as it reads them).
+    until the next escape shows whether it pairs (``json.loads`` joins a pair; one alone is written
+    as its escape, :func:`json_escaped`). Whitespace is dropped, ``,`` and ``:`` written ", " and
+    ": ". A character ``json.loads`` refuses there raises ValueError (strict: no raw control
+    character in a string; NaN and Infinity as it reads them).
     An object's key written twice is written twice (``json.loads`` keeps the last).
 
     ``done``: the value is whole (a number or literal at the top only once ``end`` is called);
@@ -135,7 +143,7 @@ class JsonStream:
                 return self._pair(escape)
             if len(escape) == 6 and not 0xD800 <= int(escape[2:], 16) <= 0xDBFF:
                 self.escape = ""
-                return json_chars(chr(int(escape[2:], 16)))
+                return json_escaped(int(escape[2:], 16))
             return ""
         if escape[6:] in ("\\", "\\u"):  # (a high surrogate's pair may follow)
             self.escape = escape
@@ -153,7 +161,7 @@ class JsonStream:
     def _lone(self, escape: str) -> str:
         """A high surrogate alone, then what followed its escape read afresh (json.loads' reading)."""
         self.escape = ""
-        return json_chars(chr(int(escape[2:6], 16))) + "".join(self._string(c) for c in escape[6:])
+        return json_escaped(int(escape[2:6], 16)) + "".join(self._string(c) for c in escape[6:])
 
 
 class CallObject:

@@ -13,7 +13,7 @@ import re
 import unicodedata
 from typing import List, Optional, Union
 
-from cluster.json_stream import json_chars, json_text
+from cluster.json_stream import json_chars, json_escaped, json_text
 
 PYTHON_SPACE = " \t\n\r\f"  # Python's whitespace inside brackets
 _QUOTES = "'\""
@@ -58,7 +58,8 @@ class PythonLiteral:
     the value's end), an escape until it is whole, a string's closing quote until what follows shows
     no string is joined to it (``'a' 'b'`` is ``"ab"``), a parenthesis' content until a comma or its
     end shows whether it is a tuple. Python's syntax: either quote, triple quotes, ``r`` and ``u``
-    prefixes, Python's escapes (``\\x``, ``\\N{...}``, octal; one it does not know kept as written),
+    prefixes, Python's escapes (``\\x``, ``\\N{...}``, octal; one it does not know kept as written; a
+    surrogate's, ``\\ud83d``, written as its JSON escape: :func:`~cluster.json_stream.json_escaped`),
     hex, octal and binary integers, ``_`` in numbers, a sign before one, tuples (JSON arrays), dict
     keys of strings, numbers, ``True`` and ``None`` (as ``json.dumps`` writes such keys), trailing
     commas, newlines inside brackets (``\\r\\n`` one, as Python reads source). A character
@@ -321,7 +322,7 @@ class PythonLiteral:
             elif int(escape[2:], 16) > 0x10FFFF:
                 raise ValueError("a \\U escape past Unicode")
             else:
-                self._write(json_chars(chr(int(escape[2:], 16))))
+                self._write(json_escaped(int(escape[2:], 16)))
         elif kind == "N":
             if (len(escape) == 3) != (c == "{"):
                 raise ValueError("a \\N escape without {name}")

@@ -11,6 +11,7 @@ server: tests/test_tool_calls.py; the Responses API: tests/test_responses.py."""
 import ast
 import json
 import keyword
+import re
 import warnings
 
 import hypothesis.strategies as st
@@ -29,6 +30,11 @@ ARGUMENTS = st.dictionaries(st.text(max_size=6), VALUES, max_size=4)
 NAMES = st.from_regex(r"[a-z][a-z0-9_]{0,8}", fullmatch=True).filter(lambda k: not keyword.iskeyword(k))
 IDENTIFIERS = st.from_regex(r"[a-z_][a-z0-9_]{0,5}", fullmatch=True).filter(lambda k: not keyword.iskeyword(k))
 STYLES = st.tuples(st.booleans(), st.sampled_from([(",", ":"), (", ", ": "), (" ,\n", " :\t")]))
+
+
+def dumped(value):
+    """``json.dumps(value, ensure_ascii=False)``, a surrogate written as its escape (raw, no UTF-8)."""
+    return re.sub("[\ud800-\udfff]", lambda m: f"\\u{ord(m.group()):04x}", json.dumps(value, ensure_ascii=False))
 
 
 def canonical(text):
@@ -51,7 +57,7 @@ def canonical(text):
 def test_json_stream_writes_what_json_dumps_writes_and_takes_nothing_back(value, style):
     ascii_only, separators = style
     text = json.dumps(value, ensure_ascii=ascii_only, separators=separators)
-    want = json.dumps(value, ensure_ascii=False)
+    want = dumped(value)
     assert canonical(text) == want
     takes_nothing_back(JsonStream(), text, want)
 
@@ -97,7 +103,7 @@ def test_json_stream_refuses_what_json_loads_refuses(text):
     if twice:  # (both written, where json.loads keeps the last)
         assert len(out) > len(json.dumps(value, ensure_ascii=False))
     else:
-        assert out == json.dumps(value, ensure_ascii=False)
+        assert out == dumped(value)
 
 
 # ---- each format's calls ------------------------------------------------------------------------------
@@ -221,7 +227,17 @@ def literal_eval(text):
 
 @pytest.mark.parametrize("text", PYTHON_LITERALS)
 def test_python_literal_reads_pythons_spellings(text):
-    assert python_json(text) == json.dumps(literal_eval(text), ensure_ascii=False)
+    assert python_json(text) == dumped(literal_eval(text))
+
+
+@pytest.mark.parametrize("name,text", [
+    ("pythonic", "[f(a='\\ud83d\\ude00 \\U0000dc00')]"),
+    ("hermes", '<tool_call>{"name": "f", "arguments": {"a": "\\ud83d\\ude00 \\udc00"}}</tool_call>')])
+def test_escaped_surrogates_are_written_as_escapes(name, text):
+    """A surrogate an escape names (Python's escapes write a pair apart, JSON's may leave one alone)
+    is written as its escape: raw, the arguments are no UTF-8 and their response could not be sent."""
+    calls = ToolCalls(lambda: TOOL_CALL_PARSERS[name](()), calls_finish=True).message(0, text)[1]
+    assert json.loads(calls[0]["function"]["arguments"].encode("utf-8")) == {"a": "\U0001F600 \udc00"}
 
 
 def _object_sizes(value):
