@@ -46,12 +46,17 @@ def load_sample(now: float, workers: List[Dict[str, Any]]) -> LoadSample:
                       kv_usage=sum(x.get("kv_usage", 0.0) for x in loads))
 
 
-def idlest(workers: List[Dict[str, Any]], count: int) -> List[str]:
-    """The ids of the ``count`` workers to drain first: fewest requests held, then least KV in use,
-    then the newest (the oldest keep the caches warmed longest)."""
-    ranked = sorted(enumerate(workers), key=lambda iw: ((iw[1].get("load") or {}).get("num_requests", 0),
-                                                        (iw[1].get("load") or {}).get("kv_usage", 0.0), -iw[0]))
-    return [w["id"] for _, w in ranked[:count]]
+def live_workers(workers: List[Dict[str, Any]], role: str) -> List[Dict[str, Any]]:
+    """The ``role`` workers in the rotation (one dead or draining is not: its side has one fewer)."""
+    return [w for w in workers if w["role"] == role and w["alive"]]
+
+
+def idlest(workers: List[Dict[str, Any]]) -> str:
+    """The id of the worker to drain first: fewest requests held, then least KV in use, then the
+    newest (the oldest keep the caches warmed longest)."""
+    load = [w.get("load") or {} for w in workers]
+    return workers[min(range(len(workers)), key=lambda i: (load[i].get("num_requests", 0),
+                                                           load[i].get("kv_usage", 0.0), -i))]["id"]
 
 
 class SideScaler:
@@ -141,13 +146,13 @@ class Autoscaler:
         workers = self.backend.workers()
         for side in due:
             side.next_sample_at = now + side.config.metrics_interval_s
-            live = [w for w in workers if w["role"] == side.role and w["alive"]]
+            live = live_workers(workers, side.role)
             side.policy.record(load_sample(now, live))
             if side.change is None:
-                self._decide(side, live, now)
+                self._decide(side, len(live), now)
 
-    def _decide(self, side: SideScaler, live: List[Dict[str, Any]], now: float) -> None:
-        decision = side.policy.decide(now, len(live))
+    def _decide(self, side: SideScaler, current: int, now: float) -> None:
+        decision = side.policy.decide(now, current)
         held_back = side.hold_back(decision, now)
         if held_back:
             decision = decision._replace(target=decision.current, reason=f"{decision.reason}; {held_back}")
@@ -157,23 +162,27 @@ class Autoscaler:
         if self.metrics is not None:
             self.metrics.autoscaler_desired.labels(side.role).set(decision.desired)
         if decision.target != decision.current:
-            side.change = asyncio.ensure_future(self._scale(side, decision, live))
+            side.change = asyncio.ensure_future(self._scale(side, decision))
 
-    async def _scale(self, side: SideScaler, decision: Decision, live: List[Dict[str, Any]]) -> None:
-        """Start workers up to ``decision.target``, or drain and stop the idlest down to it."""
+    async def _scale(self, side: SideScaler, decision: Decision) -> None:
+        """Start workers up to ``decision.target``, or drain and stop the idlest down to it, one at a time
+        (a worker added or removed by hand meanwhile counts: the side stays within [min, max])."""
         up = decision.target > decision.current
         side.last_change = {"action": "up" if up else "down", "from": decision.current, "to": decision.target,
                             "reason": decision.reason, "result": "in progress", "at": self.clock()}
         logger.info("autoscaler: %s: scaling %s from %d to %d workers (%s)", side.role, side.last_change["action"],
                     decision.current, decision.target, decision.reason)
         try:
-            if up:
-                for _ in range(decision.target - decision.current):
+            for _ in range(abs(decision.target - decision.current)):
+                # counted anew at each step: POST / DELETE /workers may have changed the side meanwhile
+                live = live_workers(self.backend.workers(), side.role)
+                if (len(live) >= decision.target) if up else (len(live) <= decision.target):
+                    break
+                if up:
                     await self.backend.add_worker(side.role)
                     side.start_failures = 0
-            else:
-                for worker_id in idlest(live, decision.current - decision.target):
-                    await self.backend.remove_worker(worker_id, side.config.drain_timeout_s)
+                else:
+                    await self.backend.remove_worker(idlest(live), side.config.drain_timeout_s)
             side.last_change["result"] = "done"
         except Exception as exc:
             side.last_change["result"] = f"failed: {exc}"

@@ -146,6 +146,7 @@ class ScaledBackend(StubBackend):
         self.decode = [{"id": f"d-{i}", "role": "decode", "node": "n", "alive": True, "inflight": 0, "load": load}
                        for i, load in enumerate(loads)]
         self.starts, self.removed, self.refreshes = [], [], 0
+        self.drains = None  # a list: one future per drain, set by the test (None: a drain ends at once)
 
     def workers(self, include_dead=False):
         return list(self.decode)
@@ -163,6 +164,11 @@ class ScaledBackend(StubBackend):
 
     async def remove_worker(self, worker_id, drain_timeout_s=120.0):
         assert drain_timeout_s == 600.0  # the config's: a long generation is not cut by a scale-down
+        next(w for w in self.decode if w["id"] == worker_id)["alive"] = False  # (out of the rotation at once)
+        if self.drains is not None:
+            drained = asyncio.get_running_loop().create_future()
+            self.drains.append(drained)
+            await drained
         self.decode = [w for w in self.decode if w["id"] != worker_id]
         self.removed.append(worker_id)
 
@@ -291,3 +297,32 @@ def test_config_errors_name_the_field(fields, error):
     defaults = parse_config({**data, "decode": {"autoscaling": {}}}).decode.autoscaling
     assert (defaults.target_ongoing_requests, defaults.upscale_delay_s, defaults.downscale_delay_s,
             defaults.look_back_period_s, defaults.max_workers) == (2.0, 30.0, 600.0, 30.0, 1)  # Ray Serve's
+
+
+def test_workers_added_or_removed_by_hand_during_a_change_count():
+    # a scale-up to max_workers (3) while a worker is added by hand (POST /workers): one start, not two
+    backend = ScaledBackend([{"num_requests": 5}])
+
+    async def up(autoscaler, clock):
+        await autoscaler.tick()
+        await settle()
+        backend.decode.append({"id": "d-9", "role": "decode", "alive": True, "load": {}})
+        backend.starts[0].set_result(None)
+        await settle()
+
+    run_loop(backend, scaling(target_ongoing_requests=1, max_workers=3), up)
+    assert len(backend.starts) == 1 and len(backend.decode) == 3
+    # a scale-down to min_workers (1) while one is removed by hand (DELETE /workers/{id}): one drain, not two
+    backend = ScaledBackend([{}, {}, {}])
+    backend.drains = []
+
+    async def down(autoscaler, clock):
+        await autoscaler.tick()
+        await settle()
+        backend.decode = [w for w in backend.decode if w["id"] != "d-0"]
+        backend.drains[0].set_result(None)
+        await settle()
+
+    autoscaler, _ = run_loop(backend, scaling(), down)
+    assert len(backend.drains) == 1 and backend.removed == ["d-2"] and [w["id"] for w in backend.decode] == ["d-1"]
+    assert autoscaler.state()["decode"]["last_change"]["result"] == "done"
