@@ -57,7 +57,9 @@ class ScalingPolicy:
         self._samples.append(sample)
 
     def restart_delay(self) -> None:
-        """A change ended: the next one waits out its whole delay again (Ray Serve resets its timestamp)."""
+        """A change ended: the next one waits out its whole delay again (Ray Serve resets its timestamp).
+        Only then: a decision the caller held back (a start's backoff) keeps the time its count was first
+        wanted, and goes once the hold ends."""
         self._wanted_since = None
 
     def desired(self, now: float, current: int) -> "tuple[int, str]":
@@ -90,7 +92,6 @@ class ScalingPolicy:
         if waited + 1e-9 < delay:  # (Ray Serve's tolerance for clock arithmetic)
             return Decision(current, desired, current, f"{why}; {'up' if up else 'down'}scale wanted for "
                             f"{waited:.1f}s of {delay:g}s")
-        self._wanted_since = None
         return Decision(current, desired, desired, why)
 
 

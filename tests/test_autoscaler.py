@@ -326,3 +326,23 @@ def test_workers_added_or_removed_by_hand_during_a_change_count():
     autoscaler, _ = run_loop(backend, scaling(), down)
     assert len(backend.drains) == 1 and backend.removed == ["d-2"] and [w["id"] for w in backend.decode] == ["d-1"]
     assert autoscaler.state()["decode"]["last_change"]["result"] == "done"
+
+
+def test_a_start_held_back_by_the_backoff_goes_once_it_ends_its_delay_waited_out():
+    backend = ScaledBackend([{"num_requests": 5}])
+    config = scaling(target_ongoing_requests=1, max_workers=2, upscale_delay_s=5, start_retry_backoff_s=10)
+
+    async def script(autoscaler, clock):
+        await autoscaler.tick()
+        clock[0] = 5.0
+        await autoscaler.tick()  # (wanted up since 0 s: the delay waited out)
+        await settle()
+        backend.starts[0].set_exception(RuntimeError("no node fits"))
+        await settle()
+        for t in range(6, 16):  # more wanted since 6 s (after the failure), held back until 15 s
+            clock[0] = float(t)
+            await autoscaler.tick()
+            await settle()
+            assert len(backend.starts) == (2 if t == 15 else 1), t
+
+    run_loop(backend, config, script)
