@@ -114,8 +114,9 @@ class UnknownWorkerError(KeyError):
 
 
 class WorkerNotAddedError(RuntimeError):
-    """A worker the cluster's state refuses to add (HTTP: 409): ``code`` says why, ``sleeping`` (memory
-    released) or ``weights_from_tensors`` (no checkpoint holds the weights served)."""
+    """A worker the cluster's state refuses to add (HTTP: 409), before it starts or, the state reached
+    while it started, once it is up (it is stopped): ``code`` says why, ``sleeping`` (memory released)
+    or ``weights_from_tensors`` (no checkpoint holds the weights served)."""
 
     def __init__(self, message: str, code: str):
         super().__init__(message)
@@ -490,20 +491,32 @@ class PDBackend:
         return {"success": True, "message": SUCCESS,
                 "num_paused_requests": sum(r["num_paused_requests"] for r in results)}
 
+    def _refused_worker(self) -> Optional[WorkerNotAddedError]:
+        """Why the cluster's state refuses a new worker (None: it takes one)."""
+        if self.memory.is_sleeping:
+            return WorkerNotAddedError("the workers are sleeping (memory released): wake them up before adding one",
+                                       "sleeping")
+        if self.weights_from_tensors:
+            return WorkerNotAddedError("the workers serve weights updated from tensors, which no checkpoint holds: "
+                                       "a new worker could not serve them (update the weights from disk first)",
+                                       "weights_from_tensors")
+        return None
+
     async def add_worker(self, role: str) -> Dict[str, Any]:
         if self.cluster is None:
             raise NotImplementedError("this server was given a client, not a cluster: it cannot start workers")
-        if self.memory.is_sleeping:
-            raise WorkerNotAddedError("the workers are sleeping (memory released): wake them up before adding one",
-                                      "sleeping")
-        if self.weights_from_tensors:
-            raise WorkerNotAddedError("the workers serve weights updated from tensors, which no checkpoint holds: "
-                                      "a new worker could not serve them (update the weights from disk first)",
-                                      "weights_from_tensors")
+        refused = self._refused_worker()
+        if refused is not None:
+            raise refused
         worker = await asyncio.to_thread(self.cluster.add_worker, role)
         async with self._weights_lock:  # (it started on the config's checkpoint)
-            if self.weights_update is not None:
+            # a release or an update from tensors that ran while it started missed it: it goes
+            refused = self._refused_worker()
+            if refused is None and self.weights_update is not None:
                 await worker.handle.update_weights_from_disk.remote(*self.weights_update)
+        if refused is not None:
+            await asyncio.to_thread(self.cluster.remove_worker, worker.worker_id)
+            raise refused
         async with self._lora_lock:  # (those of the config it loaded at start)
             for name, path in self.runtime_loras.items():
                 await worker.handle.load_lora_adapter.remote(name, path, self.client.lora_cache_keys.get(name))

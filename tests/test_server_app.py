@@ -6,7 +6,9 @@ streamed choices merge, and validation errors name their field."""
 import asyncio
 import json
 import re
+import threading
 import time
+from types import SimpleNamespace
 
 import httpx
 import openai
@@ -455,8 +457,6 @@ def test_routes_without_a_cluster(served, client):
 def test_adding_a_worker_while_asleep_or_on_weights_from_tensors_is_a_409_naming_why():
     """POST /workers on a PD cluster whose workers sleep, or serve weights updated from tensors, is
     refused before any worker starts: a 409 whose code says which (not a 500 internal error)."""
-    from types import SimpleNamespace
-
     from cluster.backend import PDBackend
 
     started = []
@@ -473,6 +473,54 @@ def test_adding_a_worker_while_asleep_or_on_weights_from_tensors_is_a_409_naming
         assert r.status_code == 409 and r.json()["error"]["code"] == "weights_from_tensors", r.text
         assert "update the weights from disk" in r.json()["error"]["message"]
     assert started == []
+
+
+class _StartingCluster:
+    """A cluster whose ``add_worker`` (run in a thread) waits for ``go`` before its worker joins the
+    rotation, as a real start takes its time; ``remove_worker`` takes one out."""
+
+    def __init__(self, client):
+        self.client, self.removed = client, []
+        self.starting, self.go = threading.Event(), threading.Event()
+
+    def add_worker(self, role):
+        self.starting.set()
+        assert self.go.wait(10)
+        worker = SimpleNamespace(worker_id=f"{role}-new", role=role, node_id="n", alive=True, handle=None)
+        self.client.decode.append(worker)
+        return worker
+
+    def remove_worker(self, worker_id, timeout_s=120.0):
+        self.removed.append(worker_id)
+        self.client.decode[:] = [w for w in self.client.decode if w.worker_id != worker_id]
+
+
+@pytest.mark.parametrize("code", ["sleeping", "weights_from_tensors"])
+def test_a_worker_whose_start_a_release_or_an_update_from_tensors_overtook_is_stopped(code):
+    """A release of the workers' memory, or an update of their weights from tensors, that runs while a
+    worker starts misses it (not in the rotation yet): once up, it would hold its memory while the
+    cluster sleeps, or serve the config's checkpoint beside the updated workers. It is stopped and the
+    add refused (409, ``code``), as one asked for in that state is."""
+    from cluster.backend import PDBackend, WorkerNotAddedError
+
+    client = SimpleNamespace(prefill=[], decode=[], lora_cache_keys={})
+    cluster = _StartingCluster(client)
+    backend = PDBackend(client, cluster, model_name="pd", context_len=64)
+
+    async def add_while_starting():
+        adding = asyncio.ensure_future(backend.add_worker("decode"))
+        assert await asyncio.to_thread(cluster.starting.wait, 10)
+        if code == "sleeping":
+            backend.memory.mark_released(frozenset({"kv_cache"}), keep_weights=True)
+        else:
+            backend.weights_from_tensors = True
+        cluster.go.set()
+        with pytest.raises(WorkerNotAddedError) as refused:
+            await adding
+        return refused.value
+
+    assert asyncio.run(add_while_starting()).code == code
+    assert cluster.removed == ["decode-new"] and client.decode == []
 
 
 def test_worker_metrics_carry_the_hierarchical_cache_and_drop_workers_that_left():
@@ -847,8 +895,6 @@ def test_a_client_gone_while_its_request_is_routed_leaves_no_route_behind():
     request. The router completes the route all the same (cancelling the await does not cancel
     an actor call), and the client releases it once made: no request id left routed (a retry
     under it would be refused) and no worker load counted for nobody."""
-    from types import SimpleNamespace
-
     from cluster.backend import PDBackend
     from cluster.pd_client import PDClient, WorkerRef
 
