@@ -20,7 +20,9 @@ timeout): a pending placement group is the demand the Ray cluster autoscaler add
 for a pending Ray Serve replica. (``ray.autoscaler.sdk.request_resources`` is not called: it is
 one cluster-wide request that the next caller's replaces, for pre-provisioning.) A start that
 fails holds the side's next one back ``start_retry_backoff_s``, doubled per failure in a row;
-after ``max_start_failures`` in a row the side stops scaling up (it still scales down).
+after ``max_start_failures`` in a row the side stops scaling up (it still scales down). A start the
+cluster's state refuses (:class:`~cluster.backend.WorkerNotAddedError`: its workers sleep, or serve
+weights from tensors) is no failed start: the next is tried once the upscale delay has run again.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import time
 from typing import Any, Callable, Dict, List, Optional
 
 from cluster.autoscaling_policy import Decision, LoadSample, ScalingPolicy
-from cluster.backend import refresh_loads_briefly
+from cluster.backend import WorkerNotAddedError, refresh_loads_briefly
 
 logger = logging.getLogger(__name__)
 STOP_TIMEOUT_S = 30.0  # the longest the server's shutdown waits for a change in flight
@@ -184,6 +186,9 @@ class Autoscaler:
                 else:
                     await self.backend.remove_worker(idlest(live), side.config.drain_timeout_s)
             side.last_change["result"] = "done"
+        except WorkerNotAddedError as exc:  # (the workers slept, say): no failed start, tried after the delay
+            side.last_change["result"] = f"refused: {exc}"
+            logger.warning("autoscaler: %s: scaling up refused: %s", side.role, exc)
         except Exception as exc:
             side.last_change["result"] = f"failed: {exc}"
             if up:

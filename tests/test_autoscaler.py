@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from cluster.autoscaler import Autoscaler
 from cluster.autoscaling_policy import SIGNALS, LoadSample, ScalingPolicy
+from cluster.backend import WorkerNotAddedError
 from cluster.config import AutoscalingConfig
 from cluster.metrics import ServerMetrics
 from tests.backend_stubs import StubBackend
@@ -344,5 +345,25 @@ def test_a_start_held_back_by_the_backoff_goes_once_it_ends_its_delay_waited_out
             await autoscaler.tick()
             await settle()
             assert len(backend.starts) == (2 if t == 15 else 1), t
+
+    run_loop(backend, config, script)
+
+
+def test_a_start_the_clusters_state_refuses_is_no_failed_start():
+    # (a release or an update from tensors overtook it: a trainer's cycle is not a bad node, never given up)
+    backend = ScaledBackend([{"num_requests": 5}])
+    config = scaling(target_ongoing_requests=1, max_workers=2, start_retry_backoff_s=10, max_start_failures=1)
+
+    async def script(autoscaler, clock):
+        await autoscaler.tick()
+        await settle()
+        backend.starts[0].set_exception(WorkerNotAddedError("the workers are sleeping", "sleeping"))
+        await settle()
+        state = autoscaler.state()["decode"]
+        assert state["start_failures"] == 0 and state["last_change"]["result"] == "refused: the workers are sleeping"
+        clock[0] = 1.0
+        await autoscaler.tick()
+        await settle()
+        assert len(backend.starts) == 2
 
     run_loop(backend, config, script)
