@@ -139,10 +139,15 @@ class Autoscaler:
     async def tick(self) -> None:
         """Sample each side due and decide for those with no change in flight. Not while the workers
         sleep (their memory released for a colocated trainer): no request runs, and no worker could
-        start."""
+        start; a change wanted before waits its whole delay again on loads sampled awake (the rollouts
+        that wake them are not met by a drain the last ones asked for)."""
         now = self.clock()
+        if self.backend.is_sleeping:
+            for side in self.sides.values():
+                side.policy.restart_delay()
+            return
         due = [side for side in self.sides.values() if now >= side.next_sample_at]
-        if not due or self.backend.is_sleeping:
+        if not due:
             return
         await refresh_loads_briefly(self.backend)
         workers = self.backend.workers()

@@ -367,3 +367,24 @@ def test_a_start_the_clusters_state_refuses_is_no_failed_start():
         assert len(backend.starts) == 2
 
     run_loop(backend, config, script)
+
+
+def test_the_time_the_workers_sleep_counts_for_no_delay():
+    # (an RL loop: the rollouts end, the workers sleep while the trainer runs, wake for the next rollouts)
+    backend = ScaledBackend([{}, {}])
+    config = scaling(target_ongoing_requests=1, downscale_delay_s=10)
+
+    async def script(autoscaler, clock):
+        await autoscaler.tick()  # one worker wanted from 0 s
+        backend.is_sleeping = True
+        for t in (1.0, 500.0):
+            clock[0] = t
+            await autoscaler.tick()
+        backend.is_sleeping = False
+        for t in (501.0, 510.0, 511.0):  # awake: 10 s of loads sampled before one drains
+            clock[0] = t
+            await autoscaler.tick()
+            await settle()
+            assert backend.removed == ([] if t < 511 else ["d-1"]), t
+
+    run_loop(backend, config, script)
