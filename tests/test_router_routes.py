@@ -311,7 +311,8 @@ def test_removing_a_worker_drains_it_before_the_router_forgets_it():
     seen = []
 
     class Cluster:
-        def remove_worker(self, worker_id):  # (in a thread, as the real one drains)
+        def remove_worker(self, worker_id, timeout_s):  # (in a thread, as the real one drains)
+            assert timeout_s == 120.0  # (PDBackend.remove_worker's drain: DELETE /workers/{id}'s)
             seen.append(("r1" in router._requests, [w.worker_id for w in router._live("decode")]))
             return SimpleNamespace(worker_id=worker_id, role="decode")
 
