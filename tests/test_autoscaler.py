@@ -2,7 +2,9 @@
 injected clock — Ray Serve's numbers, the delays, the factors, Dynamo's signals, and hypothesis
 properties (desired within [min, max], no change before the delay, monotone in load) — and its loop
 (cluster/autoscaler.py) over an in-process backend: one change in flight per side, the idlest worker
-drained, a failed start backed off and then given up, the state and the desired-workers gauge."""
+drained, a failed start backed off and then given up (a start refused for the cluster's state is no
+failure), workers added or removed by hand during a change, no delay counted while the workers sleep,
+the state and the desired-workers gauge."""
 
 import asyncio
 from types import SimpleNamespace
