@@ -41,6 +41,7 @@ import json
 import re
 from typing import NamedTuple, Optional, Tuple
 
+from cluster.json_stream import json_dumps
 from cluster.streaming import partial_suffix_len
 from cluster.tool_parsers import ToolCallParser
 
@@ -83,9 +84,10 @@ def message_field(header: Header) -> Optional[str]:
 
 
 def call_arguments(body: str) -> str:
-    """A call's body as its arguments: JSON re-serialized, other text as written (vLLM's)."""
+    """A call's body as its arguments: JSON re-serialized (a surrogate its escapes name written so,
+    raw it is no UTF-8, :func:`~cluster.json_stream.json_dumps`), other text as written (vLLM's)."""
     try:
-        return json.dumps(json.loads(body), ensure_ascii=False)
+        return json_dumps(json.loads(body))
     except ValueError:
         return body
 

@@ -9,12 +9,14 @@ arguments are that text; vLLM streams the diff of partial parses).
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, List, Optional, Tuple
 
 JSON_SPACE = " \t\n\r"  # JSON's whitespace
 _SCALAR_END = JSON_SPACE + ',:[]{}"'  # what ends a number or literal
 _ESCAPES = {'"': '"', "\\": "\\", "/": "/", "b": "\b", "f": "\f", "n": "\n", "r": "\r", "t": "\t"}
 _HEX = "0123456789abcdefABCDEF"
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def json_text(value: Any) -> Optional[str]:
@@ -35,6 +37,12 @@ def json_escaped(code: int) -> str:
     a pair Python's escapes write apart: ``'\\ud83d\\ude00'``) as its escape, as ``ensure_ascii``
     writes it: raw it is no UTF-8, and the response carrying it could not be encoded (a 500)."""
     return f"\\u{code:04x}" if 0xD800 <= code <= 0xDFFF else json_chars(chr(code))
+
+
+def json_dumps(value: Any) -> str:
+    """``json.dumps(value, ensure_ascii=False)`` with :func:`json_escaped`'s rule: a surrogate in a
+    string (a lone one ``json.loads`` read from its escape) written as its escape, not raw."""
+    return _SURROGATE.sub(lambda m: json_escaped(ord(m.group())), json.dumps(value, ensure_ascii=False))
 
 
 class JsonStream:

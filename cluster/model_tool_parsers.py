@@ -16,7 +16,7 @@ import math
 import re
 from typing import Any, Dict, List, Optional
 
-from cluster.json_stream import JSON_SPACE, CallObject, JsonStream, json_text
+from cluster.json_stream import JSON_SPACE, CallObject, JsonStream, json_dumps, json_text
 from cluster.streaming import partial_suffix_len
 from cluster.tool_parsers import BlockParser, JsonLexer, SpacedContent, ToolCallParser
 
@@ -264,7 +264,7 @@ class Qwen3CoderParser(BlockParser):
         value = value[1:] if value.startswith("\n") else value
         value = value[:-1] if value.endswith("\n") else value
         value = _schema_value(value, self.function.get(key))
-        pair = json.dumps({key: value}, ensure_ascii=False)[1:-1]  # (as the whole object's json.dumps writes it)
+        pair = json_dumps({key: value})[1:-1]  # (as the whole object's json.dumps writes it)
         self.calls[-1][1] += (", " if self.written else "") + pair
         self.written += 1
 

@@ -18,6 +18,7 @@ import hypothesis.strategies as st
 import pytest
 from hypothesis import example, given, settings
 
+from cluster.chat_protocol import ChatTool
 from cluster.json_stream import JSON_SPACE, JsonStream, json_text
 from cluster.python_stream import PythonLiteral
 from cluster.tool_calls import TOOL_CALL_PARSERS, ToolCalls
@@ -232,11 +233,16 @@ def test_python_literal_reads_pythons_spellings(text):
 
 @pytest.mark.parametrize("name,text", [
     ("pythonic", "[f(a='\\ud83d\\ude00 \\U0000dc00')]"),
-    ("hermes", '<tool_call>{"name": "f", "arguments": {"a": "\\ud83d\\ude00 \\udc00"}}</tool_call>')])
+    ("hermes", '<tool_call>{"name": "f", "arguments": {"a": "\\ud83d\\ude00 \\udc00"}}</tool_call>'),
+    ("gpt_oss", '<|channel|>commentary to=functions.f<|message|>{"a": "\\ud83d\\ude00 \\udc00"}<|call|>'),
+    ("qwen3_coder", '<tool_call><function=f><parameter=a>"\\ud83d\\ude00 \\udc00"</parameter></function></tool_call>')])
 def test_escaped_surrogates_are_written_as_escapes(name, text):
     """A surrogate an escape names (Python's escapes write a pair apart, JSON's may leave one alone)
-    is written as its escape: raw, the arguments are no UTF-8 and their response could not be sent."""
-    calls = ToolCalls(lambda: TOOL_CALL_PARSERS[name](()), calls_finish=True).message(0, text)[1]
+    is written as its escape: raw, the arguments are no UTF-8 and their response could not be sent.
+    Harmony's and Qwen3-Coder's JSON is loaded and dumped whole (``a`` typed no string: read as JSON)."""
+    tools = [ChatTool.model_validate({"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "object"}}}}})]
+    calls = ToolCalls(lambda: TOOL_CALL_PARSERS[name](tools), calls_finish=True).message(0, text)[1]
     assert json.loads(calls[0]["function"]["arguments"].encode("utf-8")) == {"a": "\U0001F600 \udc00"}
 
 
