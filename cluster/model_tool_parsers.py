@@ -18,13 +18,13 @@ from typing import Any, Dict, List, Optional
 
 from cluster.json_stream import JSON_SPACE, CallObject, JsonStream, json_dumps, json_text
 from cluster.streaming import partial_suffix_len
-from cluster.tool_parsers import BlockParser, JsonLexer, SpacedContent, ToolCallParser
+from cluster.tool_parsers import BlockParser, JsonCallsParser, JsonLexer, SpacedContent
 
 
 _MISTRAL_NAME = re.compile(r"[A-Za-z0-9_.\-]+")
 
 
-class MistralParser(ToolCallParser):
+class MistralParser(JsonCallsParser):
     """Mistral's calls after its ``[TOOL_CALLS]`` token, in either form vLLM reads: a JSON array of
     ``{"name", "arguments"}`` (tokenizers before v11, ``[TOOL_CALLS] [{...}, ...]``), each element
     read as :class:`~cluster.json_stream.CallObject` reads it, or one call per token,
@@ -37,6 +37,7 @@ class MistralParser(ToolCallParser):
     tokenizers: the output is decoded with them."""
 
     TAG, ARGS, CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
+    SPECIAL_TAGS = (TAG, ARGS, CALL_ID)
     special_tokens = True
 
     def __init__(self):

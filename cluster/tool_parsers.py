@@ -13,7 +13,8 @@ streaming): the JSON formats commit a call once it is named and its arguments be
 the arguments as ``json.dumps`` writes their value (:class:`cluster.json_stream.CallObject`), what
 could still change held back; the pythonic ones commit a call at its ``(`` and write its Python
 literals so (:class:`cluster.python_stream.PythonLiteral`); a committed call stays one, so a call
-the output breaks or cuts short keeps the arguments it had (not JSON), as a vLLM stream does.
+the output breaks or cuts short keeps the arguments it had (not JSON), as a vLLM stream does; not
+streamed, such an output is content (:meth:`ToolCallParser.unparsed`, vLLM's non-streamed reading).
 """
 
 from __future__ import annotations
@@ -52,6 +53,26 @@ class ToolCallParser:
         """After ``finish``: ``text``, the whole output read, as a non-streamed message's content, no
         calls, where its calls do not parse whole and the format's non-streamed reading then has
         none (vLLM's pythonic parsers': a stream has sent them); None: the calls stand."""
+        return None
+
+
+class JsonCallsParser(ToolCallParser):
+    """A format whose calls' arguments are JSON text, read as vLLM's non-streamed parsers read them:
+    a call that does not ``json.loads`` makes the whole output content, no calls. A call the output
+    broke or cut short once committed has arguments as far as they went, no JSON, which a stream
+    has sent (as vLLM's) but which OpenAI clients ``json.loads`` from a message. ``SPECIAL_TAGS``:
+    tags the output shows only as it is decoded with special tokens for the parser, dropped then."""
+
+    SPECIAL_TAGS: Tuple[str, ...] = ()
+
+    def unparsed(self, text: str) -> Optional[str]:
+        try:
+            for _, arguments in self.calls:
+                json.loads(arguments)
+        except (ValueError, RecursionError):  # (JsonStream reads any depth, json.loads not)
+            for tag in self.SPECIAL_TAGS:
+                text = text.replace(tag, "")
+            return text
         return None
 
 
@@ -169,7 +190,7 @@ class SpacedContent:
         return out
 
 
-class BlockParser(ToolCallParser):
+class BlockParser(JsonCallsParser):
     """Calls in tagged blocks, ``START body END``, in the text (subclasses give the tags). A
     subclass reads a block's body as it comes: ``_open`` at its start, ``_read`` each piece (a
     tail that may be ``END``'s start held back), committing calls to ``calls`` as they come, and
@@ -270,7 +291,7 @@ class HermesParser(BlockParser):
         return self.call.call is not None
 
 
-class Llama3JsonParser(ToolCallParser):
+class Llama3JsonParser(JsonCallsParser):
     """Llama 3.x's JSON calls (vLLM's ``llama3_json``): an output that opens, past whitespace, with
     ``{`` or ``<|python_tag|>`` is calls, JSON objects ``{"name": ..., "parameters": {...}}`` (or
     ``"arguments"``: the first of the two to come) separated by ``;``, each read as

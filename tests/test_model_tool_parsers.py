@@ -1,8 +1,8 @@
 """The mistral, pythonic, llama4_pythonic, qwen3_coder, deepseek_v3 and deepseek_v31 tool-call
 parsers (vLLM's formats): each reads its calls and keeps the content around them, several calls in
 one output; a call malformed before its arguments begin stays content as written, one broken or
-cut short after keeps its arguments as far as they went (``CUT``; a pythonic list so broken is, not
-streamed, content: vLLM's); fed split at every position, and a character at a time (no content sent
+cut short after keeps its arguments as far as they went (``CUT``; an output whose calls so broken
+are no JSON, or no Python, is, not streamed, content: vLLM's); fed split at every position, and a character at a time (no content sent
 that a later character makes a call's, arguments only growing), each gives what it gives whole. Random calls: tests/test_tool_call_streaming.py; through
 the server (qwen3_coder, mistral, deepseek_v31): tests/test_tool_calls.py; gpt_oss's Harmony:
 tests/test_harmony.py."""
@@ -159,11 +159,19 @@ def test_registered_parsers_stream_what_the_message_holds(name, text):
 @pytest.mark.parametrize("name,text,content", [
     ("pythonic", "[add(a=1), g(1)] ok", "[add(a=1), g(1)] ok"),  # (positional: broken after a call)
     ("pythonic", "[add(a=1), g(b='x", "[add(a=1), g(b='x"),  # (cut short)
-    ("llama4_pythonic", "<|python_start|>[add(a=x)]<|python_end|>", "[add(a=x)]")])
-def test_a_pythonic_list_that_does_not_parse_is_content_when_not_streamed(name, text, content):
-    """vLLM's non-streamed reading: the output as content, its tags dropped, no calls and the finish
-    reason as it was (the calls as far as they went have arguments that are no JSON); streamed, the
-    calls committed were sent, and the choice ends with "tool_calls"."""
+    ("llama4_pythonic", "<|python_start|>[add(a=x)]<|python_end|>", "[add(a=x)]"),
+    *[(name, text, text) for name, text in [
+        ("hermes", '<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>\n'
+                   '<tool_call>{"name": "add", "arguments": {"a": [1}}</tool_call>'),  # (one broken: all content)
+        ("hermes", 'Sure. <tool_call>{"name": "add", "arguments": {"a": "x'),  # (cut short)
+        ("llama3_json", '{"name": "add", "parameters": {"a": 1'),
+        ("deepseek_v3", DEEPSEEK_TEXTS[2][0]), ("deepseek_v31", DEEPSEEK_V31.format("add", '{"a": [3')[:-5])]],
+    ("mistral", MISTRAL_TEXTS[4][0], 'ok add{"a": 12'),  # (the special tokens dropped)
+    ("mistral", '[TOOL_CALLS] [{"name": "add", "arguments": {"a": x}}]', ' [{"name": "add", "arguments": {"a": x}}]')])
+def test_calls_that_do_not_parse_are_content_when_not_streamed(name, text, content):
+    """vLLM's non-streamed reading: the output as content, its tags dropped where they are special
+    tokens, no calls and the finish reason as it was (the calls as far as they went have arguments
+    that are no JSON); streamed, the calls committed were sent, and the choice ends with "tool_calls"."""
     whole = ToolCalls(lambda: TOOL_CALL_PARSERS[name](()), calls_finish=True)
     assert whole.message(0, text) == (content, []) and whole.finish_reason(0, "stop") == "stop"
     streamed = ToolCalls(lambda: TOOL_CALL_PARSERS[name](()), calls_finish=True)
