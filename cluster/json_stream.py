@@ -179,7 +179,10 @@ class CallObject:
     arguments have begun (or, at the object's end, with ``default`` arguments when it names no
     arguments; ``default`` None: no call); its arguments then grow as :class:`JsonStream` writes
     them. Other keys are read past. ``broken``: a character JSON refuses came; a committed call
-    keeps the arguments it had (so does one the output cuts short: vLLM streams them so too)."""
+    keeps the arguments it had (so does one the output cuts short: vLLM streams them so too).
+    What the arguments grow by is held until ``flush`` (the caller's, at the end of each piece fed;
+    its own at the object's end): the call's string copied once a piece, not once a character (a
+    long argument read so was O(n²) in its length)."""
 
     def __init__(self, calls: List[List[str]], argument_keys: Tuple[str, ...] = ("arguments",),
                  default: Optional[str] = "{}"):
@@ -187,10 +190,10 @@ class CallObject:
         self.expect = "{"  # then "first_key" (or "}"), "colon", "value", "comma" (or "}"), "key", "done"
         self.member: Optional[JsonStream] = None  # the key or value being read
         self.reading = ""  # what the member is: "key", "name", "arguments" or "other"
-        self.text = ""  # the member's text so far (a key's or the name's)
+        self.text: List[str] = []  # the member's text so far (a key's or the name's)
         self.key: Optional[str] = None
         self.name: Optional[str] = None
-        self.arguments: Optional[str] = None  # the arguments' text before the call is committed
+        self.arguments: Optional[List[str]] = None  # the arguments' text not in the call's yet; None before they begin
         self.call: Optional[List[str]] = None  # committed, in calls
         self.broken = False
 
@@ -205,6 +208,14 @@ class CallObject:
             self._step(c)
         except ValueError:
             self.broken = True
+        if self.broken or self.done:
+            self.flush()
+
+    def flush(self) -> None:
+        """The arguments read since the last flush onto the committed call's."""
+        if self.call is not None and self.arguments:
+            self.call[1] += "".join(self.arguments)
+            self.arguments = []
 
     def _step(self, c: str) -> None:
         if self.member is not None:
@@ -232,38 +243,33 @@ class CallObject:
         elif expect in ("first_key", "comma") and c == "}":
             self.expect = "done"
             if self.call is None and self.arguments is None and self.name is not None and self.default is not None:
-                self.arguments = self.default
+                self.arguments = [self.default]
                 self._commit()
         else:
             raise ValueError(f"no call object goes on with {c!r}")
 
     def _member(self, reading: str, c: str) -> None:
-        self.member, self.reading, self.text = JsonStream(), reading, ""
+        self.member, self.reading, self.text = JsonStream(), reading, []
         if reading == "arguments":
-            self.arguments = ""
+            self.arguments = []
             self._commit()
         self._read(self.member.step(c))
 
     def _read(self, text: str) -> None:
-        if self.reading != "arguments":
-            self.text += text
-        elif self.call is not None:
-            self.call[1] += text
-        else:
-            self.arguments += text
+        (self.arguments if self.reading == "arguments" else self.text).append(text)
 
     def _member_ended(self) -> None:
         self.member = None
         if self.reading == "key":
-            self.key, self.expect = json.loads(self.text), "colon"
+            self.key, self.expect = json.loads("".join(self.text)), "colon"
             return
         self.expect = "comma"
         if self.reading == "name" and self.name is None:
-            name = json.loads(self.text)
+            name = json.loads("".join(self.text))
             self.name = name if isinstance(name, str) else None
             self._commit()
 
     def _commit(self) -> None:
         if self.call is None and self.name is not None and self.arguments is not None:
-            self.call = [self.name, self.arguments]
-            self.calls.append(self.call)
+            self.calls.append([self.name, ""])
+            self.call = self.calls[-1]

@@ -47,6 +47,7 @@ class MistralParser(JsonCallsParser):
         self.first = 0  # the first of the calls since the tag
         self.lexer = JsonLexer()  # (an object no call: read to its end)
         self.arguments = JsonStream()
+        self.written: List[str] = []  # the arguments read, not in the call's yet (added once a piece fed)
         self.element: Optional[CallObject] = None  # the array's element being read
         self.expect = "first"  # in the array: "first" element (or "]"), "element", "comma" (or "]")
         self.content = SpacedContent()
@@ -61,7 +62,17 @@ class MistralParser(JsonCallsParser):
             if shown is not None:  # (None: it broke the calls, read again as text)
                 out.append(shown)
                 i += 1
+        self._flush()
         return "".join(out)
+
+    def _flush(self) -> None:
+        """What the last call's arguments grew by onto its string, once a piece, not once a character
+        (each growth copies the string whole: O(n²) in a long argument's length)."""
+        if self.written:
+            self.calls[-1][1] += "".join(self.written)
+            self.written = []
+        if self.element is not None:
+            self.element.flush()
 
     def _text(self, text: str, i: int, out: List[str]) -> int:
         """Content up to the tag (or a tail that may start it, held); where to go on from."""
@@ -78,7 +89,8 @@ class MistralParser(JsonCallsParser):
         return len(text) - rest
 
     def _step(self, c: str) -> Optional[str]:
-        self.held += c
+        if len(self.calls) == self.first:  # (the text since the tag is content only if it calls nothing)
+            self.held += c
         if self.state == "calls":
             if c == "[" and not self.held[len(self.TAG):-1].strip(JSON_SPACE):
                 self.state, self.expect = "array", "first"
@@ -96,7 +108,7 @@ class MistralParser(JsonCallsParser):
             return self._end(called=False) if self.lexer.depth == 0 else ""
         if self.state == "arguments":
             try:
-                self.calls[-1][1] += self.arguments.step(c)
+                self.written.append(self.arguments.step(c))
             except ValueError:
                 return self._end(called=False)
             return self._end(called=True) if self.arguments.done else ""
@@ -125,6 +137,7 @@ class MistralParser(JsonCallsParser):
     def _end(self, called: bool) -> Optional[str]:
         """The calls since the tag end (``called``: whole, at their last character): their text as
         content if none was committed; None if some were and they broke at this character."""
+        self._flush()
         text, self.held, self.state, self.element = self.held, "", "text", None
         if len(self.calls) == self.first:
             return self.content.text(text)
@@ -293,9 +306,10 @@ class DeepSeekV3Parser(BlockParser):
         self.head, self.name, self.arguments, self.broken = "", None, None, False
 
     def _read(self, text: str) -> None:
+        written = []  # (added to the call's string once: grown a character at a time, O(n²))
         for c in text:
             if self.broken or (self.arguments is not None and self.arguments.done):
-                return
+                break
             if self.name is None:
                 self.head += c
                 self.name = self._name(self.head)
@@ -306,13 +320,15 @@ class DeepSeekV3Parser(BlockParser):
                     continue
                 if c != "{":
                     self.broken = True
-                    return
+                    break
                 self.arguments = JsonStream()
                 self.calls.append([self.name, ""])
             try:
-                self.calls[-1][1] += self.arguments.step(c)
+                written.append(self.arguments.step(c))
             except ValueError:
                 self.broken = True
+        if written:
+            self.calls[-1][1] += "".join(written)
 
     def _close(self) -> bool:
         return self.arguments is not None

@@ -125,11 +125,20 @@ class RequiredParser(ToolCallParser):
         self.key: Optional[str] = None  # the key whose value comes or came last
         self.capture: Optional[str] = None  # the parameters' value being taken: container, string or scalar
         self.token, self.token_is_key = "", False  # an element-level string as written
+        self.captured: List[str] = []  # the parameters' characters not in the call's yet
 
     def feed(self, text: str) -> str:
         for c in text:
             self._step(c)
+        self._flush()
         return ""
+
+    def _flush(self) -> None:
+        """The parameters captured onto the last call's arguments, once a piece (or before the next
+        call): its string grown a character at a time was copied whole each time, O(n²)."""
+        if self.captured:
+            self.calls[-1][1] += "".join(self.captured)
+            self.captured = []
 
     def _step(self, c: str) -> None:
         lexer, space = self.lexer, c in JSON_SPACE
@@ -144,7 +153,7 @@ class RequiredParser(ToolCallParser):
         in_string = lexer.in_string
         lexer.step(c)
         if self.capture:
-            self.calls[-1][1] += c
+            self.captured.append(c)
             if self.capture != "scalar" and lexer.depth == _ELEMENT and not lexer.in_string:
                 self.capture = None  # its container closed, or its string
             return
@@ -161,6 +170,7 @@ class RequiredParser(ToolCallParser):
                 elif self.key == "name":
                     self.calls[-1][0] = value
         elif c == "{":  # (at the element's depth after it: it opened an element)
+            self._flush()
             self.calls.append([None, ""])
             self.expect, self.key = "key", None
         elif c == ",":
@@ -286,6 +296,7 @@ class HermesParser(BlockParser):
     def _read(self, text: str) -> None:
         for c in text:
             self.call.step(c)
+        self.call.flush()
 
     def _close(self) -> bool:
         return self.call.call is not None
@@ -318,6 +329,8 @@ class Llama3JsonParser(JsonCallsParser):
                 out.append(text[i:])
                 break
             out.append(self._step(c))
+        if self.call is not None:
+            self.call.flush()
         return "".join(out)
 
     def finish(self) -> str:
@@ -348,7 +361,8 @@ class Llama3JsonParser(JsonCallsParser):
                 self.state = "content"
                 return c
             self.state, self.call = "object", CallObject(self.calls, ("arguments", "parameters"), default=None)
-        self.held += c
+        if self.call.call is None:  # (the object's text is content only if it calls nothing)
+            self.held += c
         self.call.step(c)
         if not (self.call.done or self.call.broken):
             return ""
