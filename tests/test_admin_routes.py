@@ -421,7 +421,7 @@ class _PrefillAndDecode(EngineBackend):
 def test_get_server_info_reports_the_sizes_the_engine_chose(engine, idle_after):
     """SGLang's scheduler info at the top (sglang.bench_serving reads max_total_num_tokens) and per
     worker in ``internal_states``: what the runner chose, not the configuration's null
-    max_running_requests; /metrics exports them per worker."""
+    max_running_requests (and the mem_fraction_static it took); /metrics exports the sizes per worker."""
     runner, sched = engine.runner, engine.scheduler
     assert engine.config.max_running_requests is None
     with serving(engine, ServerConfig(), _PrefillAndDecode) as server:
@@ -433,6 +433,7 @@ def test_get_server_info_reports_the_sizes_the_engine_chose(engine, idle_after):
     decode = info["internal_states"][1]
     assert (decode["id"], decode["role"], decode["context_len"]) == ("d-0", "decode", sched.context_len)
     assert decode["chunked_prefill_size"] == sched.chunked_prefill_size and decode["speculative_algorithm"] is None
+    assert decode["mem_fraction_static"] == runner.mem_fraction_static == 0.5  # (unset: the CPU's default)
     labels = '{role="decode",worker="d-0"}'
     assert f"raydix_worker_max_total_num_tokens{labels} {float(runner.max_total_num_tokens)}" in metrics
 

@@ -8,15 +8,20 @@ and MoE) and replay them against eager, and a capture failing midway keeps none.
 import random
 import threading
 import time
+import types
 
 import pytest
 import torch
 
-from actors.engine import Engine
-from actors.engine.cuda_graph_runner import CAPTURE_BS, CudaGraphRunner, capture_batch_sizes, graphs_off_reason
+from actors.engine import Engine, model_runner
+from actors.engine.config import EngineConfig
+from actors.engine.cuda_graph_runner import (CAPTURE_BS, CudaGraphRunner, capture_batch_sizes, cuda_graph_max_bs,
+                                             graphs_off_reason)
 from actors.engine.forward_batch import ForwardBatch, ForwardMode
 from actors.engine.memory_occupation import MemoryState, parse_tags
 from actors.engine.tiny import build_tiny_checkpoint, tiny_adapters
+from mem_cache import memory_budget
+from mem_cache.memory_budget import GiB
 from tests.pd_helpers import close_workers, make_pair
 from tests.tp_helpers import thread_ranks
 
@@ -173,18 +178,43 @@ def test_what_runs_eagerly(llama):
         engine.shutdown()
 
 
-def test_capture_sizes(llama):
+def test_capture_sizes():
     """SGLang's list up to cuda_graph_max_bs, none above the request rows; cuda_graph_bs as given."""
-    engine = Engine(model_path=llama, skip_tokenizer_init=True, max_total_tokens=64, cuda_graph_max_bs=24)
+    config = EngineConfig(model_path="m", cuda_graph_max_bs=24)
+    assert capture_batch_sizes(config, cuda_graph_max_bs(config, 80 * GiB), 256) == [1, 2, 4, 8, 12, 16, 24]
+    assert capture_batch_sizes(config, 24, 10) == [1, 2, 4, 8]
+    config.cuda_graph_bs = [6, 3, 40]
+    assert capture_batch_sizes(config, cuda_graph_max_bs(config, 80 * GiB), 32) == [3, 6]
+    assert CAPTURE_BS[-1] == 512
+
+
+def test_tp_ranks_capture_rank0s_sizes(llama, monkeypatch):
+    """TP ranks on GPUs of different memory capture rank 0's sizes (its default cuda_graph_max_bs, here 256
+    for 80 GiB, up to the 128 request rows): a rank picking its own (8 for 16 GiB) would capture other graphs
+    than rank 0's, and their NCCL collectives would hang. Graphs are on as on CUDA (nothing is captured on
+    the CPU); each rank reports its own memory."""
+    thread_ranks(monkeypatch)
+    leader = threading.get_ident()  # (rank 0 runs on this thread, the follower on its own)
+
+    def virtual_memory():
+        total = (80 if threading.get_ident() == leader else 16) * GiB
+        return types.SimpleNamespace(available=total, total=total)
+
+    monkeypatch.setattr(memory_budget, "psutil", types.SimpleNamespace(virtual_memory=virtual_memory))
+    monkeypatch.setattr(model_runner, "graphs_off_reason", lambda runner: None)
+    eng = Engine(model_path=llama, tp_size=2, skip_tokenizer_init=True, max_total_tokens=256)
     try:
-        config, device = engine.runner.config, engine.runner.device
-        assert capture_batch_sizes(config, 256, device) == [1, 2, 4, 8, 12, 16, 24]
-        assert capture_batch_sizes(config, 10, device) == [1, 2, 4, 8]
-        config.cuda_graph_bs = [6, 3, 40]
-        assert capture_batch_sizes(config, 32, device) == [3, 6]
-        assert CAPTURE_BS[-1] == 512
+        deadline = time.monotonic() + 30
+        while not eng.tp_group.followers and time.monotonic() < deadline:
+            time.sleep(0.01)
+        runners = [eng.runner, eng.tp_group.followers[0].runner]
+        assert [r.max_running_requests for r in runners] == [128, 128]
+        assert [r.graph_runner.capture_bs for r in runners] == [[bs for bs in CAPTURE_BS if bs <= 128]] * 2
+        for runner in runners:
+            runner.graph_runner = None
+        eng.check_integrity()
     finally:
-        engine.shutdown()
+        eng.shutdown()
 
 
 def test_the_cuda_graph_tag_alone_is_no_sleep():

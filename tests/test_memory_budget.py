@@ -3,7 +3,10 @@
 import pytest
 import torch
 
-from actors.engine.engine import engine_server_info
+from actors.engine.config import EngineConfig
+from actors.engine.cuda_graph_runner import cuda_graph_max_bs
+from actors.engine.engine import check_engine_integrity, engine_server_info
+from actors.engine.model_runner import default_mem_fraction_static
 from actors.engine.scheduler import Scheduler
 
 from mem_cache.memory_budget import (
@@ -322,6 +325,67 @@ def test_defaults_tiny_device_rejected():
     # 2 GB = 2_048 MB < 512 + 3_072 + 16 + 128 reserved
     with pytest.raises(ValueError, match="reserved"):
         default_memory_args(2)
+
+
+def engine_memory_defaults(gib, mem_fraction_static=None, device_type="cuda", **config):
+    """The engine's (cuda_graph_max_bs, mem_fraction_static) for a device of ``gib`` GiB and ``config``."""
+    cfg = EngineConfig(model_path="m", mem_fraction_static=mem_fraction_static, **config)
+    max_bs = cuda_graph_max_bs(cfg, gib * GiB)
+    return max_bs, default_mem_fraction_static(cfg, device_type, gib * GiB, max_bs)
+
+
+@pytest.mark.parametrize("gib, tp, chunked, defaults", [
+    # SGLang's server defaults (its chunk): see test_defaults_h100_tp1 and test_defaults_24gb_card;
+    # TP 2 adds 128 MB: 80 GiB (81_920 - 13_568) / 81_920 = 0.834375 ; 24 GiB 20_688 / 24_576 = 0.8417.. -> 0.842
+    (80, 1, 8192, (256, 0.836)), (80, 2, 8192, (256, 0.834)), (24, 1, 2048, (24, 0.847)), (24, 2, 2048, (24, 0.842)),
+    # the engine's own chunk when unset, 2048: test_defaults_overrides' 0.948; TP 2: 77_568 / 81_920 = 0.9468.. -> 0.947
+    (80, 1, None, (256, 0.948)), (80, 2, None, (256, 0.947)),
+    # chunking off: max_prefill_tokens 16384: 512 + 24_576 + 512 + 128 = 25_728 ; 56_192 / 81_920 = 0.6859.. -> 0.686
+    (80, 1, -1, (256, 0.686)),
+])
+def test_the_engines_default_mem_fraction_static_is_sglangs_on_cuda(gib, tp, chunked, defaults):
+    """mem_fraction_static unset on CUDA: SGLang's from the device's memory, the engine's tp_size and its
+    chunk, and the largest graph the engine captures (it used to be 0.5 whatever the GPU)."""
+    assert engine_memory_defaults(gib, tp_size=tp, chunked_prefill_size=chunked) == defaults
+
+
+def test_the_engines_memory_defaults_honour_overrides():
+    """A set mem_fraction_static is kept (on CUDA and the CPU); cuda_graph_max_bs and cuda_graph_bs set the
+    graphs' reserve; graphs off reserve none; the CPU's default is 0.5 (its memory is the host's)."""
+    assert engine_memory_defaults(80, 0.7, chunked_prefill_size=8192) == (256, 0.7)
+    assert engine_memory_defaults(80, 0.7, "cpu") == (256, 0.7)
+    assert engine_memory_defaults(80, device_type="cpu") == (256, 0.5)
+    # 8 graphs: 512 + 12_288 + 16 + 128 = 12_944 ; 68_976 / 81_920 = 0.84199.. -> 0.842
+    assert engine_memory_defaults(80, chunked_prefill_size=8192, cuda_graph_max_bs=8) == (8, 0.842)
+    # the largest of cuda_graph_bs, 24 GiB: 512 + 3_072 + 96 + 128 = 3_808 ; 20_768 / 24_576 = 0.8450.. -> 0.845
+    assert engine_memory_defaults(24, cuda_graph_bs=[4, 48, 16]) == (48, 0.845)
+    # graphs off (the runner passes 0): test_defaults_overrides' 0.842 at SGLang's chunk
+    config = EngineConfig(model_path="m", chunked_prefill_size=8192)
+    assert default_mem_fraction_static(config, "cuda", 80 * GiB, 0) == 0.842
+
+
+def test_the_runner_sizes_its_pools_by_the_default_fraction(tmp_path, monkeypatch):
+    """A runner with mem_fraction_static unset sizes its KV pool by the default the device gives (on CUDA:
+    here a 24 GiB one, graphs off as on the CPU: 512 + 3_072 + 128 = 3_712 MB kept,
+    20_864 / 24_576 = 0.84895.. -> 0.849), and /get_server_info shows it. It used to take 0.5, which keeps
+    more than this device has free (no memory left for the KV cache)."""
+    from actors.engine.model_runner import ModelRunner
+    from actors.engine.tiny import build_tiny_checkpoint
+    import actors.engine.model_runner as model_runner
+
+    total = 24 * GiB
+    available = round(total * (1 - 0.849)) + 16 * 2**20  # 16 MiB for the pools at 0.849
+    monkeypatch.setattr(model_runner, "get_device_memory", lambda device: (available, total))
+    monkeypatch.setattr(model_runner, "default_mem_fraction_static",  # (a CUDA device's)
+                        lambda config, device_type, *args: default_mem_fraction_static(config, "cuda", *args))
+    path = build_tiny_checkpoint("llama", tmp_path / "llama")
+    runner = ModelRunner(EngineConfig(model_path=str(path), max_running_requests=64))
+    assert runner.cuda_graph_max_bs == 0 and runner.mem_fraction_static == 0.849
+    cell = runner.token_to_kv_pool.mem_usage_bytes() // (runner.max_total_num_tokens + 1)  # (+ the dummy slot)
+    assert 16 * 2**20 * 0.9 < runner.max_total_num_tokens * cell <= 16 * 2**20
+    scheduler = Scheduler(runner)
+    assert engine_server_info(scheduler)["mem_fraction_static"] == 0.849
+    check_engine_integrity(scheduler, runner)
 
 
 # ---- device memory ---------------------------------------------------------

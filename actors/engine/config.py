@@ -10,6 +10,7 @@ from typing import Annotated, Any, Dict, List, Literal, Optional
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
+CHUNKED_PREFILL_DEFAULT = 2048  # tokens per prefill chunk when chunked_prefill_size is not set
 CACHE_AWARE_POLICIES = ("lpm", "dfs-weight")  # the schedule policies that order requests by the radix cache
 # the projections a LoRA adapter may target (HF names; a model's supported_lora_modules say which it has)
 # SGLang's names; qkv_proj and gate_up_proj: Phi-3's fused projections (one adapter over q | k | v, gate | up);
@@ -55,11 +56,14 @@ class EngineConfig(BaseModel):
         "AWQ kept packed, served weight-only, actors.engine.wna16); 'fp8': "
         "the same, and an unquantized checkpoint quantized to 128x128-block FP8 as it loads")
     page_size: int = Field(1, ge=1, le=256)
-    mem_fraction_static: Optional[float] = Field(None, gt=0.0, lt=1.0, description="None: from device memory")
+    mem_fraction_static: Optional[float] = Field(
+        None, gt=0.0, lt=1.0, description="the share of device memory for the weights and the static pools. None: "
+        "SGLang's on CUDA (device memory less a reserve for a prefill chunk's activations, the CUDA graphs and the "
+        "ranks); 0.5 on the CPU (actors.engine.model_runner.default_mem_fraction_static)")
     max_total_tokens: Optional[int] = Field(None, gt=0, description="KV pool size in tokens; None: from memory")
     max_running_requests: Optional[int] = Field(None, gt=0)
     context_length: Optional[int] = Field(None, gt=0, description="None: the model's max_position_embeddings")
-    chunked_prefill_size: Optional[int] = Field(None, description="tokens per prefill chunk; -1 disables; None: auto")
+    chunked_prefill_size: Optional[int] = Field(None, description="tokens per prefill chunk; -1 disables; None: 2048")
     max_prefill_tokens: int = Field(16384, gt=0, description="tokens of one prefill batch")
     schedule_policy: Literal["fcfs", "lof", "random", "lpm", "dfs-weight"] = Field(
         "fcfs", description="the order admission tries waiting requests in (SGLang's --schedule-policy): fcfs "

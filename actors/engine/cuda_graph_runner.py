@@ -28,8 +28,10 @@ hybrid (Mamba) models.
 
 Memory: the graphs' pool comes out of the part of device memory the static budget leaves
 (``1 - mem_fraction_static``), as SGLang's ``reserved_mem_mb`` holds ``cuda_graph_max_bs * 2`` MB for
-them (``mem_cache.memory_budget.default_memory_args``); the capture logs what it took. TP: every rank captures the same sizes in the
-same order, so the collectives inside (NCCL, which CUDA graphs capture) pair up; gloo (the CPU) never
+them (the default ``mem_fraction_static``, ``actors.engine.model_runner.default_mem_fraction_static``);
+the capture logs what it took. TP: every rank captures the same sizes (rank 0's
+:func:`cuda_graph_max_bs`: a default from each rank's own memory could differ between GPUs) in the same
+order, so the collectives inside (NCCL, which CUDA graphs capture) pair up; gloo (the CPU) never
 captures. Weight updates copy into the parameters in place, so the graphs, which read the parameters'
 memory, stay valid; :meth:`capture` again is for memory that moved (sleep mode's ``cuda_graph`` tag
 releases the graphs, resuming captures them anew).
@@ -45,7 +47,7 @@ import torch
 from actors.engine.forward_batch import ForwardBatch, ForwardMode
 from actors.engine.fused_moe import FusableExperts
 from actors.engine.models.base import LogitsOutput
-from mem_cache.memory_budget import GiB, default_memory_args, get_device_memory
+from mem_cache.memory_budget import GiB, default_memory_args
 
 logger = logging.getLogger(__name__)
 
@@ -53,15 +55,21 @@ logger = logging.getLogger(__name__)
 CAPTURE_BS = [1, 2, 4, 8, 12, *range(16, 257, 8), *range(272, 513, 16)]
 
 
-def capture_batch_sizes(config, max_running_requests: int, device: torch.device) -> List[int]:
-    """``cuda_graph_bs``, or :data:`CAPTURE_BS` up to ``cuda_graph_max_bs`` (None: SGLang's by the
-    device's memory and ``tp_size``), none above ``max_running_requests``; ascending."""
-    sizes = config.cuda_graph_bs
-    if sizes is None:
-        max_bs = config.cuda_graph_max_bs
-        if max_bs is None:
-            max_bs = default_memory_args(get_device_memory(device)[1] / GiB, config.tp_size).cuda_graph_max_bs
-        sizes = [bs for bs in CAPTURE_BS if bs <= max_bs]
+def cuda_graph_max_bs(config, total_bytes: int) -> int:
+    """The largest batch size captured: ``cuda_graph_bs``'s largest, ``cuda_graph_max_bs``, or SGLang's
+    default by the device's memory (``total_bytes``) and ``tp_size``. The model runner takes TP rank 0's on
+    every rank, and reserves memory for it in the default ``mem_fraction_static``."""
+    if config.cuda_graph_bs is not None:
+        return max(config.cuda_graph_bs, default=0)
+    if config.cuda_graph_max_bs is not None:
+        return config.cuda_graph_max_bs
+    return default_memory_args(total_bytes / GiB, config.tp_size).cuda_graph_max_bs
+
+
+def capture_batch_sizes(config, max_bs: int, max_running_requests: int) -> List[int]:
+    """``cuda_graph_bs``, or :data:`CAPTURE_BS` up to ``max_bs`` (:func:`cuda_graph_max_bs`), none above
+    ``max_running_requests``; ascending."""
+    sizes = config.cuda_graph_bs if config.cuda_graph_bs is not None else [bs for bs in CAPTURE_BS if bs <= max_bs]
     return sorted({bs for bs in sizes if bs <= max_running_requests})
 
 

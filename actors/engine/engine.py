@@ -144,14 +144,15 @@ def flush_engine_cache(sched, runner) -> None:
 def engine_server_info(sched) -> Dict[str, Any]:
     """What this engine chose at start (SGLang's scheduler info of /get_server_info), not what was
     configured: request rows and KV slots as the memory budget sized them (a hybrid model's default
-    rows are the most whose Mamba states fit), the context its pool holds, the chunk prefills are cut
-    in. An SWA model adds its SWA pool's slots, a hybrid one its Mamba slots; its ranks' shape (SGLang's
-    tp_size and pp_size). Static: the pools are allocated once (a sleep resumes them at the same sizes; a
-    weight update keeps every shape)."""
+    rows are the most whose Mamba states fit), the memory fraction (SGLang's default when not set), the
+    context its pool holds, the chunk prefills are cut in. An SWA model adds its SWA pool's slots, a
+    hybrid one its Mamba slots; its ranks' shape (SGLang's tp_size and pp_size). Static: the pools are
+    allocated once (a sleep resumes them at the same sizes; a weight update keeps every shape)."""
     runner, cfg = sched.runner, sched.runner.config
     spec = cfg.speculative_algorithm is not None
     info = {"max_running_requests": runner.max_running_requests, "max_total_num_tokens": runner.max_total_num_tokens,
-            "max_req_input_len": sched.context_len - 1, "context_len": sched.context_len, "page_size": cfg.page_size,
+            "mem_fraction_static": runner.mem_fraction_static, "max_req_input_len": sched.context_len - 1,
+            "context_len": sched.context_len, "page_size": cfg.page_size,
             "chunked_prefill_size": sched.chunked_prefill_size, "speculative_algorithm": cfg.speculative_algorithm,
             "speculative_num_draft_tokens": cfg.speculative_num_draft_tokens if spec else None,
             "speculative_draft_model_path": cfg.speculative_draft_model_path, "tp_size": cfg.tp_size,

@@ -20,8 +20,8 @@ from typing import Any, Callable, ContextManager, Dict, List, Optional, Tuple
 import torch
 
 from actors.engine.attention import create_attention_backend
-from actors.engine.config import EngineConfig
-from actors.engine.cuda_graph_runner import CudaGraphRunner, capture_batch_sizes, graphs_off_reason
+from actors.engine.config import CHUNKED_PREFILL_DEFAULT, EngineConfig
+from actors.engine.cuda_graph_runner import CudaGraphRunner, capture_batch_sizes, cuda_graph_max_bs, graphs_off_reason
 from actors.engine.draft_model import DraftModel
 from actors.engine.forward_batch import ForwardBatch, int64_tensor
 from actors.engine.fused_moe import fuse_experts
@@ -32,8 +32,8 @@ from actors.engine.parallel import SINGLE, TPGroup
 from mem_cache.alloc_kernels import triton_device_error
 from mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
 from mem_cache.buffer_allocator import BufferAllocator
-from mem_cache.memory_budget import (KVCacheShape, cell_size_bytes, get_device_memory, max_mamba_rows,
-                                     profile_max_num_tokens, static_budget_bytes)
+from mem_cache.memory_budget import (GiB, KVCacheShape, cell_size_bytes, default_memory_args, get_device_memory,
+                                     max_mamba_rows, profile_max_num_tokens, static_budget_bytes)
 from mem_cache.mamba_pool import HybridLinearKVPool, HybridReqToTokenPool, MambaPool
 from mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
 from mem_cache.req_to_token_pool import ReqToTokenPool
@@ -43,6 +43,7 @@ from mem_cache.swa_memory_pool import SWAKVPool
 logger = logging.getLogger(__name__)
 
 MAX_RUNNING_DEFAULT = 256  # request rows when max_running_requests is not set (fewer if the KV pool is small)
+CPU_MEM_FRACTION_STATIC = 0.5  # mem_fraction_static when not set, on the CPU
 KV_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
 
@@ -58,6 +59,24 @@ def resolve_device(name: str) -> torch.device:
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     return device
+
+
+def default_mem_fraction_static(config: EngineConfig, device_type: str, total_bytes: int,
+                                cuda_graph_max_bs: int) -> float:
+    """``mem_fraction_static``, SGLang's when not set on CUDA: the device's memory (``total_bytes``) less
+    its ``reserved_mem_mb`` for a prefill chunk's activations (the engine's ``chunked_prefill_size``;
+    ``max_prefill_tokens`` when chunking is off), the CUDA graphs (``cuda_graph_max_bs`` x 2 MB, 0 with
+    graphs off) and the tp_size x pp_size ranks' buffers (``default_memory_args``). On the CPU 0.5: system
+    memory is shared with everything else on the host (the Ray processes, the tokenizer, the page cache),
+    and a reserve sized for a GPU's activations would hand the KV pool nearly all of it."""
+    if config.mem_fraction_static is not None:
+        return config.mem_fraction_static
+    if device_type != "cuda":
+        return CPU_MEM_FRACTION_STATIC
+    chunk = config.chunked_prefill_size if config.chunked_prefill_size is not None else CHUNKED_PREFILL_DEFAULT
+    return default_memory_args(total_bytes / GiB, config.tp_size, config.pp_size,
+                               chunked_prefill_size=chunk if chunk > 0 else config.max_prefill_tokens,
+                               cuda_graph_max_bs=cuda_graph_max_bs).mem_fraction_static
 
 
 def _no_followers(forward_batch: ForwardBatch) -> ContextManager:
@@ -89,13 +108,18 @@ class ModelRunner:
         self.draft = self._load_draft(attention)  # (before the KV pool is sized, as the adapters)
         self.kv_dtype = KV_DTYPES.get(config.kv_cache_dtype, self.dtype)
         self.spec = self.model.kv_cache_spec()
+        self.attn_backend = create_attention_backend(attention, device=self.device)
+        # before the pools are sized: the default memory fraction keeps memory for the graphs
+        self.cuda_graph_max_bs = 0 if graphs_off_reason(self) else self._rank0_cuda_graph_max_bs()
+        total_bytes = get_device_memory(self.device)[1]
+        self.mem_fraction_static = default_mem_fraction_static(config, self.device.type, total_bytes,
+                                                               self.cuda_graph_max_bs)
         tokens, rows = self._profile_pools()
         # the same slots (and rows) on every rank: of its TP group, then of every pipeline stage
         self.max_total_num_tokens = tp.pp.all_min(tp.all_min(tokens))
         self.max_running_requests = config.max_running_requests or max(1, min(tp.pp.all_min(tp.all_min(rows)),
                                                                               self.max_total_num_tokens // 2))
         self._init_pools()
-        self.attn_backend = create_attention_backend(attention, device=self.device)
         self.graph_runner = self._init_cuda_graphs()
         # TP rank 0: sends the batch to the other ranks, around a forward in step with theirs
         self.tp_step: Callable[[ForwardBatch], ContextManager] = _no_followers
@@ -200,7 +224,7 @@ class ModelRunner:
         if self.config.max_total_tokens is not None:
             return max(ps, self.config.max_total_tokens // ps * ps), MAX_RUNNING_DEFAULT
         available, total = get_device_memory(self.device)
-        fraction = self.config.mem_fraction_static or 0.5
+        fraction = self.mem_fraction_static
         shape, rows, mamba_slots, verify_states = self._kv_shape(self.spec), MAX_RUNNING_DEFAULT, None, 0
         if self.spec.kind == "hybrid_mamba":  # KV for the full-attention layers only; the Mamba pool comes first
             shape = dataclasses.replace(shape, num_attention_layers=len(self.spec.full_attention_layer_ids),
@@ -344,10 +368,16 @@ class ModelRunner:
         if self.draft is not None:  # (never transferred: a plain allocation, not the shareable one)
             self.draft.token_to_kv_pool = self._attention_pool(self.draft.spec, None)
 
+    def _rank0_cuda_graph_max_bs(self) -> int:
+        """TP rank 0's :func:`cuda_graph_max_bs` on every rank: a default from each rank's own device memory
+        could differ between GPUs, and ranks capturing different graphs would hang in their NCCL collectives."""
+        max_bs = cuda_graph_max_bs(self.config, get_device_memory(self.device)[1]) if self.tp.is_leader else None
+        return self.tp.broadcast_object(max_bs)
+
     def _init_cuda_graphs(self) -> Optional[CudaGraphRunner]:
         """The decode graphs, captured now that the KV pool exists (None: off, and why is logged)."""
         reason = graphs_off_reason(self)
-        sizes = [] if reason else capture_batch_sizes(self.config, self.max_running_requests, self.device)
+        sizes = [] if reason else capture_batch_sizes(self.config, self.cuda_graph_max_bs, self.max_running_requests)
         if reason or not sizes:
             logger.info("CUDA graphs off: %s", reason or "no capture size fits max_running_requests")
             return None

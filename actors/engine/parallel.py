@@ -126,6 +126,8 @@ class TPGroup:
 
     def broadcast_object(self, obj: Any = None) -> Any:
         """Rank 0's ``obj`` on every rank (pickled over the control group)."""
+        if self.size == 1:
+            return obj
         box = [obj if self.is_leader else None]
         torch.distributed.broadcast_object_list(box, src=self._global(0), group=self.cpu_group)
         return box[0]

@@ -32,6 +32,7 @@ from typing import Callable, List, Optional, Tuple
 
 import torch
 
+from actors.engine.config import CHUNKED_PREFILL_DEFAULT
 from actors.engine.finish import check_finished, stream_text
 from actors.engine.grammar import GrammarBackend, active_matcher
 from actors.engine.models.base import InputLogprobs
@@ -113,7 +114,7 @@ class Scheduler(PrefillAdmissionMixin, DecodeRetractionMixin, SpecDecodeMixin):
         self.grammars = GrammarBackend(tokenizer, cfg.tokenizer_path or cfg.model_path,
                                        runner.model_config.get_text_config().vocab_size,
                                        any_whitespace=not cfg.constrained_json_disable_any_whitespace)
-        chunk = cfg.chunked_prefill_size if cfg.chunked_prefill_size is not None else 2048
+        chunk = cfg.chunked_prefill_size if cfg.chunked_prefill_size is not None else CHUNKED_PREFILL_DEFAULT
         self.chunked_prefill_size = None if chunk <= 0 else max(self.page_size, chunk // self.page_size * self.page_size)
         self.context_len = min(runner.context_len, self._max_request_len())
         if self.context_len < 2:  # not even a one-token prompt and one output token: refused at start
