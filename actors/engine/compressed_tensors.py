@@ -45,7 +45,7 @@ import torch
 from torch import nn
 
 from actors.engine import wna16
-from actors.engine.fp8 import FP8, joined
+from actors.engine.fp8 import FP8, joined, quantization_config, refuse_forced
 
 PACKED_FORMAT = "pack-quantized"
 # format → value type → bits served (the first three store each value in a byte of its own: FP8 or int8)
@@ -100,8 +100,7 @@ def resolve(config, quantization: Optional[str]) -> Optional[CompressedConfig]:
     (else None); ValueError naming the field of what is not served: sparsity, formats
     other than float / int / naive / pack-quantized (``marlin-24``, ``nvfp4-pack-quantized``, ...), block
     or token strategies, act-order groups, dynamic weights; or a forced ``quantization``."""
-    qc = getattr(config, "quantization_config", None)
-    qc = qc if qc is None or isinstance(qc, dict) else qc.to_dict()
+    qc = quantization_config(config)
     method = None if qc is None else qc.get("quant_method")
     if method == "fp8" and not qc.get("weight_block_size"):
         if qc.get("fmt", "e4m3") != "e4m3":
@@ -109,9 +108,7 @@ def resolve(config, quantization: Optional[str]) -> Optional[CompressedConfig]:
         return CompressedConfig({"Linear": PER_TENSOR_FP8}, tuple(qc.get("ignored_layers") or ()))
     if method != "compressed-tensors":
         return None
-    if quantization is not None:
-        raise ValueError(f"quantization={quantization!r} but the checkpoint's quantization_config.quant_method="
-                         f"{method!r}: leave quantization unset to serve it as it is quantized")
+    refuse_forced(quantization, method)
     sparsity = (qc.get("sparsity_config") or {}).get("format", "dense")
     if sparsity != "dense":
         raise ValueError(f"quantization_config.sparsity_config.format={sparsity!r} is not served (dense only)")

@@ -42,10 +42,9 @@ def resolve(config, quantization: Optional[str]) -> Optional[Fp8Config]:
     """The quantization of the checkpoint of HF ``config`` served with ``EngineConfig.quantization``
     (None: the checkpoint's own; also None for per-tensor FP8, no ``weight_block_size``, which
     :mod:`.compressed_tensors` serves); ValueError naming the field when they disagree or the method is not served."""
-    qc = getattr(config, "quantization_config", None)
+    qc = quantization_config(config)
     if qc is None:
         return Fp8Config(DYNAMIC_BLOCK, dynamic=True) if quantization == "fp8" else None
-    qc = qc if isinstance(qc, dict) else qc.to_dict()
     method = qc.get("quant_method")
     if method != "fp8":
         forced = f"quantization={quantization!r} but " if quantization else ""
@@ -60,6 +59,20 @@ def resolve(config, quantization: Optional[str]) -> Optional[Fp8Config]:
     if len(block) != 2:
         raise ValueError(f"quantization_config.weight_block_size={block!r}: block-wise FP8 is [rows, columns]")
     return Fp8Config((int(block[0]), int(block[1])), dynamic=False)
+
+
+def quantization_config(config) -> Optional[dict]:
+    """HF ``config``'s ``quantization_config`` as a dict (transformers may have made it an object), None
+    when the checkpoint is not quantized: what each method's ``resolve`` reads."""
+    qc = getattr(config, "quantization_config", None)
+    return qc if qc is None or isinstance(qc, dict) else qc.to_dict()
+
+
+def refuse_forced(quantization: Optional[str], method: str) -> None:
+    """ValueError when ``EngineConfig.quantization`` forces a method on a checkpoint quantized by ``method``."""
+    if quantization is not None:
+        raise ValueError(f"quantization={quantization!r} but the checkpoint's quantization_config.quant_method="
+                         f"{method!r}: leave quantization unset to serve it as it is quantized")
 
 
 def quantize_linears(model: nn.Module, quant: Fp8Config, shapes: Dict[str, List[int]]) -> Dict[str, nn.Module]:

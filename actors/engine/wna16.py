@@ -43,7 +43,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from actors.engine import wna16_kernels
-from actors.engine.fp8 import joined
+from actors.engine.fp8 import joined, quantization_config, refuse_forced
 
 GPTQ, AWQ = "gptq", "awq"
 METHODS = (GPTQ, AWQ)
@@ -76,14 +76,11 @@ def resolve(config, quantization: Optional[str]) -> Optional[PackedConfig]:
     naming the field of a variant not served: another GPTQ ``checkpoint_format`` (marlin, gptq_v2), bits
     2 / 3, AWQ's GEMV kernels' layout or no zero point, words other than int32 (GPTQModel's ``pack_dtype``),
     a quantized ``lm_head``; or a forced ``quantization`` (fp8)."""
-    qc = getattr(config, "quantization_config", None)
-    qc = qc if qc is None or isinstance(qc, dict) else qc.to_dict()
+    qc = quantization_config(config)
     method = None if qc is None else qc.get("quant_method")
     if method not in METHODS:
         return None
-    if quantization is not None:
-        raise ValueError(f"quantization={quantization!r} but the checkpoint's quantization_config.quant_method="
-                         f"{method!r}: leave quantization unset to serve it as it is quantized")
+    refuse_forced(quantization, method)
     # (older AutoAWQ configs name them w_bit and q_group_size; vLLM reads either)
     bits, group_size = qc.get("bits", qc.get("w_bit")), qc.get("group_size", qc.get("q_group_size", 128))
     if method == GPTQ:
