@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from actors.engine.tiny import build_tiny_checkpoint
+from tests.wna16_helpers import is_quantized
 
 FP8 = torch.float8_e4m3fn
 
@@ -126,12 +127,6 @@ def brute_force_dequantize(tensors: Dict[str, torch.Tensor], weights: dict,
                 zero = int(zeros[row, col])
             weight[o, i] = np.float32(np.float32(value - zero) * scales[row, col])
     return torch.from_numpy(weight)
-
-
-def is_quantized(name: str) -> bool:
-    """The linear layers llm-compressor quantizes with ``targets: [Linear]`` (lm_head ignored): attention and
-    MLP projections (MLA's too), experts', not embeddings, lm_head, norms, routers."""
-    return name.endswith(("proj.weight", "proj_with_mqa.weight", ".w1.weight", ".w2.weight", ".w3.weight"))
 
 
 def config_group(groups: Dict[str, dict], ignore, layer: str) -> Optional[dict]:

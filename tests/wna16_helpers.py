@@ -121,8 +121,9 @@ def quantization_config(method: str, bits: int, group_size: int, sym: bool, act_
 
 
 def is_quantized(name: str) -> bool:
-    """The linear layers GPTQ / AWQ checkpoints quantize: attention and MLP projections, experts' too
-    (Mixtral's w1..w3), DeepSeek's MLA ones, not embeddings, lm_head, norms, routers."""
+    """The linear layers GPTQ / AWQ checkpoints quantize, and llm-compressor's with ``targets: [Linear]``
+    (lm_head ignored): attention and MLP projections, experts' too (Mixtral's w1..w3), DeepSeek's MLA ones,
+    not embeddings, lm_head, norms, routers."""
     return name.endswith(("proj.weight", "proj_with_mqa.weight", ".w1.weight", ".w2.weight", ".w3.weight"))
 
 
