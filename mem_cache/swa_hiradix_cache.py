@@ -232,13 +232,6 @@ class SWAHiRadixCache(SWAHostTierMixin, SWARadixCache):
         node.last_access_time = self._tick()
         self._set_tombstone(node, node.swa_host_value is None)
 
-    def _drop_device_accounts(self, node: SWATreeNode) -> None:
-        self.full_lru_list.remove(node)
-        self.full_evictable_size_ -= len(node.key)
-        if not node.swa_tombstone:
-            self.swa_lru_list.remove(node)
-            self.swa_evictable_size_ -= len(node.key)
-
     def _remove(self, node: SWATreeNode) -> None:
         """Delete a childless node from the tree, freeing whatever it holds in either tier."""
         if node.value is not None:

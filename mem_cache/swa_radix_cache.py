@@ -398,12 +398,17 @@ class SWARadixCache(SWACacheChecksMixin, RadixCache):
 
     def _delete_node(self, node: SWATreeNode) -> None:
         del node.parent.children[self.child_key(node.key)]
+        self._drop_device_accounts(node)
+        self.events.removed(node.hash_value)
+
+    def _drop_device_accounts(self, node: SWATreeNode) -> None:
+        """Take unlocked ``node``, whose KV leaves the device, off both pools' LRU lists and evictable sizes
+        (the SWA pool's only where its window KV is there, not a tombstone)."""
         self.full_lru_list.remove(node)
         self.full_evictable_size_ -= len(node.key)
         if not node.swa_tombstone:
             self.swa_lru_list.remove(node)
             self.swa_evictable_size_ -= len(node.key)
-        self.events.removed(node.hash_value)
 
     # ---- requests ----------------------------------------------------------------
     def window_start(self, seq_len: int) -> int:
