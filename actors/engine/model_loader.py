@@ -421,13 +421,13 @@ class ServedWeights:
         fp8.quantize_like(full, self.quantized)
         wna16.quantize_like(full, self.packed)
         compressed_tensors.quantize_like(full, self.compressed)
+        full.packed_linears, full.compressed_linears = self.packed, self.compressed  # (ignored_weight reads them)
         expected = {name: list(t.shape) for name, t in full.state_dict().items() if name in self.targets}
         if isinstance(source, str) and getattr(self.config, "quantization_config", None) is None:  # (fp8 as they load)
             expected = {name: shape for name, shape in expected.items() if not name.endswith(fp8.SCALE)}
         shapes = mxfp4.unpacked_shapes(shapes, expected)
-        problems = _checkpoint_problems(shapes, expected, lambda name: ignored_weight(full, name)
-                                        or wna16.unread(self.packed, name) or self.elsewhere(name)
-                                        or compressed_tensors.unread(self.compressed, name),
+        problems = _checkpoint_problems(shapes, expected,
+                                        lambda name: ignored_weight(full, name) or self.elsewhere(name),
                                         partial=not isinstance(source, str))
         if not isinstance(source, str):
             problems += (self._fp8_problems(source) + wna16.unread_problems(self.packed, source)
