@@ -136,7 +136,7 @@ class VisionTransformer(nn.Module):
         order = order.to(pixels.device)
         patches = (order[:, None] * unit + torch.arange(unit, device=pixels.device)).flatten()  # window order
         x = self.patch_embed(pixels)[patches]
-        cos, sin = self._rotary(t, h, w, pixels.device)
+        cos, sin = vision_rotary(t, h, w, self.merge, self.head_dim, self.rope_theta, pixels.device)
         cos, sin = cos[patches], sin[patches]
         frames = [i * h * w for i in range(t + 1)]
         windows = [0] + torch.tensor(window_lens).mul(unit).cumsum(0).tolist()
@@ -156,9 +156,6 @@ class VisionTransformer(nn.Module):
                     order.append(window)
                     lens.append(window.numel())
         return torch.cat(order), lens
-
-    def _rotary(self, t: int, h: int, w: int, device) -> Tuple[torch.Tensor, torch.Tensor]:
-        return vision_rotary(t, h, w, self.merge, self.head_dim, self.rope_theta, device)
 
 
 def merge_block_order(x: torch.Tensor, h: int, w: int, merge: int) -> torch.Tensor:
