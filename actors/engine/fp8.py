@@ -18,7 +18,7 @@ by name. ``EngineConfig.quantization="fp8"`` also quantizes an unquantized check
 
 from __future__ import annotations
 
-from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -102,12 +102,9 @@ def quantize_linear(module: nn.Linear, name: str, block: Tuple[int, int], full_s
     if shard is not None:
         size, full = block[shard.dim], full_shape[shard.dim]
         shard = shard._replace(ranges=joined(shard.ranges))
-        for r in shard.ranges:
-            if r.start % size or (r.stop % size and r.stop != full):
-                raise ValueError(f"{name}: this rank's slice [{r.start}, {r.stop}) of dim {shard.dim} of its "
-                                 f"weight {list(full_shape)} cuts a block of weight_block_size {list(block)}: "
-                                 "tp_size must split it on block boundaries")
-        scale_ranges = [range(r.start // size, -(-r.stop // size)) for r in shard.ranges]
+        scale_ranges = cut(shard.ranges, size, full, lambda r: (
+            f"{name}: this rank's slice [{r.start}, {r.stop}) of dim {shard.dim} of its weight {list(full_shape)} "
+            f"cuts a block of weight_block_size {list(block)}: tp_size must split it on block boundaries"))
         scale_shape[shard.dim] = sum(len(r) for r in scale_ranges)
         module.param_shards[SCALE] = shard._replace(ranges=scale_ranges)
     module.weight_scale_inv = nn.Parameter(torch.empty(scale_shape, device=module.weight.device),
@@ -125,6 +122,16 @@ def joined(ranges: Sequence[range]) -> List[range]:
         else:
             out.append(r)
     return out
+
+
+def cut(ranges: Sequence[range], unit: int, full: int, refusal: Callable[[range], str]) -> List[range]:
+    """A shard's ``ranges`` of a dim's indices as ranges of its units of ``unit`` (a scale's block, a packed
+    int32 word, a group): the shard of a tensor holding one entry a unit. ValueError ``refusal(r)`` for a
+    range ``r`` that starts or ends inside a unit (but at the dim's end, ``full``)."""
+    for r in ranges:
+        if r.start % unit or (r.stop % unit and r.stop != full):
+            raise ValueError(refusal(r))
+    return [range(r.start // unit, -(-r.stop // unit)) for r in ranges]
 
 
 def quantize_like(full: nn.Module, quantized: Dict[str, nn.Module]) -> None:

@@ -43,7 +43,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from actors.engine import wna16_kernels
-from actors.engine.fp8 import joined, quantization_config, refuse_forced
+from actors.engine.fp8 import cut, joined, quantization_config, refuse_forced
 
 GPTQ, AWQ = "gptq", "awq"
 METHODS = (GPTQ, AWQ)
@@ -195,13 +195,11 @@ def quantize_linear(module: nn.Linear, name: str, quant: PackedConfig, full_shap
 
 
 def _cut(ranges: Sequence[range], factor: int, full: int, name: str, what: str, why: str) -> List[range]:
-    """``ranges`` of features in units of ``factor`` features (an int32 word, a group); ValueError naming
-    layer ``name`` when one starts or ends inside a unit (but at the tensor's end, ``full``)."""
-    for r in ranges:
-        if r.start % factor or (r.stop % factor and r.stop != full):
-            raise ValueError(f"{name}: this rank's slice [{r.start}, {r.stop}) of its {full} {what} features "
-                             f"cuts {factor} ({why}): tp_size must split them on multiples of {factor}")
-    return [range(r.start // factor, -(-r.stop // factor)) for r in ranges]
+    """``ranges`` of features in units of ``factor`` features (an int32 word, a group: :func:`fp8.cut`);
+    ValueError naming layer ``name`` when one starts or ends inside a unit."""
+    return cut(ranges, factor, full, lambda r: (
+        f"{name}: this rank's slice [{r.start}, {r.stop}) of its {full} {what} features cuts {factor} ({why}): "
+        f"tp_size must split them on multiples of {factor}"))
 
 
 def quantize_like(full: nn.Module, packed: Dict[str, nn.Module]) -> None:
