@@ -14,9 +14,10 @@ from typing import Dict, Optional, Tuple
 
 import numpy as np
 import torch
+from torch.nn import functional as F
 
 from actors.engine.tiny import build_tiny_checkpoint
-from tests.wna16_helpers import is_quantized
+from tests.wna16_helpers import is_quantized, pack_words
 
 FP8 = torch.float8_e4m3fn
 
@@ -63,16 +64,13 @@ def quantize_rtn(weight: torch.Tensor, weights: dict) -> Tuple[torch.Tensor, tor
 
 def pack(values: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
     """Signed ``values`` [r, c] stored plus 2 ** (bits - 1), ``32 // bits`` to an int32 word along ``dim``,
-    value k of a word at bits ``k · bits`` (compressed-tensors' pack_to_int32)."""
+    value k of a word at bits ``k · bits`` (compressed-tensors' pack_to_int32), the last word's spare places 0."""
     per_word = 32 // bits
-    unsigned = (values + (1 << bits - 1)).numpy().astype(np.int64)
-    if dim == 0:
-        unsigned = unsigned.T
-    words = np.zeros((unsigned.shape[0], -(-unsigned.shape[1] // per_word)), dtype=np.int64)
-    for c in range(unsigned.shape[1]):
-        words[:, c // per_word] += unsigned[:, c] << (bits * (c % per_word))
-    words = np.where(words >= 1 << 31, words - (1 << 32), words).astype(np.int32)
-    return torch.from_numpy(words.T.copy() if dim == 0 else words)
+    unsigned = values.long() + (1 << bits - 1)
+    unsigned = unsigned.t() if dim == 0 else unsigned
+    unsigned = F.pad(unsigned, (0, -unsigned.shape[1] % per_word))
+    words = pack_words(unsigned.reshape(unsigned.shape[0], -1, per_word), bits, range(per_word))
+    return words.t().contiguous() if dim == 0 else words
 
 
 def quantize_layer(weight: torch.Tensor, group: dict) -> Dict[str, torch.Tensor]:

@@ -47,7 +47,7 @@ def quantize_rtn(weight: torch.Tensor, bits: int, group_size: int, sym: bool, ac
     return q, zeros, scales.half(), g_idx
 
 
-def _words(values: torch.Tensor, bits: int, places) -> torch.Tensor:
+def pack_words(values: torch.Tensor, bits: int, places) -> torch.Tensor:
     """``values`` [..., pack] into one int32 word each, value j at place ``places[j]``."""
     word = torch.zeros(values.shape[:-1], dtype=torch.int64)
     for j, place in enumerate(places):
@@ -59,9 +59,9 @@ def pack_gptq(q, zeros, scales, g_idx, bits: int) -> Dict[str, torch.Tensor]:
     """AutoGPTQ's v1 tensors: qweight [in / pack, out] packed down the input dim, qzeros [groups, out / pack]
     holding zero - 1, scales, g_idx."""
     pack, (out_features, in_features) = 32 // bits, q.shape
-    qweight = _words(q.t().reshape(in_features // pack, pack, out_features).transpose(1, 2), bits, range(pack))
+    qweight = pack_words(q.t().reshape(in_features // pack, pack, out_features).transpose(1, 2), bits, range(pack))
     stored = (zeros - 1) & ((1 << bits) - 1)
-    qzeros = _words(stored.reshape(stored.shape[0], -1, pack), bits, range(pack))
+    qzeros = pack_words(stored.reshape(stored.shape[0], -1, pack), bits, range(pack))
     return {"qweight": qweight, "qzeros": qzeros, "scales": scales, "g_idx": g_idx}
 
 
@@ -69,8 +69,8 @@ def pack_awq(q, zeros, scales) -> Dict[str, torch.Tensor]:
     """AutoAWQ's GEMM tensors: qweight [in, out / 8] and qzeros [groups, out / 8], column 8c + AWQ_ORDER[i]
     in nibble i of word c; scales."""
     places = [AWQ_ORDER.index(j) for j in range(8)]  # (column 8c + j goes to nibble places[j])
-    qweight = _words(q.t().reshape(q.shape[1], -1, 8), 4, places)
-    qzeros = _words(zeros.reshape(zeros.shape[0], -1, 8), 4, places)
+    qweight = pack_words(q.t().reshape(q.shape[1], -1, 8), 4, places)
+    qzeros = pack_words(zeros.reshape(zeros.shape[0], -1, 8), 4, places)
     return {"qweight": qweight, "qzeros": qzeros, "scales": scales}
 
 
