@@ -156,7 +156,8 @@ class LoRAManager:
         self._clock = 0
         self.scaling = torch.zeros(num_slots, dtype=dtype, device=device)
         self.groups: List[Tuple[int, torch.Tensor]] = []  # this forward's (slot, its token indices)
-        self.token_slots: Optional[torch.Tensor] = None  # ... and each token's slot (-1: none), with any groups
+        # ... and each token's slot (-1: none), with any groups, where routed experts take adapters
+        self.token_slots: Optional[torch.Tensor] = None
         self.layers: Dict[str, Union[LoRALinear, ExpertSlots]] = {}
         self.experts: Dict[str, ExpertLoRA] = {}  # by the path of a MoE layer's experts
         targets = self._target_layers(model) if self.target_modules else {m for a in adapters for m in a.weights}
@@ -361,7 +362,8 @@ class LoRAManager:
                 self._load(slot, name)
         token_slots = torch.repeat_interleave(torch.tensor(slots), torch.tensor(forward_batch.extend_seq_lens_cpu))
         device = forward_batch.input_ids.device
-        self.token_slots = token_slots.to(device)
+        if self.experts:  # (the routed experts' adapters read each token's slot; dense layers read the groups)
+            self.token_slots = token_slots.to(device)
         for slot in sorted(set(slots) - {-1}):
             self.groups.append((slot, (token_slots == slot).nonzero()[:, 0].to(device)))
 
