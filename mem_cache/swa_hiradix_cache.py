@@ -162,11 +162,7 @@ class SWAHiRadixCache(SWAHostTierMixin, SWARadixCache):
 
     def _enter_device(self, node: SWATreeNode, with_swa: bool) -> None:
         """``node`` (its ``value`` just set) joins the device's lists and sizes."""
-        self.full_lru_list.insert_mru(node)
-        self.full_evictable_size_ += len(node.key)
-        if with_swa:
-            self.swa_lru_list.insert_mru(node)
-            self.swa_evictable_size_ += len(node.key)
+        self._add_device_accounts(node, with_swa)
         self._set_tombstone(node, not with_swa)
 
     def _set_tombstone(self, node: SWATreeNode, tombstone: bool) -> None:

@@ -282,11 +282,7 @@ class SWARadixCache(SWACacheChecksMixin, RadixCache):
         node = SWATreeNode(key, value, swa_tombstone)
         node.parent = parent
         parent.children[self.child_key(key)] = node
-        self.full_lru_list.insert_mru(node)
-        self.full_evictable_size_ += len(key)
-        if not swa_tombstone:
-            self.swa_lru_list.insert_mru(node)
-            self.swa_evictable_size_ += len(key)
+        self._add_device_accounts(node, with_swa=not swa_tombstone)
         self._record_stored(parent, node)
         if swa_tombstone:
             self.events.marked(WindowLost, node.hash_value)
@@ -400,6 +396,15 @@ class SWARadixCache(SWACacheChecksMixin, RadixCache):
         del node.parent.children[self.child_key(node.key)]
         self._drop_device_accounts(node)
         self.events.removed(node.hash_value)
+
+    def _add_device_accounts(self, node: SWATreeNode, with_swa: bool) -> None:
+        """Put unlocked ``node``, whose KV is on the device, on the full pool's LRU list and evictable size,
+        and on the SWA pool's ``with_swa`` (its window KV there too)."""
+        self.full_lru_list.insert_mru(node)
+        self.full_evictable_size_ += len(node.key)
+        if with_swa:
+            self.swa_lru_list.insert_mru(node)
+            self.swa_evictable_size_ += len(node.key)
 
     def _drop_device_accounts(self, node: SWATreeNode) -> None:
         """Take unlocked ``node``, whose KV leaves the device, off both pools' LRU lists and evictable sizes
