@@ -232,23 +232,48 @@ def test_pp2_equals_hf_with_the_vision_tower_on_the_first_stage_only(model_dir, 
         engine.shutdown()
 
 
-def test_tp2_an_image_request_aborted_between_chunks_leaves_no_embedding_on_any_rank(model_dir, monkeypatch):
-    """Its first chunk encodes the image on both ranks; aborted before the next, its embeddings go on rank 0
-    (released with the request) and on the follower (dropped at the next exchange)."""
+def first_chunk_at_tp2(model_dir: str, monkeypatch, rid: str):
+    """A TP 2 engine (chunks of 8, the loop paused) that ran an image request's first chunk, which encoded its
+    image on both ranks: the engine, the request's output (a join) and its image's item on rank 0."""
     from tests.test_weight_updates import run_in_thread, wait_for
 
     encoded, _ = encodings_per_rank(monkeypatch, VisionTransformer, lambda pixels, grid: grid)
     engine = Engine(model_dir, max_total_tokens=2048, tp_size=2, chunked_prefill_size=8)
     engine.pause_generation("in_place")  # (the loop steps no more: the test takes the first chunk itself)
-    out = run_in_thread(engine.generate, prompt=chat(engine.tokenizer, "abort"), image_data=[image(100, 150, 15)],
-                        rid="img", sampling_params={"max_new_tokens": 4})
-    wait_for(lambda: engine.loop.held_rids() == ["img"])
+    out = run_in_thread(engine.generate, prompt=chat(engine.tokenizer, rid), image_data=[image(100, 150, 15)],
+                        rid=rid, sampling_params={"max_new_tokens": 4})
+    wait_for(lambda: engine.loop.held_rids() == [rid])
     engine.loop.run_exclusive(engine.scheduler.step)
     item = engine.scheduler.chunked_req.mm_inputs.images[0]
     assert len(encoded) == 2 and item.embedding is not None
-    assert engine.abort("img")
+    return engine, out, item
+
+
+def test_tp2_an_image_request_aborted_between_chunks_leaves_no_embedding_on_any_rank(model_dir, monkeypatch):
+    """Its first chunk encodes the image on both ranks; aborted before the next, its embeddings go on rank 0
+    (released with the request) and on the follower (dropped at the next exchange)."""
+    engine, out, item = first_chunk_at_tp2(model_dir, monkeypatch, "abort")
+    assert engine.abort("abort")
     engine.continue_generation()
     assert out()["meta_info"]["finish_reason"]["type"] == "abort"
+    engine.check_integrity()
+    assert item.embedding is None and engine.tp_group.followers[0]._images.embeddings == {}
+    engine.shutdown()
+
+
+def test_tp2_an_image_request_failed_between_chunks_leaves_no_embedding_on_any_rank(model_dir, monkeypatch):
+    """A step failing after its first chunk (past the ranks' forward: the group stays whole) fails the request:
+    its embeddings go as an abort's, on rank 0 and on the follower."""
+    engine, out, item = first_chunk_at_tp2(model_dir, monkeypatch, "fail")
+
+    def fail_once(reqs, logits):
+        del engine.scheduler._process_prefill
+        raise RuntimeError("the step failed")
+
+    engine.scheduler._process_prefill = fail_once
+    engine.continue_generation()
+    with pytest.raises(RuntimeError, match="the step failed"):
+        out()
     engine.check_integrity()
     assert item.embedding is None and engine.tp_group.followers[0]._images.embeddings == {}
     engine.shutdown()

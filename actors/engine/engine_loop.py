@@ -237,6 +237,8 @@ class EngineLoop:
                     sched.free_mamba_copy(req)
             except Exception:  # keep releasing the others; the idle check will report a leak
                 logger.exception("could not release request %s", req.rid)
+            if req.mm_inputs is not None:  # (one failed between chunks: rank 0's and so a TP follower's copies)
+                req.mm_inputs.release_embeddings()
             req.finish({"type": "abort", "message": STEP_FAILED})
         return reqs, failed
 
