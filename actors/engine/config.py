@@ -53,7 +53,8 @@ class EngineConfig(BaseModel):
     quantization: Optional[Literal["fp8"]] = Field(
         None, description="the weights' quantization (SGLang's and vLLM's --quantization): None: the checkpoint's "
         "own (config.json's quantization_config: block-wise FP8 served weight-only, actors.engine.fp8; GPTQ and "
-        "AWQ kept packed, served weight-only, actors.engine.wna16); 'fp8': "
+        "AWQ kept packed, served weight-only, actors.engine.wna16; compressed-tensors and per-tensor FP8 kept as "
+        "stored, served weight-only, actors.engine.compressed_tensors); 'fp8': "
         "the same, and an unquantized checkpoint quantized to 128x128-block FP8 as it loads")
     page_size: int = Field(1, ge=1, le=256)
     mem_fraction_static: Optional[float] = Field(
@@ -94,8 +95,8 @@ class EngineConfig(BaseModel):
     disable_cuda_graph: bool = Field(
         False, description="run every decode forward eagerly (SGLang's --disable-cuda-graph, vLLM's enforce_eager). "
         "Graphs are on by default where they can be: off on the CPU, with the torch attention backend, the eager "
-        "MoE experts, sliding-window and hybrid (Mamba) models; a batch with a LoRA adapter runs eagerly "
-        "(actors.engine.cuda_graph_runner says why)")
+        "MoE experts, sliding-window and hybrid (Mamba) models, pipeline parallelism, and on a PD prefill worker "
+        "(it never decodes); a batch with a LoRA adapter runs eagerly (actors.engine.cuda_graph_runner says why)")
     cuda_graph_max_bs: Optional[int] = Field(
         None, gt=0, description="the largest decode batch captured (SGLang's --cuda-graph-max-bs); larger ones run "
         "eagerly. None: SGLang's by device memory and tp_size (8 below 20 GB, 256 on an 80 GB GPU at tp < 4)")
