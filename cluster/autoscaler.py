@@ -23,6 +23,8 @@ fails holds the side's next one back ``start_retry_backoff_s``, doubled per fail
 after ``max_start_failures`` in a row the side stops scaling up (it still scales down). A start the
 cluster's state refuses (:class:`~cluster.backend.WorkerNotAddedError`: its workers sleep, or serve
 weights from tensors) is no failed start: the next is tried once the upscale delay has run again.
+A side's workers are those live and those a ``POST /workers`` is starting (``backend.starting``):
+a manual add (an operator's, allowed past ``max_workers``) is not started again by a scale-up.
 """
 
 from __future__ import annotations
@@ -156,7 +158,7 @@ class Autoscaler:
             live = live_workers(workers, side.role)
             side.policy.record(load_sample(now, live))
             if side.change is None:
-                self._decide(side, len(live), now)
+                self._decide(side, self._count(side, live), now)
 
     def _decide(self, side: SideScaler, current: int, now: float) -> None:
         decision = side.policy.decide(now, current)
@@ -171,6 +173,11 @@ class Autoscaler:
         if decision.target != decision.current:
             side.change = asyncio.ensure_future(self._scale(side, decision))
 
+    def _count(self, side: SideScaler, live: List[Dict[str, Any]]) -> int:
+        """The side's workers: those live and those starting (a ``POST /workers`` under way is not
+        started again: a manual add and a scale-up together stay within max_workers)."""
+        return len(live) + self.backend.starting.get(side.role, 0)
+
     async def _scale(self, side: SideScaler, decision: Decision) -> None:
         """Start workers up to ``decision.target``, or drain and stop the idlest down to it, one at a time
         (a worker added or removed by hand meanwhile counts: the side stays within [min, max])."""
@@ -183,7 +190,8 @@ class Autoscaler:
             for _ in range(abs(decision.target - decision.current)):
                 # counted anew at each step: POST / DELETE /workers may have changed the side meanwhile
                 live = live_workers(self.backend.workers(), side.role)
-                if (len(live) >= decision.target) if up else (len(live) <= decision.target):
+                count = self._count(side, live)
+                if (count >= decision.target) if up else (count <= decision.target):
                     break
                 if up:
                     await self.backend.add_worker(side.role)

@@ -17,6 +17,7 @@ import asyncio
 import json
 import logging
 import os
+from collections import Counter
 from contextlib import aclosing
 from typing import Any, AsyncIterator, Dict, List, Optional, Protocol
 
@@ -42,6 +43,7 @@ class ServingBackend(Protocol):
     model_path: Optional[str]  # the checkpoint served (the last weights update's); None: unknown here
     # the workers' EngineConfig.limit_mm_per_prompt (the server's tokenizer side refuses more images with a 400)
     limit_mm_per_prompt: Optional[Dict[str, int]]
+    starting: Dict[str, int]  # by role: the workers add_worker is starting, not in the rotation yet
 
     @property
     def draining(self) -> bool: ...
@@ -175,6 +177,7 @@ class PDBackend:
         self.paused_mode: Optional[str] = None  # pause_generation's, until continue_generation
         self.engine_info: Dict[str, Dict[str, Any]] = {}  # by worker id: its engine's sizes (static: asked once)
         self.memory = MemoryState()  # sleep mode: what every worker has released
+        self.starting: Dict[str, int] = Counter()  # by role: starts under way (the autoscaler counts them)
 
     @classmethod
     def from_cluster(cls, cluster, tokenizer=None, client=None, use_router: bool = True) -> "PDBackend":
@@ -508,7 +511,11 @@ class PDBackend:
         refused = self._refused_worker()
         if refused is not None:
             raise refused
-        worker = await asyncio.to_thread(self.cluster.add_worker, role)
+        self.starting[role] += 1  # (a manual start and the autoscaler's see each other: no side past max_workers)
+        try:
+            worker = await asyncio.to_thread(self.cluster.add_worker, role)
+        finally:  # up, it is in its side's list, counted there
+            self.starting[role] -= 1
         async with self._weights_lock:  # (it started on the config's checkpoint)
             # a release or an update from tensors that ran while it started missed it: it goes
             refused = self._refused_worker()

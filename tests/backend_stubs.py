@@ -11,6 +11,7 @@ class StubBackend:
     lora_modules = {}
     weight_version = "default"
     model_path = None
+    starting = {}
 
     def routing_policy(self, role):
         return "round_robin"

@@ -149,6 +149,7 @@ class ScaledBackend(StubBackend):
         self.decode = [{"id": f"d-{i}", "role": "decode", "node": "n", "alive": True, "inflight": 0, "load": load}
                        for i, load in enumerate(loads)]
         self.starts, self.removed, self.refreshes = [], [], 0
+        self.starting = {"decode": 0}  # (PDBackend's: the starts under way)
         self.drains = None  # a list: one future per drain, set by the test (None: a drain ends at once)
 
     def workers(self, include_dead=False):
@@ -160,7 +161,11 @@ class ScaledBackend(StubBackend):
     async def add_worker(self, role):
         started = asyncio.get_running_loop().create_future()
         self.starts.append(started)
-        await started  # (raises what the test sets)
+        self.starting[role] += 1
+        try:
+            await started  # (raises what the test sets)
+        finally:
+            self.starting[role] -= 1
         worker = {"id": f"d-{len(self.decode)}", "role": role, "node": "n", "alive": True, "load": {}}
         self.decode.append(worker)
         return worker
@@ -329,6 +334,26 @@ def test_workers_added_or_removed_by_hand_during_a_change_count():
     autoscaler, _ = run_loop(backend, scaling(), down)
     assert len(backend.drains) == 1 and backend.removed == ["d-2"] and [w["id"] for w in backend.decode] == ["d-1"]
     assert autoscaler.state()["decode"]["last_change"]["result"] == "done"
+
+
+def test_a_worker_starting_by_hand_counts():
+    # POST /workers starting one (not live yet) as the load asks for max_workers (3): one more start, not two
+    backend = ScaledBackend([{"num_requests": 5}])
+
+    async def script(autoscaler, clock):
+        by_hand = asyncio.ensure_future(backend.add_worker("decode"))
+        await settle()
+        await autoscaler.tick()
+        await settle()
+        assert autoscaler.state()["decode"]["current"] == 2
+        backend.starts[1].set_result(None)
+        await settle()
+        assert len(backend.starts) == 2  # the scale-up's one start, done: the side is at 3 with the one starting
+        backend.starts[0].set_result(None)
+        await by_hand
+
+    autoscaler, _ = run_loop(backend, scaling(target_ongoing_requests=1, max_workers=3), script)
+    assert len(backend.decode) == 3 and autoscaler.state()["decode"]["last_change"]["result"] == "done"
 
 
 def test_a_start_held_back_by_the_backoff_goes_once_it_ends_its_delay_waited_out():

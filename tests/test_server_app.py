@@ -500,7 +500,8 @@ def test_a_worker_whose_start_a_release_or_an_update_from_tensors_overtook_is_st
     """A release of the workers' memory, or an update of their weights from tensors, that runs while a
     worker starts misses it (not in the rotation yet): once up, it would hold its memory while the
     cluster sleeps, or serve the config's checkpoint beside the updated workers. It is stopped and the
-    add refused (409, ``code``), as one asked for in that state is."""
+    add refused (409, ``code``), as one asked for in that state is. While it starts it counts in
+    ``starting`` (the autoscaler's count), and no more once up."""
     from cluster.backend import PDBackend, WorkerNotAddedError
 
     client = SimpleNamespace(prefill=[], decode=[], lora_cache_keys={})
@@ -510,6 +511,7 @@ def test_a_worker_whose_start_a_release_or_an_update_from_tensors_overtook_is_st
     async def add_while_starting():
         adding = asyncio.ensure_future(backend.add_worker("decode"))
         assert await asyncio.to_thread(cluster.starting.wait, 10)
+        assert backend.starting["decode"] == 1  # (the autoscaler counts it)
         if code == "sleeping":
             backend.memory.mark_released(frozenset({"kv_cache"}), keep_weights=True)
         else:
@@ -520,7 +522,7 @@ def test_a_worker_whose_start_a_release_or_an_update_from_tensors_overtook_is_st
         return refused.value
 
     assert asyncio.run(add_while_starting()).code == code
-    assert cluster.removed == ["decode-new"] and client.decode == []
+    assert cluster.removed == ["decode-new"] and client.decode == [] and backend.starting["decode"] == 0
 
 
 def test_worker_metrics_carry_the_hierarchical_cache_and_drop_workers_that_left():
