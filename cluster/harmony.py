@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import json
 import re
-from typing import NamedTuple, Optional, Tuple
+from typing import List, NamedTuple, Optional, Tuple
 
 from cluster.json_stream import json_dumps
 from cluster.streaming import partial_suffix_len
@@ -106,7 +106,7 @@ class HarmonyParser(ToolCallParser):
         self.state = "header"  # in a message's "header", its "body", or "between" messages
         self.header = ""  # the open message's header so far
         self.field: Optional[str] = None  # the open message's (message_field)
-        self.arguments = ""  # the open call's body so far
+        self.arguments: List[str] = []  # the open call's body so far, its pieces (joined once, at its end)
         self.pending = ""  # text not read yet: a tail that may start a tag
         self.tagged = False  # a tag was read
         self.written = {"reasoning": False, "content": False}  # a message gave the field text
@@ -152,7 +152,7 @@ class HarmonyParser(ToolCallParser):
             self.header += text
         elif self.state == "body":
             if self.field == "call":
-                self.arguments += text
+                self.arguments.append(text)
             elif self.field is not None:
                 if not self.opened and self.written[self.field]:
                     self.out[self.field] += "\n"  # (a message of the field before it)
@@ -183,8 +183,8 @@ class HarmonyParser(ToolCallParser):
 
     def _close(self) -> None:
         if self.field == "call":
-            self.calls[-1][1] = call_arguments(self.arguments)
-        self.field, self.arguments, self.state = None, "", "between"
+            self.calls[-1][1] = call_arguments("".join(self.arguments))
+        self.field, self.arguments, self.state = None, [], "between"
 
     def _end(self) -> None:
         """The output ended: an open body closes; a header cut short is dropped (one with no tag in

@@ -43,7 +43,7 @@ class MistralParser(JsonCallsParser):
     def __init__(self):
         super().__init__()
         self.state = "text"  # then "calls" past the tag: the "array", a call's "arguments", or an "object" no call
-        self.held = ""  # since the tag, or a tail that may start it
+        self.held: List[str] = []  # since the tag, or a tail that may start it (joined when read: O(n) held)
         self.first = 0  # the first of the calls since the tag
         self.lexer = JsonLexer()  # (an object no call: read to its end)
         self.arguments = JsonStream()
@@ -76,28 +76,31 @@ class MistralParser(JsonCallsParser):
 
     def _text(self, text: str, i: int, out: List[str]) -> int:
         """Content up to the tag (or a tail that may start it, held); where to go on from."""
-        self.held += text[i:]
-        tag = self.held.find(self.TAG)
+        held = "".join(self.held) + text[i:]
+        tag = held.find(self.TAG)
         if tag < 0:
-            keep = len(self.held) - partial_suffix_len(self.held, self.TAG)
-            out.append(self.content.text(self.held[:keep]))
-            self.held = self.held[keep:]
+            keep = len(held) - partial_suffix_len(held, self.TAG)
+            out.append(self.content.text(held[:keep]))
+            self.held = [held[keep:]]
             return len(text)
-        out.append(self.content.text(self.held[:tag]))
-        rest = len(self.held) - tag - len(self.TAG)  # (of this text: fed again, a character at a time)
-        self.held, self.state, self.first = self.TAG, "calls", len(self.calls)
+        out.append(self.content.text(held[:tag]))
+        rest = len(held) - tag - len(self.TAG)  # (of this text: fed again, a character at a time)
+        self.held, self.state, self.first = [self.TAG], "calls", len(self.calls)
         return len(text) - rest
 
     def _step(self, c: str) -> Optional[str]:
         if len(self.calls) == self.first:  # (the text since the tag is content only if it calls nothing)
-            self.held += c
+            self.held.append(c)
         if self.state == "calls":
-            if c == "[" and not self.held[len(self.TAG):-1].strip(JSON_SPACE):
+            if c not in "[{":
+                return ""  # (a name's characters: taken when the object opens)
+            head = "".join(self.held)[len(self.TAG):-1]
+            if c == "[" and not head.strip(JSON_SPACE):
                 self.state, self.expect = "array", "first"
                 return ""
             if c != "{":
-                return ""  # (a name's characters, [ARGS]: taken when the object opens)
-            name = self._name(self.held[len(self.TAG):-1])
+                return ""  # ([ARGS])
+            name = self._name(head)
             if name is None:
                 self.state, self.lexer = "object", JsonLexer()
             else:
@@ -138,7 +141,7 @@ class MistralParser(JsonCallsParser):
         """The calls since the tag end (``called``: whole, at their last character): their text as
         content if none was committed; None if some were and they broke at this character."""
         self._flush()
-        text, self.held, self.state, self.element = self.held, "", "text", None
+        text, self.held, self.state, self.element = "".join(self.held), [], "text", None
         if len(self.calls) == self.first:
             return self.content.text(text)
         self.content.call()
@@ -154,8 +157,9 @@ class MistralParser(JsonCallsParser):
         return name if _MISTRAL_NAME.fullmatch(name) else None
 
     def finish(self) -> str:
-        out = self.content.text(self.held) if self.state == "text" or len(self.calls) == self.first else ""
-        self.held, self.state = "", "text"
+        uncalled = self.state == "text" or len(self.calls) == self.first
+        out = self.content.text("".join(self.held)) if uncalled else ""
+        self.held, self.state = [], "text"
         return out + self.content.end(bool(self.calls))
 
 

@@ -317,12 +317,12 @@ class Llama3JsonParser(JsonCallsParser):
     def __init__(self):
         super().__init__()
         self.state = "opening"  # then "between" calls, in an "object", or "content" for good
-        self.held = ""  # the opening's text until it is decided, or the object's so far
+        self.held: List[str] = []  # the opening's text until it is decided, or the object's so far (joined once read)
         self.call: Optional[CallObject] = None
 
     def feed(self, text: str) -> str:
         if self.state == "opening":
-            text = self._open(self.held + text)
+            text = self._open("".join(self.held) + text)
         out = []
         for i, c in enumerate(text):
             if self.state == "content":
@@ -335,7 +335,7 @@ class Llama3JsonParser(JsonCallsParser):
 
     def finish(self) -> str:
         uncalled = self.state == "opening" or (self.state == "object" and self.call.call is None)
-        out, self.held = self.held if uncalled else "", ""
+        out, self.held = "".join(self.held) if uncalled else "", []
         return out
 
     def _open(self, text: str) -> str:
@@ -347,9 +347,9 @@ class Llama3JsonParser(JsonCallsParser):
         elif len(opening) < len(self.TAG) and self.TAG.startswith(opening):
             opening = ""
         if not opening:
-            self.held = text
+            self.held = [text]
             return ""
-        self.held = ""
+        self.held = []
         self.state = "between" if opening.startswith("{") else "content"
         return opening if self.state == "between" else text
 
@@ -362,11 +362,11 @@ class Llama3JsonParser(JsonCallsParser):
                 return c
             self.state, self.call = "object", CallObject(self.calls, ("arguments", "parameters"), default=None)
         if self.call.call is None:  # (the object's text is content only if it calls nothing)
-            self.held += c
+            self.held.append(c)
         self.call.step(c)
         if not (self.call.done or self.call.broken):
             return ""
-        body, self.held = self.held, ""
+        body, self.held = "".join(self.held), []
         if self.call.call is None:
             self.state = "content"
             return body

@@ -383,6 +383,34 @@ def test_arguments_are_built_once_a_piece_fed(name, text):
     assert grown.count(1) == 2  # (each call's arguments once, past what it was committed with)
 
 
+HARMONY_CALL = "<|channel|>commentary to=functions.write<|message|>{}<|call|>"
+
+
+@pytest.mark.parametrize("name,text,held,pieces", [
+    ("mistral", '[TOOL_CALLS] {"a": "%s"}', "held", 1),  # (an object no call: content)
+    ("llama3_json", '{"parameters": {"text": "%s"}, "name": "write"}', "held", 1),  # (no call before its name)
+    ("gpt_oss", HARMONY_CALL.format('{"text": "%s"}'), "arguments", 0)])  # (0: a character a piece)
+def test_text_held_grows_once_a_piece_fed(name, text, held, pieces):
+    """The text a parser holds (Mistral's object that is no call, Llama 3's call before its name comes,
+    Harmony's call body) is assigned as often whatever its length: held in a list and joined once,
+    not grown a character (or a streamed piece) at a time, each growth copying it whole (O(n²))."""
+    def assignments(length):
+        count, parser_class = [0], type(TOOL_CALL_PARSERS[name](()))
+
+        class Counted(parser_class):
+            def __setattr__(self, attribute, value):
+                count[0] += attribute == held
+                super().__setattr__(attribute, value)
+        parser, output = Counted(), text % ("x" * length)
+        out = "".join(parser.feed(c) for c in output) if not pieces else parser.feed(output)
+        out += parser.finish()
+        assert (out, parser.calls) == ((output, []) if name == "mistral" else ("", [["write", '{"text": "%s"}' % (
+            "x" * length)]]))
+        return count[0]
+
+    assert assignments(1000) == assignments(1)
+
+
 @given(calls=st.lists(st.tuples(NAMES, st.dictionaries(IDENTIFIERS, PLAIN, max_size=3)), min_size=1, max_size=2),
        before=st.text(alphabet="ab .\n", max_size=6), data=st.data())
 @SETTINGS
