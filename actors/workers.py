@@ -93,16 +93,15 @@ class _Worker:
                   mm_inputs: Optional[MultimodalInputs] = None) -> Req:
         """``mm_inputs``: an image request's images, M-RoPE positions and delta, as the tokenizer side made them
         (``MultimodalProcessor.process``, whose padded ids are ``input_ids``): both sides take them, the prefill
-        worker encodes the images, the decode worker decodes at the delta (and re-prefills a retracted request)."""
+        worker encodes the images, the decode worker decodes at the delta (and re-prefills a retracted request),
+        each on its own items (``MultimodalInputs.for_request``)."""
         params = SamplingParams(**(sampling_params or {}))
         if not input_ids:
             raise ValueError("the prompt is empty")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need the tokenizer (skip_tokenizer_init=True)")
-        if mm_inputs is not None:
-            mm_inputs.check_prompt(input_ids)
         req = Req(rid, list(input_ids), params, self.eos_token_ids, priority=priority, lora_path=lora_path,
-                  mm_inputs=mm_inputs)
+                  mm_inputs=None if mm_inputs is None else mm_inputs.for_request(input_ids))
         self.scheduler.check_request(req)  # never queued if it could never be admitted
         req.pd_error = None
         return req

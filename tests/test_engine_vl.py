@@ -400,7 +400,27 @@ def test_image_requests_through_pd_workers_equal_hf(model_dir):
         assert_greedy_parity(model_dir, [prompt], [final["output_ids"]], MAX_NEW, decode.eos_token_ids,
                              logprobs=[[lp for lp, _ in final["meta_info"]["output_token_logprobs"]]], images=[images])
     assert notice["cached_tokens"] > prompt.index(IMAGE_PAD_ID) + 20  # (the second: past its image)
+    sides = [w._make_req(params, "own", ids, mm_inputs=mm_inputs).mm_inputs.images[0] for w in (prefill, decode)]
+    assert len({id(item) for item in sides + mm_inputs.images}) == 3  # (each side's request its own item)
     close_workers(prefill, decode)
+
+
+def test_requests_made_of_one_processed_input_each_have_their_own_items(engine):
+    """One processed input made into several requests in a process (n samples through an in-process
+    backend) gives each its own image items, the pixels shared: items shared, their embeddings were too,
+    one request's release dropping another's while it prefills (across engines: a PD pair's two sides).
+    Both answer HF's tokens."""
+    images = [image(100, 150, 21)]
+    prompt = engine.tokenizer.encode(chat(engine.tokenizer, "twice"))
+    ids, mm_inputs = engine.mm_processor.process(prompt, images)
+    items = [engine._make_req({}, None, ids, None, image_data=mm_inputs).mm_inputs.images[0] for _ in range(2)]
+    assert len({id(item) for item in items + mm_inputs.images}) == 3
+    assert all(item.pixel_values is mm_inputs.images[0].pixel_values for item in items)  # (shells, not pixels)
+    outs = engine.generate(input_ids=[ids, ids], image_data=[mm_inputs, mm_inputs], sampling_params=dict(
+        max_new_tokens=MAX_NEW, temperature=0, return_logprob=True))
+    assert_greedy_parity(engine.config.model_path, [prompt] * 2, [o["output_ids"] for o in outs], MAX_NEW,
+                         engine.eos_token_ids, logprobs=[[lp for lp, _ in o["meta_info"]["output_token_logprobs"]]
+                                                         for o in outs], images=[images, images])
 
 
 def test_chat_completions_and_generate_with_images_equal_the_engines_answer(engine):

@@ -221,8 +221,7 @@ class Engine:
             if self.mm_processor is None:
                 raise ValueError(f"image_data: {self.config.model_path!r} is not a vision-language model")
             if isinstance(image_data, MultimodalInputs):  # processed already (a server's): input_ids are padded
-                image_data.check_prompt(input_ids)
-                mm_inputs = image_data
+                mm_inputs = image_data.for_request(input_ids)
             else:
                 images = image_data if isinstance(image_data, list) else [image_data]
                 input_ids, mm_inputs = self.mm_processor.process(list(input_ids), images)

@@ -115,11 +115,17 @@ class MultimodalInputs:
             ids[item.offset:item.end] = [item.pad_value] * item.num_tokens
         return ids
 
-    def check_prompt(self, input_ids: Sequence[int]) -> None:
-        """ValueError unless ``input_ids`` are this prompt, padded (a request made of processed inputs)."""
+    def for_request(self, input_ids: Sequence[int]) -> "MultimodalInputs":
+        """A request's own inputs made of these processed ones (ValueError unless ``input_ids`` are this
+        prompt, padded): its own image items, whose embeddings its prefill sets and drops, the pixel
+        values, positions and prompt shared (read only). One processed input can make several requests
+        in a process (n samples through an in-process backend, an in-process PD pair's two sides): items
+        shared, one's embedding would be another's, dropped by one's release (a decode side's
+        retraction) while the other prefills, across engine threads."""
         if list(input_ids) != self.padded_input_ids:
             raise ValueError(f"the multimodal inputs are of another prompt than input_ids' (their padded prompt "
                              f"has {len(self.unpadded_input_ids)} tokens, input_ids {len(input_ids)})")
+        return replace(self, images=[replace(item, embedding=None) for item in self.images])
 
     def images_in(self, start: int, end: int) -> List[ImageItem]:
         """The images with a token in ``[start, end)``."""
