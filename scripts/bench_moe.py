@@ -19,11 +19,9 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import torch
 
@@ -35,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from actors.engine.fused_moe import fuse_experts  # noqa: E402
 from actors.engine.models.moe import ExpertList, qwen_expert, run_experts  # noqa: E402
 from actors.engine.parallel import SINGLE  # noqa: E402
+from bench_common import median_ms  # noqa: E402  (scripts/, beside this file)
 
 
 class Shape(NamedTuple):
@@ -60,20 +59,6 @@ def make_experts(shape: Shape, dtype: torch.dtype, device: str) -> ExpertList:
         for p in experts.parameters():
             p.normal_(0, p.shape[1] ** -0.5)
     return experts.to(dtype).requires_grad_(False)
-
-
-def median_ms(fn: Callable[[], torch.Tensor], iters: int, device: str) -> float:
-    fn()
-    times = []
-    for _ in range(iters):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
 
 
 def bench(shape: Shape, num_tokens: int, dtype: torch.dtype, device: str, iters: int) -> tuple:
