@@ -132,6 +132,7 @@ class CudaGraphRunner:
         memory_pool, stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream(device)
         free_before = torch.cuda.mem_get_info(device)[0]
         stream.wait_stream(torch.cuda.current_stream(device))
+        bs = None
         try:
             for bs in reversed(self.capture_bs):
                 batch = self.static_batch(bs)
@@ -146,6 +147,8 @@ class CudaGraphRunner:
                 self.graphs[bs] = graph
         except BaseException:  # (none kept: a batch padded to a size left uncaptured would find no graph)
             self.release()
+            logger.error("CUDA graph capture failed at decode batch size %s: set engine.disable_cuda_graph "
+                         "(SGLang's --disable-cuda-graph, vLLM's enforce_eager) to decode eagerly", bs)
             raise
         finally:
             kv_pool.layer_transfer_counter = counter
