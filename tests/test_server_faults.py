@@ -186,7 +186,8 @@ def test_decode_autoscales_up_under_a_burst_and_drains_back_down(served, monkeyp
             for t in threads:
                 t.join(60)
         assert set(state) == {"decode"}  # (prefill has no autoscaling)
-        assert state["decode"]["last_change"]["action"] == "up" and state["decode"]["desired"] == 2
+        # (the change's target, not the desired count: that follows each second's load, which may dip meanwhile)
+        assert (state["decode"]["last_change"]["action"], state["decode"]["last_change"]["to"]) == ("up", 2)
         assert done and not failed  # every request completed, through both changes
         assert set(drained) <= {first, new} and len(drained) == 1
         state = http.get("/workers").json()["autoscaler"]["decode"]
