@@ -7,7 +7,7 @@ import glob
 import logging
 import os
 import re
-from typing import Dict, List, NamedTuple, Optional, Tuple, Union
+from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 from safetensors import safe_open
@@ -15,7 +15,7 @@ from transformers import AutoConfig
 
 from actors.engine import compressed_tensors, fp8, mxfp4, wna16
 from actors.engine.models import get_model_class
-from actors.engine.models.moe import ExpertList
+from actors.engine.models.moe import ExpertList, StackedExperts
 from actors.engine.parallel import SINGLE, ParamShard, TPGroup
 from actors.engine.pipeline import PPMissingLayer
 
@@ -99,27 +99,59 @@ def served_name(renames, name: str) -> str:
 
 
 class _RenamedTensor(NamedTuple):
-    """An open checkpoint file read as a file of one tensor, under its served name (:func:`open_checkpoint`)."""
+    """An open checkpoint file read as a file of one tensor, under its served name (:func:`open_checkpoint`),
+    ``transposed`` where it is stored with its last two dims swapped (:func:`stored_transposed`)."""
 
     file: object
     name: str  # its name in the file
+    transposed: bool = False
 
     def get_tensor(self, _served: str) -> torch.Tensor:
-        return self.file.get_tensor(self.name)
+        tensor = self.file.get_tensor(self.name)
+        return tensor.transpose(-1, -2) if self.transposed else tensor
 
     def get_slice(self, _served: str):
-        return self.file.get_slice(self.name)
+        view = self.file.get_slice(self.name)
+        return _TransposedSlice(view) if self.transposed else view
 
 
-def open_checkpoint(stack: contextlib.ExitStack, files: List[str], renames=()) -> Dict[str, object]:
+class _TransposedSlice(NamedTuple):
+    """A safetensors slice of a 3-D tensor read with its last two dims swapped (indexed by whole dims)."""
+
+    view: object
+
+    def get_shape(self) -> List[int]:
+        *outer, rows, cols = self.view.get_shape()
+        return [*outer, cols, rows]
+
+    def __getitem__(self, index) -> torch.Tensor:
+        index = (index if isinstance(index, tuple) else (index,)) + (slice(None),) * 3
+        return self.view[index[0], index[2], index[1]].transpose(-1, -2)
+
+
+def stored_transposed(model: torch.nn.Module) -> Callable[[str, Sequence[int]], bool]:
+    """Whether a checkpoint tensor (its served name, its shape) is one of a :class:`StackedExperts`' matrices
+    stored [experts, in, out] (a released Qwen3-VL-MoE checkpoint's), where the model holds them [experts, out,
+    in] (transformers 5's): the loader reads it transposed."""
+    stacked = {name: module for name, module in model.named_modules() if isinstance(module, StackedExperts)}
+
+    def transposed(name: str, shape: Sequence[int]) -> bool:
+        module_name, _, param = name.rpartition(".")
+        return module_name in stacked and stacked[module_name].stored_transposed(param, shape)
+    return transposed
+
+
+def open_checkpoint(stack: contextlib.ExitStack, files: List[str], renames=(),
+                    transposed: Callable[[str, Sequence[int]], bool] = lambda name, shape: False) -> Dict[str, object]:
     """Each tensor of the checkpoint ``files`` (opened on ``stack``) by its served name (:func:`served_name`)
-    → the open file to read it from (as named)."""
+    → the open file to read it from (as named; ``transposed`` (served name, shape): stored transposed)."""
     files_of = {}
     for path in files:
         f = stack.enter_context(safe_open(path, framework="pt", device="cpu"))
         for name in f.keys():
             served = served_name(renames, name)
-            files_of[served] = f if served == name else _RenamedTensor(f, name)
+            flip = transposed(served, f.get_slice(name).get_shape())
+            files_of[served] = f if served == name and not flip else _RenamedTensor(f, name, flip)
     return files_of
 
 
@@ -263,7 +295,7 @@ def load_weights(model: torch.nn.Module, files: List[str]) -> Tuple[List[str], L
     elsewhere = held_elsewhere(model)
     loaded, unexpected = set(), []
     with contextlib.ExitStack() as stack:
-        files_of = open_checkpoint(stack, files, getattr(model, "checkpoint_renames", ()))
+        files_of = open_checkpoint(stack, files, getattr(model, "checkpoint_renames", ()), stored_transposed(model))
         for name, f in files_of.items():
             packed = mxfp4.packed_name(name)
             if packed in targets:
@@ -386,6 +418,7 @@ class ServedWeights:
         self.compressed = getattr(model, "compressed_linears", {})  # compressed-tensors layers' names → the layers
         self.elsewhere = held_elsewhere(model)  # (EP: the experts other ranks hold, and check)
         self.renames = getattr(model, "checkpoint_renames", ())  # (served_name)
+        self.transposed = stored_transposed(model)
         if getattr(config, "tie_word_embeddings", False):  # (the embedding's tensor: loaded by its own name)
             self.targets.pop("lm_head.weight", None)
 
@@ -396,15 +429,17 @@ class ServedWeights:
         self._served_names(self._renamed(source))
 
     def _renamed(self, source: WeightsSource) -> WeightsSource:
-        """Named tensors by their served names (:func:`served_name`); ValueError for a tensor named twice
-        so (under both of its names); a checkpoint directory as it is (:func:`open_checkpoint` renames)."""
-        if isinstance(source, str) or not self.renames:
+        """Named tensors by their served names (:func:`served_name`), those stored transposed transposed back
+        (:func:`stored_transposed`: views); ValueError for a tensor named twice so (under both of its names); a
+        checkpoint directory as it is (:func:`open_checkpoint` renames and transposes)."""
+        if isinstance(source, str):
             return source
         renamed = {served_name(self.renames, name): tensor for name, tensor in source.items()}
         if len(renamed) != len(source):
             raise ValueError("tensors named twice (under two names of one served tensor): "
                              f"{sorted(set(source) - set(renamed))[:8]}")
-        return renamed
+        return {name: tensor.transpose(-1, -2) if self.transposed(name, tensor.shape) else tensor
+                for name, tensor in renamed.items()}
 
     def _served_names(self, source: WeightsSource) -> List[str]:
         """(:meth:`check`) the served tensors ``source`` replaces: a checkpoint all of them, named
@@ -449,7 +484,9 @@ class ServedWeights:
                   if k not in METADATA_FIELDS and served.get(k) != new.get(k)]
         if differ:
             raise ValueError(f"checkpoint {path!r}: config.json differs from the served model's: {', '.join(differ)}")
-        return {served_name(self.renames, name): shape for name, shape in checkpoint_shapes(files).items()}
+        shapes = {served_name(self.renames, name): shape for name, shape in checkpoint_shapes(files).items()}
+        return {name: shape[:-2] + shape[:-3:-1] if self.transposed(name, shape) else shape
+                for name, shape in shapes.items()}
 
     def _fp8_problems(self, tensors: Dict[str, torch.Tensor]) -> List[str]:
         """Named tensors' FP8 rule: a block-FP8 layer's weight comes in FP8 with its ``weight_scale_inv``
@@ -477,7 +514,7 @@ class ServedWeights:
         names = self._served_names(source)
         with contextlib.ExitStack() as stack:
             if isinstance(source, str):
-                files_of = open_checkpoint(stack, checkpoint_files(source), self.renames)
+                files_of = open_checkpoint(stack, checkpoint_files(source), self.renames, self.transposed)
             else:
                 files_of = dict.fromkeys(source, TensorFile(source))
             for name in names:

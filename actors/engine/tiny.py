@@ -9,7 +9,7 @@ byte-level tokenizer and ChatML template of ``actors.engine.tokenizer``, so
 HF transformers loads it too — it is the parity oracle's input. The adapters
 are what the LoRA tests and scripts/soak.py serve.
 
-A vision-language family (:data:`VL_FAMILIES`: Qwen2.5-VL) adds the vision tokens to the
+A vision-language family (:data:`VL_FAMILIES`: Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE) adds the vision tokens to the
 tokenizer and an image processor config (``preprocessor_config.json``, small ``min_pixels`` /
 ``max_pixels``: an image is a few dozen patches), so ``AutoImageProcessor`` loads it offline.
 """
@@ -31,7 +31,7 @@ ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")  # the projections a LoRA a
 MLP = ("gate_proj", "up_proj", "down_proj")
 FAMILIES = ("llama", "qwen3", "qwen3_next", "deepseek_v3", "gemma3", "gpt_oss", "qwen3_moe", "mixtral", "mistral",
             "phi3", "granite", "olmo2", "deepseek_v2")
-VL_FAMILIES = ("qwen2_5_vl", "qwen3_vl")  # vision-language: HF's ...ForConditionalGeneration, not AutoModelForCausalLM
+VL_FAMILIES = ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")  # vision-language: HF's ...ForConditionalGeneration, not AutoModelForCausalLM
 VOCAB_SIZE = TOKENIZER_VOCAB_SIZE  # every id the model can emit decodes to text
 COMMON = dict(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_attention_heads=4,
               max_position_embeddings=4096, bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID,
@@ -110,6 +110,8 @@ def tiny_config(family: str, **overrides):
         return qwen2_5_vl_config(**overrides)
     if family == "qwen3_vl":
         return qwen3_vl_config(**overrides)
+    if family == "qwen3_vl_moe":
+        return qwen3_vl_config(moe=True, **overrides)
     raise ValueError(f"unknown family {family!r}; known: {', '.join(FAMILIES + VL_FAMILIES)}")
 
 
@@ -129,23 +131,28 @@ def qwen2_5_vl_config(**overrides):
                                vision_end_token_id=VISION_END_ID, tie_word_embeddings=False)
 
 
-def qwen3_vl_config(**overrides):
+def qwen3_vl_config(moe: bool = False, **overrides):
     """Qwen3-VL's: a 2-layer Qwen3 text model (interleaved M-RoPE over the head's 8 frequencies: 2 temporal, 3
     height, 3 width) and a vision tower of depth 3 (patches of 16 pixels, a 4 x 4 learned position grid), blocks
-    0 and 1 feeding DeepStack mergers (their features added after decoder layers 0 and 1). ``overrides``: text
-    config fields."""
+    0 and 1 feeding DeepStack mergers (their features added after decoder layers 0 and 1). ``moe``: Qwen3-VL-MoE's,
+    3 layers, the first dense (``mlp_only_layers``), 4 experts of 48 (no stacked matrix square: which way a
+    checkpoint stores them shows). ``overrides``: text config fields."""
     import transformers as tf
 
     text = {**COMMON, "vocab_size": VL_TOKENIZER_VOCAB_SIZE, "num_hidden_layers": 2, "num_key_value_heads": 2,
             "head_dim": 16, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
                                                 "mrope_section": [2, 3, 3], "mrope_interleaved": True}}
     text.pop("tie_word_embeddings")
+    if moe:
+        text.update(num_hidden_layers=3, mlp_only_layers=[0], num_experts=4, num_experts_per_tok=2,
+                    moe_intermediate_size=48)
     vision = dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=COMMON["hidden_size"],
                   patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16,
                   deepstack_visual_indexes=[0, 1])
-    return tf.Qwen3VLConfig(text_config={**text, **overrides}, vision_config=vision, image_token_id=IMAGE_PAD_ID,
-                            video_token_id=VIDEO_PAD_ID, vision_start_token_id=VISION_START_ID,
-                            vision_end_token_id=VISION_END_ID, tie_word_embeddings=False)
+    return (tf.Qwen3VLMoeConfig if moe else tf.Qwen3VLConfig)(
+        text_config={**text, **overrides}, vision_config=vision, image_token_id=IMAGE_PAD_ID,
+        video_token_id=VIDEO_PAD_ID, vision_start_token_id=VISION_START_ID, vision_end_token_id=VISION_END_ID,
+        tie_word_embeddings=False)
 
 
 # the tiny VL checkpoints' image processor: 2 x 2 to 6 x 6 merged tokens (16 to 144 patches of 14 pixels)

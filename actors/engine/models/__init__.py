@@ -29,6 +29,7 @@ MODEL_REGISTRY = {
     "GptOssForCausalLM": ("actors.engine.models.gpt_oss", "GptOssForCausalLM"),
     "Qwen2_5_VLForConditionalGeneration": ("actors.engine.models.qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration"),
     "Qwen3VLForConditionalGeneration": ("actors.engine.models.qwen3_vl", "Qwen3VLForConditionalGeneration"),
+    "Qwen3VLMoeForConditionalGeneration": ("actors.engine.models.qwen3_vl_moe", "Qwen3VLMoeForConditionalGeneration"),
 }
 
 

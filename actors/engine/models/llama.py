@@ -61,7 +61,7 @@ class LlamaAttention(nn.Module):
         self.v_proj = ColumnParallelLinear(hidden, head_ranges(self.heads.kv, self.head_dim), bias=bias)
         self.o_proj = RowParallelLinear(num_heads * self.head_dim, hidden, tp, "num_attention_heads",
                                         bias=getattr(config, "attention_bias", False))
-        self.qk_norm = config.model_type in ("qwen3", "qwen3_moe", "qwen3_vl_text")
+        self.qk_norm = config.model_type in ("qwen3", "qwen3_moe", "qwen3_vl_text", "qwen3_vl_moe_text")
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)

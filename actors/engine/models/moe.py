@@ -1,4 +1,4 @@
-"""The sparse mixture-of-experts block of Qwen3-MoE, Qwen3-Next and Mixtral (HF parameter names).
+"""The sparse mixture-of-experts block of Qwen3-MoE, Qwen3-Next, Qwen3-VL-MoE and Mixtral (HF parameter names).
 
 A router (``gate``: a linear layer to one logit per expert) takes the fp32 softmax over the experts
 and keeps each token's ``top_k``; every chosen expert (a SiLU-gated MLP) runs on the tokens that chose
@@ -17,20 +17,22 @@ and runs only those; the same all-reduce adds up the ranks' experts. The shared 
 ``EngineConfig.moe_backend`` picks how the routed experts run: ``torch`` (:func:`run_experts`, HF's eager
 loop: one small matmul per chosen expert, and a host sync a layer for the experts chosen) or ``triton``
 (:meth:`ExpertList.fuse` stacks each layer's experts for :mod:`actors.engine.fused_moe`'s grouped GEMMs).
+Qwen3-VL-MoE's checkpoints hold each layer's experts stacked already (:class:`StackedExperts`).
 """
 
 from __future__ import annotations
 
 import itertools
 from functools import partial
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
-from actors.engine.fused_moe import FusableExperts, FusedExperts, gated, stack_linears
+from actors.engine.fused_moe import FusableExperts, FusedExperts, StackedWeight, gated, stack_linears
 from actors.engine.layers import GatedMLP, get_activation
-from actors.engine.parallel import SINGLE, ColumnParallelLinear, RowParallelLinear, TPGroup
+from actors.engine.parallel import SINGLE, ColumnParallelLinear, RowParallelLinear, TPGroup, shard_param
 
 
 def is_sparse_layer(config, layer_id: int) -> bool:
@@ -74,7 +76,52 @@ class ExpertList(FusableExperts):
                                   partial(gated, experts[0].act))
 
 
-def run_experts(experts: ExpertList, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+class StackedExperts(FusableExperts):
+    """The experts of one layer as transformers 5 holds them (Qwen3-VL-MoE's ``mlp.experts``): every held
+    expert's gate and up matrices in one 3-D ``gate_up_proj`` [experts, 2 × intermediate, hidden] (gate's rows,
+    then up's), its down matrix in ``down_proj`` [experts, hidden, intermediate] — :class:`FusedExperts`' own
+    layout, so :meth:`fuse` stacks nothing. Under TP each rank holds every expert's share of the intermediate
+    dim (gate's rows ``[start, stop)`` and up's ``[I + start, I + stop)``, down's columns); under EP its
+    experts (``held``) whole. ``experts[e]``: expert ``e``'s MLP, as an :class:`ExpertList`'s (:func:`run_experts`).
+    The experts take no LoRA adapters (``lora`` stays None).
+
+    Released checkpoints (saved by transformers before 5) store each matrix transposed, [experts, in, out]:
+    :meth:`stored_transposed` tells the loader which to read so."""
+
+    lora = None
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, hidden_act: str, tp: TPGroup,
+                 field: str, experts_field: str):
+        super().__init__()
+        self.held, self.act = tp.experts(num_experts, experts_field), get_activation(hidden_act)
+        part = tp.expert_tp.split(intermediate_size, field)
+        self.in_features = {"gate_up_proj": hidden_size, "down_proj": intermediate_size}  # (the whole tensors')
+        self.gate_up_proj = nn.Parameter(torch.empty(len(self.held), 2 * len(part), hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(len(self.held), hidden_size, len(part)))
+        if tp.expert_parallel:
+            shard_param(self, "gate_up_proj", 0, [self.held])
+            shard_param(self, "down_proj", 0, [self.held])
+        else:
+            shard_param(self, "gate_up_proj", 1, [part, range(intermediate_size + part.start,
+                                                              intermediate_size + part.stop)])
+            shard_param(self, "down_proj", 2, [part])
+
+    def __getitem__(self, e: int) -> Callable[[torch.Tensor], torch.Tensor]:
+        i = e - self.held.start  # (its place in this rank's tensors)
+        return lambda x: F.linear(gated(self.act, F.linear(x, self.gate_up_proj[i])), self.down_proj[i])
+
+    def stored_transposed(self, name: str, shape: Sequence[int]) -> bool:
+        """Whether checkpoint tensor ``name`` of ``shape`` is a matrix (``gate_up_proj``, ``down_proj``) stored
+        [experts, in, out]: its last dim is not the matrix's input. A square one is read as it is, as
+        transformers reads it (its ``Transpose(check_dims=True)``)."""
+        return name in self.in_features and shape[-1] != self.in_features[name]
+
+    def fuse(self) -> None:
+        self.fused = FusedExperts(StackedWeight(self.gate_up_proj), StackedWeight(self.down_proj),
+                                  partial(gated, self.act))
+
+
+def run_experts(experts: FusableExperts, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """``sum_k weights[t, k] * experts[idx[t, k]](x[t])`` over the held experts for every token ``t``, in
     fp32 (the caller casts once): each expert runs once, on the tokens that chose it; each weighted output
     is taken in ``weights``' dtype (HF's experts: Qwen's cast to the model's dtype, Mixtral's and
@@ -135,7 +182,7 @@ def qwen_expert(hidden_size: int, intermediate_size: int, hidden_act: str, tp: T
 class SparseMoeBlock(nn.Module):
     """``num_experts`` experts of ``intermediate_size`` (``field``: the config field a TP error names;
     ``experts_field``: the one an EP error names), made by ``expert`` (:func:`qwen_expert` or
-    :class:`MixtralExpert`). ``fp32_weights``: the routing weights stay fp32 (Mixtral's router);
+    :class:`MixtralExpert`), or held stacked (``expert=StackedExperts``). ``fp32_weights``: the routing weights stay fp32 (Mixtral's router);
     otherwise they are cast to the model's dtype first (Qwen's).
     A config with ``shared_expert_intermediate_size`` (Qwen3-Next) adds the gated shared expert."""
 
@@ -147,8 +194,11 @@ class SparseMoeBlock(nn.Module):
         self.norm_topk_prob, self.fp32_weights = norm_topk_prob, fp32_weights
         hidden, act = config.hidden_size, config.hidden_act
         self.gate = nn.Linear(hidden, num_experts, bias=False)
-        self.experts = ExpertList(tp.experts(num_experts, experts_field),
-                                  lambda: expert(hidden, intermediate_size, act, tp.expert_tp, field))
+        if expert is StackedExperts:
+            self.experts = StackedExperts(num_experts, hidden, intermediate_size, act, tp, field, experts_field)
+        else:
+            self.experts = ExpertList(tp.experts(num_experts, experts_field),
+                                      lambda: expert(hidden, intermediate_size, act, tp.expert_tp, field))
         shared = getattr(config, "shared_expert_intermediate_size", 0)
         self.shared_expert = qwen_expert(hidden, shared, act, tp, "shared_expert_intermediate_size") if shared else None
         if shared:
@@ -159,6 +209,13 @@ class SparseMoeBlock(nn.Module):
         """Qwen3-MoE's and Qwen3-Next's block: ``num_experts`` of ``moe_intermediate_size``."""
         return cls(config, config.num_experts, config.moe_intermediate_size, "moe_intermediate_size", "num_experts",
                    config.norm_topk_prob, tp)
+
+    @classmethod
+    def qwen3_vl(cls, config, tp: TPGroup = SINGLE) -> "SparseMoeBlock":
+        """Qwen3-VL-MoE's: Qwen3-MoE's block, top-k always renormalised (HF's router), its experts'
+        matrices stacked (:class:`StackedExperts`)."""
+        return cls(config, config.num_experts, config.moe_intermediate_size, "moe_intermediate_size", "num_experts",
+                   True, tp, expert=StackedExperts)
 
     @classmethod
     def mixtral(cls, config, tp: TPGroup = SINGLE) -> "SparseMoeBlock":

@@ -1,0 +1,68 @@
+"""Engine on the tiny Qwen3-VL-MoE (Qwen3-VL's vision tower and DeepStack, a dense first layer, then the sparse
+block with its experts in 3-D tensors): greedy tokens and logprobs of an image and a text request equal HF's
+``Qwen3VLMoeForConditionalGeneration`` from the checkpoint transformers 5 saves ([experts, out, in]), and from
+one in the released layout ([experts, in, out], read transposed) at TP 2 on the fused MoE backend and at EP 2
+on the eager one; a weight update takes the experts in either layout."""
+
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from actors.engine import Engine
+from actors.engine.tiny import build_tiny_checkpoint
+from tests.test_engine_vl import chat, generate, image
+from tests.tp_helpers import thread_ranks
+
+STACKED = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return str(build_tiny_checkpoint("qwen3_vl_moe", tmp_path_factory.mktemp("qwen3_vl_moe")))
+
+
+@pytest.fixture(scope="module")
+def released_dir(model_dir, tmp_path_factory):
+    """The checkpoint with its experts' matrices stored as released ([experts, in, out])."""
+    out = tmp_path_factory.mktemp("released")
+    shutil.copytree(model_dir, out, dirs_exist_ok=True, ignore=shutil.ignore_patterns("*.safetensors"))
+    tensors = load_file(f"{model_dir}/model.safetensors")
+    assert sum(name.endswith(STACKED) for name in tensors) == 4  # (layers 1 and 2)
+    save_file({name: t.transpose(1, 2).contiguous() if name.endswith(STACKED) else t for name, t in tensors.items()},
+              str(out / "model.safetensors"))
+    return str(out)
+
+
+def image_and_text(engine: Engine) -> None:
+    """An image request and a text one in a batch, chunks of 8 cutting the image: HF's tokens and logprobs."""
+    generate(engine, [chat(engine.tokenizer, "what is it?"), chat(engine.tokenizer, "text")],
+             [[image(100, 150, 0)], None])
+    engine.check_integrity()
+    engine.shutdown()
+
+
+def test_image_and_text_equal_hf(model_dir):
+    image_and_text(Engine(model_dir, max_total_tokens=2048, chunked_prefill_size=8))
+
+
+@pytest.mark.parametrize("args", [dict(moe_backend="triton"), dict(enable_expert_parallel=True)])
+def test_a_released_checkpoint_at_tp2_fused_and_ep2_equals_hf(released_dir, monkeypatch, args):
+    """Each rank reads its share of the transposed tensors: every expert's intermediate slice (TP, the fused
+    experts), or its experts whole (EP, the eager ones)."""
+    thread_ranks(monkeypatch)
+    image_and_text(Engine(released_dir, max_total_tokens=2048, chunked_prefill_size=8, tp_size=2, **args))
+
+
+def test_a_weight_update_takes_the_experts_in_either_layout(model_dir, released_dir):
+    engine = Engine(model_dir, max_total_tokens=512)
+    experts = engine.runner.model.model.layers[1].mlp.experts
+    scaled = {name: t * 0.5 for name, t in load_file(f"{released_dir}/model.safetensors").items()
+              if name.endswith(STACKED) and ".layers.1." in name}
+    assert engine.update_weights_from_tensor(list(scaled.items())).success
+    assert torch.equal(experts.gate_up_proj, scaled["model.language_model.layers.1.mlp.experts.gate_up_proj"].mT)
+    assert engine.update_weights_from_disk(released_dir).success
+    assert torch.equal(experts.down_proj * 0.5, scaled["model.language_model.layers.1.mlp.experts.down_proj"].mT)
+    engine.check_integrity()
+    engine.shutdown()
