@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import shutil
 from pathlib import Path
 from typing import Dict, Tuple
 
@@ -42,9 +43,10 @@ def _merge(model, module: str, a: torch.Tensor, b: torch.Tensor, rank: int, scal
 
 
 def merged_checkpoint(model_dir: str, adapter_dir: Path, out_dir: Path) -> str:
-    """``model_dir`` with the adapter merged into its weights, saved to ``out_dir`` (HF's oracle)."""
+    """``model_dir`` with the adapter merged into its weights, saved to ``out_dir`` (HF's oracle; a vision-language
+    model's with its image processor's config)."""
     from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
     settings = json.loads((adapter_dir / "adapter_config.json").read_text())
     rank = settings["r"]
@@ -53,11 +55,15 @@ def merged_checkpoint(model_dir: str, adapter_dir: Path, out_dir: Path) -> str:
     for key, tensor in load_file(str(adapter_dir / "adapter_model.safetensors")).items():
         module, half = key.removeprefix("base_model.model.").rsplit(".lora_", 1)
         pairs.setdefault(module, {})[half[0]] = tensor
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    vision = hasattr(AutoConfig.from_pretrained(model_dir), "vision_config")
+    model = (AutoModelForImageTextToText if vision else AutoModelForCausalLM).from_pretrained(model_dir,
+                                                                                               dtype=torch.float32)
     with torch.no_grad():
         for module, ab in pairs.items():
             _merge(model, module, ab["A"], ab["B"], rank, scaling)
     model.save_pretrained(out_dir)
+    if vision:
+        shutil.copy(Path(model_dir) / "preprocessor_config.json", out_dir)
     return str(out_dir)
 
 

@@ -2,7 +2,8 @@
 block with its experts in 3-D tensors): greedy tokens and logprobs of an image and a text request equal HF's
 ``Qwen3VLMoeForConditionalGeneration`` from the checkpoint transformers 5 saves ([experts, out, in]), and from
 one in the released layout ([experts, in, out], read transposed) at TP 2 on the fused MoE backend and at EP 2
-on the eager one; a weight update takes the experts in either layout."""
+on the eager one; a weight update takes the experts in either layout. A LoRA adapter over the stacked experts is
+refused, naming them."""
 
 import shutil
 
@@ -11,7 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from actors.engine import Engine
-from actors.engine.tiny import build_tiny_checkpoint
+from actors.engine.tiny import build_tiny_checkpoint, make_adapter
 from tests.test_engine_vl import chat, generate, image
 from tests.tp_helpers import thread_ranks
 
@@ -66,3 +67,15 @@ def test_a_weight_update_takes_the_experts_in_either_layout(model_dir, released_
     assert torch.equal(experts.down_proj * 0.5, scaled["model.language_model.layers.1.mlp.experts.down_proj"].mT)
     engine.check_integrity()
     engine.shutdown()
+
+
+def test_an_adapter_on_the_stacked_experts_is_refused(model_dir, tmp_path):
+    """PEFT's ``target_parameters`` wrapper over a layer's stacked experts: they take no adapter (the attention and
+    the dense layer's MLP do)."""
+    path = make_adapter(model_dir, tmp_path / "moe", rank=4, alpha=8, targets=("q_proj",))
+    experts = "base_model.model.model.language_model.layers.1.mlp.experts"
+    save_file({**load_file(str(path / "adapter_model.safetensors")),
+               f"{experts}.lora_A.weight": torch.ones(16, 64), f"{experts}.lora_B.weight": torch.ones(48, 16)},
+              str(path / "adapter_model.safetensors"))
+    with pytest.raises(ValueError, match=r"'moe': model\.layers\.1\.mlp\.experts wraps no MoE experts"):
+        Engine(model_dir, max_total_tokens=512, lora_paths={"moe": str(path)})

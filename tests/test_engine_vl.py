@@ -16,14 +16,15 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from actors.engine import Engine
 from actors.engine.models.qwen2_5_vl import VisionTransformer
 from actors.engine.multimodal import MM_PAD_BASE, MultimodalProcessor
 from actors.engine.pipeline import PPMissingLayer
-from actors.engine.tiny import build_tiny_checkpoint
+from actors.engine.tiny import build_tiny_checkpoint, make_adapter
 from actors.engine.tokenizer import IMAGE_PAD_ID, load_tokenizer
+from tests.lora_helpers import merged_checkpoint
 from tests.parity import assert_greedy_parity, hf_image_inputs, hf_model
 from tests.pd_helpers import close_workers, make_pair, run_pd
 from tests.tp_helpers import pickled_broadcasts, thread_ranks
@@ -360,6 +361,38 @@ def test_weights_under_transformers_names_load_and_update_the_decoder_and_the_vi
     assert got["meta_info"]["output_token_logprobs"] == want["meta_info"]["output_token_logprobs"]
     started.check_integrity()
     started.shutdown()
+
+
+def test_an_adapter_on_the_language_model_equals_hf_on_the_merged_checkpoint(model_dir, tmp_path):
+    """A PEFT adapter of every decoder layer's projections (transformers' model.language_model.* names) serves beside
+    the base model: an image request under it and one without, in one batch, each get HF's tokens and logprobs on
+    their checkpoint (the adapter merged in), which differ; the same adapter under the released names (model.*),
+    loaded at runtime, is the same adapter. One of the vision tower is refused, naming its modules."""
+    path = make_adapter(model_dir, tmp_path / "sql", rank=4, alpha=8, seed=1)
+    tensors = load_file(str(path / "adapter_model.safetensors"))
+    assert all(".model.language_model.layers." in key for key in tensors)
+    merged = merged_checkpoint(model_dir, path, tmp_path / "merged")
+    old = shutil.copytree(path, tmp_path / "old")
+    save_file({key.replace(".language_model.", "."): t for key, t in tensors.items()},
+              str(old / "adapter_model.safetensors"))
+    engine = Engine(model_dir, max_total_tokens=2048, lora_paths={"sql": str(path)})
+    engine.load_lora_adapter("old", str(old))
+    prompt, images = chat(engine.tokenizer, "what is it?"), [image(100, 150, 0)]
+    outs = engine.generate(prompt=[prompt] * 3, image_data=[images] * 3, lora_path=[None, "sql", "old"],
+                           sampling_params=dict(max_new_tokens=MAX_NEW, temperature=0, return_logprob=True))
+    for checkpoint, out in zip([model_dir, merged], outs):
+        assert_greedy_parity(checkpoint, [engine.tokenizer.encode(prompt)], [out["output_ids"]], MAX_NEW,
+                             engine.eos_token_ids, images=[images],
+                             logprobs=[[lp for lp, _ in out["meta_info"]["output_token_logprobs"]]])
+    assert outs[0]["output_ids"] != outs[1]["output_ids"] and outs[2]["output_ids"] == outs[1]["output_ids"]
+    vision = shutil.copytree(path, tmp_path / "vision")
+    save_file({**tensors, "base_model.model.model.visual.blocks.0.attn.qkv.lora_A.weight": torch.ones(4, 32),
+               "base_model.model.model.visual.blocks.0.attn.qkv.lora_B.weight": torch.ones(96, 4)},
+              str(vision / "adapter_model.safetensors"))
+    with pytest.raises(ValueError, match=r"'vision' targets the vision tower \(model\.visual\.blocks\.0\.attn\.qkv\)"):
+        engine.load_lora_adapter("vision", str(vision))
+    engine.check_integrity()
+    engine.shutdown()
 
 
 def test_image_tokens_hold_pad_values_out_of_the_vocabulary(engine):

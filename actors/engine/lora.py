@@ -42,8 +42,11 @@ from actors.engine.parallel import ColumnParallelLinear, ReplicatedLinear, RowPa
 
 # a module of a decoder layer: model.layers.<i>.<its name in the layer> (what the model's supported_lora_modules list)
 LAYER_MODULE = re.compile(r"^model\.layers\.\d+\.([\w.]+)$")
-# a PEFT checkpoint's tensor name: base_model.model.<the base model's module>.lora_{A,B}.weight
-ADAPTER_KEY = re.compile(r"^base_model\.model\.(model\.layers\.\d+\.[\w.]+)\.lora_([AB])\.weight$")
+# a PEFT checkpoint's tensor name: base_model.model.<the base model's module>.lora_{A,B}.weight; a vision-language
+# model's decoder layers are model.language_model.layers.* under transformers 4.52 on, model.layers.* before
+ADAPTER_KEY = re.compile(r"^base_model\.model\.model\.(?:language_model\.)?(layers\.\d+\.[\w.]+)\.lora_([AB])\.weight$")
+# ... and its vision tower's modules (visual.*, model.visual.*): not adapted
+VISION_KEY = re.compile(r"^base_model\.model\.((?:model\.)?visual\.[\w.]+)\.lora_[AB]\.weight$")
 # adapter_config.json settings that change what an adapter computes beyond y += s·B·A·x: refused, not ignored
 UNSUPPORTED_SETTINGS = {"use_dora": "DoRA", "modules_to_save": "modules_to_save", "rank_pattern": "rank_pattern",
                         "alpha_pattern": "alpha_pattern"}
@@ -78,12 +81,18 @@ def read_adapter(name: str, path: str) -> LoRAAdapter:
         raise ValueError(f"LoRA adapter {name!r}: trained biases (bias={config['bias']!r}) are not supported")
     rank, alpha = int(config["r"]), float(config.get("lora_alpha", 8))  # (PEFT's default alpha)
     scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+    tensors = load_file(weights_path)
+    vision = sorted({match[1] for key in tensors if (match := VISION_KEY.match(key))})
+    if vision:
+        raise ValueError(f"LoRA adapter {name!r} targets the vision tower ({', '.join(vision[:4])}"
+                         f"{', ...' if len(vision) > 4 else ''}): only the language model's layers take adapters "
+                         "(vLLM's default for a multimodal model)")
     halves: Dict[str, Dict[str, torch.Tensor]] = {}
-    for key, tensor in load_file(weights_path).items():
+    for key, tensor in tensors.items():
         match = ADAPTER_KEY.match(key)
         if match is None:
             raise ValueError(f"LoRA adapter {name!r}: tensor {key!r} is not a LoRA weight of a decoder layer's module")
-        halves.setdefault(match[1], {})[match[2]] = tensor
+        halves.setdefault(f"model.{match[1]}", {})[match[2]] = tensor
     weights = {}
     for module, pair in halves.items():
         fused = FUSED_EXPERTS.match(module) is not None  # (experts·r rows: split_fused_experts checks them)

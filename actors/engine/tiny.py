@@ -218,13 +218,17 @@ def make_adapter(model_dir: str, out_dir: Path, rank: int, alpha: float, targets
     only, and no Mixtral layer; DeepSeek's and Qwen3-Next's MoE layers by their shared expert; Phi-3's are
     ``qkv_proj`` and ``gate_up_proj``, DeepSeek's MLA ``kv_a_proj_with_mqa`` ...). ``experts``: the routed
     experts' projections to target too, every expert's, by the checkpoint's names (``gate_proj``; Mixtral's
-    ``w1``), as PEFT writes an adapter of a model whose experts are linear layers each."""
+    ``w1``), as PEFT writes an adapter of a model whose experts are linear layers each. A vision-language
+    model's are its decoder layers' (``model.language_model.layers.*``: transformers 5's names), never its
+    vision tower's."""
     from safetensors import safe_open
     from safetensors.torch import save_file
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
+    hf_config = AutoConfig.from_pretrained(model_dir)
+    vision = hasattr(hf_config, "vision_config")
     with torch.device("meta"):
-        hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+        hf = (AutoModelForImageTextToText if vision else AutoModelForCausalLM).from_config(hf_config)
     shapes = {n: (m.in_features, m.out_features) for n, m in hf.named_modules() if isinstance(m, torch.nn.Linear)}
     for path in sorted(Path(model_dir).glob("*.safetensors")):
         with safe_open(str(path), framework="pt") as f:
@@ -234,8 +238,8 @@ def make_adapter(model_dir: str, out_dir: Path, rank: int, alpha: float, targets
                     fan_out, fan_in = f.get_slice(key).get_shape()
                     shapes[name] = (fan_in, fan_out)
     gen, tensors = torch.Generator().manual_seed(seed), {}
-    for layer in range(hf.config.num_hidden_layers):
-        prefix = f"model.layers.{layer}."
+    for layer in range(hf_config.get_text_config().num_hidden_layers):
+        prefix = f"model.{'language_model.' if vision else ''}layers.{layer}."
         for module, expert in [(m, False) for m in targets] + [(m, True) for m in experts]:
             for name in sorted(n for n in shapes if n.startswith(prefix) and n.endswith(f".{module}")
                                and (".experts." in n) == expert):

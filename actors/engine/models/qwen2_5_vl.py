@@ -191,10 +191,10 @@ class Qwen2_5_VLDecoderLayer(LlamaDecoderLayer):
 
 class Qwen2_5_VLForConditionalGeneration(LlamaForCausalLM):
     """The decoder is built from ``text_config``; ``visual`` from ``vision_config``, on the first
-    pipeline stage only (the one that reads the input embeddings). LoRA is not served."""
+    pipeline stage only (the one that reads the input embeddings). LoRA adapters take the decoder's
+    layers (Llama's modules), never the vision tower (``lora.read_adapter`` refuses an adapter of it)."""
 
     layer_cls = Qwen2_5_VLDecoderLayer
-    supported_lora_modules = ()
     mrope_positions = staticmethod(mrope_positions)  # (the tokenizer side's: multimodal.MultimodalProcessor)
     # transformers' names since 4.52 (HF's model.named_parameters(), a checkpoint it saved) → the released ones
     checkpoint_renames = (("model.language_model.", "model."), ("model.visual.", "visual."))

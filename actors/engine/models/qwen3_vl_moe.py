@@ -5,7 +5,8 @@
 The block's router is ``mlp.gate`` (top-k of the fp32 softmax, always renormalised); its experts are stored
 as 3-D tensors, ``mlp.experts.gate_up_proj`` and ``mlp.experts.down_proj`` (:class:`~.moe.StackedExperts`:
 transformers 5's layout, or the released checkpoints' transposed one, read transposed). Both MoE backends,
-TP and EP serve them as the other MoE families'.
+TP and EP serve them as the other MoE families'. LoRA adapters take the attention and the dense layers' MLP
+(``mlp_only_layers``), not the stacked experts.
 """
 
 from __future__ import annotations
