@@ -20,9 +20,11 @@ timeout): a pending placement group is the demand the Ray cluster autoscaler add
 for a pending Ray Serve replica. (``ray.autoscaler.sdk.request_resources`` is not called: it is
 one cluster-wide request that the next caller's replaces, for pre-provisioning.) A start that
 fails holds the side's next one back ``start_retry_backoff_s``, doubled per failure in a row;
-after ``max_start_failures`` in a row the side stops scaling up (it still scales down). A start the
-cluster's state refuses (:class:`~cluster.backend.WorkerNotAddedError`: its workers sleep, or serve
-weights from tensors) is no failed start: the next is tried once the upscale delay has run again.
+after ``max_start_failures`` in a row the side stops scaling up (it still scales down) for
+``start_failure_cooldown_s``, then tries one start again; one that succeeds clears the count. A
+start the cluster's state refuses (:class:`~cluster.backend.WorkerNotAddedError`: its workers
+sleep, or serve weights from tensors) is no failed start: the next is tried once the upscale delay
+has run again.
 A side's workers are those live and those a ``POST /workers`` is starting (``backend.starting``):
 a manual add (an operator's, allowed past ``max_workers``) is not started again by a scale-up.
 """
@@ -79,13 +81,24 @@ class SideScaler:
 
     def hold_back(self, decision: Decision, now: float) -> Optional[str]:
         """Why a scale-up of ``decision`` may not start now (None: it may)."""
-        if decision.target <= decision.current:
+        if decision.target <= decision.current or now >= self.next_start_at:
             return None
         if self.start_failures >= self.config.max_start_failures:
-            return f"scaling up stopped after {self.start_failures} failed starts in a row"
-        if now < self.next_start_at:
-            return f"the next start waits {self.next_start_at - now:.1f}s more after a failed one"
-        return None
+            return (f"scaling up stopped after {self.start_failures} failed starts in a row, tried again in "
+                    f"{self.next_start_at - now:.1f}s")
+        return f"the next start waits {self.next_start_at - now:.1f}s more after a failed one"
+
+    def start_failed(self, now: float) -> None:
+        """Hold the next start back: the backoff, doubled per failure in a row, or past
+        ``max_start_failures`` the cool-down (a bad node or config is not tried every backoff)."""
+        self.start_failures += 1
+        cfg = self.config
+        if self.start_failures >= cfg.max_start_failures:
+            self.next_start_at = now + cfg.start_failure_cooldown_s
+            logger.warning("autoscaler: %s: scaling up stopped after %d failed starts in a row, tried again in "
+                           "%gs", self.role, self.start_failures, cfg.start_failure_cooldown_s)
+        else:
+            self.next_start_at = now + cfg.start_retry_backoff_s * 2 ** (self.start_failures - 1)
 
     def state(self, now: float) -> Dict[str, Any]:
         decision = self.decision
@@ -205,8 +218,7 @@ class Autoscaler:
         except Exception as exc:
             side.last_change["result"] = f"failed: {exc}"
             if up:
-                side.start_failures += 1
-                side.next_start_at = self.clock() + side.config.start_retry_backoff_s * 2 ** (side.start_failures - 1)
+                side.start_failed(self.clock())
             logger.error("autoscaler: %s: scaling %s failed (%d failed starts in a row): %s", side.role,
                          side.last_change["action"], side.start_failures, exc)
         finally:

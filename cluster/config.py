@@ -184,7 +184,11 @@ class AutoscalingConfig(BaseModel):
     start_retry_backoff_s: float = Field(30.0, ge=0.0, description="after a worker failed to start, the wait "
                                          "before the next start (doubling with each failure in a row)")
     max_start_failures: int = Field(3, ge=1, description="starts failing in a row after which this side stops "
-                                    "scaling up (a bad node or config is not retried forever)")
+                                    "scaling up for start_failure_cooldown_s (a bad node or config is not retried "
+                                    "every backoff)")
+    start_failure_cooldown_s: float = Field(300.0, ge=0.0, description="after max_start_failures in a row, the wait "
+                                            "before one more start is tried (Kubernetes' crash-loop backoff cap, "
+                                            "5 min): a node or quota that comes back is used without a restart")
 
     @field_validator("max_workers")
     @classmethod

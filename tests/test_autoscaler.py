@@ -2,9 +2,9 @@
 injected clock — Ray Serve's numbers, the delays, the factors, Dynamo's signals, and hypothesis
 properties (desired within [min, max], no change before the delay, monotone in load) — and its loop
 (cluster/autoscaler.py) over an in-process backend: one change in flight per side, the idlest worker
-drained, a failed start backed off and then given up (a start refused for the cluster's state is no
-failure), workers added or removed by hand during a change, no delay counted while the workers sleep,
-the state and the desired-workers gauge."""
+drained, a failed start backed off, then given up for a cool-down and tried again (a start refused
+for the cluster's state is no failure), workers added or removed by hand during a change, no delay
+counted while the workers sleep, the state and the desired-workers gauge."""
 
 import asyncio
 from types import SimpleNamespace
@@ -243,7 +243,8 @@ def test_one_change_in_flight_then_the_delay_again_and_the_idlest_drained():
 
 def test_a_failed_start_is_backed_off_then_given_up_while_downscaling_still_works():
     backend = ScaledBackend([{"num_requests": 5}])
-    config = scaling(target_ongoing_requests=1, max_workers=3, start_retry_backoff_s=10, max_start_failures=2)
+    config = scaling(target_ongoing_requests=1, max_workers=3, start_retry_backoff_s=10, max_start_failures=2,
+                     start_failure_cooldown_s=500)
 
     async def fail_next_start(autoscaler, at):
         await autoscaler.tick()
@@ -262,22 +263,56 @@ def test_a_failed_start_is_backed_off_then_given_up_while_downscaling_still_work
         assert "waits" in autoscaler.state()["decode"]["reason"]
         clock[0] = 10.0
         await fail_next_start(autoscaler, 10)
-        for t in (30.0, 100.0, 1000.0):  # 20 s after the second: given up for good
+        for t in (30.0, 100.0, 400.0):  # 20 s after the second: given up for the cool-down (500 s)
             clock[0] = t
             backend.decode[0]["load"] = {"num_requests": 5}
             await autoscaler.tick()
             await settle()
         assert len(backend.starts) == 2
         state = autoscaler.state()["decode"]
-        assert "stopped after 2 failed starts" in state["reason"] and "no node fits" in state["last_change"]["result"]
+        assert "stopped after 2 failed starts in a row, tried again in 110.0s" in state["reason"]
+        assert "no node fits" in state["last_change"]["result"]
         backend.decode += [{"id": "d-9", "role": "decode", "alive": True, "load": {}}]  # (one added by hand)
         backend.decode[0]["load"] = {}
-        clock[0] = 2000.0
+        clock[0] = 450.0
         await autoscaler.tick()
         await settle()
 
     run_loop(backend, config, script)
     assert backend.removed == ["d-9"]
+
+
+def test_scaling_up_given_up_is_tried_again_after_the_cool_down_and_a_start_clears_the_count():
+    backend = ScaledBackend([{"num_requests": 5}])
+    config = scaling(target_ongoing_requests=1, max_workers=2, start_retry_backoff_s=10, max_start_failures=1,
+                     start_failure_cooldown_s=100)
+
+    async def tick_at(autoscaler, clock, t):
+        clock[0] = t
+        await autoscaler.tick()
+        await settle()
+
+    async def script(autoscaler, clock):
+        await tick_at(autoscaler, clock, 0.0)
+        backend.starts[0].set_exception(RuntimeError("no node fits"))
+        await settle()
+        for t in (10.0, 99.0):  # given up: not the backoff's 10 s, the cool-down's 100
+            await tick_at(autoscaler, clock, t)
+        assert len(backend.starts) == 1 and "tried again in 1.0s" in autoscaler.state()["decode"]["reason"]
+        await tick_at(autoscaler, clock, 100.0)
+        assert len(backend.starts) == 2  # one start again: it fails too, a cool-down more
+        backend.starts[1].set_exception(RuntimeError("no node fits"))
+        await settle()
+        assert autoscaler.state()["decode"]["start_failures"] == 2
+        await tick_at(autoscaler, clock, 199.0)
+        assert len(backend.starts) == 2
+        await tick_at(autoscaler, clock, 200.0)
+        backend.starts[2].set_result(None)  # (the node came back)
+        await settle()
+
+    autoscaler, _ = run_loop(backend, config, script)
+    state = autoscaler.state()["decode"]
+    assert len(backend.decode) == 2 and state["start_failures"] == 0 and state["last_change"]["result"] == "done"
 
 
 def test_only_sides_with_autoscaling_and_a_cluster_get_an_autoscaler():
