@@ -9,7 +9,7 @@ leaving takes: the rotation the client routes over, the router's registration an
 worker's catch-up on the weights, adapters and pause the cluster serves, and the drain that lets
 a leaving worker's requests finish before its pools are freed. An actor would have to call back
 into this process for all of that. Every ``metrics_interval_s`` it asks the workers' loads
-(as ``/metrics`` does), samples each side (:class:`~cluster.autoscaling_policy.LoadSample`) and
+(as ``/metrics`` does), reads the server's admission queue, samples each side (:class:`~cluster.autoscaling_policy.LoadSample`) and
 asks its :class:`~cluster.autoscaling_policy.ScalingPolicy` where the side should be.
 
 One change at a time per side, and no decision while it runs (as Dynamo's planner): a change
@@ -43,11 +43,15 @@ logger = logging.getLogger(__name__)
 STOP_TIMEOUT_S = 30.0  # the longest the server's shutdown waits for a change in flight
 
 
-def load_sample(now: float, workers: List[Dict[str, Any]]) -> LoadSample:
-    """The load of one side's live workers (``backend.workers()`` entries, their last reports)."""
+def load_sample(now: float, role: str, workers: List[Dict[str, Any]], queued: int = 0) -> LoadSample:
+    """The load of one ``role`` side's live workers (``backend.workers()`` entries, their last reports)
+    and of the ``queued`` requests waiting for an admission slot in the server: each is one more
+    request for both sides (Ray Serve counts a request queued at the handle as ongoing), and waits for
+    a prefill (Dynamo's prefill queue) before any batch of the decode side's."""
     loads = [w.get("load") or {} for w in workers]
-    return LoadSample(now, ongoing_requests=sum(x.get("num_requests", 0) for x in loads),
-                      waiting_requests=sum(x.get("waiting", 0) + x.get("prealloc", 0) for x in loads),
+    waiting = sum(x.get("waiting", 0) + x.get("prealloc", 0) for x in loads)
+    return LoadSample(now, ongoing_requests=queued + sum(x.get("num_requests", 0) for x in loads),
+                      waiting_requests=waiting + (queued if role == "prefill" else 0),
                       queued_prefill_tokens=sum(x.get("queued_prefill_tokens", 0) for x in loads),
                       kv_usage=sum(x.get("kv_usage", 0.0) for x in loads))
 
@@ -114,20 +118,22 @@ class SideScaler:
 class Autoscaler:
     """The loop over a backend's sides (see the module docstring); ``clock``: monotonic seconds."""
 
-    def __init__(self, backend, configs: Dict[str, Any], metrics=None, clock: Callable[[], float] = time.monotonic):
-        self.backend, self.metrics, self.clock = backend, metrics, clock
+    def __init__(self, backend, configs: Dict[str, Any], metrics=None, clock: Callable[[], float] = time.monotonic,
+                 admission=None):
+        self.backend, self.metrics, self.clock, self.admission = backend, metrics, clock, admission
         self.sides = {role: SideScaler(role, config) for role, config in configs.items()}
         self._task: Optional[asyncio.Task] = None
 
     @classmethod
-    def from_config(cls, backend, config, metrics=None) -> Optional["Autoscaler"]:
+    def from_config(cls, backend, config, metrics=None, admission=None) -> Optional["Autoscaler"]:
         """The autoscaler of a ClusterConfig's sides with ``autoscaling`` (None: no side has it, or
-        ``backend`` has no cluster to start workers in)."""
+        ``backend`` has no cluster to start workers in); ``admission``: the server's
+        (:class:`cluster.admission.Admission`), whose queued requests count as load."""
         configs = {role: getattr(config, role).autoscaling for role in ("prefill", "decode")
                    if getattr(getattr(config, role, None), "autoscaling", None) is not None}
         if not configs or getattr(backend, "cluster", None) is None:
             return None
-        return cls(backend, configs, metrics)
+        return cls(backend, configs, metrics, admission=admission)
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run())
@@ -166,10 +172,11 @@ class Autoscaler:
             return
         await refresh_loads_briefly(self.backend)
         workers = self.backend.workers()
+        queued = self.admission.waiting if self.admission is not None else 0
         for side in due:
             side.next_sample_at = now + side.config.metrics_interval_s
             live = live_workers(workers, side.role)
-            side.policy.record(load_sample(now, live))
+            side.policy.record(load_sample(now, side.role, live, queued))
             if side.change is None:
                 self._decide(side, self._count(side, live), now)
 

@@ -29,8 +29,9 @@ class LoadSample(NamedTuple):
     """One reading of a side's load, each signal summed over its live workers."""
 
     time: float
-    ongoing_requests: float = 0.0  # held in any state: queued, transferring, running (Ray Serve's ongoing)
-    waiting_requests: float = 0.0  # waiting for a batch
+    ongoing_requests: float = 0.0  # held in any state: queued, transferring, running (Ray Serve's ongoing),
+    # or waiting for the server's admission
+    waiting_requests: float = 0.0  # waiting for a batch (a prefill side's: or for the server's admission)
     queued_prefill_tokens: float = 0.0  # uncached prompt tokens waiting to be prefilled
     kv_usage: float = 0.0  # fractions of KV slots in use (cached prefixes not counted)
 

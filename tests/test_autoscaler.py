@@ -4,7 +4,8 @@ properties (desired within [min, max], no change before the delay, monotone in l
 (cluster/autoscaler.py) over an in-process backend: one change in flight per side, the idlest worker
 drained, a failed start backed off, then given up for a cool-down and tried again (a start refused
 for the cluster's state is no failure), workers added or removed by hand during a change, no delay
-counted while the workers sleep, the state and the desired-workers gauge."""
+counted while the workers sleep, requests queued for admission counted as load, the state and the
+desired-workers gauge."""
 
 import asyncio
 from types import SimpleNamespace
@@ -13,7 +14,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cluster.autoscaler import Autoscaler
+from cluster.admission import Admission
+from cluster.autoscaler import Autoscaler, load_sample
 from cluster.autoscaling_policy import SIGNALS, LoadSample, ScalingPolicy
 from cluster.backend import WorkerNotAddedError
 from cluster.config import AutoscalingConfig
@@ -181,12 +183,12 @@ class ScaledBackend(StubBackend):
         self.removed.append(worker_id)
 
 
-def run_loop(backend, config, script):
+def run_loop(backend, config, script, admission=None):
     """``script(autoscaler, clock)`` (a coroutine) with the decode side under ``config``; a list holds
     the clock's one value, moved by the script."""
     clock = [0.0]
     metrics = ServerMetrics("m")
-    autoscaler = Autoscaler(backend, {"decode": config}, metrics, clock=lambda: clock[0])
+    autoscaler = Autoscaler(backend, {"decode": config}, metrics, clock=lambda: clock[0], admission=admission)
     asyncio.run(script(autoscaler, clock))
     return autoscaler, metrics
 
@@ -313,6 +315,31 @@ def test_scaling_up_given_up_is_tried_again_after_the_cool_down_and_a_start_clea
     autoscaler, _ = run_loop(backend, config, script)
     state = autoscaler.state()["decode"]
     assert len(backend.decode) == 2 and state["start_failures"] == 0 and state["last_change"]["result"] == "done"
+
+
+def test_requests_queued_for_admission_count_as_load():
+    # one decode worker holding the one admitted request, four more waiting for a slot: 5 requests, 1 each
+    backend = ScaledBackend([{"num_requests": 1}])
+    admission = Admission(max_concurrent=1, max_queue_size=8, queue_timeout_s=60)
+
+    async def script(autoscaler, clock):
+        await admission.acquire()
+        queued = [asyncio.ensure_future(admission.acquire()) for _ in range(4)]
+        await settle()
+        assert admission.waiting == 4
+        await autoscaler.tick()
+        await settle()
+        for request in queued:
+            request.cancel()
+        backend.starts[0].set_exception(RuntimeError("stopped"))
+        await asyncio.wait(queued)
+
+    autoscaler, _ = run_loop(backend, scaling(target_ongoing_requests=1), script, admission)
+    assert autoscaler.state()["decode"]["desired"] == 5
+    # a prefill side's queue too (Dynamo's waiting requests); a decode side's waits for no batch of its own
+    worker = [{"load": {"num_requests": 2, "waiting": 1}}]
+    assert load_sample(0.0, "prefill", worker, queued=3)[1:3] == (5, 4)
+    assert load_sample(0.0, "decode", worker, queued=3)[1:3] == (5, 1)
 
 
 def test_only_sides_with_autoscaling_and_a_cluster_get_an_autoscaler():
