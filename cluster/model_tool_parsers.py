@@ -32,9 +32,10 @@ class MistralParser(JsonCallsParser):
     ``[CALL_ID]id`` before it, read too), committed at its ``{`` when the name is one. Arguments
     stream as they come. An array or object that breaks (an element not a call, a name that is
     none) before a call of its own is committed is content as written from the token on; after,
-    the text from the character that broke it is read afresh. Text before and after is content
-    (:class:`~cluster.tool_parsers.SpacedContent`). The tags are special tokens in Mistral's HF
-    tokenizers: the output is decoded with them."""
+    the text from the character that broke it is read afresh (not streamed, the whole output is
+    content then, as vLLM's ``json.loads`` of the array fails; so when it is cut short). Text
+    before and after is content (:class:`~cluster.tool_parsers.SpacedContent`). The tags are
+    special tokens in Mistral's HF tokenizers: the output is decoded with them."""
 
     TAG, ARGS, CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
     SPECIAL_TAGS = (TAG, ARGS, CALL_ID)
@@ -145,6 +146,7 @@ class MistralParser(JsonCallsParser):
         if len(self.calls) == self.first:
             return self.content.text(text)
         self.content.call()
+        self.calls_broken |= not called
         return "" if called else None
 
     def _name(self, head: str) -> Optional[str]:
@@ -158,6 +160,7 @@ class MistralParser(JsonCallsParser):
 
     def finish(self) -> str:
         uncalled = self.state == "text" or len(self.calls) == self.first
+        self.calls_broken |= not uncalled  # (cut short once called)
         out = self.content.text("".join(self.held)) if uncalled else ""
         self.held, self.state = [], "text"
         return out + self.content.end(bool(self.calls))

@@ -14,7 +14,8 @@ the arguments as ``json.dumps`` writes their value (:class:`cluster.json_stream.
 could still change held back; the pythonic ones commit a call at its ``(`` and write its Python
 literals so (:class:`cluster.python_stream.PythonLiteral`); a committed call stays one, so a call
 the output breaks or cuts short keeps the arguments it had (not JSON), as a vLLM stream does; not
-streamed, such an output is content (:meth:`ToolCallParser.unparsed`, vLLM's non-streamed reading).
+streamed, such an output is content (:meth:`ToolCallParser.unparsed`, vLLM's non-streamed reading),
+as is one whose call's arguments are whole but its object then breaks or is cut short.
 """
 
 from __future__ import annotations
@@ -56,24 +57,41 @@ class ToolCallParser:
         return None
 
 
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except (ValueError, RecursionError):  # (JsonStream reads any depth, json.loads not)
+        return False
+    return True
+
+
 class JsonCallsParser(ToolCallParser):
-    """A format whose calls' arguments are JSON text, read as vLLM's non-streamed parsers read them:
-    a call that does not ``json.loads`` makes the whole output content, no calls. A call the output
+    """A format whose calls are JSON text, read as vLLM's non-streamed parsers read them: a call
+    that does not ``json.loads`` makes the whole output content, no calls. A call the output
     broke or cut short once committed has arguments as far as they went, no JSON, which a stream
-    has sent (as vLLM's) but which OpenAI clients ``json.loads`` from a message. ``SPECIAL_TAGS``:
+    has sent (as vLLM's) but which OpenAI clients ``json.loads`` from a message; so does one whose
+    arguments are whole but whose object (or the array holding it) then broke or was cut short
+    (``calls_broken``, set by the subclass): vLLM loads the object, and it fails. ``SPECIAL_TAGS``:
     tags the output shows only as it is decoded with special tokens for the parser, dropped then."""
 
     SPECIAL_TAGS: Tuple[str, ...] = ()
 
+    def __init__(self):
+        super().__init__()
+        self.calls_broken = False
+
     def unparsed(self, text: str) -> Optional[str]:
-        try:
-            for _, arguments in self.calls:
-                json.loads(arguments)
-        except (ValueError, RecursionError):  # (JsonStream reads any depth, json.loads not)
-            for tag in self.SPECIAL_TAGS:
-                text = text.replace(tag, "")
-            return text
-        return None
+        if not self.calls_broken and all(_is_json(arguments) for _, arguments in self.calls):
+            return None
+        for tag in self.SPECIAL_TAGS:
+            text = text.replace(tag, "")
+        return text
+
+    def object_ended(self, call: CallObject) -> None:
+        """``call``'s object read as far as the output goes: a committed call whose object is not
+        whole (broken, or cut short) breaks the calls."""
+        if call.call is not None and (call.broken or not call.done):
+            self.calls_broken = True
 
 
 class NamedParser(ToolCallParser):
@@ -299,6 +317,7 @@ class HermesParser(BlockParser):
         self.call.flush()
 
     def _close(self) -> bool:
+        self.object_ended(self.call)
         return self.call.call is not None
 
 
@@ -334,6 +353,8 @@ class Llama3JsonParser(JsonCallsParser):
         return "".join(out)
 
     def finish(self) -> str:
+        if self.state == "object":  # (cut short)
+            self.object_ended(self.call)
         uncalled = self.state == "opening" or (self.state == "object" and self.call.call is None)
         out, self.held = "".join(self.held) if uncalled else "", []
         return out
@@ -367,6 +388,7 @@ class Llama3JsonParser(JsonCallsParser):
         if not (self.call.done or self.call.broken):
             return ""
         body, self.held = "".join(self.held), []
+        self.object_ended(self.call)
         if self.call.call is None:
             self.state = "content"
             return body

@@ -165,13 +165,21 @@ def test_registered_parsers_stream_what_the_message_holds(name, text):
                    '<tool_call>{"name": "add", "arguments": {"a": [1}}</tool_call>'),  # (one broken: all content)
         ("hermes", 'Sure. <tool_call>{"name": "add", "arguments": {"a": "x'),  # (cut short)
         ("llama3_json", '{"name": "add", "parameters": {"a": 1'),
+        # the arguments whole, their object (or array) then broken or cut short: vLLM's json.loads fails
+        ("hermes", '<tool_call>{"name": "add", "arguments": {"a": 1}</tool_call>'),
+        ("hermes", 'Sure. <tool_call>{"name": "add", "arguments": {"a": 1}} x</tool_call>'),
+        ("llama3_json", '{"name": "add", "parameters": {"a": 1} ok'),
+        ("llama3_json", '{"name": "add", "parameters": {"a": 1}}; {"name": "add", "parameters": {}'),
         ("deepseek_v3", DEEPSEEK_TEXTS[2][0]), ("deepseek_v31", DEEPSEEK_V31.format("add", '{"a": [3')[:-5])]],
     ("mistral", MISTRAL_TEXTS[4][0], 'ok add{"a": 12'),  # (the special tokens dropped)
-    ("mistral", '[TOOL_CALLS] [{"name": "add", "arguments": {"a": x}}]', ' [{"name": "add", "arguments": {"a": x}}]')])
+    ("mistral", '[TOOL_CALLS] [{"name": "add", "arguments": {"a": x}}]', ' [{"name": "add", "arguments": {"a": x}}]'),
+    ("mistral", '[TOOL_CALLS] [{"name": "add", "arguments": {"a": 1}}, {', ' [{"name": "add", "arguments": {"a": 1}}, {'),
+    ("mistral", '[TOOL_CALLS] [{"name": "add", "arguments": {"a": 1}} x', ' [{"name": "add", "arguments": {"a": 1}} x'),
+    ("mistral", '[TOOL_CALLS] [{"name": "add", "arguments": {"a": 1}]', ' [{"name": "add", "arguments": {"a": 1}]')])
 def test_calls_that_do_not_parse_are_content_when_not_streamed(name, text, content):
     """vLLM's non-streamed reading: the output as content, its tags dropped where they are special
     tokens, no calls and the finish reason as it was (the calls as far as they went have arguments
-    that are no JSON); streamed, the calls committed were sent, and the choice ends with "tool_calls"."""
+    that are no JSON, or whole arguments in an object or array that is not); streamed, the calls committed were sent, and the choice ends with "tool_calls"."""
     whole = ToolCalls(lambda: TOOL_CALL_PARSERS[name](()), calls_finish=True)
     assert whole.message(0, text) == (content, []) and whole.finish_reason(0, "stop") == "stop"
     streamed = ToolCalls(lambda: TOOL_CALL_PARSERS[name](()), calls_finish=True)
