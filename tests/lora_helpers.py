@@ -26,8 +26,21 @@ FUSED_PART = {"gate_proj": ("gate_up_proj", 0), "w1": ("gate_up_proj", 0), "up_p
               "w3": ("gate_up_proj", 1), "down_proj": ("down_proj", None), "w2": ("down_proj", None)}
 
 
+def _part_rows(model, module: str) -> torch.Tensor:
+    """The rows of Phi-3's fused weight that ``module``, a part it fuses, is: q | k | v of qkv_proj, gate | up
+    of gate_up_proj."""
+    parent, _, part = module.rpartition(".")
+    block = model.get_submodule(parent)
+    if part in ("gate_proj", "up_proj"):
+        return block.gate_up_proj.weight.chunk(2)[part == "up_proj"]
+    q_rows = block.o_proj.in_features
+    kv_rows = (block.qkv_proj.weight.shape[0] - q_rows) // 2
+    return block.qkv_proj.weight.split([q_rows, kv_rows, kv_rows])["qkv".index(part[0])]
+
+
 def _merge(model, module: str, a: torch.Tensor, b: torch.Tensor, rank: int, scaling: float) -> None:
     """Add ``module``'s adapter delta to ``model``'s (HF's) weight it targets."""
+    parent, _, leaf = module.rpartition(".")
     if match := EXPERT.match(module):
         name, half = FUSED_PART[match[3]]
         weight = model.get_submodule(f"{match[1]}.mlp.experts").get_parameter(name)[int(match[2])]
@@ -38,6 +51,8 @@ def _merge(model, module: str, a: torch.Tensor, b: torch.Tensor, rank: int, scal
         param = experts.gate_up_proj if experts.gate_up_proj.shape[1:] == (d1, d2) else experts.down_proj
         param.add_(torch.einsum("o r e, e r i -> e i o", b.reshape(d2, rank, num_experts),
                                 a.reshape(num_experts, rank, d1)) * scaling)
+    elif not hasattr(model.get_submodule(parent), leaf):  # (a part of a fused projection)
+        _part_rows(model, module).add_(scaling * b @ a)
     else:
         model.get_submodule(module).weight.add_(scaling * b @ a)
 
@@ -89,6 +104,31 @@ def fused_expert_adapter(model_dir: str, out_dir: Path, rank: int, alpha: float,
     save_file(tensors, str(out_dir / "adapter_model.safetensors"))
     settings = {"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "target_modules": [], "bias": "none",
                 "target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]}
+    (out_dir / "adapter_config.json").write_text(json.dumps(settings))
+    return out_dir
+
+
+def packed_parts_adapter(model_dir: str, out_dir: Path, rank: int, alpha: float, parts, seed: int = 0) -> Path:
+    """A random adapter of Phi-3 as PEFT writes one trained on a Llama-style model's ``parts`` (q_proj,
+    k_proj, v_proj, gate_proj, up_proj), which Phi-3's checkpoint fuses into qkv_proj and gate_up_proj."""
+    from safetensors.torch import save_file
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_dir)
+    hidden, head_dim = config.hidden_size, config.hidden_size // config.num_attention_heads
+    rows = {"q_proj": config.num_attention_heads * head_dim, "k_proj": config.num_key_value_heads * head_dim,
+            "v_proj": config.num_key_value_heads * head_dim, "gate_proj": config.intermediate_size,
+            "up_proj": config.intermediate_size}
+    gen, tensors = torch.Generator().manual_seed(seed), {}
+    for layer in range(config.num_hidden_layers):
+        for part in parts:
+            block = "mlp" if part in ("gate_proj", "up_proj") else "self_attn"
+            key = f"base_model.model.model.layers.{layer}.{block}.{part}.lora_"
+            tensors[key + "A.weight"] = torch.randn(rank, hidden, generator=gen) / math.sqrt(hidden)
+            tensors[key + "B.weight"] = torch.randn(rows[part], rank, generator=gen) / math.sqrt(rank)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out_dir / "adapter_model.safetensors"))
+    settings = {"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "target_modules": list(parts), "bias": "none"}
     (out_dir / "adapter_config.json").write_text(json.dumps(settings))
     return out_dir
 

@@ -52,10 +52,11 @@ def assert_parity(model, batch, loras, outs, eos):
 
 def assert_batch_parity(model, eng, batch, loras):
     """``batch`` in one generate, each under its adapter of ``loras``: its tokens are its merged
-    model's, and the engine's pools stay whole."""
+    model's, and the engine's pools stay whole. Returns the outputs."""
     outs = eng.generate(input_ids=batch, sampling_params=GREEDY, lora_path=loras)
     assert_parity(model, batch, loras, outs, eng.eos_token_ids)
     eng.check_integrity()
+    return outs
 
 
 @pytest.mark.parametrize("args", [{}, {"chunked_prefill_size": 8, "page_size": 4}], ids=["plain", "chunked-paged"])

@@ -1,13 +1,12 @@
 """Multi-LoRA beyond Llama: Mistral, Gemma 3, GPT-OSS, Mixtral, Qwen3-MoE, Granite, OLMo 2, Phi-3, DeepSeek-V3 /
 V2 and Qwen3-Next serve an adapter on their layers' attention and dense-MLP projections (each model's
-``supported_lora_modules``; Phi-3's fused qkv_proj and gate_up_proj; DeepSeek's MLA projections and shared
-experts; Qwen3-Next's linear-attention projections and shared expert; the MoE families' routed experts take
-slots too, tests/test_lora_experts.py) — a base request and an adapter request in one batch each get HF's tokens
-on their checkpoint (the adapter merged in), Qwen3-MoE, Phi-3, DeepSeek-V3 / V2 and Qwen3-Next also at TP 2 —
-and an adapter targeting GPT-OSS's experts is refused, naming the module. MLA's kv_b_proj, absorbed into the
-query and the output, takes its adapter there: through chunked prefill and a prefix hit too."""
-
-import re
+``supported_lora_modules``; Phi-3's fused qkv_proj and gate_up_proj, from an adapter of them or of their parts;
+DeepSeek's MLA projections and shared experts; Qwen3-Next's linear-attention projections and shared expert; the
+MoE families' routed experts take slots too, tests/test_lora_experts.py) — a base request and an adapter
+request in one batch each get HF's tokens on their checkpoint (the adapter merged in), Qwen3-MoE, Phi-3,
+DeepSeek-V3 / V2 and Qwen3-Next also at TP 2 — and an adapter targeting GPT-OSS's experts is refused, naming
+the module. MLA's kv_b_proj, absorbed into the query and the output, takes its adapter there: through chunked
+prefill and a prefix hit too."""
 
 import pytest
 import torch
@@ -15,9 +14,11 @@ from safetensors.torch import save_file
 
 from actors.engine import Engine
 from actors.engine.lora_experts import layer_module
+from actors.engine.lora_packed import stack_packed
+from actors.engine.parallel import ColumnParallelLinear
 from actors.engine.tiny import ATTENTION, MLP, build_tiny_checkpoint, make_adapter
-from tests.lora_helpers import merged_checkpoint
-from tests.test_lora import GREEDY, assert_parity, prompts
+from tests.lora_helpers import merged_checkpoint, packed_parts_adapter
+from tests.test_lora import GREEDY, assert_batch_parity, assert_parity, prompts
 from tests.tp_helpers import thread_ranks
 
 # family -> (tiny checkpoint overrides, the decoder layers whose dense MLP takes the adapter)
@@ -72,12 +73,8 @@ def test_family_serves_an_adapter_beside_the_base_model(tmp_path, monkeypatch, f
         assert {layer_module(m.split(".", 3)[3]) for m in layers} == supported
         num_layers = eng.runner.model.config.num_hidden_layers
         assert {int(m.split(".")[2]) for m in layers if "attn." in m} == set(range(num_layers))
-        batch = [p for p in prompts(2, seed=5) for _ in range(2)]
-        loras = [None, "sql"] * 2
-        outs = eng.generate(input_ids=batch, sampling_params=GREEDY, lora_path=loras)
-        assert_parity(model, batch, loras, outs, eng.eos_token_ids)
+        outs = assert_batch_parity(model, eng, [p for p in prompts(2, seed=5) for _ in range(2)], [None, "sql"] * 2)
         assert any(outs[i]["output_ids"] != outs[i + 1]["output_ids"] for i in (0, 2))
-        eng.check_integrity()
     finally:
         eng.shutdown()
 
@@ -155,16 +152,47 @@ def test_phi3_target_modules_of_the_unfused_names_take_the_fused_projections(tmp
         eng.shutdown()
 
 
-def test_an_adapter_on_a_part_of_a_fused_projection_is_refused_naming_both(tmp_path):
-    """A PEFT adapter of q_proj on Phi-3, whose checkpoint has qkv_proj only, is refused naming q_proj and the
-    fused qkv_proj (its parts' A matrices are not stacked into one adapter here)."""
+@pytest.mark.parametrize("parts, tp_size", [(("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"), 2),
+                                            (("q_proj", "v_proj", "up_proj"), 1)])
+def test_phi3_serves_adapters_of_the_parts_of_its_fused_projections(tmp_path, monkeypatch, parts, tp_size):
+    """An adapter PEFT trained on Llama-style q/k/v and gate/up (PEFT's default q_proj and v_proj alone too)
+    serves on Phi-3, whose checkpoint fuses them: its parts stacked into qkv_proj's and gate_up_proj's slots (a
+    part it has not adds nothing to its rows), beside an adapter of the fused projections and the base model,
+    each request with HF's tokens on its merged checkpoint; at TP 2 too (B's rows cut per part)."""
+    thread_ranks(monkeypatch)
     base = str(build_tiny_checkpoint("phi3", tmp_path / "base", seed=0))
-    path = make_adapter(base, tmp_path / "q", rank=4, alpha=8, targets=("o_proj",))
-    module = "model.layers.0.self_attn.q_proj"
-    save_file({f"base_model.model.{module}.lora_A.weight": torch.ones(4, 64),
-               f"base_model.model.{module}.lora_B.weight": torch.ones(64, 4)}, str(path / "adapter_model.safetensors"))
-    with pytest.raises(ValueError, match=rf"'q' targets {re.escape(module)}: .*q_proj is a part of the fused qkv_proj"):
-        Engine(model_path=base, skip_tokenizer_init=True, max_total_tokens=256, lora_paths={"q": str(path)})
+    adapters = {"fused": make_adapter(base, tmp_path / "fused", rank=4, alpha=8, targets=TARGETS["phi3"], seed=1),
+                "parts": packed_parts_adapter(base, tmp_path / "parts", rank=4, alpha=8, parts=parts, seed=2)}
+    model = (base, {name: str(path) for name, path in adapters.items()},
+             {name: merged_checkpoint(base, path, tmp_path / f"{name}-merged") for name, path in adapters.items()})
+    eng = Engine(model_path=base, skip_tokenizer_init=True, max_total_tokens=1024, lora_paths=model[1],
+                 tp_size=tp_size)
+    try:
+        assert {m.rpartition(".")[2] for m in eng.runner.lora.layers} == set(TARGETS["phi3"])
+        batch = [p for p in prompts(2, seed=5) for _ in range(3)]
+        outs = assert_batch_parity(model, eng, batch, [None, "fused", "parts"] * 2)
+        assert any(outs[i]["output_ids"] != outs[i + 2]["output_ids"] for i in (0, 3))
+    finally:
+        eng.shutdown()
+
+
+def test_the_parts_adapters_stack_into_their_rows_of_the_fused_layer():
+    """q_proj's and v_proj's adapters over a fused q | k | v layer: B A is each part's B A in its own rows
+    (k's zero), exactly; an adapter of the fused layer and of a part of it on one layer is refused."""
+    layer = ColumnParallelLinear(6, [range(0, 4), range(4, 6), range(6, 8)])
+    gen = torch.Generator().manual_seed(0)
+    q, v = [(torch.randn(2, 6, generator=gen), torch.randn(rows, 2, generator=gen)) for rows in (4, 2)]
+    packed = {"qkv_proj": ("q_proj", "k_proj", "v_proj")}
+    weights = {"l.q_proj": q, "l.v_proj": v, "l.o_proj": q}
+    stacked = stack_packed(weights, 2, packed, lambda module: layer)
+    a, b = stacked["l.qkv_proj"]
+    assert set(stacked) == {"l.qkv_proj", "l.o_proj"} and a.shape == (4, 6) and b.shape == (8, 4)
+    delta = b @ a
+    assert torch.equal(delta[:4], q[1] @ q[0]) and not delta[4:6].any() and torch.equal(delta[6:], v[1] @ v[0])
+    with pytest.raises(ValueError, match=r"l\.qkv_proj has an adapter, and so do its parts q_proj"):
+        stack_packed({"l.q_proj": q, "l.qkv_proj": q}, 2, packed, lambda module: layer)
+    with pytest.raises(ValueError, match=r"l\.v_proj lora_A \(2, 6\) and lora_B \(4, 2\) do not fit its rows"):
+        stack_packed({"l.v_proj": q}, 2, packed, lambda module: layer)
 
 
 @pytest.mark.parametrize("family, targets, unknown", [("llama", ["q_proj", "q_a_proj"], "q_a_proj"),

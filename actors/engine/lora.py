@@ -38,6 +38,7 @@ from torch.nn import functional as F
 from actors.engine.config import LORA_TARGET_MODULES
 from actors.engine.lora_experts import (EXPERT_MODULE, FUSED_EXPERTS, ExpertLoRA, ExpertSlots, layer_module,
                                         split_fused_experts)
+from actors.engine.lora_packed import stack_packed
 from actors.engine.parallel import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 
 # a module of a decoder layer: model.layers.<i>.<its name in the layer> (what the model's supported_lora_modules list)
@@ -152,7 +153,7 @@ class LoRAManager:
             raise ValueError(f"LoRA adapters are not supported for {self.model_name} "
                              "(lora_paths, lora_target_modules)")
         self.full_model = full_model
-        adapters = [self._split_fused(adapter) for adapter in adapters]
+        adapters = [self._model_modules(adapter) for adapter in adapters]
         for adapter in adapters:
             self._check_modules(adapter)
         self.max_rank = config.max_lora_rank or max(a.rank for a in adapters)
@@ -172,10 +173,10 @@ class LoRAManager:
         targets = self._target_layers(model) if self.target_modules else {m for a in adapters for m in a.weights}
         self._wrap_experts(model, [m for m in targets if EXPERT_MODULE.match(m)], num_slots, dtype, device)
         for module in sorted(m for m in targets if not EXPERT_MODULE.match(m)):
-            base = _module(model, module)
+            base, rank = _module(model, module), self._slot_rank(module)
             parent, _, attr = module.rpartition(".")
-            lora_a = torch.zeros(num_slots, self.max_rank, base.in_features, dtype=dtype, device=device)
-            lora_b = torch.zeros(num_slots, base.out_features, self.max_rank, dtype=dtype, device=device)
+            lora_a = torch.zeros(num_slots, rank, base.in_features, dtype=dtype, device=device)
+            lora_b = torch.zeros(num_slots, base.out_features, rank, dtype=dtype, device=device)
             self.layers[module] = LoRALinear(base, lora_a, lora_b, self)
             setattr(model.get_submodule(parent), attr, self.layers[module])
         self.host: Dict[str, HostAdapter] = {}
@@ -211,14 +212,22 @@ class LoRAManager:
         _module(self.full_model, module)  # (ValueError for an expert the model has not)
         return True
 
-    def _split_fused(self, adapter: LoRAAdapter) -> LoRAAdapter:
+    def _model_modules(self, adapter: LoRAAdapter) -> LoRAAdapter:
         """``adapter`` with its PEFT ``target_parameters`` wrappers over fused 3-D expert parameters taken apart
-        into each expert's projections (:func:`split_fused_experts`); ValueError naming one that fits no
-        experts of the model."""
+        into each expert's projections (:func:`split_fused_experts`), and its adapters of a fused projection's
+        parts (Phi-3's q_proj, k_proj, v_proj) stacked into one of the fused layer (:func:`stack_packed`);
+        ValueError naming one that fits no layer of the model."""
         try:
-            return replace(adapter, weights=split_fused_experts(adapter.weights, adapter.rank, self.full_model))
+            weights = split_fused_experts(adapter.weights, adapter.rank, self.full_model)
+            weights = stack_packed(weights, adapter.rank, self.packed_modules, lambda m: _module(self.full_model, m))
         except ValueError as e:
             raise ValueError(f"LoRA adapter {adapter.name!r}: {e}") from None
+        return replace(adapter, weights=weights)
+
+    def _slot_rank(self, module: str) -> int:
+        """The rank of ``module``'s slots: ``max_rank``, times its parts for a fused projection (SGLang's
+        stacked buffers): each part's adapter takes its own ``max_rank`` columns of B."""
+        return self.max_rank * max(1, len(self.packed_modules.get(module.rpartition(".")[2], ())))
 
     def _target_layers(self, model: nn.Module) -> Set[str]:
         """The layers of ``lora_target_modules``' projections in every decoder layer of ``model`` (of its
@@ -237,15 +246,12 @@ class LoRAManager:
 
     def _check_modules(self, adapter: LoRAAdapter) -> None:
         """ValueError naming the modules of ``adapter`` outside the model's ``supported_lora_modules`` (GPT-OSS's
-        experts; a part of a fused projection, naming it): checked before any layer is wrapped."""
+        experts): checked before any layer is wrapped."""
         other = sorted(m for m in adapter.weights
                        if layer_module(LAYER_MODULE.match(m)[1]) not in self.supported_modules)
         if other:
-            why = sorted({f"; {part} is a part of the fused {fused}, whose adapter is one lora_A and lora_B over "
-                          f"its {' | '.join(parts)} rows" for m in other if (part := m.rpartition(".")[2])
-                          for fused, parts in self.packed_modules.items() if part in parts})
             raise ValueError(f"LoRA adapter {adapter.name!r} targets {', '.join(other)}: {self.model_name} takes "
-                             f"adapters on {', '.join(self.supported_modules)} of a decoder layer only{''.join(why)}")
+                             f"adapters on {', '.join(self.supported_modules)} of a decoder layer only")
 
     def shard(self, adapter: LoRAAdapter) -> LoRAAdapter:
         """``adapter`` with this rank's shard of each module, padded to the slots' rank, as its
@@ -256,7 +262,7 @@ class LoRAManager:
         if adapter.rank > self.max_rank:
             raise ValueError(f"max_lora_rank={self.max_rank} is below the rank of LoRA adapter(s) "
                              f"{adapter.name} (r={adapter.rank})")
-        adapter = self._split_fused(adapter)
+        adapter = self._model_modules(adapter)
         self._check_modules(adapter)
         other = sorted(m for m in adapter.weights if m not in self.layers and not self._held_elsewhere(m))
         if other:
@@ -293,10 +299,11 @@ class LoRAManager:
                 self.loaded[slot] = None
 
     def _shard(self, module: str, adapter: LoRAAdapter) -> Tuple[torch.Tensor, torch.Tensor]:
-        """``adapter``'s A and B of ``module``, this rank's shard, zero-padded to ``max_rank``."""
+        """``adapter``'s A and B of ``module``, this rank's shard, zero-padded to the slots' rank."""
         layer, full = self.layers[module], _module(self.full_model, module)
         a, b = adapter.weights[module]
-        want_a, want_b = (adapter.rank, full.in_features), (full.out_features, adapter.rank)
+        rank = a.shape[0]  # (the adapter's, or its parts' stacked: read_adapter checked each A)
+        want_a, want_b = (rank, full.in_features), (full.out_features, rank)
         if tuple(a.shape) != want_a or tuple(b.shape) != want_b:
             raise ValueError(f"LoRA adapter {adapter.name!r}: {module} lora_A {tuple(a.shape)} and lora_B "
                              f"{tuple(b.shape)} do not fit the model's layer (want {want_a} and {want_b})")
@@ -304,9 +311,10 @@ class LoRAManager:
             a = torch.cat([a[:, r.start:r.stop] for r in layer.base.param_shards["weight"].ranges], dim=1)
         elif isinstance(layer.base, ColumnParallelLinear):  # this rank's output rows
             b = torch.cat([b[r.start:r.stop] for r in layer.base.param_shards["weight"].ranges], dim=0)
-        padded_a = torch.zeros(self.max_rank, a.shape[1], dtype=layer.lora_a.dtype)
-        padded_b = torch.zeros(b.shape[0], self.max_rank, dtype=layer.lora_b.dtype)
-        padded_a[:adapter.rank], padded_b[:, :adapter.rank] = a, b
+        slot_rank = self._slot_rank(module)
+        padded_a = torch.zeros(slot_rank, a.shape[1], dtype=layer.lora_a.dtype)
+        padded_b = torch.zeros(b.shape[0], slot_rank, dtype=layer.lora_b.dtype)
+        padded_a[:rank], padded_b[:, :rank] = a, b
         return padded_a, padded_b
 
     def check(self, name: str) -> None:

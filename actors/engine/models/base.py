@@ -111,8 +111,8 @@ class CausalLM(nn.Module):
     # its mlp_only_layers alone), a routed expert's without its index (mlp.experts.gate_proj: every expert's, as
     # vLLM's fused-MoE LoRA); none: the model serves no adapters. An adapter targeting another is refused, naming it
     supported_lora_modules: Tuple[str, ...] = ()
-    # a fused projection -> the HF projections it stacks (SGLang's packed_modules_mapping): lora_target_modules'
-    # names of the parts target it; an adapter on a part is refused, naming the fused one
+    # a fused projection -> the HF projections it stacks, in the order of its rows (SGLang's packed_modules_mapping):
+    # lora_target_modules' names of the parts target it; an adapter's parts are stacked into one of it
     packed_modules_mapping: Dict[str, Tuple[str, ...]] = {}
 
     def __init__(self, config, model: DecoderModel, final_logit_softcap: Optional[float] = None,

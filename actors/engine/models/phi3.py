@@ -7,7 +7,8 @@ Under TP a fused tensor is cut per part, never as a whole: a rank's ``qkv_proj``
 heads' rows of q, then its KV heads' rows of k and of v (a :class:`ColumnParallelLinear` of three
 ranges, read from the checkpoint in that order), its ``gate_up_proj`` rows its slice of gate then of
 up; an even split of the fused rows would hand rank 0 all of q and rank 1 k and v. A LoRA adapter of a
-fused projection (PEFT's, vLLM's packed modules) is one B over the fused rows: its rows are cut alike.
+fused projection (PEFT's, vLLM's packed modules) is one B over the fused rows: its rows are cut alike; one of
+its parts (q_proj ...) is stacked into such a pair first (:mod:`actors.engine.lora_packed`).
 """
 
 from __future__ import annotations
@@ -79,6 +80,7 @@ class Phi3DecoderLayer(LlamaDecoderLayer):
 
 class Phi3ForCausalLM(LlamaForCausalLM):
     # a fused projection's adapter is one A and one B over its fused rows, cut per part under TP as its weight
+    # (its parts' adapters stacked into one)
     supported_lora_modules = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
     packed_modules_mapping = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
     layer_cls = Phi3DecoderLayer
