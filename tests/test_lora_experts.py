@@ -4,9 +4,10 @@ PEFT ``target_parameters`` writes over transformers 5's fused 3-D experts serve 
 each request's tokens HF's on its checkpoint with the adapter merged into the experts' weights: with the eager
 experts and the fused Triton ones (interpreted), at TP 2 (Qwen3-MoE, DeepSeek-V3, Qwen3-Next: each slot cut as its
 expert) and EP 2 (Mixtral fused, DeepSeek-V2: each rank its experts' slots), after a runtime load and in a slot
-another adapter filled (an adapter of some experts: the others add nothing). The eager experts read the host once a
-layer; the experts' slots come out of the KV pool's budget. Adapters the experts cannot take are refused, naming the
-module."""
+another adapter filled (an adapter of some experts: the others add nothing). GPT-OSS's 3-D experts (gate and up
+interleaved, biases, clamped SwiGLU) take PEFT's target_parameters adapters alike: eager and fused, at TP 2 and EP 2,
+loaded at runtime. The eager experts read the host once a layer; the experts' slots come out of the KV pool's budget.
+Adapters the experts cannot take are refused, naming the module."""
 
 import gc
 import re
@@ -41,6 +42,22 @@ def served(root, family):
 @pytest.fixture(scope="module")
 def qwen(tmp_path_factory):
     return served(tmp_path_factory.mktemp("qwen3_moe"), "qwen3_moe")
+
+
+@pytest.fixture(scope="module")
+def gpt_oss(tmp_path_factory):
+    """A tiny GPT-OSS (4 layers of 4 experts, intermediate 32, swiglu_limit 1 that the activations reach) and two
+    r=2 adapters in PEFT's target_parameters form over its gate_up_proj [experts, hidden, 2·inter] and down_proj:
+    ``experts`` (those alone) and ``both`` (others, with q_proj and o_proj beside), and their merged checkpoints."""
+    root = tmp_path_factory.mktemp("gpt_oss")
+    base = str(build_tiny_checkpoint("gpt_oss", root / "base", seed=0))
+    adapters = {"experts": fused_expert_adapter(base, root / "experts", rank=2, alpha=4, seed=2),
+                "both": fused_expert_adapter(base, root / "both", rank=2, alpha=4, seed=3)}
+    attention = make_adapter(base, root / "attention", rank=2, alpha=4, targets=("q_proj", "o_proj"), seed=4)
+    both = str(adapters["both"] / "adapter_model.safetensors")
+    save_file(load_file(both) | load_file(str(attention / "adapter_model.safetensors")), both)
+    oracles = {name: merged_checkpoint(base, path, root / f"{name}-merged") for name, path in adapters.items()}
+    return base, {name: str(path) for name, path in adapters.items()}, oracles
 
 
 def assert_mixed_batch(model, eng, names):
@@ -134,6 +151,46 @@ def test_tp_and_ep_shard_the_expert_slots(tmp_path, monkeypatch, family, ep, moe
         eng.shutdown()
 
 
+@pytest.mark.parametrize("moe_backend", ["torch", "triton"])
+def test_gpt_oss_expert_adapters_equal_merged_models(gpt_oss, moe_backend):
+    """GPT-OSS's experts take two projections each, gate_up_proj (B over the interleaved gate/up columns, its delta
+    before the clamped SwiGLU) and down_proj, stacked [slots, experts, r, in] on every layer; an adapter of the
+    experts and one of the experts and the attention serve in one batch with the base model, each request's tokens
+    its merged model's: the eager experts and the fused ones (one gate_up delta over the whole row) alike."""
+    eng = Engine(model_path=gpt_oss[0], skip_tokenizer_init=True, max_total_tokens=1024, lora_paths=gpt_oss[1],
+                 moe_backend=moe_backend, max_loras_per_batch=2)
+    try:
+        lora = eng.runner.lora
+        assert set(lora.experts) == {f"model.layers.{i}.mlp.experts" for i in range(4)}
+        layer = lora.experts["model.layers.0.mlp.experts"]
+        assert (tuple(layer.lora_b[0].shape), tuple(layer.lora_a[1].shape)) == ((2, 4, 64, 2), (2, 4, 2, 32))
+        assert_mixed_batch(gpt_oss, eng, ["experts", "both"])
+    finally:
+        eng.shutdown()
+
+
+@pytest.mark.parametrize("ep", [False, True], ids=["tp", "ep"])
+def test_gpt_oss_tp_and_ep_shard_the_expert_slots(gpt_oss, monkeypatch, ep):
+    """TP 2: each rank's gate_up slots hold B's rows of its interleaved (gate, up) columns, its down slots A's
+    columns of its intermediate slice (summed by the experts' all-reduce, the down bias rank 0's); EP 2: each rank
+    its two experts' slots whole, the adapters' other experts dropped there. The mixed batch's tokens are still the
+    merged models' (the eager experts: the fused ones read the same slots)."""
+    thread_ranks(monkeypatch)
+    eng = Engine(model_path=gpt_oss[0], skip_tokenizer_init=True, max_total_tokens=1024, lora_paths=gpt_oss[1],
+                 tp_size=2, enable_expert_parallel=ep, moe_backend="torch", max_loras_per_batch=2)
+    try:
+        lora = eng.runner.lora
+        layer = lora.experts["model.layers.0.mlp.experts"]
+        held, inter = (2, 32) if ep else (4, 16)  # (rank 0's experts, and its part of their intermediate dim)
+        assert (tuple(layer.lora_b[0].shape), tuple(layer.lora_a[1].shape)) == ((2, held, 2 * inter, 2),
+                                                                                (2, held, 2, inter))
+        experts = {m.split(".")[-2] for m in lora.host["experts"].shards if ".experts." in m}
+        assert experts == {str(e) for e in range(held)}
+        assert_mixed_batch(gpt_oss, eng, ["experts", "both"])
+    finally:
+        eng.shutdown()
+
+
 def test_an_adapter_of_some_experts_takes_a_slot_another_filled(qwen, tmp_path):
     """One slot, taken in turn by the adapter of every expert and one of experts 1 and 2 alone (another adapter's
     values): each request's tokens are its merged model's, the experts the second adapter leaves out adding no delta
@@ -158,18 +215,25 @@ def test_an_adapter_of_some_experts_takes_a_slot_another_filled(qwen, tmp_path):
         eng.shutdown()
 
 
-def test_an_expert_adapter_loads_at_runtime(qwen):
+@pytest.mark.parametrize("family, rank, targets, name, num_slot_views", [
+    ("qwen", 4, ["q_proj", "gate_proj", "up_proj", "down_proj"], "moe", 2 * 4 * 3),
+    ("gpt_oss", 2, ["q_proj", "o_proj", "gate_up_proj", "down_proj"], "both", 4 * 4 * 2),
+], ids=["qwen3_moe", "gpt_oss"])
+def test_an_expert_adapter_loads_at_runtime(request, family, rank, targets, name, num_slot_views):
     """An engine started without adapters, its slots those of lora_target_modules (the experts' projections
-    included), loads the per-expert adapter and serves it beside the base model; unloaded, it is refused."""
-    eng = Engine(model_path=qwen[0], skip_tokenizer_init=True, max_total_tokens=1024, max_lora_rank=4,
-                 lora_target_modules=["q_proj", "gate_proj", "up_proj", "down_proj"])
+    included: GPT-OSS's gate_up_proj and down_proj, no modules of their own, name every expert's), loads an expert
+    adapter (Qwen3-MoE's per expert; GPT-OSS's on the 3-D experts and the attention) and serves it beside the base
+    model; unloaded, it is refused."""
+    model = request.getfixturevalue(family)
+    eng = Engine(model_path=model[0], skip_tokenizer_init=True, max_total_tokens=1024, max_lora_rank=rank,
+                 lora_target_modules=targets)
     try:
-        assert sum(".experts." in m for m in eng.runner.lora.layers) == 2 * 4 * 3
-        eng.load_lora_adapter("moe", qwen[1]["moe"])
-        assert_mixed_batch(qwen, eng, ["moe"])
-        eng.unload_lora_adapter("moe")
-        with pytest.raises(ValueError, match="unknown LoRA adapter 'moe'"):
-            eng.generate(input_ids=prompts(1), sampling_params=GREEDY, lora_path="moe")
+        assert sum(".experts." in m for m in eng.runner.lora.layers) == num_slot_views
+        eng.load_lora_adapter(name, model[1][name])
+        assert_mixed_batch(model, eng, [name])
+        eng.unload_lora_adapter(name)
+        with pytest.raises(ValueError, match=f"unknown LoRA adapter '{name}'"):
+            eng.generate(input_ids=prompts(1), sampling_params=GREEDY, lora_path=name)
         eng.check_integrity()
     finally:
         eng.shutdown()

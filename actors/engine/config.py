@@ -193,8 +193,8 @@ class EngineConfig(BaseModel):
                                    BeforeValidator(lora_target_modules_list)] = Field(
         None, description="the projections whose layers take adapters, in every decoder layer (SGLang's "
         "--lora-target-modules; 'all': every one; a fused projection's parts name it, Phi-3's q_proj its "
-        "qkv_proj; an expert projection's name, gate_proj or Mixtral's w1, names every routed expert's too; a name "
-        "no layer of the model has is refused at start): an adapter, at start or loaded at "
+        "qkv_proj; an expert projection's name, gate_proj, Mixtral's w1 or GPT-OSS's gate_up_proj, names every "
+        "routed expert's too; a name no layer of the model has is refused at start): an adapter, at start or loaded at "
         "runtime, targets only these; with max_lora_rank it serves adapters loaded at runtime without any "
         "lora_paths; None: the layers the start adapters target")
     max_loaded_loras: Optional[int] = Field(

@@ -233,22 +233,24 @@ class FusedExperts(NamedTuple):
         gate_up = x.new_empty((num_pairs, self.w13.weight.shape[1]))
         grouped_gemm(x, self.w13, gate_up, *aligned, blocks, top_k)
         pairs = lora.align(expert_of, top_k, blocks.m) if lora is not None else None
-        if pairs is not None:  # (gate's columns, then up's)
+        if pairs is not None:  # (the projections before the activation: gate's columns, then up's; GPT-OSS's one)
             gate_up = torch.cat([_plus(part, lora.fused_delta(p, x, pairs, blocks, top_k))
-                                 for p, part in enumerate(gate_up.chunk(2, dim=-1))], dim=-1)
+                                 for p, part in enumerate(gate_up.chunk(lora.down, dim=-1))], dim=-1)
         hidden = self.activation(gate_up)
         out = x.new_zeros((num_pairs, x.shape[1]), dtype=weights.dtype)  # (pairs not held: 0)
         grouped_gemm(hidden, self.w2, out, *aligned, blocks, 1, row_weights=weights.flatten())
         if pairs is not None:
-            out = _plus(out, lora.fused_delta(2, hidden, pairs, blocks, 1, weights.flatten(), out.dtype))
+            out = _plus(out, lora.fused_delta(lora.down, hidden, pairs, blocks, 1, weights.flatten(), out.dtype))
         return out.view(num_tokens, top_k, -1).sum(1, dtype=torch.float32)
 
 
 class FusableExperts(nn.Module):
     """A layer's experts that can run as :class:`FusedExperts`: :meth:`fuse` sets ``fused``, which their
-    forward then runs (``moe_backend='triton'``)."""
+    forward then runs (``moe_backend='triton'``). ``lora``: their LoRA slots (``lora_experts.ExpertLoRA``), set
+    when adapters may target them."""
 
     fused: Optional[FusedExperts] = None
+    lora = None
 
     def fuse(self) -> None:
         raise NotImplementedError

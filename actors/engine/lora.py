@@ -36,8 +36,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from actors.engine.config import LORA_TARGET_MODULES
-from actors.engine.lora_experts import (EXPERT_MODULE, FUSED_EXPERTS, ExpertLoRA, ExpertSlots, layer_module,
-                                        split_fused_experts)
+from actors.engine.lora_experts import (EXPERT_MODULE, FUSED_EXPERTS, ExpertLoRA, ExpertSlots, SlotCut, check_expert,
+                                        expert_modules, layer_module, split_fused_experts)
 from actors.engine.lora_packed import stack_packed
 from actors.engine.parallel import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 
@@ -177,7 +177,8 @@ class LoRAManager:
             parent, _, attr = module.rpartition(".")
             lora_a = torch.zeros(num_slots, rank, base.in_features, dtype=dtype, device=device)
             lora_b = torch.zeros(num_slots, base.out_features, rank, dtype=dtype, device=device)
-            self.layers[module] = LoRALinear(base, lora_a, lora_b, self)
+            cut = SlotCut.of_linear(_module(full_model, module), base)
+            self.layers[module] = LoRALinear(base, cut, lora_a, lora_b, self)
             setattr(model.get_submodule(parent), attr, self.layers[module])
         self.host: Dict[str, HostAdapter] = {}
         self.retiring: Set[str] = set()  # being unloaded: refused to new requests, kept for those in flight
@@ -192,13 +193,13 @@ class LoRAManager:
         later one may target the others; under EP ``targets`` may name experts another rank holds)."""
         names: Dict[str, Set[str]] = {}
         for module in targets:
-            _module(self.full_model, module)  # (ValueError for one the model has not)
+            check_expert(self.full_model, module)
             match = EXPERT_MODULE.match(module)
             names.setdefault(match[1], set()).add(match[3])
         for path, projections in names.items():
             experts = model.get_submodule(path)
-            experts.lora = self.experts[path] = ExpertLoRA(experts, self, sorted(projections), num_slots,
-                                                           self.max_rank, dtype, device)
+            experts.lora = self.experts[path] = ExpertLoRA(experts, self.full_model.get_submodule(path), self,
+                                                           sorted(projections), num_slots, self.max_rank, dtype, device)
             for e in experts.held:
                 for name in projections:
                     self.layers[f"{path}.{e}.{name}"] = experts.lora.slots(e, name)
@@ -209,7 +210,7 @@ class LoRAManager:
         lora = self.experts.get(match[1]) if match else None
         if lora is None or match[3] not in lora.targeted or int(match[2]) in lora.experts.held:
             return False
-        _module(self.full_model, module)  # (ValueError for an expert the model has not)
+        check_expert(self.full_model, module)
         return True
 
     def _model_modules(self, adapter: LoRAAdapter) -> LoRAAdapter:
@@ -231,11 +232,13 @@ class LoRAManager:
 
     def _target_layers(self, model: nn.Module) -> Set[str]:
         """The layers of ``lora_target_modules``' projections in every decoder layer of ``model`` (of its
-        ``supported_lora_modules``: ``gate_proj`` names no layer of Mixtral, whose MLPs are all experts); a
-        fused projection (``packed_modules_mapping``: Phi-3's qkv_proj) is targeted by its name or a part's, as
-        in SGLang. ValueError for a name that targets no layer (it would be silently left out), unless the
-        list is every name ('all')."""
-        leaves = {name: match[1].rpartition(".")[2] for name, _ in model.named_modules()
+        ``supported_lora_modules``: ``gate_proj`` names no layer of Mixtral, whose MLPs are all experts; GPT-OSS's
+        experts' ``gate_up_proj`` and ``down_proj``, no modules, by :func:`expert_modules`); a fused projection
+        (``packed_modules_mapping``: Phi-3's qkv_proj) is targeted by its name or a part's, as in SGLang.
+        ValueError for a name that targets no layer (it would be silently left out), unless the list is every
+        name ('all')."""
+        modules = [name for name, _ in model.named_modules()] + expert_modules(model)
+        leaves = {name: match[1].rpartition(".")[2] for name in modules
                   if (match := LAYER_MODULE.match(name)) and layer_module(match[1]) in self.supported_modules}
         names = {leaf: {leaf, *self.packed_modules.get(leaf, ())} for leaf in set(leaves.values())}
         known, targets = set().union(*names.values()), set(self.target_modules)
@@ -245,13 +248,18 @@ class LoRAManager:
         return {name for name, leaf in leaves.items() if names[leaf] & targets}
 
     def _check_modules(self, adapter: LoRAAdapter) -> None:
-        """ValueError naming the modules of ``adapter`` outside the model's ``supported_lora_modules`` (GPT-OSS's
-        experts): checked before any layer is wrapped."""
+        """ValueError naming the modules of ``adapter`` outside the model's ``supported_lora_modules`` (an experts'
+        projection named by no expert, as GPT-OSS's 3-D parameter ``mlp.experts.gate_up_proj``): checked before
+        any layer is wrapped."""
         other = sorted(m for m in adapter.weights
-                       if layer_module(LAYER_MODULE.match(m)[1]) not in self.supported_modules)
+                       if layer_module(name := LAYER_MODULE.match(m)[1]) not in self.supported_modules
+                       or ".experts." in name and not EXPERT_MODULE.match(m))
         if other:
+            why = ("; a routed expert's projection is named by its expert (experts.{e}.<projection>) or, over 3-D "
+                   "experts, by PEFT's target_parameters wrapper (experts.lora_A, lora_B)"
+                   if any(".experts." in m and not EXPERT_MODULE.match(m) for m in other) else "")
             raise ValueError(f"LoRA adapter {adapter.name!r} targets {', '.join(other)}: {self.model_name} takes "
-                             f"adapters on {', '.join(self.supported_modules)} of a decoder layer only")
+                             f"adapters on {', '.join(self.supported_modules)} of a decoder layer only{why}")
 
     def shard(self, adapter: LoRAAdapter) -> LoRAAdapter:
         """``adapter`` with this rank's shard of each module, padded to the slots' rank, as its
@@ -300,17 +308,14 @@ class LoRAManager:
 
     def _shard(self, module: str, adapter: LoRAAdapter) -> Tuple[torch.Tensor, torch.Tensor]:
         """``adapter``'s A and B of ``module``, this rank's shard, zero-padded to the slots' rank."""
-        layer, full = self.layers[module], _module(self.full_model, module)
+        layer = self.layers[module]
         a, b = adapter.weights[module]
         rank = a.shape[0]  # (the adapter's, or its parts' stacked: read_adapter checked each A)
-        want_a, want_b = (rank, full.in_features), (full.out_features, rank)
+        want_a, want_b = (rank, layer.cut.in_features), (layer.cut.out_features, rank)
         if tuple(a.shape) != want_a or tuple(b.shape) != want_b:
             raise ValueError(f"LoRA adapter {adapter.name!r}: {module} lora_A {tuple(a.shape)} and lora_B "
                              f"{tuple(b.shape)} do not fit the model's layer (want {want_a} and {want_b})")
-        if isinstance(layer.base, RowParallelLinear):  # this rank's input columns
-            a = torch.cat([a[:, r.start:r.stop] for r in layer.base.param_shards["weight"].ranges], dim=1)
-        elif isinstance(layer.base, ColumnParallelLinear):  # this rank's output rows
-            b = torch.cat([b[r.start:r.stop] for r in layer.base.param_shards["weight"].ranges], dim=0)
+        a, b = layer.cut.take(a, b)
         slot_rank = self._slot_rank(module)
         padded_a = torch.zeros(slot_rank, a.shape[1], dtype=layer.lora_a.dtype)
         padded_b = torch.zeros(b.shape[0], slot_rank, dtype=layer.lora_b.dtype)
@@ -398,11 +403,13 @@ def _module(model: nn.Module, name: str) -> nn.Module:
 
 class LoRALinear(nn.Module):
     """A targeted layer: ``base(x)`` plus, for each token group of the forward, its slot's
-    ``scaling · (x Aᵀ) Bᵀ``. A row-parallel base under TP adds its partial delta before its all-reduce."""
+    ``scaling · (x Aᵀ) Bᵀ`` (its slots this rank's part of an adapter: ``cut``). A row-parallel base under TP
+    adds its partial delta before its all-reduce."""
 
-    def __init__(self, base: nn.Module, lora_a: torch.Tensor, lora_b: torch.Tensor, manager: LoRAManager):
+    def __init__(self, base: nn.Module, cut: SlotCut, lora_a: torch.Tensor, lora_b: torch.Tensor,
+                 manager: LoRAManager):
         super().__init__()
-        self.base = base
+        self.base, self.cut = base, cut
         self.register_buffer("lora_a", lora_a, persistent=False)
         self.register_buffer("lora_b", lora_b, persistent=False)
         self.manager = manager  # (a plain attribute: the manager is no submodule)

@@ -9,15 +9,21 @@ them (:class:`ExpertLoRA`): per targeted projection ``A [slots, experts, r, in]`
 out, r]``, which :class:`~actors.engine.lora.LoRAManager` fills through each expert's views
 (:class:`ExpertSlots`) as it fills a dense layer's. Adapters on transformers 5's fused 3-D expert parameters
 (PEFT's ``target_parameters``) are taken apart into those per-expert pairs as the manager checks an adapter,
-at start or a runtime load (:func:`split_fused_experts`).
+at start or a runtime load (:func:`split_fused_experts`). GPT-OSS's experts are such parameters in our model too
+(``gate_up_proj [experts, hidden, 2·inter]``, gate and up interleaved, and ``down_proj``): an adapter on them (only
+PEFT's ``target_parameters`` form: they are no modules) has two projections per expert, ``gate_up_proj`` (its B
+over the interleaved columns, before the clamped SwiGLU) and ``down_proj``, named ``mlp.experts.{e}.gate_up_proj``
+once taken apart.
 
 The eager experts add the deltas in torch, per expert over its rows of each slot (:meth:`ExpertLoRA.run`), rows
 ``moe.run_experts`` sorts by (expert, slot) with the layer's one host read; the fused ones by the same Triton
 grouped GEMM as the experts' (vLLM's fused_moe_lora), between and after their two launches
 (``FusedExperts.__call__``): the (token, expert) pairs sorted by group ``slot·experts + expert``
 (:meth:`ExpertLoRA.align`, no host read), each group's ``A`` then ``B`` its matrices
-(:meth:`ExpertLoRA.fused_delta`). Under TP a slot is cut as its expert's projection (gate/up: B's rows; down: A's
-columns, its partial delta summed by the block's all-reduce with the experts' outputs); under EP a rank holds the
+(:meth:`ExpertLoRA.fused_delta`); GPT-OSS's eager experts sort their pairs as ``moe.run_experts`` and add the
+deltas between their matmuls. Under TP a slot is cut as its expert's projection (gate/up: B's rows, GPT-OSS's
+interleaved pairs of its intermediate slice; down: A's columns, its partial delta summed by the block's all-reduce
+with the experts' outputs); under EP a rank holds the
 slots of its own experts, whole, and drops an adapter's other experts.
 """
 
@@ -30,14 +36,17 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from actors.engine.fused_moe import BlockSizes, StackedWeight, grouped_gemm, moe_align_block_size
+from actors.engine.fused_moe import BlockSizes, FusableExperts, StackedWeight, grouped_gemm, moe_align_block_size
 from actors.engine.models.moe import ExpertList
+from actors.engine.parallel import ColumnParallelLinear, RowParallelLinear
 
 # an expert's projection in a decoder layer: <the layer's experts>.<expert index>.<projection>
 EXPERT_MODULE = re.compile(r"^(model\.layers\.\d+\.[\w.]+\.experts)\.(\d+)\.(\w+)$")
 # a PEFT ParamWrapper over a layer's fused 3-D expert parameters: the first targeted one the innermost
 FUSED_EXPERTS = re.compile(r"^(model\.layers\.\d+)\.(?:\w+\.)*experts(?:\.base_layer)*$")
 EXPERT_INDEX = re.compile(r"\.experts\.\d+\.")
+# the fused 3-D expert parameters PEFT's target_parameters wrap (transformers 5's names, GPT-OSS's too)
+FUSED_PARAMETERS = ("gate_up_proj", "down_proj")
 
 Groups = List[Tuple[int, int, slice]]  # (slot, held expert from 0, its rows among the expert's)
 Pair = Tuple[torch.Tensor, torch.Tensor]  # an adapter's (A [r, in], B [out, r]) of a module
@@ -49,6 +58,90 @@ def layer_module(name: str) -> str:
     return EXPERT_INDEX.sub(".experts.", name)
 
 
+class SlotCut(NamedTuple):
+    """How an adapter's ``(A [r, in], B [out, r])`` of one projection (a dense layer's or an expert's) fits this
+    rank's slots: the projection's whole ``in_features`` and ``out_features``, which the adapter's shapes are
+    checked against, and this rank's part of them, A's input columns ``a_cols`` (a row-parallel projection's) or
+    B's output rows ``b_rows`` (a column-parallel one's); None: all of them."""
+
+    in_features: int
+    out_features: int
+    a_cols: Optional[List[range]] = None
+    b_rows: Optional[List[range]] = None
+
+    @classmethod
+    def of_linear(cls, full: nn.Module, base: nn.Module) -> "SlotCut":
+        """Linear layer ``base``'s (``full``: the unsharded model's): a row-parallel one holds its weight's input
+        columns, a column-parallel one its output rows, a replicated one all."""
+        row, column = isinstance(base, RowParallelLinear), isinstance(base, ColumnParallelLinear)
+        ranges = base.param_shards["weight"].ranges if row or column else None
+        return cls(full.in_features, full.out_features, ranges if row else None, ranges if column else None)
+
+    def take(self, a: torch.Tensor, b: torch.Tensor) -> Pair:
+        """This rank's part of an adapter's ``(A, B)``."""
+        if self.a_cols is not None:
+            a = torch.cat([a[:, r.start:r.stop] for r in self.a_cols], dim=1)
+        if self.b_rows is not None:
+            b = torch.cat([b[r.start:r.stop] for r in self.b_rows], dim=0)
+        return a, b
+
+
+class ExpertProjection(NamedTuple):
+    """One projection of a layer's held experts as their slots see it: its ``name`` (the checkpoint's:
+    ``gate_proj``, Mixtral's ``w1``, GPT-OSS's ``gate_up_proj``), this rank's ``in_features`` and ``out_features``
+    (every expert's alike) and its :class:`SlotCut`."""
+
+    name: str
+    in_features: int
+    out_features: int
+    cut: SlotCut
+
+
+def projection_names(experts: FusableExperts) -> Tuple[str, ...]:
+    """The projections of a layer's experts, those before the activation first (their outputs side by side, as
+    the fused experts' first launch computes them), down last: an ExpertList's experts' linear layers (gate, up,
+    down), or the 3-D parameters of experts held as such (GPT-OSS's ``gate_up_proj``, ``down_proj``)."""
+    return experts[experts.held.start].projections if isinstance(experts, ExpertList) else experts.projections
+
+
+def expert_projections(experts: FusableExperts, full: FusableExperts) -> List[ExpertProjection]:
+    """The projections of :func:`projection_names` (``full``: the unsharded model's experts). 3-D parameters are
+    ``[experts, in, out]`` (run as ``x @ weight[e]``), a TP rank's part of them its ``param_shards``: of dim 1, A's
+    input columns (down's); of dim 2, B's output rows (gate_up's); of dim 0 (EP), its experts whole."""
+    if isinstance(experts, ExpertList):
+        first, full_first = experts[experts.held.start], full[full.held.start]
+        return [ExpertProjection(name, getattr(first, name).in_features, getattr(first, name).out_features,
+                                 SlotCut.of_linear(getattr(full_first, name), getattr(first, name)))
+                for name in first.projections]
+    out = []
+    for name in experts.projections:
+        shard, (_, num_in, num_out) = experts.param_shards[name], getattr(experts, name).shape
+        cut = SlotCut(*getattr(full, name).shape[1:], shard.ranges if shard.dim == 1 else None,
+                      shard.ranges if shard.dim == 2 else None)
+        out.append(ExpertProjection(name, num_in, num_out, cut))
+    return out
+
+
+def expert_modules(model: nn.Module) -> List[str]:
+    """The projection of each held expert of every MoE layer of ``model``, as adapters name it
+    (``<experts>.<e>.<projection>``): GPT-OSS's are no modules of their own."""
+    return [f"{path}.{e}.{name}" for path, experts in model.named_modules() if isinstance(experts, FusableExperts)
+            for e in experts.held for name in projection_names(experts)]
+
+
+def check_expert(full_model: nn.Module, module: str) -> None:
+    """ValueError unless ``module`` (``<experts>.<e>.<projection>``) is an expert's projection of ``full_model``
+    (not a layer or an expert past the model's last)."""
+    match = EXPERT_MODULE.match(module)
+    try:
+        experts = full_model.get_submodule(match[1])
+    except AttributeError:
+        experts = None
+    if not (isinstance(experts, FusableExperts) and int(match[2]) in experts.held
+            and match[3] in projection_names(experts)):
+        raise ValueError(f"a LoRA adapter targets {module}, which the model has no expert projection at")
+
+
 def split_fused_experts(weights: Dict[str, Pair], rank: int, full_model: nn.Module) -> Dict[str, Pair]:
     """``weights`` (an adapter's ``(A, B)`` by module) with each PEFT ``target_parameters`` wrapper over a layer's
     fused expert parameters taken apart into each expert's projections of ``full_model`` (unsharded)."""
@@ -56,7 +149,7 @@ def split_fused_experts(weights: Dict[str, Pair], rank: int, full_model: nn.Modu
     if not fused:
         return weights
     experts = {name.rsplit(".", 2)[0]: (name, module) for name, module in full_model.named_modules()
-               if isinstance(module, ExpertList)}
+               if isinstance(module, FusableExperts)}
     out = {m: pair for m, pair in weights.items() if m not in fused}
     for module in fused:
         layer = FUSED_EXPERTS.match(module)[1]
@@ -67,39 +160,47 @@ def split_fused_experts(weights: Dict[str, Pair], rank: int, full_model: nn.Modu
 
 
 def _split_wrapper(module: str, a: torch.Tensor, b: torch.Tensor, rank: int, path: str,
-                   experts: ExpertList) -> Dict[str, Pair]:
-    """A wrapper's ``lora_A [experts·r, d1]`` and ``lora_B [d2, experts·r]`` over transformers 5's
-    ``gate_up_proj [experts, 2·inter, hidden]`` or ``down_proj [experts, hidden, inter]``, told apart by these
-    shapes, as each expert's ``(A, B)`` of our projections (``experts``, at ``path``). PEFT adds ``scaling ·
-    (B_e A_e)ᵀ`` to expert e's ``[d1, d2]`` slice, which the experts run as ``x @ sliceᵀ``: per expert ``Aᵀ =
-    B_e`` and ``Bᵀ = A_e`` in ``y += s·B·A·x``'s terms, gate_up's rows cut into gate's and up's. ValueError when
-    the shapes fit neither parameter."""
-    first = experts[experts.held.start]
-    gate, up, down = first.projections
-    hidden, inter = getattr(first, gate).in_features, getattr(first, gate).out_features
+                   experts: FusableExperts) -> Dict[str, Pair]:
+    """A wrapper's ``lora_A [experts·r, d1]`` and ``lora_B [d2, experts·r]`` over a fused gate_up or down parameter
+    ``[experts, d1, d2]``, told apart by these shapes, as each expert's ``(A, B)`` of our projections
+    (``experts``, at ``path``). PEFT adds ``scaling · (B_e A_e)ᵀ`` to expert e's ``[d1, d2]`` slice. transformers
+    5's ``gate_up_proj [experts, 2·inter, hidden]`` and ``down_proj [experts, hidden, inter]`` are run as ``x @
+    sliceᵀ``: per expert ``Aᵀ = B_e`` and ``Bᵀ = A_e`` in ``y += s·B·A·x``'s terms, gate_up's rows cut into gate's
+    and up's. GPT-OSS's (``[experts, hidden, 2·inter]``, gate and up interleaved, and ``[experts, inter,
+    hidden]``) are its projections, run as ``x @ slice``: ``A = A_e``, ``B = B_eᵀ``. ValueError when the shapes
+    fit neither parameter."""
     num_experts = a.shape[0] // rank
     if a.shape[0] != b.shape[1] or a.shape[0] % rank:
         raise ValueError(f"{module}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} are no experts·r={rank} "
                          "rows of a fused expert parameter")
     a_e = a.reshape(num_experts, rank, a.shape[1])  # [experts, r, d1]
     b_e = b.reshape(b.shape[0], rank, num_experts).permute(2, 1, 0)  # [experts, r, d2]
-    if (a.shape[1], b.shape[0]) == (2 * inter, hidden):
-        parts = {gate: slice(0, inter), up: slice(inter, 2 * inter)}
-    elif (a.shape[1], b.shape[0]) == (hidden, inter):
-        parts = {down: slice(0, hidden)}
+    transposed = isinstance(experts, ExpertList)
+    if transposed:
+        gate, up, down = projection_names(experts)
+        first = experts[experts.held.start]
+        hidden, inter = getattr(first, gate).in_features, getattr(first, gate).out_features
+        fits = {(2 * inter, hidden): {gate: slice(0, inter), up: slice(inter, 2 * inter)},
+                (hidden, inter): {down: slice(None)}}
     else:
-        raise ValueError(f"{module}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} fit neither gate_up_proj "
-                         f"[experts, {2 * inter}, {hidden}] nor down_proj [experts, {hidden}, {inter}]")
+        fits = {tuple(getattr(experts, name).shape[1:]): {name: None} for name in experts.projections}
+    parts = fits.get((a.shape[1], b.shape[0]))
+    if parts is None:
+        wants = " nor ".join(f"{name} [experts, {d1}, {d2}]" for name, (d1, d2) in zip(FUSED_PARAMETERS, fits))
+        raise ValueError(f"{module}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} fit neither {wants}")
+    if not transposed:
+        return {f"{path}.{e}.{name}": (a_e[e].contiguous(), b_e[e].T.contiguous())
+                for e in range(num_experts) for name in parts}
     return {f"{path}.{e}.{name}": (b_e[e].contiguous(), a_e[e, :, rows].T.contiguous())
             for e in range(num_experts) for name, rows in parts.items()}
 
 
 class ExpertSlots(NamedTuple):
-    """One expert's projection as the manager fills its slots: the base layer (its TP shard tells how the
-    adapter is cut) and views of its layer's stacked buffers, ``lora_a [slots, r, in]``, ``lora_b [slots,
+    """One expert's projection as the manager fills its slots: how an adapter is cut for them
+    (:class:`SlotCut`) and views of its layer's stacked buffers, ``lora_a [slots, r, in]``, ``lora_b [slots,
     out, r]``."""
 
-    base: nn.Module
+    cut: SlotCut
     lora_a: torch.Tensor
     lora_b: torch.Tensor
 
@@ -114,28 +215,30 @@ class FusedPairs(NamedTuple):
 
 
 class ExpertLoRA:
-    """The adapter slots of one MoE layer's held experts (``experts``: its ExpertList), for each projection of
-    ``targeted`` (of ``projections``, the experts' gate, up, down names) ``lora_a [slots, experts, r, in]`` and
+    """The adapter slots of one MoE layer's held experts (``experts``: its ExpertList or GPT-OSS's 3-D experts;
+    ``full``: the unsharded model's), for each projection of ``targeted`` (of ``projections``,
+    :func:`expert_projections`; ``down``: the last, after the activation) ``lora_a [slots, experts, r, in]`` and
     ``lora_b [slots, experts, out, r]`` (this rank's shards); the slots' scaling and the forward's token slots
     are the manager's (``scaling``, ``token_slots``)."""
 
-    def __init__(self, experts, manager, targeted: List[str], num_slots: int, max_rank: int, dtype: torch.dtype,
-                 device: torch.device):
+    def __init__(self, experts: FusableExperts, full: FusableExperts, manager, targeted: List[str], num_slots: int,
+                 max_rank: int, dtype: torch.dtype, device: torch.device):
         self.experts, self.manager, self.targeted = experts, manager, targeted
-        first = experts[experts.held.start]
-        self.projections = first.projections
+        self.projections = expert_projections(experts, full)
+        self.names = [projection.name for projection in self.projections]
+        self.down = len(self.projections) - 1
         self.lora_a: Dict[int, torch.Tensor] = {}
         self.lora_b: Dict[int, torch.Tensor] = {}
-        for p, name in enumerate(self.projections):
+        num = len(experts.held)
+        for p, (name, num_in, num_out, _) in enumerate(self.projections):
             if name in targeted:
-                base, num = getattr(first, name), len(experts.held)
-                self.lora_a[p] = torch.zeros(num_slots, num, max_rank, base.in_features, dtype=dtype, device=device)
-                self.lora_b[p] = torch.zeros(num_slots, num, base.out_features, max_rank, dtype=dtype, device=device)
+                self.lora_a[p] = torch.zeros(num_slots, num, max_rank, num_in, dtype=dtype, device=device)
+                self.lora_b[p] = torch.zeros(num_slots, num, num_out, max_rank, dtype=dtype, device=device)
 
     def slots(self, expert: int, name: str) -> ExpertSlots:
         """Expert ``expert``'s (checkpoint index) projection ``name``'s slots."""
-        p, i = self.projections.index(name), expert - self.experts.held.start
-        return ExpertSlots(getattr(self.experts[expert], name), self.lora_a[p][:, i], self.lora_b[p][:, i])
+        p, i = self.names.index(name), expert - self.experts.held.start
+        return ExpertSlots(self.projections[p].cut, self.lora_a[p][:, i], self.lora_b[p][:, i])
 
     @property
     def num_slots(self) -> int:
@@ -199,6 +302,6 @@ class ExpertLoRA:
 
     def run(self, expert: nn.Module, x: torch.Tensor, groups: Groups) -> torch.Tensor:
         """``expert`` (its ``projections`` and ``act``) on its rows ``x``, each projection's delta added."""
-        gate, up, down = (getattr(expert, name) for name in self.projections)
+        gate, up, down = (getattr(expert, name) for name in self.names)
         h = expert.act(self.add(0, gate(x), x, groups)) * self.add(1, up(x), x, groups)
         return self.add(2, down(h), h, groups)

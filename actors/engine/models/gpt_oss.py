@@ -21,6 +21,11 @@ matching rows of ``down_proj``; rank 0 alone adds the down bias, and one all-red
 experts' partial outputs. Under EP each rank holds its share of the experts whole (every 3-D tensor
 sliced along the expert dim) and adds their down biases: each expert's, once, on the one rank that
 holds it; the same all-reduce sums the ranks' experts.
+
+LoRA: the attention's q/k/v/o and the experts' ``gate_up_proj`` and ``down_proj``, in PEFT's ``target_parameters``
+form (``actors.engine.lora_experts``): an expert's gate_up delta lands on its interleaved columns before the
+clamped SwiGLU (a TP rank's slot holds B's rows of its columns), its down delta before the bias and the
+routing weight (a TP rank's slot holds A's columns of its intermediate slice).
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from actors.engine.layers import RMSNorm
 from actors.engine.models.base import LORA_ATTENTION, CausalLM, DecoderModel
 from actors.engine.models.gemma3 import swa_layers
 from actors.engine.models.llama import LlamaAttention
+from actors.engine.models.moe import routed_pairs
 from actors.engine.models.spec import KVCacheSpec
 from actors.engine.parallel import SINGLE, TPGroup, shard_param
 
@@ -41,7 +47,10 @@ class GptOssExperts(FusableExperts):
     """The experts' weights as HF stores them (3-D, one slice an expert): under TP every expert's share
     of the intermediate dim, under EP this rank's experts (``held``) whole; ``forward`` runs each held
     expert chosen over its tokens, in expert order, and sums the weighted outputs in the model's dtype,
-    as HF's eager experts do — or, fused (:meth:`fuse`), in fp32, cast to it once."""
+    as HF's eager experts do — or, fused (:meth:`fuse`), in fp32, cast to it once. LoRA adapters take its 3-D
+    parameters as two projections an expert (``projections``; ``actors.engine.lora_experts``)."""
+
+    projections = ("gate_up_proj", "down_proj")
 
     def __init__(self, config, tp: TPGroup = SINGLE):
         super().__init__()
@@ -77,17 +86,23 @@ class GptOssExperts(FusableExperts):
         return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
 
     def forward(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """``x`` [tokens, hidden]; ``indices``, ``weights`` [tokens, top_k]: each token's experts and their weights."""
+        """``x`` [tokens, hidden]; ``indices``, ``weights`` [tokens, top_k]: each token's experts and their weights.
+        A token under a LoRA adapter (``lora``) gets its expert's gate_up delta before the SwiGLU and its down
+        delta after."""
         if self.fused is not None:
-            return self.tp.all_reduce(self.fused(x, indices - self.held.start, weights).to(x.dtype))
-        out = torch.zeros_like(x)
-        for e in [e for e in indices.unique().tolist() if e in self.held]:
-            token, slot = (indices == e).nonzero(as_tuple=True)
-            i = e - self.held.start  # (its place in this rank's tensors)
-            y = self.swiglu(x[token] @ self.gate_up_proj[i] + self.gate_up_proj_bias[i]) @ self.down_proj[i]
+            return self.tp.all_reduce(self.fused(x, indices - self.held.start, weights, self.lora).to(x.dtype))
+        out, lora = torch.zeros_like(x), self.lora
+        top_k, pair_weights = indices.shape[1], weights.flatten()
+        for e, pairs, groups in routed_pairs(self.held, indices, lora):
+            token, i = pairs // top_k, e - self.held.start  # (i: its place in this rank's tensors)
+            rows = x[token]
+            gate_up = rows @ self.gate_up_proj[i] + self.gate_up_proj_bias[i]
+            h = self.swiglu(lora.add(0, gate_up, rows, groups) if groups else gate_up)
+            y = h @ self.down_proj[i]
+            y = lora.add(lora.down, y, h, groups) if groups else y
             if self.adds_down_bias:
                 y = y + self.down_proj_bias[i]
-            out.index_add_(0, token, (y * weights[token, slot, None]).to(x.dtype))
+            out.index_add_(0, token, (y * pair_weights[pairs, None]).to(x.dtype))
         return self.tp.all_reduce(out)
 
 
@@ -117,7 +132,7 @@ class GptOssDecoderLayer(nn.Module):
 
 
 class GptOssForCausalLM(CausalLM):
-    supported_lora_modules = LORA_ATTENTION  # (every layer's MLP is its experts)
+    supported_lora_modules = LORA_ATTENTION + ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 
     def __init__(self, config, tp: TPGroup = SINGLE):
         norm = RMSNorm(config.hidden_size, config.rms_norm_eps, fp32_weight=True)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import itertools
 from functools import partial
-from typing import Callable, Sequence
+from typing import Callable, Iterator, List, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -45,10 +45,7 @@ def is_sparse_layer(config, layer_id: int) -> bool:
 class ExpertList(FusableExperts):
     """The experts of one layer this rank holds (``held``: :meth:`TPGroup.experts`), each under its
     checkpoint index (``experts.{e}.…``), made by ``make()``. The loader leaves the tensors of the
-    experts it does not hold unread (``model_loader.held_elsewhere``). ``fused``: set by :meth:`fuse`;
-    ``lora``: the experts' LoRA slots (``lora_experts.ExpertLoRA``), set when adapters may target them."""
-
-    lora = None
+    experts it does not hold unread (``model_loader.held_elsewhere``). ``fused``: set by :meth:`fuse`."""
 
     def __init__(self, held: range, make: Callable[[], nn.Module]):
         super().__init__()
@@ -123,38 +120,47 @@ class StackedExperts(FusableExperts):
 
 def run_experts(experts: FusableExperts, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """``sum_k weights[t, k] * experts[idx[t, k]](x[t])`` over the held experts for every token ``t``, in
-    fp32 (the caller casts once): each expert runs once, on the tokens that chose it; each weighted output
-    is taken in ``weights``' dtype (HF's experts: Qwen's cast to the model's dtype, Mixtral's and
+    fp32 (the caller casts once): each expert runs once, on the tokens that chose it (:func:`routed_pairs`); each
+    weighted output is taken in ``weights``' dtype (HF's experts: Qwen's cast to the model's dtype, Mixtral's and
     DeepSeek's fp32). Under EP the other ranks' experts are left to them (the block's reduce sums all).
     Fused (:meth:`ExpertList.fuse`), the same sum in two grouped-GEMM launches over every held expert. A token
-    under a LoRA adapter gets its expert's deltas (``experts.lora``).
-
-    The (token, k) pairs are sorted on the device by expert and, within an expert, by their token's LoRA slot
-    (the base model's first): the counts of these groups are the layer's one host read, each expert's rows and
-    each slot's among them then slices of that order (an expert's in token order without adapters, as HF's)."""
+    under a LoRA adapter gets its expert's deltas (``experts.lora``)."""
     start, lora = experts.held.start, experts.lora
     if experts.fused is not None:
         return experts.fused(x, idx - start, weights, lora)
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    top_k = idx.shape[1]
-    pair_slot = lora.pair_slots(top_k) if lora is not None else None
-    width = 1 if pair_slot is None else lora.num_slots + 1  # (the groups of an expert: none, then each slot)
-    key = (idx.flatten() * width + (0 if pair_slot is None else pair_slot + 1)).clamp(max=experts.held.stop * width)
-    counts = torch.zeros(experts.held.stop * width + 1, dtype=torch.int64, device=x.device)
-    counts.scatter_add_(0, key, torch.ones_like(key))
-    bounds = [0, *itertools.accumulate(counts.tolist())]  # group g: rows [bounds[g], bounds[g + 1]) of order
-    order, pair_weights = torch.sort(key, stable=True).indices, weights.flatten()
-    for e in experts.held:
-        first = bounds[e * width]
-        if first == bounds[(e + 1) * width]:
-            continue
-        pairs = order[first:bounds[(e + 1) * width]]
+    top_k, pair_weights = idx.shape[1], weights.flatten()
+    for e, pairs, groups in routed_pairs(experts.held, idx, lora):
         token = pairs // top_k
-        groups = [(s, e - start, slice(bounds[g] - first, bounds[g + 1] - first))
-                  for s, g in enumerate(range(e * width + 1, (e + 1) * width)) if bounds[g] < bounds[g + 1]]
         y = lora.run(experts[e], x[token], groups) if groups else experts[e](x[token])
         out.index_add_(0, token, (y * pair_weights[pairs, None]).float())
     return out
+
+
+def routed_pairs(held: range, idx: torch.Tensor,
+                 lora) -> Iterator[Tuple[int, torch.Tensor, List[Tuple[int, int, slice]]]]:
+    """Each held expert ``e`` that a (token, k) pair of ``idx`` [tokens, top_k] chose, in order, with its pairs
+    (indices into ``idx`` flattened) and their LoRA groups (``lora``: the experts' ``ExpertLoRA`` or None):
+    ``(slot, e - held.start, its rows among the pairs)`` per slot, none without adapters.
+
+    The pairs are sorted on the device by expert and, within an expert, by their token's LoRA slot (the base
+    model's first): the counts of these groups are the layer's one host read, each expert's rows and each slot's
+    among them then slices of that order (an expert's in token order without adapters, as HF's)."""
+    top_k = idx.shape[1]
+    pair_slot = lora.pair_slots(top_k) if lora is not None else None
+    width = 1 if pair_slot is None else lora.num_slots + 1  # (the groups of an expert: none, then each slot)
+    key = (idx.flatten() * width + (0 if pair_slot is None else pair_slot + 1)).clamp(max=held.stop * width)
+    counts = torch.zeros(held.stop * width + 1, dtype=torch.int64, device=idx.device)
+    counts.scatter_add_(0, key, torch.ones_like(key))
+    bounds = [0, *itertools.accumulate(counts.tolist())]  # group g: rows [bounds[g], bounds[g + 1]) of order
+    order = torch.sort(key, stable=True).indices
+    for e in held:
+        first = bounds[e * width]
+        if first == bounds[(e + 1) * width]:
+            continue
+        groups = [(s, e - held.start, slice(bounds[g] - first, bounds[g + 1] - first))
+                  for s, g in enumerate(range(e * width + 1, (e + 1) * width)) if bounds[g] < bounds[g + 1]]
+        yield e, order[first:bounds[(e + 1) * width]], groups
 
 
 class MixtralExpert(nn.Module):
