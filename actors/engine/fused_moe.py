@@ -247,10 +247,12 @@ class FusedExperts(NamedTuple):
 class FusableExperts(nn.Module):
     """A layer's experts that can run as :class:`FusedExperts`: :meth:`fuse` sets ``fused``, which their
     forward then runs (``moe_backend='triton'``). ``lora``: their LoRA slots (``lora_experts.ExpertLoRA``), set
-    when adapters may target them."""
+    when adapters may target them. ``projections``: the 3-D parameters that take adapters, for experts held as
+    such (GPT-OSS's); none by default (an ``ExpertList``'s are its experts' linear layers)."""
 
     fused: Optional[FusedExperts] = None
     lora = None
+    projections: Tuple[str, ...] = ()
 
     def fuse(self) -> None:
         raise NotImplementedError

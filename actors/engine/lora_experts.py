@@ -149,7 +149,7 @@ def split_fused_experts(weights: Dict[str, Pair], rank: int, full_model: nn.Modu
     if not fused:
         return weights
     experts = {name.rsplit(".", 2)[0]: (name, module) for name, module in full_model.named_modules()
-               if isinstance(module, FusableExperts)}
+               if isinstance(module, FusableExperts) and projection_names(module)}
     out = {m: pair for m, pair in weights.items() if m not in fused}
     for module in fused:
         layer = FUSED_EXPERTS.match(module)[1]
