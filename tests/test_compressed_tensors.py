@@ -20,7 +20,7 @@ from actors.engine.tp_worker import check_tp_shardable
 from tests.compressed_helpers import brute_force_dequantize, compressed_checkpoint, quantize_layer, scheme
 from tests.parity import assert_greedy_parity
 from tests.tp_helpers import thread_ranks
-from tests.test_wna16_weights import GREEDY, PROMPTS, generate, weight_bytes
+from tests.test_wna16_weights import GREEDY, PROMPTS, assert_fused_experts_equal_eager, generate, weight_bytes
 
 ATTENTION, MLP = r"re:.*self_attn\..*", r"re:.*mlp\..*"
 FP8_TENSOR = scheme(8, "float", "tensor", format="float-quantized")
@@ -29,7 +29,8 @@ FP8_TENSOR = scheme(8, "float", "tensor", format="float-quantized")
 # replicated q_a_proj too, experts and shared experts), -quantized.w8a8 (int8 channels, static input scales; a
 # kv_cache_scheme's k_scale / v_scale unread), -quantized.w4a16 (int4 groups for Linear, its group first, but
 # attention's regex group, more specific, in 8 bits per channel, asymmetric; o_proj ignored); Phi-3's fused
-# qkv_proj and gate_up_proj in asymmetric groups (packed zeros); Qwen3-MoE's experts (torch MoE backend)
+# qkv_proj and gate_up_proj in asymmetric groups (packed zeros); Qwen3-MoE's experts (torch MoE backend, then
+# the fused one)
 CASES = {
     "llama-fp8-per-tensor-static": ("llama", dict(groups={"g": FP8_TENSOR}, per_tensor_fp8=True, static=True,
                                                   kv_scales=True)),
@@ -91,9 +92,7 @@ def test_compressed_checkpoint_gives_hf_tokens_over_its_dequantization(case, tmp
                 "model.layers.1.mlp.experts.3.down_proj", "model.layers.1.mlp.shared_experts.up_proj"} <= set(layers)
     if family == "qwen3_moe":
         assert "model.layers.0.mlp.experts.3.down_proj" in layers
-        with pytest.raises(ValueError, match="moe_backend='triton': GPTQ / AWQ experts are not fused, nor "
-                                             "compressed-tensors ones"):
-            Engine(model_path=quantized, skip_tokenizer_init=True, max_total_tokens=512, moe_backend="triton")
+        assert_fused_experts_equal_eager(quantized, outputs, logprobs)
 
 
 def test_compressed_weights_take_their_stored_bytes(tmp_path):

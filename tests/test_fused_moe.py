@@ -3,19 +3,21 @@ layer's experts: random routing with experts no token chose, top-k 1 and 2, toke
 size, a TP rank's slice of every expert, an EP rank's half of the experts (the others' tokens adding 0),
 block-FP8 weights dequantized in the kernel (blocks cut by the intermediate dim), a weight update
 copied into the experts after they are stacked, and GPT-OSS's experts (3-D weights read transposed,
-biases, clamped SwiGLU). On the CPU the kernels run interpreted (conftest)."""
+biases, clamped SwiGLU), and packed experts (GPTQ, AWQ, compressed-tensors' pack-quantized: random words,
+zeros and scales) dequantized tile by tile in the kernel, against the eager experts' dequantize-then-matmul.
+On the CPU the kernels run interpreted (conftest)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from actors.engine import fp8
+from actors.engine import compressed_tensors, fp8, wna16
 from actors.engine.config import EngineConfig
 from actors.engine.fused_moe import fuse_experts, moe_align_block_size
 from actors.engine.models.gpt_oss import GptOssExperts
 from actors.engine.models.moe import ExpertList, MixtralExpert, qwen_expert, run_experts
-from actors.engine.parallel import SINGLE, TPGroup
+from actors.engine.parallel import SINGLE, LinearBase, RowParallelLinear, TPGroup
 from actors.engine.tiny import tiny_config
 
 HIDDEN, INTERMEDIATE, EXPERTS = 64, 32, 4
@@ -35,6 +37,31 @@ def randomized(experts, seed=0):
             fan_in = p.shape[-2] if p.dim() == 3 else p.shape[-1]  # (GPT-OSS's x @ W [experts, in, out])
             p.copy_(torch.randn(p.shape, generator=generator) * (0.1 if name.endswith("bias") else fan_in ** -0.5))
             p.requires_grad_(False)
+    return experts
+
+
+def packed_experts(fmt, bits, group_size, symmetric=False, tp=SINGLE, seed=0):
+    """:func:`make_experts` with every projection packed by ``fmt`` (``gptq``, ``awq``, ``compressed``:
+    pack-quantized, ``group_size`` -1 its channel strategy): random words and zeros, scales that keep
+    each weight ~ 1/sqrt(fan_in)."""
+    experts, generator = make_experts(tp=tp), torch.Generator().manual_seed(seed)
+    for name, linear in experts.named_modules():
+        if not isinstance(linear, LinearBase):
+            continue
+        row = isinstance(linear, RowParallelLinear)
+        full = (linear.out_features * (1 if row else tp.size), linear.in_features * (tp.size if row else 1))
+        if fmt == "compressed":
+            scheme = compressed_tensors.Scheme(bits, "int", "channel" if group_size == -1 else "group",
+                                               max(group_size, 0), symmetric, packed=True)
+            compressed_tensors.quantize_linear(linear, name, scheme, full, [1])
+        else:
+            wna16.quantize_linear(linear, name, wna16.PackedConfig(fmt, bits, group_size), full)
+        with torch.no_grad():
+            for p in linear.parameters():
+                if p.dtype == torch.int32:
+                    p.copy_(torch.randint(-2**31, 2**31 - 1, p.shape, generator=generator, dtype=torch.int32))
+                else:
+                    p.copy_((torch.rand(p.shape, generator=generator) + 0.5) / (1 << bits) / full[1] ** 0.5)
     return experts
 
 
@@ -125,10 +152,13 @@ def test_fp8_weights_dequantized_in_the_kernel():
     torch.testing.assert_close(fused, eager, rtol=1e-5, atol=1e-5)
 
 
-def test_weight_update_after_fusing_reaches_the_kernel():
+@pytest.mark.parametrize("packed", [None, ("gptq", 4, 16)])
+def test_weight_update_after_fusing_reaches_the_kernel(packed):
     """The experts' parameters are views of the stacked weights: copying new weights into them (what a
-    weight update does) changes what the fused kernels compute, the memory held once."""
-    experts, new = make_experts(), make_experts(seed=1)
+    weight update does) changes what the fused kernels compute, the memory held once. GPTQ's words,
+    zeros and scales are stacked along their last dim: each layer's a strided view."""
+    make = (lambda seed: packed_experts(*packed, seed=seed)) if packed else (lambda seed: make_experts(seed=seed))
+    experts, new = make(0), make(1)
     x, idx, weights = routing(9, 2)
     fuse_experts(torch.nn.Sequential(experts))
     with torch.no_grad():
@@ -136,7 +166,8 @@ def test_weight_update_after_fusing_reaches_the_kernel():
             p.copy_(q)
     torch.testing.assert_close(run_experts(experts, x, idx, weights), run_experts(new, x, idx, weights),
                                rtol=1e-5, atol=1e-5)
-    assert experts[0].up_proj.weight.untyped_storage().data_ptr() == experts.fused.w13.weight.data_ptr()
+    stored = next(experts[0].up_proj.parameters())  # (its weight, or its packed words)
+    assert stored.untyped_storage().data_ptr() == experts.fused.w13.weight.data_ptr()
 
 
 @pytest.mark.parametrize("rank, ep", [(0, False), (1, False), (1, True)])
@@ -150,6 +181,57 @@ def test_gpt_oss_fused_equals_eager(rank, ep):
     fuse_experts(experts)
     torch.testing.assert_close(experts(x, idx, weights), eager, rtol=1e-5, atol=1e-5)
     assert experts.fused.w13.weight.data_ptr() == experts.gate_up_proj.data_ptr()
+
+
+# format, bits, group size (-1: one group; compressed-tensors' channel strategy), symmetric (compressed-tensors:
+# no zeros), TP rank 1 of 2 (a slice of each expert: down's input groups and words cut)
+PACKED_CASES = [("gptq", 4, 16, False, False), ("gptq", 8, 32, False, False), ("gptq", 4, -1, False, False),
+                ("awq", 4, 32, False, False), ("compressed", 4, 16, True, False), ("compressed", 8, 32, False, False),
+                ("compressed", 4, -1, False, False), ("gptq", 8, 16, False, True), ("compressed", 4, 16, False, True)]
+
+
+@pytest.mark.parametrize("fmt, bits, group_size, symmetric, tp", PACKED_CASES)
+def test_packed_experts_dequantized_in_the_kernel(fmt, bits, group_size, symmetric, tp):
+    """Each tile of words unpacked (down K, or along N in AWQ's order), its zeros (GPTQ's stored minus one;
+    compressed-tensors' symmetric values offset instead) and scales read by group: the eager experts'
+    whole dequantization then matmul, gate's and up's tensors stacked along their output features."""
+    experts = packed_experts(fmt, bits, group_size, symmetric, TPGroup(rank=1, size=2) if tp else SINGLE)
+    eager, fused = eager_then_fused(experts, *routing(13, 2))
+    assert experts.fused.w13.packed is not None and experts.fused.w13.shape == (2 * experts[0].up_proj.out_features,
+                                                                                  HIDDEN)
+    torch.testing.assert_close(fused, eager, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("fmt, bits, group_size, symmetric, tp", PACKED_CASES[:5])
+@pytest.mark.parametrize("num_tokens", [1, 300])
+def test_packed_experts_compiled_on_cuda(fmt, bits, group_size, symmetric, tp, num_tokens):
+    """The compiled kernels' bf16 tiles (the scales kept fp32, as a loaded model keeps them) against the eager
+    experts on the same device (GPTQ / AWQ: the packed linear kernel; compressed-tensors: dequantize, matmul)."""
+    experts = packed_experts(fmt, bits, group_size, symmetric).to("cuda")
+    x, idx, weights = routing(num_tokens, 2)
+    bf16 = dict(device="cuda", dtype=torch.bfloat16)
+    eager, fused = eager_then_fused(experts, x.to(**bf16), idx.cuda(), weights.to(**bf16))
+    assert (fused - eager).abs().max() <= 0.02 * eager.abs().max()
+
+
+def test_packed_experts_the_kernel_does_not_take_stay_eager():
+    """GPTQ act-order (g_idx), compressed-tensors' unpacked int8, and gate and up packed in different
+    bits are refused by name on moe_backend='triton' (auto runs them eagerly)."""
+    cases = {"act-order": lambda e: e.packed._replace(desc_act=True),
+             "unpacked values": lambda e: None, "packed in different ways": lambda e: e.packed._replace(bits=8)}
+    for why, change in cases.items():
+        experts = packed_experts("gptq", 4, 16)
+        if why == "unpacked values":
+            experts[1].up_proj.packed, experts[1].up_proj.scheme = None, compressed_tensors.Scheme(
+                8, "int", "channel", 0, True, packed=False)
+        else:
+            experts[1].up_proj.packed = change(experts[1].up_proj)
+        assert why in experts.unfused_reason()
+        with pytest.raises(ValueError, match=f"moe_backend='triton': .*{why}"):
+            experts.fuse()
+        assert experts.fused is None
 
 
 def test_moe_backend_is_validated_by_name():

@@ -14,7 +14,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from actors.engine import Engine, wna16
+from actors.engine.attention.triton_backend import TritonAttnBackend
 from actors.engine.config import EngineConfig
+from actors.engine.cuda_graph_runner import graphs_off_reason
+from actors.engine.fused_moe import FusableExperts
 from actors.engine.model_loader import TensorFile, copy_tensor, load_model
 from actors.engine.parallel import ColumnParallelLinear, LinearBase, RowParallelLinear, TPGroup
 from actors.engine.tp_worker import check_tp_shardable
@@ -27,7 +30,7 @@ SCORED = dict(GREEDY, return_logprob=True)
 PROMPTS = [[5, 9, 33, 47, 12, 90, 7, 61, 18, 3, 44, 21, 8, 70, 2, 19], [11] * 20, [3, 200, 150]]
 # family, checkpoint: GPTQ int4 with and without act-order, int8 over one group, asymmetric; AWQ (biases kept
 # beside the packed tensors, as Qwen2's q/k/v); Phi-3's fused qkv_proj and gate_up_proj; Qwen3-MoE's experts
-# (torch MoE backend); DeepSeek-V3's MLA; a layer left unquantized
+# (torch MoE backend, then the fused one: the same tokens); DeepSeek-V3's MLA; a layer left unquantized
 CASES = {
     "llama-gptq4": ("llama", dict(bits=4, group_size=32, sym=True)),
     "qwen3-gptq4-act-order": ("qwen3", dict(bits=4, group_size=16, sym=False, act_order=True)),
@@ -63,6 +66,27 @@ def packed_layers(model) -> dict:
     return layers
 
 
+def assert_fused_experts_equal_eager(model_path: str, outputs, logprobs) -> None:
+    """moe_backend='triton' (the packed experts dequantized in the fused MoE kernels, interpreted here) gives
+    the eager experts' ``outputs`` and ``logprobs``; every layer's experts are fused, so no eager ones keep
+    CUDA graphs off (the CPU aside: the reason asked of this runner on CUDA with Triton attention)."""
+    engine = Engine(model_path=model_path, skip_tokenizer_init=True, max_total_tokens=512, moe_backend="triton")
+    try:
+        outs = engine.generate(input_ids=PROMPTS, sampling_params=SCORED)
+        engine.check_integrity()
+        runner = engine.runner
+        experts = [m for m in runner.model.modules() if isinstance(m, FusableExperts)]
+        on_cuda = SimpleNamespace(config=runner.config, device=torch.device("cuda"), attn_backend=TritonAttnBackend(),
+                                  spec=runner.spec, model=runner.model)
+    finally:
+        engine.shutdown()
+    assert experts and all(m.fused is not None and m.fused.w13.packed is not None for m in experts)
+    assert graphs_off_reason(on_cuda) is None
+    assert [o["output_ids"] for o in outs] == outputs
+    for out, eager in zip(outs, logprobs):
+        assert [lp for lp, _ in out["meta_info"]["output_token_logprobs"]] == pytest.approx(eager, abs=1e-4)
+
+
 def weight_bytes(model) -> int:
     return sum(t.numel() * t.element_size() for t in model.state_dict().values())
 
@@ -88,8 +112,7 @@ def test_packed_checkpoint_gives_hf_tokens_over_its_dequantization(case, tmp_pat
         assert {(q.bits, q.group_size) for n, q in layers.items() if "down_proj" not in n} == {(4, 32)}
     if family == "qwen3_moe":
         assert "model.layers.0.mlp.experts.3.down_proj" in layers
-        with pytest.raises(ValueError, match="moe_backend='triton': GPTQ / AWQ experts are not fused"):
-            Engine(model_path=quantized, skip_tokenizer_init=True, max_total_tokens=512, moe_backend="triton")
+        assert_fused_experts_equal_eager(quantized, outputs, logprobs)
 
 
 def test_lora_adapter_over_a_gptq_model(tmp_path):

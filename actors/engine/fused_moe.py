@@ -15,7 +15,8 @@ its per-expert biases added in the kernel and its clamped SwiGLU between.
 The GEMM accumulates in fp32. Under the CPU interpreter (which computes bf16 arithmetic wrongly) and for fp32
 models, it multiplies in IEEE fp32; on CUDA a bf16/fp16 model's tiles go to the tensor cores as they are.
 Block-FP8 weights (:mod:`.fp8`) are dequantized in the kernel, each weight tile times its blocks' scales and
-cast to the activation's dtype (what :class:`parallel.LinearBase` does to the whole weight per forward).
+cast to the activation's dtype (what :class:`parallel.LinearBase` does to the whole weight per forward); packed
+GPTQ / AWQ / compressed-tensors ones too, each tile unpacked from its int32 words (:mod:`.moe_wna16`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ import triton
 import triton.language as tl
 from torch import nn
 from triton import knobs
+
+from actors.engine import moe_wna16
+from actors.engine.wna16_kernels import dequantize_tile
 
 
 def moe_align_block_size(expert_of: torch.Tensor, num_experts: int,
@@ -64,19 +68,21 @@ def moe_align_block_size(expert_of: torch.Tensor, num_experts: int,
 
 @triton.jit
 def _grouped_gemm_kernel(
-    A, B, C, Bias, Scale, SortedIds, BlockExpert, NumPadded, RowWeights,
-    num_pairs, N, K, pairs_per_row, n_part, scale_rows_part,
+    A, B, C, Bias, Scale, Zeros, SortedIds, BlockExpert, NumPadded, RowWeights,
+    num_pairs, N, K, pairs_per_row, n_part, scale_rows_part, group_size, zero_add, zero_point,
     stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn, stride_biase,
-    stride_se, stride_sn, stride_sk,
+    stride_se, stride_sn, stride_sk, stride_ze, stride_zn, stride_zk,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_N: tl.constexpr,
     SCALE_K: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, MUL_WEIGHT: tl.constexpr,
-    IEEE: tl.constexpr,
+    IEEE: tl.constexpr, PACKED: tl.constexpr, BITS: tl.constexpr, AWQ: tl.constexpr, HAS_ZEROS: tl.constexpr,
 ):
     """Rows ``BLOCK_M`` of one block (one expert) × columns ``BLOCK_N``: ``C[pair] = A[pair // pairs_per_row]
     @ B[expert].T (+ Bias[expert])`` (times ``RowWeights[pair]`` when ``MUL_WEIGHT``). With ``HAS_SCALE``,
     ``B`` is FP8 and column ``n``, input ``k`` of it is scaled by ``Scale[expert, (n // n_part)·
     scale_rows_part + (n % n_part) // SCALE_N, k // SCALE_K]``: the scales of several matrices stacked
-    along N (gate, up), each its own blocks."""
+    along N (gate, up), each its own blocks. With ``PACKED``, ``B`` is int32 words (:mod:`.moe_wna16`), each
+    tile dequantized by :func:`dequantize_tile` with ``Zeros`` and ``Scale`` by group of ``group_size``
+    inputs, every stride (expert, output, input or group)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if pid_m * BLOCK_M < tl.load(NumPadded):
@@ -96,7 +102,14 @@ def _grouped_gemm_kernel(
         for k0 in range(0, K, BLOCK_K):
             k_mask = offs_k < K - k0
             a = tl.load(a_ptrs, mask=is_pair[:, None] & k_mask[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+            if PACKED:
+                b = dequantize_tile(
+                    B + expert * stride_be, Zeros + expert * stride_ze, Scale + expert * stride_se, k0 + offs_k,
+                    offs_n, (k0 + offs_k) // group_size, k_mask[:, None] & n_mask[None, :], zero_add, zero_point,
+                    stride_bk, stride_bn, stride_zk, stride_zn, stride_sk, stride_sn, BITS, AWQ, HAS_ZEROS,
+                ).to(A.dtype.element_ty)
+            else:
+                b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
             if HAS_SCALE:
                 scale = tl.load(s_ptrs + ((k0 + offs_k) // SCALE_K)[:, None] * stride_sk,
                                 mask=k_mask[:, None] & n_mask[None, :], other=0.0)
@@ -135,13 +148,23 @@ class StackedWeight(NamedTuple):
     """One projection of every held expert: ``weight`` [experts, N, K] (any strides: GPT-OSS's are its
     stored [experts, K, N] transposed), FP8 or in the model's dtype; ``bias`` [experts, N] or None; FP8,
     its ``scale`` [experts, ·, ·] in blocks of ``block_size``, the matrices stacked along N ``part`` rows
-    each (gate, up: each its own blocks)."""
+    each (gate, up: each its own blocks). Packed (``packed``: how its tensors are read), ``weight`` is the
+    stacked int32 words, ``scale`` and ``zeros`` (None: symmetric) the stacked scales and zeros, and
+    ``features`` (N, K), which the words do not say."""
 
     weight: torch.Tensor
     bias: Optional[torch.Tensor] = None
     scale: Optional[torch.Tensor] = None
     block_size: Optional[Tuple[int, int]] = None
     part: Optional[int] = None
+    zeros: Optional[torch.Tensor] = None
+    packed: Optional[moe_wna16.PackedLayout] = None
+    features: Optional[Tuple[int, int]] = None
+
+    @property
+    def shape(self) -> Tuple[int, int]:
+        """(N, K): output and input features of one expert's matrix."""
+        return self.features or tuple(self.weight.shape[1:])
 
 
 def grouped_gemm(a: torch.Tensor, w: StackedWeight, out: torch.Tensor, sorted_ids: torch.Tensor,
@@ -150,19 +173,27 @@ def grouped_gemm(a: torch.Tensor, w: StackedWeight, out: torch.Tensor, sorted_id
     """``out[pair] = a[pair // pairs_per_row] @ w[expert of pair].T (+ its bias)`` for every pair of
     ``sorted_ids`` (:func:`moe_align_block_size`'s, with ``blocks.m`` rows a block), times
     ``row_weights[pair]`` when given."""
-    num_pairs, (n, k) = out.shape[0], w.weight.shape[1:]
+    num_pairs, (n, k), packed = out.shape[0], w.shape, w.packed
     n_part = w.part or n
     bn, bk = w.block_size or (n, k)
-    scale_strides = w.scale.stride() if w.scale is not None else (0, 0, 0)
+    if packed is None:
+        weight_strides, zero_strides = w.weight.stride(), (0, 0, 0)
+        scale_strides = w.scale.stride() if w.scale is not None else (0, 0, 0)
+    else:
+        weight_strides, scale_strides, zero_strides = (moe_wna16.strides(packed, t)
+                                                       for t in (w.weight, w.scale, w.zeros))
+    layout = packed or moe_wna16.PackedLayout((), 0, 8, 1)  # (unpacked: the kernel reads none of it)
     ieee = knobs.runtime.interpret or a.dtype == torch.float32
     grid = (triton.cdiv(sorted_ids.numel(), blocks.m), triton.cdiv(n, blocks.n))
     _grouped_gemm_kernel[grid](
-        a, w.weight, out, _or(w.bias, out), _or(w.scale, out), sorted_ids, block_expert, num_padded,
-        _or(row_weights, out), num_pairs, n, k, pairs_per_row, n_part, triton.cdiv(n_part, bn),
-        a.stride(0), a.stride(1), *w.weight.stride(), out.stride(0), out.stride(1),
-        w.bias.stride(0) if w.bias is not None else 0, *scale_strides,
+        a, w.weight, out, _or(w.bias, out), _or(w.scale, out), _or(w.zeros, out), sorted_ids, block_expert,
+        num_padded, _or(row_weights, out), num_pairs, n, k, pairs_per_row, n_part, triton.cdiv(n_part, bn),
+        layout.group_size, layout.zero_add, layout.zero_point,
+        a.stride(0), a.stride(1), *weight_strides, out.stride(0), out.stride(1),
+        w.bias.stride(0) if w.bias is not None else 0, *scale_strides, *zero_strides,
         BLOCK_M=blocks.m, BLOCK_N=blocks.n, BLOCK_K=blocks.k, SCALE_N=bn, SCALE_K=bk, HAS_BIAS=w.bias is not None,
-        HAS_SCALE=w.scale is not None, MUL_WEIGHT=row_weights is not None, IEEE=ieee,
+        HAS_SCALE=w.scale is not None and packed is None, MUL_WEIGHT=row_weights is not None, IEEE=ieee,
+        PACKED=packed is not None, BITS=layout.bits, AWQ=layout.awq, HAS_ZEROS=w.zeros is not None,
     )
 
 
@@ -179,8 +210,15 @@ def _or(tensor: Optional[torch.Tensor], unused: torch.Tensor) -> torch.Tensor:
 def stack_linears(linears: Sequence[Sequence[nn.Linear]]) -> StackedWeight:
     """The weights (and FP8 scales) of ``linears[e]`` (expert ``e``'s matrices, stacked along N in this
     order, of one shape) in one tensor, each layer's weight then a view of its part: a weight update
-    copying into the layers writes the stacked tensor, and the memory is held once."""
+    copying into the layers writes the stacked tensor, and the memory is held once. Packed layers'
+    (:mod:`.moe_wna16`): each of their tensors so, along the dim holding the output features."""
     first = linears[0][0]
+    if first.packed is not None or first.scheme is not None:
+        layout = moe_wna16.packed_layout(first)
+        words, zeros, scales = (name and _stack([[getattr(m, name) for m in parts] for parts in linears],
+                                                layout.out_dim) for name in layout.names)
+        return StackedWeight(words, scale=scales, part=first.out_features, zeros=zeros, packed=layout,
+                             features=(first.out_features * len(linears[0]), first.in_features))
     stacked = StackedWeight(_stack([[m.weight for m in parts] for parts in linears]), part=first.out_features)
     if first.weight_block_size is None:
         return stacked
@@ -188,17 +226,19 @@ def stack_linears(linears: Sequence[Sequence[nn.Linear]]) -> StackedWeight:
     return stacked._replace(scale=scale, block_size=first.weight_block_size)
 
 
-def _stack(params: List[List[nn.Parameter]]) -> torch.Tensor:
-    """``params[e]`` stacked along dim 0 of ``[e]`` of one new tensor; each parameter then a view of it."""
+def _stack(params: List[List[nn.Parameter]], dim: int = 0) -> torch.Tensor:
+    """``params[e]`` stacked along their ``dim`` in ``[e]`` of one new tensor; each parameter then a view of it."""
     first = params[0]
-    out = first[0].new_empty((len(params), sum(p.shape[0] for p in first), *first[0].shape[1:]))
+    shape = list(first[0].shape)
+    shape[dim] = sum(p.shape[dim] for p in first)
+    out = first[0].new_empty((len(params), *shape))
     for e, parts in enumerate(params):
         row = 0
         for p in parts:
-            view = out[e, row:row + p.shape[0]]
+            view = out[e].narrow(dim, row, p.shape[dim])
             view.copy_(p.detach())
             p.data = view
-            row += p.shape[0]
+            row += p.shape[dim]
     return out
 
 
@@ -230,7 +270,7 @@ class FusedExperts(NamedTuple):
         blocks = block_sizes(num_tokens, num_experts, x.device)
         expert_of = torch.where(expert_of < 0, num_experts, expert_of).flatten()
         aligned = moe_align_block_size(expert_of, num_experts, blocks.m)
-        gate_up = x.new_empty((num_pairs, self.w13.weight.shape[1]))
+        gate_up = x.new_empty((num_pairs, self.w13.shape[0]))
         grouped_gemm(x, self.w13, gate_up, *aligned, blocks, top_k)
         pairs = lora.align(expert_of, top_k, blocks.m) if lora is not None else None
         if pairs is not None:  # (the projections before the activation: gate's columns, then up's; GPT-OSS's one)
@@ -253,6 +293,10 @@ class FusableExperts(nn.Module):
     fused: Optional[FusedExperts] = None
     lora = None
     projections: Tuple[str, ...] = ()
+
+    def unfused_reason(self) -> Optional[str]:
+        """Why :meth:`fuse` would refuse these experts, or None (``moe_backend='auto'`` then runs them eagerly)."""
+        return None
 
     def fuse(self) -> None:
         raise NotImplementedError

@@ -24,7 +24,7 @@ from actors.engine.config import CHUNKED_PREFILL_DEFAULT, EngineConfig
 from actors.engine.cuda_graph_runner import CudaGraphRunner, capture_batch_sizes, cuda_graph_max_bs, graphs_off_reason
 from actors.engine.draft_model import DraftModel
 from actors.engine.forward_batch import ForwardBatch, int64_tensor
-from actors.engine.fused_moe import fuse_experts
+from actors.engine.fused_moe import FusableExperts, fuse_experts
 from actors.engine.lora import LoRAAdapter, LoRAManager, read_adapter
 from actors.engine.model_loader import DTYPES, ServedWeights, build_model, get_context_length, load_model
 from actors.engine.models.base import LogitsOutput
@@ -132,14 +132,13 @@ class ModelRunner:
         self.num_forwards = 0
 
     def _fuse_experts(self) -> None:
-        """``moe_backend`` (auto: triton on CUDA, torch on the CPU or for GPTQ / AWQ / compressed-tensors
-        experts, which the fused kernels do not take): triton stacks every MoE layer's experts for the fused
+        """``moe_backend`` (auto: triton on CUDA, torch on the CPU or for experts the fused kernels do not
+        take, :meth:`FusableExperts.unfused_reason`): triton stacks every MoE layer's experts for the fused
         kernels; ValueError when Triton cannot run on the device."""
         backend = self.config.moe_backend
         if backend == "auto":
-            packed_experts = any(".experts." in name for name in [*self.model.packed_linears,
-                                                                     *self.model.compressed_linears])
-            backend = "triton" if self.device.type == "cuda" and not packed_experts else "torch"
+            unfused = any(m.unfused_reason() for m in self.model.modules() if isinstance(m, FusableExperts))
+            backend = "triton" if self.device.type == "cuda" and not unfused else "torch"
         if backend == "triton":
             error = triton_device_error(self.device, "moe_backend='triton'")
             if error:

@@ -20,6 +20,37 @@ from triton import knobs
 
 
 @triton.jit
+def dequantize_tile(QWeight, QZeros, Scales, offs_k, offs_n, g, mask, zero_add, zero_point,
+                    stride_qk, stride_qn, stride_zg, stride_zn, stride_sg, stride_sn,
+                    BITS: tl.constexpr, AWQ: tl.constexpr, HAS_ZEROS: tl.constexpr):
+    """The fp32 tile ``(q[k, n] - zero[g, n]) · scale[g, n]`` of inputs ``offs_k`` (each in group ``g``) ×
+    outputs ``offs_n``, ``mask``'s elements (others 0), each tensor addressed by its (input or group, output)
+    strides. ``q``: packed down K (GPTQ's ``[K / pack, N]``, compressed-tensors' ``[N, K / pack]``) or, with
+    ``AWQ``, along N in AutoAWQ's order; the zeros packed along N as ``q``'s order, plus ``zero_add`` (GPTQ
+    v1 stores them minus one); without ``HAS_ZEROS`` every zero is ``zero_point`` (compressed-tensors'
+    symmetric values, stored plus it). Shared by the packed linear and the fused MoE (:mod:`.moe_wna16`)."""
+    PACK: tl.constexpr = 32 // BITS
+    MASK: tl.constexpr = (1 << BITS) - 1
+    if AWQ:  # feature 8c + j in nibble AWQ_REVERSE_ORDER[j] = j // 2 + (j % 2) * 4 of word c
+        j = offs_n % 8
+        n_shift = ((j // 2 + (j % 2) * 4) * 4).to(tl.int32)
+        words = tl.load(QWeight + offs_k[:, None] * stride_qk + (offs_n // 8)[None, :] * stride_qn, mask=mask, other=0)
+        q = (words >> n_shift[None, :]) & MASK
+    else:
+        n_shift = ((offs_n % PACK) * BITS).to(tl.int32)
+        words = tl.load(QWeight + (offs_k // PACK)[:, None] * stride_qk + offs_n[None, :] * stride_qn, mask=mask,
+                        other=0)
+        q = (words >> ((offs_k % PACK) * BITS).to(tl.int32)[:, None]) & MASK
+    if HAS_ZEROS:
+        zeros = tl.load(QZeros + g[:, None] * stride_zg + (offs_n // PACK)[None, :] * stride_zn, mask=mask, other=0)
+        q -= ((zeros >> n_shift[None, :]) & MASK) + zero_add
+    else:
+        q -= zero_point
+    scales = tl.load(Scales + g[:, None] * stride_sg + offs_n[None, :] * stride_sn, mask=mask, other=0.0)
+    return q.to(tl.float32) * scales
+
+
+@triton.jit
 def _packed_gemm_kernel(
     X, QWeight, QZeros, Scales, GIdx, Y, M, N, K, group_size,
     stride_xm, stride_xk, stride_qr, stride_qc, stride_zr, stride_zc, stride_sr, stride_sc, stride_ym, stride_yn,
@@ -29,44 +60,24 @@ def _packed_gemm_kernel(
     """``Y[m, n] = sum_k X[m, k] · (q[k, n] - zero[g(k), n]) · scale[g(k), n]``, ``g(k)`` = ``GIdx[k]`` with
     ``HAS_G_IDX`` (act-order) else ``k // group_size``. GPTQ: ``q`` packed down K in ``QWeight`` [K / pack,
     N], zeros stored minus one; ``AWQ``: ``q`` packed along N [K, N / 8] in AutoAWQ's order, as the zeros."""
-    PACK: tl.constexpr = 32 // BITS
-    MASK: tl.constexpr = (1 << BITS) - 1
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
     m_mask, n_mask = offs_m < M, offs_n < N
-    if AWQ:  # feature 8c + j in nibble AWQ_REVERSE_ORDER[j] = j // 2 + (j % 2) * 4 of word c
-        j = offs_n % 8
-        n_shift = ((j // 2 + (j % 2) * 4) * 4).to(tl.int32)
-        q_cols = offs_n // 8
-    else:
-        n_shift = ((offs_n % PACK) * BITS).to(tl.int32)
-        q_cols = offs_n
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K).to(tl.int64)
         k_mask = offs_k < K
-        kn_mask = k_mask[:, None] & n_mask[None, :]
         x = tl.load(X + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk,
                     mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        if AWQ:
-            words = tl.load(QWeight + offs_k[:, None] * stride_qr + q_cols[None, :] * stride_qc, mask=kn_mask, other=0)
-            q = (words >> n_shift[None, :]) & MASK
-        else:
-            words = tl.load(QWeight + (offs_k // PACK)[:, None] * stride_qr + q_cols[None, :] * stride_qc,
-                            mask=kn_mask, other=0)
-            q = (words >> ((offs_k % PACK) * BITS).to(tl.int32)[:, None]) & MASK
         if HAS_G_IDX:
             g = tl.load(GIdx + offs_k, mask=k_mask, other=0).to(tl.int64)
         else:
             g = offs_k // group_size
-        zeros = tl.load(QZeros + g[:, None] * stride_zr + (offs_n // PACK)[None, :] * stride_zc, mask=kn_mask, other=0)
-        zeros = (zeros >> n_shift[None, :]) & MASK
-        if not AWQ:
-            zeros += 1  # (GPTQ v1: stored minus one)
-        scales = tl.load(Scales + g[:, None] * stride_sr + offs_n[None, :] * stride_sc, mask=kn_mask, other=0.0)
-        w = ((q - zeros).to(tl.float32) * scales).to(X.dtype.element_ty)
+        w = dequantize_tile(QWeight, QZeros, Scales, offs_k, offs_n, g, k_mask[:, None] & n_mask[None, :],
+                            0 if AWQ else 1, 0, stride_qr, stride_qc, stride_zr, stride_zc, stride_sr, stride_sc,
+                            BITS, AWQ, True).to(X.dtype.element_ty)
         if IEEE:
             acc += tl.dot(x.to(tl.float32), w.to(tl.float32), input_precision="ieee")
         else:

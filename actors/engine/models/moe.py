@@ -16,7 +16,8 @@ and runs only those; the same all-reduce adds up the ranks' experts. The shared 
 
 ``EngineConfig.moe_backend`` picks how the routed experts run: ``torch`` (:func:`run_experts`, HF's eager
 loop: one small matmul per chosen expert, and a host sync a layer for the experts chosen) or ``triton``
-(:meth:`ExpertList.fuse` stacks each layer's experts for :mod:`actors.engine.fused_moe`'s grouped GEMMs).
+(:meth:`ExpertList.fuse` stacks each layer's experts for :mod:`actors.engine.fused_moe`'s grouped GEMMs; packed
+GPTQ / AWQ / compressed-tensors experts too, :mod:`actors.engine.moe_wna16`).
 Qwen3-VL-MoE's checkpoints hold each layer's experts stacked already (:class:`StackedExperts`).
 """
 
@@ -24,12 +25,13 @@ from __future__ import annotations
 
 import itertools
 from functools import partial
-from typing import Callable, Iterator, List, Sequence, Tuple
+from typing import Callable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
+from actors.engine import moe_wna16
 from actors.engine.fused_moe import FusableExperts, FusedExperts, StackedWeight, gated, stack_linears
 from actors.engine.layers import GatedMLP, get_activation
 from actors.engine.parallel import SINGLE, ColumnParallelLinear, RowParallelLinear, TPGroup, shard_param
@@ -56,18 +58,24 @@ class ExpertList(FusableExperts):
     def __getitem__(self, e: int) -> nn.Module:
         return self._modules[str(e)]
 
-    def fuse(self) -> None:
-        """Run the experts as :class:`FusedExperts`: their gate and up weights (and FP8 scales) stacked in
-        one tensor, their down weights in another, each expert's parameters then views of them (a weight
-        update still copies into them)."""
+    def unfused_reason(self) -> Optional[str]:
+        """Why the experts cannot be fused (biases; packed ones :mod:`.moe_wna16` does not take), or None."""
         experts = [self[e] for e in self.held]
         gate, up, down = experts[0].projections
         if any(getattr(expert, name).bias is not None for expert in experts for name in (gate, up, down)):
-            raise ValueError("moe_backend='triton': experts with biases are not fused")
-        if any(getattr(expert, name).packed is not None or getattr(expert, name).scheme is not None
-               for expert in experts for name in (gate, up, down)):
-            raise ValueError("moe_backend='triton': GPTQ / AWQ experts are not fused, nor compressed-tensors ones "
-                             "(moe_backend='torch' serves them)")
+            return "experts with biases are not fused"
+        return moe_wna16.unfused_reason([[getattr(m, name) for m in experts for name in (gate, up)],
+                                         [getattr(m, down) for m in experts]])
+
+    def fuse(self) -> None:
+        """Run the experts as :class:`FusedExperts`: their gate and up weights (FP8 scales; packed words,
+        zeros and scales) stacked in one tensor each, their down weights in another, each expert's
+        parameters then views of them (a weight update still copies into them)."""
+        reason = self.unfused_reason()
+        if reason is not None:
+            raise ValueError(f"moe_backend='triton': {reason} (moe_backend='torch' serves them)")
+        experts = [self[e] for e in self.held]
+        gate, up, down = experts[0].projections
         self.fused = FusedExperts(stack_linears([(getattr(m, gate), getattr(m, up)) for m in experts]),
                                   stack_linears([(getattr(m, down),) for m in experts]),
                                   partial(gated, experts[0].act))

@@ -1,0 +1,93 @@
+"""Packed int4 / int8 experts in the fused MoE (vLLM's ``moe_wna16``): GPTQ's and AWQ's (:mod:`.wna16`) and
+compressed-tensors' ``pack-quantized`` ones (:mod:`.compressed_tensors`) run through :mod:`.fused_moe`'s
+grouped GEMM, each weight tile unpacked from its int32 words and dequantized in registers
+(:func:`.wna16_kernels.dequantize_tile`), the dense weights never in memory.
+
+Each tensor a layer stores (words, zeros, scales) is stacked as it is stored, the experts' gate and up along
+their output features (the dim holding them: GPTQ's and AWQ's last, compressed-tensors' first), the layers'
+tensors then views of the stacks (a weight update copies into them). The kernel reads each layout by its
+(output, input) strides. What it does not take stays on the eager experts (:func:`unfused_reason`): GPTQ's
+act-order (each input's group read through ``g_idx``, every expert's its own), compressed-tensors' int8 and
+FP8 values (unpacked) and per-tensor scales.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from actors.engine import wna16
+
+
+class PackedLayout(NamedTuple):
+    """How a packed layer's tensors are read: ``names`` (the words', the zeros' or None: symmetric, the
+    scales'), ``out_dim`` (the dim of each holding the output features), ``bits`` a value, ``group_size``
+    inputs a scale (one group: every input), ``awq`` (words packed along the outputs in AutoAWQ's order, else
+    down the inputs), ``zero_add`` (what a stored zero is short of: GPTQ v1's 1), ``zero_point`` (every
+    zero, without zeros: compressed-tensors' values are stored plus it)."""
+
+    names: Tuple[str, Optional[str], str]
+    out_dim: int
+    bits: int
+    group_size: int
+    awq: bool = False
+    zero_add: int = 0
+    zero_point: int = 0
+
+
+def unfused_reason(stacks: Sequence[Sequence[nn.Module]]) -> Optional[str]:
+    """Why the layers of ``stacks`` (each list the layers of one stacked tensor: every expert's gate and up,
+    every expert's down) cannot run fused, or None: some packed and some not, packed in different ways
+    (GPTQModel's ``dynamic`` bits or groups), or one :func:`_layer_reason` gives."""
+    for linears in stacks:
+        packed = [m for m in linears if m.packed is not None or m.scheme is not None]
+        if not packed:
+            continue
+        if len(packed) < len(linears):
+            return "experts of which some are packed and some not are not fused"
+        reason = next(filter(None, map(_layer_reason, packed)), None)
+        if reason is not None:
+            return reason
+        if len({packed_layout(m) for m in packed}) > 1:
+            return "experts packed in different ways (bits, groups, format) are not fused"
+    return None
+
+
+def _layer_reason(linear: nn.Module) -> Optional[str]:
+    """Why packed (or compressed-tensors) ``linear`` cannot be a fused expert's, or None."""
+    quant, scheme = linear.packed, linear.scheme
+    if quant is not None and quant.desc_act:
+        return "GPTQ act-order experts (desc_act: g_idx) are not fused"
+    if scheme is not None and not scheme.packed:
+        return f"compressed-tensors {scheme.type}{scheme.num_bits} experts (unpacked values) are not fused"
+    if scheme is not None and scheme.strategy == "tensor":
+        return "compressed-tensors experts with per-tensor scales are not fused"
+    pack = 32 // (quant.bits if quant is not None else scheme.num_bits)
+    if linear.out_features % pack:  # (zeros packed along the outputs: gate's last word would hold up's first)
+        return f"packed experts of {linear.out_features} output features (not whole words of {pack}) are not fused"
+    return None
+
+
+def packed_layout(linear: nn.Module) -> PackedLayout:
+    """Fusable (:func:`unfused_reason`) packed ``linear``'s layout."""
+    quant, scheme = linear.packed, linear.scheme
+    if quant is not None:
+        group_size = linear.in_features if quant.group_size == -1 else quant.group_size
+        awq = quant.method == wna16.AWQ
+        return PackedLayout(("qweight", "qzeros", "scales"), 1, quant.bits, group_size, awq, 0 if awq else 1)
+    group_size = scheme.group_size if scheme.strategy == "group" else linear.in_features
+    zeros = None if scheme.symmetric else "weight_zero_point"
+    return PackedLayout(("weight_packed", zeros, "weight_scale"), 0, scheme.num_bits, group_size,
+                        zero_point=0 if zeros else scheme.offset)
+
+
+def strides(layout: PackedLayout, stacked: Optional[torch.Tensor]) -> Tuple[int, int, int]:
+    """A stacked tensor's strides over (experts, output features or their words, inputs or groups); zeros
+    where there is none."""
+    if stacked is None:
+        return 0, 0, 0
+    expert, first, second = stacked.stride()
+    return (expert, second, first) if layout.out_dim == 1 else (expert, first, second)
+
