@@ -40,10 +40,11 @@ def randomized(experts, seed=0):
     return experts
 
 
-def packed_experts(fmt, bits, group_size, symmetric=False, tp=SINGLE, seed=0):
+def packed_experts(fmt, bits, group_size, variant="", tp=SINGLE, seed=0):
     """:func:`make_experts` with every projection packed by ``fmt`` (``gptq``, ``awq``, ``compressed``:
-    pack-quantized, ``group_size`` -1 its channel strategy): random words and zeros, scales that keep
-    each weight ~ 1/sqrt(fan_in)."""
+    pack-quantized, ``group_size`` -1 its channel strategy; ``variant`` ``sym``: compressed-tensors' without
+    zeros, ``act-order``: GPTQ's ``g_idx``): random words, zeros and groups, scales that keep each weight
+    ~ 1/sqrt(fan_in)."""
     experts, generator = make_experts(tp=tp), torch.Generator().manual_seed(seed)
     for name, linear in experts.named_modules():
         if not isinstance(linear, LinearBase):
@@ -52,13 +53,16 @@ def packed_experts(fmt, bits, group_size, symmetric=False, tp=SINGLE, seed=0):
         full = (linear.out_features * (1 if row else tp.size), linear.in_features * (tp.size if row else 1))
         if fmt == "compressed":
             scheme = compressed_tensors.Scheme(bits, "int", "channel" if group_size == -1 else "group",
-                                               max(group_size, 0), symmetric, packed=True)
+                                               max(group_size, 0), variant == "sym", packed=True)
             compressed_tensors.quantize_linear(linear, name, scheme, full, [1])
         else:
-            wna16.quantize_linear(linear, name, wna16.PackedConfig(fmt, bits, group_size), full)
+            quant = wna16.PackedConfig(fmt, bits, group_size, desc_act=variant == "act-order")
+            wna16.quantize_linear(linear, name, quant, full)
         with torch.no_grad():
-            for p in linear.parameters():
-                if p.dtype == torch.int32:
+            for param_name, p in linear.named_parameters():
+                if param_name == "g_idx":  # (a group of scales for each input)
+                    p.copy_(torch.randint(0, linear.scales.shape[0], p.shape, generator=generator))
+                elif p.dtype == torch.int32:
                     p.copy_(torch.randint(-2**31, 2**31 - 1, p.shape, generator=generator, dtype=torch.int32))
                 else:
                     p.copy_((torch.rand(p.shape, generator=generator) + 0.5) / (1 << bits) / full[1] ** 0.5)
@@ -183,19 +187,22 @@ def test_gpt_oss_fused_equals_eager(rank, ep):
     assert experts.fused.w13.weight.data_ptr() == experts.gate_up_proj.data_ptr()
 
 
-# format, bits, group size (-1: one group; compressed-tensors' channel strategy), symmetric (compressed-tensors:
-# no zeros), TP rank 1 of 2 (a slice of each expert: down's input groups and words cut)
-PACKED_CASES = [("gptq", 4, 16, False, False), ("gptq", 8, 32, False, False), ("gptq", 4, -1, False, False),
-                ("awq", 4, 32, False, False), ("compressed", 4, 16, True, False), ("compressed", 8, 32, False, False),
-                ("compressed", 4, -1, False, False), ("gptq", 8, 16, False, True), ("compressed", 4, 16, False, True)]
+# format, bits, group size (-1: one group; compressed-tensors' channel strategy), variant (sym: compressed-tensors'
+# without zeros; act-order: GPTQ's g_idx), TP rank 1 of 2 (a slice of each expert: down's input groups and words
+# cut; with act-order every group kept, g_idx cut)
+PACKED_CASES = [("gptq", 4, 16, "", False), ("gptq", 8, 32, "", False), ("gptq", 4, -1, "", False),
+                ("awq", 4, 32, "", False), ("compressed", 4, 16, "sym", False), ("compressed", 8, 32, "", False),
+                ("compressed", 4, -1, "", False), ("gptq", 4, 16, "act-order", False), ("gptq", 8, 16, "", True),
+                ("compressed", 4, 16, "", True), ("gptq", 8, 16, "act-order", True)]
 
 
-@pytest.mark.parametrize("fmt, bits, group_size, symmetric, tp", PACKED_CASES)
-def test_packed_experts_dequantized_in_the_kernel(fmt, bits, group_size, symmetric, tp):
+@pytest.mark.parametrize("fmt, bits, group_size, variant, tp", PACKED_CASES)
+def test_packed_experts_dequantized_in_the_kernel(fmt, bits, group_size, variant, tp):
     """Each tile of words unpacked (down K, or along N in AWQ's order), its zeros (GPTQ's stored minus one;
-    compressed-tensors' symmetric values offset instead) and scales read by group: the eager experts'
-    whole dequantization then matmul, gate's and up's tensors stacked along their output features."""
-    experts = packed_experts(fmt, bits, group_size, symmetric, TPGroup(rank=1, size=2) if tp else SINGLE)
+    compressed-tensors' symmetric values offset instead) and scales read by group (act-order: gate's, up's
+    or down's own g_idx): the eager experts' whole dequantization then matmul, gate's and up's tensors
+    stacked along their output features."""
+    experts = packed_experts(fmt, bits, group_size, variant, TPGroup(rank=1, size=2) if tp else SINGLE)
     eager, fused = eager_then_fused(experts, *routing(13, 2))
     assert experts.fused.w13.packed is not None and experts.fused.w13.shape == (2 * experts[0].up_proj.out_features,
                                                                                   HIDDEN)
@@ -204,12 +211,12 @@ def test_packed_experts_dequantized_in_the_kernel(fmt, bits, group_size, symmetr
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("fmt, bits, group_size, symmetric, tp", PACKED_CASES[:5])
+@pytest.mark.parametrize("fmt, bits, group_size, variant, tp", PACKED_CASES[:8])
 @pytest.mark.parametrize("num_tokens", [1, 300])
-def test_packed_experts_compiled_on_cuda(fmt, bits, group_size, symmetric, tp, num_tokens):
+def test_packed_experts_compiled_on_cuda(fmt, bits, group_size, variant, tp, num_tokens):
     """The compiled kernels' bf16 tiles (the scales kept fp32, as a loaded model keeps them) against the eager
     experts on the same device (GPTQ / AWQ: the packed linear kernel; compressed-tensors: dequantize, matmul)."""
-    experts = packed_experts(fmt, bits, group_size, symmetric).to("cuda")
+    experts = packed_experts(fmt, bits, group_size, variant).to("cuda")
     x, idx, weights = routing(num_tokens, 2)
     bf16 = dict(device="cuda", dtype=torch.bfloat16)
     eager, fused = eager_then_fused(experts, x.to(**bf16), idx.cuda(), weights.to(**bf16))
@@ -217,17 +224,17 @@ def test_packed_experts_compiled_on_cuda(fmt, bits, group_size, symmetric, tp, n
 
 
 def test_packed_experts_the_kernel_does_not_take_stay_eager():
-    """GPTQ act-order (g_idx), compressed-tensors' unpacked int8, and gate and up packed in different
-    bits are refused by name on moe_backend='triton' (auto runs them eagerly)."""
-    cases = {"act-order": lambda e: e.packed._replace(desc_act=True),
-             "unpacked values": lambda e: None, "packed in different ways": lambda e: e.packed._replace(bits=8)}
-    for why, change in cases.items():
+    """compressed-tensors' unpacked int8 and per-tensor scales, and gate and up packed in different bits, are
+    refused by name on moe_backend='triton' (auto runs them eagerly)."""
+    schemes = {"unpacked values": compressed_tensors.Scheme(8, "int", "channel", 0, True, packed=False),
+               "per-tensor scales": compressed_tensors.Scheme(4, "int", "tensor", 0, True, packed=True)}
+    for why in [*schemes, "packed in different ways"]:
         experts = packed_experts("gptq", 4, 16)
-        if why == "unpacked values":
-            experts[1].up_proj.packed, experts[1].up_proj.scheme = None, compressed_tensors.Scheme(
-                8, "int", "channel", 0, True, packed=False)
+        up = experts[1].up_proj
+        if why in schemes:
+            up.packed, up.scheme = None, schemes[why]
         else:
-            experts[1].up_proj.packed = change(experts[1].up_proj)
+            up.packed = up.packed._replace(bits=8)
         assert why in experts.unfused_reason()
         with pytest.raises(ValueError, match=f"moe_backend='triton': .*{why}"):
             experts.fuse()

@@ -30,7 +30,8 @@ SCORED = dict(GREEDY, return_logprob=True)
 PROMPTS = [[5, 9, 33, 47, 12, 90, 7, 61, 18, 3, 44, 21, 8, 70, 2, 19], [11] * 20, [3, 200, 150]]
 # family, checkpoint: GPTQ int4 with and without act-order, int8 over one group, asymmetric; AWQ (biases kept
 # beside the packed tensors, as Qwen2's q/k/v); Phi-3's fused qkv_proj and gate_up_proj; Qwen3-MoE's experts
-# (torch MoE backend, then the fused one: the same tokens); DeepSeek-V3's MLA; a layer left unquantized
+# with act-order (torch MoE backend, then the fused one: the same tokens); DeepSeek-V3's MLA; a layer left
+# unquantized
 CASES = {
     "llama-gptq4": ("llama", dict(bits=4, group_size=32, sym=True)),
     "qwen3-gptq4-act-order": ("qwen3", dict(bits=4, group_size=16, sym=False, act_order=True)),
@@ -40,7 +41,7 @@ CASES = {
         "-:.*o_proj": {}, r"+:.*\.down_proj": {"bits": 8, "group_size": 16, "desc_act": True}})),
     "llama-awq-biases": ("llama", dict(method="awq", group_size=32, attention_bias=True, mlp_bias=True)),
     "phi3-gptq4-act-order": ("phi3", dict(bits=4, group_size=32, act_order=True)),
-    "qwen3_moe-gptq4": ("qwen3_moe", dict(bits=4, group_size=16)),
+    "qwen3_moe-gptq4-act-order": ("qwen3_moe", dict(bits=4, group_size=16, act_order=True)),
     "deepseek_v3-awq": ("deepseek_v3", dict(method="awq", group_size=16)),  # MLA's absorbed kv_b_proj
 }
 

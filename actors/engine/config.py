@@ -92,7 +92,7 @@ class EngineConfig(BaseModel):
         "auto", description="how an MoE layer's routed experts run: triton, two grouped-GEMM launches over the "
         "batch's tokens sorted by expert (SGLang's fused MoE); torch, HF's eager loop (one matmul per chosen "
         "expert, a host sync a layer). auto: triton on CUDA, torch on the CPU (where Triton runs interpreted) and for "
-        "experts the fused kernels do not take (GPTQ act-order, compressed-tensors FP8 / int8 ones: "
+        "experts the fused kernels do not take (compressed-tensors FP8 / int8 ones, mixed bits or groups: "
         "actors.engine.moe_wna16)")
     disable_cuda_graph: bool = Field(
         False, description="run every decode forward eagerly (SGLang's --disable-cuda-graph, vLLM's enforce_eager). "

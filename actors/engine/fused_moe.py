@@ -68,13 +68,14 @@ def moe_align_block_size(expert_of: torch.Tensor, num_experts: int,
 
 @triton.jit
 def _grouped_gemm_kernel(
-    A, B, C, Bias, Scale, Zeros, SortedIds, BlockExpert, NumPadded, RowWeights,
+    A, B, C, Bias, Scale, Zeros, GIdx, SortedIds, BlockExpert, NumPadded, RowWeights,
     num_pairs, N, K, pairs_per_row, n_part, scale_rows_part, group_size, zero_add, zero_point,
     stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn, stride_biase,
-    stride_se, stride_sn, stride_sk, stride_ze, stride_zn, stride_zk,
+    stride_se, stride_sn, stride_sk, stride_ze, stride_zn, stride_zk, stride_ge,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_N: tl.constexpr,
     SCALE_K: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, MUL_WEIGHT: tl.constexpr,
     IEEE: tl.constexpr, PACKED: tl.constexpr, BITS: tl.constexpr, AWQ: tl.constexpr, HAS_ZEROS: tl.constexpr,
+    HAS_G_IDX: tl.constexpr,
 ):
     """Rows ``BLOCK_M`` of one block (one expert) × columns ``BLOCK_N``: ``C[pair] = A[pair // pairs_per_row]
     @ B[expert].T (+ Bias[expert])`` (times ``RowWeights[pair]`` when ``MUL_WEIGHT``). With ``HAS_SCALE``,
@@ -82,7 +83,8 @@ def _grouped_gemm_kernel(
     scale_rows_part + (n % n_part) // SCALE_N, k // SCALE_K]``: the scales of several matrices stacked
     along N (gate, up), each its own blocks. With ``PACKED``, ``B`` is int32 words (:mod:`.moe_wna16`), each
     tile dequantized by :func:`dequantize_tile` with ``Zeros`` and ``Scale`` by group of ``group_size``
-    inputs, every stride (expert, output, input or group)."""
+    inputs (``HAS_G_IDX``, act-order: input ``k`` of matrix ``n // n_part`` in group ``GIdx[expert,
+    (n // n_part)·K + k]``), every stride (expert, output, input or group)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if pid_m * BLOCK_M < tl.load(NumPadded):
@@ -103,10 +105,16 @@ def _grouped_gemm_kernel(
             k_mask = offs_k < K - k0
             a = tl.load(a_ptrs, mask=is_pair[:, None] & k_mask[None, :], other=0.0)
             if PACKED:
+                kn_mask = k_mask[:, None] & n_mask[None, :]
+                if HAS_G_IDX:
+                    g = tl.load(GIdx + expert * stride_ge + (offs_n // n_part)[None, :] * K + (k0 + offs_k)[:, None],
+                                mask=kn_mask, other=0).to(tl.int64)
+                else:
+                    g = ((k0 + offs_k) // group_size)[:, None]
                 b = dequantize_tile(
                     B + expert * stride_be, Zeros + expert * stride_ze, Scale + expert * stride_se, k0 + offs_k,
-                    offs_n, (k0 + offs_k) // group_size, k_mask[:, None] & n_mask[None, :], zero_add, zero_point,
-                    stride_bk, stride_bn, stride_zk, stride_zn, stride_sk, stride_sn, BITS, AWQ, HAS_ZEROS,
+                    offs_n, g, kn_mask, zero_add, zero_point, stride_bk, stride_bn, stride_zk, stride_zn, stride_sk,
+                    stride_sn, BITS, AWQ, HAS_ZEROS,
                 ).to(A.dtype.element_ty)
             else:
                 b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
@@ -149,8 +157,9 @@ class StackedWeight(NamedTuple):
     stored [experts, K, N] transposed), FP8 or in the model's dtype; ``bias`` [experts, N] or None; FP8,
     its ``scale`` [experts, ·, ·] in blocks of ``block_size``, the matrices stacked along N ``part`` rows
     each (gate, up: each its own blocks). Packed (``packed``: how its tensors are read), ``weight`` is the
-    stacked int32 words, ``scale`` and ``zeros`` (None: symmetric) the stacked scales and zeros, and
-    ``features`` (N, K), which the words do not say."""
+    stacked int32 words, ``scale`` and ``zeros`` (None: symmetric) the stacked scales and zeros, ``g_idx``
+    (act-order) each matrix's input groups one after the other [experts, parts·K], and ``features`` (N, K),
+    which the words do not say."""
 
     weight: torch.Tensor
     bias: Optional[torch.Tensor] = None
@@ -160,6 +169,7 @@ class StackedWeight(NamedTuple):
     zeros: Optional[torch.Tensor] = None
     packed: Optional[moe_wna16.PackedLayout] = None
     features: Optional[Tuple[int, int]] = None
+    g_idx: Optional[torch.Tensor] = None
 
     @property
     def shape(self) -> Tuple[int, int]:
@@ -186,14 +196,16 @@ def grouped_gemm(a: torch.Tensor, w: StackedWeight, out: torch.Tensor, sorted_id
     ieee = knobs.runtime.interpret or a.dtype == torch.float32
     grid = (triton.cdiv(sorted_ids.numel(), blocks.m), triton.cdiv(n, blocks.n))
     _grouped_gemm_kernel[grid](
-        a, w.weight, out, _or(w.bias, out), _or(w.scale, out), _or(w.zeros, out), sorted_ids, block_expert,
-        num_padded, _or(row_weights, out), num_pairs, n, k, pairs_per_row, n_part, triton.cdiv(n_part, bn),
-        layout.group_size, layout.zero_add, layout.zero_point,
+        a, w.weight, out, _or(w.bias, out), _or(w.scale, out), _or(w.zeros, out), _or(w.g_idx, out), sorted_ids,
+        block_expert, num_padded, _or(row_weights, out), num_pairs, n, k, pairs_per_row, n_part,
+        triton.cdiv(n_part, bn), layout.group_size, layout.zero_add, layout.zero_point,
         a.stride(0), a.stride(1), *weight_strides, out.stride(0), out.stride(1),
         w.bias.stride(0) if w.bias is not None else 0, *scale_strides, *zero_strides,
+        w.g_idx.stride(0) if w.g_idx is not None else 0,
         BLOCK_M=blocks.m, BLOCK_N=blocks.n, BLOCK_K=blocks.k, SCALE_N=bn, SCALE_K=bk, HAS_BIAS=w.bias is not None,
         HAS_SCALE=w.scale is not None and packed is None, MUL_WEIGHT=row_weights is not None, IEEE=ieee,
         PACKED=packed is not None, BITS=layout.bits, AWQ=layout.awq, HAS_ZEROS=w.zeros is not None,
+        HAS_G_IDX=w.g_idx is not None,
     )
 
 
@@ -215,10 +227,10 @@ def stack_linears(linears: Sequence[Sequence[nn.Linear]]) -> StackedWeight:
     first = linears[0][0]
     if first.packed is not None or first.scheme is not None:
         layout = moe_wna16.packed_layout(first)
-        words, zeros, scales = (name and _stack([[getattr(m, name) for m in parts] for parts in linears],
-                                                layout.out_dim) for name in layout.names)
+        words, zeros, scales, g_idx = (name and _stack([[getattr(m, name) for m in parts] for parts in linears],
+                                                       dim) for name, dim in zip(layout.names, layout.dims))
         return StackedWeight(words, scale=scales, part=first.out_features, zeros=zeros, packed=layout,
-                             features=(first.out_features * len(linears[0]), first.in_features))
+                             features=(first.out_features * len(linears[0]), first.in_features), g_idx=g_idx)
     stacked = StackedWeight(_stack([[m.weight for m in parts] for parts in linears]), part=first.out_features)
     if first.weight_block_size is None:
         return stacked

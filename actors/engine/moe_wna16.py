@@ -6,9 +6,10 @@ grouped GEMM, each weight tile unpacked from its int32 words and dequantized in 
 Each tensor a layer stores (words, zeros, scales) is stacked as it is stored, the experts' gate and up along
 their output features (the dim holding them: GPTQ's and AWQ's last, compressed-tensors' first), the layers'
 tensors then views of the stacks (a weight update copies into them). The kernel reads each layout by its
-(output, input) strides. What it does not take stays on the eager experts (:func:`unfused_reason`): GPTQ's
-act-order (each input's group read through ``g_idx``, every expert's its own), compressed-tensors' int8 and
-FP8 values (unpacked) and per-tensor scales.
+(output, input) strides; GPTQ's act-order ``g_idx`` (each input's group, every expert's gate, up and down
+their own) one matrix's after another. What it does not take stays on the eager experts
+(:func:`unfused_reason`): compressed-tensors' int8 and FP8 values (unpacked) and per-tensor scales, experts
+packed in different ways.
 """
 
 from __future__ import annotations
@@ -23,18 +24,24 @@ from actors.engine import wna16
 
 class PackedLayout(NamedTuple):
     """How a packed layer's tensors are read: ``names`` (the words', the zeros' or None: symmetric, the
-    scales'), ``out_dim`` (the dim of each holding the output features), ``bits`` a value, ``group_size``
+    scales', the ``g_idx``'s or None: groups in order), ``out_dim`` (the dim of the first three holding the
+    output features), ``bits`` a value, ``group_size``
     inputs a scale (one group: every input), ``awq`` (words packed along the outputs in AutoAWQ's order, else
     down the inputs), ``zero_add`` (what a stored zero is short of: GPTQ v1's 1), ``zero_point`` (every
     zero, without zeros: compressed-tensors' values are stored plus it)."""
 
-    names: Tuple[str, Optional[str], str]
+    names: Tuple[str, Optional[str], str, Optional[str]]
     out_dim: int
     bits: int
     group_size: int
     awq: bool = False
     zero_add: int = 0
     zero_point: int = 0
+
+    @property
+    def dims(self) -> Tuple[int, int, int, int]:
+        """The dim each of :attr:`names` is stacked along: the output features', ``g_idx``'s only one."""
+        return self.out_dim, self.out_dim, self.out_dim, 0
 
 
 def unfused_reason(stacks: Sequence[Sequence[nn.Module]]) -> Optional[str]:
@@ -58,8 +65,6 @@ def unfused_reason(stacks: Sequence[Sequence[nn.Module]]) -> Optional[str]:
 def _layer_reason(linear: nn.Module) -> Optional[str]:
     """Why packed (or compressed-tensors) ``linear`` cannot be a fused expert's, or None."""
     quant, scheme = linear.packed, linear.scheme
-    if quant is not None and quant.desc_act:
-        return "GPTQ act-order experts (desc_act: g_idx) are not fused"
     if scheme is not None and not scheme.packed:
         return f"compressed-tensors {scheme.type}{scheme.num_bits} experts (unpacked values) are not fused"
     if scheme is not None and scheme.strategy == "tensor":
@@ -76,10 +81,11 @@ def packed_layout(linear: nn.Module) -> PackedLayout:
     if quant is not None:
         group_size = linear.in_features if quant.group_size == -1 else quant.group_size
         awq = quant.method == wna16.AWQ
-        return PackedLayout(("qweight", "qzeros", "scales"), 1, quant.bits, group_size, awq, 0 if awq else 1)
+        g_idx = "g_idx" if quant.desc_act else None
+        return PackedLayout(("qweight", "qzeros", "scales", g_idx), 1, quant.bits, group_size, awq, 0 if awq else 1)
     group_size = scheme.group_size if scheme.strategy == "group" else linear.in_features
     zeros = None if scheme.symmetric else "weight_zero_point"
-    return PackedLayout(("weight_packed", zeros, "weight_scale"), 0, scheme.num_bits, group_size,
+    return PackedLayout(("weight_packed", zeros, "weight_scale", None), 0, scheme.num_bits, group_size,
                         zero_point=0 if zeros else scheme.offset)
 
 

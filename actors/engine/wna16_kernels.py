@@ -23,12 +23,13 @@ from triton import knobs
 def dequantize_tile(QWeight, QZeros, Scales, offs_k, offs_n, g, mask, zero_add, zero_point,
                     stride_qk, stride_qn, stride_zg, stride_zn, stride_sg, stride_sn,
                     BITS: tl.constexpr, AWQ: tl.constexpr, HAS_ZEROS: tl.constexpr):
-    """The fp32 tile ``(q[k, n] - zero[g, n]) · scale[g, n]`` of inputs ``offs_k`` (each in group ``g``) ×
-    outputs ``offs_n``, ``mask``'s elements (others 0), each tensor addressed by its (input or group, output)
-    strides. ``q``: packed down K (GPTQ's ``[K / pack, N]``, compressed-tensors' ``[N, K / pack]``) or, with
-    ``AWQ``, along N in AutoAWQ's order; the zeros packed along N as ``q``'s order, plus ``zero_add`` (GPTQ
-    v1 stores them minus one); without ``HAS_ZEROS`` every zero is ``zero_point`` (compressed-tensors'
-    symmetric values, stored plus it). Shared by the packed linear and the fused MoE (:mod:`.moe_wna16`)."""
+    """The fp32 tile ``(q[k, n] - zero[g, n]) · scale[g, n]`` of inputs ``offs_k`` × outputs ``offs_n``,
+    ``mask``'s elements (others 0), ``g`` each element's group ([K, 1] or, where outputs differ, [K, N]), each
+    tensor addressed by its (input or group, output) strides. ``q``: packed down K (GPTQ's ``[K / pack, N]``,
+    compressed-tensors' ``[N, K / pack]``) or, with ``AWQ``, along N in AutoAWQ's order; the zeros packed along
+    N as ``q``'s order, plus ``zero_add`` (GPTQ v1 stores them minus one); without ``HAS_ZEROS`` every zero is
+    ``zero_point`` (compressed-tensors' symmetric values, stored plus it). Shared by the packed linear and the
+    fused MoE (:mod:`.moe_wna16`)."""
     PACK: tl.constexpr = 32 // BITS
     MASK: tl.constexpr = (1 << BITS) - 1
     if AWQ:  # feature 8c + j in nibble AWQ_REVERSE_ORDER[j] = j // 2 + (j % 2) * 4 of word c
@@ -42,11 +43,11 @@ def dequantize_tile(QWeight, QZeros, Scales, offs_k, offs_n, g, mask, zero_add, 
                         other=0)
         q = (words >> ((offs_k % PACK) * BITS).to(tl.int32)[:, None]) & MASK
     if HAS_ZEROS:
-        zeros = tl.load(QZeros + g[:, None] * stride_zg + (offs_n // PACK)[None, :] * stride_zn, mask=mask, other=0)
+        zeros = tl.load(QZeros + g * stride_zg + (offs_n // PACK)[None, :] * stride_zn, mask=mask, other=0)
         q -= ((zeros >> n_shift[None, :]) & MASK) + zero_add
     else:
         q -= zero_point
-    scales = tl.load(Scales + g[:, None] * stride_sg + offs_n[None, :] * stride_sn, mask=mask, other=0.0)
+    scales = tl.load(Scales + g * stride_sg + offs_n[None, :] * stride_sn, mask=mask, other=0.0)
     return q.to(tl.float32) * scales
 
 
@@ -75,7 +76,7 @@ def _packed_gemm_kernel(
             g = tl.load(GIdx + offs_k, mask=k_mask, other=0).to(tl.int64)
         else:
             g = offs_k // group_size
-        w = dequantize_tile(QWeight, QZeros, Scales, offs_k, offs_n, g, k_mask[:, None] & n_mask[None, :],
+        w = dequantize_tile(QWeight, QZeros, Scales, offs_k, offs_n, g[:, None], k_mask[:, None] & n_mask[None, :],
                             0 if AWQ else 1, 0, stride_qr, stride_qc, stride_zr, stride_zc, stride_sr, stride_sc,
                             BITS, AWQ, True).to(X.dtype.element_ty)
         if IEEE:
