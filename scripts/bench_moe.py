@@ -12,7 +12,12 @@ On CUDA the sizes are real models' (``qwen3-30b-a3b``: 128 experts of 768, top-8
 ``mixtral-8x7b``: 8 of 14336, top-2, hidden 4096; one TP rank's whole experts), in bf16. On the CPU the
 kernels run under Triton's interpreter (set here), at tiny sizes: a correctness run, not a speed one.
 
+``--quant gptq | awq | compressed``: the experts packed 4-bit in groups of 128, their words random (as
+bench_wna16.py's layers); eager is then each expert's packed linear (on CUDA the dequant-GEMM kernel;
+compressed-tensors' dequantize-then-matmul), fused the packed grouped GEMM (:mod:`actors.engine.moe_wna16`).
+
     python scripts/bench_moe.py [--device cuda] [--shapes qwen3-30b-a3b mixtral-8x7b] [--tokens 1 64 2048]
+                                [--quant gptq]
 """
 
 from __future__ import annotations
@@ -32,8 +37,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from actors.engine.fused_moe import fuse_experts  # noqa: E402
 from actors.engine.models.moe import ExpertList, qwen_expert, run_experts  # noqa: E402
-from actors.engine.parallel import SINGLE  # noqa: E402
+from actors.engine.parallel import SINGLE, LinearBase  # noqa: E402
 from bench_common import median_ms  # noqa: E402  (scripts/, beside this file)
+from bench_wna16 import FORMATS, GROUP_SIZE, pack_randomly  # noqa: E402
 
 
 class Shape(NamedTuple):
@@ -51,20 +57,26 @@ SHAPES = {
 }
 
 
-def make_experts(shape: Shape, dtype: torch.dtype, device: str) -> ExpertList:
+def make_experts(shape: Shape, dtype: torch.dtype, device: str, quant: str = "none") -> ExpertList:
+    """``shape``'s experts in ``dtype``, their weights ~ N(0, 1/fan_in), or packed by ``quant`` (fp32 scales,
+    as a loaded model keeps them)."""
     with torch.device(device):
         experts = ExpertList(range(shape.experts),
                              lambda: qwen_expert(shape.hidden, shape.intermediate, "silu", SINGLE, "i"))
     with torch.no_grad():
         for p in experts.parameters():
             p.normal_(0, p.shape[1] ** -0.5)
-    return experts.to(dtype).requires_grad_(False)
+    experts = experts.to(dtype).requires_grad_(False)
+    if quant != "none":
+        for linear in [m for m in experts.modules() if isinstance(m, LinearBase)]:
+            pack_randomly(linear, quant)
+    return experts
 
 
-def bench(shape: Shape, num_tokens: int, dtype: torch.dtype, device: str, iters: int) -> tuple:
+def bench(shape: Shape, num_tokens: int, dtype: torch.dtype, device: str, iters: int, quant: str = "none") -> tuple:
     """(eager ms, fused ms, the outputs' largest difference over the largest output)."""
     torch.manual_seed(0)
-    experts = make_experts(shape, dtype, device)
+    experts = make_experts(shape, dtype, device, quant)
     x = torch.randn(num_tokens, shape.hidden, device=device, dtype=dtype)
     weights, idx = torch.softmax(torch.randn(num_tokens, shape.experts, device=device), -1).topk(shape.top_k, -1)
     weights = weights.to(dtype)
@@ -87,16 +99,19 @@ def main() -> None:
     parser.add_argument("--tokens", nargs="+", type=int, default=[1, 8, 64, 512, 2048] if cuda else [1, 13, 64])
     parser.add_argument("--dtype", default="bfloat16" if cuda else "float32")
     parser.add_argument("--iters", type=int, default=20 if cuda else 3)
+    parser.add_argument("--quant", choices=["none", *FORMATS], default="none",
+                        help=f"the experts packed 4-bit in groups of {GROUP_SIZE}, their words random")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
+    weights = "unquantized" if args.quant == "none" else f"{args.quant} 4-bit, group {GROUP_SIZE}"
     print(f"device {args.device} ({torch.cuda.get_device_name() if args.device == 'cuda' else 'interpreted'}), "
-          f"{args.dtype}, median of {args.iters}")
+          f"{args.dtype}, {weights}, median of {args.iters}")
     print(f"{'shape':<15}{'experts':>8}{'top_k':>6}{'tokens':>8}{'eager ms':>11}{'fused ms':>11}{'speed-up':>10}"
           f"{'rel err':>10}")
     for name in args.shapes:
         shape = SHAPES[name]
         for num_tokens in args.tokens:
-            eager, fused, error = bench(shape, num_tokens, dtype, args.device, args.iters)
+            eager, fused, error = bench(shape, num_tokens, dtype, args.device, args.iters, args.quant)
             print(f"{name:<15}{shape.experts:>8}{shape.top_k:>6}{num_tokens:>8}{eager:>11.3f}{fused:>11.3f}"
                   f"{eager / fused:>9.3g}x{error:>10.1e}")
 

@@ -47,8 +47,13 @@ def random_words(shape, device: str) -> torch.Tensor:
 
 def quantized_layer(fmt: str, in_features: int, out_features: int, device: str) -> nn.Module:
     """A 4-bit ``fmt`` layer [out, in] with random words and scales of a trained layer's size."""
-    module = nn.Linear(in_features, out_features, bias=False, device=device)
-    full_shape = (out_features, in_features)
+    return pack_randomly(nn.Linear(in_features, out_features, bias=False, device=device), fmt)
+
+
+def pack_randomly(module: nn.Linear, fmt: str) -> nn.Module:
+    """``module`` (one rank's whole layer) packed 4-bit by ``fmt``, its words random, its scales of a trained
+    layer's size (bench_moe.py's experts too)."""
+    device, full_shape = module.weight.device, (module.out_features, module.in_features)
     if fmt == "compressed":
         compressed_tensors.quantize_linear(module, fmt, FORMATS[fmt], full_shape, [1])
     else:

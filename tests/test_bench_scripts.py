@@ -1,6 +1,7 @@
 """The GPU session's benchmark scripts run on the CPU, in their smallest settings, as
 ``scripts/gpu_session.sh run`` calls them (a script, its own process): bench_decode.py's eager
-decode of the tiny model and bench_wna16.py's packed layers, their tables and plots. The figures
+decode of the tiny model, bench_wna16.py's packed layers, their tables and plots, and bench_moe.py's
+packed experts (its kernels interpreted). The figures
 are the GPU session's; here the scripts' paths and arithmetic must hold (a script that fails
 there loses its figures until the next session)."""
 
@@ -61,3 +62,14 @@ def test_bench_wna16_runs_the_torch_path_on_the_cpu(tmp_path):
             assert float(err) == 0
         assert all(float(t) > 0 for t in times if t != "—")
     check_plot(out, plot)
+
+
+def test_bench_moe_runs_packed_experts_interpreted():
+    """GPTQ experts eager (each one's packed linear) and fused (the packed grouped GEMM, interpreted): the
+    same output."""
+    out = run_script("bench_moe.py", "--shapes", "tiny", "--tokens", "13", "--iters", "1", "--quant", "gptq")
+    assert "gptq 4-bit, group 128" in out
+    rows = [line.split() for line in out.splitlines() if line.startswith("tiny")]
+    assert [row[3] for row in rows] == ["13"]
+    (_, _, _, _, eager, fused, _, error), = rows
+    assert float(eager) > 0 and float(fused) > 0 and float(error) < 1e-5
