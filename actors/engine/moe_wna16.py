@@ -25,10 +25,10 @@ from actors.engine import wna16
 class PackedLayout(NamedTuple):
     """How a packed layer's tensors are read: ``names`` (the words', the zeros' or None: symmetric, the
     scales', the ``g_idx``'s or None: groups in order), ``out_dim`` (the dim of the first three holding the
-    output features), ``bits`` a value, ``group_size``
-    inputs a scale (one group: every input), ``awq`` (words packed along the outputs in AutoAWQ's order, else
-    down the inputs), ``zero_add`` (what a stored zero is short of: GPTQ v1's 1), ``zero_point`` (every
-    zero, without zeros: compressed-tensors' values are stored plus it)."""
+    output features), ``bits`` a value, ``group_size`` inputs a scale (one group: every input), ``awq``
+    (words packed along the outputs in AutoAWQ's order, else down the inputs), ``zero_add`` (what a stored
+    zero is short of: GPTQ v1's 1), ``zero_point`` (every zero, without zeros: compressed-tensors' values
+    are stored plus it)."""
 
     names: Tuple[str, Optional[str], str, Optional[str]]
     out_dim: int
