@@ -50,7 +50,7 @@ from typing import Callable, ContextManager, Deque, Dict, List, NamedTuple, Opti
 import torch
 
 from transfer.base import KVHandoff, KVPoll, KVSender, TransferAgent, head_overlap
-from transfer.plan import sends_heads
+from transfer.plan import copied_heads, plan_copies, sends_heads, sends_replicated
 
 logger = logging.getLogger(__name__)
 
@@ -72,11 +72,15 @@ class PushChunk(NamedTuple):
 
 
 class PushResult(NamedTuple):
-    """One rank's share of a push, done: bytes it moved, and why it failed (or None)."""
+    """One rank's share of a push, done: bytes it moved, why it failed (or None), and
+    ``written``: per decode rank it pushed to (by its hand-off's position in the
+    request's list), the heads of each buffer it wrote there (``transfer.plan.copied_heads``:
+    rank 0 checks that the ranks together wrote every buffer of every decode rank)."""
 
     push_id: str
     moved: int
     error: Optional[str]
+    written: Optional[Dict[int, Dict[str, int]]] = None
 
 
 @dataclass
@@ -84,6 +88,7 @@ class _Job:
     lane: "_Lane"
     dest: str
     senders: List[Tuple[KVHandoff, KVSender]] = field(default_factory=list)
+    written: Dict[int, Dict[str, int]] = field(default_factory=dict)  # see PushResult
     moved: int = 0
     error: Optional[str] = None
     cancelled: bool = False
@@ -105,19 +110,22 @@ class _Lane:
 
 
 def serves(handoff: KVHandoff, agent: TransferAgent) -> bool:
-    """Whether this prefill rank pushes to the hand-off's decode rank: head-sharded
-    layouts pair ranks whose head ranges overlap (of the ranks holding a replica of
-    the same heads, only the one :func:`~transfer.plan.sends_heads` picks); replicated
-    ones (MLA) take the KV of decode rank r from prefill rank ``r % tp_size``."""
+    """Whether this prefill rank pushes to the hand-off's decode rank: the two must hold
+    some layer alike (the same buffer: pipeline stages hold their own layers), and of it
+    head-sharded buffers pair ranks whose head ranges overlap (of the ranks holding a
+    replica of the same heads, only the one :func:`~transfer.plan.sends_heads` picks);
+    replicated ones (MLA, Mamba states) take the KV of decode TP rank r from prefill TP
+    rank ``r % tp_size`` (:func:`~transfer.plan.sends_replicated`). As
+    :func:`~transfer.plan.plan_copies` picks what it copies."""
     mine = agent.layout.by_name()
-    sharded = [b for b in handoff.layout.buffers if b.head_axis is not None]
-    if not sharded:
-        return handoff.tp_rank % agent.tp_size == agent.tp_rank
-    for b in sharded:
+    for b in handoff.layout.buffers:
         m = mine.get(b.name)
-        if m is None or m.head_axis is None or not sends_heads(m, agent.tp_rank, agent.tp_size, handoff.tp_rank):
+        if m is None:  # a layer of another stage
             continue
-        if head_overlap(m, b) is not None:
+        if b.head_axis is None:
+            if sends_replicated(agent.tp_rank, agent.tp_size, handoff.tp_rank):
+                return True
+        elif sends_heads(m, agent.tp_rank, agent.tp_size, handoff.tp_rank) and head_overlap(m, b) is not None:
             return True
     return False
 
@@ -351,7 +359,7 @@ class KVPusher:
             if ended:
                 if job.error is not None:
                     self._abort_senders([job])
-                self._report(PushResult(chunk.push_id, job.moved, job.error))
+                self._report(PushResult(chunk.push_id, job.moved, job.error, job.written))
             with self._cond:
                 lane.running = None
                 if not died:  # a thread that pushes: the deaths before it were not in a row
@@ -373,8 +381,8 @@ class KVPusher:
             self._finished.append(result)
 
     def _open(self, job: _Job, chunk: PushChunk) -> None:
-        """A sender per decode rank this rank serves."""
-        for raw in chunk.handoffs:
+        """A sender per decode rank this rank serves, and what it writes there."""
+        for i, raw in enumerate(chunk.handoffs):
             handoff = KVHandoff.from_bytes(raw)
             agent = self.agents.get(handoff.backend)
             if agent is None:
@@ -385,6 +393,8 @@ class KVPusher:
             sender = KVSender(agent, handoff.rid)
             sender.init(handoff)  # a layout mismatch raises: the request fails
             job.senders.append((handoff, sender))
+            job.written[i] = copied_heads(plan_copies(agent.layout, handoff.layout, agent.tp_rank, agent.tp_size,
+                                                      handoff.tp_rank, handoff.dst_state_slot is not None))
 
     def _push(self, job: _Job, chunk: PushChunk) -> None:
         """The chunk's rows past each decode rank's own prefix; with the last, the state and window."""

@@ -38,6 +38,7 @@ lock dropped (``PrefillWorker.prefill_only`` returns its result).
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import threading
@@ -51,7 +52,8 @@ from actors.engine.sampling import Pick
 from actors.engine.scheduler import Scheduler
 from actors.engine.tp_worker import FollowerError
 from actors.kv_push import KVPusher, PushChunk, PushResult
-from transfer.base import TransferAgent
+from transfer.base import KVHandoff, TransferAgent
+from transfer.plan import unwritten
 
 logger = logging.getLogger(__name__)
 
@@ -167,6 +169,7 @@ class PrefillScheduler(Scheduler):
                 req.pd_push_id = f"{req.rid}#{next(self._push_serial)}"
                 self._pushing[req.pd_push_id] = req
                 req.pd_pending, req.pd_transfer_bytes, req.pd_error = set(range(self.tp_size)), 0, None
+                req.pd_written = {}  # hand-off position -> heads written per buffer, over the ranks settled
         self._outbox.append(PushChunk(
             req.pd_push_id, start, row[start:].tolist(), is_last, req.mamba_pool_idx if is_last else None,
             self._window_swa_slots(row) if is_last else [], list(req.pd_handoffs) if first else None,
@@ -220,6 +223,8 @@ class PrefillScheduler(Scheduler):
             req.pd_pending.discard(rank)
             req.pd_transfer_bytes += result.moved
             req.pd_error = req.pd_error or result.error
+            for i, heads in (result.written or {}).items():
+                req.pd_written.setdefault(i, collections.Counter()).update(heads)
             return req
 
     def on_pushed(self, rank: int, results: List[PushResult]) -> None:
@@ -246,8 +251,10 @@ class PrefillScheduler(Scheduler):
         return req.pd_error is None or self.tp_size == 1
 
     def _finish_push(self, req: Req) -> None:
+        """Every rank settled: the notice, or the error, a push's or the ranks' shares together not
+        writing every decode rank's buffers (their settlement is done: no rank copies any more)."""
         req.pd_transfer_time = time.perf_counter() - req.pd_last_chunk_time  # the part prefill did not hide
-        error = req.pd_error
+        error = req.pd_error = req.pd_error or _unwritten_error(req)
         req.finish({"type": "prefill_done"} if error is None else {"type": "abort", "message": error})
 
     # ---- inflight --------------------------------------------------------------------
@@ -359,6 +366,21 @@ class PrefillScheduler(Scheduler):
                 except Exception:  # keep releasing the others (and return them all: each is told)
                     logger.exception("could not release request %s", req.rid)
         return out
+
+
+def _unwritten_error(req: Req) -> Optional[str]:
+    """Why the decode ranks of ``req`` would not hold all of its KV once every prefill rank pushed
+    its share: a buffer of theirs the ranks' shares (``pd_written``) do not cover exactly once — a
+    push backend's bytes land unseen by the decode side (shm, CUDA IPC), so this is the count that
+    its completion rests on (a pipeline stage's layers missing from the other side's layout)."""
+    for i, raw in enumerate(req.pd_handoffs):
+        handoff = KVHandoff.from_bytes(raw)
+        missing = unwritten(handoff, req.pd_written.get(i, {}))
+        if missing:
+            return (f"KV push left {len(missing)} buffers of decode rank {i} (TP rank {handoff.tp_rank}) unwritten "
+                    f"or written twice: {', '.join(missing[:4])}{', ...' if len(missing) > 4 else ''} (the two "
+                    "sides' layers do not fit together)")
+    return None
 
 
 def _scored_only(req: Req) -> bool:

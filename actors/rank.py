@@ -1,4 +1,8 @@
-"""One TP rank of a worker: its model shard, its pools, its transfer agents.
+"""One rank of a worker: its model shard, its pools, its transfer agents.
+
+A worker of ``tp_size × pp_size`` ranks (:mod:`actors.engine.pipeline`): global rank
+``stage · tp_size + tp_rank``, each holding its stage's layers' KV and pushing or
+receiving that share; "TP follower" below means any rank > 0, of any stage.
 
 Rank 0 of a worker (the ``PrefillWorker`` / ``DecodeWorker`` actor) schedules;
 ranks > 0 are :class:`TPFollower` actors that run the batches rank 0
@@ -109,12 +113,14 @@ class RankHost:
         self.runner = self.tp_worker.runner
         spec = self.runner.spec
         layout, tensors = pool_layout(
-            self.runner.token_to_kv_pool, getattr(spec, "kv_head_start", 0), getattr(spec, "total_kv_heads", None)
+            self.runner.token_to_kv_pool, getattr(spec, "kv_head_start", 0), getattr(spec, "total_kv_heads", None),
+            self.runner.model_config.get_text_config().num_hidden_layers,
         )
         allocators = pool_allocators(self.runner.token_to_kv_pool)
         options = agent_options or {}
-        self.agents = {name: create_agent(name, layout, tensors, tp_rank, config.tp_size, allocators=allocators,
-                                          **options.get(name, {}))
+        # (the agent pairs by TP rank within its stage; its layout holds the stage's layers)
+        self.agents = {name: create_agent(name, layout, tensors, tp_rank % config.tp_size, config.tp_size,
+                                          allocators=allocators, **options.get(name, {}))
                        for name in self.backends}
         self.pusher = (KVPusher(self.agents, config.disaggregation_async_push, f"raydix-kv-push-{tp_rank}")
                        if role == "prefill" else None)

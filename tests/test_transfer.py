@@ -9,6 +9,7 @@ push must not touch that changed fails too. Cross-process runs are in
 
 import subprocess
 import time
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -123,19 +124,25 @@ def test_handoff_version_mismatch_and_malformed_bytes_are_rejected():
         KVHandoff.from_bytes(truncated)
 
 
-def test_hand_offs_from_before_swa_slots_and_chunked_pushes_are_rejected():
+def test_hand_offs_from_before_layer_ids_swa_slots_and_chunked_pushes_are_rejected():
     """Version 2 had no ``dst_swa_slots`` (a sliding-window model's window would silently
-    not move); a version 3 peer expects one message per hand-off (it would reject chunks)."""
+    not move); a version 3 peer expects one message per hand-off (it would reject chunks);
+    a version 4 peer names no global layers (its rank would pair with every pipeline stage)."""
     import msgpack
 
-    assert HANDOFF_VERSION == 4
+    assert HANDOFF_VERSION == 5
     raw = msgpack.unpackb(_handoff().to_bytes())
+    raw["version"] = 4
+    del raw["num_layers"]
+    raw["buffers"] = [b[:7] for b in raw["buffers"]]
+    with pytest.raises(TransferError, match="hand-off version 4, this build speaks 5"):
+        KVHandoff.from_bytes(msgpack.packb(raw))
     raw["version"] = 3
-    with pytest.raises(TransferError, match="hand-off version 3, this build speaks 4"):
+    with pytest.raises(TransferError, match="hand-off version 3, this build speaks 5"):
         KVHandoff.from_bytes(msgpack.packb(raw))
     del raw["dst_swa_slots"]
     raw["version"] = 2
-    with pytest.raises(TransferError, match="hand-off version 2, this build speaks 4"):
+    with pytest.raises(TransferError, match="hand-off version 2, this build speaks 5"):
         KVHandoff.from_bytes(msgpack.packb(raw))
 
 
@@ -156,10 +163,14 @@ def test_hand_offs_from_before_swa_slots_and_chunked_pushes_are_rejected():
         ("endpoint", None),
         ("deadline", "soon"),
         ("backend", ["shm"]),
-        ("buffers", [["k.0", "token", [4, 8], "float16", 3, 0, 4]]),  # head axis past the row's axes
-        ("buffers", [["k.0", "tokens", [4, 8], "float16", 0, 0, 4]]),  # unknown index
-        ("buffers", [["k.0", "token", [4, -8], "float16", 0, 0, 4]]),
-        ("buffers", [["k.0", "token", [4, 8], "float16", 0, 2, 4]]),  # heads [2, 6) of 4
+        ("num_layers", -1),
+        ("buffers", [["k.0", "token", [4, 8], "float16", 3, 0, 4, 0]]),  # head axis past the row's axes
+        ("buffers", [["k.0", "tokens", [4, 8], "float16", 0, 0, 4, 0]]),  # unknown index
+        ("buffers", [["k.0", "token", [4, -8], "float16", 0, 0, 4, 0]]),
+        ("buffers", [["k.0", "token", [4, 8], "float16", 0, 2, 4, 0]]),  # heads [2, 6) of 4
+        ("buffers", [["k.0", "token", [4, 8], "float16", 0, 0, 4]]),  # no layer (version 4's entry)
+        ("buffers", [["k.9", "token", [4, 8], "float16", 0, 0, 4, 9]]),  # layer 9 of a 4-layer model
+        ("buffers", [["k.0", "token", [4, 8], "float16", 0, 0, 4, "0"]]),
     ],
 )
 def test_handoff_fields_of_the_wrong_type_or_range_are_rejected(field, value):
@@ -208,12 +219,12 @@ def test_swa_layout_mismatch_is_rejected():
         check_compatible(mine, theirs)
     _, dense, _, _ = build_pool(RankSpec("mha"))  # a dense model's k.1/v.1 are not a sliding-window model's
     with pytest.raises(LayoutMismatchError, match=r"only on prefill \['swa_k.0'"):
-        check_compatible(mine, dense)
+        check_compatible(mine, replace(dense, num_layers=mine.num_layers))  # (of as many layers)
 
 
 def test_missing_buffer_and_mamba_tp_mismatch_are_rejected():
     _, full, _, _ = build_pool(RankSpec("hybrid", 1))
-    fewer = type(full)(full.page_size, tuple(b for b in full.buffers if b.name != "v.1"))
+    fewer = replace(full, buffers=tuple(b for b in full.buffers if b.name != "v.1"))
     with pytest.raises(LayoutMismatchError, match=r"only on prefill \['v.1'\]"):
         check_compatible(full, fewer)
     _, tp2, _, _ = build_pool(RankSpec("hybrid", 1, tp_rank=0, tp_size=2))
@@ -768,7 +779,6 @@ def _replicated_heads_rank(tp_rank: int, tp_size: int, total_kv_heads: int = 2, 
     """A rank of a model with ``total_kv_heads`` KV heads at TP ``tp_size``: split when
     ``tp_size <= total_kv_heads``, else every rank keeps one replicated head
     (``TPGroup.kv_heads``). Returns ``(layout, tensors)``."""
-    from dataclasses import replace
 
     from transfer.base import KVLayout
 

@@ -16,17 +16,25 @@ different TP sizes. Replicated buffers (MLA latent, ``head_axis=None``) are
 copied whole from one chosen source rank; Mamba states need equal head
 ranges on both sides. Sliding-window layers (``"swa"`` buffers) move only
 the prompt's last window, between SWA slot lists of their own.
+
+Layer ranges: every buffer of a decoder layer names its global model layer
+(``layer``), and a layout the model's ``num_layers``; a rank of pipeline stage
+s holds its stage's layers only. Two layouts are compatible when they serve a
+model of as many layers and agree on the layers both hold; a sender copies
+the buffers both ranks hold, so prefill and decode may use different PP sizes
+(a prefill rank pushes to the decode ranks whose layers overlap its own).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, FrozenSet, List, Optional, Sequence, Tuple
 
 import msgpack
 
 # 4: a hand-off's rows may arrive in several pushes (row ranges in the pushed header)
-HANDOFF_VERSION = 4
+# 5: every buffer names its global model layer, the layout the model's number of layers (pipeline stages)
+HANDOFF_VERSION = 5
 
 
 class TransferError(RuntimeError):
@@ -46,7 +54,9 @@ class BufferLayout:
     ``"swa"`` (SWA slot numbers: sliding-window layers) or ``"state"`` (Mamba
     state slots). ``row_shape``/``dtype`` describe one row on *this* rank;
     ``head_axis`` is the axis of ``row_shape`` that holds heads (``None``:
-    replicated on every rank, e.g. the MLA latent).
+    replicated on every rank, e.g. the MLA latent). ``layer``: the global model
+    layer whose KV it holds (``None``: not one decoder layer's, Mamba states,
+    which every rank holds: pipeline stages do not split hybrid models).
     """
 
     name: str
@@ -56,35 +66,52 @@ class BufferLayout:
     head_axis: Optional[int] = None
     head_start: int = 0
     total_heads: int = 0
+    layer: Optional[int] = None
 
     @property
     def num_heads(self) -> int:
         return self.row_shape[self.head_axis] if self.head_axis is not None else 0
 
     def to_wire(self) -> list:
-        return [self.name, self.index, list(self.row_shape), self.dtype, self.head_axis, self.head_start, self.total_heads]
+        return [self.name, self.index, list(self.row_shape), self.dtype, self.head_axis, self.head_start,
+                self.total_heads, self.layer]
 
     @classmethod
     def from_wire(cls, raw: Sequence) -> "BufferLayout":
-        name, index, shape, dtype, axis, start, total = raw
-        return cls(name, index, tuple(shape), dtype, axis, start, total)
+        name, index, shape, dtype, axis, start, total, layer = raw
+        return cls(name, index, tuple(shape), dtype, axis, start, total, layer)
 
 
 @dataclass(frozen=True)
 class KVLayout:
+    """``num_layers``: the model's decoder layers (0: unknown, a layout built by hand); the
+    buffers hold this rank's layers of them (its pipeline stage's)."""
+
     page_size: int
     buffers: Tuple[BufferLayout, ...]
+    num_layers: int = 0
 
     def by_name(self) -> Dict[str, BufferLayout]:
         return {b.name: b for b in self.buffers}
 
+    def layers(self) -> FrozenSet[int]:
+        """The global model layers this rank holds buffers of."""
+        return frozenset(b.layer for b in self.buffers if b.layer is not None)
+
 
 def check_compatible(src: KVLayout, dst: KVLayout) -> None:
     """Raise :class:`LayoutMismatchError` naming the first difference that makes
-    a transfer from ``src`` to ``dst`` impossible."""
+    a transfer from ``src`` to ``dst`` impossible. Buffers of a layer only one of
+    the two ranks holds (another pipeline stage's) are not compared: they are
+    another rank's to send or take."""
     if src.page_size != dst.page_size:
         raise LayoutMismatchError(f"page_size differs: prefill {src.page_size}, decode {dst.page_size}")
-    s, d = src.by_name(), dst.by_name()
+    if src.num_layers != dst.num_layers:
+        raise LayoutMismatchError(f"num_layers differs: prefill {src.num_layers}, decode {dst.num_layers} "
+                                  "(the two sides serve models of different depths)")
+    both = src.layers() & dst.layers()
+    s = {b.name: b for b in src.buffers if b.layer is None or b.layer in both}
+    d = {b.name: b for b in dst.buffers if b.layer is None or b.layer in both}
     if set(s) != set(d):
         only_s, only_d = sorted(set(s) - set(d))[:4], sorted(set(d) - set(s))[:4]
         swa = any(b.index == "swa" for b in src.buffers + dst.buffers)
@@ -158,7 +185,7 @@ class KVHandoff:
         return msgpack.packb(
             {
                 "version": self.version, "rid": self.rid, "room": self.room, "tp_rank": self.tp_rank,
-                "tp_size": self.tp_size, "page_size": self.layout.page_size,
+                "tp_size": self.tp_size, "page_size": self.layout.page_size, "num_layers": self.layout.num_layers,
                 "buffers": [b.to_wire() for b in self.layout.buffers], "dst_slots": list(self.dst_slots),
                 "dst_state_slot": self.dst_state_slot, "dst_prefix_len": self.dst_prefix_len,
                 "backend": self.backend, "endpoint": self.endpoint, "deadline": self.deadline,
@@ -178,7 +205,8 @@ class KVHandoff:
             raise TransferError(f"hand-off version {version!r}, this build speaks {HANDOFF_VERSION}")
         try:
             _check_wire(raw)
-            layout = KVLayout(raw["page_size"], tuple(BufferLayout.from_wire(b) for b in raw["buffers"]))
+            buffers = tuple(BufferLayout.from_wire(b) for b in raw["buffers"])
+            layout = KVLayout(raw["page_size"], buffers, raw["num_layers"])
             return cls(
                 raw["rid"], raw["room"], raw["tp_rank"], raw["tp_size"], layout, list(raw["dst_slots"]),
                 raw["dst_state_slot"], raw["dst_prefix_len"], raw["backend"], raw["endpoint"], raw["deadline"],
@@ -212,7 +240,8 @@ def _check_wire(raw: Dict) -> None:
     for name in ("rid", "backend"):
         if not isinstance(raw[name], str):
             bad(name, "is not a string")
-    for name, low in (("room", None), ("tp_size", 1), ("tp_rank", 0), ("page_size", 1), ("dst_prefix_len", 0)):
+    for name, low in (("room", None), ("tp_size", 1), ("tp_rank", 0), ("page_size", 1), ("dst_prefix_len", 0),
+                      ("num_layers", 0)):
         if not _is_int(raw[name]) or (low is not None and raw[name] < low):
             bad(name, "is not an int" if low is None else f"is not an int >= {low}")
     if raw["tp_rank"] >= raw["tp_size"]:
@@ -230,15 +259,16 @@ def _check_wire(raw: Dict) -> None:
     if not isinstance(buffers, list):
         bad("buffers", "is not a list")
     for b in buffers:
-        if not isinstance(b, list) or len(b) != 7:
-            bad("buffers", f"entry {b!r} is not [name, index, shape, dtype, head_axis, head_start, total_heads]")
-        name, index, shape, dtype, axis, start, total = b
+        if not isinstance(b, list) or len(b) != 8:
+            bad("buffers", f"entry {b!r} is not [name, index, shape, dtype, head_axis, head_start, total_heads, layer]")
+        name, index, shape, dtype, axis, start, total, layer = b
         ok = (
             isinstance(name, str) and index in INDEX_KINDS and isinstance(dtype, str)
             and isinstance(shape, list) and all(_is_int(n) and n >= 0 for n in shape)
             and _is_int(start) and _is_int(total) and start >= 0 and total >= 0
             and (axis is None or (_is_int(axis) and 0 <= axis < len(shape)
                                   and (not total or start + shape[axis] <= total)))  # its heads fit the model's
+            and (layer is None or (_is_int(layer) and 0 <= layer < (raw["num_layers"] or layer + 1)))  # in the model
         )
         if not ok:
             bad("buffers", f"entry {b!r} is not a valid buffer layout")

@@ -1,7 +1,8 @@
 """What one push copies: per buffer, which heads, and which rows.
 
 Every backend moves the same thing; only *how* differs. For one hand-off a
-prefill rank copies, for each buffer of its layout:
+prefill rank copies, for each buffer of its layout the decode rank holds too
+(the layers of both ranks' pipeline stages):
 
 * head-sharded buffers (``head_axis`` set): the heads both ranks hold,
   ``head_overlap(src, dst)``, from the source's local head offset to the
@@ -23,12 +24,12 @@ prefill rank copies, for each buffer of its layout:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import Dict, List, Mapping, Optional, Tuple
 
 import numpy as np
 import torch
 
-from transfer.base import BufferLayout, KVLayout, TransferError, head_overlap
+from transfer.base import BufferLayout, KVHandoff, KVLayout, TransferError, head_overlap
 from transfer.runs import Slots, group_concurrent_contiguous
 
 
@@ -82,13 +83,14 @@ def plan_copies(
     src: KVLayout, dst: KVLayout, src_tp_rank: int, src_tp_size: int, dst_tp_rank: int, with_state: bool
 ) -> List[BufferCopy]:
     """The buffers (and head ranges) a source rank copies to one destination rank,
-    in the source layout's order. Layouts must have passed ``check_compatible``."""
+    in the source layout's order: those both hold (pipeline stages hold their own
+    layers). Layouts must have passed ``check_compatible``."""
     dst_by_name = dst.by_name()
     replicated = sends_replicated(src_tp_rank, src_tp_size, dst_tp_rank)
     copies = []
     for b in src.buffers:
-        d = dst_by_name[b.name]
-        if b.index == "state" and not with_state:
+        d = dst_by_name.get(b.name)
+        if d is None or (b.index == "state" and not with_state):
             continue
         if b.head_axis is None:
             if replicated:
@@ -99,6 +101,22 @@ def plan_copies(
             lo, hi = overlap
             copies.append(BufferCopy(b.name, b.index, b.head_axis, lo - b.head_start, lo - d.head_start, hi - lo))
     return copies
+
+
+def copied_heads(copies: List[BufferCopy]) -> Dict[str, int]:
+    """The heads of each destination buffer ``copies`` write (a replicated buffer: 1)."""
+    return {c.name: c.num_heads if c.head_axis is not None else 1 for c in copies}
+
+
+def unwritten(handoff: KVHandoff, written: Mapping[str, int]) -> List[str]:
+    """The buffers of ``handoff``'s decode rank that take rows (its token rows, SWA rows,
+    state slot) whose heads the prefill ranks' :func:`copied_heads`, summed over the ranks
+    (``written``), do not cover exactly once: a layer no prefill rank holds alike (two
+    layouts whose pipeline stages do not fit together), or heads sent twice."""
+    rows = {"token": len(handoff.dst_slots), "swa": len(handoff.dst_swa_slots),
+            "state": int(handoff.dst_state_slot is not None)}
+    return [b.name for b in handoff.layout.buffers
+            if rows[b.index] and written.get(b.name, 0) != (b.num_heads if b.head_axis is not None else 1)]
 
 
 def check_slots(what: str, slots: np.ndarray, num_rows: int) -> None:
@@ -190,6 +208,7 @@ def sliced_row_shape(row_shape: Tuple[int, ...], copy: BufferCopy) -> Tuple[int,
 
 
 __all__ = [
-    "SHORT_RUN_BYTES", "BufferCopy", "RowPlan", "check_slots", "copy_runs", "run_indices", "plan_copies", "push_rows",
-    "row_plan", "head_replicas", "sends_heads", "sends_replicated", "sliced_row_shape",
+    "SHORT_RUN_BYTES", "BufferCopy", "RowPlan", "check_slots", "copied_heads", "copy_runs", "run_indices",
+    "plan_copies", "push_rows", "row_plan", "head_replicas", "sends_heads", "sends_replicated", "sliced_row_shape",
+    "unwritten",
 ]
