@@ -1,9 +1,11 @@
 """Prefill and decode workers: plain classes that ``cluster/`` turns into Ray actors.
 
 Each hosts one engine (model runner + a disaggregated scheduler + the loop
-thread) and its transfer agents, as rank 0 of its TP group (``actors.rank``:
-the followers are ``TPFollower`` actors). The path of one request, driven by whoever
-routes it (``cluster.pd_client.PDClient``, its pair picked by the router actor)::
+thread) and its transfer agents, as rank 0 of its ``tp_size × pp_size`` ranks
+(``actors.rank``: the followers, of every pipeline stage, are ``TPFollower``
+actors; each rank pushes or receives its own stage's layers' KV). The path of
+one request, driven by whoever routes it (``cluster.pd_client.PDClient``, its
+pair picked by the router actor)::
 
     handoffs = await decode.reserve(rid, input_ids, sampling_params)   # slots reserved
     notice   = await prefill.prefill(rid, input_ids, sampling_params, handoffs)  # KV pushed
@@ -31,7 +33,7 @@ import random
 import time
 from typing import Any, AsyncIterator, Dict, List, Optional, Tuple
 
-from actors.engine.config import EngineConfig, pd_pipeline_error, prefill_speculative_error
+from actors.engine.config import EngineConfig, prefill_speculative_error
 from actors.engine.engine import (_eos_ids, check_engine_integrity, engine_server_info, flush_engine_cache,
                                   request_result)
 from actors.engine.engine_loop import EngineLoop, Post
@@ -63,7 +65,7 @@ class _Worker:
     def __init__(self, model_path: str, engine_args: Optional[Dict[str, Any]] = None, backend: str = "shm",
                  worker_id: Optional[str] = None, dist_init_method: Optional[str] = None,
                  agent_options: Optional[Dict[str, Dict[str, Any]]] = None):
-        """``engine_args["tp_size"] > 1``: this is rank 0; the followers (TPFollower
+        """``engine_args["tp_size"]`` × ``["pp_size"]`` > 1: this is rank 0; the followers (TPFollower
         actors) join the group at ``dist_init_method`` while this constructor waits.
         ``agent_options``: extra transfer-agent keywords per backend name."""
         self.worker_id = worker_id or f"{self.role}-{random.getrandbits(32):08x}"
@@ -71,8 +73,7 @@ class _Worker:
         # worker's tree holds the conversations it decoded, where their next turns fit best)
         engine_args = {"enable_kv_events": True, **(engine_args or {})}
         self.config = EngineConfig(model_path=model_path, **engine_args)
-        error = pd_pipeline_error(self.config) or (
-            prefill_speculative_error(self.config) if self.role == "prefill" else None)
+        error = prefill_speculative_error(self.config) if self.role == "prefill" else None
         if error:  # (before any rank starts)
             raise ValueError(error)
         self.rank = RankHost(self.role, self.config, backend, self.worker_id, 0, dist_init_method, agent_options)

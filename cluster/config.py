@@ -26,7 +26,7 @@ from pydantic import (BaseModel, ConfigDict, Field, SecretStr, ValidationError, 
                       field_validator, model_validator)
 from pydantic_core import PydanticCustomError
 
-from actors.engine.config import COMBINATION_CHECKS, EngineConfig, pd_pipeline_error, prefill_speculative_error
+from actors.engine.config import COMBINATION_CHECKS, EngineConfig, prefill_speculative_error
 from cluster.reasoning import REASONING_FORMATS
 from cluster.tool_calls import TOOL_CALL_PARSERS
 
@@ -206,7 +206,8 @@ class AutoscalingConfig(BaseModel):
 
 
 class WorkerGroupConfig(BaseModel):
-    """One side of the cluster: ``num_workers`` workers, each a TP group of ``tp_size`` rank actors."""
+    """One side of the cluster: ``num_workers`` workers, each ``engine.pp_size`` pipeline stages of a TP group
+    of ``tp_size`` rank actors (the two sides may differ in both: each rank pushes or takes its stage's layers)."""
 
     model_config = _STRICT
 
@@ -246,8 +247,13 @@ class WorkerGroupConfig(BaseModel):
         return 1.0 if self.device == "cuda" else 0.0
 
     @property
+    def ranks_per_worker(self) -> int:
+        """``tp_size × engine.pp_size``: a worker's rank actors, every pipeline stage a TP group."""
+        return self.tp_size * self.engine.pp_size
+
+    @property
     def num_ranks(self) -> int:
-        return self.num_workers * self.tp_size
+        return self.num_workers * self.ranks_per_worker
 
     def engine_overrides(self) -> Dict[str, Any]:
         """Only the engine fields the YAML set, so EngineConfig keeps its own defaults for the rest."""
@@ -447,7 +453,7 @@ class ClusterConfig(BaseModel):
         for role in ("prefill", "decode"):
             group = self.group(role)
             # (EngineConfig's own checks: found here, not in every actor)
-            for field, check in COMBINATION_CHECKS + (("pp_size", pd_pipeline_error),):
+            for field, check in COMBINATION_CHECKS:
                 error = check(group.engine)
                 if error:
                     raise _invalid(field, f"{role}.engine.{field}: {error}")

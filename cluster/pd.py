@@ -2,8 +2,9 @@
 
 ``PDCluster(config).start()`` applies ``ray.remote`` to the plain worker
 classes of ``actors.workers``, places them (by the custom node resources
-``prefill`` / ``decode`` when the config asks; a TP group's ranks packed in
-one placement group), and waits until every one answers its health check.
+``prefill`` / ``decode`` when the config asks; a worker's ranks, of every
+pipeline stage, packed in one placement group), and waits until every one
+answers its health check.
 ``cluster.client()`` gives the driver-side :class:`~cluster.pd_client.PDClient`
 and ``start_router()`` the router actor that picks its pairs.
 """
@@ -54,17 +55,17 @@ def _shortfall(asks: Dict[str, float]) -> str:
                      for name, need in sorted(asks.items()) if total.get(name, 0) < need)
 
 
-def _tp_placement_group(options: Dict[str, Any], tp_size: int, strategy: str, worker_id: str, timeout_s: float,
+def _tp_placement_group(options: Dict[str, Any], num_ranks: int, strategy: str, worker_id: str, timeout_s: float,
                         lacks: str = ""):
-    """One bundle per rank (what each rank actor asks for), packed as configured. ``lacks``:
-    what the cluster lacked at the start (named if the group never fits)."""
+    """One bundle per rank (what each rank actor asks for; every pipeline stage's), packed as
+    configured. ``lacks``: what the cluster lacked at the start (named if the group never fits)."""
     bundle = _rank_bundle(options)
-    pg = placement_group([dict(bundle) for _ in range(tp_size)], strategy=strategy)
+    pg = placement_group([dict(bundle) for _ in range(num_ranks)], strategy=strategy)
     try:
         ray.get(pg.ready(), timeout=timeout_s)
     except ray.exceptions.GetTimeoutError:
         remove_placement_group(pg)  # left pending, it would take the resources once they appear, for no actor
-        raise WorkerStartError(f"{worker_id}: no room for its {tp_size} ranks ({bundle} each, {strategy}) after "
+        raise WorkerStartError(f"{worker_id}: no room for its {num_ranks} ranks ({bundle} each, {strategy}) after "
                                f"{timeout_s:.0f}s" + (f"; the cluster lacks {lacks}" if lacks else "")) from None
     except BaseException:
         remove_placement_group(pg)
@@ -197,9 +198,10 @@ class PDCluster:
         self._removing: set = set()  # ids of the workers remove_worker is draining
 
     def _start_worker(self, role: str, index: int, deadline: float, lacks: str = "") -> WorkerRef:
-        """Rank 0 (the worker actor) and, for ``tp_size > 1``, its follower rank actors,
-        packed into one placement group (ready by ``deadline``, a monotonic time) and
-        joined at a rendezvous on rank 0's node. ``lacks``: see :meth:`_lacks`."""
+        """Rank 0 (the worker actor) and, for ``tp_size × pp_size > 1``, its follower rank actors
+        (global rank ``stage · tp_size + tp_rank``: every pipeline stage's), packed into one
+        placement group (ready by ``deadline``, a monotonic time) and joined at a rendezvous on
+        rank 0's node. ``lacks``: see :meth:`_lacks`."""
         cfg = self.config
         group = cfg.group(role)
         worker_id = f"{role}-{index}-{uuid.uuid4().hex[:6]}"
@@ -207,9 +209,9 @@ class PDCluster:
         options = _actor_options(cfg, role)
         placement, dist_init_method, handles = None, None, []
         try:
-            if group.tp_size > 1:
-                placement = _tp_placement_group(options, group.tp_size, cfg.placement.tp_group_strategy, worker_id,
-                                                max(0.0, deadline - time.monotonic()), lacks)
+            if group.ranks_per_worker > 1:
+                placement = _tp_placement_group(options, group.ranks_per_worker, cfg.placement.tp_group_strategy,
+                                                worker_id, max(0.0, deadline - time.monotonic()), lacks)
                 dist_init_method = ray.get(_rendezvous.options(scheduling_strategy=_in_bundle(placement, 0)).remote())
             agent_options = cfg.transfer.agent_options()
             kwargs = dict(model_path=self.model_path, engine_args=engine_args, backend=cfg.transfer.backend,
@@ -221,7 +223,7 @@ class PDCluster:
             rank_options = dict(options, scheduling_strategy=_in_bundle(placement, 0)) if placement else options
             handles.append(ray.remote(cls).options(name=worker_id, **rank_options).remote(**kwargs))
             report_pushed = functools.partial(_report_pushed, handles[0]) if role == "prefill" else None
-            for rank in range(1, group.tp_size):
+            for rank in range(1, group.ranks_per_worker):
                 handles.append(ray.remote(self.follower_cls).options(name=f"{worker_id}-rank{rank}", **dict(
                     options, max_concurrency=4, scheduling_strategy=_in_bundle(placement, rank))).remote(
                     role, self.model_path, engine_args, cfg.transfer.backend, worker_id, rank, dist_init_method,
@@ -240,7 +242,8 @@ class PDCluster:
         already, warned of at once: a start that can only wait for an autoscaler says so."""
         asks: Dict[str, float] = {}
         for role, side in (("prefill", self.prefill), ("decode", self.decode)):
-            ranks = self.config.group(role).tp_size * (len(side) + workers.get(role, 0))  # (running ones hold theirs)
+            # (running ones hold theirs)
+            ranks = self.config.group(role).ranks_per_worker * (len(side) + workers.get(role, 0))
             for name, need in _rank_bundle(_actor_options(self.config, role)).items():
                 asks[name] = asks.get(name, 0) + need * ranks
         lacks = _shortfall(asks)
@@ -255,10 +258,10 @@ class PDCluster:
                     tp_size=group.tp_size)  # the group's TP size (the YAML cannot set the engine's)
 
     def check_layout(self, roles=("prefill", "decode")) -> None:
-        """Refuse, before any actor starts, TP sizes that cannot shard the model (the error names
-        the field) or that no KV hand-off could serve."""
+        """Refuse, before any actor starts, TP and PP sizes that cannot shard or split the model (the
+        error names the field) or that no KV hand-off could serve."""
         for role in roles:
-            if self.config.group(role).tp_size > 1:
+            if self.config.group(role).ranks_per_worker > 1:
                 check_tp_shardable(EngineConfig(model_path=self.model_path, **self._engine_args(role)))
         check_pd_layout(self.model_path, self.config.prefill.tp_size, self.config.decode.tp_size)
 

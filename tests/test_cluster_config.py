@@ -114,6 +114,15 @@ def test_cpu_2p2d_tp2_layout():
     assert config.model.builtin is not None
 
 
+def test_each_side_takes_its_own_pipeline_stages():
+    """Prefill PP 2 × TP 2, decode PP 1: a worker's ranks are every stage's (its placement group's bundles)."""
+    config = load_config(CONFIGS / "cpu_2p2d_tp2.yaml").with_updates(
+        {"prefill.tp_size": 2, "prefill.engine.pp_size": 2, "prefill.engine.pp_layer_partition": [1, 1]})
+    assert (config.prefill.ranks_per_worker, config.decode.ranks_per_worker) == (4, 2)
+    assert config.prefill.num_ranks + config.decode.num_ranks == 12
+    assert config.engine_config("prefill", model_path="/unused").num_ranks == 4
+
+
 def test_gpu_example_layout():
     config = load_config(CONFIGS / "gpu_example.yaml")
     assert config.model.model_path and config.model.builtin is None
@@ -149,7 +158,9 @@ def _set(data: dict, dotted: str, value) -> dict:
      "prefill.engine.speculative_algorithm 'ngram': a prefill worker never decodes"),
     ("decode.engine.speculative_algorithm", "draft_model",
      "decode.engine.speculative_draft_model_path: speculative_draft_model_path is needed"),
-    ("decode.engine.pp_size", 2, "decode.engine.pp_size: pp_size=2: a PD worker does not serve pipeline parallelism"),
+    ("decode.engine.pp_size", 0, "decode.engine.pp_size: Input should be greater than or equal to 1"),
+    ("prefill.engine.pp_layer_partition", [1, 1],
+     "prefill.engine.pp_size: pp_layer_partition has 2 counts for pp_size=1 stages"),
     ("transfer.backend", "nccl",
      "transfer.backend: Input should be 'auto', 'shm', 'cuda_ipc', 'torch_dist' or 'fake' (got 'nccl')"),
     ("transfer.backend", "cuda_ipc", "transfer.backend: cuda_ipc needs device cuda on both sides"),

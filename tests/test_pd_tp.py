@@ -3,7 +3,8 @@ the 2P + 2D layout of configs/cpu_2p2d_tp2.yaml (decode TP 2, prefill TP 1:
 each decode rank receives its half of the KV heads by head slicing), and
 prefill TP 2 → decode TP 1 (one decode rank gathers both prefill halves; the
 completion notice goes out as soon as the follower's push ends, during rank 0's
-next forward).
+next forward), and prefill PP 2 → decode TP 2 (a rank actor per stage, each
+pushing its layers).
 Tokens equal HF transformers'; a hybrid model whose Mamba states cannot be
 sliced across different TP sizes is refused with a clear error, leaking nothing."""
 
@@ -138,6 +139,23 @@ def test_prefill_tp2_to_decode_tp1(ray_session, monkeypatch):
     assert all(o["meta_info"]["transfer_bytes"] for o in outs)
     cluster.check_integrity()
     _check_notice_comes_while_the_next_forward_runs(cluster)
+    cluster.shutdown()
+
+
+def test_prefill_pp2_to_decode_tp2_over_torch_dist(ray_session, monkeypatch):
+    """A prefill worker of two pipeline stages (a rank actor each, placed as a TP group's) and a
+    decode worker of TP 2: each prefill stage pushes its layer's KV, both halves of its heads, to
+    both decode ranks over torch_dist pairs, whose landings complete once both stages' layers came."""
+    monkeypatch.setenv("RAYDIX_HOME", str(ray_session))
+    config = _config("qwen3", 1, 2, 4, pp_size=2, chunked_prefill_size=8).with_updates(
+        {"transfer.backend": "torch_dist"})
+    cluster = PDCluster(config).start()
+    assert [len(w.followers) for w in cluster.prefill + cluster.decode] == [1, 1]
+    batch = prompts(3, 5, 30, seed=4)
+    outs = _generate_all(cluster, batch)
+    assert_greedy_parity(cluster.model_path, batch, [o["output_ids"] for o in outs], 8, [2])
+    assert ray.get(cluster.decode[0].handle.backends_used.remote()) == {"torch_dist": 3}
+    cluster.check_integrity()
     cluster.shutdown()
 
 

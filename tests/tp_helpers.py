@@ -7,8 +7,8 @@ collectives are exchanged through a barrier (:class:`ThreadGroup`). The ranks ru
 same TPModelWorker code — sharded loading, the broadcast batches, op replay, the
 all-reduces in every row-parallel layer and the embedding, the logits' all-gather — in a second, not in process start-ups.
 (The spawned gloo group itself is tested by ``test_engine_tp``'s TP 2 engines.)
-:func:`pd_worker_tp2` makes a TP 2 PD worker the same way: its follower rank a
-``TPFollower`` whose loop runs on a thread.
+:func:`pd_worker_ranks` makes a PD worker of TP and PP ranks the same way (:func:`pd_worker_tp2`
+at TP 2): its follower ranks ``TPFollower`` s whose loops run on threads.
 """
 
 from __future__ import annotations
@@ -227,31 +227,42 @@ class ThreadFollower(TPFollower):
             raise
 
 
-def pd_worker_tp2(cls, path: str, engine_args: Dict[str, Any], report=None, **kwargs):
-    """A TP 2 ``PrefillWorker`` or ``DecodeWorker`` (``cls``) in this process over shared
-    memory: rank 0 is the worker, rank 1 a TPFollower on threads (:func:`thread_ranks` first).
+def pd_worker_ranks(cls, path: str, engine_args: Dict[str, Any], report=None, **kwargs):
+    """A ``PrefillWorker`` or ``DecodeWorker`` (``cls``) of ``engine_args``' ``tp_size × pp_size``
+    ranks in this process over shared memory: rank 0 is the worker, every other rank (of every
+    pipeline stage) a TPFollower on threads (:func:`thread_ranks` first).
     ``report(worker, rank, results)``: how a prefill follower's transfer thread reaches rank 0
-    (default: ``worker.followers_pushed``, as the Ray message does). Returns (worker, follower);
-    ``worker.shutdown()`` then ``follower.shutdown()`` stop them."""
+    (default: ``worker.followers_pushed``, as the Ray message does). Returns (worker, followers);
+    ``worker.shutdown()`` then each ``follower.shutdown()`` stop them."""
+    num_ranks = engine_args.get("tp_size", 1) * engine_args.get("pp_size", 1)
     init = f"thread://{next(_ids)}"
-    _hubs[init] = hub = Hub(2)
-    worker_id, args, made = f"{cls.role}-tp2-{random.getrandbits(32):08x}", dict(engine_args, tp_size=2), {}
+    _hubs[init] = hub = Hub(num_ranks)
+    worker_id, made = f"{cls.role}-r{num_ranks}-{random.getrandbits(32):08x}", {}
     report = report or (lambda worker, rank, results: worker.followers_pushed(rank, results))
 
-    def follow() -> None:
+    def follow(rank: int) -> None:
         try:
-            made["follower"] = ThreadFollower(
-                cls.role, path, args, "shm", worker_id, 1, init,
+            made[rank] = ThreadFollower(
+                cls.role, path, engine_args, "shm", worker_id, rank, init,
                 report_pushed=lambda rank, results: report(made["worker"], rank, results))
         except BaseException:
-            hub.barrier.abort()  # rank 0's start fails now, not at the barrier's timeout
+            hub.abort()  # rank 0's start fails now, not at the barrier's timeout
             raise
 
-    thread = threading.Thread(target=follow, name="raydix-tp-follower-start", daemon=True)
-    thread.start()
+    threads = [threading.Thread(target=follow, args=(rank,), name=f"raydix-tp-follower-start-{rank}", daemon=True)
+               for rank in range(1, num_ranks)]
+    for thread in threads:
+        thread.start()
     try:
-        made["worker"] = cls(path, args, "shm", worker_id, init, **kwargs)
+        made["worker"] = cls(path, engine_args, "shm", worker_id, init, **kwargs)
     finally:
-        thread.join(BARRIER_TIMEOUT_S)
+        for thread in threads:
+            thread.join(BARRIER_TIMEOUT_S)
         _hubs.pop(init, None)  # (the ranks hold their hub)
-    return made["worker"], made["follower"]
+    return made["worker"], [made[rank] for rank in range(1, num_ranks)]
+
+
+def pd_worker_tp2(cls, path: str, engine_args: Dict[str, Any], report=None, **kwargs):
+    """:func:`pd_worker_ranks` at TP 2: returns (worker, its follower)."""
+    worker, (follower,) = pd_worker_ranks(cls, path, dict(engine_args, tp_size=2), report, **kwargs)
+    return worker, follower

@@ -311,16 +311,6 @@ def pipeline_error(config) -> Optional[str]:
     return None
 
 
-def pd_pipeline_error(config) -> Optional[str]:
-    """Why a PD worker's engine settings (an EngineConfig or a cluster group's engine section) cannot
-    take pipeline stages, or None: a worker's KV push and arrival are per rank of one stage (each stage
-    would push its own layers' KV, to the destination ranks holding those layers): not built yet."""
-    if config.pp_size > 1:
-        return (f"pp_size={config.pp_size}: a PD worker does not serve pipeline parallelism yet (each stage would "
-                "push the KV of its own layers); actors.engine.Engine serves it")
-    return None
-
-
 COMBINATION_CHECKS = (("mamba_track_interval", mamba_tracking_error), ("schedule_policy", schedule_policy_error),
                       ("speculative_ngram_min", speculative_error),
                       ("speculative_draft_model_path", draft_model_error), ("max_lora_rank", lora_rank_error),

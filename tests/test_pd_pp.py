@@ -1,0 +1,90 @@
+"""Pipeline parallelism in the PD cluster: a prefill or decode worker of pp_size stages (each
+stage's ranks holding and pushing, or taking, only their layers' KV) serves a peer of another
+PP size, its greedy tokens HF's (the single engine's); the prefill ranks' shares must write
+every decode buffer, or the request fails instead of decoding from KV never written; models of
+different depths are refused by name. Ranks are threads (tests.tp_helpers), over shm."""
+
+import asyncio
+
+import pytest
+
+from actors.engine.tiny import build_tiny_checkpoint
+from actors.pd_scheduler import PDRequestError
+from actors.workers import DecodeWorker, PrefillWorker
+from tests.parity import assert_greedy_parity
+from tests.pd_helpers import close_workers, prompts, run_batch, run_pd, wait_idle
+from tests.tp_helpers import pd_worker_ranks, thread_ranks
+from transfer.base import LayoutMismatchError
+
+GREEDY = {"max_new_tokens": 6, "temperature": 0}
+BASE = dict(max_total_tokens=1024, page_size=4, chunked_prefill_size=16, skip_tokenizer_init=True)
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    return str(build_tiny_checkpoint("llama", tmp_path_factory.mktemp("pd-pp") / "llama", seed=0))
+
+
+def start(cls, path, pp_size=1, tp_size=1):
+    """A worker of ``pp_size × tp_size`` ranks (followers on threads) and its followers."""
+    if pp_size * tp_size == 1:
+        return cls(path, dict(BASE), backend="shm"), []
+    return pd_worker_ranks(cls, path, dict(BASE, pp_size=pp_size, tp_size=tp_size))
+
+
+def shutdown_followers(*followers):
+    for follower in followers:
+        follower.shutdown()
+
+
+@pytest.mark.parametrize("prefill_layout, decode_layout", [((2, 1), (1, 1)), ((1, 1), (2, 1)), ((2, 1), (1, 2))],
+                         ids=["prefill_pp2-decode_pp1", "prefill_pp1-decode_pp2", "prefill_pp2-decode_tp2"])
+def test_tokens_of_different_pp_layouts_equal_the_single_engines(llama, monkeypatch, prefill_layout, decode_layout):
+    """Prompts of several chunks, then a second batch hitting both sides' caches (the decode side
+    takes only the rows past its own prefix): each stage's ranks push (or take) their layers, and
+    the tokens are HF's; every rank's tables and pools check out afterwards."""
+    thread_ranks(monkeypatch)
+    prefill, prefill_followers = start(PrefillWorker, llama, *prefill_layout)
+    decode, decode_followers = start(DecodeWorker, llama, *decode_layout)
+    try:
+        shared = prompts(1, 20, 20, seed=5)[0]
+        first, second = prompts(2, 5, 30, seed=6, shared=shared), prompts(2, 5, 30, seed=7, shared=shared)
+        outs = run_batch(prefill, decode, first, GREEDY) + run_batch(prefill, decode, second, GREEDY)
+        assert max(notice["cached_tokens"] for _, notice, _ in outs[2:]) >= 16
+        assert prefill.scheduler.bytes_pushed > 0
+        assert_greedy_parity(llama, first + second, [final["output_ids"] for final, _, _ in outs],
+                             GREEDY["max_new_tokens"])
+        close_workers(prefill, decode)  # (every follower's index tables too)
+    finally:
+        shutdown_followers(*prefill_followers, *decode_followers)
+
+
+def test_a_stage_that_pushes_nothing_fails_the_request(llama, monkeypatch):
+    """Prefill PP 2 → decode PP 1 with the second stage's ranks serving no decode rank (as a layout
+    whose layers do not fit would): every rank reports its push done, but the layers of stage 1
+    were never written on the decode rank, so the request fails by name, on both sides, instead of
+    decoding from garbage KV (a push backend's bytes land unseen: the notice is all it goes by)."""
+    from actors import kv_push
+
+    thread_ranks(monkeypatch)
+    serves = kv_push.serves
+    monkeypatch.setattr(kv_push, "serves", lambda handoff, agent: 0 in agent.layout.layers() and serves(handoff, agent))
+    prefill, followers = start(PrefillWorker, llama, 2)
+    decode, _ = start(DecodeWorker, llama)
+    try:
+        with pytest.raises(PDRequestError, match=r"KV push left 2 buffers of decode rank 0 .* k\.1, v\.1"):
+            asyncio.run(run_pd(prefill, decode, prompts(1, 10, 10, seed=8)[0], GREEDY))
+        assert wait_idle(decode)
+        close_workers(prefill, decode)
+    finally:
+        shutdown_followers(*followers)
+
+
+def test_a_decode_worker_of_another_depth_is_refused_by_name(llama, tmp_path):
+    deeper = str(build_tiny_checkpoint("llama", tmp_path / "deeper", seed=0, num_hidden_layers=3))
+    prefill, _ = start(PrefillWorker, llama)
+    decode, _ = start(DecodeWorker, deeper)
+    with pytest.raises(LayoutMismatchError, match="num_layers differs: prefill 2, decode 3"):
+        asyncio.run(run_pd(prefill, decode, [5, 6, 7, 8], GREEDY))
+    assert wait_idle(decode)
+    close_workers(prefill, decode)
