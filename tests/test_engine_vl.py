@@ -116,6 +116,27 @@ def test_a_chunk_ending_at_an_images_first_or_past_its_last_token(model_dir, pas
     engine.shutdown()
 
 
+def test_the_vision_tower_equals_hfs_in_one_attention_call_a_block(engine, monkeypatch):
+    """Windows cut at the image's edge (a grid of 5 merged columns in windows of 2), two frames (full attention
+    over each), a taller grid: the tower's tokens are HF's, each block attending all its windows (or frames) in
+    one SDPA call."""
+    calls = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                        lambda *args, **kwargs: calls.append(args[0].shape[0]) or sdpa(*args, **kwargs))
+    visual, hf_visual = engine.runner.model.visual, hf_model(engine.config.model_path).model.visual
+    # (segments a call: windows of 2 x 2 merged tokens, 2 x 3 of them in 4 x 5 or in each frame of 3 x 5, 4 x 2 in
+    # 7 x 3; frames)
+    for grid, segments in [((1, 8, 10), [6, 1, 6]), ((2, 6, 10), [12, 2, 12]), ((1, 14, 6), [8, 1, 8])]:
+        pixels = torch.randn(grid[0] * grid[1] * grid[2], 3 * 2 * 14 * 14, generator=torch.Generator().manual_seed(0))
+        calls.clear()
+        with torch.no_grad():
+            got = visual(pixels, grid)
+        assert calls == segments
+        want = hf_visual(pixels, grid_thw=torch.tensor([grid])).pooler_output
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+
+
 @pytest.mark.parametrize("ids, sizes", [
     ([IMAGE_PAD_ID, 5, 6], [(200, 60)]),  # an image first, taller than wide
     ([5, IMAGE_PAD_ID], [(60, 200)]),  # an image last: no text after it

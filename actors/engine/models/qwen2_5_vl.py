@@ -68,11 +68,25 @@ class VisionAttention(nn.Module):
         q, k, v = self.qkv(x).view(x.shape[0], 3, self.num_heads, self.head_dim).unbind(1)
         # rotated in fp32, as HF's apply_rotary_pos_emb_vision
         q, k = (apply_rotary(t.float(), cos, sin, self.head_dim).to(x.dtype) for t in (q, k))
-        out = torch.empty_like(q)
-        for start, end in zip(cu_seqlens[:-1], cu_seqlens[1:]):
-            seg = [t[start:end].transpose(0, 1) for t in (q, k, v)]  # [heads, len, head_dim]
-            out[start:end] = F.scaled_dot_product_attention(*seg).transpose(0, 1)
+        index, valid = segment_padding(cu_seqlens, x.device)
+        # every segment in one SDPA: [segments, heads, longest, head_dim], a shorter one's padding masked as keys
+        # (a padded query row attends to its segment's keys: computed, never read)
+        q, k, v = (t[index].transpose(1, 2) for t in (q, k, v))
+        mask = None if bool(valid.all()) else valid[:, None, None, :]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2)[valid]
         return self.proj(out.reshape(x.shape[0], -1))
+
+
+def segment_padding(cu_seqlens: List[int], device) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The rows of each segment of ``cu_seqlens`` padded to the longest one (one batched attention for every
+    window, vLLM's and SGLang's varlen attention without a varlen kernel): ``index`` [segments, longest] of
+    row numbers (a padding slot repeats the segment's first row) and ``valid`` [segments, longest], True on
+    the segment's own rows; ``valid``'s True slots, in order, are the rows 0, 1, ... again."""
+    starts = torch.tensor(cu_seqlens[:-1], device=device)
+    lens = torch.tensor(cu_seqlens[1:], device=device) - starts
+    steps = torch.arange(int(lens.max()), device=device)
+    valid = steps < lens[:, None]
+    return starts[:, None] + steps * valid, valid
 
 
 class VisionBlock(nn.Module):
