@@ -116,7 +116,8 @@ class GenerateRequest(BaseModel):
     lora_path: Optional[str] = Field(None, description="SGLang's: the name of a served LoRA adapter (None: the base "
                                      "model)")
     image_data: Union[None, str, List[str]] = Field(None, description="SGLang's: the prompt's images, one per image "
-                                                    "pad token, as data URLs (a vision-language model's)")
+                                                    "pad token, as URLs (data, http(s), file:// under server.allowed_local_media_path: fetched by "
+                                                    "the server) (a vision-language model's)")
 
     @model_validator(mode="after")
     def _one_prompt(self):

@@ -341,6 +341,24 @@ class ServerConfig(BaseModel):
         None, description="with classifier_from_token: a pair's prompt text, {query} and {document} filled in (the "
         "reranker's own prompt, say Qwen3-Reranker's chat turns); None: the tokenizer's pair encoding of the two "
         "texts (vLLM's cross-encoder prompt)")
+    image_fetch_timeout_s: float = Field(
+        5.0, gt=0.0, description="an http(s) image URL's whole download (vLLM's VLLM_IMAGE_FETCH_TIMEOUT); past it "
+        "the request is a 400 naming the URL")
+    allowed_media_domains: Optional[List[str]] = Field(
+        None, description="vLLM's --allowed-media-domains: the host names http(s) image URLs (and their redirects) "
+        "may name; None: any")
+    allowed_local_media_path: Optional[str] = Field(
+        None, description="vLLM's --allowed-local-media-path: an existing directory whose files file:// image URLs "
+        "may name (links resolved); None: file:// URLs are refused. Any client may read any image under it")
+    max_image_fetch_bytes: int = Field(20 * 1024 * 1024, ge=1, description="the largest image an http(s) or file:// "
+                                       "URL may give (a download stops at it: a 400)")
+
+    @field_validator("allowed_local_media_path")
+    @classmethod
+    def _a_directory(cls, path: Optional[str]) -> Optional[str]:
+        if path is not None and not os.path.isdir(path):  # (vLLM's check at start)
+            raise _invalid("not_a_directory", f"{path!r} is not an existing directory")
+        return path
 
     @model_validator(mode="after")
     def _score_template(self):

@@ -6,7 +6,7 @@ parsers — its chat answer reshaped into a response (:mod:`cluster.responses_fo
 
 * ``input``: a string (a user message) or items: messages (role user, system, developer or
   assistant; content a string or ``input_text`` / ``output_text`` parts, and ``input_image`` parts:
-  chat's ``image_url`` parts, data URLs only), ``function_call`` items
+  chat's ``image_url`` parts: data, http(s) or file:// URLs), ``function_call`` items
   (an assistant's ``tool_calls``; calls right after an assistant message join it, as one turn's
   output) and ``function_call_output`` items (``tool`` messages). ``reasoning`` items (a client
   sends a response's output back whole) stay out of the prompt, as in vLLM: templates drop a past
@@ -161,10 +161,10 @@ def _content_of(parts: Any, param: str, images: bool = False) -> Union[str, List
 
 def _image_part(part: Dict[str, Any], param: str) -> Dict[str, Any]:
     """OpenAI's ``{"type": "input_image", "image_url": "data:...", "detail": ...}`` as chat's image_url
-    part (the chat path takes data URLs only, as for chat; ``detail`` changes nothing: the checkpoint's
+    part (its URL fetched as chat's: :mod:`cluster.media_fetch`; ``detail`` changes nothing: the checkpoint's
     image processor sizes the image)."""
     if not isinstance(part.get("image_url"), str):
-        raise _bad(param, "an input_image is taken by its image_url, a data URL string (file_id is not served)")
+        raise _bad(param, "an input_image is taken by its image_url, a URL string (file_id is not served)")
     return {"type": "image_url", "image_url": {"url": part["image_url"]}}
 
 

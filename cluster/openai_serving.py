@@ -35,12 +35,13 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from jinja2 import TemplateError
 from pydantic import ValidationError
 
-from actors.engine.multimodal import MultimodalInputs, MultimodalProcessor
+from actors.engine.multimodal import MultimodalInputs, MultimodalProcessor, check_image_count
 from actors.engine.sampling_params import SamplingParams
 from cluster.aio import unless_set
 from cluster.api_errors import APIError, own_message
 from cluster.chat_protocol import ChatCompletionRequest, ChatTemplateFields
 from cluster.completion_protocol import CompletionRequest, GenerateRequest
+from cluster.media_fetch import MediaFetcher, decoded
 from cluster.openai_format import ChatFormatter, CompletionFormatter
 from cluster.openai_protocol import describe_validation_error
 from cluster.reasoning import REASONING_FORMATS, HarmonyFormat, prompt_tail
@@ -111,10 +112,11 @@ class _SSEResponse(StreamingResponse):
 class GenerationService:
     """``reasoning_parser``: a name in :data:`~cluster.reasoning.REASONING_FORMATS` (chat choices'
     thinking apart from their content), or None; ``tool_call_parser``: ServerConfig's, how
-    tool_choice "auto" reads calls."""
+    tool_choice "auto" reads calls; ``media_fetcher``: how image URLs are fetched (ServerConfig's media
+    fields; None: the defaults)."""
 
     def __init__(self, backend, tokenizer, metrics, admission, reasoning_parser: Optional[str] = None,
-                 tool_call_parser: Optional[str] = None):
+                 tool_call_parser: Optional[str] = None, media_fetcher: Optional[MediaFetcher] = None):
         self.backend, self.tokenizer, self.metrics, self.admission = backend, tokenizer, metrics, admission
         self.reasoning = REASONING_FORMATS[reasoning_parser] if reasoning_parser is not None else None
         self.tool_call_parser = tool_call_parser
@@ -125,6 +127,7 @@ class GenerationService:
         # a vision-language model's tokenizer side: a chat's image_url parts (None: a text model's server)
         self.mm_processor = MultimodalProcessor.for_checkpoint(getattr(backend, "model_path", None),
                                                                getattr(backend, "limit_mm_per_prompt", None))
+        self.media_fetcher = media_fetcher or MediaFetcher()
 
     @property
     def _harmony(self) -> bool:
@@ -389,19 +392,21 @@ class GenerationService:
                                    mm_inputs=mm_inputs)
 
     async def image_inputs(self, ids: List[int], urls: List[str], param: str) -> Optional[MultimodalInputs]:
-        """A prompt's images (``urls``: data URLs; a path or any other URL is refused, the server reads
-        no file and fetches nothing), processed off the event loop as the engine's ``image_data`` (each
-        image's one pad token of ``ids`` expanded); None without images; 400 for images to a text model,
-        or images the engine would refuse."""
+        """A prompt's images (``urls``: data, http(s) and file:// URLs, fetched here: :class:`MediaFetcher`),
+        processed off the event loop as the engine's ``image_data`` (each image's one pad token of ``ids``
+        expanded); None without images; 400 for images to a text model, more than ``limit_mm_per_prompt``
+        (before any is fetched), a URL that gives no image, or images the engine would refuse."""
         if not urls:
             return None
         if self.mm_processor is None:
             raise APIError(400, f"{param}: images, but the served model is not a vision-language model", param=param)
-        if not all(url.startswith("data:") for url in urls):
-            raise APIError(400, f"{param}: images are taken as data URLs (data:image/...;base64,...) only",
-                           param=param)
         try:
-            return (await asyncio.to_thread(self.mm_processor.process, ids, urls))[1]
+            check_image_count(len(urls), self.mm_processor.limit_mm_per_prompt)
+        except ValueError as exc:
+            raise APIError(400, f"{param}: {exc}", param=param) from None
+        images = await self.media_fetcher.fetch_all(urls, param)
+        try:
+            return (await asyncio.to_thread(lambda: self.mm_processor.process(ids, decoded(urls, images))))[1]
         except ValueError as exc:
             raise APIError(400, f"{param}: {exc}", param=param) from None
 

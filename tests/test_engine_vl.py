@@ -6,10 +6,12 @@ and inside it) and misses on another, retraction, TP 2 and PD workers; bad image
 import asyncio
 import base64
 import collections
+import http.server
 import io
 import pickle
 import shutil
 import threading
+import time
 from typing import Any, Dict, List, Tuple
 
 import numpy as np
@@ -480,9 +482,9 @@ def test_requests_made_of_one_processed_input_each_have_their_own_items(engine):
 def test_chat_completions_and_generate_with_images_equal_the_engines_answer(engine):
     """The server's tokenizer side processes the data URLs of a chat's image_url parts, a response's
     input_image parts and /generate's image_data (the backend gets the padded prompt and the images): the
-    answer is the engine's own to the same image; a bad image, one not in a data URL (a path: the server reads
-    no file; an https URL: it fetches nothing), an image_url part of another shape than OpenAI's, or more images
-    than the workers' limit_mm_per_prompt is a 400."""
+    answer is the engine's own to the same image; a bad image (named), one not in a URL (a path: the server reads
+    no file but a file:// URL's under allowed_local_media_path, unset here) or in another scheme's (ftp), an
+    image_url part of another shape than OpenAI's, or more images than the workers' limit_mm_per_prompt is a 400."""
     import httpx
 
     from cluster.config import ServerConfig
@@ -520,7 +522,7 @@ def test_chat_completions_and_generate_with_images_equal_the_engines_answer(engi
         two = httpx.post(server.url + "/generate", json={"text": chat(engine.tokenizer, "two?", 2),
                                                          "image_data": [url, url]}, timeout=60)
         response = httpx.post(server.url + "/v1/responses", json=responses_body(url), timeout=60)
-        not_data = httpx.post(server.url + "/v1/responses", json=responses_body("https://example.com/a.png"),
+        not_data = httpx.post(server.url + "/v1/responses", json=responses_body("ftp://example.com/a.png"),
                               timeout=60)
         native = httpx.post(server.url + "/generate", json={
             "text": chat(engine.tokenizer, "what?"), "image_data": [url],
@@ -533,12 +535,117 @@ def test_chat_completions_and_generate_with_images_equal_the_engines_answer(engi
     assert response.status_code == 200 and response.json()["output"][0]["content"][0]["text"] == want["text"]
     assert response.json()["usage"]["input_tokens"] == want["meta_info"]["prompt_tokens"]
     assert not_data.status_code == 400 and not_data.json()["error"]["param"] == "input"
-    assert "data URLs" in not_data.json()["error"]["message"]
-    assert bad.status_code == 400 and "cannot be decoded" in bad.json()["error"]["message"]
-    assert path.status_code == 400 and "data URLs" in path.json()["error"]["message"]
+    assert "'ftp://example.com/a.png': an image is a data URL" in not_data.json()["error"]["message"]
+    assert bad.status_code == 400 and "'data:image/png;base64,AAAA': image_data: the image cannot be decoded" in \
+        bad.json()["error"]["message"]
+    assert path.status_code == 400 and "'/etc/hostname': an image is a data URL" in path.json()["error"]["message"]
     assert [r.status_code for r in shapes] == [400, 400]
     assert all("image_url is an object with a url string" in r.json()["error"]["message"] for r in shapes)
     assert two.status_code == 400 and "At most 1 image(s)" in two.json()["error"]["message"]
     assert two.json()["error"]["param"] == "image_data"
     assert native.status_code == 200, native.text
     assert native.json()["output_ids"] == want["output_ids"]
+
+
+class ImageHandler(http.server.BaseHTTPRequestHandler):
+    """A local image host: /cat.png the PNG, /gate.png the PNG once two requests wait for it at once (a request's
+    images fetched one after another never pass), /slow.png past any fetch timeout, /big.png too large,
+    /away.png a redirect to localhost (another host name), anything else a 404."""
+
+    png, gate, release = b"", None, None
+
+    def do_GET(self):
+        try:
+            self.serve()
+        except (BrokenPipeError, ConnectionResetError):  # (the server dropped the fetch: another one failed)
+            pass
+
+    def serve(self):
+        if self.path == "/gate.png":
+            try:
+                self.gate.wait()
+            except threading.BrokenBarrierError:
+                return self.send_error(500)
+        if self.path == "/slow.png":
+            self.release.wait(30)
+        if self.path == "/away.png":
+            self.send_response(302)
+            self.send_header("Location", f"http://localhost:{self.server.server_port}/cat.png")
+            return self.end_headers()
+        body = {"/cat.png": self.png, "/gate.png": self.png, "/big.png": self.png + b"0" * 2048}.get(self.path)
+        if body is None:
+            return self.send_error(404)
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_http_and_file_image_urls_are_fetched_by_the_server_and_failures_are_400s_naming_them(engine, tmp_path):
+    """vLLM's media fetching: an http URL's image (two of a request fetched at once) and a file:// one under
+    allowed_local_media_path answer as the engine does to the image itself; a 404, a domain (or a redirect to
+    one) not in allowed_media_domains, a download past image_fetch_timeout_s or max_image_fetch_bytes, a file://
+    URL outside the allowed path (or through ..) and a path are each a 400 naming the URL, at once."""
+    import httpx
+
+    from cluster.config import ServerConfig
+    from cluster.http_server import BackgroundServer
+    from cluster.server import build_app
+    from tests import test_openai_compat as compat
+
+    photo, png = image(100, 150, 40), io.BytesIO()
+    photo.save(png, format="PNG")
+    media = tmp_path / "media"
+    media.mkdir()
+    (media / "cat.png").write_bytes(png.getvalue())
+    (tmp_path / "outside.png").write_bytes(png.getvalue())
+    want = engine.generate(prompt=chat(engine.tokenizer, "what?"), image_data=[photo],
+                           sampling_params={"max_new_tokens": MAX_NEW, "temperature": 0})
+
+    def body(*urls):
+        return {"model": compat.MODEL, "max_tokens": MAX_NEW, "temperature": 0, "messages": [{"role": "user", "content": [
+            *({"type": "image_url", "image_url": {"url": url}} for url in urls), {"type": "text", "text": "what?"}]}]}
+
+    handler = type("Handler", (ImageHandler,), dict(png=png.getvalue(), gate=threading.Barrier(2, timeout=10),
+                                                    release=threading.Event()))
+    images = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    images.daemon_threads = True
+    threading.Thread(target=images.serve_forever, daemon=True).start()
+    host = f"http://127.0.0.1:{images.server_port}"
+    config = ServerConfig(image_fetch_timeout_s=0.5, allowed_media_domains=["127.0.0.1"],
+                          allowed_local_media_path=str(media), max_image_fetch_bytes=1024 + len(png.getvalue()))
+    app = build_app(compat.EngineBackend(engine, 2048), engine.tokenizer, config)
+    try:
+        with BackgroundServer(app, "127.0.0.1", 0) as server:
+            def post(*urls):
+                return httpx.post(server.url + "/v1/chat/completions", json=body(*urls), timeout=60)
+
+            answers = [post(url) for url in (f"{host}/cat.png", f"file://{media}/cat.png")]
+            two = post(f"{host}/gate.png", f"{host}/gate.png")
+            started = time.monotonic()
+            refused = {url: post(f"{host}/cat.png", url) for url in (
+                f"{host}/missing.png", f"http://localhost:{images.server_port}/cat.png", f"{host}/away.png",
+                f"{host}/slow.png", f"{host}/big.png", f"file://{tmp_path}/outside.png",
+                f"file://{media}/../outside.png", str(media / "cat.png"))}
+            elapsed = time.monotonic() - started
+    finally:
+        handler.release.set()
+        images.shutdown()
+        images.server_close()
+    for r in answers:
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["message"]["content"] == want["text"]
+    assert two.status_code == 200, two.text
+    assert two.json()["usage"]["prompt_tokens"] == want["meta_info"]["prompt_tokens"] + 20 + 2  # (its tokens, <|vision_*|>)
+    reasons = ["HTTP 404", "not in the server's allowed_media_domains", "not in the server's allowed_media_domains",
+               "server.image_fetch_timeout_s", "server.max_image_fetch_bytes", "allowed_local_media_path",
+               "allowed_local_media_path", "a data URL"]
+    for (url, r), reason in zip(refused.items(), reasons):
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages", (url, r.text)
+        assert repr(url) in r.json()["error"]["message"] and reason in r.json()["error"]["message"], (url, r.text)
+    assert elapsed < 10  # (the slow image's 30 s: cut at 0.5)
+    with pytest.raises(ValueError, match="is not an existing directory"):  # (vLLM's check at start)
+        ServerConfig(allowed_local_media_path=str(media / "cat.png"))

@@ -1,0 +1,123 @@
+"""The images of a request's URLs, fetched by the server before the request reaches a worker (vLLM's
+``MediaConnector``): a ``data:`` URL as it is, an ``http(s)://`` one downloaded (from
+``allowed_media_domains`` only, when set), a ``file://`` one read from under ``allowed_local_media_path``
+(refused without it). A request's URLs are fetched concurrently, each within ``image_fetch_timeout_s``
+(vLLM's ``VLLM_IMAGE_FETCH_TIMEOUT``) and ``max_image_fetch_bytes``, a body read as it streams in (a larger
+one is dropped at the limit, not held whole first). Any failure, an image that does not decode
+(:func:`decoded`) too, is a 400 naming the URL: the workers only ever see images.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+from typing import List, Optional, Sequence, Union
+from urllib.parse import unquote, urlsplit
+
+import httpx
+
+from actors.engine.multimodal import load_image
+from cluster.api_errors import APIError
+
+
+class FetchError(Exception):
+    """Why one URL gave no image (the message goes into the 400 after the URL)."""
+
+
+class MediaFetcher:
+    """``ServerConfig``'s media fields (:meth:`from_config`); stateless: a request's fetches share one client."""
+
+    def __init__(self, timeout_s: float = 5.0, allowed_media_domains: Optional[Sequence[str]] = None,
+                 allowed_local_media_path: Optional[str] = None, max_bytes: int = 20 * 1024 * 1024):
+        self.timeout_s, self.max_bytes = timeout_s, max_bytes
+        self.allowed_media_domains = None if allowed_media_domains is None else set(allowed_media_domains)
+        self.allowed_local_media_path = (None if allowed_local_media_path is None
+                                         else Path(allowed_local_media_path).resolve())
+
+    @classmethod
+    def from_config(cls, server) -> "MediaFetcher":
+        return cls(server.image_fetch_timeout_s, server.allowed_media_domains, server.allowed_local_media_path,
+                   server.max_image_fetch_bytes)
+
+    async def fetch_all(self, urls: Sequence[str], param: str) -> List[Union[str, bytes]]:
+        """Each URL's image (a data URL as it is, the bytes of any other), in order; a 400 (``param``) for the
+        first that fails, the others' fetches cancelled."""
+        async with httpx.AsyncClient(follow_redirects=True, timeout=self.timeout_s,
+                                     event_hooks={"request": [self._check_host]}) as client:
+            tasks = [asyncio.ensure_future(self._fetch(client, url, param)) for url in urls]
+            try:
+                return list(await asyncio.gather(*tasks))
+            finally:  # (one failed, or the request went away: the rest stop before the client closes)
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _fetch(self, client: httpx.AsyncClient, url: str, param: str) -> Union[str, bytes]:
+        scheme = urlsplit(url).scheme.lower()
+        try:
+            if scheme == "data":
+                return url
+            if scheme in ("http", "https"):
+                return await asyncio.wait_for(self._download(client, url), self.timeout_s)
+            if scheme == "file":
+                return await asyncio.to_thread(self._read_local, url)
+            raise FetchError("an image is a data URL (data:image/...;base64,...), an http(s) URL or a file:// URL "
+                             "under the server's allowed_local_media_path")
+        except asyncio.TimeoutError:
+            message = f"no answer within {self.timeout_s:g} s (server.image_fetch_timeout_s)"
+        except FetchError as exc:
+            message = str(exc)
+        except httpx.HTTPError as exc:
+            message = f"{type(exc).__name__}: {exc}"
+        raise APIError(400, f"{param}: cannot fetch the image {short(url)}: {message}", param=param)
+
+    async def _check_host(self, request: httpx.Request) -> None:
+        """Every request a fetch sends, redirects included: to an allowed domain only (vLLM's check, by host name)."""
+        if self.allowed_media_domains is not None and request.url.host not in self.allowed_media_domains:
+            raise FetchError(f"the domain {request.url.host!r} is not in the server's allowed_media_domains")
+
+    async def _download(self, client: httpx.AsyncClient, url: str) -> bytes:
+        async with client.stream("GET", url) as response:
+            if response.status_code != 200:
+                raise FetchError(f"HTTP {response.status_code}")
+            body = bytearray()
+            async for chunk in response.aiter_bytes():
+                body += chunk
+                if len(body) > self.max_bytes:
+                    raise FetchError(f"more than {self.max_bytes} bytes (server.max_image_fetch_bytes)")
+            return bytes(body)
+
+    def _read_local(self, url: str) -> bytes:
+        """A file:// URL's file, if it is under ``allowed_local_media_path`` (links resolved first)."""
+        if self.allowed_local_media_path is None:
+            raise FetchError("file:// URLs are read only under the server's allowed_local_media_path, which is unset")
+        parts = urlsplit(url)
+        if parts.netloc not in ("", "localhost"):
+            raise FetchError(f"a file:// URL of another host ({parts.netloc!r})")
+        path = Path(unquote(parts.path)).resolve()
+        if not path.is_relative_to(self.allowed_local_media_path):
+            raise FetchError(f"not under the server's allowed_local_media_path ({self.allowed_local_media_path})")
+        try:
+            if os.path.getsize(path) > self.max_bytes:
+                raise FetchError(f"more than {self.max_bytes} bytes (server.max_image_fetch_bytes)")
+            return path.read_bytes()
+        except OSError as exc:
+            raise FetchError(f"{type(exc).__name__}: {exc.strerror}") from None
+
+
+def short(url: str) -> str:
+    """``url`` as an error names it (a data URL's base64 cut)."""
+    return repr(url if len(url) <= 200 else url[:200] + "...")
+
+
+def decoded(urls: Sequence[str], images: Sequence[Union[str, bytes]]) -> list:
+    """The PIL images of :meth:`MediaFetcher.fetch_all`'s ``images``; ValueError naming the URL of one that
+    does not decode (off the event loop: decoding is CPU work)."""
+    pil = []
+    for url, image in zip(urls, images):
+        try:
+            pil.append(load_image(image))
+        except ValueError as exc:
+            raise ValueError(f"the image {short(url)}: {exc}") from None
+    return pil
