@@ -25,7 +25,7 @@ from actors.engine.models.qwen2_5_vl import VisionTransformer
 from actors.engine.multimodal import MM_PAD_BASE, MultimodalProcessor
 from actors.engine.pipeline import PPMissingLayer
 from actors.engine.tiny import build_tiny_checkpoint, make_adapter
-from actors.engine.tokenizer import IMAGE_PAD_ID, load_tokenizer
+from actors.engine.tokenizer import IMAGE_PAD_ID, VL_TOKENIZER_VOCAB_SIZE, load_tokenizer
 from tests.lora_helpers import merged_checkpoint
 from tests.parity import assert_greedy_parity, hf_image_inputs, hf_model
 from tests.pd_helpers import close_workers, make_pair, run_pd
@@ -37,6 +37,13 @@ MAX_NEW = 8
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return str(build_tiny_checkpoint("qwen2_5_vl", tmp_path_factory.mktemp("qwen2_5_vl")))
+
+
+@pytest.fixture(scope="module")
+def text_draft(tmp_path_factory):
+    """A draft model for the tiny Qwen2.5-VL: a one-layer text model of its vocabulary (another seed)."""
+    return str(build_tiny_checkpoint("qwen3", tmp_path_factory.mktemp("draft"), seed=1,
+                                     vocab_size=VL_TOKENIZER_VOCAB_SIZE, num_hidden_layers=1))
 
 
 def image(height: int, width: int, seed: int) -> Image.Image:
@@ -188,6 +195,30 @@ def test_retracted_image_requests_are_encoded_again(model_dir):
     prompts = [chat(engine.tokenizer, f"q{i}") for i in range(6)]
     generate(engine, prompts, [[image(56, 56, 20 + i)] for i in range(6)], max_new_tokens=40)
     assert engine.scheduler.num_retractions > 0
+    engine.check_integrity()
+    engine.shutdown()
+
+
+@pytest.mark.parametrize("algorithm", ["ngram", "draft_model"])
+def test_speculative_decoding_of_image_requests_keeps_hfs_tokens(model_dir, text_draft, algorithm):
+    """n-gram and draft-model speculation on image requests (with a text one, chunks cutting the images): a
+    verify step's M-RoPE positions are its tokens' past the prompt, at the request's delta; the drafts read an
+    image's tokens as the image token (the n-gram index and a text-only draft: never a pad value, out of every
+    vocabulary), and only the target sees the images, the draft at its own positions. Tokens and logprobs are
+    HF's, drafts proposed (n-gram's accepted too: the tiny model repeats itself)."""
+    args = dict(speculative_algorithm=algorithm, speculative_num_draft_tokens=3)
+    if algorithm == "draft_model":
+        args["speculative_draft_model_path"] = text_draft
+    engine = Engine(model_dir, max_total_tokens=2048, chunked_prefill_size=16, **args)
+    prompts = [chat(engine.tokenizer, "spec"), chat(engine.tokenizer, "two", 2), chat(engine.tokenizer, "text")]
+    generate(engine, prompts, [[image(100, 150, 50)], [image(60, 60, 51), image(90, 90, 52)], None], max_new_tokens=24)
+    stats = engine.scheduler.spec_stats
+    assert stats.num_drafts > 0 and (algorithm == "draft_model" or stats.num_accepted_tokens > 0)
+    if algorithm == "ngram":  # (an output ending as the text before the image: the image's tokens follow it)
+        req = engine._make_req({}, prompts[0], None, None, image_data=[image(100, 150, 50)])
+        start = req.origin_input_ids_unpadded.index(IMAGE_PAD_ID)
+        req.output_ids = req.origin_input_ids[start - 2:start]
+        assert engine.scheduler._ngram_draft(req, 3) == [IMAGE_PAD_ID] * 3
     engine.check_integrity()
     engine.shutdown()
 
@@ -442,11 +473,13 @@ def test_async_generate_takes_images_and_a_follower_gets_them_without_rank_0s_em
     assert torch.equal(sent.pixel_values, item.pixel_values) and sent.grid_thw == item.grid_thw
 
 
-def test_image_requests_through_pd_workers_equal_hf(model_dir):
+def test_image_requests_through_pd_workers_equal_hf(model_dir, text_draft):
     """The tokenizer side's padded prompt and mm_inputs go to both workers: the prefill worker encodes the
-    images over its chunks, the decode worker decodes at the M-RoPE delta; a second request on the same
-    image hits the prefill side's cache past it."""
-    prefill, decode = make_pair(model_dir, prefill_args=dict(chunked_prefill_size=8))
+    images over its chunks, the decode worker decodes at the M-RoPE delta, speculating with a text draft (its
+    KV of a transferred prompt computed on arrival, the images' tokens read as the image token); a second
+    request on the same image hits the prefill side's cache past it."""
+    prefill, decode = make_pair(model_dir, prefill_args=dict(chunked_prefill_size=8), decode_args=dict(
+        speculative_algorithm="draft_model", speculative_draft_model_path=text_draft))
     processor = MultimodalProcessor.for_model(model_dir, prefill.runner.model_config, prefill.runner.model)
     tokenizer, params = load_tokenizer(model_dir), dict(max_new_tokens=MAX_NEW, temperature=0, return_logprob=True)
     for text, images in (("pd", [image(100, 150, 30), image(90, 90, 31)]), ("again", [image(100, 150, 30)])):
@@ -456,6 +489,7 @@ def test_image_requests_through_pd_workers_equal_hf(model_dir):
         assert_greedy_parity(model_dir, [prompt], [final["output_ids"]], MAX_NEW, decode.eos_token_ids,
                              logprobs=[[lp for lp, _ in final["meta_info"]["output_token_logprobs"]]], images=[images])
     assert notice["cached_tokens"] > prompt.index(IMAGE_PAD_ID) + 20  # (the second: past its image)
+    assert decode.scheduler.spec_stats.num_drafts > 0
     sides = [w._make_req(params, "own", ids, mm_inputs=mm_inputs).mm_inputs.images[0] for w in (prefill, decode)]
     assert len({id(item) for item in sides + mm_inputs.images}) == 3  # (each side's request its own item)
     close_workers(prefill, decode)
@@ -606,8 +640,9 @@ def test_http_and_file_image_urls_are_fetched_by_the_server_and_failures_are_400
                            sampling_params={"max_new_tokens": MAX_NEW, "temperature": 0})
 
     def body(*urls):
-        return {"model": compat.MODEL, "max_tokens": MAX_NEW, "temperature": 0, "messages": [{"role": "user", "content": [
-            *({"type": "image_url", "image_url": {"url": url}} for url in urls), {"type": "text", "text": "what?"}]}]}
+        parts = [{"type": "image_url", "image_url": {"url": url}} for url in urls]
+        return {"model": compat.MODEL, "max_tokens": MAX_NEW, "temperature": 0,
+                "messages": [{"role": "user", "content": parts + [{"type": "text", "text": "what?"}]}]}
 
     handler = type("Handler", (ImageHandler,), dict(png=png.getvalue(), gate=threading.Barrier(2, timeout=10),
                                                     release=threading.Event()))
@@ -639,7 +674,8 @@ def test_http_and_file_image_urls_are_fetched_by_the_server_and_failures_are_400
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["message"]["content"] == want["text"]
     assert two.status_code == 200, two.text
-    assert two.json()["usage"]["prompt_tokens"] == want["meta_info"]["prompt_tokens"] + 20 + 2  # (its tokens, <|vision_*|>)
+    # (the second image's tokens and its <|vision_start|>, <|vision_end|>)
+    assert two.json()["usage"]["prompt_tokens"] == want["meta_info"]["prompt_tokens"] + 20 + 2
     reasons = ["HTTP 404", "not in the server's allowed_media_domains", "not in the server's allowed_media_domains",
                "server.image_fetch_timeout_s", "server.max_image_fetch_bytes", "allowed_local_media_path",
                "allowed_local_media_path", "a data URL"]

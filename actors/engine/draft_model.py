@@ -39,6 +39,13 @@ step of an undrafted request) are cut to the positions below its context, so it 
 attends past it (where its RoPE was never trained), and a slot past it holds no draft KV — none
 that a draft step could read: a position past the limit is past it in every request sharing it.
 
+A vision-language target (Qwen2.5-VL, Qwen3-VL) takes a draft of its vocabulary as any other, and only
+the target sees the images, as SGLang's and vLLM's drafts without the target's hidden states: the
+draft reads an image's tokens as the image token (``Req.origin_input_ids_unpadded``; their ids in
+the target's batch, the images' pad values, are in no vocabulary), at its own plain positions (not
+the target's M-RoPE ones), so its KV of them is the same for every image. Its drafts are proposals
+only: the target's verify forward, at its M-RoPE positions, keeps plain decoding's tokens.
+
 A Mamba hybrid target (Qwen3-Next) takes such a draft as any other: the target's states are
 committed from its verify scratch (:mod:`actors.engine.spec_decode`) and the draft keeps none. A
 hybrid draft is refused by its KV cache kind: its recurrent state cannot drop a rejected draft
@@ -74,6 +81,7 @@ import torch
 from actors.engine.attention import create_attention_backend
 from actors.engine.forward_batch import ForwardBatch, ForwardMode, int64_tensor
 from actors.engine.model_loader import get_context_length, load_model
+from actors.engine.multimodal import MM_PAD_BASE
 from actors.engine.req import Req
 from actors.engine.draft_masks import DraftMasks
 
@@ -87,8 +95,9 @@ class DraftModel:
     slot count is known) and its own attention backend (a backend keeps a forward's metadata)."""
 
     def __init__(self, path: str, dtype: str, device: torch.device, attention_backend: str, target_vocab: int,
-                 context_len: int):
-        """``context_len``: the target's, as served."""
+                 context_len: int, image_token_id: Optional[int] = None):
+        """``context_len``: the target's, as served; ``image_token_id``: a vision-language target's, what the
+        draft reads an image's tokens as."""
         self.model, self.model_config, self.dtype = load_model(path, dtype, str(device))
         vocab = self.model_config.vocab_size
         if vocab != target_vocab:
@@ -103,7 +112,7 @@ class DraftModel:
             raise ValueError(f"speculative_draft_model_path: a draft of KV cache kind {self.spec.kind!r} is not "
                              f"supported (a recurrent state would need states and a verify scratch of the "
                              f"draft's own); supported: {', '.join(DRAFT_KV_KINDS)}")
-        self.device = device
+        self.device, self.image_token_id = device, image_token_id
         self.attn_backend = create_attention_backend(attention_backend, device=device)
         self.token_to_kv_pool = None
 
@@ -118,15 +127,23 @@ class DraftModel:
 
     def mirror(self, forward_batch: ForwardBatch) -> None:
         """Write the draft's KV of a target forward's tokens below the draft's context (the module's
-        invariant); what only the target computes — logits, input logprobs, embeddings, LoRA — is left out."""
+        invariant); what only the target computes — logits, input logprobs, embeddings, LoRA, images — is
+        left out."""
         if max(forward_batch.seq_lens_cpu) > self.max_context_len:
             forward_batch = self._within_context(forward_batch)
             if forward_batch is None:
                 return
         self.forward(dataclasses.replace(
-            forward_batch, logits_indices=self._no_rows(), input_logprob_indices=None, input_logprob_next_ids=None,
-            input_logprob_counts=None, embed_indices=None, classifier_token_ids=None, lora_slots=None,
-            lora_slot_names=None))
+            forward_batch, input_ids=self._text_ids(forward_batch), logits_indices=self._no_rows(),
+            input_logprob_indices=None, input_logprob_next_ids=None, input_logprob_counts=None, embed_indices=None,
+            classifier_token_ids=None, lora_slots=None, lora_slot_names=None, mrope_positions=None, mm_items=None,
+            deepstack_embeds=None))
+
+    def _text_ids(self, batch: ForwardBatch) -> torch.Tensor:
+        """``batch``'s input ids with its image tokens' (their pad values) the image token (the module's docstring)."""
+        if batch.mm_items is None:  # (no image token computed)
+            return batch.input_ids
+        return torch.where(batch.input_ids >= MM_PAD_BASE, self.image_token_id, batch.input_ids)
 
     def _within_context(self, batch: ForwardBatch) -> Optional[ForwardBatch]:
         """``batch`` cut to its tokens at positions below ``max_context_len`` (request ``i``'s
@@ -166,7 +183,7 @@ class DraftModel:
         if reqs:
             starts = [len(r.prefix_indices) for r in reqs]
             ends = [min(r.kv_committed_len, self.max_context_len) for r in reqs]
-            tokens = int64_tensor([t for r, s, e in zip(reqs, starts, ends) for t in r.origin_input_ids[s:e]],
+            tokens = int64_tensor([t for r, s, e in zip(reqs, starts, ends) for t in r.origin_input_ids_unpadded[s:e]],
                                   self.device)
             self.forward(self._batch(ForwardMode.EXTEND, tokens, [r.req_pool_idx for r in reqs], starts, ends,
                                      req_to_token_pool, logits_indices=self._no_rows()))

@@ -198,7 +198,8 @@ class ModelRunner:
             return None
         dtype = next(name for name, value in DTYPES.items() if value == self.dtype)
         return DraftModel(self.config.speculative_draft_model_path, dtype, self.device, attention,
-                          self.model_config.vocab_size, self.context_len)
+                          self.model_config.get_text_config().vocab_size, self.context_len,
+                          getattr(self.model_config, "image_token_id", None))
 
     # ---- memory ---------------------------------------------------------------
     @staticmethod

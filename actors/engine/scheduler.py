@@ -191,8 +191,6 @@ class Scheduler(PrefillAdmissionMixin, DecodeRetractionMixin, SpecDecodeMixin):
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:  # it would fail the whole batch (on CUDA: a device-side assert)
             raise ValueError(f"token id {bad} in the prompt is out of the vocabulary (ids are 0..{vocab - 1})")
-        if req.mm_inputs is not None and self.config.speculative_algorithm is not None:  # (a verify's M-RoPE)
-            raise ValueError("image input is not served with speculative decoding (speculative_algorithm)")
         if req.mm_inputs is not None:  # (processed inputs too: a PD worker's, from the server's tokenizer side)
             check_image_count(len(req.mm_inputs.images), self.config.limit_mm_per_prompt)
         if req.priority and not self.config.enable_priority_scheduling:  # (vLLM refuses it too)

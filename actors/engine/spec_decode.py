@@ -83,8 +83,8 @@ from actors.engine.sampling import Pick, argmax_rows, logprob_picks, sampling_pr
 from actors.engine.draft_masks import DraftMasks
 from actors.engine.spec_accept import (accept_greedy, apply_draft_grammar_masks, grammar_prefix, position_states,
                                        rejection_sample)
-from actors.engine.schedule_batch import (_NO_SLOTS, _last_locs, _mamba_indices, _mamba_tracks, _table_rows,
-                                         alloc_extend_slots, extend_batch, free_swa_out_of_windows)
+from actors.engine.schedule_batch import (_NO_SLOTS, _last_locs, _mamba_indices, _mamba_tracks, _mm_extend_fields,
+                                         _table_rows, alloc_extend_slots, extend_batch, free_swa_out_of_windows)
 from actors.engine.sparse_logits import adjust_logits
 
 
@@ -147,7 +147,8 @@ def alloc_verify_slots(reqs: List[Req], draft_lens: List[int], runner, tree_cach
 
 def verify_batch(reqs: List[Req], drafts: List[List[int]], runner) -> ForwardBatch:
     """The verify forward of each request's last sampled token and its draft, into the slots its
-    row holds there (:func:`alloc_verify_slots`'; a draft cut after they were taken uses the first)."""
+    row holds there (:func:`alloc_verify_slots`'; a draft cut after they were taken uses the first); an
+    image request's tokens at their M-RoPE positions, past its prompt (a decode step's)."""
     table = runner.req_to_token_pool.req_to_token
     input_ids, positions, rows = [], [], []
     for req, draft in zip(reqs, drafts):
@@ -159,7 +160,8 @@ def verify_batch(reqs: List[Req], drafts: List[List[int]], runner) -> ForwardBat
     seq_lens = [r.seqlen + len(d) for r, d in zip(reqs, drafts)]
     return extend_batch(ForwardMode.TARGET_VERIFY, runner, reqs, input_ids, positions, out, prefix_lens, seq_lens,
                         spec_draft_tokens=drafts,
-                        mamba_pool_indices=_mamba_indices(runner.req_to_token_pool, reqs, runner))
+                        mamba_pool_indices=_mamba_indices(runner.req_to_token_pool, reqs, runner),
+                        **_mm_extend_fields(reqs, prefix_lens, seq_lens, runner))
 
 
 class SpecDecodeMixin:
@@ -206,7 +208,7 @@ class SpecDecodeMixin:
         cfg = self.config
         if req.ngram_index is None:
             req.ngram_index = NgramIndex(cfg.speculative_ngram_min, cfg.speculative_ngram_max)
-        req.ngram_index.sync(req.origin_input_ids, req.output_ids)
+        req.ngram_index.sync(req.origin_input_ids_unpadded, req.output_ids)  # (an image's tokens: the image token)
         return req.ngram_index.propose(room)
 
     @staticmethod
