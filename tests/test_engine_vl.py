@@ -622,7 +622,8 @@ def test_http_and_file_image_urls_are_fetched_by_the_server_and_failures_are_400
     """vLLM's media fetching: an http URL's image (two of a request fetched at once) and a file:// one under
     allowed_local_media_path answer as the engine does to the image itself; a 404, a domain (or a redirect to
     one) not in allowed_media_domains, a download past image_fetch_timeout_s or max_image_fetch_bytes, a file://
-    URL outside the allowed path (or through ..) and a path are each a 400 naming the URL, at once."""
+    URL outside the allowed path (or through ..), a path and a URL that does not parse are each a 400 naming the
+    URL, at once."""
     import httpx
 
     from cluster.config import ServerConfig
@@ -664,7 +665,7 @@ def test_http_and_file_image_urls_are_fetched_by_the_server_and_failures_are_400
             refused = {url: post(f"{host}/cat.png", url) for url in (
                 f"{host}/missing.png", f"http://localhost:{images.server_port}/cat.png", f"{host}/away.png",
                 f"{host}/slow.png", f"{host}/big.png", f"file://{tmp_path}/outside.png",
-                f"file://{media}/../outside.png", str(media / "cat.png"))}
+                f"file://{media}/../outside.png", str(media / "cat.png"), "http://[::1/cat.png")}
             elapsed = time.monotonic() - started
     finally:
         handler.release.set()
@@ -678,7 +679,7 @@ def test_http_and_file_image_urls_are_fetched_by_the_server_and_failures_are_400
     assert two.json()["usage"]["prompt_tokens"] == want["meta_info"]["prompt_tokens"] + 20 + 2
     reasons = ["HTTP 404", "not in the server's allowed_media_domains", "not in the server's allowed_media_domains",
                "server.image_fetch_timeout_s", "server.max_image_fetch_bytes", "allowed_local_media_path",
-               "allowed_local_media_path", "a data URL"]
+               "allowed_local_media_path", "a data URL", "InvalidURL"]
     for (url, r), reason in zip(refused.items(), reasons):
         assert r.status_code == 400 and r.json()["error"]["param"] == "messages", (url, r.text)
         assert repr(url) in r.json()["error"]["message"] and reason in r.json()["error"]["message"], (url, r.text)
