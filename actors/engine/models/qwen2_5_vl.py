@@ -16,7 +16,7 @@ equal, which is plain RoPE: a batch without image requests runs as Qwen2.
 
 from __future__ import annotations
 
-from typing import List, Sequence, Tuple
+from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -55,8 +55,30 @@ def mrope_positions(input_ids: Sequence[int], image_token_id: int, grids: Sequen
     return positions, int(positions.max()) + 1 - len(input_ids)
 
 
+class Segments(NamedTuple):
+    """The rows of each segment of a ``cu_seqlens`` (a window, or a whole frame) padded to the longest one, for
+    one batched attention over all of them (vLLM's and SGLang's varlen attention, without a varlen kernel):
+    ``index`` [segments, longest] the row at each place (a padding place repeats its segment's first row),
+    ``rows`` [tokens] each row's place in the flattened padding, ``mask`` [segments, 1, 1, longest] the
+    keys each segment attends, its own (None when the segments are alike: no padding)."""
+
+    index: torch.Tensor
+    rows: torch.Tensor
+    mask: Optional[torch.Tensor]
+
+    @classmethod
+    def of(cls, cu_seqlens: List[int], device) -> "Segments":
+        """Made on the host (no device sync), once an image for all its blocks."""
+        starts = torch.tensor(cu_seqlens[:-1])
+        lens = torch.tensor(cu_seqlens[1:]) - starts
+        steps = torch.arange(int(lens.max()))
+        valid = steps < lens[:, None]
+        mask = None if bool(valid.all()) else valid[:, None, None, :].to(device)
+        return cls((starts[:, None] + steps * valid).to(device), valid.flatten().nonzero()[:, 0].to(device), mask)
+
+
 class VisionAttention(nn.Module):
-    """Bidirectional attention within each segment of ``cu_seqlens`` (a window, or a whole frame)."""
+    """Bidirectional attention within each of its :class:`Segments` (windows, or whole frames)."""
 
     def __init__(self, dim: int, num_heads: int):
         super().__init__()
@@ -64,29 +86,15 @@ class VisionAttention(nn.Module):
         self.qkv = nn.Linear(dim, dim * 3, bias=True)
         self.proj = nn.Linear(dim, dim)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: List[int]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: Segments) -> torch.Tensor:
         q, k, v = self.qkv(x).view(x.shape[0], 3, self.num_heads, self.head_dim).unbind(1)
         # rotated in fp32, as HF's apply_rotary_pos_emb_vision
         q, k = (apply_rotary(t.float(), cos, sin, self.head_dim).to(x.dtype) for t in (q, k))
-        index, valid = segment_padding(cu_seqlens, x.device)
         # every segment in one SDPA: [segments, heads, longest, head_dim], a shorter one's padding masked as keys
-        # (a padded query row attends to its segment's keys: computed, never read)
-        q, k, v = (t[index].transpose(1, 2) for t in (q, k, v))
-        mask = None if bool(valid.all()) else valid[:, None, None, :]
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2)[valid]
-        return self.proj(out.reshape(x.shape[0], -1))
-
-
-def segment_padding(cu_seqlens: List[int], device) -> Tuple[torch.Tensor, torch.Tensor]:
-    """The rows of each segment of ``cu_seqlens`` padded to the longest one (one batched attention for every
-    window, vLLM's and SGLang's varlen attention without a varlen kernel): ``index`` [segments, longest] of
-    row numbers (a padding slot repeats the segment's first row) and ``valid`` [segments, longest], True on
-    the segment's own rows; ``valid``'s True slots, in order, are the rows 0, 1, ... again."""
-    starts = torch.tensor(cu_seqlens[:-1], device=device)
-    lens = torch.tensor(cu_seqlens[1:], device=device) - starts
-    steps = torch.arange(int(lens.max()), device=device)
-    valid = steps < lens[:, None]
-    return starts[:, None] + steps * valid, valid
+        # (a padding place's query attends to its segment's keys: computed, never read)
+        q, k, v = (t[segments.index].transpose(1, 2) for t in (q, k, v))
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=segments.mask).transpose(1, 2).flatten(0, 1)
+        return self.proj(out[segments.rows].reshape(x.shape[0], -1))
 
 
 class VisionBlock(nn.Module):
@@ -97,8 +105,8 @@ class VisionBlock(nn.Module):
         self.attn = VisionAttention(config.hidden_size, config.num_heads)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act, bias=True)
 
-    def forward(self, x, cos, sin, cu_seqlens):
-        x = x + self.attn(self.norm1(x), cos, sin, cu_seqlens)
+    def forward(self, x, cos, sin, segments):
+        x = x + self.attn(self.norm1(x), cos, sin, segments)
         return x + self.mlp(self.norm2(x))
 
 
@@ -152,8 +160,8 @@ class VisionTransformer(nn.Module):
         x = self.patch_embed(pixels)[patches]
         cos, sin = vision_rotary(t, h, w, self.merge, self.head_dim, self.rope_theta, pixels.device)
         cos, sin = cos[patches], sin[patches]
-        frames = [i * h * w for i in range(t + 1)]
-        windows = [0] + torch.tensor(window_lens).mul(unit).cumsum(0).tolist()
+        frames = Segments.of([i * h * w for i in range(t + 1)], pixels.device)
+        windows = Segments.of([0] + torch.tensor(window_lens).mul(unit).cumsum(0).tolist(), pixels.device)
         for i, block in enumerate(self.blocks):
             x = block(x, cos, sin, frames if i in self.full_attention_blocks else windows)
         return self.merger(x)[torch.argsort(order)]

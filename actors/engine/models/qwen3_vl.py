@@ -25,8 +25,8 @@ from torch.nn import functional as F
 
 from actors.engine.layers import MRotaryEmbedding, get_activation
 from actors.engine.models.llama import LlamaAttention, LlamaDecoderLayer, rope_settings
-from actors.engine.models.qwen2_5_vl import (PatchEmbed, Qwen2_5_VLForConditionalGeneration, VisionAttention,
-                                             merge_block_order, vision_rotary)
+from actors.engine.models.qwen2_5_vl import (PatchEmbed, Qwen2_5_VLForConditionalGeneration, Segments,
+                                             VisionAttention, merge_block_order, vision_rotary)
 from actors.engine.parallel import SINGLE, TPGroup
 
 
@@ -49,8 +49,8 @@ class VisionBlock(nn.Module):
         self.attn = VisionAttention(config.hidden_size, config.num_heads)
         self.mlp = VisionMLP(config)
 
-    def forward(self, x, cos, sin, cu_seqlens):
-        x = x + self.attn(self.norm1(x), cos, sin, cu_seqlens)
+    def forward(self, x, cos, sin, segments):
+        x = x + self.attn(self.norm1(x), cos, sin, segments)
         return x + self.mlp(self.norm2(x))
 
 
@@ -92,7 +92,7 @@ class VisionTransformer(nn.Module):
         t, h, w = grid_thw
         x = self.patch_embed(pixels) + self._positions(t, h, w).to(pixels.device)
         cos, sin = vision_rotary(t, h, w, self.merge, self.head_dim, self.rope_theta, pixels.device)
-        frames = [i * h * w for i in range(t + 1)]
+        frames = Segments.of([i * h * w for i in range(t + 1)], pixels.device)
         features = []
         for i, block in enumerate(self.blocks):
             x = block(x, cos, sin, frames)
