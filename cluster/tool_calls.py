@@ -151,7 +151,7 @@ class ToolCalls:
             self.parsers[index] = self.make_parser()  # (no calls: the finish reason stays)
             return unparsed, []
         return content, [{"id": new_call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
-                         for name, arguments in parser.calls if name is not None]
+                         for name, arguments in parser.whole_calls() if name is not None]
 
     def finish_reason(self, index: int, reason: Optional[str]) -> Optional[str]:
         called = index in self.parsers and any(name is not None for name, _ in self.parsers[index].calls)

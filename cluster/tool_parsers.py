@@ -56,6 +56,10 @@ class ToolCallParser:
         none (vLLM's pythonic parsers': a stream has sent them); None: the calls stand."""
         return None
 
+    def whole_calls(self) -> List[List[Optional[str]]]:
+        """After ``finish``: the calls a non-streamed message holds, where they stand (``unparsed``)."""
+        return self.calls
+
 
 def _is_json(text: str) -> bool:
     try:
@@ -81,7 +85,7 @@ class JsonCallsParser(ToolCallParser):
         self.calls_broken = False
 
     def unparsed(self, text: str) -> Optional[str]:
-        if not self.calls_broken and all(_is_json(arguments) for _, arguments in self.calls):
+        if not self.calls_broken and all(_is_json(arguments) for _, arguments in self.whole_calls()):
             return None
         for tag in self.SPECIAL_TAGS:
             text = text.replace(tag, "")
@@ -329,7 +333,9 @@ class Llama3JsonParser(JsonCallsParser):
     first object that is not a call (vLLM decides the whole output at once, all calls or all
     content), or text other than ``;`` and whitespace between them, is content as written from
     there on, the calls before it kept; so is the text from the character that broke a call once
-    committed. An object the output cut short is content, or the call as far as it went."""
+    committed. An object the output cut short is content, or the call as far as it went. Not streamed, a call
+    that breaks or is cut short after whole ones is left out and they stand (vLLM's regex takes the run of
+    whole objects the output opens with); the first one so makes the output content."""
 
     TAG = "<|python_tag|>"
 
@@ -338,6 +344,16 @@ class Llama3JsonParser(JsonCallsParser):
         self.state = "opening"  # then "between" calls, in an "object", or "content" for good
         self.held: List[str] = []  # the opening's text until it is decided, or the object's so far (joined once read)
         self.call: Optional[CallObject] = None
+        self.last_dropped = False  # the last call broke or was cut short after whole ones
+
+    def object_ended(self, call: CallObject) -> None:
+        if len(self.calls) > 1 and call.call is not None and (call.broken or not call.done):
+            self.last_dropped = True  # (the last call: no call follows one that broke or was cut)
+        else:
+            super().object_ended(call)
+
+    def whole_calls(self) -> List[List[Optional[str]]]:
+        return self.calls[:-1] if self.last_dropped else self.calls
 
     def feed(self, text: str) -> str:
         if self.state == "opening":

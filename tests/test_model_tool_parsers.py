@@ -169,7 +169,6 @@ def test_registered_parsers_stream_what_the_message_holds(name, text):
         ("hermes", '<tool_call>{"name": "add", "arguments": {"a": 1}</tool_call>'),
         ("hermes", 'Sure. <tool_call>{"name": "add", "arguments": {"a": 1}} x</tool_call>'),
         ("llama3_json", '{"name": "add", "parameters": {"a": 1} ok'),
-        ("llama3_json", '{"name": "add", "parameters": {"a": 1}}; {"name": "add", "parameters": {}'),
         ("deepseek_v3", DEEPSEEK_TEXTS[2][0]), ("deepseek_v31", DEEPSEEK_V31.format("add", '{"a": [3')[:-5])]],
     ("mistral", MISTRAL_TEXTS[4][0], 'ok add{"a": 12'),  # (the special tokens dropped)
     ("mistral", '[TOOL_CALLS] [{"name": "add", "arguments": {"a": x}}]', ' [{"name": "add", "arguments": {"a": x}}]'),
@@ -185,3 +184,21 @@ def test_calls_that_do_not_parse_are_content_when_not_streamed(name, text, conte
     streamed = ToolCalls(lambda: TOOL_CALL_PARSERS[name](()), calls_finish=True)
     assert streamed.delta(0, text, finished=True)[1][0]["function"]["name"] == "add"
     assert streamed.finish_reason(0, "stop") == "tool_calls"
+
+
+@pytest.mark.parametrize("last, content", [('{"name": "g", "parameters": {}', ""),  # (cut short, its arguments whole)
+                                           ('{"name": "g", "parameters": {"a": 2', ""),  # (cut in its arguments)
+                                           ('{"name": "g", "parameters": {"a": 2}, x', "x")])  # (broken)
+def test_llama3_json_keeps_the_whole_calls_before_one_broken_or_cut_short(last, content):
+    """vLLM's llama3_json takes the run of whole objects the output opens with (its regex, then json.loads of
+    each): not streamed, a call after them that breaks or is cut short is left out and they stand; streamed,
+    it was sent too."""
+    text = '{"name": "add", "parameters": {"a": 1}}; ' + last
+    whole = ToolCalls(lambda: TOOL_CALL_PARSERS["llama3_json"](()), calls_finish=True)
+    message_content, calls = whole.message(0, text)
+    assert (message_content, [[c["function"]["name"], c["function"]["arguments"]] for c in calls]) == \
+        (content, [["add", '{"a": 1}']])
+    assert whole.finish_reason(0, "length") == "length" and whole.finish_reason(0, "stop") == "tool_calls"
+    streamed = ToolCalls(lambda: TOOL_CALL_PARSERS["llama3_json"](()), calls_finish=True)
+    assert [d["function"]["name"] for d in streamed.delta(0, text, finished=True)[1] if "name" in d["function"]] \
+        == ["add", "g"]
