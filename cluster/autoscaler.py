@@ -9,8 +9,9 @@ leaving takes: the rotation the client routes over, the router's registration an
 worker's catch-up on the weights, adapters and pause the cluster serves, and the drain that lets
 a leaving worker's requests finish before its pools are freed. An actor would have to call back
 into this process for all of that. Every ``metrics_interval_s`` it asks the workers' loads
-(as ``/metrics`` does), reads the server's admission queue, samples each side (:class:`~cluster.autoscaling_policy.LoadSample`) and
-asks its :class:`~cluster.autoscaling_policy.ScalingPolicy` where the side should be.
+(as ``/metrics`` does), counts the requests waiting for the server's admission, samples each side
+(:class:`~cluster.autoscaling_policy.LoadSample`) and asks its
+:class:`~cluster.autoscaling_policy.ScalingPolicy` where the side should be.
 
 One change at a time per side, and no decision while it runs (as Dynamo's planner): a change
 starts workers one after another up to the decided count (each placed by the side's custom
@@ -45,7 +46,7 @@ STOP_TIMEOUT_S = 30.0  # the longest the server's shutdown waits for a change in
 
 def load_sample(now: float, role: str, workers: List[Dict[str, Any]], queued: int = 0) -> LoadSample:
     """The load of one ``role`` side's live workers (``backend.workers()`` entries, their last reports)
-    and of the ``queued`` requests waiting for an admission slot in the server: each is one more
+    and of the ``queued`` requests waiting for the server's admission (a slot, or a pause's end): each is one more
     request for both sides (Ray Serve counts a request queued at the handle as ongoing), and waits for
     a prefill (Dynamo's prefill queue) before any batch of the decode side's."""
     loads = [w.get("load") or {} for w in workers]
@@ -119,21 +120,22 @@ class Autoscaler:
     """The loop over a backend's sides (see the module docstring); ``clock``: monotonic seconds."""
 
     def __init__(self, backend, configs: Dict[str, Any], metrics=None, clock: Callable[[], float] = time.monotonic,
-                 admission=None):
-        self.backend, self.metrics, self.clock, self.admission = backend, metrics, clock, admission
+                 service=None):
+        self.backend, self.metrics, self.clock, self.service = backend, metrics, clock, service
         self.sides = {role: SideScaler(role, config) for role, config in configs.items()}
         self._task: Optional[asyncio.Task] = None
 
     @classmethod
-    def from_config(cls, backend, config, metrics=None, admission=None) -> Optional["Autoscaler"]:
+    def from_config(cls, backend, config, metrics=None, service=None) -> Optional["Autoscaler"]:
         """The autoscaler of a ClusterConfig's sides with ``autoscaling`` (None: no side has it, or
-        ``backend`` has no cluster to start workers in); ``admission``: the server's
-        (:class:`cluster.admission.Admission`), whose queued requests count as load."""
+        ``backend`` has no cluster to start workers in); ``service``: the server's
+        (:class:`cluster.openai_serving.GenerationService`), whose requests waiting for admission count as
+        load: for a slot, or for generation to continue (/pause_generation), as ``/load`` counts them."""
         configs = {role: getattr(config, role).autoscaling for role in ("prefill", "decode")
                    if getattr(getattr(config, role, None), "autoscaling", None) is not None}
         if not configs or getattr(backend, "cluster", None) is None:
             return None
-        return cls(backend, configs, metrics, admission=admission)
+        return cls(backend, configs, metrics, service=service)
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run())
@@ -172,7 +174,8 @@ class Autoscaler:
             return
         await refresh_loads_briefly(self.backend)
         workers = self.backend.workers()
-        queued = self.admission.waiting if self.admission is not None else 0
+        service = self.service
+        queued = service.admission.waiting + service.num_paused if service is not None else 0
         for side in due:
             side.next_sample_at = now + side.config.metrics_interval_s
             live = live_workers(workers, side.role)

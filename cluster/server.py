@@ -178,7 +178,7 @@ def build_app(cluster_or_client: Any, tokenizer=None, config=None, client=None,
     responses = ResponsesService(service, server.responses_store_size)
     scorer = Scorer.from_config(service, server)
 
-    autoscaler = Autoscaler.from_config(backend, config, metrics, admission)
+    autoscaler = Autoscaler.from_config(backend, config, metrics, service)
 
     @asynccontextmanager
     async def lifespan(app):

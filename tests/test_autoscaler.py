@@ -20,6 +20,7 @@ from cluster.autoscaling_policy import SIGNALS, LoadSample, ScalingPolicy
 from cluster.backend import WorkerNotAddedError
 from cluster.config import AutoscalingConfig
 from cluster.metrics import ServerMetrics
+from cluster.openai_serving import GenerationService
 from tests.backend_stubs import StubBackend
 
 
@@ -183,12 +184,12 @@ class ScaledBackend(StubBackend):
         self.removed.append(worker_id)
 
 
-def run_loop(backend, config, script, admission=None):
+def run_loop(backend, config, script, service=None):
     """``script(autoscaler, clock)`` (a coroutine) with the decode side under ``config``; a list holds
     the clock's one value, moved by the script."""
     clock = [0.0]
     metrics = ServerMetrics("m")
-    autoscaler = Autoscaler(backend, {"decode": config}, metrics, clock=lambda: clock[0], admission=admission)
+    autoscaler = Autoscaler(backend, {"decode": config}, metrics, clock=lambda: clock[0], service=service)
     asyncio.run(script(autoscaler, clock))
     return autoscaler, metrics
 
@@ -317,24 +318,31 @@ def test_scaling_up_given_up_is_tried_again_after_the_cool_down_and_a_start_clea
     assert len(backend.decode) == 2 and state["start_failures"] == 0 and state["last_change"]["result"] == "done"
 
 
-def test_requests_queued_for_admission_count_as_load():
-    # one decode worker holding the one admitted request, four more waiting for a slot: 5 requests, 1 each
+@pytest.mark.parametrize("paused", [False, True])
+def test_requests_queued_for_admission_count_as_load(paused):
+    """One decode worker holding the one admitted request, four more waiting for a slot, or with generation
+    paused (/pause_generation: they wait in the server until it continues, as /load counts them): 5 requests,
+    1 each."""
     backend = ScaledBackend([{"num_requests": 1}])
-    admission = Admission(max_concurrent=1, max_queue_size=8, queue_timeout_s=60)
+    admission = Admission(max_concurrent=1 + paused * 4, max_queue_size=8, queue_timeout_s=60)
+    service = GenerationService(backend, None, ServerMetrics("s"), admission)
 
     async def script(autoscaler, clock):
         await admission.acquire()
-        queued = [asyncio.ensure_future(admission.acquire()) for _ in range(4)]
+        if paused:
+            service.resumed.clear()
+        queued = [asyncio.ensure_future(service._admit(asyncio.Event())) for _ in range(4)]
         await settle()
-        assert admission.waiting == 4
+        assert (service.num_paused, admission.waiting) == ((4, 0) if paused else (0, 4))
         await autoscaler.tick()
         await settle()
         for request in queued:
             request.cancel()
-        backend.starts[0].set_exception(RuntimeError("stopped"))
+        for start in backend.starts:
+            start.set_exception(RuntimeError("stopped"))
         await asyncio.wait(queued)
 
-    autoscaler, _ = run_loop(backend, scaling(target_ongoing_requests=1), script, admission)
+    autoscaler, _ = run_loop(backend, scaling(target_ongoing_requests=1), script, service)
     assert autoscaler.state()["decode"]["desired"] == 5
     # a prefill side's queue too (Dynamo's waiting requests); a decode side's waits for no batch of its own
     worker = [{"load": {"num_requests": 2, "waiting": 1}}]
