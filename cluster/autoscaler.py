@@ -27,7 +27,8 @@ start the cluster's state refuses (:class:`~cluster.backend.WorkerNotAddedError`
 sleep, or serve weights from tensors) is no failed start: the next is tried once the upscale delay
 has run again.
 A side's workers are those live and those a ``POST /workers`` is starting (``backend.starting``):
-a manual add (an operator's, allowed past ``max_workers``) is not started again by a scale-up.
+a manual add (an operator's, allowed past ``max_workers``) is not started again by a scale-up; one
+that starts clears the side's failed starts (:meth:`Autoscaler.worker_added`).
 """
 
 from __future__ import annotations
@@ -236,6 +237,14 @@ class Autoscaler:
             side.policy.restart_delay()
         logger.info("autoscaler: %s: scaling %s to %d workers %s", side.role, side.last_change["action"],
                     decision.target, side.last_change["result"])
+
+    def worker_added(self, role: str) -> None:
+        """A ``POST /workers`` started a ``role`` worker: starts work again, so the side's failed starts are
+        forgotten and its next is not held back (an operator's start after the node or quota came back
+        does not leave the side waiting out its cool-down)."""
+        side = self.sides.get(role)
+        if side is not None:
+            side.start_failures, side.next_start_at = 0, 0.0
 
     def state(self) -> Dict[str, Any]:
         """Per side: its bounds, the last decision (current, desired, why), the change in flight or last."""

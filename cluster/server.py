@@ -330,11 +330,14 @@ def build_app(cluster_or_client: Any, tokenizer=None, config=None, client=None,
     async def add_worker(request: Request):
         req = await parse_body(request, AddWorkerRequest)
         try:
-            return await backend.add_worker(req.role)
+            worker = await backend.add_worker(req.role)
         except WorkerNotAddedError as exc:
             raise APIError(409, str(exc), code=exc.code) from None
         except NotImplementedError as exc:
             raise APIError(501, str(exc), "server_error", code="not_supported") from None
+        if autoscaler is not None:
+            autoscaler.worker_added(req.role)
+        return worker
 
     @app.delete("/workers/{worker_id}")
     async def remove_worker(worker_id: str):

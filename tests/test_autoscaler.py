@@ -8,19 +8,23 @@ counted while the workers sleep, requests queued for admission counted as load, 
 desired-workers gauge."""
 
 import asyncio
+import time
 from types import SimpleNamespace
 
+import httpx
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cluster.admission import Admission
 from cluster.autoscaler import Autoscaler, load_sample
-from cluster.autoscaling_policy import SIGNALS, LoadSample, ScalingPolicy
+from cluster.autoscaling_policy import SIGNALS, Decision, LoadSample, ScalingPolicy
 from cluster.backend import WorkerNotAddedError
-from cluster.config import AutoscalingConfig
+from cluster.config import AutoscalingConfig, ServerConfig
+from cluster.http_server import BackgroundServer
 from cluster.metrics import ServerMetrics
 from cluster.openai_serving import GenerationService
+from cluster.server import build_app
 from tests.backend_stubs import StubBackend
 
 
@@ -316,6 +320,34 @@ def test_scaling_up_given_up_is_tried_again_after_the_cool_down_and_a_start_clea
     autoscaler, _ = run_loop(backend, config, script)
     state = autoscaler.state()["decode"]
     assert len(backend.decode) == 2 and state["start_failures"] == 0 and state["last_change"]["result"] == "done"
+
+
+class ServedBackend(ScaledBackend):
+    """A ScaledBackend the HTTP app serves: its start ends at once."""
+
+    model_name, context_len, max_prompt_len, generate_stream = "m", 64, 63, None
+
+    async def add_worker(self, role):
+        self.decode.append({"id": f"d-{len(self.decode)}", "role": role, "node": "n", "alive": True, "load": {}})
+        return self.decode[-1]
+
+
+def test_a_worker_added_by_hand_clears_the_failed_starts_of_a_side_that_stopped_scaling_up():
+    """An operator's POST /workers that starts a worker shows the node or quota came back: the side that stopped
+    scaling up after failed starts starts the next at once, not after the rest of its cool-down."""
+    backend = ServedBackend([{"num_requests": 0}])
+    config = SimpleNamespace(server=ServerConfig(), prefill=SimpleNamespace(autoscaling=None),
+                             decode=SimpleNamespace(autoscaling=scaling(max_start_failures=2)))
+    app = build_app(backend, None, config)
+    side = app.state.autoscaler.sides["decode"]
+    with BackgroundServer(app, "127.0.0.1", 0) as server:
+        for _ in range(2):
+            side.start_failed(time.monotonic())
+        up = Decision(current=2, desired=3, target=3, reason="load")
+        assert "scaling up stopped after 2 failed starts" in side.hold_back(up, time.monotonic())
+        assert httpx.post(server.url + "/workers", json={"role": "decode"}).status_code == 200
+        assert side.hold_back(up, time.monotonic()) is None
+        assert httpx.get(server.url + "/workers").json()["autoscaler"]["decode"]["start_failures"] == 0
 
 
 @pytest.mark.parametrize("paused", [False, True])
