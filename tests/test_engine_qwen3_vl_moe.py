@@ -3,8 +3,10 @@ block with its experts in 3-D tensors): greedy tokens and logprobs of an image a
 ``Qwen3VLMoeForConditionalGeneration`` from the checkpoint transformers 5 saves ([experts, out, in]), and from
 one in the released layout ([experts, in, out], read transposed) at TP 2 on the fused MoE backend and at EP 2
 on the eager one; a weight update takes the experts in either layout. A LoRA adapter over the stacked experts is
-refused, naming them."""
+refused, naming them, as is a quantized checkpoint (FP8, GPTQ) or quantization='fp8', naming the format."""
 
+import json
+import re
 import shutil
 
 import pytest
@@ -12,6 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from actors.engine import Engine
+from actors.engine.model_loader import build_served_model, load_config
 from actors.engine.tiny import build_tiny_checkpoint, make_adapter
 from tests.test_engine_vl import chat, generate, image
 from tests.tp_helpers import thread_ranks
@@ -79,3 +82,23 @@ def test_an_adapter_on_the_stacked_experts_is_refused(model_dir, tmp_path):
               str(path / "adapter_model.safetensors"))
     with pytest.raises(ValueError, match=r"'moe': model\.layers\.1\.mlp\.experts wraps no MoE experts"):
         Engine(model_dir, max_total_tokens=512, lora_paths={"moe": str(path)})
+
+
+FP8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+GPTQ = {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False, "sym": True}
+
+
+@pytest.mark.parametrize("quant, forced, named", [(FP8, None, "quantization_config.quant_method='fp8'"),
+                                                  (GPTQ, None, "quantization_config.quant_method='gptq'"),
+                                                  (None, "fp8", "quantization='fp8'")])
+def test_a_quantized_checkpoint_is_refused_naming_its_format(model_dir, tmp_path, quant, forced, named):
+    """The stacked experts are served in the model's dtype only: a quantized checkpoint's (its experts stored
+    otherwise) is refused as the model is built, naming the format, not left to fail (or load unquantized
+    experts) as tensors are read."""
+    path = shutil.copytree(model_dir, tmp_path / "quantized")
+    if quant is not None:
+        config = json.loads((path / "config.json").read_text())
+        (path / "config.json").write_text(json.dumps({**config, "quantization_config": quant}))
+    with pytest.raises(ValueError, match=rf"{re.escape(named)} is not served for Qwen3VLMoeForConditionalGeneration: "
+                                         r"its experts \(model\.layers\.1\.mlp\.experts, \.\.\.\) are stacked"):
+        build_served_model(str(path), load_config(str(path)), forced)

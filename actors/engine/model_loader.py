@@ -173,6 +173,7 @@ def build_served_model(model_path: str, config, quantization: Optional[str] = No
     compressed-tensors' (:mod:`.compressed_tensors`) where the checkpoint's are. ValueError for a
     quantization not served or a TP shard that cuts a block, a word or a group."""
     model = build_model(config, tp)
+    refuse_quantized_stacked_experts(model, config, quantization)
 
     def shapes() -> Dict[str, List[int]]:  # (read for a quantized checkpoint only)
         return checkpoint_shapes(checkpoint_files(model_path))
@@ -187,6 +188,20 @@ def build_served_model(model_path: str, config, quantization: Optional[str] = No
     if quant is None:
         return ServedModel(model, {}, {}, {})
     return ServedModel(model, fp8.quantize_linears(model, quant, shapes()), {}, {})
+
+
+def refuse_quantized_stacked_experts(model: torch.nn.Module, config, quantization: Optional[str]) -> None:
+    """ValueError naming the format for a quantized checkpoint, or ``quantization="fp8"``, of a model whose experts
+    are held stacked (:class:`StackedExperts`: Qwen3-VL-MoE's): they hold the model's dtype only, so a quantized
+    release's experts (stored per expert, or packed) would fail the load as missing and unexpected tensors, and
+    quantizing as it loads would leave them, most of the weights, unquantized."""
+    stacked = next((name for name, module in model.named_modules() if isinstance(module, StackedExperts)), None)
+    method = (fp8.quantization_config(config) or {}).get("quant_method")
+    if stacked is None or (method is None and quantization is None):
+        return
+    what = f"quantization_config.quant_method={method!r}" if method else f"quantization={quantization!r}"
+    raise ValueError(f"{what} is not served for {type(model).__name__}: its experts ({stacked}, ...) are stacked "
+                     "3-D tensors served unquantized only; serve its unquantized (bf16) checkpoint")
 
 
 def load_model(
