@@ -24,6 +24,7 @@ for the layer and their deltas added inside the experts' forward (:mod:`actors.e
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import re
@@ -41,12 +42,14 @@ from actors.engine.lora_experts import (EXPERT_MODULE, FUSED_EXPERTS, ExpertLoRA
 from actors.engine.lora_packed import stack_packed
 from actors.engine.parallel import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 
+logger = logging.getLogger(__name__)
+
 # a module of a decoder layer: model.layers.<i>.<its name in the layer> (what the model's supported_lora_modules list)
 LAYER_MODULE = re.compile(r"^model\.layers\.\d+\.([\w.]+)$")
 # a PEFT checkpoint's tensor name: base_model.model.<the base model's module>.lora_{A,B}.weight; a vision-language
 # model's decoder layers are model.language_model.layers.* under transformers 4.52 on, model.layers.* before
 ADAPTER_KEY = re.compile(r"^base_model\.model\.model\.(?:language_model\.)?(layers\.\d+\.[\w.]+)\.lora_([AB])\.weight$")
-# ... and its vision tower's modules (visual.*, model.visual.*): not adapted
+# ... and its vision tower's modules (visual.*, model.visual.*): ignored, as vLLM's (enable_tower_connector_lora off)
 VISION_KEY = re.compile(r"^base_model\.model\.((?:model\.)?visual\.[\w.]+)\.lora_[AB]\.weight$")
 # adapter_config.json settings that change what an adapter computes beyond y += s·B·A·x: refused, not ignored
 UNSUPPORTED_SETTINGS = {"use_dora": "DoRA", "modules_to_save": "modules_to_save", "rank_pattern": "rank_pattern",
@@ -85,11 +88,13 @@ def read_adapter(name: str, path: str) -> LoRAAdapter:
     tensors = load_file(weights_path)
     vision = sorted({match[1] for key in tensors if (match := VISION_KEY.match(key))})
     if vision:
-        raise ValueError(f"LoRA adapter {name!r} targets the vision tower ({', '.join(vision[:4])}"
-                         f"{', ...' if len(vision) > 4 else ''}): only the language model's layers take adapters "
-                         "(vLLM's default for a multimodal model)")
+        logger.warning("LoRA adapter %r: its vision tower's modules (%s%s) are ignored: only the language model's "
+                       "layers take adapters (vLLM ignores them alike unless enable_tower_connector_lora is set)",
+                       name, ", ".join(vision[:4]), ", ..." if len(vision) > 4 else "")
     halves: Dict[str, Dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
+        if VISION_KEY.match(key):
+            continue
         match = ADAPTER_KEY.match(key)
         if match is None:
             raise ValueError(f"LoRA adapter {name!r}: tensor {key!r} is not a LoRA weight of a decoder layer's module")
