@@ -2,8 +2,9 @@
 block with its experts in 3-D tensors): greedy tokens and logprobs of an image and a text request equal HF's
 ``Qwen3VLMoeForConditionalGeneration`` from the checkpoint transformers 5 saves ([experts, out, in]), and from
 one in the released layout ([experts, in, out], read transposed) at TP 2 on the fused MoE backend and at EP 2
-on the eager one; a weight update takes the experts in either layout. A LoRA adapter over the stacked experts is
-refused, naming them, as is a quantized checkpoint (FP8, GPTQ) or quantization='fp8', naming the format."""
+on the eager one; a weight update takes the experts in either layout, a square matrix by who saved the
+checkpoint. A LoRA adapter over the stacked experts is refused, naming them, as is a quantized checkpoint (FP8,
+GPTQ) or quantization='fp8', naming the format."""
 
 import json
 import re
@@ -29,9 +30,15 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def released_dir(model_dir, tmp_path_factory):
-    """The checkpoint with its experts' matrices stored as released ([experts, in, out])."""
-    out = tmp_path_factory.mktemp("released")
+    return released(model_dir, tmp_path_factory.mktemp("released"))
+
+
+def released(model_dir, out) -> str:
+    """The checkpoint of ``model_dir`` in ``out`` with its experts' matrices stored as released ([experts, in, out])
+    and its config.json saying transformers 4 saved it, as a released one's does."""
     shutil.copytree(model_dir, out, dirs_exist_ok=True, ignore=shutil.ignore_patterns("*.safetensors"))
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, "transformers_version": "4.57.0.dev0"}))
     tensors = load_file(f"{model_dir}/model.safetensors")
     assert sum(name.endswith(STACKED) for name in tensors) == 4  # (layers 1 and 2)
     save_file({name: t.transpose(1, 2).contiguous() if name.endswith(STACKED) else t for name, t in tensors.items()},
@@ -68,6 +75,28 @@ def test_a_weight_update_takes_the_experts_in_either_layout(model_dir, released_
     assert torch.equal(experts.gate_up_proj, scaled["model.language_model.layers.1.mlp.experts.gate_up_proj"].mT)
     assert engine.update_weights_from_disk(released_dir).success
     assert torch.equal(experts.down_proj * 0.5, scaled["model.language_model.layers.1.mlp.experts.down_proj"].mT)
+    engine.check_integrity()
+    engine.shutdown()
+
+
+def test_a_square_matrix_is_read_as_the_transformers_that_saved_the_checkpoint_stored_it(tmp_path):
+    """moe_intermediate_size 32: gate_up_proj [experts, 64, 64] fits either layout, its shape tells nothing. A
+    checkpoint transformers 4 saved (config.json's transformers_version, a released one's) holds it [experts, in,
+    out]: read transposed, at load and in an update from disk; one transformers 5 saved, and named tensors, hold
+    it [experts, out, in]: read as they are."""
+    new = build_tiny_checkpoint("qwen3_vl_moe", tmp_path / "new", moe_intermediate_size=32)
+    old = released(new, tmp_path / "old")
+    name = "model.language_model.layers.1.mlp.experts.gate_up_proj"
+    stored = load_file(str(new / "model.safetensors"))[name]
+    assert stored.shape == (4, 64, 64)
+    engine = Engine(old, max_total_tokens=512)
+    experts = engine.runner.model.model.layers[1].mlp.experts
+    assert torch.equal(experts.gate_up_proj, stored)
+    for source in (str(new), old):
+        assert engine.update_weights_from_tensor([(name, stored * 0.5)]).success
+        assert torch.equal(experts.gate_up_proj, stored * 0.5)
+        assert engine.update_weights_from_disk(source).success
+        assert torch.equal(experts.gate_up_proj, stored)
     engine.check_integrity()
     engine.shutdown()
 

@@ -129,16 +129,24 @@ class _TransposedSlice(NamedTuple):
         return self.view[index[0], index[2], index[1]].transpose(-1, -2)
 
 
-def stored_transposed(model: torch.nn.Module) -> Callable[[str, Sequence[int]], bool]:
+def stored_transposed(model: torch.nn.Module, released: bool = False) -> Callable[[str, Sequence[int]], bool]:
     """Whether a checkpoint tensor (its served name, its shape) is one of a :class:`StackedExperts`' matrices
     stored [experts, in, out] (a released Qwen3-VL-MoE checkpoint's), where the model holds them [experts, out,
-    in] (transformers 5's): the loader reads it transposed."""
+    in] (transformers 5's): the loader reads it transposed. ``released``: the checkpoint was saved by
+    transformers before 5 (:func:`saved_before_transformers_5`), which tells a square matrix's layout."""
     stacked = {name: module for name, module in model.named_modules() if isinstance(module, StackedExperts)}
 
     def transposed(name: str, shape: Sequence[int]) -> bool:
         module_name, _, param = name.rpartition(".")
-        return module_name in stacked and stacked[module_name].stored_transposed(param, shape)
+        return module_name in stacked and stacked[module_name].stored_transposed(param, shape, released)
     return transposed
+
+
+def saved_before_transformers_5(config) -> bool:
+    """Whether a checkpoint's config.json says transformers before 5 saved it (its ``transformers_version``;
+    none recorded: taken as 5's), which stored :class:`StackedExperts`' matrices [experts, in, out]."""
+    major = str(getattr(config, "transformers_version", None) or "").split(".")[0]
+    return major.isdigit() and int(major) < 5
 
 
 def open_checkpoint(stack: contextlib.ExitStack, files: List[str], renames=(),
@@ -214,7 +222,7 @@ def load_model(
     model, quantized, packed, compressed = build_served_model(model_path, config, quantization, tp)
     model = model.to_empty(device=device)
     model.quantized_weights, model.packed_linears, model.compressed_linears = quantized, packed, compressed
-    missing, unexpected = load_weights(model, checkpoint_files(model_path))
+    missing, unexpected = load_weights(model, checkpoint_files(model_path), saved_before_transformers_5(config))
     kv_scales = [name for name in unexpected if KV_CACHE_SCALE.search(name)]
     if kv_scales:
         logger.warning("the checkpoint's %d KV-cache scales (%s, ...) are unread: the KV cache is kv_cache_dtype's, "
@@ -301,16 +309,18 @@ def copy_tensor(f, name: str, target: torch.Tensor, shard: Optional[ParamShard],
     return [name]
 
 
-def load_weights(model: torch.nn.Module, files: List[str]) -> Tuple[List[str], List[str]]:
+def load_weights(model: torch.nn.Module, files: List[str], released: bool = False) -> Tuple[List[str], List[str]]:
     """Copy every checkpoint tensor into the model (by HF name); returns the
     (missing, unexpected) names. A parameter ``X`` stored in MXFP4 (``X_blocks`` and
     ``X_scales``, in any of the files) is dequantized into it (:mod:`.mxfp4`); the model's
-    ``quantized_weights`` (:func:`build_served_model`) load as block FP8."""
+    ``quantized_weights`` (:func:`build_served_model`) load as block FP8. ``released``: saved by
+    transformers before 5 (:func:`stored_transposed`)."""
     targets, quantized = checkpoint_targets(model), getattr(model, "quantized_weights", {})
     elsewhere = held_elsewhere(model)
     loaded, unexpected = set(), []
     with contextlib.ExitStack() as stack:
-        files_of = open_checkpoint(stack, files, getattr(model, "checkpoint_renames", ()), stored_transposed(model))
+        files_of = open_checkpoint(stack, files, getattr(model, "checkpoint_renames", ()),
+                                   stored_transposed(model, released))
         for name, f in files_of.items():
             packed = mxfp4.packed_name(name)
             if packed in targets:
@@ -433,7 +443,8 @@ class ServedWeights:
         self.compressed = getattr(model, "compressed_linears", {})  # compressed-tensors layers' names → the layers
         self.elsewhere = held_elsewhere(model)  # (EP: the experts other ranks hold, and check)
         self.renames = getattr(model, "checkpoint_renames", ())  # (served_name)
-        self.transposed = stored_transposed(model)
+        # (named tensors: as transformers 5 holds them; a checkpoint's: by who saved it, _stored_transposed)
+        self.transposed, self.released_transposed = stored_transposed(model), stored_transposed(model, released=True)
         if getattr(config, "tie_word_embeddings", False):  # (the embedding's tensor: loaded by its own name)
             self.targets.pop("lm_head.weight", None)
 
@@ -500,8 +511,13 @@ class ServedWeights:
         if differ:
             raise ValueError(f"checkpoint {path!r}: config.json differs from the served model's: {', '.join(differ)}")
         shapes = {served_name(self.renames, name): shape for name, shape in checkpoint_shapes(files).items()}
-        return {name: shape[:-2] + shape[:-3:-1] if self.transposed(name, shape) else shape
+        transposed = self._stored_transposed(config)
+        return {name: shape[:-2] + shape[:-3:-1] if transposed(name, shape) else shape
                 for name, shape in shapes.items()}
+
+    def _stored_transposed(self, config) -> Callable[[str, Sequence[int]], bool]:
+        """:func:`stored_transposed` for a checkpoint of HF ``config``: its square matrices by who saved it."""
+        return self.released_transposed if saved_before_transformers_5(config) else self.transposed
 
     def _fp8_problems(self, tensors: Dict[str, torch.Tensor]) -> List[str]:
         """Named tensors' FP8 rule: a block-FP8 layer's weight comes in FP8 with its ``weight_scale_inv``
@@ -529,7 +545,8 @@ class ServedWeights:
         names = self._served_names(source)
         with contextlib.ExitStack() as stack:
             if isinstance(source, str):
-                files_of = open_checkpoint(stack, checkpoint_files(source), self.renames, self.transposed)
+                files_of = open_checkpoint(stack, checkpoint_files(source), self.renames,
+                                           self._stored_transposed(load_config(source)))
             else:
                 files_of = dict.fromkeys(source, TensorFile(source))
             for name in names:

@@ -115,11 +115,15 @@ class StackedExperts(FusableExperts):
         i = e - self.held.start  # (its place in this rank's tensors)
         return lambda x: F.linear(gated(self.act, F.linear(x, self.gate_up_proj[i])), self.down_proj[i])
 
-    def stored_transposed(self, name: str, shape: Sequence[int]) -> bool:
+    def stored_transposed(self, name: str, shape: Sequence[int], released: bool = False) -> bool:
         """Whether checkpoint tensor ``name`` of ``shape`` is a matrix (``gate_up_proj``, ``down_proj``) stored
-        [experts, in, out]: its last dim is not the matrix's input. A square one is read as it is, as
-        transformers reads it (its ``Transpose(check_dims=True)``)."""
-        return name in self.in_features and shape[-1] != self.in_features[name]
+        [experts, in, out]: its last dim is not the matrix's input, or it is square (2 × intermediate or
+        intermediate equal to hidden: either layout fits) and ``released``, saved by transformers before 5, which
+        stored them so (transformers 5 reads a square one as it is whoever saved it, its
+        ``Transpose(check_dims=True)``; vLLM transposes every one, ``is_fused_checkpoint_transposed``)."""
+        if name not in self.in_features:
+            return False
+        return shape[-1] != self.in_features[name] or (released and shape[-1] == shape[-2])
 
     def fuse(self) -> None:
         self.fused = FusedExperts(StackedWeight(self.gate_up_proj), StackedWeight(self.down_proj),
