@@ -214,7 +214,8 @@ class Qwen2_5_VLDecoderLayer(LlamaDecoderLayer):
 class Qwen2_5_VLForConditionalGeneration(LlamaForCausalLM):
     """The decoder is built from ``text_config``; ``visual`` from ``vision_config``, on the first
     pipeline stage only (the one that reads the input embeddings). LoRA adapters take the decoder's
-    layers (Llama's modules), never the vision tower (``lora.read_adapter`` refuses an adapter of it)."""
+    layers (Llama's modules), never the vision tower (``lora.read_adapter`` ignores, warning, an adapter's
+    modules of it)."""
 
     layer_cls = Qwen2_5_VLDecoderLayer
     mrope_positions = staticmethod(mrope_positions)  # (the tokenizer side's: multimodal.MultimodalProcessor)
