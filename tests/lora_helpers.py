@@ -11,7 +11,7 @@ import math
 import re
 import shutil
 from pathlib import Path
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 
@@ -38,8 +38,9 @@ def _part_rows(model, module: str) -> torch.Tensor:
     return block.qkv_proj.weight.split([q_rows, kv_rows, kv_rows])["qkv".index(part[0])]
 
 
-def _merge(model, module: str, a: torch.Tensor, b: torch.Tensor, rank: int, scaling: float) -> None:
-    """Add ``module``'s adapter delta to ``model``'s (HF's) weight it targets."""
+def _merge(model, module: str, a: torch.Tensor, b: torch.Tensor, rank: int, scaling: float, swaps: bool) -> None:
+    """Add ``module``'s adapter delta to ``model``'s (HF's) weight it targets (``swaps``: the PEFT that wrote it
+    reads the 3-D parameters of experts not ``is_transposed`` as ``[experts, out, in]``, :func:`peft_swaps`)."""
     parent, _, leaf = module.rpartition(".")
     if match := EXPERT.match(module):
         name, half = FUSED_PART[match[3]]
@@ -47,10 +48,12 @@ def _merge(model, module: str, a: torch.Tensor, b: torch.Tensor, rank: int, scal
         (weight if half is None else weight.chunk(2)[half]).add_(scaling * b @ a)
     elif match := FUSED.match(module):
         experts = model.get_submodule(f"{match[1]}.mlp.experts")
-        num_experts, d1, d2 = a.shape[0] // rank, a.shape[1], b.shape[0]
-        param = experts.gate_up_proj if experts.gate_up_proj.shape[1:] == (d1, d2) else experts.down_proj
-        param.add_(torch.einsum("o r e, e r i -> e i o", b.reshape(d2, rank, num_experts),
-                                a.reshape(num_experts, rank, d1)) * scaling)
+        swapped = swaps and not getattr(experts, "is_transposed", False)  # (as PEFT reads it)
+        num_experts, d_in, d_out = a.shape[0] // rank, a.shape[1], b.shape[0]
+        dims = (d_out, d_in) if swapped else (d_in, d_out)  # (the parameter's [experts, d1, d2])
+        param = experts.gate_up_proj if experts.gate_up_proj.shape[1:] == dims else experts.down_proj
+        param.add_(torch.einsum(f"o r e, e r i -> {'e o i' if swapped else 'e i o'}",
+                                b.reshape(d_out, rank, num_experts), a.reshape(num_experts, rank, d_in)) * scaling)
     elif not hasattr(model.get_submodule(parent), leaf):  # (a part of a fused projection)
         _part_rows(model, module).add_(scaling * b @ a)
     else:
@@ -75,18 +78,27 @@ def merged_checkpoint(model_dir: str, adapter_dir: Path, out_dir: Path) -> str:
                                                                                                dtype=torch.float32)
     with torch.no_grad():
         for module, ab in pairs.items():
-            _merge(model, module, ab["A"], ab["B"], rank, scaling)
+            _merge(model, module, ab["A"], ab["B"], rank, scaling, peft_swaps(settings.get("peft_version")))
     model.save_pretrained(out_dir)
     if vision:
         shutil.copy(Path(model_dir) / "preprocessor_config.json", out_dir)
     return str(out_dir)
 
 
-def fused_expert_adapter(model_dir: str, out_dir: Path, rank: int, alpha: float, seed: int = 0) -> Path:
-    """A random adapter as PEFT's ``target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]``
-    writes it for transformers 5's fused experts: per MoE layer a ParamWrapper over each parameter, the first
-    (gate_up_proj) innermost (``mlp.experts.base_layer.lora_*``), ``lora_A [experts·r, d1]`` and
-    ``lora_B [d2, experts·r]`` of the parameter's ``[experts, d1, d2]``."""
+def peft_swaps(peft_version: Optional[str]) -> bool:
+    """Whether the PEFT of ``peft_version`` (an adapter_config.json's, huggingface/peft#2782) reads the 3-D
+    parameters of experts not marked ``is_transposed`` as ``[experts, out, in]``: since 0.19 (huggingface/peft#3165,
+    ``ParamWrapper.update_layer``'s ``_did_swap_in_out_features``); before, every one as ``[experts, in, out]``."""
+    return peft_version is not None and tuple(int(n) for n in peft_version.split(".")[:2]) >= (0, 19)
+
+
+def fused_expert_adapter(model_dir: str, out_dir: Path, rank: int, alpha: float, seed: int = 0,
+                         peft_version: str = "0.18.1") -> Path:
+    """A random adapter as PEFT ``peft_version``'s ``target_parameters=["mlp.experts.gate_up_proj",
+    "mlp.experts.down_proj"]`` writes it for transformers 5's fused experts: per MoE layer a ParamWrapper over each
+    parameter, the first (gate_up_proj) innermost (``mlp.experts.base_layer.lora_*``), ``lora_A [experts·r, in]``
+    and ``lora_B [out, experts·r]`` of the parameter ``[experts, d1, d2]`` read as ``[experts, in, out]``, or as
+    ``[experts, out, in]`` where PEFT swaps them (:func:`peft_swaps`, experts not ``is_transposed``)."""
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -96,14 +108,17 @@ def fused_expert_adapter(model_dir: str, out_dir: Path, rank: int, alpha: float,
     for name, module in hf.named_modules():
         if name.endswith("mlp.experts") and hasattr(module, "gate_up_proj"):
             for wrapper, param in ((f"{name}.base_layer", module.gate_up_proj), (name, module.down_proj)):
-                num_experts, d1, d2 = param.shape
+                num_experts, d_in, d_out = param.shape
+                if peft_swaps(peft_version) and not getattr(module, "is_transposed", False):
+                    d_in, d_out = d_out, d_in
                 key = f"base_model.model.{wrapper}.lora_"
-                tensors[key + "A.weight"] = torch.randn(num_experts * rank, d1, generator=gen) / math.sqrt(d1)
-                tensors[key + "B.weight"] = torch.randn(d2, num_experts * rank, generator=gen) / math.sqrt(rank)
+                tensors[key + "A.weight"] = torch.randn(num_experts * rank, d_in, generator=gen) / math.sqrt(d_in)
+                tensors[key + "B.weight"] = torch.randn(d_out, num_experts * rank, generator=gen) / math.sqrt(rank)
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out_dir / "adapter_model.safetensors"))
     settings = {"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "target_modules": [], "bias": "none",
-                "target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]}
+                "target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+                "peft_version": peft_version}
     (out_dir / "adapter_config.json").write_text(json.dumps(settings))
     return out_dir
 

@@ -92,6 +92,41 @@ def test_expert_adapters_equal_merged_models(qwen, moe_backend):
         eng.shutdown()
 
 
+def test_peft_0_19_expert_adapters_equal_merged_models(qwen, tmp_path):
+    """PEFT 0.19 on reads a 3-D parameter of experts not marked ``is_transposed`` (transformers 5's Qwen3-MoE,
+    Mixtral: ``[experts, out, in]``) as such: huggingface/peft#3165, ``ParamWrapper.update_layer`` (v0.19.1
+    src/peft/tuners/lora/layer.py L2201-2205, ``is_transposed = getattr(self.get_base_layer(), "is_transposed",
+    False)``, ``swap_in_out_features = param.ndim == 3 and not is_transposed``) swaps ``in_features`` and
+    ``out_features`` before ``lora_A = nn.Linear(in_features, r·experts)``, ``lora_B = nn.Linear(r·experts,
+    out_features)``, and ``get_delta_factors`` then adds ``B_e @ A_e`` (B reshaped ``[out, r, experts]``, A
+    ``[experts, r, in]``) to the slice, not its transpose as 0.18's ``einsum("o r e, e r i -> e i o")``. So gate_up's
+    lora_A is ``[experts·r, hidden]`` and lora_B ``[2·inter, experts·r]``, down's ``[experts·r, inter]`` and
+    ``[hidden, experts·r]`` (as NVIDIA-NeMo/Automodel#3592 lists them for a tiny Qwen3MoeExperts under 0.18.1 and
+    0.20.0); GPT-OSS's experts, ``is_transposed``, keep 0.18's. Such an adapter serves beside a 0.18 one and the base
+    model, each request's tokens its merged model's (fails before: refused, its down wrapper fitting neither
+    parameter). The tiny model's hidden is 2·inter, so gate_up's shapes are the same in both layouts: the down
+    wrapper tells which; an adapter of gate_up alone is refused rather than guessed."""
+    new = fused_expert_adapter(qwen[0], tmp_path / "new", rank=2, alpha=4, seed=6, peft_version="0.19.1")
+    tensors = load_file(str(new / "adapter_model.safetensors"))
+    assert tuple(tensors["base_model.model.model.layers.0.mlp.experts.lora_A.weight"].shape) == (4 * 2, 32)
+    model = (qwen[0], {"fused": qwen[1]["fused"], "new": str(new)},
+             {"fused": qwen[2]["fused"], "new": merged_checkpoint(qwen[0], new, tmp_path / "new-merged")})
+    eng = Engine(model_path=qwen[0], skip_tokenizer_init=True, max_total_tokens=1024, lora_paths=model[1],
+                 max_loras_per_batch=2)
+    try:
+        assert_mixed_batch(model, eng, ["fused", "new"])
+        gate_up = tmp_path / "gate_up"
+        gate_up.mkdir()
+        save_file({key.replace(".base_layer", ""): tensor for key, tensor in tensors.items() if ".base_layer." in key},
+                  str(gate_up / "adapter_model.safetensors"))
+        (gate_up / "adapter_config.json").write_text((new / "adapter_config.json").read_text())
+        with pytest.raises(ValueError, match=r"'gate_up': model\.layers\.0\.mlp\.experts: .* before 0\.19 and since"):
+            eng.load_lora_adapter("gate_up", str(gate_up))
+        eng.check_integrity()
+    finally:
+        eng.shutdown()
+
+
 # the tensor methods that wait for the device (on CUDA) to hand a value to the host
 SYNCS = ("tolist", "item", "cpu", "numpy", "__bool__", "__int__", "__float__", "nonzero", "unique")
 

@@ -9,7 +9,8 @@ them (:class:`ExpertLoRA`): per targeted projection ``A [slots, experts, r, in]`
 out, r]``, which :class:`~actors.engine.lora.LoRAManager` fills through each expert's views
 (:class:`ExpertSlots`) as it fills a dense layer's. Adapters on transformers 5's fused 3-D expert parameters
 (PEFT's ``target_parameters``) are taken apart into those per-expert pairs as the manager checks an adapter,
-at start or a runtime load (:func:`split_fused_experts`). GPT-OSS's experts are such parameters in our model too
+at start or a runtime load (:func:`split_fused_experts`), in the layout of the PEFT that wrote them (0.19 swapped
+the in and out dims it reads transformers 5's Qwen3-MoE and Mixtral experts by). GPT-OSS's experts are such parameters in our model too
 (``gate_up_proj [experts, hidden, 2·inter]``, gate and up interleaved, and ``down_proj``): an adapter on them (only
 PEFT's ``target_parameters`` form: they are no modules) has two projections per expert, ``gate_up_proj`` (its B
 over the interleaved columns, before the clamped SwiGLU) and ``down_proj``, named ``mlp.experts.{e}.gate_up_proj``
@@ -144,54 +145,81 @@ def check_expert(full_model: nn.Module, module: str) -> None:
 
 def split_fused_experts(weights: Dict[str, Pair], rank: int, full_model: nn.Module) -> Dict[str, Pair]:
     """``weights`` (an adapter's ``(A, B)`` by module) with each PEFT ``target_parameters`` wrapper over a layer's
-    fused expert parameters taken apart into each expert's projections of ``full_model`` (unsharded)."""
+    fused expert parameters taken apart into each expert's projections of ``full_model`` (unsharded). One PEFT wrote
+    all of an adapter's wrappers, so they share its layout (:func:`_wrapper_fits`): a wrapper whose shapes fit both
+    (gate_up_proj where hidden = 2·intermediate) takes the one the others' shapes tell; ValueError where none does."""
     fused = [m for m in weights if FUSED_EXPERTS.match(m)]
     if not fused:
         return weights
     experts = {name.rsplit(".", 2)[0]: (name, module) for name, module in full_model.named_modules()
                if isinstance(module, FusableExperts) and projection_names(module)}
-    out = {m: pair for m, pair in weights.items() if m not in fused}
+    fits = {}
     for module in fused:
         layer = FUSED_EXPERTS.match(module)[1]
         if layer not in experts:
             raise ValueError(f"{module} wraps no MoE experts that take adapters")
-        out.update(_split_wrapper(module, *weights[module], rank, *experts[layer]))
+        fits[module] = _wrapper_fits(module, *weights[module], rank, experts[layer][1])
+    told = {swapped for fit in fits.values() if len(fit) == 1 for swapped in fit}
+    out = {m: pair for m, pair in weights.items() if m not in fused}
+    for module in fused:
+        fit = fits[module]
+        if len(fit) > 1:
+            if len(told) != 1:
+                a, b = weights[module]
+                raise ValueError(f"{module}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} fit "
+                                 f"{', '.join(fit[False])} as PEFT writes it before 0.19 and since (its in and out "
+                                 "swapped), and no other wrapper of the adapter tells which (target down_proj too)")
+            fit = {swapped: fit[swapped] for swapped in told}
+        [(swapped, parts)] = fit.items()
+        out.update(_split_wrapper(*weights[module], rank, swapped, parts, *experts[FUSED_EXPERTS.match(module)[1]]))
     return out
 
 
-def _split_wrapper(module: str, a: torch.Tensor, b: torch.Tensor, rank: int, path: str,
-                   experts: FusableExperts) -> Dict[str, Pair]:
-    """A wrapper's ``lora_A [experts·r, d1]`` and ``lora_B [d2, experts·r]`` over a fused gate_up or down parameter
-    ``[experts, d1, d2]``, told apart by these shapes, as each expert's ``(A, B)`` of our projections
-    (``experts``, at ``path``). PEFT adds ``scaling · (B_e A_e)ᵀ`` to expert e's ``[d1, d2]`` slice. transformers
-    5's ``gate_up_proj [experts, 2·inter, hidden]`` and ``down_proj [experts, hidden, inter]`` are run as ``x @
-    sliceᵀ``: per expert ``Aᵀ = B_e`` and ``Bᵀ = A_e`` in ``y += s·B·A·x``'s terms, gate_up's rows cut into gate's
-    and up's. GPT-OSS's (``[experts, hidden, 2·inter]``, gate and up interleaved, and ``[experts, inter,
-    hidden]``) are its projections, run as ``x @ slice``: ``A = A_e``, ``B = B_eᵀ``. ValueError when the shapes
-    fit neither parameter."""
-    num_experts = a.shape[0] // rank
+def _wrapper_fits(module: str, a: torch.Tensor, b: torch.Tensor, rank: int,
+                  experts: FusableExperts) -> Dict[bool, Dict[str, slice]]:
+    """The projections of ``experts`` (each with its rows of the parameter's ``[experts, out, in]`` out dim, or of
+    GPT-OSS's ``[experts, in, out]``) that a wrapper's ``lora_A [experts·r, d_A]`` and ``lora_B [d_B, experts·r]``
+    fit, by whether PEFT swapped the parameter's dims: PEFT reads a 3-D parameter ``[experts, d1, d2]`` as
+    ``[experts, in, out]`` (``d_A, d_B = d1, d2``: ``ParamWrapper.__init__``), and since 0.19 (huggingface/peft#3165,
+    ``_did_swap_in_out_features``) that of experts not marked ``is_transposed`` — transformers 5's Qwen3-MoE and
+    Mixtral, ``gate_up_proj [experts, 2·inter, hidden]``, ``down_proj [experts, hidden, inter]`` — as
+    ``[experts, out, in]`` (``d_A, d_B = d2, d1``); GPT-OSS's, ``is_transposed``, never. ValueError when none fits."""
     if a.shape[0] != b.shape[1] or a.shape[0] % rank:
         raise ValueError(f"{module}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} are no experts·r={rank} "
                          "rows of a fused expert parameter")
-    a_e = a.reshape(num_experts, rank, a.shape[1])  # [experts, r, d1]
-    b_e = b.reshape(b.shape[0], rank, num_experts).permute(2, 1, 0)  # [experts, r, d2]
-    transposed = isinstance(experts, ExpertList)
-    if transposed:
+    if isinstance(experts, ExpertList):
         gate, up, down = projection_names(experts)
         first = experts[experts.held.start]
         hidden, inter = getattr(first, gate).in_features, getattr(first, gate).out_features
-        fits = {(2 * inter, hidden): {gate: slice(0, inter), up: slice(inter, 2 * inter)},
+        dims = {(2 * inter, hidden): {gate: slice(0, inter), up: slice(inter, 2 * inter)},
                 (hidden, inter): {down: slice(None)}}
+        layouts = (False, True)
     else:
-        fits = {tuple(getattr(experts, name).shape[1:]): {name: None} for name in experts.projections}
-    parts = fits.get((a.shape[1], b.shape[0]))
-    if parts is None:
-        wants = " nor ".join(f"{name} [experts, {d1}, {d2}]" for name, (d1, d2) in zip(FUSED_PARAMETERS, fits))
-        raise ValueError(f"{module}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} fit neither {wants}")
-    if not transposed:
-        return {f"{path}.{e}.{name}": (a_e[e].contiguous(), b_e[e].T.contiguous())
-                for e in range(num_experts) for name in parts}
-    return {f"{path}.{e}.{name}": (b_e[e].contiguous(), a_e[e, :, rows].T.contiguous())
+        dims = {tuple(getattr(experts, name).shape[1:]): {name: slice(None)} for name in experts.projections}
+        layouts = (False,)
+    fits = {swapped: parts for swapped in layouts for (d1, d2), parts in dims.items()
+            if (a.shape[1], b.shape[0]) == ((d2, d1) if swapped else (d1, d2))}
+    if not fits:
+        wants = " nor ".join(f"{name} [experts, {d1}, {d2}]" for name, (d1, d2) in zip(FUSED_PARAMETERS, dims))
+        raise ValueError(f"{module}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} fit neither {wants}"
+                         f"{' (nor as PEFT 0.19 reads them, [experts, out, in])' if len(layouts) > 1 else ''}")
+    return fits
+
+
+def _split_wrapper(a: torch.Tensor, b: torch.Tensor, rank: int, swapped: bool, parts: Dict[str, slice], path: str,
+                   experts: FusableExperts) -> Dict[str, Pair]:
+    """Each expert's ``(A, B)`` of our projections ``parts`` (:func:`_wrapper_fits`'s, of ``experts`` at ``path``)
+    from a wrapper PEFT wrote ``swapped`` or not. PEFT's ``A_e`` are lora_A's rows ``[e·r, (e+1)·r)`` and ``B_e``
+    lora_B's columns ``k·experts + e`` (rank-major), and expert e's slice, read as ``[in, out]``, gets
+    ``scaling · (B_e A_e)ᵀ`` (``ParamWrapper.get_delta_weight``). Where PEFT's in is the dim ``x`` multiplies
+    (GPT-OSS's ``x @ slice``; transformers 5's ``x @ sliceᵀ`` swapped) ``A = A_e`` and ``B = B_e`` in
+    ``y += s·B·A·x``'s terms, otherwise (transformers 5's unswapped) ``A = B_eᵀ`` and ``B = A_eᵀ``; gate_up's parts
+    cut B's rows."""
+    num_experts = a.shape[0] // rank
+    a_e = a.reshape(num_experts, rank, a.shape[1])  # [experts, r, d_A]
+    b_e = b.reshape(b.shape[0], rank, num_experts).permute(2, 1, 0)  # [experts, r, d_B]
+    ours_a, ours_b = (a_e, b_e) if swapped == isinstance(experts, ExpertList) else (b_e, a_e)
+    return {f"{path}.{e}.{name}": (ours_a[e].contiguous(), ours_b[e, :, rows].T.contiguous())
             for e in range(num_experts) for name, rows in parts.items()}
 
 
