@@ -136,19 +136,32 @@ def test_an_adapter_on_mla_kv_b_proj_alone(tmp_path):
         eng.shutdown()
 
 
+# the (projection, lora_A's rows, lora_B's columns) of a tiny Phi-3's slots of rank 4 sized for adapters of the fused
+# projections alone, and for adapters of their parts (4 per part: q | k | v, gate | up)
+FUSED_SLOTS = {("qkv_proj", 4, 4), ("o_proj", 4, 4), ("gate_up_proj", 4, 4), ("down_proj", 4, 4)}
+PARTS_SLOTS = {("qkv_proj", 12, 12), ("o_proj", 4, 4), ("gate_up_proj", 8, 8), ("down_proj", 4, 4)}
+
+
+def slot_shapes(eng):
+    """Each LoRA layer's (projection, its slots' lora_A rows, lora_B columns): their rank."""
+    return {(m.rpartition(".")[2], layer.lora_a.shape[1], layer.lora_b.shape[2])
+            for m, layer in eng.runner.lora.layers.items()}
+
+
 @pytest.mark.parametrize("targets", [["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
                                      ["q_proj", "o_proj", "up_proj", "down_proj"]])
 def test_phi3_target_modules_of_the_unfused_names_take_the_fused_projections(tmp_path, targets):
     """On Phi-3 lora_target_modules' q/k/v and gate/up name the fused qkv_proj and gate_up_proj (SGLang's packed
-    modules; any part targets the whole): every layer's four projections take adapters, and a fused adapter
-    serves as with 'all' (HF's tokens on the merged checkpoint)."""
+    modules; any part targets the whole): every layer's four projections take adapters, their fused slots sized
+    for adapters of the parts (max_lora_rank per part), and a fused adapter serves as with 'all' (HF's tokens on
+    the merged checkpoint)."""
     model = served(tmp_path, "phi3")
     eng = Engine(model_path=model[0], skip_tokenizer_init=True, max_total_tokens=1024, lora_paths=model[1],
                  lora_target_modules=targets)
     try:
         model_cls, layers = type(eng.runner.model), eng.runner.lora.layers
         assert {m.split(".", 3)[3] for m in layers} == set(model_cls.supported_lora_modules)
-        assert len(layers) == 4 * eng.runner.model.config.num_hidden_layers
+        assert len(layers) == 4 * eng.runner.model.config.num_hidden_layers and slot_shapes(eng) == PARTS_SLOTS
         batch, loras = prompts(2, seed=5), [None, "sql"]
         assert_parity(model, batch, loras, eng.generate(input_ids=batch, sampling_params=GREEDY, lora_path=loras),
                       eng.eos_token_ids)
@@ -163,7 +176,8 @@ def test_phi3_serves_adapters_of_the_parts_of_its_fused_projections(tmp_path, mo
     """An adapter PEFT trained on Llama-style q/k/v and gate/up (PEFT's default q_proj and v_proj alone too)
     serves on Phi-3, whose checkpoint fuses them: its parts stacked into qkv_proj's and gate_up_proj's slots (a
     part it has not adds nothing to its rows), beside an adapter of the fused projections and the base model,
-    each request with HF's tokens on its merged checkpoint; at TP 2 too (B's rows cut per part)."""
+    each request with HF's tokens on its merged checkpoint; at TP 2 too (B's rows cut per part). The fused slots
+    hold max_lora_rank per part."""
     thread_ranks(monkeypatch)
     base = str(build_tiny_checkpoint("phi3", tmp_path / "base", seed=0))
     adapters = {"fused": make_adapter(base, tmp_path / "fused", rank=4, alpha=8, targets=TARGETS["phi3"], seed=1),
@@ -173,10 +187,38 @@ def test_phi3_serves_adapters_of_the_parts_of_its_fused_projections(tmp_path, mo
     eng = Engine(model_path=base, skip_tokenizer_init=True, max_total_tokens=1024, lora_paths=model[1],
                  tp_size=tp_size)
     try:
-        assert {m.rpartition(".")[2] for m in eng.runner.lora.layers} == set(TARGETS["phi3"])
+        assert slot_shapes(eng) == PARTS_SLOTS
         batch = [p for p in prompts(2, seed=5) for _ in range(3)]
         outs = assert_batch_parity(model, eng, batch, [None, "fused", "parts"] * 2)
         assert any(outs[i]["output_ids"] != outs[i + 2]["output_ids"] for i in (0, 3))
+    finally:
+        eng.shutdown()
+
+
+def test_phi3_slots_for_fused_adapters_hold_max_lora_rank(tmp_path):
+    """Started with an adapter of Phi-3's fused projections alone, its fused layers' slots hold max_lora_rank, not
+    max_lora_rank per part (vLLM's single slice): the fused adapter serves beside the base model. A parts adapter
+    loaded at runtime is served where its parts stack within the slots (q_proj alone, up_proj alone: rank 4), and
+    refused, naming the fix, where they stack above them (q, k, v: 12)."""
+    base = str(build_tiny_checkpoint("phi3", tmp_path / "base", seed=0))
+    adapters = {"fused": make_adapter(base, tmp_path / "fused", rank=4, alpha=8, targets=TARGETS["phi3"], seed=1),
+                "parts": packed_parts_adapter(base, tmp_path / "parts", rank=4, alpha=8, parts=("q_proj", "up_proj"),
+                                              seed=2)}
+    wide = packed_parts_adapter(base, tmp_path / "wide", rank=4, alpha=8, parts=("q_proj", "k_proj", "v_proj"))
+    model = (base, {name: str(path) for name, path in adapters.items()},
+             {name: merged_checkpoint(base, path, tmp_path / f"{name}-merged") for name, path in adapters.items()})
+    eng = Engine(model_path=base, skip_tokenizer_init=True, max_total_tokens=1024,
+                 lora_paths={"fused": model[1]["fused"]})
+    try:
+        assert slot_shapes(eng) == FUSED_SLOTS
+        with pytest.raises(ValueError, match=r"'wide': its adapters of the parts of model\.layers\.0\.self_attn\."
+                                             r"qkv_proj stack to rank 12, above its slots' 4 .* serve it from the "
+                                             r"start \(lora_paths\) or name its parts in lora_target_modules"):
+            eng.load_lora_adapter("wide", str(wide))
+        eng.load_lora_adapter("parts", model[1]["parts"])
+        outs = assert_batch_parity(model, eng, [p for p in prompts(2, seed=5) for _ in range(3)],
+                                   [None, "fused", "parts"] * 2)
+        assert all(outs[i]["output_ids"] != outs[i + 2]["output_ids"] for i in (0, 3))
     finally:
         eng.shutdown()
 

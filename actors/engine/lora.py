@@ -158,11 +158,12 @@ class LoRAManager:
             raise ValueError(f"LoRA adapters are not supported for {self.model_name} "
                              "(lora_paths, lora_target_modules)")
         self.full_model = full_model
+        self.target_modules = config.lora_target_modules
+        self.slots_take_parts = self._slots_take_parts(adapters)
         adapters = [self._model_modules(adapter) for adapter in adapters]
         for adapter in adapters:
             self._check_modules(adapter)
         self.max_rank = config.max_lora_rank or max(a.rank for a in adapters)
-        self.target_modules = config.lora_target_modules
         self.max_loaded = config.max_loaded_loras
         num_slots = config.max_loras_per_batch
         self.slot_names: List[Optional[str]] = [None] * num_slots  # the adapter each slot is given to
@@ -230,10 +231,22 @@ class LoRAManager:
             raise ValueError(f"LoRA adapter {adapter.name!r}: {e}") from None
         return replace(adapter, weights=weights)
 
+    def _slots_take_parts(self, adapters: List[LoRAAdapter]) -> bool:
+        """Whether a fused projection's slots are sized for adapters of its parts, by what is given at start (as
+        SGLang and vLLM size their buffers): a start adapter (as read, its parts not stacked yet) has a part of one
+        (Phi-3's q_proj), or ``lora_target_modules`` names one ('all' does). Otherwise they hold ``max_rank``,
+        as vLLM's single slice of Phi-3's qkv_proj: most of its adapters are trained on the fused projections,
+        and a slot of ``max_rank`` per part would take 2–3× their memory from the KV cache."""
+        parts = {part for fused_parts in self.packed_modules.values() for part in fused_parts}
+        named = {module.rpartition(".")[2] for adapter in adapters for module in adapter.weights}
+        return bool(parts & (named | set(self.target_modules or ())))
+
     def _slot_rank(self, module: str) -> int:
-        """The rank of ``module``'s slots: ``max_rank``, times its parts for a fused projection (SGLang's
-        stacked buffers): each part's adapter takes its own ``max_rank`` columns of B."""
-        return self.max_rank * max(1, len(self.packed_modules.get(module.rpartition(".")[2], ())))
+        """The rank of ``module``'s slots: ``max_rank``, times its parts for a fused projection whose slots take
+        adapters of its parts (:meth:`_slots_take_parts`; SGLang's stacked buffers): each part's adapter takes
+        its own ``max_rank`` columns of B."""
+        parts = self.packed_modules.get(module.rpartition(".")[2], ()) if self.slots_take_parts else ()
+        return self.max_rank * max(1, len(parts))
 
     def _target_layers(self, model: nn.Module) -> Set[str]:
         """The layers of ``lora_target_modules``' projections in every decoder layer of ``model`` (of its
@@ -320,8 +333,15 @@ class LoRAManager:
         if tuple(a.shape) != want_a or tuple(b.shape) != want_b:
             raise ValueError(f"LoRA adapter {adapter.name!r}: {module} lora_A {tuple(a.shape)} and lora_B "
                              f"{tuple(b.shape)} do not fit the model's layer (want {want_a} and {want_b})")
-        a, b = layer.cut.take(a, b)
         slot_rank = self._slot_rank(module)
+        if rank > slot_rank:  # (its parts stacked: shard checked the adapter's own rank)
+            leaf = module.rpartition(".")[2]
+            raise ValueError(f"LoRA adapter {adapter.name!r}: its adapters of the parts of {module} stack to rank "
+                             f"{rank}, above its slots' {slot_rank} (max_lora_rank={self.max_rank}: sized for "
+                             f"adapters of the fused {leaf}, as no start adapter nor lora_target_modules names its "
+                             f"parts); serve it from the start (lora_paths) or name its parts in lora_target_modules "
+                             f"({', '.join(self.packed_modules[leaf])}), whose slots then hold max_lora_rank per part")
+        a, b = layer.cut.take(a, b)
         padded_a = torch.zeros(slot_rank, a.shape[1], dtype=layer.lora_a.dtype)
         padded_b = torch.zeros(b.shape[0], slot_rank, dtype=layer.lora_b.dtype)
         padded_a[:rank], padded_b[:, :rank] = a, b
