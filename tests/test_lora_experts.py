@@ -294,6 +294,47 @@ def test_expert_adapters_the_slots_cannot_take_are_refused(qwen, tmp_path):
         eng.shutdown()
 
 
+def _adapter_like(path: Path, tensors, like: str) -> str:
+    """An adapter directory at ``path`` of ``tensors``, its adapter_config.json that of the adapter in ``like``."""
+    path.mkdir()
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    (path / "adapter_config.json").write_text((Path(like) / "adapter_config.json").read_text())
+    return str(path)
+
+
+def test_an_expert_adapter_of_another_number_of_experts_is_refused(qwen, tmp_path):
+    """An expert adapter trained on a model with other experts (the wrong base model) is refused, naming the module
+    and the layer's count, at start and at a runtime load: a PEFT target_parameters wrapper of 2 experts where the
+    layer has 4 (fails before: served, experts 2 and 3 silently without an adapter), and one of 6; an adapter in
+    per-expert names of an expert past the layer's last."""
+    fused = load_file(str(Path(qwen[1]["fused"]) / "adapter_model.safetensors"))
+    wrapper, rank = "base_model.model.model.layers.0.mlp.experts.lora_", 2  # (down_proj's, r=2)
+    adapters = {name: _adapter_like(tmp_path / name, fused | {
+        wrapper + "A.weight": fused[wrapper + "A.weight"][:rank].repeat(num_experts, 1),
+        wrapper + "B.weight": fused[wrapper + "B.weight"][:, :rank].repeat(1, num_experts)}, qwen[1]["fused"])
+        for name, num_experts in (("few", 2), ("many", 6))}
+    moe = load_file(str(Path(qwen[1]["moe"]) / "adapter_model.safetensors"))
+    adapters["past"] = _adapter_like(tmp_path / "past", moe | {
+        key.replace(".experts.3.", ".experts.4."): tensor.clone() for key, tensor in moe.items()
+        if ".layers.0.mlp.experts.3.down_proj." in key}, qwen[1]["moe"])
+    errors = {"few": r"'few': model\.layers\.0\.mlp\.experts: lora_A \(4, 64\) and lora_B \(32, 4\) are 2 experts "
+                     r"of r=2, and the layer has 4 \(an adapter of another base model\?\)",
+              "many": r"'many': model\.layers\.0\.mlp\.experts: .* are 6 experts of r=2, and the layer has 4",
+              "past": r"targets model\.layers\.0\.mlp\.experts\.4\.down_proj, which the model has no expert "
+                      r"projection at \(model\.layers\.0\.mlp\.experts has 4 experts"}
+    with pytest.raises(ValueError, match=errors["few"]):
+        Engine(model_path=qwen[0], skip_tokenizer_init=True, max_total_tokens=256, lora_paths={"few": adapters["few"]})
+    eng = Engine(model_path=qwen[0], skip_tokenizer_init=True, max_total_tokens=256, max_lora_rank=4,
+                 lora_target_modules=["q_proj", "gate_proj", "up_proj", "down_proj"])
+    try:
+        for name, error in errors.items():
+            with pytest.raises(ValueError, match=error):
+                eng.load_lora_adapter(name, adapters[name])
+        eng.check_integrity()
+    finally:
+        eng.shutdown()
+
+
 def _live_bytes() -> int:
     """The bytes of every CPU tensor alive now, each storage once: what a device would have in use."""
     gc.collect()

@@ -132,7 +132,8 @@ def expert_modules(model: nn.Module) -> List[str]:
 
 def check_expert(full_model: nn.Module, module: str) -> None:
     """ValueError unless ``module`` (``<experts>.<e>.<projection>``) is an expert's projection of ``full_model``
-    (not a layer or an expert past the model's last)."""
+    (not a layer or an expert past the model's last: the error then says how many experts the layer has, as an
+    adapter of another base model names experts this one has not)."""
     match = EXPERT_MODULE.match(module)
     try:
         experts = full_model.get_submodule(match[1])
@@ -140,7 +141,9 @@ def check_expert(full_model: nn.Module, module: str) -> None:
         experts = None
     if not (isinstance(experts, FusableExperts) and int(match[2]) in experts.held
             and match[3] in projection_names(experts)):
-        raise ValueError(f"a LoRA adapter targets {module}, which the model has no expert projection at")
+        count = (f" ({match[1]} has {len(experts.held)} experts: an adapter of another base model?)"
+                 if isinstance(experts, FusableExperts) and int(match[2]) not in experts.held else "")
+        raise ValueError(f"a LoRA adapter targets {module}, which the model has no expert projection at{count}")
 
 
 def split_fused_experts(weights: Dict[str, Pair], rank: int, full_model: nn.Module) -> Dict[str, Pair]:
@@ -183,7 +186,9 @@ def _wrapper_fits(module: str, a: torch.Tensor, b: torch.Tensor, rank: int,
     ``[experts, in, out]`` (``d_A, d_B = d1, d2``: ``ParamWrapper.__init__``), and since 0.19 (huggingface/peft#3165,
     ``_did_swap_in_out_features``) that of experts not marked ``is_transposed`` — transformers 5's Qwen3-MoE and
     Mixtral, ``gate_up_proj [experts, 2·inter, hidden]``, ``down_proj [experts, hidden, inter]`` — as
-    ``[experts, out, in]`` (``d_A, d_B = d2, d1``); GPT-OSS's, ``is_transposed``, never. ValueError when none fits."""
+    ``[experts, out, in]`` (``d_A, d_B = d2, d1``); GPT-OSS's, ``is_transposed``, never. ValueError when none fits,
+    or when the wrapper's rows are not ``experts·r`` of the layer's (unsharded) experts: an adapter of a model with
+    fewer experts would leave the rest without one, silently."""
     if a.shape[0] != b.shape[1] or a.shape[0] % rank:
         raise ValueError(f"{module}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} are no experts·r={rank} "
                          "rows of a fused expert parameter")
@@ -203,6 +208,10 @@ def _wrapper_fits(module: str, a: torch.Tensor, b: torch.Tensor, rank: int,
         wants = " nor ".join(f"{name} [experts, {d1}, {d2}]" for name, (d1, d2) in zip(FUSED_PARAMETERS, dims))
         raise ValueError(f"{module}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} fit neither {wants}"
                          f"{' (nor as PEFT 0.19 reads them, [experts, out, in])' if len(layouts) > 1 else ''}")
+    num_experts = len(experts.held)  # (the unsharded model's: every expert of the layer)
+    if a.shape[0] != num_experts * rank:
+        raise ValueError(f"{module}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} are {a.shape[0] // rank} "
+                         f"experts of r={rank}, and the layer has {num_experts} (an adapter of another base model?)")
     return fits
 
 
