@@ -14,7 +14,7 @@ Three layers and the caches above them:
 * prefix caches: :class:`RadixCache`, :class:`MambaRadixCache`,
   :class:`SWARadixCache` (sliding-window models), and
   :class:`HiRadixCache` with its host tier (:class:`HostKVCache`) and file tier
-  (:class:`SWAHiRadixCache`: the host tier of sliding-window models, both pools).
+  (:class:`SWAHiRadixCache`: the host and file tiers of sliding-window models, both pools).
 
 Nothing here knows Ray, HTTP or models.
 """

@@ -31,39 +31,46 @@ loadable from the host), and every leaf of either tier has SWA KV.
 * ``evict_host`` deletes host-only leaves, least recently used first. A backup short of SWA host
   slots first frees the SWA host copies of device tombstones (no host eviction reaches them).
 
-Backups, host eviction and loads are in ``swa_hiradix_tiers.py``. The copies are
+Backups, host eviction and loads are in ``swa_hiradix_tiers.py``; the file tier
+(``storage_backends``: a backup's pages written to files, a prefix fetched from them into
+both host pools) in ``swa_hiradix_storage.py``. The copies are
 synchronous: backups when decided, loads in ``init_load_back``; so the
 scheduler's calls that end copies in flight (``writing_check``, ``loading_check``) find
 none. With TP > 1 rank 0's copies are logged tagged with their pool (``PoolOpLog``) and each
-follower replays them into its head shards of both host pools (``SWAHostReplay``). Not (yet)
-here: the file tier (the scheduler refuses it).
+follower replays them into its head shards of both host pools (``SWAHostReplay``). Every
+node has its chained page hashes (``hash_value``, KV events or not): the file tier's keys.
 """
 
 from __future__ import annotations
 
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 
 from mem_cache.base_prefix_cache import MatchResult
+from mem_cache.hicache_storage import HiCacheStorage
 from mem_cache.hiradix_cache import get_write_policy
 from mem_cache.integrity import check_unique_in_range, ensure
 from mem_cache.kv_events import WindowLost, WindowRestored
-from mem_cache.radix_key import RadixKey
+from mem_cache.radix_key import RadixKey, hash_pages, root_hash
+from mem_cache.swa_hiradix_storage import SWAStorageTierMixin
 from mem_cache.swa_hiradix_tiers import SWAHostTierMixin, swa_host_controllers
 from mem_cache.swa_memory_pool import SWAKVPool
 from mem_cache.swa_radix_cache import SWAEvictResult, SWARadixCache, SWATreeNode
 
 
-class SWAHiRadixCache(SWAHostTierMixin, SWARadixCache):
+class SWAHiRadixCache(SWAStorageTierMixin, SWAHostTierMixin, SWARadixCache):
     writes_pending = False  # (backups copy at once: none is ever in flight)
 
     def __init__(self, req_to_token_pool, token_to_kv_pool_allocator, kv_cache: SWAKVPool, sliding_window_size: int,
                  page_size: int = 1, *, host_to_device_ratio: float = 2.0, write_policy: str = "write_through",
-                 load_back_threshold: int = 10, enable_kv_events: bool = False, disable: bool = False):
+                 load_back_threshold: int = 10,
+                 storage_backends: Tuple[Optional[HiCacheStorage], Optional[HiCacheStorage]] = (None, None),
+                 async_storage_writes: bool = False, enable_kv_events: bool = False, disable: bool = False):
         self.write_policy = get_write_policy(write_policy)
         self.load_back_threshold = load_back_threshold
-        self.cache_controller, self.swa_cache_controller = swa_host_controllers(kv_cache, host_to_device_ratio, page_size)
+        self.cache_controller, self.swa_cache_controller = swa_host_controllers(
+            kv_cache, host_to_device_ratio, page_size, storage_backends, async_storage_writes)
         self.host_pool, self.swa_host_pool = self.cache_controller.host_pool, self.swa_cache_controller.host_pool
         super().__init__(req_to_token_pool, token_to_kv_pool_allocator, sliding_window_size, page_size,
                          enable_kv_events, disable)
@@ -165,6 +172,13 @@ class SWAHiRadixCache(SWAHostTierMixin, SWARadixCache):
         self._add_device_accounts(node, with_swa)
         self._set_tombstone(node, not with_swa)
 
+    def _record_stored(self, parent: SWATreeNode, node: SWATreeNode) -> None:
+        """As :class:`SWARadixCache`'s, and the pages are hashed with KV events off too (storage keys)."""
+        super()._record_stored(parent, node)
+        if not node.hash_value:
+            chain_from = parent.hash_value[-1] if parent.hash_value else root_hash(node.key.extra_key)
+            node.hash_value = hash_pages(node.key.token_ids, self.page_size, chain_from)
+
     def _set_tombstone(self, node: SWATreeNode, tombstone: bool) -> None:
         if node.swa_tombstone != tombstone:
             node.swa_tombstone = tombstone
@@ -263,10 +277,11 @@ class SWAHiRadixCache(SWAHostTierMixin, SWARadixCache):
     def check_integrity(self) -> None:
         """:class:`SWARadixCache`'s checks over the device tier, plus: device nodes before host
         ones along paths; a node off the device backed up, unlocked, a tombstone exactly when its
-        host copy lacks SWA KV; an SWA host copy only beside a full one; no host ref left; every
-        slot of both host pools held by exactly one node or free."""
+        host copy lacks SWA KV; an SWA host copy only beside a full one; no host ref left; page
+        hashes present; every slot of both host pools held by exactly one node or free."""
         super().check_integrity()
         for node in self._iter_nodes():
+            ensure(len(node.hash_value) == len(node.key) // self.page_size, f"{node!r} page hashes out of step")
             ensure(node.host_ref_counter == 0, f"{node!r} holds {node.host_ref_counter} host refs between calls")
             for host in (node.host_value, node.swa_host_value):
                 ensure(host is None or len(host) == len(node.key), f"{node!r}: host slots and tokens differ in number")

@@ -20,6 +20,7 @@ from typing import List, Optional, Tuple
 import torch
 
 from mem_cache.hicache_controller import HiCacheController
+from mem_cache.hicache_storage import HiCacheStorage
 from mem_cache.memory_pool_host import HostKVCache, MHATokenToKVPoolHost
 from mem_cache.swa_memory_pool import SWAKVPool
 from mem_cache.swa_radix_cache import SWATreeNode
@@ -27,11 +28,16 @@ from mem_cache.swa_radix_cache import SWATreeNode
 logger = logging.getLogger(__name__)
 
 
-def swa_host_controllers(kv_cache: SWAKVPool, host_to_device_ratio: float, page_size: int) -> List[HiCacheController]:
+def swa_host_controllers(kv_cache: SWAKVPool, host_to_device_ratio: float, page_size: int,
+                         storage: Tuple[Optional[HiCacheStorage], Optional[HiCacheStorage]] = (None, None),
+                         async_storage_writes: bool = False) -> List[HiCacheController]:
     """The copiers of a sliding-window model's two host pools, each ``host_to_device_ratio`` times its
-    device pool: the full layers' (index 0), the SWA layers' (1). Copies are made at once (no overlap)."""
-    return [HiCacheController(pool, MHATokenToKVPoolHost(pool, host_to_device_ratio, page_size=page_size),
-                              overlap_load=False) for pool in (kv_cache.full_kv_pool, kv_cache.swa_kv_pool)]
+    device pool: the full layers' (index 0), the SWA layers' (1), each with its file tier of
+    ``storage`` (see :func:`~mem_cache.swa_hiradix_storage.swa_storage_backends`). Copies between host
+    and device are made at once (no overlap)."""
+    return [HiCacheController(pool, MHATokenToKVPoolHost(pool, host_to_device_ratio, page_size=page_size), store,
+                              overlap_load=False, async_storage_writes=async_storage_writes)
+            for pool, store in zip((kv_cache.full_kv_pool, kv_cache.swa_kv_pool), storage)]
 
 
 class PoolOpLog:
@@ -49,16 +55,29 @@ class PoolOpLog:
 class SWAHostReplay:
     """A TP follower's side of :class:`~mem_cache.swa_hiradix_cache.SWAHiRadixCache`: its head shard of
     both host pools, with the slot counts of rank 0's, into and out of which it replays rank 0's tagged
-    copies (:class:`PoolOpLog`) before the forward that reads them. A copy failing here raises (the
-    follower's loop ends and the group with it): unlike the plain host tier's, rank 0 does not ask
-    the followers how their copies ended, so one going on would compute with garbage KV."""
+    copies (:class:`PoolOpLog`) before the forward that reads them, its storage writes into its own
+    file tier (``storage``); rank 0's reads from storage it makes when asked (:meth:`read_storage`).
+    A copy failing here raises (the follower's loop ends and the group with it): unlike the plain
+    host tier's, rank 0 does not ask the followers how their copies ended, so one going on would
+    compute with garbage KV."""
 
-    def __init__(self, kv_cache: SWAKVPool, host_to_device_ratio: float, page_size: int):
-        self.controllers = swa_host_controllers(kv_cache, host_to_device_ratio, page_size)
+    def __init__(self, kv_cache: SWAKVPool, host_to_device_ratio: float, page_size: int,
+                 storage: Tuple[Optional[HiCacheStorage], Optional[HiCacheStorage]] = (None, None)):
+        self.controllers = swa_host_controllers(kv_cache, host_to_device_ratio, page_size, storage,
+                                                async_storage_writes=True)
 
     def replay(self, ops: List[Tuple[int, Tuple]]) -> None:
         for pool, entry in ops:
             self.controllers[pool].replay([entry])
+
+    def read_storage(self, keys: List[str], host_indices: torch.Tensor, pool: int) -> int:
+        """Rank 0's read of pages ``keys`` into ``host_indices`` of host pool ``pool``, here; returns
+        the pages read."""
+        return self.controllers[pool].read_storage(keys, host_indices)
+
+    def use_storage(self, storage: Tuple[HiCacheStorage, HiCacheStorage]) -> None:
+        for controller, backend in zip(self.controllers, storage):
+            controller.use_storage(backend)
 
     @property
     def load_pending(self) -> bool:
@@ -85,8 +104,9 @@ class SWAHostTierMixin:
     # ---- device → host -------------------------------------------------------------------
     def _backup(self, node: SWATreeNode) -> bool:
         """Complete ``node``'s host copy: its full KV if not there yet, and its SWA KV if it has
-        some on the device and not on the host. All or nothing; False when the host pools have
-        no room even after ``evict_host``, or a copy fails (logged and counted)."""
+        some on the device and not on the host (and the pages copied to storage). All or nothing;
+        False when the host pools have no room even after ``evict_host``, or a copy fails (logged
+        and counted)."""
         need_full, need_swa = node.host_value is None, not node.swa_tombstone and node.swa_host_value is None
         if not (need_full or need_swa):
             return True
@@ -112,6 +132,7 @@ class SWAHostTierMixin:
             return False
         node.host_value = host if need_full else node.host_value
         node.swa_host_value = swa_host if need_swa else node.swa_host_value
+        self._write_storage(node, need_full, need_swa)
         return True
 
     def _alloc_host(self, pool: HostKVCache, num_tokens: int) -> Optional[torch.Tensor]:

@@ -157,8 +157,13 @@ class SWARadixCache(SWACacheChecksMixin, RadixCache):
         return MatchResult(torch.cat(values) if values else self._empty(), node, node)
 
     def _match_prefix_helper(self, key: RadixKey) -> Tuple[List[torch.Tensor], SWATreeNode]:
-        """Walk as far as ``key`` matches (splitting the node it ends in), then cut
-        the path at its usable end (:meth:`_usable_len`)."""
+        """The nodes holding ``key`` (:meth:`_held_path`) cut at their usable end (:meth:`_usable_len`)."""
+        path = self._held_path(key)
+        path = path[: self._usable_len(path)]
+        return [n.value for n in path], path[-1] if path else self.root_node
+
+    def _held_path(self, key: RadixKey) -> List[SWATreeNode]:
+        """The root-down nodes as far as ``key`` matches, splitting the node it ends in."""
         node, path = self.root_node, []
         while len(key) > 0:
             child = node.children.get(self.child_key(key))
@@ -171,8 +176,7 @@ class SWARadixCache(SWACacheChecksMixin, RadixCache):
             if partial:
                 break
             key = key[matched:]
-        path = path[: self._usable_len(path)]
-        return [n.value for n in path], path[-1] if path else self.root_node
+        return path
 
     def _usable_len(self, path: List[SWATreeNode]) -> int:
         """How many nodes of the root-down ``path`` a match may end after. ``run`` counts

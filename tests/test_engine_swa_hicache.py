@@ -42,6 +42,12 @@ def checked_steps(engine):
     sched.step = step_and_check
 
 
+def flush_files(engine):
+    """Wait for both pools' storage writes (the file tier is written off the loop)."""
+    tree = engine.scheduler.tree_cache
+    engine.loop.run_exclusive(lambda: [c.flush_storage() for c in (tree.cache_controller, tree.swa_cache_controller)])
+
+
 @pytest.mark.parametrize("policy", ["write_through", "write_back"])
 def test_a_conversation_reloaded_from_the_host_tier_equals_hf(model_dir, policy):
     engine = make_engine(model_dir, hicache_write_policy=policy)
@@ -76,9 +82,40 @@ def test_a_conversation_reloaded_from_the_host_tier_equals_hf(model_dir, policy)
     engine.shutdown()
 
 
-def test_the_file_tier_is_refused_clearly(model_dir, tmp_path):
-    with pytest.raises(ValueError, match="hicache_storage_dir is not supported for sliding-window"):
-        make_engine(model_dir, hicache_storage_dir=str(tmp_path / "kv"))
+def test_a_conversation_from_the_file_tier_equals_hf_after_eviction_and_a_restart(model_dir, tmp_path):
+    """With a file tier the conversation's pages go to files: full KV of every page, SWA KV of the
+    pages that had it on the host (not the tokens its decode slid out of the window). Its device
+    and host copies flushed, the next turn fetches it from the files (full KV of all, SWA KV of
+    the last window's pages), and so does a new engine on the same folder; tokens equal HF's (before:
+    the file tier was refused for sliding-window models)."""
+    storage = tmp_path / "kv-files"
+    engine = make_engine(model_dir, hicache_storage_dir=str(storage))
+    checked_steps(engine)
+    rng = random.Random(5)
+    turn = [rng.randrange(5, 261) for _ in range(40)]
+    first = engine.generate(input_ids=[turn], sampling_params={**GREEDY, "max_new_tokens": 32})[0]
+    history = turn + first["output_ids"]
+    engine.flush_cache()  # device and host copies gone; the files stay
+    flush_files(engine)
+    tree = engine.scheduler.tree_cache
+    assert tree.match_prefix(RadixKey(history)).host_hit_length == 0
+    window_pages = -(-tree.sliding_window_size // 4)
+    follow = [history + [rng.randrange(5, 261) for _ in range(5)], history + [rng.randrange(5, 261) for _ in range(3)]]
+    outs = [engine.generate(input_ids=[follow[0]], sampling_params={**GREEDY, "max_new_tokens": 8})[0]]
+    assert outs[0]["meta_info"]["cached_tokens"] >= 64
+    assert tree.cache_controller.read_pages >= 16 and 0 < tree.swa_cache_controller.read_pages <= window_pages
+    engine.check_integrity()
+    engine.shutdown()  # (waits for its storage writes)
+    full_pages, swa_pages = len(list(storage.glob("*.bin"))), len(list((storage / "swa").glob("*.bin")))
+    assert full_pages >= 18 and 0 < swa_pages < full_pages  # (the prompt's tombstones: no SWA KV)
+
+    engine = make_engine(model_dir, hicache_storage_dir=str(storage))  # its device and host tiers empty
+    checked_steps(engine)
+    outs.append(engine.generate(input_ids=[follow[1]], sampling_params={**GREEDY, "max_new_tokens": 8})[0])
+    assert outs[1]["meta_info"]["cached_tokens"] >= 64
+    engine.check_integrity()
+    engine.shutdown()
+    assert_greedy_parity(model_dir, follow, [o["output_ids"] for o in outs], 8)
 
 
 def test_a_device_prefix_continued_from_the_host_tier_equals_hf(model_dir):
@@ -129,6 +166,64 @@ def test_tp2_ranks_replay_both_host_pools_copies(model_dir, monkeypatch):
         engine.check_integrity()
     finally:
         engine.shutdown()
+
+
+def test_a_weight_update_moves_both_pools_file_tiers_to_the_new_version(model_dir, tmp_path, request):
+    """After a weight update both pools' pages go to (and come from) the new version's folder: a
+    prompt computed on the new weights, flushed, comes back from files with the new weights' SWA KV
+    too (the SWA layers' file tier left on the old folder gave the old weights' SWA KV)."""
+    family = request.node.callspec.params["model_dir"]
+    new = str(build_tiny_checkpoint(family, tmp_path / "new", seed=1))
+    storage = tmp_path / "kv-files"
+    engine = make_engine(model_dir, hicache_storage_dir=str(storage))
+    prompt = [random.Random(9).randrange(5, 261) for _ in range(60)]
+    params = {**GREEDY, "max_new_tokens": 8}
+    try:
+        engine.generate(input_ids=[prompt], sampling_params=params)
+        engine.update_weights_from_disk(new, weight_version="v1")
+        outs = []
+        for _ in range(2):
+            outs.append(engine.generate(input_ids=[prompt], sampling_params=params)[0])
+            engine.flush_cache()
+            flush_files(engine)
+        assert outs[0]["meta_info"]["cached_tokens"] == 0 and outs[1]["meta_info"]["cached_tokens"] >= 48
+        versions = storage / "weights"  # (storage_dir_for: the new version's folder)
+        assert list(versions.glob("*/swa/*.bin")) and list(versions.glob("*/*.bin"))
+        engine.check_integrity()
+    finally:
+        engine.shutdown()
+    assert_greedy_parity(new, [prompt, prompt], [o["output_ids"] for o in outs], 8)
+
+
+def test_tp2_ranks_write_and_read_both_pools_pages_in_their_own_folders(model_dir, monkeypatch, tmp_path):
+    """TP 2 with a file tier (the ranks are threads): each rank writes its head shard's pages of both
+    pools into its own folder (the follower replays rank 0's storage writes, tagged with their pool);
+    a new engine on the same folder reads them on both ranks (rank 0 asks the follower to read the
+    same pages into the same slots of the same pool) and the next turn's tokens equal HF's."""
+    thread_ranks(monkeypatch)
+    storage, rng = tmp_path / "kv-files", random.Random(6)
+    turn = [rng.randrange(5, 261) for _ in range(40)]
+    engine = make_engine(model_dir, tp_size=2, hicache_storage_dir=str(storage))
+    try:
+        first = engine.generate(input_ids=[turn], sampling_params={**GREEDY, "max_new_tokens": 16})[0]
+    finally:
+        engine.shutdown()  # (every rank waits for its storage writes)
+    pages = [sorted(p.relative_to(storage / rank).as_posix() for p in (storage / rank).rglob("*.bin"))
+             for rank in ("tp2-rank0", "tp2-rank1")]
+    assert pages[0] == pages[1] and any(p.startswith("swa/") for p in pages[0])
+    follow = turn + first["output_ids"] + [rng.randrange(5, 261) for _ in range(5)]
+    engine = make_engine(model_dir, tp_size=2, hicache_storage_dir=str(storage))
+    try:
+        out = engine.generate(input_ids=[follow], sampling_params={**GREEDY, "max_new_tokens": 8})[0]
+        assert out["meta_info"]["cached_tokens"] >= 48
+        tree, follower = engine.scheduler.tree_cache, engine.tp_group.followers[0]._host_tier
+        read = lambda cs: [c.read_pages for c in cs]  # noqa: E731
+        assert read(follower.controllers) == read([tree.cache_controller, tree.swa_cache_controller])
+        assert tree.swa_cache_controller.read_pages > 0
+        engine.check_integrity()
+    finally:
+        engine.shutdown()
+    assert_greedy_parity(model_dir, [follow], [out["output_ids"]], 8)
 
 
 def test_random_conversations_through_a_small_device_pool_equal_hf(model_dir):

@@ -11,7 +11,9 @@ import torch
 from mem_cache.radix_key import RadixKey
 from mem_cache.req_to_token_pool import ReqToTokenPool
 from mem_cache.swa_allocator import SWATokenToKVPoolAllocator
+from mem_cache.radix_key import hash_pages
 from mem_cache.swa_hiradix_cache import SWAHiRadixCache
+from mem_cache.swa_hiradix_storage import swa_storage_backends
 from mem_cache.swa_memory_pool import SWAKVPool
 from tests.cache_helpers import IndexMirror
 from tests.hicache_helpers import break_loads
@@ -19,12 +21,14 @@ from tests.hicache_helpers import break_loads
 SWA_LAYER, FULL_LAYER = 0, 1
 
 
-def make(page_size=1, size=32, size_swa=16, window=4, policy="write_through", threshold=1, events=False):
+def make(page_size=1, size=32, size_swa=16, window=4, policy="write_through", threshold=1, events=False,
+         storage_dir=None):
     kv = SWAKVPool(size, size_swa, page_size, torch.float32, head_num=1, head_dim=1,
                    swa_attention_layer_ids=[SWA_LAYER], full_attention_layer_ids=[FULL_LAYER])
     alloc = SWATokenToKVPoolAllocator(size, size_swa, page_size, kvcache=kv, debug=True)
+    storage = swa_storage_backends(storage_dir) if storage_dir else (None, None)
     cache = SWAHiRadixCache(ReqToTokenPool(4, 64), alloc, kv, window, page_size, write_policy=policy,
-                            load_back_threshold=threshold, enable_kv_events=events)
+                            load_back_threshold=threshold, storage_backends=storage, enable_kv_events=events)
     return cache, alloc, kv
 
 
@@ -107,6 +111,56 @@ def test_both_pools_come_back_from_the_host_and_a_tombstone_stays_one(page_size)
     check_kv(cache, alloc, kv, tokens, slots)
     # the window's node alone took SWA slots: 8 tokens, not 16
     assert (alloc.swa_available_size(), tomb.swa_tombstone, live.swa_tombstone) == (8, True, False)
+    check(cache, alloc)
+
+
+def test_the_file_tier_gives_a_cold_cache_the_full_kv_and_the_last_windows_swa_kv(tmp_path):
+    """Backups write each page's full KV to files, and its SWA KV where the host copy has it (not
+    the tombstones'). A cold cache fetches a prefix whose last window storage has SWA KV for: full
+    KV of every page and SWA KV of the window's pages only (a tombstone node, then one with both),
+    and loads it byte for byte; an SWA page of that window lost, the prefix ends a page earlier."""
+    tokens = list(range(10, 26))  # 8 pages of 2; window 4 = 2 pages
+    writer, writer_alloc, writer_kv = make(page_size=2, window=4, storage_dir=tmp_path)
+    cached(writer, writer_alloc, writer_kv, tokens, swa_evicted=8)  # [0, 8) tombstones, [8, 16) with SWA KV
+    keys = hash_pages(tokens, 2)
+    assert {p.stem for p in tmp_path.glob("*.bin")} == set(keys)
+    assert {p.stem for p in (tmp_path / "swa").glob("*.bin")} == set(keys[4:])
+    check(writer, writer_alloc)
+
+    cold, alloc, kv = make(page_size=2, window=4, storage_dir=tmp_path)
+    assert cold.match_prefix(RadixKey(tokens)).host_hit_length == 0
+    assert cold.prefetch_from_storage(RadixKey(tokens + [1])) == 16
+    head, tail = cold._nodes_of(RadixKey(tokens))
+    assert (len(head.key), head.swa_tombstone, len(tail.key), len(tail.swa_host_value)) == (12, True, 4, 4)
+    check(cold, alloc)
+    slots = load(cold, tokens)
+    check_kv(cold, alloc, kv, tokens, slots)
+    assert alloc.swa_available_size() == 16 - 4 and cold.swa_cache_controller.read_pages == 2
+    check(cold, alloc)
+
+    (tmp_path / "swa" / f"{keys[7]}.bin").unlink()
+    cold, alloc, kv = make(page_size=2, window=4, storage_dir=tmp_path)
+    assert cold.prefetch_from_storage(RadixKey(tokens)) == 14  # its window: pages 5 and 6
+    slots = load(cold, tokens)
+    assert len(slots) == 14
+    check_kv(cold, alloc, kv, tokens, slots)
+    check(cold, alloc)
+
+
+def test_a_fetch_shorter_than_the_window_completes_the_one_the_tree_holds(tmp_path):
+    """The tree holds a prefix whose end lacks a whole window ([0, 8) tombstones, then 2 tokens with
+    SWA KV: no usable match). A one-page fetch from files under it, its SWA KV included, completes
+    that window: the whole prefix is a hit, its last window's SWA KV half on the device, half loaded."""
+    tokens = list(range(10, 26))
+    writer, writer_alloc, writer_kv = make(page_size=2, window=4, storage_dir=tmp_path)
+    cached(writer, writer_alloc, writer_kv, tokens)  # every page's SWA KV in files
+    cache, alloc, kv = make(page_size=2, window=4, storage_dir=tmp_path)
+    cached(cache, alloc, kv, tokens[:10], swa_evicted=8)
+    assert len(cache.match_prefix(RadixKey(tokens[:12])).device_indices) == 0
+    assert cache.prefetch_from_storage(RadixKey(tokens[:12])) == 2
+    slots = load(cache, tokens[:12])
+    assert len(slots) == 12
+    check_kv(cache, alloc, kv, tokens, slots)
     check(cache, alloc)
 
 

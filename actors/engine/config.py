@@ -122,12 +122,13 @@ class EngineConfig(BaseModel):
                                  "sliding-window model has two: one per pool, full and SWA layers)")
     hicache_write_policy: Literal["write_through", "write_through_selective", "write_back"] = "write_through"
     hicache_storage_dir: Optional[str] = Field(None, description="file tier directory (None: host tier only); with "
-                                               "tp_size > 1 each rank keeps its pages in tp{size}-rank{rank} under it")
+                                               "tp_size > 1 each rank keeps its pages in tp{size}-rank{rank} under it; a "
+                                               "sliding-window model's SWA layers' pages in a swa folder there")
     hicache_storage_prefetch_policy: Literal["best_effort", "wait_complete", "timeout"] = Field(
         "timeout", description="file tier: a request's pages are fetched from its arrival on; at admission "
         "best_effort takes what has arrived, wait_complete holds the request until all have, timeout holds it "
         "up to hicache_storage_prefetch_timeout_s (SGLang's policies; its default, best_effort, admits a request "
-        "on an idle engine before a local file is read)")
+        "on an idle engine before a local file is read); a sliding-window model reads its pages at admission")
     hicache_storage_prefetch_timeout_s: float = Field(1.0, gt=0.0, description="the timeout policy's limit")
     hicache_overlap_load: bool = Field(True, description="load host-tier KV layer by layer while the forward that "
                                        "reads it runs (a load stream on CUDA, a loader thread on CPU); False: "

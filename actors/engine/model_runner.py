@@ -125,8 +125,9 @@ class ModelRunner:
         self.tp_step: Callable[[ForwardBatch], ContextManager] = _no_followers
         self.host_op_log: Optional[List[Tuple]] = None  # TP rank 0: host-tier copies the other ranks replay
         self.host_peers_loads: Optional[Callable[[], List]] = None  # ... and how their loads ended (asked after)
-        # TP rank 0 with a file tier: the other ranks read these pages into these host slots, answer how many
-        self.storage_peers_read: Optional[Callable[[List[str], torch.Tensor], List]] = None
+        # TP rank 0 with a file tier: the other ranks read these pages into these host slots (of this host
+        # pool, a sliding-window model's index after them), answer how many
+        self.storage_peers_read: Optional[Callable[..., List]] = None
         self.storage_peers_prefetch: Optional[Callable[[str, Any], List]] = None  # ... and prefetch them alike
         self.forward_time = 0.0  # seconds spent in model forwards (for overhead accounting)
         self.num_forwards = 0

@@ -51,6 +51,7 @@ from mem_cache.hiradix_cache import HiRadixCache
 from mem_cache.mamba_radix_cache import MambaRadixCache
 from mem_cache.radix_cache import RadixCache
 from mem_cache.swa_hiradix_cache import SWAHiRadixCache
+from mem_cache.swa_hiradix_storage import swa_storage_backends
 from mem_cache.swa_hiradix_tiers import PoolOpLog
 from mem_cache.swa_radix_cache import SWARadixCache
 
@@ -69,7 +70,7 @@ class Scheduler(PrefillAdmissionMixin, DecodeRetractionMixin, SpecDecodeMixin):
         self.host_tier = False  # a HiRadixCache (or SWAHiRadixCache): its loads start before a forward, end after it
         if self.swa and cfg.enable_hierarchical_cache:
             self.tree_cache = self._swa_host_tier(cfg, runner)
-            self.host_tier = True
+            self.host_tier, self.file_tier = True, bool(cfg.hicache_storage_dir)
         elif self.swa:
             self.tree_cache = SWARadixCache(
                 runner.req_to_token_pool, runner.allocator, runner.spec.sliding_window, page_size=cfg.page_size,
@@ -139,20 +140,24 @@ class Scheduler(PrefillAdmissionMixin, DecodeRetractionMixin, SpecDecodeMixin):
     @staticmethod
     def _swa_host_tier(cfg, runner) -> SWAHiRadixCache:
         """A sliding-window model's hierarchical cache: host pools for both halves of its KV,
-        copies made at once (``hicache_overlap_load`` / ``_write`` do not apply); with TP their
-        copies go to the followers tagged with their pool. Not with the file tier (its pages
-        hold one pool's KV): a clear error."""
+        copies made at once (``hicache_overlap_load`` / ``_write`` do not apply), each pool's
+        pages in a file tier of its own (``hicache_storage_dir``, written off the loop, read at
+        admission); with TP their copies go to the followers tagged with their pool, and so do
+        the reads rank 0 asks of them."""
+        storage = (None, None)
         if cfg.hicache_storage_dir:
-            raise ValueError("enable_hierarchical_cache=True with hicache_storage_dir is not supported for "
-                             "sliding-window models (KV cache kind 'swa'): their host tier has no file tier")
+            storage = swa_storage_backends(rank_storage_dir(cfg.hicache_storage_dir, runner.tp.rank, runner.tp.size))
         tree = SWAHiRadixCache(
             runner.req_to_token_pool, runner.allocator, runner.token_to_kv_pool, runner.spec.sliding_window,
             cfg.page_size, host_to_device_ratio=cfg.hicache_ratio, write_policy=cfg.hicache_write_policy,
-            enable_kv_events=cfg.enable_kv_events, disable=cfg.disable_radix_cache,
+            storage_backends=storage, async_storage_writes=True, enable_kv_events=cfg.enable_kv_events,
+            disable=cfg.disable_radix_cache,
         )
-        if runner.host_op_log is not None:  # TP rank 0: what the other ranks replay
-            tree.cache_controller.op_log = PoolOpLog(runner.host_op_log, 0)
-            tree.swa_cache_controller.op_log = PoolOpLog(runner.host_op_log, 1)
+        for pool, controller in enumerate((tree.cache_controller, tree.swa_cache_controller)):
+            if runner.host_op_log is not None:  # TP rank 0: what the other ranks replay
+                controller.op_log = PoolOpLog(runner.host_op_log, pool)
+            if runner.storage_peers_read is not None:  # ... and the reads they make alike
+                controller.peers_read = lambda keys, host, pool=pool: runner.storage_peers_read(keys, host, pool)
         return tree
 
     def _max_request_len(self) -> int:
@@ -352,6 +357,8 @@ class Scheduler(PrefillAdmissionMixin, DecodeRetractionMixin, SpecDecodeMixin):
                 self.tree_cache.cancel_prefetches()
             finally:
                 self.tree_cache.cache_controller.close()
+                if self.swa:
+                    self.tree_cache.swa_cache_controller.close()
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.chunked_req or self._aborted)

@@ -80,6 +80,7 @@ from actors.engine.pipeline import stage_cache_error, stage_layers
 from mem_cache.hicache_controller import HiCacheController
 from mem_cache.hicache_storage import HiCacheFile, rank_storage_dir
 from mem_cache.memory_pool_host import create_host_pool, host_pool_args
+from mem_cache.swa_hiradix_storage import swa_storage_backends
 from mem_cache.swa_hiradix_tiers import SWAHostReplay
 
 logger = logging.getLogger(__name__)
@@ -254,11 +255,18 @@ class TPModelWorker:
                 self.runner.host_op_log = []  # the scheduler's HiCacheController logs into it
                 self.runner.host_peers_loads = lambda: self.call_followers("host_loads", None)
                 if config.hicache_storage_dir:
-                    self.runner.storage_peers_read = lambda keys, host: self.call_followers("storage_read", (keys, host))
+                    self.runner.storage_peers_read = lambda *payload: self.call_followers("storage_read", payload)
                     self.runner.storage_peers_prefetch = self.call_followers
             self.runner.tp_step = self._step
         elif self.tp.size > 1 and config.enable_hierarchical_cache and self.runner.spec.kind == "swa":
-            self._host_tier = SWAHostReplay(self.runner.token_to_kv_pool, config.hicache_ratio, config.page_size)
+            storage = (None, None)
+            if config.hicache_storage_dir:
+                storage = swa_storage_backends(rank_storage_dir(config.hicache_storage_dir, self.tp.rank, self.tp.size))
+            self._host_tier = SWAHostReplay(self.runner.token_to_kv_pool, config.hicache_ratio, config.page_size,
+                                            storage)
+            self.handlers["storage_read"] = lambda payload: self._host_tier.read_storage(*payload)
+            self.handlers["weights_storage_dir"] = lambda directory: self._host_tier.use_storage(
+                swa_storage_backends(rank_storage_dir(directory, self.tp.rank, self.tp.size)))
         elif self.tp.size > 1 and config.enable_hierarchical_cache:
             pool = self.runner.token_to_kv_pool
             storage = None

@@ -65,6 +65,7 @@ from actors.engine import wna16
 from actors.engine.lora_updates import CallFollowers, on_followers
 from actors.engine.model_loader import ServedWeights, WeightsSource
 from mem_cache.hicache_storage import HiCacheFile, rank_storage_dir
+from mem_cache.swa_hiradix_storage import swa_storage_backends
 
 logger = logging.getLogger(__name__)
 
@@ -150,8 +151,13 @@ def apply_update(sched, runner, call_followers: CallFollowers, flush: Callable[[
         flush()
         if sched.file_tier:
             directory = storage_dir_for(runner.config.hicache_storage_dir, weights.path, version)
-            tp = runner.tp
-            sched.tree_cache.cache_controller.use_storage(HiCacheFile(rank_storage_dir(directory, tp.rank, tp.size)))
+            tree, rank_dir = sched.tree_cache, rank_storage_dir(directory, runner.tp.rank, runner.tp.size)
+            if sched.swa:  # (each host pool's pages in a file tier of its own)
+                for controller, backend in zip((tree.cache_controller, tree.swa_cache_controller),
+                                               swa_storage_backends(rank_dir)):
+                    controller.use_storage(backend)
+            else:
+                tree.cache_controller.use_storage(HiCacheFile(rank_dir))
             on_followers(call_followers, "weights_storage_dir", directory)
     if torch_empty_cache:
         empty_device_cache(runner.device)
