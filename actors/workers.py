@@ -362,7 +362,9 @@ def hicache_stats(tree) -> Dict[str, float]:
     swa = getattr(tree, "swa_cache_controller", None)
     if swa is not None:
         stats.update(swa_host_usage=1.0 - swa.host_pool.available_size() / swa.host_pool.size,
-                     swa_device_to_host_tokens=swa.written_tokens, swa_host_to_device_tokens=swa.loaded_tokens)
+                     swa_device_to_host_tokens=swa.written_tokens, swa_host_to_device_tokens=swa.loaded_tokens,
+                     swa_host_to_storage_pages=swa.stored_pages,
+                     swa_storage_to_host_pages=swa.prefetched_pages + swa.read_pages)
     return stats
 
 

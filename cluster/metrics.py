@@ -55,6 +55,9 @@ class _WorkerCounters:
          "(their host copy dropped)", None, [(None, ("hicache", "device_to_host_failed_tokens"))]),
         ("worker_hicache_storage_pages", "hierarchical cache: pages written to and read from the storage tier",
          "direction", [(d, ("hicache", f"{d}_pages")) for d in ("host_to_storage", "storage_to_host")]),
+        ("worker_hicache_swa_storage_pages", "hierarchical cache of a sliding-window model: pages of its SWA "
+         "layers' KV written to and read from the storage tier", "direction",
+         [(d, ("hicache", f"swa_{d}_pages")) for d in ("host_to_storage", "storage_to_host")]),
         # vLLM's spec_decode_* counters (a list: one sample per draft position, labelled by it)
         ("worker_spec_decode_num_drafts", "speculative decoding: request-steps verified with a draft", None,
          [(None, ("spec_decode", "num_drafts"))]),

@@ -9,6 +9,7 @@ import pytest
 
 from actors.engine import Engine
 from actors.engine.tiny import build_tiny_checkpoint
+from actors.workers import hicache_stats
 from mem_cache.radix_key import RadixKey
 from mem_cache.swa_hiradix_cache import SWAHiRadixCache
 from tests.parity import assert_greedy_parity
@@ -104,6 +105,9 @@ def test_a_conversation_from_the_file_tier_equals_hf_after_eviction_and_a_restar
     outs = [engine.generate(input_ids=[follow[0]], sampling_params={**GREEDY, "max_new_tokens": 8})[0]]
     assert outs[0]["meta_info"]["cached_tokens"] >= 64
     assert tree.cache_controller.read_pages >= 16 and 0 < tree.swa_cache_controller.read_pages <= window_pages
+    stats = hicache_stats(tree)  # (a worker's load report: the SWA pool's pages apart)
+    assert stats["swa_storage_to_host_pages"] == tree.swa_cache_controller.read_pages
+    assert stats["swa_host_to_storage_pages"] == tree.swa_cache_controller.stored_pages > 0
     engine.check_integrity()
     engine.shutdown()  # (waits for its storage writes)
     full_pages, swa_pages = len(list(storage.glob("*.bin"))), len(list((storage / "swa").glob("*.bin")))

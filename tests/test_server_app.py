@@ -539,7 +539,8 @@ def test_worker_metrics_carry_the_hierarchical_cache_and_drop_workers_that_left(
     metrics = ServerMetrics("m")
     hicache = {"host_usage": 0.25, "device_to_host_tokens": 960, "host_to_device_tokens": 96,
                "device_to_host_failed_tokens": 32, "host_to_storage_pages": 24, "storage_to_host_pages": 8}
-    swa_hicache = {**hicache, "swa_host_usage": 0.5, "swa_device_to_host_tokens": 480, "swa_host_to_device_tokens": 16}
+    swa_hicache = {**hicache, "swa_host_usage": 0.5, "swa_device_to_host_tokens": 480, "swa_host_to_device_tokens": 16,
+                   "swa_host_to_storage_pages": 12, "swa_storage_to_host_pages": 4}
     workers = [{"id": "p0", "role": "prefill", "alive": True, "load": {"kv_usage": 0.5, "hicache": hicache}},
                {"id": "p1", "role": "prefill", "alive": True, "load": {"kv_usage": 0.5, "hicache": swa_hicache}},
                {"id": "d0", "role": "decode", "alive": True, "load": {"kv_usage": 0.1, "retractions": 3,
@@ -559,6 +560,7 @@ def test_worker_metrics_carry_the_hierarchical_cache_and_drop_workers_that_left(
     assert got[("raydix_worker_host_swa_kv_cache_usage_ratio", p1)] == 0.5
     assert got[("raydix_worker_hicache_swa_tokens_total", (("direction", "device_to_host"),) + p1)] == 480
     assert got[("raydix_worker_hicache_swa_tokens_total", (("direction", "host_to_device"),) + p1)] == 16
+    assert got[("raydix_worker_hicache_swa_storage_pages_total", (("direction", "storage_to_host"),) + p1)] == 4
     assert not any("swa" in n and dict(ls)["worker"] == "p0" for n, ls in got)
     text = generate_latest(metrics.registry).decode()  # running totals are counters: rate() applies
     assert "# TYPE raydix_worker_retractions_total counter" in text and "# TYPE raydix_worker_hicache_tokens_total counter" in text
