@@ -42,8 +42,9 @@ kept equal like this:
   backup's host copy is dropped. A sliding-window model's two host pools
   (``SWAHiRadixCache``) log into the one log, each copy tagged with its pool
   (``PoolOpLog``), and a follower replays them into its shards of both
-  (``SWAHostReplay``); their copies are made at once and not asked about: one
-  failing on a follower ends its loop (the group is broken, not silently wrong).
+  (``SWAHostReplay``), its storage writes into its own file tier of each; rank 0's
+  reads from files name their pool too. Their copies are made at once and not asked
+  about: one failing on a follower ends its loop (the group is broken, not silently wrong).
 
 Hosting (the Ray rank actors do the same as :class:`LocalTPGroup`)::
 
