@@ -9,6 +9,9 @@ On the CPU the kernels run interpreted (conftest)."""
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -16,9 +19,11 @@ from actors.engine import compressed_tensors, fp8, wna16
 from actors.engine.config import EngineConfig
 from actors.engine.fused_moe import fuse_experts, moe_align_block_size
 from actors.engine.models.gpt_oss import GptOssExperts
+from actors.engine.model_runner import ModelRunner
 from actors.engine.models.moe import ExpertList, MixtralExpert, qwen_expert, run_experts
 from actors.engine.parallel import SINGLE, LinearBase, RowParallelLinear, TPGroup
 from actors.engine.tiny import tiny_config
+from tests.tp_helpers import Hub, ThreadGroup
 
 HIDDEN, INTERMEDIATE, EXPERTS = 64, 32, 4
 
@@ -239,6 +244,20 @@ def test_packed_experts_the_kernel_does_not_take_stay_eager():
         with pytest.raises(ValueError, match=f"moe_backend='triton': .*{why}"):
             experts.fuse()
         assert experts.fused is None
+
+
+def test_auto_backend_is_every_ranks_choice_under_ep():
+    """Under EP each rank holds its own experts: rank 0's packed in different ways (eager), rank 1's alike. On CUDA
+    auto runs them all eagerly, so that every rank agrees on CUDA graphs (a rank capturing alone would wait in
+    collectives its peers never join); each rank deciding from its own experts fused rank 1's alone."""
+    experts = [packed_experts("gptq", 4, 16, seed=rank) for rank in range(2)]
+    experts[0][1].up_proj.packed = experts[0][1].up_proj.packed._replace(bits=8)
+    hub = Hub(2)
+    runners = [SimpleNamespace(config=EngineConfig(model_path="m"), model=torch.nn.Sequential(experts[rank]),
+                               device=torch.device("cuda"), tp=ThreadGroup(rank, 2, hub=hub)) for rank in range(2)]
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(ModelRunner._fuse_experts, runners))
+    assert [e.fused is None for e in experts] == [True, True]
 
 
 def test_moe_backend_is_validated_by_name():

@@ -134,12 +134,14 @@ class ModelRunner:
 
     def _fuse_experts(self) -> None:
         """``moe_backend`` (auto: triton on CUDA, torch on the CPU or for experts the fused kernels do not
-        take, :meth:`FusableExperts.unfused_reason`): triton stacks every MoE layer's experts for the fused
-        kernels; ValueError when Triton cannot run on the device."""
+        take, :meth:`FusableExperts.unfused_reason`, on any rank: under EP each holds experts of its own, and
+        ranks on different backends would disagree on CUDA graphs, one capturing collectives its peers never
+        join): triton stacks every MoE layer's experts for the fused kernels; ValueError when Triton cannot
+        run on the device."""
         backend = self.config.moe_backend
         if backend == "auto":
             unfused = any(m.unfused_reason() for m in self.model.modules() if isinstance(m, FusableExperts))
-            backend = "triton" if self.device.type == "cuda" and not unfused else "torch"
+            backend = "triton" if self.tp.all_min(int(self.device.type == "cuda" and not unfused)) else "torch"
         if backend == "triton":
             error = triton_device_error(self.device, "moe_backend='triton'")
             if error:
