@@ -136,6 +136,32 @@ def test_lora_adapter_over_a_gptq_model(tmp_path):
     assert_greedy_parity(merged, PROMPTS, [o["output_ids"] for o in outs], GREEDY["max_new_tokens"])
 
 
+def test_expert_adapter_over_fused_gptq_experts(tmp_path):
+    """A LoRA adapter on every routed expert (and q_proj) of a GPTQ act-order Qwen3-MoE, the packed experts fused
+    (moe_backend='triton'): its requests get HF's tokens over the adapter merged into the dequantized weights,
+    the base requests beside them the dequantized model's; each expert layer keeps its slots on the fused path."""
+    from tests.lora_helpers import merged_checkpoint
+    from actors.engine.tiny import make_adapter
+
+    quantized, dequantized = packed_checkpoint("qwen3_moe", tmp_path, bits=4, group_size=16, act_order=True)
+    adapter = make_adapter(dequantized, tmp_path / "adapter", rank=4, alpha=8, targets=("q_proj",),
+                           experts=("gate_proj", "up_proj", "down_proj"), seed=1)
+    merged = merged_checkpoint(dequantized, adapter, tmp_path / "merged")
+    engine = Engine(model_path=quantized, skip_tokenizer_init=True, max_total_tokens=512, moe_backend="triton",
+                    lora_paths={"a": str(adapter)})
+    try:
+        outs = engine.generate(input_ids=PROMPTS * 2, sampling_params=GREEDY, lora_path=["a"] * 3 + [None] * 3)
+        engine.check_integrity()
+        experts = [m for m in engine.runner.model.modules() if isinstance(m, FusableExperts)]
+    finally:
+        engine.shutdown()
+    assert experts and all(m.fused.w13.packed is not None and m.lora is not None for m in experts)
+    outputs = [o["output_ids"] for o in outs]
+    assert outputs[:3] != outputs[3:]
+    assert_greedy_parity(merged, PROMPTS, outputs[:3], GREEDY["max_new_tokens"])
+    assert_greedy_parity(dequantized, PROMPTS, outputs[3:], GREEDY["max_new_tokens"])
+
+
 def test_packed_weights_take_their_packed_bytes(tmp_path):
     """A GPTQ int4 model (bf16) holds its projections in a quarter of bf16's bytes plus their fp32 scales and
     zeros: 4 bits a weight, the scales of group 32 one word per 32; the cast leaves them packed."""
