@@ -164,6 +164,17 @@ def test_quantization_fp8_quantizes_an_unquantized_checkpoint_as_it_loads(tmp_pa
     assert_greedy_parity(refs[1], PROMPTS, updated, GREEDY["max_new_tokens"])
 
 
+def test_quantization_fp8_finds_a_decoder_under_transformers_names(tmp_path):
+    """quantization='fp8' on a Qwen3-VL checkpoint naming its decoder model.language_model.* (transformers 4.52 on;
+    the served model's model.*): every decoder projection is quantized as it loads (none was, and the model was
+    served unquantized: the checkpoint's names were looked up as the served model's)."""
+    model, _, _ = load_model(str(build_tiny_checkpoint("qwen3_vl", tmp_path, seed=0)), "float32", "cpu",
+                             quantization="fp8")
+    decoder = {f"{name}.weight" for name, m in model.named_modules()
+               if isinstance(m, LinearBase) and name.startswith("model.layers.")}
+    assert decoder and decoder <= set(model.quantized_weights)
+
+
 def test_fp8_config_errors(tmp_path):
     """Unsupported methods and FP8 variants, a forced quantization the checkpoint contradicts, and a TP
     split that cuts a block, refused by name."""

@@ -31,7 +31,7 @@ PROMPTS = [[5, 9, 33, 47, 12, 90, 7, 61, 18, 3, 44, 21, 8, 70, 2, 19], [11] * 20
 # family, checkpoint: GPTQ int4 with and without act-order, int8 over one group, asymmetric; AWQ (biases kept
 # beside the packed tensors, as Qwen2's q/k/v); Phi-3's fused qkv_proj and gate_up_proj; Qwen3-MoE's experts
 # with act-order (torch MoE backend, then the fused one: the same tokens); DeepSeek-V3's MLA; a layer left
-# unquantized
+# unquantized; Qwen3-VL's decoder under transformers' model.language_model.* names (its vision tower unquantized)
 CASES = {
     "llama-gptq4": ("llama", dict(bits=4, group_size=32, sym=True)),
     "qwen3-gptq4-act-order": ("qwen3", dict(bits=4, group_size=16, sym=False, act_order=True)),
@@ -43,6 +43,7 @@ CASES = {
     "phi3-gptq4-act-order": ("phi3", dict(bits=4, group_size=32, act_order=True)),
     "qwen3_moe-gptq4-act-order": ("qwen3_moe", dict(bits=4, group_size=16, act_order=True)),
     "deepseek_v3-awq": ("deepseek_v3", dict(method="awq", group_size=16)),  # MLA's absorbed kv_b_proj
+    "qwen3_vl-gptq4": ("qwen3_vl", dict(bits=4, group_size=16, skip="visual")),
 }
 
 

@@ -77,12 +77,13 @@ def build_model(config, tp: TPGroup = SINGLE) -> torch.nn.Module:
         return model_cls(config, tp=tp)
 
 
-def checkpoint_shapes(files: List[str]) -> Dict[str, List[int]]:
-    """Every tensor's shape in the checkpoint ``files`` (names → shapes; their headers only)."""
+def checkpoint_shapes(files: List[str], renames=()) -> Dict[str, List[int]]:
+    """Every tensor's shape in the checkpoint ``files`` (their headers only), by its served name
+    (:func:`served_name` of the model's ``renames``)."""
     shapes = {}
     for file in files:
         with safe_open(file, framework="pt", device="cpu") as f:
-            shapes.update((name, list(f.get_slice(name).get_shape())) for name in f.keys())
+            shapes.update((served_name(renames, name), list(f.get_slice(name).get_shape())) for name in f.keys())
     return shapes
 
 
@@ -183,8 +184,8 @@ def build_served_model(model_path: str, config, quantization: Optional[str] = No
     model = build_model(config, tp)
     refuse_quantized_stacked_experts(model, config, quantization)
 
-    def shapes() -> Dict[str, List[int]]:  # (read for a quantized checkpoint only)
-        return checkpoint_shapes(checkpoint_files(model_path))
+    def shapes() -> Dict[str, List[int]]:  # (read for a quantized checkpoint only; by the modules' names)
+        return checkpoint_shapes(checkpoint_files(model_path), getattr(model, "checkpoint_renames", ()))
 
     packed = wna16.resolve(config, quantization)
     if packed is not None:
@@ -510,7 +511,7 @@ class ServedWeights:
                   if k not in METADATA_FIELDS and served.get(k) != new.get(k)]
         if differ:
             raise ValueError(f"checkpoint {path!r}: config.json differs from the served model's: {', '.join(differ)}")
-        shapes = {served_name(self.renames, name): shape for name, shape in checkpoint_shapes(files).items()}
+        shapes = checkpoint_shapes(files, self.renames)
         transposed = self._stored_transposed(config)
         return {name: shape[:-2] + shape[:-3:-1] if transposed(name, shape) else shape
                 for name, shape in shapes.items()}
