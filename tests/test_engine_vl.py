@@ -47,6 +47,12 @@ def text_draft(tmp_path_factory):
                                      vocab_size=VL_TOKENIZER_VOCAB_SIZE, num_hidden_layers=1))
 
 
+@pytest.fixture(scope="module")
+def vl_draft(tmp_path_factory):
+    """A vision-language draft for the tiny Qwen2.5-VL: another seed's."""
+    return str(build_tiny_checkpoint("qwen2_5_vl", tmp_path_factory.mktemp("vl_draft"), seed=1))
+
+
 def image(height: int, width: int, seed: int) -> Image.Image:
     return Image.fromarray(np.random.RandomState(seed).randint(0, 256, (height, width, 3), dtype=np.uint8))
 
@@ -200,16 +206,18 @@ def test_retracted_image_requests_are_encoded_again(model_dir):
     engine.shutdown()
 
 
-@pytest.mark.parametrize("algorithm", ["ngram", "draft_model"])
-def test_speculative_decoding_of_image_requests_keeps_hfs_tokens(model_dir, text_draft, algorithm):
+@pytest.mark.parametrize("algorithm, draft", [("ngram", None), ("draft_model", "text_draft"),
+                                              ("draft_model", "vl_draft")])
+def test_speculative_decoding_of_image_requests_keeps_hfs_tokens(model_dir, request, algorithm, draft):
     """n-gram and draft-model speculation on image requests (with a text one, chunks cutting the images): a
     verify step's M-RoPE positions are its tokens' past the prompt, at the request's delta; the drafts read an
     image's tokens as the image token (the n-gram index and a text-only draft: never a pad value, out of every
-    vocabulary), and only the target sees the images, the draft at its own positions. Tokens and logprobs are
+    vocabulary), and only the target sees the images, the draft at its own positions. A vision-language draft
+    (a smaller Qwen2.5-VL: its vocabulary in its text config) drafts as a text one. Tokens and logprobs are
     HF's, drafts proposed (n-gram's accepted too: the tiny model repeats itself)."""
     args = dict(speculative_algorithm=algorithm, speculative_num_draft_tokens=3)
-    if algorithm == "draft_model":
-        args["speculative_draft_model_path"] = text_draft
+    if draft is not None:
+        args["speculative_draft_model_path"] = request.getfixturevalue(draft)
     engine = Engine(model_dir, max_total_tokens=2048, chunked_prefill_size=16, **args)
     prompts = [chat(engine.tokenizer, "spec"), chat(engine.tokenizer, "two", 2), chat(engine.tokenizer, "text")]
     generate(engine, prompts, [[image(100, 150, 50)], [image(60, 60, 51), image(90, 90, 52)], None], max_new_tokens=24)

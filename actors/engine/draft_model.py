@@ -44,7 +44,8 @@ the target sees the images, as SGLang's and vLLM's drafts without the target's h
 draft reads an image's tokens as the image token (``Req.origin_input_ids_unpadded``; their ids in
 the target's batch, the images' pad values, are in no vocabulary), at its own plain positions (not
 the target's M-RoPE ones), so its KV of them is the same for every image. Its drafts are proposals
-only: the target's verify forward, at its M-RoPE positions, keeps plain decoding's tokens.
+only: the target's verify forward, at its M-RoPE positions, keeps plain decoding's tokens. A
+vision-language draft (a smaller Qwen2.5-VL) drafts so too, its vocabulary read from its text config.
 
 A Mamba hybrid target (Qwen3-Next) takes such a draft as any other: the target's states are
 committed from its verify scratch (:mod:`actors.engine.spec_decode`) and the draft keeps none. A
@@ -99,10 +100,10 @@ class DraftModel:
         """``context_len``: the target's, as served; ``image_token_id``: a vision-language target's, what the
         draft reads an image's tokens as."""
         self.model, self.model_config, self.dtype = load_model(path, dtype, str(device))
-        vocab = self.model_config.vocab_size
-        if vocab != target_vocab:
-            raise ValueError(f"speculative_draft_model_path: the draft's vocabulary ({vocab} ids) is not the "
-                             f"target's ({target_vocab}): its tokens would mean other text")
+        self.vocab_size = self.model_config.get_text_config().vocab_size  # (a vision-language draft's text config)
+        if self.vocab_size != target_vocab:
+            raise ValueError(f"speculative_draft_model_path: the draft's vocabulary ({self.vocab_size} ids) is not "
+                             f"the target's ({target_vocab}): its tokens would mean other text")
         self.max_context_len = min(context_len, get_context_length(self.model_config))
         if self.max_context_len < context_len:
             logger.warning("speculative_draft_model_path: the draft's context length (%d) is below the served "

@@ -187,7 +187,7 @@ class SpecDecodeMixin:
         if runner.draft is not None:  # (its steps write the draft's KV into the slots just taken; a cut
             # draft leaves the slots past it to the step's frees; an undrafted request's masks would
             # only adjust a row no draft token comes from: its dense rows and uploads are left out)
-            vocab = runner.draft.model_config.vocab_size
+            vocab = runner.draft.vocab_size
             masks = DraftMasks([self._logit_state(r, vocab) if n else None for r, n in zip(reqs, rooms)],
                                [active_matcher(r.grammar) if n else None for r, n in zip(reqs, rooms)])
             drafts = [self._grammar_cut(r, d) for r, d in zip(reqs, runner.draft.propose(
