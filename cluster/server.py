@@ -192,6 +192,7 @@ def build_app(cluster_or_client: Any, tokenizer=None, config=None, client=None,
                 await autoscaler.stop()
             await backend.drain(drain_timeout_s)
             backend.stop()
+            await service.media_fetcher.aclose()
 
     app = FastAPI(title="raydix", lifespan=lifespan)
     app.state.backend, app.state.metrics, app.state.admission = backend, metrics, admission

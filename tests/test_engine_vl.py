@@ -700,3 +700,36 @@ def test_http_and_file_image_urls_are_fetched_by_the_server_and_failures_are_400
     assert elapsed < 10  # (the slow image's 30 s: cut at 0.5)
     with pytest.raises(ValueError, match="is not an existing directory"):  # (vLLM's check at start)
         ServerConfig(allowed_local_media_path=str(media / "cat.png"))
+
+
+def test_image_downloads_share_one_client_whose_connection_stays_open_across_requests():
+    """One HTTP client serves every request's downloads (vLLM's global connection): three requests' images from
+    a keep-alive host take one connection (a client a request was 25 ms and more of the event loop's and a
+    connection each); aclose (the server's shutdown) closes it, and a later download opens another."""
+    from cluster.media_fetch import MediaFetcher
+
+    png = io.BytesIO()
+    image(20, 20, 0).save(png, format="PNG")
+    connections = []
+    handler = type("Handler", (ImageHandler,), dict(png=png.getvalue(), protocol_version="HTTP/1.1",
+                                                    setup=lambda self: connections.append(1) or ImageHandler.setup(self)))
+    images = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    images.daemon_threads = True
+    threading.Thread(target=images.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{images.server_port}/cat.png"
+
+    async def requests(fetcher: MediaFetcher) -> List[list]:
+        got = [await fetcher.fetch_all([url], "messages") for _ in range(3)]
+        await fetcher.aclose()
+        got.append(await fetcher.fetch_all([url], "messages"))
+        await fetcher.aclose()
+        return got
+
+    fetcher = MediaFetcher()
+    try:
+        got = asyncio.run(requests(fetcher))
+    finally:
+        images.shutdown()
+        images.server_close()
+    assert got == [[png.getvalue()]] * 4
+    assert len(connections) == 2  # (the three requests' one, then the one after aclose)
