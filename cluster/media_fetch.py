@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import stat
 from pathlib import Path
 from typing import List, Optional, Sequence, Union
 from urllib.parse import unquote, urlsplit
@@ -120,11 +121,15 @@ class MediaFetcher:
         if not path.is_relative_to(self.allowed_local_media_path):
             raise FetchError(f"not under the server's allowed_local_media_path ({self.allowed_local_media_path})")
         try:
-            if os.path.getsize(path) > self.max_bytes:
-                raise FetchError(f"more than {self.max_bytes} bytes (server.max_image_fetch_bytes)")
-            return path.read_bytes()
+            if not stat.S_ISREG(os.stat(path).st_mode):  # (a device or a FIFO: /dev/zero's read never ends)
+                raise FetchError("not a regular file")
+            with open(path, "rb") as file:
+                image = file.read(self.max_bytes + 1)  # (the limit's bytes at most, whatever its size said)
         except OSError as exc:
             raise FetchError(f"{type(exc).__name__}: {exc.strerror}") from None
+        if len(image) > self.max_bytes:
+            raise FetchError(f"more than {self.max_bytes} bytes (server.max_image_fetch_bytes)")
+        return image
 
 
 def scheme(url: str) -> str:
