@@ -117,7 +117,10 @@ class MediaFetcher:
             raise FetchError(str(exc)) from None
         if parts.netloc not in ("", "localhost"):
             raise FetchError(f"a file:// URL of another host ({parts.netloc!r})")
-        path = Path(unquote(parts.path)).resolve()
+        try:
+            path = Path(unquote(parts.path)).resolve()
+        except (OSError, RuntimeError, ValueError) as exc:  # (a link loop; a NUL byte)
+            raise FetchError(f"{type(exc).__name__}: {exc}") from None
         if not path.is_relative_to(self.allowed_local_media_path):
             raise FetchError(f"not under the server's allowed_local_media_path ({self.allowed_local_media_path})")
         try:

@@ -736,18 +736,22 @@ def test_image_downloads_share_one_client_whose_connection_stays_open_across_req
     assert len(connections) == 2  # (the three requests' one, then the one after aclose)
 
 
-def test_a_file_url_of_a_device_or_a_fifo_is_refused_not_read_forever(tmp_path):
+def test_a_file_url_of_a_device_a_fifo_or_a_link_loop_is_a_400_naming_it(tmp_path):
     """file:// under allowed_local_media_path reads regular files only, the limit's bytes at most: /dev/zero (its
-    size 0) was read until the server's memory ran out, a FIFO's open blocked a thread for good. Each a 400
-    naming the URL; a file past max_image_fetch_bytes too."""
+    size 0) was read until the server's memory ran out, a FIFO's open blocked a thread for good. A link loop
+    (a 500) and a NUL byte (a 400 naming neither URL nor param) are refused as any other. Each a 400 naming the
+    URL; a file past max_image_fetch_bytes too."""
     from cluster.api_errors import APIError
     from cluster.media_fetch import MediaFetcher
 
     os.mkfifo(tmp_path / "fifo.png")
     (tmp_path / "big.png").write_bytes(b"0" * 2048)
+    (tmp_path / "loop.png").symlink_to(tmp_path / "loop.png")
     for allowed, url, reason in (("/dev", "file:///dev/zero", "not a regular file"),
                                  (tmp_path, f"file://{tmp_path}/fifo.png", "not a regular file"),
-                                 (tmp_path, f"file://{tmp_path}/big.png", "more than 1024 bytes")):
+                                 (tmp_path, f"file://{tmp_path}/big.png", "more than 1024 bytes"),
+                                 (tmp_path, f"file://{tmp_path}/loop.png", "Symlink loop|Too many levels"),
+                                 (tmp_path, f"file://{tmp_path}/a%00.png", "null byte")):
         with pytest.raises(APIError, match=reason) as refused:
             asyncio.run(MediaFetcher(allowed_local_media_path=str(allowed), max_bytes=1024).fetch_all([url], "image_data"))
         assert repr(url) in refused.value.message and refused.value.status == 400
