@@ -1,7 +1,7 @@
 """Engine on the tiny Qwen3-VL: its DeepStack features (added after the first decoder layers at the image
 tokens), interleaved M-RoPE, Qwen3's q/k norms and 16-pixel patches give HF's
 ``Qwen3VLForConditionalGeneration`` tokens and logprobs through one and two images, chunked prefill cutting
-an image (its DeepStack rows cut with it), a prefix hit past an image and TP 2."""
+an image (its DeepStack rows cut with it), a prefix hit past an image, n-gram speculation and TP 2."""
 
 import pytest
 
@@ -34,6 +34,19 @@ def test_chunked_prefill_cuts_an_image_and_its_deepstack_rows_and_a_prefix_hit_p
     again = generate(engine, [prompt], [images])[0]
     assert again["output_ids"] == first["output_ids"]
     assert again["meta_info"]["cached_tokens"] > engine.tokenizer.encode(prompt).index(IMAGE_PAD_ID) + 15  # (past it)
+    engine.check_integrity()
+    engine.shutdown()
+
+
+def test_ngram_speculation_keeps_hfs_tokens_at_the_interleaved_mrope_delta(model_dir):
+    """A verify step of an image request (chunks cutting its image and DeepStack rows) takes its tokens' M-RoPE
+    positions past the prompt at the request's delta, under interleaved M-RoPE too: HF's tokens and logprobs,
+    drafts accepted."""
+    engine = Engine(model_dir, max_total_tokens=2048, chunked_prefill_size=8, speculative_algorithm="ngram",
+                    speculative_num_draft_tokens=3)
+    generate(engine, [chat(engine.tokenizer, "spec"), chat(engine.tokenizer, "text")], [[image(100, 150, 8)], None],
+             max_new_tokens=24)
+    assert engine.scheduler.spec_stats.num_accepted_tokens > 0
     engine.check_integrity()
     engine.shutdown()
 
