@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import os
 import stat
+from http.cookiejar import CookieJar, DefaultCookiePolicy
 from pathlib import Path
 from typing import List, Optional, Sequence, Union
 from urllib.parse import unquote, urlsplit
@@ -33,7 +34,8 @@ class MediaFetcher:
     """``ServerConfig``'s media fields (:meth:`from_config`). Every download goes through one HTTP client (vLLM's
     global connection), opened at the first http(s) URL and closed by :meth:`aclose` (the server's shutdown): a
     client's start, its TLS context, is 25 ms and more of the event loop's, and its pool keeps connections alive
-    across requests and bounds the downloads at once (httpx's 100 connections, aiohttp's in vLLM)."""
+    across requests and bounds the downloads at once (httpx's 100 connections, aiohttp's in vLLM). It keeps no
+    cookie: one client's would go with another's download from that host."""
 
     def __init__(self, timeout_s: float = 5.0, allowed_media_domains: Optional[Sequence[str]] = None,
                  allowed_local_media_path: Optional[str] = None, max_bytes: int = 20 * 1024 * 1024):
@@ -69,7 +71,8 @@ class MediaFetcher:
     def client(self) -> httpx.AsyncClient:
         if self._client is None:
             self._client = httpx.AsyncClient(follow_redirects=True, timeout=self.timeout_s,
-                                             event_hooks={"request": [self._check_host]})
+                                             event_hooks={"request": [self._check_host]},
+                                             cookies=CookieJar(DefaultCookiePolicy(allowed_domains=())))
         return self._client
 
     async def _fetch(self, url: str, param: str) -> Union[str, bytes]:

@@ -706,15 +706,28 @@ def test_http_and_file_image_urls_are_fetched_by_the_server_and_failures_are_400
 def test_image_downloads_share_one_client_whose_connection_stays_open_across_requests():
     """One HTTP client serves every request's downloads (vLLM's global connection): three requests' images from
     a keep-alive host take one connection (a client a request was 25 ms and more of the event loop's and a
-    connection each); aclose (the server's shutdown) closes it, and a later download opens another."""
+    connection each), and it keeps no cookie (one request's would go with another client's); aclose (the
+    server's shutdown) closes it, and a later download opens another."""
     from cluster.media_fetch import MediaFetcher
 
     png = io.BytesIO()
     image(20, 20, 0).save(png, format="PNG")
-    connections = []
-    handler = type("Handler", (ImageHandler,), dict(png=png.getvalue(), protocol_version="HTTP/1.1",
-                                                    setup=lambda self: connections.append(1) or ImageHandler.setup(self)))
-    images = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    connections, cookies = [], []
+
+    class Handler(ImageHandler):
+        protocol_version = "HTTP/1.1"
+
+        def setup(self):
+            connections.append(self.client_address)
+            super().setup()
+
+        def end_headers(self):  # (every answer sets a cookie; each request's Cookie header noted)
+            cookies.append(self.headers.get("Cookie"))
+            self.send_header("Set-Cookie", "session=one-client")
+            super().end_headers()
+
+    Handler.png = png.getvalue()
+    images = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     images.daemon_threads = True
     threading.Thread(target=images.serve_forever, daemon=True).start()
     url = f"http://127.0.0.1:{images.server_port}/cat.png"
@@ -734,6 +747,7 @@ def test_image_downloads_share_one_client_whose_connection_stays_open_across_req
         images.server_close()
     assert got == [[png.getvalue()]] * 4
     assert len(connections) == 2  # (the three requests' one, then the one after aclose)
+    assert cookies == [None] * 4
 
 
 def test_a_file_url_of_a_device_a_fifo_or_a_link_loop_is_a_400_naming_it(tmp_path):
