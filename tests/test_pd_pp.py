@@ -25,6 +25,11 @@ def llama(tmp_path_factory):
     return str(build_tiny_checkpoint("llama", tmp_path_factory.mktemp("pd-pp") / "llama", seed=0))
 
 
+@pytest.fixture(scope="module")
+def deepseek_v3(tmp_path_factory):
+    return str(build_tiny_checkpoint("deepseek_v3", tmp_path_factory.mktemp("pd-pp") / "deepseek_v3", seed=0))
+
+
 def start(cls, path, pp_size=1, tp_size=1):
     """A worker of ``pp_size × tp_size`` ranks (followers on threads) and its followers."""
     if pp_size * tp_size == 1:
@@ -37,22 +42,29 @@ def shutdown_followers(*followers):
         follower.shutdown()
 
 
-@pytest.mark.parametrize("prefill_layout, decode_layout", [((2, 1), (1, 1)), ((1, 1), (2, 1)), ((2, 1), (1, 2))],
-                         ids=["prefill_pp2-decode_pp1", "prefill_pp1-decode_pp2", "prefill_pp2-decode_tp2"])
-def test_tokens_of_different_pp_layouts_equal_the_single_engines(llama, monkeypatch, prefill_layout, decode_layout):
+@pytest.mark.parametrize("family, prefill_layout, decode_layout", [
+    ("llama", (2, 1), (1, 1)), ("llama", (1, 1), (2, 1)), ("llama", (2, 1), (1, 2)),
+    ("deepseek_v3", (2, 2), (1, 1)), ("deepseek_v3", (1, 2), (3, 1))],
+    ids=["prefill_pp2-decode_pp1", "prefill_pp1-decode_pp2", "prefill_pp2-decode_tp2", "mla-prefill_pp2xtp2-decode_pp1",
+         "mla-prefill_tp2-decode_pp3"])
+def test_tokens_of_different_pp_layouts_equal_the_single_engines(request, monkeypatch, family, prefill_layout,
+                                                                 decode_layout):
     """Prompts of several chunks, then a second batch hitting both sides' caches (the decode side
     takes only the rows past its own prefix): each stage's ranks push (or take) their layers, and
-    the tokens are HF's; every rank's tables and pools check out afterwards."""
+    the tokens are HF's; every rank's tables and pools check out afterwards. MLA's latent, whole on
+    every TP rank, goes to a decode rank from one TP rank of each prefill stage, picked by its TP
+    rank within the stage (RankHost's agents), not its global rank."""
+    path = request.getfixturevalue(family)
     thread_ranks(monkeypatch)
-    prefill, prefill_followers = start(PrefillWorker, llama, *prefill_layout)
-    decode, decode_followers = start(DecodeWorker, llama, *decode_layout)
+    prefill, prefill_followers = start(PrefillWorker, path, *prefill_layout)
+    decode, decode_followers = start(DecodeWorker, path, *decode_layout)
     try:
         shared = prompts(1, 20, 20, seed=5)[0]
         first, second = prompts(2, 5, 30, seed=6, shared=shared), prompts(2, 5, 30, seed=7, shared=shared)
         outs = run_batch(prefill, decode, first, GREEDY) + run_batch(prefill, decode, second, GREEDY)
         assert max(notice["cached_tokens"] for _, notice, _ in outs[2:]) >= 16
         assert prefill.scheduler.bytes_pushed > 0
-        assert_greedy_parity(llama, first + second, [final["output_ids"] for final, _, _ in outs],
+        assert_greedy_parity(path, first + second, [final["output_ids"] for final, _, _ in outs],
                              GREEDY["max_new_tokens"])
         close_workers(prefill, decode)  # (every follower's index tables too)
     finally:
