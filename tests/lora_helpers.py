@@ -17,10 +17,11 @@ import torch
 
 from actors.engine.tiny import tiny_adapters
 
-# a checkpoint's expert projection: <layer>.<its MoE block>.experts.<expert>.<projection>
-EXPERT = re.compile(r"^(model\.layers\.\d+)\.\w+\.experts\.(\d+)\.(\w+)$")
+# a checkpoint's expert projection: <layer>.<its MoE block>.experts.<expert>.<projection> (a vision-language
+# model's layers under model.language_model)
+EXPERT = re.compile(r"^(model\.(?:language_model\.)?layers\.\d+)\.\w+\.experts\.(\d+)\.(\w+)$")
 # a PEFT ParamWrapper over a layer's fused expert parameters
-FUSED = re.compile(r"^(model\.layers\.\d+)\.mlp\.experts(?:\.base_layer)*$")
+FUSED = re.compile(r"^(model\.(?:language_model\.)?layers\.\d+)\.mlp\.experts(?:\.base_layer)*$")
 # an expert's projection -> transformers 5's fused parameter and its half of it (None: all of it)
 FUSED_PART = {"gate_proj": ("gate_up_proj", 0), "w1": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
               "w3": ("gate_up_proj", 1), "down_proj": ("down_proj", None), "w2": ("down_proj", None)}
@@ -98,12 +99,15 @@ def fused_expert_adapter(model_dir: str, out_dir: Path, rank: int, alpha: float,
     "mlp.experts.down_proj"]`` writes it for transformers 5's fused experts: per MoE layer a ParamWrapper over each
     parameter, the first (gate_up_proj) innermost (``mlp.experts.base_layer.lora_*``), ``lora_A [experts·r, in]``
     and ``lora_B [out, experts·r]`` of the parameter ``[experts, d1, d2]`` read as ``[experts, in, out]``, or as
-    ``[experts, out, in]`` where PEFT swaps them (:func:`peft_swaps`, experts not ``is_transposed``)."""
+    ``[experts, out, in]`` where PEFT swaps them (:func:`peft_swaps`, experts not ``is_transposed``); a
+    vision-language model's (Qwen3-VL-MoE's) under ``model.language_model.layers``."""
     from safetensors.torch import save_file
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
+    config = AutoConfig.from_pretrained(model_dir)
     with torch.device("meta"):
-        hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+        hf = (AutoModelForImageTextToText if hasattr(config, "vision_config") else
+              AutoModelForCausalLM).from_config(config)
     gen, tensors = torch.Generator().manual_seed(seed), {}
     for name, module in hf.named_modules():
         if name.endswith("mlp.experts") and hasattr(module, "gate_up_proj"):

@@ -3,8 +3,9 @@ block with its experts in 3-D tensors): greedy tokens and logprobs of an image a
 ``Qwen3VLMoeForConditionalGeneration`` from the checkpoint transformers 5 saves ([experts, out, in]), and from
 one in the released layout ([experts, in, out], read transposed) at TP 2 on the fused MoE backend and at EP 2
 on the eager one; a weight update takes the experts in either layout, a square matrix by who saved the
-checkpoint. A LoRA adapter over the stacked experts is refused, naming them, as is a quantized checkpoint (FP8,
-GPTQ) or quantization='fp8', naming the format."""
+checkpoint. LoRA adapters over the stacked experts (PEFT's target_parameters wrappers, both layouts, and
+per-expert names) serve an image request beside the base model's, each HF's on its merged checkpoint: eager and
+fused, at TP 2 and EP 2. A quantized checkpoint (FP8, GPTQ) or quantization='fp8' is refused, naming the format."""
 
 import json
 import re
@@ -17,7 +18,9 @@ from safetensors.torch import load_file, save_file
 from actors.engine import Engine
 from actors.engine.model_loader import build_served_model, load_config
 from actors.engine.tiny import build_tiny_checkpoint, make_adapter
-from tests.test_engine_vl import chat, generate, image
+from tests.lora_helpers import fused_expert_adapter, merged_checkpoint
+from tests.parity import assert_greedy_parity
+from tests.test_engine_vl import MAX_NEW, chat, generate, image
 from tests.tp_helpers import thread_ranks
 
 STACKED = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
@@ -101,16 +104,65 @@ def test_a_square_matrix_is_read_as_the_transformers_that_saved_the_checkpoint_s
     engine.shutdown()
 
 
-def test_an_adapter_on_the_stacked_experts_is_refused(model_dir, tmp_path):
-    """PEFT's ``target_parameters`` wrapper over a layer's stacked experts: they take no adapter (the attention and
-    the dense layer's MLP do)."""
-    path = make_adapter(model_dir, tmp_path / "moe", rank=4, alpha=8, targets=("q_proj",))
-    experts = "base_model.model.model.language_model.layers.1.mlp.experts"
-    save_file({**load_file(str(path / "adapter_model.safetensors")),
-               f"{experts}.lora_A.weight": torch.ones(16, 64), f"{experts}.lora_B.weight": torch.ones(48, 16)},
-              str(path / "adapter_model.safetensors"))
-    with pytest.raises(ValueError, match=r"'moe': model\.layers\.1\.mlp\.experts wraps no MoE experts"):
-        Engine(model_dir, max_total_tokens=512, lora_paths={"moe": str(path)})
+@pytest.fixture(scope="module")
+def adapters(model_dir, tmp_path_factory):
+    """Adapters of the stacked experts, each with its merged checkpoint (HF's oracle): PEFT's target_parameters
+    wrappers over gate_up_proj and down_proj as PEFT 0.18 (``old``) and 0.19 (``new``: [experts, out, in]) write
+    them, r=2, and Qwen3-MoE's per-expert names (``experts``: q_proj and every expert's gate/up/down, r=4)."""
+    root = tmp_path_factory.mktemp("adapters")
+    paths = {name: fused_expert_adapter(model_dir, root / name, rank=2, alpha=4, seed=seed, peft_version=version)
+             for name, version, seed in (("old", "0.18.1", 2), ("new", "0.19.1", 3))}
+    paths["experts"] = make_adapter(model_dir, root / "experts", rank=4, alpha=8, targets=("q_proj",),
+                                    experts=("gate_proj", "up_proj", "down_proj"), seed=1)
+    return {name: (str(path), merged_checkpoint(model_dir, path, root / f"{name}-merged"))
+            for name, path in paths.items()}
+
+
+def adapters_beside_the_base_model(engine: Engine, adapters) -> None:
+    """An image request under each adapter and one without, in one batch: each HF's tokens and logprobs on its
+    checkpoint (the adapter merged in), and each adapter changes the base model's tokens."""
+    prompt, images, names = chat(engine.tokenizer, "what is it?"), [image(100, 150, 0)], [None, *adapters]
+    outs = engine.generate(prompt=[prompt] * len(names), image_data=[images] * len(names), lora_path=names,
+                           sampling_params=dict(max_new_tokens=MAX_NEW, temperature=0, return_logprob=True))
+    for name, out in zip(names, outs):
+        assert_greedy_parity(adapters[name][1] if name else engine.config.model_path,
+                             [engine.tokenizer.encode(prompt)], [out["output_ids"]], MAX_NEW, engine.eos_token_ids,
+                             images=[images], logprobs=[[lp for lp, _ in out["meta_info"]["output_token_logprobs"]]])
+    assert all(out["output_ids"] != outs[0]["output_ids"] for out in outs[1:])
+    engine.check_integrity()
+    engine.shutdown()
+
+
+@pytest.mark.parametrize("moe_backend", ["torch", "triton"])
+def test_adapters_on_the_stacked_experts_equal_hf_on_the_merged_checkpoints(model_dir, adapters, moe_backend):
+    """Every expert of both MoE layers takes the adapters as Qwen3-MoE's: its gate and up rows of gate_up_proj and
+    its down_proj, slots stacked [slots, experts, r, in] a projection (fails before: the wrappers and the per-expert
+    names refused). The eager experts add each expert's deltas between its matmuls; the fused ones by the grouped
+    GEMM over the pairs sorted by (slot, expert)."""
+    engine = Engine(model_dir, max_total_tokens=2048, lora_paths={name: path for name, (path, _) in adapters.items()},
+                    moe_backend=moe_backend, max_loras_per_batch=3)
+    lora = engine.runner.lora
+    assert set(lora.experts) == {"model.layers.1.mlp.experts", "model.layers.2.mlp.experts"}
+    assert sum(".experts." in m for m in lora.layers) == 2 * 4 * 3
+    layer = lora.experts["model.layers.1.mlp.experts"]
+    assert (tuple(layer.lora_b[1].shape), tuple(layer.lora_a[2].shape)) == ((3, 4, 48, 4), (3, 4, 4, 48))
+    adapters_beside_the_base_model(engine, adapters)
+
+
+@pytest.mark.parametrize("ep", [False, True], ids=["tp", "ep"])
+def test_tp2_and_ep2_shard_the_stacked_experts_slots(model_dir, adapters, monkeypatch, ep):
+    """TP 2: each rank's gate and up slots hold B's rows of its intermediate slice (as its rows of gate_up_proj, gate's
+    and up's), its down slots A's columns (summed by the block's all-reduce); EP 2: each rank its two experts' slots
+    whole, the adapters' other experts dropped there. The tokens are still the merged checkpoints'."""
+    thread_ranks(monkeypatch)
+    engine = Engine(model_dir, max_total_tokens=2048, lora_paths={name: path for name, (path, _) in adapters.items()},
+                    tp_size=2, enable_expert_parallel=ep, max_loras_per_batch=3)
+    lora = engine.runner.lora
+    layer = lora.experts["model.layers.1.mlp.experts"]
+    held, inter = (2, 48) if ep else (4, 24)  # (rank 0's experts, and its part of their intermediate dim)
+    assert (tuple(layer.lora_b[0].shape), tuple(layer.lora_a[2].shape)) == ((3, held, inter, 4), (3, held, 4, inter))
+    assert {m.split(".")[-2] for m in lora.host["new"].shards if ".experts." in m} == {str(e) for e in range(held)}
+    adapters_beside_the_base_model(engine, adapters)
 
 
 FP8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}

@@ -299,12 +299,16 @@ class FusedExperts(NamedTuple):
 class FusableExperts(nn.Module):
     """A layer's experts that can run as :class:`FusedExperts`: :meth:`fuse` sets ``fused``, which their
     forward then runs (``moe_backend='triton'``). ``lora``: their LoRA slots (``lora_experts.ExpertLoRA``), set
-    when adapters may target them. ``projections``: the 3-D parameters that take adapters, for experts held as
-    such (GPT-OSS's); none by default (an ``ExpertList``'s are its experts' linear layers)."""
+    when adapters may target them. ``projections``: each expert's projections that take adapters, for experts
+    held stacked (GPT-OSS's 3-D parameters; ``StackedExperts``' gate, up and down); none by default (an
+    ``ExpertList``'s are its experts' linear layers). ``is_transposed``: HF holds the experts' 3-D parameters
+    ``[experts, in, out]`` (GPT-OSS's; transformers' flag, which PEFT's ``target_parameters`` reads), not
+    transformers 5's ``[experts, out, in]`` (Qwen3-MoE's, Mixtral's, Qwen3-VL-MoE's)."""
 
     fused: Optional[FusedExperts] = None
     lora = None
     projections: Tuple[str, ...] = ()
+    is_transposed = False
 
     def unfused_reason(self) -> Optional[str]:
         """Why :meth:`fuse` would refuse these experts, or None (``moe_backend='auto'`` then runs them eagerly)."""

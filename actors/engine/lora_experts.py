@@ -10,7 +10,10 @@ out, r]``, which :class:`~actors.engine.lora.LoRAManager` fills through each exp
 (:class:`ExpertSlots`) as it fills a dense layer's. Adapters on transformers 5's fused 3-D expert parameters
 (PEFT's ``target_parameters``) are taken apart into those per-expert pairs as the manager checks an adapter,
 at start or a runtime load (:func:`split_fused_experts`), in the layout of the PEFT that wrote them (0.19 swapped
-the in and out dims it reads transformers 5's Qwen3-MoE and Mixtral experts by). GPT-OSS's experts are such parameters in our model too
+the in and out dims it reads transformers 5's Qwen3-MoE and Mixtral experts by). Qwen3-VL-MoE's experts are held
+in transformers 5's layout in our model too (:class:`~actors.engine.models.moe.StackedExperts`): their adapters,
+either form, take each expert's gate and up rows of ``gate_up_proj`` and its ``down_proj`` as Qwen3-MoE's
+``gate_proj``, ``up_proj``, ``down_proj``. GPT-OSS's experts are such parameters in our model too
 (``gate_up_proj [experts, hidden, 2·inter]``, gate and up interleaved, and ``down_proj``): an adapter on them (only
 PEFT's ``target_parameters`` form: they are no modules) has two projections per expert, ``gate_up_proj`` (its B
 over the interleaved columns, before the clamped SwiGLU) and ``down_proj``, named ``mlp.experts.{e}.gate_up_proj``
@@ -38,7 +41,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from actors.engine.fused_moe import BlockSizes, FusableExperts, StackedWeight, grouped_gemm, moe_align_block_size
-from actors.engine.models.moe import ExpertList
+from actors.engine.models.moe import ExpertList, StackedExperts
 from actors.engine.parallel import ColumnParallelLinear, RowParallelLinear
 
 # an expert's projection in a decoder layer: <the layer's experts>.<expert index>.<projection>
@@ -101,19 +104,31 @@ class ExpertProjection(NamedTuple):
 def projection_names(experts: FusableExperts) -> Tuple[str, ...]:
     """The projections of a layer's experts, those before the activation first (their outputs side by side, as
     the fused experts' first launch computes them), down last: an ExpertList's experts' linear layers (gate, up,
-    down), or the 3-D parameters of experts held as such (GPT-OSS's ``gate_up_proj``, ``down_proj``)."""
+    down), or those of experts held stacked (StackedExperts' gate, up, down; GPT-OSS's 3-D parameters
+    ``gate_up_proj``, ``down_proj``)."""
     return experts[experts.held.start].projections if isinstance(experts, ExpertList) else experts.projections
 
 
 def expert_projections(experts: FusableExperts, full: FusableExperts) -> List[ExpertProjection]:
-    """The projections of :func:`projection_names` (``full``: the unsharded model's experts). 3-D parameters are
-    ``[experts, in, out]`` (run as ``x @ weight[e]``), a TP rank's part of them its ``param_shards``: of dim 1, A's
-    input columns (down's); of dim 2, B's output rows (gate_up's); of dim 0 (EP), its experts whole."""
+    """The projections of :func:`projection_names` (``full``: the unsharded model's experts). :class:`StackedExperts`'
+    gate and up are the rows of ``gate_up_proj [experts, 2·inter, hidden]``, down ``down_proj [experts, hidden,
+    inter]``, a TP rank's part their intermediate slice (``down_proj``'s shard of dim 2: B's rows of gate and up, A's
+    columns of down). GPT-OSS's 3-D parameters are ``[experts, in, out]`` (run as ``x @ weight[e]``), a TP rank's
+    part of them its ``param_shards``: of dim 1, A's input columns (down's); of dim 2, B's output rows (gate_up's);
+    of dim 0 (EP), its experts whole."""
     if isinstance(experts, ExpertList):
         first, full_first = experts[experts.held.start], full[full.held.start]
         return [ExpertProjection(name, getattr(first, name).in_features, getattr(first, name).out_features,
                                  SlotCut.of_linear(getattr(full_first, name), getattr(first, name)))
                 for name in first.projections]
+    if isinstance(experts, StackedExperts):
+        (_, hidden, inter), full_inter = experts.down_proj.shape, full.down_proj.shape[2]
+        shard = experts.param_shards["down_proj"]
+        part = shard.ranges if shard.dim == 2 else None
+        gate, up, down = experts.projections
+        return [ExpertProjection(gate, hidden, inter, SlotCut(hidden, full_inter, None, part)),
+                ExpertProjection(up, hidden, inter, SlotCut(hidden, full_inter, None, part)),
+                ExpertProjection(down, inter, hidden, SlotCut(full_inter, hidden, part, None))]
     out = []
     for name in experts.projections:
         shard, (_, num_in, num_out) = experts.param_shards[name], getattr(experts, name).shape
@@ -192,16 +207,15 @@ def _wrapper_fits(module: str, a: torch.Tensor, b: torch.Tensor, rank: int,
     if a.shape[0] != b.shape[1] or a.shape[0] % rank:
         raise ValueError(f"{module}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} are no experts·r={rank} "
                          "rows of a fused expert parameter")
-    if isinstance(experts, ExpertList):
-        gate, up, down = projection_names(experts)
-        first = experts[experts.held.start]
-        hidden, inter = getattr(first, gate).in_features, getattr(first, gate).out_features
+    projections = expert_projections(experts, experts)  # (whole: the unsharded model's)
+    if len(projections) == 3:  # (gate, up, down: transformers 5's gate_up_proj their rows, one after the other)
+        gate, up, down = (projection.name for projection in projections)
+        hidden, inter = projections[0].in_features, projections[0].out_features
         dims = {(2 * inter, hidden): {gate: slice(0, inter), up: slice(inter, 2 * inter)},
                 (hidden, inter): {down: slice(None)}}
-        layouts = (False, True)
     else:
-        dims = {tuple(getattr(experts, name).shape[1:]): {name: slice(None)} for name in experts.projections}
-        layouts = (False,)
+        dims = {(p.in_features, p.out_features): {p.name: slice(None)} for p in projections}
+    layouts = (False,) if experts.is_transposed else (False, True)
     fits = {swapped: parts for swapped in layouts for (d1, d2), parts in dims.items()
             if (a.shape[1], b.shape[0]) == ((d2, d1) if swapped else (d1, d2))}
     if not fits:
@@ -227,7 +241,7 @@ def _split_wrapper(a: torch.Tensor, b: torch.Tensor, rank: int, swapped: bool, p
     num_experts = a.shape[0] // rank
     a_e = a.reshape(num_experts, rank, a.shape[1])  # [experts, r, d_A]
     b_e = b.reshape(b.shape[0], rank, num_experts).permute(2, 1, 0)  # [experts, r, d_B]
-    ours_a, ours_b = (a_e, b_e) if swapped == isinstance(experts, ExpertList) else (b_e, a_e)
+    ours_a, ours_b = (a_e, b_e) if swapped != experts.is_transposed else (b_e, a_e)
     return {f"{path}.{e}.{name}": (ours_a[e].contiguous(), ours_b[e, :, rows].T.contiguous())
             for e in range(num_experts) for name, rows in parts.items()}
 
@@ -252,8 +266,8 @@ class FusedPairs(NamedTuple):
 
 
 class ExpertLoRA:
-    """The adapter slots of one MoE layer's held experts (``experts``: its ExpertList or GPT-OSS's 3-D experts;
-    ``full``: the unsharded model's), for each projection of ``targeted`` (of ``projections``,
+    """The adapter slots of one MoE layer's held experts (``experts``: its ExpertList, StackedExperts or GPT-OSS's
+    3-D experts; ``full``: the unsharded model's), for each projection of ``targeted`` (of ``projections``,
     :func:`expert_projections`; ``down``: the last, after the activation) ``lora_a [slots, experts, r, in]`` and
     ``lora_b [slots, experts, out, r]`` (this rank's shards); the slots' scaling and the forward's token slots
     are the manager's (``scaling``, ``token_slots``)."""

@@ -32,6 +32,7 @@ MLP = ("gate_proj", "up_proj", "down_proj")
 FAMILIES = ("llama", "qwen3", "qwen3_next", "deepseek_v3", "gemma3", "gpt_oss", "qwen3_moe", "mixtral", "mistral",
             "phi3", "granite", "olmo2", "deepseek_v2")
 VL_FAMILIES = ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")  # vision-language: HF's ...ForConditionalGeneration, not AutoModelForCausalLM
+STACKED_EXPERTS = ("experts.gate_up_proj", "experts.down_proj")  # (Qwen3-VL-MoE's 3-D experts, transformers 5's)
 VOCAB_SIZE = TOKENIZER_VOCAB_SIZE  # every id the model can emit decodes to text
 COMMON = dict(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_attention_heads=4,
               max_position_embeddings=4096, bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID,
@@ -218,9 +219,9 @@ def make_adapter(model_dir: str, out_dir: Path, rank: int, alpha: float, targets
     only, and no Mixtral layer; DeepSeek's and Qwen3-Next's MoE layers by their shared expert; Phi-3's are
     ``qkv_proj`` and ``gate_up_proj``, DeepSeek's MLA ``kv_a_proj_with_mqa`` ...). ``experts``: the routed
     experts' projections to target too, every expert's, by the checkpoint's names (``gate_proj``; Mixtral's
-    ``w1``), as PEFT writes an adapter of a model whose experts are linear layers each. A vision-language
-    model's are its decoder layers' (``model.language_model.layers.*``: transformers 5's names), never its
-    vision tower's."""
+    ``w1``), as PEFT writes an adapter of a model whose experts are linear layers each (Qwen3-VL-MoE's, stacked in
+    ``experts.gate_up_proj`` and ``down_proj``, by Qwen3-MoE's names). A vision-language model's are its decoder
+    layers' (``model.language_model.layers.*``: transformers 5's names), never its vision tower's."""
     from safetensors import safe_open
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
@@ -237,6 +238,11 @@ def make_adapter(model_dir: str, out_dir: Path, rank: int, alpha: float, targets
                 if ".experts." in name and name.rpartition(".")[2] in experts and key.endswith(".weight"):
                     fan_out, fan_in = f.get_slice(key).get_shape()
                     shapes[name] = (fan_in, fan_out)
+                elif key.endswith(STACKED_EXPERTS):  # ([experts, out, in]: gate's rows of gate_up_proj, then up's)
+                    num_experts, fan_out, fan_in = f.get_slice(key).get_shape()
+                    parts = ("gate_proj", "up_proj") if key.endswith("gate_up_proj") else ("down_proj",)
+                    shapes.update({f"{key.rpartition('.')[0]}.{e}.{part}": (fan_in, fan_out // len(parts))
+                                   for e in range(num_experts) for part in parts if part in experts})
     gen, tensors = torch.Generator().manual_seed(seed), {}
     for layer in range(hf_config.get_text_config().num_hidden_layers):
         prefix = f"model.{'language_model.' if vision else ''}layers.{layer}."

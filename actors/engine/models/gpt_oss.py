@@ -51,6 +51,7 @@ class GptOssExperts(FusableExperts):
     parameters as two projections an expert (``projections``; ``actors.engine.lora_experts``)."""
 
     projections = ("gate_up_proj", "down_proj")
+    is_transposed = True  # (HF's [experts, in, out])
 
     def __init__(self, config, tp: TPGroup = SINGLE):
         super().__init__()

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import itertools
 from functools import partial
-from typing import Callable, Iterator, List, Optional, Sequence, Tuple
+from typing import Callable, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -81,19 +81,42 @@ class ExpertList(FusableExperts):
                                   partial(gated, experts[0].act))
 
 
+class StackedExpert(NamedTuple):
+    """One expert of :class:`StackedExperts`: its rows of ``gate_up_proj`` [2 × intermediate, hidden] (this rank's
+    gate rows, then its up rows) and its ``down_proj`` [hidden, intermediate]. Called, its MLP in two matmuls;
+    ``lora_experts.ExpertLoRA.run`` calls its projections one by one, as an :class:`ExpertList`'s expert's."""
+
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    act: Callable[[torch.Tensor], torch.Tensor]
+
+    def gate_proj(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.gate_up[:self.gate_up.shape[0] // 2])
+
+    def up_proj(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.gate_up[self.gate_up.shape[0] // 2:])
+
+    def down_proj(self, h: torch.Tensor) -> torch.Tensor:
+        return F.linear(h, self.down)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(gated(self.act, F.linear(x, self.gate_up)))
+
+
 class StackedExperts(FusableExperts):
     """The experts of one layer as transformers 5 holds them (Qwen3-VL-MoE's ``mlp.experts``): every held
     expert's gate and up matrices in one 3-D ``gate_up_proj`` [experts, 2 × intermediate, hidden] (gate's rows,
     then up's), its down matrix in ``down_proj`` [experts, hidden, intermediate] — :class:`FusedExperts`' own
     layout, so :meth:`fuse` stacks nothing. Under TP each rank holds every expert's share of the intermediate
     dim (gate's rows ``[start, stop)`` and up's ``[I + start, I + stop)``, down's columns); under EP its
-    experts (``held``) whole. ``experts[e]``: expert ``e``'s MLP, as an :class:`ExpertList`'s (:func:`run_experts`).
-    The experts take no LoRA adapters (``lora`` stays None).
+    experts (``held``) whole. ``experts[e]``: expert ``e``'s MLP, as an :class:`ExpertList`'s (:func:`run_experts`):
+    a :class:`StackedExpert`, whose gate, up and down projections (``projections``: Qwen3-MoE's names) take LoRA
+    adapters as an ExpertList's experts' linear layers (``actors.engine.lora_experts``).
 
     Released checkpoints (saved by transformers before 5) store each matrix transposed, [experts, in, out]:
     :meth:`stored_transposed` tells the loader which to read so."""
 
-    lora = None
+    projections = ("gate_proj", "up_proj", "down_proj")
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, hidden_act: str, tp: TPGroup,
                  field: str, experts_field: str):
@@ -111,9 +134,9 @@ class StackedExperts(FusableExperts):
                                                               intermediate_size + part.stop)])
             shard_param(self, "down_proj", 2, [part])
 
-    def __getitem__(self, e: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    def __getitem__(self, e: int) -> StackedExpert:
         i = e - self.held.start  # (its place in this rank's tensors)
-        return lambda x: F.linear(gated(self.act, F.linear(x, self.gate_up_proj[i])), self.down_proj[i])
+        return StackedExpert(self.gate_up_proj[i], self.down_proj[i], self.act)
 
     def stored_transposed(self, name: str, shape: Sequence[int], released: bool = False) -> bool:
         """Whether checkpoint tensor ``name`` of ``shape`` is a matrix (``gate_up_proj``, ``down_proj``) stored
