@@ -69,8 +69,8 @@ class MambaPool:
         debug: Optional[bool] = None,
         verify_shape: Optional[Tuple[int, int]] = None,
     ):
-        if size <= 0 or num_mamba_layers <= 0:
-            raise ValueError(f"MambaPool needs size > 0 and num_mamba_layers > 0, got {size=}, {num_mamba_layers=}")
+        if size <= 0 or num_mamba_layers < 0:  # (no layer: a pipeline stage of attention layers only)
+            raise ValueError(f"MambaPool needs size > 0 and num_mamba_layers >= 0, got {size=}, {num_mamba_layers=}")
         self.size = size
         self.num_mamba_layers = num_mamba_layers
         self.device = torch.device(device)

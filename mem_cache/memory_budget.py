@@ -32,6 +32,7 @@ import torch
 
 GiB = 1 << 30
 MAMBA_FULL_MEMORY_RATIO = 0.9  # SGLang's mamba_full_memory_ratio: Mamba state bytes per KV byte
+UNBOUNDED_TOKENS = 2**31 - 1  # the KV slots of a rank that holds no KV layer: any count fits, int32 slot ids
 
 
 def _check_positive_int(name: str, value: object) -> None:
@@ -48,7 +49,8 @@ class KVCacheShape:
     """
 
     num_attention_layers: int
-    """Layers that keep KV: every layer, or only the full-attention ones of a hybrid model."""
+    """Layers that keep KV: every layer, or only the full-attention ones of a hybrid model (none: a
+    pipeline stage of its Mamba layers only)."""
     num_kv_heads: Optional[int] = None
     """Total KV heads of the model (before TP sharding); required for MHA."""
     head_dim: Optional[int] = None
@@ -60,10 +62,13 @@ class KVCacheShape:
     qk_rope_head_dim: Optional[int] = None
     """MLA decoupled RoPE key size; required with ``kv_lora_rank``."""
     mamba_state_bytes_per_slot: Optional[int] = None
-    """Bytes of the conv + temporal state of ALL Mamba layers for one slot; makes the shape hybrid."""
+    """Bytes of the conv + temporal state of ALL Mamba layers for one slot; makes the shape hybrid (0: a
+    pipeline stage of its attention layers only)."""
 
     def __post_init__(self) -> None:
-        _check_positive_int("num_attention_layers", self.num_attention_layers)
+        # (a hybrid model's pipeline stage may hold its Mamba layers only, or its attention layers only)
+        if not (self.is_hybrid and self.num_attention_layers == 0):
+            _check_positive_int("num_attention_layers", self.num_attention_layers)
         if self.is_mla:
             _check_positive_int("kv_lora_rank", self.kv_lora_rank)
             _check_positive_int("qk_rope_head_dim", self.qk_rope_head_dim)
@@ -75,7 +80,7 @@ class KVCacheShape:
             if self.v_head_dim is None:
                 object.__setattr__(self, "v_head_dim", self.head_dim)
             _check_positive_int("v_head_dim", self.v_head_dim)
-        if self.mamba_state_bytes_per_slot is not None:
+        if self.is_hybrid and not (self.mamba_state_bytes_per_slot == 0 and self.num_attention_layers > 0):
             _check_positive_int("mamba_state_bytes_per_slot", self.mamba_state_bytes_per_slot)
 
     @property
@@ -262,7 +267,8 @@ def profile_max_num_tokens(
     mamba_bytes = (slots + mamba_verify_states) * (shape.mamba_state_bytes_per_slot or 0)
     draft_cell = 0 if draft_shape is None else cell_size_bytes(draft_shape, kv_dtype)
     cell = cell_size_bytes(shape, kv_dtype, tp_size) + draft_cell
-    tokens = (rest - mamba_bytes) // cell
+    # (no KV layer, a pipeline stage of Mamba layers only: its slots cost nothing, the other stages' pools bound them)
+    tokens = (rest - mamba_bytes) // cell if cell else (UNBOUNDED_TOKENS if rest > mamba_bytes else 0)
     if max_total_tokens is not None:
         tokens = min(tokens, max_total_tokens)
     tokens = tokens // page_size * page_size

@@ -173,10 +173,12 @@ def test_gemma3_without_the_prefix_cache(model_dir, verify_steps, page_size):
 
 
 def test_gemma3_memory_budget_is_spread_over_both_pools(model_dir, monkeypatch):
-    from actors.engine.model_runner import ModelRunner
+    from actors.engine import model_runner
 
-    monkeypatch.setattr(ModelRunner, "_profile_pools", lambda self: (1000, 256))  # as if every layer were full
-    engine = make_engine(model_dir, max_total_tokens=None, swa_full_tokens_ratio=0.5)
+    # 1,000 tokens of its 4 fp32 layers (1,024 B each), as if every layer were full
+    total = 8 * 2**30
+    monkeypatch.setattr(model_runner, "get_device_memory", lambda device: (total // 2 + 1000 * 1024, total))
+    engine = make_engine(model_dir, max_total_tokens=None, swa_full_tokens_ratio=0.5, mem_fraction_static=0.5)
     alloc = engine.runner.allocator
     assert (alloc.size, alloc.size_swa) == (1600, 800)  # 1 full + 3 SWA layers: 1600 + 3 × 800 = 4 × 1000
     engine.shutdown()

@@ -15,6 +15,7 @@ from actors.engine.config import EngineConfig
 from actors.engine.pipeline import PPMissingLayer, stage_layers
 from actors.engine.tiny import build_tiny_checkpoint
 from actors.engine.tp_worker import TPGroupBrokenError
+from mem_cache.memory_budget import GiB
 from tests.parity import assert_greedy_parity, assert_input_logprobs_close, hf_model
 from tests.test_engine_tp import prompts  # (a shared system prompt, then a prefix hit)
 from tests.tp_helpers import thread_ranks
@@ -169,11 +170,75 @@ def test_a_follower_stage_failing_ends_the_requests_and_breaks_the_group(llama, 
         engine.shutdown()
 
 
-@pytest.mark.parametrize("family, kind", [("gemma3", "swa"), ("qwen3_next", "hybrid_mamba")])
-def test_caches_not_split_into_stages_are_refused_by_name(tmp_path, family, kind):
+def pool_layers(runner):
+    """The global layer ids a runner's pools hold: (full-attention, sliding-window, Mamba)."""
+    pool, rows = runner.token_to_kv_pool, runner.req_to_token_pool
+    if hasattr(pool, "layers_mapping"):  # SWAKVPool
+        return ([i for i, (_, swa) in pool.layers_mapping.items() if not swa],
+                [i for i, (_, swa) in pool.layers_mapping.items() if swa], [])
+    return list(pool.full_attention_layer_id_mapping), [], list(rows.mamba_map)
+
+
+@pytest.mark.parametrize("family, layers", [
+    ("gemma3", [([], [0, 1], []), ([3], [2], [])]),  # (stage 0 has no full-attention layer: an empty full pool)
+    ("qwen3_next", [([], [], [0, 1]), ([3], [], [2])]),  # (... nor a KV layer at all)
+])
+def test_sliding_window_and_mamba_caches_split_into_stages(monkeypatch, tmp_path, family, layers):
+    """Each stage's pools hold its layers only (the full-attention, sliding-window and Mamba layer id lists cut
+    to the stage); rank 0's radix cache (SWA tombstones, Mamba checkpoints) decides for both stages over the
+    same slots: the tokens through chunked prefill and a prefix hit are PP1's and HF's, every rank checks out."""
     path = str(build_tiny_checkpoint(family, tmp_path / family, seed=0))
-    with pytest.raises(ValueError, match=f"pp_size=2: .*KV cache kind '{kind}' is not served with pipeline"):
-        Engine(model_path=path, skip_tokenizer_init=True, max_total_tokens=256, pp_size=2)
+    ref_outputs, _, _ = run(path)
+    thread_ranks(monkeypatch)
+    seen = {}
+
+    def check(engine):
+        specs, runners = stage_checks(engine)
+        seen["specs"] = [(s.full_attention_layer_ids, s.swa_attention_layer_ids, s.mamba_layer_ids) for s in specs]
+        seen["pools"] = [pool_layers(r) for r in runners]
+        for runner in runners:
+            if hasattr(runner, "mamba_pool"):
+                runner.mamba_pool.check_integrity()
+
+    outputs, _, eos = run(path, pp_size=2, check=check)
+    assert outputs == ref_outputs
+    assert seen["specs"] == seen["pools"] == layers
+    batch, follow = prompts()
+    assert_greedy_parity(path, batch + follow, outputs, GREEDY["max_new_tokens"], eos)
+
+
+@pytest.mark.parametrize("family, partition", [("gemma3", None), ("qwen3_next", [3, 1])])
+def test_stages_sized_from_device_memory_share_their_slot_counts(monkeypatch, tmp_path, family, partition):
+    """Pools sized from 1 MiB of device memory: Gemma 3's stages spread their budgets (2,048 tokens of two
+    fp32 layers' 512 B) over full and SWA pools by their own layers, stage 0's two SWA layers to 2,560 full
+    slots, stage 1's SWA and full one to 2,275 (2,048 x 2 / (1 + 0.8)); Qwen3-Next's first stage holds its
+    three Mamba layers and no KV layer (no bound of its own), its second one the full-attention layer alone
+    (256 B a token) and no Mamba state: every rank ends with the ranks' least full and SWA slot counts."""
+    from actors.engine import model_runner
+
+    total = 8 * GiB
+    monkeypatch.setattr(model_runner, "get_device_memory", lambda device: (total // 2 + 2**20, total))
+    path = str(build_tiny_checkpoint(family, tmp_path / family, seed=0))
+    thread_ranks(monkeypatch)
+    engine = Engine(model_path=path, skip_tokenizer_init=True, pp_size=2, pp_layer_partition=partition,
+                    mem_fraction_static=0.5, max_running_requests=4)
+    try:
+        outputs = engine.generate(input_ids=prompts()[0], sampling_params=GREEDY)
+        engine.check_integrity()
+        _, runners = stage_checks(engine)
+        if partition:
+            assert [r.mamba_pool.num_mamba_layers for r in runners] == [3, 0]
+        counts = {(r.max_total_num_tokens, getattr(r, "swa_max_total_num_tokens", None)) for r in runners}
+    finally:
+        engine.shutdown()
+    assert len(counts) == 1
+    tokens, swa_tokens = counts.pop()
+    if family == "gemma3":
+        assert (tokens, swa_tokens) == (2275, 1820)
+    else:
+        assert 0 < tokens <= 2**20 // 256 and swa_tokens is None
+    assert_greedy_parity(path, prompts()[0], [o["output_ids"] for o in outputs], GREEDY["max_new_tokens"],
+                         engine.eos_token_ids)
 
 
 def test_pipeline_settings_are_checked_before_any_rank_starts(llama):

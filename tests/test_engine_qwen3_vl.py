@@ -1,16 +1,21 @@
 """Engine on the tiny Qwen3-VL: its DeepStack features (added after the first decoder layers at the image
 tokens), interleaved M-RoPE, Qwen3's q/k norms and 16-pixel patches give HF's
 ``Qwen3VLForConditionalGeneration`` tokens and logprobs through one and two images, chunked prefill cutting
-an image (its DeepStack rows cut with it), a prefix hit past an image, n-gram speculation and TP 2."""
+an image (its DeepStack rows cut with it), a prefix hit past an image, n-gram speculation, TP 2 and PP 2 (the
+features sent to the stage whose layers add them)."""
+
+from typing import List
 
 import pytest
 
 from actors.engine import Engine
 from actors.engine.models.qwen3_vl import VisionTransformer
+from actors.engine.pipeline import PPGroup
 from actors.engine.tiny import build_tiny_checkpoint
 from actors.engine.tokenizer import IMAGE_PAD_ID
 from tests.test_engine_vl import engine  # noqa: F401 (a fixture)
 from tests.test_engine_vl import check_one_image, chat, generate, image, tp2_two_images
+from tests.tp_helpers import thread_ranks
 
 
 @pytest.fixture(scope="module")
@@ -58,6 +63,29 @@ def test_tp2_equals_hf_each_rank_encoding_an_image_once(model_dir, monkeypatch):
     engine.shutdown()
 
 
-def test_pipeline_parallelism_is_refused(model_dir):
-    with pytest.raises(ValueError, match="pp_size"):
-        Engine(model_dir, max_total_tokens=2048, pp_size=2)
+def test_pp2_sends_the_deepstack_features_to_the_stage_that_adds_them(model_dir, monkeypatch):
+    """Layer 1 (stage 1) adds the image tokens' second DeepStack features, which stage 0's vision tower computed:
+    they cross with the hidden states (chunks of 8 cutting the image: each chunk its rows), and a batch without
+    image tokens sends none; HF's tokens and logprobs."""
+    received = deepstack_received(monkeypatch)
+    thread_ranks(monkeypatch)
+    engine = Engine(model_dir, max_total_tokens=2048, pp_size=2, chunked_prefill_size=8)
+    try:
+        generate(engine, [chat(engine.tokenizer, "pp"), chat(engine.tokenizer, "text")], [[image(100, 150, 7)], None])
+        engine.check_integrity()
+    finally:
+        engine.shutdown()
+    assert sum(received) == 15 and 0 in received  # (the image's 15 tokens over its chunks; decode batches none)
+
+
+def deepstack_received(monkeypatch) -> List[int]:
+    """The image rows each :meth:`PPGroup.recv_deepstack` of the test received (0: none)."""
+    received, recv = [], PPGroup.recv_deepstack
+
+    def recording(self, *args):
+        deepstack = recv(self, *args)
+        received.append(0 if deepstack is None else deepstack[0].numel())
+        return deepstack
+
+    monkeypatch.setattr(PPGroup, "recv_deepstack", recording)
+    return received

@@ -2,10 +2,11 @@
 block with its experts in 3-D tensors): greedy tokens and logprobs of an image and a text request equal HF's
 ``Qwen3VLMoeForConditionalGeneration`` from the checkpoint transformers 5 saves ([experts, out, in]), and from
 one in the released layout ([experts, in, out], read transposed) at TP 2 on the fused MoE backend and at EP 2
-on the eager one; a weight update takes the experts in either layout, a square matrix by who saved the
-checkpoint. LoRA adapters over the stacked experts (PEFT's target_parameters wrappers, both layouts, and
-per-expert names) serve an image request beside the base model's, each HF's on its merged checkpoint: eager and
-fused, at TP 2 and EP 2. A quantized checkpoint (FP8, GPTQ) or quantization='fp8' is refused, naming the format."""
+on the eager one, and at PP 2 (a DeepStack layer on the second stage); a weight update takes the experts in
+either layout, a square matrix by who saved the checkpoint. LoRA adapters over the stacked experts (PEFT's
+target_parameters wrappers, both layouts, and per-expert names) serve an image request beside the base model's,
+each HF's on its merged checkpoint: eager and fused, at TP 2 and EP 2. A quantized checkpoint (FP8, GPTQ) or
+quantization='fp8' is refused, naming the format."""
 
 import json
 import re
@@ -20,6 +21,7 @@ from actors.engine.model_loader import build_served_model, load_config
 from actors.engine.tiny import build_tiny_checkpoint, make_adapter
 from tests.lora_helpers import fused_expert_adapter, merged_checkpoint
 from tests.parity import assert_greedy_parity
+from tests.test_engine_qwen3_vl import deepstack_received
 from tests.test_engine_vl import MAX_NEW, chat, generate, image
 from tests.tp_helpers import thread_ranks
 
@@ -67,6 +69,15 @@ def test_a_released_checkpoint_at_tp2_fused_and_ep2_equals_hf(released_dir, monk
     experts), or its experts whole (EP, the eager ones)."""
     thread_ranks(monkeypatch)
     image_and_text(Engine(released_dir, max_total_tokens=2048, chunked_prefill_size=8, tp_size=2, **args))
+
+
+def test_pp2_with_a_deepstack_layer_on_the_second_stage_equals_hf(model_dir, monkeypatch):
+    """Layers 1 and 2 (the sparse ones) on stage 1: layer 1's DeepStack features cross from stage 0."""
+    received = deepstack_received(monkeypatch)
+    thread_ranks(monkeypatch)
+    image_and_text(Engine(model_dir, max_total_tokens=2048, chunked_prefill_size=8, pp_size=2,
+                          pp_layer_partition=[1, 2]))
+    assert sum(received) == 15  # (the image's tokens, over its chunks)
 
 
 def test_a_weight_update_takes_the_experts_in_either_layout(model_dir, released_dir):

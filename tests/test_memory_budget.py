@@ -234,7 +234,11 @@ def test_rest_not_positive_names_mem_fraction_static():
         (dict(num_attention_layers=61, kv_lora_rank=0, qk_rope_head_dim=64), "kv_lora_rank"),
         (dict(num_attention_layers=4, num_kv_heads=1, head_dim=8, qk_rope_head_dim=64), "qk_rope_head_dim"),
         (
-            dict(num_attention_layers=4, num_kv_heads=1, head_dim=8, mamba_state_bytes_per_slot=0),
+            dict(num_attention_layers=4, num_kv_heads=1, head_dim=8, mamba_state_bytes_per_slot=-1),
+            "mamba_state_bytes_per_slot",
+        ),
+        (  # (a hybrid stage of no layer at all)
+            dict(num_attention_layers=0, num_kv_heads=1, head_dim=8, mamba_state_bytes_per_slot=0),
             "mamba_state_bytes_per_slot",
         ),
         (dict(num_attention_layers=2.5, num_kv_heads=1, head_dim=8), "num_attention_layers"),

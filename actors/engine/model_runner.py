@@ -206,7 +206,8 @@ class ModelRunner:
 
     # ---- memory ---------------------------------------------------------------
     @staticmethod
-    def _kv_shape(spec) -> KVCacheShape:
+    def _kv_shape(spec, mamba_state_bytes_per_slot: Optional[int] = None) -> KVCacheShape:
+        """``spec``'s per-token KV (a hybrid model's: its full-attention layers') and Mamba slot bytes."""
         if spec.kind == "mla":
             return KVCacheShape(
                 num_attention_layers=spec.num_layers,
@@ -218,6 +219,7 @@ class ModelRunner:
             num_kv_heads=spec.num_kv_heads,
             head_dim=spec.head_dim,
             v_head_dim=spec.v_head_dim,
+            mamba_state_bytes_per_slot=mamba_state_bytes_per_slot,
         )
 
     def _profile_pools(self) -> Tuple[int, int]:
@@ -228,10 +230,10 @@ class ModelRunner:
             return max(ps, self.config.max_total_tokens // ps * ps), MAX_RUNNING_DEFAULT
         available, total = get_device_memory(self.device)
         fraction = self.mem_fraction_static
-        shape, rows, mamba_slots, verify_states = self._kv_shape(self.spec), MAX_RUNNING_DEFAULT, None, 0
-        if self.spec.kind == "hybrid_mamba":  # KV for the full-attention layers only; the Mamba pool comes first
-            shape = dataclasses.replace(shape, num_attention_layers=len(self.spec.full_attention_layer_ids),
-                                        mamba_state_bytes_per_slot=self._mamba_slot_bytes())
+        hybrid = self.spec.kind == "hybrid_mamba"  # KV for the full-attention layers only; the Mamba pool comes first
+        shape = self._kv_shape(self.spec, self._mamba_slot_bytes() if hybrid else None)
+        rows, mamba_slots, verify_states = MAX_RUNNING_DEFAULT, None, 0
+        if hybrid:
             fit = max_mamba_rows(shape, static_budget_bytes(available, total, fraction),
                                  lambda n: self._num_mamba_slots(n) + self._num_verify_states(n), MAX_RUNNING_DEFAULT)
             rows = self.config.max_running_requests or self._default_mamba_rows(fit)
@@ -246,7 +248,19 @@ class ModelRunner:
             raise ValueError(f"{error}. max_running_requests={rows} asks {mamba_slots} Mamba slots and {verify_states} "
                              f"states of the verify scratch; at most {fit} fit the budget's Mamba share") from None
         logger.info("memory budget: %s", budget.describe())
-        return budget.max_total_num_tokens, rows
+        tokens = budget.max_total_num_tokens
+        return (self._swa_full_tokens(tokens) if self.spec.kind == "swa" else tokens), rows
+
+    def _swa_full_tokens(self, tokens: int) -> int:
+        """A sliding-window model's full-pool slots of a budget of ``tokens`` sized as if every layer were
+        full: spread over both pools (the SWA one ``swa_full_tokens_ratio`` as large, SGLang's split) and a
+        draft model's, which has a slot per full-pool slot (its bytes counted in target layers). Before the
+        ranks' minimum: a pipeline stage's own full and SWA layers set its share."""
+        spec, ratio = self.spec, self.config.swa_full_tokens_ratio
+        num_full, num_swa = len(spec.full_attention_layer_ids), len(spec.swa_attention_layer_ids)
+        draft = 0.0 if self.draft is None else (cell_size_bytes(self._kv_shape(self.draft.spec), self.kv_dtype)
+                                                / cell_size_bytes(self._kv_shape(spec), self.kv_dtype) * spec.num_layers)
+        return int(tokens * (num_full + num_swa + draft) / (num_full + ratio * num_swa + draft))
 
     def _default_mamba_rows(self, fit: int) -> int:
         """A hybrid model's request rows when max_running_requests is not set: the most whose Mamba
@@ -306,18 +320,10 @@ class ModelRunner:
         )
 
     def _init_swa_pools(self) -> None:
-        """Sliding-window models: the full layers' KV in ``max_total_num_tokens`` slots, the
-        SWA layers' in ``swa_full_tokens_ratio`` as many (SGLang's split). A budget from
-        device memory was sized as if every layer were full; it is spread over both pools, and
-        a draft model's, which has a slot per full-pool slot (its bytes counted in target layers)."""
+        """Sliding-window models: the full layers' KV in ``max_total_num_tokens`` slots
+        (:meth:`_swa_full_tokens` of a budget from device memory), the SWA layers' in
+        ``swa_full_tokens_ratio`` as many (SGLang's split)."""
         cfg, spec = self.config, self.spec
-        num_full, num_swa = len(spec.full_attention_layer_ids), len(spec.swa_attention_layer_ids)
-        if cfg.max_total_tokens is None:
-            draft = 0.0 if self.draft is None else (cell_size_bytes(self._kv_shape(self.draft.spec), self.kv_dtype)
-                                                    / cell_size_bytes(self._kv_shape(spec), self.kv_dtype)
-                                                    * spec.num_layers)
-            layer_tokens = self.max_total_num_tokens * (num_full + num_swa + draft)
-            self.max_total_num_tokens = int(layer_tokens / (num_full + cfg.swa_full_tokens_ratio * num_swa + draft))
         ps = cfg.page_size  # both pools in whole pages: a paged allocator hands out no partial one
         self.max_total_num_tokens = max(ps, self.max_total_num_tokens // ps * ps)
         self.swa_max_total_num_tokens = max(ps, int(self.max_total_num_tokens * cfg.swa_full_tokens_ratio) // ps * ps)

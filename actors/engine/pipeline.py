@@ -8,7 +8,11 @@ holds the final norm and ``lm_head``; ``pp_layer_partition`` as ``VLLM_PP_LAYER_
 0 the embedding (and the last stage too when the embeddings are tied: its ``lm_head`` is that
 weight). A module another stage holds is a :class:`PPMissingLayer` (vLLM's name): no parameters,
 so the rank neither reads those checkpoint tensors nor sizes its memory for them, and the layers
-keep their HF names and ``layer_id``.
+keep their HF names and ``layer_id``. A stage's KV and Mamba pools hold its layers only: an MHA or MLA
+pool the contiguous range from ``start_layer``, the sliding-window and hybrid pools the full-attention,
+sliding-window and Mamba layer id lists cut to the stage (:meth:`~actors.engine.models.base.CausalLM.make_spec`),
+a kind the stage has none of an empty sub-pool. Their slots are the same on every rank, so the radix caches
+(SWA tombstones, Mamba checkpoints) stay on rank 0 and decide for every stage, as under TP.
 
 One batch is in flight (no micro-batches: memory scale-out, not throughput). Global rank 0 (stage
 0, TP rank 0) schedules and broadcasts every batch to every rank, as under TP alone; stage s runs
@@ -16,7 +20,9 @@ its layers on the hidden states stage s-1's rank of the same TP rank sends it (e
 them whole), and sends its own on; the last stage's TP rank 0 sends the forward's
 :class:`~actors.engine.models.base.LogitsOutput` back to rank 0, which samples as before (every
 sampling feature unchanged). The decoder layers return the whole hidden state (each adds its own
-residual), so nothing else crosses a stage boundary.
+residual), so nothing else crosses a stage boundary but Qwen3-VL's DeepStack features: the first stage
+computes them with the image embeddings, and each stage sends them on after the hidden states while a
+later stage holds one of the first layers that add them (:meth:`PPGroup.send_deepstack`).
 """
 
 from __future__ import annotations
@@ -53,18 +59,6 @@ def stage_layers(num_layers: int, stage: int, pp_size: int, partition: Optional[
             counts[-2 - i] += 1
     start = sum(counts[:stage])
     return range(start, start + counts[stage])
-
-
-STAGED_KV_KINDS = ("mha", "mla")  # the KV caches split into stages: a pool of contiguous layers each
-
-
-def stage_cache_error(kind: str, architecture: str, pp_size: int) -> Optional[str]:
-    """Why a model of KV cache ``kind`` cannot be split into ``pp_size`` stages, or None: SWA and
-    Mamba pools name their layers by id lists that are not cut into stages yet."""
-    if pp_size == 1 or kind in STAGED_KV_KINDS:
-        return None
-    return (f"pp_size={pp_size}: {architecture}'s KV cache kind {kind!r} is not served with pipeline parallelism "
-            f"yet (only {' and '.join(STAGED_KV_KINDS)} caches)")
 
 
 def to_device(output, device: torch.device):
@@ -123,6 +117,27 @@ class PPGroup:
         hidden = torch.empty(shape, dtype=dtype, device=device)
         torch.distributed.recv(hidden, self._peer(self.rank - 1), group=self.ranks.group)
         return hidden
+
+    def send_deepstack(self, deepstack: Optional[Tuple[torch.Tensor, torch.Tensor]], dtype: torch.dtype,
+                       device: torch.device) -> None:
+        """To this TP rank of the next stage, after the hidden states: a batch's DeepStack features
+        (``ForwardBatch.deepstack_embeds``, its image tokens' flat indices and ``[n, layers, hidden]`` rows;
+        None: the batch computes no image token), their count first."""
+        index, rows = deepstack if deepstack is not None else (None, None)
+        n, layers = (0, 0) if rows is None else rows.shape[:2]
+        self.send_hidden(torch.tensor([n, layers], dtype=torch.int64, device=device))
+        if n:
+            self.send_hidden(index.to(torch.int64))
+            self.send_hidden(rows.to(dtype))
+
+    def recv_deepstack(self, hidden_size: int, dtype: torch.dtype,
+                       device: torch.device) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+        """From this TP rank of the previous stage: what its :meth:`send_deepstack` sent."""
+        n, layers = self.recv_hidden((2,), torch.int64, device).tolist()
+        if not n:
+            return None
+        index = self.recv_hidden((n,), torch.int64, device)
+        return index, self.recv_hidden((n, layers, hidden_size), dtype, device)
 
     def send_output(self, output) -> None:
         """The last stage's TP rank 0: the forward's output to rank 0 (pickled, on the CPU)."""

@@ -77,7 +77,7 @@ from actors.engine.model_runner import ModelRunner
 from actors.engine.models.spec import KVCacheSpec
 from actors.engine.multimodal import FollowerImages, ImageMirror
 from actors.engine.parallel import TPGroup, init_stage_group, init_tp_group
-from actors.engine.pipeline import stage_cache_error, stage_layers
+from actors.engine.pipeline import stage_layers
 from mem_cache.hicache_controller import HiCacheController
 from mem_cache.hicache_storage import HiCacheFile, rank_storage_dir
 from mem_cache.memory_pool_host import create_host_pool, host_pool_args
@@ -455,15 +455,11 @@ def check_tp_shardable(config: EngineConfig) -> None:
     """Fail before starting any rank when ``tp_size`` cannot shard the model
     (the error names the config field it must divide, or the quantized layer whose FP8 blocks, or GPTQ /
     AWQ / compressed-tensors int words or groups, it would cut), or ``pp_size`` cannot split its layers (naming pp_size or
-    pp_layer_partition, the KV cache kind not split into stages yet, or the model's ``pipeline_error``)."""
+    pp_layer_partition)."""
     model_config = load_config(config.model_path)
-    model = build_served_model(config.model_path, model_config, config.quantization,
-                               TPGroup(rank=0, size=config.tp_size, expert_parallel=config.enable_expert_parallel)).model
+    build_served_model(config.model_path, model_config, config.quantization,
+                       TPGroup(rank=0, size=config.tp_size, expert_parallel=config.enable_expert_parallel))
     if config.pp_size > 1:
-        error = (stage_cache_error(model.kv_cache_spec().kind, model_config.architectures[0], config.pp_size)
-                 or getattr(model, "pipeline_error", None))
-        if error:
-            raise ValueError(error)
         # (a vision-language config's decoder fields are its text config's)
         stage_layers(model_config.get_text_config().num_hidden_layers, 0, config.pp_size, config.pp_layer_partition)
 

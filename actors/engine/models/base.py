@@ -28,7 +28,7 @@ from torch import nn
 
 from actors.engine.models.spec import KVCacheSpec
 from actors.engine.parallel import SINGLE, ParallelLMHead, TPGroup, VocabParallelEmbedding
-from actors.engine.pipeline import PPMissingLayer, stage_cache_error
+from actors.engine.pipeline import PPMissingLayer
 
 
 # fp32 logits computed at once for input logprobs, at most (rows × vocab): a long prompt's are taken in
@@ -76,6 +76,9 @@ class DecoderModel(nn.Module):
         self.embed_scale = embed_scale
         self.hidden_size = config.hidden_size
         self.hidden_dtype = torch.get_default_dtype()  # the activations' (a later stage's input): the loader's dtype
+        # the first decoder layers that add features the first stage computes (Qwen3-VL's DeepStack,
+        # ``forward_batch.deepstack_embeds``): a later stage holding one takes them after the hidden states
+        self.deepstack_layers = 0
 
     def forward(self, forward_batch, input_embeds: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
         """The final-norm hidden states; None on a pipeline stage before the last (they went on).
@@ -91,11 +94,15 @@ class DecoderModel(nn.Module):
         else:
             ids = forward_batch.input_ids
             x = pp.recv_hidden((ids.shape[0], self.hidden_size), self.hidden_dtype, ids.device)
+            if self.stage_layers.start < self.deepstack_layers:
+                forward_batch.deepstack_embeds = pp.recv_deepstack(self.hidden_size, self.hidden_dtype, ids.device)
         positions = forward_batch.rope_positions()
         for i in self.stage_layers:
             x = self.layers[i](positions, x, forward_batch)
         if not pp.is_last:
             pp.send_hidden(x)
+            if self.stage_layers.stop < self.deepstack_layers:  # (the next stage starts at stop)
+                pp.send_deepstack(forward_batch.deepstack_embeds, self.hidden_dtype, x.device)
             return None
         return self.norm(x)
 
@@ -104,6 +111,10 @@ class DecoderModel(nn.Module):
 LORA_ATTENTION = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
 LORA_MLP = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 LORA_EXPERTS = ("mlp.experts.gate_proj", "mlp.experts.up_proj", "mlp.experts.down_proj")  # (every routed expert's)
+
+
+# the KVCacheSpec fields that list global layer ids (a pipeline stage's spec keeps its layers')
+LAYER_ID_FIELDS = ("full_attention_layer_ids", "swa_attention_layer_ids", "mamba_layer_ids")
 
 
 class CausalLM(nn.Module):
@@ -131,15 +142,15 @@ class CausalLM(nn.Module):
 
     def make_spec(self, **fields) -> KVCacheSpec:
         """This rank's :class:`KVCacheSpec` (its TP place filled in; under pipeline parallelism its
-        stage's layers only: ValueError for a cache whose layers are not split into stages yet)."""
+        stage's layers only: the full-attention, sliding-window and Mamba layer id lists cut to them,
+        ``num_layers`` the stage's KV layers)."""
         tp = self.model.tp
         if tp.pp.size > 1:
-            error = stage_cache_error(fields["kind"], (getattr(self.config, "architectures", None) or ["?"])[0],
-                                      tp.pp.size)
-            if error:
-                raise ValueError(error)
             layers = self.model.stage_layers
-            fields.update(num_layers=len(layers), start_layer=layers.start)
+            fields.update({key: [i for i in fields[key] if i in layers] for key in LAYER_ID_FIELDS if key in fields})
+            # (a hybrid model's KV layers are its full-attention ones; the others' layers all hold KV)
+            num_layers = len(fields["full_attention_layer_ids"]) if fields["kind"] == "hybrid_mamba" else len(layers)
+            fields.update(num_layers=num_layers, start_layer=layers.start)
         return KVCacheSpec(tp_rank=tp.rank, tp_size=tp.size, pp_rank=tp.pp.rank, pp_size=tp.pp.size, **fields)
 
     def input_embeds(self, forward_batch) -> Optional[torch.Tensor]:

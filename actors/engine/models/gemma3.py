@@ -99,6 +99,6 @@ class Gemma3ForCausalLM(CausalLM):
         super().__init__(config, model, final_logit_softcap=config.final_logit_softcapping)
 
     def kv_cache_spec(self) -> KVCacheSpec:
-        c, heads = self.config, self.model.layers[0].self_attn.heads
+        c, heads = self.config, self.model.layers[self.model.stage_layers.start].self_attn.heads
         return self.make_spec(kind="swa", num_layers=c.num_hidden_layers, **swa_layers(c), num_kv_heads=len(heads.kv),
                               head_dim=c.head_dim, kv_head_start=heads.kv.start, total_kv_heads=heads.total_kv)

@@ -140,7 +140,7 @@ class GptOssForCausalLM(CausalLM):
         super().__init__(config, DecoderModel(config, GptOssDecoderLayer, norm, tp=tp))
 
     def kv_cache_spec(self) -> KVCacheSpec:
-        attn = self.model.layers[0].self_attn
+        attn = self.model.layers[self.model.stage_layers.start].self_attn  # (this pipeline stage's first)
         return self.make_spec(kind="swa", num_layers=self.config.num_hidden_layers, **swa_layers(self.config),
                               num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
                               kv_head_start=attn.heads.kv.start, total_kv_heads=attn.heads.total_kv)

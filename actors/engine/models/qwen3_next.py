@@ -70,6 +70,14 @@ class GatedRMSNorm(nn.Module):
         return (self.weight * x32.to(dtype) * F.silu(gate.float())).to(dtype)
 
 
+def delta_heads(config, tp: TPGroup):
+    """This rank's linear-attention key heads, its count of value heads and its conv channels (q, k and v)."""
+    k_heads = tp.split(config.linear_num_key_heads, "linear_num_key_heads")
+    num_v_heads = len(k_heads) * (config.linear_num_value_heads // config.linear_num_key_heads)
+    conv_dim = 2 * config.linear_key_head_dim * len(k_heads) + config.linear_value_head_dim * num_v_heads
+    return k_heads, num_v_heads, conv_dim
+
+
 class GatedDeltaNet(nn.Module):
     """Under TP each rank holds a share of the key heads (and their value heads):
     its rows of the per-key-head ``in_proj_qkvz`` / ``in_proj_ba`` blocks, its
@@ -78,14 +86,13 @@ class GatedDeltaNet(nn.Module):
     def __init__(self, config, layer_id: int, tp: TPGroup = SINGLE):
         super().__init__()
         self.layer_id = layer_id
-        self.k_heads = tp.split(config.linear_num_key_heads, "linear_num_key_heads")
+        self.k_heads, self.num_v_heads, self.conv_dim = delta_heads(config, tp)  # this rank's
         ratio = config.linear_num_value_heads // config.linear_num_key_heads
         v_heads = range(self.k_heads.start * ratio, self.k_heads.stop * ratio)
-        self.num_v_heads, self.num_k_heads = len(v_heads), len(self.k_heads)  # this rank's
+        self.num_k_heads = len(self.k_heads)
         self.k_dim, self.v_dim = config.linear_key_head_dim, config.linear_value_head_dim
         self.key_size, self.value_size = self.k_dim * self.num_k_heads, self.v_dim * self.num_v_heads
         self.kernel = config.linear_conv_kernel_dim
-        self.conv_dim = 2 * self.key_size + self.value_size
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.kernel, groups=self.conv_dim, bias=False,
                                 padding=self.kernel - 1)
         total_key, total_value = self.k_dim * config.linear_num_key_heads, self.v_dim * config.linear_num_value_heads
@@ -224,18 +231,18 @@ class Qwen3NextForCausalLM(CausalLM):
         return name.startswith("mtp.")
 
     def kv_cache_spec(self) -> KVCacheSpec:
-        """This rank's share: its KV heads, its linear-attention heads' conv and temporal state."""
-        c = self.config
+        """This rank's share: its KV heads, its linear-attention heads' conv and temporal state (from the
+        config: a pipeline stage may hold no layer of either kind)."""
+        c, tp = self.config, self.model.tp
         types = c.layer_types
-        layers = self.model.layers
-        attn = next(layer.self_attn for layer in layers if not layer.is_linear)
-        delta = next(layer.linear_attn for layer in layers if layer.is_linear)
+        heads = attention_heads(tp, c.num_attention_heads, c.num_key_value_heads)
+        k_heads, num_v_heads, conv_dim = delta_heads(c, tp)
         return self.make_spec(
-            kind="hybrid_mamba", num_layers=types.count("full_attention"), num_kv_heads=attn.num_kv_heads,
-            head_dim=c.head_dim, kv_head_start=attn.heads.kv.start, total_kv_heads=attn.heads.total_kv,
+            kind="hybrid_mamba", num_layers=types.count("full_attention"), num_kv_heads=len(heads.kv),
+            head_dim=c.head_dim, kv_head_start=heads.kv.start, total_kv_heads=heads.total_kv,
             full_attention_layer_ids=[i for i, t in enumerate(types) if t == "full_attention"],
             mamba_layer_ids=[i for i, t in enumerate(types) if t == "linear_attention"],
-            conv_state_shapes=[(delta.conv_dim, c.linear_conv_kernel_dim - 1)],
-            temporal_state_shape=(delta.num_v_heads, c.linear_key_head_dim, c.linear_value_head_dim),
-            mamba_head_start=delta.k_heads.start, total_mamba_heads=c.linear_num_key_heads,
+            conv_state_shapes=[(conv_dim, c.linear_conv_kernel_dim - 1)],
+            temporal_state_shape=(num_v_heads, c.linear_key_head_dim, c.linear_value_head_dim),
+            mamba_head_start=k_heads.start, total_mamba_heads=c.linear_num_key_heads,
         )

@@ -141,8 +141,11 @@ class Qwen3VLForConditionalGeneration(Qwen2_5_VLForConditionalGeneration):
 
     layer_cls = Qwen3VLDecoderLayer
     vision_cls = VisionTransformer
-    # (tp_worker.check_tp_shardable: the features are on the first stage, the layers they go to may not be)
-    pipeline_error = "Qwen3-VL is not served with pp_size > 1 (its DeepStack features would have to reach later stages)"
+
+    def __init__(self, config, tp: TPGroup = SINGLE):
+        super().__init__(config, tp)
+        # (the features come from the first stage's vision tower; a later stage's layers may add them)
+        self.model.deepstack_layers = len(config.vision_config.deepstack_visual_indexes)
 
     def place_images(self, x: torch.Tensor, index: torch.Tensor, rows: torch.Tensor, forward_batch) -> None:
         """Qwen2.5-VL's with the rows' first ``hidden`` features; the rest, [rows, deepstack, hidden], go to the
