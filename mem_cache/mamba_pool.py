@@ -68,11 +68,16 @@ class MambaPool:
         buffer_allocator: Optional[BufferAllocator] = None,
         debug: Optional[bool] = None,
         verify_shape: Optional[Tuple[int, int]] = None,
+        layer_ids: Optional[Sequence[int]] = None,
     ):
         if size <= 0 or num_mamba_layers < 0:  # (no layer: a pipeline stage of attention layers only)
             raise ValueError(f"MambaPool needs size > 0 and num_mamba_layers >= 0, got {size=}, {num_mamba_layers=}")
         self.size = size
         self.num_mamba_layers = num_mamba_layers
+        # the global model layer of each (a pipeline stage's: what a KV transfer names its states by)
+        self.layer_ids = list(range(num_mamba_layers) if layer_ids is None else layer_ids)
+        if len(self.layer_ids) != num_mamba_layers:
+            raise ValueError(f"{len(self.layer_ids)} layer ids for {num_mamba_layers} Mamba layers")
         self.device = torch.device(device)
         self.buffer_allocator = buffer_allocator or LocalBufferAllocator(self.device)
         lead = (num_mamba_layers, size + 1)

@@ -30,11 +30,12 @@ def deepseek_v3(tmp_path_factory):
     return str(build_tiny_checkpoint("deepseek_v3", tmp_path_factory.mktemp("pd-pp") / "deepseek_v3", seed=0))
 
 
-def start(cls, path, pp_size=1, tp_size=1):
-    """A worker of ``pp_size × tp_size`` ranks (followers on threads) and its followers."""
+def start(cls, path, pp_size=1, tp_size=1, **args):
+    """A worker of ``pp_size × tp_size`` ranks (followers on threads) and its followers; ``args``: engine
+    arguments over BASE."""
     if pp_size * tp_size == 1:
-        return cls(path, dict(BASE), backend="shm"), []
-    return pd_worker_ranks(cls, path, dict(BASE, pp_size=pp_size, tp_size=tp_size))
+        return cls(path, dict(BASE, **args), backend="shm"), []
+    return pd_worker_ranks(cls, path, dict(BASE, pp_size=pp_size, tp_size=tp_size, **args))
 
 
 def shutdown_followers(*followers):
@@ -69,6 +70,30 @@ def test_tokens_of_different_pp_layouts_equal_the_single_engines(request, monkey
         close_workers(prefill, decode)  # (every follower's index tables too)
     finally:
         shutdown_followers(*prefill_followers, *decode_followers)
+
+
+@pytest.mark.parametrize("family, page_size", [("gemma3", 4), ("qwen3_next", 1)])
+def test_sliding_window_and_mamba_models_from_prefill_pp2_to_decode_pp1(tmp_path, monkeypatch, family, page_size):
+    """The layouts name the sliding-window KV and the Mamba states by global layer, as the full-attention KV
+    (hand-off version 6): prefill stage 0 pushes layers 0 and 1 (Gemma 3's SWA layers, Qwen3-Next's Mamba
+    states), stage 1 layers 2 and 3 (one of each kind), onto the decode rank's pools of all four; prompts of
+    several chunks, then prefix hits on both sides: HF's tokens, every rank's pools checked."""
+    path = str(build_tiny_checkpoint(family, tmp_path / family, seed=0))
+    thread_ranks(monkeypatch)
+    prefill, followers = start(PrefillWorker, path, 2, page_size=page_size)
+    decode, _ = start(DecodeWorker, path, page_size=page_size)
+    try:
+        shared = prompts(1, 20, 20, seed=5)[0]
+        first, second = prompts(2, 5, 30, seed=6, shared=shared), prompts(2, 5, 30, seed=7, shared=shared)
+        outs = run_batch(prefill, decode, first, GREEDY) + run_batch(prefill, decode, second, GREEDY)
+        assert max(notice["cached_tokens"] for _, notice, _ in outs[2:]) >= 16
+        assert_greedy_parity(path, first + second, [final["output_ids"] for final, _, _ in outs],
+                             GREEDY["max_new_tokens"])
+        for follower in followers:
+            follower.host.runner.token_to_kv_pool.check_integrity()
+        close_workers(prefill, decode)
+    finally:
+        shutdown_followers(*followers)
 
 
 def test_a_stage_that_pushes_nothing_fails_the_request(llama, monkeypatch):

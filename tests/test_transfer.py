@@ -127,22 +127,26 @@ def test_handoff_version_mismatch_and_malformed_bytes_are_rejected():
 def test_hand_offs_from_before_layer_ids_swa_slots_and_chunked_pushes_are_rejected():
     """Version 2 had no ``dst_swa_slots`` (a sliding-window model's window would silently
     not move); a version 3 peer expects one message per hand-off (it would reject chunks);
-    a version 4 peer names no global layers (its rank would pair with every pipeline stage)."""
+    a version 4 peer names no global layers (its rank would pair with every pipeline stage); a version 5
+    peer names sliding-window and hybrid buffers by position (another stage's layers under the same names)."""
     import msgpack
 
-    assert HANDOFF_VERSION == 5
+    assert HANDOFF_VERSION == 6
     raw = msgpack.unpackb(_handoff().to_bytes())
+    raw["version"] = 5
+    with pytest.raises(TransferError, match="hand-off version 5, this build speaks 6"):
+        KVHandoff.from_bytes(msgpack.packb(raw))
     raw["version"] = 4
     del raw["num_layers"]
     raw["buffers"] = [b[:7] for b in raw["buffers"]]
-    with pytest.raises(TransferError, match="hand-off version 4, this build speaks 5"):
+    with pytest.raises(TransferError, match="hand-off version 4, this build speaks 6"):
         KVHandoff.from_bytes(msgpack.packb(raw))
     raw["version"] = 3
-    with pytest.raises(TransferError, match="hand-off version 3, this build speaks 5"):
+    with pytest.raises(TransferError, match="hand-off version 3, this build speaks 6"):
         KVHandoff.from_bytes(msgpack.packb(raw))
     del raw["dst_swa_slots"]
     raw["version"] = 2
-    with pytest.raises(TransferError, match="hand-off version 2, this build speaks 5"):
+    with pytest.raises(TransferError, match="hand-off version 2, this build speaks 6"):
         KVHandoff.from_bytes(msgpack.packb(raw))
 
 
@@ -203,13 +207,14 @@ def test_layout_mismatch_is_rejected_with_a_clear_message(other, message):
 def test_swa_pool_layout_names_its_sliding_window_layers_apart():
     pool, layout, tensors, _ = build_pool(RankSpec("swa", tp_rank=1, tp_size=2))
     by_name = layout.by_name()
-    assert sorted(by_name) == ["k.0", "swa_k.0", "swa_k.1", "swa_v.0", "swa_v.1", "v.0"]
-    assert {by_name[n].index for n in ("k.0", "v.0")} == {"token"}
-    for name in ("swa_k.0", "swa_v.1"):
+    assert sorted(by_name) == ["k.1", "swa_k.0", "swa_k.2", "swa_v.0", "swa_v.2", "v.1"]  # (by global layer)
+    assert {by_name[n].index for n in ("k.1", "v.1")} == {"token"}
+    assert [by_name[n].layer for n in ("swa_k.0", "k.1", "swa_v.2")] == [0, 1, 2]
+    for name in ("swa_k.0", "swa_v.2"):
         b = by_name[name]
         assert (b.index, b.head_axis, b.head_start, b.num_heads, b.total_heads) == ("swa", 0, 2, 2, 4)
         assert tensors[name].shape[0] == SWA_SIZE + 1  # rows are SWA slots
-    assert tensors["swa_k.1"] is pool.swa_kv_pool.k_buffer[1] and tensors["k.0"] is pool.full_kv_pool.k_buffer[0]
+    assert tensors["swa_k.2"] is pool.swa_kv_pool.k_buffer[1] and tensors["k.1"] is pool.full_kv_pool.k_buffer[0]
 
 
 def test_swa_layout_mismatch_is_rejected():

@@ -10,8 +10,10 @@ import torch
 
 from actors.engine.pipeline import stage_layers
 from actors.kv_push import serves
+from mem_cache.mamba_pool import HybridLinearKVPool, MambaPool
 from mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
-from tests.transfer_helpers import HEAD_DIM, HEADS, SIZE, request
+from mem_cache.swa_memory_pool import SWAKVPool
+from tests.transfer_helpers import HEAD_DIM, HEADS, SIZE, STATE_SLOTS, SWA_SIZE, request
 from transfer import KVHandoff, LayoutMismatchError, check_compatible, create_agent, pool_layout
 from transfer.backends.landing import Landing, pack_rows
 from transfer.plan import copied_heads, plan_copies, unwritten
@@ -19,13 +21,29 @@ from transfer.plan import copied_heads, plan_copies, unwritten
 NUM_LAYERS = 4
 
 
+SWA_LAYERS = (0, 2)  # ("swa": the others full-attention)
+MAMBA_LAYERS = (0, 1, 2)  # ("hybrid", Qwen3-Next's pattern: layer 3 full-attention)
+
+
 def stage_rank(pp_rank, pp_size, tp_rank=0, tp_size=1, kind="mha", num_layers=NUM_LAYERS, seed=0):
     """``(agent, tensors)`` of TP rank ``tp_rank`` of stage ``pp_rank``: a pool of that
-    stage's layers (``stage_layers``' split) and its heads, every byte seeded-random."""
+    stage's layers (``stage_layers``' split; "swa" and "hybrid": its cut of the layer-id lists)
+    and its heads, every byte seeded-random."""
     layers = stage_layers(num_layers, pp_rank, pp_size)
+    heads = HEADS // tp_size
     if kind == "mha":
-        heads = HEADS // tp_size
         pool = MHATokenToKVPool(SIZE, 1, torch.float16, heads, HEAD_DIM, len(layers), start_layer=layers.start)
+        layout, tensors = pool_layout(pool, tp_rank * heads, HEADS, num_layers)
+    elif kind == "swa":
+        swa = [i for i in layers if i in SWA_LAYERS]
+        pool = SWAKVPool(SIZE, SWA_SIZE, 1, torch.float16, heads, HEAD_DIM, swa, [i for i in layers if i not in swa])
+        layout, tensors = pool_layout(pool, tp_rank * heads, HEADS, num_layers)
+    elif kind == "hybrid":
+        mamba = [i for i in layers if i in MAMBA_LAYERS]
+        states = MambaPool(STATE_SLOTS, [(3, 4)], (2, 3, 4), len(mamba), torch.float16, torch.float32,
+                           layer_ids=mamba)
+        pool = HybridLinearKVPool(SIZE, 1, torch.float16, heads, HEAD_DIM, [i for i in layers if i not in mamba],
+                                  states)
         layout, tensors = pool_layout(pool, tp_rank * heads, HEADS, num_layers)
     else:
         pool = MLATokenToKVPool(SIZE, 1, torch.float16, 12, 4, len(layers), start_layer=layers.start)
@@ -82,6 +100,29 @@ def test_ranks_pair_by_overlapping_layers_and_write_every_buffer_once(kind, pref
             alone[name] = alone.get(name, 0) + heads
     missing = unwritten(d, alone)
     assert {d.layout.by_name()[n].layer for n in missing} == d.layout.layers() - prefill[0].layout.layers()
+
+
+@pytest.mark.parametrize("kind", ["swa", "hybrid"])
+@pytest.mark.parametrize("prefill_pp, decode_pp", [(2, 1), (1, 2), (3, 2)])
+def test_sliding_window_kv_and_mamba_states_pair_by_global_layer(kind, prefill_pp, decode_pp):
+    """Sliding-window KV (``swa_k.{layer}``) and Mamba states (``state.{s}.{layer}``) are named by global
+    layer as full-attention KV is, so stages of either side pair by the layers both hold and together write
+    every decode buffer once, the window's rows and the state slot included."""
+    prefill, decode = side(prefill_pp, 1, kind), side(decode_pp, 1, kind)
+    for d in decode:
+        h = KVHandoff("r", 1, 0, 1, d.layout, [1, 2, 3], dst_state_slot=2 if kind == "hybrid" else None,
+                      dst_swa_slots=[4, 5] if kind == "swa" else [])
+        written = {}
+        for p in prefill:
+            check_compatible(p.layout, h.layout)
+            copies = plan_copies(p.layout, h.layout, 0, 1, 0, True)
+            assert {p.layout.by_name()[c.name].layer for c in copies} == p.layout.layers() & h.layout.layers()
+            for name, heads in copied_heads(copies).items():
+                written[name] = written.get(name, 0) + heads
+        assert unwritten(h, written) == []
+    (last,) = [p for p in side(2, 1, kind)[1:]]  # layers 2 and 3
+    assert sorted(last.layout.by_name()) == (["k.3", "swa_k.2", "swa_v.2", "v.3"] if kind == "swa" else
+                                             ["k.3", "state.0.2", "state.1.2", "v.3"])
 
 
 def test_prefill_pp2_to_decode_pp1_pairs_each_stage_with_its_own_layers():

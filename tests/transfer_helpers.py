@@ -66,7 +66,7 @@ def build_pool(spec: RankSpec):
     elif spec.kind == "hybrid":
         mamba = MambaPool(
             STATE_SLOTS, [(3, 4 // spec.tp_size)], (2 // spec.tp_size, 3, 4), 2, dtype, torch.float32, device,
-            buffer_allocator=alloc,
+            buffer_allocator=alloc, layer_ids=[0, 2],
         )
         pool = HybridLinearKVPool(SIZE, spec.page_size, dtype, heads, spec.head_dim, [1, 3], mamba, device,
                                   buffer_allocator=alloc)

@@ -34,7 +34,8 @@ import msgpack
 
 # 4: a hand-off's rows may arrive in several pushes (row ranges in the pushed header)
 # 5: every buffer names its global model layer, the layout the model's number of layers (pipeline stages)
-HANDOFF_VERSION = 5
+# 6: sliding-window and hybrid layouts name their buffers (Mamba states too) by global layer id, not by position
+HANDOFF_VERSION = 6
 
 
 class TransferError(RuntimeError):

@@ -10,18 +10,16 @@ agree by name:
   ``total_kv_heads``;
 * MLA: ``kv.{layer}``, rows ``[1, kv_lora_rank + qk_rope_head_dim]``, replicated;
 * sliding-window models (``SWAKVPool``): the full-attention layers as MHA
-  ``k.{i}``/``v.{i}``, the sliding-window layers as ``swa_k.{i}`` and
-  ``swa_v.{i}``, index ``"swa"`` (rows are SWA slots), head-sharded the same way;
-* hybrid models: the full-attention layers as MHA ``k.{i}``/``v.{i}``, and the
-  Mamba states as ``state.{s}.{i}`` (conv states, then the temporal state), rows
+  ``k.{layer}``/``v.{layer}``, the sliding-window layers as ``swa_k.{layer}`` and
+  ``swa_v.{layer}``, index ``"swa"`` (rows are SWA slots), head-sharded the same way;
+* hybrid models: the full-attention layers as MHA ``k.{layer}``/``v.{layer}``, and the
+  Mamba states as ``state.{s}.{layer}`` (conv states, then the temporal state), rows
   are one state slot of one Mamba layer, addressed by state slot.
 
-MHA and MLA pools, which pipeline stages split, name their buffers by global
-model layer id (a stage's pool holds layers ``start_layer ..``), so the ranks of
-two stages agree by name on the layers both hold; sliding-window and hybrid
-pools (never split) by position ``i`` in their sub-pools. Every KV buffer
-carries its global layer id (``BufferLayout.layer``), the layout the model's
-number of decoder layers.
+Every buffer is named by its global model layer id and carries it (``BufferLayout.layer``;
+a pipeline stage's pools hold its layers only: an MHA or MLA pool ``start_layer ..``, the
+sliding-window and hybrid pools their stage's layer-id lists), so the ranks of two stages
+agree by name on the layers both hold; the layout carries the model's number of decoder layers.
 """
 
 from __future__ import annotations
@@ -43,12 +41,11 @@ def _add(entries, tensors, name, tensor, index, head_axis=None, head_start=0, to
 
 
 def _add_mha(entries, tensors, pool: MHATokenToKVPool, prefix: str, index: str, head_start: int, total_heads: int,
-             layers: Sequence[int], by_layer: bool = False):
-    """``layers``: the global id of each of the pool's layers; ``by_layer``: named by them, not by position."""
-    for i, (k, v, layer) in enumerate(zip(pool.k_buffer, pool.v_buffer, layers)):
-        key = layer if by_layer else i
-        _add(entries, tensors, f"{prefix}k.{key}", k, index, 0, head_start, total_heads, layer)
-        _add(entries, tensors, f"{prefix}v.{key}", v, index, 0, head_start, total_heads, layer)
+             layers: Sequence[int]):
+    """``layers``: the global id of each of the pool's layers."""
+    for k, v, layer in zip(pool.k_buffer, pool.v_buffer, layers):
+        _add(entries, tensors, f"{prefix}k.{layer}", k, index, 0, head_start, total_heads, layer)
+        _add(entries, tensors, f"{prefix}v.{layer}", v, index, 0, head_start, total_heads, layer)
 
 
 def _by_position(mapping: Dict[int, int]) -> List[int]:
@@ -75,7 +72,7 @@ def pool_layout(
         total = total_kv_heads if total_kv_heads is not None else kv_pool.head_num
         hybrid = getattr(token_to_kv_pool, "full_attention_layer_id_mapping", None)
         layers = _by_position(hybrid) if hybrid is not None else range(kv_pool.start_layer, kv_pool.end_layer + 1)
-        _add_mha(entries, tensors, kv_pool, "", "token", kv_head_start, total, layers, by_layer=hybrid is None)
+        _add_mha(entries, tensors, kv_pool, "", "token", kv_head_start, total, layers)
     elif isinstance(kv_pool, MLATokenToKVPool):
         for i, kv in enumerate(kv_pool.kv_buffer):
             layer = kv_pool.start_layer + i
@@ -85,8 +82,8 @@ def pool_layout(
         raise TypeError(f"{kind} cannot be transferred yet (MHA, MLA, SWA and hybrid Mamba pools can)")
     if mamba_pool is not None:
         for s, state in enumerate(mamba_pool.states()):
-            for layer in range(mamba_pool.num_mamba_layers):
-                _add(entries, tensors, f"state.{s}.{layer}", state[layer], "state")
+            for i, layer in enumerate(mamba_pool.layer_ids):
+                _add(entries, tensors, f"state.{s}.{layer}", state[i], "state", layer=layer)
     if num_layers is None:
         num_layers = 1 + max((b.layer for b in entries if b.layer is not None), default=-1)
     return KVLayout(kv_pool.page_size, tuple(entries), num_layers), tensors

@@ -309,7 +309,7 @@ class ModelRunner:
             self._num_mamba_slots(self.max_running_requests), spec.conv_state_shapes,
             spec.temporal_state_shape, len(spec.mamba_layer_ids), self.dtype, torch.float32, device=self.device,
             buffer_allocator=self.buffer_allocator,
-            verify_shape=self._mamba_verify_shape(self.max_running_requests),
+            verify_shape=self._mamba_verify_shape(self.max_running_requests), layer_ids=spec.mamba_layer_ids,
         )
         self.req_to_token_pool = HybridReqToTokenPool(
             self.max_running_requests, self.context_len + 4, self.device, self.mamba_pool, spec.mamba_layer_ids, extra,
