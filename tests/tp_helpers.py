@@ -154,19 +154,23 @@ class ThreadTPGroup:
         tp_worker.check_tp_shardable(config)
         self.init_method = init_method = f"thread://{next(_ids)}"
         _hubs[init_method] = self.hub = Hub(config.num_ranks)
-        self.followers: List[tp_worker.TPModelWorker] = []
+        self.followers: List[tp_worker.TPModelWorker] = [None] * (config.num_ranks - 1)  # (by rank)
+        self._started = [threading.Event() for _ in self.followers]
         self.threads = [threading.Thread(target=self._follow, args=(config, rank, init_method), daemon=True,
                                          name=f"raydix-tp-thread-{rank}") for rank in range(1, config.num_ranks)]
         for thread in self.threads:
             thread.start()
         self.worker = tp_worker.TPModelWorker(config, 0, init_method)
+        for started in self._started:  # (rank 0's start can end before a follower's thread has kept its worker)
+            started.wait(60)
 
     def _follow(self, config, rank: int, init_method: str) -> None:
         try:
-            worker = tp_worker.TPModelWorker(config, rank, init_method)
-            self.followers.append(worker)
+            self.followers[rank - 1] = worker = tp_worker.TPModelWorker(config, rank, init_method)
+            self._started[rank - 1].set()
             worker.follower_loop()
         except BaseException:
+            self._started[rank - 1].set()
             self.hub.abort()  # the other ranks' collectives fail now, as a peer process's exit does
             raise
 
