@@ -53,27 +53,41 @@ class ChatMessage(BaseModel):
         """The URLs of the content's ``image_url`` parts (OpenAI's ``{"type": "image_url", "image_url":
         {"url": ...}}``), in order; ValueError (a 400) for a part of another shape (a bare string for
         ``image_url``, a ``url`` not a string), which the request's model does not type."""
+        return self._part_urls("image_url")
+
+    def video_urls(self) -> List[Union[str, List[str]]]:
+        """The videos of the content's ``video_url`` parts (vLLM's ``{"type": "video_url", "video_url": {"url":
+        ...}}``), in order: a video file's URL, or a list of its frames' image URLs; ValueError (a 400) for a part
+        of another shape."""
+        return self._part_urls("video_url")
+
+    def _part_urls(self, part_type: str) -> list:
         if not isinstance(self.content, list):
             return []
         urls = []
         for part in self.content:
-            if part.get("type") != "image_url":
+            if part.get("type") != part_type:
                 continue
-            image_url = part.get("image_url")
-            if not isinstance(image_url, dict) or not isinstance(image_url.get("url"), str):
-                raise ValueError("an image_url part's image_url is an object with a url string ({\"url\": "
-                                 f"\"data:image/...;base64,...\"}}), not {image_url!r:.80}")
-            urls.append(image_url["url"])
+            media = part.get(part_type)
+            url = media.get("url") if isinstance(media, dict) else None
+            frames = part_type == "video_url" and isinstance(url, list) and url and all(isinstance(u, str) for u in url)
+            if not (isinstance(url, str) or frames):
+                shape = ("a url string ({\"url\": \"data:image/...;base64,...\"})" if part_type == "image_url" else
+                         "a url, a video's URL or a list of its frames' image URLs")
+                raise ValueError(f"an {part_type} part's {part_type} is an object with {shape}, not {media!r:.80}")
+            urls.append(url)
         return urls
 
     def template_content(self) -> Union[str, List[Dict[str, Any]]]:
-        """The content as the template takes it: :meth:`text`, or with images its text and ``image_url``
-        parts as they came (a vision-language template writes an image's tokens for each)."""
-        if not self.image_urls():
+        """The content as the template takes it: :meth:`text`, or with images (videos) its text and ``image_url``
+        (``video_url``) parts as they came (a vision-language template writes an image's tokens for each)."""
+        if not self.image_urls() and not self.video_urls():
             return self.text()
-        refused = [part.get("type") for part in self.content if part.get("type") not in ("text", "image_url")]
+        refused = [part.get("type") for part in self.content if part.get("type") not in ("text", "image_url",
+                                                                                         "video_url")]
         if refused:
-            raise ValueError(f"content part type {refused[0]!r} is not supported (text and image_url only)")
+            raise ValueError(f"content part type {refused[0]!r} is not supported (text, image_url and video_url "
+                             "only)")
         return self.content
 
     def text(self) -> str:

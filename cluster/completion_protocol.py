@@ -118,6 +118,9 @@ class GenerateRequest(BaseModel):
     image_data: Union[None, str, List[str]] = Field(None, description="SGLang's: the prompt's images, one per image "
                                                     "pad token, as URLs (data, http(s), file:// under server.allowed_local_media_path: fetched by "
                                                     "the server) (a vision-language model's)")
+    video_data: Optional[List[Union[str, List[str]]]] = Field(
+        None, description="SGLang's: the prompt's videos, one per video pad token, each a video file's URL (decoded "
+        "by the server: needs PyAV) or a list of its frames' image URLs (as image_data's)")
 
     @model_validator(mode="after")
     def _one_prompt(self):

@@ -352,6 +352,10 @@ class ServerConfig(BaseModel):
         "may name (links resolved); None: file:// URLs are refused. Any client may read any image under it")
     max_image_fetch_bytes: int = Field(20 * 1024 * 1024, ge=1, description="the largest image an http(s) or file:// "
                                        "URL may give (a download stops at it: a 400)")
+    video_num_frames: int = Field(32, ge=1, description="a video file's most frames (vLLM's video loader's "
+                                  "num_frames): sampled evenly over it")
+    video_fps: float = Field(2.0, gt=0.0, description="the frames a second taken of a video file (vLLM's video "
+                             "loader's fps), at most video_num_frames")
 
     @field_validator("allowed_local_media_path")
     @classmethod

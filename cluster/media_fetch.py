@@ -5,11 +5,17 @@
 (vLLM's ``VLLM_IMAGE_FETCH_TIMEOUT``) and ``max_image_fetch_bytes``, a body read as it streams in (a larger
 one is dropped at the limit, not held whole first). Any failure, an image that does not decode
 (:func:`decoded`) too, is a 400 naming the URL: the workers only ever see images.
+
+A video comes as its frames' image URLs, or as a video file's URL, decoded here with PyAV (``av``, not a
+dependency: imported when a file comes, a 400 naming it when it is not installed) and sampled as vLLM's video
+loader samples: ``video_fps`` frames a second, at most ``video_num_frames``, evenly over the video.
 """
 
 from __future__ import annotations
 
 import asyncio
+import importlib.util
+import io
 import os
 import stat
 from http.cookiejar import CookieJar, DefaultCookiePolicy
@@ -18,8 +24,9 @@ from typing import List, Optional, Sequence, Union
 from urllib.parse import unquote, urlsplit
 
 import httpx
+import numpy as np
 
-from actors.engine.multimodal import load_image
+from actors.engine.multimodal import data_url_bytes, load_image
 from cluster.api_errors import APIError
 
 
@@ -38,8 +45,10 @@ class MediaFetcher:
     cookie: one client's would go with another's download from that host."""
 
     def __init__(self, timeout_s: float = 5.0, allowed_media_domains: Optional[Sequence[str]] = None,
-                 allowed_local_media_path: Optional[str] = None, max_bytes: int = 20 * 1024 * 1024):
+                 allowed_local_media_path: Optional[str] = None, max_bytes: int = 20 * 1024 * 1024,
+                 video_num_frames: int = 32, video_fps: float = 2.0):
         self.timeout_s, self.max_bytes = timeout_s, max_bytes
+        self.video_num_frames, self.video_fps = video_num_frames, video_fps
         self.allowed_media_domains = None if allowed_media_domains is None else set(allowed_media_domains)
         self.allowed_local_media_path = (None if allowed_local_media_path is None
                                          else Path(allowed_local_media_path).resolve())
@@ -48,7 +57,7 @@ class MediaFetcher:
     @classmethod
     def from_config(cls, server) -> "MediaFetcher":
         return cls(server.image_fetch_timeout_s, server.allowed_media_domains, server.allowed_local_media_path,
-                   server.max_image_fetch_bytes)
+                   server.max_image_fetch_bytes, server.video_num_frames, server.video_fps)
 
     async def fetch_all(self, urls: Sequence[str], param: str) -> List[Union[str, bytes]]:
         """Each URL's image (a data URL as it is, the bytes of any other), in order; a 400 (``param``) for the
@@ -159,3 +168,32 @@ def decoded(urls: Sequence[str], images: Sequence[Union[str, bytes]]) -> list:
         except ValueError as exc:
             raise ValueError(f"the image {short(url)}: {exc}") from None
     return pil
+
+
+def check_video_decoder(param: str) -> None:
+    """A 400 when a video file came and PyAV, its decoder, is not installed (before anything is fetched)."""
+    if importlib.util.find_spec("av") is None:
+        raise APIError(400, f"{param}: decoding a video file needs PyAV (the 'av' package), which this server does "
+                       "not have: install it, or send the video as a list of its frames' image URLs", param=param)
+
+
+def decode_video(url: str, data: Union[str, bytes], num_frames: int, fps: float) -> dict:
+    """A video file's frames, ``fps`` a second and at most ``num_frames`` of them, evenly over it, with the rate
+    they stand for (the engine's ``{"frames": ..., "fps": ...}``); ValueError naming the URL if it does not decode
+    (off the event loop). ``data``: the file, or its data URL."""
+    import av  # (not a dependency: check_video_decoder)
+
+    try:
+        raw = data_url_bytes(data, "video") if isinstance(data, str) else data
+        with av.open(io.BytesIO(raw)) as container:
+            stream = container.streams.video[0]
+            frames = [frame.to_ndarray(format="rgb24") for frame in container.decode(stream)]
+            rate = float(stream.average_rate or 0) or 24.0
+    except Exception as exc:  # (PyAV's errors' classes differ across its versions)
+        raise ValueError(f"the video {short(url)} cannot be decoded ({exc})") from None
+    if not frames:
+        raise ValueError(f"the video {short(url)} has no frames")
+    duration = len(frames) / rate
+    keep = min(num_frames, len(frames), max(1, round(duration * fps)))
+    indices = np.linspace(0, len(frames) - 1, keep).round().astype(int)
+    return {"frames": np.stack([frames[i] for i in indices]), "fps": keep / duration}

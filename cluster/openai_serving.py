@@ -29,19 +29,19 @@ import time
 import uuid
 from contextlib import contextmanager
 from functools import partial
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 from fastapi.responses import JSONResponse, StreamingResponse
 from jinja2 import TemplateError
 from pydantic import ValidationError
 
-from actors.engine.multimodal import MultimodalInputs, MultimodalProcessor, check_image_count
+from actors.engine.multimodal import MultimodalInputs, MultimodalProcessor
 from actors.engine.sampling_params import SamplingParams
 from cluster.aio import unless_set
 from cluster.api_errors import APIError, own_message
 from cluster.chat_protocol import ChatCompletionRequest, ChatTemplateFields
 from cluster.completion_protocol import CompletionRequest, GenerateRequest
-from cluster.media_fetch import MediaFetcher, decoded
+from cluster.media_fetch import MediaFetcher, check_video_decoder, decode_video, decoded
 from cluster.openai_format import ChatFormatter, CompletionFormatter
 from cluster.openai_protocol import describe_validation_error
 from cluster.reasoning import REASONING_FORMATS, HarmonyFormat, prompt_tail
@@ -177,9 +177,9 @@ class GenerationService:
         # OpenAI's developer role is its system role; a template that knows no "developer" gets "system"
         developer = "developer" if "developer" in str(template) else "system"
         try:
-            if self.mm_processor is None and any(m.image_urls() for m in req.messages):  # (a text template
-                # would take the parts as text: a TypeError, a 500)
-                raise ValueError("images, but the served model is not a vision-language model")
+            if self.mm_processor is None and any(m.image_urls() or m.video_urls() for m in req.messages):  # (a text
+                # template would take the parts as text: a TypeError, a 500)
+                raise ValueError("images or videos, but the served model is not a vision-language model")
             messages = [template_message(dict(m.model_dump(exclude_none=True), content=m.template_content(),
                                               role=developer if m.role == "developer" else m.role))
                         for m in req.messages]
@@ -368,7 +368,8 @@ class GenerationService:
                            'the model names a channel and a recipient; use "auto" (or "none")', param="tool_choice")
         tool_calls = tool_calls_for(req, self.tool_call_parser)
         ids = self.chat_prompt(req)
-        mm_inputs = await self.image_inputs(ids, [url for m in req.messages for url in m.image_urls()], "messages")
+        mm_inputs = await self.mm_inputs(ids, [url for m in req.messages for url in m.image_urls()],
+                                         [video for m in req.messages for video in m.video_urls()], "messages")
         if mm_inputs is not None:  # (the prompt with its images' tokens)
             ids = mm_inputs.unpadded_input_ids
         with grammar_errors(req):
@@ -391,22 +392,38 @@ class GenerationService:
                                    lora_path=self.lora_path(req.model), request_id=request_id, own_rid=req.rid,
                                    mm_inputs=mm_inputs)
 
-    async def image_inputs(self, ids: List[int], urls: List[str], param: str) -> Optional[MultimodalInputs]:
-        """A prompt's images (``urls``: data, http(s) and file:// URLs, fetched here: :class:`MediaFetcher`),
-        processed off the event loop as the engine's ``image_data`` (each image's one pad token of ``ids``
-        expanded); None without images; 400 for images to a text model, more than ``limit_mm_per_prompt``
-        (before any is fetched), a URL that gives no image, or images the engine would refuse."""
-        if not urls:
+    async def mm_inputs(self, ids: List[int], image_urls: List[str], videos: List[Union[str, List[str]]],
+                        param: str) -> Optional[MultimodalInputs]:
+        """A prompt's images (``image_urls``: data, http(s) and file:// URLs, fetched here: :class:`MediaFetcher`)
+        and videos (each a video file's URL, decoded here, or a list of its frames' image URLs), processed off
+        the event loop as the engine's ``image_data`` (each image's and video's one pad token of ``ids``
+        expanded); None without either; 400 for images or videos to a text model, more than
+        ``limit_mm_per_prompt`` or a video file without its decoder (before any is fetched), a URL that gives no
+        image (video), or media the engine would refuse."""
+        if not image_urls and not videos:
             return None
         if self.mm_processor is None:
-            raise APIError(400, f"{param}: images, but the served model is not a vision-language model", param=param)
+            raise APIError(400, f"{param}: images or videos, but the served model is not a vision-language model",
+                           param=param)
         try:
-            check_image_count(len(urls), self.mm_processor.limit_mm_per_prompt)
+            self.mm_processor.check_counts(len(image_urls), len(videos))
         except ValueError as exc:
             raise APIError(400, f"{param}: {exc}", param=param) from None
-        images = await self.media_fetcher.fetch_all(urls, param)
+        if any(isinstance(video, str) for video in videos):
+            check_video_decoder(param)
+        urls = image_urls + [url for video in videos for url in ([video] if isinstance(video, str) else video)]
+        fetched = iter(await self.media_fetcher.fetch_all(urls, param))
+        images = [next(fetched) for _ in image_urls]
+        media = [next(fetched) if isinstance(video, str) else [next(fetched) for _ in video] for video in videos]
+        num_frames, fps = self.media_fetcher.video_num_frames, self.media_fetcher.video_fps
+
+        def process():
+            frames = [decode_video(video, got, num_frames, fps) if isinstance(video, str) else decoded(video, got)
+                      for video, got in zip(videos, media)]
+            return self.mm_processor.process(ids, decoded(image_urls, images), frames)
+
         try:
-            return (await asyncio.to_thread(lambda: self.mm_processor.process(ids, decoded(urls, images))))[1]
+            return (await asyncio.to_thread(process))[1]
         except ValueError as exc:
             raise APIError(400, f"{param}: {exc}", param=param) from None
 
@@ -417,7 +434,7 @@ class GenerationService:
                            param="lora_path")
         ids = self.encode(req.text, "text") if req.text is not None else self.token_ids(req.input_ids, "input_ids")
         images = [req.image_data] if isinstance(req.image_data, str) else req.image_data or []
-        mm_inputs = await self.image_inputs(ids, images, "image_data")
+        mm_inputs = await self.mm_inputs(ids, images, req.video_data or [], "image_data" if images else "video_data")
         if mm_inputs is not None:  # (the prompt with its images' tokens)
             ids = mm_inputs.unpadded_input_ids
         params = dict(req.sampling_params)

@@ -24,27 +24,55 @@ def hf_model(model_path: str):
     return auto.from_pretrained(model_path, local_files_only=True, dtype=torch.float32).eval()
 
 
-def hf_image_inputs(model_path: str, prompt: Sequence[int], images: Sequence) -> dict:
-    """HF's inputs of a vision-language ``prompt`` (one image token per image, as a chat template
-    renders it) and its images: the prompt with each image token repeated as many times as the image
-    has tokens, its pixels, grids and token types."""
+def hf_image_inputs(model_path: str, prompt: Sequence[int], images: Sequence, videos: Sequence = ()) -> dict:
+    """HF's inputs of a vision-language ``prompt`` (one image (video) token per image (video), as a chat
+    template renders it) and its images and videos: the prompt with each image token repeated as many times
+    as the image has tokens, each video token replaced as HF's processor replaces it (Qwen3-VL: each temporal
+    patch's timestamp text and its tokens between vision start and end), the pixels, grids and token types.
+    A video's pixels are :class:`~actors.engine.video.VideoProcessor`'s (HF's video processors need
+    torchvision, not installed here)."""
     from transformers import AutoConfig, AutoImageProcessor
 
+    from actors.engine.tokenizer import load_tokenizer
+    from actors.engine.video import VideoProcessor
+
     config = AutoConfig.from_pretrained(model_path, local_files_only=True)
-    pixels = AutoImageProcessor.from_pretrained(model_path, local_files_only=True)(images=list(images),
-                                                                                  return_tensors="pt")
-    counts = iter((pixels["image_grid_thw"].prod(-1) // config.vision_config.spatial_merge_size ** 2).tolist())
-    ids = [t for token in prompt for t in ([token] * next(counts) if token == config.image_token_id else [token])]
+    qwen3, merge = config.model_type.startswith("qwen3_vl"), config.vision_config.spatial_merge_size
+    inputs = {}
+    if images:
+        pixels = AutoImageProcessor.from_pretrained(model_path, local_files_only=True)(images=list(images),
+                                                                                      return_tensors="pt")
+        inputs.update(pixel_values=pixels["pixel_values"], image_grid_thw=pixels["image_grid_thw"])
+    counts = iter([] if not images else (pixels["image_grid_thw"].prod(-1) // merge ** 2).tolist())
+    processed = [VideoProcessor.from_pretrained(model_path, qwen3)(video) for video in videos]
+    if processed:
+        inputs.update(pixel_values_videos=torch.cat([v.pixel_values for v in processed]),
+                      video_grid_thw=torch.tensor([v.grid_thw for v in processed]))
+        if not qwen3:
+            inputs["second_per_grid_ts"] = torch.tensor([v.seconds_per_grid_t for v in processed])
+    tokenizer, videos = load_tokenizer(model_path), iter(processed)
+
+    def video_ids(video) -> List[int]:  # (HF's Qwen2_5_VLProcessor / Qwen3VLProcessor.replace_video_token)
+        t, h, w = video.grid_thw
+        if not qwen3:
+            return [config.video_token_id] * (t * h * w // merge ** 2)
+        text = "".join(f"<{video.timestamps[i]:.1f} seconds><|vision_start|>" + "<|video_pad|>" * (h * w // merge ** 2)
+                       + "<|vision_end|>" for i in range(t))
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    ids = [t for token in prompt for t in ([token] * next(counts) if token == config.image_token_id else
+                                          video_ids(next(videos)) if token == config.video_token_id else [token])]
     input_ids = torch.tensor([ids])
-    return dict(input_ids=input_ids, pixel_values=pixels["pixel_values"], image_grid_thw=pixels["image_grid_thw"],
-                mm_token_type_ids=(input_ids == config.image_token_id).int())
+    types = (input_ids == config.image_token_id).int() + 2 * (input_ids == config.video_token_id).int()
+    return dict(input_ids=input_ids, mm_token_type_ids=types, **inputs)
 
 
 def hf_greedy(model_path: str, prompt: Sequence[int], max_new_tokens: int, eos_token_ids: Sequence[int],
-              images: Optional[Sequence] = None):
-    """HF's greedy continuation of ``prompt`` (with its ``images``) and the logits of every step."""
+              images: Optional[Sequence] = None, videos: Optional[Sequence] = None):
+    """HF's greedy continuation of ``prompt`` (with its ``images`` and ``videos``) and the logits of every step."""
     model = hf_model(model_path)
-    inputs = hf_image_inputs(model_path, prompt, images) if images else dict(input_ids=torch.tensor([list(prompt)]))
+    inputs = (hf_image_inputs(model_path, prompt, images or (), videos or ()) if images or videos
+              else dict(input_ids=torch.tensor([list(prompt)])))
     prompt = inputs["input_ids"][0]
     with torch.no_grad():
         out = model.generate(
@@ -61,13 +89,15 @@ def hf_greedy(model_path: str, prompt: Sequence[int], max_new_tokens: int, eos_t
 def assert_greedy_parity(model_path: str, prompts: List[List[int]], outputs: List[List[int]], max_new_tokens: int,
                          eos_token_ids: Sequence[int] = (), tie_tol: float = 1e-4,
                          logprobs: Optional[List[List[float]]] = None, logprob_tol: float = 1e-3,
-                         images: Optional[List[Optional[Sequence]]] = None) -> None:
+                         images: Optional[List[Optional[Sequence]]] = None,
+                         videos: Optional[List[Optional[Sequence]]] = None) -> None:
     """``logprobs``: our log-probability of each output token (``return_logprob``); when
     given, each must also equal HF's, up to the first divergence — a field that shifts
-    every logit a little fails here even where the argmax survives. ``images``: each
-    prompt's images (None: a text prompt)."""
+    every logit a little fails here even where the argmax survives. ``images`` (``videos``): each
+    prompt's images (videos; None: none)."""
     for n, (prompt, ours) in enumerate(zip(prompts, outputs)):
-        ref, logits = hf_greedy(model_path, prompt, max_new_tokens, eos_token_ids, images and images[n])
+        ref, logits = hf_greedy(model_path, prompt, max_new_tokens, eos_token_ids, images and images[n],
+                                videos and videos[n])
         for i, (a, b) in enumerate(zip(ours, ref)):
             if logprobs is not None:
                 want = float(torch.log_softmax(logits[i].float(), dim=-1)[a])

@@ -71,10 +71,10 @@ class EngineConfig(BaseModel):
         "(arrival), lof (most max_new_tokens first), random, lpm (longest cached prefix first), dfs-weight (a walk "
         "of the prefix tree, the subtree with the most waiting requests first); lpm and dfs-weight need the radix "
         "cache and order as fcfs above 128 waiting requests")
-    limit_mm_per_prompt: Optional[Dict[Literal["image"], Annotated[int, Field(ge=0)]]] = Field(
-        None, description="vLLM's: the most images one prompt may hold ({\"image\": N}; 0 refuses images), a "
-        "vision-language model's; more is refused (a 400 at the server) before any is decoded. None: no limit but "
-        "the context length's")
+    limit_mm_per_prompt: Optional[Dict[Literal["image", "video"], Annotated[int, Field(ge=0)]]] = Field(
+        None, description="vLLM's: the most images and videos one prompt may hold ({\"image\": N, \"video\": M}; "
+        "0 refuses them), a vision-language model's; more is refused (a 400 at the server) before any is decoded. "
+        "None: no limit but the context length's")
     enable_priority_scheduling: bool = Field(
         False, description="order waiting requests by their priority first, the policy's order within one; a "
         "waiting request may preempt running ones (see priority_scheduling_preemption_threshold). Off, a request "

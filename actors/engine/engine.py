@@ -206,7 +206,8 @@ class Engine:
 
     # ---- requests -----------------------------------------------------------------
     def _make_req(self, params: Dict[str, Any], prompt, input_ids, rid: Optional[str], priority: int = 0,
-                  lora_path: Optional[str] = None, image_data: Optional[List[Any]] = None) -> Req:
+                  lora_path: Optional[str] = None, image_data: Optional[List[Any]] = None,
+                  video_data: Optional[List[Any]] = None) -> Req:
         sampling = SamplingParams(**(params or {}))
         if input_ids is None:
             if self.tokenizer is None:
@@ -217,14 +218,16 @@ class Engine:
         if sampling.stop and self.tokenizer is None:
             raise ValueError("stop strings need the tokenizer (skip_tokenizer_init=True)")
         mm_inputs = None
-        if image_data:
+        videos = [video_data] if video_data is not None and not isinstance(video_data, list) else video_data
+        if image_data or videos:
             if self.mm_processor is None:
-                raise ValueError(f"image_data: {self.config.model_path!r} is not a vision-language model")
+                raise ValueError(f"{'image_data' if image_data else 'video_data'}: {self.config.model_path!r} is not "
+                                 "a vision-language model")
             if isinstance(image_data, MultimodalInputs):  # processed already (a server's): input_ids are padded
                 mm_inputs = image_data.for_request(input_ids)
             else:
-                images = image_data if isinstance(image_data, list) else [image_data]
-                input_ids, mm_inputs = self.mm_processor.process(list(input_ids), images)
+                images = image_data if isinstance(image_data, list) or not image_data else [image_data]
+                input_ids, mm_inputs = self.mm_processor.process(list(input_ids), images or [], videos or [])
         req = Req(rid or f"req-{next(self._rids)}", list(input_ids), sampling, self.eos_token_ids, priority=priority,
                   lora_path=lora_path, mm_inputs=mm_inputs)
         self.scheduler.check_request(req)
@@ -239,14 +242,17 @@ class Engine:
         priority: Union[int, List[int]] = 0,
         lora_path: Union[None, str, List[Optional[str]]] = None,
         image_data: Optional[List[Any]] = None,
+        video_data: Optional[List[Any]] = None,
     ):
         """Run one request or a batch to completion; a batch's results keep its order. ``priority``
         (one, or one per request) needs ``enable_priority_scheduling`` unless 0; ``lora_path`` (one,
         or one per request): the name of a LoRA adapter of ``lora_paths``, None for the base model.
         ``image_data`` (a vision-language model's, SGLang's): a request's images (a PIL image, bytes,
         a file path or a ``data:image/...;base64,`` URL each), one per ``<|image_pad|>`` of its prompt,
-        in order (or a tokenizer side's ``MultimodalInputs``, ``input_ids`` its padded prompt); for a
-        batch, one such list (or None) per request."""
+        in order (or a tokenizer side's ``MultimodalInputs``, ``input_ids`` its padded prompt, its videos too);
+        ``video_data`` (SGLang's): its videos, one per ``<|video_pad|>``, each its frames (a list of PIL images or
+        a uint8 array [T, H, W, 3]: :mod:`actors.engine.video`); for a batch, one such list (or None) per
+        request."""
         batched = isinstance(prompt, list) or (input_ids is not None and input_ids and isinstance(input_ids[0], list))
         n = len(prompt) if isinstance(prompt, list) else (len(input_ids) if batched else 1)
         prompts = _each(n, "prompt", prompt, isinstance(prompt, list))
@@ -256,7 +262,8 @@ class Engine:
         priorities = _each(n, "priority", priority, isinstance(priority, list))
         loras = _each(n, "lora_path", lora_path, isinstance(lora_path, list))
         images = _each(n, "image_data", image_data, batched and image_data is not None)
-        reqs = [self._make_req(*args) for args in zip(params, prompts, ids, rids, priorities, loras, images)]
+        videos = _each(n, "video_data", video_data, batched and video_data is not None)
+        reqs = [self._make_req(*args) for args in zip(params, prompts, ids, rids, priorities, loras, images, videos)]
         done = threading.Semaphore(0)
         errors: List[BaseException] = []
 
@@ -285,17 +292,18 @@ class Engine:
         priority: int = 0,
         lora_path: Optional[str] = None,
         image_data: Optional[List[Any]] = None,
+        video_data: Optional[List[Any]] = None,
     ):
-        """One request (``lora_path``, ``image_data``: as :meth:`generate`'s). ``stream=False``: the final
-        result. ``stream=True``: an
+        """One request (``lora_path``, ``image_data``, ``video_data``: as :meth:`generate`'s). ``stream=False``:
+        the final result. ``stream=True``: an
         async iterator of results, one per step that produced tokens (each with
         the cumulative ``text``/``output_ids``), the last one finished."""
         if rid is not None:
             self._making.begin(rid)  # (an abort while its grammar compiles marks it: seen below)
         try:
-            args = (sampling_params, prompt, input_ids, rid, priority, lora_path, image_data)
+            args = (sampling_params, prompt, input_ids, rid, priority, lora_path, image_data, video_data)
             # (images are decoded and cut into patches off the event loop, as a grammar compiles)
-            req = await (asyncio.to_thread(self._make_req, *args) if image_data
+            req = await (asyncio.to_thread(self._make_req, *args) if image_data or video_data
                          else make_req_off_loop(self._make_req, *args))
         finally:
             aborted = rid is not None and self._making.end(rid)

@@ -10,6 +10,8 @@ so the same image (same prompt) hits the cache and another image at the same pla
 The real ids (the image token's) are kept for what reads the prompt as text
 (``Req.origin_input_ids_unpadded``). M-RoPE positions and the request's
 ``mrope_position_delta`` are computed here too (the model's ``mrope_positions``).
+A video (``video_data``: its frames, :mod:`actors.engine.video`) is one more such item by its
+``<|video_pad|>`` (Qwen3-VL: one per temporal patch, after its timestamp's text).
 
 The model side (:func:`image_embeddings`): in a prefill forward, each image whose tokens the
 chunk computes is encoded by the vision tower once (its embedding kept on the
@@ -28,6 +30,7 @@ from __future__ import annotations
 import base64
 import binascii
 import contextlib
+import functools
 import hashlib
 import io
 import os
@@ -36,6 +39,8 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
+
+from actors.engine.video import ProcessedVideo, VideoProcessor
 
 # an image token's pad value is MM_PAD_BASE + (a hash of its pixels mod MM_PAD_BASE): never a token id
 # of any vocabulary, and under 2**31 (an int32 anywhere token ids are stored)
@@ -50,13 +55,7 @@ def load_image(image: Any):
     if isinstance(image, Image.Image):
         return image
     if isinstance(image, str) and image.startswith("data:"):
-        header, _, payload = image.partition(",")
-        if not header.endswith(";base64"):
-            raise ValueError("image_data: a data URL must be base64 (data:image/...;base64,...)")
-        try:
-            image = base64.b64decode(payload, validate=True)
-        except binascii.Error as exc:
-            raise ValueError(f"image_data: the data URL's base64 does not decode: {exc}") from None
+        image = data_url_bytes(image, "image_data")
     elif isinstance(image, str):
         if not os.path.isfile(image):
             raise ValueError(f"image_data: {image[:80]!r} is neither a data URL nor a file (URLs are not fetched)")
@@ -73,10 +72,23 @@ def load_image(image: Any):
     return decoded
 
 
+def data_url_bytes(url: str, param: str) -> bytes:
+    """A base64 ``data:`` URL's bytes (ValueError naming ``param`` if it is not one)."""
+    header, _, payload = url.partition(",")
+    if not header.endswith(";base64"):
+        raise ValueError(f"{param}: a data URL must be base64 (data:image/...;base64,...)")
+    try:
+        return base64.b64decode(payload, validate=True)
+    except binascii.Error as exc:
+        raise ValueError(f"{param}: the data URL's base64 does not decode: {exc}") from None
+
+
 @dataclass(eq=False)
 class ImageItem:
-    """One image of a request (SGLang's ``MultimodalDataItem``): its patches, its grid, and where
-    its tokens are in the prompt, ``[offset, offset + num_tokens)``, each holding ``pad_value``."""
+    """One image of a request (SGLang's ``MultimodalDataItem``), or a video (Qwen3-VL: one of its temporal
+    patches, whose tokens its timestamp's text parts from the next's): its patches, its grid, and where its
+    tokens are in the prompt, ``[offset, offset + num_tokens)``, each holding ``pad_value``. The vision tower
+    encodes either by its grid."""
 
     # [patches, channels * temporal_patch * patch * patch] fp32, on the CPU (None: a TP follower's copy of an
     # image it holds the embedding of, see ImageMirror)
@@ -99,13 +111,15 @@ class ImageItem:
 
 @dataclass(eq=False)
 class MultimodalInputs:
-    """A request's images, its prompt's M-RoPE positions and ``mrope_position_delta`` (a token past the
-    prompt is at its sequence position + delta), and the prompt with its images' real token ids."""
+    """A request's images and videos (``images``, in prompt order), its prompt's M-RoPE positions and
+    ``mrope_position_delta`` (a token past the prompt is at its sequence position + delta), the prompt with
+    their real token ids, and how many of each modality the request sent (``limit_mm_per_prompt``'s count)."""
 
     images: List[ImageItem]
     mrope_positions: torch.Tensor  # [3, prompt_len] int64: temporal, height, width
     mrope_position_delta: int
     unpadded_input_ids: List[int]
+    counts: Dict[str, int]
 
     @property
     def padded_input_ids(self) -> List[int]:
@@ -144,11 +158,11 @@ class MultimodalInputs:
             item.embedding = None
 
 
-def check_image_count(num_images: int, limit_mm_per_prompt: Optional[Dict[str, int]]) -> None:
-    """ValueError (vLLM's message) when a prompt holds more images than ``limit_mm_per_prompt`` allows."""
-    limit = (limit_mm_per_prompt or {}).get("image")
-    if limit is not None and num_images > limit:
-        raise ValueError(f"At most {limit} image(s) may be provided in one prompt, not {num_images} "
+def check_mm_count(modality: str, count: int, limit_mm_per_prompt: Optional[Dict[str, int]]) -> None:
+    """ValueError (vLLM's message) when a prompt holds more images (videos) than ``limit_mm_per_prompt`` allows."""
+    limit = (limit_mm_per_prompt or {}).get(modality)
+    if limit is not None and count > limit:
+        raise ValueError(f"At most {limit} {modality}(s) may be provided in one prompt, not {count} "
                          "(limit_mm_per_prompt)")
 
 
@@ -161,8 +175,9 @@ def pad_value(pixel_values: torch.Tensor, grid_thw: Sequence[int]) -> int:
 
 class MultimodalProcessor:
     """The tokenizer side of a vision-language checkpoint: its HF image processor (``AutoImageProcessor``,
-    offline), its image token and merge size, and its M-RoPE rule (``mrope_positions(input_ids,
-    image_token_id, grids, spatial_merge_size) -> ([3, len] positions, delta)``)."""
+    offline) and video settings (:class:`~actors.engine.video.VideoProcessor`), its image and video tokens and
+    merge size, and its M-RoPE rule (``mrope_positions(prompt_len, spans, spatial_merge_size) -> ([3, len]
+    positions, delta)``)."""
 
     @classmethod
     def for_model(cls, model_path: str, config, model,
@@ -170,7 +185,8 @@ class MultimodalProcessor:
         """The processor of a served vision-language model (one with an ``mrope_positions`` rule: the model or
         its class); None for a text model. ``limit_mm_per_prompt``: EngineConfig's."""
         rule = getattr(model, "mrope_positions", None)
-        return None if rule is None else cls(model_path, config, rule, limit_mm_per_prompt)
+        return None if rule is None else cls(model_path, config, rule, limit_mm_per_prompt,
+                                             getattr(model, "frame_timestamps", False))
 
     @classmethod
     def for_checkpoint(cls, model_path: Optional[str],
@@ -186,43 +202,100 @@ class MultimodalProcessor:
         return cls.for_model(model_path, config, get_model_class(config.architectures[0]), limit_mm_per_prompt)
 
     def __init__(self, model_path: str, config, mrope_positions: Callable,
-                 limit_mm_per_prompt: Optional[Dict[str, int]] = None):
+                 limit_mm_per_prompt: Optional[Dict[str, int]] = None, frame_timestamps: bool = False):
+        """``frame_timestamps``: Qwen3-VL's videos, each temporal patch its own item after its timestamp's text
+        (``<1.5 seconds>``) and between vision start and end tokens (HF's processor's prompt); else one item,
+        its temporal positions ``tokens_per_second`` a second apart (Qwen2.5-VL's)."""
         from transformers import AutoImageProcessor
 
+        self.model_path = model_path
         self.image_processor = AutoImageProcessor.from_pretrained(model_path, local_files_only=True)
-        self.image_token_id = config.image_token_id
+        self.video_processor = VideoProcessor.from_pretrained(model_path, qwen3=frame_timestamps)
+        self.image_token_id, self.video_token_id = config.image_token_id, getattr(config, "video_token_id", None)
+        self.vision_ids = (getattr(config, "vision_start_token_id", None), getattr(config, "vision_end_token_id", None))
         self.merge_size = config.vision_config.spatial_merge_size
+        self.tokens_per_second = getattr(config.vision_config, "tokens_per_second", 1)
+        self.frame_timestamps = frame_timestamps
         self.mrope_positions = mrope_positions
         self.limit_mm_per_prompt = limit_mm_per_prompt
 
-    def process(self, input_ids: List[int], images: List[Any]) -> Tuple[List[int], MultimodalInputs]:
-        """``input_ids`` with each image's one pad token expanded into its tokens (holding its pad
-        value), and the request's :class:`MultimodalInputs`. ValueError when there are more images than
-        ``limit_mm_per_prompt`` allows (before any is decoded), the pad tokens and the images differ in
-        number, or an image cannot be decoded."""
-        check_image_count(len(images), self.limit_mm_per_prompt)
-        places = [i for i, t in enumerate(input_ids) if t == self.image_token_id]
-        if len(places) != len(images):
-            raise ValueError(f"{len(images)} image(s) in image_data but {len(places)} image pad token(s) "
-                             f"(id {self.image_token_id}) in the prompt: one per image")
+    @functools.cached_property
+    def tokenizer(self):
+        """The checkpoint's tokenizer (Qwen3-VL's videos' timestamp text), loaded at the first such video."""
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(self.model_path, local_files_only=True)
+
+    def check_counts(self, num_images: int, num_videos: int) -> None:
+        check_mm_count("image", num_images, self.limit_mm_per_prompt)
+        check_mm_count("video", num_videos, self.limit_mm_per_prompt)
+
+    def process(self, input_ids: List[int], images: List[Any],
+                videos: Sequence[Any] = ()) -> Tuple[List[int], MultimodalInputs]:
+        """``input_ids`` with each image's (video's) one pad token expanded into its tokens (holding its pad
+        value), and the request's :class:`MultimodalInputs`. ValueError when there are more images or videos
+        than ``limit_mm_per_prompt`` allows (before any is decoded), the pad tokens and the images (videos)
+        differ in number, or an image (a video) cannot be taken."""
+        self.check_counts(len(images), len(videos))
+        counts = {"image": len(images), "video": len(videos)}
+        places = [i for i, t in enumerate(input_ids) if t in (self.image_token_id, self.video_token_id)]
+        for name, token, given in (("image", self.image_token_id, images), ("video", self.video_token_id, videos)):
+            num_pads = sum(input_ids[i] == token for i in places)
+            if num_pads != len(given):
+                raise ValueError(f"{len(given)} {name}(s) in {name}_data but {num_pads} {name} pad token(s) "
+                                 f"(id {token}) in the prompt: one per {name}")
         pil = [load_image(image) for image in images]
-        processed = self.image_processor(images=pil, return_tensors="pt")
-        grids = [tuple(int(n) for n in g) for g in processed["image_grid_thw"].tolist()]
-        patches = torch.split(processed["pixel_values"].float(), [t * h * w for t, h, w in grids])
-        padded, unpadded, items, last = [], [], [], 0
-        for place, pixels, grid in zip(places, patches, grids):
-            padded += input_ids[last:place]
-            unpadded += input_ids[last:place]
-            num_tokens = grid[0] * grid[1] * grid[2] // self.merge_size ** 2
-            item = ImageItem(pixels, grid, pad_value(pixels, grid), len(padded), num_tokens)
-            padded += [item.pad_value] * num_tokens
-            unpadded += [self.image_token_id] * num_tokens
-            items.append(item)
-            last = place + 1
-        padded += input_ids[last:]
-        unpadded += input_ids[last:]
-        positions, delta = self.mrope_positions(unpadded, self.image_token_id, grids, self.merge_size)
-        return padded, MultimodalInputs(items, positions, delta, unpadded)
+        processed = self.image_processor(images=pil, return_tensors="pt") if pil else None
+        grids = [] if not pil else [tuple(int(n) for n in g) for g in processed["image_grid_thw"].tolist()]
+        pixels = iter(torch.split(processed["pixel_values"].float(), [t * h * w for t, h, w in grids]) if pil else ())
+        grids, videos = iter(grids), iter([self.video_processor(video) for video in videos])
+        prompt = PromptBuilder(self.merge_size)
+        for place, last in zip(places, [-1] + places):
+            prompt.text(input_ids[last + 1:place])
+            if input_ids[place] == self.image_token_id:
+                prompt.item(next(pixels), next(grids), self.image_token_id)
+            else:
+                self._add_video(prompt, next(videos))
+        prompt.text(input_ids[places[-1] + 1 if places else 0:])
+        positions, delta = self.mrope_positions(len(prompt.unpadded), prompt.spans, self.merge_size)
+        return prompt.padded, MultimodalInputs(prompt.items, positions, delta, prompt.unpadded, counts)
+
+    def _add_video(self, prompt: "PromptBuilder", video: ProcessedVideo) -> None:
+        t, h, w = video.grid_thw
+        if not self.frame_timestamps:
+            interval = torch.tensor(video.seconds_per_grid_t, dtype=torch.float32) * self.tokens_per_second
+            return prompt.item(video.pixel_values, video.grid_thw, self.video_token_id, interval)
+        start, end = self.vision_ids
+        for frame, pixels in enumerate(torch.split(video.pixel_values, h * w)):
+            prompt.text(self.tokenizer.encode(f"<{video.timestamps[frame]:.1f} seconds>", add_special_tokens=False))
+            prompt.text([start])
+            prompt.item(pixels, (1, h, w), self.video_token_id)
+            prompt.text([end])
+
+
+class PromptBuilder:
+    """A prompt built piece by piece: its padded and unpadded ids, its items and their M-RoPE spans
+    (``(offset, grid_thw, temporal interval)`` each)."""
+
+    def __init__(self, merge_size: int):
+        self.merge_size = merge_size
+        self.padded: List[int] = []
+        self.unpadded: List[int] = []
+        self.items: List[ImageItem] = []
+        self.spans: List[Tuple[int, Tuple[int, int, int], Any]] = []
+
+    def text(self, ids: Sequence[int]) -> None:
+        self.padded += ids
+        self.unpadded += ids
+
+    def item(self, pixels: torch.Tensor, grid: Tuple[int, int, int], token_id: int, interval: Any = 1) -> None:
+        """An image's (a video's) tokens, ``token_id`` unpadded; ``interval``: its temporal positions' step."""
+        num_tokens = grid[0] * grid[1] * grid[2] // self.merge_size ** 2
+        item = ImageItem(pixels, grid, pad_value(pixels, grid), len(self.padded), num_tokens)
+        self.spans.append((item.offset, grid, interval))
+        self.padded += [item.pad_value] * num_tokens
+        self.unpadded += [token_id] * num_tokens
+        self.items.append(item)
 
 
 def image_embeddings(forward_batch, encode: Callable[[ImageItem], torch.Tensor]):

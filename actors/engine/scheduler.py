@@ -36,7 +36,7 @@ from actors.engine.config import CHUNKED_PREFILL_DEFAULT
 from actors.engine.finish import check_finished, stream_text
 from actors.engine.grammar import GrammarBackend, active_matcher
 from actors.engine.models.base import InputLogprobs
-from actors.engine.multimodal import check_image_count
+from actors.engine.multimodal import check_mm_count
 from actors.engine.pooling import PoolingParams, pool_embedding
 from actors.engine.req import Req
 from actors.engine.sampling import Pick, pick_tokens
@@ -197,7 +197,8 @@ class Scheduler(PrefillAdmissionMixin, DecodeRetractionMixin, SpecDecodeMixin):
         if bad is not None:  # it would fail the whole batch (on CUDA: a device-side assert)
             raise ValueError(f"token id {bad} in the prompt is out of the vocabulary (ids are 0..{vocab - 1})")
         if req.mm_inputs is not None:  # (processed inputs too: a PD worker's, from the server's tokenizer side)
-            check_image_count(len(req.mm_inputs.images), self.config.limit_mm_per_prompt)
+            for modality, count in req.mm_inputs.counts.items():
+                check_mm_count(modality, count, self.config.limit_mm_per_prompt)
         if req.priority and not self.config.enable_priority_scheduling:  # (vLLM refuses it too)
             raise ValueError(f"priority {req.priority}: priority scheduling is not enabled "
                              "(enable_priority_scheduling)")

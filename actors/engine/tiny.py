@@ -11,7 +11,8 @@ are what the LoRA tests and scripts/soak.py serve.
 
 A vision-language family (:data:`VL_FAMILIES`: Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE) adds the vision tokens to the
 tokenizer and an image processor config (``preprocessor_config.json``, small ``min_pixels`` /
-``max_pixels``: an image is a few dozen patches), so ``AutoImageProcessor`` loads it offline.
+``max_pixels``: an image is a few dozen patches), so ``AutoImageProcessor`` loads it offline, and a video processor
+config (``video_preprocessor_config.json``, as small).
 """
 
 from __future__ import annotations
@@ -207,7 +208,19 @@ def build_tiny_checkpoint(family: str, out_dir: Union[str, Path], seed: int = 0,
         extra = {} if family == "qwen2_5_vl" else dict(patch_size=patch, image_mean=[0.5] * 3, image_std=[0.5] * 3)
         Qwen2VLImageProcessorPil(min_pixels=round(MIN_PIXELS * scale), max_pixels=round(MAX_PIXELS * scale),
                                  **extra).save_pretrained(out)
+        _save_video_processor(out, family, scale, extra)
     return out
+
+
+def _save_video_processor(out: Path, family: str, scale: float, extra: dict) -> None:
+    """video_preprocessor_config.json (HF's video processors need torchvision: written as one saves it): a frame
+    of the tiny Qwen2.5-VL's 4 to 36 merged tokens; the tiny Qwen3-VL's budget is the whole video's, 8 frames of
+    its most."""
+    qwen3 = family != "qwen2_5_vl"
+    settings = dict(video_processor_type="Qwen3VLVideoProcessor" if qwen3 else "Qwen2VLVideoProcessor",
+                    size={"shortest_edge": round(MIN_PIXELS * scale), "longest_edge": round(MAX_PIXELS * scale)
+                          * (8 if qwen3 else 1)}, temporal_patch_size=2, merge_size=2, **extra)
+    (out / "video_preprocessor_config.json").write_text(json.dumps(settings, indent=2))
 
 
 def make_adapter(model_dir: str, out_dir: Path, rank: int, alpha: float, targets: Sequence[str] = ATTENTION + MLP,

@@ -8,15 +8,18 @@ and put back in the image's order after the merger. It runs in a prefill forward
 image (:func:`actors.engine.multimodal.image_embeddings`); under TP it is replicated on every
 rank (its weights whole), the decoder sharded as Qwen2's.
 
+A video (``video_data``) is one item of ``t`` temporal patches (two frames each), encoded as an image
+of ``t`` frames (windows within each frame, full attention over each).
+
 M-RoPE: each token has a (temporal, height, width) position (:func:`mrope_positions`, HF's
-``get_rope_index``); the rotary's frequency bands are split by ``mrope_section``, each taking
-one of the three (:class:`~actors.engine.layers.MRotaryEmbedding`). A text token's three are
+``get_rope_index``; a video's temporal patches ``tokens_per_second · second_per_grid_t`` apart); the
+rotary's frequency bands are split by ``mrope_section``, each taking one of the three (:class:`~actors.engine.layers.MRotaryEmbedding`). A text token's three are
 equal, which is plain RoPE: a batch without image requests runs as Qwen2.
 """
 
 from __future__ import annotations
 
-from typing import List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -29,30 +32,28 @@ from actors.engine.parallel import SINGLE, TPGroup
 from actors.engine.pipeline import PPMissingLayer
 
 
-def mrope_positions(input_ids: Sequence[int], image_token_id: int, grids: Sequence[Tuple[int, int, int]],
+def mrope_positions(prompt_len: int, spans: Sequence[Tuple[int, Tuple[int, int, int], Any]],
                     spatial_merge_size: int) -> Tuple[torch.Tensor, int]:
-    """HF's ``get_rope_index`` for a prompt of text and images: ([3, len] int64 positions, the request's
-    ``mrope_position_delta``). Text counts on from the position after what came before; an image's
-    tokens (its merged grid, row by row) are at that position + (frame, row, column), and the text
-    after it starts past its larger side. The delta: the last position + 1 - the prompt's length."""
-    chunks, pos, i, images = [], 0, 0, iter(grids)
-    while i < len(input_ids):
-        if input_ids[i] == image_token_id:
-            t, h, w = next(images)
-            rows, cols = h // spatial_merge_size, w // spatial_merge_size
-            frame, row, col = torch.meshgrid(torch.arange(t), torch.arange(rows), torch.arange(cols), indexing="ij")
-            chunks.append(torch.stack([frame.flatten(), row.flatten(), col.flatten()]) + pos)
-            pos += max(rows, cols)
-            i += t * rows * cols
-            continue
-        end = i
-        while end < len(input_ids) and input_ids[end] != image_token_id:
-            end += 1
-        chunks.append(torch.arange(pos, pos + end - i).expand(3, -1))
-        pos += end - i
-        i = end
+    """HF's ``get_rope_index`` for a prompt of text, images and videos whose tokens are ``spans`` ((offset, grid,
+    temporal interval) each, in order): ([3, len] int64 positions, the request's ``mrope_position_delta``).
+    Text counts on from the position after what came before; an image's (a video's) tokens, its merged grid
+    frame by frame, row by row, are at that position + (frame · interval, truncated, row, column), and the text
+    after it starts past its larger side. (A video's interval, Qwen2.5-VL's ``tokens_per_second ·
+    second_per_grid_t``, is HF's fp32 tensor: its products truncate as HF's do.) The delta: the last position
+    + 1 - the prompt's length."""
+    chunks, pos, i = [], 0, 0
+    for offset, (t, h, w), interval in spans:
+        chunks.append(torch.arange(pos, pos + offset - i).expand(3, -1))
+        pos += offset - i
+        rows, cols = h // spatial_merge_size, w // spatial_merge_size
+        frame, row, col = torch.meshgrid((torch.arange(t) * interval).long(), torch.arange(rows), torch.arange(cols),
+                                         indexing="ij")
+        chunks.append(torch.stack([frame.flatten(), row.flatten(), col.flatten()]) + pos)
+        pos += max(rows, cols)
+        i = offset + t * rows * cols
+    chunks.append(torch.arange(pos, pos + prompt_len - i).expand(3, -1))
     positions = torch.cat(chunks, dim=1).to(torch.int64)
-    return positions, int(positions.max()) + 1 - len(input_ids)
+    return positions, int(positions.max()) + 1 - prompt_len
 
 
 class Segments(NamedTuple):

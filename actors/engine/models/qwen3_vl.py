@@ -12,7 +12,11 @@ rows carry their DeepStack features with them.
 
 M-RoPE is interleaved (``mrope_interleaved``): the frequency bands take the temporal, height and
 width positions in turn (:class:`~actors.engine.layers.MRotaryEmbedding`); the prompt's positions
-are Qwen2.5-VL's for images (:func:`~actors.engine.models.qwen2_5_vl.mrope_positions`).
+are Qwen2.5-VL's for images (:func:`~actors.engine.models.qwen2_5_vl.mrope_positions`). A video's temporal
+patches are items of their own (``frame_timestamps``), each after its timestamp's text (HF's processor's
+``<1.5 seconds>``) and at positions of one frame: the prompt's text tells the time, as in HF's
+``get_rope_index``. The tower encodes a frame alone as in a video (its attention, rotary and position table are
+per frame).
 """
 
 from __future__ import annotations
@@ -141,6 +145,7 @@ class Qwen3VLForConditionalGeneration(Qwen2_5_VLForConditionalGeneration):
 
     layer_cls = Qwen3VLDecoderLayer
     vision_cls = VisionTransformer
+    frame_timestamps = True  # (multimodal.MultimodalProcessor: a video's temporal patches, each after its time)
 
     def __init__(self, config, tp: TPGroup = SINGLE):
         super().__init__(config, tp)

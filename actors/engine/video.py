@@ -1,0 +1,156 @@
+"""Video input: a video's frames to the patches and grid a Qwen-VL vision tower takes.
+
+What HF's ``Qwen2VLVideoProcessor`` and ``Qwen3VLVideoProcessor`` compute for given frames (a video
+already decoded: without a rate, HF's 24 fps is assumed), without their torchvision backend (not a
+dependency): frames sampled as the checkpoint's processor samples them (Qwen2-VL's: all of them;
+Qwen3-VL's: ``fps`` a second, ``min_frames`` to ``max_frames``), resized to a multiple of
+``patch_size · merge_size`` within the pixel budget (its ``smart_resize``; PIL's bicubic, as the image
+processor's PIL backend: torchvision's antialiased bicubic may round a pixel apart), rescaled and
+normalized, padded to ``temporal_patch_size`` frames with the last one, and cut into patches in the
+image processor's layout (merge blocks row-major, each patch ``channels · temporal · patch · patch``).
+
+The settings are the checkpoint's ``video_preprocessor_config.json`` over the family's class defaults.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple
+
+import numpy as np
+import torch
+
+HF_DEFAULT_FPS = 24  # what HF's processors take a video's fps to be when its frames come without metadata
+
+_CLIP_MEAN, _CLIP_STD = [0.48145466, 0.4578275, 0.40821073], [0.26862954, 0.26130258, 0.27577711]
+# the processors' class defaults (transformers' Qwen2VLVideoProcessor, Qwen3VLVideoProcessor)
+QWEN2_VL_DEFAULTS = dict(size={"shortest_edge": 128 * 28 * 28, "longest_edge": 28 * 28 * 768}, patch_size=14,
+                         temporal_patch_size=2, merge_size=2, image_mean=_CLIP_MEAN, image_std=_CLIP_STD,
+                         do_sample_frames=False, fps=None, min_frames=4, max_frames=768)
+QWEN3_VL_DEFAULTS = dict(size={"shortest_edge": 128 * 32 * 32, "longest_edge": 32 * 32 * 768}, patch_size=16,
+                         temporal_patch_size=2, merge_size=2, image_mean=[0.5] * 3, image_std=[0.5] * 3,
+                         do_sample_frames=True, fps=2, min_frames=4, max_frames=768)
+
+
+class ProcessedVideo(NamedTuple):
+    """``pixel_values`` [t·h·w, channels · temporal_patch · patch²] fp32, ``grid_thw`` (t, h, w) in patches,
+    ``timestamps``, each temporal patch's time in seconds (the mean of its frames': Qwen3-VL's prompt text),
+    and ``seconds_per_grid_t``, a temporal patch's seconds at the kept frames' rate (Qwen2.5-VL's
+    ``second_per_grid_ts``: its M-RoPE's temporal step)."""
+
+    pixel_values: torch.Tensor
+    grid_thw: Tuple[int, int, int]
+    timestamps: List[float]
+    seconds_per_grid_t: float
+
+
+def video_frames(video: Any) -> np.ndarray:
+    """A video's frames as a uint8 array [T, H, W, 3]: a list of PIL images (of one size) or such an array.
+    ValueError for anything else."""
+    from PIL import Image
+
+    if isinstance(video, (list, tuple)) and video and all(isinstance(f, Image.Image) for f in video):
+        if len({f.size for f in video}) > 1:
+            raise ValueError(f"video_data: a video's frames are of one size, not {sorted({f.size for f in video})}")
+        video = np.stack([np.asarray(f.convert("RGB")) for f in video])
+    if not (isinstance(video, np.ndarray) and video.dtype == np.uint8 and video.ndim == 4 and video.shape[-1] == 3
+            and len(video)):
+        raise ValueError("video_data: a video is its frames, a list of PIL images or a uint8 array [T, H, W, 3] "
+                         f"(not {type(video).__name__}{getattr(video, 'shape', '')})")
+    return video
+
+
+@dataclass(frozen=True)
+class VideoProcessor:
+    """One checkpoint's video settings (HF's names) and the processing of a video's frames."""
+
+    size: Dict[str, int]
+    patch_size: int
+    temporal_patch_size: int
+    merge_size: int
+    image_mean: List[float]
+    image_std: List[float]
+    do_sample_frames: bool
+    fps: Optional[float]
+    min_frames: int
+    max_frames: int
+    # Qwen3VLVideoProcessor's rules (smart_resize holds t·h·w to the size's pixel range; do_sample_frames samples
+    # fps a second), else Qwen2VLVideoProcessor's (h·w; its do_sample_frames, which needs a decoded file's
+    # metadata, is not followed: all frames kept)
+    qwen3: bool
+
+    @classmethod
+    def from_pretrained(cls, model_path: str, qwen3: bool) -> "VideoProcessor":
+        settings = dict(QWEN3_VL_DEFAULTS if qwen3 else QWEN2_VL_DEFAULTS)
+        path = os.path.join(model_path, "video_preprocessor_config.json")
+        if os.path.isfile(path):
+            with open(path) as f:
+                saved = json.load(f)
+            settings.update({key: saved[key] for key in settings if saved.get(key) is not None})
+        return cls(**settings, qwen3=qwen3)
+
+    def sample(self, num_frames: int) -> np.ndarray:
+        """The indices of the frames HF's processor keeps of ``num_frames`` given ones (their fps taken as
+        :data:`HF_DEFAULT_FPS`)."""
+        if not (self.qwen3 and self.do_sample_frames):
+            return np.arange(num_frames)
+        keep = int(num_frames / HF_DEFAULT_FPS * self.fps)
+        keep = min(max(keep, self.min_frames), self.max_frames, num_frames)
+        return np.linspace(0, num_frames - 1, keep).round().astype(int)
+
+    def resized_size(self, num_frames: int, height: int, width: int):
+        """HF's ``smart_resize``: (height, width) multiples of ``patch_size · merge_size``, the aspect kept,
+        the pixels (a frame's, or Qwen3-VL's the whole video's) within ``size``."""
+        factor, t_bar = self.patch_size * self.merge_size, 1
+        lo, hi = self.size["shortest_edge"], self.size["longest_edge"]
+        if self.qwen3:
+            if height < factor or width < factor:
+                scale = max(factor / height, factor / width)
+                height, width = int(height * scale), int(width * scale)
+            t_bar = round(num_frames / self.temporal_patch_size) * self.temporal_patch_size
+        if max(height, width) / min(height, width) > 200:
+            raise ValueError(f"video_data: a frame's aspect ratio is over 200 ({width} x {height})")
+        h, w = round(height / factor) * factor, round(width / factor) * factor
+        scale_frames = num_frames if self.qwen3 else 1
+        if t_bar * h * w > hi:
+            beta = math.sqrt(scale_frames * height * width / hi)
+            h = max(factor, math.floor(height / beta / factor) * factor)
+            w = max(factor, math.floor(width / beta / factor) * factor)
+        elif t_bar * h * w < lo:
+            beta = math.sqrt(lo / (scale_frames * height * width))
+            h, w = math.ceil(height * beta / factor) * factor, math.ceil(width * beta / factor) * factor
+        return h, w
+
+    def __call__(self, video: Any) -> ProcessedVideo:
+        """``video``: its frames (:func:`video_frames`), or ``{"frames": ..., "fps": rate}``, frames sampled at a
+        known rate (a decoded file's), taken as they are (HF's processor given metadata, not sampling again)."""
+        from PIL import Image
+
+        fps = None
+        if isinstance(video, dict):
+            fps, video = float(video["fps"]), video["frames"]
+        frames = video_frames(video)
+        indices = self.sample(len(frames)) if fps is None else np.arange(len(frames))
+        sampled_fps = (fps or HF_DEFAULT_FPS) * len(indices) / len(frames)  # (HF's VideoMetadata.sampled_fps)
+        frames = frames[indices]
+        if self.qwen3 and len(frames) < self.temporal_patch_size:
+            raise ValueError(f"video_data: a video of {len(frames)} frame(s); this model takes "
+                             f"{self.temporal_patch_size} at least")
+        h, w = self.resized_size(len(frames), *frames.shape[1:3])
+        resized = np.stack([np.asarray(Image.fromarray(f).resize((w, h), Image.BICUBIC)) for f in frames])
+        # (rescaled and normalized in one, as HF's torchvision backend: the mean and std times 255)
+        mean, std = (torch.tensor(v)[:, None, None] * 255 for v in (self.image_mean, self.image_std))
+        x = (torch.from_numpy(resized).permute(0, 3, 1, 2).float() - mean) / std
+        tp, p, m = self.temporal_patch_size, self.patch_size, self.merge_size
+        if pad := -len(x) % tp:
+            x = torch.cat([x, x[-1:].expand(pad, -1, -1, -1)])
+            indices = np.concatenate([indices, indices[-1:].repeat(pad)])
+        t, gh, gw = len(x) // tp, h // p, w // p
+        patches = x.view(t, tp, 3, gh // m, m, p, gw // m, m, p).permute(0, 3, 6, 4, 7, 2, 1, 5, 8)
+        seconds = [int(i) / (fps or HF_DEFAULT_FPS) for i in indices]
+        timestamps = [(seconds[i] + seconds[i + tp - 1]) / 2 for i in range(0, len(seconds), tp)]
+        return ProcessedVideo(patches.reshape(t * gh * gw, 3 * tp * p * p), (t, gh, gw), timestamps,
+                              tp / sampled_fps)

@@ -1,0 +1,274 @@
+"""Videos (``video_data``, chat's ``video_url`` parts) on the tiny Qwen2.5-VL and Qwen3-VL: greedy tokens and
+logprobs equal HF's for a video prompt, a mixed image + video one and Qwen3-VL's timestamped frames; M-RoPE's
+temporal ids are HF's ``get_rope_index``'s; the same video hits the prefix cache; TP 2 and PD workers take videos
+as images; ``limit_mm_per_prompt`` and bad input are refused; the server takes a video as its frames' image URLs
+and answers a video file without its decoder with a 400 naming it."""
+
+import asyncio
+import base64
+import importlib.machinery
+import importlib.util
+import io
+import sys
+import types
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from actors.engine import Engine
+from actors.engine.models.qwen2_5_vl import VisionTransformer
+from actors.engine.multimodal import MultimodalProcessor
+from actors.engine.tiny import build_tiny_checkpoint
+from actors.engine.tokenizer import VIDEO_PAD_ID, load_tokenizer
+from tests.parity import assert_greedy_parity, hf_image_inputs, hf_model
+from tests.pd_helpers import close_workers, make_pair, run_pd
+from tests.test_engine_vl import engine  # noqa: F401 (a fixture)
+from tests.test_engine_vl import MAX_NEW, encodings_per_rank, image
+
+PARAMS = dict(max_new_tokens=MAX_NEW, temperature=0, return_logprob=True)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return str(build_tiny_checkpoint("qwen2_5_vl", tmp_path_factory.mktemp("qwen2_5_vl")))
+
+
+def frames(num_frames: int, height: int, width: int, seed: int) -> np.ndarray:
+    return np.random.RandomState(seed).randint(0, 256, (num_frames, height, width, 3), dtype=np.uint8)
+
+
+def chat(tokenizer, text: str, media=("video",)) -> str:
+    parts = [{"type": kind} for kind in media] + [{"type": "text", "text": text}]
+    return tokenizer.apply_chat_template([{"role": "user", "content": parts}], tokenize=False,
+                                         add_generation_prompt=True)
+
+
+def generate(engine: Engine, prompts, videos, images=None):
+    """Greedy results of ``prompts`` with their ``videos`` (and ``images``), checked against HF's tokens and
+    logprobs."""
+    outs = engine.generate(prompt=prompts, image_data=images, video_data=videos, sampling_params=PARAMS)
+    assert_greedy_parity(engine.config.model_path, [engine.tokenizer.encode(p) for p in prompts],
+                         [o["output_ids"] for o in outs], MAX_NEW, engine.eos_token_ids,
+                         logprobs=[[lp for lp, _ in o["meta_info"]["output_token_logprobs"]] for o in outs],
+                         images=images, videos=videos)
+    return outs
+
+
+def test_videos_and_a_mixed_image_and_video_prompt_equal_hf_and_the_video_matters(engine):
+    """14 frames of 60 x 90 (a uint8 array): 7 temporal patches of 4 x 6 (56 x 84 pixels), 42 tokens, HF's
+    temporal ids 0, 0, 0, 1, 1, 1, 2 (tokens_per_second · 2 / 24 fps a patch, truncated); 5 frames as PIL images
+    (padded to 6 with the last); a batch with a video, another video, a video + image + video prompt and text."""
+    tokenizer = engine.tokenizer
+    pil = [Image.fromarray(f) for f in frames(5, 80, 50, 2)]
+    prompts = [chat(tokenizer, "what?"), chat(tokenizer, "what?"),
+               chat(tokenizer, "mixed", ("video", "image", "video")), chat(tokenizer, "text", ())]
+    a, b, _, _ = generate(engine, prompts, [[frames(14, 60, 90, 0)], [frames(14, 60, 90, 1)],
+                                            [frames(14, 60, 90, 0), pil], None],
+                          images=[None, None, [image(70, 70, 3)], None])
+    assert a["meta_info"]["prompt_tokens"] == len(tokenizer.encode(prompts[0])) - 1 + 42
+    assert a["meta_info"]["output_token_logprobs"] != b["meta_info"]["output_token_logprobs"]
+
+
+def test_video_mrope_positions_equal_hfs_get_rope_index(engine):
+    """Qwen2.5-VL's temporal ids tokens_per_second · second_per_grid_t apart (truncated as HF's fp32 products),
+    between images and text; the delta is HF's."""
+    ids = [5, VIDEO_PAD_ID, 6, engine.mm_processor.image_token_id, VIDEO_PAD_ID, 7]
+    videos, images = [frames(14, 60, 90, 0), frames(3, 100, 40, 1)], [image(60, 200, 2)]
+    _, mm_inputs = engine.mm_processor.process(ids, images, videos)
+    inputs = hf_image_inputs(engine.config.model_path, ids, images, videos)
+    positions, delta = hf_model(engine.config.model_path).model.get_rope_index(
+        inputs["input_ids"], inputs["mm_token_type_ids"], inputs["image_grid_thw"], inputs["video_grid_thw"],
+        inputs["second_per_grid_ts"])
+    assert torch.equal(mm_inputs.mrope_positions, positions[:, 0])
+    assert mm_inputs.mrope_position_delta == int(delta)
+    assert mm_inputs.mrope_positions[0, 1:43].unique().numel() == 3  # (the 7 patches' temporal ids: 0, 1, 2)
+
+
+def test_the_same_video_hits_the_prefix_cache_and_another_does_not(engine):
+    prompt = chat(engine.tokenizer, "same")
+    start = engine.tokenizer.encode(prompt).index(VIDEO_PAD_ID)
+    video = frames(6, 60, 60, 5)
+    other = video.copy()
+    other[-1, 0, 0] ^= 255  # (one pixel of the last frame)
+    first, again, changed = (engine.generate(prompt=prompt, video_data=[v], sampling_params=PARAMS)
+                             for v in (video, video, other))
+    assert again["output_ids"] == first["output_ids"]
+    assert again["meta_info"]["cached_tokens"] == first["meta_info"]["prompt_tokens"] - 1
+    assert changed["meta_info"]["cached_tokens"] == start
+
+
+def test_limit_mm_per_prompt_and_bad_videos_are_refused(model_dir):
+    engine = Engine(model_dir, max_total_tokens=512, limit_mm_per_prompt={"video": 1})
+    two = chat(engine.tokenizer, "two", ("video", "video"))
+    with pytest.raises(ValueError, match=r"At most 1 video\(s\) may be provided in one prompt, not 2"):
+        engine.generate(prompt=two, video_data=[frames(2, 56, 56, 0), "not a video"])
+    with pytest.raises(ValueError, match=r"1 video\(s\) in video_data but 2 video pad token"):
+        engine.generate(prompt=two, video_data=[frames(2, 56, 56, 0)])
+    with pytest.raises(ValueError, match="frames are of one size"):
+        engine.generate(prompt=chat(engine.tokenizer, "one"), video_data=[[image(56, 56, 0), image(60, 56, 1)]])
+    with pytest.raises(ValueError, match="a video is its frames"):
+        engine.generate(prompt=chat(engine.tokenizer, "one"), video_data=[frames(2, 56, 56, 0).astype(np.float32)])
+    engine.check_integrity()
+    engine.shutdown()
+
+
+def test_tp2_encodes_a_video_once_per_rank_and_equals_hf(model_dir, monkeypatch):
+    encoded, _ = encodings_per_rank(monkeypatch, VisionTransformer, lambda pixels, grid: grid)
+    engine = Engine(model_dir, max_total_tokens=2048, tp_size=2, chunked_prefill_size=8)
+    generate(engine, [chat(engine.tokenizer, "tp"), chat(engine.tokenizer, "text", ())], [[frames(8, 60, 90, 6)], None])
+    assert len(encoded) == 2 and all(grids == [(4, 4, 6)] for grids in encoded.values())
+    engine.check_integrity()
+    engine.shutdown()
+
+
+def test_a_video_through_pd_workers_equals_hf(model_dir):
+    prefill, decode = make_pair(model_dir, prefill_args=dict(chunked_prefill_size=8))
+    tokenizer, video = load_tokenizer(model_dir), frames(8, 60, 90, 7)
+    prompt = tokenizer.encode(chat(tokenizer, "pd"))
+    processor = MultimodalProcessor.for_model(model_dir, prefill.runner.model_config, prefill.runner.model)
+    ids, mm_inputs = processor.process(prompt, [], [video])
+    final, _, _ = asyncio.run(run_pd(prefill, decode, ids, PARAMS, mm_inputs=mm_inputs))
+    assert_greedy_parity(model_dir, [prompt], [final["output_ids"]], MAX_NEW, decode.eos_token_ids,
+                         logprobs=[[lp for lp, _ in final["meta_info"]["output_token_logprobs"]]], videos=[[video]])
+    close_workers(prefill, decode)
+
+
+def test_qwen3_vl_timestamped_frames_equal_hf(tmp_path):
+    """Qwen3-VL's processor samples 2 frames a second of given frames (taken at HF's 24 fps: 4 of 14, its
+    min_frames) and writes each temporal patch after its timestamp (HF's _calculate_timestamps of them), between
+    vision start and end tokens; tokens and logprobs are HF's."""
+    from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
+
+    engine = Engine(str(build_tiny_checkpoint("qwen3_vl", tmp_path / "qwen3_vl")), max_total_tokens=2048)
+    video = frames(14, 60, 90, 8)
+    out, = generate(engine, [chat(engine.tokenizer, "when?")], [[video]])
+    req = engine._make_req({}, chat(engine.tokenizer, "when?"), None, None, video_data=[video])
+    text = engine.tokenizer.decode(req.origin_input_ids_unpadded)
+    indices = np.linspace(0, 13, 4).round().astype(int)
+    times = Qwen3VLProcessor._calculate_timestamps(None, indices, 24, 2)
+    assert [f"<{t:.1f} seconds>" in text for t in times] == [True, True] and text.count("<|vision_start|>") == 3
+    assert len(req.mm_inputs.images) == 2 and all(item.grid_thw[0] == 1 for item in req.mm_inputs.images)
+    engine.check_integrity()
+    engine.shutdown()
+
+
+def test_chat_video_frames_and_generate_video_data_equal_the_engines_answer(engine):
+    """A video_url part (and /generate's video_data) of its frames' data URLs answers as the engine does to the
+    frames; a video file without PyAV, more videos than limit_mm_per_prompt, and a video_url of another shape are
+    400s naming why."""
+    import httpx
+
+    from cluster.config import ServerConfig
+    from cluster.http_server import BackgroundServer
+    from cluster.server import build_app
+    from tests import test_openai_compat as compat
+
+    pil = [Image.fromarray(f) for f in frames(4, 60, 90, 9)]
+    urls = []
+    for frame in pil:
+        png = io.BytesIO()
+        frame.save(png, format="PNG")
+        urls.append("data:image/png;base64," + base64.b64encode(png.getvalue()).decode())
+    want = engine.generate(prompt=chat(engine.tokenizer, "what?"), video_data=[pil], sampling_params=PARAMS)
+
+    def body(*videos):
+        parts = [{"type": "video_url", "video_url": {"url": video}} for video in videos]
+        return {"model": compat.MODEL, "max_tokens": MAX_NEW, "temperature": 0, "logprobs": True,
+                "messages": [{"role": "user", "content": parts + [{"type": "text", "text": "what?"}]}]}
+
+    backend = compat.EngineBackend(engine, 2048)
+    backend.limit_mm_per_prompt = {"video": 1}
+    with BackgroundServer(build_app(backend, engine.tokenizer, ServerConfig()), "127.0.0.1", 0) as server:
+        def post(path, json):
+            return httpx.post(server.url + path, json=json, timeout=60)
+
+        chat_answer = post("/v1/chat/completions", body(urls))
+        native = post("/generate", {"text": chat(engine.tokenizer, "what?"), "video_data": [urls],
+                                    "sampling_params": {"max_new_tokens": MAX_NEW, "temperature": 0}})
+        video_file = post("/v1/chat/completions", body("data:video/mp4;base64,AAAA"))
+        two = post("/v1/chat/completions", body(urls, urls))
+        shape = post("/v1/chat/completions", body(5))
+    assert chat_answer.status_code == 200, chat_answer.text
+    assert chat_answer.json()["choices"][0]["message"]["content"] == want["text"]
+    got = [t["logprob"] for t in chat_answer.json()["choices"][0]["logprobs"]["content"]]
+    assert got == pytest.approx([lp for lp, _ in want["meta_info"]["output_token_logprobs"]], abs=1e-5)
+    assert native.status_code == 200 and native.json()["output_ids"] == want["output_ids"]
+    if importlib.util.find_spec("av") is None:
+        assert video_file.status_code == 400
+        assert "needs PyAV (the 'av' package)" in video_file.json()["error"]["message"]
+    assert two.status_code == 400 and "At most 1 video(s)" in two.json()["error"]["message"]
+    assert shape.status_code == 400 and "a video's URL or a list of its frames' image URLs" in \
+        shape.json()["error"]["message"]
+
+
+def test_frames_at_a_known_rate_are_taken_as_they_are(engine):
+    """``{"frames": ..., "fps": rate}`` (a decoded file's frames): the same patches as the bare frames, a temporal
+    patch the rate's seconds (Qwen2.5-VL's second_per_grid_t) where bare frames are taken at HF's 24 fps."""
+    video = frames(8, 56, 56, 10)
+    given = engine.mm_processor.video_processor({"frames": video, "fps": 4})
+    bare = engine.mm_processor.video_processor(video)
+    assert given.grid_thw == bare.grid_thw and torch.equal(given.pixel_values, bare.pixel_values)
+    assert (given.seconds_per_grid_t, bare.seconds_per_grid_t) == (2 / 4, 2 / 24)
+
+
+FAKE_AV = '''
+import numpy as np
+
+class Frame:
+    def __init__(self, index):
+        self.index = index
+
+    def to_ndarray(self, format):
+        return np.full((56, 84, 3), self.index * 5, dtype=np.uint8)
+
+class Stream:
+    average_rate = 24
+
+class Container:
+    streams = type("Streams", (), {"video": [Stream()]})
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def decode(self, stream):
+        return [Frame(i) for i in range(48)]
+
+def open(file):
+    return Container()
+'''
+
+
+def test_a_video_file_is_decoded_by_pyav_and_sampled_as_vllms_loader(engine, monkeypatch):
+    """With ``av`` importable (a stand-in here: 48 frames at 24 fps), a video file's URL answers as the engine does
+    to the frames vLLM's loader keeps: video_fps 2 a second of its 2 s, at most video_num_frames, at their rate."""
+    import httpx
+
+    from cluster.config import ServerConfig
+    from cluster.http_server import BackgroundServer
+    from cluster.media_fetch import decode_video
+    from cluster.server import build_app
+    from tests import test_openai_compat as compat
+
+    av = types.ModuleType("av")
+    av.__spec__ = importlib.machinery.ModuleSpec("av", None)
+    exec(FAKE_AV, av.__dict__)
+    monkeypatch.setitem(sys.modules, "av", av)  # (gone after the test)
+    kept = np.stack([np.full((56, 84, 3), i * 5, dtype=np.uint8) for i in np.linspace(0, 47, 3).round().astype(int)])
+    capped, by_fps = decode_video("a.mp4", b"", 3, 2.0), decode_video("a.mp4", b"", 32, 2.0)
+    assert np.array_equal(capped["frames"], kept) and capped["fps"] == 3 / 2  # (3 frames over its 2 s)
+    assert len(by_fps["frames"]) == 4 and by_fps["fps"] == 2.0
+    want = engine.generate(prompt=chat(engine.tokenizer, "what?"), video_data=[{"frames": kept, "fps": 1.5}],
+                           sampling_params=PARAMS)
+    body = {"model": compat.MODEL, "max_tokens": MAX_NEW, "temperature": 0, "messages": [{"role": "user", "content": [
+        {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}}, {"type": "text", "text": "what?"}]}]}
+    app = build_app(compat.EngineBackend(engine, 2048), engine.tokenizer, ServerConfig(video_num_frames=3))
+    with BackgroundServer(app, "127.0.0.1", 0) as server:
+        r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] == want["text"]
+    assert r.json()["usage"]["prompt_tokens"] == want["meta_info"]["prompt_tokens"]
