@@ -22,6 +22,7 @@ from actors.engine.models.qwen2_5_vl import VisionTransformer
 from actors.engine.multimodal import MultimodalProcessor
 from actors.engine.tiny import build_tiny_checkpoint
 from actors.engine.tokenizer import VIDEO_PAD_ID, load_tokenizer
+from actors.engine.video import VideoProcessor
 from tests.parity import assert_greedy_parity, hf_image_inputs, hf_model
 from tests.pd_helpers import close_workers, make_pair, run_pd
 from tests.test_engine_vl import engine  # noqa: F401 (a fixture)
@@ -33,6 +34,11 @@ PARAMS = dict(max_new_tokens=MAX_NEW, temperature=0, return_logprob=True)
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return str(build_tiny_checkpoint("qwen2_5_vl", tmp_path_factory.mktemp("qwen2_5_vl")))
+
+
+@pytest.fixture(scope="module")
+def qwen3_dir(tmp_path_factory):
+    return str(build_tiny_checkpoint("qwen3_vl", tmp_path_factory.mktemp("qwen3_vl")))
 
 
 def frames(num_frames: int, height: int, width: int, seed: int) -> np.ndarray:
@@ -135,13 +141,13 @@ def test_a_video_through_pd_workers_equals_hf(model_dir):
     close_workers(prefill, decode)
 
 
-def test_qwen3_vl_timestamped_frames_equal_hf(tmp_path):
+def test_qwen3_vl_timestamped_frames_equal_hf(qwen3_dir):
     """Qwen3-VL's processor samples 2 frames a second of given frames (taken at HF's 24 fps: 4 of 14, its
     min_frames) and writes each temporal patch after its timestamp (HF's _calculate_timestamps of them), between
     vision start and end tokens; tokens and logprobs are HF's."""
     from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
 
-    engine = Engine(str(build_tiny_checkpoint("qwen3_vl", tmp_path / "qwen3_vl")), max_total_tokens=2048)
+    engine = Engine(qwen3_dir, max_total_tokens=2048)
     video = frames(14, 60, 90, 8)
     out, = generate(engine, [chat(engine.tokenizer, "when?")], [[video]])
     req = engine._make_req({}, chat(engine.tokenizer, "when?"), None, None, video_data=[video])
@@ -201,6 +207,23 @@ def test_chat_video_frames_and_generate_video_data_equal_the_engines_answer(engi
     assert two.status_code == 400 and "At most 1 video(s)" in two.json()["error"]["message"]
     assert shape.status_code == 400 and "a video's URL or a list of its frames' image URLs" in \
         shape.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_a_video_of_one_frame_twice_is_hfs_image_processors_image(model_dir, qwen3_dir, family):
+    """HF's image processor tiles an image temporal_patch_size times: the same frame twice, at a rate (no
+    sampling), is that image's grid and pixels (resize, normalization, patch layout), the video budget taking it
+    whole."""
+    from transformers import AutoImageProcessor
+
+    path = model_dir if family == "qwen2_5_vl" else qwen3_dir
+    frame = frames(1, 60, 90, 11)[0]
+    hf = AutoImageProcessor.from_pretrained(path, local_files_only=True)(images=[Image.fromarray(frame)],
+                                                                       return_tensors="pt")
+    ours = VideoProcessor.from_pretrained(path, qwen3=family == "qwen3_vl")({"frames": np.stack([frame] * 2),
+                                                                             "fps": 2})
+    assert [list(ours.grid_thw)] == hf["image_grid_thw"].tolist()
+    torch.testing.assert_close(ours.pixel_values, hf["pixel_values"], atol=1e-6, rtol=0)
 
 
 def test_frames_at_a_known_rate_are_taken_as_they_are(engine):
