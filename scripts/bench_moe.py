@@ -15,6 +15,9 @@ kernels run under Triton's interpreter (set here), at tiny sizes: a correctness 
 ``--quant gptq | awq | compressed``: the experts packed 4-bit in groups of 128, their words random (as
 bench_wna16.py's layers); eager is then each expert's packed linear (on CUDA the dequant-GEMM kernel;
 compressed-tensors' dequantize-then-matmul), fused the packed grouped GEMM (:mod:`actors.engine.moe_wna16`).
+``--quant fp8 | fp8-tensor | int8``: the experts as compressed-tensors stores FP8 / int8 values (``-FP8-dynamic``'s
+per-channel scales, per-tensor FP8's one a matrix, ``-quantized.w8a8``'s int8 channels), random values; eager
+dequantizes each expert's weights then multiplies, fused scales each tile in the grouped GEMM.
 
     python scripts/bench_moe.py [--device cuda] [--shapes qwen3-30b-a3b mixtral-8x7b] [--tokens 1 64 2048]
                                 [--quant gptq]
@@ -35,6 +38,7 @@ if not torch.cuda.is_available():
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from actors.engine import compressed_tensors  # noqa: E402
 from actors.engine.fused_moe import fuse_experts  # noqa: E402
 from actors.engine.models.moe import ExpertList, qwen_expert, run_experts  # noqa: E402
 from actors.engine.parallel import SINGLE, LinearBase  # noqa: E402
@@ -49,6 +53,11 @@ class Shape(NamedTuple):
     top_k: int
 
 
+# compressed-tensors' unpacked values: -FP8-dynamic's, per-tensor FP8's, -quantized.w8a8's
+UNPACKED = {"fp8": compressed_tensors.Scheme(8, "float", "channel", 0, True, False),
+            "fp8-tensor": compressed_tensors.PER_TENSOR_FP8,
+            "int8": compressed_tensors.Scheme(8, "int", "channel", 0, True, False)}
+
 SHAPES = {
     "qwen3-30b-a3b": Shape(2048, 768, 128, 8),
     "mixtral-8x7b": Shape(4096, 14336, 8, 2),
@@ -58,8 +67,8 @@ SHAPES = {
 
 
 def make_experts(shape: Shape, dtype: torch.dtype, device: str, quant: str = "none") -> ExpertList:
-    """``shape``'s experts in ``dtype``, their weights ~ N(0, 1/fan_in), or packed by ``quant`` (fp32 scales,
-    as a loaded model keeps them)."""
+    """``shape``'s experts in ``dtype``, their weights ~ N(0, 1/fan_in), or packed or stored by ``quant`` (fp32
+    scales, as a loaded model keeps them)."""
     with torch.device(device):
         experts = ExpertList(range(shape.experts),
                              lambda: qwen_expert(shape.hidden, shape.intermediate, "silu", SINGLE, "i"))
@@ -69,8 +78,23 @@ def make_experts(shape: Shape, dtype: torch.dtype, device: str, quant: str = "no
     experts = experts.to(dtype).requires_grad_(False)
     if quant != "none":
         for linear in [m for m in experts.modules() if isinstance(m, LinearBase)]:
-            pack_randomly(linear, quant)
+            if quant in UNPACKED:
+                store_randomly(linear, UNPACKED[quant])
+            else:
+                pack_randomly(linear, quant)
     return experts
+
+
+def store_randomly(linear: torch.nn.Module, scheme: compressed_tensors.Scheme) -> None:
+    """``linear`` as compressed-tensors stores ``scheme``'s FP8 / int8 values, random ones (and scales) keeping
+    each weight ~ 1/sqrt(fan_in)."""
+    shape = (linear.out_features, linear.in_features)
+    compressed_tensors.quantize_linear(linear, "expert", scheme, shape, [1])
+    magnitude = 1 if scheme.type == "float" else 32  # (of a stored value)
+    with torch.no_grad():
+        values = torch.randn(shape, device=linear.weight.device) * magnitude
+        linear.weight.copy_(values if scheme.type == "float" else values.round().clamp(-127, 127))
+        linear.weight_scale.fill_(1 / magnitude / shape[1] ** 0.5)
 
 
 def bench(shape: Shape, num_tokens: int, dtype: torch.dtype, device: str, iters: int, quant: str = "none") -> tuple:
@@ -99,11 +123,13 @@ def main() -> None:
     parser.add_argument("--tokens", nargs="+", type=int, default=[1, 8, 64, 512, 2048] if cuda else [1, 13, 64])
     parser.add_argument("--dtype", default="bfloat16" if cuda else "float32")
     parser.add_argument("--iters", type=int, default=20 if cuda else 3)
-    parser.add_argument("--quant", choices=["none", *FORMATS], default="none",
-                        help=f"the experts packed 4-bit in groups of {GROUP_SIZE}, their words random")
+    parser.add_argument("--quant", choices=["none", *FORMATS, *UNPACKED], default="none",
+                        help=f"the experts packed 4-bit in groups of {GROUP_SIZE}, their words random; or FP8 / "
+                             "int8 values (compressed-tensors'), random")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
-    weights = "unquantized" if args.quant == "none" else f"{args.quant} 4-bit, group {GROUP_SIZE}"
+    weights = ("unquantized" if args.quant == "none" else f"{args.quant} 4-bit, group {GROUP_SIZE}"
+               if args.quant in FORMATS else f"{args.quant}, {UNPACKED[args.quant].strategy} scales")
     print(f"device {args.device} ({torch.cuda.get_device_name() if args.device == 'cuda' else 'interpreted'}), "
           f"{args.dtype}, {weights}, median of {args.iters}")
     print(f"{'shape':<15}{'experts':>8}{'top_k':>6}{'tokens':>8}{'eager ms':>11}{'fused ms':>11}{'speed-up':>10}"

@@ -10,7 +10,7 @@
 # on, runs every `gpu`-marked test, then the tests that take CUDA when it is there (Triton
 # attention and allocator kernels compiled, engine parity, pinned host pools) and the PD and
 # transfer tests, `scripts/bench_transfer.py` with the cuda_ipc backend, then `scripts/bench_hicache.py`,
-# `bench_moe.py` (its GPTQ experts too), `bench_decode.py` (CUDA graphs on and off) and `bench_wna16.py`
+# `bench_moe.py` (its GPTQ and FP8 experts too), `bench_decode.py` (CUDA graphs on and off) and `bench_wna16.py`
 # (the GPTQ / AWQ kernel) on cuda; logs and the benchmarks' tables and plots go to $OUT (or ./gpu_out). Record the
 # figures in docs/benchmarks.md.
 set -uo pipefail
@@ -62,6 +62,7 @@ EOF
     python3 scripts/bench_hicache.py --device cuda 2>&1 | tee "$OUT/bench_hicache.txt" | tail -12
     python3 scripts/bench_moe.py --device cuda --shapes qwen3-30b-a3b mixtral-8x7b 2>&1 | tee "$OUT/bench_moe.txt" | tail -20
     python3 scripts/bench_moe.py --device cuda --shapes qwen3-30b-a3b --quant gptq 2>&1 | tee "$OUT/bench_moe_gptq.txt" | tail -8
+    python3 scripts/bench_moe.py --device cuda --shapes qwen3-30b-a3b --quant fp8 2>&1 | tee "$OUT/bench_moe_fp8.txt" | tail -8
     python3 scripts/bench_decode.py --device cuda --plot "$OUT/bench_decode.png" 2>&1 | tee "$OUT/bench_decode.txt" | tail -10
     python3 scripts/bench_wna16.py --device cuda --plot "$OUT/bench_wna16.png" 2>&1 | tee "$OUT/bench_wna16.txt" | tail -30
     exit $status

@@ -30,7 +30,8 @@ FP8_TENSOR = scheme(8, "float", "tensor", format="float-quantized")
 # kv_cache_scheme's k_scale / v_scale unread), -quantized.w4a16 (int4 groups for Linear, its group first, but
 # attention's regex group, more specific, in 8 bits per channel, asymmetric; o_proj ignored); Phi-3's fused
 # qkv_proj and gate_up_proj in asymmetric groups (packed zeros); Qwen3-MoE's experts (torch MoE backend, then
-# the fused one)
+# the fused one), packed int4 groups or -FP8-dynamic's FP8 channels (the experts' down_proj per-tensor, a regex
+# group's)
 CASES = {
     "llama-fp8-per-tensor-static": ("llama", dict(groups={"g": FP8_TENSOR}, per_tensor_fp8=True, static=True,
                                                   kv_scales=True)),
@@ -45,6 +46,9 @@ CASES = {
     "phi3-w4a16-asym": ("phi3", dict(groups={"g": scheme(4, "int", "group", 16, symmetric=False)})),
     "qwen3_moe-w4a16": ("qwen3_moe", dict(groups={"g": scheme(4, "int", "group", 16)},
                                           ignore=("lm_head", r"re:.*mlp\.gate$"))),
+    "qwen3_moe-fp8-dynamic": ("qwen3_moe", dict(groups={"g": scheme(8, "float", "channel", format="float-quantized"),
+                                                        "down": dict(FP8_TENSOR, targets=[r"re:.*experts.*down_proj"])},
+                                                ignore=("lm_head", r"re:.*mlp\.gate$"))),
 }
 
 
@@ -92,6 +96,8 @@ def test_compressed_checkpoint_gives_hf_tokens_over_its_dequantization(case, tmp
                 "model.layers.1.mlp.experts.3.down_proj", "model.layers.1.mlp.shared_experts.up_proj"} <= set(layers)
     if family == "qwen3_moe":
         assert "model.layers.0.mlp.experts.3.down_proj" in layers
+        if "fp8" in case:
+            assert layers["model.layers.0.mlp.experts.3.down_proj"].strategy == "tensor"
         assert_fused_experts_equal_eager(quantized, outputs, logprobs)
 
 

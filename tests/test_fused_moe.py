@@ -4,7 +4,8 @@ size, a TP rank's slice of every expert, an EP rank's half of the experts (the o
 block-FP8 weights dequantized in the kernel (blocks cut by the intermediate dim), a weight update
 copied into the experts after they are stacked, and GPT-OSS's experts (3-D weights read transposed,
 biases, clamped SwiGLU), and packed experts (GPTQ, AWQ, compressed-tensors' pack-quantized: random words,
-zeros and scales) dequantized tile by tile in the kernel, against the eager experts' dequantize-then-matmul.
+zeros and scales) and compressed-tensors' unpacked FP8 / int8 ones (per-tensor, per-channel, group scales)
+dequantized tile by tile in the kernel, against the eager experts' dequantize-then-matmul.
 On the CPU the kernels run interpreted (conftest)."""
 
 from __future__ import annotations
@@ -51,11 +52,7 @@ def packed_experts(fmt, bits, group_size, variant="", tp=SINGLE, seed=0):
     zeros, ``act-order``: GPTQ's ``g_idx``): random words, zeros and groups, scales that keep each weight
     ~ 1/sqrt(fan_in)."""
     experts, generator = make_experts(tp=tp), torch.Generator().manual_seed(seed)
-    for name, linear in experts.named_modules():
-        if not isinstance(linear, LinearBase):
-            continue
-        row = isinstance(linear, RowParallelLinear)
-        full = (linear.out_features * (1 if row else tp.size), linear.in_features * (tp.size if row else 1))
+    for name, linear, full in linears(experts, tp):
         if fmt == "compressed":
             scheme = compressed_tensors.Scheme(bits, "int", "channel" if group_size == -1 else "group",
                                                max(group_size, 0), variant == "sym", packed=True)
@@ -72,6 +69,32 @@ def packed_experts(fmt, bits, group_size, variant="", tp=SINGLE, seed=0):
                 else:
                     p.copy_((torch.rand(p.shape, generator=generator) + 0.5) / (1 << bits) / full[1] ** 0.5)
     return experts
+
+
+def unpacked_experts(kind, strategy, group_size=0, scale_shape=(1,), tp=SINGLE, seed=0):
+    """:func:`make_experts` with every projection as compressed-tensors stores ``kind`` values unpacked
+    (``float``: FP8, ``int``: int8), scaled by ``strategy`` (a per-tensor scale of ``scale_shape``: AutoFP8's
+    is a scalar): random values and scales that keep each weight ~ 1/sqrt(fan_in)."""
+    experts, generator = make_experts(tp=tp), torch.Generator().manual_seed(seed)
+    scheme = compressed_tensors.Scheme(8, kind, strategy, group_size, True, packed=False)
+    magnitude = 1 if kind == "float" else 32  # (of a stored value)
+    for name, linear, full in linears(experts, tp):
+        compressed_tensors.quantize_linear(linear, name, scheme, full, scale_shape)
+        values = torch.randn(linear.weight.shape, generator=generator) * magnitude
+        scales = (torch.rand(linear.weight_scale.shape, generator=generator) + 0.5) / magnitude / full[1] ** 0.5
+        with torch.no_grad():
+            linear.weight.copy_(values.round().clamp(-127, 127) if kind == "int" else values)
+            linear.weight_scale.copy_(scales)
+    return experts
+
+
+def linears(experts, tp):
+    """(name, layer, its whole weight's (out, in) over ``tp``) of every projection of ``experts``."""
+    for name, linear in list(experts.named_modules()):
+        if isinstance(linear, LinearBase):
+            row = isinstance(linear, RowParallelLinear)
+            yield name, linear, (linear.out_features * (1 if row else tp.size),
+                                 linear.in_features * (tp.size if row else 1))
 
 
 def routing(num_tokens, top_k, seed=0, unused=(2,)):
@@ -161,12 +184,14 @@ def test_fp8_weights_dequantized_in_the_kernel():
     torch.testing.assert_close(fused, eager, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("packed", [None, ("gptq", 4, 16)])
-def test_weight_update_after_fusing_reaches_the_kernel(packed):
+@pytest.mark.parametrize("quant", [None, "gptq", "fp8-per-tensor"])
+def test_weight_update_after_fusing_reaches_the_kernel(quant):
     """The experts' parameters are views of the stacked weights: copying new weights into them (what a
     weight update does) changes what the fused kernels compute, the memory held once. GPTQ's words,
-    zeros and scales are stacked along their last dim: each layer's a strided view."""
-    make = (lambda seed: packed_experts(*packed, seed=seed)) if packed else (lambda seed: make_experts(seed=seed))
+    zeros and scales are stacked along their last dim: each layer's a strided view; AutoFP8's scalar
+    scales each an entry of the stacked scales."""
+    make = {None: lambda seed: make_experts(seed=seed), "gptq": lambda seed: packed_experts("gptq", 4, 16, seed=seed),
+            "fp8-per-tensor": lambda seed: unpacked_experts("float", "tensor", scale_shape=(), seed=seed)}[quant]
     experts, new = make(0), make(1)
     x, idx, weights = routing(9, 2)
     fuse_experts(torch.nn.Sequential(experts))
@@ -214,14 +239,37 @@ def test_packed_experts_dequantized_in_the_kernel(fmt, bits, group_size, variant
     torch.testing.assert_close(fused, eager, rtol=1e-5, atol=1e-5)
 
 
+# kind (float: FP8, int: int8), strategy, group size, a per-tensor scale's shape (AutoFP8's scalar), TP rank 1 of 2
+# (down's input groups cut; its per-channel and per-tensor scales whole)
+UNPACKED_CASES = [("float", "tensor", 0, (), False), ("float", "channel", 0, (1,), False),
+                  ("int", "channel", 0, (1,), False), ("int", "group", 16, (1,), True),
+                  ("float", "tensor", 0, (1,), True)]
+
+
+@pytest.mark.parametrize("kind, strategy, group_size, scale_shape, tp", UNPACKED_CASES)
+def test_unpacked_experts_dequantized_in_the_kernel(kind, strategy, group_size, scale_shape, tp):
+    """compressed-tensors' FP8 / int8 values (``-FP8-dynamic``, ``-quantized.w8a8``, per-tensor FP8) read as
+    stored, each tile times its scales (gate's and up's per-tensor ones each a block of its rows): the eager
+    experts' dequantize-then-matmul."""
+    experts = unpacked_experts(kind, strategy, group_size, scale_shape, TPGroup(rank=1, size=2) if tp else SINGLE)
+    eager, fused = eager_then_fused(experts, *routing(13, 2))
+    w13, up = experts.fused.w13, experts[0].up_proj
+    assert w13.weight.dtype == up.weight.dtype and w13.packed is None
+    groups = HIDDEN // group_size if strategy == "group" else 1
+    assert w13.scale.shape == (EXPERTS, 2 if strategy == "tensor" else 2 * up.out_features, groups)
+    torch.testing.assert_close(fused, eager, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("fmt, bits, group_size, variant, tp", PACKED_CASES[:8])
+@pytest.mark.parametrize("make, case", [*((packed_experts, case[:4]) for case in PACKED_CASES[:8]),
+                                        *((unpacked_experts, case[:4]) for case in UNPACKED_CASES[:4])])
 @pytest.mark.parametrize("num_tokens", [1, 300])
-def test_packed_experts_compiled_on_cuda(fmt, bits, group_size, variant, tp, num_tokens):
-    """The compiled kernels' bf16 tiles (the scales kept fp32, as a loaded model keeps them) against the eager
-    experts on the same device (GPTQ / AWQ: the packed linear kernel; compressed-tensors: dequantize, matmul)."""
-    experts = packed_experts(fmt, bits, group_size, variant).to("cuda")
+def test_quantized_experts_compiled_on_cuda(make, case, num_tokens):
+    """The compiled kernels' bf16 tiles of packed experts and of FP8 / int8 ones (the scales kept fp32, as a loaded
+    model keeps them) against the eager experts on the same device (GPTQ / AWQ: the packed linear kernel;
+    compressed-tensors: dequantize, matmul)."""
+    experts = make(*case).to("cuda")
     x, idx, weights = routing(num_tokens, 2)
     bf16 = dict(device="cuda", dtype=torch.bfloat16)
     eager, fused = eager_then_fused(experts, x.to(**bf16), idx.cuda(), weights.to(**bf16))
@@ -229,11 +277,13 @@ def test_packed_experts_compiled_on_cuda(fmt, bits, group_size, variant, tp, num
 
 
 def test_packed_experts_the_kernel_does_not_take_stay_eager():
-    """compressed-tensors' unpacked int8 and per-tensor scales, and gate and up packed in different bits, are
-    refused by name on moe_backend='triton' (auto runs them eagerly)."""
-    schemes = {"unpacked values": compressed_tensors.Scheme(8, "int", "channel", 0, True, packed=False),
-               "per-tensor scales": compressed_tensors.Scheme(4, "int", "tensor", 0, True, packed=True)}
-    for why in [*schemes, "packed in different ways"]:
+    """compressed-tensors' unpacked values with zero points and packed ones with per-tensor scales, gate and up
+    packed in different bits, and some experts quantized and some not, are refused by name on
+    moe_backend='triton' (auto runs them eagerly)."""
+    schemes = {"unpacked values with zero points": compressed_tensors.Scheme(8, "int", "channel", 0, False, False),
+               "per-tensor scales": compressed_tensors.Scheme(4, "int", "tensor", 0, True, packed=True),
+               "some are quantized and some not": None}
+    for why in [*schemes, "quantized in different ways"]:
         experts = packed_experts("gptq", 4, 16)
         up = experts[1].up_proj
         if why in schemes:

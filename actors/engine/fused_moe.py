@@ -15,8 +15,10 @@ its per-expert biases added in the kernel and its clamped SwiGLU between.
 The GEMM accumulates in fp32. Under the CPU interpreter (which computes bf16 arithmetic wrongly) and for fp32
 models, it multiplies in IEEE fp32; on CUDA a bf16/fp16 model's tiles go to the tensor cores as they are.
 Block-FP8 weights (:mod:`.fp8`) are dequantized in the kernel, each weight tile times its blocks' scales and
-cast to the activation's dtype (what :class:`parallel.LinearBase` does to the whole weight per forward); packed
-GPTQ / AWQ / compressed-tensors ones too, each tile unpacked from its int32 words (:mod:`.moe_wna16`).
+cast to the activation's dtype (what :class:`parallel.LinearBase` does to the whole weight per forward);
+compressed-tensors' FP8 / int8 values alike, their per-tensor, per-channel or group scales each a block (a
+part's whole matrix, a row, a row's group: :func:`.moe_wna16.scale_block`); packed GPTQ / AWQ /
+compressed-tensors ones too, each tile unpacked from its int32 words (:mod:`.moe_wna16`).
 """
 
 from __future__ import annotations
@@ -79,7 +81,7 @@ def _grouped_gemm_kernel(
 ):
     """Rows ``BLOCK_M`` of one block (one expert) × columns ``BLOCK_N``: ``C[pair] = A[pair // pairs_per_row]
     @ B[expert].T (+ Bias[expert])`` (times ``RowWeights[pair]`` when ``MUL_WEIGHT``). With ``HAS_SCALE``,
-    ``B`` is FP8 and column ``n``, input ``k`` of it is scaled by ``Scale[expert, (n // n_part)·
+    ``B`` is FP8 or int8 and column ``n``, input ``k`` of it is scaled by ``Scale[expert, (n // n_part)·
     scale_rows_part + (n % n_part) // SCALE_N, k // SCALE_K]``: the scales of several matrices stacked
     along N (gate, up), each its own blocks. With ``PACKED``, ``B`` is int32 words (:mod:`.moe_wna16`), each
     tile dequantized by :func:`dequantize_tile` with ``Zeros`` and ``Scale`` by group of ``group_size``
@@ -154,9 +156,9 @@ def block_sizes(num_tokens: int, num_experts: int, device: torch.device) -> Bloc
 
 class StackedWeight(NamedTuple):
     """One projection of every held expert: ``weight`` [experts, N, K] (any strides: GPT-OSS's are its
-    stored [experts, K, N] transposed), FP8 or in the model's dtype; ``bias`` [experts, N] or None; FP8,
-    its ``scale`` [experts, ·, ·] in blocks of ``block_size``, the matrices stacked along N ``part`` rows
-    each (gate, up: each its own blocks). Packed (``packed``: how its tensors are read), ``weight`` is the
+    stored [experts, K, N] transposed), FP8, int8 or in the model's dtype; ``bias`` [experts, N] or None;
+    FP8 or int8, its ``scale`` [experts, ·, ·] in blocks of ``block_size``, the matrices stacked along N ``part``
+    rows each (gate, up: each its own blocks). Packed (``packed``: how its tensors are read), ``weight`` is the
     stacked int32 words, ``scale`` and ``zeros`` (None: symmetric) the stacked scales and zeros, ``g_idx``
     (act-order) each matrix's input groups one after the other [experts, parts·K], and ``features`` (N, K),
     which the words do not say."""
@@ -220,18 +222,21 @@ def _or(tensor: Optional[torch.Tensor], unused: torch.Tensor) -> torch.Tensor:
 
 
 def stack_linears(linears: Sequence[Sequence[nn.Linear]]) -> StackedWeight:
-    """The weights (and FP8 scales) of ``linears[e]`` (expert ``e``'s matrices, stacked along N in this
+    """The weights (and FP8 / int8 scales) of ``linears[e]`` (expert ``e``'s matrices, stacked along N in this
     order, of one shape) in one tensor, each layer's weight then a view of its part: a weight update
     copying into the layers writes the stacked tensor, and the memory is held once. Packed layers'
     (:mod:`.moe_wna16`): each of their tensors so, along the dim holding the output features."""
     first = linears[0][0]
-    if first.packed is not None or first.scheme is not None:
+    if moe_wna16.is_packed(first):
         layout = moe_wna16.packed_layout(first)
         words, zeros, scales, g_idx = (name and _stack([[getattr(m, name) for m in parts] for parts in linears],
                                                        dim) for name, dim in zip(layout.names, layout.dims))
         return StackedWeight(words, scale=scales, part=first.out_features, zeros=zeros, packed=layout,
                              features=(first.out_features * len(linears[0]), first.in_features), g_idx=g_idx)
     stacked = StackedWeight(_stack([[m.weight for m in parts] for parts in linears]), part=first.out_features)
+    if first.scheme is not None:  # (compressed-tensors' FP8 / int8 values: each scale a block, a part's rows)
+        scale = _stack([[m.weight_scale for m in parts] for parts in linears])
+        return stacked._replace(scale=scale.view(*scale.shape[:2], -1), block_size=moe_wna16.scale_block(first))
     if first.weight_block_size is None:
         return stacked
     scale = _stack([[m.weight_scale_inv for m in parts] for parts in linears])
@@ -239,18 +244,20 @@ def stack_linears(linears: Sequence[Sequence[nn.Linear]]) -> StackedWeight:
 
 
 def _stack(params: List[List[nn.Parameter]], dim: int = 0) -> torch.Tensor:
-    """``params[e]`` stacked along their ``dim`` in ``[e]`` of one new tensor; each parameter then a view of it."""
+    """``params[e]`` stacked along their ``dim`` in ``[e]`` of one new tensor; each parameter then a view of it.
+    A scalar (AutoFP8's per-tensor scale) takes one entry, as one of shape [1]."""
     first = params[0]
-    shape = list(first[0].shape)
-    shape[dim] = sum(p.shape[dim] for p in first)
+    rows = [[p.shape[dim] if p.dim() else 1 for p in parts] for parts in params]
+    shape = list(first[0].shape) or [1]
+    shape[dim] = sum(rows[0])
     out = first[0].new_empty((len(params), *shape))
     for e, parts in enumerate(params):
         row = 0
-        for p in parts:
-            view = out[e].narrow(dim, row, p.shape[dim])
+        for p, size in zip(parts, rows[e]):
+            view = out[e].narrow(dim, row, size)
             view.copy_(p.detach())
-            p.data = view
-            row += p.shape[dim]
+            p.data = view.view(p.shape)
+            row += size
     return out
 
 

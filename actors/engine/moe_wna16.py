@@ -1,20 +1,22 @@
 """Packed int4 / int8 experts in the fused MoE (vLLM's ``moe_wna16``): GPTQ's and AWQ's (:mod:`.wna16`) and
 compressed-tensors' ``pack-quantized`` ones (:mod:`.compressed_tensors`) run through :mod:`.fused_moe`'s
 grouped GEMM, each weight tile unpacked from its int32 words and dequantized in registers
-(:func:`.wna16_kernels.dequantize_tile`), the dense weights never in memory.
+(:func:`.wna16_kernels.dequantize_tile`), the dense weights never in memory. compressed-tensors' unpacked
+FP8 / int8 values (``-FP8-dynamic``, ``-quantized.w8a8``; per-tensor FP8's) take the block-FP8 path instead,
+each scale the block of the weight it covers (:func:`scale_block`).
 
 Each tensor a layer stores (words, zeros, scales) is stacked as it is stored, the experts' gate and up along
 their output features (the dim holding them: GPTQ's and AWQ's last, compressed-tensors' first), the layers'
 tensors then views of the stacks (a weight update copies into them). The kernel reads each layout by its
 (output, input) strides; GPTQ's act-order ``g_idx`` (each input's group, every expert's gate, up and down
 their own) one matrix's after another. What it does not take stays on the eager experts
-(:func:`unfused_reason`): compressed-tensors' int8 and FP8 values (unpacked) and per-tensor scales, experts
-packed in different ways.
+(:func:`unfused_reason`): unpacked values with zero points, packed ones with per-tensor scales, experts
+quantized in different ways.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional, Sequence, Tuple
+from typing import Hashable, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -46,33 +48,51 @@ class PackedLayout(NamedTuple):
 
 def unfused_reason(stacks: Sequence[Sequence[nn.Module]]) -> Optional[str]:
     """Why the layers of ``stacks`` (each list the layers of one stacked tensor: every expert's gate and up,
-    every expert's down) cannot run fused, or None: some packed and some not, packed in different ways
-    (GPTQModel's ``dynamic`` bits or groups), or one :func:`_layer_reason` gives."""
+    every expert's down) cannot run fused, or None: one :func:`_layer_reason` gives, or some quantized and some
+    not, quantized in different ways (GPTQModel's ``dynamic`` bits or groups; FP8 and int8)."""
     for linears in stacks:
-        packed = [m for m in linears if m.packed is not None or m.scheme is not None]
-        if not packed:
-            continue
-        if len(packed) < len(linears):
-            return "experts of which some are packed and some not are not fused"
-        reason = next(filter(None, map(_layer_reason, packed)), None)
+        reason = next(filter(None, map(_layer_reason, linears)), None)
         if reason is not None:
             return reason
-        if len({packed_layout(m) for m in packed}) > 1:
-            return "experts packed in different ways (bits, groups, format) are not fused"
+        layouts = {_layout(m) for m in linears}
+        if len(layouts) > 1:
+            return ("experts of which some are quantized and some not are not fused" if None in layouts else
+                    "experts quantized in different ways (bits, groups, format) are not fused")
     return None
 
 
+def is_packed(linear: nn.Module) -> bool:
+    """Whether ``linear`` holds int32 words (GPTQ, AWQ, compressed-tensors' ``pack-quantized``)."""
+    return linear.packed is not None or (linear.scheme is not None and linear.scheme.packed)
+
+
+def _layout(linear: nn.Module) -> Hashable:
+    """What the layers of one stacked tensor share: their :func:`packed_layout`, compressed-tensors' scheme of
+    unpacked values, their FP8 blocks, or None (unquantized)."""
+    return packed_layout(linear) if is_packed(linear) else linear.scheme or linear.weight_block_size
+
+
 def _layer_reason(linear: nn.Module) -> Optional[str]:
-    """Why packed (or compressed-tensors) ``linear`` cannot be a fused expert's, or None."""
+    """Why quantized ``linear`` cannot be a fused expert's, or None."""
     quant, scheme = linear.packed, linear.scheme
-    if scheme is not None and not scheme.packed:
-        return f"compressed-tensors {scheme.type}{scheme.num_bits} experts (unpacked values) are not fused"
+    if not is_packed(linear):
+        if scheme is not None and not scheme.symmetric:
+            return "compressed-tensors experts of unpacked values with zero points are not fused"
+        return None
     if scheme is not None and scheme.strategy == "tensor":
-        return "compressed-tensors experts with per-tensor scales are not fused"
+        return "packed compressed-tensors experts with per-tensor scales are not fused"
     pack = 32 // (quant.bits if quant is not None else scheme.num_bits)
     if linear.out_features % pack:  # (zeros packed along the outputs: gate's last word would hold up's first)
         return f"packed experts of {linear.out_features} output features (not whole words of {pack}) are not fused"
     return None
+
+
+def scale_block(linear: nn.Module) -> Tuple[int, int]:
+    """The (output, input) block of compressed ``linear``'s unpacked weight that one of its scales covers:
+    the whole weight (``tensor``), a row (``channel``) or a row's group of inputs (``group``)."""
+    scheme = linear.scheme
+    rows = linear.out_features if scheme.strategy == "tensor" else 1
+    return rows, scheme.group_size if scheme.strategy == "group" else linear.in_features
 
 
 def packed_layout(linear: nn.Module) -> PackedLayout:

@@ -17,7 +17,7 @@ and runs only those; the same all-reduce adds up the ranks' experts. The shared 
 ``EngineConfig.moe_backend`` picks how the routed experts run: ``torch`` (:func:`run_experts`, HF's eager
 loop: one small matmul per chosen expert, and a host sync a layer for the experts chosen) or ``triton``
 (:meth:`ExpertList.fuse` stacks each layer's experts for :mod:`actors.engine.fused_moe`'s grouped GEMMs; packed
-GPTQ / AWQ / compressed-tensors experts too, :mod:`actors.engine.moe_wna16`).
+GPTQ / AWQ / compressed-tensors experts too, and compressed-tensors' FP8 / int8 ones, :mod:`actors.engine.moe_wna16`).
 Qwen3-VL-MoE's checkpoints hold each layer's experts stacked already (:class:`StackedExperts`).
 """
 
@@ -59,7 +59,7 @@ class ExpertList(FusableExperts):
         return self._modules[str(e)]
 
     def unfused_reason(self) -> Optional[str]:
-        """Why the experts cannot be fused (biases; packed ones :mod:`.moe_wna16` does not take), or None."""
+        """Why the experts cannot be fused (biases; quantized ones :mod:`.moe_wna16` does not take), or None."""
         experts = [self[e] for e in self.held]
         gate, up, down = experts[0].projections
         if any(getattr(expert, name).bias is not None for expert in experts for name in (gate, up, down)):
@@ -68,7 +68,7 @@ class ExpertList(FusableExperts):
                                          [getattr(m, down) for m in experts]])
 
     def fuse(self) -> None:
-        """Run the experts as :class:`FusedExperts`: their gate and up weights (FP8 scales; packed words,
+        """Run the experts as :class:`FusedExperts`: their gate and up weights (FP8 / int8 scales; packed words,
         zeros and scales) stacked in one tensor each, their down weights in another, each expert's
         parameters then views of them (a weight update still copies into them)."""
         reason = self.unfused_reason()
