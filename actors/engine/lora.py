@@ -159,7 +159,7 @@ class LoRAManager:
                              "(lora_paths, lora_target_modules)")
         self.full_model = full_model
         self.target_modules = config.lora_target_modules
-        self.slots_take_parts = self._slots_take_parts(adapters)
+        self.fused_taking_parts = self._fused_taking_parts(adapters)
         adapters = [self._model_modules(adapter) for adapter in adapters]
         for adapter in adapters:
             self._check_modules(adapter)
@@ -231,22 +231,23 @@ class LoRAManager:
             raise ValueError(f"LoRA adapter {adapter.name!r}: {e}") from None
         return replace(adapter, weights=weights)
 
-    def _slots_take_parts(self, adapters: List[LoRAAdapter]) -> bool:
-        """Whether a fused projection's slots are sized for adapters of its parts, by what is given at start (as
-        SGLang and vLLM size their buffers): a start adapter (as read, its parts not stacked yet) has a part of one
-        (Phi-3's q_proj), or ``lora_target_modules`` names one ('all' does). Otherwise they hold ``max_rank``,
-        as vLLM's single slice of Phi-3's qkv_proj: most of its adapters are trained on the fused projections,
-        and a slot of ``max_rank`` per part would take 2–3× their memory from the KV cache."""
-        parts = {part for fused_parts in self.packed_modules.values() for part in fused_parts}
+    def _fused_taking_parts(self, adapters: List[LoRAAdapter]) -> Set[str]:
+        """The fused projections (Phi-3's qkv_proj, gate_up_proj) whose slots are sized for adapters of their parts,
+        by what is given at start (as SGLang and vLLM size their buffers): those a start adapter (as read, its parts
+        not stacked yet) has a part of (q_proj), or ``lora_target_modules`` names a part of ('all' does). The others
+        hold ``max_rank``, as vLLM's single slice of Phi-3's qkv_proj: most of its adapters are trained on the fused
+        projections, and a slot of ``max_rank`` per part would take 2–3× their memory from the KV cache (an adapter
+        of q_proj and v_proj alone, PEFT's default on Llama, leaves gate_up_proj's at ``max_rank``)."""
         named = {module.rpartition(".")[2] for adapter in adapters for module in adapter.weights}
-        return bool(parts & (named | set(self.target_modules or ())))
+        named |= set(self.target_modules or ())
+        return {fused for fused, parts in self.packed_modules.items() if named & set(parts)}
 
     def _slot_rank(self, module: str) -> int:
         """The rank of ``module``'s slots: ``max_rank``, times its parts for a fused projection whose slots take
-        adapters of its parts (:meth:`_slots_take_parts`; SGLang's stacked buffers): each part's adapter takes
+        adapters of its parts (:meth:`_fused_taking_parts`; SGLang's stacked buffers): each part's adapter takes
         its own ``max_rank`` columns of B."""
-        parts = self.packed_modules.get(module.rpartition(".")[2], ()) if self.slots_take_parts else ()
-        return self.max_rank * max(1, len(parts))
+        leaf = module.rpartition(".")[2]
+        return self.max_rank * (len(self.packed_modules[leaf]) if leaf in self.fused_taking_parts else 1)
 
     def _target_layers(self, model: nn.Module) -> Set[str]:
         """The layers of ``lora_target_modules``' projections in every decoder layer of ``model`` (of its

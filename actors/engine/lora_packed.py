@@ -5,9 +5,9 @@ pair over the fused layer (vLLM's ``packed_modules_mapping`` slices, SGLang's st
 A the present parts' A one after another, ``[parts·r, in]``, and B block-diagonal, ``[out, parts·r]``, each
 part's B in its rows of the fused output and its own columns, zeros in the rows of a part it has none of —
 so ``B A x`` is each part's ``Bₚ Aₚ x`` in its own rows, exactly. The fused layer's slots hold
-``parts × max_lora_rank`` where a start adapter or ``lora_target_modules`` names a part, else ``max_lora_rank``,
-which a parts adapter loaded later must fit stacked (its parts' ranks summed;
-:meth:`actors.engine.lora.LoRAManager._slots_take_parts`), and under TP its B rows are cut by the layer's own
+``parts × max_lora_rank`` where a start adapter or ``lora_target_modules`` names a part of it, else
+``max_lora_rank``, which a parts adapter loaded later must fit stacked (its parts' ranks summed;
+:meth:`actors.engine.lora.LoRAManager._fused_taking_parts`), and under TP its B rows are cut by the layer's own
 part ranges, as an adapter trained on the fused projection is.
 """
 
