@@ -230,6 +230,39 @@ def test_tp2_ranks_write_and_read_both_pools_pages_in_their_own_folders(model_di
     assert_greedy_parity(model_dir, [follow], [out["output_ids"]], 8)
 
 
+def test_tp2_a_weight_update_moves_the_followers_file_tiers_too(model_dir, monkeypatch, tmp_path, request):
+    """TP 2 (the ranks are threads): a weight update moves the follower's file tiers of both pools to
+    the new version's folder with rank 0's. The prompt computed on the new weights, flushed, comes back
+    from files on both ranks, and the tokens equal the new weights' HF's (a follower left on its old
+    folder reads the old weights' pages of the same prompt there)."""
+    thread_ranks(monkeypatch)
+    family = request.node.callspec.params["model_dir"]
+    new = str(build_tiny_checkpoint(family, tmp_path / "new", seed=1))
+    storage, rng = tmp_path / "kv-files", random.Random(9)
+    prompt, params = [rng.randrange(5, 261) for _ in range(60)], {**GREEDY, "max_new_tokens": 8}
+    engine = make_engine(model_dir, tp_size=2, hicache_storage_dir=str(storage))
+    try:
+        engine.generate(input_ids=[prompt], sampling_params=params)  # the old weights' pages on both ranks
+        engine.update_weights_from_disk(new, weight_version="v1")
+        outs = [engine.generate(input_ids=[prompt], sampling_params=params)[0]]
+        engine.flush_cache()
+        tree, worker = engine.scheduler.tree_cache, engine.tp_group.worker
+        follower = engine.tp_group.followers[0]._host_tier
+        engine.loop.run_exclusive(lambda: (worker.sync(), worker.check_followers()))  # (its writes replayed)
+        for controller in [tree.cache_controller, tree.swa_cache_controller] + follower.controllers:
+            controller.flush_storage()
+        outs.append(engine.generate(input_ids=[prompt], sampling_params=params)[0])
+        assert outs[0]["meta_info"]["cached_tokens"] == 0 and outs[1]["meta_info"]["cached_tokens"] >= 48
+        folders = lambda cs: [c.storage.directory.relative_to(storage).as_posix() for c in cs]  # noqa: E731
+        ranks0, ranks1 = folders([tree.cache_controller, tree.swa_cache_controller]), folders(follower.controllers)
+        assert [f.replace("tp2-rank1", "tp2-rank0") for f in ranks1] == ranks0 and ranks1[0].startswith("weights/")
+        assert follower.controllers[1].read_pages > 0
+        engine.check_integrity()
+    finally:
+        engine.shutdown()
+    assert_greedy_parity(new, [prompt, prompt], [o["output_ids"] for o in outs], 8)
+
+
 def test_random_conversations_through_a_small_device_pool_equal_hf(model_dir):
     """Conversations that come back at random, in batches, through a 192-slot device pool (their
     turns leave it for the host and are loaded back, some retracted): every answer is HF's, the
