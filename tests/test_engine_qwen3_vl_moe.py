@@ -5,27 +5,34 @@ one in the released layout ([experts, in, out], read transposed) at TP 2 on the 
 on the eager one, and at PP 2 (a DeepStack layer on the second stage); a weight update takes the experts in
 either layout, a square matrix by who saved the checkpoint. LoRA adapters over the stacked experts (PEFT's
 target_parameters wrappers, both layouts, and per-expert names) serve an image request beside the base model's,
-each HF's on its merged checkpoint: eager and fused, at TP 2 and EP 2. A quantized checkpoint (FP8, GPTQ) or
-quantization='fp8' is refused, naming the format."""
+each HF's on its merged checkpoint: eager and fused, at TP 2 and EP 2. A checkpoint storing its experts per expert
+(the quantized releases' layout) is served with per-expert layers, as Qwen3-MoE's: unquantized (adapters on them
+too), block FP8, GPTQ eager and fused, each HF's on the same weights stacked. A quantized checkpoint storing its
+experts stacked (FP8, GPTQ) or quantization='fp8' on one is refused, naming the format."""
 
 import json
 import re
 import shutil
+from typing import Callable, Dict, Optional
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from actors.engine import Engine
+from actors.engine import Engine, fp8
 from actors.engine.model_loader import build_served_model, load_config
-from actors.engine.tiny import build_tiny_checkpoint, make_adapter
+from actors.engine.models.moe import ExpertList
+from actors.engine.tiny import MLP, build_tiny_checkpoint, make_adapter
 from tests.lora_helpers import fused_expert_adapter, merged_checkpoint
 from tests.parity import assert_greedy_parity
 from tests.test_engine_qwen3_vl import deepstack_received
 from tests.test_engine_vl import MAX_NEW, chat, generate, image
+from tests.test_fp8_weights import fp8_checkpoint
 from tests.tp_helpers import thread_ranks
+from tests.wna16_helpers import packed_checkpoint
 
 STACKED = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+EXPERT_WEIGHT = re.compile(r"^(.+\.experts)\.(\d+)\.(\w+)\.weight$")  # (an expert's layer's weight, per expert)
 
 
 @pytest.fixture(scope="module")
@@ -51,10 +58,11 @@ def released(model_dir, out) -> str:
     return str(out)
 
 
-def image_and_text(engine: Engine) -> None:
-    """An image request and a text one in a batch, chunks of 8 cutting the image: HF's tokens and logprobs."""
+def image_and_text(engine: Engine, oracle: Optional[str] = None) -> None:
+    """An image request and a text one in a batch, chunks of 8 cutting the image: HF's tokens and logprobs
+    (``oracle``: the checkpoint HF reads; the engine's by default)."""
     generate(engine, [chat(engine.tokenizer, "what is it?"), chat(engine.tokenizer, "text")],
-             [[image(100, 150, 0)], None])
+             [[image(100, 150, 0)], None], oracle=oracle)
     engine.check_integrity()
     engine.shutdown()
 
@@ -129,14 +137,15 @@ def adapters(model_dir, tmp_path_factory):
             for name, path in paths.items()}
 
 
-def adapters_beside_the_base_model(engine: Engine, adapters) -> None:
+def adapters_beside_the_base_model(engine: Engine, adapters, base: Optional[str] = None) -> None:
     """An image request under each adapter and one without, in one batch: each HF's tokens and logprobs on its
-    checkpoint (the adapter merged in), and each adapter changes the base model's tokens."""
+    checkpoint (the adapter merged in; ``base``: the base model's, the engine's by default), and each adapter
+    changes the base model's tokens."""
     prompt, images, names = chat(engine.tokenizer, "what is it?"), [image(100, 150, 0)], [None, *adapters]
     outs = engine.generate(prompt=[prompt] * len(names), image_data=[images] * len(names), lora_path=names,
                            sampling_params=dict(max_new_tokens=MAX_NEW, temperature=0, return_logprob=True))
     for name, out in zip(names, outs):
-        assert_greedy_parity(adapters[name][1] if name else engine.config.model_path,
+        assert_greedy_parity(adapters[name][1] if name else base or engine.config.model_path,
                              [engine.tokenizer.encode(prompt)], [out["output_ids"]], MAX_NEW, engine.eos_token_ids,
                              images=[images], logprobs=[[lp for lp, _ in out["meta_info"]["output_token_logprobs"]]])
     assert all(out["output_ids"] != outs[0]["output_ids"] for out in outs[1:])
@@ -180,13 +189,114 @@ FP8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "we
 GPTQ = {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False, "sym": True}
 
 
+def per_expert(tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """``tensors`` with each layer's stacked experts (transformers 5's: ``gate_up_proj [experts, 2·inter, hidden]``,
+    gate's rows then up's, ``down_proj [experts, hidden, inter]``) stored per expert, as the quantized releases store
+    them: ``mlp.experts.{e}.gate_proj.weight``, ``up_proj``, ``down_proj``."""
+    split = {}
+    for name, tensor in tensors.items():
+        if not name.endswith(STACKED):
+            split[name] = tensor
+            continue
+        prefix, _, param = name.rpartition(".")
+        for e, matrix in enumerate(tensor):
+            parts = zip(MLP[:2], matrix.chunk(2)) if param == "gate_up_proj" else [("down_proj", matrix)]
+            split.update((f"{prefix}.{e}.{proj}.weight", part.contiguous()) for proj, part in parts)
+    return split
+
+
+def stacked(tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """:func:`per_expert`'s inverse: the checkpoint HF reads (transformers holds Qwen3-VL-MoE's experts stacked and
+    converts no per-expert names into them)."""
+    experts, whole = {}, {}
+    for name, tensor in tensors.items():
+        match = EXPERT_WEIGHT.match(name)
+        if match:
+            experts.setdefault(match[1], {})[int(match[2]), match[3]] = tensor
+        else:
+            whole[name] = tensor
+    for prefix, matrices in experts.items():
+        held = range(len(matrices) // len(MLP))
+        whole[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat([matrices[e, p] for p in MLP[:2]]) for e in held])
+        whole[f"{prefix}.down_proj"] = torch.stack([matrices[e, "down_proj"] for e in held])
+    return whole
+
+
+def rewrite(path, layout: Callable[[Dict[str, torch.Tensor]], Dict[str, torch.Tensor]]) -> str:
+    """The checkpoint in ``path`` with its tensors stored in ``layout`` (:func:`per_expert`, :func:`stacked`)."""
+    file = f"{path}/model.safetensors"
+    save_file(layout(load_file(file)), file)
+    return str(path)
+
+
+def build_per_expert(family: str, out, **kwargs) -> str:
+    """:func:`build_tiny_checkpoint`'s checkpoint, its experts stored per expert (the quantizing helpers' ``build``)."""
+    return rewrite(build_tiny_checkpoint(family, out, **kwargs), per_expert)
+
+
+@pytest.fixture(scope="module")
+def per_expert_dir(model_dir, tmp_path_factory):
+    return build_per_expert("qwen3_vl_moe", tmp_path_factory.mktemp("per_expert"))
+
+
+def test_a_checkpoint_storing_its_experts_per_expert_equals_hf_with_adapters_on_them(per_expert_dir, model_dir,
+                                                                                      adapters):
+    """The experts stored per expert (mlp.experts.{e}.gate_proj.weight ...) are held so, as Qwen3-MoE's (fails
+    before: missing and unexpected tensors): HF's tokens and logprobs of the same weights stacked, and the adapters
+    (PEFT's wrappers over the 3-D parameters, per-expert names) on them equal HF's on their merged checkpoints."""
+    engine = Engine(per_expert_dir, max_total_tokens=2048, max_loras_per_batch=3,
+                    lora_paths={name: path for name, (path, _) in adapters.items()})
+    experts = engine.runner.model.model.layers[1].mlp.experts
+    assert isinstance(experts, ExpertList) and list(experts.held) == [0, 1, 2, 3]
+    assert set(engine.runner.lora.experts) == {"model.layers.1.mlp.experts", "model.layers.2.mlp.experts"}
+    adapters_beside_the_base_model(engine, adapters, base=model_dir)
+
+
+@pytest.fixture(scope="module")
+def fp8_dirs(tmp_path_factory):
+    """(a block-FP8 checkpoint, 16 x 16 blocks, storing its experts per expert as Qwen3-VL-30B-A3B-Instruct-FP8 does,
+    its vision tower unquantized; its dequantization stacked: HF's input)."""
+    quantized, dequantized = fp8_checkpoint("qwen3_vl_moe", tmp_path_factory.mktemp("fp8"), skip="visual",
+                                            build=build_per_expert)
+    return quantized, rewrite(dequantized, stacked)
+
+
+@pytest.fixture(scope="module")
+def gptq_dirs(tmp_path_factory):
+    """(a GPTQ int4 act-order checkpoint storing its experts per expert, its vision tower unquantized
+    (modules_to_not_convert); its brute-force dequantization stacked: HF's input)."""
+    quantized, dequantized = packed_checkpoint("qwen3_vl_moe", tmp_path_factory.mktemp("gptq"), bits=4, group_size=16,
+                                               act_order=True, skip="visual", build=build_per_expert)
+    return quantized, rewrite(dequantized, stacked)
+
+
+@pytest.mark.parametrize("quantization, moe_backend", [("fp8", "torch"), ("gptq", "torch"), ("gptq", "triton")])
+def test_a_quantized_checkpoint_storing_its_experts_per_expert_equals_hf_over_its_dequantization(
+        request, quantization, moe_backend):
+    """Each expert's layers are held as stored, block FP8 or packed GPTQ (fails before: the checkpoint refused),
+    eager or fused (the packed experts dequantized in the fused MoE kernels): HF's tokens and logprobs of the
+    dequantized weights, after a weight update from the checkpoint (checked against a model built as the served one,
+    its experts per expert)."""
+    quantized, dequantized = request.getfixturevalue(f"{quantization}_dirs")
+    engine = Engine(quantized, max_total_tokens=2048, moe_backend=moe_backend)
+    experts = engine.runner.model.model.layers[2].mlp.experts
+    down = experts[3].down_proj
+    if quantization == "fp8":
+        assert down.weight.dtype == fp8.FP8 and tuple(down.weight_scale_inv.shape) == (4, 3)
+    else:
+        assert down.weight is None and down.packed.desc_act
+    assert (experts.fused is not None) == (moe_backend == "triton")
+    assert engine.update_weights_from_disk(quantized).success
+    image_and_text(engine, oracle=dequantized)
+
+
 @pytest.mark.parametrize("quant, forced, named", [(FP8, None, "quantization_config.quant_method='fp8'"),
                                                   (GPTQ, None, "quantization_config.quant_method='gptq'"),
                                                   (None, "fp8", "quantization='fp8'")])
 def test_a_quantized_checkpoint_is_refused_naming_its_format(model_dir, tmp_path, quant, forced, named):
-    """The stacked experts are served in the model's dtype only: a quantized checkpoint's (its experts stored
-    otherwise) is refused as the model is built, naming the format, not left to fail (or load unquantized
-    experts) as tensors are read."""
+    """The stacked experts are served in the model's dtype only: a quantized checkpoint storing them stacked is
+    refused as the model is built, naming the format, not left to fail (or load unquantized experts) as tensors
+    are read."""
     path = shutil.copytree(model_dir, tmp_path / "quantized")
     if quant is not None:
         config = json.loads((path / "config.json").read_text())

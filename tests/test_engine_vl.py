@@ -14,7 +14,7 @@ import pickle
 import shutil
 import threading
 import time
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 import pytest
@@ -64,13 +64,13 @@ def chat(tokenizer, text: str, num_images: int = 1) -> str:
                                          add_generation_prompt=True)
 
 
-def generate(engine: Engine, prompts, images, max_new_tokens: int = MAX_NEW):
+def generate(engine: Engine, prompts, images, max_new_tokens: int = MAX_NEW, oracle: Optional[str] = None):
     """Greedy results of ``prompts`` (text) with their ``images`` (a list per prompt, or None), checked
-    against HF's tokens and logprobs."""
+    against HF's tokens and logprobs (``oracle``: the checkpoint HF reads; the engine's by default)."""
     outs = engine.generate(prompt=prompts, image_data=images, sampling_params=dict(
         max_new_tokens=max_new_tokens, temperature=0, return_logprob=True))
     ids = [engine.tokenizer.encode(p) for p in prompts]
-    assert_greedy_parity(engine.config.model_path, ids, [o["output_ids"] for o in outs], max_new_tokens,
+    assert_greedy_parity(oracle or engine.config.model_path, ids, [o["output_ids"] for o in outs], max_new_tokens,
                          engine.eos_token_ids, logprobs=[[lp for lp, _ in o["meta_info"]["output_token_logprobs"]]
                                                          for o in outs], images=images)
     return outs

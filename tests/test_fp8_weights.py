@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Optional
 
 import pytest
 import torch
@@ -32,17 +33,20 @@ def is_quantized(name: str) -> bool:
     return name.endswith(("proj.weight", "proj_with_mqa.weight"))
 
 
-def fp8_checkpoint(family: str, root: Path, seed: int = 0, block=BLOCK, **overrides):
-    """(the checkpoint with its linear weights in block FP8, the same dequantized by HF's function, unquantized)."""
+def fp8_checkpoint(family: str, root: Path, seed: int = 0, block=BLOCK, skip: Optional[str] = None,
+                   build=build_tiny_checkpoint, **overrides):
+    """(the checkpoint with its linear weights in block FP8, the same dequantized by HF's function, unquantized).
+    ``skip``: a layer-name substring whose layers stay unquantized; ``build``: writes the float checkpoint
+    (:func:`build_tiny_checkpoint`'s arguments; a variant's layout)."""
     from safetensors.torch import load_file, save_file
     from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
 
     quantized, dequantized = root / "fp8", root / "dequantized"
     for path in (quantized, dequantized):
-        build_tiny_checkpoint(family, path, seed=seed, **overrides)
+        build(family, path, seed=seed, **overrides)
     tensors = load_file(str(quantized / "model.safetensors"))
     plain = dict(tensors)
-    for name in [n for n in tensors if is_quantized(n)]:
+    for name in [n for n in tensors if is_quantized(n) and not (skip and skip in n)]:
         weight, scale = fp8.quantize(tensors[name], block)
         tensors[name], tensors[name.removesuffix("weight") + fp8.SCALE] = weight, scale
         plain[name] = _dequantize_fp8_weight(weight, scale, list(block), torch.float32)

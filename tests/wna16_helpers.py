@@ -138,15 +138,17 @@ def dynamic_scheme(dynamic: Dict[str, dict], layer: str, scheme: dict) -> Option
 
 def packed_checkpoint(family: str, root: Path, method: str = "gptq", bits: int = 4, group_size: int = 32,
                       sym: bool = True, act_order: bool = False, seed: int = 0, skip: Optional[str] = None,
-                      dynamic: Optional[Dict[str, dict]] = None, **overrides) -> Tuple[str, str]:
+                      dynamic: Optional[Dict[str, dict]] = None, build=build_tiny_checkpoint,
+                      **overrides) -> Tuple[str, str]:
     """(a tiny ``family`` checkpoint with its projections quantized by ``method``, the float checkpoint of
     the brute-force dequantization of those tensors: HF's input). ``skip``: a layer-name substring whose
-    layers stay unquantized (``modules_to_not_convert``); ``dynamic``: GPTQModel's per-layer entries."""
+    layers stay unquantized (``modules_to_not_convert``); ``dynamic``: GPTQModel's per-layer entries;
+    ``build``: writes the float checkpoint (:func:`build_tiny_checkpoint`'s arguments; a variant's layout)."""
     from safetensors.torch import load_file, save_file
 
     quantized, dequantized = root / method, root / "dequantized"
     for path in (quantized, dequantized):
-        build_tiny_checkpoint(family, path, seed=seed, **overrides)
+        build(family, path, seed=seed, **overrides)
     tensors = load_file(str(quantized / "model.safetensors"))
     plain, gen = dict(tensors), torch.Generator().manual_seed(seed)
     for name in [n for n in tensors if is_quantized(n) and not (skip and skip in n)]:

@@ -67,14 +67,29 @@ def resolve_dtype(config, dtype: str) -> torch.dtype:
     return name if isinstance(name, torch.dtype) else DTYPES.get(str(name).removeprefix("torch."), torch.float32)
 
 
-def build_model(config, tp: TPGroup = SINGLE) -> torch.nn.Module:
+def build_model(config, tp: TPGroup = SINGLE, model_cls: Optional[type] = None) -> torch.nn.Module:
     """The model's modules on the meta device (no memory): checks that ``tp``
     can shard it — a head or intermediate count it does not divide raises
-    ValueError naming the config field."""
-    architecture = (getattr(config, "architectures", None) or ["?"])[0]
-    model_cls = get_model_class(architecture)
+    ValueError naming the config field. ``model_cls``: the class serving the checkpoint
+    (:func:`served_model_class`; a served model's own, to build its like); its architecture's by default."""
     with torch.device("meta"):
-        return model_cls(config, tp=tp)
+        return (model_cls or architecture_class(config))(config, tp=tp)
+
+
+def architecture_class(config) -> type:
+    """The model class of HF ``config``'s architecture (its first ``architectures``)."""
+    return get_model_class((getattr(config, "architectures", None) or ["?"])[0])
+
+
+def served_model_class(model_path: str, config) -> type:
+    """The class serving the checkpoint in ``model_path``: its architecture's, or the one that class's
+    ``for_checkpoint`` picks by the checkpoint's tensor names (served names), where the architecture's
+    checkpoints store a part in two layouts (Qwen3-VL-MoE's experts: stacked, or per expert)."""
+    model_cls = architecture_class(config)
+    if not hasattr(model_cls, "for_checkpoint"):
+        return model_cls
+    return model_cls.for_checkpoint(checkpoint_shapes(checkpoint_files(model_path),
+                                                      getattr(model_cls, "checkpoint_renames", ())))
 
 
 def checkpoint_shapes(files: List[str], renames=()) -> Dict[str, List[int]]:
@@ -181,7 +196,7 @@ def build_served_model(model_path: str, config, quantization: Optional[str] = No
     ``quantization="fp8"``, every one: :mod:`.fp8`), packed GPTQ / AWQ ints (:mod:`.wna16`) or
     compressed-tensors' (:mod:`.compressed_tensors`) where the checkpoint's are. ValueError for a
     quantization not served or a TP shard that cuts a block, a word or a group."""
-    model = build_model(config, tp)
+    model = build_model(config, tp, served_model_class(model_path, config))
     refuse_quantized_stacked_experts(model, config, quantization)
 
     def shapes() -> Dict[str, List[int]]:  # (read for a quantized checkpoint only; by the modules' names)
@@ -201,16 +216,18 @@ def build_served_model(model_path: str, config, quantization: Optional[str] = No
 
 def refuse_quantized_stacked_experts(model: torch.nn.Module, config, quantization: Optional[str]) -> None:
     """ValueError naming the format for a quantized checkpoint, or ``quantization="fp8"``, of a model whose experts
-    are held stacked (:class:`StackedExperts`: Qwen3-VL-MoE's): they hold the model's dtype only, so a quantized
-    release's experts (stored per expert, or packed) would fail the load as missing and unexpected tensors, and
-    quantizing as it loads would leave them, most of the weights, unquantized."""
+    are held stacked (:class:`StackedExperts`: a Qwen3-VL-MoE checkpoint storing them so): they hold the model's
+    dtype only, so a quantized checkpoint's stacked experts would fail the load as missing and unexpected tensors,
+    and quantizing as it loads would leave them, most of the weights, unquantized. A checkpoint storing its
+    experts per expert (the quantized releases') is served by per-expert layers (:func:`served_model_class`)."""
     stacked = next((name for name, module in model.named_modules() if isinstance(module, StackedExperts)), None)
     method = (fp8.quantization_config(config) or {}).get("quant_method")
     if stacked is None or (method is None and quantization is None):
         return
     what = f"quantization_config.quant_method={method!r}" if method else f"quantization={quantization!r}"
     raise ValueError(f"{what} is not served for {type(model).__name__}: its experts ({stacked}, ...) are stacked "
-                     "3-D tensors served unquantized only; serve its unquantized (bf16) checkpoint")
+                     "3-D tensors served unquantized only; serve its unquantized (bf16) checkpoint, or one storing its "
+                     "experts per expert (mlp.experts.{e}.gate_proj...)")
 
 
 def load_model(
@@ -444,6 +461,7 @@ class ServedWeights:
         self.compressed = getattr(model, "compressed_linears", {})  # compressed-tensors layers' names → the layers
         self.elsewhere = held_elsewhere(model)  # (EP: the experts other ranks hold, and check)
         self.renames = getattr(model, "checkpoint_renames", ())  # (served_name)
+        self.model_cls = type(model)  # (the class serving the checkpoint: its like builds the whole tensors)
         # (named tensors: as transformers 5 holds them; a checkpoint's: by who saved it, _stored_transposed)
         self.transposed, self.released_transposed = stored_transposed(model), stored_transposed(model, released=True)
         if getattr(config, "tie_word_embeddings", False):  # (the embedding's tensor: loaded by its own name)
@@ -479,7 +497,7 @@ class ServedWeights:
             what, shapes = f"checkpoint {source!r}", self._checkpoint_shapes(source)
         else:
             what, shapes = "the named tensors", {name: list(t.shape) for name, t in source.items()}
-        full = build_model(self.config)  # (on meta: the whole tensors' shapes, whatever this rank's shards)
+        full = build_model(self.config, model_cls=self.model_cls)  # (on meta: the whole tensors' shapes, not shards)
         fp8.quantize_like(full, self.quantized)
         wna16.quantize_like(full, self.packed)
         compressed_tensors.quantize_like(full, self.compressed)

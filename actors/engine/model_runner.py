@@ -155,7 +155,8 @@ class ModelRunner:
         if not (self.config.lora_paths or self.config.lora_target_modules):
             return None
         adapters = [read_adapter(name, path) for name, path in (self.config.lora_paths or {}).items()]
-        return LoRAManager(self.model, build_model(self.model_config), adapters, self.config, self.dtype, self.device)
+        return LoRAManager(self.model, build_model(self.model_config, model_cls=type(self.model)), adapters,
+                           self.config, self.dtype, self.device)
 
     def check_lora(self, name: str) -> str:
         """ValueError for an adapter this engine does not serve; else its requests' radix ``extra_key``."""

@@ -18,7 +18,7 @@ and runs only those; the same all-reduce adds up the ranks' experts. The shared 
 loop: one small matmul per chosen expert, and a host sync a layer for the experts chosen) or ``triton``
 (:meth:`ExpertList.fuse` stacks each layer's experts for :mod:`actors.engine.fused_moe`'s grouped GEMMs; packed
 GPTQ / AWQ / compressed-tensors experts too, and compressed-tensors' FP8 / int8 ones, :mod:`actors.engine.moe_wna16`).
-Qwen3-VL-MoE's checkpoints hold each layer's experts stacked already (:class:`StackedExperts`).
+Qwen3-VL-MoE's bf16 checkpoints hold each layer's experts stacked already (:class:`StackedExperts`).
 """
 
 from __future__ import annotations
@@ -252,11 +252,12 @@ class SparseMoeBlock(nn.Module):
                    config.norm_topk_prob, tp)
 
     @classmethod
-    def qwen3_vl(cls, config, tp: TPGroup = SINGLE) -> "SparseMoeBlock":
+    def qwen3_vl(cls, config, tp: TPGroup = SINGLE, stacked: bool = True) -> "SparseMoeBlock":
         """Qwen3-VL-MoE's: Qwen3-MoE's block, top-k always renormalised (HF's router), its experts'
-        matrices stacked (:class:`StackedExperts`)."""
+        matrices stacked (:class:`StackedExperts`), or Qwen3-MoE's experts (not ``stacked``: a checkpoint storing
+        them per expert)."""
         return cls(config, config.num_experts, config.moe_intermediate_size, "moe_intermediate_size", "num_experts",
-                   True, tp, expert=StackedExperts)
+                   True, tp, expert=StackedExperts if stacked else qwen_expert)
 
     @classmethod
     def mixtral(cls, config, tp: TPGroup = SINGLE) -> "SparseMoeBlock":
