@@ -52,7 +52,7 @@ from actors.engine.sampling import Pick
 from actors.engine.scheduler import Scheduler
 from actors.engine.tp_worker import FollowerError
 from actors.kv_push import KVPusher, PushChunk, PushResult
-from transfer.base import KVHandoff, TransferAgent
+from transfer.base import TransferAgent
 from transfer.plan import unwritten
 
 logger = logging.getLogger(__name__)
@@ -372,12 +372,14 @@ def _unwritten_error(req: Req) -> Optional[str]:
     """Why the decode ranks of ``req`` would not hold all of its KV once every prefill rank pushed
     its share: a buffer of theirs the ranks' shares (``pd_written``) do not cover exactly once — a
     push backend's bytes land unseen by the decode side (shm, CUDA IPC), so this is the count that
-    its completion rests on (a pipeline stage's layers missing from the other side's layout)."""
-    for i, raw in enumerate(req.pd_handoffs):
-        handoff = KVHandoff.from_bytes(raw)
-        missing = unwritten(handoff, req.pd_written.get(i, {}))
+    its completion rests on (a pipeline stage's layers missing from the other side's layout). Checked
+    against ``pd_expected``, each hand-off's TP rank and :func:`~transfer.plan.expected_heads` read where
+    the hand-offs were parsed: parsing them here, under ``_push_lock``, took ms per decode rank at 32k+
+    tokens."""
+    for i, (tp_rank, expected) in enumerate(req.pd_expected):
+        missing = unwritten(expected, req.pd_written.get(i, {}))
         if missing:
-            return (f"KV push left {len(missing)} buffers of decode rank {i} (TP rank {handoff.tp_rank}) unwritten "
+            return (f"KV push left {len(missing)} buffers of decode rank {i} (TP rank {tp_rank}) unwritten "
                     f"or written twice: {', '.join(missing[:4])}{', ...' if len(missing) > 4 else ''} (the two "
                     "sides' layers do not fit together)")
     return None

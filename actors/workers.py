@@ -52,6 +52,7 @@ from actors.pd_scheduler import DecodeScheduler, PDRequestError, WorkerBrokenErr
 from actors.rank import RankHost
 from mem_cache.kv_events import KVEventBatch, PageHashSnapshot
 from transfer.base import KVHandoff, check_compatible
+from transfer.plan import expected_heads
 
 logger = logging.getLogger(__name__)
 CANCELLED_RIDS_KEPT = 65536  # aborted request ids a prefill worker remembers (refusing late arrivals)
@@ -407,6 +408,7 @@ class PrefillWorker(_Worker):
         if parsed:  # the decode worker (its rank 0's agent): the lane its pushes take
             req.pd_dest = f"{parsed[0].backend}/{parsed[0].endpoint.get('agent_id', '')}"
         req.pd_handoffs = list(handoffs)
+        req.pd_expected = [(handoff.tp_rank, expected_heads(handoff)) for handoff in parsed]  # the write check's
         await self._run_to_end(req)
         return {
             "rid": rid,

@@ -5,6 +5,8 @@ every decode buffer, or the request fails instead of decoding from KV never writ
 different depths are refused by name. Ranks are threads (tests.tp_helpers), over shm."""
 
 import asyncio
+import collections
+import sys
 
 import pytest
 
@@ -14,7 +16,7 @@ from actors.workers import DecodeWorker, PrefillWorker
 from tests.parity import assert_greedy_parity
 from tests.pd_helpers import close_workers, prompts, run_batch, run_pd, wait_idle
 from tests.tp_helpers import pd_worker_ranks, thread_ranks
-from transfer.base import LayoutMismatchError
+from transfer.base import KVHandoff, LayoutMismatchError
 
 GREEDY = {"max_new_tokens": 6, "temperature": 0}
 BASE = dict(max_total_tokens=1024, page_size=4, chunked_prefill_size=16, skip_tokenizer_init=True)
@@ -115,6 +117,32 @@ def test_a_stage_that_pushes_nothing_fails_the_request(llama, monkeypatch):
         close_workers(prefill, decode)
     finally:
         shutdown_followers(*followers)
+
+
+def test_the_write_check_parses_no_hand_off(llama, monkeypatch):
+    """Prefill PP 2 → decode PP 2: the write check once every rank pushed reads what it needs off the
+    hand-offs as prefill() parsed them, once per decode rank; it parsed each again under ``_push_lock``
+    (ms per decode rank at long prompts, holding up every rank's push reports). Each prefill rank's
+    pusher parses each once, as it opens its senders."""
+    thread_ranks(monkeypatch)
+    prefill, prefill_followers = start(PrefillWorker, llama, 2)
+    decode, decode_followers = start(DecodeWorker, llama, 2)
+    parse, calls = KVHandoff.from_bytes, []  # (the caller's module, whether it holds _push_lock), from any thread
+
+    def counted(cls, data):
+        calls.append((sys._getframe(1).f_globals["__name__"], prefill.scheduler._push_lock._is_owned()))
+        return parse(data)
+
+    monkeypatch.setattr(KVHandoff, "from_bytes", classmethod(counted))
+    try:
+        final, _, handoffs = asyncio.run(run_pd(prefill, decode, prompts(1, 10, 10, seed=8)[0], GREEDY))
+        assert len(final["output_ids"]) == GREEDY["max_new_tokens"] and len(handoffs) == 2
+        callers = collections.Counter(name for name, _ in calls if not name.startswith("tests."))
+        assert callers == {"actors.workers": 2, "actors.kv_push": 4}
+        assert not any(locked for _, locked in calls)
+        close_workers(prefill, decode)
+    finally:
+        shutdown_followers(*prefill_followers, *decode_followers)
 
 
 def test_a_decode_worker_of_another_depth_is_refused_by_name(llama, tmp_path):

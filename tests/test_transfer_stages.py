@@ -16,7 +16,7 @@ from mem_cache.swa_memory_pool import SWAKVPool
 from tests.transfer_helpers import HEAD_DIM, HEADS, SIZE, STATE_SLOTS, SWA_SIZE, request
 from transfer import KVHandoff, LayoutMismatchError, check_compatible, create_agent, pool_layout
 from transfer.backends.landing import Landing, pack_rows
-from transfer.plan import copied_heads, plan_copies, unwritten
+from transfer.plan import copied_heads, expected_heads, plan_copies, unwritten
 
 NUM_LAYERS = 4
 
@@ -90,7 +90,7 @@ def test_ranks_pair_by_overlapping_layers_and_write_every_buffer_once(kind, pref
             assert serves(h, p) == bool(copies)
             for name, heads in copied_heads(copies).items():
                 written[name] = written.get(name, 0) + heads
-        assert unwritten(h, written) == []
+        assert unwritten(expected_heads(h), written) == []
     # one stage's ranks alone leave the other stages' layers unwritten
     d = handoff(decode[0])
     first_stage = [p for p in prefill if p.layout.layers() == prefill[0].layout.layers()]
@@ -98,7 +98,7 @@ def test_ranks_pair_by_overlapping_layers_and_write_every_buffer_once(kind, pref
     for p in first_stage:
         for name, heads in copied_heads(plan_copies(p.layout, d.layout, p.tp_rank, p.tp_size, d.tp_rank, False)).items():
             alone[name] = alone.get(name, 0) + heads
-    missing = unwritten(d, alone)
+    missing = unwritten(expected_heads(d), alone)
     assert {d.layout.by_name()[n].layer for n in missing} == d.layout.layers() - prefill[0].layout.layers()
 
 
@@ -119,7 +119,7 @@ def test_sliding_window_kv_and_mamba_states_pair_by_global_layer(kind, prefill_p
             assert {p.layout.by_name()[c.name].layer for c in copies} == p.layout.layers() & h.layout.layers()
             for name, heads in copied_heads(copies).items():
                 written[name] = written.get(name, 0) + heads
-        assert unwritten(h, written) == []
+        assert unwritten(expected_heads(h), written) == []
     (last,) = [p for p in side(2, 1, kind)[1:]]  # layers 2 and 3
     assert sorted(last.layout.by_name()) == (["k.3", "swa_k.2", "swa_v.2", "v.3"] if kind == "swa" else
                                              ["k.3", "state.0.2", "state.1.2", "v.3"])
@@ -139,9 +139,9 @@ def test_heads_written_twice_or_a_state_never_sent_are_unwritten():
     (p,), (d,) = side(1, 1), side(1, 1)
     h = handoff(d)
     heads = copied_heads(plan_copies(p.layout, h.layout, 0, 1, 0, False))
-    assert unwritten(h, heads) == []
-    assert unwritten(h, {**heads, "k.0": 2 * HEADS}) == ["k.0"]
-    assert unwritten(handoff(d, slots=()), {}) == []  # a decode rank holding the whole prompt takes no rows
+    assert unwritten(expected_heads(h), heads) == []
+    assert unwritten(expected_heads(h), {**heads, "k.0": 2 * HEADS}) == ["k.0"]
+    assert unwritten(expected_heads(handoff(d, slots=())), {}) == []  # a decode rank holding the whole prompt takes no rows
 
 
 def test_models_of_different_depths_are_rejected_with_a_clear_error():

@@ -108,15 +108,21 @@ def copied_heads(copies: List[BufferCopy]) -> Dict[str, int]:
     return {c.name: c.num_heads if c.head_axis is not None else 1 for c in copies}
 
 
-def unwritten(handoff: KVHandoff, written: Mapping[str, int]) -> List[str]:
-    """The buffers of ``handoff``'s decode rank that take rows (its token rows, SWA rows,
-    state slot) whose heads the prefill ranks' :func:`copied_heads`, summed over the ranks
-    (``written``), do not cover exactly once: a layer no prefill rank holds alike (two
-    layouts whose pipeline stages do not fit together), or heads sent twice."""
+def expected_heads(handoff: KVHandoff) -> Dict[str, int]:
+    """The buffers of ``handoff``'s decode rank that take rows (its token rows, SWA rows, state
+    slot), each with the heads the prefill ranks must write there together (a replicated buffer:
+    1). Read once per request, where its hand-offs are parsed: :func:`unwritten` checks against it."""
     rows = {"token": len(handoff.dst_slots), "swa": len(handoff.dst_swa_slots),
             "state": int(handoff.dst_state_slot is not None)}
-    return [b.name for b in handoff.layout.buffers
-            if rows[b.index] and written.get(b.name, 0) != (b.num_heads if b.head_axis is not None else 1)]
+    return {b.name: b.num_heads if b.head_axis is not None else 1 for b in handoff.layout.buffers if rows[b.index]}
+
+
+def unwritten(expected: Mapping[str, int], written: Mapping[str, int]) -> List[str]:
+    """The buffers of a decode rank (``expected``: its :func:`expected_heads`) whose heads the
+    prefill ranks' :func:`copied_heads`, summed over the ranks (``written``), do not cover exactly
+    once: a layer no prefill rank holds alike (two layouts whose pipeline stages do not fit
+    together), or heads sent twice."""
+    return [name for name, heads in expected.items() if written.get(name, 0) != heads]
 
 
 def check_slots(what: str, slots: np.ndarray, num_rows: int) -> None:
@@ -210,5 +216,5 @@ def sliced_row_shape(row_shape: Tuple[int, ...], copy: BufferCopy) -> Tuple[int,
 __all__ = [
     "SHORT_RUN_BYTES", "BufferCopy", "RowPlan", "check_slots", "copied_heads", "copy_runs", "run_indices",
     "plan_copies", "push_rows", "row_plan", "head_replicas", "sends_heads", "sends_replicated", "sliced_row_shape",
-    "unwritten",
+    "expected_heads", "unwritten",
 ]
