@@ -237,6 +237,20 @@ def test_missing_buffer_and_mamba_tp_mismatch_are_rejected():
         check_compatible(full, tp2)
 
 
+def test_a_buffer_named_for_one_layer_but_holding_another_is_rejected():
+    """Names carry the global layer (version 6) and the layers both ranks hold decide which buffers
+    are compared: a peer whose ``k.1`` says it holds layer 3, or whose Mamba states say no layer (a
+    version 5 layout's), no longer holds layer 1's (or the states') buffers as ours do."""
+    _, full, _, _ = build_pool(RankSpec("hybrid", 1))
+    relabelled = replace(full, buffers=tuple(replace(b, layer=3) if b.name in ("k.1", "v.1") else b
+                                             for b in full.buffers))
+    with pytest.raises(LayoutMismatchError, match=r"only on prefill \[\], only on decode \['k.1', 'v.1'\]"):
+        check_compatible(full, relabelled)
+    unlayered = replace(full, buffers=tuple(replace(b, layer=None) if b.index == "state" else b for b in full.buffers))
+    with pytest.raises(LayoutMismatchError, match=r"only on decode \['state.0.0', 'state.0.2'"):
+        check_compatible(full, unlayered)
+
+
 def test_sender_init_fails_on_mismatched_layout_or_backend():
     _, mine, tensors, _ = build_pool(RankSpec("mha", 1))
     agent = create_agent("fake", mine, tensors)

@@ -56,8 +56,8 @@ class BufferLayout:
     state slots). ``row_shape``/``dtype`` describe one row on *this* rank;
     ``head_axis`` is the axis of ``row_shape`` that holds heads (``None``:
     replicated on every rank, e.g. the MLA latent). ``layer``: the global model
-    layer whose KV it holds (``None``: not one decoder layer's, Mamba states,
-    which every rank holds: pipeline stages do not split hybrid models).
+    layer whose KV or Mamba state it holds, as its name says (``None``: a layout
+    built by hand, compared on every pipeline stage).
     """
 
     name: str
