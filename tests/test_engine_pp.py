@@ -179,15 +179,17 @@ def pool_layers(runner):
     return list(pool.full_attention_layer_id_mapping), [], list(rows.mamba_map)
 
 
-@pytest.mark.parametrize("family, layers", [
-    ("gemma3", [([], [0, 1], []), ([3], [2], [])]),  # (stage 0 has no full-attention layer: an empty full pool)
-    ("qwen3_next", [([], [], [0, 1]), ([3], [], [2])]),  # (... nor a KV layer at all)
-])
-def test_sliding_window_and_mamba_caches_split_into_stages(monkeypatch, tmp_path, family, layers):
+@pytest.mark.parametrize("family, overrides, layers", [
+    ("gemma3", {}, [([], [0, 1], []), ([3], [2], [])]),  # (stage 0 has no full-attention layer: an empty full pool)
+    ("qwen3_next", {}, [([], [], [0, 1]), ([3], [], [2])]),  # (... nor a KV layer at all)
+    # Qwen3's window from max_window_layers on: stage 0 of a full layer only keeps an (empty) SWA pool too
+    ("qwen3", dict(use_sliding_window=True, sliding_window=8, max_window_layers=1), [([0], [], []), ([], [1], [])]),
+], ids=["gemma3", "qwen3_next", "qwen3_window_layers"])
+def test_sliding_window_and_mamba_caches_split_into_stages(monkeypatch, tmp_path, family, overrides, layers):
     """Each stage's pools hold its layers only (the full-attention, sliding-window and Mamba layer id lists cut
     to the stage); rank 0's radix cache (SWA tombstones, Mamba checkpoints) decides for both stages over the
     same slots: the tokens through chunked prefill and a prefix hit are PP1's and HF's, every rank checks out."""
-    path = str(build_tiny_checkpoint(family, tmp_path / family, seed=0))
+    path = str(build_tiny_checkpoint(family, tmp_path / family, seed=0, **overrides))
     ref_outputs, _, _ = run(path)
     thread_ranks(monkeypatch)
     seen = {}

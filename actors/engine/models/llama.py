@@ -122,10 +122,11 @@ class LlamaForCausalLM(CausalLM):
     def kv_cache_spec(self) -> KVCacheSpec:
         """Kind "mha", or "swa" where some layers slide (as Gemma 3): those layers' KV in the SWA pool,
         freed as tokens slide out of the window. A model whose every layer slides (Mistral's window)
-        keeps no layer's KV in the full pool: there it is slot numbers only, what the tree indexes."""
-        layers = self.model.layers
-        attn = layers[self.model.stage_layers.start].self_attn  # (this pipeline stage's layers)
-        windows = {i: layers[i].self_attn.attn.sliding_window for i in self.model.stage_layers}
+        keeps no layer's KV in the full pool: there it is slot numbers only, what the tree indexes. The
+        kind is the model's, not a pipeline stage's: a stage of full layers only (Qwen2/Qwen3 below
+        ``max_window_layers``) keeps an SWA pool too, so rank 0's SWA radix cache decides for every stage."""
+        attn = self.model.layers[self.model.stage_layers.start].self_attn  # (this pipeline stage's first layer)
+        windows = {i: layer_window(self.config, i) for i in range(self.config.num_hidden_layers)}
         swa = {} if all(w is None for w in windows.values()) else dict(
             full_attention_layer_ids=[i for i, w in windows.items() if w is None],
             swa_attention_layer_ids=[i for i, w in windows.items() if w is not None],
