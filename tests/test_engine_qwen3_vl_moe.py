@@ -7,8 +7,9 @@ either layout, a square matrix by who saved the checkpoint. LoRA adapters over t
 target_parameters wrappers, both layouts, and per-expert names) serve an image request beside the base model's,
 each HF's on its merged checkpoint: eager and fused, at TP 2 and EP 2. A checkpoint storing its experts per expert
 (the quantized releases' layout) is served with per-expert layers, as Qwen3-MoE's: unquantized (adapters on them
-too), block FP8, GPTQ eager and fused, each HF's on the same weights stacked. A quantized checkpoint storing its
-experts stacked (FP8, GPTQ) or quantization='fp8' on one is refused, naming the format."""
+too), block FP8, GPTQ eager and fused, each HF's on the same weights stacked; at EP 2, an act-order expert of rank
+1's sent under the checkpoint's names is refused by rank 1's check. A quantized checkpoint storing its experts
+stacked (FP8, GPTQ) or quantization='fp8' on one is refused, naming the format."""
 
 import json
 import re
@@ -304,3 +305,24 @@ def test_a_quantized_checkpoint_is_refused_naming_its_format(model_dir, tmp_path
     with pytest.raises(ValueError, match=rf"{re.escape(named)} is not served for Qwen3VLMoeForConditionalGeneration: "
                                          r"its experts \(model\.layers\.1\.mlp\.experts, \.\.\.\) are stacked"):
         build_served_model(str(path), load_config(str(path)), forced)
+
+
+def test_ep2_refuses_another_ranks_act_order_experts_named_as_the_checkpoint_stores_them(gptq_dirs, tmp_path,
+                                                                                        monkeypatch):
+    """A g_idx's values are checked by the rank holding its expert, sent them by rank 0 (which does not): named
+    model.language_model.* (the checkpoint's names), an act-order expert of rank 1's is refused by its check, nothing
+    copied, as one named model.layers.* (fails before: rank 0 sent it on meta, its name not renamed, so no check read
+    it: rank 1 failed the copy instead, after rank 0's copies, and every rank reloaded the checkpoint)."""
+    thread_ranks(monkeypatch)
+    served, _ = packed_checkpoint("qwen3_vl_moe", tmp_path, bits=4, group_size=16, skip="visual",
+                                  build=build_per_expert)
+    engine = Engine(served, max_total_tokens=512, tp_size=2, enable_expert_parallel=True)
+    expert = "model.language_model.layers.1.mlp.experts.3.down_proj."
+    act_order = [(name, t) for name, t in load_file(f"{gptq_dirs[0]}/model.safetensors").items()
+                 if name.startswith(expert)]
+    assert {name.removeprefix(expert) for name, _ in act_order} >= {"qweight", "g_idx"}
+    with pytest.raises(ValueError, match=r"rank 1: .*model\.layers\.1\.mlp\.experts\.3\.down_proj\.g_idx is not in "
+                                         "group order"):
+        engine.update_weights_from_tensor(act_order)
+    engine.check_integrity()
+    engine.shutdown()

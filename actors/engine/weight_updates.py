@@ -63,7 +63,7 @@ import torch
 
 from actors.engine import wna16
 from actors.engine.lora_updates import CallFollowers, on_followers
-from actors.engine.model_loader import ServedWeights, WeightsSource
+from actors.engine.model_loader import ServedWeights, WeightsSource, served_name
 from mem_cache.hicache_storage import HiCacheFile, rank_storage_dir
 from mem_cache.swa_hiradix_storage import swa_storage_backends
 
@@ -95,12 +95,13 @@ def storage_dir_for(base: str, path: Optional[str], version: Optional[str]) -> s
 def check_weights(runner, call_followers: CallFollowers, source: WeightsSource) -> None:
     """ValueError naming what differs (and the rank) when ``source`` (a checkpoint's path, or named
     tensors: the followers are sent their shapes and dtypes alone, on meta, but the values a check reads
-    of a layer rank 0 does not hold: another pipeline stage's, an expert of another EP rank) cannot
-    replace the served weights on every rank; nothing is loaded (the loop's lock held: it calls the followers)."""
+    of a layer rank 0 does not hold: another pipeline stage's, an expert of another EP rank, by its served name: a
+    vision-language model's ``model.language_model.*`` too) cannot replace the served weights on every rank;
+    nothing is loaded (the loop's lock held: it calls the followers)."""
     weights = runner.weights
     weights.check(source)
     on_followers(call_followers, "weights_check", source if isinstance(source, str) else on_meta(
-        source, lambda name: weights.elsewhere(name) and wna16.value_checked(name)))
+        source, lambda name: weights.elsewhere(served_name(weights.renames, name)) and wna16.value_checked(name)))
 
 
 def on_meta(tensors: Dict[str, torch.Tensor], keep: Optional[Callable[[str], bool]] = None) -> Dict[str, torch.Tensor]:
