@@ -144,15 +144,16 @@ def config_group(groups: Dict[str, dict], ignore, layer: str) -> Optional[dict]:
 
 def compressed_checkpoint(family: str, root: Path, groups: Dict[str, dict], ignore=("lm_head",), seed: int = 0,
                           per_tensor_fp8: bool = False, static: bool = False, kv_scales: bool = False,
-                          **overrides) -> Tuple[str, str]:
+                          build=build_tiny_checkpoint, **overrides) -> Tuple[str, str]:
     """(a tiny ``family`` checkpoint with its projections quantized by config ``groups``, the float checkpoint of
     the brute-force dequantization of those tensors: HF's input). ``per_tensor_fp8``: the single group is
     saved as ``quant_method: "fp8"`` (AutoFP8's: a scalar ``weight_scale``); ``static``: with each layer's
     ``input_scale`` (static activations, unread by a weight-only forward); ``kv_scales``: with an FP8 KV cache's
-    scales, each attention's ``kv_scale`` (AutoFP8's) or ``k_scale`` and ``v_scale`` (a ``kv_cache_scheme``'s)."""
+    scales, each attention's ``kv_scale`` (AutoFP8's) or ``k_scale`` and ``v_scale`` (a ``kv_cache_scheme``'s);
+    ``build``: writes the float checkpoint (:func:`build_tiny_checkpoint`'s arguments; a variant's layout)."""
     from safetensors.torch import load_file, save_file
 
-    dequantized = build_tiny_checkpoint(family, root / "dequantized", seed=seed, **overrides)
+    dequantized = Path(build(family, root / "dequantized", seed=seed, **overrides))
     quantized = Path(shutil.copytree(dequantized, root / "compressed"))
     tensors = load_file(str(quantized / "model.safetensors"))
     plain = dict(tensors)

@@ -7,7 +7,8 @@ either layout, a square matrix by who saved the checkpoint. LoRA adapters over t
 target_parameters wrappers, both layouts, and per-expert names) serve an image request beside the base model's,
 each HF's on its merged checkpoint: eager and fused, at TP 2 and EP 2. A checkpoint storing its experts per expert
 (the quantized releases' layout) is served with per-expert layers, as Qwen3-MoE's: unquantized (adapters on them
-too), block FP8, GPTQ eager and fused, each HF's on the same weights stacked; at EP 2, an act-order expert of rank
+too), block FP8, GPTQ eager and fused, each HF's on the same weights stacked, and a GPTQ or compressed-tensors
+config naming layers by the checkpoint's names gives them their scheme; at EP 2, an act-order expert of rank
 1's sent under the checkpoint's names is refused by rank 1's check. A quantized checkpoint storing its experts
 stacked (FP8, GPTQ) or quantization='fp8' on one is refused, naming the format."""
 
@@ -24,6 +25,7 @@ from actors.engine import Engine, fp8
 from actors.engine.model_loader import build_served_model, load_config
 from actors.engine.models.moe import ExpertList
 from actors.engine.tiny import MLP, build_tiny_checkpoint, make_adapter
+from tests.compressed_helpers import compressed_checkpoint, scheme
 from tests.lora_helpers import fused_expert_adapter, merged_checkpoint
 from tests.parity import assert_greedy_parity
 from tests.test_engine_qwen3_vl import deepstack_received
@@ -289,6 +291,36 @@ def test_a_quantized_checkpoint_storing_its_experts_per_expert_equals_hf_over_it
     assert (experts.fused is not None) == (moe_backend == "triton")
     assert engine.update_weights_from_disk(quantized).success
     image_and_text(engine, oracle=dequantized)
+
+
+# layer 1's experts, by the checkpoint's name (model.language_model.*; the served model's: model.layers.*)
+CHECKPOINT_EXPERTS = r"model\.language_model\.layers\.1\.mlp\.experts\..*"
+
+
+@pytest.mark.parametrize("method", ["gptq", "compressed-tensors"])
+def test_a_layer_configured_by_its_checkpoint_name_takes_its_own_scheme(tmp_path, method):
+    """A quantization_config naming layers as the checkpoint does (GPTQModel's dynamic, a compressed-tensors config
+    group's target: model.language_model.layers.1.mlp.experts.*) gives layer 1's experts their scheme, int8 GPTQ or
+    FP8 channel, beside the default int4 groups of the others, as vLLM maps a config's names (fails before: matched
+    against the served names only, they took the default's and failed the load): HF's tokens and logprobs over its
+    dequantization."""
+    if method == "gptq":
+        quantized, dequantized = packed_checkpoint("qwen3_vl_moe", tmp_path, bits=4, group_size=16, skip="visual",
+                                                   dynamic={f"+:{CHECKPOINT_EXPERTS}": {"bits": 8}},
+                                                   build=build_per_expert)
+    else:
+        groups = {"group_0": scheme(4, "int", "group", 16),
+                  "group_1": scheme(8, "float", "channel", format="float-quantized",
+                                    targets=(f"re:{CHECKPOINT_EXPERTS}",))}
+        quantized, dequantized = compressed_checkpoint("qwen3_vl_moe", tmp_path, groups, build=build_per_expert,
+                                                       ignore=("lm_head", "re:model.visual.*", "re:.*mlp.gate$"))
+    engine = Engine(quantized, max_total_tokens=2048)
+    layers = engine.runner.model.model.layers
+    if method == "gptq":
+        assert [layers[i].mlp.experts[0].down_proj.packed.bits for i in (1, 2)] == [8, 4]
+    else:
+        assert [layers[i].mlp.experts[0].down_proj.scheme.type for i in (1, 2)] == ["float", "int"]
+    image_and_text(engine, oracle=rewrite(dequantized, stacked))
 
 
 @pytest.mark.parametrize("quant, forced, named", [(FP8, None, "quantization_config.quant_method='fp8'"),

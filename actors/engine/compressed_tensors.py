@@ -45,7 +45,7 @@ import torch
 from torch import nn
 
 from actors.engine import wna16
-from actors.engine.fp8 import FP8, joined, quantization_config, refuse_forced
+from actors.engine.fp8 import FP8, checkpoint_aliases, joined, quantization_config, refuse_forced
 
 PACKED_FORMAT = "pack-quantized"
 # format → value type → bits served (the first three store each value in a byte of its own: FP8 or int8)
@@ -159,15 +159,17 @@ def _matches(target: str, name: str) -> bool:
     return target in ("Linear", name)
 
 
-def layer_scheme(quant: CompressedConfig, name: str) -> Optional[Scheme]:
-    """Linear layer ``name``'s scheme; None when it is ignored or no target matches it. Several may: the
-    most specific one's, as compressed-tensors' ``match_targets`` orders them (whatever the groups' order): its
-    name, then a ``re:`` regex (each kind in sorted order), then ``Linear`` (llm-compressor's mixed recipes
-    give ``Linear`` a default scheme and a few layers their own)."""
-    if any(_matches(target, name) for target in quant.ignore):
+def layer_scheme(quant: CompressedConfig, name: str, aliases: Sequence[str] = ()) -> Optional[Scheme]:
+    """Linear layer ``name``'s scheme; None when it is ignored or no target matches it (it, or one of its
+    ``aliases``: :func:`~.fp8.checkpoint_aliases`). Several may: the most specific one's, as compressed-tensors'
+    ``match_targets`` orders them (whatever the groups' order): its name, then a ``re:`` regex (each kind in sorted
+    order), then ``Linear`` (llm-compressor's mixed recipes give ``Linear`` a default scheme and a few layers their
+    own)."""
+    def matches(target: str) -> bool:
+        return any(_matches(target, n) for n in (name, *aliases))
+    if any(matches(target) for target in quant.ignore):
         return None
-    named = sorted((t for t in quant.schemes if t != "Linear" and _matches(t, name)),
-                   key=lambda t: (t.startswith("re:"), t))
+    named = sorted((t for t in quant.schemes if t != "Linear" and matches(t)), key=lambda t: (t.startswith("re:"), t))
     return next((quant.schemes[t] for t in [*named, "Linear"] if t in quant.schemes), None)
 
 
@@ -182,7 +184,7 @@ def quantize_linears(model: nn.Module, quant: CompressedConfig, shapes: Dict[str
         raise ValueError(f"{', '.join(unserved[:4])}: the checkpoint stores it quantized (its weight_scale), but only "
                          "projections are served quantized, not lm_head, embeddings, routers or a vision tower")
     for name, module in compressed.items():
-        scheme = layer_scheme(quant, name)
+        scheme = layer_scheme(quant, name, checkpoint_aliases(model, name))
         if scheme is None:
             raise ValueError(f"{name}: the checkpoint holds its weight_scale but quantization_config ignores it "
                              "or targets it with no config group")

@@ -68,6 +68,15 @@ def quantization_config(config) -> Optional[dict]:
     return qc if qc is None or isinstance(qc, dict) else qc.to_dict()
 
 
+def checkpoint_aliases(model: nn.Module, name: str) -> Tuple[str, ...]:
+    """Layer ``name``'s other names (the served model's own: ``name``) that a ``quantization_config``'s layer
+    names and regexes may use: the checkpoint's (a vision-language model's ``model.language_model.*`` and
+    ``model.visual.*``: its ``checkpoint_renames`` reversed), as vLLM's ``hf_to_vllm_mapper`` maps a config's
+    names to its own."""
+    renames = getattr(model, "checkpoint_renames", ())
+    return tuple(prefix + name[len(served):] for prefix, served in renames if name.startswith(served))
+
+
 def refuse_forced(quantization: Optional[str], method: str) -> None:
     """ValueError when ``EngineConfig.quantization`` forces a method on a checkpoint quantized by ``method``."""
     if quantization is not None:

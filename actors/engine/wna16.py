@@ -43,7 +43,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from actors.engine import wna16_kernels
-from actors.engine.fp8 import cut, joined, quantization_config, refuse_forced
+from actors.engine.fp8 import checkpoint_aliases, cut, joined, quantization_config, refuse_forced
 
 GPTQ, AWQ = "gptq", "awq"
 METHODS = (GPTQ, AWQ)
@@ -128,10 +128,11 @@ def _dynamic_entry(quant: PackedConfig, pattern: str,
     return regex, skip, tuple(sorted((k, v) for k, v in overrides.items() if k != "sym"))
 
 
-def layer_config(quant: PackedConfig, name: str) -> Optional[PackedConfig]:
-    """Layer ``name``'s quantization: the first ``dynamic`` entry matching it (None: skipped), else ``quant``."""
+def layer_config(quant: PackedConfig, name: str, aliases: Sequence[str] = ()) -> Optional[PackedConfig]:
+    """Layer ``name``'s quantization: the first ``dynamic`` entry matching it, or one of its ``aliases``
+    (:func:`~.fp8.checkpoint_aliases`; None: skipped), else ``quant``."""
     for regex, skip, overrides in quant.dynamic:
-        if re.match(regex, name):
+        if any(re.match(regex, n) for n in (name, *aliases)):
             return None if skip else quant._replace(**dict(overrides))
     return quant
 
@@ -144,7 +145,7 @@ def quantize_linears(model: nn.Module, quant: PackedConfig, shapes: Dict[str, Li
         qweight = shapes.get(f"{name}.qweight")
         if qweight is None or not hasattr(module, "weight_block_size"):
             continue
-        layer = layer_config(quant, name)
+        layer = layer_config(quant, name, checkpoint_aliases(model, name))
         if layer is None:
             raise ValueError(f"{name}: quantization_config.dynamic skips it but the checkpoint holds its qweight")
         rows, cols = qweight
