@@ -23,9 +23,11 @@ FP8 = torch.float8_e4m3fn
 
 
 def scheme(num_bits: int = 4, type: str = "int", strategy: str = "group", group_size: Optional[int] = 16,
-           symmetric: bool = True, format: str = "pack-quantized", targets=("Linear",)) -> dict:
-    """One config group, as llm-compressor writes it (its ``format`` its own, as newer versions do)."""
-    return {"targets": list(targets), "format": format, "input_activations": None,
+           symmetric: bool = True, format: str = "pack-quantized", targets=("Linear",),
+           input_activations: Optional[dict] = None) -> dict:
+    """One config group, as llm-compressor writes it (its ``format`` its own, as newer versions do; W8A8's with
+    its ``input_activations``)."""
+    return {"targets": list(targets), "format": format, "input_activations": input_activations,
             "weights": {"num_bits": num_bits, "type": type, "strategy": strategy, "symmetric": symmetric,
                         "group_size": group_size if strategy == "group" else None, "dynamic": False,
                         "actorder": None, "observer": "minmax"}}

@@ -24,6 +24,10 @@ from tests.test_wna16_weights import GREEDY, PROMPTS, assert_fused_experts_equal
 
 ATTENTION, MLP = r"re:.*self_attn\..*", r"re:.*mlp\..*"
 FP8_TENSOR = scheme(8, "float", "tensor", format="float-quantized")
+# llm-compressor's activations of -FP8-dynamic (FP8 a token, dynamic) and -quantized.w8a8 (int8, a static scale)
+FP8_TOKENS = {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True, "symmetric": True}
+INT8_STATIC = {"num_bits": 8, "type": "int", "strategy": "tensor", "dynamic": False, "symmetric": True}
+FP8_CHANNEL = scheme(8, "float", "channel", format="float-quantized", input_activations=FP8_TOKENS)
 # family, checkpoint: RedHatAI's -FP8 (quant_method fp8, a scalar scale a layer, static input scales unread;
 # AutoFP8's KV-cache kv_scale unread), -FP8-dynamic (a scale an output channel; DeepSeek-V3's MLA projections,
 # replicated q_a_proj too, experts and shared experts), -quantized.w8a8 (int8 channels, static input scales; a
@@ -35,9 +39,9 @@ FP8_TENSOR = scheme(8, "float", "tensor", format="float-quantized")
 CASES = {
     "llama-fp8-per-tensor-static": ("llama", dict(groups={"g": FP8_TENSOR}, per_tensor_fp8=True, static=True,
                                                   kv_scales=True)),
-    "deepseek_v3-fp8-dynamic-channel": ("deepseek_v3", dict(groups={"g": scheme(8, "float", "channel",
-                                                                          format="float-quantized")}, q_lora_rank=32)),
-    "llama-w8a8-int8": ("llama", dict(groups={"g": scheme(8, "int", "channel", format="int-quantized")}, static=True,
+    "deepseek_v3-fp8-dynamic-channel": ("deepseek_v3", dict(groups={"g": FP8_CHANNEL}, q_lora_rank=32)),
+    "llama-w8a8-int8": ("llama", dict(groups={"g": scheme(8, "int", "channel", format="int-quantized",
+                                                          input_activations=INT8_STATIC)}, static=True,
                                       kv_scales=True)),
     "llama-w4a16-mixed": ("llama", dict(groups={"default": scheme(4, "int", "group", 32),
                                                 "attention": scheme(8, "int", "channel", symmetric=False,
@@ -46,8 +50,9 @@ CASES = {
     "phi3-w4a16-asym": ("phi3", dict(groups={"g": scheme(4, "int", "group", 16, symmetric=False)})),
     "qwen3_moe-w4a16": ("qwen3_moe", dict(groups={"g": scheme(4, "int", "group", 16)},
                                           ignore=("lm_head", r"re:.*mlp\.gate$"))),
-    "qwen3_moe-fp8-dynamic": ("qwen3_moe", dict(groups={"g": scheme(8, "float", "channel", format="float-quantized"),
-                                                        "down": dict(FP8_TENSOR, targets=[r"re:.*experts.*down_proj"])},
+    "qwen3_moe-fp8-dynamic": ("qwen3_moe", dict(groups={"g": FP8_CHANNEL,
+                                                        "down": dict(FP8_TENSOR, targets=[r"re:.*experts.*down_proj"],
+                                                                     input_activations=FP8_TOKENS)},
                                                 ignore=("lm_head", r"re:.*mlp\.gate$"))),
 }
 
@@ -81,6 +86,12 @@ def test_compressed_checkpoint_gives_hf_tokens_over_its_dequantization(case, tmp
     quantized, dequantized = compressed_checkpoint(family, tmp_path, **spec)
     outputs, logprobs, cached, layers = serve(quantized)
     assert ("KV-cache scales" in caplog.text) == ("kv_scales" in spec)  # (unread, logged)
+    # (activations a W8A8 checkpoint quantizes stay in the model's dtype, logged naming the fields)
+    activations = ["activation_scheme='static'"] if spec.get("per_tensor_fp8") else [
+        f"config_groups[{name!r}].input_activations" for name, group in spec["groups"].items()
+        if group["input_activations"]]
+    assert ("quantizes the activations too" in caplog.text) == bool(activations)
+    assert all(field in caplog.text for field in activations)
     assert_greedy_parity(dequantized, PROMPTS, outputs, GREEDY["max_new_tokens"], logprobs=logprobs)
     assert all(c >= len(p) for c, p in zip(cached, PROMPTS))
     unquantized = "o_proj" if "mixed" in case else None

@@ -25,8 +25,9 @@ usually) none.
 A quantized layer keeps its tensors as stored (1 byte a weight at 8 bits, an eighth of fp32's at 4 packed;
 the scales in fp32) and dequantizes its weight to the activations' dtype in each forward (``parallel.LinearBase``),
 then multiplies: weight-only (W8A16, W4A16) where the checkpoint may quantize the activations too
-(``input_activations``: dynamic, or static with an ``input_scale``, read nowhere). The activations stay in the
-model's dtype, so a W8A8 checkpoint computes its own math but for its activations' rounding.
+(``input_activations``: dynamic, or static with an ``input_scale``, read nowhere; the load warns naming them:
+:func:`quantized_activations`). The activations stay in the model's dtype, so a W8A8 checkpoint computes its
+own math but for its activations' rounding.
 
 Under TP a column-parallel layer's output features are rows of its weight, of per-channel or group scales and
 zeros (packed zeros in whole words: a rank's range a multiple of ``pack``); a row-parallel layer's input
@@ -120,6 +121,18 @@ def resolve(config, quantization: Optional[str]) -> Optional[CompressedConfig]:
         scheme = _scheme(f"config_groups[{name!r}]", group, group.get("format") or qc.get("format"))
         schemes.update(dict.fromkeys(group.get("targets") or (), scheme))
     return CompressedConfig(schemes, tuple(qc.get("ignore") or ()))
+
+
+def quantized_activations(config) -> List[str]:
+    """The fields of HF ``config``'s compressed-tensors or per-tensor FP8 quantization that quantize the activations
+    too (a config group's ``input_activations``: -FP8-dynamic's, -quantized.w8a8's; AutoFP8's ``activation_scheme``,
+    static or dynamic): vLLM and SGLang run such layers as W8A8 GEMMs, a weight-only forward leaves the activations
+    in the model's dtype, so its speed and its activations' rounding differ from theirs."""
+    qc = quantization_config(config) or {}
+    if qc.get("quant_method") == "fp8":
+        return [f"activation_scheme={qc.get('activation_scheme', 'dynamic')!r}"]
+    return [f"config_groups[{name!r}].input_activations" for name, group in (qc.get("config_groups") or {}).items()
+            if group.get("input_activations")]
 
 
 def _scheme(field: str, group: dict, fmt: Optional[str]) -> Scheme:

@@ -241,6 +241,11 @@ def load_model(
     model = model.to_empty(device=device)
     model.quantized_weights, model.packed_linears, model.compressed_linears = quantized, packed, compressed
     missing, unexpected = load_weights(model, checkpoint_files(model_path), saved_before_transformers_5(config))
+    activations = compressed_tensors.quantized_activations(config) if compressed else []
+    if activations:
+        logger.warning("quantization_config quantizes the activations too (%s), but they are served weight-only: "
+                       "each weight dequantized to the model's dtype, the activations unquantized (vLLM and SGLang "
+                       "quantize them for W8A8 GEMMs)", ", ".join(activations))
     kv_scales = [name for name in unexpected if KV_CACHE_SCALE.search(name)]
     if kv_scales:
         logger.warning("the checkpoint's %d KV-cache scales (%s, ...) are unread: the KV cache is kv_cache_dtype's, "
