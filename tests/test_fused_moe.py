@@ -310,6 +310,27 @@ def test_auto_backend_is_every_ranks_choice_under_ep():
     assert [e.fused is None for e in experts] == [True, True]
 
 
+@pytest.mark.parametrize("kind, capability, fused", [("float", (8, 0), False), ("float", (9, 0), True),
+                                                     ("int", (8, 0), True)])
+def test_fp8_experts_stay_eager_before_compute_capability_8_9(monkeypatch, kind, capability, fused):
+    """Triton has no e4m3 type on CUDA before compute capability 8.9 (an A100's 8.0: the kernel would fail to
+    compile at the first forward): auto runs FP8 experts eagerly there and triton refuses them by name; int8 ones
+    there, and FP8 ones on a Hopper GPU, are fused."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    runners = [SimpleNamespace(config=EngineConfig(model_path="m", moe_backend=backend), device=torch.device("cuda"),
+                               model=torch.nn.Sequential(unpacked_experts(kind, "channel")), tp=SINGLE)
+               for backend in ("auto", "triton")]
+    ModelRunner._fuse_experts(runners[0])
+    assert (runners[0].model[0].fused is not None) == fused
+    if fused:
+        ModelRunner._fuse_experts(runners[1])
+    else:
+        with pytest.raises(ValueError, match="moe_backend='triton': FP8 experts are not fused on a GPU of compute "
+                                             r"capability 8\.0"):
+            ModelRunner._fuse_experts(runners[1])
+    assert (runners[1].model[0].fused is not None) == fused
+
+
 def test_moe_backend_is_validated_by_name():
     with pytest.raises(ValueError, match="moe_backend"):
         EngineConfig(model_path="m", moe_backend="cutlass")

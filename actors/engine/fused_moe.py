@@ -325,6 +325,20 @@ class FusableExperts(nn.Module):
         raise NotImplementedError
 
 
+def fp8_unfused_reason(device: torch.device, experts: Sequence[nn.Module]) -> Optional[str]:
+    """Why ``experts`` cannot run fused on ``device`` for their FP8 weights, or None: Triton types e4m3fn
+    (``fp8e4nv``) on CUDA from compute capability 8.9 only (Ada, Hopper), so on an A100 (8.0) or an 8.6 GPU
+    the kernel fails to compile at the first forward; the eager experts dequantize with torch there (as vLLM
+    serves FP8 on them: weight-only)."""
+    if device.type != "cuda" or not any(p.dtype == torch.float8_e4m3fn for m in experts for p in m.parameters()):
+        return None
+    capability = torch.cuda.get_device_capability(device)
+    if capability >= (8, 9):
+        return None
+    return (f"FP8 experts are not fused on a GPU of compute capability {capability[0]}.{capability[1]} "
+            "(Triton compiles e4m3 from 8.9: Ada, Hopper)")
+
+
 def fuse_experts(model: nn.Module) -> int:
     """:meth:`FusableExperts.fuse` every layer's experts, once the model is on its device in its dtype (a
     later cast or move would give the parameters new tensors and leave the fused ones behind). The number

@@ -24,7 +24,7 @@ from actors.engine.config import CHUNKED_PREFILL_DEFAULT, EngineConfig
 from actors.engine.cuda_graph_runner import CudaGraphRunner, capture_batch_sizes, cuda_graph_max_bs, graphs_off_reason
 from actors.engine.draft_model import DraftModel
 from actors.engine.forward_batch import ForwardBatch, int64_tensor
-from actors.engine.fused_moe import FusableExperts, fuse_experts
+from actors.engine.fused_moe import FusableExperts, fp8_unfused_reason, fuse_experts
 from actors.engine.lora import LoRAAdapter, LoRAManager, read_adapter
 from actors.engine.model_loader import DTYPES, ServedWeights, build_model, get_context_length, load_model
 from actors.engine.models.base import LogitsOutput
@@ -134,18 +134,22 @@ class ModelRunner:
 
     def _fuse_experts(self) -> None:
         """``moe_backend`` (auto: triton on CUDA, torch on the CPU or for experts the fused kernels do not
-        take, :meth:`FusableExperts.unfused_reason`, on any rank: under EP each holds experts of its own, and
-        ranks on different backends would disagree on CUDA graphs, one capturing collectives its peers never
-        join): triton stacks every MoE layer's experts for the fused kernels; ValueError when Triton cannot
-        run on the device."""
+        take, :meth:`FusableExperts.unfused_reason`, or not on this GPU, :func:`fp8_unfused_reason`, on any
+        rank: under EP each holds experts of its own, and ranks on different backends would disagree on CUDA
+        graphs, one capturing collectives its peers never join): triton stacks every MoE layer's experts for the
+        fused kernels; ValueError when Triton cannot run on the device or them."""
         backend = self.config.moe_backend
+        experts = [m for m in self.model.modules() if isinstance(m, FusableExperts)]
+        fp8_reason = fp8_unfused_reason(self.device, experts)
         if backend == "auto":
-            unfused = any(m.unfused_reason() for m in self.model.modules() if isinstance(m, FusableExperts))
+            unfused = fp8_reason or any(m.unfused_reason() for m in experts)
             backend = "triton" if self.tp.all_min(int(self.device.type == "cuda" and not unfused)) else "torch"
         if backend == "triton":
             error = triton_device_error(self.device, "moe_backend='triton'")
             if error:
                 raise ValueError(error)
+            if fp8_reason:
+                raise ValueError(f"moe_backend='triton': {fp8_reason} (moe_backend='torch' serves them)")
             fuse_experts(self.model)
 
     # ---- LoRA -------------------------------------------------------------------
