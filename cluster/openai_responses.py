@@ -141,7 +141,9 @@ def _bad(param: str, what: str) -> APIError:
 
 def _content_of(parts: Any, param: str, images: bool = False) -> Union[str, List[Dict[str, Any]]]:
     """A message's content for chat: a string as it is, text parts as chat's text parts and, with
-    ``images`` (a message's content), ``input_image`` parts as chat's ``image_url`` parts."""
+    ``images`` (a message's content), ``input_image`` parts as chat's ``image_url`` parts and chat's
+    ``video_url`` parts as they are (OpenAI's Responses API has no video part; vLLM's takes chat's, its
+    Responses and chat content parts being parsed alike)."""
     if isinstance(parts, str):
         return parts
     if not isinstance(parts, list):
@@ -151,10 +153,12 @@ def _content_of(parts: Any, param: str, images: bool = False) -> Union[str, List
         kind = part.get("type") if isinstance(part, dict) else type(part).__name__
         if images and kind == "input_image":
             out.append(_image_part(part, f"{param}.{j}"))
+        elif images and kind == "video_url":  # (its shape checked as chat's: ChatMessage.video_urls)
+            out.append({"type": "video_url", "video_url": part.get("video_url")})
         elif kind in TEXT_PARTS and isinstance(part.get("text"), str):
             out.append({"type": "text", "text": part["text"]})
         else:
-            served = "input_text, output_text or input_image" if images else "input_text or output_text"
+            served = "input_text, output_text, input_image or video_url" if images else "input_text or output_text"
             raise _bad(f"{param}.{j}", f"content part {kind!r} is not supported ({served})")
     return out
 

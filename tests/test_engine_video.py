@@ -161,9 +161,9 @@ def test_qwen3_vl_timestamped_frames_equal_hf(qwen3_dir):
 
 
 def test_chat_video_frames_and_generate_video_data_equal_the_engines_answer(engine):
-    """A video_url part (and /generate's video_data) of its frames' data URLs answers as the engine does to the
-    frames; a video file without PyAV, more videos than limit_mm_per_prompt, and a video_url of another shape are
-    400s naming why."""
+    """A video_url part of chat (and of /v1/responses, /generate's video_data) of its frames' data URLs answers
+    as the engine does to the frames; a video file without PyAV, more videos than limit_mm_per_prompt, and a
+    video_url of another shape are 400s naming why."""
     import httpx
 
     from cluster.config import ServerConfig
@@ -193,6 +193,10 @@ def test_chat_video_frames_and_generate_video_data_equal_the_engines_answer(engi
         chat_answer = post("/v1/chat/completions", body(urls))
         native = post("/generate", {"text": chat(engine.tokenizer, "what?"), "video_data": [urls],
                                     "sampling_params": {"max_new_tokens": MAX_NEW, "temperature": 0}})
+        response = post("/v1/responses", {"model": compat.MODEL, "max_output_tokens": MAX_NEW, "temperature": 0,
+                                          "input": [{"role": "user", "content": [
+                                              {"type": "video_url", "video_url": {"url": urls}},
+                                              {"type": "input_text", "text": "what?"}]}]})
         video_file = post("/v1/chat/completions", body("data:video/mp4;base64,AAAA"))
         two = post("/v1/chat/completions", body(urls, urls))
         shape = post("/v1/chat/completions", body(5))
@@ -201,6 +205,8 @@ def test_chat_video_frames_and_generate_video_data_equal_the_engines_answer(engi
     got = [t["logprob"] for t in chat_answer.json()["choices"][0]["logprobs"]["content"]]
     assert got == pytest.approx([lp for lp, _ in want["meta_info"]["output_token_logprobs"]], abs=1e-5)
     assert native.status_code == 200 and native.json()["output_ids"] == want["output_ids"]
+    assert response.status_code == 200, response.text  # (vLLM's Responses API takes chat's video_url parts)
+    assert response.json()["output"][-1]["content"][0]["text"] == want["text"]
     if importlib.util.find_spec("av") is None:
         assert video_file.status_code == 400
         assert "needs PyAV (the 'av' package)" in video_file.json()["error"]["message"]
