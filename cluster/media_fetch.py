@@ -110,7 +110,7 @@ class MediaFetcher:
 
     async def _download(self, url: str) -> bytes:
         async with self.client.stream("GET", url) as response:
-            if response.status_code != 200:
+            if not response.is_success:  # (any 2xx, as vLLM's raise_for_status after redirects)
                 raise FetchError(f"HTTP {response.status_code}")
             body = bytearray()
             async for chunk in response.aiter_bytes():

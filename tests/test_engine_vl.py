@@ -597,7 +597,7 @@ def test_chat_completions_and_generate_with_images_equal_the_engines_answer(engi
 class ImageHandler(http.server.BaseHTTPRequestHandler):
     """A local image host: /cat.png the PNG, /gate.png the PNG once two requests wait for it at once (a request's
     images fetched one after another never pass), /slow.png past any fetch timeout, /big.png too large,
-    /away.png a redirect to localhost (another host name), anything else a 404."""
+    /away.png a redirect to localhost (another host name), /made.png the PNG with a 201, anything else a 404."""
 
     png, gate, release = b"", None, None
 
@@ -619,10 +619,11 @@ class ImageHandler(http.server.BaseHTTPRequestHandler):
             self.send_response(302)
             self.send_header("Location", f"http://localhost:{self.server.server_port}/cat.png")
             return self.end_headers()
-        body = {"/cat.png": self.png, "/gate.png": self.png, "/big.png": self.png + b"0" * 2048}.get(self.path)
+        body = {"/cat.png": self.png, "/gate.png": self.png, "/big.png": self.png + b"0" * 2048,
+                "/made.png": self.png}.get(self.path)
         if body is None:
             return self.send_error(404)
-        self.send_response(200)
+        self.send_response(201 if self.path == "/made.png" else 200)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         self.wfile.write(body)
@@ -746,6 +747,34 @@ def test_image_downloads_share_one_client_whose_connection_stays_open_across_req
     assert got == [[png.getvalue()]] * 4
     assert len(connections) == 2  # (the three requests' one, then the one after aclose)
     assert cookies == [None] * 4
+
+
+def test_schemes_in_any_case_and_any_2xx_answer_give_the_image():
+    """URL schemes are case-insensitive (RFC 3986): DATA: and HTTP:// URLs are images as data: and http:// ones;
+    a download answered with any 2xx (a 201 here) is its body's image, as vLLM's (were 400s)."""
+    from cluster.media_fetch import MediaFetcher, decoded
+
+    photo, png = image(30, 40, 41), io.BytesIO()
+    photo.save(png, format="PNG")
+    handler = type("Handler", (ImageHandler,), dict(png=png.getvalue()))
+    images = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    images.daemon_threads = True
+    threading.Thread(target=images.serve_forever, daemon=True).start()
+    urls = [f"HTTP://127.0.0.1:{images.server_port}/cat.png", f"http://127.0.0.1:{images.server_port}/made.png",
+            "DATA:image/png;base64," + base64.b64encode(png.getvalue()).decode()]
+
+    async def fetch(fetcher: MediaFetcher) -> list:
+        try:
+            return await fetcher.fetch_all(urls, "image_data")
+        finally:
+            await fetcher.aclose()
+
+    try:
+        got = decoded(urls, asyncio.run(fetch(MediaFetcher())))
+    finally:
+        images.shutdown()
+        images.server_close()
+    assert [np.asarray(pil).tolist() for pil in got] == [np.asarray(photo).tolist()] * 3
 
 
 def test_a_file_url_of_a_device_a_fifo_or_a_link_loop_is_a_400_naming_it(tmp_path):

@@ -49,12 +49,13 @@ MM_PAD_BASE = 1 << 30
 
 def load_image(image: Any):
     """A PIL image from SGLang's ``image_data`` forms: a PIL image, raw bytes, a
-    ``data:image/...;base64,`` URL, or a file path; decoded now (ValueError if it cannot be)."""
+    ``data:image/...;base64,`` URL (its scheme in any case, as RFC 3986's), or a file path; decoded now
+    (ValueError if it cannot be)."""
     from PIL import Image
 
     if isinstance(image, Image.Image):
         return image
-    if isinstance(image, str) and image.startswith("data:"):
+    if isinstance(image, str) and image[:5].lower() == "data:":
         image = data_url_bytes(image, "image_data")
     elif isinstance(image, str):
         if not os.path.isfile(image):
