@@ -20,7 +20,7 @@ import os
 import stat
 from http.cookiejar import CookieJar, DefaultCookiePolicy
 from pathlib import Path
-from typing import List, Optional, Sequence, Union
+from typing import Dict, List, Optional, Sequence, Union
 from urllib.parse import unquote, urlsplit
 
 import httpx
@@ -31,6 +31,8 @@ from cluster.api_errors import APIError
 
 
 WEB_SCHEMES = ("http", "https")
+# vLLM's (V1) limit_mm_per_prompt of a modality left unset: a request's URLs are bounded before any is fetched
+DEFAULT_MM_PER_PROMPT = 999
 
 
 class FetchError(Exception):
@@ -145,6 +147,12 @@ class MediaFetcher:
         if len(image) > self.max_bytes:
             raise FetchError(f"more than {self.max_bytes} bytes (server.max_image_fetch_bytes)")
         return image
+
+
+def server_mm_limits(limit_mm_per_prompt: Optional[Dict[str, int]]) -> Dict[str, int]:
+    """The server's ``limit_mm_per_prompt``: the workers', a modality they leave unset held to
+    :data:`DEFAULT_MM_PER_PROMPT` (the workers' context length bounds it only once every URL is fetched)."""
+    return {"image": DEFAULT_MM_PER_PROMPT, "video": DEFAULT_MM_PER_PROMPT, **(limit_mm_per_prompt or {})}
 
 
 def scheme(url: str) -> str:

@@ -41,7 +41,7 @@ from cluster.aio import unless_set
 from cluster.api_errors import APIError, own_message
 from cluster.chat_protocol import ChatCompletionRequest, ChatTemplateFields
 from cluster.completion_protocol import CompletionRequest, GenerateRequest
-from cluster.media_fetch import MediaFetcher, check_video_decoder, decode_video, decoded
+from cluster.media_fetch import MediaFetcher, check_video_decoder, decode_video, decoded, server_mm_limits
 from cluster.openai_format import ChatFormatter, CompletionFormatter
 from cluster.openai_protocol import describe_validation_error
 from cluster.reasoning import REASONING_FORMATS, HarmonyFormat, prompt_tail
@@ -125,8 +125,8 @@ class GenerationService:
         self.resumed.set()
         self.num_paused = 0  # the requests waiting for it before admission
         # a vision-language model's tokenizer side: a chat's image_url parts (None: a text model's server)
-        self.mm_processor = MultimodalProcessor.for_checkpoint(getattr(backend, "model_path", None),
-                                                               getattr(backend, "limit_mm_per_prompt", None))
+        self.mm_processor = MultimodalProcessor.for_checkpoint(
+            getattr(backend, "model_path", None), server_mm_limits(getattr(backend, "limit_mm_per_prompt", None)))
         self.media_fetcher = media_fetcher or MediaFetcher()
 
     @property

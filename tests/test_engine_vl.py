@@ -637,7 +637,7 @@ def test_http_and_file_image_urls_are_fetched_by_the_server_and_failures_are_400
     allowed_local_media_path answer as the engine does to the image itself; a 404, a domain (or a redirect to
     one) not in allowed_media_domains, a download past image_fetch_timeout_s or max_image_fetch_bytes, a file://
     URL outside the allowed path (or through ..), a path and a URL that does not parse are each a 400 naming the
-    URL, at once."""
+    URL, at once; limit_mm_per_prompt unset, more than vLLM's 999 images are a 400 before any is fetched."""
     import httpx
 
     from cluster.config import ServerConfig
@@ -675,6 +675,7 @@ def test_http_and_file_image_urls_are_fetched_by_the_server_and_failures_are_400
 
             answers = [post(url) for url in (f"{host}/cat.png", f"file://{media}/cat.png")]
             two = post(f"{host}/gate.png", f"{host}/gate.png")
+            many = post(*[f"{host}/missing.png"] * 1000)  # (limit_mm_per_prompt unset: vLLM's 999)
             started = time.monotonic()
             refused = {url: post(f"{host}/cat.png", url) for url in (
                 f"{host}/missing.png", f"http://localhost:{images.server_port}/cat.png", f"{host}/away.png",
@@ -691,6 +692,7 @@ def test_http_and_file_image_urls_are_fetched_by_the_server_and_failures_are_400
     assert two.status_code == 200, two.text
     # (the second image's tokens and its <|vision_start|>, <|vision_end|>)
     assert two.json()["usage"]["prompt_tokens"] == want["meta_info"]["prompt_tokens"] + 20 + 2
+    assert many.status_code == 400 and "At most 999 image(s)" in many.json()["error"]["message"], many.text
     reasons = ["HTTP 404", "not in the server's allowed_media_domains", "not in the server's allowed_media_domains",
                "server.image_fetch_timeout_s", "server.max_image_fetch_bytes", "allowed_local_media_path",
                "allowed_local_media_path", "a data URL", "InvalidURL"]
