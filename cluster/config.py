@@ -27,6 +27,7 @@ from pydantic import (BaseModel, ConfigDict, Field, SecretStr, ValidationError, 
 from pydantic_core import PydanticCustomError
 
 from actors.engine.config import COMBINATION_CHECKS, EngineConfig, prefill_speculative_error
+from actors.engine.media_connector import MediaFetchConfig
 from cluster.reasoning import REASONING_FORMATS
 from cluster.tool_calls import TOOL_CALL_PARSERS
 
@@ -36,6 +37,9 @@ DATA_TRANSPORTS = ("auto", "gloo", "nccl")  # transfer.backends.dist_data's (tha
 ROUTING_POLICIES = ("cache_aware", "power_of_two", "round_robin", "random")
 # EngineConfig fields the cluster sets from `model` and the group's `device`.
 CLUSTER_OWNED_ENGINE_FIELDS = ("model_path", "tokenizer_path", "device", "tp_size")
+# EngineConfig fields of Engine.generate's own URL fetches: a PD worker is sent images the server fetched
+# (ServerConfig's fields of the same names), so a worker group has none to set
+SERVER_OWNED_ENGINE_FIELDS = tuple(MediaFetchConfig.model_fields)
 # EngineConfig fields that fix the KV layout: a page moves slot for slot, so both sides agree.
 KV_LAYOUT_FIELDS = ("page_size", "dtype", "kv_cache_dtype")
 # EngineConfig fields that say what a request's priority means: the server checks it once for both sides.
@@ -130,7 +134,7 @@ def _engine_overrides_model() -> Type[BaseModel]:
     fields = {
         name: (info.annotation, copy.copy(info))
         for name, info in EngineConfig.model_fields.items()
-        if name not in CLUSTER_OWNED_ENGINE_FIELDS
+        if name not in CLUSTER_OWNED_ENGINE_FIELDS + SERVER_OWNED_ENGINE_FIELDS
     }
     return create_model(
         "EngineOverrides", __config__=_STRICT, __module__=__name__,
@@ -293,8 +297,9 @@ class TransferConfig(BaseModel):
                                "keepalive_misses": self.heartbeat_max_failures + 1}}
 
 
-class ServerConfig(BaseModel):
-    """The OpenAI-compatible HTTP server and its admission control (429 queue full, 408 queue timeout)."""
+class ServerConfig(MediaFetchConfig):
+    """The OpenAI-compatible HTTP server and its admission control (429 queue full, 408 queue timeout); how it
+    fetches a request's image URLs (MediaFetchConfig's fields)."""
 
     model_config = _STRICT
 
@@ -341,28 +346,10 @@ class ServerConfig(BaseModel):
         None, description="with classifier_from_token: a pair's prompt text, {query} and {document} filled in (the "
         "reranker's own prompt, say Qwen3-Reranker's chat turns); None: the tokenizer's pair encoding of the two "
         "texts (vLLM's cross-encoder prompt)")
-    image_fetch_timeout_s: float = Field(
-        5.0, gt=0.0, description="an http(s) image URL's whole download (vLLM's VLLM_IMAGE_FETCH_TIMEOUT); past it "
-        "the request is a 400 naming the URL")
-    allowed_media_domains: Optional[List[str]] = Field(
-        None, description="vLLM's --allowed-media-domains: the host names http(s) image URLs (and their redirects) "
-        "may name; None: any")
-    allowed_local_media_path: Optional[str] = Field(
-        None, description="vLLM's --allowed-local-media-path: an existing directory whose files file:// image URLs "
-        "may name (links resolved); None: file:// URLs are refused. Any client may read any image under it")
-    max_image_fetch_bytes: int = Field(20 * 1024 * 1024, ge=1, description="the largest image an http(s) or file:// "
-                                       "URL may give (a download stops at it: a 400)")
     video_num_frames: int = Field(32, ge=1, description="a video file's most frames (vLLM's video loader's "
                                   "num_frames): sampled evenly over it")
     video_fps: float = Field(2.0, gt=0.0, description="the frames a second taken of a video file (vLLM's video "
                              "loader's fps), at most video_num_frames")
-
-    @field_validator("allowed_local_media_path")
-    @classmethod
-    def _a_directory(cls, path: Optional[str]) -> Optional[str]:
-        if path is not None and not os.path.isdir(path):  # (vLLM's check at start)
-            raise _invalid("not_a_directory", f"{path!r} is not an existing directory")
-        return path
 
     @model_validator(mode="after")
     def _score_template(self):

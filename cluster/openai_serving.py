@@ -41,7 +41,7 @@ from cluster.aio import unless_set
 from cluster.api_errors import APIError, own_message
 from cluster.chat_protocol import ChatCompletionRequest, ChatTemplateFields
 from cluster.completion_protocol import CompletionRequest, GenerateRequest
-from cluster.media_fetch import MediaFetcher, check_video_decoder, decode_video, decoded, server_mm_limits
+from cluster.media_fetch import ServerMediaFetcher, check_video_decoder, decode_video, decoded, server_mm_limits
 from cluster.openai_format import ChatFormatter, CompletionFormatter
 from cluster.openai_protocol import describe_validation_error
 from cluster.reasoning import REASONING_FORMATS, HarmonyFormat, prompt_tail
@@ -116,7 +116,7 @@ class GenerationService:
     fields; None: the defaults)."""
 
     def __init__(self, backend, tokenizer, metrics, admission, reasoning_parser: Optional[str] = None,
-                 tool_call_parser: Optional[str] = None, media_fetcher: Optional[MediaFetcher] = None):
+                 tool_call_parser: Optional[str] = None, media_fetcher: Optional[ServerMediaFetcher] = None):
         self.backend, self.tokenizer, self.metrics, self.admission = backend, tokenizer, metrics, admission
         self.reasoning = REASONING_FORMATS[reasoning_parser] if reasoning_parser is not None else None
         self.tool_call_parser = tool_call_parser
@@ -127,7 +127,7 @@ class GenerationService:
         # a vision-language model's tokenizer side: a chat's image_url parts (None: a text model's server)
         self.mm_processor = MultimodalProcessor.for_checkpoint(
             getattr(backend, "model_path", None), server_mm_limits(getattr(backend, "limit_mm_per_prompt", None)))
-        self.media_fetcher = media_fetcher or MediaFetcher()
+        self.media_fetcher = media_fetcher or ServerMediaFetcher()
 
     @property
     def _harmony(self) -> bool:
@@ -394,7 +394,7 @@ class GenerationService:
 
     async def mm_inputs(self, ids: List[int], image_urls: List[str], videos: List[Union[str, List[str]]],
                         param: str) -> Optional[MultimodalInputs]:
-        """A prompt's images (``image_urls``: data, http(s) and file:// URLs, fetched here: :class:`MediaFetcher`)
+        """A prompt's images (``image_urls``: data, http(s) and file:// URLs, fetched here: :class:`ServerMediaFetcher`)
         and videos (each a video file's URL, decoded here, or a list of its frames' image URLs), processed off
         the event loop as the engine's ``image_data`` (each image's and video's one pad token of ``ids``
         expanded); None without either; 400 for images or videos to a text model, more than
@@ -412,7 +412,10 @@ class GenerationService:
         if any(isinstance(video, str) for video in videos):
             check_video_decoder(param)
         urls = image_urls + [url for video in videos for url in ([video] if isinstance(video, str) else video)]
-        fetched = iter(await self.media_fetcher.fetch_all(urls, param))
+        try:
+            fetched = iter(await self.media_fetcher.fetch_all(urls, param))
+        except ValueError as exc:
+            raise APIError(400, str(exc), param=param) from None
         images = [next(fetched) for _ in image_urls]
         media = [next(fetched) if isinstance(video, str) else [next(fetched) for _ in video] for video in videos]
         num_frames, fps = self.media_fetcher.video_num_frames, self.media_fetcher.video_fps

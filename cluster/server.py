@@ -83,7 +83,7 @@ from cluster.backend import ServingBackend, UnknownWorkerError, WorkerNotAddedEr
 from cluster.http_guard import RequestGuard
 from cluster.chat_protocol import ChatCompletionRequest
 from cluster.completion_protocol import CompletionRequest, GenerateRequest
-from cluster.media_fetch import MediaFetcher
+from cluster.media_fetch import ServerMediaFetcher
 from cluster.metrics import ServerMetrics
 from cluster.openai_embeddings import EmbeddingRequest, create_embeddings
 from cluster.openai_protocol import (AddWorkerRequest, LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest,
@@ -174,7 +174,8 @@ def build_app(cluster_or_client: Any, tokenizer=None, config=None, client=None,
     metrics = ServerMetrics(backend.model_name)
     admission = Admission(server.max_concurrent_requests, server.max_queue_size, server.queue_timeout_s)
     service = GenerationService(backend, tokenizer, metrics, admission, server.reasoning_parser,
-                                server.tool_call_parser, MediaFetcher.from_config(server))
+                                server.tool_call_parser, ServerMediaFetcher.from_config(
+                                    server, video_num_frames=server.video_num_frames, video_fps=server.video_fps))
     responses = ResponsesService(service, server.responses_store_size)
     scorer = Scorer.from_config(service, server)
 

@@ -10,9 +10,11 @@ import yaml
 from actors.engine.config import EngineConfig
 from cluster.config import (
     CLUSTER_OWNED_ENGINE_FIELDS,
+    SERVER_OWNED_ENGINE_FIELDS,
     ClusterConfig,
     ConfigError,
     EngineOverrides,
+    ServerConfig,
     TransferConfig,
     load_config,
     parse_config,
@@ -308,8 +310,11 @@ def test_expert_parallel_may_differ_between_the_sides():
 
 
 def test_engine_overrides_mirror_engine_config():
-    expected = set(EngineConfig.model_fields) - set(CLUSTER_OWNED_ENGINE_FIELDS)
+    """Every EngineConfig field but the cluster's and the server's (the engine's own image URL fetching: the server
+    fetches a PD worker's, by ServerConfig's fields of the same names)."""
+    expected = set(EngineConfig.model_fields) - set(CLUSTER_OWNED_ENGINE_FIELDS) - set(SERVER_OWNED_ENGINE_FIELDS)
     assert set(EngineOverrides.model_fields) == expected
+    assert set(SERVER_OWNED_ENGINE_FIELDS) < set(ServerConfig.model_fields)
 
 
 def test_engine_config_keeps_engine_defaults_for_unset_fields():

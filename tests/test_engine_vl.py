@@ -366,7 +366,7 @@ def test_bad_image_input_is_a_value_error_and_loses_nothing(engine, tmp_path):
     with pytest.raises(ValueError, match="2 image\\(s\\) in image_data but 1 image pad token"):
         engine.generate(prompt=prompt, image_data=[image(50, 50, 15), image(50, 50, 16)])
     with pytest.raises(ValueError, match="neither a data URL nor a file"):
-        engine.generate(prompt=prompt, image_data=["http://example.com/cat.png"])
+        engine.generate(prompt=prompt, image_data=["ftp://example.com/cat.png"])
     with pytest.raises(ValueError, match="base64 does not decode"):
         engine.generate(prompt=prompt, image_data=["data:image/png;base64,%%%"])
     engine.check_integrity()
@@ -632,6 +632,23 @@ class ImageHandler(http.server.BaseHTTPRequestHandler):
         pass
 
 
+def image_host(handler) -> http.server.ThreadingHTTPServer:
+    """``handler``'s host on a free local port, serving on a daemon thread (shutdown and server_close it)."""
+    host = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    host.daemon_threads = True
+    threading.Thread(target=host.serve_forever, daemon=True).start()
+    return host
+
+
+def media_dir(tmp_path, png: bytes):
+    """``tmp_path``/media holding cat.png (``png``), and the same image outside it, ``tmp_path``/outside.png."""
+    media = tmp_path / "media"
+    media.mkdir()
+    (media / "cat.png").write_bytes(png)
+    (tmp_path / "outside.png").write_bytes(png)
+    return media
+
+
 def test_http_and_file_image_urls_are_fetched_by_the_server_and_failures_are_400s_naming_them(engine, tmp_path):
     """vLLM's media fetching: an http URL's image (two of a request fetched at once) and a file:// one under
     allowed_local_media_path answer as the engine does to the image itself; a 404, a domain (or a redirect to
@@ -647,10 +664,7 @@ def test_http_and_file_image_urls_are_fetched_by_the_server_and_failures_are_400
 
     photo, png = image(100, 150, 40), io.BytesIO()
     photo.save(png, format="PNG")
-    media = tmp_path / "media"
-    media.mkdir()
-    (media / "cat.png").write_bytes(png.getvalue())
-    (tmp_path / "outside.png").write_bytes(png.getvalue())
+    media = media_dir(tmp_path, png.getvalue())
     want = engine.generate(prompt=chat(engine.tokenizer, "what?"), image_data=[photo],
                            sampling_params={"max_new_tokens": MAX_NEW, "temperature": 0})
 
@@ -661,9 +675,7 @@ def test_http_and_file_image_urls_are_fetched_by_the_server_and_failures_are_400
 
     handler = type("Handler", (ImageHandler,), dict(png=png.getvalue(), gate=threading.Barrier(2, timeout=10),
                                                     release=threading.Event()))
-    images = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    images.daemon_threads = True
-    threading.Thread(target=images.serve_forever, daemon=True).start()
+    images = image_host(handler)
     host = f"http://127.0.0.1:{images.server_port}"
     config = ServerConfig(image_fetch_timeout_s=0.5, allowed_media_domains=["127.0.0.1"],
                           allowed_local_media_path=str(media), max_image_fetch_bytes=1024 + len(png.getvalue()))
@@ -709,7 +721,7 @@ def test_image_downloads_share_one_client_whose_connection_stays_open_across_req
     a keep-alive host take one connection (a client a request was 25 ms and more of the event loop's and a
     connection each), and it keeps no cookie (one request's would go with another client's); aclose (the
     server's shutdown) closes it, and a later download opens another."""
-    from cluster.media_fetch import MediaFetcher
+    from actors.engine.media_connector import MediaFetcher
 
     png = io.BytesIO()
     image(20, 20, 0).save(png, format="PNG")
@@ -728,9 +740,7 @@ def test_image_downloads_share_one_client_whose_connection_stays_open_across_req
             super().end_headers()
 
     Handler.png = png.getvalue()
-    images = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    images.daemon_threads = True
-    threading.Thread(target=images.serve_forever, daemon=True).start()
+    images = image_host(Handler)
     url = f"http://127.0.0.1:{images.server_port}/cat.png"
 
     async def requests(fetcher: MediaFetcher) -> List[list]:
@@ -751,17 +761,51 @@ def test_image_downloads_share_one_client_whose_connection_stays_open_across_req
     assert cookies == [None] * 4
 
 
+def test_engine_generate_fetches_http_and_file_image_urls_by_the_servers_rules(model_dir, tmp_path):
+    """vLLM's LLM.generate and SGLang's Engine fetch an image URL themselves (were refused): an http URL and a
+    file:// one under allowed_local_media_path answer as the image itself, in generate (a batch's URLs) and
+    async_generate; the engine's rules are the server's, its own fields named: a domain not in
+    allowed_media_domains, a download past max_image_fetch_bytes, a file outside the allowed path are ValueErrors
+    naming the URL, nothing queued."""
+    photo, png = image(60, 90, 42), io.BytesIO()
+    photo.save(png, format="PNG")
+    media = media_dir(tmp_path, png.getvalue())
+    handler = type("Handler", (ImageHandler,), dict(png=png.getvalue()))
+    images = image_host(handler)
+    host = f"http://127.0.0.1:{images.server_port}"
+    engine = Engine(model_dir, max_total_tokens=512, allowed_media_domains=["127.0.0.1"],
+                    allowed_local_media_path=str(media), max_image_fetch_bytes=1024 + len(png.getvalue()))
+    prompt, params = chat(engine.tokenizer, "what?"), {"max_new_tokens": MAX_NEW, "temperature": 0}
+    try:
+        want = engine.generate(prompt=prompt, image_data=[photo], sampling_params=params)["output_ids"]
+        batch = engine.generate(prompt=[prompt, prompt], image_data=[[f"{host}/cat.png"], [f"file://{media}/cat.png"]],
+                                sampling_params=params)
+        awaited = asyncio.run(engine.async_generate(prompt=prompt, image_data=[f"{host}/cat.png"],
+                                                    sampling_params=params))
+        for url, reason in ((f"http://localhost:{images.server_port}/cat.png", "engine's allowed_media_domains"),
+                            (f"{host}/big.png", "engine.max_image_fetch_bytes"),
+                            (f"file://{tmp_path}/outside.png", "engine's allowed_local_media_path")):
+            with pytest.raises(ValueError, match=reason) as refused:
+                engine.generate(prompt=prompt, image_data=[url], sampling_params=params)
+            assert f"image_data: cannot fetch the image {url!r}" in str(refused.value)
+    finally:
+        images.shutdown()
+        images.server_close()
+    assert [o["output_ids"] for o in batch] == [want, want] and awaited["output_ids"] == want
+    engine.check_integrity()
+    engine.shutdown()
+
+
 def test_schemes_in_any_case_and_any_2xx_answer_give_the_image():
     """URL schemes are case-insensitive (RFC 3986): DATA: and HTTP:// URLs are images as data: and http:// ones;
     a download answered with any 2xx (a 201 here) is its body's image, as vLLM's (were 400s)."""
-    from cluster.media_fetch import MediaFetcher, decoded
+    from actors.engine.media_connector import MediaFetcher
+    from cluster.media_fetch import decoded
 
     photo, png = image(30, 40, 41), io.BytesIO()
     photo.save(png, format="PNG")
     handler = type("Handler", (ImageHandler,), dict(png=png.getvalue()))
-    images = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    images.daemon_threads = True
-    threading.Thread(target=images.serve_forever, daemon=True).start()
+    images = image_host(handler)
     urls = [f"HTTP://127.0.0.1:{images.server_port}/cat.png", f"http://127.0.0.1:{images.server_port}/made.png",
             "DATA:image/png;base64," + base64.b64encode(png.getvalue()).decode()]
 
@@ -782,10 +826,9 @@ def test_schemes_in_any_case_and_any_2xx_answer_give_the_image():
 def test_a_file_url_of_a_device_a_fifo_or_a_link_loop_is_a_400_naming_it(tmp_path):
     """file:// under allowed_local_media_path reads regular files only, the limit's bytes at most: /dev/zero (its
     size 0) was read until the server's memory ran out, a FIFO's open blocked a thread for good. A link loop
-    (a 500) and a NUL byte (a 400 naming neither URL nor param) are refused as any other. Each a 400 naming the
-    URL; a file past max_image_fetch_bytes too."""
-    from cluster.api_errors import APIError
-    from cluster.media_fetch import MediaFetcher
+    (a 500) and a NUL byte (a 400 naming neither URL nor param) are refused as any other. Each a ValueError naming
+    the URL (the server's 400); a file past max_image_fetch_bytes too."""
+    from actors.engine.media_connector import MediaFetcher
 
     os.mkfifo(tmp_path / "fifo.png")
     (tmp_path / "big.png").write_bytes(b"0" * 2048)
@@ -795,6 +838,6 @@ def test_a_file_url_of_a_device_a_fifo_or_a_link_loop_is_a_400_naming_it(tmp_pat
                                  (tmp_path, f"file://{tmp_path}/big.png", "more than 1024 bytes"),
                                  (tmp_path, f"file://{tmp_path}/loop.png", "Symlink loop|Too many levels"),
                                  (tmp_path, f"file://{tmp_path}/a%00.png", "null byte")):
-        with pytest.raises(APIError, match=reason) as refused:
+        with pytest.raises(ValueError, match=reason) as refused:
             asyncio.run(MediaFetcher(allowed_local_media_path=str(allowed), max_bytes=1024).fetch_all([url], "image_data"))
-        assert repr(url) in refused.value.message and refused.value.status == 400
+        assert str(refused.value).startswith(f"image_data: cannot fetch the image {url!r}")

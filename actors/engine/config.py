@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Dict, List, Literal, Optional
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic import BeforeValidator, ConfigDict, Field, model_validator
+
+from actors.engine.media_connector import MediaFetchConfig
 
 CHUNKED_PREFILL_DEFAULT = 2048  # tokens per prefill chunk when chunked_prefill_size is not set
 CACHE_AWARE_POLICIES = ("lpm", "dfs-weight")  # the schedule policies that order requests by the radix cache
@@ -42,7 +44,10 @@ def lora_target_modules_list(value: Any) -> Any:
     return value
 
 
-class EngineConfig(BaseModel):
+class EngineConfig(MediaFetchConfig):
+    """The engine's arguments; how ``generate`` fetches an image URL of ``image_data`` (MediaFetchConfig's fields,
+    the HTTP server's rules: vLLM's LLM and SGLang's Engine fetch their URLs)."""
+
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
     model_path: str = Field(description="HF checkpoint directory (config.json + *.safetensors)")

@@ -28,6 +28,7 @@ from actors.engine.config import EngineConfig
 from actors.engine.engine_loop import EngineLoop, Post
 from actors.engine.grammar import MakingReqs, make_req_off_loop
 from actors.engine.lora_updates import load_lora_adapter, unload_lora_adapter
+from actors.engine.media_connector import fetch_images, image_urls
 from actors.engine.memory_occupation import EngineMemory, parse_tags
 from actors.engine.model_loader import DEFAULT_WEIGHT_VERSION
 from actors.engine.model_runner import ModelRunner
@@ -248,7 +249,9 @@ class Engine:
         (one, or one per request) needs ``enable_priority_scheduling`` unless 0; ``lora_path`` (one,
         or one per request): the name of a LoRA adapter of ``lora_paths``, None for the base model.
         ``image_data`` (a vision-language model's, SGLang's): a request's images (a PIL image, bytes,
-        a file path or a ``data:image/...;base64,`` URL each), one per ``<|image_pad|>`` of its prompt,
+        a file path, a ``data:image/...;base64,`` URL, or an http(s) or file:// URL fetched first by the config's
+        MediaFetchConfig rules, as the HTTP server's: :mod:`actors.engine.media_connector`; not from a running event
+        loop: ``async_generate``), one per ``<|image_pad|>`` of its prompt,
         in order (or a tokenizer side's ``MultimodalInputs``, ``input_ids`` its padded prompt, its videos too);
         ``video_data`` (SGLang's): its videos, one per ``<|video_pad|>``, each its frames (a list of PIL images or
         a uint8 array [T, H, W, 3]: :mod:`actors.engine.video`); for a batch, one such list (or None) per
@@ -262,6 +265,8 @@ class Engine:
         priorities = _each(n, "priority", priority, isinstance(priority, list))
         loras = _each(n, "lora_path", lora_path, isinstance(lora_path, list))
         images = _each(n, "image_data", image_data, batched and image_data is not None)
+        if image_urls(images):  # (all of the batch's at once, then the requests are made)
+            images = asyncio.run(fetch_images(self.config, images))
         videos = _each(n, "video_data", video_data, batched and video_data is not None)
         reqs = [self._make_req(*args) for args in zip(params, prompts, ids, rids, priorities, loras, images, videos)]
         done = threading.Semaphore(0)
@@ -301,6 +306,8 @@ class Engine:
         if rid is not None:
             self._making.begin(rid)  # (an abort while its grammar compiles marks it: seen below)
         try:
+            if image_urls([image_data]):
+                image_data = (await fetch_images(self.config, [image_data]))[0]
             args = (sampling_params, prompt, input_ids, rid, priority, lora_path, image_data, video_data)
             # (images are decoded and cut into patches off the event loop, as a grammar compiles)
             req = await (asyncio.to_thread(self._make_req, *args) if image_data or video_data

@@ -59,7 +59,7 @@ def load_image(image: Any):
         image = data_url_bytes(image, "image_data")
     elif isinstance(image, str):
         if not os.path.isfile(image):
-            raise ValueError(f"image_data: {image[:80]!r} is neither a data URL nor a file (URLs are not fetched)")
+            raise ValueError(f"image_data: {image[:80]!r} is neither a data URL nor a file")
         with open(image, "rb") as f:
             image = f.read()
     if not isinstance(image, (bytes, bytearray)):
