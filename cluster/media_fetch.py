@@ -61,20 +61,29 @@ def check_video_decoder(param: str) -> None:
 def decode_video(url: str, data: Union[str, bytes], num_frames: int, fps: float) -> dict:
     """A video file's frames, ``fps`` a second and at most ``num_frames`` of them, evenly over it, with the rate
     they stand for (the engine's ``{"frames": ..., "fps": ...}``); ValueError naming the URL if it does not decode
-    (off the event loop). ``data``: the file, or its data URL."""
+    (off the event loop). ``data``: the file, or its data URL. Only the kept frames become arrays, the decode
+    stopping at the last: an hour of video decoded whole first would be hundreds of GB of RGB (the frame count
+    is the stream's, or its packets' where the file does not state it)."""
     import av  # (not a dependency: check_video_decoder)
 
+    kept = {}
     try:
         raw = data_url_bytes(data, "video") if isinstance(data, str) else data
         with av.open(io.BytesIO(raw)) as container:
             stream = container.streams.video[0]
-            frames = [frame.to_ndarray(format="rgb24") for frame in container.decode(stream)]
             rate = float(stream.average_rate or 0) or 24.0
+            total = stream.frames or sum(1 for packet in container.demux(stream) if packet.size)
+        duration = total / rate
+        keep = min(num_frames, total, max(1, round(duration * fps)))
+        indices = set(np.linspace(0, total - 1, keep).round().astype(int).tolist())
+        with av.open(io.BytesIO(raw)) as container:
+            for index, frame in enumerate(container.decode(container.streams.video[0])):
+                if index in indices:
+                    kept[index] = frame.to_ndarray(format="rgb24")
+                if len(kept) == len(indices):
+                    break
     except Exception as exc:  # (PyAV's errors' classes differ across its versions)
         raise ValueError(f"the video {short(url)} cannot be decoded ({exc})") from None
-    if not frames:
+    if not kept:
         raise ValueError(f"the video {short(url)} has no frames")
-    duration = len(frames) / rate
-    keep = min(num_frames, len(frames), max(1, round(duration * fps)))
-    indices = np.linspace(0, len(frames) - 1, keep).round().astype(int)
-    return {"frames": np.stack([frames[i] for i in indices]), "fps": keep / duration}
+    return {"frames": np.stack(list(kept.values())), "fps": len(kept) / duration}

@@ -245,15 +245,26 @@ def test_frames_at_a_known_rate_are_taken_as_they_are(engine):
 FAKE_AV = '''
 import numpy as np
 
+converted = []  # (the indices of the frames made arrays)
+stated_frames = 48  # (the stream's frame count; 0: the file does not state it)
+
 class Frame:
     def __init__(self, index):
         self.index = index
 
     def to_ndarray(self, format):
+        converted.append(self.index)
         return np.full((56, 84, 3), self.index * 5, dtype=np.uint8)
+
+class Packet:
+    size = 100
 
 class Stream:
     average_rate = 24
+
+    @property
+    def frames(self):
+        return stated_frames
 
 class Container:
     streams = type("Streams", (), {"video": [Stream()]})
@@ -264,12 +275,24 @@ class Container:
     def __exit__(self, *exc):
         return False
 
+    def demux(self, stream):
+        return (Packet() for _ in range(48))
+
     def decode(self, stream):
-        return [Frame(i) for i in range(48)]
+        return (Frame(i) for i in range(48))
 
 def open(file):
     return Container()
 '''
+
+
+def fake_av(monkeypatch) -> types.ModuleType:
+    """A stand-in ``av`` module (FAKE_AV: 48 frames at 24 fps), importable until the test ends."""
+    av = types.ModuleType("av")
+    av.__spec__ = importlib.machinery.ModuleSpec("av", None)
+    exec(FAKE_AV, av.__dict__)
+    monkeypatch.setitem(sys.modules, "av", av)
+    return av
 
 
 def test_a_video_file_is_decoded_by_pyav_and_sampled_as_vllms_loader(engine, monkeypatch):
@@ -283,10 +306,7 @@ def test_a_video_file_is_decoded_by_pyav_and_sampled_as_vllms_loader(engine, mon
     from cluster.server import build_app
     from tests import test_openai_compat as compat
 
-    av = types.ModuleType("av")
-    av.__spec__ = importlib.machinery.ModuleSpec("av", None)
-    exec(FAKE_AV, av.__dict__)
-    monkeypatch.setitem(sys.modules, "av", av)  # (gone after the test)
+    fake_av(monkeypatch)
     kept = np.stack([np.full((56, 84, 3), i * 5, dtype=np.uint8) for i in np.linspace(0, 47, 3).round().astype(int)])
     capped, by_fps = decode_video("a.mp4", b"", 3, 2.0), decode_video("a.mp4", b"", 32, 2.0)
     assert np.array_equal(capped["frames"], kept) and capped["fps"] == 3 / 2  # (3 frames over its 2 s)
@@ -301,3 +321,15 @@ def test_a_video_file_is_decoded_by_pyav_and_sampled_as_vllms_loader(engine, mon
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["message"]["content"] == want["text"]
     assert r.json()["usage"]["prompt_tokens"] == want["meta_info"]["prompt_tokens"]
+
+
+@pytest.mark.parametrize("stated_frames", [48, 0])
+def test_a_video_file_makes_arrays_of_its_kept_frames_only(monkeypatch, stated_frames):
+    """Of 48 frames (stated by the stream, or counted from its packets), the 3 kept become arrays and the decode
+    stops at the last: not every frame first (an hour's RGB frames would not fit in memory)."""
+    from cluster.media_fetch import decode_video
+
+    av = fake_av(monkeypatch)
+    av.stated_frames = stated_frames
+    video = decode_video("a.mp4", b"", 3, 2.0)
+    assert av.converted == [0, 24, 47] and len(video["frames"]) == 3 and video["fps"] == 3 / 2
