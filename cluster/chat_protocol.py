@@ -80,7 +80,9 @@ class ChatMessage(BaseModel):
 
     def template_content(self) -> Union[str, List[Dict[str, Any]]]:
         """The content as the template takes it: :meth:`text`, or with images (videos) its text and ``image_url``
-        (``video_url``) parts as they came (a vision-language template writes an image's tokens for each)."""
+        parts as they came and each ``video_url`` part as ``{"type": "video"}`` (vLLM's: Qwen-VL's templates know
+        an ``image_url`` part but write a video's tokens for a ``video`` part only); a vision-language template
+        writes an image's (a video's) tokens for each."""
         if not self.image_urls() and not self.video_urls():
             return self.text()
         refused = [part.get("type") for part in self.content if part.get("type") not in ("text", "image_url",
@@ -88,7 +90,7 @@ class ChatMessage(BaseModel):
         if refused:
             raise ValueError(f"content part type {refused[0]!r} is not supported (text, image_url and video_url "
                              "only)")
-        return self.content
+        return [{"type": "video"} if part.get("type") == "video_url" else part for part in self.content]
 
     def text(self) -> str:
         """The content as one string: text parts one per line, as vLLM joins them for a template

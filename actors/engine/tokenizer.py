@@ -56,13 +56,14 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 _TEXT_CONTENT = "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] }}"
-# Qwen2-VL's: a message's content is a string or a list of parts, text, an image or a video (its vision tokens)
+# Qwen2-VL's: a message's content is a string or a list of parts, text, an image or a video (its vision tokens; as
+# Qwen2-VL's, Qwen2.5-VL's and Qwen3-VL's templates, a "video" part, not a video_url one)
 VL_CHAT_TEMPLATE = CHAT_TEMPLATE.replace(_TEXT_CONTENT, (
     "{{ '<|im_start|>' + message['role'] + '\\n' }}"
     "{% if message['content'] is string %}{{ message['content'] }}"
     "{% else %}{% for part in message['content'] %}"
     "{% if part['type'] in ('image', 'image_url') %}{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
-    "{% elif part['type'] in ('video', 'video_url') %}{{ '<|vision_start|><|video_pad|><|vision_end|>' }}"
+    "{% elif part['type'] == 'video' or 'video' in part %}{{ '<|vision_start|><|video_pad|><|vision_end|>' }}"
     "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
     "{% endfor %}{% endif %}"
 ))
