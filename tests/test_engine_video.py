@@ -9,6 +9,8 @@ import base64
 import importlib.machinery
 import importlib.util
 import io
+import json
+import shutil
 import sys
 import types
 
@@ -230,6 +232,24 @@ def test_a_video_of_one_frame_twice_is_hfs_image_processors_image(model_dir, qwe
                                                                              "fps": 2})
     assert [list(ours.grid_thw)] == hf["image_grid_thw"].tolist()
     torch.testing.assert_close(ours.pixel_values, hf["pixel_values"], atol=1e-6, rtol=0)
+
+
+def test_a_checkpoint_without_a_video_config_takes_its_image_processors_pixels(model_dir, tmp_path):
+    """Qwen2.5-VL's checkpoints ship no video_preprocessor_config.json: HF's video processor loads
+    preprocessor_config.json, whose min_pixels / max_pixels are a frame's pixel range (not the class's 128 · 28²
+    to 768 · 28²): 120 x 180 frames are 112 x 168 within 112 · 168 pixels, not 280 x 392 over 128 · 28²."""
+    from transformers.video_processing_utils import BaseVideoProcessor
+
+    shutil.copytree(model_dir, tmp_path, dirs_exist_ok=True)
+    (tmp_path / "video_preprocessor_config.json").unlink()
+    config = json.loads((tmp_path / "preprocessor_config.json").read_text())
+    del config["size"]
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps(dict(config, min_pixels=56 * 56,
+                                                                       max_pixels=112 * 168)))
+    hf, _ = BaseVideoProcessor.get_video_processor_dict(str(tmp_path), local_files_only=True)
+    ours = VideoProcessor.from_pretrained(str(tmp_path), qwen3=False)
+    assert ours.size == {"shortest_edge": hf["min_pixels"], "longest_edge": hf["max_pixels"]}
+    assert ours(frames(2, 120, 180, 0)).grid_thw == (1, 8, 12)
 
 
 def test_frames_at_a_known_rate_are_taken_as_they_are(engine):

@@ -9,14 +9,12 @@ processor's PIL backend: torchvision's antialiased bicubic may round a pixel apa
 normalized, padded to ``temporal_patch_size`` frames with the last one, and cut into patches in the
 image processor's layout (merge blocks row-major, each patch ``channels · temporal · patch · patch``).
 
-The settings are the checkpoint's ``video_preprocessor_config.json`` over the family's class defaults.
+The settings are the checkpoint's video processor config (the file HF loads) over the family's class defaults.
 """
 
 from __future__ import annotations
 
-import json
 import math
-import os
 from dataclasses import dataclass
 from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
@@ -84,12 +82,18 @@ class VideoProcessor:
 
     @classmethod
     def from_pretrained(cls, model_path: str, qwen3: bool) -> "VideoProcessor":
+        """The settings HF's video processor loads: the file ``AutoVideoProcessor`` reads (processor_config.json's
+        ``video_processor``, else video_preprocessor_config.json, else the image processor's
+        preprocessor_config.json: Qwen2.5-VL's checkpoints ship only that one) over the class defaults, and
+        Qwen2-VL's ``min_pixels`` / ``max_pixels`` as its size's shortest / longest edge (its ``__init__``)."""
+        from transformers.video_processing_utils import BaseVideoProcessor
+
         settings = dict(QWEN3_VL_DEFAULTS if qwen3 else QWEN2_VL_DEFAULTS)
-        path = os.path.join(model_path, "video_preprocessor_config.json")
-        if os.path.isfile(path):
-            with open(path) as f:
-                saved = json.load(f)
-            settings.update({key: saved[key] for key in settings if saved.get(key) is not None})
+        saved, _ = BaseVideoProcessor.get_video_processor_dict(model_path, local_files_only=True)
+        settings.update({key: saved[key] for key in settings if saved.get(key) is not None})
+        if not qwen3:
+            edges = {"shortest_edge": saved.get("min_pixels"), "longest_edge": saved.get("max_pixels")}
+            settings["size"] = dict(settings["size"], **{edge: n for edge, n in edges.items() if n is not None})
         return cls(**settings, qwen3=qwen3)
 
     def sample(self, num_frames: int) -> np.ndarray:
