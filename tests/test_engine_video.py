@@ -220,12 +220,12 @@ def test_chat_video_frames_and_generate_video_data_equal_the_engines_answer(engi
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
 def test_a_video_of_one_frame_twice_is_hfs_image_processors_image(model_dir, qwen3_dir, family):
     """HF's image processor tiles an image temporal_patch_size times: the same frame twice, at a rate (no
-    sampling), is that image's grid and pixels (resize, normalization, patch layout), the video budget taking it
-    whole."""
+    sampling), is that image's grid and pixels (normalization, patch layout), the video budget taking it whole.
+    (A frame of a grid's size: the image processor here is HF's PIL backend, whose resize is not torchvision's.)"""
     from transformers import AutoImageProcessor
 
     path = model_dir if family == "qwen2_5_vl" else qwen3_dir
-    frame = frames(1, 60, 90, 11)[0]
+    frame = frames(1, 56, 84, 11)[0] if family == "qwen2_5_vl" else frames(1, 64, 96, 11)[0]
     hf = AutoImageProcessor.from_pretrained(path, local_files_only=True)(images=[Image.fromarray(frame)],
                                                                        return_tensors="pt")
     ours = VideoProcessor.from_pretrained(path, qwen3=family == "qwen3_vl")({"frames": np.stack([frame] * 2),
@@ -250,6 +250,37 @@ def test_a_checkpoint_without_a_video_config_takes_its_image_processors_pixels(m
     ours = VideoProcessor.from_pretrained(str(tmp_path), qwen3=False)
     assert ours.size == {"shortest_edge": hf["min_pixels"], "longest_edge": hf["max_pixels"]}
     assert ours(frames(2, 120, 180, 0)).grid_thw == (1, 8, 12)
+
+
+def test_a_qwen3_vl_video_is_hfs_video_processors(qwen3_dir):
+    """30 bare frames of 50 x 130 through HF's Qwen3VLVideoProcessor's own sample_frames (4 at HF's 24 fps),
+    smart_resize (64 x 128), patchify and Qwen3VLProcessor's timestamps, torchvision's part (not installed) stood
+    in: its resize of a uint8 tensor on the CPU (resize_image: torch's antialiased bicubic on the uint8 tensor;
+    PIL's bicubic is levels apart, a frame enlarged here in height) and normalize ((x - mean) / std)."""
+    from types import SimpleNamespace
+
+    from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor, smart_resize
+    from transformers.video_processing_utils import BaseVideoProcessor
+    from transformers.video_utils import VideoMetadata
+
+    saved, _ = BaseVideoProcessor.get_video_processor_dict(qwen3_dir, local_files_only=True)
+    names = ("fps", "min_frames", "max_frames", "size", "image_mean", "image_std", "patch_size", "merge_size",
+             "temporal_patch_size")
+    hf = SimpleNamespace(**{name: saved.get(name, getattr(Qwen3VLVideoProcessor, name)) for name in names})
+    video, metadata = frames(30, 50, 130, 12), VideoMetadata(total_num_frames=30)
+    indices = Qwen3VLVideoProcessor.sample_frames(hf, metadata)
+    h, w = smart_resize(len(indices), 50, 130, hf.temporal_patch_size, hf.patch_size * hf.merge_size,
+                        hf.size["shortest_edge"], hf.size["longest_edge"])
+    x = torch.nn.functional.interpolate(torch.from_numpy(video[indices]).permute(0, 3, 1, 2).contiguous(), (h, w),
+                                        mode="bicubic", antialias=True, align_corners=False)
+    mean, std = (torch.tensor(v)[:, None, None] * 255 for v in (hf.image_mean, hf.image_std))
+    pixels, *grid = Qwen3VLVideoProcessor.patchify(hf, ((x.float() - mean) / std)[None], hf.patch_size,
+                                                   hf.merge_size, hf.temporal_patch_size)
+    ours = VideoProcessor.from_pretrained(qwen3_dir, qwen3=True)(video)
+    assert (len(indices), h, w) == (4, 64, 128) and list(ours.grid_thw) == grid
+    assert ours.timestamps == Qwen3VLProcessor._calculate_timestamps(None, indices, metadata.fps, 2)
+    torch.testing.assert_close(ours.pixel_values, pixels[0], atol=1e-6, rtol=0)
 
 
 def test_frames_at_a_known_rate_are_taken_as_they_are(engine):

@@ -4,8 +4,9 @@ What HF's ``Qwen2VLVideoProcessor`` and ``Qwen3VLVideoProcessor`` compute for gi
 already decoded: without a rate, HF's 24 fps is assumed), without their torchvision backend (not a
 dependency): frames sampled as the checkpoint's processor samples them (Qwen2-VL's: all of them;
 Qwen3-VL's: ``fps`` a second, ``min_frames`` to ``max_frames``), resized to a multiple of
-``patch_size · merge_size`` within the pixel budget (its ``smart_resize``; PIL's bicubic, as the image
-processor's PIL backend: torchvision's antialiased bicubic may round a pixel apart), rescaled and
+``patch_size · merge_size`` within the pixel budget (its ``smart_resize``; torchvision's resize of a uint8
+tensor on the CPU, which is torch's antialiased bicubic on the uint8 tensor: PIL's bicubic is up to several
+levels apart, most where a frame is enlarged), rescaled and
 normalized, padded to ``temporal_patch_size`` frames with the last one, and cut into patches in the
 image processor's layout (merge blocks row-major, each patch ``channels · temporal · patch · patch``).
 
@@ -20,6 +21,7 @@ from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 HF_DEFAULT_FPS = 24  # what HF's processors take a video's fps to be when its frames come without metadata
 
@@ -131,8 +133,6 @@ class VideoProcessor:
     def __call__(self, video: Any) -> ProcessedVideo:
         """``video``: its frames (:func:`video_frames`), or ``{"frames": ..., "fps": rate}``, frames sampled at a
         known rate (a decoded file's), taken as they are (HF's processor given metadata, not sampling again)."""
-        from PIL import Image
-
         fps = None
         if isinstance(video, dict):
             fps, video = float(video["fps"]), video["frames"]
@@ -144,10 +144,12 @@ class VideoProcessor:
             raise ValueError(f"video_data: a video of {len(frames)} frame(s); this model takes "
                              f"{self.temporal_patch_size} at least")
         h, w = self.resized_size(len(frames), *frames.shape[1:3])
-        resized = np.stack([np.asarray(Image.fromarray(f).resize((w, h), Image.BICUBIC)) for f in frames])
+        x = torch.from_numpy(frames).permute(0, 3, 1, 2).contiguous()
+        if (h, w) != x.shape[-2:]:  # (torchvision's resize_image of a uint8 tensor on the CPU: this call)
+            x = F.interpolate(x, size=(h, w), mode="bicubic", antialias=True, align_corners=False)
         # (rescaled and normalized in one, as HF's torchvision backend: the mean and std times 255)
         mean, std = (torch.tensor(v)[:, None, None] * 255 for v in (self.image_mean, self.image_std))
-        x = (torch.from_numpy(resized).permute(0, 3, 1, 2).float() - mean) / std
+        x = (x.float() - mean) / std
         tp, p, m = self.temporal_patch_size, self.patch_size, self.merge_size
         if pad := -len(x) % tp:
             x = torch.cat([x, x[-1:].expand(pad, -1, -1, -1)])
