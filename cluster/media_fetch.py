@@ -59,11 +59,12 @@ def check_video_decoder(param: str) -> None:
 
 
 def decode_video(url: str, data: Union[str, bytes], num_frames: int, fps: float) -> dict:
-    """A video file's frames, ``fps`` a second and at most ``num_frames`` of them, evenly over it, with the rate
-    they stand for (the engine's ``{"frames": ..., "fps": ...}``); ValueError naming the URL if it does not decode
-    (off the event loop). ``data``: the file, or its data URL. Only the kept frames become arrays, the decode
-    stopping at the last: an hour of video decoded whole first would be hundreds of GB of RGB (the frame count
-    is the stream's, or its packets' where the file does not state it)."""
+    """A video file's frames, ``fps`` a second and at most ``num_frames`` of them, evenly over it, with the file's
+    rate, their indices and its frame count (the engine's ``{"frames", "fps", "frames_indices",
+    "total_num_frames"}``, HF's video metadata: Qwen3-VL's timestamps are the indices over the rate); ValueError
+    naming the URL if it does not decode (off the event loop). ``data``: the file, or its data URL. Only the kept
+    frames become arrays, the decode stopping at the last: an hour of video decoded whole first would be hundreds
+    of GB of RGB (the frame count is the stream's, or its packets' where the file does not state it)."""
     import av  # (not a dependency: check_video_decoder)
 
     kept = {}
@@ -86,4 +87,5 @@ def decode_video(url: str, data: Union[str, bytes], num_frames: int, fps: float)
         raise ValueError(f"the video {short(url)} cannot be decoded ({exc})") from None
     if not kept:
         raise ValueError(f"the video {short(url)} has no frames")
-    return {"frames": np.stack(list(kept.values())), "fps": len(kept) / duration}
+    return {"frames": np.stack(list(kept.values())), "fps": rate, "frames_indices": list(kept),
+            "total_num_frames": total}

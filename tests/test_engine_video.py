@@ -360,10 +360,11 @@ def test_a_video_file_is_decoded_by_pyav_and_sampled_as_vllms_loader(engine, mon
     fake_av(monkeypatch)
     kept = np.stack([np.full((56, 84, 3), i * 5, dtype=np.uint8) for i in np.linspace(0, 47, 3).round().astype(int)])
     capped, by_fps = decode_video("a.mp4", b"", 3, 2.0), decode_video("a.mp4", b"", 32, 2.0)
-    assert np.array_equal(capped["frames"], kept) and capped["fps"] == 3 / 2  # (3 frames over its 2 s)
-    assert len(by_fps["frames"]) == 4 and by_fps["fps"] == 2.0
+    assert np.array_equal(capped["frames"], kept)
+    assert (capped["fps"], capped["frames_indices"], capped["total_num_frames"]) == (24, [0, 24, 47], 48)
+    assert by_fps["frames_indices"] == [0, 16, 31, 47]
     want = engine.generate(prompt=chat(engine.tokenizer, "what?"), video_data=[{"frames": kept, "fps": 1.5}],
-                           sampling_params=PARAMS)
+                           sampling_params=PARAMS)  # (Qwen2.5-VL: 3 frames of 48 at 24 fps, 1.5 a second)
     body = {"model": compat.MODEL, "max_tokens": MAX_NEW, "temperature": 0, "messages": [{"role": "user", "content": [
         {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}}, {"type": "text", "text": "what?"}]}]}
     app = build_app(compat.EngineBackend(engine, 2048), engine.tokenizer, ServerConfig(video_num_frames=3))
@@ -383,4 +384,16 @@ def test_a_video_file_makes_arrays_of_its_kept_frames_only(monkeypatch, stated_f
     av = fake_av(monkeypatch)
     av.stated_frames = stated_frames
     video = decode_video("a.mp4", b"", 3, 2.0)
-    assert av.converted == [0, 24, 47] and len(video["frames"]) == 3 and video["fps"] == 3 / 2
+    assert av.converted == [0, 24, 47] == video["frames_indices"] and len(video["frames"]) == 3
+
+
+def test_qwen3_vl_timestamps_of_a_video_files_frames_are_their_indices_over_its_rate(qwen3_dir, monkeypatch):
+    """A decoded file's frames 0, 24 and 47 of 48 at 24 fps: HF's timestamps of them (Qwen3VLProcessor's, given
+    the file's metadata), 0.5 s and 1.96 s, not those of 3 frames evenly at 1.5 fps (0.33 s and 1.33 s)."""
+    from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
+
+    from cluster.media_fetch import decode_video
+
+    fake_av(monkeypatch)
+    video = VideoProcessor.from_pretrained(qwen3_dir, qwen3=True)(decode_video("a.mp4", b"", 3, 2.0))
+    assert video.timestamps == Qwen3VLProcessor._calculate_timestamps(None, [0, 24, 47], 24, 2)

@@ -130,16 +130,26 @@ class VideoProcessor:
             h, w = math.ceil(height * beta / factor) * factor, math.ceil(width * beta / factor) * factor
         return h, w
 
+    def sampled(self, video: Any) -> Tuple[np.ndarray, np.ndarray, float, int]:
+        """The frames kept of ``video``, their indices in it, its rate and its frame count (HF's ``VideoMetadata``'s
+        ``frames_indices``, ``fps`` and ``total_num_frames``). Bare frames (:func:`video_frames`) are sampled at
+        :data:`HF_DEFAULT_FPS`; ``{"frames": ..., "fps": rate}`` are taken as they are (HF's processor given
+        metadata, not sampling again): a video's frames at that rate, or with ``"frames_indices"`` and
+        ``"total_num_frames"`` a file's frames at those indices of its frames at that rate (a decoded file's)."""
+        if not isinstance(video, dict):
+            frames = video_frames(video)
+            indices = self.sample(len(frames))
+            return frames[indices], indices, HF_DEFAULT_FPS, len(frames)
+        frames = video_frames(video["frames"])
+        indices = np.asarray(video.get("frames_indices", range(len(frames))), dtype=np.int64)
+        if indices.shape != (len(frames),):
+            raise ValueError(f"video_data: {indices.size} frames_indices for {len(frames)} frames")
+        return frames, indices, float(video["fps"]), int(video.get("total_num_frames", len(frames)))
+
     def __call__(self, video: Any) -> ProcessedVideo:
-        """``video``: its frames (:func:`video_frames`), or ``{"frames": ..., "fps": rate}``, frames sampled at a
-        known rate (a decoded file's), taken as they are (HF's processor given metadata, not sampling again)."""
-        fps = None
-        if isinstance(video, dict):
-            fps, video = float(video["fps"]), video["frames"]
-        frames = video_frames(video)
-        indices = self.sample(len(frames)) if fps is None else np.arange(len(frames))
-        sampled_fps = (fps or HF_DEFAULT_FPS) * len(indices) / len(frames)  # (HF's VideoMetadata.sampled_fps)
-        frames = frames[indices]
+        """``video``: its frames, or them with their rate (:meth:`sampled`)."""
+        frames, indices, fps, total = self.sampled(video)
+        sampled_fps = fps * len(indices) / total  # (HF's VideoMetadata.sampled_fps)
         if self.qwen3 and len(frames) < self.temporal_patch_size:
             raise ValueError(f"video_data: a video of {len(frames)} frame(s); this model takes "
                              f"{self.temporal_patch_size} at least")
@@ -156,7 +166,7 @@ class VideoProcessor:
             indices = np.concatenate([indices, indices[-1:].repeat(pad)])
         t, gh, gw = len(x) // tp, h // p, w // p
         patches = x.view(t, tp, 3, gh // m, m, p, gw // m, m, p).permute(0, 3, 6, 4, 7, 2, 1, 5, 8)
-        seconds = [int(i) / (fps or HF_DEFAULT_FPS) for i in indices]
+        seconds = [int(i) / fps for i in indices]
         timestamps = [(seconds[i] + seconds[i + tp - 1]) / 2 for i in range(0, len(seconds), tp)]
         return ProcessedVideo(patches.reshape(t * gh * gw, 3 * tp * p * p), (t, gh, gw), timestamps,
                               tp / sampled_fps)
