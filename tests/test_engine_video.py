@@ -10,6 +10,7 @@ import importlib.machinery
 import importlib.util
 import io
 import json
+import math
 import shutil
 import sys
 import types
@@ -281,6 +282,23 @@ def test_a_qwen3_vl_video_is_hfs_video_processors(qwen3_dir):
     assert (len(indices), h, w) == (4, 64, 128) and list(ours.grid_thw) == grid
     assert ours.timestamps == Qwen3VLProcessor._calculate_timestamps(None, indices, metadata.fps, 2)
     torch.testing.assert_close(ours.pixel_values, pixels[0], atol=1e-6, rtol=0)
+
+
+def test_cap_pixels_per_frame_bounds_a_frame_as_hfs_qwen3_vl_video_processor(qwen3_dir, tmp_path):
+    """A checkpoint's cap_pixels_per_frame (with max_video_tokens 6): 4 frames of 128 x 192 are 64 x 96, HF's
+    Qwen3VLVideoProcessor's count of patches (48), not the uncapped 128 x 192 (192)."""
+    from types import SimpleNamespace
+
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+
+    shutil.copytree(qwen3_dir, tmp_path, dirs_exist_ok=True)
+    config = json.loads((tmp_path / "video_preprocessor_config.json").read_text())
+    config.update(cap_pixels_per_frame=True, max_video_tokens=6)
+    (tmp_path / "video_preprocessor_config.json").write_text(json.dumps(config))
+    hf = SimpleNamespace(**config)
+    ours = VideoProcessor.from_pretrained(str(tmp_path), qwen3=True)(frames(4, 128, 192, 13))
+    assert ours.grid_thw == (2, 4, 6)
+    assert math.prod(ours.grid_thw) == Qwen3VLVideoProcessor.get_num_of_video_patches(hf, 4, 128, 192, {})
 
 
 def test_frames_at_a_known_rate_are_taken_as_they_are(engine):

@@ -29,10 +29,12 @@ _CLIP_MEAN, _CLIP_STD = [0.48145466, 0.4578275, 0.40821073], [0.26862954, 0.2613
 # the processors' class defaults (transformers' Qwen2VLVideoProcessor, Qwen3VLVideoProcessor)
 QWEN2_VL_DEFAULTS = dict(size={"shortest_edge": 128 * 28 * 28, "longest_edge": 28 * 28 * 768}, patch_size=14,
                          temporal_patch_size=2, merge_size=2, image_mean=_CLIP_MEAN, image_std=_CLIP_STD,
-                         do_sample_frames=False, fps=None, min_frames=4, max_frames=768)
+                         do_sample_frames=False, fps=None, min_frames=4, max_frames=768, cap_pixels_per_frame=False,
+                         max_video_tokens=128000)
 QWEN3_VL_DEFAULTS = dict(size={"shortest_edge": 128 * 32 * 32, "longest_edge": 32 * 32 * 768}, patch_size=16,
                          temporal_patch_size=2, merge_size=2, image_mean=[0.5] * 3, image_std=[0.5] * 3,
-                         do_sample_frames=True, fps=2, min_frames=4, max_frames=768)
+                         do_sample_frames=True, fps=2, min_frames=4, max_frames=768, cap_pixels_per_frame=False,
+                         max_video_tokens=768)
 
 
 class ProcessedVideo(NamedTuple):
@@ -77,6 +79,8 @@ class VideoProcessor:
     fps: Optional[float]
     min_frames: int
     max_frames: int
+    cap_pixels_per_frame: bool
+    max_video_tokens: int
     # Qwen3VLVideoProcessor's rules (smart_resize holds t·h·w to the size's pixel range; do_sample_frames samples
     # fps a second), else Qwen2VLVideoProcessor's (h·w; its do_sample_frames, which needs a decoded file's
     # metadata, is not followed: all frames kept)
@@ -109,9 +113,9 @@ class VideoProcessor:
 
     def resized_size(self, num_frames: int, height: int, width: int):
         """HF's ``smart_resize``: (height, width) multiples of ``patch_size · merge_size``, the aspect kept,
-        the pixels (a frame's, or Qwen3-VL's the whole video's) within ``size``."""
+        the pixels (a frame's, or Qwen3-VL's the whole video's) within ``size`` (:meth:`max_pixels`)."""
         factor, t_bar = self.patch_size * self.merge_size, 1
-        lo, hi = self.size["shortest_edge"], self.size["longest_edge"]
+        lo, hi = self.size["shortest_edge"], self.max_pixels(num_frames)
         if self.qwen3:
             if height < factor or width < factor:
                 scale = max(factor / height, factor / width)
@@ -145,6 +149,18 @@ class VideoProcessor:
         if indices.shape != (len(frames),):
             raise ValueError(f"video_data: {indices.size} frames_indices for {len(frames)} frames")
         return frames, indices, float(video["fps"]), int(video.get("total_num_frames", len(frames)))
+
+    def max_pixels(self, num_frames: int) -> int:
+        """The size's longest edge, or with ``cap_pixels_per_frame`` HF's bound of it as qwen-vl-utils bounds it (each
+        processor's ``resize``): a frame's even share of ``max_video_tokens`` (Qwen2-VL's: 90% of them over the
+        video; Qwen3-VL's: that many a frame at most), never under 1.05 times the shortest edge."""
+        factor, lo, hi = self.patch_size * self.merge_size, self.size["shortest_edge"], self.size["longest_edge"]
+        if not self.cap_pixels_per_frame:
+            return hi
+        if self.qwen3:
+            return max(min(self.max_video_tokens * factor ** 2, hi // num_frames), int(lo * 1.05)) * num_frames
+        total_pixels = int(self.max_video_tokens * factor * factor * 0.9)
+        return max(min(hi, total_pixels * self.temporal_patch_size // num_frames), int(lo * 1.05))
 
     def __call__(self, video: Any) -> ProcessedVideo:
         """``video``: its frames, or them with their rate (:meth:`sampled`)."""
