@@ -75,6 +75,7 @@ class PrefillScheduler(Scheduler):
                  waiting_timeout_s: Optional[float] = 300.0):
         super().__init__(runner, tokenizer)
         self.agents, self.pusher, self.tp_worker = agents, pusher, tp_worker
+        self.pp_micro_batches = 1  # (a KV hand-off follows its batch's forward: one batch in flight)
         self.waiting_timeout_s = waiting_timeout_s  # longest wait in ``inflight`` (None: no limit)
         self.clock: Callable[[], float] = time.monotonic  # what that wait is measured by
         self.tp_size = tp_worker.tp.size if tp_worker is not None else 1

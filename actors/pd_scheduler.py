@@ -80,6 +80,7 @@ class DecodeScheduler(DecodePreallocMixin, DecodeTransferMixin, Scheduler):
                  num_reserved_decode_tokens: int = 512, waiting_timeout_s: Optional[float] = 300.0):
         super().__init__(runner, tokenizer)
         self.agents, self.tp_worker = agents, tp_worker
+        self.pp_micro_batches = 1  # (a KV hand-off follows its batch's forward: one batch in flight)
         self.has_followers = tp_worker is not None and tp_worker.tp.size > 1
         self.num_reserved_decode_tokens = num_reserved_decode_tokens
         self.waiting_timeout_s = waiting_timeout_s

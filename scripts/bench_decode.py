@@ -48,6 +48,15 @@ def timed_generate(engine: Engine, prompts: List[List[int]], new_tokens: int, re
     return best, [o["output_ids"] for o in outs]
 
 
+def decode_step(engine: Engine, prompts: List[List[int]], steps: int, repeats: int):
+    """Seconds a decode step of ``prompts`` (``steps + 1`` tokens' run less a prefill-only run's, over the
+    steps, after a warm-up run: Triton's compiles, the allocator), and the outputs."""
+    timed_generate(engine, prompts, steps + 1, 1)
+    prefill, _ = timed_generate(engine, prompts, 1, repeats)
+    whole, outputs = timed_generate(engine, prompts, steps + 1, repeats)
+    return max(whole - prefill, 1e-9) / steps, outputs
+
+
 def bench_setting(model_path: str, args, disable_cuda_graph: bool) -> Tuple[str, Dict[int, tuple]]:
     """(whether graphs run, and if not why; batch size → (ms a decode step, tokens/s, the outputs))."""
     engine = Engine(model_path=model_path, device=args.device, attention_backend=args.attention_backend,
@@ -60,10 +69,7 @@ def bench_setting(model_path: str, args, disable_cuda_graph: bool) -> Tuple[str,
         rows = {}
         for batch in args.batches:
             prompts = [engine.tokenizer.encode(f"request {i}: write") for i in range(batch)]
-            timed_generate(engine, prompts, args.steps + 1, 1)  # warm-up (Triton's compiles, the allocator)
-            prefill, _ = timed_generate(engine, prompts, 1, args.repeats)
-            whole, outputs = timed_generate(engine, prompts, args.steps + 1, args.repeats)
-            step = max(whole - prefill, 1e-9) / args.steps
+            step, outputs = decode_step(engine, prompts, args.steps, args.repeats)
             rows[batch] = (step * 1e3, batch / step, outputs)
         engine.check_integrity()
         return reason, rows
@@ -71,11 +77,17 @@ def bench_setting(model_path: str, args, disable_cuda_graph: bool) -> Tuple[str,
         engine.shutdown()
 
 
+def model_parser(description: str) -> argparse.ArgumentParser:
+    """A decode benchmark's command line: ``--device`` and ``--model`` (bench_pp.py's too)."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--model", help="a checkpoint's path (default: the tiny Llama, built here)")
+    return parser
+
+
 def main() -> None:
     cuda = torch.cuda.is_available()
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--device", default="cuda" if cuda else "cpu")
-    parser.add_argument("--model", help="a checkpoint's path (default: the tiny Llama, built here)")
+    parser = model_parser(__doc__.split("\n")[0])
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32, 64] if cuda else [1, 8])
     parser.add_argument("--steps", type=int, default=64 if cuda else 8)
     parser.add_argument("--repeats", type=int, default=3 if cuda else 1)

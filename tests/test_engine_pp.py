@@ -109,19 +109,24 @@ def test_pp2_tokens_and_logprobs_equal_tp1_and_hf(llama, monkeypatch, tp_size):
     assert (seen["info"]["tp_size"], seen["info"]["pp_size"], seen["info"]["max_total_num_tokens"]) == (tp_size, 2, 1024)
 
 
-def test_uneven_stages_with_tied_embeddings_and_a_small_pool_retracting(monkeypatch, tmp_path):
+@pytest.mark.parametrize("micro_batches", [1, 2])
+def test_uneven_stages_with_tied_embeddings_and_a_small_pool_retracting(monkeypatch, tmp_path, micro_batches):
     """3 layers on 2 stages (2 + 1) and tied embeddings (the last stage loads the embedding for its
-    lm_head); a pool small enough to retract: the tokens are still HF's."""
+    lm_head); a pool small enough to retract: the tokens are still HF's. With micro-batches, decode
+    shares run two at a time and a request is never retracted while its batch is in flight (its
+    slots are being written)."""
     path = str(build_tiny_checkpoint("llama", tmp_path / "llama3", seed=2, num_hidden_layers=3,
                                      tie_word_embeddings=True))
     thread_ranks(monkeypatch)
     rng = random.Random(5)
     batch = [[rng.randrange(5, 261) for _ in range(rng.randint(8, 12))] for _ in range(6)]
     engine = Engine(model_path=path, skip_tokenizer_init=True, max_total_tokens=160, max_running_requests=6,
-                    chunked_prefill_size=-1, pp_size=2)
+                    chunked_prefill_size=-1, pp_size=2, pp_micro_batches=micro_batches)
     try:
+        launches = watch_micro_batches(engine, monkeypatch)
         outs = engine.generate(input_ids=batch, sampling_params={"max_new_tokens": 40, "temperature": 0})
         assert engine.scheduler.num_retractions > 0
+        assert any(kinds == [False] for _, prefill, _, kinds in launches if not prefill) == (micro_batches > 1)
         engine.check_integrity()
         _, runners = stage_checks(engine)
         assert [held_layers(r) for r in runners] == [[0, 1], [2]]
@@ -142,8 +147,9 @@ def test_moe_with_mla_at_pp2_equals_hf(monkeypatch, tmp_path):
 
 
 def test_pp2_over_spawned_ranks_equals_hf(llama):
-    """The stages as processes: the hidden states and the output cross gloo's send / recv."""
-    outputs, _, eos = run(llama, pp_size=2)
+    """The stages as processes: the hidden states and the output cross gloo's send / recv, two
+    micro-batches in flight (the last stage's output sent while rank 0 broadcasts the next batch)."""
+    outputs, _, eos = run(llama, pp_size=2, pp_micro_batches=2)
     batch, follow = prompts()
     assert_greedy_parity(llama, batch + follow, outputs, GREEDY["max_new_tokens"], eos)
 
@@ -252,6 +258,8 @@ def test_pipeline_settings_are_checked_before_any_rank_starts(llama):
         EngineConfig(model_path=llama, pp_size=2, speculative_algorithm="ngram")
     with pytest.raises(ValueError, match="pp_size=2: enable_hierarchical_cache is not served"):
         EngineConfig(model_path=llama, pp_size=2, enable_hierarchical_cache=True)
+    with pytest.raises(ValueError, match="pp_micro_batches=2 needs pp_size > 1"):
+        EngineConfig(model_path=llama, pp_micro_batches=2)
 
 
 def test_each_stage_takes_its_layers_of_a_weight_update(llama, monkeypatch, tmp_path):
@@ -318,5 +326,101 @@ def test_quantized_layers_of_the_last_stage_are_checked_there_in_an_update(monke
             engine.update_weights_from_tensor(named)
         assert [o["output_ids"] for o in engine.generate(input_ids=batch, sampling_params=GREEDY)] == before
         engine.check_integrity()
+    finally:
+        engine.shutdown()
+
+
+def watch_micro_batches(engine, monkeypatch, on_launch=None):
+    """Every micro-batch launched: (its request ids, whether a prefill, the ids of those in flight
+    beside it, whether each of those is a prefill) (each launch checks the ids are disjoint);
+    ``on_launch(scheduler, reqs)`` runs after each launch. A request retracted while in flight fails
+    the test."""
+    scheduler, launches = engine.scheduler, []
+    launch, retract = scheduler.runner.launch, scheduler._retract
+
+    def watched_launch(forward_batch):
+        reqs = scheduler.in_flight[len(scheduler.in_flight) - forward_batch.batch_size:]
+        beside = {r.rid for mb in scheduler.micro_batches for r in mb.reqs}
+        assert not beside & {r.rid for r in reqs}
+        launches.append(({r.rid for r in reqs}, forward_batch.forward_mode.is_extend, beside,
+                         [mb.is_prefill for mb in scheduler.micro_batches]))
+        output = launch(forward_batch)
+        if on_launch is not None:
+            on_launch(scheduler, reqs)
+        return output
+
+    def watched_retract(req):
+        assert all(req is not r for r in scheduler.in_flight)
+        retract(req)
+
+    monkeypatch.setattr(scheduler.runner, "launch", watched_launch)
+    monkeypatch.setattr(scheduler, "_retract", watched_retract)
+    return launches
+
+
+def micro_batch_prompts(n=6, seed=3):
+    rng = random.Random(seed)
+    return [[rng.randrange(5, 261) for _ in range(rng.randint(8, 70))] for _ in range(n)]
+
+
+def test_micro_batches_in_flight_give_one_batchs_tokens(llama, monkeypatch):
+    """pp_micro_batches=2: prefill chunks and decode shares of disjoint requests run two at a time, and
+    the tokens are one batch at a time's (and HF's); every rank's pools are whole after."""
+    batch = micro_batch_prompts()
+    thread_ranks(monkeypatch)
+    outputs = {}
+    for micro_batches in (1, 2):
+        engine = Engine(model_path=llama, skip_tokenizer_init=True, max_total_tokens=1024, pp_size=2,
+                        chunked_prefill_size=32, pp_micro_batches=micro_batches)
+        try:
+            launches = watch_micro_batches(engine, monkeypatch)
+            outs = engine.generate(input_ids=batch, sampling_params=dict(GREEDY, max_new_tokens=12))
+            outputs[micro_batches] = [o["output_ids"] for o in outs]
+            engine.check_integrity()
+            stage_checks(engine)
+            assert not engine.scheduler.in_flight
+        finally:
+            engine.shutdown()
+        beside = [(prefill, tuple(kinds)) for _, prefill, _, kinds in launches]
+        if micro_batches == 1:  # (runner.forward launches too)
+            assert all(kinds == () for _, kinds in beside)
+        else:  # a prefill chunk launched while one ran, a decode share while another share ran
+            assert (True, (True,)) in beside and (False, (False,)) in beside
+    assert outputs[2] == outputs[1]
+    assert_greedy_parity(llama, batch, outputs[2], 12, engine.eos_token_ids)
+
+
+@pytest.mark.parametrize("prefill", [True, False])
+def test_a_request_aborted_in_flight_ends_when_its_batch_comes_back(llama, monkeypatch, prefill):
+    """Aborted while its micro-batch (a prefill chunk, a decode share) runs: it ends aborted once that
+    batch's output is back, every slot it held freed on every rank; the others' tokens are unchanged."""
+    batch = micro_batch_prompts()
+    params = dict(GREEDY, max_new_tokens=12)
+    thread_ranks(monkeypatch)
+    engine = Engine(model_path=llama, skip_tokenizer_init=True, max_total_tokens=1024, pp_size=2,
+                    chunked_prefill_size=32, pp_micro_batches=2)
+    aborted = []
+
+    def abort_one(scheduler, reqs):
+        victim = reqs[0]
+        chunk = prefill and len(victim.fill_ids) < victim.seqlen  # (a chunk before its last)
+        if not aborted and (chunk if prefill else len(victim.output_ids) == 3):
+            aborted.append((victim.rid, len(victim.output_ids)))
+            assert scheduler.abort(victim.rid)
+
+    try:
+        reference = [o["output_ids"] for o in engine.generate(input_ids=batch, sampling_params=params)]
+        watch_micro_batches(engine, monkeypatch, abort_one)
+        rids = [f"r{i}" for i in range(len(batch))]
+        outs = engine.generate(input_ids=batch, sampling_params=params, rid=rids)
+        (rid, decoded), = aborted
+        for i, out in enumerate(outs):
+            if rids[i] == rid:
+                assert out["meta_info"]["finish_reason"]["type"] == "abort"
+                assert out["output_ids"] == reference[i][:decoded]
+            else:
+                assert out["output_ids"] == reference[i]
+        engine.check_integrity()
+        stage_checks(engine)
     finally:
         engine.shutdown()

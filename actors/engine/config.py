@@ -159,8 +159,13 @@ class EngineConfig(MediaFetchConfig):
     pp_size: int = Field(
         1, ge=1, le=64, description="pipeline-parallel stages (vLLM's --pipeline-parallel-size, SGLang's --pp-size): "
         "the decoder layers split into pp_size contiguous ranges, each held by a TP group of tp_size ranks "
-        "(tp_size × pp_size ranks in all, each holding and caching only its stage's layers); one batch in flight "
-        "(memory scale-out, not throughput: actors.engine.pipeline)")
+        "(tp_size × pp_size ranks in all, each holding and caching only its stage's layers); pp_micro_batches "
+        "batches in flight (actors.engine.pipeline)")
+    pp_micro_batches: int = Field(
+        1, ge=1, le=64, description="pipeline parallelism: micro-batches in flight, of disjoint requests (SGLang's "
+        "running_mbs; its pp_size + pp_async_batch_depth): rank 0 schedules the next while the later stages run "
+        "the earlier ones, and takes each one's output as it comes back (actors.engine.micro_batch). pp_size "
+        "keeps every stage busy; 1: one batch at a time (memory scale-out, not throughput)")
     pp_layer_partition: Optional[List[int]] = Field(
         None, description="the decoder layers of each stage, in stage order (vLLM's VLLM_PP_LAYER_PARTITION); "
         "None: an even split, the remainder on the stages before the last")
@@ -308,6 +313,8 @@ def pipeline_error(config) -> Optional[str]:
     if partition is not None and len(partition) != config.pp_size:
         return f"pp_layer_partition has {len(partition)} counts for pp_size={config.pp_size} stages"
     if config.pp_size == 1:
+        if getattr(config, "pp_micro_batches", 1) > 1:
+            return f"pp_micro_batches={config.pp_micro_batches} needs pp_size > 1"
         return None
     for field, value in (("speculative_algorithm", config.speculative_algorithm),
                          ("lora_paths", config.lora_paths or config.lora_target_modules),

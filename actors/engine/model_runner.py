@@ -123,6 +123,7 @@ class ModelRunner:
         self.graph_runner = self._init_cuda_graphs()
         # TP rank 0: sends the batch to the other ranks, around a forward in step with theirs
         self.tp_step: Callable[[ForwardBatch], ContextManager] = _no_followers
+        self.tp_collect: Callable[[], ContextManager] = contextlib.nullcontext  # around recv_output (TPModelWorker)
         self.host_op_log: Optional[List[Tuple]] = None  # TP rank 0: host-tier copies the other ranks replay
         self.host_peers_loads: Optional[Callable[[], List]] = None  # ... and how their loads ended (asked after)
         # TP rank 0 with a file tier: the other ranks read these pages into these host slots (of this host
@@ -400,10 +401,28 @@ class ModelRunner:
         return graph_runner
 
     # ---- forward ----------------------------------------------------------------
-    @torch.inference_mode()
+    @property
+    def awaits_output(self) -> bool:
+        """Whether this rank's forward output comes from another rank: pipeline rank 0's, the last stage's."""
+        return self.tp.pp.size > 1 and self.tp.pp.is_first and self.tp.is_leader
+
     def forward(self, forward_batch: ForwardBatch) -> LogitsOutput:
         """Logits of each request's last token, [bs, vocab] fp32, and the input logprobs the
         batch asks for."""
+        output = self.launch(forward_batch)
+        return self.recv_output() if self.awaits_output else output
+
+    def recv_output(self) -> LogitsOutput:
+        """Pipeline rank 0: the output of the oldest batch launched and not yet received (the last
+        stage sends them in launch order)."""
+        with self.tp_collect():
+            return self.tp.pp.recv_output(self.device)
+
+    @torch.inference_mode()
+    def launch(self, forward_batch: ForwardBatch) -> LogitsOutput:
+        """This rank's part of the forward; where it :attr:`awaits_output`, an empty output and the
+        batch's own comes with :meth:`recv_output` (a pipeline's micro-batches: the next batch is
+        launched before this one's output is back)."""
         start = time.perf_counter()
         with self.tp_step(forward_batch):
             forward_batch.req_to_token_pool = self.req_to_token_pool

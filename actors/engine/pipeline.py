@@ -14,8 +14,8 @@ sliding-window and Mamba layer id lists cut to the stage (:meth:`~actors.engine.
 a kind the stage has none of an empty sub-pool. Their slots are the same on every rank, so the radix caches
 (SWA tombstones, Mamba checkpoints) stay on rank 0 and decide for every stage, as under TP.
 
-One batch is in flight (no micro-batches: memory scale-out, not throughput). Global rank 0 (stage
-0, TP rank 0) schedules and broadcasts every batch to every rank, as under TP alone; stage s runs
+Global rank 0 (stage 0, TP rank 0) schedules and broadcasts every batch to every rank, as under TP
+alone (``pp_micro_batches`` of them in flight: :mod:`actors.engine.micro_batch`); stage s runs
 its layers on the hidden states stage s-1's rank of the same TP rank sends it (every TP rank holds
 them whole), and sends its own on; the last stage's TP rank 0 sends the forward's
 :class:`~actors.engine.models.base.LogitsOutput` back to rank 0, which samples as before (every
@@ -27,8 +27,9 @@ later stage holds one of the first layers that add them (:meth:`PPGroup.send_dee
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Optional, Sequence, Tuple
+import pickle
+from dataclasses import dataclass, field
+from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -83,6 +84,7 @@ class PPGroup:
     tp_size: int = 1
     partition: Optional[Tuple[int, ...]] = None
     ranks: Any = None
+    sending: List[Any] = field(default_factory=list, compare=False, repr=False)  # (send_output's)
 
     @property
     def is_first(self) -> bool:
@@ -140,14 +142,32 @@ class PPGroup:
         return index, self.recv_hidden((n, layers, hidden_size), dtype, device)
 
     def send_output(self, output) -> None:
-        """The last stage's TP rank 0: the forward's output to rank 0 (pickled, on the CPU)."""
-        torch.distributed.send_object_list([to_device(output, torch.device("cpu"))], 0, group=self.ranks.cpu_group)
+        """The last stage's TP rank 0: the forward's output to rank 0 (pickled, on the CPU), its size
+        first. Sent without waiting for rank 0 to take it: with micro-batches rank 0 broadcasts the
+        next batch before it receives this one's output (a blocking send would wait for it there,
+        and rank 0's broadcast for this rank). The sends still going are kept (their tensors must
+        live until they end); rank 0 takes every output, in order."""
+        data = torch.frombuffer(bytearray(pickle.dumps(to_device(output, torch.device("cpu")))), dtype=torch.uint8)
+        size = torch.tensor([data.numel()], dtype=torch.int64)
+        works = [torch.distributed.isend(t, 0, group=self.ranks.cpu_group) for t in (size, data)]
+        self.sending[:] = [sent for sent in self.sending if not all(w.is_completed() for w in sent[0])]
+        self.sending.append((works, size, data))
+
+    def end_sends(self) -> None:
+        """Before leaving the group: wait for the outputs still being sent (rank 0 took them all before
+        its STOP) and drop them (a send's handle outliving its process group ends the process)."""
+        for works, *_ in self.sending:
+            for work in works:
+                work.wait()
+        self.sending.clear()
 
     def recv_output(self, device: torch.device):
-        """Rank 0: the forward's output, from the last stage's TP rank 0."""
-        box = [None]
-        torch.distributed.recv_object_list(box, self.output_rank, group=self.ranks.cpu_group)
-        return to_device(box[0], device)
+        """Rank 0: the oldest forward's output not yet received, from the last stage's TP rank 0."""
+        size = torch.empty(1, dtype=torch.int64)
+        torch.distributed.recv(size, self.output_rank, group=self.ranks.cpu_group)
+        data = torch.empty(int(size), dtype=torch.uint8)
+        torch.distributed.recv(data, self.output_rank, group=self.ranks.cpu_group)
+        return to_device(pickle.loads(data.numpy().tobytes()), device)
 
 
 SINGLE_STAGE = PPGroup()

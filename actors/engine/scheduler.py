@@ -35,6 +35,7 @@ import torch
 from actors.engine.config import CHUNKED_PREFILL_DEFAULT
 from actors.engine.finish import check_finished, stream_text
 from actors.engine.grammar import GrammarBackend, active_matcher
+from actors.engine.micro_batch import MicroBatchMixin
 from actors.engine.models.base import InputLogprobs
 from actors.engine.multimodal import check_mm_count
 from actors.engine.pooling import PoolingParams, pool_embedding
@@ -58,7 +59,7 @@ from mem_cache.swa_radix_cache import SWARadixCache
 logger = logging.getLogger(__name__)
 
 
-class Scheduler(PrefillAdmissionMixin, DecodeRetractionMixin, SpecDecodeMixin):
+class Scheduler(MicroBatchMixin, PrefillAdmissionMixin, DecodeRetractionMixin, SpecDecodeMixin):
     def __init__(self, runner, tokenizer=None):
         self.runner = runner
         self.config = cfg = runner.config
@@ -133,7 +134,8 @@ class Scheduler(PrefillAdmissionMixin, DecodeRetractionMixin, SpecDecodeMixin):
         self.num_retractions = 0
         self.num_preemptions = 0  # requests retracted for one of a higher priority (in num_retractions too)
         self._aborted: List[Req] = []  # finished while waiting: reported at the next step
-        self.in_flight: List[Req] = []  # the prefill batch being run and processed
+        self.in_flight: List[Req] = []  # the prefill batch being run and processed (every micro-batch's)
+        self._init_micro_batches()
         self._prefetch_blocked = False  # the last admission skipped a request whose prefetch is not ready
         self.stalled = False  # the last step ran nothing only because of that
 
@@ -233,9 +235,13 @@ class Scheduler(PrefillAdmissionMixin, DecodeRetractionMixin, SpecDecodeMixin):
         """Run one forward; returns the requests that produced output (or finished)."""
         released = self._release_aborted()
         try:
-            out = released + self._run_batch(bool(released))
+            if self.pp_micro_batches > 1:
+                out = released + self._step_micro_batches()
+            else:
+                out = released + self._run_batch(bool(released))
         except BaseException:  # released already: the loop's failure path only tells them
             self._aborted[:0] = released
+            self.micro_batches.clear()  # (their requests are in ``in_flight``: the failure path ends them)
             raise
         if not self.has_work():  # idle: the ratio a retraction raised starts over (SGLang's idle self-check)
             self.new_token_ratio = self.config.init_new_token_ratio
@@ -362,7 +368,7 @@ class Scheduler(PrefillAdmissionMixin, DecodeRetractionMixin, SpecDecodeMixin):
                     self.tree_cache.swa_cache_controller.close()
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.chunked_req or self._aborted)
+        return bool(self.waiting or self.running or self.chunked_req or self._aborted or self.micro_batches)
 
     # ---- results ----------------------------------------------------------------------
     def _sample(self, req: Req, logits_row, pick: Optional[Pick] = None) -> None:
@@ -522,8 +528,8 @@ class Scheduler(PrefillAdmissionMixin, DecodeRetractionMixin, SpecDecodeMixin):
                 req.finish({"type": "abort", "message": "aborted"})  # (waiting, it holds nothing: see _drop_planned)
                 self._aborted.append(req)
                 return True
-        for req in self.running + ([self.chunked_req] if self.chunked_req else []):
-            if req.rid == rid and not req.finished:  # (a finished one: ended already, its id maybe reused)
+        for req in self.running + ([self.chunked_req] if self.chunked_req else []) + self.in_flight:
+            if req.rid == rid and not req.finished:  # (in flight: released when its batch's output comes back)  # (a finished one: ended already, its id maybe reused)
                 req.finish({"type": "abort", "message": "aborted"})
                 return True
         return False

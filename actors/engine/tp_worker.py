@@ -259,6 +259,7 @@ class TPModelWorker:
                     self.runner.storage_peers_read = lambda *payload: self.call_followers("storage_read", payload)
                     self.runner.storage_peers_prefetch = self.call_followers
             self.runner.tp_step = self._step
+            self.runner.tp_collect = lambda: self._exchange("a forward")  # (its output, a pipeline's)
         elif self.tp.size > 1 and config.enable_hierarchical_cache and self.runner.spec.kind == "swa":
             storage = (None, None)
             if config.hicache_storage_dir:
@@ -448,6 +449,7 @@ class TPModelWorker:
         self._stopped = True
         if self._host_tier is not None:
             self._host_tier.close()
+        self.model_tp.pp.end_sends()
         torch.distributed.destroy_process_group()
 
 

@@ -161,9 +161,7 @@ class CausalLM(nn.Module):
     def forward(self, forward_batch) -> LogitsOutput:
         pp = self.model.tp.pp
         hidden = self.model(forward_batch, self.input_embeds(forward_batch) if pp.is_first else None)
-        if hidden is None:  # a stage before the last: rank 0 takes the last stage's output
-            if pp.is_first and self.model.tp.is_leader:
-                return pp.recv_output(forward_batch.input_ids.device)
+        if hidden is None:  # a stage before the last: rank 0 takes the last stage's output (ModelRunner.recv_output)
             return LogitsOutput(forward_batch.input_ids.new_empty(0, dtype=torch.float32))
         index = forward_batch.logits_token_indices()
         if index.numel():
