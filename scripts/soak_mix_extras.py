@@ -127,10 +127,20 @@ async def _free(ctx: Ctx, rng: random.Random, n: int) -> int:
         call(ctx, True, stream, n, body, finish=("stop", "length", "tool_calls"), tagged=True)
         for stream in (False, True)))
     for a, b in zip(whole.values(), streamed.values()):
-        require((a.content, a.reasoning, a.finish_reason, [(t["name"], t["arguments"]) for t in a.calls])
-                == (b.content, b.reasoning, b.finish_reason, [(t["name"], t["arguments"]) for t in b.calls]),
-                f"whole {a} vs streamed {b}")
+        calls_a, calls_b = ([(t["name"], t["arguments"]) for t in c.calls] for c in (a, b))
+        if (a.content, a.reasoning, a.finish_reason, calls_a) != (b.content, b.reasoning, b.finish_reason, calls_b):
+            require(_broken_call_is_content(a, b, calls_a, calls_b), f"whole {a} vs streamed {b}")
     return tokens
+
+
+def _broken_call_is_content(whole, streamed, calls_whole, calls_streamed) -> bool:
+    """The one way a whole answer may differ from its stream, as vLLM's parsers differ: a call cut short or
+    broken after its name went out in the stream (its deltas cannot be taken back), while the whole answer
+    keeps only the calls before it (hermes, Mistral: none) and gives the rest of the text as content."""
+    finishes = {whole.finish_reason, streamed.finish_reason}
+    return (len(calls_whole) < len(calls_streamed) and calls_streamed[:len(calls_whole)] == calls_whole
+            and whole.reasoning == streamed.reasoning and whole.content.startswith(streamed.content)
+            and (len(finishes) == 1 or finishes == {"stop", "tool_calls"}))
 
 
 def _split(text: str, thinking: Optional[bool]):
